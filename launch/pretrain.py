@@ -1,0 +1,16 @@
+#!/usr/bin/env python
+"""Pretraining entry point: `torchrun --nproc_per_node=N launch/pretrain.py --config NAME [key=value ...]`.
+
+Also runs as plain `python launch/pretrain.py --config NAME` (one rank). All logic lives in
+`megafp8.train.main`.
+"""
+import sys
+from pathlib import Path
+
+# Run from a source checkout without installing: put the repository root on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megafp8.train.main import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

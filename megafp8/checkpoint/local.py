@@ -1,0 +1,83 @@
+"""Checkpoints of a data-parallel run: one writer, atomic publish, keep-last-K, tensor-only loading.
+
+Every data-parallel rank holds the same state, so rank 0 writes it alone:
+
+    DIR/step_00000100/state.pt   model, optimizer (FP32 masters + AdamW), step, loader position, RNG, config
+    DIR/latest                   the name of the newest complete checkpoint
+
+A checkpoint is written under a temporary name and renamed when complete, and `latest` is
+replaced atomically after that, so a save killed midway leaves the previous checkpoint intact.
+Loading uses `torch.load(weights_only=True)`: nothing in the file can execute code.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from megafp8.config import ConfigError
+
+STATE_FILE = "state.pt"
+LATEST_FILE = "latest"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
+    """Write `state` as checkpoint `step` under `root` (call on one rank only); returns its directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / (final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(state, tmp / STATE_FILE)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    latest_tmp = root / (LATEST_FILE + ".tmp")
+    latest_tmp.write_text(final.name + "\n")
+    os.replace(latest_tmp, root / LATEST_FILE)
+    if keep_last > 0:
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def find_latest(root: Path) -> Optional[Path]:
+    pointer = root / LATEST_FILE
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if (candidate / STATE_FILE).is_file():
+            return candidate
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint directory (or its state file) onto the CPU, tensors and plain values only."""
+    file = path / STATE_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"checkpoint '{path}' not found (expected {file}); check checkpoint.resume")
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises several types for truncated or foreign files
+        raise ConfigError(f"checkpoint file {file} is corrupt or not a megafp8 checkpoint: {err}") from None
+    missing = [k for k in ("model", "optimizer", "step", "loader") if k not in state]
+    if missing:
+        raise ConfigError(f"checkpoint file {file} lacks {', '.join(missing)}: not a megafp8 training checkpoint")
+    return state

@@ -1,0 +1,204 @@
+"""Strict YAML loading onto the config dataclasses, dotted command-line overrides, name resolution.
+
+Loading order: YAML file -> dotted overrides merged on top -> `model.size` expanded under the
+explicit model keys -> dataclasses built strictly (unknown keys and wrong types are errors)
+-> cross-field validation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from megafp8.config.errors import ConfigError
+from megafp8.config.schema import Config
+from megafp8.config.sizes import MODEL_SIZES
+from megafp8.config.validate import validate_config
+
+# Where a bare `--config NAME` is looked for: the working directory's configs/, then the repo's.
+REPO_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def config_search_dirs() -> list[Path]:
+    dirs = [Path.cwd() / "configs", REPO_CONFIG_DIR]
+    return list(dict.fromkeys(d.resolve() for d in dirs))
+
+
+def available_configs() -> list[str]:
+    names = set()
+    for d in config_search_dirs():
+        if d.is_dir():
+            names.update(p.name for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def resolve_config_path(name: str) -> Path:
+    """A path as given, else `configs/NAME` or `configs/NAME.yaml` in the search directories."""
+    candidate = Path(name)
+    if candidate.is_file():
+        return candidate
+    for d in config_search_dirs():
+        for fname in (name, f"{name}.yaml"):
+            if (d / fname).is_file():
+                return d / fname
+    known = available_configs()
+    close = difflib.get_close_matches(Path(name).name, known, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(
+        f"config '{name}' not found: it is not a file and not a name in "
+        f"{', '.join(str(d) for d in config_search_dirs())}.{hint} Available: {', '.join(known) or 'none'}."
+    )
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`["model.num_layers=4", "optimizer.lr=1e-3"]` -> a nested dict; values parsed as YAML scalars."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override '{item}' is not of the form section.key=value (e.g. model.num_layers=4)")
+        value = yaml.safe_load(text) if text != "" else ""
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}' sets a key below '{part}', which is a value, not a section")
+        node[parts[-1]] = value
+    return nested
+
+
+def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; `top` wins."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def expand_model_size(raw: dict[str, Any]) -> dict[str, Any]:
+    """Fill model keys from `model.size` without overriding any key given explicitly."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or model.get("size") is None:
+        return raw
+    size = model["size"]
+    if size not in MODEL_SIZES:
+        close = difflib.get_close_matches(str(size), MODEL_SIZES, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"model.size: unknown size '{size}'.{hint} Known sizes: {', '.join(MODEL_SIZES)}.")
+    return {**raw, "model": {**MODEL_SIZES[size], **model}}
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotated type `tp`; the only conversions are int->float and '3e-4'->float."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+    elif origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{key}: '{value}' is not one of {_type_name(tp)}{hint}")
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            # PyYAML reads `3e-4` (no dot) as a string; accept it as the float everyone means.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"config field {key} has unsupported type {tp!r}")
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} ({value!r})")
+
+
+def build_dataclass(cls: type, raw: Any, prefix: str = "") -> Any:
+    """Build `cls` from a dict, strictly: unknown keys name the closest valid key; wrong types name the field."""
+    where = prefix.rstrip(".") or "the top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys to values, got {type(raw).__name__} ({raw!r})")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key '{prefix}{key}'.{hint} Valid keys in {where}: {', '.join(fields)}.")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = build_dataclass(tp, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    """Load, override, build and validate a config. `None` means the built-in defaults."""
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if name_or_path is not None:
+        path = resolve_config_path(str(name_or_path))
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raw = loaded if loaded is not None else {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+        raw.setdefault("run_name", path.stem)
+    raw = expand_model_size(merge(raw, parse_overrides(overrides or [])))
+    try:
+        cfg = build_dataclass(Config, raw)
+        validate_config(cfg)
+    except ConfigError as err:
+        raise ConfigError(f"{err} [config: {source}{' + command-line overrides' if overrides else ''}]") from None
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (for saving next to a run or a checkpoint)."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Any) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

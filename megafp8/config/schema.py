@@ -1,0 +1,187 @@
+"""Typed configuration dataclasses: one section per concern, a doc string for every field.
+
+Each field is declared with `setting(default, doc)`, which keeps the field's documentation
+in `dataclasses.Field.metadata["doc"]`. The loader uses it for error messages and
+`tools/config_reference.py` turns it into `docs/configs.md`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+PrecisionName = Literal["bf16", "fp32"]
+DecayStyle = Literal["cosine", "linear", "wsd", "constant"]
+DeviceName = Literal["auto", "cpu", "cuda"]
+BackendName = Literal["auto", "gloo", "nccl"]
+
+
+def setting(default: Any, doc: str) -> Any:
+    """A dataclass field with a default value and a one-line (or longer) doc string."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+def section(cls: type, doc: str) -> Any:
+    """A nested config section (a dataclass instance built with its defaults)."""
+    return field(default_factory=cls, metadata={"doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the dense decoder (Llama-style: pre-norm RMSNorm, RoPE, GQA, SwiGLU)."""
+
+    size: Optional[str] = setting(
+        None,
+        "Named size from `megafp8.config.sizes.MODEL_SIZES` (e.g. `tiny`, `125m`, `1b`). Its values fill "
+        "every model field not given explicitly in the YAML file or on the command line.",
+    )
+    vocab_size: Optional[int] = setting(
+        None,
+        "Rows of the embedding and LM head. `null`: the tokenizer's vocabulary, padded up to "
+        "`pad_vocab_to_multiple_of`. If set, it must be at least the tokenizer's vocabulary size.",
+    )
+    pad_vocab_to_multiple_of: int = setting(
+        128, "When `vocab_size` is derived from the tokenizer, pad it to this multiple (GEMM- and tile-friendly)."
+    )
+    hidden_size: int = setting(256, "Width of the residual stream.")
+    num_layers: int = setting(4, "Number of transformer blocks.")
+    num_heads: int = setting(4, "Attention (query) heads.")
+    num_kv_heads: Optional[int] = setting(
+        None, "Key/value heads for grouped-query attention; must divide `num_heads`. `null`: equal to `num_heads`."
+    )
+    head_dim: Optional[int] = setting(
+        None, "Per-head width. `null`: `hidden_size / num_heads` (which must then divide evenly)."
+    )
+    ffn_hidden_size: int = setting(768, "Inner width of the SwiGLU MLP.")
+    norm_eps: float = setting(1e-5, "Epsilon of RMSNorm.")
+    rope_theta: float = setting(10000.0, "Base of the rotary position embedding frequencies.")
+    init_std: float = setting(
+        0.02,
+        "Standard deviation of the normal init of embeddings and linears; output projections of each block "
+        "are further scaled by 1/sqrt(2 * num_layers).",
+    )
+
+
+@dataclass
+class ParallelConfig:
+    """How ranks are laid out. This release has data parallelism only."""
+
+    data_parallel_size: Optional[int] = setting(
+        None, "Data-parallel ranks. `null`: the whole world. If set, it must equal the number of launched ranks."
+    )
+    backend: BackendName = setting(
+        "auto", "`torch.distributed` backend: `auto` picks NCCL when training on CUDA and gloo on CPU."
+    )
+    timeout_minutes: float = setting(30.0, "Timeout of collectives before a rank gives up with an error.")
+
+
+@dataclass
+class PrecisionConfig:
+    """Numerics of weights, activations and GEMMs."""
+
+    recipe: PrecisionName = setting(
+        "bf16",
+        "`bf16`: BF16 weights, activations and GEMMs, FP32 master weights, optimizer states and gradient "
+        "accumulation. `fp32`: everything in FP32 (a numerical reference).",
+    )
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW on FP32 master weights, global grad-norm clipping and the learning-rate schedule."""
+
+    lr: float = setting(3e-4, "Peak learning rate, reached at the end of warmup.")
+    min_lr: float = setting(3e-5, "Learning rate at the end of decay.")
+    warmup_steps: int = setting(100, "Linear warmup from 0 to `lr` over this many steps.")
+    decay_style: DecayStyle = setting(
+        "cosine",
+        "After warmup: `cosine` or `linear` decay to `min_lr` at the last step; `wsd` (warmup-stable-decay) "
+        "holds `lr` then decays linearly over the last `wsd_decay_fraction` of steps; `constant` holds `lr`.",
+    )
+    wsd_decay_fraction: float = setting(0.2, "Fraction of all steps spent decaying when `decay_style: wsd`.")
+    weight_decay: float = setting(0.1, "Decoupled weight decay; applied to matrices only (not norms or biases).")
+    beta1: float = setting(0.9, "AdamW beta1.")
+    beta2: float = setting(0.95, "AdamW beta2.")
+    eps: float = setting(1e-8, "AdamW epsilon.")
+    grad_clip: float = setting(1.0, "Clip the global gradient L2 norm to this value; 0 disables clipping.")
+
+
+@dataclass
+class DataConfig:
+    """Tokenized data written by `tools/preprocess_data.py`."""
+
+    path: str = setting(
+        "data/pystdlib", "Directory written by `tools/preprocess_data.py` (holds `meta.json` and the splits)."
+    )
+    seq_len: int = setting(256, "Tokens per training sample (the model's context length).")
+    train_split: str = setting("train", "Name of the split trained on.")
+    valid_split: str = setting("valid", "Name of the held-out split used for validation loss.")
+
+
+@dataclass
+class TrainingConfig:
+    """The training loop: batch sizes, length, evaluation, seed and device."""
+
+    steps: int = setting(200, "Optimizer steps to train for.")
+    global_batch_size: int = setting(
+        16,
+        "Samples per optimizer step over all data-parallel ranks; must be a multiple of "
+        "`micro_batch_size * data_parallel_size` (the quotient is the number of gradient-accumulation micro-batches).",
+    )
+    micro_batch_size: int = setting(4, "Samples per forward/backward pass on one rank.")
+    eval_interval: int = setting(50, "Evaluate validation loss every this many steps (and at the end); 0 disables.")
+    eval_iters: int = setting(4, "Micro-batches per rank in one validation pass.")
+    seed: int = setting(1234, "Seed of weight init and data shuffling; the same seed gives the same run.")
+    device: DeviceName = setting("auto", "`auto`: CUDA when available (one GPU per local rank), else CPU.")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming training state (model, master weights, optimizer, schedule, data position, RNG)."""
+
+    dir: Optional[str] = setting(None, "Checkpoint directory. `null`: `<logging.output_dir>/<run_name>/checkpoints`.")
+    interval: int = setting(0, "Save every this many steps (and at the end of training); 0 disables saving.")
+    keep_last: int = setting(2, "Keep only this many most recent checkpoints; 0 keeps all.")
+    resume: str = setting(
+        "auto",
+        "`auto`: resume from the latest checkpoint in `dir` if one exists; `none`: start fresh; "
+        "otherwise a path to a checkpoint directory to resume from.",
+    )
+
+
+@dataclass
+class LoggingConfig:
+    """Console and metrics-file output (rank 0 only)."""
+
+    log_interval: int = setting(10, "Print a console line and write a metrics record every this many steps.")
+    output_dir: str = setting("runs", "Parent directory of run directories (`<output_dir>/<run_name>`).")
+    metrics_file: str = setting(
+        "metrics.jsonl", "JSON-lines metrics file, relative to the run directory (absolute paths are kept)."
+    )
+    peak_tflops: Optional[float] = setting(
+        None,
+        "Peak dense BF16 TFLOP/s of one device, for the MFU estimate. `null`: looked up for known GPUs; "
+        "MFU is shown as n/a when unknown (e.g. on CPU).",
+    )
+
+
+@dataclass
+class Config:
+    """A whole training run."""
+
+    run_name: str = setting("", "Name of the run and its directory. Empty: the config file's name.")
+    model: ModelConfig = section(ModelConfig, "Model architecture.")
+    parallel: ParallelConfig = section(ParallelConfig, "Parallel layout.")
+    precision: PrecisionConfig = section(PrecisionConfig, "Numerics.")
+    optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer and learning-rate schedule.")
+    data: DataConfig = section(DataConfig, "Training and validation data.")
+    training: TrainingConfig = section(TrainingConfig, "Training loop.")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpointing.")
+    logging: LoggingConfig = section(LoggingConfig, "Logging.")
+
+
+def field_doc(f: dataclasses.Field) -> str:
+    """The doc string attached to a config field."""
+    return f.metadata.get("doc", "")

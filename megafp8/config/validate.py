@@ -1,0 +1,117 @@
+"""Cross-field validation of a config, with messages that say which setting to change.
+
+`validate_config` needs only the config; `validate_for_world` also needs the number of ranks.
+"""
+from __future__ import annotations
+
+from megafp8.config.errors import ConfigError
+from megafp8.config.schema import Config
+
+
+def _divisors(n: int, around: int) -> str:
+    """Up to four divisors of n nearest to `around`, as text for a suggestion."""
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    near = sorted(sorted(divs, key=lambda d: abs(d - around))[:4])
+    return ", ".join(map(str, near[:-1])) + (" or " if len(near) > 1 else "") + str(near[-1])
+
+
+def _check_positive(cfg: Config) -> None:
+    checks = {
+        "model.hidden_size": cfg.model.hidden_size,
+        "model.num_layers": cfg.model.num_layers,
+        "model.num_heads": cfg.model.num_heads,
+        "model.ffn_hidden_size": cfg.model.ffn_hidden_size,
+        "model.pad_vocab_to_multiple_of": cfg.model.pad_vocab_to_multiple_of,
+        "data.seq_len": cfg.data.seq_len,
+        "training.steps": cfg.training.steps,
+        "training.global_batch_size": cfg.training.global_batch_size,
+        "training.micro_batch_size": cfg.training.micro_batch_size,
+        "logging.log_interval": cfg.logging.log_interval,
+    }
+    for key, value in checks.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    for key, value in {
+        "training.eval_interval": cfg.training.eval_interval,
+        "training.eval_iters": cfg.training.eval_iters,
+        "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
+        "checkpoint.interval": cfg.checkpoint.interval,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last,
+    }.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+
+
+def _check_model(cfg: Config) -> None:
+    m = cfg.model
+    if m.head_dim is None and m.hidden_size % m.num_heads != 0:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} does not divide model.hidden_size={m.hidden_size}: set num_heads "
+            f"to a divisor of hidden_size (e.g. {_divisors(m.hidden_size, m.num_heads)}) or set model.head_dim"
+        )
+    kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
+    if kv <= 0 or m.num_heads % kv != 0:
+        raise ConfigError(
+            f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads} (grouped-query attention): "
+            f"use one of {_divisors(m.num_heads, kv)}"
+        )
+    head_dim = m.head_dim if m.head_dim is not None else m.hidden_size // m.num_heads
+    if head_dim <= 0 or head_dim % 2 != 0:
+        raise ConfigError(f"the head dimension ({head_dim}) must be positive and even for RoPE: change model.head_dim")
+    if m.vocab_size is not None and m.vocab_size <= 0:
+        raise ConfigError(f"model.vocab_size must be positive or null, got {m.vocab_size}")
+    if m.norm_eps <= 0 or m.init_std <= 0 or m.rope_theta <= 0:
+        raise ConfigError("model.norm_eps, model.init_std and model.rope_theta must be positive")
+
+
+def _check_optimizer(cfg: Config) -> None:
+    o = cfg.optimizer
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr must be positive, got {o.lr}")
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")
+    if o.warmup_steps > cfg.training.steps:
+        raise ConfigError(
+            f"optimizer.warmup_steps={o.warmup_steps} exceeds training.steps={cfg.training.steps}: lower warmup_steps"
+        )
+    if not 0 < o.wsd_decay_fraction <= 1:
+        raise ConfigError(f"optimizer.wsd_decay_fraction must be in (0, 1], got {o.wsd_decay_fraction}")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+        raise ConfigError("optimizer.beta1 and optimizer.beta2 must be in [0, 1)")
+    if o.eps <= 0 or o.weight_decay < 0 or o.grad_clip < 0:
+        raise ConfigError("optimizer.eps must be positive; optimizer.weight_decay and grad_clip must be >= 0")
+
+
+def validate_config(cfg: Config) -> None:
+    """Checks that need only the config."""
+    _check_positive(cfg)
+    _check_model(cfg)
+    _check_optimizer(cfg)
+    if cfg.training.global_batch_size % cfg.training.micro_batch_size != 0:
+        raise ConfigError(
+            f"training.global_batch_size={cfg.training.global_batch_size} is not a multiple of "
+            f"training.micro_batch_size={cfg.training.micro_batch_size}"
+        )
+    if cfg.training.eval_interval > 0 and cfg.data.valid_split == cfg.data.train_split:
+        raise ConfigError("data.valid_split equals data.train_split: validation must use held-out data")
+    if cfg.checkpoint.resume not in ("auto", "none") and not cfg.checkpoint.resume:
+        raise ConfigError("checkpoint.resume must be 'auto', 'none' or a checkpoint path")
+
+
+def validate_for_world(cfg: Config, world_size: int) -> int:
+    """Checks that need the number of ranks; returns the gradient-accumulation micro-batch count."""
+    dp = cfg.parallel.data_parallel_size
+    if dp is not None and dp != world_size:
+        raise ConfigError(
+            f"parallel.data_parallel_size={dp} but {world_size} rank(s) were launched: set it to {world_size} "
+            f"or null, or launch {dp} ranks (torchrun --nproc_per_node={dp})"
+        )
+    per_step = cfg.training.micro_batch_size * world_size
+    if cfg.training.global_batch_size % per_step != 0:
+        lower = max(per_step, cfg.training.global_batch_size // per_step * per_step)
+        raise ConfigError(
+            f"training.global_batch_size={cfg.training.global_batch_size} must be a multiple of "
+            f"micro_batch_size x data-parallel ranks = {cfg.training.micro_batch_size} x {world_size} = {per_step}: "
+            f"set global_batch_size to e.g. {lower} or {lower + per_step}, or change training.micro_batch_size"
+        )
+    return cfg.training.global_batch_size // per_step

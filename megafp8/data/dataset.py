@@ -1,0 +1,111 @@
+"""Packed fixed-length samples over a token stream, and the data-parallel, resumable loader.
+
+Documents are concatenated (each ends with the end-of-document token) and cut into samples of
+`seq_len + 1` tokens that overlap by one, so sample i gives inputs stream[i*T : i*T+T] and
+targets shifted by one.
+
+The loader walks a seeded permutation of the samples, epoch after epoch. Optimizer step s
+uses global positions [s*G, (s+1)*G) (G = global batch); data-parallel rank r takes the r-th
+contiguous share and cuts it into micro-batches. So a run with D ranks and A accumulation
+steps sees, per optimizer step, exactly the samples of a run with 1 rank and D*A steps. The
+whole loader state is the number of samples consumed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from megafp8.config import ConfigError
+from megafp8.data.indexed import TokenStream
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), each (B, T) int64
+
+
+class PackedDataset:
+    def __init__(self, stream: TokenStream, seq_len: int, split: str = "") -> None:
+        self.stream, self.seq_len = stream, seq_len
+        self.num_samples = (stream.num_tokens - 1) // seq_len
+        if self.num_samples <= 0:
+            raise ConfigError(
+                f"split '{split}' has {stream.num_tokens} tokens, fewer than data.seq_len + 1 = {seq_len + 1}: "
+                "lower data.seq_len or add data"
+            )
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def sample(self, index: int) -> np.ndarray:
+        return self.stream.read(index * self.seq_len, self.seq_len + 1)
+
+    def batch(self, indices: np.ndarray) -> Batch:
+        rows = torch.from_numpy(np.stack([self.sample(int(i)) for i in indices]))
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+class DistributedLoader:
+    """Yields this rank's micro-batches of each optimizer step; seeded, shuffled, resumable."""
+
+    def __init__(
+        self,
+        dataset: PackedDataset,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
+        if global_batch_size % (micro_batch_size * dp_size) != 0:
+            raise ValueError("global_batch_size must be a multiple of micro_batch_size * dp_size")
+        self.dataset = dataset
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed, self.shuffle = seed, shuffle
+        self.consumed_samples = 0
+        self._epoch_order: tuple[int, np.ndarray] | None = None
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            n = len(self.dataset)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._epoch_order = (epoch, order)
+        return self._epoch_order[1]
+
+    def _indices(self, first: int, count: int) -> np.ndarray:
+        """Dataset indices at global positions [first, first + count)."""
+        n = len(self.dataset)
+        positions = np.arange(first, first + count)
+        return np.array([self._order(int(p) // n)[int(p) % n] for p in positions], dtype=np.int64)
+
+    def next_step(self) -> list[Batch]:
+        """This rank's micro-batches for the next optimizer step."""
+        share = self.global_batch_size // self.dp_size
+        start = self.consumed_samples + self.dp_rank * share
+        indices = self._indices(start, share)
+        self.consumed_samples += self.global_batch_size
+        mbs = self.micro_batch_size
+        return [self.dataset.batch(indices[i : i + mbs]) for i in range(0, share, mbs)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "num_samples": len(self.dataset)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_samples"] != len(self.dataset) or state["seed"] != self.seed:
+            raise ConfigError(
+                f"the saved data-loader state is for {state['num_samples']} samples with seed {state['seed']}, but this "
+                f"run has {len(self.dataset)} samples with seed {self.seed}: resume with the same data.path, "
+                "data.seq_len and training.seed"
+            )
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+def validation_batches(dataset: PackedDataset, micro_batch_size: int, num_micro: int, dp_rank: int, dp_size: int) -> list[Batch]:
+    """The same held-out micro-batches at every evaluation: rank r takes every dp_size-th micro-batch."""
+    batches = []
+    for m in range(num_micro):
+        first = (m * dp_size + dp_rank) * micro_batch_size
+        indices = np.arange(first, first + micro_batch_size) % len(dataset)
+        batches.append(dataset.batch(indices))
+    return batches

@@ -1,0 +1,152 @@
+"""On-disk token format: a directory with `meta.json` and, per split, shards of raw tokens.
+
+    DIR/meta.json          format, tokenizer spec, vocab size, eos id, dtype, and per split the shard list
+    DIR/SPLIT/NNNNN.bin    the tokens of whole documents, each followed by the end-of-document token
+    DIR/SPLIT/NNNNN.idx    int64 end offsets of the documents in that shard (the index)
+
+Shards are memory-mapped for reading; a split reads as one token stream across its shards.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megafp8.config import ConfigError
+
+FORMAT = "megafp8-tokens-v1"
+META_FILE = "meta.json"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+class ShardWriter:
+    """Appends tokenized documents to the shards of one split, starting a new shard every `shard_tokens`."""
+
+    def __init__(self, root: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+        self.root, self.split, self.dtype, self.shard_tokens = root, split, dtype, shard_tokens
+        (root / split).mkdir(parents=True, exist_ok=True)
+        self.shards: list[dict[str, Any]] = []
+        self._file = None
+        self._ends: list[int] = []
+        self._tokens = 0
+
+    def add(self, tokens: np.ndarray) -> None:
+        """One document's tokens, end-of-document token included."""
+        if self._file is None:
+            name = f"{self.split}/{len(self.shards):05d}.bin"
+            self._file = open(self.root / name, "wb")
+            self.shards.append({"file": name, "num_tokens": 0, "num_docs": 0})
+        self._file.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._tokens += len(tokens)
+        self._ends.append(self._tokens)
+        if self._tokens >= self.shard_tokens:
+            self._close_shard()
+
+    def _close_shard(self) -> None:
+        if self._file is None:
+            return
+        self._file.close()
+        self._file = None
+        shard = self.shards[-1]
+        shard["num_tokens"], shard["num_docs"] = self._tokens, len(self._ends)
+        np.asarray(self._ends, dtype=np.int64).tofile(self.root / shard["file"].replace(".bin", ".idx"))
+        self._ends, self._tokens = [], 0
+
+    def close(self) -> list[dict[str, Any]]:
+        self._close_shard()
+        return self.shards
+
+
+def write_meta(root: Path, tokenizer_spec: str, vocab_size: int, eos_id: int, splits: dict[str, list], source: str) -> None:
+    meta = {
+        "format": FORMAT,
+        "tokenizer": tokenizer_spec,
+        "vocab_size": vocab_size,
+        "eos_id": eos_id,
+        "dtype": token_dtype(vocab_size).name,
+        "source": source,
+        "splits": splits,
+    }
+    tmp = root / (META_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    tmp.replace(root / META_FILE)  # meta.json appears only once every shard is written
+
+
+@dataclass
+class DatasetMeta:
+    root: Path
+    tokenizer: str
+    vocab_size: int
+    eos_id: int
+    dtype: np.dtype
+    splits: dict[str, list[dict[str, Any]]]
+
+
+def read_meta(path: str | Path) -> DatasetMeta:
+    root = Path(path)
+    meta_path = root / META_FILE
+    if not meta_path.is_file():
+        what = "does not exist" if not root.exists() else f"has no {META_FILE}"
+        raise ConfigError(
+            f"data.path '{root}' {what}. Create it with: python tools/preprocess_data.py --input <files or 'stdlib'> "
+            f"--output {root} (or point data.path at a directory written by that tool)"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != FORMAT:
+            raise ConfigError(f"{meta_path}: format '{meta.get('format')}' is not {FORMAT}; re-run tools/preprocess_data.py")
+        return DatasetMeta(root, meta["tokenizer"], int(meta["vocab_size"]), int(meta["eos_id"]),
+                           np.dtype(meta["dtype"]), meta["splits"])
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ConfigError(f"{meta_path} is corrupt ({err!r}); re-run tools/preprocess_data.py") from None
+
+
+class TokenStream:
+    """The tokens of one split as a single read-only sequence over memory-mapped shards."""
+
+    def __init__(self, meta: DatasetMeta, split: str) -> None:
+        if split not in meta.splits:
+            raise ConfigError(
+                f"split '{split}' is not in {meta.root / META_FILE} (it has: {', '.join(meta.splits) or 'none'}); "
+                "set data.train_split / data.valid_split, or re-run preprocessing with --valid-fraction > 0"
+            )
+        self.shards = [self._open(meta, shard) for shard in meta.splits[split]]
+        self.shards = [s for s in self.shards if len(s)]
+        self.starts = np.cumsum([0] + [len(s) for s in self.shards])
+        self.num_tokens = int(self.starts[-1])
+
+    @staticmethod
+    def _open(meta: DatasetMeta, shard: dict[str, Any]) -> np.ndarray:
+        path = meta.root / shard["file"]
+        expected = int(shard["num_tokens"]) * meta.dtype.itemsize
+        size = path.stat().st_size if path.is_file() else None
+        if size != expected:
+            found = "is missing" if size is None else f"has {size} bytes"
+            raise ConfigError(
+                f"token shard {path} {found}, but meta.json says {shard['num_tokens']} {meta.dtype.name} tokens "
+                f"({expected} bytes): the data is incomplete or corrupt; re-run tools/preprocess_data.py"
+            )
+        if expected == 0:
+            return np.empty(0, dtype=meta.dtype)
+        return np.memmap(path, dtype=meta.dtype, mode="r")
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) as int64, reading across shard edges."""
+        if start < 0 or start + length > self.num_tokens:
+            raise IndexError(f"token range [{start}, {start + length}) outside stream of {self.num_tokens}")
+        out = np.empty(length, dtype=np.int64)
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        filled = 0
+        while filled < length:
+            offset = start + filled - int(self.starts[shard])
+            take = min(length - filled, len(self.shards[shard]) - offset)
+            out[filled : filled + take] = self.shards[shard][offset : offset + take]
+            filled += take
+            shard += 1
+        return out

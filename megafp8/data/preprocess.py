@@ -1,0 +1,111 @@
+"""Tokenize documents into the on-disk token format (`megafp8.data.indexed`), with a held-out split.
+
+Each document goes to the validation split with probability `valid_fraction`, decided by a
+seeded generator in document order, so the same inputs and seed give the same splits. The
+output directory appears only when complete (written under a temporary name, then renamed).
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from megafp8.config import ConfigError
+from megafp8.data.corpus import input_files, read_documents
+from megafp8.data.indexed import ShardWriter, token_dtype, write_meta
+from megafp8.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def _encode_all(tokenizer: Tokenizer, docs: Iterable[str], batch: int = 256) -> Iterator[np.ndarray]:
+    """Token arrays (end-of-document token appended), in document order."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    if isinstance(tokenizer, ByteTokenizer):
+        for doc in docs:
+            yield np.concatenate([np.frombuffer(tokenizer.encode_bytes(doc), dtype=np.uint8).astype(dtype), eos])
+        return
+    pending: list[str] = []
+    for doc in docs:
+        pending.append(doc)
+        if len(pending) == batch:
+            yield from (np.concatenate([np.asarray(ids, dtype=dtype), eos]) for ids in tokenizer.encode_batch(pending))
+            pending = []
+    if pending:
+        yield from (np.concatenate([np.asarray(ids, dtype=dtype), eos]) for ids in tokenizer.encode_batch(pending))
+
+
+def preprocess(
+    inputs: list[str],
+    output: str | Path,
+    tokenizer_spec: str = "byte",
+    valid_fraction: float = 0.01,
+    seed: int = 1234,
+    shard_tokens: int = 100_000_000,
+    json_key: str = "text",
+    eos_token: str | None = None,
+    overwrite: bool = False,
+) -> dict[str, list]:
+    """Write `output/` and return its split table. See `tools/preprocess_data.py` for the command line."""
+    if not 0 <= valid_fraction < 1:
+        raise ConfigError(f"--valid-fraction must be in [0, 1), got {valid_fraction}")
+    out = Path(output)
+    if out.exists() and not overwrite:
+        raise ConfigError(f"output '{out}' already exists; pass --overwrite to replace it, or choose another --output")
+    tokenizer = load_tokenizer(tokenizer_spec, eos_token)
+    files = input_files(inputs)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "valid")}
+    rng = np.random.default_rng(seed)
+    started, num_docs, num_tokens = time.time(), 0, 0
+    last_train: np.ndarray | None = None
+    docs = (doc for path in files for doc in read_documents(path, json_key))
+    for tokens in _encode_all(tokenizer, docs):
+        split = "valid" if rng.random() < valid_fraction else "train"
+        writers[split].add(tokens)
+        last_train = tokens if split == "train" else last_train
+        num_docs, num_tokens = num_docs + 1, num_tokens + len(tokens)
+    if valid_fraction > 0 and not writers["valid"].shards and last_train is not None:
+        writers["valid"].add(last_train)  # tiny inputs: keep a held-out split (duplicating one document)
+    splits = {s: w.close() for s, w in writers.items() if w.shards}
+    if "train" not in splits:
+        shutil.rmtree(tmp)
+        raise ConfigError(f"no training documents in {inputs} (all inputs empty, or --valid-fraction too high)")
+    write_meta(tmp, tokenizer.spec, tokenizer.vocab_size, tokenizer.eos_id, splits, source=" ".join(inputs))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    log.info("%d documents, %d tokens from %d files -> %s in %.1fs", num_docs, num_tokens, len(files), out,
+             time.time() - started)
+    return splits
+
+
+def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json_key: str = "text") -> None:
+    """Train a byte-level BPE `tokenizer.json` on local files with Hugging Face `tokenizers`."""
+    try:
+        from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise ConfigError("training a tokenizer needs `tokenizers`: pip install 'megafp8[hf]'") from None
+    if vocab_size < 257:
+        raise ConfigError(f"--vocab-size must be at least 257 (256 bytes + end-of-text), got {vocab_size}")
+    files = input_files(inputs)
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((doc for path in files for doc in read_documents(path, json_key)), trainer=trainer)
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(output))

@@ -1,0 +1,85 @@
+"""Tokenizers: a byte-level one that needs no files, and Hugging Face `tokenizers` JSON files.
+
+A tokenizer is named by a spec string stored with the tokenized data: `byte`, or the path of
+a `tokenizer.json`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from megafp8.config import ConfigError
+
+# End-of-document tokens tried, in order, when a tokenizer.json does not say which to use.
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+class Tokenizer(Protocol):
+    spec: str
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, then end-of-document (256) and padding (257)."""
+
+    spec = "byte"
+    vocab_size = 258
+    eos_id = 256
+    pad_id = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_bytes(self, text: str) -> bytes:
+        """The token ids as raw bytes (each id < 256); the fast path of preprocessing."""
+        return text.encode("utf-8")
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer loaded from a local `tokenizer.json` (no network)."""
+
+    def __init__(self, path: str, eos_token: str | None = None) -> None:
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError:
+            raise ConfigError(
+                "a tokenizer.json needs the `tokenizers` package: pip install 'megafp8[hf]' (or pip install tokenizers)"
+            ) from None
+        if not Path(path).is_file():
+            raise ConfigError(f"tokenizer file '{path}' does not exist; pass a tokenizer.json path or 'byte'")
+        self.spec = str(Path(path).resolve())
+        self._tok = _HFTokenizer.from_file(self.spec)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._find_eos(eos_token)
+
+    def _find_eos(self, eos_token: str | None) -> int:
+        for token in ([eos_token] if eos_token else list(_EOS_CANDIDATES)):
+            token_id = self._tok.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        wanted = f"'{eos_token}'" if eos_token else f"any of {', '.join(_EOS_CANDIDATES)}"
+        raise ConfigError(f"tokenizer {self.spec} has no end-of-document token ({wanted}); pass --eos-token")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+def load_tokenizer(spec: str, eos_token: str | None = None) -> Tokenizer:
+    """`byte` or a path to a tokenizer.json."""
+    if spec == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(spec, eos_token)

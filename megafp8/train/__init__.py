@@ -1,0 +1,4 @@
+"""Training: building a run from a config, the loop, metrics and process setup."""
+from megafp8.train.trainer import Trainer, build_model, resolve_vocab_size
+
+__all__ = ["Trainer", "build_model", "resolve_vocab_size"]

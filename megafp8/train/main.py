@@ -1,0 +1,55 @@
+"""Command-line entry of a training run (`launch/pretrain.py`): parse, set up, train, shut down cleanly."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from megafp8.config import ConfigError, dump_config, load_config
+from megafp8.train.runtime import env_rank, init_distributed, seed_everything, shutdown
+from megafp8.train.trainer import Trainer
+
+log = logging.getLogger("megafp8")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="pretrain.py",
+        description="Pretrain a language model. Run as `python launch/pretrain.py --config NAME` (one rank) "
+                    "or under `torchrun --nproc_per_node=N launch/pretrain.py --config NAME`.",
+    )
+    parser.add_argument("--config", required=True,
+                        help="a YAML path, or a name in configs/ (with or without .yaml), e.g. tiny_dense")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="dotted overrides, e.g. model.num_layers=2 optimizer.lr=1e-3")
+    return parser.parse_args(argv)
+
+
+def _error(message: str) -> int:
+    if env_rank()[0] == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        return _error(str(err))
+    if args.print_config:
+        print(dump_config(cfg), end="")
+        return 0
+    try:
+        dims, device = init_distributed(cfg)
+        seed_everything(cfg.training.seed)
+        Trainer(cfg, dims, device).fit()
+    except ConfigError as err:
+        return _error(str(err))
+    except KeyboardInterrupt:
+        log.warning("interrupted")
+        return 130
+    finally:
+        shutdown()
+    return 0

@@ -1,0 +1,71 @@
+"""Process setup: device and backend choice, process-group init and shutdown, rank-0 logging, seeding."""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megafp8.config import Config, ConfigError
+from megafp8.parallel import ParallelDims
+
+log = logging.getLogger("megafp8")
+
+
+def env_rank() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) under plain python."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def pick_device(cfg: Config, local_rank: int) -> torch.device:
+    if cfg.training.device == "cpu" or (cfg.training.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("training.device=cuda but CUDA is not available here: set training.device=auto or cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible): launch at most "
+            f"{torch.cuda.device_count()} processes per node"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def setup_logging(rank: int) -> None:
+    """INFO on rank 0, warnings and errors only elsewhere."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
+
+
+def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
+    """Initialize the default process group when launched with more than one rank."""
+    rank, local_rank, world_size = env_rank()
+    setup_logging(rank)
+    device = pick_device(cfg, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        backend = cfg.parallel.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl" and device.type != "cuda":
+            raise ConfigError("parallel.backend=nccl needs CUDA devices: set parallel.backend=auto or gloo")
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(minutes=cfg.parallel.timeout_minutes),
+            device_id=device if device.type == "cuda" else None,
+        )
+        log.info("initialized %s with %d ranks on %s", backend, world_size, device.type)
+    return ParallelDims.from_world(), device
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

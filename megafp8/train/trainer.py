@@ -1,0 +1,238 @@
+"""The training loop: build everything from a config, then step, log, evaluate and checkpoint.
+
+One optimizer step = every micro-batch of this rank's share of the global batch, each
+backward accumulating FP32 gradients; then the data-parallel all-reduce, global grad-norm
+clipping, AdamW on the FP32 masters and the write-back into the BF16 weights. The host waits
+on the device only at logging, evaluation and checkpoint steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megafp8.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from megafp8.config import Config, ConfigError, ModelConfig, dump_config, validate_for_world
+from megafp8.config.loader import config_to_dict
+from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
+from megafp8.model import Transformer, init_weights, training_flops_per_token
+from megafp8.optim import MixedPrecisionAdamW, lr_at
+from megafp8.parallel import GradBuffer, ParallelDims
+from megafp8.precision import PrecisionRecipe
+from megafp8.train.metrics import MetricsFile, format_step_line, peak_tflops
+
+log = logging.getLogger("megafp8")
+
+
+def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
+    """The model config with `vocab_size` set: the tokenizer's, padded, unless configured (and large enough)."""
+    if cfg.vocab_size is None:
+        multiple = cfg.pad_vocab_to_multiple_of
+        return dataclasses.replace(cfg, vocab_size=math.ceil(tokenizer_vocab / multiple) * multiple)
+    if cfg.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer vocabulary ({tokenizer_vocab}): "
+            f"set model.vocab_size >= {tokenizer_vocab} or null"
+        )
+    return cfg
+
+
+def build_model(cfg: ModelConfig, recipe: PrecisionRecipe, seq_len: int, seed: int, device: torch.device) -> Transformer:
+    model = Transformer(cfg, recipe, seq_len, device=device)
+    init_weights(model, cfg, seed)
+    return model
+
+
+class Trainer:
+    """Owns the model, optimizer, data and loop of one run on one rank."""
+
+    def __init__(self, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
+        self.cfg, self.dims, self.device = cfg, dims, device
+        self.num_micro_batches = validate_for_world(cfg, dims.dp_size)
+        meta = read_meta(cfg.data.path)
+        self.model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size)
+        self.recipe = PrecisionRecipe.from_name(cfg.precision.recipe)
+        self.model = build_model(self.model_cfg, self.recipe, cfg.data.seq_len, cfg.training.seed, device)
+        self.grad_buffer = GradBuffer(self.model.parameters())
+        self.optimizer = MixedPrecisionAdamW(list(self.model.named_parameters()), self.grad_buffer, cfg.optimizer)
+        train_set = PackedDataset(TokenStream(meta, cfg.data.train_split), cfg.data.seq_len, cfg.data.train_split)
+        self.loader = DistributedLoader(
+            train_set, cfg.training.global_batch_size, cfg.training.micro_batch_size,
+            dims.dp_rank, dims.dp_size, cfg.training.seed,
+        )
+        self.valid_set: Optional[PackedDataset] = None
+        if cfg.training.eval_interval > 0:
+            self.valid_set = PackedDataset(TokenStream(meta, cfg.data.valid_split), cfg.data.seq_len, cfg.data.valid_split)
+        self.step = 0
+        self.run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
+        self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        metrics_path = Path(cfg.logging.metrics_file)
+        self.metrics = MetricsFile(metrics_path if metrics_path.is_absolute() else self.run_dir / metrics_path,
+                                   enabled=dims.rank == 0)
+        self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
+        self.flops_per_token = training_flops_per_token(self.model_cfg, cfg.data.seq_len)
+        self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
+        self._maybe_resume()
+
+    # ----------------------------------------------------------------------------------- steps
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step. Returns (this rank's mean loss, global grad norm before clipping), on device."""
+        self.model.train()
+        micro_batches = self.loader.next_step()
+        loss_sum = torch.zeros((), device=self.device)
+        for tokens, targets in micro_batches:
+            loss = self.model(tokens.to(self.device), targets.to(self.device)) / len(micro_batches)
+            loss.backward()
+            loss_sum += loss.detach()
+        self.grad_buffer.all_reduce_mean(self.dims.dp_group)
+        grad_norm = self.optimizer.clip_grad_norm()
+        self.optimizer.step(lr_at(self.step, self.cfg.optimizer, self.cfg.training.steps))
+        self.grad_buffer.zero()
+        self.step += 1
+        return loss_sum, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the fixed held-out micro-batches, averaged across data-parallel ranks."""
+        assert self.valid_set is not None
+        self.model.eval()
+        batches = validation_batches(self.valid_set, self.cfg.training.micro_batch_size,
+                                     self.cfg.training.eval_iters, self.dims.dp_rank, self.dims.dp_size)
+        losses = [self.model(t.to(self.device), y.to(self.device)) for t, y in batches]
+        return self._dp_mean(torch.stack(losses).mean()).item()
+
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if not self.dims.is_distributed:
+            return value
+        value = value.detach().float().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.dims.dp_group)
+        return value / self.dims.dp_size
+
+    # ------------------------------------------------------------------------------------ loop
+    def fit(self) -> list[dict[str, Any]]:
+        """Train to `training.steps`; returns the metrics records (also written to the metrics file)."""
+        cfg = self.cfg
+        self._log_start()
+        records: list[dict[str, Any]] = []
+        window: list[torch.Tensor] = []
+        started = window_start = time.perf_counter()
+        first_step = self.step
+        while self.step < cfg.training.steps:
+            loss, grad_norm = self.train_step()
+            window.append(loss)
+            last = self.step == cfg.training.steps
+            if self.step % cfg.logging.log_interval == 0 or last:
+                now = time.perf_counter()
+                record = self._step_record(window, grad_norm, now - window_start, now - started, first_step)
+                records.append(record)
+                window, window_start = [], time.perf_counter()
+            if cfg.training.eval_interval > 0 and (self.step % cfg.training.eval_interval == 0 or last):
+                records.append(self._eval_record())
+            if cfg.checkpoint.interval > 0 and (self.step % cfg.checkpoint.interval == 0 or last):
+                self.save()
+        return records
+
+    def _step_record(self, window: list[torch.Tensor], grad_norm: torch.Tensor, window_s: float, elapsed_s: float,
+                     first_step: int) -> dict[str, Any]:
+        loss = self._dp_mean(torch.stack(window).mean()).item()  # the one host sync of a logging interval
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"loss is {loss} at step {self.step}: training diverged; lower optimizer.lr or raise warmup_steps"
+            )
+        step_s = window_s / len(window)
+        tokens_per_s = self.tokens_per_step / step_s
+        achieved_tflops = tokens_per_s * self.flops_per_token / self.dims.world_size / 1e12
+        steps_done = self.step - first_step
+        record = {
+            "kind": "train",
+            "step": self.step,
+            "loss": loss,
+            "lr": lr_at(self.step - 1, self.cfg.optimizer, self.cfg.training.steps),
+            "grad_norm": grad_norm.item(),
+            "step_time_s": step_s,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": achieved_tflops,
+            "mfu": achieved_tflops / self.peak_tflops if self.peak_tflops else None,
+            "consumed_tokens": self.step * self.tokens_per_step,
+            "elapsed_s": elapsed_s,
+            "remaining_s": elapsed_s / steps_done * (self.cfg.training.steps - self.step),
+        }
+        log.info(format_step_line(record, self.cfg.training.steps))
+        self.metrics.write(record)
+        return record
+
+    def _eval_record(self) -> dict[str, Any]:
+        loss = self.evaluate()
+        record = {"kind": "eval", "step": self.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        log.info("step %d | validation loss %.4f | perplexity %.2f", self.step, loss, record["val_ppl"])
+        self.metrics.write(record)
+        return record
+
+    def _log_start(self) -> None:
+        if self.dims.rank != 0:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(dataclasses.replace(self.cfg, model=self.model_cfg)))
+        num_params = sum(p.numel() for p in self.model.parameters())
+        m = self.model_cfg
+        log.info(
+            "model: %.2fM parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d) | precision %s",
+            num_params / 1e6, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads,
+            m.ffn_hidden_size, m.vocab_size, self.recipe.name,
+        )
+        log.info(
+            "data: %d training samples of %d tokens | %d rank(s) x %d micro-batch(es) x %d samples = %d per step "
+            "(%d tokens) | %d steps from step %d | run dir %s",
+            len(self.loader.dataset), self.cfg.data.seq_len, self.dims.dp_size, self.num_micro_batches,
+            self.cfg.training.micro_batch_size, self.cfg.training.global_batch_size, self.tokens_per_step,
+            self.cfg.training.steps, self.step, self.run_dir,
+        )
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        rng = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "rng": rng,
+            "config": config_to_dict(self.cfg),
+        }
+
+    def save(self) -> None:
+        if self.dims.rank == 0:
+            path = save_checkpoint(self.checkpoint_dir, self.step, self.state_dict(), self.cfg.checkpoint.keep_last)
+            log.info("saved checkpoint %s", path)
+        if self.dims.is_distributed:
+            dist.barrier(group=self.dims.dp_group)
+
+    def load(self, path: Path) -> None:
+        state = load_checkpoint(path)
+        try:
+            self.model.load_state_dict(state["model"], strict=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise ConfigError(f"checkpoint {path} does not match this model/config: {err}") from None
+        self.loader.load_state_dict(state["loader"])
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if self.device.type == "cuda" and "cuda" in state["rng"]:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+        log.info("resumed from %s at step %d", path, self.step)
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "none":
+            return
+        path = find_latest(self.checkpoint_dir) if resume == "auto" else Path(resume)
+        if path is not None:
+            self.load(path)
