@@ -81,3 +81,20 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"checkpoint file {file} lacks {', '.join(missing)}: not a megafp8 training checkpoint")
     return state
+
+
+def check_tensors_match(saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], source: Path) -> None:
+    """One error naming the first missing, unexpected or differently shaped tensor (and how many more)."""
+    problems = [f"tensor '{k}' is missing from the checkpoint" for k in expected if k not in saved]
+    problems += [f"tensor '{k}' is in the checkpoint but not in the model" for k in saved if k not in expected]
+    problems += [
+        f"tensor '{k}' has shape {tuple(saved[k].shape)} in the checkpoint but {tuple(v.shape)} in the model"
+        for k, v in expected.items()
+        if k in saved and tuple(saved[k].shape) != tuple(v.shape)
+    ]
+    if problems:
+        more = f" ({len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+        raise ConfigError(
+            f"checkpoint {source} does not match this model: {problems[0]}{more}. Resume with the config it was "
+            "saved with, or set checkpoint.resume=none (or another checkpoint.dir) to start fresh"
+        )

@@ -98,11 +98,11 @@ def expand_model_size(raw: dict[str, Any]) -> dict[str, Any]:
     return {**raw, "model": {**MODEL_SIZES[size], **model}}
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) in (Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+        return " or ".join("null" if a is type(None) else type_name(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
@@ -126,7 +126,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"{key}: '{value}' is not one of {_type_name(tp)}{hint}")
+        raise ConfigError(f"{key}: '{value}' is not one of {type_name(tp)}{hint}")
     elif tp is bool:
         if isinstance(value, bool):
             return value
@@ -147,7 +147,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
     else:
         raise TypeError(f"config field {key} has unsupported type {tp!r}")
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} ({value!r})")
+    raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} ({value!r})")
 
 
 def build_dataclass(cls: type, raw: Any, prefix: str = "") -> Any:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megafp8.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from megafp8.checkpoint import check_tensors_match, find_latest, load_checkpoint, save_checkpoint
 from megafp8.config import Config, ConfigError, ModelConfig, dump_config, validate_for_world
 from megafp8.config.loader import config_to_dict
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
@@ -217,11 +217,9 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         state = load_checkpoint(path)
-        try:
-            self.model.load_state_dict(state["model"], strict=True)
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as err:
-            raise ConfigError(f"checkpoint {path} does not match this model/config: {err}") from None
+        check_tensors_match(state["model"], self.model.state_dict(), path)
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
         self.loader.load_state_dict(state["loader"])
         self.step = int(state["step"])
         torch.set_rng_state(state["rng"]["torch"])

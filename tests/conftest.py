@@ -1,0 +1,60 @@
+"""Shared fixtures: a small tokenized corpus, tiny configs, and the GPU marker's skip."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megafp8.data.corpus import stdlib_files
+from megafp8.data.preprocess import preprocess
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+# A model small enough that a few steps take well under a second on one CPU core.
+TINY_OVERRIDES = [
+    "model.hidden_size=128", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+    "model.ffn_hidden_size=256", "model.size=null", "data.seq_len=64",
+    "training.global_batch_size=8", "training.micro_batch_size=2", "training.steps=6",
+    "training.eval_interval=3", "training.eval_iters=2", "optimizer.warmup_steps=2", "optimizer.lr=3e-3",
+    "logging.log_interval=1",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory) -> Path:
+    """~200 KB of real text (the first stdlib modules), byte-tokenized, with a held-out split."""
+    src = tmp_path_factory.mktemp("src")
+    total = 0
+    for i, path in enumerate(stdlib_files()):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        (src / f"{i:04d}.txt").write_text(text, encoding="utf-8")
+        total += len(text)
+        if total > 200_000:
+            break
+    out = tmp_path_factory.mktemp("data") / "corpus"
+    preprocess([str(src)], out, valid_fraction=0.2, seed=0, shard_tokens=50_000)
+    return out
+
+
+@pytest.fixture
+def tiny_overrides(corpus_dir, tmp_path) -> list[str]:
+    return TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={tmp_path / 'runs'}", "run_name=t"]
+
+
+def torchrun_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["OMP_NUM_THREADS"] = "1"
+    return env

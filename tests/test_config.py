@@ -1,0 +1,116 @@
+"""Config loading, overrides, name resolution, and every validation error's message."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megafp8.config import Config, ConfigError, load_config, parse_overrides, validate_for_world
+from megafp8.config.loader import REPO_CONFIG_DIR, available_configs, resolve_config_path
+from megafp8.config.schema import field_doc
+
+
+def test_every_shipped_config_loads():
+    names = available_configs()
+    assert "tiny_dense.yaml" in names
+    for name in names:
+        cfg = load_config(name)
+        assert cfg.run_name == name.removesuffix(".yaml")
+
+
+def test_bare_name_resolves_with_or_without_suffix():
+    assert resolve_config_path("tiny_dense") == REPO_CONFIG_DIR / "tiny_dense.yaml"
+    assert resolve_config_path("tiny_dense.yaml") == REPO_CONFIG_DIR / "tiny_dense.yaml"
+
+
+def test_yaml_values_and_named_size():
+    cfg = load_config("tiny_dense")
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_kv_heads) == (256, 4, 2)
+    assert cfg.optimizer.lr == pytest.approx(2e-3)
+
+
+def test_dotted_overrides_win_and_are_typed():
+    cfg = load_config("tiny_dense", ["model.num_layers=2", "optimizer.lr=1e-3", "checkpoint.dir=null",
+                                     "training.device=cpu"])
+    assert cfg.model.num_layers == 2 and isinstance(cfg.model.num_layers, int)
+    assert cfg.optimizer.lr == 1e-3 and isinstance(cfg.optimizer.lr, float)  # "1e-3" is a string to PyYAML
+    assert cfg.checkpoint.dir is None
+
+
+def test_explicit_model_keys_beat_the_named_size():
+    cfg = load_config(None, ["model.size=1b", "model.num_layers=3"])
+    assert cfg.model.num_layers == 3 and cfg.model.hidden_size == 2048
+
+
+def test_every_field_has_a_doc():
+    checked = []
+
+    def walk(obj, prefix):
+        for f in dataclasses.fields(obj):
+            assert field_doc(f), f"{prefix}{f.name} has no doc"
+            checked.append(prefix + f.name)
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+
+    walk(Config(), "")
+    assert "model.hidden_size" in checked and "optimizer.lr" in checked
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["model.num_layer=2"], "unknown config key 'model.num_layer'. Did you mean 'model.num_layers'?"),
+        (["modle.num_layers=2"], "unknown config key 'modle'. Did you mean 'model'?"),
+        (["model.num_layers=four"], "model.num_layers: expected int, got str ('four')"),
+        (["optimizer.lr=fast"], "optimizer.lr: expected float, got str ('fast')"),
+        (["precision.recipe=bf61"], "is not one of 'bf16' | 'fp32' (did you mean 'bf16'?)"),
+        (["model.num_heads=6"], "model.num_heads=6 does not divide model.hidden_size=256"),
+        (["model.num_kv_heads=3"], "model.num_kv_heads=3 must divide model.num_heads=4"),
+        (["model.size=1bb"], "unknown size '1bb'. Did you mean '1b'?"),
+        (["training.global_batch_size=10"], "global_batch_size=10 is not a multiple of training.micro_batch_size=4"),
+        (["optimizer.warmup_steps=500"], "optimizer.warmup_steps=500 exceeds training.steps=200"),
+        (["optimizer.min_lr=1.0"], "optimizer.min_lr=1.0 must be between 0 and optimizer.lr"),
+        (["data.seq_len=0"], "data.seq_len must be positive"),
+        (["model=3"], "model: expected a mapping"),
+        (["num_layers"], "is not of the form section.key=value"),
+    ],
+)
+def test_bad_settings_give_one_clear_error(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_dense", overrides)
+    assert expected in str(err.value)
+
+
+def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  hiden_size: 512\n")
+    with pytest.raises(ConfigError, match=r"'model.hiden_size'. Did you mean 'model.hidden_size'\?.*bad.yaml"):
+        load_config(str(path))
+
+
+def test_missing_config_name_suggests_the_closest(tmp_path):
+    with pytest.raises(ConfigError, match=r"config 'tiny_dens' not found.*Did you mean 'tiny_dense.yaml'"):
+        load_config("tiny_dens")
+
+
+def test_non_mapping_yaml_is_rejected(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(str(path))
+
+
+def test_world_size_checks():
+    cfg = load_config("tiny_dense")  # global 16, micro 4
+    assert validate_for_world(cfg, 1) == 4
+    assert validate_for_world(cfg, 2) == 2
+    with pytest.raises(ConfigError, match=r"must be a multiple of micro_batch_size x data-parallel ranks = 4 x 3 = 12"):
+        validate_for_world(cfg, 3)
+    cfg = load_config("tiny_dense", ["parallel.data_parallel_size=4"])
+    with pytest.raises(ConfigError, match="parallel.data_parallel_size=4 but 2 rank"):
+        validate_for_world(cfg, 2)
+
+
+def test_parse_overrides_nests():
+    assert parse_overrides(["a.b=1", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 1, "c": "x"}, "d": [1, 2]}

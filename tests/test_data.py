@@ -1,0 +1,173 @@
+"""Preprocessing, the token format, packed samples, the data-parallel loader and its resume."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megafp8.config import ConfigError
+from megafp8.data import (
+    ByteTokenizer, DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches,
+)
+from megafp8.data.preprocess import preprocess, train_tokenizer
+
+
+def write_docs(folder, docs):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, doc in enumerate(docs):
+        (folder / f"{i:03d}.txt").write_text(doc, encoding="utf-8")
+    return folder
+
+
+def test_preprocess_roundtrip_across_shards(tmp_path):
+    docs = [f"document {i}: " + "héllo wörld " * (i + 1) for i in range(20)]
+    out = tmp_path / "tok"
+    preprocess([str(write_docs(tmp_path / "src", docs))], out, valid_fraction=0.0, shard_tokens=100)
+    meta = read_meta(out)
+    assert meta.tokenizer == "byte" and meta.eos_id == 256 and meta.dtype == np.uint16
+    assert len(meta.splits["train"]) > 3  # several shards
+    stream = TokenStream(meta, "train")
+    tokens = stream.read(0, stream.num_tokens)
+    pieces = np.split(tokens, np.where(tokens == 256)[0] + 1)[:-1]
+    assert [ByteTokenizer().decode(p.tolist()) for p in pieces] == docs
+    # The index holds each shard's document end offsets.
+    first = meta.splits["train"][0]
+    ends = np.fromfile(out / first["file"].replace(".bin", ".idx"), dtype=np.int64)
+    assert len(ends) == first["num_docs"] and ends[-1] == first["num_tokens"]
+
+
+def test_held_out_split_is_deterministic(tmp_path):
+    src = write_docs(tmp_path / "src", [f"doc {i} " * 20 for i in range(200)])
+    a = preprocess([str(src)], tmp_path / "a", valid_fraction=0.1, seed=7)
+    b = preprocess([str(src)], tmp_path / "b", valid_fraction=0.1, seed=7)
+    assert a == b
+    assert 5 <= a["valid"][0]["num_docs"] <= 40
+
+
+def test_jsonl_input_and_bad_record(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(json.dumps({"content": f"text {i}"}) for i in range(5)) + "\n")
+    preprocess([str(good)], tmp_path / "out", valid_fraction=0.0, json_key="content")
+    assert TokenStream(read_meta(tmp_path / "out"), "train").num_tokens == sum(len(f"text {i}") + 1 for i in range(5))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: not a JSON object with a 'text' string"):
+        preprocess([str(bad)], tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_existing_output_is_not_clobbered(tmp_path):
+    src = write_docs(tmp_path / "src", ["abc " * 50])
+    preprocess([str(src)], tmp_path / "out", valid_fraction=0.0)
+    with pytest.raises(ConfigError, match="already exists; pass --overwrite"):
+        preprocess([str(src)], tmp_path / "out")
+    assert read_meta(tmp_path / "out").splits
+
+
+def test_missing_inputs_and_data_path(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        preprocess([str(tmp_path / "nope.txt")], tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"data.path '.*missing' does not exist. Create it with: python tools/preprocess_data.py"):
+        read_meta(tmp_path / "missing")
+
+
+def test_truncated_shard_is_reported(tmp_path, corpus_dir):
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(corpus_dir, copy)
+    meta = read_meta(copy)
+    shard = copy / meta.splits["train"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(ConfigError, match=r"00000.bin has \d+ bytes, but meta.json says .* incomplete or corrupt"):
+        TokenStream(meta, "train")
+
+
+def test_unknown_split_and_too_short_split(corpus_dir):
+    meta = read_meta(corpus_dir)
+    with pytest.raises(ConfigError, match="split 'test' is not in"):
+        TokenStream(meta, "test")
+    valid = TokenStream(meta, "valid")
+    with pytest.raises(ConfigError, match="fewer than data.seq_len"):
+        PackedDataset(valid, valid.num_tokens)
+
+
+def test_packed_samples_shift_by_one(corpus_dir):
+    stream = TokenStream(read_meta(corpus_dir), "train")
+    ds = PackedDataset(stream, seq_len=64)
+    assert len(ds) == (stream.num_tokens - 1) // 64
+    tokens, targets = ds.batch(np.array([0, 5]))
+    assert tokens.shape == (2, 64) and tokens.dtype == torch.int64
+    assert torch.equal(tokens[1, 1:], targets[1, :-1])
+    assert torch.equal(tokens[1], torch.from_numpy(stream.read(5 * 64, 64)))
+
+
+def make_loader(corpus_dir, rank=0, size=1, seed=3, global_batch=8, micro=2):
+    ds = PackedDataset(TokenStream(read_meta(corpus_dir), "train"), 64)
+    return DistributedLoader(ds, global_batch, micro, rank, size, seed)
+
+
+def test_loader_is_deterministic_and_seeded(corpus_dir):
+    a = [t for _ in range(3) for t, _ in make_loader(corpus_dir).next_step()]
+    b = [t for _ in range(3) for t, _ in make_loader(corpus_dir).next_step()]
+    c = [t for _ in range(3) for t, _ in make_loader(corpus_dir, seed=4).next_step()]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_data_parallel_ranks_split_the_global_batch(corpus_dir):
+    whole = torch.cat([t for t, _ in make_loader(corpus_dir).next_step()])
+    shares = [torch.cat([t for t, _ in make_loader(corpus_dir, rank=r, size=2).next_step()]) for r in range(2)]
+    assert torch.equal(torch.cat(shares), whole)
+
+
+def test_loader_resumes_exactly(corpus_dir):
+    straight = make_loader(corpus_dir)
+    expected = [straight.next_step() for _ in range(5)][3:]
+    first = make_loader(corpus_dir)
+    for _ in range(3):
+        first.next_step()
+    resumed = make_loader(corpus_dir)
+    resumed.load_state_dict(first.state_dict())
+    for want in expected:
+        got = resumed.next_step()
+        assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, want))
+    other = make_loader(corpus_dir, seed=9)
+    with pytest.raises(ConfigError, match="resume with the same data.path"):
+        other.load_state_dict(first.state_dict())
+
+
+def test_loader_crosses_epochs_with_a_new_order(corpus_dir):
+    loader = make_loader(corpus_dir)
+    n = len(loader.dataset)
+    epoch0 = loader._indices(0, n)
+    epoch1 = loader._indices(n, n)
+    assert sorted(epoch0) == sorted(epoch1) == list(range(n))
+    assert not np.array_equal(epoch0, epoch1)
+
+
+def test_validation_batches_are_fixed_and_disjoint_across_ranks(corpus_dir):
+    ds = PackedDataset(TokenStream(read_meta(corpus_dir), "valid"), 64)
+    r0 = validation_batches(ds, 2, 2, 0, 2)
+    r1 = validation_batches(ds, 2, 2, 1, 2)
+    assert torch.equal(r0[0][0], validation_batches(ds, 2, 2, 0, 2)[0][0])
+    assert not torch.equal(r0[0][0], r1[0][0])
+
+
+def test_hf_tokenizer_train_and_preprocess(tmp_path):
+    pytest.importorskip("tokenizers")
+    src = write_docs(tmp_path / "src", [f"def function_{i}(x):\n    return x * {i}\n" * 10 for i in range(50)])
+    tok_path = tmp_path / "tokenizer.json"
+    train_tokenizer([str(src)], tok_path, vocab_size=400)
+    out = tmp_path / "tok"
+    preprocess([str(src)], out, tokenizer_spec=str(tok_path), valid_fraction=0.0)
+    meta = read_meta(out)
+    assert 257 < meta.vocab_size <= 400 and meta.eos_id == 0  # <|endoftext|> is the first special token
+    from megafp8.data import load_tokenizer
+    tok = load_tokenizer(str(tok_path))
+    stream = TokenStream(meta, "train")
+    first_doc = stream.read(0, stream.num_tokens)
+    first_doc = first_doc[: int(np.argmax(first_doc == 0))]
+    assert tok.decode(first_doc.tolist()) == (src / "000.txt").read_text()
+    assert stream.num_tokens < sum(len(p.read_text()) for p in src.iterdir())  # BPE compresses

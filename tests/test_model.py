@@ -1,0 +1,114 @@
+"""The dense decoder: shapes, causality, GQA, init determinism, FLOP counts, and that it can learn."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megafp8.config import ModelConfig
+from megafp8.model import Transformer, init_weights, training_flops_per_token
+from megafp8.model.rope import RotaryEmbedding
+from megafp8.parallel import ColumnParallelLinear, RowParallelLinear
+from megafp8.precision import PrecisionRecipe
+
+CFG = ModelConfig(vocab_size=384, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=256)
+
+
+def build(cfg=CFG, recipe="fp32", seq_len=32, seed=0):
+    model = Transformer(cfg, PrecisionRecipe.from_name(recipe), seq_len)
+    init_weights(model, cfg, seed)
+    return model
+
+
+def test_logits_shape_and_dtype():
+    model = build(recipe="bf16")
+    tokens = torch.randint(0, 384, (3, 32))
+    logits = model(tokens)
+    assert logits.shape == (3, 32, 384) and logits.dtype == torch.bfloat16
+    loss = model(tokens, tokens)
+    assert loss.dtype == torch.float32 and loss.ndim == 0
+
+
+def test_gemm_layers_go_through_the_parallel_seam():
+    model = build()
+    kinds = {type(m) for m in model.modules()}
+    assert ColumnParallelLinear in kinds and RowParallelLinear in kinds
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    qkv = model.layers[0].attn.qkv_proj.weight
+    assert qkv.shape == ((4 + 2 * 2) * 32, 128)  # 4 query heads + 2 kv heads x (k, v), head_dim 32
+
+
+def test_attention_is_causal():
+    model = build()
+    tokens = torch.randint(0, 384, (1, 32))
+    changed = tokens.clone()
+    changed[0, 20:] = (changed[0, 20:] + 1) % 384
+    a, b = model(tokens), model(changed)
+    assert torch.equal(a[:, :20], b[:, :20])
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_same_seed_same_weights_different_seed_different():
+    a, b, c = build(seed=1), build(seed=1), build(seed=2)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if "norm" not in name:
+            assert not torch.equal(pa, pc), name
+
+
+def test_init_scales_residual_outputs():
+    model = build(dataclasses.replace(CFG, num_layers=8, init_std=0.02))
+    std_in = model.layers[0].attn.qkv_proj.weight.std().item()
+    std_out = model.layers[0].attn.out_proj.weight.std().item()
+    assert std_in == pytest.approx(0.02, rel=0.05)
+    assert std_out == pytest.approx(0.02 / 4, rel=0.05)  # 1/sqrt(2 * 8)
+    assert torch.all(model.final_norm.weight == 1)
+
+
+def test_rope_matches_complex_rotation():
+    rope = RotaryEmbedding(head_dim=8, max_seq_len=16, theta=10000.0)
+    q = torch.randn(1, 16, 2, 8)
+    rotated, _ = rope(q, q)
+    # Reference: pair (x_i, x_{i+d/2}) as a complex number rotated by position * freq_i.
+    freqs = 1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8))
+    angles = torch.outer(torch.arange(16).float(), freqs)[None, :, None, :]
+    z = torch.complex(q[..., :4], q[..., 4:]) * torch.polar(torch.ones_like(angles), angles)
+    assert torch.allclose(rotated, torch.cat([z.real, z.imag], dim=-1), atol=1e-5)
+
+
+def test_rope_rejects_too_long_sequences():
+    model = build(seq_len=16)
+    with pytest.raises(ValueError, match="exceeds the RoPE table"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_flops_per_token_counts_gemm_params():
+    cfg = dataclasses.replace(CFG)
+    gemm_params = sum(p.numel() for n, p in build(cfg).named_parameters() if n.endswith("proj.weight") or n == "lm_head.weight")
+    attention = 2 * 3 * 2 * 2 * 16 * 4 * 32  # layers x fwd+bwd x 2 GEMMs x 2 FLOPs x T/2 x heads x head_dim
+    assert training_flops_per_token(cfg, 32) == 6 * gemm_params + attention
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16"])
+def test_overfits_a_repeated_batch(recipe):
+    torch.manual_seed(0)
+    model = build(recipe=recipe)
+    params = [p for p in model.parameters()]
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    opt = torch.optim.AdamW(masters, lr=3e-3, weight_decay=0.0)
+    tokens = torch.randint(0, 384, (4, 33))
+    first = None
+    for _ in range(60):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+        first = first if first is not None else loss.item()
+    assert first > 5.5  # ln(384) = 5.95 at init
+    assert loss.item() < 0.5, f"{recipe}: loss {first:.3f} -> {loss.item():.3f}"
