@@ -1,0 +1,40 @@
+"""GPU checks (skipped without CUDA): the loop on one GPU, and NCCL data parallelism on two."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megafp8.config import load_config
+from megafp8.parallel import ParallelDims
+from megafp8.train import Trainer
+from tests.conftest import REPO, torchrun_env
+
+pytestmark = pytest.mark.gpu
+
+
+def test_training_on_cuda_learns(tiny_overrides):
+    cfg = load_config("tiny_dense", tiny_overrides + ["training.device=auto", "training.steps=12"])
+    trainer = Trainer(cfg, ParallelDims(1, 0, None), torch.device("cuda", 0))
+    assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    assert all(m.dtype == torch.float32 for m in trainer.optimizer.masters)
+    losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_use_nccl_and_match_one_gpu(tiny_overrides, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "launch" / "pretrain.py"), "--config", "tiny_dense", *tiny_overrides, "training.device=cuda"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env(), cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "initialized nccl with 2 ranks on cuda" in result.stdout + result.stderr
+    lines = (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()
+    two = [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+    cfg = load_config("tiny_dense", tiny_overrides + [f"logging.output_dir={tmp_path / 'one'}"])
+    one = [r["loss"] for r in Trainer(cfg, ParallelDims(1, 0, None), torch.device("cuda", 0)).fit() if r["kind"] == "train"]
+    assert two[0] == pytest.approx(one[0], rel=1e-3)
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=5e-3, atol=0)
