@@ -101,6 +101,8 @@ def expand_model_size(raw: dict[str, Any]) -> dict[str, Any]:
 def type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list of {type_name(typing.get_args(tp)[0])}"
     if typing.get_origin(tp) in (Union, types.UnionType):
         return " or ".join("null" if a is type(None) else type_name(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
@@ -127,6 +129,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"{key}: '{value}' is not one of {type_name(tp)}{hint}")
+    elif origin is list:
+        (item_type,) = typing.get_args(tp)
+        if isinstance(value, list):
+            return [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, str) and item_type is str:
+            return [value]  # `key=pattern` on the command line means a one-element list
     elif tp is bool:
         if isinstance(value, bool):
             return value

@@ -10,7 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-PrecisionName = Literal["bf16", "fp32"]
+PrecisionName = Literal["bf16", "fp32", "fp8"]
+Fp8BackendName = Literal["auto", "reference", "cublas", "triton"]
+Fp8FormatName = Literal["e4m3", "e5m2"]
 DecayStyle = Literal["cosine", "linear", "wsd", "constant"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 BackendName = Literal["auto", "gloo", "nccl"]
@@ -84,8 +86,32 @@ class PrecisionConfig:
     recipe: PrecisionName = setting(
         "bf16",
         "`bf16`: BF16 weights, activations and GEMMs, FP32 master weights, optimizer states and gradient "
-        "accumulation. `fp32`: everything in FP32 (a numerical reference).",
+        "accumulation. `fp8`: as bf16, but the attention projections and MLP linears run their three GEMMs "
+        "(fprop, dgrad, wgrad) in per-tile scaled FP8 (DeepSeek-V3 recipe). `fp32`: everything in FP32.",
     )
+    fp8_backend: Fp8BackendName = setting(
+        "auto",
+        "FP8 GEMM backend: `reference` (any device; FP8 casts, FP32 matmul), `cublas` (SM90, "
+        "`F.scaled_mm` blockwise), `triton` (CUDA); `auto` picks the fastest that runs here and logs it.",
+    )
+    fp8_grad_format: Fp8FormatName = setting(
+        "e4m3", "Format of activation gradients in dgrad/wgrad: `e4m3` (DeepSeek-V3) or `e5m2` (more range)."
+    )
+    fp8_power_of_two_scales: bool = setting(
+        False, "Round every tile scale up to a power of two (re-tiling for wgrad then loses no bits)."
+    )
+    fp8_fprop: bool = setting(True, "Run the forward GEMM (y = x w^T) of FP8 layers in FP8.")
+    fp8_dgrad: bool = setting(True, "Run the input-gradient GEMM (dx = dy w) of FP8 layers in FP8.")
+    fp8_wgrad: bool = setting(True, "Run the weight-gradient GEMM (dw = dy^T x) of FP8 layers in FP8.")
+    fp8_layers: list[str] = setting(
+        ["*"],
+        "Globs of GEMM layer names (e.g. `layers.*.mlp.*`) that run FP8 under `recipe: fp8`. Naming a "
+        "precision island (embedding, LM head, norms) is an error.",
+    )
+    bf16_layers: list[str] = setting(
+        [], "Globs of GEMM layer names kept in BF16 even if `fp8_layers` matches them (e.g. `layers.0.*`)."
+    )
+    bf16_first_last_blocks: int = setting(0, "Keep the first and the last N transformer blocks entirely in BF16.")
 
 
 @dataclass

@@ -64,6 +64,32 @@ def _check_model(cfg: Config) -> None:
         raise ConfigError("model.norm_eps, model.init_std and model.rope_theta must be positive")
 
 
+def _check_fp8(cfg: Config) -> None:
+    """FP8 tiles are 128 wide: every dimension an FP8 GEMM contracts over or outputs must be a multiple of 128."""
+    p = cfg.precision
+    if p.bf16_first_last_blocks < 0:
+        raise ConfigError(f"precision.bf16_first_last_blocks must be >= 0, got {p.bf16_first_last_blocks}")
+    if p.recipe != "fp8":
+        return
+    m = cfg.model
+    head_dim = m.head_dim if m.head_dim is not None else m.hidden_size // m.num_heads
+    kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
+    sizes = {
+        "model.hidden_size": (m.hidden_size, "model.hidden_size"),
+        "model.ffn_hidden_size": (m.ffn_hidden_size, "model.ffn_hidden_size"),
+        "num_heads x head_dim (attention width)": (m.num_heads * head_dim, "model.num_heads or model.head_dim"),
+        "(num_heads + 2 x num_kv_heads) x head_dim (QKV width)": ((m.num_heads + 2 * kv) * head_dim,
+                                                                  "model.num_kv_heads or model.head_dim"),
+    }
+    for what, (size, setting) in sizes.items():
+        if size % 128 != 0:
+            up = -(-size // 128) * 128
+            raise ConfigError(
+                f"precision.recipe=fp8 needs GEMM dims that are multiples of the 128-wide FP8 tile, but {what} = "
+                f"{size}: change {setting} (e.g. to make it {up}), or use precision.recipe=bf16"
+            )
+
+
 def _check_optimizer(cfg: Config) -> None:
     o = cfg.optimizer
     if o.lr <= 0:
@@ -87,6 +113,7 @@ def validate_config(cfg: Config) -> None:
     _check_positive(cfg)
     _check_model(cfg)
     _check_optimizer(cfg)
+    _check_fp8(cfg)
     if cfg.training.global_batch_size % cfg.training.micro_batch_size != 0:
         raise ConfigError(
             f"training.global_batch_size={cfg.training.global_batch_size} is not a multiple of "

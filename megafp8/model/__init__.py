@@ -1,6 +1,7 @@
 """The network: norms, RoPE, attention, MLP, blocks, the decoder, init and FLOP counts."""
 from megafp8.model.flops import training_flops_per_token
+from megafp8.model.fp8_plan import Fp8Plan, apply_fp8_plan
 from megafp8.model.init import init_weights
 from megafp8.model.transformer import Block, Transformer
 
-__all__ = ["Block", "Transformer", "init_weights", "training_flops_per_token"]
+__all__ = ["Block", "Fp8Plan", "apply_fp8_plan", "Transformer", "init_weights", "training_flops_per_token"]

@@ -44,7 +44,8 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(head_dim_of(cfg), max_seq_len, cfg.rope_theta, device)
         self.layers = nn.ModuleList(Block(cfg, recipe, device) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
-        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, recipe, device=device)
+        # The LM head is a precision island: never FP8, whatever the recipe.
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, recipe.high_precision(), device=device)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens: (B, T) int64. Returns the mean loss if `targets` (B, T) is given, else logits (B, T, V)."""

@@ -1,8 +1,10 @@
 """FP32 gradient accumulation in one contiguous buffer, and its data-parallel reduction.
 
-Each parameter gets an FP32 view into the buffer (its "main grad"). A post-accumulate hook
-adds the parameter's BF16 gradient into that view after every backward and frees the BF16
-gradient, so micro-batches accumulate in FP32 and no BF16 gradient outlives its backward.
+Each parameter gets an FP32 view into the buffer, exposed as `param.main_grad` (the
+Megatron convention, which the FP8 linear uses to add its FP32 weight gradient directly). For
+every other parameter a post-accumulate hook adds its BF16 gradient into that view after each
+backward and frees the BF16 gradient, so micro-batches accumulate in FP32 and no BF16
+gradient outlives its backward.
 """
 from __future__ import annotations
 
@@ -26,13 +28,17 @@ class GradBuffer:
         self.main_grads: list[torch.Tensor] = []
         offset = 0
         for p in self.params:
-            self.main_grads.append(self.flat[offset : offset + p.numel()].view_as(p))
+            view = self.flat[offset : offset + p.numel()].view_as(p)
+            self.main_grads.append(view)
+            p.main_grad = view
             offset += p.numel()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(g)) for p, g in zip(self.params, self.main_grads)]
 
     @staticmethod
     def _make_hook(main_grad: torch.Tensor):
         def accumulate(param: torch.Tensor) -> None:
+            if param.grad is None:  # the layer already added its FP32 gradient to main_grad (FP8 linears)
+                return
             main_grad.add_(param.grad)
             param.grad = None
 
@@ -55,3 +61,5 @@ class GradBuffer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for p in self.params:
+            del p.main_grad

@@ -1,35 +1,64 @@
-"""The precision recipe: a value that says in which dtypes weights live and GEMMs run.
+"""The precision recipe: a value that says in which dtypes weights live and which GEMMs run in FP8.
 
-It is passed into every GEMM-bearing layer (no global autocast). The FP8 per-tile recipe
-extends this value; BF16 and FP32 are the plain cases.
+It is passed into every GEMM-bearing layer (no global autocast). Master weights, optimizer
+states and gradient accumulation are always FP32 (owned by the optimizer); norms, RoPE, the
+attention softmax and the loss compute in FP32 whatever the recipe; the embedding and LM head
+never run FP8 (`high_precision()` gives their recipe).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from megafp8.config import PrecisionConfig
+from megafp8.precision.fp8_linear import Fp8GemmConfig
+
+_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """DeepSeek-V3-style per-tile FP8: activations and gradients in 1x128 tiles, weights in 128x128 blocks."""
+
+    format: str = "e4m3"  # activations and weights
+    grad_format: str = "e4m3"  # activation gradients (e5m2 trades precision for range)
+    power_of_two_scales: bool = False
+    fprop: bool = True
+    dgrad: bool = True
+    wgrad: bool = True
+    backend: str = "auto"
+
+    @property
+    def gemm_config(self) -> Fp8GemmConfig:
+        return Fp8GemmConfig.from_names(self.format, self.grad_format, self.power_of_two_scales,
+                                        self.fprop, self.dgrad, self.wgrad)
 
 
 @dataclass(frozen=True)
 class PrecisionRecipe:
-    """Numerics of one model: parameter/activation dtype and the GEMM used by linears.
-
-    Master weights, optimizer states and gradient accumulation are always FP32 (owned by the
-    optimizer); norms, RoPE, softmax and the loss compute in FP32 whatever the recipe.
-    """
+    """Numerics of one model: parameter/activation dtype and, for FP8 layers, the FP8 recipe."""
 
     name: str
     param_dtype: torch.dtype
+    fp8: Optional[Fp8Recipe] = None
 
     @classmethod
-    def from_name(cls, name: str) -> "PrecisionRecipe":
+    def from_name(cls, name: str, fp8: Optional[Fp8Recipe] = None) -> "PrecisionRecipe":
         if name not in _PARAM_DTYPES:
             raise ValueError(f"unknown precision recipe '{name}'; known: {', '.join(_PARAM_DTYPES)}")
-        return cls(name=name, param_dtype=_PARAM_DTYPES[name])
+        if name == "fp8":
+            return cls(name, _PARAM_DTYPES[name], fp8 or Fp8Recipe())
+        return cls(name, _PARAM_DTYPES[name])
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """`x @ weight.T` with `weight` laid out (out_features, in_features), as `nn.Linear`."""
-        return F.linear(x, weight)
+    @classmethod
+    def from_config(cls, cfg: PrecisionConfig) -> "PrecisionRecipe":
+        fp8 = Fp8Recipe(grad_format=cfg.fp8_grad_format, power_of_two_scales=cfg.fp8_power_of_two_scales,
+                        fprop=cfg.fp8_fprop, dgrad=cfg.fp8_dgrad, wgrad=cfg.fp8_wgrad, backend=cfg.fp8_backend)
+        return cls.from_name(cfg.recipe, fp8 if cfg.recipe == "fp8" else None)
+
+    def high_precision(self) -> "PrecisionRecipe":
+        """The same recipe without FP8: for precision islands and layers kept in BF16."""
+        return dataclasses.replace(self, fp8=None)

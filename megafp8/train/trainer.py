@@ -21,10 +21,10 @@ from megafp8.checkpoint import check_tensors_match, find_latest, load_checkpoint
 from megafp8.config import Config, ConfigError, ModelConfig, dump_config, validate_for_world
 from megafp8.config.loader import config_to_dict
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
-from megafp8.model import Transformer, init_weights, training_flops_per_token
+from megafp8.model import Transformer, apply_fp8_plan, init_weights, training_flops_per_token
 from megafp8.optim import MixedPrecisionAdamW, lr_at
 from megafp8.parallel import GradBuffer, ParallelDims
-from megafp8.precision import PrecisionRecipe
+from megafp8.precision import PrecisionRecipe, select_backend
 from megafp8.train.metrics import MetricsFile, format_step_line, peak_tflops
 
 log = logging.getLogger("megafp8")
@@ -43,9 +43,15 @@ def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
     return cfg
 
 
-def build_model(cfg: ModelConfig, recipe: PrecisionRecipe, seq_len: int, seed: int, device: torch.device) -> Transformer:
-    model = Transformer(cfg, recipe, seq_len, device=device)
-    init_weights(model, cfg, seed)
+def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, device: torch.device) -> Transformer:
+    """The decoder, initialized from the seed, with the FP8 layer plan applied (and logged)."""
+    model = Transformer(model_cfg, recipe, cfg.data.seq_len, device=device)
+    init_weights(model, model_cfg, cfg.training.seed)
+    plan = apply_fp8_plan(model, cfg.precision, recipe, model_cfg.num_layers)
+    if recipe.fp8 is not None:
+        backend = select_backend(recipe.fp8.backend, device)
+        log.info("fp8: backend %s%s | %s", backend.name, " (auto)" if recipe.fp8.backend == "auto" else "",
+                 plan.summary())
     return model
 
 
@@ -57,8 +63,11 @@ class Trainer:
         self.num_micro_batches = validate_for_world(cfg, dims.dp_size)
         meta = read_meta(cfg.data.path)
         self.model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size)
-        self.recipe = PrecisionRecipe.from_name(cfg.precision.recipe)
-        self.model = build_model(self.model_cfg, self.recipe, cfg.data.seq_len, cfg.training.seed, device)
+        self.recipe = PrecisionRecipe.from_config(cfg.precision)
+        try:
+            self.model = build_model(cfg, self.model_cfg, self.recipe, device)
+        except RuntimeError as err:  # an FP8 backend that cannot run here
+            raise ConfigError(str(err)) from None
         self.grad_buffer = GradBuffer(self.model.parameters())
         self.optimizer = MixedPrecisionAdamW(list(self.model.named_parameters()), self.grad_buffer, cfg.optimizer)
         train_set = PackedDataset(TokenStream(meta, cfg.data.train_split), cfg.data.seq_len, cfg.data.train_split)

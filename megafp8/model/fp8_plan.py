@@ -1,0 +1,65 @@
+"""Which GEMM layers run FP8: the recipe's layer globs, the BF16 exceptions, and the precision islands.
+
+Applied after the model is built. Layer names are module paths such as
+`layers.3.attn.qkv_proj` or `layers.0.mlp.down_proj`. The embedding, the LM head and the norms
+are precision islands: they never run FP8, and a pattern that names only islands is an error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatch
+
+import torch.nn as nn
+
+from megafp8.config import ConfigError, PrecisionConfig
+from megafp8.model.norm import RMSNorm
+from megafp8.parallel import ParallelLinear, VocabParallelEmbedding
+from megafp8.precision import PrecisionRecipe
+
+LM_HEAD = "lm_head"
+
+
+@dataclass
+class Fp8Plan:
+    fp8_layers: list[str]
+    bf16_layers: list[str]  # GEMM layers in BF16, islands included
+
+    def summary(self) -> str:
+        total = len(self.fp8_layers) + len(self.bf16_layers)
+        kept = ", ".join(self.bf16_layers[:6]) + (" ..." if len(self.bf16_layers) > 6 else "")
+        return f"{len(self.fp8_layers)} of {total} GEMM layers in FP8; BF16: {kept or 'none'}"
+
+
+def _islands(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, (RMSNorm, VocabParallelEmbedding)) or n == LM_HEAD]
+
+
+def apply_fp8_plan(model: nn.Module, cfg: PrecisionConfig, recipe: PrecisionRecipe, num_layers: int) -> Fp8Plan:
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, ParallelLinear)}
+    eligible = [n for n in linears if n != LM_HEAD]
+    islands = _islands(model)
+    for pattern in cfg.fp8_layers:
+        hits = [n for n in eligible if fnmatch(n, pattern)]
+        island_hits = [n for n in islands if fnmatch(n, pattern)]
+        if island_hits and not hits:
+            raise ConfigError(
+                f"precision.fp8_layers entry '{pattern}' names '{island_hits[0]}', a precision island: the embedding, "
+                "LM head and norms stay BF16/FP32 under every recipe (DESIGN.md numerics contract); remove the entry"
+            )
+        if not hits:
+            raise ConfigError(f"precision.fp8_layers entry '{pattern}' matches no GEMM layer "
+                              f"(names look like {eligible[0]})")
+    keep = list(cfg.bf16_layers)
+    for pattern in keep:
+        if not any(fnmatch(n, pattern) for n in linears):
+            raise ConfigError(f"precision.bf16_layers entry '{pattern}' matches no GEMM layer "
+                              f"(names look like {eligible[0]})")
+    edge = cfg.bf16_first_last_blocks
+    keep += [f"layers.{i}.*" for i in range(num_layers) if i < edge or i >= num_layers - edge]
+    fp8, bf16 = [], []
+    for name, layer in linears.items():
+        wanted = (recipe.fp8 is not None and name != LM_HEAD and any(fnmatch(name, p) for p in cfg.fp8_layers)
+                  and not any(fnmatch(name, p) for p in keep))
+        layer.set_recipe(recipe if wanted else recipe.high_precision())
+        (fp8 if wanted else bf16).append(name)
+    return Fp8Plan(fp8, bf16)

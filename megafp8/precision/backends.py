@@ -1,0 +1,139 @@
+"""FP8 GEMM backends behind one narrow seam, and their selection.
+
+Every FP8 GEMM of the linear layer is written as `out = A @ B^T` with both operands laid out
+contraction-dim-contiguous ("TN", what FP8 tensor cores take):
+
+    fprop  y  = x    @ w^T : A = x (M, K) 1x128 tiles,     B = w   (N, K) 128x128 blocks
+    dgrad  dx = dy   @ w   : A = dy (M, N) 1x128 tiles,    B = w^T (K, N) 128x128 blocks
+    wgrad  dw = dy^T @ x   : A = dy^T (N, M) 1x128 tiles,  B = x^T (K, M) 1x128 tiles
+
+A backend supplies the quantizers and that one GEMM:
+- `reference`: any device. The pure-torch quantizers, then dequantize and multiply in FP32.
+- `cublas`: SM90 GPUs. `torch.nn.functional.scaled_mm` with BlockWise1x128 / BlockWise128x128
+  scaling (cuBLASLt), fed by the Triton quantizers (scales written in cuBLAS's layout).
+- `triton`: CUDA GPUs with Triton. The Triton quantizers and our own blockwise-scaled GEMM.
+`auto` picks `cublas` where it can run, else `triton`, else `reference`.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megafp8.precision import quantize as ref
+from megafp8.precision.formats import TILE, Fp8Format
+
+BACKENDS = ("auto", "reference", "cublas", "triton")
+
+
+class Fp8Backend:
+    """Reference semantics; subclasses replace the pieces they run faster."""
+
+    name = "reference"
+
+    def quantize_tiles(self, x: torch.Tensor, fmt: Fp8Format, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (M, K) -> 1x128 tiles along K."""
+        return ref.quantize_1x128(x, fmt, pow2)
+
+    def quantize_tiles_transposed(self, x: torch.Tensor, fmt: Fp8Format, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (M, K) -> x^T (K, M) in 1x128 tiles along M."""
+        return ref.quantize_1x128_transposed(x, fmt, pow2)
+
+    def retile_transposed(self, q: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
+                          pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 x (M, K) in 1x128 tiles along K -> x^T (K, M) in 1x128 tiles along M."""
+        return ref.retile_1x128_transposed(q, scale, fmt, pow2)
+
+    def quantize_blocks(self, w: torch.Tensor, fmt: Fp8Format, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.quantize_128x128(w, fmt, pow2)
+
+    def gemm(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+             b_blockwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
+        """A (M, K) @ B (N, K)^T; A in 1x128 tiles, B in 128x128 blocks (b_blockwise) or 1x128 tiles."""
+        a32 = ref.dequantize_1x128(a, a_scale)
+        b32 = ref.dequantize_128x128(b, b_scale) if b_blockwise else ref.dequantize_1x128(b, b_scale)
+        return (a32 @ b32.t()).to(out_dtype)
+
+
+class TritonBackend(Fp8Backend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        from megafp8.precision import triton_kernels
+
+        self.kernels = triton_kernels
+
+    def quantize_tiles(self, x, fmt, pow2):
+        return self.kernels.quantize_rows(x, fmt, pow2)
+
+    def quantize_tiles_transposed(self, x, fmt, pow2):
+        return self.kernels.quantize_rows(x.t(), fmt, pow2)
+
+    def retile_transposed(self, q, scale, fmt, pow2):
+        # Logical X = x^T (K, M); X[r, c] = q[c, r] * scale[c, r // 128].
+        return self.kernels.quantize_rows(q.t(), fmt, pow2, in_scale=scale.t(), in_groups=(TILE, 1))
+
+    def quantize_blocks(self, w, fmt, pow2):
+        return self.kernels.quantize_blocks(w, fmt, pow2)
+
+    def gemm(self, a, a_scale, b, b_scale, b_blockwise, out_dtype):
+        return self.kernels.gemm(a, a_scale, b, b_scale, b_blockwise, out_dtype)
+
+
+def _mn_major(scale: torch.Tensor) -> torch.Tensor:
+    """The same (rows, K/128) scales stored column-major (stride (1, rows)), the layout cuBLAS reads."""
+    return scale if scale.stride(0) == 1 else scale.t().contiguous().t()
+
+
+class CublasBackend(TritonBackend):
+    name = "cublas"
+
+    def gemm(self, a, a_scale, b, b_scale, b_blockwise, out_dtype):
+        k_tiles = a.shape[1] // TILE
+        if b_blockwise:
+            # cuBLAS wants the (K/128, N/128) block scales K-major with K/128 padded to a multiple of 4.
+            padded = -(-k_tiles // 4) * 4
+            b_s = torch.zeros(b_scale.shape[0], padded, dtype=torch.float32, device=b_scale.device)
+            b_s[:, :k_tiles] = b_scale
+            b_s, recipe_b = b_s.t(), F.ScalingType.BlockWise128x128
+        else:
+            b_s, recipe_b = _mn_major(b_scale), F.ScalingType.BlockWise1x128
+        return F.scaled_mm(a, b.t(), _mn_major(a_scale), F.ScalingType.BlockWise1x128, b_s, recipe_b,
+                           output_dtype=out_dtype)
+
+
+def _cuda_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def why_unavailable(name: str, device: torch.device) -> Optional[str]:
+    """None if backend `name` can run on `device`, else the reason."""
+    if name == "reference":
+        return None
+    if device.type != "cuda":
+        return f"the {name} backend needs a CUDA GPU, but this run is on {device.type}"
+    if importlib.util.find_spec("triton") is None:
+        return f"the {name} backend needs Triton (pip install triton)"
+    if name == "cublas":
+        if not _cuda_sm90(device):
+            return "the cublas backend needs an SM90 (Hopper) GPU for blockwise-scaled FP8 GEMMs"
+        if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+            return f"the cublas backend needs torch.nn.functional.scaled_mm (torch {torch.__version__} lacks it)"
+    return None
+
+
+_CLASSES = {"reference": Fp8Backend, "triton": TritonBackend, "cublas": CublasBackend}
+
+
+def select_backend(name: str, device: torch.device) -> Fp8Backend:
+    """The backend `name` for `device` (`auto`: the fastest that can run); an error says why one cannot."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown FP8 backend '{name}'; choose one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        name = next(n for n in ("cublas", "triton", "reference") if why_unavailable(n, device) is None)
+    reason = why_unavailable(name, device)
+    if reason is not None:
+        raise RuntimeError(f"{reason}: set precision.fp8_backend=auto or reference")
+    return _CLASSES[name]()

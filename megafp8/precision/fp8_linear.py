@@ -1,0 +1,136 @@
+"""The FP8 linear: `y = x @ w^T` whose fprop, dgrad and wgrad GEMMs run in per-tile scaled FP8.
+
+    forward   x -> x_fp8 (1x128 along K);  y  = x_fp8 @ w_fp8^T            (BF16 out)
+    dgrad     dy -> dy_fp8 (1x128 along N); dx = dy_fp8 @ w_fp8               (BF16 out)
+    wgrad     dy^T, x^T (1x128 along M);   dw = dy_fp8^T @ x_fp8            (FP32 out)
+
+Forward saves the FP8 input and its scales (1 byte + 1/32 byte per element instead of BF16's
+2), and backward re-tiles it along tokens for wgrad. The weight is quantized in 128x128 blocks
+once per weight version: the cache is keyed on the tensor's version counter, which every
+in-place update (the optimizer's write-back) bumps, so micro-batches of one step share it and
+a stale copy can never be used. w^T's blocks are the transposed blocks of w, so dgrad reuses
+the same FP8 values.
+
+The FP32 weight gradient is added straight into `weight.main_grad` when the parameter has one
+(set by the FP32 gradient buffer), so it is never rounded to BF16; otherwise it is returned
+in the weight's dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megafp8.precision.backends import Fp8Backend
+from megafp8.precision.formats import FORMATS, Fp8Format
+
+
+@dataclass
+class _QuantizedWeight:
+    version: tuple[int, int]  # (data_ptr, _version) of the weight it was made from
+    w_fp8: torch.Tensor  # (N, K)
+    w_scale: torch.Tensor  # (N/128, K/128)
+    wt: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (w^T fp8 (K, N), scales (K/128, N/128)), made on demand
+
+
+class Fp8WeightCache:
+    """One layer's quantized weight, valid for exactly one version of the weight tensor."""
+
+    def __init__(self) -> None:
+        self._entry: Optional[_QuantizedWeight] = None
+        self.quantize_count = 0  # how many times the weight was quantized (for tests and metrics)
+
+    def get(self, weight: torch.Tensor, backend: Fp8Backend, fmt: Fp8Format, pow2: bool) -> _QuantizedWeight:
+        version = (weight.data_ptr(), weight._version)
+        if self._entry is None or self._entry.version != version:
+            w_fp8, w_scale = backend.quantize_blocks(weight.detach(), fmt, pow2)
+            self._entry = _QuantizedWeight(version, w_fp8, w_scale)
+            self.quantize_count += 1
+        return self._entry
+
+    @staticmethod
+    def transposed(entry: _QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        if entry.wt is None:
+            entry.wt = (entry.w_fp8.t().contiguous(), entry.w_scale.t().contiguous())
+        return entry.wt
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """What one FP8 linear needs from the recipe (kept small so it can ride along into autograd)."""
+
+    fmt: Fp8Format
+    grad_fmt: Fp8Format
+    power_of_two: bool
+    fprop: bool
+    dgrad: bool
+    wgrad: bool
+
+    @classmethod
+    def from_names(cls, fmt: str, grad_fmt: str, power_of_two: bool, fprop: bool, dgrad: bool, wgrad: bool):
+        return cls(FORMATS[fmt], FORMATS[grad_fmt], power_of_two, fprop, dgrad, wgrad)
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, cache: Fp8WeightCache, cfg: Fp8GemmConfig, backend: Fp8Backend):
+        in_shape = x.shape
+        x2d = x.reshape(-1, in_shape[-1])  # (M, K)
+        entry = cache.get(weight, backend, cfg.fmt, cfg.power_of_two)
+        x_fp8 = x_scale = None
+        if cfg.fprop or cfg.wgrad:
+            x_fp8, x_scale = backend.quantize_tiles(x2d, cfg.fmt, cfg.power_of_two)
+        if cfg.fprop:
+            y = backend.gemm(x_fp8, x_scale, entry.w_fp8, entry.w_scale, True, x.dtype)
+        else:
+            y = F.linear(x2d, weight)
+        # wgrad in FP8 needs only the FP8 input; otherwise keep the BF16 input.
+        ctx.save_for_backward(*((x_fp8, x_scale) if cfg.wgrad else (x2d,)), weight)
+        ctx.cache, ctx.entry, ctx.cfg, ctx.backend, ctx.in_shape = cache, entry, cfg, backend, in_shape
+        return y.reshape(*in_shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        cfg, backend, entry = ctx.cfg, ctx.backend, ctx.entry
+        *saved, weight = ctx.saved_tensors
+        dy2d = dy.reshape(-1, dy.shape[-1])  # (M, N)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            if cfg.dgrad:
+                dy_fp8, dy_scale = backend.quantize_tiles(dy2d, cfg.grad_fmt, cfg.power_of_two)
+                wt_fp8, wt_scale = Fp8WeightCache.transposed(entry)
+                dx = backend.gemm(dy_fp8, dy_scale, wt_fp8, wt_scale, True, dy.dtype)
+            else:
+                dx = dy2d @ weight
+            dx = dx.reshape(ctx.in_shape)
+        dw = None
+        if ctx.needs_input_grad[1]:
+            if cfg.wgrad:
+                x_fp8, x_scale = saved
+                dyt_fp8, dyt_scale = backend.quantize_tiles_transposed(dy2d, cfg.grad_fmt, cfg.power_of_two)
+                xt_fp8, xt_scale = backend.retile_transposed(x_fp8, x_scale, cfg.fmt, cfg.power_of_two)
+                dw = backend.gemm(dyt_fp8, dyt_scale, xt_fp8, xt_scale, False, torch.float32)
+            else:
+                (x2d,) = saved
+                dw = (dy2d.t() @ x2d).float()
+            main_grad = getattr(weight, "main_grad", None)
+            if main_grad is not None:
+                main_grad.add_(dw)  # FP32 accumulation; the weight itself receives no grad
+                dw = None
+            else:
+                dw = dw.to(weight.dtype)
+        return dx, dw, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, cfg: Fp8GemmConfig,
+               backend: Fp8Backend) -> torch.Tensor:
+    """`x @ weight^T` with FP8 GEMMs; x (..., K) BF16, weight (N, K). Token count M need not be a multiple of 128."""
+    m = x.numel() // x.shape[-1]
+    if cfg.wgrad and m % 128 != 0 and weight.requires_grad:
+        # The wgrad GEMM contracts over tokens in 128-wide tiles: pad tokens with zero rows (zeros add nothing).
+        pad = 128 - m % 128
+        x_pad = torch.cat([x.reshape(m, -1), x.new_zeros(pad, x.shape[-1])])
+        return _Fp8LinearFn.apply(x_pad, weight, cache, cfg, backend)[:m].reshape(*x.shape[:-1], weight.shape[0])
+    return _Fp8LinearFn.apply(x, weight, cache, cfg, backend)

@@ -1,0 +1,93 @@
+"""Reference per-tile FP8 quantizers (pure torch; CPU or GPU), the bit-exact definition every fast path matches.
+
+Layouts. `x` (M, K) quantized in 1x128 tiles along its last dim gives `x_fp8` (M, K) and
+`x_scale` (M, K/128); weights (N, K) in 128x128 blocks give `w_fp8` (N, K) and `w_scale`
+(N/128, K/128). A scale is the FP32 *dequantization* multiplier: x ~= x_fp8 * scale.
+
+Arithmetic (fixed, so kernels can reproduce it bit for bit):
+    amax  = max |x| over the tile (FP32)
+    scale = amax / FP8_MAX        (correctly rounded division), or the next power of two >= it
+    scale = 1 where amax == 0     (a zero tile quantizes to zeros, not nan)
+    q     = clamp(x / scale, -FP8_MAX, FP8_MAX) cast to FP8 (round to nearest even)
+The clamp only absorbs the last-ulp overshoot of x / scale at the tile's max; it cannot hide an
+inf or nan: an inf makes amax and the scale inf (and the dequantized tile nan), and a nan makes
+the tile's scale nan, so non-finite inputs always surface downstream.
+"""
+from __future__ import annotations
+
+import torch
+
+from megafp8.precision.formats import TILE, Fp8Format
+
+
+def _check_divisible(size: int, what: str) -> None:
+    if size % TILE != 0:
+        raise ValueError(f"{what} = {size} is not a multiple of the FP8 tile size {TILE}")
+
+
+def power_of_two_ceil(r: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= r for positive normal FP32 r (bit exact: clear the mantissa, bump the exponent)."""
+    bits = r.view(torch.int32)
+    mantissa = bits & 0x7FFFFF
+    rounded = (bits & 0x7F800000) + torch.where(mantissa != 0, 0x800000, 0)
+    return torch.where(torch.isfinite(r) & (r > 0), rounded.to(torch.int32).view(torch.float32), r)
+
+
+def scales_from_amax(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> torch.Tensor:
+    scale = amax / fmt.max
+    if power_of_two:
+        scale = power_of_two_ceil(scale)
+    return torch.where(amax == 0, torch.ones_like(scale), scale)
+
+
+def _cast(x_over_scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    return x_over_scale.clamp(-fmt.max, fmt.max).to(fmt.dtype)
+
+
+def quantize_1x128(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (x_fp8 (M, K), scale (M, K/128)), one scale per 1x128 tile along K."""
+    m, k = x.shape
+    _check_divisible(k, "the quantized (contraction) dim")
+    tiles = x.float().reshape(m, k // TILE, TILE)
+    amax = tiles.abs().amax(dim=-1)  # (M, K/128); nan propagates
+    scale = scales_from_amax(amax, fmt, power_of_two)
+    q = _cast(tiles / scale.unsqueeze(-1), fmt).reshape(m, k)
+    return q, scale
+
+
+def quantize_128x128(w: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) -> (w_fp8 (N, K), scale (N/128, K/128)), one scale per 128x128 block."""
+    n, k = w.shape
+    _check_divisible(n, "the weight's output dim")
+    _check_divisible(k, "the weight's input dim")
+    blocks = w.float().reshape(n // TILE, TILE, k // TILE, TILE)
+    amax = blocks.abs().amax(dim=(1, 3))  # (N/128, K/128)
+    scale = scales_from_amax(amax, fmt, power_of_two)
+    q = _cast(blocks / scale[:, None, :, None], fmt).reshape(n, k)
+    return q, scale
+
+
+def dequantize_1x128(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    m, k = q.shape
+    return (q.float().reshape(m, k // TILE, TILE) * scale.unsqueeze(-1)).reshape(m, k)
+
+
+def dequantize_128x128(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    return (q.float().reshape(n // TILE, TILE, k // TILE, TILE) * scale[:, None, :, None]).reshape(n, k)
+
+
+def quantize_1x128_transposed(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> quantized x^T (K, M) in 1x128 tiles along M: the token-contracting operand of wgrad."""
+    return quantize_1x128(x.t(), fmt, power_of_two)
+
+
+def retile_1x128_transposed(q: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
+                            power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-tile a saved FP8 activation from 1x128 along K to 1x128 along M (of its transpose) for wgrad.
+
+    Dequantizes with the row tiles' scales and re-quantizes column tiles. Exact when a column
+    tile's scale equals its rows' scales, and with power-of-two scales whenever the re-scaled
+    values stay in E4M3's normal range (x_fp8 times a power of two needs no rounding).
+    """
+    return quantize_1x128(dequantize_1x128(q, scale).t(), fmt, power_of_two)
