@@ -46,8 +46,12 @@ class Fp8Backend:
         """FP8 x (M, K) in 1x128 tiles along K -> x^T (K, M) in 1x128 tiles along M."""
         return ref.retile_1x128_transposed(q, scale, fmt, pow2)
 
-    def quantize_blocks(self, w: torch.Tensor, fmt: Fp8Format, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return ref.quantize_128x128(w, fmt, pow2)
+    def quantize_blocks_with_transpose(self, w: torch.Tensor, fmt: Fp8Format, pow2: bool) -> tuple[torch.Tensor, ...]:
+        """w (N, K) -> (w_fp8 (N, K), scales (N/128, K/128), w^T fp8 (K, N), scales^T (K/128, N/128)).
+
+        128x128 blocks are transpose-invariant: w^T's quantization is w's, transposed."""
+        q, s = ref.quantize_128x128(w, fmt, pow2)
+        return q, s, q.t().contiguous(), s.t().contiguous()
 
     def gemm(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
              b_blockwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
@@ -69,13 +73,12 @@ class TritonBackend(Fp8Backend):
         return self.kernels.quantize_rows(x, fmt, pow2)
 
     def quantize_tiles_transposed(self, x, fmt, pow2):
-        return self.kernels.quantize_rows(x.t(), fmt, pow2)
+        return self.kernels.quantize_cols(x, fmt, pow2)
 
     def retile_transposed(self, q, scale, fmt, pow2):
-        # Logical X = x^T (K, M); X[r, c] = q[c, r] * scale[c, r // 128].
-        return self.kernels.quantize_rows(q.t(), fmt, pow2, in_scale=scale.t(), in_groups=(TILE, 1))
+        return self.kernels.quantize_cols(q, fmt, pow2, in_scale=scale)
 
-    def quantize_blocks(self, w, fmt, pow2):
+    def quantize_blocks_with_transpose(self, w, fmt, pow2):
         return self.kernels.quantize_blocks(w, fmt, pow2)
 
     def gemm(self, a, a_scale, b, b_scale, b_blockwise, out_dtype):

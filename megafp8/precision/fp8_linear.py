@@ -2,18 +2,19 @@
 
     forward   x -> x_fp8 (1x128 along K);  y  = x_fp8 @ w_fp8^T            (BF16 out)
     dgrad     dy -> dy_fp8 (1x128 along N); dx = dy_fp8 @ w_fp8               (BF16 out)
-    wgrad     dy^T, x^T (1x128 along M);   dw = dy_fp8^T @ x_fp8            (FP32 out)
+    wgrad     dy^T, x^T (1x128 along M);   dw = dy_fp8^T @ x_fp8            (BF16 out, FP32 accumulation)
 
 Forward saves the FP8 input and its scales (1 byte + 1/32 byte per element instead of BF16's
 2), and backward re-tiles it along tokens for wgrad. The weight is quantized in 128x128 blocks
-once per weight version: the cache is keyed on the tensor's version counter, which every
-in-place update (the optimizer's write-back) bumps, so micro-batches of one step share it and
-a stale copy can never be used. w^T's blocks are the transposed blocks of w, so dgrad reuses
-the same FP8 values.
+once per weight version, together with its transpose for dgrad (128x128 blocks are
+transpose-invariant, so both hold the same FP8 values): the cache is keyed on the tensor's
+version counter, which every in-place update (the optimizer's write-back) bumps, so
+micro-batches of one step share it and a stale copy can never be used.
 
-The FP32 weight gradient is added straight into `weight.main_grad` when the parameter has one
-(set by the FP32 gradient buffer), so it is never rounded to BF16; otherwise it is returned
-in the weight's dtype.
+Every GEMM accumulates in FP32 inside (per 128-wide K block, scales applied in FP32) and
+writes BF16, like a BF16 GEMM. The weight gradient is then added into `weight.main_grad`
+(FP32, set by the gradient buffer) when the parameter has one, so micro-batches accumulate in
+FP32; otherwise it is returned as the weight's gradient.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class _QuantizedWeight:
     version: tuple[int, int]  # (data_ptr, _version) of the weight it was made from
     w_fp8: torch.Tensor  # (N, K)
     w_scale: torch.Tensor  # (N/128, K/128)
-    wt: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (w^T fp8 (K, N), scales (K/128, N/128)), made on demand
+    wt_fp8: torch.Tensor  # (K, N): the same blocks, transposed, for dgrad
+    wt_scale: torch.Tensor  # (K/128, N/128)
 
 
 class Fp8WeightCache:
@@ -45,16 +47,14 @@ class Fp8WeightCache:
     def get(self, weight: torch.Tensor, backend: Fp8Backend, fmt: Fp8Format, pow2: bool) -> _QuantizedWeight:
         version = (weight.data_ptr(), weight._version)
         if self._entry is None or self._entry.version != version:
-            w_fp8, w_scale = backend.quantize_blocks(weight.detach(), fmt, pow2)
-            self._entry = _QuantizedWeight(version, w_fp8, w_scale)
+            self._entry = _QuantizedWeight(version, *backend.quantize_blocks_with_transpose(weight.detach(), fmt, pow2))
             self.quantize_count += 1
         return self._entry
 
-    @staticmethod
-    def transposed(entry: _QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-        if entry.wt is None:
-            entry.wt = (entry.w_fp8.t().contiguous(), entry.w_scale.t().contiguous())
-        return entry.wt
+    def clear(self) -> None:
+        """Forget the quantized weight (the next forward re-quantizes)."""
+        self._entry = None
+
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if cfg.dgrad:
                 dy_fp8, dy_scale = backend.quantize_tiles(dy2d, cfg.grad_fmt, cfg.power_of_two)
-                wt_fp8, wt_scale = Fp8WeightCache.transposed(entry)
-                dx = backend.gemm(dy_fp8, dy_scale, wt_fp8, wt_scale, True, dy.dtype)
+                dx = backend.gemm(dy_fp8, dy_scale, entry.wt_fp8, entry.wt_scale, True, dy.dtype)
             else:
                 dx = dy2d @ weight
             dx = dx.reshape(ctx.in_shape)
@@ -111,16 +110,14 @@ class _Fp8LinearFn(torch.autograd.Function):
                 x_fp8, x_scale = saved
                 dyt_fp8, dyt_scale = backend.quantize_tiles_transposed(dy2d, cfg.grad_fmt, cfg.power_of_two)
                 xt_fp8, xt_scale = backend.retile_transposed(x_fp8, x_scale, cfg.fmt, cfg.power_of_two)
-                dw = backend.gemm(dyt_fp8, dyt_scale, xt_fp8, xt_scale, False, torch.float32)
+                dw = backend.gemm(dyt_fp8, dyt_scale, xt_fp8, xt_scale, False, dy.dtype)
             else:
                 (x2d,) = saved
-                dw = (dy2d.t() @ x2d).float()
+                dw = dy2d.t() @ x2d
             main_grad = getattr(weight, "main_grad", None)
             if main_grad is not None:
-                main_grad.add_(dw)  # FP32 accumulation; the weight itself receives no grad
+                main_grad.add_(dw)  # FP32 accumulation across micro-batches; the weight itself gets no grad
                 dw = None
-            else:
-                dw = dw.to(weight.dtype)
         return dx, dw, None, None, None
 
 

@@ -2,8 +2,8 @@
 
 Imported lazily (only when a CUDA backend is selected), so CPU-only installs never need Triton.
 Each kernel reproduces `megafp8.precision.quantize` bit for bit: correctly rounded divisions
-(`div_rn`), the same power-of-two rounding on the scale's bits, and nan propagation that
-`tl.max` alone would drop.
+(`div_rn`), the same power-of-two rounding on the scale's bits, rounding onto the FP8 grid done
+explicitly in FP32 (so the final cast is exact), and nan propagation that `tl.max` alone would drop.
 """
 from __future__ import annotations
 
@@ -27,83 +27,144 @@ def _tile_scale(amax, has_nan, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows_kernel(
-    x_ptr, q_ptr, s_ptr, in_s_ptr,
-    R, C,
-    stride_xr, stride_xc, stride_qr, stride_qc, stride_sr, stride_sc, stride_in_r, stride_in_c,
-    FP8_MAX: tl.constexpr, POW2: tl.constexpr, HAS_IN_SCALE: tl.constexpr,
-    IN_R_GROUP: tl.constexpr, IN_C_GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """Quantize logical X (R, C) in 1x128 tiles along C. X may be a strided (e.g. transposed) view, and may
-    itself be FP8 with input scales (re-tiling): then X[r, c] = x[r, c] * in_s[r // IN_R_GROUP, c // IN_C_GROUP]."""
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_c * 128 + tl.arange(0, 128)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
-    if HAS_IN_SCALE:
-        in_s = tl.load(in_s_ptr + (rows[:, None] // IN_R_GROUP) * stride_in_r + (cols[None, :] // IN_C_GROUP) * stride_in_c,
-                       mask=mask, other=1.0)
-        x = x * in_s
-    amax = tl.max(tl.abs(x), axis=1)
-    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-    scale = _tile_scale(amax, has_nan, FP8_MAX, POW2)
-    q = tl.math.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(q_ptr + rows[:, None] * stride_qr + cols[None, :] * stride_qc, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + rows * stride_sr + pid_c * stride_sc, scale, mask=rows < R)
+def _round_to_grid(v, MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr):
+    """Round FP32 v (already within the format's range) to the nearest FP8 value, ties to even, in FP32.
+
+    The result is exactly representable, so the final cast cannot round again: the bits do not depend
+    on how this Triton version lowers the FP32 -> FP8 conversion."""
+    drop: tl.constexpr = 23 - MANT_BITS
+    bits = v.to(tl.int32, bitcast=True)
+    lsb = (bits >> drop) & 1
+    normal = ((bits + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)).to(tl.float32, bitcast=True)
+    subnormal = tl.extra.cuda.libdevice.rint(v / SUBNORMAL_STEP) * SUBNORMAL_STEP  # exact: the step is 2^-k
+    out = tl.where(tl.abs(v) < MIN_NORMAL, subnormal, normal)
+    return tl.where(v != v, v, out)
 
 
 @triton.jit
-def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, stride_sn, stride_sk,
-                            FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+def _to_fp8_values(x, scale, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                   SUBNORMAL_STEP: tl.constexpr):
+    """clamp(x / scale) rounded onto the FP8 grid (FP32 values; the cast that follows is exact)."""
+    q = tl.math.div_rn(x, scale)
+    q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return _round_to_grid(q, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
+    FP8_MAX: tl.constexpr, POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+    MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr,
+):
+    """x (M, K) row-major -> q (M, K) in 1x128 tiles along K, scales (M, K/128)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_k = tl.program_id(1)
+    cols = pid_k * 128 + tl.arange(0, 128)
+    mask = rows[:, None] < M
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = _tile_scale(amax, tl.max((x != x).to(tl.int32), axis=1) > 0, FP8_MAX, POW2)
+    q = _to_fp8_values(x, scale[:, None], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, scale, mask=rows < M)
+
+
+@triton.jit
+def _quantize_cols_kernel(
+    x_ptr, in_s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_in_m, stride_in_k, stride_qt, stride_st_k, stride_st_m,
+    FP8_MAX: tl.constexpr, POW2: tl.constexpr, HAS_IN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr,
+    MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr,
+):
+    """x (M, K) row-major -> x^T (K, M) in 1x128 tiles along M, scales (K, M/128). Reads x coalesced along K.
+    With HAS_IN_SCALE, x is FP8 in 1x128 tiles along K with scales in_s (M, K/128): re-tiling for wgrad."""
+    pid_m = tl.program_id(0)
+    rows = pid_m * 128 + tl.arange(0, 128)  # M: every tile is whole (M is padded to 128 by the caller)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = cols[None, :] < K
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_IN_SCALE:
+        in_s = tl.load(in_s_ptr + rows[:, None] * stride_in_m + (cols[None, :] // 128) * stride_in_k, mask=mask, other=1.0)
+        x = x * in_s
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = _tile_scale(amax, tl.max((x != x).to(tl.int32), axis=0) > 0, FP8_MAX, POW2)
+    q = _to_fp8_values(x, scale[None, :], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP)
+    tl.store(qt_ptr + cols[None, :] * stride_qt + rows[:, None], q.to(qt_ptr.dtype.element_ty), mask=mask)
+    tl.store(st_ptr + cols * stride_st_k + pid_m * stride_st_m, scale, mask=cols < K)
+
+
+@triton.jit
+def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride_wn,
+                            FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                            MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr):
+    """w (N, K) -> q (N, K) and q^T (K, N) in 128x128 blocks (the same values), scales (N/128, K/128)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * 128 + tl.arange(0, 128)
     cols = pid_k * 128 + tl.arange(0, 128)
-    w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :] * stride_wk).to(tl.float32)
+    w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :]).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
     has_nan = tl.max(tl.max((w != w).to(tl.int32), axis=1), axis=0) > 0
     scale = _tile_scale(amax, has_nan, FP8_MAX, POW2)
-    q = tl.math.div_rn(w, scale)
-    q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty))
-    tl.store(s_ptr + pid_n * stride_sn + pid_k * stride_sk, scale)
+    q = _to_fp8_values(w, scale, FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
+    tl.store(qt_ptr + cols[None, :] * N + rows[:, None], q)
+    tl.store(s_ptr + pid_n * (K // 128) + pid_k, scale)
 
 
-def _empty_scales(rows: int, cols: int, device, rows_major: bool) -> torch.Tensor:
-    """A (rows, cols) FP32 scale tensor; rows_major=True stores it column-major (stride (1, rows)), as cuBLAS wants."""
-    if rows_major:
-        return torch.empty(cols, rows, dtype=torch.float32, device=device).t()
-    return torch.empty(rows, cols, dtype=torch.float32, device=device)
+def _grid_constants(fmt: Fp8Format) -> dict:
+    """Mantissa bits, smallest normal and subnormal spacing of the format (E4M3: 3, 2^-6, 2^-9)."""
+    finfo = torch.finfo(fmt.dtype)
+    mant_bits = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[fmt.dtype]
+    return dict(FP8_MAX=fmt.max, MANT_BITS=mant_bits, MIN_NORMAL=float(finfo.smallest_normal),
+                SUBNORMAL_STEP=float(finfo.smallest_normal) * 2.0**-mant_bits)
 
 
-def quantize_rows(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool, in_scale: torch.Tensor | None = None,
-                  in_groups: tuple[int, int] = (1, 1), scales_mn_major: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the logical (R, C) view `x` in 1x128 tiles along C; returns contiguous q (R, C) and scales (R, C/128)."""
-    r, c = x.shape
-    q = torch.empty(r, c, dtype=fmt.dtype, device=x.device)
-    s = _empty_scales(r, c // TILE, x.device, scales_mn_major)
-    block_r = 32
-    grid = (triton.cdiv(r, block_r), c // TILE)
-    in_s = in_scale if in_scale is not None else s
-    _quantize_rows_kernel[grid](
-        x, q, s, in_s, r, c,
-        x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1), in_s.stride(0), in_s.stride(1),
-        FP8_MAX=fmt.max, POW2=power_of_two, HAS_IN_SCALE=in_scale is not None,
-        IN_R_GROUP=in_groups[0], IN_C_GROUP=in_groups[1], BLOCK_R=block_r,
+def _mn_major_scales(rows: int, cols: int, device) -> torch.Tensor:
+    """An empty (rows, cols) FP32 scale tensor stored column-major (stride (1, rows)): the layout cuBLAS reads."""
+    return torch.empty(cols, rows, dtype=torch.float32, device=device).t()
+
+
+def quantize_rows(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> q (M, K), scales (M, K/128) along K."""
+    assert x.stride(1) == 1, "quantize_rows needs a row-major input"
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=fmt.dtype, device=x.device)
+    s = _mn_major_scales(m, k // TILE, x.device)
+    block_m = 16
+    _quantize_rows_kernel[(triton.cdiv(m, block_m), k // TILE)](
+        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+        POW2=power_of_two, BLOCK_M=block_m, num_warps=4, **_grid_constants(fmt),
     )
     return q, s
 
 
-def quantize_blocks(w: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool,
+                  in_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) (or FP8 x with 1x128 scales `in_scale`) -> x^T (K, M) in 1x128 tiles along M, scales (K, M/128)."""
+    assert x.stride(1) == 1, "quantize_cols needs a row-major input"
+    m, k = x.shape
+    assert m % TILE == 0, "the token dim must be padded to a multiple of 128 for column tiles"
+    qt = torch.empty(k, m, dtype=fmt.dtype, device=x.device)
+    st = _mn_major_scales(k, m // TILE, x.device)
+    block_k = 64
+    in_s = in_scale if in_scale is not None else st
+    _quantize_cols_kernel[(m // TILE, triton.cdiv(k, block_k))](
+        x, in_s, qt, st, m, k, x.stride(0), in_s.stride(0), in_s.stride(1), qt.stride(0), st.stride(0), st.stride(1),
+        POW2=power_of_two, HAS_IN_SCALE=in_scale is not None, BLOCK_K=block_k, num_warps=8, **_grid_constants(fmt),
+    )
+    return qt, st
+
+
+def quantize_blocks(w: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
+    """w (N, K) -> (q (N, K), scales (N/128, K/128), q^T (K, N), scales^T (K/128, N/128))."""
+    assert w.stride(1) == 1, "quantize_blocks needs a row-major weight"
     n, k = w.shape
     q = torch.empty(n, k, dtype=fmt.dtype, device=w.device)
+    qt = torch.empty(k, n, dtype=fmt.dtype, device=w.device)
     s = torch.empty(n // TILE, k // TILE, dtype=torch.float32, device=w.device)
-    _quantize_blocks_kernel[(n // TILE, k // TILE)](w, q, s, n, k, w.stride(0), w.stride(1), s.stride(0), s.stride(1),
-                                                    FP8_MAX=fmt.max, POW2=power_of_two)
-    return q, s
+    _quantize_blocks_kernel[(n // TILE, k // TILE)](w, q, qt, s, n, k, w.stride(0), POW2=power_of_two, num_warps=8,
+                                                    **_grid_constants(fmt))
+    return q, s, qt, s.t().contiguous()
 
 
 @triton.autotune(

@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Forward+backward speed of megafp8's FP8 linear against BF16 `nn.Linear`, and activation memory saved.
+
+For each (M x K x N) shape: one training iteration = forward, then backward for dx and dw
+(3 GEMMs, 6*M*K*N FLOPs). FP8 timings include every quantization: activations, gradients,
+the wgrad re-tiling, and the weight (re-quantized every iteration, as with one micro-batch per
+optimizer step; the "cached" column reuses it, as later micro-batches of a step do). The FP32
+weight gradient is accumulated into `main_grad`, as in training.
+
+Usage: python benchmarks/fp8_linear.py [--backends cublas triton] [--iters 20]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megafp8.parallel import ColumnParallelLinear  # noqa: E402
+from megafp8.precision import Fp8Recipe, PrecisionRecipe  # noqa: E402
+
+SHAPES = [(8192, 7168, 18432), (8192, 18432, 7168), (8192, 4096, 4096), (8192, 2048, 7168)]
+
+
+def time_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def saved_activation_bytes(layer: nn.Module, x: torch.Tensor) -> int:
+    params = {p.data_ptr() for p in layer.parameters()}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if t.data_ptr() not in params:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x).sum()
+    return total
+
+
+def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int) -> dict[str, float]:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    flops = 6.0 * m * k * n
+    bf16 = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+
+    def step_bf16():
+        bf16(x).backward(dy)
+
+    row = {"bf16_tflops": flops / time_ms(step_bf16, iters) / 1e9,
+           "bf16_saved_mb": saved_activation_bytes(bf16, x) / 2**20}
+    bf16.weight.grad = None
+    for name in backends:
+        layer = ColumnParallelLinear(k, n, PrecisionRecipe.from_name("fp8", Fp8Recipe(backend=name)), device="cuda")
+        with torch.no_grad():
+            layer.weight.normal_(0, 0.02)
+        layer.weight.main_grad = torch.zeros(n, k, device="cuda", dtype=torch.float32)
+
+        def step_fp8(requantize=True):
+            if requantize:
+                layer.fp8_cache.clear()
+            layer(x).backward(dy)
+
+        row[f"{name}_tflops"] = flops / time_ms(step_fp8, iters) / 1e9
+        row[f"{name}_cached_tflops"] = flops / time_ms(lambda: step_fp8(False), iters) / 1e9
+        row[f"{name}_saved_mb"] = saved_activation_bytes(layer, x) / 2**20
+        del layer
+    return row
+
+
+def profile(m: int, k: int, n: int, backend: str) -> None:
+    """Kernel times of one FP8 training iteration (weight re-quantized), by kernel name."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    layer = ColumnParallelLinear(k, n, PrecisionRecipe.from_name("fp8", Fp8Recipe(backend=backend)), device="cuda")
+    layer.weight.main_grad = torch.zeros(n, k, device="cuda", dtype=torch.float32)
+    for _ in range(3):
+        layer.fp8_cache.clear()
+        layer(x).backward(dy)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            layer.fp8_cache.clear()
+            layer(x).backward(dy)
+        torch.cuda.synchronize()
+    print(f"## {backend}: kernel time per iteration, {m}x{k}x{n}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", nargs="+", default=["cublas", "triton"])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="print a kernel-time breakdown of the first shape")
+    args = parser.parse_args()
+    if args.profile:
+        profile(*SHAPES[0], args.backends[0])
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.version.__version__} | CUDA {torch.version.cuda}")
+    head = "| M x K x N | BF16 TFLOP/s | " + " | ".join(
+        f"{b} TFLOP/s (x BF16) | {b} cached-weight TFLOP/s" for b in args.backends
+    ) + " | saved activations BF16 -> FP8 (MiB) |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for m, k, n in SHAPES:
+        r = bench_shape(m, k, n, args.backends, args.iters)
+        cells = [f"{m}x{k}x{n}", f"{r['bf16_tflops']:.0f}"]
+        for b in args.backends:
+            cells += [f"{r[f'{b}_tflops']:.0f} ({r[f'{b}_tflops'] / r['bf16_tflops']:.2f}x)",
+                      f"{r[f'{b}_cached_tflops']:.0f} ({r[f'{b}_cached_tflops'] / r['bf16_tflops']:.2f}x)"]
+        cells.append(f"{r['bf16_saved_mb']:.0f} -> {r[f'{args.backends[0]}_saved_mb']:.0f}")
+        print("| " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
