@@ -53,9 +53,14 @@ class Fp8Backend:
         q, s = ref.quantize_128x128(w, fmt, pow2)
         return q, s, q.t().contiguous(), s.t().contiguous()
 
+    def block_scales_for_gemm(self, scale: torch.Tensor) -> torch.Tensor:
+        """A weight's (N/128, K/128) block scales in the layout this backend's GEMM reads (made once per step)."""
+        return scale
+
     def gemm(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
              b_blockwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
-        """A (M, K) @ B (N, K)^T; A in 1x128 tiles, B in 128x128 blocks (b_blockwise) or 1x128 tiles."""
+        """A (M, K) @ B (N, K)^T; A in 1x128 tiles, B in 128x128 blocks (b_blockwise: scales from
+        `block_scales_for_gemm`) or 1x128 tiles."""
         a32 = ref.dequantize_1x128(a, a_scale)
         b32 = ref.dequantize_128x128(b, b_scale) if b_blockwise else ref.dequantize_1x128(b, b_scale)
         return (a32 @ b32.t()).to(out_dtype)
@@ -93,14 +98,16 @@ def _mn_major(scale: torch.Tensor) -> torch.Tensor:
 class CublasBackend(TritonBackend):
     name = "cublas"
 
+    def block_scales_for_gemm(self, scale):
+        # cuBLAS reads (K/128, N/128) block scales K-major, with K/128 padded to a multiple of 4.
+        n_blocks, k_blocks = scale.shape
+        padded = torch.zeros(n_blocks, -(-k_blocks // 4) * 4, dtype=torch.float32, device=scale.device)
+        padded[:, :k_blocks] = scale
+        return padded.t()
+
     def gemm(self, a, a_scale, b, b_scale, b_blockwise, out_dtype):
-        k_tiles = a.shape[1] // TILE
         if b_blockwise:
-            # cuBLAS wants the (K/128, N/128) block scales K-major with K/128 padded to a multiple of 4.
-            padded = -(-k_tiles // 4) * 4
-            b_s = torch.zeros(b_scale.shape[0], padded, dtype=torch.float32, device=b_scale.device)
-            b_s[:, :k_tiles] = b_scale
-            b_s, recipe_b = b_s.t(), F.ScalingType.BlockWise128x128
+            b_s, recipe_b = b_scale, F.ScalingType.BlockWise128x128
         else:
             b_s, recipe_b = _mn_major(b_scale), F.ScalingType.BlockWise1x128
         return F.scaled_mm(a, b.t(), _mn_major(a_scale), F.ScalingType.BlockWise1x128, b_s, recipe_b,

@@ -32,9 +32,9 @@ from megafp8.precision.formats import FORMATS, Fp8Format
 class _QuantizedWeight:
     version: tuple[int, int]  # (data_ptr, _version) of the weight it was made from
     w_fp8: torch.Tensor  # (N, K)
-    w_scale: torch.Tensor  # (N/128, K/128)
+    w_scale: torch.Tensor  # (N/128, K/128), in the backend's GEMM layout
     wt_fp8: torch.Tensor  # (K, N): the same blocks, transposed, for dgrad
-    wt_scale: torch.Tensor  # (K/128, N/128)
+    wt_scale: torch.Tensor  # (K/128, N/128), in the backend's GEMM layout
 
 
 class Fp8WeightCache:
@@ -47,7 +47,9 @@ class Fp8WeightCache:
     def get(self, weight: torch.Tensor, backend: Fp8Backend, fmt: Fp8Format, pow2: bool) -> _QuantizedWeight:
         version = (weight.data_ptr(), weight._version)
         if self._entry is None or self._entry.version != version:
-            self._entry = _QuantizedWeight(version, *backend.quantize_blocks_with_transpose(weight.detach(), fmt, pow2))
+            w_fp8, w_scale, wt_fp8, wt_scale = backend.quantize_blocks_with_transpose(weight.detach(), fmt, pow2)
+            self._entry = _QuantizedWeight(version, w_fp8, backend.block_scales_for_gemm(w_scale),
+                                           wt_fp8, backend.block_scales_for_gemm(wt_scale))
             self.quantize_count += 1
         return self._entry
 

@@ -6,12 +6,16 @@ Layouts. `x` (M, K) quantized in 1x128 tiles along its last dim gives `x_fp8` (M
 
 Arithmetic (fixed, so kernels can reproduce it bit for bit):
     amax  = max |x| over the tile (FP32)
-    scale = amax / FP8_MAX        (correctly rounded division), or the next power of two >= it
-    scale = 1 where amax == 0     (a zero tile quantizes to zeros, not nan)
-    q     = clamp(x / scale, -FP8_MAX, FP8_MAX) cast to FP8 (round to nearest even)
-The clamp only absorbs the last-ulp overshoot of x / scale at the tile's max; it cannot hide an
-inf or nan: an inf makes amax and the scale inf (and the dequantized tile nan), and a nan makes
-the tile's scale nan, so non-finite inputs always surface downstream.
+    scale = amax / FP8_MAX        dequantization multiplier (correctly rounded division),
+    inv   = FP8_MAX / amax        quantization multiplier (correctly rounded; one division per tile)
+            with power-of-two scales: scale = the next power of two >= amax / FP8_MAX, inv = 1 / scale
+    scale = inv = 1 where amax == 0   (a zero tile quantizes to zeros, not nan)
+    q     = clamp(x * inv, -FP8_MAX, FP8_MAX) cast to FP8 (round to nearest even)
+Multiplying by a per-tile reciprocal instead of dividing every element keeps kernels cheap and
+is still exactly reproducible (IEEE multiplication is correctly rounded everywhere). The clamp
+only absorbs the last-ulp overshoot at the tile's max; it cannot hide an inf or nan: an inf
+makes amax and the scale inf and the quantized inf nan (inf * 0), and a nan makes the tile's
+scale nan, so non-finite inputs always surface downstream.
 """
 from __future__ import annotations
 
@@ -33,15 +37,23 @@ def power_of_two_ceil(r: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(r) & (r > 0), rounded.to(torch.int32).view(torch.float32), r)
 
 
-def scales_from_amax(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> torch.Tensor:
-    scale = amax / fmt.max
+def scales_from_amax(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dequantization scale, quantization multiplier) per tile."""
+    # Divide by tensors, not Python numbers: CUDA torch turns `tensor / scalar` into a multiplication by
+    # the reciprocal, which is not correctly rounded (3.0625 / 448 came out one ulp high).
+    fp8_max = torch.full_like(amax, fmt.max)
+    scale = amax / fp8_max
     if power_of_two:
         scale = power_of_two_ceil(scale)
-    return torch.where(amax == 0, torch.ones_like(scale), scale)
+        inv = torch.ones_like(scale) / scale
+    else:
+        inv = fp8_max / amax
+    zero = amax == 0
+    return torch.where(zero, 1.0, scale), torch.where(zero, 1.0, inv)
 
 
-def _cast(x_over_scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    return x_over_scale.clamp(-fmt.max, fmt.max).to(fmt.dtype)
+def _cast(x_times_inv: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    return x_times_inv.clamp(-fmt.max, fmt.max).to(fmt.dtype)
 
 
 def quantize_1x128(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +62,8 @@ def quantize_1x128(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) 
     _check_divisible(k, "the quantized (contraction) dim")
     tiles = x.float().reshape(m, k // TILE, TILE)
     amax = tiles.abs().amax(dim=-1)  # (M, K/128); nan propagates
-    scale = scales_from_amax(amax, fmt, power_of_two)
-    q = _cast(tiles / scale.unsqueeze(-1), fmt).reshape(m, k)
+    scale, inv = scales_from_amax(amax, fmt, power_of_two)
+    q = _cast(tiles * inv.unsqueeze(-1), fmt).reshape(m, k)
     return q, scale
 
 
@@ -62,8 +74,8 @@ def quantize_128x128(w: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False
     _check_divisible(k, "the weight's input dim")
     blocks = w.float().reshape(n // TILE, TILE, k // TILE, TILE)
     amax = blocks.abs().amax(dim=(1, 3))  # (N/128, K/128)
-    scale = scales_from_amax(amax, fmt, power_of_two)
-    q = _cast(blocks / scale[:, None, :, None], fmt).reshape(n, k)
+    scale, inv = scales_from_amax(amax, fmt, power_of_two)
+    q = _cast(blocks * inv[:, None, :, None], fmt).reshape(n, k)
     return q, scale
 
 

@@ -1,9 +1,10 @@
 """Triton kernels for the FP8 path: tile quantization (plain, transposed, re-tiling) and a blockwise GEMM.
 
 Imported lazily (only when a CUDA backend is selected), so CPU-only installs never need Triton.
-Each kernel reproduces `megafp8.precision.quantize` bit for bit: correctly rounded divisions
-(`div_rn`), the same power-of-two rounding on the scale's bits, rounding onto the FP8 grid done
-explicitly in FP32 (so the final cast is exact), and nan propagation that `tl.max` alone would drop.
+Each kernel reproduces `megafp8.precision.quantize` bit for bit: correctly rounded per-tile
+divisions (`div_rn`), the same power-of-two rounding on the scale's bits, rounding onto the FP8
+grid done explicitly in FP32 (so the final cast is exact), and nan propagation that `tl.max`
+alone would drop.
 """
 from __future__ import annotations
 
@@ -16,14 +17,19 @@ from megafp8.precision.formats import TILE, Fp8Format
 
 @triton.jit
 def _tile_scale(amax, has_nan, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """(dequantization scale, quantization multiplier) per tile, as `quantize.scales_from_amax`."""
+    amax = tl.where(has_nan, float("nan"), amax)
     scale = tl.math.div_rn(amax, FP8_MAX)
     if POW2:
         bits = scale.to(tl.int32, bitcast=True)
         up = (bits & 0x7F800000) + tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
         finite_pos = (scale > 0) & (scale < float("inf"))
         scale = tl.where(finite_pos, up.to(tl.float32, bitcast=True), scale)
-    scale = tl.where(amax == 0, 1.0, scale)
-    return tl.where(has_nan, float("nan"), scale)
+        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    else:
+        inv = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
+    zero = amax == 0
+    return tl.where(zero, 1.0, scale), tl.where(zero, 1.0, inv)
 
 
 @triton.jit
@@ -42,10 +48,10 @@ def _round_to_grid(v, MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORM
 
 
 @triton.jit
-def _to_fp8_values(x, scale, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+def _to_fp8_values(x, inv, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
                    SUBNORMAL_STEP: tl.constexpr):
-    """clamp(x / scale) rounded onto the FP8 grid (FP32 values; the cast that follows is exact)."""
-    q = tl.math.div_rn(x, scale)
+    """clamp(x * inv) rounded onto the FP8 grid (FP32 values; the cast that follows is exact)."""
+    q = x * inv
     q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     return _round_to_grid(q, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP)
 
@@ -63,8 +69,8 @@ def _quantize_rows_kernel(
     mask = rows[:, None] < M
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    scale = _tile_scale(amax, tl.max((x != x).to(tl.int32), axis=1) > 0, FP8_MAX, POW2)
-    q = _to_fp8_values(x, scale[:, None], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP)
+    scale, inv = _tile_scale(amax, tl.max((x != x).to(tl.int32), axis=1) > 0, FP8_MAX, POW2)
+    q = _to_fp8_values(x, inv[:, None], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, scale, mask=rows < M)
 
@@ -86,29 +92,46 @@ def _quantize_cols_kernel(
         in_s = tl.load(in_s_ptr + rows[:, None] * stride_in_m + (cols[None, :] // 128) * stride_in_k, mask=mask, other=1.0)
         x = x * in_s
     amax = tl.max(tl.abs(x), axis=0)
-    scale = _tile_scale(amax, tl.max((x != x).to(tl.int32), axis=0) > 0, FP8_MAX, POW2)
-    q = _to_fp8_values(x, scale[None, :], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP)
-    tl.store(qt_ptr + cols[None, :] * stride_qt + rows[:, None], q.to(qt_ptr.dtype.element_ty), mask=mask)
+    scale, inv = _tile_scale(amax, tl.max((x != x).to(tl.int32), axis=0) > 0, FP8_MAX, POW2)
+    q = _to_fp8_values(x, inv[None, :], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP)
+    # Store the transposed tile row-major (contiguous along M) so the writes coalesce.
+    tl.store(qt_ptr + cols[:, None] * stride_qt + rows[None, :], tl.trans(q.to(qt_ptr.dtype.element_ty)),
+             mask=cols[:, None] < K)
     tl.store(st_ptr + cols * stride_st_k + pid_m * stride_st_m, scale, mask=cols < K)
 
 
 @triton.jit
-def _quantize_blocks_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, stride_wn,
-                            FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn,
+                            FP8_MAX: tl.constexpr, POW2: tl.constexpr, CHUNK: tl.constexpr,
                             MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr):
-    """w (N, K) -> q (N, K) and q^T (K, N) in 128x128 blocks (the same values), scales (N/128, K/128)."""
+    """w (N, K) -> q (N, K) in 128x128 blocks, scales (N/128, K/128). The block is walked in CHUNK-row
+    slices (a max-abs pass, then a quantize pass that re-reads from L2) to keep registers low."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_n * 128 + tl.arange(0, 128)
     cols = pid_k * 128 + tl.arange(0, 128)
-    w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :]).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
-    has_nan = tl.max(tl.max((w != w).to(tl.int32), axis=1), axis=0) > 0
-    scale = _tile_scale(amax, has_nan, FP8_MAX, POW2)
-    q = _to_fp8_values(w, scale, FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
-    tl.store(qt_ptr + cols[None, :] * N + rows[:, None], q)
+    amax = tl.zeros((CHUNK,), dtype=tl.float32)
+    nan_count = tl.zeros((CHUNK,), dtype=tl.int32)
+    for r0 in range(0, 128, CHUNK):
+        rows = pid_n * 128 + r0 + tl.arange(0, CHUNK)
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :]).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
+        nan_count += tl.sum((w != w).to(tl.int32), axis=1)
+    scale, inv = _tile_scale(tl.max(amax, axis=0), tl.sum(nan_count, axis=0) > 0, FP8_MAX, POW2)
+    for r0 in range(0, 128, CHUNK):
+        rows = pid_n * 128 + r0 + tl.arange(0, CHUNK)
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :]).to(tl.float32)
+        q = _to_fp8_values(w, inv, FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty))
     tl.store(s_ptr + pid_n * (K // 128) + pid_k, scale)
+
+
+@triton.jit
+def _transpose_kernel(x_ptr, y_ptr, R, C, BLOCK: tl.constexpr):
+    """y (C, R) = x (R, C)^T for 1-byte elements; R and C are multiples of BLOCK."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r[:, None] * C + c[None, :])
+    tl.store(y_ptr + c[:, None] * R + r[None, :], tl.trans(x))
 
 
 def _grid_constants(fmt: Fp8Format) -> dict:
@@ -146,11 +169,11 @@ def quantize_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool,
     assert m % TILE == 0, "the token dim must be padded to a multiple of 128 for column tiles"
     qt = torch.empty(k, m, dtype=fmt.dtype, device=x.device)
     st = _mn_major_scales(k, m // TILE, x.device)
-    block_k = 64
+    block_k = 32
     in_s = in_scale if in_scale is not None else st
     _quantize_cols_kernel[(m // TILE, triton.cdiv(k, block_k))](
         x, in_s, qt, st, m, k, x.stride(0), in_s.stride(0), in_s.stride(1), qt.stride(0), st.stride(0), st.stride(1),
-        POW2=power_of_two, HAS_IN_SCALE=in_scale is not None, BLOCK_K=block_k, num_warps=8, **_grid_constants(fmt),
+        POW2=power_of_two, HAS_IN_SCALE=in_scale is not None, BLOCK_K=block_k, num_warps=4, **_grid_constants(fmt),
     )
     return qt, st
 
@@ -160,10 +183,11 @@ def quantize_blocks(w: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tupl
     assert w.stride(1) == 1, "quantize_blocks needs a row-major weight"
     n, k = w.shape
     q = torch.empty(n, k, dtype=fmt.dtype, device=w.device)
-    qt = torch.empty(k, n, dtype=fmt.dtype, device=w.device)
     s = torch.empty(n // TILE, k // TILE, dtype=torch.float32, device=w.device)
-    _quantize_blocks_kernel[(n // TILE, k // TILE)](w, q, qt, s, n, k, w.stride(0), POW2=power_of_two, num_warps=8,
-                                                    **_grid_constants(fmt))
+    _quantize_blocks_kernel[(n // TILE, k // TILE)](w, q, s, n, k, w.stride(0), POW2=power_of_two, CHUNK=16,
+                                                    num_warps=4, **_grid_constants(fmt))
+    qt = torch.empty(k, n, dtype=fmt.dtype, device=w.device)
+    _transpose_kernel[(n // TILE, k // TILE)](q, qt, n, k, BLOCK=TILE, num_warps=8)
     return q, s, qt, s.t().contiguous()
 
 
