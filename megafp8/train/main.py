@@ -41,15 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
+    clean = False
     try:
         dims, device = init_distributed(cfg)
         seed_everything(cfg.training.seed)
         Trainer(cfg, dims, device).fit()
+        clean = True
     except ConfigError as err:
         return _error(str(err))
     except KeyboardInterrupt:
         log.warning("interrupted")
         return 130
     finally:
-        shutdown()
+        shutdown(clean)
     return 0

@@ -60,8 +60,12 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
     return ParallelDims.from_world(), device
 
 
-def shutdown() -> None:
+def shutdown(clean: bool) -> None:
+    """Tear down the process group. After a clean run, ranks first meet at a barrier: gloo aborts a rank
+    ("terminate called without an active exception") if a peer destroys the group while it is still busy."""
     if dist.is_available() and dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 

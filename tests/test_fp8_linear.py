@@ -1,0 +1,196 @@
+"""The FP8 linear on the reference backend: accuracy against BF16 and float64, weight caching, saved
+activations, FP32 gradient accumulation, per-GEMM switches, the layer plan and bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megafp8.config import ConfigError, load_config
+from megafp8.model import Transformer, apply_fp8_plan
+from megafp8.parallel import ColumnParallelLinear, ParallelDims
+from megafp8.precision import E4M3, Fp8Recipe, PrecisionRecipe, select_backend
+from megafp8.precision.quantize import dequantize_1x128, quantize_1x128
+
+# Tolerance: E4M3 keeps 3 mantissa bits, so each operand element carries a rounding error of up to
+# 2^-4 relative (about 2.4% RMS for values spread over a binade); two quantized operands give ~3.5% RMS
+# relative error in a GEMM result, whatever K is (errors add incoherently, like the signal). We assert 5%.
+FP8_REL_TOL = 0.05
+BF16_REL_TOL = 0.005  # 8 mantissa bits: ~0.3% measured
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def fp8_layer(k, n, weight, **recipe):
+    layer = ColumnParallelLinear(k, n, PrecisionRecipe.from_name("fp8", Fp8Recipe(backend="reference", **recipe)))
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    return layer
+
+
+def inputs(kind: str, m=512, k=256, n=384, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    if kind == "outliers":  # an outlier channel and an outlier token, as in real activations
+        x[:, 7] *= 100.0
+        x[13] *= 50.0
+    return x, torch.randn(n, k, generator=g) * 0.05, torch.randn(m, n, generator=g)
+
+
+@pytest.mark.parametrize("kind", ["random", "outliers"])
+def test_fp8_linear_tracks_bf16_and_float64(kind):
+    x, w, dy = inputs(kind)
+    exact = (x.double() @ w.double().t(), dy.double() @ w.double(), dy.double().t() @ x.double())
+    xb = x.bfloat16().requires_grad_()
+    wb = w.bfloat16().requires_grad_()
+    (xb @ wb.t()).backward(dy.bfloat16())
+    bf16 = ((xb.detach() @ wb.detach().t()), xb.grad, wb.grad)
+    layer = fp8_layer(256, 384, w.bfloat16())
+    xf = x.bfloat16().requires_grad_()
+    y = layer(xf)
+    y.backward(dy.bfloat16())
+    fp8 = (y, xf.grad, layer.weight.grad)
+    for name, got, ref16, ref64 in zip(("y", "dx", "dw"), fp8, bf16, exact):
+        assert got.dtype == torch.bfloat16
+        assert rel_err(ref16, ref64) < BF16_REL_TOL, name
+        assert rel_err(got, ref64) < FP8_REL_TOL, f"{name}: {rel_err(got, ref64):.4f}"
+        assert rel_err(got, ref16) < FP8_REL_TOL, name
+
+
+def test_per_tile_scaling_confines_an_extreme_outlier_to_its_tile():
+    """With one channel 1e5 times larger, per-tensor scaling pushes every other value below E4M3's smallest
+    subnormal; per-tile scaling leaves the tiles without the outlier at the format's usual ~2.5% error."""
+    x, _, _ = inputs("random")
+    x[:, 7] *= 1e5
+    per_tile = dequantize_1x128(*quantize_1x128(x, E4M3))
+    scale = x.abs().max() / 448.0
+    per_tensor = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    assert rel_err(per_tile[:, 128:], x[:, 128:]) < 0.03
+    assert rel_err(per_tensor[:, 128:], x[:, 128:]) > 0.3  # measured 0.37
+
+
+def test_weight_is_quantized_once_per_version_and_never_stale():
+    x, w, dy = inputs("random", m=128)
+    layer = fp8_layer(256, 384, w.bfloat16())
+    for _ in range(3):  # three micro-batches of one step
+        layer(x.bfloat16()).backward(dy[:128].bfloat16())
+    assert layer.fp8_cache.quantize_count == 1
+    with torch.no_grad():
+        layer.weight.mul_(-1.0)  # an optimizer step writing the weight in place
+    y = layer(x.bfloat16())
+    assert layer.fp8_cache.quantize_count == 2
+    fresh = fp8_layer(256, 384, layer.weight.detach())
+    assert torch.equal(y, fresh(x.bfloat16()))
+
+
+def test_forward_saves_the_fp8_input_not_the_bf16_one():
+    x, w, _ = inputs("random")
+    layer = fp8_layer(256, 384, w.bfloat16())
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(x.bfloat16().requires_grad_())
+    activations = [t for t in saved if t.data_ptr() != layer.weight.data_ptr()]
+    assert {t.dtype for t in activations} == {torch.float8_e4m3fn, torch.float32}
+    saved_bytes = sum(t.numel() * t.element_size() for t in activations)
+    assert saved_bytes == 512 * 256 * (1 + 4 / 128)  # FP8 values + one FP32 scale per 128; BF16 would be 2 bytes
+
+
+def test_weight_gradient_accumulates_in_fp32_main_grad():
+    x, w, dy = inputs("random")
+    layer = fp8_layer(256, 384, w.bfloat16())
+    layer.weight.main_grad = torch.zeros(384, 256)
+    xs = x.bfloat16()
+    layer(xs[:256]).backward(dy[:256].bfloat16())
+    layer(xs[256:]).backward(dy[256:].bfloat16())
+    assert layer.weight.grad is None
+    reference = fp8_layer(256, 384, w.bfloat16())
+    reference(xs[:256]).backward(dy[:256].bfloat16())
+    first = reference.weight.grad.float()
+    reference.weight.grad = None
+    reference(xs[256:]).backward(dy[256:].bfloat16())
+    torch.testing.assert_close(layer.weight.main_grad, first + reference.weight.grad.float(), rtol=0, atol=0)
+
+
+def test_token_count_need_not_be_a_multiple_of_128():
+    x, w, dy = inputs("random")
+    layer = fp8_layer(256, 384, w.bfloat16())
+    x3 = x[:150].reshape(3, 50, 256).bfloat16().requires_grad_()
+    y = layer(x3)
+    assert y.shape == (3, 50, 384)
+    y.backward(dy[:150].reshape(3, 50, 384).bfloat16())
+    assert rel_err(layer.weight.grad, dy[:150].double().t() @ x[:150].double()) < FP8_REL_TOL
+    assert rel_err(x3.grad.reshape(150, 256), dy[:150].double() @ w.double()) < FP8_REL_TOL
+
+
+@pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
+def test_each_gemm_can_stay_bf16(gemm):
+    x, w, dy = inputs("random")
+    layer = fp8_layer(256, 384, w.bfloat16(), **{gemm: False})
+    xb = x.bfloat16().requires_grad_()
+    y = layer(xb)
+    y.backward(dy.bfloat16())
+    wb = w.bfloat16()
+    plain = {"fprop": (y, F.linear(xb.detach(), wb)), "dgrad": (xb.grad, dy.bfloat16() @ wb),
+             "wgrad": (layer.weight.grad, dy.bfloat16().t() @ xb.detach())}
+    got, want = plain[gemm]
+    assert torch.equal(got, want)
+    others = [g for g in plain if g != gemm]
+    assert all(not torch.equal(*plain[g]) for g in others)  # the other two still ran in FP8
+
+
+def test_unaligned_layer_and_unavailable_backend_are_rejected():
+    with pytest.raises(ValueError, match="in_features to be a multiple of 128, got 200"):
+        ColumnParallelLinear(200, 256, PrecisionRecipe.from_name("fp8"))
+    with pytest.raises(RuntimeError, match="the cublas backend needs a CUDA GPU, but this run is on cpu"):
+        select_backend("cublas", torch.device("cpu"))
+    assert select_backend("auto", torch.device("cpu")).name == "reference"
+
+
+def plan_for(*overrides):
+    cfg = load_config("tiny_dense_fp8", ["model.vocab_size=384", *overrides])
+    recipe = PrecisionRecipe.from_config(cfg.precision)
+    model = Transformer(cfg.model, recipe, 64)
+    return model, apply_fp8_plan(model, cfg.precision, recipe, cfg.model.num_layers)
+
+
+def test_layer_plan_keeps_islands_and_chosen_blocks_in_bf16():
+    model, plan = plan_for()
+    assert len(plan.fp8_layers) == 16 and plan.bf16_layers == ["lm_head"]
+    assert model.layers[2].mlp.down_proj.runs_fp8 and not model.lm_head.runs_fp8
+    _, plan = plan_for("precision.bf16_first_last_blocks=1", "precision.bf16_layers=[layers.1.attn.*]")
+    assert sorted(plan.bf16_layers) == sorted(["lm_head", "layers.0.attn.qkv_proj", "layers.0.attn.out_proj",
+                                               "layers.0.mlp.gate_up_proj", "layers.0.mlp.down_proj",
+                                               "layers.3.attn.qkv_proj", "layers.3.attn.out_proj",
+                                               "layers.3.mlp.gate_up_proj", "layers.3.mlp.down_proj",
+                                               "layers.1.attn.qkv_proj", "layers.1.attn.out_proj"])
+    _, plan = plan_for("precision.fp8_layers=[layers.*.mlp.*]")
+    assert all(".mlp." in n for n in plan.fp8_layers) and len(plan.fp8_layers) == 8
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["precision.fp8_layers=[lm_head]"], "names 'lm_head', a precision island"),
+    (["precision.fp8_layers=[embed]"], "names 'embed', a precision island"),
+    (["precision.fp8_layers=[layers.0.attn_norm]"], "a precision island"),
+    (["precision.fp8_layers=[layers.*.mpl.*]"], "matches no GEMM layer (names look like layers.0.attn.qkv_proj)"),
+    (["precision.bf16_layers=[layer.0.*]"], "precision.bf16_layers entry 'layer.0.*' matches no GEMM layer"),
+])
+def test_bad_layer_requests_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        plan_for(*overrides)
+
+
+def test_fp8_config_rejects_unaligned_sizes():
+    with pytest.raises(ConfigError, match=r"multiples of the 128-wide FP8 tile, but model.ffn_hidden_size = 700: "
+                                          r"change model.ffn_hidden_size \(e.g. to make it 768\)"):
+        load_config("tiny_dense_fp8", ["model.ffn_hidden_size=700"])
+    with pytest.raises(ConfigError, match=r"QKV width\) = 192"):
+        load_config("tiny_dense_fp8", ["model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=1"])
+
+
+def test_fp8_backend_that_cannot_run_here_is_a_config_error(tiny_overrides):
+    from megafp8.train import Trainer
+    cfg = load_config("tiny_dense_fp8", tiny_overrides + ["precision.fp8_backend=cublas"])
+    with pytest.raises(ConfigError, match="the cublas backend needs a CUDA GPU.*set precision.fp8_backend=auto"):
+        Trainer(cfg, ParallelDims(1, 0, None), torch.device("cpu"))
