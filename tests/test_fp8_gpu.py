@@ -29,6 +29,7 @@ def outlier_tensor(m, k, seed=0):
     x[:, 5] *= 300.0  # an outlier channel
     x[7, :128] = 0.0  # a zero tile
     x[9, 130] = 1e-30  # a tiny value
+    x[11, 256:384] = torch.randn(128, device=CUDA, generator=g) * 1e-37  # a tile below MIN_AMAX
     return x.to(torch.bfloat16)
 
 

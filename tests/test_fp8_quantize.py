@@ -130,3 +130,14 @@ def test_unaligned_shapes_are_rejected_with_the_size():
         quantize_1x128(torch.randn(4, 100), E4M3)
     with pytest.raises(ValueError, match="output dim = 200"):
         quantize_128x128(torch.randn(200, 128), E4M3)
+
+
+def test_vanishingly_small_tiles_do_not_overflow_into_nan():
+    x = torch.zeros(2, 256)
+    x[0, :128] = torch.linspace(-1e-37, 1e-37, 128)  # 448 / 1e-37 would overflow FP32
+    x[1, 128] = 3e-38
+    for pow2 in (False, True):
+        q, scale = quantize_1x128(x, E4M3, power_of_two=pow2)
+        deq = dequantize_1x128(q, scale)
+        assert torch.isfinite(deq).all() and torch.isfinite(scale).all()
+        assert (deq - x).abs().max() < 1e-36

@@ -13,6 +13,9 @@ import torch
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn: 1.75 * 2^8
 E5M2_MAX = 57344.0  # largest finite float8_e5m2: 1.75 * 2^15
 TILE = 128  # edge of a quantization tile: 1x128 for activations/gradients, 128x128 for weights
+# Smallest max-abs a nonzero tile is scaled for. Below it FP8_MAX / amax would overflow FP32 (448 / 1e-37 > 3.4e38)
+# and turn zeros into nan; tiles whose values are all under 2^-100 lose precision instead (they are ~0 anyway).
+MIN_AMAX = 2.0**-100
 
 
 @dataclass(frozen=True)

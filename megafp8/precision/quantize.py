@@ -5,7 +5,7 @@ Layouts. `x` (M, K) quantized in 1x128 tiles along its last dim gives `x_fp8` (M
 (N/128, K/128). A scale is the FP32 *dequantization* multiplier: x ~= x_fp8 * scale.
 
 Arithmetic (fixed, so kernels can reproduce it bit for bit):
-    amax  = max |x| over the tile (FP32)
+    amax  = max |x| over the tile (FP32), raised to MIN_AMAX = 2^-100 if smaller but nonzero
     scale = amax / FP8_MAX        dequantization multiplier (correctly rounded division),
     inv   = FP8_MAX / amax        quantization multiplier (correctly rounded; one division per tile)
             with power-of-two scales: scale = the next power of two >= amax / FP8_MAX, inv = 1 / scale
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from megafp8.precision.formats import TILE, Fp8Format
+from megafp8.precision.formats import MIN_AMAX, TILE, Fp8Format
 
 
 def _check_divisible(size: int, what: str) -> None:
@@ -42,13 +42,14 @@ def scales_from_amax(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> 
     # Divide by tensors, not Python numbers: CUDA torch turns `tensor / scalar` into a multiplication by
     # the reciprocal, which is not correctly rounded (3.0625 / 448 came out one ulp high).
     fp8_max = torch.full_like(amax, fmt.max)
+    zero = amax == 0
+    amax = torch.where(zero, amax, amax.clamp(min=MIN_AMAX))  # clamp keeps nan
     scale = amax / fp8_max
     if power_of_two:
         scale = power_of_two_ceil(scale)
         inv = torch.ones_like(scale) / scale
     else:
         inv = fp8_max / amax
-    zero = amax == 0
     return torch.where(zero, 1.0, scale), torch.where(zero, 1.0, inv)
 
 

@@ -12,13 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
-from megafp8.precision.formats import TILE, Fp8Format
+from megafp8.precision.formats import MIN_AMAX, TILE, Fp8Format
+
+
+MIN_AMAX_CONST = tl.constexpr(MIN_AMAX)
 
 
 @triton.jit
 def _tile_scale(amax, has_nan, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     """(dequantization scale, quantization multiplier) per tile, as `quantize.scales_from_amax`."""
-    amax = tl.where(has_nan, float("nan"), amax)
+    zero = amax == 0
+    amax = tl.where(has_nan, float("nan"), tl.where(zero, amax, tl.maximum(amax, MIN_AMAX_CONST)))
     scale = tl.math.div_rn(amax, FP8_MAX)
     if POW2:
         bits = scale.to(tl.int32, bitcast=True)
@@ -28,7 +32,6 @@ def _tile_scale(amax, has_nan, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
         inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     else:
         inv = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
-    zero = amax == 0
     return tl.where(zero, 1.0, scale), tl.where(zero, 1.0, inv)
 
 
