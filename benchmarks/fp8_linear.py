@@ -27,16 +27,10 @@ SHAPES = [(8192, 7168, 18432), (8192, 18432, 7168), (8192, 4096, 4096), (8192, 2
 
 
 def time_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    """Median milliseconds per call over CUDA-event-timed repeats (triton.testing.do_bench), after warm-up."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=max(100, 5 * iters), return_mode="median")
 
 
 def saved_activation_bytes(layer: nn.Module, x: torch.Tensor) -> int:
@@ -106,7 +100,7 @@ def profile(m: int, k: int, n: int, backend: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", nargs="+", default=["cublas", "triton"])
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=20, help="scales the timing window (5 ms per iter, >=100 ms)")
     parser.add_argument("--profile", action="store_true", help="print a kernel-time breakdown of the first shape")
     args = parser.parse_args()
     if args.profile:
