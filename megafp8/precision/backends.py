@@ -126,6 +126,8 @@ def why_unavailable(name: str, device: torch.device) -> Optional[str]:
         return f"the {name} backend needs a CUDA GPU, but this run is on {device.type}"
     if importlib.util.find_spec("triton") is None:
         return f"the {name} backend needs Triton (pip install triton)"
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return f"the {name} backend needs FP8 tensor cores (compute capability 8.9 or newer)"
     if name == "cublas":
         if not _cuda_sm90(device):
             return "the cublas backend needs an SM90 (Hopper) GPU for blockwise-scaled FP8 GEMMs"

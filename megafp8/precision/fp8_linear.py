@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from megafp8.precision.backends import Fp8Backend
-from megafp8.precision.formats import FORMATS, Fp8Format
+from megafp8.precision.formats import FORMATS, TILE, Fp8Format
 
 
 @dataclass
@@ -56,7 +56,6 @@ class Fp8WeightCache:
     def clear(self) -> None:
         """Forget the quantized weight (the next forward re-quantizes)."""
         self._entry = None
-
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             y = F.linear(x2d, weight)
         # wgrad in FP8 needs only the FP8 input; otherwise keep the BF16 input.
         ctx.save_for_backward(*((x_fp8, x_scale) if cfg.wgrad else (x2d,)), weight)
-        ctx.cache, ctx.entry, ctx.cfg, ctx.backend, ctx.in_shape = cache, entry, cfg, backend, in_shape
+        ctx.entry, ctx.cfg, ctx.backend, ctx.in_shape = entry, cfg, backend, in_shape
         return y.reshape(*in_shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -127,9 +126,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, cfg
                backend: Fp8Backend) -> torch.Tensor:
     """`x @ weight^T` with FP8 GEMMs; x (..., K) BF16, weight (N, K). Token count M need not be a multiple of 128."""
     m = x.numel() // x.shape[-1]
-    if cfg.wgrad and m % 128 != 0 and weight.requires_grad:
+    if cfg.wgrad and m % TILE != 0 and weight.requires_grad and torch.is_grad_enabled():
         # The wgrad GEMM contracts over tokens in 128-wide tiles: pad tokens with zero rows (zeros add nothing).
-        pad = 128 - m % 128
+        pad = TILE - m % TILE
         x_pad = torch.cat([x.reshape(m, -1), x.new_zeros(pad, x.shape[-1])])
         return _Fp8LinearFn.apply(x_pad, weight, cache, cfg, backend)[:m].reshape(*x.shape[:-1], weight.shape[0])
     return _Fp8LinearFn.apply(x, weight, cache, cfg, backend)
