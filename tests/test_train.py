@@ -13,7 +13,7 @@ from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
 
 SINGLE = ParallelDims(world_size=1, rank=0, dp_group=None)
-GOLDEN = Path(__file__).parent / "golden" / "tinyshakespeare_losses.json"
+GOLDEN_DIR = Path(__file__).parent / "golden"
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
@@ -94,20 +94,21 @@ def test_fp32_recipe_trains(tiny_overrides):
 
 
 @pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="needs ../shared/data/tinyshakespeare.txt")
-def test_golden_losses(tmp_path):
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_golden_losses(tmp_path, recipe):
     """Per-step losses of a short run on fixed data; a change that moves numerics shows here.
 
     Regenerate deliberately with MEGAFP8_UPDATE_GOLDEN=1 and explain the change in the commit.
     """
+    golden_file = GOLDEN_DIR / f"tinyshakespeare_{recipe}_losses.json"
     from megafp8.data.preprocess import preprocess
 
     preprocess([str(SHAKESPEARE)], tmp_path / "data", valid_fraction=0.0)
     from tests.conftest import TINY_OVERRIDES
     overrides = TINY_OVERRIDES + [f"data.path={tmp_path / 'data'}", f"logging.output_dir={tmp_path}",
-                                  "training.eval_interval=0", "training.steps=8"]
+                                  "training.eval_interval=0", "training.steps=8", f"precision.recipe={recipe}"]
     losses = train_losses(make_trainer(overrides).fit())
     if os.environ.get("MEGAFP8_UPDATE_GOLDEN"):
-        GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(json.dumps({"torch": torch.__version__, "losses": losses}, indent=1) + "\n")
-    golden = json.loads(GOLDEN.read_text())["losses"]
+        golden_file.write_text(json.dumps({"torch": torch.__version__, "losses": losses}, indent=1) + "\n")
+    golden = json.loads(golden_file.read_text())["losses"]
     assert losses == pytest.approx(golden, rel=2e-3)
