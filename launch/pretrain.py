@@ -11,6 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.train.main import main  # noqa: E402
+from megafp8.train.runtime import exit_process  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
