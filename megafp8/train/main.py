@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from megafp8.config import ConfigError, dump_config, load_config
 from megafp8.train.runtime import env_rank, init_distributed, seed_everything, shutdown
@@ -27,8 +28,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _error(message: str) -> int:
+    """Rank 0 prints the error once; other ranks (which hit the same error) linger a moment before exiting,
+    because torchrun kills the remaining workers as soon as one exits and rank 0 must get its line out."""
     if env_rank()[0] == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(2.0)
     return 2
 
 
