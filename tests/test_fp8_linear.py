@@ -194,3 +194,22 @@ def test_fp8_backend_that_cannot_run_here_is_a_config_error(tiny_overrides):
     cfg = load_config("tiny_dense_fp8", tiny_overrides + ["precision.fp8_backend=cublas"])
     with pytest.raises(ConfigError, match="the cublas backend needs a CUDA GPU.*set precision.fp8_backend=auto"):
         Trainer(cfg, ParallelDims(1, 0, None), torch.device("cpu"))
+
+
+def test_optimizer_step_invalidates_the_quantized_weight():
+    """The sharded optimizer writes weights through a flat buffer the parameters view; the FP8 cache must see it."""
+    from megafp8.config import OptimizerConfig
+    from megafp8.optim import DistributedAdamW
+    from megafp8.parallel import GradBuckets
+
+    x, w, dy = inputs("random", m=128)
+    layer = fp8_layer(256, 384, w.bfloat16())
+    buckets = GradBuckets([layer.weight], {layer.weight: None}, bucket_numel=10**6, sharded=True)
+    opt = DistributedAdamW(buckets, {layer.weight: "weight"}, OptimizerConfig(lr=1e-2, warmup_steps=0))
+    buckets.prepare_backward(last_micro_batch=True)
+    layer(x.bfloat16()).backward(dy[:128].bfloat16())
+    buckets.finish()
+    opt.step(1e-2)
+    y = layer(x.bfloat16())
+    assert layer.fp8_cache.quantize_count == 2
+    assert torch.equal(y, fp8_layer(256, 384, layer.weight.detach())(x.bfloat16()))

@@ -20,7 +20,7 @@ def test_training_on_cuda_learns(tiny_overrides):
     cfg = load_config("tiny_dense", tiny_overrides + ["training.device=auto", "training.steps=12"])
     trainer = Trainer(cfg, ParallelDims(1, 0, None), torch.device("cuda", 0))
     assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in trainer.model.parameters())
-    assert all(m.dtype == torch.float32 for m in trainer.optimizer.masters)
+    assert all(shard.master.dtype == torch.float32 and shard.master.is_cuda for shard in trainer.optimizer.shards)
     losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
     assert losses[-1] < losses[0] - 1.0, losses
 

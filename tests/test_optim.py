@@ -1,102 +1,166 @@
-"""FP32 gradient accumulation, FP32-master AdamW against torch's AdamW, clipping, LR schedules."""
+"""Gradient buckets and the (sharded) FP32-master AdamW against torch.optim.AdamW; clipping; LR schedules."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from megafp8.config import OptimizerConfig
-from megafp8.optim import MixedPrecisionAdamW, lr_at
-from megafp8.parallel import GradBuffer
+from megafp8.optim import DistributedAdamW, lr_at
+from megafp8.parallel import GradBuckets
+from tests.distributed import spawn
 
 
-def small_net(dtype):
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4)).to(dtype)
+def small_net(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8)).to(dtype)
+
+
+def make_optimizer(net, cfg, group=None, sharded=True, bucket_numel=300):
+    params = list(net.parameters())
+    buckets = GradBuckets(params, {p: group for p in params}, bucket_numel=bucket_numel, sharded=sharded)
+    return buckets, DistributedAdamW(buckets, {p: n for n, p in net.named_parameters()}, cfg)
+
+
+def data(step, rank=0, per_rank=8, world=1):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(per_rank * world, 16, generator=g)
+    return x[rank * per_rank : (rank + 1) * per_rank]
+
+
+def reference_run(cfg, steps, micro_batches=1, world=1):
+    """torch.optim.AdamW on an FP32 copy of the net, gradients of the global batch, clipped like ours."""
+    net = small_net()
+    matrices = [p for p in net.parameters() if p.ndim >= 2]
+    vectors = [p for p in net.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": cfg.weight_decay},
+                             {"params": vectors, "weight_decay": 0.0}], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    for step in range(steps):
+        opt.zero_grad()
+        x = data(step, per_rank=8 * world)
+        for chunk in x.chunk(micro_batches):
+            (net(chunk).square().mean() / micro_batches).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
+        opt.step()
     return net
 
 
-def test_grad_buffer_accumulates_bf16_grads_in_fp32():
+def train_ours(net, buckets, opt, cfg, steps, rank=0, world=1, micro_batches=1):
+    for step in range(steps):
+        x = data(step, rank, world=world)
+        for i, chunk in enumerate(x.chunk(micro_batches)):
+            buckets.prepare_backward(last_micro_batch=i == micro_batches - 1)
+            (net(chunk).square().mean() / micro_batches).backward()
+        buckets.finish()
+        opt.clip_grad_norm()
+        opt.step(cfg.lr)
+        buckets.zero()
+
+
+CFG = OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.05, warmup_steps=0)
+
+
+def test_buckets_accumulate_bf16_grads_in_fp32_and_params_view_the_flat_buffer():
     net = small_net(torch.bfloat16)
-    buf = GradBuffer(net.parameters())
+    buckets, _ = make_optimizer(net, CFG)
+    assert len(buckets.buckets) > 1
+    for p in net.parameters():
+        bucket = next(b for b in buckets.buckets if any(q is p for q in b.params))
+        assert p.untyped_storage().data_ptr() == bucket.params_flat.untyped_storage().data_ptr()
     x = torch.randn(8, 16, dtype=torch.bfloat16)
-    expected = [torch.zeros(p.shape) for p in net.parameters()]
-    for _ in range(3):
-        net(x).float().square().mean().backward()
-    # Reference: the same three backward passes, each grad upcast and summed in FP32.
     ref = small_net(torch.bfloat16)
+    expected = [torch.zeros(p.shape) for p in ref.parameters()]
     for _ in range(3):
+        buckets.prepare_backward(last_micro_batch=False)
+        net(x).float().square().mean().backward()
         ref.zero_grad()
         ref(x).float().square().mean().backward()
         for e, p in zip(expected, ref.parameters()):
             e += p.grad.float()
-    for p, g, e in zip(net.parameters(), buf.main_grads, expected):
-        assert p.grad is None  # freed after each backward
-        assert g.dtype == torch.float32
-        torch.testing.assert_close(g, e, rtol=0, atol=0)
-    buf.zero()
-    assert buf.flat.abs().sum() == 0
+    for p, e in zip(net.parameters(), expected):
+        assert p.grad is None and p.main_grad.dtype == torch.float32
+        torch.testing.assert_close(p.main_grad, e, rtol=0, atol=0)
 
 
-def test_fp32_masters_match_torch_adamw_with_decay_groups():
-    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.0)
-    net, ref = small_net(torch.float32), small_net(torch.float32)
-    buf = GradBuffer(net.parameters())
-    opt = MixedPrecisionAdamW(list(net.named_parameters()), buf, cfg)
-    matrices = [p for p in ref.parameters() if p.ndim >= 2]
-    vectors = [p for p in ref.parameters() if p.ndim < 2]
-    ref_opt = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-                                lr=1e-2, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    x = torch.randn(8, 16)
-    for _ in range(4):
-        net(x).square().mean().backward()
-        opt.step(1e-2)
-        buf.zero()
-        ref_opt.zero_grad()
-        ref(x).square().mean().backward()
-        ref_opt.step()
-    for p, r in zip(net.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+def test_single_rank_matches_torch_adamw_with_decay_and_clipping():
+    net = small_net()
+    buckets, opt = make_optimizer(net, CFG)
+    train_ours(net, buckets, opt, CFG, steps=10, micro_batches=2)
+    ref = reference_run(CFG, steps=10, micro_batches=2)
+    for (name, p), r in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_bf16_weights_are_rounded_fp32_masters():
-    net = small_net(torch.bfloat16)
-    buf = GradBuffer(net.parameters())
-    opt = MixedPrecisionAdamW(list(net.named_parameters()), buf, OptimizerConfig(lr=1e-3))
-    net(torch.randn(4, 16, dtype=torch.bfloat16)).float().sum().backward()
-    opt.step(1e-3)
-    for p, m in zip(net.parameters(), opt.masters):
-        assert m.dtype == torch.float32 and p.dtype == torch.bfloat16
-        assert torch.equal(p, m.to(torch.bfloat16))
-        assert not torch.equal(p.float(), m)  # the master keeps bits the BF16 weight cannot hold
+def _dp_worker(rank, world, sharded, moment_dtype):
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.05, warmup_steps=0, moment_dtype=moment_dtype)
+    net = small_net()
+    buckets, opt = make_optimizer(net, cfg, group=dist.group.WORLD, sharded=sharded)
+    train_ours(net, buckets, opt, cfg, steps=10, rank=rank, world=world)
+    ref = reference_run(cfg, steps=10, world=world)
+    tol = dict(rtol=1e-5, atol=1e-6) if moment_dtype == "fp32" else dict(rtol=0, atol=2e-3)
+    for (name, p), r in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, msg=f"rank {rank} {name}", **tol)
+    # Per-rank optimizer memory falls as 1/DP when sharded (states and masters are counted from the tensors).
+    memory = opt.memory_bytes()
+    total = sum(p.numel() for p in net.parameters())
+    padded = sum(b.numel for b in buckets.buckets)
+    states_per_element = 2 * (4 if moment_dtype == "fp32" else 2)
+    expected_elements = padded // world if sharded else padded
+    assert memory["optimizer_states"] == expected_elements * states_per_element
+    assert memory["master_weights"] == expected_elements * 4
+    assert padded - total < len(buckets.buckets) * world  # padding is at most world-1 per bucket
 
 
-def test_clipping_scales_to_max_norm_and_reports_the_unclipped_norm():
-    net = small_net(torch.float32)
-    buf = GradBuffer(net.parameters())
-    opt = MixedPrecisionAdamW(list(net.named_parameters()), buf, OptimizerConfig(grad_clip=0.5))
-    buf.flat.copy_(torch.arange(buf.flat.numel(), dtype=torch.float32))
-    norm_before = torch.linalg.vector_norm(buf.flat).item()
-    norm = opt.clip_grad_norm()
-    assert norm.item() == pytest.approx(norm_before)
-    assert torch.linalg.vector_norm(buf.flat).item() == pytest.approx(0.5, rel=1e-5)
+@pytest.mark.parametrize("world, sharded", [(2, True), (4, True), (2, False)])
+def test_data_parallel_matches_single_rank_adamw(world, sharded):
+    spawn(world, _dp_worker, sharded, "fp32")
 
 
-def test_state_dict_roundtrip_and_mismatch():
-    net = small_net(torch.bfloat16)
-    buf = GradBuffer(net.parameters())
-    opt = MixedPrecisionAdamW(list(net.named_parameters()), buf, OptimizerConfig())
-    net(torch.randn(4, 16, dtype=torch.bfloat16)).float().sum().backward()
-    opt.step(1e-3)
-    state = opt.state_dict()
-    other_net = small_net(torch.bfloat16)
-    other = MixedPrecisionAdamW(list(other_net.named_parameters()), GradBuffer(other_net.parameters()), OptimizerConfig())
+def test_bf16_moments_stay_close_to_fp32():
+    spawn(2, _dp_worker, True, "bf16")
+
+
+def _state_worker(rank, world):
+    cfg = CFG
+    net = small_net()
+    buckets, opt = make_optimizer(net, cfg, group=dist.group.WORLD, sharded=True)
+    train_ours(net, buckets, opt, cfg, steps=3, rank=rank, world=world)
+    state = opt.state_dict()  # gathered: the same full tensors on every rank
+    # A fresh optimizer on another layout (unsharded, one bucket) loads it and continues identically.
+    other_net = small_net(seed=5)
+    other_buckets, other = make_optimizer(other_net, cfg, group=dist.group.WORLD, sharded=False, bucket_numel=10**6)
     other.load_state_dict(state)
-    for a, b in zip(net.parameters(), other_net.parameters()):
-        assert torch.equal(a, b)
+    for p, q in zip(net.parameters(), other_net.parameters()):
+        assert torch.equal(p, q)
+    train_ours(net, buckets, opt, cfg, steps=2, rank=rank, world=world)
+    train_ours(other_net, other_buckets, other, cfg, steps=2, rank=rank, world=world)
+    for p, q in zip(net.parameters(), other_net.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_state_dict_is_layout_independent():
+    spawn(2, _state_worker)
+
+
+def test_load_rejects_mismatched_state():
+    net = small_net()
+    _, opt = make_optimizer(net, CFG)
+    state = opt.state_dict()
     state["masters"].pop("0.weight")
-    with pytest.raises(ValueError, match="missing masters"):
-        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="lacks masters for 1 parameter"):
+        opt.load_state_dict(state)
+
+
+def test_clipping_reports_the_unclipped_norm():
+    net = small_net()
+    buckets, opt = make_optimizer(net, OptimizerConfig(grad_clip=0.5))
+    for b in buckets.buckets:
+        b.grads_flat.copy_(torch.arange(b.numel, dtype=torch.float32))
+    before = torch.sqrt(sum((b.grads_flat.square().sum() for b in buckets.buckets), torch.tensor(0.0))).item()
+    assert opt.clip_grad_norm().item() == pytest.approx(before)
+    after = torch.sqrt(sum((b.grads_flat.square().sum() for b in buckets.buckets), torch.tensor(0.0))).item()
+    assert after == pytest.approx(0.5, rel=1e-5)
 
 
 @pytest.mark.parametrize("style", ["cosine", "linear", "wsd", "constant"])

@@ -14,6 +14,7 @@ PrecisionName = Literal["bf16", "fp32", "fp8"]
 Fp8BackendName = Literal["auto", "reference", "cublas", "triton"]
 Fp8FormatName = Literal["e4m3", "e5m2"]
 DecayStyle = Literal["cosine", "linear", "wsd", "constant"]
+MomentDtype = Literal["fp32", "bf16"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 BackendName = Literal["auto", "gloo", "nccl"]
 
@@ -132,6 +133,15 @@ class OptimizerConfig:
     beta2: float = setting(0.95, "AdamW beta2.")
     eps: float = setting(1e-8, "AdamW epsilon.")
     grad_clip: float = setting(1.0, "Clip the global gradient L2 norm to this value; 0 disables clipping.")
+    sharded: bool = setting(
+        True,
+        "Shard FP32 master weights, AdamW moments and reduced gradients across data-parallel ranks (ZeRO-style, "
+        "reduce-scatter + all-gather). `false`: every rank all-reduces and keeps the full state.",
+    )
+    moment_dtype: MomentDtype = setting("fp32", "Dtype of the AdamW moments: `fp32`, or `bf16` (as DeepSeek-V3).")
+    bucket_size_mb: float = setting(
+        64.0, "Size of a gradient bucket (FP32 MB); each bucket's reduction starts as soon as its gradients are ready."
+    )
 
 
 @dataclass
@@ -158,7 +168,9 @@ class TrainingConfig:
     )
     micro_batch_size: int = setting(4, "Samples per forward/backward pass on one rank.")
     eval_interval: int = setting(50, "Evaluate validation loss every this many steps (and at the end); 0 disables.")
-    eval_iters: int = setting(4, "Micro-batches per rank in one validation pass.")
+    eval_iters: int = setting(
+        4, "Micro-batches in one validation pass, split across data-parallel ranks (the same set for any layout)."
+    )
     seed: int = setting(1234, "Seed of weight init and data shuffling; the same seed gives the same run.")
     device: DeviceName = setting("auto", "`auto`: CUDA when available (one GPU per local rank), else CPU.")
 

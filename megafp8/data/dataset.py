@@ -102,10 +102,10 @@ class DistributedLoader:
 
 
 def validation_batches(dataset: PackedDataset, micro_batch_size: int, num_micro: int, dp_rank: int, dp_size: int) -> list[Batch]:
-    """The same held-out micro-batches at every evaluation: rank r takes every dp_size-th micro-batch."""
+    """This rank's part of the same `num_micro` held-out micro-batches (the first samples of the split, in
+    order) at every evaluation: micro-batch m goes to rank m % dp_size, so the set is layout-independent."""
     batches = []
-    for m in range(num_micro):
-        first = (m * dp_size + dp_rank) * micro_batch_size
-        indices = np.arange(first, first + micro_batch_size) % len(dataset)
+    for m in range(dp_rank, num_micro, dp_size):
+        indices = np.arange(m * micro_batch_size, (m + 1) * micro_batch_size) % len(dataset)
         batches.append(dataset.batch(indices))
     return batches

@@ -1,5 +1,5 @@
 """Optimizers and learning-rate schedules."""
 from megafp8.optim.lr_schedule import lr_at
-from megafp8.optim.mixed_precision import MixedPrecisionAdamW
+from megafp8.optim.distributed import DistributedAdamW
 
-__all__ = ["MixedPrecisionAdamW", "lr_at"]
+__all__ = ["DistributedAdamW", "lr_at"]

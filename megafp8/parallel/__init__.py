@@ -1,6 +1,6 @@
 """Parallelism: process-group layout, parallel layers, gradient buffers and their reductions."""
 from megafp8.parallel.dims import ParallelDims
-from megafp8.parallel.grad_buffer import GradBuffer
+from megafp8.parallel.grad_buckets import GradBuckets
 from megafp8.parallel.layers import (
     ColumnParallelLinear,
     ParallelLinear,
@@ -10,6 +10,6 @@ from megafp8.parallel.layers import (
 )
 
 __all__ = [
-    "ColumnParallelLinear", "GradBuffer", "ParallelDims", "ParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "ColumnParallelLinear", "GradBuckets", "ParallelDims", "ParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy",
 ]

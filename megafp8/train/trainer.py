@@ -22,8 +22,8 @@ from megafp8.config import Config, ConfigError, ModelConfig, dump_config, valida
 from megafp8.config.loader import config_to_dict
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
 from megafp8.model import Transformer, apply_fp8_plan, init_weights, training_flops_per_token
-from megafp8.optim import MixedPrecisionAdamW, lr_at
-from megafp8.parallel import GradBuffer, ParallelDims
+from megafp8.optim import DistributedAdamW, lr_at
+from megafp8.parallel import GradBuckets, ParallelDims
 from megafp8.precision import PrecisionRecipe, select_backend
 from megafp8.train.metrics import MetricsFile, format_step_line, peak_tflops
 
@@ -68,8 +68,13 @@ class Trainer:
             self.model = build_model(cfg, self.model_cfg, self.recipe, device)
         except RuntimeError as err:  # an FP8 backend that cannot run here
             raise ConfigError(str(err)) from None
-        self.grad_buffer = GradBuffer(self.model.parameters())
-        self.optimizer = MixedPrecisionAdamW(list(self.model.named_parameters()), self.grad_buffer, cfg.optimizer)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.grad_buckets = GradBuckets(
+            params, {p: dims.dp_group for p in params},
+            bucket_numel=int(cfg.optimizer.bucket_size_mb * 2**20 / 4), sharded=cfg.optimizer.sharded,
+        )
+        names = {p: n for n, p in self.model.named_parameters()}
+        self.optimizer = DistributedAdamW(self.grad_buckets, names, cfg.optimizer)
         train_set = PackedDataset(TokenStream(meta, cfg.data.train_split), cfg.data.seq_len, cfg.data.train_split)
         self.loader = DistributedLoader(
             train_set, cfg.training.global_batch_size, cfg.training.micro_batch_size,
@@ -95,26 +100,32 @@ class Trainer:
         self.model.train()
         micro_batches = self.loader.next_step()
         loss_sum = torch.zeros((), device=self.device)
-        for tokens, targets in micro_batches:
+        for i, (tokens, targets) in enumerate(micro_batches):
+            self.grad_buckets.prepare_backward(last_micro_batch=i == len(micro_batches) - 1)
             loss = self.model(tokens.to(self.device), targets.to(self.device)) / len(micro_batches)
             loss.backward()
             loss_sum += loss.detach()
-        self.grad_buffer.all_reduce_mean(self.dims.dp_group)
+        self.grad_buckets.finish()
         grad_norm = self.optimizer.clip_grad_norm()
         self.optimizer.step(lr_at(self.step, self.cfg.optimizer, self.cfg.training.steps))
-        self.grad_buffer.zero()
+        self.grad_buckets.zero()
         self.step += 1
         return loss_sum, grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed held-out micro-batches, averaged across data-parallel ranks."""
+        """Mean loss over the fixed held-out micro-batches (`training.eval_iters` of them, split across ranks)."""
         assert self.valid_set is not None
         self.model.eval()
         batches = validation_batches(self.valid_set, self.cfg.training.micro_batch_size,
                                      self.cfg.training.eval_iters, self.dims.dp_rank, self.dims.dp_size)
-        losses = [self.model(t.to(self.device), y.to(self.device)) for t, y in batches]
-        return self._dp_mean(torch.stack(losses).mean()).item()
+        total = torch.zeros(2, device=self.device)  # (sum of micro-batch losses, count)
+        for tokens, targets in batches:
+            total[0] += self.model(tokens.to(self.device), targets.to(self.device))
+            total[1] += 1
+        if self.dims.is_distributed:
+            dist.all_reduce(total, group=self.dims.dp_group)
+        return (total[0] / total[1]).item()
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         if not self.dims.is_distributed:
@@ -195,6 +206,14 @@ class Trainer:
             num_params / 1e6, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads,
             m.ffn_hidden_size, m.vocab_size, self.recipe.name,
         )
+        memory = self.optimizer.memory_bytes()
+        total_params = sum(p.numel() for p in self.model.parameters())
+        log.info(
+            "memory per rank: %s (bytes/param: %s) | optimizer %s over %d data-parallel rank(s), moments %s",
+            ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.1f} MiB" for k, v in memory.items()),
+            " + ".join(f"{v / total_params:.2f}" for v in memory.values()),
+            "sharded" if self.cfg.optimizer.sharded else "replicated", self.dims.dp_size, self.cfg.optimizer.moment_dtype,
+        )
         log.info(
             "data: %d training samples of %d tokens | %d rank(s) x %d micro-batch(es) x %d samples = %d per step "
             "(%d tokens) | %d steps from step %d | run dir %s",
@@ -205,11 +224,12 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs, by parameter name. Collective: every rank must call it."""
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {
-            "model": self.model.state_dict(),
+            "model": {name: t.detach().cpu().clone() for name, t in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
             "loader": self.loader.state_dict(),
@@ -218,8 +238,9 @@ class Trainer:
         }
 
     def save(self) -> None:
+        state = self.state_dict()  # gathers sharded optimizer state on every rank
         if self.dims.rank == 0:
-            path = save_checkpoint(self.checkpoint_dir, self.step, self.state_dict(), self.cfg.checkpoint.keep_last)
+            path = save_checkpoint(self.checkpoint_dir, self.step, state, self.cfg.checkpoint.keep_last)
             log.info("saved checkpoint %s", path)
         if self.dims.is_distributed:
             dist.barrier(group=self.dims.dp_group)
@@ -227,8 +248,10 @@ class Trainer:
     def load(self, path: Path) -> None:
         state = load_checkpoint(path)
         check_tensors_match(state["model"], self.model.state_dict(), path)
-        self.model.load_state_dict(state["model"], strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])  # writes the master weights into the model
+        except (KeyError, ValueError) as err:
+            raise ConfigError(f"checkpoint {path} has an unusable optimizer state: {err}") from None
         self.loader.load_state_dict(state["loader"])
         self.step = int(state["step"])
         torch.set_rng_state(state["rng"]["torch"])

@@ -1,0 +1,164 @@
+"""AdamW on FP32 master weights, sharded ZeRO-style across data-parallel ranks (Megatron's distributed optimizer).
+
+Works on the flat buckets of `megafp8.parallel.GradBuckets`. With `sharded=True` each rank owns
+1/D of every bucket: its reduce-scattered FP32 gradient shard, an FP32 master copy of that shard
+of the weights, and the AdamW moments (FP32, or BF16 as DeepSeek-V3 kept them); after the update
+the shard is cast to the model dtype and all-gathered into the bucket, which the parameters view.
+With `sharded=False` every rank all-reduces and updates whole buckets (plain data parallelism).
+
+The update is AdamW with decoupled weight decay (torch.optim.AdamW's arithmetic) written over
+flat shards, because torch's AdamW has no BF16-moment option; weight decay applies to matrices
+only (each bucket stores them first, so a shard's decayed elements form one contiguous run).
+Gradient clipping uses the global L2 norm: each element is owned by exactly one rank of its
+group, so summing the shards' squares over the group counts every gradient once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from megafp8.config import OptimizerConfig
+from megafp8.parallel import GradBuckets
+from megafp8.parallel.grad_buckets import Bucket
+
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class _Shard:
+    bucket: Bucket
+    start: int  # this rank's range [start, end) within the bucket
+    end: int
+    decay_end: int  # elements [0, decay_end) of the shard get weight decay
+    master: torch.Tensor  # FP32
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+class DistributedAdamW:
+    """FP32-master AdamW over `buckets`; `names` maps each parameter to its name (for checkpoints)."""
+
+    def __init__(self, buckets: GradBuckets, names: dict[nn.Parameter, str], cfg: OptimizerConfig) -> None:
+        self.buckets, self.cfg = buckets, cfg
+        self.names = names
+        self.step_count = 0
+        moment_dtype = MOMENT_DTYPES[cfg.moment_dtype]
+        self.shards: list[_Shard] = []
+        for bucket in buckets.buckets:
+            start, end = buckets.shard_range(bucket)
+            master = bucket.params_flat[start:end].float().clone()
+            self.shards.append(_Shard(
+                bucket, start, end, max(0, min(end, bucket.decay_numel) - start), master,
+                torch.zeros_like(master, dtype=moment_dtype), torch.zeros_like(master, dtype=moment_dtype),
+            ))
+
+    # --------------------------------------------------------------------------------- step
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the reduced gradients (before clipping), clipped in place; no host sync."""
+        sum_sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].master.device)
+        for shard in self.shards:
+            sum_sq += self.buckets.shard_grads(shard.bucket).square().sum()
+        if self.buckets.sharded:
+            for group in self._groups():
+                dist.all_reduce(sum_sq, group=group)
+        norm = sum_sq.sqrt()
+        if self.cfg.grad_clip > 0:
+            coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
+            for shard in self.shards:
+                self.buckets.shard_grads(shard.bucket).mul_(coef)
+        return norm
+
+    def _groups(self) -> list[dist.ProcessGroup]:
+        groups = {id(s.bucket.group): s.bucket.group for s in self.shards if s.bucket.group_size > 1}
+        return list(groups.values())
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        self.step_count += 1
+        c = self.cfg
+        bias1 = 1 - c.beta1 ** self.step_count
+        bias2_sqrt = math.sqrt(1 - c.beta2 ** self.step_count)
+        for shard in self.shards:
+            grad = self.buckets.shard_grads(shard.bucket)
+            m, v = shard.exp_avg.float(), shard.exp_avg_sq.float()  # copies only for BF16 moments
+            if shard.decay_end > 0:
+                shard.master[: shard.decay_end].mul_(1 - lr * c.weight_decay)
+            m.lerp_(grad, 1 - c.beta1)
+            v.mul_(c.beta2).addcmul_(grad, grad, value=1 - c.beta2)
+            denom = (v.sqrt() / bias2_sqrt).add_(c.eps)
+            shard.master.addcdiv_(m, denom, value=-lr / bias1)
+            if m.data_ptr() != shard.exp_avg.data_ptr():
+                shard.exp_avg.copy_(m)
+                shard.exp_avg_sq.copy_(v)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Write the updated masters into the model weights (all-gathering the shards when sharded)."""
+        for shard in self.shards:
+            bucket = shard.bucket
+            own = bucket.params_flat[shard.start : shard.end]
+            own.copy_(shard.master)
+            if self.buckets.sharded and bucket.group_size > 1:
+                dist.all_gather_into_tensor(bucket.params_flat, own.clone(), group=bucket.group)
+            # Writes into params_flat (copy, collective) do not bump the parameters' own version counters
+            # (`p.data = view` keeps each parameter's counter), and FP8 weight caches key on them.
+            for p in bucket.params:
+                torch.autograd.graph.increment_version(p)
+
+    # --------------------------------------------------------------------------- checkpoints
+    def _full(self, shard: _Shard, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole bucket's values of a per-shard tensor, in FP32 (all-gathered when sharded)."""
+        if not self.buckets.sharded or shard.bucket.group_size == 1:
+            return tensor.float()
+        full = torch.empty(shard.bucket.numel, dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(full, tensor.contiguous(), group=shard.bucket.group)
+        return full.float()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Layout-independent state: FP32 master weights and moments by parameter name, and the step.
+        Collective when sharded: every rank must call it."""
+        state: dict[str, Any] = {"step": self.step_count, "masters": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for shard in self.shards:
+            fulls = {key: self._full(shard, getattr(shard, attr)) for key, attr in
+                     (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))}
+            for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
+                for key, full in fulls.items():
+                    state[key][self.names[p]] = full[offset : offset + p.numel()].view_as(p).cpu().clone()
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = {self.names[p]: tuple(p.shape) for s in self.shards for p in s.bucket.params}
+        for key in ("masters", "exp_avg", "exp_avg_sq"):
+            saved = state.get(key, {})
+            missing = [n for n in expected if n not in saved]
+            if missing:
+                raise ValueError(f"optimizer state lacks {key} for {len(missing)} parameter(s), e.g. '{missing[0]}'")
+            for name, shape in expected.items():
+                if tuple(saved[name].shape) != shape:
+                    raise ValueError(f"optimizer {key} of '{name}' has shape {tuple(saved[name].shape)}, "
+                                     f"the model has {shape}")
+        self.step_count = int(state["step"])
+        for shard in self.shards:
+            for key, attr in (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+                full = torch.zeros(shard.bucket.numel, dtype=torch.float32)
+                for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
+                    full[offset : offset + p.numel()] = state[key][self.names[p]].reshape(-1).float()
+                getattr(shard, attr).copy_(full[shard.start : shard.end])
+        self._publish()
+
+    # ---------------------------------------------------------------------------- accounting
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for weights, gradients, master weights and optimizer states."""
+        weights = sum(b.params_flat.numel() * b.params_flat.element_size() for b in self.buckets.buckets)
+        grads = sum(b.grads_flat.numel() * 4 for b in self.buckets.buckets)
+        if self.buckets.sharded:
+            grads += sum(b.shard_grads.numel() * 4 for b in self.buckets.buckets if b.shard_grads is not b.grads_flat)
+        masters = sum(s.master.numel() * 4 for s in self.shards)
+        states = sum(s.exp_avg.numel() * s.exp_avg.element_size() * 2 for s in self.shards)
+        return {"weights": weights, "grads": grads, "master_weights": masters, "optimizer_states": states}

@@ -1,0 +1,168 @@
+"""Contiguous parameter and FP32 gradient buckets, and their data-parallel reduction.
+
+Parameters are laid out in buckets of about `bucket_numel` elements, in reverse registration
+order (roughly the order backward produces their gradients), grouped by the process group
+their gradients are reduced over (a parameter-to-group map: dense parameters use the
+data-parallel group; expert parameters will use the expert-data-parallel group). Each bucket
+owns two flat buffers:
+
+- `params`: the model weights (BF16 or FP32). Every parameter's `.data` becomes a view into it,
+  so the sharded optimizer's all-gather writes the updated weights in place.
+- `grads`: FP32 gradients. Every parameter's `main_grad` is a view into it; a post-accumulate
+  hook adds the parameter's gradient and frees it (FP8 linears add their FP32 weight gradient to
+  `main_grad` themselves), so micro-batches accumulate in FP32.
+
+Within a bucket, matrices come before vectors, so a rank's shard holds at most one contiguous
+run of weight-decayed elements. Buckets are padded to a multiple of the group size so that
+reduce-scatter shards are equal.
+
+On the last micro-batch of a step, a bucket's reduction (all-reduce, or reduce-scatter when the
+optimizer is sharded) is launched asynchronously as soon as its last gradient is ready, which
+overlaps communication with the rest of backward (NCCL); `finish()` waits for all of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    offsets: list[int]  # start of each parameter in the flat buffers
+    decay_numel: int  # elements [0, decay_numel) belong to matrices (weight decay applies)
+    params_flat: torch.Tensor
+    grads_flat: torch.Tensor  # FP32
+    group: Optional[dist.ProcessGroup]
+    group_size: int
+    group_rank: int
+    shard_grads: Optional[torch.Tensor] = None  # FP32 reduce-scatter output when sharded
+    pending: int = 0
+    handle: Optional[dist.Work] = field(default=None, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return self.grads_flat.numel()
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.group_size
+
+
+def _group_size_rank(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class GradBuckets:
+    """Flat parameter/gradient buckets for `params`, reduced over each parameter's group."""
+
+    def __init__(self, params: Iterable[nn.Parameter], group_of: dict[nn.Parameter, Optional[dist.ProcessGroup]],
+                 bucket_numel: int, sharded: bool) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("GradBuckets needs at least one trainable parameter")
+        self.sharded = sharded
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        self._sync_this_backward = False
+        by_group: dict[int, list[nn.Parameter]] = {}
+        for p in reversed(self.params):
+            by_group.setdefault(id(group_of.get(p)), []).append(p)
+        for members in by_group.values():
+            group = group_of.get(members[0])
+            chunk: list[nn.Parameter] = []
+            for p in members:
+                chunk.append(p)
+                if sum(q.numel() for q in chunk) >= bucket_numel:
+                    self._add_bucket(chunk, group)
+                    chunk = []
+            if chunk:
+                self._add_bucket(chunk, group)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    def _add_bucket(self, params: list[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
+        params = [p for p in params if p.ndim >= 2] + [p for p in params if p.ndim < 2]
+        size, rank = _group_size_rank(group)
+        numel = sum(p.numel() for p in params)
+        padded = -(-numel // size) * size
+        device, dtype = params[0].device, params[0].dtype
+        params_flat = torch.zeros(padded, dtype=dtype, device=device)
+        grads_flat = torch.zeros(padded, dtype=torch.float32, device=device)
+        offsets, offset = [], 0
+        for p in params:
+            if p.dtype != dtype:
+                raise ValueError("all parameters of a bucket must share a dtype")
+            params_flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = params_flat[offset : offset + p.numel()].view_as(p)
+            p.main_grad = grads_flat[offset : offset + p.numel()].view_as(p)
+            offsets.append(offset)
+            offset += p.numel()
+        decay_numel = sum(p.numel() for p in params if p.ndim >= 2)
+        bucket = Bucket(params, offsets, decay_numel, params_flat, grads_flat, group, size, rank)
+        if self.sharded:  # a group of one reduces nothing: its shard is the whole bucket
+            bucket.shard_grads = (torch.zeros(bucket.shard_numel, dtype=torch.float32, device=device)
+                                  if size > 1 else grads_flat)
+        self.buckets.append(bucket)
+        for p in params:
+            self._bucket_of[p] = bucket
+
+    # ----------------------------------------------------------------------------- backward
+    def prepare_backward(self, last_micro_batch: bool) -> None:
+        """Call before each micro-batch's backward; reductions start during the last one."""
+        self._sync_this_backward = last_micro_batch
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if param.grad is not None:  # FP8 linears have already added their FP32 gradient to main_grad
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        bucket = self._bucket_of[param]
+        bucket.pending -= 1
+        if self._sync_this_backward and bucket.pending == 0:
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        if bucket.handle is not None or bucket.group_size == 1:
+            return
+        if self.sharded:
+            bucket.handle = dist.reduce_scatter_tensor(bucket.shard_grads, bucket.grads_flat, group=bucket.group,
+                                                       async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(bucket.grads_flat, group=bucket.group, async_op=True)
+
+    def finish(self) -> None:
+        """Complete every bucket's reduction (launching those whose hooks never fired) and average."""
+        for bucket in self.buckets:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+            if bucket.group_size > 1:
+                self.shard_grads(bucket).div_(bucket.group_size)
+
+    def shard_grads(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's reduced FP32 gradients of `bucket` (its shard when sharded, else the whole bucket)."""
+        return bucket.shard_grads if self.sharded else bucket.grads_flat
+
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        """[start, end) of this rank's shard within the bucket."""
+        if not self.sharded:
+            return 0, bucket.numel
+        return bucket.group_rank * bucket.shard_numel, (bucket.group_rank + 1) * bucket.shard_numel
+
+    def zero(self) -> None:
+        for bucket in self.buckets:
+            bucket.grads_flat.zero_()
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

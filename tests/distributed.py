@@ -1,0 +1,23 @@
+"""Run a test body on N gloo ranks in fresh processes (torch.multiprocessing.spawn, file-store rendezvous)."""
+from __future__ import annotations
+
+import tempfile
+from typing import Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world_size: int, fn: Callable, *args) -> None:
+    """Run `fn(rank, world_size, *args)` on every rank; an exception on any rank fails the caller."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world_size, f"{tmp}/store", fn, args), nprocs=world_size, join=True)
