@@ -64,7 +64,7 @@ def test_every_field_has_a_doc():
         (["modle.num_layers=2"], "unknown config key 'modle'. Did you mean 'model'?"),
         (["model.num_layers=four"], "model.num_layers: expected int, got str ('four')"),
         (["optimizer.lr=fast"], "optimizer.lr: expected float, got str ('fast')"),
-        (["precision.recipe=bf61"], "is not one of 'bf16' | 'fp32' | 'fp8' (did you mean 'bf16'?)"),
+        (["precision.recipe=bf61"], "is not one of 'auto' | 'bf16' | 'fp8' | 'fp16' | 'fp32' (did you mean 'bf16'?)"),
         (["model.num_heads=6"], "model.num_heads=6 does not divide model.hidden_size=256"),
         (["model.num_kv_heads=3"], "model.num_kv_heads=3 must divide model.num_heads=4"),
         (["model.size=1bb"], "unknown size '1bb'. Did you mean '1b'?"),

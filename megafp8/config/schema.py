@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-PrecisionName = Literal["bf16", "fp32", "fp8"]
+PrecisionName = Literal["auto", "bf16", "fp8", "fp16", "fp32"]
+ConcreteRecipe = Literal["bf16", "fp8", "fp16", "fp32"]
 Fp8BackendName = Literal["auto", "reference", "cublas", "triton"]
 Fp8FormatName = Literal["e4m3", "e5m2"]
 DecayStyle = Literal["cosine", "linear", "wsd", "constant"]
@@ -88,8 +89,20 @@ class PrecisionConfig:
         "bf16",
         "`bf16`: BF16 weights, activations and GEMMs, FP32 master weights, optimizer states and gradient "
         "accumulation. `fp8`: as bf16, but the attention projections and MLP linears run their three GEMMs "
-        "(fprop, dgrad, wgrad) in per-tile scaled FP8 (DeepSeek-V3 recipe). `fp32`: everything in FP32.",
+        "(fprop, dgrad, wgrad) in per-tile scaled FP8 (DeepSeek-V3 recipe). `fp16`: FP16 weights and GEMMs "
+        "with dynamic loss scaling (GPUs without BF16). `fp32`: everything in FP32. `auto`: from the GPU "
+        "(below SM80 fp16, SM80/SM89 bf16, SM90+ fp8; on CPU `auto_cpu_recipe`), logged at start-up.",
     )
+    auto_cpu_recipe: ConcreteRecipe = setting("bf16", "The recipe `auto` picks when training on CPU.")
+    fp8_start_step: int = setting(
+        0, "Under fp8: train in BF16 until this optimizer step, then switch the FP8 layers on (no restart)."
+    )
+    loss_scale_initial: float = setting(65536.0, "fp16: initial loss scale.")
+    loss_scale_growth_interval: int = setting(1000, "fp16: grow the scale after this many steps without inf/nan.")
+    loss_scale_growth_factor: float = setting(2.0, "fp16: factor of each growth.")
+    loss_scale_backoff_factor: float = setting(0.5, "fp16: factor applied when inf/nan gradients persist.")
+    loss_scale_hysteresis: int = setting(2, "fp16: inf/nan steps tolerated (skipped) before the scale backs off.")
+    loss_scale_min: float = setting(1.0, "fp16: the scale never goes below this.")
     fp8_backend: Fp8BackendName = setting(
         "auto",
         "FP8 GEMM backend: `reference` (any device; FP8 casts, FP32 matmul), `cublas` (SM90, "

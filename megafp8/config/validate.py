@@ -67,9 +67,14 @@ def _check_model(cfg: Config) -> None:
 def _check_fp8(cfg: Config) -> None:
     """FP8 tiles are 128 wide: every dimension an FP8 GEMM contracts over or outputs must be a multiple of 128."""
     p = cfg.precision
-    if p.bf16_first_last_blocks < 0:
-        raise ConfigError(f"precision.bf16_first_last_blocks must be >= 0, got {p.bf16_first_last_blocks}")
-    if p.recipe != "fp8":
+    if p.bf16_first_last_blocks < 0 or p.fp8_start_step < 0:
+        raise ConfigError("precision.bf16_first_last_blocks and precision.fp8_start_step must be >= 0")
+    if p.loss_scale_initial <= 0 or p.loss_scale_min <= 0 or p.loss_scale_growth_interval <= 0:
+        raise ConfigError("precision.loss_scale_initial, loss_scale_min and loss_scale_growth_interval must be positive")
+    if not (0 < p.loss_scale_backoff_factor < 1 < p.loss_scale_growth_factor) or p.loss_scale_hysteresis < 1:
+        raise ConfigError("precision: need 0 < loss_scale_backoff_factor < 1 < loss_scale_growth_factor and "
+                          "loss_scale_hysteresis >= 1")
+    if p.recipe not in ("fp8", "auto"):
         return
     m = cfg.model
     head_dim = m.head_dim if m.head_dim is not None else m.hidden_size // m.num_heads

@@ -73,6 +73,15 @@ class DistributedAdamW:
                 self.buckets.shard_grads(shard.bucket).mul_(coef)
         return norm
 
+    def found_nonfinite(self) -> torch.Tensor:
+        """1.0 if this rank's reduced gradients hold an inf or nan, else 0.0 (a device tensor; no host sync)."""
+        flags = [torch.logical_not(torch.isfinite(self.buckets.shard_grads(s.bucket)).all()) for s in self.shards]
+        return torch.stack(flags).any().float()
+
+    def scale_grads(self, factor: float) -> None:
+        for shard in self.shards:
+            self.buckets.shard_grads(shard.bucket).mul_(factor)
+
     def _groups(self) -> list[dist.ProcessGroup]:
         groups = {id(s.bucket.group): s.bucket.group for s in self.shards if s.bucket.group_size > 1}
         return list(groups.values())

@@ -16,7 +16,7 @@ import torch
 from megafp8.config import PrecisionConfig
 from megafp8.precision.fp8_linear import Fp8GemmConfig
 
-_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16}
+_PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,12 @@ class PrecisionRecipe:
         return cls(name, _PARAM_DTYPES[name])
 
     @classmethod
-    def from_config(cls, cfg: PrecisionConfig) -> "PrecisionRecipe":
+    def from_config(cls, cfg: PrecisionConfig, name: Optional[str] = None) -> "PrecisionRecipe":
+        """The recipe of `cfg` (`name` overrides `cfg.recipe`, e.g. once `auto` is resolved)."""
+        name = name or cfg.recipe
         fp8 = Fp8Recipe(grad_format=cfg.fp8_grad_format, power_of_two_scales=cfg.fp8_power_of_two_scales,
                         fprop=cfg.fp8_fprop, dgrad=cfg.fp8_dgrad, wgrad=cfg.fp8_wgrad, backend=cfg.fp8_backend)
-        return cls.from_name(cfg.recipe, fp8 if cfg.recipe == "fp8" else None)
+        return cls.from_name(name, fp8 if name == "fp8" else None)
 
     def high_precision(self) -> "PrecisionRecipe":
         """The same recipe without FP8: for precision islands and layers kept in BF16."""

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from megafp8.checkpoint import check_tensors_match, find_latest, load_checkpoint, save_checkpoint
-from megafp8.config import Config, ConfigError, ModelConfig, dump_config, validate_for_world
+from megafp8.config import Config, ConfigError, ModelConfig, dump_config, validate_config, validate_for_world
 from megafp8.config.loader import config_to_dict
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
 from megafp8.model import Transformer, apply_fp8_plan, init_weights, training_flops_per_token
 from megafp8.optim import DistributedAdamW, lr_at
 from megafp8.parallel import GradBuckets, ParallelDims
-from megafp8.precision import PrecisionRecipe, select_backend
+from megafp8.precision import DynamicLossScaler, PrecisionRecipe, resolve_recipe, select_backend
 from megafp8.train.metrics import MetricsFile, format_step_line, peak_tflops
 
 log = logging.getLogger("megafp8")
@@ -43,31 +43,49 @@ def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
     return cfg
 
 
-def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, device: torch.device) -> Transformer:
-    """The decoder, initialized from the seed, with the FP8 layer plan applied (and logged)."""
+def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, device: torch.device,
+                fp8_active: bool = True) -> Transformer:
+    """The decoder, initialized from the seed, with the FP8 layer plan applied (and logged).
+    `fp8_active=False` builds it in BF16 for a precision schedule that switches to FP8 later."""
     model = Transformer(model_cfg, recipe, cfg.data.seq_len, device=device)
     init_weights(model, model_cfg, cfg.training.seed)
-    plan = apply_fp8_plan(model, cfg.precision, recipe, model_cfg.num_layers)
+    plan = apply_fp8_plan(model, cfg.precision, recipe if fp8_active else recipe.high_precision(), model_cfg.num_layers)
     if recipe.fp8 is not None:
         backend = select_backend(recipe.fp8.backend, device)
-        log.info("fp8: backend %s%s | %s", backend.name, " (auto)" if recipe.fp8.backend == "auto" else "",
-                 plan.summary())
+        log.info("fp8: backend %s%s | %s%s", backend.name, " (auto)" if recipe.fp8.backend == "auto" else "",
+                 plan.summary(), "" if fp8_active else f" | BF16 until step {cfg.precision.fp8_start_step}")
     return model
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> tuple[Config, PrecisionRecipe]:
+    """The config with `precision.recipe: auto` resolved for `device` (re-validated), and its recipe."""
+    name, reason = resolve_recipe(cfg.precision.recipe, device, cfg.precision.auto_cpu_recipe)
+    resolved = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, recipe=name))
+    validate_config(resolved)
+    log.info("precision: %s (%s)", name, reason)
+    return resolved, PrecisionRecipe.from_config(resolved.precision)
 
 
 class Trainer:
     """Owns the model, optimizer, data and loop of one run on one rank."""
 
     def __init__(self, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
-        self.cfg, self.dims, self.device = cfg, dims, device
+        self.dims, self.device = dims, device
         self.num_micro_batches = validate_for_world(cfg, dims.dp_size)
         meta = read_meta(cfg.data.path)
         self.model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size)
-        self.recipe = PrecisionRecipe.from_config(cfg.precision)
+        self.cfg, self.recipe = resolve_precision(cfg, device)
+        cfg = self.cfg
         try:
-            self.model = build_model(cfg, self.model_cfg, self.recipe, device)
+            self.model = build_model(cfg, self.model_cfg, self.recipe, device, fp8_active=cfg.precision.fp8_start_step == 0)
         except RuntimeError as err:  # an FP8 backend that cannot run here
             raise ConfigError(str(err)) from None
+        self.loss_scaler = None
+        if self.recipe.name == "fp16":
+            p = cfg.precision
+            self.loss_scaler = DynamicLossScaler(p.loss_scale_initial, p.loss_scale_growth_factor,
+                                                 p.loss_scale_backoff_factor, p.loss_scale_growth_interval,
+                                                 p.loss_scale_hysteresis, p.loss_scale_min)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.grad_buckets = GradBuckets(
             params, {p: dims.dp_group for p in params},
@@ -96,21 +114,43 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------- steps
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step. Returns (this rank's mean loss, global grad norm before clipping), on device."""
+        """One training step. Returns (this rank's mean loss, global grad norm before clipping), on device.
+        Under FP16 a step with inf/nan gradients on any rank is skipped (grad norm nan)."""
+        if self.recipe.fp8 is not None and self.step == self.cfg.precision.fp8_start_step > 0:
+            plan = apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers)
+            log.info("step %d: switching to FP8 | %s", self.step, plan.summary())
         self.model.train()
         micro_batches = self.loader.next_step()
+        loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         loss_sum = torch.zeros((), device=self.device)
         for i, (tokens, targets) in enumerate(micro_batches):
             self.grad_buckets.prepare_backward(last_micro_batch=i == len(micro_batches) - 1)
             loss = self.model(tokens.to(self.device), targets.to(self.device)) / len(micro_batches)
-            loss.backward()
+            (loss * loss_scale if self.loss_scaler is not None else loss).backward()
             loss_sum += loss.detach()
         self.grad_buckets.finish()
-        grad_norm = self.optimizer.clip_grad_norm()
-        self.optimizer.step(lr_at(self.step, self.cfg.optimizer, self.cfg.training.steps))
-        self.grad_buckets.zero()
         self.step += 1
+        if self.loss_scaler is not None and not self._unscale_or_skip(loss_scale):
+            self.grad_buckets.zero()
+            return loss_sum, torch.full((), float("nan"), device=self.device)
+        grad_norm = self.optimizer.clip_grad_norm()
+        self.optimizer.step(lr_at(self.optimizer.step_count, self.cfg.optimizer, self.cfg.training.steps))
+        self.grad_buckets.zero()
         return loss_sum, grad_norm
+
+    def _unscale_or_skip(self, loss_scale: float) -> bool:
+        """FP16: agree across every rank whether any gradient is inf/nan; unscale and return True if none is."""
+        found = self.optimizer.found_nonfinite()
+        if self.dims.is_distributed:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank, so all skip or none does
+        skip = bool(found.item())
+        self.loss_scaler.update(skip)
+        if skip:
+            log.warning("step %d: inf/nan gradients on some rank; step skipped (weights, optimizer and LR "
+                        "schedule unchanged), loss scale %g -> %g", self.step, loss_scale, self.loss_scaler.scale)
+            return False
+        self.optimizer.scale_grads(1.0 / loss_scale)
+        return True
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -161,6 +201,7 @@ class Trainer:
     def _step_record(self, window: list[torch.Tensor], grad_norm: torch.Tensor, window_s: float, elapsed_s: float,
                      first_step: int) -> dict[str, Any]:
         loss = self._dp_mean(torch.stack(window).mean()).item()  # the one host sync of a logging interval
+        record_extra = {"loss_scale": self.loss_scaler.scale} if self.loss_scaler is not None else {}
         if not math.isfinite(loss):
             raise FloatingPointError(
                 f"loss is {loss} at step {self.step}: training diverged; lower optimizer.lr or raise warmup_steps"
@@ -173,7 +214,7 @@ class Trainer:
             "kind": "train",
             "step": self.step,
             "loss": loss,
-            "lr": lr_at(self.step - 1, self.cfg.optimizer, self.cfg.training.steps),
+            "lr": lr_at(max(0, self.optimizer.step_count - 1), self.cfg.optimizer, self.cfg.training.steps),
             "grad_norm": grad_norm.item(),
             "step_time_s": step_s,
             "tokens_per_s": tokens_per_s,
@@ -182,6 +223,7 @@ class Trainer:
             "consumed_tokens": self.step * self.tokens_per_step,
             "elapsed_s": elapsed_s,
             "remaining_s": elapsed_s / steps_done * (self.cfg.training.steps - self.step),
+            **record_extra,
         }
         log.info(format_step_line(record, self.cfg.training.steps))
         self.metrics.write(record)
@@ -233,6 +275,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
             "loader": self.loader.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else {},
             "rng": rng,
             "config": config_to_dict(self.cfg),
         }
@@ -253,7 +296,11 @@ class Trainer:
         except (KeyError, ValueError) as err:
             raise ConfigError(f"checkpoint {path} has an unusable optimizer state: {err}") from None
         self.loader.load_state_dict(state["loader"])
+        if self.loss_scaler is not None and state.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.step = int(state["step"])
+        if self.recipe.fp8 is not None and 0 < self.cfg.precision.fp8_start_step < self.step:
+            apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers)
         torch.set_rng_state(state["rng"]["torch"])
         if self.device.type == "cuda" and "cuda" in state["rng"]:
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
