@@ -152,8 +152,10 @@ class OptimizerConfig:
         "reduce-scatter + all-gather). `false`: every rank all-reduces and keeps the full state.",
     )
     moment_dtype: MomentDtype = setting("fp32", "Dtype of the AdamW moments: `fp32`, or `bf16` (as DeepSeek-V3).")
-    bucket_size_mb: float = setting(
-        64.0, "Size of a gradient bucket (FP32 MB); each bucket's reduction starts as soon as its gradients are ready."
+    bucket_size_mb: float = setting(64.0, "Size of a gradient bucket (FP32 MB).")
+    overlap_grad_reduce: bool = setting(
+        True, "Start each bucket's reduction as soon as its last gradient is ready (overlapping backward); "
+        "`false`: reduce all buckets after backward."
     )
 
 

@@ -63,11 +63,11 @@ class GradBuckets:
     """Flat parameter/gradient buckets for `params`, reduced over each parameter's group."""
 
     def __init__(self, params: Iterable[nn.Parameter], group_of: dict[nn.Parameter, Optional[dist.ProcessGroup]],
-                 bucket_numel: int, sharded: bool) -> None:
+                 bucket_numel: int, sharded: bool, overlap: bool = True) -> None:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("GradBuckets needs at least one trainable parameter")
-        self.sharded = sharded
+        self.sharded, self.overlap = sharded, overlap
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         self._sync_this_backward = False
@@ -115,7 +115,7 @@ class GradBuckets:
     # ----------------------------------------------------------------------------- backward
     def prepare_backward(self, last_micro_batch: bool) -> None:
         """Call before each micro-batch's backward; reductions start during the last one."""
-        self._sync_this_backward = last_micro_batch
+        self._sync_this_backward = last_micro_batch and self.overlap
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
 

@@ -90,6 +90,7 @@ class Trainer:
         self.grad_buckets = GradBuckets(
             params, {p: dims.dp_group for p in params},
             bucket_numel=int(cfg.optimizer.bucket_size_mb * 2**20 / 4), sharded=cfg.optimizer.sharded,
+            overlap=cfg.optimizer.overlap_grad_reduce,
         )
         names = {p: n for n, p in self.model.named_parameters()}
         self.optimizer = DistributedAdamW(self.grad_buckets, names, cfg.optimizer)

@@ -1,0 +1,119 @@
+"""FP16 loss scaling (agreed skips across ranks, backoff, hysteresis, growth), `auto` recipe selection,
+and the BF16-to-FP8 schedule."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megafp8.config import load_config
+from megafp8.parallel import ParallelDims
+from megafp8.precision import DynamicLossScaler, choose_recipe
+from megafp8.train import Trainer
+from tests.distributed import spawn
+
+
+def scaler(**overrides):
+    args = dict(initial_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=2,
+                min_scale=256.0)
+    args.update(overrides)
+    return DynamicLossScaler(**args)
+
+
+def test_scaler_hysteresis_backoff_min_and_growth():
+    s = scaler()
+    s.update(True)
+    assert s.scale == 1024.0  # first overflow tolerated by hysteresis=2 (the step is still skipped)
+    s.update(True)
+    assert s.scale == 512.0
+    s.update(True)
+    assert s.scale == 256.0  # hysteresis stays spent until the next growth
+    s.update(True)
+    assert s.scale == 256.0  # floor
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 512.0  # grew after growth_interval good steps, hysteresis refilled
+    s.update(True)
+    assert s.scale == 512.0
+    state = s.state_dict()
+    t = scaler()
+    t.load_state_dict(state)
+    assert t.state_dict() == state
+
+
+def test_scaler_growth_counter_resets_on_overflow():
+    s = scaler(hysteresis=1)
+    s.update(False)
+    s.update(False)
+    s.update(True)
+    assert s.scale == 512.0
+    s.update(False)
+    s.update(False)
+    assert s.scale == 512.0  # only two good steps since the overflow
+    s.update(False)
+    assert s.scale == 1024.0
+
+
+@pytest.mark.parametrize("capability, expected", [((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"),
+                                                  ((8, 9), "bf16"), ((9, 0), "fp8"), ((10, 0), "fp8"),
+                                                  (None, "fp32")])
+def test_auto_recipe_follows_the_hardware(capability, expected):
+    recipe, reason = choose_recipe(capability, cpu_recipe="fp32")
+    assert recipe == expected and reason
+
+
+def test_auto_on_cpu_uses_the_configured_recipe_and_logs_it(tiny_overrides, caplog):
+    cfg = load_config("tiny_dense", tiny_overrides + ["precision.recipe=auto", "precision.auto_cpu_recipe=fp8"])
+    with caplog.at_level("INFO", logger="megafp8"):
+        trainer = Trainer(cfg, ParallelDims(1, 0, None), torch.device("cpu"))
+    assert trainer.recipe.name == "fp8" and trainer.cfg.precision.recipe == "fp8"
+    assert "precision: fp8 (no GPU: precision.auto_cpu_recipe=fp8)" in caplog.text
+
+
+def _inject_inf_worker(rank, world, overrides):
+    cfg = load_config("tiny_dense", overrides + ["precision.recipe=fp16", "precision.loss_scale_hysteresis=1",
+                                                 "precision.loss_scale_initial=1024", "training.eval_interval=0"])
+    trainer = Trainer(cfg, ParallelDims(world, rank, torch.distributed.group.WORLD), torch.device("cpu"))
+    assert all(p.dtype == torch.float16 for p in trainer.model.parameters())
+    trainer.train_step()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    steps_before = trainer.optimizer.step_count
+    exp_avg_before = [s.exp_avg.clone() for s in trainer.optimizer.shards]
+    weight = trainer.model.layers[0].mlp.down_proj.weight
+    if rank == 1:  # only rank 1 sees an inf gradient
+        handle = weight.register_hook(lambda g: g * float("inf"))
+    loss, grad_norm = trainer.train_step()
+    if rank == 1:
+        handle.remove()
+    assert math.isnan(grad_norm.item())
+    assert trainer.optimizer.step_count == steps_before  # skipped on every rank, so the LR schedule did not move
+    assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))
+    assert all(torch.equal(s.exp_avg, e) for s, e in zip(trainer.optimizer.shards, exp_avg_before))
+    assert trainer.loss_scaler.scale == 512.0
+    loss, grad_norm = trainer.train_step()  # training continues
+    assert math.isfinite(loss.item()) and math.isfinite(grad_norm.item())
+    assert trainer.optimizer.step_count == steps_before + 1
+    assert not all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))
+
+
+def test_fp16_inf_on_one_rank_skips_the_step_everywhere(tiny_overrides):
+    spawn(2, _inject_inf_worker, tiny_overrides)
+
+
+def test_bf16_to_fp8_schedule_switches_at_the_configured_step(tiny_overrides):
+    cfg = load_config("tiny_dense", tiny_overrides + ["precision.recipe=fp8", "precision.fp8_start_step=3",
+                                                      "training.steps=8", "training.eval_interval=0"])
+    scheduled = Trainer(cfg, ParallelDims(1, 0, None), torch.device("cpu"))
+    bf16 = Trainer(load_config("tiny_dense", tiny_overrides + ["training.steps=8", "training.eval_interval=0"]),
+                   ParallelDims(1, 0, None), torch.device("cpu"))
+    layer = scheduled.model.layers[1].attn.qkv_proj
+    losses, reference = [], []
+    for step in range(8):  # step s (0-based) is optimizer step s + 1
+        losses.append(scheduled.train_step()[0].item())
+        reference.append(bf16.train_step()[0].item())
+        assert layer.runs_fp8 == (step >= 3), step
+    assert losses[:3] == reference[:3]  # steps 0-2 ran BF16, bit for bit the BF16 run
+    assert losses[3] != reference[3]  # step 3 is the first FP8 one
+    assert losses[-1] < losses[0] - 1.0
+    assert max(abs(a - b) / b for a, b in zip(losses, reference)) < 0.02
