@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megafp8.config import PrecisionConfig
+
 
 class DynamicLossScaler:
     def __init__(self, initial_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int,
@@ -19,6 +21,11 @@ class DynamicLossScaler:
         self.growth_interval, self.hysteresis, self.min_scale = growth_interval, hysteresis, min_scale
         self._good_steps = 0
         self._hysteresis_left = hysteresis
+
+    @classmethod
+    def from_config(cls, p: PrecisionConfig) -> "DynamicLossScaler":
+        return cls(p.loss_scale_initial, p.loss_scale_growth_factor, p.loss_scale_backoff_factor,
+                   p.loss_scale_growth_interval, p.loss_scale_hysteresis, p.loss_scale_min)
 
     def update(self, found_inf: bool) -> None:
         """Account for one step whose gradients were (not) finite on every rank."""

@@ -21,6 +21,7 @@ from megafp8.checkpoint import check_tensors_match, find_latest, load_checkpoint
 from megafp8.config import Config, ConfigError, ModelConfig, dump_config, validate_config, validate_for_world
 from megafp8.config.loader import config_to_dict
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
+from megafp8.data.indexed import DatasetMeta
 from megafp8.model import Transformer, apply_fp8_plan, init_weights, training_flops_per_token
 from megafp8.optim import DistributedAdamW, lr_at
 from megafp8.parallel import GradBuckets, ParallelDims
@@ -80,28 +81,9 @@ class Trainer:
             self.model = build_model(cfg, self.model_cfg, self.recipe, device, fp8_active=cfg.precision.fp8_start_step == 0)
         except RuntimeError as err:  # an FP8 backend that cannot run here
             raise ConfigError(str(err)) from None
-        self.loss_scaler = None
-        if self.recipe.name == "fp16":
-            p = cfg.precision
-            self.loss_scaler = DynamicLossScaler(p.loss_scale_initial, p.loss_scale_growth_factor,
-                                                 p.loss_scale_backoff_factor, p.loss_scale_growth_interval,
-                                                 p.loss_scale_hysteresis, p.loss_scale_min)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.grad_buckets = GradBuckets(
-            params, {p: dims.dp_group for p in params},
-            bucket_numel=int(cfg.optimizer.bucket_size_mb * 2**20 / 4), sharded=cfg.optimizer.sharded,
-            overlap=cfg.optimizer.overlap_grad_reduce,
-        )
-        names = {p: n for n, p in self.model.named_parameters()}
-        self.optimizer = DistributedAdamW(self.grad_buckets, names, cfg.optimizer)
-        train_set = PackedDataset(TokenStream(meta, cfg.data.train_split), cfg.data.seq_len, cfg.data.train_split)
-        self.loader = DistributedLoader(
-            train_set, cfg.training.global_batch_size, cfg.training.micro_batch_size,
-            dims.dp_rank, dims.dp_size, cfg.training.seed,
-        )
-        self.valid_set: Optional[PackedDataset] = None
-        if cfg.training.eval_interval > 0:
-            self.valid_set = PackedDataset(TokenStream(meta, cfg.data.valid_split), cfg.data.seq_len, cfg.data.valid_split)
+        self.loss_scaler = DynamicLossScaler.from_config(cfg.precision) if self.recipe.name == "fp16" else None
+        self._build_optimizer()
+        self._build_data(meta)
         self.step = 0
         self.run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
         self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
@@ -112,6 +94,24 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(self.model_cfg, cfg.data.seq_len)
         self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
         self._maybe_resume()
+
+    def _build_optimizer(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = self.cfg.optimizer
+        self.grad_buckets = GradBuckets(params, {p: self.dims.dp_group for p in params},
+                                        bucket_numel=int(opt.bucket_size_mb * 2**20 / 4), sharded=opt.sharded,
+                                        overlap=opt.overlap_grad_reduce)
+        names = {p: n for n, p in self.model.named_parameters()}
+        self.optimizer = DistributedAdamW(self.grad_buckets, names, opt)
+
+    def _build_data(self, meta: DatasetMeta) -> None:
+        data, training = self.cfg.data, self.cfg.training
+        train_set = PackedDataset(TokenStream(meta, data.train_split), data.seq_len, data.train_split)
+        self.loader = DistributedLoader(train_set, training.global_batch_size, training.micro_batch_size,
+                                        self.dims.dp_rank, self.dims.dp_size, training.seed)
+        self.valid_set: Optional[PackedDataset] = None
+        if training.eval_interval > 0:
+            self.valid_set = PackedDataset(TokenStream(meta, data.valid_split), data.seq_len, data.valid_split)
 
     # ----------------------------------------------------------------------------------- steps
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +127,7 @@ class Trainer:
         for i, (tokens, targets) in enumerate(micro_batches):
             self.grad_buckets.prepare_backward(last_micro_batch=i == len(micro_batches) - 1)
             loss = self.model(tokens.to(self.device), targets.to(self.device)) / len(micro_batches)
-            (loss * loss_scale if self.loss_scaler is not None else loss).backward()
+            (loss * loss_scale).backward()
             loss_sum += loss.detach()
         self.grad_buckets.finish()
         self.step += 1
