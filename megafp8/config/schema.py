@@ -213,6 +213,14 @@ class LoggingConfig:
     metrics_file: str = setting(
         "metrics.jsonl", "JSON-lines metrics file, relative to the run directory (absolute paths are kept)."
     )
+    fp8_health_interval: int = setting(
+        100, "Every this many steps, record FP8 health (max-abs, underflow, at-max fraction, SNR) of each FP8 "
+        "layer's input, weight and output gradient in the metrics file; 0 disables."
+    )
+    fp8_underflow_warn: float = setting(0.05, "Warn when more than this fraction of a tensor's nonzeros flush to 0.")
+    fp8_at_max_warn: float = setting(
+        0.05, "Warn when more than this fraction of a tensor sits at the FP8 maximum (~1/128 is normal)."
+    )
     peak_tflops: Optional[float] = setting(
         None,
         "Peak dense BF16 TFLOP/s of one device, for the MFU estimate. `null`: looked up for known GPUs; "

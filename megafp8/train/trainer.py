@@ -26,6 +26,7 @@ from megafp8.model import Transformer, apply_fp8_plan, init_weights, training_fl
 from megafp8.optim import DistributedAdamW, lr_at
 from megafp8.parallel import GradBuckets, ParallelDims
 from megafp8.precision import DynamicLossScaler, PrecisionRecipe, resolve_recipe, select_backend
+from megafp8.train.fp8_health import Fp8HealthMonitor
 from megafp8.train.metrics import MetricsFile, format_step_line, peak_tflops
 
 log = logging.getLogger("megafp8")
@@ -84,6 +85,8 @@ class Trainer:
         self.loss_scaler = DynamicLossScaler.from_config(cfg.precision) if self.recipe.name == "fp16" else None
         self._build_optimizer()
         self._build_data(meta)
+        self.health = Fp8HealthMonitor(self.model, cfg.logging.fp8_health_interval, cfg.logging.fp8_underflow_warn,
+                                       cfg.logging.fp8_at_max_warn)
         self.step = 0
         self.run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
         self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
@@ -121,6 +124,7 @@ class Trainer:
             plan = apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers)
             log.info("step %d: switching to FP8 | %s", self.step, plan.summary())
         self.model.train()
+        sampled = self.health.arm(self.step)
         micro_batches = self.loader.next_step()
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         loss_sum = torch.zeros((), device=self.device)
@@ -131,6 +135,8 @@ class Trainer:
             loss_sum += loss.detach()
         self.grad_buckets.finish()
         self.step += 1
+        if sampled:
+            self.metrics.write({"kind": "fp8_health", "step": self.step, "layers": self.health.collect(self.step)})
         if self.loss_scaler is not None and not self._unscale_or_skip(loss_scale):
             self.grad_buckets.zero()
             return loss_sum, torch.full((), float("nan"), device=self.device)
