@@ -14,6 +14,7 @@ setup(
     install_requires=["torch>=2.11", "numpy>=1.24", "pyyaml>=6.0"],
     extras_require={
         "hf": ["tokenizers>=0.19"],
-        "test": ["pytest>=7.4", "tokenizers>=0.19"],
+        "logging": ["tensorboard>=2.14", "wandb>=0.17"],
+        "test": ["pytest>=7.4", "tokenizers>=0.19", "tensorboard>=2.14", "wandb>=0.17"],
     },
 )

@@ -36,7 +36,10 @@ def test_loss_falls_and_metrics_file_is_written(tiny_overrides):
     assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, 13))
     assert [r["step"] for r in lines if r["kind"] == "eval"] == [6, 12]
     keys = {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "elapsed_s", "remaining_s"}
-    assert keys <= set(lines[0])
+    assert keys <= set(next(r for r in lines if r["kind"] == "train"))
+    run = lines[0]  # the run's identity comes first: the code's commit and the resolved config
+    assert run["kind"] == "run" and run["config"]["model"]["vocab_size"] == 384
+    assert run["git_commit"] == "unknown" or len(run["git_commit"].removesuffix("+dirty")) == 40
     assert (trainer.run_dir / "config.yaml").is_file()
 
 

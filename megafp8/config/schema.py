@@ -16,6 +16,7 @@ Fp8BackendName = Literal["auto", "reference", "cublas", "triton"]
 Fp8FormatName = Literal["e4m3", "e5m2"]
 DecayStyle = Literal["cosine", "linear", "wsd", "constant"]
 MomentDtype = Literal["fp32", "bf16"]
+LoggerName = Literal["jsonl", "tensorboard", "wandb"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 BackendName = Literal["auto", "gloo", "nccl"]
 
@@ -213,6 +214,12 @@ class LoggingConfig:
     metrics_file: str = setting(
         "metrics.jsonl", "JSON-lines metrics file, relative to the run directory (absolute paths are kept)."
     )
+    backends: list[LoggerName] = setting(
+        ["jsonl"],
+        "Where metrics go: `jsonl` (the metrics file), `tensorboard` (`<run dir>/tensorboard`), `wandb` (offline "
+        "under `<run dir>/wandb` unless WANDB_API_KEY or WANDB_MODE say otherwise). Rank 0 only.",
+    )
+    wandb_project: str = setting("megafp8", "Weights & Biases project name.")
     fp8_health_interval: int = setting(
         100, "Every this many steps, record FP8 health (max-abs, underflow, at-max fraction, SNR) of each FP8 "
         "layer's input, weight and output gradient in the metrics file; 0 disables."

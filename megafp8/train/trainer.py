@@ -27,7 +27,8 @@ from megafp8.optim import DistributedAdamW, lr_at
 from megafp8.parallel import GradBuckets, ParallelDims
 from megafp8.precision import DynamicLossScaler, PrecisionRecipe, resolve_recipe, select_backend
 from megafp8.train.fp8_health import Fp8HealthMonitor
-from megafp8.train.metrics import MetricsFile, format_step_line, peak_tflops
+from megafp8.train.loggers import ExperimentLogger
+from megafp8.train.metrics import format_step_line, peak_tflops
 
 log = logging.getLogger("megafp8")
 
@@ -90,9 +91,14 @@ class Trainer:
         self.step = 0
         self.run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
         self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        metrics_path = Path(cfg.logging.metrics_file)
-        self.metrics = MetricsFile(metrics_path if metrics_path.is_absolute() else self.run_dir / metrics_path,
-                                   enabled=dims.rank == 0)
+        self.metrics_path = Path(cfg.logging.metrics_file)
+        if not self.metrics_path.is_absolute():
+            self.metrics_path = self.run_dir / self.metrics_path
+        self.metrics = ExperimentLogger(
+            cfg.logging.backends, self.run_dir, self.metrics_path, cfg.run_name or "run",
+            config_to_dict(dataclasses.replace(cfg, model=self.model_cfg)), cfg.logging.wandb_project,
+            enabled=dims.rank == 0,
+        )
         self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
         self.flops_per_token = training_flops_per_token(self.model_cfg, cfg.data.seq_len)
         self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
@@ -184,8 +190,14 @@ class Trainer:
     # ------------------------------------------------------------------------------------ loop
     def fit(self) -> list[dict[str, Any]]:
         """Train to `training.steps`; returns the metrics records (also written to the metrics file)."""
-        cfg = self.cfg
         self._log_start()
+        try:
+            return self._loop()
+        finally:
+            self.metrics.close()
+
+    def _loop(self) -> list[dict[str, Any]]:
+        cfg = self.cfg
         records: list[dict[str, Any]] = []
         window: list[torch.Tensor] = []
         started = window_start = time.perf_counter()
