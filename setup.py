@@ -15,6 +15,7 @@ setup(
     extras_require={
         "hf": ["tokenizers>=0.19"],
         "logging": ["tensorboard>=2.14", "wandb>=0.17"],
-        "test": ["pytest>=7.4", "tokenizers>=0.19", "tensorboard>=2.14", "wandb>=0.17"],
+        "plot": ["matplotlib>=3.7"],
+        "test": ["pytest>=7.4", "tokenizers>=0.19", "tensorboard>=2.14", "wandb>=0.17", "matplotlib>=3.7"],
     },
 )

@@ -1,0 +1,42 @@
+"""tools/plot_runs.py: metrics of several runs on one PNG; the last value wins for a step logged twice."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megafp8.config import ConfigError
+from megafp8.train.plots import read_series
+from tests.conftest import REPO, torchrun_env
+
+
+def write_run(path, losses, extra=()):
+    path.mkdir(parents=True)
+    records = [{"kind": "run"}] + [{"kind": "train", "step": i + 1, "loss": v} for i, v in enumerate(losses)]
+    records += [{"kind": "eval", "step": 2, "val_loss": 3.0}, *extra]
+    (path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+
+
+def test_read_series_keeps_the_last_value_of_a_step(tmp_path):
+    write_run(tmp_path / "a", [5.0, 4.0], extra=[{"kind": "train", "step": 2, "loss": 3.5}])
+    assert read_series(tmp_path / "a", "train", "loss") == ([1, 2], [5.0, 3.5])
+    assert read_series(tmp_path / "a", "eval", "val_loss") == ([2], [3.0])
+    with pytest.raises(ConfigError, match="no metrics file"):
+        read_series(tmp_path / "missing", "train", "loss")
+
+
+def test_command_line_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    write_run(tmp_path / "bf16", [5.0, 4.0, 3.0])
+    write_run(tmp_path / "fp8", [5.0, 4.1, 3.1])
+    out = tmp_path / "runs.png"
+    cmd = [sys.executable, "tools/plot_runs.py", str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--labels", "BF16",
+           "FP8", "--metrics", "loss", "val_loss", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run(cmd[:-2] + ["--metrics", "nonsense", "--out", str(out)], cwd=REPO, env=torchrun_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "has no 'nonsense'" in bad.stderr

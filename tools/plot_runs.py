@@ -1,0 +1,46 @@
+#!/usr/bin/env python
+"""Plot metrics of several runs on one figure (PNG), e.g. FP8 against BF16.
+
+Example:
+    python tools/plot_runs.py runs/tiny_dense runs/tiny_dense_fp8 --labels BF16 FP8 \\
+        --metrics loss val_loss --out runs/fp8_vs_bf16.png
+A metric is a field of the train records (`loss`, `grad_norm`, `lr`, `tokens_per_s`, ...), of the eval
+records when it starts with `val_`, or any `kind:field`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megafp8.config import ConfigError  # noqa: E402
+from megafp8.train.plots import plot_runs  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run directories or metrics.jsonl files")
+    parser.add_argument("--labels", nargs="+", default=None, help="one label per run (default: the paths)")
+    parser.add_argument("--metrics", nargs="+", default=["loss"], help="metrics to plot, one panel each")
+    parser.add_argument("--out", required=True, help="PNG to write")
+    args = parser.parse_args(argv)
+    labels = args.labels or args.runs
+    if len(labels) != len(args.runs):
+        print(f"error: {len(args.runs)} runs but {len(labels)} labels", file=sys.stderr)
+        return 2
+    try:
+        plot_runs(args.runs, labels, args.metrics, args.out)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ImportError:
+        print("error: plotting needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
