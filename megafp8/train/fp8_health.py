@@ -59,8 +59,12 @@ class Fp8HealthMonitor:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        report = {name: {kind: {k: v.item() for k, v in stats.items()} for kind, stats in kinds.items()}
-                  for name, kinds in self._stats.items()}
+        keys = [(name, kind, stat) for name, kinds in self._stats.items() for kind, stats in kinds.items()
+                for stat in stats]
+        values = torch.stack([self._stats[n][k][s].float() for n, k, s in keys]).tolist() if keys else []
+        report: dict[str, Any] = {}
+        for (name, kind, stat), value in zip(keys, values):  # one device-to-host copy for all statistics
+            report.setdefault(name, {}).setdefault(kind, {})[stat] = value
         for name, kinds in report.items():
             for kind, stats in kinds.items():
                 if stats["underflow"] > self.underflow_warn or stats["at_max"] > self.at_max_warn:
