@@ -13,9 +13,10 @@ setup(
     package_data={"megafp8": ["py.typed"]},
     install_requires=["torch>=2.11", "numpy>=1.24", "pyyaml>=6.0"],
     extras_require={
-        "hf": ["tokenizers>=0.19"],
+        "hf": ["tokenizers>=0.19", "safetensors>=0.4"],
         "logging": ["tensorboard>=2.14", "wandb>=0.17"],
         "plot": ["matplotlib>=3.7"],
-        "test": ["pytest>=7.4", "tokenizers>=0.19", "tensorboard>=2.14", "wandb>=0.17", "matplotlib>=3.7"],
+        "test": ["pytest>=7.4", "tokenizers>=0.19", "tensorboard>=2.14", "wandb>=0.17", "matplotlib>=3.7",
+                 "safetensors>=0.4"],
     },
 )

@@ -314,7 +314,8 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])  # writes the master weights into the model
         except (KeyError, ValueError) as err:
             raise ConfigError(f"checkpoint {path} has an unusable optimizer state: {err}") from None
-        self.loader.load_state_dict(state["loader"])
+        if state["loader"]:  # empty for checkpoints imported from other formats: start the data from the top
+            self.loader.load_state_dict(state["loader"])
         if self.loss_scaler is not None and state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.step = int(state["step"])

@@ -1,0 +1,80 @@
+"""Checkpoint conversion and inspection behind `tools/convert_checkpoint.py`."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megafp8.checkpoint.hf import load_hf, save_hf
+from megafp8.checkpoint.local import load_checkpoint, save_checkpoint
+from megafp8.config import ConfigError, ModelConfig
+
+
+def model_config_of(state: dict[str, Any]) -> ModelConfig:
+    """The model config saved in a checkpoint, with the vocabulary size read off the embedding."""
+    saved = state.get("config", {}).get("model")
+    if not saved:
+        raise ConfigError("the checkpoint holds no model config")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in saved.items() if k in fields})
+    return dataclasses.replace(cfg, vocab_size=int(state["model"]["embed.weight"].shape[0]))
+
+
+def best_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """FP32 master weights when the checkpoint has them (more precise than the BF16 model copy)."""
+    masters = state.get("optimizer", {}).get("masters")
+    return masters if masters else state["model"]
+
+
+def export_hf(checkpoint: Path, out_dir: Path, fp8: bool) -> None:
+    state = load_checkpoint(checkpoint)
+    seq_len = int(state.get("config", {}).get("data", {}).get("seq_len", 4096))
+    save_hf(best_weights(state), model_config_of(state), seq_len, out_dir, fp8)
+
+
+def import_hf(hf_dir: Path, out_root: Path) -> Path:
+    """A Hugging Face Llama directory -> a megafp8 checkpoint at step 0 (fresh optimizer and data position).
+    Resume from it with `checkpoint.resume=<returned path>` and a config of the same model shape."""
+    cfg, weights = load_hf(hf_dir)
+    zeros = {name: torch.zeros_like(t) for name, t in weights.items()}
+    state = {
+        "model": {name: t.to(torch.bfloat16) for name, t in weights.items()},
+        "optimizer": {"step": 0, "masters": weights, "exp_avg": zeros, "exp_avg_sq": dict(zeros)},
+        "step": 0,
+        "loader": {},
+        "loss_scaler": {},
+        "rng": {"torch": torch.get_rng_state()},
+        "config": {"model": dataclasses.asdict(cfg)},
+    }
+    return save_checkpoint(out_root, 0, state, keep_last=0)
+
+
+def describe(checkpoint: Path) -> str:
+    state = load_checkpoint(checkpoint)
+    config = state.get("config", {})
+    lines = [f"checkpoint {checkpoint}", f"step: {state['step']}"]
+    if config.get("model"):
+        m = model_config_of(state)
+        lines.append(f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / "
+                     f"{m.num_kv_heads or m.num_heads} kv, ffn {m.ffn_hidden_size}, vocab {m.vocab_size}")
+    for section in ("parallel", "precision", "optimizer"):
+        if config.get(section):
+            keys = {k: v for k, v in config[section].items() if not isinstance(v, (list, dict))}
+            lines.append(f"{section}: " + ", ".join(f"{k}={v}" for k, v in list(keys.items())[:8]))
+    if state.get("loader"):
+        lines.append(f"data position: {state['loader'].get('consumed_samples')} samples consumed")
+    if state.get("loss_scaler"):
+        lines.append(f"loss scale: {state['loss_scaler'].get('scale')}")
+    optimizer = state.get("optimizer", {})
+    lines += ["", "| tensor | shape | dtype | FP32 master | AdamW moments |", "|---|---|---|---|---|"]
+    total = 0
+    for name, tensor in state["model"].items():
+        total += tensor.numel()
+        has_master = name in optimizer.get("masters", {})
+        has_moments = name in optimizer.get("exp_avg", {})
+        lines.append(f"| {name} | {tuple(tensor.shape)} | {str(tensor.dtype).removeprefix('torch.')} | "
+                     f"{'yes' if has_master else 'no'} | {'yes' if has_moments else 'no'} |")
+    lines.append(f"\n{len(state['model'])} tensors, {total / 1e6:.2f}M parameters, optimizer step {optimizer.get('step')}")
+    return "\n".join(lines)
