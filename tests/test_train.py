@@ -115,3 +115,25 @@ def test_golden_losses(tmp_path, recipe):
         golden_file.write_text(json.dumps({"torch": torch.__version__, "losses": losses}, indent=1) + "\n")
     golden = json.loads(golden_file.read_text())["losses"]
     assert losses == pytest.approx(golden, rel=2e-3)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tiny_overrides, tmp_path, monkeypatch):
+    ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.keep_last=0"]
+    trainer = make_trainer(tiny_overrides, ckpt + ["checkpoint.resume=none"])
+    trainer.train_step()
+    trainer.save()  # step 1: complete
+    trainer.train_step()
+    real_save = torch.save
+
+    def dying_save(obj, f, *args, **kwargs):
+        real_save({"partial": torch.zeros(3)}, f)  # something hits the disk, then the process "dies"
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save()
+    monkeypatch.setattr(torch, "save", real_save)
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000001"
+    assert (tmp_path / "ckpt" / "step_00000002.tmp").exists() and not (tmp_path / "ckpt" / "step_00000002").exists()
+    resumed = make_trainer(tiny_overrides, ckpt)
+    assert resumed.step == 1
