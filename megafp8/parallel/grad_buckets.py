@@ -84,7 +84,8 @@ class GradBuckets:
                     chunk = []
             if chunk:
                 self._add_bucket(chunk, group)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _add_bucket(self, params: list[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
         params = [p for p in params if p.ndim >= 2] + [p for p in params if p.ndim < 2]
@@ -161,8 +162,3 @@ class GradBuckets:
     def zero(self) -> None:
         for bucket in self.buckets:
             bucket.grads_flat.zero_()
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
