@@ -107,3 +107,12 @@ def test_checkpoint_from_two_sharded_ranks_resumes_on_one(tiny_overrides, tmp_pa
     assert resumed.step == 3
     one_rank = [r["loss"] for r in resumed.fit() if r["kind"] == "train"]
     torch.testing.assert_close(torch.tensor(one_rank), torch.tensor(two_rank[3:]), rtol=2e-3, atol=0)
+
+
+def test_divergence_stops_with_one_clear_error(tiny_overrides):
+    cmd = [sys.executable, PRETRAIN, "--config", "tiny_dense", *tiny_overrides, "optimizer.lr=1e6",
+           "training.eval_interval=0"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=torchrun_env(), cwd=REPO)
+    assert result.returncode == 1
+    assert "error: loss is nan at step" in result.stderr and "lower optimizer.lr" in result.stderr
+    assert "Traceback" not in result.stderr

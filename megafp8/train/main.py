@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         clean = True
     except ConfigError as err:
         return _error(str(err))
+    except FloatingPointError as err:  # the loss diverged: every rank sees the same reduced loss
+        _error(str(err))
+        return 1
     except KeyboardInterrupt:
         log.warning("interrupted")
         return 130
