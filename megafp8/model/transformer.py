@@ -1,12 +1,14 @@
 """The dense decoder: embedding -> pre-norm blocks (attention, SwiGLU) -> final norm -> untied LM head."""
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from megafp8.config import ModelConfig
+from megafp8.config import ConfigError, ModelConfig
 from megafp8.model.attention import Attention, head_dim_of
 from megafp8.model.mlp import SwiGLU
 from megafp8.model.norm import RMSNorm
@@ -56,3 +58,16 @@ class Transformer(nn.Module):
         if targets is None:
             return logits
         return vocab_parallel_cross_entropy(logits, targets)
+
+
+def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
+    """The model config with `vocab_size` set: the tokenizer's, padded, unless configured (and large enough)."""
+    if cfg.vocab_size is None:
+        multiple = cfg.pad_vocab_to_multiple_of
+        return dataclasses.replace(cfg, vocab_size=math.ceil(tokenizer_vocab / multiple) * multiple)
+    if cfg.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer vocabulary ({tokenizer_vocab}): "
+            f"set model.vocab_size >= {tokenizer_vocab} or null"
+        )
+    return cfg

@@ -7,6 +7,7 @@ import sys
 import time
 
 from megafp8.config import ConfigError, dump_config, load_config
+from megafp8.train.plan import dry_run
 from megafp8.train.runtime import env_rank, init_distributed, seed_everything, shutdown
 from megafp8.train.trainer import Trainer
 
@@ -22,6 +23,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", required=True,
                         help="a YAML path, or a name in configs/ (with or without .yaml), e.g. tiny_dense")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print parameters, per-GPU memory and FLOPs of the run and exit (allocates nothing)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks to plan the dry run for (default: torchrun's WORLD_SIZE, else 1)")
+    parser.add_argument("--peak-tflops", type=float, default=989.4, help="dry run: peak TFLOP/s per GPU (H100/H200)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="dry run: model FLOPs utilization to assume")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="dotted overrides, e.g. model.num_layers=2 optimizer.lr=1e-3")
     return parser.parse_args(argv)
@@ -45,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(err))
     if args.print_config:
         print(dump_config(cfg), end="")
+        return 0
+    if args.dry_run:
+        try:
+            print(dry_run(cfg, args.world_size or env_rank()[2], args.peak_tflops, args.mfu))
+        except ConfigError as err:
+            return _error(str(err))
         return 0
     clean = False
     try:

@@ -154,7 +154,8 @@ def model_and_batches(cfg, checkpoint: str | None, num_batches: int, device: tor
 
     from megafp8.checkpoint import check_tensors_match, load_checkpoint
     from megafp8.data import PackedDataset, TokenStream, read_meta, validation_batches
-    from megafp8.train.trainer import build_model, resolve_vocab_size
+    from megafp8.model import resolve_vocab_size
+    from megafp8.train.trainer import build_model
 
     meta = read_meta(cfg.data.path)
     model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size)

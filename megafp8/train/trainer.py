@@ -22,28 +22,16 @@ from megafp8.config import Config, ConfigError, ModelConfig, dump_config, valida
 from megafp8.config.loader import config_to_dict
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
 from megafp8.data.indexed import DatasetMeta
-from megafp8.model import Transformer, apply_fp8_plan, init_weights, training_flops_per_token
+from megafp8.model import Transformer, apply_fp8_plan, init_weights, resolve_vocab_size, training_flops_per_token
 from megafp8.optim import DistributedAdamW, lr_at
 from megafp8.parallel import GradBuckets, ParallelDims
 from megafp8.precision import DynamicLossScaler, PrecisionRecipe, resolve_recipe, select_backend
 from megafp8.train.fp8_health import Fp8HealthMonitor
 from megafp8.train.loggers import ExperimentLogger
+from megafp8.train.plan import check_fits, device_capacity, make_plan
 from megafp8.train.metrics import format_step_line, peak_tflops
 
 log = logging.getLogger("megafp8")
-
-
-def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
-    """The model config with `vocab_size` set: the tokenizer's, padded, unless configured (and large enough)."""
-    if cfg.vocab_size is None:
-        multiple = cfg.pad_vocab_to_multiple_of
-        return dataclasses.replace(cfg, vocab_size=math.ceil(tokenizer_vocab / multiple) * multiple)
-    if cfg.vocab_size < tokenizer_vocab:
-        raise ConfigError(
-            f"model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer vocabulary ({tokenizer_vocab}): "
-            f"set model.vocab_size >= {tokenizer_vocab} or null"
-        )
-    return cfg
 
 
 def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, device: torch.device,
@@ -79,6 +67,7 @@ class Trainer:
         self.model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size)
         self.cfg, self.recipe = resolve_precision(cfg, device)
         cfg = self.cfg
+        check_fits(make_plan(dataclasses.replace(cfg, model=self.model_cfg), dims.world_size), device_capacity(device))
         try:
             self.model = build_model(cfg, self.model_cfg, self.recipe, device, fp8_active=cfg.precision.fp8_start_step == 0)
         except RuntimeError as err:  # an FP8 backend that cannot run here

@@ -1,0 +1,62 @@
+"""Dry-run planning: parameter counts match the real model, memory follows the optimizer layout, and a run
+that cannot fit fails before allocating anything."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megafp8.config import ConfigError, load_config
+from megafp8.train.plan import GIB, check_fits, make_plan
+from megafp8.train.trainer import build_model
+from megafp8.precision import PrecisionRecipe
+from tests.conftest import REPO, torchrun_env
+
+
+def test_parameter_counts_match_the_built_model():
+    cfg = load_config("tiny_dense", ["model.vocab_size=384"])
+    plan = make_plan(cfg, world_size=1)
+    model = build_model(cfg, cfg.model, PrecisionRecipe.from_name("bf16"), torch.device("cpu"))
+    assert plan.total_params == sum(p.numel() for p in model.parameters())
+    assert plan.params["embedding"] == plan.params["lm_head"] == 384 * 256
+    assert plan.params["norms"] == (2 * 4 + 1) * 256
+
+
+def test_memory_follows_the_optimizer_layout():
+    cfg = load_config("tiny_dense", ["model.vocab_size=384"])
+    one, four = make_plan(cfg, 1), make_plan(cfg, 4)
+    n = one.total_params
+    assert one.bytes_per_rank["weights"] == 2 * n and one.bytes_per_rank["grads"] == 4 * n
+    assert four.bytes_per_rank["master_weights"] == one.bytes_per_rank["master_weights"] / 4 == n
+    assert four.bytes_per_rank["optimizer_states"] == 8 * n / 4
+    assert four.bytes_per_rank["grads"] == 4 * n + n  # full FP32 buffer + this rank's reduced shard
+    replicated = make_plan(load_config("tiny_dense", ["model.vocab_size=384", "optimizer.sharded=false"]), 4)
+    assert replicated.bytes_per_rank["optimizer_states"] == 8 * n
+    bf16_moments = make_plan(load_config("tiny_dense", ["model.vocab_size=384", "optimizer.moment_dtype=bf16"]), 4)
+    assert bf16_moments.bytes_per_rank["optimizer_states"] == 4 * n / 4
+
+
+def test_a_run_that_cannot_fit_fails_fast():
+    cfg = load_config("tiny_dense", ["model.size=1b", "model.vocab_size=32768", "data.seq_len=2048",
+                                     "training.micro_batch_size=8", "training.global_batch_size=8"])
+    plan = make_plan(cfg, 1)
+    check_fits(plan, capacity=None)  # CPU: nothing to check against
+    check_fits(plan, capacity=int(plan.total_bytes) + 1)
+    with pytest.raises(ConfigError, match=r"needs about .* GiB per GPU .* but the GPU has 8.0 GiB: use more ranks.*--dry-run"):
+        check_fits(plan, capacity=8 * GIB)
+
+
+def test_dry_run_command_prints_the_plan_and_needs_a_vocabulary(tmp_path):
+    cmd = [sys.executable, "launch/pretrain.py", "--config", "tiny_dense", "--dry-run", "--world-size", "8",
+           "model.size=1b", "model.vocab_size=32768", "data.seq_len=2048"]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "| **total** | **956.37M** |" in result.stdout and "optimizer sharded over 8 rank(s)" in result.stdout
+    plan_tool = subprocess.run([sys.executable, "tools/plan.py", "--config", "tiny_dense", "model.vocab_size=512"],
+                               cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    assert plan_tool.returncode == 0 and "tokens/s at 40% MFU" in plan_tool.stdout
+    missing = subprocess.run([sys.executable, "tools/plan.py", "--config", "tiny_dense", f"data.path={tmp_path}"],
+                             cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "set model.vocab_size=N" in missing.stderr
