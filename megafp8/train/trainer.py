@@ -257,11 +257,10 @@ class Trainer:
             m.ffn_hidden_size, m.vocab_size, self.recipe.name,
         )
         memory = self.optimizer.memory_bytes()
-        total_params = sum(p.numel() for p in self.model.parameters())
         log.info(
             "memory per rank: %s (bytes/param: %s) | optimizer %s over %d data-parallel rank(s), moments %s",
             ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.1f} MiB" for k, v in memory.items()),
-            " + ".join(f"{v / total_params:.2f}" for v in memory.values()),
+            " + ".join(f"{v / num_params:.2f}" for v in memory.values()),
             "sharded" if self.cfg.optimizer.sharded else "replicated", self.dims.dp_size, self.cfg.optimizer.moment_dtype,
         )
         log.info(
