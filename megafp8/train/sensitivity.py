@@ -11,17 +11,23 @@ change stays within `max_loss_change`; otherwise the verdict is "keep BF16".
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable
 
 import torch
 import torch.nn as nn
 
+from megafp8.checkpoint import check_tensors_match, load_checkpoint
+from megafp8.data import PackedDataset, TokenStream, read_meta, validation_batches
+from megafp8.model import resolve_vocab_size
 from megafp8.parallel import ParallelLinear
 from megafp8.precision import E4M3, Fp8Recipe, PrecisionRecipe
 from megafp8.precision.backends import Fp8Backend
 from megafp8.precision.quantize import dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
+from megafp8.train.trainer import build_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -149,14 +155,6 @@ def model_and_batches(cfg, checkpoint: str | None, num_batches: int, device: tor
                       ) -> tuple[nn.Module, list[Batch]]:
     """The config's model in BF16 (weights from `checkpoint` if given, else its seeded init) and the first
     `num_batches` micro-batches of the held-out split (the training split if there is none)."""
-    import dataclasses
-    from pathlib import Path
-
-    from megafp8.checkpoint import check_tensors_match, load_checkpoint
-    from megafp8.data import PackedDataset, TokenStream, read_meta, validation_batches
-    from megafp8.model import resolve_vocab_size
-    from megafp8.train.trainer import build_model
-
     meta = read_meta(cfg.data.path)
     model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size)
     bf16_cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, recipe="bf16"))
