@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megafp8.precision import quantize as ref
-from megafp8.precision.formats import TILE, Fp8Format
+from megafp8.precision.formats import Fp8Format
 
 BACKENDS = ("auto", "reference", "cublas", "triton")
 

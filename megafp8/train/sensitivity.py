@@ -25,7 +25,6 @@ from megafp8.data import PackedDataset, TokenStream, read_meta, validation_batch
 from megafp8.model import resolve_vocab_size
 from megafp8.parallel import ParallelLinear
 from megafp8.precision import E4M3, Fp8Recipe, PrecisionRecipe
-from megafp8.precision.backends import Fp8Backend
 from megafp8.precision.quantize import dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
 from megafp8.train.trainer import build_model
 
