@@ -1,7 +1,9 @@
 """Run a test body on N gloo ranks in fresh processes (torch.multiprocessing.spawn, file-store rendezvous)."""
 from __future__ import annotations
 
+import sys
 import tempfile
+import traceback
 from typing import Callable
 
 import torch.distributed as dist
@@ -11,7 +13,12 @@ import torch.multiprocessing as mp
 def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        fn(rank, world_size, *args)
+        try:
+            fn(rank, world_size, *args)
+        except BaseException:
+            # The parent re-raises whichever rank died first, often a peer's "connection closed": print the cause.
+            print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            raise
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -107,9 +107,31 @@ def test_world_size_checks():
     assert validate_for_world(cfg, 2) == 2
     with pytest.raises(ConfigError, match=r"must be a multiple of micro_batch_size x data-parallel ranks = 4 x 3 = 12"):
         validate_for_world(cfg, 3)
-    cfg = load_config("tiny_dense", ["parallel.data_parallel_size=4"])
-    with pytest.raises(ConfigError, match="parallel.data_parallel_size=4 but 2 rank"):
+    cfg = load_config("tiny_dense", ["parallel.dp=4"])
+    with pytest.raises(ConfigError, match="parallel.dp=4 but 2 rank"):
         validate_for_world(cfg, 2)
+
+
+TP_READY = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128"]  # 128 q and kv features per rank at TP=2
+
+
+def test_tensor_parallel_layout_checks():
+    cfg = load_config("tiny_dense", TP_READY + ["parallel.tp=2"])
+    assert validate_for_world(cfg, 4) == 2  # dp 2: 16 / (4 x 2)
+    with pytest.raises(ConfigError, match=r"3 rank\(s\) cannot be split into tp=2 .* change parallel.tp"):
+        validate_for_world(cfg, 3)
+    with pytest.raises(ConfigError, match=r"model.num_heads=4 is not divisible by parallel.tp=3.*set parallel.tp"):
+        validate_for_world(load_config("tiny_dense", ["parallel.tp=3"]), 3)
+    # tiny's 2 kv heads x 64 give 64 key/value features per rank at TP=2: not whole FP8 tiles.
+    with pytest.raises(ConfigError, match=r"key/value features\) = 128 splits into 64 per rank.*multiple of 256"):
+        validate_for_world(load_config("tiny_dense", ["parallel.tp=2"]), 2)
+    with pytest.raises(ConfigError, match=r"model.ffn_hidden_size = 640 splits into 320 per rank"):
+        validate_for_world(load_config("tiny_dense", TP_READY + ["parallel.tp=2", "model.ffn_hidden_size=640"]), 2)
+    with pytest.raises(ConfigError, match=r"model.vocab_size = 384 splits into 192 per rank"):
+        validate_for_world(load_config("tiny_dense", TP_READY + ["parallel.tp=2", "model.vocab_size=384"]), 2)
+    with pytest.raises(ConfigError, match=r"sequence_parallel splits each micro-batch's 1 x 255 tokens"):
+        validate_for_world(load_config("tiny_dense", TP_READY + [
+            "parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=255", "training.micro_batch_size=1"]), 2)
 
 
 def test_parse_overrides_nests():

@@ -84,7 +84,7 @@ def test_truncated_or_incomplete_files_give_clear_errors(tmp_path):
 def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_overrides, tmp_path):
     ckpt = tmp_path / "ckpt"
     cfg = load_config("tiny_dense", tiny_overrides + [f"checkpoint.dir={ckpt}", "checkpoint.interval=6"])
-    trainer = Trainer(cfg, ParallelDims(1, 0, None), torch.device("cpu"))
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     trainer.fit()
 
     def tool(*args):
@@ -99,7 +99,7 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
     assert "step_00000000" in tool("from-hf", tmp_path / "hf", "--out", tmp_path / "imported")
     resumed = Trainer(load_config("tiny_dense", tiny_overrides + [
         f"checkpoint.resume={tmp_path / 'imported' / 'step_00000000'}", "run_name=imported"]),
-        ParallelDims(1, 0, None), torch.device("cpu"))
+        ParallelDims.single(), torch.device("cpu"))
     assert resumed.step == 0 and resumed.optimizer.step_count == 0
     for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name  # masters rounded to BF16 are the model weights

@@ -46,7 +46,7 @@ def test_weight_stats_use_blocks():
 def test_monitor_samples_every_n_steps_and_warns(tiny_overrides, caplog):
     cfg = load_config("tiny_dense_fp8", tiny_overrides + ["training.steps=4", "training.eval_interval=0",
                                                           "logging.fp8_health_interval=2", "logging.fp8_at_max_warn=0.0"])
-    trainer = Trainer(cfg, ParallelDims(1, 0, None), torch.device("cpu"))
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     with caplog.at_level("WARNING", logger="megafp8"):
         trainer.fit()
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -62,6 +62,6 @@ def test_monitor_samples_every_n_steps_and_warns(tiny_overrides, caplog):
     assert not any(m._forward_hooks for m in trainer.model.modules())  # hooks removed after the sampled step
     unmonitored = Trainer(load_config("tiny_dense_fp8", tiny_overrides + [
         "training.steps=4", "training.eval_interval=0", "logging.fp8_health_interval=0", "run_name=plain"]),
-        ParallelDims(1, 0, None), torch.device("cpu"))
+        ParallelDims.single(), torch.device("cpu"))
     plain = [r["loss"] for r in unmonitored.fit() if r["kind"] == "train"]
     assert plain == [r["loss"] for r in records if r["kind"] == "train"]  # watching changes nothing

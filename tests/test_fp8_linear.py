@@ -193,7 +193,7 @@ def test_fp8_backend_that_cannot_run_here_is_a_config_error(tiny_overrides):
     from megafp8.train import Trainer
     cfg = load_config("tiny_dense_fp8", tiny_overrides + ["precision.fp8_backend=cublas"])
     with pytest.raises(ConfigError, match="the cublas backend needs a CUDA GPU.*set precision.fp8_backend=auto"):
-        Trainer(cfg, ParallelDims(1, 0, None), torch.device("cpu"))
+        Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
 
 
 def test_optimizer_step_invalidates_the_quantized_weight():

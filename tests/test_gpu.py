@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 def test_training_on_cuda_learns(tiny_overrides):
     cfg = load_config("tiny_dense", tiny_overrides + ["training.device=auto", "training.steps=12"])
-    trainer = Trainer(cfg, ParallelDims(1, 0, None), torch.device("cuda", 0))
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0))
     assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in trainer.model.parameters())
     assert all(shard.master.dtype == torch.float32 and shard.master.is_cuda for shard in trainer.optimizer.shards)
     losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
@@ -35,6 +35,6 @@ def test_two_gpus_use_nccl_and_match_one_gpu(tiny_overrides, tmp_path):
     lines = (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()
     two = [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
     cfg = load_config("tiny_dense", tiny_overrides + [f"logging.output_dir={tmp_path / 'one'}"])
-    one = [r["loss"] for r in Trainer(cfg, ParallelDims(1, 0, None), torch.device("cuda", 0)).fit() if r["kind"] == "train"]
+    one = [r["loss"] for r in Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0)).fit() if r["kind"] == "train"]
     assert two[0] == pytest.approx(one[0], rel=1e-3)
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=5e-3, atol=0)

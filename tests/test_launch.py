@@ -38,7 +38,7 @@ def test_two_rank_run_matches_one_rank_with_accumulation(tiny_overrides, tmp_pat
 
     torch.manual_seed(0)
     single = Trainer(load_config("tiny_dense", tiny_overrides + [f"logging.output_dir={tmp_path / 'one'}"]),
-                     ParallelDims(1, 0, None), torch.device("cpu"))
+                     ParallelDims.single(), torch.device("cpu"))
     one_rank = [r["loss"] for r in single.fit() if r["kind"] == "train"]
     assert two_rank[0] == one_rank[0]  # identical weights and data before the first update
     torch.testing.assert_close(torch.tensor(two_rank), torch.tensor(one_rank), rtol=2e-3, atol=0)
@@ -103,7 +103,7 @@ def test_checkpoint_from_two_sharded_ranks_resumes_on_one(tiny_overrides, tmp_pa
     two_rank = [r["loss"] for r in read_metrics(tmp_path / "two" / "t") if r["kind"] == "train"]
     cfg = load_config("tiny_dense", tiny_overrides + common + [f"checkpoint.resume={ckpt / 'step_00000003'}",
                                                                f"logging.output_dir={tmp_path / 'one'}"])
-    resumed = Trainer(cfg, ParallelDims(1, 0, None), torch.device("cpu"))
+    resumed = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     assert resumed.step == 3
     one_rank = [r["loss"] for r in resumed.fit() if r["kind"] == "train"]
     torch.testing.assert_close(torch.tensor(one_rank), torch.tensor(two_rank[3:]), rtol=2e-3, atol=0)

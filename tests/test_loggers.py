@@ -24,7 +24,7 @@ def run(tiny_overrides, backends, monkeypatch, tmp_path):
     cfg = load_config("tiny_dense_fp8", tiny_overrides + [
         "training.steps=3", f"logging.backends=[{', '.join(backends)}]", "logging.fp8_health_interval=2",
         f"logging.output_dir={tmp_path}", "run_name=r"])
-    trainer = Trainer(cfg, ParallelDims(1, 0, None), torch.device("cpu"))
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     trainer.fit()
     records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     return records, [r["loss"] for r in records if r["kind"] == "train"]
@@ -70,7 +70,7 @@ def test_a_missing_logging_package_is_a_clear_error(tiny_overrides, monkeypatch,
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     cfg = load_config("tiny_dense", tiny_overrides + ["logging.backends=[wandb]", f"logging.output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="'wandb' but the wandb package is missing: pip install wandb"):
-        Trainer(cfg, ParallelDims(1, 0, None), torch.device("cpu"))
+        Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
 
 
 def test_unknown_backend_is_rejected():

@@ -38,6 +38,18 @@ def test_memory_follows_the_optimizer_layout():
     assert bf16_moments.bytes_per_rank["optimizer_states"] == 4 * n / 4
 
 
+def test_tensor_parallel_divides_the_weights_per_rank():
+    overrides = ["model.size=1b", "model.vocab_size=32768"]
+    one = make_plan(load_config("tiny_dense", overrides), 2)
+    tp2 = make_plan(load_config("tiny_dense", overrides + ["parallel.tp=2"]), 2)
+    assert tp2.total_params == one.total_params  # full counts
+    norms = one.params["norms"]  # replicated on every TP rank
+    assert tp2.bytes_per_rank["weights"] == 2 * ((one.total_params - norms) / 2 + norms)
+    assert tp2.bytes_per_rank["master_weights"] == 4 * ((one.total_params - norms) / 2 + norms)  # dp 1: unsharded
+    with pytest.raises(ConfigError, match="cannot be split into tp=4"):
+        make_plan(load_config("tiny_dense", overrides + ["parallel.tp=4"]), 2)
+
+
 def test_a_run_that_cannot_fit_fails_fast():
     cfg = load_config("tiny_dense", ["model.size=1b", "model.vocab_size=32768", "data.seq_len=2048",
                                      "training.micro_batch_size=8", "training.global_batch_size=8"])
@@ -53,7 +65,11 @@ def test_dry_run_command_prints_the_plan_and_needs_a_vocabulary(tmp_path):
            "model.size=1b", "model.vocab_size=32768", "data.seq_len=2048"]
     result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "| **total** | **956.37M** |" in result.stdout and "optimizer sharded over 8 rank(s)" in result.stdout
+    assert "| **total** | **956.37M** |" in result.stdout and "sharded over 8 data-parallel" in result.stdout
+    tp2 = subprocess.run(cmd + ["parallel.tp=2", "parallel.sequence_parallel=true"], cwd=REPO, env=torchrun_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert "| **total** | **956.37M** |" in tp2.stdout and "tp 2 with sequence parallelism" in tp2.stdout
+    assert "sharded over 4 data-parallel" in tp2.stdout
     plan_tool = subprocess.run([sys.executable, "tools/plan.py", "--config", "tiny_dense", "model.vocab_size=512"],
                                cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
     assert plan_tool.returncode == 0 and "tokens/s at 40% MFU" in plan_tool.stdout

@@ -66,7 +66,7 @@ def test_auto_recipe_follows_the_hardware(capability, expected):
 def test_auto_on_cpu_uses_the_configured_recipe_and_logs_it(tiny_overrides, caplog):
     cfg = load_config("tiny_dense", tiny_overrides + ["precision.recipe=auto", "precision.auto_cpu_recipe=fp8"])
     with caplog.at_level("INFO", logger="megafp8"):
-        trainer = Trainer(cfg, ParallelDims(1, 0, None), torch.device("cpu"))
+        trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     assert trainer.recipe.name == "fp8" and trainer.cfg.precision.recipe == "fp8"
     assert "precision: fp8 (no GPU: precision.auto_cpu_recipe=fp8)" in caplog.text
 
@@ -74,7 +74,7 @@ def test_auto_on_cpu_uses_the_configured_recipe_and_logs_it(tiny_overrides, capl
 def _inject_inf_worker(rank, world, overrides):
     cfg = load_config("tiny_dense", overrides + ["precision.recipe=fp16", "precision.loss_scale_hysteresis=1",
                                                  "precision.loss_scale_initial=1024", "training.eval_interval=0"])
-    trainer = Trainer(cfg, ParallelDims(world, rank, torch.distributed.group.WORLD), torch.device("cpu"))
+    trainer = Trainer(cfg, ParallelDims.build(), torch.device("cpu"))
     assert all(p.dtype == torch.float16 for p in trainer.model.parameters())
     trainer.train_step()
     before = [p.detach().clone() for p in trainer.model.parameters()]
@@ -104,9 +104,9 @@ def test_fp16_inf_on_one_rank_skips_the_step_everywhere(tiny_overrides):
 def test_bf16_to_fp8_schedule_switches_at_the_configured_step(tiny_overrides):
     cfg = load_config("tiny_dense", tiny_overrides + ["precision.recipe=fp8", "precision.fp8_start_step=3",
                                                       "training.steps=8", "training.eval_interval=0"])
-    scheduled = Trainer(cfg, ParallelDims(1, 0, None), torch.device("cpu"))
+    scheduled = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     bf16 = Trainer(load_config("tiny_dense", tiny_overrides + ["training.steps=8", "training.eval_interval=0"]),
-                   ParallelDims(1, 0, None), torch.device("cpu"))
+                   ParallelDims.single(), torch.device("cpu"))
     layer = scheduled.model.layers[1].attn.qkv_proj
     losses, reference = [], []
     for step in range(8):  # step s (0-based) is optimizer step s + 1

@@ -12,7 +12,7 @@ from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
 
-SINGLE = ParallelDims(world_size=1, rank=0, dp_group=None)
+SINGLE = ParallelDims.single()
 GOLDEN_DIR = Path(__file__).parent / "golden"
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 

@@ -48,7 +48,8 @@ class ModelConfig:
         "`pad_vocab_to_multiple_of`. If set, it must be at least the tokenizer's vocabulary size.",
     )
     pad_vocab_to_multiple_of: int = setting(
-        128, "When `vocab_size` is derived from the tokenizer, pad it to this multiple (GEMM- and tile-friendly)."
+        128, "When `vocab_size` is derived from the tokenizer, pad it to this multiple (GEMM- and tile-friendly); "
+        "with parallel.tp > 1, to lcm(this, 128) x tp, so each rank's vocabulary shard is a multiple of 128."
     )
     hidden_size: int = setting(256, "Width of the residual stream.")
     num_layers: int = setting(4, "Number of transformer blocks.")
@@ -71,10 +72,22 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How ranks are laid out. This release has data parallelism only."""
+    """How ranks are laid out: tensor parallelism innermost (consecutive ranks), data parallelism over the rest."""
 
-    data_parallel_size: Optional[int] = setting(
-        None, "Data-parallel ranks. `null`: the whole world. If set, it must equal the number of launched ranks."
+    tp: int = setting(
+        1,
+        "Tensor-parallel ranks: attention heads, MLP width and vocabulary are split across them. Must divide "
+        "the launched ranks, model.num_heads and num_kv_heads; above 1, every shard (heads x head_dim / tp, "
+        "ffn_hidden_size / tp, vocab_size / tp) must be a multiple of 128. Keep it within a node (NVLink).",
+    )
+    sequence_parallel: bool = setting(
+        False,
+        "With tp > 1: outside the tensor-parallel regions (norms, residual stream) each rank keeps 1/tp of the "
+        "tokens, and the TP all-reduces become all-gather + reduce-scatter (FP8 bytes for FP8 layers). Saves "
+        "activation memory at the same communication volume. Needs micro_batch_size x seq_len divisible by tp.",
+    )
+    dp: Optional[int] = setting(
+        None, "Data-parallel ranks. `null`: launched ranks / tp. If set, it must equal that."
     )
     backend: BackendName = setting(
         "auto", "`torch.distributed` backend: `auto` picks NCCL when training on CUDA and gloo on CPU."
@@ -180,7 +193,7 @@ class TrainingConfig:
     global_batch_size: int = setting(
         16,
         "Samples per optimizer step over all data-parallel ranks; must be a multiple of "
-        "`micro_batch_size * data_parallel_size` (the quotient is the number of gradient-accumulation micro-batches).",
+        "`micro_batch_size * data-parallel ranks (launched ranks / parallel.tp)` (the quotient is the number of gradient-accumulation micro-batches).",
     )
     micro_batch_size: int = setting(4, "Samples per forward/backward pass on one rank.")
     eval_interval: int = setting(50, "Evaluate validation loss every this many steps (and at the end); 0 disables.")

@@ -130,20 +130,78 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("checkpoint.resume must be 'auto', 'none' or a checkpoint path")
 
 
+def data_parallel_size(world_size: int, tp: int, pp: int = 1, ep: int = 1) -> int:
+    """world / (tp x pp), or a ConfigError naming the setting to change."""
+    for name, size in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.ep", ep)):
+        if size < 1:
+            raise ConfigError(f"{name} must be at least 1, got {size}")
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(
+            f"{world_size} rank(s) cannot be split into tp={tp} x pp={pp} x data-parallel replicas: launch a "
+            f"multiple of {tp * pp} ranks or change parallel.tp" + (" / parallel.pp" if pp > 1 else "")
+        )
+    dp = world_size // (tp * pp)
+    if dp % ep != 0:
+        raise ConfigError(f"parallel.ep={ep} must divide the data-parallel size {dp} (= {world_size} ranks / "
+                          f"(tp {tp} x pp {pp}))")
+    return dp
+
+
+def _check_tensor_parallel(cfg: Config, tp: int) -> None:
+    """Heads and widths split evenly, each shard a whole number of 128-element FP8 tiles."""
+    m = cfg.model
+    kv_heads = m.num_kv_heads or m.num_heads
+    head_dim = m.head_dim or m.hidden_size // m.num_heads
+    for key, heads in (("model.num_heads", m.num_heads), ("model.num_kv_heads", kv_heads)):
+        if heads % tp != 0:
+            raise ConfigError(f"{key}={heads} is not divisible by parallel.tp={tp}: every tensor-parallel rank "
+                              f"needs whole heads; set parallel.tp to one of {_divisors(heads, tp)} or change {key}")
+    if tp == 1:
+        return
+    shards = {
+        "model.num_heads x head_dim (query features)": (m.num_heads * head_dim, "model.num_heads or model.head_dim"),
+        "model.num_kv_heads x head_dim (key/value features)": (kv_heads * head_dim,
+                                                                "model.num_kv_heads or model.head_dim"),
+        "model.ffn_hidden_size": (m.ffn_hidden_size, "model.ffn_hidden_size"),
+    }
+    if m.vocab_size is not None:
+        shards["model.vocab_size"] = (m.vocab_size, "model.vocab_size (or null to pad it automatically)")
+    for what, (size, key) in shards.items():
+        if size % (128 * tp) != 0:
+            raise ConfigError(
+                f"{what} = {size} splits into {size / tp:g} per rank at parallel.tp={tp}, not a multiple of 128 "
+                f"(tensor-parallel shards must hold whole FP8 tiles): change {key} to a multiple of {128 * tp}, "
+                "or lower parallel.tp"
+            )
+    if cfg.parallel.sequence_parallel and (cfg.training.micro_batch_size * cfg.data.seq_len) % tp != 0:
+        raise ConfigError(
+            f"parallel.sequence_parallel splits each micro-batch's {cfg.training.micro_batch_size} x "
+            f"{cfg.data.seq_len} tokens over tp={tp} ranks, which does not divide: change data.seq_len"
+        )
+
+
+def validate_layout(cfg: Config, world_size: int) -> int:
+    """The parallel layout's checks (sizes multiply out, shards on tile edges); returns the data-parallel size."""
+    tp = cfg.parallel.tp
+    dp = data_parallel_size(world_size, tp)
+    if cfg.parallel.dp is not None and cfg.parallel.dp != dp:
+        raise ConfigError(
+            f"parallel.dp={cfg.parallel.dp} but {world_size} rank(s) at parallel.tp={tp} give {dp} data-parallel "
+            f"replicas: set parallel.dp to {dp} or null, or launch {cfg.parallel.dp * tp} ranks"
+        )
+    _check_tensor_parallel(cfg, tp)
+    return dp
+
+
 def validate_for_world(cfg: Config, world_size: int) -> int:
     """Checks that need the number of ranks; returns the gradient-accumulation micro-batch count."""
-    dp = cfg.parallel.data_parallel_size
-    if dp is not None and dp != world_size:
-        raise ConfigError(
-            f"parallel.data_parallel_size={dp} but {world_size} rank(s) were launched: set it to {world_size} "
-            f"or null, or launch {dp} ranks (torchrun --nproc_per_node={dp})"
-        )
-    per_step = cfg.training.micro_batch_size * world_size
+    dp = validate_layout(cfg, world_size)
+    per_step = cfg.training.micro_batch_size * dp
     if cfg.training.global_batch_size % per_step != 0:
         lower = max(per_step, cfg.training.global_batch_size // per_step * per_step)
         raise ConfigError(
             f"training.global_batch_size={cfg.training.global_batch_size} must be a multiple of "
-            f"micro_batch_size x data-parallel ranks = {cfg.training.micro_batch_size} x {world_size} = {per_step}: "
+            f"micro_batch_size x data-parallel ranks = {cfg.training.micro_batch_size} x {dp} = {per_step}: "
             f"set global_batch_size to e.g. {lower} or {lower + per_step}, or change training.micro_batch_size"
         )
     return cfg.training.global_batch_size // per_step

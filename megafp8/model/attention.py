@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from megafp8.config import ModelConfig
 from megafp8.model.rope import RotaryEmbedding
-from megafp8.parallel import ColumnParallelLinear, RowParallelLinear
+from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
 from megafp8.precision import PrecisionRecipe
 
 
@@ -20,18 +20,24 @@ def kv_heads_of(cfg: ModelConfig) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, device=None) -> None:
-        super().__init__()
-        self.n_heads = cfg.num_heads
-        self.n_kv_heads = kv_heads_of(cfg)
-        self.head_dim = head_dim_of(cfg)
-        qkv_features = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_features, recipe, device=device)
-        self.out_proj = RowParallelLinear(self.n_heads * self.head_dim, cfg.hidden_size, recipe, device=device)
+    """Heads are split across tensor-parallel ranks: each rank projects, attends and outputs its own heads."""
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        batch, seq_len, _ = x.shape
-        qkv = self.qkv_proj(x)  # (B, T, (n_heads + 2 * n_kv_heads) * head_dim)
+    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, device=None) -> None:
+        super().__init__()
+        for what, heads in (("model.num_heads", cfg.num_heads), ("model.num_kv_heads", kv_heads_of(cfg))):
+            if heads % tp.size != 0:
+                raise ValueError(f"{what}={heads} is not divisible by the tensor-parallel size {tp.size}")
+        self.head_dim = head_dim_of(cfg)
+        self.n_heads = cfg.num_heads // tp.size  # this rank's heads
+        self.n_kv_heads = kv_heads_of(cfg) // tp.size
+        q_features, kv_features = cfg.num_heads * self.head_dim, kv_heads_of(cfg) * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, q_features + 2 * kv_features, recipe, tp,
+                                             parts=(q_features, kv_features, kv_features), device=device)
+        self.out_proj = RowParallelLinear(q_features, cfg.hidden_size, recipe, tp, device=device)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int, seq_len: int) -> torch.Tensor:
+        """x: (tokens, hidden) token-major, all B*T tokens or this rank's share under sequence parallelism."""
+        qkv = self.qkv_proj(x)  # (B*T, (n_heads + 2 * n_kv_heads) * head_dim), this rank's heads
         q, k, v = qkv.split(
             [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1
         )
@@ -44,5 +50,5 @@ class Attention(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
         )
-        out = out.transpose(1, 2).reshape(batch, seq_len, self.n_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(batch * seq_len, self.n_heads * self.head_dim)
         return self.out_proj(out)

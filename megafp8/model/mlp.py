@@ -5,17 +5,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megafp8.parallel import ColumnParallelLinear, RowParallelLinear
+from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
 from megafp8.precision import PrecisionRecipe
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, recipe: PrecisionRecipe, device=None) -> None:
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, recipe: PrecisionRecipe, tp: TensorParallel,
+                 device=None) -> None:
         super().__init__()
-        # Weight rows are [gate; up], each ffn_hidden_size long.
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size, recipe, device=device)
-        self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, recipe, device=device)
+        # Weight rows are [gate; up], each ffn_hidden_size long; each rank holds [gate_r; up_r].
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size, recipe, tp,
+                                                 parts=(ffn_hidden_size, ffn_hidden_size), device=device)
+        self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, recipe, tp, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (B, T, ffn_hidden_size)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (tokens, ffn_hidden_size / tp)
         return self.down_proj(F.silu(gate) * up)

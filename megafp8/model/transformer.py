@@ -13,57 +13,72 @@ from megafp8.model.attention import Attention, head_dim_of
 from megafp8.model.mlp import SwiGLU
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
-from megafp8.parallel import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from megafp8.parallel import (
+    ColumnParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    gather_from_tp_last,
+    vocab_parallel_cross_entropy,
+)
 from megafp8.precision import PrecisionRecipe
 
 
 class Block(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, device=None) -> None:
         super().__init__()
         dtype = recipe.param_dtype
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
-        self.attn = Attention(cfg, recipe, device)
+        self.attn = Attention(cfg, recipe, tp, device)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, recipe, device)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, recipe, tp, device)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int, seq_len: int) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, batch, seq_len)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model. `cfg.vocab_size` must be resolved (not None) before building."""
+    """Decoder-only language model. `cfg.vocab_size` must be resolved (not None) before building.
 
-    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, max_seq_len: int, device=None) -> None:
+    The residual stream is token-major, (B*T, hidden); under sequence parallelism each rank holds
+    a contiguous 1/tp of those tokens between the tensor-parallel regions."""
+
+    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, max_seq_len: int,
+                 tp: Optional[TensorParallel] = None, device=None) -> None:
         super().__init__()
         if cfg.vocab_size is None:
             raise ValueError("resolve model.vocab_size (e.g. from the tokenizer) before building the model")
         self.cfg = cfg
+        self.tp = tp = tp or TensorParallel.single()
         dtype = recipe.param_dtype
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp, device)
         self.rope = RotaryEmbedding(head_dim_of(cfg), max_seq_len, cfg.rope_theta, device)
-        self.layers = nn.ModuleList(Block(cfg, recipe, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, recipe, tp, device) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
         # The LM head is a precision island: never FP8, whatever the recipe.
-        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, recipe.high_precision(), device=device)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, recipe.high_precision(), tp, device=device)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens: (B, T) int64. Returns the mean loss if `targets` (B, T) is given, else logits (B, T, V)."""
-        x = self.embed(tokens)  # (B, T, hidden)
+        batch, seq_len = tokens.shape
+        x = self.embed(tokens)  # (B*T, hidden), or this rank's 1/tp of the tokens under SP
         for layer in self.layers:
-            x = layer(x, self.rope)
-        logits = self.lm_head(self.final_norm(x))  # (B, T, vocab)
+            x = layer(x, self.rope, batch, seq_len)
+        logits = self.lm_head(self.final_norm(x))  # (B*T, vocab / tp)
         if targets is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, targets)
+            return gather_from_tp_last(logits, self.tp).view(batch, seq_len, -1)
+        return vocab_parallel_cross_entropy(logits, targets, self.tp)
 
 
-def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int) -> ModelConfig:
-    """The model config with `vocab_size` set: the tokenizer's, padded, unless configured (and large enough)."""
+def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int, tp_size: int = 1) -> ModelConfig:
+    """The model config with `vocab_size` set: the tokenizer's, padded, unless configured (and large enough).
+    Under tensor parallelism the padding makes every rank's vocabulary shard a multiple of 128."""
     if cfg.vocab_size is None:
         multiple = cfg.pad_vocab_to_multiple_of
+        if tp_size > 1:
+            multiple = math.lcm(multiple, 128) * tp_size
         return dataclasses.replace(cfg, vocab_size=math.ceil(tokenizer_vocab / multiple) * multiple)
     if cfg.vocab_size < tokenizer_vocab:
         raise ConfigError(

@@ -10,7 +10,12 @@ The update is AdamW with decoupled weight decay (torch.optim.AdamW's arithmetic)
 flat shards, because torch's AdamW has no BF16-moment option; weight decay applies to matrices
 only (each bucket stores them first, so a shard's decayed elements form one contiguous run).
 Gradient clipping uses the global L2 norm: each element is owned by exactly one rank of its
-group, so summing the shards' squares over the group counts every gradient once.
+group, so summing the shards' squares over the group counts every gradient once; over the
+tensor-parallel group, sharded parameters are summed and replicated ones (norm weights) are
+counted on TP rank 0 only.
+
+Checkpoint state is by parameter name at the full (unsharded) shape: tensor-parallel shards are
+gathered on save and sliced on load, so a checkpoint loads at any TP and DP layout.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megafp8.config import OptimizerConfig
-from megafp8.parallel import GradBuckets
+from megafp8.parallel import GradBuckets, TensorParallel, full_shape, gather_full, shard_of, tp_shard_of
 from megafp8.parallel.grad_buckets import Bucket
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -38,23 +43,31 @@ class _Shard:
     master: torch.Tensor  # FP32
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
+    replicated: list[tuple[int, int]]  # ranges of the shard holding TP-replicated parameters
 
 
 class DistributedAdamW:
     """FP32-master AdamW over `buckets`; `names` maps each parameter to its name (for checkpoints)."""
 
-    def __init__(self, buckets: GradBuckets, names: dict[nn.Parameter, str], cfg: OptimizerConfig) -> None:
+    def __init__(self, buckets: GradBuckets, names: dict[nn.Parameter, str], cfg: OptimizerConfig,
+                 tp: TensorParallel | None = None) -> None:
         self.buckets, self.cfg = buckets, cfg
         self.names = names
+        self.tp = tp or TensorParallel.single()
         self.step_count = 0
         moment_dtype = MOMENT_DTYPES[cfg.moment_dtype]
         self.shards: list[_Shard] = []
         for bucket in buckets.buckets:
             start, end = buckets.shard_range(bucket)
             master = bucket.params_flat[start:end].float().clone()
+            replicated = []
+            for p, offset in zip(bucket.params, bucket.offsets):
+                lo, hi = max(offset, start), min(offset + p.numel(), end)
+                if tp_shard_of(p) is None and lo < hi:
+                    replicated.append((lo - start, hi - start))
             self.shards.append(_Shard(
                 bucket, start, end, max(0, min(end, bucket.decay_numel) - start), master,
-                torch.zeros_like(master, dtype=moment_dtype), torch.zeros_like(master, dtype=moment_dtype),
+                torch.zeros_like(master, dtype=moment_dtype), torch.zeros_like(master, dtype=moment_dtype), replicated,
             ))
 
     # --------------------------------------------------------------------------------- step
@@ -62,10 +75,16 @@ class DistributedAdamW:
         """Global L2 norm of the reduced gradients (before clipping), clipped in place; no host sync."""
         sum_sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].master.device)
         for shard in self.shards:
-            sum_sq += self.buckets.shard_grads(shard.bucket).square().sum()
+            grads = self.buckets.shard_grads(shard.bucket)
+            sum_sq += grads.square().sum()
+            if self.tp.rank != 0:  # replicated parameters count once, on TP rank 0
+                for lo, hi in shard.replicated:
+                    sum_sq -= grads[lo:hi].square().sum()
         if self.buckets.sharded:
             for group in self._groups():
                 dist.all_reduce(sum_sq, group=group)
+        if self.tp.enabled:
+            dist.all_reduce(sum_sq, group=self.tp.group)
         norm = sum_sq.sqrt()
         if self.cfg.grad_clip > 0:
             coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
@@ -129,20 +148,21 @@ class DistributedAdamW:
         return full.float()
 
     def state_dict(self) -> dict[str, Any]:
-        """Layout-independent state: FP32 master weights and moments by parameter name, and the step.
-        Collective when sharded: every rank must call it."""
+        """Layout-independent state: FP32 master weights and moments by parameter name (full shapes), and the
+        step. Collective over data- and tensor-parallel ranks: every rank must call it."""
         state: dict[str, Any] = {"step": self.step_count, "masters": {}, "exp_avg": {}, "exp_avg_sq": {}}
         for shard in self.shards:
             fulls = {key: self._full(shard, getattr(shard, attr)) for key, attr in
                      (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))}
             for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
                 for key, full in fulls.items():
-                    state[key][self.names[p]] = full[offset : offset + p.numel()].view_as(p).cpu().clone()
+                    local = full[offset : offset + p.numel()].view_as(p)
+                    state[key][self.names[p]] = gather_full(local, tp_shard_of(p), self.tp).cpu().clone()
         return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = {self.names[p]: tuple(p.shape) for s in self.shards for p in s.bucket.params}
+        expected = {self.names[p]: full_shape(p, self.tp.size) for s in self.shards for p in s.bucket.params}
         for key in ("masters", "exp_avg", "exp_avg_sq"):
             saved = state.get(key, {})
             missing = [n for n in expected if n not in saved]
@@ -157,7 +177,8 @@ class DistributedAdamW:
             for key, attr in (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
                 full = torch.zeros(shard.bucket.numel, dtype=torch.float32)
                 for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
-                    full[offset : offset + p.numel()] = state[key][self.names[p]].reshape(-1).float()
+                    mine = shard_of(state[key][self.names[p]], tp_shard_of(p), self.tp.rank, self.tp.size)
+                    full[offset : offset + p.numel()] = mine.reshape(-1).float()
                 getattr(shard, attr).copy_(full[shard.start : shard.end])
         self._publish()
 

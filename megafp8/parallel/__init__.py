@@ -1,5 +1,6 @@
-"""Parallelism: process-group layout, parallel layers, gradient buffers and their reductions."""
-from megafp8.parallel.dims import ParallelDims
+"""Parallelism: process-group layout, tensor-parallel layers and collectives, gradient buffers and their reductions."""
+from megafp8.parallel.collectives import gather_from_tp_last
+from megafp8.parallel.dims import ParallelDims, TensorParallel, rank_groups
 from megafp8.parallel.grad_buckets import GradBuckets
 from megafp8.parallel.layers import (
     ColumnParallelLinear,
@@ -8,8 +9,10 @@ from megafp8.parallel.layers import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from megafp8.parallel.sharding import TpShard, full_shape, gather_full, shard_of, tp_shard_of
 
 __all__ = [
-    "ColumnParallelLinear", "GradBuckets", "ParallelDims", "ParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "vocab_parallel_cross_entropy",
+    "ColumnParallelLinear", "GradBuckets", "ParallelDims", "ParallelLinear", "RowParallelLinear", "TensorParallel",
+    "TpShard", "VocabParallelEmbedding", "full_shape", "gather_from_tp_last", "gather_full",
+    "rank_groups", "shard_of", "tp_shard_of", "vocab_parallel_cross_entropy",
 ]

@@ -1,6 +1,16 @@
-"""`ParallelDims`: the process groups of a run, built once from the world and passed explicitly.
+"""`ParallelDims`: the world's layout and every process group of a run, built once and passed explicitly.
 
-This release lays out data parallelism only: every rank is a data-parallel replica.
+Ranks are placed with tensor parallelism innermost (it needs the fastest links: consecutive
+ranks share a node), then data parallelism, then pipeline stages outermost (Megatron's order):
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+Expert parallelism is carved out of the data-parallel axis, innermost within it:
+`dp_rank = ep_rank + ep * edp_rank`. Experts are split across the `ep` ranks of an expert
+group; each expert's replicas (same `ep_rank`) form the expert-data-parallel group that reduces
+expert gradients, while dense gradients are reduced over the whole data-parallel group.
+
+A group of one rank is `None`: every collective on it is skipped, so TP=1 layers are plain GEMMs.
 """
 from __future__ import annotations
 
@@ -9,30 +19,128 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megafp8.config.validate import data_parallel_size
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What a tensor-parallel layer needs: its group, size and rank, and whether sequence parallelism is on."""
+
+    group: Optional[dist.ProcessGroup]
+    size: int
+    rank: int
+    sequence_parallel: bool = False
+
+    @classmethod
+    def single(cls) -> "TensorParallel":
+        return cls(None, 1, 0, False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect: activations outside the TP regions hold 1/size of the tokens."""
+        return self.sequence_parallel and self.size > 1
+
+
+def rank_groups(world_size: int, tp: int, pp: int, ep: int) -> dict[str, list[list[int]]]:
+    """Every group of each kind ('tp', 'dp', 'pp', 'ep', 'edp') as lists of global ranks, in the placement above."""
+    dp = world_size // (tp * pp)
+    edp = dp // ep
+
+    def rank(tp_r: int, dp_r: int, pp_r: int) -> int:
+        return tp_r + tp * (dp_r + dp * pp_r)
+
+    groups: dict[str, list[list[int]]] = {"tp": [], "dp": [], "pp": [], "ep": [], "edp": []}
+    for pp_r in range(pp):
+        for dp_r in range(dp):
+            groups["tp"].append([rank(t, dp_r, pp_r) for t in range(tp)])
+        for tp_r in range(tp):
+            groups["dp"].append([rank(tp_r, d, pp_r) for d in range(dp)])
+            for edp_r in range(edp):
+                groups["ep"].append([rank(tp_r, e + ep * edp_r, pp_r) for e in range(ep)])
+            for ep_r in range(ep):
+                groups["edp"].append([rank(tp_r, ep_r + ep * e, pp_r) for e in range(edp)])
+    for dp_r in range(dp):
+        for tp_r in range(tp):
+            groups["pp"].append([rank(tp_r, dp_r, p) for p in range(pp)])
+    return groups
+
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """World layout and the groups built from it. `dp_group=None` means a single process (no collectives)."""
+    """World layout and the groups built from it (a group of one rank is None)."""
 
     world_size: int
     rank: int
-    dp_group: Optional[dist.ProcessGroup]
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    tp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None
+    pp_group: Optional[dist.ProcessGroup] = None
+    ep_group: Optional[dist.ProcessGroup] = None
+    edp_group: Optional[dist.ProcessGroup] = None
+    sequence_parallel: bool = False
 
+    @classmethod
+    def single(cls) -> "ParallelDims":
+        """One process, no collectives."""
+        return cls(world_size=1, rank=0)
+
+    @classmethod
+    def build(cls, tp: int = 1, pp: int = 1, ep: int = 1, sequence_parallel: bool = False) -> "ParallelDims":
+        """The layout of the initialized default process group (one process when there is none).
+        Collective: every rank must call it with the same sizes, since each group is created by all ranks."""
+        if not dist.is_available() or not dist.is_initialized():
+            world_size, rank = 1, 0
+        else:
+            world_size, rank = dist.get_world_size(), dist.get_rank()
+        dp = data_parallel_size(world_size, tp, pp, ep)
+        mine: dict[str, Optional[dist.ProcessGroup]] = {}
+        for kind, groups in rank_groups(world_size, tp, pp, ep).items():
+            mine[kind] = None
+            for ranks in groups:
+                if len(ranks) == 1:
+                    continue  # no collective on a group of one
+                group = dist.group.WORLD if len(ranks) == world_size else dist.new_group(ranks)
+                if rank in ranks:
+                    mine[kind] = group
+        return cls(world_size, rank, tp, pp, dp, ep, mine["tp"], mine["dp"], mine["pp"], mine["ep"], mine["edp"],
+                   sequence_parallel)
+
+    # Coordinates of this rank (the placement in the module docstring).
     @property
-    def dp_size(self) -> int:
-        return self.world_size
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
 
     @property
     def dp_rank(self) -> int:
-        return self.rank
+        return self.rank // self.tp % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp * self.dp)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp
 
     @property
     def is_distributed(self) -> bool:
-        return self.dp_group is not None and self.world_size > 1
+        return self.world_size > 1
 
-    @classmethod
-    def from_world(cls) -> "ParallelDims":
-        """Groups of the initialized default process group (or a single process when there is none)."""
-        if not dist.is_available() or not dist.is_initialized():
-            return cls(world_size=1, rank=0, dp_group=None)
-        return cls(world_size=dist.get_world_size(), rank=dist.get_rank(), dp_group=dist.group.WORLD)
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        return TensorParallel(self.tp_group, self.tp, self.tp_rank, self.sequence_parallel)
+
+    def describe(self) -> str:
+        return (f"{self.world_size} rank(s) = tp {self.tp} x dp {self.dp} x pp {self.pp} (ep {self.ep})"
+                f"{', sequence parallel' if self.sequence_parallel and self.tp > 1 else ''}")

@@ -16,6 +16,10 @@ Within a bucket, matrices come before vectors, so a rank's shard holds at most o
 run of weight-decayed elements. Buckets are padded to a multiple of the group size so that
 reduce-scatter shards are equal.
 
+Some gradients are partial sums over a second group as well: under sequence parallelism each
+tensor-parallel rank's norm weights see only its share of the tokens. `also_sum_over` names
+those parameters and the group; `finish()` sums their (reduced) gradients over it.
+
 On the last micro-batch of a step, a bucket's reduction (all-reduce, or reduce-scatter when the
 optimizer is sharded) is launched asynchronously as soon as its last gradient is ready, which
 overlaps communication with the rest of backward (NCCL); `finish()` waits for all of them.
@@ -41,6 +45,7 @@ class Bucket:
     group_size: int
     group_rank: int
     shard_grads: Optional[torch.Tensor] = None  # FP32 reduce-scatter output when sharded
+    also_sum: list[tuple[dist.ProcessGroup, int, int]] = field(default_factory=list)  # (group, start, end)
     pending: int = 0
     handle: Optional[dist.Work] = field(default=None, repr=False)
 
@@ -63,8 +68,10 @@ class GradBuckets:
     """Flat parameter/gradient buckets for `params`, reduced over each parameter's group."""
 
     def __init__(self, params: Iterable[nn.Parameter], group_of: dict[nn.Parameter, Optional[dist.ProcessGroup]],
-                 bucket_numel: int, sharded: bool, overlap: bool = True) -> None:
+                 bucket_numel: int, sharded: bool, overlap: bool = True,
+                 also_sum_over: Optional[dict[nn.Parameter, dist.ProcessGroup]] = None) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self._also_sum_over = also_sum_over or {}
         if not self.params:
             raise ValueError("GradBuckets needs at least one trainable parameter")
         self.sharded, self.overlap = sharded, overlap
@@ -106,6 +113,8 @@ class GradBuckets:
             offset += p.numel()
         decay_numel = sum(p.numel() for p in params if p.ndim >= 2)
         bucket = Bucket(params, offsets, decay_numel, params_flat, grads_flat, group, size, rank)
+        bucket.also_sum = [(self._also_sum_over[p], o, o + p.numel()) for p, o in zip(params, offsets)
+                           if self._also_sum_over.get(p) is not None]
         if self.sharded:  # a group of one reduces nothing: its shard is the whole bucket
             bucket.shard_grads = (torch.zeros(bucket.shard_numel, dtype=torch.float32, device=device)
                                   if size > 1 else grads_flat)
@@ -148,6 +157,24 @@ class GradBuckets:
                 bucket.handle = None
             if bucket.group_size > 1:
                 self.shard_grads(bucket).div_(bucket.group_size)
+            self._sum_partial(bucket)
+
+    def _sum_partial(self, bucket: Bucket) -> None:
+        """Sum the `also_sum_over` parameters' slices of this rank's reduced gradients over their groups."""
+        grads = self.shard_grads(bucket)
+        lo, hi = self.shard_range(bucket)
+        by_group: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
+        for group, start, end in bucket.also_sum:
+            start, end = max(start, lo), min(end, hi)
+            if start < end:
+                by_group.setdefault(id(group), (group, []))[1].append(grads[start - lo : end - lo])
+        for group, views in by_group.values():
+            flat = torch.cat(views)
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for view in views:
+                view.copy_(flat[offset : offset + view.numel()])
+                offset += view.numel()
 
     def shard_grads(self, bucket: Bucket) -> torch.Tensor:
         """This rank's reduced FP32 gradients of `bucket` (its shard when sharded, else the whole bucket)."""

@@ -1,34 +1,105 @@
-"""Parallel-aware GEMM-bearing layers (Megatron style) and the vocab-parallel loss.
+"""Tensor-parallel GEMM-bearing layers (Megatron style) and the vocab-parallel loss.
 
-Column-parallel linears split their output features across tensor-parallel ranks and
-row-parallel linears split their input features; at tensor-parallel size 1, which is all
-this release runs, both are plain GEMMs. Under an FP8 recipe their GEMMs are the per-tile FP8
-linear of `megafp8.precision`, with the layer's quantized-weight cache. The model is written
-against these classes so that tensor/expert parallelism and FP8 change the layers, not the model.
+Column-parallel linears split their output features across tensor-parallel ranks (QKV, MLP
+gate/up, LM head); row-parallel linears split their input features and sum their outputs (attention
+out, MLP down). Each is one autograd function in which quantize, collective and GEMM sit
+together: under an FP8 recipe the column-parallel input is quantized on this rank's tokens
+and the FP8 bytes are all-gathered (sequence parallelism), and the input-gradient reduction
+overlaps the wgrad GEMM. BF16 layers compose the same collectives as autograd pairs.
+
+Activations entering and leaving these layers are token-major `(tokens, features)`; under
+sequence parallelism the tokens outside the TP regions are this rank's 1/tp share. At TP=1
+every layer is a plain GEMM. Shard edges fall on 128-element tile edges, so an FP8 layer's
+per-tile quantization at any TP is bit-identical to TP=1's.
 """
 from __future__ import annotations
 
+from typing import Callable, Optional, Sequence
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megafp8.precision import TILE, Fp8Backend, Fp8WeightCache, PrecisionRecipe, fp8_linear, select_backend
+from megafp8.parallel.collectives import (
+    all_gather_fp8,
+    all_gather_rows,
+    all_reduce,
+    copy_to_tp,
+    gather_from_sp,
+    reduce_from_tp,
+    reduce_scatter_rows,
+    reduce_scatter_to_sp,
+)
+from megafp8.parallel.dims import TensorParallel
+from megafp8.parallel.sharding import TpShard, mark_sharded
+from megafp8.precision import TILE, Fp8Backend, Fp8WeightCache, LinearComm, PrecisionRecipe, fp8_linear, select_backend
+
+
+def _check_split(what: str, size: int, tp: TensorParallel) -> None:
+    if size % tp.size != 0:
+        raise ValueError(f"{what} = {size} does not divide over {tp.size} tensor-parallel ranks")
+    if tp.enabled and (size // tp.size) % TILE != 0:
+        raise ValueError(f"{what} = {size} gives {size // tp.size} per tensor-parallel rank, not a multiple of {TILE} "
+                         "(shard edges must fall on FP8 tile edges)")
+
+
+class _ColumnComm(LinearComm):
+    """Input replicated (or all-gathered from SP token shards); input gradient all-reduced (or reduce-scattered)."""
+
+    def __init__(self, tp: TensorParallel) -> None:
+        self.tp = tp
+
+    def gather_input(self, x2d):
+        return all_gather_rows(x2d, self.tp) if self.tp.sp else x2d
+
+    def gather_input_fp8(self, x_fp8, x_scale):
+        return all_gather_fp8(x_fp8, x_scale, self.tp) if self.tp.sp else (x_fp8, x_scale)
+
+    def start_reduce_grad_input(self, dx2d) -> Callable[[], torch.Tensor]:
+        if self.tp.sp:
+            out, work = reduce_scatter_rows(dx2d, self.tp, async_op=True)
+        else:
+            out, work = dx2d, all_reduce(dx2d, self.tp, async_op=True)
+
+        def finish() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            return out
+        return finish
+
+
+class _RowComm(LinearComm):
+    """Output partial sums all-reduced (or reduce-scattered to SP token shards); output gradient gathered under SP."""
+
+    def __init__(self, tp: TensorParallel) -> None:
+        self.tp = tp
+
+    def reduce_output(self, y2d):
+        if self.tp.sp:
+            return reduce_scatter_rows(y2d, self.tp)[0]
+        all_reduce(y2d, self.tp)
+        return y2d
+
+    def gather_grad_output(self, dy2d):
+        return all_gather_rows(dy2d, self.tp) if self.tp.sp else dy2d
 
 
 class ParallelLinear(nn.Module):
-    """A bias-free linear whose GEMMs follow the precision recipe; weight is (out_features, in_features)."""
+    """A bias-free linear whose GEMMs follow the precision recipe; `weight` is this rank's shard."""
 
-    def __init__(self, in_features: int, out_features: int, recipe: PrecisionRecipe, device=None) -> None:
+    def __init__(self, in_features: int, out_features: int, recipe: PrecisionRecipe, weight_shape: tuple[int, int],
+                 tp: TensorParallel, device=None) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=recipe.param_dtype, device=device))
+        self.in_features, self.out_features, self.tp = in_features, out_features, tp
+        self.weight = nn.Parameter(torch.empty(weight_shape, dtype=recipe.param_dtype, device=device))
+        self._comm: Optional[LinearComm] = None
         self.set_recipe(recipe)
 
     def set_recipe(self, recipe: PrecisionRecipe) -> None:
         """Switch this layer's numerics (e.g. keep it in BF16); FP8 needs 128-aligned dims."""
         if recipe.fp8 is not None:
-            for what, size in (("in_features", self.in_features), ("out_features", self.out_features)):
+            for what, size in (("in_features", self.weight.shape[1]), ("out_features", self.weight.shape[0])):
                 if size % TILE != 0:
                     raise ValueError(f"an FP8 linear needs {what} to be a multiple of {TILE}, got {size}")
         self.recipe = recipe
@@ -39,42 +110,133 @@ class ParallelLinear(nn.Module):
     def runs_fp8(self) -> bool:
         return self.recipe.fp8 is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         fp8 = self.recipe.fp8
-        if fp8 is None:
-            return F.linear(x, self.weight)
         if self._fp8_backend is None:
             self._fp8_backend = select_backend(fp8.backend, x.device)
-        return fp8_linear(x, self.weight, self.fp8_cache, fp8.gemm_config, self._fp8_backend)
+        return fp8_linear(x, self.weight, self.fp8_cache, fp8.gemm_config, self._fp8_backend, self._comm)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8={self.runs_fp8}"
+        shard = f", tp={self.tp.size}" if self.tp.enabled else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8={self.runs_fp8}{shard}"
 
 
 class ColumnParallelLinear(ParallelLinear):
-    """Output features split across tensor-parallel ranks (QKV, MLP up/gate, LM head)."""
+    """Output features split across tensor-parallel ranks. `parts`: sizes of fused outputs (e.g. q, k, v), each
+    split on its own so every rank holds whole heads."""
+
+    def __init__(self, in_features: int, out_features: int, recipe: PrecisionRecipe,
+                 tp: Optional[TensorParallel] = None, parts: Optional[Sequence[int]] = None, device=None) -> None:
+        tp = tp or TensorParallel.single()
+        parts = tuple(parts) if parts is not None else (out_features,)
+        if sum(parts) != out_features:
+            raise ValueError(f"parts {parts} do not add up to out_features={out_features}")
+        for part in parts:
+            _check_split("out_features" if len(parts) == 1 else f"fused part of out_features {parts}", part, tp)
+        super().__init__(in_features, out_features, recipe, (out_features // tp.size, in_features), tp, device)
+        if tp.enabled:
+            mark_sharded(self.weight, TpShard(0, parts))
+            self._comm = _ColumnComm(tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (tokens, in) -> (all tokens, out / tp); under SP the input holds this rank's tokens only."""
+        if self.tp.sp:
+            x = x.reshape(-1, x.shape[-1])
+        if self.runs_fp8:
+            return self._fp8_forward(x)
+        return F.linear(gather_from_sp(x, self.tp) if self.tp.sp else copy_to_tp(x, self.tp), self.weight)
 
 
 class RowParallelLinear(ParallelLinear):
-    """Input features split across tensor-parallel ranks; its output is reduced (attention out, MLP down)."""
+    """Input features split across tensor-parallel ranks; the outputs are summed (reduce-scattered under SP)."""
+
+    def __init__(self, in_features: int, out_features: int, recipe: PrecisionRecipe,
+                 tp: Optional[TensorParallel] = None, device=None) -> None:
+        tp = tp or TensorParallel.single()
+        _check_split("in_features", in_features, tp)
+        super().__init__(in_features, out_features, recipe, (out_features, in_features // tp.size), tp, device)
+        if tp.enabled:
+            mark_sharded(self.weight, TpShard(1, (in_features,)))
+            self._comm = _RowComm(tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (tokens, in / tp) -> (tokens, out), or this rank's 1/tp of the tokens under SP."""
+        if self.tp.sp:
+            x = x.reshape(-1, x.shape[-1])
+        if self.runs_fp8:
+            return self._fp8_forward(x)
+        y = F.linear(x, self.weight)
+        return reduce_scatter_to_sp(y, self.tp) if self.tp.sp else reduce_from_tp(y, self.tp)
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding whose vocabulary rows are split across tensor-parallel ranks (one shard at TP=1)."""
+    """Token embedding whose vocabulary rows are split across tensor-parallel ranks.
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device=None) -> None:
+    Each rank looks up the tokens in its row range (zeros elsewhere); the partial embeddings are
+    summed over TP (reduce-scattered to token shards under SP). Output is token-major (B*T, dim)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
+                 tp: Optional[TensorParallel] = None, device=None) -> None:
         super().__init__()
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device))
+        self.tp = tp = tp or TensorParallel.single()
+        _check_split("the vocabulary size (model.vocab_size)", num_embeddings, tp)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.rows_per_rank = num_embeddings // tp.size
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim, dtype=dtype, device=device))
+        if tp.enabled:
+            mark_sharded(self.weight, TpShard(0, (num_embeddings,)))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.weight)
+        tokens = tokens.reshape(-1)
+        if not self.tp.enabled:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.tp.rank * self.rows_per_rank
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        partial = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_to_sp(partial, self.tp) if self.tp.sp else reduce_from_tp(partial, self.tp)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        return f"{self.num_embeddings}, {self.embedding_dim}" + (f", tp={self.tp.size}" if self.tp.enabled else "")
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed in FP32 whatever the logits' dtype. logits: (..., V), targets: (...)."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of vocab-sharded logits (N, V/tp) in FP32: three small all-reduces
+    (max, target logit, sum of exponentials) instead of gathering the logits."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, tp: TensorParallel):
+        ctx.logits_dtype = logits.dtype
+        logits = logits.float()
+        v_local = logits.shape[-1]
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp.group)
+        shifted = logits - row_max.unsqueeze(-1)
+        local = targets - tp.rank * v_local
+        outside = (local < 0) | (local >= v_local)
+        local = local.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
+        both = torch.stack([target_logit, sum_exp])
+        dist.all_reduce(both, group=tp.group)
+        target_logit, sum_exp = both
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, outside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, dloss):
+        softmax, local, outside = ctx.saved_tensors
+        grad = softmax  # d loss / d logits = softmax - one_hot(target), on this rank's vocab columns
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local] -= (~outside).float()
+        return grad.mul_(dloss.unsqueeze(-1)).to(ctx.logits_dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                 tp: Optional[TensorParallel] = None) -> torch.Tensor:
+    """Mean token cross-entropy in FP32 whatever the logits' dtype. logits: (..., V / tp), targets: (...)."""
+    logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if tp is None or not tp.enabled:
+        return F.cross_entropy(logits.float(), targets)
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp).mean()

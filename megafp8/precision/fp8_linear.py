@@ -11,6 +11,11 @@ transpose-invariant, so both hold the same FP8 values): the cache is keyed on th
 version counter, which every in-place update (the optimizer's write-back) bumps, so
 micro-batches of one step share it and a stale copy can never be used.
 
+A `LinearComm` adds a tensor-parallel layer's collectives around the GEMMs (supplied by
+`megafp8.parallel`; the identity here): the input is quantized *before* an all-gather, so the
+gather moves FP8 bytes, and the input-gradient reduction is started before the wgrad GEMM and
+awaited after it, so the two overlap.
+
 Every GEMM accumulates in FP32 inside (per 128-wide K block, scales applied in FP32) and
 writes BF16, like a BF16 GEMM. The weight gradient is then added into `weight.main_grad`
 (FP32, set by the gradient buffer) when the parameter has one, so micro-batches accumulate in
@@ -19,7 +24,7 @@ FP32; otherwise it is returned as the weight's gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -74,61 +79,118 @@ class Fp8GemmConfig:
         return cls(FORMATS[fmt], FORMATS[grad_fmt], power_of_two, fprop, dgrad, wgrad)
 
 
+class LinearComm:
+    """The collectives around one linear's GEMMs; this base class is the identity (a plain linear).
+
+    `megafp8.parallel` supplies the tensor-parallel ones, so the FP8 linear can quantize before it
+    communicates (FP8 bytes cross the wire) while this module stays free of process groups. Rows
+    are tokens throughout.
+    """
+
+    def gather_input(self, x2d: torch.Tensor) -> torch.Tensor:
+        """Forward input (BF16) -> the rows the GEMM needs."""
+        return x2d
+
+    def gather_input_fp8(self, x_fp8: torch.Tensor, x_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same for an input already quantized in 1x128 row tiles (scales row-major (rows, K/128))."""
+        return x_fp8, x_scale
+
+    def reduce_output(self, y2d: torch.Tensor) -> torch.Tensor:
+        """The GEMM's output -> the layer's output (e.g. summed over ranks that split K)."""
+        return y2d
+
+    def gather_grad_output(self, dy2d: torch.Tensor) -> torch.Tensor:
+        """Backward: the layer's output gradient -> the GEMM's output gradient (conjugate of reduce_output)."""
+        return dy2d
+
+    def start_reduce_grad_input(self, dx2d: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Backward: start reducing the input gradient (conjugate of gather_input); the returned callable
+        waits and gives the result, so the reduction overlaps the wgrad GEMM."""
+        return lambda: dx2d
+
+
+def quantize_input(x2d: torch.Tensor, cfg: Fp8GemmConfig, backend: Fp8Backend) -> tuple[torch.Tensor, torch.Tensor]:
+    return backend.quantize_tiles(x2d, cfg.fmt, cfg.power_of_two)
+
+
+def dgrad(dy2d: torch.Tensor, weight: torch.Tensor, entry: _QuantizedWeight, cfg: Fp8GemmConfig,
+          backend: Fp8Backend) -> torch.Tensor:
+    """dx = dy @ w (BF16 out)."""
+    if not cfg.dgrad:
+        return dy2d @ weight
+    dy_fp8, dy_scale = backend.quantize_tiles(dy2d, cfg.grad_fmt, cfg.power_of_two)
+    return backend.gemm(dy_fp8, dy_scale, entry.wt_fp8, entry.wt_scale, True, dy2d.dtype)
+
+
+def _pad_rows(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
+    return torch.cat([t, t.new_full((rows, *t.shape[1:]), value)]) if rows else t
+
+
+def wgrad(dy2d: torch.Tensor, saved: tuple[torch.Tensor, ...], cfg: Fp8GemmConfig, backend: Fp8Backend) -> torch.Tensor:
+    """dw = dy^T @ x (BF16 out). `saved` is (x_fp8, x_scale) under FP8 wgrad, else (x2d,)."""
+    if not cfg.wgrad:
+        (x2d,) = saved
+        return dy2d.t() @ x2d
+    x_fp8, x_scale = saved
+    # The GEMM contracts over tokens in 128-wide tiles: pad tokens with zero rows (which add nothing).
+    pad = -dy2d.shape[0] % TILE
+    if pad:
+        dy2d = _pad_rows(dy2d, pad, 0.0)
+        x_fp8 = _pad_rows(x_fp8.view(torch.uint8), pad, 0).view(x_fp8.dtype)
+        x_scale = _pad_rows(x_scale, pad, 1.0)
+    dyt_fp8, dyt_scale = backend.quantize_tiles_transposed(dy2d, cfg.grad_fmt, cfg.power_of_two)
+    xt_fp8, xt_scale = backend.retile_transposed(x_fp8, x_scale, cfg.fmt, cfg.power_of_two)
+    return backend.gemm(dyt_fp8, dyt_scale, xt_fp8, xt_scale, False, dy2d.dtype)
+
+
+def accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor) -> Optional[torch.Tensor]:
+    """Add dw into `weight.main_grad` (FP32, across micro-batches) if the weight has one; else return it."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return dw
+    main_grad.add_(dw)
+    return None
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, cache: Fp8WeightCache, cfg: Fp8GemmConfig, backend: Fp8Backend):
-        in_shape = x.shape
-        x2d = x.reshape(-1, in_shape[-1])  # (M, K)
+    def forward(ctx, x, weight, cache: Fp8WeightCache, cfg: Fp8GemmConfig, backend: Fp8Backend, comm: LinearComm):
+        x2d = x.reshape(-1, x.shape[-1])  # (M, K) this rank's rows
         entry = cache.get(weight, backend, cfg.fmt, cfg.power_of_two)
-        x_fp8 = x_scale = None
-        if cfg.fprop or cfg.wgrad:
-            x_fp8, x_scale = backend.quantize_tiles(x2d, cfg.fmt, cfg.power_of_two)
-        if cfg.fprop:
+        x_fp8 = x_scale = x_full = None
+        if cfg.fprop:  # quantize first, so a gather moves FP8
+            x_fp8, x_scale = comm.gather_input_fp8(*quantize_input(x2d, cfg, backend))
             y = backend.gemm(x_fp8, x_scale, entry.w_fp8, entry.w_scale, True, x.dtype)
         else:
-            y = F.linear(x2d, weight)
+            x_full = comm.gather_input(x2d)
+            y = F.linear(x_full, weight)
+            if cfg.wgrad:
+                x_fp8, x_scale = quantize_input(x_full, cfg, backend)
         # wgrad in FP8 needs only the FP8 input; otherwise keep the BF16 input.
-        ctx.save_for_backward(*((x_fp8, x_scale) if cfg.wgrad else (x2d,)), weight)
-        ctx.entry, ctx.cfg, ctx.backend, ctx.in_shape = entry, cfg, backend, in_shape
-        return y.reshape(*in_shape[:-1], y.shape[-1])
+        ctx.save_for_backward(*((x_fp8, x_scale) if cfg.wgrad else (x_full if x_full is not None else x2d,)), weight)
+        ctx.entry, ctx.cfg, ctx.backend, ctx.comm, ctx.in_shape = entry, cfg, backend, comm, x.shape
+        y = comm.reduce_output(y)
+        if y.shape[0] != x2d.shape[0]:  # the collectives changed the token count (sequence parallelism)
+            return y
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        cfg, backend, entry = ctx.cfg, ctx.backend, ctx.entry
+        cfg, backend, comm = ctx.cfg, ctx.backend, ctx.comm
         *saved, weight = ctx.saved_tensors
-        dy2d = dy.reshape(-1, dy.shape[-1])  # (M, N)
-        dx = None
+        dy2d = comm.gather_grad_output(dy.reshape(-1, dy.shape[-1]))  # (M, N)
+        finish_dx = None
         if ctx.needs_input_grad[0]:
-            if cfg.dgrad:
-                dy_fp8, dy_scale = backend.quantize_tiles(dy2d, cfg.grad_fmt, cfg.power_of_two)
-                dx = backend.gemm(dy_fp8, dy_scale, entry.wt_fp8, entry.wt_scale, True, dy.dtype)
-            else:
-                dx = dy2d @ weight
-            dx = dx.reshape(ctx.in_shape)
+            finish_dx = comm.start_reduce_grad_input(dgrad(dy2d, weight, ctx.entry, cfg, backend))
         dw = None
         if ctx.needs_input_grad[1]:
-            if cfg.wgrad:
-                x_fp8, x_scale = saved
-                dyt_fp8, dyt_scale = backend.quantize_tiles_transposed(dy2d, cfg.grad_fmt, cfg.power_of_two)
-                xt_fp8, xt_scale = backend.retile_transposed(x_fp8, x_scale, cfg.fmt, cfg.power_of_two)
-                dw = backend.gemm(dyt_fp8, dyt_scale, xt_fp8, xt_scale, False, dy.dtype)
-            else:
-                (x2d,) = saved
-                dw = dy2d.t() @ x2d
-            main_grad = getattr(weight, "main_grad", None)
-            if main_grad is not None:
-                main_grad.add_(dw)  # FP32 accumulation across micro-batches; the weight itself gets no grad
-                dw = None
-        return dx, dw, None, None, None
+            dw = accumulate_wgrad(weight, wgrad(dy2d, tuple(saved), cfg, backend))
+        dx = finish_dx().reshape(ctx.in_shape) if finish_dx is not None else None
+        return dx, dw, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, cfg: Fp8GemmConfig,
-               backend: Fp8Backend) -> torch.Tensor:
-    """`x @ weight^T` with FP8 GEMMs; x (..., K) BF16, weight (N, K). Token count M need not be a multiple of 128."""
-    m = x.numel() // x.shape[-1]
-    if cfg.wgrad and m % TILE != 0 and weight.requires_grad and torch.is_grad_enabled():
-        # The wgrad GEMM contracts over tokens in 128-wide tiles: pad tokens with zero rows (zeros add nothing).
-        pad = TILE - m % TILE
-        x_pad = torch.cat([x.reshape(m, -1), x.new_zeros(pad, x.shape[-1])])
-        return _Fp8LinearFn.apply(x_pad, weight, cache, cfg, backend)[:m].reshape(*x.shape[:-1], weight.shape[0])
-    return _Fp8LinearFn.apply(x, weight, cache, cfg, backend)
+               backend: Fp8Backend, comm: Optional[LinearComm] = None) -> torch.Tensor:
+    """`x @ weight^T` with FP8 GEMMs; x (..., K) BF16, weight (N, K). Token count M need not be a multiple of 128.
+    `comm` adds the collectives of a tensor-parallel layer (output rows may then differ from input rows)."""
+    return _Fp8LinearFn.apply(x, weight, cache, cfg, backend, comm or LinearComm())

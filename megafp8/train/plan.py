@@ -1,15 +1,17 @@
 """Dry-run planning: parameters, per-GPU memory and throughput of a config, without allocating the model.
 
-The model is built on the meta device (shapes only). Memory per rank follows the optimizer's
-layout: model weights in the recipe's dtype, the FP32 gradient buffer (plus this rank's reduced
-shard when sharded), FP32 master weights and AdamW moments divided over data-parallel ranks when
-sharded. Activations are an estimate for one micro-batch without recomputation: ~34 bytes per
-token per hidden unit per layer in BF16 (Megatron's count with a fused attention kernel), and the
-logits (BF16, plus FP32 for the loss).
+The model is built on the meta device (shapes only), as one tensor-parallel rank's shard. Memory
+per rank follows the optimizer's layout: model weights in the recipe's dtype, the FP32 gradient
+buffer (plus this rank's reduced shard when sharded), FP32 master weights and AdamW moments
+divided over data-parallel ranks when sharded. Activations are an estimate for one micro-batch
+without recomputation, Megatron's count with a fused attention kernel: per token, hidden unit and
+layer ~34 bytes in BF16, (10 + 24/tp) under tensor parallelism and 34/tp with sequence
+parallelism; plus the logits (BF16, plus FP32 for the loss) split over TP.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,7 +19,9 @@ import torch
 
 from megafp8.config import Config, ConfigError
 from megafp8.data import read_meta
+from megafp8.config.validate import data_parallel_size, validate_layout
 from megafp8.model import Transformer, resolve_vocab_size, training_flops_per_token
+from megafp8.parallel import TensorParallel, full_shape
 from megafp8.precision import PrecisionRecipe
 
 _PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp16": 2, "fp32": 4}
@@ -66,20 +70,27 @@ def _part(name: str) -> str:
 
 
 def make_plan(cfg: Config, world_size: int) -> Plan:
-    """The plan of `cfg` on `world_size` data-parallel ranks; `model.vocab_size` must be set."""
+    """The plan of `cfg` on `world_size` ranks (parallel.tp of them per model replica); `model.vocab_size`
+    must be set."""
     if cfg.model.vocab_size is None:
         raise ConfigError("planning needs model.vocab_size (it is otherwise read from the data): set it")
+    tp = cfg.parallel.tp
+    dp = data_parallel_size(world_size, tp)
     recipe_name = cfg.precision.recipe if cfg.precision.recipe != "auto" else "fp8"
-    model = Transformer(cfg.model, PrecisionRecipe.from_name(recipe_name), cfg.data.seq_len, device="meta")
+    shard_layout = TensorParallel(None, tp, 0, cfg.parallel.sequence_parallel)  # shapes only: no group needed
+    model = Transformer(cfg.model, PrecisionRecipe.from_name(recipe_name), cfg.data.seq_len, shard_layout,
+                        device="meta")
     params: dict[str, int] = {p: 0 for p in ("embedding", "attention", "mlp", "norms", "lm_head")}
+    n = 0  # this rank's parameters
     for name, p in model.named_parameters():
-        params[_part(name)] += p.numel()
-    n = sum(params.values())
-    dp = world_size
+        params[_part(name)] += math.prod(full_shape(p, tp))
+        n += p.numel()
     shard = dp if cfg.optimizer.sharded else 1
     moment_bytes = 4 if cfg.optimizer.moment_dtype == "fp32" else 2
     tokens = cfg.training.micro_batch_size * cfg.data.seq_len
-    activations = 34 * tokens * cfg.model.hidden_size * cfg.model.num_layers + tokens * cfg.model.vocab_size * (2 + 4)
+    per_unit = 34 / tp if shard_layout.sp else 10 + 24 / tp
+    activations = (per_unit * tokens * cfg.model.hidden_size * cfg.model.num_layers
+                   + tokens * cfg.model.vocab_size * (2 + 4) / tp)
     bytes_per_rank = {
         "weights": n * _PARAM_BYTES[recipe_name],
         "grads": n * 4 + (n * 4 / dp if cfg.optimizer.sharded and dp > 1 else 0),
@@ -100,17 +111,20 @@ def with_vocab(cfg: Config) -> Config:
     except ConfigError:
         raise ConfigError(f"a dry run needs model.vocab_size or the data at data.path ({cfg.data.path}): "
                           "set model.vocab_size=N") from None
-    return dataclasses.replace(cfg, model=resolve_vocab_size(cfg.model, vocab))
+    return dataclasses.replace(cfg, model=resolve_vocab_size(cfg.model, vocab, cfg.parallel.tp))
 
 
 def dry_run(cfg: Config, world_size: int, peak_tflops: float, mfu: float) -> str:
     """The plan of `cfg` on `world_size` ranks as text (nothing is allocated, no process group is needed)."""
     cfg = with_vocab(cfg)
+    validate_layout(cfg, world_size)
     m = cfg.model
     header = (f"{cfg.run_name or 'run'}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / "
               f"{m.num_kv_heads or m.num_heads} kv, ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq "
               f"{cfg.data.seq_len}, micro-batch {cfg.training.micro_batch_size}, precision {cfg.precision.recipe}, "
-              f"optimizer {'sharded' if cfg.optimizer.sharded else 'replicated'} over {world_size} rank(s)")
+              f"tp {cfg.parallel.tp}{' with sequence parallelism' if cfg.parallel.sequence_parallel else ''}, "
+              f"optimizer {'sharded' if cfg.optimizer.sharded else 'replicated'} over "
+              f"{data_parallel_size(world_size, cfg.parallel.tp)} data-parallel rank(s)")
     return header + "\n\n" + make_plan(cfg, world_size).render(peak_tflops, mfu)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megafp8.config import Config, ConfigError
+from megafp8.config import Config, ConfigError, validate_for_world
 from megafp8.parallel import ParallelDims
 
 log = logging.getLogger("megafp8")
@@ -45,6 +45,7 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
     """Initialize the default process group when launched with more than one rank."""
     rank, local_rank, world_size = env_rank()
     setup_logging(rank)
+    validate_for_world(cfg, world_size)  # a bad layout fails before any process group exists
     device = pick_device(cfg, local_rank)
     if world_size > 1 and not dist.is_initialized():
         backend = cfg.parallel.backend
@@ -58,7 +59,10 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
             device_id=device if device.type == "cuda" else None,
         )
         log.info("initialized %s with %d ranks on %s", backend, world_size, device.type)
-    return ParallelDims.from_world(), device
+    dims = ParallelDims.build(tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+    if dims.is_distributed:
+        log.info("layout: %s", dims.describe())
+    return dims, device
 
 
 def shutdown(clean: bool) -> None:

@@ -24,7 +24,7 @@ from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_met
 from megafp8.data.indexed import DatasetMeta
 from megafp8.model import Transformer, apply_fp8_plan, init_weights, resolve_vocab_size, training_flops_per_token
 from megafp8.optim import DistributedAdamW, lr_at
-from megafp8.parallel import GradBuckets, ParallelDims
+from megafp8.parallel import GradBuckets, ParallelDims, TensorParallel, full_shape, gather_full, tp_shard_of
 from megafp8.precision import DynamicLossScaler, PrecisionRecipe, resolve_recipe, select_backend
 from megafp8.train.fp8_health import Fp8HealthMonitor
 from megafp8.train.loggers import ExperimentLogger
@@ -35,11 +35,11 @@ log = logging.getLogger("megafp8")
 
 
 def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, device: torch.device,
-                fp8_active: bool = True) -> Transformer:
-    """The decoder, initialized from the seed, with the FP8 layer plan applied (and logged).
-    `fp8_active=False` builds it in BF16 for a precision schedule that switches to FP8 later."""
-    model = Transformer(model_cfg, recipe, cfg.data.seq_len, device=device)
-    init_weights(model, model_cfg, cfg.training.seed)
+                fp8_active: bool = True, tp: Optional[TensorParallel] = None) -> Transformer:
+    """The decoder (this rank's tensor-parallel shard), initialized from the seed, with the FP8 layer plan
+    applied (and logged). `fp8_active=False` builds it in BF16 for a precision schedule that switches later."""
+    model = Transformer(model_cfg, recipe, cfg.data.seq_len, tp, device=device)
+    init_weights(model, model_cfg, cfg.training.seed, tp)
     plan = apply_fp8_plan(model, cfg.precision, recipe if fp8_active else recipe.high_precision(), model_cfg.num_layers)
     if recipe.fp8 is not None:
         backend = select_backend(recipe.fp8.backend, device)
@@ -62,14 +62,16 @@ class Trainer:
 
     def __init__(self, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
         self.dims, self.device = dims, device
-        self.num_micro_batches = validate_for_world(cfg, dims.dp_size)
+        self.num_micro_batches = validate_for_world(cfg, dims.world_size)
         meta = read_meta(cfg.data.path)
-        self.model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size)
+        self.tp = dims.tensor_parallel
+        self.model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size, self.tp.size)
         self.cfg, self.recipe = resolve_precision(cfg, device)
         cfg = self.cfg
         check_fits(make_plan(dataclasses.replace(cfg, model=self.model_cfg), dims.world_size), device_capacity(device))
         try:
-            self.model = build_model(cfg, self.model_cfg, self.recipe, device, fp8_active=cfg.precision.fp8_start_step == 0)
+            self.model = build_model(cfg, self.model_cfg, self.recipe, device,
+                                     fp8_active=cfg.precision.fp8_start_step == 0, tp=self.tp)
         except RuntimeError as err:  # an FP8 backend that cannot run here
             raise ConfigError(str(err)) from None
         self.loss_scaler = DynamicLossScaler.from_config(cfg.precision) if self.recipe.name == "fp16" else None
@@ -96,11 +98,13 @@ class Trainer:
     def _build_optimizer(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
         opt = self.cfg.optimizer
+        # Under sequence parallelism every TP-replicated weight (the norms) sees only this rank's tokens.
+        partial = {p: self.tp.group for p in params if tp_shard_of(p) is None} if self.tp.sp else {}
         self.grad_buckets = GradBuckets(params, {p: self.dims.dp_group for p in params},
                                         bucket_numel=int(opt.bucket_size_mb * 2**20 / 4), sharded=opt.sharded,
-                                        overlap=opt.overlap_grad_reduce)
+                                        overlap=opt.overlap_grad_reduce, also_sum_over=partial)
         names = {p: n for n, p in self.model.named_parameters()}
-        self.optimizer = DistributedAdamW(self.grad_buckets, names, opt)
+        self.optimizer = DistributedAdamW(self.grad_buckets, names, opt, self.tp)
 
     def _build_data(self, meta: DatasetMeta) -> None:
         data, training = self.cfg.data, self.cfg.training
@@ -165,12 +169,13 @@ class Trainer:
         for tokens, targets in batches:
             total[0] += self.model(tokens.to(self.device), targets.to(self.device))
             total[1] += 1
-        if self.dims.is_distributed:
+        if self.dims.dp_group is not None:
             dist.all_reduce(total, group=self.dims.dp_group)
         return (total[0] / total[1]).item()
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        if not self.dims.is_distributed:
+        """Mean over data-parallel replicas (tensor-parallel ranks already hold the same loss)."""
+        if self.dims.dp_group is None:
             return value
         value = value.detach().float().clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.dims.dp_group)
@@ -249,7 +254,7 @@ class Trainer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(dataclasses.replace(self.cfg, model=self.model_cfg)))
-        num_params = sum(p.numel() for p in self.model.parameters())
+        num_params = sum(math.prod(full_shape(p, self.tp.size)) for p in self.model.parameters())
         m = self.model_cfg
         log.info(
             "model: %.2fM parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d) | precision %s",
@@ -278,7 +283,7 @@ class Trainer:
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {
-            "model": {name: t.detach().cpu().clone() for name, t in self.model.state_dict().items()},
+            "model": self._full_model_state(),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
             "loader": self.loader.state_dict(),
@@ -287,17 +292,28 @@ class Trainer:
             "config": config_to_dict(self.cfg),
         }
 
+    def _full_model_state(self) -> dict[str, torch.Tensor]:
+        """Weights by name at their full shapes (tensor-parallel shards gathered; collective over TP)."""
+        params = dict(self.model.named_parameters())
+        return {name: gather_full(t.detach(), tp_shard_of(params[name]) if name in params else None, self.tp).cpu()
+                .clone() for name, t in self.model.state_dict().items()}
+
+    def _full_model_shapes(self) -> dict[str, torch.Tensor]:
+        params = dict(self.model.named_parameters())
+        return {name: torch.empty(full_shape(params[name], self.tp.size) if name in params else t.shape,
+                                  device="meta") for name, t in self.model.state_dict().items()}
+
     def save(self) -> None:
         state = self.state_dict()  # gathers sharded optimizer state on every rank
         if self.dims.rank == 0:
             path = save_checkpoint(self.checkpoint_dir, self.step, state, self.cfg.checkpoint.keep_last)
             log.info("saved checkpoint %s", path)
         if self.dims.is_distributed:
-            dist.barrier(group=self.dims.dp_group)
+            dist.barrier()
 
     def load(self, path: Path) -> None:
         state = load_checkpoint(path)
-        check_tensors_match(state["model"], self.model.state_dict(), path)
+        check_tensors_match(state["model"], self._full_model_shapes(), path)
         try:
             self.optimizer.load_state_dict(state["optimizer"])  # writes the master weights into the model
         except (KeyError, ValueError) as err:

@@ -1,0 +1,155 @@
+"""Tensor-parallel collectives, as plain functions and as conjugate autograd pairs.
+
+Activations in sequence-parallel regions are token-major `(tokens, features)` tensors split
+along dim 0: rank r holds the r-th contiguous 1/tp of the micro-batch's flattened tokens (norms
+and residual adds are per token, so any token split works, and dim 0 keeps every gather and
+reduce-scatter a contiguous, copy-free collective).
+
+Pairs (forward / backward), Megatron's:
+    copy_to_tp            identity     / all-reduce       (input of a TP region, no SP)
+    reduce_from_tp        all-reduce   / identity         (output of a TP region, no SP)
+    gather_from_sp        all-gather   / reduce-scatter   (input of a TP region, SP)
+    reduce_scatter_to_sp  reduce-scatter / all-gather     (output of a TP region, SP)
+    gather_from_tp_last   all-gather along the last dim / its slice (vocab-parallel logits for inference)
+Every function is the identity on a TP group of one.
+
+`all_gather_fp8` moves a quantized activation (FP8 bytes plus its FP32 1x128 scales) instead of
+the BF16 tensor: about half the bytes. The column-parallel linear uses it under SP.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megafp8.parallel.dims import TensorParallel
+
+# ------------------------------------------------------------------------------------ plain
+
+
+def all_reduce(x: torch.Tensor, tp: TensorParallel, async_op: bool = False) -> Optional[dist.Work]:
+    """Sum `x` over the TP group, in place."""
+    if not tp.enabled:
+        return None
+    return dist.all_reduce(x, group=tp.group, async_op=async_op)
+
+
+def all_gather_rows(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """(n, ...) on each rank -> (tp * n, ...), rank order."""
+    if not tp.enabled:
+        return x
+    out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if x.dtype.is_floating_point and x.element_size() == 1:  # FP8: move the bytes (not every backend knows FP8)
+        dist.all_gather_into_tensor(out.view(torch.uint8), x.contiguous().view(torch.uint8), group=tp.group)
+    else:
+        dist.all_gather_into_tensor(out, x.contiguous(), group=tp.group)
+    return out
+
+
+def reduce_scatter_rows(x: torch.Tensor, tp: TensorParallel,
+                        async_op: bool = False) -> tuple[torch.Tensor, Optional[dist.Work]]:
+    """(tp * n, ...) partial sums on each rank -> this rank's (n, ...) rows of the sum."""
+    if not tp.enabled:
+        return x, None
+    if x.shape[0] % tp.size != 0:
+        raise ValueError(f"cannot reduce-scatter {x.shape[0]} tokens over {tp.size} tensor-parallel ranks")
+    out = torch.empty((x.shape[0] // tp.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    work = dist.reduce_scatter_tensor(out, x.contiguous(), group=tp.group, async_op=async_op)
+    return out, work
+
+
+def split_rows(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's contiguous 1/tp of the rows (no communication)."""
+    if not tp.enabled:
+        return x
+    if x.shape[0] % tp.size != 0:
+        raise ValueError(f"cannot split {x.shape[0]} tokens over {tp.size} tensor-parallel ranks")
+    return x.chunk(tp.size, dim=0)[tp.rank].contiguous()
+
+
+def all_gather_fp8(x_fp8: torch.Tensor, x_scale: torch.Tensor, tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather a row-quantized activation: FP8 rows (n, K) and their (n, K/128) scales -> (tp * n, ...) each."""
+    return all_gather_rows(x_fp8, tp), all_gather_rows(x_scale.contiguous(), tp)
+
+
+# ---------------------------------------------------------------------------- autograd pairs
+
+
+class _CopyToTp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy = dy.clone()
+        all_reduce(dy, ctx.tp)
+        return dy, None
+
+
+class _ReduceFromTp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        x = x.clone()
+        all_reduce(x, tp)
+        return x
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _GatherFromSp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return all_gather_rows(x, tp)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return reduce_scatter_rows(dy, ctx.tp)[0], None
+
+
+class _ReduceScatterToSp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return reduce_scatter_rows(x, tp)[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_gather_rows(dy, ctx.tp), None
+
+
+class _GatherFromTpLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        rows = all_gather_rows(x.movedim(-1, 0), tp)  # (tp * n_local, ...)
+        return rows.movedim(0, -1).contiguous()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy.chunk(ctx.tp.size, dim=-1)[ctx.tp.rank].contiguous(), None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _CopyToTp.apply(x, tp) if tp.enabled else x
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _ReduceFromTp.apply(x, tp) if tp.enabled else x
+
+
+def gather_from_sp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _GatherFromSp.apply(x, tp) if tp.enabled else x
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _ReduceScatterToSp.apply(x, tp) if tp.enabled else x
+
+
+def gather_from_tp_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return _GatherFromTpLast.apply(x, tp) if tp.enabled else x

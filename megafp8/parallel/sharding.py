@@ -1,0 +1,63 @@
+"""How a tensor-parallel parameter is cut: the one table that init, checkpoints and clipping read.
+
+A sharded parameter carries a `TpShard` (as `param.tp_shard`): the dimension it is split on
+and, for fused weights, the sizes of the parts stacked along that dimension. Each part is split
+evenly, so rank r holds the r-th chunk of every part (a fused QKV weight `[q; k; v]` becomes
+`[q_r; k_r; v_r]`, so each rank computes whole heads). Parameters without one are replicated
+across the tensor-parallel group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megafp8.parallel.dims import TensorParallel
+
+
+@dataclass(frozen=True)
+class TpShard:
+    dim: int  # the dimension split across tensor-parallel ranks
+    parts: tuple[int, ...]  # full sizes of the fused parts along `dim` (one part for a plain weight)
+
+    def local_parts(self, tp_size: int) -> list[int]:
+        return [p // tp_size for p in self.parts]
+
+
+def tp_shard_of(param: torch.Tensor) -> Optional[TpShard]:
+    return getattr(param, "tp_shard", None)
+
+
+def mark_sharded(param: torch.nn.Parameter, spec: TpShard) -> None:
+    param.tp_shard = spec
+
+
+def full_shape(local: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    """The unsharded shape of a (possibly sharded) parameter."""
+    spec = tp_shard_of(local)
+    shape = list(local.shape)
+    if spec is not None:
+        shape[spec.dim] = sum(spec.parts)
+    return tuple(shape)
+
+
+def shard_of(full: torch.Tensor, spec: Optional[TpShard], tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's piece of the unsharded tensor `full`."""
+    if spec is None or tp_size == 1:
+        return full
+    pieces = []
+    for part in full.split(list(spec.parts), dim=spec.dim):
+        pieces.append(part.chunk(tp_size, dim=spec.dim)[tp_rank])
+    return torch.cat(pieces, dim=spec.dim)
+
+
+def gather_full(local: torch.Tensor, spec: Optional[TpShard], tp: TensorParallel) -> torch.Tensor:
+    """The unsharded tensor from every rank's `local` piece (collective over the TP group)."""
+    if spec is None or not tp.enabled:
+        return local
+    pieces = [torch.empty_like(local) for _ in range(tp.size)]
+    dist.all_gather(pieces, local.contiguous(), group=tp.group)
+    per_rank = [piece.split(spec.local_parts(tp.size), dim=spec.dim) for piece in pieces]
+    return torch.cat([per_rank[r][i] for i in range(len(spec.parts)) for r in range(tp.size)], dim=spec.dim)

@@ -1,0 +1,335 @@
+"""Tensor and sequence parallelism on gloo ranks: every parallel layer against its unsharded self.
+
+Tolerances. FP8 layers quantize bit-identically at any TP (checked exactly below), so TP and
+TP=1 differ only where partial sums are rounded to BF16 before they are added across ranks
+(row-parallel outputs, column-parallel input gradients) and in summation order. FP32 layers
+must agree to 1e-5 of the reference's largest magnitude (this pins the sharding logic); BF16 and
+FP8 layers to 2^-6 of it (2 to 4 BF16 ulps at that magnitude; we see 1, and exact weight
+gradients). The FP32 loss: 1e-5 relative. Whole-model training over 5 steps: 0.5% on the loss,
+3% on the gradient norm.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megafp8.checkpoint import find_latest, load_checkpoint
+from megafp8.config import load_config
+from megafp8.parallel import (
+    ColumnParallelLinear,
+    ParallelDims,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    gather_full,
+    rank_groups,
+    shard_of,
+    tp_shard_of,
+    vocab_parallel_cross_entropy,
+)
+from megafp8.precision import Fp8Backend, PrecisionRecipe
+from megafp8.train.main import main
+from megafp8.train.trainer import Trainer
+from tests.distributed import spawn
+
+N_TOKENS = 96  # not a multiple of 128: FP8 wgrad pads tokens
+IN, PARTS, OUT = 256, (512, 512), 256  # column: 256 -> [512; 512] (fused, like gate/up); row: 512 -> 256
+
+
+class RecordingBackend(Fp8Backend):
+    """The reference backend, remembering every GEMM's operands (to check quantization bit for bit)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.Tensor, ...]] = []
+
+    def gemm(self, a, a_scale, b, b_scale, b_blockwise, out_dtype):
+        self.calls.append((a, a_scale, b, b_scale))
+        return super().gemm(a, a_scale, b, b_scale, b_blockwise, out_dtype)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, frac: float = 2**-6) -> None:
+    err = (actual.float() - expected.float()).abs().max().item()
+    bound = frac * expected.float().abs().max().item()
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.element_size() == 1:
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a, b)
+
+
+def _mlp_pair(recipe: PrecisionRecipe, tp: TensorParallel) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+    """A column then a row layer with seeded full weights, this rank's shards loaded."""
+    col = ColumnParallelLinear(IN, sum(PARTS), recipe, tp, parts=PARTS)
+    row = RowParallelLinear(sum(PARTS) // 2, OUT, recipe, tp)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer, shape in ((col, (sum(PARTS), IN)), (row, (OUT, sum(PARTS) // 2))):
+            full = torch.randn(shape, generator=g) * 0.05
+            layer.weight.copy_(shard_of(full, tp_shard_of(layer.weight), tp.rank, tp.size))
+    return col, row
+
+
+def _run_mlp(col, row, x, dy):
+    """silu(gate) * up through the pair, backward from the fixed output gradient dy; returns (output, input grad).
+    (A fixed dy keeps FP8 gradient quantization identical too: a loss of y would feed BF16 rounding differences
+    of y into dy, and one flipped FP8 rounding moves a value by 6%.)"""
+    x = x.clone().requires_grad_(True)
+    gate, up = col(x).chunk(2, dim=-1)
+    y = row(torch.nn.functional.silu(gate) * up)
+    y.backward(dy)
+    return y, x.grad
+
+
+def _layers_worker(rank, world, recipe_name, sp):
+    tp = TensorParallel(dist.group.WORLD, world, rank, sp)
+    recipe = PrecisionRecipe.from_name(recipe_name)
+    g = torch.Generator().manual_seed(1)
+    x_full = torch.randn(N_TOKENS, IN, generator=g).to(recipe.param_dtype)
+    dy_full = torch.randn(N_TOKENS, OUT, generator=g).to(recipe.param_dtype)
+    ref_col, ref_row = _mlp_pair(recipe, TensorParallel.single())
+    par_col, par_row = _mlp_pair(recipe, tp)
+    if recipe.fp8 is not None:
+        for layer in (ref_col, ref_row, par_col, par_row):
+            layer._fp8_backend = RecordingBackend()
+    y_ref, dx_ref = _run_mlp(ref_col, ref_row, x_full, dy_full)
+    mine = (lambda t: t.chunk(world)[rank]) if sp else (lambda t: t)  # this rank's tokens under SP
+    y, dx = _run_mlp(par_col, par_row, mine(x_full), mine(dy_full))
+    frac = 1e-5 if recipe_name == "fp32" else 2**-6
+    _close(y, mine(y_ref), "output", frac)
+    _close(dx, mine(dx_ref), "input gradient", frac)
+    for ref, par in ((ref_col, par_col), (ref_row, par_row)):
+        expected = shard_of(ref.weight.grad, tp_shard_of(par.weight), rank, world)
+        _close(par.weight.grad, expected, "weight gradient", frac)
+    if recipe.fp8 is None:
+        return
+    # Bit-identical quantization: the fprop GEMM operands of each TP shard are slices of TP=1's.
+    a, a_scale, w, w_scale = ref_col._fp8_backend.calls[0]
+    pa, pa_scale, pw, pw_scale = par_col._fp8_backend.calls[0]
+    assert _same_bits(pa, a) and _same_bits(pa_scale.contiguous(), a_scale.contiguous())  # the (gathered) input
+    assert _same_bits(pw, shard_of(w, tp_shard_of(par_col.weight), rank, world))
+    assert _same_bits(pw_scale, shard_of(w_scale, tp_shard_of(par_col.weight).__class__(0, tuple(
+        p // 128 for p in PARTS)), rank, world))
+    a, a_scale, w, w_scale = ref_row._fp8_backend.calls[0]
+    pa, pa_scale, pw, pw_scale = par_row._fp8_backend.calls[0]
+    k = a.shape[1] // world
+    assert _same_bits(pa, a[:, rank * k:(rank + 1) * k].contiguous())
+    assert _same_bits(pa_scale, a_scale[:, rank * k // 128:(rank + 1) * k // 128].contiguous())
+    assert _same_bits(pw, w[:, rank * k:(rank + 1) * k].contiguous())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
+def test_parallel_linears_match_their_unsharded_selves(world, recipe, sp):
+    spawn(world, _layers_worker, recipe, sp)
+
+
+def _embedding_loss_worker(rank, world, sp):
+    tp = TensorParallel(dist.group.WORLD, world, rank, sp)
+    vocab, dim = 512, 64
+    g = torch.Generator().manual_seed(2)
+    table = torch.randn(vocab, dim, generator=g)
+    head = torch.randn(vocab, dim, generator=g) * 0.1
+    tokens = torch.randint(0, vocab, (4, 24), generator=g)
+    targets = torch.randint(0, vocab, (4, 24), generator=g)
+
+    def run(tp):
+        emb = VocabParallelEmbedding(vocab, dim, torch.float32, tp)
+        lm = ColumnParallelLinear(dim, vocab, PrecisionRecipe.from_name("fp32"), tp)
+        with torch.no_grad():
+            emb.weight.copy_(shard_of(table, tp_shard_of(emb.weight), tp.rank, tp.size))
+            lm.weight.copy_(shard_of(head, tp_shard_of(lm.weight), tp.rank, tp.size))
+        loss = vocab_parallel_cross_entropy(lm(torch.tanh(emb(tokens))), targets, tp)
+        loss.backward()
+        return loss, emb.weight.grad, lm.weight.grad
+
+    loss_ref, emb_grad_ref, lm_grad_ref = run(TensorParallel.single())
+    loss, emb_grad, lm_grad = run(tp)
+    assert math.isclose(loss.item(), loss_ref.item(), rel_tol=1e-5)
+    _close(emb_grad, emb_grad_ref.chunk(world)[rank], "embedding gradient", 1e-4)
+    _close(lm_grad, lm_grad_ref.chunk(world)[rank], "LM head gradient", 1e-4)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
+def test_vocab_parallel_embedding_and_loss_match_unsharded(world, sp):
+    spawn(world, _embedding_loss_worker, sp)
+
+
+def _bytes_worker(rank, world, out_path):
+    tp = TensorParallel(dist.group.WORLD, world, rank, True)
+    moved: list[int] = []
+    original = dist.all_gather_into_tensor
+
+    def counting(output, inp, *args, **kwargs):
+        moved.append(inp.numel() * inp.element_size())
+        return original(output, inp, *args, **kwargs)
+
+    dist.all_gather_into_tensor = counting
+    try:
+        sizes = {}
+        x = torch.randn(128, 512).bfloat16()
+        for name in ("bf16", "fp8"):
+            moved.clear()
+            layer = ColumnParallelLinear(512, 256, PrecisionRecipe.from_name(name), tp)
+            torch.nn.init.normal_(layer.weight, std=0.02)
+            with torch.no_grad():
+                layer(x)
+            sizes[name] = sum(moved)
+    finally:
+        dist.all_gather_into_tensor = original
+    if rank == 0:
+        torch.save(sizes, out_path)
+
+
+def test_sequence_parallel_gather_moves_fp8_bytes(tmp_path):
+    spawn(2, _bytes_worker, tmp_path / "bytes.pt")
+    sizes = torch.load(tmp_path / "bytes.pt")
+    # FP8: 1 byte per element + one FP32 scale per 128 elements = 0.516x BF16's 2 bytes.
+    assert sizes["bf16"] == 128 * 512 * 2
+    assert 0.5 < sizes["fp8"] / sizes["bf16"] < 0.53, sizes
+
+
+# -------------------------------------------------------------------------------- whole model
+
+TP_MODEL = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
+            "training.steps=5", "training.eval_interval=0", "optimizer.grad_clip=1.0"]
+
+
+def _train_worker(rank, world, overrides, out_path):
+    cfg = load_config("tiny_dense", overrides)
+    dims = ParallelDims.build(tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+    records = Trainer(cfg, dims, torch.device("cpu")).fit()
+    if rank == 0:
+        torch.save([(r["loss"], r["grad_norm"]) for r in records if r["kind"] == "train"], out_path)
+
+
+def _train(world: int, overrides: list[str], out_path) -> list[tuple[float, float]]:
+    if world == 1:
+        cfg = load_config("tiny_dense", overrides)
+        return [(r["loss"], r["grad_norm"]) for r in Trainer(cfg, ParallelDims.single(), torch.device("cpu")).fit()
+                if r["kind"] == "train"]
+    spawn(world, _train_worker, overrides, out_path)
+    return torch.load(out_path)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
+def test_tp2_training_matches_tp1(tiny_overrides, tmp_path, recipe, sp):
+    base = tiny_overrides + TP_MODEL + [f"precision.recipe={recipe}"]
+    one = _train(1, base, None)
+    two = _train(2, base + ["parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}"], tmp_path / "r.pt")
+    assert len(one) == len(two) == 5
+    for step, ((loss1, norm1), (loss2, norm2)) in enumerate(zip(one, two), 1):
+        assert math.isclose(loss1, loss2, rel_tol=5e-3), (step, loss1, loss2)
+        assert math.isclose(norm1, norm2, rel_tol=3e-2), (step, norm1, norm2)
+
+
+def test_tp2_with_data_parallel_and_sharded_optimizer_matches_one_rank(tiny_overrides, tmp_path):
+    """TP=2 x DP=2 (world 4), sequence parallel, ZeRO-sharded optimizer: the norm gradients summed over TP and
+    the clipping norm counted across both groups give the single-rank run."""
+    base = tiny_overrides + TP_MODEL + ["precision.recipe=bf16"]
+    one = _train(1, base, None)
+    four = _train(4, base + ["parallel.tp=2", "parallel.sequence_parallel=true", "optimizer.sharded=true"],
+                  tmp_path / "r.pt")
+    for (loss1, norm1), (loss4, norm4) in zip(one, four):
+        assert math.isclose(loss1, loss4, rel_tol=5e-3) and math.isclose(norm1, norm4, rel_tol=3e-2)
+
+
+def _full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter's reduced gradient at its full shape (DP shards and TP shards gathered)."""
+    buckets, tp = trainer.grad_buckets, trainer.tp
+    names = {p: n for n, p in trainer.model.named_parameters()}
+    grads = {}
+    for bucket in buckets.buckets:
+        flat = buckets.shard_grads(bucket)
+        if buckets.sharded and bucket.group_size > 1:
+            whole = torch.empty(bucket.numel)
+            dist.all_gather_into_tensor(whole, flat, group=bucket.group)
+            flat = whole
+        for p, offset in zip(bucket.params, bucket.offsets):
+            grads[names[p]] = gather_full(flat[offset:offset + p.numel()].view_as(p), tp_shard_of(p), tp).clone()
+    return grads
+
+
+def _grads_worker(rank, world, overrides, out_path):
+    cfg = load_config("tiny_dense", overrides)
+    dims = ParallelDims.build(tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+    trainer = Trainer(cfg, dims, torch.device("cpu"))
+    captured = {}
+    trainer.optimizer.step = lambda lr: captured.update(_full_grads(trainer))  # after reduction and clipping
+    _, grad_norm = trainer.train_step()
+    if rank == 0:
+        torch.save((captured, grad_norm.item()), out_path)
+
+
+@pytest.mark.parametrize("world, extra", [
+    (2, ["parallel.sequence_parallel=false"]),
+    (2, ["parallel.sequence_parallel=true"]),
+    (4, ["parallel.sequence_parallel=true", "optimizer.sharded=true"]),
+], ids=["tp2", "tp2_sp", "tp2_sp_dp2_sharded"])
+def test_every_gradient_and_the_grad_norm_match_tp1(tiny_overrides, tmp_path, world, extra):
+    """FP32, one step: each parameter's reduced gradient (norm weights summed over TP under SP, counted once in
+    the norm) equals TP=1's to 1e-5 of its largest element."""
+    base = tiny_overrides + TP_MODEL + ["precision.recipe=fp32", "optimizer.grad_clip=0"]
+    spawn(1, _grads_worker, base, tmp_path / "one.pt")
+    spawn(world, _grads_worker, base + ["parallel.tp=2", *extra], tmp_path / "tp.pt")
+    (ref, norm_ref), (got, norm) = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "tp.pt")
+    assert ref.keys() == got.keys()
+    for name in ref:
+        _close(got[name], ref[name], name, 1e-5)
+    assert math.isclose(norm, norm_ref, rel_tol=1e-5), (norm, norm_ref)
+
+
+def _save_worker(rank, world, overrides):
+    cfg = load_config("tiny_dense", overrides)
+    dims = ParallelDims.build(tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+    Trainer(cfg, dims, torch.device("cpu")).fit()
+
+
+def test_tp2_checkpoint_resumes_at_tp1(tiny_overrides, tmp_path):
+    """Checkpoints hold full tensors by name: a TP=2 run's checkpoint resumes at TP=1 with the same weights."""
+    base = tiny_overrides + TP_MODEL + ["training.steps=3", "checkpoint.interval=3", f"checkpoint.dir={tmp_path}/ck"]
+    spawn(2, _save_worker, base + ["parallel.tp=2", "parallel.sequence_parallel=true"])
+    saved = load_checkpoint(find_latest(tmp_path / "ck"))
+    assert saved["model"]["layers.0.attn.qkv_proj.weight"].shape == (3 * 256, 128)  # full, not a shard
+    resumed = Trainer(load_config("tiny_dense", base + ["training.steps=4"]), ParallelDims.single(),
+                      torch.device("cpu"))
+    assert resumed.step == 3
+    state = resumed.model.state_dict()
+    assert all(torch.equal(state[k], saved["model"][k]) for k in saved["model"])
+    resumed.fit()
+    assert resumed.step == 4
+
+
+# ------------------------------------------------------------------------------------- layouts
+
+def test_rank_placement_keeps_tensor_parallel_innermost():
+    groups = rank_groups(16, tp=2, pp=2, ep=2)
+    assert groups["tp"][:2] == [[0, 1], [2, 3]]
+    assert groups["dp"][0] == [0, 2, 4, 6] and groups["pp"][0] == [0, 8]
+    assert groups["ep"][0] == [0, 2] and groups["edp"][0] == [0, 4]
+    for kind, members in groups.items():  # every rank in exactly one group of each kind
+        assert sorted(r for g in members for r in g) == list(range(16)), kind
+
+
+def test_layer_rejects_a_shard_off_the_tile_grid():
+    tp = TensorParallel(None, 2, 0)
+    with pytest.raises(ValueError, match="gives 64 per tensor-parallel rank, not a multiple of 128"):
+        ColumnParallelLinear(256, 128, PrecisionRecipe.from_name("bf16"), tp)
+    with pytest.raises(ValueError, match="in_features = 258 does not divide over 4 tensor-parallel ranks"):
+        RowParallelLinear(258, 256, PrecisionRecipe.from_name("bf16"), TensorParallel(None, 4, 0))
+
+
+def test_launch_with_a_bad_layout_fails_with_one_clear_error(tiny_overrides, capsys):
+    # One process cannot hold tp=2: one line on stderr names the setting, before any process group exists.
+    assert main(["--config", "tiny_dense", *tiny_overrides, *TP_MODEL, "parallel.tp=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 rank(s) cannot be split into tp=2" in err[0] and "parallel.tp" in err[0], err
