@@ -170,7 +170,7 @@ def _check_tensor_parallel(cfg: Config, tp: int) -> None:
         if size % (128 * tp) != 0:
             raise ConfigError(
                 f"{what} = {size} splits into {size / tp:g} per rank at parallel.tp={tp}, not a multiple of 128 "
-                f"(tensor-parallel shards must hold whole FP8 tiles): change {key} to a multiple of {128 * tp}, "
+                f"(tensor-parallel shards must hold whole FP8 tiles): make it a multiple of {128 * tp} (change {key}) "
                 "or lower parallel.tp"
             )
     if cfg.parallel.sequence_parallel and (cfg.training.micro_batch_size * cfg.data.seq_len) % tp != 0:
