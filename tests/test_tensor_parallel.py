@@ -205,7 +205,7 @@ TP_MODEL = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "
 
 def _train_worker(rank, world, overrides, out_path):
     cfg = load_config("tiny_dense", overrides)
-    dims = ParallelDims.build(tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+    dims = ParallelDims.build(tp=cfg.parallel.tp, ep=cfg.parallel.ep, sequence_parallel=cfg.parallel.sequence_parallel)
     records = Trainer(cfg, dims, torch.device("cpu")).fit()
     if rank == 0:
         torch.save([(r["loss"], r["grad_norm"]) for r in records if r["kind"] == "train"], out_path)
@@ -261,7 +261,7 @@ def _full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def _grads_worker(rank, world, overrides, out_path):
     cfg = load_config("tiny_dense", overrides)
-    dims = ParallelDims.build(tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+    dims = ParallelDims.build(tp=cfg.parallel.tp, ep=cfg.parallel.ep, sequence_parallel=cfg.parallel.sequence_parallel)
     trainer = Trainer(cfg, dims, torch.device("cpu"))
     captured = {}
     trainer.optimizer.step = lambda lr: captured.update(_full_grads(trainer))  # after reduction and clipping
@@ -290,7 +290,7 @@ def test_every_gradient_and_the_grad_norm_match_tp1(tiny_overrides, tmp_path, wo
 
 def _save_worker(rank, world, overrides):
     cfg = load_config("tiny_dense", overrides)
-    dims = ParallelDims.build(tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel)
+    dims = ParallelDims.build(tp=cfg.parallel.tp, ep=cfg.parallel.ep, sequence_parallel=cfg.parallel.sequence_parallel)
     Trainer(cfg, dims, torch.device("cpu")).fit()
 
 

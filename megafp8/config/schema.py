@@ -19,6 +19,7 @@ MomentDtype = Literal["fp32", "bf16"]
 LoggerName = Literal["jsonl", "tensorboard", "wandb"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 BackendName = Literal["auto", "gloo", "nccl"]
+ScoreFunc = Literal["softmax", "sigmoid"]
 
 
 def setting(default: Any, doc: str) -> Any:
@@ -35,7 +36,8 @@ def section(cls: type, doc: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    """Architecture of the dense decoder (Llama-style: pre-norm RMSNorm, RoPE, GQA, SwiGLU)."""
+    """Architecture of the decoder (Llama-style: pre-norm RMSNorm, RoPE, GQA, SwiGLU), optionally with
+    DeepSeek-V3-style mixture-of-experts MLPs (`moe_num_experts > 0`)."""
 
     size: Optional[str] = setting(
         None,
@@ -68,6 +70,30 @@ class ModelConfig:
         "Standard deviation of the normal init of embeddings and linears; output projections of each block "
         "are further scaled by 1/sqrt(2 * num_layers).",
     )
+    moe_num_experts: int = setting(0, "Routed experts per MoE layer; 0: a dense model (every MLP is SwiGLU).")
+    moe_top_k: int = setting(2, "Experts each token is routed to.")
+    moe_ffn_hidden_size: int = setting(256, "Inner width of each expert's SwiGLU (and of each shared expert).")
+    moe_num_shared_experts: int = setting(1, "Shared experts applied to every token (0: none).")
+    moe_first_dense_layers: int = setting(
+        1, "The first N blocks keep a dense SwiGLU MLP (`ffn_hidden_size`); the rest are MoE (DeepSeek-V3: 3)."
+    )
+    moe_score_func: ScoreFunc = setting(
+        "sigmoid", "Router scores: `sigmoid` (DeepSeek-V3) or `softmax`, computed in FP32."
+    )
+    moe_n_group: int = setting(
+        1, "Group-limited routing: experts form this many groups and a token picks `moe_topk_group` groups first."
+    )
+    moe_topk_group: int = setting(1, "Groups a token may route into (with `moe_n_group > 1`).")
+    moe_routed_scaling_factor: float = setting(1.0, "Multiplier of the routed experts' combined output (V3: 2.5).")
+    moe_norm_topk_prob: bool = setting(True, "Normalize each token's top-k weights to sum to 1 (before scaling).")
+    moe_bias_update_rate: float = setting(
+        1e-3,
+        "Auxiliary-loss-free load balancing: after each step every expert's selection bias moves by this much "
+        "toward balance (down if overloaded, up if underloaded). 0 disables it.",
+    )
+    moe_aux_loss_coeff: float = setting(
+        0.0, "Weight of the sequence-wise auxiliary balance loss (DeepSeek-V3: 1e-4); 0 disables it."
+    )
 
 
 @dataclass
@@ -88,6 +114,16 @@ class ParallelConfig:
     )
     dp: Optional[int] = setting(
         None, "Data-parallel ranks. `null`: launched ranks / tp. If set, it must equal that."
+    )
+    ep: int = setting(
+        1,
+        "Expert-parallel ranks (MoE): the routed experts are split across `ep` data-parallel ranks, tokens reach "
+        "them by all-to-all. Must divide the data-parallel size and model.moe_num_experts.",
+    )
+    ep_dispatch_fp8: bool = setting(
+        False,
+        "MoE under precision.recipe=fp8: quantize tokens to FP8 (1x128 tiles) before the dispatch all-to-all "
+        "(about half the bytes; the expert GEMM re-quantizes them to the same values). Gradients travel in BF16.",
     )
     backend: BackendName = setting(
         "auto", "`torch.distributed` backend: `auto` picks NCCL when training on CUDA and gloo on CPU."

@@ -64,6 +64,33 @@ def _check_model(cfg: Config) -> None:
         raise ConfigError("model.norm_eps, model.init_std and model.rope_theta must be positive")
 
 
+def _check_moe(cfg: Config) -> None:
+    m = cfg.model
+    if m.moe_num_experts == 0:
+        return
+    if m.moe_num_experts < 0 or m.moe_top_k < 1 or m.moe_ffn_hidden_size < 1 or m.moe_num_shared_experts < 0:
+        raise ConfigError("model.moe_num_experts, moe_top_k and moe_ffn_hidden_size must be positive, "
+                          "moe_num_shared_experts >= 0")
+    if m.moe_top_k > m.moe_num_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} exceeds model.moe_num_experts={m.moe_num_experts}: "
+                          "lower moe_top_k")
+    if m.moe_n_group < 1 or m.moe_num_experts % m.moe_n_group != 0:
+        raise ConfigError(f"model.moe_n_group={m.moe_n_group} must divide model.moe_num_experts="
+                          f"{m.moe_num_experts}: use one of {_divisors(m.moe_num_experts, m.moe_n_group)}")
+    if not 1 <= m.moe_topk_group <= m.moe_n_group:
+        raise ConfigError(f"model.moe_topk_group={m.moe_topk_group} must be between 1 and model.moe_n_group="
+                          f"{m.moe_n_group}")
+    reachable = m.moe_topk_group * (m.moe_num_experts // m.moe_n_group)
+    if m.moe_top_k > reachable:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} exceeds the {reachable} experts of the "
+                          f"moe_topk_group={m.moe_topk_group} groups a token may use: raise moe_topk_group")
+    if not 0 <= m.moe_first_dense_layers <= m.num_layers:
+        raise ConfigError(f"model.moe_first_dense_layers={m.moe_first_dense_layers} must be between 0 and "
+                          f"model.num_layers={m.num_layers}")
+    if m.moe_bias_update_rate < 0 or m.moe_aux_loss_coeff < 0:
+        raise ConfigError("model.moe_bias_update_rate and model.moe_aux_loss_coeff must be >= 0")
+
+
 def _check_fp8(cfg: Config) -> None:
     """FP8 tiles are 128 wide: every dimension an FP8 GEMM contracts over or outputs must be a multiple of 128."""
     p = cfg.precision
@@ -86,6 +113,8 @@ def _check_fp8(cfg: Config) -> None:
         "(num_heads + 2 x num_kv_heads) x head_dim (QKV width)": ((m.num_heads + 2 * kv) * head_dim,
                                                                   "model.num_kv_heads or model.head_dim"),
     }
+    if m.moe_num_experts > 0:
+        sizes["model.moe_ffn_hidden_size"] = (m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size")
     for what, (size, setting) in sizes.items():
         if size % 128 != 0:
             up = -(-size // 128) * 128
@@ -117,6 +146,7 @@ def validate_config(cfg: Config) -> None:
     """Checks that need only the config."""
     _check_positive(cfg)
     _check_model(cfg)
+    _check_moe(cfg)
     _check_optimizer(cfg)
     _check_fp8(cfg)
     if cfg.training.global_batch_size % cfg.training.micro_batch_size != 0:
@@ -164,6 +194,9 @@ def _check_tensor_parallel(cfg: Config, tp: int) -> None:
                                                                 "model.num_kv_heads or model.head_dim"),
         "model.ffn_hidden_size": (m.ffn_hidden_size, "model.ffn_hidden_size"),
     }
+    if m.moe_num_experts > 0 and m.moe_num_shared_experts > 0:
+        shards["model.moe_num_shared_experts x moe_ffn_hidden_size (shared-expert width)"] = (
+            m.moe_num_shared_experts * m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size")
     if m.vocab_size is not None:
         shards["model.vocab_size"] = (m.vocab_size, "model.vocab_size (or null to pad it automatically)")
     for what, (size, key) in shards.items():
@@ -182,8 +215,15 @@ def _check_tensor_parallel(cfg: Config, tp: int) -> None:
 
 def validate_layout(cfg: Config, world_size: int) -> int:
     """The parallel layout's checks (sizes multiply out, shards on tile edges); returns the data-parallel size."""
-    tp = cfg.parallel.tp
-    dp = data_parallel_size(world_size, tp)
+    tp, ep = cfg.parallel.tp, cfg.parallel.ep
+    dp = data_parallel_size(world_size, tp, ep=ep)
+    if ep > 1 and cfg.model.moe_num_experts == 0:
+        raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model: set model.moe_num_experts or "
+                          "parallel.ep=1")
+    if cfg.model.moe_num_experts % ep != 0:
+        raise ConfigError(f"model.moe_num_experts={cfg.model.moe_num_experts} is not divisible by parallel.ep={ep}: "
+                          f"every expert-parallel rank needs the same number of experts; set parallel.ep to one "
+                          f"of {_divisors(cfg.model.moe_num_experts, ep)}")
     if cfg.parallel.dp is not None and cfg.parallel.dp != dp:
         raise ConfigError(
             f"parallel.dp={cfg.parallel.dp} but {world_size} rank(s) at parallel.tp={tp} give {dp} data-parallel "

@@ -11,10 +11,12 @@ import torch.nn as nn
 from megafp8.config import ConfigError, ModelConfig
 from megafp8.model.attention import Attention, head_dim_of
 from megafp8.model.mlp import SwiGLU
+from megafp8.model.moe import MoE, is_moe_layer
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.parallel import (
     ColumnParallelLinear,
+    ExpertParallel,
     TensorParallel,
     VocabParallelEmbedding,
     gather_from_tp_last,
@@ -24,19 +26,26 @@ from megafp8.precision import PrecisionRecipe
 
 
 class Block(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(x))."""
+    """x + attn(norm(x)), then + mlp(norm(x)); the MLP is a SwiGLU or, in MoE layers, a mixture of experts."""
 
-    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, moe_layer: bool,
+                 ep: ExpertParallel, fp8_dispatch: bool, device=None) -> None:
         super().__init__()
         dtype = recipe.param_dtype
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
         self.attn = Attention(cfg, recipe, tp, device)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, recipe, tp, device)
+        self.mlp = (MoE(cfg, recipe, tp, ep, fp8_dispatch, device) if moe_layer
+                    else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, recipe, tp, device))
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int, seq_len: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int,
+                seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Returns the new residual stream and the MoE balance loss (None for a dense MLP)."""
         x = x + self.attn(self.attn_norm(x), rope, batch, seq_len)
-        return x + self.mlp(self.mlp_norm(x))
+        if isinstance(self.mlp, MoE):
+            y, aux = self.mlp(self.mlp_norm(x), batch, seq_len)
+            return x + y, aux
+        return x + self.mlp(self.mlp_norm(x)), None
 
 
 class Transformer(nn.Module):
@@ -46,7 +55,8 @@ class Transformer(nn.Module):
     a contiguous 1/tp of those tokens between the tensor-parallel regions."""
 
     def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, max_seq_len: int,
-                 tp: Optional[TensorParallel] = None, device=None) -> None:
+                 tp: Optional[TensorParallel] = None, device=None, ep: Optional[ExpertParallel] = None,
+                 fp8_dispatch: bool = False) -> None:
         super().__init__()
         if cfg.vocab_size is None:
             raise ValueError("resolve model.vocab_size (e.g. from the tokenizer) before building the model")
@@ -55,21 +65,28 @@ class Transformer(nn.Module):
         dtype = recipe.param_dtype
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp, device)
         self.rope = RotaryEmbedding(head_dim_of(cfg), max_seq_len, cfg.rope_theta, device)
-        self.layers = nn.ModuleList(Block(cfg, recipe, tp, device) for _ in range(cfg.num_layers))
+        ep = ep or ExpertParallel.single()
+        self.layers = nn.ModuleList(Block(cfg, recipe, tp, is_moe_layer(cfg, i), ep, fp8_dispatch, device)
+                                    for i in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
         # The LM head is a precision island: never FP8, whatever the recipe.
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, recipe.high_precision(), tp, device=device)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens: (B, T) int64. Returns the mean loss if `targets` (B, T) is given, else logits (B, T, V)."""
+        """tokens: (B, T) int64. Returns the mean loss if `targets` (B, T) is given (plus the weighted MoE balance
+        losses, when enabled), else logits (B, T, V)."""
         batch, seq_len = tokens.shape
         x = self.embed(tokens)  # (B*T, hidden), or this rank's 1/tp of the tokens under SP
+        balance_losses = []
         for layer in self.layers:
-            x = layer(x, self.rope, batch, seq_len)
+            x, aux = layer(x, self.rope, batch, seq_len)
+            if aux is not None:
+                balance_losses.append(aux)
         logits = self.lm_head(self.final_norm(x))  # (B*T, vocab / tp)
         if targets is None:
             return gather_from_tp_last(logits, self.tp).view(batch, seq_len, -1)
-        return vocab_parallel_cross_entropy(logits, targets, self.tp)
+        loss = vocab_parallel_cross_entropy(logits, targets, self.tp)
+        return loss + sum(balance_losses) if balance_losses else loss
 
 
 def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int, tp_size: int = 1) -> ModelConfig:

@@ -28,7 +28,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megafp8.config import OptimizerConfig
-from megafp8.parallel import GradBuckets, TensorParallel, full_shape, gather_full, shard_of, tp_shard_of
+from megafp8.parallel import (
+    ExpertParallel,
+    GradBuckets,
+    TensorParallel,
+    full_shape,
+    gather_full,
+    is_expert,
+    shard_of,
+    tp_shard_of,
+)
+from megafp8.parallel.experts import union_over_expert_ranks
 from megafp8.parallel.grad_buckets import Bucket
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -44,16 +54,18 @@ class _Shard:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     replicated: list[tuple[int, int]]  # ranges of the shard holding TP-replicated parameters
+    expert: bool  # a bucket of routed-expert parameters (each EP rank holds different experts)
 
 
 class DistributedAdamW:
     """FP32-master AdamW over `buckets`; `names` maps each parameter to its name (for checkpoints)."""
 
     def __init__(self, buckets: GradBuckets, names: dict[nn.Parameter, str], cfg: OptimizerConfig,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, ep: ExpertParallel | None = None) -> None:
         self.buckets, self.cfg = buckets, cfg
         self.names = names
         self.tp = tp or TensorParallel.single()
+        self.ep = ep or ExpertParallel.single()
         self.step_count = 0
         moment_dtype = MOMENT_DTYPES[cfg.moment_dtype]
         self.shards: list[_Shard] = []
@@ -68,21 +80,31 @@ class DistributedAdamW:
             self.shards.append(_Shard(
                 bucket, start, end, max(0, min(end, bucket.decay_numel) - start), master,
                 torch.zeros_like(master, dtype=moment_dtype), torch.zeros_like(master, dtype=moment_dtype), replicated,
+                is_expert(bucket.params[0]),
             ))
 
     # --------------------------------------------------------------------------------- step
     def clip_grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients (before clipping), clipped in place; no host sync."""
-        sum_sq = torch.zeros((), dtype=torch.float32, device=self.shards[0].master.device)
+        device = self.shards[0].master.device
+        # Partial sums per kind of bucket: each is summed over the ranks holding other pieces of that kind.
+        partials: dict[tuple[int, bool], tuple[Bucket, torch.Tensor]] = {}
         for shard in self.shards:
             grads = self.buckets.shard_grads(shard.bucket)
-            sum_sq += grads.square().sum()
-            if self.tp.rank != 0:  # replicated parameters count once, on TP rank 0
+            part = grads.square().sum()
+            if self.tp.rank != 0:  # TP-replicated parameters count once, on TP rank 0
                 for lo, hi in shard.replicated:
-                    sum_sq -= grads[lo:hi].square().sum()
-        if self.buckets.sharded:
-            for group in self._groups():
-                dist.all_reduce(sum_sq, group=group)
+                    part = part - grads[lo:hi].square().sum()
+            key = (id(shard.bucket.group), shard.expert)
+            previous = partials.get(key, (shard.bucket, torch.zeros((), device=device)))[1]
+            partials[key] = (shard.bucket, previous + part)
+        sum_sq = torch.zeros((), dtype=torch.float32, device=device)
+        for (_, expert), (bucket, part) in partials.items():
+            if self.buckets.sharded and bucket.group_size > 1:
+                dist.all_reduce(part, group=bucket.group)  # data-parallel shards
+            if expert and self.ep.enabled:
+                dist.all_reduce(part, group=self.ep.group)  # other ranks' experts
+            sum_sq += part
         if self.tp.enabled:
             dist.all_reduce(sum_sq, group=self.tp.group)
         norm = sum_sq.sqrt()
@@ -100,10 +122,6 @@ class DistributedAdamW:
     def scale_grads(self, factor: float) -> None:
         for shard in self.shards:
             self.buckets.shard_grads(shard.bucket).mul_(factor)
-
-    def _groups(self) -> list[dist.ProcessGroup]:
-        groups = {id(s.bucket.group): s.bucket.group for s in self.shards if s.bucket.group_size > 1}
-        return list(groups.values())
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -149,15 +167,21 @@ class DistributedAdamW:
 
     def state_dict(self) -> dict[str, Any]:
         """Layout-independent state: FP32 master weights and moments by parameter name (full shapes), and the
-        step. Collective over data- and tensor-parallel ranks: every rank must call it."""
-        state: dict[str, Any] = {"step": self.step_count, "masters": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        step, every expert included. Collective over data-, tensor- and expert-parallel ranks: every rank must
+        call it."""
+        state: dict[str, Any] = {"step": self.step_count}
+        keys = (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+        dense: dict[str, dict[str, torch.Tensor]] = {key: {} for key, _ in keys}
+        experts: dict[str, dict[str, torch.Tensor]] = {key: {} for key, _ in keys}
         for shard in self.shards:
-            fulls = {key: self._full(shard, getattr(shard, attr)) for key, attr in
-                     (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))}
+            fulls = {key: self._full(shard, getattr(shard, attr)) for key, attr in keys}
             for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
                 for key, full in fulls.items():
                     local = full[offset : offset + p.numel()].view_as(p)
-                    state[key][self.names[p]] = gather_full(local, tp_shard_of(p), self.tp).cpu().clone()
+                    into = experts if is_expert(p) else dense
+                    into[key][self.names[p]] = gather_full(local, tp_shard_of(p), self.tp).cpu().clone()
+        for key, _ in keys:
+            state[key] = {**dense[key], **union_over_expert_ranks(experts[key], self.ep)}
         return state
 
     @torch.no_grad()

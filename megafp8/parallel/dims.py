@@ -141,6 +141,12 @@ class ParallelDims:
     def tensor_parallel(self) -> TensorParallel:
         return TensorParallel(self.tp_group, self.tp, self.tp_rank, self.sequence_parallel)
 
+    @property
+    def expert_parallel(self):
+        from megafp8.parallel.experts import ExpertParallel  # experts.py builds on this module
+
+        return ExpertParallel(self.ep_group, self.ep, self.ep_rank)
+
     def describe(self) -> str:
         return (f"{self.world_size} rank(s) = tp {self.tp} x dp {self.dp} x pp {self.pp} (ep {self.ep})"
                 f"{', sequence parallel' if self.sequence_parallel and self.tp > 1 else ''}")

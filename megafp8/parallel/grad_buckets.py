@@ -16,6 +16,10 @@ Within a bucket, matrices come before vectors, so a rank's shard holds at most o
 run of weight-decayed elements. Buckets are padded to a multiple of the group size so that
 reduce-scatter shards are equal.
 
+Reduced gradients are divided by `mean_over` (the data-parallel size: the loss is a mean over
+data-parallel replicas) or, by default, by the size of the bucket's group. Expert parameters are
+reduced over the smaller expert-data-parallel group but still averaged over all replicas.
+
 Some gradients are partial sums over a second group as well: under sequence parallelism each
 tensor-parallel rank's norm weights see only its share of the tokens. `also_sum_over` names
 those parameters and the group; `finish()` sums their (reduced) gradients over it.
@@ -32,6 +36,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from megafp8.parallel.experts import is_expert
 
 
 @dataclass
@@ -69,8 +75,10 @@ class GradBuckets:
 
     def __init__(self, params: Iterable[nn.Parameter], group_of: dict[nn.Parameter, Optional[dist.ProcessGroup]],
                  bucket_numel: int, sharded: bool, overlap: bool = True,
-                 also_sum_over: Optional[dict[nn.Parameter, dist.ProcessGroup]] = None) -> None:
+                 also_sum_over: Optional[dict[nn.Parameter, dist.ProcessGroup]] = None,
+                 mean_over: Optional[int] = None) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self._mean_over = mean_over
         self._also_sum_over = also_sum_over or {}
         if not self.params:
             raise ValueError("GradBuckets needs at least one trainable parameter")
@@ -78,9 +86,10 @@ class GradBuckets:
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         self._sync_this_backward = False
-        by_group: dict[int, list[nn.Parameter]] = {}
+        by_group: dict[tuple, list[nn.Parameter]] = {}
         for p in reversed(self.params):
-            by_group.setdefault(id(group_of.get(p)), []).append(p)
+            # A bucket holds one dtype (the router is FP32 among BF16 weights) and either experts or not.
+            by_group.setdefault((id(group_of.get(p)), p.dtype, is_expert(p)), []).append(p)
         for members in by_group.values():
             group = group_of.get(members[0])
             chunk: list[nn.Parameter] = []
@@ -155,8 +164,9 @@ class GradBuckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
-            if bucket.group_size > 1:
-                self.shard_grads(bucket).div_(bucket.group_size)
+            divisor = self._mean_over or bucket.group_size
+            if divisor > 1:
+                self.shard_grads(bucket).div_(divisor)
             self._sum_partial(bucket)
 
     def _sum_partial(self, bucket: Bucket) -> None:

@@ -21,7 +21,7 @@ from megafp8.config import Config, ConfigError
 from megafp8.data import read_meta
 from megafp8.config.validate import data_parallel_size, validate_layout
 from megafp8.model import Transformer, resolve_vocab_size, training_flops_per_token
-from megafp8.parallel import TensorParallel, full_shape
+from megafp8.parallel import ExpertParallel, TensorParallel, full_shape, is_expert
 from megafp8.precision import PrecisionRecipe
 
 _PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp16": 2, "fp32": 4}
@@ -66,6 +66,8 @@ def _part(name: str) -> str:
         return "lm_head"
     if "norm" in name:
         return "norms"
+    if ".experts." in name:
+        return "experts"
     return "attention" if ".attn." in name else "mlp"
 
 
@@ -75,17 +77,23 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     if cfg.model.vocab_size is None:
         raise ConfigError("planning needs model.vocab_size (it is otherwise read from the data): set it")
     tp = cfg.parallel.tp
-    dp = data_parallel_size(world_size, tp)
+    dp = data_parallel_size(world_size, tp, ep=cfg.parallel.ep)
     recipe_name = cfg.precision.recipe if cfg.precision.recipe != "auto" else "fp8"
     shard_layout = TensorParallel(None, tp, 0, cfg.parallel.sequence_parallel)  # shapes only: no group needed
+    ep = cfg.parallel.ep
     model = Transformer(cfg.model, PrecisionRecipe.from_name(recipe_name), cfg.data.seq_len, shard_layout,
-                        device="meta")
-    params: dict[str, int] = {p: 0 for p in ("embedding", "attention", "mlp", "norms", "lm_head")}
-    n = 0  # this rank's parameters
+                        device="meta", ep=ExpertParallel(None, ep, 0))
+    params: dict[str, int] = {p: 0 for p in ("embedding", "attention", "mlp", "experts", "norms", "lm_head")}
+    n = n_expert = 0  # this rank's parameters, and how many of them are routed experts
     for name, p in model.named_parameters():
-        params[_part(name)] += math.prod(full_shape(p, tp))
+        copies = ep if is_expert(p) else 1  # this rank holds 1/ep of the routed experts
+        params[_part(name)] += math.prod(full_shape(p, tp)) * copies
         n += p.numel()
-    shard = dp if cfg.optimizer.sharded else 1
+        n_expert += p.numel() if is_expert(p) else 0
+    if cfg.model.moe_num_experts == 0:
+        del params["experts"]
+    # Sharded optimizer: dense state over dp ranks, expert state over the dp / ep replicas of each expert.
+    sharded_numel = (n - n_expert) / dp + n_expert / (dp // ep) if cfg.optimizer.sharded else n
     moment_bytes = 4 if cfg.optimizer.moment_dtype == "fp32" else 2
     tokens = cfg.training.micro_batch_size * cfg.data.seq_len
     per_unit = 34 / tp if shard_layout.sp else 10 + 24 / tp
@@ -93,9 +101,9 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
                    + tokens * cfg.model.vocab_size * (2 + 4) / tp)
     bytes_per_rank = {
         "weights": n * _PARAM_BYTES[recipe_name],
-        "grads": n * 4 + (n * 4 / dp if cfg.optimizer.sharded and dp > 1 else 0),
-        "master_weights": n * 4 / shard,
-        "optimizer_states": n * 2 * moment_bytes / shard,
+        "grads": n * 4 + (sharded_numel * 4 if cfg.optimizer.sharded and dp > 1 else 0),
+        "master_weights": sharded_numel * 4,
+        "optimizer_states": sharded_numel * 2 * moment_bytes,
         "activations (estimate)": float(activations),
     }
     return Plan(params, bytes_per_rank, training_flops_per_token(cfg.model, cfg.data.seq_len), world_size)
@@ -124,7 +132,7 @@ def dry_run(cfg: Config, world_size: int, peak_tflops: float, mfu: float) -> str
               f"{cfg.data.seq_len}, micro-batch {cfg.training.micro_batch_size}, precision {cfg.precision.recipe}, "
               f"tp {cfg.parallel.tp}{' with sequence parallelism' if cfg.parallel.sequence_parallel else ''}, "
               f"optimizer {'sharded' if cfg.optimizer.sharded else 'replicated'} over "
-              f"{data_parallel_size(world_size, cfg.parallel.tp)} data-parallel rank(s)")
+              f"{data_parallel_size(world_size, cfg.parallel.tp, ep=cfg.parallel.ep)} data-parallel rank(s)")
     return header + "\n\n" + make_plan(cfg, world_size).render(peak_tflops, mfu)
 
 

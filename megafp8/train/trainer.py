@@ -24,7 +24,18 @@ from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_met
 from megafp8.data.indexed import DatasetMeta
 from megafp8.model import Transformer, apply_fp8_plan, init_weights, resolve_vocab_size, training_flops_per_token
 from megafp8.optim import DistributedAdamW, lr_at
-from megafp8.parallel import GradBuckets, ParallelDims, TensorParallel, full_shape, gather_full, tp_shard_of
+from megafp8.model.moe import expert_load_stats, routers
+from megafp8.parallel import (
+    ExpertParallel,
+    GradBuckets,
+    ParallelDims,
+    TensorParallel,
+    full_shape,
+    gather_full,
+    is_expert,
+    tp_shard_of,
+)
+from megafp8.parallel.experts import union_over_expert_ranks
 from megafp8.precision import DynamicLossScaler, PrecisionRecipe, resolve_recipe, select_backend
 from megafp8.train.fp8_health import Fp8HealthMonitor
 from megafp8.train.loggers import ExperimentLogger
@@ -35,10 +46,12 @@ log = logging.getLogger("megafp8")
 
 
 def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, device: torch.device,
-                fp8_active: bool = True, tp: Optional[TensorParallel] = None) -> Transformer:
-    """The decoder (this rank's tensor-parallel shard), initialized from the seed, with the FP8 layer plan
-    applied (and logged). `fp8_active=False` builds it in BF16 for a precision schedule that switches later."""
-    model = Transformer(model_cfg, recipe, cfg.data.seq_len, tp, device=device)
+                fp8_active: bool = True, tp: Optional[TensorParallel] = None,
+                ep: Optional[ExpertParallel] = None) -> Transformer:
+    """The decoder (this rank's tensor-parallel shard and experts), initialized from the seed, with the FP8 layer
+    plan applied (and logged). `fp8_active=False` builds it in BF16 for a precision schedule that switches later."""
+    model = Transformer(model_cfg, recipe, cfg.data.seq_len, tp, device=device, ep=ep,
+                        fp8_dispatch=cfg.parallel.ep_dispatch_fp8)
     init_weights(model, model_cfg, cfg.training.seed, tp)
     plan = apply_fp8_plan(model, cfg.precision, recipe if fp8_active else recipe.high_precision(), model_cfg.num_layers)
     if recipe.fp8 is not None:
@@ -64,14 +77,16 @@ class Trainer:
         self.dims, self.device = dims, device
         self.num_micro_batches = validate_for_world(cfg, dims.world_size)
         meta = read_meta(cfg.data.path)
-        self.tp = dims.tensor_parallel
+        self.tp, self.ep = dims.tensor_parallel, dims.expert_parallel
         self.model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size, self.tp.size)
         self.cfg, self.recipe = resolve_precision(cfg, device)
         cfg = self.cfg
         check_fits(make_plan(dataclasses.replace(cfg, model=self.model_cfg), dims.world_size), device_capacity(device))
         try:
             self.model = build_model(cfg, self.model_cfg, self.recipe, device,
-                                     fp8_active=cfg.precision.fp8_start_step == 0, tp=self.tp)
+                                     fp8_active=cfg.precision.fp8_start_step == 0, tp=self.tp, ep=self.ep)
+            self.routers = [router for _, router in routers(self.model)]
+            self.expert_loads: Optional[torch.Tensor] = None
         except RuntimeError as err:  # an FP8 backend that cannot run here
             raise ConfigError(str(err)) from None
         self.loss_scaler = DynamicLossScaler.from_config(cfg.precision) if self.recipe.name == "fp16" else None
@@ -100,11 +115,13 @@ class Trainer:
         opt = self.cfg.optimizer
         # Under sequence parallelism every TP-replicated weight (the norms) sees only this rank's tokens.
         partial = {p: self.tp.group for p in params if tp_shard_of(p) is None} if self.tp.sp else {}
-        self.grad_buckets = GradBuckets(params, {p: self.dims.dp_group for p in params},
-                                        bucket_numel=int(opt.bucket_size_mb * 2**20 / 4), sharded=opt.sharded,
-                                        overlap=opt.overlap_grad_reduce, also_sum_over=partial)
+        # Routed experts are reduced over their expert-data-parallel replicas, dense weights over all replicas.
+        group_of = {p: self.dims.edp_group if is_expert(p) else self.dims.dp_group for p in params}
+        self.grad_buckets = GradBuckets(params, group_of, bucket_numel=int(opt.bucket_size_mb * 2**20 / 4),
+                                        sharded=opt.sharded, overlap=opt.overlap_grad_reduce, also_sum_over=partial,
+                                        mean_over=self.dims.dp)
         names = {p: n for n, p in self.model.named_parameters()}
-        self.optimizer = DistributedAdamW(self.grad_buckets, names, opt, self.tp)
+        self.optimizer = DistributedAdamW(self.grad_buckets, names, opt, self.tp, self.ep)
 
     def _build_data(self, meta: DatasetMeta) -> None:
         data, training = self.cfg.data, self.cfg.training
@@ -138,11 +155,31 @@ class Trainer:
             self.metrics.write({"kind": "fp8_health", "step": self.step, "layers": self.health.collect(self.step)})
         if self.loss_scaler is not None and not self._unscale_or_skip(loss_scale):
             self.grad_buckets.zero()
+            self._balance_experts(update=False)
             return loss_sum, torch.full((), float("nan"), device=self.device)
         grad_norm = self.optimizer.clip_grad_norm()
         self.optimizer.step(lr_at(self.optimizer.step_count, self.cfg.optimizer, self.cfg.training.steps))
         self.grad_buckets.zero()
+        self._balance_experts(update=True)
         return loss_sum, grad_norm
+
+    def _balance_experts(self, update: bool) -> None:
+        """Sum this step's expert loads over every rank holding distinct tokens, then (if `update`) move each
+        router's selection bias toward balance. Every rank ends with the same loads and biases."""
+        if not self.routers:
+            return
+        loads = torch.stack([router.load for router in self.routers])  # (MoE layers, experts)
+        for router in self.routers:
+            router.load.zero_()
+        if self.dims.dp_group is not None:
+            dist.all_reduce(loads, group=self.dims.dp_group)
+        if self.tp.sp:  # TP ranks routed different tokens
+            dist.all_reduce(loads, group=self.tp.group)
+        rate = self.model_cfg.moe_bias_update_rate
+        if update and rate > 0:
+            for router, load in zip(self.routers, loads):
+                router.update_bias(load, rate)
+        self.expert_loads = loads
 
     def _unscale_or_skip(self, loss_scale: float) -> bool:
         """FP16: agree across every rank whether any gradient is inf/nan; unscale and return True if none is."""
@@ -215,6 +252,8 @@ class Trainer:
                      first_step: int) -> dict[str, Any]:
         loss = self._dp_mean(torch.stack(window).mean()).item()  # the one host sync of a logging interval
         record_extra = {"loss_scale": self.loss_scaler.scale} if self.loss_scaler is not None else {}
+        if self.expert_loads is not None:
+            record_extra.update(self._moe_record())
         if not math.isfinite(loss):
             raise FloatingPointError(
                 f"loss is {loss} at step {self.step}: training diverged; lower optimizer.lr or raise warmup_steps"
@@ -241,6 +280,14 @@ class Trainer:
         log.info(format_step_line(record, self.cfg.training.steps))
         self.metrics.write(record)
         return record
+
+    def _moe_record(self) -> dict[str, Any]:
+        """Expert balance of the last step: load spread, bias size, and assignments not dispatched (must be 0)."""
+        loads = self.expert_loads
+        routed = self.tokens_per_step * self.model_cfg.moe_top_k
+        return {**expert_load_stats(loads),
+                "moe_bias_abs_max": max(r.expert_bias.abs().max().item() for r in self.routers),
+                "moe_dropped_tokens": int(routed * loads.shape[0] - loads.sum().item())}
 
     def _eval_record(self) -> dict[str, Any]:
         loss = self.evaluate()
@@ -292,16 +339,19 @@ class Trainer:
             "config": config_to_dict(self.cfg),
         }
 
-    def _full_model_state(self) -> dict[str, torch.Tensor]:
-        """Weights by name at their full shapes (tensor-parallel shards gathered; collective over TP)."""
+    def _full_model_state(self, meta: bool = False) -> dict[str, torch.Tensor]:
+        """Weights and buffers by name at their full shapes, every expert included (tensor-parallel shards
+        gathered, experts collected from the expert-parallel group; collective). `meta`: shapes only."""
         params = dict(self.model.named_parameters())
-        return {name: gather_full(t.detach(), tp_shard_of(params[name]) if name in params else None, self.tp).cpu()
-                .clone() for name, t in self.model.state_dict().items()}
-
-    def _full_model_shapes(self) -> dict[str, torch.Tensor]:
-        params = dict(self.model.named_parameters())
-        return {name: torch.empty(full_shape(params[name], self.tp.size) if name in params else t.shape,
-                                  device="meta") for name, t in self.model.state_dict().items()}
+        dense, experts = {}, {}
+        for name, t in self.model.state_dict().items():
+            param = params.get(name)
+            if meta:
+                full = torch.empty(full_shape(param, self.tp.size) if param is not None else t.shape, device="meta")
+            else:
+                full = gather_full(t.detach(), tp_shard_of(param) if param is not None else None, self.tp).cpu().clone()
+            (experts if param is not None and is_expert(param) else dense)[name] = full
+        return {**dense, **union_over_expert_ranks(experts, self.ep)}
 
     def save(self) -> None:
         state = self.state_dict()  # gathers sharded optimizer state on every rank
@@ -313,11 +363,16 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         state = load_checkpoint(path)
-        check_tensors_match(state["model"], self._full_model_shapes(), path)
+        check_tensors_match(state["model"], self._full_model_state(meta=True), path)
         try:
             self.optimizer.load_state_dict(state["optimizer"])  # writes the master weights into the model
         except (KeyError, ValueError) as err:
             raise ConfigError(f"checkpoint {path} has an unusable optimizer state: {err}") from None
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, saved in state["model"].items():  # persistent buffers (MoE selection biases)
+                if name in buffers:
+                    buffers[name].copy_(saved)
         if state["loader"]:  # empty for checkpoints imported from other formats: start the data from the top
             self.loader.load_state_dict(state["loader"])
         if self.loss_scaler is not None and state.get("loss_scaler"):

@@ -1,0 +1,160 @@
+"""DeepSeek-V3-style mixture of experts: an FP32 router, routed SwiGLU experts, shared experts.
+
+Router (a precision island: FP32 weight, FP32 math). Scores are sigmoid (V3) or softmax of the
+token's logits. Selection adds a per-expert bias that only steers the choice (auxiliary-loss-free
+balancing: after every optimizer step the trainer moves it by `moe_bias_update_rate` against
+each expert's load); with `moe_n_group > 1` a token first keeps its best `moe_topk_group` expert
+groups (a group scores the sum of its two best experts) and picks its top-k among their experts.
+The combine weights are the chosen experts' *unbiased* scores, normalized to sum to 1 if
+`moe_norm_topk_prob`, times `moe_routed_scaling_factor`. An optional sequence-wise balance loss
+(V3's, weight `moe_aux_loss_coeff`) is returned with the output.
+
+Experts are SwiGLUs in the recipe's precision (FP8 per-tile under `fp8`), held by the rank that
+owns them (`megafp8.parallel.experts`), named by their global index, and computed one GEMM
+chain per expert over its contiguous rows. Shared experts are one tensor-parallel SwiGLU of
+width `moe_num_shared_experts x moe_ffn_hidden_size`, applied to every token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megafp8.config import ModelConfig
+from megafp8.model.mlp import SwiGLU
+from megafp8.parallel import TensorParallel, reduce_from_tp
+from megafp8.parallel.experts import ExpertParallel, combine, dispatch, mark_expert
+from megafp8.precision import PrecisionRecipe, select_backend
+
+
+class Router(nn.Module):
+    """Top-k expert choice per token. `expert_bias` steers selection only; `load` counts this rank's
+    assignments per expert since the trainer last read it."""
+
+    def __init__(self, cfg: ModelConfig, device=None) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.moe_num_experts, cfg.moe_top_k
+        self.n_group, self.topk_group = cfg.moe_n_group, cfg.moe_topk_group
+        self.score_func, self.norm_topk = cfg.moe_score_func, cfg.moe_norm_topk_prob
+        self.scaling = cfg.moe_routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.moe_num_experts, cfg.hidden_size, dtype=torch.float32,
+                                               device=device))
+        self.register_buffer("expert_bias", torch.zeros(cfg.moe_num_experts, device=device))
+        self.register_buffer("load", torch.zeros(cfg.moe_num_experts, device=device), persistent=False)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.weight)  # (N, E), FP32
+        return logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """(N, E) scores -> (N, k) chosen experts (bias-steered, group-limited)."""
+        choice = scores.detach() + self.expert_bias
+        if self.n_group > 1:
+            grouped = choice.view(choice.shape[0], self.n_group, -1)  # (N, groups, experts per group)
+            best = min(2, grouped.shape[-1])
+            group_score = grouped.topk(best, dim=-1).values.sum(dim=-1)  # (N, groups)
+            keep = group_score.topk(self.topk_group, dim=-1).indices
+            mask = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
+            choice = grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).view_as(choice)
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, hidden) -> (weights (N, k) FP32, chosen experts (N, k), scores (N, E) FP32)."""
+        scores = self.scores(x)
+        chosen = self.select(scores)
+        weights = scores.gather(1, chosen)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.training:
+            self.load += torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
+        return weights * self.scaling, chosen, scores
+
+    @torch.no_grad()
+    def update_bias(self, global_load: torch.Tensor, rate: float) -> None:
+        """Auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded ones."""
+        self.expert_bias += rate * torch.sign(global_load.mean() - global_load)
+
+
+def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, batch: int, seq_len: int, first_token: int,
+                          tp: TensorParallel) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, sum_i f_i P_i averaged over sequences (before its weight).
+
+    f_i = E / (k T) x (tokens of the sequence routed to i), P_i = mean over the sequence of the
+    normalized scores. This rank holds tokens [first_token, first_token + N) of the flattened
+    micro-batch (a slice of it under sequence parallelism, whose per-sequence sums are then
+    added over TP)."""
+    n, num_experts = scores.shape
+    k = chosen.shape[1]
+    seq = (torch.arange(n, device=scores.device) + first_token) // seq_len  # (N,)
+    probs = scores / scores.sum(dim=-1, keepdim=True)
+    prob_sum = torch.zeros(batch, num_experts, device=scores.device).index_add(0, seq, probs)
+    counts = torch.zeros(batch, num_experts, device=scores.device)
+    counts.index_add_(0, seq.repeat_interleave(k), F.one_hot(chosen.reshape(-1), num_experts).float())
+    if tp.sp:
+        prob_sum = reduce_from_tp(prob_sum, tp)
+        counts = reduce_from_tp(counts, tp)
+    f = counts * num_experts / (k * seq_len)
+    return (f * prob_sum / seq_len).sum(dim=-1).mean()
+
+
+class MoE(nn.Module):
+    """Routed experts (split over the expert-parallel group) plus shared experts."""
+
+    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, ep: ExpertParallel,
+                 fp8_dispatch: bool = False, device=None) -> None:
+        super().__init__()
+        self.num_experts, self.tp, self.ep = cfg.moe_num_experts, tp, ep
+        self.aux_coeff = cfg.moe_aux_loss_coeff
+        self.fp8_dispatch = fp8_dispatch
+        self.router = Router(cfg, device)
+        self.experts = nn.ModuleDict({
+            str(e): SwiGLU(cfg.hidden_size, cfg.moe_ffn_hidden_size, recipe, TensorParallel.single(), device)
+            for e in ep.local_experts(cfg.moe_num_experts)
+        })
+        for p in self.experts.parameters():
+            mark_expert(p)
+        self.shared = None
+        if cfg.moe_num_shared_experts > 0:
+            self.shared = SwiGLU(cfg.hidden_size, cfg.moe_num_shared_experts * cfg.moe_ffn_hidden_size, recipe, tp,
+                                 device)
+
+    def _dispatch_quantizer(self, x: torch.Tensor):
+        fp8 = next(iter(self.experts.values())).gate_up_proj.recipe.fp8
+        if not (self.fp8_dispatch and fp8 is not None):
+            return None
+        return select_backend(fp8.backend, x.device), fp8.gemm_config.fmt
+
+    def forward(self, x: torch.Tensor, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (tokens, hidden) -> (output, weighted balance loss)."""
+        weights, chosen, scores = self.router(x)
+        plan = dispatch(x, chosen, self.num_experts, self.ep, self._dispatch_quantizer(x))
+        outputs = [expert(rows) for expert, rows in zip(self.experts.values(),
+                                                         plan.rows.split(plan.tokens_per_expert))
+                   if rows.shape[0] > 0]
+        expert_rows = torch.cat(outputs) if outputs else plan.rows
+        y = combine(expert_rows, weights, plan, self.ep)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        aux = x.new_zeros((), dtype=torch.float32)
+        if self.aux_coeff > 0 and self.training:
+            first = self.tp.rank * x.shape[0] if self.tp.sp else 0
+            aux = self.aux_coeff * sequence_balance_loss(scores, chosen, batch, seq_len, first, self.tp)
+        return y, aux
+
+
+def routers(model: nn.Module) -> list[tuple[str, Router]]:
+    """Every router of `model`, by module name."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Router)]
+
+
+def expert_load_stats(loads: torch.Tensor) -> dict[str, float]:
+    """(layers, experts) global assignment counts -> balance figures for the log."""
+    mean = loads.mean(dim=1)
+    cv = loads.std(dim=1, unbiased=False) / mean.clamp(min=1e-9)
+    return {"moe_load_cv": cv.mean().item(), "moe_load_max_over_mean": (loads.max(dim=1).values / mean).max().item(),
+            "moe_load_min_over_mean": (loads.min(dim=1).values / mean).min().item()}
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    return cfg.moe_num_experts > 0 and layer >= cfg.moe_first_dense_layers
+
