@@ -95,6 +95,9 @@ def _mn_major(scale: torch.Tensor) -> torch.Tensor:
     return scale if scale.stride(0) == 1 else scale.t().contiguous().t()
 
 
+_CUBLAS_ROW_MULTIPLE = 4
+
+
 class CublasBackend(TritonBackend):
     name = "cublas"
 
@@ -106,6 +109,15 @@ class CublasBackend(TritonBackend):
         return padded.t()
 
     def gemm(self, a, a_scale, b, b_scale, b_blockwise, out_dtype):
+        rows = a.shape[0]
+        if rows % _CUBLAS_ROW_MULTIPLE:
+            # cuBLASLt rejects (CUBLAS_STATUS_NOT_SUPPORTED) 1x128-scaled operands whose row count is not a multiple
+            # of 4 (measured on H200, M = 1..129): pad with zero rows (scale 1), which add nothing, and drop them.
+            pad = _CUBLAS_ROW_MULTIPLE - rows % _CUBLAS_ROW_MULTIPLE
+            zeros = torch.zeros(pad, a.shape[1], dtype=torch.uint8, device=a.device)
+            a = torch.cat([a.view(torch.uint8), zeros]).view(a.dtype)
+            a_scale = torch.cat([a_scale, a_scale.new_ones(pad, a_scale.shape[1])])
+            return self.gemm(a, a_scale, b, b_scale, b_blockwise, out_dtype)[:rows]
         if b_blockwise:
             b_s, recipe_b = b_scale, F.ScalingType.BlockWise128x128
         else:
