@@ -27,9 +27,10 @@ def outlier_tensor(m, k, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device=CUDA, generator=g)
     x[:, 5] *= 300.0  # an outlier channel
-    x[7, :128] = 0.0  # a zero tile
-    x[9, 130] = 1e-30  # a tiny value
-    x[11, 256:384] = torch.randn(128, device=CUDA, generator=g) * 1e-37  # a tile below MIN_AMAX
+    x[7 % m, :128] = 0.0  # a zero tile
+    x[9 % m, 130 % k] = 1e-30  # a tiny value
+    if k >= 384:
+        x[11 % m, 256:384] = torch.randn(128, device=CUDA, generator=g) * 1e-37  # a tile below MIN_AMAX
     return x.to(torch.bfloat16)
 
 
