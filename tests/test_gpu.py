@@ -79,7 +79,7 @@ def test_moe_layer_on_cuda_matches_the_cpu_reference():
         x = torch.randn(300, 256, generator=torch.Generator().manual_seed(1)).bfloat16().to(device).requires_grad_()
         y, _ = moe(x, batch=3, seq_len=100)
         y.float().square().sum().backward()
-        outputs[device] = (y.float().cpu(), x.grad.float().cpu(), moe.experts["0"].down_proj.weight.grad.float().cpu())
+        outputs[device] = (y.float().cpu(), x.grad.float().cpu(), moe.experts.down_proj.weight.grad.float().cpu())
     for cpu, gpu in zip(outputs["cpu"], outputs["cuda"]):
         assert (cpu - gpu).abs().max() <= 2**-5 * cpu.abs().max()
 

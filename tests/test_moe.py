@@ -21,7 +21,7 @@ from megafp8.checkpoint import find_latest, load_checkpoint
 from megafp8.config import ConfigError, ModelConfig, load_config, validate_for_world
 from megafp8.model import init_weights
 from megafp8.model.moe import MoE, Router
-from megafp8.parallel import ExpertParallel, ParallelDims, TensorParallel
+from megafp8.parallel import ExpertParallel, ParallelDims, TensorParallel, local_experts_of
 from megafp8.parallel.experts import combine, dispatch
 from megafp8.precision import PrecisionRecipe
 from megafp8.train.trainer import Trainer
@@ -124,8 +124,8 @@ def _layer_worker(rank, world, recipe_name, fp8_dispatch):
             dist.all_reduce(grad)
             if recipe.fp8 is not None:  # the shared expert's FP8 wgrad tiles 40 tokens here, 40 x world there
                 frac = 2**-4
-        _close(grad, ref_params[name].grad, name, frac)
-    assert len(moe.experts) == 8 // world and all(int(k) in ep.local_experts(8) for k in moe.experts)
+        _close(grad, local_experts_of(ref_params[name].grad, p), name, frac)
+    assert moe.experts.num_local == 8 // world and moe.experts.down_proj.weight.expert_slice == (rank * 8 // world, 8)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -188,8 +188,8 @@ def test_ep2_checkpoint_resumes_at_ep1_with_every_expert_and_bias(tiny_overrides
     base = tiny_overrides + MODEL + ["training.steps=3", "checkpoint.interval=3", f"checkpoint.dir={tmp_path}/ck"]
     _run(2, base + ["parallel.ep=2"], tmp_path / "r.pt")
     saved = load_checkpoint(find_latest(tmp_path / "ck"))
-    experts = {k.split(".experts.")[1].split(".")[0] for k in saved["model"] if ".experts." in k}
-    assert experts == {str(e) for e in range(8)}
+    assert saved["model"]["layers.1.mlp.experts.gate_up_proj.weight"].shape == (8, 256, 128)  # every expert
+    assert saved["optimizer"]["masters"]["layers.1.mlp.experts.down_proj.weight"].shape == (8, 128, 128)
     assert saved["model"]["layers.1.mlp.router.expert_bias"].abs().max() > 0
     resumed = Trainer(load_config("tiny_moe_fp8", base + ["training.steps=4"]), ParallelDims.single(),
                       torch.device("cpu"))
@@ -208,3 +208,32 @@ def test_ep2_checkpoint_resumes_at_ep1_with_every_expert_and_bias(tiny_overrides
 def test_bad_moe_configs_give_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate_for_world(load_config("tiny_moe_fp8", overrides), 6)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_grouped_expert_linear_equals_one_linear_per_expert(recipe):
+    """One grouped call (rows quantized once, stacked weight quantized once) gives each expert exactly what its
+    own linear would: outputs, input gradients and weight gradients bit for bit (counts include 0 and 1)."""
+    from megafp8.parallel import ColumnParallelLinear
+    from megafp8.parallel.experts import ExpertLinear
+
+    prec = PrecisionRecipe.from_name(recipe)
+    counts = [5, 0, 130, 1]
+    grouped = ExpertLinear(4, 256, 128, prec, ExpertParallel.single())
+    torch.nn.init.normal_(grouped.weight, std=0.05)
+    x = torch.randn(sum(counts), 256).to(prec.param_dtype).requires_grad_(True)
+    dy = torch.randn(sum(counts), 128).to(prec.param_dtype)
+    grouped(x, counts).backward(dy)
+    start = 0
+    for e, count in enumerate(counts):
+        single = ColumnParallelLinear(256, 128, prec)
+        with torch.no_grad():
+            single.weight.copy_(grouped.weight[e])
+        xe = x.detach()[start:start + count].clone().requires_grad_(True)
+        ye = single(xe)
+        ye.backward(dy[start:start + count])
+        assert torch.equal(ye, grouped(x.detach()[start:start + count], [0] * e + [count] + [0] * (3 - e)))
+        assert torch.equal(xe.grad, x.grad[start:start + count])
+        expected_dw = single.weight.grad if count else torch.zeros_like(single.weight)
+        assert torch.equal(grouped.weight.grad[e], expected_dw), e
+        start += count

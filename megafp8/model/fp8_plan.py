@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from megafp8.config import ConfigError, PrecisionConfig
 from megafp8.model.norm import RMSNorm
-from megafp8.parallel import ParallelLinear, VocabParallelEmbedding
+from megafp8.parallel import ExpertLinear, ParallelLinear, VocabParallelEmbedding
 from megafp8.precision import PrecisionRecipe
 
 LM_HEAD = "lm_head"
@@ -35,7 +35,7 @@ def _islands(model: nn.Module) -> list[str]:
 
 
 def apply_fp8_plan(model: nn.Module, cfg: PrecisionConfig, recipe: PrecisionRecipe, num_layers: int) -> Fp8Plan:
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, ParallelLinear)}
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, (ParallelLinear, ExpertLinear))}
     eligible = [n for n in linears if n != LM_HEAD]
     islands = _islands(model)
     for pattern in cfg.fp8_layers:

@@ -3,8 +3,9 @@
 Values are drawn in FP32 on the CPU from one generator, in parameter order and at each
 parameter's full (unsharded) shape; a tensor-parallel rank keeps its shard. The result is copied
 to the parameter's device and dtype, so the same seed gives the same model at any TP, anywhere.
-Routed-expert weights are drawn from a generator seeded by the run seed and the parameter's
-(global) name instead, so an expert starts the same on whichever expert-parallel rank holds it.
+Stacked routed-expert weights are drawn for every expert from a generator seeded by the run seed
+and the parameter's name, and each expert-parallel rank keeps its experts: an expert starts the same
+whichever rank holds it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from megafp8.config import ModelConfig
-from megafp8.parallel import TensorParallel, full_shape, is_expert, shard_of, tp_shard_of
+from megafp8.parallel import TensorParallel, full_shape, is_expert, local_experts_of, shard_of, tp_shard_of
 
 # Projections that write into the residual stream; scaled so the stream's variance does not grow with depth.
 _RESIDUAL_OUTPUTS = ("attn.out_proj.weight", "down_proj.weight")  # MLP, shared and routed experts
@@ -36,4 +37,4 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, tp: Optional[Ten
         if is_expert(param):
             draw_from = torch.Generator(device="cpu").manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
         values = torch.empty(full_shape(param, tp.size), dtype=torch.float32).normal_(0.0, std, generator=draw_from)
-        param.copy_(shard_of(values, tp_shard_of(param), tp.rank, tp.size))
+        param.copy_(local_experts_of(shard_of(values, tp_shard_of(param), tp.rank, tp.size), param))

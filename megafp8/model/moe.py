@@ -9,10 +9,11 @@ The combine weights are the chosen experts' *unbiased* scores, normalized to sum
 `moe_norm_topk_prob`, times `moe_routed_scaling_factor`. An optional sequence-wise balance loss
 (V3's, weight `moe_aux_loss_coeff`) is returned with the output.
 
-Experts are SwiGLUs in the recipe's precision (FP8 per-tile under `fp8`), held by the rank that
-owns them (`megafp8.parallel.experts`), named by their global index, and computed one GEMM
-chain per expert over its contiguous rows. Shared experts are one tensor-parallel SwiGLU of
-width `moe_num_shared_experts x moe_ffn_hidden_size`, applied to every token.
+Routed experts are SwiGLUs in the recipe's precision (FP8 per-tile under `fp8`), stored stacked
+per projection (`experts.gate_up_proj.weight`: local experts x [gate; up] x hidden) on the rank
+that owns them (`megafp8.parallel.experts`), and computed as grouped linears over rows sorted by
+expert. Shared experts are one tensor-parallel SwiGLU of width
+`moe_num_shared_experts x moe_ffn_hidden_size`, applied to every token.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from megafp8.config import ModelConfig
 from megafp8.model.mlp import SwiGLU
 from megafp8.parallel import TensorParallel, reduce_from_tp
-from megafp8.parallel.experts import ExpertParallel, combine, dispatch, mark_expert
+from megafp8.parallel.experts import ExpertLinear, ExpertParallel, combine, dispatch
 from megafp8.precision import PrecisionRecipe, select_backend
 
 
@@ -97,6 +98,24 @@ def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, batch: int
     return (f * prob_sum / seq_len).sum(dim=-1).mean()
 
 
+class RoutedExperts(nn.Module):
+    """This rank's routed experts: down(silu(gate(x)) * up(x)) per expert, as two grouped linears."""
+
+    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, ep: ExpertParallel, device=None) -> None:
+        super().__init__()
+        e, hidden, ffn = cfg.moe_num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
+        self.gate_up_proj = ExpertLinear(e, hidden, 2 * ffn, recipe, ep, device)  # rows [gate; up] per expert
+        self.down_proj = ExpertLinear(e, ffn, hidden, recipe, ep, device)
+
+    @property
+    def num_local(self) -> int:
+        return self.down_proj.weight.shape[0]
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        gate, up = self.gate_up_proj(rows, counts).chunk(2, dim=-1)  # each (rows, ffn)
+        return self.down_proj(F.silu(gate) * up, counts)
+
+
 class MoE(nn.Module):
     """Routed experts (split over the expert-parallel group) plus shared experts."""
 
@@ -107,19 +126,14 @@ class MoE(nn.Module):
         self.aux_coeff = cfg.moe_aux_loss_coeff
         self.fp8_dispatch = fp8_dispatch
         self.router = Router(cfg, device)
-        self.experts = nn.ModuleDict({
-            str(e): SwiGLU(cfg.hidden_size, cfg.moe_ffn_hidden_size, recipe, TensorParallel.single(), device)
-            for e in ep.local_experts(cfg.moe_num_experts)
-        })
-        for p in self.experts.parameters():
-            mark_expert(p)
+        self.experts = RoutedExperts(cfg, recipe, ep, device)
         self.shared = None
         if cfg.moe_num_shared_experts > 0:
             self.shared = SwiGLU(cfg.hidden_size, cfg.moe_num_shared_experts * cfg.moe_ffn_hidden_size, recipe, tp,
                                  device)
 
     def _dispatch_quantizer(self, x: torch.Tensor):
-        fp8 = next(iter(self.experts.values())).gate_up_proj.recipe.fp8
+        fp8 = self.experts.gate_up_proj.recipe.fp8
         if not (self.fp8_dispatch and fp8 is not None):
             return None
         return select_backend(fp8.backend, x.device), fp8.gemm_config.fmt
@@ -128,11 +142,7 @@ class MoE(nn.Module):
         """x (tokens, hidden) -> (output, weighted balance loss)."""
         weights, chosen, scores = self.router(x)
         plan = dispatch(x, chosen, self.num_experts, self.ep, self._dispatch_quantizer(x))
-        outputs = [expert(rows) for expert, rows in zip(self.experts.values(),
-                                                         plan.rows.split(plan.tokens_per_expert))
-                   if rows.shape[0] > 0]
-        expert_rows = torch.cat(outputs) if outputs else plan.rows
-        y = combine(expert_rows, weights, plan, self.ep)
+        y = combine(self.experts(plan.rows, plan.tokens_per_expert), weights, plan, self.ep)
         if self.shared is not None:
             y = y + self.shared(x)
         aux = x.new_zeros((), dtype=torch.float32)

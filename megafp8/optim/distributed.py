@@ -38,7 +38,7 @@ from megafp8.parallel import (
     shard_of,
     tp_shard_of,
 )
-from megafp8.parallel.experts import union_over_expert_ranks
+from megafp8.parallel.experts import gather_experts, local_experts_of
 from megafp8.parallel.grad_buckets import Bucket
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -169,19 +169,18 @@ class DistributedAdamW:
         """Layout-independent state: FP32 master weights and moments by parameter name (full shapes), and the
         step, every expert included. Collective over data-, tensor- and expert-parallel ranks: every rank must
         call it."""
-        state: dict[str, Any] = {"step": self.step_count}
-        keys = (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
-        dense: dict[str, dict[str, torch.Tensor]] = {key: {} for key, _ in keys}
-        experts: dict[str, dict[str, torch.Tensor]] = {key: {} for key, _ in keys}
+        state: dict[str, Any] = {"step": self.step_count, "masters": {}, "exp_avg": {}, "exp_avg_sq": {}}
         for shard in self.shards:
-            fulls = {key: self._full(shard, getattr(shard, attr)) for key, attr in keys}
+            fulls = {key: self._full(shard, getattr(shard, attr)) for key, attr in
+                     (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))}
             for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
                 for key, full in fulls.items():
                     local = full[offset : offset + p.numel()].view_as(p)
-                    into = experts if is_expert(p) else dense
-                    into[key][self.names[p]] = gather_full(local, tp_shard_of(p), self.tp).cpu().clone()
-        for key, _ in keys:
-            state[key] = {**dense[key], **union_over_expert_ranks(experts[key], self.ep)}
+                    if is_expert(p):
+                        whole = gather_experts(local, self.ep)
+                    else:
+                        whole = gather_full(local, tp_shard_of(p), self.tp)
+                    state[key][self.names[p]] = whole.cpu().clone()
         return state
 
     @torch.no_grad()
@@ -201,7 +200,8 @@ class DistributedAdamW:
             for key, attr in (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
                 full = torch.zeros(shard.bucket.numel, dtype=torch.float32)
                 for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
-                    mine = shard_of(state[key][self.names[p]], tp_shard_of(p), self.tp.rank, self.tp.size)
+                    mine = local_experts_of(shard_of(state[key][self.names[p]], tp_shard_of(p), self.tp.rank,
+                                                     self.tp.size), p)
                     full[offset : offset + p.numel()] = mine.reshape(-1).float()
                 getattr(shard, attr).copy_(full[shard.start : shard.end])
         self._publish()

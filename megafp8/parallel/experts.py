@@ -27,7 +27,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megafp8.precision import Fp8Backend, Fp8Format
+import torch.nn as nn
+
+from megafp8.precision import TILE, Fp8Backend, Fp8Format, PrecisionRecipe, select_backend
+from megafp8.precision.grouped import GroupedWeightCache, grouped_linear
 from megafp8.precision.quantize import dequantize_1x128
 
 
@@ -53,13 +56,71 @@ class ExpertParallel:
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
 
-def mark_expert(param: torch.nn.Parameter) -> None:
-    """Tag a routed-expert parameter: it lives on one rank of each expert-parallel group."""
-    param.expert_parallel = True
+def mark_expert(param: torch.nn.Parameter, first_expert: int, num_experts: int) -> None:
+    """Tag stacked routed-expert weights (local experts, ...): experts [first, first + len) of `num_experts`."""
+    param.expert_slice = (first_expert, num_experts)
 
 
 def is_expert(param: torch.Tensor) -> bool:
-    return getattr(param, "expert_parallel", False)
+    return getattr(param, "expert_slice", None) is not None
+
+
+def gather_experts(local: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """Every expert's slice of a stacked expert tensor, in expert order (collective over the EP group)."""
+    if not ep.enabled:
+        return local
+    pieces = [torch.empty_like(local) for _ in range(ep.size)]
+    dist.all_gather(pieces, local.contiguous(), group=ep.group)
+    return torch.cat(pieces)
+
+
+def local_experts_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's experts' rows of a full stacked expert tensor (any other tensor: unchanged)."""
+    if not is_expert(param):
+        return full
+    first, _ = param.expert_slice
+    return full[first : first + param.shape[0]]
+
+
+class ExpertLinear(nn.Module):
+    """One projection of this rank's routed experts, stacked: weight (local experts, out, in). Its input is
+    rows sorted by expert with per-expert counts; GEMMs follow the precision recipe (FP8 per tile)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, recipe: PrecisionRecipe,
+                 ep: ExpertParallel, device=None) -> None:
+        super().__init__()
+        local = ep.local_experts(num_experts)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(len(local), out_features, in_features, dtype=recipe.param_dtype,
+                                               device=device))
+        mark_expert(self.weight, local.start, num_experts)
+        self.set_recipe(recipe)
+
+    def set_recipe(self, recipe: PrecisionRecipe) -> None:
+        if recipe.fp8 is not None:
+            for what, size in (("in_features", self.in_features), ("out_features", self.out_features)):
+                if size % TILE != 0:
+                    raise ValueError(f"an FP8 expert linear needs {what} to be a multiple of {TILE}, got {size}")
+        self.recipe = recipe
+        self.fp8_cache = GroupedWeightCache() if recipe.fp8 is not None else None
+        self._fp8_backend: Optional[Fp8Backend] = None
+
+    @property
+    def runs_fp8(self) -> bool:
+        return self.recipe.fp8 is not None
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        fp8 = self.recipe.fp8
+        if fp8 is None:
+            return grouped_linear(rows, self.weight, counts, None, None, None)
+        if self._fp8_backend is None:
+            self._fp8_backend = select_backend(fp8.backend, rows.device)
+        return grouped_linear(rows, self.weight, counts, self.fp8_cache, fp8.gemm_config, self._fp8_backend)
+
+    def extra_repr(self) -> str:
+        first, total = self.weight.expert_slice
+        return (f"experts {first}..{first + self.weight.shape[0] - 1} of {total}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, fp8={self.runs_fp8}")
 
 
 def _exchange(x: torch.Tensor, out_rows: list[int], in_rows: list[int], ep: ExpertParallel) -> torch.Tensor:
@@ -141,15 +202,3 @@ def combine(expert_rows: torch.Tensor, weights: torch.Tensor, plan: Dispatched, 
     n = weights.shape[0]
     out = (per_assignment.view(n, plan.top_k, -1).float() * weights.unsqueeze(-1)).sum(dim=1)
     return out.to(expert_rows.dtype)
-
-
-def union_over_expert_ranks(state: dict[str, torch.Tensor], ep: ExpertParallel) -> dict[str, torch.Tensor]:
-    """The union of every EP rank's `state` (expert tensors by global name). Collective over the EP group."""
-    if not ep.enabled:
-        return state
-    gathered: list[Optional[dict[str, torch.Tensor]]] = [None] * ep.size
-    dist.all_gather_object(gathered, state, group=ep.group)
-    merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        merged.update(part or {})
-    return merged

@@ -35,11 +35,15 @@ def mark_sharded(param: torch.nn.Parameter, spec: TpShard) -> None:
 
 
 def full_shape(local: torch.Tensor, tp_size: int) -> tuple[int, ...]:
-    """The unsharded shape of a (possibly sharded) parameter."""
+    """The unsharded shape of a (possibly sharded) parameter: TP shards joined, and for stacked routed-expert
+    weights every expert (not only this expert-parallel rank's)."""
     spec = tp_shard_of(local)
     shape = list(local.shape)
     if spec is not None:
         shape[spec.dim] = sum(spec.parts)
+    expert_slice = getattr(local, "expert_slice", None)
+    if expert_slice is not None:
+        shape[0] = expert_slice[1]
     return tuple(shape)
 
 

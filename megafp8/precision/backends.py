@@ -91,8 +91,11 @@ class TritonBackend(Fp8Backend):
 
 
 def _mn_major(scale: torch.Tensor) -> torch.Tensor:
-    """The same (rows, K/128) scales stored column-major (stride (1, rows)), the layout cuBLAS reads."""
-    return scale if scale.stride(0) == 1 else scale.t().contiguous().t()
+    """The same (rows, K/128) scales stored column-major (stride (1, rows)), the layout cuBLAS reads
+    (a row slice of such a tensor keeps the parent's row stride, so it is copied too)."""
+    if scale.stride(0) == 1 and (scale.shape[1] == 1 or scale.stride(1) == scale.shape[0]):
+        return scale
+    return scale.t().contiguous().t()
 
 
 _CUBLAS_ROW_MULTIPLE = 4

@@ -31,11 +31,11 @@ from megafp8.parallel import (
     ParallelDims,
     TensorParallel,
     full_shape,
+    gather_experts,
     gather_full,
     is_expert,
     tp_shard_of,
 )
-from megafp8.parallel.experts import union_over_expert_ranks
 from megafp8.precision import DynamicLossScaler, PrecisionRecipe, resolve_recipe, select_backend
 from megafp8.train.fp8_health import Fp8HealthMonitor
 from megafp8.train.loggers import ExperimentLogger
@@ -340,18 +340,21 @@ class Trainer:
         }
 
     def _full_model_state(self, meta: bool = False) -> dict[str, torch.Tensor]:
-        """Weights and buffers by name at their full shapes, every expert included (tensor-parallel shards
-        gathered, experts collected from the expert-parallel group; collective). `meta`: shapes only."""
+        """Weights and buffers by name at their full shapes, every expert included (tensor-parallel shards and
+        expert-parallel slices gathered; collective). `meta`: shapes only."""
         params = dict(self.model.named_parameters())
-        dense, experts = {}, {}
+        state = {}
         for name, t in self.model.state_dict().items():
             param = params.get(name)
             if meta:
-                full = torch.empty(full_shape(param, self.tp.size) if param is not None else t.shape, device="meta")
+                state[name] = torch.empty(full_shape(param, self.tp.size) if param is not None else t.shape,
+                                          device="meta")
+            elif param is not None and is_expert(param):
+                state[name] = gather_experts(t.detach(), self.ep).cpu().clone()
             else:
-                full = gather_full(t.detach(), tp_shard_of(param) if param is not None else None, self.tp).cpu().clone()
-            (experts if param is not None and is_expert(param) else dense)[name] = full
-        return {**dense, **union_over_expert_ranks(experts, self.ep)}
+                spec = tp_shard_of(param) if param is not None else None
+                state[name] = gather_full(t.detach(), spec, self.tp).cpu().clone()
+        return state
 
     def save(self) -> None:
         state = self.state_dict()  # gathers sharded optimizer state on every rank
