@@ -80,8 +80,12 @@ def test_moe_layer_on_cuda_matches_the_cpu_reference():
         y, _ = moe(x, batch=3, seq_len=100)
         y.float().square().sum().backward()
         outputs[device] = (y.float().cpu(), x.grad.float().cpu(), moe.experts.down_proj.weight.grad.float().cpu())
-    for cpu, gpu in zip(outputs["cpu"], outputs["cuda"]):
+    (y_cpu, dx_cpu, dw_cpu), (y_gpu, dx_gpu, dw_gpu) = outputs["cpu"], outputs["cuda"]
+    for cpu, gpu in ((y_cpu, y_gpu), (dx_cpu, dx_gpu)):
         assert (cpu - gpu).abs().max() <= 2**-5 * cpu.abs().max()
+    # The weight gradient sums FP8-quantized dy over tokens: GEMM summation order on the two devices can flip an
+    # FP8 rounding of dy (one E4M3 step is 6%), so compare it as a whole rather than element by element.
+    assert (dw_cpu - dw_gpu).norm() <= 2**-6 * dw_cpu.norm()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -65,6 +65,27 @@ class Fp8Backend:
         b32 = ref.dequantize_128x128(b, b_scale) if b_blockwise else ref.dequantize_1x128(b, b_scale)
         return (a32 @ b32.t()).to(out_dtype)
 
+    def grouped_gemm(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                     rows, out_dtype: torch.dtype) -> torch.Tensor:
+        """Per expert e: A[rows of e] @ B[e]^T. A (Mp, K) in 1x128 tiles, rows laid out by `rows`
+        (`megafp8.precision.grouped.ExpertRows`); B (E, N, K) in 128x128 blocks, scales (E, N/128, K/128)."""
+        out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+        for e, lo, hi in rows.segments:
+            out[lo:hi] = self.gemm(a[lo:hi], a_scale[lo:hi], b[e], self.block_scales_for_gemm(b_scale[e]), True,
+                                   out_dtype)
+        return out
+
+    def grouped_wgrad(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                      rows, num_experts: int, out_dtype: torch.dtype) -> torch.Tensor:
+        """Per expert e: A[:, rows of e] @ B[:, rows of e]^T -> (E, N, K). A (N, Mp) and B (K, Mp) in 1x128
+        tiles along the padded rows."""
+        out = torch.zeros(num_experts, a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+        for e, lo, hi in rows.segments:
+            t0, t1 = lo // 128, hi // 128
+            out[e] = self.gemm(a[:, lo:hi].contiguous(), a_scale[:, t0:t1], b[:, lo:hi].contiguous(),
+                               b_scale[:, t0:t1], False, out_dtype)
+        return out
+
 
 class TritonBackend(Fp8Backend):
     name = "triton"
@@ -89,11 +110,21 @@ class TritonBackend(Fp8Backend):
     def gemm(self, a, a_scale, b, b_scale, b_blockwise, out_dtype):
         return self.kernels.gemm(a, a_scale, b, b_scale, b_blockwise, out_dtype)
 
+    def grouped_gemm(self, a, a_scale, b, b_scale, rows, out_dtype):
+        if a.shape[0] == 0:
+            return torch.zeros(0, b.shape[1], dtype=out_dtype, device=a.device)
+        return self.kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, out_dtype)
+
+    def grouped_wgrad(self, a, a_scale, b, b_scale, rows, num_experts, out_dtype):
+        if a.shape[1] == 0:
+            return torch.zeros(num_experts, a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+        return self.kernels.grouped_wgrad(a, a_scale, b, b_scale, rows.tile_start, rows.tile_count, out_dtype)
+
 
 def _mn_major(scale: torch.Tensor) -> torch.Tensor:
     """The same (rows, K/128) scales stored column-major (stride (1, rows)), the layout cuBLAS reads
     (a row slice of such a tensor keeps the parent's row stride, so it is copied too)."""
-    if scale.stride(0) == 1 and (scale.shape[1] == 1 or scale.stride(1) == scale.shape[0]):
+    if scale.stride(0) == 1 and scale.stride(1) == scale.shape[0]:  # checked strictly, even for one column
         return scale
     return scale.t().contiguous().t()
 

@@ -2,14 +2,14 @@
 
     y[rows of e] = x[rows of e] @ w[e]^T     x (M, K), w (E, N, K), counts[e] rows per expert
 
-One autograd function computes all experts, so per step each tensor is quantized once rather
-than once per expert: the rows of x (forward) and of dy (dgrad) in one 1x128 quantizer launch
-each (row tiles never straddle experts), the stacked weight in one 128x128 launch per weight
-version. Only the token-contracting wgrad operands are quantized per expert (their tiles run
-along the expert's own rows). The GEMMs then run per expert through the backend's GEMM (a
-grouped-GEMM kernel is the next step). The weight gradient is one stacked (E, N, K) tensor, added
-into `main_grad` (FP32) when the weight has one, so experts' gradients never cost a full-size
-tensor each.
+One autograd function computes all experts. Under FP8 each expert's rows are first laid out
+from a 128-row boundary (zero rows fill each expert's last tile: `ExpertRows`), so every 1x128
+tile along the rows belongs to one expert. Then every tensor is quantized once for all experts
+(x and dy along their rows, dy and x again along the rows for wgrad, the stacked weight in
+128x128 blocks once per weight version) and each GEMM is one grouped call over all experts: the
+Triton grouped kernels on GPU, a loop of the backend's GEMM for the reference backend. Results
+are the same as one FP8 linear per expert, bit for bit on the reference backend. The weight
+gradient is one stacked (E, N, K) tensor, added into `main_grad` (FP32) when the weight has one.
 
 BF16 (no FP8 recipe) takes the same path with plain matmuls.
 """
@@ -21,17 +21,17 @@ from typing import Optional
 import torch
 
 from megafp8.precision.backends import Fp8Backend
-from megafp8.precision.fp8_linear import Fp8GemmConfig, accumulate_wgrad, quantize_input, wgrad
-from megafp8.precision.formats import Fp8Format
+from megafp8.precision.fp8_linear import Fp8GemmConfig, accumulate_wgrad, quantize_input
+from megafp8.precision.formats import TILE, Fp8Format
 
 
 @dataclass
 class _QuantizedExperts:
     version: tuple[int, int]
     w_fp8: torch.Tensor  # (E, N, K)
-    w_scale: list[torch.Tensor]  # per expert, in the backend's GEMM layout
+    w_scale: torch.Tensor  # (E, N/128, K/128)
     wt_fp8: torch.Tensor  # (E, K, N)
-    wt_scale: list[torch.Tensor]
+    wt_scale: torch.Tensor  # (E, K/128, N/128)
 
 
 class GroupedWeightCache:
@@ -46,66 +46,98 @@ class GroupedWeightCache:
         if self._entry is None or self._entry.version != version:
             e, n, k = weight.shape
             w_fp8, w_scale, _, _ = backend.quantize_blocks_with_transpose(weight.detach().reshape(e * n, k), fmt, pow2)
-            w_fp8, w_scale = w_fp8.view(e, n, k), w_scale.view(e, n // 128, k // 128)
+            w_fp8, w_scale = w_fp8.view(e, n, k), w_scale.view(e, n // TILE, k // TILE)
             # 128x128 blocks are transpose-invariant: each expert's w^T is its w, transposed.
             wt_fp8 = w_fp8.view(torch.uint8).transpose(1, 2).contiguous().view(w_fp8.dtype)
-            wt_scale = w_scale.transpose(1, 2)
-            self._entry = _QuantizedExperts(
-                version, w_fp8, [backend.block_scales_for_gemm(s) for s in w_scale],
-                wt_fp8, [backend.block_scales_for_gemm(s.contiguous()) for s in wt_scale])
+            self._entry = _QuantizedExperts(version, w_fp8, w_scale, wt_fp8, w_scale.transpose(1, 2).contiguous())
             self.quantize_count += 1
         return self._entry
 
 
-def _segments(counts: list[int]) -> list[tuple[int, int, int]]:
-    """(expert, first row, end row) of every expert with rows."""
-    out, start = [], 0
-    for e, c in enumerate(counts):
+@dataclass
+class ExpertRows:
+    """Rows sorted by expert, and the padded layout the FP8 GEMMs use: each expert's rows start on a
+    128-row boundary (zero rows fill the gaps), so no 1x128 tile along the rows straddles two experts."""
+
+    counts: list[int]
+    segments: list[tuple[int, int, int]]  # (expert, first padded row, end padded row) of experts with rows
+    total: int  # padded rows
+    index: torch.Tensor  # (rows,) padded position of each row
+    tile_expert: torch.Tensor  # (total / 128,) int32: the expert of each 128-row tile
+    tile_start: torch.Tensor  # (E,) int32: first tile of each expert
+    tile_count: torch.Tensor  # (E,) int32: tiles of each expert
+
+
+def expert_rows(counts: list[int], device: torch.device) -> ExpertRows:
+    tiles = [-(-c // TILE) for c in counts]
+    starts, padded_starts, segments = [], [], []
+    row = padded = 0
+    for e, (c, t) in enumerate(zip(counts, tiles)):
+        starts.append(row)
+        padded_starts.append(padded)
         if c:
-            out.append((e, start, start + c))
-        start += c
-    return out
+            segments.append((e, padded, padded + t * TILE))
+        row += c
+        padded += t * TILE
+    table = torch.tensor([counts, [p - s for p, s in zip(padded_starts, starts)], tiles,
+                          [p // TILE for p in padded_starts]], dtype=torch.int64).to(device)  # one copy to device
+    index = torch.arange(row, device=device) + torch.repeat_interleave(table[1], table[0], output_size=row)
+    experts = torch.arange(len(counts), device=device, dtype=torch.int32)
+    tile_expert = torch.repeat_interleave(experts, table[2], output_size=padded // TILE)
+    return ExpertRows(counts, segments, padded, index, tile_expert, table[3].to(torch.int32),
+                      table[2].to(torch.int32))
+
+
+def _pad_rows(x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+    padded = x.new_zeros(rows.total, x.shape[1])
+    padded[rows.index] = x
+    return padded
 
 
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, counts, cache, cfg: Optional[Fp8GemmConfig], backend: Optional[Fp8Backend]):
-        segments = _segments(counts)
-        y = x.new_empty(x.shape[0], weight.shape[1])
+        ctx.cfg, ctx.backend = cfg, backend
         if cfg is None:
-            for e, lo, hi in segments:
-                torch.matmul(x[lo:hi], weight[e].t(), out=y[lo:hi])
+            segments, y, start = [], x.new_empty(x.shape[0], weight.shape[1]), 0
+            for e, c in enumerate(counts):
+                if c:
+                    torch.matmul(x[start:start + c], weight[e].t(), out=y[start:start + c])
+                    segments.append((e, start, start + c))
+                start += c
+            ctx.segments = segments
             ctx.save_for_backward(x, weight)
-        else:
-            entry = cache.get(weight, backend, cfg.fmt, cfg.power_of_two)
-            x_fp8, x_scale = quantize_input(x, cfg, backend)
-            for e, lo, hi in segments:
-                y[lo:hi] = backend.gemm(x_fp8[lo:hi], x_scale[lo:hi], entry.w_fp8[e], entry.w_scale[e], True, x.dtype)
-            ctx.save_for_backward(x_fp8, x_scale, weight)
-            ctx.entry = entry
-        ctx.segments, ctx.cfg, ctx.backend = segments, cfg, backend
-        return y
+            return y
+        rows = expert_rows(counts, x.device)
+        entry = cache.get(weight, backend, cfg.fmt, cfg.power_of_two)
+        xp_fp8, xp_scale = quantize_input(_pad_rows(x, rows), cfg, backend)  # one launch for all experts
+        yp = backend.grouped_gemm(xp_fp8, xp_scale, entry.w_fp8, entry.w_scale, rows, x.dtype)
+        ctx.rows, ctx.entry = rows, entry
+        ctx.save_for_backward(xp_fp8, xp_scale, weight)
+        return yp[rows.index]
 
     @staticmethod
     def backward(ctx, dy):
-        cfg, backend, segments = ctx.cfg, ctx.backend, ctx.segments
+        cfg, backend = ctx.cfg, ctx.backend
         *saved, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = torch.zeros(dy.shape[0], weight.shape[2], dtype=dy.dtype, device=dy.device)
-        dw = torch.zeros(weight.shape, dtype=dy.dtype, device=dy.device)
         if cfg is None:
             (x,) = saved
-            for e, lo, hi in segments:
+            dx = torch.zeros(dy.shape[0], weight.shape[2], dtype=dy.dtype, device=dy.device)
+            dw = torch.zeros(weight.shape, dtype=dy.dtype, device=dy.device)
+            for e, lo, hi in ctx.segments:
                 dx[lo:hi] = dy[lo:hi] @ weight[e]
                 dw[e] = dy[lo:hi].t() @ x[lo:hi]
-        else:
-            x_fp8, x_scale = saved
-            entry = ctx.entry
-            dy_fp8, dy_scale = backend.quantize_tiles(dy, cfg.grad_fmt, cfg.power_of_two)
-            for e, lo, hi in segments:
-                dx[lo:hi] = backend.gemm(dy_fp8[lo:hi], dy_scale[lo:hi], entry.wt_fp8[e], entry.wt_scale[e], True,
-                                         dy.dtype)
-                dw[e] = wgrad(dy[lo:hi], (x_fp8[lo:hi], x_scale[lo:hi]), cfg, backend)
+            return dx, accumulate_wgrad(weight, dw), None, None, None, None
+        xp_fp8, xp_scale = saved
+        rows, entry = ctx.rows, ctx.entry
+        dyp = _pad_rows(dy, rows)
+        dy_fp8, dy_scale = backend.quantize_tiles(dyp, cfg.grad_fmt, cfg.power_of_two)
+        dx = backend.grouped_gemm(dy_fp8, dy_scale, entry.wt_fp8, entry.wt_scale, rows, dy.dtype)[rows.index]
+        # wgrad contracts over each expert's rows: both operands in 1x128 tiles along the (padded) rows.
+        dyt_fp8, dyt_scale = backend.quantize_tiles_transposed(dyp, cfg.grad_fmt, cfg.power_of_two)
+        xt_fp8, xt_scale = backend.retile_transposed(xp_fp8, xp_scale, cfg.fmt, cfg.power_of_two)
+        dw = backend.grouped_wgrad(dyt_fp8, dyt_scale, xt_fp8, xt_scale, rows, weight.shape[0], dy.dtype)
         return dx, accumulate_wgrad(weight, dw), None, None, None, None
 
 
@@ -116,4 +148,6 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], cac
     if sum(counts) != x.shape[0] or len(counts) != weight.shape[0]:
         raise ValueError(f"{len(counts)} expert row counts summing to {sum(counts)} for {x.shape[0]} rows and "
                          f"{weight.shape[0]} experts")
+    if x.shape[0] == 0:  # no rows reached this rank's experts: nothing to quantize (the plain path handles it)
+        cfg = None
     return _GroupedLinearFn.apply(x, weight, counts, cache, cfg, backend)

@@ -249,3 +249,89 @@ def gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch
     _gemm_kernel[grid](a, b, c, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), c.stride(0),
                        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), B_BLOCKWISE=b_blockwise)
     return c
+
+
+# ---------------------------------------------------------------------------------- grouped (MoE) GEMMs
+# Rows are grouped by expert and each expert's rows are padded to a multiple of 128, so every 128-row tile
+# belongs to one expert (`tile_expert`), and every 1x128 tile along the rows of a transposed operand too.
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, N, K,
+                         stride_am, stride_be, stride_bn, stride_cm, stride_as_m, stride_as_k,
+                         stride_bs_e, stride_bs_n, stride_bs_k, BLOCK_N: tl.constexpr):
+    """C (Mp, N) = A (Mp, K) @ B[e] (N, K)^T for each 128-row tile of expert e; A in 1x128 tiles, B in blocks."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    rm = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, 128)
+    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + e * stride_be + rn[:, None] * stride_bn + rk[None, :]
+    acc = tl.zeros((128, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K // 128):
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs, mask=rn[:, None] < N, other=0.0)
+        a_s = tl.load(as_ptr + rm * stride_as_m + kb * stride_as_k)
+        b_s = tl.load(bs_ptr + e * stride_bs_e + (rn // 128) * stride_bs_n + kb * stride_bs_k, mask=rn < N, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        a_ptrs += 128
+        b_ptrs += 128
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=rn[None, :] < N)
+
+
+@triton.jit
+def _grouped_wgrad_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_start_ptr, tile_count_ptr, N, K,
+                          stride_an, stride_bk, stride_ce, stride_cn, stride_as_n, stride_as_m, stride_bs_k,
+                          stride_bs_m, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[e] (N, K) = A (N, rows of e) @ B (K, rows of e)^T: both operands in 1x128 tiles along the rows."""
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    first = tl.load(tile_start_ptr + e)
+    count = tl.load(tile_count_ptr + e)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    rm = tl.arange(0, 128)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for i in range(0, count):
+        mb = (first + i).to(tl.int64)
+        a = tl.load(a_ptr + rn[:, None] * stride_an + (mb * 128 + rm)[None, :], mask=rn[:, None] < N, other=0.0)
+        b = tl.load(b_ptr + rk[:, None] * stride_bk + (mb * 128 + rm)[None, :], mask=rk[:, None] < K, other=0.0)
+        a_s = tl.load(as_ptr + rn * stride_as_n + mb * stride_as_m, mask=rn < N, other=0.0)
+        b_s = tl.load(bs_ptr + rk * stride_bs_k + mb * stride_bs_m, mask=rk < K, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn[:, None] * stride_cn + rk[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
+
+
+def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                 tile_expert: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a (Mp, K) FP8 rows, a_scale (Mp, K/128); b (E, N, K) FP8 blocks, b_scale (E, N/128, K/128) -> (Mp, N)."""
+    mp, k = a.shape
+    n = b.shape[1]
+    assert mp % 128 == 0 and k % 128 == 0 and a.stride(1) == 1 and b.stride(2) == 1
+    c = torch.empty(mp, n, dtype=out_dtype, device=a.device)
+    block_n = 128
+    _grouped_gemm_kernel[(mp // 128, triton.cdiv(n, block_n))](
+        a, b, c, a_scale, b_scale, tile_expert, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
+        BLOCK_N=block_n, num_warps=8, num_stages=3)
+    return c
+
+
+def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                  tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a (N, Mp), b (K, Mp) FP8 in 1x128 tiles along Mp, scales (N, Mp/128), (K, Mp/128) -> (E, N, K)."""
+    n, mp = a.shape
+    k = b.shape[0]
+    num_experts = tile_start.shape[0]
+    assert a.stride(1) == 1 and b.stride(1) == 1
+    c = torch.empty(num_experts, n, k, dtype=out_dtype, device=a.device)
+    block_n = block_k = 128
+    _grouped_wgrad_kernel[(num_experts, triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        a, b, c, a_scale, b_scale, tile_start, tile_count, n, k, a.stride(0), b.stride(0), c.stride(0), c.stride(1),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=3)
+    return c
