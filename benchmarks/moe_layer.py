@@ -32,7 +32,7 @@ def time_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def bench(cfg: ModelConfig, tokens: int, recipe: str) -> tuple[float, list[int]]:
+def bench(cfg: ModelConfig, tokens: int, recipe: str, profile: bool = False) -> tuple[float, list[int]]:
     moe = MoE(cfg, PrecisionRecipe.from_name(recipe), TensorParallel.single(), ExpertParallel.single(),
               device="cuda")
     init_weights(moe, cfg, seed=0)
@@ -47,6 +47,15 @@ def bench(cfg: ModelConfig, tokens: int, recipe: str) -> tuple[float, list[int]]
             torch.autograd.graph.increment_version(p)
 
     ms = time_ms(step)
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        print(f"{recipe}: top CUDA kernels of one iteration")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
     moe.router.load.zero_()
     with torch.no_grad():
         moe(x, batch=1, seq_len=tokens)
@@ -60,6 +69,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--profile", action="store_true", help="also print the top CUDA kernels of one iteration")
     args = parser.parse_args()
     groups = 8 if args.experts % 8 == 0 else 1  # DeepSeek-V3's group-limited routing: 4 of 8 groups
     cfg = ModelConfig(hidden_size=args.hidden, num_heads=16, moe_num_experts=args.experts, moe_top_k=args.top_k,
@@ -70,7 +80,7 @@ def main() -> None:
     flops = 6.0 * args.tokens * (args.top_k + 1) * 3 * args.hidden * args.ffn
     results = {}
     for recipe in ("bf16", "fp8"):
-        results[recipe], load = bench(cfg, args.tokens, recipe)
+        results[recipe], load = bench(cfg, args.tokens, recipe, args.profile)
     print(f"MoE layer: {args.experts} experts, top-{args.top_k}, hidden {args.hidden}, expert FFN {args.ffn}, "
           f"1 shared expert, {args.tokens} tokens; tokens per expert min {min(load)} max {max(load)}\n")
     print("| recipe | fwd+bwd ms | expert TFLOP/s | vs BF16 |\n|---|---|---|---|")

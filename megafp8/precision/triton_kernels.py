@@ -256,6 +256,15 @@ def gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch
 # belongs to one expert (`tile_expert`), and every 1x128 tile along the rows of a transposed operand too.
 
 
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_N": 256}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 128}, num_warps=4, num_stages=4),
+    ],
+    key=["N", "K"],
+)
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, N, K,
                          stride_am, stride_be, stride_bn, stride_cm, stride_as_m, stride_as_k,
@@ -281,6 +290,15 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, N
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=rn[None, :] < N)
 
 
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 256}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
+    ],
+    key=["N", "K"],
+)
 @triton.jit
 def _grouped_wgrad_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_start_ptr, tile_count_ptr, N, K,
                           stride_an, stride_bk, stride_ce, stride_cn, stride_as_n, stride_as_m, stride_bs_k,
@@ -313,11 +331,9 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
     n = b.shape[1]
     assert mp % 128 == 0 and k % 128 == 0 and a.stride(1) == 1 and b.stride(2) == 1
     c = torch.empty(mp, n, dtype=out_dtype, device=a.device)
-    block_n = 128
-    _grouped_gemm_kernel[(mp // 128, triton.cdiv(n, block_n))](
+    _grouped_gemm_kernel[lambda meta: (mp // 128, triton.cdiv(n, meta["BLOCK_N"]))](
         a, b, c, a_scale, b_scale, tile_expert, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
-        BLOCK_N=block_n, num_warps=8, num_stages=3)
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2))
     return c
 
 
@@ -329,9 +345,10 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     num_experts = tile_start.shape[0]
     assert a.stride(1) == 1 and b.stride(1) == 1
     c = torch.empty(num_experts, n, k, dtype=out_dtype, device=a.device)
-    block_n = block_k = 128
-    _grouped_wgrad_kernel[(num_experts, triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+    def grid(meta):
+        return (num_experts, triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]))
+
+    _grouped_wgrad_kernel[grid](
         a, b, c, a_scale, b_scale, tile_start, tile_count, n, k, a.stride(0), b.stride(0), c.stride(0), c.stride(1),
-        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=3)
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))
     return c
