@@ -89,9 +89,12 @@ def expert_rows(counts: list[int], device: torch.device) -> ExpertRows:
 
 
 def _pad_rows(x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
-    padded = x.new_zeros(rows.total, x.shape[1])
-    padded[rows.index] = x
-    return padded
+    # index_copy_ is a plain row copy; `padded[index] = x` goes through index_put, ~10x slower on an H200.
+    return x.new_zeros(rows.total, x.shape[1]).index_copy_(0, rows.index, x)
+
+
+def _unpad_rows(padded: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+    return padded.index_select(0, rows.index)
 
 
 class _GroupedLinearFn(torch.autograd.Function):
@@ -114,7 +117,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         yp = backend.grouped_gemm(xp_fp8, xp_scale, entry.w_fp8, entry.w_scale, rows, x.dtype)
         ctx.rows, ctx.entry = rows, entry
         ctx.save_for_backward(xp_fp8, xp_scale, weight)
-        return yp[rows.index]
+        return _unpad_rows(yp, rows)
 
     @staticmethod
     def backward(ctx, dy):
@@ -133,7 +136,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         rows, entry = ctx.rows, ctx.entry
         dyp = _pad_rows(dy, rows)
         dy_fp8, dy_scale = backend.quantize_tiles(dyp, cfg.grad_fmt, cfg.power_of_two)
-        dx = backend.grouped_gemm(dy_fp8, dy_scale, entry.wt_fp8, entry.wt_scale, rows, dy.dtype)[rows.index]
+        dx = _unpad_rows(backend.grouped_gemm(dy_fp8, dy_scale, entry.wt_fp8, entry.wt_scale, rows, dy.dtype), rows)
         # wgrad contracts over each expert's rows: both operands in 1x128 tiles along the (padded) rows.
         dyt_fp8, dyt_scale = backend.quantize_tiles_transposed(dyp, cfg.grad_fmt, cfg.power_of_two)
         xt_fp8, xt_scale = backend.retile_transposed(xp_fp8, xp_scale, cfg.fmt, cfg.power_of_two)
