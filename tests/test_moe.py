@@ -211,19 +211,28 @@ def test_bad_moe_configs_give_one_clear_error(overrides, message):
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
-def test_grouped_expert_linear_equals_one_linear_per_expert(recipe):
-    """One grouped call (rows quantized once, stacked weight quantized once) gives each expert exactly what its
-    own linear would: outputs, input gradients and weight gradients bit for bit (counts include 0 and 1)."""
+@pytest.mark.parametrize("seed", [0, 5])
+def test_grouped_expert_linear_equals_one_linear_per_expert(recipe, seed):
+    """One grouped call (rows padded per expert, quantized once; stacked weight quantized once) gives each expert
+    what its own linear gives: same FP8 operands, so outputs, input and weight gradients differ at most by the
+    CPU matmul's summation order (it blocks a 128-row padded segment differently from 5 rows), which can move a
+    BF16 result by one unit in the last place. Counts include 0 and 1."""
     from megafp8.parallel import ColumnParallelLinear
     from megafp8.parallel.experts import ExpertLinear
 
+    torch.manual_seed(seed)
     prec = PrecisionRecipe.from_name(recipe)
     counts = [5, 0, 130, 1]
     grouped = ExpertLinear(4, 256, 128, prec, ExpertParallel.single())
     torch.nn.init.normal_(grouped.weight, std=0.05)
     x = torch.randn(sum(counts), 256).to(prec.param_dtype).requires_grad_(True)
     dy = torch.randn(sum(counts), 128).to(prec.param_dtype)
-    grouped(x, counts).backward(dy)
+    y = grouped(x, counts)
+    y.backward(dy)
+
+    def same(a, b):  # equal up to one BF16 ulp (2^-8 relative) of the largest value
+        return (a.float() - b.float()).abs().max() <= 2**-8 * b.float().abs().max()
+
     start = 0
     for e, count in enumerate(counts):
         single = ColumnParallelLinear(256, 128, prec)
@@ -232,8 +241,9 @@ def test_grouped_expert_linear_equals_one_linear_per_expert(recipe):
         xe = x.detach()[start:start + count].clone().requires_grad_(True)
         ye = single(xe)
         ye.backward(dy[start:start + count])
-        assert torch.equal(ye, grouped(x.detach()[start:start + count], [0] * e + [count] + [0] * (3 - e)))
-        assert torch.equal(xe.grad, x.grad[start:start + count])
-        expected_dw = single.weight.grad if count else torch.zeros_like(single.weight)
-        assert torch.equal(grouped.weight.grad[e], expected_dw), e
+        if count:
+            assert same(y[start:start + count], ye) and same(x.grad[start:start + count], xe.grad), e
+            assert same(grouped.weight.grad[e], single.weight.grad), e
+        else:
+            assert torch.equal(grouped.weight.grad[e], torch.zeros_like(single.weight))
         start += count

@@ -7,8 +7,8 @@ from a 128-row boundary (zero rows fill each expert's last tile: `ExpertRows`), 
 tile along the rows belongs to one expert. Then every tensor is quantized once for all experts
 (x and dy along their rows, dy and x again along the rows for wgrad, the stacked weight in
 128x128 blocks once per weight version) and each GEMM is one grouped call over all experts: the
-Triton grouped kernels on GPU, a loop of the backend's GEMM for the reference backend. Results
-are the same as one FP8 linear per expert, bit for bit on the reference backend. The weight
+Triton grouped kernels on GPU, a loop of the backend's GEMM for the reference backend. The FP8
+operands are exactly those of one FP8 linear per expert; results differ only by summation order. The weight
 gradient is one stacked (E, N, K) tensor, added into `main_grad` (FP32) when the weight has one.
 
 BF16 (no FP8 recipe) takes the same path with plain matmuls.
