@@ -20,6 +20,7 @@ LoggerName = Literal["jsonl", "tensorboard", "wandb"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 BackendName = Literal["auto", "gloo", "nccl"]
 ScoreFunc = Literal["softmax", "sigmoid"]
+AttentionKind = Literal["gqa", "mla"]
 
 
 def setting(default: Any, doc: str) -> Any:
@@ -62,6 +63,20 @@ class ModelConfig:
     head_dim: Optional[int] = setting(
         None, "Per-head width. `null`: `hidden_size / num_heads` (which must then divide evenly)."
     )
+    attention: AttentionKind = setting(
+        "gqa",
+        "`gqa`: grouped-query attention (`num_kv_heads`, `head_dim`). `mla`: DeepSeek-V2/V3 multi-head latent "
+        "attention (`q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`).",
+    )
+    q_lora_rank: Optional[int] = setting(
+        None, "MLA: rank of the query compression (V3: 1536); `null`: queries projected directly from the input."
+    )
+    kv_lora_rank: int = setting(512, "MLA: rank of the joint key/value compression (V3: 512).")
+    qk_nope_head_dim: int = setting(128, "MLA: per-head query/key width without rotary embedding (V3: 128).")
+    qk_rope_head_dim: int = setting(
+        64, "MLA: per-head query/key width with rotary embedding; the key's is shared by all heads (V3: 64)."
+    )
+    v_head_dim: int = setting(128, "MLA: per-head value width (V3: 128).")
     ffn_hidden_size: int = setting(768, "Inner width of the SwiGLU MLP.")
     norm_eps: float = setting(1e-5, "Epsilon of RMSNorm.")
     rope_theta: float = setting(10000.0, "Base of the rotary position embedding frequencies.")

@@ -42,7 +42,30 @@ def _check_positive(cfg: Config) -> None:
             raise ConfigError(f"{key} must be >= 0, got {value}")
 
 
+def _check_mla(cfg: Config) -> None:
+    m = cfg.model
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key} must be positive for attention: mla, got {getattr(m, key)}")
+    if m.q_lora_rank is not None and m.q_lora_rank <= 0:
+        raise ConfigError(f"model.q_lora_rank must be positive or null, got {m.q_lora_rank}")
+    if m.qk_rope_head_dim % 2 != 0:
+        raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
+
+
 def _check_model(cfg: Config) -> None:
+    m = cfg.model
+    if m.attention == "mla":
+        _check_mla(cfg)
+    else:
+        _check_gqa(cfg)
+    if m.vocab_size is not None and m.vocab_size <= 0:
+        raise ConfigError(f"model.vocab_size must be positive or null, got {m.vocab_size}")
+    if m.norm_eps <= 0 or m.init_std <= 0 or m.rope_theta <= 0:
+        raise ConfigError("model.norm_eps, model.init_std and model.rope_theta must be positive")
+
+
+def _check_gqa(cfg: Config) -> None:
     m = cfg.model
     if m.head_dim is None and m.hidden_size % m.num_heads != 0:
         raise ConfigError(
@@ -58,10 +81,6 @@ def _check_model(cfg: Config) -> None:
     head_dim = m.head_dim if m.head_dim is not None else m.hidden_size // m.num_heads
     if head_dim <= 0 or head_dim % 2 != 0:
         raise ConfigError(f"the head dimension ({head_dim}) must be positive and even for RoPE: change model.head_dim")
-    if m.vocab_size is not None and m.vocab_size <= 0:
-        raise ConfigError(f"model.vocab_size must be positive or null, got {m.vocab_size}")
-    if m.norm_eps <= 0 or m.init_std <= 0 or m.rope_theta <= 0:
-        raise ConfigError("model.norm_eps, model.init_std and model.rope_theta must be positive")
 
 
 def _check_moe(cfg: Config) -> None:
@@ -109,10 +128,20 @@ def _check_fp8(cfg: Config) -> None:
     sizes = {
         "model.hidden_size": (m.hidden_size, "model.hidden_size"),
         "model.ffn_hidden_size": (m.ffn_hidden_size, "model.ffn_hidden_size"),
-        "num_heads x head_dim (attention width)": (m.num_heads * head_dim, "model.num_heads or model.head_dim"),
-        "(num_heads + 2 x num_kv_heads) x head_dim (QKV width)": ((m.num_heads + 2 * kv) * head_dim,
-                                                                  "model.num_kv_heads or model.head_dim"),
     }
+    if m.attention == "mla":  # kv_a (kv_lora_rank + qk_rope_head_dim wide) may stay BF16: not checked
+        sizes["num_heads x (qk_nope_head_dim + qk_rope_head_dim) (MLA query width)"] = (
+            m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), "model.qk_nope_head_dim or qk_rope_head_dim")
+        sizes["num_heads x (qk_nope_head_dim + v_head_dim) (MLA key/value width)"] = (
+            m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), "model.qk_nope_head_dim or v_head_dim")
+        sizes["num_heads x v_head_dim (MLA output width)"] = (m.num_heads * m.v_head_dim, "model.v_head_dim")
+        sizes["model.kv_lora_rank"] = (m.kv_lora_rank, "model.kv_lora_rank")
+        if m.q_lora_rank:
+            sizes["model.q_lora_rank"] = (m.q_lora_rank, "model.q_lora_rank")
+    else:
+        sizes["num_heads x head_dim (attention width)"] = (m.num_heads * head_dim, "model.num_heads or model.head_dim")
+        sizes["(num_heads + 2 x num_kv_heads) x head_dim (QKV width)"] = ((m.num_heads + 2 * kv) * head_dim,
+                                                                          "model.num_kv_heads or model.head_dim")
     if m.moe_num_experts > 0:
         sizes["model.moe_ffn_hidden_size"] = (m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size")
     for what, (size, setting) in sizes.items():
@@ -182,18 +211,30 @@ def _check_tensor_parallel(cfg: Config, tp: int) -> None:
     m = cfg.model
     kv_heads = m.num_kv_heads or m.num_heads
     head_dim = m.head_dim or m.hidden_size // m.num_heads
-    for key, heads in (("model.num_heads", m.num_heads), ("model.num_kv_heads", kv_heads)):
+    split_heads = [("model.num_heads", m.num_heads)]
+    if m.attention == "gqa":
+        split_heads.append(("model.num_kv_heads", kv_heads))
+    for key, heads in split_heads:
         if heads % tp != 0:
             raise ConfigError(f"{key}={heads} is not divisible by parallel.tp={tp}: every tensor-parallel rank "
                               f"needs whole heads; set parallel.tp to one of {_divisors(heads, tp)} or change {key}")
     if tp == 1:
         return
-    shards = {
-        "model.num_heads x head_dim (query features)": (m.num_heads * head_dim, "model.num_heads or model.head_dim"),
-        "model.num_kv_heads x head_dim (key/value features)": (kv_heads * head_dim,
-                                                                "model.num_kv_heads or model.head_dim"),
-        "model.ffn_hidden_size": (m.ffn_hidden_size, "model.ffn_hidden_size"),
-    }
+    if m.attention == "mla":
+        shards = {
+            "model.num_heads x (qk_nope_head_dim + qk_rope_head_dim) (MLA query features)": (
+                m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), "model.qk_nope_head_dim or qk_rope_head_dim"),
+            "model.num_heads x (qk_nope_head_dim + v_head_dim) (MLA key/value features)": (
+                m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), "model.qk_nope_head_dim or v_head_dim"),
+            "model.num_heads x v_head_dim (MLA output features)": (m.num_heads * m.v_head_dim, "model.v_head_dim"),
+        }
+    else:
+        shards = {
+            "model.num_heads x head_dim (query features)": (m.num_heads * head_dim, "model.num_heads or model.head_dim"),
+            "model.num_kv_heads x head_dim (key/value features)": (kv_heads * head_dim,
+                                                                    "model.num_kv_heads or model.head_dim"),
+        }
+    shards["model.ffn_hidden_size"] = (m.ffn_hidden_size, "model.ffn_hidden_size")
     if m.moe_num_experts > 0 and m.moe_num_shared_experts > 0:
         shards["model.moe_num_shared_experts x moe_ffn_hidden_size (shared-expert width)"] = (
             m.moe_num_shared_experts * m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size")

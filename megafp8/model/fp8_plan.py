@@ -3,6 +3,8 @@
 Applied after the model is built. Layer names are module paths such as
 `layers.3.attn.qkv_proj` or `layers.0.mlp.down_proj`. The embedding, the LM head and the norms
 are precision islands: they never run FP8, and a pattern that names only islands is an error.
+A linear whose weight dims are not multiples of the 128-wide FP8 tile (MLA's kv_a: kv_lora_rank +
+qk_rope_head_dim) stays BF16 and is listed among the BF16 layers.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ def apply_fp8_plan(model: nn.Module, cfg: PrecisionConfig, recipe: PrecisionReci
     for name, layer in linears.items():
         wanted = (recipe.fp8 is not None and name != LM_HEAD and any(fnmatch(name, p) for p in cfg.fp8_layers)
                   and not any(fnmatch(name, p) for p in keep))
+        wanted = wanted and layer.fp8_capable  # a weight that is not whole 128-wide tiles stays BF16
         layer.set_recipe(recipe if wanted else recipe.high_precision())
         (fp8 if wanted else bf16).append(name)
     return Fp8Plan(fp8, bf16)

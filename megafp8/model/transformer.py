@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from megafp8.config import ConfigError, ModelConfig
 from megafp8.model.attention import Attention, head_dim_of
+from megafp8.model.mla import MultiHeadLatentAttention
 from megafp8.model.mlp import SwiGLU
 from megafp8.model.moe import MoE, is_moe_layer
 from megafp8.model.norm import RMSNorm
@@ -33,7 +34,8 @@ class Block(nn.Module):
         super().__init__()
         dtype = recipe.param_dtype
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
-        self.attn = Attention(cfg, recipe, tp, device)
+        self.attn = (MultiHeadLatentAttention(cfg, recipe, tp, device) if cfg.attention == "mla"
+                     else Attention(cfg, recipe, tp, device))
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
         self.mlp = (MoE(cfg, recipe, tp, ep, fp8_dispatch, device) if moe_layer
                     else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, recipe, tp, device))
@@ -64,7 +66,8 @@ class Transformer(nn.Module):
         self.tp = tp = tp or TensorParallel.single()
         dtype = recipe.param_dtype
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp, device)
-        self.rope = RotaryEmbedding(head_dim_of(cfg), max_seq_len, cfg.rope_theta, device)
+        rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else head_dim_of(cfg)
+        self.rope = RotaryEmbedding(rope_dim, max_seq_len, cfg.rope_theta, device)
         ep = ep or ExpertParallel.single()
         self.layers = nn.ModuleList(Block(cfg, recipe, tp, is_moe_layer(cfg, i), ep, fp8_dispatch, device)
                                     for i in range(cfg.num_layers))

@@ -109,6 +109,10 @@ class ExpertLinear(nn.Module):
     def runs_fp8(self) -> bool:
         return self.recipe.fp8 is not None
 
+    @property
+    def fp8_capable(self) -> bool:
+        return self.in_features % TILE == 0 and self.out_features % TILE == 0
+
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         fp8 = self.recipe.fp8
         if fp8 is None:

@@ -110,6 +110,11 @@ class ParallelLinear(nn.Module):
     def runs_fp8(self) -> bool:
         return self.recipe.fp8 is not None
 
+    @property
+    def fp8_capable(self) -> bool:
+        """Both weight dims are whole FP8 tiles (MLA's kv_a, e.g. 512 + 64 wide, is not)."""
+        return all(size % TILE == 0 for size in self.weight.shape)
+
     def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         fp8 = self.recipe.fp8
         if self._fp8_backend is None:
