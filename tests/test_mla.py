@@ -98,12 +98,26 @@ def test_tp2_matches_tp1(recipe, sp):
     spawn(2, _layer_worker, recipe, sp)
 
 
-def test_tiny_mla_moe_model_trains(tiny_overrides):
+def test_tiny_mla_moe_mtp_model_trains(tiny_overrides):
+    """MLA + MoE + one MTP depth, FP8 (reference backend): the (LM + weighted MTP + balance) loss falls."""
     cfg = load_config("tiny_moe_fp8", tiny_overrides + MLA_OVERRIDES + [
-        "model.hidden_size=256", "model.num_heads=4", "model.moe_ffn_hidden_size=128", "training.steps=12",
-        "training.eval_interval=0", "optimizer.warmup_steps=2"])
-    losses = [r["loss"] for r in Trainer(cfg, ParallelDims.single(), torch.device("cpu")).fit() if r["kind"] == "train"]
+        "model.hidden_size=256", "model.num_heads=4", "model.moe_ffn_hidden_size=128", "model.mtp_depth=1",
+        "training.steps=12", "training.eval_interval=0", "optimizer.warmup_steps=2"])
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+    assert len(trainer.model.mtp) == 1 and len(trainer.routers) == 2  # the MTP block is an MoE block too
+    losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_mtp_inputs_and_targets_look_further_ahead():
+    from megafp8.model.mtp import shifted_inputs
+    from megafp8.parallel import IGNORE_INDEX
+
+    stream = torch.arange(10)
+    targets = stream[1:7].view(1, 6)  # the sample's tokens are t_0..t_5
+    inputs, ahead = shifted_inputs(targets, 2)
+    assert inputs.tolist() == [[2, 3, 4, 5, 6, 6]]  # t_{i+2}; the last position has none in the sample: filler
+    assert ahead.tolist() == [[3, 4, 5, 6, IGNORE_INDEX, IGNORE_INDEX]]  # t_{i+3}; beyond the sample: ignored
 
 
 def test_tp_layout_checks_use_the_mla_widths():

@@ -76,3 +76,32 @@ def test_dry_run_command_prints_the_plan_and_needs_a_vocabulary(tmp_path):
     missing = subprocess.run([sys.executable, "tools/plan.py", "--config", "tiny_dense", f"data.path={tmp_path}"],
                              cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "set model.vocab_size=N" in missing.stderr
+
+
+def test_671b_config_counts_deepseek_v3s_parameters():
+    """DeepSeek-V3 reports 671B parameters (without its 14B MTP module) and 37B activated per token."""
+    cfg = load_config("671b_fp8")
+    plan = make_plan(cfg, 2048)
+    assert abs(plan.main_params - 671e9) <= 0.005 * 671e9, plan.main_params
+    assert abs(plan.activated_per_token - 37e9) <= 0.02 * 37e9, plan.activated_per_token
+    # MTP: one block, its projection and norms (the embedding and head are shared, so not counted again).
+    assert 10e9 < plan.params["mtp"] < 14e9
+
+
+def test_671b_run_on_one_machine_fails_fast_pointing_at_the_dry_run(tmp_path):
+    from megafp8.train.plan import check_fits
+
+    plan = make_plan(load_config("671b_fp8", ["parallel.ep=8"]), 8)  # one 8-GPU node
+    with pytest.raises(ConfigError, match=r"needs about .* GiB per GPU .*--dry-run"):
+        check_fits(plan, capacity=141 * GIB)
+    # And at the paper's 2048 GPUs, without pipeline parallelism (issue 7) it does not fit either.
+    assert make_plan(load_config("671b_fp8"), 2048).total_bytes > 141 * GIB
+
+
+def test_launching_671b_here_fails_fast_with_one_line(capsys):
+    """On this machine the 671B config stops before reading data or allocating, pointing at the dry run."""
+    from megafp8.train.main import main
+
+    assert main(["--config", "671b_fp8", "parallel.ep=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs about" in err[0] and "--dry-run" in err[0], err

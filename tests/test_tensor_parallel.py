@@ -232,6 +232,17 @@ def test_tp2_training_matches_tp1(tiny_overrides, tmp_path, recipe, sp):
         assert math.isclose(norm1, norm2, rel_tol=3e-2), (step, norm1, norm2)
 
 
+def test_tp2_with_mla_and_mtp_matches_tp1(tiny_overrides, tmp_path):
+    """MLA attention and one MTP depth (shared embedding and vocab-parallel head, ignored targets) at TP=2 + SP."""
+    mla = ["model.attention=mla", "model.q_lora_rank=128", "model.kv_lora_rank=128", "model.qk_nope_head_dim=64",
+           "model.qk_rope_head_dim=64", "model.v_head_dim=64", "model.num_heads=4", "model.mtp_depth=1"]
+    base = tiny_overrides + TP_MODEL + mla + ["precision.recipe=bf16"]
+    one = _train(1, base, None)
+    two = _train(2, base + ["parallel.tp=2", "parallel.sequence_parallel=true"], tmp_path / "r.pt")
+    for (loss1, norm1), (loss2, norm2) in zip(one, two):
+        assert math.isclose(loss1, loss2, rel_tol=5e-3) and math.isclose(norm1, norm2, rel_tol=3e-2)
+
+
 def test_tp2_with_data_parallel_and_sharded_optimizer_matches_one_rank(tiny_overrides, tmp_path):
     """TP=2 x DP=2 (world 4), sequence parallel, ZeRO-sharded optimizer: the norm gradients summed over TP and
     the clipping norm counted across both groups give the single-rank run."""

@@ -85,6 +85,15 @@ class ModelConfig:
         "Standard deviation of the normal init of embeddings and linears; output projections of each block "
         "are further scaled by 1/sqrt(2 * num_layers).",
     )
+    mtp_depth: int = setting(
+        0,
+        "Multi-token prediction (DeepSeek-V3): this many extra sequential modules, module k predicting the token "
+        "k + 1 positions ahead from the previous module's states and the embedding of token i + k; they share the "
+        "embedding and output head. 0 disables it.",
+    )
+    mtp_loss_weight: float = setting(
+        0.3, "Weight of the mean MTP cross-entropy in the training loss (V3: 0.3, later 0.1)."
+    )
     moe_num_experts: int = setting(0, "Routed experts per MoE layer; 0: a dense model (every MLP is SwiGLU).")
     moe_top_k: int = setting(2, "Experts each token is routed to.")
     moe_ffn_hidden_size: int = setting(256, "Inner width of each expert's SwiGLU (and of each shared expert).")

@@ -61,6 +61,11 @@ def _check_model(cfg: Config) -> None:
         _check_gqa(cfg)
     if m.vocab_size is not None and m.vocab_size <= 0:
         raise ConfigError(f"model.vocab_size must be positive or null, got {m.vocab_size}")
+    if m.mtp_depth < 0 or m.mtp_loss_weight < 0:
+        raise ConfigError("model.mtp_depth and model.mtp_loss_weight must be >= 0")
+    if m.mtp_depth >= cfg.data.seq_len:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} leaves no token to predict in data.seq_len="
+                          f"{cfg.data.seq_len}: lower mtp_depth")
     if m.norm_eps <= 0 or m.init_std <= 0 or m.rope_theta <= 0:
         raise ConfigError("model.norm_eps, model.init_std and model.rope_theta must be positive")
 

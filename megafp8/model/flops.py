@@ -37,9 +37,12 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     assert cfg.vocab_size is not None
     gemm_params = sum(matmul_params_per_layer(cfg, i) for i in range(cfg.num_layers)) + cfg.hidden_size * cfg.vocab_size
+    # Each MTP depth: its combining projection, a block like the last one, and another pass through the head.
+    mtp_block = matmul_params_per_layer(cfg, cfg.num_layers - 1)
+    gemm_params += cfg.mtp_depth * (2 * cfg.hidden_size * cfg.hidden_size + mtp_block + cfg.hidden_size * cfg.vocab_size)
     if cfg.attention == "mla":  # QK^T over nope + rope dims, AV over v dims
         per_head = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
     else:
         per_head = head_dim_of(cfg)
-    attention = cfg.num_layers * 3 * 2 * 2 * (seq_len / 2) * cfg.num_heads * per_head
+    attention = (cfg.num_layers + cfg.mtp_depth) * 3 * 2 * 2 * (seq_len / 2) * cfg.num_heads * per_head
     return 6.0 * gemm_params + attention

@@ -13,6 +13,7 @@ from megafp8.model.attention import Attention, head_dim_of
 from megafp8.model.mla import MultiHeadLatentAttention
 from megafp8.model.mlp import SwiGLU
 from megafp8.model.moe import MoE, is_moe_layer
+from megafp8.model.mtp import MtpModule, shifted_inputs
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.parallel import (
@@ -71,6 +72,11 @@ class Transformer(nn.Module):
         ep = ep or ExpertParallel.single()
         self.layers = nn.ModuleList(Block(cfg, recipe, tp, is_moe_layer(cfg, i), ep, fp8_dispatch, device)
                                     for i in range(cfg.num_layers))
+        # MTP blocks are built like the last main block (MoE if that one is).
+        self.mtp = nn.ModuleList(
+            MtpModule(cfg, recipe, Block(cfg, recipe, tp, is_moe_layer(cfg, cfg.num_layers - 1), ep, fp8_dispatch,
+                                         device), device)
+            for _ in range(cfg.mtp_depth))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
         # The LM head is a precision island: never FP8, whatever the recipe.
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, recipe.high_precision(), tp, device=device)
@@ -89,7 +95,22 @@ class Transformer(nn.Module):
         if targets is None:
             return gather_from_tp_last(logits, self.tp).view(batch, seq_len, -1)
         loss = vocab_parallel_cross_entropy(logits, targets, self.tp)
+        if self.mtp:
+            loss = loss + self.cfg.mtp_loss_weight * self._mtp_loss(x, tokens, targets, balance_losses)
         return loss + sum(balance_losses) if balance_losses else loss
+
+    def _mtp_loss(self, hidden: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor,
+                  balance_losses: list[torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy of the MTP depths (each predicting one more token ahead); appends their balance
+        losses to `balance_losses`."""
+        batch, seq_len = tokens.shape
+        total = torch.zeros((), device=hidden.device)
+        for k, module in enumerate(self.mtp, start=1):
+            inputs, ahead = shifted_inputs(targets, k)
+            hidden, aux = module(hidden, self.embed(inputs), self.rope, batch, seq_len)
+            balance_losses.append(aux)
+            total = total + vocab_parallel_cross_entropy(self.lm_head(module.out_norm(hidden)), ahead, self.tp)
+        return total / len(self.mtp)
 
 
 def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int, tp_size: int = 1) -> ModelConfig:

@@ -4,6 +4,7 @@ from megafp8.parallel.dims import ParallelDims, TensorParallel, rank_groups
 from megafp8.parallel.experts import ExpertLinear, ExpertParallel, gather_experts, is_expert, local_experts_of
 from megafp8.parallel.grad_buckets import GradBuckets
 from megafp8.parallel.layers import (
+    IGNORE_INDEX,
     ColumnParallelLinear,
     ParallelLinear,
     RowParallelLinear,
@@ -13,7 +14,7 @@ from megafp8.parallel.layers import (
 from megafp8.parallel.sharding import TpShard, full_shape, gather_full, shard_of, tp_shard_of
 
 __all__ = [
-    "ColumnParallelLinear", "ExpertLinear", "ExpertParallel", "gather_experts", "local_experts_of", "GradBuckets", "ParallelDims", "ParallelLinear", "RowParallelLinear", "TensorParallel",
+    "IGNORE_INDEX", "ColumnParallelLinear", "ExpertLinear", "ExpertParallel", "gather_experts", "local_experts_of", "GradBuckets", "ParallelDims", "ParallelLinear", "RowParallelLinear", "TensorParallel",
     "TpShard", "VocabParallelEmbedding", "full_shape", "gather_from_tp_last", "gather_full", "is_expert",
     "rank_groups", "reduce_from_tp", "shard_of", "tp_shard_of", "vocab_parallel_cross_entropy",
 ]

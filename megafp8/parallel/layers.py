@@ -238,10 +238,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.mul_(dloss.unsqueeze(-1)).to(ctx.logits_dtype), None, None
 
 
+IGNORE_INDEX = -100  # a target that contributes no loss (e.g. beyond the end of a sample for MTP)
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
                                  tp: Optional[TensorParallel] = None) -> torch.Tensor:
-    """Mean token cross-entropy in FP32 whatever the logits' dtype. logits: (..., V / tp), targets: (...)."""
+    """Mean token cross-entropy in FP32 whatever the logits' dtype, over targets other than IGNORE_INDEX.
+    logits: (..., V / tp), targets: (...)."""
     logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     if tp is None or not tp.enabled:
-        return F.cross_entropy(logits.float(), targets)
-    return _VocabParallelCrossEntropy.apply(logits, targets, tp).mean()
+        return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX)
+    valid = targets != IGNORE_INDEX
+    losses = _VocabParallelCrossEntropy.apply(logits, targets.masked_fill(~valid, 0), tp)
+    return (losses * valid).sum() / valid.sum().clamp(min=1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,14 +31,21 @@ GIB = 2**30
 
 @dataclass
 class Plan:
-    params: dict[str, int]  # by part: embedding, attention, mlp, norms, lm_head
+    params: dict[str, int]  # by part: embedding, attention, mlp (dense, shared experts, routers), experts, norms,
+    #                           lm_head, mtp
     bytes_per_rank: dict[str, float]  # weights, grads, master_weights, optimizer_states, activations
     flops_per_token: float
     world_size: int
+    activated_per_token: float = 0.0  # main-model parameters one token passes through (top-k experts; no MTP)
 
     @property
     def total_params(self) -> int:
         return sum(self.params.values())
+
+    @property
+    def main_params(self) -> int:
+        """Parameters without the multi-token-prediction modules (how DeepSeek-V3 counts its 671B)."""
+        return self.total_params - self.params.get("mtp", 0)
 
     @property
     def total_bytes(self) -> float:
@@ -49,7 +57,11 @@ class Plan:
     def render(self, peak_tflops: float, mfu: float) -> str:
         lines = ["| part | parameters |", "|---|---|"]
         lines += [f"| {part} | {count / 1e6:,.2f}M |" for part, count in self.params.items()]
-        lines += [f"| **total** | **{self.total_params / 1e6:,.2f}M** |", "",
+        lines += [f"| **total** | **{self.total_params / 1e6:,.2f}M** |"]
+        if "mtp" in self.params or "experts" in self.params:
+            lines += [f"| without MTP | {self.main_params / 1e6:,.2f}M |",
+                      f"| activated per token (top-k experts, without MTP) | {self.activated_per_token / 1e6:,.2f}M |"]
+        lines += ["",
                   f"| memory per rank ({self.world_size} rank(s)) | GiB |", "|---|---|"]
         lines += [f"| {k.replace('_', ' ')} | {v / GIB:,.2f} |" for k, v in self.bytes_per_rank.items()]
         lines += [f"| **total** | **{self.total_bytes / GIB:,.2f}** |", "",
@@ -60,6 +72,8 @@ class Plan:
 
 
 def _part(name: str) -> str:
+    if name.startswith("mtp."):
+        return "mtp"
     if name.startswith("embed."):
         return "embedding"
     if name.startswith("lm_head."):
@@ -83,15 +97,15 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     ep = cfg.parallel.ep
     model = Transformer(cfg.model, PrecisionRecipe.from_name(recipe_name), cfg.data.seq_len, shard_layout,
                         device="meta", ep=ExpertParallel(None, ep, 0))
-    params: dict[str, int] = {p: 0 for p in ("embedding", "attention", "mlp", "experts", "norms", "lm_head")}
+    params: dict[str, int] = {p: 0 for p in ("embedding", "attention", "mlp", "experts", "norms", "lm_head", "mtp")}
     n = n_expert = 0  # this rank's parameters, and how many of them are routed experts
     for name, p in model.named_parameters():
-        copies = ep if is_expert(p) else 1  # this rank holds 1/ep of the routed experts
-        params[_part(name)] += math.prod(full_shape(p, tp)) * copies
+        params[_part(name)] += math.prod(full_shape(p, tp))  # every expert, every TP shard
         n += p.numel()
         n_expert += p.numel() if is_expert(p) else 0
-    if cfg.model.moe_num_experts == 0:
-        del params["experts"]
+    for part, unused in (("experts", cfg.model.moe_num_experts == 0), ("mtp", cfg.model.mtp_depth == 0)):
+        if unused:
+            del params[part]
     # Sharded optimizer: dense state over dp ranks, expert state over the dp / ep replicas of each expert.
     sharded_numel = (n - n_expert) / dp + n_expert / (dp // ep) if cfg.optimizer.sharded else n
     moment_bytes = 4 if cfg.optimizer.moment_dtype == "fp32" else 2
@@ -106,7 +120,10 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
         "optimizer_states": sharded_numel * 2 * moment_bytes,
         "activations (estimate)": float(activations),
     }
-    return Plan(params, bytes_per_rank, training_flops_per_token(cfg.model, cfg.data.seq_len), world_size)
+    m = cfg.model
+    routed_share = m.moe_top_k / m.moe_num_experts if m.moe_num_experts else 1.0
+    activated = sum(v for k, v in params.items() if k not in ("experts", "mtp")) + params.get("experts", 0) * routed_share
+    return Plan(params, bytes_per_rank, training_flops_per_token(cfg.model, cfg.data.seq_len), world_size, activated)
 
 
 def with_vocab(cfg: Config) -> Config:
@@ -127,26 +144,38 @@ def dry_run(cfg: Config, world_size: int, peak_tflops: float, mfu: float) -> str
     cfg = with_vocab(cfg)
     validate_layout(cfg, world_size)
     m = cfg.model
-    header = (f"{cfg.run_name or 'run'}: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / "
-              f"{m.num_kv_heads or m.num_heads} kv, ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq "
+    attention = (f"{m.num_heads} heads MLA (q/kv ranks {m.q_lora_rank}/{m.kv_lora_rank})" if m.attention == "mla"
+                 else f"{m.num_heads} heads / {m.num_kv_heads or m.num_heads} kv")
+    moe = (f", {m.moe_num_experts} experts top-{m.moe_top_k} (ffn {m.moe_ffn_hidden_size})"
+           if m.moe_num_experts else "")
+    header = (f"{cfg.run_name or 'run'}: {m.num_layers} layers, hidden {m.hidden_size}, {attention}, "
+              f"ffn {m.ffn_hidden_size}{moe}{f', MTP depth {m.mtp_depth}' if m.mtp_depth else ''}, "
+              f"vocab {m.vocab_size}, seq "
               f"{cfg.data.seq_len}, micro-batch {cfg.training.micro_batch_size}, precision {cfg.precision.recipe}, "
-              f"tp {cfg.parallel.tp}{' with sequence parallelism' if cfg.parallel.sequence_parallel else ''}, "
+              f"tp {cfg.parallel.tp}{' with sequence parallelism' if cfg.parallel.sequence_parallel else ''}"
+              f"{f', ep {cfg.parallel.ep}' if cfg.parallel.ep > 1 else ''}, "
               f"optimizer {'sharded' if cfg.optimizer.sharded else 'replicated'} over "
               f"{data_parallel_size(world_size, cfg.parallel.tp, ep=cfg.parallel.ep)} data-parallel rank(s)")
     return header + "\n\n" + make_plan(cfg, world_size).render(peak_tflops, mfu)
 
 
-def device_capacity(device: torch.device) -> Optional[int]:
-    """Bytes of memory of a GPU; None on CPU (no fixed budget to check against)."""
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+def device_capacity(device: torch.device, ranks_on_host: int = 1) -> Optional[int]:
+    """Bytes of memory one rank may use: its GPU's, or on CPU this host's physical memory shared by its ranks
+    (None where the host does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, ranks_on_host)
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
-def check_fits(plan: Plan, capacity: Optional[int]) -> None:
+def check_fits(plan: Plan, capacity: Optional[int], where: str = "the GPU has") -> None:
     """Fail fast, before allocating anything, when a GPU of `capacity` bytes cannot hold the planned state."""
     if capacity is not None and plan.total_bytes > capacity:
         parts = ", ".join(f"{k} {v / GIB:,.1f}" for k, v in plan.bytes_per_rank.items())
         raise ConfigError(
-            f"this run needs about {plan.total_bytes / GIB:,.1f} GiB per GPU ({parts} GiB) but the GPU has "
+            f"this run needs about {plan.total_bytes / GIB:,.1f} GiB per GPU ({parts} GiB) but {where} "
             f"{capacity / GIB:,.1f} GiB: use more ranks, a smaller micro-batch or model; "
             "see `python launch/pretrain.py --config ... --dry-run --world-size N`"
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -76,12 +77,14 @@ class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
         self.dims, self.device = dims, device
         self.num_micro_batches = validate_for_world(cfg, dims.world_size)
-        meta = read_meta(cfg.data.path)
         self.tp, self.ep = dims.tensor_parallel, dims.expert_parallel
+        if cfg.model.vocab_size is not None:  # a model that cannot fit fails first, before even the data is read
+            self._check_fits(cfg, cfg.model)
+        meta = read_meta(cfg.data.path)
         self.model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size, self.tp.size)
         self.cfg, self.recipe = resolve_precision(cfg, device)
         cfg = self.cfg
-        check_fits(make_plan(dataclasses.replace(cfg, model=self.model_cfg), dims.world_size), device_capacity(device))
+        self._check_fits(cfg, self.model_cfg)
         try:
             self.model = build_model(cfg, self.model_cfg, self.recipe, device,
                                      fp8_active=cfg.precision.fp8_start_step == 0, tp=self.tp, ep=self.ep)
@@ -109,6 +112,12 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(self.model_cfg, cfg.data.seq_len)
         self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
         self._maybe_resume()
+
+    def _check_fits(self, cfg: Config, model_cfg: ModelConfig) -> None:
+        ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        plan = make_plan(dataclasses.replace(cfg, model=model_cfg), self.dims.world_size)
+        where = "the GPU has" if self.device.type == "cuda" else f"this host has, per rank ({ranks_on_host} here),"
+        check_fits(plan, device_capacity(self.device, ranks_on_host), where)
 
     def _build_optimizer(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
