@@ -99,10 +99,10 @@ def test_tp2_matches_tp1(recipe, sp):
 
 
 def test_tiny_mla_moe_mtp_model_trains(tiny_overrides):
-    """MLA + MoE + one MTP depth, FP8 (reference backend): the (LM + weighted MTP + balance) loss falls."""
-    cfg = load_config("tiny_moe_fp8", tiny_overrides + MLA_OVERRIDES + [
-        "model.hidden_size=256", "model.num_heads=4", "model.moe_ffn_hidden_size=128", "model.mtp_depth=1",
-        "training.steps=12", "training.eval_interval=0", "optimizer.warmup_steps=2"])
+    """configs/tiny_mla_moe_mtp_fp8.yaml (made smaller): MLA + MoE + one MTP depth, FP8 (reference backend); the
+    (LM + weighted MTP + balance) loss falls."""
+    cfg = load_config("tiny_mla_moe_mtp_fp8", tiny_overrides + ["training.steps=12", "training.eval_interval=0",
+                                                                 "optimizer.warmup_steps=2"])
     trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     assert len(trainer.model.mtp) == 1 and len(trainer.routers) == 2  # the MTP block is an MoE block too
     losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]

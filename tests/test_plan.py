@@ -105,3 +105,12 @@ def test_launching_671b_here_fails_fast_with_one_line(capsys):
     assert main(["--config", "671b_fp8", "parallel.ep=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs about" in err[0] and "--dry-run" in err[0], err
+
+
+@pytest.mark.parametrize("name, params, activated", [("16b_moe_fp8", 15.7e9, None), ("1b_dense_fp8", 0.956e9, 0.956e9)])
+def test_one_node_configs_fit_eight_h200s(name, params, activated):
+    plan = make_plan(load_config(name), 8)
+    assert abs(plan.main_params - params) <= 0.01 * params, plan.main_params
+    if activated is not None:
+        assert abs(plan.activated_per_token - activated) <= 0.01 * activated
+    check_fits(plan, capacity=141 * GIB)  # one H200 each

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from megafp8.config import ModelConfig
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
-from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
-from megafp8.parallel.collectives import copy_to_tp, gather_from_sp
+from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, to_tp_region
 from megafp8.precision import TILE, PrecisionRecipe
 
 
@@ -65,8 +64,8 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = self.kv_a_proj(x).split([self.kv_rank, self.rope_dim], dim=-1)  # (tokens, rank), (tokens, rope)
         kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(batch, seq_len, h, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        # Every rank's heads use the one rotary key: gather it (SP) and sum its gradient over TP.
-        k_rope = gather_from_sp(k_rope, self.tp) if self.tp.sp else copy_to_tp(k_rope, self.tp)
+        # Every rank's heads use the one rotary key: all tokens of it, its gradient summed over TP.
+        k_rope = to_tp_region(k_rope, self.tp)
         q_rope, k_rope = rope(q_rope, k_rope.reshape(batch, seq_len, 1, self.rope_dim))
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, h, -1)], dim=-1)

@@ -1,5 +1,5 @@
 """Parallelism: process-group layout, tensor-parallel layers and collectives, gradient buffers and their reductions."""
-from megafp8.parallel.collectives import gather_from_tp_last, reduce_from_tp
+from megafp8.parallel.collectives import gather_from_tp_last, reduce_from_tp, to_tp_region
 from megafp8.parallel.dims import ParallelDims, TensorParallel, rank_groups
 from megafp8.parallel.experts import ExpertLinear, ExpertParallel, gather_experts, is_expert, local_experts_of
 from megafp8.parallel.grad_buckets import GradBuckets
@@ -16,5 +16,5 @@ from megafp8.parallel.sharding import TpShard, full_shape, gather_full, shard_of
 __all__ = [
     "IGNORE_INDEX", "ColumnParallelLinear", "ExpertLinear", "ExpertParallel", "gather_experts", "local_experts_of", "GradBuckets", "ParallelDims", "ParallelLinear", "RowParallelLinear", "TensorParallel",
     "TpShard", "VocabParallelEmbedding", "full_shape", "gather_from_tp_last", "gather_full", "is_expert",
-    "rank_groups", "reduce_from_tp", "shard_of", "tp_shard_of", "vocab_parallel_cross_entropy",
+    "rank_groups", "reduce_from_tp", "shard_of", "to_tp_region", "tp_shard_of", "vocab_parallel_cross_entropy",
 ]

@@ -151,5 +151,11 @@ def reduce_scatter_to_sp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return _ReduceScatterToSp.apply(x, tp) if tp.enabled else x
 
 
+def to_tp_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """An activation every TP rank needs whole inside a TP region (all tokens), whose gradient each rank's
+    part of the region contributes to: gathered under SP, else replicated; gradients summed over TP."""
+    return gather_from_sp(x, tp) if tp.sp else copy_to_tp(x, tp)
+
+
 def gather_from_tp_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return _GatherFromTpLast.apply(x, tp) if tp.enabled else x

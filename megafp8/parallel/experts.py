@@ -6,7 +6,7 @@ sent to its expert's rank; nothing is dropped, so the exchange is an uneven all-
 
     dispatch  sort the N*k assignments by expert -> exchange per-expert counts (a small all-to-all)
               -> all-to-all the token rows -> regroup the received rows expert-major
-    experts   each local expert runs on its contiguous run of rows
+    experts   this rank's experts as grouped linears over their contiguous runs of rows (`ExpertLinear`)
     combine   the exact reverse (all-to-all back, un-sort), then each token's k outputs are summed
               with its routing weights in FP32 and cast to the activation dtype
 
@@ -16,8 +16,8 @@ dequantized after (1 + 4/128 bytes per element instead of 2); gradients go back 
 expert GEMM re-quantizes the dequantized rows to the same FP8 values (each tile's max maps back
 to the format's max), so this costs no accuracy beyond the GEMM's own quantization.
 
-The counts exchange needs the host to know the split sizes, one device sync per MoE layer and
-direction (as in Megatron's dropless dispatcher).
+The counts exchange needs the host to know the split sizes: one device sync per MoE layer
+(as in Megatron's dropless dispatcher), which the grouped expert GEMMs need anyway.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-
 import torch.nn as nn
 
 from megafp8.precision import TILE, Fp8Backend, Fp8Format, PrecisionRecipe, select_backend
