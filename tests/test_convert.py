@@ -123,3 +123,13 @@ def test_export_runs_in_hugging_face_transformers_with_identical_logits(tmp_path
     tokens = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change", [dict(moe_num_experts=8, moe_ffn_hidden_size=128), dict(attention="mla"),
+                                    dict(mtp_depth=1)])
+def test_export_of_deepseek_style_models_is_refused_clearly(tmp_path, change):
+    import dataclasses
+
+    with pytest.raises(ConfigError, match="only dense Llama-style models convert"):
+        save_hf({}, dataclasses.replace(CFG, **change), 64, tmp_path / "hf", fp8=False)
+    assert not (tmp_path / "hf").exists()  # nothing half-written

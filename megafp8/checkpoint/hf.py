@@ -121,9 +121,9 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[s
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, out_dir: Path, fp8: bool) -> None:
     from safetensors.torch import save_file
 
-    if cfg.moe_num_experts > 0:
-        raise ConfigError("exporting a mixture-of-experts model to Hugging Face (the DeepSeek-V3 layout) is not "
-                          "supported yet: only dense Llama-style models convert")
+    if cfg.moe_num_experts > 0 or cfg.attention != "gqa" or cfg.mtp_depth > 0:
+        raise ConfigError("exporting MoE, MLA or MTP models to Hugging Face (the DeepSeek-V3 layout) is not supported "
+                          "yet: only dense Llama-style models convert")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(to_hf_tensors(state, cfg, fp8), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config(cfg, max_seq_len, fp8), indent=2))
