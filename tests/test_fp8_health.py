@@ -65,3 +65,14 @@ def test_monitor_samples_every_n_steps_and_warns(tiny_overrides, caplog):
         ParallelDims.single(), torch.device("cpu"))
     plain = [r["loss"] for r in unmonitored.fit() if r["kind"] == "train"]
     assert plain == [r["loss"] for r in records if r["kind"] == "train"]  # watching changes nothing
+
+
+def test_monitor_covers_grouped_expert_linears(tiny_overrides):
+    cfg = load_config("tiny_moe_fp8", tiny_overrides + ["training.steps=1", "training.eval_interval=0",
+                                                        "logging.fp8_health_interval=1", "model.moe_ffn_hidden_size=128"])
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+    trainer.fit()
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    layers = next(r for r in records if r["kind"] == "fp8_health")["layers"]
+    experts = layers["layers.1.mlp.experts.gate_up_proj"]
+    assert set(experts) == {"input", "weight", "grad"} and experts["weight"]["snr_db"] > 20

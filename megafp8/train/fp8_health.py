@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from megafp8.parallel import ParallelLinear
+from megafp8.parallel import ExpertLinear, ParallelLinear
 from megafp8.precision.health import fp8_stats
 
 log = logging.getLogger("megafp8")
@@ -32,7 +32,7 @@ class Fp8HealthMonitor:
             return False
         self._stats = {}
         for name, layer in self.model.named_modules():
-            if isinstance(layer, ParallelLinear) and layer.runs_fp8:
+            if isinstance(layer, (ParallelLinear, ExpertLinear)) and layer.runs_fp8:
                 self._handles.append(layer.register_forward_hook(self._make_hook(name)))
         return bool(self._handles)
 
@@ -43,7 +43,9 @@ class Fp8HealthMonitor:
             cfg = layer.recipe.fp8.gemm_config
             self._stats[name] = {
                 "input": fp8_stats(inputs[0], cfg.fmt, power_of_two=cfg.power_of_two),
-                "weight": fp8_stats(layer.weight, cfg.fmt, blocks=True, power_of_two=cfg.power_of_two),
+                # Stacked expert weights (E, N, K) as (E*N, K): their 128x128 blocks never straddle two experts.
+                "weight": fp8_stats(layer.weight.reshape(-1, layer.weight.shape[-1]), cfg.fmt, blocks=True,
+                                    power_of_two=cfg.power_of_two),
             }
             if output.requires_grad:
                 def grad_hook(grad: torch.Tensor) -> None:
