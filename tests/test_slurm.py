@@ -1,0 +1,36 @@
+"""SLURM for real: a one-node cluster (launch/slurm/local_cluster.sh), then `sbatch --wait` of the tiny config
+through launch/slurm/pretrain.sbatch (2 CPU ranks). Skips where SLURM is not installed or cannot start (not
+root, no munge); fails if the cluster is up and the job does not train and exit 0."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO, TINY_OVERRIDES, torchrun_env
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("slurmctld") is None or shutil.which("sbatch") is None or os.geteuid() != 0,
+    reason="needs root and Debian's slurmctld, slurmd, slurm-client and munge",
+)
+
+
+def test_sbatch_trains_the_tiny_config(corpus_dir, tmp_path):
+    state = tmp_path / "slurm"
+    started = subprocess.run(["bash", str(REPO / "launch/slurm/local_cluster.sh"), str(state)], capture_output=True,
+                             text=True, timeout=120)
+    if started.returncode != 0 or "idle" not in started.stdout:
+        pytest.skip(f"a one-node SLURM cluster could not start here: {(started.stderr or started.stdout)[-500:]}")
+    env = {**torchrun_env(), "SLURM_CONF": str(state / "slurm.conf"), "GPUS_PER_NODE": "2"}
+    overrides = TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={tmp_path / 'runs'}",
+                                  "run_name=slurm", "training.steps=4", "training.eval_interval=0"]
+    job = subprocess.run(
+        ["sbatch", "--wait", "--nodes=1", f"--output={tmp_path}/job.out", "--export=ALL,OMP_NUM_THREADS=1",
+         str(REPO / "launch/slurm/pretrain.sbatch"), "--config", "tiny_dense", *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert job.returncode == 0, f"{job.stdout}{job.stderr}\n{out[-3000:]}"
+    assert "on 1 node(s) x 2 process(es)" in out and "step 4/4" in out, out[-3000:]
+    assert (tmp_path / "runs" / "slurm" / "metrics.jsonl").exists()
