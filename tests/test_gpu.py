@@ -104,3 +104,13 @@ def test_expert_parallel_on_two_gpus_matches_one_gpu(tiny_overrides, tmp_path):
            if r["kind"] == "train"]
     torch.testing.assert_close(torch.tensor(two)[:, 0], torch.tensor(one)[:, 0], rtol=5e-3, atol=0)
     torch.testing.assert_close(torch.tensor(two)[:, 1], torch.tensor(one)[:, 1], rtol=3e-2, atol=0)
+
+
+def test_mla_moe_mtp_model_trains_on_cuda(tiny_overrides):
+    """configs/tiny_mla_moe_mtp_fp8.yaml (made smaller) on one GPU: cuBLAS/Triton FP8 projections, grouped FP8
+    experts, the BF16 kv_a of MLA, one MTP depth."""
+    cfg = load_config("tiny_mla_moe_mtp_fp8", tiny_overrides + ["training.device=cuda", "training.steps=12",
+                                                                 "training.eval_interval=0", "optimizer.warmup_steps=2"])
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0))
+    losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
+    assert losses[-1] < losses[0] - 1.0, losses
