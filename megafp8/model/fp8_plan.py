@@ -16,6 +16,7 @@ import torch.nn as nn
 from megafp8.config import ConfigError, PrecisionConfig
 from megafp8.model.norm import RMSNorm
 from megafp8.parallel import ExpertLinear, ParallelLinear, VocabParallelEmbedding
+from megafp8.parallel.experts import PARTIAL_FP8_EXPERTS
 from megafp8.precision import PrecisionRecipe
 
 LM_HEAD = "lm_head"
@@ -63,6 +64,8 @@ def apply_fp8_plan(model: nn.Module, cfg: PrecisionConfig, recipe: PrecisionReci
         wanted = (recipe.fp8 is not None and name != LM_HEAD and any(fnmatch(name, p) for p in cfg.fp8_layers)
                   and not any(fnmatch(name, p) for p in keep))
         wanted = wanted and layer.fp8_capable  # a weight that is not whole 128-wide tiles stays BF16
+        if wanted and isinstance(layer, ExpertLinear) and not ExpertLinear.supports(recipe.fp8):
+            raise ConfigError(PARTIAL_FP8_EXPERTS)
         layer.set_recipe(recipe if wanted else recipe.high_precision())
         (fp8 if wanted else bf16).append(name)
     return Fp8Plan(fp8, bf16)

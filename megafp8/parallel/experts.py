@@ -81,6 +81,11 @@ def local_experts_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return full[first : first + param.shape[0]]
 
 
+PARTIAL_FP8_EXPERTS = (
+    "grouped expert linears run all three GEMMs in FP8; precision.fp8_fprop/fp8_dgrad/fp8_wgrad=false is not "
+    "supported for MoE experts: keep the experts in BF16 with precision.bf16_layers=['*.experts.*'], or enable all three")
+
+
 class ExpertLinear(nn.Module):
     """One projection of this rank's routed experts, stacked: weight (local experts, out, in). Its input is
     rows sorted by expert with per-expert counts; GEMMs follow the precision recipe (FP8 per tile)."""
@@ -100,6 +105,7 @@ class ExpertLinear(nn.Module):
             for what, size in (("in_features", self.in_features), ("out_features", self.out_features)):
                 if size % TILE != 0:
                     raise ValueError(f"an FP8 expert linear needs {what} to be a multiple of {TILE}, got {size}")
+
         self.recipe = recipe
         self.fp8_cache = GroupedWeightCache() if recipe.fp8 is not None else None
         self._fp8_backend: Optional[Fp8Backend] = None
@@ -112,10 +118,17 @@ class ExpertLinear(nn.Module):
     def fp8_capable(self) -> bool:
         return self.in_features % TILE == 0 and self.out_features % TILE == 0
 
+    @staticmethod
+    def supports(fp8) -> bool:
+        """Grouped expert linears run all three GEMMs in FP8 or none."""
+        return fp8.fprop and fp8.dgrad and fp8.wgrad
+
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         fp8 = self.recipe.fp8
         if fp8 is None:
             return grouped_linear(rows, self.weight, counts, None, None, None)
+        if not self.supports(fp8):
+            raise ValueError(PARTIAL_FP8_EXPERTS)
         if self._fp8_backend is None:
             self._fp8_backend = select_backend(fp8.backend, rows.device)
         return grouped_linear(rows, self.weight, counts, self.fp8_cache, fp8.gemm_config, self._fp8_backend)
