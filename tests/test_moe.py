@@ -251,8 +251,10 @@ def test_grouped_expert_linear_equals_one_linear_per_expert(recipe, seed):
 
 def test_partial_fp8_recipes_are_refused_for_experts_with_a_way_out(tiny_overrides):
     overrides = tiny_overrides + ["model.moe_ffn_hidden_size=128", "precision.fp8_wgrad=false"]
-    with pytest.raises(ConfigError, match=r"bf16_layers=\['\*.experts.\*'\]"):
-        Trainer(load_config("tiny_moe_fp8", overrides), ParallelDims.single(), torch.device("cpu"))
+    for start in (0, 5):  # also when FP8 starts later: the error comes at start-up, not at the switch
+        with pytest.raises(ConfigError, match=r"bf16_layers=\['\*.experts.\*'\]"):
+            Trainer(load_config("tiny_moe_fp8", overrides + [f"precision.fp8_start_step={start}"]),
+                    ParallelDims.single(), torch.device("cpu"))
     trainer = Trainer(load_config("tiny_moe_fp8", overrides + ["precision.bf16_layers=['*.experts.*']"]),
                       ParallelDims.single(), torch.device("cpu"))
     assert not trainer.model.layers[1].mlp.experts.gate_up_proj.runs_fp8

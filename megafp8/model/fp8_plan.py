@@ -37,7 +37,11 @@ def _islands(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, (RMSNorm, VocabParallelEmbedding)) or n == LM_HEAD]
 
 
-def apply_fp8_plan(model: nn.Module, cfg: PrecisionConfig, recipe: PrecisionRecipe, num_layers: int) -> Fp8Plan:
+def apply_fp8_plan(model: nn.Module, cfg: PrecisionConfig, recipe: PrecisionRecipe, num_layers: int,
+                   dry_run: bool = False) -> Fp8Plan:
+    """Set each GEMM layer's recipe (FP8 or BF16) and return the plan. `dry_run`: only check the plan (bad
+    patterns, unsupported layers raise) and return it, leaving the layers as they are, e.g. at start-up of a
+    run that switches to FP8 later."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (ParallelLinear, ExpertLinear))}
     eligible = [n for n in linears if n != LM_HEAD]
     islands = _islands(model)
@@ -66,6 +70,7 @@ def apply_fp8_plan(model: nn.Module, cfg: PrecisionConfig, recipe: PrecisionReci
         wanted = wanted and layer.fp8_capable  # a weight that is not whole 128-wide tiles stays BF16
         if wanted and isinstance(layer, ExpertLinear) and not ExpertLinear.supports(recipe.fp8):
             raise ConfigError(PARTIAL_FP8_EXPERTS)
-        layer.set_recipe(recipe if wanted else recipe.high_precision())
+        if not dry_run:
+            layer.set_recipe(recipe if wanted else recipe.high_precision())
         (fp8 if wanted else bf16).append(name)
     return Fp8Plan(fp8, bf16)

@@ -54,6 +54,8 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
     model = Transformer(model_cfg, recipe, cfg.data.seq_len, tp, device=device, ep=ep,
                         fp8_dispatch=cfg.parallel.ep_dispatch_fp8)
     init_weights(model, model_cfg, cfg.training.seed, tp)
+    if recipe.fp8 is not None and not fp8_active:  # the FP8 plan of the later switch must be valid now
+        apply_fp8_plan(model, cfg.precision, recipe, model_cfg.num_layers, dry_run=True)
     plan = apply_fp8_plan(model, cfg.precision, recipe if fp8_active else recipe.high_precision(), model_cfg.num_layers)
     if recipe.fp8 is not None:
         backend = select_backend(recipe.fp8.backend, device)
