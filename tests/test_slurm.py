@@ -1,6 +1,7 @@
 """SLURM for real: a one-node cluster (launch/slurm/local_cluster.sh), then `sbatch --wait` of the tiny config
 through launch/slurm/pretrain.sbatch (2 CPU ranks). Skips where SLURM is not installed or cannot start (not
-root, no munge); fails if the cluster is up and the job does not train and exit 0."""
+root, no munge) and where a SLURM controller already runs (it is not ours to use or stop); fails if the cluster
+is up and the job does not train and exit 0. The daemons it starts are stopped at the end."""
 from __future__ import annotations
 
 import os
@@ -17,13 +18,27 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_sbatch_trains_the_tiny_config(corpus_dir, tmp_path):
+@pytest.fixture
+def one_node_cluster(tmp_path):
+    """SLURM_CONF of a one-node cluster started for this test (its slurmctld and slurmd stopped afterwards)."""
+    if subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 0:
+        pytest.skip("a slurmctld already runs on this machine: the test only starts its own cluster where none runs")
     state = tmp_path / "slurm"
     started = subprocess.run(["bash", str(REPO / "launch/slurm/local_cluster.sh"), str(state)], capture_output=True,
                              text=True, timeout=120)
-    if started.returncode != 0 or "idle" not in started.stdout:
-        pytest.skip(f"a one-node SLURM cluster could not start here: {(started.stderr or started.stdout)[-500:]}")
-    env = {**torchrun_env(), "SLURM_CONF": str(state / "slurm.conf"), "GPUS_PER_NODE": "2"}
+    try:
+        if started.returncode != 0 or "idle" not in started.stdout:
+            pytest.skip(f"a one-node SLURM cluster could not start here: {(started.stderr or started.stdout)[-500:]}")
+        yield state / "slurm.conf"
+    finally:
+        for daemon in ("slurmd", "slurmctld"):
+            pid_file = state / f"{daemon}.pid"
+            if pid_file.exists():
+                subprocess.run(["kill", pid_file.read_text().strip()], capture_output=True)
+
+
+def test_sbatch_trains_the_tiny_config(corpus_dir, tmp_path, one_node_cluster):
+    env = {**torchrun_env(), "SLURM_CONF": str(one_node_cluster), "GPUS_PER_NODE": "2"}
     overrides = TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={tmp_path / 'runs'}",
                                   "run_name=slurm", "training.steps=4", "training.eval_interval=0"]
     job = subprocess.run(
