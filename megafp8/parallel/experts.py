@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megafp8.precision import TILE, Fp8Backend, Fp8Format, PrecisionRecipe, select_backend
+from megafp8.precision import TILE, Fp8Backend, Fp8Format, Fp8Recipe, PrecisionRecipe, select_backend
 from megafp8.precision.grouped import GroupedWeightCache, grouped_linear
 from megafp8.precision.quantize import dequantize_1x128
 
@@ -83,7 +83,8 @@ def local_experts_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 PARTIAL_FP8_EXPERTS = (
     "grouped expert linears run all three GEMMs in FP8; precision.fp8_fprop/fp8_dgrad/fp8_wgrad=false is not "
-    "supported for MoE experts: keep the experts in BF16 with precision.bf16_layers=['*.experts.*'], or enable all three")
+    "supported for MoE experts: keep the experts in BF16 with precision.bf16_layers=['*.experts.*'], "
+    "or enable all three")
 
 
 class ExpertLinear(nn.Module):
@@ -105,7 +106,6 @@ class ExpertLinear(nn.Module):
             for what, size in (("in_features", self.in_features), ("out_features", self.out_features)):
                 if size % TILE != 0:
                     raise ValueError(f"an FP8 expert linear needs {what} to be a multiple of {TILE}, got {size}")
-
         self.recipe = recipe
         self.fp8_cache = GroupedWeightCache() if recipe.fp8 is not None else None
         self._fp8_backend: Optional[Fp8Backend] = None
@@ -119,7 +119,7 @@ class ExpertLinear(nn.Module):
         return self.in_features % TILE == 0 and self.out_features % TILE == 0
 
     @staticmethod
-    def supports(fp8) -> bool:
+    def supports(fp8: Fp8Recipe) -> bool:
         """Grouped expert linears run all three GEMMs in FP8 or none."""
         return fp8.fprop and fp8.dgrad and fp8.wgrad
 
