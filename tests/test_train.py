@@ -137,3 +137,29 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tiny_overrid
     assert (tmp_path / "ckpt" / "step_00000002.tmp").exists() and not (tmp_path / "ckpt" / "step_00000002").exists()
     resumed = make_trainer(tiny_overrides, ckpt)
     assert resumed.step == 1
+
+
+def test_async_save_resumes_bit_identically_and_surfaces_write_errors(tiny_overrides, tmp_path, monkeypatch):
+    """checkpoint.async_save: training continues while rank 0 writes; resume is as exact as with blocking saves,
+    and a write that fails stops the run at the next save (or the end) with that error."""
+    ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=3", "checkpoint.async_save=true"]
+    straight = train_losses(make_trainer(tiny_overrides, ["checkpoint.resume=none"]).fit())
+    first = make_trainer(tiny_overrides, ckpt)
+    for _ in range(3):
+        first.train_step()
+    first.save()
+    assert first._pending_save is not None  # the write runs in the background
+    first.wait_for_save()
+    resumed = make_trainer(tiny_overrides, ckpt)
+    assert resumed.step == 3 and train_losses(resumed.fit()) == straight[3:]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000006"  # fit() waited for the last write
+
+    def failing_save(obj, f, *args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    broken = make_trainer(tiny_overrides, [f"checkpoint.dir={tmp_path / 'other'}", "checkpoint.interval=3",
+                                           "checkpoint.async_save=true", "checkpoint.resume=none"])
+    with pytest.raises(OSError, match="disk full"):
+        broken.fit()
+    assert not (tmp_path / "other" / "latest").exists()

@@ -271,6 +271,12 @@ class CheckpointConfig:
     dir: Optional[str] = setting(None, "Checkpoint directory. `null`: `<logging.output_dir>/<run_name>/checkpoints`.")
     interval: int = setting(0, "Save every this many steps (and at the end of training); 0 disables saving.")
     keep_last: int = setting(2, "Keep only this many most recent checkpoints; 0 keeps all.")
+    async_save: bool = setting(
+        False,
+        "Write checkpoint files in a background thread: once every rank has gathered the state (in host memory), "
+        "training continues while rank 0 writes. The next save and the end of training wait for the write; a "
+        "failed write stops the run there with its error. The checkpoint still appears only when complete.",
+    )
     resume: str = setting(
         "auto",
         "`auto`: resume from the latest checkpoint in `dir` if one exists; `none`: start fresh; "

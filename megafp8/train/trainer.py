@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -73,6 +74,32 @@ def resolve_precision(cfg: Config, device: torch.device) -> tuple[Config, Precis
     return resolved, PrecisionRecipe.from_config(resolved.precision)
 
 
+def _write_checkpoint(root: Path, step: int, state: dict[str, Any], keep_last: int) -> None:
+    path = save_checkpoint(root, step, state, keep_last)
+    log.info("saved checkpoint %s", path)
+
+
+class _BackgroundSave:
+    """One checkpoint write on a thread; `wait()` joins it and re-raises what it raised."""
+
+    def __init__(self, root: Path, step: int, state: dict[str, Any], keep_last: int) -> None:
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, args=(root, step, state, keep_last),
+                                       name=f"checkpoint-step-{step}", daemon=True)
+        self.thread.start()
+
+    def _run(self, root: Path, step: int, state: dict[str, Any], keep_last: int) -> None:
+        try:
+            _write_checkpoint(root, step, state, keep_last)
+        except BaseException as err:  # surfaced by wait() on the training thread
+            self.error = err
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 class Trainer:
     """Owns the model, optimizer, data and loop of one run on one rank."""
 
@@ -100,6 +127,7 @@ class Trainer:
         self.health = Fp8HealthMonitor(self.model, cfg.logging.fp8_health_interval, cfg.logging.fp8_underflow_warn,
                                        cfg.logging.fp8_at_max_warn)
         self.step = 0
+        self._pending_save: Optional[_BackgroundSave] = None
         self.run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
         self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.metrics_path = Path(cfg.logging.metrics_file)
@@ -236,7 +264,10 @@ class Trainer:
         try:
             return self._loop()
         finally:
-            self.metrics.close()
+            try:
+                self.wait_for_save()
+            finally:
+                self.metrics.close()
 
     def _loop(self) -> list[dict[str, Any]]:
         cfg = self.cfg
@@ -368,12 +399,23 @@ class Trainer:
         return state
 
     def save(self) -> None:
-        state = self.state_dict()  # gathers sharded optimizer state on every rank
+        """Checkpoint the current step (collective). With `checkpoint.async_save`, rank 0 writes in the background."""
+        state = self.state_dict()  # gathers sharded optimizer state on every rank, into host memory
         if self.dims.rank == 0:
-            path = save_checkpoint(self.checkpoint_dir, self.step, state, self.cfg.checkpoint.keep_last)
-            log.info("saved checkpoint %s", path)
+            self.wait_for_save()  # one write at a time, in step order
+            if self.cfg.checkpoint.async_save:
+                self._pending_save = _BackgroundSave(self.checkpoint_dir, self.step, state,
+                                                     self.cfg.checkpoint.keep_last)
+            else:
+                _write_checkpoint(self.checkpoint_dir, self.step, state, self.cfg.checkpoint.keep_last)
         if self.dims.is_distributed:
             dist.barrier()
+
+    def wait_for_save(self) -> None:
+        """Block until a background checkpoint write is done; re-raises its error."""
+        if self._pending_save is not None:
+            pending, self._pending_save = self._pending_save, None
+            pending.wait()
 
     def load(self, path: Path) -> None:
         state = load_checkpoint(path)
