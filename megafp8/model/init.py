@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from megafp8.config import ModelConfig
-from megafp8.parallel import TensorParallel, full_shape, is_expert, local_experts_of, shard_of, tp_shard_of
+from megafp8.parallel import TensorParallel, full_shape, is_expert, local_piece
 
 # Projections that write into the residual stream; scaled so the stream's variance does not grow with depth.
 _RESIDUAL_OUTPUTS = ("attn.out_proj.weight", "down_proj.weight")  # MLP, shared and routed experts
@@ -37,4 +37,4 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, tp: Optional[Ten
         if is_expert(param):
             draw_from = torch.Generator(device="cpu").manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
         values = torch.empty(full_shape(param, tp.size), dtype=torch.float32).normal_(0.0, std, generator=draw_from)
-        param.copy_(local_experts_of(shard_of(values, tp_shard_of(param), tp.rank, tp.size), param))
+        param.copy_(local_piece(values, param, tp))

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from megafp8.config import ModelConfig
 from megafp8.model.mlp import SwiGLU
-from megafp8.parallel import TensorParallel, reduce_from_tp
-from megafp8.parallel.experts import ExpertLinear, ExpertParallel, combine, dispatch
-from megafp8.precision import PrecisionRecipe, select_backend
+from megafp8.parallel import ExpertParallel, TensorParallel, reduce_from_tp
+from megafp8.parallel.experts import ExpertLinear, combine, dispatch
+from megafp8.precision import PrecisionRecipe
 
 
 class Router(nn.Module):
@@ -133,10 +133,11 @@ class MoE(nn.Module):
                                  device)
 
     def _dispatch_quantizer(self, x: torch.Tensor):
-        fp8 = self.experts.gate_up_proj.recipe.fp8
-        if not (self.fp8_dispatch and fp8 is not None):
+        """(backend, format) to send rows in FP8 with, or None: the experts' own backend and activation format."""
+        experts = self.experts.gate_up_proj
+        if not (self.fp8_dispatch and experts.runs_fp8):
             return None
-        return select_backend(fp8.backend, x.device), fp8.gemm_config.fmt
+        return experts.fp8_backend(x.device), experts.recipe.fp8.gemm_config.fmt
 
     def forward(self, x: torch.Tensor, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x (tokens, hidden) -> (output, weighted balance loss)."""

@@ -33,12 +33,11 @@ from megafp8.parallel import (
     GradBuckets,
     TensorParallel,
     full_shape,
-    gather_full,
+    gather_param,
     is_expert,
-    shard_of,
+    local_piece,
     tp_shard_of,
 )
-from megafp8.parallel.experts import gather_experts, local_experts_of
 from megafp8.parallel.grad_buckets import Bucket
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -176,11 +175,7 @@ class DistributedAdamW:
             for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
                 for key, full in fulls.items():
                     local = full[offset : offset + p.numel()].view_as(p)
-                    if is_expert(p):
-                        whole = gather_experts(local, self.ep)
-                    else:
-                        whole = gather_full(local, tp_shard_of(p), self.tp)
-                    state[key][self.names[p]] = whole.cpu().clone()
+                    state[key][self.names[p]] = gather_param(local, p, self.tp, self.ep).cpu().clone()
         return state
 
     @torch.no_grad()
@@ -200,8 +195,7 @@ class DistributedAdamW:
             for key, attr in (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
                 full = torch.zeros(shard.bucket.numel, dtype=torch.float32)
                 for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
-                    mine = local_experts_of(shard_of(state[key][self.names[p]], tp_shard_of(p), self.tp.rank,
-                                                     self.tp.size), p)
+                    mine = local_piece(state[key][self.names[p]], p, self.tp)
                     full[offset : offset + p.numel()] = mine.reshape(-1).float()
                 getattr(shard, attr).copy_(full[shard.start : shard.end])
         self._publish()

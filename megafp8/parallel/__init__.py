@@ -1,7 +1,7 @@
 """Parallelism: process-group layout, tensor-parallel layers and collectives, gradient buffers and their reductions."""
 from megafp8.parallel.collectives import gather_from_tp_last, reduce_from_tp, to_tp_region
-from megafp8.parallel.dims import ParallelDims, TensorParallel, rank_groups
-from megafp8.parallel.experts import ExpertLinear, ExpertParallel, gather_experts, is_expert, local_experts_of
+from megafp8.parallel.dims import ExpertParallel, ParallelDims, TensorParallel, rank_groups
+from megafp8.parallel.experts import ExpertLinear
 from megafp8.parallel.grad_buckets import GradBuckets
 from megafp8.parallel.layers import (
     IGNORE_INDEX,
@@ -11,10 +11,21 @@ from megafp8.parallel.layers import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from megafp8.parallel.sharding import TpShard, full_shape, gather_full, shard_of, tp_shard_of
+from megafp8.parallel.sharding import (
+    TpShard,
+    full_shape,
+    gather_experts,
+    gather_full,
+    gather_param,
+    is_expert,
+    local_experts_of,
+    local_piece,
+    shard_of,
+    tp_shard_of,
+)
 
 __all__ = [
     "IGNORE_INDEX", "ColumnParallelLinear", "ExpertLinear", "ExpertParallel", "gather_experts", "local_experts_of", "GradBuckets", "ParallelDims", "ParallelLinear", "RowParallelLinear", "TensorParallel",
-    "TpShard", "VocabParallelEmbedding", "full_shape", "gather_from_tp_last", "gather_full", "is_expert",
+    "TpShard", "VocabParallelEmbedding", "full_shape", "gather_from_tp_last", "gather_full", "gather_param", "is_expert", "local_piece",
     "rank_groups", "reduce_from_tp", "shard_of", "to_tp_region", "tp_shard_of", "vocab_parallel_cross_entropy",
 ]

@@ -59,15 +59,6 @@ def reduce_scatter_rows(x: torch.Tensor, tp: TensorParallel,
     return out, work
 
 
-def split_rows(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """This rank's contiguous 1/tp of the rows (no communication)."""
-    if not tp.enabled:
-        return x
-    if x.shape[0] % tp.size != 0:
-        raise ValueError(f"cannot split {x.shape[0]} tokens over {tp.size} tensor-parallel ranks")
-    return x.chunk(tp.size, dim=0)[tp.rank].contiguous()
-
-
 def all_gather_fp8(x_fp8: torch.Tensor, x_scale: torch.Tensor, tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather a row-quantized activation: FP8 rows (n, K) and their (n, K/128) scales -> (tp * n, ...) each."""
     return all_gather_rows(x_fp8, tp), all_gather_rows(x_scale.contiguous(), tp)

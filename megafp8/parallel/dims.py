@@ -45,6 +45,28 @@ class TensorParallel:
         return self.sequence_parallel and self.size > 1
 
 
+@dataclass(frozen=True)
+class ExpertParallel:
+    """An expert-parallel group: its process group (None for one rank), size and this rank's place."""
+
+    group: Optional[dist.ProcessGroup]
+    size: int
+    rank: int
+
+    @classmethod
+    def single(cls) -> "ExpertParallel":
+        return cls(None, 1, 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def local_experts(self, num_experts: int) -> range:
+        """Global indices of the experts this rank holds."""
+        per_rank = num_experts // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+
 def rank_groups(world_size: int, tp: int, pp: int, ep: int) -> dict[str, list[list[int]]]:
     """Every group of each kind ('tp', 'dp', 'pp', 'ep', 'edp') as lists of global ranks, in the placement above."""
     dp = world_size // (tp * pp)
@@ -142,9 +164,7 @@ class ParallelDims:
         return TensorParallel(self.tp_group, self.tp, self.tp_rank, self.sequence_parallel)
 
     @property
-    def expert_parallel(self):
-        from megafp8.parallel.experts import ExpertParallel  # experts.py builds on this module
-
+    def expert_parallel(self) -> ExpertParallel:
         return ExpertParallel(self.ep_group, self.ep, self.ep_rank)
 
     def describe(self) -> str:

@@ -30,55 +30,9 @@ import torch.nn as nn
 
 from megafp8.precision import TILE, Fp8Backend, Fp8Format, Fp8Recipe, PrecisionRecipe, select_backend
 from megafp8.precision.grouped import GroupedWeightCache, grouped_linear
+from megafp8.parallel.dims import ExpertParallel
+from megafp8.parallel.sharding import mark_expert
 from megafp8.precision.quantize import dequantize_1x128
-
-
-@dataclass(frozen=True)
-class ExpertParallel:
-    """An expert-parallel group: its process group (None for one rank), size and this rank's place."""
-
-    group: Optional[dist.ProcessGroup]
-    size: int
-    rank: int
-
-    @classmethod
-    def single(cls) -> "ExpertParallel":
-        return cls(None, 1, 0)
-
-    @property
-    def enabled(self) -> bool:
-        return self.size > 1
-
-    def local_experts(self, num_experts: int) -> range:
-        """Global indices of the experts this rank holds."""
-        per_rank = num_experts // self.size
-        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
-
-
-def mark_expert(param: torch.nn.Parameter, first_expert: int, num_experts: int) -> None:
-    """Tag stacked routed-expert weights (local experts, ...): experts [first, first + len) of `num_experts`."""
-    param.expert_slice = (first_expert, num_experts)
-
-
-def is_expert(param: torch.Tensor) -> bool:
-    return getattr(param, "expert_slice", None) is not None
-
-
-def gather_experts(local: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
-    """Every expert's slice of a stacked expert tensor, in expert order (collective over the EP group)."""
-    if not ep.enabled:
-        return local
-    pieces = [torch.empty_like(local) for _ in range(ep.size)]
-    dist.all_gather(pieces, local.contiguous(), group=ep.group)
-    return torch.cat(pieces)
-
-
-def local_experts_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's experts' rows of a full stacked expert tensor (any other tensor: unchanged)."""
-    if not is_expert(param):
-        return full
-    first, _ = param.expert_slice
-    return full[first : first + param.shape[0]]
 
 
 PARTIAL_FP8_EXPERTS = (
@@ -129,9 +83,13 @@ class ExpertLinear(nn.Module):
             return grouped_linear(rows, self.weight, counts, None, None, None)
         if not self.supports(fp8):
             raise ValueError(PARTIAL_FP8_EXPERTS)
+        return grouped_linear(rows, self.weight, counts, self.fp8_cache, fp8.gemm_config, self.fp8_backend(rows.device))
+
+    def fp8_backend(self, device: torch.device) -> Fp8Backend:
+        """The FP8 backend this layer's GEMMs use (selected once)."""
         if self._fp8_backend is None:
-            self._fp8_backend = select_backend(fp8.backend, rows.device)
-        return grouped_linear(rows, self.weight, counts, self.fp8_cache, fp8.gemm_config, self._fp8_backend)
+            self._fp8_backend = select_backend(self.recipe.fp8.backend, device)
+        return self._fp8_backend
 
     def extra_repr(self) -> str:
         first, total = self.weight.expert_slice

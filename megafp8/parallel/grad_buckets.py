@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megafp8.parallel.experts import is_expert
+from megafp8.parallel.sharding import is_expert
 
 
 @dataclass

@@ -33,8 +33,7 @@ from megafp8.parallel import (
     ParallelDims,
     TensorParallel,
     full_shape,
-    gather_experts,
-    gather_full,
+    gather_param,
     is_expert,
     tp_shard_of,
 )
@@ -391,11 +390,10 @@ class Trainer:
             if meta:
                 state[name] = torch.empty(full_shape(param, self.tp.size) if param is not None else t.shape,
                                           device="meta")
-            elif param is not None and is_expert(param):
-                state[name] = gather_experts(t.detach(), self.ep).cpu().clone()
-            else:
-                spec = tp_shard_of(param) if param is not None else None
-                state[name] = gather_full(t.detach(), spec, self.tp).cpu().clone()
+            elif param is not None:
+                state[name] = gather_param(t.detach(), param, self.tp, self.ep).cpu().clone()
+            else:  # buffers (MoE selection biases) are replicated
+                state[name] = t.detach().cpu().clone()
         return state
 
     def save(self) -> None:
