@@ -35,3 +35,30 @@ def spawn(world_size: int, fn: Callable, *args) -> None:
     """Run `fn(rank, world_size, *args)` on every rank; an exception on any rank fails the caller."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_entry, args=(world_size, f"{tmp}/store", fn, args), nprocs=world_size, join=True)
+
+
+def full_grads(trainer) -> dict:
+    """Every parameter's reduced gradient at its full shape: data-parallel shards, tensor-parallel shards and
+    expert-parallel slices gathered (collective); under pipeline parallelism rank 0 gets every stage's."""
+    import torch
+
+    from megafp8.parallel import gather_param
+
+    buckets, dims = trainer.grad_buckets, trainer.dims
+    names = {p: n for n, p in trainer.model.named_parameters()}
+    grads = {}
+    for bucket in buckets.buckets:
+        flat = buckets.shard_grads(bucket)
+        if buckets.sharded and bucket.group_size > 1:
+            whole = torch.empty(bucket.numel)
+            dist.all_gather_into_tensor(whole, flat, group=bucket.group)
+            flat = whole
+        for p, offset in zip(bucket.params, bucket.offsets):
+            grads[names[p]] = gather_param(flat[offset:offset + p.numel()].view_as(p), p, trainer.tp,
+                                           trainer.ep).clone()
+    if dims.pp_group is not None and dims.rank % (dims.tp * dims.dp) == 0:  # rank 0's pipeline
+        stages = [None] * dims.pp if dims.rank == 0 else None
+        dist.gather_object(grads, stages, dst=0, group=dims.pp_group)
+        if dims.rank == 0:
+            grads = {name: g for stage in stages for name, g in stage.items()}
+    return grads

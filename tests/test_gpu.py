@@ -1,4 +1,5 @@
-"""GPU checks (skipped without CUDA): the loop on one GPU, NCCL data and tensor parallelism on two."""
+"""GPU checks (skipped without CUDA): the loop on one GPU; NCCL data, tensor, expert and pipeline parallelism
+on two."""
 from __future__ import annotations
 
 import json
@@ -40,25 +41,44 @@ def test_two_gpus_use_nccl_and_match_one_gpu(tiny_overrides, tmp_path):
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=5e-3, atol=0)
 
 
+def _two_gpus_match_one(config: str, tiny_overrides: list[str], model: list[str], layout: list[str], tmp_path,
+                        expect_log: str = "") -> None:
+    """A 2-GPU NCCL run of `config` with the `layout` overrides against the same run on one GPU: per-step losses
+    to 5e-3 and gradient norms to 3e-2 relative."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "launch" / "pretrain.py"), "--config", config, *tiny_overrides, *model, *layout]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env(), cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert expect_log in result.stdout + result.stderr
+    lines = (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()
+    two = [(r["loss"], r["grad_norm"]) for r in map(json.loads, lines) if r["kind"] == "train"]
+    cfg = load_config(config, tiny_overrides + model + [f"logging.output_dir={tmp_path / 'one'}"])
+    one = [(r["loss"], r["grad_norm"]) for r in Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0)).fit()
+           if r["kind"] == "train"]
+    assert len(two) == len(one) > 0
+    torch.testing.assert_close(torch.tensor(two)[:, 0], torch.tensor(one)[:, 0], rtol=5e-3, atol=0)
+    torch.testing.assert_close(torch.tensor(two)[:, 1], torch.tensor(one)[:, 1], rtol=3e-2, atol=0)
+
+
+WIDE_HEADS = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
+              "training.device=cuda"]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
 def test_tensor_parallel_on_two_gpus_matches_one_gpu(tiny_overrides, tmp_path, recipe):
     """TP=2 with sequence parallelism over NCCL (FP8: FP8-byte all-gathers, cuBLAS GEMMs) against TP=1."""
-    model = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
-             "model.ffn_hidden_size=512", f"precision.recipe={recipe}", "training.device=cuda"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "launch" / "pretrain.py"), "--config", "tiny_dense", *tiny_overrides, *model,
-           "parallel.tp=2", "parallel.sequence_parallel=true"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env(), cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "tp 2 x dp 1" in result.stdout + result.stderr
-    lines = (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()
-    two = [(r["loss"], r["grad_norm"]) for r in map(json.loads, lines) if r["kind"] == "train"]
-    cfg = load_config("tiny_dense", tiny_overrides + model + [f"logging.output_dir={tmp_path / 'one'}"])
-    one = [(r["loss"], r["grad_norm"]) for r in Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0)).fit()
-           if r["kind"] == "train"]
-    torch.testing.assert_close(torch.tensor(two)[:, 0], torch.tensor(one)[:, 0], rtol=5e-3, atol=0)
-    torch.testing.assert_close(torch.tensor(two)[:, 1], torch.tensor(one)[:, 1], rtol=3e-2, atol=0)
+    _two_gpus_match_one("tiny_dense", tiny_overrides, WIDE_HEADS + ["model.ffn_hidden_size=512",
+                                                                    f"precision.recipe={recipe}"],
+                        ["parallel.tp=2", "parallel.sequence_parallel=true"], tmp_path, "tp 2 x dp 1")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv", "dualpipev"])
+def test_pipeline_on_two_gpus_matches_one_gpu(tiny_overrides, tmp_path, schedule):
+    """PP=2 over NCCL, FP8 (cuBLAS/Triton; deferred FP8 weight gradients under the zero-bubble schedules)."""
+    _two_gpus_match_one("tiny_dense", tiny_overrides, WIDE_HEADS + ["model.num_layers=4", "precision.recipe=fp8"],
+                        ["parallel.pp=2", f"parallel.pp_schedule={schedule}"], tmp_path, "pipeline: " + schedule)
 
 
 def test_moe_layer_on_cuda_matches_the_cpu_reference():
@@ -91,19 +111,9 @@ def test_moe_layer_on_cuda_matches_the_cpu_reference():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_expert_parallel_on_two_gpus_matches_one_gpu(tiny_overrides, tmp_path):
     """EP=2 over NCCL (uneven all-to-all, FP8 dispatch) against one GPU, on the tiny MoE config."""
-    model = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
-             "model.moe_ffn_hidden_size=128", "training.device=cuda", "parallel.ep_dispatch_fp8=true"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "launch" / "pretrain.py"), "--config", "tiny_moe_fp8", *tiny_overrides, *model, "parallel.ep=2"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env(), cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()
-    two = [(r["loss"], r["grad_norm"]) for r in map(json.loads, lines) if r["kind"] == "train"]
-    cfg = load_config("tiny_moe_fp8", tiny_overrides + model + [f"logging.output_dir={tmp_path / 'one'}"])
-    one = [(r["loss"], r["grad_norm"]) for r in Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0)).fit()
-           if r["kind"] == "train"]
-    torch.testing.assert_close(torch.tensor(two)[:, 0], torch.tensor(one)[:, 0], rtol=5e-3, atol=0)
-    torch.testing.assert_close(torch.tensor(two)[:, 1], torch.tensor(one)[:, 1], rtol=3e-2, atol=0)
+    _two_gpus_match_one("tiny_moe_fp8", tiny_overrides, WIDE_HEADS + ["model.moe_ffn_hidden_size=128",
+                                                                      "parallel.ep_dispatch_fp8=true"],
+                        ["parallel.ep=2"], tmp_path)
 
 
 def test_mla_moe_mtp_model_trains_on_cuda(tiny_overrides):

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megafp8.config import load_config
@@ -40,7 +41,8 @@ def test_two_rank_run_matches_one_rank_with_accumulation(tiny_overrides, tmp_pat
     single = Trainer(load_config("tiny_dense", tiny_overrides + [f"logging.output_dir={tmp_path / 'one'}"]),
                      ParallelDims.single(), torch.device("cpu"))
     one_rank = [r["loss"] for r in single.fit() if r["kind"] == "train"]
-    assert two_rank[0] == one_rank[0]  # identical weights and data before the first update
+    # Identical weights and data before the first update: equal up to the order of summing micro-batch losses.
+    assert two_rank[0] == pytest.approx(one_rank[0], rel=2e-7)
     torch.testing.assert_close(torch.tensor(two_rank), torch.tensor(one_rank), rtol=2e-3, atol=0)
 
 

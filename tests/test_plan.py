@@ -91,20 +91,24 @@ def test_671b_config_counts_deepseek_v3s_parameters():
 def test_671b_run_on_one_machine_fails_fast_pointing_at_the_dry_run(tmp_path):
     from megafp8.train.plan import check_fits
 
-    plan = make_plan(load_config("671b_fp8", ["parallel.ep=8"]), 8)  # one 8-GPU node
+    plan = make_plan(load_config("671b_fp8", ["parallel.ep=8", "parallel.pp=1"]), 8)  # one 8-GPU node
     with pytest.raises(ConfigError, match=r"needs about .* GiB per GPU .*--dry-run"):
         check_fits(plan, capacity=141 * GIB)
-    # And at the paper's 2048 GPUs, without pipeline parallelism (issue 7) it does not fit either.
-    assert make_plan(load_config("671b_fp8"), 2048).total_bytes > 141 * GIB
+    # At the paper's 2048 GPUs it needs the pipeline: without it ~219 GiB per GPU, with PP16 (DualPipeV) it fits.
+    assert make_plan(load_config("671b_fp8", ["parallel.pp=1"]), 2048).total_bytes > 141 * GIB
+    assert make_plan(load_config("671b_fp8"), 2048).total_bytes < 100 * GIB
 
 
 def test_launching_671b_here_fails_fast_with_one_line(capsys):
     """On this machine the 671B config stops before reading data or allocating, pointing at the dry run."""
     from megafp8.train.main import main
 
-    assert main(["--config", "671b_fp8", "parallel.ep=1"]) == 2
+    assert main(["--config", "671b_fp8", "parallel.ep=1", "parallel.pp=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs about" in err[0] and "--dry-run" in err[0], err
+    assert main(["--config", "671b_fp8"]) == 2  # its 16 pipeline stages need at least 16 ranks
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 rank(s) cannot be split into tp=1 x pp=16" in err[0], err
 
 
 @pytest.mark.parametrize("name, params, activated", [("16b_moe_fp8", 15.7e9, None), ("1b_dense_fp8", 0.956e9, 0.956e9)])

@@ -24,7 +24,6 @@ from megafp8.parallel import (
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
-    gather_full,
     rank_groups,
     shard_of,
     tp_shard_of,
@@ -33,7 +32,7 @@ from megafp8.parallel import (
 from megafp8.precision import Fp8Backend, PrecisionRecipe
 from megafp8.train.main import main
 from megafp8.train.trainer import Trainer
-from tests.distributed import spawn
+from tests.distributed import full_grads, spawn
 
 N_TOKENS = 96  # not a multiple of 128: FP8 wgrad pads tokens
 IN, PARTS, OUT = 256, (512, 512), 256  # column: 256 -> [512; 512] (fused, like gate/up); row: 512 -> 256
@@ -254,28 +253,12 @@ def test_tp2_with_data_parallel_and_sharded_optimizer_matches_one_rank(tiny_over
         assert math.isclose(loss1, loss4, rel_tol=5e-3) and math.isclose(norm1, norm4, rel_tol=3e-2)
 
 
-def _full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter's reduced gradient at its full shape (DP shards and TP shards gathered)."""
-    buckets, tp = trainer.grad_buckets, trainer.tp
-    names = {p: n for n, p in trainer.model.named_parameters()}
-    grads = {}
-    for bucket in buckets.buckets:
-        flat = buckets.shard_grads(bucket)
-        if buckets.sharded and bucket.group_size > 1:
-            whole = torch.empty(bucket.numel)
-            dist.all_gather_into_tensor(whole, flat, group=bucket.group)
-            flat = whole
-        for p, offset in zip(bucket.params, bucket.offsets):
-            grads[names[p]] = gather_full(flat[offset:offset + p.numel()].view_as(p), tp_shard_of(p), tp).clone()
-    return grads
-
-
 def _grads_worker(rank, world, overrides, out_path):
     cfg = load_config("tiny_dense", overrides)
     dims = ParallelDims.build(tp=cfg.parallel.tp, ep=cfg.parallel.ep, sequence_parallel=cfg.parallel.sequence_parallel)
     trainer = Trainer(cfg, dims, torch.device("cpu"))
     captured = {}
-    trainer.optimizer.step = lambda lr: captured.update(_full_grads(trainer))  # after reduction and clipping
+    trainer.optimizer.step = lambda lr: captured.update(full_grads(trainer))  # after reduction and clipping
     _, grad_norm = trainer.train_step()
     if rank == 0:
         torch.save((captured, grad_norm.item()), out_path)

@@ -21,6 +21,7 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 BackendName = Literal["auto", "gloo", "nccl"]
 ScoreFunc = Literal["softmax", "sigmoid"]
 AttentionKind = Literal["gqa", "mla"]
+PipelineScheduleName = Literal["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
 
 
 def setting(default: Any, doc: str) -> Any:
@@ -137,7 +138,31 @@ class ParallelConfig:
         "activation memory at the same communication volume. Needs micro_batch_size x seq_len divisible by tp.",
     )
     dp: Optional[int] = setting(
-        None, "Data-parallel ranks. `null`: launched ranks / tp. If set, it must equal that."
+        None, "Data-parallel ranks. `null`: launched ranks / (tp x pp). If set, it must equal that."
+    )
+    pp: int = setting(
+        1,
+        "Pipeline-parallel stages (ranks). The layers are split into `pp x virtual stages` pipeline stages: the "
+        "embedding on the first, the final norm, LM head, loss (and MTP) on the last. Outermost in the rank "
+        "placement (stages may span nodes).",
+    )
+    pp_schedule: PipelineScheduleName = setting(
+        "1f1b",
+        "Pipeline schedule (`torch.distributed.pipelining`): `1f1b` (one stage per rank), `interleaved_1f1b` and "
+        "`interleaved_zb` (zero-bubble: weight gradients deferred into the bubbles) with `pp_virtual_stages` "
+        "looped stages per rank, `zbv` (zero-bubble V) and `dualpipev` (DeepSeek's DualPipe, V-shaped), both "
+        "with two stages per rank placed in a V (rank 0 holds the first and the last stage). The bubble fraction "
+        "is logged at start-up.",
+    )
+    pp_virtual_stages: int = setting(
+        2, "Stages per rank for `interleaved_1f1b` / `interleaved_zb` (`1f1b` uses 1; `zbv`, `dualpipev` use 2)."
+    )
+    pp_layout: Optional[str] = setting(
+        None,
+        "Explicit split of the model into pipeline stages, in pipeline order: stages separated by `|`, each a "
+        "comma list of `E` (embedding, first stage only), `t` or `t*N` (N transformer layers), `L` (final norm, "
+        "LM head and loss; last stage only; MTP modules go with it). E.g. `E,t*3|t*5|t*5|t*3,L` for 16 layers "
+        "on 4 stages. `null`: layers split evenly (earlier stages take the remainder).",
     )
     ep: int = setting(
         1,
@@ -253,7 +278,8 @@ class TrainingConfig:
     global_batch_size: int = setting(
         16,
         "Samples per optimizer step over all data-parallel ranks; must be a multiple of "
-        "`micro_batch_size * data-parallel ranks (launched ranks / parallel.tp)` (the quotient is the number of gradient-accumulation micro-batches).",
+        "`micro_batch_size * data-parallel ranks (launched ranks / (parallel.tp x parallel.pp))` (the quotient is the "
+        "number of gradient-accumulation micro-batches, which is also the pipeline's micro-batch count).",
     )
     micro_batch_size: int = setting(4, "Samples per forward/backward pass on one rank.")
     eval_interval: int = setting(50, "Evaluate validation loss every this many steps (and at the end); 0 disables.")

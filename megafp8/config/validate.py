@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from megafp8.config.errors import ConfigError
+from megafp8.config.layout import V_SHAPED, layer_counts, micro_batch_problem
 from megafp8.config.schema import Config
 
 
@@ -261,8 +262,8 @@ def _check_tensor_parallel(cfg: Config, tp: int) -> None:
 
 def validate_layout(cfg: Config, world_size: int) -> int:
     """The parallel layout's checks (sizes multiply out, shards on tile edges); returns the data-parallel size."""
-    tp, ep = cfg.parallel.tp, cfg.parallel.ep
-    dp = data_parallel_size(world_size, tp, ep=ep)
+    tp, ep, pp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.pp
+    dp = data_parallel_size(world_size, tp, pp, ep)
     if ep > 1 and cfg.model.moe_num_experts == 0:
         raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model: set model.moe_num_experts or "
                           "parallel.ep=1")
@@ -272,11 +273,29 @@ def validate_layout(cfg: Config, world_size: int) -> int:
                           f"of {_divisors(cfg.model.moe_num_experts, ep)}")
     if cfg.parallel.dp is not None and cfg.parallel.dp != dp:
         raise ConfigError(
-            f"parallel.dp={cfg.parallel.dp} but {world_size} rank(s) at parallel.tp={tp} give {dp} data-parallel "
-            f"replicas: set parallel.dp to {dp} or null, or launch {cfg.parallel.dp * tp} ranks"
+            f"parallel.dp={cfg.parallel.dp} but {world_size} rank(s) at parallel.tp={tp} x pp={pp} give {dp} "
+            f"data-parallel replicas: set parallel.dp to {dp} or null, or launch {cfg.parallel.dp * tp * pp} ranks"
         )
     _check_tensor_parallel(cfg, tp)
+    _check_pipeline_layout(cfg)
     return dp
+
+
+def _check_pipeline_layout(cfg: Config) -> None:
+    """The stages cover every layer once; MTP (on the last stage) needs the embedding on the same rank."""
+    par = cfg.parallel
+    if par.pp_virtual_stages < 1:
+        raise ConfigError(f"parallel.pp_virtual_stages must be at least 1, got {par.pp_virtual_stages}")
+    if par.pp == 1:
+        if par.pp_layout:
+            raise ConfigError("parallel.pp_layout is set but parallel.pp=1: remove pp_layout or raise parallel.pp")
+        return
+    layer_counts(cfg.model.num_layers, par.pp, par.pp_schedule, par.pp_virtual_stages, par.pp_layout)
+    if cfg.model.mtp_depth > 0 and par.pp_schedule not in V_SHAPED:
+        raise ConfigError(
+            f"model.mtp_depth={cfg.model.mtp_depth} with parallel.pp={par.pp}: the MTP modules on the last stage share "
+            f"the embedding of the first, which only V-shaped schedules place on the same rank; set "
+            f"parallel.pp_schedule to zbv or dualpipev (not {par.pp_schedule})")
 
 
 def validate_for_world(cfg: Config, world_size: int) -> int:
@@ -290,4 +309,11 @@ def validate_for_world(cfg: Config, world_size: int) -> int:
             f"micro_batch_size x data-parallel ranks = {cfg.training.micro_batch_size} x {dp} = {per_step}: "
             f"set global_batch_size to e.g. {lower} or {lower + per_step}, or change training.micro_batch_size"
         )
-    return cfg.training.global_batch_size // per_step
+    n_micro = cfg.training.global_batch_size // per_step
+    problem = micro_batch_problem(cfg.parallel.pp_schedule, cfg.parallel.pp, n_micro) if cfg.parallel.pp > 1 else None
+    if problem:
+        raise ConfigError(
+            f"{problem}, but training.global_batch_size={cfg.training.global_batch_size} / (micro_batch_size "
+            f"{cfg.training.micro_batch_size} x {dp} data-parallel ranks) = {n_micro}: raise "
+            "training.global_batch_size or lower training.micro_batch_size")
+    return n_micro

@@ -38,14 +38,15 @@ def _islands(model: nn.Module) -> list[str]:
 
 
 def apply_fp8_plan(model: nn.Module, cfg: PrecisionConfig, recipe: PrecisionRecipe, num_layers: int,
-                   dry_run: bool = False) -> Fp8Plan:
+                   dry_run: bool = False, check_patterns: bool = True) -> Fp8Plan:
     """Set each GEMM layer's recipe (FP8 or BF16) and return the plan. `dry_run`: only check the plan (bad
     patterns, unsupported layers raise) and return it, leaving the layers as they are, e.g. at start-up of a
-    run that switches to FP8 later."""
+    run that switches to FP8 later. `check_patterns=False` skips the check that every glob matches a layer
+    (a pipeline stage holds only some layers; the whole model's plan is checked once, on a meta copy)."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (ParallelLinear, ExpertLinear))}
     eligible = [n for n in linears if n != LM_HEAD]
     islands = _islands(model)
-    for pattern in cfg.fp8_layers:
+    for pattern in cfg.fp8_layers if check_patterns else []:
         hits = [n for n in eligible if fnmatch(n, pattern)]
         island_hits = [n for n in islands if fnmatch(n, pattern)]
         if island_hits and not hits:
@@ -57,7 +58,7 @@ def apply_fp8_plan(model: nn.Module, cfg: PrecisionConfig, recipe: PrecisionReci
             raise ConfigError(f"precision.fp8_layers entry '{pattern}' matches no GEMM layer "
                               f"(names look like {eligible[0]})")
     keep = list(cfg.bf16_layers)
-    for pattern in keep:
+    for pattern in keep if check_patterns else []:
         if not any(fnmatch(n, pattern) for n in linears):
             raise ConfigError(f"precision.bf16_layers entry '{pattern}' matches no GEMM layer "
                               f"(names look like {eligible[0]})")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -51,66 +51,146 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x)), None
 
 
+class LayerDict(nn.ModuleDict):
+    """The blocks a rank holds, keyed by global layer index (names like `layers.7.*` at any pipeline split);
+    `layers[7]` and `layers["7"]` both work."""
+
+    def __getitem__(self, key: int | str) -> nn.Module:
+        return super().__getitem__(str(key))
+
+
+class _AttachBalanceLoss(torch.autograd.Function):
+    """Identity on the residual stream whose backward also gives the MoE balance loss the gradient `scale`.
+
+    The balance loss joins backward where it is computed instead of being added to the returned loss,
+    so it flows through pipeline stages (only the last stage has the loss) and the reported loss is the
+    language-modelling loss alone."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale: float):
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        return dx, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=dx.device), None
+
+
 class Transformer(nn.Module):
     """Decoder-only language model. `cfg.vocab_size` must be resolved (not None) before building.
 
     The residual stream is token-major, (B*T, hidden); under sequence parallelism each rank holds
-    a contiguous 1/tp of those tokens between the tensor-parallel regions."""
+    a contiguous 1/tp of those tokens between the tensor-parallel regions.
+
+    Under pipeline parallelism a rank builds only its stages' parts: `layer_ids` (global indices; parameter
+    names stay those of the whole model, e.g. `layers.7.attn.qkv_proj.weight`), the embedding if it holds
+    the first stage, the final norm, LM head and MTP modules if it holds the last."""
 
     def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, max_seq_len: int,
                  tp: Optional[TensorParallel] = None, device=None, ep: Optional[ExpertParallel] = None,
-                 fp8_dispatch: bool = False) -> None:
+                 fp8_dispatch: bool = False, layer_ids: Optional[Sequence[int]] = None, embedding: bool = True,
+                 head: bool = True) -> None:
         super().__init__()
         if cfg.vocab_size is None:
             raise ValueError("resolve model.vocab_size (e.g. from the tokenizer) before building the model")
+        if head and cfg.mtp_depth > 0 and not embedding:
+            raise ValueError("the MTP modules use the embedding: the rank holding the head must hold it too")
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel.single()
+        self.max_seq_len = max_seq_len
+        # Gradient that backward gives each MoE balance loss: the factor applied to the returned loss before
+        # backward (1 / micro-batches x loss scale). The trainer sets it every step.
+        self.balance_grad_scale = 1.0
         dtype = recipe.param_dtype
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp, device)
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp, device) if embedding else None
         rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else head_dim_of(cfg)
         self.rope = RotaryEmbedding(rope_dim, max_seq_len, cfg.rope_theta, device)
         ep = ep or ExpertParallel.single()
-        self.layers = nn.ModuleList(Block(cfg, recipe, tp, is_moe_layer(cfg, i), ep, fp8_dispatch, device)
-                                    for i in range(cfg.num_layers))
-        # MTP blocks are built like the last main block (MoE if that one is).
-        self.mtp = nn.ModuleList(
-            MtpModule(cfg, recipe, Block(cfg, recipe, tp, is_moe_layer(cfg, cfg.num_layers - 1), ep, fp8_dispatch,
-                                         device), device)
-            for _ in range(cfg.mtp_depth))
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
-        # The LM head is a precision island: never FP8, whatever the recipe.
-        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, recipe.high_precision(), tp, device=device)
+        layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+        self.layers = LayerDict({str(i): Block(cfg, recipe, tp, is_moe_layer(cfg, i), ep, fp8_dispatch, device)
+                                 for i in layer_ids})
+        self.has_head = head
+        if head:
+            # MTP blocks are built like the last main block (MoE if that one is).
+            last_moe = is_moe_layer(cfg, cfg.num_layers - 1)
+            self.mtp = nn.ModuleList(
+                MtpModule(cfg, recipe, Block(cfg, recipe, tp, last_moe, ep, fp8_dispatch, device), device)
+                for _ in range(cfg.mtp_depth))
+            self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
+            # The LM head is a precision island: never FP8, whatever the recipe.
+            self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, recipe.high_precision(), tp,
+                                                device=device)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens: (B, T) int64. Returns the mean loss if `targets` (B, T) is given (plus the weighted MoE balance
-        losses, when enabled), else logits (B, T, V)."""
+        """tokens: (B, T) int64. Returns the mean loss if `targets` (B, T) is given (cross-entropy plus the weighted
+        MTP loss; the MoE balance losses reach backward on their own), else logits (B, T, V)."""
         batch, seq_len = tokens.shape
-        x = self.embed(tokens)  # (B*T, hidden), or this rank's 1/tp of the tokens under SP
-        balance_losses = []
-        for layer in self.layers:
-            x, aux = layer(x, self.rope, batch, seq_len)
-            if aux is not None:
-                balance_losses.append(aux)
-        logits = self.lm_head(self.final_norm(x))  # (B*T, vocab / tp)
+        hidden = self.run_layers(self.embed(tokens), self.layers.keys(), batch, seq_len)
         if targets is None:
+            logits = self.lm_head(self.final_norm(hidden))  # (B*T, vocab / tp)
             return gather_from_tp_last(logits, self.tp).view(batch, seq_len, -1)
+        return self.head_loss(hidden, targets)
+
+    def run_layers(self, x: torch.Tensor, layer_ids: Iterable[str], batch: int, seq_len: int) -> torch.Tensor:
+        """The residual stream after the blocks `layer_ids` (keys of `self.layers`), in order."""
+        for i in layer_ids:
+            x, aux = self.layers[i](x, self.rope, batch, seq_len)
+            x = self._attach_balance_loss(x, aux)
+        return x
+
+    def _attach_balance_loss(self, x: torch.Tensor, aux: Optional[torch.Tensor]) -> torch.Tensor:
+        if aux is None or not torch.is_grad_enabled():
+            return x
+        return _AttachBalanceLoss.apply(x, aux, self.balance_grad_scale)
+
+    def tokens_per_row_block(self, rows: int) -> int:
+        """Batch size of a micro-batch whose residual stream has `rows` rows on this rank (max_seq_len tokens
+        per sample; under sequence parallelism this rank holds 1/tp of them)."""
+        return rows * (self.tp.size if self.tp.sp else 1) // self.max_seq_len
+
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, LM head and mean cross-entropy of the last block's output, plus the weighted MTP loss."""
+        logits = self.lm_head(self.final_norm(hidden))  # (B*T, vocab / tp)
         loss = vocab_parallel_cross_entropy(logits, targets, self.tp)
         if self.mtp:
-            loss = loss + self.cfg.mtp_loss_weight * self._mtp_loss(x, tokens, targets, balance_losses)
-        return loss + sum(balance_losses) if balance_losses else loss
+            loss = loss + self.cfg.mtp_loss_weight * self._mtp_loss(hidden, targets)
+        return loss
 
-    def _mtp_loss(self, hidden: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor,
-                  balance_losses: list[torch.Tensor]) -> torch.Tensor:
-        """Mean cross-entropy of the MTP depths (each predicting one more token ahead); appends their balance
-        losses to `balance_losses`."""
-        batch, seq_len = tokens.shape
+    def _mtp_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the MTP depths (each predicting one more token ahead)."""
+        batch, seq_len = targets.shape
         total = torch.zeros((), device=hidden.device)
         for k, module in enumerate(self.mtp, start=1):
             inputs, ahead = shifted_inputs(targets, k)
             hidden, aux = module(hidden, self.embed(inputs), self.rope, batch, seq_len)
-            balance_losses.append(aux)
+            hidden = self._attach_balance_loss(hidden, aux if aux.requires_grad else None)
             total = total + vocab_parallel_cross_entropy(self.lm_head(module.out_norm(hidden)), ahead, self.tp)
         return total / len(self.mtp)
+
+
+class PipelineChunk(nn.Module):
+    """One pipeline stage of a rank's `Transformer`: its input is the token ids (first stage) or the residual
+    stream from the previous stage, its output the residual stream after its blocks (the last stage's goes to
+    `Transformer.head_loss`). Holds the stage's own modules, so `parameters()` are that stage's."""
+
+    def __init__(self, model: Transformer, layer_ids: Sequence[int], first: bool, last: bool) -> None:
+        super().__init__()
+        self.layer_ids = [str(i) for i in layer_ids]
+        self.first = first
+        self.blocks = nn.ModuleList(model.layers[i] for i in self.layer_ids)
+        self.embed = model.embed if first else None
+        self.head = nn.ModuleList([model.final_norm, model.lm_head, model.mtp]) if last else None
+        self._run_layers = model.run_layers  # a bound method: the model is not registered as a submodule
+        self._batch_of = model.tokens_per_row_block
+        self._seq_len = model.max_seq_len
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            batch, seq_len = x.shape
+            x = self.embed(x)
+        else:  # (rows, hidden) from the previous stage: full-length samples
+            batch, seq_len = self._batch_of(x.shape[0]), self._seq_len
+        return self._run_layers(x, self.layer_ids, batch, seq_len)
 
 
 def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int, tp_size: int = 1) -> ModelConfig:

@@ -12,7 +12,7 @@ only (each bucket stores them first, so a shard's decayed elements form one cont
 Gradient clipping uses the global L2 norm: each element is owned by exactly one rank of its
 group, so summing the shards' squares over the group counts every gradient once; over the
 tensor-parallel group, sharded parameters are summed and replicated ones (norm weights) are
-counted on TP rank 0 only.
+counted on TP rank 0 only; over the pipeline group, each stage's parameters are its own.
 
 Checkpoint state is by parameter name at the full (unsharded) shape: tensor-parallel shards are
 gathered on save and sliced on load, so a checkpoint loads at any TP and DP layout.
@@ -60,8 +60,10 @@ class DistributedAdamW:
     """FP32-master AdamW over `buckets`; `names` maps each parameter to its name (for checkpoints)."""
 
     def __init__(self, buckets: GradBuckets, names: dict[nn.Parameter, str], cfg: OptimizerConfig,
-                 tp: TensorParallel | None = None, ep: ExpertParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, ep: ExpertParallel | None = None,
+                 pp_group: dist.ProcessGroup | None = None) -> None:
         self.buckets, self.cfg = buckets, cfg
+        self.pp_group = pp_group  # other pipeline stages hold other parameters
         self.names = names
         self.tp = tp or TensorParallel.single()
         self.ep = ep or ExpertParallel.single()
@@ -106,6 +108,8 @@ class DistributedAdamW:
             sum_sq += part
         if self.tp.enabled:
             dist.all_reduce(sum_sq, group=self.tp.group)
+        if self.pp_group is not None:
+            dist.all_reduce(sum_sq, group=self.pp_group)
         norm = sum_sq.sqrt()
         if self.cfg.grad_clip > 0:
             coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megafp8.config import ParallelConfig
 from megafp8.config.validate import data_parallel_size
 
 
@@ -133,6 +134,11 @@ class ParallelDims:
                     mine[kind] = group
         return cls(world_size, rank, tp, pp, dp, ep, mine["tp"], mine["dp"], mine["pp"], mine["ep"], mine["edp"],
                    sequence_parallel)
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig) -> "ParallelDims":
+        """`build` with the sizes of a config's `parallel` section (collective)."""
+        return cls.build(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, sequence_parallel=parallel.sequence_parallel)
 
     # Coordinates of this rank (the placement in the module docstring).
     @property

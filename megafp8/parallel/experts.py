@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megafp8.precision import TILE, Fp8Backend, Fp8Format, Fp8Recipe, PrecisionRecipe, select_backend
+from megafp8.precision import TILE, Fp8Backend, Fp8Format, Fp8Recipe, PrecisionRecipe, WeightGradQueue, select_backend
 from megafp8.precision.grouped import GroupedWeightCache, grouped_linear
 from megafp8.parallel.dims import ExpertParallel
 from megafp8.parallel.sharding import mark_expert
@@ -53,6 +53,7 @@ class ExpertLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(len(local), out_features, in_features, dtype=recipe.param_dtype,
                                                device=device))
         mark_expert(self.weight, local.start, num_experts)
+        self.wgrad_queue: Optional[WeightGradQueue] = None  # set to defer weight gradients (zero-bubble PP)
         self.set_recipe(recipe)
 
     def set_recipe(self, recipe: PrecisionRecipe) -> None:
@@ -80,10 +81,11 @@ class ExpertLinear(nn.Module):
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         fp8 = self.recipe.fp8
         if fp8 is None:
-            return grouped_linear(rows, self.weight, counts, None, None, None)
+            return grouped_linear(rows, self.weight, counts, None, None, None, self.wgrad_queue)
         if not self.supports(fp8):
             raise ValueError(PARTIAL_FP8_EXPERTS)
-        return grouped_linear(rows, self.weight, counts, self.fp8_cache, fp8.gemm_config, self.fp8_backend(rows.device))
+        return grouped_linear(rows, self.weight, counts, self.fp8_cache, fp8.gemm_config, self.fp8_backend(rows.device),
+                              self.wgrad_queue)
 
     def fp8_backend(self, device: torch.device) -> Fp8Backend:
         """The FP8 backend this layer's GEMMs use (selected once)."""

@@ -33,7 +33,17 @@ from megafp8.parallel.collectives import (
 )
 from megafp8.parallel.dims import TensorParallel
 from megafp8.parallel.sharding import TpShard, mark_sharded
-from megafp8.precision import TILE, Fp8Backend, Fp8WeightCache, LinearComm, PrecisionRecipe, fp8_linear, select_backend
+from megafp8.precision import (
+    TILE,
+    Fp8Backend,
+    Fp8WeightCache,
+    LinearComm,
+    PrecisionRecipe,
+    WeightGradQueue,
+    fp8_linear,
+    linear,
+    select_backend,
+)
 
 
 def _check_split(what: str, size: int, tp: TensorParallel) -> None:
@@ -94,6 +104,7 @@ class ParallelLinear(nn.Module):
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.weight = nn.Parameter(torch.empty(weight_shape, dtype=recipe.param_dtype, device=device))
         self._comm: Optional[LinearComm] = None
+        self.wgrad_queue: Optional[WeightGradQueue] = None  # set to defer weight gradients (zero-bubble PP)
         self.set_recipe(recipe)
 
     def set_recipe(self, recipe: PrecisionRecipe) -> None:
@@ -119,7 +130,8 @@ class ParallelLinear(nn.Module):
         fp8 = self.recipe.fp8
         if self._fp8_backend is None:
             self._fp8_backend = select_backend(fp8.backend, x.device)
-        return fp8_linear(x, self.weight, self.fp8_cache, fp8.gemm_config, self._fp8_backend, self._comm)
+        return fp8_linear(x, self.weight, self.fp8_cache, fp8.gemm_config, self._fp8_backend, self._comm,
+                          self.wgrad_queue)
 
     def extra_repr(self) -> str:
         shard = f", tp={self.tp.size}" if self.tp.enabled else ""
@@ -149,7 +161,8 @@ class ColumnParallelLinear(ParallelLinear):
             x = x.reshape(-1, x.shape[-1])
         if self.runs_fp8:
             return self._fp8_forward(x)
-        return F.linear(gather_from_sp(x, self.tp) if self.tp.sp else copy_to_tp(x, self.tp), self.weight)
+        return linear(gather_from_sp(x, self.tp) if self.tp.sp else copy_to_tp(x, self.tp), self.weight,
+                      self.wgrad_queue)
 
 
 class RowParallelLinear(ParallelLinear):
@@ -170,7 +183,7 @@ class RowParallelLinear(ParallelLinear):
             x = x.reshape(-1, x.shape[-1])
         if self.runs_fp8:
             return self._fp8_forward(x)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, self.wgrad_queue)
         return reduce_scatter_to_sp(y, self.tp) if self.tp.sp else reduce_from_tp(y, self.tp)
 
 

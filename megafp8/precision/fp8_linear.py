@@ -152,9 +152,71 @@ def accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor) -> Optional[torch.T
     return None
 
 
+class WeightGradQueue:
+    """Weight-gradient GEMMs held back from backward, to run later (the W pass of zero-bubble pipeline
+    schedules). A layer given a queue pushes its wgrad (GEMM plus FP32 accumulation into `main_grad`) here
+    instead of running it; `take()` hands everything pushed so far over as one callable."""
+
+    def __init__(self) -> None:
+        self._pending: list[Callable[[], None]] = []
+
+    def push(self, run: Callable[[], None]) -> None:
+        self._pending.append(run)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def take(self) -> Callable[[], None]:
+        pending, self._pending = self._pending, []
+
+        def run_all() -> None:
+            with torch.no_grad():  # as inside backward: the deferred GEMMs build no graph
+                for run in pending:
+                    run()
+        return run_all
+
+
+def weight_grad_or_defer(weight: torch.Tensor, compute: Callable[[], torch.Tensor],
+                         queue: Optional[WeightGradQueue]) -> Optional[torch.Tensor]:
+    """The weight's gradient now (see `accumulate_wgrad`), or, with a queue and an FP32 `main_grad` to add into,
+    None now and the GEMM later."""
+    if queue is not None and getattr(weight, "main_grad", None) is not None:
+        queue.push(lambda: accumulate_wgrad(weight, compute()))
+        return None
+    return accumulate_wgrad(weight, compute())
+
+
+class _LinearDeferredWgradFn(torch.autograd.Function):
+    """A plain (BF16/FP32) `x @ weight^T` whose weight gradient goes through a `WeightGradQueue`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, queue: WeightGradQueue):
+        ctx.save_for_backward(x, weight)
+        ctx.queue = queue
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dy2d, x2d = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+            dw = weight_grad_or_defer(weight, lambda: dy2d.t() @ x2d, ctx.queue)
+        return dx, dw, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, wgrad_queue: Optional[WeightGradQueue] = None) -> torch.Tensor:
+    """`F.linear(x, weight)`, with the weight-gradient GEMM deferred to `wgrad_queue` when one is given."""
+    if wgrad_queue is None:
+        return F.linear(x, weight)
+    return _LinearDeferredWgradFn.apply(x, weight, wgrad_queue)
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, cache: Fp8WeightCache, cfg: Fp8GemmConfig, backend: Fp8Backend, comm: LinearComm):
+    def forward(ctx, x, weight, cache: Fp8WeightCache, cfg: Fp8GemmConfig, backend: Fp8Backend, comm: LinearComm,
+                queue: Optional[WeightGradQueue]):
         x2d = x.reshape(-1, x.shape[-1])  # (M, K) this rank's rows
         entry = cache.get(weight, backend, cfg.fmt, cfg.power_of_two)
         x_fp8 = x_scale = x_full = None
@@ -169,6 +231,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         # wgrad in FP8 needs only the FP8 input; otherwise keep the BF16 input.
         ctx.save_for_backward(*((x_fp8, x_scale) if cfg.wgrad else (x_full if x_full is not None else x2d,)), weight)
         ctx.entry, ctx.cfg, ctx.backend, ctx.comm, ctx.in_shape = entry, cfg, backend, comm, x.shape
+        ctx.queue = queue
         y = comm.reduce_output(y)
         if y.shape[0] != x2d.shape[0]:  # the collectives changed the token count (sequence parallelism)
             return y
@@ -184,13 +247,15 @@ class _Fp8LinearFn(torch.autograd.Function):
             finish_dx = comm.start_reduce_grad_input(dgrad(dy2d, weight, ctx.entry, cfg, backend))
         dw = None
         if ctx.needs_input_grad[1]:
-            dw = accumulate_wgrad(weight, wgrad(dy2d, tuple(saved), cfg, backend))
+            dw = weight_grad_or_defer(weight, lambda: wgrad(dy2d, tuple(saved), cfg, backend), ctx.queue)
         dx = finish_dx().reshape(ctx.in_shape) if finish_dx is not None else None
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, cfg: Fp8GemmConfig,
-               backend: Fp8Backend, comm: Optional[LinearComm] = None) -> torch.Tensor:
+               backend: Fp8Backend, comm: Optional[LinearComm] = None,
+               wgrad_queue: Optional[WeightGradQueue] = None) -> torch.Tensor:
     """`x @ weight^T` with FP8 GEMMs; x (..., K) BF16, weight (N, K). Token count M need not be a multiple of 128.
-    `comm` adds the collectives of a tensor-parallel layer (output rows may then differ from input rows)."""
-    return _Fp8LinearFn.apply(x, weight, cache, cfg, backend, comm or LinearComm())
+    `comm` adds the collectives of a tensor-parallel layer (output rows may then differ from input rows);
+    `wgrad_queue` defers the weight-gradient GEMM (zero-bubble pipelines)."""
+    return _Fp8LinearFn.apply(x, weight, cache, cfg, backend, comm or LinearComm(), wgrad_queue)

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from megafp8.precision.backends import Fp8Backend
-from megafp8.precision.fp8_linear import Fp8GemmConfig, accumulate_wgrad, quantize_input
+from megafp8.precision.fp8_linear import Fp8GemmConfig, WeightGradQueue, quantize_input, weight_grad_or_defer
 from megafp8.precision.formats import TILE, Fp8Format
 
 
@@ -99,8 +99,9 @@ def _from_padded_layout(padded: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
 
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, counts, cache, cfg: Optional[Fp8GemmConfig], backend: Optional[Fp8Backend]):
-        ctx.cfg, ctx.backend = cfg, backend
+    def forward(ctx, x, weight, counts, cache, cfg: Optional[Fp8GemmConfig], backend: Optional[Fp8Backend],
+                queue: Optional[WeightGradQueue]):
+        ctx.cfg, ctx.backend, ctx.queue = cfg, backend, queue
         if cfg is None:
             segments, y, start = [], x.new_empty(x.shape[0], weight.shape[1]), 0
             for e, c in enumerate(counts):
@@ -127,31 +128,39 @@ class _GroupedLinearFn(torch.autograd.Function):
         if cfg is None:
             (x,) = saved
             dx = torch.zeros(dy.shape[0], weight.shape[2], dtype=dy.dtype, device=dy.device)
-            dw = torch.zeros(weight.shape, dtype=dy.dtype, device=dy.device)
             for e, lo, hi in ctx.segments:
                 dx[lo:hi] = dy[lo:hi] @ weight[e]
-                dw[e] = dy[lo:hi].t() @ x[lo:hi]
-            return dx, accumulate_wgrad(weight, dw), None, None, None, None
+
+            def plain_wgrad() -> torch.Tensor:
+                dw = torch.zeros(weight.shape, dtype=dy.dtype, device=dy.device)
+                for e, lo, hi in ctx.segments:
+                    dw[e] = dy[lo:hi].t() @ x[lo:hi]
+                return dw
+            return dx, weight_grad_or_defer(weight, plain_wgrad, ctx.queue), None, None, None, None, None
         xp_fp8, xp_scale = saved
         rows, entry = ctx.rows, ctx.entry
         dyp = _to_padded_layout(dy, rows)
         dy_fp8, dy_scale = backend.quantize_tiles(dyp, cfg.grad_fmt, cfg.power_of_two)
         dxp = backend.grouped_gemm(dy_fp8, dy_scale, entry.wt_fp8, entry.wt_scale, rows, dy.dtype)
         dx = _from_padded_layout(dxp, rows)
-        # wgrad contracts over each expert's rows: both operands in 1x128 tiles along the (padded) rows.
-        dyt_fp8, dyt_scale = backend.quantize_tiles_transposed(dyp, cfg.grad_fmt, cfg.power_of_two)
-        xt_fp8, xt_scale = backend.retile_transposed(xp_fp8, xp_scale, cfg.fmt, cfg.power_of_two)
-        dw = backend.grouped_wgrad(dyt_fp8, dyt_scale, xt_fp8, xt_scale, rows, weight.shape[0], dy.dtype)
-        return dx, accumulate_wgrad(weight, dw), None, None, None, None
+
+        def fp8_wgrad() -> torch.Tensor:
+            # wgrad contracts over each expert's rows: both operands in 1x128 tiles along the (padded) rows.
+            dyt_fp8, dyt_scale = backend.quantize_tiles_transposed(dyp, cfg.grad_fmt, cfg.power_of_two)
+            xt_fp8, xt_scale = backend.retile_transposed(xp_fp8, xp_scale, cfg.fmt, cfg.power_of_two)
+            return backend.grouped_wgrad(dyt_fp8, dyt_scale, xt_fp8, xt_scale, rows, weight.shape[0], dy.dtype)
+        return dx, weight_grad_or_defer(weight, fp8_wgrad, ctx.queue), None, None, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], cache: Optional[GroupedWeightCache],
-                   cfg: Optional[Fp8GemmConfig], backend: Optional[Fp8Backend]) -> torch.Tensor:
+                   cfg: Optional[Fp8GemmConfig], backend: Optional[Fp8Backend],
+                   wgrad_queue: Optional[WeightGradQueue] = None) -> torch.Tensor:
     """x (M, K) rows sorted by expert, `counts[e]` of them for expert e; weight (E, N, K) -> (M, N).
-    `cfg` None: BF16/FP32 matmuls; else FP8 per-tile GEMMs through `backend` with the weight cached in `cache`."""
+    `cfg` None: BF16/FP32 matmuls; else FP8 per-tile GEMMs through `backend` with the weight cached in `cache`.
+    `wgrad_queue` defers the weight-gradient GEMMs (zero-bubble pipelines)."""
     if sum(counts) != x.shape[0] or len(counts) != weight.shape[0]:
         raise ValueError(f"{len(counts)} expert row counts summing to {sum(counts)} for {x.shape[0]} rows and "
                          f"{weight.shape[0]} experts")
     if x.shape[0] == 0:  # no rows reached this rank's experts: nothing to quantize (the plain path handles it)
         cfg = None
-    return _GroupedLinearFn.apply(x, weight, counts, cache, cfg, backend)
+    return _GroupedLinearFn.apply(x, weight, counts, cache, cfg, backend, wgrad_queue)

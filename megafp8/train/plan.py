@@ -7,6 +7,10 @@ divided over data-parallel ranks when sharded. Activations are an estimate for o
 without recomputation, Megatron's count with a fused attention kernel: per token, hidden unit and
 layer ~34 bytes in BF16, (10 + 24/tp) under tensor parallelism and 34/tp with sequence
 parallelism; plus the logits (BF16, plus FP32 for the loss) split over TP.
+
+Under pipeline parallelism the figures are those of the busiest pipeline rank (its stages' weights;
+activations of its layers for the micro-batches in flight at once: pp under 1F1B and ZB-V,
+pp x (1 + (pp-1)/(pp x v)) under the interleaved schedules, pp + 1 under DualPipeV).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from megafp8.data import read_meta
 from megafp8.config.validate import data_parallel_size, validate_layout
 from megafp8.model import Transformer, resolve_vocab_size, training_flops_per_token
 from megafp8.parallel import ExpertParallel, TensorParallel, full_shape, is_expert
+from megafp8.parallel.pipeline import build_layout
 from megafp8.precision import PrecisionRecipe
 
 _PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp16": 2, "fp32": 4}
@@ -90,19 +95,28 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     must be set."""
     if cfg.model.vocab_size is None:
         raise ConfigError("planning needs model.vocab_size (it is otherwise read from the data): set it")
-    tp = cfg.parallel.tp
-    dp = data_parallel_size(world_size, tp, ep=cfg.parallel.ep)
+    tp, pp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
+    dp = data_parallel_size(world_size, tp, pp, ep)
     recipe_name = cfg.precision.recipe if cfg.precision.recipe != "auto" else "fp8"
     shard_layout = TensorParallel(None, tp, 0, cfg.parallel.sequence_parallel)  # shapes only: no group needed
-    ep = cfg.parallel.ep
-    model = Transformer(cfg.model, PrecisionRecipe.from_name(recipe_name), cfg.data.seq_len, shard_layout,
-                        device="meta", ep=ExpertParallel(None, ep, 0))
+
+    def meta_model(**stage_parts) -> Transformer:
+        return Transformer(cfg.model, PrecisionRecipe.from_name(recipe_name), cfg.data.seq_len, shard_layout,
+                           device="meta", ep=ExpertParallel(None, ep, 0), **stage_parts)
+
     params: dict[str, int] = {p: 0 for p in ("embedding", "attention", "mlp", "experts", "norms", "lm_head", "mtp")}
-    n = n_expert = 0  # this rank's parameters, and how many of them are routed experts
-    for name, p in model.named_parameters():
+    for name, p in meta_model().named_parameters():
         params[_part(name)] += math.prod(full_shape(p, tp))  # every expert, every TP shard
-        n += p.numel()
-        n_expert += p.numel() if is_expert(p) else 0
+    n = n_expert = 0  # the busiest pipeline rank's parameters, and how many of them are routed experts
+    layers_per_rank = cfg.model.num_layers
+    ranks = [{}] if pp == 1 else [_stage_parts(cfg, r) for r in range(pp)]
+    for parts in ranks:
+        rank_params = list(meta_model(**parts).parameters())
+        if sum(p.numel() for p in rank_params) >= n:
+            n = sum(p.numel() for p in rank_params)
+            n_expert = sum(p.numel() for p in rank_params if is_expert(p))
+    if pp > 1:
+        layers_per_rank = max(len(parts["layer_ids"]) for parts in ranks)
     for part, unused in (("experts", cfg.model.moe_num_experts == 0), ("mtp", cfg.model.mtp_depth == 0)):
         if unused:
             del params[part]
@@ -111,7 +125,7 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     moment_bytes = 4 if cfg.optimizer.moment_dtype == "fp32" else 2
     tokens = cfg.training.micro_batch_size * cfg.data.seq_len
     per_unit = 34 / tp if shard_layout.sp else 10 + 24 / tp
-    activations = (per_unit * tokens * cfg.model.hidden_size * cfg.model.num_layers
+    activations = (per_unit * tokens * cfg.model.hidden_size * layers_per_rank * _in_flight(cfg)
                    + tokens * cfg.model.vocab_size * (2 + 4) / tp)
     bytes_per_rank = {
         "weights": n * _PARAM_BYTES[recipe_name],
@@ -124,6 +138,26 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     routed_share = m.moe_top_k / m.moe_num_experts if m.moe_num_experts else 1.0
     activated = sum(v for k, v in params.items() if k not in ("experts", "mtp")) + params.get("experts", 0) * routed_share
     return Plan(params, bytes_per_rank, training_flops_per_token(cfg.model, cfg.data.seq_len), world_size, activated)
+
+
+def _stage_parts(cfg: Config, pp_rank: int) -> dict:
+    """What `pp_rank` builds of the model (Transformer keyword arguments)."""
+    par = cfg.parallel
+    layout = build_layout(cfg.model.num_layers, par.pp, par.pp_schedule, par.pp_virtual_stages, par.pp_layout)
+    stages = layout.local_stages(pp_rank)
+    return {"layer_ids": [i for s in stages for i in s.layers], "embedding": any(s.first for s in stages),
+            "head": any(s.last for s in stages)}
+
+
+def _in_flight(cfg: Config) -> float:
+    """Micro-batches whose activations the first pipeline rank holds at once (1 without pipelining)."""
+    pp, schedule = cfg.parallel.pp, cfg.parallel.pp_schedule
+    if pp == 1:
+        return 1.0
+    if schedule in ("interleaved_1f1b", "interleaved_zb"):
+        v = cfg.parallel.pp_virtual_stages
+        return pp * (1 + (pp - 1) / (pp * v))  # Megatron's interleaved-schedule activation factor
+    return pp + 1 if schedule == "dualpipev" else pp
 
 
 def with_vocab(cfg: Config) -> Config:
@@ -153,9 +187,11 @@ def dry_run(cfg: Config, world_size: int, peak_tflops: float, mfu: float) -> str
               f"vocab {m.vocab_size}, seq "
               f"{cfg.data.seq_len}, micro-batch {cfg.training.micro_batch_size}, precision {cfg.precision.recipe}, "
               f"tp {cfg.parallel.tp}{' with sequence parallelism' if cfg.parallel.sequence_parallel else ''}"
-              f"{f', ep {cfg.parallel.ep}' if cfg.parallel.ep > 1 else ''}, "
+              f"{f', ep {cfg.parallel.ep}' if cfg.parallel.ep > 1 else ''}"
+              f"{f', pp {cfg.parallel.pp} ({cfg.parallel.pp_schedule})' if cfg.parallel.pp > 1 else ''}, "
               f"optimizer {'sharded' if cfg.optimizer.sharded else 'replicated'} over "
-              f"{data_parallel_size(world_size, cfg.parallel.tp, ep=cfg.parallel.ep)} data-parallel rank(s)")
+              f"{data_parallel_size(world_size, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)} data-parallel "
+              "rank(s)" + (" | memory of the busiest pipeline rank" if cfg.parallel.pp > 1 else ""))
     return header + "\n\n" + make_plan(cfg, world_size).render(peak_tflops, mfu)
 
 

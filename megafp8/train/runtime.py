@@ -59,7 +59,7 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
             device_id=device if device.type == "cuda" else None,
         )
         log.info("initialized %s with %d ranks on %s", backend, world_size, device.type)
-    dims = ParallelDims.build(tp=cfg.parallel.tp, ep=cfg.parallel.ep, sequence_parallel=cfg.parallel.sequence_parallel)
+    dims = ParallelDims.from_config(cfg.parallel)
     if dims.is_distributed:
         log.info("layout: %s", dims.describe())
     return dims, device

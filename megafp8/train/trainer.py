@@ -27,6 +27,7 @@ from megafp8.data.indexed import DatasetMeta
 from megafp8.model import Transformer, apply_fp8_plan, init_weights, resolve_vocab_size, training_flops_per_token
 from megafp8.optim import DistributedAdamW, lr_at
 from megafp8.model.moe import expert_load_stats, routers
+from megafp8.parallel.pipeline import StageSpec, build_layout
 from megafp8.parallel import (
     ExpertParallel,
     GradBuckets,
@@ -42,26 +43,44 @@ from megafp8.train.fp8_health import Fp8HealthMonitor
 from megafp8.train.loggers import ExperimentLogger
 from megafp8.train.plan import check_fits, device_capacity, make_plan
 from megafp8.train.metrics import format_step_line, peak_tflops
+from megafp8.train.pipelined import PipelineRunner
 
 log = logging.getLogger("megafp8")
 
 
 def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, device: torch.device,
                 fp8_active: bool = True, tp: Optional[TensorParallel] = None,
-                ep: Optional[ExpertParallel] = None) -> Transformer:
-    """The decoder (this rank's tensor-parallel shard and experts), initialized from the seed, with the FP8 layer
-    plan applied (and logged). `fp8_active=False` builds it in BF16 for a precision schedule that switches later."""
+                ep: Optional[ExpertParallel] = None, stages: Optional[list[StageSpec]] = None) -> Transformer:
+    """The decoder (this rank's tensor-parallel shard, experts and pipeline `stages`), initialized from the seed,
+    with the FP8 layer plan applied (and logged). `fp8_active=False` builds it in BF16 for a precision schedule that
+    switches later."""
+    parts = {}
+    if stages is not None:
+        parts = {"layer_ids": [i for s in stages for i in s.layers], "embedding": any(s.first for s in stages),
+                 "head": any(s.last for s in stages)}
+        # The plan's layer globs are checked against the whole model once (a stage holds only some layers).
+        apply_fp8_plan(full_meta_model(cfg, model_cfg, recipe, tp, ep), cfg.precision, recipe, model_cfg.num_layers,
+                       dry_run=True)
     model = Transformer(model_cfg, recipe, cfg.data.seq_len, tp, device=device, ep=ep,
-                        fp8_dispatch=cfg.parallel.ep_dispatch_fp8)
+                        fp8_dispatch=cfg.parallel.ep_dispatch_fp8, **parts)
     init_weights(model, model_cfg, cfg.training.seed, tp)
+    check = stages is None
     if recipe.fp8 is not None and not fp8_active:  # the FP8 plan of the later switch must be valid now
-        apply_fp8_plan(model, cfg.precision, recipe, model_cfg.num_layers, dry_run=True)
-    plan = apply_fp8_plan(model, cfg.precision, recipe if fp8_active else recipe.high_precision(), model_cfg.num_layers)
+        apply_fp8_plan(model, cfg.precision, recipe, model_cfg.num_layers, dry_run=True, check_patterns=check)
+    plan = apply_fp8_plan(model, cfg.precision, recipe if fp8_active else recipe.high_precision(),
+                          model_cfg.num_layers, check_patterns=check)
     if recipe.fp8 is not None:
         backend = select_backend(recipe.fp8.backend, device)
         log.info("fp8: backend %s%s | %s%s", backend.name, " (auto)" if recipe.fp8.backend == "auto" else "",
                  plan.summary(), "" if fp8_active else f" | BF16 until step {cfg.precision.fp8_start_step}")
     return model
+
+
+def full_meta_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, tp: Optional[TensorParallel],
+                    ep: Optional[ExpertParallel]) -> Transformer:
+    """The whole model (every pipeline stage) on the meta device: names and shapes, no memory."""
+    return Transformer(model_cfg, recipe, cfg.data.seq_len, tp, device=torch.device("meta"), ep=ep,
+                       fp8_dispatch=cfg.parallel.ep_dispatch_fp8)
 
 
 def resolve_precision(cfg: Config, device: torch.device) -> tuple[Config, PrecisionRecipe]:
@@ -113,9 +132,13 @@ class Trainer:
         self.cfg, self.recipe = resolve_precision(cfg, device)
         cfg = self.cfg
         self._check_fits(cfg, self.model_cfg)
+        par = cfg.parallel
+        self.layout = (build_layout(self.model_cfg.num_layers, par.pp, par.pp_schedule, par.pp_virtual_stages,
+                                    par.pp_layout) if dims.pp > 1 else None)
         try:
             self.model = build_model(cfg, self.model_cfg, self.recipe, device,
-                                     fp8_active=cfg.precision.fp8_start_step == 0, tp=self.tp, ep=self.ep)
+                                     fp8_active=cfg.precision.fp8_start_step == 0, tp=self.tp, ep=self.ep,
+                                     stages=self.layout.local_stages(dims.pp_rank) if self.layout else None)
             self.routers = [router for _, router in routers(self.model)]
             self.expert_loads: Optional[torch.Tensor] = None
         except RuntimeError as err:  # an FP8 backend that cannot run here
@@ -123,6 +146,9 @@ class Trainer:
         self.loss_scaler = DynamicLossScaler.from_config(cfg.precision) if self.recipe.name == "fp16" else None
         self._build_optimizer()
         self._build_data(meta)
+        self.pipeline = (PipelineRunner(self.model, self.layout, dims, self.num_micro_batches,
+                                        cfg.training.micro_batch_size, cfg.data.seq_len, device)
+                         if self.layout else None)
         self.health = Fp8HealthMonitor(self.model, cfg.logging.fp8_health_interval, cfg.logging.fp8_underflow_warn,
                                        cfg.logging.fp8_at_max_warn)
         self.step = 0
@@ -159,7 +185,7 @@ class Trainer:
                                         sharded=opt.sharded, overlap=opt.overlap_grad_reduce, also_sum_over=partial,
                                         mean_over=self.dims.dp)
         names = {p: n for n, p in self.model.named_parameters()}
-        self.optimizer = DistributedAdamW(self.grad_buckets, names, opt, self.tp, self.ep)
+        self.optimizer = DistributedAdamW(self.grad_buckets, names, opt, self.tp, self.ep, self.dims.pp_group)
 
     def _build_data(self, meta: DatasetMeta) -> None:
         data, training = self.cfg.data, self.cfg.training
@@ -181,12 +207,17 @@ class Trainer:
         sampled = self.health.arm(self.step)
         micro_batches = self.loader.next_step()
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (tokens, targets) in enumerate(micro_batches):
-            self.grad_buckets.prepare_backward(last_micro_batch=i == len(micro_batches) - 1)
-            loss = self.model(tokens.to(self.device), targets.to(self.device)) / len(micro_batches)
-            (loss * loss_scale).backward()
-            loss_sum += loss.detach()
+        self.model.balance_grad_scale = loss_scale / len(micro_batches)
+        if self.pipeline is not None:
+            self.grad_buckets.prepare_backward(last_micro_batch=False)  # reduce after the pipeline flush
+            loss_sum = self.pipeline.train_step(micro_batches, loss_scale)
+        else:
+            loss_sum = torch.zeros((), device=self.device)
+            for i, (tokens, targets) in enumerate(micro_batches):
+                self.grad_buckets.prepare_backward(last_micro_batch=i == len(micro_batches) - 1)
+                loss = self.model(tokens.to(self.device), targets.to(self.device)) / len(micro_batches)
+                (loss * loss_scale).backward()
+                loss_sum += loss.detach()
         self.grad_buckets.finish()
         self.step += 1
         if sampled:
@@ -240,19 +271,26 @@ class Trainer:
         self.model.eval()
         batches = validation_batches(self.valid_set, self.cfg.training.micro_batch_size,
                                      self.cfg.training.eval_iters, self.dims.dp_rank, self.dims.dp_size)
-        total = torch.zeros(2, device=self.device)  # (sum of micro-batch losses, count)
-        for tokens, targets in batches:
-            total[0] += self.model(tokens.to(self.device), targets.to(self.device))
-            total[1] += 1
+        if self.pipeline is not None:
+            total = self.pipeline.evaluate(batches)
+            dist.all_reduce(total, group=self.dims.pp_group)  # only the last stage's rank holds the loss
+        else:
+            total = torch.zeros(2, device=self.device)  # (sum of micro-batch losses, count)
+            for tokens, targets in batches:
+                total[0] += self.model(tokens.to(self.device), targets.to(self.device))
+                total[1] += 1
         if self.dims.dp_group is not None:
             dist.all_reduce(total, group=self.dims.dp_group)
         return (total[0] / total[1]).item()
 
-    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Mean over data-parallel replicas (tensor-parallel ranks already hold the same loss)."""
+    def _replica_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean over data-parallel replicas of a loss held by the last pipeline stage (tensor-parallel ranks
+        already hold the same loss; other stages hold 0)."""
+        value = value.detach().float().clone()
+        if self.dims.pp_group is not None:
+            dist.all_reduce(value, group=self.dims.pp_group)
         if self.dims.dp_group is None:
             return value
-        value = value.detach().float().clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.dims.dp_group)
         return value / self.dims.dp_size
 
@@ -291,9 +329,9 @@ class Trainer:
 
     def _step_record(self, window: list[torch.Tensor], grad_norm: torch.Tensor, window_s: float, elapsed_s: float,
                      first_step: int) -> dict[str, Any]:
-        loss = self._dp_mean(torch.stack(window).mean()).item()  # the one host sync of a logging interval
+        loss = self._replica_mean(torch.stack(window).mean()).item()  # the one host sync of a logging interval
         record_extra = {"loss_scale": self.loss_scaler.scale} if self.loss_scaler is not None else {}
-        if self.expert_loads is not None:
+        if self.model_cfg.moe_num_experts > 0:
             record_extra.update(self._moe_record())
         if not math.isfinite(loss):
             raise FloatingPointError(
@@ -323,11 +361,16 @@ class Trainer:
         return record
 
     def _moe_record(self) -> dict[str, Any]:
-        """Expert balance of the last step: load spread, bias size, and assignments not dispatched (must be 0)."""
-        loads = self.expert_loads
+        """Expert balance of the last step over every MoE layer: load spread, bias size, and assignments not
+        dispatched (must be 0). Collective over the pipeline group (each stage holds some MoE layers)."""
+        loads = self.expert_loads.cpu() if self.expert_loads is not None else torch.zeros(0, self.model_cfg.moe_num_experts)
+        bias = max((r.expert_bias.abs().max().item() for r in self.routers), default=0.0)
+        if self.dims.pp_group is not None:
+            stages: list[Any] = [None] * self.dims.pp
+            dist.all_gather_object(stages, (loads, bias), group=self.dims.pp_group)
+            loads, bias = torch.cat([s[0] for s in stages]), max(s[1] for s in stages)
         routed = self.tokens_per_step * self.model_cfg.moe_top_k
-        return {**expert_load_stats(loads),
-                "moe_bias_abs_max": max(r.expert_bias.abs().max().item() for r in self.routers),
+        return {**expert_load_stats(loads), "moe_bias_abs_max": bias,
                 "moe_dropped_tokens": int(routed * loads.shape[0] - loads.sum().item())}
 
     def _eval_record(self) -> dict[str, Any]:
@@ -342,7 +385,9 @@ class Trainer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(dataclasses.replace(self.cfg, model=self.model_cfg)))
-        num_params = sum(math.prod(full_shape(p, self.tp.size)) for p in self.model.parameters())
+        whole = self.model if self.layout is None else full_meta_model(self.cfg, self.model_cfg, self.recipe, self.tp,
+                                                                       self.ep)
+        num_params = sum(math.prod(full_shape(p, self.tp.size)) for p in whole.parameters())
         m = self.model_cfg
         log.info(
             "model: %.2fM parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d) | precision %s",
@@ -363,6 +408,10 @@ class Trainer:
             self.cfg.training.micro_batch_size, self.cfg.training.global_batch_size, self.tokens_per_step,
             self.cfg.training.steps, self.step, self.run_dir,
         )
+        if self.pipeline is not None:
+            log.info("pipeline: %s over %d ranks, %d micro-batches, bubble %.1f%% of step time (from the schedule's "
+                     "actions, forward = input-gradient = weight-gradient time) | %s", self.layout.schedule,
+                     self.dims.pp, self.num_micro_batches, 100 * self.pipeline.bubble, self.layout.describe())
 
     # ----------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -370,9 +419,10 @@ class Trainer:
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        model, optimizer = self._merge_stages(self._full_model_state(), self.optimizer.state_dict())
         return {
-            "model": self._full_model_state(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "step": self.step,
             "loader": self.loader.state_dict(),
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else {},
@@ -380,12 +430,31 @@ class Trainer:
             "config": config_to_dict(self.cfg),
         }
 
+    def _merge_stages(self, model: dict[str, Any], optimizer: dict[str, Any]) -> tuple[dict, dict]:
+        """Under pipeline parallelism, rank 0 gets the union of every stage's weights and optimizer state (other
+        ranks keep their own: only rank 0 writes)."""
+        if self.dims.pp_group is None or self.dims.rank % (self.dims.tp * self.dims.dp) != 0:  # not rank 0's pipeline
+            return model, optimizer
+        stages: Optional[list[Any]] = [None] * self.dims.pp if self.dims.rank == 0 else None
+        dist.gather_object((model, optimizer), stages, dst=0, group=self.dims.pp_group)
+        if self.dims.rank != 0:
+            return model, optimizer
+        merged_model, merged_opt = {}, {**optimizer, "masters": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for stage_model, stage_opt in stages:
+            merged_model.update(stage_model)
+            for key in ("masters", "exp_avg", "exp_avg_sq"):
+                merged_opt[key].update(stage_opt[key])
+        return merged_model, merged_opt
+
     def _full_model_state(self, meta: bool = False) -> dict[str, torch.Tensor]:
         """Weights and buffers by name at their full shapes, every expert included (tensor-parallel shards and
-        expert-parallel slices gathered; collective). `meta`: shapes only."""
-        params = dict(self.model.named_parameters())
+        expert-parallel slices gathered; collective). `meta`: shapes only, of every pipeline stage."""
+        model = self.model
+        if meta and self.layout is not None:
+            model = full_meta_model(self.cfg, self.model_cfg, self.recipe, self.tp, self.ep)
+        params = dict(model.named_parameters())
         state = {}
-        for name, t in self.model.state_dict().items():
+        for name, t in model.state_dict().items():
             param = params.get(name)
             if meta:
                 state[name] = torch.empty(full_shape(param, self.tp.size) if param is not None else t.shape,

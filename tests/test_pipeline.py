@@ -1,0 +1,294 @@
+"""Pipeline parallelism on gloo ranks: every schedule against PP=1, composed with TP, EP and FP8.
+
+Tolerances. In FP32 a pipeline runs the same operations on the same micro-batches as PP=1; only the
+order in which micro-batch gradients are added can differ (zero-bubble schedules defer weight
+gradients). Losses must agree to 1e-5 relative and every parameter's reduced gradient to 1e-5 of its
+largest element (we see about 1e-7). BF16/FP8 runs: 5e-3 on the loss and 3e-2 on the gradient norm, as
+for tensor parallelism.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megafp8.checkpoint import find_latest, load_checkpoint
+from megafp8.config import ConfigError, load_config, validate_for_world
+from megafp8.config.layout import layer_counts, parse_layout
+from megafp8.parallel import ParallelDims
+from megafp8.parallel.pipeline import build_layout, simulated_bubble
+from megafp8.train.main import main
+from megafp8.train.trainer import Trainer
+from tests.distributed import full_grads, spawn
+
+MODEL = ["model.num_layers=4", "model.vocab_size=512", "training.steps=5", "training.eval_interval=5",
+         "optimizer.grad_clip=1.0"]
+FP32 = ["precision.recipe=fp32"]
+
+
+def _worker(rank, world, config, overrides, out_path):
+    """Train with the first step's reduced gradients captured (before clipping's effect on the update is seen, the
+    capture is after reduction and clipping, as the optimizer sees them); rank 0 saves records and gradients."""
+    cfg = load_config(config, overrides)
+    dims = ParallelDims.from_config(cfg.parallel) if world > 1 else ParallelDims.single()
+    trainer = Trainer(cfg, dims, torch.device("cpu"))
+    captured: dict = {}
+    real_step = trainer.optimizer.step
+
+    def step(lr):
+        if not captured:
+            captured.update(full_grads(trainer))
+        real_step(lr)
+    trainer.optimizer.step = step
+    records = trainer.fit()
+    if rank == 0:
+        torch.save({"records": records, "grads": captured, "bubble": getattr(trainer.pipeline, "bubble", None)},
+                   out_path)
+
+
+def _run(tmp_path, name, world, overrides, config="tiny_dense"):
+    path = tmp_path / f"{name}.pt"
+    if world == 1:
+        _worker(0, 1, config, overrides, path)
+    else:
+        spawn(world, _worker, config, overrides, path)
+    return torch.load(path)
+
+
+def _train(result):
+    return [r for r in result["records"] if r["kind"] == "train"]
+
+
+def _assert_matches(ref, got, loss_rtol=1e-5, grad_frac=1e-5, norm_rtol=1e-5):
+    steps_ref, steps = _train(ref), _train(got)
+    assert [r["step"] for r in steps] == [r["step"] for r in steps_ref] == [1, 2, 3, 4, 5]
+    for a, b in zip(steps_ref, steps):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=loss_rtol), (a["step"], a["loss"], b["loss"])
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=norm_rtol), (a["grad_norm"], b["grad_norm"])
+    evals_ref = [r["val_loss"] for r in ref["records"] if r["kind"] == "eval"]
+    evals = [r["val_loss"] for r in got["records"] if r["kind"] == "eval"]
+    assert len(evals) == len(evals_ref) == 1 and math.isclose(evals[0], evals_ref[0], rel_tol=loss_rtol)
+    assert ref["grads"].keys() == got["grads"].keys()
+    for name, expected in ref["grads"].items():
+        err = (got["grads"][name] - expected).abs().max().item()
+        assert err <= grad_frac * expected.abs().max().item(), (name, err)
+
+
+@pytest.fixture
+def reference(tiny_overrides, tmp_path):
+    """PP=1 runs, cached per model variant within a test."""
+    cache = {}
+
+    def get(extra, config="tiny_dense"):
+        key = (config, tuple(extra))
+        if key not in cache:
+            cache[key] = _run(tmp_path, f"ref{len(cache)}", 1, tiny_overrides + MODEL + extra, config)
+        return cache[key]
+    return get
+
+
+SCHEDULES = ["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_matches_pp1(tiny_overrides, tmp_path, reference, schedule):
+    """FP32: 4 micro-batches; interleaved schedules hold 2 stages of one layer each per rank."""
+    extra = FP32
+    got = _run(tmp_path, "pp2", 2, tiny_overrides + MODEL + extra + ["parallel.pp=2", f"parallel.pp_schedule={schedule}"])
+    _assert_matches(reference(extra), got)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp4_matches_pp1(tiny_overrides, tmp_path, reference, schedule):
+    """FP32, 8 layers over 4 ranks (8 stages for the interleaved and V schedules), 8 micro-batches."""
+    extra = FP32 + ["model.num_layers=8", "training.micro_batch_size=1"]
+    got = _run(tmp_path, "pp4", 4, tiny_overrides + MODEL + extra + ["parallel.pp=4", f"parallel.pp_schedule={schedule}"])
+    _assert_matches(reference(extra), got)
+    if schedule == "1f1b":
+        assert got["bubble"] == pytest.approx(3 / (8 + 3))  # (pp - 1) / (m + pp - 1)
+
+
+def test_uneven_layout_matches_pp1(tiny_overrides, tmp_path, reference):
+    got = _run(tmp_path, "uneven", 2, tiny_overrides + MODEL + FP32 + ["parallel.pp=2", "parallel.pp_layout=E,t|t*3,L"])
+    _assert_matches(reference(FP32), got)
+
+
+def test_pp2_x_tp2_with_sequence_parallel_matches_one_rank(tiny_overrides, tmp_path, reference):
+    tp_model = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128"]
+    got = _run(tmp_path, "pptp", 4, tiny_overrides + MODEL + FP32 + tp_model + [
+        "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp_schedule=interleaved_1f1b"])
+    _assert_matches(reference(FP32 + tp_model), got)
+
+
+MOE = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.moe_ffn_hidden_size=128",
+       "model.moe_aux_loss_coeff=0.01"]
+
+
+def test_pp2_with_moe_and_ep2_matches_one_rank(tiny_overrides, tmp_path, reference):
+    """PP=2 x DP=2 with the experts split over EP=2, sharded optimizer; the sequence balance loss reaches backward
+    from both stages and the load statistics cover every MoE layer."""
+    got = _run(tmp_path, "ppep", 4, tiny_overrides + MODEL + FP32 + MOE + ["parallel.pp=2", "parallel.ep=2"],
+               "tiny_moe_fp8")
+    ref = reference(FP32 + MOE, "tiny_moe_fp8")
+    _assert_matches(ref, got, loss_rtol=1e-5, grad_frac=1e-4, norm_rtol=1e-4)
+    for a, b in zip(_train(ref), _train(got)):
+        assert math.isclose(a["moe_load_cv"], b["moe_load_cv"], rel_tol=1e-6)
+        assert math.isclose(a["moe_bias_abs_max"], b["moe_bias_abs_max"], rel_tol=1e-6)
+        assert b["moe_dropped_tokens"] == 0
+
+
+def test_balance_loss_gradient_is_not_lost_through_stages(tiny_overrides, tmp_path, reference):
+    """The router weights' gradients come only from the balance loss and the gate; a lost balance gradient on
+    either stage moves them far beyond tolerance (checked by switching the loss off)."""
+    ref_with = reference(FP32 + MOE, "tiny_moe_fp8")
+    ref_without = reference(FP32 + MOE[:-1] + ["model.moe_aux_loss_coeff=0"], "tiny_moe_fp8")
+    router = [n for n in ref_with["grads"] if n.endswith("router.weight")]
+    assert len(router) >= 2
+    moved = max((ref_with["grads"][n] - ref_without["grads"][n]).abs().max().item() for n in router)
+    assert moved > 1e-3 * max(ref_with["grads"][n].abs().max().item() for n in router)
+    got = _run(tmp_path, "ppaux", 2, tiny_overrides + MODEL + FP32 + MOE + ["parallel.pp=2",
+                                                                              "parallel.pp_schedule=zbv"],
+               "tiny_moe_fp8")
+    _assert_matches(ref_with, got, grad_frac=1e-4, norm_rtol=1e-4)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_fp8_pipeline_matches_pp1(tiny_overrides, tmp_path, reference, schedule):
+    """FP8 (reference backend): zero-bubble schedules defer the FP8 weight-gradient GEMMs to the W pass."""
+    extra = ["precision.recipe=fp8"]
+    got = _run(tmp_path, "fp8", 2, tiny_overrides + MODEL + extra + ["parallel.pp=2", f"parallel.pp_schedule={schedule}"])
+    _assert_matches(reference(extra), got, loss_rtol=5e-3, grad_frac=2**-6, norm_rtol=3e-2)
+
+
+def test_mtp_on_the_last_stage_of_a_v_schedule_matches_pp1(tiny_overrides, tmp_path, reference):
+    """V schedules put the first and last stage on rank 0, so the MTP module shares the embedding there."""
+    extra = FP32 + ["model.mtp_depth=1"]
+    got = _run(tmp_path, "mtp", 2, tiny_overrides + MODEL + extra + ["parallel.pp=2", "parallel.pp_schedule=zbv"])
+    _assert_matches(reference(extra), got)
+
+
+def _save_worker(rank, world, overrides):
+    cfg = load_config("tiny_dense", overrides)
+    Trainer(cfg, ParallelDims.from_config(cfg.parallel), torch.device("cpu")).fit()
+
+
+def test_pp2_checkpoint_holds_every_stage_and_resumes_at_pp1_and_pp2(tiny_overrides, tmp_path):
+    base = tiny_overrides + MODEL + ["training.steps=3", "checkpoint.interval=3", f"checkpoint.dir={tmp_path}/ck",
+                                     "training.eval_interval=0"]
+    spawn(2, _save_worker, base + ["parallel.pp=2"])
+    saved = load_checkpoint(find_latest(tmp_path / "ck"))
+    one = Trainer(load_config("tiny_dense", base + ["checkpoint.resume=none"]), ParallelDims.single(),
+                  torch.device("cpu"))
+    assert saved["model"].keys() == one.model.state_dict().keys()
+    assert saved["optimizer"]["masters"].keys() == {n for n, _ in one.model.named_parameters()}
+    resumed = Trainer(load_config("tiny_dense", base + ["training.steps=4"]), ParallelDims.single(),
+                      torch.device("cpu"))
+    assert resumed.step == 3
+    state = resumed.model.state_dict()
+    assert all(torch.equal(state[k], saved["model"][k]) for k in saved["model"])
+    spawn(2, _save_worker, base + ["parallel.pp=2", "parallel.pp_schedule=zbv", "training.steps=4"])
+    assert load_checkpoint(find_latest(tmp_path / "ck"))["step"] == 4
+
+
+# ------------------------------------------------------------------------------------ layouts
+
+def test_layout_strings_and_even_splits():
+    assert parse_layout("E,t*3|t*5|t*5|t*3,L", 16, 4) == [3, 5, 5, 3]
+    assert parse_layout("E|t,t|t*2,L", 4, 3) == [0, 2, 2]
+    assert parse_layout("E,t|t|L", 2, 3) == [1, 1, 0]
+    assert layer_counts(10, 4, "1f1b", 2, None) == [3, 3, 2, 2]
+    assert layer_counts(8, 2, "zbv", 3, None) == [2, 2, 2, 2]  # V schedules: two stages per rank
+    assert layer_counts(12, 2, "interleaved_1f1b", 3, None) == [2] * 6
+
+
+def test_stage_placement_looped_and_v():
+    looped = build_layout(8, 2, "interleaved_1f1b", 2)
+    assert [s.index for s in looped.local_stages(0)] == [0, 2] and [s.index for s in looped.local_stages(1)] == [1, 3]
+    v = build_layout(8, 2, "zbv", 2)
+    assert [s.index for s in v.local_stages(0)] == [0, 3] and [s.index for s in v.local_stages(1)] == [1, 2]
+    first, last = v.local_stages(0)
+    assert first.first and last.last and first.layers == (0, 1) and last.layers == (6, 7)
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("E,t*2|t*3,L", "places 5 transformer layer"),
+    ("E,t|t*2,L", "places 3 transformer layer"),
+    ("E,t*2|t*2|L", "has 3 stage"),
+    ("t,E,t|t*2,L", "'E' must be the first item of the first stage"),
+    ("E,t*2,L|t*2", "'L' must be the last item of the last stage"),
+    ("E,t*2|x*2,L", "unknown item 'x\\*2'"),
+])
+def test_bad_layouts_are_rejected_with_the_fix(tiny_overrides, layout, message):
+    cfg = load_config("tiny_dense", tiny_overrides + MODEL + ["parallel.pp=2", f"parallel.pp_layout={layout}"])
+    with pytest.raises(ConfigError, match=message):
+        validate_for_world(cfg, 2)
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.pp=2", "model.mtp_depth=1"], 2, "set parallel.pp_schedule to zbv or dualpipev"),
+    (["parallel.pp=2", "parallel.pp_schedule=dualpipev", "training.micro_batch_size=4"], 2,
+     "dualpipev needs at least 2 x parallel.pp = 4"),
+    (["parallel.pp=4", "model.num_layers=4", "training.micro_batch_size=4"], 4, "needs at least parallel.pp = 4"),
+    (["parallel.pp=3"], 4, "cannot be split into tp=1 x pp=3"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "model.num_layers=3"], 2,
+     "model.num_layers=3 cannot fill 4 pipeline stages"),
+])
+def test_bad_pipeline_configs_give_one_clear_error(tiny_overrides, overrides, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_for_world(load_config("tiny_dense", tiny_overrides + MODEL + overrides), world)
+
+
+def test_launch_with_a_bad_layout_fails_with_one_clear_error(tiny_overrides, capsys):
+    assert main(["--config", "tiny_dense", *tiny_overrides, *MODEL, "parallel.pp_layout=E,t*4,L"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.pp_layout is set but parallel.pp=1" in err[0], err
+
+
+class _Act:
+    """A stand-in for torch's schedule action (stage, type, micro-batch)."""
+
+    def __init__(self, text):
+        self.stage_index, kind, mb = int(text[0]), text[1], int(text[2:])
+        self.computation_type = type("T", (), {"value": kind})()
+        self.microbatch_index, self.sub_actions = mb, None
+
+
+def test_simulated_bubble_of_hand_written_schedules():
+    # 2 stages, 2 micro-batches, GPipe-like order: rank 0 F0 F1 . . B0 B1 waits on rank 1's backward.
+    order = {0: [_Act(a) for a in ("0F0", "0F1", "0B0", "0B1")], 1: [_Act(a) for a in ("1F0", "1B0", "1F1", "1B1")]}
+    # rank 1: F0 at 1-2, B0 2-4, F1 4-5, B1 5-7; rank 0: F0 0-1, F1 1-2, B0 4-6, B1 7-9. Busy 6 + 6 of 2 x 9.
+    assert simulated_bubble(order, 2) == pytest.approx(1 - 12 / 18)
+    deadlock = {0: [_Act("0B0")], 1: [_Act("1F0")]}
+    assert simulated_bubble(deadlock, 2) is None
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_weight_gradients_wait_in_the_queue_until_the_w_pass(recipe):
+    """A layer with a WeightGradQueue gives the input gradient at once and its FP32 weight gradient only when the
+    queue runs (the zero-bubble W action), equal to the immediate one."""
+    from megafp8.parallel import ColumnParallelLinear, ExpertLinear, ExpertParallel
+    from megafp8.precision import PrecisionRecipe, WeightGradQueue
+
+    rec = PrecisionRecipe.from_name(recipe)
+    x = torch.randn(96, 128, generator=torch.Generator().manual_seed(0)).to(rec.param_dtype)
+    dense = ColumnParallelLinear(128, 256, rec)
+    experts = ExpertLinear(2, 128, 128, rec, ExpertParallel.single())
+    for layer in (dense, experts):
+        torch.nn.init.normal_(layer.weight, std=0.05)
+        grads = []
+        for queue in (None, WeightGradQueue()):
+            layer.weight.main_grad, layer.weight.grad = torch.zeros(layer.weight.shape), None
+            layer.wgrad_queue = queue
+            inp = x.clone().requires_grad_()
+            y = layer(inp) if layer is dense else layer(inp, [40, 56])
+            y.float().square().sum().backward()
+            assert inp.grad is not None
+            if queue is not None:
+                assert len(queue) == 1 and layer.weight.main_grad.abs().max() == 0 and layer.weight.grad is None
+                queue.take()()
+                assert len(queue) == 0
+            # Without a queue, a BF16 F.linear leaves its gradient in .grad (the bucket hook moves it in training).
+            immediate = layer.weight.grad.float() if layer.weight.grad is not None else 0.0
+            grads.append(layer.weight.main_grad + immediate)
+        assert grads[0].abs().max() > 0 and torch.equal(grads[0], grads[1]), type(layer).__name__
