@@ -15,6 +15,7 @@ from megafp8.train import Trainer
 from tests.conftest import REPO, torchrun_env
 
 pytest.importorskip("safetensors")
+from megafp8.checkpoint import load_checkpoint
 from megafp8.checkpoint.hf import WEIGHTS_FILE, load_hf, save_hf  # noqa: E402
 
 CFG = ModelConfig(vocab_size=384, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=512)
@@ -95,6 +96,15 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
 
     listing = tool("inspect", ckpt / "step_00000006")
     assert "step: 6" in listing and "| layers.1.attn.qkv_proj.weight | (256, 128) | bfloat16 | yes | yes |" in listing
+    assert "form: sharded (torch.distributed.checkpoint: 1 shard file(s)" in listing
+    # Between the two on-disk forms and back: the same tensors and state.
+    tool("consolidate", ckpt / "step_00000006", "--out", tmp_path / "one")
+    assert "form: full (one state.pt)" in tool("inspect", tmp_path / "one" / "step_00000006")
+    tool("shard", tmp_path / "one" / "step_00000006", "--out", tmp_path / "sharded")
+    original, back = (load_checkpoint(ckpt / "step_00000006"), load_checkpoint(tmp_path / "sharded" / "step_00000006"))
+    assert original["loader"] == back["loader"] and original["optimizer"]["step"] == back["optimizer"]["step"] == 6
+    for kind in ("masters", "exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(t, back["optimizer"][kind][n]) for n, t in original["optimizer"][kind].items())
     tool("to-hf", ckpt / "step_00000006", "--out", tmp_path / "hf")
     assert "step_00000000" in tool("from-hf", tmp_path / "hf", "--out", tmp_path / "imported")
     resumed = Trainer(load_config("tiny_dense", tiny_overrides + [
@@ -125,11 +135,81 @@ def test_export_runs_in_hugging_face_transformers_with_identical_logits(tmp_path
         torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("change", [dict(moe_num_experts=8, moe_ffn_hidden_size=128), dict(attention="mla"),
-                                    dict(mtp_depth=1)])
-def test_export_of_deepseek_style_models_is_refused_clearly(tmp_path, change):
+DEEPSEEK = ModelConfig(vocab_size=384, hidden_size=256, num_layers=3, num_heads=4, attention="mla", q_lora_rank=128,
+                       kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, ffn_hidden_size=512,
+                       moe_num_experts=8, moe_top_k=2, moe_ffn_hidden_size=128, moe_num_shared_experts=1,
+                       moe_first_dense_layers=1, moe_n_group=4, moe_topk_group=2, moe_routed_scaling_factor=2.5,
+                       mtp_depth=1, norm_eps=1e-6)
+
+
+def _deepseek_model(cfg=DEEPSEEK, seed=0):
+    """FP32, weights on the BF16 grid (export is BF16, so lossless), uneven selection biases."""
+    model = Transformer(cfg, PrecisionRecipe.from_name("fp32"), 64)
+    init_weights(model, cfg, seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+    return model
+
+
+def test_deepseek_layout_round_trip_and_names(tmp_path):
+    """MLA + MoE + MTP: DeepSeek-V3 names (per-expert tensors, the router's correction bias, MTP as layer 3 with
+    its embedding and head copies), and import restores every tensor exactly."""
+    model = _deepseek_model()
+    state = model.state_dict()
+    save_hf(state, DEEPSEEK, 64, tmp_path / "hf", fp8=False)
+    from safetensors.torch import load_file
+
+    names = load_file(str(tmp_path / "hf" / WEIGHTS_FILE)).keys()
+    for expected in ("model.layers.1.mlp.experts.7.up_proj.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
+                     "model.layers.2.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.mlp.shared_experts.gate_proj.weight",
+                     "model.layers.3.eh_proj.weight", "model.layers.3.shared_head.head.weight",
+                     "model.layers.3.embed_tokens.weight", "model.layers.3.mlp.experts.0.down_proj.weight"):
+        assert expected in names, expected
+    cfg, restored = load_hf(tmp_path / "hf")
+    assert cfg == DEEPSEEK
+    assert restored.keys() == state.keys()
+    for name, t in state.items():
+        assert torch.equal(restored[name], t.float()), name
+
+
+def test_deepseek_export_runs_in_hugging_face_transformers_with_identical_logits(tmp_path):
+    """Optional (needs `transformers`): the export loads as DeepseekV3ForCausalLM (interleaved rotary rows, group-
+    limited sigmoid routing with the correction bias, per-expert weights) and its FP32 logits equal ours."""
+    transformers = pytest.importorskip("transformers")
+    model = _deepseek_model()
+    save_hf(model.state_dict(), DEEPSEEK, 64, tmp_path / "hf", fp8=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    tokens = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(3))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_deepseek_fp8_export_dequantizes_within_the_e4m3_bound(tmp_path):
+    model = _deepseek_model()
+    save_hf(model.state_dict(), DEEPSEEK, 64, tmp_path / "hf", fp8=True)
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "hf" / WEIGHTS_FILE))
+    assert tensors["model.layers.1.mlp.experts.3.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # the router stays FP32
+    assert tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.bfloat16  # 192 rows: unaligned
+    _, restored = load_hf(tmp_path / "hf")
+    w = model.state_dict()["layers.1.mlp.experts.gate_up_proj.weight"]
+    assert (restored["layers.1.mlp.experts.gate_up_proj.weight"] - w).abs().max() <= 2**-3 * w.abs().max()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(attention="gqa", num_kv_heads=2), "needs MLA attention"),
+    (dict(moe_score_func="softmax"), "scores with sigmoid"),
+])
+def test_models_without_a_hugging_face_layout_are_refused_clearly(tmp_path, change, message):
     import dataclasses
 
-    with pytest.raises(ConfigError, match="only dense Llama-style models convert"):
-        save_hf({}, dataclasses.replace(CFG, **change), 64, tmp_path / "hf", fp8=False)
+    with pytest.raises(ConfigError, match=message):
+        save_hf({}, dataclasses.replace(DEEPSEEK, **change), 64, tmp_path / "hf", fp8=False)
     assert not (tmp_path / "hf").exists()  # nothing half-written

@@ -124,3 +124,28 @@ def test_mla_moe_mtp_model_trains_on_cuda(tiny_overrides):
     trainer = Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0))
     losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_sharded_checkpoint_from_two_gpus_resumes_on_one(tiny_overrides, tmp_path):
+    """PP=2 x NCCL writes a sharded checkpoint in the background (its collectives on a gloo group); one GPU resumes
+    it and continues the run as the two-GPU run did."""
+    model = WIDE_HEADS + ["model.num_layers=4", "precision.recipe=bf16", f"checkpoint.dir={tmp_path / 'ck'}",
+                          "checkpoint.interval=3", "checkpoint.async_save=true", "training.eval_interval=0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "launch" / "pretrain.py"), "--config", "tiny_dense", *tiny_overrides, *model, "parallel.pp=2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env(), cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()
+    two = [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+    assert sorted(p.name for p in (tmp_path / "ck" / "step_00000006").glob("*.distcp")) == ["__0_0.distcp",
+                                                                                            "__1_0.distcp"]
+    import shutil
+
+    shutil.rmtree(tmp_path / "ck" / "step_00000006")
+    (tmp_path / "ck" / "latest").write_text("step_00000003\n")
+    cfg = load_config("tiny_dense", tiny_overrides + model + [f"logging.output_dir={tmp_path / 'one'}"])
+    resumed = Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0))
+    assert resumed.step == 3
+    one = [r["loss"] for r in resumed.fit() if r["kind"] == "train"]
+    torch.testing.assert_close(torch.tensor(one), torch.tensor(two[3:]), rtol=5e-3, atol=0)

@@ -161,6 +161,17 @@ def test_fp8_pipeline_matches_pp1(tiny_overrides, tmp_path, reference, schedule)
     _assert_matches(reference(extra), got, loss_rtol=5e-3, grad_frac=2**-6, norm_rtol=3e-2)
 
 
+@pytest.mark.parametrize("extra", [
+    ["precision.recipe=fp8", "precision.fp8_layers=[layers.0.*, layers.3.mlp.*]", "precision.fp8_start_step=2"],
+    ["precision.recipe=fp16", "precision.loss_scale_initial=1024"],
+], ids=["fp8_globs_and_switch", "fp16_loss_scaling"])
+def test_precision_schedules_work_per_stage(tiny_overrides, tmp_path, reference, extra):
+    """FP8 layer globs naming layers of one stage only, a BF16-to-FP8 switch at step 2, and FP16 with dynamic loss
+    scaling (the scaled loss back-propagates from the last stage) give PP=1's run."""
+    got = _run(tmp_path, "prec", 2, tiny_overrides + MODEL + extra + ["parallel.pp=2", "parallel.pp_schedule=zbv"])
+    _assert_matches(reference(extra), got, loss_rtol=5e-3, grad_frac=2**-6, norm_rtol=3e-2)
+
+
 def test_mtp_on_the_last_stage_of_a_v_schedule_matches_pp1(tiny_overrides, tmp_path, reference):
     """V schedules put the first and last stage on rank 0, so the MTP module shares the embedding there."""
     extra = FP32 + ["model.mtp_depth=1"]

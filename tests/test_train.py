@@ -148,7 +148,7 @@ def test_async_save_resumes_bit_identically_and_surfaces_write_errors(tiny_overr
     for _ in range(3):
         first.train_step()
     first.save()
-    assert first._pending_save is not None  # the write runs in the background
+    assert first.checkpointer.pending is not None  # the write runs in the background
     first.wait_for_save()
     resumed = make_trainer(tiny_overrides, ckpt)
     assert resumed.step == 3 and train_losses(resumed.fit()) == straight[3:]

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 from megafp8.checkpoint.hf import load_hf, save_hf
-from megafp8.checkpoint.local import load_checkpoint, save_checkpoint
+from megafp8.checkpoint.local import fresh_temporary, load_checkpoint, publish, save_checkpoint
+from megafp8.checkpoint.sharded import INDEX_FILE, is_sharded_checkpoint, write_sharded
+from megafp8.parallel.sharding import Piece, Placed
 from megafp8.config import ConfigError, ModelConfig
 
 
@@ -23,9 +25,12 @@ def model_config_of(state: dict[str, Any]) -> ModelConfig:
 
 
 def best_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """FP32 master weights when the checkpoint has them (more precise than the BF16 model copy)."""
+    """FP32 master weights when the checkpoint has them (more precise than the BF16 model copy), plus the
+    model's buffers (the MoE routers' selection biases)."""
     masters = state.get("optimizer", {}).get("masters")
-    return masters if masters else state["model"]
+    if not masters:
+        return state["model"]
+    return {**{k: v for k, v in state["model"].items() if k not in masters}, **masters}
 
 
 def export_hf(checkpoint: Path, out_dir: Path, fp8: bool) -> None:
@@ -38,10 +43,12 @@ def import_hf(hf_dir: Path, out_root: Path) -> Path:
     """A Hugging Face Llama directory -> a megafp8 checkpoint at step 0 (fresh optimizer and data position).
     Resume from it with `checkpoint.resume=<returned path>` and a config of the same model shape."""
     cfg, weights = load_hf(hf_dir)
-    zeros = {name: torch.zeros_like(t) for name, t in weights.items()}
+    buffers = {name for name in weights if name.endswith("router.expert_bias")}  # FP32 buffers, not parameters
+    params = {name: t for name, t in weights.items() if name not in buffers}
+    zeros = {name: torch.zeros_like(t) for name, t in params.items()}
     state = {
-        "model": {name: t.to(torch.bfloat16) for name, t in weights.items()},
-        "optimizer": {"step": 0, "masters": weights, "exp_avg": zeros, "exp_avg_sq": dict(zeros)},
+        "model": {name: t if name in buffers else t.to(torch.bfloat16) for name, t in weights.items()},
+        "optimizer": {"step": 0, "masters": params, "exp_avg": zeros, "exp_avg_sq": dict(zeros)},
         "step": 0,
         "loader": {},
         "loss_scaler": {},
@@ -51,10 +58,38 @@ def import_hf(hf_dir: Path, out_root: Path) -> Path:
     return save_checkpoint(out_root, 0, state, keep_last=0)
 
 
+def consolidate(checkpoint: Path, out_root: Path) -> Path:
+    """Any checkpoint -> a one-file (`full`) checkpoint at the same step under `out_root`."""
+    state = load_checkpoint(checkpoint)
+    return save_checkpoint(out_root, int(state["step"]), state, keep_last=0)
+
+
+def shard(checkpoint: Path, out_root: Path) -> Path:
+    """Any checkpoint -> a sharded (torch.distributed.checkpoint) one at the same step under `out_root`, written by
+    this one process; it loads at any layout like one a run wrote."""
+    state = load_checkpoint(checkpoint)
+    step = int(state["step"])
+    placed = {}
+    for prefix, tensors in [("model", state["model"])] + [(f"optim/{kind}", state["optimizer"].get(kind, {}))
+                                                          for kind in ("masters", "exp_avg", "exp_avg_sq")]:
+        for name, t in tensors.items():
+            placed[f"{prefix}/{name}"] = Placed(tuple(t.shape), [Piece((0,) * t.ndim, t)])
+    meta = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+    meta["optimizer_step"] = int(state["optimizer"].get("step", 0))
+    write_sharded(fresh_temporary(out_root, step), placed, meta)
+    return publish(out_root, step, keep_last=0)
+
+
 def describe(checkpoint: Path) -> str:
     state = load_checkpoint(checkpoint)
     config = state.get("config", {})
-    lines = [f"checkpoint {checkpoint}", f"step: {state['step']}"]
+    if is_sharded_checkpoint(checkpoint):
+        files = sorted(checkpoint.glob("*.distcp"))
+        form = (f"sharded (torch.distributed.checkpoint: {len(files)} shard file(s), "
+                f"{sum(f.stat().st_size for f in files) / 2**20:.1f} MiB, index {INDEX_FILE})")
+    else:
+        form = "full (one state.pt)"
+    lines = [f"checkpoint {checkpoint}", f"form: {form}", f"step: {state['step']}"]
     if config.get("model"):
         m = model_config_of(state)
         lines.append(f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / "

@@ -1,4 +1,5 @@
-"""Conversion between megafp8 model weights and Hugging Face Llama-format safetensors.
+"""Conversion between megafp8 model weights and Hugging Face safetensors: Llama layout for dense GQA models
+(this module), DeepSeek-V3 layout for MLA / MoE / MTP models (`hf_deepseek.py`).
 
 One table maps our parameter names onto the Llama names (`model.layers.N.self_attn.q_proj.weight`
 ...); our fused QKV and gate/up weights are split into Llama's separate projections on export and
@@ -13,10 +14,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from megafp8.checkpoint.hf_deepseek import check_exportable, deepseek_config, from_deepseek_tensors
+from megafp8.checkpoint.hf_deepseek import model_config_of as deepseek_model_config
+from megafp8.checkpoint.hf_deepseek import to_deepseek_tensors
 from megafp8.config import ConfigError, ModelConfig
 from megafp8.precision.formats import E4M3
 from megafp8.precision.quantize import dequantize_128x128, quantize_128x128
@@ -94,8 +98,8 @@ def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, fp8: bool) -
     return out
 
 
-def from_hf_tensors(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Llama-named tensors (BF16/FP32, or E4M3 with `_scale_inv`) -> our state dict, in FP32."""
+def _reader(tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """A getter of Hugging Face tensors by name, in FP32 (E4M3 ones dequantized with their `_scale_inv` blocks)."""
     def get(hf_name: str) -> torch.Tensor:
         if hf_name not in tensors:
             raise ConfigError(f"tensor '{hf_name}' is missing from the Hugging Face checkpoint")
@@ -106,7 +110,12 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[s
                 raise ConfigError(f"FP8 tensor '{hf_name}' has no '{hf_name}_scale_inv' block scales")
             return dequantize_128x128(value, scale.float())
         return value.float()
+    return get
 
+
+def from_hf_tensors(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Llama-named tensors (BF16/FP32, or E4M3 with `_scale_inv`) -> our state dict, in FP32."""
+    get = _reader(tensors)
     ours: dict[str, torch.Tensor] = {}
     layer_ids = [str(i) for i in range(num_layers)]
     for template, hf_template in _PLAIN.items():
@@ -118,19 +127,39 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[s
     return ours
 
 
+def is_deepseek_style(cfg: ModelConfig) -> bool:
+    """MLA, MoE or MTP models convert in the DeepSeek-V3 layout; dense GQA models in Llama's."""
+    return cfg.moe_num_experts > 0 or cfg.attention != "gqa" or cfg.mtp_depth > 0
+
+
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, out_dir: Path, fp8: bool) -> None:
+    """Write config.json + model.safetensors: Llama layout for dense GQA models, DeepSeek-V3 layout for MLA/MoE/MTP
+    ones (`state` then includes the routers' `expert_bias` buffers)."""
     from safetensors.torch import save_file
 
-    if cfg.moe_num_experts > 0 or cfg.attention != "gqa" or cfg.mtp_depth > 0:
-        raise ConfigError("exporting MoE, MLA or MTP models to Hugging Face (the DeepSeek-V3 layout) is not supported "
-                          "yet: only dense Llama-style models convert")
+    if is_deepseek_style(cfg):
+        check_exportable(cfg)
+        tensors, config = to_deepseek_tensors(state, cfg, fp8), deepseek_config(cfg, max_seq_len, fp8)
+    else:
+        tensors, config = to_hf_tensors(state, cfg, fp8), hf_config(cfg, max_seq_len, fp8)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(to_hf_tensors(state, cfg, fp8), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config(cfg, max_seq_len, fp8), indent=2))
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+
+
+def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter and persistent buffer of the model `cfg` describes, with its shape (built on the meta
+    device)."""
+    from megafp8.model import Transformer
+    from megafp8.precision import PrecisionRecipe
+
+    model = Transformer(cfg, PrecisionRecipe.from_name("bf16"), 1, device=torch.device("meta"))
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def load_hf(in_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A Llama-format directory (config.json + model.safetensors or a sharded index) -> (our model config, state)."""
+    """A Hugging Face directory (config.json + model.safetensors or a sharded index) in the Llama or DeepSeek-V3
+    layout -> (our model config, state in FP32, the routers' `expert_bias` buffers included)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -146,6 +175,9 @@ def load_hf(in_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             tensors.update(load_file(str(in_dir / file)))
         except (SafetensorError, OSError, ValueError) as err:
             raise ConfigError(f"{in_dir / file} is not a readable safetensors file ({err})") from None
+    if hf.get("model_type") == "deepseek_v3":
+        cfg = deepseek_model_config(hf)
+        return cfg, from_deepseek_tensors(_reader(tensors), full_shapes(cfg), cfg)
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_heads=hf["num_attention_heads"], num_kv_heads=hf.get("num_key_value_heads"),

@@ -1,9 +1,13 @@
-"""Checkpoints of a data-parallel run: one writer, atomic publish, keep-last-K, tensor-only loading.
+"""Checkpoint directories: atomic publish, keep-last-K, tensor-only loading, for both on-disk forms.
 
-Every data-parallel rank holds the same state, so rank 0 writes it alone:
+A *full* checkpoint is one file that rank 0 writes after gathering every tensor at its full shape:
 
     DIR/step_00000100/state.pt   model, optimizer (FP32 masters + AdamW), step, loader position, RNG, config
     DIR/latest                   the name of the newest complete checkpoint
+
+A *sharded* checkpoint (`checkpoint.format: sharded`, the default) has every rank write its own pieces
+with torch.distributed.checkpoint (`megafp8/checkpoint/sharded.py`); `load_checkpoint` reads either
+form into the same full-tensor dictionary (for tools and tests).
 
 A checkpoint is written under a temporary name and renamed when complete, and `latest` is
 replaced atomically after that, so a save killed midway leaves the previous checkpoint intact.
@@ -19,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 
+from megafp8.checkpoint.sharded import META_FILE, is_sharded_checkpoint, read_full
 from megafp8.config import ConfigError
 
 STATE_FILE = "state.pt"
@@ -32,12 +37,25 @@ def step_dir_name(step: int) -> str:
 
 def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
     """Write `state` as checkpoint `step` under `root` (call on one rank only); returns its directory."""
+    tmp = fresh_temporary(root, step)
+    torch.save(state, tmp / STATE_FILE)
+    return publish(root, step, keep_last)
+
+
+def fresh_temporary(root: Path, step: int) -> Path:
+    """The empty directory checkpoint `step` is written into before `publish` (call on one rank)."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = root / (final.name + ".tmp")
+    tmp = root / (step_dir_name(step) + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    torch.save(state, tmp / STATE_FILE)
+    return tmp
+
+
+def publish(root: Path, step: int, keep_last: int) -> Path:
+    """Make the complete temporary directory of checkpoint `step` visible: rename it, then point `latest` at it
+    (atomically), then prune to the newest `keep_last` (call on one rank, after every rank has written)."""
+    final = root / step_dir_name(step)
+    tmp = root / (final.name + ".tmp")
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -54,22 +72,29 @@ def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and _complete(p)]
     return sorted(found, key=lambda p: p.name)
+
+
+def _complete(directory: Path) -> bool:
+    return (directory / STATE_FILE).is_file() or (is_sharded_checkpoint(directory) and (directory / META_FILE).is_file())
 
 
 def find_latest(root: Path) -> Optional[Path]:
     pointer = root / LATEST_FILE
     if pointer.is_file():
         candidate = root / pointer.read_text().strip()
-        if (candidate / STATE_FILE).is_file():
+        if _complete(candidate):
             return candidate
     found = list_checkpoints(root)
     return found[-1] if found else None
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint directory (or its state file) onto the CPU, tensors and plain values only."""
+    """Read a checkpoint directory (or its state file) onto the CPU, tensors and plain values only, every tensor at
+    its full shape (a sharded checkpoint is consolidated in this process)."""
+    if path.is_dir() and is_sharded_checkpoint(path):
+        return _consolidate(path)
     file = path / STATE_FILE if path.is_dir() else path
     if not file.is_file():
         raise ConfigError(f"checkpoint '{path}' not found (expected {file}); check checkpoint.resume")
@@ -80,6 +105,25 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     missing = [k for k in ("model", "optimizer", "step", "loader") if k not in state]
     if missing:
         raise ConfigError(f"checkpoint file {file} lacks {', '.join(missing)}: not a megafp8 training checkpoint")
+    return state
+
+
+def _consolidate(path: Path) -> dict[str, Any]:
+    """A sharded checkpoint as the full-checkpoint dictionary."""
+    try:
+        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {path} lacks {META_FILE}: not a complete megafp8 checkpoint") from None
+    except Exception as err:
+        raise ConfigError(f"checkpoint file {path / META_FILE} is corrupt: {err}") from None
+    tensors = read_full(path)
+    state = {key: value for key, value in meta.items() if key != "optimizer_step"}
+    state["model"] = {name.removeprefix("model/"): t for name, t in tensors.items() if name.startswith("model/")}
+    state["optimizer"] = {"step": meta["optimizer_step"]}
+    for kind in ("masters", "exp_avg", "exp_avg_sq"):
+        prefix = f"optim/{kind}/"
+        state["optimizer"][kind] = {name.removeprefix(prefix): t for name, t in tensors.items()
+                                    if name.startswith(prefix)}
     return state
 
 

@@ -21,6 +21,7 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 BackendName = Literal["auto", "gloo", "nccl"]
 ScoreFunc = Literal["softmax", "sigmoid"]
 AttentionKind = Literal["gqa", "mla"]
+CheckpointFormat = Literal["sharded", "full"]
 PipelineScheduleName = Literal["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
 
 
@@ -297,11 +298,19 @@ class CheckpointConfig:
     dir: Optional[str] = setting(None, "Checkpoint directory. `null`: `<logging.output_dir>/<run_name>/checkpoints`.")
     interval: int = setting(0, "Save every this many steps (and at the end of training); 0 disables saving.")
     keep_last: int = setting(2, "Keep only this many most recent checkpoints; 0 keeps all.")
+    format: CheckpointFormat = setting(
+        "sharded",
+        "`sharded`: every rank writes its own pieces with torch.distributed.checkpoint (full tensor names and "
+        "offsets, so it loads at any TP/PP/EP/DP layout; no rank gathers the model). `full`: every tensor is "
+        "gathered and rank 0 writes one `state.pt` (small models, simple tooling). Either form resumes, and the "
+        "conversion tools read both.",
+    )
     async_save: bool = setting(
         False,
-        "Write checkpoint files in a background thread: once every rank has gathered the state (in host memory), "
-        "training continues while rank 0 writes. The next save and the end of training wait for the write; a "
-        "failed write stops the run there with its error. The checkpoint still appears only when complete.",
+        "Write checkpoint files in a background thread: once the state is copied to host memory (sharded: each "
+        "rank its pieces; full: gathered on every rank), training continues while the files are written. The next "
+        "save and the end of training wait for the write; a failed write stops the run there with its error. The "
+        "checkpoint still appears only when complete.",
     )
     resume: str = setting(
         "auto",

@@ -39,6 +39,7 @@ from megafp8.parallel import (
     tp_shard_of,
 )
 from megafp8.parallel.grad_buckets import Bucket
+from megafp8.parallel.sharding import Placed, placed_param
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -181,6 +182,26 @@ class DistributedAdamW:
                     local = full[offset : offset + p.numel()].view_as(p)
                     state[key][self.names[p]] = gather_param(local, p, self.tp, self.ep).cpu().clone()
         return state
+
+    _STATE_KEYS = (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+
+    def placed_state(self) -> dict[str, Placed]:
+        """This rank's pieces of every parameter's master weights and moments, at full shapes, as views of the
+        shard buffers (`optim/<kind>/<name>`): for sharded checkpoints, which write and read them in place."""
+        placed: dict[str, Placed] = {}
+        for shard in self.shards:
+            for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
+                lo, hi = max(offset, shard.start), min(offset + p.numel(), shard.end)
+                if lo >= hi:
+                    continue
+                for key, attr in self._STATE_KEYS:
+                    flat = getattr(shard, attr)[lo - shard.start : hi - shard.start]
+                    placed[f"optim/{key}/{self.names[p]}"] = placed_param(flat, p, self.tp, lo - offset, hi - offset)
+        return placed
+
+    def publish(self) -> None:
+        """Write the master weights into the model weights (after they were loaded in place)."""
+        self._publish()
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:

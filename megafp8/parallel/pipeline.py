@@ -28,7 +28,6 @@ import torch.nn as nn
 from megafp8.config import ConfigError
 from megafp8.config.layout import V_SHAPED, layer_counts
 
-LOOPED = ("1f1b", "interleaved_1f1b", "interleaved_zb")
 ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")  # schedules with a separate weight-gradient pass
 
 

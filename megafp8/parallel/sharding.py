@@ -106,3 +106,122 @@ def gather_param(local: torch.Tensor, param: torch.Tensor, tp: TensorParallel, e
 def local_piece(full: torch.Tensor, param: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """This rank's piece of `param`'s full tensor: its TP shard, or its experts' rows."""
     return local_experts_of(shard_of(full, tp_shard_of(param), tp.rank, tp.size), param)
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+def global_boxes(param: torch.Tensor, tp_rank: int, tp_size: int, offsets: tuple[int, ...],
+                 sizes: tuple[int, ...]) -> list[tuple[tuple[int, ...], Box]]:
+    """Where a box of this rank's piece of `param` (local `offsets`, `sizes`) lies in the full tensor, as
+    (global offsets, (local offsets, sizes)) pairs: a box crossing fused parts of a TP shard is cut at them."""
+    spec = tp_shard_of(param)
+    pieces = [(list(offsets), list(sizes))]
+    if spec is not None and tp_size > 1:
+        d, pieces = spec.dim, []
+        local_start, full_start = 0, 0
+        for part in spec.parts:
+            local_size = part // tp_size
+            lo, hi = max(offsets[d], local_start), min(offsets[d] + sizes[d], local_start + local_size)
+            if lo < hi:
+                box_offsets, box_sizes = list(offsets), list(sizes)
+                box_offsets[d], box_sizes[d] = lo, hi - lo
+                pieces.append((box_offsets, box_sizes))
+            local_start += local_size
+            full_start += part
+    out = []
+    for box_offsets, box_sizes in pieces:
+        where = list(box_offsets)
+        if spec is not None and tp_size > 1:
+            d, local_start, full_start = spec.dim, 0, 0
+            for part in spec.parts:  # the part holding this box: shift from its local to its global rows
+                local_size = part // tp_size
+                if local_start <= box_offsets[d] < local_start + local_size:
+                    where[d] = full_start + tp_rank * local_size + (box_offsets[d] - local_start)
+                    break
+                local_start += local_size
+                full_start += part
+        if is_expert(param):
+            where[0] += param.expert_slice[0]
+        out.append((tuple(where), (tuple(box_offsets), tuple(box_sizes))))
+    return out
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
+    """Elements [start, end) of a row-major tensor of `shape` as boxes, each one contiguous in memory, in order
+    (a partial first row, whole rows, a partial last row, recursively)."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))] if shape else [((), ())]
+    inner = 1
+    for size in shape[1:]:
+        inner *= size
+    first, last = start // inner, (end - 1) // inner
+
+    def within(row: int, lo: int, hi: int) -> list[Box]:
+        return [((row, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], lo, hi)]
+
+    if first == last:
+        return within(first, start - first * inner, end - first * inner)
+    boxes: list[Box] = []
+    if start % inner:
+        boxes += within(first, start % inner, inner)
+        first += 1
+    tail = within(last, 0, end % inner) if end % inner else []
+    if end % inner:
+        last -= 1
+    if first <= last:
+        boxes.append(((first, *([0] * (len(shape) - 1))), (last - first + 1, *shape[1:])))
+    return boxes + tail
+
+
+@dataclass
+class Piece:
+    """A box of a full tensor held by this rank: where it starts in the full tensor, and a view of its values."""
+
+    offsets: tuple[int, ...]
+    values: torch.Tensor
+
+
+@dataclass
+class Placed:
+    """This rank's pieces of a tensor of full shape `shape` (for sharded checkpoints)."""
+
+    shape: tuple[int, ...]
+    pieces: list[Piece]
+
+
+def _row_major_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
+
+
+def _narrow(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    for d, (o, s) in enumerate(zip(offsets, sizes)):
+        t = t.narrow(d, o, s)
+    return t
+
+
+def placed_param(local: torch.Tensor, param: torch.Tensor, tp: TensorParallel, start: int = 0,
+                 end: Optional[int] = None) -> Placed:
+    """This rank's pieces of `param`'s full tensor, with values from `local`: a view of the whole local piece
+    (param-shaped), or, with `start`/`end`, a flat view of only elements [start, end) of it (a ZeRO shard)."""
+    end = param.numel() if end is None else end
+    pieces = []
+    for box_offsets, box_sizes in flat_range_boxes(tuple(param.shape), start, end):
+        if local.shape == param.shape:
+            box = _narrow(local, box_offsets, box_sizes)
+        else:  # flat values of [start, end): the box is contiguous within them
+            first = sum(o * s for o, s in zip(box_offsets, _row_major_strides(tuple(param.shape))))
+            count = 1
+            for size in box_sizes:
+                count *= size
+            box = local[first - start : first - start + count].view(box_sizes)
+        for where, (offsets, sizes) in global_boxes(param, tp.rank, tp.size, box_offsets, box_sizes):
+            relative = tuple(o - b for o, b in zip(offsets, box_offsets))
+            pieces.append(Piece(where, _narrow(box, relative, sizes)))
+    return Placed(full_shape(param, tp.size), pieces)

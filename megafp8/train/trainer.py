@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import math
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -19,7 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megafp8.checkpoint import check_tensors_match, find_latest, load_checkpoint, save_checkpoint
+from megafp8.checkpoint import find_latest
 from megafp8.config import Config, ConfigError, ModelConfig, dump_config, validate_config, validate_for_world
 from megafp8.config.loader import config_to_dict
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
@@ -34,7 +33,6 @@ from megafp8.parallel import (
     ParallelDims,
     TensorParallel,
     full_shape,
-    gather_param,
     is_expert,
     tp_shard_of,
 )
@@ -43,6 +41,7 @@ from megafp8.train.fp8_health import Fp8HealthMonitor
 from megafp8.train.loggers import ExperimentLogger
 from megafp8.train.plan import check_fits, device_capacity, make_plan
 from megafp8.train.metrics import format_step_line, peak_tflops
+from megafp8.train.checkpointing import Checkpointer
 from megafp8.train.pipelined import PipelineRunner
 
 log = logging.getLogger("megafp8")
@@ -92,32 +91,6 @@ def resolve_precision(cfg: Config, device: torch.device) -> tuple[Config, Precis
     return resolved, PrecisionRecipe.from_config(resolved.precision)
 
 
-def _write_checkpoint(root: Path, step: int, state: dict[str, Any], keep_last: int) -> None:
-    path = save_checkpoint(root, step, state, keep_last)
-    log.info("saved checkpoint %s", path)
-
-
-class _BackgroundSave:
-    """One checkpoint write on a thread; `wait()` joins it and re-raises what it raised."""
-
-    def __init__(self, root: Path, step: int, state: dict[str, Any], keep_last: int) -> None:
-        self.error: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._run, args=(root, step, state, keep_last),
-                                       name=f"checkpoint-step-{step}", daemon=True)
-        self.thread.start()
-
-    def _run(self, root: Path, step: int, state: dict[str, Any], keep_last: int) -> None:
-        try:
-            _write_checkpoint(root, step, state, keep_last)
-        except BaseException as err:  # surfaced by wait() on the training thread
-            self.error = err
-
-    def wait(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-
 class Trainer:
     """Owns the model, optimizer, data and loop of one run on one rank."""
 
@@ -152,7 +125,7 @@ class Trainer:
         self.health = Fp8HealthMonitor(self.model, cfg.logging.fp8_health_interval, cfg.logging.fp8_underflow_warn,
                                        cfg.logging.fp8_at_max_warn)
         self.step = 0
-        self._pending_save: Optional[_BackgroundSave] = None
+        self.checkpointer = Checkpointer(self)
         self.run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
         self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.metrics_path = Path(cfg.logging.metrics_file)
@@ -201,7 +174,8 @@ class Trainer:
         """One training step. Returns (this rank's mean loss, global grad norm before clipping), on device.
         Under FP16 a step with inf/nan gradients on any rank is skipped (grad norm nan)."""
         if self.recipe.fp8 is not None and self.step == self.cfg.precision.fp8_start_step > 0:
-            plan = apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers)
+            plan = apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers,
+                                  check_patterns=self.layout is None)
             log.info("step %d: switching to FP8 | %s", self.step, plan.summary())
         self.model.train()
         sampled = self.health.arm(self.step)
@@ -385,9 +359,7 @@ class Trainer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(dump_config(dataclasses.replace(self.cfg, model=self.model_cfg)))
-        whole = self.model if self.layout is None else full_meta_model(self.cfg, self.model_cfg, self.recipe, self.tp,
-                                                                       self.ep)
-        num_params = sum(math.prod(full_shape(p, self.tp.size)) for p in whole.parameters())
+        num_params = sum(math.prod(full_shape(p, self.tp.size)) for p in self.whole_model_meta().parameters())
         m = self.model_cfg
         log.info(
             "model: %.2fM parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d) | precision %s",
@@ -414,98 +386,25 @@ class Trainer:
                      self.dims.pp, self.num_micro_batches, 100 * self.pipeline.bubble, self.layout.describe())
 
     # ----------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs, by parameter name. Collective: every rank must call it."""
-        rng = {"torch": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        model, optimizer = self._merge_stages(self._full_model_state(), self.optimizer.state_dict())
-        return {
-            "model": model,
-            "optimizer": optimizer,
-            "step": self.step,
-            "loader": self.loader.state_dict(),
-            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else {},
-            "rng": rng,
-            "config": config_to_dict(self.cfg),
-        }
-
-    def _merge_stages(self, model: dict[str, Any], optimizer: dict[str, Any]) -> tuple[dict, dict]:
-        """Under pipeline parallelism, rank 0 gets the union of every stage's weights and optimizer state (other
-        ranks keep their own: only rank 0 writes)."""
-        if self.dims.pp_group is None or self.dims.rank % (self.dims.tp * self.dims.dp) != 0:  # not rank 0's pipeline
-            return model, optimizer
-        stages: Optional[list[Any]] = [None] * self.dims.pp if self.dims.rank == 0 else None
-        dist.gather_object((model, optimizer), stages, dst=0, group=self.dims.pp_group)
-        if self.dims.rank != 0:
-            return model, optimizer
-        merged_model, merged_opt = {}, {**optimizer, "masters": {}, "exp_avg": {}, "exp_avg_sq": {}}
-        for stage_model, stage_opt in stages:
-            merged_model.update(stage_model)
-            for key in ("masters", "exp_avg", "exp_avg_sq"):
-                merged_opt[key].update(stage_opt[key])
-        return merged_model, merged_opt
-
-    def _full_model_state(self, meta: bool = False) -> dict[str, torch.Tensor]:
-        """Weights and buffers by name at their full shapes, every expert included (tensor-parallel shards and
-        expert-parallel slices gathered; collective). `meta`: shapes only, of every pipeline stage."""
-        model = self.model
-        if meta and self.layout is not None:
-            model = full_meta_model(self.cfg, self.model_cfg, self.recipe, self.tp, self.ep)
-        params = dict(model.named_parameters())
-        state = {}
-        for name, t in model.state_dict().items():
-            param = params.get(name)
-            if meta:
-                state[name] = torch.empty(full_shape(param, self.tp.size) if param is not None else t.shape,
-                                          device="meta")
-            elif param is not None:
-                state[name] = gather_param(t.detach(), param, self.tp, self.ep).cpu().clone()
-            else:  # buffers (MoE selection biases) are replicated
-                state[name] = t.detach().cpu().clone()
-        return state
+    def whole_model_meta(self) -> Transformer:
+        """The model's every stage on the meta device (this rank's model itself without pipelining)."""
+        if self.layout is None:
+            return self.model
+        return full_meta_model(self.cfg, self.model_cfg, self.recipe, self.tp, self.ep)
 
     def save(self) -> None:
-        """Checkpoint the current step (collective). With `checkpoint.async_save`, rank 0 writes in the background."""
-        state = self.state_dict()  # gathers sharded optimizer state on every rank, into host memory
-        if self.dims.rank == 0:
-            self.wait_for_save()  # one write at a time, in step order
-            if self.cfg.checkpoint.async_save:
-                self._pending_save = _BackgroundSave(self.checkpoint_dir, self.step, state,
-                                                     self.cfg.checkpoint.keep_last)
-            else:
-                _write_checkpoint(self.checkpoint_dir, self.step, state, self.cfg.checkpoint.keep_last)
-        if self.dims.is_distributed:
-            dist.barrier()
+        """Checkpoint the current step (collective; see `megafp8/train/checkpointing.py`)."""
+        self.checkpointer.save()
 
     def wait_for_save(self) -> None:
         """Block until a background checkpoint write is done; re-raises its error."""
-        if self._pending_save is not None:
-            pending, self._pending_save = self._pending_save, None
-            pending.wait()
+        self.checkpointer.wait()
 
     def load(self, path: Path) -> None:
-        state = load_checkpoint(path)
-        check_tensors_match(state["model"], self._full_model_state(meta=True), path)
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])  # writes the master weights into the model
-        except (KeyError, ValueError) as err:
-            raise ConfigError(f"checkpoint {path} has an unusable optimizer state: {err}") from None
-        buffers = dict(self.model.named_buffers())
-        with torch.no_grad():
-            for name, saved in state["model"].items():  # persistent buffers (MoE selection biases)
-                if name in buffers:
-                    buffers[name].copy_(saved)
-        if state["loader"]:  # empty for checkpoints imported from other formats: start the data from the top
-            self.loader.load_state_dict(state["loader"])
-        if self.loss_scaler is not None and state.get("loss_scaler"):
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
-        self.step = int(state["step"])
+        self.checkpointer.load(path)
         if self.recipe.fp8 is not None and 0 < self.cfg.precision.fp8_start_step < self.step:
-            apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers)
-        torch.set_rng_state(state["rng"]["torch"])
-        if self.device.type == "cuda" and "cuda" in state["rng"]:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+            apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers,
+                           check_patterns=self.layout is None)
         log.info("resumed from %s at step %d", path, self.step)
 
     def _maybe_resume(self) -> None:

@@ -1,0 +1,126 @@
+"""Sharded checkpoints (torch.distributed.checkpoint): every rank writes its own pieces; any layout loads them.
+
+Runs are FP32, so a checkpoint read back at another layout gives the same validation loss to 1e-5
+(layouts differ only in summation order)."""
+from __future__ import annotations
+
+import math
+import os
+import pickle
+
+import pytest
+import torch
+
+from megafp8.checkpoint import find_latest, load_checkpoint
+from megafp8.config import ConfigError, load_config
+from megafp8.parallel import ParallelDims
+from megafp8.train.trainer import Trainer
+from tests.distributed import spawn
+
+TP_MODEL = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
+            "model.num_layers=4", "precision.recipe=fp32", "training.eval_interval=100", "training.eval_iters=4"]
+
+
+def _worker(rank, world, overrides, out_path):
+    """Build (resuming if the checkpoint dir has one), report the step and validation loss, then train on."""
+    cfg = load_config("tiny_dense", overrides)
+    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel) if world > 1 else ParallelDims.single(),
+                      torch.device("cpu"))
+    step, val = trainer.step, trainer.evaluate()
+    records = trainer.fit()
+    if rank == 0:
+        torch.save({"step": step, "val": val, "losses": [r["loss"] for r in records if r["kind"] == "train"]},
+                   out_path)
+
+
+def _run(world, overrides, out_path):
+    if world == 1:
+        _worker(0, 1, overrides, out_path)
+    else:
+        spawn(world, _worker, overrides, out_path)
+    return torch.load(out_path)
+
+
+@pytest.mark.parametrize("saved_at, loaded_at", [
+    ((4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]), [(1, []), (4, [])]),
+    ((1, []), [(4, ["parallel.tp=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"])]),
+], ids=["tp2_pp2_to_one_rank_and_dp4", "one_rank_to_tp2_pp2"])
+def test_a_checkpoint_loads_at_other_layouts(tiny_overrides, tmp_path, saved_at, loaded_at):
+    """Saved at one layout, read at others: the same step and the same validation loss on the fixed held-out
+    batches; each saving rank wrote its own file."""
+    ckpt = tmp_path / "ck"
+    base = tiny_overrides + TP_MODEL + [f"checkpoint.dir={ckpt}"]
+    world, extra = saved_at
+    _run(world, base + extra + ["training.steps=3", "checkpoint.interval=3", "checkpoint.resume=none"],
+         tmp_path / "save.pt")
+    latest = find_latest(ckpt)
+    assert sorted(p.name for p in latest.iterdir() if p.suffix == ".distcp") == [f"__{r}_0.distcp" for r in range(world)]
+    reference = None
+    for i, (load_world, load_extra) in enumerate(loaded_at + [saved_at]):
+        got = _run(load_world, base + load_extra + ["training.steps=4", "checkpoint.interval=0"], tmp_path / f"{i}.pt")
+        assert got["step"] == 3
+        reference = got["val"] if reference is None else reference
+        assert math.isclose(got["val"], reference, rel_tol=1e-5), (load_world, load_extra, got["val"], reference)
+
+
+def test_resume_at_pp2_is_bit_identical(tiny_overrides, tmp_path):
+    """Stop at step 3 and resume under a zero-bubble pipeline: the next losses equal an uninterrupted run's."""
+    base = tiny_overrides + TP_MODEL + ["parallel.pp=2", "parallel.pp_schedule=zbv", "training.steps=6"]
+    straight = _run(2, base + ["checkpoint.resume=none"], tmp_path / "straight.pt")["losses"]
+    ckpt = [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.interval=3"]
+    _run(2, base + ckpt + ["training.steps=3"], tmp_path / "first.pt")
+    resumed = _run(2, base + ckpt, tmp_path / "resumed.pt")
+    assert resumed["step"] == 3 and resumed["losses"] == straight[3:]
+
+
+def test_async_sharded_save_on_two_ranks(tiny_overrides, tmp_path):
+    """checkpoint.async_save with the sharded form: the background writes (on their own gloo group) complete,
+    are published in order, and resume."""
+    base = tiny_overrides + TP_MODEL + [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.interval=3",
+                                        "checkpoint.async_save=true", "checkpoint.keep_last=0"]
+    _run(2, base + ["training.steps=6"], tmp_path / "r.pt")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step_00000003", "step_00000006"]
+    assert load_checkpoint(find_latest(tmp_path / "ck"))["step"] == 6
+
+
+# ------------------------------------------------------------------------------------- safety
+
+def _saved(tiny_overrides, tmp_path):
+    overrides = tiny_overrides + [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.resume=none"]
+    trainer = Trainer(load_config("tiny_dense", overrides), ParallelDims.single(), torch.device("cpu"))
+    trainer.train_step()
+    trainer.save()
+    return find_latest(tmp_path / "ck"), tiny_overrides + [f"checkpoint.dir={tmp_path / 'ck'}"]
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_index_that_would_run_code_is_refused(tiny_overrides, tmp_path):
+    path, overrides = _saved(tiny_overrides, tmp_path)
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(tmp_path / "pwned")))
+    with pytest.raises(ConfigError, match=r"refers to (posix|os)\.system, which a checkpoint index never holds"):
+        Trainer(load_config("tiny_dense", overrides), ParallelDims.single(), torch.device("cpu"))
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_truncated_shard_file_gives_one_clear_error(tiny_overrides, tmp_path):
+    path, overrides = _saved(tiny_overrides, tmp_path)
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=r"could not be read"):
+        Trainer(load_config("tiny_dense", overrides), ParallelDims.single(), torch.device("cpu"))
+
+
+def test_an_incomplete_sharded_checkpoint_is_skipped_or_named(tiny_overrides, tmp_path):
+    path, overrides = _saved(tiny_overrides, tmp_path)
+    (path / "meta.pt").unlink()  # as if rank 0 died before finishing
+    assert find_latest(tmp_path / "ck") is None  # `auto` does not resume from it
+    with pytest.raises(ConfigError, match=r"lacks meta.pt: not a complete megafp8 checkpoint"):
+        Trainer(load_config("tiny_dense", overrides + [f"checkpoint.resume={path}"]), ParallelDims.single(),
+                torch.device("cpu"))
