@@ -172,6 +172,13 @@ def test_precision_schedules_work_per_stage(tiny_overrides, tmp_path, reference,
     _assert_matches(reference(extra), got, loss_rtol=5e-3, grad_frac=2**-6, norm_rtol=3e-2)
 
 
+def test_recomputation_inside_pipeline_stages_matches_pp1(tiny_overrides, tmp_path, reference):
+    """Recomputed blocks in a zero-bubble schedule (recompute during I, deferred weight GEMMs at W), MoE with EP=2."""
+    got = _run(tmp_path, "recompute", 4, tiny_overrides + MODEL + FP32 + MOE + [
+        "parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=zbv", "training.recompute=full"], "tiny_moe_fp8")
+    _assert_matches(reference(FP32 + MOE, "tiny_moe_fp8"), got, grad_frac=1e-4, norm_rtol=1e-4)
+
+
 def test_mtp_on_the_last_stage_of_a_v_schedule_matches_pp1(tiny_overrides, tmp_path, reference):
     """V schedules put the first and last stage on rank 0, so the MTP module shares the embedding there."""
     extra = FP32 + ["model.mtp_depth=1"]

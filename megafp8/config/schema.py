@@ -22,6 +22,7 @@ BackendName = Literal["auto", "gloo", "nccl"]
 ScoreFunc = Literal["softmax", "sigmoid"]
 AttentionKind = Literal["gqa", "mla"]
 CheckpointFormat = Literal["sharded", "full"]
+RecomputeMode = Literal["none", "full"]
 PipelineScheduleName = Literal["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
 
 
@@ -288,6 +289,12 @@ class TrainingConfig:
         4, "Micro-batches in one validation pass, split across data-parallel ranks (the same set for any layout)."
     )
     seed: int = setting(1234, "Seed of weight init and data shuffling; the same seed gives the same run.")
+    recompute: RecomputeMode = setting(
+        "none",
+        "Activation recomputation. `full`: every transformer block keeps only its input for backward and runs its "
+        "forward again there (about a third more compute; activation memory falls to one block's working set plus "
+        "the blocks' inputs). `none`: keep every activation.",
+    )
     device: DeviceName = setting("auto", "`auto`: CUDA when available (one GPU per local rank), else CPU.")
 
 

@@ -42,6 +42,7 @@ class Router(nn.Module):
                                                device=device))
         self.register_buffer("expert_bias", torch.zeros(cfg.moe_num_experts, device=device))
         self.register_buffer("load", torch.zeros(cfg.moe_num_experts, device=device), persistent=False)
+        self.counting = True  # off while activation recomputation re-runs the forward
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.weight)  # (N, E), FP32
@@ -66,7 +67,7 @@ class Router(nn.Module):
         weights = scores.gather(1, chosen)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.training:
+        if self.training and self.counting:
             self.load += torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
         return weights * self.scaling, chosen, scores
 

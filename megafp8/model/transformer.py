@@ -1,12 +1,14 @@
 """The dense decoder: embedding -> pre-norm blocks (attention, SwiGLU) -> final norm -> untied LM head."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from megafp8.config import ConfigError, ModelConfig
 from megafp8.model.attention import Attention, head_dim_of
@@ -40,10 +42,34 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
         self.mlp = (MoE(cfg, recipe, tp, ep, fp8_dispatch, device) if moe_layer
                     else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, recipe, tp, device))
+        self.recompute = False  # set by `apply_recompute`
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int,
                 seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Returns the new residual stream and the MoE balance loss (None for a dense MLP)."""
+        """Returns the new residual stream and the MoE balance loss (None for a dense MLP). With `recompute`, only
+        the block's input is kept for backward, which runs the block's forward again first."""
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, rope, batch, seq_len, use_reentrant=False,
+                              context_fn=self._recompute_contexts)
+        return self._forward(x, rope, batch, seq_len)
+
+    def _recompute_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """(first forward, recomputation): the recomputation must not count its tokens into the router's load."""
+        return contextlib.nullcontext(), self._router_not_counting()
+
+    @contextlib.contextmanager
+    def _router_not_counting(self):
+        router = self.mlp.router if isinstance(self.mlp, MoE) else None
+        if router is not None:
+            router.counting = False
+        try:
+            yield
+        finally:
+            if router is not None:
+                router.counting = True
+
+    def _forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int,
+                 seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         x = x + self.attn(self.attn_norm(x), rope, batch, seq_len)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(self.mlp_norm(x), batch, seq_len)
@@ -191,6 +217,15 @@ class PipelineChunk(nn.Module):
         else:  # (rows, hidden) from the previous stage: full-length samples
             batch, seq_len = self._batch_of(x.shape[0]), self._seq_len
         return self._run_layers(x, self.layer_ids, batch, seq_len)
+
+
+def apply_recompute(model: nn.Module, mode: str) -> int:
+    """Activation recomputation: `full` makes every transformer block (MTP blocks included) keep only its input for
+    backward and run its forward again there; `none` leaves them. Returns how many blocks recompute."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.recompute = mode == "full"
+    return len(blocks) if mode == "full" else 0
 
 
 def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int, tp_size: int = 1) -> ModelConfig:

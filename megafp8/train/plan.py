@@ -8,6 +8,10 @@ without recomputation, Megatron's count with a fused attention kernel: per token
 layer ~34 bytes in BF16, (10 + 24/tp) under tensor parallelism and 34/tp with sequence
 parallelism; plus the logits (BF16, plus FP32 for the loss) split over TP.
 
+With `training.recompute: full` a block keeps only its input (2 bytes per token and hidden unit,
+divided by tp under sequence parallelism) for every micro-batch in flight, plus one block's full
+working set while it is recomputed.
+
 Under pipeline parallelism the figures are those of the busiest pipeline rank (its stages' weights;
 activations of its layers for the micro-batches in flight at once: pp under 1F1B and ZB-V,
 pp x (1 + (pp-1)/(pp x v)) under the interleaved schedules, pp + 1 under DualPipeV).
@@ -125,8 +129,13 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     moment_bytes = 4 if cfg.optimizer.moment_dtype == "fp32" else 2
     tokens = cfg.training.micro_batch_size * cfg.data.seq_len
     per_unit = 34 / tp if shard_layout.sp else 10 + 24 / tp
-    activations = (per_unit * tokens * cfg.model.hidden_size * layers_per_rank * _in_flight(cfg)
-                   + tokens * cfg.model.vocab_size * (2 + 4) / tp)
+    block_bytes = per_unit * tokens * cfg.model.hidden_size  # one block's activations, one micro-batch
+    if cfg.training.recompute == "full":
+        inputs = 2 * tokens * cfg.model.hidden_size / (tp if shard_layout.sp else 1)
+        stored = inputs * layers_per_rank * _in_flight(cfg) + block_bytes
+    else:
+        stored = block_bytes * layers_per_rank * _in_flight(cfg)
+    activations = stored + tokens * cfg.model.vocab_size * (2 + 4) / tp
     bytes_per_rank = {
         "weights": n * _PARAM_BYTES[recipe_name],
         "grads": n * 4 + (sharded_numel * 4 if cfg.optimizer.sharded and dp > 1 else 0),

@@ -23,7 +23,14 @@ from megafp8.config import Config, ConfigError, ModelConfig, dump_config, valida
 from megafp8.config.loader import config_to_dict
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
 from megafp8.data.indexed import DatasetMeta
-from megafp8.model import Transformer, apply_fp8_plan, init_weights, resolve_vocab_size, training_flops_per_token
+from megafp8.model import (
+    Transformer,
+    apply_fp8_plan,
+    apply_recompute,
+    init_weights,
+    resolve_vocab_size,
+    training_flops_per_token,
+)
 from megafp8.optim import DistributedAdamW, lr_at
 from megafp8.model.moe import expert_load_stats, routers
 from megafp8.parallel.pipeline import StageSpec, build_layout
@@ -68,6 +75,9 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
         apply_fp8_plan(model, cfg.precision, recipe, model_cfg.num_layers, dry_run=True, check_patterns=check)
     plan = apply_fp8_plan(model, cfg.precision, recipe if fp8_active else recipe.high_precision(),
                           model_cfg.num_layers, check_patterns=check)
+    recomputing = apply_recompute(model, cfg.training.recompute)
+    if recomputing:
+        log.info("activation recomputation: %d blocks keep only their input for backward", recomputing)
     if recipe.fp8 is not None:
         backend = select_backend(recipe.fp8.backend, device)
         log.info("fp8: backend %s%s | %s%s", backend.name, " (auto)" if recipe.fp8.backend == "auto" else "",
