@@ -165,7 +165,8 @@ def test_deepseek_layout_round_trip_and_names(tmp_path):
 
     names = load_file(str(tmp_path / "hf" / WEIGHTS_FILE)).keys()
     for expected in ("model.layers.1.mlp.experts.7.up_proj.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
-                     "model.layers.2.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.mlp.shared_experts.gate_proj.weight",
+                     "model.layers.2.self_attn.kv_a_proj_with_mqa.weight",
+                     "model.layers.1.mlp.shared_experts.gate_proj.weight",
                      "model.layers.3.eh_proj.weight", "model.layers.3.shared_head.head.weight",
                      "model.layers.3.embed_tokens.weight", "model.layers.3.mlp.experts.0.down_proj.weight"):
         assert expected in names, expected

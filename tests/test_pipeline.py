@@ -95,7 +95,8 @@ SCHEDULES = ["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
 def test_pp2_matches_pp1(tiny_overrides, tmp_path, reference, schedule):
     """FP32: 4 micro-batches; interleaved schedules hold 2 stages of one layer each per rank."""
     extra = FP32
-    got = _run(tmp_path, "pp2", 2, tiny_overrides + MODEL + extra + ["parallel.pp=2", f"parallel.pp_schedule={schedule}"])
+    layout = ["parallel.pp=2", f"parallel.pp_schedule={schedule}"]
+    got = _run(tmp_path, "pp2", 2, tiny_overrides + MODEL + extra + layout)
     _assert_matches(reference(extra), got)
 
 
@@ -103,7 +104,8 @@ def test_pp2_matches_pp1(tiny_overrides, tmp_path, reference, schedule):
 def test_pp4_matches_pp1(tiny_overrides, tmp_path, reference, schedule):
     """FP32, 8 layers over 4 ranks (8 stages for the interleaved and V schedules), 8 micro-batches."""
     extra = FP32 + ["model.num_layers=8", "training.micro_batch_size=1"]
-    got = _run(tmp_path, "pp4", 4, tiny_overrides + MODEL + extra + ["parallel.pp=4", f"parallel.pp_schedule={schedule}"])
+    layout = ["parallel.pp=4", f"parallel.pp_schedule={schedule}"]
+    got = _run(tmp_path, "pp4", 4, tiny_overrides + MODEL + extra + layout)
     _assert_matches(reference(extra), got)
     if schedule == "1f1b":
         assert got["bubble"] == pytest.approx(3 / (8 + 3))  # (pp - 1) / (m + pp - 1)
@@ -157,7 +159,8 @@ def test_balance_loss_gradient_is_not_lost_through_stages(tiny_overrides, tmp_pa
 def test_fp8_pipeline_matches_pp1(tiny_overrides, tmp_path, reference, schedule):
     """FP8 (reference backend): zero-bubble schedules defer the FP8 weight-gradient GEMMs to the W pass."""
     extra = ["precision.recipe=fp8"]
-    got = _run(tmp_path, "fp8", 2, tiny_overrides + MODEL + extra + ["parallel.pp=2", f"parallel.pp_schedule={schedule}"])
+    layout = ["parallel.pp=2", f"parallel.pp_schedule={schedule}"]
+    got = _run(tmp_path, "fp8", 2, tiny_overrides + MODEL + extra + layout)
     _assert_matches(reference(extra), got, loss_rtol=5e-3, grad_frac=2**-6, norm_rtol=3e-2)
 
 

@@ -30,13 +30,14 @@ _ATTN = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_
          "attn.q_a_proj.weight": "self_attn.q_a_proj.weight", "attn.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
          "attn.q_b_proj.weight": "self_attn.q_b_proj.weight", "attn.q_proj.weight": "self_attn.q_proj.weight",
          "attn.kv_a_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
-         "attn.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight", "attn.kv_b_proj.weight": "self_attn.kv_b_proj.weight",
+         "attn.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+         "attn.kv_b_proj.weight": "self_attn.kv_b_proj.weight",
          "attn.out_proj.weight": "self_attn.o_proj.weight", "mlp.down_proj.weight": "mlp.down_proj.weight",
          "mlp.router.weight": "mlp.gate.weight", "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
          "mlp.shared.down_proj.weight": "mlp.shared_experts.down_proj.weight"}
 _GATE_UP = {"mlp.gate_up_proj.weight": "mlp", "mlp.shared.gate_up_proj.weight": "mlp.shared_experts"}
-_MTP = {"embed_norm.weight": "enorm.weight", "hidden_norm.weight": "hnorm.weight", "combine_proj.weight": "eh_proj.weight",
-        "out_norm.weight": "shared_head.norm.weight"}
+_MTP = {"embed_norm.weight": "enorm.weight", "hidden_norm.weight": "hnorm.weight",
+        "combine_proj.weight": "eh_proj.weight", "out_norm.weight": "shared_head.norm.weight"}
 _ROUTED = ("mlp.experts.gate_up_proj.weight", "mlp.experts.down_proj.weight")
 
 
@@ -107,8 +108,9 @@ def _permute_rope(w: torch.Tensor, cfg: ModelConfig, name: str, inverse: bool) -
         order = torch.argsort(order)
     if name.endswith("kv_a_proj.weight"):
         return torch.cat([w[:-rope], w[-rope:][order]])
-    heads = w.view(cfg.num_heads, cfg.qk_nope_head_dim + rope, -1)
-    return torch.cat([heads[:, :cfg.qk_nope_head_dim], heads[:, cfg.qk_nope_head_dim:][:, order]], dim=1).reshape(w.shape)
+    heads = w.view(cfg.num_heads, cfg.qk_nope_head_dim + rope, -1)  # (heads, nope + rope, in)
+    nope, rotary = heads[:, :cfg.qk_nope_head_dim], heads[:, cfg.qk_nope_head_dim:]
+    return torch.cat([nope, rotary[:, order]], dim=1).reshape(w.shape)
 
 
 def _swap_halves(w: torch.Tensor) -> torch.Tensor:
@@ -209,7 +211,8 @@ def from_deepseek_tensors(get: Callable[[str], torch.Tensor], expected: dict[str
             ours[name] = torch.stack([torch.cat([get(f"{hf}.mlp.experts.{e}.{p}_proj.weight") for p in ("gate", "up")])
                                       for e in range(cfg.moe_num_experts)])
         elif key == _ROUTED[1]:
-            ours[name] = torch.stack([get(f"{hf}.mlp.experts.{e}.down_proj.weight") for e in range(cfg.moe_num_experts)])
+            ours[name] = torch.stack([get(f"{hf}.mlp.experts.{e}.down_proj.weight")
+                                      for e in range(cfg.moe_num_experts)])
         else:
             raise ConfigError(f"tensor '{name}' has no DeepSeek-V3 name")
     return ours

@@ -77,7 +77,10 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def _complete(directory: Path) -> bool:
-    return (directory / STATE_FILE).is_file() or (is_sharded_checkpoint(directory) and (directory / META_FILE).is_file())
+    """A full checkpoint's file, or a sharded checkpoint's index and meta.pt (rank 0 writes the latter last)."""
+    if (directory / STATE_FILE).is_file():
+        return True
+    return is_sharded_checkpoint(directory) and (directory / META_FILE).is_file()
 
 
 def find_latest(root: Path) -> Optional[Path]:

@@ -33,7 +33,6 @@ from megafp8.model import (
 )
 from megafp8.optim import DistributedAdamW, lr_at
 from megafp8.model.moe import expert_load_stats, routers
-from megafp8.parallel.pipeline import StageSpec, build_layout
 from megafp8.parallel import (
     ExpertParallel,
     GradBuckets,
@@ -43,6 +42,7 @@ from megafp8.parallel import (
     is_expert,
     tp_shard_of,
 )
+from megafp8.parallel.pipeline import StageSpec, build_layout
 from megafp8.precision import DynamicLossScaler, PrecisionRecipe, resolve_recipe, select_backend
 from megafp8.train.fp8_health import Fp8HealthMonitor
 from megafp8.train.loggers import ExperimentLogger
@@ -347,7 +347,8 @@ class Trainer:
     def _moe_record(self) -> dict[str, Any]:
         """Expert balance of the last step over every MoE layer: load spread, bias size, and assignments not
         dispatched (must be 0). Collective over the pipeline group (each stage holds some MoE layers)."""
-        loads = self.expert_loads.cpu() if self.expert_loads is not None else torch.zeros(0, self.model_cfg.moe_num_experts)
+        loads = (self.expert_loads.cpu() if self.expert_loads is not None  # a stage may hold no MoE layer
+                 else torch.zeros(0, self.model_cfg.moe_num_experts))
         bias = max((r.expert_bias.abs().max().item() for r in self.routers), default=0.0)
         if self.dims.pp_group is not None:
             stages: list[Any] = [None] * self.dims.pp
