@@ -118,3 +118,30 @@ def test_one_node_configs_fit_eight_h200s(name, params, activated):
     if activated is not None:
         assert abs(plan.activated_per_token - activated) <= 0.01 * activated
     check_fits(plan, capacity=141 * GIB)  # one H200 each
+
+
+def _memory_worker(rank, world, overrides, out_path):
+    from megafp8.parallel import ParallelDims
+    from megafp8.train.trainer import Trainer
+
+    cfg = load_config("tiny_dense", overrides)
+    memory = Trainer(cfg, ParallelDims.from_config(cfg.parallel), torch.device("cpu")).optimizer.memory_bytes()
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, memory)
+    if rank == 0:
+        torch.save(gathered, out_path)
+
+
+@pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.pp=2", "parallel.pp_schedule=zbv"]])
+def test_planned_memory_is_what_the_busiest_pipeline_rank_allocates(tiny_overrides, tmp_path, layout):
+    """The planner's weights, gradients, masters and moments per rank equal the live buffers of the pipeline rank
+    holding the most (bytes counted from the optimizer's own tensors)."""
+    from tests.distributed import spawn
+
+    overrides = tiny_overrides + ["model.vocab_size=384", "model.num_layers=4"] + layout
+    spawn(2, _memory_worker, overrides, tmp_path / "m.pt")
+    live = torch.load(tmp_path / "m.pt")
+    busiest = max(live, key=lambda m: m["weights"])
+    plan = make_plan(load_config("tiny_dense", overrides), 2).bytes_per_rank
+    for key in ("weights", "grads", "master_weights", "optimizer_states"):
+        assert plan[key] == busiest[key], (key, plan[key], busiest[key])
