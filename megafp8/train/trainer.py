@@ -338,6 +338,9 @@ class Trainer:
             "consumed_tokens": self.step * self.tokens_per_step,
             "elapsed_s": elapsed_s,
             "remaining_s": elapsed_s / steps_done * (self.cfg.training.steps - self.step),
+            # the allocator's high-water mark on this (rank 0's) GPU since start: a host-side counter, no sync
+            "peak_memory_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
+                                if self.device.type == "cuda" else None),
             **record_extra,
         }
         log.info(format_step_line(record, self.cfg.training.steps))
