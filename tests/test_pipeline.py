@@ -28,8 +28,8 @@ FP32 = ["precision.recipe=fp32"]
 
 
 def _worker(rank, world, config, overrides, out_path):
-    """Train with the first step's reduced gradients captured (before clipping's effect on the update is seen, the
-    capture is after reduction and clipping, as the optimizer sees them); rank 0 saves records and gradients."""
+    """Train, capturing the first step's gradients as the optimizer sees them (reduced over every group and
+    clipped); rank 0 saves the records, the gradients and the logged bubble."""
     cfg = load_config(config, overrides)
     dims = ParallelDims.from_config(cfg.parallel) if world > 1 else ParallelDims.single()
     trainer = Trainer(cfg, dims, torch.device("cpu"))

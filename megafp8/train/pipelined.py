@@ -8,7 +8,6 @@ it logs.
 """
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import torch
@@ -24,8 +23,6 @@ from megafp8.parallel.pipeline import (
     forward_only,
 )
 from megafp8.precision import WeightGradQueue
-
-log = logging.getLogger("megafp8")
 
 
 class PipelineRunner:
