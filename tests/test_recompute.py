@@ -76,3 +76,14 @@ def test_recomputation_keeps_far_less_for_backward(tiny_overrides):
     full = make_plan(load_config("tiny_dense", base + ["training.recompute=full"]), 8).bytes_per_rank[
         "activations (estimate)"]
     assert full < 0.3 * plain and math.isfinite(full)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_compiled_blocks_train_like_eager_blocks(tiny_overrides, recipe):
+    """training.compile: the blocks run through torch.compile (FP8 linears eagerly inside) and, with recomputation
+    too, track the eager run's losses (fused elementwise kernels round BF16 differently)."""
+    base = tiny_overrides + [f"precision.recipe={recipe}", "training.steps=3", "training.eval_interval=0"]
+    eager, _ = _train("tiny_dense", base)
+    compiled, _ = _train("tiny_dense", base + ["training.compile=true", "training.recompute=full"])
+    for a, b in zip(eager, compiled):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=5e-3), (a["loss"], b["loss"])

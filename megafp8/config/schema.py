@@ -289,6 +289,12 @@ class TrainingConfig:
         4, "Micro-batches in one validation pass, split across data-parallel ranks (the same set for any layout)."
     )
     seed: int = setting(1234, "Seed of weight init and data shuffling; the same seed gives the same run.")
+    compile: bool = setting(
+        False,
+        "`torch.compile` every transformer block (the first steps pay the compilation). FP8 linears and grouped "
+        "experts run eagerly inside the compiled code (our own kernels; the norms, activations and residual "
+        "adds around them fuse).",
+    )
     recompute: RecomputeMode = setting(
         "none",
         "Activation recomputation. `full`: every transformer block keeps only its input for backward and runs its "

@@ -252,6 +252,9 @@ class _Fp8LinearFn(torch.autograd.Function):
         return dx, dw, None, None, None, None, None
 
 
+# torch.compile runs the FP8 linear eagerly (a graph break): its weight cache is state Dynamo cannot trace, and its
+# GEMMs and quantizers are our own kernels already. The code around it (norms, activations, residuals) compiles.
+@torch.compiler.disable
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, cfg: Fp8GemmConfig,
                backend: Fp8Backend, comm: Optional[LinearComm] = None,
                wgrad_queue: Optional[WeightGradQueue] = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_met
 from megafp8.data.indexed import DatasetMeta
 from megafp8.model import (
     Transformer,
+    apply_compile,
     apply_fp8_plan,
     apply_recompute,
     init_weights,
@@ -75,6 +76,8 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
         apply_fp8_plan(model, cfg.precision, recipe, model_cfg.num_layers, dry_run=True, check_patterns=check)
     plan = apply_fp8_plan(model, cfg.precision, recipe if fp8_active else recipe.high_precision(),
                           model_cfg.num_layers, check_patterns=check)
+    if cfg.training.compile:
+        log.info("torch.compile: %d blocks", apply_compile(model))
     recomputing = apply_recompute(model, cfg.training.recompute)
     if recomputing:
         log.info("activation recomputation: %d blocks keep only their input for backward", recomputing)
