@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -50,12 +51,13 @@ def one_node_cluster(tmp_path):
 
 
 def test_sbatch_trains_the_tiny_config(corpus_dir, tmp_path, one_node_cluster):
-    env = {**torchrun_env(), "SLURM_CONF": str(one_node_cluster), "GPUS_PER_NODE": "2"}
+    """Submitted through launch/slurm/submit.py, which sizes the job from the layout (here 1 node x 2 CPU ranks)."""
+    env = {**torchrun_env(), "SLURM_CONF": str(one_node_cluster)}
     overrides = TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={tmp_path / 'runs'}",
                                   "run_name=slurm", "training.steps=4", "training.eval_interval=0"]
     job = subprocess.run(
-        ["sbatch", "--wait", "--nodes=1", f"--output={tmp_path}/job.out", "--export=ALL,OMP_NUM_THREADS=1",
-         str(REPO / "launch/slurm/pretrain.sbatch"), "--config", "tiny_dense", *overrides],
+        [sys.executable, str(REPO / "launch/slurm/submit.py"), "--config", "tiny_dense", "--cpu",
+         "--procs-per-node", "2", "--sbatch=--wait", f"--sbatch=--output={tmp_path}/job.out", *overrides],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert job.returncode == 0, f"{job.stdout}{job.stderr}\n{out[-3000:]}"

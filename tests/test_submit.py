@@ -1,0 +1,47 @@
+"""SLURM job shapes from configs (launch/slurm/submit.py), without a cluster: `--print-only`."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megafp8.config import ConfigError, load_config
+from megafp8.train.submit import job_shape, sbatch_command
+from tests.conftest import REPO, torchrun_env
+
+
+def test_the_layout_sets_the_nodes():
+    shape = job_shape(load_config("671b_fp8"), 8)  # tp 1 x pp 16 x ep 64 ranks at least
+    assert (shape.nodes, shape.procs_per_node, shape.world_size) == (128, 8, 1024)
+    assert job_shape(load_config("671b_fp8"), 8, nodes=256).world_size == 2048  # the paper's 2048 GPUs
+    assert job_shape(load_config("tiny_dense", ["parallel.dp=2"]), 8).world_size == 2  # fewer than one node
+    assert job_shape(load_config("tiny_dense", ["parallel.tp=2", "model.num_heads=4", "model.num_kv_heads=2",
+                                                "model.head_dim=128"]), 8).world_size == 8  # fills the node
+    command = sbatch_command("671b_fp8.yaml", ["optimizer.lr=1e-4"], job_shape(load_config("671b_fp8"), 8), True,
+                             ["--time=1:00:00"])
+    assert command == ["sbatch", "--nodes=128", "--gpus-per-node=8", "--time=1:00:00", "launch/slurm/pretrain.sbatch",
+                       "--config", "671b_fp8.yaml", "optimizer.lr=1e-4"]
+
+
+@pytest.mark.parametrize("overrides, nodes, message", [
+    (["parallel.dp=12"], None, "the layout needs 12 ranks .* do not fill whole nodes of 8"),
+    (["parallel.tp=3"], None, "not divisible by parallel.tp=3"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "model.num_layers=3"], 1,
+     "model.num_layers=3 cannot fill 4 pipeline stages"),
+])
+def test_layouts_that_cannot_run_are_refused_before_submitting(overrides, nodes, message):
+    with pytest.raises(ConfigError, match=message):
+        job_shape(load_config("tiny_dense", overrides), 8, nodes)
+
+
+def test_the_tool_checks_memory_and_prints_the_command():
+    def tool(*args):
+        return subprocess.run([sys.executable, "launch/slurm/submit.py", "--print-only", *args], cwd=REPO,
+                              env=torchrun_env(), capture_output=True, text=True, timeout=120)
+
+    ok = tool("--config", "671b_fp8.yaml", "--nodes", "256")
+    assert ok.returncode == 0, ok.stderr
+    assert "256 node(s) x 8 process(es) = 2048 ranks" in ok.stdout and "sbatch --nodes=256 --gpus-per-node=8" in ok.stdout
+    too_big = tool("--config", "671b_fp8.yaml", "parallel.pp=1")  # no pipeline: ~334 GiB per GPU at 1024 ranks
+    assert too_big.returncode == 2 and "GiB per GPU" in too_big.stderr and "139.0 GiB" in too_big.stderr
