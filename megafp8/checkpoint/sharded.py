@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -102,7 +102,8 @@ class _PieceSavePlanner(DefaultSavePlanner):
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         self.placed: dict[str, Placed] = state_dict
         self.is_coordinator = is_coordinator
-        self.by_index = {(fqn, tuple(p.offsets)): p.values for fqn, placed in state_dict.items() for p in placed.pieces}
+        self.by_index = {(fqn, tuple(piece.offsets)): piece.values
+                         for fqn, placed in state_dict.items() for piece in placed.pieces}
 
     def create_local_plan(self) -> SavePlan:
         self.plan = SavePlan([_item(fqn, placed, piece) for fqn, placed in self.placed.items()
@@ -122,9 +123,7 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
 
-    def create_local_plan(self):
-        from torch.distributed.checkpoint.planner import LoadPlan
-
+    def create_local_plan(self) -> LoadPlan:
         stored = self.metadata.state_dict_metadata
         items = []
         for fqn, placed in self.placed.items():
