@@ -91,11 +91,12 @@ def test_671b_config_counts_deepseek_v3s_parameters():
 def test_671b_run_on_one_machine_fails_fast_pointing_at_the_dry_run(tmp_path):
     from megafp8.train.plan import check_fits
 
-    plan = make_plan(load_config("671b_fp8", ["parallel.ep=8", "parallel.pp=1"]), 8)  # one 8-GPU node
+    no_pipeline = ["parallel.pp=1", "parallel.pp_layout=null"]
+    plan = make_plan(load_config("671b_fp8", ["parallel.ep=8", *no_pipeline]), 8)  # one 8-GPU node
     with pytest.raises(ConfigError, match=r"needs about .* GiB per GPU .*--dry-run"):
         check_fits(plan, capacity=141 * GIB)
     # At the paper's 2048 GPUs it needs the pipeline: without it ~219 GiB per GPU, with PP16 (DualPipeV) it fits.
-    assert make_plan(load_config("671b_fp8", ["parallel.pp=1"]), 2048).total_bytes > 141 * GIB
+    assert make_plan(load_config("671b_fp8", no_pipeline), 2048).total_bytes > 141 * GIB
     assert make_plan(load_config("671b_fp8"), 2048).total_bytes < 100 * GIB
 
 
@@ -103,7 +104,7 @@ def test_launching_671b_here_fails_fast_with_one_line(capsys):
     """On this machine the 671B config stops before reading data or allocating, pointing at the dry run."""
     from megafp8.train.main import main
 
-    assert main(["--config", "671b_fp8", "parallel.ep=1", "parallel.pp=1"]) == 2
+    assert main(["--config", "671b_fp8", "parallel.ep=1", "parallel.pp=1", "parallel.pp_layout=null"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs about" in err[0] and "--dry-run" in err[0], err
     assert main(["--config", "671b_fp8"]) == 2  # its 16 pipeline stages need at least 16 ranks
@@ -145,3 +146,11 @@ def test_planned_memory_is_what_the_busiest_pipeline_rank_allocates(tiny_overrid
     plan = make_plan(load_config("tiny_dense", overrides), 2).bytes_per_rank
     for key in ("weights", "grads", "master_weights", "optimizer_states"):
         assert plan[key] == busiest[key], (key, plan[key], busiest[key])
+
+
+def test_dry_run_lists_every_pipeline_rank():
+    from megafp8.train.plan import dry_run
+
+    text = dry_run(load_config("671b_fp8"), 2048, 989.4, 0.4)
+    assert "| 0 | 0, 31 (embedding, head) | 1 |" in text  # the V layout: rank 0 holds the first and last stage
+    assert "| 15 | 15, 16 | 4 |" in text and "memory of the busiest pipeline rank" in text

@@ -46,6 +46,8 @@ class Plan:
     flops_per_token: float
     world_size: int
     activated_per_token: float = 0.0  # main-model parameters one token passes through (top-k experts; no MTP)
+    pipeline: list[tuple[int, str, int, int]] = dataclasses.field(default_factory=list)
+    # per pipeline rank: (rank, its stages, transformer blocks, parameters of its TP/EP shard)
 
     @property
     def total_params(self) -> int:
@@ -70,6 +72,10 @@ class Plan:
         if "mtp" in self.params or "experts" in self.params:
             lines += [f"| without MTP | {self.main_params / 1e6:,.2f}M |",
                       f"| activated per token (top-k experts, without MTP) | {self.activated_per_token / 1e6:,.2f}M |"]
+        if self.pipeline:
+            lines += ["", "| pipeline rank | stages | blocks | parameters (one TP/EP shard) |", "|---|---|---|---|"]
+            lines += [f"| {rank} | {stages} | {blocks} | {count / 1e6:,.2f}M |"
+                      for rank, stages, blocks, count in self.pipeline]
         lines += ["",
                   f"| memory per rank ({self.world_size} rank(s)) | GiB |", "|---|---|"]
         lines += [f"| {k.replace('_', ' ')} | {v / GIB:,.2f} |" for k, v in self.bytes_per_rank.items()]
@@ -114,8 +120,11 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     n = n_expert = 0  # the busiest pipeline rank's parameters, and how many of them are routed experts
     layers_per_rank = cfg.model.num_layers
     ranks = [{}] if pp == 1 else [_stage_parts(cfg, r) for r in range(pp)]
-    for parts in ranks:
-        rank_params = list(meta_model(**parts).parameters())
+    pipeline = []
+    for rank, parts in enumerate(ranks):
+        rank_params = list(meta_model(**{k: v for k, v in parts.items() if k != "stages"}).parameters())
+        if pp > 1:
+            pipeline.append((rank, parts["stages"], len(parts["layer_ids"]), sum(p.numel() for p in rank_params)))
         if sum(p.numel() for p in rank_params) >= n:
             n = sum(p.numel() for p in rank_params)
             n_expert = sum(p.numel() for p in rank_params if is_expert(p))
@@ -146,16 +155,19 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     m = cfg.model
     routed_share = m.moe_top_k / m.moe_num_experts if m.moe_num_experts else 1.0
     activated = sum(v for k, v in params.items() if k not in ("experts", "mtp")) + params.get("experts", 0) * routed_share
-    return Plan(params, bytes_per_rank, training_flops_per_token(cfg.model, cfg.data.seq_len), world_size, activated)
+    return Plan(params, bytes_per_rank, training_flops_per_token(cfg.model, cfg.data.seq_len), world_size, activated,
+                pipeline)
 
 
 def _stage_parts(cfg: Config, pp_rank: int) -> dict:
-    """What `pp_rank` builds of the model (Transformer keyword arguments)."""
+    """What `pp_rank` builds of the model (Transformer keyword arguments), and its stages in words (`stages`)."""
     par = cfg.parallel
     layout = build_layout(cfg.model.num_layers, par.pp, par.pp_schedule, par.pp_virtual_stages, par.pp_layout)
     stages = layout.local_stages(pp_rank)
+    extras = (["embedding"] if any(s.first for s in stages) else []) + (["head"] if any(s.last for s in stages) else [])
+    names = ", ".join(str(s.index) for s in stages) + (f" ({', '.join(extras)})" if extras else "")
     return {"layer_ids": [i for s in stages for i in s.layers], "embedding": any(s.first for s in stages),
-            "head": any(s.last for s in stages)}
+            "head": any(s.last for s in stages), "stages": names}
 
 
 def _in_flight(cfg: Config) -> float:
