@@ -62,3 +62,17 @@ def full_grads(trainer) -> dict:
         if dims.rank == 0:
             grads = {name: g for stage in stages for name, g in stage.items()}
     return grads
+
+
+def capture_first_step_grads(trainer) -> dict:
+    """A dict that fills, at the trainer's first optimizer step, with every parameter's gradient as the optimizer
+    sees it (reduced over every group and clipped; `full_grads`), the step itself then running as usual."""
+    captured: dict = {}
+    real_step = trainer.optimizer.step
+
+    def step(lr):
+        if not captured:
+            captured.update(full_grads(trainer))
+        real_step(lr)
+    trainer.optimizer.step = step
+    return captured

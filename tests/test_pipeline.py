@@ -20,7 +20,7 @@ from megafp8.parallel import ParallelDims
 from megafp8.parallel.pipeline import build_layout, simulated_bubble
 from megafp8.train.main import main
 from megafp8.train.trainer import Trainer
-from tests.distributed import full_grads, spawn
+from tests.distributed import capture_first_step_grads, spawn
 
 MODEL = ["model.num_layers=4", "model.vocab_size=512", "training.steps=5", "training.eval_interval=5",
          "optimizer.grad_clip=1.0"]
@@ -33,14 +33,7 @@ def _worker(rank, world, config, overrides, out_path):
     cfg = load_config(config, overrides)
     dims = ParallelDims.from_config(cfg.parallel) if world > 1 else ParallelDims.single()
     trainer = Trainer(cfg, dims, torch.device("cpu"))
-    captured: dict = {}
-    real_step = trainer.optimizer.step
-
-    def step(lr):
-        if not captured:
-            captured.update(full_grads(trainer))
-        real_step(lr)
-    trainer.optimizer.step = step
+    captured = capture_first_step_grads(trainer)
     records = trainer.fit()
     if rank == 0:
         torch.save({"records": records, "grads": captured, "bubble": getattr(trainer.pipeline, "bubble", None)},

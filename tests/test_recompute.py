@@ -12,7 +12,7 @@ from megafp8.parallel import ParallelDims
 from megafp8.precision import PrecisionRecipe
 from megafp8.train.plan import make_plan
 from megafp8.train.trainer import Trainer
-from tests.distributed import full_grads
+from tests.distributed import capture_first_step_grads
 
 MOE = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
        "model.moe_ffn_hidden_size=128", "model.moe_aux_loss_coeff=0.01"]
@@ -20,14 +20,7 @@ MOE = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model
 
 def _train(config, overrides):
     trainer = Trainer(load_config(config, overrides), ParallelDims.single(), torch.device("cpu"))
-    captured = {}
-    real_step = trainer.optimizer.step
-
-    def step(lr):
-        if not captured:
-            captured.update(full_grads(trainer))
-        real_step(lr)
-    trainer.optimizer.step = step
+    captured = capture_first_step_grads(trainer)
     records = [r for r in trainer.fit() if r["kind"] == "train"]
     return records, captured
 

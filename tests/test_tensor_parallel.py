@@ -32,7 +32,7 @@ from megafp8.parallel import (
 from megafp8.precision import Fp8Backend, PrecisionRecipe
 from megafp8.train.main import main
 from megafp8.train.trainer import Trainer
-from tests.distributed import full_grads, spawn
+from tests.distributed import capture_first_step_grads, spawn
 
 N_TOKENS = 96  # not a multiple of 128: FP8 wgrad pads tokens
 IN, PARTS, OUT = 256, (512, 512), 256  # column: 256 -> [512; 512] (fused, like gate/up); row: 512 -> 256
@@ -257,8 +257,7 @@ def _grads_worker(rank, world, overrides, out_path):
     cfg = load_config("tiny_dense", overrides)
     dims = ParallelDims.build(tp=cfg.parallel.tp, ep=cfg.parallel.ep, sequence_parallel=cfg.parallel.sequence_parallel)
     trainer = Trainer(cfg, dims, torch.device("cpu"))
-    captured = {}
-    trainer.optimizer.step = lambda lr: captured.update(full_grads(trainer))  # after reduction and clipping
+    captured = capture_first_step_grads(trainer)  # after reduction and clipping
     _, grad_norm = trainer.train_step()
     if rank == 0:
         torch.save((captured, grad_norm.item()), out_path)

@@ -39,6 +39,8 @@ _GATE_UP = {"mlp.gate_up_proj.weight": "mlp", "mlp.shared.gate_up_proj.weight": 
 _MTP = {"embed_norm.weight": "enorm.weight", "hidden_norm.weight": "hnorm.weight",
         "combine_proj.weight": "eh_proj.weight", "out_norm.weight": "shared_head.norm.weight"}
 _ROUTED = ("mlp.experts.gate_up_proj.weight", "mlp.experts.down_proj.weight")
+_TOP = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight"}
 
 
 def check_exportable(cfg: ModelConfig) -> None:
@@ -154,11 +156,9 @@ def to_deepseek_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, fp8: b
         else:
             out[name] = t.to(torch.bfloat16).contiguous()
 
-    top = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
-           "lm_head.weight": "lm_head.weight"}
     for name, tensor in state.items():
-        if name in top:
-            emit(top[name], tensor)
+        if name in _TOP:
+            emit(_TOP[name], tensor)
             continue
         parts = name.split(".")
         if parts[0] == "layers":
@@ -183,13 +183,11 @@ def from_deepseek_tensors(get: Callable[[str], torch.Tensor], expected: dict[str
                           cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """DeepSeek-V3-named tensors (read through `get`, dequantized) -> our state dict in FP32, for every name in
     `expected` (our model's names and full shapes)."""
-    top = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
-           "lm_head.weight": "lm_head.weight"}
     ours: dict[str, torch.Tensor] = {}
     for name in expected:
         parts = name.split(".")
-        if name in top:
-            ours[name] = get(top[name])
+        if name in _TOP:
+            ours[name] = get(_TOP[name])
             continue
         if parts[0] == "layers":
             hf, key = f"model.layers.{parts[1]}", ".".join(parts[2:])
