@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from megafp8.config import load_config  # noqa: E402
 from megafp8.data.corpus import stdlib_files  # noqa: E402
@@ -32,12 +34,14 @@ from megafp8.data.preprocess import preprocess  # noqa: E402
 from megafp8.train.runtime import env_rank, init_distributed, seed_everything, shutdown  # noqa: E402
 from megafp8.train.trainer import Trainer  # noqa: E402
 
+import kernel_breakdown  # noqa: E402  (benchmarks/, beside this file)
+
 MODELS = {
     "1b": ["model.size=1b", "model.vocab_size=32768", "data.seq_len=2048", "training.micro_batch_size=8"],
     "moe": ["model.size=1b", "model.vocab_size=32768", "data.seq_len=2048", "training.micro_batch_size=8",
             "model.moe_num_experts=64", "model.moe_top_k=8", "model.moe_ffn_hidden_size=1024",
             "model.moe_num_shared_experts=1", "model.moe_first_dense_layers=1", "model.moe_n_group=8",
-            "model.moe_topk_group=4", "model.moe_score_func=sigmoid"],
+            "model.moe_topk_group=4", "model.moe_score_func=sigmoid", "model.num_layers=8"],
     "tiny": ["model.vocab_size=384", "data.seq_len=64", "training.micro_batch_size=2", "model.hidden_size=128",
              "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_hidden_size=256",
              "model.size=null"],
@@ -52,14 +56,18 @@ def corpus(path: Path) -> Path:
     return path
 
 
-def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
-    """One run; returns its summary row (rank 0's figures)."""
+def run_config(model: str, recipe: str, args: argparse.Namespace, data: Path):
     overrides = MODELS[model] + [
         f"precision.recipe={recipe}", f"data.path={data}", f"training.steps={args.steps}",
         f"training.global_batch_size={args.global_batch}", "training.eval_interval=0", "logging.log_interval=1",
         f"logging.output_dir={args.out}", f"run_name={model}_{recipe}", "checkpoint.resume=none",
         f"optimizer.warmup_steps={min(10, args.steps)}"] + args.overrides
-    cfg = load_config("tiny_dense", overrides)
+    return load_config("tiny_dense", overrides)
+
+
+def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
+    """One run; returns its summary row (rank 0's figures)."""
+    cfg = run_config(model, recipe, args, data)
     dims, device = init_distributed(cfg)
     seed_everything(cfg.training.seed)
     if device.type == "cuda":
@@ -72,6 +80,32 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
             "tflops": statistics.median(r["tflops_per_device"] for r in timed),
             "mfu": statistics.median(r["mfu"] for r in timed) if timed[0]["mfu"] is not None else None,
             "peak_gib": max((r["peak_memory_gib"] or 0.0) for r in records), "loss": records[-1]["loss"]}
+
+
+def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> str:
+    """`args.warmup` untimed steps, then `args.profile` steps under `torch.profiler`; returns the Markdown
+    breakdown of GPU kernel time (rank 0's GPU)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cfg = run_config(model, recipe, args, data)
+    dims, device = init_distributed(cfg)
+    seed_everything(cfg.training.seed)
+    trainer = Trainer(cfg, dims, device)
+    for _ in range(args.warmup):
+        trainer.train_step()
+    torch.cuda.synchronize(device)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        for _ in range(args.profile):
+            trainer.train_step()
+        torch.cuda.synchronize(device)
+        wall_ms = (time.perf_counter() - started) * 1e3 / args.profile
+    kernels = kernel_breakdown.cuda_kernels(prof)
+    trainer.metrics.close()
+    title = f"{model}, {recipe}{' (compiled)' if cfg.training.compile else ''}, {dims.world_size} rank(s)"
+    return kernel_breakdown.markdown(title, kernel_breakdown.breakdown(kernels, args.profile), wall_ms,
+                                     kernel_breakdown.top_kernels(kernels, args.profile))
 
 
 def table(rows: list[dict]) -> str:
@@ -93,23 +127,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
     parser.add_argument("--global-batch", type=int, default=8, help="samples per step (over all ranks)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="instead of timing, profile N steps per recipe after the warm-up (CUDA only)")
     parser.add_argument("--data", type=Path, default=Path("/tmp/megafp8-bench-data"))
     parser.add_argument("--out", type=Path, default=Path("/tmp/megafp8-bench-runs"))
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
-    rows, clean = [], False
+    rows, profiles, clean = [], [], False
     try:
         data = None
         for recipe in args.recipes:
             if data is None:
                 init_distributed(load_config("tiny_dense", MODELS[args.model] + args.overrides))
                 data = corpus(args.data)
-            rows.append(run(args.model, recipe, args, data))
+            if args.profile:
+                profiles.append(profile(args.model, recipe, args, data))
+            else:
+                rows.append(run(args.model, recipe, args, data))
         clean = True
     finally:
         shutdown(clean)
     if env_rank()[0] == 0:
-        print(table(rows))
+        print("\n\n".join(profiles) if args.profile else table(rows))
     return 0
 
 

@@ -1,0 +1,76 @@
+"""Where a training step's GPU time goes: CUDA kernels from a `torch.profiler` trace, summed by category.
+
+Kernel names are matched in order against `CATEGORIES` (the first hit wins). The categories follow issue 10's
+question: GEMMs (cuBLAS, CUTLASS, our Triton GEMMs), FP8 quantization (our Triton quantizers), attention,
+communication, optimizer, norms and fused element-wise code, copies and casts.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+# (category, name fragments); lower-case fragments, first match wins.
+CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
+    ("communication (NCCL)", ("nccl",)),
+    ("attention (SDPA/flash)", ("flash", "fmha", "attention", "sdpa", "_efficient_attention")),
+    ("FP8 quantization (Triton)", ("_quantize", "quantize_", "_transpose_kernel")),
+    ("GEMM", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "_grouped_wgrad", "sm90_", "matmul")),
+    ("optimizer (AdamW)", ("adam", "multi_tensor_apply", "foreach")),
+    ("norm", ("norm",)),
+    ("cross-entropy / softmax", ("softmax", "nll_loss", "cross_entropy", "log_softmax")),
+    ("torch.compile fused kernels", ("triton_",)),
+    ("copies / casts", ("copy", "memcpy", "memset", "fill", "cat", "index", "scatter", "gather")),
+    ("element-wise (eager)", ("elementwise", "vectorized", "unrolled", "reduce_kernel")),
+]
+
+
+def category_of(kernel_name: str) -> str:
+    """The category a CUDA kernel's name falls in ("other" when nothing matches)."""
+    name = kernel_name.lower()
+    for category, fragments in CATEGORIES:
+        if any(fragment in name for fragment in fragments):
+            return category
+    return "other"
+
+
+def breakdown(kernels: Iterable[tuple[str, float]], steps: int) -> list[tuple[str, float, float]]:
+    """(category, milliseconds per step, share of GPU time) from (kernel name, microseconds) pairs covering
+    `steps` steps, largest first."""
+    totals: dict[str, float] = defaultdict(float)
+    for name, micros in kernels:
+        totals[category_of(name)] += micros
+    whole = sum(totals.values()) or 1.0
+    rows = [(category, micros / 1e3 / steps, micros / whole) for category, micros in totals.items()]
+    return sorted(rows, key=lambda row: -row[1])
+
+
+def top_kernels(kernels: Iterable[tuple[str, float]], steps: int, count: int = 12) -> list[tuple[str, float]]:
+    """The `count` kernels with the most time, (name cut to 90 characters, milliseconds per step)."""
+    totals: dict[str, float] = defaultdict(float)
+    for name, micros in kernels:
+        totals[name] += micros
+    best = sorted(totals.items(), key=lambda item: -item[1])[:count]
+    return [(name[:90], micros / 1e3 / steps) for name, micros in best]
+
+
+def cuda_kernels(prof) -> list[tuple[str, float]]:
+    """(name, microseconds) of every CUDA kernel, memcpy and memset event in a finished `torch.profiler` run."""
+    out = []
+    for event in prof.events():
+        device_type = getattr(event, "device_type", None)
+        if device_type is not None and str(device_type).endswith("CUDA"):
+            out.append((event.name, event.device_time))
+    return out
+
+
+def markdown(title: str, rows: list[tuple[str, float, float]], wall_ms: float, top: list[tuple[str, float]]) -> str:
+    """The breakdown and the top kernels as Markdown; `wall_ms` is the step's wall time (host and GPU together)."""
+    gpu_ms = sum(ms for _, ms, _ in rows)
+    lines = [f"### {title}", "",
+             f"Wall time per step {wall_ms:.1f} ms; GPU kernel time per step {gpu_ms:.1f} ms "
+             f"({100 * gpu_ms / wall_ms:.0f}% busy).", "",
+             "| category | ms per step | share of GPU time |", "|---|---|---|"]
+    lines += [f"| {category} | {ms:.2f} | {100 * share:.1f}% |" for category, ms, share in rows]
+    lines += ["", "| top kernels | ms per step |", "|---|---|"]
+    lines += [f"| `{name}` | {ms:.2f} |" for name, ms in top]
+    return "\n".join(lines)
