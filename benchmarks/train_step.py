@@ -18,6 +18,7 @@ recompute=full`, ...). Rank 0 prints the table as Markdown.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -65,6 +66,19 @@ def run_config(model: str, recipe: str, args: argparse.Namespace, data: Path):
     return load_config("tiny_dense", overrides)
 
 
+def release_memory(device: torch.device) -> None:
+    """Free the last run's model, optimizer and caches, so the next recipe's peak memory is its own (the
+    trainer's hooks form reference cycles: only the cycle collector frees them)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        left = torch.cuda.memory_allocated(device)
+        if left > 2**30:
+            print(f"warning: {left / 2**30:.1f} GiB still allocated after a run: the next run's peak includes it",
+                  file=sys.stderr)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     """One run; returns its summary row (rank 0's figures)."""
     cfg = run_config(model, recipe, args, data)
@@ -72,7 +86,10 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     seed_everything(cfg.training.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    records = [r for r in Trainer(cfg, dims, device).fit() if r["kind"] == "train"]
+    trainer = Trainer(cfg, dims, device)
+    records = [r for r in trainer.fit() if r["kind"] == "train"]
+    del trainer
+    release_memory(device)
     timed = records[args.warmup:] or records
     step_s = statistics.median(r["step_time_s"] for r in timed)
     tokens = cfg.training.global_batch_size * cfg.data.seq_len
@@ -103,6 +120,8 @@ def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> st
         wall_ms = (time.perf_counter() - started) * 1e3 / args.profile
     kernels = kernel_breakdown.cuda_kernels(prof)
     trainer.metrics.close()
+    del trainer, prof
+    release_memory(device)
     title = f"{model}, {recipe}{' (compiled)' if cfg.training.compile else ''}, {dims.world_size} rank(s)"
     return kernel_breakdown.markdown(title, kernel_breakdown.breakdown(kernels, args.profile), wall_ms,
                                      kernel_breakdown.top_kernels(kernels, args.profile))
@@ -123,7 +142,8 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="1b")
-    parser.add_argument("--recipes", nargs="+", default=["bf16", "fp8"])
+    parser.add_argument("--recipes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "fp16", "fp32"],
+                        help="(put `section.key=value` overrides before this option)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
     parser.add_argument("--global-batch", type=int, default=8, help="samples per step (over all ranks)")
