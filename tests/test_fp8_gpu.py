@@ -61,6 +61,28 @@ def test_quantizers_match_reference_bit_for_bit(fmt, pow2):
         assert_same_quantization(backend.retile_transposed(q, s, fmt, pow2), ref.retile_1x128_transposed(q, s, fmt, pow2))
 
 
+@pytest.mark.parametrize("m", [384, 200, 1])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fused_row_and_column_quantization_matches_reference_bit_for_bit(m, fmt, pow2):
+    """The output gradient's two quantizations from one read (dgrad tiles, and wgrad tiles of dy^T padded to 128
+    tokens) equal the reference's; a nan surfaces in both."""
+    x = outlier_tensor(m, 512)
+    want = REFERENCE.quantize_tiles_both(x, fmt, pow2)
+    x_nan = x.clone()
+    x_nan[m // 2, 300] = float("nan")
+    for backend in fast_backends():
+        got = backend.quantize_tiles_both(x, fmt, pow2)
+        assert_same_quantization(got[:2], want[:2])
+        assert_same_quantization(got[2:], want[2:])
+        q, s, qt, st = backend.quantize_tiles_both(x_nan, fmt, pow2)
+        rows, cols = ref.dequantize_1x128(q, s), ref.dequantize_1x128(qt, st)
+        tile = (m // 2) // 128 * 128  # the token tile holding the nan
+        assert not torch.isfinite(rows[m // 2, 256:384]).all()
+        assert not torch.isfinite(cols[300, tile:tile + 128]).all()
+        assert torch.isfinite(rows[(m // 2 + 1) % m]).all() or m == 1
+
+
 def test_non_finite_inputs_surface_on_gpu():
     x = torch.randn(128, 256, device=CUDA, dtype=torch.bfloat16)
     x[3, 7] = float("inf")

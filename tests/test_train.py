@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,29 @@ def test_loss_falls_and_metrics_file_is_written(tiny_overrides):
     assert run["kind"] == "run" and run["config"]["model"]["vocab_size"] == 384
     assert run["git_commit"] == "unknown" or len(run["git_commit"].removesuffix("+dirty")) == 40
     assert (trainer.run_dir / "config.yaml").is_file()
+
+
+def test_step_time_counts_the_wait_for_the_device_and_not_evaluation(tiny_overrides, monkeypatch):
+    """On a GPU the host launches a step long before the device finishes it; the loss reaching the host is where
+    the loop waits. That wait (simulated here by a slow loss read) is part of the step's time; evaluation is not."""
+    trainer = make_trainer(tiny_overrides, ["training.steps=4", "logging.log_interval=2", "training.eval_interval=1"])
+    slow_read, slow_eval = 0.4, 1.0
+    reduce_loss, evaluate = trainer._replica_mean, trainer.evaluate
+
+    def waiting_for_the_device(value):
+        time.sleep(slow_read)
+        return reduce_loss(value)
+
+    def slow_evaluation():
+        time.sleep(slow_eval)
+        return evaluate()
+
+    monkeypatch.setattr(trainer, "_replica_mean", waiting_for_the_device)
+    monkeypatch.setattr(trainer, "evaluate", slow_evaluation)
+    records = [r for r in trainer.fit() if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:  # two steps per window, one slow read each window, no evaluation time
+        assert slow_read / 2 <= r["step_time_s"] < slow_eval / 2, r
 
 
 def test_same_seed_same_losses_twice(tiny_overrides):

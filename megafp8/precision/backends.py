@@ -41,6 +41,14 @@ class Fp8Backend:
         """x (M, K) -> x^T (K, M) in 1x128 tiles along M."""
         return ref.quantize_1x128_transposed(x, fmt, pow2)
 
+    def quantize_tiles_both(self, x: torch.Tensor, fmt: Fp8Format, pow2: bool) -> tuple[torch.Tensor, ...]:
+        """x (M, K) -> (1x128 tiles along K, scales; x^T (K, M_pad) in 1x128 tiles along M, scales), M_pad = M
+        rounded up to 128 with zero rows: the output gradient's two quantizations (dgrad and wgrad)."""
+        q, s = self.quantize_tiles(x, fmt, pow2)
+        pad = -x.shape[0] % 128
+        padded = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
+        return (q, s, *self.quantize_tiles_transposed(padded, fmt, pow2))
+
     def retile_transposed(self, q: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
                           pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """FP8 x (M, K) in 1x128 tiles along K -> x^T (K, M) in 1x128 tiles along M."""
@@ -103,6 +111,9 @@ class TritonBackend(Fp8Backend):
 
     def retile_transposed(self, q, scale, fmt, pow2):
         return self.kernels.quantize_cols(q, fmt, pow2, in_scale=scale)
+
+    def quantize_tiles_both(self, x, fmt, pow2):
+        return self.kernels.quantize_both(x, fmt, pow2)
 
     def quantize_blocks_with_transpose(self, w, fmt, pow2):
         return self.kernels.quantize_blocks(w, fmt, pow2)

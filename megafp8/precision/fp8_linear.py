@@ -114,11 +114,11 @@ def quantize_input(x2d: torch.Tensor, cfg: Fp8GemmConfig, backend: Fp8Backend) -
 
 
 def dgrad(dy2d: torch.Tensor, weight: torch.Tensor, entry: _QuantizedWeight, cfg: Fp8GemmConfig,
-          backend: Fp8Backend) -> torch.Tensor:
-    """dx = dy @ w (BF16 out)."""
+          backend: Fp8Backend, dy_q: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """dx = dy @ w (BF16 out); `dy_q` is dy already quantized in 1x128 tiles along N, if it is."""
     if not cfg.dgrad:
         return dy2d @ weight
-    dy_fp8, dy_scale = backend.quantize_tiles(dy2d, cfg.grad_fmt, cfg.power_of_two)
+    dy_fp8, dy_scale = dy_q or backend.quantize_tiles(dy2d, cfg.grad_fmt, cfg.power_of_two)
     return backend.gemm(dy_fp8, dy_scale, entry.wt_fp8, entry.wt_scale, True, dy2d.dtype)
 
 
@@ -126,21 +126,25 @@ def _pad_rows(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
     return torch.cat([t, t.new_full((rows, *t.shape[1:]), value)]) if rows else t
 
 
-def wgrad(dy2d: torch.Tensor, saved: tuple[torch.Tensor, ...], cfg: Fp8GemmConfig, backend: Fp8Backend) -> torch.Tensor:
-    """dw = dy^T @ x (BF16 out). `saved` is (x_fp8, x_scale) under FP8 wgrad, else (x2d,)."""
+def wgrad(dy2d: Optional[torch.Tensor], saved: tuple[torch.Tensor, ...], cfg: Fp8GemmConfig, backend: Fp8Backend,
+          dyt_q: Optional[tuple[torch.Tensor, torch.Tensor]] = None, out_dtype: Optional[torch.dtype] = None
+          ) -> torch.Tensor:
+    """dw = dy^T @ x (BF16 out). `saved` is (x_fp8, x_scale) under FP8 wgrad, else (x2d,). `dyt_q` is dy^T already
+    quantized in 1x128 tiles along tokens (padded to 128), if it is; then `dy2d` may be None."""
     if not cfg.wgrad:
         (x2d,) = saved
         return dy2d.t() @ x2d
     x_fp8, x_scale = saved
     # The GEMM contracts over tokens in 128-wide tiles: pad tokens with zero rows (which add nothing).
-    pad = -dy2d.shape[0] % TILE
+    pad = -x_fp8.shape[0] % TILE
     if pad:
-        dy2d = _pad_rows(dy2d, pad, 0.0)
         x_fp8 = _pad_rows(x_fp8.view(torch.uint8), pad, 0).view(x_fp8.dtype)
         x_scale = _pad_rows(x_scale, pad, 1.0)
-    dyt_fp8, dyt_scale = backend.quantize_tiles_transposed(dy2d, cfg.grad_fmt, cfg.power_of_two)
+    if dyt_q is None:
+        padded = _pad_rows(dy2d, pad, 0.0) if pad else dy2d
+        dyt_q = backend.quantize_tiles_transposed(padded, cfg.grad_fmt, cfg.power_of_two)
     xt_fp8, xt_scale = backend.retile_transposed(x_fp8, x_scale, cfg.fmt, cfg.power_of_two)
-    return backend.gemm(dyt_fp8, dyt_scale, xt_fp8, xt_scale, False, dy2d.dtype)
+    return backend.gemm(*dyt_q, xt_fp8, xt_scale, False, out_dtype or dy2d.dtype)
 
 
 def accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor) -> Optional[torch.Tensor]:
@@ -242,12 +246,22 @@ class _Fp8LinearFn(torch.autograd.Function):
         cfg, backend, comm = ctx.cfg, ctx.backend, ctx.comm
         *saved, weight = ctx.saved_tensors
         dy2d = comm.gather_grad_output(dy.reshape(-1, dy.shape[-1]))  # (M, N)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy_q = dyt_q = None
+        if need_dx and need_dw and cfg.dgrad and cfg.wgrad:  # both quantizations of dy from one read of it
+            dy_fp8, dy_scale, *dyt_q = backend.quantize_tiles_both(dy2d, cfg.grad_fmt, cfg.power_of_two)
+            dy_q = (dy_fp8, dy_scale)
         finish_dx = None
-        if ctx.needs_input_grad[0]:
-            finish_dx = comm.start_reduce_grad_input(dgrad(dy2d, weight, ctx.entry, cfg, backend))
+        if need_dx:
+            finish_dx = comm.start_reduce_grad_input(dgrad(dy2d, weight, ctx.entry, cfg, backend, dy_q))
         dw = None
-        if ctx.needs_input_grad[1]:
-            dw = weight_grad_or_defer(weight, lambda: wgrad(dy2d, tuple(saved), cfg, backend), ctx.queue)
+        if need_dw:
+            if dyt_q is not None:  # a deferred wgrad then keeps the FP8 dy^T, not the BF16 dy
+                dyt, out_dtype = tuple(dyt_q), dy2d.dtype
+                compute = lambda: wgrad(None, tuple(saved), cfg, backend, dyt, out_dtype)  # noqa: E731
+            else:
+                compute = lambda: wgrad(dy2d, tuple(saved), cfg, backend)  # noqa: E731
+            dw = weight_grad_or_defer(weight, compute, ctx.queue)
         dx = finish_dx().reshape(ctx.in_shape) if finish_dx is not None else None
         return dx, dw, None, None, None, None, None
 

@@ -298,25 +298,33 @@ class Trainer:
         records: list[dict[str, Any]] = []
         window: list[torch.Tensor] = []
         started = window_start = time.perf_counter()
+        paused_s = 0.0
         first_step = self.step
         while self.step < cfg.training.steps:
             loss, grad_norm = self.train_step()
             window.append(loss)
             last = self.step == cfg.training.steps
             if self.step % cfg.logging.log_interval == 0 or last:
+                # The loss reaches the host first: that waits for every step of the window to finish on the device,
+                # so the window's time is device time, not just the host's time to launch it.
+                loss_value = self._replica_mean(torch.stack(window).mean()).item()
                 now = time.perf_counter()
-                record = self._step_record(window, grad_norm, now - window_start, now - started, first_step)
+                record = self._step_record(loss_value, len(window), grad_norm, now - window_start - paused_s,
+                                           now - started, first_step)
                 records.append(record)
-                window, window_start = [], time.perf_counter()
+                window, window_start, paused_s = [], now, 0.0
+            pause_start = time.perf_counter()  # evaluation and checkpoints are not training time
             if cfg.training.eval_interval > 0 and (self.step % cfg.training.eval_interval == 0 or last):
                 records.append(self._eval_record())
             if cfg.checkpoint.interval > 0 and (self.step % cfg.checkpoint.interval == 0 or last):
                 self.save()
+            paused_s += time.perf_counter() - pause_start
         return records
 
-    def _step_record(self, window: list[torch.Tensor], grad_norm: torch.Tensor, window_s: float, elapsed_s: float,
-                     first_step: int) -> dict[str, Any]:
-        loss = self._replica_mean(torch.stack(window).mean()).item()  # the one host sync of a logging interval
+    def _step_record(self, loss: float, window_steps: int, grad_norm: torch.Tensor, window_s: float,
+                     elapsed_s: float, first_step: int) -> dict[str, Any]:
+        """The metrics record of a logging window of `window_steps` steps that took `window_s` seconds (measured
+        after the window's loss reached the host) with mean loss `loss`."""
         record_extra = {"loss_scale": self.loss_scaler.scale} if self.loss_scaler is not None else {}
         if self.model_cfg.moe_num_experts > 0:
             record_extra.update(self._moe_record())
@@ -324,7 +332,7 @@ class Trainer:
             raise FloatingPointError(
                 f"loss is {loss} at step {self.step}: training diverged; lower optimizer.lr or raise warmup_steps"
             )
-        step_s = window_s / len(window)
+        step_s = window_s / window_steps
         tokens_per_s = self.tokens_per_step / step_s
         achieved_tflops = tokens_per_s * self.flops_per_token / self.dims.world_size / 1e12
         steps_done = self.step - first_step
