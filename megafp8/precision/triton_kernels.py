@@ -45,12 +45,7 @@ def _round_to_grid(v, MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORM
     bits = v.to(tl.int32, bitcast=True)
     lsb = (bits >> drop) & 1
     normal = ((bits + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)).to(tl.float32, bitcast=True)
-    # Subnormals: |v / step| < 2^MANT_BITS, so adding and removing 1.5 * 2^23 rounds it to an integer, ties to
-    # even, exactly as rint would (and Triton's interpreter runs it on CPU); the step is 2^-k, so * is exact.
-    # The sign is put back afterwards, so negatives that round to zero stay -0 as with rint.
-    steps = tl.abs(v) / SUBNORMAL_STEP
-    magnitude = ((steps + 12582912.0) - 12582912.0) * SUBNORMAL_STEP
-    subnormal = tl.where(v < 0, -magnitude, magnitude)
+    subnormal = tl.extra.cuda.libdevice.rint(v / SUBNORMAL_STEP) * SUBNORMAL_STEP  # exact: the step is 2^-k
     out = tl.where(tl.abs(v) < MIN_NORMAL, subnormal, normal)
     return tl.where(v != v, v, out)
 
