@@ -63,7 +63,8 @@ def run_config(model: str, recipe: str, args: argparse.Namespace, data: Path):
         f"training.global_batch_size={args.global_batch}", "training.eval_interval=0",
         f"logging.log_interval={args.log_interval}",
         f"logging.output_dir={args.out}", f"run_name={model}_{recipe}", "checkpoint.resume=none",
-        f"optimizer.warmup_steps={min(10, args.steps)}"] + args.overrides
+        # The parity run's learning rate: the tiny config's 2e-3 makes a 1B model's first steps erratic.
+        "optimizer.lr=3e-4", "optimizer.min_lr=3e-5", f"optimizer.warmup_steps={min(10, args.steps)}"] + args.overrides
     return load_config("tiny_dense", overrides)
 
 

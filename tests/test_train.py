@@ -1,9 +1,11 @@
 """The training loop in one process: learning, reproducibility, metrics, exact resume, bad input."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,17 @@ def test_step_time_counts_the_wait_for_the_device_and_not_evaluation(tiny_overri
     assert [r["step"] for r in records] == [2, 4]
     for r in records:  # two steps per window, one slow read each window, no evaluation time
         assert slow_read / 2 <= r["step_time_s"] < slow_eval / 2, r
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_a_dropped_trainer_frees_its_model_and_gradient_buffers(tiny_overrides, recipe):
+    """Runs one after another in one process (benchmarks/train_step.py) must not inherit the last run's memory."""
+    trainer = make_trainer(tiny_overrides, ["training.steps=2", "optimizer.warmup_steps=1", f"precision.recipe={recipe}"])
+    trainer.fit()
+    alive = [weakref.ref(x) for x in (trainer.model, trainer.grad_buckets, trainer.optimizer)]
+    del trainer
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True, True, True]
 
 
 def test_same_seed_same_losses_twice(tiny_overrides):

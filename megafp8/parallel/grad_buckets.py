@@ -30,6 +30,7 @@ overlaps communication with the rest of backward (NCCL); `finish()` waits for al
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -100,8 +101,17 @@ class GradBuckets:
                     chunk = []
             if chunk:
                 self._add_bucket(chunk, group)
+        # The hooks live in C++ on each parameter, where Python's cycle collector cannot see them: a hook holding
+        # `self` would keep the buckets (every gradient buffer) alive after the model is gone. They hold a weak one.
+        on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
+
+        def hook(param: torch.Tensor) -> None:
+            method = on_grad_ready()
+            if method is not None:
+                method(param)
+
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(hook)
 
     def _add_bucket(self, params: list[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
         params = [p for p in params if p.ndim >= 2] + [p for p in params if p.ndim < 2]
