@@ -4,7 +4,7 @@
 # same shape in the same job (benchmarks/reference_model.py; torchao's wheel carried in wheels/), and kernel-time
 # profiles of the steps. Tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
 # Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe;
-# also ref_eager, moe_compiled)
+# also ref_eager, moe_compiled, and on two GPUs moe_ep2, dense_2gpu). `profile` also lists the host's busiest operators.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/megafp8-gpu}
@@ -36,6 +36,10 @@ for part in $PARTS; do
                --recipes fp8 --profile 3 ;;
     moe) step moe_eager python benchmarks/train_step.py --model moe --recipes bf16 fp8 ;;
     moe_compiled) step moe_compiled python benchmarks/train_step.py training.compile=true --model moe --recipes bf16 fp8 ;;
+    moe_ep2) step moe_ep2 torchrun --nproc_per_node=2 benchmarks/train_step.py parallel.ep=2 --model moe \
+               --global-batch 16 --recipes bf16 fp8 ;;
+    dense_2gpu) step dense_2gpu torchrun --nproc_per_node=2 benchmarks/train_step.py training.compile=true \
+               --model 1b --global-batch 16 --recipes bf16 fp8 ;;
   esac
 done
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .

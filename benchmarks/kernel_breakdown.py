@@ -63,8 +63,18 @@ def cuda_kernels(prof) -> list[tuple[str, float]]:
     return out
 
 
-def markdown(title: str, rows: list[tuple[str, float, float]], wall_ms: float, top: list[tuple[str, float]]) -> str:
-    """The breakdown and the top kernels as Markdown; `wall_ms` is the step's wall time (host and GPU together)."""
+def host_ops(prof, steps: int, count: int = 15) -> list[tuple[str, float, int]]:
+    """The `count` host-side operators with the most self CPU time: (name, ms per step, calls per step). Kernel
+    launches (`cudaLaunchKernel`, `cuLaunchKernel`) appear among them, with their count per step."""
+    rows = [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count // steps) for e in prof.key_averages()
+            if e.self_cpu_time_total > 0]
+    return sorted(rows, key=lambda row: -row[1])[:count]
+
+
+def markdown(title: str, rows: list[tuple[str, float, float]], wall_ms: float, top: list[tuple[str, float]],
+             host: list[tuple[str, float, int]] = ()) -> str:
+    """The breakdown, the top kernels and (if given) the top host operators as Markdown; `wall_ms` is the step's
+    wall time (host and GPU together)."""
     gpu_ms = sum(ms for _, ms, _ in rows)
     lines = [f"### {title}", "",
              f"Wall time per step {wall_ms:.1f} ms; GPU kernel time per step {gpu_ms:.1f} ms "
@@ -73,4 +83,8 @@ def markdown(title: str, rows: list[tuple[str, float, float]], wall_ms: float, t
     lines += [f"| {category} | {ms:.2f} | {100 * share:.1f}% |" for category, ms, share in rows]
     lines += ["", "| top kernels | ms per step |", "|---|---|"]
     lines += [f"| `{name}` | {ms:.2f} |" for name, ms in top]
+    if host:
+        lines += ["", f"Host: {sum(ms for _, ms, _ in host):.1f} ms of self CPU time per step in these operators.", "",
+                  "| top host operators (self CPU) | ms per step | calls per step |", "|---|---|---|"]
+        lines += [f"| `{name[:90]}` | {ms:.2f} | {calls} |" for name, ms, calls in host]
     return "\n".join(lines)

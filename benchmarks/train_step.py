@@ -114,20 +114,23 @@ def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> st
     trainer = Trainer(cfg, dims, device)
     for _ in range(args.warmup):
         trainer.train_step()
-    torch.cuda.synchronize(device)
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
         started = time.perf_counter()
         for _ in range(args.profile):
             trainer.train_step()
-        torch.cuda.synchronize(device)
+        sync(device)
         wall_ms = (time.perf_counter() - started) * 1e3 / args.profile
     kernels = kernel_breakdown.cuda_kernels(prof)
+    host = kernel_breakdown.host_ops(prof, args.profile)
     trainer.metrics.close()
     del trainer, prof
     release_memory(device)
     title = f"{model}, {recipe}{' (compiled)' if cfg.training.compile else ''}, {dims.world_size} rank(s)"
     return kernel_breakdown.markdown(title, kernel_breakdown.breakdown(kernels, args.profile), wall_ms,
-                                     kernel_breakdown.top_kernels(kernels, args.profile))
+                                     kernel_breakdown.top_kernels(kernels, args.profile), host)
 
 
 def table(rows: list[dict]) -> str:
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps per timing window (the host waits for the device once per window)")
     parser.add_argument("--global-batch", type=int, default=8, help="samples per step (over all ranks)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="instead of timing, profile N steps per recipe after the warm-up (CUDA only)")
+                        help="instead of timing, profile N steps per recipe after the warm-up")
     parser.add_argument("--data", type=Path, default=Path("/tmp/megafp8-bench-data"))
     parser.add_argument("--out", type=Path, default=Path("/tmp/megafp8-bench-runs"))
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")

@@ -17,6 +17,15 @@ def test_train_step_benchmark_prints_one_row_per_recipe(corpus_dir, tmp_path):
     assert rows[0].split("|")[6].strip() == "1.00x"  # BF16 is the yardstick
 
 
+def test_train_step_profile_lists_host_operators(corpus_dir, tmp_path):
+    cmd = [sys.executable, "benchmarks/train_step.py", "training.device=cpu", "--model", "tiny", "--steps", "4",
+           "--warmup", "1", "--profile", "2", "--data", str(corpus_dir), "--out", str(tmp_path), "--recipes", "fp8"]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "### tiny, fp8, 1 rank(s)" in result.stdout
+    assert "| `_Fp8LinearFn" in result.stdout  # the FP8 linear's autograd node is among the host's busiest
+
+
 def test_kernel_breakdown_sorts_kernels_into_categories():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import kernel_breakdown as kb
