@@ -208,7 +208,7 @@ class DistributedAdamW:
             for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
                 for key, full in fulls.items():
                     local = full[offset : offset + p.numel()].view_as(p)
-                    state[key][self.names[p]] = gather_param(local, p, self.tp, self.ep).cpu().clone()
+                    state[key][self.names[p]] = gather_param(local, p, self.tp, self.ep).to("cpu", copy=True)
         return state
 
     _STATE_KEYS = (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))

@@ -266,13 +266,27 @@ class _Fp8LinearFn(torch.autograd.Function):
         return dx, dw, None, None, None, None, None
 
 
-# torch.compile runs the FP8 linear eagerly (a graph break): its weight cache is state Dynamo cannot trace, and its
-# GEMMs and quantizers are our own kernels already. The code around it (norms, activations, residuals) compiles.
-@torch.compiler.disable
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, cfg: Fp8GemmConfig,
                backend: Fp8Backend, comm: Optional[LinearComm] = None,
                wgrad_queue: Optional[WeightGradQueue] = None) -> torch.Tensor:
     """`x @ weight^T` with FP8 GEMMs; x (..., K) BF16, weight (N, K). Token count M need not be a multiple of 128.
     `comm` adds the collectives of a tensor-parallel layer (output rows may then differ from input rows);
-    `wgrad_queue` defers the weight-gradient GEMM (zero-bubble pipelines)."""
-    return _Fp8LinearFn.apply(x, weight, cache, cfg, backend, comm or LinearComm(), wgrad_queue)
+    `wgrad_queue` defers the weight-gradient GEMM (zero-bubble pipelines).
+
+    Under `torch.compile`, a plain layer (all three GEMMs in FP8, no collectives, no deferral) goes through the
+    custom ops of `megafp8.precision.fp8_ops`, which the compiled graph keeps (no graph break); anything else
+    runs eagerly inside the compiled code."""
+    plain = (comm is None or type(comm) is LinearComm) and wgrad_queue is None
+    if torch.compiler.is_compiling() and plain and cfg.fprop and cfg.dgrad and cfg.wgrad:
+        from megafp8.precision.fp8_ops import traced_fp8_linear
+
+        return traced_fp8_linear(x, weight, cfg.fmt.name, cfg.grad_fmt.name, cfg.power_of_two, backend.name)
+    return _eager_fp8_linear(x, weight, cache, cfg, backend, comm or LinearComm(), wgrad_queue)
+
+
+# The eager FP8 linear is a graph break under torch.compile: its weight cache is Python state keyed on the weight's
+# version, which Dynamo cannot trace ("an intermediate tensor 'wt_scale' ... aliases an input").
+@torch.compiler.disable
+def _eager_fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, cfg: Fp8GemmConfig,
+                      backend: Fp8Backend, comm: LinearComm, wgrad_queue: Optional[WeightGradQueue]) -> torch.Tensor:
+    return _Fp8LinearFn.apply(x, weight, cache, cfg, backend, comm, wgrad_queue)

@@ -152,7 +152,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, weight_grad_or_defer(weight, fp8_wgrad, ctx.queue), None, None, None, None, None
 
 
-@torch.compiler.disable  # like fp8_linear: a cached weight and our own kernels; compiled code runs around it
+@torch.compiler.disable  # like the eager FP8 linear: a cached weight, our own kernels; compiled code runs around it
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], cache: Optional[GroupedWeightCache],
                    cfg: Optional[Fp8GemmConfig], backend: Optional[Fp8Backend],
                    wgrad_queue: Optional[WeightGradQueue] = None) -> torch.Tensor:

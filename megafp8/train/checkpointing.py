@@ -121,7 +121,7 @@ class Checkpointer:
             dist.barrier()  # the empty directory exists before anyone writes into it
         placed, meta = self.placed_state(), (self._meta() if rank0 else None)
         if t.cfg.checkpoint.async_save:  # copy to host now; write later
-            placed = {k: Placed(v.shape, [Piece(p.offsets, p.values.detach().cpu().clone()) for p in v.pieces])
+            placed = {k: Placed(v.shape, [Piece(p.offsets, p.values.detach().to("cpu", copy=True)) for p in v.pieces])
                       for k, v in placed.items()}
 
         def write() -> None:
@@ -174,9 +174,9 @@ class Checkpointer:
                 state[name] = torch.empty(full_shape(param, t.tp.size) if param is not None else tensor.shape,
                                           device="meta")
             elif param is not None:
-                state[name] = gather_param(tensor.detach(), param, t.tp, t.ep).cpu().clone()
+                state[name] = gather_param(tensor.detach(), param, t.tp, t.ep).to("cpu", copy=True)
             else:  # buffers (MoE selection biases) are replicated
-                state[name] = tensor.detach().cpu().clone()
+                state[name] = tensor.detach().to("cpu", copy=True)
         return state
 
     # ------------------------------------------------------------------------------------- load
