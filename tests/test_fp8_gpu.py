@@ -57,6 +57,7 @@ def test_quantizers_match_reference_bit_for_bit(fmt, pow2):
         want = REFERENCE.quantize_blocks_with_transpose(w, fmt, pow2)
         assert_same_quantization(got[:2], want[:2])
         assert_same_quantization(got[2:], want[2:])
+        assert_same_quantization(backend.quantize_blocks(w, fmt, pow2), want[:2])  # without the transpose
         q, s = ref.quantize_1x128(x, fmt, pow2)
         assert_same_quantization(backend.retile_transposed(q, s, fmt, pow2), ref.retile_1x128_transposed(q, s, fmt, pow2))
 

@@ -54,6 +54,10 @@ class Fp8Backend:
         """FP8 x (M, K) in 1x128 tiles along K -> x^T (K, M) in 1x128 tiles along M."""
         return ref.retile_1x128_transposed(q, scale, fmt, pow2)
 
+    def quantize_blocks(self, w: torch.Tensor, fmt: Fp8Format, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """w (N, K) -> (w_fp8 (N, K), scales (N/128, K/128)) in 128x128 blocks."""
+        return ref.quantize_128x128(w, fmt, pow2)
+
     def quantize_blocks_with_transpose(self, w: torch.Tensor, fmt: Fp8Format, pow2: bool) -> tuple[torch.Tensor, ...]:
         """w (N, K) -> (w_fp8 (N, K), scales (N/128, K/128), w^T fp8 (K, N), scales^T (K/128, N/128)).
 
@@ -114,6 +118,9 @@ class TritonBackend(Fp8Backend):
 
     def quantize_tiles_both(self, x, fmt, pow2):
         return self.kernels.quantize_both(x, fmt, pow2)
+
+    def quantize_blocks(self, w, fmt, pow2):
+        return self.kernels.quantize_blocks(w, fmt, pow2, transpose=False)
 
     def quantize_blocks_with_transpose(self, w, fmt, pow2):
         return self.kernels.quantize_blocks(w, fmt, pow2)

@@ -45,7 +45,7 @@ class GroupedWeightCache:
         version = (weight.data_ptr(), weight._version)
         if self._entry is None or self._entry.version != version:
             e, n, k = weight.shape
-            w_fp8, w_scale, _, _ = backend.quantize_blocks_with_transpose(weight.detach().reshape(e * n, k), fmt, pow2)
+            w_fp8, w_scale = backend.quantize_blocks(weight.detach().reshape(e * n, k), fmt, pow2)
             w_fp8, w_scale = w_fp8.view(e, n, k), w_scale.view(e, n // TILE, k // TILE)
             # 128x128 blocks are transpose-invariant: each expert's w^T is its w, transposed.
             wt_fp8 = w_fp8.view(torch.uint8).transpose(1, 2).contiguous().view(w_fp8.dtype)

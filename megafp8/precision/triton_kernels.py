@@ -232,14 +232,18 @@ def quantize_both(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[
     return q, s, qt, st
 
 
-def quantize_blocks(w: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
-    """w (N, K) -> (q (N, K), scales (N/128, K/128), q^T (K, N), scales^T (K/128, N/128))."""
+def quantize_blocks(w: torch.Tensor, fmt: Fp8Format, power_of_two: bool, transpose: bool = True
+                    ) -> tuple[torch.Tensor, ...]:
+    """w (N, K) -> (q (N, K), scales (N/128, K/128), q^T (K, N), scales^T (K/128, N/128)); only (q, scales)
+    without `transpose`."""
     assert w.stride(1) == 1, "quantize_blocks needs a row-major weight"
     n, k = w.shape
     q = torch.empty(n, k, dtype=fmt.dtype, device=w.device)
     s = torch.empty(n // TILE, k // TILE, dtype=torch.float32, device=w.device)
     _quantize_blocks_kernel[(n // TILE, k // TILE)](w, q, s, n, k, w.stride(0), POW2=power_of_two, CHUNK=16,
                                                     num_warps=4, **_grid_constants(fmt))
+    if not transpose:
+        return q, s
     qt = torch.empty(k, n, dtype=fmt.dtype, device=w.device)
     _transpose_kernel[(n // TILE, k // TILE)](q, qt, n, k, BLOCK=TILE, num_warps=8)
     return q, s, qt, s.t().contiguous()
