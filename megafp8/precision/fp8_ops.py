@@ -71,24 +71,17 @@ def _(x2d, w_fp8, w_scale, fmt, pow2, backend):
             x2d.new_empty(k // TILE, m, dtype=torch.float32))
 
 
-def _pad_rows(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
-    return torch.cat([t, t.new_full((rows, *t.shape[1:]), value)]) if rows else t
-
-
 @torch.library.custom_op("megafp8::fp8_backward", mutates_args=())
 def fp8_backward(dy2d: torch.Tensor, x_fp8: torch.Tensor, x_scale_t: torch.Tensor, wt_fp8: torch.Tensor,
                  wt_scale: torch.Tensor, fmt: str, grad_fmt: str, pow2: bool, backend: str
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    from megafp8.precision.fp8_linear import Fp8GemmConfig, wgrad
+
     b = _backend(backend)
     dy_fp8, dy_scale, *dyt = b.quantize_tiles_both(dy2d, FORMATS[grad_fmt], pow2)
     dx = b.gemm(dy_fp8, dy_scale, wt_fp8, b.block_scales_for_gemm(wt_scale), True, dy2d.dtype)
-    x_scale = x_scale_t.t()
-    pad = -x_fp8.shape[0] % TILE  # the wgrad GEMM contracts over tokens in 128-wide tiles
-    if pad:
-        x_fp8 = _pad_rows(x_fp8.view(torch.uint8), pad, 0).view(x_fp8.dtype)
-        x_scale = _pad_rows(x_scale, pad, 1.0)
-    xt_fp8, xt_scale = b.retile_transposed(x_fp8, x_scale, FORMATS[fmt], pow2)
-    dw = b.gemm(*dyt, xt_fp8, xt_scale, False, dy2d.dtype)
+    cfg = Fp8GemmConfig.from_names(fmt, grad_fmt, pow2, True, True, True)
+    dw = wgrad(None, (x_fp8, x_scale_t.t()), cfg, b, tuple(dyt), dy2d.dtype)
     return dx, dw
 
 
