@@ -73,10 +73,25 @@ def test_recomputation_keeps_far_less_for_backward(tiny_overrides):
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
 def test_compiled_blocks_train_like_eager_blocks(tiny_overrides, recipe):
-    """training.compile: the blocks run through torch.compile (FP8 linears eagerly inside) and, with recomputation
-    too, track the eager run's losses (fused elementwise kernels round BF16 differently)."""
+    """training.compile: the blocks run through torch.compile (FP8 linears as custom ops inside) and, with
+    recomputation too, track the eager run's losses (fused elementwise kernels round BF16 differently)."""
     base = tiny_overrides + [f"precision.recipe={recipe}", "training.steps=3", "training.eval_interval=0"]
     eager, _ = _train("tiny_dense", base)
     compiled, _ = _train("tiny_dense", base + ["training.compile=true", "training.recompute=full"])
     for a, b in zip(eager, compiled):
         assert math.isclose(a["loss"], b["loss"], rel_tol=5e-3), (a["loss"], b["loss"])
+
+
+def test_a_dense_fp8_block_compiles_into_one_graph(tiny_overrides):
+    """No graph break in a dense FP8 block: its four FP8 linears are custom ops inside the compiled graph (a graph
+    break per linear would split the block into pieces, each with its own guards and wrappers on the host)."""
+    trainer = Trainer(load_config("tiny_dense", tiny_overrides + ["precision.recipe=fp8", "training.steps=1",
+                                                                  "optimizer.warmup_steps=1"]),
+                      ParallelDims.single(), torch.device("cpu"))
+    model, cfg = trainer.model, trainer.cfg
+    block = model.layers[0]
+    batch, seq = cfg.training.micro_batch_size, cfg.data.seq_len
+    x = torch.randn(batch * seq, trainer.model_cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    assert sum(m.runs_fp8 for m in block.modules() if hasattr(m, "runs_fp8")) >= 3
+    explained = torch._dynamo.explain(block._forward)(x, model.rope, batch, seq)
+    assert explained.graph_break_count == 0, explained.break_reasons
