@@ -154,3 +154,22 @@ def test_dry_run_lists_every_pipeline_rank():
     text = dry_run(load_config("671b_fp8"), 2048, 989.4, 0.4)
     assert "| 0 | 0, 31 (embedding, head) | 1 |" in text  # the V layout: rank 0 holds the first and last stage
     assert "| 15 | 15, 16 | 4 |" in text and "memory of the busiest pipeline rank" in text
+
+
+@pytest.mark.parametrize("config", ["tiny_dense_fp8", "tiny_moe_fp8"])
+def test_planned_fp8_weight_copies_are_what_the_layers_keep(tiny_overrides, config):
+    """After a step, every FP8 layer holds its quantized weight and transposed copy (with block scales): the plan's
+    `fp8_weight_copies` is their size (dense linears and grouped expert weights; BF16-kept layers hold none)."""
+    from megafp8.parallel import ParallelDims
+    from megafp8.train.trainer import Trainer
+
+    overrides = tiny_overrides + ["model.vocab_size=384", "training.steps=1", "optimizer.warmup_steps=1",
+                                  "precision.fp8_backend=reference"]
+    cfg = load_config(config, overrides)
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+    trainer.train_step()
+    caches = [m.fp8_cache for m in trainer.model.modules() if getattr(m, "fp8_cache", None) is not None]
+    live = sum(t.numel() * t.element_size() for c in caches for t in vars(c._entry).values()
+               if isinstance(t, torch.Tensor))
+    assert len(caches) >= 4 and live > 0
+    assert make_plan(cfg, 1).bytes_per_rank["fp8_weight_copies"] == live

@@ -29,7 +29,7 @@ import torch
 from megafp8.config import Config, ConfigError
 from megafp8.data import read_meta
 from megafp8.config.validate import data_parallel_size, validate_layout
-from megafp8.model import Transformer, resolve_vocab_size, training_flops_per_token
+from megafp8.model import Transformer, apply_fp8_plan, resolve_vocab_size, training_flops_per_token
 from megafp8.parallel import ExpertParallel, TensorParallel, full_shape, is_expert
 from megafp8.parallel.pipeline import build_layout
 from megafp8.precision import PrecisionRecipe
@@ -117,25 +117,22 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     params: dict[str, int] = {p: 0 for p in ("embedding", "attention", "mlp", "experts", "norms", "lm_head", "mtp")}
     for name, p in meta_model().named_parameters():
         params[_part(name)] += math.prod(full_shape(p, tp))  # every expert, every TP shard
-    n = n_expert = 0  # the busiest pipeline rank's parameters, and how many of them are routed experts
     layers_per_rank = cfg.model.num_layers
     ranks = [{}] if pp == 1 else [_stage_parts(cfg, r) for r in range(pp)]
-    pipeline = []
+    pipeline, static = [], []
     for rank, parts in enumerate(ranks):
-        rank_params = list(meta_model(**{k: v for k, v in parts.items() if k != "stages"}).parameters())
+        model = meta_model(**{k: v for k, v in parts.items() if k != "stages"})
+        rank_params = list(model.parameters())
+        n = sum(p.numel() for p in rank_params)
         if pp > 1:
-            pipeline.append((rank, parts["stages"], len(parts["layer_ids"]), sum(p.numel() for p in rank_params)))
-        if sum(p.numel() for p in rank_params) >= n:
-            n = sum(p.numel() for p in rank_params)
-            n_expert = sum(p.numel() for p in rank_params if is_expert(p))
+            pipeline.append((rank, parts["stages"], len(parts["layer_ids"]), n))
+        n_expert = sum(p.numel() for p in rank_params if is_expert(p))
+        static.append(_static_bytes(cfg, n, n_expert, _fp8_weight_numel(model, cfg, recipe_name), dp, recipe_name))
     if pp > 1:
         layers_per_rank = max(len(parts["layer_ids"]) for parts in ranks)
     for part, unused in (("experts", cfg.model.moe_num_experts == 0), ("mtp", cfg.model.mtp_depth == 0)):
         if unused:
             del params[part]
-    # Sharded optimizer: dense state over dp ranks, expert state over the dp / ep replicas of each expert.
-    sharded_numel = (n - n_expert) / dp + n_expert / (dp // ep) if cfg.optimizer.sharded else n
-    moment_bytes = 4 if cfg.optimizer.moment_dtype == "fp32" else 2
     tokens = cfg.training.micro_batch_size * cfg.data.seq_len
     per_unit = 34 / tp if shard_layout.sp else 10 + 24 / tp
     block_bytes = per_unit * tokens * cfg.model.hidden_size  # one block's activations, one micro-batch
@@ -145,18 +142,41 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     else:
         stored = block_bytes * layers_per_rank * _in_flight(cfg)
     activations = stored + tokens * cfg.model.vocab_size * (2 + 4) / tp
-    bytes_per_rank = {
-        "weights": n * _PARAM_BYTES[recipe_name],
-        "grads": n * 4 + (sharded_numel * 4 if cfg.optimizer.sharded and dp > 1 else 0),
-        "master_weights": sharded_numel * 4,
-        "optimizer_states": sharded_numel * 2 * moment_bytes,
-        "activations (estimate)": float(activations),
-    }
+    # The pipeline rank whose weights, gradients, optimizer state and FP8 copies take the most memory.
+    bytes_per_rank = {**max(static, key=lambda b: sum(b.values())), "activations (estimate)": float(activations)}
     m = cfg.model
     routed_share = m.moe_top_k / m.moe_num_experts if m.moe_num_experts else 1.0
     activated = sum(v for k, v in params.items() if k not in ("experts", "mtp")) + params.get("experts", 0) * routed_share
     return Plan(params, bytes_per_rank, training_flops_per_token(cfg.model, cfg.data.seq_len), world_size, activated,
                 pipeline)
+
+
+def _static_bytes(cfg: Config, n: int, n_expert: int, n_fp8: int, dp: int, recipe_name: str) -> dict[str, float]:
+    """One rank's bytes of weights, FP32 gradients, masters and moments (sharded over data-parallel ranks, the
+    routed experts over their expert-data-parallel replicas) and FP8 weight copies; `n` parameters, `n_expert` of
+    them routed experts, `n_fp8` in FP8 GEMM layers."""
+    ep = cfg.parallel.ep
+    sharded_numel = (n - n_expert) / dp + n_expert / (dp // ep) if cfg.optimizer.sharded else n
+    moment_bytes = 4 if cfg.optimizer.moment_dtype == "fp32" else 2
+    return {
+        "weights": n * _PARAM_BYTES[recipe_name],
+        "grads": n * 4 + (sharded_numel * 4 if cfg.optimizer.sharded and dp > 1 else 0),
+        "master_weights": sharded_numel * 4,
+        "optimizer_states": sharded_numel * 2 * moment_bytes,
+        # Each FP8 layer keeps its weight quantized for the step, with the transposed copy dgrad reads: 2 bytes per
+        # weight plus two FP32 scales per 128x128 block.
+        "fp8_weight_copies": n_fp8 * (2 + 2 * 4 / (128 * 128)),
+    }
+
+
+def _fp8_weight_numel(model: Transformer, cfg: Config, recipe_name: str) -> int:
+    """Weights of `model` (a meta copy) in layers that run FP8 under the config's layer plan."""
+    recipe = PrecisionRecipe.from_name(recipe_name)
+    if recipe.fp8 is None:
+        return 0
+    plan = apply_fp8_plan(model, cfg.precision, recipe, cfg.model.num_layers, dry_run=True, check_patterns=False)
+    layers = dict(model.named_modules())
+    return sum(layers[name].weight.numel() for name in plan.fp8_layers)
 
 
 def _stage_parts(cfg: Config, pp_rank: int) -> dict:
