@@ -4,7 +4,7 @@
 # same shape in the same job (benchmarks/reference_model.py; torchao's wheel carried in wheels/), and kernel-time
 # profiles of the steps. Tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
 # Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe;
-# also ref_eager, moe_compiled, and on two GPUs moe_ep2, dense_2gpu). `profile` also lists the host's busiest operators.
+# also ref_eager, moe_compiled, compiled_ro (CUDA graphs), and on two GPUs moe_ep2, dense_2gpu). `profile` also lists the host's busiest operators.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/megafp8-gpu}
@@ -31,6 +31,8 @@ for part in $PARTS; do
          ;;
     ref_eager) step reference_eager python benchmarks/reference_model.py --recipes bf16 torchao-blockwise ;;
     compiled) step ours_compiled python benchmarks/train_step.py training.compile=true --model 1b --recipes bf16 fp8 ;;
+    compiled_ro) step ours_compiled_cudagraphs python benchmarks/train_step.py training.compile=true \
+           training.compile_mode=reduce-overhead --model 1b --recipes bf16 fp8 ;;
     profile) step profile_eager python benchmarks/train_step.py --model 1b --recipes bf16 fp8 --profile 3
              step profile_compiled python benchmarks/train_step.py training.compile=true --model 1b \
                --recipes fp8 --profile 3 ;;

@@ -74,6 +74,8 @@ def test_every_field_has_a_doc():
         (["data.seq_len=0"], "data.seq_len must be positive"),
         (["model=3"], "model: expected a mapping"),
         (["num_layers"], "is not of the form section.key=value"),
+        (["training.compile_mode=reduce-overhead"], "training.compile_mode=reduce-overhead needs training.compile=true"),
+        (["training.compile=true", "training.compile_mode=fast"], "is not one of 'default' | 'reduce-overhead'"),
     ],
 )
 def test_bad_settings_give_one_clear_error(overrides, expected):

@@ -95,3 +95,19 @@ def test_a_dense_fp8_block_compiles_into_one_graph(tiny_overrides):
     assert sum(m.runs_fp8 for m in block.modules() if hasattr(m, "runs_fp8")) >= 3
     explained = torch._dynamo.explain(block._forward)(x, model.rope, batch, seq)
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_compile_mode_reaches_torch_compile(tiny_overrides, monkeypatch):
+    """`training.compile_mode` is the mode every block is compiled with (`default` passes none)."""
+    modes = []
+
+    def recording_compile(fn, mode=None):
+        modes.append(mode)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    for mode, expected in (("default", None), ("reduce-overhead", "reduce-overhead")):
+        modes.clear()
+        Trainer(load_config("tiny_dense", tiny_overrides + ["training.compile=true", f"training.compile_mode={mode}"]),
+                ParallelDims.single(), torch.device("cpu"))
+        assert modes and set(modes) == {expected}, (mode, modes)

@@ -23,6 +23,7 @@ ScoreFunc = Literal["softmax", "sigmoid"]
 AttentionKind = Literal["gqa", "mla"]
 CheckpointFormat = Literal["sharded", "full"]
 RecomputeMode = Literal["none", "full"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 PipelineScheduleName = Literal["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
 
 
@@ -291,9 +292,14 @@ class TrainingConfig:
     seed: int = setting(1234, "Seed of weight init and data shuffling; the same seed gives the same run.")
     compile: bool = setting(
         False,
-        "`torch.compile` every transformer block (the first steps pay the compilation). FP8 linears and grouped "
-        "experts run eagerly inside the compiled code (our own kernels; the norms, activations and residual "
-        "adds around them fuse).",
+        "`torch.compile` every transformer block (the first steps pay the compilation). A plain FP8 linear enters "
+        "the compiled graph as custom ops running our kernels; tensor-parallel and deferred-wgrad FP8 linears and "
+        "the grouped experts run eagerly inside it. The norms, activations and residual adds around them fuse.",
+    )
+    compile_mode: CompileMode = setting(
+        "default",
+        "`torch.compile`'s mode for the blocks (with `compile: true`). `reduce-overhead` adds CUDA graphs, which cut "
+        "the host's launch work; `max-autotune` also tunes Inductor's kernels (longer compilation).",
     )
     recompute: RecomputeMode = setting(
         "none",

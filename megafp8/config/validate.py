@@ -193,6 +193,9 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("data.valid_split equals data.train_split: validation must use held-out data")
     if cfg.checkpoint.resume not in ("auto", "none") and not cfg.checkpoint.resume:
         raise ConfigError("checkpoint.resume must be 'auto', 'none' or a checkpoint path")
+    if cfg.training.compile_mode != "default" and not cfg.training.compile:
+        raise ConfigError(f"training.compile_mode={cfg.training.compile_mode} needs training.compile=true (nothing is "
+                          "compiled otherwise): set it, or drop compile_mode")
 
 
 def data_parallel_size(world_size: int, tp: int, pp: int = 1, ep: int = 1) -> int:

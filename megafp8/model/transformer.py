@@ -228,13 +228,13 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
     return len(blocks) if mode == "full" else 0
 
 
-def apply_compile(model: nn.Module) -> int:
-    """`torch.compile` each transformer block's computation (MTP blocks included; parameter names unchanged). FP8
-    linears run eagerly inside it (see `megafp8.precision.fp8_linear`); activation recomputation wraps the compiled
-    code. Returns how many blocks were compiled."""
+def apply_compile(model: nn.Module, mode: str = "default") -> int:
+    """`torch.compile` each transformer block's computation in `mode` (MTP blocks included; parameter names
+    unchanged). A plain FP8 linear enters the graph as custom ops (see `megafp8.precision.fp8_linear`); activation
+    recomputation wraps the compiled code. Returns how many blocks were compiled."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
-        block._forward = torch.compile(block._forward)
+        block._forward = torch.compile(block._forward, mode=None if mode == "default" else mode)
     return len(blocks)
 
 

@@ -77,7 +77,8 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
     plan = apply_fp8_plan(model, cfg.precision, recipe if fp8_active else recipe.high_precision(),
                           model_cfg.num_layers, check_patterns=check)
     if cfg.training.compile:
-        log.info("torch.compile: %d blocks", apply_compile(model))
+        log.info("torch.compile (mode %s): %d blocks", cfg.training.compile_mode,
+                 apply_compile(model, cfg.training.compile_mode))
     recomputing = apply_recompute(model, cfg.training.recompute)
     if recomputing:
         log.info("activation recomputation: %d blocks keep only their input for backward", recomputing)
