@@ -7,7 +7,10 @@ the wgrad re-tiling, and the weight (re-quantized every iteration, as with one m
 optimizer step; the "cached" column reuses it, as later micro-batches of a step do). The FP32
 weight gradient is accumulated into `main_grad`, as in training.
 
-Usage: python benchmarks/fp8_linear.py [--backends cublas triton] [--iters 20]
+`--compiled` adds the same layer under `torch.compile` (the FP8 linear then runs as custom ops inside the graph,
+quantizing its weight every iteration) against a compiled `nn.Linear`.
+
+Usage: python benchmarks/fp8_linear.py [--backends cublas triton] [--iters 20] [--compiled]
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ def saved_activation_bytes(layer: nn.Module, x: torch.Tensor) -> int:
     return total
 
 
-def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int) -> dict[str, float]:
+def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int, compiled: bool = False) -> dict[str, float]:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     flops = 6.0 * m * k * n
@@ -59,6 +62,9 @@ def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int) -> dict
 
     row = {"bf16_tflops": flops / time_ms(step_bf16, iters) / 1e9,
            "bf16_saved_mb": saved_activation_bytes(bf16, x) / 2**20}
+    if compiled:
+        bf16_compiled = torch.compile(bf16)
+        row["bf16_compiled_tflops"] = flops / time_ms(lambda: bf16_compiled(x).backward(dy), iters) / 1e9
     bf16.weight.grad = None
     for name in backends:
         layer = ColumnParallelLinear(k, n, PrecisionRecipe.from_name("fp8", Fp8Recipe(backend=name)), device="cuda")
@@ -74,6 +80,9 @@ def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int) -> dict
         row[f"{name}_tflops"] = flops / time_ms(step_fp8, iters) / 1e9
         row[f"{name}_cached_tflops"] = flops / time_ms(lambda: step_fp8(False), iters) / 1e9
         row[f"{name}_saved_mb"] = saved_activation_bytes(layer, x) / 2**20
+        if compiled:
+            layer_compiled = torch.compile(layer)
+            row[f"{name}_compiled_tflops"] = flops / time_ms(lambda: layer_compiled(x).backward(dy), iters) / 1e9
         del layer
     return row
 
@@ -104,21 +113,27 @@ def main() -> int:
     parser.add_argument("--backends", nargs="+", default=["cublas", "triton"])
     parser.add_argument("--iters", type=int, default=20, help="scales the timing window (5 ms per iter, >=100 ms)")
     parser.add_argument("--profile", action="store_true", help="print a kernel-time breakdown of the first shape")
+    parser.add_argument("--compiled", action="store_true", help="also time both layers under torch.compile")
     args = parser.parse_args()
     if args.profile:
         profile(*SHAPES[0], args.backends[0])
     print(f"# {torch.cuda.get_device_name()} | torch {torch.version.__version__} | CUDA {torch.version.cuda}")
     head = "| M x K x N | BF16 TFLOP/s | " + " | ".join(
         f"{b} TFLOP/s (x BF16) | {b} cached-weight TFLOP/s" for b in args.backends
-    ) + " | saved activations BF16 -> FP8 (MiB) |"
+    ) + (" | BF16 compiled | " + " | ".join(f"{b} compiled (x BF16 compiled)" for b in args.backends)
+         if args.compiled else "") + " | saved activations BF16 -> FP8 (MiB) |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for m, k, n in SHAPES:
-        r = bench_shape(m, k, n, args.backends, args.iters)
+        r = bench_shape(m, k, n, args.backends, args.iters, args.compiled)
         cells = [f"{m}x{k}x{n}", f"{r['bf16_tflops']:.0f}"]
         for b in args.backends:
             cells += [f"{r[f'{b}_tflops']:.0f} ({r[f'{b}_tflops'] / r['bf16_tflops']:.2f}x)",
                       f"{r[f'{b}_cached_tflops']:.0f} ({r[f'{b}_cached_tflops'] / r['bf16_tflops']:.2f}x)"]
+        if args.compiled:
+            cells.append(f"{r['bf16_compiled_tflops']:.0f}")
+            cells += [f"{r[f'{b}_compiled_tflops']:.0f} ({r[f'{b}_compiled_tflops'] / r['bf16_compiled_tflops']:.2f}x)"
+                      for b in args.backends]
         cells.append(f"{r['bf16_saved_mb']:.0f} -> {r[f'{args.backends[0]}_saved_mb']:.0f}")
         print("| " + " | ".join(cells) + " |", flush=True)
     return 0
