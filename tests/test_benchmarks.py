@@ -51,3 +51,16 @@ def test_kernel_breakdown_sorts_kernels_into_categories():
     assert abs(sum(share for _, _, share in rows) - 1.0) < 1e-9
     table = kb.markdown("t", rows, wall_ms=5.0, top=kb.top_kernels(kernels, steps=2, count=2))
     assert "GPU kernel time per step 5.0 ms (99% busy)" in table and "| `_quantize_cols_kernel`" not in table
+
+
+def test_reference_model_benchmark_runs_on_cpu():
+    """The plain-PyTorch yardstick (benchmarks/reference_model.py) runs end to end; a recipe that cannot run here
+    (torchao's float8 needs a GPU or the package) is a table row saying why, not a crash."""
+    cmd = [sys.executable, "benchmarks/reference_model.py", "--device", "cpu", "--layers", "2", "--hidden", "128",
+           "--ffn", "256", "--heads", "2", "--vocab", "256", "--seq", "64", "--batch", "2", "--steps", "2",
+           "--warmup", "1", "--recipes", "bf16", "torchao-blockwise"]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| plain PyTorch")]
+    assert rows[0][2].strip() == "bf16" and float(rows[0][4].replace(",", "")) > 0
+    assert rows[1][2].strip() == "torchao-blockwise" and "failed:" in rows[1][3]
