@@ -1,13 +1,10 @@
 #!/usr/bin/env bash
 # Two-GPU data parallelism: gpu tests, then the ~1B dense shape at DP=2 with the sharded optimizer,
 # gradient reduce-scatter overlapped with backward vs after it. Usage: OUT=dir bash benchmarks/gpu_dp.sh
-set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/megafp8-gpu}
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_lib.sh"
 python -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
-python tools/preprocess_data.py --input stdlib --output /tmp/pystdlib --overwrite > /dev/null
-ONE_B="model.size=1b model.vocab_size=32768 data.path=/tmp/pystdlib data.seq_len=2048 training.micro_batch_size=8
+stdlib_corpus
+ONE_B="$ONE_B_MODEL training.micro_batch_size=8
   training.global_batch_size=16 training.steps=30 optimizer.lr=3e-4 optimizer.warmup_steps=10
   training.eval_interval=0 logging.log_interval=10 logging.output_dir=/tmp/runs optimizer.bucket_size_mb=100"
 for overlap in true false; do

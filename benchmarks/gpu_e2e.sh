@@ -5,24 +5,10 @@
 # profiles of the steps. Tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
 # Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe;
 # also ref_eager, moe_compiled, compiled_ro (CUDA graphs), and on two GPUs moe_ep2, dense_2gpu). `profile` also lists the host's busiest operators.
-set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/megafp8-gpu}
-LOGS=$(mktemp -d)
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
-nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/summary.md"
-if ls wheels/torchao-*.whl > /dev/null 2>&1 && ! python -c "import torchao" 2>/dev/null; then
-  python -m pip install --no-deps --no-index wheels/torchao-*.whl > "$LOGS/torchao_install.log" 2>&1 \
-    || echo "torchao install failed: $(tail -n 2 "$LOGS/torchao_install.log")" >> "$OUT/summary.md"
-fi
-step() {  # step NAME command...: run, append its stdout table to the summary, keep its log
-  local name=$1; shift
-  echo "## $name" >> "$OUT/summary.md"
-  "$@" >> "$OUT/summary.md" 2> "$LOGS/$name.log" || echo "FAILED (rc $?): $(tail -n 3 "$LOGS/$name.log")" >> "$OUT/summary.md"
-  echo >> "$OUT/summary.md"
-  echo "== $name done"
-}
+start_summary
+install_torchao
 for part in $PARTS; do
   case $part in
     ours) step ours_eager python benchmarks/train_step.py --model 1b --recipes bf16 fp8 ;;
@@ -44,4 +30,4 @@ for part in $PARTS; do
                --model 1b --global-batch 16 --recipes bf16 fp8 ;;
   esac
 done
-tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
+finish_summary

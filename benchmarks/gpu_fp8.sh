@@ -1,14 +1,11 @@
 #!/usr/bin/env bash
 # GPU session script for the FP8 path: gpu-marked tests, the FP8 linear benchmark, and BF16 vs FP8
 # training throughput of the ~1B dense shape.  Usage (GPU machine, repo root): OUT=dir bash benchmarks/gpu_fp8.sh
-set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/megafp8-gpu}
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_lib.sh"
 python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log"
 [ -n "${SKIP_LINEAR:-}" ] || python benchmarks/fp8_linear.py ${FP8_LINEAR_ARGS:-} 2>&1 | tee "$OUT/fp8_linear.md"
-python tools/preprocess_data.py --input stdlib --output /tmp/pystdlib --overwrite > /dev/null
-ONE_B="model.size=1b model.vocab_size=32768 data.path=/tmp/pystdlib data.seq_len=2048 training.micro_batch_size=8
+stdlib_corpus
+ONE_B="$ONE_B_MODEL training.micro_batch_size=8
   training.global_batch_size=8 training.steps=40 optimizer.lr=3e-4 optimizer.min_lr=3e-5 optimizer.warmup_steps=10
   training.eval_interval=0
   logging.log_interval=10 logging.output_dir=/tmp/runs"

@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
 # FP8 health monitoring overhead on the ~1B dense model (FP8, one GPU): sampled every step, every 100 steps, off.
 # Usage: OUT=dir bash benchmarks/gpu_health.sh
-set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/megafp8-gpu}
-mkdir -p "$OUT"
-python tools/preprocess_data.py --input stdlib --output /tmp/pystdlib --overwrite > /dev/null
-ONE_B="model.size=1b model.vocab_size=32768 data.path=/tmp/pystdlib data.seq_len=2048 training.micro_batch_size=8
+source "$(dirname "$0")/gpu_lib.sh"
+stdlib_corpus
+ONE_B="$ONE_B_MODEL training.micro_batch_size=8
   training.global_batch_size=8 training.steps=30 optimizer.lr=3e-4 optimizer.warmup_steps=10 training.eval_interval=0
   logging.log_interval=10 logging.output_dir=/tmp/runs precision.recipe=fp8"
 for interval in 0 1 100; do

@@ -4,13 +4,10 @@
 # STEPS optimizer steps (default 2000; warmup 200, cosine 3e-4 -> 3e-5). The metrics files land in $OUT; compare them
 # with `python tools/compare_runs.py` and plot with `python tools/plot_runs.py`.
 # Usage: OUT=dir bash benchmarks/gpu_parity.sh
-set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/megafp8-gpu}
-mkdir -p "$OUT"
-python tools/preprocess_data.py --input stdlib --output /tmp/pystdlib --overwrite > /dev/null
+source "$(dirname "$0")/gpu_lib.sh"
+stdlib_corpus
 STEPS=${STEPS:-2000}
-ONE_B="model.size=1b model.vocab_size=32768 data.path=/tmp/pystdlib data.seq_len=2048 training.micro_batch_size=8
+ONE_B="$ONE_B_MODEL training.micro_batch_size=8
   training.global_batch_size=8 training.steps=$STEPS optimizer.lr=3e-4 optimizer.min_lr=3e-5 optimizer.warmup_steps=200
   training.eval_interval=500 training.eval_iters=8 logging.log_interval=10 logging.output_dir=$OUT"
 for recipe in bf16 fp8; do

@@ -2,13 +2,10 @@
 # Two-GPU pipeline parallelism: the ~1B dense shape at PP=1 (one GPU) and PP=2 (two GPUs, NCCL) under every
 # schedule, same seed and global batch (8 micro-batches of 2 x 2048 tokens), BF16 and FP8; per-step losses and
 # step times compared by tools/compare_runs.py. Usage: OUT=dir bash benchmarks/gpu_pp.sh
-set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/megafp8-gpu}
-mkdir -p "$OUT"
-python tools/preprocess_data.py --input stdlib --output /tmp/pystdlib --overwrite > /dev/null
+source "$(dirname "$0")/gpu_lib.sh"
+stdlib_corpus
 STEPS=${STEPS:-20}
-ONE_B="model.size=1b model.vocab_size=32768 data.path=/tmp/pystdlib data.seq_len=2048 training.micro_batch_size=2
+ONE_B="$ONE_B_MODEL training.micro_batch_size=2
   training.global_batch_size=16 training.steps=$STEPS optimizer.lr=3e-4 optimizer.min_lr=3e-5 optimizer.warmup_steps=10
   training.eval_interval=0 logging.log_interval=1 logging.output_dir=/tmp/runs_pp"
 for recipe in ${RECIPES:-bf16 fp8}; do

@@ -2,12 +2,9 @@
 # Cost of activation recomputation on one GPU: the ~1B dense shape, seq 2048, micro-batch 8, BF16 and FP8, with
 # training.recompute none and full, 15 steps each; step times compared by tools/compare_runs.py, peak memory from
 # the logs. Usage: OUT=dir bash benchmarks/gpu_recompute.sh
-set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/megafp8-gpu}
-mkdir -p "$OUT"
-python tools/preprocess_data.py --input stdlib --output /tmp/pystdlib --overwrite > /dev/null
-ONE_B="model.size=1b model.vocab_size=32768 data.path=/tmp/pystdlib data.seq_len=2048 training.micro_batch_size=8
+source "$(dirname "$0")/gpu_lib.sh"
+stdlib_corpus
+ONE_B="$ONE_B_MODEL training.micro_batch_size=8
   training.global_batch_size=8 training.steps=${STEPS:-15} optimizer.warmup_steps=10 training.eval_interval=0
   logging.log_interval=1 logging.output_dir=/tmp/runs_rc"
 for recipe in bf16 fp8; do

@@ -2,16 +2,13 @@
 # Two-GPU tensor parallelism: gpu tests, then the ~1B dense shape at TP=1 (one GPU) and TP=2 (two GPUs,
 # NCCL), same seed and global batch, BF16 and FP8, with and without sequence parallelism; per-step
 # losses and step times compared by tools/compare_runs.py. Usage: OUT=dir bash benchmarks/gpu_tp.sh
-set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/megafp8-gpu}
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_lib.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
 [ -n "${SKIP_TESTS:-}" ] || python -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log"
-python tools/preprocess_data.py --input stdlib --output /tmp/pystdlib --overwrite > /dev/null
+stdlib_corpus
 STEPS=${STEPS:-30}
-ONE_B="model.size=1b model.vocab_size=32768 data.path=/tmp/pystdlib data.seq_len=2048 training.micro_batch_size=8
+ONE_B="$ONE_B_MODEL training.micro_batch_size=8
   training.global_batch_size=8 training.steps=$STEPS optimizer.lr=3e-4 optimizer.min_lr=3e-5 optimizer.warmup_steps=10
   training.eval_interval=0 logging.log_interval=1 logging.output_dir=/tmp/runs"
 for recipe in ${RECIPES:-bf16 fp8}; do

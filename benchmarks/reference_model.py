@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"| plain PyTorch | {r['recipe']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
               f"{r['peak_gib']:.2f} | {r['loss']:.4f} |", flush=True)
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return 0
 
 

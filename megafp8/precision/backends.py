@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megafp8.precision import quantize as ref
-from megafp8.precision.formats import Fp8Format
+from megafp8.precision.formats import TILE, Fp8Format
 
 BACKENDS = ("auto", "reference", "cublas", "triton")
 
@@ -45,9 +45,7 @@ class Fp8Backend:
         """x (M, K) -> (1x128 tiles along K, scales; x^T (K, M_pad) in 1x128 tiles along M, scales), M_pad = M
         rounded up to 128 with zero rows: the output gradient's two quantizations (dgrad and wgrad)."""
         q, s = self.quantize_tiles(x, fmt, pow2)
-        pad = -x.shape[0] % 128
-        padded = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
-        return (q, s, *self.quantize_tiles_transposed(padded, fmt, pow2))
+        return (q, s, *self.quantize_tiles_transposed(ref.pad_rows(x, -x.shape[0] % TILE, 0.0), fmt, pow2))
 
     def retile_transposed(self, q: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
                           pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from megafp8.precision.backends import Fp8Backend
 from megafp8.precision.formats import FORMATS, TILE, Fp8Format
+from megafp8.precision.quantize import pad_rows
 
 
 @dataclass
@@ -122,10 +123,6 @@ def dgrad(dy2d: torch.Tensor, weight: torch.Tensor, entry: _QuantizedWeight, cfg
     return backend.gemm(dy_fp8, dy_scale, entry.wt_fp8, entry.wt_scale, True, dy2d.dtype)
 
 
-def _pad_rows(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
-    return torch.cat([t, t.new_full((rows, *t.shape[1:]), value)]) if rows else t
-
-
 def wgrad(dy2d: Optional[torch.Tensor], saved: tuple[torch.Tensor, ...], cfg: Fp8GemmConfig, backend: Fp8Backend,
           dyt_q: Optional[tuple[torch.Tensor, torch.Tensor]] = None, out_dtype: Optional[torch.dtype] = None
           ) -> torch.Tensor:
@@ -138,11 +135,10 @@ def wgrad(dy2d: Optional[torch.Tensor], saved: tuple[torch.Tensor, ...], cfg: Fp
     # The GEMM contracts over tokens in 128-wide tiles: pad tokens with zero rows (which add nothing).
     pad = -x_fp8.shape[0] % TILE
     if pad:
-        x_fp8 = _pad_rows(x_fp8.view(torch.uint8), pad, 0).view(x_fp8.dtype)
-        x_scale = _pad_rows(x_scale, pad, 1.0)
+        x_fp8 = pad_rows(x_fp8.view(torch.uint8), pad, 0).view(x_fp8.dtype)
+        x_scale = pad_rows(x_scale, pad, 1.0)
     if dyt_q is None:
-        padded = _pad_rows(dy2d, pad, 0.0) if pad else dy2d
-        dyt_q = backend.quantize_tiles_transposed(padded, cfg.grad_fmt, cfg.power_of_two)
+        dyt_q = backend.quantize_tiles_transposed(pad_rows(dy2d, pad, 0.0), cfg.grad_fmt, cfg.power_of_two)
     xt_fp8, xt_scale = backend.retile_transposed(x_fp8, x_scale, cfg.fmt, cfg.power_of_two)
     return backend.gemm(*dyt_q, xt_fp8, xt_scale, False, out_dtype or dy2d.dtype)
 

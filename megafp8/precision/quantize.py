@@ -104,3 +104,8 @@ def retile_1x128_transposed(q: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format
     values stay in E4M3's normal range (x_fp8 times a power of two needs no rounding).
     """
     return quantize_1x128(dequantize_1x128(q, scale).t(), fmt, power_of_two)
+
+
+def pad_rows(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
+    """`t` with `rows` more rows filled with `value` (FP8 tensors: pass a uint8 view and 0 for zeros)."""
+    return torch.cat([t, t.new_full((rows, *t.shape[1:]), value)]) if rows else t
