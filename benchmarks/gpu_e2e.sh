@@ -4,13 +4,18 @@
 # same shape in the same job (benchmarks/reference_model.py; torchao's wheel carried in wheels/), and kernel-time
 # profiles of the steps. Tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
 # Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe;
-# also ref_eager, moe_compiled, compiled_ro (CUDA graphs), and on two GPUs moe_ep2, dense_2gpu). `profile` also lists the host's busiest operators.
+# also ref_eager, moe_compiled, compiled_ro (CUDA graphs), compiled_fp8 (FP8 only), tests (the gpu-marked tests),
+# fused_quantize (Inductor-generated quantizers), and on two GPUs moe_ep2, dense_2gpu). `profile` also lists the
+# host's busiest operators. STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
 start_summary
 install_torchao
 for part in $PARTS; do
   case $part in
+    tests) step gpu_tests python -m pytest -q -m gpu tests/ -x -p no:cacheprovider ;;
+    fused_quantize) step fused_quantize python benchmarks/fused_quantize.py ;;
+    compiled_fp8) step ours_compiled_fp8 python benchmarks/train_step.py training.compile=true --model 1b --recipes fp8 ;;
     ours) step ours_eager python benchmarks/train_step.py --model 1b --recipes bf16 fp8 ;;
     ref) step reference_compiled python benchmarks/reference_model.py --compile \
            --recipes bf16 torchao-tensorwise torchao-rowwise torchao-blockwise

@@ -24,11 +24,13 @@ install_torchao() {  # torchao's wheel, carried in wheels/ (the GPU machine has 
   fi
 }
 
-step() {  # step NAME command...: run it, append its stdout (a table) and its time to the summary, keep its stderr
+step() {  # step NAME command...: run it (at most $STEP_TIMEOUT s), append its stdout (a table) and its time to the
+  # summary, keep its stderr
   local name=$1 t0=$SECONDS
   shift
   echo "## $name" >> "$OUT/summary.md"
-  "$@" >> "$OUT/summary.md" 2> "$LOGS/$name.log" || echo "FAILED (rc $?): $(tail -n 3 "$LOGS/$name.log")" >> "$OUT/summary.md"
+  timeout "${STEP_TIMEOUT:-590}" "$@" >> "$OUT/summary.md" 2> "$LOGS/$name.log" \
+    || echo "FAILED (rc $?): $(tail -n 3 "$LOGS/$name.log")" >> "$OUT/summary.md"
   printf '(%s s)\n\n' "$((SECONDS - t0))" >> "$OUT/summary.md"
   echo "== $name done"
 }
