@@ -37,6 +37,9 @@ class Fp8HealthMonitor:
         return bool(self._handles)
 
     def _make_hook(self, name: str):
+        # The hooks run eagerly even inside a compiled block: traced, each layer's hook (a closure over its name)
+        # would be compiled anew, and 64 layers exhaust torch._dynamo's recompile limit on every sampled step.
+        @torch.compiler.disable
         def hook(layer: ParallelLinear, inputs: tuple, output: torch.Tensor) -> None:
             if name in self._stats:
                 return  # later micro-batches of the sampled step
@@ -48,6 +51,7 @@ class Fp8HealthMonitor:
                                     power_of_two=cfg.power_of_two),
             }
             if output.requires_grad:
+                @torch.compiler.disable
                 def grad_hook(grad: torch.Tensor) -> None:
                     if "grad" not in self._stats[name]:
                         self._stats[name]["grad"] = fp8_stats(grad, cfg.grad_fmt, power_of_two=cfg.power_of_two)
