@@ -6,6 +6,10 @@ For each case, times (a) the eager producer (RMSNorm, SwiGLU, or nothing) follow
 whether (b)'s FP8 bytes and scales equal the reference quantizer's on the same producer output, bit for bit.
 
     PYTHONPATH=. python benchmarks/fused_quantize.py [--tokens 16384]
+
+A second table times each configuration of our fused row+column quantizer (`quantize_both`, the output gradient's
+quantization) on the ~1B model's four output-gradient widths, as GB/s of bytes moved (2 read + 2 written per
+element), and the configuration the autotuner picks.
 """
 from __future__ import annotations
 
@@ -84,6 +88,23 @@ def main() -> None:
         produced = produce(*inputs)
         verdict = same(fused(*inputs), reference(produced))
         print(f"| {name} | {t_eager:.3f} | {t_fused:.3f} | {t_eager / t_fused:.2f}x | {verdict} |")
+    both_configs(m)
+
+
+def both_configs(m: int) -> None:
+    from megafp8.precision import triton_kernels as tk
+
+    widths = (6144, 2048, 11264)  # dy widths of the ~1B model: QKV, output and down (2048), gate+up
+    print("\n| quantize_both config | " + " | ".join(f"{m}x{k} (GB/s)" for k in widths) + " |")
+    print("|---|" + "---|" * len(widths))
+    grads = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in widths]
+    for config in [*tk.BOTH_CONFIGS, None]:
+        name = "autotuned" if config is None else f"CHUNK={config.kwargs['CHUNK']}, warps={config.num_warps}"
+        cells = []
+        for dy in grads:
+            ms = timed_ms(lambda t: tk.quantize_both(t, E4M3, False, config=config), dy)
+            cells.append(f"{4 * dy.numel() / ms / 1e6:.0f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -84,6 +84,25 @@ def test_fused_row_and_column_quantization_matches_reference_bit_for_bit(m, fmt,
         assert torch.isfinite(rows[(m // 2 + 1) % m]).all() or m == 1
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_every_autotuned_configuration_of_the_fused_quantizer_gives_the_reference_bits(pow2):
+    """The autotuner may pick any configuration of `quantize_both`: each one must produce the reference's bits."""
+    from megafp8.precision import triton_kernels as tk
+
+    x = outlier_tensor(200, 384)
+    x_nan = x.clone()
+    x_nan[150, 5] = float("nan")
+    want = REFERENCE.quantize_tiles_both(x, E4M3, pow2)
+    for config in tk.BOTH_CONFIGS:
+        got = tk.quantize_both(x, E4M3, pow2, config=config)
+        assert_same_quantization(got[:2], want[:2])
+        assert_same_quantization(got[2:], want[2:])
+        q, s, qt, st = tk.quantize_both(x_nan, E4M3, pow2, config=config)
+        assert not torch.isfinite(ref.dequantize_1x128(q, s)[150, :128]).all()
+        assert not torch.isfinite(ref.dequantize_1x128(qt, st)[5, 128:256]).all()
+        assert torch.isfinite(ref.dequantize_1x128(qt, st)[6]).all()
+
+
 def test_non_finite_inputs_surface_on_gpu():
     x = torch.randn(128, 256, device=CUDA, dtype=torch.bfloat16)
     x[3, 7] = float("inf")
