@@ -103,6 +103,23 @@ def test_every_autotuned_configuration_of_the_fused_quantizer_gives_the_referenc
         assert torch.isfinite(ref.dequantize_1x128(qt, st)[6]).all()
 
 
+def test_ties_and_subnormals_round_to_nearest_even_like_the_reference():
+    """Every midpoint between neighbouring FP8 values (subnormal ones too), at scale 1 (each tile's max is the
+    format's maximum): the kernels' FP32 -> FP8 conversion must round each tie to the even neighbour."""
+    for fmt in (E4M3, E5M2):
+        grid = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+        grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()  # sorted non-negative FP8 values
+        ties = (grid[:-1] + grid[1:]) / 2  # exact in BF16 (one more mantissa bit than the format)
+        tile = torch.cat([torch.tensor([fmt.max]), ties, grid])[:128]
+        x = torch.cat([tile, -tile]).repeat(128, 1).to(CUDA, torch.bfloat16)  # (128, 256): two tiles per row
+        assert torch.equal(x[0, 1:len(ties) + 1].float().cpu(), ties)
+        want_rows, want_blocks = ref.quantize_1x128(x, fmt), ref.quantize_128x128(x, fmt)
+        for backend in fast_backends():
+            assert_same_quantization(backend.quantize_tiles(x, fmt, False), want_rows)
+            assert_same_quantization(backend.quantize_tiles_both(x, fmt, False)[:2], want_rows)
+            assert_same_quantization(backend.quantize_blocks(x, fmt, False), want_blocks)
+
+
 def test_non_finite_inputs_surface_on_gpu():
     x = torch.randn(128, 256, device=CUDA, dtype=torch.bfloat16)
     x[3, 7] = float("inf")
