@@ -9,7 +9,8 @@ whether (b)'s FP8 bytes and scales equal the reference quantizer's on the same p
 
 A second table times each configuration of our fused row+column quantizer (`quantize_both`, the output gradient's
 quantization) on the ~1B model's four output-gradient widths, as GB/s of bytes moved (2 read + 2 written per
-element), and the configuration the autotuner picks.
+element), and the configuration the autotuner picks, with the FP8 rounding done explicitly in FP32 (the default) or
+by the conversion instruction alone.
 """
 from __future__ import annotations
 
@@ -98,11 +99,13 @@ def both_configs(m: int) -> None:
     print("\n| quantize_both config | " + " | ".join(f"{m}x{k} (GB/s)" for k in widths) + " |")
     print("|---|" + "---|" * len(widths))
     grads = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in widths]
-    for config in [*tk.BOTH_CONFIGS, None]:
+    runs = [(config, True) for config in [*tk.BOTH_CONFIGS, None]] + [(None, False)]
+    for config, explicit in runs:
         name = "autotuned" if config is None else f"CHUNK={config.kwargs['CHUNK']}, warps={config.num_warps}"
+        name += "" if explicit else ", rounding by the FP8 conversion alone"
         cells = []
         for dy in grads:
-            ms = timed_ms(lambda t: tk.quantize_both(t, E4M3, False, config=config), dy)
+            ms = timed_ms(lambda t: tk.quantize_both(t, E4M3, False, config=config, explicit_round=explicit), dy)
             cells.append(f"{4 * dy.numel() / ms / 1e6:.0f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
 

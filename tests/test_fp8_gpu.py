@@ -103,21 +103,41 @@ def test_every_autotuned_configuration_of_the_fused_quantizer_gives_the_referenc
         assert torch.isfinite(ref.dequantize_1x128(qt, st)[6]).all()
 
 
-def test_ties_and_subnormals_round_to_nearest_even_like_the_reference():
-    """Every midpoint between neighbouring FP8 values (subnormal ones too), at scale 1 (each tile's max is the
-    format's maximum): the kernels' FP32 -> FP8 conversion must round each tie to the even neighbour."""
-    for fmt in (E4M3, E5M2):
-        grid = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
-        grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()  # sorted non-negative FP8 values
-        ties = (grid[:-1] + grid[1:]) / 2  # exact in BF16 (one more mantissa bit than the format)
-        tile = torch.cat([torch.tensor([fmt.max]), ties, grid])[:128]
-        x = torch.cat([tile, -tile]).repeat(128, 1).to(CUDA, torch.bfloat16)  # (128, 256): two tiles per row
-        assert torch.equal(x[0, 1:len(ties) + 1].float().cpu(), ties)
-        want_rows, want_blocks = ref.quantize_1x128(x, fmt), ref.quantize_128x128(x, fmt)
-        for backend in fast_backends():
-            assert_same_quantization(backend.quantize_tiles(x, fmt, False), want_rows)
-            assert_same_quantization(backend.quantize_tiles_both(x, fmt, False)[:2], want_rows)
-            assert_same_quantization(backend.quantize_blocks(x, fmt, False), want_blocks)
+def ties_tensor(fmt):
+    """(128, 256): in every row, a tile of the format's maximum and every midpoint between neighbouring FP8 values
+    (subnormal ones included), and the same negated; at scale 1 each midpoint is a tie to round to the even side."""
+    grid = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()  # sorted non-negative FP8 values
+    ties = (grid[:-1] + grid[1:]) / 2  # exact in BF16 (one more mantissa bit than the format)
+    tile = torch.cat([torch.tensor([fmt.max]), ties, grid])[:128]
+    x = torch.cat([tile, -tile]).repeat(128, 1).to(CUDA, torch.bfloat16)
+    assert torch.equal(x[0, 1:len(ties) + 1].float().cpu(), ties)
+    return x
+
+
+@pytest.mark.parametrize("explicit_round", [True, False], ids=["explicit-rounding", "cast-rounding"])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_both_fp8_roundings_of_every_quantizer_give_the_reference_bits(fmt, explicit_round):
+    """Each Triton quantizer, with the FP8 rounding done explicitly in FP32 or by the conversion instruction, on
+    outliers, tiny and zero tiles, and on every tie (subnormal ties too): the reference's bits."""
+    from megafp8.precision import triton_kernels as tk
+
+    for x in (outlier_tensor(200, 384), ties_tensor(fmt)):
+        x128 = ref.pad_rows(x, -x.shape[0] % 128, 0.0)
+        for pow2 in (False, True):
+            rows, cols = ref.quantize_1x128(x, fmt, pow2), ref.quantize_1x128_transposed(x128, fmt, pow2)
+            assert_same_quantization(tk.quantize_rows(x, fmt, pow2, explicit_round=explicit_round), rows)
+            assert_same_quantization(tk.quantize_cols(x128, fmt, pow2, explicit_round=explicit_round), cols)
+            both = tk.quantize_both(x, fmt, pow2, explicit_round=explicit_round)
+            assert_same_quantization(both[:2], rows)
+            assert_same_quantization(both[2:], cols)
+            q, s = ref.quantize_1x128(x128, fmt, pow2)
+            assert_same_quantization(tk.quantize_cols(q, fmt, pow2, in_scale=s, explicit_round=explicit_round),
+                                     ref.retile_1x128_transposed(q, s, fmt, pow2))
+            if x.shape[0] % 128 == 0:
+                assert_same_quantization(tk.quantize_blocks(x, fmt, pow2, transpose=False,
+                                                            explicit_round=explicit_round),
+                                         ref.quantize_128x128(x, fmt, pow2))
 
 
 def test_non_finite_inputs_surface_on_gpu():

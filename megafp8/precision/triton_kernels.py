@@ -2,9 +2,9 @@
 
 Imported lazily (only when a CUDA backend is selected), so CPU-only installs never need Triton.
 Each kernel reproduces `megafp8.precision.quantize` bit for bit: correctly rounded per-tile
-divisions (`div_rn`), the same power-of-two rounding on the scale's bits, rounding onto the FP8
-grid done explicitly in FP32 (so the final cast is exact), and nan propagation that `tl.max`
-alone would drop.
+divisions (`div_rn`), the same power-of-two rounding on the scale's bits, round-to-nearest-even
+onto the FP8 grid (by default done explicitly in FP32, so the final cast is exact; see
+EXPLICIT_ROUND_DEFAULT), and nan propagation that `tl.max` alone would drop.
 """
 from __future__ import annotations
 
@@ -50,16 +50,18 @@ def _round_to_grid(v, MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORM
     return tl.where(v != v, v, out)
 
 
-# The FP32 -> FP8 rounding: the hardware's round-to-nearest-even conversion (cvt.rn.satfinite on SM89+), asked for
-# explicitly. EXPLICIT_ROUND instead rounds onto the FP8 grid in FP32 first (then the cast is exact), independent of
-# how Triton lowers the cast, at about twice the quantizers' arithmetic: the GPU tests check the hardware path
-# against the reference bit for bit (subnormals, ties and the format's maximum included).
-EXPLICIT_ROUND = tl.constexpr(False)
+# The FP32 -> FP8 rounding (every quantizer takes `explicit_round`). Explicit: round onto the FP8 grid in FP32 first,
+# so the cast that follows is exact and the bits do not depend on how Triton lowers it. Otherwise the cast itself
+# rounds (round-to-nearest-even, asked for explicitly; it compiles to cvt.rn.satfinite.e4m3x2.f32 on SM90, the same
+# instruction the explicit path ends with): less arithmetic, which matters because the fused row+column quantizer is
+# arithmetic-bound (~1 TB/s on the H200). The cast-only path has not yet run on a GPU, so explicit rounding stays
+# the default until `tests/test_fp8_gpu.py` (every tie and subnormal tie included) passes both ways.
+EXPLICIT_ROUND_DEFAULT = True
 
 
 @triton.jit
 def _to_fp8_values(x, inv, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                   SUBNORMAL_STEP: tl.constexpr, out_dtype: tl.constexpr):
+                   SUBNORMAL_STEP: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, out_dtype: tl.constexpr):
     """clamp(x * inv, -FP8_MAX, FP8_MAX) rounded to FP8 (`out_dtype`), ties to even; nan stays nan."""
     q = x * inv
     q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
@@ -72,13 +74,13 @@ def _to_fp8_values(x, inv, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_N
 # quantizers at ~11% of its GPU time); every configuration computes the same bits.
 @triton.autotune(
     configs=[triton.Config({"BLOCK_M": bm}, num_warps=w) for bm in (8, 16, 32) for w in (4, 8)],
-    key=["K", "FP8_MAX", "POW2"],
+    key=["K", "FP8_MAX", "POW2", "EXPLICIT_ROUND"],
 )
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
     FP8_MAX: tl.constexpr, POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-    MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr,
+    MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
 ):
     """x (M, K) row-major -> q (M, K) in 1x128 tiles along K, scales (M, K/128)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -88,20 +90,21 @@ def _quantize_rows_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     scale, inv = _tile_scale(amax, tl.max((x != x).to(tl.int32), axis=1) > 0, FP8_MAX, POW2)
-    q = _to_fp8_values(x, inv[:, None], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP, q_ptr.dtype.element_ty)
+    q = _to_fp8_values(x, inv[:, None], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP, EXPLICIT_ROUND,
+                       q_ptr.dtype.element_ty)
     tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, scale, mask=rows < M)
 
 
 @triton.autotune(
     configs=[triton.Config({"BLOCK_K": bk}, num_warps=w) for bk in (32, 64, 128) for w in (4, 8)],
-    key=["K", "FP8_MAX", "POW2", "HAS_IN_SCALE"],
+    key=["K", "FP8_MAX", "POW2", "HAS_IN_SCALE", "EXPLICIT_ROUND"],
 )
 @triton.jit
 def _quantize_cols_kernel(
     x_ptr, in_s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_in_m, stride_in_k, stride_qt, stride_st_k, stride_st_m,
     FP8_MAX: tl.constexpr, POW2: tl.constexpr, HAS_IN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr,
-    MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr,
+    MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
 ):
     """x (M, K) row-major -> x^T (K, M) in 1x128 tiles along M, scales (K, M/128). Reads x coalesced along K.
     With HAS_IN_SCALE, x is FP8 in 1x128 tiles along K with scales in_s (M, K/128): re-tiling for wgrad."""
@@ -115,7 +118,8 @@ def _quantize_cols_kernel(
         x = x * in_s
     amax = tl.max(tl.abs(x), axis=0)
     scale, inv = _tile_scale(amax, tl.max((x != x).to(tl.int32), axis=0) > 0, FP8_MAX, POW2)
-    q = _to_fp8_values(x, inv[None, :], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP, qt_ptr.dtype.element_ty)
+    q = _to_fp8_values(x, inv[None, :], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP, EXPLICIT_ROUND,
+                       qt_ptr.dtype.element_ty)
     # Store the transposed tile row-major (contiguous along M) so the writes coalesce.
     tl.store(qt_ptr + cols[:, None] * stride_qt + rows[None, :], tl.trans(q),
              mask=cols[:, None] < K)
@@ -123,17 +127,19 @@ def _quantize_cols_kernel(
 
 
 # The output gradient's two quantizations were 15% of a compiled ~1B FP8 step's GPU time (25 ms of 174, at ~0.9 TB/s)
-# when one program held a whole 128x128 tile and both of its quantized copies in registers. Now each program walks
+# when one program held a whole 128x128 tile and both of its quantized copies in registers. Each program now walks
 # its tile in CHUNK-row slices twice (the second pass re-reads from L2); every configuration gives the same bits.
-BOTH_CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c in (32, 64, 128) for w in (4, 8)]
+# Measured on the H200 (benchmarks/fused_quantize.py): ~1.0 TB/s at best (CHUNK=128, 4 warps), 8 warps slower at
+# every chunk, so the kernel is arithmetic-bound, not memory-bound; the step's share fell only from 25.3 to 23.5 ms.
+BOTH_CONFIGS = [triton.Config({"CHUNK": c}, num_warps=w) for c in (32, 64, 128) for w in (2, 4, 8)]
 
 
-@triton.autotune(configs=BOTH_CONFIGS, key=["K", "FP8_MAX", "POW2"])
+@triton.autotune(configs=BOTH_CONFIGS, key=["K", "FP8_MAX", "POW2", "EXPLICIT_ROUND"])
 @triton.jit
 def _quantize_both_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k,
     stride_st_m, FP8_MAX: tl.constexpr, POW2: tl.constexpr, CHUNK: tl.constexpr,
-    MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr,
+    MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
 ):
     """One read of x (M, K) row-major (plus an L2 re-read) gives both quantizations the backward pass needs:
     q (M, K) in 1x128 tiles along K with scales (M, K/128), and x^T (K, M_pad) in 1x128 tiles along M with scales
@@ -152,7 +158,8 @@ def _quantize_both_kernel(
         nan = (x != x).to(tl.int32)
         ax = tl.abs(x)
         scale, inv = _tile_scale(tl.max(ax, axis=1), tl.max(nan, axis=1) > 0, FP8_MAX, POW2)
-        q = _to_fp8_values(x, inv[:, None], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP, q_ptr.dtype.element_ty)
+        q = _to_fp8_values(x, inv[:, None], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP, EXPLICIT_ROUND,
+                           q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q, mask=in_rows[:, None])
         tl.store(s_ptr + rows * stride_sm + pid_k * stride_sk, scale, mask=in_rows)
         col_amax = tl.maximum(col_amax, tl.max(ax, axis=0))  # a nan's amax is overridden by col_nan below
@@ -163,7 +170,7 @@ def _quantize_both_kernel(
         rows = pid_m * 128 + r0 + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None], other=0.0)
         qt = _to_fp8_values(x.to(tl.float32), inv_t[None, :], FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP,
-                            qt_ptr.dtype.element_ty)
+                            EXPLICIT_ROUND, qt_ptr.dtype.element_ty)
         tl.store(qt_ptr + cols[:, None] * stride_qt + rows[None, :], tl.trans(qt))
     tl.store(st_ptr + cols * stride_st_k + pid_m * stride_st_m, scale_t)
 
@@ -171,7 +178,8 @@ def _quantize_both_kernel(
 @triton.jit
 def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn,
                             FP8_MAX: tl.constexpr, POW2: tl.constexpr, CHUNK: tl.constexpr,
-                            MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr):
+                            MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_STEP: tl.constexpr,
+                            EXPLICIT_ROUND: tl.constexpr):
     """w (N, K) -> q (N, K) in 128x128 blocks, scales (N/128, K/128). The block is walked in CHUNK-row
     slices (a max-abs pass, then a quantize pass that re-reads from L2) to keep registers low."""
     pid_n = tl.program_id(0)
@@ -188,7 +196,8 @@ def _quantize_blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn,
     for r0 in range(0, 128, CHUNK):
         rows = pid_n * 128 + r0 + tl.arange(0, CHUNK)
         w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :]).to(tl.float32)
-        q = _to_fp8_values(w, inv, FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP, q_ptr.dtype.element_ty)
+        q = _to_fp8_values(w, inv, FP8_MAX, MANT_BITS, MIN_NORMAL, SUBNORMAL_STEP, EXPLICIT_ROUND,
+                           q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], q)
     tl.store(s_ptr + pid_n * (K // 128) + pid_k, scale)
 
@@ -202,12 +211,12 @@ def _transpose_kernel(x_ptr, y_ptr, R, C, BLOCK: tl.constexpr):
     tl.store(y_ptr + c[:, None] * R + r[None, :], tl.trans(x))
 
 
-def _grid_constants(fmt: Fp8Format) -> dict:
-    """Mantissa bits, smallest normal and subnormal spacing of the format (E4M3: 3, 2^-6, 2^-9)."""
+def _grid_constants(fmt: Fp8Format, explicit_round: bool) -> dict:
+    """Mantissa bits, smallest normal and subnormal spacing of the format (E4M3: 3, 2^-6, 2^-9), and the rounding."""
     finfo = torch.finfo(fmt.dtype)
     mant_bits = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[fmt.dtype]
     return dict(FP8_MAX=fmt.max, MANT_BITS=mant_bits, MIN_NORMAL=float(finfo.smallest_normal),
-                SUBNORMAL_STEP=float(finfo.smallest_normal) * 2.0**-mant_bits)
+                SUBNORMAL_STEP=float(finfo.smallest_normal) * 2.0**-mant_bits, EXPLICIT_ROUND=explicit_round)
 
 
 def _mn_major_scales(rows: int, cols: int, device) -> torch.Tensor:
@@ -215,7 +224,8 @@ def _mn_major_scales(rows: int, cols: int, device) -> torch.Tensor:
     return torch.empty(cols, rows, dtype=torch.float32, device=device).t()
 
 
-def quantize_rows(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool,
+                  explicit_round: bool = EXPLICIT_ROUND_DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) -> q (M, K), scales (M, K/128) along K."""
     assert x.stride(1) == 1, "quantize_rows needs a row-major input"
     m, k = x.shape
@@ -223,13 +233,13 @@ def quantize_rows(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[
     s = _mn_major_scales(m, k // TILE, x.device)
     _quantize_rows_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), k // TILE)](
         x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-        POW2=power_of_two, **_grid_constants(fmt),
+        POW2=power_of_two, **_grid_constants(fmt, explicit_round),
     )
     return q, s
 
 
-def quantize_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool,
-                  in_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool, in_scale: torch.Tensor | None = None,
+                  explicit_round: bool = EXPLICIT_ROUND_DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) (or FP8 x with 1x128 scales `in_scale`) -> x^T (K, M) in 1x128 tiles along M, scales (K, M/128)."""
     assert x.stride(1) == 1, "quantize_cols needs a row-major input"
     m, k = x.shape
@@ -239,13 +249,13 @@ def quantize_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool,
     in_s = in_scale if in_scale is not None else st
     _quantize_cols_kernel[lambda meta: (m // TILE, triton.cdiv(k, meta["BLOCK_K"]))](
         x, in_s, qt, st, m, k, x.stride(0), in_s.stride(0), in_s.stride(1), qt.stride(0), st.stride(0), st.stride(1),
-        POW2=power_of_two, HAS_IN_SCALE=in_scale is not None, **_grid_constants(fmt),
+        POW2=power_of_two, HAS_IN_SCALE=in_scale is not None, **_grid_constants(fmt, explicit_round),
     )
     return qt, st
 
 
-def quantize_both(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool,
-                  config: triton.Config | None = None) -> tuple[torch.Tensor, ...]:
+def quantize_both(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool, config: triton.Config | None = None,
+                  explicit_round: bool = EXPLICIT_ROUND_DEFAULT) -> tuple[torch.Tensor, ...]:
     """x (M, K) -> (q (M, K), scales (M, K/128), x^T (K, M_pad), scales (K, M_pad/128)) in one pass over x:
     `quantize_rows(x)` and `quantize_cols(x zero-padded to M_pad rows)`, bit for bit. `config` (one of
     BOTH_CONFIGS) bypasses the autotuner (tests check every configuration's bits)."""
@@ -261,13 +271,13 @@ def quantize_both(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool,
         kernel, meta = _quantize_both_kernel.fn, dict(config.kwargs, num_warps=config.num_warps)
     kernel[(m_pad // TILE, k // TILE)](
         x, q, s, qt, st, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0),
-        st.stride(1), POW2=power_of_two, **meta, **_grid_constants(fmt),
+        st.stride(1), POW2=power_of_two, **meta, **_grid_constants(fmt, explicit_round),
     )
     return q, s, qt, st
 
 
-def quantize_blocks(w: torch.Tensor, fmt: Fp8Format, power_of_two: bool, transpose: bool = True
-                    ) -> tuple[torch.Tensor, ...]:
+def quantize_blocks(w: torch.Tensor, fmt: Fp8Format, power_of_two: bool, transpose: bool = True,
+                    explicit_round: bool = EXPLICIT_ROUND_DEFAULT) -> tuple[torch.Tensor, ...]:
     """w (N, K) -> (q (N, K), scales (N/128, K/128), q^T (K, N), scales^T (K/128, N/128)); only (q, scales)
     without `transpose`."""
     assert w.stride(1) == 1, "quantize_blocks needs a row-major weight"
@@ -275,7 +285,7 @@ def quantize_blocks(w: torch.Tensor, fmt: Fp8Format, power_of_two: bool, transpo
     q = torch.empty(n, k, dtype=fmt.dtype, device=w.device)
     s = torch.empty(n // TILE, k // TILE, dtype=torch.float32, device=w.device)
     _quantize_blocks_kernel[(n // TILE, k // TILE)](w, q, s, n, k, w.stride(0), POW2=power_of_two, CHUNK=16,
-                                                    num_warps=4, **_grid_constants(fmt))
+                                                    num_warps=4, **_grid_constants(fmt, explicit_round))
     if not transpose:
         return q, s
     qt = torch.empty(k, n, dtype=fmt.dtype, device=w.device)
