@@ -114,8 +114,10 @@ class TritonBackend(Fp8Backend):
     def retile_transposed(self, q, scale, fmt, pow2):
         return self.kernels.quantize_cols(q, fmt, pow2, in_scale=scale)
 
-    def quantize_tiles_both(self, x, fmt, pow2):
-        return self.kernels.quantize_both(x, fmt, pow2)
+    # quantize_tiles_both: the base class's two kernels (rows, then columns), not the fused `quantize_both` kernel.
+    # Profiles of the compiled ~1B FP8 step on the H200 put the fused kernel at 23.5-25.3 ms per step (commits
+    # 9ca829b, 1d01d8a) against ~18 ms for the output gradient's share of the separate kernels (commit 1336a3e):
+    # it saves a read of dy but is arithmetic-bound at ~1 TB/s. benchmarks/fused_quantize.py times both.
 
     def quantize_blocks(self, w, fmt, pow2):
         return self.kernels.quantize_blocks(w, fmt, pow2, transpose=False)
