@@ -5,8 +5,9 @@
 # profiles of the steps. Tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
 # Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe;
 # also ref_eager, moe_compiled, compiled_ro (CUDA graphs), compiled_fp8 (FP8 only), tests (the gpu-marked tests),
-# fused_quantize (Inductor-generated quantizers), and on two GPUs moe_ep2, dense_2gpu). `profile` also lists the
-# host's busiest operators. STEP_TIMEOUT (s) bounds each part.
+# fused_quantize (Inductor-generated quantizers and our fused dy quantizer), profile_compiled (FP8 only), and on two
+# GPUs moe_ep2, moe_dp2, dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds
+# each part.
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
 start_summary
@@ -29,6 +30,10 @@ for part in $PARTS; do
                --recipes fp8 --profile 3 ;;
     moe) step moe_eager python benchmarks/train_step.py --model moe --recipes bf16 fp8 ;;
     moe_compiled) step moe_compiled python benchmarks/train_step.py training.compile=true --model moe --recipes bf16 fp8 ;;
+    profile_compiled) step profile_compiled_fp8 python benchmarks/train_step.py training.compile=true --model 1b \
+               --recipes fp8 --profile 3 ;;
+    moe_dp2) step moe_dp2 torchrun --nproc_per_node=2 benchmarks/train_step.py --model moe --global-batch 16 \
+               --recipes bf16 fp8 ;;
     moe_ep2) step moe_ep2 torchrun --nproc_per_node=2 benchmarks/train_step.py parallel.ep=2 --model moe \
                --global-batch 16 --recipes bf16 fp8 ;;
     dense_2gpu) step dense_2gpu torchrun --nproc_per_node=2 benchmarks/train_step.py training.compile=true \

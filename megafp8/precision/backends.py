@@ -203,6 +203,12 @@ def why_unavailable(name: str, device: torch.device) -> Optional[str]:
 _CLASSES = {"reference": Fp8Backend, "triton": TritonBackend, "cublas": CublasBackend}
 
 
+def backend_by_name(name: str) -> Fp8Backend:
+    """A new backend object of the concrete backend `name` (`reference`, `cublas` or `triton`), unchecked: for code
+    that runs a backend `select_backend` already chose (the traced FP8 ops carry its name, not the object)."""
+    return _CLASSES[name]()
+
+
 def select_backend(name: str, device: torch.device) -> Fp8Backend:
     """The backend `name` for `device` (`auto`: the fastest that can run); an error says why one cannot."""
     if name not in BACKENDS:
@@ -212,4 +218,4 @@ def select_backend(name: str, device: torch.device) -> Fp8Backend:
     reason = why_unavailable(name, device)
     if reason is not None:
         raise RuntimeError(f"{reason}: set precision.fp8_backend=auto or reference")
-    return _CLASSES[name]()
+    return backend_by_name(name)

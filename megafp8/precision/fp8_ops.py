@@ -26,14 +26,14 @@ import functools
 
 import torch
 
-from megafp8.precision.backends import _CLASSES, Fp8Backend
+from megafp8.precision.backends import Fp8Backend, backend_by_name
 from megafp8.precision.formats import FORMATS, TILE
 
 
 @functools.cache
 def _backend(name: str) -> Fp8Backend:
     """The backend class `name`, made once (backends hold no state; the choice was checked when the layer ran)."""
-    return _CLASSES[name]()
+    return backend_by_name(name)
 
 
 @torch.library.custom_op("megafp8::fp8_weight", mutates_args=())
