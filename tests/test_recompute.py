@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -130,3 +131,38 @@ def test_fp8_health_sampling_under_compile_stays_within_the_recompile_limit(tiny
     assert len(fp8_layers) > torch._dynamo.config.recompile_limit
     assert set(sampled[-1]["layers"]) == fp8_layers
     assert all(set(kinds) == {"input", "weight", "grad"} for kinds in sampled[-1]["layers"].values())
+
+
+def test_a_compiled_block_quantizes_each_weight_once_per_version_outside_the_graph(tiny_overrides):
+    """A compiled block prepares its FP8 weight caches eagerly and its graph reads them: no weight quantization in
+    the graph, once per weight version over any number of micro-batches, the new weight right after an in-place
+    update (an optimizer step), and the eager path's bits."""
+    trainer = Trainer(load_config("tiny_dense", tiny_overrides + ["precision.recipe=fp8", "training.steps=1",
+                                                                  "optimizer.warmup_steps=1"]),
+                      ParallelDims.single(), torch.device("cpu"))
+    model, cfg = trainer.model, trainer.cfg
+    block = model.layers[0]
+    batch, seq = cfg.training.micro_batch_size, cfg.data.seq_len
+    x = torch.randn(batch * seq, trainer.model_cfg.hidden_size, dtype=torch.bfloat16)
+    eager_forward = block._forward
+    torch._dynamo.reset()
+    block._forward = torch.compile(block._forward, backend="aot_eager")  # as apply_compile, with exact bits
+    block.fp8_linears = [m for m in block.modules() if getattr(m, "runs_fp8", False)]
+    assert len(block.fp8_linears) == 4
+    for _ in range(3):  # micro-batches of one step
+        out = block(x.clone().requires_grad_(), model.rope, batch, seq)[0]
+        out.float().square().mean().backward()
+    assert [m.fp8_cache.quantize_count for m in block.fp8_linears] == [1] * 4
+    assert torch.equal(out, eager_forward(x, model.rope, batch, seq)[0])
+    explained = torch._dynamo.explain(block._forward)(x, model.rope, batch, seq)
+    assert explained.graph_break_count == 0
+    graph_code = "\n".join(g.print_readable(print_output=False) for g in explained.graphs)  # subgraphs included
+    assert "megafp8.fp8_fprop" in graph_code and "megafp8.fp8_weight" not in graph_code
+    assert len(re.findall(r"\bL_\w+_fp8_cache_entry_w_fp8: ", graph_code)) == 4  # the graph's inputs
+    with torch.no_grad():  # an optimizer step writes the weights in place
+        for layer in block.fp8_linears:
+            layer.weight.mul_(-1.0)
+    updated = block(x, model.rope, batch, seq)[0]
+    assert [m.fp8_cache.quantize_count for m in block.fp8_linears] == [2] * 4
+    assert not torch.equal(updated, out)
+    assert torch.equal(updated, eager_forward(x, model.rope, batch, seq)[0])

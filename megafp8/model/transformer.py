@@ -21,6 +21,7 @@ from megafp8.model.rope import RotaryEmbedding
 from megafp8.parallel import (
     ColumnParallelLinear,
     ExpertParallel,
+    ParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
     gather_from_tp_last,
@@ -43,11 +44,14 @@ class Block(nn.Module):
         self.mlp = (MoE(cfg, recipe, tp, ep, fp8_dispatch, device) if moe_layer
                     else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, recipe, tp, device))
         self.recompute = False  # set by `apply_recompute`
+        self.fp8_linears: list[ParallelLinear] = []  # set by `apply_compile`: whose weight cache to prepare
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int,
                 seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Returns the new residual stream and the MoE balance loss (None for a dense MLP). With `recompute`, only
         the block's input is kept for backward, which runs the block's forward again first."""
+        for layer in self.fp8_linears:  # eagerly, before the compiled code reads their caches
+            layer.prepare_fp8_weight()
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(self._forward, x, rope, batch, seq_len, use_reentrant=False,
                               context_fn=self._recompute_contexts)
@@ -230,11 +234,15 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
 
 def apply_compile(model: nn.Module, mode: str = "default") -> int:
     """`torch.compile` each transformer block's computation in `mode` (MTP blocks included; parameter names
-    unchanged). A plain FP8 linear enters the graph as custom ops (see `megafp8.precision.fp8_linear`); activation
-    recomputation wraps the compiled code. Returns how many blocks were compiled."""
+    unchanged). A plain FP8 linear enters the graph as custom ops (see `megafp8.precision.fp8_linear`) that read
+    the weight the block quantized eagerly before running; activation recomputation wraps the compiled code.
+    Returns how many blocks were compiled."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
         block._forward = torch.compile(block._forward, mode=None if mode == "default" else mode)
+        # Each forward first quantizes the block's changed FP8 weights, eagerly: once per weight version, not once
+        # per micro-batch inside the graph (the recipe's layer selection is final by now).
+        block.fp8_linears = [m for m in block.modules() if isinstance(m, ParallelLinear) and m.runs_fp8]
     return len(blocks)
 
 

@@ -126,12 +126,22 @@ class ParallelLinear(nn.Module):
         """Both weight dims are whole FP8 tiles (MLA's kv_a, e.g. 512 + 64 wide, is not)."""
         return all(size % TILE == 0 for size in self.weight.shape)
 
+    def _backend_for(self, device: torch.device) -> Fp8Backend:
+        if self._fp8_backend is None:
+            self._fp8_backend = select_backend(self.recipe.fp8.backend, device)
+        return self._fp8_backend
+
     def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
         fp8 = self.recipe.fp8
-        if self._fp8_backend is None:
-            self._fp8_backend = select_backend(fp8.backend, x.device)
-        return fp8_linear(x, self.weight, self.fp8_cache, fp8.gemm_config, self._fp8_backend, self._comm,
+        return fp8_linear(x, self.weight, self.fp8_cache, fp8.gemm_config, self._backend_for(x.device), self._comm,
                           self.wgrad_queue)
+
+    def prepare_fp8_weight(self) -> None:
+        """Quantize the weight now if it changed since it was last quantized (eagerly: a compiled block calls this
+        before running, so its traced FP8 linears read the cache instead of quantizing in every forward)."""
+        if self.runs_fp8:
+            cfg = self.recipe.fp8.gemm_config
+            self.fp8_cache.prepare(self.weight, self._backend_for(self.weight.device), cfg.fmt, cfg.power_of_two)
 
     def extra_repr(self) -> str:
         shard = f", tp={self.tp.size}" if self.tp.enabled else ""

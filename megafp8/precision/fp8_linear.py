@@ -42,26 +42,51 @@ class _QuantizedWeight:
     wt_fp8: torch.Tensor  # (K, N): the same blocks, transposed, for dgrad
     wt_scale: torch.Tensor  # (K/128, N/128), in the backend's GEMM layout
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.w_fp8, self.w_scale, self.wt_fp8, self.wt_scale
+
 
 class Fp8WeightCache:
-    """One layer's quantized weight, valid for exactly one version of the weight tensor."""
+    """One layer's quantized weight, valid for exactly one version of the weight tensor.
+
+    A new version is quantized into the same tensors (in place), so their addresses stay fixed for the life of the
+    layer: a compiled block can read them as inputs, and CUDA graphs replay them without copying (they are marked
+    static). `prepare` fills the cache eagerly before a compiled block runs (see `fp8_linear`)."""
 
     def __init__(self) -> None:
         self._entry: Optional[_QuantizedWeight] = None
         self.quantize_count = 0  # how many times the weight was quantized (for tests and metrics)
+        self.prepared = False  # True once `prepare` has run: compiled code then reads the cache
 
     def get(self, weight: torch.Tensor, backend: Fp8Backend, fmt: Fp8Format, pow2: bool) -> _QuantizedWeight:
         version = (weight.data_ptr(), weight._version)
         if self._entry is None or self._entry.version != version:
             w_fp8, w_scale, wt_fp8, wt_scale = backend.quantize_blocks_with_transpose(weight.detach(), fmt, pow2)
-            self._entry = _QuantizedWeight(version, w_fp8, backend.block_scales_for_gemm(w_scale),
-                                           wt_fp8, backend.block_scales_for_gemm(wt_scale))
+            fresh = (w_fp8, backend.block_scales_for_gemm(w_scale), wt_fp8, backend.block_scales_for_gemm(wt_scale))
+            if self._entry is None:
+                self._entry = _QuantizedWeight(version, *fresh)
+                for t in fresh:
+                    torch._dynamo.mark_static_address(t)
+            else:
+                with torch.no_grad():
+                    for kept, new in zip(self._entry.tensors(), fresh):
+                        kept.copy_(new)
+                self._entry.version = version
             self.quantize_count += 1
         return self._entry
+
+    @torch.compiler.disable
+    def prepare(self, weight: torch.Tensor, backend: Fp8Backend, fmt: Fp8Format, pow2: bool) -> None:
+        """Quantize `weight` now if it changed since it was last quantized. Run eagerly (never traced) before each
+        call of a compiled block, so the block's traced FP8 linears read a current cache instead of quantizing the
+        weight in every forward (once per micro-batch)."""
+        self.get(weight, backend, fmt, pow2)
+        self.prepared = True
 
     def clear(self) -> None:
         """Forget the quantized weight (the next forward re-quantizes)."""
         self._entry = None
+        self.prepared = False
 
 
 @dataclass(frozen=True)
@@ -271,12 +296,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, cfg
 
     Under `torch.compile`, a plain layer (all three GEMMs in FP8, no collectives, no deferral) goes through the
     custom ops of `megafp8.precision.fp8_ops`, which the compiled graph keeps (no graph break); anything else
-    runs eagerly inside the compiled code."""
+    runs eagerly inside the compiled code. The traced layer reads its quantized weight from `cache` once
+    `cache.prepare` has run (eagerly, before the compiled code: the weight is then quantized once per version, as
+    in eager mode); before that it quantizes the weight in the graph, at every call."""
     plain = (comm is None or type(comm) is LinearComm) and wgrad_queue is None
     if torch.compiler.is_compiling() and plain and cfg.fprop and cfg.dgrad and cfg.wgrad:
         from megafp8.precision.fp8_ops import traced_fp8_linear
 
-        return traced_fp8_linear(x, weight, cfg.fmt.name, cfg.grad_fmt.name, cfg.power_of_two, backend.name)
+        # A prepared cache is current: `Fp8WeightCache.prepare` ran eagerly before this compiled code (the block
+        # calls it); the graph reads the cached weight. Otherwise the graph quantizes the weight itself.
+        cached = cache._entry.tensors() if cache.prepared and cache._entry is not None else None
+        return traced_fp8_linear(x, weight, cfg.fmt.name, cfg.grad_fmt.name, cfg.power_of_two, backend.name, cached)
     return _eager_fp8_linear(x, weight, cache, cfg, backend, comm or LinearComm(), wgrad_queue)
 
 
