@@ -195,7 +195,8 @@ def test_fp8_linear_on_gpu_matches_reference_backend():
 
 def test_compiled_fp8_linear_on_gpu_equals_eager():
     """Under torch.compile the FP8 linear is custom ops inside the graph; on each GPU backend they compute the eager
-    path's exact bits (y, dx, dw), 300 tokens (not a multiple of 128), Inductor compiling the code around it."""
+    path's exact bits (y, dx, dw), 300 tokens (not a multiple of 128), Inductor compiling the code around it, with
+    the weight quantized in the graph or read from a cache prepared before (as a compiled block does)."""
     from megafp8.precision.fp8_linear import Fp8GemmConfig, Fp8WeightCache, fp8_linear
 
     cfg = Fp8GemmConfig.from_names("e4m3", "e4m3", False, True, True, True)
@@ -203,18 +204,24 @@ def test_compiled_fp8_linear_on_gpu_equals_eager():
     w0 = torch.randn(384, 512, device=CUDA).mul(0.02).to(torch.bfloat16)
     x0 = torch.randn(3, 100, 512, device=CUDA, dtype=torch.bfloat16)
     for backend in fast_backends():
-        def f(x, w):
-            return fp8_linear(x, w, Fp8WeightCache(), cfg, backend)
+        for prepared in (False, True):  # the graph quantizes the weight, or reads a cache prepared eagerly
+            cache = Fp8WeightCache()
 
-        runs = []
-        for fn in (f, torch.compile(f)):
-            torch._dynamo.reset()
-            x, w = x0.clone().requires_grad_(True), torch.nn.Parameter(w0.clone())
-            y = fn(x, w)
-            y.backward(torch.ones_like(y) * 0.01)
-            runs.append((y, x.grad, w.grad))
-        for got, want, what in zip(runs[1], runs[0], ("y", "dx", "dw")):
-            assert torch.equal(got, want), f"{backend.name} {what} differs under torch.compile"
+            def f(x, w):
+                return fp8_linear(x, w, cache, cfg, backend)
+
+            runs = []
+            for fn in (f, torch.compile(f)):
+                torch._dynamo.reset()
+                x, w = x0.clone().requires_grad_(True), torch.nn.Parameter(w0.clone())
+                cache.clear()
+                if prepared and fn is not f:
+                    cache.prepare(w, backend, cfg.fmt, cfg.power_of_two)
+                y = fn(x, w)
+                y.backward(torch.ones_like(y) * 0.01)
+                runs.append((y, x.grad, w.grad))
+            for got, want, what in zip(runs[1], runs[0], ("y", "dx", "dw")):
+                assert torch.equal(got, want), f"{backend.name} {what} differs compiled (prepared cache: {prepared})"
 
 
 def test_fp8_training_on_gpu_learns(tiny_overrides):
