@@ -26,6 +26,22 @@ def test_training_on_cuda_learns(tiny_overrides):
     assert losses[-1] < losses[0] - 1.0, losses
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_dense_fp8_training_step_never_makes_the_host_wait(tiny_overrides, compiled):
+    """No host synchronization inside a dense FP8 step (four micro-batches: batch copies, FP8 linears, gradient
+    buffers, clipping, the optimizer): the loss and grad norm reach the host only when the loop logs them."""
+    cfg = load_config("tiny_dense_fp8", tiny_overrides + ["training.device=auto", f"training.compile={compiled}"])
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0))
+    trainer.train_step()  # the first step compiles and autotunes kernels, which synchronizes
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            trainer.train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_gpus_use_nccl_and_match_one_gpu(tiny_overrides, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

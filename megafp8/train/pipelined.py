@@ -22,6 +22,7 @@ from megafp8.parallel.pipeline import (
     build_schedule,
     forward_only,
 )
+from megafp8.train.runtime import host_to_device
 from megafp8.precision import WeightGradQueue
 
 
@@ -66,8 +67,9 @@ class PipelineRunner:
         the rank holding the last stage, 0 elsewhere."""
         self._loss_factor = loss_scale / self.n_micro
         self._losses = []
-        args = (torch.cat([t for t, _ in micro_batches]).to(self.device),) if self.holds_first else ()
-        kwargs = {"target": torch.cat([t for _, t in micro_batches]).to(self.device)} if self.holds_last else {}
+        args = (host_to_device(torch.cat([t for t, _ in micro_batches]), self.device),) if self.holds_first else ()
+        kwargs = ({"target": host_to_device(torch.cat([t for _, t in micro_batches]), self.device)}
+                  if self.holds_last else {})
         self.schedule.step(*args, **kwargs)
         if not self.holds_last:
             return torch.zeros((), device=self.device)
@@ -79,10 +81,10 @@ class PipelineRunner:
         total = torch.zeros(2, device=self.device)
         hidden_like = torch.empty(self.hidden_shape, dtype=self.hidden_dtype, device=self.device)
         for tokens, targets in batches:
-            first_input = tokens.to(self.device) if self.holds_first else None
+            first_input = host_to_device(tokens, self.device) if self.holds_first else None
             out = forward_only(self.chunks, self.specs, self.layout, self.dims.pp_rank, self.dims.pp_group,
                                first_input, hidden_like)
             if out is not None:
-                total[0] += self.model.head_loss(out, targets.to(self.device))
+                total[0] += self.model.head_loss(out, host_to_device(targets, self.device))
                 total[1] += 1
         return total

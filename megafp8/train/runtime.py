@@ -36,6 +36,17 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor from the host on `device`, without the host waiting for the device. On CUDA a copy from
+    pageable memory synchronizes the stream: the host would wait for every queued kernel (the previous step's
+    included) before each micro-batch, and the GPU would idle while the next kernels are launched. Pinned memory
+    with `non_blocking` makes the copy one more queued operation (torch's pinned-memory allocator keeps the
+    buffer until the copy has run)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def setup_logging(rank: int) -> None:
     """INFO on rank 0, warnings and errors only elsewhere."""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)

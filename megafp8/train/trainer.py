@@ -51,6 +51,7 @@ from megafp8.train.plan import check_fits, device_capacity, make_plan
 from megafp8.train.metrics import format_step_line, peak_tflops
 from megafp8.train.checkpointing import Checkpointer
 from megafp8.train.pipelined import PipelineRunner
+from megafp8.train.runtime import host_to_device
 
 log = logging.getLogger("megafp8")
 
@@ -203,7 +204,8 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device)
             for i, (tokens, targets) in enumerate(micro_batches):
                 self.grad_buckets.prepare_backward(last_micro_batch=i == len(micro_batches) - 1)
-                loss = self.model(tokens.to(self.device), targets.to(self.device)) / len(micro_batches)
+                loss = self.model(host_to_device(tokens, self.device), host_to_device(targets, self.device))
+                loss = loss / len(micro_batches)
                 (loss * loss_scale).backward()
                 loss_sum += loss.detach()
         self.grad_buckets.finish()
@@ -265,7 +267,7 @@ class Trainer:
         else:
             total = torch.zeros(2, device=self.device)  # (sum of micro-batch losses, count)
             for tokens, targets in batches:
-                total[0] += self.model(tokens.to(self.device), targets.to(self.device))
+                total[0] += self.model(host_to_device(tokens, self.device), host_to_device(targets, self.device))
                 total[1] += 1
         if self.dims.dp_group is not None:
             dist.all_reduce(total, group=self.dims.dp_group)
