@@ -80,7 +80,11 @@ def expert_rows(counts: list[int], device: torch.device) -> ExpertRows:
         row += c
         padded += t * TILE
     table = torch.tensor([counts, [p - s for p, s in zip(padded_starts, starts)], tiles,
-                          [p // TILE for p in padded_starts]], dtype=torch.int64).to(device)  # one copy to device
+                          [p // TILE for p in padded_starts]], dtype=torch.int64)
+    if device.type == "cuda":  # one copy to the device, queued (a copy from pageable memory waits for the GPU)
+        table = table.pin_memory().to(device, non_blocking=True)
+    else:
+        table = table.to(device)
     index = torch.arange(row, device=device) + torch.repeat_interleave(table[1], table[0], output_size=row)
     experts = torch.arange(len(counts), device=device, dtype=torch.int32)
     tile_expert = torch.repeat_interleave(experts, table[2], output_size=padded // TILE)
