@@ -166,3 +166,21 @@ def test_a_compiled_block_quantizes_each_weight_once_per_version_outside_the_gra
     assert [m.fp8_cache.quantize_count for m in block.fp8_linears] == [2] * 4
     assert not torch.equal(updated, out)
     assert torch.equal(updated, eager_forward(x, model.rope, batch, seq)[0])
+
+
+def test_every_compiled_fp8_block_runs_one_shared_graph_across_steps(tiny_overrides, monkeypatch):
+    """Nine compiled FP8 blocks, each reading its own weight caches, over steps that re-quantize every weight: one
+    Dynamo graph for all of them and no recompilation (guards on each cache's address would need one graph per
+    block and pass the limit of 8)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = Trainer(load_config("tiny_dense", tiny_overrides + [
+        "precision.recipe=fp8", "training.compile=true", "model.num_layers=9", "training.steps=3",
+        "training.eval_interval=0", "logging.fp8_health_interval=0"]), ParallelDims.single(), torch.device("cpu"))
+    assert len(trainer.model.layers) > torch._dynamo.config.recompile_limit
+    trainer.fit()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert all(m.fp8_cache.quantize_count == 3 for m in trainer.model.modules() if getattr(m, "runs_fp8", False))

@@ -65,8 +65,8 @@ class Fp8WeightCache:
             fresh = (w_fp8, backend.block_scales_for_gemm(w_scale), wt_fp8, backend.block_scales_for_gemm(wt_scale))
             if self._entry is None:
                 self._entry = _QuantizedWeight(version, *fresh)
-                for t in fresh:
-                    torch._dynamo.mark_static_address(t)
+                for t in fresh:  # unguarded: one compiled block's code serves every block, each with its own cache
+                    torch._dynamo.mark_static_address(t, guard=False)
             else:
                 with torch.no_grad():
                     for kept, new in zip(self._entry.tensors(), fresh):
