@@ -222,6 +222,9 @@ def test_compiled_fp8_linear_on_gpu_equals_eager():
                 runs.append((y, x.grad, w.grad))
             for got, want, what in zip(runs[1], runs[0], ("y", "dx", "dw")):
                 assert torch.equal(got, want), f"{backend.name} {what} differs compiled (prepared cache: {prepared})"
+            graphs = torch._dynamo.explain(f)(x0, w).graphs  # w: the compiled run's weight, its cache prepared
+            code = "\n".join(g.print_readable(print_output=False) for g in graphs)
+            assert "megafp8.fp8_fprop" in code and ("megafp8.fp8_weight" in code) != prepared
 
 
 def test_fp8_training_on_gpu_learns(tiny_overrides):

@@ -10,7 +10,7 @@ import torch
 
 from megafp8.config import load_config
 from megafp8.model import Transformer, apply_recompute, init_weights
-from megafp8.parallel import ParallelDims
+from megafp8.parallel import ParallelDims, ParallelLinear
 from megafp8.precision import PrecisionRecipe
 from megafp8.train.plan import make_plan
 from megafp8.train.trainer import Trainer
@@ -133,39 +133,71 @@ def test_fp8_health_sampling_under_compile_stays_within_the_recompile_limit(tiny
     assert all(set(kinds) == {"input", "weight", "grad"} for kinds in sampled[-1]["layers"].values())
 
 
-def test_a_compiled_block_quantizes_each_weight_once_per_version_outside_the_graph(tiny_overrides):
-    """A compiled block prepares its FP8 weight caches eagerly and its graph reads them: no weight quantization in
-    the graph, once per weight version over any number of micro-batches, the new weight right after an in-place
-    update (an optimizer step), and the eager path's bits."""
-    trainer = Trainer(load_config("tiny_dense", tiny_overrides + ["precision.recipe=fp8", "training.steps=1",
-                                                                  "optimizer.warmup_steps=1"]),
-                      ParallelDims.single(), torch.device("cpu"))
-    model, cfg = trainer.model, trainer.cfg
-    block = model.layers[0]
-    batch, seq = cfg.training.micro_batch_size, cfg.data.seq_len
-    x = torch.randn(batch * seq, trainer.model_cfg.hidden_size, dtype=torch.bfloat16)
-    eager_forward = block._forward
+def test_compiled_blocks_quantize_each_weight_once_per_version_outside_the_graph(tiny_overrides):
+    """Compiled blocks prepare their FP8 weight caches eagerly and their shared graph reads each block's own: no
+    weight quantization in the graph, once per weight version over any number of micro-batches, and after an
+    in-place update (an optimizer step) the new weight in forward and backward, bit for bit as eager FP8 with
+    freshly quantized weights."""
+    cfg = load_config("tiny_dense", tiny_overrides + ["model.num_layers=2", "model.vocab_size=512"]).model
+    model = Transformer(cfg, PrecisionRecipe.from_name("fp8"), 64)
+    init_weights(model, cfg, 0)
+    batch, seq = 2, 64
+    x = torch.randn(batch * seq, cfg.hidden_size, dtype=torch.bfloat16)
+    blocks = [model.layers[i] for i in range(2)]
+    eager_forwards = [block._forward for block in blocks]
     torch._dynamo.reset()
-    block._forward = torch.compile(block._forward, backend="aot_eager")  # as apply_compile, with exact bits
-    block.fp8_linears = [m for m in block.modules() if getattr(m, "runs_fp8", False)]
-    assert len(block.fp8_linears) == 4
-    for _ in range(3):  # micro-batches of one step
-        out = block(x.clone().requires_grad_(), model.rope, batch, seq)[0]
+    for block in blocks:  # as apply_compile, with exact bits
+        block._forward = torch.compile(block._forward, backend="aot_eager")
+        block.fp8_linears = [m for m in block.modules() if isinstance(m, ParallelLinear)]
+    fp8 = [[m for m in block.fp8_linears if m.runs_fp8] for block in blocks]
+    assert [len(layers) for layers in fp8] == [4, 4]
+
+    def run(block, forward):
+        """Output, input gradient and weight gradients of one forward and backward."""
+        xi = x.clone().requires_grad_()
+        for p in block.parameters():
+            p.grad = None
+        out = forward(xi, model.rope, batch, seq)[0]
         out.float().square().mean().backward()
-    assert [m.fp8_cache.quantize_count for m in block.fp8_linears] == [1] * 4
-    assert torch.equal(out, eager_forward(x, model.rope, batch, seq)[0])
-    explained = torch._dynamo.explain(block._forward)(x, model.rope, batch, seq)
+        return [out, xi.grad] + [p.grad for p in block.parameters()]
+
+    def eager_fresh(i):
+        """Block i run eagerly on freshly quantized weights."""
+        for layer in fp8[i]:
+            layer.fp8_cache.clear()
+        return run(blocks[i], eager_forwards[i])
+
+    for _ in range(3):  # micro-batches of one step
+        compiled = [run(block, block) for block in blocks]
+    assert [m.fp8_cache.quantize_count for layers in fp8 for m in layers] == [1] * 8
+    explained = torch._dynamo.explain(blocks[1]._forward)(x, model.rope, batch, seq)
     assert explained.graph_break_count == 0
     graph_code = "\n".join(g.print_readable(print_output=False) for g in explained.graphs)  # subgraphs included
     assert "megafp8.fp8_fprop" in graph_code and "megafp8.fp8_weight" not in graph_code
     assert len(re.findall(r"\bL_\w+_fp8_cache_entry_w_fp8: ", graph_code)) == 4  # the graph's inputs
+    for i in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(compiled[i], eager_fresh(i))), f"block {i}"
+    before = [m.fp8_cache.quantize_count for layers in fp8 for m in layers]
     with torch.no_grad():  # an optimizer step writes the weights in place
-        for layer in block.fp8_linears:
+        for layer in fp8[0] + fp8[1]:
             layer.weight.mul_(-1.0)
-    updated = block(x, model.rope, batch, seq)[0]
-    assert [m.fp8_cache.quantize_count for m in block.fp8_linears] == [2] * 4
-    assert not torch.equal(updated, out)
-    assert torch.equal(updated, eager_forward(x, model.rope, batch, seq)[0])
+    updated = [run(block, block) for block in blocks]
+    assert [m.fp8_cache.quantize_count for layers in fp8 for m in layers] == [n + 1 for n in before]
+    for i in range(2):
+        assert not torch.equal(updated[i][0], compiled[i][0])
+        assert all(torch.equal(a, b) for a, b in zip(updated[i], eager_fresh(i))), f"block {i} after the update"
+
+
+def test_compiled_blocks_prepare_layers_that_switch_to_fp8_later(tiny_overrides):
+    """`precision.fp8_start_step`: the blocks compile while every linear is BF16; after the switch each FP8 weight
+    is still quantized once per step, outside the graph."""
+    torch._dynamo.reset()
+    trainer = Trainer(load_config("tiny_dense", tiny_overrides + [
+        "precision.recipe=fp8", "precision.fp8_start_step=1", "training.compile=true", "training.steps=3",
+        "training.eval_interval=0", "logging.fp8_health_interval=0"]), ParallelDims.single(), torch.device("cpu"))
+    trainer.fit()
+    caches = [m.fp8_cache for m in trainer.model.modules() if getattr(m, "runs_fp8", False)]
+    assert caches and all(c.prepared and c.quantize_count == 2 for c in caches)
 
 
 def test_every_compiled_fp8_block_runs_one_shared_graph_across_steps(tiny_overrides, monkeypatch):

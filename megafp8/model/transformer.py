@@ -44,7 +44,7 @@ class Block(nn.Module):
         self.mlp = (MoE(cfg, recipe, tp, ep, fp8_dispatch, device) if moe_layer
                     else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, recipe, tp, device))
         self.recompute = False  # set by `apply_recompute`
-        self.fp8_linears: list[ParallelLinear] = []  # set by `apply_compile`: whose weight cache to prepare
+        self.fp8_linears: list[ParallelLinear] = []  # set by `apply_compile`: whose FP8 weight cache to prepare
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int,
                 seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -241,8 +241,9 @@ def apply_compile(model: nn.Module, mode: str = "default") -> int:
     for block in blocks:
         block._forward = torch.compile(block._forward, mode=None if mode == "default" else mode)
         # Each forward first quantizes the block's changed FP8 weights, eagerly: once per weight version, not once
-        # per micro-batch inside the graph (the recipe's layer selection is final by now).
-        block.fp8_linears = [m for m in block.modules() if isinstance(m, ParallelLinear) and m.runs_fp8]
+        # per micro-batch inside the graph. Every linear is listed: one may switch to FP8 later
+        # (`precision.fp8_start_step`), and those running BF16 skip the preparation.
+        block.fp8_linears = [m for m in block.modules() if isinstance(m, ParallelLinear)]
     return len(blocks)
 
 

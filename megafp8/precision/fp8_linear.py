@@ -79,7 +79,11 @@ class Fp8WeightCache:
     def prepare(self, weight: torch.Tensor, backend: Fp8Backend, fmt: Fp8Format, pow2: bool) -> None:
         """Quantize `weight` now if it changed since it was last quantized. Run eagerly (never traced) before each
         call of a compiled block, so the block's traced FP8 linears read a current cache instead of quantizing the
-        weight in every forward (once per micro-batch)."""
+        weight in every forward (once per micro-batch).
+
+        Contract: once prepared, compiled code trusts the cache, so `prepare` must run again before any compiled
+        call that follows a change to the weight. `Block.forward` does this on every call (training, evaluation,
+        recomputation and pipeline stages all go through it)."""
         self.get(weight, backend, fmt, pow2)
         self.prepared = True
 
@@ -297,8 +301,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, cfg
     Under `torch.compile`, a plain layer (all three GEMMs in FP8, no collectives, no deferral) goes through the
     custom ops of `megafp8.precision.fp8_ops`, which the compiled graph keeps (no graph break); anything else
     runs eagerly inside the compiled code. The traced layer reads its quantized weight from `cache` once
-    `cache.prepare` has run (eagerly, before the compiled code: the weight is then quantized once per version, as
-    in eager mode); before that it quantizes the weight in the graph, at every call."""
+    `cache.prepare` has run (eagerly, before the compiled code, and again before every compiled call that follows a
+    weight change: `Block.forward` does; the weight is then quantized once per version, as in eager mode); before
+    that it quantizes the weight in the graph, at every call."""
     plain = (comm is None or type(comm) is LinearComm) and wgrad_queue is None
     if torch.compiler.is_compiling() and plain and cfg.fprop and cfg.dgrad and cfg.wgrad:
         from megafp8.precision.fp8_ops import traced_fp8_linear

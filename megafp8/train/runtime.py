@@ -42,7 +42,7 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     included) before each micro-batch, and the GPU would idle while the next kernels are launched. Pinned memory
     with `non_blocking` makes the copy one more queued operation (torch's pinned-memory allocator keeps the
     buffer until the copy has run)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not t.is_cpu:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
