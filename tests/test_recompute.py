@@ -1,4 +1,5 @@
-"""Activation recomputation (`training.recompute: full`): the same numbers, less memory kept for backward."""
+"""Activation recomputation (`training.recompute: full`: the same numbers, less memory kept for backward) and per-block
+`torch.compile` (`training.compile`: the FP8 linears traced, their weight caches prepared outside the graph)."""
 from __future__ import annotations
 
 import json
