@@ -116,15 +116,22 @@ def test_compile_mode_reaches_torch_compile(tiny_overrides, monkeypatch):
         assert modes and set(modes) == {expected}, (mode, modes)
 
 
-def test_fp8_health_sampling_under_compile_stays_within_the_recompile_limit(tiny_overrides, monkeypatch):
+def _fail_on_recompile_limit():
+    """Make Dynamo raise at its recompile limit instead of silently falling back to eager. Through Dynamo's own
+    config.patch: pytest >= 9.2's monkeypatch restores this config attribute by deleting it, which hides it from every
+    later test."""
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+
+
+def test_fp8_health_sampling_under_compile_stays_within_the_recompile_limit(tiny_overrides):
     """The FP8 health hooks run eagerly inside compiled blocks. Traced, each layer's hook (a closure over its name)
     was compiled anew: 16 FP8 linears passed torch._dynamo's limit of 8 recompiles on every sampled step."""
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     torch._dynamo.reset()
     trainer = Trainer(load_config("tiny_dense", tiny_overrides + [
         "precision.recipe=fp8", "training.compile=true", "model.num_layers=4", "logging.fp8_health_interval=2",
         "training.steps=4", "training.eval_interval=0"]), ParallelDims.single(), torch.device("cpu"))
-    trainer.fit()
+    with _fail_on_recompile_limit():
+        trainer.fit()
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     sampled = [r for r in records if r["kind"] == "fp8_health"]
     assert [r["step"] for r in sampled] == [1, 3]
@@ -201,19 +208,19 @@ def test_compiled_blocks_prepare_layers_that_switch_to_fp8_later(tiny_overrides)
     assert caches and all(c.prepared and c.quantize_count == 2 for c in caches)
 
 
-def test_every_compiled_fp8_block_runs_one_shared_graph_across_steps(tiny_overrides, monkeypatch):
+def test_every_compiled_fp8_block_runs_one_shared_graph_across_steps(tiny_overrides):
     """Nine compiled FP8 blocks, each reading its own weight caches, over steps that re-quantize every weight: one
     Dynamo graph for all of them and no recompilation (guards on each cache's address would need one graph per
     block and pass the limit of 8)."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     torch._dynamo.reset()
     counters.clear()
     trainer = Trainer(load_config("tiny_dense", tiny_overrides + [
         "precision.recipe=fp8", "training.compile=true", "model.num_layers=9", "training.steps=3",
         "training.eval_interval=0", "logging.fp8_health_interval=0"]), ParallelDims.single(), torch.device("cpu"))
     assert len(trainer.model.layers) > torch._dynamo.config.recompile_limit
-    trainer.fit()
+    with _fail_on_recompile_limit():
+        trainer.fit()
     assert counters["stats"]["unique_graphs"] == 1
     assert all(m.fp8_cache.quantize_count == 3 for m in trainer.model.modules() if getattr(m, "runs_fp8", False))
