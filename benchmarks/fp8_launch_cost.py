@@ -31,19 +31,17 @@ def main() -> None:
     backend = select_backend("cublas", torch.device("cuda"))
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
-    x_fp8, x_scale = backend.quantize_tiles(x, E4M3, False)
-    w_fp8, w_scale, _, _ = backend.quantize_blocks_with_transpose(w, E4M3, False)
-    w_scale_gemm = backend.block_scales_for_gemm(w_scale)
+    x_fp8, x_scale = backend.quantize_rows(x, E4M3, False)
+    cache = backend.empty_weight(w.shape, E4M3, w.device)
+    backend.quantize_weight_(w, cache, E4M3, False)
     pieces = {
         "torch add (a plain launch)": lambda: x.add(1),
         "BF16 F.linear": lambda: F.linear(x, w),
-        "Triton quantize_rows (x, dy)": lambda: backend.quantize_tiles(x, E4M3, False),
-        "Triton quantize_cols (dy for wgrad)": lambda: backend.quantize_tiles_transposed(x, E4M3, False),
-        "Triton retile (x for wgrad)": lambda: backend.retile_transposed(x_fp8, x_scale, E4M3, False),
-        "Triton quantize_blocks + transpose (w)": lambda: backend.quantize_blocks_with_transpose(w, E4M3, False),
-        "block_scales_for_gemm (w scales)": lambda: backend.block_scales_for_gemm(w_scale),
-        "F.scaled_mm blockwise (one GEMM)": lambda: backend.gemm(x_fp8, x_scale, w_fp8, w_scale_gemm, True,
-                                                                 torch.bfloat16),
+        "Triton quantize_rows (x)": lambda: backend.quantize_rows(x, E4M3, False),
+        "Triton quantize_rows_cols (x or dy, both layouts)": lambda: backend.quantize_rows_cols(x, E4M3, False),
+        "Triton weight + transpose, in place (w)": lambda: backend.quantize_weight_(w, cache, E4M3, False),
+        "F.scaled_mm blockwise (one GEMM)": lambda: backend.gemm_1x128_128x128(x_fp8, x_scale, cache.w_fp8,
+                                                                               cache.w_scale, torch.bfloat16),
     }
     print("| piece | host us per call |\n|---|---|")
     for name, fn in pieces.items():

@@ -1,17 +1,15 @@
 #!/usr/bin/env python
-"""Can torch.compile (Inductor) generate our per-tile quantizers, and fuse them into the op before them?
+"""The FP8 quantizers on the GPU: how close to HBM bandwidth each kernel runs, and what fusing a quantizer into
+its producer saves against running them one after the other (or against Inductor fusing the pure-torch ones).
 
-For each case, times (a) the eager producer (RMSNorm, SwiGLU, or nothing) followed by our Triton quantizer and
-(b) the same producer and the pure-torch reference quantizer compiled together into Inductor kernels, and says
-whether (b)'s FP8 bytes and scales equal the reference quantizer's on the same producer output, bit for bit.
+    PYTHONPATH=. python benchmarks/fused_quantize.py [--tokens 16384] [--backend cublas]
 
-    PYTHONPATH=. python benchmarks/fused_quantize.py [--tokens 16384]
+Table 1, each kernel alone at the ~1B and 8B-layer shapes: milliseconds, GB/s of the bytes it must move (each
+input read once, each output written once; BF16 2 bytes, FP8 1 byte, FP32 scales), and that as a share of a plain
+device-to-device copy's GB/s measured in the same run.
 
-The output gradient's two quantizations run either as one fused kernel (`quantize_both`) or as two (rows, then
-columns, what the backends use); both are timed. A second table times each configuration of the fused kernel on
-the ~1B model's output-gradient widths, as GB/s of bytes moved (2 read + 2 written per element), and the
-configuration the autotuner picks, with the FP8 rounding done explicitly in FP32 (the default) or
-by the conversion instruction alone.
+Table 2, each producer three ways: the eager BF16 producer then our standalone quantizer (rows and columns); our
+fused kernel; the producer and the pure-torch reference quantizer compiled together by Inductor.
 """
 from __future__ import annotations
 
@@ -24,10 +22,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megafp8.precision import quantize as ref  # noqa: E402
-from megafp8.precision.formats import FORMATS  # noqa: E402
+from megafp8.precision import producers  # noqa: E402
+from megafp8.precision.backends import select_backend  # noqa: E402
+from megafp8.precision.formats import E4M3  # noqa: E402
 
-E4M3 = FORMATS["e4m3"]
+SHAPES = {"~1B": dict(hidden=2048, ffn=5632, qkv=6144), "8B-layers": dict(hidden=4096, ffn=14336, qkv=12288)}
 
 
 def timed_ms(fn, *args, iters: int = 30) -> float:
@@ -43,78 +42,119 @@ def timed_ms(fn, *args, iters: int = 30) -> float:
     return start.elapsed_time(end) / iters
 
 
-def same(a: tuple, b: tuple) -> str:
-    """'yes' when every tensor pair is bitwise equal, else the share of differing FP8 bytes."""
-    diffs = [(x.view(torch.uint8) != y.view(torch.uint8)).float().mean().item() if x.dtype == E4M3.dtype
-             else float(not torch.equal(x, y)) for x, y in zip(a, b)]
-    return "yes" if not any(diffs) else "no (" + ", ".join(f"{d:.2e}" for d in diffs) + " differ)"
+def rows_cols_bytes(m: int, k: int) -> int:
+    """FP8 rows and columns of an (m, k) tensor, with their FP32 scales."""
+    return 2 * m * k + 2 * 4 * m * k // 128
+
+
+def kernel_cases(backend, m: int, shape: dict, dev) -> list[tuple]:
+    """(name, fn, args, bytes moved) for each kernel at one model shape."""
+    h, f, qkv = shape["hidden"], shape["ffn"], shape["qkv"]
+    randn = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)  # noqa: E731
+    x, gu, da, norm_w = randn(m, h), randn(m, 2 * f), randn(m, f), torch.rand(h, device=dev) + 0.5
+    norm_w = norm_w.to(torch.bfloat16)
+    cases = []
+    for name, k in ((f"dy rows+cols, {m}x{qkv}", qkv), (f"dy rows+cols, {m}x{h}", h),
+                    (f"dy rows+cols, {m}x{2 * f}", 2 * f)):
+        dy = randn(m, k)
+        cases.append((name, lambda t: backend.quantize_rows_cols(t, E4M3, False), (dy,), 2 * m * k + rows_cols_bytes(m, k)))
+    cases += [
+        (f"rmsnorm -> rows+cols, {m}x{h}", lambda t, w: backend.rmsnorm_quantize(t, w, 1e-5, E4M3, False),
+         (x, norm_w), 2 * m * h + rows_cols_bytes(m, h) + 4 * m),
+        (f"swiglu -> rows, {m}x{f}", lambda t: backend.swiglu_quantize(t, E4M3, False), (gu,),
+         2 * m * 2 * f + rows_cols_bytes(m, f) // 2),
+        (f"swiglu backward -> rows+cols, and output cols, {m}x{2 * f}",
+         lambda t, d: backend.swiglu_backward_quantize(t, d, E4M3, E4M3, False), (gu, da),
+         2 * m * 3 * f + rows_cols_bytes(m, 2 * f) + rows_cols_bytes(m, f) // 2),
+    ]
+    w = randn(2 * f, h)
+    cache = backend.empty_weight(w.shape, E4M3, dev)
+    cases.append((f"weight + transpose, {2 * f}x{h}", lambda t: backend.quantize_weight_(t, cache, E4M3, False), (w,),
+                  2 * w.numel() + 2 * w.numel()))
+    return cases
+
+
+def producer_cases(backend, m: int, shape: dict, dev) -> list[tuple]:
+    """(name, eager producer then standalone quantizer, fused kernel, Inductor-compiled twin, args)."""
+    h, f = shape["hidden"], shape["ffn"]
+    x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
+    w = (torch.rand(h, device=dev) + 0.5).to(torch.bfloat16)
+    gu = torch.randn(m, 2 * f, device=dev, dtype=torch.bfloat16)
+    da = torch.randn(m, f, device=dev, dtype=torch.bfloat16)
+    quantize = lambda y: backend.quantize_rows_cols(y, E4M3, False)  # noqa: E731
+
+    def eager_swiglu(gu):
+        gate, up = gu.chunk(2, dim=-1)
+        return backend.quantize_rows(F.silu(gate) * up, E4M3, False)
+
+    def eager_swiglu_backward(gu, da):  # what the fused kernel replaces: d(gu) both ways, SwiGLU's output again
+        gate, up = gu.chunk(2, dim=-1)
+        s = torch.sigmoid(gate)
+        return (quantize(torch.cat([da * up * s * (1 + gate * (1 - s)), da * gate * s], dim=-1)),
+                quantize(F.silu(gate) * up))
+
+    return [
+        (f"RMSNorm {m}x{h}", lambda x, w: quantize(F.rms_norm(x, (h,), w, 1e-5)),
+         lambda x, w: backend.rmsnorm_quantize(x, w, 1e-5, E4M3, False),
+         torch.compile(lambda x, w: producers.rmsnorm_quantize(x, w, 1e-5, E4M3, False)), (x, w)),
+        (f"SwiGLU {m}x{f}", eager_swiglu, lambda gu: backend.swiglu_quantize(gu, E4M3, False),
+         torch.compile(lambda gu: producers.swiglu_quantize(gu, E4M3, False)), (gu,)),
+        (f"SwiGLU backward {m}x{2 * f}", eager_swiglu_backward,
+         lambda gu, da: backend.swiglu_backward_quantize(gu, da, E4M3, E4M3, False),
+         torch.compile(lambda gu, da: producers.swiglu_backward_quantize(gu, da, E4M3, E4M3, False)), (gu, da)),
+    ]
+
+
+def compiled_kernels() -> list[str]:
+    """Every Triton kernel of megafp8 compiled so far: its configuration, registers per thread and spilled bytes
+    (spills are what makes a tile kernel slow), with the autotuner's choice marked."""
+    from megafp8.precision.kernels import gemm, producers, quantize
+
+    lines = ["| kernel | warps | constexprs | registers | spills | autotuner's choice |", "|---|---|---|---|---|---|"]
+    for module in (quantize, producers, gemm):
+        for name, obj in sorted(vars(module).items()):
+            fn, best = getattr(obj, "fn", obj), getattr(obj, "best_config", None)
+            for kernel_cache, *_ in getattr(fn, "device_caches", {}).values():
+                for kernel in kernel_cache.values():
+                    meta = kernel.metadata
+                    src = kernel.src
+                    consts = {src.fn.arg_names[k[0]]: v for k, v in src.constants.items()
+                              if isinstance(v, int) and not isinstance(v, bool) and len(k) == 1}
+                    chosen = best is not None and best.num_warps == meta.num_warps and all(
+                        consts.get(k, v) == v for k, v in best.kwargs.items())
+                    lines.append(f"| {name} | {meta.num_warps} | {consts} | {kernel.n_regs} | {kernel.n_spills} | "
+                                 f"{'yes' if chosen else ''} |")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--backend", default="cublas")
     args = parser.parse_args()
     m, dev = args.tokens, torch.device("cuda")
-    from megafp8.precision import triton_kernels as tk
-
+    backend = select_backend(args.backend, dev)
     torch.manual_seed(0)
-    x = torch.randn(m, 2048, device=dev, dtype=torch.bfloat16)
-    norm_w = torch.rand(2048, device=dev, dtype=torch.bfloat16) + 0.5
-    g = torch.randn(m, 5632, device=dev, dtype=torch.bfloat16)
-    u = torch.randn(m, 5632, device=dev, dtype=torch.bfloat16)
-
-    def norm(x, w):
-        return F.rms_norm(x, (x.shape[-1],), w, 1e-5)
-
-    def swiglu(g, u):
-        return F.silu(g) * u
-
-    cases = {
-        # name: (producer, inputs, our eager quantizer on its output, the reference quantizer)
-        "rows": (lambda x: x, (x,), lambda y: tk.quantize_rows(y, E4M3, False),
-                 lambda y: ref.quantize_1x128(y, E4M3)),
-        "rmsnorm -> rows": (norm, (x, norm_w), lambda y: tk.quantize_rows(y, E4M3, False),
-                            lambda y: ref.quantize_1x128(y, E4M3)),
-        "swiglu -> rows": (swiglu, (g, u), lambda y: tk.quantize_rows(y, E4M3, False),
-                           lambda y: ref.quantize_1x128(y, E4M3)),
-        "rows + cols (dy), fused kernel": (lambda x: x, (x,), lambda y: tk.quantize_both(y, E4M3, False),
-                                           lambda y: (*ref.quantize_1x128(y, E4M3),
-                                                      *ref.quantize_1x128_transposed(y, E4M3))),
-        "rows + cols (dy), two kernels": (lambda x: x, (x,),
-                                          lambda y: (*tk.quantize_rows(y, E4M3, False),
-                                                     *tk.quantize_cols(y, E4M3, False)),
-                                          lambda y: (*ref.quantize_1x128(y, E4M3),
-                                                     *ref.quantize_1x128_transposed(y, E4M3))),
-    }
-    print("| case | eager producer + Triton quantizer (ms) | compiled producer + reference quantizer (ms) | "
-          "speed-up | compiled bits equal the reference |")
+    big = torch.randn(m, 8192, device=dev, dtype=torch.bfloat16)
+    copy_gbs = 2 * big.numel() * 2 / timed_ms(torch.clone, big) / 1e6
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)\n")
+    print("| kernel | shape | ms | GB/s | of copy |")
     print("|---|---|---|---|---|")
-    for name, (produce, inputs, ours, reference) in cases.items():
-        eager = lambda *a: ours(produce(*a))  # noqa: E731
-        fused = torch.compile(lambda *a: reference(produce(*a)))
-        t_eager, t_fused = timed_ms(eager, *inputs), timed_ms(fused, *inputs)
-        produced = produce(*inputs)
-        verdict = same(fused(*inputs), reference(produced))
-        print(f"| {name} | {t_eager:.3f} | {t_fused:.3f} | {t_eager / t_fused:.2f}x | {verdict} |")
-    both_configs(m)
-
-
-def both_configs(m: int) -> None:
-    from megafp8.precision import triton_kernels as tk
-
-    widths = (6144, 2048, 11264)  # dy widths of the ~1B model: QKV, output and down (2048), gate+up
-    print("\n| quantize_both config | " + " | ".join(f"{m}x{k} (GB/s)" for k in widths) + " |")
-    print("|---|" + "---|" * len(widths))
-    grads = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in widths]
-    runs = [(config, True) for config in [*tk.BOTH_CONFIGS, None]] + [(None, False)]
-    for config, explicit in runs:
-        name = "autotuned" if config is None else f"CHUNK={config.kwargs['CHUNK']}, warps={config.num_warps}"
-        name += "" if explicit else ", rounding by the FP8 conversion alone"
-        cells = []
-        for dy in grads:
-            ms = timed_ms(lambda t: tk.quantize_both(t, E4M3, False, config=config, explicit_round=explicit), dy)
-            cells.append(f"{4 * dy.numel() / ms / 1e6:.0f}")
-        print(f"| {name} | " + " | ".join(cells) + " |")
+    for shape_name, shape in SHAPES.items():
+        for name, fn, fn_args, nbytes in kernel_cases(backend, m, shape, dev):
+            ms = timed_ms(fn, *fn_args)
+            print(f"| {name} | {shape_name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {nbytes / ms / 1e6 / copy_gbs:.0%} |")
+    print("\n| producer | eager BF16 producer + our quantizer (ms) | our fused kernel (ms) | "
+          "Inductor: twin compiled (ms) | fused vs eager |")
+    print("|---|---|---|---|---|")
+    for shape in SHAPES.values():
+        for name, eager, fused, compiled, fn_args in producer_cases(backend, m, shape, dev):
+            t_eager, t_fused, t_compiled = (timed_ms(fn, *fn_args) for fn in (eager, fused, compiled))
+            print(f"| {name} | {t_eager:.3f} | {t_fused:.3f} | {t_compiled:.3f} | {t_eager / t_fused:.2f}x |")
+    try:  # the compiled kernels' registers and spills (Triton internals: skipped if they moved)
+        print("\n" + "\n".join(compiled_kernels()))
+    except (AttributeError, TypeError, ValueError) as err:
+        print(f"\n(no register report: {err})")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@
 # profiles of the steps. Tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
 # Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe;
 # also ref_eager, moe_compiled, compiled_ro (CUDA graphs), compiled_fp8 (FP8 only), tests (the gpu-marked tests),
-# fused_quantize (Inductor-generated quantizers and our fused dy quantizer), profile_compiled (FP8 only), and on two
-# GPUs moe_ep2, moe_dp2, dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds
-# each part.
+# fused_quantize (our quantizers' bandwidth, fused producers against eager and Inductor), profile_compiled (FP8
+# only), tests_fp8 (the FP8 kernels' and layers' gpu tests), fp8_linear (one layer, BF16 vs FP8), the 8B-layer
+# shape (compiled_ro_8b, ref_8b, profile_compiled_8b), cg_diag (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro,
+# old_profile_compiled: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
+# dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
 start_summary
@@ -15,6 +17,22 @@ install_torchao
 for part in $PARTS; do
   case $part in
     tests) step gpu_tests python -m pytest -q -m gpu tests/ -x -p no:cacheprovider ;;
+    tests_fp8) step gpu_tests_fp8 python -m pytest -q -m gpu tests/test_fp8_backends.py tests/test_fp8_gpu.py \
+           -p no:cacheprovider ;;
+    fp8_linear) step fp8_linear python benchmarks/fp8_linear.py --backends cublas ;;
+    compiled_ro_8b) step ours_compiled_cudagraphs_8b python benchmarks/train_step.py training.compile=true \
+           training.compile_mode=reduce-overhead --model 8b-layers --recipes bf16 fp8 ;;
+    ref_8b) step reference_compiled_8b python benchmarks/reference_model.py --compile --layers 8 --hidden 4096 \
+           --ffn 14336 --heads 32 --seq 4096 --batch 4 --recipes bf16 torchao-tensorwise torchao-blockwise ;;
+    profile_compiled_8b) step profile_compiled_8b python benchmarks/train_step.py training.compile=true \
+           --model 8b-layers --recipes fp8 --profile 3 ;;
+    cg_diag) step cudagraph_diagnostics env TORCH_LOGS=perf_hints,cudagraph_static_inputs python \
+           benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead --model 1b \
+           --recipes fp8 --steps 12 --warmup 6 ;;
+    old_compiled_ro) step old_compiled_cudagraphs bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
+           training.compile=true training.compile_mode=reduce-overhead --model 1b --recipes fp8" ;;
+    old_profile_compiled) step old_profile_compiled bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
+           training.compile=true --model 1b --recipes fp8 --profile 3" ;;
     fused_quantize) step fused_quantize python benchmarks/fused_quantize.py ;;
     compiled_fp8) step ours_compiled_fp8 python benchmarks/train_step.py training.compile=true --model 1b --recipes fp8 ;;
     ours) step ours_eager python benchmarks/train_step.py --model 1b --recipes bf16 fp8 ;;

@@ -2,6 +2,8 @@
 """Whole training steps, one table: tokens/s, TFLOP/s and MFU per device, peak memory, for each recipe.
 
     PYTHONPATH=. python benchmarks/train_step.py --model 1b --recipes bf16 fp8
+    PYTHONPATH=. python benchmarks/train_step.py --model 8b-layers training.compile=true \
+        training.compile_mode=reduce-overhead
     PYTHONPATH=. torchrun --nproc_per_node=2 benchmarks/train_step.py --model 1b parallel.tp=2
     PYTHONPATH=. python benchmarks/train_step.py --model tiny --steps 4 training.device=cpu   # a smoke test
 
@@ -9,11 +11,17 @@ Models (issue 10's shapes):
 - `1b`: hidden 2048, 16 layers, FFN 5632, 16 heads, vocab 32768, seq 2048, micro-batch 8 (956M parameters);
 - `moe`: 8 layers of the same attention, a DeepSeek-style MoE FFN in layers 1-7 (64 routed experts of FFN 1024,
   top-8 in 8 groups choosing 4, one shared expert, sigmoid routing): 3.2B parameters, 0.7B activated per token;
+- `8b-layers`: 8 layers of Llama-3-8B's width (hidden 4096, FFN 14336, 32 heads, no GQA as in
+  `reference_model.py`), vocab 32768, seq 4096, micro-batch 4 (16k tokens);
 - `tiny`: the CPU smoke-test shape of `configs/tiny_dense.yaml`.
 Every recipe runs the same steps on the same data (the built-in Python standard library corpus, tokenized to
 `--data` when missing), one after another in this process. Timing is the median of the loop's own per-step
-records (windows of `--log-interval` steps, each timed until the device finishes it) after `--warmup` steps; extra `section.key=value` overrides apply to every run (a layout, `training.
-recompute=full`, ...). Rank 0 prints the table as Markdown.
+records (windows of `--log-interval` steps, each timed until the device finishes it) after `--warmup` steps; extra
+`section.key=value` overrides apply to every run (a layout, `training.recompute=full`, ...). Peak memory is the
+allocator's high-water mark over the timed steps (the steady state) and over the whole run (compilation,
+autotuning and CUDA graph recording in the warm-up included). Graph breaks counts where torch.compile split a
+compiled block (there should be none: a split block runs slower, see `docs/performance.md`). Rank 0 prints the
+table as Markdown.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ import argparse
 import gc
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +45,7 @@ from megafp8.train.runtime import env_rank, init_distributed, seed_everything, s
 from megafp8.train.trainer import Trainer  # noqa: E402
 
 import kernel_breakdown  # noqa: E402  (benchmarks/, beside this file)
+from torch._dynamo.utils import counters  # noqa: E402
 
 MODELS = {
     "1b": ["model.size=1b", "model.vocab_size=32768", "data.seq_len=2048", "training.micro_batch_size=8"],
@@ -43,10 +53,17 @@ MODELS = {
             "model.moe_num_experts=64", "model.moe_top_k=8", "model.moe_ffn_hidden_size=1024",
             "model.moe_num_shared_experts=1", "model.moe_first_dense_layers=1", "model.moe_n_group=8",
             "model.moe_topk_group=4", "model.moe_score_func=sigmoid", "model.num_layers=8"],
+    "8b-layers": ["model.size=null", "model.hidden_size=4096", "model.ffn_hidden_size=14336", "model.num_heads=32",
+                  "model.num_kv_heads=32", "model.num_layers=8", "model.vocab_size=32768", "data.seq_len=4096",
+                  "training.micro_batch_size=4"],
     "tiny": ["model.vocab_size=384", "data.seq_len=64", "training.micro_batch_size=2", "model.hidden_size=128",
              "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_hidden_size=256",
              "model.size=null"],
 }
+
+
+def _micro_batch(model: str) -> int:
+    return int(next(o for o in MODELS[model] if o.startswith("training.micro_batch_size=")).split("=")[1])
 
 
 def corpus(path: Path) -> Path:
@@ -60,7 +77,8 @@ def corpus(path: Path) -> Path:
 def run_config(model: str, recipe: str, args: argparse.Namespace, data: Path):
     overrides = MODELS[model] + [
         f"precision.recipe={recipe}", f"data.path={data}", f"training.steps={args.steps}",
-        f"training.global_batch_size={args.global_batch}", "training.eval_interval=0",
+        f"training.global_batch_size={args.global_batch or _micro_batch(model) * env_rank()[2]}",
+        "training.eval_interval=0",
         f"logging.log_interval={args.log_interval}",
         f"logging.output_dir={args.out}", f"run_name={model}_{recipe}", "checkpoint.resume=none",
         # The parity run's learning rate: the tiny config's 2e-3 makes a 1B model's first steps erratic.
@@ -88,18 +106,26 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     seed_everything(cfg.training.seed)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    torch._dynamo.reset()
+    counters.clear()
     trainer = Trainer(cfg, dims, device)
+    for _ in range(min(args.warmup, args.steps - args.log_interval)):  # compiling, autotuning, CUDA graph recording
+        trainer.train_step()
+    warmup_peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # from here on: the steady state's high-water mark
     records = [r for r in trainer.fit() if r["kind"] == "train"]
     del trainer
     release_memory(device)
     # Each record covers the `log_interval` steps before it, timed up to the device finishing them.
-    timed = [r for r in records if r["step"] - args.log_interval >= args.warmup] or records[-1:]
-    step_s = statistics.median(r["step_time_s"] for r in timed)
+    step_s = statistics.median(r["step_time_s"] for r in records)
     tokens = cfg.training.global_batch_size * cfg.data.seq_len
+    steady_peak = max((r["peak_memory_gib"] or 0.0) for r in records)
     return {"model": model, "recipe": recipe, "ranks": dims.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
-            "tflops": statistics.median(r["tflops_per_device"] for r in timed),
-            "mfu": statistics.median(r["mfu"] for r in timed) if timed[0]["mfu"] is not None else None,
-            "peak_gib": max((r["peak_memory_gib"] or 0.0) for r in records), "loss": records[-1]["loss"]}
+            "tflops": statistics.median(r["tflops_per_device"] for r in records),
+            "mfu": statistics.median(r["mfu"] for r in records) if records[0]["mfu"] is not None else None,
+            "peak_gib": steady_peak, "warmup_peak_gib": max(warmup_peak, steady_peak), "loss": records[-1]["loss"],
+            "graph_breaks": sum(counters["graph_break"].values())}
 
 
 def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> str:
@@ -135,13 +161,14 @@ def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> st
 
 def table(rows: list[dict]) -> str:
     best_bf16 = max((r["tokens_per_s"] for r in rows if r["recipe"] == "bf16"), default=None)
-    lines = ["| model | recipe | ranks | step (s) | tokens/s | vs BF16 | TFLOP/s per device | MFU | peak GiB | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | recipe | ranks | step (s) | tokens/s | vs BF16 | TFLOP/s per device | MFU | peak GiB, steady | "
+             "peak GiB, with warm-up | final loss | graph breaks |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tokens_per_s'] / best_bf16:.2f}x" if best_bf16 else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         lines.append(f"| {r['model']} | {r['recipe']} | {r['ranks']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
-                     f"{ratio} | {r['tflops']:.1f} | {mfu} | {r['peak_gib']:.2f} | {r['loss']:.4f} |")
+                     f"{ratio} | {r['tflops']:.1f} | {mfu} | {r['peak_gib']:.2f} | {r['warmup_peak_gib']:.2f} | "
+                     f"{r['loss']:.4f} | {r['graph_breaks']} |")
     return "\n".join(lines)
 
 
@@ -154,13 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
     parser.add_argument("--log-interval", type=int, default=5,
                         help="steps per timing window (the host waits for the device once per window)")
-    parser.add_argument("--global-batch", type=int, default=8, help="samples per step (over all ranks)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="samples per step over all ranks (default: one micro-batch per rank)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="instead of timing, profile N steps per recipe after the warm-up")
     parser.add_argument("--data", type=Path, default=Path("/tmp/megafp8-bench-data"))
-    parser.add_argument("--out", type=Path, default=Path("/tmp/megafp8-bench-runs"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="run directories (default: a new temporary directory, so runs never share one)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
+    args.out = args.out or Path(tempfile.mkdtemp(prefix="megafp8-bench-runs-"))
     rows, profiles, clean = [], [], False
     try:
         data = None

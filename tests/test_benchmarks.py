@@ -33,7 +33,8 @@ def test_kernel_breakdown_sorts_kernels_into_categories():
     kernels = [
         ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN", 4000.0),
         ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 2000.0),
-        ("_quantize_cols_kernel", 1000.0),
+        ("_quantize_rows_cols_kernel", 1000.0),
+        ("_swiglu_backward_quantize_kernel", 700.0),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", 800.0),
         ("ncclDevKernel_AllGather_RING_LL", 300.0),
         ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", 600.0),
@@ -44,13 +45,14 @@ def test_kernel_breakdown_sorts_kernels_into_categories():
     ]
     rows = kb.breakdown(kernels, steps=2)
     by_name = {category: ms for category, ms, _ in rows}
-    assert by_name == {"GEMM": 3.0, "FP8 quantization (Triton)": 0.5, "attention (SDPA/flash)": 0.4,
+    assert by_name == {"GEMM": 3.0, "FP8 quantization, standalone (Triton)": 0.5, "attention (SDPA/flash)": 0.4,
+                       "FP8 producers quantizing their output (RMSNorm, SwiGLU)": 0.35,
                        "communication (NCCL)": 0.15, "element-wise (eager)": 0.3, "torch.compile fused kernels": 0.25,
                        "optimizer (AdamW)": 0.2, "copies / casts": 0.1, "other": 0.05}
     assert [ms for _, ms, _ in rows] == sorted((ms for _, ms, _ in rows), reverse=True)
     assert abs(sum(share for _, _, share in rows) - 1.0) < 1e-9
-    table = kb.markdown("t", rows, wall_ms=5.0, top=kb.top_kernels(kernels, steps=2, count=2))
-    assert "GPU kernel time per step 5.0 ms (99% busy)" in table and "| `_quantize_cols_kernel`" not in table
+    table = kb.markdown("t", rows, wall_ms=6.0, top=kb.top_kernels(kernels, steps=2, count=2))
+    assert "GPU kernel time per step 5.3 ms (88% busy)" in table and "| `_quantize_rows_cols_kernel`" not in table
 
 
 def test_reference_model_benchmark_runs_on_cpu():

@@ -85,14 +85,17 @@ def test_weight_is_quantized_once_per_version_and_never_stale():
     assert torch.equal(y, fresh(x.bfloat16()))
 
 
-def test_forward_saves_the_fp8_input_not_the_bf16_one():
+def test_forward_saves_the_fp8_input_for_wgrad_not_the_bf16_one():
+    """Only x^T in FP8 (1x128 tiles along the tokens, quantized from x itself) is kept for the weight gradient."""
     x, w, _ = inputs("random")
     layer = fp8_layer(256, 384, w.bfloat16())
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         layer(x.bfloat16().requires_grad_())
-    activations = [t for t in saved if t.data_ptr() != layer.weight.data_ptr()]
+    weights = {t.data_ptr() for t in (layer.weight, *layer.fp8_cache.entry.tensors())}
+    activations = [t for t in saved if t is not None and t.data_ptr() not in weights]
     assert {t.dtype for t in activations} == {torch.float8_e4m3fn, torch.float32}
+    assert [t.shape for t in activations] == [(256, 512), (256, 4)]  # x^T and its scales along the tokens
     saved_bytes = sum(t.numel() * t.element_size() for t in activations)
     assert saved_bytes == 512 * 256 * (1 + 4 / 128)  # FP8 values + one FP32 scale per 128; BF16 would be 2 bytes
 
@@ -143,9 +146,11 @@ def test_each_gemm_can_stay_bf16(gemm):
 def test_unaligned_layer_and_unavailable_backend_are_rejected():
     with pytest.raises(ValueError, match="in_features to be a multiple of 128, got 200"):
         ColumnParallelLinear(200, 256, PrecisionRecipe.from_name("fp8"))
-    with pytest.raises(RuntimeError, match="the cublas backend needs a CUDA GPU, but this run is on cpu"):
+    with pytest.raises(ConfigError, match="the cublas backend needs a CUDA GPU, but this run is on cpu"):
         select_backend("cublas", torch.device("cpu"))
     assert select_backend("auto", torch.device("cpu")).name == "reference"
+    with pytest.raises(ConfigError, match="'cuda_magic' is not a backend; choose one of auto, reference, triton, cublas"):
+        select_backend("cuda_magic", torch.device("cpu"))
 
 
 def plan_for(*overrides):
@@ -215,13 +220,22 @@ def test_optimizer_step_invalidates_the_quantized_weight():
     assert torch.equal(y, fp8_layer(256, 384, layer.weight.detach())(x.bfloat16()))
 
 
-def _norm_then_fp8(cfg, queue=None):
+def _norm_then_fp8(recipe, queue=None, fused_norm=False):
+    from megafp8.model.norm import RMSNorm
+    from megafp8.precision import Fp8WeightCache, fp8_linear
     from megafp8.precision.backends import Fp8Backend
-    from megafp8.precision.fp8_linear import Fp8WeightCache, fp8_linear
+
+    norm = RMSNorm(256, 1e-5, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 256))
+    cache = Fp8WeightCache()
 
     def f(x, w):
-        h = F.rms_norm(x, (x.shape[-1],))
-        return (fp8_linear(h, w, Fp8WeightCache(), cfg, Fp8Backend(), wgrad_queue=queue) * 1.5).float().square().mean()
+        if fused_norm:  # the norm's kernel quantizes its FP32 output for the GEMM
+            y = fp8_linear(x, w, cache, recipe, Fp8Backend(), wgrad_queue=queue, norm=norm)
+        else:
+            y = fp8_linear(norm(x), w, cache, recipe, Fp8Backend(), wgrad_queue=queue)
+        return (y * 1.5).float().square().mean()
     return f
 
 
@@ -233,16 +247,18 @@ def _loss_and_grads(fn, x0, w):
     return loss.detach(), x.grad, w.grad
 
 
-def test_fp8_linear_compiles_into_the_graph_with_the_eager_bits():
-    """Under torch.compile a plain FP8 linear is custom ops inside the graph (no graph break), and computes exactly
-    what the eager FP8 linear does: loss, input gradient and weight gradient, 200 tokens (not a multiple of 128)."""
-    from megafp8.precision.fp8_linear import Fp8GemmConfig, WeightGradQueue
+@pytest.mark.parametrize("fused_norm", [False, True], ids=["norm-then-linear", "fused-norm"])
+def test_fp8_linear_compiles_into_the_graph_with_the_eager_bits(fused_norm):
+    """Under torch.compile a plain FP8 linear (with its input's norm fused in, or not) is custom ops inside the graph
+    (no graph break), and computes exactly what the eager FP8 linear does: loss, input gradient and weight
+    gradient, 200 tokens (not a multiple of 128)."""
+    from megafp8.precision import WeightGradQueue
 
     torch.manual_seed(0)
-    cfg = Fp8GemmConfig.from_names("e4m3", "e4m3", False, True, True, True)
+    recipe = Fp8Recipe(backend="reference")
     w = torch.nn.Parameter((torch.randn(384, 256) * 0.05).to(torch.bfloat16))
     x0 = torch.randn(2, 100, 256).to(torch.bfloat16)
-    f = _norm_then_fp8(cfg)
+    f = _norm_then_fp8(recipe, fused_norm=fused_norm)
     assert torch._dynamo.explain(f)(x0.clone().requires_grad_(True), w).graph_break_count == 0
     eager = _loss_and_grads(f, x0, w)
     torch._dynamo.reset()
@@ -251,5 +267,5 @@ def test_fp8_linear_compiles_into_the_graph_with_the_eager_bits():
         assert torch.equal(a, b)
     # Deferred weight gradients (zero-bubble pipelines) keep the eager path: a graph break.
     torch._dynamo.reset()
-    deferred = _norm_then_fp8(cfg, WeightGradQueue())
+    deferred = _norm_then_fp8(recipe, WeightGradQueue())
     assert torch._dynamo.explain(deferred)(x0.clone().requires_grad_(True), w).graph_break_count > 0

@@ -1,4 +1,4 @@
-"""Reference per-tile FP8 quantizers: error bounds, tile independence, zero/inf/nan, round trips, re-tiling."""
+"""Reference per-tile FP8 quantizers: error bounds, tile independence, zero/inf/nan, round trips, both layouts."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from megafp8.precision import E4M3, E4M3_MAX, E5M2
 from megafp8.precision.quantize import (
     dequantize_128x128, dequantize_1x128, power_of_two_ceil, quantize_128x128, quantize_1x128,
-    quantize_1x128_transposed, retile_1x128_transposed,
+    quantize_1x128_transposed, quantize_rows_cols,
 )
 
 
@@ -108,21 +108,23 @@ def test_transposed_quantization_tiles_along_tokens():
     assert torch.allclose(st, x.abs().reshape(2, 128, 128).amax(1).t() / E4M3_MAX)
 
 
-def test_retiling_exact_when_scales_agree_and_with_power_of_two():
-    # Every 1x128 row tile and every 128x1 column tile has max-abs 1: one scale everywhere, so re-tiling is exact.
-    x = torch.rand(256, 256) * 2 - 1
-    rows, cols = torch.meshgrid(torch.arange(256), torch.arange(256), indexing="ij")
-    x[rows % 128 == cols % 128] = 1.0  # a 1 in every 1x128 row tile and every 128x1 column tile
-    q, s = quantize_1x128(x, E4M3)
-    qt, st = retile_1x128_transposed(q, s, E4M3)
-    assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
-    # Power-of-two scales: the re-tiled values are the FP8 values times powers of two, exact in the normal range.
-    x = torch.randn(256, 256) * 3
-    q, s = quantize_1x128(x, E4M3, power_of_two=True)
-    qt, st = retile_1x128_transposed(q, s, E4M3, power_of_two=True)
-    source = dequantize_1x128(q, s).t()
-    normal = source.abs() >= st.repeat_interleave(128, dim=1) * torch.finfo(E4M3.dtype).smallest_normal
-    assert torch.equal(dequantize_1x128(qt, st)[normal], source[normal])
+def test_rows_and_columns_are_each_quantized_from_the_original():
+    """Both layouts come from x itself (the wgrad operand is not re-tiled from the FP8 rows): x^T's tiles along the
+    tokens, with the tokens zero-padded to a multiple of 128, and scales stored column-major."""
+    x = heavy_tailed(200, 256)
+    q, s, qt, st = quantize_rows_cols(x, E4M3)
+    q_ref, s_ref = quantize_1x128(x, E4M3)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    padded = torch.cat([x, torch.zeros(56, 256)])
+    qt_ref, st_ref = quantize_1x128_transposed(padded, E4M3)
+    assert qt.shape == (256, 256) and torch.equal(qt.view(torch.uint8), qt_ref.view(torch.uint8))
+    assert torch.equal(st, st_ref) and torch.all(qt[:, 200:].float() == 0)
+    assert s.stride() == (1, 200) and st.stride() == (1, 256)
+    # Re-tiling the FP8 rows instead would round twice: the single quantization is closer to x.
+    twice_t, twice_st = quantize_1x128_transposed(torch.cat([dequantize_1x128(q, s), torch.zeros(56, 256)]), E4M3)
+    once_err = (dequantize_1x128(qt, st).t()[:200] - x).norm()
+    twice_err = (dequantize_1x128(twice_t, twice_st).t()[:200] - x).norm()
+    assert once_err < twice_err
 
 
 def test_unaligned_shapes_are_rejected_with_the_size():

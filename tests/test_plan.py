@@ -169,7 +169,6 @@ def test_planned_fp8_weight_copies_are_what_the_layers_keep(tiny_overrides, conf
     trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     trainer.train_step()
     caches = [m.fp8_cache for m in trainer.model.modules() if getattr(m, "fp8_cache", None) is not None]
-    live = sum(t.numel() * t.element_size() for c in caches for t in vars(c._entry).values()
-               if isinstance(t, torch.Tensor))
+    live = sum(t.numel() * t.element_size() for c in caches for t in c.entry.tensors())
     assert len(caches) >= 4 and live > 0
     assert make_plan(cfg, 1).bytes_per_rank["fp8_weight_copies"] == live

@@ -12,7 +12,6 @@ from typing import Any, Literal, Optional
 
 PrecisionName = Literal["auto", "bf16", "fp8", "fp16", "fp32"]
 ConcreteRecipe = Literal["bf16", "fp8", "fp16", "fp32"]
-Fp8BackendName = Literal["auto", "reference", "cublas", "triton"]
 Fp8FormatName = Literal["e4m3", "e5m2"]
 DecayStyle = Literal["cosine", "linear", "wsd", "constant"]
 MomentDtype = Literal["fp32", "bf16"]
@@ -175,7 +174,8 @@ class ParallelConfig:
     ep_dispatch_fp8: bool = setting(
         False,
         "MoE under precision.recipe=fp8: quantize tokens to FP8 (1x128 tiles) before the dispatch all-to-all "
-        "(about half the bytes; the expert GEMM re-quantizes them to the same values). Gradients travel in BF16.",
+        "(about half the bytes; the expert GEMM re-quantizes them to the same values, but the experts' weight "
+        "gradients then see FP8-rounded rows). Gradients travel in BF16.",
     )
     backend: BackendName = setting(
         "auto", "`torch.distributed` backend: `auto` picks NCCL when training on CUDA and gloo on CPU."
@@ -205,10 +205,11 @@ class PrecisionConfig:
     loss_scale_backoff_factor: float = setting(0.5, "fp16: factor applied when inf/nan gradients persist.")
     loss_scale_hysteresis: int = setting(2, "fp16: inf/nan steps tolerated (skipped) before the scale backs off.")
     loss_scale_min: float = setting(1.0, "fp16: the scale never goes below this.")
-    fp8_backend: Fp8BackendName = setting(
+    fp8_backend: str = setting(
         "auto",
-        "FP8 GEMM backend: `reference` (any device; FP8 casts, FP32 matmul), `cublas` (SM90, "
-        "`F.scaled_mm` blockwise), `triton` (CUDA); `auto` picks the fastest that runs here and logs it.",
+        "FP8 GEMM backend: `auto` (the fastest that runs here, logged), or one by name: `reference` (any device; "
+        "FP8 casts, FP32 matmul), `triton` (CUDA), `cublas` (SM90, `F.scaled_mm` blockwise); "
+        "`megafp8.precision.backends` lists them.",
     )
     fp8_grad_format: Fp8FormatName = setting(
         "e4m3", "Format of activation gradients in dgrad/wgrad: `e4m3` (DeepSeek-V3) or `e5m2` (more range)."

@@ -1,11 +1,14 @@
 """Causal grouped-query self-attention; projections through the parallel linears, core via SDPA."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megafp8.config import ModelConfig
+from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
 from megafp8.precision import PrecisionRecipe
@@ -35,9 +38,11 @@ class Attention(nn.Module):
                                              parts=(q_features, kv_features, kv_features), device=device)
         self.out_proj = RowParallelLinear(q_features, cfg.hidden_size, recipe, tp, device=device)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int, seq_len: int) -> torch.Tensor:
-        """x: (tokens, hidden) token-major, all B*T tokens or this rank's share under sequence parallelism."""
-        qkv = self.qkv_proj(x)  # (B*T, (n_heads + 2 * n_kv_heads) * head_dim), this rank's heads
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int, seq_len: int,
+                norm: Optional[RMSNorm] = None) -> torch.Tensor:
+        """x: (tokens, hidden) token-major, all B*T tokens or this rank's share under sequence parallelism. `norm`
+        is applied to x first (under FP8, fused into the QKV projection's quantizer)."""
+        qkv = self.qkv_proj(x, norm)  # (B*T, (n_heads + 2 * n_kv_heads) * head_dim), this rank's heads
         q, k, v = qkv.split(
             [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1
         )

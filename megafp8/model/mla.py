@@ -15,6 +15,8 @@ dims are multiples of 128: kv_a's kv_lora_rank + qk_rope_head_dim usually is not
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -56,8 +58,12 @@ class MultiHeadLatentAttention(nn.Module):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int, seq_len: int) -> torch.Tensor:
-        """x: (tokens, hidden) token-major, all B*T tokens or this rank's share under sequence parallelism."""
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int, seq_len: int,
+                norm: Optional[nn.Module] = None) -> torch.Tensor:
+        """x: (tokens, hidden) token-major, all B*T tokens or this rank's share under sequence parallelism; `norm`
+        is applied to it first."""
+        if norm is not None:
+            x = norm(x)
         h = self.n_heads
         q = self._queries(x).view(batch, seq_len, h, self.nope + self.rope_dim)  # this rank's heads, all tokens
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)

@@ -1,11 +1,13 @@
 """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused into one column-parallel GEMM."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from megafp8.model.norm import RMSNorm
+from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, swiglu_mlp
 from megafp8.precision import PrecisionRecipe
 
 
@@ -18,6 +20,7 @@ class SwiGLU(nn.Module):
                                                  parts=(ffn_hidden_size, ffn_hidden_size), device=device)
         self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, recipe, tp, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (tokens, ffn_hidden_size / tp)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, norm: Optional[RMSNorm] = None) -> torch.Tensor:
+        """x (tokens, hidden) -> (tokens, hidden); `norm` is applied to x first. Under FP8 the norm, SwiGLU and
+        SwiGLU's backward each quantize their own output for the next GEMM (`megafp8.parallel.swiglu_mlp`)."""
+        return swiglu_mlp(x, self.gate_up_proj, self.down_proj, norm)

@@ -138,7 +138,7 @@ class MoE(nn.Module):
         experts = self.experts.gate_up_proj
         if not (self.fp8_dispatch and experts.runs_fp8):
             return None
-        return experts.fp8_backend(x.device), experts.recipe.fp8.gemm_config.fmt
+        return experts.fp8_backend(x.device), experts.recipe.fp8.fmt
 
     def forward(self, x: torch.Tensor, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x (tokens, hidden) -> (output, weighted balance loss)."""

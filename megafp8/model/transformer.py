@@ -45,6 +45,10 @@ class Block(nn.Module):
                     else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, recipe, tp, device))
         self.recompute = False  # set by `apply_recompute`
         self.fp8_linears: list[ParallelLinear] = []  # set by `apply_compile`: whose FP8 weight cache to prepare
+        self.uncompiled_forward = None  # set by `apply_compile`: `_forward` as written, for observed steps
+        # Set while hooks observe the block's layers (FP8 health): the block then runs uncompiled. Traced, the hooks
+        # would break its graph, and torch.compile would keep the broken graph for every later step.
+        self.observed = False
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int,
                 seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -52,10 +56,10 @@ class Block(nn.Module):
         the block's input is kept for backward, which runs the block's forward again first."""
         for layer in self.fp8_linears:  # eagerly, before the compiled code reads their caches
             layer.prepare_fp8_weight()
+        run = self.uncompiled_forward if self.observed and self.uncompiled_forward is not None else self._forward
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, rope, batch, seq_len, use_reentrant=False,
-                              context_fn=self._recompute_contexts)
-        return self._forward(x, rope, batch, seq_len)
+            return checkpoint(run, x, rope, batch, seq_len, use_reentrant=False, context_fn=self._recompute_contexts)
+        return run(x, rope, batch, seq_len)
 
     def _recompute_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """(first forward, recomputation): the recomputation must not count its tokens into the router's load."""
@@ -74,11 +78,12 @@ class Block(nn.Module):
 
     def _forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int,
                  seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        x = x + self.attn(self.attn_norm(x), rope, batch, seq_len)
+        # The norms go in with their inputs: under FP8 each is fused into the next GEMM's quantizer.
+        x = x + self.attn(x, rope, batch, seq_len, norm=self.attn_norm)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(self.mlp_norm(x), batch, seq_len)
             return x + y, aux
-        return x + self.mlp(self.mlp_norm(x)), None
+        return x + self.mlp(x, norm=self.mlp_norm), None
 
 
 class LayerDict(nn.ModuleDict):
@@ -239,6 +244,7 @@ def apply_compile(model: nn.Module, mode: str = "default") -> int:
     Returns how many blocks were compiled."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
+        block.uncompiled_forward = block._forward
         block._forward = torch.compile(block._forward, mode=None if mode == "default" else mode)
         # Each forward first quantizes the block's changed FP8 weights, eagerly: once per weight version, not once
         # per micro-batch inside the graph. Every linear is listed: one may switch to FP8 later

@@ -9,6 +9,7 @@ from megafp8.parallel.layers import (
     ParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    swiglu_mlp,
     vocab_parallel_cross_entropy,
 )
 from megafp8.parallel.sharding import (
@@ -27,5 +28,5 @@ from megafp8.parallel.sharding import (
 __all__ = [
     "IGNORE_INDEX", "ColumnParallelLinear", "ExpertLinear", "ExpertParallel", "gather_experts", "local_experts_of", "GradBuckets", "ParallelDims", "ParallelLinear", "RowParallelLinear", "TensorParallel",
     "TpShard", "VocabParallelEmbedding", "full_shape", "gather_from_tp_last", "gather_full", "gather_param", "is_expert", "local_piece",
-    "rank_groups", "reduce_from_tp", "shard_of", "to_tp_region", "tp_shard_of", "vocab_parallel_cross_entropy",
+    "rank_groups", "reduce_from_tp", "shard_of", "swiglu_mlp", "to_tp_region", "tp_shard_of", "vocab_parallel_cross_entropy",
 ]

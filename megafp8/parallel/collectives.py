@@ -13,8 +13,9 @@ Pairs (forward / backward), Megatron's:
     gather_from_tp_last   all-gather along the last dim / its slice (vocab-parallel logits for inference)
 Every function is the identity on a TP group of one.
 
-`all_gather_fp8` moves a quantized activation (FP8 bytes plus its FP32 1x128 scales) instead of
-the BF16 tensor: about half the bytes. The column-parallel linear uses it under SP.
+`all_gather_quantized` moves an activation quantized both ways (FP8 bytes along its features for the forward
+GEMM and along its tokens for wgrad, plus their FP32 1x128 scales) instead of the BF16 tensor: as many bytes,
+and no BF16 copy on every rank to quantize again. The column-parallel FP8 linear uses it under SP.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.parallel.dims import TensorParallel
+from megafp8.precision.quantize import mn_major
 
 # ------------------------------------------------------------------------------------ plain
 
@@ -59,9 +61,23 @@ def reduce_scatter_rows(x: torch.Tensor, tp: TensorParallel,
     return out, work
 
 
-def all_gather_fp8(x_fp8: torch.Tensor, x_scale: torch.Tensor, tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather a row-quantized activation: FP8 rows (n, K) and their (n, K/128) scales -> (tp * n, ...) each."""
-    return all_gather_rows(x_fp8, tp), all_gather_rows(x_scale.contiguous(), tp)
+def all_gather_quantized(x_fp8: torch.Tensor, x_scale: torch.Tensor, xt_fp8: Optional[torch.Tensor],
+                         xt_scale: Optional[torch.Tensor], tp: TensorParallel) -> tuple[Optional[torch.Tensor], ...]:
+    """Gather an activation quantized both ways (`quantize_rows_cols` layouts: FP8 rows (n, K) with (n, K/128)
+    scales, x^T (K, n) with (K, n/128) scales; n a multiple of 128, so no tile along the rows straddles two ranks)
+    -> every rank's rows in rank order, in the same layouts (scales column-major). xt_fp8 None: rows only."""
+    if not tp.enabled:
+        return x_fp8, x_scale, xt_fp8, xt_scale
+    rows = all_gather_rows(x_fp8, tp)
+    row_scales = mn_major(all_gather_rows(x_scale.contiguous(), tp))
+    if xt_fp8 is None:  # quantized along the features only (no weight gradient)
+        return rows, row_scales, None, None
+    k, n = xt_fp8.shape
+    # x^T's rows are features: gather them stacked by rank, then interleave into (K, tp * n).
+    stacked = all_gather_rows(xt_fp8, tp).view(torch.uint8).view(tp.size, k, n)
+    cols = stacked.permute(1, 0, 2).reshape(k, tp.size * n).view(xt_fp8.dtype)
+    col_scales = all_gather_rows(xt_scale.t().contiguous(), tp).t()  # column-major: the rows' tiles are outermost
+    return rows, row_scales, cols, col_scales
 
 
 # ---------------------------------------------------------------------------- autograd pairs

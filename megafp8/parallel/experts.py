@@ -14,7 +14,8 @@ The row exchange is an autograd function whose backward is the reverse all-to-al
 `fp8_dispatch`, rows are quantized to FP8 in 1x128 tiles before the forward all-to-all and
 dequantized after (1 + 4/128 bytes per element instead of 2); gradients go back in BF16. The
 expert GEMM re-quantizes the dequantized rows to the same FP8 values (each tile's max maps back
-to the format's max), so this costs no accuracy beyond the GEMM's own quantization.
+to the format's max), so the forward GEMM loses nothing more; the weight gradient's x^T, tiled
+along the tokens, is quantized from those FP8-rounded rows, a second rounding (as in DeepSeek-V3).
 
 The counts exchange needs the host to know the split sizes: one device sync per MoE layer
 (as in Megatron's dropless dispatcher), which the grouped expert GEMMs need anyway.
@@ -28,8 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megafp8.precision import TILE, Fp8Backend, Fp8Format, Fp8Recipe, PrecisionRecipe, WeightGradQueue, select_backend
-from megafp8.precision.grouped import GroupedWeightCache, grouped_linear
+from megafp8.precision import (
+    TILE, Fp8Backend, Fp8Format, Fp8Recipe, Fp8WeightCache, PrecisionRecipe, WeightGradQueue, select_backend,
+)
+from megafp8.precision.grouped import grouped_linear
 from megafp8.parallel.dims import ExpertParallel
 from megafp8.parallel.sharding import mark_expert
 from megafp8.precision.quantize import dequantize_1x128
@@ -62,7 +65,7 @@ class ExpertLinear(nn.Module):
                 if size % TILE != 0:
                     raise ValueError(f"an FP8 expert linear needs {what} to be a multiple of {TILE}, got {size}")
         self.recipe = recipe
-        self.fp8_cache = GroupedWeightCache() if recipe.fp8 is not None else None
+        self.fp8_cache = Fp8WeightCache() if recipe.fp8 is not None else None
         self._fp8_backend: Optional[Fp8Backend] = None
 
     @property
@@ -84,7 +87,7 @@ class ExpertLinear(nn.Module):
             return grouped_linear(rows, self.weight, counts, None, None, None, self.wgrad_queue)
         if not self.supports(fp8):
             raise ValueError(PARTIAL_FP8_EXPERTS)
-        return grouped_linear(rows, self.weight, counts, self.fp8_cache, fp8.gemm_config, self.fp8_backend(rows.device),
+        return grouped_linear(rows, self.weight, counts, self.fp8_cache, fp8, self.fp8_backend(rows.device),
                               self.wgrad_queue)
 
     def fp8_backend(self, device: torch.device) -> Fp8Backend:
@@ -116,7 +119,7 @@ class _AllToAll(torch.autograd.Function):
         if quantize is None:
             return _exchange(x, out_rows, in_rows, ep)
         backend, fmt = quantize
-        x_fp8, x_scale = backend.quantize_tiles(x, fmt, False)
+        x_fp8, x_scale = backend.quantize_rows(x, fmt, False)
         rows_fp8 = _exchange(x_fp8, out_rows, in_rows, ep)
         rows_scale = _exchange(x_scale.contiguous(), out_rows, in_rows, ep)
         return dequantize_1x128(rows_fp8, rows_scale).to(x.dtype)

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megafp8.parallel.collectives import (
-    all_gather_fp8,
+    all_gather_quantized,
     all_gather_rows,
     all_reduce,
     copy_to_tp,
@@ -36,11 +36,15 @@ from megafp8.parallel.sharding import TpShard, mark_sharded
 from megafp8.precision import (
     TILE,
     Fp8Backend,
+    Fp8Projection,
     Fp8WeightCache,
+    InputNorm,
     LinearComm,
     PrecisionRecipe,
     WeightGradQueue,
     fp8_linear,
+    fp8_swiglu_mlp,
+    fuses_norm,
     linear,
     select_backend,
 )
@@ -63,8 +67,14 @@ class _ColumnComm(LinearComm):
     def gather_input(self, x2d):
         return all_gather_rows(x2d, self.tp) if self.tp.sp else x2d
 
-    def gather_input_fp8(self, x_fp8, x_scale):
-        return all_gather_fp8(x_fp8, x_scale, self.tp) if self.tp.sp else (x_fp8, x_scale)
+    def gathers_quantized(self, rows):
+        # Under SP each rank's rows must be whole 1x128 tiles along the tokens for x^T's tiles to be TP=1's.
+        return not self.tp.sp or rows % TILE == 0
+
+    def gather_quantized(self, x_fp8, x_scale, xt_fp8, xt_scale):
+        if not self.tp.sp:
+            return x_fp8, x_scale, xt_fp8, xt_scale
+        return all_gather_quantized(x_fp8, x_scale, xt_fp8, xt_scale, self.tp)
 
     def start_reduce_grad_input(self, dx2d) -> Callable[[], torch.Tensor]:
         if self.tp.sp:
@@ -131,17 +141,32 @@ class ParallelLinear(nn.Module):
             self._fp8_backend = select_backend(self.recipe.fp8.backend, device)
         return self._fp8_backend
 
-    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
-        fp8 = self.recipe.fp8
-        return fp8_linear(x, self.weight, self.fp8_cache, fp8.gemm_config, self._backend_for(x.device), self._comm,
-                          self.wgrad_queue)
+    def _fp8_forward(self, x: torch.Tensor, norm: Optional[InputNorm] = None) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.fp8_cache, self.recipe.fp8, self._backend_for(x.device), self._comm,
+                          self.wgrad_queue, norm)
+
+    def fp8_projection(self) -> Fp8Projection:
+        """This layer as one projection of a fused FP8 MLP (`megafp8.precision.fp8_mlp`)."""
+        return Fp8Projection(self.weight, self.fp8_cache, self._comm or LinearComm(), self.wgrad_queue)
 
     def prepare_fp8_weight(self) -> None:
         """Quantize the weight now if it changed since it was last quantized (eagerly: a compiled block calls this
         before running, so its traced FP8 linears read the cache instead of quantizing in every forward)."""
         if self.runs_fp8:
-            cfg = self.recipe.fp8.gemm_config
-            self.fp8_cache.prepare(self.weight, self._backend_for(self.weight.device), cfg.fmt, cfg.power_of_two)
+            fp8 = self.recipe.fp8
+            self.fp8_cache.prepare(self.weight, self._backend_for(self.weight.device), fp8.fmt,
+                                   fp8.power_of_two_scales)
+
+    @staticmethod
+    def gemm_input(inputs: tuple) -> torch.Tensor:
+        """The tensor this layer's GEMM multiplies, from the positional inputs of a call (`x`, or `(x, norm)`:
+        norm(x)); for hooks that observe it."""
+        x, norm = inputs[0], (inputs[1] if len(inputs) > 1 else None)
+        return norm(x) if norm is not None else x
+
+    def fuses_norm(self, rows: int) -> bool:
+        """Whether this layer takes an RMSNorm of its `rows`-row input into its FP8 quantizer (see `forward`)."""
+        return self.runs_fp8 and fuses_norm(self.recipe.fp8, self._comm, rows)
 
     def extra_repr(self) -> str:
         shard = f", tp={self.tp.size}" if self.tp.enabled else ""
@@ -165,10 +190,15 @@ class ColumnParallelLinear(ParallelLinear):
             mark_sharded(self.weight, TpShard(0, parts))
             self._comm = _ColumnComm(tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (tokens, in) -> (all tokens, out / tp); under SP the input holds this rank's tokens only."""
+    def forward(self, x: torch.Tensor, norm: Optional[InputNorm] = None) -> torch.Tensor:
+        """x: (tokens, in) -> (all tokens, out / tp); under SP the input holds this rank's tokens only. `norm`: an
+        RMSNorm to apply to x first; under FP8 its kernel quantizes its FP32 output for the GEMMs."""
         if self.tp.sp:
             x = x.reshape(-1, x.shape[-1])
+        if norm is not None and self.fuses_norm(x.reshape(-1, x.shape[-1]).shape[0]):
+            return self._fp8_forward(x, norm)
+        if norm is not None:
+            x = norm(x)
         if self.runs_fp8:
             return self._fp8_forward(x)
         return linear(gather_from_sp(x, self.tp) if self.tp.sp else copy_to_tp(x, self.tp), self.weight,
@@ -195,6 +225,23 @@ class RowParallelLinear(ParallelLinear):
             return self._fp8_forward(x)
         y = linear(x, self.weight, self.wgrad_queue)
         return reduce_scatter_to_sp(y, self.tp) if self.tp.sp else reduce_from_tp(y, self.tp)
+
+
+def swiglu_mlp(x: torch.Tensor, gate_up: ColumnParallelLinear, down: RowParallelLinear,
+               norm: Optional[InputNorm] = None) -> torch.Tensor:
+    """down(silu(gate) * up) with [gate | up] = gate_up(x), of `norm(x)` if a norm is given. Where both
+    projections run all their GEMMs in FP8 under one recipe, it is one fused FP8 function in which the norm,
+    SwiGLU and SwiGLU's backward each quantize their own FP32 output (`megafp8.precision.fp8_mlp`); otherwise the
+    layers run one after the other."""
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    if gate_up.fuses_norm(rows) and down.runs_fp8 and down.recipe.fp8 == gate_up.recipe.fp8:
+        if gate_up.tp.sp:
+            x = x.reshape(-1, x.shape[-1])
+        backend = gate_up._backend_for(x.device)
+        down._backend_for(x.device)  # the same recipe: the same backend (resolved for both, as each layer logs it)
+        return fp8_swiglu_mlp(x, gate_up.fp8_projection(), down.fp8_projection(), gate_up.recipe.fp8, backend, norm)
+    gate, up = gate_up(x, norm).chunk(2, dim=-1)  # each (tokens, ffn_hidden_size / tp)
+    return down(F.silu(gate) * up)
 
 
 class VocabParallelEmbedding(nn.Module):

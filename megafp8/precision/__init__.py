@@ -1,12 +1,20 @@
-"""Numerics: FP8 formats, per-tile quantizers, the FP8 linear, GEMM backends and the precision recipe."""
-from megafp8.precision.backends import BACKENDS, Fp8Backend, select_backend, why_unavailable
+"""Numerics: FP8 formats, per-tile quantizers, the FP8 layers, GEMM backends and the precision recipe."""
+from megafp8.precision.backends import (
+    Fp8Backend, QuantizedWeight, backend_names, check_backend_name, select_backend, why_unavailable,
+)
 from megafp8.precision.formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FORMATS, TILE, Fp8Format
-from megafp8.precision.fp8_linear import Fp8GemmConfig, Fp8WeightCache, LinearComm, WeightGradQueue, fp8_linear, linear
+from megafp8.precision.fp8_linear import InputNorm, fp8_linear, fuses_norm, linear
+from megafp8.precision.fp8_mlp import Fp8Projection, fp8_swiglu_mlp
+from megafp8.precision.linear_comm import LinearComm
 from megafp8.precision.loss_scale import DynamicLossScaler
 from megafp8.precision.recipe import Fp8Recipe, PrecisionRecipe
 from megafp8.precision.selection import choose_recipe, resolve_recipe
+from megafp8.precision.weight_cache import Fp8WeightCache
+from megafp8.precision.wgrad import WeightGradQueue
 
 __all__ = [
-    "BACKENDS", "DynamicLossScaler", "choose_recipe", "resolve_recipe", "E4M3", "E4M3_MAX", "E5M2", "E5M2_MAX", "FORMATS", "Fp8Backend", "Fp8Format", "Fp8GemmConfig",
-    "Fp8Recipe", "Fp8WeightCache", "LinearComm", "PrecisionRecipe", "TILE", "WeightGradQueue", "fp8_linear", "linear", "select_backend", "why_unavailable",
+    "DynamicLossScaler", "E4M3", "E4M3_MAX", "E5M2", "E5M2_MAX", "FORMATS", "Fp8Backend", "Fp8Format",
+    "Fp8Projection", "Fp8Recipe", "Fp8WeightCache", "InputNorm", "LinearComm", "PrecisionRecipe", "QuantizedWeight",
+    "TILE", "WeightGradQueue", "backend_names", "check_backend_name", "choose_recipe", "fp8_linear",
+    "fp8_swiglu_mlp", "fuses_norm", "linear", "resolve_recipe", "select_backend", "why_unavailable",
 ]

@@ -91,19 +91,31 @@ def dequantize_128x128(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_1x128_transposed(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) -> quantized x^T (K, M) in 1x128 tiles along M: the token-contracting operand of wgrad."""
-    return quantize_1x128(x.t(), fmt, power_of_two)
+    """x (M, K) -> quantized x^T (K, M) in 1x128 tiles along M: the token-contracting operand of wgrad (row-major,
+    as every backend lays it out)."""
+    return quantize_1x128(x.t().contiguous(), fmt, power_of_two)
 
 
-def retile_1x128_transposed(q: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
-                            power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Re-tile a saved FP8 activation from 1x128 along K to 1x128 along M (of its transpose) for wgrad.
+def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) -> tuple[torch.Tensor, ...]:
+    """Both quantizations a GEMM operand needs when it is contracted over K (fprop, dgrad) and over its rows
+    (wgrad), each from the high-precision x itself:
 
-    Dequantizes with the row tiles' scales and re-quantizes column tiles. Exact when a column
-    tile's scale equals its rows' scales, and with power-of-two scales whenever the re-scaled
-    values stay in E4M3's normal range (x_fp8 times a power of two needs no rounding).
-    """
-    return quantize_1x128(dequantize_1x128(q, scale).t(), fmt, power_of_two)
+        x (M, K) -> x_fp8 (M, K), scales (M, K/128)           1x128 tiles along K
+                    xt_fp8 (K, M_pad), scales (K, M_pad/128)  x^T in 1x128 tiles along the rows, M padded with
+                                                              zero rows to a multiple of 128
+
+    Scales are returned column-major (stride (1, rows)), the layout the GEMMs read, as every backend returns them."""
+    q, s = quantize_1x128(x, fmt, power_of_two)
+    qt, st = quantize_1x128_transposed(pad_rows(x, -x.shape[0] % TILE, 0.0), fmt, power_of_two)
+    return q, mn_major(s), qt, mn_major(st)
+
+
+def mn_major(scale: torch.Tensor) -> torch.Tensor:
+    """The same (rows, K/128) scales stored column-major (stride (1, rows)); unchanged if they already are."""
+    rows, cols = scale.shape
+    if scale.stride() == (1, rows):  # checked strictly: cuBLAS reads the strides even of a dim of size one
+        return scale
+    return torch.empty_strided((rows, cols), (1, rows), dtype=scale.dtype, device=scale.device).copy_(scale)
 
 
 def pad_rows(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """The precision recipe: a value that says in which dtypes weights live and which GEMMs run in FP8.
 
-It is passed into every GEMM-bearing layer (no global autocast). Master weights, optimizer
-states and gradient accumulation are always FP32 (owned by the optimizer); norms, RoPE, the
-attention softmax and the loss compute in FP32 whatever the recipe; the embedding and LM head
-never run FP8 (`high_precision()` gives their recipe).
+It is passed into every GEMM-bearing layer (no global autocast) and down to the kernels: `Fp8Recipe` is the one
+type that carries the FP8 settings from the config to the backend. Master weights, optimizer states and gradient
+accumulation are always FP32 (owned by the optimizer); norms, RoPE, the attention softmax and the loss compute in
+FP32 whatever the recipe; the embedding and LM head never run FP8 (`high_precision()` gives their recipe).
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import Optional
 
 import torch
 
-from megafp8.config import PrecisionConfig
-from megafp8.precision.fp8_linear import Fp8GemmConfig
+from megafp8.config import ConfigError, PrecisionConfig
+from megafp8.precision.backends import check_backend_name
+from megafp8.precision.formats import FORMATS, Fp8Format
 
 _PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16, "fp16": torch.float16}
 
@@ -31,10 +32,24 @@ class Fp8Recipe:
     wgrad: bool = True
     backend: str = "auto"
 
+    def __post_init__(self) -> None:
+        for what, name in (("format", self.format), ("grad_format", self.grad_format)):
+            if name not in FORMATS:
+                raise ConfigError(f"FP8 {what} {name!r} is not one of {', '.join(FORMATS)}")
+        check_backend_name(self.backend)
+
     @property
-    def gemm_config(self) -> Fp8GemmConfig:
-        return Fp8GemmConfig.from_names(self.format, self.grad_format, self.power_of_two_scales,
-                                        self.fprop, self.dgrad, self.wgrad)
+    def fmt(self) -> Fp8Format:
+        return FORMATS[self.format]
+
+    @property
+    def grad_fmt(self) -> Fp8Format:
+        return FORMATS[self.grad_format]
+
+    @property
+    def all_gemms(self) -> bool:
+        """All three GEMMs (fprop, dgrad, wgrad) in FP8: what the fused FP8 paths and grouped experts need."""
+        return self.fprop and self.dgrad and self.wgrad
 
 
 @dataclass(frozen=True)

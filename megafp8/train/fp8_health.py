@@ -3,7 +3,10 @@
 Every `interval` steps the first micro-batch's FP8 layers report `megafp8.precision.health`
 statistics of what they quantize: the input (1x128 tiles), the weight (128x128 blocks) and the
 gradient arriving at the output (1x128 tiles, gradient format). Hooks are attached only for that
-micro-batch, so other steps pay nothing.
+micro-batch, so other steps pay nothing; compiled blocks run uncompiled during the sampled step
+(`Block.observed`), so no hook ever enters a compiled graph. The two projections of a fused FP8 SwiGLU MLP never run as
+modules of their own: its hook recomputes their inputs and output gradients in BF16 (a GEMM and SwiGLU
+forward and backward on the sampled micro-batch), without touching what the step computes.
 """
 from __future__ import annotations
 
@@ -12,9 +15,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from megafp8.model.mlp import SwiGLU
+from megafp8.model.transformer import Block
 from megafp8.parallel import ExpertLinear, ParallelLinear
 from megafp8.precision.health import fp8_stats
+from megafp8.precision.producers import swiglu, swiglu_backward
 
 log = logging.getLogger("megafp8")
 
@@ -31,30 +38,71 @@ class Fp8HealthMonitor:
         if self.interval <= 0 or step % self.interval != 0:
             return False
         self._stats = {}
-        for name, layer in self.model.named_modules():
+        names = {m: n for n, m in self.model.named_modules()}
+        for layer, name in names.items():
             if isinstance(layer, (ParallelLinear, ExpertLinear)) and layer.runs_fp8:
                 self._handles.append(layer.register_forward_hook(self._make_hook(name)))
+            elif isinstance(layer, SwiGLU) and layer.down_proj.runs_fp8:
+                self._handles.append(layer.register_forward_hook(
+                    self._make_mlp_hook(names[layer.gate_up_proj], names[layer.down_proj])))
+        self._set_observed(bool(self._handles))
         return bool(self._handles)
+
+    def _set_observed(self, observed: bool) -> None:
+        """Compiled blocks run uncompiled while observed (see `Block.observed`): the hooks never enter a graph."""
+        for module in self.model.modules():
+            if isinstance(module, Block):
+                module.observed = observed
+
+    def _record(self, name: str, layer: nn.Module, x: torch.Tensor) -> None:
+        fp8 = layer.recipe.fp8
+        self._stats[name] = {
+            "input": fp8_stats(x, fp8.fmt, power_of_two=fp8.power_of_two_scales),
+            # Stacked expert weights (E, N, K) as (E*N, K): their 128x128 blocks never straddle two experts.
+            "weight": fp8_stats(layer.weight.reshape(-1, layer.weight.shape[-1]), fp8.fmt, blocks=True,
+                                power_of_two=fp8.power_of_two_scales),
+        }
+
+    def _record_grad(self, name: str, layer: nn.Module, grad: torch.Tensor) -> None:
+        if name in self._stats and "grad" not in self._stats[name]:
+            fp8 = layer.recipe.fp8
+            self._stats[name]["grad"] = fp8_stats(grad, fp8.grad_fmt, power_of_two=fp8.power_of_two_scales)
 
     def _make_hook(self, name: str):
         # The hooks run eagerly even inside a compiled block: traced, each layer's hook (a closure over its name)
         # would be compiled anew, and 64 layers exhaust torch._dynamo's recompile limit on every sampled step.
         @torch.compiler.disable
-        def hook(layer: ParallelLinear, inputs: tuple, output: torch.Tensor) -> None:
+        def hook(layer: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
             if name in self._stats:
                 return  # later micro-batches of the sampled step
-            cfg = layer.recipe.fp8.gemm_config
-            self._stats[name] = {
-                "input": fp8_stats(inputs[0], cfg.fmt, power_of_two=cfg.power_of_two),
-                # Stacked expert weights (E, N, K) as (E*N, K): their 128x128 blocks never straddle two experts.
-                "weight": fp8_stats(layer.weight.reshape(-1, layer.weight.shape[-1]), cfg.fmt, blocks=True,
-                                    power_of_two=cfg.power_of_two),
-            }
+            with torch.no_grad():
+                x = layer.gemm_input(inputs) if isinstance(layer, ParallelLinear) else inputs[0]
+            self._record(name, layer, x)
+            if output.requires_grad:
+                output.register_hook(torch.compiler.disable(lambda grad: self._record_grad(name, layer, grad)))
+
+        return hook
+
+    def _make_mlp_hook(self, gate_up_name: str, down_name: str):
+        """For a SwiGLU whose projections ran as one fused FP8 function (their own hooks did not fire): the
+        tensors they quantized, recomputed in BF16 from the MLP's input (on this rank's tokens)."""
+        @torch.compiler.disable
+        def hook(mlp: SwiGLU, inputs: tuple, output: torch.Tensor) -> None:
+            if gate_up_name in self._stats:
+                return  # the layers ran (and were observed) one by one, or a later micro-batch
+            gate_up, down = mlp.gate_up_proj, mlp.down_proj
+            with torch.no_grad():
+                x = gate_up.gemm_input(inputs)
+                gu = F.linear(x, gate_up.weight)
+                self._record(gate_up_name, gate_up, x)
+                self._record(down_name, down, swiglu(gu).to(x.dtype))
             if output.requires_grad:
                 @torch.compiler.disable
-                def grad_hook(grad: torch.Tensor) -> None:
-                    if "grad" not in self._stats[name]:
-                        self._stats[name]["grad"] = fp8_stats(grad, cfg.grad_fmt, power_of_two=cfg.power_of_two)
+                def grad_hook(dy: torch.Tensor) -> None:
+                    with torch.no_grad():
+                        self._record_grad(down_name, down, dy)
+                        d_gu = swiglu_backward(gu, dy.reshape(-1, dy.shape[-1]) @ down.weight)
+                        self._record_grad(gate_up_name, gate_up, d_gu.to(dy.dtype))
 
                 output.register_hook(grad_hook)
 
@@ -65,6 +113,7 @@ class Fp8HealthMonitor:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._set_observed(False)
         keys = [(name, kind, stat) for name, kinds in self._stats.items() for kind, stats in kinds.items()
                 for stat in stats]
         values = torch.stack([self._stats[n][k][s].float() for n, k, s in keys]).tolist() if keys else []

@@ -7,6 +7,7 @@ import sys
 import time
 
 from megafp8.config import ConfigError, dump_config, load_config
+from megafp8.precision import check_backend_name
 from megafp8.train.plan import dry_run
 from megafp8.train.runtime import env_rank, init_distributed, seed_everything, shutdown
 from megafp8.train.trainer import Trainer
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        check_backend_name(cfg.precision.fp8_backend)  # the backends register in `precision`, above the config
     except ConfigError as err:
         return _error(str(err))
     if args.print_config:

@@ -67,7 +67,8 @@ def _capture(model: nn.Module, layers: dict[str, ParallelLinear], batch: Batch) 
     handles = []
     for name, layer in layers.items():
         def hook(module, inputs, output, name=name):
-            seen[name] = {"x": inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float(),
+            x = module.gemm_input(inputs).detach()
+            seen[name] = {"x": x.reshape(-1, x.shape[-1]).float(),
                           "w": module.weight.detach().float()}
             output.register_hook(lambda g, name=name: seen[name].__setitem__("dy", g.reshape(-1, g.shape[-1]).float()))
         handles.append(layer.register_forward_hook(hook))

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.checkpoint import find_latest
-from megafp8.config import Config, ConfigError, ModelConfig, dump_config, validate_config, validate_for_world
+from megafp8.config import Config, ModelConfig, dump_config, validate_config, validate_for_world
 from megafp8.config.loader import config_to_dict
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
 from megafp8.data.indexed import DatasetMeta
@@ -123,14 +123,11 @@ class Trainer:
         par = cfg.parallel
         self.layout = (build_layout(self.model_cfg.num_layers, par.pp, par.pp_schedule, par.pp_virtual_stages,
                                     par.pp_layout) if dims.pp > 1 else None)
-        try:
-            self.model = build_model(cfg, self.model_cfg, self.recipe, device,
-                                     fp8_active=cfg.precision.fp8_start_step == 0, tp=self.tp, ep=self.ep,
-                                     stages=self.layout.local_stages(dims.pp_rank) if self.layout else None)
-            self.routers = [router for _, router in routers(self.model)]
-            self.expert_loads: Optional[torch.Tensor] = None
-        except RuntimeError as err:  # an FP8 backend that cannot run here
-            raise ConfigError(str(err)) from None
+        self.model = build_model(cfg, self.model_cfg, self.recipe, device,
+                                 fp8_active=cfg.precision.fp8_start_step == 0, tp=self.tp, ep=self.ep,
+                                 stages=self.layout.local_stages(dims.pp_rank) if self.layout else None)
+        self.routers = [router for _, router in routers(self.model)]
+        self.expert_loads: Optional[torch.Tensor] = None
         self.loss_scaler = DynamicLossScaler.from_config(cfg.precision) if self.recipe.name == "fp16" else None
         self._build_optimizer()
         self._build_data(meta)

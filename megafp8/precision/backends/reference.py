@@ -1,0 +1,149 @@
+"""The reference FP8 backend: the definition of every FP8 operation, in plain torch, on any device.
+
+Every FP8 GEMM is written `out = A @ B^T` with both operands contiguous along the contraction dim ("TN", what
+FP8 tensor cores take):
+
+    fprop  y  = x    @ w^T : A = x (M, K) 1x128 tiles,     B = w   (N, K) 128x128 blocks  gemm_1x128_128x128
+    dgrad  dx = dy   @ w   : A = dy (M, N) 1x128 tiles,    B = w^T (K, N) 128x128 blocks  gemm_1x128_128x128
+    wgrad  dw = dy^T @ x   : A = dy^T (N, M) 1x128 tiles,  B = x^T (K, M) 1x128 tiles     gemm_1x128_1x128
+
+A backend supplies the quantizers (plain, and fused into their producers: `megafp8.precision.producers`) and these
+GEMMs. This class is the reference every other backend is tested against: it really casts to FP8, then
+dequantizes and multiplies in FP32. Subclasses replace the pieces they run faster and register in
+`megafp8.precision.backends`.
+
+Shared conventions: activation scales come back column-major (stride (1, rows)); a weight is quantized into a
+`QuantizedWeight` whose tensors the backend allocated (`empty_weight`) in the layout its GEMM reads, in place, so
+their addresses never change (compiled code and CUDA graphs read them as fixed inputs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+
+from megafp8.precision import producers
+from megafp8.precision import quantize as ref
+from megafp8.precision.formats import TILE, Fp8Format
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight (N, K) (or stacked experts (E, N, K)) in 128x128 blocks, and its transpose for dgrad: 128x128
+    blocks are transpose-invariant, so w^T holds the same FP8 values and scales, transposed. Scales are in the
+    layout the backend's GEMM reads."""
+
+    w_fp8: torch.Tensor  # (N, K)
+    w_scale: torch.Tensor  # (N/128, K/128) blocks, in the GEMM's layout
+    wt_fp8: torch.Tensor  # (K, N)
+    wt_scale: torch.Tensor  # (K/128, N/128) blocks, in the GEMM's layout
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.w_fp8, self.w_scale, self.wt_fp8, self.wt_scale
+
+
+def _transposed_fp8(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor's last two dims swapped, contiguous (copied as bytes: not every device copies FP8)."""
+    return t.view(torch.uint8).transpose(-2, -1).contiguous().view(t.dtype)
+
+
+class Fp8Backend:
+    """The reference backend (see the module docstring); the base class of every backend."""
+
+    name: ClassVar[str] = "reference"
+    priority: ClassVar[int] = 0  # `auto` picks the available backend of highest priority
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> Optional[str]:
+        """None if this backend can run on `device`, else why not."""
+        return None
+
+    # ------------------------------------------------------------------ activations and gradients
+
+    def quantize_rows(self, x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (M, K) -> (x_fp8 (M, K), scales (M, K/128)) in 1x128 tiles along K."""
+        q, s = ref.quantize_1x128(x, fmt, power_of_two)
+        return q, ref.mn_major(s)
+
+    def quantize_rows_cols(self, x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
+        """x (M, K) -> (x_fp8, scales, xt_fp8 (K, M_pad), scales_t): `quantize.quantize_rows_cols`."""
+        return ref.quantize_rows_cols(x, fmt, power_of_two)
+
+    def rmsnorm_quantize(self, h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format,
+                         power_of_two: bool) -> tuple[torch.Tensor, ...]:
+        """RMSNorm quantized from FP32: `producers.rmsnorm_quantize` (the last output is rstd (M,))."""
+        return producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two)
+
+    def swiglu_quantize(self, gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
+        """silu(gate) * up quantized from FP32 along its features: `producers.swiglu_quantize`."""
+        return producers.swiglu_quantize(gu, fmt, power_of_two)
+
+    def swiglu_backward_quantize(self, gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
+                                 power_of_two: bool) -> tuple[torch.Tensor, ...]:
+        """SwiGLU's input gradient quantized from FP32, and its output's transpose:
+        `producers.swiglu_backward_quantize`."""
+        return producers.swiglu_backward_quantize(gu, da, fmt, grad_fmt, power_of_two)
+
+    # ------------------------------------------------------------------ weights
+
+    def empty_weight(self, shape: torch.Size, fmt: Fp8Format, device: torch.device) -> QuantizedWeight:
+        """Tensors for a weight of `shape` (N, K) or (E, N, K), to be filled by `quantize_weight_`."""
+        *lead, n, k = shape
+        return QuantizedWeight(
+            torch.empty(*lead, n, k, dtype=fmt.dtype, device=device),
+            torch.empty(*lead, n // TILE, k // TILE, dtype=torch.float32, device=device),
+            torch.empty(*lead, k, n, dtype=fmt.dtype, device=device),
+            torch.empty(*lead, k // TILE, n // TILE, dtype=torch.float32, device=device))
+
+    def block_scales_nk(self, scale: torch.Tensor) -> torch.Tensor:
+        """A weight's block scales, as stored by `empty_weight`, viewed as [..., n block, k block] (a view: writing
+        through it fills the GEMM's layout)."""
+        return scale
+
+    def quantize_weight_(self, w: torch.Tensor, out: QuantizedWeight, fmt: Fp8Format, power_of_two: bool) -> None:
+        """Quantize w (N, K) or (E, N, K) in 128x128 blocks into `out` (from `empty_weight`), in place."""
+        *lead, n, k = w.shape
+        q, s = ref.quantize_128x128(w.reshape(-1, k), fmt, power_of_two)
+        q, s = q.view(*lead, n, k), s.view(*lead, n // TILE, k // TILE)
+        with torch.no_grad():
+            out.w_fp8.view(torch.uint8).copy_(q.view(torch.uint8))
+            out.wt_fp8.view(torch.uint8).copy_(_transposed_fp8(q).view(torch.uint8))
+            self.block_scales_nk(out.w_scale).copy_(s)
+            self.block_scales_nk(out.wt_scale).copy_(s.transpose(-2, -1))
+
+    # ------------------------------------------------------------------ GEMMs
+
+    def gemm_1x128_128x128(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                           out_dtype: torch.dtype) -> torch.Tensor:
+        """A (M, K) in 1x128 tiles @ B (N, K)^T in 128x128 blocks (B and its scales from a `QuantizedWeight`)."""
+        a32 = ref.dequantize_1x128(a, a_scale)
+        return (a32 @ ref.dequantize_128x128(b, b_scale).t()).to(out_dtype)
+
+    def gemm_1x128_1x128(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+        """A (M, K) @ B (N, K)^T, both in 1x128 tiles along K (the weight gradient's GEMM)."""
+        return (ref.dequantize_1x128(a, a_scale) @ ref.dequantize_1x128(b, b_scale).t()).to(out_dtype)
+
+    def grouped_gemm_1x128_128x128(self, a: torch.Tensor, a_scale: torch.Tensor, w: QuantizedWeight, transposed: bool,
+                                   rows, out_dtype: torch.dtype) -> torch.Tensor:
+        """Per expert e: A[rows of e] @ B[e]^T, with B = w (E, N, K) or, `transposed`, w^T (E, K, N). A in 1x128
+        tiles, rows laid out by `rows` (`megafp8.precision.grouped.ExpertRows`)."""
+        b, b_scale = (w.wt_fp8, w.wt_scale) if transposed else (w.w_fp8, w.w_scale)
+        out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+        # The reference GEMMs by name: expert weights keep plain (E, N/128, K/128) scales on every backend, which a
+        # subclass's own dense GEMM may not read.
+        for e, lo, hi in rows.segments:
+            out[lo:hi] = Fp8Backend.gemm_1x128_128x128(self, a[lo:hi], a_scale[lo:hi], b[e], b_scale[e], out_dtype)
+        return out
+
+    def grouped_gemm_1x128_1x128(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
+                                 b_scale: torch.Tensor, rows, num_experts: int, out_dtype: torch.dtype) -> torch.Tensor:
+        """Per expert e: A[:, rows of e] @ B[:, rows of e]^T -> (E, N, K). A (N, Mp) and B (K, Mp) in 1x128 tiles
+        along the padded rows (the experts' weight gradients)."""
+        out = torch.zeros(num_experts, a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+        for e, lo, hi in rows.segments:
+            t0, t1 = lo // TILE, hi // TILE
+            out[e] = Fp8Backend.gemm_1x128_1x128(self, a[:, lo:hi].contiguous(), a_scale[:, t0:t1],
+                                                 b[:, lo:hi].contiguous(), b_scale[:, t0:t1], out_dtype)
+        return out

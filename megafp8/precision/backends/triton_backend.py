@@ -1,0 +1,75 @@
+"""The `triton` backend (CUDA GPUs with FP8 tensor cores): our Triton quantizers, fused producers and GEMMs."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+
+from megafp8.precision.backends.reference import Fp8Backend, QuantizedWeight
+from megafp8.precision.formats import Fp8Format
+
+
+def cuda_fp8_unavailable_reason(name: str, device: torch.device) -> Optional[str]:
+    """Why backend `name` (Triton kernels on FP8 tensor cores) cannot run on `device`, or None."""
+    if device.type != "cuda":
+        return f"the {name} backend needs a CUDA GPU, but this run is on {device.type}"
+    if importlib.util.find_spec("triton") is None:
+        return f"the {name} backend needs Triton (pip install triton)"
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return f"the {name} backend needs FP8 tensor cores (compute capability 8.9 or newer)"
+    return None
+
+
+class TritonBackend(Fp8Backend):
+    """Triton kernels for everything: quantizers (bit-exact with the reference), fused producers, and blockwise
+    GEMMs (the dense one at about two thirds of cuBLAS; kept for GEMMs cuBLAS does not take and as a check)."""
+
+    name = "triton"
+    priority = 1
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> Optional[str]:
+        return cuda_fp8_unavailable_reason(cls.name, device)
+
+    def __init__(self) -> None:
+        # Imported here: CPU-only installs never need Triton.
+        from megafp8.precision.kernels import gemm, producers, quantize
+
+        self.quantizers, self.producers, self.gemms = quantize, producers, gemm
+
+    def quantize_rows(self, x, fmt, power_of_two):
+        return self.quantizers.quantize_rows(x, fmt, power_of_two)
+
+    def quantize_rows_cols(self, x, fmt, power_of_two):
+        return self.quantizers.quantize_rows_cols(x, fmt, power_of_two)
+
+    def rmsnorm_quantize(self, h, weight, eps, fmt, power_of_two):
+        return self.producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two)
+
+    def swiglu_quantize(self, gu, fmt, power_of_two):
+        return self.producers.swiglu_quantize(gu, fmt, power_of_two)
+
+    def swiglu_backward_quantize(self, gu, da, fmt, grad_fmt, power_of_two):
+        return self.producers.swiglu_backward_quantize(gu, da, fmt, grad_fmt, power_of_two)
+
+    def quantize_weight_(self, w: torch.Tensor, out: QuantizedWeight, fmt: Fp8Format, power_of_two: bool) -> None:
+        self.quantizers.quantize_weight_(w, out.w_fp8, self.block_scales_nk(out.w_scale), out.wt_fp8,
+                                         self.block_scales_nk(out.wt_scale), fmt, power_of_two)
+
+    def gemm_1x128_128x128(self, a, a_scale, b, b_scale, out_dtype):
+        return self.gemms.gemm(a, a_scale, b, b_scale, True, out_dtype)
+
+    def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype):
+        return self.gemms.gemm(a, a_scale, b, b_scale, False, out_dtype)
+
+    def grouped_gemm_1x128_128x128(self, a, a_scale, w, transposed, rows, out_dtype):
+        b, b_scale = (w.wt_fp8, w.wt_scale) if transposed else (w.w_fp8, w.w_scale)
+        if a.shape[0] == 0:
+            return torch.zeros(0, b.shape[1], dtype=out_dtype, device=a.device)
+        return self.gemms.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, out_dtype)
+
+    def grouped_gemm_1x128_1x128(self, a, a_scale, b, b_scale, rows, num_experts, out_dtype):
+        if a.shape[1] == 0:
+            return torch.zeros(num_experts, a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+        return self.gemms.grouped_wgrad(a, a_scale, b, b_scale, rows.tile_start, rows.tile_count, out_dtype)

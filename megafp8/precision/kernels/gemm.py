@@ -1,0 +1,170 @@
+"""Our blockwise-scaled FP8 GEMMs in Triton: dense (the `triton` backend's) and grouped by expert (MoE).
+
+Each 128-wide K step's FP32 partial product is multiplied by its operands' scales and added to an FP32
+accumulator; results differ from the reference backend only in summation order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+    ],
+    key=["M", "N", "K", "B_BLOCKWISE"],
+)
+@triton.jit
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K,
+                 stride_am, stride_bn, stride_cm, stride_as_m, stride_as_k, stride_bs_n, stride_bs_k,
+                 B_BLOCKWISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """C (M, N) = A (M, K) @ B (N, K)^T with A in 1x128 tiles and B in 128x128 blocks or 1x128 tiles.
+    Each 128-wide K step's FP32 partial product is scaled and added to an FP32 accumulator."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % (GROUP_M * num_n)) % size_m)
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, 128)
+    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + rn[:, None] * stride_bn + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K // 128):
+        a = tl.load(a_ptrs, mask=rm[:, None] < M, other=0.0)
+        b = tl.load(b_ptrs, mask=rn[:, None] < N, other=0.0)
+        a_s = tl.load(as_ptr + rm * stride_as_m + kb * stride_as_k, mask=rm < M, other=0.0)
+        if B_BLOCKWISE:
+            b_s = tl.load(bs_ptr + (rn // 128) * stride_bs_n + kb * stride_bs_k, mask=rn < N, other=0.0)
+        else:
+            b_s = tl.load(bs_ptr + rn * stride_bs_n + kb * stride_bs_k, mask=rn < N, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        a_ptrs += 128
+        b_ptrs += 128
+    c = acc.to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], c, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, b_blockwise: bool,
+         out_dtype: torch.dtype) -> torch.Tensor:
+    m, k = a.shape
+    n = b.shape[0]
+    c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _gemm_kernel[grid](a, b, c, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), c.stride(0),
+                       a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), B_BLOCKWISE=b_blockwise)
+    return c
+
+
+# ---------------------------------------------------------------------------------- grouped (MoE) GEMMs
+# Rows are grouped by expert and each expert's rows are padded to a multiple of 128, so every 128-row tile
+# belongs to one expert (`tile_expert`), and every 1x128 tile along the rows of a transposed operand too.
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_N": 256}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 128}, num_warps=4, num_stages=4),
+    ],
+    key=["N", "K"],
+)
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, N, K,
+                         stride_am, stride_be, stride_bn, stride_cm, stride_as_m, stride_as_k,
+                         stride_bs_e, stride_bs_n, stride_bs_k, BLOCK_N: tl.constexpr):
+    """C (Mp, N) = A (Mp, K) @ B[e] (N, K)^T for each 128-row tile of expert e; A in 1x128 tiles, B in blocks."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    rm = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, 128)
+    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + e * stride_be + rn[:, None] * stride_bn + rk[None, :]
+    acc = tl.zeros((128, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K // 128):
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs, mask=rn[:, None] < N, other=0.0)
+        a_s = tl.load(as_ptr + rm * stride_as_m + kb * stride_as_k)
+        b_s = tl.load(bs_ptr + e * stride_bs_e + (rn // 128) * stride_bs_n + kb * stride_bs_k, mask=rn < N, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        a_ptrs += 128
+        b_ptrs += 128
+    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=rn[None, :] < N)
+
+
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 256}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
+    ],
+    key=["N", "K"],
+)
+@triton.jit
+def _grouped_wgrad_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_start_ptr, tile_count_ptr, N, K,
+                          stride_an, stride_bk, stride_ce, stride_cn, stride_as_n, stride_as_m, stride_bs_k,
+                          stride_bs_m, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[e] (N, K) = A (N, rows of e) @ B (K, rows of e)^T: both operands in 1x128 tiles along the rows."""
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    first = tl.load(tile_start_ptr + e)
+    count = tl.load(tile_count_ptr + e)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    rm = tl.arange(0, 128)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for i in range(0, count):
+        mb = (first + i).to(tl.int64)
+        a = tl.load(a_ptr + rn[:, None] * stride_an + (mb * 128 + rm)[None, :], mask=rn[:, None] < N, other=0.0)
+        b = tl.load(b_ptr + rk[:, None] * stride_bk + (mb * 128 + rm)[None, :], mask=rk[:, None] < K, other=0.0)
+        a_s = tl.load(as_ptr + rn * stride_as_n + mb * stride_as_m, mask=rn < N, other=0.0)
+        b_s = tl.load(bs_ptr + rk * stride_bs_k + mb * stride_bs_m, mask=rk < K, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn[:, None] * stride_cn + rk[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
+
+
+def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                 tile_expert: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a (Mp, K) FP8 rows, a_scale (Mp, K/128); b (E, N, K) FP8 blocks, b_scale (E, N/128, K/128) -> (Mp, N)."""
+    mp, k = a.shape
+    n = b.shape[1]
+    assert mp % 128 == 0 and k % 128 == 0 and a.stride(1) == 1 and b.stride(2) == 1
+    c = torch.empty(mp, n, dtype=out_dtype, device=a.device)
+    _grouped_gemm_kernel[lambda meta: (mp // 128, triton.cdiv(n, meta["BLOCK_N"]))](
+        a, b, c, a_scale, b_scale, tile_expert, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2))
+    return c
+
+
+def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                  tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a (N, Mp), b (K, Mp) FP8 in 1x128 tiles along Mp, scales (N, Mp/128), (K, Mp/128) -> (E, N, K)."""
+    n, mp = a.shape
+    k = b.shape[0]
+    num_experts = tile_start.shape[0]
+    assert a.stride(1) == 1 and b.stride(1) == 1
+    c = torch.empty(num_experts, n, k, dtype=out_dtype, device=a.device)
+    def grid(meta):
+        return (num_experts, triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]))
+
+    _grouped_wgrad_kernel[grid](
+        a, b, c, a_scale, b_scale, tile_start, tile_count, n, k, a.stride(0), b.stride(0), c.stride(0), c.stride(1),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))
+    return c

@@ -1,0 +1,169 @@
+"""Triton kernels for the producers of FP8 GEMM inputs, each quantizing its own FP32 result in the two layouts the
+GEMMs read (1x128 tiles along the features for fprop/dgrad, along the tokens for wgrad). Their pure-torch twins,
+and the numerics they are held to, are in `megafp8.precision.producers`.
+
+Every quantizing program owns a 128x128 tile: 128 tokens (a whole 1x128 tile along the tokens) by 128 features.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megafp8.precision.formats import TILE, Fp8Format
+from megafp8.precision.kernels import quantize, tiles
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK_M": bm}, num_warps=w) for bm in (4, 8, 16) for w in (4, 8)],
+                 key=["K"])
+@triton.jit
+def _rms_inverse_kernel(h_ptr, rstd_ptr, M, eps, stride_hm, K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """rstd[row] = 1 / sqrt(mean(h[row]^2) + eps) for BLOCK_M rows of h (M, K), each step correctly rounded, as
+    torch computes it on the CPU (the sum of squares in this kernel's order)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, 256):
+        cols = k0 + tl.arange(0, 256)
+        h = tl.load(h_ptr + rows[:, None] * stride_hm + cols[None, :], mask=(rows < M)[:, None] & (cols < K)[None, :],
+                    other=0.0).to(tl.float32)
+        sum_sq += tl.sum(h * h, axis=1)
+    mean = tl.math.div_rn(sum_sq, tl.full(sum_sq.shape, K, tl.float32))
+    rstd = tl.math.div_rn(tl.full(sum_sq.shape, 1.0, tl.float32), tl.math.sqrt_rn(mean + eps))
+    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+
+
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)], key=["K", "FP8_MAX", "POW2"])
+@triton.jit
+def _rmsnorm_quantize_kernel(h_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_hm, stride_qm,
+                             stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
+                             FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    quantize.rows_cols_tile(h_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_hm, stride_qm, stride_sm,
+                            stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, True)
+
+
+@triton.jit
+def _gate_up(gu_ptr, rows, cols, M, F, stride_gm):
+    """Gate and up (FP32) at rows x cols of gu = [gate | up]; rows past M read as zeros."""
+    in_rows = (rows < M)[:, None]
+    ptrs = gu_ptr + rows[:, None] * stride_gm + cols[None, :]
+    gate = tl.load(ptrs, mask=in_rows, other=0.0).to(tl.float32)
+    up = tl.load(ptrs + F, mask=in_rows, other=0.0).to(tl.float32)
+    return gate, up
+
+
+@triton.jit
+def _silu_parts(gate):
+    """(sigmoid(gate), silu(gate)) in FP32; forward and backward compute SwiGLU's output from these same values."""
+    s = 1.0 / (1.0 + tl.exp(-gate))
+    return s, gate * s
+
+
+@triton.jit
+def _swiglu_backward_slice(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm):
+    """SwiGLU's output a and the gradients d_gate, d_up (FP32) at rows x cols."""
+    gate, up = _gate_up(gu_ptr, rows, cols, M, F, stride_gm)
+    da = tl.load(da_ptr + rows[:, None] * stride_dm + cols[None, :], mask=(rows < M)[:, None], other=0.0)
+    s, silu = _silu_parts(gate)
+    da_s = da.to(tl.float32) * s
+    return silu * up, da_s * up * (1.0 + gate * (1.0 - s)), da_s * gate
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK_M": bm}, num_warps=w) for bm in (32, 64, 128) for w in (4, 8)],
+                 key=["F", "FP8_MAX", "POW2"])
+@triton.jit
+def _swiglu_quantize_kernel(gu_ptr, q_ptr, s_ptr, M, F, stride_gm, stride_qm, stride_sm, stride_sk,
+                            FP8_MAX: tl.constexpr, POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """silu(gate) * up for BLOCK_M tokens x 128 features, quantized along the features (whole row tiles)."""
+    kb = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = kb * 128 + tl.arange(0, 128)
+    gate, up = _gate_up(gu_ptr, rows, cols, M, F, stride_gm)
+    tiles.store_rows(_silu_parts(gate)[1] * up, rows, cols, M, kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk,
+                     FP8_MAX, POW2)
+
+
+# Rows per slice: a whole 128x128 tile of every result at once does not fit the registers (an SM holds four FP32
+# 128x128 tiles), so smaller slices walk the tile twice: the row tiles and each column's max-abs first, then the
+# column tiles, recomputed from gu and da (re-read from L2). Same bits for every configuration.
+@triton.autotune(configs=[triton.Config({"SLICE": r}, num_warps=w) for r in (16, 32, 64) for w in (4, 8)],
+                 key=["F", "GRAD_MAX", "FP8_MAX", "POW2"])
+@triton.jit
+def _swiglu_backward_quantize_kernel(gu_ptr, da_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr, M, F, stride_gm,
+                                     stride_dm, stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
+                                     stride_at, stride_ats_k, stride_ats_m,
+                                     GRAD_MAX: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                                     SLICE: tl.constexpr):
+    """d(gu) = [da * up * silu'(gate) | da * silu(gate)] in `GRAD_MAX`'s format both ways, and a = silu(gate) * up
+    again, its transpose in `FP8_MAX`'s format (the down projection's wgrad operand)."""
+    kb = tl.program_id(0)
+    mb = tl.program_id(1)
+    cols = kb * 128 + tl.arange(0, 128)
+    up_kb = kb + F // 128
+    a_amax = tl.zeros((128,), dtype=tl.float32)
+    gate_amax = tl.zeros((128,), dtype=tl.float32)
+    up_amax = tl.zeros((128,), dtype=tl.float32)
+    for r0 in range(0, 128, SLICE):  # the row tiles (complete in a slice) and every column's max-abs
+        rows = mb * 128 + r0 + tl.arange(0, SLICE)
+        a, d_gate, d_up = _swiglu_backward_slice(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm)
+        tiles.store_rows(d_gate, rows, cols, M, kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk, GRAD_MAX, POW2)
+        tiles.store_rows(d_up, rows, cols + F, M, up_kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk, GRAD_MAX,
+                         POW2)
+        a_amax = tiles.max_propagating_nan(a_amax, tiles.amax(tl.abs(a), 0))
+        gate_amax = tiles.max_propagating_nan(gate_amax, tiles.amax(tl.abs(d_gate), 0))
+        up_amax = tiles.max_propagating_nan(up_amax, tiles.amax(tl.abs(d_up), 0))
+    a_scale, a_inv = tiles.tile_scale(a_amax, FP8_MAX, POW2)
+    gate_scale, gate_inv = tiles.tile_scale(gate_amax, GRAD_MAX, POW2)
+    up_scale, up_inv = tiles.tile_scale(up_amax, GRAD_MAX, POW2)
+    for r0 in range(0, 128, SLICE):  # the column tiles, stored transposed
+        rows = mb * 128 + r0 + tl.arange(0, SLICE)
+        a, d_gate, d_up = _swiglu_backward_slice(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm)
+        tiles.store_transposed(a, a_inv, rows, cols, at_ptr, stride_at, FP8_MAX)
+        tiles.store_transposed(d_gate, gate_inv, rows, cols, qt_ptr, stride_qt, GRAD_MAX)
+        tiles.store_transposed(d_up, up_inv, rows, cols + F, qt_ptr, stride_qt, GRAD_MAX)
+    tl.store(ats_ptr + cols * stride_ats_k + mb * stride_ats_m, a_scale)
+    tl.store(st_ptr + cols * stride_st_k + mb * stride_st_m, gate_scale)
+    tl.store(st_ptr + (cols + F) * stride_st_k + mb * stride_st_m, up_scale)
+
+
+def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format,
+                     power_of_two: bool) -> tuple[torch.Tensor, ...]:
+    """RMSNorm of h (M, K) -> (x_fp8, scales, xt_fp8, scales_t, rstd (M,) FP32): the rows' inverse RMS first (one
+    read of h), then every 128x128 tile normalized and quantized both ways (a second read, the only write)."""
+    assert h.stride(1) == 1 and weight.is_contiguous(), "rmsnorm_quantize needs a row-major input"
+    m, k = h.shape
+    rstd = torch.empty(m, dtype=torch.float32, device=h.device)
+    out = tiles.rows_cols_outputs(m, k, fmt, h.device)
+    if m:
+        _rms_inverse_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)](h, rstd, m, eps, h.stride(0), K=k)
+        _rmsnorm_quantize_kernel[(k // TILE, triton.cdiv(m, TILE))](
+            h, rstd, weight, *out, m, k, h.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two,
+            **tiles.format_constants(fmt))
+    return (*out, rstd)
+
+
+def swiglu_quantize(gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """gu (M, 2F) = [gate | up] -> silu(gate) * up quantized along F: (a_fp8 (M, F), scales (M, F/128))."""
+    assert gu.stride(1) == 1, "swiglu_quantize needs a row-major input"
+    m, f = gu.shape[0], gu.shape[1] // 2
+    q = torch.empty(m, f, dtype=fmt.dtype, device=gu.device)
+    s = tiles.mn_major_scales(m, f // TILE, gu.device)
+    if m:
+        _swiglu_quantize_kernel[lambda meta: (f // TILE, triton.cdiv(m, meta["BLOCK_M"]))](
+            gu, q, s, m, f, gu.stride(0), q.stride(0), s.stride(0), s.stride(1), POW2=power_of_two,
+            **tiles.format_constants(fmt))
+    return q, s
+
+
+def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
+                             power_of_two: bool) -> tuple[torch.Tensor, ...]:
+    """gu (M, 2F), da (M, F) -> (dgu_fp8 (M, 2F), scales, dgut_fp8 (2F, M_pad), scales_t) in `grad_fmt`, and
+    (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`."""
+    assert gu.stride(1) == 1 and da.stride(1) == 1, "swiglu_backward_quantize needs row-major inputs"
+    m, f = da.shape
+    out = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, gu.device)
+    at, ats = tiles.rows_cols_outputs(m, f, fmt, gu.device)[2:]
+    if m:
+        _swiglu_backward_quantize_kernel[(f // TILE, triton.cdiv(m, TILE))](
+            gu, da, *out, at, ats, m, f, gu.stride(0), da.stride(0), *tiles.rows_cols_strides(*out), at.stride(0),
+            ats.stride(0), ats.stride(1), GRAD_MAX=grad_fmt.max, POW2=power_of_two, **tiles.format_constants(fmt))
+    return (*out, at, ats)

@@ -1,0 +1,117 @@
+"""Standalone Triton quantizers, bit for bit those of `megafp8.precision.quantize`.
+
+- `quantize_rows`: x (M, K) in 1x128 tiles along K.
+- `quantize_rows_cols`: the same and x^T in 1x128 tiles along the rows, from one read of x (the input and the
+  output gradient of every FP8 GEMM whose producer is not fused). One program quantizes one 128x128 tile both ways.
+- `quantize_weight_`: a weight (N, K) or stacked experts (E, N, K) in 128x128 blocks, with its transpose, into
+  tensors the caller keeps (in place, so their addresses never change).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megafp8.precision.formats import TILE, Fp8Format
+from megafp8.precision.kernels import tiles
+
+
+# Rows per program: every configuration computes the same bits; the autotuner picks per (K, format).
+@triton.autotune(configs=[triton.Config({"BLOCK_M": bm}, num_warps=w) for bm in (16, 32, 64) for w in (4, 8)],
+                 key=["K", "FP8_MAX", "POW2"])
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
+                          FP8_MAX: tl.constexpr, POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(0)
+    cols = kb * 128 + tl.arange(0, 128)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None], other=0.0)
+    tiles.store_rows(x.to(tl.float32), rows, cols, M, kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk,
+                     FP8_MAX, POW2)
+
+
+@triton.jit
+def rows_cols_tile(x_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
+                   stride_sk, stride_qt, stride_st_k, stride_st_m,
+                   FP8_MAX: tl.constexpr, POW2: tl.constexpr, NORM: tl.constexpr):
+    """This program's 128x128 tile of x (M, K) both ways; rows past M read as zeros (x^T's padding). With NORM, of
+    RMSNorm(x): (x * rstd[row]) * w[col] in FP32."""
+    kb = tl.program_id(0)
+    mb = tl.program_id(1)
+    rows = mb * 128 + tl.arange(0, 128)
+    cols = kb * 128 + tl.arange(0, 128)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None], other=0.0)
+    x = x.to(tl.float32)
+    if NORM:
+        rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+        x = (x * rstd[:, None]) * tl.load(w_ptr + cols).to(tl.float32)[None, :]
+    tiles.store_rows(x, rows, cols, M, kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk, FP8_MAX, POW2)
+    tiles.store_cols(x, rows, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2)
+
+
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)], key=["K", "FP8_MAX", "POW2"])
+@triton.jit
+def _quantize_rows_cols_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_qm, stride_sm,
+                               stride_sk, stride_qt, stride_st_k, stride_st_m,
+                               FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    rows_cols_tile(x_ptr, x_ptr, x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm, stride_sk,
+                   stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, False)
+
+
+@triton.jit
+def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks,
+                            stride_we, stride_wn, stride_qe, stride_qn, stride_qte, stride_qtk,
+                            stride_se, stride_sn, stride_sk, stride_ste, stride_stn, stride_stk,
+                            FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """One 128x128 block of w[e] (N, K): its values at q[e] and, transposed, at qt[e] (K, N); its scale at
+    s[e, nb, kb] and st[e, kb, nb] (strides given as [e, n block, k block] of each)."""
+    e = tl.program_id(1) // n_blocks
+    nb = tl.program_id(1) % n_blocks
+    kb = tl.program_id(0)
+    n = nb * 128 + tl.arange(0, 128)
+    k = kb * 128 + tl.arange(0, 128)
+    w = tl.load(w_ptr + e * stride_we + n[:, None] * stride_wn + k[None, :]).to(tl.float32)
+    block_amax = tiles.amax(tiles.amax(tl.abs(w), 1), 0)
+    scale, inv = tiles.tile_scale(block_amax, FP8_MAX, POW2)
+    q = tiles.to_fp8(w, inv, FP8_MAX, q_ptr.dtype.element_ty)
+    tl.store(q_ptr + e * stride_qe + n[:, None] * stride_qn + k[None, :], q)
+    tl.store(qt_ptr + e * stride_qte + k[:, None] * stride_qtk + n[None, :], tl.trans(q))
+    tl.store(s_ptr + e * stride_se + nb * stride_sn + kb * stride_sk, scale)
+    tl.store(st_ptr + e * stride_ste + kb * stride_stn + nb * stride_stk, scale)
+
+
+def quantize_rows(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> q (M, K), scales (M, K/128) along K, column-major."""
+    assert x.stride(1) == 1, "quantize_rows needs a row-major input"
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=fmt.dtype, device=x.device)
+    s = tiles.mn_major_scales(m, k // TILE, x.device)
+    _quantize_rows_kernel[lambda meta: (k // TILE, triton.cdiv(m, meta["BLOCK_M"]))](
+        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), POW2=power_of_two,
+        **tiles.format_constants(fmt))
+    return q, s
+
+
+def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
+    """x (M, K) -> (q (M, K), scales (M, K/128), x^T q (K, M_pad), scales (K, M_pad/128)), one read of x."""
+    assert x.stride(1) == 1, "quantize_rows_cols needs a row-major input"
+    m, k = x.shape
+    out = tiles.rows_cols_outputs(m, k, fmt, x.device)
+    if m:
+        _quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
+            x, *out, m, k, x.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two,
+            **tiles.format_constants(fmt))
+    return out
+
+
+def quantize_weight_(w: torch.Tensor, q: torch.Tensor, s_nk: torch.Tensor, qt: torch.Tensor, st_nk: torch.Tensor,
+                     fmt: Fp8Format, power_of_two: bool) -> None:
+    """w (N, K) or (E, N, K) -> q (same shape), qt (w^T per expert), in place; block scales written through
+    `s_nk` ([E,] N/128, K/128) and `st_nk` ([E,] K/128, N/128), views of any layout (see
+    `Fp8Backend.block_scales_nk`)."""
+    assert w.stride(-1) == 1 and q.is_contiguous() and qt.is_contiguous(), "quantize_weight_ needs row-major tensors"
+    w3, q3, qt3, s3, st3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (w, q, qt, s_nk, st_nk))
+    experts, n, k = w3.shape
+    _quantize_weight_kernel[(k // TILE, experts * (n // TILE))](
+        w3, q3, s3, qt3, st3, n // TILE, w3.stride(0), w3.stride(1), q3.stride(0), q3.stride(1), qt3.stride(0),
+        qt3.stride(1), *s3.stride(), *st3.stride(), POW2=power_of_two, num_warps=8, **tiles.format_constants(fmt))

@@ -1,0 +1,91 @@
+"""Producers that quantize their own FP32 result: the pure-torch definitions (twins) of the fused kernels.
+
+An FP8 GEMM's input is usually made by an element-wise producer: RMSNorm before the QKV and gate/up projections,
+SwiGLU before the down projection, and SwiGLU's backward before the gate/up projection's dgrad and wgrad. A fused
+kernel computes the producer in FP32 and quantizes that FP32 result directly, in both layouts the GEMMs need (see
+`quantize.quantize_rows_cols`), so the BF16 tensor between the two is never written or read. The functions here
+are the definitions those kernels are tested against (`../shared/DESIGN.md`, section 3): the producer computed
+in FP32 as written below, then the reference quantizer. A kernel's own FP32 arithmetic may differ from torch's in
+the last bits (its exp, its summation order); its FP8 values stay within one E4M3 ULP of these and its scales
+within a few FP32 ULPs. They run on any device: the reference backend uses them for its fused producers.
+
+Layout of the SwiGLU input: `gu` (M, 2F) holds [gate | up] along the features (the fused gate/up projection's
+output, per tensor-parallel rank), so both halves' 1x128 tiles are whole.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megafp8.precision.formats import Fp8Format
+from megafp8.precision.quantize import mn_major, quantize_1x128, quantize_rows_cols
+
+
+def rms_inverse(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(h^2) + eps) per row, in FP32: (M, K) -> (M,)."""
+    h32 = h.float()
+    return torch.rsqrt(h32.square().mean(dim=-1) + eps)
+
+
+def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format, power_of_two: bool,
+                     rstd: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+    """RMSNorm of h (M, K) with `weight` (K,), quantized from FP32: (x_fp8, scales, xt_fp8, scales_t, rstd).
+
+    The normalized row is (h * rstd) * weight in FP32, in that order (F.rms_norm's). `rstd` (M,), if given,
+    replaces the computed one: a test passes a kernel's own rstd to check the rest of its arithmetic bit for bit."""
+    if rstd is None:
+        rstd = rms_inverse(h, eps)
+    y32 = h.float() * rstd.unsqueeze(-1) * weight.float()
+    return (*quantize_rows_cols(y32, fmt, power_of_two), rstd)
+
+
+def rmsnorm_backward(h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                     dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of y = h * rstd * weight (rstd = rms_inverse(h)) given dy (M, K): (dh in h's dtype, dweight in
+    FP32). Plain torch ops, so a compiled block fuses them with what surrounds them."""
+    h32, dy32, r = h.float(), dy.float(), rstd.unsqueeze(-1)
+    x_hat = h32 * r
+    g = dy32 * weight.float()
+    dh = r * (g - x_hat * (g * x_hat).mean(dim=-1, keepdim=True))
+    return dh.to(h.dtype), (dy32 * x_hat).sum(dim=0)
+
+
+def _gate_up(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = gu.float().chunk(2, dim=-1)
+    return gate, up
+
+
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in FP32: (M, 2F) -> (M, F)."""
+    gate, up = _gate_up(gu)
+    return F.silu(gate) * up
+
+
+def swiglu_quantize(gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up of gu (M, 2F), quantized from FP32 in 1x128 tiles along F: (a_fp8 (M, F), scales), the down
+    projection's forward input. Its transpose for the weight gradient comes from `swiglu_backward_quantize`,
+    which reads gu anyway: saving it from the forward would keep another byte per element for backward."""
+    q, s = quantize_1x128(swiglu(gu), fmt, power_of_two)
+    return q, mn_major(s)
+
+
+def swiglu_backward(gu: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """d(gu) (M, 2F) in FP32 given da = d(silu(gate) * up) (M, F): [da * up * silu'(gate) | da * silu(gate)],
+    silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g)."""
+    gate, up = _gate_up(gu)
+    da32 = da.float()
+    s = torch.sigmoid(gate)
+    d_gate = da32 * up * (s * (1 + gate * (1 - s)))
+    d_up = da32 * (gate * s)
+    return torch.cat([d_gate, d_up], dim=-1)
+
+
+def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
+                             power_of_two: bool) -> tuple[torch.Tensor, ...]:
+    """`swiglu_backward` quantized from FP32 in `grad_fmt` both ways, and SwiGLU's output again, its transpose
+    quantized in `fmt` for the down projection's weight gradient: (dgu_fp8 (M, 2F), scales, dgut_fp8 (2F, M_pad),
+    scales_t, at_fp8 (F, M_pad), at_scales)."""
+    return (*quantize_rows_cols(swiglu_backward(gu, da), grad_fmt, power_of_two),
+            *quantize_rows_cols(swiglu(gu), fmt, power_of_two)[2:])

@@ -1,0 +1,54 @@
+"""Where a weight gradient goes: added into the weight's FP32 `main_grad`, returned, or deferred to a queue.
+
+Micro-batches accumulate weight gradients in FP32: a layer whose weight has a `main_grad` (set by the gradient
+buffer) adds its BF16 GEMM output into it inside backward and returns no gradient. Zero-bubble pipeline schedules
+run the weight-gradient GEMMs later, in their W pass: a layer given a `WeightGradQueue` pushes the GEMM there.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+
+def accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor) -> Optional[torch.Tensor]:
+    """Add dw into `weight.main_grad` (FP32, across micro-batches) if the weight has one; else return it."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return dw
+    main_grad.add_(dw)
+    return None
+
+
+class WeightGradQueue:
+    """Weight-gradient GEMMs held back from backward, to run later (the W pass of zero-bubble pipeline
+    schedules). A layer given a queue pushes its wgrad (GEMM plus FP32 accumulation into `main_grad`) here
+    instead of running it; `take()` hands everything pushed so far over as one callable."""
+
+    def __init__(self) -> None:
+        self._pending: list[Callable[[], None]] = []
+
+    def push(self, run: Callable[[], None]) -> None:
+        self._pending.append(run)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def take(self) -> Callable[[], None]:
+        pending, self._pending = self._pending, []
+
+        def run_all() -> None:
+            with torch.no_grad():  # as inside backward: the deferred GEMMs build no graph
+                for run in pending:
+                    run()
+        return run_all
+
+
+def weight_grad_or_defer(weight: torch.Tensor, compute: Callable[[], torch.Tensor],
+                         queue: Optional[WeightGradQueue]) -> Optional[torch.Tensor]:
+    """The weight's gradient now (see `accumulate_wgrad`), or, with a queue and an FP32 `main_grad` to add into,
+    None now and the GEMM later."""
+    if queue is not None and getattr(weight, "main_grad", None) is not None:
+        queue.push(lambda: accumulate_wgrad(weight, compute()))
+        return None
+    return accumulate_wgrad(weight, compute())

@@ -1,0 +1,199 @@
+"""Conformance of every registered FP8 backend with the reference definitions (`megafp8.precision.backends`).
+
+Each backend runs on each device it supports (the reference on the CPU; the GPU backends, `gpu`-marked, on
+CUDA); what it computes is compared on the CPU with the reference functions applied to the same inputs:
+- standalone quantizers (rows; rows and columns; weights with their transpose, in place): bit for bit;
+- quantizers fused into their producers (RMSNorm, SwiGLU, SwiGLU's backward): within one E4M3 ULP of the
+  pure-torch twins (`megafp8.precision.producers`), scales within a few FP32 ULPs; RMSNorm given the kernel's
+  own inverse RMS, bit for bit;
+- GEMMs, dense and grouped by expert: within FP32 accumulation tolerance.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fp8_checks import assert_same_quantization, assert_within_one_fp8_ulp, float_ulps, outlier_tensor, ties_tensor
+from megafp8.precision import E4M3, E5M2, producers
+from megafp8.precision import quantize as ref
+from megafp8.precision.backends import REGISTERED, Fp8Backend
+from megafp8.precision.grouped import expert_rows
+
+REFERENCE = Fp8Backend()
+# The producer's own FP32 arithmetic (exp, a row's sum of squares) may differ from torch's in the last bits; a
+# scale is the tile's max-abs over 448, so it inherits that difference.
+PRODUCER_SCALE_ULPS = 8
+
+
+def _backend_params():
+    params = []
+    for cls in REGISTERED:
+        devices = ["cpu", "cuda"] if cls.name == "reference" else ["cuda"]
+        for device in devices:
+            marks = [pytest.mark.gpu] if device == "cuda" else []
+            params.append(pytest.param((cls, device), id=f"{cls.name}-{device}", marks=marks))
+    return params
+
+
+@pytest.fixture(params=_backend_params())
+def backend_on(request):
+    cls, device = request.param
+    reason = cls.unavailable_reason(torch.device(device))
+    if reason is not None:
+        pytest.skip(reason)
+    return cls(), torch.device(device)
+
+
+def _inputs(fmt, device):
+    x_nan = outlier_tensor(200, 384, seed=5)
+    x_nan[150, 5] = float("nan")
+    x_nan[20, 300] = float("inf")
+    return [outlier_tensor(384, 512), outlier_tensor(200, 384, seed=1), outlier_tensor(1, 256, seed=2),
+            ties_tensor(fmt), x_nan]
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2-scales"])
+def test_quantizers_give_the_reference_bits(backend_on, fmt, pow2):
+    """Rows, and rows and columns from one read (x^T padded with zero rows to a multiple of 128), on outliers,
+    zero and tiny tiles, every tie between FP8 values, a nan and an inf (which poison their tiles)."""
+    backend, device = backend_on
+    for x in _inputs(fmt, device):
+        x_dev = x.to(device)
+        assert_same_quantization(backend.quantize_rows(x_dev, fmt, pow2), ref.quantize_1x128(x, fmt, pow2),
+                                 f"rows {tuple(x.shape)}")
+        got, want = backend.quantize_rows_cols(x_dev, fmt, pow2), ref.quantize_rows_cols(x, fmt, pow2)
+        assert got[1].stride(0) == 1 and got[3].stride(0) == 1, "scales are returned column-major"
+        assert_same_quantization(got[:2], want[:2], f"rows of rows_cols {tuple(x.shape)}")
+        assert_same_quantization(got[2:], want[2:], f"columns of rows_cols {tuple(x.shape)}")
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2-scales"])
+@pytest.mark.parametrize("shape", [(256, 384), (3, 128, 256)], ids=["dense", "experts"])
+def test_weight_quantization_gives_the_reference_bits_in_place(backend_on, pow2, shape):
+    backend, device = backend_on
+    out = backend.empty_weight(torch.Size(shape), E4M3, device)
+    addresses = [t.data_ptr() for t in out.tensors()]
+    for seed in (0, 1):  # the second version overwrites the first, in the same tensors
+        w = outlier_tensor(shape[-2] * (shape[0] if len(shape) == 3 else 1), shape[-1], seed=seed).view(shape)
+        backend.quantize_weight_(w.to(device), out, E4M3, pow2)
+        assert [t.data_ptr() for t in out.tensors()] == addresses
+        q, s = ref.quantize_128x128(w.reshape(-1, shape[-1]), E4M3, pow2)
+        q, s = q.view(shape), s.view(*shape[:-2], shape[-2] // 128, shape[-1] // 128)
+        kb, nb = s.shape[-1], s.shape[-2]
+        assert_same_quantization((out.w_fp8, backend.block_scales_nk(out.w_scale)[..., :kb]), (q, s), "w")
+        qt = q.view(torch.uint8).transpose(-2, -1).contiguous().view(q.dtype)
+        assert_same_quantization((out.wt_fp8, backend.block_scales_nk(out.wt_scale)[..., :nb]),
+                                 (qt, s.transpose(-2, -1)), "w^T")
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2-scales"])
+def test_fused_producers_stay_within_one_fp8_ulp_of_their_twins(backend_on, pow2):
+    backend, device = backend_on
+    fmt = E4M3
+    h = outlier_tensor(200, 384, seed=3)
+    norm_weight = (1 + 0.1 * torch.randn(384, generator=torch.Generator().manual_seed(4))).to(torch.bfloat16)
+    *got, rstd = backend.rmsnorm_quantize(h.to(device), norm_weight.to(device), 1e-5, fmt, pow2)
+    *want, want_rstd = producers.rmsnorm_quantize(h, norm_weight, 1e-5, fmt, pow2)
+    # The sum of squares in another order: the mean within a few ULPs, its inverse square root within half that.
+    assert int(float_ulps(rstd.cpu(), want_rstd).max()) <= 4, "RMSNorm's inverse RMS"
+    for i, part in ((0, "rows"), (2, "columns")):
+        assert_within_one_fp8_ulp(got[i:i + 2], want[i:i + 2], PRODUCER_SCALE_ULPS, f"rmsnorm {part}")
+    # Given the kernel's own inverse RMS, the rest of its arithmetic (two multiplies, then the quantizer) is exact.
+    exact = producers.rmsnorm_quantize(h, norm_weight, 1e-5, fmt, pow2, rstd=rstd.cpu())
+    assert_same_quantization(got[:2], exact[:2], "rmsnorm rows given its rstd")
+    assert_same_quantization(got[2:], exact[2:4], "rmsnorm columns given its rstd")
+
+    gu = outlier_tensor(200, 512, seed=6)
+    da = outlier_tensor(200, 256, seed=7)
+    got, want = backend.swiglu_quantize(gu.to(device), fmt, pow2), producers.swiglu_quantize(gu, fmt, pow2)
+    assert_within_one_fp8_ulp(got, want, PRODUCER_SCALE_ULPS, "swiglu rows")
+    got = backend.swiglu_backward_quantize(gu.to(device), da.to(device), fmt, E5M2, pow2)
+    want = producers.swiglu_backward_quantize(gu, da, fmt, E5M2, pow2)
+    for i, part in ((0, "d(gu) rows"), (2, "d(gu) columns"), (4, "SwiGLU output columns")):
+        assert_within_one_fp8_ulp(got[i:i + 2], want[i:i + 2], PRODUCER_SCALE_ULPS, f"swiglu backward {part}")
+    assert got[0].dtype == E5M2.dtype and got[4].dtype == fmt.dtype
+    # Forward and backward quantize SwiGLU's output from the same FP32 values: its rows and its columns agree.
+    rows, cols = ref.dequantize_1x128(*(t.cpu() for t in backend.swiglu_quantize(gu.to(device), fmt, pow2))), \
+        ref.dequantize_1x128(*(t.cpu() for t in got[4:]))
+    assert float((rows - cols.t()[:200]).norm() / rows.norm()) < 0.05
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float().cpu() - want).norm() / want.norm())
+
+
+# Odd row counts (1, 5, 129) are what MoE experts get; cuBLAS needs them padded to a multiple of 4.
+@pytest.mark.parametrize("m, k, n", [(256, 512, 384), (1, 256, 128), (5, 256, 128), (129, 512, 256)])
+def test_gemms_match_the_reference_within_accumulation_tolerance(backend_on, m, k, n):
+    backend, device = backend_on
+    a = ref.quantize_1x128(outlier_tensor(m, k), E4M3)
+    w = backend.empty_weight(torch.Size((n, k)), E4M3, device)
+    w_host = outlier_tensor(n, k, seed=2)
+    backend.quantize_weight_(w_host.to(device), w, E4M3, False)
+    w_ref = ref.quantize_128x128(w_host, E4M3)
+    b_tiles = ref.quantize_1x128(outlier_tensor(n, k, seed=3), E4M3)
+    on_device = [t.to(device) for t in a]
+    for out_dtype in (torch.bfloat16, torch.float32):
+        # FP32 out: beyond summation order, Hopper's FP8 MMA keeps fewer accumulator bits within a 128-wide K block
+        # (the effect DeepSeek-V3 reports), ~1e-4 relative. BF16 out: one rounding to 8 mantissa bits.
+        limit = 4e-3 if out_dtype == torch.bfloat16 else 3e-4
+        got = backend.gemm_1x128_128x128(*on_device, w.w_fp8, w.w_scale, out_dtype)
+        assert got.dtype == out_dtype and got.shape == (m, n)
+        assert _relative_error(got, REFERENCE.gemm_1x128_128x128(*a, *w_ref, torch.float32)) < limit
+        got = backend.gemm_1x128_1x128(*on_device, *(t.to(device) for t in b_tiles), out_dtype)
+        assert _relative_error(got, REFERENCE.gemm_1x128_1x128(*a, *b_tiles, torch.float32)) < limit
+
+
+def test_grouped_gemms_match_the_reference(backend_on):
+    """fprop/dgrad over 128-row expert tiles and the k-grouped wgrad, on counts that include an empty expert, a
+    single row and a partial tile."""
+    backend, device = backend_on
+    counts = [5, 0, 130, 1, 300]
+    rows, rows_cpu = expert_rows(counts, device), expert_rows(counts, torch.device("cpu"))
+    a = ref.quantize_1x128(outlier_tensor(rows.total, 512), E4M3)
+    w_host = outlier_tensor(len(counts) * 256, 512, seed=2).view(len(counts), 256, 512)
+    w, w_ref = backend.empty_weight(w_host.shape, E4M3, device), REFERENCE.empty_weight(w_host.shape, E4M3, "cpu")
+    backend.quantize_weight_(w_host.to(device), w, E4M3, False)
+    REFERENCE.quantize_weight_(w_host, w_ref, E4M3, False)
+    at = ref.quantize_1x128(outlier_tensor(256, rows.total, seed=3), E4M3)
+    bt = ref.quantize_1x128(outlier_tensor(512, rows.total, seed=4), E4M3)
+    dev = lambda pair: [t.to(device) for t in pair]  # noqa: E731
+    a_t = ref.quantize_1x128(outlier_tensor(rows.total, 256, seed=5), E4M3)
+    for transposed, lhs in ((False, a), (True, a_t)):
+        got = backend.grouped_gemm_1x128_128x128(*dev(lhs), w, transposed, rows, torch.float32)
+        want = REFERENCE.grouped_gemm_1x128_128x128(*lhs, w_ref, transposed, rows_cpu, torch.float32)
+        for _, lo, hi in rows.segments:  # rows outside the segments are padding
+            assert _relative_error(got[lo:hi], want[lo:hi]) <= 6e-4  # Hopper's FP8 MMA accumulation: 4.4e-4 seen
+    got = backend.grouped_gemm_1x128_1x128(*dev(at), *dev(bt), rows, len(counts), torch.float32)
+    want = REFERENCE.grouped_gemm_1x128_1x128(*at, *bt, rows_cpu, len(counts), torch.float32)
+    for e, _, _ in rows.segments:
+        assert _relative_error(got[e], want[e]) <= 6e-4
+    assert torch.equal(got[1].cpu(), torch.zeros_like(want[1]))  # the empty expert
+
+
+def test_every_custom_op_agrees_with_its_fake_implementation():
+    """The ops a compiled graph records (`megafp8.precision.fp8_ops`) on the reference backend: `opcheck` runs each
+    for real and through its fake implementation and compares shapes, dtypes and strides (which Inductor relies
+    on and checks at run time)."""
+    from megafp8.precision import fp8_ops
+
+    x = outlier_tensor(200, 256)
+    gu, da = outlier_tensor(200, 512, seed=1), outlier_tensor(200, 256, seed=2)
+    w = outlier_tensor(384, 256, seed=3)
+    norm_weight = torch.linspace(0.5, 1.5, 256).to(torch.bfloat16)
+    a, a_scale = REFERENCE.quantize_rows(x, E4M3, False)
+    qw = fp8_ops.quantize_weight(w, "e4m3", False, "reference")
+    b, b_scale = REFERENCE.quantize_rows(w, E4M3, False)
+    cases = [
+        (fp8_ops.quantize_rows, (x, "e4m3", False, "reference")),
+        (fp8_ops.quantize_rows_cols, (x, "e4m3", True, "reference")),
+        (fp8_ops.rmsnorm_quantize, (x, norm_weight, 1e-5, "e4m3", False, "reference")),
+        (fp8_ops.swiglu_quantize, (gu, "e4m3", False, "reference")),
+        (fp8_ops.swiglu_backward_quantize, (gu, da, "e4m3", "e5m2", False, "reference")),
+        (fp8_ops.quantize_weight, (w, "e4m3", False, "reference")),
+        (fp8_ops.gemm_1x128_128x128, (a, a_scale, qw[0], qw[1], torch.bfloat16, "reference")),
+        (fp8_ops.gemm_1x128_1x128, (a, a_scale, b, b_scale, torch.float32, "reference")),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_faketensor",))
