@@ -6,7 +6,7 @@
 # Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe;
 # also ref_eager, moe_compiled, compiled_ro (CUDA graphs), compiled_fp8 (FP8 only), tests (the gpu-marked tests),
 # fused_quantize (our quantizers' bandwidth, fused producers against eager and Inductor), profile_compiled (FP8
-# only), tests_fp8 (the FP8 kernels' and layers' gpu tests), fp8_linear (one layer, BF16 vs FP8), the 8B-layer
+# only), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), fp8_linear (one layer, BF16 vs FP8), the 8B-layer
 # shape (compiled_ro_8b, ref_8b, profile_compiled_8b), cg_diag (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro,
 # old_profile_compiled: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
 # dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
@@ -19,6 +19,8 @@ for part in $PARTS; do
     tests) step gpu_tests python -m pytest -q -m gpu tests/ -x -p no:cacheprovider ;;
     tests_fp8) step gpu_tests_fp8 python -m pytest -q -m gpu tests/test_fp8_backends.py tests/test_fp8_gpu.py \
            -p no:cacheprovider ;;
+    tests_one_gpu) step gpu_tests_one_gpu python -m pytest -q -m gpu tests/test_gpu.py tests/test_fp8_gpu.py \
+           -k "host_wait or learns or moe_layer_on_cuda or mla_moe" -p no:cacheprovider ;;
     fp8_linear) step fp8_linear python benchmarks/fp8_linear.py --backends cublas ;;
     compiled_ro_8b) step ours_compiled_cudagraphs_8b python benchmarks/train_step.py training.compile=true \
            training.compile_mode=reduce-overhead --model 8b-layers --recipes bf16 fp8 ;;
