@@ -32,7 +32,8 @@ def test_a_dense_fp8_training_step_never_makes_the_host_wait(tiny_overrides, com
     buffers, clipping, the optimizer): the loss and grad norm reach the host only when the loop logs them."""
     cfg = load_config("tiny_dense_fp8", tiny_overrides + ["training.device=auto", f"training.compile={compiled}"])
     trainer = Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0))
-    trainer.train_step()  # the first step compiles and autotunes kernels, which synchronizes
+    for _ in range(2):  # step 0 (FP8 health is sampled: blocks run uncompiled) autotunes kernels, step 1 compiles
+        trainer.train_step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

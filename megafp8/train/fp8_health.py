@@ -85,7 +85,9 @@ class Fp8HealthMonitor:
 
     def _make_mlp_hook(self, gate_up_name: str, down_name: str):
         """For a SwiGLU whose projections ran as one fused FP8 function (their own hooks did not fire): the
-        tensors they quantized, recomputed in BF16 from the MLP's input (on this rank's tokens)."""
+        tensors they quantized, recomputed in BF16 from the MLP's input (on this rank's tokens). Nothing is kept
+        between forward and backward but the input, which the step keeps anyway: the gradient hook recomputes the
+        gate/up projection (a GEMM on the sampled micro-batch) rather than holding its output for every layer."""
         @torch.compiler.disable
         def hook(mlp: SwiGLU, inputs: tuple, output: torch.Tensor) -> None:
             if gate_up_name in self._stats:
@@ -93,14 +95,14 @@ class Fp8HealthMonitor:
             gate_up, down = mlp.gate_up_proj, mlp.down_proj
             with torch.no_grad():
                 x = gate_up.gemm_input(inputs)
-                gu = F.linear(x, gate_up.weight)
                 self._record(gate_up_name, gate_up, x)
-                self._record(down_name, down, swiglu(gu).to(x.dtype))
+                self._record(down_name, down, swiglu(F.linear(x, gate_up.weight)).to(x.dtype))
             if output.requires_grad:
                 @torch.compiler.disable
                 def grad_hook(dy: torch.Tensor) -> None:
                     with torch.no_grad():
                         self._record_grad(down_name, down, dy)
+                        gu = F.linear(gate_up.gemm_input(inputs), gate_up.weight)
                         d_gu = swiglu_backward(gu, dy.reshape(-1, dy.shape[-1]) @ down.weight)
                         self._record_grad(gate_up_name, gate_up, d_gu.to(dy.dtype))
 
