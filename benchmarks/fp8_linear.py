@@ -38,12 +38,18 @@ def time_ms(fn, iters: int) -> float:
 
 
 def saved_activation_bytes(layer: nn.Module, x: torch.Tensor) -> int:
-    params = {p.data_ptr() for p in layer.parameters()}
+    """Bytes autograd keeps for backward besides the weights (parameters, and an FP8 layer's quantized weight and
+    its transpose, which live in its cache anyway)."""
+    weights = {p.data_ptr() for p in layer.parameters()}
+    layer(x)  # fills an FP8 layer's weight cache
+    cache = getattr(layer, "fp8_cache", None)
+    if cache is not None and cache.entry is not None:
+        weights |= {t.data_ptr() for t in cache.entry.tensors()}
     total = 0
 
     def pack(t):
         nonlocal total
-        if t.data_ptr() not in params:
+        if t is not None and t.data_ptr() not in weights:
             total += t.numel() * t.element_size()
         return t
 

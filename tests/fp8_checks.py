@@ -1,4 +1,4 @@
-"""Comparisons of FP8 results shared by the tests: bit for bit, within one E4M3 ULP, and test inputs."""
+"""Comparisons of FP8 results shared by the tests (bit for bit, within one E4M3 ULP), test inputs, and an MLP."""
 from __future__ import annotations
 
 import torch
@@ -64,3 +64,33 @@ def assert_within_one_fp8_ulp(got: tuple, want: tuple, max_scale_ulps: int, what
     assert int(off.max()) <= 1, f"{what}: FP8 values {int(off.max())} ULPs apart at {(off > 1).nonzero()[:3].tolist()}"
     ulps = float_ulps(s, s_ref)
     assert int(ulps.max()) <= max_scale_ulps, f"{what}: scales {int(ulps.max())} FP32 ULPs apart"
+
+
+def swiglu_mlp_layers(recipe, hidden: int, ffn: int, std: float, seed: int = 0, device=None):
+    """(gate_up, down, norm): a seeded SwiGLU MLP's projections and its input's RMSNorm, for `swiglu_mlp`."""
+    from megafp8.model.norm import RMSNorm
+    from megafp8.parallel import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(seed)
+    gate_up = ColumnParallelLinear(hidden, 2 * ffn, recipe, parts=(ffn, ffn), device=device)
+    down = RowParallelLinear(ffn, hidden, recipe, device=device)
+    norm = RMSNorm(hidden, 1e-5, torch.bfloat16, device)
+    with torch.no_grad():
+        gate_up.weight.normal_(0, std)
+        down.weight.normal_(0, std)
+        norm.weight.copy_(torch.linspace(0.5, 1.5, hidden))
+    return gate_up, down, norm
+
+
+def run_with_grads(fn, x0: torch.Tensor, params: list, dy_scale: float | None = None) -> list:
+    """[output, input gradient, each parameter's gradient] of fn(x0): backward from mean(y^2), or from a constant
+    output gradient `dy_scale`."""
+    x = x0.clone().requires_grad_(True)
+    for p in params:
+        p.grad = None
+    y = fn(x)
+    if dy_scale is None:
+        y.float().square().mean().backward()
+    else:
+        y.backward(torch.ones_like(y) * dy_scale)
+    return [y.detach(), x.grad] + [p.grad for p in params]

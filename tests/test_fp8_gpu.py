@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megafp8.precision import Fp8Recipe, PrecisionRecipe, select_backend, why_unavailable
+from tests.fp8_checks import run_with_grads, swiglu_mlp_layers
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -55,28 +56,11 @@ def assert_compiled_bits(got: torch.Tensor, want: torch.Tensor, what: str, messa
 
 
 def _mlp(backend: str):
-    from megafp8.model.norm import RMSNorm
-    from megafp8.parallel import ColumnParallelLinear, RowParallelLinear
-
-    recipe = PrecisionRecipe.from_name("fp8", Fp8Recipe(backend=backend))
-    torch.manual_seed(1)
-    gate_up = ColumnParallelLinear(512, 2 * 768, recipe, parts=(768, 768), device=CUDA)
-    down = RowParallelLinear(768, 512, recipe, device=CUDA)
-    norm = RMSNorm(512, 1e-5, torch.bfloat16, CUDA)
-    with torch.no_grad():
-        gate_up.weight.normal_(0, 0.02)
-        down.weight.normal_(0, 0.02)
-        norm.weight.copy_(torch.linspace(0.5, 1.5, 512))
-    return gate_up, down, norm
+    return swiglu_mlp_layers(PrecisionRecipe.from_name("fp8", Fp8Recipe(backend=backend)), 512, 768, 0.02, 1, CUDA)
 
 
 def _mlp_step(fn, x0, params):
-    x = x0.clone().requires_grad_(True)
-    for p in params:
-        p.grad = None
-    y = fn(x)
-    y.backward(torch.ones_like(y) * 0.01)
-    return [y, x.grad] + [p.grad for p in params]
+    return run_with_grads(fn, x0, params, dy_scale=0.01)
 
 
 def test_fused_fp8_mlp_on_gpu_matches_the_reference_backend_and_compiles_to_its_eager_bits():

@@ -6,11 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megafp8.model.norm import RMSNorm
-from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, swiglu_mlp
+from megafp8.parallel import swiglu_mlp
 from megafp8.precision import E4M3, Fp8Recipe, PrecisionRecipe, WeightGradQueue, producers
 from megafp8.precision import quantize as ref
-from tests.fp8_checks import assert_within_one_fp8_ulp, outlier_tensor
+from tests.fp8_checks import assert_within_one_fp8_ulp, outlier_tensor, run_with_grads, swiglu_mlp_layers
 
 FP8 = PrecisionRecipe.from_name("fp8", Fp8Recipe(backend="reference"))
 
@@ -51,24 +50,10 @@ def test_swiglu_and_its_backward_match_autograd():
 
 
 def _mlp(seed=0, recipe=FP8):
-    torch.manual_seed(seed)
-    gate_up = ColumnParallelLinear(256, 2 * 384, recipe, parts=(384, 384))
-    down = RowParallelLinear(384, 256, recipe)
-    norm = RMSNorm(256, 1e-5, torch.bfloat16)
-    with torch.no_grad():
-        gate_up.weight.normal_(0, 0.05)
-        down.weight.normal_(0, 0.05)
-        norm.weight.copy_(torch.linspace(0.5, 1.5, 256))
-    return gate_up, down, norm
+    return swiglu_mlp_layers(recipe, 256, 384, 0.05, seed)
 
 
-def _run(fn, x0, params):
-    x = x0.clone().requires_grad_(True)
-    for p in params:
-        p.grad = None
-    y = fn(x)
-    (y.float().square().mean()).backward()
-    return [y.detach(), x.grad] + [p.grad for p in params]
+_run = run_with_grads
 
 
 def test_fused_fp8_mlp_tracks_the_layers_run_one_by_one_and_float64():

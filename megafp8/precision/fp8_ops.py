@@ -103,26 +103,22 @@ def _(weight, fmt, pow2, backend):
     return _backend(backend).empty_weight(weight.shape, FORMATS[fmt], weight.device).tensors()
 
 
-@torch.library.custom_op("megafp8::gemm_1x128_128x128", mutates_args=())
-def gemm_1x128_128x128(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                       out_dtype: torch.dtype, backend: str) -> torch.Tensor:
-    return _backend(backend).gemm_1x128_128x128(a, a_scale, b, b_scale, out_dtype)
+def _gemm_op(variant: str):
+    """The backend's GEMM `variant` (`gemm_1x128_128x128` or `gemm_1x128_1x128`) as the op megafp8::`variant`."""
+
+    @torch.library.custom_op(f"megafp8::{variant}", mutates_args=())
+    def op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
+           backend: str) -> torch.Tensor:
+        return getattr(_backend(backend), variant)(a, a_scale, b, b_scale, out_dtype)
+
+    @op.register_fake
+    def _(a, a_scale, b, b_scale, out_dtype, backend):
+        return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+    return op
 
 
-@gemm_1x128_128x128.register_fake
-def _(a, a_scale, b, b_scale, out_dtype, backend):
-    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
-
-
-@torch.library.custom_op("megafp8::gemm_1x128_1x128", mutates_args=())
-def gemm_1x128_1x128(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                     out_dtype: torch.dtype, backend: str) -> torch.Tensor:
-    return _backend(backend).gemm_1x128_1x128(a, a_scale, b, b_scale, out_dtype)
-
-
-@gemm_1x128_1x128.register_fake
-def _(a, a_scale, b, b_scale, out_dtype, backend):
-    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+gemm_1x128_128x128 = _gemm_op("gemm_1x128_128x128")
+gemm_1x128_1x128 = _gemm_op("gemm_1x128_1x128")
 
 
 class TracedKernels:
