@@ -6,7 +6,7 @@
 # Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe;
 # also ref_eager, moe_compiled, compiled_ro (CUDA graphs), compiled_fp8 (FP8 only), tests (the gpu-marked tests),
 # fused_quantize (our quantizers' bandwidth, fused producers against eager and Inductor), profile_compiled (FP8
-# only), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), fp8_linear (one layer, BF16 vs FP8), the 8B-layer
+# only), grouped_gemm (MoE grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), fp8_linear (one layer, BF16 vs FP8), the 8B-layer
 # shape (compiled_ro_8b, ref_8b, profile_compiled_8b), cg_diag (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro,
 # old_profile_compiled: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
 # dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
@@ -36,6 +36,7 @@ for part in $PARTS; do
     old_profile_compiled) step old_profile_compiled bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
            training.compile=true --model 1b --recipes fp8 --profile 3" ;;
     fused_quantize) step fused_quantize python benchmarks/fused_quantize.py ;;
+    grouped_gemm) step grouped_gemm python benchmarks/grouped_gemm.py --backend cublas ;;
     compiled_fp8) step ours_compiled_fp8 python benchmarks/train_step.py training.compile=true --model 1b --recipes fp8 ;;
     ours) step ours_eager python benchmarks/train_step.py --model 1b --recipes bf16 fp8 ;;
     ref) step reference_compiled python benchmarks/reference_model.py --compile \

@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO, torchrun_env
 
 
@@ -66,3 +68,41 @@ def test_reference_model_benchmark_runs_on_cpu():
     rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| plain PyTorch")]
     assert rows[0][2].strip() == "bf16" and float(rows[0][4].replace(",", "")) > 0
     assert rows[1][2].strip() == "torchao-blockwise" and "failed:" in rows[1][3]
+
+
+def test_grouped_gemm_benchmark_prints_every_column_or_why_not():
+    """benchmarks/grouped_gemm.py runs its table on CPU (`--device cpu`, the reference backend as ours): a row per
+    GEMM; the BF16 columns and ours are timed after matching the BF16 loop's output; the FP8 columns CPU has no
+    kernel for print their error in their cell instead of crashing the table."""
+    cmd = [sys.executable, "benchmarks/grouped_gemm.py", "--device", "cpu", "--backend", "reference", "--shapes",
+           "2x128,128,256", "--iters", "1"]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
+            if line.startswith("| 2 x 128, 128, 256 |")]
+    assert [row[1] for row in rows] == ["fprop", "dgrad", "wgrad"]
+    for row in rows:
+        bf16_loop, bf16_grouped, rowwise, blockwise, pointer_kernels, ours, ratio = row[2:]
+        assert pointer_kernels == "RuntimeError: our Triton kernels need a CUDA GPU", row
+        assert min(float(bf16_loop), float(bf16_grouped), float(ours)) > 0, row
+        assert rowwise.startswith("NotImplementedError: ") and "'CPU' backend" in rowwise, row
+        assert blockwise.startswith("ConfigError: the cublas backend needs a CUDA GPU"), row
+        assert float(ratio.removesuffix("x")) == pytest.approx(float(ours) / float(bf16_grouped), rel=0.05, abs=0.01)
+
+
+def test_grouped_gemm_benchmark_helpers():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import grouped_gemm as gg
+
+    assert [gg.parse_shape(s) for s in gg.SHAPES] == [(64, 2048, 2048, 2048), (64, 2048, 1024, 2048),
+                                                       (8, 4096, 7168, 4096), (8, 4096, 2048, 7168)]
+    for bad in ("64x2048,2048", "64x2000,2048,2048", "8x4096,7168,4100", "0x128,128,128"):
+        with pytest.raises(ValueError, match="shape"):
+            gg.parse_shape(bad)
+    cell = gg.error_cell(RuntimeError("No gemm implementation was found | really\nsecond line"))
+    assert cell == "RuntimeError: No gemm implementation was found / really"
+    assert len(gg.error_cell(RuntimeError("x" * 500))) == 160
+    assert gg.ratio_cell(1000.0, 647.0) == "1.55x" and gg.ratio_cell(None, 647.0) == "—"
+    table = gg.markdown([("8 x 4096, 7168, 4096", "fprop", ["688", "662", "1171", "1002", "556"], "0.84x")], "cublas")
+    assert table.splitlines()[2] == "| 8 x 4096, 7168, 4096 | fprop | 688 | 662 | 1171 | 1002 | 556 | 0.84x |"
+    assert "megafp8 grouped (cublas)" in table.splitlines()[0]

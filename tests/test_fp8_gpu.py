@@ -140,3 +140,86 @@ def test_fp8_training_on_gpu_learns(tiny_overrides):
     losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
     assert trainer.model.layers[0].mlp.down_proj._fp8_backend.name in ("cublas", "triton")
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def _kernel_outputs() -> dict:
+    """Every Triton quantizer and producer on awkward shapes (rows past a tile's end, a nan), by name."""
+    from megafp8.precision import E4M3, E5M2
+    from megafp8.precision.kernels import producers as kp, quantize as kq
+    torch.manual_seed(0)
+    x = (torch.randn(200, 384, device=CUDA) * torch.logspace(-3, 3, 384, device=CUDA)).to(torch.bfloat16)
+    x[17, 5] = float("nan")
+    gu = torch.randn(200, 512, device=CUDA, dtype=torch.bfloat16) * 4
+    da = torch.randn(200, 256, device=CUDA, dtype=torch.bfloat16)
+    w = (torch.rand(384, device=CUDA) + 0.5).to(torch.bfloat16)
+    return {"rows": kq.quantize_rows(x, E4M3, False), "rows_cols": kq.quantize_rows_cols(x, E5M2, True),
+            "rmsnorm": kp.rmsnorm_quantize(x, w, 1e-5, E4M3, False),
+            "swiglu": kp.swiglu_quantize(gu, E4M3, True),
+            "swiglu_backward split": kp.swiglu_backward_quantize(gu, da, E4M3, E5M2, False, split=True),
+            "swiglu_backward fused": kp.swiglu_backward_quantize(gu, da, E4M3, E5M2, False, split=False)}
+
+
+def _assert_same_bits(got: dict, want: dict, what: str) -> None:
+    for name, tensors in want.items():
+        for i, (a, b) in enumerate(zip(got[name], tensors)):
+            if a.element_size() == 1:  # FP8 compared as bytes (nan has one pattern per sign)
+                a, b = a.view(torch.uint8), b.view(torch.uint8)
+            assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))), \
+                f"{what}: {name} output {i} differs"
+
+
+def test_every_autotuned_configuration_of_every_kernel_gives_the_same_bits():
+    """The autotuner picks a configuration per shape and GPU; each must compute the same bytes and scales (and
+    SwiGLU's backward the same as one fused kernel or two)."""
+    pytest.importorskip("triton")
+    from triton.runtime.autotuner import Autotuner
+    from megafp8.precision.kernels import producers as kp, quantize as kq
+    want = _kernel_outputs()
+    _assert_same_bits({"swiglu_backward split": want["swiglu_backward fused"]},
+                      {"swiglu_backward split": want["swiglu_backward split"]}, "one kernel against two")
+    kernels = [k for mod in (kp, kq) for k in vars(mod).values() if isinstance(k, Autotuner)]
+    assert len(kernels) >= 6
+    for kernel in kernels:
+        saved = kernel.configs, kernel.cache
+        try:
+            for config in saved[0]:
+                kernel.configs, kernel.cache = [config], {}
+                _assert_same_bits(_kernel_outputs(), want, f"{kernel.fn.__name__} with {config}")
+        finally:
+            kernel.configs, kernel.cache = saved
+
+
+def test_grouped_gemm_kernels_with_tma_match_the_pointer_kernels_in_every_configuration():
+    """The TMA grouped GEMMs (fprop/dgrad, wgrad) against the plain ones, with N not a multiple of a 256-wide block
+    (a block reads past its expert's rows into the next expert's) and an expert without rows."""
+    pytest.importorskip("triton")
+    from megafp8.precision import E4M3, quantize as ref
+    from megafp8.precision.grouped import expert_rows
+    from megafp8.precision.kernels import gemm
+    from tests.fp8_checks import outlier_tensor
+    if not gemm.uses_tma(CUDA):
+        pytest.skip("no TMA on this GPU")
+    counts = [130, 0, 256, 5]
+    rows = expert_rows(counts, CUDA)
+    n, k = 384, 256
+    a, a_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(rows.total, k), E4M3))
+    w = [ref.quantize_128x128(outlier_tensor(n, k, seed=10 + e), E4M3) for e in range(len(counts))]
+    b, b_s = (torch.stack([pair[i] for pair in w]).to(CUDA) for i in (0, 1))
+    at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=3), E4M3))
+    bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=4), E4M3))
+    want_y = gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.float32, tma=False)
+    want_dw = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, tma=False)
+    assert not want_dw[1].any()
+    for kernel, run, want in ((gemm._grouped_gemm_tma_kernel, lambda: gemm.grouped_gemm(
+            a, a_s, b, b_s, rows.tile_expert, torch.float32, tma=True), want_y),
+            (gemm._grouped_wgrad_tma_kernel, lambda: gemm.grouped_wgrad(
+                at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, tma=True), want_dw)):
+        saved = kernel.configs, kernel.cache
+        try:
+            for config in saved[0]:
+                kernel.configs, kernel.cache = [config], {}
+                got = run()
+                err = float((got - want).norm() / want.norm())
+                assert err < 1e-6, f"{kernel.fn.__name__} with {config}: relative error {err}"
+        finally:
+            kernel.configs, kernel.cache = saved

@@ -251,6 +251,127 @@ def test_grouped_expert_linear_equals_one_linear_per_expert(recipe, seed):
         start += count
 
 
+# ------------------------------------------------------------------------------- BF16 grouped GEMMs
+
+@pytest.mark.parametrize("where, dtype, rows, k, n, experts, runs", [
+    (("cpu", None), torch.bfloat16, 136, 256, 128, 4, True),
+    (("cpu", None), torch.float16, 136, 256, 128, 4, True),
+    (("cpu", None), torch.float32, 136, 20, 12, 4, True),  # FP32: 20 and 12 elements are 16-byte multiples
+    (("cpu", None), torch.bfloat16, 136, 20, 128, 4, False),  # a BF16 row of 20 elements is 40 bytes
+    (("cpu", None), torch.bfloat16, 136, 256, 12, 4, False),
+    (("cpu", None), torch.bfloat16, 0, 256, 128, 4, False),  # no rows: wgrad's contracted dim would be empty
+    (("cpu", None), torch.float8_e4m3fn, 136, 256, 128, 4, False),
+    (("cuda", (9, 0)), torch.bfloat16, 136, 256, 128, 4, True),  # H100/H200: CUTLASS grouped kernel
+    (("cuda", (10, 0)), torch.bfloat16, 136, 256, 128, 4, True),
+    (("cuda", (9, 0)), torch.bfloat16, 136, 256, 128, 1024, False),  # the CUTLASS kernel takes < 1024 groups
+    (("cuda", (9, 0)), torch.float16, 136, 256, 128, 4, False),  # torch's fallback: a host sync and a loop
+    (("cuda", (9, 0)), torch.float32, 136, 256, 128, 4, False),
+    (("cuda", (8, 0)), torch.bfloat16, 136, 256, 128, 4, False),
+    (("cuda", (12, 0)), torch.bfloat16, 136, 256, 128, 4, False),
+])
+def test_grouped_mm_runs_only_where_torch_has_a_sync_free_kernel(where, dtype, rows, k, n, experts, runs):
+    from megafp8.precision.grouped import grouped_mm_unsupported_reason
+
+    reason = grouped_mm_unsupported_reason(*where, dtype, rows, experts, k, n, has_generic_kernel=True)
+    assert (reason is None) == runs, reason
+    assert grouped_mm_unsupported_reason("cuda", (9, 0), torch.bfloat16, 136, 4, 256, 128, hip=True) is not None
+    assert grouped_mm_unsupported_reason("cpu", None, torch.bfloat16, 136, 4, 256, 128,
+                                         has_generic_kernel=False) is not None
+    assert grouped_mm_unsupported_reason("cuda", (9, 0), torch.bfloat16, 136, 4, 256, 128,
+                                         has_grouped_mm=False) is not None
+
+
+def _plain_grouped_run(monkeypatch, grouped: bool, x, weight, dy, counts, main_grad=None, queue=None):
+    """y, dx and the weight gradient (dw, or main_grad after backward) of the plain grouped linear, through
+    `torch._grouped_mm` (`grouped`) or the per-expert loop; also how many `_grouped_mm` calls ran."""
+    from megafp8.precision import grouped as grouped_module
+
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    if not grouped:
+        monkeypatch.setattr(grouped_module, "_use_grouped_mm", lambda x, w: False)
+    w = weight.detach().clone().requires_grad_(True)
+    if main_grad is not None:
+        w.main_grad = main_grad.clone()
+    xg = x.detach().clone().requires_grad_(True)
+    y = grouped_module.grouped_linear(xg, w, counts, None, None, None, queue)
+    y.backward(dy)
+    monkeypatch.undo()
+    return y.detach(), xg.grad, (w.grad if main_grad is None else w.main_grad), w, len(calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("counts", [[5, 0, 130, 1], [0, 64, 0, 8], [16, 16, 16, 16]])
+def test_bf16_grouped_linear_runs_grouped_mm_and_matches_the_per_expert_loop(monkeypatch, dtype, counts):
+    """Without an FP8 recipe each of fprop, dgrad and wgrad is one `torch._grouped_mm` (on CPU too, where torch
+    2.13 has it), equal to the loop of one matmul per expert it replaced (same per-expert GEMMs: equal up to
+    summation order); experts without rows get an exactly zero weight gradient."""
+    g = torch.Generator().manual_seed(sum(counts))
+    m, k, n = sum(counts), 256, 128
+    x = torch.randn(m, k, generator=g).to(dtype)
+    weight = (0.05 * torch.randn(len(counts), n, k, generator=g)).to(dtype)
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    y, dx, dw, _, calls = _plain_grouped_run(monkeypatch, True, x, weight, dy, counts)
+    assert calls == 3
+    y_loop, dx_loop, dw_loop, _, loop_calls = _plain_grouped_run(monkeypatch, False, x, weight, dy, counts)
+    assert loop_calls == 0
+    for got, want in ((y, y_loop), (dx, dx_loop), (dw, dw_loop)):
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want)
+    start = 0
+    for e, c in enumerate(counts):  # and both are the per-expert GEMMs in FP32 (to the dtype's rounding)
+        rows = slice(start, start + c)
+        tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(y[rows].float(), x[rows].float() @ weight[e].float().t(), **tol)
+        torch.testing.assert_close(dx[rows].float(), dy[rows].float() @ weight[e].float(), **tol)
+        torch.testing.assert_close(dw[e].float(), dy[rows].float().t() @ x[rows].float(), **tol)
+        if c == 0:
+            assert torch.equal(dw[e], torch.zeros_like(dw[e]))
+        start += c
+
+
+def test_bf16_grouped_linear_gradients_reach_main_grad_as_the_loop_does(monkeypatch):
+    """With an FP32 `main_grad` the weight gradient is added into it (no `.grad`), now or, given a queue, when the
+    queue runs: the same with `torch._grouped_mm` as with the loop."""
+    from megafp8.precision import WeightGradQueue
+
+    counts = [40, 0, 24]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 128, generator=g).bfloat16()
+    weight = (0.05 * torch.randn(3, 256, 128, generator=g)).bfloat16()
+    dy = torch.randn(64, 256, generator=g).bfloat16()
+    main_grad = torch.randn(3, 256, 128, generator=g)
+    results = {}
+    for grouped in (True, False):
+        *_, added, w, calls = _plain_grouped_run(monkeypatch, grouped, x, weight, dy, counts, main_grad)
+        assert w.grad is None and calls == (3 if grouped else 0)
+        queue = WeightGradQueue()
+        *_, deferred, wq, calls = _plain_grouped_run(monkeypatch, grouped, x, weight, dy, counts, main_grad, queue)
+        assert wq.grad is None and torch.equal(deferred, main_grad) and len(queue) == 1  # nothing added yet
+        queue.take()()
+        assert torch.equal(wq.main_grad, added)
+        results[grouped] = added
+    torch.testing.assert_close(results[True], results[False])
+    assert torch.equal(results[True][1], main_grad[1])  # the expert without rows adds nothing
+
+
+def test_bf16_grouped_linear_falls_back_to_the_loop_where_grouped_mm_cannot_run(monkeypatch):
+    """Features that are not 16-byte multiples, and no rows at all: the per-expert loop, no `_grouped_mm`."""
+    g = torch.Generator().manual_seed(2)
+    for counts, k, n in (([3, 0, 4], 20, 12), ([0, 0], 256, 128)):
+        x = torch.randn(sum(counts), k, generator=g).bfloat16()
+        weight = torch.randn(len(counts), n, k, generator=g).bfloat16()
+        dy = torch.randn(sum(counts), n, generator=g).bfloat16()
+        y, dx, dw, _, calls = _plain_grouped_run(monkeypatch, True, x, weight, dy, counts)
+        assert calls == 0 and y.shape == (sum(counts), n) and dx.shape == x.shape
+        start = 0
+        for e, c in enumerate(counts):
+            rows = slice(start, start + c)
+            torch.testing.assert_close(dw[e], (dy[rows].t() @ x[rows]) if c else torch.zeros_like(dw[e]))
+            start += c
+
+
 def test_partial_fp8_recipes_are_refused_for_experts_with_a_way_out(tiny_overrides):
     overrides = tiny_overrides + ["model.moe_ffn_hidden_size=128", "precision.fp8_wgrad=false"]
     for start in (0, 5):  # also when FP8 starts later: the error comes at start-up, not at the switch

@@ -11,10 +11,15 @@ Triton grouped kernels on GPU, a loop of the reference GEMM for the reference ba
 operands are exactly those of one FP8 linear per expert; results differ only by summation order. The weight
 gradient is one stacked (E, N, K) tensor, added into `main_grad` (FP32) when the weight has one.
 
-BF16 (no FP8 recipe) takes the same path with plain matmuls.
+BF16 (no FP8 recipe) runs each GEMM as one `torch._grouped_mm` over all experts (rows unpadded, int32 offsets
+= cumulative row counts): fprop x @ w^T, dgrad dy @ w, and wgrad dy^T @ x with the offsets along the contracted
+tokens, giving (E, N, K). Where `_grouped_mm` cannot take the problem in one call without a host sync
+(`grouped_mm_unsupported_reason`), a loop of one matmul per expert gives the same result.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -74,20 +79,123 @@ def _from_padded_layout(padded: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
     return padded.index_select(0, rows.index)
 
 
+# What `torch._grouped_mm` runs where (read in torch's aten/src/ATen/native/cuda/GroupedBlas.cpp, GroupMM.cu and
+# GroupedMMUtils.h, and tried on torch 2.13's CPU build):
+# - CUDA: a CUTLASS grouped kernel, no host sync, only for BF16 operands and output on compute capability 9.x or
+#   10.x, fewer than 1024 groups. Anything else (FP16, FP32, SM80, SM120, ROCm without CK) goes to a fallback that
+#   copies the offsets to the host (a sync) and runs one mm per group: no better than our loop, so we loop.
+# - elsewhere (CPU): the device-generic (CompositeExplicitAutograd) kernel where torch registers one (torch 2.13's
+#   CPU build does), one mm per group, BF16, FP16 and FP32.
+# - every operand's row stride (K for x and w, N for dy) a multiple of 16 bytes ("strides should be multiple of
+#   16 bytes"), and on CUDA every data pointer 16-byte aligned.
+# - group sizes: any, zero included, in the layouts used here (GroupMMCommon.cuh): fprop and dgrad with a row-major
+#   A, wgrad with dy^T a column-major view and x row-major (the layout of torch's own wgrad; with others CUTLASS
+#   asserts on empty groups or unaligned group sizes). An empty expert's weight gradient is still zeroed here:
+#   SM100's kernel leaves garbage there (pytorch/pytorch#172439).
+# - the wgrad form rejects a zero-length contracted dim (no rows at all: "strides should be multiple of 16 bytes"
+#   on CUDA), so no rows means the loop.
+_GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_GROUPED_MM_MAX_GROUPS = 1023  # CUTLASS path: "Can't process more than 1024 groups"
+
+
+def _has_generic_grouped_mm() -> bool:
+    """Whether this torch has `_grouped_mm` with its device-generic (CompositeExplicitAutograd) kernel."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_grouped_mm", "CompositeExplicitAutograd")
+    except RuntimeError:
+        return False
+
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_HAS_GENERIC_GROUPED_MM = _has_generic_grouped_mm()
+
+
+def grouped_mm_unsupported_reason(device_type: str, capability: Optional[tuple[int, int]], dtype: torch.dtype,
+                                  rows: int, experts: int, k: int, n: int, *, hip: bool = False,
+                                  has_grouped_mm: bool = _HAS_GROUPED_MM,
+                                  has_generic_kernel: bool = _HAS_GENERIC_GROUPED_MM) -> Optional[str]:
+    """None if `torch._grouped_mm` computes the three GEMMs of a grouped linear (x (rows, k), w (experts, n, k),
+    all contiguous and 16-byte aligned) in one call each with no host sync; else why the per-expert loop runs.
+    `capability` is the CUDA compute capability (None off CUDA)."""
+    if not has_grouped_mm:
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if dtype not in _GROUPED_MM_DTYPES:
+        return f"torch._grouped_mm takes BF16, FP16 or FP32, not {dtype}"
+    if rows == 0:
+        return "no rows: the weight-gradient form rejects a zero-length contracted dim"
+    align = 16 // dtype.itemsize
+    if k % align or n % align:
+        return f"torch._grouped_mm needs in and out features in multiples of 16 bytes ({align} elements), got {k}, {n}"
+    if device_type == "cuda":
+        if hip:
+            return "on ROCm torch._grouped_mm may run its fallback, which syncs with the host"
+        if capability is None or capability[0] not in (9, 10) or dtype != torch.bfloat16:
+            return (f"torch._grouped_mm's grouped kernel needs BF16 on compute capability 9.x or 10.x (got {dtype} on "
+                    f"{capability}); its fallback syncs with the host")
+        if experts > _GROUPED_MM_MAX_GROUPS:
+            return f"torch._grouped_mm's grouped kernel takes at most {_GROUPED_MM_MAX_GROUPS} experts, got {experts}"
+        return None
+    if not has_generic_kernel:
+        return f"torch {torch.__version__} has no torch._grouped_mm for {device_type}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> Optional[tuple[int, int]]:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Contiguous, and (on CUDA, where `_grouped_mm` checks it) starting on a 16-byte boundary."""
+    return all(t.is_contiguous() and (t.device.type != "cuda" or t.data_ptr() % 16 == 0) for t in tensors)
+
+
+def _use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    experts, n, k = weight.shape
+    return (x.dtype == weight.dtype and _aligned(x, weight) and grouped_mm_unsupported_reason(
+        x.device.type, _capability(x.device), x.dtype, x.shape[0], experts, k, n, hip=torch.version.hip is not None)
+        is None)
+
+
+@dataclass
+class _GroupOffsets:
+    offs: torch.Tensor  # (E,) int32: end row of each expert (the cumulative row counts)
+    empty: Optional[torch.Tensor]  # int32 indices of the experts with no rows, None if every expert has rows
+
+
+def _group_offsets(counts: list[int], device: torch.device) -> _GroupOffsets:
+    """`_grouped_mm`'s offsets and the empty experts, in one host-to-device copy (no sync: counts are on the host)."""
+    empty = [e for e, c in enumerate(counts) if c == 0]
+    table = torch.tensor([*itertools.accumulate(counts), *empty], dtype=torch.int32)
+    if device.type == "cuda":  # queued, as in `expert_rows`
+        table = table.pin_memory().to(device, non_blocking=True)
+    else:
+        table = table.to(device)
+    return _GroupOffsets(table[:len(counts)], table[len(counts):] if empty else None)
+
+
+def _segments(counts: list[int]) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of each expert with rows."""
+    starts = [0, *itertools.accumulate(counts)]
+    return [(e, starts[e], starts[e + 1]) for e, c in enumerate(counts) if c]
+
+
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, counts, cache: Optional[Fp8WeightCache], recipe: Optional[Fp8Recipe],
                 backend: Optional[Fp8Backend], queue: Optional[WeightGradQueue]):
         ctx.recipe, ctx.backend, ctx.queue = recipe, backend, queue
         if recipe is None:
-            segments, y, start = [], x.new_empty(x.shape[0], weight.shape[1]), 0
-            for e, c in enumerate(counts):
-                if c:
-                    torch.matmul(x[start:start + c], weight[e].t(), out=y[start:start + c])
-                    segments.append((e, start, start + c))
-                start += c
-            ctx.segments = segments
+            ctx.counts = counts
+            ctx.offsets = _group_offsets(counts, x.device) if _use_grouped_mm(x, weight) else None
             ctx.save_for_backward(x, weight)
+            if ctx.offsets is not None:  # (M, K) @ (E, K, N) -> (M, N)
+                return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ctx.offsets.offs)
+            y = x.new_empty(x.shape[0], weight.shape[1])
+            for e, lo, hi in _segments(counts):
+                torch.matmul(x[lo:hi], weight[e].t(), out=y[lo:hi])
             return y
         rows = expert_rows(counts, x.device)
         entry = cache.get(weight, backend, recipe.fmt, recipe.power_of_two_scales)
@@ -106,15 +214,26 @@ class _GroupedLinearFn(torch.autograd.Function):
         dy = dy.contiguous()
         if recipe is None:
             (x,) = saved
-            dx = torch.zeros(dy.shape[0], weight.shape[2], dtype=dy.dtype, device=dy.device)
-            for e, lo, hi in ctx.segments:
-                dx[lo:hi] = dy[lo:hi] @ weight[e]
+            offsets = ctx.offsets if dy.dtype == x.dtype and _aligned(dy) else None
+            if offsets is not None:
+                dx = torch._grouped_mm(dy, weight, offs=offsets.offs)  # (M, N) @ (E, N, K) -> (M, K)
 
-            def plain_wgrad() -> torch.Tensor:
-                dw = torch.zeros(weight.shape, dtype=dy.dtype, device=dy.device)
-                for e, lo, hi in ctx.segments:
-                    dw[e] = dy[lo:hi].t() @ x[lo:hi]
-                return dw
+                def plain_wgrad() -> torch.Tensor:  # (N, M) @ (M, K), groups along the tokens -> (E, N, K)
+                    dw = torch._grouped_mm(dy.t(), x, offs=offsets.offs)
+                    if offsets.empty is not None:  # experts without rows get exactly zero
+                        dw.index_put_((offsets.empty,), dw.new_zeros(()))
+                    return dw
+            else:
+                segments = _segments(ctx.counts)
+                dx = torch.zeros(dy.shape[0], weight.shape[2], dtype=dy.dtype, device=dy.device)
+                for e, lo, hi in segments:
+                    dx[lo:hi] = dy[lo:hi] @ weight[e]
+
+                def plain_wgrad() -> torch.Tensor:
+                    dw = torch.zeros(weight.shape, dtype=dy.dtype, device=dy.device)
+                    for e, lo, hi in segments:
+                        dw[e] = dy[lo:hi].t() @ x[lo:hi]
+                    return dw
             return dx, weight_grad_or_defer(weight, plain_wgrad, ctx.queue), None, None, None, None, None
         xt_fp8, xt_scale = saved
         rows, entry = ctx.rows, ctx.entry

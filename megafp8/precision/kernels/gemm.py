@@ -5,6 +5,8 @@ accumulator; results differ from the reference backend only in summation order.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -72,35 +74,48 @@ def gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch
 # belongs to one expert (`tile_expert`), and every 1x128 tile along the rows of a transposed operand too.
 
 
-@triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=4),
-        triton.Config({"BLOCK_N": 256}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_N": 128}, num_warps=4, num_stages=4),
-    ],
-    key=["N", "K"],
-)
+@triton.jit
+def _scaled_step(acc, a, b, a_s, bs_ptr, rn, N, pid_n, kb, stride_bs_n, stride_bs_k, BLOCK_N: tl.constexpr):
+    """acc + (a @ b^T) times the rows' scales a_s and the weight blocks' scales (bs_ptr: this expert's, [n block,
+    k block]). A 128-wide N tile lies in one weight block: one scale, multiplied into the rows' scales first, so
+    each accumulator element takes one FMA."""
+    if BLOCK_N == 128:
+        b_s = tl.load(bs_ptr + pid_n * stride_bs_n + kb * stride_bs_k)
+        return acc + tl.dot(a, b.T) * (a_s * b_s)[:, None]
+    b_s = tl.load(bs_ptr + (rn // 128) * stride_bs_n + kb * stride_bs_k, mask=rn < N, other=0.0)
+    return acc + tl.dot(a, b.T) * a_s[:, None] * b_s[None, :]
+
+
+def _fprop_configs(pre_hook=None) -> list:
+    """Tile shapes for the grouped fprop/dgrad: 64-row tiles (one warpgroup, several programs per SM hiding each
+    other's waits on the tensor cores) and 128-row ones (two warpgroups)."""
+    shapes = [(64, 128, 4), (64, 256, 4), (128, 128, 8), (128, 256, 8)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=st, pre_hook=pre_hook)
+            for bm, bn, w in shapes for st in (3, 4, 5)]
+
+
+@triton.autotune(configs=_fprop_configs(), key=["N", "K"])
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, N, K,
                          stride_am, stride_be, stride_bn, stride_cm, stride_as_m, stride_as_k,
-                         stride_bs_e, stride_bs_n, stride_bs_k, BLOCK_N: tl.constexpr):
+                         stride_bs_e, stride_bs_n, stride_bs_k,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """C (Mp, N) = A (Mp, K) @ B[e] (N, K)^T for each 128-row tile of expert e; A in 1x128 tiles, B in blocks."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
-    rm = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+    e = tl.load(tile_expert_ptr + pid_m * BLOCK_M // 128).to(tl.int64)
+    rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, 128)
     a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]
     b_ptrs = b_ptr + e * stride_be + rn[:, None] * stride_bn + rk[None, :]
-    acc = tl.zeros((128, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, K // 128):
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs, mask=rn[:, None] < N, other=0.0)
         a_s = tl.load(as_ptr + rm * stride_as_m + kb * stride_as_k)
-        b_s = tl.load(bs_ptr + e * stride_bs_e + (rn // 128) * stride_bs_n + kb * stride_bs_k, mask=rn < N, other=0.0)
-        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        acc = _scaled_step(acc, a, b, a_s, bs_ptr + e * stride_bs_e, rn, N, pid_n, kb, stride_bs_n, stride_bs_k,
+                           BLOCK_N)
         a_ptrs += 128
         b_ptrs += 128
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=rn[None, :] < N)
@@ -140,27 +155,145 @@ def _grouped_wgrad_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_start_ptr, t
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
 
 
+# The same two grouped GEMMs for GPUs with the Tensor Memory Accelerator (Hopper and newer): operands loaded by TMA
+# into shared memory (no address arithmetic in the loop, deeper pipelines), and persistent programs, one per SM,
+# walking the output tiles grouped along M so that an expert's weight blocks stay in L2 while its row tiles pass.
+def _fprop_blocks(nargs: dict) -> None:
+    """Autotuner pre-hook: the descriptors' block shapes for this configuration."""
+    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], 128]
+    nargs["b_desc"].block_shape = [nargs["BLOCK_N"], 128]
+    nargs["c_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_N"]]
+
+
+@triton.autotune(configs=_fprop_configs(_fprop_blocks), key=["N", "K"])
+@triton.jit
+def _grouped_gemm_tma_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, tile_expert_ptr, M, N, K,
+                             stride_as_m, stride_as_k, stride_bs_e, stride_bs_n, stride_bs_k,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """`_grouped_gemm_kernel` with TMA loads, persistent over the (M, N) tiles (as many programs as the grid has).
+    B is read as (E * N, K): a block past its expert's N rows reads the next expert's, whose columns of C fall
+    outside C and are not stored."""
+    num_m = M // BLOCK_M
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+        first_m = (tile // in_group) * GROUP_M
+        size_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_group) % size_m
+        pid_n = (tile % in_group) // size_m
+        e = tl.load(tile_expert_ptr + pid_m * BLOCK_M // 128)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, K // 128):
+            a = a_desc.load([pid_m * BLOCK_M, kb * 128])
+            b = b_desc.load([e * N + pid_n * BLOCK_N, kb * 128])
+            a_s = tl.load(as_ptr + (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) * stride_as_m + kb * stride_as_k)
+            acc = _scaled_step(acc, a, b, a_s, bs_ptr + e * stride_bs_e, rn, N, pid_n, kb, stride_bs_n,
+                               stride_bs_k, BLOCK_N)
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+def _wgrad_blocks(nargs: dict) -> None:
+    nargs["a_desc"].block_shape = [nargs["BLOCK_N"], 128]
+    nargs["b_desc"].block_shape = [nargs["BLOCK_K"], 128]
+
+
+@triton.autotune(
+    configs=[triton.Config({"BLOCK_N": 128, "BLOCK_K": bk}, num_warps=8, num_stages=st, pre_hook=_wgrad_blocks)
+             for bk in (128, 256) for st in (3, 4, 5)],
+    key=["N", "K"],
+)
+@triton.jit
+def _grouped_wgrad_tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, tile_start_ptr, tile_count_ptr, num_experts,
+                              N, K, stride_ce, stride_cn, stride_as_n, stride_as_m, stride_bs_k, stride_bs_m,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_grouped_wgrad_kernel` with TMA loads, persistent over the (expert, N, K) output tiles (as many programs as
+    the grid has)."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    per_expert = num_n * num_k
+    for tile in range(tl.program_id(0), num_experts * per_expert, tl.num_programs(0)):
+        e = tile // per_expert
+        pid_n = (tile % per_expert) // num_k
+        pid_k = tile % num_k
+        first = tl.load(tile_start_ptr + e)
+        count = tl.load(tile_count_ptr + e)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for i in range(0, count):
+            mb = first + i
+            a = a_desc.load([pid_n * BLOCK_N, mb * 128])
+            b = b_desc.load([pid_k * BLOCK_K, mb * 128])
+            a_s = tl.load(as_ptr + rn * stride_as_n + mb * stride_as_m, mask=rn < N, other=0.0)
+            b_s = tl.load(bs_ptr + rk * stride_bs_k + mb * stride_bs_m, mask=rk < K, other=0.0)
+            acc += tl.dot(a, b.T) * a_s[:, None] * b_s[None, :]
+        c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn[:, None].to(tl.int64) * stride_cn + rk[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
+
+
+def uses_tma(device: torch.device) -> bool:
+    """Whether the grouped GEMMs take their TMA kernels on `device` (compute capability 9.0 or newer)."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _descriptor(t: torch.Tensor):
+    """A TMA descriptor over the 2-D tensor t; the autotuner's pre-hook sets its block shape."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1] * t.dim())
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                 tile_expert: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a (Mp, K) FP8 rows, a_scale (Mp, K/128); b (E, N, K) FP8 blocks, b_scale (E, N/128, K/128) -> (Mp, N)."""
+                 tile_expert: torch.Tensor, out_dtype: torch.dtype, tma: Optional[bool] = None) -> torch.Tensor:
+    """a (Mp, K) FP8 rows, a_scale (Mp, K/128); b (E, N, K) FP8 blocks, b_scale (E, N/128, K/128) -> (Mp, N).
+    `tma` picks the kernel (default: the TMA one where the GPU has TMA and C's rows are 16-byte aligned; 1.2-1.4x
+    the pointer kernel on an H200, `docs/benchmarks.md`)."""
     mp, k = a.shape
     n = b.shape[1]
     assert mp % 128 == 0 and k % 128 == 0 and a.stride(1) == 1 and b.stride(2) == 1
     c = torch.empty(mp, n, dtype=out_dtype, device=a.device)
-    _grouped_gemm_kernel[lambda meta: (mp // 128, triton.cdiv(n, meta["BLOCK_N"]))](
+    if tma if tma is not None else (uses_tma(a.device) and n % 8 == 0):
+        sms = _sm_count(a.device)
+
+        def persistent_grid(meta):
+            return (min(sms, mp // meta["BLOCK_M"] * triton.cdiv(n, meta["BLOCK_N"])),)
+
+        _grouped_gemm_tma_kernel[persistent_grid](
+            _descriptor(a), _descriptor(b.reshape(-1, k)), _descriptor(c), a_scale, b_scale, tile_expert,
+            mp, n, k, a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+            b_scale.stride(2))
+        return c
+    _grouped_gemm_kernel[lambda meta: (mp // meta["BLOCK_M"], triton.cdiv(n, meta["BLOCK_N"]))](
         a, b, c, a_scale, b_scale, tile_expert, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2))
     return c
 
 
 def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                  tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """a (N, Mp), b (K, Mp) FP8 in 1x128 tiles along Mp, scales (N, Mp/128), (K, Mp/128) -> (E, N, K)."""
+                  tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype,
+                  tma: Optional[bool] = None) -> torch.Tensor:
+    """a (N, Mp), b (K, Mp) FP8 in 1x128 tiles along Mp, scales (N, Mp/128), (K, Mp/128) -> (E, N, K).
+    `tma` picks the kernel (default: the TMA one where the GPU has TMA)."""
     n, mp = a.shape
     k = b.shape[0]
     num_experts = tile_start.shape[0]
     assert a.stride(1) == 1 and b.stride(1) == 1
     c = torch.empty(num_experts, n, k, dtype=out_dtype, device=a.device)
+    if tma if tma is not None else uses_tma(a.device):
+        sms = _sm_count(a.device)
+
+        def persistent_grid(meta):
+            return (min(sms, num_experts * triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"])),)
+
+        _grouped_wgrad_tma_kernel[persistent_grid](
+            _descriptor(a), _descriptor(b), c, a_scale, b_scale, tile_start, tile_count, num_experts, n, k,
+            c.stride(0), c.stride(1), a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))
+        return c
+
     def grid(meta):
         return (num_experts, triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]))
 

@@ -125,6 +125,43 @@ def _swiglu_backward_quantize_kernel(gu_ptr, da_ptr, q_ptr, s_ptr, qt_ptr, st_pt
     tl.store(st_ptr + (cols + F) * stride_st_k + mb * stride_st_m, up_scale)
 
 
+# SwiGLU's backward in two kernels, each computing only what it stores: its rows kernel streams like the forward
+# (whole row tiles of d(gu)); its column kernel holds 128 tokens x BLOCK_N features of the three results, enough for
+# their column tiles. Each reads gu and da once (17 bytes moved per (token, feature) against the fused kernel's 11),
+# but neither walks a tile twice nor holds more than it quantizes.
+@triton.autotune(configs=[triton.Config({"BLOCK_M": bm}, num_warps=w) for bm in (16, 32, 64) for w in (4, 8)],
+                 key=["F", "GRAD_MAX", "POW2"])
+@triton.jit
+def _swiglu_backward_rows_kernel(gu_ptr, da_ptr, q_ptr, s_ptr, M, F, stride_gm, stride_dm, stride_qm, stride_sm,
+                                 stride_sk, GRAD_MAX: tl.constexpr, POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """d(gu) for BLOCK_M tokens x 128 features of gate and of up, quantized along the features."""
+    kb = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = kb * 128 + tl.arange(0, 128)
+    _, d_gate, d_up = _swiglu_backward_slice(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm)
+    tiles.store_rows(d_gate, rows, cols, M, kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk, GRAD_MAX, POW2)
+    tiles.store_rows(d_up, rows, cols + F, M, kb + F // 128, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk,
+                     GRAD_MAX, POW2)
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK_N": bn}, num_warps=w) for bn in (16, 32, 64) for w in (4, 8)],
+                 key=["F", "GRAD_MAX", "FP8_MAX", "POW2"])
+@triton.jit
+def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr, M, F, stride_gm, stride_dm,
+                                 stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k, stride_ats_m,
+                                 GRAD_MAX: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                                 BLOCK_N: tl.constexpr):
+    """d(gu) and a = silu(gate) * up for 128 tokens x BLOCK_N features, quantized along the tokens and stored
+    transposed (rows past M read as zeros: the transposes' padding)."""
+    mb = tl.program_id(1)
+    rows = mb * 128 + tl.arange(0, 128)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    a, d_gate, d_up = _swiglu_backward_slice(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm)
+    tiles.store_cols(a, rows, cols, mb, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX, POW2)
+    tiles.store_cols(d_gate, rows, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX, POW2)
+    tiles.store_cols(d_up, rows, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX, POW2)
+
+
 def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format,
                      power_of_two: bool) -> tuple[torch.Tensor, ...]:
     """RMSNorm of h (M, K) -> (x_fp8, scales, xt_fp8, scales_t, rstd (M,) FP32): the rows' inverse RMS first (one
@@ -155,15 +192,25 @@ def swiglu_quantize(gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tup
 
 
 def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
-                             power_of_two: bool) -> tuple[torch.Tensor, ...]:
+                             power_of_two: bool, split: bool = True) -> tuple[torch.Tensor, ...]:
     """gu (M, 2F), da (M, F) -> (dgu_fp8 (M, 2F), scales, dgut_fp8 (2F, M_pad), scales_t) in `grad_fmt`, and
-    (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`."""
+    (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`. `split` runs the rows and the columns as two
+    kernels (faster on the H200, `docs/benchmarks.md`), else one fused kernel; the same bits either way."""
     assert gu.stride(1) == 1 and da.stride(1) == 1, "swiglu_backward_quantize needs row-major inputs"
     m, f = da.shape
-    out = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, gu.device)
+    q, s, qt, st = out = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, gu.device)
     at, ats = tiles.rows_cols_outputs(m, f, fmt, gu.device)[2:]
-    if m:
+    if not m:
+        return (*out, at, ats)
+    consts = dict(GRAD_MAX=grad_fmt.max, POW2=power_of_two)
+    if split:
+        _swiglu_backward_rows_kernel[lambda meta: (f // TILE, triton.cdiv(m, meta["BLOCK_M"]))](
+            gu, da, q, s, m, f, gu.stride(0), da.stride(0), q.stride(0), s.stride(0), s.stride(1), **consts)
+        _swiglu_backward_cols_kernel[lambda meta: (f // meta["BLOCK_N"], triton.cdiv(m, TILE))](
+            gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
+            at.stride(0), ats.stride(0), ats.stride(1), **consts, **tiles.format_constants(fmt))
+    else:
         _swiglu_backward_quantize_kernel[(f // TILE, triton.cdiv(m, TILE))](
             gu, da, *out, at, ats, m, f, gu.stride(0), da.stride(0), *tiles.rows_cols_strides(*out), at.stride(0),
-            ats.stride(0), ats.stride(1), GRAD_MAX=grad_fmt.max, POW2=power_of_two, **tiles.format_constants(fmt))
+            ats.stride(0), ats.stride(1), **consts, **tiles.format_constants(fmt))
     return (*out, at, ats)

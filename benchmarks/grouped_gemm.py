@@ -1,0 +1,320 @@
+#!/usr/bin/env python
+"""The MoE experts' grouped GEMMs (issue 19): TFLOP/s of fprop, dgrad and wgrad, BF16 and FP8, torch's and ours.
+
+    PYTHONPATH=. python benchmarks/grouped_gemm.py [--quick] [--backend cublas] [--iters 30]
+
+Rows are sorted by expert and every expert has the same number of rows, a multiple of 128 (so the padded layout of
+our FP8 kernels is the plain one). Per (experts x rows, K, N): x (E*rows, K), the stacked weight w (E, N, K), the
+output gradient dy (E*rows, N);
+
+    fprop  y = x @ w[e]^T per expert         (E*rows, N)
+    dgrad  dx = dy @ w[e] per expert         (E*rows, K)
+    wgrad  dw[e] = dy[rows of e]^T @ x[rows of e]   (E, N, K): contracts over each expert's tokens
+
+each 2 * E*rows * K * N FLOPs. Only the GEMM is timed: operands are quantized beforehand (FP8 rowwise: one FP32
+scale per row of each operand along the contracted dim, per expert for wgrad; blockwise and ours: 1x128 tiles for
+activations and gradients, 128x128 blocks for the weight). Columns:
+
+- BF16 loop of matmuls: one `torch.matmul` per expert.
+- BF16 `torch._grouped_mm`: one call (the BF16 expert path of `megafp8.precision.grouped`).
+- FP8 rowwise `torch._scaled_grouped_mm`: one call (use_fast_accum=False): what the hardware gives a grouped FP8
+  GEMM in torch.
+- FP8 blockwise, loop of `F.scaled_mm`: cuBLAS's 1x128 x 128x128 (fprop, dgrad) and 1x128 x 1x128 (wgrad) GEMMs,
+  one per expert (blockwise `F.scaled_grouped_mm` has no SM90 kernel in torch 2.11).
+- ours: the backend's `grouped_gemm_1x128_128x128` (fprop; dgrad with `transposed=True`) and
+  `grouped_gemm_1x128_1x128` (wgrad), as `megafp8.precision.grouped` calls them.
+
+Timings: CUDA events around `--iters` calls after 3 warm-up calls (which also run Triton's autotuning). Each output
+is checked against the BF16 loop's (relative Frobenius error above 1/8 prints "wrong" instead of a speed); a column
+that fails (an API missing in this torch, a GPU it does not support) prints its error's first line in its cell.
+`--device cpu` runs the same table on CPU (a smoke test: the FP8 columns say why they cannot run there).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megafp8.precision.backends import select_backend  # noqa: E402
+from megafp8.precision.formats import E4M3, TILE  # noqa: E402
+from megafp8.precision.grouped import expert_rows  # noqa: E402
+from megafp8.precision.quantize import mn_major  # noqa: E402
+
+SHAPES = ["64x2048,2048,2048", "64x2048,1024,2048", "8x4096,7168,4096", "8x4096,2048,7168"]  # issue 19's
+QUICK_SHAPES = ["8x256,512,512", "4x512,1024,512"]
+GEMMS = ("fprop", "dgrad", "wgrad")
+COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `torch._scaled_grouped_mm`",
+           "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours")
+WRONG = 2**-3  # relative error beyond which a column's output is reported wrong (FP8 gives a few percent)
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """"64x2048,2048,2048" -> (experts, rows per expert, K, N); rows a multiple of 128, K and N of 128."""
+    try:
+        head, k, n = text.split(",")
+        experts, rows = head.split("x")
+        shape = int(experts), int(rows), int(k), int(n)
+    except ValueError:
+        raise ValueError(f"shape {text!r} is not EXPERTSxROWS,K,N (e.g. 64x2048,2048,2048)") from None
+    if min(shape) <= 0 or any(d % TILE for d in shape[1:]):
+        raise ValueError(f"shape {text!r}: rows per expert, K and N must be positive multiples of {TILE}")
+    return shape
+
+
+def error_cell(exc: BaseException, width: int = 160) -> str:
+    """An exception's first line, fit for a markdown table cell."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".replace("|", "/")
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def ratio_cell(ours: Optional[float], base: Optional[float]) -> str:
+    return f"{ours / base:.2f}x" if ours and base else "—"
+
+
+def markdown(rows: list[tuple[str, str, list[str], str]], backend: str) -> str:
+    """rows: (shape, GEMM, a cell per column, ratio cell) -> the table."""
+    head = ["experts x rows, K, N", "GEMM", *COLUMNS[:-1], f"megafp8 grouped ({backend})",
+            "ours / BF16 `_grouped_mm`"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join([shape, gemm, *cells, ratio]) + " |" for shape, gemm, cells, ratio in rows]
+    return "\n".join(lines)
+
+
+def timed_ms(fn: Callable[[], torch.Tensor], device: torch.device, iters: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+@dataclass
+class Problem:
+    experts: int
+    rows: int  # per expert
+    x: torch.Tensor  # (E*rows, K) BF16
+    w: torch.Tensor  # (E, N, K) BF16
+    dy: torch.Tensor  # (E*rows, N) BF16
+    offs: torch.Tensor  # (E,) int32 end row of each expert
+
+    @property
+    def segments(self) -> list[tuple[int, int, int]]:
+        return [(e, e * self.rows, (e + 1) * self.rows) for e in range(self.experts)]
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.x.shape[0] * self.x.shape[1] * self.dy.shape[1]
+
+    def out_shape(self, gemm: str) -> tuple[int, ...]:
+        return {"fprop": tuple(self.dy.shape), "dgrad": tuple(self.x.shape), "wgrad": tuple(self.w.shape)}[gemm]
+
+
+def make_problem(experts: int, rows: int, k: int, n: int, device: torch.device) -> Problem:
+    g = torch.Generator(device=device).manual_seed(0)
+    randn = lambda *shape, std=1.0: (std * torch.randn(*shape, generator=g, device=device)).bfloat16()  # noqa: E731
+    offs = torch.arange(1, experts + 1, dtype=torch.int32, device=device) * rows
+    return Problem(experts, rows, randn(experts * rows, k), randn(experts, n, k, std=k**-0.5), randn(experts * rows, n),
+                   offs)
+
+
+# ---------------------------------------------------------------- the columns: each builds its operands (untimed)
+# and returns the timed call for one GEMM
+
+
+def bf16_loop(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
+    x, w, dy = p.x, p.w, p.dy
+    out = torch.empty(p.out_shape(gemm), dtype=torch.bfloat16, device=x.device)
+
+    def run() -> torch.Tensor:
+        for e, lo, hi in p.segments:
+            if gemm == "fprop":
+                torch.matmul(x[lo:hi], w[e].t(), out=out[lo:hi])
+            elif gemm == "dgrad":
+                torch.matmul(dy[lo:hi], w[e], out=out[lo:hi])
+            else:
+                torch.matmul(dy[lo:hi].t(), x[lo:hi], out=out[e])
+        return out
+    return run
+
+
+def bf16_grouped(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
+    x, w, dy, offs = p.x, p.w, p.dy, p.offs
+    if gemm == "fprop":
+        return lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    if gemm == "dgrad":
+        return lambda: torch._grouped_mm(dy, w, offs=offs)
+    dyt = dy.t()
+    return lambda: torch._grouped_mm(dyt, x, offs=offs)
+
+
+def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (..., K) -> E4M3 values and one FP32 scale per row (..., ), amax mapped to the format's max."""
+    scale = t.float().abs().amax(dim=-1).clamp(min=1e-12) / E4M3.max
+    return (t.float() / scale.unsqueeze(-1)).to(E4M3.dtype), scale
+
+
+def rowwise_per_expert(t: torch.Tensor, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """t^T (C, E*rows) rowwise per expert's columns (the wgrad operands) -> values (C, E*rows), scales (E*C,)."""
+    parts = [rowwise_fp8(t[lo:hi].t()) for _, lo, hi in p.segments]
+    return torch.cat([q for q, _ in parts], dim=1).contiguous(), torch.cat([s for _, s in parts])
+
+
+def fp8_rowwise(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
+    x, w, dy, offs = p.x, p.w, p.dy, p.offs
+
+    def grouped(a, b, sa, sb):  # a row-major, b column-major
+        return lambda: torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+    if gemm == "fprop":
+        (qx, sx), (qw, sw) = rowwise_fp8(x), rowwise_fp8(w)  # w rows along K: (E, N, K)
+        return grouped(qx, qw.transpose(-2, -1), sx, sw)
+    if gemm == "dgrad":
+        (qdy, sdy), (qwt, swt) = rowwise_fp8(dy), rowwise_fp8(w.transpose(-2, -1).contiguous())  # w^T rows along N
+        return grouped(qdy, qwt.transpose(-2, -1), sdy, swt)
+    (qdyt, sdyt), (qxt, sxt) = rowwise_per_expert(dy, p), rowwise_per_expert(x, p)  # (N, M), (K, M)
+    return grouped(qdyt, qxt.t(), sdyt, sxt)
+
+
+def fp8_blockwise_loop(p: Problem, gemm: str, backend: str) -> Callable[[], list[torch.Tensor]]:
+    """One `F.scaled_mm` per expert, called as the cublas backend calls it (its quantizers give the layouts). The
+    timed call returns each expert's output (joining them would add a copy)."""
+    cublas = select_backend("cublas", p.x.device)
+    bw1, bw128 = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
+    calls = []
+    for e, lo, hi in p.segments:
+        if gemm == "wgrad":  # both operands in 1x128 tiles along the expert's rows
+            _, _, a, a_scale = cublas.quantize_rows_cols(p.dy[lo:hi], E4M3, False)
+            _, _, b, b_scale = cublas.quantize_rows_cols(p.x[lo:hi], E4M3, False)
+            calls.append((a, b.t(), mn_major(a_scale), bw1, mn_major(b_scale), bw1))
+            continue
+        weight = cublas.empty_weight(p.w[e].shape, E4M3, p.x.device)  # dense: cuBLAS's block-scale layout
+        cublas.quantize_weight_(p.w[e], weight, E4M3, False)
+        a, a_scale = cublas.quantize_rows(p.x[lo:hi] if gemm == "fprop" else p.dy[lo:hi], E4M3, False)
+        b, b_scale = (weight.w_fp8, weight.w_scale) if gemm == "fprop" else (weight.wt_fp8, weight.wt_scale)
+        calls.append((a, b.t(), mn_major(a_scale), bw1, b_scale, bw128))
+    return lambda: [F.scaled_mm(*c, output_dtype=torch.bfloat16) for c in calls]
+
+
+def ours(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
+    """The backend's grouped GEMMs on the operands `megafp8.precision.grouped` gives them."""
+    impl = select_backend(backend, p.x.device)
+    rows = expert_rows([p.rows] * p.experts, p.x.device)  # rows are multiples of 128: no padding
+    if gemm == "wgrad":
+        _, _, dyt, dyt_scale = impl.quantize_rows_cols(p.dy, E4M3, False)
+        _, _, xt, xt_scale = impl.quantize_rows_cols(p.x, E4M3, False)
+        return lambda: impl.grouped_gemm_1x128_1x128(dyt, dyt_scale, xt, xt_scale, rows, p.experts, torch.bfloat16)
+    weight = impl.empty_weight(p.w.shape, E4M3, p.x.device)
+    impl.quantize_weight_(p.w, weight, E4M3, False)
+    a, a_scale = impl.quantize_rows(p.x if gemm == "fprop" else p.dy, E4M3, False)
+    transposed = gemm == "dgrad"
+    return lambda: impl.grouped_gemm_1x128_128x128(a, a_scale, weight, transposed, rows, torch.bfloat16)
+
+
+def ours_pointer_kernels(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
+    """Our grouped Triton kernels loading through pointers (what GPUs without TMA run), against the TMA ones the
+    backend takes on an H200."""
+    if p.x.device.type != "cuda":
+        raise RuntimeError("our Triton kernels need a CUDA GPU")
+    from megafp8.precision.kernels import gemm as kernels
+    impl = select_backend(backend, p.x.device)
+    rows = expert_rows([p.rows] * p.experts, p.x.device)
+    if gemm == "wgrad":
+        _, _, dyt, dyt_scale = impl.quantize_rows_cols(p.dy, E4M3, False)
+        _, _, xt, xt_scale = impl.quantize_rows_cols(p.x, E4M3, False)
+        return lambda: kernels.grouped_wgrad(dyt, dyt_scale, xt, xt_scale, rows.tile_start, rows.tile_count,
+                                             torch.bfloat16, tma=False)
+    weight = impl.empty_weight(p.w.shape, E4M3, p.x.device)
+    impl.quantize_weight_(p.w, weight, E4M3, False)
+    a, a_scale = impl.quantize_rows(p.x if gemm == "fprop" else p.dy, E4M3, False)
+    b, b_scale = (weight.w_fp8, weight.w_scale) if gemm == "fprop" else (weight.wt_fp8, weight.wt_scale)
+    return lambda: kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, torch.bfloat16, tma=False)
+
+
+BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, ours_pointer_kernels, ours)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
+
+
+def measure(build: Callable, p: Problem, gemm: str, backend: str, reference: Optional[torch.Tensor],
+            iters: int) -> tuple[str, Optional[float]]:
+    """(cell, TFLOP/s or None) of one column for one GEMM."""
+    try:
+        fn = build(p, gemm, backend)
+        out = fn()
+        if isinstance(out, list):  # one output per expert
+            out = torch.stack(out) if gemm == "wgrad" else torch.cat(out)
+        if reference is not None and out.shape != reference.shape:
+            return f"wrong: shape {tuple(out.shape)}", None
+        if reference is not None and (err := relative_error(out, reference)) > WRONG:
+            return f"wrong: relative error {err:.2f}", None
+        del out
+        tflops = p.flops / timed_ms(fn, p.x.device, iters) / 1e9
+        return f"{tflops:.0f}" if tflops >= 10 else f"{tflops:.3g}", tflops
+    except Exception as exc:  # noqa: BLE001 - a column that cannot run says why in its cell
+        return error_cell(exc), None
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"a smoke run: shapes {', '.join(QUICK_SHAPES)}, 5 iters")
+    parser.add_argument("--shapes", nargs="+", default=None, help="EXPERTSxROWS,K,N each (default: issue 19's four)")
+    parser.add_argument("--backend", default="cublas", help="the megafp8 FP8 backend of the 'ours' column")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 30; quick 5)")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke test of the table)")
+    args = parser.parse_args(argv)
+    shapes = [parse_shape(s) for s in (args.shapes or (QUICK_SHAPES if args.quick else SHAPES))]
+    iters = args.iters or (5 if args.quick else 30)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA GPU here (--device cpu runs a smoke test)")
+    if device.type == "cuda":
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, {iters} iters, TFLOP/s\n")
+    rows = []
+    for experts, per_expert, k, n in shapes:
+        p = make_problem(experts, per_expert, k, n, device)
+        for gemm in GEMMS:
+            reference = bf16_loop(p, gemm, args.backend)().clone()
+            measured = [measure(build, p, gemm, args.backend, reference, iters) for build in BUILDERS]
+            del reference
+            rows.append((f"{experts} x {per_expert}, {k}, {n}", gemm, [cell for cell, _ in measured],
+                         ratio_cell(measured[-1][1], measured[1][1])))
+        del p
+    print(markdown(rows, args.backend))
+    if device.type == "cuda":
+        print_tuned_configs()
+
+
+def print_tuned_configs() -> None:
+    """The configuration the autotuner chose for each of our grouped kernels, per (N, K) it saw."""
+    try:
+        from megafp8.precision.kernels import gemm as kernels
+        for name, kernel in sorted(vars(kernels).items()):
+            for key, config in getattr(kernel, "cache", {}).items():
+                print(f"- {name} {key[:2]}: {config}")
+    except Exception as exc:  # noqa: BLE001 - Triton internals; the table above stands without this
+        print(f"(no autotuner report: {error_cell(exc)})")
+
+
+if __name__ == "__main__":
+    main()
