@@ -169,8 +169,9 @@ def _assert_same_bits(got: dict, want: dict, what: str) -> None:
 
 
 def test_every_autotuned_configuration_of_every_kernel_gives_the_same_bits():
-    """The autotuner picks a configuration per shape and GPU; each must compute the same bytes and scales (and
-    SwiGLU's backward the same as one fused kernel or two)."""
+    """The autotuner picks a configuration per shape and GPU, by timing, so maybe differently in the next run; each
+    must compute the same bytes and scales (and SwiGLU's backward the same as one fused kernel or two), or a resumed
+    run would not repeat its bits."""
     pytest.importorskip("triton")
     from triton.runtime.autotuner import Autotuner
     from megafp8.precision.kernels import producers as kp, quantize as kq
@@ -193,6 +194,7 @@ def test_grouped_gemm_kernels_with_tma_match_the_pointer_kernels_in_every_config
     """The TMA grouped GEMMs (fprop/dgrad, wgrad) against the plain ones, with N not a multiple of a 256-wide block
     (a block reads past its expert's rows into the next expert's) and an expert without rows."""
     pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
     from megafp8.precision import E4M3, quantize as ref
     from megafp8.precision.grouped import expert_rows
     from megafp8.precision.kernels import gemm
@@ -216,10 +218,16 @@ def test_grouped_gemm_kernels_with_tma_match_the_pointer_kernels_in_every_config
                 at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, tma=True), want_dw)):
         saved = kernel.configs, kernel.cache
         try:
+            ran = 0
             for config in saved[0]:
                 kernel.configs, kernel.cache = [config], {}
-                got = run()
+                try:
+                    got = run()
+                except OutOfResources:  # the autotuner skips it too (e.g. FP32 C's tile)
+                    continue
+                ran += 1
                 err = float((got - want).norm() / want.norm())
                 assert err < 1e-6, f"{kernel.fn.__name__} with {config}: relative error {err}"
+            assert ran >= len(saved[0]) // 2, f"{kernel.fn.__name__}: only {ran} configurations fit"
         finally:
             kernel.configs, kernel.cache = saved

@@ -14,8 +14,11 @@ from megafp8.precision.formats import TILE, Fp8Format
 from megafp8.precision.kernels import quantize, tiles
 
 
-@triton.autotune(configs=[triton.Config({"BLOCK_M": bm}, num_warps=w) for bm in (4, 8, 16) for w in (4, 8)],
-                 key=["K"])
+# One configuration, not autotuned: the sum of squares' order follows the block shape and the warps, and a choice
+# that could differ between runs (the autotuner times configurations) would change a run's bits on restart.
+RMS_BLOCK_M, RMS_WARPS = 8, 8
+
+
 @triton.jit
 def _rms_inverse_kernel(h_ptr, rstd_ptr, M, eps, stride_hm, K: tl.constexpr, BLOCK_M: tl.constexpr):
     """rstd[row] = 1 / sqrt(mean(h[row]^2) + eps) for BLOCK_M rows of h (M, K), each step correctly rounded, as
@@ -171,7 +174,8 @@ def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8
     rstd = torch.empty(m, dtype=torch.float32, device=h.device)
     out = tiles.rows_cols_outputs(m, k, fmt, h.device)
     if m:
-        _rms_inverse_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]),)](h, rstd, m, eps, h.stride(0), K=k)
+        _rms_inverse_kernel[(triton.cdiv(m, RMS_BLOCK_M),)](h, rstd, m, eps, h.stride(0), K=k, BLOCK_M=RMS_BLOCK_M,
+                                                            num_warps=RMS_WARPS)
         _rmsnorm_quantize_kernel[(k // TILE, triton.cdiv(m, TILE))](
             h, rstd, weight, *out, m, k, h.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two,
             **tiles.format_constants(fmt))
