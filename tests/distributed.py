@@ -1,6 +1,7 @@
-"""Run a test body on N gloo ranks in fresh processes (torch.multiprocessing.spawn, file-store rendezvous)."""
+"""Run a test body on N gloo ranks in fresh processes (forked from a preloaded server, file-store rendezvous)."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -31,10 +32,19 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
     os._exit(0)
 
 
+# Ranks fork from one server process that imported torch and megafp8 once for the whole session: a fresh
+# interpreter per rank spent ~5 s of CPU importing them, most of a small test's time on a 2-core CI machine. The
+# server runs no torch operations, so no thread pool exists when it forks. (Its environment is the one it started
+# with: a test that needs different variables in its ranks must pass them as arguments.)
+PRELOAD = ["torch", "torch.distributed", "megafp8.train.trainer", "megafp8.train.main", "tests.distributed"]
+
+
 def spawn(world_size: int, fn: Callable, *args) -> None:
     """Run `fn(rank, world_size, *args)` on every rank; an exception on any rank fails the caller."""
+    multiprocessing.set_forkserver_preload(PRELOAD)  # takes effect when the server first starts
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world_size, f"{tmp}/store", fn, args), nprocs=world_size, join=True)
+        mp.start_processes(_entry, args=(world_size, f"{tmp}/store", fn, args), nprocs=world_size, join=True,
+                           start_method="forkserver")
 
 
 def full_grads(trainer) -> dict:

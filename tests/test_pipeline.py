@@ -20,6 +20,7 @@ from megafp8.parallel import ParallelDims
 from megafp8.parallel.pipeline import build_layout, simulated_bubble
 from megafp8.train.main import main
 from megafp8.train.trainer import Trainer
+from tests.conftest import TINY_OVERRIDES
 from tests.distributed import capture_first_step_grads, spawn
 
 MODEL = ["model.num_layers=4", "model.vocab_size=512", "training.steps=5", "training.eval_interval=5",
@@ -68,15 +69,19 @@ def _assert_matches(ref, got, loss_rtol=1e-5, grad_frac=1e-5, norm_rtol=1e-5):
         assert err <= grad_frac * expected.abs().max().item(), (name, err)
 
 
-@pytest.fixture
-def reference(tiny_overrides, tmp_path):
-    """PP=1 runs, cached per model variant within a test."""
+@pytest.fixture(scope="module")
+def reference(corpus_dir, tmp_path_factory):
+    """PP=1 runs, cached per model variant for the module: every schedule and layout compares with the same runs
+    (the tests' overrides differ from these only in their run directories)."""
     cache = {}
+    root = tmp_path_factory.mktemp("pp1")
 
     def get(extra, config="tiny_dense"):
         key = (config, tuple(extra))
         if key not in cache:
-            cache[key] = _run(tmp_path, f"ref{len(cache)}", 1, tiny_overrides + MODEL + extra, config)
+            name = f"ref{len(cache)}"
+            overrides = TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={root}", f"run_name={name}"]
+            cache[key] = _run(root, name, 1, overrides + MODEL + extra, config)
         return cache[key]
     return get
 
