@@ -125,3 +125,42 @@ def test_an_incomplete_sharded_checkpoint_is_skipped_or_named(tiny_overrides, tm
     with pytest.raises(ConfigError, match=r"lacks meta.pt: not a complete megafp8 checkpoint"):
         Trainer(load_config("tiny_dense", overrides + [f"checkpoint.resume={path}"]), ParallelDims.single(),
                 torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------------- vocabulary
+
+DEFAULT_VOCAB_TP_MODEL = [o for o in TP_MODEL if not o.startswith("model.vocab_size")]
+
+
+def _save_at_tp2_worker(rank, world, overrides, out_path):
+    cfg = load_config("tiny_dense", overrides)
+    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel), torch.device("cpu"))
+    for _ in range(3):
+        trainer.train_step()
+    trainer.save()
+    val = trainer.evaluate()
+    if rank == 0:
+        torch.save({"val": val, "vocab": trainer.model_cfg.vocab_size}, out_path)
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1_with_the_default_vocabulary(tiny_overrides, tmp_path):
+    """0800a78 padded the vocabulary to 128 x tp (512 rows at TP=2, 384 at TP=1), so this failed unless
+    model.vocab_size was set, with advice that did not work."""
+    base = tiny_overrides + DEFAULT_VOCAB_TP_MODEL + [f"checkpoint.dir={tmp_path / 'ck'}"]
+    spawn(2, _save_at_tp2_worker, base + ["parallel.tp=2", "checkpoint.resume=none"], tmp_path / "tp2.pt")
+    tp2 = torch.load(tmp_path / "tp2.pt")
+    one = Trainer(load_config("tiny_dense", base), ParallelDims.single(), torch.device("cpu"))
+    assert one.step == 3 and one.model_cfg.vocab_size == tp2["vocab"] == 384
+    assert math.isclose(one.evaluate(), tp2["val"], rel_tol=1e-5)
+
+
+def test_a_checkpoint_with_another_vocabulary_names_the_setting_that_loads_it(tiny_overrides, tmp_path):
+    ckpt = [f"checkpoint.dir={tmp_path / 'ck'}"]
+    saved = Trainer(load_config("tiny_dense", tiny_overrides + ckpt + ["model.vocab_size=512"]), ParallelDims.single(),
+                    torch.device("cpu"))
+    saved.save()
+    with pytest.raises(ConfigError, match=r"the checkpoint's vocabulary has 512 rows .*: set model.vocab_size to that"):
+        Trainer(load_config("tiny_dense", tiny_overrides + ckpt), ParallelDims.single(), torch.device("cpu"))
+    resumed = Trainer(load_config("tiny_dense", tiny_overrides + ckpt + ["model.vocab_size=512"]),
+                      ParallelDims.single(), torch.device("cpu"))  # the advice works
+    assert resumed.step == 0 and resumed.model_cfg.vocab_size == 512

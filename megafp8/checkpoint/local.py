@@ -130,18 +130,26 @@ def _consolidate(path: Path) -> dict[str, Any]:
     return state
 
 
+_VOCAB_ROWS = ("embed.weight", "lm_head.weight")  # tensors whose first dimension is the (padded) vocabulary
+
+
 def check_tensors_match(saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], source: Path) -> None:
-    """One error naming the first missing, unexpected or differently shaped tensor (and how many more)."""
+    """One error naming the first missing, unexpected or differently shaped tensor (and how many more), with the
+    setting that makes them match."""
     problems = [f"tensor '{k}' is missing from the checkpoint" for k in expected if k not in saved]
     problems += [f"tensor '{k}' is in the checkpoint but not in the model" for k in saved if k not in expected]
-    problems += [
-        f"tensor '{k}' has shape {tuple(saved[k].shape)} in the checkpoint but {tuple(v.shape)} in the model"
-        for k, v in expected.items()
-        if k in saved and tuple(saved[k].shape) != tuple(v.shape)
-    ]
-    if problems:
-        more = f" ({len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
-        raise ConfigError(
-            f"checkpoint {source} does not match this model: {problems[0]}{more}. Resume with the config it was "
-            "saved with, or set checkpoint.resume=none (or another checkpoint.dir) to start fresh"
-        )
+    reshaped = [k for k, v in expected.items() if k in saved and tuple(saved[k].shape) != tuple(v.shape)]
+    problems += [f"tensor '{k}' has shape {tuple(saved[k].shape)} in the checkpoint but {tuple(expected[k].shape)} "
+                 "in the model" for k in reshaped]
+    if not problems:
+        return
+    more = f" ({len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+    rows = {int(saved[k].shape[0]) for k in reshaped}
+    if len(problems) == len(reshaped) and set(reshaped) <= set(_VOCAB_ROWS) and len(rows) == 1:
+        advice = (f"the checkpoint's vocabulary has {rows.pop()} rows (padded for the layout it was saved at): set "
+                  "model.vocab_size to that")
+    else:
+        advice = ("resume with the model settings it was saved with (`python tools/convert_checkpoint.py inspect "
+                  f"{source}` lists them; the parallel layout may differ)")
+    raise ConfigError(f"checkpoint {source} does not match this model: {problems[0]}{more}. To resume from it, "
+                      f"{advice}; or set checkpoint.resume=none (or another checkpoint.dir) to start fresh")

@@ -55,8 +55,9 @@ class ModelConfig:
         "`pad_vocab_to_multiple_of`. If set, it must be at least the tokenizer's vocabulary size.",
     )
     pad_vocab_to_multiple_of: int = setting(
-        128, "When `vocab_size` is derived from the tokenizer, pad it to this multiple (GEMM- and tile-friendly); "
-        "with parallel.tp > 1, to lcm(this, 128) x tp, so each rank's vocabulary shard is a multiple of 128."
+        128, "When `vocab_size` is derived from the tokenizer, pad it to this multiple (GEMM-friendly). The padding "
+        "does not depend on parallel.tp, so a checkpoint loads at any layout; only a tp that does not divide the "
+        "padded size (not a power of two up to this multiple) pads further, to a multiple of lcm(this, tp)."
     )
     hidden_size: int = setting(256, "Width of the residual stream.")
     num_layers: int = setting(4, "Number of transformer blocks.")
@@ -131,8 +132,9 @@ class ParallelConfig:
     tp: int = setting(
         1,
         "Tensor-parallel ranks: attention heads, MLP width and vocabulary are split across them. Must divide "
-        "the launched ranks, model.num_heads and num_kv_heads; above 1, every shard (heads x head_dim / tp, "
-        "ffn_hidden_size / tp, vocab_size / tp) must be a multiple of 128. Keep it within a node (NVLink).",
+        "the launched ranks, model.num_heads, num_kv_heads and vocab_size; above 1, every GEMM shard (heads x "
+        "head_dim / tp, ffn_hidden_size / tp) must be a multiple of 128 (the vocabulary's need not: the embedding and "
+        "LM head stay BF16). Keep it within a node (NVLink).",
     )
     sequence_parallel: bool = setting(
         False,

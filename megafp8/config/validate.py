@@ -299,8 +299,9 @@ def _check_tensor_parallel(cfg: Config, tp: int) -> None:
     if m.moe_num_experts > 0 and m.moe_num_shared_experts > 0:
         shards["model.moe_num_shared_experts x moe_ffn_hidden_size (shared-expert width)"] = (
             m.moe_num_shared_experts * m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size")
-    if m.vocab_size is not None:
-        shards["model.vocab_size"] = (m.vocab_size, "model.vocab_size (or null to pad it automatically)")
+    if m.vocab_size is not None and m.vocab_size % tp != 0:  # BF16 embedding and LM head: no FP8 tiles to keep
+        raise ConfigError(f"model.vocab_size={m.vocab_size} does not split evenly over parallel.tp={tp}: make it a "
+                          f"multiple of {tp}, or null to pad the tokenizer's vocabulary automatically")
     for what, (size, key) in shards.items():
         if size % (128 * tp) != 0:
             raise ConfigError(
