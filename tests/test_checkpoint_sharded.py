@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megafp8.checkpoint import find_latest, load_checkpoint
+from megafp8.checkpoint.integrity import MANIFEST_FILE, FileRecord, file_digest, write_manifest
 from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train.trainer import Trainer
@@ -103,26 +104,32 @@ class _Payload:
 
 
 def test_a_checkpoint_index_that_would_run_code_is_refused(tiny_overrides, tmp_path):
+    """Checksums are no defence against someone who can write the checkpoint: they can rewrite the manifest too.
+    The index's unpickler is."""
     path, overrides = _saved(tiny_overrides, tmp_path)
     (path / ".metadata").write_bytes(pickle.dumps(_Payload(tmp_path / "pwned")))
+    records = {f.name: FileRecord(f.stat().st_size, file_digest(f)) for f in path.iterdir() if f.name != MANIFEST_FILE}
+    write_manifest(path, records)
     with pytest.raises(ConfigError, match=r"refers to (posix|os)\.system, which a checkpoint index never holds"):
         Trainer(load_config("tiny_dense", overrides), ParallelDims.single(), torch.device("cpu"))
     assert not (tmp_path / "pwned").exists()
 
 
-def test_a_truncated_shard_file_gives_one_clear_error(tiny_overrides, tmp_path):
+def test_a_truncated_shard_file_gives_one_clear_error_naming_it(tiny_overrides, tmp_path):
     path, overrides = _saved(tiny_overrides, tmp_path)
     shard = path / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(ConfigError, match=r"could not be read"):
+    with pytest.raises(ConfigError, match=r"step_00000001/__0_0.distcp has \d+ bytes, \d+ were written: it is "
+                                          r"truncated or damaged") as err:
         Trainer(load_config("tiny_dense", overrides), ParallelDims.single(), torch.device("cpu"))
+    assert "\n" not in str(err.value)
 
 
 def test_an_incomplete_sharded_checkpoint_is_skipped_or_named(tiny_overrides, tmp_path):
     path, overrides = _saved(tiny_overrides, tmp_path)
     (path / "meta.pt").unlink()  # as if rank 0 died before finishing
     assert find_latest(tmp_path / "ck") is None  # `auto` does not resume from it
-    with pytest.raises(ConfigError, match=r"lacks meta.pt: not a complete megafp8 checkpoint"):
+    with pytest.raises(ConfigError, match=r"step_00000001/meta.pt is missing"):
         Trainer(load_config("tiny_dense", overrides + [f"checkpoint.resume={path}"]), ParallelDims.single(),
                 torch.device("cpu"))
 

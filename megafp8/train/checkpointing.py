@@ -8,6 +8,8 @@
 - `full`: every tensor is gathered to its full shape (over TP, EP, DP and the pipeline) and rank 0
   writes one `state.pt`.
 
+Every file is checksummed as it is written (`megafp8/checkpoint/integrity.py`).
+
 With `checkpoint.async_save`, the state is first copied to host memory, then written on a background
 thread (the sharded form's collectives run on a dedicated gloo group, so they never interleave with
 training's); the next save and the end of training wait for it and re-raise its error.
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.checkpoint import check_tensors_match, load_checkpoint, save_checkpoint
-from megafp8.checkpoint.local import fresh_temporary, publish, step_dir_name
+from megafp8.checkpoint.local import fresh_temporary, publish
 from megafp8.checkpoint.sharded import INDEX_FILE, SafeReader, is_sharded_checkpoint, read_sharded, write_sharded
 from megafp8.config import ConfigError
 from megafp8.config.loader import config_to_dict
@@ -114,11 +116,10 @@ class Checkpointer:
     def _save_sharded(self) -> None:
         t = self.trainer
         root, step, keep, rank0 = t.checkpoint_dir, t.step, t.cfg.checkpoint.keep_last, t.dims.rank == 0
-        tmp = root / (step_dir_name(step) + ".tmp")
-        if rank0:
-            fresh_temporary(root, step)
+        shared = [fresh_temporary(root, step) if rank0 else None]
         if t.dims.is_distributed:
-            dist.barrier()  # the empty directory exists before anyone writes into it
+            dist.broadcast_object_list(shared, src=0)  # rank 0's private directory exists before anyone writes in it
+        tmp = shared[0]
         placed, meta = self.placed_state(), (self._meta() if rank0 else None)
         if t.cfg.checkpoint.async_save:  # copy to host now; write later
             placed = {k: Placed(v.shape, [Piece(p.offsets, p.values.detach().to("cpu", copy=True)) for p in v.pieces])
@@ -127,7 +128,7 @@ class Checkpointer:
         def write() -> None:
             write_sharded(tmp, placed, meta, self.write_group)
             if rank0:  # DCP's coordinator returns once every rank's files and the index are written
-                log.info("saved checkpoint %s", publish(root, step, keep))
+                log.info("saved checkpoint %s", publish(root, tmp, step, keep))
         if t.cfg.checkpoint.async_save:
             self.pending = _BackgroundWrite(write, step)
         else:
@@ -198,7 +199,7 @@ class Checkpointer:
 
     def _load_full(self, path: Path) -> dict[str, Any]:
         t = self.trainer
-        state = load_checkpoint(path)
+        state = load_checkpoint(path, verify=False)  # verified before (megafp8/train/resume.py)
         check_tensors_match(state["model"], self.full_model_state(meta=True), path)
         try:
             t.optimizer.load_state_dict(state["optimizer"])  # writes the master weights into the model

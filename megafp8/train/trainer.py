@@ -18,7 +18,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megafp8.checkpoint import find_latest
 from megafp8.config import Config, ConfigError, ModelConfig, dump_config, validate_config, validate_for_world
 from megafp8.config.loader import config_to_dict
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
@@ -51,6 +50,7 @@ from megafp8.train.plan import check_fits, device_capacity, make_plan
 from megafp8.train.metrics import format_step_line, peak_tflops
 from megafp8.train.checkpointing import Checkpointer
 from megafp8.train.pipelined import PipelineRunner
+from megafp8.train.resume import verified_resume_path
 from megafp8.train.runtime import host_to_device
 
 log = logging.getLogger("megafp8")
@@ -429,6 +429,7 @@ class Trainer:
         self.checkpointer.wait()
 
     def load(self, path: Path) -> None:
+        """Resume from checkpoint `path`, already verified (`megafp8.train.resume.verified_resume_path`)."""
         self.checkpointer.load(path)
         if self.recipe.fp8 is not None and 0 < self.cfg.precision.fp8_start_step < self.step:
             apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers,
@@ -436,9 +437,6 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
 
     def _maybe_resume(self) -> None:
-        resume = self.cfg.checkpoint.resume
-        if resume == "none":
-            return
-        path = find_latest(self.checkpoint_dir) if resume == "auto" else Path(resume)
+        path = verified_resume_path(self.cfg.checkpoint.resume, self.checkpoint_dir, self.dims)
         if path is not None:
             self.load(path)
