@@ -81,7 +81,8 @@ def test_async_sharded_save_on_two_ranks(tiny_overrides, tmp_path):
     base = tiny_overrides + TP_MODEL + [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.interval=3",
                                         "checkpoint.async_save=true", "checkpoint.keep_last=0"]
     _run(2, base + ["training.steps=6"], tmp_path / "r.pt")
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step_00000003", "step_00000006"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".lock", "latest", "step_00000003",
+                                                                  "step_00000006"]
     assert load_checkpoint(find_latest(tmp_path / "ck"))["step"] == 6
 
 

@@ -1,7 +1,9 @@
 """Nothing lost: checksums recorded while a checkpoint is written and verified before it is read, `auto` resume
-falling back past damaged checkpoints, private temporary directories, safe pruning and the verify tool."""
+falling back past damaged checkpoints, private temporary directories, safe pruning, the verify tool, and one
+writer per run directory."""
 from __future__ import annotations
 
+import multiprocessing
 import shutil
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from megafp8.checkpoint.local import fresh_temporary, publish, verify_checkpoint
 from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
+from megafp8.train.run_lock import RunLock
 from tests.conftest import REPO, TINY_OVERRIDES, torchrun_env
 
 CPU = torch.device("cpu")
@@ -35,6 +38,7 @@ def saved(corpus_dir, tmp_path_factory):
         for _ in range(2):
             trainer.train_step()
             trainer.save()
+        trainer.run_lock.release()
         roots[form] = base / "ck"
     return roots
 
@@ -103,7 +107,7 @@ def test_newer_checkpoints_than_latest_are_never_resumed_or_pruned(saved, tmp_pa
     tmp = fresh_temporary(ckpt, 2)
     shutil.copytree(saved["full"] / "step_00000002", tmp, dirs_exist_ok=True)
     assert publish(ckpt, tmp, 2, keep_last=1) == ckpt / "step_00000002"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002", "step_00000009"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000002", "step_00000009"]
     assert find_latest(ckpt).name == "step_00000002" and state["step"] == 1
 
 
@@ -113,6 +117,16 @@ def test_an_interrupted_prune_never_leaves_a_checkpoint_that_looks_complete(save
     assert [p.name for p in list_checkpoints(ckpt)] == ["step_00000002"]
     with pytest.raises(ConfigError, match=r"step_00000001/__0_0.distcp is missing"):
         load_checkpoint(ckpt / "step_00000001")
+
+
+def test_leftovers_of_interrupted_saves_are_removed_at_start(saved, tiny_overrides, tmp_path):
+    ckpt = shutil.copytree(saved["sharded"], tmp_path / "ck")
+    for name in ("step_00000003.tmp", "step_00000003.tmp-0123456789ab", "step_00000001.deleting-0123456789ab"):
+        (ckpt / name).mkdir()
+    (ckpt / "latest.tmp-0123456789ab").write_text("step_00000003\n")
+    resumed = _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}"])
+    assert resumed.step == 2
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000001", "step_00000002"]
 
 
 def test_verify_tool_checks_without_building_a_model(saved, tmp_path):
@@ -126,3 +140,31 @@ def test_verify_tool_checks_without_building_a_model(saved, tmp_path):
     assert result.stderr.startswith(f"error: checkpoint file {damaged / 'meta.pt'} fails its checksum (xxh3_64 ")
     assert result.stderr.count("\n") == 1
 
+
+# ------------------------------------------------------------------------------------- one writer
+
+def _hold_lock(directory, ready, release):
+    lock = RunLock([directory])
+    ready.set()
+    release.wait(60)
+    lock.release()
+
+
+def test_a_second_run_in_a_locked_run_directory_is_refused(tiny_overrides, tmp_path):
+    """0800a78 let two runs interleave their metrics and checkpoints in one directory."""
+    run_dir = tmp_path / "runs" / "t"
+    context = multiprocessing.get_context("spawn")
+    ready, release = context.Event(), context.Event()
+    holder = context.Process(target=_hold_lock, args=(run_dir, ready, release))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        with pytest.raises(ConfigError, match=rf"{run_dir} is in use by another run \(pid {holder.pid} on .*\): "
+                                              "wait for it to end, or give this run another run_name"):
+            _trainer(tiny_overrides)
+        assert not (run_dir / "metrics.jsonl").exists()
+    finally:
+        release.set()
+        holder.join(60)
+    _trainer(tiny_overrides + ["training.steps=2", "training.eval_interval=0"]).fit()  # free again once the other run has ended
+    assert (run_dir / "metrics.jsonl").is_file()

@@ -51,6 +51,7 @@ from megafp8.train.metrics import format_step_line, peak_tflops
 from megafp8.train.checkpointing import Checkpointer
 from megafp8.train.pipelined import PipelineRunner
 from megafp8.train.resume import verified_resume_path
+from megafp8.train.run_lock import claim_run_directories
 from megafp8.train.runtime import host_to_device
 
 log = logging.getLogger("megafp8")
@@ -112,6 +113,9 @@ class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
         self.dims, self.device = dims, device
         self.num_micro_batches = validate_for_world(cfg, dims.world_size)
+        self.run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
+        self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.run_lock = claim_run_directories(self.run_dir, self.checkpoint_dir, dims)  # before writing anything
         self.tp, self.ep = dims.tensor_parallel, dims.expert_parallel
         if cfg.model.vocab_size is not None:  # a model that cannot fit fails first, before even the data is read
             self._check_fits(cfg, cfg.model)
@@ -141,8 +145,6 @@ class Trainer:
                                        cfg.logging.fp8_at_max_warn)
         self.step = 0
         self.checkpointer = Checkpointer(self)
-        self.run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
-        self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.metrics_path = Path(cfg.logging.metrics_file)
         if not self.metrics_path.is_absolute():
             self.metrics_path = self.run_dir / self.metrics_path
@@ -295,6 +297,8 @@ class Trainer:
                 self.wait_for_save()
             finally:
                 self.metrics.close()
+                if self.run_lock is not None:
+                    self.run_lock.release()
 
     def _loop(self) -> list[dict[str, Any]]:
         cfg = self.cfg
