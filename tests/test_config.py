@@ -158,6 +158,7 @@ def test_parse_overrides_nests():
     (["precision.recipe=fp16", "precision.loss_scale_initial=inf"], "precision.loss_scale_initial: expected a finite"),
     (["training.eval_iters=0"], "training.eval_iters=0: evaluation (training.eval_interval=50) needs at least 1"),
     (["logging.peak_tflops=-1"], "logging.peak_tflops must be positive (or null), got -1"),
+    (["training.max_consecutive_skips=0"], "training.max_consecutive_skips must be at least 1, got 0"),
     (["training.global_batch_size=12"], "training.global_batch_size=12 must be a multiple of micro_batch_size x "
                                         "data-parallel ranks = 4 x 2 = 8"),
 ])

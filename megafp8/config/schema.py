@@ -292,6 +292,13 @@ class TrainingConfig:
         4, "Micro-batches in one validation pass, split across data-parallel ranks (the same set for any layout)."
     )
     seed: int = setting(1234, "Seed of weight init and data shuffling; the same seed gives the same run.")
+    max_consecutive_skips: int = setting(
+        3,
+        "A step whose global gradient norm is inf or nan (on any rank) is skipped on every rank: weights and optimizer "
+        "state stay as they were. This many skipped steps in a row stop the run with an error naming the first of "
+        "them and the layers at fault (checked at logging steps and before checkpoints). Under precision.recipe=fp16 "
+        "a skip counts only once the loss scale is at loss_scale_min.",
+    )
     compile: bool = setting(
         False,
         "`torch.compile` every transformer block (the first steps pay the compilation). A plain FP8 linear enters "

@@ -45,6 +45,8 @@ def _check_positive(cfg: Config) -> None:
         raise ConfigError(f"training.eval_iters={cfg.training.eval_iters}: evaluation (training.eval_interval="
                           f"{cfg.training.eval_interval}) needs at least 1 micro-batch; raise it, or set "
                           "training.eval_interval=0 to turn evaluation off")
+    if cfg.training.max_consecutive_skips < 1:
+        raise ConfigError(f"training.max_consecutive_skips must be at least 1, got {cfg.training.max_consecutive_skips}")
     if not 0 < cfg.parallel.timeout_minutes <= MAX_TIMEOUT_MINUTES:
         raise ConfigError(f"parallel.timeout_minutes must be above 0 and at most {MAX_TIMEOUT_MINUTES} (a week), got "
                           f"{cfg.parallel.timeout_minutes:g}")

@@ -8,7 +8,9 @@
 - `full`: every tensor is gathered to its full shape (over TP, EP, DP and the pipeline) and rank 0
   writes one `state.pt`.
 
-Every file is checksummed as it is written (`megafp8/checkpoint/integrity.py`).
+Before writing, every rank checks that what it would write is finite: no checkpoint holds an inf or nan
+(a FloatingPointError names the first such tensor instead). Every file is checksummed as it is written
+(`megafp8/checkpoint/integrity.py`).
 
 With `checkpoint.async_save`, the state is first copied to host memory, then written on a background
 thread (the sharded form's collectives run on a dedicated gloo group, so they never interleave with
@@ -74,6 +76,7 @@ class Checkpointer:
     def save(self) -> None:
         t = self.trainer
         self.wait()  # one write at a time, in step order
+        self._check_finite()
         if self.sharded:
             self._save_sharded()
         else:
@@ -86,6 +89,21 @@ class Checkpointer:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending.wait()
+
+    def _check_finite(self) -> None:
+        """Raise FloatingPointError (on every rank) if any tensor this checkpoint would hold is inf or nan."""
+        t = self.trainer
+        pieces = [(name, piece.values) for name, placed in self.placed_state().items() for piece in placed.pieces]
+        finite = torch.stack([torch.isfinite(values).all() for _, values in pieces]).tolist() if pieces else []
+        bad = [name for (name, _), ok in zip(pieces, finite) if not ok]
+        if t.dims.is_distributed:
+            every: list[Optional[list[str]]] = [None] * t.dims.world_size
+            dist.all_gather_object(every, bad)
+            bad = sorted({name for names in every for name in names or []})
+        if bad:
+            which = f"{bad[0]} and {len(bad) - 1} more tensor(s) hold" if len(bad) > 1 else f"{bad[0]} holds"
+            raise FloatingPointError(f"step {t.step}: {which} inf or nan: not saving a checkpoint of it (the newest "
+                                     f"checkpoint under {t.checkpoint_dir} stays the newest)")
 
     def _meta(self) -> dict[str, Any]:
         t = self.trainer
