@@ -66,3 +66,12 @@ def test_reference_model_benchmark_runs_on_cpu():
     rows = [line.split("|") for line in result.stdout.splitlines() if line.startswith("| plain PyTorch")]
     assert rows[0][2].strip() == "bf16" and float(rows[0][4].replace(",", "")) > 0
     assert rows[1][2].strip() == "torchao-blockwise" and "failed:" in rows[1][3]
+
+
+def test_integrity_benchmark_prints_its_two_tables(tmp_path):
+    cmd = [sys.executable, "benchmarks/integrity.py", "--gib", "0.01", "--dir", str(tmp_path)]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| save_checkpoint: hashed while written, manifest, fsyncs, rename |" in result.stdout
+    assert "| fused AdamW step with the skip flag (found_inf) |" in result.stdout
+    assert list(tmp_path.iterdir()) == []  # it cleans up after itself

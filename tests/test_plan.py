@@ -62,7 +62,7 @@ def test_a_run_that_cannot_fit_fails_fast():
 
 def test_dry_run_command_prints_the_plan_and_needs_a_vocabulary(tmp_path):
     cmd = [sys.executable, "launch/pretrain.py", "--config", "tiny_dense", "--dry-run", "--world-size", "8",
-           "model.size=1b", "model.vocab_size=32768", "data.seq_len=2048"]
+           "model.size=1b", "model.vocab_size=32768", "data.seq_len=2048", "training.global_batch_size=32"]
     result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "| **total** | **956.37M** |" in result.stdout and "sharded over 8 data-parallel" in result.stdout

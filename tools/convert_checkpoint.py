@@ -2,6 +2,7 @@
 """Inspect megafp8 checkpoints and convert them to and from Hugging Face safetensors (Llama or DeepSeek-V3 layout).
 
     python tools/convert_checkpoint.py inspect runs/tiny_dense/checkpoints/step_00000200
+    python tools/convert_checkpoint.py verify runs/tiny_dense/checkpoints/step_00000200
     python tools/convert_checkpoint.py to-hf runs/tiny_dense/checkpoints/step_00000200 --out hf/tiny [--fp8]
     python tools/convert_checkpoint.py from-hf hf/tiny --out runs/from_hf/checkpoints
     python tools/convert_checkpoint.py consolidate runs/big/checkpoints/step_00001000 --out one_file/
@@ -10,6 +11,8 @@
 `to-hf` writes config.json + model.safetensors in Llama naming for dense GQA models, in DeepSeek-V3 naming for
 MLA / MoE / MTP models (BF16, or with --fp8 E4M3 projection weights with 128x128 `weight_scale_inv` blocks). `from-hf` writes a step-0
 megafp8 checkpoint (fresh optimizer); train from it with `checkpoint.resume=<printed path>`.
+`verify` re-reads every file of a checkpoint and checks it against the checksum recorded when it was written
+(one line per checkpoint; exit status 2 if any fails); it builds no model.
 `consolidate` turns a sharded checkpoint (every rank's pieces) into one `state.pt`; `shard` does the reverse.
 Neither needs a layout: both forms hold full tensors by name, and a run at any TP/PP/EP/DP layout loads either.
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.checkpoint.convert import consolidate, describe, export_hf, import_hf, shard  # noqa: E402
+from megafp8.checkpoint.local import verify_checkpoint  # noqa: E402
 from megafp8.config import ConfigError  # noqa: E402
 
 
@@ -30,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="list tensors, shapes, dtypes, layout and step")
     inspect.add_argument("checkpoint", type=Path)
+    verify = commands.add_parser("verify", help="check every file against its recorded checksum (no model is built)")
+    verify.add_argument("checkpoints", type=Path, nargs="+", metavar="checkpoint")
     to_hf = commands.add_parser("to-hf", help="export to Hugging Face safetensors (Llama or DeepSeek-V3 layout)")
     to_hf.add_argument("checkpoint", type=Path)
     to_hf.add_argument("--out", type=Path, required=True)
@@ -46,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             print(describe(args.checkpoint))
+        elif args.command == "verify":
+            for checkpoint in args.checkpoints:
+                print(verify_checkpoint(checkpoint))
         elif args.command == "to-hf":
             export_hf(args.checkpoint, args.out, args.fp8)
             print(f"wrote {args.out}")

@@ -76,8 +76,9 @@ def shard(checkpoint: Path, out_root: Path) -> Path:
             placed[f"{prefix}/{name}"] = Placed(tuple(t.shape), [Piece((0,) * t.ndim, t)])
     meta = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
     meta["optimizer_step"] = int(state["optimizer"].get("step", 0))
-    write_sharded(fresh_temporary(out_root, step), placed, meta)
-    return publish(out_root, step, keep_last=0)
+    tmp = fresh_temporary(out_root, step)
+    write_sharded(tmp, placed, meta)
+    return publish(out_root, tmp, step, keep_last=0)
 
 
 def describe(checkpoint: Path) -> str:

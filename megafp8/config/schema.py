@@ -54,8 +54,9 @@ class ModelConfig:
         "`pad_vocab_to_multiple_of`. If set, it must be at least the tokenizer's vocabulary size.",
     )
     pad_vocab_to_multiple_of: int = setting(
-        128, "When `vocab_size` is derived from the tokenizer, pad it to this multiple (GEMM- and tile-friendly); "
-        "with parallel.tp > 1, to lcm(this, 128) x tp, so each rank's vocabulary shard is a multiple of 128."
+        128, "When `vocab_size` is derived from the tokenizer, pad it to this multiple (GEMM-friendly). The padding "
+        "does not depend on parallel.tp, so a checkpoint loads at any layout; only a tp that does not divide the "
+        "padded size (not a power of two up to this multiple) pads further, to a multiple of lcm(this, tp)."
     )
     hidden_size: int = setting(256, "Width of the residual stream.")
     num_layers: int = setting(4, "Number of transformer blocks.")
@@ -130,8 +131,9 @@ class ParallelConfig:
     tp: int = setting(
         1,
         "Tensor-parallel ranks: attention heads, MLP width and vocabulary are split across them. Must divide "
-        "the launched ranks, model.num_heads and num_kv_heads; above 1, every shard (heads x head_dim / tp, "
-        "ffn_hidden_size / tp, vocab_size / tp) must be a multiple of 128. Keep it within a node (NVLink).",
+        "the launched ranks, model.num_heads, num_kv_heads and vocab_size; above 1, every GEMM shard (heads x "
+        "head_dim / tp, ffn_hidden_size / tp) must be a multiple of 128 (the vocabulary's need not: the embedding and "
+        "LM head stay BF16). Keep it within a node (NVLink).",
     )
     sequence_parallel: bool = setting(
         False,
@@ -291,6 +293,13 @@ class TrainingConfig:
         4, "Micro-batches in one validation pass, split across data-parallel ranks (the same set for any layout)."
     )
     seed: int = setting(1234, "Seed of weight init and data shuffling; the same seed gives the same run.")
+    max_consecutive_skips: int = setting(
+        3,
+        "A step whose global gradient norm is inf or nan (on any rank) is skipped on every rank: weights and optimizer "
+        "state stay as they were. This many skipped steps in a row stop the run with an error naming the first of "
+        "them and the layers at fault (checked at logging steps and before checkpoints). Under precision.recipe=fp16 "
+        "a skip counts only once the loss scale is at loss_scale_min.",
+    )
     compile: bool = setting(
         False,
         "`torch.compile` every transformer block (the first steps pay the compilation). A plain FP8 linear enters "

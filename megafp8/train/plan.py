@@ -28,7 +28,7 @@ import torch
 
 from megafp8.config import Config, ConfigError
 from megafp8.data import read_meta
-from megafp8.config.validate import data_parallel_size, validate_layout
+from megafp8.config.validate import data_parallel_size, validate_for_world
 from megafp8.model import Transformer, apply_fp8_plan, resolve_vocab_size, training_flops_per_token
 from megafp8.parallel import ExpertParallel, TensorParallel, full_shape, is_expert
 from megafp8.parallel.pipeline import build_layout
@@ -217,7 +217,7 @@ def with_vocab(cfg: Config) -> Config:
 def dry_run(cfg: Config, world_size: int, peak_tflops: float, mfu: float) -> str:
     """The plan of `cfg` on `world_size` ranks as text (nothing is allocated, no process group is needed)."""
     cfg = with_vocab(cfg)
-    validate_layout(cfg, world_size)
+    validate_for_world(cfg, world_size)  # every check the launch applies before it allocates
     m = cfg.model
     attention = (f"{m.num_heads} heads MLA (q/kv ranks {m.q_lora_rank}/{m.kv_lora_rank})" if m.attention == "mla"
                  else f"{m.num_heads} heads / {m.num_kv_heads or m.num_heads} kv")
