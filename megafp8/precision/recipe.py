@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from megafp8.config import PrecisionConfig
+from megafp8.precision.formats import TILE
 from megafp8.precision.fp8_linear import Fp8GemmConfig
 
 _PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16, "fp16": torch.float16}
@@ -64,3 +65,8 @@ class PrecisionRecipe:
     def high_precision(self) -> "PrecisionRecipe":
         """The same recipe without FP8: for precision islands and layers kept in BF16."""
         return dataclasses.replace(self, fp8=None)
+
+    def for_weight(self, *dims: int) -> "PrecisionRecipe":
+        """This recipe for a GEMM weight with these (local) dims, without FP8 unless each is a multiple of the
+        128-wide tile (e.g. MLA's kv_a at 512 + 64 rows, DeepSeek-V2-Lite's 10944-wide dense FFN)."""
+        return self if all(d % TILE == 0 for d in dims) else self.high_precision()
