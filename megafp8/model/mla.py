@@ -44,8 +44,8 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             self.q_proj = ColumnParallelLinear(cfg.hidden_size, q_width, recipe, tp, device=device)
         kv_a_width = self.kv_rank + self.rope_dim
-        self.kv_a_proj = ColumnParallelLinear(cfg.hidden_size, kv_a_width, recipe.for_weight(kv_a_width, cfg.hidden_size),
-                                              device=device)  # e.g. 512 + 64 rows: not whole FP8 tiles, BF16
+        kv_a_recipe = recipe.for_weight(kv_a_width, cfg.hidden_size)  # e.g. 512 + 64 rows: not FP8 tiles, BF16
+        self.kv_a_proj = ColumnParallelLinear(cfg.hidden_size, kv_a_width, kv_a_recipe, device=device)
         self.kv_a_norm = RMSNorm(self.kv_rank, cfg.norm_eps, dtype, device)
         self.kv_b_proj = ColumnParallelLinear(self.kv_rank, cfg.num_heads * (self.nope + self.v_dim), recipe, tp,
                                               device=device)

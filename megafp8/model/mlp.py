@@ -16,8 +16,9 @@ class SwiGLU(nn.Module):
         # Weight rows are [gate; up], each ffn_hidden_size long; each rank holds [gate_r; up_r]. A weight that is not
         # whole 128x128 tiles stays out of FP8 (DeepSeek-V2-Lite's 10944-wide FFN: down_proj).
         local = ffn_hidden_size // tp.size
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size, recipe.for_weight(2 * local, hidden_size),
-                                                 tp, parts=(ffn_hidden_size, ffn_hidden_size), device=device)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size,
+                                                 recipe.for_weight(2 * local, hidden_size), tp,
+                                                 parts=(ffn_hidden_size, ffn_hidden_size), device=device)
         self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, recipe.for_weight(hidden_size, local), tp,
                                            device=device)
 
