@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from megafp8.config import ConfigError, ModelConfig, load_config
+from megafp8.config import ConfigError, ModelConfig, RopeScalingConfig, load_config
 from megafp8.model import Transformer, init_weights
 from megafp8.parallel import ParallelDims
 from megafp8.precision import E4M3, PrecisionRecipe
@@ -349,3 +350,47 @@ def test_a_trained_selection_bias_is_not_exported_to_a_layout_without_one(tmp_pa
         save_hf(state, cfg, 64, tmp_path / "hf", fp8=False)
     with pytest.raises(ConfigError, match=r"model.layers.1.mlp.router.expert_bias is non-zero .* the DeepSeek-V2 "):
         save_hf(_deepseek_model(V2).state_dict(), V2, 64, tmp_path / "hf", fp8=False)
+
+
+def test_a_v2_lite_shaped_import_trains_in_fp8_keeping_untiled_layers_bf16(tiny_overrides, tmp_path, caplog):
+    """DeepSeek-V2-Lite's dense FFN (10944) and kv_a (512 + 64 rows) are not whole 128-wide tiles. Imported and trained
+    under FP8 (here 200 and 128 + 64), those layers run BF16 on their own and the start-up line names them."""
+    from megafp8.checkpoint.convert import import_hf, model_settings
+
+    cfg = dataclasses.replace(V2, hidden_size=128, num_layers=2, num_heads=2, q_lora_rank=None, ffn_hidden_size=200,
+                              moe_num_experts=4, moe_ffn_hidden_size=128)
+    _exported(cfg, tmp_path / "hf")
+    path, imported, _ = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    (tmp_path / "run.yaml").write_text(model_settings(imported))
+    not_model = [o for o in tiny_overrides if not o.startswith("model.")]
+    run = load_config(tmp_path / "run.yaml", not_model + [f"checkpoint.resume={path}", "precision.recipe=fp8",
+                                                          "training.steps=2", "training.eval_interval=0"])
+    with caplog.at_level("INFO", logger="megafp8"):
+        trainer = Trainer(run, ParallelDims.single(), torch.device("cpu"))
+    assert ("BF16 as not whole 128x128 FP8 tiles: layers.*.attn.kv_a_proj (x2), layers.0.mlp.gate_up_proj, "
+            "layers.0.mlp.down_proj") in caplog.text
+    assert trainer.model.layers[1].mlp.experts.gate_up_proj.runs_fp8 and trainer.model.layers[0].attn.q_proj.runs_fp8
+    losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+def test_resuming_an_import_under_other_rope_settings_says_so(tiny_overrides, tmp_path, caplog):
+    """The tensors of a Llama-3-style import (rope_theta 500000, llama3 scaling) fit a run with plain RoPE: the
+    resume says which settings differ, since the weights then compute another function."""
+    from megafp8.checkpoint.convert import import_hf
+
+    cfg = dataclasses.replace(CFG, hidden_size=128, num_heads=2, num_kv_heads=1, ffn_hidden_size=256, rope_theta=5e5,
+                              rope_scaling=RopeScalingConfig(type="llama3", factor=8.0))
+    _exported(cfg, tmp_path / "hf")
+    path, _, _ = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    with caplog.at_level("WARNING", logger="megafp8"):
+        Trainer(load_config("tiny_dense", tiny_overrides + [f"checkpoint.resume={path}"]), ParallelDims.single(),
+                torch.device("cpu"))
+    assert "model.rope_theta: 500000.0 in the checkpoint, 10000.0 in this run; model.rope_scaling: {'type': 'llama3'," \
+           in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megafp8"):
+        Trainer(load_config("tiny_dense", tiny_overrides + [
+            f"checkpoint.resume={path}", "model.rope_theta=5e5", "model.rope_scaling.type=llama3",
+            "model.rope_scaling.factor=8", "run_name=same"]), ParallelDims.single(), torch.device("cpu"))
+    assert "model settings other than its own" not in caplog.text
