@@ -394,3 +394,23 @@ def test_resuming_an_import_under_other_rope_settings_says_so(tiny_overrides, tm
             f"checkpoint.resume={path}", "model.rope_theta=5e5", "model.rope_scaling.type=llama3",
             "model.rope_scaling.factor=8", "run_name=same"]), ParallelDims.single(), torch.device("cpu"))
     assert "model settings other than its own" not in caplog.text
+
+
+@pytest.mark.parametrize("rope_scaling, expected", [
+    (None, RopeScalingConfig()),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}, RopeScalingConfig(type="llama3", factor=8.0,
+                                                                   original_max_position_embeddings=8192)),
+    ({"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+      "original_max_position_embeddings": 4096}, RopeScalingConfig(type="yarn", factor=40.0, mscale=0.707,
+                                                                   mscale_all_dim=0.707)),
+])
+def test_configs_of_transformers_4_give_the_rope_settings_too(tmp_path, llama_dir, rope_scaling, expected):
+    """Before transformers 5 the base was a top-level `rope_theta` and the scaling `rope_scaling` (`type` in
+    DeepSeek's files); reading only `rope_parameters` would fall back to 10000 and no scaling."""
+    config = json.loads((llama_dir / "config.json").read_text())
+    del config["rope_parameters"]
+    edited = _edited(llama_dir, tmp_path / "hf", {})  # then its config.json replaced: no rope_parameters
+    (edited / "config.json").write_text(json.dumps({**config, "rope_theta": 500000.0, "rope_scaling": rope_scaling}))
+    cfg = load_hf(edited).cfg
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == expected

@@ -110,11 +110,12 @@ def from_hf_tensors(get: HfTensors, expected: dict[str, tuple[int, ...]],
     return ours
 
 
-def untie_head(get: HfTensors, ours: dict[str, torch.Tensor], head_name: str) -> None:
-    """A tied model's head is its embedding; a head tensor the file also holds must then equal it."""
+def untie_head(get: HfTensors, ours: dict[str, torch.Tensor]) -> None:
+    """A tied model's head is its embedding (ours starts as a copy); a head tensor the file also holds must equal
+    it."""
     embed = ours["embed.weight"]
-    if head_name in get and not torch.equal(get(head_name), embed):
-        raise ConfigError(f"tie_word_embeddings=true, but the checkpoint's {head_name} differs from the embedding")
+    if "lm_head.weight" in get and not torch.equal(get("lm_head.weight"), embed):
+        raise ConfigError("tie_word_embeddings=true, but the checkpoint's lm_head.weight differs from the embedding")
     ours["lm_head.weight"] = embed.clone()
 
 
@@ -189,7 +190,7 @@ def load_hf(in_dir: Path) -> Imported:
     else:
         state = from_hf_tensors(get, shapes, cfg)
     if model.tied:
-        untie_head(get, state, "lm_head.weight")
+        untie_head(get, state)
     if model.layout == "deepseek_v3":
         check_mtp_copies(get, state, cfg)
     get.check_all_read()

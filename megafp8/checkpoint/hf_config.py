@@ -65,15 +65,14 @@ class _Keys:
         self.hf, self.model_type, self.used = hf, model_type, set(_INERT)
 
     def get(self, key: str, default: Any = _MISSING) -> Any:
-        """The key's value (null included), else transformers' default for this model type, else `default`; a key
-        without either is required."""
+        """The key's value (null included where it means something), else transformers' default for this model type,
+        else `default`; a key without either is required, and must not be null."""
         self.used.add(key)
-        if key in self.hf:
-            return self.hf[key]
         default = _DEFAULTS[self.model_type].get(key, default)
-        if default is _MISSING:
+        value = self.hf.get(key, default)
+        if value is _MISSING or (value is None and default is _MISSING):
             raise ConfigError(f"config.json ({self.model_type}) has no '{key}'")
-        return default
+        return value
 
     def expect(self, key: str, allowed: tuple, why: str) -> Any:
         """The key's value, refused unless it is one of `allowed` (absent counts as transformers' default)."""
@@ -232,7 +231,7 @@ def _deepseek_v3(keys: _Keys) -> dict[str, Any]:
     depth, alias = keys.get("num_nextn_predict_layers", None), keys.get("num_mtp_layers", None)
     fields = _mla(keys)
     moe = fields.get("moe_num_experts", 0) > 0
-    groups = keys.get("n_group"), keys.get("topk_group")
+    groups = keys.get("n_group") or 1, keys.get("topk_group") or 1  # null (transformers cannot run it): no groups
     return dict(fields, moe_score_func="sigmoid", moe_norm_topk_prob=bool(keys.get("norm_topk_prob")),
                 mtp_depth=next((d for d in (depth, alias) if d is not None), 1),  # transformers' default: 1
                 moe_n_group=groups[0] if moe else 1, moe_topk_group=groups[1] if moe else 1)
