@@ -76,6 +76,15 @@ def test_every_field_has_a_doc():
         (["num_layers"], "is not of the form section.key=value"),
         (["training.compile_mode=reduce-overhead"], "training.compile_mode=reduce-overhead needs training.compile=true"),
         (["training.compile=true", "training.compile_mode=fast"], "is not one of 'default' | 'reduce-overhead'"),
+        (["model.rope_scaling.factor=8"], "model.rope_scaling.factor=8.0 has no effect with model.rope_scaling.type=none"),
+        (["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8", "model.rope_scaling.mscale=1"],
+         "model.rope_scaling.mscale=1.0 has no effect with model.rope_scaling.type=llama3"),
+        (["model.rope_scaling.type=yarn", "model.rope_scaling.factor=0.5"], "model.rope_scaling.factor must be >= 1"),
+        (["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4", "model.rope_scaling.beta_fast=0.5"],
+         "model.rope_scaling needs 0 < beta_slow < beta_fast"),
+        (["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8", "model.rope_scaling.low_freq_factor=4"],
+         "model.rope_scaling needs 0 < low_freq_factor < high_freq_factor"),
+        (["model.rope_scaling.kind=yarn"], "unknown config key 'model.rope_scaling.kind'"),
     ],
 )
 def test_bad_settings_give_one_clear_error(overrides, expected):

@@ -156,6 +156,16 @@ def test_dry_run_lists_every_pipeline_rank():
     assert "| 15 | 15, 16 | 4 |" in text and "memory of the busiest pipeline rank" in text
 
 
+def test_dry_run_names_the_rope_scaling():
+    from megafp8.train.plan import dry_run
+
+    yarn = ["model.vocab_size=384", "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
+            "model.rope_scaling.original_max_position_embeddings=64", "model.rope_theta=50000"]
+    assert "ffn 768, RoPE theta 50000, yarn x4 from 64 tokens, vocab 384" in dry_run(load_config("tiny_dense", yarn),
+                                                                                    1, 100.0, 0.4)
+    assert "RoPE theta 10000, vocab" in dry_run(load_config("tiny_dense", yarn[:1]), 1, 100.0, 0.4)
+
+
 @pytest.mark.parametrize("config", ["tiny_dense_fp8", "tiny_moe_fp8"])
 def test_planned_fp8_weight_copies_are_what_the_layers_keep(tiny_overrides, config):
     """After a step, every FP8 layer holds its quantized weight and transposed copy (with block scales): the plan's

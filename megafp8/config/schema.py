@@ -24,6 +24,7 @@ CheckpointFormat = Literal["sharded", "full"]
 RecomputeMode = Literal["none", "full"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 PipelineScheduleName = Literal["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
+RopeScalingType = Literal["none", "yarn", "llama3"]
 
 
 def setting(default: Any, doc: str) -> Any:
@@ -36,6 +37,37 @@ def setting(default: Any, doc: str) -> Any:
 def section(cls: type, doc: str) -> Any:
     """A nested config section (a dataclass instance built with its defaults)."""
     return field(default_factory=cls, metadata={"doc": doc})
+
+
+@dataclass
+class RopeScalingConfig:
+    """Rotary-frequency scaling for long-context extension: none, YaRN (as DeepSeek-V2/V3 ship it) or Llama-3.1's
+    `llama3` scaling. The formulas are those of Hugging Face `transformers` (`modeling_rope_utils`), so converted
+    checkpoints compute the same function."""
+
+    type: RopeScalingType = setting(
+        "none",
+        "`none`: plain RoPE. `yarn`: frequencies blended between interpolated (divided by `factor`) and original "
+        "by a ramp over `beta_slow`..`beta_fast` rotations per original context; cos/sin scaled by YaRN's attention "
+        "factor (from `mscale`, `mscale_all_dim`). `llama3`: wavelengths above original / `low_freq_factor` divided "
+        "by `factor`, below original / `high_freq_factor` kept, smoothly blended between.",
+    )
+    factor: float = setting(1.0, "Context-extension factor (DeepSeek-V3's YaRN: 40; Llama-3.1: 8).")
+    original_max_position_embeddings: int = setting(
+        4096, "The context length the model was trained at before scaling (DeepSeek-V3: 4096; Llama-3.1: 8192)."
+    )
+    beta_fast: float = setting(32.0, "yarn: rotations per original context above which a dim keeps its frequency.")
+    beta_slow: float = setting(1.0, "yarn: rotations per original context below which a dim is fully interpolated.")
+    mscale: float = setting(
+        0.0,
+        "yarn: with `mscale_all_dim`, cos/sin are scaled by m(mscale) / m(mscale_all_dim), m(s) = 0.1 s ln(factor) "
+        "+ 1 (DeepSeek-V3: 1.0 and 1.0). If either is 0: by m(1).",
+    )
+    mscale_all_dim: float = setting(
+        0.0, "yarn, MLA: the softmax scale is multiplied by m(mscale_all_dim)^2 (DeepSeek-V3: 1.0); 0: not."
+    )
+    low_freq_factor: float = setting(1.0, "llama3: original / this is the wavelength above which `factor` applies.")
+    high_freq_factor: float = setting(4.0, "llama3: original / this is the wavelength below which frequencies stay.")
 
 
 @dataclass
@@ -84,6 +116,9 @@ class ModelConfig:
     ffn_hidden_size: int = setting(768, "Inner width of the SwiGLU MLP.")
     norm_eps: float = setting(1e-5, "Epsilon of RMSNorm.")
     rope_theta: float = setting(10000.0, "Base of the rotary position embedding frequencies.")
+    rope_scaling: RopeScalingConfig = section(
+        RopeScalingConfig, "Rotary-frequency scaling (YaRN, Llama-3.1) for long-context extension."
+    )
     init_std: float = setting(
         0.02,
         "Standard deviation of the normal init of embeddings and linears; output projections of each block "

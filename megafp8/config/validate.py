@@ -7,9 +7,16 @@ taking minutes to plan. (Every float is finite: the loader refuses inf and nan.)
 """
 from __future__ import annotations
 
+import dataclasses
+
 from megafp8.config.errors import ConfigError
 from megafp8.config.layout import V_SHAPED, layer_counts, micro_batch_problem
-from megafp8.config.schema import Config
+from megafp8.config.schema import Config, RopeScalingConfig
+
+# The model.rope_scaling fields each scaling type reads (factor and original_max_position_embeddings: all).
+_ROPE_SCALING_FIELDS = {"none": (), "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                             "mscale", "mscale_all_dim"),
+                        "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
 
 
 MAX_LAYERS = 1024  # planning builds every block on the meta device: 1000 take ~7 s on the 2-core CPU machine
@@ -89,6 +96,28 @@ def _check_model(cfg: Config) -> None:
                           f"{cfg.data.seq_len}: lower mtp_depth")
     if m.norm_eps <= 0 or m.init_std <= 0 or m.rope_theta <= 0:
         raise ConfigError("model.norm_eps, model.init_std and model.rope_theta must be positive")
+    _check_rope_scaling(m.rope_scaling)
+
+
+def _check_rope_scaling(rs: RopeScalingConfig) -> None:
+    """Each type's settings in range, and no setting given that the chosen type would ignore."""
+    default = RopeScalingConfig()
+    for name in (f.name for f in dataclasses.fields(rs)):
+        if name != "type" and name not in _ROPE_SCALING_FIELDS[rs.type] and getattr(rs, name) != getattr(default, name):
+            raise ConfigError(f"model.rope_scaling.{name}={getattr(rs, name)} has no effect with "
+                              f"model.rope_scaling.type={rs.type}: remove it or set the type that uses it")
+    if rs.type == "none":
+        return
+    if rs.factor < 1 or rs.original_max_position_embeddings <= 0:
+        raise ConfigError(f"model.rope_scaling.factor must be >= 1 and original_max_position_embeddings positive, got "
+                          f"{rs.factor} and {rs.original_max_position_embeddings}")
+    if rs.type == "yarn" and not (0 < rs.beta_slow < rs.beta_fast and rs.mscale >= 0 and rs.mscale_all_dim >= 0):
+        raise ConfigError(f"model.rope_scaling needs 0 < beta_slow < beta_fast and mscale, mscale_all_dim >= 0, got "
+                          f"beta_slow={rs.beta_slow}, beta_fast={rs.beta_fast}, mscale={rs.mscale}, "
+                          f"mscale_all_dim={rs.mscale_all_dim}")
+    if rs.type == "llama3" and not 0 < rs.low_freq_factor < rs.high_freq_factor:
+        raise ConfigError(f"model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                          f"{rs.low_freq_factor} and {rs.high_freq_factor}")
 
 
 def _check_gqa(cfg: Config) -> None:
@@ -151,11 +180,10 @@ def _check_fp8(cfg: Config) -> None:
     m = cfg.model
     head_dim = m.head_dim if m.head_dim is not None else m.hidden_size // m.num_heads
     kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
-    sizes = {
-        "model.hidden_size": (m.hidden_size, "model.hidden_size"),
-        "model.ffn_hidden_size": (m.ffn_hidden_size, "model.ffn_hidden_size"),
-    }
-    if m.attention == "mla":  # kv_a (kv_lora_rank + qk_rope_head_dim wide) may stay BF16: not checked
+    # FFN widths (dense and expert) and MLA's kv_a (kv_lora_rank + qk_rope_head_dim) that are not whole tiles keep
+    # those layers in BF16, named at start-up: not checked here.
+    sizes = {"model.hidden_size": (m.hidden_size, "model.hidden_size")}
+    if m.attention == "mla":
         sizes["num_heads x (qk_nope_head_dim + qk_rope_head_dim) (MLA query width)"] = (
             m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), "model.qk_nope_head_dim or qk_rope_head_dim")
         sizes["num_heads x (qk_nope_head_dim + v_head_dim) (MLA key/value width)"] = (
@@ -168,8 +196,6 @@ def _check_fp8(cfg: Config) -> None:
         sizes["num_heads x head_dim (attention width)"] = (m.num_heads * head_dim, "model.num_heads or model.head_dim")
         sizes["(num_heads + 2 x num_kv_heads) x head_dim (QKV width)"] = ((m.num_heads + 2 * kv) * head_dim,
                                                                           "model.num_kv_heads or model.head_dim")
-    if m.moe_num_experts > 0:
-        sizes["model.moe_ffn_hidden_size"] = (m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size")
     for what, (size, setting) in sizes.items():
         if size % 128 != 0:
             up = -(-size // 128) * 128

@@ -109,8 +109,9 @@ class RoutedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, ep: ExpertParallel, device=None) -> None:
         super().__init__()
         e, hidden, ffn = cfg.moe_num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
-        self.gate_up_proj = ExpertLinear(e, hidden, 2 * ffn, recipe, ep, device)  # rows [gate; up] per expert
-        self.down_proj = ExpertLinear(e, ffn, hidden, recipe, ep, device)
+        # rows [gate; up] per expert; a weight that is not whole 128x128 tiles runs BF16
+        self.gate_up_proj = ExpertLinear(e, hidden, 2 * ffn, recipe.for_weight(2 * ffn, hidden), ep, device)
+        self.down_proj = ExpertLinear(e, ffn, hidden, recipe.for_weight(hidden, ffn), ep, device)
 
     @property
     def num_local(self) -> int:

@@ -139,7 +139,7 @@ class Transformer(nn.Module):
         dtype = recipe.param_dtype
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp, device) if embedding else None
         rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else head_dim_of(cfg)
-        self.rope = RotaryEmbedding(rope_dim, max_seq_len, cfg.rope_theta, device)
+        self.rope = RotaryEmbedding(rope_dim, max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
         ep = ep or ExpertParallel.single()
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.layers = LayerDict({str(i): Block(cfg, recipe, tp, is_moe_layer(cfg, i), ep, fp8_dispatch, device)

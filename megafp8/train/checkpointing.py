@@ -38,6 +38,16 @@ if TYPE_CHECKING:
     from megafp8.train.trainer import Trainer
 
 log = logging.getLogger("megafp8")
+# Model settings a checkpoint's tensor shapes do not reveal: resumed under other values, the weights compute another
+# function (on purpose in a context-extension stage, by mistake otherwise).
+_UNSEEN_MODEL_SETTINGS = ("rope_theta", "rope_scaling", "norm_eps", "moe_score_func", "moe_top_k", "moe_n_group",
+                          "moe_topk_group", "moe_routed_scaling_factor", "moe_norm_topk_prob")
+
+
+def model_setting_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`model.<key>: <saved> in the checkpoint, <current> in this run` for each unseen setting that differs."""
+    return [f"model.{key}: {saved[key]} in the checkpoint, {current[key]} in this run"
+            for key in _UNSEEN_MODEL_SETTINGS if key in saved and saved[key] != current[key]]
 
 
 class _BackgroundWrite:
@@ -211,6 +221,11 @@ class Checkpointer:
         if t.loss_scaler is not None and meta.get("loss_scaler"):
             t.loss_scaler.load_state_dict(meta["loss_scaler"])
         t.step = int(meta["step"])
+        changes = model_setting_changes(meta.get("config", {}).get("model", {}), config_to_dict(t.model_cfg))
+        if changes:
+            log.warning("resuming %s with model settings other than its own (%s): the weights now compute another "
+                        "function; set them as the checkpoint has unless this is meant (e.g. a context-extension "
+                        "stage)", path, "; ".join(changes))
         torch.set_rng_state(meta["rng"]["torch"])
         if t.device.type == "cuda" and "cuda" in meta["rng"]:
             torch.cuda.set_rng_state(meta["rng"]["cuda"], t.device)

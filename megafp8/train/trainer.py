@@ -27,6 +27,7 @@ from megafp8.model import (
     apply_compile,
     apply_fp8_plan,
     apply_recompute,
+    describe_rope,
     init_weights,
     resolve_vocab_size,
     training_flops_per_token,
@@ -402,9 +403,9 @@ class Trainer:
         num_params = sum(math.prod(full_shape(p, self.tp.size)) for p in self.whole_model_meta().parameters())
         m = self.model_cfg
         log.info(
-            "model: %.2fM parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d) | precision %s",
+            "model: %.2fM parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d, %s) | precision %s",
             num_params / 1e6, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads,
-            m.ffn_hidden_size, m.vocab_size, self.recipe.name,
+            m.ffn_hidden_size, m.vocab_size, describe_rope(m.rope_theta, m.rope_scaling), self.recipe.name,
         )
         memory = self.optimizer.memory_bytes()
         log.info(
