@@ -11,12 +11,13 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megafp8", "megafp8.*"]),
     package_data={"megafp8": ["py.typed"]},
-    install_requires=["torch>=2.11", "numpy>=1.24", "pyyaml>=6.0"],
+    install_requires=["torch>=2.11", "numpy>=1.24", "pyyaml>=6.0", "xxhash>=3.0"],
     extras_require={
         "hf": ["tokenizers>=0.19", "safetensors>=0.4"],
         "logging": ["tensorboard>=2.14", "wandb>=0.17"],
         "plot": ["matplotlib>=3.7"],
+        # transformers: tests/test_hf_transformers.py checks checkpoint conversion against its models.
         "test": ["pytest>=7.4", "tokenizers>=0.19", "tensorboard>=2.14", "wandb>=0.17", "matplotlib>=3.7",
-                 "safetensors>=0.4"],
+                 "safetensors>=0.4", "transformers>=5"],
     },
 )

@@ -32,6 +32,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The table of logits compared with transformers (tests/test_hf_transformers.py), when those tests ran."""
+    rows = [value for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
+            for key, value in report.user_properties if key == "logits_vs_transformers"]
+    if rows:
+        terminalreporter.write_line("\n| checked against transformers (FP32) | max abs logit diff | argmax agreement |")
+        terminalreporter.write_line("|---|---|---|")
+        for case, diff, agree in rows:
+            terminalreporter.write_line(f"| {case} | {diff:.2g} | {100 * agree:.1f}% |")
+
+
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory) -> Path:
     """~200 KB of real text (the first stdlib modules), byte-tokenized, with a held-out split."""

@@ -80,9 +80,9 @@ def capture_first_step_grads(trainer) -> dict:
     captured: dict = {}
     real_step = trainer.optimizer.step
 
-    def step(lr):
+    def step(lr, apply=None):
         if not captured:
             captured.update(full_grads(trainer))
-        real_step(lr)
+        real_step(lr, apply)
     trainer.optimizer.step = step
     return captured

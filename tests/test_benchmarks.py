@@ -106,3 +106,12 @@ def test_grouped_gemm_benchmark_helpers():
     table = gg.markdown([("8 x 4096, 7168, 4096", "fprop", ["688", "662", "1171", "1002", "556"], "0.84x")], "cublas")
     assert table.splitlines()[2] == "| 8 x 4096, 7168, 4096 | fprop | 688 | 662 | 1171 | 1002 | 556 | 0.84x |"
     assert "megafp8 grouped (cublas)" in table.splitlines()[0]
+
+
+def test_integrity_benchmark_prints_its_two_tables(tmp_path):
+    cmd = [sys.executable, "benchmarks/integrity.py", "--gib", "0.01", "--dir", str(tmp_path)]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| save_checkpoint: hashed while written, manifest, fsyncs, rename |" in result.stdout
+    assert "| fused AdamW step with the skip flag (found_inf) |" in result.stdout
+    assert list(tmp_path.iterdir()) == []  # it cleans up after itself

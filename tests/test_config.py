@@ -76,6 +76,15 @@ def test_every_field_has_a_doc():
         (["num_layers"], "is not of the form section.key=value"),
         (["training.compile_mode=reduce-overhead"], "training.compile_mode=reduce-overhead needs training.compile=true"),
         (["training.compile=true", "training.compile_mode=fast"], "is not one of 'default' | 'reduce-overhead'"),
+        (["model.rope_scaling.factor=8"], "model.rope_scaling.factor=8.0 has no effect with model.rope_scaling.type=none"),
+        (["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8", "model.rope_scaling.mscale=1"],
+         "model.rope_scaling.mscale=1.0 has no effect with model.rope_scaling.type=llama3"),
+        (["model.rope_scaling.type=yarn", "model.rope_scaling.factor=0.5"], "model.rope_scaling.factor must be >= 1"),
+        (["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4", "model.rope_scaling.beta_fast=0.5"],
+         "model.rope_scaling needs 0 < beta_slow < beta_fast"),
+        (["model.rope_scaling.type=llama3", "model.rope_scaling.factor=8", "model.rope_scaling.low_freq_factor=4"],
+         "model.rope_scaling needs 0 < low_freq_factor < high_freq_factor"),
+        (["model.rope_scaling.kind=yarn"], "unknown config key 'model.rope_scaling.kind'"),
     ],
 )
 def test_bad_settings_give_one_clear_error(overrides, expected):
@@ -129,8 +138,10 @@ def test_tensor_parallel_layout_checks():
         validate_for_world(load_config("tiny_dense", ["parallel.tp=2"]), 2)
     with pytest.raises(ConfigError, match=r"model.ffn_hidden_size = 640 splits into 320 per rank"):
         validate_for_world(load_config("tiny_dense", TP_READY + ["parallel.tp=2", "model.ffn_hidden_size=640"]), 2)
-    with pytest.raises(ConfigError, match=r"model.vocab_size = 384 splits into 192 per rank"):
-        validate_for_world(load_config("tiny_dense", TP_READY + ["parallel.tp=2", "model.vocab_size=384"]), 2)
+    # The vocabulary (BF16 embedding and LM head) only has to split evenly: 192 rows per rank are fine.
+    assert validate_for_world(load_config("tiny_dense", TP_READY + ["parallel.tp=2", "model.vocab_size=384"]), 2)
+    with pytest.raises(ConfigError, match=r"model.vocab_size=385 does not split evenly over parallel.tp=2"):
+        validate_for_world(load_config("tiny_dense", TP_READY + ["parallel.tp=2", "model.vocab_size=385"]), 2)
     with pytest.raises(ConfigError, match=r"sequence_parallel splits each micro-batch's 1 x 255 tokens"):
         validate_for_world(load_config("tiny_dense", TP_READY + [
             "parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=255", "training.micro_batch_size=1"]), 2)
@@ -138,3 +149,33 @@ def test_tensor_parallel_layout_checks():
 
 def test_parse_overrides_nests():
     assert parse_overrides(["a.b=1", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 1, "c": "x"}, "d": [1, 2]}
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.hidden_size=1099511627776"], "this model would have about 1.5e+25 parameters, more than 1e+15"),
+    (["model.vocab_size=4611686018427387904"], "this model would have about 2.4e+21 parameters"),
+    (["model.num_layers=1000000"], "model.num_layers=1000000 exceeds 1024"),
+    (["data.seq_len=4294967296"], "a micro-batch of training.micro_batch_size x data.seq_len = 17179869184 tokens"),
+    (["parallel.timeout_minutes=0"], "parallel.timeout_minutes must be above 0 and at most 10080 (a week), got 0"),
+    (["parallel.timeout_minutes=-1"], "parallel.timeout_minutes must be above 0"),
+    (["parallel.timeout_minutes=1e300"], "parallel.timeout_minutes must be above 0 and at most 10080 (a week), got 1e+300"),
+    (["optimizer.lr=.inf"], "optimizer.lr: expected a finite number, got inf"),
+    (["optimizer.weight_decay=.nan"], "optimizer.weight_decay: expected a finite number, got nan"),
+    (["model.norm_eps=.nan"], "model.norm_eps: expected a finite number"),
+    (["model.init_std=.inf"], "model.init_std: expected a finite number"),
+    (["optimizer.grad_clip=.nan"], "optimizer.grad_clip: expected a finite number"),
+    (["precision.recipe=fp16", "precision.loss_scale_initial=inf"], "precision.loss_scale_initial: expected a finite"),
+    (["training.eval_iters=0"], "training.eval_iters=0: evaluation (training.eval_interval=50) needs at least 1"),
+    (["logging.peak_tflops=-1"], "logging.peak_tflops must be positive (or null), got -1"),
+    (["training.max_consecutive_skips=0"], "training.max_consecutive_skips must be at least 1, got 0"),
+    (["training.global_batch_size=12"], "training.global_batch_size=12 must be a multiple of micro_batch_size x "
+                                        "data-parallel ranks = 4 x 2 = 8"),
+])
+def test_the_dry_run_refuses_what_the_launch_refuses_in_one_line(capsys, overrides, expected):
+    """Mutations of tiny_dense.yaml that 0800a78's dry run passed (to die at launch), answered with a traceback,
+    or never finished planning."""
+    from megafp8.train.main import main
+
+    assert main(["--config", "tiny_dense", "--dry-run", "--world-size", "2", "model.vocab_size=384", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err

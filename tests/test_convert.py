@@ -1,16 +1,23 @@
-"""Hugging Face Llama safetensors export/import, FP8 export, bad files, and the conversion tool."""
+"""Hugging Face safetensors export/import (Llama and DeepSeek layouts), FP8 export, config values and tensors that
+have no exact megafp8 equivalent, bad files, and the conversion tool. Comparisons with `transformers` itself are in
+tests/test_hf_transformers.py."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from megafp8.config import ConfigError, ModelConfig, load_config
+from megafp8.config import ConfigError, ModelConfig, RopeScalingConfig, load_config
 from megafp8.model import Transformer, init_weights
 from megafp8.parallel import ParallelDims
 from megafp8.precision import E4M3, PrecisionRecipe
+from megafp8.precision.quantize import quantize_128x128
 from megafp8.train import Trainer
 from tests.conftest import REPO, torchrun_env
 
@@ -29,9 +36,11 @@ def tiny_model(cfg=CFG, seed=0):
 
 def test_round_trip_gives_identical_logits(tmp_path):
     model = tiny_model()
-    save_hf(model.state_dict(), CFG, 64, tmp_path / "hf", fp8=False)
-    cfg, state = load_hf(tmp_path / "hf")
+    assert save_hf(model.state_dict(), CFG, 64, tmp_path / "hf", fp8=False) == "llama"
+    imported = load_hf(tmp_path / "hf")
+    cfg, state = imported.cfg, imported.state
     assert (cfg.hidden_size, cfg.num_kv_heads, cfg.ffn_hidden_size, cfg.vocab_size) == (256, 2, 512, 384)
+    assert imported.layout == "llama" and imported.notes == []
     restored = tiny_model(cfg, seed=1)
     restored.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
     tokens = torch.randint(0, 384, (2, 64))
@@ -50,7 +59,7 @@ def test_llama_names_and_fp8_blocks(tmp_path):
     assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (128, 256)  # 2 kv heads x 64
     assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16  # islands stay BF16
     assert tensors["lm_head.weight"].dtype == torch.bfloat16
-    _, state = load_hf(tmp_path / "hf8")
+    state = load_hf(tmp_path / "hf8").state
     for name, original in model.state_dict().items():
         restored, w = state[name], original.float()
         if name.endswith("_proj.weight"):
@@ -106,10 +115,14 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
     for kind in ("masters", "exp_avg", "exp_avg_sq"):
         assert all(torch.equal(t, back["optimizer"][kind][n]) for n, t in original["optimizer"][kind].items())
     tool("to-hf", ckpt / "step_00000006", "--out", tmp_path / "hf")
-    assert "step_00000000" in tool("from-hf", tmp_path / "hf", "--out", tmp_path / "imported")
-    resumed = Trainer(load_config("tiny_dense", tiny_overrides + [
+    printed = tool("from-hf", tmp_path / "hf", "--out", tmp_path / "imported")
+    assert f"train from it with checkpoint.resume={tmp_path / 'imported' / 'step_00000000'}" in printed
+    (tmp_path / "run.yaml").write_text(printed[printed.index("model:"):])  # the printed model section, as it is
+    not_model = [o for o in tiny_overrides if not o.startswith("model.")]
+    resumed = Trainer(load_config(tmp_path / "run.yaml", not_model + [
         f"checkpoint.resume={tmp_path / 'imported' / 'step_00000000'}", "run_name=imported"]),
         ParallelDims.single(), torch.device("cpu"))
+    assert resumed.model_cfg == dataclasses.replace(trainer.model_cfg, head_dim=64)  # written out, as transformers
     assert resumed.step == 0 and resumed.optimizer.step_count == 0
     for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name  # masters rounded to BF16 are the model weights
@@ -118,21 +131,6 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
     bad = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "inspect", str(tmp_path / "nope")],
                          cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not found" in bad.stderr
-
-
-def test_export_runs_in_hugging_face_transformers_with_identical_logits(tmp_path):
-    """Optional (needs `transformers`, not installed by `make test`): the exported directory is a valid
-    LlamaForCausalLM whose FP32 logits equal ours."""
-    transformers = pytest.importorskip("transformers")
-    model = Transformer(CFG, PrecisionRecipe.from_name("fp32"), 64)
-    init_weights(model, CFG, 0)
-    save_hf(model.state_dict(), CFG, 64, tmp_path / "hf", fp8=False)
-    _, state = load_hf(tmp_path / "hf")
-    model.load_state_dict(state)  # the export is BF16: compare the model that the file actually holds
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32)
-    tokens = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-5, atol=1e-5)
 
 
 DEEPSEEK = ModelConfig(vocab_size=384, hidden_size=256, num_layers=3, num_heads=4, attention="mla", q_lora_rank=128,
@@ -170,24 +168,12 @@ def test_deepseek_layout_round_trip_and_names(tmp_path):
                      "model.layers.3.eh_proj.weight", "model.layers.3.shared_head.head.weight",
                      "model.layers.3.embed_tokens.weight", "model.layers.3.mlp.experts.0.down_proj.weight"):
         assert expected in names, expected
-    cfg, restored = load_hf(tmp_path / "hf")
-    assert cfg == DEEPSEEK
+    imported = load_hf(tmp_path / "hf")
+    cfg, restored = imported.cfg, imported.state
+    assert cfg == DEEPSEEK and imported.notes == []  # its MTP weights are there: imported
     assert restored.keys() == state.keys()
     for name, t in state.items():
         assert torch.equal(restored[name], t.float()), name
-
-
-def test_deepseek_export_runs_in_hugging_face_transformers_with_identical_logits(tmp_path):
-    """Optional (needs `transformers`): the export loads as DeepseekV3ForCausalLM (interleaved rotary rows, group-
-    limited sigmoid routing with the correction bias, per-expert weights) and its FP32 logits equal ours."""
-    transformers = pytest.importorskip("transformers")
-    model = _deepseek_model()
-    save_hf(model.state_dict(), DEEPSEEK, 64, tmp_path / "hf", fp8=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
-    tokens = torch.randint(0, 384, (2, 64), generator=torch.Generator().manual_seed(3))
-    model.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
 
 
 def test_deepseek_fp8_export_dequantizes_within_the_e4m3_bound(tmp_path):
@@ -199,18 +185,232 @@ def test_deepseek_fp8_export_dequantizes_within_the_e4m3_bound(tmp_path):
     assert tensors["model.layers.1.mlp.experts.3.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # the router stays FP32
     assert tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.bfloat16  # 192 rows: unaligned
-    _, restored = load_hf(tmp_path / "hf")
+    restored = load_hf(tmp_path / "hf").state
     w = model.state_dict()["layers.1.mlp.experts.gate_up_proj.weight"]
     assert (restored["layers.1.mlp.experts.gate_up_proj.weight"] - w).abs().max() <= 2**-3 * w.abs().max()
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(attention="gqa", num_kv_heads=2), "needs MLA attention"),
-    (dict(moe_score_func="softmax"), "scores with sigmoid"),
-])
-def test_models_without_a_hugging_face_layout_are_refused_clearly(tmp_path, change, message):
-    import dataclasses
 
-    with pytest.raises(ConfigError, match=message):
-        save_hf({}, dataclasses.replace(DEEPSEEK, **change), 64, tmp_path / "hf", fp8=False)
+
+def _exported(cfg: ModelConfig, path):
+    """A megafp8 model of `cfg` written as a Hugging Face directory (selection biases zero where the layout has
+    none)."""
+    model = _deepseek_model(cfg) if cfg.attention == "mla" else tiny_model(cfg)
+    if cfg.moe_score_func == "softmax":
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.data.zero_()
+    save_hf(model.state_dict(), cfg, 64, path, fp8=False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """An exported dense model whose config.json the refusal tests edit."""
+    path = tmp_path_factory.mktemp("llama")
+    _exported(CFG, path)
+    return path
+
+
+def _edited(source, target, change: dict):
+    """`target`: the directory `source` with `change` merged into its config.json (the weights linked)."""
+    target.mkdir(exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, **change}))
+    (target / WEIGHTS_FILE).symlink_to(source / WEIGHTS_FILE)
+    return target
+
+
+REFUSED = [
+    (dict(attention_bias=True), "config.json: attention_bias=True is not supported (megafp8's linears have no biases)"),
+    (dict(mlp_bias=True), "config.json: mlp_bias=True is not supported"),
+    (dict(hidden_act="gelu"), "config.json: hidden_act='gelu' is not supported (megafp8's MLPs are SwiGLU)"),
+    (dict(model_type="mistral", sliding_window=32),
+     "config.json: sliding_window=32 is not supported (megafp8 attends to the whole causal context)"),
+    (dict(model_type="mistral"), "config.json: sliding_window=4096 is not supported"),  # transformers' default
+    (dict(model_type="qwen2"), "config.json: model_type='qwen2' is not supported: its q/k/v projections have biases"),
+    (dict(model_type="gemma"), "config.json: model_type='gemma' is not supported (megafp8 imports llama, mistral, "
+                               "mixtral, deepseek_v2, deepseek_v3)"),
+    (dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
+     "config.json: rope_type='dynamic' is not supported (megafp8 has default, yarn and llama3)"),
+    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=2.0, attention_factor=0.9)),
+     "rope_parameters.attention_factor / truncate=false are not supported"),
+    (dict(rope_parameters=dict(rope_type="llama3", rope_theta=1e4, factor=2.0, low_freq_factor=1.0,
+                               high_freq_factor=4.0, mscale=1.0)),
+     "config.json: rope_parameters.mscale=1.0 is not a llama3 RoPE setting megafp8 has"),
+    (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "config.json: rope_scaling={'rope_type': 'yarn', "
+                                                            "'factor': 4.0} and rope_parameters="),
+    (dict(partial_rotary_factor=0.5), "config.json: partial_rotary_factor != 1 is not supported"),
+    (dict(quantization_config=dict(quant_method="bitsandbytes")), "quantization_config (quant_method='bitsandbytes'"),
+    (dict(qk_layernorm=True), "config.json: qk_layernorm=True is a llama setting megafp8's converter does not know"),
+    (dict(num_key_value_heads=3), "config.json describes a model megafp8 refuses: model.num_kv_heads=3 must divide"),
+]
+
+
+@pytest.mark.parametrize("change, message", REFUSED, ids=[next(iter(c)) + "=" + str(next(iter(c.values())))
+                                                          for c, _ in REFUSED])
+def test_a_config_value_megafp8_cannot_represent_is_refused_in_one_line(tmp_path, llama_dir, change, message):
+    with pytest.raises(ConfigError) as err:
+        load_hf(_edited(llama_dir, tmp_path / "hf", change))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+V2 = dataclasses.replace(DEEPSEEK, moe_score_func="softmax", moe_norm_topk_prob=False, moe_n_group=1, moe_topk_group=1,
+                         moe_routed_scaling_factor=1.0, moe_num_shared_experts=2, mtp_depth=0)
+DEEPSEEK_REFUSED = [
+    (V2, dict(topk_method="group_limited_greedy", n_group=2, topk_group=1),
+     "config.json: topk_method=group_limited_greedy with n_group=2 is not supported"),
+    (V2, dict(norm_topk_prob=True), "config.json: norm_topk_prob=True is not supported (transformers' DeepSeek-V2 "
+                                    "ignores it"),
+    (V2, dict(num_nextn_predict_layers=1), "config.json: num_nextn_predict_layers=1 is not supported"),
+    (DEEPSEEK, dict(rms_norm_eps=1e-5), "config.json: rms_norm_eps=1e-05 is not supported (DeepSeek's attention "
+                                        "normalizes q and kv with eps 1e-6"),
+    (DEEPSEEK, dict(scoring_func="softmax"), "config.json: scoring_func='softmax' is not supported"),
+    (DEEPSEEK, dict(moe_layer_freq=2), "config.json: moe_layer_freq=2 is not supported"),
+]
+
+
+@pytest.mark.parametrize("cfg, change, message", DEEPSEEK_REFUSED,
+                         ids=[f"{'v2' if c is V2 else 'v3'}-{next(iter(d))}" for c, d, _ in DEEPSEEK_REFUSED])
+def test_deepseek_routing_and_norms_megafp8_lacks_are_refused(tmp_path, cfg, change, message):
+    _exported(cfg, tmp_path / "hf")
+    with pytest.raises(ConfigError) as err:
+        load_hf(_edited(tmp_path / "hf", tmp_path / "edited", change))
+    assert message in str(err.value)
+
+
+def test_a_tensor_the_config_does_not_declare_is_refused(tmp_path, llama_dir):
+    """A bias (Qwen2-style) in a file whose config.json says none: not dropped silently."""
+    from safetensors.torch import load_file, save_file
+
+    (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
+    tensors = load_file(str(llama_dir / WEIGHTS_FILE))
+    save_file({**tensors, "model.layers.0.self_attn.q_proj.bias": torch.zeros(256)}, str(tmp_path / WEIGHTS_FILE))
+    with pytest.raises(ConfigError, match=r"tensor 'model.layers.0.self_attn.q_proj.bias' of the checkpoint has no "
+                                          "place in the model its config.json describes"):
+        load_hf(tmp_path)
+
+
+def test_deepseek_mtp_copies_must_equal_the_shared_embedding_and_head(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _exported(DEEPSEEK, tmp_path)
+    tensors = load_file(str(tmp_path / WEIGHTS_FILE))
+    tensors["model.layers.3.shared_head.head.weight"] = tensors["model.layers.3.shared_head.head.weight"] * 2
+    save_file(tensors, str(tmp_path / WEIGHTS_FILE))
+    with pytest.raises(ConfigError, match="model.layers.3.shared_head.head.weight differs from the model's "
+                                          "lm_head.weight: megafp8's MTP modules share"):
+        load_hf(tmp_path)
+
+
+def test_fp8_weights_with_partial_edge_blocks_are_dequantized(tmp_path):
+    """DeepSeek-V3 ships kv_a (576 rows) in FP8 with ceil(576/128) row blocks: the last block is partial."""
+    from safetensors.torch import load_file, save_file
+
+    model = _exported(DEEPSEEK, tmp_path)
+    tensors = load_file(str(tmp_path / WEIGHTS_FILE))
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # 192 x 256: 2 x 2 blocks, the second half-full
+    w = tensors[name].float()
+    q, scale = quantize_128x128(torch.cat([w, torch.zeros(64, 256)]), E4M3)
+    tensors[name], tensors[name + "_scale_inv"] = q[:192], scale
+    save_file(tensors, str(tmp_path / WEIGHTS_FILE))
+    restored = load_hf(tmp_path).state["layers.0.attn.kv_a_proj.weight"]
+    original = model.state_dict()["layers.0.attn.kv_a_proj.weight"]
+    assert not torch.equal(restored, original) and (restored - original).abs().max() <= 2**-4 * original.abs().max()
+    tensors[name + "_scale_inv"] = scale[:1]
+    save_file(tensors, str(tmp_path / WEIGHTS_FILE))
+    with pytest.raises(ConfigError, match=r"_scale_inv' has shape \(1, 2\), not the \(2, 2\) blocks of 128x128"):
+        load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(moe_num_experts=4, moe_score_func="softmax", moe_first_dense_layers=0),
+     "model.moe_num_shared_experts=1 has no place in the Mixtral layout"),
+    (dict(moe_num_experts=4, moe_num_shared_experts=0, moe_first_dense_layers=0),
+     "model.moe_score_func='sigmoid' has no place in the Mixtral layout"),
+    (dict(mtp_depth=1), "model.mtp_depth=1: only the DeepSeek-V3 layout"),
+    (dict(attention="mla", norm_eps=1e-5), "model.norm_eps=1e-05: DeepSeek's layout normalizes MLA's q and kv with "
+                                           "eps 1e-6"),
+    (dict(attention="mla", norm_eps=1e-6, moe_num_experts=4, moe_score_func="softmax"),
+     "model.moe_norm_topk_prob=True has no place in the DeepSeek-V2 layout"),
+])
+def test_a_model_without_an_exact_layout_is_not_exported(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        save_hf({}, dataclasses.replace(CFG, **change), 64, tmp_path / "hf", fp8=False)
     assert not (tmp_path / "hf").exists()  # nothing half-written
+
+
+def test_a_trained_selection_bias_is_not_exported_to_a_layout_without_one(tmp_path):
+    cfg = dataclasses.replace(CFG, moe_num_experts=4, moe_ffn_hidden_size=128, moe_num_shared_experts=0,
+                              moe_first_dense_layers=0, moe_score_func="softmax")
+    state = tiny_model(cfg).state_dict()
+    state["layers.1.mlp.router.expert_bias"][0] = 1e-3
+    with pytest.raises(ConfigError, match=r"layers.1.mlp.router.expert_bias is non-zero .* train such models with "
+                                          r"model.moe_bias_update_rate=0"):
+        save_hf(state, cfg, 64, tmp_path / "hf", fp8=False)
+    with pytest.raises(ConfigError, match=r"model.layers.1.mlp.router.expert_bias is non-zero .* the DeepSeek-V2 "):
+        save_hf(_deepseek_model(V2).state_dict(), V2, 64, tmp_path / "hf", fp8=False)
+
+
+def test_a_v2_lite_shaped_import_trains_in_fp8_keeping_untiled_layers_bf16(tiny_overrides, tmp_path, caplog):
+    """DeepSeek-V2-Lite's dense FFN (10944) and kv_a (512 + 64 rows) are not whole 128-wide tiles. Imported and trained
+    under FP8 (here 200 and 128 + 64), those layers run BF16 on their own and the start-up line names them."""
+    from megafp8.checkpoint.convert import import_hf, model_settings
+
+    cfg = dataclasses.replace(V2, hidden_size=128, num_layers=2, num_heads=2, q_lora_rank=None, ffn_hidden_size=200,
+                              moe_num_experts=4, moe_ffn_hidden_size=128)
+    _exported(cfg, tmp_path / "hf")
+    path, imported, _ = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    (tmp_path / "run.yaml").write_text(model_settings(imported))
+    not_model = [o for o in tiny_overrides if not o.startswith("model.")]
+    run = load_config(tmp_path / "run.yaml", not_model + [f"checkpoint.resume={path}", "precision.recipe=fp8",
+                                                          "training.steps=2", "training.eval_interval=0"])
+    with caplog.at_level("INFO", logger="megafp8"):
+        trainer = Trainer(run, ParallelDims.single(), torch.device("cpu"))
+    assert ("BF16 as not whole 128x128 FP8 tiles: layers.*.attn.kv_a_proj (x2), layers.0.mlp.gate_up_proj, "
+            "layers.0.mlp.down_proj") in caplog.text
+    assert trainer.model.layers[1].mlp.experts.gate_up_proj.runs_fp8 and trainer.model.layers[0].attn.q_proj.runs_fp8
+    losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+def test_resuming_an_import_under_other_rope_settings_says_so(tiny_overrides, tmp_path, caplog):
+    """The tensors of a Llama-3-style import (rope_theta 500000, llama3 scaling) fit a run with plain RoPE: the
+    resume says which settings differ, since the weights then compute another function."""
+    from megafp8.checkpoint.convert import import_hf
+
+    cfg = dataclasses.replace(CFG, hidden_size=128, num_heads=2, num_kv_heads=1, ffn_hidden_size=256, rope_theta=5e5,
+                              rope_scaling=RopeScalingConfig(type="llama3", factor=8.0))
+    _exported(cfg, tmp_path / "hf")
+    path, _, _ = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    with caplog.at_level("WARNING", logger="megafp8"):
+        Trainer(load_config("tiny_dense", tiny_overrides + [f"checkpoint.resume={path}"]), ParallelDims.single(),
+                torch.device("cpu"))
+    assert "model.rope_theta: 500000.0 in the checkpoint, 10000.0 in this run; model.rope_scaling: {'type': 'llama3'," \
+           in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megafp8"):
+        Trainer(load_config("tiny_dense", tiny_overrides + [
+            f"checkpoint.resume={path}", "model.rope_theta=5e5", "model.rope_scaling.type=llama3",
+            "model.rope_scaling.factor=8", "run_name=same"]), ParallelDims.single(), torch.device("cpu"))
+    assert "model settings other than its own" not in caplog.text
+
+
+@pytest.mark.parametrize("rope_scaling, expected", [
+    (None, RopeScalingConfig()),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}, RopeScalingConfig(type="llama3", factor=8.0,
+                                                                   original_max_position_embeddings=8192)),
+    ({"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+      "original_max_position_embeddings": 4096}, RopeScalingConfig(type="yarn", factor=40.0, mscale=0.707,
+                                                                   mscale_all_dim=0.707)),
+])
+def test_configs_of_transformers_4_give_the_rope_settings_too(tmp_path, llama_dir, rope_scaling, expected):
+    """Before transformers 5 the base was a top-level `rope_theta` and the scaling `rope_scaling` (`type` in
+    DeepSeek's files); reading only `rope_parameters` would fall back to 10000 and no scaling."""
+    config = json.loads((llama_dir / "config.json").read_text())
+    del config["rope_parameters"]
+    edited = _edited(llama_dir, tmp_path / "hf", {})  # then its config.json replaced: no rope_parameters
+    (edited / "config.json").write_text(json.dumps({**config, "rope_theta": 500000.0, "rope_scaling": rope_scaling}))
+    cfg = load_hf(edited).cfg
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == expected

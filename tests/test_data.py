@@ -172,3 +172,52 @@ def test_hf_tokenizer_train_and_preprocess(tmp_path):
     first_doc = first_doc[: int(np.argmax(first_doc == 0))]
     assert tok.decode(first_doc.tolist()) == (src / "000.txt").read_text()
     assert stream.num_tokens < sum(len(p.read_text()) for p in src.iterdir())  # BPE compresses
+
+
+def test_preprocessing_records_each_shard_s_largest_token_id(tmp_path):
+    docs = ["abc", "xyz~", "a"]  # '~' (126) is the largest byte; each document ends with eos (256)
+    out = tmp_path / "tok"
+    preprocess([str(write_docs(tmp_path / "src", docs))], out, valid_fraction=0.0, shard_tokens=4)
+    shards = read_meta(out).splits["train"]
+    assert [s["max_token_id"] for s in shards] == [256] * len(shards)
+    assert TokenStream(read_meta(out), "train").num_tokens == 11
+
+
+def _with_bad_ids(corpus_dir, tmp_path, how):
+    """A copy of the test corpus whose token ids do not fit its tokenizer, in one of three ways."""
+    import shutil
+
+    data = shutil.copytree(corpus_dir, tmp_path / "data")
+    meta = json.loads((data / "meta.json").read_text())
+    shard = meta["splits"]["train"][0 if how == "vocab_size_below_the_ids" else 1]  # the first bad one is named
+    if how == "vocab_size_below_the_ids":  # meta.json's vocab_size smaller than the ids it holds
+        meta["vocab_size"] = 200
+    else:  # id 300: above the byte tokenizer's 257 ids, below the padded vocabulary (384)
+        tokens = np.memmap(data / shard["file"], dtype=np.uint16, mode="r+")
+        tokens[1000] = 300
+        tokens.flush()
+        if how == "recorded":
+            shard["max_token_id"] = 300
+        else:  # data from before the largest id was recorded: it is scanned
+            for split in meta["splits"].values():
+                for s in split:
+                    del s["max_token_id"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    return data, data / shard["file"]
+
+
+@pytest.mark.parametrize("how", ["vocab_size_below_the_ids", "recorded", "scanned"])
+def test_token_ids_outside_the_vocabulary_are_refused_before_step_1(tiny_overrides, corpus_dir, tmp_path, how):
+    """0800a78 trained on ids between the tokenizer's vocabulary and the padded one, and crashed a few steps in
+    (rank 0 in F.embedding) when meta.json's vocab_size was below the ids."""
+    from megafp8.config import load_config
+    from megafp8.parallel import ParallelDims
+    from megafp8.train import Trainer
+
+    data, shard = _with_bad_ids(corpus_dir, tmp_path, how)
+    cfg = load_config("tiny_dense", tiny_overrides + [f"data.path={data}"])
+    with pytest.raises(ConfigError, match=rf"token shard {shard} holds token id \d+, but its tokenizer \(byte\) has "
+                                          r"\d+ ids \(vocab_size in .*meta.json\): the data does not match its "
+                                          "tokenizer") as err:
+        Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+    assert "\n" not in str(err.value)

@@ -174,6 +174,19 @@ def test_layer_plan_keeps_islands_and_chosen_blocks_in_bf16():
     assert all(".mlp." in n for n in plan.fp8_layers) and len(plan.fp8_layers) == 8
 
 
+def test_ffn_that_is_not_whole_tiles_stays_bf16_and_the_plan_says_which():
+    """DeepSeek-V2-Lite's dense FFN (10944) is not a multiple of 128: a weight that is not whole 128x128 tiles runs
+    BF16 (down_proj, 256 x 704), one that is runs FP8 (gate_up_proj, 1408 x 256), and the summary names them."""
+    model, plan = plan_for("model.ffn_hidden_size=704")
+    downs = [f"layers.{i}.mlp.down_proj" for i in range(4)]
+    assert plan.untiled == downs and set(downs) <= set(plan.bf16_layers) and len(plan.fp8_layers) == 12
+    assert model.layers[0].mlp.gate_up_proj.runs_fp8 and not model.layers[3].mlp.down_proj.runs_fp8
+    assert plan.summary() == ("12 of 17 GEMM layers in FP8; BF16: lm_head; BF16 as not whole 128x128 FP8 tiles: "
+                              "layers.*.mlp.down_proj (x4)")
+    _, plan = plan_for("model.ffn_hidden_size=700")  # 1400 rows do not tile either
+    assert len(plan.untiled) == 8 and len(plan.fp8_layers) == 8
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["precision.fp8_layers=[lm_head]"], "names 'lm_head', a precision island"),
     (["precision.fp8_layers=[embed]"], "names 'embed', a precision island"),
@@ -187,9 +200,9 @@ def test_bad_layer_requests_are_refused(overrides, message):
 
 
 def test_fp8_config_rejects_unaligned_sizes():
-    with pytest.raises(ConfigError, match=r"multiples of the 128-wide FP8 tile, but model.ffn_hidden_size = 700: "
-                                          r"change model.ffn_hidden_size \(e.g. to make it 768\)"):
-        load_config("tiny_dense_fp8", ["model.ffn_hidden_size=700"])
+    with pytest.raises(ConfigError, match=r"multiples of the 128-wide FP8 tile, but model.hidden_size = 320: "
+                                          r"change model.hidden_size \(e.g. to make it 384\)"):
+        load_config("tiny_dense_fp8", ["model.hidden_size=320", "model.head_dim=64"])
     with pytest.raises(ConfigError, match=r"QKV width\) = 192"):
         load_config("tiny_dense_fp8", ["model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=1"])
 

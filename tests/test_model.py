@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -75,6 +76,41 @@ def test_rope_matches_complex_rotation():
     angles = torch.outer(torch.arange(16).float(), freqs)[None, :, None, :]
     z = torch.complex(q[..., :4], q[..., 4:]) * torch.polar(torch.ones_like(angles), angles)
     assert torch.allclose(rotated, torch.cat([z.real, z.imag], dim=-1), atol=1e-5)
+
+
+YARN = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4"]  # from 4096 tokens: dims 0-9 kept, 23-31 scaled
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_rope_scaling_reaches_the_model_that_trains(attention):
+    """model.rope_scaling builds the training model's tables: frequencies scaled (YaRN: low ones divided by the factor,
+    high ones kept), cos/sin times YaRN's attention factor m(mscale)/m(mscale_all_dim), and under MLA the softmax
+    scale times m(mscale_all_dim)^2, m(s) = 0.1 s ln(factor) + 1."""
+    from megafp8.config import load_config
+    from megafp8.train.trainer import build_model
+
+    mla = ["model.attention=mla", "model.q_lora_rank=null", "model.kv_lora_rank=128", "model.qk_nope_head_dim=32",
+           "model.qk_rope_head_dim=32", "model.v_head_dim=32"] if attention == "mla" else []
+    scaled = YARN + ["model.rope_scaling.mscale=1", "model.rope_scaling.mscale_all_dim=0.5"]
+
+    def model(*overrides):
+        cfg = load_config("tiny_dense", ["model.vocab_size=384", "model.num_layers=1", *mla, *overrides])
+        return build_model(cfg, cfg.model, PrecisionRecipe.from_name("fp32"), torch.device("cpu"))
+
+    plain, yarn = model(), model(*scaled)
+    dim = plain.rope.head_dim
+    m = lambda s: 0.1 * s * math.log(4) + 1  # noqa: E731
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    def frequencies(rope):  # the angle at position 1
+        return torch.atan2(rope.sin[1, :dim // 2], rope.cos[1, :dim // 2])
+
+    assert torch.allclose(frequencies(plain.rope), inv, rtol=1e-5)
+    assert torch.allclose(frequencies(yarn.rope)[:2], inv[:2], rtol=1e-5)  # fast dims kept
+    assert torch.allclose(frequencies(yarn.rope)[-2:], inv[-2:] / 4, rtol=1e-5)  # slow dims interpolated
+    magnitude = yarn.rope.cos[:, 0] ** 2 + yarn.rope.sin[:, 0] ** 2
+    assert torch.allclose(magnitude, torch.full_like(magnitude, (m(1) / m(0.5)) ** 2))
+    if attention == "mla":
+        assert yarn.layers[0].attn.scale == pytest.approx(plain.layers[0].attn.scale * m(0.5) ** 2, rel=1e-12)
 
 
 def test_rope_rejects_too_long_sequences():

@@ -206,6 +206,8 @@ def test_pp2_checkpoint_holds_every_stage_and_resumes_at_pp1_and_pp2(tiny_overri
     assert resumed.step == 3
     state = resumed.model.state_dict()
     assert all(torch.equal(state[k], saved["model"][k]) for k in saved["model"])
+    for trainer in (one, resumed):  # this process is done with the run directory: another run may take it
+        trainer.run_lock.release()
     spawn(2, _save_worker, base + ["parallel.pp=2", "parallel.pp_schedule=zbv", "training.steps=4"])
     assert load_checkpoint(find_latest(tmp_path / "ck"))["step"] == 4
 

@@ -62,7 +62,7 @@ def test_a_run_that_cannot_fit_fails_fast():
 
 def test_dry_run_command_prints_the_plan_and_needs_a_vocabulary(tmp_path):
     cmd = [sys.executable, "launch/pretrain.py", "--config", "tiny_dense", "--dry-run", "--world-size", "8",
-           "model.size=1b", "model.vocab_size=32768", "data.seq_len=2048"]
+           "model.size=1b", "model.vocab_size=32768", "data.seq_len=2048", "training.global_batch_size=32"]
     result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "| **total** | **956.37M** |" in result.stdout and "sharded over 8 data-parallel" in result.stdout
@@ -154,6 +154,16 @@ def test_dry_run_lists_every_pipeline_rank():
     text = dry_run(load_config("671b_fp8"), 2048, 989.4, 0.4)
     assert "| 0 | 0, 31 (embedding, head) | 1 |" in text  # the V layout: rank 0 holds the first and last stage
     assert "| 15 | 15, 16 | 4 |" in text and "memory of the busiest pipeline rank" in text
+
+
+def test_dry_run_names_the_rope_scaling():
+    from megafp8.train.plan import dry_run
+
+    yarn = ["model.vocab_size=384", "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
+            "model.rope_scaling.original_max_position_embeddings=64", "model.rope_theta=50000"]
+    assert "ffn 768, RoPE theta 50000, yarn x4 from 64 tokens, vocab 384" in dry_run(load_config("tiny_dense", yarn),
+                                                                                    1, 100.0, 0.4)
+    assert "RoPE theta 10000, vocab" in dry_run(load_config("tiny_dense", yarn[:1]), 1, 100.0, 0.4)
 
 
 @pytest.mark.parametrize("config", ["tiny_dense_fp8", "tiny_moe_fp8"])

@@ -98,7 +98,7 @@ def test_resume_is_bit_identical(tiny_overrides, tmp_path):
     resumed = make_trainer(tiny_overrides, ckpt)
     assert resumed.step == 3 and resumed.loader.consumed_samples == 3 * 8
     assert train_losses(resumed.fit()) == straight[3:]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_00000006"]  # keep_last=1
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "latest", "step_00000006"]  # keep 1
 
 
 def test_corrupt_checkpoint_gives_one_clear_error(tiny_overrides, tmp_path):
@@ -171,9 +171,11 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tiny_overrid
         trainer.save()
     monkeypatch.setattr(torch, "save", real_save)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000001"
-    assert (tmp_path / "ckpt" / "step_00000002.tmp").exists() and not (tmp_path / "ckpt" / "step_00000002").exists()
+    assert len(list((tmp_path / "ckpt").glob("step_00000002.tmp-*"))) == 1  # the writer's private directory
+    assert not (tmp_path / "ckpt" / "step_00000002").exists()
     resumed = make_trainer(tiny_overrides, ckpt)
     assert resumed.step == 1
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".lock", "latest", "step_00000001"]  # cleaned
 
 
 def test_async_save_resumes_bit_identically_and_surfaces_write_errors(tiny_overrides, tmp_path, monkeypatch):

@@ -1,15 +1,21 @@
 #!/usr/bin/env python
-"""Inspect megafp8 checkpoints and convert them to and from Hugging Face safetensors (Llama or DeepSeek-V3 layout).
+"""Inspect megafp8 checkpoints and convert them to and from Hugging Face safetensors (Llama, Mistral, Mixtral,
+DeepSeek-V2 and -V3; docs/checkpoints.md lists what converts and what is refused).
 
     python tools/convert_checkpoint.py inspect runs/tiny_dense/checkpoints/step_00000200
+    python tools/convert_checkpoint.py verify runs/tiny_dense/checkpoints/step_00000200
     python tools/convert_checkpoint.py to-hf runs/tiny_dense/checkpoints/step_00000200 --out hf/tiny [--fp8]
     python tools/convert_checkpoint.py from-hf hf/tiny --out runs/from_hf/checkpoints
     python tools/convert_checkpoint.py consolidate runs/big/checkpoints/step_00001000 --out one_file/
     python tools/convert_checkpoint.py shard one_file/step_00001000 --out sharded/
 
-`to-hf` writes config.json + model.safetensors in Llama naming for dense GQA models, in DeepSeek-V3 naming for
-MLA / MoE / MTP models (BF16, or with --fp8 E4M3 projection weights with 128x128 `weight_scale_inv` blocks). `from-hf` writes a step-0
-megafp8 checkpoint (fresh optimizer); train from it with `checkpoint.resume=<printed path>`.
+`to-hf` writes config.json + model.safetensors as Llama (dense GQA), Mixtral (GQA + softmax MoE), DeepSeek-V2 (MLA +
+softmax MoE) or DeepSeek-V3 (MLA, sigmoid MoE, MTP) (BF16, or with --fp8 E4M3 projection weights with 128x128
+`weight_scale_inv` blocks). `from-hf` writes a step-0 megafp8 checkpoint (fresh optimizer), and prints the model
+settings to train from it with `checkpoint.resume=<printed path>`. A config key or tensor with no exact megafp8
+equivalent is refused with one line naming it.
+`verify` re-reads every file of a checkpoint and checks it against the checksum recorded when it was written
+(one line per checkpoint; exit status 2 if any fails); it builds no model.
 `consolidate` turns a sharded checkpoint (every rank's pieces) into one `state.pt`; `shard` does the reverse.
 Neither needs a layout: both forms hold full tensors by name, and a run at any TP/PP/EP/DP layout loads either.
 """
@@ -21,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megafp8.checkpoint.convert import consolidate, describe, export_hf, import_hf, shard  # noqa: E402
+from megafp8.checkpoint.convert import consolidate, describe, export_hf, import_hf, model_settings, shard  # noqa: E402
+from megafp8.checkpoint.local import verify_checkpoint  # noqa: E402
 from megafp8.config import ConfigError  # noqa: E402
 
 
@@ -30,11 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="list tensors, shapes, dtypes, layout and step")
     inspect.add_argument("checkpoint", type=Path)
-    to_hf = commands.add_parser("to-hf", help="export to Hugging Face safetensors (Llama or DeepSeek-V3 layout)")
+    verify = commands.add_parser("verify", help="check every file against its recorded checksum (no model is built)")
+    verify.add_argument("checkpoints", type=Path, nargs="+", metavar="checkpoint")
+    to_hf = commands.add_parser("to-hf", help="export to Hugging Face safetensors (Llama, Mixtral, DeepSeek-V2/V3)")
     to_hf.add_argument("checkpoint", type=Path)
     to_hf.add_argument("--out", type=Path, required=True)
     to_hf.add_argument("--fp8", action="store_true", help="store projections as E4M3 with 128x128 block scales")
-    from_hf = commands.add_parser("from-hf", help="import a Hugging Face Llama or DeepSeek-V3 directory")
+    from_hf = commands.add_parser("from-hf", help="import a Hugging Face Llama, Mistral, Mixtral or DeepSeek-V2/V3 "
+                                                 "directory")
     from_hf.add_argument("hf_dir", type=Path)
     from_hf.add_argument("--out", type=Path, required=True, help="checkpoint directory to create step_00000000 in")
     for name, what in (("consolidate", "a checkpoint of either form -> one state.pt"),
@@ -46,11 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             print(describe(args.checkpoint))
+        elif args.command == "verify":
+            for checkpoint in args.checkpoints:
+                print(verify_checkpoint(checkpoint))
         elif args.command == "to-hf":
-            export_hf(args.checkpoint, args.out, args.fp8)
-            print(f"wrote {args.out}")
+            print(f"wrote {args.out} ({export_hf(args.checkpoint, args.out, args.fp8)})")
         elif args.command == "from-hf":
-            print(f"wrote {import_hf(args.hf_dir, args.out)}")
+            path, cfg, notes = import_hf(args.hf_dir, args.out)
+            print("\n".join(notes + [f"wrote {path}", f"train from it with checkpoint.resume={path} and these model "
+                                     "settings:", model_settings(cfg)]))
         else:
             print(f"wrote {(consolidate if args.command == 'consolidate' else shard)(args.checkpoint, args.out)}")
     except ConfigError as err:

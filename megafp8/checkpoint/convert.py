@@ -6,12 +6,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from megafp8.checkpoint.hf import load_hf, save_hf
+from megafp8.checkpoint.hf_config import model_config_from_saved
 from megafp8.checkpoint.local import fresh_temporary, load_checkpoint, publish, save_checkpoint
 from megafp8.checkpoint.sharded import INDEX_FILE, is_sharded_checkpoint, write_sharded
 from megafp8.parallel.sharding import Piece, Placed
 from megafp8.config import ConfigError, ModelConfig
+from megafp8.config.loader import config_to_dict
 
 
 def model_config_of(state: dict[str, Any]) -> ModelConfig:
@@ -19,8 +22,7 @@ def model_config_of(state: dict[str, Any]) -> ModelConfig:
     saved = state.get("config", {}).get("model")
     if not saved:
         raise ConfigError("the checkpoint holds no model config")
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    cfg = ModelConfig(**{k: v for k, v in saved.items() if k in fields})
+    cfg = model_config_from_saved(saved)
     return dataclasses.replace(cfg, vocab_size=int(state["model"]["embed.weight"].shape[0]))
 
 
@@ -33,16 +35,19 @@ def best_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {**{k: v for k, v in state["model"].items() if k not in masters}, **masters}
 
 
-def export_hf(checkpoint: Path, out_dir: Path, fp8: bool) -> None:
+def export_hf(checkpoint: Path, out_dir: Path, fp8: bool) -> str:
+    """A megafp8 checkpoint -> a Hugging Face directory; returns the model_type it was written as."""
     state = load_checkpoint(checkpoint)
     seq_len = int(state.get("config", {}).get("data", {}).get("seq_len", 4096))
-    save_hf(best_weights(state), model_config_of(state), seq_len, out_dir, fp8)
+    return save_hf(best_weights(state), model_config_of(state), seq_len, out_dir, fp8)
 
 
-def import_hf(hf_dir: Path, out_root: Path) -> Path:
-    """A Hugging Face Llama directory -> a megafp8 checkpoint at step 0 (fresh optimizer and data position).
-    Resume from it with `checkpoint.resume=<returned path>` and a config of the same model shape."""
-    cfg, weights = load_hf(hf_dir)
+def import_hf(hf_dir: Path, out_root: Path) -> tuple[Path, ModelConfig, list[str]]:
+    """A Hugging Face directory (see `megafp8.checkpoint.hf_config` for the model types) -> a megafp8 checkpoint at
+    step 0 (fresh optimizer and data position). Returns its path, the model config a run resuming from it needs
+    (`checkpoint.resume=<path>`), and the lines the user should read (e.g. MTP weights absent)."""
+    imported = load_hf(hf_dir)
+    cfg, weights = imported.cfg, imported.state
     buffers = {name for name in weights if name.endswith("router.expert_bias")}  # FP32 buffers, not parameters
     params = {name: t for name, t in weights.items() if name not in buffers}
     zeros = {name: torch.zeros_like(t) for name, t in params.items()}
@@ -55,7 +60,12 @@ def import_hf(hf_dir: Path, out_root: Path) -> Path:
         "rng": {"torch": torch.get_rng_state()},
         "config": {"model": dataclasses.asdict(cfg)},
     }
-    return save_checkpoint(out_root, 0, state, keep_last=0)
+    return save_checkpoint(out_root, 0, state, keep_last=0), cfg, imported.notes
+
+
+def model_settings(cfg: ModelConfig) -> str:
+    """The whole model section of a run config for `cfg`, as YAML (every key, so no base config's value leaks in)."""
+    return yaml.safe_dump({"model": config_to_dict(cfg)}, sort_keys=False)
 
 
 def consolidate(checkpoint: Path, out_root: Path) -> Path:
@@ -76,8 +86,9 @@ def shard(checkpoint: Path, out_root: Path) -> Path:
             placed[f"{prefix}/{name}"] = Placed(tuple(t.shape), [Piece((0,) * t.ndim, t)])
     meta = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
     meta["optimizer_step"] = int(state["optimizer"].get("step", 0))
-    write_sharded(fresh_temporary(out_root, step), placed, meta)
-    return publish(out_root, step, keep_last=0)
+    tmp = fresh_temporary(out_root, step)
+    write_sharded(tmp, placed, meta)
+    return publish(out_root, tmp, step, keep_last=0)
 
 
 def describe(checkpoint: Path) -> str:

@@ -1,29 +1,31 @@
-"""Conversion between megafp8 model weights and Hugging Face safetensors: Llama layout for dense GQA models
-(this module), DeepSeek-V3 layout for MLA / MoE / MTP models (`hf_deepseek.py`).
+"""Conversion between megafp8 model weights and Hugging Face safetensors directories.
 
-One table maps our parameter names onto the Llama names (`model.layers.N.self_attn.q_proj.weight`
-...); our fused QKV and gate/up weights are split into Llama's separate projections on export and
-fused again on import. RoPE uses the same "rotate half" layout as Hugging Face Llama, so no
-permutation is needed. `fp8=True` stores every attention/MLP projection as E4M3 with 128x128
-block scales under `<name>_scale_inv` (the DeepSeek-V3 layout: the FP32 multiplier that
-dequantizes each block) and declares it in `config.json`'s `quantization_config`; embeddings,
-norms and the LM head stay BF16.
+`hf_config.py` maps config.json to our ModelConfig and back (and refuses what has no exact equivalent); this module
+moves the tensors: the Llama names of GQA models (Llama, Mistral; Mixtral's experts and router under
+`block_sparse_moe`), here, and the DeepSeek-V2/V3 names of MLA models in `hf_deepseek.py`. Our fused QKV and
+gate/up weights are split into the separate projections on export and fused again on import; RoPE uses the same
+"rotate half" layout as Hugging Face Llama, so no permutation is needed there.
+
+Import reads every tensor the model needs by name and then refuses any tensor of the file it did not read (a bias,
+a layer the config does not declare), so nothing is dropped silently. `fp8=True` on export stores every GEMM weight
+that is whole 128x128 tiles as E4M3 with block scales under `<name>_scale_inv` (the DeepSeek-V3 layout: the FP32
+multiplier that dequantizes each block) and declares it in `quantization_config`; embeddings, norms, the LM head and
+the routers stay BF16/FP32. Import dequantizes such weights (blocks at the edges may be partial, as DeepSeek ships
+its 576-row kv_a).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
-from megafp8.checkpoint.hf_deepseek import check_exportable, deepseek_config, from_deepseek_tensors
-from megafp8.checkpoint.hf_deepseek import model_config_of as deepseek_model_config
-from megafp8.checkpoint.hf_deepseek import to_deepseek_tensors
+from megafp8.checkpoint.hf_config import HfModel, export_layout, hf_config, model_from_hf
+from megafp8.checkpoint.hf_deepseek import check_mtp_copies, from_deepseek_tensors, mtp_note, to_deepseek_tensors
+from megafp8.checkpoint.hf_tensors import HfTensors, check_no_selection_bias, emitter
 from megafp8.config import ConfigError, ModelConfig
-from megafp8.precision.formats import E4M3
-from megafp8.precision.quantize import dequantize_128x128, quantize_128x128
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -35,6 +37,7 @@ _PLAIN = {  # ours -> Hugging Face Llama, per layer ({i}) or global
     "layers.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "layers.{i}.attn.out_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
     "layers.{i}.mlp.down_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "layers.{i}.mlp.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",  # Mixtral
 }
 _FUSED = {  # ours -> the Llama tensors it is the row-wise concatenation of
     "layers.{i}.attn.qkv_proj.weight": ("model.layers.{i}.self_attn.q_proj.weight",
@@ -43,7 +46,11 @@ _FUSED = {  # ours -> the Llama tensors it is the row-wise concatenation of
     "layers.{i}.mlp.gate_up_proj.weight": ("model.layers.{i}.mlp.gate_proj.weight",
                                            "model.layers.{i}.mlp.up_proj.weight"),
 }
-_FP8_SUFFIXES = ("_proj.weight",)  # the GEMM weights FP8 export quantizes (never embeddings, norms, lm_head)
+# Mixtral's stacked experts: ours (experts, [gate; up] or down rows, in) -> one tensor per expert (w1 gate, w3 up).
+_EXPERTS = {"layers.{i}.mlp.experts.gate_up_proj.weight": ("w1", "w3"),
+            "layers.{i}.mlp.experts.down_proj.weight": ("w2",)}
+_MIXTRAL_EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
+_SELECTION_BIAS = "layers.{i}.mlp.router.expert_bias"
 
 
 def _split_sizes(cfg: ModelConfig, ours: str) -> list[int]:
@@ -60,91 +67,70 @@ def _templates(name: str) -> tuple[str, str | None]:
     return (f"layers.{{i}}.{match.group(2)}", match.group(1)) if match else (name, None)
 
 
-def hf_config(cfg: ModelConfig, max_seq_len: int, fp8: bool) -> dict[str, Any]:
-    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
-    out = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.ffn_hidden_size, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads or cfg.num_heads, "num_hidden_layers": cfg.num_layers,
-        "head_dim": head_dim, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "vocab_size": cfg.vocab_size, "max_position_embeddings": max_seq_len, "tie_word_embeddings": False,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
-    }
-    if fp8:
-        out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                      "weight_block_size": [128, 128]}
-    return out
-
-
 def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, fp8: bool) -> dict[str, torch.Tensor]:
-    """Our state dict (by our names) -> Llama-named tensors (BF16, or E4M3 + `_scale_inv` for projections)."""
+    """Our state dict (by our names) of a GQA model -> Llama / Mixtral-named tensors."""
     out: dict[str, torch.Tensor] = {}
+    emit = emitter(out, fp8)
     for name, tensor in state.items():
         template, layer = _templates(name)
         if template in _PLAIN:
-            pieces = {_PLAIN[template]: tensor}
+            emit(_PLAIN[template].format(i=layer), tensor)
         elif template in _FUSED:
-            parts = torch.split(tensor, _split_sizes(cfg, template), dim=0)
-            pieces = dict(zip(_FUSED[template], parts))
+            for hf_template, piece in zip(_FUSED[template], torch.split(tensor, _split_sizes(cfg, template), dim=0)):
+                emit(hf_template.format(i=layer), piece)
+        elif template in _EXPERTS:
+            for e, w in enumerate(tensor):
+                for part, piece in zip(_EXPERTS[template], w.chunk(len(_EXPERTS[template]), dim=0)):
+                    emit(_MIXTRAL_EXPERT.format(i=layer, e=e, w=part), piece)
+        elif template == _SELECTION_BIAS:
+            check_no_selection_bias(name, tensor, "Mixtral")
         else:
-            raise ConfigError(f"tensor '{name}' has no Hugging Face Llama name (not a megafp8 dense model?)")
-        for hf_template, piece in pieces.items():
-            hf_name = hf_template.format(i=layer)
-            if fp8 and hf_name.endswith(_FP8_SUFFIXES):
-                q, scale = quantize_128x128(piece.float(), E4M3)
-                out[hf_name], out[hf_name + "_scale_inv"] = q, scale
-            else:
-                out[hf_name] = piece.to(torch.bfloat16).contiguous()
+            raise ConfigError(f"tensor '{name}' has no Hugging Face Llama/Mixtral name")
     return out
 
 
-def _reader(tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
-    """A getter of Hugging Face tensors by name, in FP32 (E4M3 ones dequantized with their `_scale_inv` blocks)."""
-    def get(hf_name: str) -> torch.Tensor:
-        if hf_name not in tensors:
-            raise ConfigError(f"tensor '{hf_name}' is missing from the Hugging Face checkpoint")
-        value = tensors[hf_name]
-        if value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            scale = tensors.get(hf_name + "_scale_inv")
-            if scale is None:
-                raise ConfigError(f"FP8 tensor '{hf_name}' has no '{hf_name}_scale_inv' block scales")
-            return dequantize_128x128(value, scale.float())
-        return value.float()
-    return get
-
-
-def from_hf_tensors(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Llama-named tensors (BF16/FP32, or E4M3 with `_scale_inv`) -> our state dict, in FP32."""
-    get = _reader(tensors)
+def from_hf_tensors(get: HfTensors, expected: dict[str, tuple[int, ...]],
+                    cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Llama / Mixtral-named tensors -> our state dict in FP32, for every name in `expected` (our names and
+    shapes)."""
     ours: dict[str, torch.Tensor] = {}
-    layer_ids = [str(i) for i in range(num_layers)]
-    for template, hf_template in _PLAIN.items():
-        for layer in (layer_ids if "{i}" in template else [None]):
-            ours[template.format(i=layer)] = get(hf_template.format(i=layer))
-    for template, hf_templates in _FUSED.items():
-        for layer in layer_ids:
-            ours[template.format(i=layer)] = torch.cat([get(t.format(i=layer)) for t in hf_templates], dim=0)
+    for name, shape in expected.items():
+        template, layer = _templates(name)
+        if template in _PLAIN:
+            ours[name] = get(_PLAIN[template].format(i=layer))
+        elif template in _FUSED:
+            ours[name] = torch.cat([get(t.format(i=layer)) for t in _FUSED[template]], dim=0)
+        elif template in _EXPERTS:
+            ours[name] = torch.stack([torch.cat([get(_MIXTRAL_EXPERT.format(i=layer, e=e, w=w))
+                                                 for w in _EXPERTS[template]]) for e in range(cfg.moe_num_experts)])
+        elif template == _SELECTION_BIAS:
+            ours[name] = torch.zeros(shape)  # Mixtral routes without one
+        else:
+            raise ConfigError(f"tensor '{name}' has no Hugging Face Llama/Mixtral name")
     return ours
 
 
-def is_deepseek_style(cfg: ModelConfig) -> bool:
-    """MLA, MoE or MTP models convert in the DeepSeek-V3 layout; dense GQA models in Llama's."""
-    return cfg.moe_num_experts > 0 or cfg.attention != "gqa" or cfg.mtp_depth > 0
+def untie_head(get: HfTensors, ours: dict[str, torch.Tensor]) -> None:
+    """A tied model's head is its embedding (ours starts as a copy); a head tensor the file also holds must equal
+    it."""
+    embed = ours["embed.weight"]
+    if "lm_head.weight" in get and not torch.equal(get("lm_head.weight"), embed):
+        raise ConfigError("tie_word_embeddings=true, but the checkpoint's lm_head.weight differs from the embedding")
+    ours["lm_head.weight"] = embed.clone()
 
 
-def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, out_dir: Path, fp8: bool) -> None:
-    """Write config.json + model.safetensors: Llama layout for dense GQA models, DeepSeek-V3 layout for MLA/MoE/MTP
-    ones (`state` then includes the routers' `expert_bias` buffers)."""
+def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, out_dir: Path, fp8: bool) -> str:
+    """Write config.json + model.safetensors in the layout `cfg` converts to (Llama, Mixtral, DeepSeek-V2 or -V3;
+    `state` includes the routers' `expert_bias` buffers). Returns the layout's model_type."""
     from safetensors.torch import save_file
 
-    if is_deepseek_style(cfg):
-        check_exportable(cfg)
-        tensors, config = to_deepseek_tensors(state, cfg, fp8), deepseek_config(cfg, max_seq_len, fp8)
-    else:
-        tensors, config = to_hf_tensors(state, cfg, fp8), hf_config(cfg, max_seq_len, fp8)
+    layout = export_layout(cfg)
+    tensors = (to_hf_tensors(state, cfg, fp8) if layout in ("llama", "mixtral")
+               else to_deepseek_tensors(state, cfg, fp8, layout))
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config(cfg, layout, max_seq_len, fp8), indent=2))
+    return layout
 
 
 def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -157,16 +143,10 @@ def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def load_hf(in_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A Hugging Face directory (config.json + model.safetensors or a sharded index) in the Llama or DeepSeek-V3
-    layout -> (our model config, state in FP32, the routers' `expert_bias` buffers included)."""
+def _read_tensors(in_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    config_path = in_dir / CONFIG_FILE
-    if not config_path.is_file():
-        raise ConfigError(f"{config_path} not found: expected a Hugging Face model directory")
-    hf = json.loads(config_path.read_text())
     index = in_dir / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS_FILE]
     tensors: dict[str, torch.Tensor] = {}
@@ -175,13 +155,43 @@ def load_hf(in_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             tensors.update(load_file(str(in_dir / file)))
         except (SafetensorError, OSError, ValueError) as err:
             raise ConfigError(f"{in_dir / file} is not a readable safetensors file ({err})") from None
-    if hf.get("model_type") == "deepseek_v3":
-        cfg = deepseek_model_config(hf)
-        return cfg, from_deepseek_tensors(_reader(tensors), full_shapes(cfg), cfg)
-    cfg = ModelConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"], num_kv_heads=hf.get("num_key_value_heads"),
-        head_dim=hf.get("head_dim"), ffn_hidden_size=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-5),
-        rope_theta=hf.get("rope_theta", 10000.0),
-    )
-    return cfg, from_hf_tensors(tensors, cfg.num_layers)
+    return tensors
+
+
+@dataclasses.dataclass
+class Imported:
+    """A Hugging Face checkpoint in our terms: the model config, the state in FP32 (the routers' `expert_bias`
+    buffers included), and one line per thing the user should know (e.g. MTP weights absent)."""
+
+    cfg: ModelConfig
+    state: dict[str, torch.Tensor]
+    layout: str
+    notes: list[str]
+
+
+def load_hf(in_dir: Path) -> Imported:
+    """A Hugging Face directory (config.json + model.safetensors or a sharded index) of a supported model_type ->
+    our model. Refuses, in one line, any config key or tensor that has no exact megafp8 equivalent."""
+    config_path = in_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise ConfigError(f"{config_path} not found: expected a Hugging Face model directory")
+    model: HfModel = model_from_hf(json.loads(config_path.read_text()))
+    get = HfTensors(_read_tensors(in_dir))
+    cfg, notes = model.cfg, list(model.notes)
+    if model.layout == "deepseek_v3":
+        note = mtp_note(cfg, get)
+        if note:
+            cfg, notes = dataclasses.replace(cfg, mtp_depth=0), notes + [note]
+    shapes = full_shapes(cfg)
+    if model.tied:
+        del shapes["lm_head.weight"]
+    if model.layout.startswith("deepseek"):
+        state = from_deepseek_tensors(get, shapes, cfg, model.layout, model.rope_interleave)
+    else:
+        state = from_hf_tensors(get, shapes, cfg)
+    if model.tied:
+        untie_head(get, state)
+    if model.layout == "deepseek_v3":
+        check_mtp_copies(get, state, cfg)
+    get.check_all_read()
+    return Imported(cfg, state, model.layout, notes)

@@ -1,30 +1,28 @@
-"""Conversion between megafp8 weights and Hugging Face safetensors in the DeepSeek-V3 layout (MLA, MoE, MTP).
+"""Conversion between megafp8 weights and Hugging Face safetensors in the DeepSeek-V2/V3 layout (MLA, MoE, MTP).
 
-Names follow the published DeepSeek-V3 checkpoints (`model.layers.N.self_attn.kv_a_proj_with_mqa.weight`,
+Names follow the published DeepSeek checkpoints (`model.layers.N.self_attn.kv_a_proj_with_mqa.weight`,
 `model.layers.N.mlp.experts.E.gate_proj.weight`, `model.layers.N.mlp.gate.e_score_correction_bias`, ...),
-which `transformers`' `DeepseekV3ForCausalLM` loads. Three layouts differ from ours:
+which `transformers`' `DeepseekV2ForCausalLM` / `DeepseekV3ForCausalLM` load. Three layouts differ from ours:
 
-- rotary dims: DeepSeek stores each head's rotary query/key rows in interleaved pairs (`rope_interleave`);
-  ours are "rotate half" (pair i is rows i and i + d/2). Export interleaves, import undoes it.
+- rotary dims: DeepSeek stores each head's rotary query/key rows in interleaved pairs (V2 always, V3 with
+  `rope_interleave`); ours are "rotate half" (pair i is rows i and i + d/2). Export interleaves, import undoes it.
 - our stacked expert weights (experts, out, in) and fused gate/up rows split into one tensor per expert
   and projection.
-- MTP module k is stored as layer `num_layers + k` with `enorm`, `hnorm`, `eh_proj` (whose input is
+- MTP module k (V3) is stored as layer `num_layers + k` with `enorm`, `hnorm`, `eh_proj` (whose input is
   [embedding; hidden], ours [hidden; embedding], so its column halves swap), `shared_head.norm`, and
-  copies of the embedding and head (`embed_tokens`, `shared_head.head`), as DeepSeek-V3 ships them.
+  copies of the embedding and head (`embed_tokens`, `shared_head.head`), as DeepSeek-V3 ships them. A V3
+  checkpoint without them (what `transformers` saves) imports without MTP.
 
-FP8 export stores every tile-aligned projection as E4M3 with 128x128 `weight_scale_inv` blocks
-(the router, norms, embedding and head stay BF16/FP32; an unaligned weight, such as kv_a at
-512 + 64 rows, stays BF16).
+DeepSeek-V2's router has no selection bias: ours is exported only when zero, and imported as zero.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable, Optional
 
 import torch
 
+from megafp8.checkpoint.hf_tensors import HfTensors, check_no_selection_bias, emitter
 from megafp8.config import ConfigError, ModelConfig
-from megafp8.precision.formats import E4M3, TILE
-from megafp8.precision.quantize import quantize_128x128
 
 _ATTN = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
          "attn.q_a_proj.weight": "self_attn.q_a_proj.weight", "attn.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
@@ -35,64 +33,15 @@ _ATTN = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_
          "attn.out_proj.weight": "self_attn.o_proj.weight", "mlp.down_proj.weight": "mlp.down_proj.weight",
          "mlp.router.weight": "mlp.gate.weight", "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
          "mlp.shared.down_proj.weight": "mlp.shared_experts.down_proj.weight"}
+_ROTARY = ("attn.q_b_proj.weight", "attn.q_proj.weight", "attn.kv_a_proj.weight")  # rows to (de)interleave
+_BIAS = "mlp.router.expert_bias"
 _GATE_UP = {"mlp.gate_up_proj.weight": "mlp", "mlp.shared.gate_up_proj.weight": "mlp.shared_experts"}
 _MTP = {"embed_norm.weight": "enorm.weight", "hidden_norm.weight": "hnorm.weight",
         "combine_proj.weight": "eh_proj.weight", "out_norm.weight": "shared_head.norm.weight"}
+_MTP_COPIES = {"embed.weight": "embed_tokens.weight", "lm_head.weight": "shared_head.head.weight"}
 _ROUTED = ("mlp.experts.gate_up_proj.weight", "mlp.experts.down_proj.weight")
 _TOP = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
         "lm_head.weight": "lm_head.weight"}
-
-
-def check_exportable(cfg: ModelConfig) -> None:
-    if cfg.attention != "mla":
-        raise ConfigError("the DeepSeek-V3 layout needs MLA attention (model.attention=mla); GQA models with MoE or "
-                          "MTP have no Hugging Face layout here")
-    if cfg.moe_num_experts and cfg.moe_score_func != "sigmoid":
-        raise ConfigError("DeepSeek-V3's router scores with sigmoid: a model with moe_score_func=softmax does not "
-                          "convert to its layout")
-
-
-def deepseek_config(cfg: ModelConfig, max_seq_len: int, fp8: bool) -> dict[str, Any]:
-    moe = cfg.moe_num_experts > 0
-    out = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-        "moe_intermediate_size": cfg.moe_ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
-        "num_nextn_predict_layers": cfg.mtp_depth, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_heads, "n_shared_experts": cfg.moe_num_shared_experts,
-        "n_routed_experts": cfg.moe_num_experts if moe else 1, "routed_scaling_factor": cfg.moe_routed_scaling_factor,
-        "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-        "qk_nope_head_dim": cfg.qk_nope_head_dim, "v_head_dim": cfg.v_head_dim, "n_group": cfg.moe_n_group,
-        "topk_group": cfg.moe_topk_group, "num_experts_per_tok": cfg.moe_top_k,
-        "first_k_dense_replace": cfg.moe_first_dense_layers if moe else cfg.num_layers,
-        "norm_topk_prob": cfg.moe_norm_topk_prob, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        "hidden_act": "silu", "max_position_embeddings": max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_interleave": True, "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
-    if fp8:
-        out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                      "weight_block_size": [128, 128]}
-    return out
-
-
-def model_config_of(hf: dict[str, Any]) -> ModelConfig:
-    """Our model config from a DeepSeek-V3 `config.json`."""
-    moe = hf.get("first_k_dense_replace", 0) < hf["num_hidden_layers"]
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"], attention="mla", q_lora_rank=hf.get("q_lora_rank"),
-        kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
-        qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], ffn_hidden_size=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=hf.get("rope_theta", 10000.0),
-        mtp_depth=hf.get("num_nextn_predict_layers", 0),
-        moe_num_experts=hf["n_routed_experts"] if moe else 0, moe_top_k=hf.get("num_experts_per_tok", 1) if moe else 1,
-        moe_ffn_hidden_size=hf.get("moe_intermediate_size", 0), moe_num_shared_experts=hf.get("n_shared_experts", 0),
-        moe_first_dense_layers=hf.get("first_k_dense_replace", 0), moe_score_func="sigmoid",
-        moe_n_group=hf.get("n_group", 1) if moe else 1, moe_topk_group=hf.get("topk_group", 1) if moe else 1,
-        moe_routed_scaling_factor=hf.get("routed_scaling_factor", 1.0),
-        moe_norm_topk_prob=hf.get("norm_topk_prob", True))
 
 
 def _rope_order(rope_dim: int) -> torch.Tensor:
@@ -120,11 +69,13 @@ def _swap_halves(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([w[:, half:], w[:, :half]], dim=1)
 
 
-def _block_mapping(ours: str, hf: str, key: str, tensor: torch.Tensor, cfg: ModelConfig,
+def _block_mapping(hf: str, key: str, tensor: torch.Tensor, cfg: ModelConfig, layout: str,
                    emit: Callable[[str, torch.Tensor], None]) -> bool:
     """Emit the DeepSeek tensors of one block tensor (`key` is its name within the block); False if unknown."""
-    if key in ("attn.q_b_proj.weight", "attn.q_proj.weight", "attn.kv_a_proj.weight"):
+    if key in _ROTARY:
         emit(f"{hf}.{_ATTN[key]}", _permute_rope(tensor, cfg, key, inverse=False))
+    elif key == _BIAS and layout == "deepseek_v2":
+        check_no_selection_bias(f"{hf}.{key}", tensor, "DeepSeek-V2")
     elif key in _ATTN:
         emit(f"{hf}.{_ATTN[key]}", tensor)
     elif key in _GATE_UP:
@@ -144,25 +95,18 @@ def _block_mapping(ours: str, hf: str, key: str, tensor: torch.Tensor, cfg: Mode
     return True
 
 
-def to_deepseek_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, fp8: bool) -> dict[str, torch.Tensor]:
-    """Our full state dict (weights and the routers' `expert_bias`) -> DeepSeek-V3-named tensors."""
+def to_deepseek_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, fp8: bool,
+                        layout: str = "deepseek_v3") -> dict[str, torch.Tensor]:
+    """Our full state dict (weights and the routers' `expert_bias`) -> DeepSeek-V2/V3-named tensors."""
     out: dict[str, torch.Tensor] = {}
-
-    def emit(name: str, t: torch.Tensor) -> None:
-        if fp8 and name.endswith("_proj.weight") and t.ndim == 2 and t.shape[0] % TILE == 0 and t.shape[1] % TILE == 0:
-            out[name], out[name + "_scale_inv"] = quantize_128x128(t.float(), E4M3)
-        elif name.endswith(("gate.weight", "e_score_correction_bias")):
-            out[name] = t.float().contiguous()  # the router stays FP32, as DeepSeek ships it
-        else:
-            out[name] = t.to(torch.bfloat16).contiguous()
-
+    emit = emitter(out, fp8)
     for name, tensor in state.items():
         if name in _TOP:
             emit(_TOP[name], tensor)
             continue
         parts = name.split(".")
         if parts[0] == "layers":
-            if _block_mapping(name, f"model.layers.{parts[1]}", ".".join(parts[2:]), tensor, cfg, emit):
+            if _block_mapping(f"model.layers.{parts[1]}", ".".join(parts[2:]), tensor, cfg, layout, emit):
                 continue
         elif parts[0] == "mtp":
             hf = f"model.layers.{cfg.num_layers + int(parts[1])}"
@@ -170,21 +114,41 @@ def to_deepseek_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, fp8: b
             if key in _MTP:
                 emit(f"{hf}.{_MTP[key]}", _swap_halves(tensor) if key == "combine_proj.weight" else tensor)
                 continue
-            if parts[2] == "block" and _block_mapping(name, hf, ".".join(parts[3:]), tensor, cfg, emit):
+            if parts[2] == "block" and _block_mapping(hf, ".".join(parts[3:]), tensor, cfg, layout, emit):
                 continue
-        raise ConfigError(f"tensor '{name}' has no DeepSeek-V3 name")
+        raise ConfigError(f"tensor '{name}' has no DeepSeek name")
     for k in range(cfg.mtp_depth):  # DeepSeek-V3 ships each MTP layer with its own embedding and head copies
-        emit(f"model.layers.{cfg.num_layers + k}.embed_tokens.weight", state["embed.weight"])
-        emit(f"model.layers.{cfg.num_layers + k}.shared_head.head.weight", state["lm_head.weight"])
+        for ours, copy in _MTP_COPIES.items():
+            emit(f"model.layers.{cfg.num_layers + k}.{copy}", state[ours])
     return out
 
 
-def from_deepseek_tensors(get: Callable[[str], torch.Tensor], expected: dict[str, tuple[int, ...]],
-                          cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """DeepSeek-V3-named tensors (read through `get`, dequantized) -> our state dict in FP32, for every name in
-    `expected` (our model's names and full shapes)."""
+def _from_block(get: HfTensors, hf: str, key: str, shape: tuple[int, ...], cfg: ModelConfig, layout: str,
+                interleaved: bool) -> torch.Tensor:
+    """Our block tensor `key` (within the block) from the DeepSeek tensors under `hf`."""
+    if key in _ROTARY:
+        w = get(f"{hf}.{_ATTN[key]}")
+        return _permute_rope(w, cfg, key, inverse=True) if interleaved else w
+    if key == _BIAS and layout == "deepseek_v2":
+        return torch.zeros(shape)  # DeepSeek-V2 routes without one
+    if key in _ATTN:
+        return get(f"{hf}.{_ATTN[key]}")
+    if key in _GATE_UP:
+        return torch.cat([get(f"{hf}.{_GATE_UP[key]}.{p}_proj.weight") for p in ("gate", "up")])
+    if key == _ROUTED[0]:
+        return torch.stack([torch.cat([get(f"{hf}.mlp.experts.{e}.{p}_proj.weight") for p in ("gate", "up")])
+                            for e in range(cfg.moe_num_experts)])
+    if key == _ROUTED[1]:
+        return torch.stack([get(f"{hf}.mlp.experts.{e}.down_proj.weight") for e in range(cfg.moe_num_experts)])
+    raise ConfigError(f"tensor '{key}' has no DeepSeek name")
+
+
+def from_deepseek_tensors(get: HfTensors, expected: dict[str, tuple[int, ...]], cfg: ModelConfig,
+                          layout: str = "deepseek_v3", interleaved: bool = True) -> dict[str, torch.Tensor]:
+    """DeepSeek-named tensors (read through `get`, dequantized) -> our state dict in FP32, for every name in
+    `expected` (our model's names and full shapes). `interleaved`: the rotary rows are in DeepSeek's pairs."""
     ours: dict[str, torch.Tensor] = {}
-    for name in expected:
+    for name, shape in expected.items():
         parts = name.split(".")
         if name in _TOP:
             ours[name] = get(_TOP[name])
@@ -192,25 +156,31 @@ def from_deepseek_tensors(get: Callable[[str], torch.Tensor], expected: dict[str
         if parts[0] == "layers":
             hf, key = f"model.layers.{parts[1]}", ".".join(parts[2:])
         else:  # mtp.K.<...>
-            hf = f"model.layers.{cfg.num_layers + int(parts[1])}"
-            key = ".".join(parts[2:])
+            hf, key = f"model.layers.{cfg.num_layers + int(parts[1])}", ".".join(parts[2:])
             if key in _MTP:
                 t = get(f"{hf}.{_MTP[key]}")
                 ours[name] = _swap_halves(t) if key == "combine_proj.weight" else t
                 continue
             key = key.removeprefix("block.")
-        if key in ("attn.q_b_proj.weight", "attn.q_proj.weight", "attn.kv_a_proj.weight"):
-            ours[name] = _permute_rope(get(f"{hf}.{_ATTN[key]}"), cfg, key, inverse=True)
-        elif key in _ATTN:
-            ours[name] = get(f"{hf}.{_ATTN[key]}")
-        elif key in _GATE_UP:
-            ours[name] = torch.cat([get(f"{hf}.{_GATE_UP[key]}.{p}_proj.weight") for p in ("gate", "up")])
-        elif key == _ROUTED[0]:
-            ours[name] = torch.stack([torch.cat([get(f"{hf}.mlp.experts.{e}.{p}_proj.weight") for p in ("gate", "up")])
-                                      for e in range(cfg.moe_num_experts)])
-        elif key == _ROUTED[1]:
-            ours[name] = torch.stack([get(f"{hf}.mlp.experts.{e}.down_proj.weight")
-                                      for e in range(cfg.moe_num_experts)])
-        else:
-            raise ConfigError(f"tensor '{name}' has no DeepSeek-V3 name")
+        ours[name] = _from_block(get, hf, key, shape, cfg, layout, interleaved)
     return ours
+
+
+def mtp_note(cfg: ModelConfig, get: HfTensors) -> Optional[str]:
+    """The line to tell the user when a DeepSeek-V3 config declares MTP layers whose weights the checkpoint lacks
+    (what `transformers` saves: it has no MTP modules); None when they are there (or none are declared)."""
+    first = f"model.layers.{cfg.num_layers}."
+    if cfg.mtp_depth == 0 or any(name.startswith(first) for name in get.tensors):
+        return None
+    return (f"num_nextn_predict_layers={cfg.mtp_depth} but the checkpoint has no MTP weights (layer {cfg.num_layers} "
+            "on): imported with model.mtp_depth=0")
+
+
+def check_mtp_copies(get: HfTensors, ours: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """DeepSeek-V3 stores each MTP layer's embedding and head as copies; ours are shared, so copies must be equal."""
+    for k in range(cfg.mtp_depth):
+        for name, copy in _MTP_COPIES.items():
+            hf = f"model.layers.{cfg.num_layers + k}.{copy}"
+            if hf in get and not torch.equal(get(hf), ours[name]):
+                raise ConfigError(f"{hf} differs from the model's {name}: megafp8's MTP modules share the main "
+                                  "embedding and head")

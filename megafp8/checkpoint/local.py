@@ -1,34 +1,52 @@
-"""Checkpoint directories: atomic publish, keep-last-K, tensor-only loading, for both on-disk forms.
+"""Checkpoint directories: checksummed files, atomic and durable publish, keep-last-K, tensor-only loading.
 
 A *full* checkpoint is one file that rank 0 writes after gathering every tensor at its full shape:
 
-    DIR/step_00000100/state.pt   model, optimizer (FP32 masters + AdamW), step, loader position, RNG, config
-    DIR/latest                   the name of the newest complete checkpoint
+    DIR/step_00000100/state.pt         model, optimizer (FP32 masters + AdamW), step, loader position, RNG, config
+    DIR/step_00000100/checksums.json   size and xxh3_64 digest of every file (`megafp8/checkpoint/integrity.py`)
+    DIR/latest                         the name of the newest complete checkpoint
 
 A *sharded* checkpoint (`checkpoint.format: sharded`, the default) has every rank write its own pieces
 with torch.distributed.checkpoint (`megafp8/checkpoint/sharded.py`); `load_checkpoint` reads either
 form into the same full-tensor dictionary (for tools and tests).
 
-A checkpoint is written under a temporary name and renamed when complete, and `latest` is
-replaced atomically after that, so a save killed midway leaves the previous checkpoint intact.
-Loading uses `torch.load(weights_only=True)`: nothing in the file can execute code.
+A checkpoint is written into a directory private to its writer (`step_N.tmp-<random>`), its manifest
+last; then the directory is renamed to `step_N` and `latest` replaced atomically, each step fsynced. So
+a save killed midway leaves the previous checkpoint intact and `latest` only ever names a checkpoint
+whose every file was written and recorded. Pruning renames a directory aside before deleting it, so an
+interrupted prune never leaves a `step_N` without some of its files. Loading verifies every file's
+checksum first and uses `torch.load(weights_only=True)`: nothing in a file can execute code.
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from megafp8.checkpoint.integrity import (
+    MANIFEST_FILE,
+    FileRecord,
+    hashed_file,
+    quick_problem,
+    read_manifest,
+    share_of,
+    verify_files,
+    write_manifest,
+)
 from megafp8.checkpoint.sharded import META_FILE, is_sharded_checkpoint, read_full
 from megafp8.config import ConfigError
 
 STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# What an interrupted save, prune or pointer update leaves behind (removed by `remove_leftovers`).
+_LEFTOVER = re.compile(r"^(step_\d{8}\.tmp(-.*)?|.*\.deleting-.*|latest\.tmp.*)$")
 
 
 def step_dir_name(step: int) -> str:
@@ -38,64 +56,192 @@ def step_dir_name(step: int) -> str:
 def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
     """Write `state` as checkpoint `step` under `root` (call on one rank only); returns its directory."""
     tmp = fresh_temporary(root, step)
-    torch.save(state, tmp / STATE_FILE)
-    return publish(root, step, keep_last)
+    records: dict[str, FileRecord] = {}
+    with hashed_file(tmp / STATE_FILE, records) as f:
+        torch.save(state, f)
+    write_manifest(tmp, records)
+    return publish(root, tmp, step, keep_last)
 
 
 def fresh_temporary(root: Path, step: int) -> Path:
-    """The empty directory checkpoint `step` is written into before `publish` (call on one rank)."""
+    """A new empty directory, private to this writer, that checkpoint `step` is written into before `publish`."""
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / (step_dir_name(step) + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = root / f"{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     return tmp
 
 
-def publish(root: Path, step: int, keep_last: int) -> Path:
-    """Make the complete temporary directory of checkpoint `step` visible: rename it, then point `latest` at it
-    (atomically), then prune to the newest `keep_last` (call on one rank, after every rank has written)."""
+def _fsync_dir(directory: Path) -> None:
+    """Make renames and new entries in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard(directory: Path) -> None:
+    """Delete a directory by first renaming it aside (atomic), so an interruption never leaves it half-deleted
+    under its own name."""
+    doomed = directory.with_name(f"{directory.name}.deleting-{uuid.uuid4().hex[:12]}")
+    directory.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _point_latest_at(root: Path, name: str) -> None:
+    tmp = root / f"{LATEST_FILE}.tmp-{uuid.uuid4().hex[:12]}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST_FILE)
+    _fsync_dir(root)
+
+
+def publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
+    """Make the complete directory `tmp` checkpoint `step`: rename it, then point `latest` at it (atomically,
+    both fsynced), then prune to the newest `keep_last` (call on one rank, after every rank has written)."""
     final = root / step_dir_name(step)
-    tmp = root / (final.name + ".tmp")
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # the same step saved again (after resuming from an earlier one)
+        _discard(final)
     tmp.rename(final)
-    latest_tmp = root / (LATEST_FILE + ".tmp")
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, root / LATEST_FILE)
-    if keep_last > 0:
-        for old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(root)
+    _point_latest_at(root, final.name)
+    prune(root, final, keep_last)
     return final
 
 
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+def prune(root: Path, newest: Path, keep_last: int) -> None:
+    """Delete complete checkpoints older than `newest` beyond the newest `keep_last` (`newest` included); never
+    `newest` itself, never a newer one. 0 keeps all."""
+    if keep_last <= 0:
+        return
+    older = [p for p in list_checkpoints(root) if p.name < newest.name]
+    for old in older[: max(0, len(older) - (keep_last - 1))]:
+        _discard(old)
+
+
+def remove_leftovers(root: Path) -> list[str]:
+    """Delete what interrupted saves, prunes and pointer updates left in `root` (only while no other writer can
+    be active: the run holds its directory's lock); returns their names."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and _complete(p)]
-    return sorted(found, key=lambda p: p.name)
+    found = sorted(p for p in root.iterdir() if _LEFTOVER.match(p.name))
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return [p.name for p in found]
 
 
-def _complete(directory: Path) -> bool:
-    """A full checkpoint's file, or a sharded checkpoint's index and meta.pt (rank 0 writes the latter last)."""
+def _step_dirs(root: Path) -> list[Path]:
+    """Every `step_N` directory under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)), key=lambda p: p.name)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root` (see `checkpoint_problem`), oldest first."""
+    return [p for p in _step_dirs(root) if checkpoint_problem(p) is None]
+
+
+def _legacy_complete(directory: Path) -> bool:
+    """A checkpoint written before checksums existed: its state file, or a sharded checkpoint's index and meta.pt."""
     if (directory / STATE_FILE).is_file():
         return True
     return is_sharded_checkpoint(directory) and (directory / META_FILE).is_file()
 
 
+def checkpoint_problem(directory: Path) -> Optional[str]:
+    """Why `directory` is not a complete checkpoint, in one line (None if it is): its manifest is missing or
+    damaged, or a file it lists is missing or of another size. Cheap: no file is read but the manifest."""
+    if not directory.is_dir():
+        return f"checkpoint '{directory}' not found"
+    try:
+        files = read_manifest(directory)
+    except ConfigError as err:
+        return str(err)
+    if files is None:
+        if _legacy_complete(directory):
+            return None
+        return f"checkpoint {directory} is incomplete (no {MANIFEST_FILE}: its save did not finish)"
+    return quick_problem(directory, files)
+
+
+def verification_problem(directory: Path, rank: int = 0, world_size: int = 1) -> Optional[str]:
+    """Why checkpoint `directory` cannot be trusted, in one line naming the file, or None: its completeness, then
+    the checksum of every file (this rank's share of them: each file is read by one of `world_size` ranks).
+    A checkpoint written before checksums existed gets the completeness check only."""
+    problem = checkpoint_problem(directory)
+    if problem is not None:
+        return problem
+    files = read_manifest(directory)
+    return None if files is None else verify_files(directory, share_of(files, rank, world_size))
+
+
+def verify_checkpoint(directory: Path) -> str:
+    """Check every file of checkpoint `directory` against the checksum recorded when it was written, in this one
+    process (nothing is loaded); a summary line, or a ConfigError naming the first bad file."""
+    started = time.perf_counter()
+    problem = verification_problem(directory)
+    if problem:
+        raise ConfigError(problem)
+    files = read_manifest(directory)
+    if files is None:
+        raise ConfigError(f"checkpoint {directory} has no {MANIFEST_FILE} (written before megafp8 recorded checksums): "
+                          "its files cannot be verified")
+    size = sum(r.size for r in files.values())
+    return (f"{directory}: {len(files)} files, {size / 2**30:.3f} GiB, every checksum matches "
+            f"({time.perf_counter() - started:.1f} s)")
+
+
+def has_checksums(directory: Path) -> bool:
+    return (directory / MANIFEST_FILE).is_file()
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    """Bytes of the files a checkpoint's manifest lists (0 without one)."""
+    files = read_manifest(directory) or {}
+    return sum(r.size for r in files.values())
+
+
 def find_latest(root: Path) -> Optional[Path]:
+    """The complete checkpoint `latest` names, else the newest complete one (None if there is none)."""
+    candidates, _ = resume_candidates(root)
+    return candidates[0] if candidates else None
+
+
+def resume_candidates(root: Path) -> tuple[list[Path], list[str]]:
+    """The complete checkpoints to resume from, best first: the one `latest` names, then older ones, newest first
+    (checkpoints newer than `latest` belong to a run that went back to an earlier step, and are passed over);
+    and one line for each `step_N` directory passed over because it is incomplete."""
     pointer = root / LATEST_FILE
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if _complete(candidate):
-            return candidate
-    found = list_checkpoints(root)
-    return found[-1] if found else None
+    named = pointer.read_text().strip() if pointer.is_file() else ""
+    bound = named if _STEP_DIR.match(named) and (root / named).is_dir() else None
+    candidates, skipped = [], []
+    for directory in reversed(_step_dirs(root)):
+        if bound is not None and directory.name > bound:
+            continue
+        problem = checkpoint_problem(directory)
+        if problem is None:
+            candidates.append(directory)
+        else:
+            skipped.append(problem)
+    return candidates, skipped
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+def load_checkpoint(path: Path, verify: bool = True) -> dict[str, Any]:
     """Read a checkpoint directory (or its state file) onto the CPU, tensors and plain values only, every tensor at
-    its full shape (a sharded checkpoint is consolidated in this process)."""
+    its full shape (a sharded checkpoint is consolidated in this process). `verify`: check every file's checksum
+    first (a ConfigError naming the first bad file)."""
+    if not path.exists():
+        raise ConfigError(f"checkpoint '{path}' not found; check checkpoint.resume")
+    directory = path if path.is_dir() else path.parent
+    problem = verification_problem(directory) if verify and (path.is_dir() or has_checksums(directory)) else None
+    if problem:
+        raise ConfigError(problem)
     if path.is_dir() and is_sharded_checkpoint(path):
         return _consolidate(path)
     file = path / STATE_FILE if path.is_dir() else path
@@ -130,18 +276,26 @@ def _consolidate(path: Path) -> dict[str, Any]:
     return state
 
 
+_VOCAB_ROWS = ("embed.weight", "lm_head.weight")  # tensors whose first dimension is the (padded) vocabulary
+
+
 def check_tensors_match(saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], source: Path) -> None:
-    """One error naming the first missing, unexpected or differently shaped tensor (and how many more)."""
+    """One error naming the first missing, unexpected or differently shaped tensor (and how many more), with the
+    setting that makes them match."""
     problems = [f"tensor '{k}' is missing from the checkpoint" for k in expected if k not in saved]
     problems += [f"tensor '{k}' is in the checkpoint but not in the model" for k in saved if k not in expected]
-    problems += [
-        f"tensor '{k}' has shape {tuple(saved[k].shape)} in the checkpoint but {tuple(v.shape)} in the model"
-        for k, v in expected.items()
-        if k in saved and tuple(saved[k].shape) != tuple(v.shape)
-    ]
-    if problems:
-        more = f" ({len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
-        raise ConfigError(
-            f"checkpoint {source} does not match this model: {problems[0]}{more}. Resume with the config it was "
-            "saved with, or set checkpoint.resume=none (or another checkpoint.dir) to start fresh"
-        )
+    reshaped = [k for k, v in expected.items() if k in saved and tuple(saved[k].shape) != tuple(v.shape)]
+    problems += [f"tensor '{k}' has shape {tuple(saved[k].shape)} in the checkpoint but {tuple(expected[k].shape)} "
+                 "in the model" for k in reshaped]
+    if not problems:
+        return
+    more = f" ({len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+    rows = {int(saved[k].shape[0]) for k in reshaped}
+    if len(problems) == len(reshaped) and set(reshaped) <= set(_VOCAB_ROWS) and len(rows) == 1:
+        advice = (f"the checkpoint's vocabulary has {rows.pop()} rows (padded for the layout it was saved at): set "
+                  "model.vocab_size to that")
+    else:
+        advice = ("resume with the model settings it was saved with (`python tools/convert_checkpoint.py inspect "
+                  f"{source}` lists them; the parallel layout may differ)")
+    raise ConfigError(f"checkpoint {source} does not match this model: {problems[0]}{more}. To resume from it, "
+                      f"{advice}; or set checkpoint.resume=none (or another checkpoint.dir) to start fresh")

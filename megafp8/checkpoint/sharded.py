@@ -3,6 +3,7 @@
     DIR/step_00000100/.metadata        DCP's index: each tensor's full shape and which file holds which box
     DIR/step_00000100/__<r>_0.distcp   rank r's pieces (tensors only)
     DIR/step_00000100/meta.pt          step, data position, loss scale, RNG, config (rank 0; no objects)
+    DIR/step_00000100/checksums.json   size and xxh3_64 digest of each file above (rank 0, last)
     DIR/latest                         the name of the newest complete checkpoint
 
 Tensors are stored by name at their full (unsharded) shapes: `model/<name>` (weights and buffers),
@@ -12,8 +13,10 @@ the ranges of the ZeRO-sharded optimizer state it owns. Identical boxes from rep
 Loading asks for each rank's own boxes under its own layout, so a checkpoint written at one TP / PP /
 EP / DP layout loads at any other: the resharding is DCP's read planning.
 
-Safety: the checkpoint is written under `step_N.tmp` and renamed when every rank's files and the index
-are complete, then `latest` is replaced atomically. Loading never unpickles code: DCP's index is read
+Safety: every file is hashed while it is written (`megafp8/checkpoint/integrity.py`); rank 0 gathers every
+rank's digests and writes them as the manifest once every rank's files, the index and meta.pt are complete.
+The directory is written under a private temporary name and renamed only then, and `latest` is replaced
+atomically (`megafp8/checkpoint/local.py`). Loading never unpickles code: DCP's index is read
 by an unpickler that admits only DCP's metadata classes and torch's dtypes, tensors with
 `weights_only=True`.
 """
@@ -35,6 +38,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megafp8.checkpoint.integrity import FileRecord, HashingFileSystem, hashed_file, write_manifest
 from megafp8.config import ConfigError
 from megafp8.parallel.sharding import Piece, Placed
 
@@ -153,18 +157,33 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 def write_sharded(directory: Path, placed: dict[str, Placed], meta: Optional[dict[str, Any]],
                   group: Optional[dist.ProcessGroup] = None) -> None:
-    """Every rank writes its pieces into `directory` (collective over `group`, default: the world); the rank given
-    `meta` writes it too."""
+    """Every rank writes its pieces into `directory` (collective over `group`, default: the world), hashing them as
+    it writes; the rank given `meta` (rank 0) then writes it and the manifest of every rank's files."""
     directory.mkdir(parents=True, exist_ok=True)
+    writer = FileSystemWriter(str(directory))
+    writer.fs = HashingFileSystem()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         try:
-            dcp.save(placed, storage_writer=FileSystemWriter(str(directory)), planner=_PieceSavePlanner(**_PLAIN),
-                     process_group=group, no_dist=not _distributed())
+            dcp.save(placed, storage_writer=writer, planner=_PieceSavePlanner(**_PLAIN), process_group=group,
+                     no_dist=not _distributed())
         except CheckpointException as err:  # DCP wraps each rank's failure: raise this rank's own (disk full...)
             raise first_failure(err) from None
+    records = _gather_records(writer.fs.records, group)
     if meta is not None:
-        torch.save(meta, directory / META_FILE)
+        with hashed_file(directory / META_FILE, records) as f:
+            torch.save(meta, f)
+        write_manifest(directory, records)
+
+
+def _gather_records(own: dict[str, FileRecord], group: Optional[dist.ProcessGroup]) -> dict[str, FileRecord]:
+    """Every rank's file records on the group's first rank (an empty dict elsewhere)."""
+    if not _distributed():
+        return dict(own)
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    gathered: Optional[list[Any]] = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(own, gathered, dst=first, group=group)
+    return {name: record for ranks in gathered or [] for name, record in ranks.items()}
 
 
 def read_sharded(directory: Path, placed: dict[str, Placed]) -> dict[str, Any]:

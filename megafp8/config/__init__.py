@@ -10,6 +10,7 @@ from megafp8.config.schema import (
     OptimizerConfig,
     ParallelConfig,
     PrecisionConfig,
+    RopeScalingConfig,
     TrainingConfig,
 )
 from megafp8.config.sizes import MODEL_SIZES
@@ -17,6 +18,6 @@ from megafp8.config.validate import validate_config, validate_for_world
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig", "MODEL_SIZES", "ModelConfig",
-    "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "TrainingConfig", "dump_config", "load_config",
-    "parse_overrides", "resolve_config_path", "validate_config", "validate_for_world",
+    "OptimizerConfig", "ParallelConfig", "PrecisionConfig", "RopeScalingConfig", "TrainingConfig", "dump_config",
+    "load_config", "parse_overrides", "resolve_config_path", "validate_config", "validate_for_world",
 ]

@@ -24,6 +24,7 @@ CheckpointFormat = Literal["sharded", "full"]
 RecomputeMode = Literal["none", "full"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 PipelineScheduleName = Literal["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
+RopeScalingType = Literal["none", "yarn", "llama3"]
 
 
 def setting(default: Any, doc: str) -> Any:
@@ -36,6 +37,37 @@ def setting(default: Any, doc: str) -> Any:
 def section(cls: type, doc: str) -> Any:
     """A nested config section (a dataclass instance built with its defaults)."""
     return field(default_factory=cls, metadata={"doc": doc})
+
+
+@dataclass
+class RopeScalingConfig:
+    """Rotary-frequency scaling for long-context extension: none, YaRN (as DeepSeek-V2/V3 ship it) or Llama-3.1's
+    `llama3` scaling. The formulas are those of Hugging Face `transformers` (`modeling_rope_utils`), so converted
+    checkpoints compute the same function."""
+
+    type: RopeScalingType = setting(
+        "none",
+        "`none`: plain RoPE. `yarn`: frequencies blended between interpolated (divided by `factor`) and original "
+        "by a ramp over `beta_slow`..`beta_fast` rotations per original context; cos/sin scaled by YaRN's attention "
+        "factor (from `mscale`, `mscale_all_dim`). `llama3`: wavelengths above original / `low_freq_factor` divided "
+        "by `factor`, below original / `high_freq_factor` kept, smoothly blended between.",
+    )
+    factor: float = setting(1.0, "Context-extension factor (DeepSeek-V3's YaRN: 40; Llama-3.1: 8).")
+    original_max_position_embeddings: int = setting(
+        4096, "The context length the model was trained at before scaling (DeepSeek-V3: 4096; Llama-3.1: 8192)."
+    )
+    beta_fast: float = setting(32.0, "yarn: rotations per original context above which a dim keeps its frequency.")
+    beta_slow: float = setting(1.0, "yarn: rotations per original context below which a dim is fully interpolated.")
+    mscale: float = setting(
+        0.0,
+        "yarn: with `mscale_all_dim`, cos/sin are scaled by m(mscale) / m(mscale_all_dim), m(s) = 0.1 s ln(factor) "
+        "+ 1 (DeepSeek-V3: 1.0 and 1.0). If either is 0: by m(1).",
+    )
+    mscale_all_dim: float = setting(
+        0.0, "yarn, MLA: the softmax scale is multiplied by m(mscale_all_dim)^2 (DeepSeek-V3: 1.0); 0: not."
+    )
+    low_freq_factor: float = setting(1.0, "llama3: original / this is the wavelength above which `factor` applies.")
+    high_freq_factor: float = setting(4.0, "llama3: original / this is the wavelength below which frequencies stay.")
 
 
 @dataclass
@@ -54,8 +86,9 @@ class ModelConfig:
         "`pad_vocab_to_multiple_of`. If set, it must be at least the tokenizer's vocabulary size.",
     )
     pad_vocab_to_multiple_of: int = setting(
-        128, "When `vocab_size` is derived from the tokenizer, pad it to this multiple (GEMM- and tile-friendly); "
-        "with parallel.tp > 1, to lcm(this, 128) x tp, so each rank's vocabulary shard is a multiple of 128."
+        128, "When `vocab_size` is derived from the tokenizer, pad it to this multiple (GEMM-friendly). The padding "
+        "does not depend on parallel.tp, so a checkpoint loads at any layout; only a tp that does not divide the "
+        "padded size (not a power of two up to this multiple) pads further, to a multiple of lcm(this, tp)."
     )
     hidden_size: int = setting(256, "Width of the residual stream.")
     num_layers: int = setting(4, "Number of transformer blocks.")
@@ -83,6 +116,9 @@ class ModelConfig:
     ffn_hidden_size: int = setting(768, "Inner width of the SwiGLU MLP.")
     norm_eps: float = setting(1e-5, "Epsilon of RMSNorm.")
     rope_theta: float = setting(10000.0, "Base of the rotary position embedding frequencies.")
+    rope_scaling: RopeScalingConfig = section(
+        RopeScalingConfig, "Rotary-frequency scaling (YaRN, Llama-3.1) for long-context extension."
+    )
     init_std: float = setting(
         0.02,
         "Standard deviation of the normal init of embeddings and linears; output projections of each block "
@@ -130,8 +166,9 @@ class ParallelConfig:
     tp: int = setting(
         1,
         "Tensor-parallel ranks: attention heads, MLP width and vocabulary are split across them. Must divide "
-        "the launched ranks, model.num_heads and num_kv_heads; above 1, every shard (heads x head_dim / tp, "
-        "ffn_hidden_size / tp, vocab_size / tp) must be a multiple of 128. Keep it within a node (NVLink).",
+        "the launched ranks, model.num_heads, num_kv_heads and vocab_size; above 1, every GEMM shard (heads x "
+        "head_dim / tp, ffn_hidden_size / tp) must be a multiple of 128 (the vocabulary's need not: the embedding and "
+        "LM head stay BF16). Keep it within a node (NVLink).",
     )
     sequence_parallel: bool = setting(
         False,
@@ -291,6 +328,13 @@ class TrainingConfig:
         4, "Micro-batches in one validation pass, split across data-parallel ranks (the same set for any layout)."
     )
     seed: int = setting(1234, "Seed of weight init and data shuffling; the same seed gives the same run.")
+    max_consecutive_skips: int = setting(
+        3,
+        "A step whose global gradient norm is inf or nan (on any rank) is skipped on every rank: weights and optimizer "
+        "state stay as they were. This many skipped steps in a row stop the run with an error naming the first of "
+        "them and the layers at fault (checked at logging steps and before checkpoints). Under precision.recipe=fp16 "
+        "a skip counts only once the loss scale is at loss_scale_min.",
+    )
     compile: bool = setting(
         False,
         "`torch.compile` every transformer block (the first steps pay the compilation). A plain FP8 linear enters "

@@ -1,12 +1,28 @@
 """Cross-field validation of a config, with messages that say which setting to change.
 
-`validate_config` needs only the config; `validate_for_world` also needs the number of ranks.
+`validate_config` needs only the config; `validate_for_world` also needs the number of ranks. Both run
+before anything is allocated (the launch and the dry run apply both), so sizes are bounded here with
+arithmetic only: a model of absurd size is refused in one line instead of overflowing a tensor's size or
+taking minutes to plan. (Every float is finite: the loader refuses inf and nan.)
 """
 from __future__ import annotations
 
+import dataclasses
+
 from megafp8.config.errors import ConfigError
 from megafp8.config.layout import V_SHAPED, layer_counts, micro_batch_problem
-from megafp8.config.schema import Config
+from megafp8.config.schema import Config, RopeScalingConfig
+
+# The model.rope_scaling fields each scaling type reads (factor and original_max_position_embeddings: all).
+_ROPE_SCALING_FIELDS = {"none": (), "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                             "mscale", "mscale_all_dim"),
+                        "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
+
+
+MAX_LAYERS = 1024  # planning builds every block on the meta device: 1000 take ~7 s on the 2-core CPU machine
+MAX_PARAMETERS = 10**15  # ~1500x DeepSeek-V3's 671B; far below where a tensor's byte size overflows int64
+MAX_MICRO_BATCH_TOKENS = 2**31
+MAX_TIMEOUT_MINUTES = 7 * 24 * 60  # torch.distributed's timeout is a C++ duration: no further
 
 
 def _divisors(n: int, around: int) -> str:
@@ -32,6 +48,17 @@ def _check_positive(cfg: Config) -> None:
     for key, value in checks.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
+    if cfg.training.eval_interval > 0 and cfg.training.eval_iters < 1:
+        raise ConfigError(f"training.eval_iters={cfg.training.eval_iters}: evaluation (training.eval_interval="
+                          f"{cfg.training.eval_interval}) needs at least 1 micro-batch; raise it, or set "
+                          "training.eval_interval=0 to turn evaluation off")
+    if cfg.training.max_consecutive_skips < 1:
+        raise ConfigError(f"training.max_consecutive_skips must be at least 1, got {cfg.training.max_consecutive_skips}")
+    if not 0 < cfg.parallel.timeout_minutes <= MAX_TIMEOUT_MINUTES:
+        raise ConfigError(f"parallel.timeout_minutes must be above 0 and at most {MAX_TIMEOUT_MINUTES} (a week), got "
+                          f"{cfg.parallel.timeout_minutes:g}")
+    if cfg.logging.peak_tflops is not None and cfg.logging.peak_tflops <= 0:
+        raise ConfigError(f"logging.peak_tflops must be positive (or null), got {cfg.logging.peak_tflops:g}")
     for key, value in {
         "training.eval_interval": cfg.training.eval_interval,
         "training.eval_iters": cfg.training.eval_iters,
@@ -69,6 +96,28 @@ def _check_model(cfg: Config) -> None:
                           f"{cfg.data.seq_len}: lower mtp_depth")
     if m.norm_eps <= 0 or m.init_std <= 0 or m.rope_theta <= 0:
         raise ConfigError("model.norm_eps, model.init_std and model.rope_theta must be positive")
+    _check_rope_scaling(m.rope_scaling)
+
+
+def _check_rope_scaling(rs: RopeScalingConfig) -> None:
+    """Each type's settings in range, and no setting given that the chosen type would ignore."""
+    default = RopeScalingConfig()
+    for name in (f.name for f in dataclasses.fields(rs)):
+        if name != "type" and name not in _ROPE_SCALING_FIELDS[rs.type] and getattr(rs, name) != getattr(default, name):
+            raise ConfigError(f"model.rope_scaling.{name}={getattr(rs, name)} has no effect with "
+                              f"model.rope_scaling.type={rs.type}: remove it or set the type that uses it")
+    if rs.type == "none":
+        return
+    if rs.factor < 1 or rs.original_max_position_embeddings <= 0:
+        raise ConfigError(f"model.rope_scaling.factor must be >= 1 and original_max_position_embeddings positive, got "
+                          f"{rs.factor} and {rs.original_max_position_embeddings}")
+    if rs.type == "yarn" and not (0 < rs.beta_slow < rs.beta_fast and rs.mscale >= 0 and rs.mscale_all_dim >= 0):
+        raise ConfigError(f"model.rope_scaling needs 0 < beta_slow < beta_fast and mscale, mscale_all_dim >= 0, got "
+                          f"beta_slow={rs.beta_slow}, beta_fast={rs.beta_fast}, mscale={rs.mscale}, "
+                          f"mscale_all_dim={rs.mscale_all_dim}")
+    if rs.type == "llama3" and not 0 < rs.low_freq_factor < rs.high_freq_factor:
+        raise ConfigError(f"model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                          f"{rs.low_freq_factor} and {rs.high_freq_factor}")
 
 
 def _check_gqa(cfg: Config) -> None:
@@ -131,11 +180,10 @@ def _check_fp8(cfg: Config) -> None:
     m = cfg.model
     head_dim = m.head_dim if m.head_dim is not None else m.hidden_size // m.num_heads
     kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
-    sizes = {
-        "model.hidden_size": (m.hidden_size, "model.hidden_size"),
-        "model.ffn_hidden_size": (m.ffn_hidden_size, "model.ffn_hidden_size"),
-    }
-    if m.attention == "mla":  # kv_a (kv_lora_rank + qk_rope_head_dim wide) may stay BF16: not checked
+    # FFN widths (dense and expert) and MLA's kv_a (kv_lora_rank + qk_rope_head_dim) that are not whole tiles keep
+    # those layers in BF16, named at start-up: not checked here.
+    sizes = {"model.hidden_size": (m.hidden_size, "model.hidden_size")}
+    if m.attention == "mla":
         sizes["num_heads x (qk_nope_head_dim + qk_rope_head_dim) (MLA query width)"] = (
             m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), "model.qk_nope_head_dim or qk_rope_head_dim")
         sizes["num_heads x (qk_nope_head_dim + v_head_dim) (MLA key/value width)"] = (
@@ -148,8 +196,6 @@ def _check_fp8(cfg: Config) -> None:
         sizes["num_heads x head_dim (attention width)"] = (m.num_heads * head_dim, "model.num_heads or model.head_dim")
         sizes["(num_heads + 2 x num_kv_heads) x head_dim (QKV width)"] = ((m.num_heads + 2 * kv) * head_dim,
                                                                           "model.num_kv_heads or model.head_dim")
-    if m.moe_num_experts > 0:
-        sizes["model.moe_ffn_hidden_size"] = (m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size")
     for what, (size, setting) in sizes.items():
         if size % 128 != 0:
             up = -(-size // 128) * 128
@@ -177,9 +223,43 @@ def _check_optimizer(cfg: Config) -> None:
         raise ConfigError("optimizer.eps must be positive; optimizer.weight_decay and grad_clip must be >= 0")
 
 
+def approximate_parameters(cfg: Config) -> int:
+    """Parameters of the model, roughly (every linear and expert, embedding and head; norms and biases left out),
+    in Python integers: a bound on its size before anything is built."""
+    m = cfg.model
+    h, heads, vocab = m.hidden_size, m.num_heads, m.vocab_size or 0
+    if m.attention == "mla":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        attention = (h * (m.q_lora_rank or 0) + (m.q_lora_rank or h) * heads * qk + h * (m.kv_lora_rank + qk)
+                     + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) + heads * m.v_head_dim * h)
+    else:
+        head_dim, kv = m.head_dim or h // heads, m.num_kv_heads or heads
+        attention = h * (heads + 2 * kv) * head_dim + heads * head_dim * h
+    dense = attention + 3 * h * m.ffn_hidden_size
+    moe = attention + 3 * h * m.moe_ffn_hidden_size * (m.moe_num_experts + m.moe_num_shared_experts)
+    moe_layers = max(0, m.num_layers - m.moe_first_dense_layers) if m.moe_num_experts > 0 else 0
+    blocks = (m.num_layers - moe_layers) * dense + moe_layers * moe
+    return blocks + m.mtp_depth * (2 * h * h + max(dense, moe)) + 2 * vocab * h
+
+
+def _check_sizes(cfg: Config) -> None:
+    """Bounds that keep planning fast and every tensor's size representable."""
+    if cfg.model.num_layers > MAX_LAYERS:
+        raise ConfigError(f"model.num_layers={cfg.model.num_layers} exceeds {MAX_LAYERS}, the most megafp8 plans for")
+    tokens = cfg.training.micro_batch_size * cfg.data.seq_len
+    if tokens > MAX_MICRO_BATCH_TOKENS:
+        raise ConfigError(f"a micro-batch of training.micro_batch_size x data.seq_len = {tokens} tokens exceeds "
+                          f"{MAX_MICRO_BATCH_TOKENS} (2^31, the index range of the kernels): lower either")
+    params = approximate_parameters(cfg)
+    if params > MAX_PARAMETERS:
+        raise ConfigError(f"this model would have about {params:.2g} parameters, more than {MAX_PARAMETERS:.0e}: check "
+                          "model.hidden_size, ffn_hidden_size, num_layers, vocab_size and the expert sizes")
+
+
 def validate_config(cfg: Config) -> None:
     """Checks that need only the config."""
     _check_positive(cfg)
+    _check_sizes(cfg)
     _check_model(cfg)
     _check_moe(cfg)
     _check_optimizer(cfg)
@@ -247,8 +327,9 @@ def _check_tensor_parallel(cfg: Config, tp: int) -> None:
     if m.moe_num_experts > 0 and m.moe_num_shared_experts > 0:
         shards["model.moe_num_shared_experts x moe_ffn_hidden_size (shared-expert width)"] = (
             m.moe_num_shared_experts * m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size")
-    if m.vocab_size is not None:
-        shards["model.vocab_size"] = (m.vocab_size, "model.vocab_size (or null to pad it automatically)")
+    if m.vocab_size is not None and m.vocab_size % tp != 0:  # BF16 embedding and LM head: no FP8 tiles to keep
+        raise ConfigError(f"model.vocab_size={m.vocab_size} does not split evenly over parallel.tp={tp}: make it a "
+                          f"multiple of {tp}, or null to pad the tokenizer's vocabulary automatically")
     for what, (size, key) in shards.items():
         if size % (128 * tp) != 0:
             raise ConfigError(

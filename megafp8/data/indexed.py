@@ -1,14 +1,19 @@
 """On-disk token format: a directory with `meta.json` and, per split, shards of raw tokens.
 
-    DIR/meta.json          format, tokenizer spec, vocab size, eos id, dtype, and per split the shard list
+    DIR/meta.json          format, tokenizer spec, vocab size, eos id, dtype, and per split the shard list (each
+                           shard with its token count, document count and largest token id)
     DIR/SPLIT/NNNNN.bin    the tokens of whole documents, each followed by the end-of-document token
     DIR/SPLIT/NNNNN.idx    int64 end offsets of the documents in that shard (the index)
 
-Shards are memory-mapped for reading; a split reads as one token stream across its shards.
+Shards are memory-mapped for reading; a split reads as one token stream across its shards. Opening a shard
+checks its size and that its largest token id is below the tokenizer's vocabulary size (recorded at
+preprocessing; data written before that is scanned once), so no id outside the vocabulary ever reaches
+the embedding.
 """
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +24,9 @@ from megafp8.config import ConfigError
 
 FORMAT = "megafp8-tokens-v1"
 META_FILE = "meta.json"
+MAX_VOCAB_SIZE = 2**32  # token ids are stored as uint16 or uint32
+
+log = logging.getLogger("megafp8")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -35,6 +43,7 @@ class ShardWriter:
         self._file = None
         self._ends: list[int] = []
         self._tokens = 0
+        self._max_id = -1
 
     def add(self, tokens: np.ndarray) -> None:
         """One document's tokens, end-of-document token included."""
@@ -43,6 +52,7 @@ class ShardWriter:
             self._file = open(self.root / name, "wb")
             self.shards.append({"file": name, "num_tokens": 0, "num_docs": 0})
         self._file.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._max_id = max(self._max_id, int(tokens.max()))
         self._tokens += len(tokens)
         self._ends.append(self._tokens)
         if self._tokens >= self.shard_tokens:
@@ -54,9 +64,9 @@ class ShardWriter:
         self._file.close()
         self._file = None
         shard = self.shards[-1]
-        shard["num_tokens"], shard["num_docs"] = self._tokens, len(self._ends)
+        shard["num_tokens"], shard["num_docs"], shard["max_token_id"] = self._tokens, len(self._ends), self._max_id
         np.asarray(self._ends, dtype=np.int64).tofile(self.root / shard["file"].replace(".bin", ".idx"))
-        self._ends, self._tokens = [], 0
+        self._ends, self._tokens, self._max_id = [], 0, -1
 
     def close(self) -> list[dict[str, Any]]:
         self._close_shard()
@@ -101,10 +111,32 @@ def read_meta(path: str | Path) -> DatasetMeta:
         meta = json.loads(meta_path.read_text())
         if meta.get("format") != FORMAT:
             raise ConfigError(f"{meta_path}: format '{meta.get('format')}' is not {FORMAT}; re-run tools/preprocess_data.py")
-        return DatasetMeta(root, meta["tokenizer"], int(meta["vocab_size"]), int(meta["eos_id"]),
-                           np.dtype(meta["dtype"]), meta["splits"])
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        vocab_size = int(meta["vocab_size"])
+        parsed = DatasetMeta(root, meta["tokenizer"], vocab_size, int(meta["eos_id"]), np.dtype(meta["dtype"]),
+                             meta["splits"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"{meta_path} is corrupt ({err!r}); re-run tools/preprocess_data.py") from None
+    if not 0 < vocab_size <= MAX_VOCAB_SIZE:
+        raise ConfigError(f"{meta_path}: vocab_size {vocab_size} is not between 1 and 2^32; re-run "
+                          "tools/preprocess_data.py")
+    return parsed
+
+
+def _largest_id(path: Path, shard: dict[str, Any], tokens: np.ndarray) -> int:
+    """The shard's largest token id as preprocessing recorded it; data written before that is scanned."""
+    if "max_token_id" in shard:
+        return int(shard["max_token_id"])
+    log.warning("token shard %s records no largest token id (written by an older tools/preprocess_data.py): "
+                "scanning its %d tokens", path, len(tokens))
+    return int(tokens.max())
+
+
+def _check_ids(path: Path, largest: int, meta: DatasetMeta) -> None:
+    if largest >= meta.vocab_size:
+        raise ConfigError(
+            f"token shard {path} holds token id {largest}, but its tokenizer ({meta.tokenizer}) has {meta.vocab_size} "
+            f"ids (vocab_size in {meta.root / META_FILE}): the data does not match its tokenizer; re-run "
+            "tools/preprocess_data.py with the right --tokenizer")
 
 
 class TokenStream:
@@ -134,7 +166,9 @@ class TokenStream:
             )
         if expected == 0:
             return np.empty(0, dtype=meta.dtype)
-        return np.memmap(path, dtype=meta.dtype, mode="r")
+        tokens = np.memmap(path, dtype=meta.dtype, mode="r")
+        _check_ids(path, _largest_id(path, shard, tokens), meta)
+        return tokens
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) as int64, reading across shard edges."""

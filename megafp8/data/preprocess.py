@@ -1,7 +1,8 @@
 """Tokenize documents into the on-disk token format (`megafp8.data.indexed`), with a held-out split.
 
 Each document goes to the validation split with probability `valid_fraction`, decided by a
-seeded generator in document order, so the same inputs and seed give the same splits. The
+seeded generator in document order, so the same inputs and seed give the same splits. Every shard
+records its largest token id, which must be below the tokenizer's vocabulary size. The
 output directory appears only when complete (written under a temporary name, then renamed).
 """
 from __future__ import annotations
@@ -79,6 +80,11 @@ def preprocess(
     if "train" not in splits:
         shutil.rmtree(tmp)
         raise ConfigError(f"no training documents in {inputs} (all inputs empty, or --valid-fraction too high)")
+    largest = max(shard["max_token_id"] for shards in splits.values() for shard in shards)
+    if largest >= tokenizer.vocab_size:
+        shutil.rmtree(tmp)
+        raise ConfigError(f"tokenizer {tokenizer.spec} produced token id {largest} but reports a vocabulary of "
+                          f"{tokenizer.vocab_size}: use a tokenizer whose ids fit its vocabulary size")
     write_meta(tmp, tokenizer.spec, tokenizer.vocab_size, tokenizer.eos_id, splits, source=" ".join(inputs))
     if out.exists():
         shutil.rmtree(out)

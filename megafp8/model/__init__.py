@@ -2,6 +2,8 @@
 from megafp8.model.flops import training_flops_per_token
 from megafp8.model.fp8_plan import Fp8Plan, apply_fp8_plan
 from megafp8.model.init import init_weights
+from megafp8.model.rope import describe_rope
 from megafp8.model.transformer import Block, PipelineChunk, Transformer, apply_compile, apply_recompute, resolve_vocab_size
 
-__all__ = ["Block", "Fp8Plan", "PipelineChunk", "apply_fp8_plan", "Transformer", "apply_compile", "apply_recompute", "init_weights", "resolve_vocab_size", "training_flops_per_token"]
+__all__ = ["Block", "Fp8Plan", "PipelineChunk", "apply_fp8_plan", "Transformer", "apply_compile", "apply_recompute",
+           "describe_rope", "init_weights", "resolve_vocab_size", "training_flops_per_token"]

@@ -4,11 +4,13 @@ Applied after the model is built. Layer names are module paths such as
 `layers.3.attn.qkv_proj` or `layers.0.mlp.down_proj`. The embedding, the LM head and the norms
 are precision islands: they never run FP8, and a pattern that names only islands is an error.
 A linear whose weight dims are not multiples of the 128-wide FP8 tile (MLA's kv_a: kv_lora_rank +
-qk_rope_head_dim) stays BF16 and is listed among the BF16 layers.
+qk_rope_head_dim; an FFN such as DeepSeek-V2-Lite's 10944 wide) stays BF16, and the plan's summary (the
+start-up line) names it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
 import torch.nn as nn
@@ -26,11 +28,27 @@ LM_HEAD = "lm_head"
 class Fp8Plan:
     fp8_layers: list[str]
     bf16_layers: list[str]  # GEMM layers in BF16, islands included
+    untiled: list[str] = field(default_factory=list)  # of those, the ones FP8 was asked for but whose weights are
+    #                                                    not whole 128x128 tiles
 
     def summary(self) -> str:
+        """One line for the start-up log: how many layers run FP8, which stay BF16, and which could not tile."""
         total = len(self.fp8_layers) + len(self.bf16_layers)
-        kept = ", ".join(self.bf16_layers[:6]) + (" ..." if len(self.bf16_layers) > 6 else "")
-        return f"{len(self.fp8_layers)} of {total} GEMM layers in FP8; BF16: {kept or 'none'}"
+        chosen = [n for n in self.bf16_layers if n not in self.untiled]
+        kept = ", ".join(chosen[:6]) + (" ..." if len(chosen) > 6 else "")
+        line = f"{len(self.fp8_layers)} of {total} GEMM layers in FP8; BF16: {kept or 'none'}"
+        if self.untiled:
+            line += f"; BF16 as not whole 128x128 FP8 tiles: {_compact(self.untiled)}"
+        return line
+
+
+def _compact(names: list[str]) -> str:
+    """Layer names with the block index folded: `layers.*.attn.kv_a_proj (x27)`, a lone one as it is."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(re.sub(r"\b(layers|mtp)\.\d+", r"\1.*", name), []).append(name)
+    return ", ".join(members[0] if len(members) == 1 else f"{template} (x{len(members)})"
+                     for template, members in groups.items())
 
 
 def _islands(model: nn.Module) -> list[str]:
@@ -64,14 +82,16 @@ def apply_fp8_plan(model: nn.Module, cfg: PrecisionConfig, recipe: PrecisionReci
                               f"(names look like {eligible[0]})")
     edge = cfg.bf16_first_last_blocks
     keep += [f"layers.{i}.*" for i in range(num_layers) if i < edge or i >= num_layers - edge]
-    fp8, bf16 = [], []
+    fp8, bf16, untiled = [], [], []
     for name, layer in linears.items():
         wanted = (recipe.fp8 is not None and name != LM_HEAD and any(fnmatch(name, p) for p in cfg.fp8_layers)
                   and not any(fnmatch(name, p) for p in keep))
-        wanted = wanted and layer.fp8_capable  # a weight that is not whole 128-wide tiles stays BF16
+        if wanted and not layer.fp8_capable:  # a weight that is not whole 128-wide tiles stays BF16
+            untiled.append(name)
+            wanted = False
         if wanted and isinstance(layer, ExpertLinear) and not ExpertLinear.supports(recipe.fp8):
             raise ConfigError(PARTIAL_FP8_EXPERTS)
         if not dry_run:
             layer.set_recipe(recipe if wanted else recipe.high_precision())
         (fp8 if wanted else bf16).append(name)
-    return Fp8Plan(fp8, bf16)
+    return Fp8Plan(fp8, bf16, untiled)

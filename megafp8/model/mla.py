@@ -4,6 +4,7 @@
     c_kv, k_rope = kv_a(x)       the compressed key/value (kv_lora_rank) and one rotary key shared by all heads
     k_nope, v   = kv_b(norm(c_kv)), per head
     attention over q = [q_nope; RoPE(q_rope)], k = [k_nope; RoPE(k_rope)], values v, scale 1/sqrt(nope + rope)
+                                 (times YaRN's mscale^2 under `model.rope_scaling.mscale_all_dim`)
 
 Under tensor parallelism heads are split: q_b (or q_proj) and kv_b are column-parallel, the output
 projection row-parallel. The down projections q_a and kv_a are small and replicated; under sequence
@@ -23,9 +24,9 @@ import torch.nn.functional as F
 
 from megafp8.config import ModelConfig
 from megafp8.model.norm import RMSNorm
-from megafp8.model.rope import RotaryEmbedding
+from megafp8.model.rope import RotaryEmbedding, softmax_mscale
 from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, to_tp_region
-from megafp8.precision import TILE, PrecisionRecipe
+from megafp8.precision import PrecisionRecipe
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -45,13 +46,14 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             self.q_proj = ColumnParallelLinear(cfg.hidden_size, q_width, recipe, tp, device=device)
         kv_a_width = self.kv_rank + self.rope_dim
-        kv_a_recipe = recipe if kv_a_width % TILE == 0 else recipe.high_precision()  # e.g. 512 + 64: not FP8 tiles
+        kv_a_recipe = recipe.for_weight(kv_a_width, cfg.hidden_size)  # e.g. 512 + 64 rows: not FP8 tiles, BF16
         self.kv_a_proj = ColumnParallelLinear(cfg.hidden_size, kv_a_width, kv_a_recipe, device=device)
         self.kv_a_norm = RMSNorm(self.kv_rank, cfg.norm_eps, dtype, device)
         self.kv_b_proj = ColumnParallelLinear(self.kv_rank, cfg.num_heads * (self.nope + self.v_dim), recipe, tp,
                                               device=device)
         self.out_proj = RowParallelLinear(cfg.num_heads * self.v_dim, cfg.hidden_size, recipe, tp, device=device)
-        self.scale = (self.nope + self.rope_dim) ** -0.5
+        mscale = softmax_mscale(cfg.rope_scaling)  # YaRN's correction of DeepSeek's attention (1 without)
+        self.scale = (self.nope + self.rope_dim) ** -0.5 * mscale * mscale
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):

@@ -15,10 +15,14 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, recipe: PrecisionRecipe, tp: TensorParallel,
                  device=None) -> None:
         super().__init__()
-        # Weight rows are [gate; up], each ffn_hidden_size long; each rank holds [gate_r; up_r].
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size, recipe, tp,
+        # Weight rows are [gate; up], each ffn_hidden_size long; each rank holds [gate_r; up_r]. A weight that is not
+        # whole 128x128 tiles stays out of FP8 (DeepSeek-V2-Lite's 10944-wide FFN: down_proj).
+        local = ffn_hidden_size // tp.size
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, 2 * ffn_hidden_size,
+                                                 recipe.for_weight(2 * local, hidden_size), tp,
                                                  parts=(ffn_hidden_size, ffn_hidden_size), device=device)
-        self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, recipe, tp, device=device)
+        self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, recipe.for_weight(hidden_size, local), tp,
+                                           device=device)
 
     def forward(self, x: torch.Tensor, norm: Optional[RMSNorm] = None) -> torch.Tensor:
         """x (tokens, hidden) -> (tokens, hidden); `norm` is applied to x first. Under FP8 the norm, SwiGLU and

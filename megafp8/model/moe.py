@@ -17,6 +17,8 @@ expert. Shared experts are one tensor-parallel SwiGLU of width
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -72,9 +74,11 @@ class Router(nn.Module):
         return weights * self.scaling, chosen, scores
 
     @torch.no_grad()
-    def update_bias(self, global_load: torch.Tensor, rate: float) -> None:
-        """Auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded ones."""
-        self.expert_bias += rate * torch.sign(global_load.mean() - global_load)
+    def update_bias(self, global_load: torch.Tensor, rate: float, apply: Optional[torch.Tensor] = None) -> None:
+        """Auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded ones.
+        `apply` (a 0-d bool device tensor): leave the bias as it is where False (a skipped step)."""
+        change = rate * torch.sign(global_load.mean() - global_load)
+        self.expert_bias += change if apply is None else change * apply
 
 
 def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, batch: int, seq_len: int, first_token: int,
@@ -105,8 +109,9 @@ class RoutedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, ep: ExpertParallel, device=None) -> None:
         super().__init__()
         e, hidden, ffn = cfg.moe_num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
-        self.gate_up_proj = ExpertLinear(e, hidden, 2 * ffn, recipe, ep, device)  # rows [gate; up] per expert
-        self.down_proj = ExpertLinear(e, ffn, hidden, recipe, ep, device)
+        # rows [gate; up] per expert; a weight that is not whole 128x128 tiles runs BF16
+        self.gate_up_proj = ExpertLinear(e, hidden, 2 * ffn, recipe.for_weight(2 * ffn, hidden), ep, device)
+        self.down_proj = ExpertLinear(e, ffn, hidden, recipe.for_weight(hidden, ffn), ep, device)
 
     @property
     def num_local(self) -> int:

@@ -139,7 +139,7 @@ class Transformer(nn.Module):
         dtype = recipe.param_dtype
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp, device) if embedding else None
         rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else head_dim_of(cfg)
-        self.rope = RotaryEmbedding(rope_dim, max_seq_len, cfg.rope_theta, device)
+        self.rope = RotaryEmbedding(rope_dim, max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
         ep = ep or ExpertParallel.single()
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.layers = LayerDict({str(i): Block(cfg, recipe, tp, is_moe_layer(cfg, i), ep, fp8_dispatch, device)
@@ -154,7 +154,7 @@ class Transformer(nn.Module):
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
             # The LM head is a precision island: never FP8, whatever the recipe.
             self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, recipe.high_precision(), tp,
-                                                device=device)
+                                                device=device, whole_tiles=False)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens: (B, T) int64. Returns the mean loss if `targets` (B, T) is given (cross-entropy plus the weighted
@@ -255,12 +255,18 @@ def apply_compile(model: nn.Module, mode: str = "default") -> int:
 
 def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int, tp_size: int = 1) -> ModelConfig:
     """The model config with `vocab_size` set: the tokenizer's, padded, unless configured (and large enough).
-    Under tensor parallelism the padding makes every rank's vocabulary shard a multiple of 128."""
+
+    The padding does not depend on the layout (a checkpoint then loads at any TP): the smallest multiple of
+    `pad_vocab_to_multiple_of` that holds the tokenizer's vocabulary. Only a tensor-parallel size that does
+    not divide it (not a power of two up to that multiple) pads further, to the next size it divides. The
+    embedding and LM head stay BF16, so their vocabulary shards need not be whole FP8 tiles."""
     if cfg.vocab_size is None:
         multiple = cfg.pad_vocab_to_multiple_of
-        if tp_size > 1:
-            multiple = math.lcm(multiple, 128) * tp_size
-        return dataclasses.replace(cfg, vocab_size=math.ceil(tokenizer_vocab / multiple) * multiple)
+        padded = math.ceil(tokenizer_vocab / multiple) * multiple
+        if padded % tp_size != 0:
+            multiple = math.lcm(multiple, tp_size)
+            padded = math.ceil(tokenizer_vocab / multiple) * multiple
+        return dataclasses.replace(cfg, vocab_size=padded)
     if cfg.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.vocab_size={cfg.vocab_size} is smaller than the data's tokenizer vocabulary ({tokenizer_vocab}): "

@@ -68,8 +68,9 @@ class DistributedAdamW:
         self.names = names
         self.tp = tp or TensorParallel.single()
         self.ep = ep or ExpertParallel.single()
-        self.step_count = 0
+        self.step_count = 0  # updates applied; a step skipped on the device counts until `settle_step_count`
         self._step_tensor: torch.Tensor | None = None  # the step count on the device, for the fused kernel
+        self._skipped: torch.Tensor | None = None  # steps skipped on the device since the last settle
         moment_dtype = MOMENT_DTYPES[cfg.moment_dtype]
         self.shards: list[_Shard] = []
         for bucket in buckets.buckets:
@@ -115,9 +116,25 @@ class DistributedAdamW:
         norm = sum_sq.sqrt()
         if self.cfg.grad_clip > 0:
             coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
+            # A non-finite norm skips the step: leave the gradients as they are, for naming the layers at fault.
+            coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
             for shard in self.shards:
                 self.buckets.shard_grads(shard.bucket).mul_(coef)
         return norm
+
+    def nonfinite_params(self) -> list[str]:
+        """Names of the parameters whose reduced gradients (this rank's shard of them) hold an inf or nan."""
+        flags, names = [], []
+        for shard in self.shards:
+            grads = self.buckets.shard_grads(shard.bucket)
+            for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
+                lo, hi = max(offset, shard.start), min(offset + p.numel(), shard.end)
+                if lo < hi:
+                    flags.append(torch.isfinite(grads[lo - shard.start : hi - shard.start]).all())
+                    names.append(self.names[p])
+        if not flags:
+            return []
+        return [name for name, finite in zip(names, torch.stack(flags).tolist()) if not finite]
 
     def found_nonfinite(self) -> torch.Tensor:
         """1.0 if this rank's reduced gradients hold an inf or nan, else 0.0 (a device tensor; no host sync)."""
@@ -129,18 +146,36 @@ class DistributedAdamW:
             self.buckets.shard_grads(shard.bucket).mul_(factor)
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, apply: torch.Tensor | None = None) -> None:
+        """One AdamW update at learning rate `lr`. `apply`, a 0-d bool tensor on the device: where False the update is
+        skipped on the device (masters, moments and weights unchanged) without the host waiting for it; such a step
+        leaves `step_count` at the next `settle_step_count`."""
         self.step_count += 1
+        skip = None
+        if apply is not None:
+            skip = torch.logical_not(apply)
+            self._skipped = skip.long() if self._skipped is None else self._skipped + skip
+            skip = skip.float()
         fp32_moments = [s.exp_avg.dtype == torch.float32 for s in self.shards]
-        self._fused_step([s for s, fp32 in zip(self.shards, fp32_moments) if fp32], lr)
+        self._fused_step([s for s, fp32 in zip(self.shards, fp32_moments) if fp32], lr, skip)
         for shard, fp32 in zip(self.shards, fp32_moments):
             if not fp32:
-                self._step_shard(shard, lr)
+                self._step_shard(shard, lr, apply)
         self._publish()
 
-    def _fused_step(self, shards: list[_Shard], lr: float) -> None:
+    def settle_step_count(self) -> int:
+        """Take the steps skipped on the device since the last call out of `step_count` (the host waits for the
+        device here); returns how many there were."""
+        if self._skipped is None:
+            return 0
+        skipped, self._skipped = int(self._skipped.item()), None
+        self.step_count -= skipped
+        return skipped
+
+    def _fused_step(self, shards: list[_Shard], lr: float, skip: torch.Tensor | None) -> None:
         """FP32 moments: torch's fused AdamW kernel, one call for the decayed ranges and one for the rest (the
-        same update as `_step_shard`, to within an ulp), instead of eight element-wise passes over the buffers."""
+        same update as `_step_shard`, to within an ulp), instead of eight element-wise passes over the buffers.
+        `skip` (1.0 or 0.0 on the device): the kernel's own flag for leaving everything unchanged."""
         if not shards:
             return
         device = shards[0].master.device
@@ -157,21 +192,26 @@ class DistributedAdamW:
             torch._fused_adamw_([s.master[cut] for s, cut in chosen], grads, [s.exp_avg[cut] for s, cut in chosen],
                                 [s.exp_avg_sq[cut] for s, cut in chosen], [], [self._step_tensor] * len(chosen),
                                 lr=lr, beta1=c.beta1, beta2=c.beta2, weight_decay=decay, eps=c.eps, amsgrad=False,
-                                maximize=False)
+                                maximize=False, found_inf=skip)
 
-    def _step_shard(self, shard: _Shard, lr: float) -> None:
-        """BF16 moments: the update in FP32 on copies of the moments, stored back rounded."""
+    def _step_shard(self, shard: _Shard, lr: float, apply: torch.Tensor | None) -> None:
+        """BF16 moments: the update in FP32 on copies of the moments, stored back rounded (unless `apply` is
+        False)."""
         c = self.cfg
         bias1 = 1 - c.beta1 ** self.step_count
         bias2_sqrt = math.sqrt(1 - c.beta2 ** self.step_count)
         grad = self.buckets.shard_grads(shard.bucket)
         m, v = shard.exp_avg.float(), shard.exp_avg_sq.float()
+        master = shard.master if apply is None else shard.master.clone()
         if shard.decay_end > 0:
-            shard.master[: shard.decay_end].mul_(1 - lr * c.weight_decay)
+            master[: shard.decay_end].mul_(1 - lr * c.weight_decay)
         m.lerp_(grad, 1 - c.beta1)
         v.mul_(c.beta2).addcmul_(grad, grad, value=1 - c.beta2)
         denom = (v.sqrt() / bias2_sqrt).add_(c.eps)
-        shard.master.addcdiv_(m, denom, value=-lr / bias1)
+        master.addcdiv_(m, denom, value=-lr / bias1)
+        if apply is not None:
+            shard.master.copy_(torch.where(apply, master, shard.master))
+            m, v = torch.where(apply, m, shard.exp_avg.float()), torch.where(apply, v, shard.exp_avg_sq.float())
         shard.exp_avg.copy_(m)
         shard.exp_avg_sq.copy_(v)
 
@@ -243,7 +283,7 @@ class DistributedAdamW:
                 if tuple(saved[name].shape) != shape:
                     raise ValueError(f"optimizer {key} of '{name}' has shape {tuple(saved[name].shape)}, "
                                      f"the model has {shape}")
-        self.step_count = int(state["step"])
+        self.step_count, self._skipped = int(state["step"]), None
         for shard in self.shards:
             for key, attr in (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
                 full = torch.zeros(shard.bucket.numel, dtype=torch.float32)

@@ -50,10 +50,12 @@ from megafp8.precision import (
 )
 
 
-def _check_split(what: str, size: int, tp: TensorParallel) -> None:
+def _check_split(what: str, size: int, tp: TensorParallel, whole_tiles: bool = True) -> None:
+    """`size` splits evenly over the tensor-parallel ranks (into whole FP8 tiles unless `whole_tiles` is False:
+    the vocabulary dimension of the BF16 embedding and LM head)."""
     if size % tp.size != 0:
         raise ValueError(f"{what} = {size} does not divide over {tp.size} tensor-parallel ranks")
-    if tp.enabled and (size // tp.size) % TILE != 0:
+    if whole_tiles and tp.enabled and (size // tp.size) % TILE != 0:
         raise ValueError(f"{what} = {size} gives {size // tp.size} per tensor-parallel rank, not a multiple of {TILE} "
                          "(shard edges must fall on FP8 tile edges)")
 
@@ -175,16 +177,19 @@ class ParallelLinear(nn.Module):
 
 class ColumnParallelLinear(ParallelLinear):
     """Output features split across tensor-parallel ranks. `parts`: sizes of fused outputs (e.g. q, k, v), each
-    split on its own so every rank holds whole heads."""
+    split on its own so every rank holds whole heads. `whole_tiles=False`: shards need not be whole FP8 tiles (a
+    layer that never runs FP8: the LM head)."""
 
     def __init__(self, in_features: int, out_features: int, recipe: PrecisionRecipe,
-                 tp: Optional[TensorParallel] = None, parts: Optional[Sequence[int]] = None, device=None) -> None:
+                 tp: Optional[TensorParallel] = None, parts: Optional[Sequence[int]] = None, device=None,
+                 whole_tiles: bool = True) -> None:
         tp = tp or TensorParallel.single()
         parts = tuple(parts) if parts is not None else (out_features,)
         if sum(parts) != out_features:
             raise ValueError(f"parts {parts} do not add up to out_features={out_features}")
         for part in parts:
-            _check_split("out_features" if len(parts) == 1 else f"fused part of out_features {parts}", part, tp)
+            _check_split("out_features" if len(parts) == 1 else f"fused part of out_features {parts}", part, tp,
+                         whole_tiles)
         super().__init__(in_features, out_features, recipe, (out_features // tp.size, in_features), tp, device)
         if tp.enabled:
             mark_sharded(self.weight, TpShard(0, parts))
@@ -254,7 +259,7 @@ class VocabParallelEmbedding(nn.Module):
                  tp: Optional[TensorParallel] = None, device=None) -> None:
         super().__init__()
         self.tp = tp = tp or TensorParallel.single()
-        _check_split("the vocabulary size (model.vocab_size)", num_embeddings, tp)
+        _check_split("the vocabulary size (model.vocab_size)", num_embeddings, tp, whole_tiles=False)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.rows_per_rank = num_embeddings // tp.size
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim, dtype=dtype, device=device))

@@ -15,7 +15,7 @@ import torch
 
 from megafp8.config import ConfigError, PrecisionConfig
 from megafp8.precision.backends import check_backend_name
-from megafp8.precision.formats import FORMATS, Fp8Format
+from megafp8.precision.formats import FORMATS, TILE, Fp8Format
 
 _PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,3 +79,8 @@ class PrecisionRecipe:
     def high_precision(self) -> "PrecisionRecipe":
         """The same recipe without FP8: for precision islands and layers kept in BF16."""
         return dataclasses.replace(self, fp8=None)
+
+    def for_weight(self, *dims: int) -> "PrecisionRecipe":
+        """This recipe for a GEMM weight with these (local) dims, without FP8 unless each is a multiple of the
+        128-wide tile (e.g. MLA's kv_a at 512 + 64 rows, DeepSeek-V2-Lite's 10944-wide dense FFN)."""
+        return self if all(d % TILE == 0 for d in dims) else self.high_precision()

@@ -8,6 +8,10 @@
 - `full`: every tensor is gathered to its full shape (over TP, EP, DP and the pipeline) and rank 0
   writes one `state.pt`.
 
+Before writing, every rank checks that what it would write is finite: no checkpoint holds an inf or nan
+(a FloatingPointError names the first such tensor instead). Every file is checksummed as it is written
+(`megafp8/checkpoint/integrity.py`).
+
 With `checkpoint.async_save`, the state is first copied to host memory, then written on a background
 thread (the sharded form's collectives run on a dedicated gloo group, so they never interleave with
 training's); the next save and the end of training wait for it and re-raise its error.
@@ -23,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.checkpoint import check_tensors_match, load_checkpoint, save_checkpoint
-from megafp8.checkpoint.local import fresh_temporary, publish, step_dir_name
+from megafp8.checkpoint.local import fresh_temporary, publish
 from megafp8.checkpoint.sharded import INDEX_FILE, SafeReader, is_sharded_checkpoint, read_sharded, write_sharded
 from megafp8.config import ConfigError
 from megafp8.config.loader import config_to_dict
@@ -34,6 +38,16 @@ if TYPE_CHECKING:
     from megafp8.train.trainer import Trainer
 
 log = logging.getLogger("megafp8")
+# Model settings a checkpoint's tensor shapes do not reveal: resumed under other values, the weights compute another
+# function (on purpose in a context-extension stage, by mistake otherwise).
+_UNSEEN_MODEL_SETTINGS = ("rope_theta", "rope_scaling", "norm_eps", "moe_score_func", "moe_top_k", "moe_n_group",
+                          "moe_topk_group", "moe_routed_scaling_factor", "moe_norm_topk_prob")
+
+
+def model_setting_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`model.<key>: <saved> in the checkpoint, <current> in this run` for each unseen setting that differs."""
+    return [f"model.{key}: {saved[key]} in the checkpoint, {current[key]} in this run"
+            for key in _UNSEEN_MODEL_SETTINGS if key in saved and saved[key] != current[key]]
 
 
 class _BackgroundWrite:
@@ -72,6 +86,7 @@ class Checkpointer:
     def save(self) -> None:
         t = self.trainer
         self.wait()  # one write at a time, in step order
+        self._check_finite()
         if self.sharded:
             self._save_sharded()
         else:
@@ -84,6 +99,21 @@ class Checkpointer:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending.wait()
+
+    def _check_finite(self) -> None:
+        """Raise FloatingPointError (on every rank) if any tensor this checkpoint would hold is inf or nan."""
+        t = self.trainer
+        pieces = [(name, piece.values) for name, placed in self.placed_state().items() for piece in placed.pieces]
+        finite = torch.stack([torch.isfinite(values).all() for _, values in pieces]).tolist() if pieces else []
+        bad = [name for (name, _), ok in zip(pieces, finite) if not ok]
+        if t.dims.is_distributed:
+            every: list[Optional[list[str]]] = [None] * t.dims.world_size
+            dist.all_gather_object(every, bad)
+            bad = sorted({name for names in every for name in names or []})
+        if bad:
+            which = f"{bad[0]} and {len(bad) - 1} more tensor(s) hold" if len(bad) > 1 else f"{bad[0]} holds"
+            raise FloatingPointError(f"step {t.step}: {which} inf or nan: not saving a checkpoint of it (the newest "
+                                     f"checkpoint under {t.checkpoint_dir} stays the newest)")
 
     def _meta(self) -> dict[str, Any]:
         t = self.trainer
@@ -114,11 +144,10 @@ class Checkpointer:
     def _save_sharded(self) -> None:
         t = self.trainer
         root, step, keep, rank0 = t.checkpoint_dir, t.step, t.cfg.checkpoint.keep_last, t.dims.rank == 0
-        tmp = root / (step_dir_name(step) + ".tmp")
-        if rank0:
-            fresh_temporary(root, step)
+        shared = [fresh_temporary(root, step) if rank0 else None]
         if t.dims.is_distributed:
-            dist.barrier()  # the empty directory exists before anyone writes into it
+            dist.broadcast_object_list(shared, src=0)  # rank 0's private directory exists before anyone writes in it
+        tmp = shared[0]
         placed, meta = self.placed_state(), (self._meta() if rank0 else None)
         if t.cfg.checkpoint.async_save:  # copy to host now; write later
             placed = {k: Placed(v.shape, [Piece(p.offsets, p.values.detach().to("cpu", copy=True)) for p in v.pieces])
@@ -127,7 +156,7 @@ class Checkpointer:
         def write() -> None:
             write_sharded(tmp, placed, meta, self.write_group)
             if rank0:  # DCP's coordinator returns once every rank's files and the index are written
-                log.info("saved checkpoint %s", publish(root, step, keep))
+                log.info("saved checkpoint %s", publish(root, tmp, step, keep))
         if t.cfg.checkpoint.async_save:
             self.pending = _BackgroundWrite(write, step)
         else:
@@ -192,13 +221,18 @@ class Checkpointer:
         if t.loss_scaler is not None and meta.get("loss_scaler"):
             t.loss_scaler.load_state_dict(meta["loss_scaler"])
         t.step = int(meta["step"])
+        changes = model_setting_changes(meta.get("config", {}).get("model", {}), config_to_dict(t.model_cfg))
+        if changes:
+            log.warning("resuming %s with model settings other than its own (%s): the weights now compute another "
+                        "function; set them as the checkpoint has unless this is meant (e.g. a context-extension "
+                        "stage)", path, "; ".join(changes))
         torch.set_rng_state(meta["rng"]["torch"])
         if t.device.type == "cuda" and "cuda" in meta["rng"]:
             torch.cuda.set_rng_state(meta["rng"]["cuda"], t.device)
 
     def _load_full(self, path: Path) -> dict[str, Any]:
         t = self.trainer
-        state = load_checkpoint(path)
+        state = load_checkpoint(path, verify=False)  # verified before (megafp8/train/resume.py)
         check_tensors_match(state["model"], self.full_model_state(meta=True), path)
         try:
             t.optimizer.load_state_dict(state["optimizer"])  # writes the master weights into the model

@@ -42,6 +42,8 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
         f"elapsed {_duration(record['elapsed_s'])}",
         f"left {_duration(record['remaining_s'])}",
     ]
+    if record.get("skipped_steps"):  # non-finite gradients: the loss is that of the other steps
+        parts.insert(2, f"{record['skipped_steps']} step(s) skipped")
     if "moe_load_cv" in record:  # expert balance: spread of tokens per expert, and the busiest expert
         parts.insert(4, f"expert load cv {record['moe_load_cv']:.2f} max {record['moe_load_max_over_mean']:.2f}x")
     return " | ".join(parts)

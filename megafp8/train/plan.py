@@ -28,8 +28,8 @@ import torch
 
 from megafp8.config import Config, ConfigError
 from megafp8.data import read_meta
-from megafp8.config.validate import data_parallel_size, validate_layout
-from megafp8.model import Transformer, apply_fp8_plan, resolve_vocab_size, training_flops_per_token
+from megafp8.config.validate import data_parallel_size, validate_for_world
+from megafp8.model import Transformer, apply_fp8_plan, describe_rope, resolve_vocab_size, training_flops_per_token
 from megafp8.parallel import ExpertParallel, TensorParallel, full_shape, is_expert
 from megafp8.parallel.pipeline import build_layout
 from megafp8.precision import PrecisionRecipe
@@ -217,7 +217,7 @@ def with_vocab(cfg: Config) -> Config:
 def dry_run(cfg: Config, world_size: int, peak_tflops: float, mfu: float) -> str:
     """The plan of `cfg` on `world_size` ranks as text (nothing is allocated, no process group is needed)."""
     cfg = with_vocab(cfg)
-    validate_layout(cfg, world_size)
+    validate_for_world(cfg, world_size)  # every check the launch applies before it allocates
     m = cfg.model
     attention = (f"{m.num_heads} heads MLA (q/kv ranks {m.q_lora_rank}/{m.kv_lora_rank})" if m.attention == "mla"
                  else f"{m.num_heads} heads / {m.num_kv_heads or m.num_heads} kv")
@@ -225,6 +225,7 @@ def dry_run(cfg: Config, world_size: int, peak_tflops: float, mfu: float) -> str
            if m.moe_num_experts else "")
     header = (f"{cfg.run_name or 'run'}: {m.num_layers} layers, hidden {m.hidden_size}, {attention}, "
               f"ffn {m.ffn_hidden_size}{moe}{f', MTP depth {m.mtp_depth}' if m.mtp_depth else ''}, "
+              f"{describe_rope(m.rope_theta, m.rope_scaling)}, "
               f"vocab {m.vocab_size}, seq "
               f"{cfg.data.seq_len}, micro-batch {cfg.training.micro_batch_size}, precision {cfg.precision.recipe}, "
               f"tp {cfg.parallel.tp}{' with sequence parallelism' if cfg.parallel.sequence_parallel else ''}"

@@ -18,7 +18,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megafp8.checkpoint import find_latest
 from megafp8.config import Config, ModelConfig, dump_config, validate_config, validate_for_world
 from megafp8.config.loader import config_to_dict
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
@@ -28,6 +27,7 @@ from megafp8.model import (
     apply_compile,
     apply_fp8_plan,
     apply_recompute,
+    describe_rope,
     init_weights,
     resolve_vocab_size,
     training_flops_per_token,
@@ -50,7 +50,10 @@ from megafp8.train.loggers import ExperimentLogger
 from megafp8.train.plan import check_fits, device_capacity, make_plan
 from megafp8.train.metrics import format_step_line, peak_tflops
 from megafp8.train.checkpointing import Checkpointer
+from megafp8.train.nonfinite import NonFiniteGuard, window_loss
 from megafp8.train.pipelined import PipelineRunner
+from megafp8.train.resume import verified_resume_path
+from megafp8.train.run_lock import claim_run_directories
 from megafp8.train.runtime import host_to_device
 
 log = logging.getLogger("megafp8")
@@ -112,6 +115,9 @@ class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
         self.dims, self.device = dims, device
         self.num_micro_batches = validate_for_world(cfg, dims.world_size)
+        self.run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
+        self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
+        self.run_lock = claim_run_directories(self.run_dir, self.checkpoint_dir, dims)  # before writing anything
         self.tp, self.ep = dims.tensor_parallel, dims.expert_parallel
         if cfg.model.vocab_size is not None:  # a model that cannot fit fails first, before even the data is read
             self._check_fits(cfg, cfg.model)
@@ -130,6 +136,7 @@ class Trainer:
         self.expert_loads: Optional[torch.Tensor] = None
         self.loss_scaler = DynamicLossScaler.from_config(cfg.precision) if self.recipe.name == "fp16" else None
         self._build_optimizer()
+        self.guard = NonFiniteGuard(self.optimizer, cfg.training.max_consecutive_skips, device, dims)
         self._build_data(meta)
         self.pipeline = (PipelineRunner(self.model, self.layout, dims, self.num_micro_batches,
                                         cfg.training.micro_batch_size, cfg.data.seq_len, device)
@@ -138,8 +145,6 @@ class Trainer:
                                        cfg.logging.fp8_at_max_warn)
         self.step = 0
         self.checkpointer = Checkpointer(self)
-        self.run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
-        self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
         self.metrics_path = Path(cfg.logging.metrics_file)
         if not self.metrics_path.is_absolute():
             self.metrics_path = self.run_dir / self.metrics_path
@@ -183,13 +188,15 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------- steps
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One training step. Returns (this rank's mean loss, global grad norm before clipping), on device.
-        Under FP16 a step with inf/nan gradients on any rank is skipped (grad norm nan)."""
+        """One training step. Returns (this rank's mean loss, global grad norm before clipping), on device. A step
+        whose gradients hold an inf or nan on any rank is skipped on every rank (`megafp8/train/nonfinite.py`);
+        its grad norm is then not finite. The gradients stay in their buffers until the next step."""
         if self.recipe.fp8 is not None and self.step == self.cfg.precision.fp8_start_step > 0:
             plan = apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers,
                                   check_patterns=self.layout is None)
             log.info("step %d: switching to FP8 | %s", self.step, plan.summary())
         self.model.train()
+        self.grad_buckets.zero()
         sampled = self.health.arm(self.step)
         micro_batches = self.loader.next_step()
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
@@ -209,19 +216,26 @@ class Trainer:
         self.step += 1
         if sampled:
             self.metrics.write({"kind": "fp8_health", "step": self.step, "layers": self.health.collect(self.step)})
-        if self.loss_scaler is not None and not self._unscale_or_skip(loss_scale):
-            self.grad_buckets.zero()
-            self._balance_experts(update=False)
-            return loss_sum, torch.full((), float("nan"), device=self.device)
-        grad_norm = self.optimizer.clip_grad_norm()
-        self.optimizer.step(lr_at(self.optimizer.step_count, self.cfg.optimizer, self.cfg.training.steps))
-        self.grad_buckets.zero()
-        self._balance_experts(update=True)
-        return loss_sum, grad_norm
+        return loss_sum, self._update(loss_scale)
 
-    def _balance_experts(self, update: bool) -> None:
-        """Sum this step's expert loads over every rank holding distinct tokens, then (if `update`) move each
-        router's selection bias toward balance. Every rank ends with the same loads and biases."""
+    def _update(self, loss_scale: float) -> torch.Tensor:
+        """The optimizer step, skipped on the device where the global grad norm is not finite; returns the norm
+        (nan for an FP16 step its loss scaler skipped)."""
+        if self.loss_scaler is not None and not self._unscale_or_skip(loss_scale):
+            applied = torch.zeros((), dtype=torch.bool, device=self.device)
+            self.guard.record(self.step, applied, counts=self.loss_scaler.scale <= self.loss_scaler.min_scale)
+            self._balance_experts(applied)
+            return torch.full((), float("nan"), device=self.device)
+        grad_norm = self.optimizer.clip_grad_norm()
+        applied = torch.isfinite(grad_norm)
+        self.optimizer.step(lr_at(self.optimizer.step_count, self.cfg.optimizer, self.cfg.training.steps), applied)
+        self.guard.record(self.step, applied)
+        self._balance_experts(applied)
+        return grad_norm
+
+    def _balance_experts(self, applied: torch.Tensor) -> None:
+        """Sum this step's expert loads over every rank holding distinct tokens, then (where the step was `applied`)
+        move each router's selection bias toward balance. Every rank ends with the same loads and biases."""
         if not self.routers:
             return
         loads = torch.stack([router.load for router in self.routers])  # (MoE layers, experts)
@@ -232,9 +246,9 @@ class Trainer:
         if self.tp.sp:  # TP ranks routed different tokens
             dist.all_reduce(loads, group=self.tp.group)
         rate = self.model_cfg.moe_bias_update_rate
-        if update and rate > 0:
+        if rate > 0:
             for router, load in zip(self.routers, loads):
-                router.update_bias(load, rate)
+                router.update_bias(load, rate, applied)
         self.expert_loads = loads
 
     def _unscale_or_skip(self, loss_scale: float) -> bool:
@@ -292,25 +306,29 @@ class Trainer:
                 self.wait_for_save()
             finally:
                 self.metrics.close()
+                if self.run_lock is not None:
+                    self.run_lock.release()
 
     def _loop(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         records: list[dict[str, Any]] = []
-        window: list[torch.Tensor] = []
+        window: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, grad norm) of each step
         started = window_start = time.perf_counter()
         paused_s = 0.0
         first_step = self.step
         while self.step < cfg.training.steps:
             loss, grad_norm = self.train_step()
-            window.append(loss)
+            window.append((loss, grad_norm))
             last = self.step == cfg.training.steps
             if self.step % cfg.logging.log_interval == 0 or last:
                 # The loss reaches the host first: that waits for every step of the window to finish on the device,
                 # so the window's time is device time, not just the host's time to launch it.
-                loss_value = self._replica_mean(torch.stack(window).mean()).item()
+                mean_loss, skipped = window_loss(*zip(*window))
+                loss_value = self._replica_mean(mean_loss).item()
                 now = time.perf_counter()
+                self.guard.check(self.step)
                 record = self._step_record(loss_value, len(window), grad_norm, now - window_start - paused_s,
-                                           now - started, first_step)
+                                           now - started, first_step, int(skipped))
                 records.append(record)
                 window, window_start, paused_s = [], now, 0.0
             pause_start = time.perf_counter()  # evaluation and checkpoints are not training time
@@ -322,16 +340,13 @@ class Trainer:
         return records
 
     def _step_record(self, loss: float, window_steps: int, grad_norm: torch.Tensor, window_s: float,
-                     elapsed_s: float, first_step: int) -> dict[str, Any]:
+                     elapsed_s: float, first_step: int, skipped: int) -> dict[str, Any]:
         """The metrics record of a logging window of `window_steps` steps that took `window_s` seconds (measured
-        after the window's loss reached the host) with mean loss `loss`."""
+        after the window's loss reached the host) with mean loss `loss` over its `window_steps - skipped` applied
+        steps (nan if none was)."""
         record_extra = {"loss_scale": self.loss_scaler.scale} if self.loss_scaler is not None else {}
         if self.model_cfg.moe_num_experts > 0:
             record_extra.update(self._moe_record())
-        if not math.isfinite(loss):
-            raise FloatingPointError(
-                f"loss is {loss} at step {self.step}: training diverged; lower optimizer.lr or raise warmup_steps"
-            )
         step_s = window_s / window_steps
         tokens_per_s = self.tokens_per_step / step_s
         achieved_tflops = tokens_per_s * self.flops_per_token / self.dims.world_size / 1e12
@@ -346,6 +361,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "tflops_per_device": achieved_tflops,
             "mfu": achieved_tflops / self.peak_tflops if self.peak_tflops else None,
+            "skipped_steps": skipped,
             "consumed_tokens": self.step * self.tokens_per_step,
             "elapsed_s": elapsed_s,
             "remaining_s": elapsed_s / steps_done * (self.cfg.training.steps - self.step),
@@ -387,9 +403,9 @@ class Trainer:
         num_params = sum(math.prod(full_shape(p, self.tp.size)) for p in self.whole_model_meta().parameters())
         m = self.model_cfg
         log.info(
-            "model: %.2fM parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d) | precision %s",
+            "model: %.2fM parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d, %s) | precision %s",
             num_params / 1e6, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads,
-            m.ffn_hidden_size, m.vocab_size, self.recipe.name,
+            m.ffn_hidden_size, m.vocab_size, describe_rope(m.rope_theta, m.rope_scaling), self.recipe.name,
         )
         memory = self.optimizer.memory_bytes()
         log.info(
@@ -418,7 +434,9 @@ class Trainer:
         return full_meta_model(self.cfg, self.model_cfg, self.recipe, self.tp, self.ep)
 
     def save(self) -> None:
-        """Checkpoint the current step (collective; see `megafp8/train/checkpointing.py`)."""
+        """Checkpoint the current step (collective; see `megafp8/train/checkpointing.py`): not after
+        `training.max_consecutive_skips` skipped steps in a row, never with non-finite state."""
+        self.guard.check(self.step)
         self.checkpointer.save()
 
     def wait_for_save(self) -> None:
@@ -426,6 +444,7 @@ class Trainer:
         self.checkpointer.wait()
 
     def load(self, path: Path) -> None:
+        """Resume from checkpoint `path`, already verified (`megafp8.train.resume.verified_resume_path`)."""
         self.checkpointer.load(path)
         if self.recipe.fp8 is not None and 0 < self.cfg.precision.fp8_start_step < self.step:
             apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers,
@@ -433,9 +452,6 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
 
     def _maybe_resume(self) -> None:
-        resume = self.cfg.checkpoint.resume
-        if resume == "none":
-            return
-        path = find_latest(self.checkpoint_dir) if resume == "auto" else Path(resume)
+        path = verified_resume_path(self.cfg.checkpoint.resume, self.checkpoint_dir, self.dims)
         if path is not None:
             self.load(path)

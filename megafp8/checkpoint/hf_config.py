@@ -1,0 +1,363 @@
+"""Hugging Face `config.json` <-> our `ModelConfig`, for the architectures megafp8 can compute exactly.
+
+Import reads every key of the file: what changes the model's function is converted (sizes, RoPE base and scaling,
+norm epsilon, routing), what does not is listed in `_INERT` (token ids, initialization, dropout, training-only
+balancing settings), and anything else, or a value megafp8 cannot represent (biases, a sliding window, another
+activation, another routing rule), is refused with one line naming the key and its value. Nothing is dropped silently.
+
+| model_type | megafp8 model |
+|---|---|
+| llama, mistral | GQA, dense SwiGLU |
+| mixtral | GQA, MoE: softmax top-k over all experts, renormalized, no shared expert |
+| deepseek_v2 | MLA, MoE: softmax greedy top-k, weights not renormalized, shared experts |
+| deepseek_v3 | MLA, MoE: sigmoid, group-limited top-k with selection bias, shared experts, MTP |
+
+Export writes the layout a config converts to (`export_layout`), or refuses the setting that has none. The RoPE
+settings go both into `rope_parameters` (transformers >= 5) and `rope_theta` / `rope_scaling` (earlier versions).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+import typing
+from typing import Any, Callable, Literal
+
+from megafp8.config import Config, ConfigError, ModelConfig, RopeScalingConfig, validate_config
+
+HfLayout = Literal["llama", "mistral", "mixtral", "deepseek_v2", "deepseek_v3"]
+_REFUSED_TYPES = {
+    "qwen2": "its q/k/v projections have biases, which megafp8's attention does not",
+    "qwen2_moe": "its q/k/v projections have biases, which megafp8's attention does not",
+    "qwen3": "it normalizes queries and keys per head (q_norm/k_norm), which megafp8's attention does not",
+    "qwen3_moe": "it normalizes queries and keys per head (q_norm/k_norm), which megafp8's attention does not",
+}
+# Keys that do not change the function a model computes (or only its training, whose settings megafp8's config owns).
+_INERT = frozenset({
+    "_name_or_path", "architectures", "auto_map", "model_type", "transformers_version", "dtype", "torch_dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
+    "max_position_embeddings", "pretraining_tp", "output_router_logits", "router_aux_loss_coef",
+    "router_jitter_noise", "aux_loss_alpha", "seq_aux", "ep_size", "tokenizer_class",
+})
+# What transformers (5.x) assumes for a key a config leaves out, where that matters.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 8, "sliding_window": 4096},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8, "num_experts_per_tok": 2,
+                "num_local_experts": 8},
+    "deepseek_v2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+                    "n_shared_experts": 2, "first_k_dense_replace": 0, "moe_intermediate_size": 1407,
+                    "routed_scaling_factor": 1.0, "norm_topk_prob": False, "topk_method": "greedy"},
+    "deepseek_v3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+                    "n_shared_experts": 1, "first_k_dense_replace": 3, "moe_intermediate_size": 2048,
+                    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
+                    "num_experts_per_tok": 8, "rope_interleave": True},
+}
+MLA_NORM_EPS = 1e-6  # DeepSeek's attention normalizes its compressed q and kv with this, whatever rms_norm_eps says
+_MISSING = object()
+
+
+class _Keys:
+    """The keys of one config.json. Each read marks its key used; `finish` refuses any key left unread."""
+
+    def __init__(self, hf: dict[str, Any], model_type: str) -> None:
+        self.hf, self.model_type, self.used = hf, model_type, set(_INERT)
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        """The key's value (null included where it means something), else transformers' default for this model type,
+        else `default`; a key without either is required, and must not be null."""
+        self.used.add(key)
+        default = _DEFAULTS[self.model_type].get(key, default)
+        value = self.hf.get(key, default)
+        if value is _MISSING or (value is None and default is _MISSING):
+            raise ConfigError(f"config.json ({self.model_type}) has no '{key}'")
+        return value
+
+    def expect(self, key: str, allowed: tuple, why: str) -> Any:
+        """The key's value, refused unless it is one of `allowed` (absent counts as transformers' default)."""
+        value = self.get(key, None)
+        if value not in allowed:
+            raise ConfigError(f"config.json: {key}={value!r} is not supported ({why})")
+        return value
+
+    def finish(self) -> None:
+        unknown = [k for k in self.hf if k not in self.used]
+        if unknown:
+            raise ConfigError(f"config.json: {unknown[0]}={self.hf[unknown[0]]!r} is a {self.model_type} setting "
+                              "megafp8's converter does not know; it stops rather than guess whether it changes "
+                              "the model")
+
+
+@dataclass
+class HfModel:
+    """What a config.json says, in our terms."""
+
+    cfg: ModelConfig
+    layout: HfLayout
+    rope_interleave: bool = False  # DeepSeek: rotary rows stored in interleaved pairs
+    tied: bool = False  # the head is the embedding
+    notes: list[str] = field(default_factory=list)  # one line each, for the user
+
+
+# ------------------------------------------------------------------------------------------------- RoPE
+_ROPE_KEYS = {"default": set(), "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                         "mscale", "mscale_all_dim", "attention_factor", "truncate"},
+              "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}}
+
+
+def _rope_parameters(keys: _Keys) -> dict[str, Any]:
+    """The RoPE dict transformers 5 would use: `rope_scaling` (older files) if set, else `rope_parameters`."""
+    old, new = keys.get("rope_scaling", None), keys.get("rope_parameters", None)
+    if old and new and any(new.get(k) != v for k, v in old.items()):
+        raise ConfigError(f"config.json: rope_scaling={old} and rope_parameters={new} disagree; keep one")
+    params = dict(old or new or {})
+    params.setdefault("rope_theta", keys.get("rope_theta"))
+    if keys.get("partial_rotary_factor", params.pop("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError("config.json: partial_rotary_factor != 1 is not supported (megafp8 rotates whole heads)")
+    return params
+
+
+def rope_from_hf(keys: _Keys) -> tuple[float, RopeScalingConfig]:
+    """(rope_theta, scaling) from rope_parameters / rope_scaling / rope_theta, refusing what megafp8 lacks."""
+    params = _rope_parameters(keys)
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind not in _ROPE_KEYS:
+        raise ConfigError(f"config.json: rope_type={kind!r} is not supported (megafp8 has default, yarn and llama3)")
+    theta = float(params.pop("rope_theta"))
+    unknown = sorted(set(params) - _ROPE_KEYS[kind])
+    if unknown:
+        raise ConfigError(f"config.json: rope_parameters.{unknown[0]}={params[unknown[0]]!r} is not a {kind} RoPE "
+                          "setting megafp8 has")
+    if kind == "default":
+        return theta, RopeScalingConfig()
+    # As transformers: the original length defaults to max_position_embeddings, YaRN's factor to their ratio.
+    original = int(params.get("original_max_position_embeddings") or keys.get("max_position_embeddings"))
+    factor = float(params.get("factor") or keys.get("max_position_embeddings") / original)
+    if kind == "llama3":
+        return theta, RopeScalingConfig(type=kind, factor=factor, original_max_position_embeddings=original,
+                                        low_freq_factor=float(_rope_value(params, "low_freq_factor")),
+                                        high_freq_factor=float(_rope_value(params, "high_freq_factor")))
+    if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
+        raise ConfigError("config.json: rope_parameters.attention_factor / truncate=false are not supported (megafp8's "
+                          "YaRN derives the attention factor from mscale and truncates the ramp, as DeepSeek)")
+    return theta, RopeScalingConfig(
+        type=kind, factor=factor, original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+        mscale=float(params.get("mscale") or 0), mscale_all_dim=float(params.get("mscale_all_dim") or 0))
+
+
+def _rope_value(params: dict[str, Any], key: str) -> Any:
+    if params.get(key) is None:
+        raise ConfigError(f"config.json: the RoPE parameters have no '{key}'")
+    return params[key]
+
+
+def rope_to_hf(theta: float, scaling: RopeScalingConfig) -> dict[str, Any]:
+    """config.json's RoPE keys for transformers >= 5 (`rope_parameters`) and earlier (`rope_theta`, `rope_scaling`)."""
+    if scaling.type == "none":
+        return {"rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+                "rope_scaling": None}
+    names = ["factor", "original_max_position_embeddings"] + (["beta_fast", "beta_slow", "mscale", "mscale_all_dim"]
+                                                              if scaling.type == "yarn" else
+                                                              ["low_freq_factor", "high_freq_factor"])
+    values = {name: getattr(scaling, name) for name in names if getattr(scaling, name) != 0}
+    return {"rope_theta": theta, "rope_parameters": {"rope_type": scaling.type, "rope_theta": theta, **values},
+            "rope_scaling": {"rope_type": scaling.type, **values}}
+
+
+# ------------------------------------------------------------------------------------------------- import
+def _common(keys: _Keys) -> dict[str, Any]:
+    """ModelConfig fields every supported type has; refuses another activation and biases."""
+    keys.expect("hidden_act", ("silu", None), "megafp8's MLPs are SwiGLU")
+    for key in ("attention_bias", "mlp_bias"):
+        keys.expect(key, (False, None), "megafp8's linears have no biases")
+    theta, scaling = rope_from_hf(keys)
+    return dict(vocab_size=keys.get("vocab_size"), hidden_size=keys.get("hidden_size"),
+                num_layers=keys.get("num_hidden_layers"), num_heads=keys.get("num_attention_heads"),
+                ffn_hidden_size=keys.get("intermediate_size"), norm_eps=float(keys.get("rms_norm_eps")),
+                rope_theta=theta, rope_scaling=scaling)
+
+
+def _gqa(keys: _Keys) -> dict[str, Any]:
+    """Llama / Mistral / Mixtral attention."""
+    keys.expect("sliding_window", (None,), "megafp8 attends to the whole causal context")
+    return dict(_common(keys), num_kv_heads=keys.get("num_key_value_heads", None), head_dim=keys.get("head_dim", None))
+
+
+def _mixtral(keys: _Keys) -> dict[str, Any]:
+    return dict(_gqa(keys), moe_num_experts=keys.get("num_local_experts"), moe_top_k=keys.get("num_experts_per_tok"),
+                moe_ffn_hidden_size=keys.get("intermediate_size"), moe_num_shared_experts=0, moe_first_dense_layers=0,
+                moe_score_func="softmax", moe_norm_topk_prob=True, moe_bias_update_rate=0.0)
+
+
+def _mla(keys: _Keys) -> dict[str, Any]:
+    """DeepSeek-V2/V3 attention and the MoE sizes they share."""
+    keys.expect("rms_norm_eps", (MLA_NORM_EPS,), "DeepSeek's attention normalizes q and kv with eps 1e-6, megafp8 "
+                "uses model.norm_eps for every norm")
+    keys.expect("moe_layer_freq", (1, None), "megafp8's MoE layers are every layer after first_k_dense_replace")
+    for derived in ("num_key_value_heads", "head_dim", "qk_head_dim"):  # MLA ignores them (transformers too)
+        keys.get(derived, None)
+    dense = keys.get("first_k_dense_replace")
+    moe = dense < keys.get("num_hidden_layers")  # a dense model reads the MoE keys too, and ignores them
+    experts, top_k, shared, width = (keys.get(k) if moe else keys.get(k, None) for k in (
+        "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size"))
+    fields = dict(_common(keys), attention="mla", q_lora_rank=keys.get("q_lora_rank"),
+                  kv_lora_rank=keys.get("kv_lora_rank"), qk_nope_head_dim=keys.get("qk_nope_head_dim"),
+                  qk_rope_head_dim=keys.get("qk_rope_head_dim"), v_head_dim=keys.get("v_head_dim"),
+                  moe_routed_scaling_factor=float(keys.get("routed_scaling_factor")))
+    if moe:
+        fields.update(moe_num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=width,
+                      moe_num_shared_experts=shared, moe_first_dense_layers=dense)
+    return fields
+
+
+def _deepseek_v2(keys: _Keys) -> dict[str, Any]:
+    keys.expect("scoring_func", ("softmax", None), "DeepSeek-V2 routes by softmax")
+    keys.expect("norm_topk_prob", (False, None), "transformers' DeepSeek-V2 ignores it, DeepSeek's own code "
+                "renormalizes: the two disagree")
+    method = keys.expect("topk_method", ("greedy", "group_limited_greedy"), "megafp8 routes V2 greedily")
+    groups = (keys.get("n_group", None), keys.get("topk_group", None))
+    if method == "group_limited_greedy" and groups[0] not in (None, 1):
+        raise ConfigError(f"config.json: topk_method=group_limited_greedy with n_group={groups[0]} is not supported "
+                          "(it scores a group by its best expert, megafp8 by its two best)")
+    keys.expect("num_nextn_predict_layers", (0, None), "DeepSeek-V2 has no multi-token prediction")
+    return dict(_mla(keys), moe_score_func="softmax", moe_norm_topk_prob=False, moe_bias_update_rate=0.0)
+
+
+def _deepseek_v3(keys: _Keys) -> dict[str, Any]:
+    keys.expect("scoring_func", ("sigmoid", None), "DeepSeek-V3 routes by sigmoid")
+    keys.expect("topk_method", ("noaux_tc", None), "DeepSeek-V3 routes group-limited with a selection bias")
+    depth, alias = keys.get("num_nextn_predict_layers", None), keys.get("num_mtp_layers", None)
+    fields = _mla(keys)
+    moe = fields.get("moe_num_experts", 0) > 0
+    groups = keys.get("n_group") or 1, keys.get("topk_group") or 1  # null (transformers cannot run it): no groups
+    return dict(fields, moe_score_func="sigmoid", moe_norm_topk_prob=bool(keys.get("norm_topk_prob")),
+                mtp_depth=next((d for d in (depth, alias) if d is not None), 1),  # transformers' default: 1
+                moe_n_group=groups[0] if moe else 1, moe_topk_group=groups[1] if moe else 1)
+
+
+_READERS: dict[str, Callable[[_Keys], dict[str, Any]]] = {
+    "llama": _gqa, "mistral": _gqa, "mixtral": _mixtral, "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3}
+
+
+def _check_quantization(keys: _Keys) -> None:
+    quant = keys.get("quantization_config", None)
+    if quant is None:
+        return
+    method, block = quant.get("quant_method"), quant.get("weight_block_size")
+    if method != "fp8" or list(block or []) != [128, 128] or quant.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"config.json: quantization_config (quant_method={method!r}, weight_block_size={block!r}) "
+                          "is not supported (megafp8 reads E4M3 weights with 128x128 block scales)")
+
+
+def model_from_hf(hf: dict[str, Any]) -> HfModel:
+    """Our model config (and the layout's facts) from a config.json, or one ConfigError naming the key that has no
+    exact megafp8 equivalent."""
+    model_type = hf.get("model_type")
+    if model_type in _REFUSED_TYPES:
+        raise ConfigError(f"config.json: model_type={model_type!r} is not supported: {_REFUSED_TYPES[model_type]}")
+    if model_type not in _READERS:
+        raise ConfigError(f"config.json: model_type={model_type!r} is not supported (megafp8 imports "
+                          f"{', '.join(typing.get_args(HfLayout))})")
+    keys = _Keys(hf, model_type)
+    fields = _READERS[model_type](keys)
+    interleave = model_type == "deepseek_v2" or (model_type == "deepseek_v3" and keys.get("rope_interleave"))
+    tied = bool(keys.get("tie_word_embeddings", False))
+    _check_quantization(keys)
+    keys.finish()
+    cfg = ModelConfig(**fields)
+    try:
+        validate_config(Config(model=cfg))
+    except ConfigError as err:
+        raise ConfigError(f"config.json describes a model megafp8 refuses: {err}") from None
+    notes = ["tie_word_embeddings=true: lm_head starts as a copy of the embedding and trains on its own (megafp8's "
+             "head is untied)"] if tied else []
+    return HfModel(cfg, model_type, bool(interleave), tied, notes)
+
+
+# ------------------------------------------------------------------------------------------------- export
+_MIXTRAL_NEEDS = {"moe_score_func": "softmax", "moe_norm_topk_prob": True, "moe_num_shared_experts": 0,
+                  "moe_first_dense_layers": 0, "moe_n_group": 1, "moe_routed_scaling_factor": 1.0}
+_V2_NEEDS = {"moe_norm_topk_prob": False, "moe_n_group": 1, "mtp_depth": 0}
+
+
+def _require(cfg: ModelConfig, needs: dict[str, Any], layout: str) -> None:
+    for key, value in needs.items():
+        if getattr(cfg, key) != value:
+            raise ConfigError(f"model.{key}={getattr(cfg, key)!r} has no place in the {layout} layout this model "
+                              f"converts to (it needs {value!r})")
+
+
+def export_layout(cfg: ModelConfig) -> HfLayout:
+    """The Hugging Face model type `cfg` converts to exactly, or a ConfigError naming the setting that has none."""
+    if cfg.attention == "gqa":
+        if cfg.mtp_depth:
+            raise ConfigError(f"model.mtp_depth={cfg.mtp_depth}: only the DeepSeek-V3 layout (model.attention=mla) "
+                              "holds MTP modules")
+        if not cfg.moe_num_experts:
+            return "llama"
+        _require(cfg, _MIXTRAL_NEEDS, "Mixtral")
+        return "mixtral"
+    if cfg.norm_eps != MLA_NORM_EPS:
+        raise ConfigError(f"model.norm_eps={cfg.norm_eps}: DeepSeek's layout normalizes MLA's q and kv with eps 1e-6, "
+                          "so an MLA model converts only with model.norm_eps=1e-6")
+    if cfg.moe_num_experts and cfg.moe_score_func == "softmax":
+        _require(cfg, _V2_NEEDS, "DeepSeek-V2")
+        return "deepseek_v2"
+    return "deepseek_v3"
+
+
+def _gqa_config(cfg: ModelConfig) -> dict[str, Any]:
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
+    return {"num_key_value_heads": cfg.num_kv_heads or cfg.num_heads, "head_dim": head_dim, "mlp_bias": False}
+
+
+def _mixtral_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {**_gqa_config(cfg), "intermediate_size": cfg.moe_ffn_hidden_size, "num_local_experts": cfg.moe_num_experts,
+            "num_experts_per_tok": cfg.moe_top_k, "sliding_window": None}
+
+
+def _deepseek_config(cfg: ModelConfig, layout: HfLayout) -> dict[str, Any]:
+    moe = cfg.moe_num_experts > 0
+    out = {"moe_intermediate_size": cfg.moe_ffn_hidden_size, "n_shared_experts": cfg.moe_num_shared_experts,
+           "n_routed_experts": cfg.moe_num_experts if moe else 1,
+           "routed_scaling_factor": cfg.moe_routed_scaling_factor,
+           "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+           "qk_nope_head_dim": cfg.qk_nope_head_dim, "v_head_dim": cfg.v_head_dim, "num_experts_per_tok": cfg.moe_top_k,
+           "first_k_dense_replace": cfg.moe_first_dense_layers if moe else cfg.num_layers,
+           "norm_topk_prob": cfg.moe_norm_topk_prob, "num_key_value_heads": cfg.num_heads}
+    if layout == "deepseek_v2":
+        return {**out, "scoring_func": "softmax", "topk_method": "greedy", "mlp_bias": False}
+    return {**out, "num_nextn_predict_layers": cfg.mtp_depth, "n_group": cfg.moe_n_group,
+            "topk_group": cfg.moe_topk_group, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+            "rope_interleave": True}
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def hf_config(cfg: ModelConfig, layout: HfLayout, max_seq_len: int, fp8: bool) -> dict[str, Any]:
+    """The config.json of `cfg` in `layout` (from `export_layout`)."""
+    specific = (_mixtral_config(cfg) if layout == "mixtral" else _gqa_config(cfg) if layout in ("llama", "mistral")
+                else _deepseek_config(cfg, layout))
+    out = {"architectures": [_ARCHITECTURES[layout]], "model_type": layout, "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads, "rms_norm_eps": cfg.norm_eps,
+           "max_position_embeddings": max_seq_len, "hidden_act": "silu", "attention_bias": False,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", **rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
+           **specific}
+    if fp8:
+        out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}
+    return out
+
+
+def model_config_from_saved(saved: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig from its dict form in a checkpoint (keys this version lacks are ignored; missing ones default)."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    kwargs = {k: v for k, v in saved.items() if k in fields}
+    if isinstance(kwargs.get("rope_scaling"), dict):
+        kwargs["rope_scaling"] = RopeScalingConfig(**kwargs["rope_scaling"])
+    return ModelConfig(**kwargs)

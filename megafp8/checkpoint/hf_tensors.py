@@ -1,0 +1,75 @@
+"""Reading and writing Hugging Face tensors: FP8 blocks, routers in FP32, and a reader that knows what it read."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megafp8.config import ConfigError
+from megafp8.precision.formats import E4M3, TILE
+from megafp8.precision.quantize import quantize_128x128
+
+_GEMM_NAMES = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")  # what FP8 export may quantize
+_ROUTER_NAMES = ("gate.weight", "e_score_correction_bias")  # stay FP32, as DeepSeek ships them
+
+
+def check_no_selection_bias(name: str, bias: torch.Tensor, layout: str) -> None:
+    """Mixtral and DeepSeek-V2 route without a selection bias: export only a model whose biases are all zero."""
+    if torch.any(bias != 0):
+        raise ConfigError(f"{name} is non-zero (auxiliary-loss-free balancing), but the {layout} layout has no "
+                          "selection bias: train such models with model.moe_bias_update_rate=0")
+
+
+def emitter(out: dict[str, torch.Tensor], fp8: bool) -> Callable[[str, torch.Tensor], None]:
+    """A function storing one Hugging Face tensor into `out`: routers FP32, GEMM weights of whole 128x128 tiles E4M3
+    with `_scale_inv` blocks under `fp8`, everything else BF16."""
+    def emit(name: str, t: torch.Tensor) -> None:
+        if fp8 and name.endswith(_GEMM_NAMES) and t.ndim == 2 and t.shape[0] % TILE == 0 and t.shape[1] % TILE == 0:
+            out[name], out[name + "_scale_inv"] = quantize_128x128(t.float(), E4M3)
+        elif name.endswith(_ROUTER_NAMES):
+            out[name] = t.float().contiguous()
+        else:
+            out[name] = t.to(torch.bfloat16).contiguous()
+    return emit
+
+
+class HfTensors:
+    """A checkpoint's tensors by Hugging Face name, read in FP32 (E4M3 ones dequantized with their `_scale_inv`
+    blocks). It remembers what was read, so that a tensor nothing read can be refused."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors, self.read = tensors, set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ConfigError(f"tensor '{name}' is missing from the Hugging Face checkpoint")
+        self.read.add(name)
+        value = self.tensors[name]
+        if value.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return value.float()
+        scale = self.tensors.get(name + "_scale_inv")
+        if scale is None:
+            raise ConfigError(f"FP8 tensor '{name}' has no '{name}_scale_inv' block scales")
+        self.read.add(name + "_scale_inv")
+        return _dequantize(name, value, scale.float())
+
+    def check_all_read(self) -> None:
+        """Refuse tensors that no part of the model took: they would be dropped silently."""
+        left = sorted(n for n in self.tensors if n not in self.read and not n.endswith("rotary_emb.inv_freq"))
+        if left:
+            raise ConfigError(f"tensor '{left[0]}'{f' (and {len(left) - 1} more)' if len(left) > 1 else ''} of the "
+                              "checkpoint has no place in the model its config.json describes (a bias, or a layer the "
+                              "config does not declare?)")
+
+
+def _dequantize(name: str, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q * its 128x128 block's scale; the last row/column blocks may be partial."""
+    rows, cols = q.shape
+    blocks = (-(-rows // TILE), -(-cols // TILE))
+    if tuple(scale.shape) != blocks:
+        raise ConfigError(f"'{name}_scale_inv' has shape {tuple(scale.shape)}, not the {blocks} blocks of 128x128 "
+                          f"that a {rows} x {cols} weight has")
+    return q.float() * scale.repeat_interleave(TILE, 0)[:rows].repeat_interleave(TILE, 1)[:, :cols]

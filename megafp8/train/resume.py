@@ -1,0 +1,89 @@
+"""Which checkpoint a run resumes from, verified before anything is read from it (collective: every rank calls).
+
+Verification re-reads every file of the checkpoint and compares its xxh3_64 digest with the one recorded when
+it was written; the files are shared out over the ranks, so each reads about 1/world of them. `auto` takes
+the newest checkpoint that verifies and says which newer ones it passed over and why; it starts fresh only
+where no checkpoint directory exists at all.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from megafp8.checkpoint.local import (
+    checkpoint_bytes,
+    has_checksums,
+    resume_candidates,
+    verification_problem,
+)
+from megafp8.config import ConfigError
+from megafp8.parallel import ParallelDims
+
+log = logging.getLogger("megafp8")
+
+
+def _on_every_rank(value: object, dims: ParallelDims) -> object:
+    """Rank 0's `value` on every rank."""
+    if not dims.is_distributed:
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def first_problem(path: Path, dims: ParallelDims) -> Optional[str]:
+    """Why checkpoint `path` cannot be trusted (the first bad file, in one line), the same on every rank, or None.
+    Each rank hashes its share of the files."""
+    started = time.perf_counter()
+    problem = verification_problem(path, dims.rank, dims.world_size)
+    if dims.is_distributed:
+        every: list[Optional[str]] = [None] * dims.world_size
+        dist.all_gather_object(every, problem)
+        problem = next((p for p in every if p), None)
+    if problem is None and dims.rank == 0:
+        if has_checksums(path):
+            log.info("verified %s: %.2f GiB of checksummed files in %.1f s", path, checkpoint_bytes(path) / 2**30,
+                     time.perf_counter() - started)
+        else:
+            log.warning("checkpoint %s has no checksums (written before megafp8 recorded them): loading it "
+                        "unverified", path)
+    return problem
+
+
+def verified_resume_path(resume: str, checkpoint_dir: Path, dims: ParallelDims) -> Optional[Path]:
+    """The checkpoint `checkpoint.resume` names, verified: a path, or for `auto` the newest good one under
+    `checkpoint_dir`; None to start fresh. A ConfigError names the bad file."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return _newest_good(checkpoint_dir, dims)
+    path = Path(resume)
+    problem = first_problem(path.parent if path.is_file() else path, dims)  # a directory, or its state.pt
+    if problem:
+        raise ConfigError(f"{problem}. Resume from another checkpoint (checkpoint.resume=PATH), or set "
+                          "checkpoint.resume=auto to take the newest one that verifies")
+    return path
+
+
+def _newest_good(root: Path, dims: ParallelDims) -> Optional[Path]:
+    """`auto`: the newest checkpoint under `root` that verifies, logging the ones passed over; a ConfigError if
+    checkpoints exist but none verifies (a damaged run is never silently restarted from step 0)."""
+    candidates, passed_over = _on_every_rank(resume_candidates(root) if dims.rank == 0 else None, dims)
+    for path in candidates:
+        problem = first_problem(path, dims)
+        if problem is None:
+            if passed_over and dims.rank == 0:
+                for reason in passed_over:
+                    log.warning("checkpoint.resume=auto: passed over a checkpoint: %s", reason)
+                log.warning("checkpoint.resume=auto: resuming from %s, the newest checkpoint that verifies", path)
+            return path
+        passed_over.append(problem)
+    if passed_over:
+        more = f" (and {len(passed_over) - 1} more)" if len(passed_over) > 1 else ""
+        raise ConfigError(f"no checkpoint under {root} can be resumed: {passed_over[0]}{more}. Resume from one you "
+                          "trust (checkpoint.resume=PATH), or start over with checkpoint.resume=none")
+    return None

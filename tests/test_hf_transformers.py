@@ -1,0 +1,159 @@
+"""Checkpoint conversion checked against Hugging Face `transformers` itself (the `test` extra installs it; without it
+these tests skip, and with MEGAFP8_REQUIRE_TRANSFORMERS=1, set by `.ci/run`, that skip is a failure).
+
+Tiny random models of every supported model_type are made and saved by transformers, imported, and their FP32
+logits compared with transformers' own forward on the same tokens; megafp8 models are exported and loaded by
+transformers, same bound. (The refusals of what megafp8 cannot represent are in tests/test_convert.py.) The
+measured max |logit difference| and argmax agreement of each case are printed as a table at the end of the run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+if os.environ.get("MEGAFP8_REQUIRE_TRANSFORMERS") == "1" and importlib.util.find_spec("transformers") is None:
+    pytest.fail("MEGAFP8_REQUIRE_TRANSFORMERS=1 (set by .ci/run) but transformers is not installed", pytrace=False)
+pytest.importorskip("safetensors")
+transformers = pytest.importorskip("transformers", reason="needs the test extra: pip install -e '.[test]'")
+
+from megafp8.checkpoint.hf import load_hf, save_hf  # noqa: E402
+from megafp8.config import ModelConfig, RopeScalingConfig  # noqa: E402
+from megafp8.model import Transformer, init_weights  # noqa: E402
+from megafp8.precision import PrecisionRecipe  # noqa: E402
+
+BOUND = 1e-4
+SEQ = 48
+TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+            initializer_range=0.1, max_position_embeddings=128)
+DEEPSEEK = dict(TINY, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+YARN_V3 = dict(rope_type="yarn", factor=40.0, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+               original_max_position_embeddings=32)  # DeepSeek-V3's values but for the original 4096 tokens
+IMPORTS = {
+    "llama, rope_theta 10000": ("Llama", dict(num_key_value_heads=2)),
+    "llama, rope_theta 500000 (Llama-3)": ("Llama", dict(num_key_value_heads=2, rope_theta=500000.0)),
+    "llama, llama3 scaling (Llama-3.1)": ("Llama", dict(num_key_value_heads=2, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))),
+    "llama, yarn scaling": ("Llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                               original_max_position_embeddings=32))),
+    "llama, tied embeddings (Llama-3.2)": ("Llama", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "mistral, no sliding window": ("Mistral", dict(num_key_value_heads=2, sliding_window=None, rope_theta=1e6)),
+    "mixtral, top-2 of 4 experts": ("Mixtral", dict(num_key_value_heads=2, num_local_experts=4)),
+    "deepseek_v2, V2-Lite-like (yarn)": ("DeepseekV2", dict(DEEPSEEK, q_lora_rank=None, n_shared_experts=2,
+                                                              num_experts_per_tok=3, rope_parameters=dict(
+        YARN_V3, rope_theta=10000.0, mscale=0.707, mscale_all_dim=0.707))),
+    "deepseek_v3, rope_theta 50000, yarn, no MTP weights": ("DeepseekV3", dict(
+        DEEPSEEK, q_lora_rank=48, n_group=2, topk_group=1, rope_parameters=dict(YARN_V3, rope_theta=50000.0))),
+    "deepseek_v3, dense, plain rotary rows": ("DeepseekV3", dict(DEEPSEEK, q_lora_rank=None, first_k_dense_replace=2,
+                                                                   rope_interleave=False)),
+}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights and selection biases away from their init (1, 0), so that a wrong mapping of them shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                t.copy_(1 + 0.2 * torch.randn(t.shape, generator=g))
+            elif name.endswith(("e_score_correction_bias", "expert_bias")):
+                t.copy_(0.1 * torch.randn(t.shape, generator=g))
+
+
+def _hf_model(kind: str, settings: dict, seed: int = 0):
+    torch.manual_seed(seed)
+    config = getattr(transformers, f"{kind}Config")(**{**TINY, **settings})
+    model = getattr(transformers, f"{kind}ForCausalLM")(config).float().eval()
+    _randomize(model, seed)
+    return model
+
+
+def _ours(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
+    model = Transformer(cfg, PrecisionRecipe.from_name("fp32"), SEQ).eval()
+    model.load_state_dict(state)
+    return model
+
+
+def _measure(hf_model, ours: Transformer, vocab: int, record_property, case: str) -> None:
+    """Both models' FP32 logits on the same tokens: equal within BOUND, the same argmax everywhere. The measurement
+    is recorded for the table at the end of the run (tests/conftest.py)."""
+    tokens = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        theirs, mine = hf_model(tokens).logits, ours(tokens)
+    diff, agree = (theirs - mine).abs().max().item(), (theirs.argmax(-1) == mine.argmax(-1)).float().mean().item()
+    record_property("logits_vs_transformers", (case, diff, agree))
+    assert theirs.std() > 0.3  # logits spread enough that a wrong mapping shows
+    assert diff <= BOUND and agree == 1.0, f"{case}: max |diff| {diff:.3g}, argmax agreement {agree:.1%}"
+
+
+@pytest.mark.parametrize("case", list(IMPORTS))
+def test_import_of_a_transformers_model_gives_its_logits(tmp_path, record_property, case):
+    kind, settings = IMPORTS[case]
+    hf_model = _hf_model(kind, settings)
+    hf_model.save_pretrained(tmp_path)
+    imported = load_hf(tmp_path)
+    assert imported.layout == hf_model.config.model_type
+    _measure(hf_model, _ours(imported.cfg, imported.state), TINY["vocab_size"], record_property, f"import {case}")
+    if "no MTP weights" in case:
+        assert imported.cfg.mtp_depth == 0 and imported.notes == [
+            "num_nextn_predict_layers=1 but the checkpoint has no MTP weights (layer 2 on): imported with "
+            "model.mtp_depth=0"]
+    if "tied" in case:
+        assert imported.notes and "tie_word_embeddings=true" in imported.notes[0]
+        assert torch.equal(imported.state["lm_head.weight"], imported.state["embed.weight"])
+
+
+GQA = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                  ffn_hidden_size=96, init_std=0.1)
+MLA = dataclasses.replace(GQA, attention="mla", num_kv_heads=None, head_dim=None, q_lora_rank=48, kv_lora_rank=32,
+                          qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, norm_eps=1e-6, moe_num_experts=8, moe_top_k=2,
+                          moe_ffn_hidden_size=32, moe_first_dense_layers=1)
+LLAMA3 = RopeScalingConfig(type="llama3", factor=8.0, original_max_position_embeddings=32)
+YARN = RopeScalingConfig(type="yarn", factor=40.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.5)
+EXPORTS = {
+    "llama, llama3 scaling": dataclasses.replace(GQA, rope_theta=500000.0, rope_scaling=LLAMA3),
+    "mixtral, yarn": dataclasses.replace(GQA, ffn_hidden_size=48, moe_num_experts=4, moe_top_k=2,
+                                         moe_ffn_hidden_size=48, moe_num_shared_experts=0, moe_first_dense_layers=0, moe_score_func="softmax",
+                                         rope_scaling=YARN),
+    "deepseek_v2, yarn": dataclasses.replace(MLA, q_lora_rank=None, moe_score_func="softmax", moe_top_k=3,
+                                             moe_num_shared_experts=2, moe_norm_topk_prob=False, rope_scaling=YARN),
+    "deepseek_v3, yarn, MTP": dataclasses.replace(MLA, moe_n_group=2, moe_topk_group=1, moe_routed_scaling_factor=2.5,
+                                                  mtp_depth=1, rope_theta=50000.0, rope_scaling=YARN),
+}
+
+
+def _megafp8_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """FP32 weights on the BF16 grid (export writes BF16, so losslessly), norms and selection biases randomized."""
+    model = Transformer(cfg, PrecisionRecipe.from_name("fp32"), SEQ).eval()
+    init_weights(model, cfg, seed)
+    _randomize(model, seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    if cfg.moe_score_func == "softmax":  # Mixtral and DeepSeek-V2 have no selection bias
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.zero_()
+    return model
+
+
+@pytest.mark.parametrize("case", list(EXPORTS))
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, record_property, case):
+    cfg = EXPORTS[case]
+    model = _megafp8_model(cfg)
+    layout = save_hf(model.state_dict(), cfg, SEQ, tmp_path, fp8=False)
+    assert case.startswith(layout)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(hf_model).__name__ == json.loads((tmp_path / "config.json").read_text())["architectures"][0]
+    _measure(hf_model, model, cfg.vocab_size, record_property, f"export {case}")
+    imported = load_hf(tmp_path)  # and back: every tensor and setting as it was (training-only ones aside)
+    training_only = dict(init_std=cfg.init_std, moe_bias_update_rate=cfg.moe_bias_update_rate)
+    assert dataclasses.replace(imported.cfg, **training_only) == cfg
+    for name, t in model.state_dict().items():
+        assert torch.equal(imported.state[name], t), name

@@ -1,0 +1,170 @@
+"""Nothing lost: checksums recorded while a checkpoint is written and verified before it is read, `auto` resume
+falling back past damaged checkpoints, private temporary directories, safe pruning, the verify tool, and one
+writer per run directory."""
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megafp8.checkpoint import find_latest, list_checkpoints, load_checkpoint
+from megafp8.checkpoint.local import fresh_temporary, publish, verify_checkpoint
+from megafp8.config import ConfigError, load_config
+from megafp8.parallel import ParallelDims
+from megafp8.train import Trainer
+from megafp8.train.run_lock import RunLock
+from tests.conftest import REPO, TINY_OVERRIDES, torchrun_env
+
+CPU = torch.device("cpu")
+
+
+def _trainer(overrides: list[str]) -> Trainer:
+    return Trainer(load_config("tiny_dense", overrides), ParallelDims.single(), CPU)
+
+
+@pytest.fixture(scope="module")
+def saved(corpus_dir, tmp_path_factory):
+    """Checkpoints of steps 1 and 2 in both forms: {form: checkpoint root}."""
+    roots = {}
+    for form in ("sharded", "full"):
+        base = tmp_path_factory.mktemp(form)
+        trainer = _trainer(TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={base}", "run_name=t",
+                                             f"checkpoint.dir={base / 'ck'}", f"checkpoint.format={form}",
+                                             "checkpoint.keep_last=0"])
+        for _ in range(2):
+            trainer.train_step()
+            trainer.save()
+        trainer.run_lock.release()
+        roots[form] = base / "ck"
+    return roots
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset % len(data)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("form, name", [("sharded", "__0_0.distcp"), ("sharded", ".metadata"), ("sharded", "meta.pt"),
+                                        ("sharded", "checksums.json"), ("full", "state.pt"), ("full", "checksums.json")])
+def test_a_flipped_byte_in_any_checkpoint_file_is_named_in_one_line(saved, tmp_path, form, name):
+    """Before checksums, all of these loaded without a word (meta.pt's step 10 read as 11, a shard's values...)."""
+    good = saved[form] / "step_00000002"
+    assert verify_checkpoint(good).startswith(f"{good}: ")
+    size = (good / name).stat().st_size
+    for i, offset in enumerate([0, size // 3, size // 2, size - 2]):
+        damaged = shutil.copytree(good, tmp_path / f"copy{i}")
+        _flip(damaged / name, offset)
+        with pytest.raises(ConfigError) as err:
+            load_checkpoint(damaged)
+        message = str(err.value)
+        assert f"{damaged / name} " in message and "\n" not in message, message
+        assert "checksum" in message or "corrupt" in message, message
+
+
+def test_auto_falls_back_past_a_damaged_checkpoint_and_says_so(saved, tiny_overrides, tmp_path, caplog):
+    ckpt = shutil.copytree(saved["sharded"], tmp_path / "ck")
+    _flip(ckpt / "step_00000002" / "__0_0.distcp", 12345)
+    with caplog.at_level("WARNING", logger="megafp8"):
+        resumed = _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}"])
+    assert resumed.step == 1  # 0800a78 resumed from the damaged step 2
+    assert "step_00000002/__0_0.distcp fails its checksum" in caplog.text
+    assert "resuming from" in caplog.text and "step_00000001, the newest checkpoint that verifies" in caplog.text
+    resumed.train_step()
+    resumed.save()  # step 2 again, in place of the damaged one
+    assert find_latest(ckpt).name == "step_00000002" and verify_checkpoint(ckpt / "step_00000002")
+
+
+def test_auto_never_restarts_a_damaged_run_from_step_0(saved, tiny_overrides, tmp_path):
+    """0800a78 started from step 0 (and later overwrote the checkpoint) when the only one lacked meta.pt."""
+    ckpt = tmp_path / "ck"
+    shutil.copytree(saved["sharded"] / "step_00000002", ckpt / "step_00000002")
+    (ckpt / "latest").write_text("step_00000002\n")
+    (ckpt / "step_00000002" / "meta.pt").unlink()
+    assert find_latest(ckpt) is None and list_checkpoints(ckpt) == []
+    with pytest.raises(ConfigError, match=r"no checkpoint under .* can be resumed: checkpoint file .*step_00000002/"
+                                          r"meta.pt is missing.*checkpoint.resume=none"):
+        _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}"])
+
+
+def test_a_damaged_latest_pointer_falls_back_to_the_newest_complete_checkpoint(saved, tmp_path):
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    assert (ckpt / "latest").read_text() == "step_00000002\n"
+    (ckpt / "latest").write_text("step_0000000\x02\n")  # a flipped bit in the pointer itself
+    assert find_latest(ckpt).name == "step_00000002"
+
+
+def test_newer_checkpoints_than_latest_are_never_resumed_or_pruned(saved, tmp_path):
+    """After resuming from an earlier step, `latest` goes back; the abandoned later checkpoint is neither resumed
+    nor counted by keep_last pruning (0800a78 pruned by name: the one just written could go)."""
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    state = load_checkpoint(ckpt / "step_00000001")
+    (ckpt / "step_00000002").rename(ckpt / "step_00000009")  # from a run that later went back to step 1
+    tmp = fresh_temporary(ckpt, 2)
+    shutil.copytree(saved["full"] / "step_00000002", tmp, dirs_exist_ok=True)
+    assert publish(ckpt, tmp, 2, keep_last=1) == ckpt / "step_00000002"
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000002", "step_00000009"]
+    assert find_latest(ckpt).name == "step_00000002" and state["step"] == 1
+
+
+def test_an_interrupted_prune_never_leaves_a_checkpoint_that_looks_complete(saved, tmp_path):
+    ckpt = shutil.copytree(saved["sharded"], tmp_path / "ck")
+    (ckpt / "step_00000001" / "__0_0.distcp").unlink()  # what a prune killed midway used to leave
+    assert [p.name for p in list_checkpoints(ckpt)] == ["step_00000002"]
+    with pytest.raises(ConfigError, match=r"step_00000001/__0_0.distcp is missing"):
+        load_checkpoint(ckpt / "step_00000001")
+
+
+def test_leftovers_of_interrupted_saves_are_removed_at_start(saved, tiny_overrides, tmp_path):
+    ckpt = shutil.copytree(saved["sharded"], tmp_path / "ck")
+    for name in ("step_00000003.tmp", "step_00000003.tmp-0123456789ab", "step_00000001.deleting-0123456789ab"):
+        (ckpt / name).mkdir()
+    (ckpt / "latest.tmp-0123456789ab").write_text("step_00000003\n")
+    resumed = _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}"])
+    assert resumed.step == 2
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000001", "step_00000002"]
+
+
+def test_verify_tool_checks_without_building_a_model(saved, tmp_path):
+    damaged = shutil.copytree(saved["sharded"] / "step_00000002", tmp_path / "step_00000002")
+    _flip(damaged / "meta.pt", 100)
+    cmd = [sys.executable, "tools/convert_checkpoint.py", "verify", str(saved["sharded"] / "step_00000001"),
+           str(damaged)]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=torchrun_env(), timeout=120)
+    assert result.returncode == 2
+    assert "step_00000001: 3 files" in result.stdout and "every checksum matches" in result.stdout
+    assert result.stderr.startswith(f"error: checkpoint file {damaged / 'meta.pt'} fails its checksum (xxh3_64 ")
+    assert result.stderr.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------- one writer
+
+def _hold_lock(directory, ready, release):
+    lock = RunLock([directory])
+    ready.set()
+    release.wait(60)
+    lock.release()
+
+
+def test_a_second_run_in_a_locked_run_directory_is_refused(tiny_overrides, tmp_path):
+    """0800a78 let two runs interleave their metrics and checkpoints in one directory."""
+    run_dir = tmp_path / "runs" / "t"
+    context = multiprocessing.get_context("spawn")
+    ready, release = context.Event(), context.Event()
+    holder = context.Process(target=_hold_lock, args=(run_dir, ready, release))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        with pytest.raises(ConfigError, match=rf"{run_dir} is in use by another run \(pid {holder.pid} on .*\): "
+                                              "wait for it to end, or give this run another run_name"):
+            _trainer(tiny_overrides)
+        assert not (run_dir / "metrics.jsonl").exists()
+    finally:
+        release.set()
+        holder.join(60)
+    _trainer(tiny_overrides + ["training.steps=2", "training.eval_interval=0"]).fit()  # free again once the other run has ended
+    assert (run_dir / "metrics.jsonl").is_file()

@@ -1,0 +1,112 @@
+"""Nothing silently wrong: a step with non-finite gradients is skipped on every rank in every recipe, never saved,
+and a run of them stops the run with a message naming the first bad step and the layers."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megafp8.checkpoint import find_latest, load_checkpoint
+from megafp8.config import load_config
+from megafp8.parallel import ParallelDims
+from megafp8.train import Trainer
+from tests.distributed import spawn
+
+NAN = float("nan")
+
+
+def _trainer(overrides, dims=None) -> Trainer:
+    cfg = load_config("tiny_dense", overrides)
+    return Trainer(cfg, dims or ParallelDims.single(), torch.device("cpu"))
+
+
+def _poison_from(trainer: Trainer, step: int, param_name: str, value: float = NAN) -> None:
+    """From optimizer step `step` on, this rank's gradient of `param_name` gets `value` before the data-parallel
+    reduction (as a bad batch or a flipped bit would give it)."""
+    grad = dict(trainer.model.named_parameters())[param_name].main_grad
+    finish = trainer.grad_buckets.finish
+
+    def poisoned_finish():
+        if trainer.step + 1 >= step:
+            grad.view(-1)[7] = value
+        finish()
+    trainer.grad_buckets.finish = poisoned_finish
+
+
+def _state(trainer: Trainer) -> list[torch.Tensor]:
+    return ([p.detach().clone() for p in trainer.model.parameters()]
+            + [getattr(s, k).clone() for s in trainer.optimizer.shards for k in ("master", "exp_avg", "exp_avg_sq")])
+
+
+def _nan_on_one_rank_worker(rank, world, overrides):
+    trainer = _trainer(overrides, ParallelDims.build())
+    trainer.train_step()
+    before = _state(trainer)
+    if rank == 1:  # only rank 1 sees the NaN
+        _poison_from(trainer, 2, "layers.0.mlp.down_proj.weight")
+    loss, grad_norm = trainer.train_step()
+    assert math.isnan(grad_norm.item())  # every rank, from the all-reduced norm
+    assert all(torch.equal(a, b) for a, b in zip(_state(trainer), before))  # masters, moments, weights untouched
+    trainer.save()  # step 2: the state of step 1
+    assert trainer.optimizer.step_count == 1  # the LR schedule did not move either
+    trainer.grad_buckets.__dict__.pop("finish", None)  # the NaN was one step's
+    loss, grad_norm = trainer.train_step()  # training goes on
+    assert math.isfinite(grad_norm.item()) and trainer.optimizer.step_count == 2
+    if rank == 0:
+        saved = load_checkpoint(find_latest(trainer.checkpoint_dir))
+        masters = saved["optimizer"]["masters"]
+        assert saved["step"] == 2 and saved["optimizer"]["step"] == 1
+        assert all(torch.isfinite(t).all() for t in masters.values())
+
+
+def test_a_nan_gradient_on_one_rank_is_skipped_on_all_ranks_and_never_saved(tiny_overrides, tmp_path):
+    """0800a78 applied it (BF16 has no loss scaler), saved NaN masters and noticed only at the next logged loss."""
+    spawn(2, _nan_on_one_rank_worker, tiny_overrides + [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.resume=none",
+                                                        "optimizer.overlap_grad_reduce=false"])
+
+
+def test_skips_in_a_row_stop_the_run_naming_the_first_step_and_the_layer(tiny_overrides, tmp_path):
+    ckpt = tmp_path / "ck"
+    trainer = _trainer(tiny_overrides + ["precision.recipe=fp8", "training.max_consecutive_skips=2",
+                                         f"checkpoint.dir={ckpt}", "checkpoint.interval=1", "checkpoint.keep_last=1",
+                                         "checkpoint.resume=none", "training.eval_interval=0"])
+    _poison_from(trainer, 3, "layers.1.mlp.down_proj.weight")
+    with pytest.raises(FloatingPointError, match=r"training stopped at step 4: 2 steps in a row from step 3 had "
+                                                 r"non-finite gradients .*; at step 4 in layers.1.mlp.down_proj\. "
+                                                 r"Weights, optimizer state and every checkpoint since are as before "
+                                                 r"step 3"):
+        trainer.fit()
+    newest = load_checkpoint(find_latest(ckpt))  # step 3: saved after the first skip, with step 2's state
+    assert newest["step"] == 3 and newest["optimizer"]["step"] == 2
+    assert all(torch.isfinite(t).all() for t in newest["optimizer"]["masters"].values())
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000003"]
+
+
+def test_fp16_overflow_skipped_by_the_scaler_does_not_end_the_run(tiny_overrides):
+    """0800a78 averaged the skipped step's inf loss into the logged loss and stopped: 'training diverged'."""
+    trainer = _trainer(tiny_overrides + ["precision.recipe=fp16", "logging.log_interval=3", "training.eval_interval=0",
+                                         "precision.loss_scale_initial=1024", "precision.loss_scale_hysteresis=1"])
+    forward = trainer.model.forward
+
+    def overflowing_forward(tokens, targets=None):
+        loss = forward(tokens, targets)
+        return loss * math.inf if trainer.step == 1 else loss  # step 2 overflows in its forward pass
+    trainer.model.forward = overflowing_forward
+    records = [r for r in trainer.fit() if r["kind"] == "train"]
+    assert [r["skipped_steps"] for r in records] == [1, 0]
+    assert all(math.isfinite(r["loss"]) for r in records) and records[-1]["loss_scale"] == 512.0
+    assert trainer.optimizer.step_count == 5
+
+
+def test_a_checkpoint_of_non_finite_state_is_never_written(tiny_overrides, tmp_path):
+    ckpt = tmp_path / "ck"
+    trainer = _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}", "checkpoint.resume=none"])
+    trainer.train_step()
+    trainer.save()
+    trainer.train_step()
+    trainer.optimizer.shards[0].exp_avg_sq[3] = math.inf  # a fault no gradient check can see
+    with pytest.raises(FloatingPointError, match=r"step 2: optim/exp_avg_sq/\S+ holds inf or nan: not saving"):
+        trainer.save()
+    assert find_latest(ckpt).name == "step_00000001"
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000001"]
