@@ -67,11 +67,6 @@ def kernel_cases(backend, m: int, shape: dict, dev) -> list[tuple]:
          lambda t, d: backend.swiglu_backward_quantize(t, d, E4M3, E4M3, False), (gu, da),
          2 * m * 3 * f + rows_cols_bytes(m, 2 * f) + rows_cols_bytes(m, f) // 2),
     ]
-    if backend.name != "reference":  # the alternative kept for comparison: SwiGLU's backward as one kernel
-        from megafp8.precision.kernels import producers as kernels
-        cases.append((cases[-1][0] + ", one fused kernel",
-                      lambda t, d: kernels.swiglu_backward_quantize(t, d, E4M3, E4M3, False, split=False), (gu, da),
-                      cases[-1][3]))
     w = randn(2 * f, h)
     cache = backend.empty_weight(w.shape, E4M3, dev)
     cases.append((f"weight + transpose, {2 * f}x{h}", lambda t: backend.quantize_weight_(t, cache, E4M3, False), (w,),

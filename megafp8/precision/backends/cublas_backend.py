@@ -24,7 +24,8 @@ def _block_scales(n_blocks: int, k_blocks: int, device: torch.device) -> torch.T
 
 
 class CublasBackend(TritonBackend):
-    """cuBLAS GEMMs (about 1.34 PFLOP/s for 1x128 x 128x128 on an H200), Triton quantizers and grouped GEMMs."""
+    """cuBLAS GEMMs for the dense layers (the fastest blockwise GEMMs on Hopper, `docs/benchmarks.md`), Triton
+    quantizers and grouped GEMMs."""
 
     name = "cublas"
     priority = 2

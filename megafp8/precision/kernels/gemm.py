@@ -250,8 +250,8 @@ def _sm_count(device: torch.device) -> int:
 def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  tile_expert: torch.Tensor, out_dtype: torch.dtype, tma: Optional[bool] = None) -> torch.Tensor:
     """a (Mp, K) FP8 rows, a_scale (Mp, K/128); b (E, N, K) FP8 blocks, b_scale (E, N/128, K/128) -> (Mp, N).
-    `tma` picks the kernel (default: the TMA one where the GPU has TMA and C's rows are 16-byte aligned; 1.2-1.4x
-    the pointer kernel on an H200, `docs/benchmarks.md`)."""
+    `tma` picks the kernel (default: the TMA one where the GPU has TMA and C's rows are 16-byte aligned: the faster
+    on Hopper, `docs/benchmarks.md`)."""
     mp, k = a.shape
     n = b.shape[1]
     assert mp % 128 == 0 and k % 128 == 0 and a.stride(1) == 1 and b.stride(2) == 1

@@ -85,53 +85,11 @@ def _swiglu_quantize_kernel(gu_ptr, q_ptr, s_ptr, M, F, stride_gm, stride_qm, st
                      FP8_MAX, POW2)
 
 
-# Rows per slice: a whole 128x128 tile of every result at once does not fit the registers (an SM holds four FP32
-# 128x128 tiles), so smaller slices walk the tile twice: the row tiles and each column's max-abs first, then the
-# column tiles, recomputed from gu and da (re-read from L2). Same bits for every configuration.
-@triton.autotune(configs=[triton.Config({"SLICE": r}, num_warps=w) for r in (16, 32, 64) for w in (4, 8)],
-                 key=["F", "GRAD_MAX", "FP8_MAX", "POW2"])
-@triton.jit
-def _swiglu_backward_quantize_kernel(gu_ptr, da_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr, M, F, stride_gm,
-                                     stride_dm, stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
-                                     stride_at, stride_ats_k, stride_ats_m,
-                                     GRAD_MAX: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
-                                     SLICE: tl.constexpr):
-    """d(gu) = [da * up * silu'(gate) | da * silu(gate)] in `GRAD_MAX`'s format both ways, and a = silu(gate) * up
-    again, its transpose in `FP8_MAX`'s format (the down projection's wgrad operand)."""
-    kb = tl.program_id(0)
-    mb = tl.program_id(1)
-    cols = kb * 128 + tl.arange(0, 128)
-    up_kb = kb + F // 128
-    a_amax = tl.zeros((128,), dtype=tl.float32)
-    gate_amax = tl.zeros((128,), dtype=tl.float32)
-    up_amax = tl.zeros((128,), dtype=tl.float32)
-    for r0 in range(0, 128, SLICE):  # the row tiles (complete in a slice) and every column's max-abs
-        rows = mb * 128 + r0 + tl.arange(0, SLICE)
-        a, d_gate, d_up = _swiglu_backward_slice(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm)
-        tiles.store_rows(d_gate, rows, cols, M, kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk, GRAD_MAX, POW2)
-        tiles.store_rows(d_up, rows, cols + F, M, up_kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk, GRAD_MAX,
-                         POW2)
-        a_amax = tiles.max_propagating_nan(a_amax, tiles.amax(tl.abs(a), 0))
-        gate_amax = tiles.max_propagating_nan(gate_amax, tiles.amax(tl.abs(d_gate), 0))
-        up_amax = tiles.max_propagating_nan(up_amax, tiles.amax(tl.abs(d_up), 0))
-    a_scale, a_inv = tiles.tile_scale(a_amax, FP8_MAX, POW2)
-    gate_scale, gate_inv = tiles.tile_scale(gate_amax, GRAD_MAX, POW2)
-    up_scale, up_inv = tiles.tile_scale(up_amax, GRAD_MAX, POW2)
-    for r0 in range(0, 128, SLICE):  # the column tiles, stored transposed
-        rows = mb * 128 + r0 + tl.arange(0, SLICE)
-        a, d_gate, d_up = _swiglu_backward_slice(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm)
-        tiles.store_transposed(a, a_inv, rows, cols, at_ptr, stride_at, FP8_MAX)
-        tiles.store_transposed(d_gate, gate_inv, rows, cols, qt_ptr, stride_qt, GRAD_MAX)
-        tiles.store_transposed(d_up, up_inv, rows, cols + F, qt_ptr, stride_qt, GRAD_MAX)
-    tl.store(ats_ptr + cols * stride_ats_k + mb * stride_ats_m, a_scale)
-    tl.store(st_ptr + cols * stride_st_k + mb * stride_st_m, gate_scale)
-    tl.store(st_ptr + (cols + F) * stride_st_k + mb * stride_st_m, up_scale)
-
-
 # SwiGLU's backward in two kernels, each computing only what it stores: its rows kernel streams like the forward
 # (whole row tiles of d(gu)); its column kernel holds 128 tokens x BLOCK_N features of the three results, enough for
-# their column tiles. Each reads gu and da once (17 bytes moved per (token, feature) against the fused kernel's 11),
-# but neither walks a tile twice nor holds more than it quantizes.
+# their column tiles. Each reads gu and da (17 bytes moved per (token, feature) where one kernel would need 11), but
+# a single kernel holding a whole 128x128 tile of all three results runs short of registers and had to walk the tile
+# twice, which was slower (`docs/benchmarks.md`).
 @triton.autotune(configs=[triton.Config({"BLOCK_M": bm}, num_warps=w) for bm in (16, 32, 64) for w in (4, 8)],
                  key=["F", "GRAD_MAX", "POW2"])
 @triton.jit
@@ -196,25 +154,18 @@ def swiglu_quantize(gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tup
 
 
 def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
-                             power_of_two: bool, split: bool = True) -> tuple[torch.Tensor, ...]:
+                             power_of_two: bool) -> tuple[torch.Tensor, ...]:
     """gu (M, 2F), da (M, F) -> (dgu_fp8 (M, 2F), scales, dgut_fp8 (2F, M_pad), scales_t) in `grad_fmt`, and
-    (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`. `split` runs the rows and the columns as two
-    kernels (faster on the H200, `docs/benchmarks.md`), else one fused kernel; the same bits either way."""
+    (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`. Two kernels: the rows, then the columns."""
     assert gu.stride(1) == 1 and da.stride(1) == 1, "swiglu_backward_quantize needs row-major inputs"
     m, f = da.shape
     q, s, qt, st = out = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, gu.device)
     at, ats = tiles.rows_cols_outputs(m, f, fmt, gu.device)[2:]
-    if not m:
-        return (*out, at, ats)
-    consts = dict(GRAD_MAX=grad_fmt.max, POW2=power_of_two)
-    if split:
+    if m:
+        consts = dict(GRAD_MAX=grad_fmt.max, POW2=power_of_two)
         _swiglu_backward_rows_kernel[lambda meta: (f // TILE, triton.cdiv(m, meta["BLOCK_M"]))](
             gu, da, q, s, m, f, gu.stride(0), da.stride(0), q.stride(0), s.stride(0), s.stride(1), **consts)
         _swiglu_backward_cols_kernel[lambda meta: (f // meta["BLOCK_N"], triton.cdiv(m, TILE))](
             gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
             at.stride(0), ats.stride(0), ats.stride(1), **consts, **tiles.format_constants(fmt))
-    else:
-        _swiglu_backward_quantize_kernel[(f // TILE, triton.cdiv(m, TILE))](
-            gu, da, *out, at, ats, m, f, gu.stride(0), da.stride(0), *tiles.rows_cols_strides(*out), at.stride(0),
-            ats.stride(0), ats.stride(1), **consts, **tiles.format_constants(fmt))
     return (*out, at, ats)
