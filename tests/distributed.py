@@ -53,6 +53,7 @@ def full_grads(trainer) -> dict:
     import torch
 
     from megafp8.parallel import gather_param
+    from megafp8.parallel.flat import all_gather_flat
 
     buckets, dims = trainer.grad_buckets, trainer.dims
     names = {p: n for n, p in trainer.model.named_parameters()}
@@ -61,7 +62,7 @@ def full_grads(trainer) -> dict:
         flat = buckets.shard_grads(bucket)
         if buckets.sharded and bucket.group_size > 1:
             whole = torch.empty(bucket.numel)
-            dist.all_gather_into_tensor(whole, flat, group=bucket.group)
+            all_gather_flat(whole, flat, group=bucket.group)
             flat = whole
         for p, offset in zip(bucket.params, bucket.offsets):
             grads[names[p]] = gather_param(flat[offset:offset + p.numel()].view_as(p), p, trainer.tp,

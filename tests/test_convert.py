@@ -128,6 +128,18 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
         assert torch.equal(p, q), name  # masters rounded to BF16 are the model weights
     losses = [r["loss"] for r in resumed.fit() if r["kind"] == "train"]
     assert losses[0] < 5.0  # starts from the trained weights, not from scratch (ln 384 = 5.95)
+    for command, source in (("to-hf", ckpt / "step_00000006"), ("from-hf", tmp_path / "hf"),
+                            ("consolidate", ckpt / "step_00000006"), ("shard", ckpt / "step_00000006")):
+        out = tmp_path / "taken"
+        out.mkdir(exist_ok=True)
+        (out / "keep.txt").write_text("not yours")
+        refused = subprocess.run([sys.executable, "tools/convert_checkpoint.py", command, str(source), "--out",
+                                  str(out)], cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and refused.stderr == (
+            f"error: --out {out} exists and is not empty: choose another --out, or pass --overwrite to write into it "
+            "(files of the same name are replaced)\n"), (command, refused.stderr)
+        assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    tool("to-hf", ckpt / "step_00000006", "--out", tmp_path / "hf", "--overwrite")
     bad = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "inspect", str(tmp_path / "nope")],
                          cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "not found" in bad.stderr

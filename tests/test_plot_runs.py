@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megafp8.config import ConfigError
-from megafp8.train.plots import read_series
+from megafp8.train.plots import read_series, splice_warning
 from tests.conftest import REPO, torchrun_env
 
 
@@ -40,3 +40,18 @@ def test_command_line_writes_a_png(tmp_path):
     bad = subprocess.run(cmd[:-2] + ["--metrics", "nonsense", "--out", str(out)], cwd=REPO, env=torchrun_env(),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "has no 'nonsense'" in bad.stderr
+
+
+def test_steps_that_go_back_are_warned_about(tmp_path):
+    """0800a78 drew three launches appended to one file as one curve, silently."""
+    write_run(tmp_path / "a", [5.0, 4.0, 3.0], extra=[{"kind": "train", "step": 1, "loss": 5.5}])
+    assert splice_warning(tmp_path / "a") == (f"{tmp_path / 'a' / 'metrics.jsonl'} line 6: steps go back from 3 to 1: "
+                                              "the file holds more than one run (or launch); each step is plotted "
+                                              "with its last value, so the curve may be spliced")
+    write_run(tmp_path / "b", [5.0, 4.0])
+    assert splice_warning(tmp_path / "b") is None
+    if pytest.importorskip("matplotlib"):
+        result = subprocess.run([sys.executable, "tools/plot_runs.py", str(tmp_path / "a"), "--out",
+                                 str(tmp_path / "a.png")], cwd=REPO, env=torchrun_env(), capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0 and result.stderr.startswith("warning: ") and "steps go back" in result.stderr

@@ -45,3 +45,13 @@ def test_the_tool_checks_memory_and_prints_the_command():
     assert "256 node(s) x 8 process(es) = 2048 ranks" in ok.stdout and "sbatch --nodes=256 --gpus-per-node=8" in ok.stdout
     too_big = tool("--config", "671b_fp8.yaml", "parallel.pp=1", "parallel.pp_layout=null")  # ~334 GiB per GPU
     assert too_big.returncode == 2 and "GiB per GPU" in too_big.stderr and "139.0 GiB" in too_big.stderr
+
+
+def test_a_missing_sbatch_is_one_line(tmp_path):
+    """0800a78 raised a FileNotFoundError traceback where sbatch is not installed."""
+    env = {**torchrun_env(), "PATH": str(tmp_path)}  # no sbatch (nor anything else) on PATH
+    result = subprocess.run([sys.executable, "launch/slurm/submit.py", "--config", "tiny_dense", "--cpu",
+                             "--procs-per-node", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == ("error: sbatch is not on PATH: run this on a SLURM login node, or pass --print-only to "
+                             "see the command\n")

@@ -165,13 +165,15 @@ def test_vocab_parallel_embedding_and_loss_match_unsharded(world, sp):
 def _bytes_worker(rank, world, out_path):
     tp = TensorParallel(dist.group.WORLD, world, rank, True)
     moved: list[int] = []
-    original = dist.all_gather_into_tensor
+    import megafp8.parallel.collectives as collectives
+
+    original = collectives.all_gather_flat
 
     def counting(output, inp, *args, **kwargs):
         moved.append(inp.numel() * inp.element_size())
         return original(output, inp, *args, **kwargs)
 
-    dist.all_gather_into_tensor = counting
+    collectives.all_gather_flat = counting
     try:
         sizes = {}
         x = torch.randn(128, 512).bfloat16()
@@ -184,7 +186,7 @@ def _bytes_worker(rank, world, out_path):
                     layer(x)
                 sizes[name, training] = sum(moved)
     finally:
-        dist.all_gather_into_tensor = original
+        collectives.all_gather_flat = original
     if rank == 0:
         torch.save(sizes, out_path)
 

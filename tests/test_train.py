@@ -84,7 +84,7 @@ def test_same_seed_same_losses_twice(tiny_overrides):
     a = train_losses(make_trainer(tiny_overrides).fit())
     b = train_losses(make_trainer(tiny_overrides).fit())
     assert a == b
-    c = train_losses(make_trainer(tiny_overrides, ["training.seed=99"]).fit())
+    c = train_losses(make_trainer(tiny_overrides, ["training.seed=99", "run_name=t99"]).fit())
     assert a != c
 
 
@@ -113,7 +113,7 @@ def test_checkpoint_of_another_model_is_rejected(tiny_overrides, tmp_path):
     ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}"]
     make_trainer(tiny_overrides, ckpt).save()
     with pytest.raises(ConfigError, match=r"does not match this model: tensor 'layers.0.mlp.gate_up_proj.weight' has shape \(512, 128\) in the checkpoint but \(768, 128\) in the model \(3 more mismatches\)"):
-        make_trainer(tiny_overrides, ckpt + ["model.ffn_hidden_size=384"])
+        make_trainer(tiny_overrides, ckpt + ["model.ffn_hidden_size=384", "run_name=other"])
 
 
 def test_vocab_smaller_than_tokenizer_is_rejected(tiny_overrides):

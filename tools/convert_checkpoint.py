@@ -32,6 +32,13 @@ from megafp8.checkpoint.local import verify_checkpoint  # noqa: E402
 from megafp8.config import ConfigError  # noqa: E402
 
 
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse to write into an existing, non-empty --out unless --overwrite says to."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ConfigError(f"--out {out} exists and is not empty: choose another --out, or pass --overwrite to write "
+                          "into it (files of the same name are replaced)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -47,13 +54,19 @@ def main(argv: list[str] | None = None) -> int:
                                                  "directory")
     from_hf.add_argument("hf_dir", type=Path)
     from_hf.add_argument("--out", type=Path, required=True, help="checkpoint directory to create step_00000000 in")
+    converts = []
     for name, what in (("consolidate", "a checkpoint of either form -> one state.pt"),
                        ("shard", "a checkpoint of either form -> a sharded (torch.distributed.checkpoint) one")):
         convert = commands.add_parser(name, help=what)
         convert.add_argument("checkpoint", type=Path)
         convert.add_argument("--out", type=Path, required=True, help="checkpoint directory to create the step in")
+        converts.append(convert)
+    for command in (to_hf, from_hf, *converts):
+        command.add_argument("--overwrite", action="store_true", help="write into an existing, non-empty --out")
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "out", None) is not None:
+            check_out(args.out, args.overwrite)
         if args.command == "inspect":
             print(describe(args.checkpoint))
         elif args.command == "verify":

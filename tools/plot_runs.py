@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {len(args.runs)} runs but {len(labels)} labels", file=sys.stderr)
         return 2
     try:
-        plot_runs(args.runs, labels, args.metrics, args.out)
+        for warning in plot_runs(args.runs, labels, args.metrics, args.out):
+            print(f"warning: {warning}", file=sys.stderr)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     print(shlex.join(command), flush=True)
     if args.print_only:
         return 0
+    if shutil.which(command[0]) is None:
+        print(f"error: {command[0]} is not on PATH: run this on a SLURM login node, or pass --print-only to see the "
+              "command", file=sys.stderr)
+        return 2
     return subprocess.run(command, cwd=REPO).returncode
 
 

@@ -381,6 +381,12 @@ class CheckpointConfig:
         "`auto`: resume from the latest checkpoint in `dir` if one exists; `none`: start fresh; "
         "otherwise a path to a checkpoint directory to resume from.",
     )
+    overwrite: bool = setting(
+        False,
+        "Replace the earlier run in this run's directory (its checkpoints, metrics and run files) where a launch "
+        "would otherwise be refused: another config, or `resume: none` over its checkpoints. A relaunch of the same "
+        "config never needs it: it resumes (or, with no checkpoint, starts over from step 0).",
+    )
 
 
 @dataclass

@@ -38,6 +38,7 @@ from megafp8.parallel import (
     local_piece,
     tp_shard_of,
 )
+from megafp8.parallel.flat import all_gather_flat
 from megafp8.parallel.grad_buckets import Bucket
 from megafp8.parallel.sharding import Placed, placed_param
 
@@ -222,7 +223,7 @@ class DistributedAdamW:
             own = bucket.params_flat[shard.start : shard.end]
             own.copy_(shard.master)
             if self.buckets.sharded and bucket.group_size > 1:
-                dist.all_gather_into_tensor(bucket.params_flat, own.clone(), group=bucket.group)
+                all_gather_flat(bucket.params_flat, own.clone(), group=bucket.group)
             # Writes into params_flat (copy, collective) do not bump the parameters' own version counters
             # (`p.data = view` keeps each parameter's counter), and FP8 weight caches key on them.
             for p in bucket.params:
@@ -234,7 +235,7 @@ class DistributedAdamW:
         if not self.buckets.sharded or shard.bucket.group_size == 1:
             return tensor.float()
         full = torch.empty(shard.bucket.numel, dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(full, tensor.contiguous(), group=shard.bucket.group)
+        all_gather_flat(full, tensor.contiguous(), group=shard.bucket.group)
         return full.float()
 
     def state_dict(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.parallel.dims import TensorParallel
+from megafp8.parallel.flat import all_gather_flat, reduce_scatter_flat
 from megafp8.precision.quantize import mn_major
 
 # ------------------------------------------------------------------------------------ plain
@@ -43,9 +44,9 @@ def all_gather_rows(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
         return x
     out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     if x.dtype.is_floating_point and x.element_size() == 1:  # FP8: move the bytes (not every backend knows FP8)
-        dist.all_gather_into_tensor(out.view(torch.uint8), x.contiguous().view(torch.uint8), group=tp.group)
+        all_gather_flat(out.view(torch.uint8), x.contiguous().view(torch.uint8), group=tp.group)
     else:
-        dist.all_gather_into_tensor(out, x.contiguous(), group=tp.group)
+        all_gather_flat(out, x.contiguous(), group=tp.group)
     return out
 
 
@@ -57,7 +58,7 @@ def reduce_scatter_rows(x: torch.Tensor, tp: TensorParallel,
     if x.shape[0] % tp.size != 0:
         raise ValueError(f"cannot reduce-scatter {x.shape[0]} tokens over {tp.size} tensor-parallel ranks")
     out = torch.empty((x.shape[0] // tp.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.reduce_scatter_tensor(out, x.contiguous(), group=tp.group, async_op=async_op)
+    work = reduce_scatter_flat(out, x.contiguous(), group=tp.group, async_op=async_op)
     return out, work
 
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from megafp8.parallel.flat import reduce_scatter_flat
 from megafp8.parallel.sharding import is_expert
 
 
@@ -161,8 +162,8 @@ class GradBuckets:
         if bucket.handle is not None or bucket.group_size == 1:
             return
         if self.sharded:
-            bucket.handle = dist.reduce_scatter_tensor(bucket.shard_grads, bucket.grads_flat, group=bucket.group,
-                                                       async_op=True)
+            bucket.handle = reduce_scatter_flat(bucket.shard_grads, bucket.grads_flat, group=bucket.group,
+                                                async_op=True)
         else:
             bucket.handle = dist.all_reduce(bucket.grads_flat, group=bucket.group, async_op=True)
 

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
-import time
 
 from megafp8.config import ConfigError, dump_config, load_config
 from megafp8.precision import check_backend_name
 from megafp8.train.plan import dry_run
-from megafp8.train.runtime import env_rank, init_distributed, seed_everything, shutdown
+from megafp8.train.runtime import env_rank, init_distributed, report_error, seed_everything, shutdown
 from megafp8.train.trainer import Trainer
 
 log = logging.getLogger("megafp8")
@@ -36,12 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _error(message: str) -> int:
-    """Rank 0 prints the error once; other ranks (which hit the same error) linger a moment before exiting,
-    because torchrun kills the remaining workers as soon as one exits and rank 0 must get its line out."""
-    if env_rank()[0] == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(2.0)
+    """Report `message` in one line, once per job (`megafp8.train.runtime.report_error`); the exit status 2."""
+    report_error(message)
     return 2
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 from megafp8.config import ConfigError
 
@@ -28,8 +29,25 @@ def read_series(run: str | Path, kind: str, metric: str) -> tuple[list[int], lis
     return steps, [by_step[s] for s in steps]
 
 
-def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str) -> None:
-    """One panel per metric (`loss`, `val_loss`, `grad_norm`, ... or `kind:field`), one line per run."""
+def splice_warning(run: str | Path) -> Optional[str]:
+    """One line if the train records of a run's metrics file go back to an earlier step (several runs, or launches
+    of one run, appended to one file: its curve would be spliced), else None."""
+    path, last = metrics_path(run), 0
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        record = json.loads(line)
+        if record.get("kind") != "train" or not isinstance(record.get("step"), int):
+            continue
+        if record["step"] <= last:
+            return (f"{path} line {number}: steps go back from {last} to {record['step']}: the file holds more than "
+                    "one run (or launch); each step is plotted with its last value, so the curve may be spliced")
+        last = record["step"]
+    return None
+
+
+def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str) -> list[str]:
+    """One panel per metric (`loss`, `val_loss`, `grad_norm`, ... or `kind:field`), one line per run. Returns one
+    warning line per run whose metrics file holds spliced runs (`splice_warning`)."""
+    warnings = [w for w in map(splice_warning, runs) if w]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -52,3 +70,4 @@ def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str) 
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
+    return warnings

@@ -26,7 +26,7 @@ from megafp8.parallel import ParallelDims
 log = logging.getLogger("megafp8")
 
 
-def _on_every_rank(value: object, dims: ParallelDims) -> object:
+def on_every_rank(value: object, dims: ParallelDims) -> object:
     """Rank 0's `value` on every rank."""
     if not dims.is_distributed:
         return value
@@ -72,7 +72,7 @@ def verified_resume_path(resume: str, checkpoint_dir: Path, dims: ParallelDims) 
 def _newest_good(root: Path, dims: ParallelDims) -> Optional[Path]:
     """`auto`: the newest checkpoint under `root` that verifies, logging the ones passed over; a ConfigError if
     checkpoints exist but none verifies (a damaged run is never silently restarted from step 0)."""
-    candidates, passed_over = _on_every_rank(resume_candidates(root) if dims.rank == 0 else None, dims)
+    candidates, passed_over = on_every_rank(resume_candidates(root) if dims.rank == 0 else None, dims)
     for path in candidates:
         problem = first_problem(path, dims)
         if problem is None:

@@ -3,7 +3,9 @@
 The lock is a POSIX record lock (`fcntl.lockf`) on `<directory>/.lock`, which names its holder. The kernel
 drops it when the process ends, however it ends, so a killed run never leaves a stale lock; on NFS the lock
 manager (NLM) extends it across nodes. A second run aimed at a locked directory is refused on every rank in
-one line, before it writes anything. Locks belong to a process: several trainers of one process (tests) share
+one line, before it writes anything. Until the run is validated, the lock is taken only where its file exists
+already, and nothing is written (a start that fails leaves the directories as they were); then the directories
+are created, locked and the holder named. Locks belong to a process: several trainers of one process (tests) share
 them.
 """
 from __future__ import annotations
@@ -29,27 +31,49 @@ _TAKEN = (errno.EACCES, errno.EAGAIN)
 
 
 class RunLock:
-    """Exclusive locks on directories, held until `release` (or the end of the process)."""
+    """Exclusive locks on directories, held until `release` (or the end of the process). `create=False` locks only
+    the directories that already hold a lock file, and writes nothing (a start that fails later leaves no trace);
+    `note_holder` then names this process in every lock file."""
 
-    def __init__(self, directories: list[Path]) -> None:
-        self._files: list[IO[str]] = []
+    def __init__(self, directories: list[Path], create: bool = True) -> None:
+        self._files: dict[Path, IO[str]] = {}
         try:
-            for directory in directories:
-                self._files.append(_lock(directory))
+            self.add(directories, create)
         except BaseException:
             self.release()
             raise
+        if create:
+            self.note_holder()
+
+    def add(self, directories: list[Path], create: bool = True) -> None:
+        """Lock `directories` not locked yet (with `create=False`, only those whose lock file exists)."""
+        for directory in directories:
+            if directory not in self._files:
+                f = _lock(directory, create)
+                if f is not None:
+                    self._files[directory] = f
+
+    def note_holder(self) -> None:
+        """Write this process's id, host and start time into every lock file (shown to a run that is refused)."""
+        for f in self._files.values():
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n")
+            f.flush()
 
     def release(self) -> None:
-        for f in self._files:
+        for f in self._files.values():
             f.close()  # closing the file drops the lock
-        self._files = []
+        self._files = {}
 
 
-def _lock(directory: Path) -> IO[str]:
-    directory.mkdir(parents=True, exist_ok=True)
+def _lock(directory: Path, create: bool) -> Optional[IO[str]]:
     path = directory / LOCK_FILE
-    f = open(path, "a+")
+    if not create and not path.is_file():
+        return None
+    if create:
+        directory.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+" if create else "r+")
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
@@ -61,33 +85,51 @@ def _lock(directory: Path) -> IO[str]:
                               "another run_name, logging.output_dir or checkpoint.dir") from None
         raise ConfigError(f"cannot lock {path} ({err.strerror}): put the run on a file system with POSIX locks "
                           "(local, or NFS with its lock manager)") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n")
-    f.flush()
     return f
 
 
-def claim_run_directories(run_dir: Path, checkpoint_dir: Path, dims: ParallelDims) -> Optional[RunLock]:
-    """Rank 0 locks the run directory (and the checkpoint directory, if outside it) and removes what interrupted
-    saves left in the latter; every rank raises the same ConfigError if another run holds one (collective).
-    Returns rank 0's lock (None elsewhere)."""
-    lock, error = None, None
-    if dims.rank == 0:
-        directories = [run_dir] + ([] if checkpoint_dir.resolve().is_relative_to(run_dir.resolve())
-                                   else [checkpoint_dir])
-        try:
-            lock = RunLock(directories)
-        except ConfigError as err:
-            error = str(err)
+def _directories(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
+    inside = checkpoint_dir.resolve().is_relative_to(run_dir.resolve())
+    return [run_dir] + ([] if inside else [checkpoint_dir])
+
+
+def _same_error_everywhere(error: Optional[str], dims: ParallelDims) -> None:
+    """Raise rank 0's ConfigError (if any) on every rank (collective)."""
     if dims.is_distributed:
         shared = [error]
         dist.broadcast_object_list(shared, src=0)
         error = shared[0]
     if error is not None:
         raise ConfigError(error)
+
+
+def claim_run_directories(run_dir: Path, checkpoint_dir: Path, dims: ParallelDims) -> Optional[RunLock]:
+    """Before anything is validated: rank 0 locks the run directory (and the checkpoint directory, if outside it)
+    where a lock file exists already, writing nothing; every rank raises the same ConfigError if another run holds
+    one (collective). Returns rank 0's lock (None elsewhere); `open_run_directories` completes it."""
+    lock, error = None, None
+    if dims.rank == 0:
+        try:
+            lock = RunLock(_directories(run_dir, checkpoint_dir), create=False)
+        except ConfigError as err:
+            error = str(err)
+    _same_error_everywhere(error, dims)
+    return lock
+
+
+def open_run_directories(lock: Optional[RunLock], run_dir: Path, checkpoint_dir: Path, dims: ParallelDims) -> None:
+    """Once the run is validated: rank 0 creates and locks the directories `claim_run_directories` could not lock
+    yet, names itself in the lock files and removes what interrupted saves left in the checkpoint directory
+    (collective; every rank raises the same ConfigError if another run took a directory meanwhile)."""
+    error = None
+    if lock is not None:
+        try:
+            lock.add(_directories(run_dir, checkpoint_dir))
+            lock.note_holder()
+        except ConfigError as err:
+            error = str(err)
+    _same_error_everywhere(error, dims)
     if lock is not None:
         removed = remove_leftovers(checkpoint_dir)
         if removed:
             log.warning("removed what interrupted checkpoint saves left in %s: %s", checkpoint_dir, ", ".join(removed))
-    return lock

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import random
 import sys
+import time
 
 import numpy as np
 import torch
@@ -98,3 +100,29 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def write_error_file(line: str) -> None:
+    """Record `line` in torchrun's error file for this rank (`TORCHELASTIC_ERROR_FILE`, set by torchrun), the form
+    torch.distributed.elastic's `record` writes: torchrun's failure summary then shows the line instead of "To
+    enable traceback see ...". Nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the summary then falls back to torchrun's own words; the line was printed already
+
+
+def report_error(message: str, linger_s: float = 2.0) -> None:
+    """Print `error: <message>` once per job and record it in torchrun's error file. Rank 0 reports at once;
+    another rank first lingers `linger_s`: where rank 0 hit the same error, torchrun ends the job meanwhile (so the
+    line appears once), and where the error is this rank's alone, it then reports it itself."""
+    if env_rank()[0] != 0:
+        time.sleep(linger_s)
+    line = f"error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    write_error_file(line)

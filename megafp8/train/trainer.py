@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megafp8.config import Config, ModelConfig, dump_config, validate_config, validate_for_world
+from megafp8.config import Config, ConfigError, ModelConfig, dump_config, validate_config, validate_for_world
 from megafp8.config.loader import config_to_dict
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches
 from megafp8.data.indexed import DatasetMeta
@@ -52,8 +52,15 @@ from megafp8.train.metrics import format_step_line, peak_tflops
 from megafp8.train.checkpointing import Checkpointer
 from megafp8.train.nonfinite import NonFiniteGuard, window_loss
 from megafp8.train.pipelined import PipelineRunner
-from megafp8.train.resume import verified_resume_path
-from megafp8.train.run_lock import claim_run_directories
+from megafp8.train.resume import on_every_rank, verified_resume_path
+from megafp8.train.run_history import (
+    CONFIG_FILE,
+    drop_metrics_after,
+    judge,
+    read_earlier_run,
+    remove_earlier_run,
+)
+from megafp8.train.run_lock import claim_run_directories, open_run_directories
 from megafp8.train.runtime import host_to_device
 
 log = logging.getLogger("megafp8")
@@ -117,7 +124,8 @@ class Trainer:
         self.num_micro_batches = validate_for_world(cfg, dims.world_size)
         self.run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
         self.checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.run_dir / "checkpoints"
-        self.run_lock = claim_run_directories(self.run_dir, self.checkpoint_dir, dims)  # before writing anything
+        # Nothing is written into the run directory until the config, data and checkpoint are validated.
+        self.run_lock = claim_run_directories(self.run_dir, self.checkpoint_dir, dims)
         self.tp, self.ep = dims.tensor_parallel, dims.expert_parallel
         if cfg.model.vocab_size is not None:  # a model that cannot fit fails first, before even the data is read
             self._check_fits(cfg, cfg.model)
@@ -148,15 +156,12 @@ class Trainer:
         self.metrics_path = Path(cfg.logging.metrics_file)
         if not self.metrics_path.is_absolute():
             self.metrics_path = self.run_dir / self.metrics_path
-        self.metrics = ExperimentLogger(
-            cfg.logging.backends, self.run_dir, self.metrics_path, cfg.run_name or "run",
-            config_to_dict(dataclasses.replace(cfg, model=self.model_cfg)), cfg.logging.wandb_project,
-            enabled=dims.rank == 0,
-        )
         self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
         self.flops_per_token = training_flops_per_token(self.model_cfg, cfg.data.seq_len)
         self.peak_tflops = peak_tflops(device, cfg.logging.peak_tflops)
-        self._maybe_resume()
+        replace, resumed_from = self._resume_or_start()
+        open_run_directories(self.run_lock, self.run_dir, self.checkpoint_dir, dims)
+        self.metrics = self._open_run_directory(replace, resumed_from)
 
     def _check_fits(self, cfg: Config, model_cfg: ModelConfig) -> None:
         ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -298,6 +303,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------ loop
     def fit(self) -> list[dict[str, Any]]:
         """Train to `training.steps`; returns the metrics records (also written to the metrics file)."""
+        if self.step >= self.cfg.training.steps:
+            log.info("%s finished at step %d already: nothing to train (raise training.steps to train further)",
+                     self.run_dir, self.step)
         self._log_start()
         try:
             return self._loop()
@@ -398,8 +406,6 @@ class Trainer:
     def _log_start(self) -> None:
         if self.dims.rank != 0:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(dump_config(dataclasses.replace(self.cfg, model=self.model_cfg)))
         num_params = sum(math.prod(full_shape(p, self.tp.size)) for p in self.whole_model_meta().parameters())
         m = self.model_cfg
         log.info(
@@ -449,9 +455,48 @@ class Trainer:
         if self.recipe.fp8 is not None and 0 < self.cfg.precision.fp8_start_step < self.step:
             apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers,
                            check_patterns=self.layout is None)
-        log.info("resumed from %s at step %d", path, self.step)
 
-    def _maybe_resume(self) -> None:
-        path = verified_resume_path(self.cfg.checkpoint.resume, self.checkpoint_dir, self.dims)
+    def resolved_config(self) -> Config:
+        """The run's config with the model's vocabulary resolved (what `config.yaml` records)."""
+        return dataclasses.replace(self.cfg, model=self.model_cfg)
+
+    def _resume_or_start(self) -> tuple[bool, Optional[Path]]:
+        """Judge what an earlier launch left in the run directory (`megafp8/train/run_history.py`; a ConfigError
+        refuses this launch on every rank), then resume from the verified checkpoint, if any. Returns (whether the
+        earlier run is to be replaced, the checkpoint resumed from). Writes nothing."""
+        verdict = None
+        if self.dims.rank == 0:
+            earlier = read_earlier_run(self.run_dir, self.checkpoint_dir, self.metrics_path)
+            verdict = judge(earlier, config_to_dict(self.resolved_config()), self.cfg.checkpoint.resume,
+                            self.cfg.checkpoint.overwrite, self.run_dir, self.checkpoint_dir)
+        verdict = on_every_rank(verdict, self.dims)
+        if verdict.refusal is not None:
+            raise ConfigError(verdict.refusal)
+        resume = "none" if verdict.replace else self.cfg.checkpoint.resume
+        path = verified_resume_path(resume, self.checkpoint_dir, self.dims)
         if path is not None:
             self.load(path)
+        return verdict.replace, path
+
+    def _open_run_directory(self, replace: bool, resumed_from: Optional[Path]) -> ExperimentLogger:
+        """Rank 0 (the run validated and its directories locked): remove a replaced run, drop the metric records
+        after the step this launch starts from, record the config and open the experiment loggers. Says in one
+        line what became of an earlier launch."""
+        cfg = self.cfg
+        if self.dims.rank == 0:
+            relaunch = (self.run_dir / CONFIG_FILE).is_file() or self.metrics_path.is_file()
+            if replace:
+                remove_earlier_run(self.run_dir, self.checkpoint_dir, self.metrics_path)
+                log.info("checkpoint.overwrite: replaced the earlier run in %s", self.run_dir)
+            dropped = drop_metrics_after(self.metrics_path, self.step)
+            dropped_note = f"; dropped {dropped} metric record(s) after step {self.step}" if dropped else ""
+            if resumed_from is not None:
+                log.info("resuming %s from step %d (%s)%s", self.run_dir, self.step, resumed_from, dropped_note)
+            elif relaunch and not replace:
+                log.info("%s holds an earlier launch of this run without a checkpoint: starting it over from step 0"
+                         "%s", self.run_dir, dropped_note)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / CONFIG_FILE).write_text(dump_config(self.resolved_config()))
+        return ExperimentLogger(cfg.logging.backends, self.run_dir, self.metrics_path, cfg.run_name or "run",
+                                config_to_dict(self.resolved_config()), cfg.logging.wandb_project,
+                                enabled=self.dims.rank == 0)
