@@ -45,3 +45,79 @@ def test_the_checker_catches_a_backward_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from megafp8.train import Trainer\nimport torch.distributed as dist\n")
     assert imports_of(bad) == {"megafp8.train", "torch.distributed"}
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """megafp8's modules and the megafp8 modules each imports anywhere in its file (function-level and
+    type-checking imports included; relative imports resolved; `from package import name` counts as importing
+    the submodule `name` when there is one)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str):
+        parts = name.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        return ".".join(parts) or None
+
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(known(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - max(node.level - 1, 0)] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                edges.update(known(f"{module}.{alias.name}") or known(module) for alias in node.names)
+        graph[name] = edges - {None, name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while not component or v not in component:
+                component.add(stack.pop())
+            if len(component) > 1:
+                found.append(frozenset(component))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+# The one cycle left (the checkpointer reads the trainer's attributes; issue 21 item 1 replaces that with stateful
+# parts). Any other cycle fails.
+KNOWN_CYCLES = {frozenset({"megafp8.train.checkpointing", "megafp8.train.trainer"})}
+
+
+def test_no_module_imports_itself_through_others():
+    cycles = set(_cycles(_module_imports()))
+    assert cycles <= KNOWN_CYCLES, [sorted(c) for c in cycles - KNOWN_CYCLES]
+
+
+def test_the_cycle_checker_finds_a_function_level_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [frozenset({"a", "b", "c"})]
+    imports = _module_imports()
+    # a type-checking-only import counts: checkpointing imports the trainer only under TYPE_CHECKING
+    assert "megafp8.train.trainer" in imports["megafp8.train.checkpointing"]
