@@ -167,8 +167,10 @@ def test_a_checkpoint_with_another_vocabulary_names_the_setting_that_loads_it(ti
     saved = Trainer(load_config("tiny_dense", tiny_overrides + ckpt + ["model.vocab_size=512"]), ParallelDims.single(),
                     torch.device("cpu"))
     saved.save()
+    saved.run_lock.release()  # this process is done with that run: another run reads its checkpoints
+    other = ckpt + ["run_name=other"]  # a run of its own over the same checkpoint directory
     with pytest.raises(ConfigError, match=r"the checkpoint's vocabulary has 512 rows .*: set model.vocab_size to that"):
-        Trainer(load_config("tiny_dense", tiny_overrides + ckpt), ParallelDims.single(), torch.device("cpu"))
-    resumed = Trainer(load_config("tiny_dense", tiny_overrides + ckpt + ["model.vocab_size=512"]),
+        Trainer(load_config("tiny_dense", tiny_overrides + other), ParallelDims.single(), torch.device("cpu"))
+    resumed = Trainer(load_config("tiny_dense", tiny_overrides + other + ["model.vocab_size=512"]),
                       ParallelDims.single(), torch.device("cpu"))  # the advice works
     assert resumed.step == 0 and resumed.model_cfg.vocab_size == 512

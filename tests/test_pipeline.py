@@ -197,8 +197,9 @@ def test_pp2_checkpoint_holds_every_stage_and_resumes_at_pp1_and_pp2(tiny_overri
                                      "training.eval_interval=0"]
     spawn(2, _save_worker, base + ["parallel.pp=2"])
     saved = load_checkpoint(find_latest(tmp_path / "ck"))
-    one = Trainer(load_config("tiny_dense", base + ["checkpoint.resume=none"]), ParallelDims.single(),
-                  torch.device("cpu"))
+    # a fresh one-rank model for its names, in a run directory of its own (one directory holds one run)
+    one = Trainer(load_config("tiny_dense", base + ["checkpoint.resume=none", f"checkpoint.dir={tmp_path}/fresh",
+                                                    "run_name=fresh"]), ParallelDims.single(), torch.device("cpu"))
     assert saved["model"].keys() == one.model.state_dict().keys()
     assert saved["optimizer"]["masters"].keys() == {n for n, _ in one.model.named_parameters()}
     resumed = Trainer(load_config("tiny_dense", base + ["training.steps=4"]), ParallelDims.single(),

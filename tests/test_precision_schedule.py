@@ -105,7 +105,8 @@ def test_bf16_to_fp8_schedule_switches_at_the_configured_step(tiny_overrides):
     cfg = load_config("tiny_dense", tiny_overrides + ["precision.recipe=fp8", "precision.fp8_start_step=3",
                                                       "training.steps=8", "training.eval_interval=0"])
     scheduled = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
-    bf16 = Trainer(load_config("tiny_dense", tiny_overrides + ["training.steps=8", "training.eval_interval=0"]),
+    bf16 = Trainer(load_config("tiny_dense", tiny_overrides + ["training.steps=8", "training.eval_interval=0",
+                                                               "run_name=bf16"]),
                    ParallelDims.single(), torch.device("cpu"))
     layer = scheduled.model.layers[1].attn.qkv_proj
     losses, reference = [], []

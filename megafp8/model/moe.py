@@ -28,6 +28,7 @@ from megafp8.model.mlp import SwiGLU
 from megafp8.parallel import ExpertParallel, TensorParallel, reduce_from_tp
 from megafp8.parallel.experts import ExpertLinear, combine, dispatch
 from megafp8.precision import PrecisionRecipe
+from megafp8.precision.grouped import ExpertProjection, grouped_fp8_swiglu_mlp
 
 
 class Router(nn.Module):
@@ -112,14 +113,26 @@ class RoutedExperts(nn.Module):
         # rows [gate; up] per expert; a weight that is not whole 128x128 tiles runs BF16
         self.gate_up_proj = ExpertLinear(e, hidden, 2 * ffn, recipe.for_weight(2 * ffn, hidden), ep, device)
         self.down_proj = ExpertLinear(e, ffn, hidden, recipe.for_weight(hidden, ffn), ep, device)
+        # Set while FP8 health is sampled: the two grouped linears then run one by one (SwiGLU's output quantized
+        # from BF16, within one E4M3 ULP of the fused path), so the health hooks on each see its input.
+        self.observed = False
 
     @property
     def num_local(self) -> int:
         return self.down_proj.weight.shape[0]
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        gate, up = self.gate_up_proj(rows, counts).chunk(2, dim=-1)  # each (rows, ffn)
-        return self.down_proj(F.silu(gate) * up, counts)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        fp8 = gate_up.recipe.fp8
+        fused = fp8 is not None and down.recipe.fp8 == fp8 and gate_up.supports(fp8) and not self.observed
+        if fused and rows.shape[0] > 0:
+            # one FP8 autograd function in the padded expert layout, SwiGLU's kernels quantizing their outputs
+            return grouped_fp8_swiglu_mlp(rows, counts, ExpertProjection(gate_up.weight, gate_up.fp8_cache,
+                                                                         gate_up.wgrad_queue),
+                                          ExpertProjection(down.weight, down.fp8_cache, down.wgrad_queue), fp8,
+                                          gate_up.fp8_backend(rows.device))
+        gate, up = gate_up(rows, counts).chunk(2, dim=-1)  # each (rows, ffn)
+        return down(F.silu(gate) * up, counts)
 
 
 class MoE(nn.Module):

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megafp8.model.mlp import SwiGLU
+from megafp8.model.moe import RoutedExperts
 from megafp8.model.transformer import Block
 from megafp8.parallel import ExpertLinear, ParallelLinear
 from megafp8.precision.health import fp8_stats
@@ -49,9 +50,10 @@ class Fp8HealthMonitor:
         return bool(self._handles)
 
     def _set_observed(self, observed: bool) -> None:
-        """Compiled blocks run uncompiled while observed (see `Block.observed`): the hooks never enter a graph."""
+        """Compiled blocks run uncompiled while observed (see `Block.observed`): the hooks never enter a graph; the
+        experts' fused FP8 MLP runs as its two grouped linears (`RoutedExperts.observed`), whose hooks then fire."""
         for module in self.model.modules():
-            if isinstance(module, Block):
+            if isinstance(module, (Block, RoutedExperts)):
                 module.observed = observed
 
     def _record(self, name: str, layer: nn.Module, x: torch.Tensor) -> None:
