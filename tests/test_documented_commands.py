@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +31,15 @@ COMMAND_TIMEOUT_S = 180
 
 @dataclass(frozen=True)
 class Run:
-    """Run in the scratch copy, after the `Run` entries above it, with each (old, new) replaced first."""
+    """Run in the scratch copy with each (old, new) replaced first, after the `Run` entries above it.
+
+    An `alongside` entry needs nothing the others make: the alongside entries run in their own sequence,
+    beside the main one (two processes at a time keep the test near a minute on a 2-core machine).
+    """
 
     substitutions: tuple[tuple[str, str], ...] = ()
     why: str = ""
+    alongside: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,25 +65,25 @@ COMMANDS: dict[str, Run | Skip] = {
     # Data: a tiny generated corpus (books/, my_corpus/, crawl-*.jsonl) stands in for the real ones.
     "python tools/preprocess_data.py --input stdlib --output data/pystdlib":
         Run((("--input stdlib", "--input books/"),), "the standard library is 31M tokens; a tiny corpus stands in"),
-    "python tools/preprocess_data.py --input books/ --output data/books": Run(),
+    "python tools/preprocess_data.py --input books/ --output data/books": Run(alongside=True),
     "python tools/preprocess_data.py --input crawl-*.jsonl --json-key content --output data/crawl "
-    "--valid-fraction 0.001": Run(),
-    "python tools/preprocess_data.py --input my_corpus/ --output data/mine": Run(),
+    "--valid-fraction 0.001": Run(alongside=True),
+    "python tools/preprocess_data.py --input my_corpus/ --output data/mine": Run(alongside=True),
     "python tools/train_tokenizer.py --input stdlib --vocab-size 8192 --output data/tokenizer.json":
         Run((("--input stdlib --vocab-size 8192", "--input books/ --vocab-size 300"),),
-            "a tiny corpus and vocabulary stand in for the standard library's"),
+            "a tiny corpus and vocabulary stand in for the standard library's", alongside=True),
     "python tools/preprocess_data.py --input stdlib --tokenizer data/tokenizer.json --output data/pystdlib-bpe":
-        Run((("--input stdlib", "--input books/"),), "a tiny corpus stands in"),
+        Run((("--input stdlib", "--input books/"),), "a tiny corpus stands in", alongside=True),
     # Configs and the dry run: verbatim.
-    "python launch/pretrain.py --config tiny_dense.yaml --print-config": Run(),
-    "python launch/pretrain.py --config tiny_dense --print-config": Run(),
+    "python launch/pretrain.py --config tiny_dense.yaml --print-config": Run(alongside=True),
+    "python launch/pretrain.py --config tiny_dense --print-config": Run(alongside=True),
     "python launch/pretrain.py --config path/to/my.yaml model.num_layers=8 optimizer.lr=1e-3":
         Run((("optimizer.lr=1e-3", "optimizer.lr=1e-3 --print-config"),),
-            "path/to/my.yaml is a copy of tiny_dense.yaml; it prints the config instead of a 200-step run"),
+            "path/to/my.yaml is a copy of tiny_dense.yaml; it prints the config instead of a 200-step run", alongside=True),
     "python launch/pretrain.py --config tiny_dense.yaml --dry-run --world-size 8 model.size=1b "
-    "model.vocab_size=32768 training.global_batch_size=32": Run(),
-    "python launch/pretrain.py --config tiny_dense.yaml --dry-run --world-size 8 model.size=1b parallel.tp=2": Run(),
-    "python launch/slurm/submit.py --config 671b_fp8.yaml --print-only": Run(),
+    "model.vocab_size=32768 training.global_batch_size=32": Run(alongside=True),
+    "python launch/pretrain.py --config tiny_dense.yaml --dry-run --world-size 8 model.size=1b parallel.tp=2": Run(alongside=True),
+    "python launch/slurm/submit.py --config 671b_fp8.yaml --print-only": Run(alongside=True),
     # Training: the demo runs, shortened.
     "torchrun --nproc_per_node=2 launch/pretrain.py --config tiny_dense.yaml":
         Run((("tiny_dense.yaml", f"tiny_dense.yaml {TINY_TRAINING}"),),
@@ -213,12 +219,22 @@ def run_in(root: Path, command: str) -> subprocess.CompletedProcess:
                           timeout=COMMAND_TIMEOUT_S)
 
 
+def run_in_turn(root: Path, commands: list[tuple[str, Run]], documented: dict[str, str]) -> list[str]:
+    """Run each command in order, stopping at the first failure; its report, or nothing."""
+    for command, entry in commands:
+        result = run_in(root, substituted(command, entry))
+        if result.returncode != 0:
+            return [f"{documented[command]}: `{command}` failed (exit {result.returncode}):\n"
+                    f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"]
+    return []
+
+
 def test_cheap_documented_commands_run(tmp_path):
     documented = documented_commands()
     make_scratch_clone(tmp_path)
-    for command, entry in COMMANDS.items():
-        if isinstance(entry, Skip) or command not in documented:
-            continue
-        result = run_in(tmp_path, substituted(command, entry))
-        assert result.returncode == 0, (f"{documented[command]}: `{command}` failed "
-                                        f"(exit {result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+    runs = [(command, entry) for command, entry in COMMANDS.items()
+            if isinstance(entry, Run) and command in documented]
+    sequences = [[run for run in runs if run[1].alongside == alongside] for alongside in (False, True)]
+    with ThreadPoolExecutor(max_workers=len(sequences)) as pool:
+        failures = sum(pool.map(lambda sequence: run_in_turn(tmp_path, sequence, documented), sequences), [])
+    assert not failures, "\n\n".join(failures)
