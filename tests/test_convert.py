@@ -426,3 +426,33 @@ def test_configs_of_transformers_4_give_the_rope_settings_too(tmp_path, llama_di
     (edited / "config.json").write_text(json.dumps({**config, "rope_theta": 500000.0, "rope_scaling": rope_scaling}))
     cfg = load_hf(edited).cfg
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == expected
+
+
+def test_hf_round_trip_keeps_max_position_embeddings(tmp_path):
+    from megafp8.checkpoint.convert import export_hf, import_hf
+
+    save_hf(tiny_model().state_dict(), CFG, 256, tmp_path / "hf", fp8=False)
+    path, _, _ = import_hf(tmp_path / "hf", tmp_path / "ck")
+    written = export_hf(path, tmp_path / "hf2", fp8=False)
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["max_position_embeddings"] == 256
+    assert written == "llama; max_position_embeddings 256: kept from the imported Hugging Face config"
+
+
+def test_conversion_errors_name_the_short_shard_and_give_conversion_advice(tmp_path):
+    from megafp8.checkpoint.convert import export_hf, import_hf, shard
+    from megafp8.checkpoint.integrity import MANIFEST_FILE
+
+    save_hf(tiny_model().state_dict(), CFG, 64, tmp_path / "hf", fp8=False)
+    path, _, _ = import_hf(tmp_path / "hf", tmp_path / "ck")
+    sharded = shard(path, tmp_path / "sharded")
+    shard_file = sorted(sharded.glob("*.distcp"))[0]
+    shard_file.write_bytes(shard_file.read_bytes()[: shard_file.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=rf"{shard_file.name} has \d+ bytes, \d+ were written: it is truncated or "
+                                          r"damaged; convert an earlier checkpoint$"):
+        export_hf(sharded, tmp_path / "out", fp8=False)
+    (sharded / MANIFEST_FILE).unlink()  # an unverified read: the index shows which file is short
+    with pytest.raises(ConfigError, match=rf"checkpoint file {re.escape(str(shard_file))} has \d+ bytes, its index "
+                                          r"places \d+: it is truncated; convert an earlier checkpoint$"):
+        export_hf(sharded, tmp_path / "out", fp8=False)
+    with pytest.raises(ConfigError, match=r"not found; check the checkpoint path given to the tool$"):
+        export_hf(tmp_path / "nowhere", tmp_path / "out", fp8=False)

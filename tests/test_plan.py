@@ -182,3 +182,27 @@ def test_planned_fp8_weight_copies_are_what_the_layers_keep(tiny_overrides, conf
     live = sum(t.numel() * t.element_size() for c in caches for t in c.entry.tensors())
     assert len(caches) >= 4 and live > 0
     assert make_plan(cfg, 1).bytes_per_rank["fp8_weight_copies"] == live
+
+
+def test_plan_tool_has_its_own_usage(capsys):
+    from megafp8.train.main import plan_main
+
+    with pytest.raises(SystemExit):
+        plan_main(["--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0]  # the usage lines, before the description
+    assert usage.startswith("usage: plan.py") and "--dry-run" not in usage and "--print-config" not in usage
+
+
+def test_dry_run_labels_tokens_per_second_as_the_clusters_total():
+    text = make_plan(load_config("tiny_dense", ["model.vocab_size=384"]), 8).render(peak_tflops=1000, mfu=0.4)
+    line = next(line for line in text.splitlines() if line.startswith("tokens/s"))
+    total = make_plan(load_config("tiny_dense", ["model.vocab_size=384"]), 8).tokens_per_s(1000, 0.4)
+    assert f"all 8 GPU(s) together: {total:,.0f} ({total / 8:,.0f} per GPU)" in line
+
+
+@pytest.mark.parametrize("world_size", [8, 16, 512])
+def test_too_few_ranks_for_671b_states_the_minimum(world_size):
+    from megafp8.config.validate import validate_for_world
+
+    with pytest.raises(ConfigError, match=r"launch a multiple of 1024 ranks \(at least 1024 = tp x pp x ep\)"):
+        validate_for_world(load_config("671b_fp8"), world_size)

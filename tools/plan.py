@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megafp8.train.main import main  # noqa: E402
+from megafp8.train.main import plan_main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] + ["--dry-run"]))
+    sys.exit(plan_main(sys.argv[1:]))

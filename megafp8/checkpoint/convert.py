@@ -10,7 +10,7 @@ import yaml
 
 from megafp8.checkpoint.hf import load_hf, save_hf
 from megafp8.checkpoint.hf_config import model_config_from_saved
-from megafp8.checkpoint.local import fresh_temporary, load_checkpoint, publish, save_checkpoint
+from megafp8.checkpoint.local import CONVERTING, fresh_temporary, load_checkpoint, publish, save_checkpoint
 from megafp8.checkpoint.sharded import INDEX_FILE, is_sharded_checkpoint, write_sharded
 from megafp8.parallel.sharding import Piece, Placed
 from megafp8.config import ConfigError, ModelConfig
@@ -35,11 +35,28 @@ def best_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {**{k: v for k, v in state["model"].items() if k not in masters}, **masters}
 
 
+HF_SOURCE = "hf_source"  # checkpoint key: what `import_hf` keeps of config.json that no model setting holds
+DEFAULT_MAX_POSITIONS = 4096
+
+
+def max_positions_of(state: dict[str, Any]) -> tuple[int, str]:
+    """config.json's `max_position_embeddings` for `state`, and where it came from."""
+    imported = state.get(HF_SOURCE, {}).get("max_position_embeddings")
+    if imported:
+        return int(imported), "kept from the imported Hugging Face config"
+    seq_len = state.get("config", {}).get("data", {}).get("seq_len")
+    if seq_len:
+        return int(seq_len), "the run's data.seq_len"
+    return DEFAULT_MAX_POSITIONS, "the checkpoint records no sequence length; a default"
+
+
 def export_hf(checkpoint: Path, out_dir: Path, fp8: bool) -> str:
-    """A megafp8 checkpoint -> a Hugging Face directory; returns the model_type it was written as."""
-    state = load_checkpoint(checkpoint)
-    seq_len = int(state.get("config", {}).get("data", {}).get("seq_len", 4096))
-    return save_hf(best_weights(state), model_config_of(state), seq_len, out_dir, fp8)
+    """A megafp8 checkpoint -> a Hugging Face directory; returns the model_type it was written as and its
+    `max_position_embeddings` with where that came from."""
+    state = load_checkpoint(checkpoint, advice=CONVERTING)
+    positions, source = max_positions_of(state)
+    model_type = save_hf(best_weights(state), model_config_of(state), positions, out_dir, fp8)
+    return f"{model_type}; max_position_embeddings {positions}: {source}"
 
 
 def import_hf(hf_dir: Path, out_root: Path) -> tuple[Path, ModelConfig, list[str]]:
@@ -60,6 +77,8 @@ def import_hf(hf_dir: Path, out_root: Path) -> tuple[Path, ModelConfig, list[str
         "rng": {"torch": torch.get_rng_state()},
         "config": {"model": dataclasses.asdict(cfg)},
     }
+    if imported.max_position_embeddings:
+        state[HF_SOURCE] = {"max_position_embeddings": imported.max_position_embeddings}
     return save_checkpoint(out_root, 0, state, keep_last=0), cfg, imported.notes
 
 
@@ -70,14 +89,14 @@ def model_settings(cfg: ModelConfig) -> str:
 
 def consolidate(checkpoint: Path, out_root: Path) -> Path:
     """Any checkpoint -> a one-file (`full`) checkpoint at the same step under `out_root`."""
-    state = load_checkpoint(checkpoint)
+    state = load_checkpoint(checkpoint, advice=CONVERTING)
     return save_checkpoint(out_root, int(state["step"]), state, keep_last=0)
 
 
 def shard(checkpoint: Path, out_root: Path) -> Path:
     """Any checkpoint -> a sharded (torch.distributed.checkpoint) one at the same step under `out_root`, written by
     this one process; it loads at any layout like one a run wrote."""
-    state = load_checkpoint(checkpoint)
+    state = load_checkpoint(checkpoint, advice=CONVERTING)
     step = int(state["step"])
     placed = {}
     for prefix, tensors in [("model", state["model"])] + [(f"optim/{kind}", state["optimizer"].get(kind, {}))
@@ -92,7 +111,7 @@ def shard(checkpoint: Path, out_root: Path) -> Path:
 
 
 def describe(checkpoint: Path) -> str:
-    state = load_checkpoint(checkpoint)
+    state = load_checkpoint(checkpoint, advice=CONVERTING)
     config = state.get("config", {})
     if is_sharded_checkpoint(checkpoint):
         files = sorted(checkpoint.glob("*.distcp"))

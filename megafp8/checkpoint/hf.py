@@ -19,6 +19,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -161,12 +162,14 @@ def _read_tensors(in_dir: Path) -> dict[str, torch.Tensor]:
 @dataclasses.dataclass
 class Imported:
     """A Hugging Face checkpoint in our terms: the model config, the state in FP32 (the routers' `expert_bias`
-    buffers included), and one line per thing the user should know (e.g. MTP weights absent)."""
+    buffers included), one line per thing the user should know (e.g. MTP weights absent), and config.json's
+    `max_position_embeddings` (no model setting holds it; the converter carries it to a later export)."""
 
     cfg: ModelConfig
     state: dict[str, torch.Tensor]
     layout: str
     notes: list[str]
+    max_position_embeddings: Optional[int] = None
 
 
 def load_hf(in_dir: Path) -> Imported:
@@ -175,7 +178,8 @@ def load_hf(in_dir: Path) -> Imported:
     config_path = in_dir / CONFIG_FILE
     if not config_path.is_file():
         raise ConfigError(f"{config_path} not found: expected a Hugging Face model directory")
-    model: HfModel = model_from_hf(json.loads(config_path.read_text()))
+    raw_config = json.loads(config_path.read_text())
+    model: HfModel = model_from_hf(raw_config)
     get = HfTensors(_read_tensors(in_dir))
     cfg, notes = model.cfg, list(model.notes)
     if model.layout == "deepseek_v3":
@@ -194,4 +198,5 @@ def load_hf(in_dir: Path) -> Imported:
     if model.layout == "deepseek_v3":
         check_mtp_copies(get, state, cfg)
     get.check_all_read()
-    return Imported(cfg, state, model.layout, notes)
+    positions = raw_config.get("max_position_embeddings")
+    return Imported(cfg, state, model.layout, notes, int(positions) if positions else None)

@@ -24,6 +24,7 @@ import re
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,7 +40,7 @@ from megafp8.checkpoint.integrity import (
     verify_files,
     write_manifest,
 )
-from megafp8.checkpoint.sharded import META_FILE, is_sharded_checkpoint, read_full
+from megafp8.checkpoint.sharded import META_FILE, RESUME_EARLIER, is_sharded_checkpoint, read_full
 from megafp8.config import ConfigError
 
 STATE_FILE = "state.pt"
@@ -232,21 +233,34 @@ def resume_candidates(root: Path) -> tuple[list[Path], list[str]]:
     return candidates, skipped
 
 
-def load_checkpoint(path: Path, verify: bool = True) -> dict[str, Any]:
+@dataclass(frozen=True)
+class LoadAdvice:
+    """What a load error tells the user to do when the checkpoint is `missing`, or `damaged`."""
+
+    missing: str
+    damaged: str
+
+
+RESUMING = LoadAdvice(missing="check checkpoint.resume", damaged=RESUME_EARLIER)
+CONVERTING = LoadAdvice(missing="check the checkpoint path given to the tool",
+                        damaged="convert an earlier checkpoint")
+
+
+def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMING) -> dict[str, Any]:
     """Read a checkpoint directory (or its state file) onto the CPU, tensors and plain values only, every tensor at
     its full shape (a sharded checkpoint is consolidated in this process). `verify`: check every file's checksum
-    first (a ConfigError naming the first bad file)."""
+    first (a ConfigError naming the first bad file). `advice`: how errors end (training's by default)."""
     if not path.exists():
-        raise ConfigError(f"checkpoint '{path}' not found; check checkpoint.resume")
+        raise ConfigError(f"checkpoint '{path}' not found; {advice.missing}")
     directory = path if path.is_dir() else path.parent
     problem = verification_problem(directory) if verify and (path.is_dir() or has_checksums(directory)) else None
     if problem:
-        raise ConfigError(problem)
+        raise ConfigError(f"{problem}; {advice.damaged}")
     if path.is_dir() and is_sharded_checkpoint(path):
-        return _consolidate(path)
+        return _consolidate(path, advice)
     file = path / STATE_FILE if path.is_dir() else path
     if not file.is_file():
-        raise ConfigError(f"checkpoint '{path}' not found (expected {file}); check checkpoint.resume")
+        raise ConfigError(f"checkpoint '{path}' not found (expected {file}); {advice.missing}")
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises several types for truncated or foreign files
@@ -257,7 +271,7 @@ def load_checkpoint(path: Path, verify: bool = True) -> dict[str, Any]:
     return state
 
 
-def _consolidate(path: Path) -> dict[str, Any]:
+def _consolidate(path: Path, advice: LoadAdvice) -> dict[str, Any]:
     """A sharded checkpoint as the full-checkpoint dictionary."""
     try:
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
@@ -265,7 +279,7 @@ def _consolidate(path: Path) -> dict[str, Any]:
         raise ConfigError(f"checkpoint {path} lacks {META_FILE}: not a complete megafp8 checkpoint") from None
     except Exception as err:
         raise ConfigError(f"checkpoint file {path / META_FILE} is corrupt: {err}") from None
-    tensors = read_full(path)
+    tensors = read_full(path, advice.damaged)
     state = {key: value for key, value in meta.items() if key != "optimizer_step"}
     state["model"] = {name.removeprefix("model/"): t for name, t in tensors.items() if name.startswith("model/")}
     state["optimizer"] = {"step": meta["optimizer_step"]}

@@ -200,8 +200,31 @@ def read_sharded(directory: Path, placed: dict[str, Placed]) -> dict[str, Any]:
     return meta
 
 
-def _load(directory: Path, placed: dict[str, Placed], no_dist: bool) -> None:
-    """DCP's load into `placed`, its failures turned into one ConfigError naming the checkpoint."""
+RESUME_EARLIER = "resume from an earlier checkpoint"  # a training run's way past a damaged checkpoint
+
+
+def short_file_problem(directory: Path) -> Optional[str]:
+    """The first shard file shorter than the bytes the checkpoint's index places in it (or missing), as one line."""
+    try:
+        metadata = SafeReader(str(directory)).read_metadata()
+    except ConfigError as err:
+        return str(err)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = getattr(info, "offset", 0) + getattr(info, "length", 0)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = directory / name
+        if not file.is_file():
+            return f"checkpoint file {file} is missing"
+        if file.stat().st_size < size:
+            return f"checkpoint file {file} has {file.stat().st_size} bytes, its index places {size}: it is truncated"
+    return None
+
+
+def _load(directory: Path, placed: dict[str, Placed], no_dist: bool, advice: str = RESUME_EARLIER) -> None:
+    """DCP's load into `placed`, its failures turned into one ConfigError naming the checkpoint (and the shard file
+    when one is short), ending with `advice`."""
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
@@ -211,10 +234,15 @@ def _load(directory: Path, placed: dict[str, Placed], no_dist: bool) -> None:
         raise
     except (CheckpointException, Exception) as err:  # DCP wraps every rank's failure (e.g. a truncated shard file)
         reason = _first_config_error(err)
+        if reason:
+            raise ConfigError(reason) from None
+        short = short_file_problem(directory)
+        if short:
+            raise ConfigError(f"{short}; {advice}") from None
         cause = next(iter(_failures(err)), err)
-        raise ConfigError(reason or f"checkpoint {directory} could not be read ({type(cause).__name__}: "
+        raise ConfigError(f"checkpoint {directory} could not be read ({type(cause).__name__}: "
                           f"{str(cause).splitlines()[0] if str(cause) else 'no detail'}): a shard file is truncated "
-                          "or corrupt; resume from an earlier checkpoint") from None
+                          f"or corrupt; {advice}") from None
 
 
 def _failures(err: BaseException) -> list[BaseException]:
@@ -237,9 +265,9 @@ def _first_config_error(err: BaseException) -> Optional[str]:
     return next((str(e) for e in _failures(err) if isinstance(e, ConfigError)), None)
 
 
-def read_full(directory: Path) -> dict[str, torch.Tensor]:
+def read_full(directory: Path, advice: str = RESUME_EARLIER) -> dict[str, torch.Tensor]:
     """Every tensor of a sharded checkpoint at its full shape, by name (one process, no process group):
-    for conversion, inspection and consolidation."""
+    for conversion, inspection and consolidation. `advice` ends the error of a damaged checkpoint."""
     metadata = SafeReader(str(directory)).read_metadata()
     placed, full = {}, {}
     for fqn, md in metadata.state_dict_metadata.items():
@@ -247,6 +275,6 @@ def read_full(directory: Path) -> dict[str, torch.Tensor]:
             continue
         full[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         placed[fqn] = Placed(tuple(md.size), [Piece(tuple(0 for _ in md.size), full[fqn])])
-    _load(directory, placed, no_dist=True)
+    _load(directory, placed, no_dist=True, advice=advice)
     return full
 

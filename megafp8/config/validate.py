@@ -283,15 +283,18 @@ def data_parallel_size(world_size: int, tp: int, pp: int = 1, ep: int = 1) -> in
     for name, size in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.ep", ep)):
         if size < 1:
             raise ConfigError(f"{name} must be at least 1, got {size}")
+    fewest = tp * pp * ep  # the data-parallel size is a multiple of ep, so the world one of tp x pp x ep
+    settings = "parallel.tp" + (" / parallel.pp" if pp > 1 else "") + (" / parallel.ep" if ep > 1 else "")
     if world_size % (tp * pp) != 0:
         raise ConfigError(
             f"{world_size} rank(s) cannot be split into tp={tp} x pp={pp} x data-parallel replicas: launch a "
-            f"multiple of {tp * pp} ranks or change parallel.tp" + (" / parallel.pp" if pp > 1 else "")
+            f"multiple of {fewest} ranks (at least {fewest} = tp x pp x ep) or change {settings}"
         )
     dp = world_size // (tp * pp)
     if dp % ep != 0:
         raise ConfigError(f"parallel.ep={ep} must divide the data-parallel size {dp} (= {world_size} ranks / "
-                          f"(tp {tp} x pp {pp}))")
+                          f"(tp {tp} x pp {pp})): launch a multiple of {fewest} ranks (at least {fewest} = tp x pp "
+                          f"x ep) or change {settings}")
     return dp
 
 

@@ -63,6 +63,7 @@ class Plan:
         return sum(self.bytes_per_rank.values())
 
     def tokens_per_s(self, peak_tflops: float, mfu: float) -> float:
+        """Tokens per second of all the run's GPUs together at `mfu` of `peak_tflops` each."""
         return peak_tflops * 1e12 * mfu * self.world_size / self.flops_per_token
 
     def render(self, peak_tflops: float, mfu: float) -> str:
@@ -81,8 +82,9 @@ class Plan:
         lines += [f"| {k.replace('_', ' ')} | {v / GIB:,.2f} |" for k, v in self.bytes_per_rank.items()]
         lines += [f"| **total** | **{self.total_bytes / GIB:,.2f}** |", "",
                   f"training FLOPs per token: {self.flops_per_token / 1e9:,.2f} GFLOP",
-                  f"tokens/s at {100 * mfu:.0f}% MFU of {peak_tflops:g} TFLOP/s per GPU: "
-                  f"{self.tokens_per_s(peak_tflops, mfu):,.0f}"]
+                  f"tokens/s at {100 * mfu:.0f}% MFU of {peak_tflops:g} TFLOP/s per GPU, all {self.world_size} "
+                  f"GPU(s) together: {self.tokens_per_s(peak_tflops, mfu):,.0f} "
+                  f"({self.tokens_per_s(peak_tflops, mfu) / self.world_size:,.0f} per GPU)"]
         return "\n".join(lines)
 
 

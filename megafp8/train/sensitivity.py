@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from megafp8.checkpoint import check_tensors_match, load_checkpoint
+from megafp8.checkpoint.local import LoadAdvice
 from megafp8.data import PackedDataset, TokenStream, read_meta, validation_batches
 from megafp8.model import resolve_vocab_size
 from megafp8.parallel import ParallelLinear
@@ -160,7 +161,8 @@ def model_and_batches(cfg, checkpoint: str | None, num_batches: int, device: tor
     bf16_cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, recipe="bf16"))
     model = build_model(bf16_cfg, model_cfg, PrecisionRecipe.from_name("bf16"), device)
     if checkpoint:
-        state = load_checkpoint(Path(checkpoint))
+        state = load_checkpoint(Path(checkpoint), advice=LoadAdvice(missing="check --checkpoint",
+                                                                     damaged="measure an earlier checkpoint"))
         check_tensors_match(state["model"], model.state_dict(), Path(checkpoint))
         model.load_state_dict(state["model"])
     split = cfg.data.valid_split if cfg.data.valid_split in meta.splits else cfg.data.train_split
