@@ -213,19 +213,26 @@ def fp8_blockwise_loop(p: Problem, gemm: str, backend: str) -> Callable[[], list
     return lambda: [F.scaled_mm(*c, output_dtype=torch.bfloat16) for c in calls]
 
 
-def ours(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
-    """The backend's grouped GEMMs on the operands `megafp8.precision.grouped` gives them."""
+def _our_operands(p: Problem, gemm: str, backend: str) -> tuple:
+    """(rows, operands) of our grouped GEMMs, quantized by the backend: wgrad (dy^T, x^T in 1x128 tiles along the
+    rows); fprop/dgrad (the rows' FP8 and the stacked weight in 128x128 blocks with its transpose)."""
     impl = select_backend(backend, p.x.device)
     rows = expert_rows([p.rows] * p.experts, p.x.device)  # rows are multiples of 128: no padding
     if gemm == "wgrad":
-        _, _, dyt, dyt_scale = impl.quantize_rows_cols(p.dy, E4M3, False)
-        _, _, xt, xt_scale = impl.quantize_rows_cols(p.x, E4M3, False)
-        return lambda: impl.grouped_gemm_1x128_1x128(dyt, dyt_scale, xt, xt_scale, rows, p.experts, torch.bfloat16)
+        return impl, rows, (*impl.quantize_rows_cols(p.dy, E4M3, False)[2:],
+                            *impl.quantize_rows_cols(p.x, E4M3, False)[2:])
     weight = impl.empty_weight(p.w.shape, E4M3, p.x.device)
     impl.quantize_weight_(p.w, weight, E4M3, False)
-    a, a_scale = impl.quantize_rows(p.x if gemm == "fprop" else p.dy, E4M3, False)
-    transposed = gemm == "dgrad"
-    return lambda: impl.grouped_gemm_1x128_128x128(a, a_scale, weight, transposed, rows, torch.bfloat16)
+    return impl, rows, (*impl.quantize_rows(p.x if gemm == "fprop" else p.dy, E4M3, False), weight)
+
+
+def ours(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
+    """The backend's grouped GEMMs on the operands `megafp8.precision.grouped` gives them."""
+    impl, rows, operands = _our_operands(p, gemm, backend)
+    if gemm == "wgrad":
+        return lambda: impl.grouped_gemm_1x128_1x128(*operands, rows, p.experts, torch.bfloat16)
+    a, a_scale, weight = operands
+    return lambda: impl.grouped_gemm_1x128_128x128(a, a_scale, weight, gemm == "dgrad", rows, torch.bfloat16)
 
 
 def ours_pointer_kernels(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
@@ -234,16 +241,10 @@ def ours_pointer_kernels(p: Problem, gemm: str, backend: str) -> Callable[[], to
     if p.x.device.type != "cuda":
         raise RuntimeError("our Triton kernels need a CUDA GPU")
     from megafp8.precision.kernels import gemm as kernels
-    impl = select_backend(backend, p.x.device)
-    rows = expert_rows([p.rows] * p.experts, p.x.device)
+    _, rows, operands = _our_operands(p, gemm, backend)
     if gemm == "wgrad":
-        _, _, dyt, dyt_scale = impl.quantize_rows_cols(p.dy, E4M3, False)
-        _, _, xt, xt_scale = impl.quantize_rows_cols(p.x, E4M3, False)
-        return lambda: kernels.grouped_wgrad(dyt, dyt_scale, xt, xt_scale, rows.tile_start, rows.tile_count,
-                                             torch.bfloat16, tma=False)
-    weight = impl.empty_weight(p.w.shape, E4M3, p.x.device)
-    impl.quantize_weight_(p.w, weight, E4M3, False)
-    a, a_scale = impl.quantize_rows(p.x if gemm == "fprop" else p.dy, E4M3, False)
+        return lambda: kernels.grouped_wgrad(*operands, rows.tile_start, rows.tile_count, torch.bfloat16, tma=False)
+    a, a_scale, weight = operands
     b, b_scale = (weight.w_fp8, weight.w_scale) if gemm == "fprop" else (weight.wt_fp8, weight.wt_scale)
     return lambda: kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, torch.bfloat16, tma=False)
 

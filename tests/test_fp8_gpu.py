@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megafp8.precision import Fp8Recipe, PrecisionRecipe, select_backend, why_unavailable
-from tests.fp8_checks import run_with_grads, swiglu_mlp_layers
+from tests.fp8_checks import assert_same_quantization, run_with_grads, swiglu_mlp_layers
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -159,12 +159,13 @@ def _kernel_outputs() -> dict:
 
 
 def _assert_same_bits(got: dict, want: dict, what: str) -> None:
+    """Every output equal: FP8 values and FP32 scales (and RMSNorm's rstd) pairwise, nan matching nan."""
     for name, tensors in want.items():
-        for i, (a, b) in enumerate(zip(got[name], tensors)):
-            if a.element_size() == 1:  # FP8 compared as bytes (nan has one pattern per sign)
-                a, b = a.view(torch.uint8), b.view(torch.uint8)
-            assert torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))), \
-                f"{what}: {name} output {i} differs"
+        outputs = list(zip(got[name], tensors))
+        for i in range(0, len(outputs) - 1, 2):
+            assert_same_quantization(*zip(*outputs[i:i + 2]), f"{what}: {name} outputs {i}, {i + 1}")
+        if len(outputs) % 2:  # rmsnorm's rstd
+            assert torch.equal(*(t.nan_to_num(7.0) for t in outputs[-1])), f"{what}: {name}'s last output differs"
 
 
 def test_every_autotuned_configuration_of_every_kernel_gives_the_same_bits():
