@@ -68,6 +68,25 @@ def test_quantizers_give_the_reference_bits(backend_on, fmt, pow2):
         assert_same_quantization(got[2:], want[2:], f"columns of rows_cols {tuple(x.shape)}")
 
 
+def test_the_gathering_quantizer_gives_the_reference_bits(backend_on):
+    """Token rows gathered into the padded expert layout (each token feeding two rows, zero rows between experts,
+    an expert without rows, a nan in one token) and quantized both ways: the bits of the reference quantizer on
+    the padded copy."""
+    from megafp8.precision.grouped import padded_source_index
+    backend, device = backend_on
+    source = outlier_tensor(150, 384, seed=8)
+    source[7, 9] = float("nan")
+    row_to_source = torch.randperm(300, generator=torch.Generator().manual_seed(0)) // 2
+    layout = expert_rows([130, 0, 3, 167], torch.device("cpu"))
+    index = padded_source_index(layout, row_to_source)
+    padded = source.new_zeros(layout.total, 384).index_copy_(0, layout.index, source[row_to_source])
+    for fmt, pow2 in ((E4M3, False), (E5M2, True)):
+        got = backend.gather_quantize_rows_cols(source.to(device), index.to(device), fmt, pow2)
+        want = ref.quantize_rows_cols(padded, fmt, pow2)
+        assert_same_quantization(got[:2], want[:2], f"rows, {fmt.name}")
+        assert_same_quantization(got[2:], want[2:], f"columns, {fmt.name}")
+
+
 @pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2-scales"])
 @pytest.mark.parametrize("shape", [(256, 384), (3, 128, 256)], ids=["dense", "experts"])
 def test_weight_quantization_gives_the_reference_bits_in_place(backend_on, pow2, shape):

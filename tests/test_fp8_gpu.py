@@ -152,7 +152,9 @@ def _kernel_outputs() -> dict:
     gu = torch.randn(200, 512, device=CUDA, dtype=torch.bfloat16) * 4
     da = torch.randn(200, 256, device=CUDA, dtype=torch.bfloat16)
     w = (torch.rand(384, device=CUDA) + 0.5).to(torch.bfloat16)
+    index = torch.randperm(512, device=CUDA) % 300 - 100  # rows of x, and zero rows where negative
     return {"rows": kq.quantize_rows(x, E4M3, False), "rows_cols": kq.quantize_rows_cols(x, E5M2, True),
+            "gathered_rows_cols": kq.gather_quantize_rows_cols(x, index, E4M3, False),
             "rmsnorm": kp.rmsnorm_quantize(x, w, 1e-5, E4M3, False),
             "swiglu": kp.swiglu_quantize(gu, E4M3, True),
             "swiglu_backward": kp.swiglu_backward_quantize(gu, da, E4M3, E5M2, False)}
@@ -228,3 +230,26 @@ def test_grouped_gemm_kernels_with_tma_match_the_pointer_kernels_in_every_config
             assert ran >= len(saved[0]) // 2, f"{kernel.fn.__name__}: only {ran} configurations fit"
         finally:
             kernel.configs, kernel.cache = saved
+
+
+def test_moe_permutation_kernels_match_their_pure_torch_twins():
+    """The gather-sum and the weighted combine (forward and backward) on CUDA against their twins run on the same
+    GPU tensors: the same FP32 sums in the same order, so the same bits; the combine's weight gradient (a dot
+    product over the features, summed in the kernel's own order) within FP32 rounding."""
+    pytest.importorskip("triton")
+    from megafp8.parallel import permute, permute_kernels
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    tokens, k, hidden = 1000, 8, 384
+    row_to_source = torch.randperm(tokens * k, device=CUDA, generator=g) // k
+    source_to_rows = torch.argsort(row_to_source, stable=True).view(tokens, k)
+    d = torch.randn(tokens * k, hidden, device=CUDA, generator=g).bfloat16()
+    assert torch.equal(permute_kernels.gather_sum(d, source_to_rows), permute.gather_sum_reference(d, source_to_rows))
+    y = torch.randn(tokens * k + 300, hidden, device=CUDA, generator=g).bfloat16()  # 300 rows no token names
+    pos = torch.randperm(tokens * k + 300, device=CUDA, generator=g)[:tokens * k].view(tokens, k)
+    weights = torch.rand(tokens, k, device=CUDA, generator=g)
+    assert torch.equal(permute_kernels.combine(y, pos, weights), permute.combine_reference(y, pos, weights))
+    dout = torch.randn(tokens, hidden, device=CUDA, generator=g).bfloat16()
+    dy, dweights = permute_kernels.combine_backward(dout, y, pos, weights, torch.zeros_like(y))
+    want_dy, want_dweights = permute.combine_backward_reference(dout, y, pos, weights)
+    assert torch.equal(dy, want_dy)
+    torch.testing.assert_close(dweights, want_dweights, rtol=1e-5, atol=1e-5 * float(want_dweights.abs().max()))

@@ -23,6 +23,7 @@ from megafp8.model import init_weights
 from megafp8.model.moe import MoE, Router
 from megafp8.parallel import ExpertParallel, ParallelDims, TensorParallel, local_experts_of
 from megafp8.parallel.experts import combine, dispatch
+from megafp8.parallel.permute import RowSource, gather_rows
 from megafp8.precision import PrecisionRecipe
 from megafp8.train.trainer import Trainer
 from tests.distributed import spawn
@@ -79,8 +80,8 @@ def test_dispatch_and_combine_drop_nothing():
     weights = torch.rand(10, 3)
     plan = dispatch(x, idx, 4, ExpertParallel.single())
     assert sum(plan.tokens_per_expert) == 30 and plan.tokens_per_expert == torch.bincount(idx.flatten(), minlength=4).tolist()
-    doubled = torch.cat([rows * (e + 1) for e, rows in enumerate(plan.rows.split(plan.tokens_per_expert))])
-    out = combine(doubled, weights, plan, ExpertParallel.single())
+    doubled = torch.cat([rows * (e + 1) for e, rows in enumerate(gather_rows(plan.rows).split(plan.tokens_per_expert))])
+    out = combine(doubled, None, weights, plan, ExpertParallel.single())
     expected = sum(weights[:, j:j + 1] * x * (idx[:, j:j + 1] + 1) for j in range(3))
     torch.testing.assert_close(out, expected)
 
@@ -383,14 +384,24 @@ def test_partial_fp8_recipes_are_refused_for_experts_with_a_way_out(tiny_overrid
     assert not trainer.model.layers[1].mlp.experts.gate_up_proj.runs_fp8
 
 
-def _expert_mlp_outputs(experts, rows: torch.Tensor, counts: list[int], dy: torch.Tensor) -> list[torch.Tensor]:
-    """(y, dx, d w_gate_up, d w_down) of a RoutedExperts on `rows`."""
-    x = rows.clone().requires_grad_()
-    y = experts(x, counts)
+def _expert_mlp_outputs(experts, rows: RowSource, counts: list[int], dy: torch.Tensor) -> list[torch.Tensor]:
+    """(y, d source, d w_gate_up, d w_down) of a RoutedExperts on `rows` (y in the order of the rows)."""
+    source = rows.source.clone().requires_grad_()
+    out, out_rows = experts(RowSource(source, rows.row_to_source, rows.source_to_rows), counts)
+    y = out if out_rows is None else out[out_rows]
     (y.float() * dy).sum().backward()
     grads = [experts.gate_up_proj.weight.grad, experts.down_proj.weight.grad]
     experts.zero_grad(set_to_none=True)
-    return [y.detach(), x.grad, *grads]
+    return [y.detach(), source.grad, *grads]
+
+
+def _tokens_as_rows(tokens: int, k: int, hidden: int) -> RowSource:
+    """Rows in a shuffled order, each of `tokens` random BF16 tokens feeding k of them (as a dispatch with top-k)."""
+    g = torch.Generator().manual_seed(3)
+    source = torch.randn(tokens, hidden, generator=g).bfloat16()
+    row_to_source = torch.randperm(tokens * k, generator=g) // k
+    source_to_rows = torch.argsort(row_to_source, stable=True).view(tokens, k)
+    return RowSource(source, row_to_source, source_to_rows)
 
 
 def test_fp8_experts_run_their_swiglu_mlp_as_one_function_within_fp8_tolerance_of_two_grouped_linears():
@@ -408,8 +419,8 @@ def test_fp8_experts_run_their_swiglu_mlp_as_one_function_within_fp8_tolerance_o
     for layer in (experts, bf16):
         for p in layer.parameters():
             torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(p.numel()))
-    counts = [5, 0, 200]
-    rows = torch.randn(sum(counts), cfg.hidden_size, dtype=torch.bfloat16)
+    counts = [5, 0, 199]
+    rows = _tokens_as_rows(sum(counts) // 3, 3, cfg.hidden_size)  # each token feeds three rows
     dy = torch.randn(sum(counts), cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     calls = []
     for linear in (experts.gate_up_proj, experts.down_proj):

@@ -27,8 +27,11 @@ from megafp8.config import ModelConfig
 from megafp8.model.mlp import SwiGLU
 from megafp8.parallel import ExpertParallel, TensorParallel, reduce_from_tp
 from megafp8.parallel.experts import ExpertLinear, combine, dispatch
+from megafp8.parallel.permute import RowSource, gather_rows, gather_sum
 from megafp8.precision import PrecisionRecipe
-from megafp8.precision.grouped import ExpertProjection, grouped_fp8_swiglu_mlp
+from megafp8.precision.grouped import (
+    ExpertProjection, GatheredInput, expert_rows, grouped_fp8_swiglu_mlp, padded_source_index,
+)
 
 
 class Router(nn.Module):
@@ -121,18 +124,26 @@ class RoutedExperts(nn.Module):
     def num_local(self) -> int:
         return self.down_proj.weight.shape[0]
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, rows: RowSource, counts: list[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Rows sorted by expert (`counts[e]` for local expert e) -> (out, out_rows): expert row i's output is
+        out[out_rows[i]] (the padded layout of the fused FP8 MLP), or out[i] where out_rows is None."""
         gate_up, down = self.gate_up_proj, self.down_proj
         fp8 = gate_up.recipe.fp8
         fused = fp8 is not None and down.recipe.fp8 == fp8 and gate_up.supports(fp8) and not self.observed
-        if fused and rows.shape[0] > 0:
-            # one FP8 autograd function in the padded expert layout, SwiGLU's kernels quantizing their outputs
-            return grouped_fp8_swiglu_mlp(rows, counts, ExpertProjection(gate_up.weight, gate_up.fp8_cache,
-                                                                         gate_up.wgrad_queue),
-                                          ExpertProjection(down.weight, down.fp8_cache, down.wgrad_queue), fp8,
-                                          gate_up.fp8_backend(rows.device))
-        gate, up = gate_up(rows, counts).chunk(2, dim=-1)  # each (rows, ffn)
-        return down(F.silu(gate) * up, counts)
+        if fused and sum(counts) > 0:
+            # one FP8 autograd function in the padded expert layout, the tokens gathered into it by the quantizer
+            layout = expert_rows(counts, rows.source.device)
+            padded_of_source = layout.index[rows.source_to_rows]
+            x = GatheredInput(rows.source, padded_source_index(layout, rows.row_to_source),
+                              lambda dx: gather_sum(dx, padded_of_source))
+            y = grouped_fp8_swiglu_mlp(x, layout, ExpertProjection(gate_up.weight, gate_up.fp8_cache,
+                                                                   gate_up.wgrad_queue),
+                                       ExpertProjection(down.weight, down.fp8_cache, down.wgrad_queue), fp8,
+                                       gate_up.fp8_backend(rows.source.device))
+            return y, layout.index
+        x = gather_rows(rows)
+        gate, up = gate_up(x, counts).chunk(2, dim=-1)  # each (rows, ffn)
+        return down(F.silu(gate) * up, counts), None
 
 
 class MoE(nn.Module):
@@ -162,7 +173,8 @@ class MoE(nn.Module):
         """x (tokens, hidden) -> (output, weighted balance loss)."""
         weights, chosen, scores = self.router(x)
         plan = dispatch(x, chosen, self.num_experts, self.ep, self._dispatch_quantizer(x))
-        y = combine(self.experts(plan.rows, plan.tokens_per_expert), weights, plan, self.ep)
+        expert_out, out_rows = self.experts(plan.rows, plan.tokens_per_expert)
+        y = combine(expert_out, out_rows, weights, plan, self.ep)
         if self.shared is not None:
             y = y + self.shared(x)
         aux = x.new_zeros((), dtype=torch.float32)

@@ -10,6 +10,10 @@ sent to its expert's rank; nothing is dropped, so the exchange is an uneven all-
     combine   the exact reverse (all-to-all back, un-sort), then each token's k outputs are summed
               with its routing weights in FP32 and cast to the activation dtype
 
+With one EP rank the sorted rows are never copied: the experts read the tokens through a row map
+(`megafp8.parallel.permute.RowSource`; the FP8 experts gather and quantize in one pass), and the combine
+reads the experts' output through an index, in one kernel with the weighted sum (`weighted_combine`).
+
 The row exchange is an autograd function whose backward is the reverse all-to-all. With
 `fp8_dispatch`, rows are quantized to FP8 in 1x128 tiles before the forward all-to-all and
 dequantized after (1 + 4/128 bytes per element instead of 2); gradients go back in BF16. The
@@ -34,6 +38,7 @@ from megafp8.precision import (
 )
 from megafp8.precision.grouped import grouped_linear
 from megafp8.parallel.dims import ExpertParallel
+from megafp8.parallel.permute import RowSource, gather_rows, weighted_combine
 from megafp8.parallel.sharding import mark_expert
 from megafp8.precision.quantize import dequantize_1x128
 
@@ -137,47 +142,54 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Dispatched:
-    """Rows for this rank's experts (expert-major) and what `combine` needs to send results back."""
+    """This rank's expert rows (expert-major, as a map into where they come from) and what `combine` needs."""
 
-    rows: torch.Tensor  # (sum of tokens_per_expert, hidden)
+    rows: RowSource  # (sum of tokens_per_expert) rows: the tokens (EP=1) or the rows received from the EP group
     tokens_per_expert: list[int]  # per local expert
-    order: torch.Tensor  # (N*k,) assignment indices sorted by expert
+    assignment_rows: torch.Tensor  # (N, k): row of each (token, slot) among the N*k rows sorted by expert
     regroup: Optional[torch.Tensor]  # received rows -> expert-major (EP only)
     send_rows: list[int]  # rows sent to each EP rank
     recv_rows: list[int]  # rows received from each EP rank
-    top_k: int
 
 
 def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int, ep: ExpertParallel,
              quantize: Optional[tuple[Fp8Backend, Fp8Format]] = None) -> Dispatched:
-    """x (N, hidden) tokens, expert_idx (N, k) chosen experts -> this rank's experts' rows."""
+    """x (N, hidden) tokens, expert_idx (N, k) chosen experts -> this rank's experts' rows. With one EP rank
+    nothing is copied here: the experts read the tokens through the row map (`RowSource`)."""
     n, k = expert_idx.shape
     flat = expert_idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    sorted_rows = x[order // k]  # (N*k, hidden): row j is assignment order[j]
+    order = torch.argsort(flat, stable=True)  # sorted row j is assignment order[j] = (token, slot) as t * k + s
+    assignment_rows = _inverse(order).view(n, k)
+    sorted_rows = RowSource(x, order // k, assignment_rows)
     counts = torch.bincount(flat, minlength=num_experts)  # (E,)
     if not ep.enabled:
-        return Dispatched(sorted_rows, counts.tolist(), order, None, [n * k], [n * k], k)
+        return Dispatched(sorted_rows, counts.tolist(), assignment_rows, None, [n * k], [n * k])
     local = num_experts // ep.size
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=ep.group)  # (ep * local,): source-major
     recv_matrix = recv_counts.view(ep.size, local)
     send_rows = counts.view(ep.size, local).sum(1).tolist()
     recv_rows = recv_matrix.sum(1).tolist()
-    received = _AllToAll.apply(sorted_rows, recv_rows, send_rows, ep, quantize)
+    received = _AllToAll.apply(gather_rows(sorted_rows), recv_rows, send_rows, ep, quantize)
     # Received rows are ordered (source rank, local expert); regroup them expert-major, sources in order.
     segment = torch.repeat_interleave(torch.arange(ep.size * local, device=x.device), recv_counts)  # s * local + e
     regroup = torch.argsort((segment % local) * ep.size + segment // local, stable=True)
-    return Dispatched(received[regroup], recv_matrix.sum(0).tolist(), order, regroup, send_rows, recv_rows, k)
+    rows = RowSource(received, regroup, _inverse(regroup).unsqueeze(1))
+    return Dispatched(rows, recv_matrix.sum(0).tolist(), assignment_rows, regroup, send_rows, recv_rows)
 
 
-def combine(expert_rows: torch.Tensor, weights: torch.Tensor, plan: Dispatched, ep: ExpertParallel) -> torch.Tensor:
-    """Expert outputs (rows as dispatched) -> (N, hidden): each token's outputs weighted by `weights` (N, k)."""
-    rows = expert_rows
+def combine(expert_out: torch.Tensor, out_rows: Optional[torch.Tensor], weights: torch.Tensor, plan: Dispatched,
+            ep: ExpertParallel) -> torch.Tensor:
+    """The experts' output -> (N, hidden): each token's outputs weighted by `weights` (N, k), summed in FP32.
+    Expert row i's output is `expert_out[out_rows[i]]` (the padded FP8 layout), or `expert_out[i]` if `out_rows`
+    is None."""
+    pos = plan.assignment_rows
     if plan.regroup is not None:
-        rows = rows[_inverse(plan.regroup)]
-        rows = _AllToAll.apply(rows, plan.send_rows, plan.recv_rows, ep, None)
-    per_assignment = rows[_inverse(plan.order)]  # (N*k, hidden) in (token, slot) order
-    n = weights.shape[0]
-    out = (per_assignment.view(n, plan.top_k, -1).float() * weights.unsqueeze(-1)).sum(dim=1)
-    return out.to(expert_rows.dtype)
+        back = _inverse(plan.regroup)
+        if out_rows is not None:
+            back = out_rows[back]
+        rows = _AllToAll.apply(expert_out.index_select(0, back), plan.send_rows, plan.recv_rows, ep, None)
+        return weighted_combine(rows, pos, weights)
+    if out_rows is not None:
+        pos = out_rows[pos]
+    return weighted_combine(expert_out, pos, weights)

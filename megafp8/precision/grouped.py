@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -273,59 +273,82 @@ class ExpertProjection:
     queue: Optional[WeightGradQueue] = None
 
 
+@dataclass
+class GatheredInput:
+    """The fused expert MLP's input, read straight into the padded expert layout: padded row i is
+    `source[index[i]]` (a zero row where index[i] < 0). `source_grad` maps the gradient of the padded rows
+    (Mp, K) to the source's (S, K): the caller owns the permutation (`megafp8.parallel.permute`)."""
+
+    source: torch.Tensor  # (S, K)
+    index: torch.Tensor  # (Mp,) int64
+    source_grad: Callable[[torch.Tensor], torch.Tensor]
+
+
+def padded_source_index(layout: ExpertRows, row_to_source: torch.Tensor) -> torch.Tensor:
+    """(Mp,) the source row of each padded row, -1 for padding; row i of the rows sorted by expert is
+    `source[row_to_source[i]]`."""
+    return torch.full((layout.total,), -1, dtype=torch.int64, device=row_to_source.device).index_copy_(
+        0, layout.index, row_to_source)
+
+
 class _GroupedFp8SwiGLUFn(torch.autograd.Function):
     """The experts' SwiGLU MLP in FP8 with every tensor in the padded expert layout from the first GEMM to the last,
     each producer quantizing its own FP32 output (as `megafp8.precision.fp8_mlp` does for the dense MLP):
 
-        forward   x -> padded, FP8 both ways;  gu = grouped(x, w_gate_up)          (Mp, 2F) BF16, kept
-                  a = silu(gate) * up -> FP8 along F (SwiGLU's kernel);  y = grouped(a, w_down) -> unpadded
-        backward  dy -> padded, FP8 both ways;  da = grouped dgrad through w_down  (Mp, F)
-                  d(gu) both ways and a^T again (SwiGLU's backward kernel);  the two wgrads;  dx -> unpadded
+        forward   x gathered from its source into the padded layout and quantized both ways, in one pass;
+                  gu = grouped(x, w_gate_up) (Mp, 2F) BF16, kept;  a = silu(gate) * up -> FP8 along F (SwiGLU's
+                  kernel);  y = grouped(a, w_down), returned padded (the combine reads it through an index)
+        backward  dy (padded; zero in padding rows) quantized both ways;  da = grouped dgrad through w_down (Mp, F);
+                  d(gu) both ways and a^T again (SwiGLU's backward kernel);  the two wgrads;  dx padded -> the
+                  source's gradient through `GatheredInput.source_grad`
 
-    Against two grouped linears around an eager SwiGLU, this skips unpadding gu and padding a again, the eager
-    SwiGLU and its backward, and two quantization passes; SwiGLU's output and its input gradient are quantized
-    from FP32 rather than from BF16 (`megafp8.precision.producers`). Padding rows stay zero throughout."""
+    Against two grouped linears around an eager SwiGLU, this skips the copies into and out of the padded layout,
+    the eager SwiGLU and its backward, and two quantization passes; SwiGLU's output and its input gradient are
+    quantized from FP32 rather than from BF16 (`megafp8.precision.producers`). Padding rows stay zero throughout."""
 
     @staticmethod
-    def forward(ctx, x, w_gate_up, w_down, counts, projections: tuple, recipe: Fp8Recipe, backend: Fp8Backend):
+    def forward(ctx, source, w_gate_up, w_down, index, layout: ExpertRows, source_grad, projections: tuple,
+                recipe: Fp8Recipe, backend: Fp8Backend):
         fmt, pow2 = recipe.fmt, recipe.power_of_two_scales
-        rows = expert_rows(counts, x.device)
         gate_up, down = (p.cache.get(p.weight, backend, fmt, pow2) for p in projections)
-        x_fp8, x_scale, xt_fp8, xt_scale = backend.quantize_rows_cols(_to_padded_layout(x, rows), fmt, pow2)
-        gu = backend.grouped_gemm_1x128_128x128(x_fp8, x_scale, gate_up, False, rows, x.dtype)
+        x_fp8, x_scale, xt_fp8, xt_scale = backend.gather_quantize_rows_cols(source, index, fmt, pow2)
+        gu = backend.grouped_gemm_1x128_128x128(x_fp8, x_scale, gate_up, False, layout, source.dtype)
         a_fp8, a_scale = backend.swiglu_quantize(gu, fmt, pow2)
-        y = backend.grouped_gemm_1x128_128x128(a_fp8, a_scale, down, False, rows, x.dtype)
-        ctx.rows, ctx.entries, ctx.projections, ctx.recipe, ctx.backend = rows, (gate_up, down), projections, \
+        y = backend.grouped_gemm_1x128_128x128(a_fp8, a_scale, down, False, layout, source.dtype)
+        ctx.layout, ctx.entries, ctx.projections, ctx.recipe, ctx.backend = layout, (gate_up, down), projections, \
             recipe, backend
+        ctx.source_grad = source_grad
         ctx.save_for_backward(xt_fp8, xt_scale, gu, w_gate_up, w_down)
-        return _from_padded_layout(y, rows)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        recipe, backend, rows = ctx.recipe, ctx.backend, ctx.rows
+        recipe, backend, layout = ctx.recipe, ctx.backend, ctx.layout
         (gate_up, down), (gate_up_proj, down_proj) = ctx.entries, ctx.projections
         xt_fp8, xt_scale, gu, w_gate_up, w_down = ctx.saved_tensors
         pow2, experts = recipe.power_of_two_scales, w_down.shape[0]
-        dy_fp8, dy_scale, dyt_fp8, dyt_scale = backend.quantize_rows_cols(
-            _to_padded_layout(dy, rows), recipe.grad_fmt, pow2)  # the padded copy is contiguous whatever dy is
-        da = backend.grouped_gemm_1x128_128x128(dy_fp8, dy_scale, down, True, rows, dy.dtype)
+        dy_fp8, dy_scale, dyt_fp8, dyt_scale = backend.quantize_rows_cols(dy.contiguous(), recipe.grad_fmt, pow2)
+        da = backend.grouped_gemm_1x128_128x128(dy_fp8, dy_scale, down, True, layout, dy.dtype)
         dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = backend.swiglu_backward_quantize(
             gu, da, recipe.fmt, recipe.grad_fmt, pow2)
         dw_down = weight_grad_or_defer(w_down, lambda: backend.grouped_gemm_1x128_1x128(
-            dyt_fp8, dyt_scale, at_fp8, at_scale, rows, experts, dy.dtype), down_proj.queue)
-        dx = _from_padded_layout(backend.grouped_gemm_1x128_128x128(dgu_fp8, dgu_scale, gate_up, True, rows,
-                                                                    dy.dtype), rows)
+            dyt_fp8, dyt_scale, at_fp8, at_scale, layout, experts, dy.dtype), down_proj.queue)
+        dx = ctx.source_grad(backend.grouped_gemm_1x128_128x128(dgu_fp8, dgu_scale, gate_up, True, layout,
+                                                                 dy.dtype))
         dw_gate_up = weight_grad_or_defer(w_gate_up, lambda: backend.grouped_gemm_1x128_1x128(
-            dgut_fp8, dgut_scale, xt_fp8, xt_scale, rows, experts, dy.dtype), gate_up_proj.queue)
-        return dx, dw_gate_up, dw_down, None, None, None, None
+            dgut_fp8, dgut_scale, xt_fp8, xt_scale, layout, experts, dy.dtype), gate_up_proj.queue)
+        return dx, dw_gate_up, dw_down, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # like `grouped_linear`: cached weights, our own kernels; compiled code runs around it
-def grouped_fp8_swiglu_mlp(x: torch.Tensor, counts: list[int], gate_up: ExpertProjection, down: ExpertProjection,
+def grouped_fp8_swiglu_mlp(x: GatheredInput, layout: ExpertRows, gate_up: ExpertProjection, down: ExpertProjection,
                            recipe: Fp8Recipe, backend: Fp8Backend) -> torch.Tensor:
-    """down(silu(gate) * up) per expert with [gate | up] = gate_up(x), all six GEMMs grouped FP8 GEMMs. x (M, K)
-    rows sorted by expert, `counts[e]` of them for expert e (at least one row in all); gate_up.weight (E, 2F, K)
+    """down(silu(gate) * up) per expert with [gate | up] = gate_up(x), all six GEMMs grouped FP8 GEMMs, in the
+    padded expert layout `layout` (at least one row): x's rows are gathered from their source in the same pass
+    that quantizes them, and the output (Mp, N) is padded (zero rows in the padding). gate_up.weight (E, 2F, K)
     holds [gate; up] per expert, down.weight (E, N, F)."""
-    if sum(counts) != x.shape[0] or x.shape[0] == 0:
-        raise ValueError(f"expert row counts summing to {sum(counts)} for {x.shape[0]} rows (at least one needed)")
-    return _GroupedFp8SwiGLUFn.apply(x, gate_up.weight, down.weight, counts, (gate_up, down), recipe, backend)
+    if x.index.shape[0] != layout.total or sum(layout.counts) == 0:
+        raise ValueError(f"{x.index.shape[0]} padded rows for a layout of {layout.total} "
+                         f"({sum(layout.counts)} rows; at least one needed)")
+    return _GroupedFp8SwiGLUFn.apply(x.source, gate_up.weight, down.weight, x.index, layout, x.source_grad,
+                                     (gate_up, down), recipe, backend)

@@ -70,6 +70,13 @@ class Fp8Backend:
         """x (M, K) -> (x_fp8, scales, xt_fp8 (K, M_pad), scales_t): `quantize.quantize_rows_cols`."""
         return ref.quantize_rows_cols(x, fmt, power_of_two)
 
+    def gather_quantize_rows_cols(self, source: torch.Tensor, index: torch.Tensor, fmt: Fp8Format,
+                                  power_of_two: bool) -> tuple[torch.Tensor, ...]:
+        """`quantize_rows_cols` of x (M, K), x[i] = source[index[i]] (index (M,); a zero row where index[i] < 0)."""
+        gathered = source.index_select(0, index.clamp(min=0))
+        x = torch.where((index >= 0).unsqueeze(1), gathered, torch.zeros((), dtype=source.dtype, device=source.device))
+        return self.quantize_rows_cols(x, fmt, power_of_two)
+
     def rmsnorm_quantize(self, h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format,
                          power_of_two: bool) -> tuple[torch.Tensor, ...]:
         """RMSNorm quantized from FP32: `producers.rmsnorm_quantize` (the last output is rstd (M,))."""

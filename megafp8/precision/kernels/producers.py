@@ -40,8 +40,8 @@ def _rms_inverse_kernel(h_ptr, rstd_ptr, M, eps, stride_hm, K: tl.constexpr, BLO
 def _rmsnorm_quantize_kernel(h_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_hm, stride_qm,
                              stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
                              FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    quantize.rows_cols_tile(h_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_hm, stride_qm, stride_sm,
-                            stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, True)
+    quantize.rows_cols_tile(h_ptr, rstd_ptr, w_ptr, h_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_hm, stride_qm,
+                            stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, True, False)
 
 
 @triton.jit

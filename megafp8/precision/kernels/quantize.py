@@ -3,6 +3,7 @@
 - `quantize_rows`: x (M, K) in 1x128 tiles along K.
 - `quantize_rows_cols`: the same and x^T in 1x128 tiles along the rows, from one read of x (the input and the
   output gradient of every FP8 GEMM whose producer is not fused). One program quantizes one 128x128 tile both ways.
+  `gather_quantize_rows_cols` reads x's rows through an index (MoE tokens into the padded expert layout).
 - `quantize_weight_`: a weight (N, K) or stacked experts (E, N, K) in 128x128 blocks, with its transpose, into
   tensors the caller keeps (in place, so their addresses never change).
 """
@@ -31,16 +32,21 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, strid
 
 
 @triton.jit
-def rows_cols_tile(x_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
+def rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
                    stride_sk, stride_qt, stride_st_k, stride_st_m,
-                   FP8_MAX: tl.constexpr, POW2: tl.constexpr, NORM: tl.constexpr):
+                   FP8_MAX: tl.constexpr, POW2: tl.constexpr, NORM: tl.constexpr, GATHER: tl.constexpr):
     """This program's 128x128 tile of x (M, K) both ways; rows past M read as zeros (x^T's padding). With NORM, of
-    RMSNorm(x): (x * rstd[row]) * w[col] in FP32."""
+    RMSNorm(x): (x * rstd[row]) * w[col] in FP32. With GATHER, row i is x[idx[i]] (a zero row where idx[i] < 0)."""
     kb = tl.program_id(0)
     mb = tl.program_id(1)
     rows = mb * 128 + tl.arange(0, 128)
     cols = kb * 128 + tl.arange(0, 128)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None], other=0.0)
+    if GATHER:
+        src = tl.load(idx_ptr + rows, mask=rows < M, other=-1)
+        x = tl.load(x_ptr + src[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=(src >= 0)[:, None],
+                    other=0.0)
+    else:
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=(rows < M)[:, None], other=0.0)
     x = x.to(tl.float32)
     if NORM:
         rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
@@ -49,13 +55,14 @@ def rows_cols_tile(x_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stri
     tiles.store_cols(x, rows, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2)
 
 
-@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)], key=["K", "FP8_MAX", "POW2"])
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)],
+                 key=["K", "FP8_MAX", "POW2", "GATHER"])
 @triton.jit
-def _quantize_rows_cols_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_qm, stride_sm,
+def _quantize_rows_cols_kernel(x_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm, stride_qm, stride_sm,
                                stride_sk, stride_qt, stride_st_k, stride_st_m,
-                               FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    rows_cols_tile(x_ptr, x_ptr, x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm, stride_sk,
-                   stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, False)
+                               FP8_MAX: tl.constexpr, POW2: tl.constexpr, GATHER: tl.constexpr):
+    rows_cols_tile(x_ptr, x_ptr, x_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
+                   stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, False, GATHER)
 
 
 @triton.jit
@@ -99,8 +106,22 @@ def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> t
     out = tiles.rows_cols_outputs(m, k, fmt, x.device)
     if m:
         _quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
-            x, *out, m, k, x.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two,
+            x, x, *out, m, k, x.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two, GATHER=False,
             **tiles.format_constants(fmt))
+    return out
+
+
+def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: Fp8Format,
+                              power_of_two: bool) -> tuple[torch.Tensor, ...]:
+    """`quantize_rows_cols` of x (M, K) with x[i] = source[index[i]] (a zero row where index[i] < 0), reading
+    the source rows in place: the gather into a layout and the quantization in one pass."""
+    assert source.stride(1) == 1, "gather_quantize_rows_cols needs a row-major source"
+    m, k = index.shape[0], source.shape[1]
+    out = tiles.rows_cols_outputs(m, k, fmt, source.device)
+    if m:
+        _quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
+            source, index.contiguous(), *out, m, k, source.stride(0), *tiles.rows_cols_strides(*out),
+            POW2=power_of_two, GATHER=True, **tiles.format_constants(fmt))
     return out
 
 
