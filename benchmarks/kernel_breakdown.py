@@ -72,8 +72,16 @@ def host_ops(prof, steps: int, count: int = 15) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda row: -row[1])[:count]
 
 
+def device_ops(prof, steps: int, count: int = 15) -> list[tuple[str, str, float, int]]:
+    """The `count` operators whose own kernels take the most GPU time, by input shapes (the profile must record
+    shapes): (name, shapes, ms per step, calls per step). Says which tensor a generic element-wise kernel ran on."""
+    rows = [(e.key, str(e.input_shapes)[:80], e.self_device_time_total / 1e3 / steps, e.count // steps)
+            for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+    return sorted(rows, key=lambda row: -row[2])[:count]
+
+
 def markdown(title: str, rows: list[tuple[str, float, float]], wall_ms: float, top: list[tuple[str, float]],
-             host: list[tuple[str, float, int]] = ()) -> str:
+             host: list[tuple[str, float, int]] = (), ops: list[tuple[str, str, float, int]] = ()) -> str:
     """The breakdown, the top kernels and (if given) the top host operators as Markdown; `wall_ms` is the step's
     wall time (host and GPU together)."""
     gpu_ms = sum(ms for _, ms, _ in rows)
@@ -88,4 +96,8 @@ def markdown(title: str, rows: list[tuple[str, float, float]], wall_ms: float, t
         lines += ["", f"Host: {sum(ms for _, ms, _ in host):.1f} ms of self CPU time per step in these operators.", "",
                   "| top host operators (self CPU) | ms per step | calls per step |", "|---|---|---|"]
         lines += [f"| `{name[:90]}` | {ms:.2f} | {calls} |" for name, ms, calls in host]
+    if ops:
+        lines += ["", "| top operators (own GPU time) | input shapes | ms per step | calls per step |",
+                  "|---|---|---|---|"]
+        lines += [f"| `{name[:60]}` | `{shapes}` | {ms:.2f} | {calls} |" for name, shapes, ms, calls in ops]
     return "\n".join(lines)

@@ -143,7 +143,7 @@ def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> st
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, record_shapes=True) as prof:
         started = time.perf_counter()
         for _ in range(args.profile):
             trainer.train_step()
@@ -151,12 +151,13 @@ def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> st
         wall_ms = (time.perf_counter() - started) * 1e3 / args.profile
     kernels = kernel_breakdown.cuda_kernels(prof)
     host = kernel_breakdown.host_ops(prof, args.profile)
+    ops = kernel_breakdown.device_ops(prof, args.profile)
     trainer.metrics.close()
     del trainer, prof
     release_memory(device)
     title = f"{model}, {recipe}{' (compiled)' if cfg.training.compile else ''}, {dims.world_size} rank(s)"
     return kernel_breakdown.markdown(title, kernel_breakdown.breakdown(kernels, args.profile), wall_ms,
-                                     kernel_breakdown.top_kernels(kernels, args.profile), host)
+                                     kernel_breakdown.top_kernels(kernels, args.profile), host, ops)
 
 
 def table(rows: list[dict]) -> str:

@@ -435,3 +435,21 @@ def test_fp8_experts_run_their_swiglu_mlp_as_one_function_within_fp8_tolerance_o
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.03, name
         assert float((a.float() - c.float()).norm() / c.float().norm()) < 0.1, name
     assert not fused[2][1].any() and not fused[3][1].any()  # the expert without rows
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_the_moe_layer_traces_under_dynamo_and_matches_eager(recipe):
+    """torch.compile (Dynamo, eager backend) runs the MoE layer with the expert and permutation functions as
+    uncompiled islands and gives eager's outputs and gradients."""
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        moe = MoE(MOE, PrecisionRecipe.from_name(recipe), TensorParallel.single(), ExpertParallel.single())
+        init_weights(moe, MOE, seed=0)
+        run = torch.compile(moe, backend="eager") if compiled else moe
+        x = torch.randn(64, MOE.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
+        y, aux = run(x, batch=2, seq_len=32)
+        (y.float().square().sum() + aux).backward()
+        results.append((y, x.grad, moe.experts.down_proj.weight.grad))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)

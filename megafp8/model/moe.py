@@ -131,19 +131,24 @@ class RoutedExperts(nn.Module):
         fp8 = gate_up.recipe.fp8
         fused = fp8 is not None and down.recipe.fp8 == fp8 and gate_up.supports(fp8) and not self.observed
         if fused and sum(counts) > 0:
-            # one FP8 autograd function in the padded expert layout, the tokens gathered into it by the quantizer
-            layout = expert_rows(counts, rows.source.device)
-            padded_of_source = layout.index[rows.source_to_rows]
-            x = GatheredInput(rows.source, padded_source_index(layout, rows.row_to_source),
-                              lambda dx: gather_sum(dx, padded_of_source))
-            y = grouped_fp8_swiglu_mlp(x, layout, ExpertProjection(gate_up.weight, gate_up.fp8_cache,
-                                                                   gate_up.wgrad_queue),
-                                       ExpertProjection(down.weight, down.fp8_cache, down.wgrad_queue), fp8,
-                                       gate_up.fp8_backend(rows.source.device))
-            return y, layout.index
+            return self._fused_fp8(rows, counts)
         x = gather_rows(rows)
         gate, up = gate_up(x, counts).chunk(2, dim=-1)  # each (rows, ffn)
         return down(F.silu(gate) * up, counts), None
+
+    @torch.compiler.disable  # builds the padded layout from host-side counts; its kernels are ours
+    def _fused_fp8(self, rows: RowSource, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One FP8 autograd function in the padded expert layout, the tokens gathered into it by the quantizer."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        layout = expert_rows(counts, rows.source.device)
+        padded_of_source = layout.index[rows.source_to_rows]
+        x = GatheredInput(rows.source, padded_source_index(layout, rows.row_to_source),
+                          lambda dx: gather_sum(dx, padded_of_source))
+        y = grouped_fp8_swiglu_mlp(x, layout,
+                                   ExpertProjection(gate_up.weight, gate_up.fp8_cache, gate_up.wgrad_queue),
+                                   ExpertProjection(down.weight, down.fp8_cache, down.wgrad_queue),
+                                   gate_up.recipe.fp8, gate_up.fp8_backend(rows.source.device))
+        return y, layout.index
 
 
 class MoE(nn.Module):
