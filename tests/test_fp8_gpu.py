@@ -278,3 +278,30 @@ def test_compiled_fp8_moe_layer_on_gpu_matches_eager():
         results.append((y.float(), x.grad.float(), moe.experts.down_proj.weight.grad.float()))
     for eager, compiled in zip(*results):
         assert (eager - compiled).norm() <= 2**-5 * eager.norm()
+
+
+def test_grouped_wgrad_adds_into_fp32_main_grad_once_even_while_autotuning():
+    """`grouped_wgrad(..., accumulate=main_grad)` adds the FP32 product into main_grad, with the TMA kernel and the
+    pointer one, also on a call that autotunes (each trial configuration runs on a restored copy)."""
+    pytest.importorskip("triton")
+    from megafp8.precision import E4M3, quantize as ref
+    from megafp8.precision.grouped import expert_rows
+    from megafp8.precision.kernels import gemm
+    from tests.fp8_checks import outlier_tensor
+    counts = [130, 0, 256, 5]
+    rows = expert_rows(counts, CUDA)
+    n, k = 384, 256
+    at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=3), E4M3))
+    bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=4), E4M3))
+    want = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, tma=False)
+    base = torch.randn(len(counts), n, k, device=CUDA)
+    for tma in ([False, True] if gemm.uses_tma(CUDA) else [False]):
+        kernel = gemm._grouped_wgrad_tma_kernel if tma else gemm._grouped_wgrad_kernel
+        kernel.cache = {}  # autotune again, on this accumulating call
+        main_grad = base.clone()
+        out = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.bfloat16, tma=tma,
+                                 accumulate=main_grad)
+        assert out.data_ptr() == main_grad.data_ptr()
+        err = float((main_grad - base - want).norm() / want.norm())
+        assert err < 1e-5, f"tma={tma}: relative error {err}"
+        assert torch.equal(main_grad[1], base[1])

@@ -357,6 +357,49 @@ def test_bf16_grouped_linear_gradients_reach_main_grad_as_the_loop_does(monkeypa
     assert torch.equal(results[True][1], main_grad[1])  # the expert without rows adds nothing
 
 
+def test_fp8_expert_weight_gradients_are_added_into_main_grad_in_fp32_now_or_when_the_queue_runs():
+    """Under FP8 the experts' wgrad GEMMs add their FP32 result into an FP32 `main_grad` themselves (never rounded
+    to BF16 first): main_grad afterwards is main_grad before plus the FP32 gradient the same GEMMs return, in the
+    fused MLP and in the grouped linear, at once or, given a queue, when it runs; an expert without rows adds
+    nothing."""
+    from megafp8.model.moe import RoutedExperts
+    from megafp8.precision import WeightGradQueue
+
+    cfg = dataclasses.replace(MOE, moe_num_experts=3, moe_ffn_hidden_size=128)
+    counts = [5, 0, 199]
+    rows = _tokens_as_rows(sum(counts) // 3, 3, cfg.hidden_size)
+    dy = torch.randn(sum(counts), cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    for observed in (False, True):  # the fused MLP, then its two grouped linears
+        experts = RoutedExperts(cfg, PrecisionRecipe.from_name("fp8"), ExpertParallel.single())
+        experts.observed = observed
+        for p in experts.parameters():
+            torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(p.numel()))
+        weights = [experts.gate_up_proj.weight, experts.down_proj.weight]
+        _, _, *returned = _expert_mlp_outputs(experts, rows, counts, dy)  # no main_grad: returned, in BF16
+        for w in weights:
+            w.main_grad = torch.zeros(w.shape)
+        _expert_mlp_outputs(experts, rows, counts, dy)
+        products = [w.main_grad.clone() for w in weights]
+        for product, g in zip(products, returned):
+            assert float((product - g.float()).norm() / g.float().norm()) < 2**-8, observed  # BF16 vs FP32
+            assert not torch.equal(product, product.bfloat16().float())  # never rounded to BF16
+        for queue in (None, WeightGradQueue()):
+            before = [torch.randn(w.shape, generator=torch.Generator().manual_seed(7)) for w in weights]
+            for w, b in zip(weights, before):
+                w.main_grad = b.clone()
+            experts.gate_up_proj.wgrad_queue = experts.down_proj.wgrad_queue = queue
+            _expert_mlp_outputs(experts, rows, counts, dy)
+            assert all(w.grad is None for w in weights)
+            if queue is not None:
+                assert all(torch.equal(w.main_grad, b) for w, b in zip(weights, before)) and len(queue) == 2
+                queue.take()()
+            for w, b, product in zip(weights, before, products):
+                assert torch.equal(w.main_grad, b + product), observed
+                assert torch.equal(w.main_grad[1], b[1])  # the expert without rows
+        for w in weights:
+            del w.main_grad
+
+
 def test_bf16_grouped_linear_falls_back_to_the_loop_where_grouped_mm_cannot_run(monkeypatch):
     """Features that are not 16-byte multiples, and no rows at all: the per-expert loop, no `_grouped_mm`."""
     g = torch.Generator().manual_seed(2)

@@ -9,7 +9,8 @@ tile along the rows belongs to one expert. Then every tensor is quantized once f
 128x128 blocks once per weight version) and each GEMM is one grouped call over all experts: the
 Triton grouped kernels on GPU, a loop of the reference GEMM for the reference backend. The FP8
 operands are exactly those of one FP8 linear per expert; results differ only by summation order. The weight
-gradient is one stacked (E, N, K) tensor, added into `main_grad` (FP32) when the weight has one.
+gradient is one stacked (E, N, K) tensor; when the weight has an FP32 `main_grad`, the wgrad GEMM adds its FP32
+result into it directly (in the kernel's epilogue on GPUs: no BF16 copy, no separate add).
 
 BF16 (no FP8 recipe) runs each GEMM as one `torch._grouped_mm` over all experts (rows unpadded, int32 offsets
 = cumulative row counts): fprop x @ w^T, dgrad dy @ w, and wgrad dy^T @ x with the offsets along the contracted
@@ -242,11 +243,11 @@ class _GroupedLinearFn(torch.autograd.Function):
         dx = _from_padded_layout(backend.grouped_gemm_1x128_128x128(dy_fp8, dy_scale, entry, True, rows, dy.dtype),
                                  rows)
 
-        def fp8_wgrad() -> torch.Tensor:
+        def fp8_wgrad(into: Optional[torch.Tensor] = None) -> torch.Tensor:
             # wgrad contracts over each expert's rows: both operands in 1x128 tiles along the (padded) rows.
             return backend.grouped_gemm_1x128_1x128(dyt_fp8, dyt_scale, xt_fp8, xt_scale, rows, weight.shape[0],
-                                                    dy.dtype)
-        return dx, weight_grad_or_defer(weight, fp8_wgrad, ctx.queue), None, None, None, None, None
+                                                    dy.dtype, accumulate=into)
+        return dx, weight_grad_or_defer(weight, fp8_wgrad, ctx.queue, fp8_wgrad), None, None, None, None, None
 
 
 @torch.compiler.disable  # like the eager FP8 linear: a cached weight, our own kernels; compiled code runs around it
@@ -331,12 +332,18 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
         da = backend.grouped_gemm_1x128_128x128(dy_fp8, dy_scale, down, True, layout, dy.dtype)
         dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = backend.swiglu_backward_quantize(
             gu, da, recipe.fmt, recipe.grad_fmt, pow2)
-        dw_down = weight_grad_or_defer(w_down, lambda: backend.grouped_gemm_1x128_1x128(
-            dyt_fp8, dyt_scale, at_fp8, at_scale, layout, experts, dy.dtype), down_proj.queue)
+        def down_wgrad(into: Optional[torch.Tensor] = None) -> torch.Tensor:
+            return backend.grouped_gemm_1x128_1x128(dyt_fp8, dyt_scale, at_fp8, at_scale, layout, experts, dy.dtype,
+                                                    accumulate=into)
+
+        def gate_up_wgrad(into: Optional[torch.Tensor] = None) -> torch.Tensor:
+            return backend.grouped_gemm_1x128_1x128(dgut_fp8, dgut_scale, xt_fp8, xt_scale, layout, experts,
+                                                    dy.dtype, accumulate=into)
+
+        dw_down = weight_grad_or_defer(w_down, down_wgrad, down_proj.queue, down_wgrad)
         dx = ctx.source_grad(backend.grouped_gemm_1x128_128x128(dgu_fp8, dgu_scale, gate_up, True, layout,
                                                                  dy.dtype))
-        dw_gate_up = weight_grad_or_defer(w_gate_up, lambda: backend.grouped_gemm_1x128_1x128(
-            dgut_fp8, dgut_scale, xt_fp8, xt_scale, layout, experts, dy.dtype), gate_up_proj.queue)
+        dw_gate_up = weight_grad_or_defer(w_gate_up, gate_up_wgrad, gate_up_proj.queue, gate_up_wgrad)
         return dx, dw_gate_up, dw_down, None, None, None, None, None, None
 
 

@@ -45,10 +45,23 @@ class WeightGradQueue:
 
 
 def weight_grad_or_defer(weight: torch.Tensor, compute: Callable[[], torch.Tensor],
-                         queue: Optional[WeightGradQueue]) -> Optional[torch.Tensor]:
+                         queue: Optional[WeightGradQueue],
+                         compute_into: Optional[Callable[[torch.Tensor], None]] = None) -> Optional[torch.Tensor]:
     """The weight's gradient now (see `accumulate_wgrad`), or, with a queue and an FP32 `main_grad` to add into,
-    None now and the GEMM later."""
-    if queue is not None and getattr(weight, "main_grad", None) is not None:
-        queue.push(lambda: accumulate_wgrad(weight, compute()))
-        return None
-    return accumulate_wgrad(weight, compute())
+    None now and the GEMM later. `compute_into(main_grad)`, where given, adds the gradient into an FP32
+    `main_grad` itself (a GEMM that accumulates in its epilogue: no rounded copy, no separate add)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return compute()
+
+    def run() -> None:
+        if compute_into is not None and main_grad.dtype == torch.float32:
+            compute_into(main_grad)
+        else:
+            accumulate_wgrad(weight, compute())
+
+    if queue is not None:
+        queue.push(run)
+    else:
+        run()
+    return None

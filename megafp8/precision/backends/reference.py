@@ -145,12 +145,15 @@ class Fp8Backend:
         return out
 
     def grouped_gemm_1x128_1x128(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
-                                 b_scale: torch.Tensor, rows, num_experts: int, out_dtype: torch.dtype) -> torch.Tensor:
+                                 b_scale: torch.Tensor, rows, num_experts: int, out_dtype: torch.dtype,
+                                 accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per expert e: A[:, rows of e] @ B[:, rows of e]^T -> (E, N, K). A (N, Mp) and B (K, Mp) in 1x128 tiles
-        along the padded rows (the experts' weight gradients)."""
-        out = torch.zeros(num_experts, a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+        along the padded rows (the experts' weight gradients). `accumulate` (E, N, K) FP32: the FP32 product is
+        added into it (never rounded to `out_dtype`), which is returned."""
+        out = torch.zeros(num_experts, a.shape[0], b.shape[0], dtype=out_dtype if accumulate is None
+                          else torch.float32, device=a.device)
         for e, lo, hi in rows.segments:
             t0, t1 = lo // TILE, hi // TILE
             out[e] = Fp8Backend.gemm_1x128_1x128(self, a[:, lo:hi].contiguous(), a_scale[:, t0:t1],
-                                                 b[:, lo:hi].contiguous(), b_scale[:, t0:t1], out_dtype)
-        return out
+                                                 b[:, lo:hi].contiguous(), b_scale[:, t0:t1], out.dtype)
+        return out if accumulate is None else accumulate.add_(out)

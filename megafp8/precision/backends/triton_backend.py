@@ -72,7 +72,10 @@ class TritonBackend(Fp8Backend):
             return torch.zeros(0, b.shape[1], dtype=out_dtype, device=a.device)
         return self.gemms.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, out_dtype)
 
-    def grouped_gemm_1x128_1x128(self, a, a_scale, b, b_scale, rows, num_experts, out_dtype):
+    def grouped_gemm_1x128_1x128(self, a, a_scale, b, b_scale, rows, num_experts, out_dtype, accumulate=None):
         if a.shape[1] == 0:
+            if accumulate is not None:
+                return accumulate
             return torch.zeros(num_experts, a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
-        return self.gemms.grouped_wgrad(a, a_scale, b, b_scale, rows.tile_start, rows.tile_count, out_dtype)
+        return self.gemms.grouped_wgrad(a, a_scale, b, b_scale, rows.tile_start, rows.tile_count, out_dtype,
+                                        accumulate=accumulate)

@@ -129,12 +129,14 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, N
         triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=4, num_stages=4),
     ],
     key=["N", "K"],
+    restore_value=["c_ptr"],  # with ACCUMULATE, the autotuner's trial runs must not add into C
 )
 @triton.jit
 def _grouped_wgrad_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_start_ptr, tile_count_ptr, N, K,
                           stride_an, stride_bk, stride_ce, stride_cn, stride_as_n, stride_as_m, stride_bs_k,
-                          stride_bs_m, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """C[e] (N, K) = A (N, rows of e) @ B (K, rows of e)^T: both operands in 1x128 tiles along the rows."""
+                          stride_bs_m, ACCUMULATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[e] (N, K) = A (N, rows of e) @ B (K, rows of e)^T: both operands in 1x128 tiles along the rows. With
+    ACCUMULATE, C[e] += that instead (C in FP32: a weight's `main_grad`)."""
     e = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -152,7 +154,10 @@ def _grouped_wgrad_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_start_ptr, t
         b_s = tl.load(bs_ptr + rk * stride_bs_k + mb * stride_bs_m, mask=rk < K, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
     c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn[:, None] * stride_cn + rk[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
+    c_mask = (rn[:, None] < N) & (rk[None, :] < K)
+    if ACCUMULATE:
+        acc = tl.load(c_ptrs, mask=c_mask, other=0.0) + acc
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 # The same two grouped GEMMs for GPUs with the Tensor Memory Accelerator (Hopper and newer): operands loaded by TMA
@@ -202,11 +207,12 @@ def _wgrad_blocks(nargs: dict) -> None:
     configs=[triton.Config({"BLOCK_N": 128, "BLOCK_K": bk}, num_warps=8, num_stages=st, pre_hook=_wgrad_blocks)
              for bk in (128, 256) for st in (3, 4, 5)],
     key=["N", "K"],
+    restore_value=["c_ptr"],
 )
 @triton.jit
 def _grouped_wgrad_tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, tile_start_ptr, tile_count_ptr, num_experts,
                               N, K, stride_ce, stride_cn, stride_as_n, stride_as_m, stride_bs_k, stride_bs_m,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              ACCUMULATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_grouped_wgrad_kernel` with TMA loads, persistent over the (expert, N, K) output tiles (as many programs as
     the grid has)."""
     num_n = tl.cdiv(N, BLOCK_N)
@@ -229,7 +235,10 @@ def _grouped_wgrad_tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, tile_start_
             b_s = tl.load(bs_ptr + rk * stride_bs_k + mb * stride_bs_m, mask=rk < K, other=0.0)
             acc += tl.dot(a, b.T) * a_s[:, None] * b_s[None, :]
         c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rn[:, None].to(tl.int64) * stride_cn + rk[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
+        c_mask = (rn[:, None] < N) & (rk[None, :] < K)
+        if ACCUMULATE:
+            acc = tl.load(c_ptrs, mask=c_mask, other=0.0) + acc
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 def uses_tma(device: torch.device) -> bool:
@@ -275,14 +284,18 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
 
 def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype,
-                  tma: Optional[bool] = None) -> torch.Tensor:
+                  tma: Optional[bool] = None, accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
     """a (N, Mp), b (K, Mp) FP8 in 1x128 tiles along Mp, scales (N, Mp/128), (K, Mp/128) -> (E, N, K).
-    `tma` picks the kernel (default: the TMA one where the GPU has TMA)."""
+    `accumulate` (E, N, K) FP32: add the product into it in the GEMM's epilogue (no rounding to `out_dtype`, no
+    separate pass) and return it. `tma` picks the kernel (default: the TMA one where the GPU has TMA)."""
     n, mp = a.shape
     k = b.shape[0]
     num_experts = tile_start.shape[0]
     assert a.stride(1) == 1 and b.stride(1) == 1
-    c = torch.empty(num_experts, n, k, dtype=out_dtype, device=a.device)
+    if accumulate is not None:
+        assert accumulate.shape == (num_experts, n, k) and accumulate.dtype == torch.float32 \
+            and accumulate.stride(2) == 1, "grouped_wgrad accumulates into an (E, N, K) FP32 tensor, rows contiguous"
+    c = torch.empty(num_experts, n, k, dtype=out_dtype, device=a.device) if accumulate is None else accumulate
     if tma if tma is not None else uses_tma(a.device):
         sms = _sm_count(a.device)
 
@@ -291,7 +304,8 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
 
         _grouped_wgrad_tma_kernel[persistent_grid](
             _descriptor(a), _descriptor(b), c, a_scale, b_scale, tile_start, tile_count, num_experts, n, k,
-            c.stride(0), c.stride(1), a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))
+            c.stride(0), c.stride(1), a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+            ACCUMULATE=accumulate is not None)
         return c
 
     def grid(meta):
@@ -299,5 +313,5 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
 
     _grouped_wgrad_kernel[grid](
         a, b, c, a_scale, b_scale, tile_start, tile_count, n, k, a.stride(0), b.stride(0), c.stride(0), c.stride(1),
-        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1))
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), ACCUMULATE=accumulate is not None)
     return c
