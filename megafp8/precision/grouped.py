@@ -332,6 +332,7 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
         da = backend.grouped_gemm_1x128_128x128(dy_fp8, dy_scale, down, True, layout, dy.dtype)
         dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = backend.swiglu_backward_quantize(
             gu, da, recipe.fmt, recipe.grad_fmt, pow2)
+
         def down_wgrad(into: Optional[torch.Tensor] = None) -> torch.Tensor:
             return backend.grouped_gemm_1x128_1x128(dyt_fp8, dyt_scale, at_fp8, at_scale, layout, experts, dy.dtype,
                                                     accumulate=into)
