@@ -48,7 +48,7 @@ from megafp8.train.plan import check_fits, device_capacity, make_plan
 log = logging.getLogger("megafp8")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Parts:
     """What one rank trains with (`build_parts`)."""
 

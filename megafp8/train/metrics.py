@@ -113,6 +113,7 @@ def _duration(seconds: float) -> str:
 
 
 def format_step_line(record: dict[str, Any], total_steps: int) -> str:
+    """The console line of a training record."""
     mfu = record.get("mfu")
     parts = [
         f"step {record['step']:>{len(str(total_steps))}}/{total_steps}",
@@ -132,6 +133,7 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
 
 
 def format_eval_line(record: dict[str, Any]) -> str:
+    """The console line of an evaluation record."""
     return f"step {record['step']} | validation loss {record['val_loss']:.4f} | perplexity {record['val_ppl']:.2f}"
 
 

@@ -76,8 +76,8 @@ def choose_start(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, config
     return verdict.replace, verified_resume_path(resume, checkpoint_dir, dims)
 
 
-def start_run(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, step: int, replace: bool,
-              resumed_from: Optional[Path], config_yaml: str) -> None:
+def record_launch(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, step: int, replace: bool,
+                  resumed_from: Optional[Path], config_yaml: str) -> None:
     """On rank 0 (the run validated and its directories locked): remove a replaced run, drop the metric records
     after `step`, where this launch starts, and record the config. Says in one line what became of an earlier
     launch."""

@@ -38,7 +38,7 @@ from megafp8.train.metrics import (
     train_record,
 )
 from megafp8.train.nonfinite import NonFiniteGuard, unscale_or_skip, window_loss
-from megafp8.train.run_history import choose_start, run_paths, start_run
+from megafp8.train.run_history import choose_start, record_launch, run_paths
 from megafp8.train.run_lock import claim_run_directories, open_run_directories
 from megafp8.train.runtime import host_to_device
 from megafp8.train.state import RngState, TrainState
@@ -72,7 +72,7 @@ class Trainer:
         self.throughput = Throughput(training.global_batch_size * self.cfg.data.seq_len,
                                      training_flops_per_token(self.model_cfg, self.cfg.data.seq_len), dims.world_size,
                                      peak_tflops(device, self.cfg.logging.peak_tflops))
-        self.metrics = self._start_run()
+        self.metrics = self._open_run()
 
     @property
     def step(self) -> int:
@@ -212,7 +212,7 @@ class Trainer:
         return apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers,
                               check_patterns=self.layout is None)
 
-    def _start_run(self) -> ExperimentLogger:
+    def _open_run(self) -> ExperimentLogger:
         """Judge an earlier launch in the run directory, resume from its checkpoint if any, then (the run validated)
         lock and prepare the directories and open the experiment loggers."""
         resolved = config_to_dict(self.resolved_config())
@@ -222,8 +222,8 @@ class Trainer:
             self.load(resumed_from)
         open_run_directories(self.run_lock, self.run_dir, self.checkpoint_dir, self.dims)
         if self.dims.rank == 0:
-            start_run(self.run_dir, self.checkpoint_dir, self.metrics_path, self.step, replace, resumed_from,
-                      dump_config(self.resolved_config()))
+            record_launch(self.run_dir, self.checkpoint_dir, self.metrics_path, self.step, replace, resumed_from,
+                          dump_config(self.resolved_config()))
         return build_logger(self.cfg, resolved, self.run_dir, self.metrics_path, self.dims)
 
     def resolved_config(self) -> Config:
