@@ -42,7 +42,7 @@ def test_shapes_and_causality(q_lora_rank):
 
 def test_fp8_plan_keeps_the_unaligned_kv_down_projection_in_bf16():
     cfg = load_config("tiny_dense", MLA_OVERRIDES + ["precision.recipe=fp8", "model.vocab_size=384"])
-    from megafp8.train.trainer import build_model
+    from megafp8.train.build import build_model
 
     model = build_model(cfg, cfg.model, PrecisionRecipe.from_config(cfg.precision), torch.device("cpu"))
     attn = model.layers[0].attn
@@ -104,7 +104,7 @@ def test_tiny_mla_moe_mtp_model_trains(tiny_overrides):
     cfg = load_config("tiny_mla_moe_mtp_fp8", tiny_overrides + ["training.steps=12", "training.eval_interval=0",
                                                                  "optimizer.warmup_steps=2"])
     trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
-    assert len(trainer.model.mtp) == 1 and len(trainer.routers) == 2  # the MTP block is an MoE block too
+    assert len(trainer.model.mtp) == 1 and len(trainer.expert_balance.routers) == 2  # the MTP block is an MoE block too
     losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
     assert losses[-1] < losses[0] - 1.0, losses
 

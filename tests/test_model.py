@@ -87,7 +87,7 @@ def test_rope_scaling_reaches_the_model_that_trains(attention):
     high ones kept), cos/sin times YaRN's attention factor m(mscale)/m(mscale_all_dim), and under MLA the softmax
     scale times m(mscale_all_dim)^2, m(s) = 0.1 s ln(factor) + 1."""
     from megafp8.config import load_config
-    from megafp8.train.trainer import build_model
+    from megafp8.train.build import build_model
 
     mla = ["model.attention=mla", "model.q_lora_rank=null", "model.kv_lora_rank=128", "model.qk_nope_head_dim=32",
            "model.qk_rope_head_dim=32", "model.v_head_dim=32"] if attention == "mla" else []

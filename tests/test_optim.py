@@ -163,6 +163,22 @@ def test_load_rejects_mismatched_state():
         opt.load_state_dict(state)
 
 
+def test_post_step_hooks_see_every_step_and_a_host_skip_changes_nothing():
+    """MoE balancing runs as a post-step hook: it must see applied, device-skipped and host-skipped (FP16) steps."""
+    net = small_net()
+    buckets, opt = make_optimizer(net, CFG)
+    seen = []
+    opt.register_step_post_hook(lambda applied: seen.append(None if applied is None else bool(applied)))
+    train_ours(net, buckets, opt, CFG, steps=1)
+    opt.step(CFG.lr, torch.tensor(False))
+    before = [p.detach().clone() for p in net.parameters()] + [s.master.clone() for s in opt.shards]
+    steps = opt.step_count
+    opt.skip_step()
+    assert seen == [None, False, False]
+    assert opt.step_count == steps
+    assert all(torch.equal(a, b) for a, b in zip([*net.parameters(), *(s.master for s in opt.shards)], before))
+
+
 def test_clipping_reports_the_unclipped_norm():
     net = small_net()
     buckets, opt = make_optimizer(net, OptimizerConfig(grad_clip=0.5))

@@ -10,7 +10,7 @@ import torch
 
 from megafp8.config import ConfigError, load_config
 from megafp8.train.plan import GIB, check_fits, make_plan
-from megafp8.train.trainer import build_model
+from megafp8.train.build import build_model
 from megafp8.precision import PrecisionRecipe
 from tests.conftest import REPO, torchrun_env
 

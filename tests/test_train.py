@@ -14,6 +14,7 @@ import torch
 from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
+from megafp8.train import trainer as trainer_module
 
 SINGLE = ParallelDims.single()
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -52,17 +53,17 @@ def test_step_time_counts_the_wait_for_the_device_and_not_evaluation(tiny_overri
     the loop waits. That wait (simulated here by a slow loss read) is part of the step's time; evaluation is not."""
     trainer = make_trainer(tiny_overrides, ["training.steps=4", "logging.log_interval=2", "training.eval_interval=1"])
     slow_read, slow_eval = 0.4, 1.0
-    reduce_loss, evaluate = trainer._replica_mean, trainer.evaluate
+    reduce_loss, evaluate = trainer_module.replica_mean, trainer.evaluate
 
-    def waiting_for_the_device(value):
+    def waiting_for_the_device(value, dims):
         time.sleep(slow_read)
-        return reduce_loss(value)
+        return reduce_loss(value, dims)
 
     def slow_evaluation():
         time.sleep(slow_eval)
         return evaluate()
 
-    monkeypatch.setattr(trainer, "_replica_mean", waiting_for_the_device)
+    monkeypatch.setattr(trainer_module, "replica_mean", waiting_for_the_device)
     monkeypatch.setattr(trainer, "evaluate", slow_evaluation)
     records = [r for r in trainer.fit() if r["kind"] == "train"]
     assert [r["step"] for r in records] == [2, 4]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,8 @@ from megafp8.parallel.grad_buckets import Bucket
 from megafp8.parallel.sharding import Placed, placed_param
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Runs after every step with the step's `applied` flag (a 0-d bool device tensor; None: applied unconditionally).
+StepHook = Callable[[Optional[torch.Tensor]], None]
 
 
 @dataclass
@@ -72,6 +74,7 @@ class DistributedAdamW:
         self.step_count = 0  # updates applied; a step skipped on the device counts until `settle_step_count`
         self._step_tensor: torch.Tensor | None = None  # the step count on the device, for the fused kernel
         self._skipped: torch.Tensor | None = None  # steps skipped on the device since the last settle
+        self._post_step_hooks: list[StepHook] = []
         moment_dtype = MOMENT_DTYPES[cfg.moment_dtype]
         self.shards: list[_Shard] = []
         for bucket in buckets.buckets:
@@ -163,6 +166,21 @@ class DistributedAdamW:
             if not fp32:
                 self._step_shard(shard, lr, apply)
         self._publish()
+        self._run_post_step_hooks(apply)
+
+    def skip_step(self) -> None:
+        """A step skipped on the host (the FP16 loss scaler found an inf or nan): nothing is updated and the step
+        count stays, but the post-step hooks still run, told the update was not applied (they account for every
+        step)."""
+        self._run_post_step_hooks(torch.zeros((), dtype=torch.bool, device=self.shards[0].master.device))
+
+    def register_step_post_hook(self, hook: StepHook) -> None:
+        """Run `hook(applied)` after every step, skipped ones included (`applied` False on the device then)."""
+        self._post_step_hooks.append(hook)
+
+    def _run_post_step_hooks(self, applied: Optional[torch.Tensor]) -> None:
+        for hook in self._post_step_hooks:
+            hook(applied)
 
     def settle_step_count(self) -> int:
         """Take the steps skipped on the device since the last call out of `step_count` (the host waits for the
@@ -268,8 +286,10 @@ class DistributedAdamW:
                     placed[f"optim/{key}/{self.names[p]}"] = placed_param(flat, p, self.tp, lo - offset, hi - offset)
         return placed
 
-    def publish(self) -> None:
-        """Write the master weights into the model weights (after they were loaded in place)."""
+    def finish_placed_load(self, step_count: int) -> None:
+        """After `placed_state()`'s views were read in place (a sharded checkpoint): take the saved step count and
+        write the master weights into the model weights."""
+        self.step_count = step_count
         self._publish()
 
     @torch.no_grad()

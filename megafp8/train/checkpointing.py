@@ -1,4 +1,9 @@
-"""Saving and resuming a trainer's state, in either on-disk form (`checkpoint.format`).
+"""Saving and resuming a run's stateful parts, in either on-disk form (`checkpoint.format`).
+
+The checkpointer holds the parts, each of which owns its state: the model (`ModelState`: this rank's weights
+and buffers), the optimizer (FP32 master weights, AdamW moments, its step count), the train state (the step),
+and small host-side parts under their names (data loader position, loss scaler, RNG), as torchtitan's
+CheckpointManager does. It never reaches into the training loop.
 
 - `sharded` (default): every rank writes its own pieces with torch.distributed.checkpoint: the
   weights and buffers of its stages, and the FP32 master weights and AdamW moments of its optimizer
@@ -21,21 +26,21 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.stateful import Stateful
 
 from megafp8.checkpoint import check_tensors_match, load_checkpoint, save_checkpoint
 from megafp8.checkpoint.local import fresh_temporary, publish
-from megafp8.checkpoint.sharded import INDEX_FILE, SafeReader, is_sharded_checkpoint, read_sharded, write_sharded
-from megafp8.config import ConfigError
-from megafp8.config.loader import config_to_dict
-from megafp8.parallel import full_shape, gather_param
+from megafp8.checkpoint.sharded import SafeReader, is_sharded_checkpoint, read_sharded, write_sharded
+from megafp8.config import CheckpointConfig, ConfigError
+from megafp8.optim import DistributedAdamW
+from megafp8.parallel import ExpertParallel, ParallelDims, TensorParallel, full_shape, gather_param
 from megafp8.parallel.sharding import Piece, Placed, placed_param
-
-if TYPE_CHECKING:
-    from megafp8.train.trainer import Trainer
+from megafp8.train.state import TrainState
 
 log = logging.getLogger("megafp8")
 # Model settings a checkpoint's tensor shapes do not reveal: resumed under other values, the weights compute another
@@ -70,28 +75,81 @@ class _BackgroundWrite:
             raise self.error
 
 
-class Checkpointer:
-    """Saves and loads one trainer's state (collective: every rank calls `save` and `load`)."""
+class ModelState:
+    """The model as a checkpoint sees it: this rank's weights and persistent buffers (the MoE selection biases,
+    not the routers' load counters), and the names and full shapes of the whole model's."""
 
-    def __init__(self, trainer: "Trainer") -> None:
-        self.trainer = trainer
+    def __init__(self, model: nn.Module, tp: TensorParallel, ep: ExpertParallel,
+                 whole_model_meta: Callable[[], nn.Module]) -> None:
+        self.model, self.tp, self.ep = model, tp, ep
+        self.whole_model_meta = whole_model_meta  # every pipeline stage on the meta device (built when asked)
+
+    def placed_state(self) -> dict[str, Placed]:
+        """This rank's pieces of every weight and buffer (views of the live tensors), by full name and offset."""
+        weights = {f"model/{name}": placed_param(p.detach(), p, self.tp) for name, p in self.model.named_parameters()}
+        return {**weights, **self.placed_buffers()}
+
+    def placed_buffers(self) -> dict[str, Placed]:
+        """The persistent buffers (replicated: whole on every rank)."""
+        persistent = self.model.state_dict().keys()
+        return {f"model/{name}": Placed(tuple(buffer.shape), [Piece((0,) * buffer.ndim, buffer)])
+                for name, buffer in self.model.named_buffers() if name in persistent}
+
+    def full_state(self, meta: bool = False) -> dict[str, torch.Tensor]:
+        """Weights and buffers by name at their full shapes, every expert included (tensor-parallel shards and
+        expert-parallel slices gathered; collective). `meta`: shapes only, of every pipeline stage."""
+        model = self.whole_model_meta() if meta else self.model
+        params = dict(model.named_parameters())
+        state = {}
+        for name, tensor in model.state_dict().items():
+            param = params.get(name)
+            if meta:
+                state[name] = torch.empty(full_shape(param, self.tp.size) if param is not None else tensor.shape,
+                                          device="meta")
+            elif param is not None:
+                state[name] = gather_param(tensor.detach(), param, self.tp, self.ep).to("cpu", copy=True)
+            else:  # buffers (MoE selection biases) are replicated
+                state[name] = tensor.detach().to("cpu", copy=True)
+        return state
+
+    @torch.no_grad()
+    def load_buffers(self, saved: dict[str, torch.Tensor]) -> None:
+        """Copy the persistent buffers of a full state in (the weights come from the optimizer's masters)."""
+        buffers = dict(self.model.named_buffers())
+        for name, tensor in saved.items():
+            if name in buffers:
+                buffers[name].copy_(tensor)
+
+
+class Checkpointer:
+    """Saves and loads a run's parts (collective: every rank calls `save` and `load`).
+
+    `parts` are the small host-side parts by the name their state has in a checkpoint (`loader`, `loss_scaler`,
+    `rng`); a part the run lacks (None: the loss scaler outside FP16) saves an empty state. The train state's
+    fields are the checkpoint's top-level keys (the step), and `config` (the run's config as a dict) is recorded
+    with it."""
+
+    def __init__(self, model: ModelState, optimizer: DistributedAdamW, train_state: TrainState,
+                 parts: dict[str, Optional[Stateful]], config: dict[str, Any], cfg: CheckpointConfig,
+                 directory: Path, dims: ParallelDims) -> None:
+        self.model, self.optimizer, self.train_state, self.parts = model, optimizer, train_state, parts
+        self.config, self.cfg, self.directory, self.dims = config, cfg, directory, dims
         self.pending: Optional[_BackgroundWrite] = None
-        cfg = trainer.cfg.checkpoint
         self.sharded = cfg.format == "sharded"
         # Background sharded writes run their collectives on a group of their own (gloo: host tensors).
         self.write_group = (dist.new_group(backend="gloo") if self.sharded and cfg.async_save
-                            and trainer.dims.is_distributed else None)
+                            and dims.is_distributed else None)
 
     # ------------------------------------------------------------------------------------- save
     def save(self) -> None:
-        t = self.trainer
+        """Checkpoint the train state's step (a background write when `checkpoint.async_save`)."""
         self.wait()  # one write at a time, in step order
         self._check_finite()
         if self.sharded:
             self._save_sharded()
         else:
             self._save_full()
-        if t.dims.is_distributed:
+        if self.dims.is_distributed:
             dist.barrier()
 
     def wait(self) -> None:
@@ -102,81 +160,69 @@ class Checkpointer:
 
     def _check_finite(self) -> None:
         """Raise FloatingPointError (on every rank) if any tensor this checkpoint would hold is inf or nan."""
-        t = self.trainer
         pieces = [(name, piece.values) for name, placed in self.placed_state().items() for piece in placed.pieces]
         finite = torch.stack([torch.isfinite(values).all() for _, values in pieces]).tolist() if pieces else []
         bad = [name for (name, _), ok in zip(pieces, finite) if not ok]
-        if t.dims.is_distributed:
-            every: list[Optional[list[str]]] = [None] * t.dims.world_size
+        if self.dims.is_distributed:
+            every: list[Optional[list[str]]] = [None] * self.dims.world_size
             dist.all_gather_object(every, bad)
             bad = sorted({name for names in every for name in names or []})
         if bad:
             which = f"{bad[0]} and {len(bad) - 1} more tensor(s) hold" if len(bad) > 1 else f"{bad[0]} holds"
-            raise FloatingPointError(f"step {t.step}: {which} inf or nan: not saving a checkpoint of it (the newest "
-                                     f"checkpoint under {t.checkpoint_dir} stays the newest)")
+            raise FloatingPointError(f"step {self.train_state.step}: {which} inf or nan: not saving a checkpoint of "
+                                     f"it (the newest checkpoint under {self.directory} stays the newest)")
 
     def _meta(self) -> dict[str, Any]:
-        t = self.trainer
-        rng = {"torch": torch.get_rng_state()}
-        if t.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(t.device)
-        return {"step": t.step, "loader": t.loader.state_dict(),
-                "loss_scaler": t.loss_scaler.state_dict() if t.loss_scaler is not None else {},
-                "rng": rng, "config": config_to_dict(t.cfg), "optimizer_step": t.optimizer.step_count}
+        """What a checkpoint holds besides tensors: the train state, every part's state, the config and (for the
+        sharded form, whose tensors carry no step) the optimizer's step count."""
+        parts = {name: part.state_dict() if part is not None else {} for name, part in self.parts.items()}
+        return {**self.train_state.state_dict(), **parts, "config": self.config,
+                "optimizer_step": self.optimizer.step_count}
 
     def _save_full(self) -> None:
-        t = self.trainer
         meta = self._meta()
         del meta["optimizer_step"]  # the optimizer's state dict holds it
-        model, optimizer = self._merge_stages(self.full_model_state(), t.optimizer.state_dict())
-        if t.dims.rank != 0:
+        model, optimizer = self._merge_stages(self.model.full_state(), self.optimizer.state_dict())
+        if self.dims.rank != 0:
             return
-        state, root, step, keep = {"model": model, "optimizer": optimizer, **meta}, t.checkpoint_dir, t.step, \
-            t.cfg.checkpoint.keep_last
+        state, root, step = {"model": model, "optimizer": optimizer, **meta}, self.directory, self.train_state.step
 
         def write() -> None:
-            log.info("saved checkpoint %s", save_checkpoint(root, step, state, keep))
-        if t.cfg.checkpoint.async_save:
-            self.pending = _BackgroundWrite(write, step)
-        else:
-            write()
+            log.info("saved checkpoint %s", save_checkpoint(root, step, state, self.cfg.keep_last))
+        self._run(write, step)
 
     def _save_sharded(self) -> None:
-        t = self.trainer
-        root, step, keep, rank0 = t.checkpoint_dir, t.step, t.cfg.checkpoint.keep_last, t.dims.rank == 0
+        root, step, rank0 = self.directory, self.train_state.step, self.dims.rank == 0
         shared = [fresh_temporary(root, step) if rank0 else None]
-        if t.dims.is_distributed:
+        if self.dims.is_distributed:
             dist.broadcast_object_list(shared, src=0)  # rank 0's private directory exists before anyone writes in it
         tmp = shared[0]
         placed, meta = self.placed_state(), (self._meta() if rank0 else None)
-        if t.cfg.checkpoint.async_save:  # copy to host now; write later
+        if self.cfg.async_save:  # copy to host now; write later
             placed = {k: Placed(v.shape, [Piece(p.offsets, p.values.detach().to("cpu", copy=True)) for p in v.pieces])
                       for k, v in placed.items()}
 
         def write() -> None:
             write_sharded(tmp, placed, meta, self.write_group)
             if rank0:  # DCP's coordinator returns once every rank's files and the index are written
-                log.info("saved checkpoint %s", publish(root, tmp, step, keep))
-        if t.cfg.checkpoint.async_save:
+                log.info("saved checkpoint %s", publish(root, tmp, step, self.cfg.keep_last))
+        self._run(write, step)
+
+    def _run(self, write: Callable[[], None], step: int) -> None:
+        """Write now, or on a background thread under `checkpoint.async_save`."""
+        if self.cfg.async_save:
             self.pending = _BackgroundWrite(write, step)
         else:
             write()
 
     def placed_state(self) -> dict[str, Placed]:
         """This rank's pieces of every tensor a checkpoint holds (views of the live weights and optimizer state)."""
-        t = self.trainer
-        placed = {f"model/{name}": placed_param(p.detach(), p, t.tp) for name, p in t.model.named_parameters()}
-        persistent = t.model.state_dict().keys()
-        for name, buffer in t.model.named_buffers():
-            if name in persistent:  # the MoE selection biases (not the routers' load counters)
-                placed[f"model/{name}"] = Placed(tuple(buffer.shape), [Piece((0,) * buffer.ndim, buffer)])
-        placed.update(t.optimizer.placed_state())
-        return placed
+        return {**self.model.placed_state(), **self.optimizer.placed_state()}
 
     def _merge_stages(self, model: dict[str, Any], optimizer: dict[str, Any]) -> tuple[dict, dict]:
         """Under pipeline parallelism, rank 0 gets the union of every stage's weights and optimizer state (other
         ranks keep their own: only rank 0 writes)."""
-        dims = self.trainer.dims
+        dims = self.dims
         if dims.pp_group is None or dims.rank % (dims.tp * dims.dp) != 0:  # not rank 0's pipeline
             return model, optimizer
         stages: Optional[list[Any]] = [None] * dims.pp if dims.rank == 0 else None
@@ -190,75 +236,42 @@ class Checkpointer:
                 merged_opt[key].update(stage_opt[key])
         return merged_model, merged_opt
 
-    def full_model_state(self, meta: bool = False) -> dict[str, torch.Tensor]:
-        """Weights and buffers by name at their full shapes, every expert included (tensor-parallel shards and
-        expert-parallel slices gathered; collective). `meta`: shapes only, of every pipeline stage."""
-        t = self.trainer
-        model = t.whole_model_meta() if meta else t.model
-        params = dict(model.named_parameters())
-        state = {}
-        for name, tensor in model.state_dict().items():
-            param = params.get(name)
-            if meta:
-                state[name] = torch.empty(full_shape(param, t.tp.size) if param is not None else tensor.shape,
-                                          device="meta")
-            elif param is not None:
-                state[name] = gather_param(tensor.detach(), param, t.tp, t.ep).to("cpu", copy=True)
-            else:  # buffers (MoE selection biases) are replicated
-                state[name] = tensor.detach().to("cpu", copy=True)
-        return state
-
     # ------------------------------------------------------------------------------------- load
     def load(self, path: Path) -> None:
-        """Resume from a checkpoint of either form, saved at any layout."""
-        t = self.trainer
-        if is_sharded_checkpoint(path):
-            meta = self._load_sharded(path)
-        else:
-            meta = self._load_full(path)
-        if meta["loader"]:  # empty for checkpoints imported from other formats: start the data from the top
-            t.loader.load_state_dict(meta["loader"])
-        if t.loss_scaler is not None and meta.get("loss_scaler"):
-            t.loss_scaler.load_state_dict(meta["loss_scaler"])
-        t.step = int(meta["step"])
-        changes = model_setting_changes(meta.get("config", {}).get("model", {}), config_to_dict(t.model_cfg))
+        """Resume every part from a checkpoint of either form, saved at any layout. A part whose saved state is
+        empty keeps its own (checkpoints imported from other formats hold no data position)."""
+        meta = self._load_sharded(path) if is_sharded_checkpoint(path) else self._load_full(path)
+        self.train_state.load_state_dict(meta)
+        for name, part in self.parts.items():
+            if part is not None and meta.get(name):
+                part.load_state_dict(meta[name])
+        changes = model_setting_changes(meta.get("config", {}).get("model", {}), self.config["model"])
         if changes:
             log.warning("resuming %s with model settings other than its own (%s): the weights now compute another "
                         "function; set them as the checkpoint has unless this is meant (e.g. a context-extension "
                         "stage)", path, "; ".join(changes))
-        torch.set_rng_state(meta["rng"]["torch"])
-        if t.device.type == "cuda" and "cuda" in meta["rng"]:
-            torch.cuda.set_rng_state(meta["rng"]["cuda"], t.device)
 
     def _load_full(self, path: Path) -> dict[str, Any]:
-        t = self.trainer
         state = load_checkpoint(path, verify=False)  # verified before (megafp8/train/resume.py)
-        check_tensors_match(state["model"], self.full_model_state(meta=True), path)
+        check_tensors_match(state["model"], self.model.full_state(meta=True), path)
         try:
-            t.optimizer.load_state_dict(state["optimizer"])  # writes the master weights into the model
+            self.optimizer.load_state_dict(state["optimizer"])  # writes the master weights into the model
         except (KeyError, ValueError) as err:
             raise ConfigError(f"checkpoint {path} has an unusable optimizer state: {err}") from None
-        buffers = dict(t.model.named_buffers())
-        with torch.no_grad():
-            for name, saved in state["model"].items():  # persistent buffers (MoE selection biases)
-                if name in buffers:
-                    buffers[name].copy_(saved)
+        self.model.load_buffers(state["model"])
         return state
 
     def _load_sharded(self, path: Path) -> dict[str, Any]:
-        t = self.trainer
         stored = SafeReader(str(path)).read_metadata().state_dict_metadata
         saved_model = {k.removeprefix("model/"): torch.empty(tuple(v.size), device="meta")
                        for k, v in stored.items() if k.startswith("model/")}
-        check_tensors_match(saved_model, self.full_model_state(meta=True), path)
+        check_tensors_match(saved_model, self.model.full_state(meta=True), path)
         # Masters, moments and buffers are read in place; the BF16 weights are then cast from the masters.
-        params = dict(t.model.named_parameters())
-        placed = {k: v for k, v in self.placed_state().items() if k.removeprefix("model/") not in params}
+        placed = {**self.model.placed_buffers(), **self.optimizer.placed_state()}
         with torch.no_grad():
             meta = read_sharded(path, placed)
-        t.optimizer.step_count = int(meta["optimizer_step"])
-        t.optimizer.publish()
+        self.optimizer.finish_placed_load(int(meta["optimizer_step"]))
         return meta
 
 
-__all__ = ["Checkpointer", "INDEX_FILE"]
+__all__ = ["Checkpointer", "ModelState"]

@@ -1,10 +1,17 @@
-"""Throughput and MFU, the console line, and the JSON-lines metrics file (rank 0 only)."""
+"""The metrics records of a run: step time, throughput and MFU, the console line, and the JSON-lines file.
+
+A training record covers a logging window: the steps since the last one. Its time is measured once the window's
+loss has reached the host, so on a GPU it is the device's time, and evaluation and checkpoints are left out.
+"""
 from __future__ import annotations
 
 import json
 import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -25,12 +32,88 @@ def peak_tflops(device: torch.device, override: Optional[float]) -> Optional[flo
     return next((tf for key, tf in _PEAK_BF16_TFLOPS if key in name), None)
 
 
+@dataclass(frozen=True)
+class Throughput:
+    """What turns a step's time into tokens/s, TFLOP/s per device and MFU."""
+
+    tokens_per_step: int
+    flops_per_token: float
+    world_size: int
+    peak_tflops: Optional[float]  # per device; None: MFU unknown
+
+    def rates(self, step_s: float) -> dict[str, Any]:
+        tokens_per_s = self.tokens_per_step / step_s
+        achieved_tflops = tokens_per_s * self.flops_per_token / self.world_size / 1e12
+        return {"tokens_per_s": tokens_per_s, "tflops_per_device": achieved_tflops,
+                "mfu": achieved_tflops / self.peak_tflops if self.peak_tflops else None}
+
+
+@dataclass(frozen=True)
+class WindowTime:
+    """A logging window's time: seconds per step, and seconds since the loop began and (extrapolated) left."""
+
+    step_s: float
+    elapsed_s: float
+    remaining_s: float
+
+
+class StepClock:
+    """Times logging windows from the loop's first step to `total_steps`, leaving out the `paused` time."""
+
+    def __init__(self, first_step: int, total_steps: int) -> None:
+        self.first_step, self.total_steps = first_step, total_steps
+        self.started = self.window_start = time.perf_counter()
+        self.paused_s = 0.0
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time that is not training time (evaluation, checkpoints)."""
+        pause_start = time.perf_counter()
+        yield
+        self.paused_s += time.perf_counter() - pause_start
+
+    def lap(self, step: int, window_steps: int) -> WindowTime:
+        """End the window of `window_steps` steps that ends at `step`, and start the next."""
+        now = time.perf_counter()
+        window_s, elapsed_s = now - self.window_start - self.paused_s, now - self.started
+        self.window_start, self.paused_s = now, 0.0
+        steps_done = step - self.first_step
+        return WindowTime(window_s / window_steps, elapsed_s, elapsed_s / steps_done * (self.total_steps - step))
+
+
+def train_record(step: int, loss: float, lr: float, grad_norm: float, skipped: int, window: WindowTime,
+                 throughput: Throughput, device: torch.device) -> dict[str, Any]:
+    """The record of a logging window ending at `step`, with mean loss `loss` over its applied steps (nan if none
+    was; `skipped` were not) and the last step's `lr` and `grad_norm`."""
+    return {
+        "kind": "train",
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "step_time_s": window.step_s,
+        **throughput.rates(window.step_s),
+        "skipped_steps": skipped,
+        "consumed_tokens": step * throughput.tokens_per_step,
+        "elapsed_s": window.elapsed_s,
+        "remaining_s": window.remaining_s,
+        # the allocator's high-water mark on this (rank 0's) GPU since start: a host-side counter, no sync
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    }
+
+
+def eval_record(step: int, loss: float) -> dict[str, Any]:
+    """The record of an evaluation at `step` with held-out loss `loss`."""
+    return {"kind": "eval", "step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+
 def _duration(seconds: float) -> str:
     seconds = int(max(0.0, seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 def format_step_line(record: dict[str, Any], total_steps: int) -> str:
+    """The console line of a training record."""
     mfu = record.get("mfu")
     parts = [
         f"step {record['step']:>{len(str(total_steps))}}/{total_steps}",
@@ -47,6 +130,11 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
     if "moe_load_cv" in record:  # expert balance: spread of tokens per expert, and the busiest expert
         parts.insert(4, f"expert load cv {record['moe_load_cv']:.2f} max {record['moe_load_max_over_mean']:.2f}x")
     return " | ".join(parts)
+
+
+def format_eval_line(record: dict[str, Any]) -> str:
+    """The console line of an evaluation record."""
+    return f"step {record['step']} | validation loss {record['val_loss']:.4f} | perplexity {record['val_ppl']:.2f}"
 
 
 class MetricsFile:

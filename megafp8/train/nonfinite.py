@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megafp8.optim import DistributedAdamW
 from megafp8.parallel import ParallelDims
+from megafp8.precision import DynamicLossScaler
 
 log = logging.getLogger("megafp8")
 _NAMED_LAYERS = 8  # layers named in the stop message (then "and N more")
@@ -76,6 +77,23 @@ class NonFiniteGuard:
             return "no single gradient: their squares overflow FP32"
         more = f" and {len(layers) - _NAMED_LAYERS} more" if len(layers) > _NAMED_LAYERS else ""
         return ", ".join(layers[:_NAMED_LAYERS]) + more
+
+
+def unscale_or_skip(optimizer: DistributedAdamW, scaler: DynamicLossScaler, loss_scale: float, step: int,
+                    dims: ParallelDims) -> bool:
+    """FP16: agree across every rank whether any gradient of step `step` (scaled by `loss_scale`) is inf/nan; move
+    the loss scale; unscale the gradients and return True if none is, else False (the step is to be skipped)."""
+    found = optimizer.found_nonfinite()
+    if dims.is_distributed:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank, so all skip or none does
+    skip = bool(found.item())
+    scaler.update(skip)
+    if skip:
+        log.warning("step %d: inf/nan gradients on some rank; step skipped (weights, optimizer and LR schedule "
+                    "unchanged), loss scale %g -> %g", step, loss_scale, scaler.scale)
+        return False
+    optimizer.scale_grads(1.0 / loss_scale)
+    return True
 
 
 def window_loss(losses: list[torch.Tensor], grad_norms: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

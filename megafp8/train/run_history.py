@@ -20,6 +20,9 @@ from typing import Any, Optional
 import yaml
 
 from megafp8.checkpoint.local import LATEST_FILE, list_checkpoints
+from megafp8.config import CheckpointConfig, Config, ConfigError
+from megafp8.parallel import ParallelDims
+from megafp8.train.resume import on_every_rank, verified_resume_path
 
 log = logging.getLogger("megafp8")
 CONFIG_FILE = "config.yaml"
@@ -47,6 +50,50 @@ class Verdict:
 
     refusal: Optional[str] = None
     replace: bool = False
+
+
+def run_paths(cfg: Config) -> tuple[Path, Path, Path]:
+    """Where a run's files go: (run directory, checkpoint directory, metrics file)."""
+    run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
+    checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    metrics_path = Path(cfg.logging.metrics_file)
+    return run_dir, checkpoint_dir, metrics_path if metrics_path.is_absolute() else run_dir / metrics_path
+
+
+def choose_start(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, config: dict[str, Any],
+                 checkpoint: CheckpointConfig, dims: ParallelDims) -> tuple[bool, Optional[Path]]:
+    """Judge what an earlier launch left in the run directory (a ConfigError refuses this launch on every rank),
+    then find the verified checkpoint to resume from, if any (collective). Returns (whether the earlier run is to
+    be replaced, that checkpoint). Writes nothing."""
+    verdict = None
+    if dims.rank == 0:
+        earlier = read_earlier_run(run_dir, checkpoint_dir, metrics_path)
+        verdict = judge(earlier, config, checkpoint.resume, checkpoint.overwrite, run_dir, checkpoint_dir)
+    verdict = on_every_rank(verdict, dims)
+    if verdict.refusal is not None:
+        raise ConfigError(verdict.refusal)
+    resume = "none" if verdict.replace else checkpoint.resume
+    return verdict.replace, verified_resume_path(resume, checkpoint_dir, dims)
+
+
+def record_launch(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, step: int, replace: bool,
+                  resumed_from: Optional[Path], config_yaml: str) -> None:
+    """On rank 0 (the run validated and its directories locked): remove a replaced run, drop the metric records
+    after `step`, where this launch starts, and record the config. Says in one line what became of an earlier
+    launch."""
+    relaunch = (run_dir / CONFIG_FILE).is_file() or metrics_path.is_file()
+    if replace:
+        remove_earlier_run(run_dir, checkpoint_dir, metrics_path)
+        log.info("checkpoint.overwrite: replaced the earlier run in %s", run_dir)
+    dropped = drop_metrics_after(metrics_path, step)
+    dropped_note = f"; dropped {dropped} metric record(s) after step {step}" if dropped else ""
+    if resumed_from is not None:
+        log.info("resuming %s from step %d (%s)%s", run_dir, step, resumed_from, dropped_note)
+    elif relaunch and not replace:
+        log.info("%s holds an earlier launch of this run without a checkpoint: starting it over from step 0%s",
+                 run_dir, dropped_note)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CONFIG_FILE).write_text(config_yaml)
 
 
 def read_earlier_run(run_dir: Path, checkpoint_dir: Path, metrics_path: Path) -> Optional[EarlierRun]:

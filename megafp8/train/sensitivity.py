@@ -27,7 +27,7 @@ from megafp8.model import resolve_vocab_size
 from megafp8.parallel import ParallelLinear
 from megafp8.precision import E4M3, Fp8Recipe, PrecisionRecipe
 from megafp8.precision.quantize import dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
-from megafp8.train.trainer import build_model
+from megafp8.train.build import build_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -1,0 +1,227 @@
+"""Building one rank's parts of a run from its config: model, gradient buckets, optimizer, data, pipeline runner,
+FP8 health monitor and MoE balancing, after one check that the run fits in memory.
+
+Nothing here trains; the loop (`megafp8/train/trainer.py`) steps over what `build_parts` returns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from megafp8.config import Config, ModelConfig, validate_config
+from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta
+from megafp8.data.indexed import DatasetMeta
+from megafp8.model import (
+    Transformer,
+    apply_compile,
+    apply_fp8_plan,
+    apply_recompute,
+    describe_rope,
+    init_weights,
+    resolve_vocab_size,
+)
+from megafp8.optim import DistributedAdamW
+from megafp8.parallel import (
+    ExpertParallel,
+    GradBuckets,
+    ParallelDims,
+    TensorParallel,
+    full_shape,
+    is_expert,
+    tp_shard_of,
+)
+from megafp8.parallel.pipeline import PipelineLayout, StageSpec, build_layout
+from megafp8.precision import DynamicLossScaler, PrecisionRecipe, resolve_recipe, select_backend
+from megafp8.train.expert_balance import ExpertBalance
+from megafp8.train.fp8_health import Fp8HealthMonitor
+from megafp8.train.loggers import ExperimentLogger
+from megafp8.train.pipelined import PipelineRunner
+from megafp8.train.plan import check_fits, device_capacity, make_plan
+
+log = logging.getLogger("megafp8")
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What one rank trains with (`build_parts`)."""
+
+    cfg: Config  # with `precision.recipe: auto` resolved
+    model_cfg: ModelConfig  # with the vocabulary resolved
+    recipe: PrecisionRecipe
+    layout: Optional[PipelineLayout]  # None without pipeline parallelism
+    model: Transformer  # this rank's shard of its pipeline stages
+    optimizer: DistributedAdamW  # over the model's gradient buckets (`optimizer.buckets`)
+    loss_scaler: Optional[DynamicLossScaler]  # FP16 only
+    loader: DistributedLoader
+    valid_set: Optional[PackedDataset]  # None without evaluation
+    pipeline: Optional[PipelineRunner]
+    health: Fp8HealthMonitor
+    expert_balance: Optional[ExpertBalance]  # MoE models only
+    # The model's every stage on the meta device (this rank's model itself without pipelining), built when asked.
+    whole_model_meta: Callable[[], Transformer]
+
+
+def build_parts(cfg: Config, dims: ParallelDims, device: torch.device, num_micro_batches: int) -> Parts:
+    """Every part of a run on this rank, built in a fixed order (every rank runs the same collectives)."""
+    cfg, model_cfg, recipe, meta = resolve(cfg, dims, device)
+    tp, ep, par = dims.tensor_parallel, dims.expert_parallel, cfg.parallel
+    layout = (build_layout(model_cfg.num_layers, par.pp, par.pp_schedule, par.pp_virtual_stages, par.pp_layout)
+              if dims.pp > 1 else None)
+    model = build_model(cfg, model_cfg, recipe, device, fp8_active=cfg.precision.fp8_start_step == 0,
+                        tp=tp, ep=ep, stages=layout.local_stages(dims.pp_rank) if layout else None)
+    loss_scaler = DynamicLossScaler.from_config(cfg.precision) if recipe.name == "fp16" else None
+    optimizer = build_optimizer(model, cfg, dims)
+    loader, valid_set = build_data(cfg, meta, dims)
+    training = cfg.training
+    pipeline = (PipelineRunner(model, layout, dims, num_micro_batches, training.micro_batch_size, cfg.data.seq_len,
+                               device) if layout else None)
+    logs = cfg.logging
+    health = Fp8HealthMonitor(model, logs.fp8_health_interval, logs.fp8_underflow_warn, logs.fp8_at_max_warn)
+    expert_balance = (ExpertBalance.attach(model, optimizer, model_cfg, dims) if model_cfg.moe_num_experts > 0
+                      else None)
+
+    def whole_model_meta() -> Transformer:
+        return full_meta_model(cfg, model_cfg, recipe, tp, ep) if layout else model
+    return Parts(cfg, model_cfg, recipe, layout, model, optimizer, loss_scaler, loader, valid_set, pipeline, health,
+                 expert_balance, whole_model_meta)
+
+
+def resolve(cfg: Config, dims: ParallelDims, device: torch.device
+            ) -> tuple[Config, ModelConfig, PrecisionRecipe, DatasetMeta]:
+    """The config with `precision.recipe: auto` resolved for `device` (re-validated, and logged), the model config
+    with the data's vocabulary, the recipe and the data's metadata. Fails fast where the run cannot fit in memory:
+    one check, as early as it can run (before even the data is read where the vocabulary is configured)."""
+    name, reason = resolve_recipe(cfg.precision.recipe, device, cfg.precision.auto_cpu_recipe)
+    cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, recipe=name))
+    if cfg.model.vocab_size is not None:
+        check_memory(cfg, cfg.model, dims.world_size, device)
+    meta = read_meta(cfg.data.path)
+    model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size, dims.tensor_parallel.size)
+    validate_config(cfg)  # under the resolved recipe
+    log.info("precision: %s (%s)", name, reason)
+    if cfg.model.vocab_size is None:
+        check_memory(cfg, model_cfg, dims.world_size, device)
+    return cfg, model_cfg, PrecisionRecipe.from_config(cfg.precision), meta
+
+
+def check_memory(cfg: Config, model_cfg: ModelConfig, world_size: int, device: torch.device) -> None:
+    """Fail fast (ConfigError) when the planned state of a rank exceeds its device's memory."""
+    ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    plan = make_plan(dataclasses.replace(cfg, model=model_cfg), world_size)
+    where = "the GPU has" if device.type == "cuda" else f"this host has, per rank ({ranks_on_host} here),"
+    check_fits(plan, device_capacity(device, ranks_on_host), where)
+
+
+def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, device: torch.device,
+                fp8_active: bool = True, tp: Optional[TensorParallel] = None,
+                ep: Optional[ExpertParallel] = None, stages: Optional[list[StageSpec]] = None) -> Transformer:
+    """The decoder (this rank's tensor-parallel shard, experts and pipeline `stages`), initialized from the seed,
+    with the FP8 layer plan applied (and logged). `fp8_active=False` builds it in BF16 for a precision schedule that
+    switches later."""
+    parts = {}
+    if stages is not None:
+        parts = {"layer_ids": [i for s in stages for i in s.layers], "embedding": any(s.first for s in stages),
+                 "head": any(s.last for s in stages)}
+        # The plan's layer globs are checked against the whole model once (a stage holds only some layers).
+        apply_fp8_plan(full_meta_model(cfg, model_cfg, recipe, tp, ep), cfg.precision, recipe, model_cfg.num_layers,
+                       dry_run=True)
+    model = Transformer(model_cfg, recipe, cfg.data.seq_len, tp, device=device, ep=ep,
+                        fp8_dispatch=cfg.parallel.ep_dispatch_fp8, **parts)
+    init_weights(model, model_cfg, cfg.training.seed, tp)
+    check = stages is None
+    if recipe.fp8 is not None and not fp8_active:  # the FP8 plan of the later switch must be valid now
+        apply_fp8_plan(model, cfg.precision, recipe, model_cfg.num_layers, dry_run=True, check_patterns=check)
+    plan = apply_fp8_plan(model, cfg.precision, recipe if fp8_active else recipe.high_precision(),
+                          model_cfg.num_layers, check_patterns=check)
+    if cfg.training.compile:
+        log.info("torch.compile (mode %s): %d blocks", cfg.training.compile_mode,
+                 apply_compile(model, cfg.training.compile_mode))
+    recomputing = apply_recompute(model, cfg.training.recompute)
+    if recomputing:
+        log.info("activation recomputation: %d blocks keep only their input for backward", recomputing)
+    if recipe.fp8 is not None:
+        backend = select_backend(recipe.fp8.backend, device)
+        log.info("fp8: backend %s%s | %s%s", backend.name, " (auto)" if recipe.fp8.backend == "auto" else "",
+                 plan.summary(), "" if fp8_active else f" | BF16 until step {cfg.precision.fp8_start_step}")
+    return model
+
+
+def full_meta_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, tp: Optional[TensorParallel],
+                    ep: Optional[ExpertParallel]) -> Transformer:
+    """The whole model (every pipeline stage) on the meta device: names and shapes, no memory."""
+    return Transformer(model_cfg, recipe, cfg.data.seq_len, tp, device=torch.device("meta"), ep=ep,
+                       fp8_dispatch=cfg.parallel.ep_dispatch_fp8)
+
+
+def build_optimizer(model: Transformer, cfg: Config, dims: ParallelDims) -> DistributedAdamW:
+    """FP32-master AdamW over gradient buckets of the model's trainable parameters (`optimizer.buckets`)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt, tp = cfg.optimizer, dims.tensor_parallel
+    # Under sequence parallelism every TP-replicated weight (the norms) sees only this rank's tokens.
+    partial = {p: tp.group for p in params if tp_shard_of(p) is None} if tp.sp else {}
+    # Routed experts are reduced over their expert-data-parallel replicas, dense weights over all replicas.
+    group_of = {p: dims.edp_group if is_expert(p) else dims.dp_group for p in params}
+    buckets = GradBuckets(params, group_of, bucket_numel=int(opt.bucket_size_mb * 2**20 / 4), sharded=opt.sharded,
+                          overlap=opt.overlap_grad_reduce, also_sum_over=partial, mean_over=dims.dp)
+    names = {p: n for n, p in model.named_parameters()}
+    return DistributedAdamW(buckets, names, opt, tp, dims.expert_parallel, dims.pp_group)
+
+
+def build_data(cfg: Config, meta: DatasetMeta, dims: ParallelDims) -> tuple[DistributedLoader, Optional[PackedDataset]]:
+    """This rank's training loader and, when the run evaluates, the held-out set."""
+    data, training = cfg.data, cfg.training
+    train_set = PackedDataset(TokenStream(meta, data.train_split), data.seq_len, data.train_split)
+    loader = DistributedLoader(train_set, training.global_batch_size, training.micro_batch_size, dims.dp_rank,
+                               dims.dp_size, training.seed)
+    valid_set = None
+    if training.eval_interval > 0:
+        valid_set = PackedDataset(TokenStream(meta, data.valid_split), data.seq_len, data.valid_split)
+    return loader, valid_set
+
+
+def build_logger(cfg: Config, config: dict[str, Any], run_dir: Path, metrics_path: Path,
+                 dims: ParallelDims) -> ExperimentLogger:
+    """The experiment loggers of `logging.backends` on rank 0 (a no-op elsewhere), recording the resolved `config`."""
+    logs = cfg.logging
+    return ExperimentLogger(logs.backends, run_dir, metrics_path, cfg.run_name or "run", config, logs.wandb_project,
+                            enabled=dims.rank == 0)
+
+
+def log_run_start(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, whole_model: Transformer,
+                  optimizer: DistributedAdamW, loader: DistributedLoader, pipeline: Optional[PipelineRunner],
+                  dims: ParallelDims, num_micro_batches: int, step: int, run_dir: Path) -> None:
+    """Rank 0: the model (`whole_model`: every stage, on the meta device), memory per rank, data and pipeline of
+    the run, one line each."""
+    if dims.rank != 0:
+        return
+    num_params = sum(math.prod(full_shape(p, dims.tensor_parallel.size)) for p in whole_model.parameters())
+    m, training = model_cfg, cfg.training
+    log.info(
+        "model: %.2fM parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d, %s) | precision %s",
+        num_params / 1e6, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads,
+        m.ffn_hidden_size, m.vocab_size, describe_rope(m.rope_theta, m.rope_scaling), recipe.name,
+    )
+    memory = optimizer.memory_bytes()
+    log.info(
+        "memory per rank: %s (bytes/param: %s) | optimizer %s over %d data-parallel rank(s), moments %s",
+        ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.1f} MiB" for k, v in memory.items()),
+        " + ".join(f"{v / num_params:.2f}" for v in memory.values()),
+        "sharded" if cfg.optimizer.sharded else "replicated", dims.dp_size, cfg.optimizer.moment_dtype,
+    )
+    log.info(
+        "data: %d training samples of %d tokens | %d rank(s) x %d micro-batch(es) x %d samples = %d per step "
+        "(%d tokens) | %d steps from step %d | run dir %s",
+        len(loader.dataset), cfg.data.seq_len, dims.dp_size, num_micro_batches, training.micro_batch_size,
+        training.global_batch_size, training.global_batch_size * cfg.data.seq_len, training.steps, step, run_dir,
+    )
+    if pipeline is not None:
+        log.info("pipeline: %s over %d ranks, %d micro-batches, bubble %.1f%% of step time (from the schedule's "
+                 "actions, forward = input-gradient = weight-gradient time) | %s", pipeline.layout.schedule,
+                 dims.pp, num_micro_batches, 100 * pipeline.bubble, pipeline.layout.describe())

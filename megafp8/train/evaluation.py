@@ -1,0 +1,51 @@
+"""Losses over every rank: the held-out loss of an evaluation, and the training loss of a logging window.
+
+Only the rank holding the last pipeline stage computes a loss (the others hold 0), tensor-parallel ranks hold
+the same loss, and data-parallel replicas hold the losses of different batches: both functions sum over the
+pipeline group and average over the data-parallel replicas (collective).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megafp8.config import TrainingConfig
+from megafp8.data import PackedDataset, validation_batches
+from megafp8.model import Transformer
+from megafp8.parallel import ParallelDims
+from megafp8.train.pipelined import PipelineRunner
+from megafp8.train.runtime import host_to_device
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, pipeline: Optional[PipelineRunner], valid_set: PackedDataset,
+             training: TrainingConfig, dims: ParallelDims, device: torch.device) -> float:
+    """Mean loss over the fixed held-out micro-batches (`training.eval_iters` of them, split across ranks)."""
+    model.eval()
+    batches = validation_batches(valid_set, training.micro_batch_size, training.eval_iters, dims.dp_rank,
+                                 dims.dp_size)
+    if pipeline is not None:
+        total = pipeline.evaluate(batches)
+        dist.all_reduce(total, group=dims.pp_group)  # only the last stage's rank holds the loss
+    else:
+        total = torch.zeros(2, device=device)  # (sum of micro-batch losses, count)
+        for tokens, targets in batches:
+            total[0] += model(host_to_device(tokens, device), host_to_device(targets, device))
+            total[1] += 1
+    if dims.dp_group is not None:
+        dist.all_reduce(total, group=dims.dp_group)
+    return (total[0] / total[1]).item()
+
+
+def replica_mean(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """Mean over data-parallel replicas of a loss held by the last pipeline stage (tensor-parallel ranks
+    already hold the same loss; other stages hold 0)."""
+    value = value.detach().float().clone()
+    if dims.pp_group is not None:
+        dist.all_reduce(value, group=dims.pp_group)
+    if dims.dp_group is None:
+        return value
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dims.dp_group)
+    return value / dims.dp_size
