@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megafp8.config import load_config
-from megafp8.model import Transformer, apply_recompute, init_weights
-from megafp8.parallel import ParallelDims, ParallelLinear
+from megafp8.model import Transformer, apply_compile, apply_recompute, init_weights
+from megafp8.parallel import ParallelDims
 from megafp8.precision import PrecisionRecipe
 from megafp8.train.plan import make_plan
 from megafp8.train.trainer import Trainer
@@ -158,11 +158,9 @@ def test_compiled_blocks_quantize_each_weight_once_per_version_outside_the_graph
     batch, seq = 2, 64
     x = torch.randn(batch * seq, cfg.hidden_size, dtype=torch.bfloat16)
     blocks = [model.layers[i] for i in range(2)]
-    eager_forwards = [block._forward for block in blocks]
     torch._dynamo.reset()
-    for block in blocks:  # as apply_compile, with exact bits
-        block._forward = torch.compile(block._forward, backend="aot_eager")
-        block.fp8_linears = [m for m in block.modules() if isinstance(m, ParallelLinear)]
+    assert apply_compile(model, backend="aot_eager") == 2  # exact bits
+    eager_forwards = [block.uncompiled_forward for block in blocks]
     fp8 = [[m for m in block.fp8_linears if m.runs_fp8] for block in blocks]
     assert [len(layers) for layers in fp8] == [4, 4]
 
@@ -184,7 +182,7 @@ def test_compiled_blocks_quantize_each_weight_once_per_version_outside_the_graph
     for _ in range(3):  # micro-batches of one step
         compiled = [run(block, block) for block in blocks]
     assert [m.fp8_cache.quantize_count for layers in fp8 for m in layers] == [1] * 8
-    explained = torch._dynamo.explain(blocks[1]._forward)(x, model.rope, batch, seq)
+    explained = torch._dynamo.explain(blocks[1].uncompiled_forward)(x, model.rope, batch, seq)
     assert explained.graph_break_count == 0
     graph_code = "\n".join(g.print_readable(print_output=False) for g in explained.graphs)  # subgraphs included
     assert "megafp8.gemm_1x128_128x128" in graph_code and "megafp8.quantize_weight" not in graph_code

@@ -64,9 +64,11 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _mlp_pair(recipe: PrecisionRecipe, tp: TensorParallel) -> tuple[ColumnParallelLinear, RowParallelLinear]:
-    """A column then a row layer with seeded full weights, this rank's shards loaded."""
-    col = ColumnParallelLinear(IN, sum(PARTS), recipe, tp, parts=PARTS)
-    row = RowParallelLinear(sum(PARTS) // 2, OUT, recipe, tp)
+    """A column then a row layer with seeded full weights, this rank's shards loaded; under FP8 each records its
+    GEMMs' operands (`RecordingBackend`)."""
+    fp8 = recipe.fp8 is not None
+    col = ColumnParallelLinear(IN, sum(PARTS), recipe, tp, parts=PARTS, fp8_backend=RecordingBackend() if fp8 else None)
+    row = RowParallelLinear(sum(PARTS) // 2, OUT, recipe, tp, fp8_backend=RecordingBackend() if fp8 else None)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for layer, shape in ((col, (sum(PARTS), IN)), (row, (OUT, sum(PARTS) // 2))):
@@ -94,9 +96,6 @@ def _layers_worker(rank, world, recipe_name, sp):
     dy_full = torch.randn(N_TOKENS, OUT, generator=g).to(recipe.param_dtype)
     ref_col, ref_row = _mlp_pair(recipe, TensorParallel.single())
     par_col, par_row = _mlp_pair(recipe, tp)
-    if recipe.fp8 is not None:
-        for layer in (ref_col, ref_row, par_col, par_row):
-            layer._fp8_backend = RecordingBackend()
     y_ref, dx_ref = _run_mlp(ref_col, ref_row, x_full, dy_full)
     mine = (lambda t: t.chunk(world)[rank]) if sp else (lambda t: t)  # this rank's tokens under SP
     y, dx = _run_mlp(par_col, par_row, mine(x_full), mine(dy_full))
@@ -109,14 +108,14 @@ def _layers_worker(rank, world, recipe_name, sp):
     if recipe.fp8 is None:
         return
     # Bit-identical quantization: the fprop GEMM operands of each TP shard are slices of TP=1's.
-    a, a_scale, w, w_scale = ref_col._fp8_backend.calls[0]
-    pa, pa_scale, pw, pw_scale = par_col._fp8_backend.calls[0]
+    a, a_scale, w, w_scale = ref_col.fp8_backend.calls[0]
+    pa, pa_scale, pw, pw_scale = par_col.fp8_backend.calls[0]
     assert _same_bits(pa, a) and _same_bits(pa_scale.contiguous(), a_scale.contiguous())  # the (gathered) input
     assert _same_bits(pw, shard_of(w, tp_shard_of(par_col.weight), rank, world))
     assert _same_bits(pw_scale, shard_of(w_scale, tp_shard_of(par_col.weight).__class__(0, tuple(
         p // 128 for p in PARTS)), rank, world))
-    a, a_scale, w, w_scale = ref_row._fp8_backend.calls[0]
-    pa, pa_scale, pw, pw_scale = par_row._fp8_backend.calls[0]
+    a, a_scale, w, w_scale = ref_row.fp8_backend.calls[0]
+    pa, pa_scale, pw, pw_scale = par_row.fp8_backend.calls[0]
     k = a.shape[1] // world
     assert _same_bits(pa, a[:, rank * k:(rank + 1) * k].contiguous())
     assert _same_bits(pa_scale, a_scale[:, rank * k // 128:(rank + 1) * k // 128].contiguous())
