@@ -15,7 +15,7 @@ from megafp8.parallel import ParallelDims
 from megafp8.precision import PrecisionRecipe
 from megafp8.train.plan import make_plan
 from megafp8.train.trainer import Trainer
-from tests.distributed import capture_first_step_grads
+from tests.parity import capture_first_step_grads
 
 MOE = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
        "model.moe_ffn_hidden_size=128", "model.moe_aux_loss_coeff=0.01"]
