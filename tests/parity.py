@@ -9,6 +9,9 @@ the first optimizer step (reduced over every group and clipped, gathered to its 
 
     ref, got = parity.check(["precision.recipe=bf16"], ["parallel.tp=2"], world=2, tol=LOW_PRECISION_TOL)
 
+The variant need not be a layout: any change that must not move the numbers (`training.recompute=full`, one rank,
+`EXACT_TOL`) compares the same way.
+
 Single layers, built side by side on each rank at TP=1/EP=1 and sharded: `assert_close` compares a tensor with the
 reference's, `grad_pairs` pairs each parameter's gradient with the reference's piece of it.
 """
@@ -41,6 +44,7 @@ class Tolerance:
     grads: Optional[float] = None
 
 
+EXACT_TOL = Tolerance(loss=0.0, grad_norm=0.0, grads=0.0)  # bit for bit
 FP32_TOL = Tolerance(loss=1e-5, grad_norm=1e-5, grads=1e-5)  # the same operations; only summation orders differ
 LOW_PRECISION_TOL = Tolerance(loss=5e-3, grad_norm=3e-2)  # BF16 and FP8 over a few steps: BF16-rounded partial sums
 
@@ -107,12 +111,13 @@ class ParityRuns:
             self._references[key] = self.run(1, overrides, config)
         return self._references[key]
 
-    def check(self, overrides: Sequence[str], layout: Sequence[str], world: int, tol: Tolerance,
+    def check(self, overrides: Sequence[str], variant: Sequence[str], world: int, tol: Tolerance,
               config: str = "tiny_dense", evals: int = 0) -> tuple[Run, Run]:
-        """`assert_parity` of `overrides` plus `layout` (its `parallel.*` settings) on `world` ranks against the
-        reference run of `overrides`; returns (reference, parallel run) for further checks."""
+        """`assert_parity` of `overrides` plus `variant` (a layout's `parallel.*` settings, or any change that must
+        not move the numbers) on `world` ranks against the reference run of `overrides`; returns (reference, run)
+        for further checks."""
         ref = self.reference(overrides, config)
-        got = self.run(world, [*overrides, *layout], config)
+        got = self.run(world, [*overrides, *variant], config)
         assert_parity(ref, got, tol, evals)
         return ref, got
 

@@ -15,32 +15,20 @@ from megafp8.parallel import ParallelDims
 from megafp8.precision import PrecisionRecipe
 from megafp8.train.plan import make_plan
 from megafp8.train.trainer import Trainer
-from tests.parity import capture_first_step_grads
+from tests.parity import EXACT_TOL
 
 MOE = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
        "model.moe_ffn_hidden_size=128", "model.moe_aux_loss_coeff=0.01"]
 
 
-def _train(config, overrides):
-    trainer = Trainer(load_config(config, overrides), ParallelDims.single(), torch.device("cpu"))
-    captured = capture_first_step_grads(trainer)
-    records = [r for r in trainer.fit() if r["kind"] == "train"]
-    return records, captured
-
-
 @pytest.mark.parametrize("config, extra", [("tiny_dense", []), ("tiny_moe_fp8", MOE)], ids=["dense", "moe"])
-def test_recomputation_gives_the_same_losses_gradients_and_expert_loads(tiny_overrides, config, extra):
+def test_recomputation_gives_the_same_losses_gradients_and_expert_loads(parity, config, extra):
     """FP32: recomputed blocks give bit-identical gradients and losses; the routers count each token once (the
     balance statistics and selection biases match)."""
-    base = tiny_overrides + extra + ["precision.recipe=fp32", "training.steps=4", "training.eval_interval=0"]
-    plain, grads = _train(config, base)
-    again, grads_again = _train(config, base + ["training.recompute=full"])
-    assert [r["loss"] for r in plain] == [r["loss"] for r in again]
-    assert grads.keys() == grads_again.keys()
-    assert all(torch.equal(grads[k], grads_again[k]) for k in grads), [k for k in grads
-                                                                        if not torch.equal(grads[k], grads_again[k])]
+    base = extra + ["precision.recipe=fp32", "training.steps=4", "training.eval_interval=0"]
+    plain, again = parity.check(base, ["training.recompute=full"], 1, EXACT_TOL, config)
     if config == "tiny_moe_fp8":
-        for a, b in zip(plain, again):
+        for a, b in zip(plain.train, again.train):
             assert a["moe_load_cv"] == b["moe_load_cv"] and a["moe_bias_abs_max"] == b["moe_bias_abs_max"]
             assert b["moe_dropped_tokens"] == 0  # counted once: a double count would show as negative drops
 
