@@ -156,14 +156,14 @@ def test_ep2_x_tp2_training_matches_one_rank(parity):
                  "tiny_moe_fp8")
 
 
-def _train_worker(rank, world, overrides):
+def _save_worker(rank, world, overrides):
     cfg = load_config("tiny_moe_fp8", overrides)
     Trainer(cfg, ParallelDims.from_config(cfg.parallel), torch.device("cpu")).fit()
 
 
 def test_ep2_checkpoint_resumes_at_ep1_with_every_expert_and_bias(tiny_overrides, tmp_path):
     base = tiny_overrides + MODEL + ["training.steps=3", "checkpoint.interval=3", f"checkpoint.dir={tmp_path}/ck"]
-    spawn(2, _train_worker, base + ["parallel.ep=2"])
+    spawn(2, _save_worker, base + ["parallel.ep=2"])
     saved = load_checkpoint(find_latest(tmp_path / "ck"))
     assert saved["model"]["layers.1.mlp.experts.gate_up_proj.weight"].shape == (8, 256, 128)  # every expert
     assert saved["optimizer"]["masters"]["layers.1.mlp.experts.down_proj.weight"].shape == (8, 128, 128)

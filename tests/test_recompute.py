@@ -15,7 +15,7 @@ from megafp8.parallel import ParallelDims
 from megafp8.precision import PrecisionRecipe
 from megafp8.train.plan import make_plan
 from megafp8.train.trainer import Trainer
-from tests.parity import EXACT_TOL
+from tests.parity import EXACT_TOL, Tolerance
 
 MOE = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
        "model.moe_ffn_hidden_size=128", "model.moe_aux_loss_coeff=0.01"]
@@ -63,14 +63,11 @@ def test_recomputation_keeps_far_less_for_backward(tiny_overrides):
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
-def test_compiled_blocks_train_like_eager_blocks(tiny_overrides, recipe):
+def test_compiled_blocks_train_like_eager_blocks(parity, recipe):
     """training.compile: the blocks run through torch.compile (FP8 linears as custom ops inside) and, with
     recomputation too, track the eager run's losses (fused elementwise kernels round BF16 differently)."""
-    base = tiny_overrides + [f"precision.recipe={recipe}", "training.steps=3", "training.eval_interval=0"]
-    eager, _ = _train("tiny_dense", base)
-    compiled, _ = _train("tiny_dense", base + ["training.compile=true", "training.recompute=full"])
-    for a, b in zip(eager, compiled):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=5e-3), (a["loss"], b["loss"])
+    base = [f"precision.recipe={recipe}", "training.steps=3", "training.eval_interval=0"]
+    parity.check(base, ["training.compile=true", "training.recompute=full"], 1, Tolerance(loss=5e-3))
 
 
 def test_a_dense_fp8_block_compiles_into_one_graph(tiny_overrides):
