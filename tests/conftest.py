@@ -9,6 +9,7 @@ import torch
 
 from megafp8.data.corpus import stdlib_files
 from megafp8.data.preprocess import preprocess
+from tests.parity import ParityRuns
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -62,6 +63,12 @@ def corpus_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def tiny_overrides(corpus_dir, tmp_path) -> list[str]:
     return TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={tmp_path / 'runs'}", "run_name=t"]
+
+
+@pytest.fixture(scope="module")
+def parity(corpus_dir, tmp_path_factory) -> ParityRuns:
+    """Training runs of the tiny model at any layout, the one-rank reference runs shared by the test module."""
+    return ParityRuns(TINY_OVERRIDES + [f"data.path={corpus_dir}"], tmp_path_factory.mktemp("parity"))
 
 
 def torchrun_env() -> dict[str, str]:

@@ -36,7 +36,8 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
 # interpreter per rank spent ~5 s of CPU importing them, most of a small test's time on a 2-core CI machine. The
 # server runs no torch operations, so no thread pool exists when it forks. (Its environment is the one it started
 # with: a test that needs different variables in its ranks must pass them as arguments.)
-PRELOAD = ["torch", "torch.distributed", "megafp8.train.trainer", "megafp8.train.main", "tests.distributed"]
+PRELOAD = ["torch", "torch.distributed", "megafp8.train.trainer", "megafp8.train.main", "tests.distributed",
+           "tests.parity"]
 
 
 def spawn(world_size: int, fn: Callable, *args) -> None:
@@ -46,44 +47,3 @@ def spawn(world_size: int, fn: Callable, *args) -> None:
         mp.start_processes(_entry, args=(world_size, f"{tmp}/store", fn, args), nprocs=world_size, join=True,
                            start_method="forkserver")
 
-
-def full_grads(trainer) -> dict:
-    """Every parameter's reduced gradient at its full shape: data-parallel shards, tensor-parallel shards and
-    expert-parallel slices gathered (collective); under pipeline parallelism rank 0 gets every stage's."""
-    import torch
-
-    from megafp8.parallel import gather_param
-    from megafp8.parallel.flat import all_gather_flat
-
-    buckets, dims = trainer.grad_buckets, trainer.dims
-    names = {p: n for n, p in trainer.model.named_parameters()}
-    grads = {}
-    for bucket in buckets.buckets:
-        flat = buckets.shard_grads(bucket)
-        if buckets.sharded and bucket.group_size > 1:
-            whole = torch.empty(bucket.numel)
-            all_gather_flat(whole, flat, group=bucket.group)
-            flat = whole
-        for p, offset in zip(bucket.params, bucket.offsets):
-            grads[names[p]] = gather_param(flat[offset:offset + p.numel()].view_as(p), p, trainer.tp,
-                                           trainer.ep).clone()
-    if dims.pp_group is not None and dims.rank % (dims.tp * dims.dp) == 0:  # rank 0's pipeline
-        stages = [None] * dims.pp if dims.rank == 0 else None
-        dist.gather_object(grads, stages, dst=0, group=dims.pp_group)
-        if dims.rank == 0:
-            grads = {name: g for stage in stages for name, g in stage.items()}
-    return grads
-
-
-def capture_first_step_grads(trainer) -> dict:
-    """A dict that fills, at the trainer's first optimizer step, with every parameter's gradient as the optimizer
-    sees it (reduced over every group and clipped; `full_grads`), the step itself then running as usual."""
-    captured: dict = {}
-    real_step = trainer.optimizer.step
-
-    def step(lr, apply=None):
-        if not captured:
-            captured.update(full_grads(trainer))
-        real_step(lr, apply)
-    trainer.optimizer.step = step
-    return captured

@@ -136,9 +136,9 @@ def test_fp8_training_on_gpu_learns(tiny_overrides):
 
     cfg = load_config("tiny_dense_fp8", tiny_overrides + ["training.steps=12"])
     trainer = Trainer(cfg, ParallelDims.single(), CUDA)
-    assert trainer.model.layers[0].mlp.down_proj._fp8_backend is None  # resolved lazily, logged at build
+    assert trainer.model.layers[0].mlp.down_proj.fp8_backend is None  # resolved lazily, logged at build
     losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
-    assert trainer.model.layers[0].mlp.down_proj._fp8_backend.name in ("cublas", "triton")
+    assert trainer.model.layers[0].mlp.down_proj.fp8_backend.name in ("cublas", "triton")
     assert losses[-1] < losses[0] - 1.0, losses
 
 

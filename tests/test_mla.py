@@ -15,10 +15,11 @@ from megafp8.config import ConfigError, ModelConfig, load_config, validate_for_w
 from megafp8.model import Transformer, init_weights
 from megafp8.model.mla import MultiHeadLatentAttention
 from megafp8.model.rope import RotaryEmbedding
-from megafp8.parallel import ParallelDims, TensorParallel, shard_of, tp_shard_of
+from megafp8.parallel import ParallelDims, TensorParallel
 from megafp8.precision import PrecisionRecipe
 from megafp8.train.trainer import Trainer
 from tests.distributed import spawn
+from tests.parity import assert_close, grad_pairs
 
 MLA = ModelConfig(hidden_size=256, num_layers=2, num_heads=4, attention="mla", q_lora_rank=128, kv_lora_rank=128,
                   qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, ffn_hidden_size=256, vocab_size=384)
@@ -67,20 +68,10 @@ def _layer_worker(rank, world, recipe_name, sp):
     y = par(x_par, rope, 3, 16)
     y.backward(mine(dy))
     frac = 1e-5 if recipe_name == "fp32" else 2**-6
-
-    def close(a, b, what):
-        err, bound = (a.float() - b.float()).abs().max().item(), frac * b.float().abs().max().item()
-        assert err <= bound, f"{what}: {err:.3g} > {bound:.3g}"
-
-    close(y, mine(y_ref), "output")
-    close(x_par.grad, mine(x_ref.grad), "input gradient")
-    ref_params = dict(ref.named_parameters())
-    for name, p in par.named_parameters():
-        grad = p.grad
-        if tp_shard_of(p) is None and sp:  # replicated weights saw this rank's tokens only
-            grad = grad.clone()
-            dist.all_reduce(grad)
-        expected = shard_of(ref_params[name].grad, tp_shard_of(p), rank, world)
+    assert_close(y, mine(y_ref), "output", frac)
+    assert_close(x_par.grad, mine(x_ref.grad), "input gradient", frac)
+    # Under SP replicated weights saw this rank's tokens only.
+    for name, grad, expected in grad_pairs(par, ref, tp, tokens_split_over=dist.group.WORLD if sp else None):
         if recipe.fp8 is not None and name.startswith("q_a_proj"):
             # q_a's output gradient is q_b's input gradient, summed over TP in BF16 (TP=1: one FP32 GEMM), and q_a
             # quantizes it to FP8 for its wgrad, where one flipped rounding moves a value by 6%: compare as a whole.
@@ -89,7 +80,7 @@ def _layer_worker(rank, world, recipe_name, sp):
             err = (grad.float() - expected.float()).norm() / expected.float().norm()
             assert err <= bound, f"{name}: relative error {err:.3g} > {bound:.3g}"
         else:
-            close(grad, expected, name)
+            assert_close(grad, expected, name, frac)
 
 
 @pytest.mark.parametrize("recipe", ["fp32", "fp8"])

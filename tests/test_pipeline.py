@@ -8,6 +8,7 @@ for tensor parallelism.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -20,171 +21,98 @@ from megafp8.parallel import ParallelDims
 from megafp8.parallel.pipeline import build_layout, simulated_bubble
 from megafp8.train.main import main
 from megafp8.train.trainer import Trainer
-from tests.conftest import TINY_OVERRIDES
-from tests.distributed import capture_first_step_grads, spawn
+from tests.distributed import spawn
+from tests.parity import FP32_TOL, LOW_PRECISION_TOL
 
 MODEL = ["model.num_layers=4", "model.vocab_size=512", "training.steps=5", "training.eval_interval=5",
          "optimizer.grad_clip=1.0"]
 FP32 = ["precision.recipe=fp32"]
-
-
-def _worker(rank, world, config, overrides, out_path):
-    """Train, capturing the first step's gradients as the optimizer sees them (reduced over every group and
-    clipped); rank 0 saves the records, the gradients and the logged bubble."""
-    cfg = load_config(config, overrides)
-    dims = ParallelDims.from_config(cfg.parallel) if world > 1 else ParallelDims.single()
-    trainer = Trainer(cfg, dims, torch.device("cpu"))
-    captured = capture_first_step_grads(trainer)
-    records = trainer.fit()
-    if rank == 0:
-        torch.save({"records": records, "grads": captured, "bubble": getattr(trainer.pipeline, "bubble", None)},
-                   out_path)
-
-
-def _run(tmp_path, name, world, overrides, config="tiny_dense"):
-    path = tmp_path / f"{name}.pt"
-    if world == 1:
-        _worker(0, 1, config, overrides, path)
-    else:
-        spawn(world, _worker, config, overrides, path)
-    return torch.load(path)
-
-
-def _train(result):
-    return [r for r in result["records"] if r["kind"] == "train"]
-
-
-def _assert_matches(ref, got, loss_rtol=1e-5, grad_frac=1e-5, norm_rtol=1e-5):
-    steps_ref, steps = _train(ref), _train(got)
-    assert [r["step"] for r in steps] == [r["step"] for r in steps_ref] == [1, 2, 3, 4, 5]
-    for a, b in zip(steps_ref, steps):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=loss_rtol), (a["step"], a["loss"], b["loss"])
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=norm_rtol), (a["grad_norm"], b["grad_norm"])
-    evals_ref = [r["val_loss"] for r in ref["records"] if r["kind"] == "eval"]
-    evals = [r["val_loss"] for r in got["records"] if r["kind"] == "eval"]
-    assert len(evals) == len(evals_ref) == 1 and math.isclose(evals[0], evals_ref[0], rel_tol=loss_rtol)
-    assert ref["grads"].keys() == got["grads"].keys()
-    for name, expected in ref["grads"].items():
-        err = (got["grads"][name] - expected).abs().max().item()
-        assert err <= grad_frac * expected.abs().max().item(), (name, err)
-
-
-@pytest.fixture(scope="module")
-def reference(corpus_dir, tmp_path_factory):
-    """PP=1 runs, cached per model variant for the module: every schedule and layout compares with the same runs
-    (the tests' overrides differ from these only in their run directories)."""
-    cache = {}
-    root = tmp_path_factory.mktemp("pp1")
-
-    def get(extra, config="tiny_dense"):
-        key = (config, tuple(extra))
-        if key not in cache:
-            name = f"ref{len(cache)}"
-            overrides = TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={root}", f"run_name={name}"]
-            cache[key] = _run(root, name, 1, overrides + MODEL + extra, config)
-        return cache[key]
-    return get
-
-
+MOE_FP32 = dataclasses.replace(FP32_TOL, grad_norm=1e-4, grads=1e-4)
+FP8 = dataclasses.replace(LOW_PRECISION_TOL, grads=2**-6)
 SCHEDULES = ["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
 
 
+def _check(parity, extra, layout, world, tol=FP32_TOL, config="tiny_dense"):
+    """This module's model with `extra` at a pipeline `layout` against PP=1 (one evaluation, at the end)."""
+    return parity.check(MODEL + extra, layout, world, tol, config, evals=1)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_pp2_matches_pp1(tiny_overrides, tmp_path, reference, schedule):
+def test_pp2_matches_pp1(parity, schedule):
     """FP32: 4 micro-batches; interleaved schedules hold 2 stages of one layer each per rank."""
-    extra = FP32
-    layout = ["parallel.pp=2", f"parallel.pp_schedule={schedule}"]
-    got = _run(tmp_path, "pp2", 2, tiny_overrides + MODEL + extra + layout)
-    _assert_matches(reference(extra), got)
+    _check(parity, FP32, ["parallel.pp=2", f"parallel.pp_schedule={schedule}"], 2)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_pp4_matches_pp1(tiny_overrides, tmp_path, reference, schedule):
+def test_pp4_matches_pp1(parity, schedule):
     """FP32, 8 layers over 4 ranks (8 stages for the interleaved and V schedules), 8 micro-batches."""
     extra = FP32 + ["model.num_layers=8", "training.micro_batch_size=1"]
-    layout = ["parallel.pp=4", f"parallel.pp_schedule={schedule}"]
-    got = _run(tmp_path, "pp4", 4, tiny_overrides + MODEL + extra + layout)
-    _assert_matches(reference(extra), got)
+    _, got = _check(parity, extra, ["parallel.pp=4", f"parallel.pp_schedule={schedule}"], 4)
     if schedule == "1f1b":
-        assert got["bubble"] == pytest.approx(3 / (8 + 3))  # (pp - 1) / (m + pp - 1)
+        assert got.bubble == pytest.approx(3 / (8 + 3))  # (pp - 1) / (m + pp - 1)
 
 
-def test_uneven_layout_matches_pp1(tiny_overrides, tmp_path, reference):
-    got = _run(tmp_path, "uneven", 2, tiny_overrides + MODEL + FP32 + ["parallel.pp=2", "parallel.pp_layout=E,t|t*3,L"])
-    _assert_matches(reference(FP32), got)
+def test_uneven_layout_matches_pp1(parity):
+    _check(parity, FP32, ["parallel.pp=2", "parallel.pp_layout=E,t|t*3,L"], 2)
 
 
-def test_pp2_x_tp2_with_sequence_parallel_matches_one_rank(tiny_overrides, tmp_path, reference):
+def test_pp2_x_tp2_with_sequence_parallel_matches_one_rank(parity):
     tp_model = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128"]
-    got = _run(tmp_path, "pptp", 4, tiny_overrides + MODEL + FP32 + tp_model + [
-        "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp_schedule=interleaved_1f1b"])
-    _assert_matches(reference(FP32 + tp_model), got)
+    _check(parity, FP32 + tp_model, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                     "parallel.pp_schedule=interleaved_1f1b"], 4)
 
 
 MOE = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.moe_ffn_hidden_size=128",
        "model.moe_aux_loss_coeff=0.01"]
 
 
-def test_pp2_with_moe_and_ep2_matches_one_rank(tiny_overrides, tmp_path, reference):
+def test_pp2_with_moe_and_ep2_matches_one_rank(parity):
     """PP=2 x DP=2 with the experts split over EP=2, sharded optimizer; the sequence balance loss reaches backward
     from both stages and the load statistics cover every MoE layer."""
-    got = _run(tmp_path, "ppep", 4, tiny_overrides + MODEL + FP32 + MOE + ["parallel.pp=2", "parallel.ep=2"],
-               "tiny_moe_fp8")
-    ref = reference(FP32 + MOE, "tiny_moe_fp8")
-    _assert_matches(ref, got, loss_rtol=1e-5, grad_frac=1e-4, norm_rtol=1e-4)
-    for a, b in zip(_train(ref), _train(got)):
+    ref, got = _check(parity, FP32 + MOE, ["parallel.pp=2", "parallel.ep=2"], 4, MOE_FP32, "tiny_moe_fp8")
+    for a, b in zip(ref.train, got.train):
         assert math.isclose(a["moe_load_cv"], b["moe_load_cv"], rel_tol=1e-6)
         assert math.isclose(a["moe_bias_abs_max"], b["moe_bias_abs_max"], rel_tol=1e-6)
         assert b["moe_dropped_tokens"] == 0
 
 
-def test_balance_loss_gradient_is_not_lost_through_stages(tiny_overrides, tmp_path, reference):
+def test_balance_loss_gradient_is_not_lost_through_stages(parity):
     """The router weights' gradients come only from the balance loss and the gate; a lost balance gradient on
     either stage moves them far beyond tolerance (checked by switching the loss off)."""
-    ref_with = reference(FP32 + MOE, "tiny_moe_fp8")
-    ref_without = reference(FP32 + MOE[:-1] + ["model.moe_aux_loss_coeff=0"], "tiny_moe_fp8")
-    router = [n for n in ref_with["grads"] if n.endswith("router.weight")]
+    ref_with = parity.reference(MODEL + FP32 + MOE, "tiny_moe_fp8")
+    ref_without = parity.reference(MODEL + FP32 + MOE[:-1] + ["model.moe_aux_loss_coeff=0"], "tiny_moe_fp8")
+    router = [n for n in ref_with.grads if n.endswith("router.weight")]
     assert len(router) >= 2
-    moved = max((ref_with["grads"][n] - ref_without["grads"][n]).abs().max().item() for n in router)
-    assert moved > 1e-3 * max(ref_with["grads"][n].abs().max().item() for n in router)
-    got = _run(tmp_path, "ppaux", 2, tiny_overrides + MODEL + FP32 + MOE + ["parallel.pp=2",
-                                                                              "parallel.pp_schedule=zbv"],
-               "tiny_moe_fp8")
-    _assert_matches(ref_with, got, grad_frac=1e-4, norm_rtol=1e-4)
+    moved = max((ref_with.grads[n] - ref_without.grads[n]).abs().max().item() for n in router)
+    assert moved > 1e-3 * max(ref_with.grads[n].abs().max().item() for n in router)
+    _check(parity, FP32 + MOE, ["parallel.pp=2", "parallel.pp_schedule=zbv"], 2, MOE_FP32, "tiny_moe_fp8")
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_fp8_pipeline_matches_pp1(tiny_overrides, tmp_path, reference, schedule):
+def test_fp8_pipeline_matches_pp1(parity, schedule):
     """FP8 (reference backend): zero-bubble schedules defer the FP8 weight-gradient GEMMs to the W pass."""
-    extra = ["precision.recipe=fp8"]
-    layout = ["parallel.pp=2", f"parallel.pp_schedule={schedule}"]
-    got = _run(tmp_path, "fp8", 2, tiny_overrides + MODEL + extra + layout)
-    _assert_matches(reference(extra), got, loss_rtol=5e-3, grad_frac=2**-6, norm_rtol=3e-2)
+    _check(parity, ["precision.recipe=fp8"], ["parallel.pp=2", f"parallel.pp_schedule={schedule}"], 2, FP8)
 
 
 @pytest.mark.parametrize("extra", [
     ["precision.recipe=fp8", "precision.fp8_layers=[layers.0.*, layers.3.mlp.*]", "precision.fp8_start_step=2"],
     ["precision.recipe=fp16", "precision.loss_scale_initial=1024"],
 ], ids=["fp8_globs_and_switch", "fp16_loss_scaling"])
-def test_precision_schedules_work_per_stage(tiny_overrides, tmp_path, reference, extra):
+def test_precision_schedules_work_per_stage(parity, extra):
     """FP8 layer globs naming layers of one stage only, a BF16-to-FP8 switch at step 2, and FP16 with dynamic loss
     scaling (the scaled loss back-propagates from the last stage) give PP=1's run."""
-    got = _run(tmp_path, "prec", 2, tiny_overrides + MODEL + extra + ["parallel.pp=2", "parallel.pp_schedule=zbv"])
-    _assert_matches(reference(extra), got, loss_rtol=5e-3, grad_frac=2**-6, norm_rtol=3e-2)
+    _check(parity, extra, ["parallel.pp=2", "parallel.pp_schedule=zbv"], 2, FP8)
 
 
-def test_recomputation_inside_pipeline_stages_matches_pp1(tiny_overrides, tmp_path, reference):
+def test_recomputation_inside_pipeline_stages_matches_pp1(parity):
     """Recomputed blocks in a zero-bubble schedule (recompute during I, deferred weight GEMMs at W), MoE with EP=2."""
-    got = _run(tmp_path, "recompute", 4, tiny_overrides + MODEL + FP32 + MOE + [
-        "parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=zbv", "training.recompute=full"], "tiny_moe_fp8")
-    _assert_matches(reference(FP32 + MOE, "tiny_moe_fp8"), got, grad_frac=1e-4, norm_rtol=1e-4)
+    _check(parity, FP32 + MOE, ["parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=zbv",
+                                "training.recompute=full"], 4, MOE_FP32, "tiny_moe_fp8")
 
 
-def test_mtp_on_the_last_stage_of_a_v_schedule_matches_pp1(tiny_overrides, tmp_path, reference):
+def test_mtp_on_the_last_stage_of_a_v_schedule_matches_pp1(parity):
     """V schedules put the first and last stage on rank 0, so the MTP module shares the embedding there."""
-    extra = FP32 + ["model.mtp_depth=1"]
-    got = _run(tmp_path, "mtp", 2, tiny_overrides + MODEL + extra + ["parallel.pp=2", "parallel.pp_schedule=zbv"])
-    _assert_matches(reference(extra), got)
+    _check(parity, FP32 + ["model.mtp_depth=1"], ["parallel.pp=2", "parallel.pp_schedule=zbv"], 2)
 
 
 def _save_worker(rank, world, overrides):

@@ -10,37 +10,25 @@ import pytest
 import torch
 
 from megafp8.config import load_config
-from megafp8.model import Transformer, apply_recompute, init_weights
-from megafp8.parallel import ParallelDims, ParallelLinear
+from megafp8.model import Transformer, apply_compile, apply_recompute, init_weights
+from megafp8.parallel import ParallelDims
 from megafp8.precision import PrecisionRecipe
 from megafp8.train.plan import make_plan
 from megafp8.train.trainer import Trainer
-from tests.distributed import capture_first_step_grads
+from tests.parity import EXACT_TOL, Tolerance
 
 MOE = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
        "model.moe_ffn_hidden_size=128", "model.moe_aux_loss_coeff=0.01"]
 
 
-def _train(config, overrides):
-    trainer = Trainer(load_config(config, overrides), ParallelDims.single(), torch.device("cpu"))
-    captured = capture_first_step_grads(trainer)
-    records = [r for r in trainer.fit() if r["kind"] == "train"]
-    return records, captured
-
-
 @pytest.mark.parametrize("config, extra", [("tiny_dense", []), ("tiny_moe_fp8", MOE)], ids=["dense", "moe"])
-def test_recomputation_gives_the_same_losses_gradients_and_expert_loads(tiny_overrides, config, extra):
+def test_recomputation_gives_the_same_losses_gradients_and_expert_loads(parity, config, extra):
     """FP32: recomputed blocks give bit-identical gradients and losses; the routers count each token once (the
     balance statistics and selection biases match)."""
-    base = tiny_overrides + extra + ["precision.recipe=fp32", "training.steps=4", "training.eval_interval=0"]
-    plain, grads = _train(config, base)
-    again, grads_again = _train(config, base + ["training.recompute=full"])
-    assert [r["loss"] for r in plain] == [r["loss"] for r in again]
-    assert grads.keys() == grads_again.keys()
-    assert all(torch.equal(grads[k], grads_again[k]) for k in grads), [k for k in grads
-                                                                        if not torch.equal(grads[k], grads_again[k])]
+    base = extra + ["precision.recipe=fp32", "training.steps=4", "training.eval_interval=0"]
+    plain, again = parity.check(base, ["training.recompute=full"], 1, EXACT_TOL, config)
     if config == "tiny_moe_fp8":
-        for a, b in zip(plain, again):
+        for a, b in zip(plain.train, again.train):
             assert a["moe_load_cv"] == b["moe_load_cv"] and a["moe_bias_abs_max"] == b["moe_bias_abs_max"]
             assert b["moe_dropped_tokens"] == 0  # counted once: a double count would show as negative drops
 
@@ -75,14 +63,11 @@ def test_recomputation_keeps_far_less_for_backward(tiny_overrides):
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
-def test_compiled_blocks_train_like_eager_blocks(tiny_overrides, recipe):
+def test_compiled_blocks_train_like_eager_blocks(parity, recipe):
     """training.compile: the blocks run through torch.compile (FP8 linears as custom ops inside) and, with
     recomputation too, track the eager run's losses (fused elementwise kernels round BF16 differently)."""
-    base = tiny_overrides + [f"precision.recipe={recipe}", "training.steps=3", "training.eval_interval=0"]
-    eager, _ = _train("tiny_dense", base)
-    compiled, _ = _train("tiny_dense", base + ["training.compile=true", "training.recompute=full"])
-    for a, b in zip(eager, compiled):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=5e-3), (a["loss"], b["loss"])
+    base = [f"precision.recipe={recipe}", "training.steps=3", "training.eval_interval=0"]
+    parity.check(base, ["training.compile=true", "training.recompute=full"], 1, Tolerance(loss=5e-3))
 
 
 def test_a_dense_fp8_block_compiles_into_one_graph(tiny_overrides):
@@ -101,11 +86,11 @@ def test_a_dense_fp8_block_compiles_into_one_graph(tiny_overrides):
 
 
 def test_compile_mode_reaches_torch_compile(tiny_overrides, monkeypatch):
-    """`training.compile_mode` is the mode every block is compiled with (`default` passes none)."""
+    """`training.compile_mode` is the mode every block is compiled with (`default` passes none), by Inductor."""
     modes = []
 
-    def recording_compile(fn, mode=None):
-        modes.append(mode)
+    def recording_compile(fn, mode=None, backend="inductor"):
+        modes.append(mode if backend == "inductor" else backend)
         return fn
 
     monkeypatch.setattr(torch, "compile", recording_compile)
@@ -158,11 +143,9 @@ def test_compiled_blocks_quantize_each_weight_once_per_version_outside_the_graph
     batch, seq = 2, 64
     x = torch.randn(batch * seq, cfg.hidden_size, dtype=torch.bfloat16)
     blocks = [model.layers[i] for i in range(2)]
-    eager_forwards = [block._forward for block in blocks]
     torch._dynamo.reset()
-    for block in blocks:  # as apply_compile, with exact bits
-        block._forward = torch.compile(block._forward, backend="aot_eager")
-        block.fp8_linears = [m for m in block.modules() if isinstance(m, ParallelLinear)]
+    assert apply_compile(model, backend="aot_eager") == 2  # exact bits
+    eager_forwards = [block.uncompiled_forward for block in blocks]
     fp8 = [[m for m in block.fp8_linears if m.runs_fp8] for block in blocks]
     assert [len(layers) for layers in fp8] == [4, 4]
 
@@ -184,7 +167,7 @@ def test_compiled_blocks_quantize_each_weight_once_per_version_outside_the_graph
     for _ in range(3):  # micro-batches of one step
         compiled = [run(block, block) for block in blocks]
     assert [m.fp8_cache.quantize_count for layers in fp8 for m in layers] == [1] * 8
-    explained = torch._dynamo.explain(blocks[1]._forward)(x, model.rope, batch, seq)
+    explained = torch._dynamo.explain(blocks[1].uncompiled_forward)(x, model.rope, batch, seq)
     assert explained.graph_break_count == 0
     graph_code = "\n".join(g.print_readable(print_output=False) for g in explained.graphs)  # subgraphs included
     assert "megafp8.gemm_1x128_128x128" in graph_code and "megafp8.quantize_weight" not in graph_code

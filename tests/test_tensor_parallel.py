@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from megafp8.checkpoint import find_latest, load_checkpoint
 from megafp8.config import load_config
@@ -32,7 +33,8 @@ from megafp8.parallel import (
 from megafp8.precision import Fp8Backend, PrecisionRecipe
 from megafp8.train.main import main
 from megafp8.train.trainer import Trainer
-from tests.distributed import capture_first_step_grads, spawn
+from tests.distributed import spawn
+from tests.parity import FP32_TOL, LOW_PRECISION_TOL, assert_close, grad_pairs
 
 N_TOKENS = 96  # not a multiple of 128: FP8 wgrad pads tokens
 IN, PARTS, OUT = 256, (512, 512), 256  # column: 256 -> [512; 512] (fused, like gate/up); row: 512 -> 256
@@ -49,12 +51,6 @@ class RecordingBackend(Fp8Backend):
         return super().gemm_1x128_128x128(a, a_scale, b, b_scale, out_dtype)
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, frac: float = 2**-6) -> None:
-    err = (actual.float() - expected.float()).abs().max().item()
-    bound = frac * expected.float().abs().max().item()
-    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
-
-
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
@@ -64,9 +60,11 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _mlp_pair(recipe: PrecisionRecipe, tp: TensorParallel) -> tuple[ColumnParallelLinear, RowParallelLinear]:
-    """A column then a row layer with seeded full weights, this rank's shards loaded."""
-    col = ColumnParallelLinear(IN, sum(PARTS), recipe, tp, parts=PARTS)
-    row = RowParallelLinear(sum(PARTS) // 2, OUT, recipe, tp)
+    """A column then a row layer with seeded full weights, this rank's shards loaded; under FP8 each records its
+    GEMMs' operands (`RecordingBackend`)."""
+    fp8 = recipe.fp8 is not None
+    col = ColumnParallelLinear(IN, sum(PARTS), recipe, tp, parts=PARTS, fp8_backend=RecordingBackend() if fp8 else None)
+    row = RowParallelLinear(sum(PARTS) // 2, OUT, recipe, tp, fp8_backend=RecordingBackend() if fp8 else None)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for layer, shape in ((col, (sum(PARTS), IN)), (row, (OUT, sum(PARTS) // 2))):
@@ -94,29 +92,25 @@ def _layers_worker(rank, world, recipe_name, sp):
     dy_full = torch.randn(N_TOKENS, OUT, generator=g).to(recipe.param_dtype)
     ref_col, ref_row = _mlp_pair(recipe, TensorParallel.single())
     par_col, par_row = _mlp_pair(recipe, tp)
-    if recipe.fp8 is not None:
-        for layer in (ref_col, ref_row, par_col, par_row):
-            layer._fp8_backend = RecordingBackend()
     y_ref, dx_ref = _run_mlp(ref_col, ref_row, x_full, dy_full)
     mine = (lambda t: t.chunk(world)[rank]) if sp else (lambda t: t)  # this rank's tokens under SP
     y, dx = _run_mlp(par_col, par_row, mine(x_full), mine(dy_full))
     frac = 1e-5 if recipe_name == "fp32" else 2**-6
-    _close(y, mine(y_ref), "output", frac)
-    _close(dx, mine(dx_ref), "input gradient", frac)
-    for ref, par in ((ref_col, par_col), (ref_row, par_row)):
-        expected = shard_of(ref.weight.grad, tp_shard_of(par.weight), rank, world)
-        _close(par.weight.grad, expected, "weight gradient", frac)
+    assert_close(y, mine(y_ref), "output", frac)
+    assert_close(dx, mine(dx_ref), "input gradient", frac)
+    for name, grad, expected in grad_pairs(nn.ModuleList([par_col, par_row]), nn.ModuleList([ref_col, ref_row]), tp):
+        assert_close(grad, expected, f"{name} gradient", frac)
     if recipe.fp8 is None:
         return
     # Bit-identical quantization: the fprop GEMM operands of each TP shard are slices of TP=1's.
-    a, a_scale, w, w_scale = ref_col._fp8_backend.calls[0]
-    pa, pa_scale, pw, pw_scale = par_col._fp8_backend.calls[0]
+    a, a_scale, w, w_scale = ref_col.fp8_backend.calls[0]
+    pa, pa_scale, pw, pw_scale = par_col.fp8_backend.calls[0]
     assert _same_bits(pa, a) and _same_bits(pa_scale.contiguous(), a_scale.contiguous())  # the (gathered) input
     assert _same_bits(pw, shard_of(w, tp_shard_of(par_col.weight), rank, world))
     assert _same_bits(pw_scale, shard_of(w_scale, tp_shard_of(par_col.weight).__class__(0, tuple(
         p // 128 for p in PARTS)), rank, world))
-    a, a_scale, w, w_scale = ref_row._fp8_backend.calls[0]
-    pa, pa_scale, pw, pw_scale = par_row._fp8_backend.calls[0]
+    a, a_scale, w, w_scale = ref_row.fp8_backend.calls[0]
+    pa, pa_scale, pw, pw_scale = par_row.fp8_backend.calls[0]
     k = a.shape[1] // world
     assert _same_bits(pa, a[:, rank * k:(rank + 1) * k].contiguous())
     assert _same_bits(pa_scale, a_scale[:, rank * k // 128:(rank + 1) * k // 128].contiguous())
@@ -140,6 +134,7 @@ def _embedding_loss_worker(rank, world, sp):
     targets = torch.randint(0, vocab, (4, 24), generator=g)
 
     def run(tp):
+        """The embedding and LM head with this rank's shards of the seeded tables, after backward; the loss."""
         emb = VocabParallelEmbedding(vocab, dim, torch.float32, tp)
         lm = ColumnParallelLinear(dim, vocab, PrecisionRecipe.from_name("fp32"), tp)
         with torch.no_grad():
@@ -147,13 +142,13 @@ def _embedding_loss_worker(rank, world, sp):
             lm.weight.copy_(shard_of(head, tp_shard_of(lm.weight), tp.rank, tp.size))
         loss = vocab_parallel_cross_entropy(lm(torch.tanh(emb(tokens))), targets, tp)
         loss.backward()
-        return loss, emb.weight.grad, lm.weight.grad
+        return nn.ModuleDict({"embedding": emb, "lm_head": lm}), loss
 
-    loss_ref, emb_grad_ref, lm_grad_ref = run(TensorParallel.single())
-    loss, emb_grad, lm_grad = run(tp)
+    ref, loss_ref = run(TensorParallel.single())
+    par, loss = run(tp)
     assert math.isclose(loss.item(), loss_ref.item(), rel_tol=1e-5)
-    _close(emb_grad, emb_grad_ref.chunk(world)[rank], "embedding gradient", 1e-4)
-    _close(lm_grad, lm_grad_ref.chunk(world)[rank], "LM head gradient", 1e-4)
+    for name, grad, expected in grad_pairs(par, ref, tp):  # both sharded by vocabulary rows
+        assert_close(grad, expected, f"{name} gradient", 1e-4)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -208,83 +203,36 @@ TP_MODEL = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "
             "training.steps=5", "training.eval_interval=0", "optimizer.grad_clip=1.0"]
 
 
-def _train_worker(rank, world, overrides, out_path):
-    cfg = load_config("tiny_dense", overrides)
-    dims = ParallelDims.build(tp=cfg.parallel.tp, ep=cfg.parallel.ep, sequence_parallel=cfg.parallel.sequence_parallel)
-    records = Trainer(cfg, dims, torch.device("cpu")).fit()
-    if rank == 0:
-        torch.save([(r["loss"], r["grad_norm"]) for r in records if r["kind"] == "train"], out_path)
-
-
-def _train(world: int, overrides: list[str], out_path) -> list[tuple[float, float]]:
-    if world == 1:
-        cfg = load_config("tiny_dense", overrides)
-        return [(r["loss"], r["grad_norm"]) for r in Trainer(cfg, ParallelDims.single(), torch.device("cpu")).fit()
-                if r["kind"] == "train"]
-    spawn(world, _train_worker, overrides, out_path)
-    return torch.load(out_path)
+LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+           "tp2_sp_dp2_sharded": ["parallel.tp=2", "parallel.sequence_parallel=true", "optimizer.sharded=true"]}
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
-@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
-def test_tp2_training_matches_tp1(tiny_overrides, tmp_path, recipe, sp):
-    base = tiny_overrides + TP_MODEL + [f"precision.recipe={recipe}"]
-    one = _train(1, base, None)
-    two = _train(2, base + ["parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}"], tmp_path / "r.pt")
-    assert len(one) == len(two) == 5
-    for step, ((loss1, norm1), (loss2, norm2)) in enumerate(zip(one, two), 1):
-        assert math.isclose(loss1, loss2, rel_tol=5e-3), (step, loss1, loss2)
-        assert math.isclose(norm1, norm2, rel_tol=3e-2), (step, norm1, norm2)
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
+def test_tp2_training_matches_tp1(parity, recipe, layout):
+    parity.check(TP_MODEL + [f"precision.recipe={recipe}"], LAYOUTS[layout], 2, LOW_PRECISION_TOL)
 
 
-def test_tp2_with_mla_and_mtp_matches_tp1(tiny_overrides, tmp_path):
+def test_tp2_with_mla_and_mtp_matches_tp1(parity):
     """MLA attention and one MTP depth (shared embedding and vocab-parallel head, ignored targets) at TP=2 + SP."""
     mla = ["model.attention=mla", "model.q_lora_rank=128", "model.kv_lora_rank=128", "model.qk_nope_head_dim=64",
            "model.qk_rope_head_dim=64", "model.v_head_dim=64", "model.num_heads=4", "model.mtp_depth=1"]
-    base = tiny_overrides + TP_MODEL + mla + ["precision.recipe=bf16"]
-    one = _train(1, base, None)
-    two = _train(2, base + ["parallel.tp=2", "parallel.sequence_parallel=true"], tmp_path / "r.pt")
-    for (loss1, norm1), (loss2, norm2) in zip(one, two):
-        assert math.isclose(loss1, loss2, rel_tol=5e-3) and math.isclose(norm1, norm2, rel_tol=3e-2)
+    parity.check(TP_MODEL + mla + ["precision.recipe=bf16"], LAYOUTS["tp2_sp"], 2, LOW_PRECISION_TOL)
 
 
-def test_tp2_with_data_parallel_and_sharded_optimizer_matches_one_rank(tiny_overrides, tmp_path):
+def test_tp2_with_data_parallel_and_sharded_optimizer_matches_one_rank(parity):
     """TP=2 x DP=2 (world 4), sequence parallel, ZeRO-sharded optimizer: the norm gradients summed over TP and
     the clipping norm counted across both groups give the single-rank run."""
-    base = tiny_overrides + TP_MODEL + ["precision.recipe=bf16"]
-    one = _train(1, base, None)
-    four = _train(4, base + ["parallel.tp=2", "parallel.sequence_parallel=true", "optimizer.sharded=true"],
-                  tmp_path / "r.pt")
-    for (loss1, norm1), (loss4, norm4) in zip(one, four):
-        assert math.isclose(loss1, loss4, rel_tol=5e-3) and math.isclose(norm1, norm4, rel_tol=3e-2)
+    parity.check(TP_MODEL + ["precision.recipe=bf16"], LAYOUTS["tp2_sp_dp2_sharded"], 4, LOW_PRECISION_TOL)
 
 
-def _grads_worker(rank, world, overrides, out_path):
-    cfg = load_config("tiny_dense", overrides)
-    dims = ParallelDims.build(tp=cfg.parallel.tp, ep=cfg.parallel.ep, sequence_parallel=cfg.parallel.sequence_parallel)
-    trainer = Trainer(cfg, dims, torch.device("cpu"))
-    captured = capture_first_step_grads(trainer)  # after reduction and clipping
-    _, grad_norm = trainer.train_step()
-    if rank == 0:
-        torch.save((captured, grad_norm.item()), out_path)
-
-
-@pytest.mark.parametrize("world, extra", [
-    (2, ["parallel.sequence_parallel=false"]),
-    (2, ["parallel.sequence_parallel=true"]),
-    (4, ["parallel.sequence_parallel=true", "optimizer.sharded=true"]),
-], ids=["tp2", "tp2_sp", "tp2_sp_dp2_sharded"])
-def test_every_gradient_and_the_grad_norm_match_tp1(tiny_overrides, tmp_path, world, extra):
+@pytest.mark.parametrize("layout, world", [("tp2", 2), ("tp2_sp", 2), ("tp2_sp_dp2_sharded", 4)])
+def test_every_gradient_and_the_grad_norm_match_tp1(parity, layout, world):
     """FP32, one step: each parameter's reduced gradient (norm weights summed over TP under SP, counted once in
     the norm) equals TP=1's to 1e-5 of its largest element."""
-    base = tiny_overrides + TP_MODEL + ["precision.recipe=fp32", "optimizer.grad_clip=0"]
-    spawn(1, _grads_worker, base, tmp_path / "one.pt")
-    spawn(world, _grads_worker, base + ["parallel.tp=2", *extra], tmp_path / "tp.pt")
-    (ref, norm_ref), (got, norm) = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "tp.pt")
-    assert ref.keys() == got.keys()
-    for name in ref:
-        _close(got[name], ref[name], name, 1e-5)
-    assert math.isclose(norm, norm_ref, rel_tol=1e-5), (norm, norm_ref)
+    one_step = ["training.steps=1", "optimizer.warmup_steps=1"]
+    parity.check(TP_MODEL + ["precision.recipe=fp32", "optimizer.grad_clip=0"] + one_step, LAYOUTS[layout], world,
+                 FP32_TOL)
 
 
 def _save_worker(rank, world, overrides):

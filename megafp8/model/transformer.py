@@ -237,15 +237,15 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
     return len(blocks) if mode == "full" else 0
 
 
-def apply_compile(model: nn.Module, mode: str = "default") -> int:
-    """`torch.compile` each transformer block's computation in `mode` (MTP blocks included; parameter names
-    unchanged). A plain FP8 linear enters the graph as custom ops (see `megafp8.precision.fp8_linear`) that read
-    the weight the block quantized eagerly before running; activation recomputation wraps the compiled code.
+def apply_compile(model: nn.Module, mode: str = "default", backend: str = "inductor") -> int:
+    """`torch.compile` each transformer block's computation in `mode` with `backend` (MTP blocks included; parameter
+    names unchanged). A plain FP8 linear enters the graph as custom ops (see `megafp8.precision.fp8_linear`) that
+    read the weight the block quantized eagerly before running; activation recomputation wraps the compiled code.
     Returns how many blocks were compiled."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
         block.uncompiled_forward = block._forward
-        block._forward = torch.compile(block._forward, mode=None if mode == "default" else mode)
+        block._forward = torch.compile(block._forward, mode=None if mode == "default" else mode, backend=backend)
         # Each forward first quantizes the block's changed FP8 weights, eagerly: once per weight version, not once
         # per micro-batch inside the graph. Every linear is listed: one may switch to FP8 later
         # (`precision.fp8_start_step`), and those running BF16 skip the preparation.

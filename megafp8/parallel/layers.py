@@ -108,30 +108,37 @@ class _RowComm(LinearComm):
 
 
 class ParallelLinear(nn.Module):
-    """A bias-free linear whose GEMMs follow the precision recipe; `weight` is this rank's shard."""
+    """A bias-free linear whose GEMMs follow the precision recipe; `weight` is this rank's shard. `fp8_backend`: as
+    in `set_recipe`."""
 
     def __init__(self, in_features: int, out_features: int, recipe: PrecisionRecipe, weight_shape: tuple[int, int],
-                 tp: TensorParallel, device=None) -> None:
+                 tp: TensorParallel, device=None, fp8_backend: Optional[Fp8Backend] = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.weight = nn.Parameter(torch.empty(weight_shape, dtype=recipe.param_dtype, device=device))
         self._comm: Optional[LinearComm] = None
         self.wgrad_queue: Optional[WeightGradQueue] = None  # set to defer weight gradients (zero-bubble PP)
-        self.set_recipe(recipe)
+        self.set_recipe(recipe, fp8_backend)
 
-    def set_recipe(self, recipe: PrecisionRecipe) -> None:
-        """Switch this layer's numerics (e.g. keep it in BF16); FP8 needs 128-aligned dims."""
+    def set_recipe(self, recipe: PrecisionRecipe, fp8_backend: Optional[Fp8Backend] = None) -> None:
+        """Switch this layer's numerics (e.g. keep it in BF16); FP8 needs 128-aligned dims. `fp8_backend`: the FP8
+        GEMM backend object to run (None: the one `recipe` names, selected for the input's device on first use)."""
         if recipe.fp8 is not None:
             for what, size in (("in_features", self.weight.shape[1]), ("out_features", self.weight.shape[0])):
                 if size % TILE != 0:
                     raise ValueError(f"an FP8 linear needs {what} to be a multiple of {TILE}, got {size}")
         self.recipe = recipe
         self.fp8_cache = Fp8WeightCache() if recipe.fp8 is not None else None
-        self._fp8_backend: Fp8Backend | None = None
+        self._fp8_backend = fp8_backend
 
     @property
     def runs_fp8(self) -> bool:
         return self.recipe.fp8 is not None
+
+    @property
+    def fp8_backend(self) -> Optional[Fp8Backend]:
+        """The FP8 GEMM backend this layer runs; None until its first FP8 GEMM selects one (unless one was given)."""
+        return self._fp8_backend
 
     @property
     def fp8_capable(self) -> bool:
@@ -178,11 +185,11 @@ class ParallelLinear(nn.Module):
 class ColumnParallelLinear(ParallelLinear):
     """Output features split across tensor-parallel ranks. `parts`: sizes of fused outputs (e.g. q, k, v), each
     split on its own so every rank holds whole heads. `whole_tiles=False`: shards need not be whole FP8 tiles (a
-    layer that never runs FP8: the LM head)."""
+    layer that never runs FP8: the LM head). `fp8_backend`: as in `set_recipe`."""
 
     def __init__(self, in_features: int, out_features: int, recipe: PrecisionRecipe,
                  tp: Optional[TensorParallel] = None, parts: Optional[Sequence[int]] = None, device=None,
-                 whole_tiles: bool = True) -> None:
+                 whole_tiles: bool = True, fp8_backend: Optional[Fp8Backend] = None) -> None:
         tp = tp or TensorParallel.single()
         parts = tuple(parts) if parts is not None else (out_features,)
         if sum(parts) != out_features:
@@ -190,7 +197,8 @@ class ColumnParallelLinear(ParallelLinear):
         for part in parts:
             _check_split("out_features" if len(parts) == 1 else f"fused part of out_features {parts}", part, tp,
                          whole_tiles)
-        super().__init__(in_features, out_features, recipe, (out_features // tp.size, in_features), tp, device)
+        super().__init__(in_features, out_features, recipe, (out_features // tp.size, in_features), tp, device,
+                         fp8_backend)
         if tp.enabled:
             mark_sharded(self.weight, TpShard(0, parts))
             self._comm = _ColumnComm(tp)
@@ -211,13 +219,15 @@ class ColumnParallelLinear(ParallelLinear):
 
 
 class RowParallelLinear(ParallelLinear):
-    """Input features split across tensor-parallel ranks; the outputs are summed (reduce-scattered under SP)."""
+    """Input features split across tensor-parallel ranks; the outputs are summed (reduce-scattered under SP).
+    `fp8_backend`: as in `set_recipe`."""
 
     def __init__(self, in_features: int, out_features: int, recipe: PrecisionRecipe,
-                 tp: Optional[TensorParallel] = None, device=None) -> None:
+                 tp: Optional[TensorParallel] = None, device=None, fp8_backend: Optional[Fp8Backend] = None) -> None:
         tp = tp or TensorParallel.single()
         _check_split("in_features", in_features, tp)
-        super().__init__(in_features, out_features, recipe, (out_features, in_features // tp.size), tp, device)
+        super().__init__(in_features, out_features, recipe, (out_features, in_features // tp.size), tp, device,
+                         fp8_backend)
         if tp.enabled:
             mark_sharded(self.weight, TpShard(1, (in_features,)))
             self._comm = _RowComm(tp)
