@@ -186,7 +186,8 @@ class Trainer:
         data, training = self.cfg.data, self.cfg.training
         train_set = PackedDataset(TokenStream(meta, data.train_split), data.seq_len, data.train_split)
         self.loader = DistributedLoader(train_set, training.global_batch_size, training.micro_batch_size,
-                                        self.dims.dp_rank, self.dims.dp_size, training.seed)
+                                        self.dims.dp_rank, self.dims.dp_size,
+                                        training.seed if data.seed is None else data.seed)
         self.valid_set: Optional[PackedDataset] = None
         if training.eval_interval > 0:
             self.valid_set = PackedDataset(TokenStream(meta, data.valid_split), data.seq_len, data.valid_split)
