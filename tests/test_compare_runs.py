@@ -1,9 +1,15 @@
-"""tools/compare_runs.py: per-step loss agreement and median speed against a reference run."""
+"""tools/compare_runs.py: per-step loss agreement and median speed against a reference run; FP8-vs-BF16 parity."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from tools.compare_runs import compare
+import pytest
+
+from megafp8.config import ConfigError
+from tests.conftest import REPO, torchrun_env
+from tools.compare_runs import compare, parity
 
 
 def _write(path, losses, norms, times):
@@ -19,3 +25,82 @@ def test_compare_reports_largest_differences_and_median_speed(tmp_path):
     table = compare([str(tmp_path / "ref"), str(tmp_path / "other")], skip=1).splitlines()
     assert table[2] == "| ref | 3 | 0.0000 | 0.00% | 1.0000 | 1.0000 | 100 |"
     assert table[3] == "| other | 3 | 0.5000 | 25.00% | 1.1000 | 0.5000 | 200 |"
+
+
+def _write_run(path, loss_at, val_at, steps=1000, eval_every=500, health=None):
+    """A run logging its training loss every 10 steps and validation loss every `eval_every` steps."""
+    path.mkdir()
+    records = [{"kind": "run"}]
+    for step in range(10, steps + 1, 10):
+        records.append({"kind": "train", "step": step, "loss": loss_at(step), "grad_norm": 1.0, "step_time_s": 0.25,
+                        "tokens_per_s": 65536.0})
+        if step % eval_every == 0:
+            records.append({"kind": "eval", "step": step, "val_loss": val_at(step)})
+    if health:
+        records.append({"kind": "fp8_health", "step": steps, "layers": health})
+    (path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return str(path)
+
+
+def _parity_runs(tmp_path, fp8_val_end, bf16_b_val_end, health=None):
+    """BF16 A ends at validation loss 2.0; FP8 A and BF16 B end where told; training losses 1% apart."""
+    bf16_a = _write_run(tmp_path / "bf16_a", lambda s: 4.0 - s / 1000, lambda s: 2.0 + (1000 - s) / 1000)
+    fp8_a = _write_run(tmp_path / "fp8_a", lambda s: (4.0 - s / 1000) * 1.01,
+                       lambda s: fp8_val_end + (1000 - s) / 1000, health=health)
+    bf16_b = _write_run(tmp_path / "bf16_b", lambda s: (4.0 - s / 1000) * 0.99,
+                        lambda s: bf16_b_val_end + (1000 - s) / 1000)
+    return [bf16_a, fp8_a, bf16_b]
+
+
+def test_parity_tables_per_window_and_per_evaluation(tmp_path):
+    health = {"layers.0.attn.qkv": {"input": {"amax": 3.0, "underflow": 0.001, "at_max": 0.008, "snr_db": 31.0},
+                                    "grad": {"amax": 0.01, "underflow": 0.2, "at_max": 0.008, "snr_db": 12.5}},
+              "layers.1.mlp.down": {"weight": {"amax": 0.1, "underflow": 0.0, "at_max": 0.008, "snr_db": 30.0}}}
+    report = parity(_parity_runs(tmp_path, 2.002, 1.996, health), window=500, tolerance=0.0025, worst=2)
+    lines = report.splitlines()
+    assert "| steps | BF16 A | FP8 A | BF16 B | FP8 vs BF16 A | BF16 B vs BF16 A (seed spread) |" in lines
+    # Window 1-500: mean of 4 - s/1000 over s = 10..500 is 3.745.
+    assert "| 1-500 | 3.7450 | 3.7824 | 3.7075 | +1.000% | -1.000% |" in lines
+    assert "| 501-1000 | 3.2450 | 3.2774 | 3.2125 | +1.000% | -1.000% |" in lines
+    assert "| 500 | 2.5000 | 2.5020 | 2.4960 | +0.080% | -0.160% |" in lines
+    assert "| 1000 | 2.0000 | 2.0020 | 1.9960 | +0.100% | -0.200% |" in lines
+    assert "Verdict (validation loss at step 1000):" in lines
+    assert lines[lines.index("Verdict (validation loss at step 1000):") + 2:][:4] == [
+        "- FP8 vs BF16 A: +0.100%, within 0.25%: yes",
+        "- BF16 seed-to-seed spread |BF16 B - BF16 A|: 0.200%; |FP8 - BF16 A| = 0.100%: inside the spread",
+        "- **PASS**: FP8 is within 0.25% of BF16 seed A and inside the BF16 seed-to-seed spread", ""]
+    # The worst FP8 tensors by SNR, lowest first.
+    assert lines[-2:] == ["| layers.0.attn.qkv | grad | 12.5 | 20.00% | 0.80% | 0.01 |",
+                          "| layers.1.mlp.down | weight | 30.0 | 0.00% | 0.80% | 0.1 |"]
+
+
+@pytest.mark.parametrize("fp8_end, bf16_b_end, verdict", [
+    (2.006, 1.990, "- **FAIL**: FP8 is not within 0.25% of BF16 seed A"),  # 0.3% off, inside a 0.5% spread
+    (1.997, 1.999, "- **FAIL**: FP8 is outside the BF16 seed-to-seed spread"),  # 0.15% off, spread 0.05%
+    (2.010, 2.001, "- **FAIL**: FP8 is not within 0.25% of BF16 seed A and outside the BF16 seed-to-seed spread"),
+])
+def test_parity_verdict_fails_each_criterion(tmp_path, fp8_end, bf16_b_end, verdict):
+    report = parity(_parity_runs(tmp_path, fp8_end, bf16_b_end), window=500, tolerance=0.0025, worst=5)
+    assert report.splitlines()[-1] == verdict  # no FP8 health records: the verdict ends the report
+
+
+def test_parity_with_one_seed_each_and_bad_calls(tmp_path):
+    bf16_a, fp8_a, _ = _parity_runs(tmp_path, 2.001, 2.0)
+    lines = parity([bf16_a, fp8_a], window=300, tolerance=0.0025, worst=5).splitlines()
+    assert "| steps | BF16 A | FP8 A | FP8 vs BF16 A |" in lines and "| 901-1000 | 3.0450 | 3.0755 | +1.000% |" in lines
+    assert lines[-2:] == ["- BF16 seed-to-seed spread: not measured (no BF16 seed B run)",
+                          "- **PASS** on the 0.25% criterion alone (one seed each: FP8's gap cannot be told from "
+                          "seed noise)"]
+    with pytest.raises(ConfigError, match="--parity takes 2 or 3 runs"):
+        parity([bf16_a], window=500, tolerance=0.0025, worst=5)
+
+
+def test_parity_command_line_and_the_default_mode_unchanged(tmp_path):
+    runs = _parity_runs(tmp_path, 2.002, 1.996)
+    result = subprocess.run([sys.executable, "tools/compare_runs.py", "--parity", *runs, "--window", "250"], cwd=REPO,
+                            env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "| 751-1000 |" in result.stdout and "**PASS**" in result.stdout
+    plain = subprocess.run([sys.executable, "tools/compare_runs.py", *runs], cwd=REPO, env=torchrun_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and plain.stdout.splitlines()[0].startswith("| run | steps compared |")

@@ -53,6 +53,9 @@ GPU = "needs GPUs (8 ranks or a CUDA device)"
 SLURM = "submits a SLURM job (needs sbatch and a cluster; tests/test_slurm.py covers the scripts)"
 LONG = "a full 200-step run (minutes on CPU); the same launch path runs below with tiny settings"
 
+GPU_SESSION = "a GPU session's script (tests/test_gpu_parity_script.py runs its sub-steps on CPU)"
+PARITY_RUNS, TINY_RUNS = "runs/bf16_a runs/fp8_a runs/bf16_b", "runs/tiny_dense runs/tiny_dense runs/tiny_dense"
+
 # Keyed by the command as documented, continuation lines joined and the trailing comment dropped.
 # `Run` entries run top to bottom, so an entry may use what the ones above it made.
 COMMANDS: dict[str, Run | Skip] = {
@@ -74,6 +77,17 @@ COMMANDS: dict[str, Run | Skip] = {
             "a tiny corpus and vocabulary stand in for the standard library's", alongside=True),
     "python tools/preprocess_data.py --input stdlib --tokenizer data/tokenizer.json --output data/pystdlib-bpe":
         Run((("--input stdlib", "--input books/"),), "a tiny corpus stands in", alongside=True),
+    'SITE=$(python -c "import sysconfig; print(sysconfig.get_paths()[\'purelib\'])")':
+        Run(why="sets a variable only (each command runs in its own shell)", alongside=True),
+    'python tools/preprocess_data.py --input "$SITE" --extensions .py .md .rst .txt --output data/sitepkgs --dry-run':
+        Run((('"$SITE"', "my_corpus/"),), "the tiny corpus stands in for site-packages", alongside=True),
+    'python tools/train_tokenizer.py --input "$SITE" --extensions .py .md .rst .txt --sample-bytes 1e8 '
+    "--vocab-size 32768 --output data/sitepkgs-tokenizer.json":
+        Run((('"$SITE"', "my_corpus/"), ("--vocab-size 32768", "--vocab-size 300")),
+            "the tiny corpus and vocabulary stand in", alongside=True),
+    'python tools/preprocess_data.py --input "$SITE" --extensions .py .md .rst .txt '
+    "--tokenizer data/sitepkgs-tokenizer.json --output data/sitepkgs":
+        Run((('"$SITE"', "my_corpus/"),), "the tiny corpus stands in", alongside=True),
     # Configs and the dry run: verbatim.
     "python launch/pretrain.py --config tiny_dense.yaml --print-config": Run(alongside=True),
     "python launch/pretrain.py --config tiny_dense --print-config": Run(alongside=True),
@@ -114,6 +128,16 @@ COMMANDS: dict[str, Run | Skip] = {
     "--batches 4 --plot docs/fp8_sensitivity.png --json sensitivity.json":
         Run((("step_00000100", TINY_STEP), ("--batches 4", "--batches 1")),
             "the 2-step run's checkpoint, one batch"),
+    # FP8-vs-BF16 parity (issue 22): the 2-step run stands in for each of the three runs.
+    "python tools/compare_runs.py --parity runs/bf16_a runs/fp8_a runs/bf16_b --window 500":
+        Run(((PARITY_RUNS, TINY_RUNS),), "the 2-step run three times: every gap 0"),
+    "python tools/plot_runs.py runs/bf16_a runs/fp8_a runs/bf16_b --labels \"BF16 seed A\" \"FP8 seed A\" "
+    "\"BF16 seed B\" --metrics loss val_loss --gaps --smooth 10 --from-step 100 --out parity.png":
+        Run(((PARITY_RUNS, TINY_RUNS), ("--from-step 100", "--from-step 0")), "the 2-step run three times"),
+    "OUT=results bash benchmarks/gpu_parity_corpus.sh corpus": Skip(GPU_SESSION),
+    "OUT=results bash benchmarks/gpu_parity_corpus.sh next": Skip(GPU_SESSION),
+    "OUT=results bash benchmarks/gpu_parity_corpus.sh status": Skip(GPU_SESSION),
+    "OUT=results bash benchmarks/gpu_parity_corpus.sh compare": Skip(GPU_SESSION),
     # Clusters.
     "torchrun --nproc_per_node=8 launch/pretrain.py --config tiny_dense.yaml data.path=data/mine model.size=1b "
     "data.seq_len=2048 training.global_batch_size=256 training.micro_batch_size=8": Skip(GPU),

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megafp8.config import ConfigError
-from megafp8.train.plots import read_series, splice_warning
+from megafp8.train.plots import read_series, relative_gaps, splice_warning
 from tests.conftest import REPO, torchrun_env
 
 
@@ -55,3 +55,18 @@ def test_steps_that_go_back_are_warned_about(tmp_path):
                                  str(tmp_path / "a.png")], cwd=REPO, env=torchrun_env(), capture_output=True,
                                 text=True, timeout=120)
         assert result.returncode == 0 and result.stderr.startswith("warning: ") and "steps go back" in result.stderr
+
+
+def test_three_runs_with_their_gaps_to_the_first(tmp_path):
+    """Issue 22's parity plot: BF16 seed A, FP8 seed A, BF16 seed B, and each one's gap to BF16 A."""
+    assert relative_gaps(([1, 2, 3], [2.0, 4.0, 5.0]), ([2, 3, 4], [5.0, 4.5, 1.0])) == ([2, 3], [25.0, -10.0])
+    pytest.importorskip("matplotlib")
+    for name, scale in (("bf16_a", 1.0), ("fp8_a", 1.002), ("bf16_b", 0.999)):
+        write_run(tmp_path / name, [scale * (5.0 - 0.01 * s) for s in range(100)])
+    out = tmp_path / "parity.png"
+    result = subprocess.run([sys.executable, "tools/plot_runs.py", *(str(tmp_path / n) for n in ("bf16_a", "fp8_a",
+                             "bf16_b")), "--labels", "BF16 seed A", "FP8 seed A", "BF16 seed B", "--metrics", "loss",
+                             "val_loss", "--gaps", "--smooth", "5", "--from-step", "10", "--out", str(out)],
+                            cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -90,6 +90,19 @@ def test_same_seed_same_losses_twice(tiny_overrides):
     assert a != c
 
 
+def test_data_seed_fixes_the_data_order_across_weight_seeds(tiny_overrides):
+    """Issue 22's BF16 seed-to-seed spread: two weight inits, one data order."""
+    def first_batch_and_weight(extra):
+        trainer = make_trainer(tiny_overrides, extra)
+        return trainer.loader.next_step()[0][0], next(trainer.model.parameters()).detach().clone()
+
+    batch_a, weight_a = first_batch_and_weight(["training.seed=1", "data.seed=5"])
+    batch_b, weight_b = first_batch_and_weight(["training.seed=2", "data.seed=5", "run_name=t2"])
+    batch_c, _ = first_batch_and_weight(["training.seed=2", "run_name=t3"])  # data.seed null: training.seed's order
+    assert torch.equal(batch_a, batch_b) and not torch.equal(weight_a, weight_b)
+    assert not torch.equal(batch_a, batch_c)
+
+
 def test_resume_is_bit_identical(tiny_overrides, tmp_path):
     ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=3", "checkpoint.keep_last=1"]
     straight = train_losses(make_trainer(tiny_overrides, ["checkpoint.resume=none"]).fit())

@@ -6,10 +6,19 @@ Example (TP=2 against TP=1 on the same seed):
 For each run: the largest |loss - reference loss| and grad-norm relative difference over the steps
 both logged, the final loss, and the median step time and tokens/s over steps after `--skip`
 (warm-up, allocator growth and autotuning excluded).
+
+Parity mode (FP8 against BF16, with BF16's own seed-to-seed noise as the yardstick):
+    python tools/compare_runs.py --parity runs/bf16_a runs/fp8_a runs/bf16_b --window 500
+The runs are BF16 seed A, FP8 seed A and (optional) BF16 seed B, trained on the same data in the same order. Per
+window of steps: each run's mean training loss, FP8's relative gap to BF16 A and BF16 B's (the seed-to-seed
+gap); the same at each evaluation for the validation loss; then the verdict at the last evaluation: FP8 within
+`--tolerance` (0.25%) of BF16 A, and |FP8 - BF16 A| <= |BF16 B - BF16 A|; and the FP8 run's worst layers by
+quantization SNR in its last FP8 health record.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -17,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError  # noqa: E402
-from megafp8.train.plots import read_series  # noqa: E402
+from megafp8.train.plots import metrics_path, read_series  # noqa: E402
 
 
 def _by_step(run: str, metric: str) -> dict[int, float]:
@@ -43,13 +52,119 @@ def compare(runs: list[str], skip: int) -> str:
     return "\n".join(lines)
 
 
+ROLES = ("BF16 A", "FP8 A", "BF16 B")
+
+
+def _gap(value: float, ref: float) -> float:
+    return (value - ref) / ref
+
+
+def _windows(series: list[dict[int, float]], window: int) -> list[tuple[str, list[float]]]:
+    """(steps label, each run's mean) per window of `window` steps, over the steps every run logged."""
+    common = sorted(set.intersection(*(set(s) for s in series)))
+    groups: dict[int, list[int]] = {}
+    for step in common:
+        groups.setdefault((step - 1) // window, []).append(step)
+    return [(f"{w * window + 1}-{min((w + 1) * window, steps[-1])}",
+             [statistics.fmean(run[s] for s in steps) for run in series]) for w, steps in sorted(groups.items())]
+
+
+def _table(first_column: str, rows: list[tuple[str, list[float]]], roles: tuple[str, ...]) -> list[str]:
+    gaps = ["FP8 vs BF16 A"] + (["BF16 B vs BF16 A (seed spread)"] if len(roles) == 3 else [])
+    lines = [f"| {first_column} | {' | '.join(roles)} | {' | '.join(gaps)} |",
+             "|---" * (1 + len(roles) + len(gaps)) + "|"]
+    for label, values in rows:
+        cells = [f"{v:.4f}" for v in values] + [f"{_gap(v, values[0]):+.3%}" for v in values[1:]]
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    return lines
+
+
+def verdict(values: list[float], tolerance: float) -> list[str]:
+    """The end verdict from the final losses of BF16 A, FP8 A (and BF16 B): FP8 within `tolerance` of BF16 A,
+    and |FP8 - BF16 A| no larger than |BF16 B - BF16 A| (BF16's own seed-to-seed spread)."""
+    fp8_gap = _gap(values[1], values[0])
+    close = abs(fp8_gap) <= tolerance
+    lines = [f"- FP8 vs BF16 A: {fp8_gap:+.3%}, within {tolerance:.2%}: {'yes' if close else 'NO'}"]
+    if len(values) < 3:
+        lines += ["- BF16 seed-to-seed spread: not measured (no BF16 seed B run)",
+                  f"- **{'PASS' if close else 'FAIL'}** on the {tolerance:.2%} criterion alone (one seed each: FP8's "
+                  "gap cannot be told from seed noise)"]
+        return lines
+    spread = abs(_gap(values[2], values[0]))
+    inside = abs(fp8_gap) <= spread
+    lines.append(f"- BF16 seed-to-seed spread |BF16 B - BF16 A|: {spread:.3%}; |FP8 - BF16 A| = {abs(fp8_gap):.3%}: "
+                 f"{'inside' if inside else 'OUTSIDE'} the spread")
+    if close and inside:
+        lines.append(f"- **PASS**: FP8 is within {tolerance:.2%} of BF16 seed A and inside the BF16 seed-to-seed "
+                     "spread")
+    else:
+        failed = [what for what, ok in ((f"not within {tolerance:.2%} of BF16 seed A", close),
+                                        ("outside the BF16 seed-to-seed spread", inside)) if not ok]
+        lines.append(f"- **FAIL**: FP8 is {' and '.join(failed)}")
+    return lines
+
+
+def worst_fp8_layers(run: str, count: int) -> list[str]:
+    """The `count` FP8 tensors with the lowest quantization SNR in the run's last fp8_health record."""
+    records = [json.loads(line) for line in metrics_path(run).read_text().splitlines()]
+    health = [r for r in records if r.get("kind") == "fp8_health" and r.get("layers")]
+    if not health:
+        return []
+    last = health[-1]
+    rows = sorted(((stats["snr_db"], layer, tensor, stats) for layer, tensors in last["layers"].items()
+                   for tensor, stats in tensors.items()), key=lambda row: row[0])[:count]
+    lines = [f"FP8 health at step {last['step']}, the {len(rows)} tensors with the lowest SNR:", "",
+             "| layer | tensor | SNR (dB) | underflow | at FP8 max | max-abs |", "|---|---|---|---|---|---|"]
+    lines += [f"| {layer} | {tensor} | {snr:.1f} | {stats['underflow']:.2%} | {stats['at_max']:.2%} | "
+              f"{stats['amax']:.3g} |" for snr, layer, tensor, stats in rows]
+    return lines
+
+
+def parity(runs: list[str], window: int, tolerance: float, worst: int) -> str:
+    """FP8-vs-BF16 parity of `runs` = [BF16 seed A, FP8 seed A, (BF16 seed B)] as Markdown: training loss per
+    window of steps, validation loss at each evaluation, the end verdict, the FP8 run's worst layers."""
+    if len(runs) not in (2, 3):
+        raise ConfigError(f"--parity takes 2 or 3 runs (BF16 seed A, FP8 seed A, [BF16 seed B]), got {len(runs)}")
+    roles = ROLES[: len(runs)]
+    lines = [f"- {role}: {run}" for role, run in zip(roles, runs)] + [""]
+    train = [_by_step(run, "loss") for run in runs]
+    if not set.intersection(*(set(s) for s in train)):
+        raise ConfigError(f"runs {runs} have no logged training step in common")
+    windows = _windows(train, window)
+    lines += [f"Training loss, mean over each window of {window} steps (steps logged by every run):", ""]
+    lines += _table("steps", windows, roles)
+    valid = [dict(zip(*read_series(run, "eval", "val_loss"))) for run in runs]
+    evals = sorted(set.intersection(*(set(v) for v in valid)))
+    if evals:
+        lines += ["", "Validation loss (held-out split) at each evaluation:", ""]
+        lines += _table("step", [(str(s), [v[s] for v in valid]) for s in evals], roles)
+        end, values = f"validation loss at step {evals[-1]}", [v[evals[-1]] for v in valid]
+    else:
+        end, values = f"training loss of the last window (steps {windows[-1][0]}; no validation loss logged)", \
+            windows[-1][1]
+    lines += ["", f"Verdict ({end}):", ""] + verdict(values, tolerance)
+    health = worst_fp8_layers(runs[1], worst)
+    return "\n".join(lines + ([""] + health if health else []))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", help="run directories or metrics.jsonl files; the first is the reference")
+    parser.add_argument("runs", nargs="+", help="run directories or metrics.jsonl files; the first is the reference "
+                        "(with --parity: BF16 seed A, FP8 seed A, then optionally BF16 seed B)")
     parser.add_argument("--skip", type=int, default=0, help="leave steps up to this one out of the timing")
+    parser.add_argument("--parity", action="store_true", help="FP8-vs-BF16 parity tables and verdict (see above)")
+    parser.add_argument("--window", type=int, default=500, help="--parity: steps per training-loss window")
+    parser.add_argument("--tolerance", type=float, default=0.0025,
+                        help="--parity: largest relative gap of FP8 to BF16 seed A that passes (0.0025 = 0.25%%)")
+    parser.add_argument("--worst", type=int, default=5, help="--parity: FP8 tensors listed by lowest SNR")
     args = parser.parse_args(argv)
+    if args.window < 1:
+        parser.error("--window must be at least 1")
     try:
-        print(compare(args.runs, args.skip))
+        if args.parity:
+            print(parity(args.runs, args.window, args.tolerance, args.worst))
+        else:
+            print(compare(args.runs, args.skip))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -5,6 +5,9 @@ Examples:
     python tools/preprocess_data.py --input stdlib --output data/pystdlib
     python tools/preprocess_data.py --input corpus/ --output data/mycorpus --tokenizer tokenizer.json
     python tools/preprocess_data.py --input a.jsonl b.jsonl --json-key content --output data/ab
+    # every .py/.md/.rst/.txt file under a tree, de-duplicated, held out by file; --dry-run only measures it
+    python tools/preprocess_data.py --input /usr/lib/python3/dist-packages --extensions .py .md .rst .txt \\
+        --output data/pkgs --dry-run
 """
 from __future__ import annotations
 
@@ -17,32 +20,70 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError  # noqa: E402
 from megafp8.data.preprocess import preprocess  # noqa: E402
+from megafp8.data.text_tree import scan_text_tree, summary_lines  # noqa: E402
+
+
+def byte_count(text: str) -> int:
+    """A byte count written as 1000000 or 1e6."""
+    return int(float(text))
+
+
+def add_text_tree_options(parser: argparse.ArgumentParser, held_out: str = "fraction of documents (files) held out"
+                          ) -> None:
+    """The options of the text-tree input mode (shared with tools/train_tokenizer.py)."""
+    parser.add_argument("--extensions", nargs="+", default=None, metavar="EXT",
+                        help="text-tree mode: every file under the input directories whose name ends with one of "
+                             "these (e.g. .py .md .rst .txt) is one document; identical files are kept once, whole "
+                             "files are held out (chosen by a seeded hash of their content), binary, non-UTF-8 and "
+                             "empty files are skipped. Without it: directories are searched for .txt/.jsonl/.json "
+                             "and each document is held out by a seeded draw")
+    parser.add_argument("--valid-fraction", type=float, default=0.01, help=held_out)
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the held-out split (and text-tree order)")
+    parser.add_argument("--max-file-bytes", type=byte_count, default=0,
+                        help="text-tree mode: skip files larger than this (0: no limit)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True,
-                        help="text/JSONL files, directories (searched for .txt/.jsonl/.json), or 'stdlib' "
-                             "(the Python standard library's sources: a corpus on any machine)")
+                        help="text/JSONL files, directories (searched for .txt/.jsonl/.json, or for --extensions), "
+                             "or 'stdlib' (the Python standard library's sources: a corpus on any machine)")
     parser.add_argument("--output", required=True, help="output directory (must not exist unless --overwrite)")
     parser.add_argument("--tokenizer", default="byte", help="'byte' (default) or a tokenizer.json path")
     parser.add_argument("--eos-token", default=None, help="end-of-document token of a tokenizer.json")
-    parser.add_argument("--valid-fraction", type=float, default=0.01, help="fraction of documents held out")
-    parser.add_argument("--seed", type=int, default=1234, help="seed of the held-out split")
+    add_text_tree_options(parser)
+    parser.add_argument("--max-bytes", type=byte_count, default=0,
+                        help="text-tree mode: keep a seeded random sample of the unique files up to this many bytes "
+                             "(0: all)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="text-tree mode: scan and print the summary (files, duplicates, skipped, bytes per "
+                             "split) without tokenizing or writing anything")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
     parser.add_argument("--json-key", default="text", help="field holding the text in JSONL records")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     args = parser.parse_args(argv)
+    if args.extensions is None and (args.dry_run or args.max_bytes or args.max_file_bytes):
+        parser.error("--dry-run, --max-bytes and --max-file-bytes belong to the text-tree mode: add --extensions")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        tree = None
+        if args.extensions is not None:
+            tree = scan_text_tree(args.input, args.extensions, args.valid_fraction, args.seed, args.max_file_bytes,
+                                  args.max_bytes)
+            if args.dry_run:
+                print("\n".join(summary_lines(tree)))
+                return 0
         splits = preprocess(args.input, args.output, args.tokenizer, args.valid_fraction, args.seed,
-                            args.shard_tokens, args.json_key, args.eos_token, args.overwrite)
+                            args.shard_tokens, args.json_key, args.eos_token, args.overwrite, tree)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     for split, shards in splits.items():
         print(f"{split}: {sum(s['num_docs'] for s in shards)} documents, "
               f"{sum(s['num_tokens'] for s in shards):,} tokens in {len(shards)} shard(s)")
+    if tree is not None:
+        tokens = {split: sum(s["num_tokens"] for s in shards) for split, shards in splits.items()}
+        print("\n".join(summary_lines(tree, tokens)))
     return 0
 
 

@@ -1,8 +1,12 @@
 #!/usr/bin/env python
 """Train a byte-level BPE tokenizer.json locally (Hugging Face `tokenizers`), no download needed.
 
-Example:
+Examples:
     python tools/train_tokenizer.py --input stdlib --vocab-size 8192 --output data/tokenizer.json
+    # on a 100 MB sample of a text tree's training files (same --extensions/--seed/--valid-fraction as
+    # tools/preprocess_data.py, so held-out files stay unseen)
+    python tools/train_tokenizer.py --input /usr/lib/python3/dist-packages --extensions .py .md .rst .txt \\
+        --sample-bytes 1e8 --output data/tokenizer.json
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError  # noqa: E402
 from megafp8.data.preprocess import train_tokenizer  # noqa: E402
+from megafp8.data.text_tree import scan_text_tree  # noqa: E402
+from tools.preprocess_data import add_text_tree_options, byte_count  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,13 +28,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="path of the tokenizer.json to write")
     parser.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size, special tokens included")
     parser.add_argument("--json-key", default="text", help="field holding the text in JSONL records")
+    add_text_tree_options(parser, "text-tree mode: the fraction of files tools/preprocess_data.py holds out with the "
+                                  "same --seed; they are left out of the tokenizer's training")
+    parser.add_argument("--sample-bytes", type=byte_count, default=0,
+                        help="train on documents up to this many bytes (0: all); with --extensions a seeded random "
+                             "sample of the training split's files, otherwise the first documents")
     args = parser.parse_args(argv)
     try:
-        train_tokenizer(args.input, args.output, args.vocab_size, args.json_key)
+        tree = None
+        if args.extensions is not None:
+            tree = scan_text_tree(args.input, args.extensions, args.valid_fraction, args.seed, args.max_file_bytes)
+        docs, size = train_tokenizer(args.input, args.output, args.vocab_size, args.json_key, tree,
+                                     args.sample_bytes)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output}")
+    print(f"wrote {args.output} (trained on {docs:,} documents, {size:,} bytes)")
     return 0
 
 

@@ -309,6 +309,11 @@ class DataConfig:
     seq_len: int = setting(256, "Tokens per training sample (the model's context length).")
     train_split: str = setting("train", "Name of the split trained on.")
     valid_split: str = setting("valid", "Name of the held-out split used for validation loss.")
+    seed: Optional[int] = setting(
+        None,
+        "Seed of the sample order (the loader's shuffle). `null`: `training.seed`. Set it to give runs that differ "
+        "only in `training.seed` (their weight init) the same data in the same order.",
+    )
 
 
 @dataclass
@@ -327,7 +332,9 @@ class TrainingConfig:
     eval_iters: int = setting(
         4, "Micro-batches in one validation pass, split across data-parallel ranks (the same set for any layout)."
     )
-    seed: int = setting(1234, "Seed of weight init and data shuffling; the same seed gives the same run.")
+    seed: int = setting(
+        1234, "Seed of weight init and (unless `data.seed` is set) data shuffling; the same seed gives the same run."
+    )
     max_consecutive_skips: int = setting(
         3,
         "A step whose global gradient norm is inf or nan (on any rank) is skipped on every rank: weights and optimizer "

@@ -96,7 +96,7 @@ class DistributedLoader:
             raise ConfigError(
                 f"the saved data-loader state is for {state['num_samples']} samples with seed {state['seed']}, but this "
                 f"run has {len(self.dataset)} samples with seed {self.seed}: resume with the same data.path, "
-                "data.seq_len and training.seed"
+                "data.seq_len and data order seed (data.seed, else training.seed)"
             )
         self.consumed_samples = int(state["consumed_samples"])
 

@@ -73,7 +73,9 @@ class ShardWriter:
         return self.shards
 
 
-def write_meta(root: Path, tokenizer_spec: str, vocab_size: int, eos_id: int, splits: dict[str, list], source: str) -> None:
+def write_meta(root: Path, tokenizer_spec: str, vocab_size: int, eos_id: int, splits: dict[str, list], source: str,
+               corpus: dict[str, Any] | None = None) -> None:
+    """`corpus`: how the documents were found (a text tree's scan figures), kept for the record only."""
     meta = {
         "format": FORMAT,
         "tokenizer": tokenizer_spec,
@@ -82,6 +84,7 @@ def write_meta(root: Path, tokenizer_spec: str, vocab_size: int, eos_id: int, sp
         "dtype": token_dtype(vocab_size).name,
         "source": source,
         "splits": splits,
+        **({"corpus": corpus} if corpus is not None else {}),
     }
     tmp = root / (META_FILE + ".tmp")
     tmp.write_text(json.dumps(meta, indent=2))

@@ -1,7 +1,10 @@
 """Tokenize documents into the on-disk token format (`megafp8.data.indexed`), with a held-out split.
 
-Each document goes to the validation split with probability `valid_fraction`, decided by a
-seeded generator in document order, so the same inputs and seed give the same splits. Every shard
+Two input modes. Files and JSONL records (the default): each document (a file, or a JSONL line) goes to the
+validation split with probability `valid_fraction`, decided by a seeded generator in document order, so the
+same inputs and seed give the same splits. A text tree (`extensions` given): every file under the input
+directories whose name ends with one of `extensions` is one document, duplicates dropped, and whole files are
+held out by a seeded hash of their content (`megafp8.data.text_tree`). Every shard
 records its largest token id, which must be below the tokenizer's vocabulary size. The
 output directory appears only when complete (written under a temporary name, then renamed).
 """
@@ -18,6 +21,7 @@ import numpy as np
 from megafp8.config import ConfigError
 from megafp8.data.corpus import input_files, read_documents
 from megafp8.data.indexed import ShardWriter, token_dtype, write_meta
+from megafp8.data.text_tree import TextTree, read_text
 from megafp8.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,26 +55,27 @@ def preprocess(
     json_key: str = "text",
     eos_token: str | None = None,
     overwrite: bool = False,
+    tree: TextTree | None = None,
 ) -> dict[str, list]:
-    """Write `output/` and return its split table. See `tools/preprocess_data.py` for the command line."""
+    """Write `output/` and return its split table. See `tools/preprocess_data.py` for the command line.
+
+    With `tree` (from `scan_text_tree(inputs, ...)`), its files are the documents, split by file as the scan
+    decided (`valid_fraction` and `seed` are then the scan's); its figures go into meta.json under `corpus`."""
     if not 0 <= valid_fraction < 1:
         raise ConfigError(f"--valid-fraction must be in [0, 1), got {valid_fraction}")
     out = Path(output)
     if out.exists() and not overwrite:
         raise ConfigError(f"output '{out}' already exists; pass --overwrite to replace it, or choose another --output")
     tokenizer = load_tokenizer(tokenizer_spec, eos_token)
-    files = input_files(inputs)
+    files = input_files(inputs) if tree is None else []
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "valid")}
-    rng = np.random.default_rng(seed)
     started, num_docs, num_tokens = time.time(), 0, 0
     last_train: np.ndarray | None = None
-    docs = (doc for path in files for doc in read_documents(path, json_key))
-    for tokens in _encode_all(tokenizer, docs):
-        split = "valid" if rng.random() < valid_fraction else "train"
+    for split, tokens in _split_documents(tokenizer, files, valid_fraction, seed, json_key, tree):
         writers[split].add(tokens)
         last_train = tokens if split == "train" else last_train
         num_docs, num_tokens = num_docs + 1, num_tokens + len(tokens)
@@ -85,24 +90,57 @@ def preprocess(
         shutil.rmtree(tmp)
         raise ConfigError(f"tokenizer {tokenizer.spec} produced token id {largest} but reports a vocabulary of "
                           f"{tokenizer.vocab_size}: use a tokenizer whose ids fit its vocabulary size")
-    write_meta(tmp, tokenizer.spec, tokenizer.vocab_size, tokenizer.eos_id, splits, source=" ".join(inputs))
+    write_meta(tmp, tokenizer.spec, tokenizer.vocab_size, tokenizer.eos_id, splits, source=" ".join(inputs),
+               corpus=tree.summary() if tree is not None else None)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    log.info("%d documents, %d tokens from %d files -> %s in %.1fs", num_docs, num_tokens, len(files), out,
-             time.time() - started)
+    log.info("%d documents, %d tokens -> %s in %.1fs", num_docs, num_tokens, out, time.time() - started)
     return splits
 
 
-def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json_key: str = "text") -> None:
-    """Train a byte-level BPE `tokenizer.json` on local files with Hugging Face `tokenizers`."""
+def _split_documents(tokenizer: Tokenizer, files: list[Path], valid_fraction: float, seed: int, json_key: str,
+                     tree: TextTree | None) -> Iterator[tuple[str, np.ndarray]]:
+    """(split, tokens) of every document: a text tree's files split by file, else each document by a seeded draw."""
+    if tree is not None:
+        for split in ("train", "valid"):
+            for tokens in _encode_all(tokenizer, map(read_text, getattr(tree, split))):
+                yield split, tokens
+        return
+    rng = np.random.default_rng(seed)
+    docs = (doc for path in files for doc in read_documents(path, json_key))
+    for tokens in _encode_all(tokenizer, docs):
+        yield ("valid" if rng.random() < valid_fraction else "train"), tokens
+
+
+def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json_key: str = "text",
+                    tree: TextTree | None = None, sample_bytes: int = 0) -> tuple[int, int]:
+    """Train a byte-level BPE `tokenizer.json` on local files with Hugging Face `tokenizers`; returns the
+    (documents, bytes) it was trained on.
+
+    With `tree` (from `scan_text_tree`), the documents are its train split's files only (the held-out files stay
+    unseen), in its seeded order; `sample_bytes` > 0 stops after the document that reaches that many bytes (with a
+    tree a seeded random sample of files, otherwise the first documents)."""
     try:
         from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
     except ImportError:
         raise ConfigError("training a tokenizer needs `tokenizers`: pip install 'megafp8[hf]'") from None
     if vocab_size < 257:
         raise ConfigError(f"--vocab-size must be at least 257 (256 bytes + end-of-text), got {vocab_size}")
-    files = input_files(inputs)
+    if tree is not None:
+        docs: Iterable[str] = map(read_text, tree.train)
+    else:
+        files = input_files(inputs)
+        docs = (doc for path in files for doc in read_documents(path, json_key))
+    used = [0, 0]  # documents, UTF-8 bytes
+
+    def sample() -> Iterator[str]:
+        for doc in docs:
+            used[0], used[1] = used[0] + 1, used[1] + len(doc.encode("utf-8"))
+            yield doc
+            if sample_bytes and used[1] >= sample_bytes:
+                return
+
     tok = HFTok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -112,6 +150,7 @@ def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator((doc for path in files for doc in read_documents(path, json_key)), trainer=trainer)
+    tok.train_from_iterator(sample(), trainer=trainer)
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(output))
+    return used[0], used[1]

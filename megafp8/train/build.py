@@ -179,7 +179,7 @@ def build_data(cfg: Config, meta: DatasetMeta, dims: ParallelDims) -> tuple[Dist
     data, training = cfg.data, cfg.training
     train_set = PackedDataset(TokenStream(meta, data.train_split), data.seq_len, data.train_split)
     loader = DistributedLoader(train_set, training.global_batch_size, training.micro_batch_size, dims.dp_rank,
-                               dims.dp_size, training.seed)
+                               dims.dp_size, training.seed if data.seed is None else data.seed)
     valid_set = None
     if training.eval_interval > 0:
         valid_set = PackedDataset(TokenStream(meta, data.valid_split), data.seq_len, data.valid_split)

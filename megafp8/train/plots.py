@@ -44,29 +44,62 @@ def splice_warning(run: str | Path) -> Optional[str]:
     return None
 
 
-def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str) -> list[str]:
-    """One panel per metric (`loss`, `val_loss`, `grad_norm`, ... or `kind:field`), one line per run. Returns one
-    warning line per run whose metrics file holds spliced runs (`splice_warning`)."""
+def _smoothed(values: list[float], points: int) -> list[float]:
+    """Trailing mean over up to `points` values (1: unchanged)."""
+    return [sum(values[max(0, i - points + 1):i + 1]) / len(values[max(0, i - points + 1):i + 1])
+            for i in range(len(values))]
+
+
+def relative_gaps(reference: tuple[list[int], list[float]], other: tuple[list[int], list[float]]
+                  ) -> tuple[list[int], list[float]]:
+    """(steps, 100 * (other - reference) / reference) at the steps both runs logged."""
+    ref = dict(zip(*reference))
+    pairs = [(s, v) for s, v in zip(*other) if s in ref]
+    return [s for s, _ in pairs], [100 * (v - ref[s]) / ref[s] for s, v in pairs]
+
+
+def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, gaps: bool = False,
+              smooth: int = 1, from_step: int = 0) -> list[str]:
+    """One panel per metric (`loss`, `val_loss`, `grad_norm`, ... or `kind:field`), one line per run; with `gaps`,
+    a second row: each other run's relative gap (%) to the first run, per metric, in that run's colour. `smooth` > 1
+    draws trailing means of train metrics over that many logged points (evaluations are drawn as logged); steps
+    before `from_step` are left out. Returns one warning line per run whose
+    metrics file holds spliced runs (`splice_warning`)."""
     warnings = [w for w in map(splice_warning, runs) if w]
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
+    rows = 2 if gaps and len(runs) > 1 else 1
+    fig, axes = plt.subplots(rows, len(metrics), figsize=(5.5 * len(metrics), 4 * rows), squeeze=False)
+    for column, metric in enumerate(metrics):
         kind, _, field = metric.rpartition(":")
         kind = kind or ("eval" if field.startswith("val_") else "train")
-        for run, label in zip(runs, labels):
+        series = []
+        for run in runs:
             steps, values = read_series(run, kind, field)
             if not steps:
                 raise ConfigError(f"run {run} has no '{field}' in its '{kind}' records")
-            ax.plot(steps, values, label=label, marker="o" if len(steps) < 30 else None, markersize=3)
-        ax.set_xlabel("step")
-        ax.set_ylabel(field)
-        ax.set_title(field)
-        ax.grid(alpha=0.3)
-        ax.legend()
+            kept = [i for i, s in enumerate(steps) if s >= from_step]
+            series.append(([steps[i] for i in kept], [values[i] for i in kept]))
+        points = smooth if kind == "train" else 1
+        colours = [f"C{i}" for i in range(len(runs))]
+        panels = [(axes[0][column], field, list(zip(series, labels, colours)))]
+        if rows == 2:
+            gap_series = [relative_gaps(series[0], other) for other in series[1:]]
+            panels.append((axes[1][column], f"{field}: % vs {labels[0]}",
+                           list(zip(gap_series, labels[1:], colours[1:]))))
+            axes[1][column].axhline(0.0, color=colours[0], linewidth=0.8)
+        for ax, title, lines in panels:
+            for (steps, values), label, colour in lines:
+                ax.plot(steps, _smoothed(values, points), label=label, color=colour,
+                        marker="o" if len(steps) < 30 else None, markersize=3)
+            ax.set_xlabel("step")
+            ax.set_ylabel(title)
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

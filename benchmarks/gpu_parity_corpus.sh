@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# Issue 22: FP8-vs-BF16 loss parity over one pass of a large real corpus, with BF16's own seed-to-seed noise.
+# The corpus is every .py/.md/.rst/.txt file of this Python environment's site-packages (de-duplicated, 1% of the
+# files held out), tokenized by a 32k BPE tokenizer trained here on a sample of the training files. Runs: the ~1B
+# dense model (benchmarks/train_step.py MODELS["1b"]), seq 2048, 8 x 2048 = 16,384 tokens per step, DENSE_STEPS
+# (3000) steps, lr 3e-4 (warmup 200, cosine to 3e-5), one data order for all (data.seed): BF16 seed A, BF16 seed
+# B, FP8 seed A; and the MoE model (MODELS["moe"]), MOE_STEPS (1000) steps, BF16 vs FP8, seed A. Validation loss
+# on the held-out split every 500 steps. Steps are cut to one pass over the corpus if it is smaller (`plan` says so).
+#
+# Every command on the GPU machine may be limited to 10 minutes, so the work comes in sub-steps, each short, each
+# resumable (run them again until `status` says every run is finished):
+#   OUT=dir bash benchmarks/gpu_parity_corpus.sh measure    # the corpus before tokenizing (files, duplicates, bytes)
+#   OUT=dir bash benchmarks/gpu_parity_corpus.sh tokenizer  # BPE tokenizer.json on TOKENIZER_SAMPLE_BYTES of it
+#   OUT=dir bash benchmarks/gpu_parity_corpus.sh tokenize   # the token files (skipped once written)
+#   OUT=dir bash benchmarks/gpu_parity_corpus.sh plan       # corpus tokens, one-pass steps, the steps each run takes
+#   OUT=dir bash benchmarks/gpu_parity_corpus.sh corpus     # the four above in turn (each skipped once done)
+#   OUT=dir bash benchmarks/gpu_parity_corpus.sh run NAME [NAME2]  # NAME on GPU 0 (and NAME2 on GPU 1), each for at
+#        most RUN_SECONDS (540), resuming from its newest checkpoint; NAME: dense_bf16_a dense_fp8_a dense_bf16_b
+#        moe_bf16 moe_fp8
+#   OUT=dir bash benchmarks/gpu_parity_corpus.sh next       # `run` on the first two unfinished runs in that order
+#   OUT=dir bash benchmarks/gpu_parity_corpus.sh status     # each run's last step, and the disk left
+#   OUT=dir bash benchmarks/gpu_parity_corpus.sh compare    # compare_runs --parity and plot_runs, dense and MoE
+#   OUT=dir bash benchmarks/gpu_parity_corpus.sh config NAME  # NAME's resolved config (checks every key), no run
+# Tables go to $OUT/summary.md, plots to $OUT/parity_{dense,moe}.png, each run's metrics and log to $OUT/runs/;
+# the corpus, tokenizer and run directories (checkpoints) stay in WORK (/tmp/megafp8-parity), which must survive
+# between commands (same machine).
+#
+# Disk: a checkpoint holds ~14 bytes per parameter (BF16 weights, FP32 masters, two FP32 moments): ~14 GB for the
+# dense model, ~45 GB for the 3.2B MoE, and up to two per run exist while one is written (checkpoint.keep_last=1).
+# A finished run's checkpoints are deleted (KEEP_CHECKPOINTS=1 keeps them). Dense runs save every
+# DENSE_CHECKPOINT_INTERVAL (500) steps; MoE runs save never by default (MOE_CHECKPOINT_INTERVAL=0): at the eager
+# step times of docs/benchmarks.md on one H200 (0.27 s BF16, 0.37 s FP8) 1000 steps take ~270 s and ~370 s, inside
+# one command; an MoE run cut short starts over. MOE_CHECKPOINT_INTERVAL=500 makes it resumable (then do not run
+# the two MoE runs side by side: up to 180 GB of checkpoints). EXTRA_OVERRIDES is appended to every run's
+# overrides (e.g. training.compile=true); GPU picks the GPU of a single `run NAME` (default 0).
+source "$(dirname "$0")/gpu_lib.sh"
+WORK=${WORK:-/tmp/megafp8-parity}
+DATA=$WORK/corpus
+TOKENIZER=$WORK/tokenizer.json
+RUNS=$WORK/runs
+EXTENSIONS=".py .md .rst .txt"
+CORPUS_INPUT=${CORPUS_INPUT:-$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")}
+TREE_OPTIONS="--extensions $EXTENSIONS --valid-fraction ${VALID_FRACTION:-0.01} --seed ${SPLIT_SEED:-1234}
+  --max-file-bytes ${MAX_FILE_BYTES:-2e6}"
+TOKENIZER_SAMPLE_BYTES=${TOKENIZER_SAMPLE_BYTES:-1e8}
+VOCAB_SIZE=32768
+SEQ_LEN=2048
+MICRO_BATCH=8
+ALL_RUNS="dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8"
+mkdir -p "$WORK" "$RUNS" "$OUT/runs"
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+[ -f "$OUT/summary.md" ] || nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/summary.md" 2>&1
+
+model_overrides() {  # the model.* options of benchmarks/train_step.py MODELS[$1] (one source for the shapes), read
+  # from its source text (a literal dict) without importing torch
+  python - "$(dirname "$0")/train_step.py" "$1" <<'EOF'
+import ast, sys
+body = ast.parse(open(sys.argv[1]).read()).body
+models = next(ast.literal_eval(node.value) for node in body
+              if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "MODELS")
+print(" ".join(option for option in models[sys.argv[2]] if option.startswith("model.")))
+EOF
+}
+
+corpus_figure() {  # corpus_figure FIELD: train_tokens, valid_tokens, train_samples or valid_samples of $DATA
+  python - "$DATA/meta.json" "$1" "$SEQ_LEN" <<'EOF'
+import json, sys
+meta, field, seq_len = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3])
+split, what = field.split("_")
+tokens = sum(shard["num_tokens"] for shard in meta["splits"].get(split, []))
+print(tokens if what == "tokens" else max(0, (tokens - 1) // seq_len))
+EOF
+}
+
+steps_of() {  # steps_of NAME: the requested steps, cut to one pass over the training split
+  local want=$([ "${1%%_*}" = moe ] && echo "${MOE_STEPS:-1000}" || echo "${DENSE_STEPS:-3000}")
+  local one_pass=$(( $(corpus_figure train_samples) / MICRO_BATCH ))
+  echo $(( want < one_pass ? want : one_pass ))
+}
+
+eval_iters() {  # micro-batches per validation: up to EVAL_ITERS (64), never past the end of the held-out split
+  local most=$(( $(corpus_figure valid_samples) / MICRO_BATCH ))
+  local want=${EVAL_ITERS:-64}
+  echo $(( want < most ? want : (most > 0 ? most : 1) ))
+}
+
+known_run() {  # known_run NAME: fails, saying which names exist, unless NAME is a run of this script
+  case " $ALL_RUNS " in *" $1 "*) return 0 ;; esac
+  echo "unknown run '$1': one of $ALL_RUNS" >&2
+  return 2
+}
+
+run_overrides() {  # run_overrides NAME: every override of run NAME: family_recipe[_seed]
+  known_run "$1" || return 2
+  local family=${1%%_*} rest=${1#*_} recipe seed interval
+  recipe=${rest%%_*}
+  seed=$([ "${rest#*_}" = b ] && echo "${SEED_B:-2}" || echo "${SEED_A:-1}")
+  interval=$([ "$family" = moe ] && echo "${MOE_CHECKPOINT_INTERVAL:-0}" || echo "${DENSE_CHECKPOINT_INTERVAL:-500}")
+  echo "$(model_overrides "$([ "$family" = moe ] && echo moe || echo 1b)") model.vocab_size=$VOCAB_SIZE
+    precision.recipe=$recipe training.seed=$seed data.path=$DATA data.seq_len=$SEQ_LEN data.seed=${DATA_SEED:-1234}
+    training.micro_batch_size=$MICRO_BATCH
+    training.global_batch_size=$MICRO_BATCH training.steps=$(steps_of "$1") training.eval_interval=500
+    training.eval_iters=$(eval_iters) optimizer.lr=3e-4 optimizer.min_lr=3e-5 optimizer.warmup_steps=200
+    optimizer.decay_style=cosine logging.log_interval=10 logging.output_dir=$RUNS run_name=$1
+    checkpoint.interval=$interval checkpoint.keep_last=1 checkpoint.resume=auto ${EXTRA_OVERRIDES:-}"
+}
+
+last_step() {  # last_step NAME: the last training step NAME's metrics file records (0 if none)
+  python - "$RUNS/$1/metrics.jsonl" <<'EOF'
+import json, sys
+from pathlib import Path
+path = Path(sys.argv[1])
+lines = path.read_text().splitlines() if path.is_file() else []
+print(max([r["step"] for r in map(json.loads, lines) if r.get("kind") == "train"] or [0]))
+EOF
+}
+
+finished() { [ -f "$DATA/meta.json" ] && [ "$(last_step "$1")" -ge "$(steps_of "$1")" ]; }
+
+run_one() {  # run_one NAME GPU: train NAME on GPU for at most RUN_SECONDS, then report and keep what comes back
+  local name=$1 overrides rc
+  overrides=$(run_overrides "$name") || return 2
+  if finished "$name"; then echo "$name: finished already"; return 0; fi
+  CUDA_VISIBLE_DEVICES=$2 timeout "${RUN_SECONDS:-540}" python launch/pretrain.py --config tiny_dense $overrides \
+    >> "$RUNS/$name.log" 2>&1
+  rc=$?
+  mkdir -p "$OUT/runs/$name"
+  cp "$RUNS/$name/metrics.jsonl" "$OUT/runs/$name/" 2>/dev/null
+  tail -c 200000 "$RUNS/$name.log" > "$OUT/runs/$name.log"
+  local line="$name (GPU $2): step $(last_step "$name") of $(steps_of "$name"), exit $rc"
+  if finished "$name"; then
+    line="$line, finished"
+    [ "${KEEP_CHECKPOINTS:-0}" = 1 ] || rm -rf "$RUNS/$name/checkpoints"
+  elif [ "$rc" != 124 ]; then
+    line="$line, FAILED: $(tail -n 2 "$RUNS/$name.log" | tr '\n' ' ')"
+  elif ! ls -d "$RUNS/$name"/checkpoints/step_* > /dev/null 2>&1; then
+    line="$line, cut short before its first checkpoint: it starts over next time"
+    [ "${name%%_*}" = moe ] && line="$line (MOE_CHECKPOINT_INTERVAL=500 makes it resumable)"
+  fi
+  echo "- $line" | tee -a "$OUT/summary.md"
+}
+
+run_pair() {  # run_pair NAME [NAME2]: side by side on GPUs 0 and 1
+  for name in "$@"; do known_run "$name" || return 2; done
+  [ -f "$DATA/meta.json" ] || { echo "no corpus in $DATA: run the corpus sub-steps first" >&2; return 2; }
+  echo "## run $* ($(date -u +%FT%TZ))" >> "$OUT/summary.md"
+  run_one "$1" "${GPU:-0}" &
+  [ $# -ge 2 ] && run_one "$2" 1 &
+  wait
+}
+
+plan() {
+  {
+    echo "## plan"
+    echo "- corpus: $(corpus_figure train_tokens) training tokens ($(corpus_figure train_samples) samples of" \
+         "$SEQ_LEN), $(corpus_figure valid_tokens) held-out tokens; validation: $(eval_iters) micro-batches of" \
+         "$MICRO_BATCH"
+    [ "$(corpus_figure valid_samples)" -ge $((MICRO_BATCH * $(eval_iters))) ] \
+      || echo "- WARNING: the held-out split is smaller than one validation pass: raise VALID_FRACTION"
+    for family in dense moe; do
+      local want=$([ $family = moe ] && echo "${MOE_STEPS:-1000}" || echo "${DENSE_STEPS:-3000}")
+      local steps=$(steps_of "${family}_bf16_a") cut=""
+      [ "$steps" -lt "$want" ] && cut=" (cut from $want: the corpus holds one pass of $steps steps)"
+      echo "- $family: $steps steps of $((MICRO_BATCH * SEQ_LEN)) tokens =" \
+           "$((steps * MICRO_BATCH * SEQ_LEN)) tokens, one pass at most$cut"
+    done
+    echo
+  } | tee -a "$OUT/summary.md"
+}
+
+compare() {
+  local dense="$RUNS/dense_bf16_a $RUNS/dense_fp8_a $RUNS/dense_bf16_b" moe="$RUNS/moe_bf16 $RUNS/moe_fp8"
+  step parity_dense python tools/compare_runs.py --parity $dense --window 500
+  step parity_moe python tools/compare_runs.py --parity $moe --window 250
+  step plot_dense python tools/plot_runs.py $dense --labels "BF16 seed A" "FP8 seed A" "BF16 seed B" \
+    --metrics loss val_loss --gaps --smooth 10 --from-step 100 --out "$OUT/parity_dense.png"
+  step plot_moe python tools/plot_runs.py $moe --labels "BF16" "FP8" --metrics loss val_loss --gaps --smooth 10 \
+    --from-step 100 --out "$OUT/parity_moe.png"
+}
+
+case ${1:-} in
+  measure) step corpus_measure python tools/preprocess_data.py --input "$CORPUS_INPUT" $TREE_OPTIONS \
+             --output "$DATA" --dry-run ;;
+  tokenizer) [ -f "$TOKENIZER" ] && echo "$TOKENIZER exists" || step tokenizer python tools/train_tokenizer.py \
+             --input "$CORPUS_INPUT" $TREE_OPTIONS --sample-bytes "$TOKENIZER_SAMPLE_BYTES" --vocab-size "$VOCAB_SIZE" \
+             --output "$TOKENIZER" ;;
+  tokenize) [ -f "$DATA/meta.json" ] && echo "$DATA exists" || step tokenize python tools/preprocess_data.py \
+             --input "$CORPUS_INPUT" $TREE_OPTIONS --max-bytes "${CORPUS_MAX_BYTES:-0}" --tokenizer "$TOKENIZER" \
+             --output "$DATA" --overwrite ;;
+  plan) plan ;;
+  corpus) for part in measure tokenizer tokenize plan; do bash "$0" $part || exit; done ;;
+  run) shift; [ $# -ge 1 ] && [ $# -le 2 ] || { echo "usage: $0 run NAME [NAME2]" >&2; exit 2; }; run_pair "$@" ;;
+  next) todo=$(for name in $ALL_RUNS; do finished "$name" || echo "$name"; done | head -n 2)
+        if [ -z "$todo" ]; then echo "every run is finished: run compare"; else run_pair $todo; fi ;;
+  status) [ -f "$DATA/meta.json" ] || { echo "no corpus in $DATA yet"; exit 0; }
+          for name in $ALL_RUNS; do echo "$name: step $(last_step "$name") of $(steps_of "$name")"; done
+          df -h "$WORK" | tail -n 1 ;;
+  compare) compare ;;
+  config) known_run "${2:-}" || exit 2
+          [ -f "$DATA/meta.json" ] || { echo "no corpus in $DATA: run the corpus sub-steps first" >&2; exit 2; }
+          overrides=$(run_overrides "${2:-}") || exit 2
+          python launch/pretrain.py --config tiny_dense $overrides --print-config ;;
+  *) echo "usage: OUT=dir bash $0 measure|tokenizer|tokenize|plan|corpus|run NAME [NAME2]|next|status|compare|" \
+          "config NAME" >&2
+     exit 2 ;;
+esac

@@ -1,0 +1,95 @@
+"""benchmarks/gpu_parity_corpus.sh (issue 22's GPU session) on CPU: its sub-steps, the configs of its runs (every
+key checked by the config loader), and one run cut short and then finished with a tiny model."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from megafp8.data.preprocess import preprocess
+from megafp8.data.text_tree import scan_text_tree
+from tests.conftest import REPO
+
+SCRIPT = "benchmarks/gpu_parity_corpus.sh"
+# Stands in for the ~1B model on CPU: appended to each run's overrides (later overrides win).
+TINY = ("model.size=null model.hidden_size=128 model.num_layers=2 model.num_heads=2 model.num_kv_heads=1 "
+        "model.ffn_hidden_size=256 data.seq_len=64 training.micro_batch_size=2 optimizer.warmup_steps=1 "
+        "logging.log_interval=1 training.device=cpu")
+
+
+def script(tmp_path, *args, **env):
+    """Run the script's sub-step `args` with WORK and OUT under tmp_path and this interpreter first on PATH."""
+    full_env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                    OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), OMP_NUM_THREADS="1", **env)
+    return subprocess.run(["bash", SCRIPT, *args], cwd=REPO, env=full_env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def fake_corpus(tmp_path, train_tokens, valid_tokens):
+    """A meta.json with these token counts: all `plan` and `config` read."""
+    corpus = tmp_path / "work" / "corpus"
+    corpus.mkdir(parents=True)
+    splits = {"train": [{"num_tokens": train_tokens}], "valid": [{"num_tokens": valid_tokens}]}
+    (corpus / "meta.json").write_text(json.dumps({"splits": splits}))
+
+
+def test_the_script_parses_and_refuses_bad_sub_steps(tmp_path):
+    assert subprocess.run(["bash", "-n", SCRIPT], cwd=REPO).returncode == 0
+    for args, message in ((("frobnicate",), "usage: OUT=dir bash"), (("run",), "usage:"),
+                          (("run", "a", "b", "c"), "usage:"), (("run", "dense_bf16_c"), "unknown run 'dense_bf16_c'"),
+                          (("config", "dense_fp8_a"), "no corpus in")):
+        result = script(tmp_path, *args)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+    assert script(tmp_path, "status").stdout.startswith("no corpus in")
+
+
+def test_plan_cuts_the_runs_to_one_pass_and_configs_hold_every_setting(tmp_path):
+    fake_corpus(tmp_path, 40_000_000, 900_000)  # 19,531 samples of 2048: 2,441 steps of 8; 439 held-out samples
+    plan = script(tmp_path, "plan")
+    assert plan.returncode == 0, plan.stderr
+    assert "validation: 54 micro-batches of 8\n" in plan.stdout
+    assert "- dense: 2441 steps of 16384 tokens = 39993344 tokens, one pass at most (cut from 3000: the corpus holds " \
+           "one pass of 2441 steps)\n" in plan.stdout
+    assert "- moe: 1000 steps of 16384 tokens = 16384000 tokens, one pass at most\n" in plan.stdout
+    configs = {}
+    for name in ("dense_bf16_b", "moe_fp8"):
+        result = script(tmp_path, "config", name)
+        assert result.returncode == 0, result.stderr
+        configs[name] = yaml.safe_load(result.stdout)
+    dense, moe = configs["dense_bf16_b"], configs["moe_fp8"]
+    assert (dense["precision"]["recipe"], dense["training"]["seed"], dense["data"]["seed"]) == ("bf16", 2, 1234)
+    assert (moe["precision"]["recipe"], moe["training"]["seed"], moe["data"]["seed"]) == ("fp8", 1, 1234)
+    assert (dense["training"]["steps"], moe["training"]["steps"]) == (2441, 1000)
+    assert dense["model"]["hidden_size"] == 2048 and dense["model"]["moe_num_experts"] == 0
+    assert moe["model"]["moe_num_experts"] == 64 and moe["model"]["num_layers"] == 8
+    for cfg in (dense, moe):
+        assert cfg["data"]["seq_len"] == 2048 and cfg["training"]["global_batch_size"] == 8
+        assert (cfg["optimizer"]["lr"], cfg["optimizer"]["min_lr"], cfg["optimizer"]["decay_style"]) == \
+            (3e-4, 3e-5, "cosine")
+        assert (cfg["training"]["eval_interval"], cfg["training"]["eval_iters"]) == (500, 54)
+    assert (dense["checkpoint"]["interval"], moe["checkpoint"]["interval"]) == (500, 0)
+
+
+def test_a_run_cut_short_starts_again_and_a_finished_run_leaves_its_metrics(tmp_path):
+    tree = scan_text_tree([str(REPO / "megafp8")], [".py"], valid_fraction=0.05, seed=0)
+    preprocess([str(REPO / "megafp8")], tmp_path / "work" / "corpus", valid_fraction=0.05, tree=tree)  # byte tokens
+    env = {"DENSE_STEPS": "3", "EXTRA_OVERRIDES": TINY}
+    cut = script(tmp_path, "run", "dense_bf16_a", RUN_SECONDS="1", **env)
+    assert cut.returncode == 0 and "- dense_bf16_a (GPU 0): step 0 of 3, exit 124, cut short before its first " \
+        "checkpoint: it starts over next time\n" in cut.stdout
+    done = script(tmp_path, "run", "dense_bf16_a", **env)
+    assert "- dense_bf16_a (GPU 0): step 3 of 3, exit 0, finished\n" in done.stdout, done.stdout + done.stderr
+    run_dir = tmp_path / "work" / "runs" / "dense_bf16_a"
+    assert (run_dir / "metrics.jsonl").is_file() and not (run_dir / "checkpoints").exists()
+    assert (tmp_path / "out" / "runs" / "dense_bf16_a" / "metrics.jsonl").read_text() == \
+        (run_dir / "metrics.jsonl").read_text()
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert summary.count("## run dense_bf16_a") == 2 and "finished" in summary
+    again = script(tmp_path, "run", "dense_bf16_a", **env)
+    assert again.stdout == "dense_bf16_a: finished already\n"
+    status = script(tmp_path, "status", **env).stdout
+    assert status.startswith("dense_bf16_a: step 3 of 3\ndense_fp8_a: step 0 of 3\n")
