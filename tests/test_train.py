@@ -52,7 +52,7 @@ def test_step_time_counts_the_wait_for_the_device_and_not_evaluation(tiny_overri
     """On a GPU the host launches a step long before the device finishes it; the loss reaching the host is where
     the loop waits. That wait (simulated here by a slow loss read) is part of the step's time; evaluation is not."""
     trainer = make_trainer(tiny_overrides, ["training.steps=4", "logging.log_interval=2", "training.eval_interval=1"])
-    slow_read, slow_eval = 0.4, 1.0
+    slow_read, slow_eval = 0.4, 2.0
     reduce_loss, evaluate = trainer_module.replica_mean, trainer.evaluate
 
     def waiting_for_the_device(value, dims):
@@ -67,8 +67,11 @@ def test_step_time_counts_the_wait_for_the_device_and_not_evaluation(tiny_overri
     monkeypatch.setattr(trainer, "evaluate", slow_evaluation)
     records = [r for r in trainer.fit() if r["kind"] == "train"]
     assert [r["step"] for r in records] == [2, 4]
-    for r in records:  # two steps per window, one slow read each window, no evaluation time
-        assert slow_read / 2 <= r["step_time_s"] < slow_eval / 2, r
+    for r in records:  # two steps per window, one slow read each window
+        assert slow_read / 2 <= r["step_time_s"], r
+    # No evaluation time (two evaluations fall inside the second window). The first window also holds the first
+    # step's start-up cost, which on a loaded machine reaches a second, so only the second is held to the bound.
+    assert records[1]["step_time_s"] < slow_eval / 2, records[1]
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
