@@ -7,7 +7,8 @@
 # also ref_eager, moe_compiled, compiled_ro (CUDA graphs), compiled_fp8 (FP8 only), tests (the gpu-marked tests),
 # fused_quantize (our quantizers' bandwidth, fused producers against eager and Inductor), profile_compiled (FP8
 # only), grouped_gemm (MoE grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), fp8_linear (one layer, BF16 vs FP8), the 8B-layer
-# shape (compiled_ro_8b, ref_8b, profile_compiled_8b), cg_diag (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro,
+# shape (compiled_ro_8b, ref_8b, profile_compiled_8b), BF16 and FP8 profiled side by side (profile_pair,
+# profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), cg_diag (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro,
 # old_profile_compiled: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
 # dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
@@ -26,6 +27,14 @@ for part in $PARTS; do
            training.compile_mode=reduce-overhead --model 8b-layers --recipes bf16 fp8 ;;
     ref_8b) step reference_compiled_8b python benchmarks/reference_model.py --compile --layers 8 --hidden 4096 \
            --ffn 14336 --heads 32 --seq 4096 --batch 4 --recipes bf16 torchao-tensorwise torchao-blockwise ;;
+    profile_pair) step profile_compiled_pair python benchmarks/train_step.py training.compile=true --model 1b \
+           --recipes bf16 fp8 --profile 3 ;;
+    profile_pair_8b) step profile_compiled_pair_8b python benchmarks/train_step.py training.compile=true \
+           --model 8b-layers --recipes bf16 fp8 --profile 3 ;;
+    profile_moe_compiled) step profile_moe_compiled python benchmarks/train_step.py training.compile=true \
+           --model moe --recipes bf16 fp8 --profile 3 ;;
+    tests_moe) step gpu_tests_moe python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
+           -k "moe or grouped_wgrad_adds or gathering or permutation" -p no:cacheprovider ;;
     profile_compiled_8b) step profile_compiled_8b python benchmarks/train_step.py training.compile=true \
            --model 8b-layers --recipes fp8 --profile 3 ;;
     cg_diag) step cudagraph_diagnostics env TORCH_LOGS=perf_hints,cudagraph_static_inputs python \
