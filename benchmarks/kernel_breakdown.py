@@ -59,9 +59,15 @@ def cuda_kernels(prof) -> list[tuple[str, float]]:
     out = []
     for event in prof.events():
         device_type = getattr(event, "device_type", None)
-        if device_type is not None and str(device_type).endswith("CUDA"):
+        if device_type is not None and str(device_type).endswith("CUDA") and not is_annotation(event.name, event):
             out.append((event.name, event.device_time))
     return out
+
+
+def is_annotation(name: str, event: object = None) -> bool:
+    """Whether a device-side profiler event is a range around kernels, not a kernel: torch.compile's
+    `## Call CompiledFxGraph ... ##` ranges (counting them counted their kernels twice) and other user annotations."""
+    return name.startswith("## ") or bool(getattr(event, "is_user_annotation", False))
 
 
 def host_ops(prof, steps: int, count: int = 15) -> list[tuple[str, float, int]]:
@@ -76,7 +82,8 @@ def device_ops(prof, steps: int, count: int = 15) -> list[tuple[str, str, float,
     """The `count` operators whose own kernels take the most GPU time, by input shapes (the profile must record
     shapes): (name, shapes, ms per step, calls per step). Says which tensor a generic element-wise kernel ran on."""
     rows = [(e.key, str(e.input_shapes)[:80], e.self_device_time_total / 1e3 / steps, e.count // steps)
-            for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+            for e in prof.key_averages(group_by_input_shape=True)
+            if e.self_device_time_total > 0 and not is_annotation(e.key)]
     return sorted(rows, key=lambda row: -row[2])[:count]
 
 

@@ -57,6 +57,25 @@ def test_kernel_breakdown_sorts_kernels_into_categories():
     assert "GPU kernel time per step 5.3 ms (88% busy)" in table and "| `_quantize_rows_cols_kernel`" not in table
 
 
+def test_kernel_breakdown_leaves_out_compiled_graph_ranges():
+    """torch.compile wraps each compiled graph's kernels in a device-side `## Call CompiledFxGraph ... ##` range;
+    counted as a kernel, it counted those kernels twice (a GPU time above the wall time)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import kernel_breakdown as kb
+
+    class Event:
+        def __init__(self, name, micros, device="DeviceType.CUDA", annotation=False):
+            self.name, self.device_time, self.device_type, self.is_user_annotation = name, micros, device, annotation
+
+    class Prof:
+        def events(self):
+            return [Event("## Call CompiledFxGraph fabc ##", 900.0), Event("triton_poi_fused_add_0", 500.0),
+                    Event("nvjet_sm90_tst_256x128", 400.0), Event("my_range", 300.0, annotation=True),
+                    Event("aten::mm", 50.0, device="DeviceType.CPU")]
+
+    assert kb.cuda_kernels(Prof()) == [("triton_poi_fused_add_0", 500.0), ("nvjet_sm90_tst_256x128", 400.0)]
+
+
 def test_reference_model_benchmark_runs_on_cpu():
     """The plain-PyTorch yardstick (benchmarks/reference_model.py) runs end to end; a recipe that cannot run here
     (torchao's float8 needs a GPU or the package) is a table row saying why, not a crash."""
