@@ -164,12 +164,40 @@ def test_gemms_match_the_reference_within_accumulation_tolerance(backend_on, m, 
         assert _relative_error(got, REFERENCE.gemm_1x128_1x128(*a, *b_tiles, torch.float32)) < limit
 
 
-def test_grouped_gemms_match_the_reference(backend_on):
+def test_expert_rows_from_device_counts_bound_the_layout_and_agree_with_the_exact_one():
+    """Counts left on the device give the exact layout's positions, tiles and segments, sized by the upper bound
+    (each expert adds at most 127 padding rows), the tiles past the last expert's marked -1."""
+    counts = [5, 0, 130, 1, 300]
+    exact = expert_rows(counts, torch.device("cpu"))
+    bound = expert_rows(torch.tensor(counts), torch.device("cpu"), sum(counts))
+    assert exact.total == 7 * 128 and bound.total == (436 + 5 * 127) // 128 * 128 == 8 * 128
+    assert bound.segments == exact.segments == [(0, 0, 128), (2, 128, 384), (3, 384, 512), (4, 512, 896)]
+    for name in ("index", "tile_start", "tile_count", "counts"):
+        assert torch.equal(getattr(bound, name), getattr(exact, name)), name
+    assert bound.tile_expert.tolist() == exact.tile_expert.tolist() + [-1] == [0, 2, 2, 3, 4, 4, 4, -1]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):  # the bound holds for any counts
+        c = torch.randint(0, 300, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
+        c[torch.rand(c.shape, generator=g) < 0.3] = 0
+        layout = expert_rows(c, torch.device("cpu"), int(c.sum()))
+        exact_tiles = int(((c + 127) // 128).sum())
+        assert layout.total >= exact_tiles * 128 and (layout.tile_expert[exact_tiles:] == -1).all()
+    with pytest.raises(ValueError, match="needs `rows`"):
+        expert_rows(torch.tensor(counts), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("counts_on", ["host", "device"])
+def test_grouped_gemms_match_the_reference(backend_on, counts_on):
     """fprop/dgrad over 128-row expert tiles and the k-grouped wgrad, on counts that include an empty expert, a
-    single row and a partial tile."""
+    single row and a partial tile; with the counts on the device, the layout's tiles past the last expert's
+    (expert -1) come out zero."""
     backend, device = backend_on
     counts = [5, 0, 130, 1, 300]
-    rows, rows_cpu = expert_rows(counts, device), expert_rows(counts, torch.device("cpu"))
+    if counts_on == "host":
+        rows, rows_cpu = expert_rows(counts, device), expert_rows(counts, torch.device("cpu"))
+    else:
+        rows = expert_rows(torch.tensor(counts, device=device), device, sum(counts))
+        rows_cpu = expert_rows(torch.tensor(counts), torch.device("cpu"), sum(counts))
     a = ref.quantize_1x128(outlier_tensor(rows.total, 512), E4M3)
     w_host = outlier_tensor(len(counts) * 256, 512, seed=2).view(len(counts), 256, 512)
     w, w_ref = backend.empty_weight(w_host.shape, E4M3, device), REFERENCE.empty_weight(w_host.shape, E4M3, "cpu")
@@ -184,6 +212,8 @@ def test_grouped_gemms_match_the_reference(backend_on):
         want = REFERENCE.grouped_gemm_1x128_128x128(*lhs, w_ref, transposed, rows_cpu, torch.float32)
         for _, lo, hi in rows.segments:  # rows outside the segments are padding
             assert _relative_error(got[lo:hi], want[lo:hi]) <= 6e-4  # Hopper's FP8 MMA accumulation: 4.4e-4 seen
+        end = rows.segments[-1][2]
+        assert got.shape[0] == rows.total and torch.equal(got[end:].cpu(), torch.zeros_like(want[end:]))
     got = backend.grouped_gemm_1x128_1x128(*dev(at), *dev(bt), rows, len(counts), torch.float32)
     want = REFERENCE.grouped_gemm_1x128_1x128(*at, *bt, rows_cpu, len(counts), torch.float32)
     for e, _, _ in rows.segments:

@@ -305,3 +305,48 @@ def test_grouped_wgrad_adds_into_fp32_main_grad_once_even_while_autotuning():
         err = float((main_grad - base - want).norm() / want.norm())
         assert err < 1e-5, f"tma={tma}: relative error {err}"
         assert torch.equal(main_grad[1], base[1])
+
+
+def test_bf16_grouped_wgrad_gives_an_expert_without_rows_exact_zeros_without_a_host_sync():
+    """On SM90 the BF16 grouped linear takes its counts from the device and trusts `torch._grouped_mm` to write
+    zeros for an expert with no rows (SM100's kernel does not: pytorch/pytorch#172439); checked here with the
+    allocator's free memory poisoned with nan first, under the sync checker."""
+    from megafp8.precision.grouped import grouped_linear
+
+    if torch.cuda.get_device_capability(CUDA)[0] != 9:
+        pytest.skip("the device-count BF16 path runs on compute capability 9.x only")
+    counts = torch.tensor([40, 0, 88, 0], device=CUDA)
+    w = (0.05 * torch.randn(4, 256, 128, device=CUDA)).to(torch.bfloat16).requires_grad_(True)
+    x = torch.randn(128, 128, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    torch.full((64, 1024, 1024), float("nan"), device=CUDA)  # freed at once: its blocks are reused below
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = grouped_linear(x, w, counts, None, None, None)
+        y.backward(torch.ones_like(y))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(w.grad[1], torch.zeros_like(w.grad[1])) and torch.equal(w.grad[3], torch.zeros_like(w.grad[3]))
+    want = (torch.ones(40, 256, device=CUDA).t() @ x[:40].float())
+    torch.testing.assert_close(w.grad[0].float(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_a_moe_training_step_never_makes_the_host_wait(tiny_overrides, recipe):
+    """With one EP rank a MoE step waits for the GPU nowhere: the routing counts stay on the device, the FP8
+    experts' padded layout is sized by its bound, BF16's grouped GEMMs take device offsets."""
+    from megafp8.config import load_config
+    from megafp8.parallel import ParallelDims
+    from megafp8.train import Trainer
+
+    cfg = load_config("tiny_moe_fp8", tiny_overrides + ["training.device=auto", f"precision.recipe={recipe}"])
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0))
+    for _ in range(2):  # step 0 samples FP8 health and autotunes the kernels
+        trainer.train_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            trainer.train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

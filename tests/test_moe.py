@@ -75,13 +75,25 @@ def test_bias_updates_move_a_skewed_load_toward_uniform():
     assert cvs[-1] < cvs[0] / 3, (cvs[0], cvs[-1])
 
 
+def test_count_per_expert_is_bincount():
+    """The sync-free count (an integer scatter-add) equals `torch.bincount`, experts with no entries included."""
+    from megafp8.parallel.experts import count_per_expert
+
+    idx = torch.randint(0, 6, (50, 3), generator=torch.Generator().manual_seed(0))
+    idx[idx == 4] = 5  # expert 4 gets nothing
+    got = count_per_expert(idx, 7)
+    assert got.dtype == torch.int64 and got.tolist() == torch.bincount(idx.flatten(), minlength=7).tolist()
+    assert got[4] == 0 and got[6] == 0
+
+
 def test_dispatch_and_combine_drop_nothing():
     x = torch.randn(10, 16)
     idx = torch.randint(0, 4, (10, 3))
     weights = torch.rand(10, 3)
     plan = dispatch(x, idx, 4, ExpertParallel.single())
-    assert sum(plan.tokens_per_expert) == 30 and plan.tokens_per_expert == torch.bincount(idx.flatten(), minlength=4).tolist()
-    doubled = torch.cat([rows * (e + 1) for e, rows in enumerate(gather_rows(plan.rows).split(plan.tokens_per_expert))])
+    counts = plan.tokens_per_expert.tolist()
+    assert sum(counts) == 30 and counts == torch.bincount(idx.flatten(), minlength=4).tolist()
+    doubled = torch.cat([rows * (e + 1) for e, rows in enumerate(gather_rows(plan.rows).split(counts))])
     out = combine(doubled, None, weights, plan, ExpertParallel.single())
     expected = sum(weights[:, j:j + 1] * x * (idx[:, j:j + 1] + 1) for j in range(3))
     torch.testing.assert_close(out, expected)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from megafp8.config import ModelConfig
 from megafp8.model.mlp import SwiGLU
 from megafp8.parallel import ExpertParallel, TensorParallel, reduce_from_tp
-from megafp8.parallel.experts import ExpertLinear, combine, dispatch
+from megafp8.parallel.experts import ExpertLinear, combine, count_per_expert, dispatch
 from megafp8.parallel.permute import RowSource, gather_rows, gather_sum
 from megafp8.precision import PrecisionRecipe
 from megafp8.precision.grouped import (
@@ -74,7 +74,7 @@ class Router(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.training and self.counting:
-            self.load += torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
+            self.load += count_per_expert(chosen, self.num_experts).float()
         return weights * self.scaling, chosen, scores
 
     @torch.no_grad()
@@ -124,23 +124,25 @@ class RoutedExperts(nn.Module):
     def num_local(self) -> int:
         return self.down_proj.weight.shape[0]
 
-    def forward(self, rows: RowSource, counts: list[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Rows sorted by expert (`counts[e]` for local expert e) -> (out, out_rows): expert row i's output is
-        out[out_rows[i]] (the padded layout of the fused FP8 MLP), or out[i] where out_rows is None."""
+    def forward(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Rows sorted by expert (`counts[e]` for local expert e, a device tensor) -> (out, out_rows): expert row
+        i's output is out[out_rows[i]] (the padded layout of the fused FP8 MLP), or out[i] where out_rows is
+        None."""
         gate_up, down = self.gate_up_proj, self.down_proj
         fp8 = gate_up.recipe.fp8
         fused = fp8 is not None and down.recipe.fp8 == fp8 and gate_up.supports(fp8) and not self.observed
-        if fused and sum(counts) > 0:
+        if fused and rows.row_to_source.shape[0] > 0:
             return self._fused_fp8(rows, counts)
         x = gather_rows(rows)
         gate, up = gate_up(x, counts).chunk(2, dim=-1)  # each (rows, ffn)
         return down(F.silu(gate) * up, counts), None
 
-    @torch.compiler.disable  # builds the padded layout from host-side counts; its kernels are ours
-    def _fused_fp8(self, rows: RowSource, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One FP8 autograd function in the padded expert layout, the tokens gathered into it by the quantizer."""
+    @torch.compiler.disable  # our kernels and index maps; compiled code runs around them
+    def _fused_fp8(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One FP8 autograd function in the padded expert layout, the tokens gathered into it by the quantizer.
+        The layout is built on the device, sized by its upper bound: no host sync."""
         gate_up, down = self.gate_up_proj, self.down_proj
-        layout = expert_rows(counts, rows.source.device)
+        layout = expert_rows(counts, rows.source.device, rows.row_to_source.shape[0])
         padded_of_source = layout.index[rows.source_to_rows]
         x = GatheredInput(rows.source, padded_source_index(layout, rows.row_to_source),
                           lambda dx: gather_sum(dx, padded_of_source))

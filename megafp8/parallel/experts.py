@@ -21,8 +21,10 @@ expert GEMM re-quantizes the dequantized rows to the same FP8 values (each tile'
 to the format's max), so the forward GEMM loses nothing more; the weight gradient's x^T, tiled
 along the tokens, is quantized from those FP8-rounded rows, a second rounding (as in DeepSeek-V3).
 
-The counts exchange needs the host to know the split sizes: one device sync per MoE layer
-(as in Megatron's dropless dispatcher), which the grouped expert GEMMs need anyway.
+With one EP rank nothing in a MoE layer waits for the GPU: the per-expert counts stay on the device, the FP8
+experts' padded layout is sized by its upper bound (`megafp8.precision.grouped.expert_rows`), and BF16's grouped
+GEMM takes device offsets. Across EP ranks the counts exchange needs the host to know the split sizes: one device
+sync per MoE layer (as in Megatron's dropless dispatcher).
 """
 from __future__ import annotations
 
@@ -86,7 +88,9 @@ class ExpertLinear(nn.Module):
         """Grouped expert linears run all three GEMMs in FP8 or none."""
         return fp8.fprop and fp8.dgrad and fp8.wgrad
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows (M, in) sorted by expert, counts (local experts,) rows per expert (on the device: never read on
+        the host by the grouped GEMMs) -> (M, out)."""
         fp8 = self.recipe.fp8
         if fp8 is None:
             return grouped_linear(rows, self.weight, counts, None, None, None, self.wgrad_queue)
@@ -140,12 +144,20 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+def count_per_expert(expert_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(num_experts,) int64: how many entries of `expert_idx` name each expert. `torch.bincount` would give the
+    same, but on CUDA it reads the input's max on the host first (a sync); an integer scatter-add is exact."""
+    flat = expert_idx.reshape(-1)
+    return flat.new_zeros(num_experts, dtype=torch.int64).scatter_add_(0, flat.long(), torch.ones_like(flat,
+                                                                                                       dtype=torch.int64))
+
+
 @dataclass
 class Dispatched:
     """This rank's expert rows (expert-major, as a map into where they come from) and what `combine` needs."""
 
     rows: RowSource  # (sum of tokens_per_expert) rows: the tokens (EP=1) or the rows received from the EP group
-    tokens_per_expert: list[int]  # per local expert
+    tokens_per_expert: torch.Tensor  # (local experts,) int64 on the device
     assignment_rows: torch.Tensor  # (N, k): row of each (token, slot) among the N*k rows sorted by expert
     regroup: Optional[torch.Tensor]  # received rows -> expert-major (EP only)
     send_rows: list[int]  # rows sent to each EP rank
@@ -161,9 +173,9 @@ def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int, ep: Ex
     order = torch.argsort(flat, stable=True)  # sorted row j is assignment order[j] = (token, slot) as t * k + s
     assignment_rows = _inverse(order).view(n, k)
     sorted_rows = RowSource(x, order // k, assignment_rows)
-    counts = torch.bincount(flat, minlength=num_experts)  # (E,)
-    if not ep.enabled:
-        return Dispatched(sorted_rows, counts.tolist(), assignment_rows, None, [n * k], [n * k])
+    counts = count_per_expert(flat, num_experts)  # (E,)
+    if not ep.enabled:  # the counts stay on the device: nothing here waits for the GPU
+        return Dispatched(sorted_rows, counts, assignment_rows, None, [n * k], [n * k])
     local = num_experts // ep.size
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=ep.group)  # (ep * local,): source-major
@@ -175,7 +187,7 @@ def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int, ep: Ex
     segment = torch.repeat_interleave(torch.arange(ep.size * local, device=x.device), recv_counts)  # s * local + e
     regroup = torch.argsort((segment % local) * ep.size + segment // local, stable=True)
     rows = RowSource(received, regroup, _inverse(regroup).unsqueeze(1))
-    return Dispatched(rows, recv_matrix.sum(0).tolist(), assignment_rows, regroup, send_rows, recv_rows)
+    return Dispatched(rows, recv_matrix.sum(0), assignment_rows, regroup, send_rows, recv_rows)
 
 
 def combine(expert_out: torch.Tensor, out_rows: Optional[torch.Tensor], weights: torch.Tensor, plan: Dispatched,

@@ -36,39 +36,59 @@ from megafp8.precision.wgrad import WeightGradQueue, weight_grad_or_defer
 @dataclass
 class ExpertRows:
     """Rows sorted by expert, and the padded layout the FP8 GEMMs use: each expert's rows start on a
-    128-row boundary (zero rows fill the gaps), so no 1x128 tile along the rows straddles two experts."""
+    128-row boundary (zero rows fill the gaps), so no 1x128 tile along the rows straddles two experts.
 
-    counts: list[int]
-    segments: list[tuple[int, int, int]]  # (expert, first padded row, end padded row) of experts with rows
-    total: int  # padded rows
+    Built on the device from the row counts, with no host sync: where the counts live on the device, `total`
+    is an upper bound of the padded rows (each expert can add at most 127 padding rows), and the tiles past the
+    last expert's are padding as well (`tile_expert` -1: the GEMMs write zeros there). Only `segments` needs the
+    counts on the host (the reference backend's loops and tests)."""
+
+    counts: torch.Tensor  # (E,) int64 rows per expert, on the rows' device
+    total: int  # padded rows, a multiple of 128
     index: torch.Tensor  # (rows,) padded position of each row
-    tile_expert: torch.Tensor  # (total / 128,) int32: the expert of each 128-row tile
+    tile_expert: torch.Tensor  # (total / 128,) int32: the expert of each 128-row tile, -1 past the last expert's
     tile_start: torch.Tensor  # (E,) int32: first tile of each expert
     tile_count: torch.Tensor  # (E,) int32: tiles of each expert
 
+    @functools.cached_property
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(expert, first padded row, end padded row) of the experts with rows (reads the counts on the host)."""
+        starts, tiles = self.tile_start.tolist(), self.tile_count.tolist()
+        return [(e, s * TILE, (s + t) * TILE) for e, (s, t) in enumerate(zip(starts, tiles)) if t]
 
-def expert_rows(counts: list[int], device: torch.device) -> ExpertRows:
-    tiles = [-(-c // TILE) for c in counts]
-    starts, padded_starts, segments = [], [], []
-    row = padded = 0
-    for e, (c, t) in enumerate(zip(counts, tiles)):
-        starts.append(row)
-        padded_starts.append(padded)
-        if c:
-            segments.append((e, padded, padded + t * TILE))
-        row += c
-        padded += t * TILE
-    table = torch.tensor([counts, [p - s for p, s in zip(padded_starts, starts)], tiles,
-                          [p // TILE for p in padded_starts]], dtype=torch.int64)
-    if device.type == "cuda":  # one copy to the device, queued (a copy from pageable memory waits for the GPU)
-        table = table.pin_memory().to(device, non_blocking=True)
+
+def counts_on(counts, device: torch.device) -> torch.Tensor:
+    """Per-expert row counts (a list or a tensor) as an int64 tensor on `device`; a host list is copied without
+    waiting for the GPU (pinned, queued)."""
+    if isinstance(counts, torch.Tensor):
+        return counts.to(device=device, dtype=torch.int64)
+    table = torch.tensor(counts, dtype=torch.int64)
+    if device.type == "cuda":  # a copy from pageable memory would wait for the GPU
+        return table.pin_memory().to(device, non_blocking=True)
+    return table.to(device)
+
+
+def expert_rows(counts, device: torch.device, rows: Optional[int] = None) -> ExpertRows:
+    """The padded layout of `rows` rows sorted by expert, `counts[e]` of them for expert e. With host counts (a
+    list) the layout is exact; with device counts `rows` (their sum, known on the host) must be given, and the
+    layout takes the upper bound of the padded rows, so nothing waits for the GPU."""
+    if isinstance(counts, torch.Tensor):
+        if rows is None:
+            raise ValueError("expert_rows with counts on the device needs `rows`, their sum")
+        num_tiles = (rows + counts.shape[0] * (TILE - 1)) // TILE  # sum of ceil(c / 128) is at most this
     else:
-        table = table.to(device)
-    index = torch.arange(row, device=device) + torch.repeat_interleave(table[1], table[0], output_size=row)
-    experts = torch.arange(len(counts), device=device, dtype=torch.int32)
-    tile_expert = torch.repeat_interleave(experts, table[2], output_size=padded // TILE)
-    return ExpertRows(counts, segments, padded, index, tile_expert, table[3].to(torch.int32),
-                      table[2].to(torch.int32))
+        rows, num_tiles = sum(counts), sum(-(-c // TILE) for c in counts)
+    counts = counts_on(counts, device)
+    tiles = (counts + TILE - 1) // TILE
+    tile_end = torch.cumsum(tiles, 0)
+    tile_start = tile_end - tiles
+    row_start = torch.cumsum(counts, 0) - counts
+    shift = tile_start * TILE - row_start  # padded minus unpadded position, per expert
+    index = torch.arange(rows, device=device) + torch.repeat_interleave(shift, counts, output_size=rows)
+    tile_expert = torch.searchsorted(tile_end, torch.arange(num_tiles, device=device), right=True)
+    tile_expert = torch.where(tile_expert < counts.shape[0], tile_expert, -1).to(torch.int32)
+    return ExpertRows(counts, num_tiles * TILE, index, tile_expert, tile_start.to(torch.int32),
+                      tiles.to(torch.int32))
 
 
 def _to_padded_layout(x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
@@ -163,22 +183,29 @@ def _use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 @dataclass
 class _GroupOffsets:
     offs: torch.Tensor  # (E,) int32: end row of each expert (the cumulative row counts)
-    empty: Optional[torch.Tensor]  # int32 indices of the experts with no rows, None if every expert has rows
+    empty: Optional[torch.Tensor]  # indices of the experts with no rows to zero, None if none (or none need it)
 
 
-def _group_offsets(counts: list[int], device: torch.device) -> _GroupOffsets:
-    """`_grouped_mm`'s offsets and the empty experts, in one host-to-device copy (no sync: counts are on the host)."""
-    empty = [e for e, c in enumerate(counts) if c == 0]
-    table = torch.tensor([*itertools.accumulate(counts), *empty], dtype=torch.int32)
-    if device.type == "cuda":  # queued, as in `expert_rows`
-        table = table.pin_memory().to(device, non_blocking=True)
-    else:
-        table = table.to(device)
-    return _GroupOffsets(table[:len(counts)], table[len(counts):] if empty else None)
+def _kernel_zeroes_empty_experts(device: torch.device) -> bool:
+    """Whether `_grouped_mm`'s wgrad writes exact zeros for an expert with no rows on `device`: SM90's CUTLASS
+    kernel runs the empty group's epilogue on a zero accumulator (tests/test_fp8_gpu.py checks it); SM100's leaves
+    garbage (pytorch/pytorch#172439). Elsewhere the empty experts are found on the host and zeroed here."""
+    return device.type == "cuda" and _capability(device)[0] == 9
 
 
-def _segments(counts: list[int]) -> list[tuple[int, int, int]]:
-    """(expert, first row, end row) of each expert with rows."""
+def _group_offsets(counts: torch.Tensor) -> _GroupOffsets:
+    """`_grouped_mm`'s offsets, computed on the counts' device (no host sync where the kernel zeroes empty
+    experts itself; elsewhere the counts are read on the host to find them)."""
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    if _kernel_zeroes_empty_experts(counts.device):
+        return _GroupOffsets(offs, None)
+    empty = [e for e, c in enumerate(counts.tolist()) if c == 0]
+    return _GroupOffsets(offs, torch.tensor(empty, device=counts.device) if empty else None)
+
+
+def _segments(counts: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of each expert with rows (reads the counts on the host)."""
+    counts = counts.tolist()
     starts = [0, *itertools.accumulate(counts)]
     return [(e, starts[e], starts[e + 1]) for e, c in enumerate(counts) if c]
 
@@ -190,7 +217,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         ctx.recipe, ctx.backend, ctx.queue = recipe, backend, queue
         if recipe is None:
             ctx.counts = counts
-            ctx.offsets = _group_offsets(counts, x.device) if _use_grouped_mm(x, weight) else None
+            ctx.offsets = _group_offsets(counts) if _use_grouped_mm(x, weight) else None
             ctx.save_for_backward(x, weight)
             if ctx.offsets is not None:  # (M, K) @ (E, K, N) -> (M, N)
                 return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ctx.offsets.offs)
@@ -198,7 +225,7 @@ class _GroupedLinearFn(torch.autograd.Function):
             for e, lo, hi in _segments(counts):
                 torch.matmul(x[lo:hi], weight[e].t(), out=y[lo:hi])
             return y
-        rows = expert_rows(counts, x.device)
+        rows = expert_rows(counts, x.device, x.shape[0])
         entry = cache.get(weight, backend, recipe.fmt, recipe.power_of_two_scales)
         # One launch for all experts; the rows' transpose (for wgrad) comes from the same read of x.
         xp_fp8, xp_scale, xt_fp8, xt_scale = backend.quantize_rows_cols(_to_padded_layout(x, rows), recipe.fmt,
@@ -251,15 +278,18 @@ class _GroupedLinearFn(torch.autograd.Function):
 
 
 @torch.compiler.disable  # like the eager FP8 linear: a cached weight, our own kernels; compiled code runs around it
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], cache: Optional[Fp8WeightCache],
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts, cache: Optional[Fp8WeightCache],
                    recipe: Optional[Fp8Recipe], backend: Optional[Fp8Backend],
                    wgrad_queue: Optional[WeightGradQueue] = None) -> torch.Tensor:
-    """x (M, K) rows sorted by expert, `counts[e]` of them for expert e; weight (E, N, K) -> (M, N).
+    """x (M, K) rows sorted by expert, `counts[e]` of them for expert e (a list, or a tensor: on the device, it
+    is never read on the host where BF16's grouped kernel or the FP8 path runs); weight (E, N, K) -> (M, N).
     `recipe` None: BF16/FP32 matmuls; else FP8 per-tile GEMMs through `backend` with the weight cached in `cache`.
     `wgrad_queue` defers the weight-gradient GEMMs (zero-bubble pipelines)."""
-    if sum(counts) != x.shape[0] or len(counts) != weight.shape[0]:
-        raise ValueError(f"{len(counts)} expert row counts summing to {sum(counts)} for {x.shape[0]} rows and "
-                         f"{weight.shape[0]} experts")
+    counts = counts_on(counts, x.device)
+    # The rows' sum is checked where it costs no sync with the GPU.
+    if counts.shape != (weight.shape[0],) or (not counts.is_cuda and int(counts.sum()) != x.shape[0]):
+        raise ValueError(f"{counts.shape[0]} expert row counts for {x.shape[0]} rows and {weight.shape[0]} experts "
+                         f"(counts: {counts.tolist()})")
     if x.shape[0] == 0:  # no rows reached this rank's experts: nothing to quantize (the plain path handles it)
         recipe = None
     return _GroupedLinearFn.apply(x, weight, counts, cache, recipe, backend, wgrad_queue)
@@ -355,8 +385,8 @@ def grouped_fp8_swiglu_mlp(x: GatheredInput, layout: ExpertRows, gate_up: Expert
     padded expert layout `layout` (at least one row): x's rows are gathered from their source in the same pass
     that quantizes them, and the output (Mp, N) is padded (zero rows in the padding). gate_up.weight (E, 2F, K)
     holds [gate; up] per expert, down.weight (E, N, F)."""
-    if x.index.shape[0] != layout.total or sum(layout.counts) == 0:
+    if x.index.shape[0] != layout.total or layout.index.shape[0] == 0:
         raise ValueError(f"{x.index.shape[0]} padded rows for a layout of {layout.total} "
-                         f"({sum(layout.counts)} rows; at least one needed)")
+                         f"({layout.index.shape[0]} rows; at least one needed)")
     return _GroupedFp8SwiGLUFn.apply(x.source, gate_up.weight, down.weight, x.index, layout, x.source_grad,
                                      (gate_up, down), recipe, backend)

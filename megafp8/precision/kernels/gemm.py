@@ -71,7 +71,8 @@ def gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch
 
 # ---------------------------------------------------------------------------------- grouped (MoE) GEMMs
 # Rows are grouped by expert and each expert's rows are padded to a multiple of 128, so every 128-row tile
-# belongs to one expert (`tile_expert`), and every 1x128 tile along the rows of a transposed operand too.
+# belongs to one expert (`tile_expert`), and every 1x128 tile along the rows of a transposed operand too. Tiles
+# past the last expert's (a layout sized by an upper bound, `megafp8.precision.grouped.expert_rows`) have expert -1.
 
 
 @triton.jit
@@ -100,17 +101,20 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, N
                          stride_am, stride_be, stride_bn, stride_cm, stride_as_m, stride_as_k,
                          stride_bs_e, stride_bs_n, stride_bs_k,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """C (Mp, N) = A (Mp, K) @ B[e] (N, K)^T for each 128-row tile of expert e; A in 1x128 tiles, B in blocks."""
+    """C (Mp, N) = A (Mp, K) @ B[e] (N, K)^T for each 128-row tile of expert e; A in 1x128 tiles, B in blocks.
+    A tile of expert -1 (past the last expert's rows) gets zeros."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(tile_expert_ptr + pid_m * BLOCK_M // 128).to(tl.int64)
+    k_steps = tl.where(e >= 0, K // 128, 0)
+    e = tl.maximum(e, 0)
     rm = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, 128)
     a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]
     b_ptrs = b_ptr + e * stride_be + rn[:, None] * stride_bn + rk[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, K // 128):
+    for kb in range(0, k_steps):
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs, mask=rn[:, None] < N, other=0.0)
         a_s = tl.load(as_ptr + rm * stride_as_m + kb * stride_as_k)
@@ -187,9 +191,11 @@ def _grouped_gemm_tma_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, tile_expert
         pid_m = first_m + (tile % in_group) % size_m
         pid_n = (tile % in_group) // size_m
         e = tl.load(tile_expert_ptr + pid_m * BLOCK_M // 128)
+        k_steps = tl.where(e >= 0, K // 128, 0)  # a padding tile past the last expert's: zeros
+        e = tl.maximum(e, 0)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, K // 128):
+        for kb in range(0, k_steps):
             a = a_desc.load([pid_m * BLOCK_M, kb * 128])
             b = b_desc.load([e * N + pid_n * BLOCK_N, kb * 128])
             a_s = tl.load(as_ptr + (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) * stride_as_m + kb * stride_as_k)
