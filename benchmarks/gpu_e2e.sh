@@ -9,7 +9,7 @@
 # only), grouped_gemm (MoE grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), fp8_linear (one layer, BF16 vs FP8), the 8B-layer
 # shape (compiled_ro_8b, ref_8b, profile_compiled_8b), BF16 and FP8 profiled side by side (profile_pair,
 # profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), cg_diag (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro,
-# old_profile_compiled: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
+# old_profile_compiled, old_moe, old_moe_compiled: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
 # dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
@@ -34,7 +34,11 @@ for part in $PARTS; do
     profile_moe_compiled) step profile_moe_compiled python benchmarks/train_step.py training.compile=true \
            --model moe --recipes bf16 fp8 --profile 3 ;;
     tests_moe) step gpu_tests_moe python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
-           -k "moe or grouped_wgrad_adds or gathering or permutation" -p no:cacheprovider ;;
+           tests/test_fp8_backends.py -k "moe or grouped or gathering or permutation or expert_rows or every_autotuned" \
+           -p no:cacheprovider ;;
+    old_moe) step old_moe bash -c "cd \"$OLD\" && python benchmarks/train_step.py --model moe --recipes bf16 fp8" ;;
+    old_moe_compiled) step old_moe_compiled bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
+           training.compile=true --model moe --recipes bf16 fp8" ;;
     profile_compiled_8b) step profile_compiled_8b python benchmarks/train_step.py training.compile=true \
            --model 8b-layers --recipes fp8 --profile 3 ;;
     cg_diag) step cudagraph_diagnostics env TORCH_LOGS=perf_hints,cudagraph_static_inputs python \
