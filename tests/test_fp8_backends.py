@@ -106,6 +106,28 @@ def test_weight_quantization_gives_the_reference_bits_in_place(backend_on, pow2,
                                  (qt, s.transpose(-2, -1)), "w^T")
 
 
+@pytest.mark.parametrize("shape", [(256, 384), (3, 128, 256)], ids=["dense", "experts"])
+def test_a_weight_quantized_without_its_transpose_makes_the_same_transpose_on_demand(backend_on, shape):
+    """A cache that does not keep w^T (the MoE experts') holds w with the same bits, nothing else, and
+    `weight_transposed` makes w^T and its scales, in the GEMM's layout, bit for bit the kept ones."""
+    backend, device = backend_on
+    w = outlier_tensor(shape[-2] * (shape[0] if len(shape) == 3 else 1), shape[-1], seed=7).view(shape).to(device)
+    kept, bare = backend.empty_weight(torch.Size(shape), E4M3, device), \
+        backend.empty_weight(torch.Size(shape), E4M3, device, transpose=False)
+    assert bare.wt_fp8 is None and bare.wt_scale is None
+    for out in (kept, bare):
+        backend.quantize_weight_(w, out, E4M3, False)
+    nb, kb = shape[-2] // 128, shape[-1] // 128
+    assert_same_quantization((bare.w_fp8, backend.block_scales_nk(bare.w_scale)[..., :kb]),
+                             (kept.w_fp8, backend.block_scales_nk(kept.w_scale)[..., :kb]), "w")
+    assert backend.weight_transposed(kept) == (kept.wt_fp8, kept.wt_scale)  # a kept transpose is returned as is
+    wt, wt_scale = backend.weight_transposed(bare)
+    assert wt.shape == kept.wt_fp8.shape and wt_scale.shape == kept.wt_scale.shape
+    assert wt_scale.stride() == kept.wt_scale.stride()  # the layout the backend's GEMM reads
+    assert_same_quantization((wt, backend.block_scales_nk(wt_scale)[..., :nb]),
+                             (kept.wt_fp8, backend.block_scales_nk(kept.wt_scale)[..., :nb]), "w^T")
+
+
 @pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2-scales"])
 def test_fused_producers_stay_within_one_fp8_ulp_of_their_twins(backend_on, pow2):
     backend, device = backend_on

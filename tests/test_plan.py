@@ -168,8 +168,9 @@ def test_dry_run_names_the_rope_scaling():
 
 @pytest.mark.parametrize("config", ["tiny_dense_fp8", "tiny_moe_fp8"])
 def test_planned_fp8_weight_copies_are_what_the_layers_keep(tiny_overrides, config):
-    """After a step, every FP8 layer holds its quantized weight and transposed copy (with block scales): the plan's
-    `fp8_weight_copies` is their size (dense linears and grouped expert weights; BF16-kept layers hold none)."""
+    """After a step, every dense FP8 layer holds its quantized weight and transposed copy (with block scales), every
+    expert projection its quantized weight only: the plan's `fp8_weight_copies` is their size (BF16-kept layers
+    hold none); the experts' transpose, made in backward, is planned as the largest one's."""
     from megafp8.parallel import ParallelDims
     from megafp8.train.trainer import Trainer
 
@@ -179,9 +180,14 @@ def test_planned_fp8_weight_copies_are_what_the_layers_keep(tiny_overrides, conf
     trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     trainer.train_step()
     caches = [m.fp8_cache for m in trainer.model.modules() if getattr(m, "fp8_cache", None) is not None]
-    live = sum(t.numel() * t.element_size() for c in caches for t in c.entry.tensors())
+    live = sum(t.numel() * t.element_size() for c in caches for t in c.entry.tensors() if t is not None)
     assert len(caches) >= 4 and live > 0
-    assert make_plan(cfg, 1).bytes_per_rank["fp8_weight_copies"] == live
+    planned = make_plan(cfg, 1).bytes_per_rank
+    assert planned["fp8_weight_copies"] == live
+    expert_copies = [sum(t.numel() * t.element_size() for t in c.entry.tensors()[:2]) for c in caches
+                     if not c.keep_transpose]
+    assert (config == "tiny_moe_fp8") == bool(expert_copies)
+    assert planned.get("fp8_expert_transpose_in_backward", 0) == max(expert_copies, default=0)
 
 
 def test_plan_tool_has_its_own_usage(capsys):

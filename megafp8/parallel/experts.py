@@ -72,7 +72,9 @@ class ExpertLinear(nn.Module):
                 if size % TILE != 0:
                     raise ValueError(f"an FP8 expert linear needs {what} to be a multiple of {TILE}, got {size}")
         self.recipe = recipe
-        self.fp8_cache = Fp8WeightCache() if recipe.fp8 is not None else None
+        # The transposed copy (dgrad's operand) is made per backward, not kept: the experts hold most weights of a
+        # MoE model, and keeping both copies held FP8's peak memory above BF16's (docs/moe.md).
+        self.fp8_cache = Fp8WeightCache(keep_transpose=False) if recipe.fp8 is not None else None
         self._fp8_backend: Optional[Fp8Backend] = None
 
     @property

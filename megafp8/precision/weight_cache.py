@@ -16,12 +16,16 @@ from megafp8.precision.formats import Fp8Format
 
 
 class Fp8WeightCache:
-    """One layer's quantized weight (and its transpose), valid for exactly one version of the weight tensor.
+    """One layer's quantized weight (and, if `keep_transpose`, its transpose), valid for exactly one version of the
+    weight tensor.
 
     `prepare` fills it eagerly before a compiled block runs (see `megafp8.precision.fp8_linear`); a compiled layer
     then reads `entry` instead of quantizing the weight in its graph at every call."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_transpose: bool = True) -> None:
+        # Without the transpose kept, a GEMM that reads w^T (dgrad) has it made for that call only
+        # (`Fp8Backend.weight_transposed`): 1 byte per weight less held through the step, one transpose per call.
+        self.keep_transpose = keep_transpose
         self.entry: Optional[QuantizedWeight] = None
         self._version: Optional[tuple[int, int]] = None  # (data_ptr, _version) of the weight it was made from
         self.quantize_count = 0  # how many times the weight was quantized (for tests and metrics)
@@ -31,9 +35,10 @@ class Fp8WeightCache:
         """The quantization of `weight`'s current version (made now if the weight changed)."""
         version = (weight.data_ptr(), weight._version)
         if self.entry is None:
-            self.entry = backend.empty_weight(weight.shape, fmt, weight.device)
+            self.entry = backend.empty_weight(weight.shape, fmt, weight.device, self.keep_transpose)
             for t in self.entry.tensors():  # unguarded: one compiled block's code serves every block, each its own cache
-                torch._dynamo.mark_static_address(t, guard=False)
+                if t is not None:
+                    torch._dynamo.mark_static_address(t, guard=False)
         if self._version != version:
             with torch.no_grad():
                 backend.quantize_weight_(weight.detach(), self.entry, fmt, power_of_two)

@@ -129,7 +129,7 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
         if pp > 1:
             pipeline.append((rank, parts["stages"], len(parts["layer_ids"]), n))
         n_expert = sum(p.numel() for p in rank_params if is_expert(p))
-        static.append(_static_bytes(cfg, n, n_expert, _fp8_weight_numel(model, cfg, recipe_name), dp, recipe_name))
+        static.append(_static_bytes(cfg, n, n_expert, *_fp8_weight_numel(model, cfg, recipe_name), dp, recipe_name))
     if pp > 1:
         layers_per_rank = max(len(parts["layer_ids"]) for parts in ranks)
     for part, unused in (("experts", cfg.model.moe_num_experts == 0), ("mtp", cfg.model.mtp_depth == 0)):
@@ -153,32 +153,44 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
                 pipeline)
 
 
-def _static_bytes(cfg: Config, n: int, n_expert: int, n_fp8: int, dp: int, recipe_name: str) -> dict[str, float]:
+# Bytes per weight of one FP8 copy in 128x128 blocks: one byte per value, one FP32 scale per block.
+_FP8_COPY_BYTES = 1 + 4 / (128 * 128)
+
+
+def _static_bytes(cfg: Config, n: int, n_expert: int, n_fp8: int, n_fp8_experts: int, largest_expert_fp8: int,
+                  dp: int, recipe_name: str) -> dict[str, float]:
     """One rank's bytes of weights, FP32 gradients, masters and moments (sharded over data-parallel ranks, the
     routed experts over their expert-data-parallel replicas) and FP8 weight copies; `n` parameters, `n_expert` of
-    them routed experts, `n_fp8` in FP8 GEMM layers."""
+    them routed experts, `n_fp8` in dense FP8 GEMM layers and `n_fp8_experts` in FP8 expert projections, the
+    largest of which has `largest_expert_fp8`."""
     ep = cfg.parallel.ep
     sharded_numel = (n - n_expert) / dp + n_expert / (dp // ep) if cfg.optimizer.sharded else n
     moment_bytes = 4 if cfg.optimizer.moment_dtype == "fp32" else 2
-    return {
+    static = {
         "weights": n * _PARAM_BYTES[recipe_name],
         "grads": n * 4 + (sharded_numel * 4 if cfg.optimizer.sharded and dp > 1 else 0),
         "master_weights": sharded_numel * 4,
         "optimizer_states": sharded_numel * 2 * moment_bytes,
-        # Each FP8 layer keeps its weight quantized for the step, with the transposed copy dgrad reads: 2 bytes per
-        # weight plus two FP32 scales per 128x128 block.
-        "fp8_weight_copies": n_fp8 * (2 + 2 * 4 / (128 * 128)),
+        # Each dense FP8 layer keeps its weight quantized for the step with the transposed copy dgrad reads; the
+        # expert projections keep only the weight, and make the transpose in their backward (one at a time).
+        "fp8_weight_copies": (2 * n_fp8 + n_fp8_experts) * _FP8_COPY_BYTES,
     }
+    if largest_expert_fp8:
+        static["fp8_expert_transpose_in_backward"] = largest_expert_fp8 * _FP8_COPY_BYTES
+    return static
 
 
-def _fp8_weight_numel(model: Transformer, cfg: Config, recipe_name: str) -> int:
-    """Weights of `model` (a meta copy) in layers that run FP8 under the config's layer plan."""
+def _fp8_weight_numel(model: Transformer, cfg: Config, recipe_name: str) -> tuple[int, int, int]:
+    """Weights of `model` (a meta copy) in layers that run FP8 under the config's layer plan: (in dense layers, in
+    expert projections, in the largest expert projection)."""
     recipe = PrecisionRecipe.from_name(recipe_name)
     if recipe.fp8 is None:
-        return 0
+        return 0, 0, 0
     plan = apply_fp8_plan(model, cfg.precision, recipe, cfg.model.num_layers, dry_run=True, check_patterns=False)
     layers = dict(model.named_modules())
-    return sum(layers[name].weight.numel() for name in plan.fp8_layers)
+    sizes = [(layers[name].weight.numel(), is_expert(layers[name].weight)) for name in plan.fp8_layers]
+    experts = [numel for numel, expert in sizes if expert]
+    return sum(numel for numel, expert in sizes if not expert), sum(experts), max(experts, default=0)
 
 
 def _stage_parts(cfg: Config, pp_rank: int) -> dict:

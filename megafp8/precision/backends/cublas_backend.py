@@ -41,12 +41,14 @@ class CublasBackend(TritonBackend):
             return f"the cublas backend needs torch.nn.functional.scaled_mm (torch {torch.__version__} lacks it)"
         return None
 
-    def empty_weight(self, shape, fmt: Fp8Format, device: torch.device) -> QuantizedWeight:
+    def empty_weight(self, shape, fmt: Fp8Format, device: torch.device, transpose: bool = True) -> QuantizedWeight:
         if len(shape) != 2:  # stacked experts: the Triton grouped GEMMs read plain scales
-            return super().empty_weight(shape, fmt, device)
+            return super().empty_weight(shape, fmt, device, transpose)
         n, k = shape
-        return QuantizedWeight(torch.empty(n, k, dtype=fmt.dtype, device=device), _block_scales(n // TILE, k // TILE, device),
-                               torch.empty(k, n, dtype=fmt.dtype, device=device), _block_scales(k // TILE, n // TILE, device))
+        return QuantizedWeight(
+            torch.empty(n, k, dtype=fmt.dtype, device=device), _block_scales(n // TILE, k // TILE, device),
+            torch.empty(k, n, dtype=fmt.dtype, device=device) if transpose else None,
+            _block_scales(k // TILE, n // TILE, device) if transpose else None)
 
     def block_scales_nk(self, scale):
         return scale.t() if scale.dim() == 2 else scale

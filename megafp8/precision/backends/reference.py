@@ -25,22 +25,28 @@ import torch
 
 from megafp8.precision import producers
 from megafp8.precision import quantize as ref
-from megafp8.precision.formats import TILE, Fp8Format
+from megafp8.precision.formats import FORMATS, TILE, Fp8Format
 
 
 @dataclass
 class QuantizedWeight:
     """A weight (N, K) (or stacked experts (E, N, K)) in 128x128 blocks, and its transpose for dgrad: 128x128
     blocks are transpose-invariant, so w^T holds the same FP8 values and scales, transposed. Scales are in the
-    layout the backend's GEMM reads."""
+    layout the backend's GEMM reads. A weight quantized without its transpose (`wt_fp8` None) has it made when a
+    GEMM needs it (`Fp8Backend.weight_transposed`), for that GEMM only."""
 
     w_fp8: torch.Tensor  # (N, K)
     w_scale: torch.Tensor  # (N/128, K/128) blocks, in the GEMM's layout
-    wt_fp8: torch.Tensor  # (K, N)
-    wt_scale: torch.Tensor  # (K/128, N/128) blocks, in the GEMM's layout
+    wt_fp8: Optional[torch.Tensor]  # (K, N), or None: not kept
+    wt_scale: Optional[torch.Tensor]  # (K/128, N/128) blocks, in the GEMM's layout, or None
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tensors(self) -> tuple[Optional[torch.Tensor], ...]:
         return self.w_fp8, self.w_scale, self.wt_fp8, self.wt_scale
+
+
+def _format_of(t: torch.Tensor) -> Fp8Format:
+    """The FP8 format whose dtype `t` has."""
+    return next(fmt for fmt in FORMATS.values() if fmt.dtype == t.dtype)
 
 
 def _transposed_fp8(t: torch.Tensor) -> torch.Tensor:
@@ -94,14 +100,16 @@ class Fp8Backend:
 
     # ------------------------------------------------------------------ weights
 
-    def empty_weight(self, shape: torch.Size, fmt: Fp8Format, device: torch.device) -> QuantizedWeight:
-        """Tensors for a weight of `shape` (N, K) or (E, N, K), to be filled by `quantize_weight_`."""
+    def empty_weight(self, shape: torch.Size, fmt: Fp8Format, device: torch.device,
+                     transpose: bool = True) -> QuantizedWeight:
+        """Tensors for a weight of `shape` (N, K) or (E, N, K), to be filled by `quantize_weight_`; without its
+        transpose if not `transpose`."""
         *lead, n, k = shape
         return QuantizedWeight(
             torch.empty(*lead, n, k, dtype=fmt.dtype, device=device),
             torch.empty(*lead, n // TILE, k // TILE, dtype=torch.float32, device=device),
-            torch.empty(*lead, k, n, dtype=fmt.dtype, device=device),
-            torch.empty(*lead, k // TILE, n // TILE, dtype=torch.float32, device=device))
+            torch.empty(*lead, k, n, dtype=fmt.dtype, device=device) if transpose else None,
+            torch.empty(*lead, k // TILE, n // TILE, dtype=torch.float32, device=device) if transpose else None)
 
     def block_scales_nk(self, scale: torch.Tensor) -> torch.Tensor:
         """A weight's block scales, as stored by `empty_weight`, viewed as [..., n block, k block] (a view: writing
@@ -115,9 +123,26 @@ class Fp8Backend:
         q, s = q.view(*lead, n, k), s.view(*lead, n // TILE, k // TILE)
         with torch.no_grad():
             out.w_fp8.view(torch.uint8).copy_(q.view(torch.uint8))
-            out.wt_fp8.view(torch.uint8).copy_(_transposed_fp8(q).view(torch.uint8))
             self.block_scales_nk(out.w_scale).copy_(s)
-            self.block_scales_nk(out.wt_scale).copy_(s.transpose(-2, -1))
+            if out.wt_fp8 is not None:
+                out.wt_fp8.view(torch.uint8).copy_(_transposed_fp8(q).view(torch.uint8))
+                self.block_scales_nk(out.wt_scale).copy_(s.transpose(-2, -1))
+
+    def weight_transposed(self, w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w^T FP8, its block scales in the GEMM's layout): the kept transpose, or one made now from w's FP8
+        values (the same bits: 128x128 blocks are transpose-invariant) for the caller's GEMM only."""
+        if w.wt_fp8 is not None:
+            return w.wt_fp8, w.wt_scale
+        *lead, n, k = w.w_fp8.shape
+        out = self.empty_weight(torch.Size((*lead, k, n)), _format_of(w.w_fp8), w.w_fp8.device, transpose=False)
+        self._transpose_into(w, out)
+        return out.w_fp8, out.w_scale
+
+    def _transpose_into(self, w: QuantizedWeight, out: QuantizedWeight) -> None:
+        """out.w_fp8, out.w_scale = w's FP8 values and block scales, transposed."""
+        with torch.no_grad():
+            out.w_fp8.view(torch.uint8).copy_(_transposed_fp8(w.w_fp8).view(torch.uint8))
+            self.block_scales_nk(out.w_scale).copy_(self.block_scales_nk(w.w_scale).transpose(-2, -1))
 
     # ------------------------------------------------------------------ GEMMs
 
@@ -136,7 +161,7 @@ class Fp8Backend:
                                    rows, out_dtype: torch.dtype) -> torch.Tensor:
         """Per expert e: A[rows of e] @ B[e]^T, with B = w (E, N, K) or, `transposed`, w^T (E, K, N). A in 1x128
         tiles, rows laid out by `rows` (`megafp8.precision.grouped.ExpertRows`)."""
-        b, b_scale = (w.wt_fp8, w.wt_scale) if transposed else (w.w_fp8, w.w_scale)
+        b, b_scale = self.weight_transposed(w) if transposed else (w.w_fp8, w.w_scale)
         out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
         # The reference GEMMs by name: expert weights keep plain (E, N/128, K/128) scales on every backend, which a
         # subclass's own dense GEMM may not read.

@@ -57,8 +57,13 @@ class TritonBackend(Fp8Backend):
         return self.producers.swiglu_backward_quantize(gu, da, fmt, grad_fmt, power_of_two)
 
     def quantize_weight_(self, w: torch.Tensor, out: QuantizedWeight, fmt: Fp8Format, power_of_two: bool) -> None:
-        self.quantizers.quantize_weight_(w, out.w_fp8, self.block_scales_nk(out.w_scale), out.wt_fp8,
-                                         self.block_scales_nk(out.wt_scale), fmt, power_of_two)
+        kept = out.wt_fp8 is not None
+        self.quantizers.quantize_weight_(w, out.w_fp8, self.block_scales_nk(out.w_scale), out.wt_fp8 if kept else None,
+                                         self.block_scales_nk(out.wt_scale) if kept else None, fmt, power_of_two)
+
+    def _transpose_into(self, w: QuantizedWeight, out: QuantizedWeight) -> None:
+        self.quantizers.transpose_blocks(w.w_fp8, self.block_scales_nk(w.w_scale), out.w_fp8,
+                                         self.block_scales_nk(out.w_scale))
 
     def gemm_1x128_128x128(self, a, a_scale, b, b_scale, out_dtype):
         return self.gemms.gemm(a, a_scale, b, b_scale, True, out_dtype)
@@ -67,7 +72,7 @@ class TritonBackend(Fp8Backend):
         return self.gemms.gemm(a, a_scale, b, b_scale, False, out_dtype)
 
     def grouped_gemm_1x128_128x128(self, a, a_scale, w, transposed, rows, out_dtype):
-        b, b_scale = (w.wt_fp8, w.wt_scale) if transposed else (w.w_fp8, w.w_scale)
+        b, b_scale = self.weight_transposed(w) if transposed else (w.w_fp8, w.w_scale)
         if a.shape[0] == 0:
             return torch.zeros(0, b.shape[1], dtype=out_dtype, device=a.device)
         return self.gemms.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, out_dtype)

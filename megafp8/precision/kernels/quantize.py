@@ -4,10 +4,13 @@
 - `quantize_rows_cols`: the same and x^T in 1x128 tiles along the rows, from one read of x (the input and the
   output gradient of every FP8 GEMM whose producer is not fused). One program quantizes one 128x128 tile both ways.
   `gather_quantize_rows_cols` reads x's rows through an index (MoE tokens into the padded expert layout).
-- `quantize_weight_`: a weight (N, K) or stacked experts (E, N, K) in 128x128 blocks, with its transpose, into
-  tensors the caller keeps (in place, so their addresses never change).
+- `quantize_weight_`: a weight (N, K) or stacked experts (E, N, K) in 128x128 blocks, with its transpose (or not),
+  into tensors the caller keeps (in place, so their addresses never change); `transpose_blocks` makes the transpose
+  later from the FP8 values.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -69,9 +72,9 @@ def _quantize_rows_cols_kernel(x_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, 
 def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks,
                             stride_we, stride_wn, stride_qe, stride_qn, stride_qte, stride_qtk,
                             stride_se, stride_sn, stride_sk, stride_ste, stride_stn, stride_stk,
-                            FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    """One 128x128 block of w[e] (N, K): its values at q[e] and, transposed, at qt[e] (K, N); its scale at
-    s[e, nb, kb] and st[e, kb, nb] (strides given as [e, n block, k block] of each)."""
+                            FP8_MAX: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """One 128x128 block of w[e] (N, K): its values at q[e] and (with TRANSPOSE), transposed, at qt[e] (K, N);
+    its scale at s[e, nb, kb] and st[e, kb, nb] (strides given as [e, n block, k block] of each)."""
     e = tl.program_id(1) // n_blocks
     nb = tl.program_id(1) % n_blocks
     kb = tl.program_id(0)
@@ -82,8 +85,24 @@ def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks,
     scale, inv = tiles.tile_scale(block_amax, FP8_MAX, POW2)
     q = tiles.to_fp8(w, inv, FP8_MAX, q_ptr.dtype.element_ty)
     tl.store(q_ptr + e * stride_qe + n[:, None] * stride_qn + k[None, :], q)
-    tl.store(qt_ptr + e * stride_qte + k[:, None] * stride_qtk + n[None, :], tl.trans(q))
     tl.store(s_ptr + e * stride_se + nb * stride_sn + kb * stride_sk, scale)
+    if TRANSPOSE:
+        tl.store(qt_ptr + e * stride_qte + k[:, None] * stride_qtk + n[None, :], tl.trans(q))
+        tl.store(st_ptr + e * stride_ste + kb * stride_stn + nb * stride_stk, scale)
+
+
+@triton.jit
+def _transpose_blocks_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks, stride_qe, stride_qn, stride_qte, stride_qtk,
+                             stride_se, stride_sn, stride_sk, stride_ste, stride_stn, stride_stk):
+    """One 128x128 block of an FP8 weight q[e] (N, K) and its scale, stored transposed into qt[e] (K, N), st."""
+    e = tl.program_id(1) // n_blocks
+    nb = tl.program_id(1) % n_blocks
+    kb = tl.program_id(0)
+    n = nb * 128 + tl.arange(0, 128)
+    k = kb * 128 + tl.arange(0, 128)
+    q = tl.load(q_ptr + e * stride_qe + n[:, None] * stride_qn + k[None, :])
+    tl.store(qt_ptr + e * stride_qte + k[:, None] * stride_qtk + n[None, :], tl.trans(q))
+    scale = tl.load(s_ptr + e * stride_se + nb * stride_sn + kb * stride_sk)
     tl.store(st_ptr + e * stride_ste + kb * stride_stn + nb * stride_stk, scale)
 
 
@@ -125,14 +144,28 @@ def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: Fp
     return out
 
 
-def quantize_weight_(w: torch.Tensor, q: torch.Tensor, s_nk: torch.Tensor, qt: torch.Tensor, st_nk: torch.Tensor,
-                     fmt: Fp8Format, power_of_two: bool) -> None:
-    """w (N, K) or (E, N, K) -> q (same shape), qt (w^T per expert), in place; block scales written through
-    `s_nk` ([E,] N/128, K/128) and `st_nk` ([E,] K/128, N/128), views of any layout (see
+def quantize_weight_(w: torch.Tensor, q: torch.Tensor, s_nk: torch.Tensor, qt: Optional[torch.Tensor],
+                     st_nk: Optional[torch.Tensor], fmt: Fp8Format, power_of_two: bool) -> None:
+    """w (N, K) or (E, N, K) -> q (same shape), qt (w^T per expert; None: not written), in place; block scales
+    written through `s_nk` ([E,] N/128, K/128) and `st_nk` ([E,] K/128, N/128), views of any layout (see
     `Fp8Backend.block_scales_nk`)."""
+    transpose = qt is not None
+    qt, st_nk = (qt, st_nk) if transpose else (q, s_nk)  # unused pointers when not transposing
     assert w.stride(-1) == 1 and q.is_contiguous() and qt.is_contiguous(), "quantize_weight_ needs row-major tensors"
     w3, q3, qt3, s3, st3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (w, q, qt, s_nk, st_nk))
     experts, n, k = w3.shape
     _quantize_weight_kernel[(k // TILE, experts * (n // TILE))](
         w3, q3, s3, qt3, st3, n // TILE, w3.stride(0), w3.stride(1), q3.stride(0), q3.stride(1), qt3.stride(0),
-        qt3.stride(1), *s3.stride(), *st3.stride(), POW2=power_of_two, num_warps=8, **tiles.format_constants(fmt))
+        qt3.stride(1), *s3.stride(), *st3.stride(), POW2=power_of_two, TRANSPOSE=transpose, num_warps=8,
+        **tiles.format_constants(fmt))
+
+
+def transpose_blocks(q: torch.Tensor, s_nk: torch.Tensor, qt: torch.Tensor, st_nk: torch.Tensor) -> None:
+    """An FP8 weight q (N, K) or (E, N, K) in 128x128 blocks -> qt (its transpose per expert) and the block
+    scales `s_nk` -> `st_nk` (views as in `quantize_weight_`), in place: one read of q, no arithmetic."""
+    assert q.is_contiguous() and qt.is_contiguous(), "transpose_blocks needs row-major tensors"
+    q3, qt3, s3, st3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (q, qt, s_nk, st_nk))
+    experts, n, k = q3.shape
+    _transpose_blocks_kernel[(k // TILE, experts * (n // TILE))](
+        q3, s3, qt3, st3, n // TILE, q3.stride(0), q3.stride(1), qt3.stride(0), qt3.stride(1), *s3.stride(),
+        *st3.stride(), num_warps=8)
