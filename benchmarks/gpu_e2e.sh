@@ -36,6 +36,8 @@ for part in $PARTS; do
     tests_moe) step gpu_tests_moe python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
            tests/test_fp8_backends.py -k "moe or grouped or gathering or permutation or expert_rows or every_autotuned" \
            -p no:cacheprovider ;;
+    tests_weights) step gpu_tests_weights python -m pytest -q -m gpu tests/test_fp8_backends.py tests/test_fp8_gpu.py \
+           -k "transpose or weight or grouped_gemms or moe" -p no:cacheprovider ;;
     old_moe) step old_moe bash -c "cd \"$OLD\" && python benchmarks/train_step.py --model moe --recipes bf16 fp8" ;;
     old_moe_compiled) step old_moe_compiled bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
            training.compile=true --model moe --recipes bf16 fp8" ;;
