@@ -17,6 +17,7 @@ def test_train_step_benchmark_prints_one_row_per_recipe(corpus_dir, tmp_path):
     rows = [line for line in result.stdout.splitlines() if line.startswith("| tiny |")]
     assert [row.split("|")[2].strip() for row in rows] == ["bf16", "fp8"]
     assert rows[0].split("|")[6].strip() == "1.00x"  # BF16 is the yardstick
+    assert all(float(row.split("|")[13]) > 0 for row in rows)  # the planner's prediction beside the measurement
 
 
 def test_train_step_profile_lists_host_operators(corpus_dir, tmp_path):
