@@ -76,3 +76,19 @@ def torchrun_env() -> dict[str, str]:
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def steps_never_wait_for_the_gpu(trainer, warmup: int = 2, steps: int = 2) -> None:
+    """`warmup` training steps (compiling, autotuning, the FP8-health-sampled step 0), then `steps` more under
+    torch's sync checker: any host synchronization inside a step raises."""
+    import torch
+
+    for _ in range(warmup):
+        trainer.train_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            trainer.train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

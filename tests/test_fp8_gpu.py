@@ -338,15 +338,7 @@ def test_a_moe_training_step_never_makes_the_host_wait(tiny_overrides, recipe):
     from megafp8.config import load_config
     from megafp8.parallel import ParallelDims
     from megafp8.train import Trainer
+    from tests.conftest import steps_never_wait_for_the_gpu
 
     cfg = load_config("tiny_moe_fp8", tiny_overrides + ["training.device=auto", f"precision.recipe={recipe}"])
-    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0))
-    for _ in range(2):  # step 0 samples FP8 health and autotunes the kernels
-        trainer.train_step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(2):
-            trainer.train_step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    steps_never_wait_for_the_gpu(Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0)))

@@ -12,7 +12,7 @@ import torch
 from megafp8.config import load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
-from tests.conftest import REPO, torchrun_env
+from tests.conftest import REPO, steps_never_wait_for_the_gpu, torchrun_env
 
 pytestmark = pytest.mark.gpu
 
@@ -31,16 +31,8 @@ def test_a_dense_fp8_training_step_never_makes_the_host_wait(tiny_overrides, com
     """No host synchronization inside a dense FP8 step (four micro-batches: batch copies, FP8 linears, gradient
     buffers, clipping, the optimizer): the loss and grad norm reach the host only when the loop logs them."""
     cfg = load_config("tiny_dense_fp8", tiny_overrides + ["training.device=auto", f"training.compile={compiled}"])
-    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0))
-    for _ in range(2):  # step 0 (FP8 health is sampled: blocks run uncompiled) autotunes kernels, step 1 compiles
-        trainer.train_step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(2):
-            trainer.train_step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    # Step 0 (FP8 health is sampled: blocks run uncompiled) autotunes kernels, step 1 compiles.
+    steps_never_wait_for_the_gpu(Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0)))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
