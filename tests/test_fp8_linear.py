@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megafp8.config import ConfigError, load_config
-from megafp8.model import Transformer, apply_fp8_plan
+from megafp8.model import Fp8Converter, Transformer
 from megafp8.parallel import ColumnParallelLinear, ParallelDims
 from megafp8.precision import E4M3, Fp8Recipe, PrecisionRecipe, select_backend
 from megafp8.precision.quantize import dequantize_1x128, quantize_1x128
@@ -157,7 +157,9 @@ def plan_for(*overrides):
     cfg = load_config("tiny_dense_fp8", ["model.vocab_size=384", *overrides])
     recipe = PrecisionRecipe.from_config(cfg.precision)
     model = Transformer(cfg.model, recipe, 64)
-    return model, apply_fp8_plan(model, cfg.precision, recipe, cfg.model.num_layers)
+    converter = Fp8Converter(cfg.precision, recipe, cfg.model.num_layers)
+    converter.check(model)
+    return model, converter.convert(model)
 
 
 def test_layer_plan_keeps_islands_and_chosen_blocks_in_bf16():

@@ -1,9 +1,9 @@
-"""The network: norms, RoPE, attention, MLP, blocks, the decoder, init and FLOP counts."""
+"""The network: norms, RoPE, attention, MLP, blocks, the decoder, init, FLOP counts and the FP8 converter."""
 from megafp8.model.flops import training_flops_per_token
-from megafp8.model.fp8_plan import Fp8Plan, apply_fp8_plan
+from megafp8.model.fp8_converter import Fp8Converter, Fp8Plan
 from megafp8.model.init import init_weights
 from megafp8.model.rope import describe_rope
 from megafp8.model.transformer import Block, PipelineChunk, Transformer, apply_compile, apply_recompute, resolve_vocab_size
 
-__all__ = ["Block", "Fp8Plan", "PipelineChunk", "apply_fp8_plan", "Transformer", "apply_compile", "apply_recompute",
+__all__ = ["Block", "Fp8Converter", "Fp8Plan", "PipelineChunk", "Transformer", "apply_compile", "apply_recompute",
            "describe_rope", "init_weights", "resolve_vocab_size", "training_flops_per_token"]

@@ -130,7 +130,7 @@ class RoutedExperts(nn.Module):
         None."""
         gate_up, down = self.gate_up_proj, self.down_proj
         fp8 = gate_up.recipe.fp8
-        fused = fp8 is not None and down.recipe.fp8 == fp8 and gate_up.supports(fp8) and not self.observed
+        fused = fp8 is not None and down.recipe.fp8 == fp8 and fp8.all_gemms and not self.observed
         if fused and rows.row_to_source.shape[0] > 0:
             return self._fused_fp8(rows, counts)
         x = gather_rows(rows)
@@ -149,7 +149,7 @@ class RoutedExperts(nn.Module):
         y = grouped_fp8_swiglu_mlp(x, layout,
                                    ExpertProjection(gate_up.weight, gate_up.fp8_cache, gate_up.wgrad_queue),
                                    ExpertProjection(down.weight, down.fp8_cache, down.wgrad_queue),
-                                   gate_up.recipe.fp8, gate_up.fp8_backend(rows.source.device))
+                                   gate_up.recipe.fp8, gate_up.fp8_backend_for(rows.source.device))
         return y, layout.index
 
 
@@ -174,7 +174,7 @@ class MoE(nn.Module):
         experts = self.experts.gate_up_proj
         if not (self.fp8_dispatch and experts.runs_fp8):
             return None
-        return experts.fp8_backend(x.device), experts.recipe.fp8.fmt
+        return experts.fp8_backend_for(x.device), experts.recipe.fp8.fmt
 
     def forward(self, x: torch.Tensor, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x (tokens, hidden) -> (output, weighted balance loss)."""

@@ -35,9 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megafp8.precision import (
-    TILE, Fp8Backend, Fp8Format, Fp8Recipe, Fp8WeightCache, PrecisionRecipe, WeightGradQueue, select_backend,
-)
+from megafp8.precision import Fp8Backend, Fp8Format, Fp8Recipe, GemmLayer, PrecisionRecipe
 from megafp8.precision.grouped import grouped_linear
 from megafp8.parallel.dims import ExpertParallel
 from megafp8.parallel.permute import RowSource, gather_rows, weighted_combine
@@ -51,7 +49,7 @@ PARTIAL_FP8_EXPERTS = (
     "or enable all three")
 
 
-class ExpertLinear(nn.Module):
+class ExpertLinear(GemmLayer):
     """One projection of this rank's routed experts, stacked: weight (local experts, out, in). Its input is
     rows sorted by expert with per-expert counts; GEMMs follow the precision recipe (FP8 per tile)."""
 
@@ -63,32 +61,15 @@ class ExpertLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(len(local), out_features, in_features, dtype=recipe.param_dtype,
                                                device=device))
         mark_expert(self.weight, local.start, num_experts)
-        self.wgrad_queue: Optional[WeightGradQueue] = None  # set to defer weight gradients (zero-bubble PP)
         self.set_recipe(recipe)
 
-    def set_recipe(self, recipe: PrecisionRecipe) -> None:
-        if recipe.fp8 is not None:
-            for what, size in (("in_features", self.in_features), ("out_features", self.out_features)):
-                if size % TILE != 0:
-                    raise ValueError(f"an FP8 expert linear needs {what} to be a multiple of {TILE}, got {size}")
-        self.recipe = recipe
-        # The transposed copy (dgrad's operand) is made per backward, not kept: the experts hold most weights of a
-        # MoE model, and keeping both copies held FP8's peak memory above BF16's (docs/moe.md).
-        self.fp8_cache = Fp8WeightCache(keep_transpose=False) if recipe.fp8 is not None else None
-        self._fp8_backend: Optional[Fp8Backend] = None
+    # The transposed FP8 copy (dgrad's operand) is made per backward, not kept: the experts hold most weights of a
+    # MoE model, and keeping both copies held FP8's peak memory above BF16's (docs/moe.md).
+    keeps_fp8_transpose = False
 
-    @property
-    def runs_fp8(self) -> bool:
-        return self.recipe.fp8 is not None
-
-    @property
-    def fp8_capable(self) -> bool:
-        return self.in_features % TILE == 0 and self.out_features % TILE == 0
-
-    @staticmethod
-    def supports(fp8: Fp8Recipe) -> bool:
+    def why_unsupported(self, fp8: Fp8Recipe) -> Optional[str]:
         """Grouped expert linears run all three GEMMs in FP8 or none."""
-        return fp8.fprop and fp8.dgrad and fp8.wgrad
+        return None if fp8.all_gemms else PARTIAL_FP8_EXPERTS
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows (M, in) sorted by expert, counts (local experts,) rows per expert (on the device: never read on
@@ -96,16 +77,11 @@ class ExpertLinear(nn.Module):
         fp8 = self.recipe.fp8
         if fp8 is None:
             return grouped_linear(rows, self.weight, counts, None, None, None, self.wgrad_queue)
-        if not self.supports(fp8):
-            raise ValueError(PARTIAL_FP8_EXPERTS)
-        return grouped_linear(rows, self.weight, counts, self.fp8_cache, fp8, self.fp8_backend(rows.device),
+        why = self.why_unsupported(fp8)
+        if why is not None:
+            raise ValueError(why)
+        return grouped_linear(rows, self.weight, counts, self.fp8_cache, fp8, self.fp8_backend_for(rows.device),
                               self.wgrad_queue)
-
-    def fp8_backend(self, device: torch.device) -> Fp8Backend:
-        """The FP8 backend this layer's GEMMs use (selected once)."""
-        if self._fp8_backend is None:
-            self._fp8_backend = select_backend(self.recipe.fp8.backend, device)
-        return self._fp8_backend
 
     def extra_repr(self) -> str:
         first, total = self.weight.expert_slice

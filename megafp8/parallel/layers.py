@@ -37,16 +37,14 @@ from megafp8.precision import (
     TILE,
     Fp8Backend,
     Fp8Projection,
-    Fp8WeightCache,
+    GemmLayer,
     InputNorm,
     LinearComm,
     PrecisionRecipe,
-    WeightGradQueue,
     fp8_linear,
     fp8_swiglu_mlp,
     fuses_norm,
     linear,
-    select_backend,
 )
 
 
@@ -107,7 +105,7 @@ class _RowComm(LinearComm):
         return all_gather_rows(dy2d, self.tp) if self.tp.sp else dy2d
 
 
-class ParallelLinear(nn.Module):
+class ParallelLinear(GemmLayer):
     """A bias-free linear whose GEMMs follow the precision recipe; `weight` is this rank's shard. `fp8_backend`: as
     in `set_recipe`."""
 
@@ -117,41 +115,10 @@ class ParallelLinear(nn.Module):
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.weight = nn.Parameter(torch.empty(weight_shape, dtype=recipe.param_dtype, device=device))
         self._comm: Optional[LinearComm] = None
-        self.wgrad_queue: Optional[WeightGradQueue] = None  # set to defer weight gradients (zero-bubble PP)
         self.set_recipe(recipe, fp8_backend)
 
-    def set_recipe(self, recipe: PrecisionRecipe, fp8_backend: Optional[Fp8Backend] = None) -> None:
-        """Switch this layer's numerics (e.g. keep it in BF16); FP8 needs 128-aligned dims. `fp8_backend`: the FP8
-        GEMM backend object to run (None: the one `recipe` names, selected for the input's device on first use)."""
-        if recipe.fp8 is not None:
-            for what, size in (("in_features", self.weight.shape[1]), ("out_features", self.weight.shape[0])):
-                if size % TILE != 0:
-                    raise ValueError(f"an FP8 linear needs {what} to be a multiple of {TILE}, got {size}")
-        self.recipe = recipe
-        self.fp8_cache = Fp8WeightCache() if recipe.fp8 is not None else None
-        self._fp8_backend = fp8_backend
-
-    @property
-    def runs_fp8(self) -> bool:
-        return self.recipe.fp8 is not None
-
-    @property
-    def fp8_backend(self) -> Optional[Fp8Backend]:
-        """The FP8 GEMM backend this layer runs; None until its first FP8 GEMM selects one (unless one was given)."""
-        return self._fp8_backend
-
-    @property
-    def fp8_capable(self) -> bool:
-        """Both weight dims are whole FP8 tiles (MLA's kv_a, e.g. 512 + 64 wide, is not)."""
-        return all(size % TILE == 0 for size in self.weight.shape)
-
-    def _backend_for(self, device: torch.device) -> Fp8Backend:
-        if self._fp8_backend is None:
-            self._fp8_backend = select_backend(self.recipe.fp8.backend, device)
-        return self._fp8_backend
-
     def _fp8_forward(self, x: torch.Tensor, norm: Optional[InputNorm] = None) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.fp8_cache, self.recipe.fp8, self._backend_for(x.device), self._comm,
+        return fp8_linear(x, self.weight, self.fp8_cache, self.recipe.fp8, self.fp8_backend_for(x.device), self._comm,
                           self.wgrad_queue, norm)
 
     def fp8_projection(self) -> Fp8Projection:
@@ -163,7 +130,7 @@ class ParallelLinear(nn.Module):
         before running, so its traced FP8 linears read the cache instead of quantizing in every forward)."""
         if self.runs_fp8:
             fp8 = self.recipe.fp8
-            self.fp8_cache.prepare(self.weight, self._backend_for(self.weight.device), fp8.fmt,
+            self.fp8_cache.prepare(self.weight, self.fp8_backend_for(self.weight.device), fp8.fmt,
                                    fp8.power_of_two_scales)
 
     @staticmethod
@@ -252,8 +219,8 @@ def swiglu_mlp(x: torch.Tensor, gate_up: ColumnParallelLinear, down: RowParallel
     if gate_up.fuses_norm(rows) and down.runs_fp8 and down.recipe.fp8 == gate_up.recipe.fp8:
         if gate_up.tp.sp:
             x = x.reshape(-1, x.shape[-1])
-        backend = gate_up._backend_for(x.device)
-        down._backend_for(x.device)  # the same recipe: the same backend (resolved for both, as each layer logs it)
+        backend = gate_up.fp8_backend_for(x.device)
+        down.fp8_backend_for(x.device)  # the same recipe: the same backend (resolved for both, as each layer logs it)
         return fp8_swiglu_mlp(x, gate_up.fp8_projection(), down.fp8_projection(), gate_up.recipe.fp8, backend, norm)
     gate, up = gate_up(x, norm).chunk(2, dim=-1)  # each (tokens, ffn_hidden_size / tp)
     return down(F.silu(gate) * up)

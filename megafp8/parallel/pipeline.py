@@ -28,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 from megafp8.config import ConfigError
 from megafp8.config.layout import V_SHAPED, layer_counts
+from megafp8.precision import GemmLayer, WeightGradQueue
 
 ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")  # schedules with a separate weight-gradient pass
 
@@ -202,8 +203,8 @@ def forward_only(chunks: Sequence[nn.Module], specs: Sequence[StageSpec], layout
     return x if layout.rank_of(layout.num_stages - 1) == pp_rank else None
 
 
-def attach_wgrad_queue(module: nn.Module, queue: object) -> None:
-    """Make every GEMM layer of `module` (those with a `wgrad_queue` slot) defer its weight gradients to `queue`."""
+def attach_wgrad_queue(module: nn.Module, queue: WeightGradQueue) -> None:
+    """Make every GEMM layer of `module` defer its weight gradients to `queue`."""
     for layer in module.modules():
-        if hasattr(layer, "wgrad_queue"):
+        if isinstance(layer, GemmLayer):
             layer.wgrad_queue = queue

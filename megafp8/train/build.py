@@ -19,9 +19,9 @@ from megafp8.config import Config, ModelConfig, validate_config
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta
 from megafp8.data.indexed import DatasetMeta
 from megafp8.model import (
+    Fp8Converter,
     Transformer,
     apply_compile,
-    apply_fp8_plan,
     apply_recompute,
     describe_rope,
     init_weights,
@@ -57,6 +57,7 @@ class Parts:
     recipe: PrecisionRecipe
     layout: Optional[PipelineLayout]  # None without pipeline parallelism
     model: Transformer  # this rank's shard of its pipeline stages
+    fp8: Fp8Converter  # the FP8 layer plan: applied at build, switched on at precision.fp8_start_step, on resume
     optimizer: DistributedAdamW  # over the model's gradient buckets (`optimizer.buckets`)
     loss_scaler: Optional[DynamicLossScaler]  # FP16 only
     loader: DistributedLoader
@@ -74,8 +75,9 @@ def build_parts(cfg: Config, dims: ParallelDims, device: torch.device, num_micro
     tp, ep, par = dims.tensor_parallel, dims.expert_parallel, cfg.parallel
     layout = (build_layout(model_cfg.num_layers, par.pp, par.pp_schedule, par.pp_virtual_stages, par.pp_layout)
               if dims.pp > 1 else None)
-    model = build_model(cfg, model_cfg, recipe, device, fp8_active=cfg.precision.fp8_start_step == 0,
-                        tp=tp, ep=ep, stages=layout.local_stages(dims.pp_rank) if layout else None)
+    fp8 = Fp8Converter(cfg.precision, recipe, model_cfg.num_layers)
+    model = build_model(cfg, model_cfg, recipe, device, tp=tp, ep=ep,
+                        stages=layout.local_stages(dims.pp_rank) if layout else None, fp8=fp8)
     loss_scaler = DynamicLossScaler.from_config(cfg.precision) if recipe.name == "fp16" else None
     optimizer = build_optimizer(model, cfg, dims)
     loader, valid_set = build_data(cfg, meta, dims)
@@ -89,8 +91,8 @@ def build_parts(cfg: Config, dims: ParallelDims, device: torch.device, num_micro
 
     def whole_model_meta() -> Transformer:
         return full_meta_model(cfg, model_cfg, recipe, tp, ep) if layout else model
-    return Parts(cfg, model_cfg, recipe, layout, model, optimizer, loss_scaler, loader, valid_set, pipeline, health,
-                 expert_balance, whole_model_meta)
+    return Parts(cfg, model_cfg, recipe, layout, model, fp8, optimizer, loss_scaler, loader, valid_set, pipeline,
+                 health, expert_balance, whole_model_meta)
 
 
 def resolve(cfg: Config, dims: ParallelDims, device: torch.device
@@ -120,26 +122,23 @@ def check_memory(cfg: Config, model_cfg: ModelConfig, world_size: int, device: t
 
 
 def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, device: torch.device,
-                fp8_active: bool = True, tp: Optional[TensorParallel] = None,
-                ep: Optional[ExpertParallel] = None, stages: Optional[list[StageSpec]] = None) -> Transformer:
+                tp: Optional[TensorParallel] = None, ep: Optional[ExpertParallel] = None,
+                stages: Optional[list[StageSpec]] = None, fp8: Optional[Fp8Converter] = None) -> Transformer:
     """The decoder (this rank's tensor-parallel shard, experts and pipeline `stages`), initialized from the seed,
-    with the FP8 layer plan applied (and logged). `fp8_active=False` builds it in BF16 for a precision schedule that
-    switches later."""
+    with the FP8 layer plan of `fp8` (default: the config's) checked, applied for step 0 and logged: under
+    `precision.fp8_start_step` every layer starts in BF16."""
+    fp8 = fp8 or Fp8Converter(cfg.precision, recipe, model_cfg.num_layers)
+    # The plan is checked once, against the whole model on the meta device (a stage holds only some layers), before
+    # this rank builds its part.
+    plan = fp8.check(full_meta_model(cfg, model_cfg, recipe, tp, ep))
     parts = {}
     if stages is not None:
         parts = {"layer_ids": [i for s in stages for i in s.layers], "embedding": any(s.first for s in stages),
                  "head": any(s.last for s in stages)}
-        # The plan's layer globs are checked against the whole model once (a stage holds only some layers).
-        apply_fp8_plan(full_meta_model(cfg, model_cfg, recipe, tp, ep), cfg.precision, recipe, model_cfg.num_layers,
-                       dry_run=True)
     model = Transformer(model_cfg, recipe, cfg.data.seq_len, tp, device=device, ep=ep,
                         fp8_dispatch=cfg.parallel.ep_dispatch_fp8, **parts)
     init_weights(model, model_cfg, cfg.training.seed, tp)
-    check = stages is None
-    if recipe.fp8 is not None and not fp8_active:  # the FP8 plan of the later switch must be valid now
-        apply_fp8_plan(model, cfg.precision, recipe, model_cfg.num_layers, dry_run=True, check_patterns=check)
-    plan = apply_fp8_plan(model, cfg.precision, recipe if fp8_active else recipe.high_precision(),
-                          model_cfg.num_layers, check_patterns=check)
+    fp8.convert(model)
     if cfg.training.compile:
         log.info("torch.compile (mode %s): %d blocks", cfg.training.compile_mode,
                  apply_compile(model, cfg.training.compile_mode))
@@ -149,7 +148,7 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
     if recipe.fp8 is not None:
         backend = select_backend(recipe.fp8.backend, device)
         log.info("fp8: backend %s%s | %s%s", backend.name, " (auto)" if recipe.fp8.backend == "auto" else "",
-                 plan.summary(), "" if fp8_active else f" | BF16 until step {cfg.precision.fp8_start_step}")
+                 plan.summary(), "" if fp8.runs_fp8_at(0) else f" | BF16 until step {fp8.start_step}")
     return model
 
 

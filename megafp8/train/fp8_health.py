@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from megafp8.model.mlp import SwiGLU
 from megafp8.model.moe import RoutedExperts
 from megafp8.model.transformer import Block
-from megafp8.parallel import ExpertLinear, ParallelLinear
+from megafp8.parallel import ParallelLinear
+from megafp8.precision import GemmLayer
 from megafp8.precision.health import fp8_stats
 from megafp8.precision.producers import swiglu, swiglu_backward
 
@@ -41,7 +42,7 @@ class Fp8HealthMonitor:
         self._stats = {}
         names = {m: n for n, m in self.model.named_modules()}
         for layer, name in names.items():
-            if isinstance(layer, (ParallelLinear, ExpertLinear)) and layer.runs_fp8:
+            if isinstance(layer, GemmLayer) and layer.runs_fp8:
                 self._handles.append(layer.register_forward_hook(self._make_hook(name)))
             elif isinstance(layer, SwiGLU) and layer.down_proj.runs_fp8:
                 self._handles.append(layer.register_forward_hook(

@@ -29,7 +29,7 @@ import torch
 from megafp8.config import Config, ConfigError
 from megafp8.data import read_meta
 from megafp8.config.validate import data_parallel_size, validate_for_world
-from megafp8.model import Transformer, apply_fp8_plan, describe_rope, resolve_vocab_size, training_flops_per_token
+from megafp8.model import Fp8Converter, Transformer, describe_rope, resolve_vocab_size, training_flops_per_token
 from megafp8.parallel import ExpertParallel, TensorParallel, full_shape, is_expert
 from megafp8.parallel.pipeline import build_layout
 from megafp8.precision import PrecisionRecipe
@@ -111,10 +111,12 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     dp = data_parallel_size(world_size, tp, pp, ep)
     recipe_name = cfg.precision.recipe if cfg.precision.recipe != "auto" else "fp8"
     shard_layout = TensorParallel(None, tp, 0, cfg.parallel.sequence_parallel)  # shapes only: no group needed
+    recipe = PrecisionRecipe.from_name(recipe_name)
+    fp8 = Fp8Converter(cfg.precision, recipe, cfg.model.num_layers)
 
     def meta_model(**stage_parts) -> Transformer:
-        return Transformer(cfg.model, PrecisionRecipe.from_name(recipe_name), cfg.data.seq_len, shard_layout,
-                           device="meta", ep=ExpertParallel(None, ep, 0), **stage_parts)
+        return Transformer(cfg.model, recipe, cfg.data.seq_len, shard_layout, device="meta",
+                           ep=ExpertParallel(None, ep, 0), **stage_parts)
 
     params: dict[str, int] = {p: 0 for p in ("embedding", "attention", "mlp", "experts", "norms", "lm_head", "mtp")}
     for name, p in meta_model().named_parameters():
@@ -129,7 +131,7 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
         if pp > 1:
             pipeline.append((rank, parts["stages"], len(parts["layer_ids"]), n))
         n_expert = sum(p.numel() for p in rank_params if is_expert(p))
-        static.append(_static_bytes(cfg, n, n_expert, *_fp8_weight_numel(model, cfg, recipe_name), dp, recipe_name))
+        static.append(_static_bytes(cfg, n, n_expert, *_fp8_weight_numel(model, fp8), dp, recipe_name))
     if pp > 1:
         layers_per_rank = max(len(parts["layer_ids"]) for parts in ranks)
     for part, unused in (("experts", cfg.model.moe_num_experts == 0), ("mtp", cfg.model.mtp_depth == 0)):
@@ -180,15 +182,11 @@ def _static_bytes(cfg: Config, n: int, n_expert: int, n_fp8: int, n_fp8_experts:
     return static
 
 
-def _fp8_weight_numel(model: Transformer, cfg: Config, recipe_name: str) -> tuple[int, int, int]:
+def _fp8_weight_numel(model: Transformer, fp8: Fp8Converter) -> tuple[int, int, int]:
     """Weights of `model` (a meta copy) in layers that run FP8 under the config's layer plan: (in dense layers, in
     expert projections, in the largest expert projection)."""
-    recipe = PrecisionRecipe.from_name(recipe_name)
-    if recipe.fp8 is None:
-        return 0, 0, 0
-    plan = apply_fp8_plan(model, cfg.precision, recipe, cfg.model.num_layers, dry_run=True, check_patterns=False)
     layers = dict(model.named_modules())
-    sizes = [(layers[name].weight.numel(), is_expert(layers[name].weight)) for name in plan.fp8_layers]
+    sizes = [(layers[name].weight.numel(), is_expert(layers[name].weight)) for name in fp8.plan(model).fp8_layers]
     experts = [numel for numel, expert in sizes if expert]
     return sum(numel for numel, expert in sizes if not expert), sum(experts), max(experts, default=0)
 

@@ -20,8 +20,7 @@ import torch
 
 from megafp8.config import Config, dump_config, validate_for_world
 from megafp8.config.loader import config_to_dict
-from megafp8.model import apply_fp8_plan, training_flops_per_token
-from megafp8.model.fp8_plan import Fp8Plan
+from megafp8.model import training_flops_per_token
 from megafp8.optim import lr_at
 from megafp8.parallel import ParallelDims
 from megafp8.train.build import build_logger, build_parts, log_run_start
@@ -58,7 +57,8 @@ class Trainer:
         self.run_lock = claim_run_directories(self.run_dir, self.checkpoint_dir, dims)
         parts = build_parts(cfg, dims, device, self.num_micro_batches)
         self.cfg, self.model_cfg, self.recipe, self.layout = parts.cfg, parts.model_cfg, parts.recipe, parts.layout
-        self.model, self.optimizer, self.grad_buckets = parts.model, parts.optimizer, parts.optimizer.buckets
+        self.model, self.fp8, self.optimizer = parts.model, parts.fp8, parts.optimizer
+        self.grad_buckets = parts.optimizer.buckets
         self.loader, self.valid_set, self.loss_scaler = parts.loader, parts.valid_set, parts.loss_scaler
         self.pipeline, self.health, self.expert_balance = parts.pipeline, parts.health, parts.expert_balance
         self.whole_model_meta = parts.whole_model_meta
@@ -84,8 +84,8 @@ class Trainer:
         """One training step. Returns (this rank's mean loss, global grad norm before clipping), on device. A step
         whose gradients hold an inf or nan on any rank is skipped on every rank (`megafp8/train/nonfinite.py`);
         its grad norm is then not finite. The gradients stay in their buffers until the next step."""
-        if self.recipe.fp8 is not None and self.step == self.cfg.precision.fp8_start_step > 0:
-            log.info("step %d: switching to FP8 | %s", self.step, self._apply_fp8().summary())
+        if self.fp8.switches_at(self.step):
+            log.info("step %d: switching to FP8 | %s", self.step, self.fp8.convert(self.model, self.step).summary())
         self.model.train()
         self.grad_buckets.zero()
         sampled = self.health.arm(self.step)
@@ -204,13 +204,7 @@ class Trainer:
     def load(self, path: Path) -> None:
         """Resume from checkpoint `path`, already verified (`megafp8.train.resume.verified_resume_path`)."""
         self.checkpointer.load(path)
-        if self.recipe.fp8 is not None and 0 < self.cfg.precision.fp8_start_step < self.step:
-            self._apply_fp8()
-
-    def _apply_fp8(self) -> Fp8Plan:
-        """Switch the model's planned layers to FP8 (a precision schedule's start step, or a resume past it)."""
-        return apply_fp8_plan(self.model, self.cfg.precision, self.recipe, self.model_cfg.num_layers,
-                              check_patterns=self.layout is None)
+        self.fp8.convert(self.model, self.step)  # from precision.fp8_start_step on, the planned layers run FP8
 
     def _open_run(self) -> ExperimentLogger:
         """Judge an earlier launch in the run directory, resume from its checkpoint if any, then (the run validated)
