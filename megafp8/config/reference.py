@@ -5,8 +5,9 @@ import dataclasses
 import typing
 from typing import Any
 
+from megafp8.config.fields import KindedSection, field_doc
 from megafp8.config.loader import type_name
-from megafp8.config.schema import Config, field_doc
+from megafp8.config.schema import Config
 from megafp8.config.sizes import MODEL_SIZES
 
 
@@ -18,24 +19,38 @@ def _default_text(value) -> str:
     return f"`{value}`"
 
 
-def _section(name: str, value: Any) -> list[str]:
-    """The table of one config section (`name` dotted), then the tables of its nested sections."""
+def _section(name: str, value: Any, title: str = "") -> list[str]:
+    """The table of one config section (`name` dotted), then the tables of its nested sections (a section of several
+    kinds: one table per kind)."""
     cls = type(value)
     hints = typing.get_type_hints(cls)
-    lines = ["", f"### `{name}`", "", (cls.__doc__ or "").strip(), "",
+    lines = ["", f"### `{name}`{title}", "", (cls.__doc__ or "").strip(), "",
              "| key | type | default | meaning |", "|---|---|---|---|"]
     nested = []
     for f in dataclasses.fields(cls):
         default = getattr(value, f.name)
-        if dataclasses.is_dataclass(default):
-            nested.append((f"{name}.{f.name}", default))
+        if isinstance(default, KindedSection):
+            kinds = hints[f.name].kinds()
+            nested += [(f"{name}.{f.name}", kind_cls(), f" (`kind: {kind}`)") for kind, kind_cls in kinds.items()]
+            type_text = "section, `kind`: " + " / ".join(f"`{kind}`" for kind in kinds)
+            default_text = f"`kind: {default.kind}`, see `{name}.{f.name}`"
+        elif dataclasses.is_dataclass(default):
+            nested.append((f"{name}.{f.name}", default, ""))
             type_text, default_text = "section", f"see `{name}.{f.name}`"
         else:
             type_text, default_text = type_name(hints[f.name]).replace("|", "\\|"), _default_text(default)
         lines.append(f"| `{name}.{f.name}` | {type_text} | {default_text} | {field_doc(f).replace('|', '/')} |")
-    for sub_name, sub_value in nested:
-        lines += _section(sub_name, sub_value)
+    for sub_name, sub_value, sub_title in nested:
+        lines += _section(sub_name, sub_value, sub_title)
     return lines
+
+
+def _size_values(values: dict[str, Any], prefix: str = "") -> list[str]:
+    """`key=value` of a named size, nested sections dotted."""
+    out = []
+    for key, value in values.items():
+        out += _size_values(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}={value}"]
+    return out
 
 
 def render_reference() -> str:
@@ -55,5 +70,5 @@ def render_reference() -> str:
     for sec in sections:
         lines += _section(sec.name, getattr(root, sec.name))
     lines += ["", "### Named model sizes (`model.size`)", "", "| size | values |", "|---|---|"]
-    lines += [f"| `{name}` | {', '.join(f'{k}={v}' for k, v in values.items())} |" for name, values in MODEL_SIZES.items()]
+    lines += [f"| `{name}` | {', '.join(_size_values(values))} |" for name, values in MODEL_SIZES.items()]
     return "\n".join(lines) + "\n"
