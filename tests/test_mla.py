@@ -117,3 +117,6 @@ def test_mtp_inputs_and_targets_look_further_ahead():
 def test_tp_layout_checks_use_the_mla_widths():
     with pytest.raises(ConfigError, match=r"MLA output features\) = 128 splits into 64 per rank"):
         validate_for_world(load_config("tiny_dense", MLA_OVERRIDES + ["model.num_heads=2", "parallel.tp=2"]), 2)
+    with pytest.raises(ConfigError, match=r"FP8 tile, but model.attention.kv_lora_rank = 192: change "
+                                          r"model.attention.kv_lora_rank \(e.g. to make it 256\)"):
+        load_config("tiny_dense_fp8", MLA_OVERRIDES + ["model.attention.kv_lora_rank=192"])

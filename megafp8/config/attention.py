@@ -17,6 +17,8 @@ from megafp8.config.errors import ConfigError, divisors_near
 from megafp8.config.fields import KindedSection, setting
 
 Widths = dict[str, tuple[int, str]]  # what is constrained -> (its size, the settings that change it)
+_QUERY_SETTINGS = "model.num_heads or model.attention.head_dim"
+_KV_SETTINGS = "model.attention.num_kv_heads or model.attention.head_dim"
 
 
 class AttentionConfig(KindedSection, abc.ABC):
@@ -111,21 +113,15 @@ class GqaConfig(AttentionConfig):
 
     def tp_widths(self, hidden_size: int, num_heads: int) -> Widths:
         head_dim, kv = self.head_dim_for(hidden_size, num_heads), self.kv_heads_for(num_heads)
-        return {
-            "model.num_heads x head_dim (query features)": (num_heads * head_dim,
-                                                            "model.num_heads or model.attention.head_dim"),
-            "model.attention.num_kv_heads x head_dim (key/value features)": (
-                kv * head_dim, "model.attention.num_kv_heads or model.attention.head_dim"),
-        }
+        return {"model.num_heads x head_dim (query features)": (num_heads * head_dim, _QUERY_SETTINGS),
+                "model.attention.num_kv_heads x head_dim (key/value features)": (kv * head_dim, _KV_SETTINGS)}
 
     def fp8_widths(self, hidden_size: int, num_heads: int) -> Widths:
+        # Unsplit, the key/value features need not be whole tiles on their own: the fused QKV projection's rows must.
         head_dim, kv = self.head_dim_for(hidden_size, num_heads), self.kv_heads_for(num_heads)
-        return {
-            "num_heads x head_dim (attention width)": (num_heads * head_dim,
-                                                       "model.num_heads or model.attention.head_dim"),
-            "(num_heads + 2 x num_kv_heads) x head_dim (QKV width)": (
-                (num_heads + 2 * kv) * head_dim, "model.attention.num_kv_heads or model.attention.head_dim"),
-        }
+        qkv = (num_heads + 2 * kv) * head_dim
+        return {"num_heads x head_dim (attention width)": (num_heads * head_dim, _QUERY_SETTINGS),
+                "(num_heads + 2 x num_kv_heads) x head_dim (QKV width)": (qkv, _KV_SETTINGS)}
 
     def describe(self, num_heads: int) -> str:
         return f"{num_heads} heads / {self.kv_heads_for(num_heads)} kv"
@@ -186,17 +182,10 @@ class MlaConfig(AttentionConfig):
         }
 
     def fp8_widths(self, hidden_size: int, num_heads: int) -> Widths:
-        # kv_a (kv_lora_rank + qk_rope_head_dim rows) is usually not whole tiles: it stays BF16, named at start-up.
-        widths = {
-            "num_heads x (qk_nope_head_dim + qk_rope_head_dim) (MLA query width)": (
-                num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim),
-                "model.attention.qk_nope_head_dim or qk_rope_head_dim"),
-            "num_heads x (qk_nope_head_dim + v_head_dim) (MLA key/value width)": (
-                num_heads * (self.qk_nope_head_dim + self.v_head_dim),
-                "model.attention.qk_nope_head_dim or v_head_dim"),
-            "num_heads x v_head_dim (MLA output width)": (num_heads * self.v_head_dim, "model.attention.v_head_dim"),
-            "model.attention.kv_lora_rank": (self.kv_lora_rank, "model.attention.kv_lora_rank"),
-        }
+        # The head widths, and the ranks the down projections output. kv_a (kv_lora_rank + qk_rope_head_dim rows) is
+        # usually not whole tiles: it stays BF16, named at start-up.
+        widths = {**self.tp_widths(hidden_size, num_heads),
+                  "model.attention.kv_lora_rank": (self.kv_lora_rank, "model.attention.kv_lora_rank")}
         if self.q_lora_rank:
             widths["model.attention.q_lora_rank"] = (self.q_lora_rank, "model.attention.q_lora_rank")
         return widths

@@ -225,10 +225,10 @@ def _build_kind(base: type, raw: Any, where: str, default_kind: str, ignore_unkn
         close = difflib.get_close_matches(str(kind), kinds, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"{where}.kind: '{kind}' is not one of {' | '.join(map(repr, kinds))}{hint}")
-    own = {f.name for f in dataclasses.fields(kinds[kind])}
+    settings = {name: {f.name for f in dataclasses.fields(c)} for name, c in kinds.items()}
     for key in raw:
-        other = next((name for name, c in kinds.items() if key in {f.name for f in dataclasses.fields(c)}), None)
-        if key not in own and other and not ignore_unknown:
+        other = next((name for name, keys in settings.items() if key in keys), None)
+        if key not in settings[kind] and other and not ignore_unknown:
             raise ConfigError(f"{where}.{key} is a setting of {where}.kind={other}, not of kind {kind}: remove it, or "
                               f"set {where}.kind={other}")
     return build_dataclass(kinds[kind], raw, f"{where}.", ignore_unknown)
