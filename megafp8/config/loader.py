@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import types
@@ -85,9 +86,16 @@ def _is_kinded(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, KindedSection)
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The evaluated field annotations of a config dataclass (evaluating them is most of a config's loading time)."""
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
 def _sections(cls: type) -> dict[str, tuple[Any, Any]]:
     """(annotated type, default kind or None) of each field of dataclass `cls` that is a section."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     return {f.name: (hints[f.name], f.default_factory().kind if _is_kinded(hints[f.name]) else None)
             for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name]) or _is_kinded(hints[f.name])}
 
@@ -240,7 +248,7 @@ def build_dataclass(cls: type, raw: Any, prefix: str = "", ignore_unknown: bool 
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping of keys to values, got {type(raw).__name__} ({raw!r})")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     _moved_keys(cls, raw, prefix)
     kwargs: dict[str, Any] = {}
