@@ -286,3 +286,11 @@ def test_layer_spec_says_which_blocks_hold_experts():
     assert specs[0].mlp.ffn_hidden_size == 768 and specs[1].mlp is cfg.moe and specs[0].attention is cfg.attention
     assert mtp_layer_spec(cfg).is_moe
     assert not any(layer_spec(load_config("tiny_dense").model, i).is_moe for i in range(4))
+
+
+def test_the_blocks_describe_themselves_in_one_line():
+    from megafp8.config import describe_blocks
+
+    assert describe_blocks(load_config("tiny_dense").model) == "4 layers, hidden 256, 4 heads / 2 kv, ffn 768"
+    assert describe_blocks(load_config("671b_fp8").model) == ("61 layers, hidden 7168, 128 heads MLA (q/kv ranks "
+                                                              "1536/512), ffn 18432, 256 experts top-8 (ffn 2048)")

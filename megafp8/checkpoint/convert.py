@@ -12,7 +12,7 @@ from megafp8.checkpoint.hf import load_hf, save_hf
 from megafp8.checkpoint.local import CONVERTING, fresh_temporary, load_checkpoint, publish, save_checkpoint
 from megafp8.checkpoint.sharded import INDEX_FILE, is_sharded_checkpoint, write_sharded
 from megafp8.parallel.sharding import Piece, Placed
-from megafp8.config import ConfigError, ModelConfig
+from megafp8.config import ConfigError, ModelConfig, describe_blocks
 from megafp8.config.loader import config_to_dict, model_config_from_saved
 
 
@@ -121,8 +121,7 @@ def describe(checkpoint: Path) -> str:
     lines = [f"checkpoint {checkpoint}", f"form: {form}", f"step: {state['step']}"]
     if config.get("model"):
         m = model_config_of(state)
-        lines.append(f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.attention.describe(m.num_heads)}, "
-                     f"ffn {m.ffn_hidden_size}{f', {m.moe.describe()}' if m.moe.enabled else ''}, vocab {m.vocab_size}")
+        lines.append(f"model: {describe_blocks(m)}, vocab {m.vocab_size}")
     for section in ("parallel", "precision", "optimizer"):
         if config.get(section):
             keys = {k: v for k, v in config[section].items() if not isinstance(v, (list, dict))}

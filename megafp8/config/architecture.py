@@ -57,6 +57,14 @@ def mtp_layer_spec(cfg: ModelConfig) -> LayerSpec:
     return layer_spec(cfg, cfg.num_layers - 1)
 
 
+def describe_blocks(cfg: ModelConfig) -> str:
+    """The blocks in a few words, e.g. `61 layers, hidden 7168, 128 heads MLA (q/kv ranks 1536/512), ffn 18432, 256
+    experts top-8 (ffn 2048)`."""
+    moe = f", {cfg.moe.describe()}" if cfg.moe.enabled else ""
+    return (f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.attention.describe(cfg.num_heads)}, "
+            f"ffn {cfg.ffn_hidden_size}{moe}")
+
+
 def approximate_parameters(cfg: ModelConfig) -> int:
     """Parameters of the model, roughly (every linear and expert, embedding and head; norms left out), in Python
     integers: a bound on its size before anything is built."""

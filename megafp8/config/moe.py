@@ -93,4 +93,4 @@ class MoeConfig:
             self.num_shared_experts * self.ffn_hidden_size, "model.moe.ffn_hidden_size")}
 
     def describe(self) -> str:
-        return f"{self.num_experts} experts top-{self.top_k} (ffn {self.ffn_hidden_size})" if self.enabled else ""
+        return f"{self.num_experts} experts top-{self.top_k} (ffn {self.ffn_hidden_size})"

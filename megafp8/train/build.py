@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megafp8.config import Config, ModelConfig, validate_config
+from megafp8.config import Config, ModelConfig, describe_blocks, validate_config
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta
 from megafp8.data.indexed import DatasetMeta
 from megafp8.model import (
@@ -199,12 +199,8 @@ def log_run_start(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, 
         return
     num_params = sum(math.prod(full_shape(p, dims.tensor_parallel.size)) for p in whole_model.parameters())
     m, training = model_cfg, cfg.training
-    moe = f", {m.moe.describe()}" if m.moe.enabled else ""
-    log.info(
-        "model: %.2fM parameters (%d layers, hidden %d, %s, ffn %d%s, vocab %d, %s) | precision %s",
-        num_params / 1e6, m.num_layers, m.hidden_size, m.attention.describe(m.num_heads), m.ffn_hidden_size, moe,
-        m.vocab_size, describe_rope(m.rope_theta, m.rope_scaling), recipe.name,
-    )
+    log.info("model: %.2fM parameters (%s, vocab %d, %s) | precision %s", num_params / 1e6, describe_blocks(m),
+             m.vocab_size, describe_rope(m.rope_theta, m.rope_scaling), recipe.name)
     memory = optimizer.memory_bytes()
     log.info(
         "memory per rank: %s (bytes/param: %s) | optimizer %s over %d data-parallel rank(s), moments %s",

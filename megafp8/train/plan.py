@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from megafp8.config import Config, ConfigError
+from megafp8.config import Config, ConfigError, describe_blocks
 from megafp8.data import read_meta
 from megafp8.config.validate import data_parallel_size, validate_for_world
 from megafp8.model import Transformer, apply_fp8_plan, describe_rope, resolve_vocab_size, training_flops_per_token
@@ -225,10 +225,7 @@ def dry_run(cfg: Config, world_size: int, peak_tflops: float, mfu: float) -> str
     cfg = with_vocab(cfg)
     validate_for_world(cfg, world_size)  # every check the launch applies before it allocates
     m = cfg.model
-    moe = f", {m.moe.describe()}" if m.moe.enabled else ""
-    header = (f"{cfg.run_name or 'run'}: {m.num_layers} layers, hidden {m.hidden_size}, "
-              f"{m.attention.describe(m.num_heads)}, "
-              f"ffn {m.ffn_hidden_size}{moe}{f', MTP depth {m.mtp_depth}' if m.mtp_depth else ''}, "
+    header = (f"{cfg.run_name or 'run'}: {describe_blocks(m)}{f', MTP depth {m.mtp_depth}' if m.mtp_depth else ''}, "
               f"{describe_rope(m.rope_theta, m.rope_scaling)}, "
               f"vocab {m.vocab_size}, seq "
               f"{cfg.data.seq_len}, micro-batch {cfg.training.micro_batch_size}, precision {cfg.precision.recipe}, "
