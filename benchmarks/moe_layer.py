@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megafp8.config import ModelConfig  # noqa: E402
+from megafp8.config import ModelConfig, MoeConfig  # noqa: E402
 from megafp8.model import init_weights  # noqa: E402
 from megafp8.model.moe import MoE  # noqa: E402
 from megafp8.parallel import ExpertParallel, TensorParallel  # noqa: E402
@@ -33,8 +33,8 @@ def time_ms(fn) -> float:
 
 
 def bench(cfg: ModelConfig, tokens: int, recipe: str, profile: bool = False) -> tuple[float, list[int]]:
-    moe = MoE(cfg, PrecisionRecipe.from_name(recipe), TensorParallel.single(), ExpertParallel.single(),
-              device="cuda")
+    moe = MoE(cfg.moe, cfg.hidden_size, PrecisionRecipe.from_name(recipe), TensorParallel.single(),
+              ExpertParallel.single(), device="cuda")
     init_weights(moe, cfg, seed=0)
     x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -72,9 +72,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also print the top CUDA kernels of one iteration")
     args = parser.parse_args()
     groups = 8 if args.experts % 8 == 0 else 1  # DeepSeek-V3's group-limited routing: 4 of 8 groups
-    cfg = ModelConfig(hidden_size=args.hidden, num_heads=16, moe_num_experts=args.experts, moe_top_k=args.top_k,
-                      moe_ffn_hidden_size=args.ffn, moe_num_shared_experts=1, moe_first_dense_layers=0,
-                      moe_n_group=groups, moe_topk_group=max(1, groups // 2))
+    cfg = ModelConfig(hidden_size=args.hidden, num_heads=16,
+                      moe=MoeConfig(num_experts=args.experts, top_k=args.top_k, ffn_hidden_size=args.ffn,
+                                    num_shared_experts=1, first_dense_layers=0, n_group=groups,
+                                    topk_group=max(1, groups // 2)))
     # Expert GEMM FLOPs: 3 weight matrices of hidden x ffn per active expert (top-k + shared), 2 FLOPs per
     # multiply-add, x3 for forward + backward.
     flops = 6.0 * args.tokens * (args.top_k + 1) * 3 * args.hidden * args.ffn

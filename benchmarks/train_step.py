@@ -53,14 +53,14 @@ from torch._dynamo.utils import counters  # noqa: E402
 MODELS = {
     "1b": ["model.size=1b", "model.vocab_size=32768", "data.seq_len=2048", "training.micro_batch_size=8"],
     "moe": ["model.size=1b", "model.vocab_size=32768", "data.seq_len=2048", "training.micro_batch_size=8",
-            "model.moe_num_experts=64", "model.moe_top_k=8", "model.moe_ffn_hidden_size=1024",
-            "model.moe_num_shared_experts=1", "model.moe_first_dense_layers=1", "model.moe_n_group=8",
-            "model.moe_topk_group=4", "model.moe_score_func=sigmoid", "model.num_layers=8"],
+            "model.moe.num_experts=64", "model.moe.top_k=8", "model.moe.ffn_hidden_size=1024",
+            "model.moe.num_shared_experts=1", "model.moe.first_dense_layers=1", "model.moe.n_group=8",
+            "model.moe.topk_group=4", "model.moe.score_func=sigmoid", "model.num_layers=8"],
     "8b-layers": ["model.size=null", "model.hidden_size=4096", "model.ffn_hidden_size=14336", "model.num_heads=32",
-                  "model.num_kv_heads=32", "model.num_layers=8", "model.vocab_size=32768", "data.seq_len=4096",
-                  "training.micro_batch_size=4"],
+                  "model.attention.num_kv_heads=32", "model.num_layers=8", "model.vocab_size=32768",
+                  "data.seq_len=4096", "training.micro_batch_size=4"],
     "tiny": ["model.vocab_size=384", "data.seq_len=64", "training.micro_batch_size=2", "model.hidden_size=128",
-             "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_hidden_size=256",
+             "model.num_layers=2", "model.num_heads=2", "model.attention.num_kv_heads=1", "model.ffn_hidden_size=256",
              "model.size=null"],
 }
 

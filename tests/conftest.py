@@ -16,7 +16,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 # A model small enough that a few steps take well under a second on one CPU core.
 TINY_OVERRIDES = [
-    "model.hidden_size=128", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+    "model.hidden_size=128", "model.num_layers=2", "model.num_heads=2", "model.attention.num_kv_heads=1",
     "model.ffn_hidden_size=256", "model.size=null", "data.seq_len=64",
     "training.global_batch_size=8", "training.micro_batch_size=2", "training.steps=6",
     "training.eval_interval=3", "training.eval_iters=2", "optimizer.warmup_steps=2", "optimizer.lr=3e-3",

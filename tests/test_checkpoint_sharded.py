@@ -18,8 +18,9 @@ from megafp8.parallel import ParallelDims
 from megafp8.train.trainer import Trainer
 from tests.distributed import spawn
 
-TP_MODEL = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
-            "model.num_layers=4", "precision.recipe=fp32", "training.eval_interval=100", "training.eval_iters=4"]
+TP_MODEL = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.head_dim=128",
+            "model.vocab_size=512", "model.num_layers=4", "precision.recipe=fp32", "training.eval_interval=100",
+            "training.eval_iters=4"]
 
 
 def _worker(rank, world, overrides, out_path):

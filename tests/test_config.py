@@ -5,8 +5,11 @@ import dataclasses
 
 import pytest
 
-from megafp8.config import Config, ConfigError, load_config, parse_overrides, validate_for_world
-from megafp8.config.loader import REPO_CONFIG_DIR, available_configs, resolve_config_path
+from megafp8.config import (
+    AttentionConfig, Config, ConfigError, GqaConfig, MlaConfig, ModelConfig, MoeConfig, load_config, parse_overrides,
+    validate_for_world,
+)
+from megafp8.config.loader import REPO_CONFIG_DIR, available_configs, model_config_from_saved, resolve_config_path
 from megafp8.config.schema import field_doc
 
 
@@ -25,7 +28,7 @@ def test_bare_name_resolves_with_or_without_suffix():
 
 def test_yaml_values_and_named_size():
     cfg = load_config("tiny_dense")
-    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_kv_heads) == (256, 4, 2)
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.attention.num_kv_heads) == (256, 4, 2)
     assert cfg.optimizer.lr == pytest.approx(2e-3)
 
 
@@ -50,11 +53,14 @@ def test_every_field_has_a_doc():
             assert field_doc(f), f"{prefix}{f.name} has no doc"
             checked.append(prefix + f.name)
             value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
+            if isinstance(value, AttentionConfig):
+                for kind in AttentionConfig.kinds().values():
+                    walk(kind(), f"{prefix}{f.name}.")
+            elif dataclasses.is_dataclass(value):
                 walk(value, f"{prefix}{f.name}.")
 
     walk(Config(), "")
-    assert "model.hidden_size" in checked and "optimizer.lr" in checked
+    assert {"model.hidden_size", "optimizer.lr", "model.attention.kv_lora_rank", "model.moe.top_k"} <= set(checked)
 
 
 @pytest.mark.parametrize(
@@ -66,7 +72,7 @@ def test_every_field_has_a_doc():
         (["optimizer.lr=fast"], "optimizer.lr: expected float, got str ('fast')"),
         (["precision.recipe=bf61"], "is not one of 'auto' | 'bf16' | 'fp8' | 'fp16' | 'fp32' (did you mean 'bf16'?)"),
         (["model.num_heads=6"], "model.num_heads=6 does not divide model.hidden_size=256"),
-        (["model.num_kv_heads=3"], "model.num_kv_heads=3 must divide model.num_heads=4"),
+        (["model.attention.num_kv_heads=3"], "model.attention.num_kv_heads=3 must divide model.num_heads=4"),
         (["model.size=1bb"], "unknown size '1bb'. Did you mean '1b'?"),
         (["training.global_batch_size=10"], "global_batch_size=10 is not a multiple of training.micro_batch_size=4"),
         (["optimizer.warmup_steps=500"], "optimizer.warmup_steps=500 exceeds training.steps=200"),
@@ -123,7 +129,8 @@ def test_world_size_checks():
         validate_for_world(cfg, 2)
 
 
-TP_READY = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128"]  # 128 q and kv features per rank at TP=2
+# 128 q and kv features per rank at TP=2
+TP_READY = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.head_dim=128"]
 
 
 def test_tensor_parallel_layout_checks():
@@ -134,7 +141,8 @@ def test_tensor_parallel_layout_checks():
     with pytest.raises(ConfigError, match=r"model.num_heads=4 is not divisible by parallel.tp=3.*set parallel.tp"):
         validate_for_world(load_config("tiny_dense", ["parallel.tp=3"]), 3)
     # tiny's 2 kv heads x 64 give 64 key/value features per rank at TP=2: not whole FP8 tiles.
-    with pytest.raises(ConfigError, match=r"key/value features\) = 128 splits into 64 per rank.*multiple of 256"):
+    with pytest.raises(ConfigError, match=r"key/value features\) = 128 splits into 64 per rank.*multiple of 256.*"
+                                          r"change model.attention.num_kv_heads or model.attention.head_dim"):
         validate_for_world(load_config("tiny_dense", ["parallel.tp=2"]), 2)
     with pytest.raises(ConfigError, match=r"model.ffn_hidden_size = 640 splits into 320 per rank"):
         validate_for_world(load_config("tiny_dense", TP_READY + ["parallel.tp=2", "model.ffn_hidden_size=640"]), 2)
@@ -179,3 +187,110 @@ def test_the_dry_run_refuses_what_the_launch_refuses_in_one_line(capsys, overrid
     assert main(["--config", "tiny_dense", "--dry-run", "--world-size", "2", "model.vocab_size=384", *overrides]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+
+
+# -------------------------------------------------------------------------------- model sections
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.moe_top_k=4"], "model.moe_top_k moved: use model.moe.top_k ["),
+    (["model.kv_lora_rank=256"], "model.kv_lora_rank moved: use model.attention.kv_lora_rank ["),
+    (["model.num_kv_heads=2"], "model.num_kv_heads moved: use model.attention.num_kv_heads ["),
+    (["model.attention=mla"], "model.attention=mla moved: use model.attention.kind=mla ["),
+    (["model.moe_num_experts=8", "model.moe_top_k=4"],
+     "model.moe_num_experts moved: use model.moe.num_experts (and model.moe_top_k -> model.moe.top_k) ["),
+])
+def test_an_old_flat_model_key_names_its_new_place(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_dense", overrides)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_old_flat_config_file_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("model:\n  attention: mla\n  kv_lora_rank: 512\n  moe_num_experts: 8\n")
+    with pytest.raises(ConfigError, match=r"^model.attention=mla moved: use model.attention.kind=mla \(and "
+                                          r"model.kv_lora_rank -> model.attention.kv_lora_rank, model.moe_num_experts "
+                                          r"-> model.moe.num_experts\) \[config: .*old.yaml\]$"):
+        load_config(str(path))
+
+
+def test_nested_model_sections_take_dotted_overrides():
+    cfg = load_config("tiny_moe_fp8", ["model.moe.top_k=4", "model.moe.score_func=softmax"])
+    assert (cfg.model.moe.top_k, cfg.model.moe.score_func, cfg.model.moe.num_experts) == (4, "softmax", 8)
+    assert load_config("tiny_dense", ["model.moe.num_experts=4"]).model.moe.num_experts == 4
+
+
+def test_another_attention_kind_drops_the_earlier_kinds_settings():
+    """tiny's size sets the GQA kv heads; switching the kind on the command line leaves them behind, and a setting the
+    new kind has survives even when given before the switch."""
+    cfg = load_config("tiny_dense", ["model.attention.kv_lora_rank=256", "model.attention.num_kv_heads=1",
+                                     "model.attention.kind=mla", "model.attention.v_head_dim=64"])
+    assert cfg.model.attention == MlaConfig(kv_lora_rank=256, v_head_dim=64)
+    assert load_config("tiny_dense", ["model.attention.kind=gqa"]).model.attention == GqaConfig(num_kv_heads=2)
+    # An override switching back to GQA drops the file's MLA ranks.
+    cfg = load_config("tiny_mla_moe_mtp_fp8", ["model.attention.kind=gqa", "model.attention.num_kv_heads=2"])
+    assert cfg.model.attention == GqaConfig(num_kv_heads=2)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.attention.kv_lora_rank=256"], "model.attention.kv_lora_rank is a setting of model.attention.kind=mla, "
+                                           "not of kind gqa: remove it, or set model.attention.kind=mla"),
+    (["model.attention.kind=mla", "model.attention.num_kv_heads=2"],
+     "model.attention.num_kv_heads is a setting of model.attention.kind=gqa, not of kind mla"),
+    (["model.attention.kind=mlaa"], "model.attention.kind: 'mlaa' is not one of 'gqa' | 'mla' (did you mean 'mla'?)"),
+    (["model.attention.num_kv_head=2"], "unknown config key 'model.attention.num_kv_head'. Did you mean "
+                                        "'model.attention.num_kv_heads'?"),
+    (["model.moe.topk=2"], "unknown config key 'model.moe.topk'. Did you mean 'model.moe.top_k'?"),
+    (["model.moe.num_experts=8", "model.moe.top_k=9"], "model.moe.top_k=9 exceeds model.moe.num_experts=8"),
+    (["model.attention.kind=mla", "model.attention.qk_rope_head_dim=63"],
+     "model.attention.qk_rope_head_dim=63 must be even for RoPE"),
+])
+def test_bad_model_sections_give_one_clear_error(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_dense", overrides)
+    assert expected in str(err.value)
+
+
+def test_a_config_saved_in_the_flat_layout_reads_as_todays():
+    """Checkpoints and run directories written before the model sections hold every key flat, the other attention
+    kind's at its defaults."""
+    flat = {"size": None, "vocab_size": 384, "hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+            "head_dim": None, "attention": "gqa", "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "ffn_hidden_size": 768, "rope_scaling": {"type": "none"},
+            "moe_num_experts": 8, "moe_top_k": 2, "moe_score_func": "softmax", "moe_bias_update_rate": 0.0,
+            "a_key_of_a_later_version": 1}
+    cfg = model_config_from_saved(flat)
+    assert cfg == ModelConfig(vocab_size=384, hidden_size=256, num_layers=4, num_heads=4,
+                              attention=GqaConfig(num_kv_heads=2), ffn_hidden_size=768,
+                              moe=MoeConfig(num_experts=8, top_k=2, score_func="softmax", bias_update_rate=0.0))
+    mla = model_config_from_saved({**flat, "attention": "mla", "q_lora_rank": 128})
+    assert mla.attention == MlaConfig(q_lora_rank=128)
+    assert model_config_from_saved(dataclasses.asdict(mla)) == mla  # today's layout reads as itself
+
+
+def test_the_printed_config_loads_back(tmp_path):
+    from megafp8.config import dump_config
+
+    cfg = load_config("tiny_mla_moe_mtp_fp8")
+    path = tmp_path / "printed.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(str(path)).model == cfg.model
+
+
+def test_layer_spec_says_which_blocks_hold_experts():
+    from megafp8.config import layer_spec, mtp_layer_spec
+
+    cfg = load_config("tiny_mla_moe_mtp_fp8").model  # 4 layers, the first dense
+    specs = [layer_spec(cfg, i) for i in range(cfg.num_layers)]
+    assert [s.is_moe for s in specs] == [False, True, True, True]
+    assert specs[0].mlp.ffn_hidden_size == 768 and specs[1].mlp is cfg.moe and specs[0].attention is cfg.attention
+    assert mtp_layer_spec(cfg).is_moe
+    assert not any(layer_spec(load_config("tiny_dense").model, i).is_moe for i in range(4))
+
+
+def test_the_blocks_describe_themselves_in_one_line():
+    from megafp8.config import describe_blocks
+
+    assert describe_blocks(load_config("tiny_dense").model) == "4 layers, hidden 256, 4 heads / 2 kv, ffn 768"
+    assert describe_blocks(load_config("671b_fp8").model) == ("61 layers, hidden 7168, 128 heads MLA (q/kv ranks "
+                                                              "1536/512), ffn 18432, 256 experts top-8 (ffn 2048)")

@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 
-from megafp8.config import ConfigError, ModelConfig, RopeScalingConfig, load_config
+from megafp8.config import (
+    ConfigError, GqaConfig, MlaConfig, ModelConfig, MoeConfig, RopeScalingConfig, load_config,
+)
 from megafp8.model import Transformer, init_weights
 from megafp8.parallel import ParallelDims
 from megafp8.precision import E4M3, PrecisionRecipe
@@ -25,7 +27,12 @@ pytest.importorskip("safetensors")
 from megafp8.checkpoint import load_checkpoint
 from megafp8.checkpoint.hf import WEIGHTS_FILE, load_hf, save_hf  # noqa: E402
 
-CFG = ModelConfig(vocab_size=384, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=512)
+CFG = ModelConfig(vocab_size=384, hidden_size=256, num_layers=2, num_heads=4, attention=GqaConfig(num_kv_heads=2),
+                  ffn_hidden_size=512)
+
+
+def with_moe(cfg: ModelConfig, **moe) -> ModelConfig:
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **moe))
 
 
 def tiny_model(cfg=CFG, seed=0):
@@ -39,7 +46,7 @@ def test_round_trip_gives_identical_logits(tmp_path):
     assert save_hf(model.state_dict(), CFG, 64, tmp_path / "hf", fp8=False) == "llama"
     imported = load_hf(tmp_path / "hf")
     cfg, state = imported.cfg, imported.state
-    assert (cfg.hidden_size, cfg.num_kv_heads, cfg.ffn_hidden_size, cfg.vocab_size) == (256, 2, 512, 384)
+    assert (cfg.hidden_size, cfg.attention.num_kv_heads, cfg.ffn_hidden_size, cfg.vocab_size) == (256, 2, 512, 384)
     assert imported.layout == "llama" and imported.notes == []
     restored = tiny_model(cfg, seed=1)
     restored.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
@@ -122,7 +129,8 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
     resumed = Trainer(load_config(tmp_path / "run.yaml", not_model + [
         f"checkpoint.resume={tmp_path / 'imported' / 'step_00000000'}", "run_name=imported"]),
         ParallelDims.single(), torch.device("cpu"))
-    assert resumed.model_cfg == dataclasses.replace(trainer.model_cfg, head_dim=64)  # written out, as transformers
+    written_out = dataclasses.replace(trainer.model_cfg.attention, head_dim=64)  # as transformers does
+    assert resumed.model_cfg == dataclasses.replace(trainer.model_cfg, attention=written_out)
     assert resumed.step == 0 and resumed.optimizer.step_count == 0
     for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name  # masters rounded to BF16 are the model weights
@@ -145,11 +153,11 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
     assert bad.returncode == 2 and "not found" in bad.stderr
 
 
-DEEPSEEK = ModelConfig(vocab_size=384, hidden_size=256, num_layers=3, num_heads=4, attention="mla", q_lora_rank=128,
-                       kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, ffn_hidden_size=512,
-                       moe_num_experts=8, moe_top_k=2, moe_ffn_hidden_size=128, moe_num_shared_experts=1,
-                       moe_first_dense_layers=1, moe_n_group=4, moe_topk_group=2, moe_routed_scaling_factor=2.5,
-                       mtp_depth=1, norm_eps=1e-6)
+DEEPSEEK = ModelConfig(vocab_size=384, hidden_size=256, num_layers=3, num_heads=4, ffn_hidden_size=512, mtp_depth=1,
+                       norm_eps=1e-6, attention=MlaConfig(q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64,
+                                                          qk_rope_head_dim=64, v_head_dim=64),
+                       moe=MoeConfig(num_experts=8, top_k=2, ffn_hidden_size=128, num_shared_experts=1,
+                                     first_dense_layers=1, n_group=4, topk_group=2, routed_scaling_factor=2.5))
 
 
 def _deepseek_model(cfg=DEEPSEEK, seed=0):
@@ -207,8 +215,8 @@ def test_deepseek_fp8_export_dequantizes_within_the_e4m3_bound(tmp_path):
 def _exported(cfg: ModelConfig, path):
     """A megafp8 model of `cfg` written as a Hugging Face directory (selection biases zero where the layout has
     none)."""
-    model = _deepseek_model(cfg) if cfg.attention == "mla" else tiny_model(cfg)
-    if cfg.moe_score_func == "softmax":
+    model = _deepseek_model(cfg) if cfg.attention.kind == "mla" else tiny_model(cfg)
+    if cfg.moe.score_func == "softmax":
         for name, b in model.named_buffers():
             if name.endswith("expert_bias"):
                 b.data.zero_()
@@ -255,7 +263,8 @@ REFUSED = [
     (dict(partial_rotary_factor=0.5), "config.json: partial_rotary_factor != 1 is not supported"),
     (dict(quantization_config=dict(quant_method="bitsandbytes")), "quantization_config (quant_method='bitsandbytes'"),
     (dict(qk_layernorm=True), "config.json: qk_layernorm=True is a llama setting megafp8's converter does not know"),
-    (dict(num_key_value_heads=3), "config.json describes a model megafp8 refuses: model.num_kv_heads=3 must divide"),
+    (dict(num_key_value_heads=3), "config.json describes a model megafp8 refuses: model.attention.num_kv_heads=3 "
+                                            "must divide"),
 ]
 
 
@@ -267,8 +276,8 @@ def test_a_config_value_megafp8_cannot_represent_is_refused_in_one_line(tmp_path
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-V2 = dataclasses.replace(DEEPSEEK, moe_score_func="softmax", moe_norm_topk_prob=False, moe_n_group=1, moe_topk_group=1,
-                         moe_routed_scaling_factor=1.0, moe_num_shared_experts=2, mtp_depth=0)
+V2 = with_moe(dataclasses.replace(DEEPSEEK, mtp_depth=0), score_func="softmax", norm_topk_prob=False, n_group=1,
+              topk_group=1, routed_scaling_factor=1.0, num_shared_experts=2)
 DEEPSEEK_REFUSED = [
     (V2, dict(topk_method="group_limited_greedy", n_group=2, topk_group=1),
      "config.json: topk_method=group_limited_greedy with n_group=2 is not supported"),
@@ -335,30 +344,33 @@ def test_fp8_weights_with_partial_edge_blocks_are_dequantized(tmp_path):
         load_hf(tmp_path)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(moe_num_experts=4, moe_score_func="softmax", moe_first_dense_layers=0),
-     "model.moe_num_shared_experts=1 has no place in the Mixtral layout"),
-    (dict(moe_num_experts=4, moe_num_shared_experts=0, moe_first_dense_layers=0),
-     "model.moe_score_func='sigmoid' has no place in the Mixtral layout"),
-    (dict(mtp_depth=1), "model.mtp_depth=1: only the DeepSeek-V3 layout"),
-    (dict(attention="mla", norm_eps=1e-5), "model.norm_eps=1e-05: DeepSeek's layout normalizes MLA's q and kv with "
-                                           "eps 1e-6"),
-    (dict(attention="mla", norm_eps=1e-6, moe_num_experts=4, moe_score_func="softmax"),
-     "model.moe_norm_topk_prob=True has no place in the DeepSeek-V2 layout"),
+MLA_CFG = dataclasses.replace(CFG, attention=MlaConfig())
+
+
+@pytest.mark.parametrize("cfg, message", [
+    (with_moe(CFG, num_experts=4, score_func="softmax", first_dense_layers=0),
+     "model.moe.num_shared_experts=1 has no place in the Mixtral layout"),
+    (with_moe(CFG, num_experts=4, num_shared_experts=0, first_dense_layers=0),
+     "model.moe.score_func='sigmoid' has no place in the Mixtral layout"),
+    (dataclasses.replace(CFG, mtp_depth=1), "model.mtp_depth=1: only the DeepSeek-V3 layout"),
+    (dataclasses.replace(MLA_CFG, norm_eps=1e-5), "model.norm_eps=1e-05: DeepSeek's layout normalizes MLA's q and kv "
+                                                  "with eps 1e-6"),
+    (with_moe(dataclasses.replace(MLA_CFG, norm_eps=1e-6), num_experts=4, score_func="softmax"),
+     "model.moe.norm_topk_prob=True has no place in the DeepSeek-V2 layout"),
 ])
-def test_a_model_without_an_exact_layout_is_not_exported(tmp_path, change, message):
+def test_a_model_without_an_exact_layout_is_not_exported(tmp_path, cfg, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        save_hf({}, dataclasses.replace(CFG, **change), 64, tmp_path / "hf", fp8=False)
+        save_hf({}, cfg, 64, tmp_path / "hf", fp8=False)
     assert not (tmp_path / "hf").exists()  # nothing half-written
 
 
 def test_a_trained_selection_bias_is_not_exported_to_a_layout_without_one(tmp_path):
-    cfg = dataclasses.replace(CFG, moe_num_experts=4, moe_ffn_hidden_size=128, moe_num_shared_experts=0,
-                              moe_first_dense_layers=0, moe_score_func="softmax")
+    cfg = with_moe(CFG, num_experts=4, ffn_hidden_size=128, num_shared_experts=0, first_dense_layers=0,
+                   score_func="softmax")
     state = tiny_model(cfg).state_dict()
     state["layers.1.mlp.router.expert_bias"][0] = 1e-3
     with pytest.raises(ConfigError, match=r"layers.1.mlp.router.expert_bias is non-zero .* train such models with "
-                                          r"model.moe_bias_update_rate=0"):
+                                          r"model.moe.bias_update_rate=0"):
         save_hf(state, cfg, 64, tmp_path / "hf", fp8=False)
     with pytest.raises(ConfigError, match=r"model.layers.1.mlp.router.expert_bias is non-zero .* the DeepSeek-V2 "):
         save_hf(_deepseek_model(V2).state_dict(), V2, 64, tmp_path / "hf", fp8=False)
@@ -369,8 +381,9 @@ def test_a_v2_lite_shaped_import_trains_in_fp8_keeping_untiled_layers_bf16(tiny_
     under FP8 (here 200 and 128 + 64), those layers run BF16 on their own and the start-up line names them."""
     from megafp8.checkpoint.convert import import_hf, model_settings
 
-    cfg = dataclasses.replace(V2, hidden_size=128, num_layers=2, num_heads=2, q_lora_rank=None, ffn_hidden_size=200,
-                              moe_num_experts=4, moe_ffn_hidden_size=128)
+    cfg = with_moe(dataclasses.replace(V2, hidden_size=128, num_layers=2, num_heads=2, ffn_hidden_size=200,
+                                       attention=dataclasses.replace(V2.attention, q_lora_rank=None)),
+                   num_experts=4, ffn_hidden_size=128)
     _exported(cfg, tmp_path / "hf")
     path, imported, _ = import_hf(tmp_path / "hf", tmp_path / "ckpt")
     (tmp_path / "run.yaml").write_text(model_settings(imported))
@@ -391,7 +404,8 @@ def test_resuming_an_import_under_other_rope_settings_says_so(tiny_overrides, tm
     resume says which settings differ, since the weights then compute another function."""
     from megafp8.checkpoint.convert import import_hf
 
-    cfg = dataclasses.replace(CFG, hidden_size=128, num_heads=2, num_kv_heads=1, ffn_hidden_size=256, rope_theta=5e5,
+    cfg = dataclasses.replace(CFG, hidden_size=128, num_heads=2, attention=GqaConfig(num_kv_heads=1),
+                              ffn_hidden_size=256, rope_theta=5e5,
                               rope_scaling=RopeScalingConfig(type="llama3", factor=8.0))
     _exported(cfg, tmp_path / "hf")
     path, _, _ = import_hf(tmp_path / "hf", tmp_path / "ckpt")

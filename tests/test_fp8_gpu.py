@@ -258,18 +258,18 @@ def test_moe_permutation_kernels_match_their_pure_torch_twins():
 def test_compiled_fp8_moe_layer_on_gpu_matches_eager():
     """The FP8 MoE layer under torch.compile (the experts' fused MLP, the gathering quantizer and the combine run
     uncompiled between compiled regions; the router compiles) against the same layer run eagerly."""
-    from megafp8.config import ModelConfig
+    from megafp8.config import ModelConfig, MoeConfig
     from megafp8.model import init_weights
     from megafp8.model.moe import MoE
     from megafp8.parallel import ExpertParallel, TensorParallel
 
-    cfg = ModelConfig(hidden_size=256, num_heads=2, moe_num_experts=8, moe_top_k=2, moe_ffn_hidden_size=256,
-                      moe_num_shared_experts=1, moe_first_dense_layers=0)
+    cfg = ModelConfig(hidden_size=256, num_heads=2, moe=MoeConfig(num_experts=8, top_k=2, ffn_hidden_size=256,
+                                                                  num_shared_experts=1, first_dense_layers=0))
     torch._dynamo.reset()
     results = []
     for compiled in (False, True):
-        moe = MoE(cfg, PrecisionRecipe.from_name("fp8"), TensorParallel.single(), ExpertParallel.single(),
-                  device=CUDA)
+        moe = MoE(cfg.moe, cfg.hidden_size, PrecisionRecipe.from_name("fp8"), TensorParallel.single(),
+                  ExpertParallel.single(), device=CUDA)
         init_weights(moe, cfg, seed=0)
         run = torch.compile(moe) if compiled else moe
         x = torch.randn(300, 256, generator=torch.Generator().manual_seed(1)).bfloat16().to(CUDA).requires_grad_()

@@ -69,7 +69,7 @@ def test_monitor_samples_every_n_steps_and_warns(tiny_overrides, caplog):
 
 def test_monitor_covers_grouped_expert_linears(tiny_overrides):
     cfg = load_config("tiny_moe_fp8", tiny_overrides + ["training.steps=2", "training.eval_interval=0",
-                                                        "logging.fp8_health_interval=1", "model.moe_ffn_hidden_size=128"])
+                                                        "logging.fp8_health_interval=1", "model.moe.ffn_hidden_size=128"])
     trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     trainer.fit()
     records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -204,9 +204,9 @@ def test_bad_layer_requests_are_refused(overrides, message):
 def test_fp8_config_rejects_unaligned_sizes():
     with pytest.raises(ConfigError, match=r"multiples of the 128-wide FP8 tile, but model.hidden_size = 320: "
                                           r"change model.hidden_size \(e.g. to make it 384\)"):
-        load_config("tiny_dense_fp8", ["model.hidden_size=320", "model.head_dim=64"])
+        load_config("tiny_dense_fp8", ["model.hidden_size=320", "model.attention.head_dim=64"])
     with pytest.raises(ConfigError, match=r"QKV width\) = 192"):
-        load_config("tiny_dense_fp8", ["model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=1"])
+        load_config("tiny_dense_fp8", ["model.hidden_size=128", "model.num_heads=4", "model.attention.num_kv_heads=1"])
 
 
 def test_fp8_backend_that_cannot_run_here_is_a_config_error(tiny_overrides):

@@ -69,8 +69,8 @@ def _two_gpus_match_one(config: str, tiny_overrides: list[str], model: list[str]
     torch.testing.assert_close(torch.tensor(two)[:, 1], torch.tensor(one)[:, 1], rtol=3e-2, atol=0)
 
 
-WIDE_HEADS = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
-              "training.device=cuda"]
+WIDE_HEADS = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.head_dim=128",
+              "model.vocab_size=512", "training.device=cuda"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -92,18 +92,18 @@ def test_pipeline_on_two_gpus_matches_one_gpu(tiny_overrides, tmp_path, schedule
 
 def test_moe_layer_on_cuda_matches_the_cpu_reference():
     """FP8 MoE layer (cuBLAS expert GEMMs, Triton quantizers) against the same layer on CPU (reference backend)."""
-    from megafp8.config import ModelConfig
+    from megafp8.config import ModelConfig, MoeConfig
     from megafp8.model import init_weights
     from megafp8.model.moe import MoE
     from megafp8.parallel import ExpertParallel, TensorParallel
     from megafp8.precision import PrecisionRecipe
 
-    cfg = ModelConfig(hidden_size=256, num_heads=2, moe_num_experts=8, moe_top_k=2, moe_ffn_hidden_size=256,
-                      moe_num_shared_experts=1, moe_first_dense_layers=0)
+    cfg = ModelConfig(hidden_size=256, num_heads=2, moe=MoeConfig(num_experts=8, top_k=2, ffn_hidden_size=256,
+                                                                  num_shared_experts=1, first_dense_layers=0))
     outputs = {}
     for device in ("cpu", "cuda"):
-        moe = MoE(cfg, PrecisionRecipe.from_name("fp8"), TensorParallel.single(), ExpertParallel.single(),
-                  device=device)
+        moe = MoE(cfg.moe, cfg.hidden_size, PrecisionRecipe.from_name("fp8"), TensorParallel.single(),
+                  ExpertParallel.single(), device=device)
         init_weights(moe, cfg, seed=0)
         x = torch.randn(300, 256, generator=torch.Generator().manual_seed(1)).bfloat16().to(device).requires_grad_()
         y, _ = moe(x, batch=3, seq_len=100)
@@ -120,7 +120,7 @@ def test_moe_layer_on_cuda_matches_the_cpu_reference():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_expert_parallel_on_two_gpus_matches_one_gpu(tiny_overrides, tmp_path):
     """EP=2 over NCCL (uneven all-to-all, FP8 dispatch) against one GPU, on the tiny MoE config."""
-    _two_gpus_match_one("tiny_moe_fp8", tiny_overrides, WIDE_HEADS + ["model.moe_ffn_hidden_size=128",
+    _two_gpus_match_one("tiny_moe_fp8", tiny_overrides, WIDE_HEADS + ["model.moe.ffn_hidden_size=128",
                                                                       "parallel.ep_dispatch_fp8=true"],
                         ["parallel.ep=2"], tmp_path)
 
@@ -128,8 +128,9 @@ def test_expert_parallel_on_two_gpus_matches_one_gpu(tiny_overrides, tmp_path):
 def test_mla_moe_mtp_model_trains_on_cuda(tiny_overrides):
     """configs/tiny_mla_moe_mtp_fp8.yaml (made smaller) on one GPU: cuBLAS/Triton FP8 projections, grouped FP8
     experts, the BF16 kv_a of MLA, one MTP depth."""
-    cfg = load_config("tiny_mla_moe_mtp_fp8", tiny_overrides + ["training.device=cuda", "training.steps=12",
-                                                                 "training.eval_interval=0", "optimizer.warmup_steps=2"])
+    gqa_free = [o for o in tiny_overrides if not o.startswith("model.attention.")]  # the tiny model's kv heads
+    cfg = load_config("tiny_mla_moe_mtp_fp8", gqa_free + ["training.device=cuda", "training.steps=12",
+                                                           "training.eval_interval=0", "optimizer.warmup_steps=2"])
     trainer = Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0))
     losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
     assert losses[-1] < losses[0] - 1.0, losses

@@ -16,7 +16,7 @@ from tests.conftest import REPO
 
 SCRIPT = "benchmarks/gpu_parity_corpus.sh"
 # Stands in for the ~1B model on CPU: appended to each run's overrides (later overrides win).
-TINY = ("model.size=null model.hidden_size=128 model.num_layers=2 model.num_heads=2 model.num_kv_heads=1 "
+TINY = ("model.size=null model.hidden_size=128 model.num_layers=2 model.num_heads=2 model.attention.num_kv_heads=1 "
         "model.ffn_hidden_size=256 data.seq_len=64 training.micro_batch_size=2 optimizer.warmup_steps=1 "
         "logging.log_interval=1 training.device=cpu")
 
@@ -64,8 +64,8 @@ def test_plan_cuts_the_runs_to_one_pass_and_configs_hold_every_setting(tmp_path)
     assert (dense["precision"]["recipe"], dense["training"]["seed"], dense["data"]["seed"]) == ("bf16", 2, 1234)
     assert (moe["precision"]["recipe"], moe["training"]["seed"], moe["data"]["seed"]) == ("fp8", 1, 1234)
     assert (dense["training"]["steps"], moe["training"]["steps"]) == (2441, 1000)
-    assert dense["model"]["hidden_size"] == 2048 and dense["model"]["moe_num_experts"] == 0
-    assert moe["model"]["moe_num_experts"] == 64 and moe["model"]["num_layers"] == 8
+    assert dense["model"]["hidden_size"] == 2048 and dense["model"]["moe"]["num_experts"] == 0
+    assert moe["model"]["moe"]["num_experts"] == 64 and moe["model"]["num_layers"] == 8
     for cfg in (dense, moe):
         assert cfg["data"]["seq_len"] == 2048 and cfg["training"]["global_batch_size"] == 8
         assert (cfg["optimizer"]["lr"], cfg["optimizer"]["min_lr"], cfg["optimizer"]["decay_style"]) == \

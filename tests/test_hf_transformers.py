@@ -22,7 +22,7 @@ pytest.importorskip("safetensors")
 transformers = pytest.importorskip("transformers", reason="needs the test extra: pip install -e '.[test]'")
 
 from megafp8.checkpoint.hf import load_hf, save_hf  # noqa: E402
-from megafp8.config import ModelConfig, RopeScalingConfig  # noqa: E402
+from megafp8.config import GqaConfig, MlaConfig, ModelConfig, MoeConfig, RopeScalingConfig  # noqa: E402
 from megafp8.model import Transformer, init_weights  # noqa: E402
 from megafp8.precision import PrecisionRecipe  # noqa: E402
 
@@ -109,22 +109,23 @@ def test_import_of_a_transformers_model_gives_its_logits(tmp_path, record_proper
         assert torch.equal(imported.state["lm_head.weight"], imported.state["embed.weight"])
 
 
-GQA = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                  ffn_hidden_size=96, init_std=0.1)
-MLA = dataclasses.replace(GQA, attention="mla", num_kv_heads=None, head_dim=None, q_lora_rank=48, kv_lora_rank=32,
-                          qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, norm_eps=1e-6, moe_num_experts=8, moe_top_k=2,
-                          moe_ffn_hidden_size=32, moe_first_dense_layers=1)
+GQA = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                  attention=GqaConfig(num_kv_heads=2, head_dim=16), ffn_hidden_size=96, init_std=0.1)
+MLA = dataclasses.replace(GQA, norm_eps=1e-6, attention=MlaConfig(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+                                                                  qk_rope_head_dim=8, v_head_dim=16),
+                          moe=MoeConfig(num_experts=8, top_k=2, ffn_hidden_size=32, first_dense_layers=1))
 LLAMA3 = RopeScalingConfig(type="llama3", factor=8.0, original_max_position_embeddings=32)
 YARN = RopeScalingConfig(type="yarn", factor=40.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.5)
 EXPORTS = {
     "llama, llama3 scaling": dataclasses.replace(GQA, rope_theta=500000.0, rope_scaling=LLAMA3),
-    "mixtral, yarn": dataclasses.replace(GQA, ffn_hidden_size=48, moe_num_experts=4, moe_top_k=2,
-                                         moe_ffn_hidden_size=48, moe_num_shared_experts=0, moe_first_dense_layers=0, moe_score_func="softmax",
-                                         rope_scaling=YARN),
-    "deepseek_v2, yarn": dataclasses.replace(MLA, q_lora_rank=None, moe_score_func="softmax", moe_top_k=3,
-                                             moe_num_shared_experts=2, moe_norm_topk_prob=False, rope_scaling=YARN),
-    "deepseek_v3, yarn, MTP": dataclasses.replace(MLA, moe_n_group=2, moe_topk_group=1, moe_routed_scaling_factor=2.5,
-                                                  mtp_depth=1, rope_theta=50000.0, rope_scaling=YARN),
+    "mixtral, yarn": dataclasses.replace(GQA, ffn_hidden_size=48, rope_scaling=YARN, moe=MoeConfig(
+        num_experts=4, top_k=2, ffn_hidden_size=48, num_shared_experts=0, first_dense_layers=0, score_func="softmax")),
+    "deepseek_v2, yarn": dataclasses.replace(
+        MLA, rope_scaling=YARN, attention=dataclasses.replace(MLA.attention, q_lora_rank=None),
+        moe=dataclasses.replace(MLA.moe, score_func="softmax", top_k=3, num_shared_experts=2, norm_topk_prob=False)),
+    "deepseek_v3, yarn, MTP": dataclasses.replace(
+        MLA, mtp_depth=1, rope_theta=50000.0, rope_scaling=YARN,
+        moe=dataclasses.replace(MLA.moe, n_group=2, topk_group=1, routed_scaling_factor=2.5)),
 }
 
 
@@ -136,7 +137,7 @@ def _megafp8_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.bfloat16().float())
-    if cfg.moe_score_func == "softmax":  # Mixtral and DeepSeek-V2 have no selection bias
+    if cfg.moe.score_func == "softmax":  # Mixtral and DeepSeek-V2 have no selection bias
         for name, b in model.named_buffers():
             if name.endswith("expert_bias"):
                 b.zero_()
@@ -153,7 +154,8 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, record_prop
     assert type(hf_model).__name__ == json.loads((tmp_path / "config.json").read_text())["architectures"][0]
     _measure(hf_model, model, cfg.vocab_size, record_property, f"export {case}")
     imported = load_hf(tmp_path)  # and back: every tensor and setting as it was (training-only ones aside)
-    training_only = dict(init_std=cfg.init_std, moe_bias_update_rate=cfg.moe_bias_update_rate)
+    training_only = dict(init_std=cfg.init_std, moe=dataclasses.replace(imported.cfg.moe,
+                                                                        bias_update_rate=cfg.moe.bias_update_rate))
     assert dataclasses.replace(imported.cfg, **training_only) == cfg
     for name, t in model.state_dict().items():
         assert torch.equal(imported.state[name], t), name

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megafp8.config import ConfigError, ModelConfig, load_config, validate_for_world
+from megafp8.config import ConfigError, MlaConfig, ModelConfig, load_config, validate_for_world
 from megafp8.model import Transformer, init_weights
 from megafp8.model.mla import MultiHeadLatentAttention
 from megafp8.model.rope import RotaryEmbedding
@@ -21,15 +21,17 @@ from megafp8.train.trainer import Trainer
 from tests.distributed import spawn
 from tests.parity import assert_close, grad_pairs
 
-MLA = ModelConfig(hidden_size=256, num_layers=2, num_heads=4, attention="mla", q_lora_rank=128, kv_lora_rank=128,
-                  qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, ffn_hidden_size=256, vocab_size=384)
-MLA_OVERRIDES = ["model.attention=mla", "model.q_lora_rank=128", "model.kv_lora_rank=128",
-                 "model.qk_nope_head_dim=64", "model.qk_rope_head_dim=64", "model.v_head_dim=64"]
+MLA = ModelConfig(hidden_size=256, num_layers=2, num_heads=4, ffn_hidden_size=256, vocab_size=384,
+                  attention=MlaConfig(q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
+                                      v_head_dim=64))
+MLA_OVERRIDES = ["model.attention.kind=mla", "model.attention.q_lora_rank=128", "model.attention.kv_lora_rank=128",
+                 "model.attention.qk_nope_head_dim=64", "model.attention.qk_rope_head_dim=64",
+                 "model.attention.v_head_dim=64"]
 
 
 @pytest.mark.parametrize("q_lora_rank", [128, None])
 def test_shapes_and_causality(q_lora_rank):
-    cfg = dataclasses.replace(MLA, q_lora_rank=q_lora_rank)
+    cfg = dataclasses.replace(MLA, attention=dataclasses.replace(MLA.attention, q_lora_rank=q_lora_rank))
     model = Transformer(cfg, PrecisionRecipe.from_name("fp32"), max_seq_len=32)
     init_weights(model, cfg, seed=0)
     tokens = torch.randint(0, 384, (2, 32))
@@ -92,8 +94,9 @@ def test_tp2_matches_tp1(recipe, sp):
 def test_tiny_mla_moe_mtp_model_trains(tiny_overrides):
     """configs/tiny_mla_moe_mtp_fp8.yaml (made smaller): MLA + MoE + one MTP depth, FP8 (reference backend); the
     (LM + weighted MTP + balance) loss falls."""
-    cfg = load_config("tiny_mla_moe_mtp_fp8", tiny_overrides + ["training.steps=12", "training.eval_interval=0",
-                                                                 "optimizer.warmup_steps=2"])
+    gqa_free = [o for o in tiny_overrides if not o.startswith("model.attention.")]  # the tiny model's kv heads
+    cfg = load_config("tiny_mla_moe_mtp_fp8", gqa_free + ["training.steps=12", "training.eval_interval=0",
+                                                           "optimizer.warmup_steps=2"])
     trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     assert len(trainer.model.mtp) == 1 and len(trainer.expert_balance.routers) == 2  # the MTP block is an MoE block too
     losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
@@ -114,3 +117,6 @@ def test_mtp_inputs_and_targets_look_further_ahead():
 def test_tp_layout_checks_use_the_mla_widths():
     with pytest.raises(ConfigError, match=r"MLA output features\) = 128 splits into 64 per rank"):
         validate_for_world(load_config("tiny_dense", MLA_OVERRIDES + ["model.num_heads=2", "parallel.tp=2"]), 2)
+    with pytest.raises(ConfigError, match=r"FP8 tile, but model.attention.kv_lora_rank = 192: change "
+                                          r"model.attention.kv_lora_rank \(e.g. to make it 256\)"):
+        load_config("tiny_dense_fp8", MLA_OVERRIDES + ["model.attention.kv_lora_rank=192"])

@@ -7,13 +7,14 @@ import math
 import pytest
 import torch
 
-from megafp8.config import ModelConfig
+from megafp8.config import AttentionConfig, GqaConfig, ModelConfig
 from megafp8.model import Transformer, init_weights, training_flops_per_token
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.parallel import ColumnParallelLinear, RowParallelLinear
 from megafp8.precision import PrecisionRecipe
 
-CFG = ModelConfig(vocab_size=384, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=256)
+CFG = ModelConfig(vocab_size=384, hidden_size=128, num_layers=2, num_heads=4, attention=GqaConfig(num_kv_heads=2),
+                  ffn_hidden_size=256)
 
 
 def build(cfg=CFG, recipe="fp32", seq_len=32, seed=0):
@@ -89,8 +90,9 @@ def test_rope_scaling_reaches_the_model_that_trains(attention):
     from megafp8.config import load_config
     from megafp8.train.build import build_model
 
-    mla = ["model.attention=mla", "model.q_lora_rank=null", "model.kv_lora_rank=128", "model.qk_nope_head_dim=32",
-           "model.qk_rope_head_dim=32", "model.v_head_dim=32"] if attention == "mla" else []
+    mla = ["model.attention.kind=mla", "model.attention.q_lora_rank=null", "model.attention.kv_lora_rank=128",
+           "model.attention.qk_nope_head_dim=32", "model.attention.qk_rope_head_dim=32",
+           "model.attention.v_head_dim=32"] if attention == "mla" else []
     scaled = YARN + ["model.rope_scaling.mscale=1", "model.rope_scaling.mscale_all_dim=0.5"]
 
     def model(*overrides):
@@ -111,6 +113,13 @@ def test_rope_scaling_reaches_the_model_that_trains(attention):
     assert torch.allclose(magnitude, torch.full_like(magnitude, (m(1) / m(0.5)) ** 2))
     if attention == "mla":
         assert yarn.layers[0].attn.scale == pytest.approx(plain.layers[0].attn.scale * m(0.5) ** 2, rel=1e-12)
+
+
+def test_every_attention_kind_has_a_module():
+    """A kind is its settings (megafp8/config/attention.py) plus its module: a kind without one cannot be built."""
+    from megafp8.model.transformer import ATTENTION_MODULES
+
+    assert set(ATTENTION_MODULES) == set(AttentionConfig.kinds())
 
 
 def test_rope_rejects_too_long_sequences():

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.checkpoint import find_latest, load_checkpoint
-from megafp8.config import ConfigError, ModelConfig, load_config, validate_for_world
+from megafp8.config import ConfigError, ModelConfig, MoeConfig, load_config, validate_for_world
 from megafp8.model import init_weights
 from megafp8.model.moe import MoE, Router
 from megafp8.parallel import ExpertParallel, ParallelDims, TensorParallel
@@ -29,18 +29,19 @@ from megafp8.train.trainer import Trainer
 from tests.distributed import spawn
 from tests.parity import LOW_PRECISION_TOL, assert_close, grad_pairs
 
-MOE = ModelConfig(hidden_size=128, num_layers=2, num_heads=2, moe_num_experts=8, moe_top_k=2,
-                  moe_ffn_hidden_size=128, moe_num_shared_experts=1, moe_first_dense_layers=0, moe_n_group=4,
-                  moe_topk_group=2, moe_aux_loss_coeff=1e-2)
+MOE = ModelConfig(hidden_size=128, num_layers=2, num_heads=2,
+                  moe=MoeConfig(num_experts=8, top_k=2, ffn_hidden_size=128, num_shared_experts=1, first_dense_layers=0,
+                                n_group=4, topk_group=2, aux_loss_coeff=1e-2))
+UNGROUPED = dataclasses.replace(MOE.moe, n_group=1, topk_group=1)
 
 
 def test_group_limited_top_k_on_hand_made_scores():
-    router = Router(MOE)
+    router = Router(MOE.moe, 128)
     # Groups {0,1} {2,3} {4,5} {6,7} score 0.99, 0.9, 0.0, 0.8 (sum of their two best): groups 0 and 1 are kept,
     # so expert 6 (the single best score) is out of reach.
     scores = torch.tensor([[0.5, 0.49, 0.45, 0.45, 0.0, 0.0, 0.8, 0.0]])
     assert sorted(router.select(scores)[0].tolist()) == [0, 1]
-    flat = Router(dataclasses.replace(MOE, moe_n_group=1, moe_topk_group=1))
+    flat = Router(UNGROUPED, 128)
     assert sorted(flat.select(scores)[0].tolist()) == [0, 6]
     # The bias steers the choice only: expert 3 gets picked, but weighs its own (unbiased) score.
     router.expert_bias[3] = 0.2
@@ -49,8 +50,7 @@ def test_group_limited_top_k_on_hand_made_scores():
 
 
 def test_weights_are_normalized_unbiased_scores_times_the_scaling_factor():
-    cfg = dataclasses.replace(MOE, moe_n_group=1, moe_topk_group=1, moe_routed_scaling_factor=2.5)
-    router = Router(cfg)
+    router = Router(dataclasses.replace(UNGROUPED, routed_scaling_factor=2.5), 128)
     torch.nn.init.normal_(router.weight)
     router.expert_bias.uniform_(-0.5, 0.5)
     x = torch.randn(16, 128)
@@ -61,7 +61,7 @@ def test_weights_are_normalized_unbiased_scores_times_the_scaling_factor():
 
 
 def test_bias_updates_move_a_skewed_load_toward_uniform():
-    router = Router(dataclasses.replace(MOE, moe_n_group=1, moe_topk_group=1))
+    router = Router(UNGROUPED, 128)
     g = torch.Generator().manual_seed(0)
     router.weight.data = torch.randn(8, 128, generator=g) * 0.1
     x = torch.randn(512, 128, generator=g) + 2.0 * router.weight.data[0] / router.weight.data[0].norm()  # skewed
@@ -104,8 +104,8 @@ def test_dispatch_and_combine_drop_nothing():
 def _layer_worker(rank, world, recipe_name, fp8_dispatch):
     recipe = PrecisionRecipe.from_name(recipe_name)
     ep = ExpertParallel(dist.group.WORLD, world, rank)
-    moe = MoE(MOE, recipe, TensorParallel.single(), ep, fp8_dispatch)
-    ref = MoE(MOE, recipe, TensorParallel.single(), ExpertParallel.single())
+    moe = MoE(MOE.moe, MOE.hidden_size, recipe, TensorParallel.single(), ep, fp8_dispatch)
+    ref = MoE(MOE.moe, MOE.hidden_size, recipe, TensorParallel.single(), ExpertParallel.single())
     init_weights(moe, MOE, seed=3)
     init_weights(ref, MOE, seed=3)
     g = torch.Generator().manual_seed(4)
@@ -149,8 +149,8 @@ def test_fp8_dispatch_gives_the_same_output_bit_for_bit():
 
 # ------------------------------------------------------------------------------------ whole model
 
-MODEL = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
-         "training.steps=5", "training.eval_interval=0", "model.moe_ffn_hidden_size=128"]
+MODEL = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.head_dim=128",
+         "model.vocab_size=512", "training.steps=5", "training.eval_interval=0", "model.moe.ffn_hidden_size=128"]
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
@@ -164,7 +164,7 @@ def test_ep2_training_matches_ep1(parity, recipe):
 
 def test_ep2_x_tp2_training_matches_one_rank(parity):
     # Two shared experts: their 256-wide SwiGLU splits into 128-wide TP shards.
-    parity.check(MODEL + ["precision.recipe=bf16", "model.moe_num_shared_experts=2"],
+    parity.check(MODEL + ["precision.recipe=bf16", "model.moe.num_shared_experts=2"],
                  ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"], 4, LOW_PRECISION_TOL,
                  "tiny_moe_fp8")
 
@@ -189,11 +189,12 @@ def test_ep2_checkpoint_resumes_at_ep1_with_every_expert_and_bias(tiny_overrides
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.ep=3"], r"model.moe_num_experts=8 is not divisible by parallel.ep=3"),
-    (["model.moe_top_k=9"], r"model.moe_top_k=9 exceeds model.moe_num_experts=8"),
-    (["model.moe_n_group=3"], r"model.moe_n_group=3 must divide model.moe_num_experts=8"),
-    (["model.moe_top_k=6", "model.moe_topk_group=2"], r"moe_top_k=6 exceeds the 4 experts of the moe_topk_group=2"),
-    (["model.moe_num_experts=0", "parallel.ep=2"], r"parallel.ep=2 needs a mixture-of-experts model"),
+    (["parallel.ep=3"], r"model.moe.num_experts=8 is not divisible by parallel.ep=3"),
+    (["model.moe.top_k=9"], r"model.moe.top_k=9 exceeds model.moe.num_experts=8"),
+    (["model.moe.n_group=3"], r"model.moe.n_group=3 must divide model.moe.num_experts=8"),
+    (["model.moe.top_k=6", "model.moe.topk_group=2"], r"top_k=6 exceeds the 4 experts of the topk_group=2 groups a "
+                                                      r"token may use: raise model.moe.topk_group"),
+    (["model.moe.num_experts=0", "parallel.ep=2"], r"parallel.ep=2 needs a mixture-of-experts model"),
 ])
 def test_bad_moe_configs_give_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -352,12 +353,12 @@ def test_fp8_expert_weight_gradients_are_added_into_main_grad_in_fp32_now_or_whe
     from megafp8.model.moe import RoutedExperts
     from megafp8.precision import WeightGradQueue
 
-    cfg = dataclasses.replace(MOE, moe_num_experts=3, moe_ffn_hidden_size=128)
+    cfg = dataclasses.replace(MOE.moe, num_experts=3, ffn_hidden_size=128)
     counts = [5, 0, 199]
-    rows = _tokens_as_rows(sum(counts) // 3, 3, cfg.hidden_size)
-    dy = torch.randn(sum(counts), cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    rows = _tokens_as_rows(sum(counts) // 3, 3, MOE.hidden_size)
+    dy = torch.randn(sum(counts), MOE.hidden_size, generator=torch.Generator().manual_seed(1))
     for observed in (False, True):  # the fused MLP, then its two grouped linears
-        experts = RoutedExperts(cfg, PrecisionRecipe.from_name("fp8"), ExpertParallel.single())
+        experts = RoutedExperts(cfg, MOE.hidden_size, PrecisionRecipe.from_name("fp8"), ExpertParallel.single())
         experts.observed = observed
         for p in experts.parameters():
             torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(p.numel()))
@@ -404,7 +405,7 @@ def test_bf16_grouped_linear_falls_back_to_the_loop_where_grouped_mm_cannot_run(
 
 
 def test_partial_fp8_recipes_are_refused_for_experts_with_a_way_out(tiny_overrides):
-    overrides = tiny_overrides + ["model.moe_ffn_hidden_size=128", "precision.fp8_wgrad=false"]
+    overrides = tiny_overrides + ["model.moe.ffn_hidden_size=128", "precision.fp8_wgrad=false"]
     for start in (0, 5):  # also when FP8 starts later: the error comes at start-up, not at the switch
         with pytest.raises(ConfigError, match=r"bf16_layers=\['\*.experts.\*'\]"):
             Trainer(load_config("tiny_moe_fp8", overrides + [f"precision.fp8_start_step={start}"]),
@@ -443,15 +444,15 @@ def test_fp8_experts_run_their_swiglu_mlp_as_one_function_within_fp8_tolerance_o
     from megafp8.model.moe import RoutedExperts
 
     torch.manual_seed(0)
-    cfg = dataclasses.replace(MOE, moe_num_experts=3, moe_ffn_hidden_size=128)
-    experts = RoutedExperts(cfg, PrecisionRecipe.from_name("fp8"), ExpertParallel.single())
-    bf16 = RoutedExperts(cfg, PrecisionRecipe.from_name("bf16"), ExpertParallel.single())
+    cfg = dataclasses.replace(MOE.moe, num_experts=3, ffn_hidden_size=128)
+    experts = RoutedExperts(cfg, MOE.hidden_size, PrecisionRecipe.from_name("fp8"), ExpertParallel.single())
+    bf16 = RoutedExperts(cfg, MOE.hidden_size, PrecisionRecipe.from_name("bf16"), ExpertParallel.single())
     for layer in (experts, bf16):
         for p in layer.parameters():
             torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(p.numel()))
     counts = [5, 0, 199]
-    rows = _tokens_as_rows(sum(counts) // 3, 3, cfg.hidden_size)  # each token feeds three rows
-    dy = torch.randn(sum(counts), cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    rows = _tokens_as_rows(sum(counts) // 3, 3, MOE.hidden_size)  # each token feeds three rows
+    dy = torch.randn(sum(counts), MOE.hidden_size, generator=torch.Generator().manual_seed(1))
     calls = []
     for linear in (experts.gate_up_proj, experts.down_proj):
         linear.register_forward_hook(lambda *args: calls.append(1))
@@ -474,7 +475,8 @@ def test_the_moe_layer_traces_under_dynamo_and_matches_eager(recipe):
     torch._dynamo.reset()
     results = []
     for compiled in (False, True):
-        moe = MoE(MOE, PrecisionRecipe.from_name(recipe), TensorParallel.single(), ExpertParallel.single())
+        moe = MoE(MOE.moe, MOE.hidden_size, PrecisionRecipe.from_name(recipe), TensorParallel.single(),
+                  ExpertParallel.single())
         init_weights(moe, MOE, seed=0)
         run = torch.compile(moe, backend="eager") if compiled else moe
         x = torch.randn(64, MOE.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()

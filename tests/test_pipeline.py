@@ -57,13 +57,13 @@ def test_uneven_layout_matches_pp1(parity):
 
 
 def test_pp2_x_tp2_with_sequence_parallel_matches_one_rank(parity):
-    tp_model = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128"]
+    tp_model = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.head_dim=128"]
     _check(parity, FP32 + tp_model, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                                      "parallel.pp_schedule=interleaved_1f1b"], 4)
 
 
-MOE = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.moe_ffn_hidden_size=128",
-       "model.moe_aux_loss_coeff=0.01"]
+MOE = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.head_dim=128",
+       "model.moe.ffn_hidden_size=128", "model.moe.aux_loss_coeff=0.01"]
 
 
 def test_pp2_with_moe_and_ep2_matches_one_rank(parity):
@@ -80,7 +80,7 @@ def test_balance_loss_gradient_is_not_lost_through_stages(parity):
     """The router weights' gradients come only from the balance loss and the gate; a lost balance gradient on
     either stage moves them far beyond tolerance (checked by switching the loss off)."""
     ref_with = parity.reference(MODEL + FP32 + MOE, "tiny_moe_fp8")
-    ref_without = parity.reference(MODEL + FP32 + MOE[:-1] + ["model.moe_aux_loss_coeff=0"], "tiny_moe_fp8")
+    ref_without = parity.reference(MODEL + FP32 + MOE[:-1] + ["model.moe.aux_loss_coeff=0"], "tiny_moe_fp8")
     router = [n for n in ref_with.grads if n.endswith("router.weight")]
     assert len(router) >= 2
     moved = max((ref_with.grads[n] - ref_without.grads[n]).abs().max().item() for n in router)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megafp8.config import ConfigError, load_config
+from megafp8.parallel.pipeline import build_layout
 from megafp8.train.plan import GIB, check_fits, make_plan
 from megafp8.train.build import build_model
 from megafp8.precision import PrecisionRecipe
@@ -212,3 +213,18 @@ def test_too_few_ranks_for_671b_states_the_minimum(world_size):
 
     with pytest.raises(ConfigError, match=r"launch a multiple of 1024 ranks \(at least 1024 = tp x pp x ep\)"):
         validate_for_world(load_config("671b_fp8"), world_size)
+
+
+def test_the_pipeline_layout_is_built_once_and_passed_down(monkeypatch):
+    """make_plan builds the layout once for every pipeline rank (or takes the caller's), and each rank's model is
+    built from its stages: the same parameters as the whole model's, split."""
+    import megafp8.train.plan as planning
+
+    built = []
+    monkeypatch.setattr(planning, "build_layout", lambda *args: built.append(args) or build_layout(*args))
+    cfg = load_config("tiny_dense", ["model.vocab_size=384", "parallel.pp=2", "parallel.pp_schedule=zbv"])
+    plan = make_plan(cfg, 2)
+    assert len(built) == 1
+    assert make_plan(cfg, 2, planning.pipeline_layout(cfg)).bytes_per_rank == plan.bytes_per_rank and len(built) == 2
+    assert [row[1:3] for row in plan.pipeline] == [("0, 3 (embedding, head)", 2), ("1, 2", 2)]
+    assert sum(row[3] for row in plan.pipeline) == plan.total_params

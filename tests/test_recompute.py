@@ -17,8 +17,8 @@ from megafp8.train.plan import make_plan
 from megafp8.train.trainer import Trainer
 from tests.parity import EXACT_TOL, Tolerance
 
-MOE = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
-       "model.moe_ffn_hidden_size=128", "model.moe_aux_loss_coeff=0.01"]
+MOE = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.head_dim=128",
+       "model.vocab_size=512", "model.moe.ffn_hidden_size=128", "model.moe.aux_loss_coeff=0.01"]
 
 
 @pytest.mark.parametrize("config, extra", [("tiny_dense", []), ("tiny_moe_fp8", MOE)], ids=["dense", "moe"])

@@ -1,12 +1,14 @@
 """One run directory holds one run: relaunches resume, other runs are refused, failed starts leave no trace."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
@@ -124,3 +126,41 @@ def test_a_failed_start_in_a_new_run_directory_leaves_nothing(tiny_overrides, tm
     with pytest.raises(ConfigError):
         make_trainer(tiny_overrides, SHORT + ["run_name=bad_data", f"data.path={tmp_path / 'missing'}"])
     assert not (tmp_path / "runs").exists()
+
+
+def _flat_model(model: dict) -> dict:
+    """A model section as megafp8 saved it before `attention` and `moe` were sections: every key flat, the other
+    attention kind's at their defaults."""
+    from megafp8.config import MlaConfig
+
+    attention, moe = model["attention"], model["moe"]
+    flat = {k: v for k, v in model.items() if k not in ("attention", "moe")}
+    other = {k: v for k, v in dataclasses.asdict(MlaConfig()).items() if k != "kind"}
+    return {**flat, **other, **{k: v for k, v in attention.items() if k != "kind"}, "attention": attention["kind"],
+            **{f"moe_{k}": v for k, v in moe.items()}}
+
+
+def test_a_run_saved_before_the_model_sections_relaunches_and_resumes(tiny_overrides, caplog):
+    """A run directory and checkpoint of the flat model layout (config.yaml, the checkpoint's config) continue under
+    today's: the relaunch is the same run, the resume compares the model settings the tensors do not show, and the
+    conversion tools read the model config."""
+    from megafp8.checkpoint import load_checkpoint
+    from megafp8.checkpoint.convert import model_config_of
+    from megafp8.checkpoint.local import find_latest, save_checkpoint
+    from megafp8.train.checkpointing import model_setting_changes
+
+    first = make_trainer(tiny_overrides, SAVING)
+    first.fit()
+    config = yaml.safe_load((first.run_dir / "config.yaml").read_text())
+    (first.run_dir / "config.yaml").write_text(yaml.safe_dump({**config, "model": _flat_model(config["model"])}))
+    newest = find_latest(first.checkpoint_dir)
+    state = load_checkpoint(newest)
+    state["config"]["model"] = _flat_model(state["config"]["model"])
+    save_checkpoint(first.checkpoint_dir, state["step"], state, keep_last=0)
+    with caplog.at_level(logging.WARNING, logger="megafp8"):
+        again = make_trainer(tiny_overrides, SAVING + ["training.steps=6"])
+    assert again.step == 4 and caplog.text == ""
+    assert model_config_of(load_checkpoint(newest)) == again.model_cfg
+    current = {**config["model"], "moe": {**config["model"]["moe"], "top_k": 4}}
+    assert model_setting_changes(state["config"]["model"], current) == [
+        "model.moe.top_k: 2 in the checkpoint, 4 in this run"]

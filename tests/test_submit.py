@@ -16,8 +16,8 @@ def test_the_layout_sets_the_nodes():
     assert (shape.nodes, shape.procs_per_node, shape.world_size) == (128, 8, 1024)
     assert job_shape(load_config("671b_fp8"), 8, nodes=256).world_size == 2048  # the paper's 2048 GPUs
     assert job_shape(load_config("tiny_dense", ["parallel.dp=2"]), 8).world_size == 2  # fewer than one node
-    assert job_shape(load_config("tiny_dense", ["parallel.tp=2", "model.num_heads=4", "model.num_kv_heads=2",
-                                                "model.head_dim=128"]), 8).world_size == 8  # fills the node
+    assert job_shape(load_config("tiny_dense", ["parallel.tp=2", "model.num_heads=4", "model.attention.num_kv_heads=2",
+                                                "model.attention.head_dim=128"]), 8).world_size == 8  # fills the node
     command = sbatch_command("671b_fp8.yaml", ["optimizer.lr=1e-4"], job_shape(load_config("671b_fp8"), 8), True,
                              ["--time=1:00:00"])
     assert command == ["sbatch", "--nodes=128", "--gpus-per-node=8", "--time=1:00:00", "launch/slurm/pretrain.sbatch",

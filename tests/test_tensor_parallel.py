@@ -199,8 +199,8 @@ def test_sequence_parallel_gather_moves_fp8_bytes(tmp_path):
 
 # -------------------------------------------------------------------------------- whole model
 
-TP_MODEL = ["model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=128", "model.vocab_size=512",
-            "training.steps=5", "training.eval_interval=0", "optimizer.grad_clip=1.0"]
+TP_MODEL = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.head_dim=128",
+            "model.vocab_size=512", "training.steps=5", "training.eval_interval=0", "optimizer.grad_clip=1.0"]
 
 
 LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -215,8 +215,9 @@ def test_tp2_training_matches_tp1(parity, recipe, layout):
 
 def test_tp2_with_mla_and_mtp_matches_tp1(parity):
     """MLA attention and one MTP depth (shared embedding and vocab-parallel head, ignored targets) at TP=2 + SP."""
-    mla = ["model.attention=mla", "model.q_lora_rank=128", "model.kv_lora_rank=128", "model.qk_nope_head_dim=64",
-           "model.qk_rope_head_dim=64", "model.v_head_dim=64", "model.num_heads=4", "model.mtp_depth=1"]
+    mla = ["model.attention.kind=mla", "model.attention.q_lora_rank=128", "model.attention.kv_lora_rank=128",
+           "model.attention.qk_nope_head_dim=64", "model.attention.qk_rope_head_dim=64",
+           "model.attention.v_head_dim=64", "model.num_heads=4", "model.mtp_depth=1"]
     parity.check(TP_MODEL + mla + ["precision.recipe=bf16"], LAYOUTS["tp2_sp"], 2, LOW_PRECISION_TOL)
 
 

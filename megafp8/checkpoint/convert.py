@@ -9,12 +9,11 @@ import torch
 import yaml
 
 from megafp8.checkpoint.hf import load_hf, save_hf
-from megafp8.checkpoint.hf_config import model_config_from_saved
 from megafp8.checkpoint.local import CONVERTING, fresh_temporary, load_checkpoint, publish, save_checkpoint
 from megafp8.checkpoint.sharded import INDEX_FILE, is_sharded_checkpoint, write_sharded
 from megafp8.parallel.sharding import Piece, Placed
-from megafp8.config import ConfigError, ModelConfig
-from megafp8.config.loader import config_to_dict
+from megafp8.config import ConfigError, ModelConfig, describe_blocks
+from megafp8.config.loader import config_to_dict, model_config_from_saved
 
 
 def model_config_of(state: dict[str, Any]) -> ModelConfig:
@@ -122,8 +121,7 @@ def describe(checkpoint: Path) -> str:
     lines = [f"checkpoint {checkpoint}", f"form: {form}", f"step: {state['step']}"]
     if config.get("model"):
         m = model_config_of(state)
-        lines.append(f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / "
-                     f"{m.num_kv_heads or m.num_heads} kv, ffn {m.ffn_hidden_size}, vocab {m.vocab_size}")
+        lines.append(f"model: {describe_blocks(m)}, vocab {m.vocab_size}")
     for section in ("parallel", "precision", "optimizer"):
         if config.get(section):
             keys = {k: v for k, v in config[section].items() if not isinstance(v, (list, dict))}

@@ -55,8 +55,7 @@ _SELECTION_BIAS = "layers.{i}.mlp.router.expert_bias"
 
 
 def _split_sizes(cfg: ModelConfig, ours: str) -> list[int]:
-    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
-    kv = cfg.num_kv_heads or cfg.num_heads
+    head_dim, kv = cfg.attention.head_dim_for(cfg.hidden_size, cfg.num_heads), cfg.attention.kv_heads_for(cfg.num_heads)
     if "qkv_proj" in ours:
         return [cfg.num_heads * head_dim, kv * head_dim, kv * head_dim]
     return [cfg.ffn_hidden_size, cfg.ffn_hidden_size]
@@ -103,7 +102,7 @@ def from_hf_tensors(get: HfTensors, expected: dict[str, tuple[int, ...]],
             ours[name] = torch.cat([get(t.format(i=layer)) for t in _FUSED[template]], dim=0)
         elif template in _EXPERTS:
             ours[name] = torch.stack([torch.cat([get(_MIXTRAL_EXPERT.format(i=layer, e=e, w=w))
-                                                 for w in _EXPERTS[template]]) for e in range(cfg.moe_num_experts)])
+                                                 for w in _EXPERTS[template]]) for e in range(cfg.moe.num_experts)])
         elif template == _SELECTION_BIAS:
             ours[name] = torch.zeros(shape)  # Mixtral routes without one
         else:

@@ -17,12 +17,13 @@ settings go both into `rope_parameters` (transformers >= 5) and `rope_theta` / `
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 import typing
 from typing import Any, Callable, Literal
 
-from megafp8.config import Config, ConfigError, ModelConfig, RopeScalingConfig, validate_config
+from megafp8.config import (
+    AttentionConfig, Config, ConfigError, ModelConfig, MoeConfig, RopeScalingConfig, validate_config,
+)
 
 HfLayout = Literal["llama", "mistral", "mixtral", "deepseek_v2", "deepseek_v3"]
 _REFUSED_TYPES = {
@@ -168,7 +169,7 @@ def rope_to_hf(theta: float, scaling: RopeScalingConfig) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------- import
 def _common(keys: _Keys) -> dict[str, Any]:
-    """ModelConfig fields every supported type has; refuses another activation and biases."""
+    """ModelConfig fields every supported type has (sections as dicts); refuses another activation and biases."""
     keys.expect("hidden_act", ("silu", None), "megafp8's MLPs are SwiGLU")
     for key in ("attention_bias", "mlp_bias"):
         keys.expect(key, (False, None), "megafp8's linears have no biases")
@@ -182,13 +183,15 @@ def _common(keys: _Keys) -> dict[str, Any]:
 def _gqa(keys: _Keys) -> dict[str, Any]:
     """Llama / Mistral / Mixtral attention."""
     keys.expect("sliding_window", (None,), "megafp8 attends to the whole causal context")
-    return dict(_common(keys), num_kv_heads=keys.get("num_key_value_heads", None), head_dim=keys.get("head_dim", None))
+    return dict(_common(keys), attention=dict(kind="gqa", num_kv_heads=keys.get("num_key_value_heads", None),
+                                              head_dim=keys.get("head_dim", None)))
 
 
 def _mixtral(keys: _Keys) -> dict[str, Any]:
-    return dict(_gqa(keys), moe_num_experts=keys.get("num_local_experts"), moe_top_k=keys.get("num_experts_per_tok"),
-                moe_ffn_hidden_size=keys.get("intermediate_size"), moe_num_shared_experts=0, moe_first_dense_layers=0,
-                moe_score_func="softmax", moe_norm_topk_prob=True, moe_bias_update_rate=0.0)
+    return dict(_gqa(keys), moe=dict(num_experts=keys.get("num_local_experts"), top_k=keys.get("num_experts_per_tok"),
+                                     ffn_hidden_size=keys.get("intermediate_size"), num_shared_experts=0,
+                                     first_dense_layers=0, score_func="softmax", norm_topk_prob=True,
+                                     bias_update_rate=0.0))
 
 
 def _mla(keys: _Keys) -> dict[str, Any]:
@@ -202,13 +205,13 @@ def _mla(keys: _Keys) -> dict[str, Any]:
     moe = dense < keys.get("num_hidden_layers")  # a dense model reads the MoE keys too, and ignores them
     experts, top_k, shared, width = (keys.get(k) if moe else keys.get(k, None) for k in (
         "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size"))
-    fields = dict(_common(keys), attention="mla", q_lora_rank=keys.get("q_lora_rank"),
-                  kv_lora_rank=keys.get("kv_lora_rank"), qk_nope_head_dim=keys.get("qk_nope_head_dim"),
-                  qk_rope_head_dim=keys.get("qk_rope_head_dim"), v_head_dim=keys.get("v_head_dim"),
-                  moe_routed_scaling_factor=float(keys.get("routed_scaling_factor")))
+    fields = dict(_common(keys), attention=dict(
+        kind="mla", q_lora_rank=keys.get("q_lora_rank"), kv_lora_rank=keys.get("kv_lora_rank"),
+        qk_nope_head_dim=keys.get("qk_nope_head_dim"), qk_rope_head_dim=keys.get("qk_rope_head_dim"),
+        v_head_dim=keys.get("v_head_dim")), moe=dict(routed_scaling_factor=float(keys.get("routed_scaling_factor"))))
     if moe:
-        fields.update(moe_num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=width,
-                      moe_num_shared_experts=shared, moe_first_dense_layers=dense)
+        fields["moe"].update(num_experts=experts, top_k=top_k, ffn_hidden_size=width, num_shared_experts=shared,
+                             first_dense_layers=dense)
     return fields
 
 
@@ -222,7 +225,9 @@ def _deepseek_v2(keys: _Keys) -> dict[str, Any]:
         raise ConfigError(f"config.json: topk_method=group_limited_greedy with n_group={groups[0]} is not supported "
                           "(it scores a group by its best expert, megafp8 by its two best)")
     keys.expect("num_nextn_predict_layers", (0, None), "DeepSeek-V2 has no multi-token prediction")
-    return dict(_mla(keys), moe_score_func="softmax", moe_norm_topk_prob=False, moe_bias_update_rate=0.0)
+    fields = _mla(keys)
+    fields["moe"].update(score_func="softmax", norm_topk_prob=False, bias_update_rate=0.0)
+    return fields
 
 
 def _deepseek_v3(keys: _Keys) -> dict[str, Any]:
@@ -230,11 +235,12 @@ def _deepseek_v3(keys: _Keys) -> dict[str, Any]:
     keys.expect("topk_method", ("noaux_tc", None), "DeepSeek-V3 routes group-limited with a selection bias")
     depth, alias = keys.get("num_nextn_predict_layers", None), keys.get("num_mtp_layers", None)
     fields = _mla(keys)
-    moe = fields.get("moe_num_experts", 0) > 0
+    moe = fields["moe"].get("num_experts", 0) > 0
     groups = keys.get("n_group") or 1, keys.get("topk_group") or 1  # null (transformers cannot run it): no groups
-    return dict(fields, moe_score_func="sigmoid", moe_norm_topk_prob=bool(keys.get("norm_topk_prob")),
-                mtp_depth=next((d for d in (depth, alias) if d is not None), 1),  # transformers' default: 1
-                moe_n_group=groups[0] if moe else 1, moe_topk_group=groups[1] if moe else 1)
+    fields["moe"].update(score_func="sigmoid", norm_topk_prob=bool(keys.get("norm_topk_prob")),
+                         n_group=groups[0] if moe else 1, topk_group=groups[1] if moe else 1)
+    fields["mtp_depth"] = next((d for d in (depth, alias) if d is not None), 1)  # transformers' default: 1
+    return fields
 
 
 _READERS: dict[str, Callable[[_Keys], dict[str, Any]]] = {
@@ -266,7 +272,9 @@ def model_from_hf(hf: dict[str, Any]) -> HfModel:
     tied = bool(keys.get("tie_word_embeddings", False))
     _check_quantization(keys)
     keys.finish()
-    cfg = ModelConfig(**fields)
+    attention, moe = fields.pop("attention"), fields.pop("moe", {})
+    cfg = ModelConfig(**fields, attention=AttentionConfig.kinds()[attention.pop("kind")](**attention),
+                      moe=MoeConfig(**moe))
     try:
         validate_config(Config(model=cfg))
     except ConfigError as err:
@@ -277,60 +285,64 @@ def model_from_hf(hf: dict[str, Any]) -> HfModel:
 
 
 # ------------------------------------------------------------------------------------------------- export
-_MIXTRAL_NEEDS = {"moe_score_func": "softmax", "moe_norm_topk_prob": True, "moe_num_shared_experts": 0,
-                  "moe_first_dense_layers": 0, "moe_n_group": 1, "moe_routed_scaling_factor": 1.0}
-_V2_NEEDS = {"moe_norm_topk_prob": False, "moe_n_group": 1, "mtp_depth": 0}
+_MIXTRAL_NEEDS = {"moe.score_func": "softmax", "moe.norm_topk_prob": True, "moe.num_shared_experts": 0,
+                  "moe.first_dense_layers": 0, "moe.n_group": 1, "moe.routed_scaling_factor": 1.0}
+_V2_NEEDS = {"moe.norm_topk_prob": False, "moe.n_group": 1, "mtp_depth": 0}
 
 
 def _require(cfg: ModelConfig, needs: dict[str, Any], layout: str) -> None:
     for key, value in needs.items():
-        if getattr(cfg, key) != value:
-            raise ConfigError(f"model.{key}={getattr(cfg, key)!r} has no place in the {layout} layout this model "
-                              f"converts to (it needs {value!r})")
+        setting = cfg
+        for part in key.split("."):
+            setting = getattr(setting, part)
+        if setting != value:
+            raise ConfigError(f"model.{key}={setting!r} has no place in the {layout} layout this model converts to "
+                              f"(it needs {value!r})")
 
 
 def export_layout(cfg: ModelConfig) -> HfLayout:
     """The Hugging Face model type `cfg` converts to exactly, or a ConfigError naming the setting that has none."""
-    if cfg.attention == "gqa":
+    if cfg.attention.kind == "gqa":
         if cfg.mtp_depth:
-            raise ConfigError(f"model.mtp_depth={cfg.mtp_depth}: only the DeepSeek-V3 layout (model.attention=mla) "
-                              "holds MTP modules")
-        if not cfg.moe_num_experts:
+            raise ConfigError(f"model.mtp_depth={cfg.mtp_depth}: only the DeepSeek-V3 layout "
+                              "(model.attention.kind=mla) holds MTP modules")
+        if not cfg.moe.enabled:
             return "llama"
         _require(cfg, _MIXTRAL_NEEDS, "Mixtral")
         return "mixtral"
     if cfg.norm_eps != MLA_NORM_EPS:
         raise ConfigError(f"model.norm_eps={cfg.norm_eps}: DeepSeek's layout normalizes MLA's q and kv with eps 1e-6, "
                           "so an MLA model converts only with model.norm_eps=1e-6")
-    if cfg.moe_num_experts and cfg.moe_score_func == "softmax":
+    if cfg.moe.enabled and cfg.moe.score_func == "softmax":
         _require(cfg, _V2_NEEDS, "DeepSeek-V2")
         return "deepseek_v2"
     return "deepseek_v3"
 
 
 def _gqa_config(cfg: ModelConfig) -> dict[str, Any]:
-    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_heads
-    return {"num_key_value_heads": cfg.num_kv_heads or cfg.num_heads, "head_dim": head_dim, "mlp_bias": False}
+    gqa = cfg.attention
+    return {"num_key_value_heads": gqa.kv_heads_for(cfg.num_heads),
+            "head_dim": gqa.head_dim_for(cfg.hidden_size, cfg.num_heads), "mlp_bias": False}
 
 
 def _mixtral_config(cfg: ModelConfig) -> dict[str, Any]:
-    return {**_gqa_config(cfg), "intermediate_size": cfg.moe_ffn_hidden_size, "num_local_experts": cfg.moe_num_experts,
-            "num_experts_per_tok": cfg.moe_top_k, "sliding_window": None}
+    return {**_gqa_config(cfg), "intermediate_size": cfg.moe.ffn_hidden_size, "num_local_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.top_k, "sliding_window": None}
 
 
 def _deepseek_config(cfg: ModelConfig, layout: HfLayout) -> dict[str, Any]:
-    moe = cfg.moe_num_experts > 0
-    out = {"moe_intermediate_size": cfg.moe_ffn_hidden_size, "n_shared_experts": cfg.moe_num_shared_experts,
-           "n_routed_experts": cfg.moe_num_experts if moe else 1,
-           "routed_scaling_factor": cfg.moe_routed_scaling_factor,
-           "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-           "qk_nope_head_dim": cfg.qk_nope_head_dim, "v_head_dim": cfg.v_head_dim, "num_experts_per_tok": cfg.moe_top_k,
-           "first_k_dense_replace": cfg.moe_first_dense_layers if moe else cfg.num_layers,
-           "norm_topk_prob": cfg.moe_norm_topk_prob, "num_key_value_heads": cfg.num_heads}
+    mla, moe = cfg.attention, cfg.moe
+    out = {"moe_intermediate_size": moe.ffn_hidden_size, "n_shared_experts": moe.num_shared_experts,
+           "n_routed_experts": moe.num_experts if moe.enabled else 1,
+           "routed_scaling_factor": moe.routed_scaling_factor,
+           "kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank, "qk_rope_head_dim": mla.qk_rope_head_dim,
+           "qk_nope_head_dim": mla.qk_nope_head_dim, "v_head_dim": mla.v_head_dim, "num_experts_per_tok": moe.top_k,
+           "first_k_dense_replace": moe.first_dense_layers if moe.enabled else cfg.num_layers,
+           "norm_topk_prob": moe.norm_topk_prob, "num_key_value_heads": cfg.num_heads}
     if layout == "deepseek_v2":
         return {**out, "scoring_func": "softmax", "topk_method": "greedy", "mlp_bias": False}
-    return {**out, "num_nextn_predict_layers": cfg.mtp_depth, "n_group": cfg.moe_n_group,
-            "topk_group": cfg.moe_topk_group, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+    return {**out, "num_nextn_predict_layers": cfg.mtp_depth, "n_group": moe.n_group,
+            "topk_group": moe.topk_group, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
             "rope_interleave": True}
 
 
@@ -353,11 +365,3 @@ def hf_config(cfg: ModelConfig, layout: HfLayout, max_seq_len: int, fp8: bool) -
                                       "weight_block_size": [128, 128]}
     return out
 
-
-def model_config_from_saved(saved: dict[str, Any]) -> ModelConfig:
-    """A ModelConfig from its dict form in a checkpoint (keys this version lacks are ignored; missing ones default)."""
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    kwargs = {k: v for k, v in saved.items() if k in fields}
-    if isinstance(kwargs.get("rope_scaling"), dict):
-        kwargs["rope_scaling"] = RopeScalingConfig(**kwargs["rope_scaling"])
-    return ModelConfig(**kwargs)

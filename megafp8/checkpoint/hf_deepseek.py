@@ -53,15 +53,14 @@ def _rope_order(rope_dim: int) -> torch.Tensor:
 
 def _permute_rope(w: torch.Tensor, cfg: ModelConfig, name: str, inverse: bool) -> torch.Tensor:
     """Reorder the rotary rows of a query projection (each head's last rope rows) or of kv_a (its last rope rows)."""
-    rope = cfg.qk_rope_head_dim
+    rope, nope = cfg.attention.qk_rope_head_dim, cfg.attention.qk_nope_head_dim
     order = _rope_order(rope)
     if inverse:
         order = torch.argsort(order)
     if name.endswith("kv_a_proj.weight"):
         return torch.cat([w[:-rope], w[-rope:][order]])
-    heads = w.view(cfg.num_heads, cfg.qk_nope_head_dim + rope, -1)  # (heads, nope + rope, in)
-    nope, rotary = heads[:, :cfg.qk_nope_head_dim], heads[:, cfg.qk_nope_head_dim:]
-    return torch.cat([nope, rotary[:, order]], dim=1).reshape(w.shape)
+    heads = w.view(cfg.num_heads, nope + rope, -1)  # (heads, nope + rope, in)
+    return torch.cat([heads[:, :nope], heads[:, nope:][:, order]], dim=1).reshape(w.shape)
 
 
 def _swap_halves(w: torch.Tensor) -> torch.Tensor:
@@ -137,9 +136,9 @@ def _from_block(get: HfTensors, hf: str, key: str, shape: tuple[int, ...], cfg: 
         return torch.cat([get(f"{hf}.{_GATE_UP[key]}.{p}_proj.weight") for p in ("gate", "up")])
     if key == _ROUTED[0]:
         return torch.stack([torch.cat([get(f"{hf}.mlp.experts.{e}.{p}_proj.weight") for p in ("gate", "up")])
-                            for e in range(cfg.moe_num_experts)])
+                            for e in range(cfg.moe.num_experts)])
     if key == _ROUTED[1]:
-        return torch.stack([get(f"{hf}.mlp.experts.{e}.down_proj.weight") for e in range(cfg.moe_num_experts)])
+        return torch.stack([get(f"{hf}.mlp.experts.{e}.down_proj.weight") for e in range(cfg.moe.num_experts)])
     raise ConfigError(f"tensor '{key}' has no DeepSeek name")
 
 

@@ -17,7 +17,7 @@ def check_no_selection_bias(name: str, bias: torch.Tensor, layout: str) -> None:
     """Mixtral and DeepSeek-V2 route without a selection bias: export only a model whose biases are all zero."""
     if torch.any(bias != 0):
         raise ConfigError(f"{name} is non-zero (auxiliary-loss-free balancing), but the {layout} layout has no "
-                          "selection bias: train such models with model.moe_bias_update_rate=0")
+                          "selection bias: train such models with model.moe.bias_update_rate=0")
 
 
 def emitter(out: dict[str, torch.Tensor], fp8: bool) -> Callable[[str, torch.Tensor], None]:

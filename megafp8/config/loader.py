@@ -1,13 +1,19 @@
 """Strict YAML loading onto the config dataclasses, dotted command-line overrides, name resolution.
 
-Loading order: YAML file -> dotted overrides merged on top -> `model.size` expanded under the
-explicit model keys -> dataclasses built strictly (unknown keys and wrong types are errors)
+Loading order: YAML file -> dotted overrides merged on top, one after another -> `model.size` expanded under the
+explicit model keys -> dataclasses built strictly (unknown keys, keys that moved and wrong types are errors)
 -> cross-field validation.
+
+A section of several kinds (`model.attention`) is built as the dataclass its `kind` names. When a later layer
+(an override over the file or over an earlier override, the file or an override over the named size) gives it
+another kind, the earlier layers' settings that the new kind lacks are dropped: `--config tiny_dense
+model.attention.kind=mla` needs no word about the size's `num_kv_heads`.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import types
@@ -18,7 +24,8 @@ from typing import Any, Literal, Union
 import yaml
 
 from megafp8.config.errors import ConfigError
-from megafp8.config.schema import Config
+from megafp8.config.fields import KindedSection
+from megafp8.config.schema import Config, ModelConfig, upgrade_saved_model
 from megafp8.config.sizes import MODEL_SIZES
 from megafp8.config.validate import validate_config
 
@@ -75,12 +82,48 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return nested
 
 
-def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """Recursive dict merge; `top` wins."""
+def _is_kinded(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, KindedSection)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The evaluated field annotations of a config dataclass (evaluating them is most of a config's loading time)."""
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _sections(cls: type) -> dict[str, tuple[Any, Any]]:
+    """(annotated type, default kind or None) of each field of dataclass `cls` that is a section."""
+    hints = _hints(cls)
+    return {f.name: (hints[f.name], f.default_factory().kind if _is_kinded(hints[f.name]) else None)
+            for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name]) or _is_kinded(hints[f.name])}
+
+
+def _kept_for_kind(base: type, below: dict[str, Any], top: dict[str, Any], default_kind: str) -> dict[str, Any]:
+    """`below`'s settings of a kinded section that `top` merges into: all of them if `top` keeps the kind, else
+    those the new kind also has."""
+    old = below.get("kind", default_kind)
+    new = top.get("kind", old)
+    if new == old:
+        return below
+    kind_cls = base.kinds().get(new)
+    keep = {f.name for f in dataclasses.fields(kind_cls)} if kind_cls else set()
+    return {k: v for k, v in below.items() if k in keep and k != "kind"}
+
+
+def merge(base: dict[str, Any], top: dict[str, Any], cls: type | None = None) -> dict[str, Any]:
+    """Recursive dict merge; `top` wins. With `cls`, the dataclass the dicts describe, a section of several kinds to
+    which `top` gives another kind keeps only `base`'s settings that the new kind has."""
     out = dict(base)
+    sections = _sections(cls) if cls is not None else {}
     for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
+        below = out.get(key)
+        if isinstance(value, dict) and isinstance(below, dict):
+            tp, default_kind = sections.get(key, (None, None))
+            if default_kind is not None:
+                below, tp = _kept_for_kind(tp, below, value, default_kind), None
+            out[key] = merge(below, value, tp)
         else:
             out[key] = value
     return out
@@ -96,7 +139,7 @@ def expand_model_size(raw: dict[str, Any]) -> dict[str, Any]:
         close = difflib.get_close_matches(str(size), MODEL_SIZES, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"model.size: unknown size '{size}'.{hint} Known sizes: {', '.join(MODEL_SIZES)}.")
-    return {**raw, "model": {**MODEL_SIZES[size], **model}}
+    return {**raw, "model": merge(MODEL_SIZES[size], model, ModelConfig)}
 
 
 def type_name(tp: Any) -> str:
@@ -164,25 +207,73 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} ({value!r})")
 
 
-def build_dataclass(cls: type, raw: Any, prefix: str = "") -> Any:
-    """Build `cls` from a dict, strictly: unknown keys name the closest valid key; wrong types name the field."""
+def _moved_keys(cls: type, raw: dict[str, Any], prefix: str) -> None:
+    """One ConfigError naming the new place of every key of `raw` that has moved (`cls.moved`, or a section of
+    several kinds given as its kind's name)."""
+    renamed = getattr(cls, "moved", {})
+    kinds = {key: tp.kinds() for key, (tp, default_kind) in _sections(cls).items() if default_kind is not None}
+    moved = []
+    for key, value in raw.items():  # in the order given
+        if key in renamed:
+            moved.append((f"{prefix}{key}", f"{prefix}{renamed[key]}"))
+        elif isinstance(value, str) and value in kinds.get(key, ()):
+            moved.append((f"{prefix}{key}={value}", f"{prefix}{key}.kind={value}"))
+    if moved:
+        (old, new), more = moved[0], ", ".join(f"{o} -> {n}" for o, n in moved[1:])
+        raise ConfigError(f"{old} moved: use {new}" + (f" (and {more})" if more else ""))
+
+
+def _build_kind(base: type, raw: Any, where: str, default_kind: str, ignore_unknown: bool) -> Any:
+    """The dataclass of the kind `raw["kind"]` names (default `default_kind`), built from `raw`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys to values, got {type(raw).__name__} ({raw!r})")
+    kinds = base.kinds()
+    kind = raw.get("kind", default_kind)
+    if kind not in kinds:
+        close = difflib.get_close_matches(str(kind), kinds, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{where}.kind: '{kind}' is not one of {' | '.join(map(repr, kinds))}{hint}")
+    settings = {name: {f.name for f in dataclasses.fields(c)} for name, c in kinds.items()}
+    for key in raw:
+        other = next((name for name, keys in settings.items() if key in keys), None)
+        if key not in settings[kind] and other and not ignore_unknown:
+            raise ConfigError(f"{where}.{key} is a setting of {where}.kind={other}, not of kind {kind}: remove it, or "
+                              f"set {where}.kind={other}")
+    return build_dataclass(kinds[kind], raw, f"{where}.", ignore_unknown)
+
+
+def build_dataclass(cls: type, raw: Any, prefix: str = "", ignore_unknown: bool = False) -> Any:
+    """Build `cls` from a dict, strictly: unknown keys name the closest valid key, moved keys their new place;
+    wrong types name the field. `ignore_unknown` (a config saved by another version): unknown keys are skipped."""
     where = prefix.rstrip(".") or "the top level"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping of keys to values, got {type(raw).__name__} ({raw!r})")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    _moved_keys(cls, raw, prefix)
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in fields:
+            if ignore_unknown:
+                continue
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f" Did you mean '{prefix}{close[0]}'?" if close else ""
             raise ConfigError(f"unknown config key '{prefix}{key}'.{hint} Valid keys in {where}: {', '.join(fields)}.")
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = build_dataclass(tp, value, f"{prefix}{key}.")
+        if _is_kinded(tp):
+            kwargs[key] = _build_kind(tp, value, f"{prefix}{key}", fields[key].default_factory().kind, ignore_unknown)
+        elif dataclasses.is_dataclass(tp):
+            kwargs[key] = build_dataclass(tp, value, f"{prefix}{key}.", ignore_unknown)
         else:
             kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
     return cls(**kwargs)
+
+
+def model_config_from_saved(saved: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig from its dict form in a checkpoint or a run directory's config.yaml, written by this version or
+    an earlier one (the flat layout is translated: `upgrade_saved_model`); keys this version lacks are ignored,
+    missing ones default."""
+    return build_dataclass(ModelConfig, upgrade_saved_model(saved), "model.", ignore_unknown=True)
 
 
 def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
@@ -200,7 +291,9 @@ def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | N
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
         raw.setdefault("run_name", path.stem)
-    raw = expand_model_size(merge(raw, parse_overrides(overrides or [])))
+    for item in overrides or []:  # one layer each: a later override may change a section's kind
+        raw = merge(raw, parse_overrides([item]), Config)
+    raw = expand_model_size(raw)
     try:
         cfg = build_dataclass(Config, raw)
         validate_config(cfg)

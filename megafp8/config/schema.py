@@ -1,14 +1,19 @@
 """Typed configuration dataclasses: one section per concern, a doc string for every field.
 
-Each field is declared with `setting(default, doc)`, which keeps the field's documentation
-in `dataclasses.Field.metadata["doc"]`. The loader uses it for error messages and
-`tools/config_reference.py` turns it into `docs/configs.md`.
+Each field is declared with `setting(default, doc)` (`megafp8/config/fields.py`), which keeps the field's
+documentation; the loader uses it for error messages and `tools/config_reference.py` turns it into
+`docs/configs.md`. The model's attention and mixture-of-experts sections live beside their checks and counts, in
+`megafp8/config/attention.py` and `megafp8/config/moe.py`.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Optional
+
+from megafp8.config.attention import AttentionConfig, GqaConfig
+from megafp8.config.fields import field_doc, section, setting
+from megafp8.config.moe import MoeConfig
 
 PrecisionName = Literal["auto", "bf16", "fp8", "fp16", "fp32"]
 ConcreteRecipe = Literal["bf16", "fp8", "fp16", "fp32"]
@@ -18,25 +23,11 @@ MomentDtype = Literal["fp32", "bf16"]
 LoggerName = Literal["jsonl", "tensorboard", "wandb"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 BackendName = Literal["auto", "gloo", "nccl"]
-ScoreFunc = Literal["softmax", "sigmoid"]
-AttentionKind = Literal["gqa", "mla"]
 CheckpointFormat = Literal["sharded", "full"]
 RecomputeMode = Literal["none", "full"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 PipelineScheduleName = Literal["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
 RopeScalingType = Literal["none", "yarn", "llama3"]
-
-
-def setting(default: Any, doc: str) -> Any:
-    """A dataclass field with a default value and a one-line (or longer) doc string."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
-
-
-def section(cls: type, doc: str) -> Any:
-    """A nested config section (a dataclass instance built with its defaults)."""
-    return field(default_factory=cls, metadata={"doc": doc})
 
 
 @dataclass
@@ -72,8 +63,20 @@ class RopeScalingConfig:
 
 @dataclass
 class ModelConfig:
-    """Architecture of the decoder (Llama-style: pre-norm RMSNorm, RoPE, GQA, SwiGLU), optionally with
-    DeepSeek-V3-style mixture-of-experts MLPs (`moe_num_experts > 0`)."""
+    """Architecture of the decoder (Llama-style: pre-norm RMSNorm, RoPE, SwiGLU) with its attention
+    (`attention.kind`: grouped-query or DeepSeek's latent attention) and, optionally, DeepSeek-V3-style
+    mixture-of-experts MLPs (`moe.num_experts > 0`)."""
+
+    # Keys of the flat layout before `attention` and `moe` became sections: a config that sets one is told where it
+    # went, and a saved config that has them is read through `upgrade_saved_model`.
+    moved: ClassVar[dict[str, str]] = {
+        **{key: f"attention.{key}" for key in ("num_kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank",
+                                                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
+        **{f"moe_{key}": f"moe.{key}" for key in ("num_experts", "top_k", "ffn_hidden_size", "num_shared_experts",
+                                                   "first_dense_layers", "score_func", "n_group", "topk_group",
+                                                   "routed_scaling_factor", "norm_topk_prob", "bias_update_rate",
+                                                   "aux_loss_coeff")},
+    }
 
     size: Optional[str] = setting(
         None,
@@ -92,28 +95,11 @@ class ModelConfig:
     )
     hidden_size: int = setting(256, "Width of the residual stream.")
     num_layers: int = setting(4, "Number of transformer blocks.")
-    num_heads: int = setting(4, "Attention (query) heads.")
-    num_kv_heads: Optional[int] = setting(
-        None, "Key/value heads for grouped-query attention; must divide `num_heads`. `null`: equal to `num_heads`."
+    num_heads: int = setting(4, "Attention (query) heads, of every attention kind.")
+    attention: AttentionConfig = section(
+        GqaConfig, "The attention of every block: its `kind` and that kind's settings (a table each, below)."
     )
-    head_dim: Optional[int] = setting(
-        None, "Per-head width. `null`: `hidden_size / num_heads` (which must then divide evenly)."
-    )
-    attention: AttentionKind = setting(
-        "gqa",
-        "`gqa`: grouped-query attention (`num_kv_heads`, `head_dim`). `mla`: DeepSeek-V2/V3 multi-head latent "
-        "attention (`q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`).",
-    )
-    q_lora_rank: Optional[int] = setting(
-        None, "MLA: rank of the query compression (V3: 1536); `null`: queries projected directly from the input."
-    )
-    kv_lora_rank: int = setting(512, "MLA: rank of the joint key/value compression (V3: 512).")
-    qk_nope_head_dim: int = setting(128, "MLA: per-head query/key width without rotary embedding (V3: 128).")
-    qk_rope_head_dim: int = setting(
-        64, "MLA: per-head query/key width with rotary embedding; the key's is shared by all heads (V3: 64)."
-    )
-    v_head_dim: int = setting(128, "MLA: per-head value width (V3: 128).")
-    ffn_hidden_size: int = setting(768, "Inner width of the SwiGLU MLP.")
+    ffn_hidden_size: int = setting(768, "Inner width of the SwiGLU MLP (of every block without experts).")
     norm_eps: float = setting(1e-5, "Epsilon of RMSNorm.")
     rope_theta: float = setting(10000.0, "Base of the rotary position embedding frequencies.")
     rope_scaling: RopeScalingConfig = section(
@@ -133,30 +119,25 @@ class ModelConfig:
     mtp_loss_weight: float = setting(
         0.3, "Weight of the mean MTP cross-entropy in the training loss (V3: 0.3, later 0.1)."
     )
-    moe_num_experts: int = setting(0, "Routed experts per MoE layer; 0: a dense model (every MLP is SwiGLU).")
-    moe_top_k: int = setting(2, "Experts each token is routed to.")
-    moe_ffn_hidden_size: int = setting(256, "Inner width of each expert's SwiGLU (and of each shared expert).")
-    moe_num_shared_experts: int = setting(1, "Shared experts applied to every token (0: none).")
-    moe_first_dense_layers: int = setting(
-        1, "The first N blocks keep a dense SwiGLU MLP (`ffn_hidden_size`); the rest are MoE (DeepSeek-V3: 3)."
-    )
-    moe_score_func: ScoreFunc = setting(
-        "sigmoid", "Router scores: `sigmoid` (DeepSeek-V3) or `softmax`, computed in FP32."
-    )
-    moe_n_group: int = setting(
-        1, "Group-limited routing: experts form this many groups and a token picks `moe_topk_group` groups first."
-    )
-    moe_topk_group: int = setting(1, "Groups a token may route into (with `moe_n_group > 1`).")
-    moe_routed_scaling_factor: float = setting(1.0, "Multiplier of the routed experts' combined output (V3: 2.5).")
-    moe_norm_topk_prob: bool = setting(True, "Normalize each token's top-k weights to sum to 1 (before scaling).")
-    moe_bias_update_rate: float = setting(
-        1e-3,
-        "Auxiliary-loss-free load balancing: after each step every expert's selection bias moves by this much "
-        "toward balance (down if overloaded, up if underloaded). 0 disables it.",
-    )
-    moe_aux_loss_coeff: float = setting(
-        0.0, "Weight of the sequence-wise auxiliary balance loss (DeepSeek-V3: 1e-4); 0 disables it."
-    )
+    moe: MoeConfig = section(MoeConfig, "Mixture-of-experts MLPs; `num_experts: 0` (the default): a dense model.")
+
+
+def upgrade_saved_model(saved: dict[str, Any]) -> dict[str, Any]:
+    """A model section saved in the flat layout (a checkpoint's or a run directory's config, from before `attention`
+    and `moe` were sections) in today's layout; one already in it is returned as it is. The saved attention kind's
+    settings are kept, the other kind's (saved with their defaults) dropped."""
+    attention = saved.get("attention")
+    if not isinstance(attention, str) and not any(key in ModelConfig.moved for key in saved):
+        return saved
+    kind = attention if isinstance(attention, str) else GqaConfig().kind
+    kind_fields = {f.name for f in dataclasses.fields(AttentionConfig.kinds().get(kind, GqaConfig))}
+    out: dict[str, Any] = {k: v for k, v in saved.items() if k not in ModelConfig.moved and k != "attention"}
+    out["attention"] = {"kind": kind}
+    for old, new in ModelConfig.moved.items():
+        section_name, key = new.split(".")
+        if old in saved and (section_name != "attention" or key in kind_fields):
+            out.setdefault(section_name, {})[key] = saved[old]
+    return out
 
 
 @dataclass
@@ -166,9 +147,9 @@ class ParallelConfig:
     tp: int = setting(
         1,
         "Tensor-parallel ranks: attention heads, MLP width and vocabulary are split across them. Must divide "
-        "the launched ranks, model.num_heads, num_kv_heads and vocab_size; above 1, every GEMM shard (heads x "
-        "head_dim / tp, ffn_hidden_size / tp) must be a multiple of 128 (the vocabulary's need not: the embedding and "
-        "LM head stay BF16). Keep it within a node (NVLink).",
+        "the launched ranks, model.num_heads, model.attention.num_kv_heads and vocab_size; above 1, every GEMM shard "
+        "(heads x head widths / tp, ffn_hidden_size / tp) must be a multiple of 128 (the vocabulary's need not: the "
+        "embedding and LM head stay BF16). Keep it within a node (NVLink).",
     )
     sequence_parallel: bool = setting(
         False,
@@ -206,7 +187,7 @@ class ParallelConfig:
     ep: int = setting(
         1,
         "Expert-parallel ranks (MoE): the routed experts are split across `ep` data-parallel ranks, tokens reach "
-        "them by all-to-all. Must divide the data-parallel size and model.moe_num_experts.",
+        "them by all-to-all. Must divide the data-parallel size and model.moe.num_experts.",
     )
     ep_dispatch_fp8: bool = setting(
         False,
@@ -440,7 +421,3 @@ class Config:
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpointing.")
     logging: LoggingConfig = section(LoggingConfig, "Logging.")
 
-
-def field_doc(f: dataclasses.Field) -> str:
-    """The doc string attached to a config field."""
-    return f.metadata.get("doc", "")

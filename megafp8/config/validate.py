@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megafp8.config.errors import ConfigError
+from megafp8.config.architecture import approximate_parameters
+from megafp8.config.errors import ConfigError, divisors_near
 from megafp8.config.layout import V_SHAPED, layer_counts, micro_batch_problem
 from megafp8.config.schema import Config, RopeScalingConfig
 
@@ -23,13 +24,6 @@ MAX_LAYERS = 1024  # planning builds every block on the meta device: 1000 take ~
 MAX_PARAMETERS = 10**15  # ~1500x DeepSeek-V3's 671B; far below where a tensor's byte size overflows int64
 MAX_MICRO_BATCH_TOKENS = 2**31
 MAX_TIMEOUT_MINUTES = 7 * 24 * 60  # torch.distributed's timeout is a C++ duration: no further
-
-
-def _divisors(n: int, around: int) -> str:
-    """Up to four divisors of n nearest to `around`, as text for a suggestion."""
-    divs = [d for d in range(1, n + 1) if n % d == 0]
-    near = sorted(sorted(divs, key=lambda d: abs(d - around))[:4])
-    return ", ".join(map(str, near[:-1])) + (" or " if len(near) > 1 else "") + str(near[-1])
 
 
 def _check_positive(cfg: Config) -> None:
@@ -70,23 +64,10 @@ def _check_positive(cfg: Config) -> None:
             raise ConfigError(f"{key} must be >= 0, got {value}")
 
 
-def _check_mla(cfg: Config) -> None:
-    m = cfg.model
-    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        if getattr(m, key) <= 0:
-            raise ConfigError(f"model.{key} must be positive for attention: mla, got {getattr(m, key)}")
-    if m.q_lora_rank is not None and m.q_lora_rank <= 0:
-        raise ConfigError(f"model.q_lora_rank must be positive or null, got {m.q_lora_rank}")
-    if m.qk_rope_head_dim % 2 != 0:
-        raise ConfigError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even for RoPE")
-
-
 def _check_model(cfg: Config) -> None:
     m = cfg.model
-    if m.attention == "mla":
-        _check_mla(cfg)
-    else:
-        _check_gqa(cfg)
+    m.attention.validate(m.hidden_size, m.num_heads)
+    m.moe.validate(m.num_layers)
     if m.vocab_size is not None and m.vocab_size <= 0:
         raise ConfigError(f"model.vocab_size must be positive or null, got {m.vocab_size}")
     if m.mtp_depth < 0 or m.mtp_loss_weight < 0:
@@ -120,51 +101,6 @@ def _check_rope_scaling(rs: RopeScalingConfig) -> None:
                           f"{rs.low_freq_factor} and {rs.high_freq_factor}")
 
 
-def _check_gqa(cfg: Config) -> None:
-    m = cfg.model
-    if m.head_dim is None and m.hidden_size % m.num_heads != 0:
-        raise ConfigError(
-            f"model.num_heads={m.num_heads} does not divide model.hidden_size={m.hidden_size}: set num_heads "
-            f"to a divisor of hidden_size (e.g. {_divisors(m.hidden_size, m.num_heads)}) or set model.head_dim"
-        )
-    kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
-    if kv <= 0 or m.num_heads % kv != 0:
-        raise ConfigError(
-            f"model.num_kv_heads={kv} must divide model.num_heads={m.num_heads} (grouped-query attention): "
-            f"use one of {_divisors(m.num_heads, kv)}"
-        )
-    head_dim = m.head_dim if m.head_dim is not None else m.hidden_size // m.num_heads
-    if head_dim <= 0 or head_dim % 2 != 0:
-        raise ConfigError(f"the head dimension ({head_dim}) must be positive and even for RoPE: change model.head_dim")
-
-
-def _check_moe(cfg: Config) -> None:
-    m = cfg.model
-    if m.moe_num_experts == 0:
-        return
-    if m.moe_num_experts < 0 or m.moe_top_k < 1 or m.moe_ffn_hidden_size < 1 or m.moe_num_shared_experts < 0:
-        raise ConfigError("model.moe_num_experts, moe_top_k and moe_ffn_hidden_size must be positive, "
-                          "moe_num_shared_experts >= 0")
-    if m.moe_top_k > m.moe_num_experts:
-        raise ConfigError(f"model.moe_top_k={m.moe_top_k} exceeds model.moe_num_experts={m.moe_num_experts}: "
-                          "lower moe_top_k")
-    if m.moe_n_group < 1 or m.moe_num_experts % m.moe_n_group != 0:
-        raise ConfigError(f"model.moe_n_group={m.moe_n_group} must divide model.moe_num_experts="
-                          f"{m.moe_num_experts}: use one of {_divisors(m.moe_num_experts, m.moe_n_group)}")
-    if not 1 <= m.moe_topk_group <= m.moe_n_group:
-        raise ConfigError(f"model.moe_topk_group={m.moe_topk_group} must be between 1 and model.moe_n_group="
-                          f"{m.moe_n_group}")
-    reachable = m.moe_topk_group * (m.moe_num_experts // m.moe_n_group)
-    if m.moe_top_k > reachable:
-        raise ConfigError(f"model.moe_top_k={m.moe_top_k} exceeds the {reachable} experts of the "
-                          f"moe_topk_group={m.moe_topk_group} groups a token may use: raise moe_topk_group")
-    if not 0 <= m.moe_first_dense_layers <= m.num_layers:
-        raise ConfigError(f"model.moe_first_dense_layers={m.moe_first_dense_layers} must be between 0 and "
-                          f"model.num_layers={m.num_layers}")
-    if m.moe_bias_update_rate < 0 or m.moe_aux_loss_coeff < 0:
-        raise ConfigError("model.moe_bias_update_rate and model.moe_aux_loss_coeff must be >= 0")
-
-
 def _check_fp8(cfg: Config) -> None:
     """FP8 tiles are 128 wide: every dimension an FP8 GEMM contracts over or outputs must be a multiple of 128."""
     p = cfg.precision
@@ -178,24 +114,10 @@ def _check_fp8(cfg: Config) -> None:
     if p.recipe not in ("fp8", "auto"):
         return
     m = cfg.model
-    head_dim = m.head_dim if m.head_dim is not None else m.hidden_size // m.num_heads
-    kv = m.num_kv_heads if m.num_kv_heads is not None else m.num_heads
-    # FFN widths (dense and expert) and MLA's kv_a (kv_lora_rank + qk_rope_head_dim) that are not whole tiles keep
-    # those layers in BF16, named at start-up: not checked here.
-    sizes = {"model.hidden_size": (m.hidden_size, "model.hidden_size")}
-    if m.attention == "mla":
-        sizes["num_heads x (qk_nope_head_dim + qk_rope_head_dim) (MLA query width)"] = (
-            m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), "model.qk_nope_head_dim or qk_rope_head_dim")
-        sizes["num_heads x (qk_nope_head_dim + v_head_dim) (MLA key/value width)"] = (
-            m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), "model.qk_nope_head_dim or v_head_dim")
-        sizes["num_heads x v_head_dim (MLA output width)"] = (m.num_heads * m.v_head_dim, "model.v_head_dim")
-        sizes["model.kv_lora_rank"] = (m.kv_lora_rank, "model.kv_lora_rank")
-        if m.q_lora_rank:
-            sizes["model.q_lora_rank"] = (m.q_lora_rank, "model.q_lora_rank")
-    else:
-        sizes["num_heads x head_dim (attention width)"] = (m.num_heads * head_dim, "model.num_heads or model.head_dim")
-        sizes["(num_heads + 2 x num_kv_heads) x head_dim (QKV width)"] = ((m.num_heads + 2 * kv) * head_dim,
-                                                                          "model.num_kv_heads or model.head_dim")
+    # FFN widths (dense and expert) that are not whole tiles keep those layers in BF16, named at start-up: not
+    # checked here.
+    sizes = {"model.hidden_size": (m.hidden_size, "model.hidden_size"), **m.attention.fp8_widths(m.hidden_size,
+                                                                                                m.num_heads)}
     for what, (size, setting) in sizes.items():
         if size % 128 != 0:
             up = -(-size // 128) * 128
@@ -223,25 +145,6 @@ def _check_optimizer(cfg: Config) -> None:
         raise ConfigError("optimizer.eps must be positive; optimizer.weight_decay and grad_clip must be >= 0")
 
 
-def approximate_parameters(cfg: Config) -> int:
-    """Parameters of the model, roughly (every linear and expert, embedding and head; norms and biases left out),
-    in Python integers: a bound on its size before anything is built."""
-    m = cfg.model
-    h, heads, vocab = m.hidden_size, m.num_heads, m.vocab_size or 0
-    if m.attention == "mla":
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        attention = (h * (m.q_lora_rank or 0) + (m.q_lora_rank or h) * heads * qk + h * (m.kv_lora_rank + qk)
-                     + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) + heads * m.v_head_dim * h)
-    else:
-        head_dim, kv = m.head_dim or h // heads, m.num_kv_heads or heads
-        attention = h * (heads + 2 * kv) * head_dim + heads * head_dim * h
-    dense = attention + 3 * h * m.ffn_hidden_size
-    moe = attention + 3 * h * m.moe_ffn_hidden_size * (m.moe_num_experts + m.moe_num_shared_experts)
-    moe_layers = max(0, m.num_layers - m.moe_first_dense_layers) if m.moe_num_experts > 0 else 0
-    blocks = (m.num_layers - moe_layers) * dense + moe_layers * moe
-    return blocks + m.mtp_depth * (2 * h * h + max(dense, moe)) + 2 * vocab * h
-
-
 def _check_sizes(cfg: Config) -> None:
     """Bounds that keep planning fast and every tensor's size representable."""
     if cfg.model.num_layers > MAX_LAYERS:
@@ -250,7 +153,7 @@ def _check_sizes(cfg: Config) -> None:
     if tokens > MAX_MICRO_BATCH_TOKENS:
         raise ConfigError(f"a micro-batch of training.micro_batch_size x data.seq_len = {tokens} tokens exceeds "
                           f"{MAX_MICRO_BATCH_TOKENS} (2^31, the index range of the kernels): lower either")
-    params = approximate_parameters(cfg)
+    params = approximate_parameters(cfg.model)
     if params > MAX_PARAMETERS:
         raise ConfigError(f"this model would have about {params:.2g} parameters, more than {MAX_PARAMETERS:.0e}: check "
                           "model.hidden_size, ffn_hidden_size, num_layers, vocab_size and the expert sizes")
@@ -261,7 +164,6 @@ def validate_config(cfg: Config) -> None:
     _check_positive(cfg)
     _check_sizes(cfg)
     _check_model(cfg)
-    _check_moe(cfg)
     _check_optimizer(cfg)
     _check_fp8(cfg)
     if cfg.training.global_batch_size % cfg.training.micro_batch_size != 0:
@@ -301,35 +203,14 @@ def data_parallel_size(world_size: int, tp: int, pp: int = 1, ep: int = 1) -> in
 def _check_tensor_parallel(cfg: Config, tp: int) -> None:
     """Heads and widths split evenly, each shard a whole number of 128-element FP8 tiles."""
     m = cfg.model
-    kv_heads = m.num_kv_heads or m.num_heads
-    head_dim = m.head_dim or m.hidden_size // m.num_heads
-    split_heads = [("model.num_heads", m.num_heads)]
-    if m.attention == "gqa":
-        split_heads.append(("model.num_kv_heads", kv_heads))
-    for key, heads in split_heads:
+    for key, heads in m.attention.split_heads(m.num_heads):
         if heads % tp != 0:
-            raise ConfigError(f"{key}={heads} is not divisible by parallel.tp={tp}: every tensor-parallel rank "
-                              f"needs whole heads; set parallel.tp to one of {_divisors(heads, tp)} or change {key}")
+            raise ConfigError(f"{key}={heads} is not divisible by parallel.tp={tp}: every tensor-parallel rank needs "
+                              f"whole heads; set parallel.tp to one of {divisors_near(heads, tp)} or change {key}")
     if tp == 1:
         return
-    if m.attention == "mla":
-        shards = {
-            "model.num_heads x (qk_nope_head_dim + qk_rope_head_dim) (MLA query features)": (
-                m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), "model.qk_nope_head_dim or qk_rope_head_dim"),
-            "model.num_heads x (qk_nope_head_dim + v_head_dim) (MLA key/value features)": (
-                m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), "model.qk_nope_head_dim or v_head_dim"),
-            "model.num_heads x v_head_dim (MLA output features)": (m.num_heads * m.v_head_dim, "model.v_head_dim"),
-        }
-    else:
-        shards = {
-            "model.num_heads x head_dim (query features)": (m.num_heads * head_dim, "model.num_heads or model.head_dim"),
-            "model.num_kv_heads x head_dim (key/value features)": (kv_heads * head_dim,
-                                                                    "model.num_kv_heads or model.head_dim"),
-        }
-    shards["model.ffn_hidden_size"] = (m.ffn_hidden_size, "model.ffn_hidden_size")
-    if m.moe_num_experts > 0 and m.moe_num_shared_experts > 0:
-        shards["model.moe_num_shared_experts x moe_ffn_hidden_size (shared-expert width)"] = (
-            m.moe_num_shared_experts * m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size")
+    shards = {**m.attention.tp_widths(m.hidden_size, m.num_heads),
+              "model.ffn_hidden_size": (m.ffn_hidden_size, "model.ffn_hidden_size"), **m.moe.tp_widths()}
     if m.vocab_size is not None and m.vocab_size % tp != 0:  # BF16 embedding and LM head: no FP8 tiles to keep
         raise ConfigError(f"model.vocab_size={m.vocab_size} does not split evenly over parallel.tp={tp}: make it a "
                           f"multiple of {tp}, or null to pad the tokenizer's vocabulary automatically")
@@ -351,13 +232,14 @@ def validate_layout(cfg: Config, world_size: int) -> int:
     """The parallel layout's checks (sizes multiply out, shards on tile edges); returns the data-parallel size."""
     tp, ep, pp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.pp
     dp = data_parallel_size(world_size, tp, pp, ep)
-    if ep > 1 and cfg.model.moe_num_experts == 0:
-        raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model: set model.moe_num_experts or "
+    experts = cfg.model.moe.num_experts
+    if ep > 1 and experts == 0:
+        raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model: set model.moe.num_experts or "
                           "parallel.ep=1")
-    if cfg.model.moe_num_experts % ep != 0:
-        raise ConfigError(f"model.moe_num_experts={cfg.model.moe_num_experts} is not divisible by parallel.ep={ep}: "
-                          f"every expert-parallel rank needs the same number of experts; set parallel.ep to one "
-                          f"of {_divisors(cfg.model.moe_num_experts, ep)}")
+    if experts % ep != 0:
+        raise ConfigError(f"model.moe.num_experts={experts} is not divisible by parallel.ep={ep}: every "
+                          f"expert-parallel rank needs the same number of experts; set parallel.ep to one of "
+                          f"{divisors_near(experts, ep)}")
     if cfg.parallel.dp is not None and cfg.parallel.dp != dp:
         raise ConfigError(
             f"parallel.dp={cfg.parallel.dp} but {world_size} rank(s) at parallel.tp={tp} x pp={pp} give {dp} "

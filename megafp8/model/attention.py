@@ -14,26 +14,21 @@ from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorPara
 from megafp8.precision import PrecisionRecipe
 
 
-def head_dim_of(cfg: ModelConfig) -> int:
-    return cfg.head_dim if cfg.head_dim is not None else cfg.hidden_size // cfg.num_heads
-
-
-def kv_heads_of(cfg: ModelConfig) -> int:
-    return cfg.num_kv_heads if cfg.num_kv_heads is not None else cfg.num_heads
-
-
 class Attention(nn.Module):
-    """Heads are split across tensor-parallel ranks: each rank projects, attends and outputs its own heads."""
+    """Grouped-query attention (`model.attention.kind: gqa`). Heads are split across tensor-parallel ranks: each rank
+    projects, attends and outputs its own heads."""
 
     def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, device=None) -> None:
         super().__init__()
-        for what, heads in (("model.num_heads", cfg.num_heads), ("model.num_kv_heads", kv_heads_of(cfg))):
+        gqa = cfg.attention
+        for what, heads in gqa.split_heads(cfg.num_heads):
             if heads % tp.size != 0:
                 raise ValueError(f"{what}={heads} is not divisible by the tensor-parallel size {tp.size}")
-        self.head_dim = head_dim_of(cfg)
+        self.head_dim = gqa.head_dim_for(cfg.hidden_size, cfg.num_heads)
+        kv_heads = gqa.kv_heads_for(cfg.num_heads)
         self.n_heads = cfg.num_heads // tp.size  # this rank's heads
-        self.n_kv_heads = kv_heads_of(cfg) // tp.size
-        q_features, kv_features = cfg.num_heads * self.head_dim, kv_heads_of(cfg) * self.head_dim
+        self.n_kv_heads = kv_heads // tp.size
+        q_features, kv_features = cfg.num_heads * self.head_dim, kv_heads * self.head_dim
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, q_features + 2 * kv_features, recipe, tp,
                                              parts=(q_features, kv_features, kv_features), device=device)
         self.out_proj = RowParallelLinear(q_features, cfg.hidden_size, recipe, tp, device=device)

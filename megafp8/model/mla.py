@@ -30,19 +30,22 @@ from megafp8.precision import PrecisionRecipe
 
 
 class MultiHeadLatentAttention(nn.Module):
+    """`model.attention.kind: mla`."""
+
     def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, device=None) -> None:
         super().__init__()
         if cfg.num_heads % tp.size != 0:
             raise ValueError(f"model.num_heads={cfg.num_heads} is not divisible by the tensor-parallel size {tp.size}")
+        mla = cfg.attention
         self.tp = tp
         self.n_heads = cfg.num_heads // tp.size  # this rank's heads
-        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        self.kv_rank = cfg.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.kv_rank = mla.kv_lora_rank
         dtype, q_width = recipe.param_dtype, cfg.num_heads * (self.nope + self.rope_dim)
-        if cfg.q_lora_rank:
-            self.q_a_proj = ColumnParallelLinear(cfg.hidden_size, cfg.q_lora_rank, recipe, device=device)
-            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, dtype, device)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, q_width, recipe, tp, device=device)
+        if mla.q_lora_rank:
+            self.q_a_proj = ColumnParallelLinear(cfg.hidden_size, mla.q_lora_rank, recipe, device=device)
+            self.q_a_norm = RMSNorm(mla.q_lora_rank, cfg.norm_eps, dtype, device)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, q_width, recipe, tp, device=device)
         else:
             self.q_proj = ColumnParallelLinear(cfg.hidden_size, q_width, recipe, tp, device=device)
         kv_a_width = self.kv_rank + self.rope_dim

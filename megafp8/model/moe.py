@@ -1,19 +1,19 @@
 """DeepSeek-V3-style mixture of experts: an FP32 router, routed SwiGLU experts, shared experts.
 
-Router (a precision island: FP32 weight, FP32 math). Scores are sigmoid (V3) or softmax of the
-token's logits. Selection adds a per-expert bias that only steers the choice (auxiliary-loss-free
-balancing: after every optimizer step the trainer moves it by `moe_bias_update_rate` against
-each expert's load); with `moe_n_group > 1` a token first keeps its best `moe_topk_group` expert
-groups (a group scores the sum of its two best experts) and picks its top-k among their experts.
-The combine weights are the chosen experts' *unbiased* scores, normalized to sum to 1 if
-`moe_norm_topk_prob`, times `moe_routed_scaling_factor`. An optional sequence-wise balance loss
-(V3's, weight `moe_aux_loss_coeff`) is returned with the output.
+The settings are `model.moe` (`megafp8.config.moe.MoeConfig`). Router (a precision island: FP32 weight, FP32
+math). Scores are sigmoid (V3) or softmax of the token's logits. Selection adds a per-expert bias that only
+steers the choice (auxiliary-loss-free balancing: after every optimizer step the trainer moves it by
+`bias_update_rate` against each expert's load); with `n_group > 1` a token first keeps its best `topk_group`
+expert groups (a group scores the sum of its two best experts) and picks its top-k among their experts.
+The combine weights are the chosen experts' *unbiased* scores, normalized to sum to 1 if `norm_topk_prob`,
+times `routed_scaling_factor`. An optional sequence-wise balance loss (V3's, weight `aux_loss_coeff`) is
+returned with the output.
 
 Routed experts are SwiGLUs in the recipe's precision (FP8 per-tile under `fp8`), stored stacked
 per projection (`experts.gate_up_proj.weight`: local experts x [gate; up] x hidden) on the rank
 that owns them (`megafp8.parallel.experts`), and computed as grouped linears over rows sorted by
 expert. Shared experts are one tensor-parallel SwiGLU of width
-`moe_num_shared_experts x moe_ffn_hidden_size`, applied to every token.
+`num_shared_experts x ffn_hidden_size`, applied to every token.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megafp8.config import ModelConfig
+from megafp8.config import MoeConfig
 from megafp8.model.mlp import SwiGLU
 from megafp8.parallel import ExpertParallel, TensorParallel, reduce_from_tp
 from megafp8.parallel.experts import ExpertLinear, combine, count_per_expert, dispatch
@@ -38,16 +38,15 @@ class Router(nn.Module):
     """Top-k expert choice per token. `expert_bias` steers selection only; `load` counts this rank's
     assignments per expert since the trainer last read it."""
 
-    def __init__(self, cfg: ModelConfig, device=None) -> None:
+    def __init__(self, moe: MoeConfig, hidden_size: int, device=None) -> None:
         super().__init__()
-        self.num_experts, self.top_k = cfg.moe_num_experts, cfg.moe_top_k
-        self.n_group, self.topk_group = cfg.moe_n_group, cfg.moe_topk_group
-        self.score_func, self.norm_topk = cfg.moe_score_func, cfg.moe_norm_topk_prob
-        self.scaling = cfg.moe_routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(cfg.moe_num_experts, cfg.hidden_size, dtype=torch.float32,
-                                               device=device))
-        self.register_buffer("expert_bias", torch.zeros(cfg.moe_num_experts, device=device))
-        self.register_buffer("load", torch.zeros(cfg.moe_num_experts, device=device), persistent=False)
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.n_group, self.topk_group = moe.n_group, moe.topk_group
+        self.score_func, self.norm_topk = moe.score_func, moe.norm_topk_prob
+        self.scaling = moe.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=torch.float32, device=device))
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts, device=device))
+        self.register_buffer("load", torch.zeros(moe.num_experts, device=device), persistent=False)
         self.counting = True  # off while activation recomputation re-runs the forward
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,9 +109,10 @@ def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, batch: int
 class RoutedExperts(nn.Module):
     """This rank's routed experts: down(silu(gate(x)) * up(x)) per expert, as two grouped linears."""
 
-    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, ep: ExpertParallel, device=None) -> None:
+    def __init__(self, moe: MoeConfig, hidden_size: int, recipe: PrecisionRecipe, ep: ExpertParallel,
+                 device=None) -> None:
         super().__init__()
-        e, hidden, ffn = cfg.moe_num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
+        e, hidden, ffn = moe.num_experts, hidden_size, moe.ffn_hidden_size
         # rows [gate; up] per expert; a weight that is not whole 128x128 tiles runs BF16
         self.gate_up_proj = ExpertLinear(e, hidden, 2 * ffn, recipe.for_weight(2 * ffn, hidden), ep, device)
         self.down_proj = ExpertLinear(e, ffn, hidden, recipe.for_weight(hidden, ffn), ep, device)
@@ -156,18 +156,17 @@ class RoutedExperts(nn.Module):
 class MoE(nn.Module):
     """Routed experts (split over the expert-parallel group) plus shared experts."""
 
-    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, ep: ExpertParallel,
-                 fp8_dispatch: bool = False, device=None) -> None:
+    def __init__(self, moe: MoeConfig, hidden_size: int, recipe: PrecisionRecipe, tp: TensorParallel,
+                 ep: ExpertParallel, fp8_dispatch: bool = False, device=None) -> None:
         super().__init__()
-        self.num_experts, self.tp, self.ep = cfg.moe_num_experts, tp, ep
-        self.aux_coeff = cfg.moe_aux_loss_coeff
+        self.num_experts, self.tp, self.ep = moe.num_experts, tp, ep
+        self.aux_coeff = moe.aux_loss_coeff
         self.fp8_dispatch = fp8_dispatch
-        self.router = Router(cfg, device)
-        self.experts = RoutedExperts(cfg, recipe, ep, device)
+        self.router = Router(moe, hidden_size, device)
+        self.experts = RoutedExperts(moe, hidden_size, recipe, ep, device)
         self.shared = None
-        if cfg.moe_num_shared_experts > 0:
-            self.shared = SwiGLU(cfg.hidden_size, cfg.moe_num_shared_experts * cfg.moe_ffn_hidden_size, recipe, tp,
-                                 device)
+        if moe.num_shared_experts > 0:
+            self.shared = SwiGLU(hidden_size, moe.num_shared_experts * moe.ffn_hidden_size, recipe, tp, device)
 
     def _dispatch_quantizer(self, x: torch.Tensor):
         """(backend, format) to send rows in FP8 with, or None: the experts' own backend and activation format."""
@@ -203,7 +202,4 @@ def expert_load_stats(loads: torch.Tensor) -> dict[str, float]:
     return {"moe_load_cv": cv.mean().item(), "moe_load_max_over_mean": (loads.max(dim=1).values / mean).max().item(),
             "moe_load_min_over_mean": (loads.min(dim=1).values / mean).min().item()}
 
-
-def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    return cfg.moe_num_experts > 0 and layer >= cfg.moe_first_dense_layers
 

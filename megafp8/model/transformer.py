@@ -1,20 +1,23 @@
-"""The dense decoder: embedding -> pre-norm blocks (attention, SwiGLU) -> final norm -> untied LM head."""
+"""The decoder: embedding -> pre-norm blocks (attention; SwiGLU or mixture of experts) -> final norm -> untied LM head.
+
+Each block is built from its `megafp8.config.LayerSpec` (`layer_spec(cfg, i)`): its attention kind's module
+(`ATTENTION_MODULES`) and a dense or MoE MLP."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import math
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from megafp8.config import ConfigError, ModelConfig
-from megafp8.model.attention import Attention, head_dim_of
+from megafp8.config import ConfigError, LayerSpec, ModelConfig, layer_spec, mtp_layer_spec
+from megafp8.model.attention import Attention
 from megafp8.model.mla import MultiHeadLatentAttention
 from megafp8.model.mlp import SwiGLU
-from megafp8.model.moe import MoE, is_moe_layer
+from megafp8.model.moe import MoE
 from megafp8.model.mtp import MtpModule, shifted_inputs
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
@@ -29,20 +32,26 @@ from megafp8.parallel import (
 )
 from megafp8.precision import PrecisionRecipe
 
+if TYPE_CHECKING:  # megafp8.parallel.pipeline imports torch's pipelining (a second at start-up): not at run time
+    from megafp8.parallel.pipeline import StageSpec
+
+# The module of each attention kind, built from the model config (`model.attention` holds the kind's settings; the
+# kind's checks and counts are in megafp8/config/attention.py).
+ATTENTION_MODULES: dict[str, type[nn.Module]] = {"gqa": Attention, "mla": MultiHeadLatentAttention}
+
 
 class Block(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(x)); the MLP is a SwiGLU or, in MoE layers, a mixture of experts."""
 
-    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, moe_layer: bool,
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, recipe: PrecisionRecipe, tp: TensorParallel,
                  ep: ExpertParallel, fp8_dispatch: bool, device=None) -> None:
         super().__init__()
         dtype = recipe.param_dtype
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
-        self.attn = (MultiHeadLatentAttention(cfg, recipe, tp, device) if cfg.attention == "mla"
-                     else Attention(cfg, recipe, tp, device))
+        self.attn = ATTENTION_MODULES[spec.attention.kind](cfg, recipe, tp, device)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
-        self.mlp = (MoE(cfg, recipe, tp, ep, fp8_dispatch, device) if moe_layer
-                    else SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, recipe, tp, device))
+        self.mlp = (MoE(spec.mlp, cfg.hidden_size, recipe, tp, ep, fp8_dispatch, device) if spec.is_moe
+                    else SwiGLU(cfg.hidden_size, spec.mlp.ffn_hidden_size, recipe, tp, device))
         self.recompute = False  # set by `apply_recompute`
         self.fp8_linears: list[ParallelLinear] = []  # set by `apply_compile`: whose FP8 weight cache to prepare
         self.uncompiled_forward = None  # set by `apply_compile`: `_forward` as written, for observed steps
@@ -117,15 +126,17 @@ class Transformer(nn.Module):
     The residual stream is token-major, (B*T, hidden); under sequence parallelism each rank holds
     a contiguous 1/tp of those tokens between the tensor-parallel regions.
 
-    Under pipeline parallelism a rank builds only its stages' parts: `layer_ids` (global indices; parameter
-    names stay those of the whole model, e.g. `layers.7.attn.qkv_proj.weight`), the embedding if it holds
-    the first stage, the final norm, LM head and MTP modules if it holds the last."""
+    Under pipeline parallelism a rank builds only the parts of its `stages`: their layers (parameter names stay
+    those of the whole model, e.g. `layers.7.attn.qkv_proj.weight`), the embedding if it holds the first stage,
+    the final norm, LM head and MTP modules if it holds the last."""
 
     def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, max_seq_len: int,
                  tp: Optional[TensorParallel] = None, device=None, ep: Optional[ExpertParallel] = None,
-                 fp8_dispatch: bool = False, layer_ids: Optional[Sequence[int]] = None, embedding: bool = True,
-                 head: bool = True) -> None:
+                 fp8_dispatch: bool = False, stages: Optional[Sequence[StageSpec]] = None) -> None:
         super().__init__()
+        layer_ids = range(cfg.num_layers) if stages is None else [i for s in stages for i in s.layers]
+        embedding = stages is None or any(s.first for s in stages)
+        head = stages is None or any(s.last for s in stages)
         if cfg.vocab_size is None:
             raise ValueError("resolve model.vocab_size (e.g. from the tokenizer) before building the model")
         if head and cfg.mtp_depth > 0 and not embedding:
@@ -138,18 +149,15 @@ class Transformer(nn.Module):
         self.balance_grad_scale = 1.0
         dtype = recipe.param_dtype
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp, device) if embedding else None
-        rope_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else head_dim_of(cfg)
+        rope_dim = cfg.attention.rope_dim(cfg.hidden_size, cfg.num_heads)
         self.rope = RotaryEmbedding(rope_dim, max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
         ep = ep or ExpertParallel.single()
-        layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
-        self.layers = LayerDict({str(i): Block(cfg, recipe, tp, is_moe_layer(cfg, i), ep, fp8_dispatch, device)
+        self.layers = LayerDict({str(i): Block(cfg, layer_spec(cfg, i), recipe, tp, ep, fp8_dispatch, device)
                                  for i in layer_ids})
         self.has_head = head
         if head:
-            # MTP blocks are built like the last main block (MoE if that one is).
-            last_moe = is_moe_layer(cfg, cfg.num_layers - 1)
             self.mtp = nn.ModuleList(
-                MtpModule(cfg, recipe, Block(cfg, recipe, tp, last_moe, ep, fp8_dispatch, device), device)
+                MtpModule(cfg, recipe, Block(cfg, mtp_layer_spec(cfg), recipe, tp, ep, fp8_dispatch, device), device)
                 for _ in range(cfg.mtp_depth))
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
             # The LM head is a precision island: never FP8, whatever the recipe.

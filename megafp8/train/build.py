@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megafp8.config import Config, ModelConfig, validate_config
+from megafp8.config import Config, ModelConfig, describe_blocks, validate_config
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta
 from megafp8.data.indexed import DatasetMeta
 from megafp8.model import (
@@ -37,13 +37,13 @@ from megafp8.parallel import (
     is_expert,
     tp_shard_of,
 )
-from megafp8.parallel.pipeline import PipelineLayout, StageSpec, build_layout
+from megafp8.parallel.pipeline import PipelineLayout, StageSpec
 from megafp8.precision import DynamicLossScaler, PrecisionRecipe, resolve_recipe, select_backend
 from megafp8.train.expert_balance import ExpertBalance
 from megafp8.train.fp8_health import Fp8HealthMonitor
 from megafp8.train.loggers import ExperimentLogger
 from megafp8.train.pipelined import PipelineRunner
-from megafp8.train.plan import check_fits, device_capacity, make_plan
+from megafp8.train.plan import check_fits, device_capacity, make_plan, pipeline_layout
 
 log = logging.getLogger("megafp8")
 
@@ -71,10 +71,9 @@ class Parts:
 
 def build_parts(cfg: Config, dims: ParallelDims, device: torch.device, num_micro_batches: int) -> Parts:
     """Every part of a run on this rank, built in a fixed order (every rank runs the same collectives)."""
-    cfg, model_cfg, recipe, meta = resolve(cfg, dims, device)
-    tp, ep, par = dims.tensor_parallel, dims.expert_parallel, cfg.parallel
-    layout = (build_layout(model_cfg.num_layers, par.pp, par.pp_schedule, par.pp_virtual_stages, par.pp_layout)
-              if dims.pp > 1 else None)
+    layout = pipeline_layout(cfg)  # built once: the memory check, the model and the pipeline runner read it
+    cfg, model_cfg, recipe, meta = resolve(cfg, dims, device, layout)
+    tp, ep = dims.tensor_parallel, dims.expert_parallel
     fp8 = Fp8Converter(cfg.precision, recipe, model_cfg.num_layers)
     model = build_model(cfg, model_cfg, recipe, device, tp=tp, ep=ep,
                         stages=layout.local_stages(dims.pp_rank) if layout else None, fp8=fp8)
@@ -86,8 +85,7 @@ def build_parts(cfg: Config, dims: ParallelDims, device: torch.device, num_micro
                                device) if layout else None)
     logs = cfg.logging
     health = Fp8HealthMonitor(model, logs.fp8_health_interval, logs.fp8_underflow_warn, logs.fp8_at_max_warn)
-    expert_balance = (ExpertBalance.attach(model, optimizer, model_cfg, dims) if model_cfg.moe_num_experts > 0
-                      else None)
+    expert_balance = ExpertBalance.attach(model, optimizer, model_cfg.moe, dims) if model_cfg.moe.enabled else None
 
     def whole_model_meta() -> Transformer:
         return full_meta_model(cfg, model_cfg, recipe, tp, ep) if layout else model
@@ -95,7 +93,7 @@ def build_parts(cfg: Config, dims: ParallelDims, device: torch.device, num_micro
                  health, expert_balance, whole_model_meta)
 
 
-def resolve(cfg: Config, dims: ParallelDims, device: torch.device
+def resolve(cfg: Config, dims: ParallelDims, device: torch.device, layout: Optional[PipelineLayout]
             ) -> tuple[Config, ModelConfig, PrecisionRecipe, DatasetMeta]:
     """The config with `precision.recipe: auto` resolved for `device` (re-validated, and logged), the model config
     with the data's vocabulary, the recipe and the data's metadata. Fails fast where the run cannot fit in memory:
@@ -103,20 +101,21 @@ def resolve(cfg: Config, dims: ParallelDims, device: torch.device
     name, reason = resolve_recipe(cfg.precision.recipe, device, cfg.precision.auto_cpu_recipe)
     cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, recipe=name))
     if cfg.model.vocab_size is not None:
-        check_memory(cfg, cfg.model, dims.world_size, device)
+        check_memory(cfg, cfg.model, dims.world_size, device, layout)
     meta = read_meta(cfg.data.path)
     model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size, dims.tensor_parallel.size)
     validate_config(cfg)  # under the resolved recipe
     log.info("precision: %s (%s)", name, reason)
     if cfg.model.vocab_size is None:
-        check_memory(cfg, model_cfg, dims.world_size, device)
+        check_memory(cfg, model_cfg, dims.world_size, device, layout)
     return cfg, model_cfg, PrecisionRecipe.from_config(cfg.precision), meta
 
 
-def check_memory(cfg: Config, model_cfg: ModelConfig, world_size: int, device: torch.device) -> None:
+def check_memory(cfg: Config, model_cfg: ModelConfig, world_size: int, device: torch.device,
+                 layout: Optional[PipelineLayout]) -> None:
     """Fail fast (ConfigError) when the planned state of a rank exceeds its device's memory."""
     ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    plan = make_plan(dataclasses.replace(cfg, model=model_cfg), world_size)
+    plan = make_plan(dataclasses.replace(cfg, model=model_cfg), world_size, layout)
     where = "the GPU has" if device.type == "cuda" else f"this host has, per rank ({ranks_on_host} here),"
     check_fits(plan, device_capacity(device, ranks_on_host), where)
 
@@ -131,12 +130,8 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
     # The plan is checked once, against the whole model on the meta device (a stage holds only some layers), before
     # this rank builds its part.
     plan = fp8.check(full_meta_model(cfg, model_cfg, recipe, tp, ep))
-    parts = {}
-    if stages is not None:
-        parts = {"layer_ids": [i for s in stages for i in s.layers], "embedding": any(s.first for s in stages),
-                 "head": any(s.last for s in stages)}
     model = Transformer(model_cfg, recipe, cfg.data.seq_len, tp, device=device, ep=ep,
-                        fp8_dispatch=cfg.parallel.ep_dispatch_fp8, **parts)
+                        fp8_dispatch=cfg.parallel.ep_dispatch_fp8, stages=stages)
     init_weights(model, model_cfg, cfg.training.seed, tp)
     fp8.convert(model)
     if cfg.training.compile:
@@ -202,11 +197,8 @@ def log_run_start(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, 
         return
     num_params = sum(math.prod(full_shape(p, dims.tensor_parallel.size)) for p in whole_model.parameters())
     m, training = model_cfg, cfg.training
-    log.info(
-        "model: %.2fM parameters (%d layers, hidden %d, %d heads / %d kv, ffn %d, vocab %d, %s) | precision %s",
-        num_params / 1e6, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads or m.num_heads,
-        m.ffn_hidden_size, m.vocab_size, describe_rope(m.rope_theta, m.rope_scaling), recipe.name,
-    )
+    log.info("model: %.2fM parameters (%s, vocab %d, %s) | precision %s", num_params / 1e6, describe_blocks(m),
+             m.vocab_size, describe_rope(m.rope_theta, m.rope_scaling), recipe.name)
     memory = optimizer.memory_bytes()
     log.info(
         "memory per rank: %s (bytes/param: %s) | optimizer %s over %d data-parallel rank(s), moments %s",

@@ -37,6 +37,7 @@ from megafp8.checkpoint import check_tensors_match, load_checkpoint, save_checkp
 from megafp8.checkpoint.local import fresh_temporary, publish
 from megafp8.checkpoint.sharded import SafeReader, is_sharded_checkpoint, read_sharded, write_sharded
 from megafp8.config import CheckpointConfig, ConfigError
+from megafp8.config.schema import upgrade_saved_model
 from megafp8.optim import DistributedAdamW
 from megafp8.parallel import ExpertParallel, ParallelDims, TensorParallel, full_shape, gather_param
 from megafp8.parallel.sharding import Piece, Placed, placed_param
@@ -45,14 +46,28 @@ from megafp8.train.state import TrainState
 log = logging.getLogger("megafp8")
 # Model settings a checkpoint's tensor shapes do not reveal: resumed under other values, the weights compute another
 # function (on purpose in a context-extension stage, by mistake otherwise).
-_UNSEEN_MODEL_SETTINGS = ("rope_theta", "rope_scaling", "norm_eps", "moe_score_func", "moe_top_k", "moe_n_group",
-                          "moe_topk_group", "moe_routed_scaling_factor", "moe_norm_topk_prob")
+_UNSEEN_MODEL_SETTINGS = ("rope_theta", "rope_scaling", "norm_eps", "moe.score_func", "moe.top_k", "moe.n_group",
+                          "moe.topk_group", "moe.routed_scaling_factor", "moe.norm_topk_prob")
+_MISSING = object()
+
+
+def _setting(model: dict[str, Any], dotted: str) -> Any:
+    """The value of a dotted model setting in a config's dict form, or _MISSING."""
+    for key in dotted.split("."):
+        model = model.get(key, _MISSING) if isinstance(model, dict) else _MISSING
+    return model
 
 
 def model_setting_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """`model.<key>: <saved> in the checkpoint, <current> in this run` for each unseen setting that differs."""
-    return [f"model.{key}: {saved[key]} in the checkpoint, {current[key]} in this run"
-            for key in _UNSEEN_MODEL_SETTINGS if key in saved and saved[key] != current[key]]
+    """`model.<key>: <saved> in the checkpoint, <current> in this run` for each unseen setting that differs (a
+    checkpoint of an earlier version's flat layout is read in today's)."""
+    saved = upgrade_saved_model(saved)
+    changes = []
+    for key in _UNSEEN_MODEL_SETTINGS:
+        before, now = _setting(saved, key), _setting(current, key)
+        if before is not _MISSING and before != now:
+            changes.append(f"model.{key}: {before} in the checkpoint, {now} in this run")
+    return changes
 
 
 class _BackgroundWrite:

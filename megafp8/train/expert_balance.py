@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megafp8.config import ModelConfig
+from megafp8.config import MoeConfig
 from megafp8.model.moe import Router, expert_load_stats, routers
 from megafp8.optim import DistributedAdamW
 from megafp8.parallel import ParallelDims
@@ -21,17 +21,16 @@ from megafp8.parallel import ParallelDims
 class ExpertBalance:
     """The routers of this rank's MoE layers (a pipeline stage may hold none), their global loads and biases."""
 
-    def __init__(self, model_routers: list[Router], model_cfg: ModelConfig, dims: ParallelDims) -> None:
+    def __init__(self, model_routers: list[Router], moe: MoeConfig, dims: ParallelDims) -> None:
         self.routers, self.dims = model_routers, dims
-        self.rate, self.num_experts, self.top_k = (model_cfg.moe_bias_update_rate, model_cfg.moe_num_experts,
-                                                   model_cfg.moe_top_k)
+        self.rate, self.num_experts, self.top_k = moe.bias_update_rate, moe.num_experts, moe.top_k
         self.loads: Optional[torch.Tensor] = None  # (MoE layers, experts) of the last step, summed over ranks
 
     @classmethod
-    def attach(cls, model: torch.nn.Module, optimizer: DistributedAdamW, model_cfg: ModelConfig,
+    def attach(cls, model: torch.nn.Module, optimizer: DistributedAdamW, moe: MoeConfig,
                dims: ParallelDims) -> "ExpertBalance":
-        """Balance the routers of `model` after every step of `optimizer`."""
-        balance = cls([router for _, router in routers(model)], model_cfg, dims)
+        """Balance the routers of `model` (whose mixture of experts is `moe`) after every step of `optimizer`."""
+        balance = cls([router for _, router in routers(model)], moe, dims)
         optimizer.register_step_post_hook(balance)
         return balance
 

@@ -26,12 +26,12 @@ from typing import Optional
 
 import torch
 
-from megafp8.config import Config, ConfigError
+from megafp8.config import Config, ConfigError, describe_blocks
 from megafp8.data import read_meta
 from megafp8.config.validate import data_parallel_size, validate_for_world
 from megafp8.model import Fp8Converter, Transformer, describe_rope, resolve_vocab_size, training_flops_per_token
 from megafp8.parallel import ExpertParallel, TensorParallel, full_shape, is_expert
-from megafp8.parallel.pipeline import build_layout
+from megafp8.parallel.pipeline import PipelineLayout, StageSpec, build_layout
 from megafp8.precision import PrecisionRecipe
 
 _PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp16": 2, "fp32": 4}
@@ -102,39 +102,48 @@ def _part(name: str) -> str:
     return "attention" if ".attn." in name else "mlp"
 
 
-def make_plan(cfg: Config, world_size: int) -> Plan:
+def pipeline_layout(cfg: Config) -> Optional[PipelineLayout]:
+    """The run's pipeline stages and the ranks holding them; None without pipeline parallelism."""
+    par = cfg.parallel
+    if par.pp == 1:
+        return None
+    return build_layout(cfg.model.num_layers, par.pp, par.pp_schedule, par.pp_virtual_stages, par.pp_layout)
+
+
+def make_plan(cfg: Config, world_size: int, layout: Optional[PipelineLayout] = None) -> Plan:
     """The plan of `cfg` on `world_size` ranks (parallel.tp of them per model replica); `model.vocab_size`
-    must be set."""
+    must be set. `layout`: the run's pipeline where the caller has built it (`pipeline_layout`)."""
     if cfg.model.vocab_size is None:
         raise ConfigError("planning needs model.vocab_size (it is otherwise read from the data): set it")
     tp, pp, ep = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep
     dp = data_parallel_size(world_size, tp, pp, ep)
+    layout = layout if layout is not None else pipeline_layout(cfg)
     recipe_name = cfg.precision.recipe if cfg.precision.recipe != "auto" else "fp8"
     shard_layout = TensorParallel(None, tp, 0, cfg.parallel.sequence_parallel)  # shapes only: no group needed
     recipe = PrecisionRecipe.from_name(recipe_name)
     fp8 = Fp8Converter(cfg.precision, recipe, cfg.model.num_layers)
 
-    def meta_model(**stage_parts) -> Transformer:
+    def meta_model(stages: Optional[list[StageSpec]] = None) -> Transformer:
         return Transformer(cfg.model, recipe, cfg.data.seq_len, shard_layout, device="meta",
-                           ep=ExpertParallel(None, ep, 0), **stage_parts)
+                           ep=ExpertParallel(None, ep, 0), stages=stages)
 
+    whole = meta_model()
     params: dict[str, int] = {p: 0 for p in ("embedding", "attention", "mlp", "experts", "norms", "lm_head", "mtp")}
-    for name, p in meta_model().named_parameters():
+    for name, p in whole.named_parameters():
         params[_part(name)] += math.prod(full_shape(p, tp))  # every expert, every TP shard
-    layers_per_rank = cfg.model.num_layers
-    ranks = [{}] if pp == 1 else [_stage_parts(cfg, r) for r in range(pp)]
+    # Each pipeline rank's model: its stages' parts (without pipelining, the whole model).
+    ranks = [(whole, None)] if layout is None else [(meta_model(stages), stages) for stages in
+                                                    (layout.local_stages(r) for r in range(pp))]
     pipeline, static = [], []
-    for rank, parts in enumerate(ranks):
-        model = meta_model(**{k: v for k, v in parts.items() if k != "stages"})
+    for rank, (model, stages) in enumerate(ranks):
         rank_params = list(model.parameters())
         n = sum(p.numel() for p in rank_params)
-        if pp > 1:
-            pipeline.append((rank, parts["stages"], len(parts["layer_ids"]), n))
+        if stages is not None:
+            pipeline.append((rank, _describe_stages(stages), len(model.layers), n))
         n_expert = sum(p.numel() for p in rank_params if is_expert(p))
         static.append(_static_bytes(cfg, n, n_expert, *_fp8_weight_numel(model, fp8), dp, recipe_name))
-    if pp > 1:
-        layers_per_rank = max(len(parts["layer_ids"]) for parts in ranks)
-    for part, unused in (("experts", cfg.model.moe_num_experts == 0), ("mtp", cfg.model.mtp_depth == 0)):
+    layers_per_rank = max(len(model.layers) for model, _ in ranks)
+    for part, unused in (("experts", not cfg.model.moe.enabled), ("mtp", cfg.model.mtp_depth == 0)):
         if unused:
             del params[part]
     tokens = cfg.training.micro_batch_size * cfg.data.seq_len
@@ -148,8 +157,8 @@ def make_plan(cfg: Config, world_size: int) -> Plan:
     activations = stored + tokens * cfg.model.vocab_size * (2 + 4) / tp
     # The pipeline rank whose weights, gradients, optimizer state and FP8 copies take the most memory.
     bytes_per_rank = {**max(static, key=lambda b: sum(b.values())), "activations (estimate)": float(activations)}
-    m = cfg.model
-    routed_share = m.moe_top_k / m.moe_num_experts if m.moe_num_experts else 1.0
+    moe = cfg.model.moe
+    routed_share = moe.top_k / moe.num_experts if moe.enabled else 1.0
     activated = sum(v for k, v in params.items() if k not in ("experts", "mtp")) + params.get("experts", 0) * routed_share
     return Plan(params, bytes_per_rank, training_flops_per_token(cfg.model, cfg.data.seq_len), world_size, activated,
                 pipeline)
@@ -191,15 +200,10 @@ def _fp8_weight_numel(model: Transformer, fp8: Fp8Converter) -> tuple[int, int, 
     return sum(numel for numel, expert in sizes if not expert), sum(experts), max(experts, default=0)
 
 
-def _stage_parts(cfg: Config, pp_rank: int) -> dict:
-    """What `pp_rank` builds of the model (Transformer keyword arguments), and its stages in words (`stages`)."""
-    par = cfg.parallel
-    layout = build_layout(cfg.model.num_layers, par.pp, par.pp_schedule, par.pp_virtual_stages, par.pp_layout)
-    stages = layout.local_stages(pp_rank)
+def _describe_stages(stages: list[StageSpec]) -> str:
+    """A pipeline rank's stages in words, e.g. `0, 31 (embedding, head)`."""
     extras = (["embedding"] if any(s.first for s in stages) else []) + (["head"] if any(s.last for s in stages) else [])
-    names = ", ".join(str(s.index) for s in stages) + (f" ({', '.join(extras)})" if extras else "")
-    return {"layer_ids": [i for s in stages for i in s.layers], "embedding": any(s.first for s in stages),
-            "head": any(s.last for s in stages), "stages": names}
+    return ", ".join(str(s.index) for s in stages) + (f" ({', '.join(extras)})" if extras else "")
 
 
 def _in_flight(cfg: Config) -> float:
@@ -231,12 +235,7 @@ def dry_run(cfg: Config, world_size: int, peak_tflops: float, mfu: float) -> str
     cfg = with_vocab(cfg)
     validate_for_world(cfg, world_size)  # every check the launch applies before it allocates
     m = cfg.model
-    attention = (f"{m.num_heads} heads MLA (q/kv ranks {m.q_lora_rank}/{m.kv_lora_rank})" if m.attention == "mla"
-                 else f"{m.num_heads} heads / {m.num_kv_heads or m.num_heads} kv")
-    moe = (f", {m.moe_num_experts} experts top-{m.moe_top_k} (ffn {m.moe_ffn_hidden_size})"
-           if m.moe_num_experts else "")
-    header = (f"{cfg.run_name or 'run'}: {m.num_layers} layers, hidden {m.hidden_size}, {attention}, "
-              f"ffn {m.ffn_hidden_size}{moe}{f', MTP depth {m.mtp_depth}' if m.mtp_depth else ''}, "
+    header = (f"{cfg.run_name or 'run'}: {describe_blocks(m)}{f', MTP depth {m.mtp_depth}' if m.mtp_depth else ''}, "
               f"{describe_rope(m.rope_theta, m.rope_scaling)}, "
               f"vocab {m.vocab_size}, seq "
               f"{cfg.data.seq_len}, micro-batch {cfg.training.micro_batch_size}, precision {cfg.precision.recipe}, "

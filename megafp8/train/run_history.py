@@ -21,6 +21,7 @@ import yaml
 
 from megafp8.checkpoint.local import LATEST_FILE, list_checkpoints
 from megafp8.config import CheckpointConfig, Config, ConfigError
+from megafp8.config.schema import upgrade_saved_model
 from megafp8.parallel import ParallelDims
 from megafp8.train.resume import on_every_rank, verified_resume_path
 
@@ -104,6 +105,8 @@ def read_earlier_run(run_dir: Path, checkpoint_dir: Path, metrics_path: Path) ->
     has_metrics = metrics_path.is_file() and metrics_path.stat().st_size > 0
     if config is None and not checkpoints and not has_metrics:
         return None
+    if isinstance(config, dict) and isinstance(config.get("model"), dict):  # an earlier version's layout: today's
+        config = {**config, "model": upgrade_saved_model(config["model"])}
     return EarlierRun(config if isinstance(config, dict) else None, has_metrics, checkpoints)
 
 
