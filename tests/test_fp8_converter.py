@@ -10,7 +10,7 @@ from megafp8.config import ConfigError, load_config
 from megafp8.model import Fp8Converter, Transformer
 from megafp8.model.fp8_converter import gemm_layers
 from megafp8.parallel import ColumnParallelLinear, ExpertLinear, ExpertParallel, ParallelDims, RowParallelLinear
-from megafp8.parallel.pipeline import attach_wgrad_queue
+from megafp8.parallel.pipeline import StageSpec, attach_wgrad_queue
 from megafp8.precision import PrecisionRecipe, WeightGradQueue
 from megafp8.train import Trainer
 
@@ -32,7 +32,7 @@ def test_globs_are_checked_against_the_whole_model_and_a_stage_is_converted_with
     on a meta copy of the whole model) and converts nothing here."""
     cfg, recipe, converter = converter_for("tiny_dense_fp8", "precision.fp8_layers=[layers.3.mlp.*]")
     whole = Transformer(cfg.model, recipe, 64, device="meta")
-    stage = Transformer(cfg.model, recipe, 64, layer_ids=[0, 1], head=False)
+    stage = Transformer(cfg.model, recipe, 64, stages=[StageSpec(0, (0, 1), first=True, last=False)])
     assert converter.check(whole).fp8_layers == ["layers.3.mlp.gate_up_proj", "layers.3.mlp.down_proj"]
     with pytest.raises(ConfigError, match=r"precision.fp8_layers entry 'layers.3.mlp.\*' matches no GEMM layer "
                                           r"\(names look like layers.0.attn.qkv_proj\)"):
