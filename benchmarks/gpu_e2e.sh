@@ -36,6 +36,10 @@ for part in $PARTS; do
     tests_moe) step gpu_tests_moe python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
            tests/test_fp8_backends.py -k "moe or grouped or gathering or permutation or expert_rows or every_autotuned" \
            -p no:cacheprovider ;;
+    tests_all_one_gpu) step gpu_tests_all_one_gpu python -m pytest -q -m gpu tests/ -k "not two_gpus" \
+           -p no:cacheprovider ;;
+    tests_two_gpus) step gpu_tests_two_gpus python -m pytest -q -m gpu tests/test_gpu.py -k two_gpus \
+           -p no:cacheprovider ;;
     tests_weights) step gpu_tests_weights python -m pytest -q -m gpu tests/test_fp8_backends.py tests/test_fp8_gpu.py \
            -k "transpose or weight or grouped_gemms or moe" -p no:cacheprovider ;;
     old_moe) step old_moe bash -c "cd \"$OLD\" && python benchmarks/train_step.py --model moe --recipes bf16 fp8" ;;
