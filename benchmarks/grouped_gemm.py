@@ -21,8 +21,11 @@ activations and gradients, 128x128 blocks for the weight). Columns:
   GEMM in torch.
 - FP8 blockwise, loop of `F.scaled_mm`: cuBLAS's 1x128 x 128x128 (fprop, dgrad) and 1x128 x 1x128 (wgrad) GEMMs,
   one per expert (blockwise `F.scaled_grouped_mm` has no SM90 kernel in torch 2.11).
-- ours: the backend's `grouped_gemm_1x128_128x128` (fprop; dgrad with `transposed=True`) and
-  `grouped_gemm_1x128_1x128` (wgrad), as `megafp8.precision.grouped` calls them.
+- ours, pointer / TMA / warp-specialized: our grouped kernels chosen explicitly (`megafp8.precision.kernels.gemm`,
+  `kernel=`): pointer loads (GPUs without TMA), TMA loads (Triton, SM90), and the warp-specialized Gluon kernel
+  (SM90) with 128- and 256-wide tiles; dgrad's transposed weight is made once, untimed.
+- ours: the backend's `grouped_gemm_1x128_128x128` (fprop; dgrad with `transposed=True`, which makes the weight's
+  transpose in the call) and `grouped_gemm_1x128_1x128` (wgrad), as `megafp8.precision.grouped` calls them.
 
 Timings: CUDA events around `--iters` calls after 3 warm-up calls (which also run Triton's autotuning). Each output
 is checked against the BF16 loop's (relative Frobenius error above 1/8 prints "wrong" instead of a speed); a column
@@ -52,7 +55,9 @@ SHAPES = ["64x2048,2048,2048", "64x2048,1024,2048", "8x4096,7168,4096", "8x4096,
 QUICK_SHAPES = ["8x256,512,512", "4x512,1024,512"]
 GEMMS = ("fprop", "dgrad", "wgrad")
 COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `torch._scaled_grouped_mm`",
-           "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours")
+           "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours, TMA (Triton)",
+           "ours, warp-specialized (Gluon), 128-wide tiles", "ours, warp-specialized, 256-wide tiles",
+           "ours (the backend's default)")
 WRONG = 2**-3  # relative error beyond which a column's output is reported wrong (FP8 gives a few percent)
 
 
@@ -235,21 +240,28 @@ def ours(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
     return lambda: impl.grouped_gemm_1x128_128x128(a, a_scale, weight, gemm == "dgrad", rows, torch.bfloat16)
 
 
-def ours_pointer_kernels(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
-    """Our grouped Triton kernels loading through pointers (what GPUs without TMA run), against the TMA ones the
-    backend takes on an H200."""
-    if p.x.device.type != "cuda":
-        raise RuntimeError("our Triton kernels need a CUDA GPU")
-    from megafp8.precision.kernels import gemm as kernels
-    _, rows, operands = _our_operands(p, gemm, backend)
-    if gemm == "wgrad":
-        return lambda: kernels.grouped_wgrad(*operands, rows.tile_start, rows.tile_count, torch.bfloat16, tma=False)
-    a, a_scale, weight = operands
-    b, b_scale = (weight.w_fp8, weight.w_scale) if gemm == "fprop" else (weight.wt_fp8, weight.wt_scale)
-    return lambda: kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, torch.bfloat16, tma=False)
+def our_kernel(kernel: str, block_n: int = 256) -> Callable:
+    """A column of one of our grouped kernels, chosen explicitly: "pointer" (what GPUs without TMA run), "tma"
+    (Triton, TMA loads) or "ws" (warp-specialized Gluon, `block_n` wide tiles), against the backend's default."""
+    def build(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
+        if p.x.device.type != "cuda":
+            raise RuntimeError("our Triton kernels need a CUDA GPU")
+        from megafp8.precision.kernels import gemm as kernels
+        _, rows, operands = _our_operands(p, gemm, backend)
+        if gemm == "wgrad":
+            return lambda: kernels.grouped_wgrad(*operands, rows.tile_start, rows.tile_count, torch.bfloat16,
+                                                 kernel=kernel, block_n=block_n)
+        a, a_scale, weight = operands
+        impl = select_backend(backend, p.x.device)
+        b, b_scale = impl.weight_transposed(weight) if gemm == "dgrad" else (weight.w_fp8, weight.w_scale)
+        return lambda: kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, torch.bfloat16, kernel=kernel,
+                                            block_n=block_n)
+    build.__name__ = f"ours_{kernel}_{block_n}"
+    return build
 
 
-BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, ours_pointer_kernels, ours)
+BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, our_kernel("pointer"), our_kernel("tma"),
+            our_kernel("ws", 128), our_kernel("ws", 256), ours)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

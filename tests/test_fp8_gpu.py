@@ -208,13 +208,14 @@ def test_grouped_gemm_kernels_with_tma_match_the_pointer_kernels_in_every_config
     b, b_s = (torch.stack([pair[i] for pair in w]).to(CUDA) for i in (0, 1))
     at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=3), E4M3))
     bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=4), E4M3))
-    want_y = gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.float32, tma=False)
-    want_dw = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, tma=False)
+    want_y = gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.float32, kernel="pointer")
+    want_dw = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32,
+                                 kernel="pointer")
     assert not want_dw[1].any()
     for kernel, run, want in ((gemm._grouped_gemm_tma_kernel, lambda: gemm.grouped_gemm(
-            a, a_s, b, b_s, rows.tile_expert, torch.float32, tma=True), want_y),
+            a, a_s, b, b_s, rows.tile_expert, torch.float32, kernel="tma"), want_y),
             (gemm._grouped_wgrad_tma_kernel, lambda: gemm.grouped_wgrad(
-                at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, tma=True), want_dw)):
+                at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, kernel="tma"), want_dw)):
         saved = kernel.configs, kernel.cache
         try:
             ran = 0
@@ -281,8 +282,8 @@ def test_compiled_fp8_moe_layer_on_gpu_matches_eager():
 
 
 def test_grouped_wgrad_adds_into_fp32_main_grad_once_even_while_autotuning():
-    """`grouped_wgrad(..., accumulate=main_grad)` adds the FP32 product into main_grad, with the TMA kernel and the
-    pointer one, also on a call that autotunes (each trial configuration runs on a restored copy)."""
+    """`grouped_wgrad(..., accumulate=main_grad)` adds the FP32 product into main_grad, with each kernel (pointer,
+    TMA, warp-specialized), also on a call that autotunes (each trial configuration runs on a restored copy)."""
     pytest.importorskip("triton")
     from megafp8.precision import E4M3, quantize as ref
     from megafp8.precision.grouped import expert_rows
@@ -293,18 +294,76 @@ def test_grouped_wgrad_adds_into_fp32_main_grad_once_even_while_autotuning():
     n, k = 384, 256
     at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=3), E4M3))
     bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=4), E4M3))
-    want = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, tma=False)
+    want = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32,
+                              kernel="pointer")
     base = torch.randn(len(counts), n, k, device=CUDA)
-    for tma in ([False, True] if gemm.uses_tma(CUDA) else [False]):
-        kernel = gemm._grouped_wgrad_tma_kernel if tma else gemm._grouped_wgrad_kernel
-        kernel.cache = {}  # autotune again, on this accumulating call
+    for kernel in _grouped_kernels_here(gemm):
+        for autotuned in (gemm._grouped_wgrad_tma_kernel, gemm._grouped_wgrad_kernel):
+            autotuned.cache = {}  # autotune again, on this accumulating call
         main_grad = base.clone()
-        out = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.bfloat16, tma=tma,
-                                 accumulate=main_grad)
+        out = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.bfloat16,
+                                 kernel=kernel, accumulate=main_grad)
         assert out.data_ptr() == main_grad.data_ptr()
         err = float((main_grad - base - want).norm() / want.norm())
-        assert err < 1e-5, f"tma={tma}: relative error {err}"
+        assert err < 1e-5, f"{kernel}: relative error {err}"
         assert torch.equal(main_grad[1], base[1])
+
+
+def _grouped_kernels_here(gemm) -> list[str]:
+    """The grouped kernels this GPU runs: pointers everywhere, TMA from SM90, warp-specialized on SM90."""
+    return ["pointer"] + (["tma"] if gemm.uses_tma(CUDA) else []) + \
+        (["ws"] if gemm.warp_specialized_unavailable(CUDA) is None else [])
+
+
+def test_warp_specialized_gemms_match_the_pointer_kernels():
+    """The warp-specialized (Gluon) kernel against the pointer kernels, both tile widths: grouped fprop with N not
+    a multiple of 256 (a tile's second half reads the next expert's rows and is not stored), an expert without rows
+    and padding tiles past the last expert's; grouped wgrad; a dense wgrad whose sizes are not multiples of 128
+    (rows and columns past the edge masked), written in BF16 and added into FP32."""
+    pytest.importorskip("triton")
+    from megafp8.precision import E4M3, quantize as ref
+    from megafp8.precision.grouped import expert_rows
+    from megafp8.precision.kernels import gemm
+    from tests.fp8_checks import outlier_tensor
+    if gemm.warp_specialized_unavailable(CUDA) is not None:
+        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
+    counts = torch.tensor([130, 0, 256, 5])
+    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))  # device counts: padding tiles at the end
+    assert (rows.tile_expert == -1).any()
+    n, k = 384, 256
+    a, a_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(rows.total, k), E4M3))
+    w = [ref.quantize_128x128(outlier_tensor(n, k, seed=10 + e), E4M3) for e in range(len(counts))]
+    b, b_s = (torch.stack([pair[i] for pair in w]).to(CUDA) for i in (0, 1))
+    at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=3), E4M3))
+    bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=4), E4M3))
+    want_y = gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.float32, kernel="pointer")
+    want_dw = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32,
+                                 kernel="pointer")
+    dn, dk, tokens = 200, 328, 640
+    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(dn, tokens, seed=5), E4M3))
+    xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(dk, tokens, seed=6), E4M3))
+    want_dense = (ref.dequantize_1x128(dt.cpu(), dt_s.cpu()).double() @
+                  ref.dequantize_1x128(xt.cpu(), xt_s.cpu()).double().t()).float().to(CUDA)
+    base = torch.randn(dn, dk, device=CUDA)
+    for block_n in (128, 256):
+        checks = {
+            "grouped fprop": (gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.float32, kernel="ws",
+                                                block_n=block_n), want_y),
+            "grouped wgrad": (gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count,
+                                                 torch.float32, kernel="ws", block_n=block_n), want_dw),
+            "dense wgrad": (gemm.wgrad(dt, dt_s, xt, xt_s, torch.float32, block_n=block_n), want_dense),
+            "dense wgrad, accumulated": (gemm.wgrad(dt, dt_s, xt, xt_s, torch.bfloat16, accumulate=base.clone(),
+                                                    block_n=block_n) - base, want_dense),
+        }
+        for name, (got, want) in checks.items():
+            # Against the pointer kernels (the same tensor-core products) to FP32 rounding; the dense wgrad against
+            # an FP64 product, to the tensor cores' FP8 accumulation within a 128-wide K step (about 2^-14 relative,
+            # measured 9.5e-5; a wrong tile or scale is off by O(1)).
+            tolerance = 1e-3 if name.startswith("dense") else 1e-5
+            err = float((got - want).norm() / want.norm())
+            assert err < tolerance, f"{name}, block_n={block_n}: relative error {err}"
+        assert not checks["grouped wgrad"][0][1].any()
+        assert not checks["grouped fprop"][0][rows.tile_expert.repeat_interleave(128) == -1].any()
 
 
 def test_bf16_grouped_wgrad_gives_an_expert_without_rows_exact_zeros_without_a_host_sync():

@@ -252,6 +252,33 @@ def uses_tma(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+KERNELS = ("pointer", "tma", "ws")
+
+
+def warp_specialized_unavailable(device: torch.device) -> Optional[str]:
+    """Why the warp-specialized Gluon kernels (`megafp8.precision.kernels.ws_gemm`) cannot run on `device`, or
+    None: they use Hopper's wgmma (compute capability 9.0 exactly) and Triton's Gluon language."""
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "the warp-specialized GEMMs need an SM90 (Hopper) GPU"
+    try:
+        from megafp8.precision.kernels import ws_gemm  # noqa: F401
+    except ImportError as exc:
+        return f"the warp-specialized GEMMs need Triton's Gluon language ({exc})"
+    return None
+
+
+def default_kernel(device: torch.device) -> str:
+    """The grouped kernel `device` runs by default: TMA from SM90, else pointers. The warp-specialized kernel is
+    opt-in (`kernel="ws"`): faster than the TMA one on 8 of issue 19's 12 grouped GEMMs, but the compiled MoE step
+    did not get faster with it (`docs/benchmarks.md`, job T)."""
+    return "tma" if uses_tma(device) else "pointer"
+
+
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: choose one of {', '.join(KERNELS)}")
+
+
 def _descriptor(t: torch.Tensor):
     """A TMA descriptor over the 2-D tensor t; the autotuner's pre-hook sets its block shape."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -263,15 +290,24 @@ def _sm_count(device: torch.device) -> int:
 
 
 def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                 tile_expert: torch.Tensor, out_dtype: torch.dtype, tma: Optional[bool] = None) -> torch.Tensor:
+                 tile_expert: torch.Tensor, out_dtype: torch.dtype, kernel: Optional[str] = None,
+                 block_n: int = 256) -> torch.Tensor:
     """a (Mp, K) FP8 rows, a_scale (Mp, K/128); b (E, N, K) FP8 blocks, b_scale (E, N/128, K/128) -> (Mp, N).
-    `tma` picks the kernel (default: the TMA one where the GPU has TMA and C's rows are 16-byte aligned: the faster
-    on Hopper, `docs/benchmarks.md`)."""
+    `kernel`: "ws" (warp-specialized, Hopper), "tma" or "pointer" (default: `default_kernel`); `block_n` the
+    warp-specialized kernel's tile width (128 or 256)."""
     mp, k = a.shape
     n = b.shape[1]
     assert mp % 128 == 0 and k % 128 == 0 and a.stride(1) == 1 and b.stride(2) == 1
+    kernel = kernel or default_kernel(a.device)
+    _check_kernel(kernel)
+    if kernel != "pointer" and n % 8:  # TMA needs 16-byte aligned rows of C
+        kernel = "pointer"
     c = torch.empty(mp, n, dtype=out_dtype, device=a.device)
-    if tma if tma is not None else (uses_tma(a.device) and n % 8 == 0):
+    if kernel == "ws":
+        from megafp8.precision.kernels.ws_gemm import ws_gemm
+        return ws_gemm(a, a_scale, b.reshape(-1, k), b_scale, c, b_blockwise=True, tile_expert=tile_expert,
+                       block_n=block_n)
+    if kernel == "tma":
         sms = _sm_count(a.device)
 
         def persistent_grid(meta):
@@ -290,10 +326,11 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
 
 def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype,
-                  tma: Optional[bool] = None, accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  kernel: Optional[str] = None, accumulate: Optional[torch.Tensor] = None,
+                  block_n: int = 256) -> torch.Tensor:
     """a (N, Mp), b (K, Mp) FP8 in 1x128 tiles along Mp, scales (N, Mp/128), (K, Mp/128) -> (E, N, K).
     `accumulate` (E, N, K) FP32: add the product into it in the GEMM's epilogue (no rounding to `out_dtype`, no
-    separate pass) and return it. `tma` picks the kernel (default: the TMA one where the GPU has TMA)."""
+    separate pass) and return it. `kernel` as in `grouped_gemm`."""
     n, mp = a.shape
     k = b.shape[0]
     num_experts = tile_start.shape[0]
@@ -301,8 +338,14 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     if accumulate is not None:
         assert accumulate.shape == (num_experts, n, k) and accumulate.dtype == torch.float32 \
             and accumulate.stride(2) == 1, "grouped_wgrad accumulates into an (E, N, K) FP32 tensor, rows contiguous"
+    kernel = kernel or default_kernel(a.device)
+    _check_kernel(kernel)
     c = torch.empty(num_experts, n, k, dtype=out_dtype, device=a.device) if accumulate is None else accumulate
-    if tma if tma is not None else uses_tma(a.device):
+    if kernel == "ws":
+        from megafp8.precision.kernels.ws_gemm import ws_gemm
+        return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=False, accumulate=accumulate is not None,
+                       k_start=tile_start, k_count=tile_count, block_n=block_n)
+    if kernel == "tma":
         sms = _sm_count(a.device)
 
         def persistent_grid(meta):
@@ -321,3 +364,17 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
         a, b, c, a_scale, b_scale, tile_start, tile_count, n, k, a.stride(0), b.stride(0), c.stride(0), c.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), ACCUMULATE=accumulate is not None)
     return c
+
+
+def wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
+          accumulate: Optional[torch.Tensor] = None, block_n: int = 256) -> torch.Tensor:
+    """A dense layer's weight gradient by the warp-specialized kernel: a (N, M) = dy^T, b (K, M) = x^T, FP8 in
+    1x128 tiles along the tokens M, scales (N, M/128), (K, M/128) -> (N, K); with `accumulate` ((N, K) FP32, a
+    weight's `main_grad`) added into it in the epilogue and returned. Not used by the backends: cuBLAS's 1x128 x
+    1x128 GEMM plus a separate add is faster on every linear of the ~1B and 8B-layer models (job T,
+    `benchmarks/wgrad_gemm.py`); kept as the measured alternative and for GEMMs cuBLAS does not take."""
+    from megafp8.precision.kernels.ws_gemm import ws_gemm
+    n, k = a.shape[0], b.shape[0]
+    c = accumulate if accumulate is not None else torch.empty(n, k, dtype=out_dtype, device=a.device)
+    return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=False, accumulate=accumulate is not None,
+                   block_n=block_n)

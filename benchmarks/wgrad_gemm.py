@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""A dense layer's weight-gradient GEMM (issue 18): dw (N, K) = dy^T @ x over the tokens, added into FP32 main_grad.
+
+    PYTHONPATH=. python benchmarks/wgrad_gemm.py [--model 1b 8b-layers] [--tokens 16384] [--iters 30]
+
+The shapes are each model's linears (QKV, attention output, gate/up, down) at `--tokens` tokens per micro-batch.
+Operands are quantized beforehand as the FP8 linear quantizes them (dy^T and x^T in 1x128 tiles along the tokens);
+the timed call is the GEMM, alone and with the FP32 accumulation a micro-batch does:
+
+- BF16 `mm`: dy^T @ x in BF16 (the BF16 recipe's wgrad); "+ add" adds it into an FP32 main_grad.
+- cuBLAS FP8: `F.scaled_mm` with 1x128 x 1x128 scaling (the cublas backend's wgrad), BF16 out; "+ add" as above.
+- ours, warp-specialized: `megafp8.precision.kernels.gemm.wgrad`, 128- and 256-wide tiles, BF16 out, and
+  accumulating into main_grad in its epilogue (no BF16 copy, no add pass).
+
+TFLOP/s count 2 N K tokens per GEMM. Every output is checked first (relative Frobenius error above 1/64 prints
+"wrong"): the FP8 columns against the FP32 product of the dequantized operands, the BF16 ones against the FP32
+product of the BF16 operands.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megafp8.precision.backends import select_backend  # noqa: E402
+from megafp8.precision.formats import E4M3  # noqa: E402
+from megafp8.precision.quantize import mn_major  # noqa: E402
+
+LINEARS = {  # (name, N = output features, K = input features)
+    "1b": [("qkv", 6144, 2048), ("out", 2048, 2048), ("gate_up", 11264, 2048), ("down", 2048, 5632)],
+    "8b-layers": [("qkv", 12288, 4096), ("out", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+}
+WRONG = 2**-6
+
+
+def timed_ms(fn: Callable[[], object], iters: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def columns(dy: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[[], object], Callable[[], torch.Tensor]]]:
+    """name -> (timed call, its result as dw in FP32) for one shape."""
+    from megafp8.precision.kernels import gemm
+    cublas = select_backend("cublas", dy.device)
+    _, _, dyt, dyt_s = cublas.quantize_rows_cols(dy, E4M3, False)
+    _, _, xt, xt_s = cublas.quantize_rows_cols(x, E4M3, False)
+    main_grad = torch.zeros(dy.shape[1], x.shape[1], dtype=torch.float32, device=dy.device)
+    bw1 = F.ScalingType.BlockWise1x128
+
+    def cublas_dw():
+        return F.scaled_mm(dyt, xt.t(), mn_major(dyt_s), bw1, mn_major(xt_s), bw1, output_dtype=torch.bfloat16)
+
+    def accumulated(run: Callable[[], object]) -> Callable[[], torch.Tensor]:
+        def result():
+            main_grad.zero_()
+            run()
+            return main_grad.clone()
+        return result
+
+    cols = {
+        "BF16 mm": (lambda: dy.t() @ x, lambda: (dy.t() @ x).float()),
+        "BF16 mm + add": (lambda: main_grad.add_(dy.t() @ x), accumulated(lambda: main_grad.add_(dy.t() @ x))),
+        "cuBLAS FP8": (cublas_dw, lambda: cublas_dw().float()),
+        "cuBLAS FP8 + add": (lambda: main_grad.add_(cublas_dw()), accumulated(lambda: main_grad.add_(cublas_dw()))),
+    }
+    for block_n in (128, 256):
+        def bf16_out(block_n=block_n):
+            return gemm.wgrad(dyt, dyt_s, xt, xt_s, torch.bfloat16, block_n=block_n)
+
+        def into_main_grad(block_n=block_n):
+            return gemm.wgrad(dyt, dyt_s, xt, xt_s, torch.bfloat16, accumulate=main_grad, block_n=block_n)
+        cols[f"ours {block_n}"] = (bf16_out, lambda f=bf16_out: f().float())
+        cols[f"ours {block_n}, into main_grad"] = (into_main_grad, accumulated(into_main_grad))
+    return cols
+
+
+def reference(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The FP32 product of the dequantized 1x128 operands (the reference quantizer)."""
+    from megafp8.precision import quantize as ref
+    dyt, dyt_s = ref.quantize_1x128(dy.t().contiguous(), E4M3)
+    xt, xt_s = ref.quantize_1x128(x.t().contiguous(), E4M3)
+    return ref.dequantize_1x128(dyt, dyt_s) @ ref.dequantize_1x128(xt, xt_s).t()
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", nargs="+", default=list(LINEARS), choices=list(LINEARS))
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (SM90 for the cuBLAS and warp-specialized columns)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.tokens} tokens, TFLOP/s "
+          f"(ms in brackets)\n")
+    header = None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for model in args.model:
+        for name, n, k in LINEARS[model]:
+            dy = (torch.randn(args.tokens, n, device="cuda", generator=g) * 1e-3).bfloat16()
+            x = torch.randn(args.tokens, k, device="cuda", generator=g).bfloat16()
+            want_fp8, want_bf16 = reference(dy, x), dy.float().t() @ x.float()
+            cols = columns(dy, x)
+            if header is None:
+                header = ["model", "linear (N x K)", *cols]
+                print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+            cells = []
+            for label, (run, result) in cols.items():
+                try:
+                    want = want_bf16 if label.startswith("BF16") else want_fp8
+                    err = float((result() - want).norm() / want.norm())
+                    if err > WRONG:
+                        cells.append(f"wrong ({err:.3f})")
+                        continue
+                    ms = timed_ms(run, args.iters)
+                    cells.append(f"{2 * n * k * args.tokens / ms / 1e9:.0f} ({ms:.2f})")
+                except Exception as exc:  # noqa: BLE001 - a column that cannot run says why
+                    cells.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}".replace("|", "/"))
+            print(f"| {model} | {name} ({n} x {k}) | " + " | ".join(cells) + " |", flush=True)
+            del dy, x, want_fp8, want_bf16, cols
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Warp-specialized blockwise FP8 GEMMs for Hopper (SM90), written in Gluon (Triton's explicit-layout language).
+
+One kernel serves three GEMMs of the recipe:
+
+    rows grouped   C (Mp, N)    = A (Mp, K) @ B[e] (N, K)^T per 128-row tile of expert e (`tile_expert`);
+                   A in 1x128 tiles, B in 128x128 blocks (the experts' fprop and dgrad)
+    K grouped      C[e] (M, N)  = A (M, K_e) @ B (N, K_e)^T over expert e's K blocks (`k_start`, `k_count`);
+                   both in 1x128 tiles along K (the experts' wgrad, contracting over each expert's tokens)
+    dense          C (M, N)     = A (M, K) @ B (N, K)^T, both in 1x128 tiles along K (a dense layer's wgrad,
+                   contracting over the tokens) or B in 128x128 blocks
+
+with C written in BF16/FP32 or added into an FP32 C (a weight's `main_grad`: no rounded copy, no separate add).
+
+Why warp specialization: each 128-wide K step's tensor-core product must be scaled before it joins the FP32
+accumulator (DeepSeek-V3's promotion on CUDA cores), so a consumer waits for every MMA before its FMAs. Here one
+producer warp streams A and B tiles through a ring of shared-memory stages by TMA, and two consumer warpgroups,
+each owning 64 rows of a 128 x BLOCK_N output tile, run independently of each other: while one scales its
+product on the CUDA cores the other's MMA keeps the tensor cores busy (DeepGEMM's scheme). Programs are
+persistent (one per SM) and walk the output tiles grouped along M, so the producer is already loading the next
+tile while the consumers write the last one.
+
+Measured on an H200 (`docs/benchmarks.md`, job T): 760-1,021 TFLOP/s on issue 19's grouped GEMMs (fprop and dgrad
+up to 25% faster than the TMA Triton kernel, wgrad about equal), 660-780 on dense weight gradients, where cuBLAS
+runs at 940-1,050; `megafp8.precision.kernels.gemm` chooses it only when asked (`kernel="ws"`).
+
+Numerics are the Triton kernels' (`megafp8.precision.kernels.gemm`): an FP32 partial product per 128-wide K step,
+times its scales, added to an FP32 accumulator; results differ from the reference backend only in summation order.
+Hopper only: TMA, wgmma and `setmaxnreg`; `megafp8.precision.kernels.gemm` keeps the portable kernels.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Kernel constants are constexprs (the only globals a Gluon kernel may read).
+TILE = gl.constexpr(128)
+HALF_M = gl.constexpr(64)  # rows of the output tile one consumer warpgroup owns
+_CONSUMER_REGS = gl.constexpr(240)  # registers per thread of a consumer warpgroup: two accumulators, one product
+_PRODUCER_REGS = gl.constexpr(24)
+_MAXNREG = 168  # 12 warps (3 warpgroups) x 32 threads x 168 <= the SM's 64K registers
+_GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
+
+
+@gluon.jit
+def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr,
+                 GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, BLOCK_N: gl.constexpr,
+                 GROUP_M: gl.constexpr):
+    """(off_m, off_n, b_row, group, k_first, k_steps) of output tile `tile`: its first row and column, the first
+    row of B it reads, its expert (0 for dense), and its K blocks [k_first, k_first + k_steps)."""
+    num_m = gl.cdiv(M, TILE)
+    num_n = gl.cdiv(N, BLOCK_N)
+    group = tile * 0  # dense: one group
+    if GROUPED_K:
+        group = tile // (num_m * num_n)
+    t = tile % (num_m * num_n)
+    in_group = GROUP_M * num_n
+    first_m = (t // in_group) * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (t % in_group) % size_m
+    pid_n = (t % in_group) // size_m
+    off_m = pid_m * TILE
+    off_n = pid_n * BLOCK_N
+    b_row = off_n
+    k_first = 0
+    k_steps = K_BLOCKS
+    if GROUPED_ROWS:  # a padding tile past the last expert's rows (expert -1) gets zeros: no K steps
+        expert = gl.load(tile_expert_ptr + pid_m)
+        k_steps = gl.where(expert >= 0, K_BLOCKS, 0)
+        group = gl.maximum(expert, 0)
+        b_row = group * N + off_n
+    if GROUPED_K:
+        k_first = gl.load(k_start_ptr + group)
+        k_steps = gl.load(k_count_ptr + group)
+    return off_m, off_n, b_row, group, k_first, k_steps
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K_BLOCKS, num_tiles,
+              tile_expert_ptr, k_start_ptr, k_count_ptr,
+              GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              GROUP_M: gl.constexpr):
+    """One warp: TMA loads of every tile's A (two 64-row halves) and B (BLOCK_N/128 slices) per K step into the
+    stage ring; a stage is refilled once both consumers have released it."""
+    NB: gl.constexpr = BLOCK_N // TILE
+    stage_bytes: gl.constexpr = 2 * a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes
+    counter = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
+            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_N,
+            GROUP_M)
+        for kb in range(k_steps):
+            s = counter % STAGES
+            mbarrier.wait(empty.index(s), ((counter // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, stage_bytes)
+            k = (k_first + kb) * TILE
+            tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a_bufs.index(2 * s))
+            tma.async_copy_global_to_shared(a_desc, [off_m + HALF_M, k], bar, a_bufs.index(2 * s + 1))
+            for h in gl.static_range(NB):
+                tma.async_copy_global_to_shared(b_desc, [b_row + h * TILE, k], bar, b_bufs.index(NB * s + h))
+            counter += 1
+
+
+@gluon.jit
+def _scaled_product(a_smem, b_smem, t, a_s, bs_ptr, group, n_block, b_first_row, N, kblk, stride_bs_e, stride_bs_n,
+                    stride_bs_k, B_BLOCKWISE: gl.constexpr, col_layout: gl.constexpr):
+    """(t, scaled): the 64 x 128 product of one K step (`t` carries the product's registers from step to step) and
+    that product times its scales: the rows' `a_s` and B's block scale (one per 128 columns) or the scales of B's
+    rows [b_first_row, b_first_row + 128) (C's columns)."""
+    t = warpgroup_mma(a_smem, b_smem.permute((1, 0)), t, use_acc=False, is_async=True)
+    if B_BLOCKWISE:  # (a slice past N's last block reads no scale: its columns are not stored)
+        b_s = gl.load(bs_ptr + group * stride_bs_e + n_block * stride_bs_n + kblk * stride_bs_k,
+                      mask=n_block < gl.cdiv(N, TILE), other=0.0)
+        t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+        return t, t * (a_s * b_s)[:, None]
+    # The 128 column scales are loaded one per thread and then spread into the accumulator's layout (through
+    # shared memory): loaded in that layout directly, each thread would hold 32 addresses the compiler keeps live
+    # across the K loop, and the accumulators would spill.
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    b_rows = b_first_row + gl.arange(0, TILE, layout=flat)
+    b_s = gl.load(bs_ptr + b_rows * stride_bs_n + kblk * stride_bs_k, mask=b_rows < N, other=0.0)
+    b_s = gl.convert_layout(b_s, col_layout)
+    t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+    return t, t * a_s[:, None] * b_s[None, :]
+
+
+@gluon.jit
+def _settled(x):
+    """x, through an opaque (volatile) move: the compiler may not hoist the next wgmma above the FMAs that made x,
+    which would keep two products' registers live at once and spill the accumulators."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _write(c_ptr, acc, rows, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE: gl.constexpr):
+    """Store (or, with ACCUMULATE, add into FP32 C) a consumer's 64 x 128 piece of the output tile."""
+    ptrs = c_ptr + group.to(gl.int64) * stride_ce + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if ACCUMULATE:
+        acc = acc + gl.load(ptrs, mask=mask, other=0.0)
+    gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, K_BLOCKS, num_tiles,
+              tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_as_m, stride_as_k,
+              stride_bs_e, stride_bs_n, stride_bs_k, HALF: gl.constexpr,
+              GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
+              ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
+    wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator; then release the stage."""
+    NB: gl.constexpr = BLOCK_N // TILE
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, TILE, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, layout)
+    t = gl.zeros([HALF_M, TILE], gl.float32, layout)
+    counter = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
+            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_N,
+            GROUP_M)
+        # Index vectors are made where they are used, not kept across the K loop: a 128-wide column vector takes 32
+        # registers a thread in this layout, which the accumulators need.
+        acc0 = gl.zeros([HALF_M, TILE], gl.float32, layout)
+        acc1 = gl.zeros([HALF_M, TILE], gl.float32, layout)
+        for kb in range(k_steps):
+            s = counter % STAGES
+            kblk = k_first + kb
+            rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+            a_s = gl.load(as_ptr + rows * stride_as_m + kblk * stride_as_k, mask=rows < M, other=0.0)
+            mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
+            a_smem = a_bufs.index(2 * s + HALF)
+            t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_ptr, group, off_n // TILE, b_row,
+                                        N, kblk, stride_bs_e, stride_bs_n, stride_bs_k, B_BLOCKWISE, col_layout)
+            acc0 = acc0 + scaled
+            if NB == 2:
+                acc0 = _settled(acc0)
+                t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_ptr, group,
+                                            off_n // TILE + 1, b_row + TILE, N, kblk, stride_bs_e, stride_bs_n,
+                                            stride_bs_k, B_BLOCKWISE, col_layout)
+                acc1 = acc1 + scaled
+            mbarrier.arrive(empty.index(s), count=1)
+            counter += 1
+        rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+        cols = off_n + gl.arange(0, TILE, layout=col_layout)
+        _write(c_ptr, acc0, rows, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE)
+        if NB == 2:
+            _write(c_ptr, acc1, rows, cols + TILE, M, N, group, stride_ce, stride_cm, ACCUMULATE)
+
+
+@gluon.jit
+def _ws_gemm_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, k_start_ptr, k_count_ptr,
+                    M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_as_m, stride_as_k,
+                    stride_bs_e, stride_bs_n, stride_bs_k,
+                    GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    NB: gl.constexpr = BLOCK_N // TILE
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
+    num_tiles = gl.cdiv(M, TILE) * gl.cdiv(N, BLOCK_N)
+    if GROUPED_K:
+        num_tiles = num_tiles * num_groups
+    # (No starred arguments in Gluon: every partition's arguments are spelled out.)
+    gl.warp_specialize([
+        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, K_BLOCKS, num_tiles,
+                     tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_as_m, stride_as_k,
+                     stride_bs_e, stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE,
+                     BLOCK_N, STAGES, GROUP_M)),
+        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, K_BLOCKS, num_tiles,
+                     tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_as_m, stride_as_k,
+                     stride_bs_e, stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE,
+                     BLOCK_N, STAGES, GROUP_M)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K_BLOCKS, num_tiles, tile_expert_ptr,
+                     k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_N, STAGES, GROUP_M)),
+    ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+_T = 128  # TILE and HALF_M on the host
+_H = 64
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _stages(block_n: int) -> int:
+    """As many stages as fit in shared memory: 48 KB each with 256 columns, 32 KB with 128."""
+    return 4 if block_n == 256 else 6
+
+
+def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, c: torch.Tensor, *,
+            b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
+            k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
+            block_n: int = 256, group_m: int = 8) -> torch.Tensor:
+    """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
+
+    a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
+    K/128) with `tile_expert`, or (rows, K/128) per row of B when not `b_blockwise`. `tile_expert` (M/128,):
+    expert per 128-row tile of A, b = (E * N, K) stacked. `k_start`, `k_count` (E,): each group's K blocks, c
+    (E, M, N). `accumulate`: c is FP32 and the product is added into it."""
+    m, k = a.shape
+    n = c.shape[-1]
+    grouped_k = k_start is not None
+    assert a.stride(1) == 1 and b.stride(1) == 1 and c.stride(-1) == 1 and k % 8 == 0
+    assert block_n in (128, 256) and (not accumulate or c.dtype == torch.float32)
+    if tile_expert is not None:
+        assert m % _T == 0 and b_blockwise, "rows grouped by expert need whole 128-row tiles and B in blocks"
+    num_groups = k_start.shape[0] if grouped_k else 1
+    num_tiles = -(-m // _T) * -(-n // block_n) * num_groups
+    if num_tiles == 0:
+        return c
+    bs_e, bs_n, bs_k = (b_scale.stride() if b_scale.dim() == 3 else (0, *b_scale.stride()))
+    dummy = a_scale  # an unused pointer argument
+    grid = (min(_sm_count(a.device), num_tiles),)
+    _ws_gemm_kernel[grid](
+        _descriptor(a, [_H, _T]), _descriptor(b, [_T, _T]), c, a_scale, b_scale,
+        tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
+        k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
+        c.stride(0) if grouped_k else 0, c.stride(-2), a_scale.stride(0), a_scale.stride(1), bs_e, bs_n, bs_k,
+        GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise, ACCUMULATE=accumulate,
+        BLOCK_N=block_n, STAGES=_stages(block_n), GROUP_M=group_m, num_warps=4, maxnreg=_MAXNREG)
+    return c
