@@ -148,8 +148,11 @@ def test_unaligned_layer_and_unavailable_backend_are_rejected():
         ColumnParallelLinear(200, 256, PrecisionRecipe.from_name("fp8"))
     with pytest.raises(ConfigError, match="the cublas backend needs a CUDA GPU, but this run is on cpu"):
         select_backend("cublas", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="the hopper backend needs a CUDA GPU, but this run is on cpu"):
+        select_backend("hopper", torch.device("cpu"))
     assert select_backend("auto", torch.device("cpu")).name == "reference"
-    with pytest.raises(ConfigError, match="'cuda_magic' is not a backend; choose one of auto, reference, triton, cublas"):
+    with pytest.raises(ConfigError, match="'cuda_magic' is not a backend; choose one of auto, reference, triton, cublas, "
+                                          "hopper"):
         select_backend("cuda_magic", torch.device("cpu"))
 
 

@@ -3,6 +3,7 @@
 - `reference`: any device; the definition (FP8 casts, then FP32 matmuls).
 - `triton`: CUDA GPUs with FP8 tensor cores; our Triton quantizers, fused producers and GEMMs.
 - `cublas`: SM90; cuBLASLt's blockwise-scaled GEMMs (`F.scaled_mm`) fed by the Triton quantizers.
+- `hopper`: SM90, opt-in; `cublas` with the experts' grouped GEMMs on the warp-specialized Gluon kernel.
 
 A backend is one class: its `name`, its `priority` (`auto` picks the available backend of highest priority) and
 `unavailable_reason(device)`. Adding one means writing the class, listing it in `REGISTERED`, and letting the
@@ -16,10 +17,11 @@ import torch
 
 from megafp8.config import ConfigError
 from megafp8.precision.backends.cublas_backend import CublasBackend
+from megafp8.precision.backends.hopper_backend import HopperBackend
 from megafp8.precision.backends.reference import Fp8Backend, QuantizedWeight
 from megafp8.precision.backends.triton_backend import TritonBackend
 
-REGISTERED: tuple[type[Fp8Backend], ...] = (Fp8Backend, TritonBackend, CublasBackend)
+REGISTERED: tuple[type[Fp8Backend], ...] = (Fp8Backend, TritonBackend, CublasBackend, HopperBackend)
 AUTO = "auto"
 
 
