@@ -20,8 +20,10 @@ records (windows of `--log-interval` steps, each timed until the device finishes
 `section.key=value` overrides apply to every run (a layout, `training.recompute=full`, ...). Peak memory is the
 allocator's high-water mark over the timed steps (the steady state) and over the whole run (compilation,
 autotuning and CUDA graph recording in the warm-up included), the largest over the ranks; "planned GiB" is the
-memory planner's prediction for the busiest rank at the same configuration (`tools/plan.py --dry-run`), and
-"steady / planned" their ratio (issue 23 holds the planner to within 10%). Graph breaks counts where torch.compile
+memory planner's prediction for the busiest rank at the same configuration (`tools/plan.py --dry-run`; under pipeline
+parallelism the pipeline rank it plans as the busiest), and "steady / planned" their ratio (issue 23 holds the
+planner to within 10%). With several ranks the last column lists each rank's steady peak against the planner's
+prediction for that rank's pipeline stage. Graph breaks counts where torch.compile
 split a compiled block (there should be none: a split block runs slower, see `docs/performance.md`). Rank 0 prints
 the table as Markdown.
 """
@@ -123,23 +125,28 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     # Each record covers the `log_interval` steps before it, timed up to the device finishing them.
     step_s = statistics.median(r["step_time_s"] for r in records)
     tokens = cfg.training.global_batch_size * cfg.data.seq_len
-    steady_peak, warmup_peak = max_over_ranks(max((r["peak_memory_gib"] or 0.0) for r in records), warmup_peak,
-                                              device=device)
+    plan = make_plan(cfg, dims.world_size)
+    # This rank's prediction: its pipeline stage's (every TP, EP and DP rank of a stage is planned alike).
+    planned_here = plan.pipeline[dims.pp_rank][4] if plan.pipeline else plan.total_bytes
+    steady_here = max((r["peak_memory_gib"] or 0.0) for r in records)
+    per_rank = over_ranks([steady_here, warmup_peak, planned_here / 2**30], device)
+    steady_peak, warmup_peak = (max(values[i] for values in per_rank) for i in (0, 1))  # the busiest rank's
     return {"model": model, "recipe": recipe, "ranks": dims.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "tflops": statistics.median(r["tflops_per_device"] for r in records),
             "mfu": statistics.median(r["mfu"] for r in records) if records[0]["mfu"] is not None else None,
             "peak_gib": steady_peak, "warmup_peak_gib": max(warmup_peak, steady_peak), "loss": records[-1]["loss"],
-            "graph_breaks": sum(counters["graph_break"].values()),
-            "planned_gib": sum(make_plan(cfg, dims.world_size).bytes_per_rank.values()) / 2**30}
+            "graph_breaks": sum(counters["graph_break"].values()), "planned_gib": plan.total_bytes / 2**30,
+            "per_rank": [(steady, planned) for steady, _, planned in per_rank]}
 
 
-def max_over_ranks(*values: float, device: torch.device) -> list[float]:
-    """Each value's maximum over every rank (the busiest rank's memory: pipeline stages differ)."""
+def over_ranks(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values`, by rank (pipeline stages differ in memory)."""
     if not torch.distributed.is_initialized():
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return t.tolist()
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone]
 
 
 def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> str:
@@ -177,15 +184,17 @@ def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> st
 def table(rows: list[dict]) -> str:
     best_bf16 = max((r["tokens_per_s"] for r in rows if r["recipe"] == "bf16"), default=None)
     lines = ["| model | recipe | ranks | step (s) | tokens/s | vs BF16 | TFLOP/s per device | MFU | peak GiB, steady | "
-             "peak GiB, with warm-up | final loss | graph breaks | planned GiB | steady / planned |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak GiB, with warm-up | final loss | graph breaks | planned GiB | steady / planned | "
+             "per rank: steady / planned GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tokens_per_s'] / best_bf16:.2f}x" if best_bf16 else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         measured = f"{r['peak_gib'] / r['planned_gib']:.2f}" if r["peak_gib"] else "n/a"
+        ranks = ", ".join(f"{steady:.2f} / {planned:.2f}" for steady, planned in r["per_rank"])
         lines.append(f"| {r['model']} | {r['recipe']} | {r['ranks']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
                      f"{ratio} | {r['tflops']:.1f} | {mfu} | {r['peak_gib']:.2f} | {r['warmup_peak_gib']:.2f} | "
-                     f"{r['loss']:.4f} | {r['graph_breaks']} | {r['planned_gib']:.2f} | {measured} |")
+                     f"{r['loss']:.4f} | {r['graph_breaks']} | {r['planned_gib']:.2f} | {measured} | {ranks} |")
     return "\n".join(lines)
 
 
