@@ -57,6 +57,7 @@ class Plan:
     pipeline: list[tuple[int, str, int, int, float]] = dataclasses.field(default_factory=list)
     # per pipeline rank: (rank, its stages, transformer blocks, parameters of its TP/EP shard, bytes planned)
     busiest_rank: int = 0  # the pipeline rank `bytes_per_rank` is of (0 without pipelining)
+    activations_note: str = ""  # what the activation lines count, for the dry run
 
     @property
     def total_params(self) -> int:
@@ -91,7 +92,9 @@ class Plan:
         lines += ["",
                   f"| memory per rank ({self.world_size} rank(s){busiest}) | GiB |", "|---|---|"]
         lines += [f"| {k.replace('_', ' ')} | {v / GIB:,.2f} |" for k, v in self.bytes_per_rank.items()]
-        lines += [f"| **total** | **{self.total_bytes / GIB:,.2f}** |", "",
+        lines += [f"| **total** | **{self.total_bytes / GIB:,.2f}** |"]
+        lines += ["", self.activations_note] if self.activations_note else []
+        lines += ["",
                   f"training FLOPs per token: {self.flops_per_token / 1e9:,.2f} GFLOP",
                   f"tokens/s at {100 * mfu:.0f}% MFU of {peak_tflops:g} TFLOP/s per GPU, all {self.world_size} "
                   f"GPU(s) together: {self.tokens_per_s(peak_tflops, mfu):,.0f} "
@@ -167,7 +170,7 @@ def make_plan(cfg: Config, world_size: int, layout: Optional[PipelineLayout] = N
     routed_share = moe.top_k / moe.num_experts if moe.enabled else 1.0
     activated = sum(v for k, v in params.items() if k not in ("experts", "mtp")) + params.get("experts", 0) * routed_share
     return Plan(params, per_rank[busiest], training_flops_per_token(cfg.model, cfg.data.seq_len), world_size,
-                activated, pipeline, busiest)
+                activated, pipeline, busiest, _activations_note(cfg, _in_flight(cfg, busiest, micro_batches)))
 
 
 def _largest_phase(model: Transformer, fp8: Fp8Converter, micro_batch: MicroBatch, recompute: bool,
@@ -222,6 +225,16 @@ def _describe_stages(stages: list[StageSpec]) -> str:
     """A pipeline rank's stages in words, e.g. `0, 31 (embedding, head)`."""
     extras = (["embedding"] if any(s.first for s in stages) else []) + (["head"] if any(s.last for s in stages) else [])
     return ", ".join(str(s.index) for s in stages) + (f" ({', '.join(extras)})" if extras else "")
+
+
+def _activations_note(cfg: Config, in_flight: float) -> str:
+    """What the activation lines of the memory table count, in one line."""
+    training = cfg.training
+    kept = "each block's input (recomputed in backward)" if training.recompute == "full" else (
+        "what each block keeps for backward" + (" (compiled)" if training.compile else ""))
+    return (f"activations: {kept}, {in_flight:g} micro-batch(es) in flight; logits and loss: the head's kept FP32 "
+            "log-softmax, LM head input and norm, per loss; transient peak: the largest temporary on top, counted once "
+            "(megafp8/train/activations.py)")
 
 
 def _in_flight(cfg: Config, pp_rank: int, micro_batches: int) -> float:
