@@ -5,6 +5,9 @@
     PYTHONPATH=. python benchmarks/train_step.py --model 8b-layers training.compile=true \
         training.compile_mode=reduce-overhead
     PYTHONPATH=. torchrun --nproc_per_node=2 benchmarks/train_step.py --model 1b parallel.tp=2
+    PYTHONPATH=. torchrun --nproc_per_node=8 benchmarks/train_step.py parallel.tp=2 parallel.pp=2 parallel.ep=2 \
+        parallel.pp_schedule=dualpipev parallel.sequence_parallel=true --config 16b_moe_fp8 --model config \
+        --global-batch 16
     PYTHONPATH=. python benchmarks/train_step.py --model tiny --steps 4 training.device=cpu   # a smoke test
 
 Models (issue 10's shapes):
@@ -13,15 +16,19 @@ Models (issue 10's shapes):
   top-8 in 8 groups choosing 4, one shared expert, sigmoid routing): 3.2B parameters, 0.7B activated per token;
 - `8b-layers`: 8 layers of Llama-3-8B's width (hidden 4096, FFN 14336, 32 heads, no GQA as in
   `reference_model.py`), vocab 32768, seq 4096, micro-batch 4 (16k tokens);
-- `tiny`: the CPU smoke-test shape of `configs/tiny_dense.yaml`.
+- `tiny`: the CPU smoke-test shape of `configs/tiny_dense.yaml`;
+- `config`: the model, sequence length and micro-batch of `--config` as configured (e.g. `--config 16b_moe_fp8`;
+  the others start from `tiny_dense`).
 Every recipe runs the same steps on the same data (the built-in Python standard library corpus, tokenized to
 `--data` when missing), one after another in this process. Timing is the median of the loop's own per-step
 records (windows of `--log-interval` steps, each timed until the device finishes it) after `--warmup` steps; extra
 `section.key=value` overrides apply to every run (a layout, `training.recompute=full`, ...). Peak memory is the
 allocator's high-water mark over the timed steps (the steady state) and over the whole run (compilation,
 autotuning and CUDA graph recording in the warm-up included), the largest over the ranks; "planned GiB" is the
-memory planner's prediction for the busiest rank at the same configuration (`tools/plan.py --dry-run`), and
-"steady / planned" their ratio (issue 23 holds the planner to within 10%). Graph breaks counts where torch.compile
+memory planner's prediction for the busiest rank at the same configuration (`tools/plan.py --dry-run`; under pipeline
+parallelism the pipeline rank it plans as the busiest), and "steady / planned" their ratio (issue 23 holds the
+planner to within 10%). With several ranks the last column lists each rank's steady peak against the planner's
+prediction for that rank's pipeline stage. Graph breaks counts where torch.compile
 split a compiled block (there should be none: a split block runs slower, see `docs/performance.md`). Rank 0 prints
 the table as Markdown.
 """
@@ -44,7 +51,7 @@ from megafp8.config import load_config  # noqa: E402
 from megafp8.data.corpus import stdlib_files  # noqa: E402
 from megafp8.data.preprocess import preprocess  # noqa: E402
 from megafp8.train.runtime import env_rank, init_distributed, seed_everything, shutdown  # noqa: E402
-from megafp8.train.plan import make_plan  # noqa: E402
+from megafp8.train.plan import make_plan, with_vocab  # noqa: E402
 from megafp8.train.trainer import Trainer  # noqa: E402
 
 import kernel_breakdown  # noqa: E402  (benchmarks/, beside this file)
@@ -59,14 +66,11 @@ MODELS = {
     "8b-layers": ["model.size=null", "model.hidden_size=4096", "model.ffn_hidden_size=14336", "model.num_heads=32",
                   "model.attention.num_kv_heads=32", "model.num_layers=8", "model.vocab_size=32768",
                   "data.seq_len=4096", "training.micro_batch_size=4"],
+    "config": [],
     "tiny": ["model.vocab_size=384", "data.seq_len=64", "training.micro_batch_size=2", "model.hidden_size=128",
              "model.num_layers=2", "model.num_heads=2", "model.attention.num_kv_heads=1", "model.ffn_hidden_size=256",
              "model.size=null"],
 }
-
-
-def _micro_batch(model: str) -> int:
-    return int(next(o for o in MODELS[model] if o.startswith("training.micro_batch_size=")).split("=")[1])
 
 
 def corpus(path: Path) -> Path:
@@ -77,16 +81,22 @@ def corpus(path: Path) -> Path:
     return path
 
 
+def label(model: str, args: argparse.Namespace) -> str:
+    """The model's name in the table and run names: the config's for `--model config`."""
+    return args.config if model == "config" else model
+
+
 def run_config(model: str, recipe: str, args: argparse.Namespace, data: Path):
+    base = load_config(args.config, MODELS[model] + args.overrides)
     overrides = MODELS[model] + [
         f"precision.recipe={recipe}", f"data.path={data}", f"training.steps={args.steps}",
-        f"training.global_batch_size={args.global_batch or _micro_batch(model) * env_rank()[2]}",
+        f"training.global_batch_size={args.global_batch or base.training.micro_batch_size * env_rank()[2]}",
         "training.eval_interval=0",
         f"logging.log_interval={args.log_interval}",
-        f"logging.output_dir={args.out}", f"run_name={model}_{recipe}", "checkpoint.resume=none",
+        f"logging.output_dir={args.out}", f"run_name={label(model, args)}_{recipe}", "checkpoint.resume=none",
         # The parity run's learning rate: the tiny config's 2e-3 makes a 1B model's first steps erratic.
         "optimizer.lr=3e-4", "optimizer.min_lr=3e-5", f"optimizer.warmup_steps={min(10, args.steps)}"] + args.overrides
-    return load_config("tiny_dense", overrides)
+    return load_config(args.config, overrides)
 
 
 def release_memory(device: torch.device) -> None:
@@ -123,23 +133,28 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     # Each record covers the `log_interval` steps before it, timed up to the device finishing them.
     step_s = statistics.median(r["step_time_s"] for r in records)
     tokens = cfg.training.global_batch_size * cfg.data.seq_len
-    steady_peak, warmup_peak = max_over_ranks(max((r["peak_memory_gib"] or 0.0) for r in records), warmup_peak,
-                                              device=device)
-    return {"model": model, "recipe": recipe, "ranks": dims.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
+    plan = make_plan(with_vocab(cfg), dims.world_size)  # the vocabulary: the data's where not configured
+    # This rank's prediction: its pipeline stage's (every TP, EP and DP rank of a stage is planned alike).
+    planned_here = plan.pipeline[dims.pp_rank][4] if plan.pipeline else plan.total_bytes
+    steady_here = max((r["peak_memory_gib"] or 0.0) for r in records)
+    per_rank = over_ranks([steady_here, warmup_peak, planned_here / 2**30], device)
+    steady_peak, warmup_peak = (max(values[i] for values in per_rank) for i in (0, 1))  # the busiest rank's
+    return {"model": label(model, args), "recipe": recipe, "ranks": dims.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "tflops": statistics.median(r["tflops_per_device"] for r in records),
             "mfu": statistics.median(r["mfu"] for r in records) if records[0]["mfu"] is not None else None,
             "peak_gib": steady_peak, "warmup_peak_gib": max(warmup_peak, steady_peak), "loss": records[-1]["loss"],
-            "graph_breaks": sum(counters["graph_break"].values()),
-            "planned_gib": sum(make_plan(cfg, dims.world_size).bytes_per_rank.values()) / 2**30}
+            "graph_breaks": sum(counters["graph_break"].values()), "planned_gib": plan.total_bytes / 2**30,
+            "per_rank": [(steady, planned) for steady, _, planned in per_rank]}
 
 
-def max_over_ranks(*values: float, device: torch.device) -> list[float]:
-    """Each value's maximum over every rank (the busiest rank's memory: pipeline stages differ)."""
+def over_ranks(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values`, by rank (pipeline stages differ in memory)."""
     if not torch.distributed.is_initialized():
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return t.tolist()
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone]
 
 
 def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> str:
@@ -169,7 +184,7 @@ def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> st
     trainer.metrics.close()
     del trainer, prof
     release_memory(device)
-    title = f"{model}, {recipe}{' (compiled)' if cfg.training.compile else ''}, {dims.world_size} rank(s)"
+    title = f"{label(model, args)}, {recipe}{' (compiled)' if cfg.training.compile else ''}, {dims.world_size} rank(s)"
     return kernel_breakdown.markdown(title, kernel_breakdown.breakdown(kernels, args.profile), wall_ms,
                                      kernel_breakdown.top_kernels(kernels, args.profile), host, ops)
 
@@ -177,21 +192,25 @@ def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> st
 def table(rows: list[dict]) -> str:
     best_bf16 = max((r["tokens_per_s"] for r in rows if r["recipe"] == "bf16"), default=None)
     lines = ["| model | recipe | ranks | step (s) | tokens/s | vs BF16 | TFLOP/s per device | MFU | peak GiB, steady | "
-             "peak GiB, with warm-up | final loss | graph breaks | planned GiB | steady / planned |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak GiB, with warm-up | final loss | graph breaks | planned GiB | steady / planned | "
+             "per rank: steady / planned GiB | tokens/s per GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tokens_per_s'] / best_bf16:.2f}x" if best_bf16 else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         measured = f"{r['peak_gib'] / r['planned_gib']:.2f}" if r["peak_gib"] else "n/a"
+        ranks = ", ".join(f"{steady:.2f} / {planned:.2f}" for steady, planned in r["per_rank"])
         lines.append(f"| {r['model']} | {r['recipe']} | {r['ranks']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
                      f"{ratio} | {r['tflops']:.1f} | {mfu} | {r['peak_gib']:.2f} | {r['warmup_peak_gib']:.2f} | "
-                     f"{r['loss']:.4f} | {r['graph_breaks']} | {r['planned_gib']:.2f} | {measured} |")
+                     f"{r['loss']:.4f} | {r['graph_breaks']} | {r['planned_gib']:.2f} | {measured} | {ranks} | "
+                     f"{r['tokens_per_s'] / r['ranks']:,.0f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="1b")
+    parser.add_argument("--config", default="tiny_dense", help="the config the runs start from (see --model config)")
     parser.add_argument("--recipes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8", "fp16", "fp32"],
                         help="(put `section.key=value` overrides before this option)")
     parser.add_argument("--steps", type=int, default=30)
@@ -213,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         data = None
         for recipe in args.recipes:
             if data is None:
-                init_distributed(load_config("tiny_dense", MODELS[args.model] + args.overrides))
+                init_distributed(load_config(args.config, MODELS[args.model] + args.overrides))
                 data = corpus(args.data)
             if args.profile:
                 profiles.append(profile(args.model, recipe, args, data))

@@ -136,17 +136,19 @@ def _memory_worker(rank, world, overrides, out_path):
 
 @pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.pp=2", "parallel.pp_schedule=zbv"]])
 def test_planned_memory_is_what_the_busiest_pipeline_rank_allocates(tiny_overrides, tmp_path, layout):
-    """The planner's weights, gradients, masters and moments per rank equal the live buffers of the pipeline rank
-    holding the most (bytes counted from the optimizer's own tensors)."""
+    """The planner's weights, gradients, masters and moments per rank equal the live buffers of the pipeline rank it
+    plans as the busiest (bytes counted from the optimizer's own tensors); each rank's own figures are in its row of
+    the pipeline table."""
     from tests.distributed import spawn
 
     overrides = tiny_overrides + ["model.vocab_size=384", "model.num_layers=4"] + layout
     spawn(2, _memory_worker, overrides, tmp_path / "m.pt")
-    live = torch.load(tmp_path / "m.pt")
-    busiest = max(live, key=lambda m: m["weights"])
-    plan = make_plan(load_config("tiny_dense", overrides), 2).bytes_per_rank
+    live = torch.load(tmp_path / "m.pt")  # by rank: pipeline rank r is rank r here
+    plan = make_plan(load_config("tiny_dense", overrides), 2)
+    busiest = live[plan.busiest_rank]
     for key in ("weights", "grads", "master_weights", "optimizer_states"):
-        assert plan[key] == busiest[key], (key, plan[key], busiest[key])
+        assert plan.bytes_per_rank[key] == busiest[key], (key, plan.bytes_per_rank[key], busiest[key])
+    assert plan.pipeline[plan.busiest_rank][4] == plan.total_bytes == max(row[4] for row in plan.pipeline)
 
 
 def test_dry_run_lists_every_pipeline_rank():
@@ -228,3 +230,15 @@ def test_the_pipeline_layout_is_built_once_and_passed_down(monkeypatch):
     assert make_plan(cfg, 2, planning.pipeline_layout(cfg)).bytes_per_rank == plan.bytes_per_rank and len(built) == 2
     assert [row[1:3] for row in plan.pipeline] == [("0, 3 (embedding, head)", 2), ("1, 2", 2)]
     assert sum(row[3] for row in plan.pipeline) == plan.total_params
+
+
+def test_each_pipeline_rank_holds_its_micro_batches_in_flight():
+    """1F1B: the first rank holds pp micro-batches' activations, the last one (with the head's logits); never more
+    than the step has. The dry run says what the activation lines count."""
+    base = ["model.vocab_size=384", "model.num_layers=4", "parallel.pp=2", "training.micro_batch_size=4"]
+    one, two = (make_plan(load_config("tiny_dense", base + [f"training.global_batch_size={4 * m}"]), 2)
+                for m in (1, 2))
+    (first_one, last_one), (first_two, last_two) = ([row[4] for row in plan.pipeline] for plan in (one, two))
+    assert first_two > first_one and last_two == last_one
+    assert two.busiest_rank == 0 and two.bytes_per_rank["logits_and_loss"] == 0  # the head is on rank 1
+    assert "2 micro-batch(es) in flight" in two.render(100.0, 0.4)

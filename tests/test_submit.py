@@ -43,7 +43,7 @@ def test_the_tool_checks_memory_and_prints_the_command():
     ok = tool("--config", "671b_fp8.yaml", "--nodes", "256")
     assert ok.returncode == 0, ok.stderr
     assert "256 node(s) x 8 process(es) = 2048 ranks" in ok.stdout and "sbatch --nodes=256 --gpus-per-node=8" in ok.stdout
-    too_big = tool("--config", "671b_fp8.yaml", "parallel.pp=1", "parallel.pp_layout=null")  # ~334 GiB per GPU
+    too_big = tool("--config", "671b_fp8.yaml", "parallel.pp=1", "parallel.pp_layout=null")  # ~209 GiB per GPU
     assert too_big.returncode == 2 and "GiB per GPU" in too_big.stderr and "139.0 GiB" in too_big.stderr
 
 

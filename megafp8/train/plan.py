@@ -1,20 +1,27 @@
 """Dry-run planning: parameters, per-GPU memory and throughput of a config, without allocating the model.
 
-The model is built on the meta device (shapes only), as one tensor-parallel rank's shard. Memory
-per rank follows the optimizer's layout: model weights in the recipe's dtype, the FP32 gradient
-buffer (plus this rank's reduced shard when sharded), FP32 master weights and AdamW moments
-divided over data-parallel ranks when sharded. Activations are an estimate for one micro-batch
-without recomputation, Megatron's count with a fused attention kernel: per token, hidden unit and
-layer ~34 bytes in BF16, (10 + 24/tp) under tensor parallelism and 34/tp with sequence
-parallelism; plus the logits (BF16, plus FP32 for the loss) split over TP.
+The model is built on the meta device (shapes only), as one tensor-parallel rank's shard, once per pipeline rank,
+with the FP8 layer plan applied. Memory per rank follows the optimizer's layout: model weights in the recipe's dtype,
+the FP32 gradient buffer (plus this rank's reduced shard when sharded), FP32 master weights and AdamW moments divided
+over data-parallel ranks when sharded, and the FP8 layers' quantized weight copies.
 
-With `training.recompute: full` a block keeps only its input (2 bytes per token and hidden unit,
-divided by tp under sequence parallelism) for every micro-batch in flight, plus one block's full
+Activations are counted tensor by tensor from the rank's model (`megafp8.train.activations`): what each block keeps
+for backward in its recipe (BF16 blocks keep SwiGLU's FFN-wide intermediates, FP8 linears keep x^T in FP8, MoE
+layers their routed rows in the experts' layout, attention q/k/v, output and logsumexp), under `training.compile`
+without the intermediates Inductor recomputes; times the micro-batches in flight at once. On the rank holding the
+head: the final norm, LM head input and FP32 log-softmax of every loss (`logits and loss`). Counted once on top
+(`transient peak`): the largest transient, the logits and the loss's FP32 gradients (on one GPU without TP, 8
+bytes per logit) or a block's gradient temporaries where those are larger. Under `precision.fp8_start_step` the
+activations are those of the larger phase (BF16 before the switch). The prediction is meant to hold within 10% of
+the allocator's steady peak (`benchmarks/train_step.py` prints both).
+
+With `training.recompute: full` a block keeps only its input for every micro-batch in flight, plus one block's full
 working set while it is recomputed.
 
-Under pipeline parallelism the figures are those of the busiest pipeline rank (its stages' weights;
-activations of its layers for the micro-batches in flight at once: pp under 1F1B and ZB-V,
-pp x (1 + (pp-1)/(pp x v)) under the interleaved schedules, pp + 1 under DualPipeV).
+Under pipeline parallelism every pipeline rank is planned (its stages' weights; activations of its layers for the
+micro-batches in flight at once, at most the step's micro-batches: pp - rank under 1F1B, pp under ZB-V,
+pp x (1 + (pp-1)/(pp x v)) under the interleaved schedules, pp + 1 under DualPipeV; the head's on the rank holding
+the last stage) and the busiest one is reported.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from megafp8.model import Fp8Converter, Transformer, describe_rope, resolve_voca
 from megafp8.parallel import ExpertParallel, TensorParallel, full_shape, is_expert
 from megafp8.parallel.pipeline import PipelineLayout, StageSpec, build_layout
 from megafp8.precision import PrecisionRecipe
+from megafp8.train.activations import MicroBatch, rank_activations
 
 _PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp16": 2, "fp32": 4}
 GIB = 2**30
@@ -46,8 +54,10 @@ class Plan:
     flops_per_token: float
     world_size: int
     activated_per_token: float = 0.0  # main-model parameters one token passes through (top-k experts; no MTP)
-    pipeline: list[tuple[int, str, int, int]] = dataclasses.field(default_factory=list)
-    # per pipeline rank: (rank, its stages, transformer blocks, parameters of its TP/EP shard)
+    pipeline: list[tuple[int, str, int, int, float]] = dataclasses.field(default_factory=list)
+    # per pipeline rank: (rank, its stages, transformer blocks, parameters of its TP/EP shard, bytes planned)
+    busiest_rank: int = 0  # the pipeline rank `bytes_per_rank` is of (0 without pipelining)
+    activations_note: str = ""  # what the activation lines count, for the dry run
 
     @property
     def total_params(self) -> int:
@@ -74,13 +84,17 @@ class Plan:
             lines += [f"| without MTP | {self.main_params / 1e6:,.2f}M |",
                       f"| activated per token (top-k experts, without MTP) | {self.activated_per_token / 1e6:,.2f}M |"]
         if self.pipeline:
-            lines += ["", "| pipeline rank | stages | blocks | parameters (one TP/EP shard) |", "|---|---|---|---|"]
-            lines += [f"| {rank} | {stages} | {blocks} | {count / 1e6:,.2f}M |"
-                      for rank, stages, blocks, count in self.pipeline]
+            lines += ["", "| pipeline rank | stages | blocks | parameters (one TP/EP shard) | memory GiB |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {rank} | {stages} | {blocks} | {count / 1e6:,.2f}M | {memory / GIB:,.2f} |"
+                      for rank, stages, blocks, count, memory in self.pipeline]
+        busiest = f", pipeline rank {self.busiest_rank} (the busiest)" if self.pipeline else ""
         lines += ["",
-                  f"| memory per rank ({self.world_size} rank(s)) | GiB |", "|---|---|"]
+                  f"| memory per rank ({self.world_size} rank(s){busiest}) | GiB |", "|---|---|"]
         lines += [f"| {k.replace('_', ' ')} | {v / GIB:,.2f} |" for k, v in self.bytes_per_rank.items()]
-        lines += [f"| **total** | **{self.total_bytes / GIB:,.2f}** |", "",
+        lines += [f"| **total** | **{self.total_bytes / GIB:,.2f}** |"]
+        lines += ["", self.activations_note] if self.activations_note else []
+        lines += ["",
                   f"training FLOPs per token: {self.flops_per_token / 1e9:,.2f} GFLOP",
                   f"tokens/s at {100 * mfu:.0f}% MFU of {peak_tflops:g} TFLOP/s per GPU, all {self.world_size} "
                   f"GPU(s) together: {self.tokens_per_s(peak_tflops, mfu):,.0f} "
@@ -134,34 +148,41 @@ def make_plan(cfg: Config, world_size: int, layout: Optional[PipelineLayout] = N
     # Each pipeline rank's model: its stages' parts (without pipelining, the whole model).
     ranks = [(whole, None)] if layout is None else [(meta_model(stages), stages) for stages in
                                                     (layout.local_stages(r) for r in range(pp))]
-    pipeline, static = [], []
+    micro_batch = MicroBatch.of(cfg)
+    micro_batches = max(1, cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp))
+    pipeline, per_rank = [], []
     for rank, (model, stages) in enumerate(ranks):
         rank_params = list(model.parameters())
         n = sum(p.numel() for p in rank_params)
-        if stages is not None:
-            pipeline.append((rank, _describe_stages(stages), len(model.layers), n))
         n_expert = sum(p.numel() for p in rank_params if is_expert(p))
-        static.append(_static_bytes(cfg, n, n_expert, *_fp8_weight_numel(model, fp8), dp, recipe_name))
-    layers_per_rank = max(len(model.layers) for model, _ in ranks)
+        memory = _static_bytes(cfg, n, n_expert, *_fp8_weight_numel(model, fp8), dp, recipe_name)
+        memory.update(_largest_phase(model, fp8, micro_batch, cfg.training.recompute == "full",
+                                     _in_flight(cfg, rank, micro_batches)))
+        per_rank.append(memory)
+        if stages is not None:
+            pipeline.append((rank, _describe_stages(stages), len(model.layers), n, sum(memory.values())))
     for part, unused in (("experts", not cfg.model.moe.enabled), ("mtp", cfg.model.mtp_depth == 0)):
         if unused:
             del params[part]
-    tokens = cfg.training.micro_batch_size * cfg.data.seq_len
-    per_unit = 34 / tp if shard_layout.sp else 10 + 24 / tp
-    block_bytes = per_unit * tokens * cfg.model.hidden_size  # one block's activations, one micro-batch
-    if cfg.training.recompute == "full":
-        inputs = 2 * tokens * cfg.model.hidden_size / (tp if shard_layout.sp else 1)
-        stored = inputs * layers_per_rank * _in_flight(cfg) + block_bytes
-    else:
-        stored = block_bytes * layers_per_rank * _in_flight(cfg)
-    activations = stored + tokens * cfg.model.vocab_size * (2 + 4) / tp
-    # The pipeline rank whose weights, gradients, optimizer state and FP8 copies take the most memory.
-    bytes_per_rank = {**max(static, key=lambda b: sum(b.values())), "activations (estimate)": float(activations)}
+    # The pipeline rank whose weights, gradients, optimizer state, FP8 copies and activations take the most memory.
+    busiest = max(range(len(per_rank)), key=lambda r: sum(per_rank[r].values()))
     moe = cfg.model.moe
     routed_share = moe.top_k / moe.num_experts if moe.enabled else 1.0
     activated = sum(v for k, v in params.items() if k not in ("experts", "mtp")) + params.get("experts", 0) * routed_share
-    return Plan(params, bytes_per_rank, training_flops_per_token(cfg.model, cfg.data.seq_len), world_size, activated,
-                pipeline)
+    return Plan(params, per_rank[busiest], training_flops_per_token(cfg.model, cfg.data.seq_len), world_size,
+                activated, pipeline, busiest, _activations_note(cfg, _in_flight(cfg, busiest, micro_batches)))
+
+
+def _largest_phase(model: Transformer, fp8: Fp8Converter, micro_batch: MicroBatch, recompute: bool,
+                   in_flight: float) -> dict[str, float]:
+    """Activation bytes of `model` (a meta copy) with its GEMM layers as the FP8 plan runs them; under
+    `precision.fp8_start_step`, of the phase that needs more (before it every layer runs BF16)."""
+    phases = [fp8.start_step] + ([0] if fp8.runs_fp8_at(fp8.start_step) and fp8.start_step > 0 else [])
+    candidates = []
+    for step in phases:
+        fp8.convert(model, step)
+        candidates.append(rank_activations(model, micro_batch, recompute, in_flight))
+    return max(candidates, key=lambda c: sum(c.values()))
 
 
 # Bytes per weight of one FP8 copy in 128x128 blocks: one byte per value, one FP32 scale per block.
@@ -206,15 +227,30 @@ def _describe_stages(stages: list[StageSpec]) -> str:
     return ", ".join(str(s.index) for s in stages) + (f" ({', '.join(extras)})" if extras else "")
 
 
-def _in_flight(cfg: Config) -> float:
-    """Micro-batches whose activations the first pipeline rank holds at once (1 without pipelining)."""
+def _activations_note(cfg: Config, in_flight: float) -> str:
+    """What the activation lines of the memory table count, in one line."""
+    training = cfg.training
+    kept = "each block's input (recomputed in backward)" if training.recompute == "full" else (
+        "what each block keeps for backward" + (" (compiled)" if training.compile else ""))
+    return (f"activations: {kept}, {in_flight:g} micro-batch(es) in flight; logits and loss: the head's kept FP32 "
+            "log-softmax, LM head input and norm, per loss; transient peak: the largest temporary on top, counted once "
+            "(megafp8/train/activations.py)")
+
+
+def _in_flight(cfg: Config, pp_rank: int, micro_batches: int) -> float:
+    """Micro-batches whose activations pipeline rank `pp_rank` holds at once (1 without pipelining), at most the
+    step's `micro_batches`."""
     pp, schedule = cfg.parallel.pp, cfg.parallel.pp_schedule
     if pp == 1:
         return 1.0
-    if schedule in ("interleaved_1f1b", "interleaved_zb"):
+    if schedule == "1f1b":
+        in_flight = pp - pp_rank  # warm-up forwards: the first rank holds pp, the last one
+    elif schedule in ("interleaved_1f1b", "interleaved_zb"):
         v = cfg.parallel.pp_virtual_stages
-        return pp * (1 + (pp - 1) / (pp * v))  # Megatron's interleaved-schedule activation factor
-    return pp + 1 if schedule == "dualpipev" else pp
+        in_flight = pp * (1 + (pp - 1) / (pp * v))  # Megatron's interleaved-schedule activation factor
+    else:
+        in_flight = pp + 1 if schedule == "dualpipev" else pp  # the V schedules: the same on every rank
+    return float(min(in_flight, micro_batches))
 
 
 def with_vocab(cfg: Config) -> Config:
