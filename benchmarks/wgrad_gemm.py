@@ -31,25 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megafp8.precision.backends import select_backend  # noqa: E402
 from megafp8.precision.formats import E4M3  # noqa: E402
 from megafp8.precision.quantize import mn_major  # noqa: E402
+from grouped_gemm import timed_ms  # noqa: E402  (benchmarks/, beside this file)
 
 LINEARS = {  # (name, N = output features, K = input features)
     "1b": [("qkv", 6144, 2048), ("out", 2048, 2048), ("gate_up", 11264, 2048), ("down", 2048, 5632)],
     "8b-layers": [("qkv", 12288, 4096), ("out", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
 }
 WRONG = 2**-6
-
-
-def timed_ms(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def columns(dy: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[[], object], Callable[[], torch.Tensor]]]:
@@ -126,7 +114,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     if err > WRONG:
                         cells.append(f"wrong ({err:.3f})")
                         continue
-                    ms = timed_ms(run, args.iters)
+                    ms = timed_ms(run, torch.device("cuda"), args.iters)
                     cells.append(f"{2 * n * k * args.tokens / ms / 1e9:.0f} ({ms:.2f})")
                 except Exception as exc:  # noqa: BLE001 - a column that cannot run says why
                     cells.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}".replace("|", "/"))

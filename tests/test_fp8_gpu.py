@@ -189,28 +189,34 @@ def test_every_autotuned_configuration_of_every_kernel_gives_the_same_bits():
             kernel.configs, kernel.cache = saved
 
 
-def test_grouped_gemm_kernels_with_tma_match_the_pointer_kernels_in_every_configuration():
-    """The TMA grouped GEMMs (fprop/dgrad, wgrad) against the plain ones, with N not a multiple of a 256-wide block
-    (a block reads past its expert's rows into the next expert's) and an expert without rows."""
-    pytest.importorskip("triton")
-    from triton.runtime.errors import OutOfResources
+def _grouped_problem(rows, n: int = 384, k: int = 256) -> tuple:
+    """Operands of the grouped GEMMs over the layout `rows` (outlier-laden, reference-quantized, on the GPU) and the
+    pointer kernels' results: (a, a_s, b, b_s, at, at_s, bt, bt_s, fprop (rows, n), wgrad (E, n, k))."""
     from megafp8.precision import E4M3, quantize as ref
-    from megafp8.precision.grouped import expert_rows
     from megafp8.precision.kernels import gemm
     from tests.fp8_checks import outlier_tensor
-    if not gemm.uses_tma(CUDA):
-        pytest.skip("no TMA on this GPU")
-    counts = [130, 0, 256, 5]
-    rows = expert_rows(counts, CUDA)
-    n, k = 384, 256
     a, a_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(rows.total, k), E4M3))
-    w = [ref.quantize_128x128(outlier_tensor(n, k, seed=10 + e), E4M3) for e in range(len(counts))]
+    w = [ref.quantize_128x128(outlier_tensor(n, k, seed=10 + e), E4M3) for e in range(rows.tile_start.shape[0])]
     b, b_s = (torch.stack([pair[i] for pair in w]).to(CUDA) for i in (0, 1))
     at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=3), E4M3))
     bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=4), E4M3))
     want_y = gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.float32, kernel="pointer")
     want_dw = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32,
                                  kernel="pointer")
+    return a, a_s, b, b_s, at, at_s, bt, bt_s, want_y, want_dw
+
+
+def test_grouped_gemm_kernels_with_tma_match_the_pointer_kernels_in_every_configuration():
+    """The TMA grouped GEMMs (fprop/dgrad, wgrad) against the plain ones, with N not a multiple of a 256-wide block
+    (a block reads past its expert's rows into the next expert's) and an expert without rows."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+    from megafp8.precision.grouped import expert_rows
+    from megafp8.precision.kernels import gemm
+    if not gemm.uses_tma(CUDA):
+        pytest.skip("no TMA on this GPU")
+    rows = expert_rows([130, 0, 256, 5], CUDA)
+    a, a_s, b, b_s, at, at_s, bt, bt_s, want_y, want_dw = _grouped_problem(rows)
     assert not want_dw[1].any()
     for kernel, run, want in ((gemm._grouped_gemm_tma_kernel, lambda: gemm.grouped_gemm(
             a, a_s, b, b_s, rows.tile_expert, torch.float32, kernel="tma"), want_y),
@@ -330,15 +336,7 @@ def test_warp_specialized_gemms_match_the_pointer_kernels():
     counts = torch.tensor([130, 0, 256, 5])
     rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))  # device counts: padding tiles at the end
     assert (rows.tile_expert == -1).any()
-    n, k = 384, 256
-    a, a_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(rows.total, k), E4M3))
-    w = [ref.quantize_128x128(outlier_tensor(n, k, seed=10 + e), E4M3) for e in range(len(counts))]
-    b, b_s = (torch.stack([pair[i] for pair in w]).to(CUDA) for i in (0, 1))
-    at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=3), E4M3))
-    bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=4), E4M3))
-    want_y = gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.float32, kernel="pointer")
-    want_dw = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32,
-                                 kernel="pointer")
+    a, a_s, b, b_s, at, at_s, bt, bt_s, want_y, want_dw = _grouped_problem(rows)
     dn, dk, tokens = 200, 328, 640
     dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(dn, tokens, seed=5), E4M3))
     xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(dk, tokens, seed=6), E4M3))

@@ -269,8 +269,8 @@ def warp_specialized_unavailable(device: torch.device) -> Optional[str]:
 
 def default_kernel(device: torch.device) -> str:
     """The grouped kernel `device` runs by default: TMA from SM90, else pointers. The warp-specialized kernel is
-    opt-in (`kernel="ws"`): faster than the TMA one on 8 of issue 19's 12 grouped GEMMs, but the compiled MoE step
-    did not get faster with it (`docs/benchmarks.md`, job T)."""
+    opt-in (`kernel="ws"`): faster than the TMA one on 10 of issue 19's 12 grouped GEMMs, but the compiled MoE step
+    got only 1% faster with it (`docs/benchmarks.md`, jobs T and V)."""
     return "tma" if uses_tma(device) else "pointer"
 
 

@@ -19,9 +19,9 @@ product on the CUDA cores the other's MMA keeps the tensor cores busy (DeepGEMM'
 persistent (one per SM) and walk the output tiles grouped along M, so the producer is already loading the next
 tile while the consumers write the last one.
 
-Measured on an H200 (`docs/benchmarks.md`, job T): 760-1,021 TFLOP/s on issue 19's grouped GEMMs (fprop and dgrad
-up to 25% faster than the TMA Triton kernel, wgrad about equal), 660-780 on dense weight gradients, where cuBLAS
-runs at 940-1,050; `megafp8.precision.kernels.gemm` chooses it only when asked (`kernel="ws"`).
+Measured on an H200 (`docs/benchmarks.md`, jobs T-V): 760-1,021 TFLOP/s on issue 19's grouped fprop and dgrad
+(up to 25% faster than the TMA Triton kernel), 619-734 on their wgrads, 660-780 on dense weight gradients (where
+cuBLAS runs at 940-1,050). The backends use it only when asked (`kernel="ws"`, the `hopper` backend).
 
 Numerics are the Triton kernels' (`megafp8.precision.kernels.gemm`): an FP32 partial product per 128-wide K step,
 times its scales, added to an FP32 accumulator; results differ from the reference backend only in summation order.

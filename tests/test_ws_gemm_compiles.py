@@ -1,0 +1,61 @@
+"""The warp-specialized Gluon GEMM (`megafp8.precision.kernels.ws_gemm`) compiles for SM90 without a GPU: every
+configuration the backends launch, through Triton's compiler and the wheel's `ptxas`, with its MMAs not serialized
+by the assembler and its accumulators not spilled. What this guards: a change that makes ptxas serialize the
+wgmma pipeline (notes C7511/C7514) or spill the FP32 accumulators runs correctly on the GPU, only much slower,
+and no CPU test of the numerics would notice. Needs Triton with Gluon (skipped where it is not installed)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+CONFIGS = {  # name -> (constexpr flags, C's element type)
+    "grouped fprop/dgrad": (dict(GROUPED_ROWS=True, GROUPED_K=False, B_BLOCKWISE=True, ACCUMULATE=False), "*bf16"),
+    "grouped wgrad into main_grad": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False, ACCUMULATE=True),
+                                     "*fp32"),
+    "grouped wgrad": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False, ACCUMULATE=False), "*bf16"),
+    "dense wgrad": (dict(GROUPED_ROWS=False, GROUPED_K=False, B_BLOCKWISE=False, ACCUMULATE=False), "*bf16"),
+}
+# Spill bytes ptxas may report: the per-row-scale kernels keep a few tile coordinates on the stack outside the K
+# loop (measured 16-48 bytes); the accumulators alone are 256 bytes a thread per 128-column slice.
+MAX_SPILL_BYTES = 64
+
+
+def _ptxas_report(flags: dict, c_type: str, block_n: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    from megafp8.precision.kernels import ws_gemm
+
+    fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+    signature = {"a_desc": mangle_type(ws_gemm._descriptor(fp8, [64, 128])),
+                 "b_desc": mangle_type(ws_gemm._descriptor(fp8, [128, 128])), "c_ptr": c_type, "as_ptr": "*fp32",
+                 "bs_ptr": "*fp32", "tile_expert_ptr": "*i32", "k_start_ptr": "*i32", "k_count_ptr": "*i32"}
+    signature.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "num_groups", "stride_ce", "stride_cm",
+                                               "stride_as_m", "stride_as_k", "stride_bs_e", "stride_bs_n",
+                                               "stride_bs_k")})
+    constants = dict(flags, BLOCK_N=block_n, STAGES=ws_gemm._stages(block_n), GROUP_M=8)
+    signature.update({name: "constexpr" for name in constants})
+    compiled = triton.compile(GluonASTSource(ws_gemm._ws_gemm_kernel, signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptx = compiled.asm["ptx"]
+    result = subprocess.run([ptxas, "-v", "-arch=sm_90a", "-", "-o", os.devnull], input=ptx, capture_output=True,
+                            text=True, check=True)
+    return result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_spilled_accumulators(name, block_n):
+    flags, c_type = CONFIGS[name]
+    report = _ptxas_report(flags, c_type, block_n)
+    assert "C7511" not in report and "C7514" not in report, report  # "wgmma ... serialized"
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) <= MAX_SPILL_BYTES, report
