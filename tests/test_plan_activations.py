@@ -3,7 +3,8 @@
 One forward of a tiny model on CPU runs under `torch.autograd.graph.saved_tensors_hooks`; the bytes of the distinct
 storages its autograd nodes keep (views of one tensor count once; parameters, buffers and the FP8 layers' weight
 copies are not activations) are held to the planner's count for each block and for the head, in BF16 and FP8 (the
-reference backend), dense, MoE and MLA with MTP, eager and compiled, at TP=2 with sequence parallelism, and at EP=2 (the mean over the ranks).
+reference backend), dense, MoE and MLA with MTP, eager and compiled, at TP=2 with sequence parallelism, and at
+EP=2 (the mean over the ranks).
 
 The planner counts what the GPU kernels keep. Two CPU kernels keep more, and run as stand-ins here that keep what
 the CUDA ones do: CPU's `rms_norm` is decomposed and also keeps its FP32 normalized output (CUDA's fused kernel keeps
