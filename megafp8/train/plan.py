@@ -42,7 +42,6 @@ from megafp8.parallel.pipeline import PipelineLayout, StageSpec, build_layout
 from megafp8.precision import PrecisionRecipe
 from megafp8.train.activations import MicroBatch, rank_activations
 
-_PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp16": 2, "fp32": 4}
 GIB = 2**30
 
 
@@ -155,7 +154,8 @@ def make_plan(cfg: Config, world_size: int, layout: Optional[PipelineLayout] = N
         rank_params = list(model.parameters())
         n = sum(p.numel() for p in rank_params)
         n_expert = sum(p.numel() for p in rank_params if is_expert(p))
-        memory = _static_bytes(cfg, n, n_expert, *_fp8_weight_numel(model, fp8), dp, recipe_name)
+        weight_bytes = sum(p.numel() * p.element_size() for p in rank_params)  # the recipe's dtype; routers FP32
+        memory = _static_bytes(cfg, n, n_expert, *_fp8_weight_numel(model, fp8), dp, weight_bytes)
         memory.update(_largest_phase(model, fp8, micro_batch, cfg.training.recompute == "full",
                                      _in_flight(cfg, rank, micro_batches)))
         per_rank.append(memory)
@@ -190,17 +190,21 @@ _FP8_COPY_BYTES = 1 + 4 / (128 * 128)
 
 
 def _static_bytes(cfg: Config, n: int, n_expert: int, n_fp8: int, n_fp8_experts: int, largest_expert_fp8: int,
-                  dp: int, recipe_name: str) -> dict[str, float]:
-    """One rank's bytes of weights, FP32 gradients, masters and moments (sharded over data-parallel ranks, the
-    routed experts over their expert-data-parallel replicas) and FP8 weight copies; `n` parameters, `n_expert` of
-    them routed experts, `n_fp8` in dense FP8 GEMM layers and `n_fp8_experts` in FP8 expert projections, the
-    largest of which has `largest_expert_fp8`."""
+                  dp: int, weight_bytes: int) -> dict[str, float]:
+    """One rank's bytes of weights (`weight_bytes`: its parameters in their dtypes), FP32 gradients, masters and
+    moments (sharded over data-parallel ranks, the routed experts over their expert-data-parallel replicas) and FP8
+    weight copies; `n` parameters, `n_expert` of them routed experts, `n_fp8` in dense FP8 GEMM layers and
+    `n_fp8_experts` in FP8 expert projections, the largest of which has `largest_expert_fp8`. A sharded optimizer
+    reduce-scatters into a shard buffer of its own, except over a group of one (the gradients are their own shard:
+    `megafp8.parallel.grad_buckets`)."""
     ep = cfg.parallel.ep
-    sharded_numel = (n - n_expert) / dp + n_expert / (dp // ep) if cfg.optimizer.sharded else n
+    dense_shard, expert_shard = (n - n_expert) / dp, n_expert / (dp // ep)
+    sharded_numel = dense_shard + expert_shard if cfg.optimizer.sharded else n
+    shard_buffers = (dense_shard if dp > 1 else 0) + (expert_shard if dp // ep > 1 else 0)
     moment_bytes = 4 if cfg.optimizer.moment_dtype == "fp32" else 2
     static = {
-        "weights": n * _PARAM_BYTES[recipe_name],
-        "grads": n * 4 + (sharded_numel * 4 if cfg.optimizer.sharded and dp > 1 else 0),
+        "weights": weight_bytes,
+        "grads": n * 4 + (shard_buffers * 4 if cfg.optimizer.sharded else 0),
         "master_weights": sharded_numel * 4,
         "optimizer_states": sharded_numel * 2 * moment_bytes,
         # Each dense FP8 layer keeps its weight quantized for the step with the transposed copy dgrad reads; the
