@@ -27,10 +27,12 @@ allocator's high-water mark over the timed steps (the steady state) and over the
 autotuning and CUDA graph recording in the warm-up included), the largest over the ranks; "planned GiB" is the
 memory planner's prediction for the busiest rank at the same configuration (`tools/plan.py --dry-run`; under pipeline
 parallelism the pipeline rank it plans as the busiest), and "steady / planned" their ratio (issue 23 holds the
-planner to within 10%). With several ranks the last column lists each rank's steady peak against the planner's
+planner to within 10%). With several ranks the "per rank" column lists each rank's steady peak against the planner's
 prediction for that rank's pipeline stage. Graph breaks counts where torch.compile
-split a compiled block (there should be none: a split block runs slower, see `docs/performance.md`). Rank 0 prints
-the table as Markdown.
+split a compiled block (there should be none: a split block runs slower, see `docs/performance.md`). Under pipeline
+parallelism the last column gives the schedule's theoretical bubble (the one the training loop's start-up line logs:
+simulated from the schedule's actions with forward = input-gradient = weight-gradient time);
+`benchmarks/scaling_table.py` sets it beside the measured one. Rank 0 prints the table as Markdown.
 """
 from __future__ import annotations
 
@@ -126,8 +128,10 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
         trainer.train_step()
     warmup_peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the first timed window starts with the warm-up finished, not queued
         torch.cuda.reset_peak_memory_stats(device)  # from here on: the steady state's high-water mark
     records = [r for r in trainer.fit() if r["kind"] == "train"]
+    bubble = trainer.pipeline.bubble if trainer.pipeline is not None else None
     del trainer
     release_memory(device)
     # Each record covers the `log_interval` steps before it, timed up to the device finishing them.
@@ -144,7 +148,7 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
             "mfu": statistics.median(r["mfu"] for r in records) if records[0]["mfu"] is not None else None,
             "peak_gib": steady_peak, "warmup_peak_gib": max(warmup_peak, steady_peak), "loss": records[-1]["loss"],
             "graph_breaks": sum(counters["graph_break"].values()), "planned_gib": plan.total_bytes / 2**30,
-            "per_rank": [(steady, planned) for steady, _, planned in per_rank]}
+            "per_rank": [(steady, planned) for steady, _, planned in per_rank], "bubble": bubble}
 
 
 def over_ranks(values: list[float], device: torch.device) -> list[list[float]]:
@@ -193,17 +197,18 @@ def table(rows: list[dict]) -> str:
     best_bf16 = max((r["tokens_per_s"] for r in rows if r["recipe"] == "bf16"), default=None)
     lines = ["| model | recipe | ranks | step (s) | tokens/s | vs BF16 | TFLOP/s per device | MFU | peak GiB, steady | "
              "peak GiB, with warm-up | final loss | graph breaks | planned GiB | steady / planned | "
-             "per rank: steady / planned GiB | tokens/s per GPU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "per rank: steady / planned GiB | tokens/s per GPU | bubble, theoretical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tokens_per_s'] / best_bf16:.2f}x" if best_bf16 else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         measured = f"{r['peak_gib'] / r['planned_gib']:.2f}" if r["peak_gib"] else "n/a"
         ranks = ", ".join(f"{steady:.2f} / {planned:.2f}" for steady, planned in r["per_rank"])
+        bubble = f"{100 * r['bubble']:.1f}%" if r["bubble"] is not None else "-"
         lines.append(f"| {r['model']} | {r['recipe']} | {r['ranks']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
                      f"{ratio} | {r['tflops']:.1f} | {mfu} | {r['peak_gib']:.2f} | {r['warmup_peak_gib']:.2f} | "
                      f"{r['loss']:.4f} | {r['graph_breaks']} | {r['planned_gib']:.2f} | {measured} | {ranks} | "
-                     f"{r['tokens_per_s'] / r['ranks']:,.0f} |")
+                     f"{r['tokens_per_s'] / r['ranks']:,.0f} | {bubble} |")
     return "\n".join(lines)
 
 

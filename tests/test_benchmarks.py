@@ -1,6 +1,9 @@
 """The training-step benchmark runs end to end on CPU (a smoke test: the GPU figures live in docs/benchmarks.md)."""
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
 
@@ -18,6 +21,20 @@ def test_train_step_benchmark_prints_one_row_per_recipe(corpus_dir, tmp_path):
     assert [row.split("|")[2].strip() for row in rows] == ["bf16", "fp8"]
     assert rows[0].split("|")[6].strip() == "1.00x"  # BF16 is the yardstick
     assert all(float(row.split("|")[13]) > 0 for row in rows)  # the planner's prediction beside the measurement
+
+
+def test_train_step_benchmark_prints_the_pipeline_schedules_bubble(corpus_dir, tmp_path):
+    """Two gloo ranks at PP=2 under DualPipeV with 8 micro-batches: the last column is the bubble the schedule's
+    actions imply (what the training loop's start-up line logs)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           "benchmarks/train_step.py", "training.device=cpu", "parallel.pp=2", "parallel.pp_schedule=dualpipev",
+           "model.num_layers=4", "--model", "tiny", "--steps", "3", "--warmup", "1", "--log-interval", "1",
+           "--global-batch", "16", "--data", str(corpus_dir), "--out", str(tmp_path), "--recipes", "bf16"]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = re.search(r"pipeline: dualpipev over 2 ranks, 8 micro-batches, bubble (\d+\.\d)%", result.stderr)
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| tiny |"))
+    assert logged and row.split("|")[-2].strip() == f"{logged.group(1)}%", (logged, row)
 
 
 def test_train_step_profile_lists_host_operators(corpus_dir, tmp_path):
@@ -135,3 +152,128 @@ def test_integrity_benchmark_prints_its_two_tables(tmp_path):
     assert "| save_checkpoint: hashed while written, manifest, fsyncs, rename |" in result.stdout
     assert "| fused AdamW step with the skip flag (found_inf) |" in result.stdout
     assert list(tmp_path.iterdir()) == []  # it cleans up after itself
+
+
+# ------------------------------------------------------------------------ benchmarks/gpu_2gpu.sh (issue 26)
+# A stand-in for benchmarks/train_step.py: prints a table under the real one's header (the test passes it) with
+# TFLOP/s per device = a per-model base x a per-layout factor, and the pipeline schedule's bubble; refuses an
+# override after an option, as train_step.py's parser does. Each call is logged (arguments, visible GPU).
+FAKE_TRAIN_STEP = r'''
+import json, os, sys
+args = sys.argv[1:]
+first_option = next((i for i, a in enumerate(args) if a.startswith("--")), len(args))
+late = [a for a in args[first_option:] if "=" in a and not a.startswith("--")]
+if late:
+    sys.exit(f"train_step.py: error: unrecognized arguments: {' '.join(late)}")
+def option(name):
+    return args[args.index(name) + 1]
+recipes = args[args.index("--recipes") + 1:]
+ranks = int(os.environ.get("FAKE_RANKS", "1"))
+schedule = next((a.split("=")[1] for a in args if a.startswith("parallel.pp_schedule=")), None)
+layout = (f"pp_{schedule}" if schedule else "tp" if "parallel.tp=2" in args
+          else "recompute" if "training.recompute=full" in args else "dp" if ranks == 2 else "one")
+factor = {"one": 1.0, "dp": 0.975, "tp": 0.9, "pp_1f1b": 0.85, "pp_dualpipev": 0.95, "recompute": 0.75}[layout]
+base = {"8b-layers": {"bf16": 400.0, "fp8": 500.0}, "1b": {"bf16": 300.0, "fp8": 340.0}}[option("--model")]
+header = [c.strip() for c in os.environ["FAKE_HEADER"].strip("|").split("|")]
+print(os.environ["FAKE_HEADER"])
+print("|" + "---|" * len(header))
+for recipe in recipes:
+    tflops = base[recipe] * factor
+    cells = dict.fromkeys(header, "0")
+    values = {"model": option("--model"), "recipe": recipe, "ranks": str(ranks),
+              "tokens/s": f"{100 * tflops * ranks:,.0f}", "TFLOP/s per device": f"{tflops:.1f}",
+              "MFU": f"{tflops / 9.894:.1f}%", "peak GiB, steady": "40.00", "tokens/s per GPU": f"{100 * tflops:,.0f}",
+              "bubble, theoretical": {"1f1b": "11.1%", "dualpipev": "2.0%"}.get(schedule, "-")}
+    assert set(values) <= set(cells), set(values) - set(cells)
+    cells.update(values)
+    print("| " + " | ".join(cells[c] for c in header) + " |")
+with open(os.environ["FAKE_CALLS"], "a") as calls:
+    calls.write(json.dumps({"gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "ranks": ranks, "args": args}) + "\n")
+'''
+
+
+def gpu_2gpu(tmp_path, *parts, budget="1000"):
+    """benchmarks/gpu_2gpu.sh with `python benchmarks/train_step.py` and `torchrun` replaced by the stand-in and
+    two GPUs reported; returns (summary.md, the logged calls)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import train_step
+
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    fake = tmp_path / "fake_train_step.py"
+    fake.write_text(FAKE_TRAIN_STEP)
+    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
+if [ "$1" = benchmarks/train_step.py ]; then shift; exec {sys.executable} {fake} "$@"; fi
+if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo 2; exit 0; fi
+exec {sys.executable} "$@"
+""")
+    (bin_dir / "torchrun").write_text(f"""#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+[ "$1" = benchmarks/train_step.py ] && shift
+FAKE_RANKS=2 exec {sys.executable} {fake} "$@"
+""")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out), BUDGET_S=budget,
+               FAKE_HEADER=train_step.table([]).splitlines()[0], FAKE_CALLS=str(tmp_path / "calls.jsonl"))
+    result = subprocess.run(["bash", "benchmarks/gpu_2gpu.sh", *parts], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    return (out / "summary.md").read_text(), calls
+
+
+def model_of(call: dict) -> str:
+    return call["args"][call["args"].index("--model") + 1]
+
+
+def scaling_rows(summary: str) -> dict[tuple[str, str], list[str]]:
+    """The `scaling` section's rows by (section, recipe)."""
+    table = summary.split("## scaling\n")[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| layout")]
+    return {(row[0], row[2]): row for row in rows}
+
+
+def test_gpu_2gpu_script_runs_every_part_and_computes_efficiency_against_one_gpu(tmp_path):
+    assert subprocess.run(["bash", "-n", "benchmarks/gpu_2gpu.sh"], cwd=REPO).returncode == 0
+    summary, calls = gpu_2gpu(tmp_path)
+    sections = [line[3:] for line in summary.splitlines() if line.startswith("## ")]
+    assert sections == ["one_gpu_8b", "one_gpu_1b", "dp2_8b", "tp2_sp_8b", "pp2_1f1b_8b_16_layers",
+                        "pp2_dualpipev_8b_16_layers", "dp2_1b", "recompute_8b", "recompute_1b", "tp2_sp_1b",
+                        "pp2_1f1b_1b", "pp2_dualpipev_1b", "scaling"], summary
+    assert "FAILED" not in summary and "SKIPPED" not in summary
+    lanes = [(c["gpu"], model_of(c)) for c in calls if c["ranks"] == 1]  # the one-GPU runs, two at a time
+    assert sorted(lanes) == [("0", "8b-layers"), ("0", "8b-layers"), ("1", "1b"), ("1", "1b")]
+    pp_8b = [c["args"] for c in calls if "parallel.pp=2" in c["args"] and "8b-layers" in c["args"]]
+    assert len(pp_8b) == 2 and all("model.num_layers=16" in a and "--global-batch" in a for a in pp_8b)
+    rows = scaling_rows(summary)
+    assert len(rows) == 24  # 12 runs x 2 recipes
+    # | layout | model | recipe | GPUs | tokens/s per GPU | efficiency | FP8 / BF16 | MFU | peak GiB | bubble |
+    assert rows[("one_gpu_8b", "fp8")][5] == "100.0%" and rows[("one_gpu_8b", "fp8")][6] == "1.25x"
+    assert rows[("dp2_8b", "bf16")][3:6] == ["2", "39,000", "97.5%"]
+    assert rows[("dp2_1b", "fp8")][5] == "97.5%" and rows[("dp2_1b", "fp8")][6] == "1.13x"
+    assert rows[("tp2_sp_8b", "fp8")][5:7] == ["90.0%", "1.25x"]
+    assert rows[("pp2_1f1b_8b_16_layers", "bf16")][9] == "15.0% / 11.1%"
+    assert rows[("pp2_dualpipev_1b", "fp8")][9] == "5.0% / 2.0%"
+    assert rows[("recompute_1b", "bf16")][5] == "75.0%" and rows[("recompute_1b", "bf16")][9] == "-"
+
+
+def test_gpu_2gpu_script_skips_what_the_budget_cannot_hold(tmp_path):
+    """A step that would start with less than its estimate left is skipped, saying how to run it; the rest run."""
+    summary, calls = gpu_2gpu(tmp_path, "one_gpu", "dp2_8b", budget="95")
+    assert "## one_gpu_8b: SKIPPED: " in summary and "it needs ~100 s (another call: OUT=dir bash " \
+        "benchmarks/gpu_2gpu.sh one_gpu)" in summary
+    assert [model_of(c) for c in calls] == ["1b", "8b-layers"] and "FAILED" not in summary  # one_gpu_1b, dp2_8b
+    rows = scaling_rows(summary)
+    assert rows[("dp2_8b", "fp8")][5] == "n/a (no one-GPU row)" and rows[("one_gpu_1b", "bf16")][5] == "100.0%"
+    # The skipped part run in another call, then both summaries compared together:
+    (tmp_path / "again").mkdir()
+    again, _ = gpu_2gpu(tmp_path / "again", "one_gpu")
+    (tmp_path / "first.md").write_text(summary)
+    (tmp_path / "again.md").write_text(again)
+    both = subprocess.run([sys.executable, "benchmarks/scaling_table.py", str(tmp_path / "first.md"),
+                           str(tmp_path / "again.md"), "--baselines", "one_gpu_8b", "one_gpu_1b"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert both.returncode == 0, both.stderr
+    assert scaling_rows("## scaling\n" + both.stdout)[("dp2_8b", "fp8")][5] == "97.5%"
