@@ -9,6 +9,9 @@ the timed call is the GEMM, alone and with the FP32 accumulation a micro-batch d
 
 - BF16 `mm`: dy^T @ x in BF16 (the BF16 recipe's wgrad); "+ add" adds it into an FP32 main_grad.
 - cuBLAS FP8: `F.scaled_mm` with 1x128 x 1x128 scaling (the cublas backend's wgrad), BF16 out; "+ add" as above.
+- cuBLASLt into main_grad: the same GEMM called through `megafp8.precision.kernels.cublaslt`, adding its FP32
+  product into main_grad in the epilogue (the cublas backend's wgrad since the tenth session), with the
+  heuristic's first algorithm and with the fastest of the algorithms it offers (timed; `[index/count]`).
 - ours, warp-specialized: `megafp8.precision.kernels.gemm.wgrad`, 128- and 256-wide tiles, BF16 out, and
   accumulating into main_grad in its epilogue (no BF16 copy, no add pass).
 
@@ -65,6 +68,7 @@ def columns(dy: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[[], o
         "cuBLAS FP8": (cublas_dw, lambda: cublas_dw().float()),
         "cuBLAS FP8 + add": (lambda: main_grad.add_(cublas_dw()), accumulated(lambda: main_grad.add_(cublas_dw()))),
     }
+    cols.update(cublaslt_columns(dyt, dyt_s, xt, xt_s, main_grad, accumulated))
     for block_n in (128, 256):
         def bf16_out(block_n=block_n):
             return gemm.wgrad(dyt, dyt_s, xt, xt_s, torch.bfloat16, block_n=block_n)
@@ -74,6 +78,29 @@ def columns(dy: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[[], o
         cols[f"ours {block_n}"] = (bf16_out, lambda f=bf16_out: f().float())
         cols[f"ours {block_n}, into main_grad"] = (into_main_grad, accumulated(into_main_grad))
     return cols
+
+
+def cublaslt_columns(dyt, dyt_s, xt, xt_s, main_grad, accumulated) -> dict:
+    """cuBLASLt adding into main_grad in its epilogue (`megafp8.precision.kernels.cublaslt`): the heuristic's first
+    algorithm (what the cublas backend runs), and the fastest of those the heuristic offers (timed here)."""
+    from megafp8.precision.kernels import cublaslt
+    if cublaslt.cached_unavailable_reason(dyt.device) is not None:
+        return {}
+
+    def into(choice=None):
+        return cublaslt.gemm_accumulate_(main_grad, dyt, mn_major(dyt_s), xt, mn_major(xt_s), b_blockwise=False,
+                                         algorithm=choice)
+    try:
+        count = cublaslt.algorithm_count(main_grad, dyt, xt, b_blockwise=False)
+        times = [timed_ms(lambda i=i: into(i), dyt.device, 10) for i in range(count)]
+    except Exception as exc:  # noqa: BLE001 - the column says why cuBLASLt did not run
+        def failed(exc=exc):
+            raise exc
+        return {"cuBLASLt into main_grad": (failed, failed)}
+    best = min(range(count), key=times.__getitem__)
+    return {"cuBLASLt into main_grad": (into, accumulated(into)),
+            "cuBLASLt into main_grad, fastest of the heuristic's (index/count)": (
+                lambda: into(best), accumulated(lambda: into(best)), f"{best}/{count}")}
 
 
 def reference(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +134,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 header = ["model", "linear (N x K)", *cols]
                 print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
             cells = []
-            for label, (run, result) in cols.items():
+            for label, (run, result, *note) in cols.items():
                 try:
                     want = want_bf16 if label.startswith("BF16") else want_fp8
                     err = float((result() - want).norm() / want.norm())
@@ -115,7 +142,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                         cells.append(f"wrong ({err:.3f})")
                         continue
                     ms = timed_ms(run, torch.device("cuda"), args.iters)
-                    cells.append(f"{2 * n * k * args.tokens / ms / 1e9:.0f} ({ms:.2f})")
+                    tflops = 2 * n * k * args.tokens / ms / 1e9
+                    cells.append(f"{tflops:.0f} ({ms:.2f})" + "".join(f" [{t}]" for t in note))
                 except Exception as exc:  # noqa: BLE001 - a column that cannot run says why
                     cells.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}".replace("|", "/"))
             print(f"| {model} | {name} ({n} x {k}) | " + " | ".join(cells) + " |", flush=True)

@@ -101,19 +101,24 @@ def test_forward_saves_the_fp8_input_for_wgrad_not_the_bf16_one():
 
 
 def test_weight_gradient_accumulates_in_fp32_main_grad():
+    """Each micro-batch's FP8 weight gradient is added into main_grad as the FP32 product of its quantized
+    operands: never rounded to BF16 on the way (the GEMM adds it itself on the cublas backend)."""
     x, w, dy = inputs("random")
     layer = fp8_layer(256, 384, w.bfloat16())
     layer.weight.main_grad = torch.zeros(384, 256)
-    xs = x.bfloat16()
-    layer(xs[:256]).backward(dy[:256].bfloat16())
-    layer(xs[256:]).backward(dy[256:].bfloat16())
+    xs, dys = x.bfloat16(), dy.bfloat16()
+    layer(xs[:256]).backward(dys[:256])
+    layer(xs[256:]).backward(dys[256:])
     assert layer.weight.grad is None
-    reference = fp8_layer(256, 384, w.bfloat16())
-    reference(xs[:256]).backward(dy[:256].bfloat16())
-    first = reference.weight.grad.float()
-    reference.weight.grad = None
-    reference(xs[256:]).backward(dy[256:].bfloat16())
-    torch.testing.assert_close(layer.weight.main_grad, first + reference.weight.grad.float(), rtol=0, atol=0)
+    backend = select_backend("reference", torch.device("cpu"))
+    expected = torch.zeros(384, 256)
+    for rows in (slice(0, 256), slice(256, 512)):
+        dyt = backend.quantize_rows_cols(dys[rows], E4M3, False)[2:]
+        xt = backend.quantize_rows_cols(xs[rows], E4M3, False)[2:]
+        expected += backend.gemm_1x128_1x128(*dyt, *xt, torch.float32)
+    torch.testing.assert_close(layer.weight.main_grad, expected, rtol=0, atol=0)
+    rounded = expected.bfloat16().float()  # what adding BF16 weight gradients would have kept instead
+    assert not torch.equal(layer.weight.main_grad, rounded)
 
 
 def test_token_count_need_not_be_a_multiple_of_128():

@@ -134,3 +134,43 @@ def test_a_projection_kept_in_bf16_runs_the_layers_one_by_one(which):
     x = outlier_tensor(128, 256)
     gate, up = gate_up(x, norm).chunk(2, dim=-1)  # an FP8 gate_up still takes the norm into its quantizer
     assert torch.equal(swiglu_mlp(x, gate_up, down, norm), down(F.silu(gate) * up))
+
+
+def test_compiled_fp8_mlp_adds_its_weight_gradients_into_main_grad_inside_the_graph(monkeypatch):
+    """With an FP32 main_grad, the compiled MLP's wgrad GEMMs add into it inside the graph (into the alias each
+    `prepare` hands out) and return no weight gradient; two micro-batches run forward, forward, backward, backward
+    (a pipeline schedule's order, which the alias is there for) and leave exactly the eager run's main_grads."""
+    from megafp8.precision.backends import Fp8Backend
+
+    calls = []
+    fused = Fp8Backend.gemm_1x128_1x128_accumulate_
+    monkeypatch.setattr(Fp8Backend, "gemm_1x128_1x128_accumulate_",
+                        lambda self, *args: calls.append(1) or fused(self, *args))
+    x0 = [outlier_tensor(200, 256, seed=s) for s in (1, 2)]
+
+    def run(compiled: bool) -> list[torch.Tensor]:
+        gate_up, down, norm = _mlp()
+        for layer in (gate_up, down):
+            layer.weight.main_grad = torch.zeros(layer.weight.shape)
+
+        def f(x):
+            return (swiglu_mlp(x, gate_up, down, norm) * 1.5).float().square().mean()
+        fn = torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f
+
+        def step(x):
+            for layer in (gate_up, down):  # eagerly, as `Block.forward` does before its compiled code
+                layer.prepare_fp8_weight()
+            return fn(x.clone().requires_grad_(True))
+        losses = [step(x) for x in x0]
+        for loss in losses:
+            loss.backward()
+        assert gate_up.weight.grad is None and down.weight.grad is None
+        return [gate_up.weight.main_grad, down.weight.main_grad]
+
+    eager = run(compiled=False)
+    assert len(calls) == 4
+    torch._dynamo.reset()
+    compiled = run(compiled=True)
+    assert len(calls) == 8  # the compiled graph ran the fused op, once per projection and micro-batch
+    for a, b in zip(eager, compiled):
+        assert a.abs().sum() > 0 and torch.equal(a, b)

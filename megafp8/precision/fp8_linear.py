@@ -15,10 +15,11 @@ quantized before an all-gather where its tiles allow, so the gather moves FP8 by
 reduction is started before the wgrad GEMM and awaited after it, so the two overlap. Each GEMM of the recipe may
 instead stay BF16 (`precision.fp8_fprop/dgrad/wgrad`, for experiments).
 
-Every FP8 GEMM accumulates in FP32 inside (scales applied per 128-wide K block) and writes BF16. Eagerly, the
-weight gradient is added into `weight.main_grad` (FP32) when the parameter has one, so micro-batches accumulate
-in FP32, or deferred to a `WeightGradQueue`; in a compiled graph (which must not mutate state it does not own) it
-is returned, and the gradient buffer's hook adds it.
+Every FP8 GEMM accumulates in FP32 inside (scales applied per 128-wide K block) and writes BF16, except the
+weight gradient's when the parameter has an FP32 `main_grad` (micro-batches accumulate there): that GEMM adds its
+FP32 product into `main_grad` itself (cuBLASLt's epilogue on the cublas backend; no BF16 dw, no separate add),
+eagerly or deferred to a `WeightGradQueue`, and in a compiled graph into the alias of `main_grad` that the weight
+cache hands it (`Fp8WeightCache.main_grad_alias`). Without a `main_grad`, dw is returned in BF16.
 """
 from __future__ import annotations
 
@@ -50,6 +51,33 @@ def weight_gradient(weight: torch.Tensor, compute, queue: Optional[WeightGradQue
     return compute() if traced else weight_grad_or_defer(weight, compute, queue)
 
 
+def fp8_weight_gradient(k, weight: torch.Tensor, main_grad: Optional[torch.Tensor], a: torch.Tensor,
+                        a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
+                        queue: Optional[WeightGradQueue], traced: bool) -> Optional[torch.Tensor]:
+    """The FP8 weight gradient a @ b^T (a = dy^T, b = x^T, 1x128 tiles along the tokens), where it goes: in a
+    traced graph, added by the GEMM into `main_grad` (the cache's alias of the weight's FP32 main_grad) and None
+    returned, or without one returned; eagerly through `weight_grad_or_defer` (added by the GEMM into
+    `weight.main_grad`, or deferred to `queue`)."""
+    def compute() -> torch.Tensor:
+        return k.gemm_1x128_1x128(a, a_scale, b, b_scale, out_dtype)
+
+    def compute_into(out: torch.Tensor) -> None:
+        k.gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale)
+
+    if not traced:
+        return weight_grad_or_defer(weight, compute, queue, compute_into)
+    if main_grad is None:
+        return compute()
+    compute_into(main_grad)
+    return None
+
+
+def traced_main_grad(cache: Fp8WeightCache, traced: bool) -> Optional[torch.Tensor]:
+    """What a traced FP8 layer adds its weight gradient into: its cache's alias of `main_grad`, or None (eagerly,
+    the layer finds `weight.main_grad` itself)."""
+    return cache.main_grad_alias if traced else None
+
+
 def quantize_layer_input(k, x2d: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float, recipe: Fp8Recipe,
                          comm: LinearComm, for_wgrad: bool = True) -> tuple[Optional[torch.Tensor], ...]:
     """The GEMM's input quantized both ways, `(x_fp8, x_scale, xt_fp8, xt_scale, rstd)`: x itself, or with
@@ -77,8 +105,9 @@ def layer_input_grad(dx2d: torch.Tensor, x2d: Optional[torch.Tensor], norm_weigh
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, norm_weight, weight, w_fp8, w_scale, wt_fp8, wt_scale, eps: float, recipe: Fp8Recipe,
-                backend, traced: bool, comm: LinearComm, queue: Optional[WeightGradQueue], grad_enabled: bool):
+    def forward(ctx, x, norm_weight, weight, w_fp8, w_scale, wt_fp8, wt_scale, main_grad, eps: float,
+                recipe: Fp8Recipe, backend, traced: bool, comm: LinearComm, queue: Optional[WeightGradQueue],
+                grad_enabled: bool):
         k = kernels(backend, traced)
         fmt, pow2 = recipe.fmt, recipe.power_of_two_scales
         x2d = x.reshape(-1, x.shape[-1])  # (M, K) this rank's rows
@@ -95,7 +124,8 @@ class _Fp8LinearFn(torch.autograd.Function):
                 y = F.linear(x_full, weight)
             x_cols = k.quantize_rows_cols(x_full, fmt, pow2)[2:] if recipe.wgrad else [x_full]
         fused_norm = norm_weight is not None
-        ctx.save_for_backward(*x_cols, weight, wt_fp8, wt_scale, x2d if fused_norm else None, norm_weight, rstd)
+        ctx.save_for_backward(*x_cols, weight, wt_fp8, wt_scale, x2d if fused_norm else None, norm_weight, rstd,
+                              main_grad)
         ctx.recipe, ctx.backend, ctx.traced, ctx.comm, ctx.queue = recipe, backend, traced, comm, queue
         ctx.in_shape = x.shape
         y = comm.reduce_output(y)
@@ -107,7 +137,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         recipe, comm = ctx.recipe, ctx.comm
         k = kernels(ctx.backend, ctx.traced)
-        *x_cols, weight, wt_fp8, wt_scale, x2d, norm_weight, rstd = ctx.saved_tensors
+        *x_cols, weight, wt_fp8, wt_scale, x2d, norm_weight, rstd, main_grad = ctx.saved_tensors
         dy2d = comm.gather_grad_output(dy.reshape(-1, dy.shape[-1]).contiguous())  # (M, N)
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_dw = ctx.needs_input_grad[2]
@@ -125,14 +155,13 @@ class _Fp8LinearFn(torch.autograd.Function):
         dw = None
         if need_dw:
             if recipe.wgrad:
-                dw = weight_gradient(weight, lambda: k.gemm_1x128_1x128(*dy_cols, *x_cols, dy.dtype), ctx.queue,
-                                     ctx.traced)
+                dw = fp8_weight_gradient(k, weight, main_grad, *dy_cols, *x_cols, dy.dtype, ctx.queue, ctx.traced)
             else:
                 dw = weight_gradient(weight, lambda: dy2d.t() @ x_cols[0], ctx.queue, ctx.traced)
         dx = dnorm = None
         if finish_dx is not None:
             dx, dnorm = layer_input_grad(finish_dx(), x2d, norm_weight, rstd, ctx.in_shape)
-        return dx, dnorm, dw, None, None, None, None, None, None, None, None, None, None, None
+        return dx, dnorm, dw, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def current_weight(cache: Fp8WeightCache, weight: torch.Tensor, recipe: Fp8Recipe, backend: Fp8Backend,
@@ -163,8 +192,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, rec
     traced = torch.compiler.is_compiling()
     entry = current_weight(cache, weight, recipe, backend, traced)
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
-    return _Fp8LinearFn.apply(x, norm_weight, weight, *entry.tensors(), eps, recipe, backend_arg(backend, traced),
-                              traced, comm or LinearComm(), wgrad_queue, torch.is_grad_enabled())
+    return _Fp8LinearFn.apply(x, norm_weight, weight, *entry.tensors(), traced_main_grad(cache, traced), eps, recipe,
+                              backend_arg(backend, traced), traced, comm or LinearComm(), wgrad_queue,
+                              torch.is_grad_enabled())
 
 
 def fuses_norm(recipe: Fp8Recipe, comm: Optional[LinearComm], rows: int) -> bool:

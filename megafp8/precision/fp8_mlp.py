@@ -24,7 +24,7 @@ import torch
 
 from megafp8.precision.backends import Fp8Backend
 from megafp8.precision.fp8_linear import (
-    InputNorm, current_weight, layer_input_grad, quantize_layer_input, weight_gradient,
+    InputNorm, current_weight, fp8_weight_gradient, layer_input_grad, quantize_layer_input, traced_main_grad,
 )
 from megafp8.precision.fp8_ops import backend_arg, kernels
 from megafp8.precision.linear_comm import LinearComm, is_plain
@@ -46,8 +46,8 @@ class Fp8Projection:
 class _Fp8SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, w_gate_up, w_down, gu_fp8, gu_scale, gut_fp8, gut_scale, down_fp8, down_scale,
-                downt_fp8, downt_scale, eps: float, recipe: Fp8Recipe, backend, traced: bool, comms: tuple,
-                queues: tuple, grad_enabled: bool):
+                downt_fp8, downt_scale, main_grad_gate_up, main_grad_down, eps: float, recipe: Fp8Recipe, backend,
+                traced: bool, comms: tuple, queues: tuple, grad_enabled: bool):
         k = kernels(backend, traced)
         comm_in, comm_out = comms
         fmt, pow2 = recipe.fmt, recipe.power_of_two_scales
@@ -59,7 +59,7 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         y = comm_out.reduce_output(k.gemm_1x128_128x128(a_fp8, a_scale, down_fp8, down_scale, x.dtype))
         fused_norm = norm_weight is not None
         ctx.save_for_backward(xt_fp8, xt_scale, gu, w_gate_up, gut_fp8, gut_scale, w_down, downt_fp8, downt_scale,
-                              x2d if fused_norm else None, norm_weight, rstd)
+                              x2d if fused_norm else None, norm_weight, rstd, main_grad_gate_up, main_grad_down)
         ctx.recipe, ctx.backend, ctx.traced, ctx.comms, ctx.queues = recipe, backend, traced, comms, queues
         ctx.in_shape = x.shape
         if y.shape[0] != x2d.shape[0]:  # sequence parallelism: this rank's share of the tokens
@@ -71,7 +71,7 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         recipe, (comm_in, comm_out), (queue_gate_up, queue_down) = ctx.recipe, ctx.comms, ctx.queues
         k = kernels(ctx.backend, ctx.traced)
         (xt_fp8, xt_scale, gu, w_gate_up, gut_fp8, gut_scale, w_down, downt_fp8, downt_scale, x2d, norm_weight,
-         rstd) = ctx.saved_tensors
+         rstd, main_grad_gate_up, main_grad_down) = ctx.saved_tensors
         pow2 = recipe.power_of_two_scales
         dy2d = comm_out.gather_grad_output(dy.reshape(-1, dy.shape[-1]).contiguous())
         dy_fp8, dy_scale, dyt_fp8, dyt_scale = k.quantize_rows_cols(dy2d, recipe.grad_fmt, pow2)
@@ -79,15 +79,14 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         # d(gu) both ways, and SwiGLU's output again (its transpose, for the down projection's wgrad).
         dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = k.swiglu_backward_quantize(
             gu, da, recipe.fmt, recipe.grad_fmt, pow2)
-        dw_down = weight_gradient(w_down, lambda: k.gemm_1x128_1x128(dyt_fp8, dyt_scale, at_fp8, at_scale, dy.dtype),
-                                  queue_down, ctx.traced)
+        dw_down = fp8_weight_gradient(k, w_down, main_grad_down, dyt_fp8, dyt_scale, at_fp8, at_scale, dy.dtype,
+                                      queue_down, ctx.traced)
         finish_dx = comm_in.start_reduce_grad_input(
             k.gemm_1x128_128x128(dgu_fp8, dgu_scale, gut_fp8, gut_scale, dy.dtype))
-        dw_gate_up = weight_gradient(
-            w_gate_up, lambda: k.gemm_1x128_1x128(dgut_fp8, dgut_scale, xt_fp8, xt_scale, dy.dtype), queue_gate_up,
-            ctx.traced)
+        dw_gate_up = fp8_weight_gradient(k, w_gate_up, main_grad_gate_up, dgut_fp8, dgut_scale, xt_fp8, xt_scale,
+                                         dy.dtype, queue_gate_up, ctx.traced)
         dx, dnorm = layer_input_grad(finish_dx(), x2d, norm_weight, rstd, ctx.in_shape)
-        return (dx, dnorm, dw_gate_up, dw_down) + (None,) * 15
+        return (dx, dnorm, dw_gate_up, dw_down) + (None,) * 17
 
 
 def fp8_swiglu_mlp(x: torch.Tensor, gate_up: Fp8Projection, down: Fp8Projection, recipe: Fp8Recipe,
@@ -102,8 +101,10 @@ def fp8_swiglu_mlp(x: torch.Tensor, gate_up: Fp8Projection, down: Fp8Projection,
     entries = [current_weight(p.cache, p.weight, recipe, backend, compiling) for p in (gate_up, down)]
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
     return _Fp8SwiGLUFn.apply(x, norm_weight, gate_up.weight, down.weight, *entries[0].tensors(),
-                              *entries[1].tensors(), eps, recipe, backend_arg(backend, compiling), compiling,
-                              (gate_up.comm, down.comm), (gate_up.queue, down.queue), torch.is_grad_enabled())
+                              *entries[1].tensors(), traced_main_grad(gate_up.cache, compiling),
+                              traced_main_grad(down.cache, compiling), eps, recipe, backend_arg(backend, compiling),
+                              compiling, (gate_up.comm, down.comm), (gate_up.queue, down.queue),
+                              torch.is_grad_enabled())
 
 
 @torch.compiler.disable  # collectives and deferred weight gradients run eagerly inside compiled code

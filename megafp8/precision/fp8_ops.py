@@ -121,6 +121,19 @@ gemm_1x128_128x128 = _gemm_op("gemm_1x128_128x128")
 gemm_1x128_1x128 = _gemm_op("gemm_1x128_1x128")
 
 
+# The one op that writes into a tensor it was given: a weight gradient added into (a private alias of) the weight's
+# FP32 `main_grad` (`Fp8WeightCache.main_grad_alias`). Declaring the mutation keeps the op in the graph and in order.
+@torch.library.custom_op("megafp8::gemm_1x128_1x128_accumulate_", mutates_args=("out",))
+def gemm_1x128_1x128_accumulate_(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
+                                 b_scale: torch.Tensor, backend: str) -> None:
+    _backend(backend).gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale)
+
+
+@gemm_1x128_1x128_accumulate_.register_fake
+def _(out, a, a_scale, b, b_scale, backend):
+    return None
+
+
 class TracedKernels:
     """A backend's kernels as the custom ops above: the same methods (those the FP8 autograd functions call)."""
 
@@ -148,6 +161,9 @@ class TracedKernels:
 
     def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype: torch.dtype):
         return gemm_1x128_1x128(a, a_scale, b, b_scale, out_dtype, self.backend)
+
+    def gemm_1x128_1x128_accumulate_(self, out, a, a_scale, b, b_scale) -> None:
+        gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale, self.backend)
 
 
 def kernels(backend: Union[Fp8Backend, str], traced: bool) -> Union[Fp8Backend, TracedKernels]:

@@ -1,5 +1,6 @@
 """The `cublas` backend (SM90): cuBLASLt's blockwise-scaled FP8 GEMMs through `torch.nn.functional.scaled_mm`, fed
-by the Triton quantizers, which write scales straight into the layouts cuBLAS reads."""
+by the Triton quantizers, which write scales straight into the layouts cuBLAS reads; weight gradients that go into
+an FP32 `main_grad` through cuBLASLt directly (`megafp8.precision.kernels.cublaslt`), added in its epilogue."""
 from __future__ import annotations
 
 from typing import Optional
@@ -68,3 +69,13 @@ class CublasBackend(TritonBackend):
 
     def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype):
         return self._scaled_mm(a, a_scale, b, mn_major(b_scale), F.ScalingType.BlockWise1x128, out_dtype)
+
+    def gemm_1x128_1x128_accumulate_(self, out, a, a_scale, b, b_scale):
+        from megafp8.precision.kernels import cublaslt
+        if cublaslt.cached_unavailable_reason(out.device) is None:
+            try:
+                cublaslt.gemm_accumulate_(out, a, mn_major(a_scale), b, mn_major(b_scale), b_blockwise=False)
+                return
+            except ValueError:  # a shape or alignment cuBLASLt does not take: the GEMM, then the add
+                pass
+        super().gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale)

@@ -157,6 +157,12 @@ class Fp8Backend:
         """A (M, K) @ B (N, K)^T, both in 1x128 tiles along K (the weight gradient's GEMM)."""
         return (ref.dequantize_1x128(a, a_scale) @ ref.dequantize_1x128(b, b_scale).t()).to(out_dtype)
 
+    def gemm_1x128_1x128_accumulate_(self, out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor,
+                                     b: torch.Tensor, b_scale: torch.Tensor) -> None:
+        """out (M, N) FP32 += A @ B^T as `gemm_1x128_1x128` computes it, added in FP32 (never rounded to BF16):
+        a weight gradient accumulated into its `main_grad`. Backends whose GEMM adds in its epilogue override it."""
+        out.add_(self.gemm_1x128_1x128(a, a_scale, b, b_scale, torch.float32))
+
     def grouped_gemm_1x128_128x128(self, a: torch.Tensor, a_scale: torch.Tensor, w: QuantizedWeight, transposed: bool,
                                    rows, out_dtype: torch.dtype) -> torch.Tensor:
         """Per expert e: A[rows of e] @ B[e]^T, with B = w (E, N, K) or, `transposed`, w^T (E, K, N). A in 1x128

@@ -1,4 +1,4 @@
-"""Triton kernels of the FP8 path, imported only by the CUDA backends (CPU-only installs never need Triton).
+"""GPU kernels of the FP8 path, imported only by the CUDA backends (CPU-only installs never need Triton).
 
 - `tiles`: the building blocks every quantizing kernel shares (tile scales, the FP8 cast, a tile quantized along
   its rows and its columns and stored in the GEMMs' layouts).
@@ -6,5 +6,6 @@
   weights in 128x128 blocks with their transpose). They give the reference's bytes and scales exactly.
 - `producers`: RMSNorm, SwiGLU and SwiGLU's backward, each quantizing its own FP32 result (their pure-torch twins
   are `megafp8.precision.producers`).
-- `gemm`: our blockwise-scaled GEMMs, dense and grouped by expert.
+- `gemm`: our blockwise-scaled GEMMs, dense and grouped by expert (`ws_gemm`: the warp-specialized Gluon one).
+- `cublaslt`: cuBLASLt's blockwise-scaled GEMM called directly (ctypes), adding its product into an FP32 tensor.
 """
