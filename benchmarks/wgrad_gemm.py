@@ -91,7 +91,7 @@ def cublaslt_columns(dyt, dyt_s, xt, xt_s, main_grad, accumulated) -> dict:
         return cublaslt.gemm_accumulate_(main_grad, dyt, mn_major(dyt_s), xt, mn_major(xt_s), b_blockwise=False,
                                          algorithm=choice)
     try:
-        count = cublaslt.algorithm_count(main_grad, dyt, xt, b_blockwise=False)
+        count = cublaslt.algorithm_count(main_grad, dyt, mn_major(dyt_s), xt, mn_major(xt_s), b_blockwise=False)
         times = [timed_ms(lambda i=i: into(i), dyt.device, 10) for i in range(count)]
     except Exception as exc:  # noqa: BLE001 - the column says why cuBLASLt did not run
         def failed(exc=exc):

@@ -70,3 +70,24 @@ def test_what_cublaslt_cannot_take_is_refused_with_the_reason(what, make):
 def test_a_cpu_device_is_not_offered_to_cublaslt():
     assert "CUDA device" in cublaslt.unavailable_reason(torch.device("cpu"))
     assert cublaslt.cached_unavailable_reason(torch.device("cpu")) == cublaslt.unavailable_reason(torch.device("cpu"))
+
+
+# Parameter counts of the cuBLASLt functions the binding calls, as cublasLt.h (CUDA 12.9 / 13.x) declares them.
+HEADER_ARITY = {"cublasLtGetVersion": 0, "cublasLtGetStatusName": 1, "cublasLtCreate": 1,
+                "cublasLtMatmulDescCreate": 3, "cublasLtMatrixLayoutCreate": 5, "cublasLtMatmulDescSetAttribute": 4,
+                "cublasLtMatmulPreferenceCreate": 1, "cublasLtMatmulPreferenceSetAttribute": 4,
+                "cublasLtMatmulPreferenceDestroy": 1, "cublasLtMatmulAlgoGetHeuristic": 10, "cublasLtMatmul": 16}
+
+
+def test_the_binding_declares_each_function_with_the_headers_parameter_count():
+    """ctypes checks every call against the declared signature; a signature off by one fails only on a GPU."""
+    class Function:
+        argtypes, restype = None, None
+
+    class Library:
+        def __getattr__(self, name):
+            setattr(self, name, Function())
+            return getattr(self, name)
+    lib = cublaslt.declare(Library())
+    for name, arity in HEADER_ARITY.items():
+        assert len(getattr(lib, name).argtypes) == arity, name

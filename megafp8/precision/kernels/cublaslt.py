@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -105,23 +106,36 @@ def _library() -> Optional[ctypes.CDLL]:
     """libcublasLt as torch loaded it, or None. Cached: one library per process."""
     for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
         try:
-            lib = ctypes.CDLL(name)
+            return declare(ctypes.CDLL(name))
         except OSError:
             continue
-        lib.cublasLtGetVersion.restype = ctypes.c_size_t
-        lib.cublasLtGetStatusName.restype = ctypes.c_char_p
-        lib.cublasLtGetStatusName.argtypes = [ctypes.c_int]
-        lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64,
-                                                   ctypes.c_int64]
-        lib.cublasLtMatmulDescSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                                       ctypes.c_size_t]
-        lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                                             ctypes.c_size_t]
-        lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [ctypes.c_void_p] * 7 + [
-            ctypes.c_int, ctypes.POINTER(_HeuristicResult), ctypes.POINTER(ctypes.c_int)]
-        lib.cublasLtMatmul.argtypes = [ctypes.c_void_p] * 15 + [ctypes.c_size_t, ctypes.c_void_p]
-        return lib
     return None
+
+
+def declare(lib):
+    """Give the functions of `lib` used here their C signatures (cublasLt.h), so ctypes converts and counts the
+    arguments of every call; returns `lib`."""
+    void_p, c_int, size_t = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], size_t
+    lib.cublasLtGetStatusName.argtypes, lib.cublasLtGetStatusName.restype = [c_int], ctypes.c_char_p
+    lib.cublasLtCreate.argtypes = [void_p]
+    lib.cublasLtMatmulDescCreate.argtypes = [void_p, c_int, c_int]
+    lib.cublasLtMatrixLayoutCreate.argtypes = [void_p, c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64]
+    lib.cublasLtMatmulDescSetAttribute.argtypes = [void_p, c_int, void_p, size_t]
+    lib.cublasLtMatmulPreferenceCreate.argtypes = [void_p]
+    lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [void_p, c_int, void_p, size_t]
+    lib.cublasLtMatmulPreferenceDestroy.argtypes = [void_p]
+    # handle, desc, A, B, C and D layouts, preference, requested count, results, returned count
+    lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [void_p] * 7 + [c_int, ctypes.POINTER(_HeuristicResult),
+                                                                  ctypes.POINTER(c_int)]
+    # handle, desc, alpha, A, A layout, B, B layout, beta, C, C layout, D, D layout, algo, workspace; its size; stream
+    lib.cublasLtMatmul.argtypes = [void_p] * 14 + [size_t, void_p]
+    for name in ("cublasLtCreate", "cublasLtMatmulDescCreate", "cublasLtMatrixLayoutCreate",
+                 "cublasLtMatmulDescSetAttribute", "cublasLtMatmulPreferenceCreate",
+                 "cublasLtMatmulPreferenceSetAttribute", "cublasLtMatmulPreferenceDestroy",
+                 "cublasLtMatmulAlgoGetHeuristic", "cublasLtMatmul"):
+        getattr(lib, name).restype = c_int  # cublasStatus_t
+    return lib
 
 
 def unavailable_reason(device: torch.device) -> Optional[str]:
@@ -169,11 +183,13 @@ def _set(setter, obj: ctypes.c_void_p, attribute: int, value: ctypes._SimpleCDat
 
 
 class _Plan:
-    """The descriptors and the algorithm of one `Problem`, made once (host-side work of ~100 us) and reused; only
-    the scale pointers change between calls."""
+    """The descriptors and algorithms of one `Problem`, made once and reused; only the scale pointers change between
+    calls. The heuristic runs at the first call: it refuses block scaling without scale pointers
+    (CUBLAS_STATUS_INVALID_VALUE), so it is given that call's."""
 
     def __init__(self, p: Problem, device_index: int) -> None:
         lib = _library()
+        self.problem, self.device_index = p, device_index
         self.desc, self.a_desc, self.b_desc, self.d_desc = (ctypes.c_void_p() for _ in range(4))
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R_32F), "matmul desc")
         set_desc = lib.cublasLtMatmulDescSetAttribute
@@ -186,40 +202,49 @@ class _Plan:
                                               (self.b_desc, p.b_type, p.k, p.n, p.ldb),
                                               (self.d_desc, _CUDA_R_32F, p.m, p.n, p.ldd)):
             _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "matrix layout")
-        self.results = self._heuristic(p, device_index)
-        self.choice = 0
+        self.status: Optional[int] = None  # the heuristic's, once it ran
+        self.results: list[_HeuristicResult] = []
 
-    def _heuristic(self, p: Problem, device_index: int, count: int = 8) -> list[_HeuristicResult]:
-        lib = _library()
+    def set_scales(self, a_scale_ptr: int, b_scale_ptr: int) -> None:
+        """Point the descriptor at this call's scales (and run the heuristic if this is the first call)."""
+        set_desc = _library().cublasLtMatmulDescSetAttribute
+        _set(set_desc, self.desc, _DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale_ptr))  # cuBLAS's A is b
+        _set(set_desc, self.desc, _DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale_ptr))
+        if self.status is None:
+            self.status, self.results = self._heuristic()
+            if not self.results:
+                warnings.warn(f"cuBLASLt offers no algorithm for {self.problem} (status {self.status}): FP8 weight "
+                              f"gradients of this shape take the GEMM and a separate add into main_grad")
+
+    def _heuristic(self, count: int = 8) -> tuple[int, list[_HeuristicResult]]:
+        """(status, algorithms): the heuristic's candidates, best first; none, with its status, if it refused."""
+        lib, p = _library(), self.problem
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         set_pref = lib.cublasLtMatmulPreferenceSetAttribute
         _set(set_pref, pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(_MAX_WORKSPACE))
-        for name, align in zip("abc", p.align):
+        for name, align in zip("abcd", (*p.align, p.align[2])):
             _set(set_pref, pref, _PREF_MIN_ALIGNMENT[name], ctypes.c_uint32(align))
-        _set(set_pref, pref, _PREF_MIN_ALIGNMENT["d"], ctypes.c_uint32(p.align[2]))
         results = (_HeuristicResult * count)()
         returned = ctypes.c_int(0)
-        _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(device_index), self.desc, self.a_desc, self.b_desc,
-                                                  self.d_desc, self.d_desc, pref, count, results,
-                                                  ctypes.byref(returned)), "algorithm heuristic")
+        status = lib.cublasLtMatmulAlgoGetHeuristic(_handle(self.device_index), self.desc, self.a_desc, self.b_desc,
+                                                    self.d_desc, self.d_desc, pref, count, results,
+                                                    ctypes.byref(returned))
         lib.cublasLtMatmulPreferenceDestroy(pref)
-        return [results[i] for i in range(returned.value) if results[i].state == 0]
+        if status != 0:
+            return status, []
+        return status, [results[i] for i in range(returned.value) if results[i].state == 0]
 
-    def run(self, a_ptr: int, a_scale_ptr: int, b_ptr: int, b_scale_ptr: int, out: torch.Tensor,
-            choice: Optional[int] = None) -> None:
-        lib = _library()
-        set_desc = lib.cublasLtMatmulDescSetAttribute
-        _set(set_desc, self.desc, _DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale_ptr))
-        _set(set_desc, self.desc, _DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale_ptr))
-        result = self.results[self.choice if choice is None else choice]
+    def run(self, a_ptr: int, b_ptr: int, out: torch.Tensor, choice: Optional[int] = None) -> None:
+        """The GEMM on torch's current stream, with the scales `set_scales` pointed at."""
+        result = self.results[choice or 0]
         workspace = (torch.empty(result.workspace_size, dtype=torch.uint8, device=out.device)
                      if result.workspace_size else None)
         one = ctypes.c_float(1.0)
         d_ptr = ctypes.c_void_p(out.data_ptr())
         stream = torch.cuda.current_stream(out.device).cuda_stream
-        _check(lib.cublasLtMatmul(
-            _handle(out.device.index), self.desc, ctypes.byref(one), ctypes.c_void_p(b_ptr), self.a_desc,
+        _check(_library().cublasLtMatmul(
+            _handle(self.device_index), self.desc, ctypes.byref(one), ctypes.c_void_p(b_ptr), self.a_desc,
             ctypes.c_void_p(a_ptr), self.b_desc, ctypes.byref(one), d_ptr, self.d_desc, d_ptr, self.d_desc,
             ctypes.byref(result.algo), ctypes.c_void_p(workspace.data_ptr() if workspace is not None else 0),
             result.workspace_size, ctypes.c_void_p(stream)), "matmul")
@@ -230,17 +255,18 @@ class Unsupported(ValueError):
 
 
 @functools.cache
-def _plan(p: Problem, device_index: int) -> Optional[_Plan]:
-    """The plan of `p`, or None where cuBLASLt has no algorithm for it (remembered, like the plans)."""
-    plan = _Plan(p, device_index)
-    return plan if plan.results else None
+def _plan(p: Problem, device_index: int) -> _Plan:
+    """The plan of `p`, one per process (remembered also when cuBLASLt has no algorithm for it)."""
+    return _Plan(p, device_index)
 
 
-def _plan_of(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, b_blockwise: bool) -> _Plan:
-    p = problem(a, b, out, b_blockwise)
-    plan = _plan(p, out.device.index)
-    if plan is None:
-        raise Unsupported(f"cuBLASLt has no algorithm for {p}")
+def _ready_plan(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                b_blockwise: bool) -> _Plan:
+    """The plan of this call, pointed at its scales; `Unsupported` where cuBLASLt has no algorithm for it."""
+    plan = _plan(problem(a, b, out, b_blockwise), out.device.index)
+    plan.set_scales(a_scale.data_ptr(), b_scale.data_ptr())
+    if not plan.results:
+        raise Unsupported(f"cuBLASLt has no algorithm for {plan.problem} (status {plan.status})")
     return plan
 
 
@@ -250,13 +276,14 @@ def gemm_accumulate_(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, 
 
     a: FP8 in 1x128 tiles along K, `a_scale` (M, K/128) stored column-major (`mn_major`). b: FP8 in 1x128 tiles
     (scales likewise), or with `b_blockwise` in 128x128 blocks (scales in the cublas backend's weight layout).
-    `algorithm`: the index of one of `algorithm_count` candidates (benchmarks); default the heuristic's first."""
+    `algorithm`: the index of one of `algorithm_count` candidates (benchmarks); default the heuristic's first.
+    A ValueError (`Unsupported` among them) says why cuBLASLt cannot take it; nothing was written then."""
     assert a_scale.stride(0) == 1 and (b_blockwise or b_scale.stride(0) == 1), "scales must be column-major"
-    plan = _plan_of(out, a, b, b_blockwise)
-    plan.run(a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(), out, algorithm)
+    _ready_plan(out, a, a_scale, b, b_scale, b_blockwise).run(a.data_ptr(), b.data_ptr(), out, algorithm)
     return out
 
 
-def algorithm_count(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, b_blockwise: bool) -> int:
+def algorithm_count(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
+                    b_scale: torch.Tensor, b_blockwise: bool) -> int:
     """How many algorithms cuBLASLt's heuristic offers for this problem (for `gemm_accumulate_(algorithm=...)`)."""
-    return len(_plan_of(out, a, b, b_blockwise).results)
+    return len(_ready_plan(out, a, a_scale, b, b_scale, b_blockwise).results)
