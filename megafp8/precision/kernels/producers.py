@@ -22,14 +22,17 @@ RMS_BLOCK_M, RMS_WARPS = 8, 8
 @triton.jit
 def _rms_inverse_kernel(h_ptr, rstd_ptr, M, eps, stride_hm, K: tl.constexpr, BLOCK_M: tl.constexpr):
     """rstd[row] = 1 / sqrt(mean(h[row]^2) + eps) for BLOCK_M rows of h (M, K), each step correctly rounded, as
-    torch computes it on the CPU (the sum of squares in this kernel's order)."""
+    torch computes it on the CPU (the sum of squares in this kernel's order). The squares add up element-wise
+    across the row's 256-wide chunks and are reduced once at the end: a reduction across the warps in every chunk
+    held each load until the previous chunk's sum was done."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M, 256), dtype=tl.float32)
     for k0 in range(0, K, 256):
         cols = k0 + tl.arange(0, 256)
         h = tl.load(h_ptr + rows[:, None] * stride_hm + cols[None, :], mask=(rows < M)[:, None] & (cols < K)[None, :],
                     other=0.0).to(tl.float32)
-        sum_sq += tl.sum(h * h, axis=1)
+        squares += h * h
+    sum_sq = tl.sum(squares, axis=1)
     mean = tl.math.div_rn(sum_sq, tl.full(sum_sq.shape, K, tl.float32))
     rstd = tl.math.div_rn(tl.full(sum_sq.shape, 1.0, tl.float32), tl.math.sqrt_rn(mean + eps))
     tl.store(rstd_ptr + rows, rstd, mask=rows < M)
