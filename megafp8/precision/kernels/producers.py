@@ -48,16 +48,13 @@ def _rmsnorm_quantize_kernel(h_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_pt
 
 
 @triton.jit
-def _tile(ptr, rows, cols, M, stride):
-    """x[rows, cols] of a row-major x (M, ...) as stored; rows past M read as zeros."""
-    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=(rows < M)[:, None], other=0.0)
-
-
-@triton.jit
 def _gate_up(gu_ptr, rows, cols, M, F, stride_gm):
     """Gate and up (FP32) at rows x cols of gu = [gate | up]; rows past M read as zeros."""
-    return (_tile(gu_ptr, rows, cols, M, stride_gm).to(tl.float32),
-            _tile(gu_ptr, rows, cols + F, M, stride_gm).to(tl.float32))
+    in_rows = (rows < M)[:, None]
+    ptrs = gu_ptr + rows[:, None] * stride_gm + cols[None, :]
+    gate = tl.load(ptrs, mask=in_rows, other=0.0).to(tl.float32)
+    up = tl.load(ptrs + F, mask=in_rows, other=0.0).to(tl.float32)
+    return gate, up
 
 
 @triton.jit
@@ -68,22 +65,13 @@ def _silu_parts(gate):
 
 
 @triton.jit
-def _d_gate(da, gate, up, s):
-    return da.to(tl.float32) * s * up * (1.0 + gate * (1.0 - s))
-
-
-@triton.jit
-def _d_up(da, gate, s):
-    return da.to(tl.float32) * s * gate
-
-
-@triton.jit
 def _swiglu_backward_slice(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm):
     """SwiGLU's output a and the gradients d_gate, d_up (FP32) at rows x cols."""
     gate, up = _gate_up(gu_ptr, rows, cols, M, F, stride_gm)
-    da = _tile(da_ptr, rows, cols, M, stride_dm)
+    da = tl.load(da_ptr + rows[:, None] * stride_dm + cols[None, :], mask=(rows < M)[:, None], other=0.0)
     s, silu = _silu_parts(gate)
-    return silu * up, _d_gate(da, gate, up, s), _d_up(da, gate, s)
+    da_s = da.to(tl.float32) * s
+    return silu * up, da_s * up * (1.0 + gate * (1.0 - s)), da_s * gate
 
 
 @triton.autotune(configs=[triton.Config({"BLOCK_M": bm}, num_warps=w) for bm in (32, 64, 128) for w in (4, 8)],
@@ -120,51 +108,22 @@ def _swiglu_backward_rows_kernel(gu_ptr, da_ptr, q_ptr, s_ptr, M, F, stride_gm, 
                      GRAD_MAX, POW2)
 
 
-# The column kernel's candidates. Whole: a program computes all three results of its 128 x BLOCK_N block, which
-# holds three FP32 tiles at once and so keeps blocks narrow (16 features: 32-byte row segments read). SPLIT: three
-# programs per block, one result each (loading only its inputs), so wider blocks fit; the three read the same rows,
-# mostly from L2. Every candidate gives the same bits (`tests/test_fp8_gpu.py`): the autotuner only picks speed.
-_COLS_CONFIGS = ([triton.Config({"BLOCK_N": bn, "SPLIT": False}, num_warps=w) for bn in (16, 32, 64) for w in (4, 8)]
-                 + [triton.Config({"BLOCK_N": bn, "SPLIT": True}, num_warps=w) for bn in (32, 64) for w in (4, 8)])
-
-
-@triton.autotune(configs=_COLS_CONFIGS, key=["F", "GRAD_MAX", "FP8_MAX", "POW2"])
+@triton.autotune(configs=[triton.Config({"BLOCK_N": bn}, num_warps=w) for bn in (16, 32, 64) for w in (4, 8)],
+                 key=["F", "GRAD_MAX", "FP8_MAX", "POW2"])
 @triton.jit
 def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr, M, F, stride_gm, stride_dm,
                                  stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k, stride_ats_m,
                                  GRAD_MAX: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+                                 BLOCK_N: tl.constexpr):
     """d(gu) and a = silu(gate) * up for 128 tokens x BLOCK_N features, quantized along the tokens and stored
-    transposed (rows past M read as zeros: the transposes' padding). With SPLIT, program 3 i + r of the first
-    grid axis makes result r (a, d_gate, d_up) of block i only."""
+    transposed (rows past M read as zeros: the transposes' padding)."""
     mb = tl.program_id(1)
     rows = mb * 128 + tl.arange(0, 128)
-    if SPLIT:
-        which = tl.program_id(0) % 3
-        cols = tl.program_id(0) // 3 * BLOCK_N + tl.arange(0, BLOCK_N)
-        gate = _tile(gu_ptr, rows, cols, M, stride_gm).to(tl.float32)
-        s, silu = _silu_parts(gate)
-        if which == 0:
-            up = _tile(gu_ptr, rows, cols + F, M, stride_gm).to(tl.float32)
-            tiles.store_cols(silu * up, rows, cols, mb, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m,
-                             FP8_MAX, POW2)
-        elif which == 1:
-            up = _tile(gu_ptr, rows, cols + F, M, stride_gm).to(tl.float32)
-            d_gate = _d_gate(_tile(da_ptr, rows, cols, M, stride_dm), gate, up, s)
-            tiles.store_cols(d_gate, rows, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m,
-                             GRAD_MAX, POW2)
-        else:
-            d_up = _d_up(_tile(da_ptr, rows, cols, M, stride_dm), gate, s)
-            tiles.store_cols(d_up, rows, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m,
-                             GRAD_MAX, POW2)
-    else:
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        a, d_gate, d_up = _swiglu_backward_slice(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm)
-        tiles.store_cols(a, rows, cols, mb, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX, POW2)
-        tiles.store_cols(d_gate, rows, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX,
-                         POW2)
-        tiles.store_cols(d_up, rows, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX,
-                         POW2)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    a, d_gate, d_up = _swiglu_backward_slice(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm)
+    tiles.store_cols(a, rows, cols, mb, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX, POW2)
+    tiles.store_cols(d_gate, rows, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX, POW2)
+    tiles.store_cols(d_up, rows, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX, POW2)
 
 
 def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format,
@@ -209,8 +168,7 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format,
         consts = dict(GRAD_MAX=grad_fmt.max, POW2=power_of_two)
         _swiglu_backward_rows_kernel[lambda meta: (f // TILE, triton.cdiv(m, meta["BLOCK_M"]))](
             gu, da, q, s, m, f, gu.stride(0), da.stride(0), q.stride(0), s.stride(0), s.stride(1), **consts)
-        _swiglu_backward_cols_kernel[lambda meta: (f // meta["BLOCK_N"] * (3 if meta["SPLIT"] else 1),
-                                                   triton.cdiv(m, TILE))](
+        _swiglu_backward_cols_kernel[lambda meta: (f // meta["BLOCK_N"], triton.cdiv(m, TILE))](
             gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
             at.stride(0), ats.stride(0), ats.stride(1), **consts, **tiles.format_constants(fmt))
     return (*out, at, ats)
