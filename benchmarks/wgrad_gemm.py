@@ -88,10 +88,9 @@ def cublaslt_columns(dyt, dyt_s, xt, xt_s, main_grad, accumulated) -> dict:
         return {}
 
     def into(choice=None):
-        return cublaslt.gemm_accumulate_(main_grad, dyt, mn_major(dyt_s), xt, mn_major(xt_s), b_blockwise=False,
-                                         algorithm=choice)
+        return cublaslt.gemm_accumulate_(main_grad, dyt, mn_major(dyt_s), xt, mn_major(xt_s), algorithm=choice)
     try:
-        count = cublaslt.algorithm_count(main_grad, dyt, mn_major(dyt_s), xt, mn_major(xt_s), b_blockwise=False)
+        count = cublaslt.algorithm_count(main_grad, dyt, mn_major(dyt_s), xt, mn_major(xt_s))
         times = [timed_ms(lambda i=i: into(i), dyt.device, 10) for i in range(count)]
     except Exception as exc:  # noqa: BLE001 - the column says why cuBLASLt did not run
         def failed(exc=exc):

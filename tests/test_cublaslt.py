@@ -18,9 +18,9 @@ def _fp8(rows: int, cols: int, seed: int, row_stride: int = 0) -> torch.Tensor:
     return full[:, :cols]
 
 
-def _replay(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_blockwise: bool = False) -> torch.Tensor:
+def _replay(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`out` after the cuBLAS call `problem` describes, done on flat copies of the three tensors' storage."""
-    p = cublaslt.problem(a, b, out, b_blockwise)
+    p = cublaslt.problem(a, b, out)
 
     def memory(t: torch.Tensor) -> torch.Tensor:  # the whole storage as one flat FP32 copy
         return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage()).float().clone()
@@ -39,7 +39,7 @@ def test_the_column_major_problem_computes_out_plus_a_times_b_transposed(m, n, k
     got = _replay(a, b, out)
     want = out + a.float() @ b.float().t()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    p = cublaslt.problem(a, b, out, False)
+    p = cublaslt.problem(a, b, out)
     assert (p.m, p.n, p.k) == (n, m, k)  # D is out^T: cuBLAS's rows are out's columns
 
 
@@ -48,7 +48,7 @@ def test_leading_dimensions_follow_row_strides_of_views():
     a, b = _fp8(256, 384, 2, row_stride=512), _fp8(128, 384, 3, row_stride=640)
     big = torch.randn(256, 256)
     out = big[:, 64:192]
-    p = cublaslt.problem(a, b, out, False)
+    p = cublaslt.problem(a, b, out)
     assert (p.lda, p.ldb, p.ldd) == (640, 512, 256)
     got = _replay(a, b, out)
     torch.testing.assert_close(got, out + a.float() @ b.float().t(), rtol=1e-5, atol=1e-4)
@@ -64,7 +64,7 @@ def test_leading_dimensions_follow_row_strides_of_views():
 ])
 def test_what_cublaslt_cannot_take_is_refused_with_the_reason(what, make):
     with pytest.raises(ValueError, match=what):
-        cublaslt.problem(*make(), False)
+        cublaslt.problem(*make())
 
 
 def test_a_cpu_device_is_not_offered_to_cublaslt():

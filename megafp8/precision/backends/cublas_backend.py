@@ -74,7 +74,7 @@ class CublasBackend(TritonBackend):
         from megafp8.precision.kernels import cublaslt
         if cublaslt.cached_unavailable_reason(out.device) is None:
             try:
-                cublaslt.gemm_accumulate_(out, a, mn_major(a_scale), b, mn_major(b_scale), b_blockwise=False)
+                cublaslt.gemm_accumulate_(out, a, mn_major(a_scale), b, mn_major(b_scale))
                 return
             except ValueError:  # a shape or alignment cuBLASLt does not take: the GEMM, then the add
                 pass

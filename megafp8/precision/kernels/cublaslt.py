@@ -27,13 +27,13 @@ import torch
 from megafp8.precision.formats import TILE
 
 # Enum values from cublasLt.h / cublas_api.h / library_types.h (CUDA 12.9 and 13.x).
-_CUDA_R_32F, _CUDA_R_16BF, _CUDA_R_8F_E4M3, _CUDA_R_8F_E5M2 = 0, 14, 28, 29
+_CUDA_R_32F, _CUDA_R_8F_E4M3, _CUDA_R_8F_E5M2 = 0, 28, 29
 _COMPUTE_32F = 68
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
 _DESC_A_SCALE_MODE, _DESC_B_SCALE_MODE = 31, 32
-_SCALE_VEC128_32F, _SCALE_BLK128x128_32F = 4, 5
+_SCALE_VEC128_32F = 4  # one FP32 scale per 128 elements along K: the 1x128 tiles
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = {"a": 5, "b": 6, "c": 7, "d": 8}
 _MIN_VERSION = 120900  # cuBLAS 12.9: the first with 1x128 and 128x128 block scaling
@@ -59,7 +59,6 @@ class Problem:
     ldd: int
     a_type: int
     b_type: int
-    b_blockwise: bool  # b (cuBLAS's A) scaled per 128x128 block (a weight), else per 1x128 tile like a
     align: tuple[int, int, int]  # byte alignment of cuBLAS's A, B and C/D pointers
 
 
@@ -71,7 +70,7 @@ def _alignment(ptr: int) -> int:
     return align
 
 
-def problem(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_blockwise: bool) -> Problem:
+def problem(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> Problem:
     """The cuBLASLt arguments for out (M, N) += a (M, K) @ b (N, K)^T with row-major operands (see the module
     docstring); a ValueError says what does not fit (the callers then fall back to the GEMM and a separate add)."""
     (m_rows, k), (n_rows, k_b) = a.shape, b.shape
@@ -87,8 +86,7 @@ def problem(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_blockwise: bo
     if min(align) < 16:
         raise ValueError("cublaslt: every pointer 16-byte aligned")
     return Problem(m=n_rows, n=m_rows, k=k, lda=b.stride(0), ldb=a.stride(0), ldd=out.stride(0),
-                   a_type=_FP8_TYPES[b.dtype], b_type=_FP8_TYPES[a.dtype], b_blockwise=b_blockwise,
-                   align=align)
+                   a_type=_FP8_TYPES[b.dtype], b_type=_FP8_TYPES[a.dtype], align=align)
 
 
 def reference_call(p: Problem, a_mem: torch.Tensor, b_mem: torch.Tensor, d_mem: torch.Tensor) -> None:
@@ -195,8 +193,7 @@ class _Plan:
         set_desc = lib.cublasLtMatmulDescSetAttribute
         _set(set_desc, self.desc, _DESC_TRANSA, ctypes.c_int32(_OP_T))
         _set(set_desc, self.desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
-        _set(set_desc, self.desc, _DESC_A_SCALE_MODE,
-             ctypes.c_int32(_SCALE_BLK128x128_32F if p.b_blockwise else _SCALE_VEC128_32F))
+        _set(set_desc, self.desc, _DESC_A_SCALE_MODE, ctypes.c_int32(_SCALE_VEC128_32F))
         _set(set_desc, self.desc, _DESC_B_SCALE_MODE, ctypes.c_int32(_SCALE_VEC128_32F))
         for layout, dtype, rows, cols, ld in ((self.a_desc, p.a_type, p.k, p.m, p.lda),
                                               (self.b_desc, p.b_type, p.k, p.n, p.ldb),
@@ -260,10 +257,10 @@ def _plan(p: Problem, device_index: int) -> _Plan:
     return _Plan(p, device_index)
 
 
-def _ready_plan(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                b_blockwise: bool) -> _Plan:
+def _ready_plan(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
+                b_scale: torch.Tensor) -> _Plan:
     """The plan of this call, pointed at its scales; `Unsupported` where cuBLASLt has no algorithm for it."""
-    plan = _plan(problem(a, b, out, b_blockwise), out.device.index)
+    plan = _plan(problem(a, b, out), out.device.index)
     plan.set_scales(a_scale.data_ptr(), b_scale.data_ptr())
     if not plan.results:
         raise Unsupported(f"cuBLASLt has no algorithm for {plan.problem} (status {plan.status})")
@@ -271,19 +268,19 @@ def _ready_plan(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: to
 
 
 def gemm_accumulate_(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
-                     b_scale: torch.Tensor, b_blockwise: bool, algorithm: Optional[int] = None) -> torch.Tensor:
+                     b_scale: torch.Tensor, algorithm: Optional[int] = None) -> torch.Tensor:
     """out (M, N) FP32 += a (M, K) @ b (N, K)^T, dequantized, in cuBLASLt's epilogue; returns out.
 
-    a: FP8 in 1x128 tiles along K, `a_scale` (M, K/128) stored column-major (`mn_major`). b: FP8 in 1x128 tiles
-    (scales likewise), or with `b_blockwise` in 128x128 blocks (scales in the cublas backend's weight layout).
+    a and b: FP8 in 1x128 tiles along K (a weight gradient's dy^T and x^T, tiled along the tokens), scales
+    (M, K/128) and (N, K/128) stored column-major (`mn_major`).
     `algorithm`: the index of one of `algorithm_count` candidates (benchmarks); default the heuristic's first.
     A ValueError (`Unsupported` among them) says why cuBLASLt cannot take it; nothing was written then."""
-    assert a_scale.stride(0) == 1 and (b_blockwise or b_scale.stride(0) == 1), "scales must be column-major"
-    _ready_plan(out, a, a_scale, b, b_scale, b_blockwise).run(a.data_ptr(), b.data_ptr(), out, algorithm)
+    assert a_scale.stride(0) == 1 and b_scale.stride(0) == 1, "scales must be column-major"
+    _ready_plan(out, a, a_scale, b, b_scale).run(a.data_ptr(), b.data_ptr(), out, algorithm)
     return out
 
 
 def algorithm_count(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
-                    b_scale: torch.Tensor, b_blockwise: bool) -> int:
+                    b_scale: torch.Tensor) -> int:
     """How many algorithms cuBLASLt's heuristic offers for this problem (for `gemm_accumulate_(algorithm=...)`)."""
-    return len(_ready_plan(out, a, a_scale, b, b_scale, b_blockwise).results)
+    return len(_ready_plan(out, a, a_scale, b, b_scale).results)
