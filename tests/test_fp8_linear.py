@@ -292,3 +292,42 @@ def test_fp8_linear_compiles_into_the_graph_with_the_eager_bits(fused_norm):
     torch._dynamo.reset()
     deferred = _norm_then_fp8(recipe, WeightGradQueue())
     assert torch._dynamo.explain(deferred)(x0.clone().requires_grad_(True), w).graph_break_count > 0
+
+
+def test_compiled_fp8_linear_adds_its_weight_gradient_into_main_grad_inside_the_graph():
+    """A traced FP8 linear whose weight has an FP32 main_grad adds its wgrad into the alias its cache's `prepare`
+    hands out, inside the compiled graph, and returns no weight gradient; two micro-batches forward, forward,
+    backward, backward leave exactly the eager run's main_grad. Without `prepare` (no alias) the graph returns dw."""
+    from megafp8.precision.backends import Fp8Backend
+
+    torch.manual_seed(0)
+    recipe = Fp8Recipe(backend="reference")
+    w0 = (torch.randn(384, 256) * 0.05).to(torch.bfloat16)
+    x0 = [torch.randn(200, 256).to(torch.bfloat16) for _ in range(2)]
+
+    def run(compiled: bool, prepare: bool = True):
+        from megafp8.precision import Fp8WeightCache, fp8_linear
+        w = torch.nn.Parameter(w0.clone())
+        w.main_grad = torch.zeros(384, 256)
+        cache = Fp8WeightCache()
+
+        def f(x):
+            return (fp8_linear(x, w, cache, recipe, Fp8Backend()) * 1.5).float().square().mean()
+        fn = torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f
+        losses = []
+        for x in x0:
+            if prepare:
+                cache.prepare(w, Fp8Backend(), recipe.fmt, recipe.power_of_two_scales)
+            losses.append(fn(x.clone().requires_grad_(True)))
+        for loss in losses:
+            loss.backward()
+        return w
+    eager = run(compiled=False)
+    assert eager.grad is None and eager.main_grad.abs().sum() > 0
+    torch._dynamo.reset()
+    compiled = run(compiled=True)
+    assert compiled.grad is None and torch.equal(compiled.main_grad, eager.main_grad)
+    torch._dynamo.reset()
+    unprepared = run(compiled=True, prepare=False)  # no alias to add into: dw comes back as the weight's grad
+    assert unprepared.grad is not None and unprepared.grad.dtype == torch.bfloat16
+    assert not unprepared.main_grad.any()
