@@ -9,7 +9,7 @@
 # only), grouped_gemm (MoE grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), fp8_linear (one layer, BF16 vs FP8), the 8B-layer
 # shape (compiled_ro_8b, ref_8b, profile_compiled_8b), BF16 and FP8 profiled side by side (profile_pair,
 # profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), the
-# warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), dense wgrad GEMMs (wgrad_gemm), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
+# warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), dense wgrad GEMMs (wgrad_gemm), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
 # default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper), cg_diag (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b,
 # old_profile_compiled, old_moe, old_moe_compiled: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
 # dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
@@ -69,6 +69,17 @@ for part in $PARTS; do
            precision.fp8_backend=hopper --model moe --recipes bf16 fp8 ;;
     tests_hopper) step gpu_tests_hopper python -m pytest -q -m gpu tests/test_fp8_backends.py -k hopper \
            -p no:cacheprovider ;;
+    ncu_kernels)  # Nsight Compute on one launch each of the two kernels performance.md names as what is left (its
+                  # counters read on some GPU machines, not under gVisor: the part then says so and costs seconds)
+      for target in "_swiglu_backward_cols_kernel python benchmarks/fused_quantize.py" \
+                    "Avec128_Bvec128 python benchmarks/wgrad_gemm.py --model 8b-layers --iters 3"; do
+        set -- $target
+        kernel=$1
+        shift
+        step "ncu_$kernel" ncu --kernel-name "regex:$kernel" --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+          --section SchedulerStats "$@"
+      done ;;
     tests_cublaslt) step gpu_tests_cublaslt python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
            -k "cublaslt or cuda_graphs or compiled_fp8_linear or fused_fp8_mlp or learns or host_wait" \
            -p no:cacheprovider ;;
