@@ -37,15 +37,9 @@ ALL_PARTS="one_gpu dp2_8b tp2_8b pp2_8b dp2_1b recompute tp2_1b pp2_1b"
 PARTS=${*:-$ALL_PARTS}
 BUDGET_S=${BUDGET_S:-570}
 STEP_TIMEOUT=${STEP_TIMEOUT:-200}
-GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 start_summary
+visible_gpus
 echo "GPUs visible: $GPUS; parts: $PARTS; budget ${BUDGET_S} s" | tee -a "$OUT/summary.md"
-
-gpus_for() {  # gpus_for N PART: whether N GPUs are visible; if not, says that PART is skipped and why
-  [ "$GPUS" -ge "$1" ] && return 0
-  echo "## $2: SKIPPED: needs $1 GPUs, $GPUS visible" | tee -a "$OUT/summary.md"
-  return 1
-}
 
 budgeted() {  # budgeted PART NAME ESTIMATE command...: `step` bounded by what is left of the budget, or skipped
   local part=$1 name=$2 estimate=$3 left=$((BUDGET_S - SECONDS))

@@ -16,15 +16,9 @@
 # STEP_TIMEOUT (s) bounds each step; tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-one_gpu two_gpus eight_gpus loss_8gpu}
-GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 start_summary
+visible_gpus
 echo "GPUs visible: $GPUS" | tee -a "$OUT/summary.md"
-
-gpus_for() {  # gpus_for N PART: whether N GPUs are visible; if not, says that PART is skipped and why
-  [ "$GPUS" -ge "$1" ] && return 0
-  echo "## $2: SKIPPED: needs $1 GPUs, $GPUS visible" | tee -a "$OUT/summary.md"
-  return 1
-}
 
 # The benchmark on 1, 2 and 8 GPUs (one process per GPU); words, so `step` can run them (not shell functions).
 ONE="python benchmarks/train_step.py"

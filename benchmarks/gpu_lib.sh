@@ -38,3 +38,14 @@ step() {  # step NAME command...: run it (at most $STEP_TIMEOUT s), append its s
 finish_summary() {  # the logs, as one file that comes back from the GPU machine
   tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 }
+
+visible_gpus() {  # sets GPUS: how many GPUs this machine shows (0 without CUDA), asked once
+  [ -n "${GPUS:-}" ] || GPUS=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+}
+
+gpus_for() {  # gpus_for N PART: whether N GPUs are visible; if not, says that PART is skipped and why
+  visible_gpus
+  [ "$GPUS" -ge "$1" ] && return 0
+  echo "## $2: SKIPPED: needs $1 GPUs, $GPUS visible" | tee -a "$OUT/summary.md"
+  return 1
+}

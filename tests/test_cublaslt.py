@@ -18,6 +18,16 @@ def _fp8(rows: int, cols: int, seed: int, row_stride: int = 0) -> torch.Tensor:
     return full[:, :cols]
 
 
+def _cublas_call(p: cublaslt.Problem, a_mem: torch.Tensor, b_mem: torch.Tensor, d_mem: torch.Tensor) -> None:
+    """What cuBLAS does with `p`, written out in torch on flat storage: D = op(A) op(B) + D, each matrix read
+    column-major from its storage with its leading dimension (op(A) = A^T, op(B) = B: the binding's "TN")."""
+    def column_major(mem: torch.Tensor, rows: int, cols: int, ld: int) -> torch.Tensor:
+        return mem.as_strided((rows, cols), (1, ld))
+    a_op = column_major(a_mem, p.k, p.m, p.lda).t()  # op T
+    b_op = column_major(b_mem, p.k, p.n, p.ldb)  # op N
+    column_major(d_mem, p.m, p.n, p.ldd).add_(a_op @ b_op)
+
+
 def _replay(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`out` after the cuBLAS call `problem` describes, done on flat copies of the three tensors' storage."""
     p = cublaslt.problem(a, b, out)
@@ -28,7 +38,7 @@ def _replay(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor
     b_mem = memory(a)[a.storage_offset():]  # cuBLAS's B is a
     d_mem = memory(out)
     d_view = d_mem[out.storage_offset():]
-    cublaslt.reference_call(p, a_mem, b_mem, d_view)
+    _cublas_call(p, a_mem, b_mem, d_view)
     return d_mem.as_strided(out.shape, out.stride(), out.storage_offset())
 
 

@@ -199,18 +199,18 @@ def test_planned_activations_of_compiled_blocks(config, overrides):
     _assert_close(measured_and_planned(model, cfg, tokens, cuda_like_norms_here))
 
 
-def _tensor_parallel_worker(rank, world, overrides, out_path):
+def _parallel_worker(rank, world, config, overrides, out_path):
+    """Measured and planned rows of one rank of a TP or EP model (each rank writes `out_path`.rank)."""
     from megafp8.parallel import ParallelDims
 
-    cfg = load_config("tiny_dense", SHAPE + overrides)
+    cfg = load_config(config, SHAPE + overrides)
     dims = ParallelDims.from_config(cfg.parallel)
     torch.manual_seed(0)
     model = build_model(cfg, cfg.model, PrecisionRecipe.from_config(cfg.precision), torch.device("cpu"),
-                        tp=dims.tensor_parallel)
+                        tp=dims.tensor_parallel, ep=dims.expert_parallel)
     with cuda_like_norms_here():
         rows = measured_and_planned(model, cfg, torch.randint(0, 512, (BATCH, SEQ)))
-    if rank == 0:
-        torch.save(rows, out_path)
+    torch.save(rows, f"{out_path}.{rank}")
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
@@ -221,21 +221,8 @@ def test_planned_activations_at_tp2_with_sequence_parallelism(tmp_path, recipe):
 
     overrides = DENSE + [f"precision.recipe={recipe}", "parallel.tp=2", "parallel.sequence_parallel=true",
                          "model.attention.head_dim=128"]  # every shard whole 128-wide FP8 tiles
-    spawn(2, _tensor_parallel_worker, overrides, tmp_path / "rows.pt")
-    _assert_close(torch.load(tmp_path / "rows.pt"))
-
-
-def _expert_parallel_worker(rank, world, overrides, out_path):
-    from megafp8.parallel import ParallelDims
-
-    cfg = load_config("tiny_moe_fp8", SHAPE + overrides)
-    dims = ParallelDims.from_config(cfg.parallel)
-    torch.manual_seed(0)
-    model = build_model(cfg, cfg.model, PrecisionRecipe.from_config(cfg.precision), torch.device("cpu"),
-                        ep=dims.expert_parallel)
-    with cuda_like_norms_here():
-        rows = measured_and_planned(model, cfg, torch.randint(0, 512, (BATCH, SEQ)))
-    torch.save(rows, f"{out_path}.{rank}")
+    spawn(2, _parallel_worker, "tiny_dense", overrides, tmp_path / "rows")
+    _assert_close(torch.load(tmp_path / "rows.0"))
 
 
 # Under EP each rank keeps the rows routed to its experts, which the planner takes as balanced: the mean over the
@@ -250,7 +237,8 @@ def test_planned_activations_at_ep2_are_the_mean_of_what_the_ranks_keep(tmp_path
     two ranks' (routing on this tiny model is unbalanced by 5%: each rank alone is off by that much)."""
     from tests.distributed import spawn
 
-    spawn(2, _expert_parallel_worker, MOE + [f"precision.recipe={recipe}", "parallel.ep=2"], tmp_path / "rows")
+    spawn(2, _parallel_worker, "tiny_moe_fp8", MOE + [f"precision.recipe={recipe}", "parallel.ep=2"],
+          tmp_path / "rows")
     ranks = [torch.load(tmp_path / f"rows.{rank}") for rank in (0, 1)]
     for (part, measured0, planned), (_, measured1, _) in zip(*ranks):
         mean = (measured0 + measured1) / 2
