@@ -59,3 +59,39 @@ def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_
     assert "C7511" not in report and "C7514" not in report, report  # "wgmma ... serialized"
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
     assert spills and max(spills) <= MAX_SPILL_BYTES, report
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+def test_the_gluon_swiglu_column_kernel_compiles_for_sm90_without_barriers_or_shared_memory(warps):
+    """The experimental SwiGLU backward column kernel (`swiglu_cols_gluon`) exists to avoid the Triton kernel's
+    cross-warp column maxima and shared-memory transposes: compiled for SM90 it has no barrier and no shared
+    memory, reads 16-byte row segments, writes 4-byte column runs, and spills at most a few bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from megafp8.precision.kernels import swiglu_cols_gluon as g
+
+    signature = {"gu_ptr": "*bf16", "da_ptr": "*bf16", "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32", "at_ptr": "*fp8e4nv",
+                 "ats_ptr": "*fp32"}
+    ints = ["M", "F", "stride_gm", "stride_dm", "stride_qt", "stride_st_k", "stride_st_m", "stride_at",
+            "stride_ats_k", "stride_ats_m"]
+    signature.update({name: "i32" for name in ints})
+    constants = dict(GRAD_MAX=448.0, FP8_MAX=448.0, POW2=False, TOKENS_EACH=g.TOKENS_PER_THREAD,
+                     FEATURES_EACH=g.FEATURES_PER_THREAD, stride_st_k=1, stride_ats_k=1)
+    signature.update({name: "constexpr" for name in constants})
+    names = list(signature)
+    aligned = [0, 1, 2, 3, 4, 5] + [names.index(n) for n in ("F", "stride_gm", "stride_dm", "stride_qt", "stride_at",
+                                                              "stride_st_m", "stride_ats_m")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}  # as the launch specializes them
+    compiled = triton.compile(GluonASTSource(g._swiglu_backward_cols_kernel, signature, constexprs=constants,
+                                             attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps})
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.shared == 0 and "bar.sync" not in ptx and "barrier.sync" not in ptx
+    assert len(re.findall(r"ld\.global\.v4", ptx)) == 3 * g.TOKENS_PER_THREAD  # gate, up, da: 16 bytes a row
+    assert len(re.findall(r"st\.global\.b32", ptx)) == 3 * g.FEATURES_PER_THREAD  # 4 tokens of each column
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    report = subprocess.run([ptxas, "-v", "-arch=sm_90a", "-", "-o", os.devnull], input=ptx, capture_output=True,
+                            text=True, check=True)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report.stdout + report.stderr)]
+    assert spills and max(spills) <= 16, report.stdout + report.stderr

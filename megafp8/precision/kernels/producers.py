@@ -168,7 +168,15 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format,
         consts = dict(GRAD_MAX=grad_fmt.max, POW2=power_of_two)
         _swiglu_backward_rows_kernel[lambda meta: (f // TILE, triton.cdiv(m, meta["BLOCK_M"]))](
             gu, da, q, s, m, f, gu.stride(0), da.stride(0), q.stride(0), s.stride(0), s.stride(1), **consts)
-        _swiglu_backward_cols_kernel[lambda meta: (f // meta["BLOCK_N"], triton.cdiv(m, TILE))](
-            gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
-            at.stride(0), ats.stride(0), ats.stride(1), **consts, **tiles.format_constants(fmt))
+        swiglu_backward_cols(gu, da, qt, st, at, ats, fmt, grad_fmt, power_of_two)
     return (*out, at, ats)
+
+
+def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
+                         ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool) -> None:
+    """The column kernel alone: d(gu)^T into qt/st (`grad_fmt`) and a^T into at/ats (`fmt`), from gu and da."""
+    m, f = da.shape
+    _swiglu_backward_cols_kernel[lambda meta: (f // meta["BLOCK_N"], triton.cdiv(m, TILE))](
+        gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
+        at.stride(0), ats.stride(0), ats.stride(1), GRAD_MAX=grad_fmt.max, POW2=power_of_two,
+        **tiles.format_constants(fmt))

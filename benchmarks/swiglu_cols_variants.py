@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""SwiGLU backward's column outputs (d(gu)^T and a^T, quantized along the tokens): the Triton column kernel that the
+backends run against the experimental Gluon kernel (`megafp8.precision.kernels.swiglu_cols_gluon`).
+
+    PYTHONPATH=. python benchmarks/swiglu_cols_variants.py [--tokens 16384] [--iters 30]
+
+First the bits: on an awkward shape (200 tokens, outliers, a nan) and on each timed shape, every Gluon variant's
+FP8 values and scales must equal the Triton kernel's ("same bits" or the count of differing bytes). Then ms and
+GB/s (gu and da read once, the three transposed FP8 outputs and their scales written once) at the ~1B and
+8B-layer shapes, E4M3 values and E4M3 gradients.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megafp8.precision.formats import E4M3, E5M2  # noqa: E402
+from fused_quantize import timed_ms  # noqa: E402  (benchmarks/, beside this file)
+
+SHAPES = {"~1B": 5632, "8B-layers": 14336}  # F, SwiGLU's width
+
+
+def outputs(m: int, f: int, grad_fmt, device):
+    from megafp8.precision.kernels import tiles
+    qt, st = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, device)[2:]
+    at, ats = tiles.rows_cols_outputs(m, f, E4M3, device)[2:]
+    for t in (qt, at):
+        t.view(torch.uint8).fill_(0x55)  # poison: a byte left unwritten shows as a difference
+    return qt, st, at, ats
+
+
+def variants() -> dict:
+    from megafp8.precision.kernels import producers, swiglu_cols_gluon
+    out = {"triton (backends')": producers.swiglu_backward_cols}
+    for warps in (4, 8):
+        out[f"gluon, {warps} warps"] = (lambda *a, w=warps: swiglu_cols_gluon.swiglu_backward_cols(*a, num_warps=w))
+    return out
+
+
+def differing_bytes(got, want) -> int:
+    return sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(got, want))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (SM90 for the Gluon kernel)")
+    device = torch.device("cuda")
+    runs = variants()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cases = [("200 tokens, outliers, nan", 200, 256, E5M2)] + [(name, args.tokens, f, E4M3)
+                                                                for name, f in SHAPES.items()]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print("| shape | " + " | ".join(runs) + " |\n|---|" + "---|" * len(runs))
+    for name, m, f, grad_fmt in cases:
+        gu = (torch.randn(m, 2 * f, generator=g) * torch.logspace(-2, 2, 2 * f)).bfloat16().to(device)
+        da = torch.randn(m, f, generator=g).bfloat16().to(device)
+        if m == 200:
+            gu[17, 3] = float("nan")
+        want = outputs(m, f, grad_fmt, device)
+        runs["triton (backends')"](gu, da, *want, E4M3, grad_fmt, False)
+        cells = []
+        for label, run in runs.items():
+            try:
+                got = outputs(m, f, grad_fmt, device)
+                run(gu, da, *got, E4M3, grad_fmt, False)
+                bad = differing_bytes(got, want)
+                if m == 200:
+                    cells.append("same bits" if not bad else f"{bad} bytes differ")
+                    continue
+                ms = timed_ms(run, gu, da, *got, E4M3, grad_fmt, False, iters=args.iters)
+                moved = gu.numel() * 2 + da.numel() * 2 + 3 * m * f + 3 * f * (m // 128) * 4
+                cells.append(f"{ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s" + ("" if not bad else f" ({bad} bytes differ)"))
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot run says why in its cell
+                cells.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}".replace("|", "/"))
+        print(f"| {name}, F={f} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

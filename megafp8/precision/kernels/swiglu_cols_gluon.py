@@ -1,0 +1,113 @@
+"""SwiGLU backward's column outputs in Gluon: d(gu)^T and SwiGLU's output a^T, quantized along the tokens, with a
+layout in which one warp holds all 128 tokens of its columns. EXPERIMENTAL, not used by any backend: written on a
+CPU machine (compiled for SM90 there, never run), to be measured against the Triton column kernel
+(`megafp8.precision.kernels.producers._swiglu_backward_cols_kernel`) by `benchmarks/swiglu_cols_variants.py`.
+
+Why: compiled for SM90, the Triton column kernel runs 20 barriers and ~130 shared-memory accesses per 128 x 16
+block (each of its three results takes a column max across warps and a transpose through shared memory), and
+reaches 39% of copy bandwidth (`docs/performance.md`). Here each thread holds 4 consecutive tokens x 8 consecutive
+features, the 32 lanes of a warp cover the 128 tokens, and the warps sit side by side along the features: a
+column's max is taken within the thread and across the warp's lanes (shuffles, no barrier), and each thread writes
+its 4 tokens of each column as 4 consecutive FP8 bytes of the transposed output (a warp: 128 contiguous bytes). The
+reads are 16-byte row segments, the neighbouring warp reading the other half of each 32-byte sector.
+
+Numerics are the Triton kernels' (`megafp8.precision.kernels.tiles`, `producers`), op for op, so the two must give
+the same bits; the benchmark script checks that before it times anything.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from megafp8.precision.formats import MIN_AMAX, Fp8Format
+
+_TOKENS = gl.constexpr(128)
+_MIN_AMAX = gl.constexpr(MIN_AMAX)
+FEATURES_PER_THREAD = 8
+TOKENS_PER_THREAD = 4
+
+
+@gluon.jit
+def _nan_max(a, b):
+    """Elementwise max, nan if either is nan (tiles.max_propagating_nan)."""
+    return gl.where((a != a) | (b != b), a + b, gl.maximum(a, b))
+
+
+@gluon.jit
+def _tile_scale(amax, FP8_MAX: gl.constexpr, POW2: gl.constexpr):
+    """(dequantization scale, quantization multiplier) per column, as `tiles.tile_scale`."""
+    zero = amax == 0
+    amax = gl.where(zero, amax, _nan_max(amax, gl.full(amax.shape, _MIN_AMAX, gl.float32, amax.type.layout)))
+    scale = gl.div_rn(amax, gl.full(amax.shape, FP8_MAX, gl.float32, amax.type.layout))
+    if POW2:
+        bits = scale.to(gl.int32, bitcast=True)
+        up = (bits & 0x7F800000) + gl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
+        finite_pos = (scale > 0) & (scale < float("inf"))
+        scale = gl.where(finite_pos, up.to(gl.float32, bitcast=True), scale)
+        inv = gl.div_rn(gl.full(scale.shape, 1.0, gl.float32, scale.type.layout), scale)
+    else:
+        inv = gl.div_rn(gl.full(amax.shape, FP8_MAX, gl.float32, amax.type.layout), amax)
+    return gl.where(zero, 1.0, scale), gl.where(zero, 1.0, inv)
+
+
+@gluon.jit
+def _store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
+                POW2: gl.constexpr, STORE: gl.constexpr):
+    """x (128 tokens, columns) FP32 quantized along the tokens (`tiles.store_cols`): values at qt[cols, rows],
+    scales at st[cols, mb]. The FP8 tile moves to `STORE` (the same threads, tokens first in each thread's
+    registers: no data leaves a thread) so that each thread writes its 4 tokens of a column as one 4-byte store."""
+    amax = gl.reduce(gl.abs(x), 0, _nan_max)
+    scale, inv = _tile_scale(amax, FP8_MAX, POW2)
+    q = x * gl.expand_dims(inv, 0)
+    q = gl.where(q != q, q, gl.minimum(gl.maximum(q, -FP8_MAX), FP8_MAX))  # clamped; nan stays nan
+    q = gl.convert_layout(q.to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), STORE)
+    rows = mb * _TOKENS + gl.arange(0, _TOKENS, layout=gl.SliceLayout(1, STORE))
+    store_cols = gl.convert_layout(cols, gl.SliceLayout(0, STORE))
+    gl.store(qt_ptr + gl.expand_dims(store_cols, 0) * stride_qt + gl.expand_dims(rows, 1), q)
+    gl.store(st_ptr + cols * stride_st_k + mb * stride_st_m, scale)
+
+
+@gluon.jit
+def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr, M, F, stride_gm, stride_dm,
+                                 stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k, stride_ats_m,
+                                 GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
+                                 TOKENS_EACH: gl.constexpr, FEATURES_EACH: gl.constexpr):
+    """d(gu)^T and a^T for 128 tokens x (FEATURES_EACH x warps) features; rows past M read as zeros (the
+    transposes' padding), as in the Triton column kernel."""
+    warps: gl.constexpr = gl.num_warps()
+    # Loads: each thread's 8 features contiguous (16-byte reads). Stores: its 4 tokens contiguous. Same threads.
+    load: gl.constexpr = gl.BlockedLayout([TOKENS_EACH, FEATURES_EACH], [32, 1], [1, warps], [1, 0])
+    store: gl.constexpr = gl.BlockedLayout([TOKENS_EACH, FEATURES_EACH], [32, 1], [1, warps], [0, 1])
+    block_n: gl.constexpr = FEATURES_EACH * warps
+    mb = gl.program_id(1)
+    rows = mb * _TOKENS + gl.arange(0, _TOKENS, layout=gl.SliceLayout(1, load))
+    cols = gl.program_id(0) * block_n + gl.arange(0, block_n, layout=gl.SliceLayout(0, load))
+    in_rows = gl.expand_dims(rows < M, 1)
+    gate_ptrs = gu_ptr + gl.expand_dims(rows, 1) * stride_gm + gl.expand_dims(cols, 0)
+    gate = gl.load(gate_ptrs, mask=in_rows, other=0.0).to(gl.float32)
+    up = gl.load(gate_ptrs + F, mask=in_rows, other=0.0).to(gl.float32)
+    s = 1.0 / (1.0 + gl.exp(-gate))
+    _store_cols(gate * s * up, cols, mb, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX, POW2,
+                store)
+    da = gl.load(da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0), mask=in_rows, other=0.0)
+    da_s = da.to(gl.float32) * s
+    _store_cols(da_s * up * (1.0 + gate * (1.0 - s)), cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k,
+                stride_st_m, GRAD_MAX, POW2, store)
+    _store_cols(da_s * gate, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX, POW2,
+                store)
+
+
+def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
+                         ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool,
+                         num_warps: int = 4) -> None:
+    """Fill qt/st (d(gu)^T (2F, M_pad) in `grad_fmt`) and at/ats (a^T (F, M_pad) in `fmt`) from gu (M, 2F) and
+    da (M, F), as the Triton column kernel does (outputs from `tiles.rows_cols_outputs`)."""
+    m, f = da.shape
+    block_n = FEATURES_PER_THREAD * num_warps
+    assert f % block_n == 0, f"F={f} must be a multiple of {block_n}"
+    grid = (f // block_n, -(-m // 128))
+    _swiglu_backward_cols_kernel[grid](
+        gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
+        at.stride(0), ats.stride(0), ats.stride(1), GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two,
+        TOKENS_EACH=TOKENS_PER_THREAD, FEATURES_EACH=FEATURES_PER_THREAD, num_warps=num_warps)
