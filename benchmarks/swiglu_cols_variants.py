@@ -37,13 +37,17 @@ def outputs(m: int, f: int, grad_fmt, device):
 def variants() -> dict:
     from megafp8.precision.kernels import producers, swiglu_cols_gluon
     out = {"triton (backends')": producers.swiglu_backward_cols}
-    for warps in (4, 8):
-        out[f"gluon, {warps} warps"] = (lambda *a, w=warps: swiglu_cols_gluon.swiglu_backward_cols(*a, num_warps=w))
+    for features, warps, spread in ((8, 4, True), (8, 4, False), (8, 8, True), (4, 4, True), (4, 8, True)):
+        label = f"gluon 4x{features}, {warps} warps" + ("" if spread else ", no spread")
+        out[label] = (lambda *a, f=features, w=warps, s=spread:
+                      swiglu_cols_gluon.swiglu_backward_cols(*a, num_warps=w, features_each=f, spread=s))
     return out
 
 
 def differing_bytes(got, want) -> int:
-    return sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(got, want))
+    """Bytes that differ over the outputs (FP8 values and the column-major FP32 scales, compared as bytes)."""
+    return sum(int((a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).sum())
+               for a, b in zip(got, want))
 
 
 def main(argv=None) -> None:

@@ -19,26 +19,28 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.language import PropagateNan
 
 from megafp8.precision.formats import MIN_AMAX, Fp8Format
 
 _TOKENS = gl.constexpr(128)
 _MIN_AMAX = gl.constexpr(MIN_AMAX)
+_NAN_PROPAGATES = gl.constexpr(PropagateNan.ALL)
 FEATURES_PER_THREAD = 8
 TOKENS_PER_THREAD = 4
 
 
 @gluon.jit
 def _nan_max(a, b):
-    """Elementwise max, nan if either is nan (tiles.max_propagating_nan)."""
-    return gl.where((a != a) | (b != b), a + b, gl.maximum(a, b))
+    """Elementwise max, nan if either is nan (tiles.max_propagating_nan): one `max.NaN` instruction."""
+    return gl.maximum(a, b, propagate_nan=_NAN_PROPAGATES)
 
 
 @gluon.jit
 def _tile_scale(amax, FP8_MAX: gl.constexpr, POW2: gl.constexpr):
     """(dequantization scale, quantization multiplier) per column, as `tiles.tile_scale`."""
     zero = amax == 0
-    amax = gl.where(zero, amax, _nan_max(amax, gl.full(amax.shape, _MIN_AMAX, gl.float32, amax.type.layout)))
+    amax = gl.where(zero, amax, _nan_max(amax, _MIN_AMAX))
     scale = gl.div_rn(amax, gl.full(amax.shape, FP8_MAX, gl.float32, amax.type.layout))
     if POW2:
         bits = scale.to(gl.int32, bitcast=True)
@@ -53,26 +55,35 @@ def _tile_scale(amax, FP8_MAX: gl.constexpr, POW2: gl.constexpr):
 
 @gluon.jit
 def _store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
-                POW2: gl.constexpr, STORE: gl.constexpr):
+                POW2: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr):
     """x (128 tokens, columns) FP32 quantized along the tokens (`tiles.store_cols`): values at qt[cols, rows],
     scales at st[cols, mb]. The FP8 tile moves to `STORE` (the same threads, tokens first in each thread's
     registers: no data leaves a thread) so that each thread writes its 4 tokens of a column as one 4-byte store."""
-    amax = gl.reduce(gl.abs(x), 0, _nan_max)
-    scale, inv = _tile_scale(amax, FP8_MAX, POW2)
+    amax = gl.reduce(gl.abs(x), 0, _nan_max)  # every lane of a warp holds its warp's columns' maxima
+    # Each lane takes one column (registers chosen, no data moved) for the two correctly rounded divisions,
+    # ~10 instructions each, instead of all lanes dividing for all their warp's columns; inv returns by shuffles.
+    if SPREAD is None:
+        scale, inv = _tile_scale(amax, FP8_MAX, POW2)
+        scale_cols = cols
+    else:
+        scale, inv = _tile_scale(gl.convert_layout(amax, SPREAD), FP8_MAX, POW2)
+        inv = gl.convert_layout(inv, amax.type.layout)
+        scale_cols = gl.convert_layout(cols, SPREAD)
+    # No clamp: the conversion saturates (`cvt.rn.satfinite`: finite values past FP8_MAX and infinities give
+    # +-FP8_MAX, nan stays nan), which is what tiles.to_fp8's clamp-then-convert gives, in 2 fewer instructions.
     q = x * gl.expand_dims(inv, 0)
-    q = gl.where(q != q, q, gl.minimum(gl.maximum(q, -FP8_MAX), FP8_MAX))  # clamped; nan stays nan
     q = gl.convert_layout(q.to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), STORE)
     rows = mb * _TOKENS + gl.arange(0, _TOKENS, layout=gl.SliceLayout(1, STORE))
     store_cols = gl.convert_layout(cols, gl.SliceLayout(0, STORE))
     gl.store(qt_ptr + gl.expand_dims(store_cols, 0) * stride_qt + gl.expand_dims(rows, 1), q)
-    gl.store(st_ptr + cols * stride_st_k + mb * stride_st_m, scale)
+    gl.store(st_ptr + scale_cols * stride_st_k + mb * stride_st_m, scale)
 
 
 @gluon.jit
 def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr, M, F, stride_gm, stride_dm,
                                  stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k, stride_ats_m,
                                  GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
-                                 TOKENS_EACH: gl.constexpr, FEATURES_EACH: gl.constexpr):
+                                 TOKENS_EACH: gl.constexpr, FEATURES_EACH: gl.constexpr, SPREAD: gl.constexpr):
     """d(gu)^T and a^T for 128 tokens x (FEATURES_EACH x warps) features; rows past M read as zeros (the
     transposes' padding), as in the Triton column kernel."""
     warps: gl.constexpr = gl.num_warps()
@@ -89,25 +100,38 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
     up = gl.load(gate_ptrs + F, mask=in_rows, other=0.0).to(gl.float32)
     s = 1.0 / (1.0 + gl.exp(-gate))
     _store_cols(gate * s * up, cols, mb, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX, POW2,
-                store)
+                store, SPREAD)
     da = gl.load(da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0), mask=in_rows, other=0.0)
     da_s = da.to(gl.float32) * s
     _store_cols(da_s * up * (1.0 + gate * (1.0 - s)), cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k,
-                stride_st_m, GRAD_MAX, POW2, store)
+                stride_st_m, GRAD_MAX, POW2, store, SPREAD)
     _store_cols(da_s * gate, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX, POW2,
-                store)
+                store, SPREAD)
+
+
+def spread_layout(features_each: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """The layout of a block's per-column values (FEATURES_EACH x warps of them) in which lane l of warp w holds
+    column FEATURES_EACH * w + l % FEATURES_EACH: the lanes of a warp share out its columns instead of each
+    holding all of them (lanes past FEATURES_EACH repeat the first ones)."""
+    def bits(n: int, scale: int = 1) -> list:
+        return [[scale << i] for i in range(n.bit_length() - 1)]
+    lanes = bits(features_each)
+    return gl.DistributedLinearLayout(reg_bases=[], lane_bases=lanes + [[0]] * (5 - len(lanes)),
+                                      warp_bases=bits(num_warps, features_each), block_bases=[],
+                                      shape=[features_each * num_warps])
 
 
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
                          ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool,
-                         num_warps: int = 4) -> None:
+                         num_warps: int = 4, features_each: int = FEATURES_PER_THREAD, spread: bool = True) -> None:
     """Fill qt/st (d(gu)^T (2F, M_pad) in `grad_fmt`) and at/ats (a^T (F, M_pad) in `fmt`) from gu (M, 2F) and
     da (M, F), as the Triton column kernel does (outputs from `tiles.rows_cols_outputs`)."""
     m, f = da.shape
-    block_n = FEATURES_PER_THREAD * num_warps
+    block_n = features_each * num_warps
     assert f % block_n == 0, f"F={f} must be a multiple of {block_n}"
     grid = (f // block_n, -(-m // 128))
     _swiglu_backward_cols_kernel[grid](
         gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
         at.stride(0), ats.stride(0), ats.stride(1), GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two,
-        TOKENS_EACH=TOKENS_PER_THREAD, FEATURES_EACH=FEATURES_PER_THREAD, num_warps=num_warps)
+        TOKENS_EACH=TOKENS_PER_THREAD, FEATURES_EACH=features_each,
+        SPREAD=spread_layout(features_each, num_warps) if spread else None, num_warps=num_warps)
