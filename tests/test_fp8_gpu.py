@@ -236,6 +236,37 @@ def test_every_autotuned_configuration_of_every_kernel_gives_the_same_bits():
             kernel.configs, kernel.cache = saved
 
 
+@pytest.mark.parametrize("tokens_each, features_each, warps", [(8, 4, 4), (4, 8, 4), (8, 4, 8), (16, 2, 4)])
+def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_each, features_each, warps):
+    """SM90 runs SwiGLU backward's column outputs through the Gluon kernel (`swiglu_cols_gluon`), other GPUs
+    through the Triton one: every layout of the Gluon kernel must write the Triton kernel's bytes (values and
+    scales, the padding rows past M included), with power-of-two scales, E5M2 gradients, outliers and a nan."""
+    gluon = pytest.importorskip("megafp8.precision.kernels.swiglu_cols_gluon")
+    if torch.cuda.get_device_capability(CUDA) != (9, 0):
+        pytest.skip("the Gluon column kernel runs on SM90 only")
+    from megafp8.precision import E4M3, E5M2
+    from megafp8.precision.kernels import producers, tiles
+    torch.manual_seed(0)
+    m, f = 328, 384
+    gu = (torch.randn(m, 2 * f, device=CUDA) * torch.logspace(-3, 3, 2 * f, device=CUDA)).bfloat16()
+    da = torch.randn(m, f, device=CUDA, dtype=torch.bfloat16)
+    gu[17, 3] = float("nan")
+    for grad_fmt, pow2 in ((E4M3, False), (E5M2, True)):
+        outputs = []
+        for run in (producers.swiglu_backward_cols,
+                    lambda *a: gluon.swiglu_backward_cols(*a, num_warps=warps, tokens_each=tokens_each,
+                                                          features_each=features_each)):
+            qt, st = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, CUDA)[2:]
+            at, ats = tiles.rows_cols_outputs(m, f, E4M3, CUDA)[2:]
+            for t in (qt, at):
+                t.view(torch.uint8).fill_(0x55)  # a byte left unwritten shows
+            run(gu, da, qt, st, at, ats, E4M3, grad_fmt, pow2)
+            outputs.append(((qt, st), (at, ats)))
+        (want_d, want_a), (got_d, got_a) = outputs
+        assert_same_quantization(got_d, want_d, f"d(gu)^T, {grad_fmt}, pow2={pow2}")
+        assert_same_quantization(got_a, want_a, f"a^T, pow2={pow2}")
+
+
 def _grouped_problem(rows, n: int = 384, k: int = 256) -> tuple:
     """Operands of the grouped GEMMs over the layout `rows` (outlier-laden, reference-quantized, on the GPU) and the
     pointer kernels' results: (a, a_s, b, b_s, at, at_s, bt, bt_s, fprop (rows, n), wgrad (E, n, k))."""

@@ -26,8 +26,8 @@ from megafp8.precision.formats import MIN_AMAX, Fp8Format
 _TOKENS = gl.constexpr(128)
 _MIN_AMAX = gl.constexpr(MIN_AMAX)
 _NAN_PROPAGATES = gl.constexpr(PropagateNan.ALL)
-FEATURES_PER_THREAD = 8
-TOKENS_PER_THREAD = 4
+TOKENS_PER_THREAD = 8  # 16 lanes along the tokens: 4 shuffle rounds per column max, 8-byte column runs
+FEATURES_PER_THREAD = 4  # x 2 lanes: a warp's 8 features are a 16-byte row segment
 
 
 @gluon.jit
@@ -83,14 +83,14 @@ def _store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m
 def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr, M, F, stride_gm, stride_dm,
                                  stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k, stride_ats_m,
                                  GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
-                                 TOKENS_EACH: gl.constexpr, FEATURES_EACH: gl.constexpr, SPREAD: gl.constexpr):
-    """d(gu)^T and a^T for 128 tokens x (FEATURES_EACH x warps) features; rows past M read as zeros (the
-    transposes' padding), as in the Triton column kernel."""
-    warps: gl.constexpr = gl.num_warps()
-    # Loads: each thread's 8 features contiguous (16-byte reads). Stores: its 4 tokens contiguous. Same threads.
-    load: gl.constexpr = gl.BlockedLayout([TOKENS_EACH, FEATURES_EACH], [32, 1], [1, warps], [1, 0])
-    store: gl.constexpr = gl.BlockedLayout([TOKENS_EACH, FEATURES_EACH], [32, 1], [1, warps], [0, 1])
-    block_n: gl.constexpr = FEATURES_EACH * warps
+                                 BLOCK_N: gl.constexpr, LOAD: gl.constexpr, STORE: gl.constexpr,
+                                 SPREAD: gl.constexpr):
+    """d(gu)^T and a^T for 128 tokens x BLOCK_N features; rows past M read as zeros (the transposes' padding), as
+    in the Triton column kernel. LOAD and STORE (`block_layouts`) put the same elements in the same threads, each
+    thread's features first (row-segment reads) or its tokens first (column-run writes)."""
+    load: gl.constexpr = LOAD
+    store: gl.constexpr = STORE
+    block_n: gl.constexpr = BLOCK_N
     mb = gl.program_id(1)
     rows = mb * _TOKENS + gl.arange(0, _TOKENS, layout=gl.SliceLayout(1, load))
     cols = gl.program_id(0) * block_n + gl.arange(0, block_n, layout=gl.SliceLayout(0, load))
@@ -109,29 +109,52 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
                 store, SPREAD)
 
 
-def spread_layout(features_each: int, num_warps: int) -> gl.DistributedLinearLayout:
-    """The layout of a block's per-column values (FEATURES_EACH x warps of them) in which lane l of warp w holds
-    column FEATURES_EACH * w + l % FEATURES_EACH: the lanes of a warp share out its columns instead of each
-    holding all of them (lanes past FEATURES_EACH repeat the first ones)."""
-    def bits(n: int, scale: int = 1) -> list:
-        return [[scale << i] for i in range(n.bit_length() - 1)]
-    lanes = bits(features_each)
+def spread_layout(features_per_warp: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """The layout of a block's per-column values in which lane l of warp w holds column
+    features_per_warp * w + l % features_per_warp: the lanes of a warp share out its columns instead of each
+    holding all of them (lanes past features_per_warp repeat the first ones)."""
+    lanes = _bases(features_per_warp, 1, 1)
     return gl.DistributedLinearLayout(reg_bases=[], lane_bases=lanes + [[0]] * (5 - len(lanes)),
-                                      warp_bases=bits(num_warps, features_each), block_bases=[],
-                                      shape=[features_each * num_warps])
+                                      warp_bases=_bases(num_warps, features_per_warp, 1), block_bases=[],
+                                      shape=[features_per_warp * num_warps])
+
+
+def _bases(count: int, step: int, rank: int, dim: int = 0) -> list:
+    """log2(count) linear-layout bases stepping by step, 2 step, 4 step ... along `dim` of a rank-`rank` shape."""
+    return [[step << i if d == dim else 0 for d in range(rank)] for i in range(count.bit_length() - 1)]
+
+
+def block_layouts(tokens_each: int, features_each: int, num_warps: int) -> tuple:
+    """(BLOCK_N, LOAD, STORE) for 128 tokens x BLOCK_N features: each thread holds tokens_each x features_each, a
+    warp's lanes cover the 128 tokens (128 / tokens_each lanes) and as many feature groups as remain, the warps sit
+    side by side along the features. LOAD lists a thread's registers features first, STORE tokens first: the same
+    elements in the same threads (converting between them moves no data)."""
+    token_lanes = 128 // tokens_each
+    assert token_lanes <= 32 and 32 % token_lanes == 0, f"{tokens_each} tokens a thread cannot cover 128 in a warp"
+    feature_lanes = 32 // token_lanes
+    block_n = features_each * feature_lanes * num_warps
+    features, tokens = _bases(features_each, 1, 2, 1), _bases(tokens_each, 1, 2, 0)
+    lanes = _bases(feature_lanes, features_each, 2, 1) + _bases(token_lanes, tokens_each, 2, 0)
+    warps = _bases(num_warps, features_each * feature_lanes, 2, 1)
+
+    def layout(registers: list) -> gl.DistributedLinearLayout:
+        return gl.DistributedLinearLayout(reg_bases=registers, lane_bases=lanes, warp_bases=warps, block_bases=[],
+                                          shape=[128, block_n])
+    return block_n, layout(features + tokens), layout(tokens + features)
 
 
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
                          ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool,
-                         num_warps: int = 4, features_each: int = FEATURES_PER_THREAD, spread: bool = True) -> None:
+                         num_warps: int = 4, tokens_each: int = TOKENS_PER_THREAD,
+                         features_each: int = FEATURES_PER_THREAD, spread: bool = True) -> None:
     """Fill qt/st (d(gu)^T (2F, M_pad) in `grad_fmt`) and at/ats (a^T (F, M_pad) in `fmt`) from gu (M, 2F) and
     da (M, F), as the Triton column kernel does (outputs from `tiles.rows_cols_outputs`)."""
     m, f = da.shape
-    block_n = features_each * num_warps
+    block_n, load, store = block_layouts(tokens_each, features_each, num_warps)
     assert f % block_n == 0, f"F={f} must be a multiple of {block_n}"
     grid = (f // block_n, -(-m // 128))
     _swiglu_backward_cols_kernel[grid](
         gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
         at.stride(0), ats.stride(0), ats.stride(1), GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two,
-        TOKENS_EACH=TOKENS_PER_THREAD, FEATURES_EACH=features_each,
-        SPREAD=spread_layout(features_each, num_warps) if spread else None, num_warps=num_warps)
+        BLOCK_N=block_n, LOAD=load, STORE=store,
+        SPREAD=spread_layout(block_n // num_warps, num_warps) if spread else None, num_warps=num_warps)
