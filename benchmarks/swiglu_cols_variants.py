@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""SwiGLU backward's column outputs (d(gu)^T and a^T, quantized along the tokens): the Triton column kernel that the
-backends run against the experimental Gluon kernel (`megafp8.precision.kernels.swiglu_cols_gluon`).
+"""SwiGLU backward's column outputs (d(gu)^T and a^T, quantized along the tokens): the Triton column kernel (what
+GPUs other than SM90 run) against layouts of the Gluon kernel that SM90 runs
+(`megafp8.precision.kernels.swiglu_cols_gluon`; its default is 8 tokens x 4 features a thread, 4 warps).
 
     PYTHONPATH=. python benchmarks/swiglu_cols_variants.py [--tokens 16384] [--iters 30]
 

@@ -1,18 +1,23 @@
-"""SwiGLU backward's column outputs in Gluon: d(gu)^T and SwiGLU's output a^T, quantized along the tokens, with a
-layout in which one warp holds all 128 tokens of its columns. EXPERIMENTAL, not used by any backend: written on a
-CPU machine (compiled for SM90 there, never run), to be measured against the Triton column kernel
-(`megafp8.precision.kernels.producers._swiglu_backward_cols_kernel`) by `benchmarks/swiglu_cols_variants.py`.
+"""SwiGLU backward's column outputs in Gluon: d(gu)^T and SwiGLU's output a^T, quantized along the tokens. On SM90
+`producers.swiglu_backward_quantize` runs this kernel instead of the Triton column kernel
+(`producers._swiglu_backward_cols_kernel`, kept for other GPUs and as the reference it is checked against): the same
+bytes (`tests/test_fp8_gpu.py`, `benchmarks/swiglu_cols_variants.py`) in 0.343 against 0.449 ms at the ~1B shape
+(`docs/benchmarks.md`, eleventh session).
 
-Why: compiled for SM90, the Triton column kernel runs 20 barriers and ~130 shared-memory accesses per 128 x 16
-block (each of its three results takes a column max across warps and a transpose through shared memory), and
-reaches 39% of copy bandwidth (`docs/performance.md`). Here each thread holds 4 consecutive tokens x 8 consecutive
-features, the 32 lanes of a warp cover the 128 tokens, and the warps sit side by side along the features: a
-column's max is taken within the thread and across the warp's lanes (shuffles, no barrier), and each thread writes
-its 4 tokens of each column as 4 consecutive FP8 bytes of the transposed output (a warp: 128 contiguous bytes). The
-reads are 16-byte row segments, the neighbouring warp reading the other half of each 32-byte sector.
+Why it is faster: the column kernel is bound by the instructions it issues, not by memory (Nsight Compute), and
+Gluon lets us choose the layout that needs fewest. Each thread holds 8 consecutive tokens x 4 consecutive features,
+16 lanes of a warp cover the 128 tokens and 2 lanes its 8 features, and the warps sit side by side along the
+features (`block_layouts`). A column's max is taken within the thread and over 4 shuffle rounds, with no barrier;
+each thread writes its 8 tokens of a column as 8 consecutive FP8 bytes of the transposed output, straight from its
+registers. Three more savings, each worth 10-25 instructions per element (58 remain, against 143 in the Triton
+kernel; `tests/test_ws_gemm_compiles.py` bounds it):
+- nan-propagating maxima are one `max.NaN` instruction;
+- no clamp before the FP8 conversion, which saturates by itself (`cvt.rn.satfinite`);
+- the two correctly rounded divisions per column are shared out over the warp's lanes (`spread_layout`), one
+  column each, instead of every lane dividing for all its warp's columns.
 
-Numerics are the Triton kernels' (`megafp8.precision.kernels.tiles`, `producers`), op for op, so the two must give
-the same bits; the benchmark script checks that before it times anything.
+Numerics are the Triton kernels' (`megafp8.precision.kernels.tiles`, `producers`), op for op, so the two give the
+same bits.
 """
 from __future__ import annotations
 
@@ -58,10 +63,11 @@ def _store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m
                 POW2: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr):
     """x (128 tokens, columns) FP32 quantized along the tokens (`tiles.store_cols`): values at qt[cols, rows],
     scales at st[cols, mb]. The FP8 tile moves to `STORE` (the same threads, tokens first in each thread's
-    registers: no data leaves a thread) so that each thread writes its 4 tokens of a column as one 4-byte store."""
-    amax = gl.reduce(gl.abs(x), 0, _nan_max)  # every lane of a warp holds its warp's columns' maxima
-    # Each lane takes one column (registers chosen, no data moved) for the two correctly rounded divisions,
-    # ~10 instructions each, instead of all lanes dividing for all their warp's columns; inv returns by shuffles.
+    registers: no data leaves a thread) so that each thread writes its tokens of a column as one store."""
+    amax = gl.reduce(gl.abs(x), 0, _nan_max)  # the 16 token lanes of a column all hold its maximum
+    # SPREAD: each lane takes one of its warp's columns for the two correctly rounded divisions (~10 instructions
+    # each) instead of every lane dividing for all the columns it holds; the multipliers return to the lanes that
+    # hold each column through a few hundred bytes of shared memory (a barrier per result, measured faster).
     if SPREAD is None:
         scale, inv = _tile_scale(amax, FP8_MAX, POW2)
         scale_cols = cols
