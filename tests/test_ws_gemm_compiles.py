@@ -61,6 +61,25 @@ def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_
     assert spills and max(spills) <= MAX_SPILL_BYTES, report
 
 
+def _ptxas_and_sass(ptx: str) -> tuple[str, str]:
+    """(ptxas -v's report, cuobjdump's SASS) of `ptx` assembled for sm_90a with the Triton wheel's tools."""
+    import tempfile
+    import triton
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        report = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "-arch=sm_90a", "-", "-o", cubin], input=ptx,
+                                capture_output=True, text=True, check=True)
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    return report.stdout + report.stderr, sass
+
+
+def _sass_instructions(sass: str) -> int:
+    """How many instructions a SASS listing holds (one thread's, for kernels without loops; a loop body once)."""
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+\S", sass, re.M))
+
+
 @pytest.mark.parametrize("warps", [4, 8])
 def test_the_gluon_swiglu_column_kernel_compiles_for_sm90_lean_and_without_spills(warps):
     """SwiGLU backward's Gluon column kernel (`swiglu_cols_gluon`, the one SM90 runs) is bound by the instructions
@@ -73,16 +92,16 @@ def test_the_gluon_swiglu_column_kernel_compiles_for_sm90_lean_and_without_spill
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from megafp8.precision.kernels import swiglu_cols_gluon as g
+    from megafp8.precision.kernels import gluon_tiles as gt, swiglu_cols_gluon as g
 
     signature = {"gu_ptr": "*bf16", "da_ptr": "*bf16", "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32", "at_ptr": "*fp8e4nv",
                  "ats_ptr": "*fp32"}
     ints = ["M", "F", "stride_gm", "stride_dm", "stride_qt", "stride_st_k", "stride_st_m", "stride_at",
             "stride_ats_k", "stride_ats_m"]
     signature.update({name: "i32" for name in ints})
-    block_n, load, store = g.block_layouts(g.TOKENS_PER_THREAD, g.FEATURES_PER_THREAD, warps)
+    block_n, load, store = gt.block_layouts(g.TOKENS_PER_THREAD, g.FEATURES_PER_THREAD, warps)
     constants = dict(GRAD_MAX=448.0, FP8_MAX=448.0, POW2=False, BLOCK_N=block_n, LOAD=load, STORE=store,
-                     SPREAD=g.spread_layout(block_n // warps, warps), stride_st_k=1, stride_ats_k=1)
+                     SPREAD=gt.spread_layout(block_n // warps, warps), stride_st_k=1, stride_ats_k=1)
     signature.update({name: "constexpr" for name in constants})
     names = list(signature)
     aligned = [0, 1, 2, 3, 4, 5] + [names.index(n) for n in ("F", "stride_gm", "stride_dm", "stride_qt", "stride_at",
@@ -98,18 +117,45 @@ def test_the_gluon_swiglu_column_kernel_compiles_for_sm90_lean_and_without_spill
     # a thread's 8 tokens of each of its columns as one 8-byte store, for each of the 3 results
     assert len(re.findall(r"st\.global\.v2\.b32", ptx)) == 3 * g.FEATURES_PER_THREAD
     assert ptx.count("div.rn.f32") <= 6  # 2 correctly rounded divisions per result and lane, no more
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"swiglu_cols_{os.getpid()}_{warps}.cubin")
-    try:
-        report = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "-arch=sm_90a", "-", "-o", cubin], input=ptx,
-                                capture_output=True, text=True, check=True)
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
-    finally:
-        if os.path.exists(cubin):
-            os.remove(cubin)
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report.stdout + report.stderr)]
-    assert spills and max(spills) <= 16, report.stdout + report.stderr
-    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+\S", sass, re.M))
+    report, sass = _ptxas_and_sass(ptx)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) <= 16, report
+    instructions = _sass_instructions(sass)
     per_element = instructions * 32 * warps / (128 * block_n)  # over the block's 128 tokens x block_n features
     assert 30 < per_element <= 70, f"{instructions} SASS instructions a thread, {per_element:.1f} per element"
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_the_gluon_rows_cols_kernel_compiles_for_sm90_vectorized_and_without_spills(norm):
+    """The persistent row + column quantizer (`rows_cols_gluon`, what SM90 runs for dy and RMSNorm's output) keeps
+    its tile and the next tile's prefetch in registers: compiled for SM90 it must not spill (a spilled prefetch
+    would cost the bandwidth it is there to win), must read 16-byte row segments and write 8-byte runs both ways,
+    and stays under 30 instructions per element."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from megafp8.precision.kernels import gluon_tiles as gt, rows_cols_gluon as r
+
+    signature = {"x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                 "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32"}
+    signature.update({name: "i32" for name in ("M", "n_kb", "stride_xm", "stride_qm", "stride_sm", "stride_sk",
+                                               "stride_qt", "stride_st_k", "stride_st_m")})
+    block_n, load, store = gt.block_layouts(r.TOKENS_PER_THREAD, r.FEATURES_PER_THREAD, r.WARPS)
+    constants = dict(FP8_MAX=448.0, POW2=False, NORM=norm, LOAD=load, STORE=store,
+                     SPREAD=gt.spread_layout(block_n // r.WARPS, r.WARPS), stride_sm=1, stride_st_k=1)
+    signature.update({name: "constexpr" for name in constants})
+    names = list(signature)
+    aligned = ["x_ptr", "rstd_ptr", "w_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "stride_xm", "stride_qm",
+               "stride_sk", "stride_qt", "stride_st_m"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the launch specializes them
+    compiled = triton.compile(GluonASTSource(r._rows_cols_kernel, signature, constexprs=constants, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": r.WARPS})
+    ptx = compiled.asm["ptx"]
+    assert block_n == 128
+    assert set(re.findall(r"ld\.global\.v\S+", ptx)) == {"ld.global.v4.b32"}
+    assert re.findall(r"st\.global\.v2\.b32", ptx)  # the FP8 rows and the transposed runs, 8 bytes a store
+    report, sass = _ptxas_and_sass(ptx)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) == 0, report
+    per_element = _sass_instructions(sass) * 32 * r.WARPS / (128 * 128)
+    assert 10 < per_element <= 30, f"{per_element:.1f} SASS instructions per element"

@@ -137,9 +137,13 @@ def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8
     if m:
         _rms_inverse_kernel[(triton.cdiv(m, RMS_BLOCK_M),)](h, rstd, m, eps, h.stride(0), K=k, BLOCK_M=RMS_BLOCK_M,
                                                             num_warps=RMS_WARPS)
-        _rmsnorm_quantize_kernel[(k // TILE, triton.cdiv(m, TILE))](
-            h, rstd, weight, *out, m, k, h.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two,
-            **tiles.format_constants(fmt))
+        gluon = tiles.hopper_gluon(h.device, "rows_cols_gluon")  # the same bytes, reads kept in flight
+        if gluon:
+            gluon.launch(h, rstd, weight, out, fmt, power_of_two)
+        else:
+            _rmsnorm_quantize_kernel[(k // TILE, triton.cdiv(m, TILE))](
+                h, rstd, weight, *out, m, k, h.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two,
+                **tiles.format_constants(fmt))
     return (*out, rstd)
 
 
@@ -168,21 +172,10 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format,
         consts = dict(GRAD_MAX=grad_fmt.max, POW2=power_of_two)
         _swiglu_backward_rows_kernel[lambda meta: (f // TILE, triton.cdiv(m, meta["BLOCK_M"]))](
             gu, da, q, s, m, f, gu.stride(0), da.stride(0), q.stride(0), s.stride(0), s.stride(1), **consts)
-        columns = _gluon_columns(gu.device) or swiglu_backward_cols
-        columns(gu, da, qt, st, at, ats, fmt, grad_fmt, power_of_two)
+        gluon = tiles.hopper_gluon(gu.device, "swiglu_cols_gluon")  # the same bytes in fewer instructions
+        (gluon.swiglu_backward_cols if gluon else swiglu_backward_cols)(gu, da, qt, st, at, ats, fmt, grad_fmt,
+                                                                        power_of_two)
     return (*out, at, ats)
-
-
-def _gluon_columns(device: torch.device):
-    """The Gluon column kernel where it runs (SM90 and Triton's Gluon language), else None. It gives the Triton
-    kernel's bits (benchmarks/swiglu_cols_variants.py, the GPU tests) without its barriers and shared memory."""
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return None
-    try:
-        from megafp8.precision.kernels import swiglu_cols_gluon
-    except ImportError:
-        return None
-    return swiglu_cols_gluon.swiglu_backward_cols
 
 
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,

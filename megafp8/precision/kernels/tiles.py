@@ -8,6 +8,10 @@
 """
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -108,3 +112,14 @@ def rows_cols_outputs(m: int, k: int, fmt: Fp8Format, device: torch.device) -> t
 def rows_cols_strides(q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor, st: torch.Tensor) -> tuple[int, ...]:
     """The stride arguments of `store_rows` and `store_cols` for outputs from `rows_cols_outputs`."""
     return q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1)
+
+
+def hopper_gluon(device: torch.device, module: str) -> Optional[ModuleType]:
+    """`megafp8.precision.kernels.<module>`, a Gluon kernel that writes its Triton twin's bytes faster on SM90, where
+    it runs (compute capability 9.0 and Triton's Gluon language), else None: the Triton kernel runs."""
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    try:
+        return importlib.import_module(f"megafp8.precision.kernels.{module}")
+    except ImportError:
+        return None

@@ -1,0 +1,100 @@
+"""Building blocks of the Gluon quantizing kernels (`swiglu_cols_gluon`, `rows_cols_gluon`), each op for op the
+Triton kernels' (`megafp8.precision.kernels.tiles`), so that both give the same bits, and the register layouts
+they share. Gluon, unlike Triton, lets a kernel choose which thread holds which element: these layouts put a
+column's 128 tokens in the lanes of one warp (column maxima by shuffles, no barrier) and give each thread runs of
+consecutive tokens to write transposed straight from its registers."""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.language import PropagateNan
+
+from megafp8.precision.formats import MIN_AMAX
+
+_MIN_AMAX = gl.constexpr(MIN_AMAX)
+_NAN_PROPAGATES = gl.constexpr(PropagateNan.ALL)
+TOKENS = gl.constexpr(128)  # a 1x128 tile along the tokens
+
+
+@gluon.jit
+def nan_max(a, b):
+    """Elementwise max, nan if either is nan (tiles.max_propagating_nan): one `max.NaN` instruction."""
+    return gl.maximum(a, b, propagate_nan=_NAN_PROPAGATES)
+
+
+@gluon.jit
+def tile_scale(amax, FP8_MAX: gl.constexpr, POW2: gl.constexpr):
+    """(dequantization scale, quantization multiplier) per tile, as `tiles.tile_scale`."""
+    zero = amax == 0
+    amax = gl.where(zero, amax, nan_max(amax, _MIN_AMAX))
+    scale = gl.div_rn(amax, gl.full(amax.shape, FP8_MAX, gl.float32, amax.type.layout))
+    if POW2:
+        bits = scale.to(gl.int32, bitcast=True)
+        up = (bits & 0x7F800000) + gl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
+        finite_pos = (scale > 0) & (scale < float("inf"))
+        scale = gl.where(finite_pos, up.to(gl.float32, bitcast=True), scale)
+        inv = gl.div_rn(gl.full(scale.shape, 1.0, gl.float32, scale.type.layout), scale)
+    else:
+        inv = gl.div_rn(gl.full(amax.shape, FP8_MAX, gl.float32, amax.type.layout), amax)
+    return gl.where(zero, 1.0, scale), gl.where(zero, 1.0, inv)
+
+
+@gluon.jit
+def store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
+                POW2: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr):
+    """x (128 tokens, columns) FP32 quantized along the tokens (`tiles.store_cols`): values at qt[cols, rows],
+    scales at st[cols, mb]. The FP8 tile moves to `STORE` (the same threads, tokens first in each thread's
+    registers: no data leaves a thread) so that each thread writes its tokens of a column as one store."""
+    amax = gl.reduce(gl.abs(x), 0, nan_max)  # the 16 token lanes of a column all hold its maximum
+    # SPREAD: each lane takes one of its warp's columns for the two correctly rounded divisions (~10 instructions
+    # each) instead of every lane dividing for all the columns it holds; the multipliers return to the lanes that
+    # hold each column through a few hundred bytes of shared memory (a barrier per result, measured faster).
+    if SPREAD is None:
+        scale, inv = tile_scale(amax, FP8_MAX, POW2)
+        scale_cols = cols
+    else:
+        scale, inv = tile_scale(gl.convert_layout(amax, SPREAD), FP8_MAX, POW2)
+        inv = gl.convert_layout(inv, amax.type.layout)
+        scale_cols = gl.convert_layout(cols, SPREAD)
+    # No clamp: the conversion saturates (`cvt.rn.satfinite`: finite values past FP8_MAX and infinities give
+    # +-FP8_MAX, nan stays nan), which is what tiles.to_fp8's clamp-then-convert gives, in 2 fewer instructions.
+    q = x * gl.expand_dims(inv, 0)
+    q = gl.convert_layout(q.to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), STORE)
+    rows = mb * TOKENS + gl.arange(0, TOKENS, layout=gl.SliceLayout(1, STORE))
+    qt_rows = gl.convert_layout(cols, gl.SliceLayout(0, STORE))  # x's columns are x^T's rows
+    gl.store(qt_ptr + gl.expand_dims(qt_rows, 0) * stride_qt + gl.expand_dims(rows, 1), q)
+    gl.store(st_ptr + scale_cols * stride_st_k + mb * stride_st_m, scale)
+
+
+def spread_layout(features_per_warp: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """The layout of a block's per-column values in which lane l of warp w holds column
+    features_per_warp * w + l % features_per_warp: the lanes of a warp share out its columns instead of each
+    holding all of them (lanes past features_per_warp repeat the first ones)."""
+    lanes = bases(features_per_warp, 1, 1)
+    return gl.DistributedLinearLayout(reg_bases=[], lane_bases=lanes + [[0]] * (5 - len(lanes)),
+                                      warp_bases=bases(num_warps, features_per_warp, 1), block_bases=[],
+                                      shape=[features_per_warp * num_warps])
+
+
+def bases(count: int, step: int, rank: int, dim: int = 0) -> list:
+    """log2(count) linear-layout bases stepping by step, 2 step, 4 step ... along `dim` of a rank-`rank` shape."""
+    return [[step << i if d == dim else 0 for d in range(rank)] for i in range(count.bit_length() - 1)]
+
+
+def block_layouts(tokens_each: int, features_each: int, num_warps: int) -> tuple:
+    """(BLOCK_N, LOAD, STORE) for 128 tokens x BLOCK_N features: each thread holds tokens_each x features_each, a
+    warp's lanes cover the 128 tokens (128 / tokens_each lanes) and as many feature groups as remain, the warps sit
+    side by side along the features. LOAD lists a thread's registers features first, STORE tokens first: the same
+    elements in the same threads (converting between them moves no data)."""
+    token_lanes = 128 // tokens_each
+    assert token_lanes <= 32 and 32 % token_lanes == 0, f"{tokens_each} tokens a thread cannot cover 128 in a warp"
+    feature_lanes = 32 // token_lanes
+    block_n = features_each * feature_lanes * num_warps
+    features, tokens = bases(features_each, 1, 2, 1), bases(tokens_each, 1, 2, 0)
+    lanes = bases(feature_lanes, features_each, 2, 1) + bases(token_lanes, tokens_each, 2, 0)
+    warps = bases(num_warps, features_each * feature_lanes, 2, 1)
+
+    def layout(registers: list) -> gl.DistributedLinearLayout:
+        return gl.DistributedLinearLayout(reg_bases=registers, lane_bases=lanes, warp_bases=warps, block_bases=[],
+                                          shape=[128, block_n])
+    return block_n, layout(features + tokens), layout(tokens + features)
