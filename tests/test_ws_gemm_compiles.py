@@ -124,38 +124,3 @@ def test_the_gluon_swiglu_column_kernel_compiles_for_sm90_lean_and_without_spill
     per_element = instructions * 32 * warps / (128 * block_n)  # over the block's 128 tokens x block_n features
     assert 30 < per_element <= 70, f"{instructions} SASS instructions a thread, {per_element:.1f} per element"
 
-
-@pytest.mark.parametrize("norm", [False, True])
-def test_the_gluon_rows_cols_kernel_compiles_for_sm90_vectorized_and_without_spills(norm):
-    """The persistent row + column quantizer (`rows_cols_gluon`, what SM90 runs for dy and RMSNorm's output) keeps
-    its tile and the next tile's prefetch in registers: compiled for SM90 it must not spill (a spilled prefetch
-    would cost the bandwidth it is there to win), must read 16-byte row segments and write 8-byte runs both ways,
-    and stays under 30 instructions per element."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from megafp8.precision.kernels import gluon_tiles as gt, rows_cols_gluon as r
-
-    signature = {"x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-                 "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32"}
-    signature.update({name: "i32" for name in ("M", "n_kb", "stride_xm", "stride_qm", "stride_sm", "stride_sk",
-                                               "stride_qt", "stride_st_k", "stride_st_m")})
-    block_n, load, store = gt.block_layouts(r.TOKENS_PER_THREAD, r.FEATURES_PER_THREAD, r.WARPS)
-    constants = dict(FP8_MAX=448.0, POW2=False, NORM=norm, LOAD=load, STORE=store,
-                     SPREAD=gt.spread_layout(block_n // r.WARPS, r.WARPS), stride_sm=1, stride_st_k=1)
-    signature.update({name: "constexpr" for name in constants})
-    names = list(signature)
-    aligned = ["x_ptr", "rstd_ptr", "w_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "stride_xm", "stride_qm",
-               "stride_sk", "stride_qt", "stride_st_m"]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the launch specializes them
-    compiled = triton.compile(GluonASTSource(r._rows_cols_kernel, signature, constexprs=constants, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": r.WARPS})
-    ptx = compiled.asm["ptx"]
-    assert block_n == 128
-    assert set(re.findall(r"ld\.global\.v\S+", ptx)) == {"ld.global.v4.b32"}
-    assert re.findall(r"st\.global\.v2\.b32", ptx)  # the FP8 rows and the transposed runs, 8 bytes a store
-    report, sass = _ptxas_and_sass(ptx)
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
-    assert spills and max(spills) == 0, report
-    per_element = _sass_instructions(sass) * 32 * r.WARPS / (128 * 128)
-    assert 10 < per_element <= 30, f"{per_element:.1f} SASS instructions per element"

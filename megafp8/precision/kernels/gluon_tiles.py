@@ -1,4 +1,4 @@
-"""Building blocks of the Gluon quantizing kernels (`swiglu_cols_gluon`, `rows_cols_gluon`), each op for op the
+"""Building blocks of the Gluon quantizing kernels (`swiglu_cols_gluon`), each op for op the
 Triton kernels' (`megafp8.precision.kernels.tiles`), so that both give the same bits, and the register layouts
 they share. Gluon, unlike Triton, lets a kernel choose which thread holds which element: these layouts put a
 column's 128 tokens in the lanes of one warp (column maxima by shuffles, no barrier) and give each thread runs of

@@ -123,12 +123,7 @@ def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> t
     assert x.stride(1) == 1, "quantize_rows_cols needs a row-major input"
     m, k = x.shape
     out = tiles.rows_cols_outputs(m, k, fmt, x.device)
-    if not m:
-        return out
-    gluon = tiles.hopper_gluon(x.device, "rows_cols_gluon")  # the same bytes, reads kept in flight
-    if gluon:
-        gluon.launch(x, None, None, out, fmt, power_of_two)
-    else:
+    if m:
         _quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
             x, x, *out, m, k, x.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two, GATHER=False,
             **tiles.format_constants(fmt))
