@@ -1,8 +1,12 @@
-"""The warp-specialized Gluon GEMM (`megafp8.precision.kernels.ws_gemm`) compiles for SM90 without a GPU: every
-configuration the backends launch, through Triton's compiler and the wheel's `ptxas`, with its MMAs not serialized
-by the assembler and its accumulators not spilled. What this guards: a change that makes ptxas serialize the
-wgmma pipeline (notes C7511/C7514) or spill the FP32 accumulators runs correctly on the GPU, only much slower,
-and no CPU test of the numerics would notice. Needs Triton with Gluon (skipped where it is not installed)."""
+"""Gluon kernels compiled for SM90 without a GPU, through Triton's compiler and the wheel's `ptxas`/`cuobjdump`.
+
+- The warp-specialized GEMM (`megafp8.precision.kernels.ws_gemm`), every configuration the backends launch: its
+  MMAs not serialized by the assembler and its accumulators not spilled. A change that makes ptxas serialize the
+  wgmma pipeline (notes C7511/C7514) or spill the FP32 accumulators runs correctly on the GPU, only much slower.
+- SwiGLU backward's column kernel (`swiglu_cols_gluon`): its instruction count (it is bound by the instructions
+  it issues), vector widths and spills.
+
+A regression in either runs correctly, only slower, so no CPU test of the numerics would notice it. Needs Triton with Gluon (skipped where it is not installed)."""
 from __future__ import annotations
 
 import os
@@ -123,4 +127,3 @@ def test_the_gluon_swiglu_column_kernel_compiles_for_sm90_lean_and_without_spill
     instructions = _sass_instructions(sass)
     per_element = instructions * 32 * warps / (128 * block_n)  # over the block's 128 tokens x block_n features
     assert 30 < per_element <= 70, f"{instructions} SASS instructions a thread, {per_element:.1f} per element"
-

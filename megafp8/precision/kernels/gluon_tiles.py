@@ -41,7 +41,7 @@ def tile_scale(amax, FP8_MAX: gl.constexpr, POW2: gl.constexpr):
 
 @gluon.jit
 def store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
-                POW2: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr):
+               POW2: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr):
     """x (128 tokens, columns) FP32 quantized along the tokens (`tiles.store_cols`): values at qt[cols, rows],
     scales at st[cols, mb]. The FP8 tile moves to `STORE` (the same threads, tokens first in each thread's
     registers: no data leaves a thread) so that each thread writes its tokens of a column as one store."""

@@ -61,6 +61,7 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
     gluon_tiles.store_cols(da_s * gate, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX,
                            POW2, store, SPREAD)
 
+
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
                          ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool,
                          num_warps: int = 4, tokens_each: int = TOKENS_PER_THREAD,
