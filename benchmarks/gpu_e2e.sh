@@ -9,7 +9,7 @@
 # only), grouped_gemm (MoE grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), fp8_linear (one layer, BF16 vs FP8), the 8B-layer
 # shape (compiled_ro_8b, ref_8b, profile_compiled_8b), BF16 and FP8 profiled side by side (profile_pair,
 # profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), the
-# warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), dense wgrad GEMMs (wgrad_gemm), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
+# warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), dense wgrad GEMMs (wgrad_gemm), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
 # default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper), cg_diag (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_fused_quantize,
 # old_profile_compiled, old_moe, old_moe_compiled: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
 # dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
@@ -82,6 +82,24 @@ for part in $PARTS; do
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
           --section SchedulerStats "$@"
       done ;;
+    clocks_8b)  # the SM clock, power and clock event reasons sampled every 200 ms while BF16, then FP8, run the
+                # 8B-layer step under CUDA graphs: do the GEMMs run slower in the step than alone because the clock drops?
+      for recipe in bf16 fp8; do
+        fields=timestamp,utilization.gpu,clocks.current.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu
+        for reasons in clocks_event_reasons.active clocks_throttle_reasons.active; do  # the newer name first
+          if nvidia-smi --query-gpu=$fields,$reasons --format=csv -i 0 > /dev/null 2>&1; then
+            fields=$fields,$reasons
+            break
+          fi
+        done
+        nvidia-smi --query-gpu=$fields --format=csv -i 0 -lms 200 > "$LOGS/clocks_$recipe.csv" 2>&1 &
+        sampler=$!
+        step "steps_8b_$recipe" python benchmarks/train_step.py training.compile=true \
+          training.compile_mode=reduce-overhead --model 8b-layers --recipes $recipe
+        kill $sampler 2> /dev/null
+        wait $sampler 2> /dev/null
+      done
+      step clocks_8b python benchmarks/clocks_summary.py bf16="$LOGS/clocks_bf16.csv" fp8="$LOGS/clocks_fp8.csv" ;;
     tests_cublaslt) step gpu_tests_cublaslt python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
            -k "cublaslt or cuda_graphs or compiled_fp8_linear or fused_fp8_mlp or learns or host_wait" \
            -p no:cacheprovider ;;

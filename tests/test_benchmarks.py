@@ -277,3 +277,61 @@ def test_gpu_2gpu_script_skips_what_the_budget_cannot_hold(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert both.returncode == 0, both.stderr
     assert scaling_rows("## scaling\n" + both.stdout)[("dp2_8b", "fp8")][5] == "97.5%"
+
+
+# ------------------------------------------------------------------------ benchmarks/gpu_e2e.sh clocks_8b
+# A stand-in nvidia-smi: the GPU list for the summary's head, success for the probe of a field name, and for a
+# sampling query (-lms) a CSV of one idle and three busy samples, then it waits to be stopped.
+FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+case "$*" in
+  *name,memory.total*) printf 'name, memory.total [MiB]\\nFake GPU, 1 MiB\\n' ;;
+  *-lms*)
+    echo "timestamp, utilization.gpu [%], clocks.current.sm [MHz], clocks.max.sm [MHz], power.draw [W], \\
+power.limit [W], temperature.gpu, clocks_event_reasons.active"
+    echo "2026/12/01 05:00:00.000, 0 %, 345 MHz, 1980 MHz, 90.00 W, 700.00 W, 30, 0x0000000000000001"
+    echo "2026/12/01 05:00:00.200, 100 %, 1980 MHz, 1980 MHz, 600.50 W, 700.00 W, 50, 0x0000000000000000"
+    echo "2026/12/01 05:00:00.400, 99 %, 1755 MHz, 1980 MHz, 700.00 W, 700.00 W, 61, 0x0000000000000004"
+    echo "2026/12/01 05:00:00.600, 100 %, 1800 MHz, 1980 MHz, 690.00 W, 700.00 W, 62, 0x0000000000000004"
+    exec sleep 60 ;;
+esac
+"""
+
+
+def test_gpu_e2e_clocks_part_samples_each_recipes_steps_and_summarizes_the_busy_samples(tmp_path):
+    """`gpu_e2e.sh clocks_8b` samples clocks and power while BF16, then FP8, run the 8B-layer step, stops each
+    sampler, and summarizes only the busy samples: median and lowest SM clock, power against its limit, and the
+    clock event reasons (here a power cap in two of three busy samples)."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
+if [ "$1" = benchmarks/train_step.py ]; then echo "$*" >> {tmp_path}/steps.log; sleep 0.3; exit 0; fi
+if [ "$1" = -c ]; then exit 0; fi  # "import torchao": installed, nothing to install
+exec {sys.executable} "$@"
+""")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out))
+    result = subprocess.run(["bash", "benchmarks/gpu_e2e.sh", "clocks_8b"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    assert [line[3:] for line in summary.splitlines() if line.startswith("## ")] == \
+        ["steps_8b_bf16", "steps_8b_fp8", "clocks_8b"], summary
+    assert "FAILED" not in summary
+    steps = (tmp_path / "steps.log").read_text().splitlines()
+    assert len(steps) == 2 and all("--model 8b-layers" in s and "compile_mode=reduce-overhead" in s for s in steps)
+    assert [s.split("--recipes ")[1] for s in steps] == ["bf16", "fp8"]
+    rows = [line for line in summary.splitlines() if line.startswith("| bf16 ") or line.startswith("| fp8 ")]
+    assert len(rows) == 2, summary
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1:] == ["3 of 4", "1800 / 1755 (1980)", "690 (700)", "62", "SW power cap 67%; none 33%"], row
+    assert "sleep 60" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_clock_event_reasons_read_as_words():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import clocks_summary
+    assert clocks_summary.reasons(0) == "none"
+    assert clocks_summary.reasons(0x4 | 0x40) == "SW power cap, HW thermal"
