@@ -192,7 +192,7 @@ def test_cuda_graphs_add_the_fp8_weight_gradients_into_main_grad_like_eager(tiny
 def _kernel_outputs() -> dict:
     """Every Triton quantizer and producer on awkward shapes (rows past a tile's end, a nan), by name."""
     from megafp8.precision import E4M3, E5M2
-    from megafp8.precision.kernels import producers as kp, quantize as kq
+    from megafp8.precision.kernels import producers as kp, quantize as kq, tiles
     torch.manual_seed(0)
     x = (torch.randn(200, 384, device=CUDA) * torch.logspace(-3, 3, 384, device=CUDA)).to(torch.bfloat16)
     x[17, 5] = float("nan")
@@ -200,11 +200,16 @@ def _kernel_outputs() -> dict:
     da = torch.randn(200, 256, device=CUDA, dtype=torch.bfloat16)
     w = (torch.rand(384, device=CUDA) + 0.5).to(torch.bfloat16)
     index = torch.randperm(512, device=CUDA) % 300 - 100  # rows of x, and zero rows where negative
+    # The Triton column kernel by itself: on SM90 swiglu_backward_quantize takes the Gluon one instead.
+    triton_cols = (*tiles.rows_cols_outputs(200, 512, E5M2, CUDA)[2:],
+                   *tiles.rows_cols_outputs(200, 256, E4M3, CUDA)[2:])
+    kp.swiglu_backward_cols(gu, da, *triton_cols, E4M3, E5M2, False)
     return {"rows": kq.quantize_rows(x, E4M3, False), "rows_cols": kq.quantize_rows_cols(x, E5M2, True),
             "gathered_rows_cols": kq.gather_quantize_rows_cols(x, index, E4M3, False),
             "rmsnorm": kp.rmsnorm_quantize(x, w, 1e-5, E4M3, False),
             "swiglu": kp.swiglu_quantize(gu, E4M3, True),
-            "swiglu_backward": kp.swiglu_backward_quantize(gu, da, E4M3, E5M2, False)}
+            "swiglu_backward": kp.swiglu_backward_quantize(gu, da, E4M3, E5M2, False),
+            "swiglu_backward_triton_columns": triton_cols}
 
 
 def _assert_same_bits(got: dict, want: dict, what: str) -> None:
