@@ -268,3 +268,41 @@ def test_every_custom_op_agrees_with_its_fake_implementation():
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_faketensor",))
+
+
+def test_kernel_launchers_refuse_tensors_past_int32_offsets_before_launching():
+    """The quantizing kernels address elements with int32 offsets: a tensor spanning 2^31 elements or more (65,536
+    tokens x SwiGLU's 2 x 18,432, or its transpose) would wrap around and read or write the wrong memory without
+    any error. The launchers refuse it first, naming the settings to lower; a stack of expert weights is checked
+    one expert at a time (the kernels index experts in int64). Shapes only: meta tensors, nothing allocated."""
+    from megafp8.precision.kernels.limits import check_offsets
+
+    def meta(*shape):
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    check_offsets("fits", meta(65536, 32768), meta(32768, 65536))  # 2^31 elements: the last offset is 2^31 - 1
+    with pytest.raises(ValueError, match="2,147,483,649 elements"):
+        check_offsets("one more", meta(65537, 32768)[:, :1])  # the last element one past int32
+    with pytest.raises(ValueError, match=r"swiglu: a \(65536, 36864\) tensor spans .*micro_batch_size"):
+        check_offsets("swiglu", meta(65536, 36864))
+    with pytest.raises(ValueError, match="2,415,919,104 elements"):
+        check_offsets("x^T", meta(36864, 65536))
+    with pytest.raises(ValueError):  # a strided view spans its storage's extent, not its element count
+        check_offsets("view", meta(65536, 65536)[:, :128])
+    check_offsets("one expert of 300", meta(300, 4096, 2048)[0])
+    with pytest.raises(ValueError):
+        check_offsets("all 300 experts", meta(300, 4096, 2048))
+
+
+def test_the_triton_launchers_check_offsets_before_allocating_work_for_the_gpu():
+    """The check is wired into the launchers (it raises on meta tensors before any kernel is launched)."""
+    pytest.importorskip("triton")
+    from megafp8.precision.kernels import producers as kp, quantize as kq
+
+    big = torch.empty(65536, 36864, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="quantize_rows_cols"):
+        kq.quantize_rows_cols(big, E4M3, False)
+    with pytest.raises(ValueError, match="swiglu_quantize"):
+        kp.swiglu_quantize(big, E4M3, False)
+    with pytest.raises(ValueError, match="swiglu_backward_quantize"):
+        kp.swiglu_backward_quantize(big, big[:, :18432], E4M3, E5M2, False)

@@ -8,4 +8,6 @@
   are `megafp8.precision.producers`).
 - `gemm`: our blockwise-scaled GEMMs, dense and grouped by expert (`ws_gemm`: the warp-specialized Gluon one).
 - `cublaslt`: cuBLASLt's blockwise-scaled GEMM called directly (ctypes), adding its product into an FP32 tensor.
+- `swiglu_cols_gluon`, `gluon_tiles`: SwiGLU backward's column outputs in Gluon, what SM90 runs.
+- `limits`: what the host checks before a launch (tensors the kernels' int32 offsets can address).
 """

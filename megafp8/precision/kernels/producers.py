@@ -12,6 +12,7 @@ import triton.language as tl
 
 from megafp8.precision.formats import TILE, Fp8Format
 from megafp8.precision.kernels import quantize, tiles
+from megafp8.precision.kernels.limits import check_offsets
 
 
 # One configuration, not autotuned: the sum of squares' order follows the block shape and the warps, and a choice
@@ -134,6 +135,7 @@ def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8
     m, k = h.shape
     rstd = torch.empty(m, dtype=torch.float32, device=h.device)
     out = tiles.rows_cols_outputs(m, k, fmt, h.device)
+    check_offsets("rmsnorm_quantize", h, *out)
     if m:
         _rms_inverse_kernel[(triton.cdiv(m, RMS_BLOCK_M),)](h, rstd, m, eps, h.stride(0), K=k, BLOCK_M=RMS_BLOCK_M,
                                                             num_warps=RMS_WARPS)
@@ -149,6 +151,7 @@ def swiglu_quantize(gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tup
     m, f = gu.shape[0], gu.shape[1] // 2
     q = torch.empty(m, f, dtype=fmt.dtype, device=gu.device)
     s = tiles.mn_major_scales(m, f // TILE, gu.device)
+    check_offsets("swiglu_quantize", gu, q)
     if m:
         _swiglu_quantize_kernel[lambda meta: (f // TILE, triton.cdiv(m, meta["BLOCK_M"]))](
             gu, q, s, m, f, gu.stride(0), q.stride(0), s.stride(0), s.stride(1), POW2=power_of_two,
@@ -164,6 +167,7 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format,
     m, f = da.shape
     q, s, qt, st = out = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, gu.device)
     at, ats = tiles.rows_cols_outputs(m, f, fmt, gu.device)[2:]
+    check_offsets("swiglu_backward_quantize", gu, da, *out, at)
     if m:
         consts = dict(GRAD_MAX=grad_fmt.max, POW2=power_of_two)
         _swiglu_backward_rows_kernel[lambda meta: (f // TILE, triton.cdiv(m, meta["BLOCK_M"]))](

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from megafp8.precision.formats import TILE, Fp8Format
 from megafp8.precision.kernels import tiles
+from megafp8.precision.kernels.limits import check_offsets
 
 
 # Rows per program: every configuration computes the same bits; the autotuner picks per (K, format).
@@ -74,8 +75,9 @@ def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks,
                             stride_se, stride_sn, stride_sk, stride_ste, stride_stn, stride_stk,
                             FP8_MAX: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr):
     """One 128x128 block of w[e] (N, K): its values at q[e] and (with TRANSPOSE), transposed, at qt[e] (K, N);
-    its scale at s[e, nb, kb] and st[e, kb, nb] (strides given as [e, n block, k block] of each)."""
-    e = tl.program_id(1) // n_blocks
+    its scale at s[e, nb, kb] and st[e, kb, nb] (strides given as [e, n block, k block] of each). The expert index
+    is int64: a layer's stacked experts may span more than 2^31 elements, one expert may not."""
+    e = (tl.program_id(1) // n_blocks).to(tl.int64)
     nb = tl.program_id(1) % n_blocks
     kb = tl.program_id(0)
     n = nb * 128 + tl.arange(0, 128)
@@ -94,8 +96,9 @@ def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks,
 @triton.jit
 def _transpose_blocks_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks, stride_qe, stride_qn, stride_qte, stride_qtk,
                              stride_se, stride_sn, stride_sk, stride_ste, stride_stn, stride_stk):
-    """One 128x128 block of an FP8 weight q[e] (N, K) and its scale, stored transposed into qt[e] (K, N), st."""
-    e = tl.program_id(1) // n_blocks
+    """One 128x128 block of an FP8 weight q[e] (N, K) and its scale, stored transposed into qt[e] (K, N), st
+    (the expert index in int64, as in `_quantize_weight_kernel`)."""
+    e = (tl.program_id(1) // n_blocks).to(tl.int64)
     nb = tl.program_id(1) % n_blocks
     kb = tl.program_id(0)
     n = nb * 128 + tl.arange(0, 128)
@@ -112,6 +115,7 @@ def quantize_rows(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[
     m, k = x.shape
     q = torch.empty(m, k, dtype=fmt.dtype, device=x.device)
     s = tiles.mn_major_scales(m, k // TILE, x.device)
+    check_offsets("quantize_rows", x, q)
     _quantize_rows_kernel[lambda meta: (k // TILE, triton.cdiv(m, meta["BLOCK_M"]))](
         x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1), POW2=power_of_two,
         **tiles.format_constants(fmt))
@@ -123,6 +127,7 @@ def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> t
     assert x.stride(1) == 1, "quantize_rows_cols needs a row-major input"
     m, k = x.shape
     out = tiles.rows_cols_outputs(m, k, fmt, x.device)
+    check_offsets("quantize_rows_cols", x, *out)
     if m:
         _quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
             x, x, *out, m, k, x.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two, GATHER=False,
@@ -137,6 +142,7 @@ def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: Fp
     assert source.stride(1) == 1, "gather_quantize_rows_cols needs a row-major source"
     m, k = index.shape[0], source.shape[1]
     out = tiles.rows_cols_outputs(m, k, fmt, source.device)
+    check_offsets("gather_quantize_rows_cols", *out)  # source rows are indexed in int64
     if m:
         _quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
             source, index.contiguous(), *out, m, k, source.stride(0), *tiles.rows_cols_strides(*out),
@@ -154,6 +160,7 @@ def quantize_weight_(w: torch.Tensor, q: torch.Tensor, s_nk: torch.Tensor, qt: O
     assert w.stride(-1) == 1 and q.is_contiguous() and qt.is_contiguous(), "quantize_weight_ needs row-major tensors"
     w3, q3, qt3, s3, st3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (w, q, qt, s_nk, st_nk))
     experts, n, k = w3.shape
+    check_offsets("quantize_weight_", w3[0], q3[0], qt3[0])
     _quantize_weight_kernel[(k // TILE, experts * (n // TILE))](
         w3, q3, s3, qt3, st3, n // TILE, w3.stride(0), w3.stride(1), q3.stride(0), q3.stride(1), qt3.stride(0),
         qt3.stride(1), *s3.stride(), *st3.stride(), POW2=power_of_two, TRANSPOSE=transpose, num_warps=8,
@@ -166,6 +173,7 @@ def transpose_blocks(q: torch.Tensor, s_nk: torch.Tensor, qt: torch.Tensor, st_n
     assert q.is_contiguous() and qt.is_contiguous(), "transpose_blocks needs row-major tensors"
     q3, qt3, s3, st3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (q, qt, s_nk, st_nk))
     experts, n, k = q3.shape
+    check_offsets("transpose_blocks", q3[0], qt3[0])
     _transpose_blocks_kernel[(k // TILE, experts * (n // TILE))](
         q3, s3, qt3, st3, n // TILE, q3.stride(0), q3.stride(1), qt3.stride(0), qt3.stride(1), *s3.stride(),
         *st3.stride(), num_warps=8)
