@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megafp8.precision.kernels.limits import check_offsets
+
 
 @triton.autotune(
     configs=[
@@ -60,6 +62,7 @@ def gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch
     m, k = a.shape
     n = b.shape[0]
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    check_offsets("gemm", a, b, c)  # this kernel's row offsets are int32 (the grouped ones index in int64)
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
