@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language import DistributedLinearLayout  # a Gluon without it fails here, not later
 from triton.language import PropagateNan
 
 from megafp8.precision.formats import MIN_AMAX
@@ -66,12 +67,12 @@ def store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m,
     gl.store(st_ptr + scale_cols * stride_st_k + mb * stride_st_m, scale)
 
 
-def spread_layout(features_per_warp: int, num_warps: int) -> gl.DistributedLinearLayout:
+def spread_layout(features_per_warp: int, num_warps: int) -> DistributedLinearLayout:
     """The layout of a block's per-column values in which lane l of warp w holds column
     features_per_warp * w + l % features_per_warp: the lanes of a warp share out its columns instead of each
     holding all of them (lanes past features_per_warp repeat the first ones)."""
     lanes = bases(features_per_warp, 1, 1)
-    return gl.DistributedLinearLayout(reg_bases=[], lane_bases=lanes + [[0]] * (5 - len(lanes)),
+    return DistributedLinearLayout(reg_bases=[], lane_bases=lanes + [[0]] * (5 - len(lanes)),
                                       warp_bases=bases(num_warps, features_per_warp, 1), block_bases=[],
                                       shape=[features_per_warp * num_warps])
 
@@ -94,7 +95,7 @@ def block_layouts(tokens_each: int, features_each: int, num_warps: int) -> tuple
     lanes = bases(feature_lanes, features_each, 2, 1) + bases(token_lanes, tokens_each, 2, 0)
     warps = bases(num_warps, features_each * feature_lanes, 2, 1)
 
-    def layout(registers: list) -> gl.DistributedLinearLayout:
-        return gl.DistributedLinearLayout(reg_bases=registers, lane_bases=lanes, warp_bases=warps, block_bases=[],
+    def layout(registers: list) -> DistributedLinearLayout:
+        return DistributedLinearLayout(reg_bases=registers, lane_bases=lanes, warp_bases=warps, block_bases=[],
                                           shape=[128, block_n])
     return block_n, layout(features + tokens), layout(tokens + features)

@@ -121,5 +121,5 @@ def hopper_gluon(device: torch.device, module: str) -> Optional[ModuleType]:
         return None
     try:
         return importlib.import_module(f"megafp8.precision.kernels.{module}")
-    except ImportError:
+    except ImportError:  # no Gluon, or one without what the module imports
         return None
