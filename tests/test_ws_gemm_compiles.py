@@ -129,28 +129,29 @@ def test_the_gluon_swiglu_column_kernel_compiles_for_sm90_lean_and_without_spill
     assert 30 < per_element <= 70, f"{instructions} SASS instructions a thread, {per_element:.1f} per element"
 
 
-@pytest.mark.parametrize("norm", [False, True])
-def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(norm):
-    """The row + column quantizer (`rows_cols_gluon`, what SM90 runs for dy and RMSNorm's output on this branch)
+@pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True)])
+def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(norm, gather):
+    """The row + column quantizer (`rows_cols_gluon`, what SM90 runs for dy, RMSNorm's output and the MoE dispatch
+    on this branch)
     exists to issue fewer instructions than the Triton kernel's 23 per element, which is what held that kernel to
-    55-66% of copy speed: compiled for SM90 it must stay under 18 (14.6 plain, 17.2 with the norm), not spill, read
-    16-byte row segments and write 8-byte FP8 row runs and 16-byte transposed runs."""
+    55-66% of copy speed: compiled for SM90 it must stay under 18 (plain, with the norm, gathering rows for the MoE
+    dispatch), not spill, read 16-byte row segments and write 8-byte FP8 row runs and 16-byte transposed runs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from megafp8.precision.kernels import rows_cols_gluon as r
 
-    signature = {"x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-                 "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32"}
+    signature = {"x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*bf16", "idx_ptr": "*i64", "q_ptr": "*fp8e4nv",
+                 "s_ptr": "*fp32", "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32"}
     signature.update({name: "i32" for name in ("M", "stride_xm", "stride_qm", "stride_sm", "stride_sk", "stride_qt",
                                                "stride_st_k", "stride_st_m")})
     load, store_t, rows, cols = r.tile_layouts()
-    constants = dict(FP8_MAX=448.0, POW2=False, NORM=norm, LOAD=load, STORE_T=store_t, ROWS=rows, COLS=cols,
-                     stride_sm=1, stride_st_k=1)
+    constants = dict(FP8_MAX=448.0, POW2=False, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows,
+                     COLS=cols, stride_sm=1, stride_st_k=1)
     signature.update({name: "constexpr" for name in constants})
     names = list(signature)
-    aligned = ["x_ptr", "rstd_ptr", "w_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "stride_xm", "stride_qm",
-               "stride_sk", "stride_qt", "stride_st_m"]
+    aligned = ["x_ptr", "rstd_ptr", "w_ptr", "idx_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "stride_xm",
+               "stride_qm", "stride_sk", "stride_qt", "stride_st_m"]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the launch specializes them
     compiled = triton.compile(GluonASTSource(r._rows_cols_kernel, signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": r.WARPS})

@@ -1,5 +1,6 @@
 """The row + column quantizer (`quantize.quantize_rows_cols`: x (M, K) in 1x128 tiles along K for fprop/dgrad and
-along M for wgrad, from one read of x) and RMSNorm's producer tiles in Gluon, for SM90. EXPERIMENTAL, on a branch:
+along M for wgrad, from one read of x), its gathering form (the MoE dispatch) and RMSNorm's producer tiles in
+Gluon, for SM90. EXPERIMENTAL, on a branch:
 compiled for SM90 on a CPU, not yet run; `benchmarks/rows_cols_variants.py` checks its bytes against the Triton
 kernels (`quantize._quantize_rows_cols_kernel`, `producers._rmsnorm_quantize_kernel`) and times both.
 
@@ -57,19 +58,25 @@ def _scales(amax_sliced, SPREAD: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.c
 
 
 @gluon.jit
-def _rows_cols_kernel(x_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
-                      stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
-                      NORM: gl.constexpr, LOAD: gl.constexpr, STORE_T: gl.constexpr, ROWS: gl.constexpr,
-                      COLS: gl.constexpr):
+def _rows_cols_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm,
+                      stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
+                      POW2: gl.constexpr, NORM: gl.constexpr, GATHER: gl.constexpr, LOAD: gl.constexpr,
+                      STORE_T: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
     """Tile (kb, mb) of x (M, K): quantized along its rows (q, s) and along its columns (qt = x^T, st; rows past M
-    as zeros). With NORM, of RMSNorm(x): (x * rstd[row]) * w[col] in FP32, as the Triton kernel computes it."""
+    as zeros). With NORM, of RMSNorm(x): (x * rstd[row]) * w[col] in FP32, as the Triton kernel computes it. With
+    GATHER, row i is x[idx[i]] (a zero row where idx[i] < 0): the MoE dispatch's gather into the expert layout."""
     kb = gl.program_id(0)
     mb = gl.program_id(1)
     rows = mb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LOAD))
     cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LOAD))
     in_rows = rows < M
-    x = gl.load(x_ptr + gl.expand_dims(rows, 1) * stride_xm + gl.expand_dims(cols, 0),
-                mask=gl.expand_dims(in_rows, 1), other=0.0).to(gl.float32)
+    if GATHER:
+        src = gl.load(idx_ptr + rows, mask=in_rows, other=-1)
+        x = gl.load(x_ptr + gl.expand_dims(src.to(gl.int64), 1) * stride_xm + gl.expand_dims(cols, 0),
+                    mask=gl.expand_dims(src >= 0, 1), other=0.0).to(gl.float32)
+    else:
+        x = gl.load(x_ptr + gl.expand_dims(rows, 1) * stride_xm + gl.expand_dims(cols, 0),
+                    mask=gl.expand_dims(in_rows, 1), other=0.0).to(gl.float32)
     if NORM:
         rstd = gl.load(rstd_ptr + rows, mask=in_rows, other=0.0)
         x = (x * gl.expand_dims(rstd, 1)) * gl.expand_dims(gl.load(w_ptr + cols).to(gl.float32), 0)
@@ -92,15 +99,18 @@ def _rows_cols_kernel(x_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, s
 
 
 def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | None, out: tuple, fmt: Fp8Format,
-           power_of_two: bool, spread_rows: bool = True, spread_cols: bool = True) -> None:
-    """Fill `out` (from `tiles.rows_cols_outputs`) from x (M, K), or from RMSNorm(x) given its rstd (M,) and
-    weight (K,). `spread_rows`/`spread_cols`: share the rows' or columns' divisions out over the threads."""
-    m, k = x.shape
+           power_of_two: bool, spread_rows: bool = True, spread_cols: bool = True,
+           index: torch.Tensor | None = None) -> None:
+    """Fill `out` (from `tiles.rows_cols_outputs`) from x (M, K), from RMSNorm(x) given its rstd (M,) and weight
+    (K,), or from the rows x[index[i]] (M = len(index); a zero row where index[i] < 0).
+    `spread_rows`/`spread_cols`: share the rows' or columns' divisions out over the threads."""
+    m, k = (x.shape[0] if index is None else index.shape[0]), x.shape[1]
     q, s, qt, st = out
     load, store_t, rows, cols = tile_layouts()
     rows, cols = (rows if spread_rows else None), (cols if spread_cols else None)
-    norm = rstd is not None
+    norm, gather = rstd is not None, index is not None
     _rows_cols_kernel[(k // 128, -(-m // 128))](
-        x, rstd if norm else x, weight if norm else x, q, s, qt, st, m, x.stride(0), q.stride(0), s.stride(0),
-        s.stride(1), qt.stride(0), st.stride(0), st.stride(1), FP8_MAX=fmt.max, POW2=power_of_two, NORM=norm,
-        LOAD=load, STORE_T=store_t, ROWS=rows, COLS=cols, num_warps=WARPS)
+        x, rstd if norm else x, weight if norm else x, index if gather else x, q, s, qt, st, m, x.stride(0),
+        q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1), FP8_MAX=fmt.max,
+        POW2=power_of_two, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows, COLS=cols,
+        num_warps=WARPS)
