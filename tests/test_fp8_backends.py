@@ -289,7 +289,8 @@ def test_kernel_launchers_refuse_tensors_past_int32_offsets_before_launching():
         check_offsets("x^T", meta(36864, 65536))
     with pytest.raises(ValueError):  # a strided view spans its storage's extent, not its element count
         check_offsets("view", meta(65536, 65536)[:, :128])
-    check_offsets("one expert of 300", meta(300, 4096, 2048)[0])
+    check_offsets("one expert of 300", meta(300, 4096, 2048)[:1])
+    check_offsets("no experts", meta(0, 4096, 2048)[:1])
     with pytest.raises(ValueError):
         check_offsets("all 300 experts", meta(300, 4096, 2048))
 

@@ -170,7 +170,7 @@ def quantize_weight_(w: torch.Tensor, q: torch.Tensor, s_nk: torch.Tensor, qt: O
     assert w.stride(-1) == 1 and q.is_contiguous() and qt.is_contiguous(), "quantize_weight_ needs row-major tensors"
     w3, q3, qt3, s3, st3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (w, q, qt, s_nk, st_nk))
     experts, n, k = w3.shape
-    check_offsets("quantize_weight_", w3[0], q3[0], qt3[0])
+    check_offsets("quantize_weight_", w3[:1], q3[:1], qt3[:1])  # one expert: experts are indexed in int64
     _quantize_weight_kernel[(k // TILE, experts * (n // TILE))](
         w3, q3, s3, qt3, st3, n // TILE, w3.stride(0), w3.stride(1), q3.stride(0), q3.stride(1), qt3.stride(0),
         qt3.stride(1), *s3.stride(), *st3.stride(), POW2=power_of_two, TRANSPOSE=transpose, num_warps=8,
@@ -183,7 +183,7 @@ def transpose_blocks(q: torch.Tensor, s_nk: torch.Tensor, qt: torch.Tensor, st_n
     assert q.is_contiguous() and qt.is_contiguous(), "transpose_blocks needs row-major tensors"
     q3, qt3, s3, st3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (q, qt, s_nk, st_nk))
     experts, n, k = q3.shape
-    check_offsets("transpose_blocks", q3[0], qt3[0])
+    check_offsets("transpose_blocks", q3[:1], qt3[:1])
     _transpose_blocks_kernel[(k // TILE, experts * (n // TILE))](
         q3, s3, qt3, st3, n // TILE, q3.stride(0), q3.stride(1), qt3.stride(0), qt3.stride(1), *s3.stride(),
         *st3.stride(), num_warps=8)
