@@ -38,11 +38,10 @@ def outputs(m: int, f: int, grad_fmt, device):
 def variants() -> dict:
     from megafp8.precision.kernels import producers, swiglu_cols_gluon
     out = {"triton (backends')": producers.swiglu_backward_cols}
-    for tokens, features, warps, spread in ((8, 4, 4, True), (4, 8, 4, True), (4, 8, 4, False), (8, 4, 8, True),
-                                            (4, 4, 4, True), (16, 2, 4, True)):
-        label = f"gluon {tokens}x{features}, {warps} warps" + ("" if spread else ", no spread")
-        out[label] = (lambda *a, t=tokens, f=features, w=warps, s=spread: swiglu_cols_gluon.swiglu_backward_cols(
-            *a, num_warps=w, tokens_each=t, features_each=f, spread=s))
+    for tokens, features, warps in ((8, 4, 4), (4, 8, 4), (8, 4, 8), (4, 4, 4), (16, 2, 4)):
+        out[f"gluon {tokens}x{features}, {warps} warps"] = (
+            lambda *a, t=tokens, f=features, w=warps: swiglu_cols_gluon.swiglu_backward_cols(
+                *a, num_warps=w, tokens_each=t, features_each=f))
     return out
 
 

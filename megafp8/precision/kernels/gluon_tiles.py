@@ -5,6 +5,8 @@ column's 128 tokens in the lanes of one warp (column maxima by shuffles, no barr
 consecutive tokens to write transposed straight from its registers."""
 from __future__ import annotations
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language import DistributedLinearLayout  # a Gluon without it fails here, not later
@@ -49,14 +51,11 @@ def store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m,
     amax = gl.reduce(gl.abs(x), 0, nan_max)  # the 16 token lanes of a column all hold its maximum
     # SPREAD: each lane takes one of its warp's columns for the two correctly rounded divisions (~10 instructions
     # each) instead of every lane dividing for all the columns it holds; the multipliers return to the lanes that
-    # hold each column through a few hundred bytes of shared memory (a barrier per result, measured faster).
-    if SPREAD is None:
-        scale, inv = tile_scale(amax, FP8_MAX, POW2)
-        scale_cols = cols
-    else:
-        scale, inv = tile_scale(gl.convert_layout(amax, SPREAD), FP8_MAX, POW2)
-        inv = gl.convert_layout(inv, amax.type.layout)
-        scale_cols = gl.convert_layout(cols, SPREAD)
+    # hold each column through a few hundred bytes of shared memory (a barrier per result: 0.358 against 0.415 ms
+    # without sharing, `docs/benchmarks.md` job AE).
+    scale, inv = tile_scale(gl.convert_layout(amax, SPREAD), FP8_MAX, POW2)
+    inv = gl.convert_layout(inv, amax.type.layout)
+    scale_cols = gl.convert_layout(cols, SPREAD)
     # No clamp: the conversion saturates (`cvt.rn.satfinite`: finite values past FP8_MAX and infinities give
     # +-FP8_MAX, nan stays nan), which is what tiles.to_fp8's clamp-then-convert gives, in 2 fewer instructions.
     q = x * gl.expand_dims(inv, 0)
@@ -67,6 +66,7 @@ def store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m,
     gl.store(st_ptr + scale_cols * stride_st_k + mb * stride_st_m, scale)
 
 
+@functools.cache  # made on every launch otherwise: the same few layouts, immutable
 def spread_layout(features_per_warp: int, num_warps: int) -> DistributedLinearLayout:
     """The layout of a block's per-column values in which lane l of warp w holds column
     features_per_warp * w + l % features_per_warp: the lanes of a warp share out its columns instead of each
@@ -82,6 +82,7 @@ def bases(count: int, step: int, rank: int, dim: int = 0) -> list:
     return [[step << i if d == dim else 0 for d in range(rank)] for i in range(count.bit_length() - 1)]
 
 
+@functools.cache
 def block_layouts(tokens_each: int, features_each: int, num_warps: int) -> tuple:
     """(BLOCK_N, LOAD, STORE) for 128 tokens x BLOCK_N features: each thread holds tokens_each x features_each, a
     warp's lanes cover the 128 tokens (128 / tokens_each lanes) and as many feature groups as remain, the warps sit

@@ -65,7 +65,7 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
                          ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool,
                          num_warps: int = 4, tokens_each: int = TOKENS_PER_THREAD,
-                         features_each: int = FEATURES_PER_THREAD, spread: bool = True) -> None:
+                         features_each: int = FEATURES_PER_THREAD) -> None:
     """Fill qt/st (d(gu)^T (2F, M_pad) in `grad_fmt`) and at/ats (a^T (F, M_pad) in `fmt`) from gu (M, 2F) and
     da (M, F), as the Triton column kernel does (outputs from `tiles.rows_cols_outputs`)."""
     m, f = da.shape
@@ -76,4 +76,4 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
         gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
         at.stride(0), ats.stride(0), ats.stride(1), GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two,
         BLOCK_N=block_n, LOAD=load, STORE=store,
-        SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps) if spread else None, num_warps=num_warps)
+        SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps), num_warps=num_warps)
