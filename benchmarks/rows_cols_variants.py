@@ -7,8 +7,10 @@ kernels (what GPUs other than SM90 run) against the Gluon kernel that SM90 runs 
 
 First the bits: on awkward shapes (200 tokens, outliers, a nan; gathered: each token in 4 padded rows, some of them
 padding) and on each timed shape, every Gluon variant's FP8 values and scales must equal the Triton kernel's
-("same bits" or the count of differing bytes). Then ms and GB/s (x read once, both FP8 layouts and their scales
-written once; RMSNorm's rstd computed beforehand, not timed) at the ~1B and 8B-layer shapes of dy and of the
+("same bits" or the count of differing bytes). Then ms of device time (calls replayed from a CUDA graph, as under
+`compile_mode: reduce-overhead`) and GB/s (x read once, both FP8 layouts and their scales written once; RMSNorm's
+rstd computed beforehand, not timed), with the ms of back-to-back eager launches in brackets (the host's launch
+cost shows there when it exceeds the kernel's), at the ~1B and 8B-layer shapes of dy and of the
 norms' inputs, and for a top-4 dispatch of 16,384 tokens of width 2048.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.precision.formats import E4M3, E5M2  # noqa: E402
-from fused_quantize import rows_cols_bytes, timed_ms  # noqa: E402  (benchmarks/, beside this file)
+from fused_quantize import graphed_ms, rows_cols_bytes, timed_ms  # noqa: E402  (benchmarks/, beside this file)
 
 SHAPES = [("dy", "~1B", 6144), ("dy", "~1B", 2048), ("dy", "~1B", 11264), ("dy", "8B-layers", 12288),
           ("dy", "8B-layers", 28672), ("rmsnorm", "~1B", 2048), ("rmsnorm", "8B-layers", 4096),
@@ -113,9 +115,11 @@ def main(argv=None) -> None:
                 if tokens == 200:
                     cells.append("same bits" if not bad else f"{bad} bytes differ")
                     continue
-                ms = timed_ms(run, x, rstd, weight, index, got, fmt, pow2, iters=args.iters)
+                launched = timed_ms(run, x, rstd, weight, index, got, fmt, pow2, iters=args.iters)
+                ms = graphed_ms(run, x, rstd, weight, index, got, fmt, pow2, iters=args.iters)
                 moved = 2 * m * k + rows_cols_bytes(m, k)
-                cells.append(f"{ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s" + ("" if not bad else f" ({bad} bytes differ)"))
+                cells.append(f"{ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s ({launched:.3f})"
+                             + ("" if not bad else f" ({bad} bytes differ)"))
             except Exception as exc:  # noqa: BLE001 - a variant that cannot run says why in its cell
                 cells.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}".replace("|", "/"))
         label = f"{name}, {'E5M2 pow2' if pow2 else fmt.name}" if tokens == 200 else name

@@ -14,6 +14,8 @@ one row and one column per thread (`spread`), the FP8 rows written as 8-byte run
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -27,6 +29,7 @@ TOKENS_PER_THREAD = 16
 FEATURES_PER_THREAD = 8
 
 
+@functools.cache  # made once: building the layouts costs ~50-130 us of host time, more than a small launch
 def tile_layouts() -> tuple:
     """(LOAD, STORE_T, ROWS, COLS) for a 128 x 128 tile: each thread 16 tokens x 8 features (LOAD lists them
     features first, STORE_T tokens first: the same elements in the same threads), 4 lanes along the features and
