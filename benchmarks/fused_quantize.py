@@ -42,6 +42,28 @@ def timed_ms(fn, *args, iters: int = 30) -> float:
     return start.elapsed_time(end) / iters
 
 
+def graphed_ms(fn, *args, iters: int = 30) -> float:
+    """Device time per call: `iters` calls captured in one CUDA graph and replayed, so the host's launch cost (which
+    `timed_ms` includes when the host is slower than the kernel) is left out, as under `compile_mode:
+    reduce-overhead`."""
+    for _ in range(3):
+        fn(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (3 * iters)
+
+
 def rows_cols_bytes(m: int, k: int) -> int:
     """FP8 rows and columns of an (m, k) tensor, with their FP32 scales."""
     return 2 * m * k + 2 * 4 * m * k // 128

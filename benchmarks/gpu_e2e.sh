@@ -9,7 +9,7 @@
 # only), grouped_gemm (MoE grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), fp8_linear (one layer, BF16 vs FP8), the 8B-layer
 # shape (compiled_ro_8b, ref_8b, profile_compiled_8b), BF16 and FP8 profiled side by side (profile_pair,
 # profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), the
-# warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), dense wgrad GEMMs (wgrad_gemm), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
+# warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense wgrad GEMMs (wgrad_gemm), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
 # default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper), cg_diag (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_fused_quantize,
 # old_profile_compiled, old_moe, old_moe_compiled: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
 # dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
@@ -61,6 +61,7 @@ for part in $PARTS; do
     fused_quantize) step fused_quantize python benchmarks/fused_quantize.py ;;
     old_fused_quantize) step old_fused_quantize bash -c "cd \"$OLD\" && python benchmarks/fused_quantize.py" ;;
     swiglu_cols) step swiglu_cols_variants python benchmarks/swiglu_cols_variants.py ;;
+    rows_cols) step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
     grouped_gemm) step grouped_gemm python benchmarks/grouped_gemm.py --backend cublas ;;
     wgrad_gemm) step wgrad_gemm python benchmarks/wgrad_gemm.py ;;
     profile_moe_fp8) step profile_moe_fp8 python benchmarks/train_step.py training.compile=true --model moe \

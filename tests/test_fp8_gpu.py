@@ -272,6 +272,47 @@ def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_eac
         assert_same_quantization(got_a, want_a, f"a^T, pow2={pow2}")
 
 
+@pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("spread_rows, spread_cols", [(True, True), (False, True), (False, False)])
+def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, spread_rows, spread_cols):
+    """SM90 quantizes dy both ways, RMSNorm's output and the MoE dispatch's gathered rows through the Gluon kernel
+    (`rows_cols_gluon`), other GPUs through the Triton one: the same bytes (values and scales, x^T's padding rows
+    included), with E4M3 and E5M2, power-of-two scales, outliers, a nan, a partial last token block and (gathering)
+    zero rows, however the divisions are shared out."""
+    gluon = pytest.importorskip("megafp8.precision.kernels.rows_cols_gluon")
+    if torch.cuda.get_device_capability(CUDA) != (9, 0):
+        pytest.skip("the Gluon rows + columns kernel runs on SM90 only")
+    from megafp8.precision import E4M3, E5M2
+    from megafp8.precision.kernels import producers, quantize, tiles
+    torch.manual_seed(0)
+    m, k = 328, 384
+    x = (torch.randn(m, k, device=CUDA) * torch.logspace(-3, 3, k, device=CUDA)).bfloat16()
+    x[17, 3] = float("nan")
+    rstd = torch.rsqrt(x.float().pow(2).mean(1) + 1e-5) if norm else None
+    weight = (torch.rand(k, device=CUDA) + 0.5).bfloat16() if norm else None
+    index = (torch.randperm(600, device=CUDA) % (m + 100) - 100) if gather else None  # rows of x, zero rows
+    if gather:
+        m = index.shape[0]
+    for fmt, pow2 in ((E4M3, False), (E5M2, True)):
+        want, got = (tiles.rows_cols_outputs(m, k, fmt, CUDA) for _ in range(2))
+        for out in (want, got):
+            for t in (out[0], out[2]):
+                t.view(torch.uint8).fill_(0x55)  # a byte left unwritten shows
+        grid = (k // 128, -(-m // 128))
+        if norm:
+            producers._rmsnorm_quantize_kernel[grid](x, rstd, weight, *want, m, k, x.stride(0),
+                                                     *tiles.rows_cols_strides(*want), POW2=pow2,
+                                                     **tiles.format_constants(fmt))
+        else:
+            quantize._quantize_rows_cols_kernel[grid](x, x if index is None else index, *want, m, k, x.stride(0),
+                                                      *tiles.rows_cols_strides(*want), POW2=pow2,
+                                                      GATHER=index is not None, **tiles.format_constants(fmt))
+        gluon.launch(x, rstd, weight, got, fmt, pow2, spread_rows=spread_rows, spread_cols=spread_cols,
+                     index=index)
+        assert_same_quantization(got[:2], want[:2], f"rows, {fmt}, pow2={pow2}, norm={norm}")
+        assert_same_quantization(got[2:], want[2:], f"columns, {fmt}, pow2={pow2}, norm={norm}")
+
+
 def _grouped_problem(rows, n: int = 384, k: int = 256) -> tuple:
     """Operands of the grouped GEMMs over the layout `rows` (outlier-laden, reference-quantized, on the GPU) and the
     pointer kernels' results: (a, a_s, b, b_s, at, at_s, bt, bt_s, fprop (rows, n), wgrad (E, n, k))."""

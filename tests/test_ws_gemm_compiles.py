@@ -127,3 +127,39 @@ def test_the_gluon_swiglu_column_kernel_compiles_for_sm90_lean_and_without_spill
     instructions = _sass_instructions(sass)
     per_element = instructions * 32 * warps / (128 * block_n)  # over the block's 128 tokens x block_n features
     assert 30 < per_element <= 70, f"{instructions} SASS instructions a thread, {per_element:.1f} per element"
+
+
+@pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True)])
+def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(norm, gather):
+    """The row + column quantizer (`rows_cols_gluon`, what SM90 runs for dy, RMSNorm's output and the MoE dispatch
+    on this branch)
+    exists to issue fewer instructions than the Triton kernel's 23 per element, which is what held that kernel to
+    55-66% of copy speed: compiled for SM90 it must stay under 18 (plain, with the norm, gathering rows for the MoE
+    dispatch), not spill, read 16-byte row segments and write 8-byte FP8 row runs and 16-byte transposed runs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from megafp8.precision.kernels import rows_cols_gluon as r
+
+    signature = {"x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*bf16", "idx_ptr": "*i64", "q_ptr": "*fp8e4nv",
+                 "s_ptr": "*fp32", "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32"}
+    signature.update({name: "i32" for name in ("M", "stride_xm", "stride_qm", "stride_sm", "stride_sk", "stride_qt",
+                                               "stride_st_k", "stride_st_m")})
+    load, store_t, rows, cols = r.tile_layouts()
+    constants = dict(FP8_MAX=448.0, POW2=False, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows,
+                     COLS=cols, stride_sm=1, stride_st_k=1)
+    signature.update({name: "constexpr" for name in constants})
+    names = list(signature)
+    aligned = ["x_ptr", "rstd_ptr", "w_ptr", "idx_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "stride_xm",
+               "stride_qm", "stride_sk", "stride_qt", "stride_st_m"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the launch specializes them
+    compiled = triton.compile(GluonASTSource(r._rows_cols_kernel, signature, constexprs=constants, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": r.WARPS})
+    ptx = compiled.asm["ptx"]
+    assert set(re.findall(r"ld\.global\.v\S+", ptx)) == {"ld.global.v4.b32"}
+    assert {"st.global.v2.b32", "st.global.v4.b32"} <= set(re.findall(r"st\.global\.\S+", ptx))
+    report, sass = _ptxas_and_sass(ptx)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) == 0, report
+    per_element = _sass_instructions(sass) * 32 * r.WARPS / (128 * 128)
+    assert 8 < per_element <= 18, f"{per_element:.1f} SASS instructions per element"

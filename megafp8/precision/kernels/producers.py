@@ -139,9 +139,13 @@ def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8
     if m:
         _rms_inverse_kernel[(triton.cdiv(m, RMS_BLOCK_M),)](h, rstd, m, eps, h.stride(0), K=k, BLOCK_M=RMS_BLOCK_M,
                                                             num_warps=RMS_WARPS)
-        _rmsnorm_quantize_kernel[(k // TILE, triton.cdiv(m, TILE))](
-            h, rstd, weight, *out, m, k, h.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two,
-            **tiles.format_constants(fmt))
+        gluon = tiles.hopper_gluon(h.device, "rows_cols_gluon")  # the same bytes in fewer instructions
+        if gluon:
+            gluon.launch(h, rstd, weight, out, fmt, power_of_two)
+        else:
+            _rmsnorm_quantize_kernel[(k // TILE, triton.cdiv(m, TILE))](
+                h, rstd, weight, *out, m, k, h.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two,
+                **tiles.format_constants(fmt))
     return (*out, rstd)
 
 

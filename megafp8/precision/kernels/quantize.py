@@ -128,7 +128,12 @@ def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> t
     m, k = x.shape
     out = tiles.rows_cols_outputs(m, k, fmt, x.device)
     check_offsets("quantize_rows_cols", x, *out)
-    if m:
+    if not m:
+        return out
+    gluon = tiles.hopper_gluon(x.device, "rows_cols_gluon")  # the same bytes in fewer instructions
+    if gluon:
+        gluon.launch(x, None, None, out, fmt, power_of_two)
+    else:
         _quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
             x, x, *out, m, k, x.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two, GATHER=False,
             **tiles.format_constants(fmt))
@@ -143,7 +148,12 @@ def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: Fp
     m, k = index.shape[0], source.shape[1]
     out = tiles.rows_cols_outputs(m, k, fmt, source.device)
     check_offsets("gather_quantize_rows_cols", *out)  # source rows are indexed in int64
-    if m:
+    if not m:
+        return out
+    gluon = tiles.hopper_gluon(source.device, "rows_cols_gluon")  # the same bytes in fewer instructions
+    if gluon:
+        gluon.launch(source, None, None, out, fmt, power_of_two, index=index.contiguous())
+    else:
         _quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
             source, index.contiguous(), *out, m, k, source.stride(0), *tiles.rows_cols_strides(*out),
             POW2=power_of_two, GATHER=True, **tiles.format_constants(fmt))

@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""The row + column quantizer, its gathering form (the MoE dispatch) and RMSNorm's producer tiles: the Triton
+kernels (what GPUs other than SM90 run) against the Gluon kernel that SM90 runs on this branch
+(`megafp8.precision.kernels.rows_cols_gluon`), with three ways of sharing out its divisions.
+
+    PYTHONPATH=. python benchmarks/rows_cols_variants.py [--tokens 16384] [--iters 30]
+
+First the bits: on awkward shapes (200 tokens, outliers, a nan; gathered: each token in 4 padded rows, some of them
+padding) and on each timed shape, every Gluon variant's FP8 values and scales must equal the Triton kernel's
+("same bits" or the count of differing bytes). Then ms of device time (calls replayed from a CUDA graph, as under
+`compile_mode: reduce-overhead`) and GB/s (x read once, both FP8 layouts and their scales written once; RMSNorm's
+rstd computed beforehand, not timed), with the ms of back-to-back eager launches in brackets (the host's launch
+cost shows there when it exceeds the kernel's), at the ~1B and 8B-layer shapes of dy and of the
+norms' inputs, and for a top-4 dispatch of 16,384 tokens of width 2048.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megafp8.precision.formats import E4M3, E5M2  # noqa: E402
+from fused_quantize import graphed_ms, rows_cols_bytes, timed_ms  # noqa: E402  (benchmarks/, beside this file)
+
+SHAPES = [("dy", "~1B", 6144), ("dy", "~1B", 2048), ("dy", "~1B", 11264), ("dy", "8B-layers", 12288),
+          ("dy", "8B-layers", 28672), ("rmsnorm", "~1B", 2048), ("rmsnorm", "8B-layers", 4096),
+          ("gather", "MoE dispatch, top-4 of the tokens", 2048)]
+TOP_K = 4  # the gathering case: every token in TOP_K padded rows, 1/32 of the rows padding (index -1)
+
+
+def triton_rows_cols(x, rstd, weight, index, out, fmt, pow2) -> None:
+    from megafp8.precision.kernels import producers, quantize, tiles
+    m, k = (x.shape[0] if index is None else index.shape[0]), x.shape[1]
+    grid = (k // 128, -(-m // 128))
+    if rstd is None:
+        quantize._quantize_rows_cols_kernel[grid](x, x if index is None else index, *out, m, k, x.stride(0),
+                                                  *tiles.rows_cols_strides(*out), POW2=pow2,
+                                                  GATHER=index is not None, **tiles.format_constants(fmt))
+    else:
+        producers._rmsnorm_quantize_kernel[grid](x, rstd, weight, *out, m, k, x.stride(0),
+                                                 *tiles.rows_cols_strides(*out), POW2=pow2,
+                                                 **tiles.format_constants(fmt))
+
+
+def variants() -> dict:
+    from megafp8.precision.kernels import rows_cols_gluon
+    out = {"triton (before)": triton_rows_cols}
+    for rows, cols in ((True, True), (False, True), (False, False)):
+        label = "gluon, divisions shared out: " + {(True, True): "rows and columns", (False, True): "columns",
+                                                   (False, False): "none"}[rows, cols]
+        out[label] = (lambda x, rstd, w, index, o, fmt, pow2, r=rows, c=cols: rows_cols_gluon.launch(
+            x, rstd, w, o, fmt, pow2, spread_rows=r, spread_cols=c, index=index))
+    return out
+
+
+def gather_index(tokens: int, g: torch.Generator) -> torch.Tensor:
+    """Padded rows for the gathering case: each token TOP_K times in a random order, with padding rows (-1)."""
+    rows = torch.arange(tokens * TOP_K) % tokens
+    rows = rows[torch.randperm(rows.numel(), generator=g)]
+    rows[torch.randperm(rows.numel(), generator=g)[: rows.numel() // 32]] = -1
+    return rows
+
+
+def outputs(m: int, k: int, fmt, device) -> tuple:
+    from megafp8.precision.kernels import tiles
+    out = tiles.rows_cols_outputs(m, k, fmt, device)
+    for t in (out[0], out[2]):
+        t.view(torch.uint8).fill_(0x55)  # poison: a byte left unwritten shows as a difference
+    return out
+
+
+def differing_bytes(got, want) -> int:
+    return sum(int((a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).sum())
+               for a, b in zip(got, want))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (SM90 for the Gluon kernel)")
+    device = torch.device("cuda")
+    runs = variants()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cases = [(kind, "200 tokens, outliers, nan", 200, 384, fmt, pow2) for kind in ("dy", "rmsnorm", "gather")
+             for fmt, pow2 in ((E4M3, False), (E5M2, True))]
+    cases += [(kind, name, args.tokens, k, E4M3, False) for kind, name, k in SHAPES]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print("| input | shape | " + " | ".join(runs) + " |\n|---|---|" + "---|" * len(runs))
+    for kind, name, tokens, k, fmt, pow2 in cases:
+        x = (torch.randn(tokens, k, generator=g) * torch.logspace(-2, 2, k)).bfloat16().to(device)
+        if tokens == 200:
+            x[17, 3] = float("nan")
+        rstd = weight = index = None
+        if kind == "rmsnorm":
+            rstd = torch.rsqrt(x.float().pow(2).mean(1) + 1e-5)
+            weight = (torch.rand(k, generator=g) + 0.5).bfloat16().to(device)
+        if kind == "gather":
+            index = gather_index(tokens, g).to(device)
+        m = tokens if index is None else index.shape[0]
+        want = outputs(m, k, fmt, device)
+        triton_rows_cols(x, rstd, weight, index, want, fmt, pow2)
+        cells = []
+        for label, run in runs.items():
+            try:
+                got = outputs(m, k, fmt, device)
+                run(x, rstd, weight, index, got, fmt, pow2)
+                bad = differing_bytes(got, want)
+                if tokens == 200:
+                    cells.append("same bits" if not bad else f"{bad} bytes differ")
+                    continue
+                launched = timed_ms(run, x, rstd, weight, index, got, fmt, pow2, iters=args.iters)
+                ms = graphed_ms(run, x, rstd, weight, index, got, fmt, pow2, iters=args.iters)
+                moved = 2 * m * k + rows_cols_bytes(m, k)
+                cells.append(f"{ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s ({launched:.3f})"
+                             + ("" if not bad else f" ({bad} bytes differ)"))
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot run says why in its cell
+                cells.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}".replace("|", "/"))
+        label = f"{name}, {'E5M2 pow2' if pow2 else fmt.name}" if tokens == 200 else name
+        print(f"| {kind} | {label}, {m}x{k} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The row + column quantizer (`quantize.quantize_rows_cols`: x (M, K) in 1x128 tiles along K for fprop/dgrad and
+along M for wgrad, from one read of x), its gathering form (the MoE dispatch) and RMSNorm's producer tiles in
+Gluon, for SM90. EXPERIMENTAL, on a branch:
+compiled for SM90 on a CPU, not yet run; `benchmarks/rows_cols_variants.py` checks its bytes against the Triton
+kernels (`quantize._quantize_rows_cols_kernel`, `producers._rmsnorm_quantize_kernel`) and times both.
+
+Why: the Triton kernel moves its bytes at 55-66% of copy speed and issues 23 SASS instructions per element, about
+what a 128x128 tile's memory time allows at the issue rate these kernels reach (`docs/performance.md`). This one
+aims at ~10: one program per 128x128 tile with 4 warps, each thread holding 16 tokens x 8 features (the tile's
+columns' maxima within a warp: 3 shuffle rounds, no barrier; the rows' across the 4 warps: one exchange through
+shared memory), x kept as loaded (BF16) and converted where it is used, the correctly rounded divisions shared out
+one row and one column per thread (`spread`), the FP8 rows written as 8-byte runs and the transposed columns as
+16-byte runs straight from registers.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language import DistributedLinearLayout
+
+from megafp8.precision.formats import Fp8Format
+from megafp8.precision.kernels import gluon_tiles
+
+WARPS = 4
+TOKENS_PER_THREAD = 16
+FEATURES_PER_THREAD = 8
+
+
+@functools.cache  # made once: building the layouts costs ~50-130 us of host time, more than a small launch
+def tile_layouts() -> tuple:
+    """(LOAD, STORE_T, ROWS, COLS) for a 128 x 128 tile: each thread 16 tokens x 8 features (LOAD lists them
+    features first, STORE_T tokens first: the same elements in the same threads), 4 lanes along the features and
+    8 along the tokens, the 4 warps side by side along the features; ROWS and COLS give each of the 128 threads one
+    row's and one column's value."""
+    bases = gluon_tiles.bases
+    features, tokens = bases(FEATURES_PER_THREAD, 1, 2, 1), bases(TOKENS_PER_THREAD, 1, 2, 0)
+    lanes = bases(4, FEATURES_PER_THREAD, 2, 1) + bases(8, TOKENS_PER_THREAD, 2, 0)
+    warps = bases(WARPS, 4 * FEATURES_PER_THREAD, 2, 1)
+
+    def tile(registers: list) -> DistributedLinearLayout:
+        return DistributedLinearLayout(reg_bases=registers, lane_bases=lanes, warp_bases=warps, block_bases=[],
+                                       shape=[128, 128])
+    one_each = DistributedLinearLayout(reg_bases=[], lane_bases=bases(32, 1, 1), warp_bases=bases(WARPS, 32, 1),
+                                       block_bases=[], shape=[128])
+    return tile(features + tokens), tile(tokens + features), one_each, one_each
+
+
+@gluon.jit
+def _scales(amax_sliced, SPREAD: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.constexpr):
+    """(scale, multiplier in amax's own layout). With a SPREAD layout each thread divides for one row or column
+    (two exchanges through shared memory); with None every thread divides for all the rows or columns it holds."""
+    if SPREAD is None:
+        scale, inv = gluon_tiles.tile_scale(amax_sliced, FP8_MAX, POW2)
+    else:
+        scale, inv = gluon_tiles.tile_scale(gl.convert_layout(amax_sliced, SPREAD), FP8_MAX, POW2)
+        inv = gl.convert_layout(inv, amax_sliced.type.layout)
+    return scale, inv
+
+
+@gluon.jit
+def _rows_cols_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm,
+                      stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
+                      POW2: gl.constexpr, NORM: gl.constexpr, GATHER: gl.constexpr, LOAD: gl.constexpr,
+                      STORE_T: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """Tile (kb, mb) of x (M, K): quantized along its rows (q, s) and along its columns (qt = x^T, st; rows past M
+    as zeros). With NORM, of RMSNorm(x): (x * rstd[row]) * w[col] in FP32, as the Triton kernel computes it. With
+    GATHER, row i is x[idx[i]] (a zero row where idx[i] < 0): the MoE dispatch's gather into the expert layout."""
+    kb = gl.program_id(0)
+    mb = gl.program_id(1)
+    rows = mb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LOAD))
+    cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LOAD))
+    in_rows = rows < M
+    if GATHER:
+        src = gl.load(idx_ptr + rows, mask=in_rows, other=-1)
+        x = gl.load(x_ptr + gl.expand_dims(src.to(gl.int64), 1) * stride_xm + gl.expand_dims(cols, 0),
+                    mask=gl.expand_dims(src >= 0, 1), other=0.0).to(gl.float32)
+    else:
+        x = gl.load(x_ptr + gl.expand_dims(rows, 1) * stride_xm + gl.expand_dims(cols, 0),
+                    mask=gl.expand_dims(in_rows, 1), other=0.0).to(gl.float32)
+    if NORM:
+        rstd = gl.load(rstd_ptr + rows, mask=in_rows, other=0.0)
+        x = (x * gl.expand_dims(rstd, 1)) * gl.expand_dims(gl.load(w_ptr + cols).to(gl.float32), 0)
+    # Rows (`tiles.store_rows`): one scale per token over the tile's 128 features.
+    row_scale, row_inv = _scales(gl.reduce(gl.abs(x), 1, gluon_tiles.nan_max), ROWS, FP8_MAX, POW2)
+    q = (x * gl.expand_dims(row_inv, 1)).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # saturating
+    gl.store(q_ptr + gl.expand_dims(rows, 1) * stride_qm + gl.expand_dims(cols, 0), q,
+             mask=gl.expand_dims(in_rows, 1))
+    scale_rows = mb * 128 + gl.arange(0, 128, layout=row_scale.type.layout)
+    gl.store(s_ptr + scale_rows * stride_sm + kb * stride_sk, row_scale, mask=scale_rows < M)
+    # Columns (`tiles.store_cols`): one scale per feature over the tile's 128 tokens, x^T written from registers.
+    col_scale, col_inv = _scales(gl.reduce(gl.abs(x), 0, gluon_tiles.nan_max), COLS, FP8_MAX, POW2)
+    qt = (x * gl.expand_dims(col_inv, 0)).to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    qt = gl.convert_layout(qt, STORE_T)  # the same threads, tokens first
+    t_rows = mb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, STORE_T))
+    t_cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, STORE_T))
+    gl.store(qt_ptr + gl.expand_dims(t_cols, 0) * stride_qt + gl.expand_dims(t_rows, 1), qt)
+    scale_cols = kb * 128 + gl.arange(0, 128, layout=col_scale.type.layout)
+    gl.store(st_ptr + scale_cols * stride_st_k + mb * stride_st_m, col_scale)
+
+
+def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | None, out: tuple, fmt: Fp8Format,
+           power_of_two: bool, spread_rows: bool = True, spread_cols: bool = True,
+           index: torch.Tensor | None = None) -> None:
+    """Fill `out` (from `tiles.rows_cols_outputs`) from x (M, K), from RMSNorm(x) given its rstd (M,) and weight
+    (K,), or from the rows x[index[i]] (M = len(index); a zero row where index[i] < 0).
+    `spread_rows`/`spread_cols`: share the rows' or columns' divisions out over the threads."""
+    m, k = (x.shape[0] if index is None else index.shape[0]), x.shape[1]
+    q, s, qt, st = out
+    load, store_t, rows, cols = tile_layouts()
+    rows, cols = (rows if spread_rows else None), (cols if spread_cols else None)
+    norm, gather = rstd is not None, index is not None
+    _rows_cols_kernel[(k // 128, -(-m // 128))](
+        x, rstd if norm else x, weight if norm else x, index if gather else x, q, s, qt, st, m, x.stride(0),
+        q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1), FP8_MAX=fmt.max,
+        POW2=power_of_two, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows, COLS=cols,
+        num_warps=WARPS)
