@@ -14,7 +14,7 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("communication (NCCL)", ("nccl",)),
     ("attention (SDPA/flash)", ("flash", "fmha", "attention", "sdpa", "_efficient_attention")),
     ("FP8 producers quantizing their output (RMSNorm, SwiGLU)", ("_rmsnorm_quantize", "_rms_inverse", "_swiglu")),
-    ("FP8 quantization, standalone (Triton)", ("_quantize", "quantize_", "_transpose_kernel")),
+    ("FP8 quantization, standalone (Triton)", ("_quantize", "quantize_", "_transpose_kernel", "_transpose_blocks")),
     ("GEMM", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "_grouped_wgrad", "sm90_", "matmul")),
     ("optimizer (AdamW)", ("adam", "multi_tensor_apply", "foreach")),
     ("norm", ("norm",)),

@@ -183,14 +183,14 @@ def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> st
         sync(device)
         wall_ms = (time.perf_counter() - started) * 1e3 / args.profile
     kernels = kernel_breakdown.cuda_kernels(prof)
-    host = kernel_breakdown.host_ops(prof, args.profile)
-    ops = kernel_breakdown.device_ops(prof, args.profile)
+    host = kernel_breakdown.host_ops(prof, args.profile, args.profile_top)
+    ops = kernel_breakdown.device_ops(prof, args.profile, args.profile_top)
     trainer.metrics.close()
     del trainer, prof
     release_memory(device)
     title = f"{label(model, args)}, {recipe}{' (compiled)' if cfg.training.compile else ''}, {dims.world_size} rank(s)"
     return kernel_breakdown.markdown(title, kernel_breakdown.breakdown(kernels, args.profile), wall_ms,
-                                     kernel_breakdown.top_kernels(kernels, args.profile), host, ops)
+                                     kernel_breakdown.top_kernels(kernels, args.profile, args.profile_top), host, ops)
 
 
 def table(rows: list[dict]) -> str:
@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="samples per step over all ranks (default: one micro-batch per rank)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="instead of timing, profile N steps per recipe after the warm-up")
+    parser.add_argument("--profile-top", type=int, default=15, metavar="N",
+                        help="rows in the profile's top-kernel, host-operator and device-operator tables")
     parser.add_argument("--data", type=Path, default=Path("/tmp/megafp8-bench-data"))
     parser.add_argument("--out", type=Path, default=None,
                         help="run directories (default: a new temporary directory, so runs never share one)")

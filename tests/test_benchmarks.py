@@ -75,6 +75,26 @@ def test_kernel_breakdown_sorts_kernels_into_categories():
     assert "GPU kernel time per step 5.3 ms (88% busy)" in table and "| `_quantize_rows_cols_kernel`" not in table
 
 
+def test_every_quantizing_kernel_we_write_lands_in_an_fp8_category():
+    """Profiles sort kernels by name; a kernel of ours that fell into "other" (as the Gluon row + column kernel did in
+    job AJ) would hide from the quantizers' time that issue 18 bounds. Every Triton and Gluon kernel in the
+    quantizer and producer modules must land in one of the two FP8 categories, RMSNorm's and SwiGLU's in the
+    producers'."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import kernel_breakdown as kb
+
+    kernels = REPO / "megafp8" / "precision" / "kernels"
+    names = []
+    for module in ("quantize", "producers", "rows_cols_gluon", "swiglu_cols_gluon"):
+        names += re.findall(r"^def (_\w+_kernel)\(", (kernels / f"{module}.py").read_text(), re.M)
+    assert "_quantize_rows_cols_gluon_kernel" in names and "_rmsnorm_quantize_gluon_kernel" in names
+    for name in names:
+        category = kb.category_of(name)
+        assert category.startswith("FP8"), (name, category)
+        if "rmsnorm" in name or "swiglu" in name or "rms_inverse" in name:
+            assert category.startswith("FP8 producers"), (name, category)
+
+
 def test_kernel_breakdown_leaves_out_compiled_graph_ranges():
     """torch.compile wraps each compiled graph's kernels in a device-side `## Call CompiledFxGraph ... ##` range;
     counted as a kernel, it counted those kernels twice (a GPU time above the wall time)."""

@@ -131,8 +131,7 @@ def test_the_gluon_swiglu_column_kernel_compiles_for_sm90_lean_and_without_spill
 
 @pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True)])
 def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(norm, gather):
-    """The row + column quantizer (`rows_cols_gluon`, what SM90 runs for dy, RMSNorm's output and the MoE dispatch
-    on this branch)
+    """The row + column quantizer (`rows_cols_gluon`, what SM90 runs for dy, RMSNorm's output and the MoE dispatch)
     exists to issue fewer instructions than the Triton kernel's 23 per element, which is what held that kernel to
     55-66% of copy speed: compiled for SM90 it must stay under 18 (plain, with the norm, gathering rows for the MoE
     dispatch), not spill, read 16-byte row segments and write 8-byte FP8 row runs and 16-byte transposed runs."""
@@ -153,7 +152,7 @@ def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(no
     aligned = ["x_ptr", "rstd_ptr", "w_ptr", "idx_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "stride_xm",
                "stride_qm", "stride_sk", "stride_qt", "stride_st_m"]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the launch specializes them
-    compiled = triton.compile(GluonASTSource(r._rows_cols_kernel, signature, constexprs=constants, attrs=attrs),
+    compiled = triton.compile(GluonASTSource(r.kernel_for(norm), signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": r.WARPS})
     ptx = compiled.asm["ptx"]
     assert set(re.findall(r"ld\.global\.v\S+", ptx)) == {"ld.global.v4.b32"}
