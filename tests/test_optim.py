@@ -179,6 +179,39 @@ def test_post_step_hooks_see_every_step_and_a_host_skip_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip([*net.parameters(), *(s.master for s in opt.shards)], before))
 
 
+def clip_case(device: str):
+    """A net spread over several buckets, gradients of very different sizes, clipping active."""
+    net = small_net().to(device)
+    buckets, opt = make_optimizer(net, OptimizerConfig(grad_clip=0.5))
+    g = torch.Generator().manual_seed(3)
+    for b in buckets.buckets:
+        b.grads_flat.copy_((torch.randn(b.numel, generator=g) * torch.logspace(-4, 2, b.numel)).to(device))
+    return buckets, opt
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_clipping_scales_every_gradient_by_one_coefficient_and_reports_the_exact_norm(device):
+    """The norm is within FP32 rounding of an FP64 one (CUDA: `_foreach_norm`; CPU: pairwise sums), and clipping
+    multiplies every gradient by the same FP32 coefficient, bit for bit what `mul_` by it gives."""
+    buckets, opt = clip_case(device)
+    before = [b.grads_flat.clone() for b in buckets.buckets]
+    exact = torch.sqrt(sum(float(t.double().square().sum()) for t in before) * torch.ones((), dtype=torch.float64))
+    norm = opt.clip_grad_norm()
+    assert norm.device.type == device
+    assert float(norm) == pytest.approx(float(exact), rel=1e-6)
+    coef = torch.clamp(0.5 / (norm + 1e-6), max=1.0)
+    for b, old in zip(buckets.buckets, before):
+        assert torch.equal(b.grads_flat, old.mul(coef))
+
+
+def test_replicated_ranges_are_left_out_by_their_complement():
+    from megafp8.optim.distributed import _complement
+    assert _complement([], 10) == [(0, 10)]
+    assert _complement([(2, 4), (6, 10)], 10) == [(0, 2), (4, 6)]
+    assert _complement([(0, 3)], 3) == []
+    assert _complement([(5, 7), (0, 2)], 9) == [(2, 5), (7, 9)]
+
+
 def test_clipping_reports_the_unclipped_norm():
     net = small_net()
     buckets, opt = make_optimizer(net, OptimizerConfig(grad_clip=0.5))

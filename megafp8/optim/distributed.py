@@ -93,16 +93,26 @@ class DistributedAdamW:
 
     # --------------------------------------------------------------------------------- step
     def clip_grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the reduced gradients (before clipping), clipped in place; no host sync."""
+        """Global L2 norm of the reduced gradients (before clipping), clipped in place; no host sync.
+
+        On a GPU both passes over the gradients are foreach kernels: `_foreach_norm` reads each shard once (a
+        `square().sum()` wrote a squared copy and read it back: 6.6 ms of an 8B-layer step), and `_foreach_mul_`
+        scales by the on-device coefficient with vectorized loads (a `mul_` by a 0-d CUDA tensor takes ATen's
+        strided element-wise path: 7.0 ms). The scaling is the same multiply as before, bit for bit."""
         device = self.shards[0].master.device
+        grads = [self.buckets.shard_grads(shard.bucket) for shard in self.shards]
+        # The pieces each shard counts: all of it, except that TP-replicated parameters count once, on TP rank 0
+        # (left out here rather than subtracted, which cancelled digits).
+        pieces = [[g] if self.tp.rank == 0 or not shard.replicated else
+                  [g[lo:hi] for lo, hi in _complement(shard.replicated, g.numel())]
+                  for shard, g in zip(self.shards, grads)]
+        squares = iter(_sums_of_squares([piece for shard_pieces in pieces for piece in shard_pieces]))
         # Partial sums per kind of bucket: each is summed over the ranks holding other pieces of that kind.
         partials: dict[tuple[int, bool], tuple[Bucket, torch.Tensor]] = {}
-        for shard in self.shards:
-            grads = self.buckets.shard_grads(shard.bucket)
-            part = grads.square().sum()
-            if self.tp.rank != 0:  # TP-replicated parameters count once, on TP rank 0
-                for lo, hi in shard.replicated:
-                    part = part - grads[lo:hi].square().sum()
+        for shard, shard_pieces in zip(self.shards, pieces):
+            part = torch.zeros((), device=device)
+            for _ in shard_pieces:
+                part = part + next(squares)
             key = (id(shard.bucket.group), shard.expert)
             previous = partials.get(key, (shard.bucket, torch.zeros((), device=device)))[1]
             partials[key] = (shard.bucket, previous + part)
@@ -122,8 +132,7 @@ class DistributedAdamW:
             coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
             # A non-finite norm skips the step: leave the gradients as they are, for naming the layers at fault.
             coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
-            for shard in self.shards:
-                self.buckets.shard_grads(shard.bucket).mul_(coef)
+            torch._foreach_mul_(grads, coef)
         return norm
 
     def nonfinite_params(self) -> list[str]:
@@ -146,8 +155,7 @@ class DistributedAdamW:
         return torch.stack(flags).any().float()
 
     def scale_grads(self, factor: float) -> None:
-        for shard in self.shards:
-            self.buckets.shard_grads(shard.bucket).mul_(factor)
+        torch._foreach_mul_([self.buckets.shard_grads(shard.bucket) for shard in self.shards], factor)
 
     @torch.no_grad()
     def step(self, lr: float, apply: torch.Tensor | None = None) -> None:
@@ -324,3 +332,26 @@ class DistributedAdamW:
         masters = sum(s.master.numel() * 4 for s in self.shards)
         states = sum(s.exp_avg.numel() * s.exp_avg.element_size() * 2 for s in self.shards)
         return {"weights": weights, "grads": grads, "master_weights": masters, "optimizer_states": states}
+
+
+def _sums_of_squares(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each FP32 piece's sum of squares, a 0-d tensor on its device. CUDA: one `_foreach_norm` launch, which reads
+    each piece once and sums in a tree. CPU: `square().sum()`, whose pairwise summation stays accurate where the
+    CPU norm kernels do not (1e-5 relative error at 10M elements against 3e-8, enough to fail the TP parity tests)."""
+    if not pieces:
+        return []
+    if pieces[0].device.type == "cuda":
+        return [norm.square() for norm in torch._foreach_norm(pieces)]
+    return [piece.square().sum() for piece in pieces]
+
+
+def _complement(ranges: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """The non-empty [lo, hi) pieces of [0, length) that no range of `ranges` (disjoint) covers."""
+    pieces, start = [], 0
+    for lo, hi in sorted(ranges):
+        if lo > start:
+            pieces.append((start, lo))
+        start = max(start, hi)
+    if start < length:
+        pieces.append((start, length))
+    return pieces
