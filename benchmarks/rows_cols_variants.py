@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The row + column quantizer, its gathering form (the MoE dispatch) and RMSNorm's producer tiles: the Triton
-kernels (what GPUs other than SM90 run) against the Gluon kernel that SM90 runs on this branch
+kernels (what GPUs other than SM90 run) against the Gluon kernel that SM90 runs
 (`megafp8.precision.kernels.rows_cols_gluon`), with three ways of sharing out its divisions.
 
     PYTHONPATH=. python benchmarks/rows_cols_variants.py [--tokens 16384] [--iters 30]
