@@ -64,6 +64,13 @@ def graphed_ms(fn, *args, iters: int = 30) -> float:
     return start.elapsed_time(end) / (3 * iters)
 
 
+def differing_bytes(got, want) -> int:
+    """Bytes that differ over a kernel's outputs (FP8 values and FP32 scales in any layout, compared as bytes): the
+    variant benchmarks' check that a faster kernel writes its twin's bits."""
+    return sum(int((a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).sum())
+               for a, b in zip(got, want))
+
+
 def rows_cols_bytes(m: int, k: int) -> int:
     """FP8 rows and columns of an (m, k) tensor, with their FP32 scales."""
     return 2 * m * k + 2 * 4 * m * k // 128

@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.precision.formats import E4M3, E5M2  # noqa: E402
-from fused_quantize import graphed_ms, rows_cols_bytes, timed_ms  # noqa: E402  (benchmarks/, beside this file)
+# benchmarks/, beside this file
+from fused_quantize import differing_bytes, graphed_ms, rows_cols_bytes, timed_ms  # noqa: E402
 
 SHAPES = [("dy", "~1B", 6144), ("dy", "~1B", 2048), ("dy", "~1B", 11264), ("dy", "8B-layers", 12288),
           ("dy", "8B-layers", 28672), ("rmsnorm", "~1B", 2048), ("rmsnorm", "8B-layers", 4096),
@@ -72,10 +73,6 @@ def outputs(m: int, k: int, fmt, device) -> tuple:
         t.view(torch.uint8).fill_(0x55)  # poison: a byte left unwritten shows as a difference
     return out
 
-
-def differing_bytes(got, want) -> int:
-    return sum(int((a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).sum())
-               for a, b in zip(got, want))
 
 
 def main(argv=None) -> None:

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.precision.formats import E4M3, E5M2  # noqa: E402
-from fused_quantize import timed_ms  # noqa: E402  (benchmarks/, beside this file)
+from fused_quantize import differing_bytes, timed_ms  # noqa: E402  (benchmarks/, beside this file)
 
 SHAPES = {"~1B": 5632, "8B-layers": 14336}  # F, SwiGLU's width
 
@@ -44,11 +44,6 @@ def variants() -> dict:
                 *a, num_warps=w, tokens_each=t, features_each=f))
     return out
 
-
-def differing_bytes(got, want) -> int:
-    """Bytes that differ over the outputs (FP8 values and the column-major FP32 scales, compared as bytes)."""
-    return sum(int((a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).sum())
-               for a, b in zip(got, want))
 
 
 def main(argv=None) -> None:
