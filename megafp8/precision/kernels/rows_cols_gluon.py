@@ -3,7 +3,7 @@ along M for wgrad, from one read of x), its gathering form (the MoE dispatch) an
 Gluon, for SM90, where `tiles.hopper_gluon` picks it (other GPUs run the Triton kernels
 `quantize._quantize_rows_cols_kernel` and `producers._rmsnorm_quantize_kernel`, whose bytes it writes:
 `benchmarks/rows_cols_variants.py` and a GPU test compare them). Measured on an H200 (docs/benchmarks.md, jobs AH-AJ):
-16-25% less device time than the Triton kernels at every measured shape.
+15-21% less device time than the Triton kernels at every measured shape.
 
 Why: the Triton kernel moves its bytes at 55-66% of copy speed and issues 23 SASS instructions per element, about
 what a 128x128 tile's memory time allows at the issue rate these kernels reach (`docs/performance.md`). This one
