@@ -55,8 +55,9 @@ def assert_compiled_bits(got: torch.Tensor, want: torch.Tensor, what: str, messa
         assert torch.equal(got, want), message
 
 
-def _mlp(backend: str):
-    return swiglu_mlp_layers(PrecisionRecipe.from_name("fp8", Fp8Recipe(backend=backend)), 512, 768, 0.02, 1, CUDA)
+def _mlp(backend: str, keep_transpose: bool = True):
+    recipe = Fp8Recipe(backend=backend, keep_weight_transpose=keep_transpose)
+    return swiglu_mlp_layers(PrecisionRecipe.from_name("fp8", recipe), 512, 768, 0.02, 1, CUDA)
 
 
 def _mlp_step(fn, x0, params):
@@ -86,6 +87,29 @@ def test_fused_fp8_mlp_on_gpu_matches_the_reference_backend_and_compiles_to_its_
         for what, a, b in zip(("y", "dx", "d norm", "d gate_up", "d down"), eager, results["reference"]):
             err = (a.float() - b.float()).norm() / b.float().norm()
             assert err < 2e-2, f"{name} {what}: rel err {err:.2e} vs reference backend"
+
+
+def test_an_mlp_keeping_no_weight_transpose_on_gpu_gives_the_kept_transposes_bits():
+    """`precision.fp8_keep_weight_transpose: false` on each GPU backend: w^T made in backward by the block-transpose
+    kernel, in the backend's scale layout, eagerly and inside an Inductor graph, gives the bits of the run that keeps
+    w^T."""
+    from megafp8.parallel import swiglu_mlp
+
+    x0 = torch.randn(3, 100, 512, device=CUDA, dtype=torch.bfloat16)
+    for name in [b.name for b in fast_backends()]:
+        for compiled in (False, True):  # Inductor's norm backward has bits of its own: compare like with like
+            runs = []
+            for keep in (True, False):
+                gate_up, down, norm = _mlp(name, keep)
+
+                def f(x):
+                    return swiglu_mlp(x, gate_up, down, norm)
+                torch._dynamo.reset()
+                runs.append(_mlp_step(torch.compile(f) if compiled else f, x0,
+                                      [norm.weight, gate_up.weight, down.weight]))
+                assert (gate_up.fp8_cache.entry.wt_fp8 is None) == (not keep)
+            for what, a, b in zip(("y", "dx", "d norm", "d gate_up", "d down"), *runs):
+                assert torch.equal(a, b), f"{name}, {'compiled' if compiled else 'eager'}: {what}"
 
 
 def test_compiled_fp8_linear_on_gpu_equals_eager():

@@ -243,7 +243,7 @@ def test_optimizer_step_invalidates_the_quantized_weight():
     assert torch.equal(y, fp8_layer(256, 384, layer.weight.detach())(x.bfloat16()))
 
 
-def _norm_then_fp8(recipe, queue=None, fused_norm=False):
+def _norm_then_fp8(recipe, queue=None, fused_norm=False, keep_transpose=True):
     from megafp8.model.norm import RMSNorm
     from megafp8.precision import Fp8WeightCache, fp8_linear
     from megafp8.precision.backends import Fp8Backend
@@ -251,7 +251,7 @@ def _norm_then_fp8(recipe, queue=None, fused_norm=False):
     norm = RMSNorm(256, 1e-5, torch.bfloat16)
     with torch.no_grad():
         norm.weight.copy_(torch.linspace(0.5, 1.5, 256))
-    cache = Fp8WeightCache()
+    cache = Fp8WeightCache(keep_transpose)
 
     def f(x, w):
         if fused_norm:  # the norm's kernel quantizes its FP32 output for the GEMM
@@ -292,6 +292,24 @@ def test_fp8_linear_compiles_into_the_graph_with_the_eager_bits(fused_norm):
     torch._dynamo.reset()
     deferred = _norm_then_fp8(recipe, WeightGradQueue())
     assert torch._dynamo.explain(deferred)(x0.clone().requires_grad_(True), w).graph_break_count > 0
+
+
+@pytest.mark.parametrize("fused_norm", [False, True], ids=["norm-then-linear", "fused-norm"])
+def test_a_linear_keeping_no_weight_transpose_gives_the_same_bits_eagerly_and_compiled(fused_norm):
+    """A cache without w^T (`precision.fp8_keep_weight_transpose: false`): dgrad's w^T is made in backward, by an op
+    inside the compiled graph; loss and both gradients keep the kept-transpose run's bits."""
+    torch.manual_seed(0)
+    recipe = Fp8Recipe(backend="reference")
+    w = torch.nn.Parameter((torch.randn(384, 256) * 0.05).to(torch.bfloat16))
+    x0 = torch.randn(2, 100, 256).to(torch.bfloat16)
+    kept = _loss_and_grads(_norm_then_fp8(recipe, fused_norm=fused_norm), x0, w)
+    f = _norm_then_fp8(recipe, fused_norm=fused_norm, keep_transpose=False)
+    assert torch._dynamo.explain(f)(x0.clone().requires_grad_(True), w).graph_break_count == 0
+    torch._dynamo.reset()
+    for run in (_loss_and_grads(f, x0, w), _loss_and_grads(torch.compile(f, backend="aot_eager"), x0, w)):
+        for a, b in zip(kept, run):
+            assert torch.equal(a, b)
+    torch._dynamo.reset()
 
 
 def test_compiled_fp8_linear_adds_its_weight_gradient_into_main_grad_inside_the_graph():

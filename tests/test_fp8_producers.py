@@ -126,6 +126,32 @@ def test_fused_fp8_mlp_compiles_into_one_graph_with_the_eager_bits():
         assert torch.equal(a, b), name
 
 
+def test_an_mlp_keeping_no_weight_transpose_gives_the_same_bits_eagerly_and_compiled():
+    """`precision.fp8_keep_weight_transpose: false`: the weight caches hold w only, each dgrad GEMM gets w^T made in
+    its backward (128x128 blocks are transpose-invariant), and every output and gradient keeps the default's bits,
+    eagerly and in one compiled graph."""
+    no_transpose = PrecisionRecipe.from_name("fp8", Fp8Recipe(backend="reference", keep_weight_transpose=False))
+    x0 = outlier_tensor(200, 256)
+    runs = {}
+    for name, recipe in (("kept", FP8), ("made in backward", no_transpose)):
+        gate_up, down, norm = _mlp(recipe=recipe)
+        params = [norm.weight, gate_up.weight, down.weight]
+
+        def f(x):
+            return swiglu_mlp(x, gate_up, down, norm) * 1.5
+        runs[name] = _run(f, x0, params)
+        held = [t for layer in (gate_up, down) for t in layer.fp8_cache.entry.tensors() if t is not None]
+        assert len(held) == (8 if recipe is FP8 else 4), name
+        if recipe is no_transpose:
+            assert torch._dynamo.explain(f)(x0.clone().requires_grad_(True)).graph_break_count == 0
+            torch._dynamo.reset()
+            runs["compiled, made in backward"] = _run(torch.compile(f, backend="aot_eager"), x0, params)
+            torch._dynamo.reset()
+    for name, run in runs.items():
+        for what, a, b in zip(("y", "dx", "d norm", "d gate_up", "d down"), runs["kept"], run):
+            assert torch.equal(a, b), (name, what)
+
+
 @pytest.mark.parametrize("which", ["gate_up", "down"])
 def test_a_projection_kept_in_bf16_runs_the_layers_one_by_one(which):
     gate_up, down, norm = _mlp()

@@ -175,28 +175,34 @@ def test_dry_run_names_the_rope_scaling():
     assert "RoPE theta 10000, vocab" in dry_run(load_config("tiny_dense", yarn[:1]), 1, 100.0, 0.4)
 
 
-@pytest.mark.parametrize("config", ["tiny_dense_fp8", "tiny_moe_fp8"])
-def test_planned_fp8_weight_copies_are_what_the_layers_keep(tiny_overrides, config):
-    """After a step, every dense FP8 layer holds its quantized weight and transposed copy (with block scales), every
-    expert projection its quantized weight only: the plan's `fp8_weight_copies` is their size (BF16-kept layers
-    hold none); the experts' transpose, made in backward, is planned as the largest one's."""
+@pytest.mark.parametrize("config, keep", [("tiny_dense_fp8", True), ("tiny_moe_fp8", True),
+                                          ("tiny_dense_fp8", False), ("tiny_moe_fp8", False)])
+def test_planned_fp8_weight_copies_are_what_the_layers_keep(tiny_overrides, config, keep):
+    """After a step, every dense FP8 layer holds its quantized weight and (unless `fp8_keep_weight_transpose` is
+    false) its transposed copy, with block scales; every expert projection its quantized weight only: the plan's
+    `fp8_weight_copies` is their size (BF16-kept layers hold none). Transposes made in backward are planned as the
+    largest one's, of the experts and (when not kept) of the dense layers."""
     from megafp8.parallel import ParallelDims
+    from megafp8.parallel.experts import ExpertLinear
     from megafp8.train.trainer import Trainer
 
     overrides = tiny_overrides + ["model.vocab_size=384", "training.steps=1", "optimizer.warmup_steps=1",
-                                  "precision.fp8_backend=reference"]
+                                  "precision.fp8_backend=reference", f"precision.fp8_keep_weight_transpose={keep}"]
     cfg = load_config(config, overrides)
     trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     trainer.train_step()
-    caches = [m.fp8_cache for m in trainer.model.modules() if getattr(m, "fp8_cache", None) is not None]
+    owners = [m for m in trainer.model.modules() if getattr(m, "fp8_cache", None) is not None]
+    caches = [m.fp8_cache for m in owners]
     live = sum(t.numel() * t.element_size() for c in caches for t in c.entry.tensors() if t is not None)
     assert len(caches) >= 4 and live > 0
     planned = make_plan(cfg, 1).bytes_per_rank
     assert planned["fp8_weight_copies"] == live
-    expert_copies = [sum(t.numel() * t.element_size() for t in c.entry.tensors()[:2]) for c in caches
-                     if not c.keep_transpose]
-    assert (config == "tiny_moe_fp8") == bool(expert_copies)
-    assert planned.get("fp8_expert_transpose_in_backward", 0) == max(expert_copies, default=0)
+    copies = {expert: [sum(t.numel() * t.element_size() for t in c.entry.tensors()[:2]) for c, m in zip(caches, owners)
+                       if not c.keep_transpose and isinstance(m, ExpertLinear) == expert] for expert in (True, False)}
+    assert (config == "tiny_moe_fp8") == bool(copies[True])
+    assert keep != bool(copies[False])
+    assert planned.get("fp8_expert_transpose_in_backward", 0) == max(copies[True], default=0)
+    assert planned.get("fp8_dense_transpose_in_backward", 0) == max(copies[False], default=0)
 
 
 def test_plan_tool_has_its_own_usage(capsys):

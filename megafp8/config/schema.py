@@ -238,6 +238,13 @@ class PrecisionConfig:
     fp8_fprop: bool = setting(True, "Run the forward GEMM (y = x w^T) of FP8 layers in FP8.")
     fp8_dgrad: bool = setting(True, "Run the input-gradient GEMM (dx = dy w) of FP8 layers in FP8.")
     fp8_wgrad: bool = setting(True, "Run the weight-gradient GEMM (dw = dy^T x) of FP8 layers in FP8.")
+    fp8_keep_weight_transpose: bool = setting(
+        True,
+        "Keep each dense FP8 weight's transposed copy (what the input-gradient GEMM reads) for as long as the weight "
+        "is unchanged: one byte per FP8 parameter. `false` makes it in each backward from the kept FP8 weight "
+        "instead (the same bits): that byte is not held, and each backward transposes the weight once (expert "
+        "weights always work this way).",
+    )
     fp8_layers: list[str] = setting(
         ["*"],
         "Globs of GEMM layer names (e.g. `layers.*.mlp.*`) that run FP8 under `recipe: fp8`. Naming a "

@@ -78,6 +78,19 @@ def traced_main_grad(cache: Fp8WeightCache, traced: bool) -> Optional[torch.Tens
     return cache.main_grad_alias if traced else None
 
 
+def for_dgrad(w_fp8: torch.Tensor, w_scale: torch.Tensor, wt_fp8: Optional[torch.Tensor],
+              wt_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a layer saves for its dgrad GEMM: the kept w^T, or w itself where the cache keeps no transpose
+    (`dgrad_weight` transposes it in backward)."""
+    return (wt_fp8, wt_scale) if wt_fp8 is not None else (w_fp8, w_scale)
+
+
+def dgrad_weight(k, saved_fp8: torch.Tensor, saved_scale: torch.Tensor, kept: bool) -> tuple[torch.Tensor, ...]:
+    """w^T and its block scales for the dgrad GEMM, from what `for_dgrad` saved: as saved if the transpose was
+    kept, else made now (for this GEMM only; 128x128 blocks are transpose-invariant, so the same bits)."""
+    return (saved_fp8, saved_scale) if kept else k.transpose_weight(saved_fp8, saved_scale)
+
+
 def quantize_layer_input(k, x2d: torch.Tensor, norm_weight: Optional[torch.Tensor], eps: float, recipe: Fp8Recipe,
                          comm: LinearComm, for_wgrad: bool = True) -> tuple[Optional[torch.Tensor], ...]:
     """The GEMM's input quantized both ways, `(x_fp8, x_scale, xt_fp8, xt_scale, rstd)`: x itself, or with
@@ -124,9 +137,10 @@ class _Fp8LinearFn(torch.autograd.Function):
                 y = F.linear(x_full, weight)
             x_cols = k.quantize_rows_cols(x_full, fmt, pow2)[2:] if recipe.wgrad else [x_full]
         fused_norm = norm_weight is not None
-        ctx.save_for_backward(*x_cols, weight, wt_fp8, wt_scale, x2d if fused_norm else None, norm_weight, rstd,
-                              main_grad)
+        ctx.save_for_backward(*x_cols, weight, *for_dgrad(w_fp8, w_scale, wt_fp8, wt_scale),
+                              x2d if fused_norm else None, norm_weight, rstd, main_grad)
         ctx.recipe, ctx.backend, ctx.traced, ctx.comm, ctx.queue = recipe, backend, traced, comm, queue
+        ctx.kept_transpose = wt_fp8 is not None
         ctx.in_shape = x.shape
         y = comm.reduce_output(y)
         if y.shape[0] != x2d.shape[0]:  # the collectives changed the token count (sequence parallelism)
@@ -149,8 +163,8 @@ class _Fp8LinearFn(torch.autograd.Function):
             dy_fp8, dy_scale = k.quantize_rows(dy2d, fmt, pow2)
         finish_dx = None
         if need_dx:
-            dx2d = (k.gemm_1x128_128x128(dy_fp8, dy_scale, wt_fp8, wt_scale, dy.dtype) if recipe.dgrad
-                    else dy2d @ weight)
+            dx2d = (k.gemm_1x128_128x128(dy_fp8, dy_scale, *dgrad_weight(k, wt_fp8, wt_scale, ctx.kept_transpose),
+                                         dy.dtype) if recipe.dgrad else dy2d @ weight)
             finish_dx = comm.start_reduce_grad_input(dx2d)
         dw = None
         if need_dw:

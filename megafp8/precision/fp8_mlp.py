@@ -24,7 +24,8 @@ import torch
 
 from megafp8.precision.backends import Fp8Backend
 from megafp8.precision.fp8_linear import (
-    InputNorm, current_weight, fp8_weight_gradient, layer_input_grad, quantize_layer_input, traced_main_grad,
+    InputNorm, current_weight, dgrad_weight, for_dgrad, fp8_weight_gradient, layer_input_grad, quantize_layer_input,
+    traced_main_grad,
 )
 from megafp8.precision.fp8_ops import backend_arg, kernels
 from megafp8.precision.linear_comm import LinearComm, is_plain
@@ -58,9 +59,11 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         a_fp8, a_scale = k.swiglu_quantize(gu, fmt, pow2)  # its transpose for wgrad: made again in backward
         y = comm_out.reduce_output(k.gemm_1x128_128x128(a_fp8, a_scale, down_fp8, down_scale, x.dtype))
         fused_norm = norm_weight is not None
-        ctx.save_for_backward(xt_fp8, xt_scale, gu, w_gate_up, gut_fp8, gut_scale, w_down, downt_fp8, downt_scale,
+        ctx.save_for_backward(xt_fp8, xt_scale, gu, w_gate_up, *for_dgrad(gu_fp8, gu_scale, gut_fp8, gut_scale),
+                              w_down, *for_dgrad(down_fp8, down_scale, downt_fp8, downt_scale),
                               x2d if fused_norm else None, norm_weight, rstd, main_grad_gate_up, main_grad_down)
         ctx.recipe, ctx.backend, ctx.traced, ctx.comms, ctx.queues = recipe, backend, traced, comms, queues
+        ctx.kept_transposes = (gut_fp8 is not None, downt_fp8 is not None)
         ctx.in_shape = x.shape
         if y.shape[0] != x2d.shape[0]:  # sequence parallelism: this rank's share of the tokens
             return y
@@ -75,14 +78,16 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         pow2 = recipe.power_of_two_scales
         dy2d = comm_out.gather_grad_output(dy.reshape(-1, dy.shape[-1]).contiguous())
         dy_fp8, dy_scale, dyt_fp8, dyt_scale = k.quantize_rows_cols(dy2d, recipe.grad_fmt, pow2)
-        da = k.gemm_1x128_128x128(dy_fp8, dy_scale, downt_fp8, downt_scale, dy.dtype)  # (M, F)
+        kept_gate_up, kept_down = ctx.kept_transposes
+        da = k.gemm_1x128_128x128(dy_fp8, dy_scale, *dgrad_weight(k, downt_fp8, downt_scale, kept_down),
+                                  dy.dtype)  # (M, F)
         # d(gu) both ways, and SwiGLU's output again (its transpose, for the down projection's wgrad).
         dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = k.swiglu_backward_quantize(
             gu, da, recipe.fmt, recipe.grad_fmt, pow2)
         dw_down = fp8_weight_gradient(k, w_down, main_grad_down, dyt_fp8, dyt_scale, at_fp8, at_scale, dy.dtype,
                                       queue_down, ctx.traced)
         finish_dx = comm_in.start_reduce_grad_input(
-            k.gemm_1x128_128x128(dgu_fp8, dgu_scale, gut_fp8, gut_scale, dy.dtype))
+            k.gemm_1x128_128x128(dgu_fp8, dgu_scale, *dgrad_weight(k, gut_fp8, gut_scale, kept_gate_up), dy.dtype))
         dw_gate_up = fp8_weight_gradient(k, w_gate_up, main_grad_gate_up, dgut_fp8, dgut_scale, xt_fp8, xt_scale,
                                          dy.dtype, queue_gate_up, ctx.traced)
         dx, dnorm = layer_input_grad(finish_dx(), x2d, norm_weight, rstd, ctx.in_shape)

@@ -103,6 +103,19 @@ def _(weight, fmt, pow2, backend):
     return _backend(backend).empty_weight(weight.shape, FORMATS[fmt], weight.device).tensors()
 
 
+@torch.library.custom_op("megafp8::transpose_weight", mutates_args=())
+def transpose_weight(w_fp8: torch.Tensor, w_scale: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backend(backend).transpose_weight(w_fp8, w_scale)
+
+
+@transpose_weight.register_fake
+def _(w_fp8, w_scale, backend):
+    *lead, n, k = w_fp8.shape
+    fmt = next(f for f in FORMATS.values() if f.dtype == w_fp8.dtype)
+    out = _backend(backend).empty_weight(torch.Size((*lead, k, n)), fmt, w_fp8.device, transpose=False)
+    return out.w_fp8, out.w_scale
+
+
 def _gemm_op(variant: str):
     """The backend's GEMM `variant` (`gemm_1x128_128x128` or `gemm_1x128_1x128`) as the op megafp8::`variant`."""
 
@@ -155,6 +168,9 @@ class TracedKernels:
     def swiglu_backward_quantize(self, gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
                                  pow2: bool):
         return swiglu_backward_quantize(gu, da, fmt.name, grad_fmt.name, pow2, self.backend)
+
+    def transpose_weight(self, w_fp8: torch.Tensor, w_scale: torch.Tensor):
+        return transpose_weight(w_fp8, w_scale, self.backend)
 
     def gemm_1x128_128x128(self, a, a_scale, b, b_scale, out_dtype: torch.dtype):
         return gemm_1x128_128x128(a, a_scale, b, b_scale, out_dtype, self.backend)

@@ -40,7 +40,8 @@ class GemmLayer(nn.Module):
                     raise ValueError(f"an FP8 {type(self).__name__} needs {what} to be a multiple of {TILE}, "
                                      f"got {size}")
         self.recipe = recipe
-        self.fp8_cache = Fp8WeightCache(self.keeps_fp8_transpose) if recipe.fp8 is not None else None
+        self.fp8_cache = (Fp8WeightCache(self.keeps_fp8_transpose and recipe.fp8.keep_weight_transpose)
+                          if recipe.fp8 is not None else None)
         self._fp8_backend = fp8_backend
 
     @property

@@ -31,6 +31,9 @@ class Fp8Recipe:
     dgrad: bool = True
     wgrad: bool = True
     backend: str = "auto"
+    # Keep each FP8 weight's transpose (what dgrad reads) for the weight's version; else make it in each backward
+    # from the kept FP8 weight (the same bits; one byte a parameter less held, one transpose per backward).
+    keep_weight_transpose: bool = True
 
     def __post_init__(self) -> None:
         for what, name in (("format", self.format), ("grad_format", self.grad_format)):
@@ -73,7 +76,8 @@ class PrecisionRecipe:
         """The recipe of `cfg` (`name` overrides `cfg.recipe`, e.g. once `auto` is resolved)."""
         name = name or cfg.recipe
         fp8 = Fp8Recipe(grad_format=cfg.fp8_grad_format, power_of_two_scales=cfg.fp8_power_of_two_scales,
-                        fprop=cfg.fp8_fprop, dgrad=cfg.fp8_dgrad, wgrad=cfg.fp8_wgrad, backend=cfg.fp8_backend)
+                        fprop=cfg.fp8_fprop, dgrad=cfg.fp8_dgrad, wgrad=cfg.fp8_wgrad, backend=cfg.fp8_backend,
+                        keep_weight_transpose=cfg.fp8_keep_weight_transpose)
         return cls.from_name(name, fp8 if name == "fp8" else None)
 
     def high_precision(self) -> "PrecisionRecipe":

@@ -190,11 +190,12 @@ _FP8_COPY_BYTES = 1 + 4 / (128 * 128)
 
 
 def _static_bytes(cfg: Config, n: int, n_expert: int, n_fp8: int, n_fp8_experts: int, largest_expert_fp8: int,
-                  dp: int, weight_bytes: int) -> dict[str, float]:
+                  largest_dense_fp8: int, dp: int, weight_bytes: int) -> dict[str, float]:
     """One rank's bytes of weights (`weight_bytes`: its parameters in their dtypes), FP32 gradients, masters and
     moments (sharded over data-parallel ranks, the routed experts over their expert-data-parallel replicas) and FP8
-    weight copies; `n` parameters, `n_expert` of them routed experts, `n_fp8` in dense FP8 GEMM layers and
-    `n_fp8_experts` in FP8 expert projections, the largest of which has `largest_expert_fp8`. A sharded optimizer
+    weight copies; `n` parameters, `n_expert` of them routed experts, `n_fp8` in dense FP8 GEMM layers (the largest
+    has `largest_dense_fp8`) and `n_fp8_experts` in FP8 expert projections (the largest: `largest_expert_fp8`). A
+    sharded optimizer
     reduce-scatters into a shard buffer of its own, except over a group of one (the gradients are their own shard:
     `megafp8.parallel.grad_buckets`)."""
     ep = cfg.parallel.ep
@@ -202,27 +203,32 @@ def _static_bytes(cfg: Config, n: int, n_expert: int, n_fp8: int, n_fp8_experts:
     sharded_numel = dense_shard + expert_shard if cfg.optimizer.sharded else n
     shard_buffers = (dense_shard if dp > 1 else 0) + (expert_shard if dp // ep > 1 else 0)
     moment_bytes = 4 if cfg.optimizer.moment_dtype == "fp32" else 2
+    keep_transpose = cfg.precision.fp8_keep_weight_transpose
     static = {
         "weights": weight_bytes,
         "grads": n * 4 + (shard_buffers * 4 if cfg.optimizer.sharded else 0),
         "master_weights": sharded_numel * 4,
         "optimizer_states": sharded_numel * 2 * moment_bytes,
-        # Each dense FP8 layer keeps its weight quantized for the step with the transposed copy dgrad reads; the
-        # expert projections keep only the weight, and make the transpose in their backward (one at a time).
-        "fp8_weight_copies": (2 * n_fp8 + n_fp8_experts) * _FP8_COPY_BYTES,
+        # Each dense FP8 layer keeps its weight quantized for the step, with the transposed copy dgrad reads unless
+        # `precision.fp8_keep_weight_transpose` is false; the expert projections keep only the weight. Transposes
+        # not kept are made in backward, one at a time (one of each kind counted).
+        "fp8_weight_copies": ((2 if keep_transpose else 1) * n_fp8 + n_fp8_experts) * _FP8_COPY_BYTES,
     }
     if largest_expert_fp8:
         static["fp8_expert_transpose_in_backward"] = largest_expert_fp8 * _FP8_COPY_BYTES
+    if largest_dense_fp8 and not keep_transpose:
+        static["fp8_dense_transpose_in_backward"] = largest_dense_fp8 * _FP8_COPY_BYTES
     return static
 
 
-def _fp8_weight_numel(model: Transformer, fp8: Fp8Converter) -> tuple[int, int, int]:
+def _fp8_weight_numel(model: Transformer, fp8: Fp8Converter) -> tuple[int, int, int, int]:
     """Weights of `model` (a meta copy) in layers that run FP8 under the config's layer plan: (in dense layers, in
-    expert projections, in the largest expert projection)."""
+    expert projections, in the largest expert projection, in the largest dense layer)."""
     layers = dict(model.named_modules())
     sizes = [(layers[name].weight.numel(), is_expert(layers[name].weight)) for name in fp8.plan(model).fp8_layers]
     experts = [numel for numel, expert in sizes if expert]
-    return sum(numel for numel, expert in sizes if not expert), sum(experts), max(experts, default=0)
+    dense = [numel for numel, expert in sizes if not expert]
+    return sum(dense), sum(experts), max(experts, default=0), max(dense, default=0)
 
 
 def _describe_stages(stages: list[StageSpec]) -> str:

@@ -138,6 +138,11 @@ class Fp8Backend:
         self._transpose_into(w, out)
         return out.w_fp8, out.w_scale
 
+    def transpose_weight(self, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w^T FP8, its block scales in the GEMM's layout), made now from w's FP8 values and block scales: what a
+        layer that keeps no transpose (`Fp8Recipe.keep_weight_transpose` false) hands its dgrad GEMM."""
+        return self.weight_transposed(QuantizedWeight(w_fp8, w_scale, None, None))
+
     def _transpose_into(self, w: QuantizedWeight, out: QuantizedWeight) -> None:
         """out.w_fp8, out.w_scale = w's FP8 values and block scales, transposed."""
         with torch.no_grad():
