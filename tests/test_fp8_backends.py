@@ -263,6 +263,7 @@ def test_every_custom_op_agrees_with_its_fake_implementation():
         (fp8_ops.swiglu_quantize, (gu, "e4m3", False, "reference")),
         (fp8_ops.swiglu_backward_quantize, (gu, da, "e4m3", "e5m2", False, "reference")),
         (fp8_ops.quantize_weight, (w, "e4m3", False, "reference")),
+        (fp8_ops.transpose_weight, (qw[0], qw[1], "reference")),
         (fp8_ops.gemm_1x128_128x128, (a, a_scale, qw[0], qw[1], torch.bfloat16, "reference")),
         (fp8_ops.gemm_1x128_1x128, (a, a_scale, b, b_scale, torch.float32, "reference")),
     ]
