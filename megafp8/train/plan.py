@@ -195,9 +195,8 @@ def _static_bytes(cfg: Config, n: int, n_expert: int, n_fp8: int, n_fp8_experts:
     moments (sharded over data-parallel ranks, the routed experts over their expert-data-parallel replicas) and FP8
     weight copies; `n` parameters, `n_expert` of them routed experts, `n_fp8` in dense FP8 GEMM layers (the largest
     has `largest_dense_fp8`) and `n_fp8_experts` in FP8 expert projections (the largest: `largest_expert_fp8`). A
-    sharded optimizer
-    reduce-scatters into a shard buffer of its own, except over a group of one (the gradients are their own shard:
-    `megafp8.parallel.grad_buckets`)."""
+    sharded optimizer reduce-scatters into a shard buffer of its own, except over a group of one (the gradients are
+    their own shard: `megafp8.parallel.grad_buckets`)."""
     ep = cfg.parallel.ep
     dense_shard, expert_shard = (n - n_expert) / dp, n_expert / (dp // ep)
     sharded_numel = dense_shard + expert_shard if cfg.optimizer.sharded else n

@@ -7,11 +7,13 @@ Gluon, for SM90, where `tiles.hopper_gluon` picks it (other GPUs run the Triton 
 
 Why: the Triton kernel moves its bytes at 55-66% of copy speed and issues 23 SASS instructions per element, about
 what a 128x128 tile's memory time allows at the issue rate these kernels reach (`docs/performance.md`). This one
-needs 14.6 (17.2 with RMSNorm, 15.6 gathering; `tests/test_ws_gemm_compiles.py` bounds them): one program per 128x128 tile with 4 warps, each thread holding 16 tokens x 8 features (the tile's
-columns' maxima within a warp: 3 shuffle rounds, no barrier; the rows' across the 4 warps: one exchange through
-shared memory), x kept as loaded (BF16) and converted where it is used, the correctly rounded divisions shared out
-one row and one column per thread (`spread`), the FP8 rows written as 8-byte runs and the transposed columns as
-16-byte runs straight from registers.
+needs 14.6 (17.2 with RMSNorm, 15.6 gathering; `tests/test_ws_gemm_compiles.py` bounds them):
+- one program per 128x128 tile with 4 warps, each thread holding 16 tokens x 8 features;
+- the tile's column maxima within a warp (3 shuffle rounds, no barrier), its row maxima across the 4 warps (one
+  exchange through shared memory);
+- x kept as loaded (BF16) and converted where it is used;
+- the correctly rounded divisions shared out, one row and one column per thread (`spread`);
+- the FP8 rows written as 8-byte runs, the transposed columns as 16-byte runs, straight from registers.
 """
 from __future__ import annotations
 
