@@ -64,6 +64,17 @@ def graphed_ms(fn, *args, iters: int = 30) -> float:
     return start.elapsed_time(end) / (3 * iters)
 
 
+def variant_benchmark_args(doc: str, argv=None) -> tuple[argparse.Namespace, torch.device]:
+    """The variant benchmarks' command line (`--tokens`, `--iters`) and their GPU (an error without one)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (SM90 for the Gluon kernel)")
+    return args, torch.device("cuda")
+
+
 def differing_bytes(got, want) -> int:
     """Bytes that differ over a kernel's outputs (FP8 values and FP32 scales in any layout, compared as bytes): the
     variant benchmarks' check that a faster kernel writes its twin's bits."""

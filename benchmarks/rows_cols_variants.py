@@ -15,7 +15,6 @@ norms' inputs, and for a top-4 dispatch of 16,384 tokens of width 2048.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.precision.formats import E4M3, E5M2  # noqa: E402
 # benchmarks/, beside this file
-from fused_quantize import differing_bytes, graphed_ms, rows_cols_bytes, timed_ms  # noqa: E402
+from fused_quantize import differing_bytes, graphed_ms, rows_cols_bytes, timed_ms, variant_benchmark_args  # noqa: E402
 
 SHAPES = [("dy", "~1B", 6144), ("dy", "~1B", 2048), ("dy", "~1B", 11264), ("dy", "8B-layers", 12288),
           ("dy", "8B-layers", 28672), ("rmsnorm", "~1B", 2048), ("rmsnorm", "8B-layers", 4096),
@@ -74,15 +73,8 @@ def outputs(m: int, k: int, fmt, device) -> tuple:
     return out
 
 
-
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--iters", type=int, default=30)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (SM90 for the Gluon kernel)")
-    device = torch.device("cuda")
+    args, device = variant_benchmark_args(__doc__, argv)
     runs = variants()
     g = torch.Generator(device="cpu").manual_seed(0)
     cases = [(kind, "200 tokens, outliers, nan", 200, 384, fmt, pow2) for kind in ("dy", "rmsnorm", "gather")

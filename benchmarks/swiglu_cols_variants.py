@@ -12,7 +12,6 @@ GB/s (gu and da read once, the three transposed FP8 outputs and their scales wri
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.precision.formats import E4M3, E5M2  # noqa: E402
-from fused_quantize import differing_bytes, timed_ms  # noqa: E402  (benchmarks/, beside this file)
+from fused_quantize import differing_bytes, timed_ms, variant_benchmark_args  # noqa: E402  (benchmarks/, beside this file)
 
 SHAPES = {"~1B": 5632, "8B-layers": 14336}  # F, SwiGLU's width
 
@@ -45,15 +44,8 @@ def variants() -> dict:
     return out
 
 
-
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--iters", type=int, default=30)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (SM90 for the Gluon kernel)")
-    device = torch.device("cuda")
+    args, device = variant_benchmark_args(__doc__, argv)
     runs = variants()
     g = torch.Generator(device="cpu").manual_seed(0)
     cases = [("200 tokens, outliers, nan", 200, 256, E5M2)] + [(name, args.tokens, f, E4M3)
