@@ -11,7 +11,7 @@
 # profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), the
 # warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense wgrad GEMMs (wgrad_gemm), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
 # default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper), cg_diag (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_fused_quantize,
-# old_profile_compiled, old_moe, old_moe_compiled: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
+# old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
 # dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
@@ -67,6 +67,8 @@ for part in $PARTS; do
     rows_cols) step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
     grouped_gemm) step grouped_gemm python benchmarks/grouped_gemm.py --backend cublas ;;
     wgrad_gemm) step wgrad_gemm python benchmarks/wgrad_gemm.py ;;
+    old_wgrad_gemm) step old_wgrad_gemm bash -c "cd \"$OLD\" && python benchmarks/wgrad_gemm.py" ;;
+    old_grouped_gemm) step old_grouped_gemm bash -c "cd \"$OLD\" && python benchmarks/grouped_gemm.py --backend cublas" ;;
     profile_moe_fp8) step profile_moe_fp8 python benchmarks/train_step.py training.compile=true --model moe \
            --recipes fp8 --profile 3 ;;
     profile_moe_fp8_hopper) step profile_moe_fp8_hopper python benchmarks/train_step.py training.compile=true \

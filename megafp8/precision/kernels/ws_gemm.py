@@ -23,6 +23,13 @@ Measured on an H200 (`docs/benchmarks.md`, jobs T-V): 760-1,021 TFLOP/s on issue
 (up to 25% faster than the TMA Triton kernel), 619-734 on their wgrads, 660-780 on dense weight gradients (where
 cuBLAS runs at 940-1,050). The backends use it only when asked (`kernel="ws"`, the `hopper` backend).
 
+Branch ws-scales-tma (twelfth session, compiled on a CPU, not yet run): each K step's scales (A's rows', and B's
+rows' where B is in 1x128 tiles) arrive by TMA with the operands, on the stage's barrier, and the consumers read
+them from shared memory straight into the accumulator's row and column layouts. Before, they were loaded from
+global memory at every K step, and B's 128 column scales were converted into the accumulator's layout through
+shared memory, with a barrier. A stage is now released as soon as its last wgmma has completed, before the last
+slice's promotion. Scales must be stored rows-first (`tiles.mn_major_scales`), as every quantizer writes them.
+
 Numerics are the Triton kernels' (`megafp8.precision.kernels.gemm`): an FP32 partial product per 128-wide K step,
 times its scales, added to an FP32 accumulator; results differ from the reference backend only in summation order.
 Hopper only: TMA, wgmma and `setmaxnreg`; `megafp8.precision.kernels.gemm` keeps the portable kernels.
@@ -42,6 +49,8 @@ TILE = gl.constexpr(128)
 HALF_M = gl.constexpr(64)  # rows of the output tile one consumer warpgroup owns
 _CONSUMER_REGS = gl.constexpr(240)  # registers per thread of a consumer warpgroup: two accumulators, one product
 _PRODUCER_REGS = gl.constexpr(24)
+# A K step's scales in shared memory, as the (unswizzled) [1, rows] TMA boxes read as plain vectors.
+_FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 _MAXNREG = 168  # 12 warps (3 warpgroups) x 32 threads x 168 <= the SM's 64K registers
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 
@@ -80,14 +89,16 @@ def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K_BLOCKS, num_tiles,
-              tile_expert_ptr, k_start_ptr, k_count_ptr,
-              GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr):
+def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N, K_BLOCKS,
+              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr,
+              GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """One warp: TMA loads of every tile's A (two 64-row halves) and B (BLOCK_N/128 slices) per K step into the
-    stage ring; a stage is refilled once both consumers have released it."""
+    stage ring, with their scales for that K step (A's rows'; B's rows' where B is in 1x128 tiles), on the same
+    barrier; a stage is refilled once both consumers have released it."""
     NB: gl.constexpr = BLOCK_N // TILE
-    stage_bytes: gl.constexpr = 2 * a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes
+    stage_bytes: gl.constexpr = (2 * a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes
+                                 + 2 * as_desc.block_type.nbytes + (0 if B_BLOCKWISE else NB * bs_desc.block_type.nbytes))
     counter = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
@@ -98,34 +109,34 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K_BLOCKS, num_
             mbarrier.wait(empty.index(s), ((counter // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, stage_bytes)
-            k = (k_first + kb) * TILE
+            kblk = k_first + kb
+            k = kblk * TILE
             tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a_bufs.index(2 * s))
             tma.async_copy_global_to_shared(a_desc, [off_m + HALF_M, k], bar, a_bufs.index(2 * s + 1))
+            tma.async_copy_global_to_shared(as_desc, [kblk, off_m], bar, as_bufs.index(2 * s))
+            tma.async_copy_global_to_shared(as_desc, [kblk, off_m + HALF_M], bar, as_bufs.index(2 * s + 1))
             for h in gl.static_range(NB):
                 tma.async_copy_global_to_shared(b_desc, [b_row + h * TILE, k], bar, b_bufs.index(NB * s + h))
+                if not B_BLOCKWISE:
+                    tma.async_copy_global_to_shared(bs_desc, [kblk, b_row + h * TILE], bar, bs_bufs.index(NB * s + h))
             counter += 1
 
 
 @gluon.jit
-def _scaled_product(a_smem, b_smem, t, a_s, bs_ptr, group, n_block, b_first_row, N, kblk, stride_bs_e, stride_bs_n,
+def _scaled_product(a_smem, b_smem, t, a_s, bs_smem, bs_ptr, group, n_block, N, kblk, stride_bs_e, stride_bs_n,
                     stride_bs_k, B_BLOCKWISE: gl.constexpr, col_layout: gl.constexpr):
     """(t, scaled): the 64 x 128 product of one K step (`t` carries the product's registers from step to step) and
     that product times its scales: the rows' `a_s` and B's block scale (one per 128 columns) or the scales of B's
-    rows [b_first_row, b_first_row + 128) (C's columns)."""
+    128 rows (C's columns), which arrived with the stage in `bs_smem` and are read straight into the accumulator's
+    column layout."""
     t = warpgroup_mma(a_smem, b_smem.permute((1, 0)), t, use_acc=False, is_async=True)
     if B_BLOCKWISE:  # (a slice past N's last block reads no scale: its columns are not stored)
         b_s = gl.load(bs_ptr + group * stride_bs_e + n_block * stride_bs_n + kblk * stride_bs_k,
                       mask=n_block < gl.cdiv(N, TILE), other=0.0)
         t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
         return t, t * (a_s * b_s)[:, None]
-    # The 128 column scales are loaded one per thread and then spread into the accumulator's layout (through
-    # shared memory): loaded in that layout directly, each thread would hold 32 addresses the compiler keeps live
-    # across the K loop, and the accumulators would spill.
-    flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    b_rows = b_first_row + gl.arange(0, TILE, layout=flat)
-    b_s = gl.load(bs_ptr + b_rows * stride_bs_n + kblk * stride_bs_k, mask=b_rows < N, other=0.0)
-    b_s = gl.convert_layout(b_s, col_layout)
     t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+    b_s = bs_smem._reinterpret(gl.float32, [TILE], _FLAT).load(col_layout)  # after the wait: fewer live registers
     return t, t * a_s[:, None] * b_s[None, :]
 
 
@@ -147,13 +158,13 @@ def _write(c_ptr, acc, rows, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, K_BLOCKS, num_tiles,
-              tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_as_m, stride_as_k,
-              stride_bs_e, stride_bs_n, stride_bs_k, HALF: gl.constexpr,
-              GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
+def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_ptr, bs_ptr, M, N, K_BLOCKS, num_tiles,
+              tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n, stride_bs_k,
+              HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
               ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
-    wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator; then release the stage."""
+    wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator. The stage is released once its
+    last wgmma has completed and its scales are read, before the last slice's promotion."""
     NB: gl.constexpr = BLOCK_N // TILE
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, TILE, 32])
@@ -172,20 +183,22 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, K_BLOCK
         for kb in range(k_steps):
             s = counter % STAGES
             kblk = k_first + kb
-            rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
-            a_s = gl.load(as_ptr + rows * stride_as_m + kblk * stride_as_k, mask=rows < M, other=0.0)
             mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
+            a_s = as_bufs.index(2 * s + HALF)._reinterpret(gl.float32, [HALF_M], _FLAT).load(row_layout)
             a_smem = a_bufs.index(2 * s + HALF)
-            t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_ptr, group, off_n // TILE, b_row,
-                                        N, kblk, stride_bs_e, stride_bs_n, stride_bs_k, B_BLOCKWISE, col_layout)
-            acc0 = acc0 + scaled
+            t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_bufs.index(NB * s), bs_ptr, group,
+                                        off_n // TILE, N, kblk, stride_bs_e, stride_bs_n, stride_bs_k, B_BLOCKWISE,
+                                        col_layout)
             if NB == 2:
-                acc0 = _settled(acc0)
-                t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_ptr, group,
-                                            off_n // TILE + 1, b_row + TILE, N, kblk, stride_bs_e, stride_bs_n,
+                acc0 = _settled(acc0 + scaled)
+                t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_bufs.index(NB * s + 1),
+                                            bs_ptr, group, off_n // TILE + 1, N, kblk, stride_bs_e, stride_bs_n,
                                             stride_bs_k, B_BLOCKWISE, col_layout)
+                mbarrier.arrive(empty.index(s), count=1)
                 acc1 = acc1 + scaled
-            mbarrier.arrive(empty.index(s), count=1)
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
+                acc0 = acc0 + scaled
             counter += 1
         rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
         cols = off_n + gl.arange(0, TILE, layout=col_layout)
@@ -195,14 +208,16 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, K_BLOCK
 
 
 @gluon.jit
-def _ws_gemm_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, k_start_ptr, k_count_ptr,
-                    M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_as_m, stride_as_k,
-                    stride_bs_e, stride_bs_n, stride_bs_k,
+def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_ptr, bs_ptr, tile_expert_ptr, k_start_ptr, k_count_ptr,
+                    M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n, stride_bs_k,
                     GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
                     ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
+    # Scales by K step, as [1, rows] boxes: A's 64 rows per half, B's 128 rows per slice (unused with B in blocks).
+    as_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, HALF_M], as_desc.layout)
+    bs_bufs = gl.allocate_shared_memory(gl.float32, [NB * STAGES, 1, TILE], bs_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -213,16 +228,15 @@ def _ws_gemm_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, tile_expert_ptr, k_st
         num_tiles = num_tiles * num_groups
     # (No starred arguments in Gluon: every partition's arguments are spelled out.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, K_BLOCKS, num_tiles,
-                     tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_as_m, stride_as_k,
-                     stride_bs_e, stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE,
-                     BLOCK_N, STAGES, GROUP_M)),
-        (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, as_ptr, bs_ptr, M, N, K_BLOCKS, num_tiles,
-                     tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_as_m, stride_as_k,
-                     stride_bs_e, stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE,
-                     BLOCK_N, STAGES, GROUP_M)),
-        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K_BLOCKS, num_tiles, tile_expert_ptr,
-                     k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_N, STAGES, GROUP_M)),
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_ptr, bs_ptr, M, N, K_BLOCKS, num_tiles,
+                     tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
+                     stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, BLOCK_N, STAGES, GROUP_M)),
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_ptr, bs_ptr, M, N, K_BLOCKS, num_tiles,
+                     tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
+                     stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, BLOCK_N, STAGES, GROUP_M)),
+        (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
+                     K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
+                     B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -233,6 +247,15 @@ _H = 64
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
     return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def _scale_descriptor(scale: torch.Tensor, rows: int) -> TensorDescriptor:
+    """TMA over a (rows, K/128) FP32 scale tensor stored rows-first (`tiles.mn_major_scales`), viewed as (K/128,
+    rows): one K step's scales of `rows` consecutive rows per box."""
+    view = scale.t()
+    assert view.stride(1) == 1 and view.stride(0) % 4 == 0, "the scales must be stored rows-first, 16-byte aligned"
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor.from_tensor(view, [1, rows], layout)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -268,11 +291,14 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     bs_e, bs_n, bs_k = (b_scale.stride() if b_scale.dim() == 3 else (0, *b_scale.stride()))
     dummy = a_scale  # an unused pointer argument
     grid = (min(_sm_count(a.device), num_tiles),)
+    as_desc = _scale_descriptor(a_scale, _H)
+    # With B in blocks its scale is one number per slice, read from global memory; the descriptor is then unused.
+    bs_desc = _scale_descriptor(a_scale if b_blockwise else b_scale, _T)
     _ws_gemm_kernel[grid](
-        _descriptor(a, [_H, _T]), _descriptor(b, [_T, _T]), c, a_scale, b_scale,
+        _descriptor(a, [_H, _T]), _descriptor(b, [_T, _T]), as_desc, bs_desc, c, b_scale,
         tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
         k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
-        c.stride(0) if grouped_k else 0, c.stride(-2), a_scale.stride(0), a_scale.stride(1), bs_e, bs_n, bs_k,
+        c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k,
         GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise, ACCUMULATE=accumulate,
         BLOCK_N=block_n, STAGES=_stages(block_n), GROUP_M=group_m, num_warps=4, maxnreg=_MAXNREG)
     return c
