@@ -167,3 +167,20 @@ def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(no
     assert spills and max(spills) == 0, report
     per_element = _sass_instructions(sass) * 32 * r.WARPS / (128 * 128)
     assert 8 < per_element <= 18, f"{per_element:.1f} SASS instructions per element"
+
+
+def test_scales_reach_tma_rows_first_and_aligned_as_given_or_copied():
+    """TMA reads each K step's scales as one row of 16-byte-aligned rows: scales already laid out so (our
+    quantizers' rows-first scales over whole tiles) are used as given; any other layout (row-major, or a row count
+    not a multiple of 4) is copied into one, with the same values."""
+    from megafp8.precision.kernels.ws_gemm import _tma_scales
+
+    def rows_first(rows: int, steps: int) -> torch.Tensor:
+        return torch.randn(steps, rows).t()
+
+    kept = rows_first(256, 5)
+    assert _tma_scales(kept) is kept
+    for scale in (torch.randn(391, 5), rows_first(391, 5), rows_first(256, 5)[1:], torch.randn(6, 1)):
+        got = _tma_scales(scale)
+        assert torch.equal(got, scale)
+        assert got.stride(0) == 1 and got.stride(1) % 4 == 0 and got.data_ptr() % 16 == 0

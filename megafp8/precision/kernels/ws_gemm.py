@@ -249,11 +249,23 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
+def _tma_scales(scale: torch.Tensor) -> torch.Tensor:
+    """A (rows, K/128) FP32 scale tensor as TMA reads it: stored rows-first (`tiles.mn_major_scales`) with each K
+    step's rows starting 16 bytes apart or a multiple of that. As given when it is (what our quantizers make for
+    whole 128-token tiles), else copied into such a layout (scales are 1/128 of their operand: a small copy)."""
+    if scale.stride(0) == 1 and scale.stride(1) % 4 == 0 and scale.data_ptr() % 16 == 0:
+        return scale
+    rows, steps = scale.shape
+    padded = torch.empty(steps, -(-rows // 4) * 4, dtype=scale.dtype, device=scale.device)
+    aligned = padded.t()[:rows]
+    aligned.copy_(scale)
+    return aligned
+
+
 def _scale_descriptor(scale: torch.Tensor, rows: int) -> TensorDescriptor:
-    """TMA over a (rows, K/128) FP32 scale tensor stored rows-first (`tiles.mn_major_scales`), viewed as (K/128,
-    rows): one K step's scales of `rows` consecutive rows per box."""
-    view = scale.t()
-    assert view.stride(1) == 1 and view.stride(0) % 4 == 0, "the scales must be stored rows-first, 16-byte aligned"
+    """TMA over a (rows, K/128) FP32 scale tensor (`_tma_scales` lays it out), viewed as (K/128, rows): one K
+    step's scales of `rows` consecutive rows per box."""
+    view = _tma_scales(scale).t()
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     return TensorDescriptor.from_tensor(view, [1, rows], layout)
 
