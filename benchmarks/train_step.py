@@ -88,12 +88,16 @@ def label(model: str, args: argparse.Namespace) -> str:
     return args.config if model == "config" else model
 
 
-def run_config(model: str, recipe: str, args: argparse.Namespace, data: Path):
+def global_batch(model: str, args: argparse.Namespace) -> str:
+    """The override setting the step's global batch: `--global-batch`, else one micro-batch per rank."""
     base = load_config(args.config, MODELS[model] + args.overrides)
+    return f"training.global_batch_size={args.global_batch or base.training.micro_batch_size * env_rank()[2]}"
+
+
+def run_config(model: str, recipe: str, args: argparse.Namespace, data: Path):
     overrides = MODELS[model] + [
         f"precision.recipe={recipe}", f"data.path={data}", f"training.steps={args.steps}",
-        f"training.global_batch_size={args.global_batch or base.training.micro_batch_size * env_rank()[2]}",
-        "training.eval_interval=0",
+        global_batch(model, args), "training.eval_interval=0",
         f"logging.log_interval={args.log_interval}",
         f"logging.output_dir={args.out}", f"run_name={label(model, args)}_{recipe}", "checkpoint.resume=none",
         # The parity run's learning rate: the tiny config's 2e-3 makes a 1B model's first steps erratic.
@@ -239,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         data = None
         for recipe in args.recipes:
             if data is None:
-                init_distributed(load_config(args.config, MODELS[args.model] + args.overrides))
+                # The layout is checked against the global batch the runs take (DualPipeV needs enough micro-batches).
+                init_distributed(load_config(args.config, MODELS[args.model] + [global_batch(args.model, args)]
+                                             + args.overrides))
                 data = corpus(args.data)
             if args.profile:
                 profiles.append(profile(args.model, recipe, args, data))

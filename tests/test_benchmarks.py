@@ -25,11 +25,13 @@ def test_train_step_benchmark_prints_one_row_per_recipe(corpus_dir, tmp_path):
 
 def test_train_step_benchmark_prints_the_pipeline_schedules_bubble(corpus_dir, tmp_path):
     """Two gloo ranks at PP=2 under DualPipeV with 8 micro-batches: the last column is the bubble the schedule's
-    actions imply (what the training loop's start-up line logs)."""
+    actions imply (what the training loop's start-up line logs). The config's own global batch (16) would give
+    DualPipeV too few micro-batches of 8: the layout is checked against `--global-batch` (job AO's ~1B DualPipeV
+    run failed on this)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            "benchmarks/train_step.py", "training.device=cpu", "parallel.pp=2", "parallel.pp_schedule=dualpipev",
-           "model.num_layers=4", "--model", "tiny", "--steps", "3", "--warmup", "1", "--log-interval", "1",
-           "--global-batch", "16", "--data", str(corpus_dir), "--out", str(tmp_path), "--recipes", "bf16"]
+           "model.num_layers=4", "training.micro_batch_size=8", "--model", "tiny", "--steps", "3", "--warmup", "1",
+           "--log-interval", "1", "--global-batch", "64", "--data", str(corpus_dir), "--out", str(tmp_path), "--recipes", "bf16"]
     result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     logged = re.search(r"pipeline: dualpipev over 2 ranks, 8 micro-batches, bubble (\d+\.\d)%", result.stderr)
