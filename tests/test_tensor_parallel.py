@@ -124,6 +124,47 @@ def test_parallel_linears_match_their_unsharded_selves(world, recipe, sp):
     spawn(world, _layers_worker, recipe, sp)
 
 
+def _compiled_layers_worker(rank, world, sp):
+    """Compiled with Inductor, the FP8 column + row pair (two linears, and the fused SwiGLU MLP) keeps its
+    collectives in its graph: no graph break, and the bits of the same layers run eagerly."""
+    from torch._dynamo.utils import counters
+    from megafp8.parallel import swiglu_mlp
+
+    tp = TensorParallel(dist.group.WORLD, world, rank, sp)
+    col, row = _mlp_pair(PrecisionRecipe.from_name("fp8"), tp)
+    g = torch.Generator().manual_seed(1)
+    tokens = 256  # under SP 128 per rank: the input is quantized before its gather, which moves FP8 bytes
+    x_full = torch.randn(tokens, IN, generator=g).to(torch.bfloat16)
+    dy_full = torch.randn(tokens, OUT, generator=g).to(torch.bfloat16)
+    mine = (lambda t: t.chunk(world)[rank]) if sp else (lambda t: t)
+
+    def run(fn):
+        col.weight.grad = row.weight.grad = None
+        x = mine(x_full).clone().requires_grad_(True)
+        y = fn(x)
+        y.backward(mine(dy_full))
+        return y, x.grad, col.weight.grad, row.weight.grad
+
+    def linears(x):
+        return row(col(x).chunk(2, dim=-1)[0])  # no element-wise op between: Inductor would round it its own way
+
+    def fused(x):
+        return swiglu_mlp(x, col, row)
+    for name, fn in (("linears", linears), ("fused MLP", fused)):
+        eager = run(fn)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = run(torch.compile(fn))
+        assert not counters["graph_break"], (name, dict(counters["graph_break"]))
+        for what, a, b in zip(("y", "dx", "d col", "d row"), eager, compiled):
+            assert torch.equal(a, b), f"{name}: {what} differs compiled"
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
+def test_compiled_fp8_parallel_layers_keep_their_collectives_in_the_graph(sp):
+    spawn(2, _compiled_layers_worker, sp)
+
+
 def _embedding_loss_worker(rank, world, sp):
     tp = TensorParallel(dist.group.WORLD, world, rank, sp)
     vocab, dim = 512, 64
@@ -211,6 +252,13 @@ LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2_sp": ["parallel.tp=2", "parallel.seque
 @pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
 def test_tp2_training_matches_tp1(parity, recipe, layout):
     parity.check(TP_MODEL + [f"precision.recipe={recipe}"], LAYOUTS[layout], 2, LOW_PRECISION_TOL)
+
+
+def test_compiled_fp8_tp2_sp_training_matches_tp1(parity):
+    """Compiled, the FP8 layers of a TP=2 + SP model run with their collectives in the graph (the layer test above
+    checks there is no graph break) and train as the eager TP=1 run does."""
+    parity.check(TP_MODEL + ["precision.recipe=fp8"], LAYOUTS["tp2_sp"] + ["training.compile=true"], 2,
+                 LOW_PRECISION_TOL)
 
 
 def test_tp2_with_mla_and_mtp_matches_tp1(parity):

@@ -332,9 +332,10 @@ class TrainingConfig:
     )
     compile: bool = setting(
         False,
-        "`torch.compile` every transformer block (the first steps pay the compilation). A plain FP8 linear enters "
-        "the compiled graph as custom ops running our kernels; tensor-parallel and deferred-wgrad FP8 linears and "
-        "the grouped experts run eagerly inside it. The norms, activations and residual adds around them fuse.",
+        "`torch.compile` every transformer block (the first steps pay the compilation). An FP8 linear enters "
+        "the compiled graph as custom ops running our kernels, its tensor-parallel collectives included; "
+        "deferred-wgrad FP8 linears (zero-bubble schedules) and the grouped experts run eagerly inside it. The "
+        "norms, activations and residual adds around them fuse.",
     )
     compile_mode: CompileMode = setting(
         "default",

@@ -77,10 +77,13 @@ class _ColumnComm(LinearComm):
         return all_gather_quantized(x_fp8, x_scale, xt_fp8, xt_scale, self.tp)
 
     def start_reduce_grad_input(self, dx2d) -> Callable[[], torch.Tensor]:
+        # Traced, a collective cannot be asynchronous: Inductor's functional collective waits where dx is first used
+        # (after the wgrad GEMM, so they still overlap).
+        async_op = not torch.compiler.is_compiling()
         if self.tp.sp:
-            out, work = reduce_scatter_rows(dx2d, self.tp, async_op=True)
+            out, work = reduce_scatter_rows(dx2d, self.tp, async_op=async_op)
         else:
-            out, work = dx2d, all_reduce(dx2d, self.tp, async_op=True)
+            out, work = dx2d, all_reduce(dx2d, self.tp, async_op=async_op)
 
         def finish() -> torch.Tensor:
             if work is not None:

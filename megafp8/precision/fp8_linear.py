@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from megafp8.precision.backends import Fp8Backend, QuantizedWeight
 from megafp8.precision.fp8_ops import backend_arg, kernels, quantized_weight_in_graph
-from megafp8.precision.linear_comm import LinearComm, is_plain, quantized_input
+from megafp8.precision.linear_comm import LinearComm, quantized_input
 from megafp8.precision.producers import rmsnorm_backward
 from megafp8.precision.recipe import Fp8Recipe
 from megafp8.precision.weight_cache import Fp8WeightCache
@@ -197,11 +197,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, rec
     `wgrad_queue` defers the weight-gradient GEMM (zero-bubble pipelines). `norm`: an RMSNorm to apply to x
     first, fused into the quantization of x (callers check `fuses_norm`).
 
-    Under `torch.compile`, a layer without collectives or deferral is traced into the graph (its kernels are
-    custom ops, `megafp8.precision.fp8_ops`); it reads its quantized weight from `cache` once `cache.prepare` has
-    run (eagerly, before the compiled code: `Block.forward` does). Anything else runs eagerly inside the compiled
-    code."""
-    if torch.compiler.is_compiling() and not (is_plain(comm) and wgrad_queue is None):
+    Under `torch.compile`, a layer without deferral is traced into the graph, its tensor-parallel collectives
+    included (its kernels are custom ops, `megafp8.precision.fp8_ops`); it reads its quantized weight from `cache`
+    once `cache.prepare` has run (eagerly, before the compiled code: `Block.forward` does). A layer that defers its
+    weight gradient runs eagerly inside the compiled code."""
+    if torch.compiler.is_compiling() and wgrad_queue is not None:
         return _eager_fp8_linear(x, weight, cache, recipe, backend, comm, wgrad_queue, norm)
     traced = torch.compiler.is_compiling()
     entry = current_weight(cache, weight, recipe, backend, traced)
@@ -217,8 +217,8 @@ def fuses_norm(recipe: Fp8Recipe, comm: Optional[LinearComm], rows: int) -> bool
     return recipe.all_gemms and (comm is None or comm.gathers_quantized(rows))
 
 
-# The eager FP8 linear is a graph break under torch.compile: its weight cache is Python state keyed on the weight's
-# version, and its collectives and deferred weight gradients are not traceable.
+# The eager FP8 linear is a graph break under torch.compile: a deferred weight gradient is Python state (the queue)
+# that the backward of a traced graph cannot reach.
 @torch.compiler.disable
 def _eager_fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, recipe: Fp8Recipe,
                       backend: Fp8Backend, comm: Optional[LinearComm], wgrad_queue: Optional[WeightGradQueue],

@@ -28,7 +28,7 @@ from megafp8.precision.fp8_linear import (
     traced_main_grad,
 )
 from megafp8.precision.fp8_ops import backend_arg, kernels
-from megafp8.precision.linear_comm import LinearComm, is_plain
+from megafp8.precision.linear_comm import LinearComm
 from megafp8.precision.recipe import Fp8Recipe
 from megafp8.precision.weight_cache import Fp8WeightCache
 from megafp8.precision.wgrad import WeightGradQueue
@@ -98,10 +98,9 @@ def fp8_swiglu_mlp(x: torch.Tensor, gate_up: Fp8Projection, down: Fp8Projection,
                    backend: Fp8Backend, norm: Optional[InputNorm] = None) -> torch.Tensor:
     """down(silu(gate) * up) with gate/up = gate_up(x) (or of `norm(x)`, fused), all six GEMMs in FP8 and every
     producer quantizing its own FP32 output. x (..., K); gate_up.weight (2F, K) holds [gate; up]; down.weight
-    (N, F). Traced into a compiled graph where neither projection has collectives or a wgrad queue."""
+    (N, F). Traced into a compiled graph, collectives included, where neither projection has a wgrad queue."""
     compiling = torch.compiler.is_compiling()
-    plain = all(is_plain(p.comm) and p.queue is None for p in (gate_up, down))
-    if compiling and not plain:
+    if compiling and (gate_up.queue is not None or down.queue is not None):
         return _eager_fp8_swiglu_mlp(x, gate_up, down, recipe, backend, norm)
     entries = [current_weight(p.cache, p.weight, recipe, backend, compiling) for p in (gate_up, down)]
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
@@ -112,6 +111,6 @@ def fp8_swiglu_mlp(x: torch.Tensor, gate_up: Fp8Projection, down: Fp8Projection,
                               torch.is_grad_enabled())
 
 
-@torch.compiler.disable  # collectives and deferred weight gradients run eagerly inside compiled code
+@torch.compiler.disable  # deferred weight gradients run eagerly inside compiled code
 def _eager_fp8_swiglu_mlp(x, gate_up, down, recipe, backend, norm):
     return fp8_swiglu_mlp(x, gate_up, down, recipe, backend, norm)

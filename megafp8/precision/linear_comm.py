@@ -12,7 +12,11 @@ import torch
 
 
 class LinearComm:
-    """The collectives around one linear's GEMMs; the identity here."""
+    """The collectives around one linear's GEMMs; the identity here.
+
+    Subclasses use collectives `torch.compile` can trace (torch.distributed's all-gather, reduce-scatter and
+    all-reduce into tensors, which Dynamo turns into functional collectives), so a compiled FP8 layer keeps them in
+    its graph; while tracing, none may be asynchronous (`start_reduce_grad_input`)."""
 
     def gather_input(self, x2d: torch.Tensor) -> torch.Tensor:
         """Forward input (BF16) -> the rows the GEMM needs."""
@@ -41,11 +45,6 @@ class LinearComm:
         """Backward: start reducing the input gradient (conjugate of gather_input); the returned callable
         waits and gives the result, so the reduction overlaps the wgrad GEMM."""
         return lambda: dx2d
-
-
-def is_plain(comm: LinearComm | None) -> bool:
-    """True for no collectives at all (what a compiled graph may trace)."""
-    return comm is None or type(comm) is LinearComm
 
 
 def quantized_input(x2d: torch.Tensor, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
