@@ -28,7 +28,10 @@ autotuning and CUDA graph recording in the warm-up included), the largest over t
 memory planner's prediction for the busiest rank at the same configuration (`tools/plan.py --dry-run`; under pipeline
 parallelism the pipeline rank it plans as the busiest), and "steady / planned" their ratio (issue 23 holds the
 planner to within 10%). With several ranks the "per rank" column lists each rank's steady peak against the planner's
-prediction for that rank's pipeline stage. Graph breaks counts where torch.compile
+prediction for that rank's pipeline stage. Under CUDA graphs the steady high-water mark leaves out the graphs' own
+memory pools, which hold their activations (allocated while recording, never again): "held GiB, steady" is what
+the process holds in steady state, the allocator's reserved memory from the last warm-up step on (its idle cache
+emptied before that step), pools included. Compare recipes by it under CUDA graphs. Graph breaks counts where torch.compile
 split a compiled block (there should be none: a split block runs slower, see `docs/performance.md`). Under pipeline
 parallelism the last column gives the schedule's theoretical bubble (the one the training loop's start-up line logs:
 simulated from the schedule's actions with forward = input-gradient = weight-gradient time);
@@ -128,13 +131,23 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     torch._dynamo.reset()
     counters.clear()
     trainer = Trainer(cfg, dims, device)
-    for _ in range(min(args.warmup, args.steps - args.log_interval)):  # compiling, autotuning, CUDA graph recording
+    warmup = min(args.warmup, args.steps - args.log_interval)
+    warmup_peak = 0.0
+    for step in range(warmup):  # compiling, autotuning, CUDA graph recording
+        if step == warmup - 1 and device.type == "cuda":
+            # What the steady state holds: the allocator gives back its idle cache (the compilation's leftovers),
+            # so the last warm-up step and the timed ones reserve only what a step needs, CUDA graphs' pools included.
+            warmup_peak = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
         trainer.train_step()
-    warmup_peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    if device.type == "cuda":
+        warmup_peak = max(warmup_peak, torch.cuda.max_memory_allocated(device) / 2**30)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the first timed window starts with the warm-up finished, not queued
         torch.cuda.reset_peak_memory_stats(device)  # from here on: the steady state's high-water mark
     records = [r for r in trainer.fit() if r["kind"] == "train"]
+    held_here = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0.0
     bubble = trainer.pipeline.bubble if trainer.pipeline is not None else None
     del trainer
     release_memory(device)
@@ -145,14 +158,14 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     # This rank's prediction: its pipeline stage's (every TP, EP and DP rank of a stage is planned alike).
     planned_here = plan.pipeline[dims.pp_rank][4] if plan.pipeline else plan.total_bytes
     steady_here = max((r["peak_memory_gib"] or 0.0) for r in records)
-    per_rank = over_ranks([steady_here, warmup_peak, planned_here / 2**30], device)
-    steady_peak, warmup_peak = (max(values[i] for values in per_rank) for i in (0, 1))  # the busiest rank's
+    per_rank = over_ranks([steady_here, warmup_peak, planned_here / 2**30, held_here], device)
+    steady_peak, warmup_peak, held = (max(values[i] for values in per_rank) for i in (0, 1, 3))  # the busiest rank's
     return {"model": label(model, args), "recipe": recipe, "ranks": dims.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
             "tflops": statistics.median(r["tflops_per_device"] for r in records),
             "mfu": statistics.median(r["mfu"] for r in records) if records[0]["mfu"] is not None else None,
             "peak_gib": steady_peak, "warmup_peak_gib": max(warmup_peak, steady_peak), "loss": records[-1]["loss"],
             "graph_breaks": sum(counters["graph_break"].values()), "planned_gib": plan.total_bytes / 2**30,
-            "per_rank": [(steady, planned) for steady, _, planned in per_rank], "bubble": bubble}
+            "per_rank": [(steady, planned) for steady, _, planned, _ in per_rank], "bubble": bubble, "held_gib": held}
 
 
 def over_ranks(values: list[float], device: torch.device) -> list[list[float]]:
@@ -201,8 +214,8 @@ def table(rows: list[dict]) -> str:
     best_bf16 = max((r["tokens_per_s"] for r in rows if r["recipe"] == "bf16"), default=None)
     lines = ["| model | recipe | ranks | step (s) | tokens/s | vs BF16 | TFLOP/s per device | MFU | peak GiB, steady | "
              "peak GiB, with warm-up | final loss | graph breaks | planned GiB | steady / planned | "
-             "per rank: steady / planned GiB | tokens/s per GPU | bubble, theoretical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "per rank: steady / planned GiB | held GiB, steady | tokens/s per GPU | bubble, theoretical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tokens_per_s'] / best_bf16:.2f}x" if best_bf16 else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
@@ -212,7 +225,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['recipe']} | {r['ranks']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
                      f"{ratio} | {r['tflops']:.1f} | {mfu} | {r['peak_gib']:.2f} | {r['warmup_peak_gib']:.2f} | "
                      f"{r['loss']:.4f} | {r['graph_breaks']} | {r['planned_gib']:.2f} | {measured} | {ranks} | "
-                     f"{r['tokens_per_s'] / r['ranks']:,.0f} | {bubble} |")
+                     f"{r['held_gib']:.2f} | {r['tokens_per_s'] / r['ranks']:,.0f} | {bubble} |")
     return "\n".join(lines)
 
 
