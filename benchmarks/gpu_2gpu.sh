@@ -8,11 +8,13 @@
 # memory, and under PP the measured bubble (1 - efficiency) beside the schedule's theoretical one.
 #
 # CUDA graphs (`compile_mode: reduce-overhead`) where the layout allows: one GPU and DP=2. The others compile in the
-# default mode, as CUDA graphs there are untried and a failure would lose the row: under TP and DualPipeV, FP8
-# linears run eagerly inside the compiled blocks (graph breaks); PP keeps several micro-batches in flight through
-# each block; and CUDA graph trees fail under non-reentrant activation checkpointing, i.e. recomputation
-# (pytorch/pytorch#154306, reported still failing with torch 2.11). So efficiency is against the best one-GPU
-# figure: on one H200 CUDA graphs gave ~1.5% over the default mode on the ~1B model (docs/performance.md).
+# default mode, as CUDA graphs there are untried and a failure would lose the row: under DualPipeV, FP8 linears with
+# deferred weight gradients run eagerly inside the compiled blocks (graph breaks); PP keeps several micro-batches in
+# flight through each block; and CUDA graph trees fail under non-reentrant activation checkpointing, i.e.
+# recomputation (pytorch/pytorch#154306, reported still failing with torch 2.11). So efficiency is against the best
+# one-GPU figure: on one H200 CUDA graphs gave ~1.5% over the default mode on the ~1B model (docs/performance.md).
+# TP's compiled blocks hold no graph break since `0732281` (FP8 included), so `tp2_cuda_graphs` tries CUDA graphs
+# around their collectives (functional collectives captured in the graphs); a failure there loses only that part.
 #
 # Timing: --steps 15 --warmup 6 --log-interval 3 (the median of three 3-step windows). A PP step (8 micro-batches)
 # gives each GPU 4x a one-GPU step's work: --steps 7 --warmup 3 --log-interval 1 (the median of four steps).
@@ -27,6 +29,7 @@
 #   recompute   ~80 s  full recomputation on one GPU, the 8B-layer shape on GPU 0, ~1B on GPU 1
 #   tp2_1b      ~70 s  ~1B, TP=2 + SP (likely past the budget: a second call)
 #   pp2_1b     ~140 s  ~1B, PP=2, 8 micro-batches of 8 x 2048, 1F1B then DualPipeV (likely a second call)
+#   tp2_cuda_graphs ~150 s  TP=2 + SP under CUDA graphs, the 8B-layer shape then ~1B (not in the default list)
 # Every step is bounded by what is left of BUDGET_S (default 570 s, leaving the call's last 30 s for a killed
 # step's teardown and the summary) and by STEP_TIMEOUT (default 200 s); a step that would start with less than
 # its estimate left is skipped, and the summary says so and how to run it.
@@ -106,12 +109,15 @@ for part in $PARTS; do
         "recompute_1b 70 $ONE $COMPILED $RECOMPUTE --model 1b $DATA1 $TIMED" ;;
     tp2_1b) gpus_for 2 tp2_1b || continue
       budgeted tp2_1b tp2_sp_1b 70 $TWO $COMPILED $SP --model 1b --global-batch 8 $TIMED ;;
+    tp2_cuda_graphs) gpus_for 2 tp2_cuda_graphs || continue
+      budgeted tp2_cuda_graphs tp2_sp_cuda_graphs_8b 80 $TWO $CUDA_GRAPHS $SP --model 8b-layers --global-batch 4 $TIMED
+      budgeted tp2_cuda_graphs tp2_sp_cuda_graphs_1b 70 $TWO $CUDA_GRAPHS $SP --model 1b --global-batch 8 $TIMED ;;
     pp2_1b) gpus_for 2 pp2_1b || continue
       for schedule in 1f1b dualpipev; do
         budgeted pp2_1b pp2_${schedule}_1b 70 $TWO $COMPILED $PP_1B parallel.pp_schedule=$schedule --model 1b \
           --global-batch 64 $PP_TIMED
       done ;;
-    *) echo "## $part: unknown part ($ALL_PARTS)" | tee -a "$OUT/summary.md" ;;
+    *) echo "## $part: unknown part ($ALL_PARTS tp2_cuda_graphs)" | tee -a "$OUT/summary.md" ;;
   esac
 done
 # Efficiency against the one-GPU rows of this summary. A later call's parts (without one_gpu) are compared with the

@@ -281,6 +281,16 @@ def test_gpu_2gpu_script_runs_every_part_and_computes_efficiency_against_one_gpu
     assert rows[("recompute_1b", "bf16")][5] == "75.0%" and rows[("recompute_1b", "bf16")][9] == "-"
 
 
+def test_gpu_2gpu_script_tries_tensor_parallelism_under_cuda_graphs_only_when_asked(tmp_path):
+    """`tp2_cuda_graphs` (not a default part): TP=2 + SP under CUDA graphs, the 8B-layer shape then ~1B."""
+    summary, calls = gpu_2gpu(tmp_path, "tp2_cuda_graphs")
+    sections = [line[3:] for line in summary.splitlines() if line.startswith("## ")]
+    assert sections == ["tp2_sp_cuda_graphs_8b", "tp2_sp_cuda_graphs_1b", "scaling"], summary
+    assert [model_of(c) for c in calls] == ["8b-layers", "1b"] and all(c["ranks"] == 2 for c in calls)
+    assert all({"training.compile_mode=reduce-overhead", "parallel.tp=2", "parallel.sequence_parallel=true"}
+               <= set(c["args"]) for c in calls)
+
+
 def test_gpu_2gpu_script_skips_what_the_budget_cannot_hold(tmp_path):
     """A step that would start with less than its estimate left is skipped, saying how to run it; the rest run."""
     summary, calls = gpu_2gpu(tmp_path, "one_gpu", "dp2_8b", budget="95")
