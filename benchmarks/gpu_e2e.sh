@@ -11,7 +11,7 @@
 # transposes; memory_modes: both models' memory in every mode, both ways), BF16 and FP8 profiled side by side (profile_pair,
 # profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), the
 # warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense wgrad GEMMs (wgrad_gemm), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
-# default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper), cg_diag (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_fused_quantize,
+# default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper), cg_diag and cg_diag_8b (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_fused_quantize,
 # old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
 # dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
@@ -74,6 +74,11 @@ for part in $PARTS; do
            --model 8b-layers --recipes fp8 --profile 3 ;;
     cg_diag) step cudagraph_diagnostics env TORCH_LOGS=perf_hints,cudagraph_static_inputs python \
            benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead --model 1b \
+           --recipes fp8 --steps 12 --warmup 6 ;;
+    cg_diag_8b)  # the 8B-layer FP8 warm-up peaks ~7 GiB above the plan (BF16's and ~1B's match it): do the graphs
+                 # copy inputs they should take as static?
+      step cudagraph_diagnostics_8b env TORCH_LOGS=perf_hints,cudagraph_static_inputs python \
+           benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead --model 8b-layers \
            --recipes fp8 --steps 12 --warmup 6 ;;
     old_compiled_ro) step old_compiled_cudagraphs bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
            training.compile=true training.compile_mode=reduce-overhead --model 1b --recipes fp8" ;;
