@@ -107,15 +107,14 @@ class DistributedAdamW:
                   [g[lo:hi] for lo, hi in _complement(shard.replicated, g.numel())]
                   for shard, g in zip(self.shards, grads)]
         squares = iter(_sums_of_squares([piece for shard_pieces in pieces for piece in shard_pieces]))
-        # Partial sums per kind of bucket: each is summed over the ranks holding other pieces of that kind.
-        partials: dict[tuple[int, bool], tuple[Bucket, torch.Tensor]] = {}
+        # Partial sums per kind of bucket: each is summed over the ranks holding other pieces of that kind (one
+        # stack and one sum per kind, not an add per piece).
+        kinds: dict[tuple[int, bool], tuple[Bucket, list[torch.Tensor]]] = {}
         for shard, shard_pieces in zip(self.shards, pieces):
-            part = torch.zeros((), device=device)
-            for _ in shard_pieces:
-                part = part + next(squares)
-            key = (id(shard.bucket.group), shard.expert)
-            previous = partials.get(key, (shard.bucket, torch.zeros((), device=device)))[1]
-            partials[key] = (shard.bucket, previous + part)
+            kind = kinds.setdefault((id(shard.bucket.group), shard.expert), (shard.bucket, []))
+            kind[1].extend(next(squares) for _ in shard_pieces)
+        partials = {key: (bucket, torch.stack(parts).sum() if parts else torch.zeros((), device=device))
+                    for key, (bucket, parts) in kinds.items()}
         sum_sq = torch.zeros((), dtype=torch.float32, device=device)
         for (_, expert), (bucket, part) in partials.items():
             if self.buckets.sharded and bucket.group_size > 1:
@@ -341,7 +340,7 @@ def _sums_of_squares(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     if not pieces:
         return []
     if pieces[0].device.type == "cuda":
-        return [norm.square() for norm in torch._foreach_norm(pieces)]
+        return list(torch.stack(torch._foreach_norm(pieces)).square().unbind())  # three launches, not one per piece
     return [piece.square().sum() for piece in pieces]
 
 
