@@ -74,12 +74,15 @@ WIDE_HEADS = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.atte
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
-def test_tensor_parallel_on_two_gpus_matches_one_gpu(tiny_overrides, tmp_path, recipe):
-    """TP=2 with sequence parallelism over NCCL (FP8: FP8-byte all-gathers, cuBLAS GEMMs) against TP=1."""
+@pytest.mark.parametrize("recipe, compiled", [("bf16", False), ("fp8", False), ("fp8", True)],
+                         ids=["bf16", "fp8", "fp8_compiled"])
+def test_tensor_parallel_on_two_gpus_matches_one_gpu(tiny_overrides, tmp_path, recipe, compiled):
+    """TP=2 with sequence parallelism over NCCL (FP8: FP8-byte all-gathers, cuBLAS GEMMs) against TP=1 (eager);
+    compiled, the FP8 layers' collectives are traced into the blocks' graphs."""
     _two_gpus_match_one("tiny_dense", tiny_overrides, WIDE_HEADS + ["model.ffn_hidden_size=512",
                                                                     f"precision.recipe={recipe}"],
-                        ["parallel.tp=2", "parallel.sequence_parallel=true"], tmp_path, "tp 2 x dp 1")
+                        ["parallel.tp=2", "parallel.sequence_parallel=true"]
+                        + (["training.compile=true"] if compiled else []), tmp_path, "tp 2 x dp 1")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
