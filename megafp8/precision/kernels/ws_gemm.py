@@ -19,16 +19,18 @@ product on the CUDA cores the other's MMA keeps the tensor cores busy (DeepGEMM'
 persistent (one per SM) and walk the output tiles grouped along M, so the producer is already loading the next
 tile while the consumers write the last one.
 
-Measured on an H200 (`docs/benchmarks.md`, jobs T-V): 760-1,021 TFLOP/s on issue 19's grouped fprop and dgrad
-(up to 25% faster than the TMA Triton kernel), 619-734 on their wgrads, 660-780 on dense weight gradients (where
-cuBLAS runs at 940-1,050). The backends use it only when asked (`kernel="ws"`, the `hopper` backend).
+Scales: each K step's scales (A's rows', and B's rows' where B is in 1x128 tiles) arrive by TMA with the
+operands, on the stage's barrier, and the consumers read them from shared memory straight into the accumulator's
+row and column layouts (DeepGEMM's route; loaded from global memory at every K step, the 128 column scales needed
+a layout conversion through shared memory, and in registers they spilled the accumulators at 256 columns). A stage
+is released as soon as its last wgmma has completed, before the last slice's promotion. TMA reads the scales
+rows-first and 16-byte aligned, as the quantizers write them; any other layout is copied into one
+(`_tma_scales`).
 
-Branch ws-scales-tma (twelfth session, compiled on a CPU, not yet run): each K step's scales (A's rows', and B's
-rows' where B is in 1x128 tiles) arrive by TMA with the operands, on the stage's barrier, and the consumers read
-them from shared memory straight into the accumulator's row and column layouts. Before, they were loaded from
-global memory at every K step, and B's 128 column scales were converted into the accumulator's layout through
-shared memory, with a barrier. A stage is now released as soon as its last wgmma has completed, before the last
-slice's promotion. Scales must be stored rows-first (`tiles.mn_major_scales`), as every quantizer writes them.
+Measured on an H200 (`docs/benchmarks.md`, job AM): 788-1,124 TFLOP/s on issue 19's grouped fprop and dgrad,
+775-877 on their wgrads (13-19% faster than with the scales loaded from global memory), 714-946 on dense weight
+gradients added into main_grad (cuBLASLt: 846-1,007; ahead only on the ~1B QKV). The backends use it only when
+asked (`kernel="ws"`, the `hopper` backend).
 
 Numerics are the Triton kernels' (`megafp8.precision.kernels.gemm`): an FP32 partial product per 128-wide K step,
 times its scales, added to an FP32 accumulator; results differ from the reference backend only in summation order.
