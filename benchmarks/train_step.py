@@ -31,7 +31,8 @@ planner to within 10%). With several ranks the "per rank" column lists each rank
 prediction for that rank's pipeline stage. Under CUDA graphs the steady high-water mark leaves out the graphs' own
 memory pools, which hold their activations (allocated while recording, never again): "held GiB, steady" is what
 the process holds in steady state, the allocator's reserved memory from the last warm-up step on (its idle cache
-emptied before that step), pools included. Compare recipes by it under CUDA graphs. Graph breaks counts where torch.compile
+emptied before that step), pools included; it needs `--warmup` of 2 or more, else it counts compilation too, and
+it leaves out NCCL's buffers and the CUDA context. Compare recipes by it under CUDA graphs. Graph breaks counts where torch.compile
 split a compiled block (there should be none: a split block runs slower, see `docs/performance.md`). Under pipeline
 parallelism the last column gives the schedule's theoretical bubble (the one the training loop's start-up line logs:
 simulated from the schedule's actions with forward = input-gradient = weight-gradient time);

@@ -172,7 +172,7 @@ def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(no
 def test_scales_reach_tma_rows_first_and_aligned_as_given_or_copied():
     """TMA reads each K step's scales as one row of 16-byte-aligned rows: scales already laid out so (our
     quantizers' rows-first scales over whole tiles) are used as given; any other layout (row-major, or a row count
-    not a multiple of 4) is copied into one, with the same values."""
+    not a multiple of 4, one K step's scales expanded over several) is copied into one, with the same values."""
     from megafp8.precision.kernels.ws_gemm import _tma_scales
 
     def rows_first(rows: int, steps: int) -> torch.Tensor:
@@ -180,7 +180,9 @@ def test_scales_reach_tma_rows_first_and_aligned_as_given_or_copied():
 
     kept = rows_first(256, 5)
     assert _tma_scales(kept) is kept
-    for scale in (torch.randn(391, 5), rows_first(391, 5), rows_first(256, 5)[1:], torch.randn(6, 1)):
+    for scale in (torch.randn(391, 5), rows_first(391, 5), rows_first(256, 5)[1:], torch.randn(6, 1),
+                  torch.randn(256, 1).expand(256, 4)):
         got = _tma_scales(scale)
         assert torch.equal(got, scale)
-        assert got.stride(0) == 1 and got.stride(1) % 4 == 0 and got.data_ptr() % 16 == 0
+        assert got.stride(0) == 1 and got.stride(1) >= got.shape[0] and got.stride(1) % 4 == 0
+        assert got.data_ptr() % 16 == 0

@@ -247,8 +247,9 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
 
 def apply_compile(model: nn.Module, mode: str = "default", backend: str = "inductor") -> int:
     """`torch.compile` each transformer block's computation in `mode` with `backend` (MTP blocks included; parameter
-    names unchanged). A plain FP8 linear enters the graph as custom ops (see `megafp8.precision.fp8_linear`) that
-    read the weight the block quantized eagerly before running; activation recomputation wraps the compiled code.
+    names unchanged). An FP8 linear enters the graph as custom ops (see `megafp8.precision.fp8_linear`), with its
+    tensor-parallel collectives, reading the weight the block quantized eagerly before running (one that defers
+    its weight gradient runs eagerly inside the graph); activation recomputation wraps the compiled code.
     Returns how many blocks were compiled."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:

@@ -42,11 +42,13 @@ def all_gather_rows(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """(n, ...) on each rank -> (tp * n, ...), rank order."""
     if not tp.enabled:
         return x
+    if x.dtype.is_floating_point and x.element_size() == 1:  # FP8: move the bytes (not every backend knows FP8),
+        # gathered into a byte tensor that is then viewed as FP8 (a traced graph then writes through no dtype view)
+        out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=torch.uint8, device=x.device)
+        all_gather_flat(out, x.contiguous().view(torch.uint8), group=tp.group)
+        return out.view(x.dtype)
     out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    if x.dtype.is_floating_point and x.element_size() == 1:  # FP8: move the bytes (not every backend knows FP8)
-        all_gather_flat(out.view(torch.uint8), x.contiguous().view(torch.uint8), group=tp.group)
-    else:
-        all_gather_flat(out, x.contiguous(), group=tp.group)
+    all_gather_flat(out, x.contiguous(), group=tp.group)
     return out
 
 

@@ -77,8 +77,9 @@ class _ColumnComm(LinearComm):
         return all_gather_quantized(x_fp8, x_scale, xt_fp8, xt_scale, self.tp)
 
     def start_reduce_grad_input(self, dx2d) -> Callable[[], torch.Tensor]:
-        # Traced, a collective cannot be asynchronous: Inductor's functional collective waits where dx is first used
-        # (after the wgrad GEMM, so they still overlap).
+        # Traced, a collective cannot be asynchronous (Dynamo refuses `async_op`): the graph waits for it right away,
+        # so the reduction no longer overlaps the wgrad GEMM unless Inductor reorders the wait
+        # (`reorder_for_compute_comm_overlap`, off by default). Eagerly it is awaited after the wgrad GEMM.
         async_op = not torch.compiler.is_compiling()
         if self.tp.sp:
             out, work = reduce_scatter_rows(dx2d, self.tp, async_op=async_op)

@@ -255,7 +255,8 @@ def _tma_scales(scale: torch.Tensor) -> torch.Tensor:
     """A (rows, K/128) FP32 scale tensor as TMA reads it: stored rows-first (`tiles.mn_major_scales`) with each K
     step's rows starting 16 bytes apart or a multiple of that. As given when it is (what our quantizers make for
     whole 128-token tiles), else copied into such a layout (scales are 1/128 of their operand: a small copy)."""
-    if scale.stride(0) == 1 and scale.stride(1) % 4 == 0 and scale.data_ptr() % 16 == 0:
+    rows_first = scale.stride(0) == 1 and scale.stride(1) >= scale.shape[0]  # not expanded, rows not overlapping
+    if rows_first and scale.stride(1) % 4 == 0 and scale.data_ptr() % 16 == 0:
         return scale
     rows, steps = scale.shape
     padded = torch.empty(steps, -(-rows // 4) * 4, dtype=scale.dtype, device=scale.device)
@@ -305,6 +306,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     bs_e, bs_n, bs_k = (b_scale.stride() if b_scale.dim() == 3 else (0, *b_scale.stride()))
     dummy = a_scale  # an unused pointer argument
     grid = (min(_sm_count(a.device), num_tiles),)
+    a_scale = _tma_scales(a_scale)
     as_desc = _scale_descriptor(a_scale, _H)
     # With B in blocks its scale is one number per slice, read from global memory; the descriptor is then unused.
     bs_desc = _scale_descriptor(a_scale if b_blockwise else b_scale, _T)
