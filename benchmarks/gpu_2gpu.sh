@@ -30,6 +30,8 @@
 #   tp2_1b      ~70 s  ~1B, TP=2 + SP (likely past the budget: a second call)
 #   pp2_1b     ~140 s  ~1B, PP=2, 8 micro-batches of 8 x 2048, 1F1B then DualPipeV (likely a second call)
 #   tp2_cuda_graphs ~150 s  TP=2 + SP under CUDA graphs, the 8B-layer shape then ~1B (not in the default list)
+#   tp2_overlap ~150 s  TP=2 + SP compiled with Inductor's comm/compute reordering (`training.compile_comm_overlap`:
+#                      traced collectives are otherwise waited for at once), 8B-layer then ~1B (not in the default)
 # Every step is bounded by what is left of BUDGET_S (default 570 s, leaving the call's last 30 s for a killed
 # step's teardown and the summary) and by STEP_TIMEOUT (default 200 s); a step that would start with less than
 # its estimate left is skipped, and the summary says so and how to run it.
@@ -112,12 +114,17 @@ for part in $PARTS; do
     tp2_cuda_graphs) gpus_for 2 tp2_cuda_graphs || continue
       budgeted tp2_cuda_graphs tp2_sp_cuda_graphs_8b 80 $TWO $CUDA_GRAPHS $SP --model 8b-layers --global-batch 4 $TIMED
       budgeted tp2_cuda_graphs tp2_sp_cuda_graphs_1b 70 $TWO $CUDA_GRAPHS $SP --model 1b --global-batch 8 $TIMED ;;
+    tp2_overlap) gpus_for 2 tp2_overlap || continue
+      budgeted tp2_overlap tp2_sp_overlap_8b 80 $TWO $COMPILED training.compile_comm_overlap=true $SP \
+        --model 8b-layers --global-batch 4 $TIMED
+      budgeted tp2_overlap tp2_sp_overlap_1b 70 $TWO $COMPILED training.compile_comm_overlap=true $SP --model 1b \
+        --global-batch 8 $TIMED ;;
     pp2_1b) gpus_for 2 pp2_1b || continue
       for schedule in 1f1b dualpipev; do
         budgeted pp2_1b pp2_${schedule}_1b 70 $TWO $COMPILED $PP_1B parallel.pp_schedule=$schedule --model 1b \
           --global-batch 64 $PP_TIMED
       done ;;
-    *) echo "## $part: unknown part ($ALL_PARTS tp2_cuda_graphs)" | tee -a "$OUT/summary.md" ;;
+    *) echo "## $part: unknown part ($ALL_PARTS tp2_cuda_graphs tp2_overlap)" | tee -a "$OUT/summary.md" ;;
   esac
 done
 # Efficiency against the one-GPU rows of this summary. A later call's parts (without one_gpu) are compared with the

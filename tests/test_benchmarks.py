@@ -281,14 +281,20 @@ def test_gpu_2gpu_script_runs_every_part_and_computes_efficiency_against_one_gpu
     assert rows[("recompute_1b", "bf16")][5] == "75.0%" and rows[("recompute_1b", "bf16")][9] == "-"
 
 
-def test_gpu_2gpu_script_tries_tensor_parallelism_under_cuda_graphs_only_when_asked(tmp_path):
-    """`tp2_cuda_graphs` (not a default part): TP=2 + SP under CUDA graphs, the 8B-layer shape then ~1B."""
+def test_gpu_2gpu_script_tries_tensor_parallel_variants_only_when_asked(tmp_path):
+    """`tp2_cuda_graphs` and `tp2_overlap` (not default parts): TP=2 + SP under CUDA graphs, and compiled with
+    Inductor's comm/compute reordering; the 8B-layer shape then ~1B."""
     summary, calls = gpu_2gpu(tmp_path, "tp2_cuda_graphs")
     sections = [line[3:] for line in summary.splitlines() if line.startswith("## ")]
     assert sections == ["tp2_sp_cuda_graphs_8b", "tp2_sp_cuda_graphs_1b", "scaling"], summary
     assert [model_of(c) for c in calls] == ["8b-layers", "1b"] and all(c["ranks"] == 2 for c in calls)
     assert all({"training.compile_mode=reduce-overhead", "parallel.tp=2", "parallel.sequence_parallel=true"}
                <= set(c["args"]) for c in calls)
+    (tmp_path / "overlap").mkdir()
+    summary, calls = gpu_2gpu(tmp_path / "overlap", "tp2_overlap")
+    assert [line[3:] for line in summary.splitlines() if line.startswith("## ")] == [
+        "tp2_sp_overlap_8b", "tp2_sp_overlap_1b", "scaling"], summary
+    assert all({"training.compile_comm_overlap=true", "parallel.tp=2"} <= set(c["args"]) for c in calls)
 
 
 def test_gpu_2gpu_script_skips_what_the_budget_cannot_hold(tmp_path):

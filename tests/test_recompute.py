@@ -85,19 +85,31 @@ def test_a_dense_fp8_block_compiles_into_one_graph(tiny_overrides):
 
 
 def test_compile_mode_reaches_torch_compile(tiny_overrides, monkeypatch):
-    """`training.compile_mode` is the mode every block is compiled with (`default` passes none), by Inductor."""
-    modes = []
+    """`training.compile_mode` is the mode every block is compiled with (`default` passes none), by Inductor. With
+    `training.compile_comm_overlap` the mode's options are spelled out (torch.compile takes a mode or options, not
+    both) with Inductor's comm/compute reordering added."""
+    calls = []
 
-    def recording_compile(fn, mode=None, backend="inductor"):
-        modes.append(mode if backend == "inductor" else backend)
+    def recording_compile(fn, mode=None, options=None, backend="inductor"):
+        calls.append((mode, options) if backend == "inductor" else backend)
         return fn
 
     monkeypatch.setattr(torch, "compile", recording_compile)
-    for mode, expected in (("default", None), ("reduce-overhead", "reduce-overhead")):
-        modes.clear()
-        Trainer(load_config("tiny_dense", tiny_overrides + ["training.compile=true", f"training.compile_mode={mode}"]),
+    overlap = {"reorder_for_compute_comm_overlap": True}
+    for mode, comm_overlap, (want_mode, want_options) in (
+            ("default", False, (None, None)), ("reduce-overhead", False, ("reduce-overhead", None)),
+            ("default", True, (None, overlap)), ("reduce-overhead", True, (None, {"triton.cudagraphs": True, **overlap}))):
+        calls.clear()
+        Trainer(load_config("tiny_dense", tiny_overrides + ["training.compile=true", f"training.compile_mode={mode}",
+                                                            f"training.compile_comm_overlap={comm_overlap}"]),
                 ParallelDims.single(), torch.device("cpu"))
-        assert modes and set(modes) == {expected}, (mode, modes)
+        assert calls and all(m == want_mode for m, _ in calls), (mode, calls)
+        for _, options in calls:
+            if want_options is None:
+                assert options is None
+            else:  # the reordering passes: those this torch has
+                assert {k: options[k] for k in want_options} == want_options, options
+                assert options["reorder_for_compute_comm_overlap_passes"], options
 
 
 def _fail_on_recompile_limit():

@@ -254,10 +254,13 @@ def test_tp2_training_matches_tp1(parity, recipe, layout):
     parity.check(TP_MODEL + [f"precision.recipe={recipe}"], LAYOUTS[layout], 2, LOW_PRECISION_TOL)
 
 
-def test_compiled_fp8_tp2_sp_training_matches_tp1(parity):
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "comm_overlap"])
+def test_compiled_fp8_tp2_sp_training_matches_tp1(parity, overlap):
     """Compiled, the FP8 layers of a TP=2 + SP model run with their collectives in the graph (the layer test above
-    checks there is no graph break) and train as the eager TP=1 run does."""
-    parity.check(TP_MODEL + ["precision.recipe=fp8"], LAYOUTS["tp2_sp"] + ["training.compile=true"], 2,
+    checks there is no graph break) and train as the eager TP=1 run does; also with Inductor moving the
+    collectives' waits (`training.compile_comm_overlap`)."""
+    parity.check(TP_MODEL + ["precision.recipe=fp8"],
+                 LAYOUTS["tp2_sp"] + ["training.compile=true", f"training.compile_comm_overlap={overlap}"], 2,
                  LOW_PRECISION_TOL)
 
 

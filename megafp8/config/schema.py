@@ -342,6 +342,12 @@ class TrainingConfig:
         "`torch.compile`'s mode for the blocks (with `compile: true`). `reduce-overhead` adds CUDA graphs, which cut "
         "the host's launch work; `max-autotune` also tunes Inductor's kernels (longer compilation).",
     )
+    compile_comm_overlap: bool = setting(
+        False,
+        "With `compile: true`: Inductor reorders each compiled block's collectives (tensor parallelism's all-gathers "
+        "and reduce-scatters) and their waits to overlap computation (`reorder_for_compute_comm_overlap`). Traced "
+        "collectives are otherwise waited for as soon as they start. Off by default: its speed is not yet measured.",
+    )
     recompute: RecomputeMode = setting(
         "none",
         "Activation recomputation. `full`: every transformer block keeps only its input for backward and runs its "

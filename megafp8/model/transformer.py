@@ -245,21 +245,42 @@ def apply_recompute(model: nn.Module, mode: str) -> int:
     return len(blocks) if mode == "full" else 0
 
 
-def apply_compile(model: nn.Module, mode: str = "default", backend: str = "inductor") -> int:
+def apply_compile(model: nn.Module, mode: str = "default", backend: str = "inductor",
+                  comm_overlap: bool = False) -> int:
     """`torch.compile` each transformer block's computation in `mode` with `backend` (MTP blocks included; parameter
     names unchanged). An FP8 linear enters the graph as custom ops (see `megafp8.precision.fp8_linear`), with its
     tensor-parallel collectives, reading the weight the block quantized eagerly before running (one that defers
     its weight gradient runs eagerly inside the graph); activation recomputation wraps the compiled code.
+    `comm_overlap`: Inductor moves the graph's collectives and their waits to overlap computation (its
+    `reorder_for_compute_comm_overlap` passes; traced, every collective is otherwise waited for at once).
     Returns how many blocks were compiled."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
         block.uncompiled_forward = block._forward
-        block._forward = torch.compile(block._forward, mode=None if mode == "default" else mode, backend=backend)
+        block._forward = torch.compile(block._forward, backend=backend, **_compile_settings(mode, comm_overlap))
         # Each forward first quantizes the block's changed FP8 weights, eagerly: once per weight version, not once
         # per micro-batch inside the graph. Every linear is listed: one may switch to FP8 later
         # (`precision.fp8_start_step`), and those running BF16 skip the preparation.
         block.fp8_linears = [m for m in block.modules() if isinstance(m, ParallelLinear)]
     return len(blocks)
+
+
+# Inductor's recommended comm/compute reordering passes (torch/_inductor/config.py), in order; those this torch has.
+_COMM_OVERLAP_PASSES = ("reorder_communication_preserving_peak_memory", "sink_waits_iterative",
+                        "reorder_communication_preserving_peak_memory")
+
+
+def _compile_settings(mode: str, comm_overlap: bool) -> dict:
+    """`torch.compile`'s keyword arguments for `mode`, plus Inductor's comm/compute reordering if asked (`mode`
+    and `options` cannot both be given: the mode's own options are spelled out then)."""
+    if not comm_overlap:
+        return {"mode": None if mode == "default" else mode}
+    from torch._inductor import comms, list_mode_options
+
+    options = dict(list_mode_options(mode))
+    options["reorder_for_compute_comm_overlap"] = True
+    options["reorder_for_compute_comm_overlap_passes"] = [p for p in _COMM_OVERLAP_PASSES if hasattr(comms, p)]
+    return {"options": options}
 
 
 def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int, tp_size: int = 1) -> ModelConfig:

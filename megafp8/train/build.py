@@ -136,7 +136,7 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
     fp8.convert(model)
     if cfg.training.compile:
         log.info("torch.compile (mode %s): %d blocks", cfg.training.compile_mode,
-                 apply_compile(model, cfg.training.compile_mode))
+                 apply_compile(model, cfg.training.compile_mode, comm_overlap=cfg.training.compile_comm_overlap))
     recomputing = apply_recompute(model, cfg.training.recompute)
     if recomputing:
         log.info("activation recomputation: %d blocks keep only their input for backward", recomputing)
