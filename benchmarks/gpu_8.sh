@@ -11,7 +11,7 @@
 #               loss gap within 0.05, about twice what TP=2 + SP drifted from TP=1 in 30 steps (0.027,
 #               docs/benchmarks.md): the reductions add in another order, and BF16 rounding makes the runs drift.
 # A part whose GPUs are not visible is skipped, and the summary says which and why.
-# Not scripted: the layout the planner would recommend for eight GPUs (the planner has no layout search yet).
+# The layout the planner recommends for eight GPUs (`tools/plan.py --layouts`) runs after the fixed layouts.
 # Usage: OUT=dir bash benchmarks/gpu_8.sh [parts...]   (default: one_gpu two_gpus eight_gpus loss_8gpu)
 # STEP_TIMEOUT (s) bounds each step; tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
 source "$(dirname "$0")/gpu_lib.sh"
@@ -41,6 +41,16 @@ for part in $PARTS; do
       # DP2 x 8 micro-batches of one 4096-token sample: DualPipeV with pp=2 keeps 3 in flight.
       step moe16b_tp2_pp2_ep2 $EIGHT $SP parallel.pp=2 parallel.ep=2 parallel.pp_schedule=dualpipev \
         --config 16b_moe_fp8 --model config --global-batch 16 --recipes bf16 fp8
+      # The planner's recommendation for the 16B MoE on these GPUs (its table goes to the summary too).
+      step moe16b_layouts python tools/plan.py --config 16b_moe_fp8 --world-size 8 --layouts
+      recommended=$(python tools/plan.py --config 16b_moe_fp8 --world-size 8 --layouts 2> /dev/null \
+        | sed -n 's/^recommended overrides: //p')
+      if [ -n "$recommended" ]; then
+        step moe16b_recommended $EIGHT $recommended --config 16b_moe_fp8 --model config --global-batch 16 \
+          --recipes bf16 fp8
+      else
+        echo "## moe16b_recommended: SKIPPED: the planner found no layout that fits" | tee -a "$OUT/summary.md"
+      fi
       step dense_dp8 $EIGHT optimizer.sharded=true --model 1b --global-batch 64 --recipes bf16 fp8
       step dense_tp2_dp4 $EIGHT $SP --model 1b --global-batch 32 --recipes bf16 fp8 ;;
     loss_8gpu) gpus_for 8 loss_8gpu || continue

@@ -4,19 +4,25 @@ from __future__ import annotations
 import argparse
 import logging
 
+import torch
+
 from megafp8.config import ConfigError, dump_config, load_config
 from megafp8.precision import check_backend_name
-from megafp8.train.plan import dry_run
+from megafp8.train.layouts import render_layouts, search_layouts
+from megafp8.train.plan import GIB, dry_run, with_vocab
 from megafp8.train.runtime import env_rank, init_distributed, report_error, seed_everything, shutdown
 from megafp8.train.trainer import Trainer
 
 log = logging.getLogger("megafp8")
+H200_GIB = 139.8  # what torch reports for an H200's memory (143,771 MiB)
 
 
 TRAIN_DESCRIPTION = ("Pretrain a language model. Run as `python launch/pretrain.py --config NAME` (one rank) "
                      "or under `torchrun --nproc_per_node=N launch/pretrain.py --config NAME`.")
 PLAN_DESCRIPTION = ("Plan a run without allocating it: parameters by part, memory per GPU, FLOPs per token and "
-                    "tokens/s at an assumed MFU. Same as `python launch/pretrain.py --config NAME --dry-run`.")
+                    "tokens/s at an assumed MFU. Same as `python launch/pretrain.py --config NAME --dry-run`. With "
+                    "--layouts: every TP x PP x EP x DP layout on --world-size GPUs, its memory, and the one to "
+                    "start with.")
 
 
 def build_parser(prog: str, description: str, plan_only: bool = False) -> argparse.ArgumentParser:
@@ -35,6 +41,14 @@ def build_parser(prog: str, description: str, plan_only: bool = False) -> argpar
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="dotted overrides, e.g. model.num_layers=2 optimizer.lr=1e-3")
     if plan_only:
+        parser.add_argument("--layouts", action="store_true",
+                            help="list every parallel layout on --world-size GPUs with its planned memory, and "
+                                 "recommend the one with the least model parallelism that fits")
+        parser.add_argument("--gpu-gib", type=float, default=None,
+                            help="--layouts: memory per GPU in GiB (default: this machine's GPU, else an H200's "
+                                 f"{H200_GIB:g})")
+        parser.add_argument("--max-tp", type=int, default=8,
+                            help="--layouts: the largest tensor-parallel size to consider (GPUs of one node)")
         parser.set_defaults(print_config=False, dry_run=True)
     return parser
 
@@ -47,6 +61,15 @@ def _error(message: str) -> int:
     """Report `message` in one line, once per job (`megafp8.train.runtime.report_error`); the exit status 2."""
     report_error(message)
     return 2
+
+
+def layouts_main(cfg, world_size: int, gpu_gib: float | None, max_tp: int) -> str:
+    """`tools/plan.py --layouts`: the layout search's table for `cfg` on `world_size` GPUs."""
+    if gpu_gib is None:
+        gpu_gib = (torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available()
+                   else H200_GIB)
+    gpu_bytes = gpu_gib * GIB
+    return render_layouts(search_layouts(with_vocab(cfg), world_size, gpu_bytes, max_tp), world_size, gpu_bytes)
 
 
 def plan_main(argv: list[str] | None = None) -> int:
@@ -68,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(err))
     if args.print_config:
         print(dump_config(cfg), end="")
+        return 0
+    if getattr(args, "layouts", False):
+        try:
+            print(layouts_main(cfg, args.world_size or env_rank()[2], args.gpu_gib, args.max_tp))
+        except ConfigError as err:
+            return _error(str(err))
         return 0
     if args.dry_run:
         try:

@@ -1,0 +1,118 @@
+"""Which parallel layouts a run could take on N GPUs, and which one to start with (`tools/plan.py --layouts`).
+
+Every factorization of the world into tensor (TP, with sequence parallelism), pipeline (PP) and data-parallel
+ranks, and for a mixture-of-experts model every expert-parallel size (EP, inside the data-parallel ranks), is
+checked as the launch would check it (`validate_for_world`: shapes on tile edges, heads, experts and layers
+divisible, the global batch a whole number of micro-batches per rank) and planned (`make_plan`: the busiest rank's
+memory). A layout fits when its plan leaves `headroom` of the GPU free: the planner is tested to within 10% of
+measured peaks (`benchmarks/train_step.py`), and the allocator needs some slack.
+
+The recommendation is the fitting layout with the least model parallelism, preferring, at the same degree, expert
+over tensor over pipeline parallelism: data parallelism with a sharded optimizer kept 96-97% of one GPU's
+throughput per GPU on two H200s, TP=2 and PP=2 lost more or paid a bubble (`docs/benchmarks.md`, issue 26's
+tables), and a smaller model-parallel degree leaves every GEMM larger. It is a starting point to measure
+(`benchmarks/train_step.py` at that layout), not a performance model: communication cost across nodes is not
+modelled (keep TP inside a node: `max_tp`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from megafp8.config import Config, ConfigError
+from megafp8.config.layout import V_SHAPED
+from megafp8.config.validate import validate_for_world
+from megafp8.train.plan import GIB, make_plan
+
+
+@dataclass
+class LayoutOption:
+    """One candidate layout: its sizes, the overrides that select it, and its planned memory or why it cannot run."""
+
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    overrides: list[str]
+    planned_gib: Optional[float] = None  # the busiest rank's plan; None where the layout is refused
+    problem: Optional[str] = None  # why it cannot run here (the launch's error, or the memory it lacks)
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+    def cost(self) -> tuple[int, int, int, int]:
+        """Order of preference (smaller first): model-parallel degree, then expert, tensor, pipeline parallelism."""
+        return (self.tp * self.pp * self.ep, self.pp, self.tp, self.ep)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layout_config(cfg: Config, tp: int, pp: int, ep: int) -> tuple[Config, list[str]]:
+    """`cfg` at tp x pp x ep (sequence parallelism with TP; the configured pipeline schedule, else 1F1B, or
+    DualPipeV where MTP needs a V-shaped one), and the overrides that say so on a command line."""
+    par = cfg.parallel
+    schedule = par.pp_schedule if par.pp > 1 else ("dualpipev" if cfg.model.mtp_depth > 0 else "1f1b")
+    if pp > 1 and cfg.model.mtp_depth > 0 and schedule not in V_SHAPED:
+        schedule = "dualpipev"
+    same_pp = pp == par.pp
+    parallel = dataclasses.replace(
+        par, tp=tp, pp=pp, ep=ep, dp=None, sequence_parallel=tp > 1, pp_schedule=schedule,
+        pp_virtual_stages=par.pp_virtual_stages if same_pp else 1, pp_layout=par.pp_layout if same_pp else None)
+    overrides = [f"parallel.tp={tp}", f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
+                 f"parallel.pp={pp}", f"parallel.ep={ep}"]
+    if pp > 1:
+        overrides.append(f"parallel.pp_schedule={schedule}")
+    return dataclasses.replace(cfg, parallel=parallel), overrides
+
+
+def search_layouts(cfg: Config, world_size: int, gpu_bytes: float, max_tp: int = 8,
+                   headroom: float = 0.1) -> list[LayoutOption]:
+    """Every layout of `cfg` (model.vocab_size set) on `world_size` GPUs of `gpu_bytes` each, TP at most `max_tp`,
+    fitting ones first in order of preference (`LayoutOption.cost`), then the others by planned memory."""
+    if cfg.model.vocab_size is None:
+        raise ConfigError("the layout search needs model.vocab_size (or the data at data.path): set it")
+    moe = cfg.model.moe.num_experts > 0
+    options = []
+    for tp in (d for d in _divisors(world_size) if d <= max_tp):
+        for pp in (d for d in _divisors(world_size // tp) if d <= cfg.model.num_layers):
+            dp = world_size // (tp * pp)
+            for ep in (_divisors(dp) if moe else [1]):
+                layout_cfg, overrides = _layout_config(cfg, tp, pp, ep)
+                option = LayoutOption(tp, pp, ep, dp, overrides)
+                try:
+                    validate_for_world(layout_cfg, world_size)
+                    option.planned_gib = make_plan(layout_cfg, world_size).total_bytes / GIB
+                except ConfigError as err:
+                    option.problem = str(err)
+                else:
+                    budget = (1 - headroom) * gpu_bytes / GIB
+                    if option.planned_gib > budget:
+                        option.problem = (f"needs {option.planned_gib:,.1f} GiB per GPU, more than "
+                                          f"{budget:,.1f} ({100 * (1 - headroom):.0f}% of the GPU's "
+                                          f"{gpu_bytes / GIB:,.1f})")
+                options.append(option)
+    refused = [o for o in options if not o.fits]
+    return (sorted((o for o in options if o.fits), key=LayoutOption.cost)
+            + sorted(refused, key=lambda o: (o.planned_gib is None, o.planned_gib or 0.0, o.cost())))
+
+
+def render_layouts(options: list[LayoutOption], world_size: int, gpu_bytes: float) -> str:
+    """The search as a table, the recommendation first (or why nothing fits)."""
+    lines = [f"layouts on {world_size} GPU(s) of {gpu_bytes / GIB:,.1f} GiB", "",
+             "| | tp | pp | ep | dp | planned GiB per GPU (busiest rank) | why not |", "|---|---|---|---|---|---|---|"]
+    for i, o in enumerate(options):
+        mark = "recommended" if i == 0 and o.fits else ("fits" if o.fits else "")
+        planned = f"{o.planned_gib:,.1f}" if o.planned_gib is not None else "-"
+        lines.append(f"| {mark} | {o.tp} | {o.pp} | {o.ep} | {o.dp} | {planned} | "
+                     f"{(o.problem or '').replace('|', '/')} |")
+    if options and options[0].fits:
+        lines += ["", "recommended overrides: " + " ".join(options[0].overrides),
+                  "(the least model parallelism that fits; measure it: benchmarks/train_step.py at these settings)"]
+    else:
+        lines += ["", "no layout fits: raise the GPU count, lower training.micro_batch_size, set "
+                      "optimizer.sharded=true or training.recompute=full, or use a smaller model"]
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""The layout search (`tools/plan.py --layouts`): every TP x PP x EP x DP layout checked as the launch checks it,
+planned, and the one with the least model parallelism that fits recommended."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from megafp8.config import load_config
+from megafp8.config.validate import validate_for_world
+from megafp8.train.layouts import search_layouts
+from megafp8.train.plan import GIB
+from tests.conftest import REPO, torchrun_env
+
+# Two heads of 128 (so TP=2 holds whole FP8 tiles, TP=4 would split a head).
+WIDE = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.head_dim=128", "model.vocab_size=512"]
+
+
+def _by_sizes(options):
+    return {(o.tp, o.pp, o.ep): o for o in options}
+
+
+def test_the_recommendation_is_the_least_model_parallelism_that_fits():
+    cfg = load_config("tiny_dense", WIDE)
+    roomy = search_layouts(cfg, 4, 80 * GIB)
+    by = _by_sizes(roomy)
+    assert set(by) == {(1, 1, 1), (2, 1, 1), (1, 2, 1), (4, 1, 1), (2, 2, 1), (1, 4, 1)}
+    assert (roomy[0].tp, roomy[0].pp, roomy[0].dp) == (1, 1, 4) and roomy[0].fits  # plain data parallelism
+    refused = by[4, 1, 1]  # the launch's own check, its message kept
+    assert not refused.fits and refused.planned_gib is None and "num_heads" in refused.problem
+    assert roomy[-1] is refused  # refused layouts last
+    # A GPU between the DP and the TP=2 plans: DP no longer fits, TP=2 (no bubble) comes before PP=2.
+    assert by[1, 1, 1].planned_gib > by[2, 1, 1].planned_gib
+    gpu = (by[1, 1, 1].planned_gib + by[2, 1, 1].planned_gib) / 2 / 0.9 * GIB
+    tight = search_layouts(cfg, 4, gpu)
+    assert (tight[0].tp, tight[0].pp, tight[0].dp) == (2, 1, 2) and tight[0].planned_gib <= 0.9 * gpu / GIB
+    assert "needs" in _by_sizes(tight)[1, 1, 1].problem
+    fitting = [o for o in tight if o.fits]
+    assert [o.cost() for o in fitting] == sorted(o.cost() for o in fitting)
+    # The recommended overrides are a layout the launch accepts.
+    validate_for_world(load_config("tiny_dense", WIDE + tight[0].overrides), 4)
+
+
+def test_a_moe_model_is_also_offered_expert_parallelism():
+    cfg = load_config("tiny_moe_fp8", ["model.vocab_size=512"])
+    by = _by_sizes(search_layouts(cfg, 4, 80 * GIB))
+    assert {ep for (tp, pp, ep) in by if (tp, pp) == (1, 1)} == {1, 2, 4}  # every divisor of dp = 4
+    assert all(o.dp % o.ep == 0 for o in by.values())
+    assert by[1, 1, 2].fits and by[1, 1, 2].planned_gib < by[1, 1, 1].planned_gib  # experts split over two ranks
+    assert "parallel.ep=2" in by[1, 1, 2].overrides
+
+
+def test_layouts_command_line():
+    cmd = [sys.executable, "tools/plan.py", "--config", "tiny_dense", "--world-size", "4", "--layouts",
+           "--gpu-gib", "80", *WIDE]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "| recommended | 1 | 1 | 1 | 4 |" in result.stdout
+    assert "recommended overrides: parallel.tp=1 parallel.sequence_parallel=false parallel.pp=1" in result.stdout
+    none_fit = subprocess.run(cmd[:-len(WIDE) - 2] + ["--gpu-gib", "0.001", *WIDE], cwd=REPO, env=torchrun_env(),
+                              capture_output=True, text=True, timeout=120)
+    assert none_fit.returncode == 0 and "no layout fits" in none_fit.stdout
