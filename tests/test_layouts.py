@@ -59,3 +59,6 @@ def test_layouts_command_line():
     none_fit = subprocess.run(cmd[:-len(WIDE) - 2] + ["--gpu-gib", "0.001", *WIDE], cwd=REPO, env=torchrun_env(),
                               capture_output=True, text=True, timeout=120)
     assert none_fit.returncode == 0 and "no layout fits" in none_fit.stdout
+    bad = subprocess.run(cmd[:-len(WIDE) - 2] + ["--gpu-gib", "-1", *WIDE], cwd=REPO, env=torchrun_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--gpu-gib above 0" in bad.stderr and not bad.stdout

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from megafp8.config import ConfigError, dump_config, load_config
+from megafp8.config import Config, ConfigError, dump_config, load_config
 from megafp8.precision import check_backend_name
 from megafp8.train.layouts import render_layouts, search_layouts
 from megafp8.train.plan import GIB, dry_run, with_vocab
@@ -63,8 +63,11 @@ def _error(message: str) -> int:
     return 2
 
 
-def layouts_main(cfg, world_size: int, gpu_gib: float | None, max_tp: int) -> str:
+def layouts_main(cfg: Config, world_size: int, gpu_gib: float | None, max_tp: int) -> str:
     """`tools/plan.py --layouts`: the layout search's table for `cfg` on `world_size` GPUs."""
+    if world_size < 1 or max_tp < 1 or (gpu_gib is not None and not gpu_gib > 0):
+        raise ConfigError(f"--layouts needs --world-size, --max-tp and --gpu-gib above 0 (got {world_size}, {max_tp}, "
+                          f"{gpu_gib})")
     if gpu_gib is None:
         gpu_gib = (torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available()
                    else H200_GIB)
