@@ -8,6 +8,7 @@ import sys
 from megafp8.config import load_config
 from megafp8.config.validate import validate_for_world
 from megafp8.train.layouts import search_layouts
+from megafp8.train.main import plan_main
 from megafp8.train.plan import GIB
 from tests.conftest import REPO, torchrun_env
 
@@ -49,16 +50,14 @@ def test_a_moe_model_is_also_offered_expert_parallelism():
     assert "parallel.ep=2" in by[1, 1, 2].overrides
 
 
-def test_layouts_command_line():
+def test_layouts_command_line(capsys):
     cmd = [sys.executable, "tools/plan.py", "--config", "tiny_dense", "--world-size", "4", "--layouts",
            "--gpu-gib", "80", *WIDE]
     result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| recommended | 1 | 1 | 1 | 4 |" in result.stdout
     assert "recommended overrides: parallel.tp=1 parallel.sequence_parallel=false parallel.pp=1" in result.stdout
-    none_fit = subprocess.run(cmd[:-len(WIDE) - 2] + ["--gpu-gib", "0.001", *WIDE], cwd=REPO, env=torchrun_env(),
-                              capture_output=True, text=True, timeout=120)
-    assert none_fit.returncode == 0 and "no layout fits" in none_fit.stdout
-    bad = subprocess.run(cmd[:-len(WIDE) - 2] + ["--gpu-gib", "-1", *WIDE], cwd=REPO, env=torchrun_env(),
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--gpu-gib above 0" in bad.stderr and not bad.stdout
+    args = ["--config", "tiny_dense", "--world-size", "4", "--layouts", *WIDE]
+    assert plan_main(args + ["--gpu-gib", "0.001"]) == 0 and "no layout fits" in capsys.readouterr().out
+    assert plan_main(args + ["--gpu-gib", "-1"]) == 2
+    assert "--gpu-gib above 0" in capsys.readouterr().err
