@@ -11,7 +11,11 @@ weight gradient is accumulated into `main_grad`, as in training.
 quantizing its weight every iteration, or reading it from a cache prepared once, as a compiled block does) against
 a compiled `nn.Linear`.
 
-Usage: python benchmarks/fp8_linear.py [--backends cublas triton] [--iters 20] [--compiled]
+`--cuda-graphs` adds both layers' iterations captured in a CUDA graph and replayed: device time only, with the
+host's launch cost out of the picture, as the training step runs under `training.compile_mode: reduce-overhead`.
+Where the eager columns fall behind these, the eager iteration is bound by the host (Python and launches).
+
+Usage: python benchmarks/fp8_linear.py [--backends cublas triton] [--iters 20] [--compiled] [--cuda-graphs]
 """
 from __future__ import annotations
 
@@ -37,6 +41,21 @@ def time_ms(fn, iters: int) -> float:
     return do_bench(fn, warmup=25, rep=max(100, 5 * iters), return_mode="median")
 
 
+def graphed(fn, warmup: int = 3):
+    """`fn` captured in a CUDA graph after `warmup` calls on a side stream (as torch's docs prescribe, so lazily
+    made state such as `.grad` and the FP8 weight cache exists before capture); returns the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def saved_activation_bytes(layer: nn.Module, x: torch.Tensor) -> int:
     """Bytes autograd keeps for backward besides the weights (parameters, and an FP8 layer's quantized weight and
     its transpose, which live in its cache anyway)."""
@@ -58,7 +77,8 @@ def saved_activation_bytes(layer: nn.Module, x: torch.Tensor) -> int:
     return total
 
 
-def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int, compiled: bool = False) -> dict[str, float]:
+def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int, compiled: bool = False,
+                cuda_graphs: bool = False) -> dict[str, float]:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     flops = 6.0 * m * k * n
@@ -72,6 +92,8 @@ def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int, compile
     if compiled:
         bf16_compiled = torch.compile(bf16)
         row["bf16_compiled_tflops"] = flops / time_ms(lambda: bf16_compiled(x).backward(dy), iters) / 1e9
+    if cuda_graphs:
+        row["bf16_graphed_tflops"] = flops / time_ms(graphed(step_bf16), iters) / 1e9
     bf16.weight.grad = None
     for name in backends:
         layer = ColumnParallelLinear(k, n, PrecisionRecipe.from_name("fp8", Fp8Recipe(backend=name)), device="cuda")
@@ -86,6 +108,9 @@ def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int, compile
 
         row[f"{name}_tflops"] = flops / time_ms(step_fp8, iters) / 1e9
         row[f"{name}_cached_tflops"] = flops / time_ms(lambda: step_fp8(False), iters) / 1e9
+        if cuda_graphs:
+            row[f"{name}_graphed_tflops"] = flops / time_ms(graphed(step_fp8), iters) / 1e9
+            row[f"{name}_graphed_cached_tflops"] = flops / time_ms(graphed(lambda: step_fp8(False)), iters) / 1e9
         row[f"{name}_saved_mb"] = saved_activation_bytes(layer, x) / 2**20
         if compiled:
             layer_compiled = torch.compile(layer)
@@ -126,6 +151,8 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20, help="scales the timing window (5 ms per iter, >=100 ms)")
     parser.add_argument("--profile", action="store_true", help="print a kernel-time breakdown of the first shape")
     parser.add_argument("--compiled", action="store_true", help="also time both layers under torch.compile")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="also time both layers' iterations replayed from a CUDA graph (device time only)")
     args = parser.parse_args()
     if args.profile:
         profile(*SHAPES[0], args.backends[0])
@@ -134,11 +161,13 @@ def main() -> int:
         f"{b} TFLOP/s (x BF16) | {b} cached-weight TFLOP/s" for b in args.backends
     ) + (" | BF16 compiled | " + " | ".join(f"{b} compiled (x BF16 compiled) | {b} compiled, cached weight"
                                             for b in args.backends)
-         if args.compiled else "") + " | saved activations BF16 -> FP8 (MiB) |"
+         if args.compiled else "") + (" | BF16 CUDA graph | " + " | ".join(
+        f"{b} CUDA graph (x BF16 graph) | {b} CUDA graph, cached weight" for b in args.backends)
+         if args.cuda_graphs else "") + " | saved activations BF16 -> FP8 (MiB) |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for m, k, n in SHAPES:
-        r = bench_shape(m, k, n, args.backends, args.iters, args.compiled)
+        r = bench_shape(m, k, n, args.backends, args.iters, args.compiled, args.cuda_graphs)
         cells = [f"{m}x{k}x{n}", f"{r['bf16_tflops']:.0f}"]
         for b in args.backends:
             cells += [f"{r[f'{b}_tflops']:.0f} ({r[f'{b}_tflops'] / r['bf16_tflops']:.2f}x)",
@@ -148,6 +177,11 @@ def main() -> int:
             for b in args.backends:
                 cells += [f"{r[f'{b}_{kind}']:.0f} ({r[f'{b}_{kind}'] / r['bf16_compiled_tflops']:.2f}x)"
                           for kind in ("compiled_tflops", "compiled_cached_tflops")]
+        if args.cuda_graphs:
+            cells.append(f"{r['bf16_graphed_tflops']:.0f}")
+            for b in args.backends:
+                cells += [f"{r[f'{b}_{kind}']:.0f} ({r[f'{b}_{kind}'] / r['bf16_graphed_tflops']:.2f}x)"
+                          for kind in ("graphed_tflops", "graphed_cached_tflops")]
         cells.append(f"{r['bf16_saved_mb']:.0f} -> {r[f'{args.backends[0]}_saved_mb']:.0f}")
         print("| " + " | ".join(cells) + " |", flush=True)
     return 0

@@ -6,7 +6,8 @@
 # Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe;
 # also ref_eager, moe_compiled, compiled_ro (CUDA graphs), compiled_fp8 (FP8 only), tests (the gpu-marked tests),
 # fused_quantize (our quantizers' bandwidth, fused producers against eager and Inductor), profile_compiled (FP8
-# only), grouped_gemm (MoE grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), fp8_linear (one layer, BF16 vs FP8), the 8B-layer
+# only), grouped_gemm (MoE grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), tests_optim (gradient clipping on CUDA), fp8_linear (one layer, BF16 vs FP8, eager
+# and replayed from CUDA graphs), the 8B-layer
 # shape (compiled_ro_8b, ref_8b, profile_compiled_8b; compiled_ro_8b_no_t and compiled_ro_no_t: FP8 keeping no weight
 # transposes; memory_modes: both models' memory in every mode, both ways), BF16 and FP8 profiled side by side (profile_pair,
 # profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), the
@@ -25,7 +26,7 @@ for part in $PARTS; do
            -p no:cacheprovider ;;
     tests_one_gpu) step gpu_tests_one_gpu python -m pytest -q -m gpu tests/test_gpu.py tests/test_fp8_gpu.py \
            -k "host_wait or learns or moe_layer_on_cuda or mla_moe" -p no:cacheprovider ;;
-    fp8_linear) step fp8_linear python benchmarks/fp8_linear.py --backends cublas ;;
+    fp8_linear) step fp8_linear python benchmarks/fp8_linear.py --backends cublas --cuda-graphs ;;
     compiled_ro_8b) step ours_compiled_cudagraphs_8b python benchmarks/train_step.py training.compile=true \
            training.compile_mode=reduce-overhead --model 8b-layers --recipes bf16 fp8 ;;
     compiled_ro_8b_no_t) step ours_compiled_cudagraphs_8b_no_kept_transpose python benchmarks/train_step.py \
@@ -55,7 +56,7 @@ for part in $PARTS; do
     profile_pair) step profile_compiled_pair python benchmarks/train_step.py training.compile=true --model 1b \
            --recipes bf16 fp8 --profile 3 ;;
     profile_pair_8b) step profile_compiled_pair_8b python benchmarks/train_step.py training.compile=true \
-           --model 8b-layers --recipes bf16 fp8 --profile 3 ;;
+           --model 8b-layers --recipes bf16 fp8 --profile 3 --profile-top 40 ;;
     profile_moe_compiled) step profile_moe_compiled python benchmarks/train_step.py training.compile=true \
            --model moe --recipes bf16 fp8 --profile 3 ;;
     tests_moe) step gpu_tests_moe python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
@@ -100,6 +101,7 @@ for part in $PARTS; do
            precision.fp8_backend=hopper --model moe --recipes fp8 --profile 3 ;;
     moe_compiled_hopper) step moe_compiled_hopper python benchmarks/train_step.py training.compile=true \
            precision.fp8_backend=hopper --model moe --recipes bf16 fp8 ;;
+    tests_optim) step gpu_tests_optim python -m pytest -q -m gpu tests/test_optim.py -p no:cacheprovider ;;
     tests_hopper) step gpu_tests_hopper python -m pytest -q -m gpu tests/test_fp8_backends.py -k hopper \
            -p no:cacheprovider ;;
     ncu_kernels)  # Nsight Compute on one launch each of the two kernels performance.md names as what is left (its
