@@ -3,7 +3,8 @@
 
 With a 128x256 activation and a 256x256 weight every kernel finishes long before the next is
 launched, so the time per call is Python, argument checking and launch: the floor each FP8 layer
-pays per micro-batch regardless of its size. BF16 `F.linear` and a torch `add` are the yardsticks.
+pays per micro-batch regardless of its size. BF16 `F.linear` and a torch `add` are the yardsticks; the last rows
+time a whole small layer's forward and backward, BF16 and FP8.
 Usage (GPU machine, repo root): PYTHONPATH=. python benchmarks/fp8_launch_cost.py
 """
 import sys
@@ -31,21 +32,49 @@ def main() -> None:
     backend = select_backend("cublas", torch.device("cuda"))
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    norm_w = torch.ones(256, device="cuda", dtype=torch.bfloat16)
     x_fp8, x_scale = backend.quantize_rows(x, E4M3, False)
+    _, _, xt_fp8, xt_scale = backend.quantize_rows_cols(x, E4M3, False)
+    main_grad = torch.zeros(256, 256, device="cuda", dtype=torch.float32)
     cache = backend.empty_weight(w.shape, E4M3, w.device)
     backend.quantize_weight_(w, cache, E4M3, False)
     pieces = {
         "torch add (a plain launch)": lambda: x.add(1),
         "BF16 F.linear": lambda: F.linear(x, w),
-        "Triton quantize_rows (x)": lambda: backend.quantize_rows(x, E4M3, False),
-        "Triton quantize_rows_cols (x or dy, both layouts)": lambda: backend.quantize_rows_cols(x, E4M3, False),
-        "Triton weight + transpose, in place (w)": lambda: backend.quantize_weight_(w, cache, E4M3, False),
-        "F.scaled_mm blockwise (one GEMM)": lambda: backend.gemm_1x128_128x128(x_fp8, x_scale, cache.w_fp8,
-                                                                               cache.w_scale, torch.bfloat16),
+        "quantize_rows (x)": lambda: backend.quantize_rows(x, E4M3, False),
+        "quantize_rows_cols (x or dy, both layouts)": lambda: backend.quantize_rows_cols(x, E4M3, False),
+        "rmsnorm_quantize (RMSNorm's output, both layouts)": lambda: backend.rmsnorm_quantize(x, norm_w, 1e-5, E4M3,
+                                                                                              False),
+        "weight + transpose, in place (w)": lambda: backend.quantize_weight_(w, cache, E4M3, False),
+        "transpose of the FP8 weight (dgrad without a kept w^T)": lambda: backend.transpose_weight(cache.w_fp8,
+                                                                                                  cache.w_scale),
+        "F.scaled_mm blockwise (fprop or dgrad GEMM)": lambda: backend.gemm_1x128_128x128(
+            x_fp8, x_scale, cache.w_fp8, cache.w_scale, torch.bfloat16),
+        "wgrad GEMM into FP32 main_grad (cuBLASLt)": lambda: backend.gemm_1x128_1x128_accumulate_(
+            main_grad, xt_fp8, xt_scale, xt_fp8, xt_scale),
     }
     print("| piece | host us per call |\n|---|---|")
     for name, fn in pieces.items():
         print(f"| {name} | {per_call_us(fn):.1f} |")
+    for name, fn in whole_layers().items():
+        print(f"| {name} | {per_call_us(fn, 500):.1f} |")
+
+
+def whole_layers() -> dict:
+    """Forward + backward of one small layer (128 tokens, 256 -> 256), BF16 and FP8 (weight cached, as for every
+    micro-batch after a step's first): the host's floor per layer and micro-batch."""
+    from megafp8.parallel import ColumnParallelLinear
+    from megafp8.precision import Fp8Recipe, PrecisionRecipe
+
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    layers = {"BF16 linear, forward + backward": ColumnParallelLinear(256, 256, PrecisionRecipe.from_name("bf16"),
+                                                                      device="cuda")}
+    fp8 = ColumnParallelLinear(256, 256, PrecisionRecipe.from_name("fp8", Fp8Recipe(backend="cublas")),
+                               device="cuda")
+    fp8.weight.main_grad = torch.zeros(256, 256, device="cuda", dtype=torch.float32)
+    layers["FP8 linear, forward + backward (weight cached)"] = fp8
+    return {name: (lambda layer=layer: layer(x).backward(dy)) for name, layer in layers.items()}
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def saved_activation_bytes(layer: nn.Module, x: torch.Tensor) -> int:
     layer(x)  # fills an FP8 layer's weight cache
     cache = getattr(layer, "fp8_cache", None)
     if cache is not None and cache.entry is not None:
-        weights |= {t.data_ptr() for t in cache.entry.tensors()}
+        weights |= {t.data_ptr() for t in cache.entry.tensors() if t is not None}
     total = 0
 
     def pack(t):

@@ -8,8 +8,8 @@
 # fused_quantize (our quantizers' bandwidth, fused producers against eager and Inductor), profile_compiled (FP8
 # only), grouped_gemm (MoE grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), tests_optim (gradient clipping on CUDA), fp8_linear (one layer, BF16 vs FP8, eager
 # and replayed from CUDA graphs), the 8B-layer
-# shape (compiled_ro_8b, ref_8b, profile_compiled_8b; compiled_ro_8b_no_t and compiled_ro_no_t: FP8 keeping no weight
-# transposes; memory_modes: both models' memory in every mode, both ways), BF16 and FP8 profiled side by side (profile_pair,
+# shape (compiled_ro_8b, ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and compiled_ro_kept_t: FP8 keeping its weight
+# transposes; memory_modes: both models' memory in every mode), BF16 and FP8 profiled side by side (profile_pair,
 # profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), the
 # warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense wgrad GEMMs (wgrad_gemm), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
 # default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper), cg_diag and cg_diag_8b (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_fused_quantize,
@@ -29,14 +29,14 @@ for part in $PARTS; do
     fp8_linear) step fp8_linear python benchmarks/fp8_linear.py --backends cublas --cuda-graphs ;;
     compiled_ro_8b) step ours_compiled_cudagraphs_8b python benchmarks/train_step.py training.compile=true \
            training.compile_mode=reduce-overhead --model 8b-layers --recipes bf16 fp8 ;;
-    compiled_ro_8b_no_t) step ours_compiled_cudagraphs_8b_no_kept_transpose python benchmarks/train_step.py \
-           training.compile=true training.compile_mode=reduce-overhead precision.fp8_keep_weight_transpose=false \
+    compiled_ro_8b_kept_t) step ours_compiled_cudagraphs_8b_kept_transpose python benchmarks/train_step.py \
+           training.compile=true training.compile_mode=reduce-overhead precision.fp8_keep_weight_transpose=true \
            --model 8b-layers --recipes fp8 ;;
-    compiled_ro_no_t) step ours_compiled_cudagraphs_no_kept_transpose python benchmarks/train_step.py \
-           training.compile=true training.compile_mode=reduce-overhead precision.fp8_keep_weight_transpose=false \
+    compiled_ro_kept_t) step ours_compiled_cudagraphs_kept_transpose python benchmarks/train_step.py \
+           training.compile=true training.compile_mode=reduce-overhead precision.fp8_keep_weight_transpose=true \
            --model 1b --recipes fp8 ;;
     memory_modes)  # issue 18's memory bar (FP8 at or below BF16 in every mode): each model eager, compiled and under
-                   # CUDA graphs, BF16 and FP8 with and without kept weight transposes; short runs, memory columns
+                   # CUDA graphs, BF16 and FP8; short runs, memory columns
       for model in 1b 8b-layers; do
         for mode in eager compiled cudagraphs; do
           case $mode in
@@ -46,9 +46,6 @@ for part in $PARTS; do
           esac
           step "memory_${model}_${mode}" python benchmarks/train_step.py $flags --model $model --steps 10 --warmup 6 \
             --log-interval 2 --recipes bf16 fp8
-          step "memory_${model}_${mode}_no_t" python benchmarks/train_step.py $flags \
-            precision.fp8_keep_weight_transpose=false --model $model --steps 10 --warmup 6 --log-interval 2 \
-            --recipes fp8
         done
       done ;;
     ref_8b) step reference_compiled_8b python benchmarks/reference_model.py --compile --layers 8 --hidden 4096 \

@@ -76,3 +76,43 @@ def test_monitor_covers_grouped_expert_linears(tiny_overrides):
     layers = next(r for r in records if r["kind"] == "fp8_health")["layers"]
     experts = layers["layers.1.mlp.experts.gate_up_proj"]
     assert set(experts) == {"input", "weight", "grad"} and experts["weight"]["snr_db"] > 20
+
+
+def test_a_sampled_step_keeps_no_more_for_backward_than_a_recomputed_one(tiny_overrides):
+    """The sampled step runs compiled blocks uncompiled, where element-wise ops keep their intermediates, so it would
+    set a compiled run's peak memory; they run recomputed instead, keeping for backward what `training.recompute:
+    full` keeps (the blocks' inputs; the SwiGLU hooks hold the MLP inputs besides), less than an unsampled step. (Dynamo's eager backend stands in for
+    Inductor: what is kept is the question, not the kernels.)"""
+    from megafp8.model import Transformer, apply_compile, apply_recompute, init_weights
+    from megafp8.precision import PrecisionRecipe
+    from megafp8.train.fp8_health import Fp8HealthMonitor
+
+    cfg = load_config("tiny_dense_fp8", tiny_overrides + ["model.num_layers=4", "model.vocab_size=512",
+                                                          "precision.fp8_backend=reference"])
+    model = Transformer(cfg.model, PrecisionRecipe.from_config(cfg.precision), 64)
+    init_weights(model, cfg.model, 0)
+    assert apply_compile(model, backend="eager") == 4
+    tokens = torch.randint(0, 512, (4, 64))
+
+    def saved_bytes() -> int:
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens, tokens)
+        loss.backward()  # (the recomputation in backward keeps its tensors only while it runs)
+        return total
+
+    plain = saved_bytes()
+    monitor = Fp8HealthMonitor(model, 1, 1.0, 1.0)
+    assert monitor.arm(0)
+    sampled = saved_bytes()
+    layers = monitor.collect(0)
+    assert set(layers) == {n for n, m in model.named_modules() if getattr(m, "runs_fp8", False)}
+    assert all(set(kinds) == {"input", "weight", "grad"} for kinds in layers.values())
+    assert apply_recompute(model, "full") == 4
+    recomputed = saved_bytes()
+    assert sampled == recomputed < 0.8 * plain, (sampled, recomputed, plain)

@@ -86,7 +86,8 @@ def test_fused_fp8_mlp_keeps_fp8_activations_and_quantizes_each_weight_once():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = swiglu_mlp(x, gate_up, down, norm)
-    weights = {t.data_ptr() for layer in (gate_up, down) for t in (layer.weight, *layer.fp8_cache.entry.tensors())}
+    weights = {t.data_ptr() for layer in (gate_up, down) for t in (layer.weight, *layer.fp8_cache.entry.tensors())
+               if t is not None}
     weights.add(norm.weight.data_ptr())
     kept = {t.data_ptr(): t for t in saved if t is not None and t.data_ptr() not in weights}
     kept_bytes = sum(t.numel() * t.element_size() for t in kept.values() if t.data_ptr() != x.data_ptr())
@@ -131,9 +132,10 @@ def test_an_mlp_keeping_no_weight_transpose_gives_the_same_bits_eagerly_and_comp
     its backward (128x128 blocks are transpose-invariant), and every output and gradient keeps the default's bits,
     eagerly and in one compiled graph."""
     no_transpose = PrecisionRecipe.from_name("fp8", Fp8Recipe(backend="reference", keep_weight_transpose=False))
+    kept_transpose = PrecisionRecipe.from_name("fp8", Fp8Recipe(backend="reference", keep_weight_transpose=True))
     x0 = outlier_tensor(200, 256)
     runs = {}
-    for name, recipe in (("kept", FP8), ("made in backward", no_transpose)):
+    for name, recipe in (("kept", kept_transpose), ("made in backward", no_transpose)):
         gate_up, down, norm = _mlp(recipe=recipe)
         params = [norm.weight, gate_up.weight, down.weight]
 
@@ -141,7 +143,7 @@ def test_an_mlp_keeping_no_weight_transpose_gives_the_same_bits_eagerly_and_comp
             return swiglu_mlp(x, gate_up, down, norm) * 1.5
         runs[name] = _run(f, x0, params)
         held = [t for layer in (gate_up, down) for t in layer.fp8_cache.entry.tensors() if t is not None]
-        assert len(held) == (8 if recipe is FP8 else 4), name
+        assert len(held) == (8 if recipe is kept_transpose else 4), name
         if recipe is no_transpose:
             assert torch._dynamo.explain(f)(x0.clone().requires_grad_(True)).graph_break_count == 0
             torch._dynamo.reset()

@@ -85,16 +85,18 @@ def test_a_dropped_trainer_frees_its_model_and_gradient_buffers(tiny_overrides, 
     assert [ref() is None for ref in alive] == [True, True, True]
 
 
-def test_fp8_without_kept_weight_transposes_trains_to_the_same_losses(tiny_overrides):
-    """`precision.fp8_keep_weight_transpose: false` changes what is held, not what is computed: the same losses,
-    and no FP8 layer's cache holds a transpose. (The compiled path is checked op by op in test_fp8_linear.py and
-    test_fp8_producers.py.)"""
+def test_fp8_with_or_without_kept_weight_transposes_trains_to_the_same_losses(tiny_overrides):
+    """`precision.fp8_keep_weight_transpose` changes what is held, not what is computed: the same losses; by default
+    no FP8 layer's cache holds a transpose, with `true` every dense one does. (The compiled path is checked op by op
+    in test_fp8_linear.py and test_fp8_producers.py.)"""
     fp8 = ["training.steps=3", "optimizer.warmup_steps=1", "precision.recipe=fp8", "precision.fp8_backend=reference"]
-    kept = train_losses(make_trainer(tiny_overrides, fp8).fit())
-    trainer = make_trainer(tiny_overrides, fp8 + ["precision.fp8_keep_weight_transpose=false", "run_name=no_t"])
-    assert train_losses(trainer.fit()) == kept
-    caches = [m.fp8_cache for m in trainer.model.modules() if getattr(m, "fp8_cache", None) is not None]
-    assert caches and all(c.entry is not None and c.entry.wt_fp8 is None for c in caches)
+    default = make_trainer(tiny_overrides, fp8)
+    losses = train_losses(default.fit())
+    kept = make_trainer(tiny_overrides, fp8 + ["precision.fp8_keep_weight_transpose=true", "run_name=kept_t"])
+    assert train_losses(kept.fit()) == losses
+    for trainer, transposes in ((default, False), (kept, True)):
+        caches = [m.fp8_cache for m in trainer.model.modules() if getattr(m, "fp8_cache", None) is not None]
+        assert caches and all(c.entry is not None and (c.entry.wt_fp8 is not None) == transposes for c in caches)
 
 
 def test_same_seed_same_losses_twice(tiny_overrides):

@@ -56,17 +56,23 @@ class Block(nn.Module):
         self.fp8_linears: list[ParallelLinear] = []  # set by `apply_compile`: whose FP8 weight cache to prepare
         self.uncompiled_forward = None  # set by `apply_compile`: `_forward` as written, for observed steps
         # Set while hooks observe the block's layers (FP8 health): the block then runs uncompiled. Traced, the hooks
-        # would break its graph, and torch.compile would keep the broken graph for every later step.
+        # would break its graph, and torch.compile would keep the broken graph for every later step. A compiled block
+        # observed also runs recomputed: uncompiled it would keep more for backward than its compiled code does (eager
+        # element-wise ops keep their intermediates), and that one sampled step would set the run's peak memory.
+        # (An eager block is not recomputed for it: that changes no peak, and recomputation may round the input
+        # gradient's sum differently, so a sampled eager step keeps the unsampled step's bits.)
         self.observed = False
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int,
                 seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Returns the new residual stream and the MoE balance loss (None for a dense MLP). With `recompute`, only
-        the block's input is kept for backward, which runs the block's forward again first."""
+        """Returns the new residual stream and the MoE balance loss (None for a dense MLP). With `recompute` (and
+        while a compiled block is `observed`), only the block's input is kept for backward, which runs the block's
+        forward again first."""
         for layer in self.fp8_linears:  # eagerly, before the compiled code reads their caches
             layer.prepare_fp8_weight()
-        run = self.uncompiled_forward if self.observed and self.uncompiled_forward is not None else self._forward
-        if self.recompute and torch.is_grad_enabled():
+        observed_uncompiled = self.observed and self.uncompiled_forward is not None
+        run = self.uncompiled_forward if observed_uncompiled else self._forward
+        if (self.recompute or observed_uncompiled) and torch.is_grad_enabled():
             return checkpoint(run, x, rope, batch, seq_len, use_reentrant=False, context_fn=self._recompute_contexts)
         return run(x, rope, batch, seq_len)
 

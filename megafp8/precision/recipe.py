@@ -31,9 +31,9 @@ class Fp8Recipe:
     dgrad: bool = True
     wgrad: bool = True
     backend: str = "auto"
-    # Keep each FP8 weight's transpose (what dgrad reads) for the weight's version; else make it in each backward
-    # from the kept FP8 weight (the same bits; one byte a parameter less held, one transpose per backward).
-    keep_weight_transpose: bool = True
+    # Keep each FP8 weight's transpose (what dgrad reads) for the weight's version; by default make it in each
+    # backward from the kept FP8 weight (the same bits; one byte a parameter less held, one transpose per backward).
+    keep_weight_transpose: bool = False
 
     def __post_init__(self) -> None:
         for what, name in (("format", self.format), ("grad_format", self.grad_format)):
