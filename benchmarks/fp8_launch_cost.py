@@ -5,10 +5,18 @@ With a 128x256 activation and a 256x256 weight every kernel finishes long before
 launched, so the time per call is Python, argument checking and launch: the floor each FP8 layer
 pays per micro-batch regardless of its size. BF16 `F.linear` and a torch `add` are the yardsticks; the last rows
 time a whole small layer's forward and backward, BF16 and FP8.
-Usage (GPU machine, repo root): PYTHONPATH=. python benchmarks/fp8_launch_cost.py
+`--cprofile N` also prints, for each piece, the N Python functions with the most own time over its calls
+(cProfile): where the host time goes.
+Usage (GPU machine, repo root): PYTHONPATH=. python benchmarks/fp8_launch_cost.py [--cprofile 25]
 """
+import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -53,11 +61,33 @@ def main() -> None:
         "wgrad GEMM into FP32 main_grad (cuBLASLt)": lambda: backend.gemm_1x128_1x128_accumulate_(
             main_grad, xt_fp8, xt_scale, xt_fp8, xt_scale),
     }
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    args = parser.parse_args()
+    pieces.update(whole_layers())
     print("| piece | host us per call |\n|---|---|")
     for name, fn in pieces.items():
-        print(f"| {name} | {per_call_us(fn):.1f} |")
-    for name, fn in whole_layers().items():
-        print(f"| {name} | {per_call_us(fn, 500):.1f} |")
+        print(f"| {name} | {per_call_us(fn, 500 if 'forward' in name else 2000):.1f} |")
+    for name, fn in pieces.items() if args.cprofile else ():
+        print(f"\n### {name}: own time per call by function (cProfile, 200 calls)\n")
+        print(own_times(fn, args.cprofile))
+
+
+def own_times(fn, top: int, calls: int = 200) -> str:
+    """The `top` functions by own time over `calls` calls of fn, in microseconds per call of fn."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    profile.disable()
+    stats = pstats.Stats(profile, stream=io.StringIO())
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]  # (file, line, name) -> (cc, nc, tt, ct)
+    lines = ["| function | own us per call | calls per call |", "|---|---|---|"]
+    for (path, line, name), (_, ncalls, own, _) in rows:
+        where = f"{Path(path).name}:{line}" if line else path
+        lines.append(f"| `{name}` ({where}) | {own / calls * 1e6:.1f} | {ncalls / calls:g} |")
+    return "\n".join(lines)
 
 
 def whole_layers() -> dict:
