@@ -82,9 +82,9 @@ def own_times(fn, top: int, calls: int = 200) -> str:
     torch.cuda.synchronize()
     profile.disable()
     stats = pstats.Stats(profile, stream=io.StringIO())
-    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]  # (file, line, name) -> (cc, nc, tt, ct)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]  # (file, line, name) -> (cc, nc, tt, ct, callers)
     lines = ["| function | own us per call | calls per call |", "|---|---|---|"]
-    for (path, line, name), (_, ncalls, own, _) in rows:
+    for (path, line, name), (_, ncalls, own, *_) in rows:
         where = f"{Path(path).name}:{line}" if line else path
         lines.append(f"| `{name}` ({where}) | {own / calls * 1e6:.1f} | {ncalls / calls:g} |")
     return "\n".join(lines)
