@@ -15,7 +15,6 @@ import io
 import pstats
 import sys
 import time
-
 from pathlib import Path
 
 import torch
@@ -82,7 +81,8 @@ def own_times(fn, top: int, calls: int = 200) -> str:
     torch.cuda.synchronize()
     profile.disable()
     stats = pstats.Stats(profile, stream=io.StringIO())
-    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    # (file, line, name) -> (primitive calls, calls, own time, cumulative time, callers)
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]
     lines = ["| function | own us per call | calls per call |", "|---|---|---|"]
     for (path, line, name), (_, ncalls, own, *_) in rows:
         where = f"{Path(path).name}:{line}" if line else path

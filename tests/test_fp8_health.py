@@ -81,11 +81,12 @@ def test_monitor_covers_grouped_expert_linears(tiny_overrides):
 def test_a_sampled_step_keeps_no_more_for_backward_than_a_recomputed_one(tiny_overrides):
     """The sampled step runs compiled blocks uncompiled, where element-wise ops keep their intermediates, so it would
     set a compiled run's peak memory; they run recomputed instead, keeping for backward what `training.recompute:
-    full` keeps (the blocks' inputs; the SwiGLU hooks hold the MLP inputs besides), less than an unsampled step. (Dynamo's eager backend stands in for
-    Inductor: what is kept is the question, not the kernels.)"""
+    full` keeps (the blocks' inputs; the SwiGLU hooks hold the MLP inputs besides), less than an unsampled step.
+    (Dynamo's eager backend stands in for Inductor: what is kept is the question, not the kernels.)"""
     from megafp8.model import Transformer, apply_compile, apply_recompute, init_weights
     from megafp8.precision import PrecisionRecipe
     from megafp8.train.fp8_health import Fp8HealthMonitor
+    from tests.test_recompute import kept_for_backward
 
     cfg = load_config("tiny_dense_fp8", tiny_overrides + ["model.num_layers=4", "model.vocab_size=512",
                                                           "precision.fp8_backend=reference"])
@@ -95,16 +96,9 @@ def test_a_sampled_step_keeps_no_more_for_backward_than_a_recomputed_one(tiny_ov
     tokens = torch.randint(0, 512, (4, 64))
 
     def saved_bytes() -> int:
-        total = 0
-
-        def pack(t):
-            nonlocal total
-            total += t.numel() * t.element_size()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(tokens, tokens)
+        kept, loss = kept_for_backward(model, tokens)
         loss.backward()  # (the recomputation in backward keeps its tensors only while it runs)
-        return total
+        return kept
 
     plain = saved_bytes()
     monitor = Fp8HealthMonitor(model, 1, 1.0, 1.0)

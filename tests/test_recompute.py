@@ -33,7 +33,8 @@ def test_recomputation_gives_the_same_losses_gradients_and_expert_loads(parity, 
             assert b["moe_dropped_tokens"] == 0  # counted once: a double count would show as negative drops
 
 
-def _saved_bytes(model, tokens):
+def kept_for_backward(model, tokens) -> tuple[int, torch.Tensor]:
+    """(bytes autograd keeps for backward during the forward of `model` on `tokens`, the loss)."""
     total = 0
 
     def pack(t):
@@ -41,8 +42,12 @@ def _saved_bytes(model, tokens):
         total += t.numel() * t.element_size()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, tokens)
-    return total
+        loss = model(tokens, tokens)
+    return total, loss
+
+
+def _saved_bytes(model, tokens) -> int:
+    return kept_for_backward(model, tokens)[0]
 
 
 def test_recomputation_keeps_far_less_for_backward(tiny_overrides):

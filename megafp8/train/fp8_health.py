@@ -4,10 +4,10 @@ Every `interval` steps the first micro-batch's FP8 layers report `megafp8.precis
 statistics of what they quantize: the input (1x128 tiles), the weight (128x128 blocks) and the
 gradient arriving at the output (1x128 tiles, gradient format). Hooks are attached only for that
 micro-batch, so other steps pay nothing; compiled blocks run uncompiled during the sampled step
-(`Block.observed`), so no hook ever enters a compiled graph, and recomputed, so that step keeps no more for backward
-than a compiled one would (the hooks record on the first forward only). The two projections of a fused FP8 SwiGLU MLP never run as
-modules of their own: its hook recomputes their inputs and output gradients in BF16 (a GEMM and SwiGLU
-forward and backward on the sampled micro-batch), without touching what the step computes.
+(`Block.observed`), so no hook ever enters a compiled graph, and recomputed, so that step keeps no more for
+backward than a compiled one would (the hooks record on the first forward only). The two projections of a fused
+FP8 SwiGLU MLP never run as modules of their own: its hook recomputes their inputs and output gradients in BF16
+(a GEMM and SwiGLU forward and backward on the sampled micro-batch), without touching what the step computes.
 """
 from __future__ import annotations
 
