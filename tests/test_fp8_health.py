@@ -9,7 +9,7 @@ import torch
 from megafp8.config import load_config
 from megafp8.parallel import ParallelDims
 from megafp8.precision import E4M3
-from megafp8.precision.health import fp8_stats
+from megafp8.precision.health import fp8_stats, fp8_stats_of_rows
 from megafp8.train import Trainer
 
 
@@ -34,6 +34,29 @@ def test_stats_of_a_constructed_tensor():
     assert 28 < clean["snr_db"].item() < 40  # 3 mantissa bits: ~30 dB
     zeros = fp8_stats(torch.zeros(2, 128), E4M3)
     assert zeros["underflow"].item() == 0.0 and zeros["at_max"].item() == 0.0
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["1x128 tiles", "128x128 blocks"])
+def test_stats_by_chunks_of_rows_are_the_whole_tensors(blocks):
+    """Computed a chunk of rows at a time (a ragged last chunk included, whole 128-row blocks for weights), the
+    statistics are those of the whole tensor: the same maximum and counts, the same SNR up to summation order; the
+    row maker is asked for no more rows at a time than a chunk holds."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(640, 256, generator=g) * torch.logspace(-6, 2, 640).unsqueeze(1)  # rows far apart in scale
+    x[3, 5] = 0.0
+    whole = fp8_stats(x, E4M3, blocks=blocks, chunk_elements=x.numel())
+    asked = []
+
+    def rows(start, stop):
+        asked.append((start, stop))
+        return x[start:stop]
+    chunk_elements = 256 * 100  # 100 rows: 7 chunks of 1x128 tiles (the last 40 rows), or 128-row ones: 5
+    chunked = fp8_stats_of_rows(rows, 640, 256, E4M3, blocks=blocks, chunk_elements=chunk_elements)
+    assert asked[0] == (0, 128 if blocks else 100) and asked[-1][1] == 640 and len(asked) == (5 if blocks else 7)
+    for key in ("amax", "underflow", "at_max"):
+        assert chunked[key].item() == whole[key].item(), key
+    assert chunked["snr_db"].item() == pytest.approx(whole["snr_db"].item(), rel=1e-9)
+    assert 0 < whole["underflow"].item() < 1 and whole["at_max"].item() > 0
 
 
 def test_weight_stats_use_blocks():
@@ -65,6 +88,30 @@ def test_monitor_samples_every_n_steps_and_warns(tiny_overrides, caplog):
         ParallelDims.single(), torch.device("cpu"))
     plain = [r["loss"] for r in unmonitored.fit() if r["kind"] == "train"]
     assert plain == [r["loss"] for r in records if r["kind"] == "train"]  # watching changes nothing
+
+
+def test_a_sampled_mlp_reports_the_same_health_by_chunks_of_rows(tiny_overrides, monkeypatch):
+    """The fused SwiGLU MLP's hooks recompute gate/up, SwiGLU's output and its gradient a chunk of rows at a time:
+    with chunks of 32 rows the health report is the one-chunk report (SNRs up to summation order)."""
+    import megafp8.precision.health as health
+
+    def report(name):
+        cfg = load_config("tiny_dense_fp8", tiny_overrides + ["training.steps=1", "optimizer.warmup_steps=1",
+                                                              "training.eval_interval=0",
+                                                              "logging.fp8_health_interval=1", f"run_name={name}"])
+        trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+        trainer.fit()
+        records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        return next(r for r in records if r["kind"] == "fp8_health")["layers"]
+
+    whole = report("whole")
+    monkeypatch.setattr(health, "CHUNK_ELEMENTS", 32 * 256)
+    chunked = report("chunked")
+    assert set(chunked) == set(whole) and "layers.0.mlp.gate_up_proj" in whole
+    for layer, kinds in whole.items():
+        for kind, stats in kinds.items():
+            for stat, value in stats.items():
+                assert chunked[layer][kind][stat] == pytest.approx(value, rel=1e-6, abs=1e-12), (layer, kind, stat)
 
 
 def test_monitor_covers_grouped_expert_linears(tiny_overrides):

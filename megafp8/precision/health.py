@@ -8,19 +8,56 @@ For a tensor quantized as the FP8 linear quantizes it (1x128 tiles along the las
                tile's largest element there, so ~1/128 is normal; much more means tiles of equal values
                or a scale that no longer fits the data
     snr_db     10 log10(sum x^2 / sum (x - dequantized)^2), the quantization signal-to-noise ratio
-Values are returned as 0-d device tensors, so computing them does not wait for the device.
+Values are returned as 0-d device tensors, so computing them does not wait for the device. They are computed over
+row chunks (whole 128-row blocks for weights; a tile never straddles two chunks), so the FP32 copies they need
+stay a few chunk sizes whatever the tensor's size: a sampled step's health statistics of an 8B-layer model's
+(16384, 28672) gradients would otherwise hold ~10 GB of temporaries at the step's peak.
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
-from megafp8.precision.formats import Fp8Format
+from megafp8.precision.formats import TILE, Fp8Format
 from megafp8.precision.quantize import dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
 
+RowMaker = Callable[[int, int], torch.Tensor]  # (start, stop) -> those rows of a tensor too large to hold whole
+CHUNK_ELEMENTS = 1 << 26  # per chunk of rows: 256 MiB in FP32, a few times that in temporaries
 
-def fp8_stats(x: torch.Tensor, fmt: Fp8Format, blocks: bool = False, power_of_two: bool = False) -> dict[str, torch.Tensor]:
+
+def fp8_stats(x: torch.Tensor, fmt: Fp8Format, blocks: bool = False, power_of_two: bool = False,
+              chunk_elements: Optional[int] = None) -> dict[str, torch.Tensor]:
     """Health of `x` (..., K) quantized in 1x128 tiles along K, or of a weight (N, K) in 128x128 blocks."""
-    x2d = x.detach().reshape(-1, x.shape[-1]).float()
+    x2d = x.detach().reshape(-1, x.shape[-1])
+    return fp8_stats_of_rows(lambda start, stop: x2d[start:stop], x2d.shape[0], x2d.shape[1], fmt, blocks,
+                             power_of_two, chunk_elements)
+
+
+def fp8_stats_of_rows(rows: RowMaker, count: int, width: int, fmt: Fp8Format,
+                      blocks: bool = False, power_of_two: bool = False,
+                      chunk_elements: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """`fp8_stats` of a (count, width) tensor that `rows(start, stop)` makes a chunk of rows at a time (each chunk
+    made when it is measured, then dropped): the statistics of a tensor too large to hold whole. Chunks hold about
+    `chunk_elements` elements (default `CHUNK_ELEMENTS`)."""
+    step = max(1, (chunk_elements or CHUNK_ELEMENTS) // max(width, 1))
+    if blocks:  # whole 128x128 blocks per chunk
+        step = -(-step // TILE) * TILE
+    sums = None
+    for start in range(0, count, step) if count else (0,):
+        part = _chunk_sums(rows(start, min(start + step, count)).detach().float(), fmt, blocks, power_of_two)
+        sums = part if sums is None else {
+            k: torch.maximum(sums[k], v) if k == "amax" else sums[k] + v for k, v in part.items()}
+    return {
+        "amax": sums["amax"],
+        "underflow": sums["underflow"] / sums["nonzero"].clamp(min=1),
+        "at_max": sums["at_max"] / max(count * width, 1),
+        "snr_db": 10 * torch.log10(sums["signal"] / sums["noise"].clamp(min=torch.finfo(torch.float64).tiny)),
+    }
+
+
+def _chunk_sums(x2d: torch.Tensor, fmt: Fp8Format, blocks: bool, power_of_two: bool) -> dict[str, torch.Tensor]:
+    """The sums the statistics are made of, over one chunk of rows (FP32 in; counts in int64, energies in FP64)."""
     if blocks:
         q, scale = quantize_128x128(x2d, fmt, power_of_two)
         deq = dequantize_128x128(q, scale)
@@ -29,11 +66,11 @@ def fp8_stats(x: torch.Tensor, fmt: Fp8Format, blocks: bool = False, power_of_tw
         deq = dequantize_1x128(q, scale)
     q32 = q.float()
     nonzero = x2d != 0
-    noise = (x2d - deq).square().sum()
-    signal = x2d.square().sum()
     return {
-        "amax": x2d.abs().max(),
-        "underflow": ((q32 == 0) & nonzero).sum() / nonzero.sum().clamp(min=1),
-        "at_max": (q32.abs() == fmt.max).float().mean(),
-        "snr_db": 10 * torch.log10(signal / noise.clamp(min=torch.finfo(torch.float32).tiny)),
+        "amax": x2d.abs().amax() if x2d.numel() else x2d.new_zeros(()),
+        "underflow": ((q32 == 0) & nonzero).sum(),
+        "nonzero": nonzero.sum(),
+        "at_max": (q32.abs() == fmt.max).sum(),
+        "signal": x2d.square().sum(dtype=torch.float64),
+        "noise": (x2d - deq).square().sum(dtype=torch.float64),
     }

@@ -23,7 +23,7 @@ from megafp8.model.moe import RoutedExperts
 from megafp8.model.transformer import Block
 from megafp8.parallel import ParallelLinear
 from megafp8.precision import GemmLayer
-from megafp8.precision.health import fp8_stats
+from megafp8.precision.health import RowMaker, fp8_stats, fp8_stats_of_rows
 from megafp8.precision.producers import swiglu, swiglu_backward
 
 log = logging.getLogger("megafp8")
@@ -59,18 +59,28 @@ class Fp8HealthMonitor:
                 module.observed = observed
 
     def _record(self, name: str, layer: nn.Module, x: torch.Tensor) -> None:
+        x2d = x.reshape(-1, x.shape[-1])
+        self._record_rows(name, layer, lambda start, stop: x2d[start:stop], *x2d.shape)
+
+    def _record_rows(self, name: str, layer: nn.Module, rows: RowMaker, count: int, width: int) -> None:
+        """`_record` of an input (count, width) that `rows(start, stop)` makes a chunk of rows at a time."""
         fp8 = layer.recipe.fp8
         self._stats[name] = {
-            "input": fp8_stats(x, fp8.fmt, power_of_two=fp8.power_of_two_scales),
+            "input": fp8_stats_of_rows(rows, count, width, fp8.fmt, power_of_two=fp8.power_of_two_scales),
             # Stacked expert weights (E, N, K) as (E*N, K): their 128x128 blocks never straddle two experts.
             "weight": fp8_stats(layer.weight.reshape(-1, layer.weight.shape[-1]), fp8.fmt, blocks=True,
                                 power_of_two=fp8.power_of_two_scales),
         }
 
     def _record_grad(self, name: str, layer: nn.Module, grad: torch.Tensor) -> None:
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        self._record_grad_rows(name, layer, lambda start, stop: grad2d[start:stop], *grad2d.shape)
+
+    def _record_grad_rows(self, name: str, layer: nn.Module, rows: RowMaker, count: int, width: int) -> None:
         if name in self._stats and "grad" not in self._stats[name]:
             fp8 = layer.recipe.fp8
-            self._stats[name]["grad"] = fp8_stats(grad, fp8.grad_fmt, power_of_two=fp8.power_of_two_scales)
+            self._stats[name]["grad"] = fp8_stats_of_rows(rows, count, width, fp8.grad_fmt,
+                                                          power_of_two=fp8.power_of_two_scales)
 
     def _make_hook(self, name: str):
         # The hooks run eagerly even inside a compiled block: traced, each layer's hook (a closure over its name)
@@ -91,7 +101,8 @@ class Fp8HealthMonitor:
         """For a SwiGLU whose projections ran as one fused FP8 function (their own hooks did not fire): the
         tensors they quantized, recomputed in BF16 from the MLP's input (on this rank's tokens). Nothing is kept
         between forward and backward but the input, which the step keeps anyway: the gradient hook recomputes the
-        gate/up projection (a GEMM on the sampled micro-batch) rather than holding its output for every layer."""
+        gate/up projection (a GEMM on the sampled micro-batch) rather than holding its output for every layer, a
+        chunk of rows at a time (`fp8_stats_of_rows`), so no (tokens, 2 x FFN) tensor is made whole."""
         @torch.compiler.disable
         def hook(mlp: SwiGLU, inputs: tuple, output: torch.Tensor) -> None:
             if gate_up_name in self._stats:
@@ -99,16 +110,24 @@ class Fp8HealthMonitor:
             gate_up, down = mlp.gate_up_proj, mlp.down_proj
             with torch.no_grad():
                 x = gate_up.gemm_input(inputs)
+                x = x.reshape(-1, x.shape[-1])
                 self._record(gate_up_name, gate_up, x)
-                self._record(down_name, down, swiglu(F.linear(x, gate_up.weight)).to(x.dtype))
+                self._record_rows(down_name, down,
+                                  lambda start, stop: swiglu(F.linear(x[start:stop], gate_up.weight)).to(x.dtype),
+                                  x.shape[0], down.weight.shape[-1])
             if output.requires_grad:
                 @torch.compiler.disable
                 def grad_hook(dy: torch.Tensor) -> None:
                     with torch.no_grad():
                         self._record_grad(down_name, down, dy)
-                        gu = F.linear(gate_up.gemm_input(inputs), gate_up.weight)
-                        d_gu = swiglu_backward(gu, dy.reshape(-1, dy.shape[-1]) @ down.weight)
-                        self._record_grad(gate_up_name, gate_up, d_gu.to(dy.dtype))
+                        x = gate_up.gemm_input(inputs)
+                        x, dy2d = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+
+                        def d_gate_up(start: int, stop: int) -> torch.Tensor:
+                            gu = F.linear(x[start:stop], gate_up.weight)
+                            return swiglu_backward(gu, dy2d[start:stop] @ down.weight).to(dy.dtype)
+                        self._record_grad_rows(gate_up_name, gate_up, d_gate_up, x.shape[0],
+                                               gate_up.weight.shape[0])
 
                 output.register_hook(grad_hook)
 
