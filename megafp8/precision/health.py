@@ -10,8 +10,8 @@ For a tensor quantized as the FP8 linear quantizes it (1x128 tiles along the las
     snr_db     10 log10(sum x^2 / sum (x - dequantized)^2), the quantization signal-to-noise ratio
 Values are returned as 0-d device tensors, so computing them does not wait for the device. They are computed over
 row chunks (whole 128-row blocks for weights; a tile never straddles two chunks), so the FP32 copies they need
-stay a few chunk sizes whatever the tensor's size: a sampled step's health statistics of an 8B-layer model's
-(16384, 28672) gradients would otherwise hold ~10 GB of temporaries at the step's peak.
+stay a few chunk sizes whatever the tensor's size: made whole, those of an 8B-layer model's (16384, 28672) gate/up
+gradient come to ~8 GB of temporaries, at the sampled step's peak.
 """
 from __future__ import annotations
 
