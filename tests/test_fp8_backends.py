@@ -308,3 +308,16 @@ def test_the_triton_launchers_check_offsets_before_allocating_work_for_the_gpu()
         kp.swiglu_quantize(big, E4M3, False)
     with pytest.raises(ValueError, match="swiglu_backward_quantize"):
         kp.swiglu_backward_quantize(big, big[:, :18432], E4M3, E5M2, False)
+
+
+@pytest.mark.parametrize("k_blocks", [3, 4], ids=["padded", "unpadded"])
+def test_cublas_block_scales_are_k_major_with_zeroed_padding(k_blocks):
+    """The cublas backend's 128x128 block scales: (K/128 padded to a multiple of 4, N/128), entry (n, k) at storage
+    offset n * padded_k + k; the padding zeroed (the kernels write only the real entries), an unpadded tensor left
+    for the kernels to fill whole (no fill launch)."""
+    from megafp8.precision.backends.cublas_backend import _block_scales
+
+    scales = _block_scales(5, k_blocks, torch.device("cpu"))
+    assert scales.shape == (4, 5) and scales.stride() == (1, 4) and scales.dtype == torch.float32
+    if k_blocks == 3:
+        assert torch.equal(scales[3], torch.zeros(5))
