@@ -8,7 +8,8 @@
 
 Every operand is quantized once from its high-precision original (`../shared/DESIGN.md`, section 3): forward
 saves only x^T in FP8 for wgrad (1 + 1/32 bytes per element instead of BF16's 2). The weight is quantized in
-128x128 blocks once per weight version, with its transpose for dgrad (`Fp8WeightCache`).
+128x128 blocks once per weight version (`Fp8WeightCache`); dgrad's w^T is made from it in backward, or kept with it
+(`precision.fp8_keep_weight_transpose`).
 
 A `LinearComm` adds a tensor-parallel layer's collectives around the GEMMs (the identity here): the input is
 quantized before an all-gather where its tiles allow, so the gather moves FP8 bytes, and the input-gradient
