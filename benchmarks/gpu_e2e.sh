@@ -12,7 +12,8 @@
 # transposes; memory_modes: both models' memory in every mode), BF16 and FP8 profiled side by side (profile_pair,
 # profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), the
 # warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense wgrad GEMMs (wgrad_gemm), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
-# default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper), cg_diag and cg_diag_8b (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_fused_quantize,
+# default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper; moe_compiled_accum: both backends, four micro-batches
+# per step), cg_diag and cg_diag_8b (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_fused_quantize,
 # old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
 # dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
@@ -98,6 +99,11 @@ for part in $PARTS; do
            precision.fp8_backend=hopper --model moe --recipes fp8 --profile 3 ;;
     moe_compiled_hopper) step moe_compiled_hopper python benchmarks/train_step.py training.compile=true \
            precision.fp8_backend=hopper --model moe --recipes bf16 fp8 ;;
+    moe_compiled_accum)  # four micro-batches per optimizer step: AdamW over the 3B parameters once per 64k tokens
+      for backend in cublas hopper; do
+        step "moe_compiled_accum_$backend" python benchmarks/train_step.py training.compile=true \
+          precision.fp8_backend=$backend --model moe --global-batch 32 --recipes bf16 fp8
+      done ;;
     tests_optim) step gpu_tests_optim python -m pytest -q -m gpu tests/test_optim.py -p no:cacheprovider ;;
     tests_hopper) step gpu_tests_hopper python -m pytest -q -m gpu tests/test_fp8_backends.py -k hopper \
            -p no:cacheprovider ;;
