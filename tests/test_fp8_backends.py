@@ -313,8 +313,7 @@ def test_the_triton_launchers_check_offsets_before_allocating_work_for_the_gpu()
 @pytest.mark.parametrize("k_blocks", [3, 4], ids=["padded", "unpadded"])
 def test_cublas_block_scales_are_k_major_with_zeroed_padding(k_blocks):
     """The cublas backend's 128x128 block scales: (K/128 padded to a multiple of 4, N/128), entry (n, k) at storage
-    offset n * padded_k + k; the padding zeroed (the kernels write only the real entries), an unpadded tensor left
-    for the kernels to fill whole (no fill launch)."""
+    offset n * padded_k + k; the padding zeroed (the kernels write only the real entries)."""
     from megafp8.precision.backends.cublas_backend import _block_scales
 
     scales = _block_scales(5, k_blocks, torch.device("cpu"))

@@ -18,13 +18,10 @@ _ROW_MULTIPLE = 4
 
 
 def _block_scales(n_blocks: int, k_blocks: int, device: torch.device) -> torch.Tensor:
-    """(K/128 padded to a multiple of 4, N/128) block scales of a (N, K) operand, K-major: the layout cuBLAS reads
-    for a 128x128-scaled B. Entry (n, k) lives at storage offset n * padded_k + k. The padding is zeroed; without
-    padding the tensor is left empty (the quantizing and transposing kernels write every entry), which spares a
-    fill launch in each backward that transposes its weight."""
+    """Zeroed (K/128 padded to a multiple of 4, N/128) block scales of a (N, K) operand, K-major: the layout
+    cuBLAS reads for a 128x128-scaled B. Entry (n, k) lives at storage offset n * padded_k + k."""
     padded_k = -(-k_blocks // 4) * 4
-    make = torch.zeros if padded_k != k_blocks else torch.empty
-    return make(n_blocks, padded_k, dtype=torch.float32, device=device).t()
+    return torch.zeros(n_blocks, padded_k, dtype=torch.float32, device=device).t()
 
 
 class CublasBackend(TritonBackend):
