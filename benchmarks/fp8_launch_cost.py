@@ -6,8 +6,10 @@ launched, so the time per call is Python, argument checking and launch: the floo
 pays per micro-batch regardless of its size. BF16 `F.linear` and a torch `add` are the yardsticks; the last rows
 time a whole small layer's forward and backward, BF16 and FP8.
 `--cprofile N` also prints, for each piece, the N Python functions with the most own time over its calls
-(cProfile): where the host time goes.
-Usage (GPU machine, repo root): PYTHONPATH=. python benchmarks/fp8_launch_cost.py [--cprofile 25]
+(cProfile): where the host time goes. `--kernels` prints, for each whole layer, the device kernels and the torch
+operators one forward + backward runs (torch.profiler), at the small shape and at 8192 x 4096 -> 4096: a copy or
+fill kernel nobody asked for shows there.
+Usage (GPU machine, repo root): PYTHONPATH=. python benchmarks/fp8_launch_cost.py [--cprofile 25] [--kernels]
 """
 import argparse
 import cProfile
@@ -60,10 +62,29 @@ def main() -> None:
         "wgrad GEMM into FP32 main_grad (cuBLASLt)": lambda: backend.gemm_1x128_1x128_accumulate_(
             main_grad, xt_fp8, xt_scale, xt_fp8, xt_scale),
     }
+    # The GEMM as the layer calls it: operands fresh from their producers at every call, not made once.
+    rc_fp8, rc_scale = backend.quantize_rows_cols(x, E4M3, False)[:2]
+    wt_fp8, wt_scale = backend.transpose_weight(cache.w_fp8, cache.w_scale)
+    pieces.update({
+        "F.scaled_mm on quantize_rows_cols' x (made once)": lambda: backend.gemm_1x128_128x128(
+            rc_fp8, rc_scale, cache.w_fp8, cache.w_scale, torch.bfloat16),
+        "quantize_rows_cols, then F.scaled_mm on its x": lambda: backend.gemm_1x128_128x128(
+            *backend.quantize_rows_cols(x, E4M3, False)[:2], cache.w_fp8, cache.w_scale, torch.bfloat16),
+        "F.scaled_mm on a transposed weight (made once)": lambda: backend.gemm_1x128_128x128(
+            rc_fp8, rc_scale, wt_fp8, wt_scale, torch.bfloat16),
+        "transpose_weight, then F.scaled_mm on it": lambda: backend.gemm_1x128_128x128(
+            rc_fp8, rc_scale, *backend.transpose_weight(cache.w_fp8, cache.w_scale), torch.bfloat16),
+    })
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    parser.add_argument("--kernels", action="store_true", help="each whole layer's kernels and operators")
     args = parser.parse_args()
     layers = whole_layers()
+    if args.kernels:
+        for tokens, features in ((128, 256), (8192, 4096)):
+            for name, fn in whole_layers(tokens, features).items():
+                print(f"\n### {name}, {tokens} tokens, {features} -> {features}\n")
+                print(kernels_and_operators(fn))
     print("| piece | host us per call |\n|---|---|")
     for name, fn in pieces.items():
         print(f"| {name} | {per_call_us(fn):.1f} |")
@@ -92,21 +113,55 @@ def own_times(fn, top: int, calls: int = 200) -> str:
     return "\n".join(lines)
 
 
-def whole_layers() -> dict:
-    """Forward + backward of one small layer (128 tokens, 256 -> 256), BF16 and FP8 (weight cached, as for every
-    micro-batch after a step's first): the host's floor per layer and micro-batch."""
+def whole_layers(tokens: int = 128, features: int = 256) -> dict:
+    """Forward + backward of one layer (by default small: 128 tokens, 256 -> 256), BF16 and FP8 (weight cached, as
+    for every micro-batch after a step's first), each adding its weight gradient into an FP32 main_grad as in
+    training: the host's floor per layer and micro-batch."""
     from megafp8.parallel import ColumnParallelLinear
     from megafp8.precision import Fp8Recipe, PrecisionRecipe
 
-    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
-    layers = {"BF16 linear, forward + backward": ColumnParallelLinear(256, 256, PrecisionRecipe.from_name("bf16"),
-                                                                      device="cuda")}
-    fp8 = ColumnParallelLinear(256, 256, PrecisionRecipe.from_name("fp8", Fp8Recipe(backend="cublas")),
-                               device="cuda")
-    fp8.weight.main_grad = torch.zeros(256, 256, device="cuda", dtype=torch.float32)
-    layers["FP8 linear, forward + backward (weight cached)"] = fp8
-    return {name: (lambda layer=layer: layer(x).backward(dy)) for name, layer in layers.items()}
+    x = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
+    layers = {}
+    for name, recipe in (("BF16 linear, forward + backward", PrecisionRecipe.from_name("bf16")),
+                         ("FP8 linear, forward + backward (weight cached)",
+                          PrecisionRecipe.from_name("fp8", Fp8Recipe(backend="cublas")))):
+        layer = ColumnParallelLinear(features, features, recipe, device="cuda")
+        layer.weight.main_grad = torch.zeros(features, features, device="cuda", dtype=torch.float32)
+        layers[name] = layer
+    runs = {name: (lambda layer=layer: layer(x).backward(dy)) for name, layer in layers.items()}
+    for name, layer in layers.items():
+        runs[name.replace("forward + backward", "forward alone")] = lambda layer=layer: layer(x)
+        runs[name + ", backward on the calling thread"] = lambda layer=layer: _on_calling_thread(layer, x, dy)
+    return runs
+
+
+def _on_calling_thread(layer, x: torch.Tensor, dy: torch.Tensor) -> None:
+    """Forward and backward with autograd's engine running backward on this thread, not its CUDA worker thread."""
+    with torch.autograd.set_multithreading_enabled(False):
+        layer(x).backward(dy)
+
+
+def kernels_and_operators(fn, calls: int = 10) -> str:
+    """The device kernels (launches per call, device us per call) and the torch operators with the most own host
+    time (us per call) of `calls` calls of fn, after a warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sorted((e for e in events if e.device_type.name == "CUDA"), key=lambda e: -e.self_device_time_total)
+    lines = ["| kernel | launches per call | device us per call |", "|---|---|---|"]
+    lines += [f"| `{e.key[:110]}` | {e.count / calls:g} | {e.self_device_time_total / calls:.1f} |" for e in kernels]
+    operators = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
+    lines += ["", "| operator | calls per call | own host us per call |", "|---|---|---|"]
+    lines += [f"| `{e.key[:110]}` | {e.count / calls:g} | {e.self_cpu_time_total / calls:.1f} |"
+              for e in operators[:25]]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

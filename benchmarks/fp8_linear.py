@@ -15,7 +15,11 @@ a compiled `nn.Linear`.
 host's launch cost out of the picture, as the training step runs under `training.compile_mode: reduce-overhead`.
 Where the eager columns fall behind these, the eager iteration is bound by the host (Python and launches).
 
+`--calling-thread` runs both layers' backward on the calling thread instead of autograd's CUDA worker thread, as
+the training loop does (`training.backward_on_worker_thread: false`): less host time per iteration.
+
 Usage: python benchmarks/fp8_linear.py [--backends cublas triton] [--iters 20] [--compiled] [--cuda-graphs]
+       [--calling-thread]
 """
 from __future__ import annotations
 
@@ -117,7 +121,7 @@ def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int, compile
             layer.fp8_cache.clear()  # the graph quantizes the weight at every call
             row[f"{name}_compiled_tflops"] = flops / time_ms(lambda: layer_compiled(x).backward(dy), iters) / 1e9
             torch._dynamo.reset()
-            layer.prepare_fp8_weight()  # as a compiled block does: the graph reads the weight quantized once
+            layer.prepare_for_compiled()  # as a compiled block does: the graph reads the weight quantized once
             row[f"{name}_compiled_cached_tflops"] = flops / time_ms(lambda: layer_compiled(x).backward(dy),
                                                                     iters) / 1e9
         del layer
@@ -153,10 +157,19 @@ def main() -> int:
     parser.add_argument("--compiled", action="store_true", help="also time both layers under torch.compile")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="also time both layers' iterations replayed from a CUDA graph (device time only)")
+    parser.add_argument("--calling-thread", action="store_true",
+                        help="run backward on the calling thread, as the training loop does")
     args = parser.parse_args()
+    with torch.autograd.set_multithreading_enabled(not args.calling_thread):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.profile:
         profile(*SHAPES[0], args.backends[0])
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.version.__version__} | CUDA {torch.version.cuda}")
+    thread = "calling thread" if args.calling_thread else "autograd's worker thread"
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.version.__version__} | CUDA {torch.version.cuda} | "
+          f"backward on the {thread}")
     head = "| M x K x N | BF16 TFLOP/s | " + " | ".join(
         f"{b} TFLOP/s (x BF16) | {b} cached-weight TFLOP/s" for b in args.backends
     ) + (" | BF16 compiled | " + " | ".join(f"{b} compiled (x BF16 compiled) | {b} compiled, cached weight"

@@ -11,9 +11,9 @@
 # shape (compiled_ro_8b, ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and compiled_ro_kept_t: FP8 keeping its weight
 # transposes; memory_modes: both models' memory in every mode), BF16 and FP8 profiled side by side (profile_pair,
 # profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), the
-# warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense wgrad GEMMs (wgrad_gemm), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
+# warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only), backward on autograd's worker thread against the calling thread (fp8_linear_threads; whole steps: threads_eager, threads_compiled, threads_moe), the weight gradients into main_grad on the GPU, FP8 and BF16, with the one-GPU training tests (tests_main_grad), the 8B-layer eager memory row alone (memory_8b_eager), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
 # default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper; moe_compiled_accum: both backends, four micro-batches
-# per step), cg_diag and cg_diag_8b (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_fused_quantize,
+# per step), cg_diag and cg_diag_8b (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_compiled_ro_bf16, old_compiled_ro_8b_bf16, old_fused_quantize,
 # old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
 # dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
@@ -81,6 +81,11 @@ for part in $PARTS; do
            --recipes fp8 --steps 12 --warmup 6 ;;
     old_compiled_ro) step old_compiled_cudagraphs bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
            training.compile=true training.compile_mode=reduce-overhead --model 1b --recipes fp8" ;;
+    old_compiled_ro_bf16) step old_compiled_cudagraphs_bf16 bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
+           training.compile=true training.compile_mode=reduce-overhead --model 1b --recipes bf16" ;;
+    old_compiled_ro_8b_bf16) step old_compiled_cudagraphs_8b_bf16 bash -c "cd \"$OLD\" && python \
+           benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead --model 8b-layers \
+           --recipes bf16" ;;
     old_compiled_ro_8b) step old_compiled_cudagraphs_8b bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
            training.compile=true training.compile_mode=reduce-overhead --model 8b-layers --recipes fp8" ;;
     old_profile_compiled) step old_profile_compiled bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
@@ -91,6 +96,24 @@ for part in $PARTS; do
     rows_cols) step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
     grouped_gemm) step grouped_gemm python benchmarks/grouped_gemm.py --backend cublas ;;
     wgrad_gemm) step wgrad_gemm python benchmarks/wgrad_gemm.py ;;
+    fp8_linear_threads)  # one layer, backward on autograd's worker thread (torch's default) and on the calling thread
+      step fp8_linear_worker_thread python benchmarks/fp8_linear.py --backends cublas
+      step fp8_linear_calling_thread python benchmarks/fp8_linear.py --backends cublas --calling-thread ;;
+    threads_eager|threads_compiled|threads_moe)  # whole steps, backward on the worker thread, then on the caller's
+      case $part in
+        threads_eager) flags="--model 1b" ;;
+        threads_compiled) flags="training.compile=true --model 1b" ;;
+        threads_moe) flags="training.compile=true --model moe" ;;
+      esac
+      step "${part}_worker_thread" python benchmarks/train_step.py training.backward_on_worker_thread=true $flags \
+           --recipes bf16 fp8
+      step "${part}_calling_thread" python benchmarks/train_step.py $flags --recipes bf16 fp8 ;;
+    wgrad_bf16) step wgrad_bf16 python benchmarks/wgrad_gemm.py --bf16-only ;;
+    tests_main_grad) step gpu_tests_main_grad python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
+           -k "main_grad or host_wait or learns" -p no:cacheprovider ;;
+    memory_8b_eager)  # the 8B-layer eager run's peak, FP8-health step included (memory_modes' slowest row alone)
+      step memory_8b-layers_eager python benchmarks/train_step.py --model 8b-layers --steps 10 --warmup 6 \
+           --log-interval 2 --recipes bf16 fp8 ;;
     old_wgrad_gemm) step old_wgrad_gemm bash -c "cd \"$OLD\" && python benchmarks/wgrad_gemm.py" ;;
     old_grouped_gemm) step old_grouped_gemm bash -c "cd \"$OLD\" && python benchmarks/grouped_gemm.py --backend cublas" ;;
     profile_moe_fp8) step profile_moe_fp8 python benchmarks/train_step.py training.compile=true --model moe \

@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """A dense layer's weight-gradient GEMM (issue 18): dw (N, K) = dy^T @ x over the tokens, added into FP32 main_grad.
 
-    PYTHONPATH=. python benchmarks/wgrad_gemm.py [--model 1b 8b-layers] [--tokens 16384] [--iters 30]
+    PYTHONPATH=. python benchmarks/wgrad_gemm.py [--model 1b 8b-layers] [--tokens 16384] [--iters 30] [--bf16-only]
 
 The shapes are each model's linears (QKV, attention output, gate/up, down) at `--tokens` tokens per micro-batch.
 Operands are quantized beforehand as the FP8 linear quantizes them (dy^T and x^T in 1x128 tiles along the tokens);
 the timed call is the GEMM, alone and with the FP32 accumulation a micro-batch does:
 
-- BF16 `mm`: dy^T @ x in BF16 (the BF16 recipe's wgrad); "+ add" adds it into an FP32 main_grad.
+- BF16 `mm`: dy^T @ x in BF16; "+ add" adds it into an FP32 main_grad (the BF16 recipe's wgrad until the
+  fifteenth session); "into main_grad": one GEMM adding its FP32 product into main_grad
+  (`megafp8.precision.bf16_linear.accumulate_product_`, the BF16 recipe's wgrad now). `--bf16-only`: these alone.
 - cuBLAS FP8: `F.scaled_mm` with 1x128 x 1x128 scaling (the cublas backend's wgrad), BF16 out; "+ add" as above.
 - cuBLASLt into main_grad: the same GEMM called through `megafp8.precision.kernels.cublaslt`, adding its FP32
   product into main_grad in the epilogue (the cublas backend's wgrad since the tenth session), with the
@@ -43,17 +45,11 @@ LINEARS = {  # (name, N = output features, K = input features)
 WRONG = 2**-6
 
 
-def columns(dy: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[[], object], Callable[[], torch.Tensor]]]:
+def columns(dy: torch.Tensor, x: torch.Tensor,
+            bf16_only: bool = False) -> dict[str, tuple[Callable[[], object], Callable[[], torch.Tensor]]]:
     """name -> (timed call, its result as dw in FP32) for one shape."""
-    from megafp8.precision.kernels import gemm
-    cublas = select_backend("cublas", dy.device)
-    _, _, dyt, dyt_s = cublas.quantize_rows_cols(dy, E4M3, False)
-    _, _, xt, xt_s = cublas.quantize_rows_cols(x, E4M3, False)
+    from megafp8.precision.bf16_linear import accumulate_product_
     main_grad = torch.zeros(dy.shape[1], x.shape[1], dtype=torch.float32, device=dy.device)
-    bw1 = F.ScalingType.BlockWise1x128
-
-    def cublas_dw():
-        return F.scaled_mm(dyt, xt.t(), mn_major(dyt_s), bw1, mn_major(xt_s), bw1, output_dtype=torch.bfloat16)
 
     def accumulated(run: Callable[[], object]) -> Callable[[], torch.Tensor]:
         def result():
@@ -62,12 +58,29 @@ def columns(dy: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[[], o
             return main_grad.clone()
         return result
 
+    def bf16_into():
+        accumulate_product_(main_grad, dy.t(), x)
+
     cols = {
         "BF16 mm": (lambda: dy.t() @ x, lambda: (dy.t() @ x).float()),
         "BF16 mm + add": (lambda: main_grad.add_(dy.t() @ x), accumulated(lambda: main_grad.add_(dy.t() @ x))),
+        "BF16 into main_grad": (bf16_into, accumulated(bf16_into)),
+    }
+    if bf16_only:
+        return cols
+    from megafp8.precision.kernels import gemm
+    cublas = select_backend("cublas", dy.device)
+    _, _, dyt, dyt_s = cublas.quantize_rows_cols(dy, E4M3, False)
+    _, _, xt, xt_s = cublas.quantize_rows_cols(x, E4M3, False)
+    bw1 = F.ScalingType.BlockWise1x128
+
+    def cublas_dw():
+        return F.scaled_mm(dyt, xt.t(), mn_major(dyt_s), bw1, mn_major(xt_s), bw1, output_dtype=torch.bfloat16)
+
+    cols.update({
         "cuBLAS FP8": (cublas_dw, lambda: cublas_dw().float()),
         "cuBLAS FP8 + add": (lambda: main_grad.add_(cublas_dw()), accumulated(lambda: main_grad.add_(cublas_dw()))),
-    }
+    })
     cols.update(cublaslt_columns(dyt, dyt_s, xt, xt_s, main_grad, accumulated))
     for block_n in (128, 256):
         def bf16_out(block_n=block_n):
@@ -115,6 +128,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--model", nargs="+", default=list(LINEARS), choices=list(LINEARS))
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--bf16-only", action="store_true", help="only the BF16 columns")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (SM90 for the cuBLAS and warp-specialized columns)")
@@ -127,8 +141,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         for name, n, k in LINEARS[model]:
             dy = (torch.randn(args.tokens, n, device="cuda", generator=g) * 1e-3).bfloat16()
             x = torch.randn(args.tokens, k, device="cuda", generator=g).bfloat16()
-            want_fp8, want_bf16 = reference(dy, x), dy.float().t() @ x.float()
-            cols = columns(dy, x)
+            want_bf16 = dy.float().t() @ x.float()
+            want_fp8 = None if args.bf16_only else reference(dy, x)
+            cols = columns(dy, x, args.bf16_only)
             if header is None:
                 header = ["model", "linear (N x K)", *cols]
                 print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))

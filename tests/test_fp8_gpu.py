@@ -106,8 +106,8 @@ def test_an_mlp_keeping_no_weight_transpose_on_gpu_gives_the_kept_transposes_bit
                     return swiglu_mlp(x, gate_up, down, norm)
                 torch._dynamo.reset()
                 if compiled:  # as `Block.forward` does: the graph reads the caches (else it quantizes w and w^T itself)
-                    gate_up.prepare_fp8_weight()
-                    down.prepare_fp8_weight()
+                    gate_up.prepare_for_compiled()
+                    down.prepare_for_compiled()
                 runs.append(_mlp_step(torch.compile(f) if compiled else f, x0,
                                       [norm.weight, gate_up.weight, down.weight]))
                 assert (gate_up.fp8_cache.entry.wt_fp8 is None) == (not keep)
@@ -195,10 +195,11 @@ def test_cublaslt_adds_the_weight_gradient_into_main_grad():
         assert torch.equal(buffer[:4096], head)  # nothing written outside the view
 
 
-def test_cuda_graphs_add_the_fp8_weight_gradients_into_main_grad_like_eager(tiny_overrides):
-    """Compiled blocks under CUDA graphs (`compile_mode: reduce-overhead`) add their FP8 weight gradients into
-    main_grad inside the graphs, four micro-batches a step: the same gradient norms and losses as eager steps (a
-    gradient added into a graph-owned copy instead would show as a different norm)."""
+@pytest.mark.parametrize("config", ["tiny_dense_fp8", "tiny_dense"])
+def test_cuda_graphs_add_the_weight_gradients_into_main_grad_like_eager(tiny_overrides, config):
+    """Compiled blocks under CUDA graphs (`compile_mode: reduce-overhead`) add their weight gradients, FP8 and BF16,
+    into main_grad inside the graphs, four micro-batches a step: the same gradient norms and losses as eager steps
+    (a gradient added into a graph-owned copy instead would show as a different norm)."""
     from megafp8.config import load_config
     from megafp8.parallel import ParallelDims
     from megafp8.train import Trainer
@@ -206,14 +207,37 @@ def test_cuda_graphs_add_the_fp8_weight_gradients_into_main_grad_like_eager(tiny
     runs = {}
     for mode in ("eager", "reduce-overhead"):
         extra = [] if mode == "eager" else ["training.compile=true", f"training.compile_mode={mode}"]
-        cfg = load_config("tiny_dense_fp8", tiny_overrides + ["training.steps=6", "training.eval_interval=0",
-                                                              "logging.log_interval=1"] + extra)
+        cfg = load_config(config, tiny_overrides + ["training.steps=6", "training.eval_interval=0",
+                                                     "logging.log_interval=1"] + extra)
         torch._dynamo.reset()
         runs[mode] = [r for r in Trainer(cfg, ParallelDims.single(), CUDA).fit() if r["kind"] == "train"]
     assert len(runs["eager"]) == len(runs["reduce-overhead"]) == 6
     for eager, graphed in zip(runs["eager"], runs["reduce-overhead"]):
         assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=0.03), (eager, graphed)
         assert graphed["loss"] == pytest.approx(eager["loss"], rel=0.01), (eager, graphed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_high_precision_weight_gradients_are_added_into_main_grad_by_the_gemm(dtype):
+    """A BF16 (FP16) layer's weight gradient goes into its FP32 main_grad through one GEMM with FP32 C (torch.addmm
+    with out_dtype, not the product then an add): closer to the FP64 sum than BF16 dw added in FP32, on a layer's
+    shape and on a view into a larger gradient buffer (offset, as `main_grad`s are), nothing written outside it."""
+    from megafp8.precision.bf16_linear import accumulate_product_, fused_accumulation_reason
+    assert fused_accumulation_reason(CUDA, dtype) is None, fused_accumulation_reason(CUDA, dtype)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    for n, k, tokens in ((384, 512, 1000), (2048, 5632, 4096)):
+        dy = torch.randn(tokens, n, device=CUDA, generator=g).to(dtype)
+        x = torch.randn(tokens, k, device=CUDA, generator=g).to(dtype)
+        buffer = torch.randn(n * k + 4096, device=CUDA, generator=g)
+        head, main_grad = buffer[:4096].clone(), buffer[4096:].view(n, k)
+        start = main_grad.double()
+        exact = start + dy.t().double() @ x.double()
+        unfused = main_grad + (dy.t() @ x).float()
+        accumulate_product_(main_grad, dy.t(), x)
+        err = float((main_grad.double() - exact).norm() / exact.norm())
+        err_unfused = float((unfused.double() - exact).norm() / exact.norm())
+        assert err < 1e-5 and err < 0.5 * err_unfused, (n, k, err, err_unfused)
+        assert torch.equal(buffer[:4096], head)
 
 
 def _kernel_outputs() -> dict:

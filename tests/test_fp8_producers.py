@@ -187,7 +187,7 @@ def test_compiled_fp8_mlp_adds_its_weight_gradients_into_main_grad_inside_the_gr
 
         def step(x):
             for layer in (gate_up, down):  # eagerly, as `Block.forward` does before its compiled code
-                layer.prepare_fp8_weight()
+                layer.prepare_for_compiled()
             return fn(x.clone().requires_grad_(True))
         losses = [step(x) for x in x0]
         for loss in losses:

@@ -26,6 +26,21 @@ def test_training_on_cuda_learns(tiny_overrides):
     assert losses[-1] < losses[0] - 1.0, losses
 
 
+@pytest.mark.parametrize("worker_thread", [False, True])
+def test_backward_runs_on_the_training_loops_thread_unless_configured(tiny_overrides, worker_thread):
+    """On CUDA, autograd runs backward on its device worker thread unless told otherwise: the training step tells it
+    to stay on the loop's own thread (`training.backward_on_worker_thread: false`, the default)."""
+    import threading
+    cfg = load_config("tiny_dense", tiny_overrides + [
+        "training.steps=1", "optimizer.warmup_steps=1", "training.eval_interval=0",
+        f"training.backward_on_worker_thread={str(worker_thread).lower()}"])
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0))
+    threads = []
+    trainer.model.layers[0].mlp_norm.weight.register_hook(lambda g: threads.append(threading.get_ident()))
+    trainer.train_step()
+    assert threads and all((t != threading.get_ident()) == worker_thread for t in threads), threads
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_dense_fp8_training_step_never_makes_the_host_wait(tiny_overrides, compiled):
     """No host synchronization inside a dense FP8 step (four micro-batches: batch copies, FP8 linears, gradient

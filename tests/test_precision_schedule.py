@@ -80,7 +80,8 @@ def _inject_inf_worker(rank, world, overrides):
     before = [p.detach().clone() for p in trainer.model.parameters()]
     steps_before = trainer.optimizer.step_count
     exp_avg_before = [s.exp_avg.clone() for s in trainer.optimizer.shards]
-    weight = trainer.model.layers[0].mlp.down_proj.weight
+    # A norm's weight: its gradient comes back through autograd (linears add theirs into main_grad in backward)
+    weight = trainer.model.layers[0].mlp_norm.weight
     if rank == 1:  # only rank 1 sees an inf gradient
         handle = weight.register_hook(lambda g: g * float("inf"))
     loss, grad_norm = trainer.train_step()

@@ -162,7 +162,7 @@ def test_compiled_blocks_quantize_each_weight_once_per_version_outside_the_graph
     torch._dynamo.reset()
     assert apply_compile(model, backend="aot_eager") == 2  # exact bits
     eager_forwards = [block.uncompiled_forward for block in blocks]
-    fp8 = [[m for m in block.fp8_linears if m.runs_fp8] for block in blocks]
+    fp8 = [[m for m in block.prepared_linears if m.runs_fp8] for block in blocks]
     assert [len(layers) for layers in fp8] == [4, 4]
 
     def run(block, forward):

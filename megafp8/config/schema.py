@@ -348,6 +348,14 @@ class TrainingConfig:
         "and reduce-scatters) and their waits to overlap computation (`reorder_for_compute_comm_overlap`). Traced "
         "collectives are otherwise waited for as soon as they start. Off by default: its speed is not yet measured.",
     )
+    backward_on_worker_thread: bool = setting(
+        False,
+        "Run backward on autograd's CUDA worker thread (torch's default) instead of the thread that called it. Off: "
+        "the training loop runs it on its own thread, which cost an eager FP8 linear's forward + backward ~440 us "
+        "less host time per micro-batch on one H200 (1,031 against 587 us; BF16 170 against 125; "
+        "`docs/benchmarks.md`). Device work is the same either way, so it only matters where the host bounds the step "
+        "(whole steps of our benchmark shapes did not change).",
+    )
     recompute: RecomputeMode = setting(
         "none",
         "Activation recomputation. `full`: every transformer block keeps only its input for backward and runs its "

@@ -53,7 +53,7 @@ class Block(nn.Module):
         self.mlp = (MoE(spec.mlp, cfg.hidden_size, recipe, tp, ep, fp8_dispatch, device) if spec.is_moe
                     else SwiGLU(cfg.hidden_size, spec.mlp.ffn_hidden_size, recipe, tp, device))
         self.recompute = False  # set by `apply_recompute`
-        self.fp8_linears: list[ParallelLinear] = []  # set by `apply_compile`: whose FP8 weight cache to prepare
+        self.prepared_linears: list[ParallelLinear] = []  # set by `apply_compile`: the linears to prepare eagerly
         self.uncompiled_forward = None  # set by `apply_compile`: `_forward` as written, for observed steps
         # Set while hooks observe the block's layers (FP8 health): the block then runs uncompiled. Traced, the hooks
         # would break its graph, and torch.compile would keep the broken graph for every later step. A compiled block
@@ -68,8 +68,8 @@ class Block(nn.Module):
         """Returns the new residual stream and the MoE balance loss (None for a dense MLP). With `recompute` (and
         while a compiled block is `observed`), only the block's input is kept for backward, which runs the block's
         forward again first."""
-        for layer in self.fp8_linears:  # eagerly, before the compiled code reads their caches
-            layer.prepare_fp8_weight()
+        for layer in self.prepared_linears:  # eagerly, before the compiled code reads their caches and main_grad aliases
+            layer.prepare_for_compiled()
         observed_uncompiled = self.observed and self.uncompiled_forward is not None
         run = self.uncompiled_forward if observed_uncompiled else self._forward
         if (self.recompute or observed_uncompiled) and torch.is_grad_enabled():
@@ -265,9 +265,10 @@ def apply_compile(model: nn.Module, mode: str = "default", backend: str = "induc
         block.uncompiled_forward = block._forward
         block._forward = torch.compile(block._forward, backend=backend, **_compile_settings(mode, comm_overlap))
         # Each forward first quantizes the block's changed FP8 weights, eagerly: once per weight version, not once
-        # per micro-batch inside the graph. Every linear is listed: one may switch to FP8 later
-        # (`precision.fp8_start_step`), and those running BF16 skip the preparation.
-        block.fp8_linears = [m for m in block.modules() if isinstance(m, ParallelLinear)]
+        # per micro-batch inside the graph; every linear gets a fresh alias of its FP32 main_grad to add its weight
+        # gradient into. Every linear is listed, whatever its recipe now: one may switch to FP8 later
+        # (`precision.fp8_start_step`).
+        block.prepared_linears = [m for m in block.modules() if isinstance(m, ParallelLinear)]
     return len(blocks)
 
 

@@ -40,6 +40,7 @@ from megafp8.precision import (
     GemmLayer,
     InputNorm,
     LinearComm,
+    MainGradSlot,
     PrecisionRecipe,
     fp8_linear,
     fp8_swiglu_mlp,
@@ -119,6 +120,7 @@ class ParallelLinear(GemmLayer):
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.weight = nn.Parameter(torch.empty(weight_shape, dtype=recipe.param_dtype, device=device))
         self._comm: Optional[LinearComm] = None
+        self.main_grad_slot = MainGradSlot()  # in BF16, compiled: what the weight gradient is added into
         self.set_recipe(recipe, fp8_backend)
 
     def _fp8_forward(self, x: torch.Tensor, norm: Optional[InputNorm] = None) -> torch.Tensor:
@@ -129,10 +131,13 @@ class ParallelLinear(GemmLayer):
         """This layer as one projection of a fused FP8 MLP (`megafp8.precision.fp8_mlp`)."""
         return Fp8Projection(self.weight, self.fp8_cache, self._comm or LinearComm(), self.wgrad_queue)
 
-    def prepare_fp8_weight(self) -> None:
-        """Quantize the weight now if it changed since it was last quantized (eagerly: a compiled block calls this
-        before running, so its traced FP8 linears read the cache instead of quantizing in every forward)."""
-        if self.runs_fp8:
+    def prepare_for_compiled(self) -> None:
+        """Run eagerly before each call of the compiled block holding this layer: quantize the weight if it changed
+        since it was last quantized (traced FP8 linears then read the cache instead of quantizing in every forward),
+        or, in BF16, point the layer at a fresh alias of its FP32 `main_grad` (`MainGradSlot`)."""
+        if not self.runs_fp8:
+            self.main_grad_slot.refresh(self.weight)
+        else:
             fp8 = self.recipe.fp8
             self.fp8_cache.prepare(self.weight, self.fp8_backend_for(self.weight.device), fp8.fmt,
                                    fp8.power_of_two_scales)
@@ -186,7 +191,7 @@ class ColumnParallelLinear(ParallelLinear):
         if self.runs_fp8:
             return self._fp8_forward(x)
         return linear(gather_from_sp(x, self.tp) if self.tp.sp else copy_to_tp(x, self.tp), self.weight,
-                      self.wgrad_queue)
+                      self.wgrad_queue, self.main_grad_slot)
 
 
 class RowParallelLinear(ParallelLinear):
@@ -209,7 +214,7 @@ class RowParallelLinear(ParallelLinear):
             x = x.reshape(-1, x.shape[-1])
         if self.runs_fp8:
             return self._fp8_forward(x)
-        y = linear(x, self.weight, self.wgrad_queue)
+        y = linear(x, self.weight, self.wgrad_queue, self.main_grad_slot)
         return reduce_scatter_to_sp(y, self.tp) if self.tp.sp else reduce_from_tp(y, self.tp)
 
 

@@ -225,30 +225,3 @@ def _eager_fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCac
                       backend: Fp8Backend, comm: Optional[LinearComm], wgrad_queue: Optional[WeightGradQueue],
                       norm: Optional[InputNorm]) -> torch.Tensor:
     return fp8_linear(x, weight, cache, recipe, backend, comm, wgrad_queue, norm)
-
-
-class _LinearDeferredWgradFn(torch.autograd.Function):
-    """A plain (BF16/FP32) `x @ weight^T` whose weight gradient goes through a `WeightGradQueue`."""
-
-    @staticmethod
-    def forward(ctx, x, weight, queue: WeightGradQueue):
-        ctx.save_for_backward(x, weight)
-        ctx.queue = queue
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dy2d, x2d = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-            dw = weight_grad_or_defer(weight, lambda: dy2d.t() @ x2d, ctx.queue)
-        return dx, dw, None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, wgrad_queue: Optional[WeightGradQueue] = None) -> torch.Tensor:
-    """`F.linear(x, weight)`, with the weight-gradient GEMM deferred to `wgrad_queue` when one is given."""
-    if wgrad_queue is None:
-        return F.linear(x, weight)
-    return _LinearDeferredWgradFn.apply(x, weight, wgrad_queue)

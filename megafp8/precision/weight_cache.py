@@ -16,6 +16,7 @@ import torch
 
 from megafp8.precision.backends import Fp8Backend, QuantizedWeight
 from megafp8.precision.formats import Fp8Format
+from megafp8.precision.wgrad import fresh_alias
 
 
 class Fp8WeightCache:
@@ -33,7 +34,8 @@ class Fp8WeightCache:
         self._version: Optional[tuple[int, int]] = None  # (data_ptr, _version) of the weight it was made from
         self.quantize_count = 0  # how many times the weight was quantized (for tests and metrics)
         self.prepared = False  # True once `prepare` has run: compiled code then reads the cache
-        # A fresh alias of the weight's FP32 main_grad, made by each `prepare` (None without one): see `_alias`.
+        # A fresh alias of the weight's FP32 main_grad, made by each `prepare` (None without one): see
+        # `megafp8.precision.wgrad.fresh_alias`.
         self.main_grad_alias: Optional[torch.Tensor] = None
 
     def get(self, weight: torch.Tensor, backend: Fp8Backend, fmt: Fp8Format, power_of_two: bool) -> QuantizedWeight:
@@ -62,7 +64,7 @@ class Fp8WeightCache:
         self.get(weight, backend, fmt, power_of_two)
         self.prepared = True
         main_grad = getattr(weight, "main_grad", None)
-        self.main_grad_alias = _alias(main_grad) if main_grad is not None and main_grad.dtype == torch.float32 \
+        self.main_grad_alias = fresh_alias(main_grad) if main_grad is not None and main_grad.dtype == torch.float32 \
             else None
 
     def traced_entry(self) -> Optional[QuantizedWeight]:
@@ -72,19 +74,3 @@ class Fp8WeightCache:
     def clear(self) -> None:
         """Forget the quantized weight (the next forward re-quantizes)."""
         self.entry, self._version, self.prepared, self.main_grad_alias = None, None, False, None
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A new tensor over `t`'s memory with a version counter of its own, marked static (for compiled code to add a
-    weight gradient into `main_grad` in its backward graph).
-
-    A compiled layer gets it as a forward input and saves it for backward, where the GEMM adds into it. Saved
-    tensors are checked against in-place changes: `main_grad` itself (whose counter all its views share) changes
-    between one micro-batch's forward and its backward whenever another micro-batch's backward runs in between
-    (pipeline schedules), which would fail that check. Each forward's own alias changes only in its own backward.
-    Static, so CUDA graphs use its address instead of copying it into a graph-owned buffer (the GEMM would then add
-    into the copy)."""
-    alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
-                                                                t.stride())
-    torch._dynamo.mark_static_address(alias, guard=False)
-    return alias

@@ -65,3 +65,19 @@ def weight_grad_or_defer(weight: torch.Tensor, compute: Callable[[], torch.Tenso
     else:
         run()
     return None
+
+
+def fresh_alias(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor over `t`'s memory with a version counter of its own, marked static (for compiled code to add a
+    weight gradient into `main_grad` in its backward graph).
+
+    A compiled layer gets it as a forward input and saves it for backward, where the GEMM adds into it. Saved
+    tensors are checked against in-place changes: `main_grad` itself (whose counter all its views share) changes
+    between one micro-batch's forward and its backward whenever another micro-batch's backward runs in between
+    (pipeline schedules), which would fail that check. Each forward's own alias changes only in its own backward.
+    Static, so CUDA graphs use its address instead of copying it into a graph-owned buffer (the GEMM would then add
+    into the copy)."""
+    alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
+                                                                t.stride())
+    torch._dynamo.mark_static_address(alias, guard=False)
+    return alias

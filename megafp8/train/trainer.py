@@ -92,22 +92,28 @@ class Trainer:
         micro_batches = self.loader.next_step()
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self.model.balance_grad_scale = loss_scale / len(micro_batches)
-        if self.pipeline is not None:
-            self.grad_buckets.prepare_backward(last_micro_batch=False)  # reduce after the pipeline flush
-            loss_sum = self.pipeline.train_step(micro_batches, loss_scale)
-        else:
-            loss_sum = torch.zeros((), device=self.device)
-            for i, (tokens, targets) in enumerate(micro_batches):
-                self.grad_buckets.prepare_backward(last_micro_batch=i == len(micro_batches) - 1)
-                loss = self.model(host_to_device(tokens, self.device), host_to_device(targets, self.device))
-                loss = loss / len(micro_batches)
-                (loss * loss_scale).backward()
-                loss_sum += loss.detach()
+        with torch.autograd.set_multithreading_enabled(self.cfg.training.backward_on_worker_thread):
+            loss_sum = self._forward_backward(micro_batches, loss_scale)
         self.grad_buckets.finish()
         self.state.step += 1
         if sampled:
             self.metrics.write({"kind": "fp8_health", "step": self.step, "layers": self.health.collect(self.step)})
         return loss_sum, self._update(loss_scale)
+
+    def _forward_backward(self, micro_batches: list, loss_scale: float) -> torch.Tensor:
+        """Every micro-batch's forward and backward (through the pipeline schedule if there is one); returns the sum
+        of their mean losses."""
+        if self.pipeline is not None:
+            self.grad_buckets.prepare_backward(last_micro_batch=False)  # reduce after the pipeline flush
+            return self.pipeline.train_step(micro_batches, loss_scale)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (tokens, targets) in enumerate(micro_batches):
+            self.grad_buckets.prepare_backward(last_micro_batch=i == len(micro_batches) - 1)
+            loss = self.model(host_to_device(tokens, self.device), host_to_device(targets, self.device))
+            loss = loss / len(micro_batches)
+            (loss * loss_scale).backward()
+            loss_sum += loss.detach()
+        return loss_sum
 
     def _update(self, loss_scale: float) -> torch.Tensor:
         """The optimizer step, skipped on the device where the global grad norm is not finite; returns the norm
