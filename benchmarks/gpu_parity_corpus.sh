@@ -21,9 +21,15 @@
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh status     # each run's last step, and the disk left
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh compare    # compare_runs --parity and plot_runs, dense and MoE
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh config NAME  # NAME's resolved config (checks every key), no run
-# Tables go to $OUT/summary.md, plots to $OUT/parity_{dense,moe}.png, each run's metrics and log to $OUT/runs/;
-# the corpus, tokenizer and run directories (checkpoints) stay in WORK (/tmp/megafp8-parity), which must survive
-# between commands (same machine).
+# Tables go to $OUT/summary.md, plots to $OUT/parity_{dense,moe}.png, each run's metrics and log to $OUT/runs/ (with
+# corpus_id.txt: the corpus's token counts and the tokenizer's sha256); the corpus, tokenizer and run directories
+# (checkpoints) stay in WORK (/tmp/megafp8-parity), which must survive between commands (same machine).
+#
+# Across sessions (a GPU session's budget holds about three dense runs' worth of time, and WORK does not survive the
+# machine): keep what $OUT/runs/ brought back (in the repository), and give it as PRIOR_RUNS in the next session.
+# The corpus is made again (deterministic: the same files, split, tokenizer and tokens); a run finished in PRIOR_RUNS
+# counts as finished here and `compare` reads its metrics, but only if its corpus_id.txt matches this corpus's: a
+# mismatch stops the script with both ids.
 #
 # Disk: a checkpoint holds ~14 bytes per parameter (BF16 weights, FP32 masters, two FP32 moments): ~14 GB for the
 # dense model, ~45 GB for the 3.2B MoE, and up to two per run exist while one is written (checkpoint.keep_last=1).
@@ -106,8 +112,32 @@ run_overrides() {  # run_overrides NAME: every override of run NAME: family_reci
     checkpoint.interval=$interval checkpoint.keep_last=1 checkpoint.resume=auto ${EXTRA_OVERRIDES:-}"
 }
 
+corpus_id() {  # the corpus's token counts and its tokenizer's sha256 (byte tokens: none)
+  local tokenizer=none
+  [ -f "$TOKENIZER" ] && tokenizer=$(sha256sum "$TOKENIZER" | cut -d' ' -f1)
+  echo "train_tokens=$(corpus_figure train_tokens) valid_tokens=$(corpus_figure valid_tokens) tokenizer=$tokenizer"
+}
+
+check_prior() {  # fails, saying both ids, if PRIOR_RUNS holds runs of another corpus than this one
+  [ -n "${PRIOR_RUNS:-}" ] && [ -f "$DATA/meta.json" ] || return 0
+  local here there
+  here=$(corpus_id)
+  there=$(cat "$PRIOR_RUNS/corpus_id.txt" 2>/dev/null || echo "none recorded")
+  [ "$here" = "$there" ] && return 0
+  echo "PRIOR_RUNS ($PRIOR_RUNS) was trained on another corpus: '$there'; this one is '$here'" >&2
+  return 2
+}
+
+run_dir() {  # run_dir NAME: where NAME's metrics are: this session's run if it has begun, else PRIOR_RUNS's
+  if [ -n "${PRIOR_RUNS:-}" ] && [ ! -f "$RUNS/$1/metrics.jsonl" ] && [ -f "$PRIOR_RUNS/$1/metrics.jsonl" ]; then
+    echo "$PRIOR_RUNS/$1"
+  else
+    echo "$RUNS/$1"
+  fi
+}
+
 last_step() {  # last_step NAME: the last training step NAME's metrics file records (0 if none)
-  python - "$RUNS/$1/metrics.jsonl" <<'EOF'
+  python - "$(run_dir "$1")/metrics.jsonl" <<'EOF'
 import json, sys
 from pathlib import Path
 path = Path(sys.argv[1])
@@ -127,6 +157,7 @@ run_one() {  # run_one NAME GPU: train NAME on GPU for at most RUN_SECONDS, then
   rc=$?
   mkdir -p "$OUT/runs/$name"
   cp "$RUNS/$name/metrics.jsonl" "$OUT/runs/$name/" 2>/dev/null
+  corpus_id > "$OUT/runs/corpus_id.txt"
   tail -c 200000 "$RUNS/$name.log" > "$OUT/runs/$name.log"
   local line="$name (GPU $2): step $(last_step "$name") of $(steps_of "$name"), exit $rc"
   if finished "$name"; then
@@ -170,7 +201,9 @@ plan() {
 }
 
 compare() {
-  local dense="$RUNS/dense_bf16_a $RUNS/dense_fp8_a $RUNS/dense_bf16_b" moe="$RUNS/moe_bf16 $RUNS/moe_fp8"
+  local dense moe
+  dense="$(run_dir dense_bf16_a) $(run_dir dense_fp8_a) $(run_dir dense_bf16_b)"
+  moe="$(run_dir moe_bf16) $(run_dir moe_fp8)"
   step parity_dense python tools/compare_runs.py --parity $dense --window 500
   step parity_moe python tools/compare_runs.py --parity $moe --window 250
   step plot_dense python tools/plot_runs.py $dense --labels "BF16 seed A" "FP8 seed A" "BF16 seed B" \
@@ -179,6 +212,9 @@ compare() {
     --from-step 100 --out "$OUT/parity_moe.png"
 }
 
+case ${1:-} in
+  run|next|status|compare) check_prior || exit 2 ;;
+esac
 case ${1:-} in
   measure) step corpus_measure python tools/preprocess_data.py --input "$CORPUS_INPUT" $TREE_OPTIONS \
              --output "$DATA" --dry-run ;;

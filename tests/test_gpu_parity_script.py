@@ -93,3 +93,33 @@ def test_a_run_cut_short_starts_again_and_a_finished_run_leaves_its_metrics(tmp_
     assert again.stdout == "dense_bf16_a: finished already\n"
     status = script(tmp_path, "status", **env).stdout
     assert status.startswith("dense_bf16_a: step 3 of 3\ndense_fp8_a: step 0 of 3\n")
+
+
+def test_runs_of_an_earlier_session_count_where_their_corpus_is_this_one(tmp_path):
+    """PRIOR_RUNS: a run finished in an earlier session (what its $OUT/runs brought back) counts as finished on a
+    fresh machine with the same corpus, and `status` reads its metrics; a prior made on another corpus stops the
+    script, saying both corpus ids, before anything runs."""
+    tree = scan_text_tree([str(REPO / "megafp8")], [".py"], valid_fraction=0.05, seed=0)
+    env = {"DENSE_STEPS": "2", "EXTRA_OVERRIDES": TINY}
+    first = tmp_path / "first"
+    preprocess([str(REPO / "megafp8")], first / "work" / "corpus", valid_fraction=0.05, tree=tree)
+    done = script(first, "run", "dense_bf16_a", **env)
+    assert "step 2 of 2, exit 0, finished" in done.stdout, done.stdout + done.stderr
+    prior = first / "out" / "runs"
+    assert (prior / "corpus_id.txt").read_text().startswith("train_tokens=")
+    assert "tokenizer=none" in (prior / "corpus_id.txt").read_text()  # byte tokens here
+
+    second = tmp_path / "second"  # the next session: a fresh WORK, the same corpus made again
+    preprocess([str(REPO / "megafp8")], second / "work" / "corpus", valid_fraction=0.05, tree=tree)
+    status = script(second, "status", PRIOR_RUNS=str(prior), **env)
+    assert status.returncode == 0 and status.stdout.startswith("dense_bf16_a: step 2 of 2\ndense_fp8_a: step 0 of 2\n")
+    again = script(second, "run", "dense_bf16_a", PRIOR_RUNS=str(prior), **env)
+    assert again.stdout == "dense_bf16_a: finished already\n", again.stdout + again.stderr
+
+    other = tmp_path / "other"  # another corpus: fewer files
+    config_tree = scan_text_tree([str(REPO / "megafp8" / "config")], [".py"], valid_fraction=0.05, seed=0)
+    preprocess([str(REPO / "megafp8" / "config")], other / "work" / "corpus", valid_fraction=0.05, tree=config_tree)
+    refused = script(other, "status", PRIOR_RUNS=str(prior), **env)
+    assert refused.returncode == 2 and "was trained on another corpus" in refused.stderr
+    assert (prior / "corpus_id.txt").read_text().strip() in refused.stderr
+    assert not (other / "work" / "runs" / "dense_bf16_a").exists()
