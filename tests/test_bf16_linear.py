@@ -166,8 +166,9 @@ def test_a_compiled_bf16_training_run_gives_the_eager_runs_gradients(tiny_overri
 def test_the_training_step_runs_backward_where_configured(tiny_overrides, worker_thread):
     """`training.backward_on_worker_thread` reaches autograd: backward sees multithreading disabled (it then runs on
     the training loop's thread; on a CPU it always does) unless the option asks for torch's worker threads."""
-    cfg = load_config("tiny_dense", tiny_overrides + ["training.steps=1", "optimizer.warmup_steps=1", "training.eval_interval=0",
-                                                      f"training.backward_on_worker_thread={str(worker_thread).lower()}"])
+    cfg = load_config("tiny_dense", tiny_overrides + [
+        "training.steps=1", "optimizer.warmup_steps=1", "training.eval_interval=0",
+        f"training.backward_on_worker_thread={str(worker_thread).lower()}"])
     trainer = Trainer(cfg, ParallelDims.single(), CPU)
     seen = []
     trainer.model.layers[0].mlp_norm.weight.register_hook(

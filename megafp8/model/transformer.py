@@ -68,7 +68,7 @@ class Block(nn.Module):
         """Returns the new residual stream and the MoE balance loss (None for a dense MLP). With `recompute` (and
         while a compiled block is `observed`), only the block's input is kept for backward, which runs the block's
         forward again first."""
-        for layer in self.prepared_linears:  # eagerly, before the compiled code reads their caches and main_grad aliases
+        for layer in self.prepared_linears:  # eagerly, before compiled code reads their caches and main_grad aliases
             layer.prepare_for_compiled()
         observed_uncompiled = self.observed and self.uncompiled_forward is not None
         run = self.uncompiled_forward if observed_uncompiled else self._forward

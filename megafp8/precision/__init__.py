@@ -16,7 +16,8 @@ from megafp8.precision.wgrad import WeightGradQueue
 
 __all__ = [
     "DynamicLossScaler", "E4M3", "E4M3_MAX", "E5M2", "E5M2_MAX", "FORMATS", "Fp8Backend", "Fp8Format",
-    "Fp8Projection", "Fp8Recipe", "Fp8WeightCache", "GemmLayer", "InputNorm", "LinearComm", "MainGradSlot", "PrecisionRecipe", "QuantizedWeight",
+    "Fp8Projection", "Fp8Recipe", "Fp8WeightCache", "GemmLayer", "InputNorm", "LinearComm", "MainGradSlot",
+    "PrecisionRecipe", "QuantizedWeight",
     "TILE", "WeightGradQueue", "backend_names", "check_backend_name", "choose_recipe", "fp8_linear",
     "fp8_swiglu_mlp", "fuses_norm", "linear", "resolve_recipe", "select_backend", "why_unavailable",
 ]

@@ -64,8 +64,8 @@ class Fp8WeightCache:
         self.get(weight, backend, fmt, power_of_two)
         self.prepared = True
         main_grad = getattr(weight, "main_grad", None)
-        self.main_grad_alias = fresh_alias(main_grad) if main_grad is not None and main_grad.dtype == torch.float32 \
-            else None
+        has_fp32 = main_grad is not None and main_grad.dtype == torch.float32
+        self.main_grad_alias = fresh_alias(main_grad) if has_fp32 else None
 
     def traced_entry(self) -> Optional[QuantizedWeight]:
         """What compiled code reads: the prepared quantization, or None (the graph then quantizes the weight)."""
