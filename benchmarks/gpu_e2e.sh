@@ -110,7 +110,7 @@ for part in $PARTS; do
       step "${part}_calling_thread" python benchmarks/train_step.py $flags --recipes bf16 fp8 ;;
     wgrad_bf16) step wgrad_bf16 python benchmarks/wgrad_gemm.py --bf16-only ;;
     tests_main_grad) step gpu_tests_main_grad python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
-           -k "main_grad or host_wait or learns" -p no:cacheprovider ;;
+           -k "main_grad or host_wait or learns or thread" -p no:cacheprovider ;;
     memory_8b_eager)  # the 8B-layer eager run's peak, FP8-health step included (memory_modes' slowest row alone)
       step memory_8b-layers_eager python benchmarks/train_step.py --model 8b-layers --steps 10 --warmup 6 \
            --log-interval 2 --recipes bf16 fp8 ;;
