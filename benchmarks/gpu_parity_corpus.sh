@@ -21,15 +21,18 @@
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh status     # each run's last step, and the disk left
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh compare    # compare_runs --parity and plot_runs, dense and MoE
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh config NAME  # NAME's resolved config (checks every key), no run
-# Tables go to $OUT/summary.md, plots to $OUT/parity_{dense,moe}.png, each run's metrics and log to $OUT/runs/ (with
-# corpus_id.txt: the corpus's token counts and the tokenizer's sha256); the corpus, tokenizer and run directories
-# (checkpoints) stay in WORK (/tmp/megafp8-parity), which must survive between commands (same machine).
+# Tables go to $OUT/summary.md, plots to $OUT/parity_{dense,moe}.png, each run's metrics, log and run_id.txt (the
+# corpus's token counts, the tokenizer's sha256 and the run's overrides) to $OUT/runs/; the corpus, tokenizer and
+# run directories (checkpoints) stay in WORK (/tmp/megafp8-parity), which must survive between commands (same
+# machine).
 #
 # Across sessions (a GPU session's budget holds about three dense runs' worth of time, and WORK does not survive the
 # machine): keep what $OUT/runs/ brought back (in the repository), and give it as PRIOR_RUNS in the next session.
-# The corpus is made again (deterministic: the same files, split, tokenizer and tokens); a run finished in PRIOR_RUNS
-# counts as finished here and `compare` reads its metrics, but only if its corpus_id.txt matches this corpus's: a
-# mismatch stops the script with both ids.
+# Make the corpus again first, before anything installs packages into site-packages (it is built from them): the
+# same files give the same split, tokenizer and tokens. A run finished in PRIOR_RUNS counts as finished here, is
+# copied into this session's $OUT/runs (so the next session's PRIOR_RUNS holds every finished run), and `compare`
+# reads its metrics, but only if its run_id.txt matches what this session would run: a mismatch stops the script
+# with both ids before anything runs.
 #
 # Disk: a checkpoint holds ~14 bytes per parameter (BF16 weights, FP32 masters, two FP32 moments): ~14 GB for the
 # dense model, ~45 GB for the 3.2B MoE, and up to two per run exist while one is written (checkpoint.keep_last=1).
@@ -112,32 +115,16 @@ run_overrides() {  # run_overrides NAME: every override of run NAME: family_reci
     checkpoint.interval=$interval checkpoint.keep_last=1 checkpoint.resume=auto ${EXTRA_OVERRIDES:-}"
 }
 
-corpus_id() {  # the corpus's token counts and its tokenizer's sha256 (byte tokens: none)
+run_id() {  # run_id NAME: what NAME's result depends on: the corpus's token counts, its tokenizer's sha256 (byte
+  # tokens: none) and the run's overrides (less the paths, which differ between machines), one line
   local tokenizer=none
   [ -f "$TOKENIZER" ] && tokenizer=$(sha256sum "$TOKENIZER" | cut -d' ' -f1)
-  echo "train_tokens=$(corpus_figure train_tokens) valid_tokens=$(corpus_figure valid_tokens) tokenizer=$tokenizer"
+  echo "train_tokens=$(corpus_figure train_tokens) valid_tokens=$(corpus_figure valid_tokens) tokenizer=$tokenizer" \
+    $(run_overrides "$1" | tr -s ' \t' '\n' | grep -v -e '^data.path=' -e '^logging.output_dir=' -e '^$')
 }
 
-check_prior() {  # fails, saying both ids, if PRIOR_RUNS holds runs of another corpus than this one
-  [ -n "${PRIOR_RUNS:-}" ] && [ -f "$DATA/meta.json" ] || return 0
-  local here there
-  here=$(corpus_id)
-  there=$(cat "$PRIOR_RUNS/corpus_id.txt" 2>/dev/null || echo "none recorded")
-  [ "$here" = "$there" ] && return 0
-  echo "PRIOR_RUNS ($PRIOR_RUNS) was trained on another corpus: '$there'; this one is '$here'" >&2
-  return 2
-}
-
-run_dir() {  # run_dir NAME: where NAME's metrics are: this session's run if it has begun, else PRIOR_RUNS's
-  if [ -n "${PRIOR_RUNS:-}" ] && [ ! -f "$RUNS/$1/metrics.jsonl" ] && [ -f "$PRIOR_RUNS/$1/metrics.jsonl" ]; then
-    echo "$PRIOR_RUNS/$1"
-  else
-    echo "$RUNS/$1"
-  fi
-}
-
-last_step() {  # last_step NAME: the last training step NAME's metrics file records (0 if none)
-  python - "$(run_dir "$1")/metrics.jsonl" <<'EOF'
+metrics_last_step() {  # metrics_last_step FILE: the last training step a metrics file records (0 if none)
+  python - "$1" <<'EOF'
 import json, sys
 from pathlib import Path
 path = Path(sys.argv[1])
@@ -145,6 +132,38 @@ lines = path.read_text().splitlines() if path.is_file() else []
 print(max([r["step"] for r in map(json.loads, lines) if r.get("kind") == "train"] or [0]))
 EOF
 }
+
+prior_finished() {  # prior_finished NAME: PRIOR_RUNS holds NAME trained to its last step
+  [ -n "${PRIOR_RUNS:-}" ] && [ -f "$PRIOR_RUNS/$1/metrics.jsonl" ] \
+    && [ "$(metrics_last_step "$PRIOR_RUNS/$1/metrics.jsonl")" -ge "$(steps_of "$1")" ]
+}
+
+check_prior() {  # every finished run of PRIOR_RUNS must be what this session would run (else both ids, and exit 2);
+  # those that are get copied into $OUT/runs, to be carried forward
+  [ -n "${PRIOR_RUNS:-}" ] || return 0
+  [ -f "$DATA/meta.json" ] || { echo "PRIOR_RUNS is set: make the corpus first (prior runs are checked against" \
+                                      "it)" >&2; return 2; }
+  local name here there bad=0
+  for name in $ALL_RUNS; do
+    prior_finished "$name" || continue
+    here=$(run_id "$name")
+    there=$(cat "$PRIOR_RUNS/$name/run_id.txt" 2>/dev/null || echo "none recorded")
+    if [ "$here" != "$there" ]; then
+      echo "PRIOR_RUNS/$name was made another way: '$there'; this session would run '$here'" >&2
+      bad=1
+      continue
+    fi
+    mkdir -p "$OUT/runs/$name"
+    cp "$PRIOR_RUNS/$name/metrics.jsonl" "$PRIOR_RUNS/$name/run_id.txt" "$OUT/runs/$name/" 2>/dev/null
+  done
+  return $((bad * 2))
+}
+
+run_dir() {  # run_dir NAME: where NAME's metrics are: PRIOR_RUNS's if it finished there, else this session's
+  if prior_finished "$1"; then echo "$PRIOR_RUNS/$1"; else echo "$RUNS/$1"; fi
+}
+
+last_step() { metrics_last_step "$(run_dir "$1")/metrics.jsonl"; }  # last_step NAME (0 if it has not begun)
 
 finished() { [ -f "$DATA/meta.json" ] && [ "$(last_step "$1")" -ge "$(steps_of "$1")" ]; }
 
@@ -157,7 +176,7 @@ run_one() {  # run_one NAME GPU: train NAME on GPU for at most RUN_SECONDS, then
   rc=$?
   mkdir -p "$OUT/runs/$name"
   cp "$RUNS/$name/metrics.jsonl" "$OUT/runs/$name/" 2>/dev/null
-  corpus_id > "$OUT/runs/corpus_id.txt"
+  run_id "$name" > "$OUT/runs/$name/run_id.txt"
   tail -c 200000 "$RUNS/$name.log" > "$OUT/runs/$name.log"
   local line="$name (GPU $2): step $(last_step "$name") of $(steps_of "$name"), exit $rc"
   if finished "$name"; then
@@ -230,7 +249,10 @@ case ${1:-} in
   next) todo=$(for name in $ALL_RUNS; do finished "$name" || echo "$name"; done | head -n 2)
         if [ -z "$todo" ]; then echo "every run is finished: run compare"; else run_pair $todo; fi ;;
   status) [ -f "$DATA/meta.json" ] || { echo "no corpus in $DATA yet"; exit 0; }
-          for name in $ALL_RUNS; do echo "$name: step $(last_step "$name") of $(steps_of "$name")"; done
+          for name in $ALL_RUNS; do
+            echo "$name: step $(last_step "$name") of $(steps_of "$name")$(prior_finished "$name" \
+                  && echo " (in PRIOR_RUNS)")"
+          done
           df -h "$WORK" | tail -n 1 ;;
   compare) compare ;;
   config) known_run "${2:-}" || exit 2

@@ -199,7 +199,10 @@ def test_cublaslt_adds_the_weight_gradient_into_main_grad():
 def test_cuda_graphs_add_the_weight_gradients_into_main_grad_like_eager(tiny_overrides, config):
     """Compiled blocks under CUDA graphs (`compile_mode: reduce-overhead`) add their weight gradients, FP8 and BF16,
     into main_grad inside the graphs, four micro-batches a step: the same gradient norms and losses as eager steps
-    (a gradient added into a graph-owned copy instead would show as a different norm)."""
+    (a gradient added into a graph-owned copy instead would show as a different norm), and Inductor skipped CUDA
+    graphs for none of the blocks (a skip would run them compiled without graphs and pass the comparison)."""
+    from torch._dynamo.utils import counters
+
     from megafp8.config import load_config
     from megafp8.parallel import ParallelDims
     from megafp8.train import Trainer
@@ -210,7 +213,9 @@ def test_cuda_graphs_add_the_weight_gradients_into_main_grad_like_eager(tiny_ove
         cfg = load_config(config, tiny_overrides + ["training.steps=6", "training.eval_interval=0",
                                                      "logging.log_interval=1"] + extra)
         torch._dynamo.reset()
+        counters.clear()
         runs[mode] = [r for r in Trainer(cfg, ParallelDims.single(), CUDA).fit() if r["kind"] == "train"]
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert len(runs["eager"]) == len(runs["reduce-overhead"]) == 6
     for eager, graphed in zip(runs["eager"], runs["reduce-overhead"]):
         assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=0.03), (eager, graphed)

@@ -95,10 +95,11 @@ def test_a_run_cut_short_starts_again_and_a_finished_run_leaves_its_metrics(tmp_
     assert status.startswith("dense_bf16_a: step 3 of 3\ndense_fp8_a: step 0 of 3\n")
 
 
-def test_runs_of_an_earlier_session_count_where_their_corpus_is_this_one(tmp_path):
+def test_runs_of_an_earlier_session_count_where_they_are_what_this_one_would_run(tmp_path):
     """PRIOR_RUNS: a run finished in an earlier session (what its $OUT/runs brought back) counts as finished on a
-    fresh machine with the same corpus, and `status` reads its metrics; a prior made on another corpus stops the
-    script, saying both corpus ids, before anything runs."""
+    fresh machine with the same corpus and settings, `status` says so, and it is copied into this session's
+    $OUT/runs to be carried forward. A prior made on another corpus, or with other settings, stops the script before
+    anything runs, saying both ids; so does a prior given before the corpus exists."""
     tree = scan_text_tree([str(REPO / "megafp8")], [".py"], valid_fraction=0.05, seed=0)
     env = {"DENSE_STEPS": "2", "EXTRA_OVERRIDES": TINY}
     first = tmp_path / "first"
@@ -106,20 +107,29 @@ def test_runs_of_an_earlier_session_count_where_their_corpus_is_this_one(tmp_pat
     done = script(first, "run", "dense_bf16_a", **env)
     assert "step 2 of 2, exit 0, finished" in done.stdout, done.stdout + done.stderr
     prior = first / "out" / "runs"
-    assert (prior / "corpus_id.txt").read_text().startswith("train_tokens=")
-    assert "tokenizer=none" in (prior / "corpus_id.txt").read_text()  # byte tokens here
+    run_id = (prior / "dense_bf16_a" / "run_id.txt").read_text().strip()
+    assert run_id.startswith("train_tokens=") and " tokenizer=none " in run_id  # byte tokens here
+    assert "precision.recipe=bf16" in run_id and "data.path=" not in run_id  # settings, not machine paths
 
-    second = tmp_path / "second"  # the next session: a fresh WORK, the same corpus made again
+    second = tmp_path / "second"  # the next session: nothing made yet, then the same corpus made again
+    assert script(second, "status", PRIOR_RUNS=str(prior), **env).returncode == 2
     preprocess([str(REPO / "megafp8")], second / "work" / "corpus", valid_fraction=0.05, tree=tree)
     status = script(second, "status", PRIOR_RUNS=str(prior), **env)
-    assert status.returncode == 0 and status.stdout.startswith("dense_bf16_a: step 2 of 2\ndense_fp8_a: step 0 of 2\n")
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.startswith("dense_bf16_a: step 2 of 2 (in PRIOR_RUNS)\ndense_fp8_a: step 0 of 2\n")
     again = script(second, "run", "dense_bf16_a", PRIOR_RUNS=str(prior), **env)
     assert again.stdout == "dense_bf16_a: finished already\n", again.stdout + again.stderr
+    carried = second / "out" / "runs" / "dense_bf16_a"
+    assert (carried / "metrics.jsonl").read_text() == (prior / "dense_bf16_a" / "metrics.jsonl").read_text()
+
+    other_settings = script(second, "status", PRIOR_RUNS=str(prior), DENSE_STEPS="2",
+                            EXTRA_OVERRIDES=TINY + " optimizer.lr=1e-3")
+    assert other_settings.returncode == 2 and "was made another way" in other_settings.stderr
+    assert run_id in other_settings.stderr
 
     other = tmp_path / "other"  # another corpus: fewer files
     config_tree = scan_text_tree([str(REPO / "megafp8" / "config")], [".py"], valid_fraction=0.05, seed=0)
     preprocess([str(REPO / "megafp8" / "config")], other / "work" / "corpus", valid_fraction=0.05, tree=config_tree)
-    refused = script(other, "status", PRIOR_RUNS=str(prior), **env)
-    assert refused.returncode == 2 and "was trained on another corpus" in refused.stderr
-    assert (prior / "corpus_id.txt").read_text().strip() in refused.stderr
+    refused = script(other, "run", "dense_bf16_a", PRIOR_RUNS=str(prior), **env)
+    assert refused.returncode == 2 and "was made another way" in refused.stderr
     assert not (other / "work" / "runs" / "dense_bf16_a").exists()

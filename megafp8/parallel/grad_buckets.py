@@ -9,8 +9,8 @@ owns two flat buffers:
 - `params`: the model weights (BF16 or FP32). Every parameter's `.data` becomes a view into it,
   so the sharded optimizer's all-gather writes the updated weights in place.
 - `grads`: FP32 gradients. Every parameter's `main_grad` is a view into it; a post-accumulate
-  hook adds the parameter's gradient and frees it (FP8 linears add their FP32 weight gradient to
-  `main_grad` themselves), so micro-batches accumulate in FP32.
+  hook adds the parameter's gradient and frees it (linears, FP8 and BF16, add their weight gradient
+  to `main_grad` themselves), so micro-batches accumulate in FP32.
 
 Within a bucket, matrices come before vectors, so a rank's shard holds at most one contiguous
 run of weight-decayed elements. Buckets are padded to a multiple of the group size so that
@@ -150,7 +150,7 @@ class GradBuckets:
             bucket.pending = len(bucket.params)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if param.grad is not None:  # FP8 linears have already added their FP32 gradient to main_grad
+        if param.grad is not None:  # linears have already added their weight gradient to main_grad
             param.main_grad.add_(param.grad)
             param.grad = None
         bucket = self._bucket_of[param]

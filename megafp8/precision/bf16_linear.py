@@ -3,14 +3,15 @@ FP32 `main_grad` by the GEMM itself.
 
 Micro-batches accumulate weight gradients in FP32 (`megafp8.parallel.grad_buckets`). Left to autograd, a BF16
 layer's backward writes dw in BF16 and a hook then adds it into `main_grad`: one more pass over every weight
-gradient (9.1 ms of the 8B-layer step on one H200, 12.1 ms of the MoE step; `docs/benchmarks.md`), and dw rounded
-to BF16 before it is summed. Here, where the weight has an FP32 `main_grad`, backward computes
+gradient (9.1 ms of the 8B-layer BF16 step on one H200; `docs/benchmarks.md`), and dw rounded to BF16 before it
+is summed. Here, where the weight has an FP32 `main_grad`, backward computes
 `main_grad += dy^T @ x` as one cuBLAS GEMM with beta = 1 (`torch.addmm(..., out_dtype=torch.float32)`: BF16
 operands, FP32 accumulation and FP32 C), as Megatron-LM's gradient-accumulation fusion and Transformer Engine do,
 and returns no weight gradient. The FP8 layers do the same through cuBLASLt (`megafp8.precision.fp8_linear`).
 
-On a CPU, or where torch's CUDA build lacks that mixed-precision `addmm`, the product is computed and then added:
-the same bits as autograd's BF16 dw plus the hook's add.
+On a CPU, or where torch's CUDA build lacks that mixed-precision `addmm` (said once, as a warning), the product is
+computed and then added: the same bits as autograd's BF16 dw plus the hook's add. Either way the weight's `.grad`
+stays None, so a hook registered on such a weight sees no gradient (use `main_grad`).
 
 Under `torch.compile` a layer adds into a fresh alias of `main_grad` (`MainGradSlot`, refreshed eagerly before each
 compiled block runs, as the FP8 weight cache does), through a custom op that mutates it; a weight-gradient queue
@@ -19,6 +20,7 @@ compiled block runs, as the FP8 weight cache does), through a custom op that mut
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -33,15 +35,22 @@ _REDUCED = (torch.bfloat16, torch.float16)
 def _mixed_addmm_reason(device_type: str, dtype: torch.dtype) -> Optional[str]:
     """Why `torch.addmm(c_fp32, a, b, out_dtype=torch.float32, out=c_fp32)` with `dtype` operands cannot run on this
     device type (None: it can). Asked once per device type and dtype by an op on tiny tensors; torch checks the
-    dtypes before it launches anything, so a refusal costs no device work and needs no sync."""
+    dtypes before it launches anything, so a refusal costs no device work and needs no sync. A refusal is remembered
+    and said once (the run then adds rounded products); running out of memory is not a refusal and is raised."""
     if device_type != "cuda":
         return f"no mixed-precision addmm on {device_type}"
     a = torch.zeros(16, 16, dtype=dtype, device=device_type)
     c = torch.zeros(16, 16, dtype=torch.float32, device=device_type)
     try:
         torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+    except torch.OutOfMemoryError:
+        _mixed_addmm_reason.cache_clear()
+        raise
     except (RuntimeError, TypeError) as error:
-        return f"torch {torch.__version__}: {error}".splitlines()[0]
+        reason = f"torch {torch.__version__}: {error}".splitlines()[0]
+        warnings.warn(f"{dtype} weight gradients are rounded to {dtype} and then added into FP32 main_grad, not "
+                      f"added by the GEMM: {reason}")
+        return reason
     return None
 
 
