@@ -43,8 +43,7 @@ def _mixed_addmm_reason(device_type: str, dtype: torch.dtype) -> Optional[str]:
     c = torch.zeros(16, 16, dtype=torch.float32, device=device_type)
     try:
         torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-    except torch.OutOfMemoryError:
-        _mixed_addmm_reason.cache_clear()
+    except torch.OutOfMemoryError:  # not an answer: raised, and (as any exception) not cached
         raise
     except (RuntimeError, TypeError) as error:
         reason = f"torch {torch.__version__}: {error}".splitlines()[0]
