@@ -2,10 +2,10 @@
 """Forward+backward speed of megafp8's FP8 linear against BF16 `nn.Linear`, and activation memory saved.
 
 For each (M x K x N) shape: one training iteration = forward, then backward for dx and dw
-(3 GEMMs, 6*M*K*N FLOPs). FP8 timings include every quantization: activations, gradients,
-the wgrad re-tiling, and the weight (re-quantized every iteration, as with one micro-batch per
-optimizer step; the "cached" column reuses it, as later micro-batches of a step do). The FP32
-weight gradient is accumulated into `main_grad`, as in training.
+(3 GEMMs, 6*M*K*N FLOPs). FP8 timings include every quantization: activations (both layouts), gradients
+(both layouts), and the weight (re-quantized in place every iteration: its version is bumped, as the optimizer's
+in-place update bumps it with one micro-batch per optimizer step; the "cached" column reuses it, as later
+micro-batches of a step do). The FP32 weight gradient is accumulated into `main_grad`, as in training.
 
 `--compiled` adds the same layer under `torch.compile` (the FP8 linear then runs as custom ops inside the graph,
 quantizing its weight every iteration, or reading it from a cache prepared once, as a compiled block does) against
@@ -106,8 +106,8 @@ def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int, compile
         layer.weight.main_grad = torch.zeros(n, k, device="cuda", dtype=torch.float32)
 
         def step_fp8(requantize=True):
-            if requantize:
-                layer.fp8_cache.clear()
+            if requantize:  # a new weight version, as the optimizer's in-place update makes: quantized in place
+                torch.autograd.graph.increment_version(layer.weight)
             layer(x).backward(dy)
 
         row[f"{name}_tflops"] = flops / time_ms(step_fp8, iters) / 1e9
@@ -137,12 +137,12 @@ def profile(m: int, k: int, n: int, backend: str) -> None:
         layer.weight.normal_(0, 0.02)  # real values: uninitialized memory draws less power and flatters timings
     layer.weight.main_grad = torch.zeros(n, k, device="cuda", dtype=torch.float32)
     for _ in range(3):
-        layer.fp8_cache.clear()
+        torch.autograd.graph.increment_version(layer.weight)
         layer(x).backward(dy)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            layer.fp8_cache.clear()
+            torch.autograd.graph.increment_version(layer.weight)
             layer(x).backward(dy)
         torch.cuda.synchronize()
     print(f"## {backend}: kernel time per iteration, {m}x{k}x{n}")
