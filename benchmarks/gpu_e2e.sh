@@ -9,7 +9,7 @@
 # only), grouped_gemm (MoE grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), tests_optim (gradient clipping on CUDA), fp8_linear (one layer, BF16 vs FP8, eager
 # and replayed from CUDA graphs), the 8B-layer
 # shape (compiled_ro_8b, ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and compiled_ro_kept_t: FP8 keeping its weight
-# transposes; memory_modes: both models' memory in every mode), BF16 and FP8 profiled side by side (profile_pair,
+# transposes; memory_modes: both models' memory in every mode), BF16 and FP8 profiled side by side (profile_pair, profile_pair_ro: the ~1B under CUDA graphs,
 # profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), the
 # warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only), backward on autograd's worker thread against the calling thread (fp8_linear_threads; whole steps: threads_eager, threads_compiled, threads_moe), the weight gradients into main_grad on the GPU, FP8 and BF16, with the one-GPU training tests (tests_main_grad), the 8B-layer eager memory row alone (memory_8b_eager), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
 # default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper; moe_compiled_accum: both backends, four micro-batches
@@ -53,6 +53,8 @@ for part in $PARTS; do
            --ffn 14336 --heads 32 --seq 4096 --batch 4 --recipes bf16 torchao-tensorwise torchao-blockwise ;;
     profile_pair) step profile_compiled_pair python benchmarks/train_step.py training.compile=true --model 1b \
            --recipes bf16 fp8 --profile 3 ;;
+    profile_pair_ro) step profile_cudagraphs_pair python benchmarks/train_step.py training.compile=true \
+           training.compile_mode=reduce-overhead --model 1b --recipes bf16 fp8 --profile 3 --profile-top 30 ;;
     profile_pair_8b) step profile_compiled_pair_8b python benchmarks/train_step.py training.compile=true \
            --model 8b-layers --recipes bf16 fp8 --profile 3 --profile-top 40 ;;
     profile_moe_compiled) step profile_moe_compiled python benchmarks/train_step.py training.compile=true \
