@@ -7,6 +7,13 @@
 # B, FP8 seed A; and the MoE model (MODELS["moe"]), MOE_STEPS (1000) steps, BF16 vs FP8, seed A. Validation loss
 # on the held-out split every 500 steps. Steps are cut to one pass over the corpus if it is smaller (`plan` says so).
 #
+# On one H200 (fifteenth session's figures): the corpus takes ~96 s to make (job BH). Under CUDA graphs a dense run
+# of 3,000 steps takes ~570 s (BF16) and ~475 s (FP8) of steps, plus compilation, evaluation and checkpoints, so each
+# needs a second command to finish from its checkpoint, and the three do not fit one session's 30 minutes: plan two
+# sessions, the second with PRIOR_RUNS (below), and the same settings in both, e.g.
+#   EXTRA_OVERRIDES="training.compile=true training.compile_mode=reduce-overhead" DENSE_CHECKPOINT_INTERVAL=1000
+# (every run of the comparison must use the same ones: they are part of each run's id).
+#
 # Every command on the GPU machine may be limited to 10 minutes, so the work comes in sub-steps, each short, each
 # resumable (run them again until `status` says every run is finished):
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh measure    # the corpus before tokenizing (files, duplicates, bytes)
