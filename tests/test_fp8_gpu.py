@@ -200,23 +200,28 @@ def test_cuda_graphs_add_the_weight_gradients_into_main_grad_like_eager(tiny_ove
     """Compiled blocks under CUDA graphs (`compile_mode: reduce-overhead`) add their weight gradients, FP8 and BF16,
     into main_grad inside the graphs, four micro-batches a step: the same gradient norms and losses as eager steps
     (a gradient added into a graph-owned copy instead would show as a different norm), and Inductor skipped CUDA
-    graphs for none of the blocks (a skip would run them compiled without graphs and pass the comparison)."""
+    graphs for none of the blocks (a skip would run them compiled without graphs and pass the comparison).
+    Evaluation runs in between (no grad: other graphs) and gives the eager validation losses."""
     from torch._dynamo.utils import counters
 
     from megafp8.config import load_config
     from megafp8.parallel import ParallelDims
     from megafp8.train import Trainer
 
-    runs = {}
+    runs, evals = {}, {}
     for mode in ("eager", "reduce-overhead"):
         extra = [] if mode == "eager" else ["training.compile=true", f"training.compile_mode={mode}"]
-        cfg = load_config(config, tiny_overrides + ["training.steps=6", "training.eval_interval=0",
+        cfg = load_config(config, tiny_overrides + ["training.steps=6", "training.eval_interval=3",
                                                      "logging.log_interval=1"] + extra)
         torch._dynamo.reset()
         counters.clear()
-        runs[mode] = [r for r in Trainer(cfg, ParallelDims.single(), CUDA).fit() if r["kind"] == "train"]
+        records = Trainer(cfg, ParallelDims.single(), CUDA).fit()
+        runs[mode] = [r for r in records if r["kind"] == "train"]
+        evals[mode] = [r["val_loss"] for r in records if r["kind"] == "eval"]
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert len(runs["eager"]) == len(runs["reduce-overhead"]) == 6
+    assert len(evals["eager"]) == len(evals["reduce-overhead"]) == 2
+    assert evals["reduce-overhead"] == pytest.approx(evals["eager"], rel=0.01), evals
     for eager, graphed in zip(runs["eager"], runs["reduce-overhead"]):
         assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=0.03), (eager, graphed)
         assert graphed["loss"] == pytest.approx(eager["loss"], rel=0.01), (eager, graphed)
