@@ -10,7 +10,8 @@
 # On one H200 (fifteenth session's figures): the corpus takes ~96 s to make (job BH). Under CUDA graphs a dense run
 # of 3,000 steps takes ~570 s (BF16) and ~475 s (FP8) of steps, plus compilation, evaluation and checkpoints, so each
 # needs a second command to finish from its checkpoint, and the three do not fit one session's 30 minutes: plan two
-# sessions, the second with PRIOR_RUNS (below), and the same settings in both, e.g.
+# sessions, the second with PRIOR_RUNS (below), and the same settings in both, e.g. (a run cut at RUN_SECONDS
+# checkpoints the step it stops at, so no step is done twice)
 #   EXTRA_OVERRIDES="training.compile=true training.compile_mode=reduce-overhead" DENSE_CHECKPOINT_INTERVAL=1000
 # (every run of the comparison must use the same ones: they are part of each run's id).
 #
@@ -178,7 +179,9 @@ run_one() {  # run_one NAME GPU: train NAME on GPU for at most RUN_SECONDS, then
   local name=$1 overrides rc
   overrides=$(run_overrides "$name") || return 2
   if finished "$name"; then echo "$name: finished already"; return 0; fi
-  CUDA_VISIBLE_DEVICES=$2 timeout "${RUN_SECONDS:-540}" python launch/pretrain.py --config tiny_dense $overrides \
+  # At RUN_SECONDS timeout sends SIGTERM: the run stops at its next logging step with a checkpoint
+  # (checkpoint.save_on_signal, where checkpoint.interval > 0), and is killed if that takes over 60 s.
+  CUDA_VISIBLE_DEVICES=$2 timeout -k 60 "${RUN_SECONDS:-540}" python launch/pretrain.py --config tiny_dense $overrides \
     >> "$RUNS/$name.log" 2>&1
   rc=$?
   mkdir -p "$OUT/runs/$name"

@@ -391,6 +391,14 @@ class CheckpointConfig:
         "`auto`: resume from the latest checkpoint in `dir` if one exists; `none`: start fresh; "
         "otherwise a path to a checkpoint directory to resume from.",
     )
+    save_on_signal: bool = setting(
+        True,
+        "On SIGTERM or SIGUSR1 (what schedulers send before stopping a job: SLURM at its time limit or with "
+        "`--signal`, `timeout`, Kubernetes), finish the step, stop at the next logging step (every rank at the same "
+        "one), checkpoint it (with `interval` > 0) and exit normally; a relaunch resumes there. Under `torchrun` "
+        "use SIGTERM (`docs/checkpoints.md`). Off: the signals keep their default action (the process dies "
+        "mid-step and the work since the last checkpoint is lost).",
+    )
     overwrite: bool = setting(
         False,
         "Replace the earlier run in this run's directory (its checkpoints, metrics and run files) where a launch "

@@ -37,6 +37,7 @@ from megafp8.train.metrics import (
     train_record,
 )
 from megafp8.train.nonfinite import NonFiniteGuard, unscale_or_skip, window_loss
+from megafp8.train.preemption import StopRequest, stop_agreed
 from megafp8.train.run_history import choose_start, record_launch, run_paths
 from megafp8.train.run_lock import claim_run_directories, open_run_directories
 from megafp8.train.runtime import host_to_device
@@ -143,17 +144,32 @@ class Trainer:
                      self.run_dir, self.step)
         log_run_start(self.cfg, self.model_cfg, self.recipe, self.whole_model_meta(), self.optimizer, self.loader,
                       self.pipeline, self.dims, self.num_micro_batches, self.step, self.run_dir)
+        stop = self._stop_request()
         try:
-            return self._loop()
+            return self._loop(stop)
         finally:
             try:
                 self.wait_for_save()
             finally:
+                if stop is not None:
+                    stop.restore()
                 self.metrics.close()
                 if self.run_lock is not None:
                     self.run_lock.release()
 
-    def _loop(self) -> list[dict[str, Any]]:
+    def _stop_request(self) -> StopRequest | None:
+        """With `checkpoint.save_on_signal`, SIGTERM and SIGUSR1 stop the loop at an agreed step, checkpointed
+        (`megafp8/train/preemption.py`); None where they keep their default action."""
+        if not self.cfg.checkpoint.save_on_signal:
+            return None
+        stop = StopRequest()
+        why_not = stop.install()
+        if why_not is not None:
+            log.warning("checkpoint.save_on_signal: %s; SIGTERM and SIGUSR1 keep their default action", why_not)
+            return None
+        return stop
+
+    def _loop(self, stop: StopRequest | None = None) -> list[dict[str, Any]]:
         training, log_interval, save_interval = (self.cfg.training, self.cfg.logging.log_interval,
                                                  self.cfg.checkpoint.interval)
         records: list[dict[str, Any]] = []
@@ -162,16 +178,35 @@ class Trainer:
         while self.step < training.steps:
             window.append(self.train_step())
             last = self.step == training.steps
-            if self.step % log_interval == 0 or last:
+            logged = self.step % log_interval == 0 or last
+            if logged:
                 records.append(self._log_window(window, clock))
                 window = []
             with clock.paused():  # evaluation and checkpoints are not training time
                 if training.eval_interval > 0 and (self.step % training.eval_interval == 0 or last):
                     record = eval_record(self.step, self.evaluate())
                     records.append(self._write(record, format_eval_line(record)))
-                if save_interval > 0 and (self.step % save_interval == 0 or last):
+                saved = save_interval > 0 and (self.step % save_interval == 0 or last)
+                if saved:
                     self.save()
+                # Every rank reaches this logging step; there they agree whether any of them was signalled.
+                if logged and not last and stop is not None and stop_agreed(stop.received is not None, self.device):
+                    self._stop_on_signal(stop.received, saved)
+                    break
         return records
+
+    def _stop_on_signal(self, received: str | None, saved: bool) -> None:
+        """Checkpoint this step (unless just done, or saving is off) before the loop stops on a signal."""
+        cause = received or "another rank's signal"
+        if self.cfg.checkpoint.interval > 0 and not saved:
+            self.save()
+        if self.dims.rank != 0:
+            return
+        if self.cfg.checkpoint.interval == 0:
+            log.warning("step %d: stopping on %s without a checkpoint (checkpoint.interval is 0)", self.step, cause)
+        else:
+            log.warning("step %d of %d: stopping on %s, checkpoint saved; launch again to resume", self.step,
+                        self.cfg.training.steps, cause)
 
     def _log_window(self, window: list[tuple[torch.Tensor, torch.Tensor]], clock: StepClock) -> dict[str, Any]:
         """The metrics record of the steps in `window` (`skipped_steps` of them skipped: not in the mean loss)."""
