@@ -114,3 +114,22 @@ def test_ranks_stop_together_when_one_of_them_is_signalled(tiny_overrides, tmp_p
     logging step, and write one checkpoint of it together."""
     spawn(2, _one_rank_signalled, tiny_overrides, str(tmp_path / "ckpt"))
     assert _steps(tmp_path / "ckpt") == ["step_00000006"]
+
+
+def test_a_trainer_off_the_main_thread_keeps_the_signals_and_still_trains(tiny_overrides, tmp_path, caplog):
+    """Signal handlers belong to the main thread: a run on another thread says so and trains to its end (it would
+    still take part in the ranks' agreement, which the config decides)."""
+    import threading
+    cfg = _config(tiny_overrides, tmp_path, "training.steps=4")
+    before = signal.getsignal(signal.SIGTERM)
+    result = {}
+
+    def run():
+        trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+        result["steps"] = [r["step"] for r in trainer.fit() if r["kind"] == "train"]
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert result["steps"] == [2, 4]
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert "signal handlers can only be installed by the main thread" in caplog.text

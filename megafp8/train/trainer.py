@@ -159,14 +159,14 @@ class Trainer:
 
     def _stop_request(self) -> StopRequest | None:
         """With `checkpoint.save_on_signal`, SIGTERM and SIGUSR1 stop the loop at an agreed step, checkpointed
-        (`megafp8/train/preemption.py`); None where they keep their default action."""
+        (`megafp8/train/preemption.py`). Where this process cannot handle them it still takes part in the ranks'
+        agreement (the config, the same on every rank, decides who does), only never asks to stop itself."""
         if not self.cfg.checkpoint.save_on_signal:
             return None
         stop = StopRequest()
         why_not = stop.install()
         if why_not is not None:
-            log.warning("checkpoint.save_on_signal: %s; SIGTERM and SIGUSR1 keep their default action", why_not)
-            return None
+            log.warning("checkpoint.save_on_signal: %s; SIGTERM and SIGUSR1 keep their default action here", why_not)
         return stop
 
     def _loop(self, stop: StopRequest | None = None) -> list[dict[str, Any]]:
