@@ -51,8 +51,14 @@ def test_a_signal_stops_at_the_next_logging_step_with_a_checkpoint_a_relaunch_re
 
     resumed = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     assert resumed.step == 4
-    rest = [r["step"] for r in resumed.fit() if r["kind"] == "train"]
-    assert rest == [6, 8, 10, 12]
+    rest = [r for r in resumed.fit() if r["kind"] == "train"]
+    assert [r["step"] for r in rest] == [6, 8, 10, 12]
+
+    # Nothing was lost or changed: the stopped and resumed run logs the uninterrupted run's losses, bit for bit.
+    whole = Trainer(_config(tiny_overrides, tmp_path / "whole", "checkpoint.interval=100", "run_name=whole"),
+                    ParallelDims.single(), torch.device("cpu"))
+    uninterrupted = [r for r in whole.fit() if r["kind"] == "train"]
+    assert [r["loss"] for r in uninterrupted[2:]] == [r["loss"] for r in rest]
 
 
 def test_without_checkpoints_a_signal_still_stops_cleanly(tiny_overrides, tmp_path):
