@@ -180,8 +180,8 @@ run_one() {  # run_one NAME GPU: train NAME on GPU for at most RUN_SECONDS, then
   overrides=$(run_overrides "$name") || return 2
   if finished "$name"; then echo "$name: finished already"; return 0; fi
   # At RUN_SECONDS timeout sends SIGTERM: the run stops at its next logging step with a checkpoint
-  # (checkpoint.save_on_signal, where checkpoint.interval > 0), and is killed if that takes over 60 s.
-  CUDA_VISIBLE_DEVICES=$2 timeout -k 60 "${RUN_SECONDS:-540}" python launch/pretrain.py --config tiny_dense $overrides \
+  # (checkpoint.save_on_signal, where checkpoint.interval > 0), and is killed (137) if that takes over 30 s.
+  CUDA_VISIBLE_DEVICES=$2 timeout -k 30 "${RUN_SECONDS:-540}" python launch/pretrain.py --config tiny_dense $overrides \
     >> "$RUNS/$name.log" 2>&1
   rc=$?
   mkdir -p "$OUT/runs/$name"
@@ -192,7 +192,7 @@ run_one() {  # run_one NAME GPU: train NAME on GPU for at most RUN_SECONDS, then
   if finished "$name"; then
     line="$line, finished"
     [ "${KEEP_CHECKPOINTS:-0}" = 1 ] || rm -rf "$RUNS/$name/checkpoints"
-  elif [ "$rc" != 124 ]; then
+  elif [ "$rc" != 124 ] && [ "$rc" != 137 ]; then
     line="$line, FAILED: $(tail -n 2 "$RUNS/$name.log" | tr '\n' ' ')"
   elif ! ls -d "$RUNS/$name"/checkpoints/step_* > /dev/null 2>&1; then
     line="$line, cut short before its first checkpoint: it starts over next time"

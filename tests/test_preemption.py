@@ -61,13 +61,22 @@ def test_a_signal_stops_at_the_next_logging_step_with_a_checkpoint_a_relaunch_re
     assert [r["loss"] for r in uninterrupted[2:]] == [r["loss"] for r in rest]
 
 
-def test_without_checkpoints_a_signal_still_stops_cleanly(tiny_overrides, tmp_path):
-    cfg = _config(tiny_overrides, tmp_path, "checkpoint.interval=0")
+def _handlers_during_steps(cfg) -> list:
     trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
-    _signal_after(trainer, 5, signal.SIGTERM)
-    records = trainer.fit()
-    assert trainer.step == 6 and records[-1]["step"] == 6
-    assert _steps(tmp_path / "ckpt") == []
+    seen = []
+    train_step = trainer.train_step
+    trainer.train_step = lambda: seen.append(signal.getsignal(signal.SIGTERM)) or train_step()
+    trainer.fit()
+    return seen
+
+
+@pytest.mark.parametrize("setting", ["checkpoint.save_on_signal=false", "checkpoint.interval=0"])
+def test_switched_off_or_without_checkpoints_the_signals_keep_their_handlers(tiny_overrides, tmp_path, setting):
+    """Off, or with checkpoints off (a stop would save nothing), SIGTERM and SIGUSR1 keep their actions."""
+    cfg = _config(tiny_overrides, tmp_path, setting, "training.steps=2")
+    seen = _handlers_during_steps(cfg)
+    assert seen and all(h == signal.getsignal(signal.SIGTERM) for h in seen)
+    assert all(not isinstance(getattr(h, "__self__", None), StopRequest) for h in seen)
 
 
 def test_a_step_just_saved_is_not_saved_twice(tiny_overrides, tmp_path, monkeypatch):
@@ -81,28 +90,45 @@ def test_a_step_just_saved_is_not_saved_twice(tiny_overrides, tmp_path, monkeypa
     assert saves == [4] and trainer.step == 4
 
 
-def test_switched_off_the_signals_keep_their_handlers(tiny_overrides, tmp_path):
-    cfg = _config(tiny_overrides, tmp_path, "checkpoint.save_on_signal=false", "training.steps=2")
-    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+def test_stop_request_records_the_first_signal_and_a_second_gets_the_earlier_action():
+    """The first signal is recorded; a second one gets the action installed before (here a recording stand-in for
+    the default action, which would end the test), and every handler is put back."""
     seen = []
-    train_step = trainer.train_step
-    trainer.train_step = lambda: seen.append(signal.getsignal(signal.SIGTERM)) or train_step()
-    trainer.fit()
-    assert seen and all(h == signal.getsignal(signal.SIGTERM) for h in seen)
-    assert all(not isinstance(getattr(h, "__self__", None), StopRequest) for h in seen)
-
-
-def test_stop_request_records_the_first_signal_and_restores_the_handlers():
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    stop = StopRequest()
-    assert stop.install() is None
+    previous = {s: signal.signal(s, lambda signum, frame: seen.append(signum)) for s in (signal.SIGTERM,
+                                                                                       signal.SIGUSR1)}
     try:
+        before = {s: signal.getsignal(s) for s in previous}
+        stop = StopRequest()
+        assert stop.install() is None
         os.kill(os.getpid(), signal.SIGUSR1)
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert stop.received == "SIGUSR1"
+        assert stop.received == "SIGUSR1" and seen == []
+        os.kill(os.getpid(), signal.SIGTERM)  # the second: passed on, handlers restored
+        assert stop.received == "SIGUSR1" and seen == [signal.SIGTERM]
+        assert {s: signal.getsignal(s) for s in before} == before
+        stop.restore()  # again: nothing left to restore
+        assert {s: signal.getsignal(s) for s in before} == before
     finally:
-        stop.restore()
-    assert {s: signal.getsignal(s) for s in before} == before
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def test_a_stopped_run_exits_with_the_signals_status(tiny_overrides, tmp_path, monkeypatch):
+    """`launch/pretrain.py` reports a run stopped on a signal as 128 + the signal's number, not 0: checkpointed,
+    not finished (a wrapper, or Kubernetes, must not take it for a finished run)."""
+    from megafp8.train import main as main_module
+    from megafp8.train.preemption import exit_status
+    assert (exit_status("SIGTERM"), exit_status("SIGUSR1"), exit_status(None)) == (143, 138, 143)
+    real_fit = Trainer.fit
+
+    def fit_signalled(self):
+        _signal_after(self, 3, signal.SIGUSR1)
+        return real_fit(self)
+    monkeypatch.setattr(Trainer, "fit", fit_signalled)
+    args = tiny_overrides + ["training.steps=12", "training.eval_interval=0", "logging.log_interval=2",
+                             "optimizer.warmup_steps=1", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                             "checkpoint.interval=100", "training.device=cpu"]
+    assert main_module.main(["--config", "tiny_dense", *args]) == 138
+    assert _steps(tmp_path / "ckpt") == ["step_00000004"]
 
 
 def _one_rank_signalled(rank, world_size, overrides, ckpt_dir):
@@ -126,7 +152,7 @@ def test_a_trainer_off_the_main_thread_keeps_the_signals_and_still_trains(tiny_o
     """Signal handlers belong to the main thread: a run on another thread says so and trains to its end (it would
     still take part in the ranks' agreement, which the config decides)."""
     import threading
-    cfg = _config(tiny_overrides, tmp_path, "training.steps=4")
+    cfg = _config(tiny_overrides, tmp_path, "training.steps=4", "checkpoint.interval=100")
     before = signal.getsignal(signal.SIGTERM)
     result = {}
 

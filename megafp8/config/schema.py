@@ -393,11 +393,12 @@ class CheckpointConfig:
     )
     save_on_signal: bool = setting(
         True,
-        "On SIGTERM or SIGUSR1 (what schedulers send before stopping a job: SLURM at its time limit or with "
-        "`--signal`, `timeout`, Kubernetes), finish the step, stop at the next logging step (every rank at the same "
-        "one), checkpoint it (with `interval` > 0) and exit normally; a relaunch resumes there. Under `torchrun` "
-        "use SIGTERM (`docs/checkpoints.md`). Off: the signals keep their default action (the process dies "
-        "mid-step and the work since the last checkpoint is lost).",
+        "With `interval` > 0: on SIGTERM or SIGUSR1 (what schedulers send before stopping a job: SLURM at its "
+        "time limit or with `--signal`, `timeout`, Kubernetes), finish the step, stop at the next logging step "
+        "(every rank at the same one), checkpoint it and exit with 128 + the signal's number; a relaunch resumes "
+        "there. A second signal acts at once. Under `torchrun` use SIGTERM (`docs/checkpoints.md`). Off, or without "
+        "checkpoints: the signals keep their default action (the process dies mid-step and the work since the last "
+        "checkpoint is lost).",
     )
     overwrite: bool = setting(
         False,

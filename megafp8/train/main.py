@@ -10,6 +10,7 @@ from megafp8.config import Config, ConfigError, dump_config, load_config
 from megafp8.precision import check_backend_name
 from megafp8.train.layouts import render_layouts, search_layouts
 from megafp8.train.plan import GIB, dry_run, with_vocab
+from megafp8.train.preemption import exit_status
 from megafp8.train.runtime import env_rank, init_distributed, report_error, seed_everything, shutdown
 from megafp8.train.trainer import Trainer
 
@@ -111,8 +112,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         dims, device = init_distributed(cfg)
         seed_everything(cfg.training.seed)
-        Trainer(cfg, dims, device).fit()
+        trainer = Trainer(cfg, dims, device)
+        trainer.fit()
         clean = True
+        if trainer.stopped_on is not None:  # checkpointed, not finished: say so as the signal would have
+            return exit_status(trainer.stopped_on)
     except ConfigError as err:
         return _error(str(err))
     except FloatingPointError as err:  # the loss diverged: every rank sees the same reduced loss

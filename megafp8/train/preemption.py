@@ -4,11 +4,14 @@ A scheduler about to stop a job sends a signal first: SLURM sends SIGTERM, then 
 `--signal=USR1@120` it sends SIGUSR1 120 s before the time limit; `timeout` and Kubernetes send SIGTERM. Left to
 its default action the signal kills the process mid-step and everything since the last checkpoint is lost.
 
-With `checkpoint.save_on_signal`, the training loop instead records the signal (`StopRequest`) and carries on to
-its next logging step, where every rank already waits for the device. There the ranks agree whether any of them
+With `checkpoint.save_on_signal` (and checkpoints on: `checkpoint.interval` > 0), the training loop instead records
+the signal (`StopRequest`) and carries on to its next logging step, where every rank already waits for the device. There the ranks agree whether any of them
 was signalled (`stop_agreed`: one all-reduce; ranks may receive the signal at different times, and all must stop at
-the same step), then save a checkpoint of that step and leave the loop. A relaunch resumes from it. The wait is at
-most `logging.log_interval` steps, plus the save: choose the signal's lead time accordingly.
+the same step), then save a checkpoint of that step and leave the loop; the launcher then exits with 128 + the
+signal's number, as a process the signal had ended would (a wrapper or Kubernetes sees an interrupted run, not a
+finished one). A relaunch resumes from the checkpoint. The wait is at most `logging.log_interval` steps, an
+evaluation falling on the stop step, and the save: choose the signal's lead time accordingly. A second signal gets
+the action it had before (by default: the process ends at once).
 """
 from __future__ import annotations
 
@@ -42,12 +45,22 @@ class StopRequest:
     def _handle(self, signum: int, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
+            return
+        # A second signal: whoever sends it will not wait. It gets the action it had before (by default, the end).
+        self.restore()
+        signal.raise_signal(signum)
 
     def restore(self) -> None:
-        """Put back the handlers that were there before `install`."""
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
+        """Put back the handlers that were there before `install` (those set outside Python, which `signal` cannot
+        name, become the default action)."""
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def exit_status(received: Optional[str]) -> int:
+    """The exit status of a run stopped on `received` (a signal's name; None: another rank's signal, SIGTERM's)."""
+    return 128 + int(getattr(signal, received or "SIGTERM"))
 
 
 def stop_agreed(requested: bool, device: torch.device) -> bool:

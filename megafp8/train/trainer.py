@@ -73,6 +73,7 @@ class Trainer:
         self.throughput = Throughput(training.global_batch_size * self.cfg.data.seq_len,
                                      training_flops_per_token(self.model_cfg, self.cfg.data.seq_len), dims.world_size,
                                      peak_tflops(device, self.cfg.logging.peak_tflops))
+        self.stopped_on: str | None = None  # the signal a run stopped on (`checkpoint.save_on_signal`)
         self.metrics = self._open_run()
 
     @property
@@ -149,20 +150,22 @@ class Trainer:
             return self._loop(stop)
         finally:
             try:
-                self.wait_for_save()
-            finally:
-                if stop is not None:
+                if stop is not None:  # first: a signal during the last wait ends the process as it used to
                     stop.restore()
-                self.metrics.close()
-                if self.run_lock is not None:
-                    self.run_lock.release()
+            finally:
+                try:
+                    self.wait_for_save()
+                finally:
+                    self.metrics.close()
+                    if self.run_lock is not None:
+                        self.run_lock.release()
 
     def _stop_request(self) -> StopRequest | None:
         """With `checkpoint.save_on_signal`, SIGTERM and SIGUSR1 stop the loop at an agreed step, checkpointed
         (`megafp8/train/preemption.py`). Where this process cannot handle them it still takes part in the ranks'
         agreement (the config, the same on every rank, decides who does), only never asks to stop itself."""
-        if not self.cfg.checkpoint.save_on_signal:
-            return None
+        if not self.cfg.checkpoint.save_on_signal or self.cfg.checkpoint.interval == 0:
+            return None  # without checkpoints a stop would save nothing: the signals keep their default action
         stop = StopRequest()
         why_not = stop.install()
         if why_not is not None:
@@ -196,17 +199,13 @@ class Trainer:
         return records
 
     def _stop_on_signal(self, received: str | None, saved: bool) -> None:
-        """Checkpoint this step (unless just done, or saving is off) before the loop stops on a signal."""
-        cause = received or "another rank's signal"
-        if self.cfg.checkpoint.interval > 0 and not saved:
+        """Checkpoint this step (unless just done) before the loop stops on a signal; `stopped_on` says which."""
+        if not saved:
             self.save()
-        if self.dims.rank != 0:
-            return
-        if self.cfg.checkpoint.interval == 0:
-            log.warning("step %d: stopping on %s without a checkpoint (checkpoint.interval is 0)", self.step, cause)
-        else:
+        self.stopped_on = received or "SIGTERM"
+        if self.dims.rank == 0:
             log.warning("step %d of %d: stopping on %s, checkpoint saved; launch again to resume", self.step,
-                        self.cfg.training.steps, cause)
+                        self.cfg.training.steps, received or "another rank's signal")
 
     def _log_window(self, window: list[tuple[torch.Tensor, torch.Tensor]], clock: StepClock) -> dict[str, Any]:
         """The metrics record of the steps in `window` (`skipped_steps` of them skipped: not in the mean loss)."""
