@@ -9,9 +9,9 @@ the signal (`StopRequest`) and carries on to its next logging step, where every 
 There the ranks agree whether any of them was signalled (`stop_agreed`: one all-reduce; ranks may receive the signal
 at different times, and all must stop at the same step), then save a checkpoint of that step and leave the loop; the
 launcher then exits with 128 + the signal's number, as a process the signal had ended would (a wrapper or
-Kubernetes sees an interrupted run, not a finished one). A relaunch resumes from the checkpoint. The wait is at most `logging.log_interval` steps, an
-evaluation falling on the stop step, and the save: choose the signal's lead time accordingly. A second signal gets
-the action it had before (by default: the process ends at once).
+Kubernetes sees an interrupted run, not a finished one). A relaunch resumes from the checkpoint. The wait is at
+most `logging.log_interval` steps, an evaluation falling on the stop step, and the save: choose the signal's lead
+time accordingly. A second signal gets the action it had before (by default: the process ends at once).
 """
 from __future__ import annotations
 
