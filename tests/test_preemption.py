@@ -165,3 +165,15 @@ def test_a_trainer_off_the_main_thread_keeps_the_signals_and_still_trains(tiny_o
     assert result["steps"] == [2, 4]
     assert signal.getsignal(signal.SIGTERM) == before
     assert "signal handlers can only be installed by the main thread" in caplog.text
+
+
+def test_a_signal_during_background_saving_still_leaves_a_complete_checkpoint(tiny_overrides, tmp_path):
+    """With `checkpoint.async_save` the stop step's checkpoint is written in the background; `fit` waits for it, so
+    the run ends with it complete and a relaunch resumes from it."""
+    cfg = _config(tiny_overrides, tmp_path, "checkpoint.interval=100", "checkpoint.async_save=true")
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+    _signal_after(trainer, 3, signal.SIGTERM)
+    trainer.fit()
+    assert trainer.stopped_on == "SIGTERM" and _steps(tmp_path / "ckpt") == ["step_00000004"]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000004"
+    assert Trainer(cfg, ParallelDims.single(), torch.device("cpu")).step == 4
