@@ -117,7 +117,7 @@ def test_the_cpu_and_unsupported_dtypes_take_the_product_then_the_add():
 
 
 @pytest.mark.parametrize("layer_type", [ColumnParallelLinear, RowParallelLinear])
-def test_a_bf16_parallel_linear_prepares_its_slot_only_in_bf16(layer_type):
+def test_a_bf16_parallel_linear_points_its_slot_at_a_fresh_alias_of_main_grad(layer_type):
     layer = layer_type(128, 256, PrecisionRecipe.from_name("bf16"))
     layer.prepare_for_compiled()
     assert layer.main_grad_slot.alias is None  # no main_grad yet

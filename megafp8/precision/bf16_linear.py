@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megafp8.precision.wgrad import WeightGradQueue, fresh_alias, weight_grad_or_defer
+from megafp8.precision.wgrad import WeightGradQueue, main_grad_alias, weight_grad_or_defer
 
 _REDUCED = (torch.bfloat16, torch.float16)
 
@@ -89,15 +89,14 @@ def _(out, dy, x) -> None:
 class MainGradSlot:
     """What a compiled high-precision layer adds its weight gradient into: a fresh alias of the weight's FP32
     `main_grad`, made eagerly before each call of the compiled block (`refresh`), or None (no `main_grad`: the
-    layer returns dw to autograd). A fresh alias per forward, for the reasons `fresh_alias` gives."""
+    layer returns dw to autograd). A fresh alias per forward, for the reasons `megafp8.precision.wgrad.fresh_alias` gives."""
 
     def __init__(self) -> None:
         self.alias: Optional[torch.Tensor] = None
 
     @torch.compiler.disable
     def refresh(self, weight: torch.Tensor) -> None:
-        main_grad = getattr(weight, "main_grad", None)
-        self.alias = fresh_alias(main_grad) if main_grad is not None and main_grad.dtype == torch.float32 else None
+        self.alias = main_grad_alias(weight)
 
 
 class _LinearFn(torch.autograd.Function):

@@ -16,7 +16,7 @@ import torch
 
 from megafp8.precision.backends import Fp8Backend, QuantizedWeight
 from megafp8.precision.formats import Fp8Format
-from megafp8.precision.wgrad import fresh_alias
+from megafp8.precision.wgrad import main_grad_alias
 
 
 class Fp8WeightCache:
@@ -63,9 +63,7 @@ class Fp8WeightCache:
         recomputation and pipeline stages all go through it)."""
         self.get(weight, backend, fmt, power_of_two)
         self.prepared = True
-        main_grad = getattr(weight, "main_grad", None)
-        has_fp32 = main_grad is not None and main_grad.dtype == torch.float32
-        self.main_grad_alias = fresh_alias(main_grad) if has_fp32 else None
+        self.main_grad_alias = main_grad_alias(weight)
 
     def traced_entry(self) -> Optional[QuantizedWeight]:
         """What compiled code reads: the prepared quantization, or None (the graph then quantizes the weight)."""

@@ -67,6 +67,13 @@ def weight_grad_or_defer(weight: torch.Tensor, compute: Callable[[], torch.Tenso
     return None
 
 
+def main_grad_alias(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """A `fresh_alias` of the weight's FP32 `main_grad`, or None where it has none (a compiled layer then returns
+    its weight gradient to autograd)."""
+    main_grad = getattr(weight, "main_grad", None)
+    return fresh_alias(main_grad) if main_grad is not None and main_grad.dtype == torch.float32 else None
+
+
 def fresh_alias(t: torch.Tensor) -> torch.Tensor:
     """A new tensor over `t`'s memory with a version counter of its own, marked static (for compiled code to add a
     weight gradient into `main_grad` in its backward graph).
