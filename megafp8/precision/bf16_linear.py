@@ -89,7 +89,8 @@ def _(out, dy, x) -> None:
 class MainGradSlot:
     """What a compiled high-precision layer adds its weight gradient into: a fresh alias of the weight's FP32
     `main_grad`, made eagerly before each call of the compiled block (`refresh`), or None (no `main_grad`: the
-    layer returns dw to autograd). A fresh alias per forward, for the reasons `megafp8.precision.wgrad.fresh_alias` gives."""
+    layer returns dw to autograd). A fresh alias per forward, for the reasons `megafp8.precision.wgrad.fresh_alias`
+    gives."""
 
     def __init__(self) -> None:
         self.alias: Optional[torch.Tensor] = None

@@ -1,8 +1,9 @@
 """Where a weight gradient goes: added into the weight's FP32 `main_grad`, returned, or deferred to a queue.
 
 Micro-batches accumulate weight gradients in FP32: a layer whose weight has a `main_grad` (set by the gradient
-buffer) adds its weight gradient into it inside backward (the GEMM itself where it can) and returns no gradient. Zero-bubble pipeline schedules
-run the weight-gradient GEMMs later, in their W pass: a layer given a `WeightGradQueue` pushes the GEMM there.
+buffer) adds its weight gradient into it inside backward (the GEMM itself where it can) and returns no gradient.
+Zero-bubble pipeline schedules run the weight-gradient GEMMs later, in their W pass: a layer given a
+`WeightGradQueue` pushes the GEMM there.
 """
 from __future__ import annotations
 
