@@ -25,6 +25,7 @@ DeviceName = Literal["auto", "cpu", "cuda"]
 BackendName = Literal["auto", "gloo", "nccl"]
 CheckpointFormat = Literal["sharded", "full"]
 RecomputeMode = Literal["none", "full"]
+AttentionBackend = Literal["auto", "torch", "cudnn", "flash", "efficient", "math"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 PipelineScheduleName = Literal["1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
 RopeScalingType = Literal["none", "yarn", "llama3"]
@@ -98,6 +99,14 @@ class ModelConfig:
     num_heads: int = setting(4, "Attention (query) heads, of every attention kind.")
     attention: AttentionConfig = section(
         GqaConfig, "The attention of every block: its `kind` and that kind's settings (a table each, below)."
+    )
+    attention_backend: AttentionBackend = setting(
+        "auto",
+        "The kernel of the attention core (an SDPA backend). `auto`: cuDNN's fused attention first on Hopper GPUs "
+        "(faster there than FlashAttention-2 at the same numerics), torch's own order elsewhere; `torch`: torch's "
+        "order everywhere (FlashAttention-2 first on CUDA); `cudnn`, `flash`, `efficient` or `math`: that backend "
+        "only (an error where it cannot take the shapes). Changes speed, not the model: any value resumes any "
+        "checkpoint.",
     )
     ffn_hidden_size: int = setting(768, "Inner width of the SwiGLU MLP (of every block without experts).")
     norm_eps: float = setting(1e-5, "Epsilon of RMSNorm.")

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from megafp8.config import ModelConfig
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
+from megafp8.model.sdpa import attention_kernels, sdpa_backends_for
 from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
 from megafp8.precision import PrecisionRecipe
 
@@ -32,6 +33,7 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, q_features + 2 * kv_features, recipe, tp,
                                              parts=(q_features, kv_features, kv_features), device=device)
         self.out_proj = RowParallelLinear(q_features, cfg.hidden_size, recipe, tp, device=device)
+        self.sdpa_backends = sdpa_backends_for(cfg.attention_backend, device)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int, seq_len: int,
                 norm: Optional[RMSNorm] = None) -> torch.Tensor:
@@ -46,9 +48,10 @@ class Attention(nn.Module):
         v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim)
         q, k = rope(q, k)
         # SDPA wants (B, heads, T, head_dim); it computes softmax in FP32 internally.
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        with attention_kernels(self.sdpa_backends):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
+            )
         out = out.transpose(1, 2).reshape(batch * seq_len, self.n_heads * self.head_dim)
         return self.out_proj(out)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from megafp8.config import ModelConfig
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding, softmax_mscale
+from megafp8.model.sdpa import attention_kernels, sdpa_backends_for
 from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, to_tp_region
 from megafp8.precision import PrecisionRecipe
 
@@ -57,6 +58,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.out_proj = RowParallelLinear(cfg.num_heads * self.v_dim, cfg.hidden_size, recipe, tp, device=device)
         mscale = softmax_mscale(cfg.rope_scaling)  # YaRN's correction of DeepSeek's attention (1 without)
         self.scale = (self.nope + self.rope_dim) ** -0.5 * mscale * mscale
+        self.sdpa_backends = sdpa_backends_for(cfg.attention_backend, device)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -80,6 +82,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_rope, k_rope = rope(q_rope, k_rope.reshape(batch, seq_len, 1, self.rope_dim))
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, h, -1)], dim=-1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             scale=self.scale)  # (B, heads, T, v_head_dim)
+        with attention_kernels(self.sdpa_backends):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, scale=self.scale)  # (B, heads, T, v_head_dim)
         return self.out_proj(out.transpose(1, 2).reshape(batch * seq_len, h * self.v_dim))

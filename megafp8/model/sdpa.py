@@ -1,0 +1,68 @@
+"""Which kernel runs the attention core (`model.attention_backend`): one of SDPA's backends, chosen per device.
+
+Left to itself, `F.scaled_dot_product_attention` tries FlashAttention-2 first on every CUDA GPU. On Hopper (compute
+capability 9.x) cuDNN's fused attention kernels are faster for training shapes at the same numerics (softmax in
+FP32 either way); on Ampere and Blackwell they are not (measured figures: `docs/benchmarks.md`). So:
+
+- `auto`: on Hopper, cuDNN first, then torch's order (FlashAttention-2, memory-efficient, math) for shapes cuDNN
+  does not take; elsewhere torch's own order, unchanged.
+- `torch`: torch's own order on every device (no preference set).
+- `cudnn`, `flash`, `efficient`, `math`: that backend only. `cudnn` and `efficient` need an NVIDIA GPU (a
+  ConfigError at build time elsewhere); SDPA raises, after warning why, where a backend cannot run the shapes
+  (e.g. `flash` with MLA's narrower values).
+
+The choice is resolved once, for the device the model is built on, and applied around each SDPA call with
+`torch.nn.attention.sdpa_kernel`, which `torch.compile` traces (no graph break). Megatron-LM's `--attention-backend`
+and Transformer Engine's cuDNN-first preference on Hopper are the same idea.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from megafp8.config.errors import ConfigError
+
+ATTENTION_BACKENDS = ("auto", "torch", "cudnn", "flash", "efficient", "math")
+_ONLY = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+_NVIDIA_ONLY = ("cudnn", "efficient")
+# cuDNN first; then torch's order for the shapes it does not take.
+_HOPPER_ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH)
+
+Backends = Optional[tuple[SDPBackend, ...]]  # in order of preference; None: torch's own order
+
+
+def sdpa_backends(choice: str, device_type: str, capability: Optional[tuple[int, int]], hip: bool = False) -> Backends:
+    """The SDPA backends `choice` (a `model.attention_backend` value) allows on a device of `device_type` with CUDA
+    compute `capability` (None off CUDA), in order of preference; None leaves torch's order as it is."""
+    if choice not in ATTENTION_BACKENDS:
+        raise ConfigError(f"model.attention_backend={choice!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+    if choice in _NVIDIA_ONLY and (device_type not in ("cuda", "meta") or hip):
+        where = "a ROCm GPU" if hip else device_type
+        raise ConfigError(f"model.attention_backend={choice} runs on NVIDIA GPUs only, and this model is built on "
+                          f"{where}: use `auto` (or `math`)")
+    if choice == "torch":
+        return None
+    if choice == "auto":
+        hopper = device_type == "cuda" and not hip and capability is not None and capability[0] == 9
+        return _HOPPER_ORDER if hopper else None
+    return (_ONLY[choice],)
+
+
+def sdpa_backends_for(choice: str, device) -> Backends:
+    """`sdpa_backends` for the device a module is built on (`device` None: torch's default device). A meta device
+    (a model built for its shapes only) keeps torch's order."""
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return sdpa_backends(choice, device.type, capability, hip=torch.version.hip is not None)
+
+
+def attention_kernels(backends: Backends) -> contextlib.AbstractContextManager:
+    """The context to call SDPA in: `backends` preferred in their order, or nothing changed where None."""
+    if backends is None:
+        return contextlib.nullcontext()
+    return sdpa_kernel(list(backends), set_priority=True)
