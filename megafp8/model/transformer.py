@@ -55,6 +55,8 @@ class Block(nn.Module):
         self.recompute = False  # set by `apply_recompute`
         self.prepared_linears: list[ParallelLinear] = []  # set by `apply_compile`: the linears to prepare eagerly
         self.uncompiled_forward = None  # set by `apply_compile`: `_forward` as written, for observed steps
+        # Set by `apply_compile` under CUDA graphs (`reduce-overhead`): see `_outside_the_graph_pool`.
+        self.under_cuda_graphs = False
         # Set while hooks observe the block's layers (FP8 health): the block then runs uncompiled. Traced, the hooks
         # would break its graph, and torch.compile would keep the broken graph for every later step. A compiled block
         # observed also runs recomputed: uncompiled it would keep more for backward than its compiled code does (eager
@@ -74,7 +76,19 @@ class Block(nn.Module):
         run = self.uncompiled_forward if observed_uncompiled else self._forward
         if (self.recompute or observed_uncompiled) and torch.is_grad_enabled():
             return checkpoint(run, x, rope, batch, seq_len, use_reentrant=False, context_fn=self._recompute_contexts)
-        return run(x, rope, batch, seq_len)
+        out, aux = run(x, rope, batch, seq_len)
+        return self._outside_the_graph_pool(out), aux
+
+    def _outside_the_graph_pool(self, out: torch.Tensor) -> torch.Tensor:
+        """The block's output, copied out of the CUDA graphs' memory pool where no backward is pending (evaluation).
+        Each compiled block is its own `torch.compile` invocation, and Inductor's CUDA-graph trees start a new
+        generation at every invocation that has no backward pending, freeing the last one's outputs for reuse: the
+        next block's input would be a tensor whose memory is already being overwritten (torch raises "accessing
+        tensor output of CUDAGraphs that has been overwritten by a subsequent run"). Training forwards keep a
+        backward pending, so they pass their outputs on as they are."""
+        if self.under_cuda_graphs and not torch.is_grad_enabled() and out.is_cuda:
+            return out.clone()
+        return out
 
     def _recompute_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """(first forward, recomputation): the recomputation must not count its tokens into the router's load."""
@@ -264,6 +278,7 @@ def apply_compile(model: nn.Module, mode: str = "default", backend: str = "induc
     for block in blocks:
         block.uncompiled_forward = block._forward
         block._forward = torch.compile(block._forward, backend=backend, **_compile_settings(mode, comm_overlap))
+        block.under_cuda_graphs = mode == "reduce-overhead"
         # Each forward first quantizes the block's changed FP8 weights, eagerly: once per weight version, not once
         # per micro-batch inside the graph; every linear gets a fresh alias of its FP32 main_grad to add its weight
         # gradient into. Every linear is listed, whatever its recipe now: one may switch to FP8 later
