@@ -9,7 +9,7 @@ MLA at 16 heads a rank (1 x 4096, query/key width 192, value width 128). Each ba
 then forward + backward with a random output gradient) and checked first against FP32 math on the same BF16
 inputs: the relative Frobenius error of the output and of dq, dk and dv ("n/a" where the backend cannot take the
 shape). TFLOP/s count the causal half of the scores: forward 2 B heads T^2 (d_qk + d_v) / 2, backward 2.5x that.
-`auto` is what `model.attention_backend: auto` runs on this GPU (torch's order where it sets none).
+`torch` is torch's own order (no preference set), `auto` what `model.attention_backend: auto` runs on this GPU.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def main() -> None:
         dout = torch.randn(s.batch, s.seq, s.heads, s.d_v, device=device, dtype=torch.bfloat16).transpose(1, 2)
         want = run(*(t.detach().float().requires_grad_() for t in (q, k, v)), dout.float(),
                    sdpa_backends("math", "cuda", None))
-        for name in [*args.backends, "auto"]:
+        for name in [*args.backends, "torch", "auto"]:
             backends = auto if name == "auto" else sdpa_backends(name, "cuda", None)
             try:
                 with warnings.catch_warnings():

@@ -11,7 +11,7 @@
 # shape (compiled_ro_8b, ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and compiled_ro_kept_t: FP8 keeping its weight
 # transposes; memory_modes: both models' memory in every mode), BF16 and FP8 profiled side by side (profile_pair, profile_pair_ro: the ~1B under CUDA graphs,
 # profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), the
-# warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only), SDPA's backends on our attention shapes (attention; tests_attention; whole steps under CUDA graphs with torch's order and with `model.attention_backend: auto`: attn_1b, attn_8b), backward on autograd's worker thread against the calling thread (fp8_linear_threads; whole steps: threads_eager, threads_compiled, threads_moe), the weight gradients into main_grad on the GPU, FP8 and BF16, with the one-GPU training tests (tests_main_grad), the 8B-layer eager memory row alone (memory_8b_eager), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
+# warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only), SDPA's backends on our attention shapes (attention; tests_attention; whole steps under CUDA graphs with torch's order and with `model.attention_backend: auto`: attn_1b, attn_8b; eager: attn_eager; the ~1B with MLA, compiled: attn_mla), backward on autograd's worker thread against the calling thread (fp8_linear_threads; whole steps: threads_eager, threads_compiled, threads_moe), the weight gradients into main_grad on the GPU, FP8 and BF16, with the one-GPU training tests (tests_main_grad), the 8B-layer eager memory row alone (memory_8b_eager), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
 # default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper; moe_compiled_accum: both backends, four micro-batches
 # per step), cg_diag and cg_diag_8b (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_compiled_ro_bf16, old_compiled_ro_8b_bf16, old_fused_quantize,
 # old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
@@ -113,12 +113,18 @@ for part in $PARTS; do
     wgrad_bf16) step wgrad_bf16 python benchmarks/wgrad_gemm.py --bf16-only ;;
     attention) step attention python benchmarks/attention.py ;;
     tests_attention) step gpu_tests_attention python -m pytest -q -m gpu tests/test_sdpa.py -p no:cacheprovider ;;
-    attn_1b|attn_8b)  # whole steps under CUDA graphs, the attention core by torch's order (FlashAttention-2 first),
-                      # then by `model.attention_backend: auto` (cuDNN first on Hopper), BF16 and FP8 each
-      model=$([ "$part" = attn_1b ] && echo 1b || echo 8b-layers)
+    attn_1b|attn_8b|attn_eager|attn_mla)  # whole steps with the attention core by torch's order, then by
+                      # `model.attention_backend: auto` (cuDNN first on Hopper), BF16 and FP8 each: the ~1B and the
+                      # 8B-layer shape under CUDA graphs, the ~1B eager, the ~1B with MLA compiled
+      case $part in
+        attn_1b) flags="training.compile=true training.compile_mode=reduce-overhead"; model=1b ;;
+        attn_8b) flags="training.compile=true training.compile_mode=reduce-overhead"; model=8b-layers ;;
+        attn_eager) flags=""; model=1b ;;
+        attn_mla) flags="training.compile=true"; model=mla ;;
+      esac
       for backend in torch auto; do
-        step "${part}_${backend}" python benchmarks/train_step.py training.compile=true \
-             training.compile_mode=reduce-overhead model.attention_backend=$backend --model $model --recipes bf16 fp8
+        step "${part}_${backend}" python benchmarks/train_step.py $flags model.attention_backend=$backend \
+             --model $model --recipes bf16 fp8
       done ;;
     tests_main_grad) step gpu_tests_main_grad python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
            -k "main_grad or host_wait or learns or thread or cuda_graph" -p no:cacheprovider ;;

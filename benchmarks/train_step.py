@@ -16,6 +16,8 @@ Models (issue 10's shapes):
   top-8 in 8 groups choosing 4, one shared expert, sigmoid routing): 3.2B parameters, 0.7B activated per token;
 - `8b-layers`: 8 layers of Llama-3-8B's width (hidden 4096, FFN 14336, 32 heads, no GQA as in
   `reference_model.py`), vocab 32768, seq 4096, micro-batch 4 (16k tokens);
+- `mla`: the `1b` shape with DeepSeek's multi-head latent attention (16 heads, no query compression, key/value
+  rank 512, query/key width 128 + 64 rotary, value width 128);
 - `tiny`: the CPU smoke-test shape of `configs/tiny_dense.yaml`;
 - `config`: the model, sequence length and micro-batch of `--config` as configured (e.g. `--config 16b_moe_fp8`;
   the others start from `tiny_dense`).
@@ -72,6 +74,11 @@ MODELS = {
     "8b-layers": ["model.size=null", "model.hidden_size=4096", "model.ffn_hidden_size=14336", "model.num_heads=32",
                   "model.attention.num_kv_heads=32", "model.num_layers=8", "model.vocab_size=32768",
                   "data.seq_len=4096", "training.micro_batch_size=4"],
+    "mla": ["model.size=null", "model.hidden_size=2048", "model.num_layers=16", "model.num_heads=16",
+            "model.ffn_hidden_size=5632", "model.attention.kind=mla", "model.attention.kv_lora_rank=512",
+            "model.attention.qk_nope_head_dim=128", "model.attention.qk_rope_head_dim=64",
+            "model.attention.v_head_dim=128", "model.vocab_size=32768", "data.seq_len=2048",
+            "training.micro_batch_size=8"],
     "config": [],
     "tiny": ["model.vocab_size=384", "data.seq_len=64", "training.micro_batch_size=2", "model.hidden_size=128",
              "model.num_layers=2", "model.num_heads=2", "model.attention.num_kv_heads=1", "model.ffn_hidden_size=256",
