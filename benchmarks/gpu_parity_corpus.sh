@@ -13,7 +13,9 @@
 # sessions, the second with PRIOR_RUNS (below), and the same settings in both, e.g. (a run cut at RUN_SECONDS
 # checkpoints the step it stops at, so no step is done twice)
 #   EXTRA_OVERRIDES="training.compile=true training.compile_mode=reduce-overhead" DENSE_CHECKPOINT_INTERVAL=1000
-# (every run of the comparison must use the same ones: they are part of each run's id).
+# (every run of the comparison must use the same ones: they are part of each run's id). Sixteenth session (jobs BN,
+# BO): dense_bf16_a finished in two commands at 85-86k tokens/s, each checkpoint taking ~30 s; it is in
+# docs/parity_runs (PRIOR_RUNS=docs/parity_runs). Left: dense_fp8_a, dense_bf16_b, the MoE pair.
 #
 # Every command on the GPU machine may be limited to 10 minutes, so the work comes in sub-steps, each short, each
 # resumable (run them again until `status` says every run is finished):
@@ -23,7 +25,7 @@
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh plan       # corpus tokens, one-pass steps, the steps each run takes
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh corpus     # the four above in turn (each skipped once done)
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh run NAME [NAME2]  # NAME on GPU 0 (and NAME2 on GPU 1), each for at
-#        most RUN_SECONDS (540), resuming from its newest checkpoint; NAME: dense_bf16_a dense_fp8_a dense_bf16_b
+#        most RUN_SECONDS (450) plus STOP_GRACE (120) to stop, resuming from its newest checkpoint; NAME: dense_bf16_a dense_fp8_a dense_bf16_b
 #        moe_bf16 moe_fp8
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh next       # `run` on the first two unfinished runs in that order
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh status     # each run's last step, and the disk left
@@ -180,8 +182,11 @@ run_one() {  # run_one NAME GPU: train NAME on GPU for at most RUN_SECONDS, then
   overrides=$(run_overrides "$name") || return 2
   if finished "$name"; then echo "$name: finished already"; return 0; fi
   # At RUN_SECONDS timeout sends SIGTERM: the run stops at its next logging step with a checkpoint
-  # (checkpoint.save_on_signal, where checkpoint.interval > 0), and is killed (137) if that takes over 30 s.
-  CUDA_VISIBLE_DEVICES=$2 timeout -k 30 "${RUN_SECONDS:-540}" python launch/pretrain.py --config tiny_dense $overrides \
+  # (checkpoint.save_on_signal, where checkpoint.interval > 0), and is killed (137) if that takes over STOP_GRACE s.
+  # The dense model's checkpoint (12.5 GiB) took ~30 s to write on the GPU machine: a 30 s grace killed the stop's
+  # save in job BN, and the run went back to its previous checkpoint.
+  CUDA_VISIBLE_DEVICES=$2 timeout -k "${STOP_GRACE:-120}" "${RUN_SECONDS:-450}" python launch/pretrain.py \
+    --config tiny_dense $overrides \
     >> "$RUNS/$name.log" 2>&1
   rc=$?
   mkdir -p "$OUT/runs/$name"

@@ -177,3 +177,28 @@ def test_a_signal_during_background_saving_still_leaves_a_complete_checkpoint(ti
     assert trainer.stopped_on == "SIGTERM" and _steps(tmp_path / "ckpt") == ["step_00000004"]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000004"
     assert Trainer(cfg, ParallelDims.single(), torch.device("cpu")).step == 4
+
+
+def test_a_save_too_slow_for_the_signal_grace_is_reported_once(tiny_overrides, tmp_path, monkeypatch, caplog):
+    """Each save logs how long it took; one that would not fit the 30 s that torchrun, SLURM and `timeout -k 30`
+    allow after SIGTERM gets one warning per run saying what to change (here every save counts as slow), and none
+    where a signal's stop would save nothing (no checkpoints) or save_on_signal is off."""
+    import logging
+
+    from megafp8.train import checkpointing
+    assert checkpointing.slow_save_warning(19.0, True) is None
+    assert checkpointing.slow_save_warning(34.0, False) is None
+    assert "34 s" in checkpointing.slow_save_warning(34.0, True)
+    monkeypatch.setattr(checkpointing, "_SLOW_SAVE_S", -1.0)
+    for save_on_signal, warnings in (("true", 1), ("false", 0)):
+        caplog.clear()
+        cfg = _config(tiny_overrides, tmp_path / save_on_signal, "checkpoint.interval=4",
+                      f"checkpoint.save_on_signal={save_on_signal}")
+        trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+        with caplog.at_level(logging.INFO, logger="megafp8"):
+            trainer.fit()
+        saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("saved checkpoint")]
+        assert len(saved) == 3 and all(m.endswith(" s") and " in " in m for m in saved), saved  # steps 4, 8, 12
+        slow = [r for r in caplog.records if "to write, and a stop on SIGTERM" in r.getMessage()]
+        assert len(slow) == warnings and all(r.levelno == logging.WARNING for r in slow), slow
+        assert trainer.checkpointer.last_save_seconds is not None and trainer.checkpointer.last_save_seconds >= 0

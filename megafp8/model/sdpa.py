@@ -1,8 +1,12 @@
 """Which kernel runs the attention core (`model.attention_backend`): one of SDPA's backends, chosen per device.
 
-Left to itself, `F.scaled_dot_product_attention` tries FlashAttention-2 first on every CUDA GPU. On Hopper (compute
-capability 9.x) cuDNN's fused attention kernels are faster for training shapes at the same numerics (softmax in
-FP32 either way); on Ampere and Blackwell they are not (measured figures: `docs/benchmarks.md`). So:
+Left to itself, `F.scaled_dot_product_attention` picks a backend by heuristics that differ between torch versions and
+between calls: on an H200 with torch 2.11 it ran cuDNN's kernels inside our models (judged by step times), but
+FlashAttention-2 (and the memory-efficient kernel for MLA's heads) for the same shapes called alone. On Hopper
+(compute capability 9.x) cuDNN's fused attention is the fastest for training shapes at the same numerics (softmax in
+FP32 either way): forward + backward 1.7x FlashAttention-2 on our dense shapes and 9.5x the memory-efficient kernel
+on MLA's (`benchmarks/attention.py`, `docs/benchmarks.md`, sixteenth session). On Ampere and Blackwell others
+report it slower, so it is preferred on Hopper only:
 
 - `auto`: on Hopper, cuDNN first, then torch's order (FlashAttention-2, memory-efficient, math) for shapes cuDNN
   does not take; elsewhere torch's own order, unchanged.
@@ -12,8 +16,8 @@ FP32 either way); on Ampere and Blackwell they are not (measured figures: `docs/
   (e.g. `flash` with MLA's narrower values).
 
 The choice is resolved once, for the device the model is built on, and applied around each SDPA call with
-`torch.nn.attention.sdpa_kernel`, which `torch.compile` traces (no graph break). Megatron-LM's `--attention-backend`
-and Transformer Engine's cuDNN-first preference on Hopper are the same idea.
+`torch.nn.attention.sdpa_kernel`, which `torch.compile` traces (no graph break); Megatron-LM's `--attention-backend`
+is the same kind of setting.
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -49,6 +50,24 @@ log = logging.getLogger("megafp8")
 _UNSEEN_MODEL_SETTINGS = ("rope_theta", "rope_scaling", "norm_eps", "moe.score_func", "moe.top_k", "moe.n_group",
                           "moe.topk_group", "moe.routed_scaling_factor", "moe.norm_topk_prob")
 _MISSING = object()
+# What a stop on SIGTERM has to save in: torchrun's agent, SLURM (its default KillWait) and `timeout -k 30` kill the
+# process 30 s after SIGTERM. A checkpoint that takes longer than _SLOW_SAVE_S leaves too little of it for the steps
+# up to the next logging step and the save.
+SIGTERM_GRACE_S = 30.0
+_SLOW_SAVE_S = 20.0
+
+
+def slow_save_warning(seconds: float, stops_on_signal: bool) -> Optional[str]:
+    """The warning to log once where a checkpoint took `seconds` to write and a signal's stop would save one (None
+    where that fits in the 30 s that the usual senders of SIGTERM allow)."""
+    if not stops_on_signal or seconds <= _SLOW_SAVE_S:
+        return None
+    return (f"a checkpoint took {seconds:.0f} s to write, and a stop on SIGTERM (checkpoint.save_on_signal) saves one "
+            f"after the signal: torchrun, SLURM (KillWait) and `timeout -k 30` kill the run {SIGTERM_GRACE_S:.0f} s "
+            "after SIGTERM, which would cut that save short (the run then resumes from the checkpoint before). Signal "
+            "earlier with a longer wait: `sbatch --signal=TERM@<seconds before the limit>` with a KillWait or "
+            "`torchrun --shutdown-timeout` (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) that covers the save, or save faster "
+            "(checkpoint.async_save, a faster disk)")
 
 
 def _setting(model: dict[str, Any], dotted: str) -> Any:
@@ -150,6 +169,9 @@ class Checkpointer:
         self.model, self.optimizer, self.train_state, self.parts = model, optimizer, train_state, parts
         self.config, self.cfg, self.directory, self.dims = config, cfg, directory, dims
         self.pending: Optional[_BackgroundWrite] = None
+        self.last_save_seconds: Optional[float] = None  # rank 0: the newest checkpoint's, from save() to written
+        self._save_started = 0.0
+        self._warned_slow_save = False
         self.sharded = cfg.format == "sharded"
         # Background sharded writes run their collectives on a group of their own (gloo: host tensors).
         self.write_group = (dist.new_group(backend="gloo") if self.sharded and cfg.async_save
@@ -159,6 +181,7 @@ class Checkpointer:
     def save(self) -> None:
         """Checkpoint the train state's step (a background write when `checkpoint.async_save`)."""
         self.wait()  # one write at a time, in step order
+        self._save_started = time.perf_counter()
         self._check_finite()
         if self.sharded:
             self._save_sharded()
@@ -202,8 +225,8 @@ class Checkpointer:
             return
         state, root, step = {"model": model, "optimizer": optimizer, **meta}, self.directory, self.train_state.step
 
-        def write() -> None:
-            log.info("saved checkpoint %s", save_checkpoint(root, step, state, self.cfg.keep_last))
+        def write() -> Path:
+            return save_checkpoint(root, step, state, self.cfg.keep_last)
         self._run(write, step)
 
     def _save_sharded(self) -> None:
@@ -217,18 +240,32 @@ class Checkpointer:
             placed = {k: Placed(v.shape, [Piece(p.offsets, p.values.detach().to("cpu", copy=True)) for p in v.pieces])
                       for k, v in placed.items()}
 
-        def write() -> None:
+        def write() -> Optional[Path]:
             write_sharded(tmp, placed, meta, self.write_group)
-            if rank0:  # DCP's coordinator returns once every rank's files and the index are written
-                log.info("saved checkpoint %s", publish(root, tmp, step, self.cfg.keep_last))
+            # DCP's coordinator returns once every rank's files and the index are written
+            return publish(root, tmp, step, self.cfg.keep_last) if rank0 else None
         self._run(write, step)
 
-    def _run(self, write: Callable[[], None], step: int) -> None:
-        """Write now, or on a background thread under `checkpoint.async_save`."""
+    def _run(self, write: Callable[[], Optional[Path]], step: int) -> None:
+        """Write now, or on a background thread under `checkpoint.async_save`; rank 0 (whose `write` returns the
+        checkpoint's path) reports it and how long it took."""
+        def write_and_report() -> None:
+            path = write()
+            if path is not None:
+                self._report_save(path, time.perf_counter() - self._save_started)
+
         if self.cfg.async_save:
-            self.pending = _BackgroundWrite(write, step)
+            self.pending = _BackgroundWrite(write_and_report, step)
         else:
-            write()
+            write_and_report()
+
+    def _report_save(self, path: Path, seconds: float) -> None:
+        self.last_save_seconds = seconds
+        log.info("saved checkpoint %s in %.1f s", path, seconds)
+        warning = slow_save_warning(seconds, self.cfg.save_on_signal and self.cfg.interval > 0)
+        if warning is not None and not self._warned_slow_save:
+            self._warned_slow_save = True
+            log.warning(warning)
 
     def placed_state(self) -> dict[str, Placed]:
         """This rank's pieces of every tensor a checkpoint holds (views of the live weights and optimizer state)."""
