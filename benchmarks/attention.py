@@ -25,11 +25,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grouped_gemm import timed_ms  # noqa: E402  (benchmarks/, beside this file)
-from megafp8.model.sdpa import attention_kernels, sdpa_backends, sdpa_backends_for  # noqa: E402
+from megafp8.model.sdpa import Backends, attention_kernels, sdpa_backends, sdpa_backends_for  # noqa: E402
 
 
 @dataclass(frozen=True)
 class Shape:
+    """One attention call: batch x seq tokens, `heads` query (and key/value) heads of widths d_qk and d_v."""
+
     name: str
     batch: int
     seq: int
@@ -55,7 +57,8 @@ def inputs(s: Shape, device: torch.device) -> tuple[torch.Tensor, ...]:
     return make(s.d_qk), make(s.d_qk), make(s.d_v)
 
 
-def run(q, k, v, dout: Optional[torch.Tensor], backends) -> tuple[torch.Tensor, ...]:
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: Optional[torch.Tensor],
+        backends: Backends) -> tuple[torch.Tensor, ...]:
     with attention_kernels(backends):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if dout is None:

@@ -3,19 +3,30 @@
 # compiled (benchmarks/train_step.py), the plain-PyTorch yardstick in BF16 and torchao's float8 recipes on the
 # same shape in the same job (benchmarks/reference_model.py; torchao's wheel carried in wheels/), and kernel-time
 # profiles of the steps. Tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
-# Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe;
-# also ref_eager, moe_compiled, compiled_ro (CUDA graphs), compiled_fp8 (FP8 only), tests (the gpu-marked tests),
-# fused_quantize (our quantizers' bandwidth, fused producers against eager and Inductor), profile_compiled (FP8
-# only), grouped_gemm (MoE grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu (one-GPU training tests), tests_optim (gradient clipping on CUDA), fp8_linear (one layer, BF16 vs FP8, eager
-# and replayed from CUDA graphs), the 8B-layer
-# shape (compiled_ro_8b, ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and compiled_ro_kept_t: FP8 keeping its weight
-# transposes; memory_modes: both models' memory in every mode), BF16 and FP8 profiled side by side (profile_pair, profile_pair_ro: the ~1B under CUDA graphs,
-# profile_pair_8b, profile_moe_compiled), the MoE GPU tests (tests_moe), the
-# warp-specialized GEMMs' tests (tests_ws), the weight gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only), SDPA's backends on our attention shapes (attention; tests_attention; whole steps under CUDA graphs with torch's order and with `model.attention_backend: auto`: attn_1b, attn_8b; eager: attn_eager; the ~1B with MLA, compiled: attn_mla), backward on autograd's worker thread against the calling thread (fp8_linear_threads; whole steps: threads_eager, threads_compiled, threads_moe), the weight gradients into main_grad on the GPU, FP8 and BF16, with the one-GPU training tests (tests_main_grad), the 8B-layer eager memory row alone (memory_8b_eager), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
-# default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper; moe_compiled_accum: both backends, four micro-batches
-# per step), cg_diag and cg_diag_8b (CUDA graph logs of the FP8 step), an older commit's tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_compiled_ro_bf16, old_compiled_ro_8b_bf16, old_fused_quantize,
-# old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm: `git archive COMMIT | tar -x -C DIR`, carried), and on two GPUs moe_ep2, moe_dp2,
-# dense_2gpu). `profile` also lists the host's busiest operators. STEP_TIMEOUT (s) bounds each part.
+# Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe; also ref_eager,
+# moe_compiled, compiled_ro (CUDA graphs), compiled_fp8 (FP8 only), tests (the gpu-marked tests), fused_quantize (our
+# quantizers' bandwidth, fused producers against eager and Inductor), profile_compiled (FP8 only), grouped_gemm (MoE
+# grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu
+# (one-GPU training tests), tests_optim (gradient clipping on CUDA), fp8_linear (one layer, BF16 vs FP8, eager and
+# replayed from CUDA graphs), the 8B-layer shape (compiled_ro_8b, ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and
+# compiled_ro_kept_t: FP8 keeping its weight transposes; memory_modes: both models' memory in every mode), BF16 and FP8
+# profiled side by side (profile_pair, profile_pair_ro: the ~1B under CUDA graphs, profile_pair_8b,
+# profile_moe_compiled), the MoE GPU tests (tests_moe), the warp-specialized GEMMs' tests (tests_ws), the weight
+# gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the
+# wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column
+# kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense
+# wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only), SDPA's backends on our attention shapes (attention;
+# tests_attention; whole steps under CUDA graphs with torch's order and with `model.attention_backend: auto`: attn_1b,
+# attn_8b; eager: attn_eager; the ~1B with MLA, compiled: attn_mla), backward on autograd's worker thread against the
+# calling thread (fp8_linear_threads; whole steps: threads_eager, threads_compiled, threads_moe), the weight gradients
+# into main_grad on the GPU, FP8 and BF16, with the one-GPU training tests (tests_main_grad), the 8B-layer eager memory
+# row alone (memory_8b_eager), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
+# default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper; moe_compiled_accum: both
+# backends, four micro-batches per step), cg_diag and cg_diag_8b (CUDA graph logs of the FP8 step), an older commit's
+# tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_compiled_ro_bf16, old_compiled_ro_8b_bf16, old_fused_quantize,
+# old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm: `git archive COMMIT | tar -x -C
+# DIR`, carried), and on two GPUs moe_ep2, moe_dp2, dense_2gpu). `profile` also lists the host's busiest operators.
+# STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
 start_summary

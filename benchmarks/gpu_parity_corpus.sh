@@ -25,8 +25,8 @@
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh plan       # corpus tokens, one-pass steps, the steps each run takes
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh corpus     # the four above in turn (each skipped once done)
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh run NAME [NAME2]  # NAME on GPU 0 (and NAME2 on GPU 1), each for at
-#        most RUN_SECONDS (450) plus STOP_GRACE (120) to stop, resuming from its newest checkpoint; NAME: dense_bf16_a dense_fp8_a dense_bf16_b
-#        moe_bf16 moe_fp8
+#        most RUN_SECONDS (450) plus STOP_GRACE (120) to stop, resuming from its newest checkpoint;
+#        NAME: dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh next       # `run` on the first two unfinished runs in that order
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh status     # each run's last step, and the disk left
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh compare    # compare_runs --parity and plot_runs, dense and MoE

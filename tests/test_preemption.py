@@ -179,10 +179,12 @@ def test_a_signal_during_background_saving_still_leaves_a_complete_checkpoint(ti
     assert Trainer(cfg, ParallelDims.single(), torch.device("cpu")).step == 4
 
 
-def test_a_save_too_slow_for_the_signal_grace_is_reported_once(tiny_overrides, tmp_path, monkeypatch, caplog):
-    """Each save logs how long it took; one that would not fit the 30 s that torchrun, SLURM and `timeout -k 30`
-    allow after SIGTERM gets one warning per run saying what to change (here every save counts as slow), and none
-    where a signal's stop would save nothing (no checkpoints) or save_on_signal is off."""
+@pytest.mark.parametrize("async_save", [False, True], ids=["in_step", "background"])
+def test_a_save_too_slow_for_the_signal_grace_is_reported_once(tiny_overrides, tmp_path, monkeypatch, caplog,
+                                                               async_save):
+    """Each save logs how long it took (a background save too, from its start to its files written); one that
+    leaves too little of the 30 s that torchrun, SLURM and `timeout -k 30` allow after SIGTERM gets one warning per
+    run saying what to change (here every save counts as slow), and none where save_on_signal is off."""
     import logging
 
     from megafp8.train import checkpointing
@@ -193,7 +195,7 @@ def test_a_save_too_slow_for_the_signal_grace_is_reported_once(tiny_overrides, t
     for save_on_signal, warnings in (("true", 1), ("false", 0)):
         caplog.clear()
         cfg = _config(tiny_overrides, tmp_path / save_on_signal, "checkpoint.interval=4",
-                      f"checkpoint.save_on_signal={save_on_signal}")
+                      f"checkpoint.save_on_signal={save_on_signal}", f"checkpoint.async_save={async_save}")
         trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
         with caplog.at_level(logging.INFO, logger="megafp8"):
             trainer.fit()

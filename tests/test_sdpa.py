@@ -92,11 +92,12 @@ def test_latent_attention_takes_the_choice_too():
 def test_a_backend_this_device_lacks_is_a_config_error():
     """`cudnn` (or `efficient`) on a CPU: one error at build time naming the setting, not SDPA's "no viable backend"
     at the first step."""
-    for backend in ("cudnn", "efficient"):
-        with pytest.raises(ConfigError, match=f"model.attention_backend={backend} runs on NVIDIA GPUs only.*cpu"):
+    for backend, needs in (("cudnn", "NVIDIA GPUs"), ("efficient", "GPUs")):
+        with pytest.raises(ConfigError, match=f"model.attention_backend={backend} runs on {needs} only.*cpu"):
             _model(GQA, backend)
     with pytest.raises(ConfigError, match="ROCm"):
         sdpa_backends("cudnn", "cuda", (9, 4), hip=True)
+    assert sdpa_backends("efficient", "cuda", (9, 4), hip=True) == (SDPBackend.EFFICIENT_ATTENTION,)  # AOTriton's
 
 
 def test_torch_keeps_its_own_order():
@@ -115,22 +116,25 @@ hopper = pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper GPU")
 def _attention_and_grads(q, k, v, dout, backends):
     from megafp8.model.sdpa import attention_kernels
     with attention_kernels(backends):
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               enable_gqa=k.shape[1] != q.shape[1])
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d_qk,d_v", [(128, 128), (192, 128)], ids=["gqa_heads", "mla_heads"])
-def test_auto_attention_on_hopper_is_as_accurate_as_torchs_choice(d_qk, d_v):
-    """`auto` (cuDNN first on Hopper) against torch's own choice (FlashAttention-2, or the memory-efficient kernel
-    for MLA's narrower values), both against FP64 math on the same BF16 inputs: output and all three input
-    gradients at most 1.5x torch's choice's error (plus 1e-4), in the layout our modules pass."""
+@pytest.mark.parametrize("d_qk,d_v,kv_heads", [(128, 128, 8), (128, 128, 2), (192, 128, 8)],
+                         ids=["dense_heads", "grouped_query_heads", "mla_heads"])
+def test_auto_attention_on_hopper_is_as_accurate_as_torchs_choice(d_qk, d_v, kv_heads):
+    """`auto` (cuDNN first on Hopper) against torch's own choice, both against FP64 math on the same BF16 inputs:
+    output and all three input gradients at most 1.5x torch's choice's error (plus 1e-4), in the layout our modules
+    pass, for 8 query heads sharing 8 or 2 key/value heads and for MLA's narrower values."""
     g = torch.Generator(device="cuda").manual_seed(0)
 
-    def make(dim):
-        return torch.randn(2, 1024, 8, dim, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-    q, k, v, dout = make(d_qk).requires_grad_(), make(d_qk).requires_grad_(), make(d_v).requires_grad_(), make(d_v)
+    def make(dim, heads=8):
+        return torch.randn(2, 1024, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+    q, dout = make(d_qk).requires_grad_(), make(d_v)
+    k, v = make(d_qk, kv_heads).requires_grad_(), make(d_v, kv_heads).requires_grad_()
     want = _attention_and_grads(*(t.detach().double().requires_grad_() for t in (q, k, v)), dout.double(),
                                 (SDPBackend.MATH,))
 
@@ -141,16 +145,15 @@ def test_auto_attention_on_hopper_is_as_accurate_as_torchs_choice(d_qk, d_v):
     assert all(a <= 1.5 * t + 1e-4 for a, t in zip(auto, torch_choice)), (auto, torch_choice)
 
 
-@pytest.mark.gpu
-@hopper
-def test_auto_runs_cudnn_attention_in_a_compiled_block_on_hopper():
-    """A block compiled by Inductor with `auto` runs cuDNN's attention kernels forward and backward, FlashAttention's
-    never (the preference is traced into the graph)."""
-    cfg = ModelConfig(vocab_size=256, hidden_size=512, num_layers=1, num_heads=4, ffn_hidden_size=1024)  # heads of 128
+def _attention_kernels_of_a_compiled_block(backend: str) -> tuple[list[str], list[str]]:
+    """(cuDNN's, the others') attention kernels that a block compiled by Inductor with `backend` runs, forward and
+    backward."""
+    cfg = ModelConfig(vocab_size=256, hidden_size=512, num_layers=1, num_heads=4, ffn_hidden_size=1024,
+                      attention_backend=backend)  # heads of 128
     model = Transformer(cfg, PrecisionRecipe.from_name("bf16"), 256, device=torch.device("cuda"))
     init_weights(model, cfg, 0)
-    block = model.layers[0]
-    compiled = torch.compile(block._forward, fullgraph=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.layers[0]._forward, fullgraph=True)
     x = torch.randn(2 * 256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     compiled(x, model.rope, 2, 256)[0].float().sum().backward()  # compiles
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -158,5 +161,16 @@ def test_auto_runs_cudnn_attention_in_a_compiled_block_on_hopper():
         torch.cuda.synchronize()
     kernels = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
     attention = sorted(n for n in kernels if any(w in n.lower() for w in ("cudnn", "flash", "fmha", "sdpa")))
-    others = [n for n in attention if "cudnn" not in n.lower()]  # cuDNN's own kernels are named "...flash..." too
-    assert len(attention) - len(others) >= 2 and not others, attention
+    cudnn = [n for n in attention if "cudnn" in n.lower()]  # cuDNN's own kernels are named "...flash..." too
+    return cudnn, [n for n in attention if n not in cudnn]
+
+
+@pytest.mark.gpu
+@hopper
+def test_the_choice_is_traced_into_a_compiled_block_on_hopper():
+    """A block compiled by Inductor runs the chosen backend's kernels forward and backward: cuDNN's alone under `auto`,
+    FlashAttention's and no cuDNN kernel under `flash` (so the choice is in the graph, not torch's own)."""
+    cudnn, others = _attention_kernels_of_a_compiled_block("auto")
+    assert len(cudnn) >= 2 and not others, (cudnn, others)
+    cudnn, others = _attention_kernels_of_a_compiled_block("flash")
+    assert not cudnn and any("flash" in n.lower() for n in others), (cudnn, others)

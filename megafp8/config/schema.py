@@ -103,11 +103,11 @@ class ModelConfig:
     attention_backend: AttentionBackend = setting(
         "auto",
         "The kernel of the attention core (an SDPA backend). `auto`: cuDNN's fused attention first on Hopper GPUs "
-        "(1.7x FlashAttention-2 there, 9.5x the memory-efficient kernel on MLA's heads, at the same numerics), "
-        "torch's own choice elsewhere; `torch`: torch's own choice everywhere (its heuristics differ between "
-        "versions and calls); `cudnn`, `flash`, `efficient` or `math`: that backend only (`cudnn` and `efficient` "
-        "on NVIDIA GPUs; SDPA raises where one cannot take the shapes). Changes speed, not the model: any value "
-        "resumes any checkpoint.",
+        "(called alone 1.7x FlashAttention-2 there and 9.5x the memory-efficient kernel on MLA's heads, at the same "
+        "numerics; whole steps on torch 2.11 did not change, torch already chose cuDNN inside the model), torch's "
+        "own choice elsewhere; `torch`: torch's own choice everywhere (its heuristics differ between versions and "
+        "calls); `cudnn` (NVIDIA GPUs), `flash`, `efficient` (GPUs) or `math`: that backend only (SDPA raises where "
+        "one cannot take the shapes). Changes speed, not the model: any value resumes any checkpoint.",
     )
     ffn_hidden_size: int = setting(768, "Inner width of the SwiGLU MLP (of every block without experts).")
     norm_eps: float = setting(1e-5, "Epsilon of RMSNorm.")

@@ -55,7 +55,8 @@ class Block(nn.Module):
         self.recompute = False  # set by `apply_recompute`
         self.prepared_linears: list[ParallelLinear] = []  # set by `apply_compile`: the linears to prepare eagerly
         self.uncompiled_forward = None  # set by `apply_compile`: `_forward` as written, for observed steps
-        # Set by `apply_compile` under CUDA graphs (`reduce-overhead`): see `_outside_the_graph_pool`.
+        # Set by `apply_compile` in modes with CUDA graphs (`reduce-overhead`, `max-autotune`): see
+        # `_outside_the_graph_pool`.
         self.under_cuda_graphs = False
         # Set while hooks observe the block's layers (FP8 health): the block then runs uncompiled. Traced, the hooks
         # would break its graph, and torch.compile would keep the broken graph for every later step. A compiled block
@@ -80,13 +81,13 @@ class Block(nn.Module):
         return self._outside_the_graph_pool(out), aux
 
     def _outside_the_graph_pool(self, out: torch.Tensor) -> torch.Tensor:
-        """The block's output, copied out of the CUDA graphs' memory pool where no backward is pending (evaluation).
-        Each compiled block is its own `torch.compile` invocation, and Inductor's CUDA-graph trees start a new
-        generation at every invocation that has no backward pending, freeing the last one's outputs for reuse: the
-        next block's input would be a tensor whose memory is already being overwritten (torch raises "accessing
-        tensor output of CUDAGraphs that has been overwritten by a subsequent run"). Training forwards keep a
-        backward pending, so they pass their outputs on as they are."""
-        if self.under_cuda_graphs and not torch.is_grad_enabled() and out.is_cuda:
+        """The block's output, copied out of the CUDA graphs' memory pool where no backward will follow (evaluation,
+        or nothing requiring grad). Each compiled block is its own `torch.compile` invocation, and Inductor's
+        CUDA-graph trees start a new generation at every invocation that has no backward pending, freeing the last
+        one's outputs for reuse: the next block's input would be a tensor whose memory is already being overwritten
+        (torch raises "accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run").
+        Training forwards keep a backward pending, so they pass their outputs on as they are."""
+        if self.under_cuda_graphs and not out.requires_grad and out.is_cuda:
             return out.clone()
         return out
 
@@ -278,13 +279,21 @@ def apply_compile(model: nn.Module, mode: str = "default", backend: str = "induc
     for block in blocks:
         block.uncompiled_forward = block._forward
         block._forward = torch.compile(block._forward, backend=backend, **_compile_settings(mode, comm_overlap))
-        block.under_cuda_graphs = mode == "reduce-overhead"
+        block.under_cuda_graphs = _uses_cuda_graphs(mode)
         # Each forward first quantizes the block's changed FP8 weights, eagerly: once per weight version, not once
         # per micro-batch inside the graph; every linear gets a fresh alias of its FP32 main_grad to add its weight
         # gradient into. Every linear is listed, whatever its recipe now: one may switch to FP8 later
         # (`precision.fp8_start_step`).
         block.prepared_linears = [m for m in block.modules() if isinstance(m, ParallelLinear)]
     return len(blocks)
+
+
+def _uses_cuda_graphs(mode: str) -> bool:
+    """Whether Inductor wraps code compiled in `mode` in CUDA graphs (`reduce-overhead` and `max-autotune` do)."""
+    if mode == "default":
+        return False
+    from torch._inductor import list_mode_options
+    return bool(list_mode_options(mode).get("triton.cudagraphs", False))
 
 
 # Inductor's recommended comm/compute reordering passes (torch/_inductor/config.py), in order; those this torch has.

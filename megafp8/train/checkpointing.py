@@ -64,10 +64,11 @@ def slow_save_warning(seconds: float, stops_on_signal: bool) -> Optional[str]:
         return None
     return (f"a checkpoint took {seconds:.0f} s to write, and a stop on SIGTERM (checkpoint.save_on_signal) saves one "
             f"after the signal: torchrun, SLURM (KillWait) and `timeout -k 30` kill the run {SIGTERM_GRACE_S:.0f} s "
-            "after SIGTERM, which would cut that save short (the run then resumes from the checkpoint before). Signal "
-            "earlier with a longer wait: `sbatch --signal=TERM@<seconds before the limit>` with a KillWait or "
-            "`torchrun --shutdown-timeout` (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) that covers the save, or save faster "
-            "(checkpoint.async_save, a faster disk)")
+            "after SIGTERM, which leaves too little time for the steps up to the next logging step and the save (a "
+            "save cut short leaves the checkpoint before as the newest). Give the stop more time: "
+            "`sbatch --signal=TERM@<seconds before the limit>` with a KillWait, or `torchrun --shutdown-timeout` "
+            "(TORCH_ELASTIC_SHUTDOWN_TIMEOUT), that covers the save; or write checkpoints to a faster disk "
+            "(checkpoint.async_save hides interval saves from training time, but a stop still waits for its save)")
 
 
 def _setting(model: dict[str, Any], dotted: str) -> Any:
