@@ -229,3 +229,20 @@ def test_every_compiled_fp8_block_runs_one_shared_graph_across_steps(tiny_overri
         trainer.fit()
     assert counters["stats"]["unique_graphs"] == 1
     assert all(m.fp8_cache.quantize_count == 3 for m in trainer.model.modules() if getattr(m, "runs_fp8", False))
+
+
+def test_blocks_know_when_their_compile_mode_uses_cuda_graphs(tiny_overrides, monkeypatch):
+    """Every mode whose Inductor options turn CUDA graphs on (`reduce-overhead`, `max-autotune`) marks the compiled
+    blocks, which then copy their outputs out of the graph pool in evaluation (`Block._outside_the_graph_pool`; the
+    copy itself runs on CUDA only: `tests/test_fp8_gpu.py` evaluates under CUDA graphs)."""
+    from megafp8.model.transformer import Block, _uses_cuda_graphs
+
+    assert [_uses_cuda_graphs(m) for m in ("default", "reduce-overhead", "max-autotune",
+                                           "max-autotune-no-cudagraphs")] == [False, True, True, False]
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    for mode, graphs in (("default", False), ("reduce-overhead", True), ("max-autotune", True)):
+        trainer = Trainer(load_config("tiny_dense", tiny_overrides + ["training.compile=true",
+                                                                      f"training.compile_mode={mode}"]),
+                          ParallelDims.single(), torch.device("cpu"))
+        blocks = [m for m in trainer.model.modules() if isinstance(m, Block)]
+        assert blocks and all(b.under_cuda_graphs == graphs for b in blocks), mode
