@@ -24,6 +24,7 @@ is the same kind of setting.
 from __future__ import annotations
 
 import contextlib
+from types import MappingProxyType
 from typing import Optional, Union, get_args
 
 import torch
@@ -33,8 +34,8 @@ from megafp8.config.errors import ConfigError
 from megafp8.config.schema import AttentionBackend
 
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
-_ONLY = (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
-         ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH))
+_ONLY = MappingProxyType({"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                          "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH})  # read-only
 # cuDNN first; then torch's order for the shapes it does not take.
 _HOPPER_ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                  SDPBackend.MATH)
@@ -58,7 +59,7 @@ def sdpa_backends(choice: str, device_type: str, capability: Optional[tuple[int,
     if choice == "auto":
         hopper = device_type == "cuda" and not hip and capability is not None and capability[0] == 9
         return _HOPPER_ORDER if hopper else None
-    return (dict(_ONLY)[choice],)
+    return (_ONLY[choice],)
 
 
 def sdpa_backends_for(choice: str, device: Optional[Union[torch.device, str]]) -> Backends:
