@@ -94,7 +94,7 @@ def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int, compile
     row = {"bf16_tflops": flops / time_ms(step_bf16, iters) / 1e9,
            "bf16_saved_mb": saved_activation_bytes(bf16, x) / 2**20}
     if compiled:
-        bf16_compiled = torch.compile(bf16)
+        bf16_compiled = torch.compile(bf16, dynamic=False)  # one shape each: no "automatic dynamic" recompile
         row["bf16_compiled_tflops"] = flops / time_ms(lambda: bf16_compiled(x).backward(dy), iters) / 1e9
     if cuda_graphs:
         row["bf16_graphed_tflops"] = flops / time_ms(graphed(step_bf16), iters) / 1e9
@@ -117,7 +117,7 @@ def bench_shape(m: int, k: int, n: int, backends: list[str], iters: int, compile
             row[f"{name}_graphed_cached_tflops"] = flops / time_ms(graphed(lambda: step_fp8(False)), iters) / 1e9
         row[f"{name}_saved_mb"] = saved_activation_bytes(layer, x) / 2**20
         if compiled:
-            layer_compiled = torch.compile(layer)
+            layer_compiled = torch.compile(layer, dynamic=False)
             layer.fp8_cache.clear()  # the graph quantizes the weight at every call
             row[f"{name}_compiled_tflops"] = flops / time_ms(lambda: layer_compiled(x).backward(dy), iters) / 1e9
             torch._dynamo.reset()

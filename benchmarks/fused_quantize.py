@@ -133,15 +133,19 @@ def producer_cases(backend, m: int, shape: dict, dev) -> list[tuple]:
         return (quantize(torch.cat([da * up * s * (1 + gate * (1 - s)), da * gate * s], dim=-1)),
                 quantize(F.silu(gate) * up))
 
+    # dynamic=False: each lambda is compiled once per shape, and its code object is the same for every shape, so
+    # without it the second shape recompiles with dynamic sizes (torch's "automatic dynamic") into slower kernels.
+    # Until the seventeenth session that happened: every Inductor figure of the second (8B-layer) shape was too slow.
     return [
         (f"RMSNorm {m}x{h}", lambda x, w: quantize(F.rms_norm(x, (h,), w, 1e-5)),
          lambda x, w: backend.rmsnorm_quantize(x, w, 1e-5, E4M3, False),
-         torch.compile(lambda x, w: producers.rmsnorm_quantize(x, w, 1e-5, E4M3, False)), (x, w)),
+         torch.compile(lambda x, w: producers.rmsnorm_quantize(x, w, 1e-5, E4M3, False), dynamic=False), (x, w)),
         (f"SwiGLU {m}x{f}", eager_swiglu, lambda gu: backend.swiglu_quantize(gu, E4M3, False),
-         torch.compile(lambda gu: producers.swiglu_quantize(gu, E4M3, False)), (gu,)),
+         torch.compile(lambda gu: producers.swiglu_quantize(gu, E4M3, False), dynamic=False), (gu,)),
         (f"SwiGLU backward {m}x{2 * f}", eager_swiglu_backward,
          lambda gu, da: backend.swiglu_backward_quantize(gu, da, E4M3, E4M3, False),
-         torch.compile(lambda gu, da: producers.swiglu_backward_quantize(gu, da, E4M3, E4M3, False)), (gu, da)),
+         torch.compile(lambda gu, da: producers.swiglu_backward_quantize(gu, da, E4M3, E4M3, False), dynamic=False),
+         (gu, da)),
     ]
 
 
