@@ -317,6 +317,77 @@ def test_gpu_2gpu_script_skips_what_the_budget_cannot_hold(tmp_path):
     assert scaling_rows("## scaling\n" + both.stdout)[("dp2_8b", "fp8")][5] == "97.5%"
 
 
+# ------------------------------------------------------------------------ benchmarks/gpu_8.sh (issue 23)
+# A stand-in for benchmarks/train_step.py and launch/pretrain.py: logs its arguments and rank count, prints a row.
+FAKE_RUN = r'''
+import json, os, sys
+with open(os.environ["FAKE_CALLS"], "a") as calls:
+    calls.write(json.dumps({"script": sys.argv[1], "ranks": int(os.environ.get("FAKE_RANKS", "1")),
+                            "args": sys.argv[2:]}) + "\n")
+print("| fake row |")
+'''
+
+
+def gpu_8(tmp_path, gpus: int, *parts):
+    """benchmarks/gpu_8.sh with `gpus` GPUs reported, the training scripts and torchrun replaced by the stand-in
+    (the planner, tools/plan.py, is the real one); returns (summary.md, the logged calls)."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    fake = tmp_path / "fake_run.py"
+    fake.write_text(FAKE_RUN)
+    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
+case "$1" in benchmarks/train_step.py|launch/pretrain.py) exec {sys.executable} {fake} "$@" ;; esac
+if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo {gpus}; exit 0; fi
+exec {sys.executable} "$@"
+""")
+    (bin_dir / "torchrun").write_text(f"""#!/usr/bin/env bash
+ranks=1
+while [[ "$1" == --* ]]; do [[ "$1" == --nproc_per_node=* ]] && ranks=${{1#*=}}; shift; done
+FAKE_RANKS=$ranks exec {sys.executable} {fake} "$@"
+""")
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\nprintf 'name, memory.total [MiB]\\nFake GPU, 1 MiB\\n'\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out),
+               FAKE_CALLS=str(tmp_path / "calls.jsonl"))
+    result = subprocess.run(["bash", "benchmarks/gpu_8.sh", *parts], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    calls_file = tmp_path / "calls.jsonl"
+    calls = [json.loads(line) for line in calls_file.read_text().splitlines()] if calls_file.exists() else []
+    return (out / "summary.md").read_text(), calls
+
+
+def test_gpu_8_script_on_two_gpus_runs_the_one_and_two_gpu_parts_and_says_what_it_skipped(tmp_path):
+    """Issue 23: the eight-GPU script on a two-GPU machine measures every one- and two-GPU layout (each BF16 and
+    FP8, the planner's prediction in each row) and names the eight-GPU parts it skipped, with why."""
+    assert subprocess.run(["bash", "-n", "benchmarks/gpu_8.sh"], cwd=REPO).returncode == 0
+    summary, calls = gpu_8(tmp_path, 2)
+    sections = [line[3:] for line in summary.splitlines() if line.startswith("## ")]
+    assert sections == ["dense_1gpu", "moe_1gpu", "dense_tp2", "dense_pp2", "moe_ep2", "moe_tp2", "moe_pp2",
+                        "eight_gpus: SKIPPED: needs 8 GPUs, 2 visible", "loss_8gpu: SKIPPED: needs 8 GPUs, 2 visible"]
+    assert "FAILED" not in summary and summary.count("| fake row |") == 7
+    assert [(c["ranks"], c["args"][c["args"].index("--model") + 1]) for c in calls] == [
+        (1, "1b"), (1, "moe"), (2, "1b"), (2, "1b"), (2, "moe"), (2, "moe"), (2, "moe")]
+    assert all(c["script"] == "benchmarks/train_step.py" and c["args"][-2:] == ["bf16", "fp8"] for c in calls)
+    by_name = dict(zip(sections, calls))
+    assert {"parallel.tp=2", "parallel.sequence_parallel=true"} <= set(by_name["dense_tp2"]["args"])
+    assert "parallel.pp=2" in by_name["dense_pp2"]["args"] and "parallel.ep=2" in by_name["moe_ep2"]["args"]
+
+
+def test_gpu_8_script_on_eight_gpus_also_runs_the_layout_the_planner_recommends(tmp_path):
+    """On eight GPUs: the 16B MoE at TP2 x PP2 x EP2 (DualPipeV, SP), the planner's layout table, the layout it
+    recommends (its overrides passed as they are), and the ~1B at DP=8 and TP=2 x DP=4, all on eight ranks."""
+    summary, calls = gpu_8(tmp_path, 8, "eight_gpus")
+    sections = [line[3:] for line in summary.splitlines() if line.startswith("## ")]
+    assert sections == ["moe16b_tp2_pp2_ep2", "moe16b_layouts", "moe16b_recommended", "dense_dp8", "dense_tp2_dp4"]
+    assert "FAILED" not in summary and "recommended overrides: " in summary
+    recommended = summary.split("recommended overrides: ")[1].splitlines()[0].split()
+    assert [c["ranks"] for c in calls] == [8, 8, 8, 8]
+    assert set(recommended) <= set(calls[1]["args"]) and "16b_moe_fp8" in calls[1]["args"]
+    assert {"parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=dualpipev"} <= set(calls[0]["args"])
+
+
 # ------------------------------------------------------------------------ benchmarks/gpu_e2e.sh clocks_8b
 # A stand-in nvidia-smi: the GPU list for the summary's head, success for the probe of a field name, and for a
 # sampling query (-lms) a CSV of one idle and three busy samples, then it waits to be stopped.
