@@ -51,7 +51,12 @@
 # step times of docs/benchmarks.md on one H200 (0.27 s BF16, 0.37 s FP8) 1000 steps take ~270 s and ~370 s, inside
 # one command; an MoE run cut short starts over. MOE_CHECKPOINT_INTERVAL=500 makes it resumable (then do not run
 # the two MoE runs side by side: up to 180 GB of checkpoints). EXTRA_OVERRIDES is appended to every run's
-# overrides (e.g. training.compile=true); GPU picks the GPU of a single `run NAME` (default 0).
+# overrides (e.g. training.compile=true); GPU picks the GPU of a single `run NAME` (default 0), GPU2 the second run's
+# of `run NAME NAME2` (default 1). GPU2=0 runs both on one GPU, side by side (the dense runs hold ~41-43 GiB each
+# under CUDA graphs on an H200; four checkpoints, ~50 GB, may exist at once): the GPU's time is shared, so each logs
+# about half its usual tokens/s, but one run's compilation, evaluation and checkpoints overlap the other's steps.
+# Estimated, not yet tried: the two dense runs left (~1,040 s of steps together) and the corpus then take ~1,350 s
+# of device time in three commands, against ~1,600 s one after the other.
 source "$(dirname "$0")/gpu_lib.sh"
 WORK=${WORK:-/tmp/megafp8-parity}
 DATA=$WORK/corpus
@@ -206,12 +211,12 @@ run_one() {  # run_one NAME GPU: train NAME on GPU for at most RUN_SECONDS, then
   echo "- $line" | tee -a "$OUT/summary.md"
 }
 
-run_pair() {  # run_pair NAME [NAME2]: side by side on GPUs 0 and 1
+run_pair() {  # run_pair NAME [NAME2]: side by side on GPUs GPU (0) and GPU2 (1; 0 puts both on one GPU)
   for name in "$@"; do known_run "$name" || return 2; done
   [ -f "$DATA/meta.json" ] || { echo "no corpus in $DATA: run the corpus sub-steps first" >&2; return 2; }
   echo "## run $* ($(date -u +%FT%TZ))" >> "$OUT/summary.md"
   run_one "$1" "${GPU:-0}" &
-  [ $# -ge 2 ] && run_one "$2" 1 &
+  [ $# -ge 2 ] && run_one "$2" "${GPU2:-1}" &
   wait
 }
 

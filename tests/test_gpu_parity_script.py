@@ -95,6 +95,17 @@ def test_a_run_cut_short_starts_again_and_a_finished_run_leaves_its_metrics(tmp_
     assert status.startswith("dense_bf16_a: step 3 of 3\ndense_fp8_a: step 0 of 3\n")
 
 
+def test_two_runs_share_one_gpu_when_asked(tmp_path):
+    """`run NAME NAME2` puts NAME2 on GPU 1 unless GPU2 says otherwise: GPU2=0 runs both on GPU 0, side by side,
+    each to its end."""
+    tree = scan_text_tree([str(REPO / "megafp8")], [".py"], valid_fraction=0.05, seed=0)
+    preprocess([str(REPO / "megafp8")], tmp_path / "work" / "corpus", valid_fraction=0.05, tree=tree)  # byte tokens
+    both = script(tmp_path, "run", "dense_fp8_a", "dense_bf16_b", GPU2="0", DENSE_STEPS="2", EXTRA_OVERRIDES=TINY)
+    assert both.returncode == 0, both.stderr
+    for name in ("dense_fp8_a", "dense_bf16_b"):
+        assert f"- {name} (GPU 0): step 2 of 2, exit 0, finished\n" in both.stdout, both.stdout
+
+
 def test_runs_of_an_earlier_session_count_where_they_are_what_this_one_would_run(tmp_path):
     """PRIOR_RUNS: a run finished in an earlier session (what its $OUT/runs brought back) counts as finished on a
     fresh machine with the same corpus and settings, `status` says so, and it is copied into this session's
