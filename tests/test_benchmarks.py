@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -214,28 +215,41 @@ with open(os.environ["FAKE_CALLS"], "a") as calls:
 '''
 
 
+def stand_in_tools(tmp_path, fake, gpus: int, scripts: tuple[str, ...], keep_script_arg: bool) -> Path:
+    """A directory of stand-ins to put first on PATH: `python` runs `fake` for each of `scripts` (passing the script's
+    name on where `keep_script_arg`) and reports `gpus` CUDA devices; `torchrun` runs it the same way with FAKE_RANKS
+    set from `--nproc_per_node`; `nvidia-smi` names one fake GPU."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    keep = "" if keep_script_arg else "shift; "
+    routes = "|".join(scripts)
+    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
+case "$1" in {routes}) {keep}exec {sys.executable} {fake} "$@" ;; esac
+if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo {gpus}; exit 0; fi
+exec {sys.executable} "$@"
+""")
+    (bin_dir / "torchrun").write_text(f"""#!/usr/bin/env bash
+ranks=1
+while [[ "$1" == --* ]]; do [[ "$1" == --nproc_per_node=* ]] && ranks=${{1#*=}}; shift; done
+case "$1" in {routes}) {keep};; esac
+FAKE_RANKS=$ranks exec {sys.executable} {fake} "$@"
+""")
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\nprintf 'name, memory.total [MiB]\\nFake GPU, 1 MiB\\n'\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return bin_dir
+
+
 def gpu_2gpu(tmp_path, *parts, budget="1000"):
     """benchmarks/gpu_2gpu.sh with `python benchmarks/train_step.py` and `torchrun` replaced by the stand-in and
     two GPUs reported; returns (summary.md, the logged calls)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import train_step
 
-    bin_dir, out = tmp_path / "bin", tmp_path / "out"
-    bin_dir.mkdir()
+    out = tmp_path / "out"
     fake = tmp_path / "fake_train_step.py"
     fake.write_text(FAKE_TRAIN_STEP)
-    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
-if [ "$1" = benchmarks/train_step.py ]; then shift; exec {sys.executable} {fake} "$@"; fi
-if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo 2; exit 0; fi
-exec {sys.executable} "$@"
-""")
-    (bin_dir / "torchrun").write_text(f"""#!/usr/bin/env bash
-while [[ "$1" == --* ]]; do shift; done
-[ "$1" = benchmarks/train_step.py ] && shift
-FAKE_RANKS=2 exec {sys.executable} {fake} "$@"
-""")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
+    bin_dir = stand_in_tools(tmp_path, fake, gpus=2, scripts=("benchmarks/train_step.py",), keep_script_arg=False)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out), BUDGET_S=budget,
                FAKE_HEADER=train_step.table([]).splitlines()[0], FAKE_CALLS=str(tmp_path / "calls.jsonl"))
     result = subprocess.run(["bash", "benchmarks/gpu_2gpu.sh", *parts], cwd=REPO, env=env, capture_output=True,
@@ -331,23 +345,11 @@ print("| fake row |")
 def gpu_8(tmp_path, gpus: int, *parts):
     """benchmarks/gpu_8.sh with `gpus` GPUs reported, the training scripts and torchrun replaced by the stand-in
     (the planner, tools/plan.py, is the real one); returns (summary.md, the logged calls)."""
-    bin_dir, out = tmp_path / "bin", tmp_path / "out"
-    bin_dir.mkdir()
+    out = tmp_path / "out"
     fake = tmp_path / "fake_run.py"
     fake.write_text(FAKE_RUN)
-    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
-case "$1" in benchmarks/train_step.py|launch/pretrain.py) exec {sys.executable} {fake} "$@" ;; esac
-if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo {gpus}; exit 0; fi
-exec {sys.executable} "$@"
-""")
-    (bin_dir / "torchrun").write_text(f"""#!/usr/bin/env bash
-ranks=1
-while [[ "$1" == --* ]]; do [[ "$1" == --nproc_per_node=* ]] && ranks=${{1#*=}}; shift; done
-FAKE_RANKS=$ranks exec {sys.executable} {fake} "$@"
-""")
-    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\nprintf 'name, memory.total [MiB]\\nFake GPU, 1 MiB\\n'\n")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
+    bin_dir = stand_in_tools(tmp_path, fake, gpus, ("benchmarks/train_step.py", "launch/pretrain.py"),
+                             keep_script_arg=True)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out),
                FAKE_CALLS=str(tmp_path / "calls.jsonl"))
     result = subprocess.run(["bash", "benchmarks/gpu_8.sh", *parts], cwd=REPO, env=env, capture_output=True,
