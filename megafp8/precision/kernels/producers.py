@@ -13,6 +13,7 @@ import triton.language as tl
 from megafp8.precision.formats import TILE, Fp8Format
 from megafp8.precision.kernels import quantize, tiles
 from megafp8.precision.kernels.limits import check_offsets
+from megafp8.precision.producers import rope_backward_fusable
 
 
 # One configuration, not autotuned: the sum of squares' order follows the block shape and the warps, and a choice
@@ -190,3 +191,64 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
         gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
         at.stride(0), ats.stride(0), ats.stride(1), GRAD_MAX=grad_fmt.max, POW2=power_of_two,
         **tiles.format_constants(fmt))
+
+
+# Not 4 warps: compiled for SM90 that configuration spills ~20 KB a thread (8 and 16 warps: a few hundred bytes).
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (8, 16)], key=["N", "HEAD_DIM", "FP8_MAX", "POW2"])
+@triton.jit
+def _rope_backward_quantize_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, NQ,
+                                   NK, seq_len, stride_dq, stride_dk, stride_dv, stride_cos, stride_sin, stride_qm,
+                                   stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
+                                   HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """One 128x128 tile of [RoPE backward(dq) | RoPE backward(dk) | dv] in FP32, quantized both ways. A tile lies in
+    one of the three (their widths are whole tiles); in dq and dk each column's rotation partner, head_dim / 2
+    away in its head, is in the same tile (head_dim divides 128) and is read by a second load of the tile's rows.
+    Rows past M read as zeros (the transposed tiles' padding)."""
+    kb = tl.program_id(0)
+    mb = tl.program_id(1)
+    rows = mb * 128 + tl.arange(0, 128)
+    cols = kb * 128 + tl.arange(0, 128)
+    in_rows = (rows < M)[:, None]
+    if kb * 128 < NQ + NK:
+        if kb * 128 < NQ:
+            src, stride, local = dq_ptr, stride_dq, cols
+        else:
+            src, stride, local = dk_ptr, stride_dk, cols - NQ
+        partner = local ^ (HEAD_DIM // 2)
+        row_ptrs = src + rows[:, None].to(tl.int64) * stride
+        d = tl.load(row_ptrs + local[None, :], mask=in_rows, other=0.0).to(tl.float32)
+        d_partner = tl.load(row_ptrs + partner[None, :], mask=in_rows, other=0.0).to(tl.float32)
+        pos = (rows % seq_len)[:, None]
+        in_head = local % HEAD_DIM
+        cos = tl.load(cos_ptr + pos * stride_cos + in_head[None, :])
+        sin_partner = tl.load(sin_ptr + pos * stride_sin + (partner % HEAD_DIM)[None, :])
+        sign = tl.where(in_head < HEAD_DIM // 2, 1.0, -1.0)  # rot^T([z1 | z2]) = [z2 | -z1], z = d sin
+        x = d * cos + sign[None, :] * (d_partner * sin_partner)
+    else:
+        x = tl.load(dv_ptr + rows[:, None].to(tl.int64) * stride_dv + (cols - NQ - NK)[None, :], mask=in_rows,
+                    other=0.0).to(tl.float32)
+    tiles.store_rows(x, rows, cols, M, kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk, FP8_MAX, POW2)
+    tiles.store_cols(x, rows, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2)
+
+
+def rope_backward_quantize(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           seq_len: int, head_dim: int, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
+    """`producers.rope_backward_quantize` in one kernel: dq, dk (M, heads x head_dim) the gradients of the rotated
+    queries and keys, dv (M, Nv), cos/sin the (positions, head_dim) FP32 tables -> (dy_fp8 (M, N), scales,
+    dyt_fp8 (N, M_pad), scales_t), N = Nq + Nk + Nv. Needs `rope_backward_fusable` widths and row-major inputs."""
+    m, widths = dq.shape[0], (dq.shape[1], dk.shape[1], dv.shape[1])
+    assert rope_backward_fusable(widths, head_dim), f"rope_backward_quantize cannot take widths {widths}, {head_dim}"
+    assert all(t.stride(1) == 1 for t in (dq, dk, dv, cos, sin)), "rope_backward_quantize needs row-major inputs"
+    assert cos.dtype == sin.dtype == torch.float32 and dk.shape[0] == dv.shape[0] == m
+    assert cos.shape == sin.shape and cos.shape[1] == head_dim and cos.shape[0] >= min(m, seq_len), \
+        f"RoPE tables {tuple(cos.shape)} for heads of {head_dim} and sequences of {seq_len}"
+    assert dq.dtype == dk.dtype == dv.dtype, "rope_backward_quantize needs dq, dk and dv of one dtype"
+    n = sum(widths)
+    out = tiles.rows_cols_outputs(m, n, fmt, dq.device)
+    check_offsets("rope_backward_quantize", dq, dk, dv, *out)
+    if m:
+        _rope_backward_quantize_kernel[(n // TILE, triton.cdiv(m, TILE))](
+            dq, dk, dv, cos, sin, *out, m, n, widths[0], widths[1], seq_len, dq.stride(0), dk.stride(0), dv.stride(0),
+            cos.stride(0), sin.stride(0), *tiles.rows_cols_strides(*out), HEAD_DIM=head_dim, POW2=power_of_two,
+            **tiles.format_constants(fmt))
+    return out
