@@ -143,6 +143,7 @@ def test_on_the_gpu_the_fused_projection_matches_its_unfused_self(compiled):
     fused_fn = lambda t: layer.rotated(t, norm, rotary, *rope.tables(rotary.seq_len))  # noqa: E731
     if compiled:
         torch._dynamo.reset()
+        layer.prepare_for_compiled()  # as `Block` does before each compiled call: the backend and weight, eagerly
         fused_fn = torch.compile(fused_fn, fullgraph=True)
     fused_out, fused = _run(fused_fn, layer, norm, x, grads)
     plain_out, plain = _run(lambda t: _unfused(layer, norm, rope, t, rotary), layer, norm, x, grads)
