@@ -194,68 +194,71 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
 
 
 @triton.jit
-def _rope_gradient(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, cols, kb, M, NQ, NK, seq_len, stride_dq,
-                   stride_dk, stride_dv, stride_cos, stride_sin, HEAD_DIM: tl.constexpr):
-    """[RoPE^T(dq) | RoPE^T(dk) | dv] in FP32 at rows x cols, all inside tile column kb (which lies in one of the
-    three: their widths are whole tiles). In dq and dk each column's rotation partner, head_dim / 2 away in its
-    head, is in the same tile (head_dim divides 128) and comes from a second load of the same lines. Rows past M
-    read as zeros."""
+def _rope_pairs(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, kb, M, NQ, NK, seq_len, stride_dq, stride_dk,
+                stride_dv, stride_cos, stride_sin, HEAD_DIM: tl.constexpr):
+    """Tile column kb of [RoPE^T(dq) | RoPE^T(dk) | dv] in FP32 at `rows`, as its 64 rotation pairs: (x_lo, x_hi,
+    col_lo, col_hi), x_lo (rows, 64) at columns col_lo (each head's first half), x_hi at col_hi = col_lo + head_dim
+    / 2 (its second half). Each thread holds both elements of a pair, so RoPE's backward
+        [x_lo | x_hi] = [d_lo cos_lo + d_hi sin_hi | d_hi cos_hi - d_lo sin_lo]
+    needs one read of d; dv's tiles are split the same way, unrotated. The tile lies in one of the three (their
+    widths are whole tiles; head_dim divides 128). Rows past M read as zeros."""
+    pair = tl.arange(0, 64)
+    half: tl.constexpr = HEAD_DIM // 2
+    in_head = pair % half  # position in the head's first half
+    col_lo = kb * 128 + (pair // half) * HEAD_DIM + in_head  # runs of head_dim / 2 contiguous columns
+    col_hi = col_lo + half
     in_rows = (rows < M)[:, None]
     if kb * 128 < NQ + NK:
-        # Offsets from the tile's own columns (NQ is whole tiles, so in-head positions and partners are the same in
-        # dq's and dk's coordinates), written with + % and // by constants, whose runs of contiguous values the
-        # compiler follows: through `^` it could not, and loaded the partner and the tables one element per
-        # instruction (job BQ: 1.3 ms, 0.31 TB/s, on the ~1B shape).
-        in_head = cols % HEAD_DIM
-        partner_in_head = (cols + HEAD_DIM // 2) % HEAD_DIM
-        partner = (cols // HEAD_DIM) * HEAD_DIM + partner_in_head
         if kb * 128 < NQ:
             row_ptrs = dq_ptr + rows[:, None].to(tl.int64) * stride_dq
         else:
             row_ptrs = dk_ptr + rows[:, None].to(tl.int64) * stride_dk - NQ
-        d = tl.load(row_ptrs + cols[None, :], mask=in_rows, other=0.0).to(tl.float32)
-        d_partner = tl.load(row_ptrs + partner[None, :], mask=in_rows, other=0.0).to(tl.float32)
+        d_lo = tl.load(row_ptrs + col_lo[None, :], mask=in_rows, other=0.0).to(tl.float32)
+        d_hi = tl.load(row_ptrs + col_hi[None, :], mask=in_rows, other=0.0).to(tl.float32)
         pos = (rows % seq_len)[:, None]
-        cos = tl.load(cos_ptr + pos * stride_cos + in_head[None, :])
-        sin_partner = tl.load(sin_ptr + pos * stride_sin + partner_in_head[None, :])
-        sign = tl.where(in_head < HEAD_DIM // 2, 1.0, -1.0)  # rot^T([z1 | z2]) = [z2 | -z1], z = d sin
-        x = d * cos + sign[None, :] * (d_partner * sin_partner)
+        cos_ptrs = cos_ptr + pos * stride_cos + in_head[None, :]
+        sin_ptrs = sin_ptr + pos * stride_sin + in_head[None, :]
+        x_lo = d_lo * tl.load(cos_ptrs) + d_hi * tl.load(sin_ptrs + half)
+        x_hi = d_hi * tl.load(cos_ptrs + half) - d_lo * tl.load(sin_ptrs)
     else:
-        x = tl.load(dv_ptr + rows[:, None].to(tl.int64) * stride_dv + (cols - NQ - NK)[None, :], mask=in_rows,
-                    other=0.0).to(tl.float32)
-    return x
+        row_ptrs = dv_ptr + rows[:, None].to(tl.int64) * stride_dv - NQ - NK
+        x_lo = tl.load(row_ptrs + col_lo[None, :], mask=in_rows, other=0.0).to(tl.float32)
+        x_hi = tl.load(row_ptrs + col_hi[None, :], mask=in_rows, other=0.0).to(tl.float32)
+    return x_lo, x_hi, col_lo, col_hi
 
 
-# Two passes over a 128x128 tile, SUB rows then SUB columns at a time, each computing its slice of the gradient
-# again: a whole FP32 tile and its loads (d, its partner, cos, sin) took 255 registers a thread at 8 warps and
-# spilled (job BP: 1.12 ms, 0.36 TB/s, on the ~1B shape); compiled for SM90 these configurations use 98-255
-# registers and spill nothing. The second pass reads the tile back from L1/L2, not HBM.
-# Each element's arithmetic and each tile's max-abs are the same in every configuration: autotuning changes no bit.
-@triton.autotune(configs=[triton.Config({"SUB": sub}, num_warps=w) for sub, w in ((16, 4), (16, 8), (32, 8), (64, 8))],
-                 key=["N", "HEAD_DIM", "FP8_MAX", "POW2"])
+# One pass over a 128x128 tile held as its 64 rotation pairs, 16 warps: each element read once, each thread
+# holding an element with its partner. Earlier versions measured on the ~1B shape (docs/benchmarks.md): a whole
+# tile with the partner and tables loaded per element (255 registers at 8 warps, spilling; job BP, 1.12 ms), then
+# two passes over slices (job BR, 0.39 ms, each element's partner and two table entries read in each pass).
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (8, 16)], key=["N", "HEAD_DIM", "FP8_MAX", "POW2"])
 @triton.jit
 def _rope_backward_quantize_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, NQ,
                                    NK, seq_len, stride_dq, stride_dk, stride_dv, stride_cos, stride_sin, stride_qm,
                                    stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
-                                   HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
-                                   SUB: tl.constexpr):
-    """One 128x128 tile of [RoPE^T(dq) | RoPE^T(dk) | dv], quantized from FP32 along its rows (SUB rows at a time:
-    each row's 128 features are in the slice) and along its columns (SUB columns at a time: each column's 128
-    tokens are in the slice). Rows past M are zeros in the transposed tiles' padding."""
+                                   HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """One 128x128 tile of [RoPE^T(dq) | RoPE^T(dk) | dv], quantized from FP32 along its rows (each row's scale over
+    both halves of its pairs) and along its columns (each half's columns on their own). Rows past M are zeros in the
+    transposed tiles' padding."""
     kb = tl.program_id(0)
     mb = tl.program_id(1)
-    tile_cols = kb * 128 + tl.arange(0, 128)
-    for r in range(0, 128, SUB):
-        rows = mb * 128 + r + tl.arange(0, SUB)
-        x = _rope_gradient(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, tile_cols, kb, M, NQ, NK, seq_len,
-                           stride_dq, stride_dk, stride_dv, stride_cos, stride_sin, HEAD_DIM)
-        tiles.store_rows(x, rows, tile_cols, M, kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk, FP8_MAX, POW2)
-    tile_rows = mb * 128 + tl.arange(0, 128)
-    for c in range(0, 128, SUB):
-        cols = kb * 128 + c + tl.arange(0, SUB)
-        x = _rope_gradient(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, tile_rows, cols, kb, M, NQ, NK, seq_len,
-                           stride_dq, stride_dk, stride_dv, stride_cos, stride_sin, HEAD_DIM)
-        tiles.store_cols(x, tile_rows, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2)
+    rows = mb * 128 + tl.arange(0, 128)
+    x_lo, x_hi, col_lo, col_hi = _rope_pairs(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, kb, M, NQ, NK, seq_len,
+                                             stride_dq, stride_dk, stride_dv, stride_cos, stride_sin, HEAD_DIM)
+    # Rows (`tiles.store_rows` over the two halves): one scale per token.
+    row_amax = tl.maximum(tiles.amax(tl.abs(x_lo), 1), tiles.amax(tl.abs(x_hi), 1),
+                          propagate_nan=tl.PropagateNan.ALL)
+    row_scale, row_inv = tiles.tile_scale(row_amax, FP8_MAX, POW2)
+    in_rows = rows < M
+    q_rows = q_ptr + rows[:, None] * stride_qm
+    tl.store(q_rows + col_lo[None, :], tiles.to_fp8(x_lo, row_inv[:, None], FP8_MAX, q_ptr.dtype.element_ty),
+             mask=in_rows[:, None])
+    tl.store(q_rows + col_hi[None, :], tiles.to_fp8(x_hi, row_inv[:, None], FP8_MAX, q_ptr.dtype.element_ty),
+             mask=in_rows[:, None])
+    tl.store(s_ptr + rows * stride_sm + kb * stride_sk, row_scale, mask=in_rows)
+    # Columns (`tiles.store_cols`, each half): one scale per feature over the tile's 128 tokens, x^T stored.
+    tiles.store_cols(x_lo, rows, col_lo, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2)
+    tiles.store_cols(x_hi, rows, col_hi, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2)
 
 
 def rope_backward_quantize(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
