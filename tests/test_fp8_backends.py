@@ -206,6 +206,24 @@ def test_rope_backward_quantize_stays_within_one_fp8_ulp_of_its_twin(backend_on,
     assert got[0].shape == (200, sum(widths)) and got[0].dtype == E5M2.dtype
 
 
+def test_rope_backward_quantize_reads_no_table_row_past_its_tokens(backend_on):
+    """One sequence of 200 tokens, its tables exactly 200 rows long (a view of a longer buffer whose next rows hold
+    nan): the last tile's padding rows (200-255) must read neither gradient nor table, or a nan read there would
+    make every column scale of that tile nan."""
+    from megafp8.model.rope import RotaryEmbedding
+    backend, device = backend_on
+    rope = RotaryEmbedding(128, 256, 10000.0)
+    cos, sin = (t.clone().to(device) for t in (rope.cos, rope.sin))
+    cos[200:], sin[200:] = float("nan"), float("nan")
+    dq, dk, dv = _rope_gradients(200, (128, 128, 128))
+    got = backend.rope_backward_quantize(dq.to(device), dk.to(device), dv.to(device), cos[:200], sin[:200], 256, 128,
+                                         E4M3, False)
+    want = producers.rope_backward_quantize(dq, dk, dv, rope.cos[:200], rope.sin[:200], 256, 128, E4M3, False)
+    assert not any(bool(t.float().isnan().any()) for t in got)
+    for i, part in ((0, "rows"), (2, "columns")):
+        assert_within_one_fp8_ulp(got[i:i + 2], want[i:i + 2], PRODUCER_SCALE_ULPS, f"rope backward {part}")
+
+
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float().cpu() - want).norm() / want.norm())
 

@@ -218,8 +218,12 @@ def _rope_pairs(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, kb, M, NQ, NK, s
         pos = (rows % seq_len)[:, None]
         cos_ptrs = cos_ptr + pos * stride_cos + in_head[None, :]
         sin_ptrs = sin_ptr + pos * stride_sin + in_head[None, :]
-        x_lo = d_lo * tl.load(cos_ptrs) + d_hi * tl.load(sin_ptrs + half)
-        x_hi = d_hi * tl.load(cos_ptrs + half) - d_lo * tl.load(sin_ptrs)
+        # Rows past M (the last tile's padding) read no table either: past a table of fewer than seq_len rows their
+        # positions would point outside it, and a nan there times a zero d would be a nan column scale.
+        x_lo = d_lo * tl.load(cos_ptrs, mask=in_rows, other=0.0) + d_hi * tl.load(sin_ptrs + half, mask=in_rows,
+                                                                                   other=0.0)
+        x_hi = d_hi * tl.load(cos_ptrs + half, mask=in_rows, other=0.0) - d_lo * tl.load(sin_ptrs, mask=in_rows,
+                                                                                          other=0.0)
     else:
         row_ptrs = dv_ptr + rows[:, None].to(tl.int64) * stride_dv - NQ - NK
         x_lo = tl.load(row_ptrs + col_lo[None, :], mask=in_rows, other=0.0).to(tl.float32)
