@@ -231,11 +231,14 @@ def _rope_pairs(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, kb, M, NQ, NK, s
     return x_lo, x_hi, col_lo, col_hi
 
 
-# One pass over a 128x128 tile held as its 64 rotation pairs, 16 warps: each element read once, each thread
-# holding an element with its partner. Earlier versions measured on the ~1B shape (docs/benchmarks.md): a whole
+# One pass over a 128x128 tile held as its 64 rotation pairs: each element read once, each thread holding an
+# element with its partner. Compiled for SM90 (CPU, `tests/test_ws_gemm_compiles.py`): 4 warps 255 registers and
+# ~32 SASS instructions per element, 8 warps 145 and ~50, 16 warps 116 and ~80; none spills (the Triton row +
+# column quantizer alone: ~23 at 4 warps). Earlier versions measured on the ~1B shape (docs/benchmarks.md): a whole
 # tile with the partner and tables loaded per element (255 registers at 8 warps, spilling; job BP, 1.12 ms), then
 # two passes over slices (job BR, 0.39 ms, each element's partner and two table entries read in each pass).
-@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (8, 16)], key=["N", "HEAD_DIM", "FP8_MAX", "POW2"])
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)],
+                 key=["N", "HEAD_DIM", "FP8_MAX", "POW2"])
 @triton.jit
 def _rope_backward_quantize_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, NQ,
                                    NK, seq_len, stride_dq, stride_dk, stride_dv, stride_cos, stride_sin, stride_qm,
