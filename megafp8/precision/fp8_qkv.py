@@ -26,8 +26,7 @@ import torch
 
 from megafp8.precision.backends import Fp8Backend
 from megafp8.precision.fp8_linear import (
-    InputNorm, current_weight, dgrad_weight, for_dgrad, fp8_weight_gradient, layer_input_grad, quantize_layer_input,
-    traced_main_grad,
+    InputNorm, current_weight, for_dgrad, input_and_weight_grads, quantize_layer_input, traced_main_grad,
 )
 from megafp8.precision.fp8_ops import backend_arg, kernels
 from megafp8.precision.linear_comm import LinearComm
@@ -60,33 +59,24 @@ class _Fp8QkvRopeFn(torch.autograd.Function):
                                                              for_wgrad=weight.requires_grad and grad_enabled)
         y = k.gemm_1x128_128x128(x_fp8, x_scale, w_fp8, w_scale, x.dtype)  # (M, Nq + Nk + Nv), all tokens
         fused_norm = norm_weight is not None
-        ctx.save_for_backward(*x_cols, weight, *for_dgrad(w_fp8, w_scale, wt_fp8, wt_scale),
-                              x2d if fused_norm else None, norm_weight, rstd, main_grad, cos, sin)
+        ctx.save_for_backward(cos, sin, *x_cols, weight, *for_dgrad(w_fp8, w_scale, wt_fp8, wt_scale),
+                              x2d if fused_norm else None, norm_weight, rstd, main_grad)
         ctx.recipe, ctx.backend, ctx.traced, ctx.comm, ctx.queue = recipe, backend, traced, comm, queue
         ctx.kept_transpose, ctx.in_shape, ctx.rotary, ctx.dtype = wt_fp8 is not None, x.shape, rotary, x.dtype
         return _split_and_rotate(y, cos, sin, rotary)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        recipe, comm, rotary = ctx.recipe, ctx.comm, ctx.rotary
+        recipe, rotary = ctx.recipe, ctx.rotary
         k = kernels(ctx.backend, ctx.traced)
-        *x_cols, weight, wt_fp8, wt_scale, x2d, norm_weight, rstd, main_grad, cos, sin = ctx.saved_tensors
+        cos, sin, *saved = ctx.saved_tensors
         rows = rotary.batch * rotary.seq_len
         dtype = ctx.dtype  # the outputs' (the activations'), whatever the weight's
         grads = [g.reshape(rows, w).to(dtype) if g is not None else torch.zeros(rows, w, dtype=dtype, device=cos.device)
                  for g, w in zip((dq, dk, dv), rotary.widths)]
         dy_fp8, dy_scale, *dy_cols = k.rope_backward_quantize(*grads, cos, sin, rotary.seq_len, rotary.head_dim,
                                                               recipe.grad_fmt, recipe.power_of_two_scales)
-        finish_dx = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            finish_dx = comm.start_reduce_grad_input(k.gemm_1x128_128x128(
-                dy_fp8, dy_scale, *dgrad_weight(k, wt_fp8, wt_scale, ctx.kept_transpose), dtype))
-        dw = None
-        if ctx.needs_input_grad[2]:
-            dw = fp8_weight_gradient(k, weight, main_grad, *dy_cols, *x_cols, dtype, ctx.queue, ctx.traced)
-        dx = dnorm = None
-        if finish_dx is not None:
-            dx, dnorm = layer_input_grad(finish_dx(), x2d, norm_weight, rstd, ctx.in_shape)
+        dx, dnorm, dw = input_and_weight_grads(ctx, k, tuple(saved), dy_fp8, dy_scale, dy_cols, None, dtype)
         return (dx, dnorm, dw) + (None,) * 15
 
 
