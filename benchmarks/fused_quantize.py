@@ -9,7 +9,10 @@ input read once, each output written once; BF16 2 bytes, FP8 1 byte, FP32 scales
 device-to-device copy's GB/s measured in the same run.
 
 Table 2, each producer three ways: the eager BF16 producer then our standalone quantizer (rows and columns); our
-fused kernel; the producer and the pure-torch reference quantizer compiled together by Inductor.
+fused kernel; the producer and the pure-torch reference quantizer compiled together by Inductor. The producers:
+RoPE's backward into the QKV projection's output gradient (`megafp8.precision.fp8_qkv`; its first column is what a
+compiled model ran before: Inductor's RoPE backward to BF16, then our quantizer), RMSNorm, SwiGLU and SwiGLU's
+backward.
 """
 from __future__ import annotations
 
@@ -114,6 +117,13 @@ def kernel_cases(backend, m: int, shape: dict, dev) -> list[tuple]:
     return cases
 
 
+def rope_tables(head_dim: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin tables (seq, head_dim), FP32, theta 10000."""
+    from megafp8.model.rope import RotaryEmbedding
+    rope = RotaryEmbedding(head_dim, seq, 10000.0)
+    return rope.cos, rope.sin
+
+
 def producer_cases(backend, m: int, shape: dict, dev) -> list[tuple]:
     """(name, eager producer then standalone quantizer, fused kernel, Inductor-compiled twin, args)."""
     h, f = shape["hidden"], shape["ffn"]
@@ -133,10 +143,28 @@ def producer_cases(backend, m: int, shape: dict, dev) -> list[tuple]:
         return (quantize(torch.cat([da * up * s * (1 + gate * (1 - s)), da * gate * s], dim=-1)),
                 quantize(F.silu(gate) * up))
 
+    qkv, head_dim = shape["qkv"], 128
+    widths, seq = (qkv // 3, qkv // 3, qkv // 3), 2048  # no GQA, as both models here
+    d_rot = [torch.randn(m, w, device=dev, dtype=torch.bfloat16) for w in widths]
+    cos, sin = (t.to(dev) for t in rope_tables(head_dim, seq))
+
     # dynamic=False: each lambda is compiled once per shape, and its code object is the same for every shape, so
     # without it the second shape recompiles with dynamic sizes (torch's "automatic dynamic") into slower kernels.
     # Until the seventeenth session that happened: every Inductor figure of the second (8B-layer) shape was too slow.
+    # What the fused kernel replaces in a compiled model: Inductor's RoPE backward writing the projection's BF16 output
+    # gradient, then our standalone quantizer.
+    compiled_rope_backward = torch.compile(lambda dq, dk, dv: torch.cat(
+        [*(producers.rope_backward(d, cos, sin, seq, head_dim).to(torch.bfloat16) for d in (dq, dk)), dv], dim=-1),
+        dynamic=False)
+
+    def eager_rope_backward(dq, dk, dv):
+        return quantize(compiled_rope_backward(dq, dk, dv))
+
     return [
+        (f"RoPE backward {m}x{qkv}", eager_rope_backward,
+         lambda dq, dk, dv: backend.rope_backward_quantize(dq, dk, dv, cos, sin, seq, head_dim, E4M3, False),
+         torch.compile(lambda dq, dk, dv: producers.rope_backward_quantize(dq, dk, dv, cos, sin, seq, head_dim, E4M3,
+                                                                           False), dynamic=False), tuple(d_rot)),
         (f"RMSNorm {m}x{h}", lambda x, w: quantize(F.rms_norm(x, (h,), w, 1e-5)),
          lambda x, w: backend.rmsnorm_quantize(x, w, 1e-5, E4M3, False),
          torch.compile(lambda x, w: producers.rmsnorm_quantize(x, w, 1e-5, E4M3, False), dynamic=False), (x, w)),

@@ -17,7 +17,8 @@
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense
 # wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only), SDPA's backends on our attention shapes (attention;
 # tests_attention; whole steps under CUDA graphs with torch's order and with `model.attention_backend: auto`: attn_1b,
-# attn_8b; eager: attn_eager; the ~1B with MLA, compiled: attn_mla), backward on autograd's worker thread against the
+# attn_8b; eager: attn_eager; the ~1B with MLA, compiled: attn_mla), the GPU tests of RoPE's backward fused into the
+# QKV projection's quantizer (tests_rope), backward on autograd's worker thread against the
 # calling thread (fp8_linear_threads; whole steps: threads_eager, threads_compiled, threads_moe), the weight gradients
 # into main_grad on the GPU, FP8 and BF16, with the one-GPU training tests (tests_main_grad), the 8B-layer eager memory
 # row alone (memory_8b_eager), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
@@ -123,6 +124,8 @@ for part in $PARTS; do
       step "${part}_calling_thread" python benchmarks/train_step.py $flags --recipes bf16 fp8 ;;
     wgrad_bf16) step wgrad_bf16 python benchmarks/wgrad_gemm.py --bf16-only ;;
     attention) step attention python benchmarks/attention.py ;;
+    tests_rope) step gpu_tests_rope python -m pytest -q -m gpu tests/test_fp8_backends.py tests/test_fp8_gpu.py \
+           tests/test_fp8_qkv.py -k "rope or autotuned or custom_op or fused_projection" -p no:cacheprovider ;;
     tests_attention) step gpu_tests_attention python -m pytest -q -m gpu tests/test_sdpa.py -p no:cacheprovider ;;
     attn_1b|attn_8b|attn_eager|attn_mla)  # whole steps with the attention core by torch's order, then by
                       # `model.attention_backend: auto` (cuDNN first on Hopper), BF16 and FP8 each: the ~1B and the

@@ -160,6 +160,70 @@ def test_fused_producers_stay_within_one_fp8_ulp_of_their_twins(backend_on, pow2
     assert float((rows - cols.t()[:200]).norm() / rows.norm()) < 0.05
 
 
+def _rope_gradients(rows: int, widths: tuple[int, int, int], seed: int = 11) -> tuple[torch.Tensor, ...]:
+    """dq, dk, dv (rows, width) BF16 with outliers, as the attention core hands them back."""
+    return tuple(outlier_tensor(rows, w, seed=seed + i) for i, w in enumerate(widths))
+
+
+def test_rope_backward_is_autograds_gradient_through_the_rotation():
+    """The twin's RoPE backward is, bit for bit, what autograd computes in FP32 through `megafp8.model.rope`'s
+    rotation (token-major rows, positions repeating every sequence), and its quantized form is the reference
+    quantizer's bits on [that | that | dv] in FP32."""
+    from megafp8.model.rope import RotaryEmbedding
+    from megafp8.precision.producers import rope_backward
+    rope = RotaryEmbedding(64, 48, 10000.0)
+    batch, seq, heads = 3, 48, 4
+    x = torch.randn(batch, seq, heads, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    q_rot, _ = rope(x, x.detach())
+    grad = torch.randn_like(q_rot)
+    q_rot.backward(grad)
+    got = rope_backward(grad.reshape(batch * seq, heads * 64), rope.cos, rope.sin, seq, 64)
+    assert torch.equal(got, x.grad.reshape(batch * seq, heads * 64))
+
+    dq, dk, dv = _rope_gradients(batch * seq, (256, 128, 128))
+    fp32 = torch.cat([rope_backward(dq, rope.cos, rope.sin, seq, 64), rope_backward(dk, rope.cos, rope.sin, seq, 64),
+                      dv.float()], dim=-1)
+    got = producers.rope_backward_quantize(dq, dk, dv, rope.cos, rope.sin, seq, 64, E4M3, True)
+    want = ref.quantize_rows_cols(fp32, E4M3, True)
+    assert_same_quantization(got[:2], want[:2], "rope backward, rows")
+    assert_same_quantization(got[2:], want[2:], "rope backward, columns")
+
+
+@pytest.mark.parametrize("head_dim, widths", [(128, (512, 256, 256)), (64, (256, 128, 384))],
+                         ids=["heads_of_128", "heads_of_64"])
+def test_rope_backward_quantize_stays_within_one_fp8_ulp_of_its_twin(backend_on, head_dim, widths):
+    """The QKV projection's output gradient through RoPE's backward, quantized from FP32 both ways (200 rows: 3
+    sequences of 64 tokens and a partial one), against `producers.rope_backward_quantize`."""
+    from megafp8.model.rope import RotaryEmbedding
+    backend, device = backend_on
+    rope = RotaryEmbedding(head_dim, 64, 10000.0)
+    dq, dk, dv = _rope_gradients(200, widths)
+    got = backend.rope_backward_quantize(dq.to(device), dk.to(device), dv.to(device), rope.cos.to(device),
+                                         rope.sin.to(device), 64, head_dim, E5M2, False)
+    want = producers.rope_backward_quantize(dq, dk, dv, rope.cos, rope.sin, 64, head_dim, E5M2, False)
+    for i, part in ((0, "rows"), (2, "columns")):
+        assert_within_one_fp8_ulp(got[i:i + 2], want[i:i + 2], PRODUCER_SCALE_ULPS, f"rope backward {part}")
+    assert got[0].shape == (200, sum(widths)) and got[0].dtype == E5M2.dtype
+
+
+def test_rope_backward_quantize_reads_no_table_row_past_its_tokens(backend_on):
+    """One sequence of 200 tokens, its tables exactly 200 rows long (a view of a longer buffer whose next rows hold
+    nan): the last tile's padding rows (200-255) must read neither gradient nor table, or a nan read there would
+    make every column scale of that tile nan."""
+    from megafp8.model.rope import RotaryEmbedding
+    backend, device = backend_on
+    rope = RotaryEmbedding(128, 256, 10000.0)
+    cos, sin = (t.clone().to(device) for t in (rope.cos, rope.sin))
+    cos[200:], sin[200:] = float("nan"), float("nan")
+    dq, dk, dv = _rope_gradients(200, (128, 128, 128))
+    got = backend.rope_backward_quantize(dq.to(device), dk.to(device), dv.to(device), cos[:200], sin[:200], 256, 128,
+                                         E4M3, False)
+    want = producers.rope_backward_quantize(dq, dk, dv, rope.cos[:200], rope.sin[:200], 256, 128, E4M3, False)
+    assert not any(bool(t.float().isnan().any()) for t in got)
+    for i, part in ((0, "rows"), (2, "columns")):
+        assert_within_one_fp8_ulp(got[i:i + 2], want[i:i + 2], PRODUCER_SCALE_ULPS, f"rope backward {part}")
+
+
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float().cpu() - want).norm() / want.norm())
 
@@ -243,6 +307,12 @@ def test_grouped_gemms_match_the_reference(backend_on, counts_on):
     assert torch.equal(got[1].cpu(), torch.zeros_like(want[1]))  # the empty expert
 
 
+def _rope_tables(head_dim: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from megafp8.model.rope import RotaryEmbedding
+    rope = RotaryEmbedding(head_dim, positions, 10000.0)
+    return rope.cos, rope.sin
+
+
 def test_every_custom_op_agrees_with_its_fake_implementation():
     """The ops a compiled graph records (`megafp8.precision.fp8_ops`) on the reference backend: `opcheck` runs each
     for real and through its fake implementation and compares shapes, dtypes and strides (which Inductor relies
@@ -262,6 +332,8 @@ def test_every_custom_op_agrees_with_its_fake_implementation():
         (fp8_ops.rmsnorm_quantize, (x, norm_weight, 1e-5, "e4m3", False, "reference")),
         (fp8_ops.swiglu_quantize, (gu, "e4m3", False, "reference")),
         (fp8_ops.swiglu_backward_quantize, (gu, da, "e4m3", "e5m2", False, "reference")),
+        (fp8_ops.rope_backward_quantize, (*_rope_gradients(200, (256, 128, 128)), *_rope_tables(64, 64), 64, 64,
+                                          "e5m2", False, "reference")),
         (fp8_ops.quantize_weight, (w, "e4m3", False, "reference")),
         (fp8_ops.transpose_weight, (qw[0], qw[1], "reference")),
         (fp8_ops.gemm_1x128_128x128, (a, a_scale, qw[0], qw[1], torch.bfloat16, "reference")),

@@ -250,6 +250,13 @@ def test_high_precision_weight_gradients_are_added_into_main_grad_by_the_gemm(dt
         assert torch.equal(buffer[:4096], head)
 
 
+def _rope_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of 64-wide heads over 64 positions, on the GPU."""
+    from megafp8.model.rope import RotaryEmbedding
+    rope = RotaryEmbedding(64, 64, 10000.0, device=CUDA)
+    return rope.cos, rope.sin
+
+
 def _kernel_outputs() -> dict:
     """Every Triton quantizer and producer on awkward shapes (rows past a tile's end, a nan), by name."""
     from megafp8.precision import E4M3, E5M2
@@ -270,6 +277,8 @@ def _kernel_outputs() -> dict:
             "rmsnorm": kp.rmsnorm_quantize(x, w, 1e-5, E4M3, False),
             "swiglu": kp.swiglu_quantize(gu, E4M3, True),
             "swiglu_backward": kp.swiglu_backward_quantize(gu, da, E4M3, E5M2, False),
+            "rope_backward": kp.rope_backward_quantize(gu[:, :256], da[:, :128], x[:, :128], *_rope_tables(), 64, 64,
+                                                       E5M2, False),
             "swiglu_backward_triton_columns": triton_cols}
 
 

@@ -5,6 +5,7 @@
   wgmma pipeline (notes C7511/C7514) or spill the FP32 accumulators runs correctly on the GPU, only much slower.
 - SwiGLU backward's column kernel (`swiglu_cols_gluon`): its instruction count (it is bound by the instructions
   it issues), vector widths and spills.
+- RoPE's backward quantizer (a Triton kernel): no spills in any configuration its autotuner may pick.
 
 A regression in either runs correctly, only slower, so no CPU test of the numerics would notice it. Needs Triton with Gluon (skipped where it is not installed)."""
 from __future__ import annotations
@@ -167,6 +168,39 @@ def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(no
     assert spills and max(spills) == 0, report
     per_element = _sass_instructions(sass) * 32 * r.WARPS / (128 * 128)
     assert 8 < per_element <= 18, f"{per_element:.1f} SASS instructions per element"
+
+
+def test_the_rope_backward_quantizer_compiles_for_sm90_without_spills_in_every_configuration():
+    """RoPE's backward quantizer (`producers._rope_backward_quantize_kernel`, a Triton kernel) first held a whole
+    128x128 FP32 tile and four loads per element: 255 registers at 8 warps, spilling, and 0.36 TB/s on the GPU;
+    then its loads went one element per instruction. Every configuration its autotuner may pick must compile for
+    SM90 without spilling, and read only 16-byte vectors."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from megafp8.precision.kernels import producers
+
+    kernel = producers._rope_backward_quantize_kernel
+    signature = {name: "*bf16" for name in ("dq_ptr", "dk_ptr", "dv_ptr")}
+    signature.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                      "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32"})
+    signature.update({name: "i32" for name in ("M", "N", "NQ", "NK", "seq_len", "stride_dq", "stride_dk", "stride_dv",
+                                               "stride_cos", "stride_sin", "stride_qm", "stride_sm", "stride_sk",
+                                               "stride_qt", "stride_st_k", "stride_st_m")})
+    aligned = [name for name in signature if name.endswith("_ptr")] + [
+        "N", "NQ", "NK", "stride_dq", "stride_dk", "stride_dv", "stride_cos", "stride_sin", "stride_qm", "stride_sk",
+        "stride_qt", "stride_st_m"]
+    for config in kernel.configs:
+        constants = dict(HEAD_DIM=128, FP8_MAX=448.0, POW2=False, stride_sm=1, stride_st_k=1, **config.kwargs)
+        config_signature = dict(signature, **{name: "constexpr" for name in constants})
+        names = list(config_signature)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the launch specializes them
+        compiled = triton.compile(ASTSource(kernel.fn, config_signature, constexprs=constants, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": config.num_warps})
+        assert set(re.findall(r"ld\.global\S*", compiled.asm["ptx"])) == {"ld.global.v4.b32"}, config
+        report, _ = _ptxas_and_sass(compiled.asm["ptx"])
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+        assert spills and max(spills) == 0, (config, report)
 
 
 def test_scales_reach_tma_rows_first_and_aligned_as_given_or_copied():

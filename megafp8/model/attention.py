@@ -12,7 +12,7 @@ from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.model.sdpa import attention_kernels, sdpa_backends_for
 from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
-from megafp8.precision import PrecisionRecipe
+from megafp8.precision import PrecisionRecipe, Rotary
 
 
 class Attention(nn.Module):
@@ -34,19 +34,24 @@ class Attention(nn.Module):
                                              parts=(q_features, kv_features, kv_features), device=device)
         self.out_proj = RowParallelLinear(q_features, cfg.hidden_size, recipe, tp, device=device)
         self.sdpa_backends = sdpa_backends_for(cfg.attention_backend, device)
+        self.widths = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim)
+        # Set while FP8 health is sampled: the projection then runs as a layer of its own, whose hooks see its input
+        # and its output's gradient (fused with RoPE, the BF16 output gradient is never made).
+        self.observed = False
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int, seq_len: int,
                 norm: Optional[RMSNorm] = None) -> torch.Tensor:
         """x: (tokens, hidden) token-major, all B*T tokens or this rank's share under sequence parallelism. `norm`
         is applied to x first (under FP8, fused into the QKV projection's quantizer)."""
-        qkv = self.qkv_proj(x, norm)  # (B*T, (n_heads + 2 * n_kv_heads) * head_dim), this rank's heads
-        q, k, v = qkv.split(
-            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim], dim=-1
-        )
-        q = q.view(batch, seq_len, self.n_heads, self.head_dim)
-        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        q, k = rope(q, k)
+        rotary = Rotary(self.widths, self.head_dim, batch, seq_len)
+        if norm is not None and not self.observed and self.qkv_proj.fuses_rope(x.reshape(-1, x.shape[-1]).shape[0],
+                                                                               rotary):
+            # FP8: RoPE's backward quantizes the projection's output gradient itself (`megafp8.precision.fp8_qkv`)
+            q, k, v = self.qkv_proj.rotated(x, norm, rotary, *rope.tables(seq_len))
+        else:
+            qkv = self.qkv_proj(x, norm)  # (B*T, (n_heads + 2 * n_kv_heads) * head_dim), this rank's heads
+            q, k, v = (t.view(batch, seq_len, -1, self.head_dim) for t in qkv.split(self.widths, dim=-1))
+            q, k = rope(q, k)
         # SDPA wants (B, heads, T, head_dim); it computes softmax in FP32 internally.
         with attention_kernels(self.sdpa_backends):
             out = F.scaled_dot_product_attention(

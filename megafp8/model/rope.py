@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from megafp8.config import RopeScalingConfig
+from megafp8.precision.producers import rotate
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -106,16 +107,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: (B, T, n_heads, head_dim), k: (B, T, n_kv_heads, head_dim) -> rotated, same dtypes."""
-        seq_len = q.shape[1]
+        cos, sin = self.tables(q.shape[1])
+        cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, head_dim)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+
+    def tables(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the first `seq_len` positions, (seq_len, head_dim) FP32 each."""
         if seq_len > self.max_seq_len:
-            raise ValueError(f"sequence of {seq_len} tokens exceeds the RoPE table ({self.max_seq_len}); raise data.seq_len")
-        cos = self.cos[:seq_len, None, :]  # (T, 1, head_dim)
-        sin = self.sin[:seq_len, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x32 = x.float()
-    x1, x2 = x32.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x32 * cos + rotated * sin).type_as(x)
+            raise ValueError(f"sequence of {seq_len} tokens exceeds the RoPE table ({self.max_seq_len}); raise "
+                             "data.seq_len")
+        return self.cos[:seq_len], self.sin[:seq_len]

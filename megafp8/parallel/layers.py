@@ -42,11 +42,14 @@ from megafp8.precision import (
     LinearComm,
     MainGradSlot,
     PrecisionRecipe,
+    Rotary,
     fp8_linear,
+    fp8_qkv_rope,
     fp8_swiglu_mlp,
     fuses_norm,
     linear,
 )
+from megafp8.precision.producers import rope_backward_fusable
 
 
 def _check_split(what: str, size: int, tp: TensorParallel, whole_tiles: bool = True) -> None:
@@ -192,6 +195,23 @@ class ColumnParallelLinear(ParallelLinear):
             return self._fp8_forward(x)
         return linear(gather_from_sp(x, self.tp) if self.tp.sp else copy_to_tp(x, self.tp), self.weight,
                       self.wgrad_queue, self.main_grad_slot)
+
+
+    def fuses_rope(self, rows: int, rotary: Rotary) -> bool:
+        """Whether this QKV projection runs as one FP8 function with its input's RMSNorm and RoPE on its queries and
+        keys (`rotated`): its quantizer takes the norm of its `rows`-row input, and RoPE's backward can quantize
+        its output gradient in one kernel (`producers.rope_backward_fusable`)."""
+        return self.fuses_norm(rows) and rope_backward_fusable(rotary.widths, rotary.head_dim)
+
+    def rotated(self, x: torch.Tensor, norm: InputNorm, rotary: Rotary, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """norm(x) projected (FP8), its queries and keys rotated by RoPE's `cos` and `sin` (seq_len, head_dim):
+        (q, k, v), each (batch, seq_len, heads of this rank, head_dim). Where `fuses_rope`; under SP the input holds
+        this rank's tokens, the outputs all of them (`megafp8.precision.fp8_qkv`)."""
+        if self.tp.sp:
+            x = x.reshape(-1, x.shape[-1])
+        return fp8_qkv_rope(x, self.weight, self.fp8_cache, self.recipe.fp8, self.fp8_backend_for(x.device), rotary,
+                            cos, sin, self._comm, self.wgrad_queue, norm)
 
 
 class RowParallelLinear(ParallelLinear):

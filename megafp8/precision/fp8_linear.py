@@ -117,6 +117,34 @@ def layer_input_grad(dx2d: torch.Tensor, x2d: Optional[torch.Tensor], norm_weigh
     return dh.reshape(in_shape), dnorm.to(norm_weight.dtype)
 
 
+def input_and_weight_grads(ctx, k, saved: tuple, dy_fp8: Optional[torch.Tensor], dy_scale: Optional[torch.Tensor],
+                           dy_cols: list, dy2d: Optional[torch.Tensor], dtype: torch.dtype) -> tuple:
+    """(dx, d norm_weight, dw): an FP8 linear's backward once its output gradient is quantized, shared by
+    `_Fp8LinearFn` and the fused QKV projection + RoPE (`megafp8.precision.fp8_qkv`). The dgrad GEMM runs first and
+    its reduction starts before the wgrad GEMM, which can overlap it; then the input's gradient goes through the
+    fused norm's backward. `saved`: `(*x_cols, weight, wt_fp8, wt_scale, x2d, norm_weight, rstd, main_grad)`, as
+    both functions save them; `ctx`: their shared attributes (recipe, comm, queue, traced, kept_transpose,
+    in_shape, needs_input_grad of x, norm_weight, weight first). `dy2d`: the BF16 output gradient, read only by
+    GEMMs the recipe keeps in BF16."""
+    *x_cols, weight, wt_fp8, wt_scale, x2d, norm_weight, rstd, main_grad = saved
+    recipe = ctx.recipe
+    finish_dx = None
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        dx2d = (k.gemm_1x128_128x128(dy_fp8, dy_scale, *dgrad_weight(k, wt_fp8, wt_scale, ctx.kept_transpose), dtype)
+                if recipe.dgrad else dy2d @ weight)
+        finish_dx = ctx.comm.start_reduce_grad_input(dx2d)
+    dw = None
+    if ctx.needs_input_grad[2]:
+        if recipe.wgrad:
+            dw = fp8_weight_gradient(k, weight, main_grad, *dy_cols, *x_cols, dtype, ctx.queue, ctx.traced)
+        else:
+            dw = weight_gradient(weight, lambda: dy2d.t() @ x_cols[0], ctx.queue, ctx.traced)
+    dx = dnorm = None
+    if finish_dx is not None:
+        dx, dnorm = layer_input_grad(finish_dx(), x2d, norm_weight, rstd, ctx.in_shape)
+    return dx, dnorm, dw
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, weight, w_fp8, w_scale, wt_fp8, wt_scale, main_grad, eps: float,
@@ -152,7 +180,6 @@ class _Fp8LinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         recipe, comm = ctx.recipe, ctx.comm
         k = kernels(ctx.backend, ctx.traced)
-        *x_cols, weight, wt_fp8, wt_scale, x2d, norm_weight, rstd, main_grad = ctx.saved_tensors
         dy2d = comm.gather_grad_output(dy.reshape(-1, dy.shape[-1]).contiguous())  # (M, N)
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_dw = ctx.needs_input_grad[2]
@@ -162,20 +189,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             dy_fp8, dy_scale, *dy_cols = k.quantize_rows_cols(dy2d, fmt, pow2)
         elif need_dx and recipe.dgrad:
             dy_fp8, dy_scale = k.quantize_rows(dy2d, fmt, pow2)
-        finish_dx = None
-        if need_dx:
-            dx2d = (k.gemm_1x128_128x128(dy_fp8, dy_scale, *dgrad_weight(k, wt_fp8, wt_scale, ctx.kept_transpose),
-                                         dy.dtype) if recipe.dgrad else dy2d @ weight)
-            finish_dx = comm.start_reduce_grad_input(dx2d)
-        dw = None
-        if need_dw:
-            if recipe.wgrad:
-                dw = fp8_weight_gradient(k, weight, main_grad, *dy_cols, *x_cols, dy.dtype, ctx.queue, ctx.traced)
-            else:
-                dw = weight_gradient(weight, lambda: dy2d.t() @ x_cols[0], ctx.queue, ctx.traced)
-        dx = dnorm = None
-        if finish_dx is not None:
-            dx, dnorm = layer_input_grad(finish_dx(), x2d, norm_weight, rstd, ctx.in_shape)
+        dx, dnorm, dw = input_and_weight_grads(ctx, k, ctx.saved_tensors, dy_fp8, dy_scale, dy_cols, dy2d, dy.dtype)
         return dx, dnorm, dw, None, None, None, None, None, None, None, None, None, None, None, None
 
 

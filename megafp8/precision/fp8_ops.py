@@ -89,6 +89,18 @@ def _(gu, da, fmt, grad_fmt, pow2, backend):
     return (*_fake_rows_cols(*gu.shape, grad_fmt, gu), *_fake_rows_cols(*da.shape, fmt, gu)[2:])
 
 
+@torch.library.custom_op("megafp8::rope_backward_quantize", mutates_args=())
+def rope_backward_quantize(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           seq_len: int, head_dim: int, fmt: str, pow2: bool, backend: str
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backend(backend).rope_backward_quantize(dq, dk, dv, cos, sin, seq_len, head_dim, FORMATS[fmt], pow2)
+
+
+@rope_backward_quantize.register_fake
+def _(dq, dk, dv, cos, sin, seq_len, head_dim, fmt, pow2, backend):
+    return _fake_rows_cols(dq.shape[0], dq.shape[1] + dk.shape[1] + dv.shape[1], fmt, dq)
+
+
 @torch.library.custom_op("megafp8::quantize_weight", mutates_args=())
 def quantize_weight(weight: torch.Tensor, fmt: str, pow2: bool, backend: str
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -168,6 +180,10 @@ class TracedKernels:
     def swiglu_backward_quantize(self, gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
                                  pow2: bool):
         return swiglu_backward_quantize(gu, da, fmt.name, grad_fmt.name, pow2, self.backend)
+
+    def rope_backward_quantize(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                               sin: torch.Tensor, seq_len: int, head_dim: int, fmt: Fp8Format, pow2: bool):
+        return rope_backward_quantize(dq, dk, dv, cos, sin, seq_len, head_dim, fmt.name, pow2, self.backend)
 
     def transpose_weight(self, w_fp8: torch.Tensor, w_scale: torch.Tensor):
         return transpose_weight(w_fp8, w_scale, self.backend)

@@ -89,3 +89,45 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format,
     scales_t, at_fp8 (F, M_pad), at_scales)."""
     return (*quantize_rows_cols(swiglu_backward(gu, da), grad_fmt, power_of_two),
             *quantize_rows_cols(swiglu(gu), fmt, power_of_two)[2:])
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE's rotation of x (..., head_dim) in FP32, returned in x's dtype: x cos + rot(x) sin with
+    rot([x1 | x2]) = [-x2 | x1] (Hugging Face Llama's "rotate half" layout); cos and sin broadcast against x."""
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x32 * cos + rotated * sin).type_as(x)
+
+
+def rope_backward_fusable(widths: tuple[int, int, int], head_dim: int) -> bool:
+    """Whether one kernel can quantize [RoPE^T(dq) | RoPE^T(dk) | dv] (`rope_backward_quantize`): query, key and
+    value widths each whole 128-wide tiles, and heads a power of two that divides 128 (so each feature's rotation
+    partner, head_dim / 2 away in its head, lies in the same tile)."""
+    return all(w % 128 == 0 for w in widths) and 2 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0
+
+
+def rope_backward(d_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_len: int,
+                  head_dim: int) -> torch.Tensor:
+    """The gradient of RoPE's input in FP32, given the gradient `d_rot` (M, heads x head_dim) of its rotated output
+    (`megafp8.model.rope`: y = x cos + rot(x) sin with rot([x1 | x2]) = [-x2 | x1] per head). Rows are tokens,
+    row r at position r % seq_len; cos and sin are the (positions, head_dim) FP32 tables. The gradient is
+    d cos + rot^T(d sin), rot^T([z1 | z2]) = [z2 | -z1]: what autograd computes through the rotation, in FP32."""
+    m, width = d_rot.shape
+    pos = torch.arange(m, device=d_rot.device) % seq_len
+    d = d_rot.float().reshape(m, width // head_dim, head_dim)
+    c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)  # (M, 1, head_dim)
+    z1, z2 = (d * s).chunk(2, dim=-1)
+    return (d * c + torch.cat([z2, -z1], dim=-1)).reshape(m, width)
+
+
+def rope_backward_quantize(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           seq_len: int, head_dim: int, fmt: Fp8Format,
+                           power_of_two: bool) -> tuple[torch.Tensor, ...]:
+    """The QKV projection's output gradient [rope_backward(dq) | rope_backward(dk) | dv] (M, Nq + Nk + Nv), from the
+    attention core's gradients of the rotated queries and keys and of the values, quantized from FP32 both ways:
+    (dy_fp8, scales, dyt_fp8, scales_t), as `quantize.quantize_rows_cols` lays them out. The BF16 gradient of the
+    projection's output is never written: the fused kernel reads dq, dk, dv once."""
+    grad = torch.cat([rope_backward(dq, cos, sin, seq_len, head_dim), rope_backward(dk, cos, sin, seq_len, head_dim),
+                      dv.float()], dim=-1)
+    return quantize_rows_cols(grad, fmt, power_of_two)

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megafp8.model.attention import Attention
 from megafp8.model.mlp import SwiGLU
 from megafp8.model.moe import RoutedExperts
 from megafp8.model.transformer import Block
@@ -53,9 +54,10 @@ class Fp8HealthMonitor:
 
     def _set_observed(self, observed: bool) -> None:
         """Compiled blocks run uncompiled while observed (see `Block.observed`): the hooks never enter a graph; the
-        experts' fused FP8 MLP runs as its two grouped linears (`RoutedExperts.observed`), whose hooks then fire."""
+        experts' fused FP8 MLP runs as its two grouped linears (`RoutedExperts.observed`), and the QKV projection
+        without RoPE fused in (`Attention.observed`): their own hooks then fire."""
         for module in self.model.modules():
-            if isinstance(module, (Block, RoutedExperts)):
+            if isinstance(module, (Block, RoutedExperts, Attention)):
                 module.observed = observed
 
     def _record(self, name: str, layer: nn.Module, x: torch.Tensor) -> None:

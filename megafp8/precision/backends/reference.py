@@ -98,6 +98,13 @@ class Fp8Backend:
         `producers.swiglu_backward_quantize`."""
         return producers.swiglu_backward_quantize(gu, da, fmt, grad_fmt, power_of_two)
 
+    def rope_backward_quantize(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                               sin: torch.Tensor, seq_len: int, head_dim: int, fmt: Fp8Format,
+                               power_of_two: bool) -> tuple[torch.Tensor, ...]:
+        """The QKV projection's output gradient through RoPE's backward, quantized from FP32 both ways:
+        `producers.rope_backward_quantize`."""
+        return producers.rope_backward_quantize(dq, dk, dv, cos, sin, seq_len, head_dim, fmt, power_of_two)
+
     # ------------------------------------------------------------------ weights
 
     def empty_weight(self, shape: torch.Size, fmt: Fp8Format, device: torch.device,

@@ -8,6 +8,7 @@ import torch
 
 from megafp8.precision.backends.reference import Fp8Backend, QuantizedWeight
 from megafp8.precision.formats import Fp8Format
+from megafp8.precision.producers import rope_backward_fusable
 
 
 def cuda_fp8_unavailable_reason(name: str, device: torch.device) -> Optional[str]:
@@ -56,6 +57,12 @@ class TritonBackend(Fp8Backend):
 
     def swiglu_backward_quantize(self, gu, da, fmt, grad_fmt, power_of_two):
         return self.producers.swiglu_backward_quantize(gu, da, fmt, grad_fmt, power_of_two)
+
+    def rope_backward_quantize(self, dq, dk, dv, cos, sin, seq_len, head_dim, fmt, power_of_two):
+        if not rope_backward_fusable((dq.shape[1], dk.shape[1], dv.shape[1]), head_dim):
+            return super().rope_backward_quantize(dq, dk, dv, cos, sin, seq_len, head_dim, fmt, power_of_two)
+        dq, dk, dv = (t if t.stride(1) == 1 else t.contiguous() for t in (dq, dk, dv))
+        return self.producers.rope_backward_quantize(dq, dk, dv, cos, sin, seq_len, head_dim, fmt, power_of_two)
 
     def quantize_weight_(self, w: torch.Tensor, out: QuantizedWeight, fmt: Fp8Format, power_of_two: bool) -> None:
         kept = out.wt_fp8 is not None

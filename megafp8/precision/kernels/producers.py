@@ -13,6 +13,7 @@ import triton.language as tl
 from megafp8.precision.formats import TILE, Fp8Format
 from megafp8.precision.kernels import quantize, tiles
 from megafp8.precision.kernels.limits import check_offsets
+from megafp8.precision.producers import rope_backward_fusable
 
 
 # One configuration, not autotuned: the sum of squares' order follows the block shape and the warps, and a choice
@@ -190,3 +191,101 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
         gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
         at.stride(0), ats.stride(0), ats.stride(1), GRAD_MAX=grad_fmt.max, POW2=power_of_two,
         **tiles.format_constants(fmt))
+
+
+@triton.jit
+def _rope_pairs(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, kb, M, NQ, NK, seq_len, stride_dq, stride_dk,
+                stride_dv, stride_cos, stride_sin, HEAD_DIM: tl.constexpr):
+    """Tile column kb of [RoPE^T(dq) | RoPE^T(dk) | dv] in FP32 at `rows`, as its 64 rotation pairs: (x_lo, x_hi,
+    col_lo, col_hi), x_lo (rows, 64) at columns col_lo (each head's first half), x_hi at col_hi = col_lo + head_dim
+    / 2 (its second half). Each thread holds both elements of a pair, so RoPE's backward
+        [x_lo | x_hi] = [d_lo cos_lo + d_hi sin_hi | d_hi cos_hi - d_lo sin_lo]
+    needs one read of d; dv's tiles are split the same way, unrotated. The tile lies in one of the three (their
+    widths are whole tiles; head_dim divides 128). Rows past M read as zeros."""
+    pair = tl.arange(0, 64)
+    half: tl.constexpr = HEAD_DIM // 2
+    in_head = pair % half  # position in the head's first half
+    col_lo = kb * 128 + (pair // half) * HEAD_DIM + in_head  # runs of head_dim / 2 contiguous columns
+    col_hi = col_lo + half
+    in_rows = (rows < M)[:, None]
+    if kb * 128 < NQ + NK:
+        if kb * 128 < NQ:
+            row_ptrs = dq_ptr + rows[:, None].to(tl.int64) * stride_dq
+        else:
+            row_ptrs = dk_ptr + rows[:, None].to(tl.int64) * stride_dk - NQ
+        d_lo = tl.load(row_ptrs + col_lo[None, :], mask=in_rows, other=0.0).to(tl.float32)
+        d_hi = tl.load(row_ptrs + col_hi[None, :], mask=in_rows, other=0.0).to(tl.float32)
+        pos = (rows % seq_len)[:, None]
+        cos_ptrs = cos_ptr + pos * stride_cos + in_head[None, :]
+        sin_ptrs = sin_ptr + pos * stride_sin + in_head[None, :]
+        # Rows past M (the last tile's padding) read no table either: past a table of fewer than seq_len rows their
+        # positions would point outside it, and a nan there times a zero d would be a nan column scale.
+        x_lo = d_lo * tl.load(cos_ptrs, mask=in_rows, other=0.0) + d_hi * tl.load(sin_ptrs + half, mask=in_rows,
+                                                                                   other=0.0)
+        x_hi = d_hi * tl.load(cos_ptrs + half, mask=in_rows, other=0.0) - d_lo * tl.load(sin_ptrs, mask=in_rows,
+                                                                                          other=0.0)
+    else:
+        row_ptrs = dv_ptr + rows[:, None].to(tl.int64) * stride_dv - NQ - NK
+        x_lo = tl.load(row_ptrs + col_lo[None, :], mask=in_rows, other=0.0).to(tl.float32)
+        x_hi = tl.load(row_ptrs + col_hi[None, :], mask=in_rows, other=0.0).to(tl.float32)
+    return x_lo, x_hi, col_lo, col_hi
+
+
+# One pass over a 128x128 tile held as its 64 rotation pairs: each element read once, each thread holding an
+# element with its partner. Compiled for SM90 (CPU, `tests/test_ws_gemm_compiles.py`): 4 warps 255 registers and
+# ~32 SASS instructions per element, 8 warps 145 and ~50, 16 warps 116 and ~80; none spills (the Triton row +
+# column quantizer alone: ~23 at 4 warps). Earlier versions measured on the ~1B shape (docs/benchmarks.md): a whole
+# tile with the partner and tables loaded per element (255 registers at 8 warps, spilling; job BP, 1.12 ms), then
+# two passes over slices (job BR, 0.39 ms, each element's partner and two table entries read in each pass).
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)],
+                 key=["N", "HEAD_DIM", "FP8_MAX", "POW2"])
+@triton.jit
+def _rope_backward_quantize_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, NQ,
+                                   NK, seq_len, stride_dq, stride_dk, stride_dv, stride_cos, stride_sin, stride_qm,
+                                   stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
+                                   HEAD_DIM: tl.constexpr, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """One 128x128 tile of [RoPE^T(dq) | RoPE^T(dk) | dv], quantized from FP32 along its rows (each row's scale over
+    both halves of its pairs) and along its columns (each half's columns on their own). Rows past M are zeros in the
+    transposed tiles' padding."""
+    kb = tl.program_id(0)
+    mb = tl.program_id(1)
+    rows = mb * 128 + tl.arange(0, 128)
+    x_lo, x_hi, col_lo, col_hi = _rope_pairs(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, kb, M, NQ, NK, seq_len,
+                                             stride_dq, stride_dk, stride_dv, stride_cos, stride_sin, HEAD_DIM)
+    # Rows (`tiles.store_rows` over the two halves): one scale per token.
+    row_amax = tl.maximum(tiles.amax(tl.abs(x_lo), 1), tiles.amax(tl.abs(x_hi), 1),
+                          propagate_nan=tl.PropagateNan.ALL)
+    row_scale, row_inv = tiles.tile_scale(row_amax, FP8_MAX, POW2)
+    in_rows = rows < M
+    q_rows = q_ptr + rows[:, None] * stride_qm
+    tl.store(q_rows + col_lo[None, :], tiles.to_fp8(x_lo, row_inv[:, None], FP8_MAX, q_ptr.dtype.element_ty),
+             mask=in_rows[:, None])
+    tl.store(q_rows + col_hi[None, :], tiles.to_fp8(x_hi, row_inv[:, None], FP8_MAX, q_ptr.dtype.element_ty),
+             mask=in_rows[:, None])
+    tl.store(s_ptr + rows * stride_sm + kb * stride_sk, row_scale, mask=in_rows)
+    # Columns (`tiles.store_cols`, each half): one scale per feature over the tile's 128 tokens, x^T stored.
+    tiles.store_cols(x_lo, rows, col_lo, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2)
+    tiles.store_cols(x_hi, rows, col_hi, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2)
+
+
+def rope_backward_quantize(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           seq_len: int, head_dim: int, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
+    """`producers.rope_backward_quantize` in one kernel: dq, dk (M, heads x head_dim) the gradients of the rotated
+    queries and keys, dv (M, Nv), cos/sin the (positions, head_dim) FP32 tables -> (dy_fp8 (M, N), scales,
+    dyt_fp8 (N, M_pad), scales_t), N = Nq + Nk + Nv. Needs `rope_backward_fusable` widths and row-major inputs."""
+    m, widths = dq.shape[0], (dq.shape[1], dk.shape[1], dv.shape[1])
+    assert rope_backward_fusable(widths, head_dim), f"rope_backward_quantize cannot take widths {widths}, {head_dim}"
+    assert all(t.stride(1) == 1 for t in (dq, dk, dv, cos, sin)), "rope_backward_quantize needs row-major inputs"
+    assert cos.dtype == sin.dtype == torch.float32 and dk.shape[0] == dv.shape[0] == m
+    assert cos.shape == sin.shape and cos.shape[1] == head_dim and cos.shape[0] >= min(m, seq_len), \
+        f"RoPE tables {tuple(cos.shape)} for heads of {head_dim} and sequences of {seq_len}"
+    assert dq.dtype == dk.dtype == dv.dtype, "rope_backward_quantize needs dq, dk and dv of one dtype"
+    n = sum(widths)
+    out = tiles.rows_cols_outputs(m, n, fmt, dq.device)
+    check_offsets("rope_backward_quantize", dq, dk, dv, *out)
+    if m:
+        _rope_backward_quantize_kernel[(n // TILE, triton.cdiv(m, TILE))](
+            dq, dk, dv, cos, sin, *out, m, n, widths[0], widths[1], seq_len, dq.stride(0), dk.stride(0), dv.stride(0),
+            cos.stride(0), sin.stride(0), *tiles.rows_cols_strides(*out), HEAD_DIM=head_dim, POW2=power_of_two,
+            **tiles.format_constants(fmt))
+    return out
