@@ -1,6 +1,10 @@
 """Gradient buckets and the (sharded) FP32-master AdamW against torch.optim.AdamW; clipping; LR schedules."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +24,7 @@ from megafp8.parallel import (
     tp_shard_of,
 )
 from megafp8.precision import PrecisionRecipe
+from tests.conftest import REPO
 from tests.distributed import spawn
 
 
@@ -179,10 +184,10 @@ def test_post_step_hooks_see_every_step_and_a_host_skip_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip([*net.parameters(), *(s.master for s in opt.shards)], before))
 
 
-def clip_case(device: str):
+def clip_case(device: str, **cfg):
     """A net spread over several buckets, gradients of very different sizes, clipping active."""
     net = small_net().to(device)
-    buckets, opt = make_optimizer(net, OptimizerConfig(grad_clip=0.5))
+    buckets, opt = make_optimizer(net, OptimizerConfig(grad_clip=0.5, **cfg))
     g = torch.Generator().manual_seed(3)
     for b in buckets.buckets:
         b.grads_flat.copy_((torch.randn(b.numel, generator=g) * torch.logspace(-4, 2, b.numel)).to(device))
@@ -192,8 +197,9 @@ def clip_case(device: str):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_clipping_scales_every_gradient_by_one_coefficient_and_reports_the_exact_norm(device):
     """The norm is within FP32 rounding of an FP64 one (CUDA: `_foreach_norm`; CPU: pairwise sums), and clipping
-    multiplies every gradient by the same FP32 coefficient, bit for bit what `mul_` by it gives."""
-    buckets, opt = clip_case(device)
+    multiplies every gradient by the same FP32 coefficient, bit for bit what `mul_` by it gives (in place where the
+    fused update is off; with it on CUDA the update applies the same multiply: the next test)."""
+    buckets, opt = clip_case(device, fused_update=False)
     before = [b.grads_flat.clone() for b in buckets.buckets]
     exact = torch.sqrt(sum(float(t.double().square().sum()) for t in before) * torch.ones((), dtype=torch.float64))
     norm = opt.clip_grad_norm()
@@ -202,6 +208,81 @@ def test_clipping_scales_every_gradient_by_one_coefficient_and_reports_the_exact
     coef = torch.clamp(0.5 / (norm + 1e-6), max=1.0)
     for b, old in zip(buckets.buckets, before):
         assert torch.equal(b.grads_flat, old.mul(coef))
+
+
+# Torch's fused AdamW on CUDA (`fused_adam_utils.cuh`, ADAMW), written out in NumPy type for type: what the fused
+# update's kernel must compute. Run in Triton's interpreter (a subprocess: the interpreter is chosen at import).
+INTERPRETED_UPDATE = r'''
+import numpy as np, torch
+from megafp8.optim.fused_update import adamw_scalars, adamw_update_
+lr, b1, b2, eps, wd, step, n, decay_end = 3e-4, 0.9, 0.95, 1e-8, 0.1, 7, 5000, 3000
+g = torch.Generator().manual_seed(0)
+master, grad = torch.randn(n, generator=g) * 0.02, torch.randn(n, generator=g) * 1e-3
+exp_avg, exp_avg_sq = torch.randn(n, generator=g) * 1e-4, torch.rand(n, generator=g) * 1e-7
+coef = torch.tensor(0.7312)
+m, a, v, out = master.clone(), exp_avg.clone(), exp_avg_sq.clone(), torch.empty(n)
+adamw_update_(m, grad.clone(), a, v, out, decay_end, adamw_scalars(lr, b1, b2, eps, wd, step), coef=coef)
+f64, f32 = np.float64, np.float32
+p, q, s, gr = (t.numpy().copy() for t in (master, exp_avg, exp_avg_sq, grad * coef))
+p = np.where(np.arange(n) < decay_end, (p.astype(f64) - (lr * wd) * p.astype(f64)).astype(f32), p)
+q = (b1 * q.astype(f64) + (1 - b1) * gr.astype(f64)).astype(f32)
+s = (b2 * s.astype(f64) + (1 - b2) * gr.astype(f64) * gr.astype(f64)).astype(f32)
+step_size = f32(lr / f64(f32(1 - b1 ** step)))
+denom = ((np.sqrt(s) / np.sqrt(f32(1 - b2 ** step))).astype(f64) + eps).astype(f32)
+p = p - (step_size * q) / denom
+assert np.array_equal(p, m.numpy()) and np.array_equal(q, a.numpy()) and np.array_equal(s, v.numpy())
+assert np.array_equal(out.numpy(), p) and not np.array_equal(p, master.numpy())
+skip_m, skip_out = master.clone(), torch.zeros(n)
+adamw_update_(skip_m, grad.clone(), exp_avg.clone(), exp_avg_sq.clone(), skip_out, decay_end,
+              adamw_scalars(lr, b1, b2, eps, wd, step), coef=coef, skip=torch.tensor(1.0))
+assert torch.equal(skip_m, master) and torch.equal(skip_out, master)
+print("ok")
+'''
+
+
+def test_the_fused_update_kernel_computes_torchs_cuda_adamw_bit_for_bit_in_the_interpreter(tmp_path):
+    """The fused update's Triton kernel, run by Triton's CPU interpreter, against torch's CUDA fused AdamW written
+    out in NumPy (FP64 where torch computes in double, FP32 elsewhere, correctly rounded): masters and both moments
+    bit for bit, the FP32 output equal to the master, and a skipped step changing nothing. (The interpreter's own
+    BF16 conversion truncates, so BF16 output is checked on the GPU, by the next test.)"""
+    pytest.importorskip("triton")
+    script = tmp_path / "interpreted_update.py"
+    script.write_text(INTERPRETED_UPDATE)
+    import triton
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.path.dirname(os.path.dirname(triton.__file__))]))
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_update_gives_the_unfused_passes_bits(model_dtype):
+    """`optimizer.fused_update` on CUDA (one kernel: the clipping scale, AdamW, the cast into the model's weights)
+    against the separate passes (`_foreach_mul_`, torch's fused AdamW, a copy) over five steps, one of them skipped
+    on the device: masters, both moments and the model's weights bit for bit; the reduced gradients left unscaled."""
+    from megafp8.optim.fused_update import fused_update_reason
+    assert fused_update_reason(torch.device("cuda")) is None
+    runs = {}
+    for fused in (True, False):
+        net = small_net(model_dtype).cuda()
+        cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.05, warmup_steps=0, fused_update=fused)
+        buckets, opt = make_optimizer(net, cfg)
+        assert bool(opt._fused_update_shards()) == fused
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            for b in buckets.buckets:
+                b.grads_flat.copy_((torch.randn(b.numel, generator=g) * torch.logspace(-6, 1, b.numel)).cuda())
+            before = [b.grads_flat.clone() for b in buckets.buckets]
+            opt.clip_grad_norm()
+            opt.step(cfg.lr * (1 + step), torch.tensor(step != 2, device="cuda"))
+            if fused:
+                assert all(torch.equal(b.grads_flat, old) for b, old in zip(buckets.buckets, before))
+        runs[fused] = ([s.master for s in opt.shards], [s.exp_avg for s in opt.shards],
+                       [s.exp_avg_sq for s in opt.shards], [p.detach() for p in net.parameters()])
+    for kind, got, want in zip(("master", "exp_avg", "exp_avg_sq", "weights"), runs[True], runs[False]):
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.int8), b.view(torch.int8)), kind
 
 
 def test_replicated_ranges_are_left_out_by_their_complement():
