@@ -61,6 +61,7 @@ def _kernel():
     return adamw_update_kernel
 
 
+@functools.cache  # asked at every clip and step
 def fused_update_reason(device: torch.device) -> Optional[str]:
     """Why the fused update cannot run for tensors on `device` (None: it can)."""
     if device.type != "cuda":
