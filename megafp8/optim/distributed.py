@@ -38,7 +38,7 @@ from megafp8.parallel import (
     local_piece,
     tp_shard_of,
 )
-from megafp8.optim.fused_update import adamw_scalars, adamw_update_, fused_update_reason
+from megafp8.optim.fused_update import adamw_update_, bias_corrections, fused_update_reason
 from megafp8.parallel.flat import all_gather_flat
 from megafp8.parallel.grad_buckets import Bucket
 from megafp8.parallel.sharding import Placed, placed_param
@@ -74,6 +74,7 @@ class DistributedAdamW:
         self.ep = ep or ExpertParallel.single()
         self.step_count = 0  # updates applied; a step skipped on the device counts until `settle_step_count`
         self._step_tensor: torch.Tensor | None = None  # the step count on the device, for the fused kernel
+        self._betas: torch.Tensor | None = None  # [beta1, beta2] in FP32 on the device, for the fused update
         self._skipped: torch.Tensor | None = None  # steps skipped on the device since the last settle
         self._clip_coef: torch.Tensor | None = None  # the last clipping scale, for the fused update to apply
         self._post_step_hooks: list[StepHook] = []
@@ -187,9 +188,11 @@ class DistributedAdamW:
         fp32_moments = [s.exp_avg.dtype == torch.float32 for s in self.shards]
         fused = self._fused_update_shards()
         coef, self._clip_coef = self._clip_coef, None
-        for shard in self.shards:
-            if id(shard) in fused:
-                self._fused_update(shard, lr, coef, skip)
+        if fused:
+            corrections = self._bias_corrections(self.shards[0].master.device)
+            for shard in self.shards:
+                if id(shard) in fused:
+                    self._fused_update(shard, lr, corrections, coef, skip)
         self._fused_step([s for s, fp32 in zip(self.shards, fp32_moments) if fp32 and id(s) not in fused], lr, skip)
         for shard, fp32 in zip(self.shards, fp32_moments):
             if not fp32:
@@ -226,10 +229,7 @@ class DistributedAdamW:
         `skip` (1.0 or 0.0 on the device): the kernel's own flag for leaving everything unchanged."""
         if not shards:
             return
-        device = shards[0].master.device
-        if self._step_tensor is None or self._step_tensor.device != device:
-            self._step_tensor = torch.zeros((), dtype=torch.float32, device=device)
-        self._step_tensor.fill_(self.step_count)
+        step = self._device_step_count(shards[0].master.device)
         c = self.cfg
         for decay, part in ((c.weight_decay, lambda s: slice(0, s.decay_end)),
                             (0.0, lambda s: slice(s.decay_end, None))):
@@ -238,18 +238,32 @@ class DistributedAdamW:
                 continue
             grads = [self.buckets.shard_grads(s.bucket)[cut] for s, cut in chosen]
             torch._fused_adamw_([s.master[cut] for s, cut in chosen], grads, [s.exp_avg[cut] for s, cut in chosen],
-                                [s.exp_avg_sq[cut] for s, cut in chosen], [], [self._step_tensor] * len(chosen),
+                                [s.exp_avg_sq[cut] for s, cut in chosen], [], [step] * len(chosen),
                                 lr=lr, beta1=c.beta1, beta2=c.beta2, weight_decay=decay, eps=c.eps, amsgrad=False,
                                 maximize=False, found_inf=skip)
 
-    def _fused_update(self, shard: _Shard, lr: float, coef: torch.Tensor | None, skip: torch.Tensor | None) -> None:
+    def _device_step_count(self, device: torch.device) -> torch.Tensor:
+        """`step_count` as a 0-d FP32 tensor on `device` (filled, not copied: no host sync), as torch's fused AdamW
+        reads it."""
+        if self._step_tensor is None or self._step_tensor.device != device:
+            self._step_tensor = torch.zeros((), dtype=torch.float32, device=device)
+        return self._step_tensor.fill_(self.step_count)
+
+    def _bias_corrections(self, device: torch.device) -> torch.Tensor:
+        """This step's [1 - beta1**step, 1 - beta2**step] on `device`, computed there as torch's fused AdamW does."""
+        if self._betas is None or self._betas.device != device:
+            self._betas = torch.tensor([self.cfg.beta1, self.cfg.beta2], dtype=torch.float32, device=device)
+        return bias_corrections(self._betas, self._device_step_count(device))
+
+    def _fused_update(self, shard: _Shard, lr: float, corrections: torch.Tensor, coef: torch.Tensor | None,
+                      skip: torch.Tensor | None) -> None:
         """One kernel: the clipping scale, AdamW (torch's fused kernel's arithmetic) and the updated master cast
         into the model's weights (this rank's range of the bucket), which `_publish` then leaves as they are."""
         c = self.cfg
-        scalars = adamw_scalars(lr, c.beta1, c.beta2, c.eps, c.weight_decay, self.step_count)
         own = shard.bucket.params_flat[shard.start : shard.end]
         adamw_update_(shard.master, self.buckets.shard_grads(shard.bucket), shard.exp_avg, shard.exp_avg_sq, own,
-                      shard.decay_end if c.weight_decay != 0 else 0, scalars, coef=coef, skip=skip)
+                      shard.decay_end if c.weight_decay != 0 else 0, corrections, lr, c.beta1, c.beta2, c.eps,
+                      c.weight_decay, coef=coef, skip=skip)
 
     def _step_shard(self, shard: _Shard, lr: float, apply: torch.Tensor | None) -> None:
         """BF16 moments: the update in FP32 on copies of the moments, stored back rounded (unless `apply` is
