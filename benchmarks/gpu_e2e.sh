@@ -7,8 +7,10 @@
 # moe_compiled, compiled_ro (CUDA graphs), compiled_fp8 (FP8 only), tests (the gpu-marked tests), fused_quantize (our
 # quantizers' bandwidth, fused producers against eager and Inductor), profile_compiled (FP8 only), grouped_gemm (MoE
 # grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu
-# (one-GPU training tests), tests_optim (gradient clipping on CUDA), fp8_linear (one layer, BF16 vs FP8, eager and
-# replayed from CUDA graphs), the 8B-layer shape (compiled_ro_8b, ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and
+# (one-GPU training tests), tests_optim (gradient clipping and the fused AdamW update on CUDA;
+# compiled_ro_unfused_update, compiled_ro_8b_unfused_update: whole steps with the update's separate passes),
+# fp8_linear (one layer, BF16 vs FP8, eager and replayed from CUDA graphs), the 8B-layer shape (compiled_ro_8b,
+# ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and
 # compiled_ro_kept_t: FP8 keeping its weight transposes; memory_modes: both models' memory in every mode), BF16 and FP8
 # profiled side by side (profile_pair, profile_pair_ro: the ~1B under CUDA graphs, profile_pair_8b,
 # profile_moe_compiled), the MoE GPU tests (tests_moe), the warp-specialized GEMMs' tests (tests_ws), the weight
@@ -159,6 +161,12 @@ for part in $PARTS; do
           precision.fp8_backend=$backend --model moe --global-batch 32 --recipes bf16 fp8
       done ;;
     tests_optim) step gpu_tests_optim python -m pytest -q -m gpu tests/test_optim.py -p no:cacheprovider ;;
+    compiled_ro_unfused_update) step ours_compiled_cudagraphs_unfused_update python benchmarks/train_step.py \
+           training.compile=true training.compile_mode=reduce-overhead optimizer.fused_update=false --model 1b \
+           --recipes bf16 fp8 ;;
+    compiled_ro_8b_unfused_update) step ours_compiled_cudagraphs_8b_unfused_update python benchmarks/train_step.py \
+           training.compile=true training.compile_mode=reduce-overhead optimizer.fused_update=false \
+           --model 8b-layers --recipes bf16 fp8 ;;
     tests_hopper) step gpu_tests_hopper python -m pytest -q -m gpu tests/test_fp8_backends.py -k hopper \
            -p no:cacheprovider ;;
     ncu_kernels)  # Nsight Compute on one launch each of the two kernels performance.md names as what is left (its

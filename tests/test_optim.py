@@ -1,6 +1,10 @@
 """Gradient buckets and the (sharded) FP32-master AdamW against torch.optim.AdamW; clipping; LR schedules."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +24,7 @@ from megafp8.parallel import (
     tp_shard_of,
 )
 from megafp8.precision import PrecisionRecipe
+from tests.conftest import REPO
 from tests.distributed import spawn
 
 
@@ -179,10 +184,10 @@ def test_post_step_hooks_see_every_step_and_a_host_skip_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip([*net.parameters(), *(s.master for s in opt.shards)], before))
 
 
-def clip_case(device: str):
+def clip_case(device: str, **cfg):
     """A net spread over several buckets, gradients of very different sizes, clipping active."""
     net = small_net().to(device)
-    buckets, opt = make_optimizer(net, OptimizerConfig(grad_clip=0.5))
+    buckets, opt = make_optimizer(net, OptimizerConfig(grad_clip=0.5, **cfg))
     g = torch.Generator().manual_seed(3)
     for b in buckets.buckets:
         b.grads_flat.copy_((torch.randn(b.numel, generator=g) * torch.logspace(-4, 2, b.numel)).to(device))
@@ -192,8 +197,9 @@ def clip_case(device: str):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_clipping_scales_every_gradient_by_one_coefficient_and_reports_the_exact_norm(device):
     """The norm is within FP32 rounding of an FP64 one (CUDA: `_foreach_norm`; CPU: pairwise sums), and clipping
-    multiplies every gradient by the same FP32 coefficient, bit for bit what `mul_` by it gives."""
-    buckets, opt = clip_case(device)
+    multiplies every gradient by the same FP32 coefficient, bit for bit what `mul_` by it gives (in place where the
+    fused update is off; with it on CUDA the update applies the same multiply: the next test)."""
+    buckets, opt = clip_case(device, fused_update=False)
     before = [b.grads_flat.clone() for b in buckets.buckets]
     exact = torch.sqrt(sum(float(t.double().square().sum()) for t in before) * torch.ones((), dtype=torch.float64))
     norm = opt.clip_grad_norm()
@@ -202,6 +208,102 @@ def test_clipping_scales_every_gradient_by_one_coefficient_and_reports_the_exact
     coef = torch.clamp(0.5 / (norm + 1e-6), max=1.0)
     for b, old in zip(buckets.buckets, before):
         assert torch.equal(b.grads_flat, old.mul(coef))
+
+
+# Torch's fused AdamW on CUDA (`fused_adam_utils.cuh`, ADAMW, FP32; torch 2.11), written out in NumPy operation for
+# operation: what the fused update's kernel must compute. Run in Triton's interpreter (a subprocess: the interpreter
+# is chosen at import), which computes `tl.fma(a, b, c)` as a product and a sum each rounded to FP32, so `fma` here
+# does the same; the single rounding of the GPU's FMAs is checked against torch itself by the GPU test below.
+INTERPRETED_UPDATE = r'''
+import numpy as np, torch
+from megafp8.optim.fused_update import adamw_update_, bias_corrections
+lr, b1, b2, eps, wd, step, n, decay_end = 3e-4, 0.9, 0.95, 1e-8, 0.1, 7, 5000, 3000
+g = torch.Generator().manual_seed(0)
+master, grad = torch.randn(n, generator=g) * 0.02, torch.randn(n, generator=g) * 1e-3
+exp_avg, exp_avg_sq = torch.randn(n, generator=g) * 1e-4, torch.rand(n, generator=g) * 1e-7
+coef = torch.tensor(0.7312)
+corrections = bias_corrections(torch.tensor([b1, b2]), torch.tensor(float(step)))
+m, a, v, out = master.clone(), exp_avg.clone(), exp_avg_sq.clone(), torch.empty(n)
+adamw_update_(m, grad.clone(), a, v, out, decay_end, corrections, lr, b1, b2, eps, wd, coef=coef)
+f32 = np.float32
+fma = lambda x, y, z: f32(x) * f32(y) + f32(z)
+lr_, b1_, b2_, eps_, wd_ = (f32(x) for x in (lr, b1, b2, eps, wd))
+p, q, s, gr = (t.numpy().copy() for t in (master, exp_avg, exp_avg_sq, grad * coef))
+p = np.where(np.arange(n) < decay_end, fma(-(lr_ * wd_), p, p), p)
+q = fma(b1_, q, fma(-b1_, gr, gr))
+s = fma(b2_, s, fma(-b2_, gr * gr, gr * gr))
+bc1, bc2 = corrections.numpy()
+assert bc1 == f32(1) - np.power(b1_, f32(step)) or abs(bc1 - (1 - b1 ** step)) < 1e-7
+step_size, bc2_sqrt = lr_ / bc1, np.sqrt(bc2)
+p = p - (step_size * q) / (np.sqrt(s) / bc2_sqrt + eps_)
+assert p.dtype == q.dtype == s.dtype == np.float32
+assert np.array_equal(p, m.numpy()) and np.array_equal(q, a.numpy()) and np.array_equal(s, v.numpy())
+assert np.array_equal(out.numpy(), p) and not np.array_equal(p, master.numpy())
+skip_m, skip_out = master.clone(), torch.zeros(n)
+adamw_update_(skip_m, grad.clone(), exp_avg.clone(), exp_avg_sq.clone(), skip_out, decay_end, corrections, lr, b1,
+              b2, eps, wd, coef=coef, skip=torch.tensor(1.0))
+assert torch.equal(skip_m, master) and torch.equal(skip_out, master)
+print("ok")
+'''
+
+
+def test_the_fused_update_kernel_computes_torchs_cuda_adamw_operations_in_the_interpreter(tmp_path):
+    """The fused update's Triton kernel, run by Triton's CPU interpreter, against torch's CUDA fused AdamW written
+    out in NumPy (FP32 throughout, FMAs rounded as the interpreter rounds them): masters and both moments bit for
+    bit, the FP32 output equal to the master, and a skipped step changing nothing. (The interpreter's own BF16
+    conversion truncates and its FMA rounds twice, so BF16 output and the FMAs are checked on the GPU, by the next
+    test.)"""
+    pytest.importorskip("triton")
+    script = tmp_path / "interpreted_update.py"
+    script.write_text(INTERPRETED_UPDATE)
+    import triton
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.path.dirname(os.path.dirname(triton.__file__))]))
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_bias_corrections_are_one_minus_each_beta_to_the_step():
+    from megafp8.optim.fused_update import bias_corrections
+    got = bias_corrections(torch.tensor([0.9, 0.95]), torch.tensor(7.0))
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx([1 - 0.9 ** 7, 1 - 0.95 ** 7], rel=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_update_gives_the_unfused_passes_bits(model_dtype):
+    """`optimizer.fused_update` on CUDA (one kernel: the clipping scale, AdamW, the cast into the model's weights)
+    against the separate passes (`_foreach_mul_`, torch's fused AdamW, a copy) over five steps, one of them skipped
+    on the device: masters, both moments and the model's weights bit for bit; the reduced gradients left unscaled."""
+    from megafp8.optim.fused_update import fused_update_reason
+    assert fused_update_reason(torch.device("cuda")) is None
+    runs = {}
+    for fused in (True, False):
+        net = small_net(model_dtype).cuda()
+        cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.05, warmup_steps=0, fused_update=fused)
+        buckets, opt = make_optimizer(net, cfg)
+        assert bool(opt._fused_update_shards()) == fused
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            for b in buckets.buckets:
+                b.grads_flat.copy_((torch.randn(b.numel, generator=g) * torch.logspace(-6, 1, b.numel)).cuda())
+            before = [b.grads_flat.clone() for b in buckets.buckets]
+            opt.clip_grad_norm()
+            opt.step(cfg.lr * (1 + step), torch.tensor(step != 2, device="cuda"))
+            if fused:
+                assert all(torch.equal(b.grads_flat, old) for b, old in zip(buckets.buckets, before))
+        runs[fused] = ([s.master for s in opt.shards], [s.exp_avg for s in opt.shards],
+                       [s.exp_avg_sq for s in opt.shards], [p.detach() for p in net.parameters()])
+    mismatches = []  # all of them, counted, so that a failure says how far off the kernel is
+    for kind, got, want in zip(("master", "exp_avg", "exp_avg_sq", "weights"), runs[True], runs[False]):
+        for i, (a, b) in enumerate(zip(got, want)):
+            bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
+            apart = (a.view(bits).long() - b.view(bits).long()).abs()
+            if bool(apart.any()):
+                mismatches.append(f"{kind} {i}: {int((apart > 0).sum())} of {a.numel()} elements differ, by at most "
+                                  f"{int(apart.max())} units in the last place")
+    assert not mismatches, "; ".join(mismatches)
 
 
 def test_replicated_ranges_are_left_out_by_their_complement():

@@ -38,6 +38,7 @@ from megafp8.parallel import (
     local_piece,
     tp_shard_of,
 )
+from megafp8.optim.fused_update import adamw_update_, bias_corrections, fused_update_reason
 from megafp8.parallel.flat import all_gather_flat
 from megafp8.parallel.grad_buckets import Bucket
 from megafp8.parallel.sharding import Placed, placed_param
@@ -73,7 +74,9 @@ class DistributedAdamW:
         self.ep = ep or ExpertParallel.single()
         self.step_count = 0  # updates applied; a step skipped on the device counts until `settle_step_count`
         self._step_tensor: torch.Tensor | None = None  # the step count on the device, for the fused kernel
+        self._betas: torch.Tensor | None = None  # [beta1, beta2] in FP32 on the device, for the fused update
         self._skipped: torch.Tensor | None = None  # steps skipped on the device since the last settle
+        self._clip_coef: torch.Tensor | None = None  # the last clipping scale, for the fused update to apply
         self._post_step_hooks: list[StepHook] = []
         moment_dtype = MOMENT_DTYPES[cfg.moment_dtype]
         self.shards: list[_Shard] = []
@@ -127,12 +130,27 @@ class DistributedAdamW:
         if self.pp_group is not None:
             dist.all_reduce(sum_sq, group=self.pp_group)
         norm = sum_sq.sqrt()
+        self._clip_coef = None
         if self.cfg.grad_clip > 0:
             coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
             # A non-finite norm skips the step: leave the gradients as they are, for naming the layers at fault.
             coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
-            torch._foreach_mul_(grads, coef)
+            fused = self._fused_update_shards()
+            if fused:  # the next step's kernel multiplies by it as it reads each gradient: no pass of its own
+                self._clip_coef = coef
+            unfused = [g for shard, g in zip(self.shards, grads) if id(shard) not in fused]
+            if unfused:
+                torch._foreach_mul_(unfused, coef)
         return norm
+
+    def _fused_update_shards(self) -> set[int]:
+        """ids of the shards the next step updates with the fused kernel (`megafp8.optim.fused_update`): FP32
+        moments, on a device it runs on, `optimizer.fused_update` on."""
+        if not self.cfg.fused_update or not self.shards:
+            return set()
+        if fused_update_reason(self.shards[0].master.device) is not None:
+            return set()
+        return {id(s) for s in self.shards if s.exp_avg.dtype == torch.float32}
 
     def nonfinite_params(self) -> list[str]:
         """Names of the parameters whose reduced gradients (this rank's shard of them) hold an inf or nan."""
@@ -168,11 +186,18 @@ class DistributedAdamW:
             self._skipped = skip.long() if self._skipped is None else self._skipped + skip
             skip = skip.float()
         fp32_moments = [s.exp_avg.dtype == torch.float32 for s in self.shards]
-        self._fused_step([s for s, fp32 in zip(self.shards, fp32_moments) if fp32], lr, skip)
+        fused = self._fused_update_shards()
+        coef, self._clip_coef = self._clip_coef, None
+        if fused:
+            corrections = self._bias_corrections(self.shards[0].master.device)
+            for shard in self.shards:
+                if id(shard) in fused:
+                    self._fused_update(shard, lr, corrections, coef, skip)
+        self._fused_step([s for s, fp32 in zip(self.shards, fp32_moments) if fp32 and id(s) not in fused], lr, skip)
         for shard, fp32 in zip(self.shards, fp32_moments):
             if not fp32:
                 self._step_shard(shard, lr, apply)
-        self._publish()
+        self._publish(written=fused)
         self._run_post_step_hooks(apply)
 
     def skip_step(self) -> None:
@@ -204,10 +229,7 @@ class DistributedAdamW:
         `skip` (1.0 or 0.0 on the device): the kernel's own flag for leaving everything unchanged."""
         if not shards:
             return
-        device = shards[0].master.device
-        if self._step_tensor is None or self._step_tensor.device != device:
-            self._step_tensor = torch.zeros((), dtype=torch.float32, device=device)
-        self._step_tensor.fill_(self.step_count)
+        step = self._device_step_count(shards[0].master.device)
         c = self.cfg
         for decay, part in ((c.weight_decay, lambda s: slice(0, s.decay_end)),
                             (0.0, lambda s: slice(s.decay_end, None))):
@@ -216,9 +238,32 @@ class DistributedAdamW:
                 continue
             grads = [self.buckets.shard_grads(s.bucket)[cut] for s, cut in chosen]
             torch._fused_adamw_([s.master[cut] for s, cut in chosen], grads, [s.exp_avg[cut] for s, cut in chosen],
-                                [s.exp_avg_sq[cut] for s, cut in chosen], [], [self._step_tensor] * len(chosen),
+                                [s.exp_avg_sq[cut] for s, cut in chosen], [], [step] * len(chosen),
                                 lr=lr, beta1=c.beta1, beta2=c.beta2, weight_decay=decay, eps=c.eps, amsgrad=False,
                                 maximize=False, found_inf=skip)
+
+    def _device_step_count(self, device: torch.device) -> torch.Tensor:
+        """`step_count` as a 0-d FP32 tensor on `device` (filled, not copied: no host sync), as torch's fused AdamW
+        reads it."""
+        if self._step_tensor is None or self._step_tensor.device != device:
+            self._step_tensor = torch.zeros((), dtype=torch.float32, device=device)
+        return self._step_tensor.fill_(self.step_count)
+
+    def _bias_corrections(self, device: torch.device) -> torch.Tensor:
+        """This step's [1 - beta1**step, 1 - beta2**step] on `device`, computed there as torch's fused AdamW does."""
+        if self._betas is None or self._betas.device != device:
+            self._betas = torch.tensor([self.cfg.beta1, self.cfg.beta2], dtype=torch.float32, device=device)
+        return bias_corrections(self._betas, self._device_step_count(device))
+
+    def _fused_update(self, shard: _Shard, lr: float, corrections: torch.Tensor, coef: torch.Tensor | None,
+                      skip: torch.Tensor | None) -> None:
+        """One kernel: the clipping scale, AdamW (torch's fused kernel's arithmetic) and the updated master cast
+        into the model's weights (this rank's range of the bucket), which `_publish` then leaves as they are."""
+        c = self.cfg
+        own = shard.bucket.params_flat[shard.start : shard.end]
+        adamw_update_(shard.master, self.buckets.shard_grads(shard.bucket), shard.exp_avg, shard.exp_avg_sq, own,
+                      shard.decay_end if c.weight_decay != 0 else 0, corrections, lr, c.beta1, c.beta2, c.eps,
+                      c.weight_decay, coef=coef, skip=skip)
 
     def _step_shard(self, shard: _Shard, lr: float, apply: torch.Tensor | None) -> None:
         """BF16 moments: the update in FP32 on copies of the moments, stored back rounded (unless `apply` is
@@ -241,12 +286,14 @@ class DistributedAdamW:
         shard.exp_avg.copy_(m)
         shard.exp_avg_sq.copy_(v)
 
-    def _publish(self) -> None:
-        """Write the updated masters into the model weights (all-gathering the shards when sharded)."""
+    def _publish(self, written: set[int] = frozenset()) -> None:
+        """Write the updated masters into the model weights (all-gathering the shards when sharded); the shards
+        in `written` (ids) already hold their weights (the fused update wrote them)."""
         for shard in self.shards:
             bucket = shard.bucket
             own = bucket.params_flat[shard.start : shard.end]
-            own.copy_(shard.master)
+            if id(shard) not in written:
+                own.copy_(shard.master)
             if self.buckets.sharded and bucket.group_size > 1:
                 all_gather_flat(bucket.params_flat, own.clone(), group=bucket.group)
             # Writes into params_flat (copy, collective) do not bump the parameters' own version counters
