@@ -17,6 +17,7 @@ elsewhere the unfused path runs.
 """
 import functools
 import importlib.util
+import struct
 from typing import Optional
 
 import torch
@@ -31,14 +32,14 @@ def _kernel():
 
     @triton.jit
     def adamw_update_kernel(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, coef_ptr, skip_ptr,
-                            corrections_ptr, n, decay_end, lr: tl.float32, weight_decay: tl.float32,
+                            corrections_ptr, n, decay_end, lr: tl.float32, neg_lr_weight_decay: tl.float32,
                             beta1: tl.float32, beta2: tl.float32, eps: tl.float32, HAS_COEF: tl.constexpr,
                             HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         param = tl.load(master_ptr + offs, mask=mask, other=0.0)
         skipped = False
-        if HAS_SKIP:
+        if HAS_SKIP:  # callers pass 0.0 or 1.0 (torch's found_inf skips at exactly 1.0)
             skipped = tl.load(skip_ptr) != 0
         if not skipped:
             grad = tl.load(grad_ptr + offs, mask=mask, other=0.0)
@@ -47,8 +48,9 @@ def _kernel():
             exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
             exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
             # param -= lr * weight_decay * param, contracted as nvcc does; only where the shard decays (torch skips
-            # it at zero decay, where it would turn -0.0 into 0.0 and inf into nan)
-            param = tl.where(offs < decay_end, tl.fma(-(lr * weight_decay), param, param), param)
+            # it at zero decay, where it would turn -0.0 into 0.0 and inf into nan). The negated product comes from
+            # the host: Triton negates as 0 - x, which would give +0.0 for lr = 0 where torch has -0.0.
+            param = tl.where(offs < decay_end, tl.fma(neg_lr_weight_decay, param, param), param)
             exp_avg = tl.fma(beta1, exp_avg, tl.fma(-beta1, grad, grad))
             grad_sq = grad * grad
             exp_avg_sq = tl.fma(beta2, exp_avg_sq, tl.fma(-beta2, grad_sq, grad_sq))
@@ -99,5 +101,12 @@ def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
         return
     _kernel()[(-(-n // _BLOCK),)](
         master, grad, exp_avg, exp_avg_sq, out, coef if coef is not None else master,
-        skip if skip is not None else master, corrections, n, min(max(decay_end, 0), n), lr, weight_decay, beta1,
-        beta2, eps, HAS_COEF=coef is not None, HAS_SKIP=skip is not None, BLOCK=_BLOCK)
+        skip if skip is not None else master, corrections, n, min(max(decay_end, 0), n), lr,
+        -(_fp32(lr) * _fp32(weight_decay)), beta1, beta2, eps, HAS_COEF=coef is not None, HAS_SKIP=skip is not None,
+        BLOCK=_BLOCK)
+
+
+def _fp32(value: float) -> float:
+    """`value` rounded to FP32 (to nearest), as torch's kernel rounds its double arguments. The product of two such
+    values is exact in a Python float, so its one rounding to FP32 at the launch is the device's FP32 multiply."""
+    return struct.unpack("f", struct.pack("f", value))[0]

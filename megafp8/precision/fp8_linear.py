@@ -118,7 +118,7 @@ def layer_input_grad(dx2d: torch.Tensor, x2d: Optional[torch.Tensor], norm_weigh
 
 
 def input_and_weight_grads(ctx, k, saved: tuple, dy_fp8: Optional[torch.Tensor], dy_scale: Optional[torch.Tensor],
-                           dy_cols: list, dy2d: Optional[torch.Tensor], dtype: torch.dtype) -> tuple:
+                           dy_cols: Optional[list], dy2d: Optional[torch.Tensor], dtype: torch.dtype) -> tuple:
     """(dx, d norm_weight, dw): an FP8 linear's backward once its output gradient is quantized, shared by
     `_Fp8LinearFn` and the fused QKV projection + RoPE (`megafp8.precision.fp8_qkv`). The dgrad GEMM runs first and
     its reduction starts before the wgrad GEMM, which can overlap it; then the input's gradient goes through the

@@ -53,6 +53,7 @@ class _Fp8QkvRopeFn(torch.autograd.Function):
     def forward(ctx, x, norm_weight, weight, w_fp8, w_scale, wt_fp8, wt_scale, main_grad, cos, sin, eps: float,
                 recipe: Fp8Recipe, backend, traced: bool, comm: LinearComm, queue: Optional[WeightGradQueue],
                 grad_enabled: bool, rotary: Rotary):
+        assert recipe.all_gemms, "the fused QKV projection + RoPE runs all three GEMMs in FP8 (`fuses_rope`)"
         k = kernels(backend, traced)
         x2d = x.reshape(-1, x.shape[-1])  # (M, K) this rank's rows
         x_fp8, x_scale, *x_cols, rstd = quantize_layer_input(k, x2d, norm_weight, eps, recipe, comm,
