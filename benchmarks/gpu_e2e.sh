@@ -160,7 +160,11 @@ for part in $PARTS; do
         step "moe_compiled_accum_$backend" python benchmarks/train_step.py training.compile=true \
           precision.fp8_backend=$backend --model moe --global-batch 32 --recipes bf16 fp8
       done ;;
-    tests_optim) step gpu_tests_optim python -m pytest -q -m gpu tests/test_optim.py -p no:cacheprovider ;;
+    tests_optim)  # first, which fused-AdamW arithmetic this torch's headers hold (the fused update follows 2.13's)
+      step torch_fused_adam_source python -c "import pathlib, torch; src = (pathlib.Path(torch.__file__).parent /
+'include/ATen/native/cuda/fused_adam_utils.cuh').read_text(); print(torch.__version__, 'FP32 + FMA moments:',
+'std::fma(beta1, exp_avg' in src, '| FP64 scalars:', 'const double& beta1' in src.split('adam_math')[1][:600])"
+      step gpu_tests_optim python -m pytest -q -m gpu tests/test_optim.py -p no:cacheprovider ;;
     compiled_ro_unfused_update) step ours_compiled_cudagraphs_unfused_update python benchmarks/train_step.py \
            training.compile=true training.compile_mode=reduce-overhead optimizer.fused_update=false --model 1b \
            --recipes bf16 fp8 ;;
