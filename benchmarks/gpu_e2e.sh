@@ -27,7 +27,8 @@
 # default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper; moe_compiled_accum: both
 # backends, four micro-batches per step), cg_diag and cg_diag_8b (CUDA graph logs of the FP8 step), an older commit's
 # tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_compiled_ro_bf16, old_compiled_ro_8b_bf16, old_fused_quantize,
-# old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm: `git archive COMMIT | tar -x -C
+# old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm; ab_ro, ab_ro_8b: the two trees'
+# steps interleaved, AB_REPEATS runs each, benchmarks/ab_steps.py: `git archive COMMIT | tar -x -C
 # DIR`, carried), and on two GPUs moe_ep2, moe_dp2, dense_2gpu). `profile` also lists the host's busiest operators.
 # STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
@@ -107,6 +108,11 @@ for part in $PARTS; do
     old_profile_compiled) step old_profile_compiled bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
            training.compile=true --model 1b --recipes fp8 --profile 3" ;;
     fused_quantize) step fused_quantize python benchmarks/fused_quantize.py ;;
+    ab_ro|ab_ro_8b)  # $OLD against this tree, interleaved (ABBA), AB_REPEATS runs each: CUDA graphs, AB_RECIPES
+      model=1b; [ "$part" = ab_ro_8b ] && model=8b-layers
+      step "ab_compiled_cudagraphs_$model" python benchmarks/ab_steps.py --old "$OLD" --repeats "${AB_REPEATS:-3}" \
+        --timeout "${AB_RUN_TIMEOUT:-240}" -- --model "$model" training.compile=true \
+        training.compile_mode=reduce-overhead --recipes ${AB_RECIPES:-fp8} ;;
     old_fused_quantize) step old_fused_quantize bash -c "cd \"$OLD\" && python benchmarks/fused_quantize.py" ;;
     swiglu_cols) step swiglu_cols_variants python benchmarks/swiglu_cols_variants.py ;;
     rows_cols) step rows_cols_variants python benchmarks/rows_cols_variants.py ;;

@@ -446,3 +446,71 @@ def test_clock_event_reasons_read_as_words():
     import clocks_summary
     assert clocks_summary.reasons(0) == "none"
     assert clocks_summary.reasons(0x4 | 0x40) == "SW power cap, HW thermal"
+
+
+# A stand-in for benchmarks/train_step.py in a tree of its own: it logs which tree ran to $AB_LOG and prints the
+# table row of its next rate from rates.txt ("fail": exit 1 without a table).
+STAND_IN_TRAIN_STEP = '''import os, pathlib, sys
+tree = pathlib.Path.cwd()
+with open(os.environ["AB_LOG"], "a") as log:
+    log.write(tree.name + " " + " ".join(sys.argv[1:]) + "\\n")
+rates = (tree / "rates.txt").read_text().split()
+calls = tree / "calls.txt"
+n = int(calls.read_text()) if calls.exists() else 0
+calls.write_text(str(n + 1))
+if rates[n] == "fail":
+    sys.exit("CUDA out of memory")
+print("| model | recipe | ranks | tokens/s | vs BF16 |")
+print("|---|---|---|---|---|")
+print(f"| 1b | fp8 | 1 | {float(rates[n]):,.0f} | - |")
+'''
+
+
+def ab_tree(root: Path, name: str, rates: list[str]) -> Path:
+    tree = root / name
+    (tree / "benchmarks").mkdir(parents=True)
+    (tree / "benchmarks" / "train_step.py").write_text(STAND_IN_TRAIN_STEP)
+    (tree / "rates.txt").write_text(" ".join(rates))
+    return tree
+
+
+def test_ab_steps_alternates_the_trees_and_compares_their_medians(tmp_path):
+    """ABBA order (old, new, new, old, old, new), every run's figure, each tree's median and range, new / old of the
+    medians; the train_step.py arguments after `--` reach every run unchanged."""
+    old = ab_tree(tmp_path, "old", ["100000", "101000", "99000"])
+    new = ab_tree(tmp_path, "new", ["103000", "102000", "110000"])
+    log = tmp_path / "ab.log"
+    cmd = [sys.executable, str(REPO / "benchmarks/ab_steps.py"), "--old", str(old), "--new", str(new),
+           "--repeats", "3", "--", "--model", "1b", "training.compile=true", "--recipes", "fp8"]
+    result = subprocess.run(cmd, env=dict(os.environ, AB_LOG=str(log)), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    ran = log.read_text().splitlines()
+    assert [line.split()[0] for line in ran] == ["old", "new", "new", "old", "old", "new"]
+    assert all(line.split(" ", 1)[1] == "--model 1b training.compile=true --recipes fp8" for line in ran)
+    assert "| 6 | new | fp8 110,000 |" in result.stdout
+    assert "| fp8 | 100,000 (99,000-101,000, 3) | 103,000 (102,000-110,000, 3) | 1.0300 |" in result.stdout
+
+
+def test_ab_steps_reports_a_failed_run_and_leaves_it_out(tmp_path):
+    old = ab_tree(tmp_path, "old", ["100000"])
+    new = ab_tree(tmp_path, "new", ["fail"])
+    cmd = [sys.executable, str(REPO / "benchmarks/ab_steps.py"), "--old", str(old), "--new", str(new),
+           "--repeats", "1", "--", "--recipes", "fp8"]
+    result = subprocess.run(cmd, env=dict(os.environ, AB_LOG=str(tmp_path / "ab.log")), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1
+    assert "| 2 | new | FAILED (rc 1: CUDA out of memory) |" in result.stdout
+    assert "| fp8 | 100,000 (100,000-100,000, 1) | no run | - |" in result.stdout
+
+
+def test_ab_steps_reads_train_steps_own_table():
+    """`parse_tokens_per_s` on the table train_step.py prints (its "tokens/s", not "tokens/s per GPU")."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import ab_steps
+    import train_step
+    row = dict(model="1b", ranks=2, step_s=0.15, tflops=600.0, mfu=0.6, peak_gib=20.0, warmup_peak_gib=30.0,
+               loss=3.1, graph_breaks=0, planned_gib=21.0, per_rank=[(20.0, 21.0)], held_gib=40.0, bubble=None)
+    table = train_step.table([dict(row, recipe="bf16", tokens_per_s=88479.4), dict(row, recipe="fp8",
+                                                                                      tokens_per_s=107150.2)])
+    assert ab_steps.parse_tokens_per_s("log line\n" + table + "\n\ntrailing text") == {"bf16": 88479.0,
+                                                                                       "fp8": 107150.0}

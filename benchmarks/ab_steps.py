@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""Two trees' whole training steps, interleaved, to tell a change of ~1% from the drift between runs.
+
+Each run is a fresh process of `benchmarks/train_step.py` with the same arguments, in the old tree (`--old`) or the
+new one (`--new`, default the current directory). The runs alternate in ABBA order (old, new, new, old, old, ...),
+so a drift over the job (clocks, temperature, the power cap) reaches both trees alike. Printed: every run's tokens/s
+per recipe, then per recipe the median and range of each tree and the ratio of the medians.
+
+    PYTHONPATH=. python benchmarks/ab_steps.py --old old_tree --repeats 3 -- --model 1b \
+        training.compile=true training.compile_mode=reduce-overhead --recipes fp8
+
+(Everything after `--` goes to train_step.py: its `section.key=value` overrides before `--recipes`.) A run that
+fails is listed with its exit status and the end of its error output, and left out of the medians.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def parse_tokens_per_s(table: str) -> dict[str, float]:
+    """{recipe: tokens/s} from train_step.py's Markdown table (the first table whose header names both columns)."""
+    columns, found = None, {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if columns is None:
+            if "recipe" in cells and "tokens/s" in cells:
+                columns = cells
+            continue
+        if len(cells) != len(columns) or set(line.strip()) <= set("|-: "):
+            if found:
+                break
+            continue
+        found[cells[columns.index("recipe")]] = float(cells[columns.index("tokens/s")].replace(",", ""))
+    return found
+
+
+def order(repeats: int) -> list[str]:
+    """The trees in ABBA order: old, new, new, old, old, new, ... (2 x repeats runs)."""
+    pairs = [("old", "new") if i % 2 == 0 else ("new", "old") for i in range(repeats)]
+    return [tree for pair in pairs for tree in pair]
+
+
+def run_once(tree: Path, train_step_args: list[str], timeout: float) -> tuple[dict[str, float], str]:
+    """({recipe: tokens/s}, error text): one train_step.py process in `tree`."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    try:
+        done = subprocess.run([sys.executable, "benchmarks/train_step.py", *train_step_args], cwd=tree, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {}, f"timed out after {timeout:.0f} s"
+    found = parse_tokens_per_s(done.stdout)
+    if done.returncode != 0 or not found:
+        tail = " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        return {}, f"rc {done.returncode}: {tail[-300:]}"
+    return found, ""
+
+
+def summary(results: list[tuple[str, dict[str, float]]]) -> str:
+    """Per recipe: each tree's median (min-max, runs) and new / old of the medians."""
+    recipes = sorted({r for _, found in results for r in found})
+    lines = ["| recipe | old: median tokens/s (range, runs) | new: median tokens/s (range, runs) | new / old |",
+             "|---|---|---|---|"]
+    for recipe in recipes:
+        cells, medians = [], {}
+        for tree in ("old", "new"):
+            values = [found[recipe] for t, found in results if t == tree and recipe in found]
+            if values:
+                medians[tree] = statistics.median(values)
+                cells.append(f"{medians[tree]:,.0f} ({min(values):,.0f}-{max(values):,.0f}, {len(values)})")
+            else:
+                cells.append("no run")
+        ratio = f"{medians['new'] / medians['old']:.4f}" if len(medians) == 2 else "-"
+        lines.append(f"| {recipe} | {cells[0]} | {cells[1]} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, train_step_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old", type=Path, required=True, help="the tree to compare against")
+    parser.add_argument("--new", type=Path, default=Path("."), help="the tree under test (default: here)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each tree")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
+    args = parser.parse_args(ours)
+    for tree in (args.old, args.new):
+        if not (tree / "benchmarks" / "train_step.py").is_file():
+            parser.error(f"{tree} has no benchmarks/train_step.py: give the root of a megafp8 tree")
+    trees = {"old": args.old.resolve(), "new": args.new.resolve()}
+    results = []
+    print("| run | tree | tokens/s by recipe |\n|---|---|---|")
+    for i, tree in enumerate(order(args.repeats), 1):
+        found, error = run_once(trees[tree], train_step_args, args.timeout)
+        shown = ", ".join(f"{r} {v:,.0f}" for r, v in found.items()) or f"FAILED ({error})"
+        print(f"| {i} | {tree} | {shown} |", flush=True)
+        results.append((tree, found))
+    print()
+    print(summary(results))
+    return 0 if all(found for _, found in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
