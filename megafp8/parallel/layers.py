@@ -196,7 +196,6 @@ class ColumnParallelLinear(ParallelLinear):
         return linear(gather_from_sp(x, self.tp) if self.tp.sp else copy_to_tp(x, self.tp), self.weight,
                       self.wgrad_queue, self.main_grad_slot)
 
-
     def fuses_rope(self, rows: int, rotary: Rotary) -> bool:
         """Whether this QKV projection runs as one FP8 function with its input's RMSNorm and RoPE on its queries and
         keys (`rotated`): its quantizer takes the norm of its `rows`-row input, and RoPE's backward can quantize
