@@ -272,7 +272,7 @@ def test_bias_corrections_are_one_minus_each_beta_to_the_step():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_the_fused_update_gives_the_unfused_passes_bits(model_dtype):
     """`optimizer.fused_update` on CUDA (one kernel: the clipping scale, AdamW, the cast into the model's weights)
     against the separate passes (`_foreach_mul_`, torch's fused AdamW, a copy) over five steps, one of them skipped
@@ -354,6 +354,69 @@ def test_the_fused_update_kernel_gives_torchs_fused_adamw_bits(lr, weight_decay,
                   weight_decay, coef=coef, skip=torch.tensor(1.0, device="cuda"))
     assert all(torch.equal(a, b) for a, b in zip(skipped, (master, exp_avg, exp_avg_sq)))
     assert torch.equal(out, master.to(torch.bfloat16))
+
+
+def stand_in_fused_update(opt):
+    """`adamw_update_`'s contract in torch ops, for CPU: the gradient times `coef` (read, not written back), torch's
+    fused AdamW on the decayed range and on the rest, the weights set to the master; nothing where `skip`. It lets
+    a CPU test take the fused path's bookkeeping (when the clip is applied, which shards publish), not its kernel."""
+    calls = []
+
+    def update(master, grad, exp_avg, exp_avg_sq, out, decay_end, corrections, lr, beta1, beta2, eps, weight_decay,
+               coef=None, skip=None):
+        calls.append(coef is not None)
+        g = grad * coef if coef is not None else grad.clone()
+        for lo, hi, wd in ((0, decay_end, weight_decay), (decay_end, master.numel(), 0.0)):
+            if hi > lo:
+                torch._fused_adamw_([master[lo:hi]], [g[lo:hi]], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [],
+                                    [opt._step_tensor], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
+                                    amsgrad=False, maximize=False, found_inf=skip)
+        out.copy_(master)
+    return update, calls
+
+
+@pytest.mark.parametrize("grad_clip", [0.05, 0.0])
+def test_the_fused_update_path_keeps_the_unfused_bookkeeping(monkeypatch, grad_clip):
+    """The fused update's path through DistributedAdamW on CPU (its kernel replaced by `stand_in_fused_update`)
+    against the unfused passes, bit for bit in masters, moments and weights: clipped steps, a step skipped on the
+    device, a step skipped on the host after a clip and followed by a step without one (the clip's coefficient
+    must not reach the next step's gradients), and a state_dict round trip. The fused path leaves the reduced
+    gradients unscaled."""
+    import megafp8.optim.distributed as distributed
+    runs = {}
+    for fused in (True, False):
+        net = small_net(torch.bfloat16)
+        buckets, opt = make_optimizer(net, OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip=grad_clip,
+                                                           warmup_steps=0, fused_update=fused))
+        update, calls = stand_in_fused_update(opt)
+        monkeypatch.setattr(distributed, "fused_update_reason", lambda device: None)
+        monkeypatch.setattr(distributed, "adamw_update_", update)
+        assert bool(opt._fused_update_shards()) == fused
+
+        def grads(seed):
+            g = torch.Generator().manual_seed(seed)
+            for b in buckets.buckets:
+                b.grads_flat.copy_(torch.randn(b.numel, generator=g) * torch.logspace(-4, 1, b.numel))
+        for step in range(6):
+            grads(step)
+            before = [b.grads_flat.clone() for b in buckets.buckets]
+            if step == 3:  # a host-side skip after the clip, then a step on new gradients without a clip
+                opt.clip_grad_norm()
+                opt.skip_step()
+                grads(100)
+                opt.step(1e-2)
+                continue
+            opt.clip_grad_norm()
+            if fused:
+                assert all(torch.equal(b.grads_flat, old) for b, old in zip(buckets.buckets, before))
+            opt.step(1e-2 * (1 + step), torch.tensor(step != 1))
+            if step == 4:
+                opt.load_state_dict(opt.state_dict())
+        assert bool(calls) == fused and (any(calls) == (fused and grad_clip > 0))
+        runs[fused] = [t.clone() for s in opt.shards for t in (s.master, s.exp_avg, s.exp_avg_sq)] + \
+            [p.detach().clone() for p in net.parameters()]
+        monkeypatch.undo()
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
 
 
 def test_replicated_ranges_are_left_out_by_their_complement():

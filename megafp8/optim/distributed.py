@@ -96,7 +96,9 @@ class DistributedAdamW:
 
     # --------------------------------------------------------------------------------- step
     def clip_grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the reduced gradients (before clipping), clipped in place; no host sync.
+        """Global L2 norm of the reduced gradients (before clipping), clipped: in place, or, for the shards the
+        fused update takes, by the next `step` as it reads them (the coefficient is kept until then, and dropped by
+        anything else that ends the step: `skip_step`, a load); no host sync.
 
         On a GPU both passes over the gradients are foreach kernels: `_foreach_norm` reads each shard once (a
         `square().sum()` wrote a squared copy and read it back: 6.6 ms of an 8B-layer step), and `_foreach_mul_`
@@ -204,6 +206,7 @@ class DistributedAdamW:
         """A step skipped on the host (the FP16 loss scaler found an inf or nan): nothing is updated and the step
         count stays, but the post-step hooks still run, told the update was not applied (they account for every
         step)."""
+        self._clip_coef = None  # belongs to this step's gradients, which the next step will not see
         self._run_post_step_hooks(torch.zeros((), dtype=torch.bool, device=self.shards[0].master.device))
 
     def register_step_post_hook(self, hook: StepHook) -> None:
@@ -343,7 +346,7 @@ class DistributedAdamW:
     def finish_placed_load(self, step_count: int) -> None:
         """After `placed_state()`'s views were read in place (a sharded checkpoint): take the saved step count and
         write the master weights into the model weights."""
-        self.step_count = step_count
+        self.step_count, self._skipped, self._clip_coef = step_count, None, None
         self._publish()
 
     @torch.no_grad()
@@ -358,7 +361,7 @@ class DistributedAdamW:
                 if tuple(saved[name].shape) != shape:
                     raise ValueError(f"optimizer {key} of '{name}' has shape {tuple(saved[name].shape)}, "
                                      f"the model has {shape}")
-        self.step_count, self._skipped = int(state["step"]), None
+        self.step_count, self._skipped, self._clip_coef = int(state["step"]), None, None
         for shard in self.shards:
             for key, attr in (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
                 full = torch.zeros(shard.bucket.numel, dtype=torch.float32)

@@ -71,6 +71,12 @@ def fused_update_reason(device: torch.device) -> Optional[str]:
     """Why the fused update cannot run for tensors on `device` (None: it can)."""
     if device.type != "cuda":
         return f"the fused update is a CUDA kernel; on {device.type} the unfused passes run"
+    if torch.version.hip is not None:  # its arithmetic follows torch's CUDA kernel, not the ROCm build's
+        return "the fused update follows torch's CUDA fused AdamW; on ROCm the unfused passes run"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        return (f"the fused update is tested on compute capability 8.0 and up (Triton's supported range); on "
+                f"{major}.{minor} the unfused passes run")
     if importlib.util.find_spec("triton") is None:
         return "the fused update needs Triton, which is not installed"
     return None
