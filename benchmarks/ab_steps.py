@@ -4,7 +4,8 @@
 Each run is a fresh process of `benchmarks/train_step.py` with the same arguments, in the old tree (`--old`) or the
 new one (`--new`, default the current directory). The runs alternate in ABBA order (old, new, new, old, old, ...),
 so a drift over the job (clocks, temperature, the power cap) reaches both trees alike. Printed: every run's tokens/s
-per recipe, then per recipe the median and range of each tree and the ratio of the medians.
+per recipe, then per recipe the median and range of each tree and the ratio of the medians, and where runs time
+both BF16 and FP8, each tree's FP8 / BF16 within a run (median and range over its runs).
 
     PYTHONPATH=. python benchmarks/ab_steps.py --old old_tree --repeats 3 -- --model 1b \
         training.compile=true training.compile_mode=reduce-overhead --recipes fp8
@@ -76,6 +77,14 @@ def summary(results: list[tuple[str, dict[str, float]]]) -> str:
                 cells.append("no run")
         ratio = f"{medians['new'] / medians['old']:.4f}" if len(medians) == 2 else "-"
         lines.append(f"| {recipe} | {cells[0]} | {cells[1]} | {ratio} |")
+    ratios = []  # FP8 / BF16 within each run, where a run timed both
+    for tree in ("old", "new"):
+        within = [found["fp8"] / found["bf16"] for t, found in results if t == tree and {"fp8", "bf16"} <= set(found)]
+        if within:
+            ratios.append(f"{tree}: median {statistics.median(within):.3f}x ({min(within):.3f}-{max(within):.3f}, "
+                          f"{len(within)} runs)")
+    if ratios:
+        lines += ["", "FP8 / BF16 within each run: " + "; ".join(ratios)]
     return "\n".join(lines)
 
 

@@ -491,6 +491,16 @@ def test_ab_steps_alternates_the_trees_and_compares_their_medians(tmp_path):
     assert "| fp8 | 100,000 (99,000-101,000, 3) | 103,000 (102,000-110,000, 3) | 1.0300 |" in result.stdout
 
 
+def test_ab_steps_gives_each_trees_fp8_over_bf16_within_its_runs():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import ab_steps
+    results = [("old", {"bf16": 100.0, "fp8": 120.0}), ("new", {"bf16": 100.0, "fp8": 125.0}),
+               ("new", {"bf16": 90.0, "fp8": 117.0}), ("old", {"bf16": 90.0, "fp8": 106.2})]
+    text = ab_steps.summary(results)
+    assert "FP8 / BF16 within each run: old: median 1.190x (1.180-1.200, 2 runs); new: median 1.275x " \
+           "(1.250-1.300, 2 runs)" in text
+
+
 def test_ab_steps_reports_a_failed_run_and_leaves_it_out(tmp_path):
     old = ab_tree(tmp_path, "old", ["100000"])
     new = ab_tree(tmp_path, "new", ["fail"])
