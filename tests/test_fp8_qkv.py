@@ -152,3 +152,72 @@ def test_on_the_gpu_the_fused_projection_matches_its_unfused_self(compiled):
     for got, want, what in zip(fused, plain, ("dx", "d norm weight", "dw")):
         err = float((got.float() - want.float()).norm() / want.float().norm())
         assert err < 0.03, (what, err)
+
+
+def _tp_worker(rank: int, world: int, sp: bool) -> None:
+    """One attention block (FP8, heads of 128: one query, key and value head per rank) at TP=2 against TP=1, the
+    fused path taken on every rank."""
+    import torch.distributed as dist
+
+    from megafp8.model.attention import Attention
+    from megafp8.parallel import TensorParallel, shard_of, tp_shard_of
+
+    cfg = load_config("tiny_dense", ["model.size=null", "model.hidden_size=256", "model.num_layers=1",
+                                     "model.num_heads=2", "model.attention.num_kv_heads=2",
+                                     "model.attention.head_dim=128", "model.ffn_hidden_size=256"]).model
+    batch, seq = 2, 128
+    g = torch.Generator().manual_seed(0)
+    weights = {"qkv": torch.randn(3 * 256, 256, generator=g) * 0.05, "out": torch.randn(256, 256, generator=g) * 0.05}
+
+    def attention(tp):
+        attn = Attention(cfg, PrecisionRecipe.from_name("fp8"), tp)
+        with torch.no_grad():
+            for layer, w in ((attn.qkv_proj, weights["qkv"]), (attn.out_proj, weights["out"])):
+                w = w.bfloat16()
+                layer.weight.copy_(shard_of(w, tp_shard_of(layer.weight), tp.rank, tp.size) if tp.enabled else w)
+        return attn
+
+    def run(attn, x, dy, fused):
+        norm = RMSNorm(256, 1e-5, torch.bfloat16)
+        x = x.clone().requires_grad_()
+        for p in attn.parameters():
+            p.grad = None
+        taken = []
+        real = ColumnParallelLinear.fuses_rope
+
+        def fuses_rope(layer, rows, rotary):
+            taken.append(real(layer, rows, rotary))
+            return taken[-1] and fused
+        ColumnParallelLinear.fuses_rope = fuses_rope
+        try:
+            y = attn(x, RotaryEmbedding(128, seq, 10000.0), batch, seq, norm=norm)
+        finally:
+            ColumnParallelLinear.fuses_rope = real
+        y.backward(dy)
+        return taken, y.detach(), x.grad, norm.weight.grad, attn.qkv_proj.weight.grad.clone()
+
+    x = torch.randn(batch * seq, 256, generator=g).bfloat16()
+    dy = torch.randn(batch * seq, 256, generator=g).bfloat16()
+    mine = (lambda t: t.chunk(world)[rank]) if sp else (lambda t: t)
+    tp = TensorParallel(dist.group.WORLD, world, rank, sp)
+    one = run(attention(TensorParallel.single()), x, dy, True)
+    parallel = attention(tp)
+    fused, unfused = run(parallel, mine(x), mine(dy), True), run(parallel, mine(x), mine(dy), False)
+    assert one[0] == [True] and fused[0] == [True], (one[0], fused[0])
+    assert torch.equal(fused[1], unfused[1])  # forward: the same GEMM and RoPE arithmetic either way
+    # The QKV weight gradient sums no partial products across ranks: TP=1's fused gradient, to FP32 rounding.
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    assert rel(fused[4], shard_of(one[4], tp_shard_of(parallel.qkv_proj.weight), rank, world)) < 1e-5
+    dnorm = fused[3].clone()
+    if sp:  # each rank's norm-weight gradient covers its own tokens
+        dist.all_reduce(dnorm)
+    assert rel(fused[1], mine(one[1])) < 1e-2 and rel(fused[2], mine(one[2])) < 1e-2 and rel(dnorm, one[3]) < 1e-2
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+def test_the_fused_qkv_and_rope_at_tp2_matches_tp1(sp):
+    """At TP=2, with and without sequence parallelism (128 local rows, whole 1x128 tiles along the tokens), every
+    rank takes the fused path; its forward is the unfused path's bits, its QKV weight gradient TP=1's bits, and the
+    input and norm-weight gradients TP=1's within BF16 partial-sum rounding."""
+    from tests.distributed import spawn
+    spawn(2, _tp_worker, sp)

@@ -63,7 +63,9 @@ class Block(nn.Module):
         # observed also runs recomputed: uncompiled it would keep more for backward than its compiled code does (eager
         # element-wise ops keep their intermediates), and that one sampled step would set the run's peak memory.
         # (An eager block is not recomputed for it: that changes no peak, and recomputation may round the input
-        # gradient's sum differently, so a sampled eager step keeps the unsampled step's bits.)
+        # gradient's sum differently. A sampled step still differs from an unsampled one in FP8 wherever a layer
+        # runs unfused to be observed, within one E4M3 step of the gradients' quantization: the QKV projection
+        # without RoPE's backward quantizer, the MoE experts as two grouped linears.)
         self.observed = False
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int,
