@@ -90,8 +90,11 @@ def test_balance_loss_gradient_is_not_lost_through_stages(parity):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_fp8_pipeline_matches_pp1(parity, schedule):
-    """FP8 (reference backend): zero-bubble schedules defer the FP8 weight-gradient GEMMs to the W pass."""
-    _check(parity, ["precision.recipe=fp8"], ["parallel.pp=2", f"parallel.pp_schedule={schedule}"], 2, FP8)
+    """FP8 (reference backend): zero-bubble schedules defer the FP8 weight-gradient GEMMs to the W pass. Under
+    `zbv` the heads are such that the QKV projection takes RoPE's backward quantizer (`megafp8.precision.fp8_qkv`),
+    whose weight gradient is deferred too; under `1f1b` it runs unfused."""
+    heads = ["model.num_heads=2", "model.attention.num_kv_heads=2"] if schedule == "zbv" else []
+    _check(parity, ["precision.recipe=fp8", *heads], ["parallel.pp=2", f"parallel.pp_schedule={schedule}"], 2, FP8)
 
 
 @pytest.mark.parametrize("extra", [
