@@ -10,6 +10,7 @@
 A regression in either runs correctly, only slower, so no CPU test of the numerics would notice it. Needs Triton with Gluon (skipped where it is not installed)."""
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -190,8 +191,8 @@ def test_the_rope_backward_quantizer_compiles_for_sm90_without_spills_in_every_c
     aligned = [name for name in signature if name.endswith("_ptr")] + [
         "N", "NQ", "NK", "stride_dq", "stride_dk", "stride_dv", "stride_cos", "stride_sin", "stride_qm", "stride_sk",
         "stride_qt", "stride_st_m"]
-    for config in kernel.configs:
-        constants = dict(HEAD_DIM=128, FP8_MAX=448.0, POW2=False, stride_sm=1, stride_st_k=1, **config.kwargs)
+    for head_dim, config in itertools.product((128, 64), kernel.configs):  # Llama's and DeepSeek-V2-Lite-like heads
+        constants = dict(HEAD_DIM=head_dim, FP8_MAX=448.0, POW2=False, stride_sm=1, stride_st_k=1, **config.kwargs)
         config_signature = dict(signature, **{name: "constexpr" for name in constants})
         names = list(config_signature)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the launch specializes them
