@@ -44,8 +44,7 @@ class Attention(nn.Module):
         """x: (tokens, hidden) token-major, all B*T tokens or this rank's share under sequence parallelism. `norm`
         is applied to x first (under FP8, fused into the QKV projection's quantizer)."""
         rotary = Rotary(self.widths, self.head_dim, batch, seq_len)
-        if norm is not None and not self.observed and self.qkv_proj.fuses_rope(x.reshape(-1, x.shape[-1]).shape[0],
-                                                                               rotary):
+        if norm is not None and not self.observed and self.qkv_proj.fuses_rope(x.numel() // x.shape[-1], rotary):
             # FP8: RoPE's backward quantizes the projection's output gradient itself (`megafp8.precision.fp8_qkv`)
             q, k, v = self.qkv_proj.rotated(x, norm, rotary, *rope.tables(seq_len))
         else:

@@ -72,12 +72,11 @@ class _Fp8QkvRopeFn(torch.autograd.Function):
         k = kernels(ctx.backend, ctx.traced)
         cos, sin, *saved = ctx.saved_tensors
         rows = rotary.batch * rotary.seq_len
-        dtype = ctx.dtype  # the outputs' (the activations'), whatever the weight's
-        grads = [g.reshape(rows, w).to(dtype) if g is not None else torch.zeros(rows, w, dtype=dtype, device=cos.device)
-                 for g, w in zip((dq, dk, dv), rotary.widths)]
+        # autograd hands each output's gradient in the output's dtype, zeros for an unused one
+        grads = [g.reshape(rows, w) for g, w in zip((dq, dk, dv), rotary.widths)]
         dy_fp8, dy_scale, *dy_cols = k.rope_backward_quantize(*grads, cos, sin, rotary.seq_len, rotary.head_dim,
                                                               recipe.grad_fmt, recipe.power_of_two_scales)
-        dx, dnorm, dw = input_and_weight_grads(ctx, k, tuple(saved), dy_fp8, dy_scale, dy_cols, None, dtype)
+        dx, dnorm, dw = input_and_weight_grads(ctx, k, tuple(saved), dy_fp8, dy_scale, dy_cols, None, ctx.dtype)
         return (dx, dnorm, dw) + (None,) * 15
 
 
