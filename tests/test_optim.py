@@ -216,12 +216,15 @@ def test_clipping_scales_every_gradient_by_one_coefficient_and_reports_the_exact
 # rounded to FP32 and divides exactly, so this pins the operations and their order, not where an FMA or a correctly
 # rounded division stands: the GPU tests below check those against torch itself.
 INTERPRETED_UPDATE = r'''
+import sys
 import numpy as np, torch
 from megafp8.optim.fused_update import adamw_update_, bias_corrections
+moments = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys.argv[1]]
 lr, b1, b2, eps, wd, step, n, decay_end = 3e-4, 0.9, 0.95, 1e-8, 0.1, 7, 5000, 3000
 g = torch.Generator().manual_seed(0)
 master, grad = torch.randn(n, generator=g) * 0.02, torch.randn(n, generator=g) * 1e-3
-exp_avg, exp_avg_sq = torch.randn(n, generator=g) * 1e-4, torch.rand(n, generator=g) * 1e-7
+exp_avg = (torch.randn(n, generator=g) * 1e-4).to(moments)
+exp_avg_sq = (torch.rand(n, generator=g) * 1e-7).to(moments)
 coef = torch.tensor(0.7312)
 corrections = bias_corrections(torch.tensor([b1, b2]), torch.tensor(float(step)))
 m, a, v, out = master.clone(), exp_avg.clone(), exp_avg_sq.clone(), torch.empty(n)
@@ -229,7 +232,7 @@ adamw_update_(m, grad.clone(), a, v, out, decay_end, corrections, lr, b1, b2, ep
 f32 = np.float32
 fma = lambda x, y, z: f32(x) * f32(y) + f32(z)
 lr_, b1_, b2_, eps_, wd_ = (f32(x) for x in (lr, b1, b2, eps, wd))
-p, q, s, gr = (t.numpy().copy() for t in (master, exp_avg, exp_avg_sq, grad * coef))
+p, q, s, gr = (t.float().numpy().copy() for t in (master, exp_avg, exp_avg_sq, grad * coef))
 p = np.where(np.arange(n) < decay_end, fma(-(lr_ * wd_), p, p), p)
 q = fma(b1_, q, fma(-b1_, gr, gr))
 s = fma(b2_, s, fma(-b2_, gr * gr, gr * gr))
@@ -237,30 +240,39 @@ bc1, bc2 = corrections.numpy()
 step_size, bc2_sqrt = lr_ / bc1, np.sqrt(bc2)
 p = p - (step_size * q) / (np.sqrt(s) / bc2_sqrt + eps_)
 assert p.dtype == q.dtype == s.dtype == np.float32
-assert np.array_equal(p, m.numpy()) and np.array_equal(q, a.numpy()) and np.array_equal(s, v.numpy())
-assert np.array_equal(out.numpy(), p) and not np.array_equal(p, master.numpy())
-skip_m, skip_out = master.clone(), torch.zeros(n)
-adamw_update_(skip_m, grad.clone(), exp_avg.clone(), exp_avg_sq.clone(), skip_out, decay_end, corrections, lr, b1,
-              b2, eps, wd, coef=coef, skip=torch.tensor(1.0))
+assert np.array_equal(p, m.numpy()) and np.array_equal(out.numpy(), p) and not np.array_equal(p, master.numpy())
+if moments == torch.float32:
+    assert np.array_equal(q, a.numpy()) and np.array_equal(s, v.numpy())
+else:  # stored rounded; the interpreter's BF16 conversion truncates: within one BF16 step of the FP32 moments
+    assert a.dtype == v.dtype == torch.bfloat16
+    for want, got in ((q, a), (s, v)):
+        assert np.all(np.abs(got.float().numpy() - want) <= np.abs(want) * 2.0 ** -7)
+    assert not torch.equal(a, exp_avg) and not torch.equal(v, exp_avg_sq)
+skip_m, skip_out, skip_a, skip_v = master.clone(), torch.zeros(n), exp_avg.clone(), exp_avg_sq.clone()
+adamw_update_(skip_m, grad.clone(), skip_a, skip_v, skip_out, decay_end, corrections, lr, b1, b2, eps, wd, coef=coef,
+              skip=torch.tensor(1.0))
 assert torch.equal(skip_m, master) and torch.equal(skip_out, master)
+assert torch.equal(skip_a, exp_avg) and torch.equal(skip_v, exp_avg_sq)
 print("ok")
 '''
 
 
-def test_the_fused_update_kernel_computes_torchs_cuda_adamw_operations_in_the_interpreter(tmp_path):
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_the_fused_update_kernel_computes_torchs_cuda_adamw_operations_in_the_interpreter(tmp_path, moments):
     """The fused update's Triton kernel, run by Triton's CPU interpreter, against torch's CUDA fused AdamW written
-    out in NumPy (FP32 throughout, FMAs rounded as the interpreter rounds them): masters and both moments bit for
-    bit, the FP32 output equal to the master, and a skipped step changing nothing. The interpreter's BF16
-    conversion truncates, its FMA rounds twice and its division is exact, so this checks the operations and their
-    order; BF16 output, FMA placement and correctly rounded division are checked against torch on the GPU (the
-    next tests)."""
+    out in NumPy (FP32 throughout, FMAs rounded as the interpreter rounds them): masters bit for bit, FP32 moments
+    bit for bit and BF16 ones within a BF16 step, the FP32 output equal to the master, and a skipped step changing
+    nothing. The interpreter's BF16 conversion truncates, its FMA rounds twice and its division is exact, so this
+    checks the operations and their order; BF16 rounding, FMA placement and correctly rounded division are checked
+    against torch on the GPU (the next tests)."""
     pytest.importorskip("triton")
     script = tmp_path / "interpreted_update.py"
     script.write_text(INTERPRETED_UPDATE)
     import triton
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.path.dirname(os.path.dirname(triton.__file__))]))
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, str(script), moments], env=env, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
@@ -417,6 +429,76 @@ def test_the_fused_update_path_keeps_the_unfused_bookkeeping(monkeypatch, grad_c
             [p.detach().clone() for p in net.parameters()]
         monkeypatch.undo()
     assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
+
+
+@pytest.mark.gpu
+def test_the_fused_update_with_bf16_moments_tracks_the_unfused_path():
+    """BF16 moments (`optimizer.moment_dtype: bf16`): the fused kernel against `_step_shard` (FP32 element-wise ops,
+    moments rounded when stored) over five steps, one skipped on the device. The two round differently in FP32 (a
+    lerp against torch's FMAs, FP64 bias corrections against `powf`), and a difference of one FP32 unit can round a
+    moment to the neighbouring BF16 value; carried into the next steps, where the moment may cross a power of two
+    and BF16's step halve, that can grow to two steps. So: moments within two BF16 steps, masters within what such
+    steps of one moment moves an update by (2^-6 of the learning rates' sum over the steps, against differences of
+    the order of the learning rate from a wrong formula), the moments stored as BF16, the weights the masters
+    rounded, and the skipped step changing nothing (weights included)."""
+    from megafp8.optim.fused_update import fused_update_reason
+    assert fused_update_reason(torch.device("cuda")) is None
+    lr, runs = 1e-2, {}
+    for fused in (True, False):
+        net = small_net(torch.bfloat16).cuda()
+        cfg = OptimizerConfig(lr=lr, weight_decay=0.1, grad_clip=0.05, warmup_steps=0, moment_dtype="bf16",
+                              fused_update=fused)
+        buckets, opt = make_optimizer(net, cfg)
+        if fused:
+            initial = [s.master.clone() for s in opt.shards]
+        assert bool(opt._fused_update_shards()) == fused
+        assert all(s.exp_avg.dtype == s.exp_avg_sq.dtype == torch.bfloat16 for s in opt.shards)
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            for b in buckets.buckets:  # of one sign, so that no moment is a difference of near-equal terms
+                b.grads_flat.copy_((torch.randn(b.numel, generator=g).abs() * torch.logspace(-6, 1, b.numel)).cuda())
+            opt.clip_grad_norm()
+            state = lambda: [t for s in opt.shards for t in (s.master, s.exp_avg, s.exp_avg_sq,  # noqa: E731
+                                                              s.bucket.params_flat[s.start:s.end])]
+            before = [t.clone() for t in state()]
+            opt.step(lr * (1 + step), torch.tensor(step != 2, device="cuda"))
+            if step == 2:
+                assert all(torch.equal(x, y) for x, y in zip(before, state())), "a skipped step changed the state"
+        assert all(torch.equal(s.bucket.params_flat[s.start:s.end], s.master.to(torch.bfloat16)) for s in opt.shards)
+        runs[fused] = opt.shards
+    for got, want in zip(runs[True], runs[False]):
+        for kind in ("exp_avg", "exp_avg_sq"):
+            a, b = getattr(got, kind).float(), getattr(want, kind).float()
+            assert bool(((a - b).abs() <= b.abs() * 2.0 ** -6).all()), kind
+        assert bool(((got.master - want.master).abs() <= 15 * lr * 2.0 ** -6).all()), "master"
+    assert not all(torch.equal(s.master, m) for s, m in zip(runs[True], initial)), "nothing was updated"
+
+
+@pytest.mark.gpu
+def test_the_fused_update_with_bf16_moments_is_its_fp32_update_rounded():
+    """One update from BF16-representable moments, stored as BF16 and as FP32: the masters and the weights bit for
+    bit the same (the master is updated from the unrounded moments), and the BF16 moments the FP32 ones rounded to
+    nearest, bit for bit (the store's rounding, which Triton's interpreter cannot show: it truncates)."""
+    from megafp8.optim.fused_update import adamw_update_, bias_corrections
+    n, decay_end, lr, b1, b2, eps, wd = 300_007, 100_003, 1e-3, 0.9, 0.95, 1e-8, 0.1
+    g = torch.Generator(device="cuda").manual_seed(5)
+    spread = torch.logspace(-4, 4, n, device="cuda")[torch.randperm(n, device="cuda", generator=g)]
+    master = torch.randn(n, device="cuda", generator=g) * spread * 1e-3
+    grad = torch.randn(n, device="cuda", generator=g) * spread * 1e-4
+    exp_avg = (torch.randn(n, device="cuda", generator=g) * spread * 1e-5).bfloat16()
+    exp_avg_sq = (torch.randn(n, device="cuda", generator=g) * spread * 1e-6).square().bfloat16()
+    corrections = bias_corrections(torch.tensor([b1, b2], device="cuda"), torch.tensor(3.0, device="cuda"))
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        m, a, v = master.clone(), exp_avg.to(dtype), exp_avg_sq.to(dtype)
+        out = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        adamw_update_(m, grad.clone(), a, v, out, decay_end, corrections, lr, b1, b2, eps, wd)
+        runs[dtype] = (m, a, v, out)
+    (m32, a32, v32, out32), (m16, a16, v16, out16) = runs[torch.float32], runs[torch.bfloat16]
+    pairs = [("master", m16, m32), ("weights", out16, out32), ("exp_avg", a16, a32.bfloat16()),
+             ("exp_avg_sq", v16, v32.bfloat16())]
+    assert not bit_mismatches(pairs), "; ".join(bit_mismatches(pairs))
+    assert not torch.equal(a16, exp_avg) and not torch.equal(m16, master)
 
 
 def test_replicated_ranges_are_left_out_by_their_complement():

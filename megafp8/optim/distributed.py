@@ -146,13 +146,13 @@ class DistributedAdamW:
         return norm
 
     def _fused_update_shards(self) -> set[int]:
-        """ids of the shards the next step updates with the fused kernel (`megafp8.optim.fused_update`): FP32
-        moments, on a device it runs on, `optimizer.fused_update` on."""
+        """ids of the shards the next step updates with the fused kernel (`megafp8.optim.fused_update`): all of
+        them (FP32 or BF16 moments) on a device it runs on with `optimizer.fused_update` on, else none."""
         if not self.cfg.fused_update or not self.shards:
             return set()
         if fused_update_reason(self.shards[0].master.device) is not None:
             return set()
-        return {id(s) for s in self.shards if s.exp_avg.dtype == torch.float32}
+        return {id(s) for s in self.shards}
 
     def nonfinite_params(self) -> list[str]:
         """Names of the parameters whose reduced gradients (this rank's shard of them) hold an inf or nan."""
@@ -197,7 +197,7 @@ class DistributedAdamW:
                     self._fused_update(shard, lr, corrections, coef, skip)
         self._fused_step([s for s, fp32 in zip(self.shards, fp32_moments) if fp32 and id(s) not in fused], lr, skip)
         for shard, fp32 in zip(self.shards, fp32_moments):
-            if not fp32:
+            if not fp32 and id(shard) not in fused:
                 self._step_shard(shard, lr, apply)
         self._publish(written=fused)
         self._run_post_step_hooks(apply)
@@ -269,8 +269,8 @@ class DistributedAdamW:
                       c.weight_decay, coef=coef, skip=skip)
 
     def _step_shard(self, shard: _Shard, lr: float, apply: torch.Tensor | None) -> None:
-        """BF16 moments: the update in FP32 on copies of the moments, stored back rounded (unless `apply` is
-        False)."""
+        """BF16 moments without the fused update (off the GPU, or `optimizer.fused_update: false`): the update in
+        FP32 on copies of the moments, stored back rounded (unless `apply` is False)."""
         c = self.cfg
         bias1 = 1 - c.beta1 ** self.step_count
         bias2_sqrt = math.sqrt(1 - c.beta2 ** self.step_count)

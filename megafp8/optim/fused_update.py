@@ -14,6 +14,14 @@ the device (`bias_corrections`); square root and divisions correctly rounded; th
 multiply `_foreach_mul_` does. A GPU test holds it to the unfused path's bits (`tests/test_optim.py`): a torch
 release that changes its kernel's arithmetic fails it. The kernel runs on CUDA only (Triton, imported lazily);
 elsewhere the unfused path runs.
+
+With BF16 moments (`optimizer.moment_dtype: bf16`, as DeepSeek-V3) the kernel reads them widened to FP32, computes
+the same FP32 update, and rounds the new moments to BF16 (to nearest) when it stores them, as the unfused path
+(`DistributedAdamW._step_shard`) does. That path computes in FP32 with torch's element-wise ops (a lerp for the
+first moment, FP32(1 - beta) where the kernel has 1 - FP32(beta), the bias corrections in FP64 on the host), so the
+two agree within BF16 rounding of the moments, not bit for bit. The kernel moves 22 bytes a parameter; by our count
+the unfused path moves ~180 as the trainer calls it (with a device-side skip flag: a copy of the master, three
+selects), ~118 without (FP32 copies of both moments, then one pass per operation).
 """
 import functools
 import importlib.util
@@ -45,8 +53,9 @@ def _kernel():
             grad = tl.load(grad_ptr + offs, mask=mask, other=0.0)
             if HAS_COEF:
                 grad = grad * tl.load(coef_ptr)  # as `_foreach_mul_(grads, coef)`
-            exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-            exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+            # FP32 moments, or BF16 ones widened (exactly) to FP32
+            exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             # param -= lr * weight_decay * param, contracted as nvcc does; only where the shard decays (torch skips
             # it at zero decay, where it would turn -0.0 into 0.0 and inf into nan). The negated product comes from
             # the host: Triton negates as 0 - x, which would give +0.0 for lr = 0 where torch has -0.0.
@@ -59,8 +68,9 @@ def _kernel():
             denom = tl.math.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
             param = param - tl.math.div_rn(step_size * exp_avg, denom)
             tl.store(master_ptr + offs, param, mask=mask)
-            tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
-            tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
+            # BF16 moments are rounded (to nearest) only when stored: this step's update used them in FP32
+            tl.store(exp_avg_ptr + offs, exp_avg.to(exp_avg_ptr.dtype.element_ty), mask=mask)
+            tl.store(exp_avg_sq_ptr + offs, exp_avg_sq.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptr + offs, param.to(out_ptr.dtype.element_ty), mask=mask)
 
     return adamw_update_kernel
@@ -93,15 +103,16 @@ def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                   out: torch.Tensor, decay_end: int, corrections: torch.Tensor, lr: float, beta1: float, beta2: float,
                   eps: float, weight_decay: float, coef: Optional[torch.Tensor] = None,
                   skip: Optional[torch.Tensor] = None) -> None:
-    """One shard's update in place: `master`, `exp_avg`, `exp_avg_sq` (FP32, flat) updated from `grad` (times the
-    0-d FP32 `coef` when given), with weight decay on elements [0, decay_end), and `out` (the model's flat weights
-    for this shard, any float dtype) set to the updated master. Where the 0-d `skip` is nonzero nothing is updated
-    and `out` gets the master as it is. `corrections` from `bias_corrections`; with a weight decay of zero pass
-    `decay_end=0`."""
+    """One shard's update in place: `master` (FP32, flat), `exp_avg` and `exp_avg_sq` (both FP32, or both BF16:
+    computed in FP32, rounded when stored) updated from `grad` (FP32; times the 0-d FP32 `coef` when given), with
+    weight decay on elements [0, decay_end), and `out` (the model's flat weights for this shard, any float dtype)
+    set to the updated master. Where the 0-d `skip` is nonzero nothing is updated and `out` gets the master as it
+    is. `corrections` from `bias_corrections`; with a weight decay of zero pass `decay_end=0`."""
     n = master.numel()
     for t in (grad, exp_avg, exp_avg_sq, out):
         assert t.numel() == n and t.is_contiguous() and t.device == master.device, "adamw_update_: mismatched shard"
-    assert master.dtype == grad.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32 and master.is_contiguous()
+    assert master.dtype == grad.dtype == torch.float32 and master.is_contiguous(), "adamw_update_: FP32 master, grad"
+    assert exp_avg.dtype == exp_avg_sq.dtype in (torch.float32, torch.bfloat16), "adamw_update_: moment dtype"
     assert corrections.dtype == torch.float32 and corrections.numel() == 2, "adamw_update_: corrections"
     if n == 0:
         return
