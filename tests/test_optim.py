@@ -490,7 +490,7 @@ def test_the_fused_update_with_bf16_moments_is_its_fp32_update_rounded():
     corrections = bias_corrections(torch.tensor([b1, b2], device="cuda"), torch.tensor(3.0, device="cuda"))
     runs = {}
     for dtype in (torch.float32, torch.bfloat16):
-        m, a, v = master.clone(), exp_avg.to(dtype), exp_avg_sq.to(dtype)
+        m, a, v = master.clone(), exp_avg.to(dtype, copy=True), exp_avg_sq.to(dtype, copy=True)
         out = torch.empty(n, dtype=torch.bfloat16, device="cuda")
         adamw_update_(m, grad.clone(), a, v, out, decay_end, corrections, lr, b1, b2, eps, wd)
         runs[dtype] = (m, a, v, out)
