@@ -53,8 +53,10 @@
 # the two MoE runs side by side: up to 180 GB of checkpoints). EXTRA_OVERRIDES is appended to every run's
 # overrides (e.g. training.compile=true); GPU picks the GPU of a single `run NAME` (default 0), GPU2 the second run's
 # of `run NAME NAME2` (default 1). GPU2=0 runs both on one GPU, side by side (the dense runs hold ~41-43 GiB each
-# under CUDA graphs on an H200; four checkpoints, ~50 GB, may exist at once): the GPU's time is shared, so each logs
-# about half its usual tokens/s, but one run's compilation, evaluation and checkpoints overlap the other's steps.
+# under CUDA graphs on an H200): the GPU's time is shared, so each logs about half its usual tokens/s, but one
+# run's compilation, evaluation and checkpoints overlap the other's steps. There the first run stops STOP_STAGGER
+# (60) s before the second, so that the two do not write their stop-time checkpoints at once (each run holds two
+# while it writes one: four, ~50 GB of the machine's 64 GiB disk, had both written together).
 # Estimated, not yet tried: the two dense runs left (~1,040 s of steps together) and the corpus then take ~1,350 s
 # of device time in three commands, against ~1,600 s one after the other.
 source "$(dirname "$0")/gpu_lib.sh"
@@ -182,7 +184,8 @@ last_step() { metrics_last_step "$(run_dir "$1")/metrics.jsonl"; }  # last_step 
 
 finished() { [ -f "$DATA/meta.json" ] && [ "$(last_step "$1")" -ge "$(steps_of "$1")" ]; }
 
-run_one() {  # run_one NAME GPU: train NAME on GPU for at most RUN_SECONDS, then report and keep what comes back
+run_one() {  # run_one NAME GPU [SECONDS]: train NAME on GPU for at most SECONDS (RUN_SECONDS), then report and keep
+  # what comes back
   local name=$1 overrides rc
   overrides=$(run_overrides "$name") || return 2
   if finished "$name"; then echo "$name: finished already"; return 0; fi
@@ -190,7 +193,7 @@ run_one() {  # run_one NAME GPU: train NAME on GPU for at most RUN_SECONDS, then
   # (checkpoint.save_on_signal, where checkpoint.interval > 0), and is killed (137) if that takes over STOP_GRACE s.
   # The dense model's checkpoint (12.5 GiB) took ~30 s to write on the GPU machine: a 30 s grace killed the stop's
   # save in job BN, and the run went back to its previous checkpoint.
-  CUDA_VISIBLE_DEVICES=$2 timeout -k "${STOP_GRACE:-120}" "${RUN_SECONDS:-450}" python launch/pretrain.py \
+  CUDA_VISIBLE_DEVICES=$2 timeout -k "${STOP_GRACE:-120}" "${3:-${RUN_SECONDS:-450}}" python launch/pretrain.py \
     --config tiny_dense $overrides \
     >> "$RUNS/$name.log" 2>&1
   rc=$?
@@ -215,7 +218,14 @@ run_pair() {  # run_pair NAME [NAME2]: side by side on GPUs GPU (0) and GPU2 (1;
   for name in "$@"; do known_run "$name" || return 2; done
   [ -f "$DATA/meta.json" ] || { echo "no corpus in $DATA: run the corpus sub-steps first" >&2; return 2; }
   echo "## run $* ($(date -u +%FT%TZ))" >> "$OUT/summary.md"
-  run_one "$1" "${GPU:-0}" &
+  local first_seconds=${RUN_SECONDS:-450}
+  if [ $# -ge 2 ] && [ "${GPU:-0}" = "${GPU2:-1}" ]; then
+    # On one GPU both runs would stop, and write their checkpoints, at the same moment: with each run's previous
+    # checkpoint still there until its new one is complete, four dense checkpoints (~50 GB) would share the
+    # machine's 64 GiB disk. The first stops STOP_STAGGER s earlier, so that at most one writes at a time.
+    first_seconds=$(( first_seconds - ${STOP_STAGGER:-60} ))
+  fi
+  run_one "$1" "${GPU:-0}" "$first_seconds" &
   [ $# -ge 2 ] && run_one "$2" "${GPU2:-1}" &
   wait
 }

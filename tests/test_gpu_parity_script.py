@@ -106,6 +106,19 @@ def test_two_runs_share_one_gpu_when_asked(tmp_path):
         assert f"- {name} (GPU 0): step 2 of 2, exit 0, finished\n" in both.stdout, both.stdout
 
 
+def test_two_runs_on_one_gpu_stop_one_after_the_other(tmp_path):
+    """Side by side on one GPU, the first run stops STOP_STAGGER s before the second, so that their stop-time
+    checkpoints are not written at once (four dense checkpoints would crowd the GPU machine's disk). Here the first
+    gets 1 s (cut before it trains) and the second RUN_SECONDS (it finishes)."""
+    tree = scan_text_tree([str(REPO / "megafp8")], [".py"], valid_fraction=0.05, seed=0)
+    preprocess([str(REPO / "megafp8")], tmp_path / "work" / "corpus", valid_fraction=0.05, tree=tree)  # byte tokens
+    both = script(tmp_path, "run", "dense_fp8_a", "dense_bf16_b", GPU2="0", DENSE_STEPS="2", EXTRA_OVERRIDES=TINY,
+                  RUN_SECONDS="120", STOP_STAGGER="119")
+    assert both.returncode == 0, both.stderr
+    assert "- dense_fp8_a (GPU 0): step 0 of 2, exit 124, cut short" in both.stdout, both.stdout
+    assert "- dense_bf16_b (GPU 0): step 2 of 2, exit 0, finished\n" in both.stdout, both.stdout
+
+
 def test_runs_of_an_earlier_session_count_where_they_are_what_this_one_would_run(tmp_path):
     """PRIOR_RUNS: a run finished in an earlier session (what its $OUT/runs brought back) counts as finished on a
     fresh machine with the same corpus and settings, `status` says so, and it is copied into this session's
