@@ -5,7 +5,9 @@ Each run is a fresh process of `benchmarks/train_step.py` with the same argument
 new one (`--new`, default the current directory). The runs alternate in ABBA order (old, new, new, old, old, ...),
 so a drift over the job (clocks, temperature, the power cap) reaches both trees alike. Printed: every run's tokens/s
 per recipe, then per recipe the median and range of each tree and the ratio of the medians, and where runs time
-both BF16 and FP8, each tree's FP8 / BF16 within a run (median and range over its runs).
+both BF16 and FP8, each tree's FP8 / BF16 within a run (median and range over its runs); last, each tree's memory
+as train_step.py reports it (peak with the warm-up, and held in the steady state: the figure to compare under CUDA
+graphs), median and range per recipe.
 
     PYTHONPATH=. python benchmarks/ab_steps.py --old old_tree --repeats 3 -- --model 1b \
         training.compile=true training.compile_mode=reduce-overhead --recipes fp8
@@ -23,21 +25,32 @@ import sys
 from pathlib import Path
 
 
-def parse_tokens_per_s(table: str) -> dict[str, float]:
-    """{recipe: tokens/s} from train_step.py's Markdown table (the first table whose header names both columns)."""
+MEMORY_COLUMNS = ("peak GiB, with warm-up", "held GiB, steady")  # train_step.py's, compared where it prints them
+
+
+def parse_column(table: str, column: str) -> dict[str, float]:
+    """{recipe: value of `column`} from train_step.py's Markdown table (the first table whose header names both
+    "recipe" and "tokens/s"); {} where it has no such column."""
     columns, found = None, {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if columns is None:
             if "recipe" in cells and "tokens/s" in cells:
+                if column not in cells:
+                    return {}
                 columns = cells
             continue
         if len(cells) != len(columns) or set(line.strip()) <= set("|-: "):
             if found:
                 break
             continue
-        found[cells[columns.index("recipe")]] = float(cells[columns.index("tokens/s")].replace(",", ""))
+        found[cells[columns.index("recipe")]] = float(cells[columns.index(column)].replace(",", ""))
     return found
+
+
+def parse_tokens_per_s(table: str) -> dict[str, float]:
+    """{recipe: tokens/s} from train_step.py's Markdown table."""
+    return parse_column(table, "tokens/s")
 
 
 def order(repeats: int) -> list[str]:
@@ -46,19 +59,19 @@ def order(repeats: int) -> list[str]:
     return [tree for pair in pairs for tree in pair]
 
 
-def run_once(tree: Path, train_step_args: list[str], timeout: float) -> tuple[dict[str, float], str]:
-    """({recipe: tokens/s}, error text): one train_step.py process in `tree`."""
+def run_once(tree: Path, train_step_args: list[str], timeout: float) -> tuple[dict[str, float], str, dict]:
+    """({recipe: tokens/s}, error text, {memory column: {recipe: GiB}}): one train_step.py process in `tree`."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     try:
         done = subprocess.run([sys.executable, "benchmarks/train_step.py", *train_step_args], cwd=tree, env=env,
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {}, f"timed out after {timeout:.0f} s"
+        return {}, f"timed out after {timeout:.0f} s", {}
     found = parse_tokens_per_s(done.stdout)
     if done.returncode != 0 or not found:
         tail = " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        return {}, f"rc {done.returncode}: {tail[-300:]}"
-    return found, ""
+        return {}, f"rc {done.returncode}: {tail[-300:]}", {}
+    return found, "", {column: parse_column(done.stdout, column) for column in MEMORY_COLUMNS}
 
 
 def summary(results: list[tuple[str, dict[str, float]]]) -> str:
@@ -88,6 +101,25 @@ def summary(results: list[tuple[str, dict[str, float]]]) -> str:
     return "\n".join(lines)
 
 
+def memory_summary(memory: list[tuple[str, dict]]) -> str:
+    """Per recipe and memory column (train_step.py's, GiB): each tree's median and range over its runs; "" if no
+    run printed one. Within one tree these vary little between runs; the table shows whether they moved."""
+    rows = []
+    for column in MEMORY_COLUMNS:
+        recipes = sorted({r for _, found in memory for r in found.get(column, {})})
+        for recipe in recipes:
+            cells = []
+            for tree in ("old", "new"):
+                values = [found[column][recipe] for t, found in memory if t == tree and recipe in found.get(column, {})]
+                cells.append(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})" if values
+                             else "no run")
+            rows.append(f"| {column} | {recipe} | {cells[0]} | {cells[1]} |")
+    if not rows:
+        return ""
+    return "\n".join(["| memory | recipe | old: median GiB (range) | new: median GiB (range) |", "|---|---|---|---|",
+                      *rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, train_step_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -101,15 +133,20 @@ def main(argv: list[str] | None = None) -> int:
         if not (tree / "benchmarks" / "train_step.py").is_file():
             parser.error(f"{tree} has no benchmarks/train_step.py: give the root of a megafp8 tree")
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
-    results = []
+    results, memory = [], []
     print("| run | tree | tokens/s by recipe |\n|---|---|---|")
     for i, tree in enumerate(order(args.repeats), 1):
-        found, error = run_once(trees[tree], train_step_args, args.timeout)
+        found, error, gib = run_once(trees[tree], train_step_args, args.timeout)
         shown = ", ".join(f"{r} {v:,.0f}" for r, v in found.items()) or f"FAILED ({error})"
         print(f"| {i} | {tree} | {shown} |", flush=True)
         results.append((tree, found))
+        memory.append((tree, gib))
     print()
     print(summary(results))
+    memory_table = memory_summary(memory)
+    if memory_table:
+        print()
+        print(memory_table)
     return 0 if all(found for _, found in results) else 1
 
 

@@ -524,3 +524,27 @@ def test_ab_steps_reads_train_steps_own_table():
                                                                                       tokens_per_s=107150.2)])
     assert ab_steps.parse_tokens_per_s("log line\n" + table + "\n\ntrailing text") == {"bf16": 88479.0,
                                                                                        "fp8": 107150.0}
+
+
+def test_ab_steps_compares_the_trees_memory_from_train_steps_table():
+    """Each tree's held and peak GiB (train_step.py's columns), median and range per recipe; a table without those
+    columns gives no memory table."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import ab_steps
+    import train_step
+    row = dict(model="1b", ranks=1, step_s=0.15, tflops=600.0, mfu=0.6, peak_gib=20.0, loss=3.1, graph_breaks=0,
+               planned_gib=21.0, per_rank=[(20.0, 21.0)], bubble=None, tokens_per_s=1.0)
+
+    def run(held_bf16, held_fp8, warmup):
+        table = train_step.table([dict(row, recipe="bf16", held_gib=held_bf16, warmup_peak_gib=warmup),
+                                  dict(row, recipe="fp8", held_gib=held_fp8, warmup_peak_gib=warmup)])
+        return {column: ab_steps.parse_column(table, column) for column in ab_steps.MEMORY_COLUMNS}
+
+    memory = [("old", run(67.6, 68.0, 64.0)), ("new", run(65.5, 65.9, 62.0)), ("new", run(65.5, 66.1, 62.0)),
+              ("old", run(67.6, 67.9, 64.0))]
+    text = ab_steps.memory_summary(memory)
+    assert "| held GiB, steady | fp8 | 67.95 (67.90-68.00) | 66.00 (65.90-66.10) |" in text
+    assert "| held GiB, steady | bf16 | 67.60 (67.60-67.60) | 65.50 (65.50-65.50) |" in text
+    assert "| peak GiB, with warm-up | fp8 | 64.00 (64.00-64.00) | 62.00 (62.00-62.00) |" in text
+    assert ab_steps.memory_summary([("old", {c: {} for c in ab_steps.MEMORY_COLUMNS})]) == ""
+    assert ab_steps.parse_column("| recipe | tokens/s |\n|---|---|\n| fp8 | 5 |", "held GiB, steady") == {}
