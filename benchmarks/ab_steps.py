@@ -74,6 +74,11 @@ def run_once(tree: Path, train_step_args: list[str], timeout: float) -> tuple[di
     return found, "", {column: parse_column(done.stdout, column) for column in MEMORY_COLUMNS}
 
 
+def _spread(values: list[float], spec: str) -> tuple[str, str]:
+    """(median, "min-max") of `values`, each formatted with `spec`."""
+    return format(statistics.median(values), spec), f"{format(min(values), spec)}-{format(max(values), spec)}"
+
+
 def summary(results: list[tuple[str, dict[str, float]]]) -> str:
     """Per recipe: each tree's median (min-max, runs) and new / old of the medians."""
     recipes = sorted({r for _, found in results for r in found})
@@ -85,7 +90,8 @@ def summary(results: list[tuple[str, dict[str, float]]]) -> str:
             values = [found[recipe] for t, found in results if t == tree and recipe in found]
             if values:
                 medians[tree] = statistics.median(values)
-                cells.append(f"{medians[tree]:,.0f} ({min(values):,.0f}-{max(values):,.0f}, {len(values)})")
+                median, spread = _spread(values, ",.0f")
+                cells.append(f"{median} ({spread}, {len(values)})")
             else:
                 cells.append("no run")
         ratio = f"{medians['new'] / medians['old']:.4f}" if len(medians) == 2 else "-"
@@ -94,8 +100,8 @@ def summary(results: list[tuple[str, dict[str, float]]]) -> str:
     for tree in ("old", "new"):
         within = [found["fp8"] / found["bf16"] for t, found in results if t == tree and {"fp8", "bf16"} <= set(found)]
         if within:
-            ratios.append(f"{tree}: median {statistics.median(within):.3f}x ({min(within):.3f}-{max(within):.3f}, "
-                          f"{len(within)} runs)")
+            median, spread = _spread(within, ".3f")
+            ratios.append(f"{tree}: median {median}x ({spread}, {len(within)} runs)")
     if ratios:
         lines += ["", "FP8 / BF16 within each run: " + "; ".join(ratios)]
     return "\n".join(lines)
@@ -111,8 +117,7 @@ def memory_summary(memory: list[tuple[str, dict]]) -> str:
             cells = []
             for tree in ("old", "new"):
                 values = [found[column][recipe] for t, found in memory if t == tree and recipe in found.get(column, {})]
-                cells.append(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})" if values
-                             else "no run")
+                cells.append("{} ({})".format(*_spread(values, ".2f")) if values else "no run")
             rows.append(f"| {column} | {recipe} | {cells[0]} | {cells[1]} |")
     if not rows:
         return ""
