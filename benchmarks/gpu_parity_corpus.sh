@@ -14,8 +14,9 @@
 # checkpoints the step it stops at, so no step is done twice)
 #   EXTRA_OVERRIDES="training.compile=true training.compile_mode=reduce-overhead" DENSE_CHECKPOINT_INTERVAL=1000
 # (every run of the comparison must use the same ones: they are part of each run's id). Sixteenth session (jobs BN,
-# BO): dense_bf16_a finished in two commands at 85-86k tokens/s, each checkpoint taking ~30 s; it is in
-# docs/parity_runs (PRIOR_RUNS=docs/parity_runs). Left: dense_fp8_a, dense_bf16_b, the MoE pair.
+# BO): dense_bf16_a finished in two commands at 85-86k tokens/s, each checkpoint taking ~30 s. Twentieth session
+# (jobs CA-CE, one after the other on one GPU): dense_fp8_a (~110k tokens/s) and dense_bf16_b (~90k), two commands
+# each. All three are in docs/parity_runs (PRIOR_RUNS=docs/parity_runs). Left: the MoE pair.
 #
 # Every command on the GPU machine may be limited to 10 minutes, so the work comes in sub-steps, each short, each
 # resumable (run them again until `status` says every run is finished):
@@ -34,7 +35,8 @@
 # Tables go to $OUT/summary.md, plots to $OUT/parity_{dense,moe}.png, each run's metrics, log and run_id.txt (the
 # corpus's token counts, the tokenizer's sha256 and the run's overrides) to $OUT/runs/; the corpus, tokenizer and
 # run directories (checkpoints) stay in WORK (/tmp/megafp8-parity), which must survive between commands (same
-# machine).
+# machine). PACK_OUT=1 puts $OUT/runs and $OUT/logs into one $OUT/parity_files.tar.gz instead (for machines that
+# bring back only a few files: this project's GPU machine brings back 8).
 #
 # Across sessions (a GPU session's budget holds about three dense runs' worth of time, and WORK does not survive the
 # machine): keep what $OUT/runs/ brought back (in the repository), and give it as PRIOR_RUNS in the next session.
@@ -260,6 +262,21 @@ compare() {
   step plot_moe python tools/plot_runs.py $moe --labels "BF16" "FP8" --metrics loss val_loss --gaps --smooth 10 \
     --from-step 100 --out "$OUT/parity_moe.png"
 }
+
+pack_out() {  # PACK_OUT=1: $OUT/runs and $OUT/logs go into $OUT/parity_files.tar.gz, merged with what earlier
+  # sub-steps packed there, and leave $OUT. For machines that bring back only a few files from $OUT (this project's
+  # GPU machine: at most 8, so in job CD of the twentieth session a finished run's metrics.jsonl stayed behind).
+  [ "${PACK_OUT:-0}" = 1 ] || return 0
+  local stage dir
+  stage=$(mktemp -d)
+  [ -f "$OUT/parity_files.tar.gz" ] && tar -xzf "$OUT/parity_files.tar.gz" -C "$stage"
+  for dir in runs logs; do
+    [ -d "$OUT/$dir" ] && cp -r "$OUT/$dir" "$stage/" && rm -rf "${OUT:?}/$dir"
+  done
+  tar -czf "$OUT/parity_files.tar.gz" -C "$stage" .
+  rm -rf "$stage"
+}
+trap pack_out EXIT
 
 case ${1:-} in
   run|next|status|compare) check_prior || exit 2 ;;

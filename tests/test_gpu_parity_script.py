@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import yaml
@@ -157,3 +158,27 @@ def test_runs_of_an_earlier_session_count_where_they_are_what_this_one_would_run
     refused = script(other, "run", "dense_bf16_a", PRIOR_RUNS=str(prior), **env)
     assert refused.returncode == 2 and "was made another way" in refused.stderr
     assert not (other / "work" / "runs" / "dense_bf16_a").exists()
+
+
+def test_pack_out_keeps_every_sub_step_s_files_in_one_archive(tmp_path):
+    """PACK_OUT=1: what the sub-steps write under $OUT/runs and $OUT/logs ends in one $OUT/parity_files.tar.gz, each
+    sub-step's files merged with the earlier ones', so that $OUT holds a few files (the GPU machine brings back 8)."""
+    tree = scan_text_tree([str(REPO / "megafp8")], [".py"], valid_fraction=0.05, seed=0)
+    preprocess([str(REPO / "megafp8")], tmp_path / "work" / "corpus", valid_fraction=0.05, tree=tree)  # byte tokens
+    env = {"DENSE_STEPS": "3", "EXTRA_OVERRIDES": TINY, "PACK_OUT": "1", "RUN_SECONDS": "1"}
+    for name in ("dense_bf16_a", "dense_fp8_a"):  # two sub-steps, each cut short before it trains
+        cut = script(tmp_path, "run", name, **env)
+        assert cut.returncode == 0 and f"- {name} (GPU 0): step 0 of 3, exit 124, cut short" in cut.stdout, \
+            cut.stdout + cut.stderr
+    out = tmp_path / "out"
+    assert sorted(path.name for path in out.iterdir()) == ["parity_files.tar.gz", "summary.md"]
+    with tarfile.open(out / "parity_files.tar.gz") as archive:
+        names = set(archive.getnames())
+        logs = {name: archive.extractfile(f"./runs/{name}.log").read().decode()
+                for name in ("dense_bf16_a", "dense_fp8_a")}
+        run_id = archive.extractfile("./runs/dense_fp8_a/run_id.txt").read().decode()
+    assert {"./logs", "./runs/dense_bf16_a/run_id.txt", "./runs/dense_fp8_a/run_id.txt"} <= names, names
+    for name, log in logs.items():
+        assert log == (tmp_path / "work" / "runs" / f"{name}.log").read_text()
+    assert "precision.recipe=fp8" in run_id
+    assert (out / "summary.md").read_text().count("cut short") == 2
