@@ -23,7 +23,9 @@
 # QKV projection's quantizer (tests_rope), backward on autograd's worker thread against the
 # calling thread (fp8_linear_threads; whole steps: threads_eager, threads_compiled, threads_moe), the weight gradients
 # into main_grad on the GPU, FP8 and BF16, with the one-GPU training tests (tests_main_grad), the 8B-layer eager memory
-# row alone (memory_8b_eager), the hopper backend's conformance tests (tests_hopper), the FP8 MoE step profiled with the
+# row alone (memory_8b_eager), the 8B-layer step's memory under CUDA graphs, each recipe in a fresh process, as the
+# allocator comes and with expandable segments (memory_8b_ro_fresh, expandable_8b), the hopper backend's
+# conformance tests (tests_hopper), the FP8 MoE step profiled with the
 # default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper; moe_compiled_accum: both
 # backends, four micro-batches per step), cg_diag and cg_diag_8b (CUDA graph logs of the FP8 step), an older commit's
 # tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_compiled_ro_bf16, old_compiled_ro_8b_bf16, old_fused_quantize,
@@ -153,6 +155,16 @@ for part in $PARTS; do
     memory_8b_eager)  # the 8B-layer eager run's peak, FP8-health step included (memory_modes' slowest row alone)
       step memory_8b-layers_eager python benchmarks/train_step.py --model 8b-layers --steps 10 --warmup 6 \
            --log-interval 2 --recipes bf16 fp8 ;;
+    memory_8b_ro_fresh|expandable_8b)  # the 8B-layer step under CUDA graphs, each recipe in a fresh process (job BZ's
+      # held-memory comparison); expandable_8b: with the caching allocator's expandable segments, which map a pool's
+      # pages into one growing address range instead of separate segments (less fragmentation; torch 2.11's support
+      # for them in CUDA graphs' private pools is what this measures)
+      conf=""; [ "$part" = expandable_8b ] && conf="expandable_segments:True"
+      for recipe in fp8 bf16; do
+        step "${part}_$recipe" env PYTORCH_CUDA_ALLOC_CONF="$conf" python benchmarks/train_step.py \
+          training.compile=true training.compile_mode=reduce-overhead --model 8b-layers --steps 10 --warmup 6 \
+          --log-interval 2 --recipes "$recipe"
+      done ;;
     old_wgrad_gemm) step old_wgrad_gemm bash -c "cd \"$OLD\" && python benchmarks/wgrad_gemm.py" ;;
     old_grouped_gemm) step old_grouped_gemm bash -c "cd \"$OLD\" && python benchmarks/grouped_gemm.py --backend cublas" ;;
     profile_moe_fp8) step profile_moe_fp8 python benchmarks/train_step.py training.compile=true --model moe \

@@ -441,6 +441,36 @@ exec {sys.executable} "$@"
     assert "sleep 60" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
 
+def test_gpu_e2e_memory_parts_run_each_recipe_in_a_fresh_process_with_and_without_expandable_segments(tmp_path):
+    """`memory_8b_ro_fresh` and `expandable_8b`: the 8B-layer step under CUDA graphs, FP8 then BF16, one process
+    each (one recipe's leftovers would count in the next one's held memory), the allocator as it comes, then with
+    expandable segments."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
+if [ "$1" = benchmarks/train_step.py ]; then
+  echo "conf=[$PYTORCH_CUDA_ALLOC_CONF] $*" >> {tmp_path}/steps.log; exit 0
+fi
+if [ "$1" = -c ]; then exit 0; fi  # "import torchao": installed, nothing to install
+exec {sys.executable} "$@"
+""")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out))
+    result = subprocess.run(["bash", "benchmarks/gpu_e2e.sh", "memory_8b_ro_fresh", "expandable_8b"], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = (tmp_path / "steps.log").read_text().splitlines()
+    assert [(s.split("]")[0] + "]", s.split("--recipes ")[1]) for s in steps] == [
+        ("conf=[]", "fp8"), ("conf=[]", "bf16"),
+        ("conf=[expandable_segments:True]", "fp8"), ("conf=[expandable_segments:True]", "bf16")]
+    assert all("--model 8b-layers" in s and "compile_mode=reduce-overhead" in s for s in steps)
+    summary = (out / "summary.md").read_text()
+    assert [line[3:] for line in summary.splitlines() if line.startswith("## ")] == [
+        "memory_8b_ro_fresh_fp8", "memory_8b_ro_fresh_bf16", "expandable_8b_fp8", "expandable_8b_bf16"]
+
+
 def test_clock_event_reasons_read_as_words():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import clocks_summary
