@@ -98,31 +98,98 @@ def test_truncated_or_incomplete_files_give_clear_errors(tmp_path):
         load_hf(tmp_path)
 
 
+# Runs each argv of a list as `python tools/convert_checkpoint.py ARGV...` would, one after another in this one
+# interpreter: the script as __main__ with its own sys.argv and sys.path[0], its stdout and stderr captured at the file
+# descriptors (C++ warnings too), its exit status taken from SystemExit as the interpreter takes it. A fresh interpreter
+# per invocation spent ~4 s of CPU importing torch and megafp8, nearly all of each invocation's time.
+TOOL_DRIVER = r"""
+import json, os, runpy, sys, tempfile, traceback
+tool = os.path.abspath("tools/convert_checkpoint.py")
+sys.path[0] = os.path.dirname(tool)
+report, results = os.fdopen(os.dup(1), "w"), []
+for argv in json.loads(sys.stdin.read()):
+    sys.argv = [tool, *argv]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            runpy.run_path(tool, run_name="__main__")
+            code = 0
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+            if isinstance(exit.code, str):
+                print(exit.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+        out.seek(0)
+        err.seek(0)
+        results.append({"returncode": code, "stdout": out.read(), "stderr": err.read()})
+json.dump(results, report)
+"""
+
+
+def run_convert_tool(invocations: list[tuple]) -> list[subprocess.CompletedProcess]:
+    """Each invocation's argv run by tools/convert_checkpoint.py in turn, in one subprocess (see `TOOL_DRIVER`)."""
+    argvs = [[str(arg) for arg in argv] for argv in invocations]
+    driver = subprocess.run([sys.executable, "-c", TOOL_DRIVER], input=json.dumps(argvs), cwd=REPO,
+                            env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert driver.returncode == 0, driver.stderr
+    return [subprocess.CompletedProcess(argv, **result) for argv, result in zip(argvs, json.loads(driver.stdout))]
+
+
 def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_overrides, tmp_path):
     ckpt = tmp_path / "ckpt"
     cfg = load_config("tiny_dense", tiny_overrides + [f"checkpoint.dir={ckpt}", "checkpoint.interval=6"])
     trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     trainer.fit()
 
-    def tool(*args):
-        result = subprocess.run([sys.executable, "tools/convert_checkpoint.py", *map(str, args)], cwd=REPO,
-                                env=torchrun_env(), capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr
-        return result.stdout
+    # Every invocation of the tool, in the order they run; each refused one gets its own non-empty --out.
+    step6 = ckpt / "step_00000006"
+    refusals = {command: (command, source, "--out", tmp_path / f"taken-{command}") for command, source in
+                (("to-hf", step6), ("from-hf", tmp_path / "hf"), ("consolidate", step6), ("shard", step6))}
+    for *_, out in refusals.values():
+        out.mkdir()
+        (out / "keep.txt").write_text("not yours")
+    invocations = {
+        "inspect": ("inspect", step6),
+        "consolidate": ("consolidate", step6, "--out", tmp_path / "one"),
+        "inspect consolidated": ("inspect", tmp_path / "one" / "step_00000006"),
+        "shard": ("shard", tmp_path / "one" / "step_00000006", "--out", tmp_path / "sharded"),
+        "to-hf": ("to-hf", step6, "--out", tmp_path / "hf"),
+        "from-hf": ("from-hf", tmp_path / "hf", "--out", tmp_path / "imported"),
+        **{f"refused {command}": argv for command, argv in refusals.items()},
+        "to-hf --overwrite": ("to-hf", step6, "--out", tmp_path / "hf", "--overwrite"),
+        "inspect missing": ("inspect", tmp_path / "nope"),
+    }
+    results = dict(zip(invocations, run_convert_tool(list(invocations.values()))))
 
-    listing = tool("inspect", ckpt / "step_00000006")
+    def output(name: str) -> str:
+        assert results[name].returncode == 0, (name, results[name].stderr)
+        return results[name].stdout
+
+    listing = output("inspect")
+    # The first invocation imported torch and megafp8 for all: as in a fresh interpreter per invocation (where each
+    # refusal below must print its one line alone), importing them printed nothing.
+    assert results["inspect"].stderr == ""
     assert "step: 6" in listing and "| layers.1.attn.qkv_proj.weight | (256, 128) | bfloat16 | yes | yes |" in listing
     assert "form: sharded (torch.distributed.checkpoint: 1 shard file(s)" in listing
     # Between the two on-disk forms and back: the same tensors and state.
-    tool("consolidate", ckpt / "step_00000006", "--out", tmp_path / "one")
-    assert "form: full (one state.pt)" in tool("inspect", tmp_path / "one" / "step_00000006")
-    tool("shard", tmp_path / "one" / "step_00000006", "--out", tmp_path / "sharded")
-    original, back = (load_checkpoint(ckpt / "step_00000006"), load_checkpoint(tmp_path / "sharded" / "step_00000006"))
+    output("consolidate")
+    assert "form: full (one state.pt)" in output("inspect consolidated")
+    output("shard")
+    original, back = (load_checkpoint(step6), load_checkpoint(tmp_path / "sharded" / "step_00000006"))
     assert original["loader"] == back["loader"] and original["optimizer"]["step"] == back["optimizer"]["step"] == 6
     for kind in ("masters", "exp_avg", "exp_avg_sq"):
         assert all(torch.equal(t, back["optimizer"][kind][n]) for n, t in original["optimizer"][kind].items())
-    tool("to-hf", ckpt / "step_00000006", "--out", tmp_path / "hf")
-    printed = tool("from-hf", tmp_path / "hf", "--out", tmp_path / "imported")
+    output("to-hf")
+    printed = output("from-hf")
     assert f"train from it with checkpoint.resume={tmp_path / 'imported' / 'step_00000000'}" in printed
     (tmp_path / "run.yaml").write_text(printed[printed.index("model:"):])  # the printed model section, as it is
     not_model = [o for o in tiny_overrides if not o.startswith("model.")]
@@ -136,20 +203,14 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
         assert torch.equal(p, q), name  # masters rounded to BF16 are the model weights
     losses = [r["loss"] for r in resumed.fit() if r["kind"] == "train"]
     assert losses[0] < 5.0  # starts from the trained weights, not from scratch (ln 384 = 5.95)
-    for command, source in (("to-hf", ckpt / "step_00000006"), ("from-hf", tmp_path / "hf"),
-                            ("consolidate", ckpt / "step_00000006"), ("shard", ckpt / "step_00000006")):
-        out = tmp_path / "taken"
-        out.mkdir(exist_ok=True)
-        (out / "keep.txt").write_text("not yours")
-        refused = subprocess.run([sys.executable, "tools/convert_checkpoint.py", command, str(source), "--out",
-                                  str(out)], cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=60)
+    for command, (*_, out) in refusals.items():
+        refused = results[f"refused {command}"]
         assert refused.returncode == 2 and refused.stderr == (
             f"error: --out {out} exists and is not empty: choose another --out, or pass --overwrite to write into it "
             "(files of the same name are replaced)\n"), (command, refused.stderr)
         assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    tool("to-hf", ckpt / "step_00000006", "--out", tmp_path / "hf", "--overwrite")
-    bad = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "inspect", str(tmp_path / "nope")],
-                         cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=60)
+    output("to-hf --overwrite")
+    bad = results["inspect missing"]
     assert bad.returncode == 2 and "not found" in bad.stderr
 
 
