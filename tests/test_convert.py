@@ -7,8 +7,6 @@ import dataclasses
 import json
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,12 +19,13 @@ from megafp8.parallel import ParallelDims
 from megafp8.precision import E4M3, PrecisionRecipe
 from megafp8.precision.quantize import quantize_128x128
 from megafp8.train import Trainer
-from tests.conftest import REPO, torchrun_env
+from tests.scripts import run_scripts
 
 pytest.importorskip("safetensors")
 from megafp8.checkpoint import load_checkpoint
 from megafp8.checkpoint.hf import WEIGHTS_FILE, load_hf, save_hf  # noqa: E402
 
+TOOL = "tools/convert_checkpoint.py"
 CFG = ModelConfig(vocab_size=384, hidden_size=256, num_layers=2, num_heads=4, attention=GqaConfig(num_kv_heads=2),
                   ffn_hidden_size=512)
 
@@ -98,52 +97,6 @@ def test_truncated_or_incomplete_files_give_clear_errors(tmp_path):
         load_hf(tmp_path)
 
 
-# Runs each argv of a list as `python tools/convert_checkpoint.py ARGV...` would, one after another in this one
-# interpreter: the script as __main__ with its own sys.argv and sys.path[0], its stdout and stderr captured at the file
-# descriptors (C++ warnings too), its exit status taken from SystemExit as the interpreter takes it. A fresh interpreter
-# per invocation spent ~4 s of CPU importing torch and megafp8, nearly all of each invocation's time.
-TOOL_DRIVER = r"""
-import json, os, runpy, sys, tempfile, traceback
-tool = os.path.abspath("tools/convert_checkpoint.py")
-sys.path[0] = os.path.dirname(tool)
-report, results = os.fdopen(os.dup(1), "w"), []
-for argv in json.loads(sys.stdin.read()):
-    sys.argv = [tool, *argv]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        saved = os.dup(1), os.dup(2)
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        try:
-            runpy.run_path(tool, run_name="__main__")
-            code = 0
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
-            if isinstance(exit.code, str):
-                print(exit.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-        out.seek(0)
-        err.seek(0)
-        results.append({"returncode": code, "stdout": out.read(), "stderr": err.read()})
-json.dump(results, report)
-"""
-
-
-def run_convert_tool(invocations: list[tuple]) -> list[subprocess.CompletedProcess]:
-    """Each invocation's argv run by tools/convert_checkpoint.py in turn, in one subprocess (see `TOOL_DRIVER`)."""
-    argvs = [[str(arg) for arg in argv] for argv in invocations]
-    driver = subprocess.run([sys.executable, "-c", TOOL_DRIVER], input=json.dumps(argvs), cwd=REPO,
-                            env=torchrun_env(), capture_output=True, text=True, timeout=300)
-    assert driver.returncode == 0, driver.stderr
-    return [subprocess.CompletedProcess(argv, **result) for argv, result in zip(argvs, json.loads(driver.stdout))]
-
-
 def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_overrides, tmp_path):
     ckpt = tmp_path / "ckpt"
     cfg = load_config("tiny_dense", tiny_overrides + [f"checkpoint.dir={ckpt}", "checkpoint.interval=6"])
@@ -168,16 +121,14 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
         "to-hf --overwrite": ("to-hf", step6, "--out", tmp_path / "hf", "--overwrite"),
         "inspect missing": ("inspect", tmp_path / "nope"),
     }
-    results = dict(zip(invocations, run_convert_tool(list(invocations.values()))))
+    # One interpreter imports torch and megafp8 for all of them (tests/scripts.py): ~4 s of CPU each otherwise.
+    results = dict(zip(invocations, run_scripts([(TOOL, *argv) for argv in invocations.values()])))
 
     def output(name: str) -> str:
         assert results[name].returncode == 0, (name, results[name].stderr)
         return results[name].stdout
 
     listing = output("inspect")
-    # The first invocation imported torch and megafp8 for all: as in a fresh interpreter per invocation (where each
-    # refusal below must print its one line alone), importing them printed nothing.
-    assert results["inspect"].stderr == ""
     assert "step: 6" in listing and "| layers.1.attn.qkv_proj.weight | (256, 128) | bfloat16 | yes | yes |" in listing
     assert "form: sharded (torch.distributed.checkpoint: 1 shard file(s)" in listing
     # Between the two on-disk forms and back: the same tensors and state.
