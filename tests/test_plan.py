@@ -2,9 +2,6 @@
 that cannot fit fails before allocating anything."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -13,7 +10,7 @@ from megafp8.parallel.pipeline import build_layout
 from megafp8.train.plan import GIB, check_fits, make_plan
 from megafp8.train.build import build_model
 from megafp8.precision import PrecisionRecipe
-from tests.conftest import REPO, torchrun_env
+from tests.scripts import run_scripts
 
 
 def test_parameter_counts_match_the_built_model():
@@ -62,20 +59,20 @@ def test_a_run_that_cannot_fit_fails_fast():
 
 
 def test_dry_run_command_prints_the_plan_and_needs_a_vocabulary(tmp_path):
-    cmd = [sys.executable, "launch/pretrain.py", "--config", "tiny_dense", "--dry-run", "--world-size", "8",
-           "model.size=1b", "model.vocab_size=32768", "data.seq_len=2048", "training.global_batch_size=32"]
-    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    dry_run = ["launch/pretrain.py", "--config", "tiny_dense", "--dry-run", "--world-size", "8", "model.size=1b",
+               "model.vocab_size=32768", "data.seq_len=2048", "training.global_batch_size=32"]
+    # The four commands in one interpreter that imports torch once (tests/scripts.py): ~4 s of CPU each otherwise.
+    result, tp2, plan_tool, missing = run_scripts([
+        dry_run,
+        dry_run + ["parallel.tp=2", "parallel.sequence_parallel=true"],
+        ["tools/plan.py", "--config", "tiny_dense", "model.vocab_size=512"],
+        ["tools/plan.py", "--config", "tiny_dense", f"data.path={tmp_path}"],
+    ])
     assert result.returncode == 0, result.stderr
     assert "| **total** | **956.37M** |" in result.stdout and "sharded over 8 data-parallel" in result.stdout
-    tp2 = subprocess.run(cmd + ["parallel.tp=2", "parallel.sequence_parallel=true"], cwd=REPO, env=torchrun_env(),
-                         capture_output=True, text=True, timeout=120)
     assert "| **total** | **956.37M** |" in tp2.stdout and "tp 2 with sequence parallelism" in tp2.stdout
     assert "sharded over 4 data-parallel" in tp2.stdout
-    plan_tool = subprocess.run([sys.executable, "tools/plan.py", "--config", "tiny_dense", "model.vocab_size=512"],
-                               cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
     assert plan_tool.returncode == 0 and "tokens/s at 40% MFU" in plan_tool.stdout
-    missing = subprocess.run([sys.executable, "tools/plan.py", "--config", "tiny_dense", f"data.path={tmp_path}"],
-                             cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "set model.vocab_size=N" in missing.stderr
 
 
