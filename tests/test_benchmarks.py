@@ -408,29 +408,36 @@ esac
 """
 
 
-def test_gpu_e2e_clocks_part_samples_each_recipes_steps_and_summarizes_the_busy_samples(tmp_path):
-    """`gpu_e2e.sh clocks_8b` samples clocks and power while BF16, then FP8, run the 8B-layer step, stops each
-    sampler, and summarizes only the busy samples: median and lowest SM clock, power against its limit, and the
-    clock event reasons (here a power cap in two of three busy samples)."""
+def _gpu_e2e_with_fake_gpu(tmp_path, parts: list[str], on_train_step: str) -> subprocess.CompletedProcess:
+    """`gpu_e2e.sh PARTS` with OUT=tmp_path/out, the stand-in nvidia-smi, and a `python` that runs the shell line
+    `on_train_step` in OUT (instead of the step) for each `benchmarks/train_step.py` call and runs everything else."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
     (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
-if [ "$1" = benchmarks/train_step.py ]; then echo "$*" >> {tmp_path}/steps.log; sleep 0.3; exit 0; fi
+if [ "$1" = benchmarks/train_step.py ]; then (cd "{out}" && {on_train_step}); exit 0; fi
 if [ "$1" = -c ]; then exit 0; fi  # "import torchao": installed, nothing to install
 exec {sys.executable} "$@"
 """)
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out))
-    result = subprocess.run(["bash", "benchmarks/gpu_e2e.sh", "clocks_8b"], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=60)
+    return subprocess.run(["bash", "benchmarks/gpu_e2e.sh", *parts], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_gpu_e2e_clocks_part_samples_each_recipes_steps_and_summarizes_the_busy_samples(tmp_path):
+    """`gpu_e2e.sh clocks_8b` samples clocks and power while BF16, then FP8, run the 8B-layer step, stops each
+    sampler, and summarizes only the busy samples: median and lowest SM clock, power against its limit, and the
+    clock event reasons (here a power cap in two of three busy samples)."""
+    out = tmp_path / "out"
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["clocks_8b"], 'echo "$*" >> steps.log; sleep 0.3')
     assert result.returncode == 0, result.stderr[-3000:]
     summary = (out / "summary.md").read_text()
     assert [line[3:] for line in summary.splitlines() if line.startswith("## ")] == \
         ["steps_8b_bf16", "steps_8b_fp8", "clocks_8b"], summary
     assert "FAILED" not in summary
-    steps = (tmp_path / "steps.log").read_text().splitlines()
+    steps = (tmp_path / "out" / "steps.log").read_text().splitlines()
     assert len(steps) == 2 and all("--model 8b-layers" in s and "compile_mode=reduce-overhead" in s for s in steps)
     assert [s.split("--recipes ")[1] for s in steps] == ["bf16", "fp8"]
     rows = [line for line in summary.splitlines() if line.startswith("| bf16 ") or line.startswith("| fp8 ")]
@@ -445,23 +452,11 @@ def test_gpu_e2e_memory_parts_run_each_recipe_in_a_fresh_process_with_and_withou
     """`memory_8b_ro_fresh` and `expandable_8b`: the 8B-layer step under CUDA graphs, FP8 then BF16, one process
     each (one recipe's leftovers would count in the next one's held memory), the allocator as it comes, then with
     expandable segments."""
-    bin_dir, out = tmp_path / "bin", tmp_path / "out"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
-    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
-if [ "$1" = benchmarks/train_step.py ]; then
-  echo "conf=[$PYTORCH_CUDA_ALLOC_CONF] $*" >> {tmp_path}/steps.log; exit 0
-fi
-if [ "$1" = -c ]; then exit 0; fi  # "import torchao": installed, nothing to install
-exec {sys.executable} "$@"
-""")
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out))
-    result = subprocess.run(["bash", "benchmarks/gpu_e2e.sh", "memory_8b_ro_fresh", "expandable_8b"], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=60)
+    out = tmp_path / "out"
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["memory_8b_ro_fresh", "expandable_8b"],
+                                    'echo "conf=[$PYTORCH_CUDA_ALLOC_CONF] $*" >> steps.log')
     assert result.returncode == 0, result.stderr[-3000:]
-    steps = (tmp_path / "steps.log").read_text().splitlines()
+    steps = (out / "steps.log").read_text().splitlines()
     assert [(s.split("]")[0] + "]", s.split("--recipes ")[1]) for s in steps] == [
         ("conf=[]", "fp8"), ("conf=[]", "bf16"),
         ("conf=[expandable_segments:True]", "fp8"), ("conf=[expandable_segments:True]", "bf16")]

@@ -87,11 +87,16 @@ def cuda_like_eager_head_norms(model: torch.nn.Module):
     """The CUDA-like RMSNorm for the norms that run eagerly around compiled blocks (the final norm, each MTP depth's
     input and output norms) and for no other: patching `F.rms_norm` itself would also swap it into the compiled MTP
     blocks (their guards recompile them with the stand-in, which keeps FP32 copies Inductor recomputes)."""
+    def with_cuda_like_norm(forward):
+        def run(x):
+            with cuda_like_norms_here():  # only while this norm runs: the compiled blocks see `F.rms_norm` as it is
+                return forward(x)
+        return run
+
     norms = [model.final_norm] + [norm for m in model.mtp for norm in (m.hidden_norm, m.embed_norm, m.out_norm)]
     with pytest.MonkeyPatch.context() as patch:
         for norm in norms:
-            patch.setattr(norm, "forward", lambda x, norm=norm: _cuda_like_rms_norm(
-                x.float(), norm.weight.shape, norm.weight.float(), norm.eps).type_as(x))
+            patch.setattr(norm, "forward", with_cuda_like_norm(norm.forward))
         yield
 
 
