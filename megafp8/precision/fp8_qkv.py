@@ -82,14 +82,15 @@ class _Fp8QkvRopeFn(torch.autograd.Function):
 
 def _split_and_rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y (M, Nq + Nk + Nv) -> (q, k, v), each (batch, seq_len, heads, head_dim): q and k rotated (new tensors),
-    v a view of y."""
+    """y (M, Nq + Nk + Nv) -> (q, k, v), each (batch, seq_len, heads, head_dim): q and k rotated, v copied, all
+    three new tensors, so that what the attention core keeps for backward does not keep y alive (a view of y
+    would keep all of it)."""
     nq, nk, nv = rotary.widths
     b, t, d = rotary.batch, rotary.seq_len, rotary.head_dim
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, head_dim)
     q = rotate(y[:, :nq].view(b, t, nq // d, d), cos, sin)
     k = rotate(y[:, nq:nq + nk].view(b, t, nk // d, d), cos, sin)
-    return q, k, y[:, nq + nk:].view(b, t, nv // d, d)
+    return q, k, y[:, nq + nk:].view(b, t, nv // d, d).contiguous()
 
 
 def fp8_qkv_rope(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, recipe: Fp8Recipe,

@@ -12,11 +12,11 @@ whole tiles (all n of them: under SP the FP8 bytes are all-gathered).
 - RMSNorm run on its own keeps its FP32 input copy (m x width x 4; CUDA's fused `rms_norm` reads it in backward) and
   its inverse RMS (m x 4). An FP8 layer that takes the norm into its quantizer keeps the BF16 input instead.
 - A linear keeps its input: BF16, the input itself (under SP the all-gathered copy, n rows); FP8, x^T in FP8.
-- GQA attention: the QKV output (n x (q + 2 kv) widths; v is a view of it and keeps it whole), the rotated q and k,
+- GQA attention: the rotated q and k and v's own copy (n x (q + 2 kv) widths: no view keeps the QKV output),
   the attention output (the flash kernel writes it (B, T, heads, dim): the output projection's input is a view of
   it) and the FP32 logsumexp (n x heads).
 - MLA: the normed input, each projection's input (the down projections on the m local rows), the q_a and kv_a
-  norms, kv_b's output (v is a view of it), the concatenated q and k, the attention output and logsumexp.
+  norms, v's own copy of its part of kv_b's output, the concatenated q and k, the attention output and logsumexp.
 - SwiGLU, eager and unfused (BF16): the gate/up output gu (n x 2F), silu(gate) (n x F) and the product (n x F, the
   down projection's input). The fused FP8 SwiGLU (`megafp8.precision.fp8_mlp`) keeps gu and x^T in FP8 only.
 - MoE: the norm; the router's FP32 input copy, its FP32 scores (m x experts), the chosen experts and their weights;
@@ -161,9 +161,9 @@ def _gqa(saved: Saved, attn: Attention, norm: RMSNorm, mb: MicroBatch) -> None:
     act, n = _act_bytes(norm), mb.tokens
     _normed_input(saved, "attn", attn.qkv_proj, norm, mb)
     q_width, kv_width = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
-    saved.keep("attn.qkv", n * (q_width + 2 * kv_width) * act)  # v, a view of it, keeps all of it
     saved.keep("attn.q_rotated", n * q_width * act)
     saved.keep("attn.k_rotated", n * kv_width * act)
+    saved.keep("attn.v", n * kv_width * act)  # its own copy: the QKV output itself is not kept
     _attention_output(saved, "attn", attn.out_proj, attn.n_heads, q_width, act, mb)
 
 
@@ -183,7 +183,7 @@ def _mla(saved: Saved, attn: MultiHeadLatentAttention, norm: RMSNorm, mb: MicroB
     _norm(saved, "attn.kv_a_norm", m, attn.kv_rank, act, mb, "attn.kv_a_out", m * (attn.kv_rank + attn.rope_dim) * act)
     _linear_input(saved, attn.kv_b_proj, "attn.kv_b", "attn.kv_normed", m, attn.kv_rank, act, mb)
     qk_width = heads * (attn.nope + attn.rope_dim)
-    saved.keep("attn.kv", n * heads * (attn.nope + attn.v_dim) * act)  # v, a view of it, keeps all of it
+    saved.keep("attn.v", n * heads * attn.v_dim * act)  # its own copy: kv_b's output itself is not kept
     saved.keep("attn.q", n * qk_width * act)
     saved.keep("attn.k", n * qk_width * act)
     _attention_output(saved, "attn", attn.out_proj, heads, heads * attn.v_dim, act, mb)
