@@ -51,8 +51,8 @@ class Attention(nn.Module):
             qkv = self.qkv_proj(x, norm)  # (B*T, (n_heads + 2 * n_kv_heads) * head_dim), this rank's heads
             q, k, v = (t.view(batch, seq_len, -1, self.head_dim) for t in qkv.split(self.widths, dim=-1))
             # RoPE makes q and k anew, and v gets its own storage too: kept for backward as a view, it would keep
-            # the whole projection output alive (its q and k parts dead weight: 2/3 of it with MHA). Compiled,
-            # the copy joins RoPE's kernel.
+            # the whole projection output alive (its q and k parts dead weight: 2/3 of it with MHA). The copy is a
+            # kernel of its own, compiled too (it reads nothing RoPE's kernel reads, so Inductor does not fuse them).
             q, k = rope(q, k)
             v = v.contiguous()
         # SDPA wants (B, heads, T, head_dim); it computes softmax in FP32 internally.

@@ -3,7 +3,7 @@ backward quantizes its own output:
 
     forward   x (or RMSNorm(h)) -> FP8 both ways        (`quantize_layer_input`, as the FP8 linear)
               y = x_fp8 @ w^T                           (M, Nq + Nk + Nv) BF16
-              q, k = RoPE(y's query and key features)   in FP32, returned in BF16 (`producers.rotate`); v: y's values
+              q, k = RoPE(y's query and key features)   in FP32, returned in BF16 (`producers.rotate`); v: a copy of y's values
     backward  dq, dk, dv (the attention core's gradients)
               -> [RoPE^T(dq) | RoPE^T(dk) | dv] in FP32, quantized both ways by one kernel
                                                         (`rope_backward_quantize`: the BF16 gradient of y is never
