@@ -54,7 +54,8 @@ class Attention(nn.Module):
             # the whole projection output alive (its q and k parts dead weight: 2/3 of it with MHA). The copy is a
             # kernel of its own, compiled too (it reads nothing RoPE's kernel reads, so Inductor does not fuse them).
             q, k = rope(q, k)
-            v = v.contiguous()
+            if torch.is_grad_enabled():  # nothing keeps v without a backward to follow
+                v = v.contiguous()
         # SDPA wants (B, heads, T, head_dim); it computes softmax in FP32 internally.
         with attention_kernels(self.sdpa_backends):
             out = F.scaled_dot_product_attention(

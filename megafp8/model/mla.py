@@ -77,7 +77,8 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = self.kv_a_proj(x).split([self.kv_rank, self.rope_dim], dim=-1)  # (tokens, rank), (tokens, rope)
         kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(batch, seq_len, h, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        v = v.contiguous()  # kept for backward as a view, v would keep kv's k_nope half alive too (k is a new cat)
+        if torch.is_grad_enabled():  # kept for backward as a view, v would keep kv's k_nope half alive too
+            v = v.contiguous()
         # Every rank's heads use the one rotary key: all tokens of it, its gradient summed over TP.
         k_rope = to_tp_region(k_rope, self.tp)
         q_rope, k_rope = rope(q_rope, k_rope.reshape(batch, seq_len, 1, self.rope_dim))

@@ -64,7 +64,7 @@ class _Fp8QkvRopeFn(torch.autograd.Function):
                               x2d if fused_norm else None, norm_weight, rstd, main_grad)
         ctx.recipe, ctx.backend, ctx.traced, ctx.comm, ctx.queue = recipe, backend, traced, comm, queue
         ctx.kept_transpose, ctx.in_shape, ctx.rotary, ctx.dtype = wt_fp8 is not None, x.shape, rotary, x.dtype
-        return _split_and_rotate(y, cos, sin, rotary)
+        return _split_and_rotate(y, cos, sin, rotary, own_v=grad_enabled)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
@@ -80,17 +80,18 @@ class _Fp8QkvRopeFn(torch.autograd.Function):
         return (dx, dnorm, dw) + (None,) * 15
 
 
-def _split_and_rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y (M, Nq + Nk + Nv) -> (q, k, v), each (batch, seq_len, heads, head_dim): q and k rotated, v copied, all
-    three new tensors, so that what the attention core keeps for backward does not keep y alive (a view of y
-    would keep all of it)."""
+def _split_and_rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: Rotary,
+                      own_v: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y (M, Nq + Nk + Nv) -> (q, k, v), each (batch, seq_len, heads, head_dim): q and k rotated (new tensors); v
+    copied where `own_v` (a backward will follow), so that what the attention core keeps for it does not keep y
+    alive (a view of y would keep all of it), else a view of y."""
     nq, nk, nv = rotary.widths
     b, t, d = rotary.batch, rotary.seq_len, rotary.head_dim
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, head_dim)
     q = rotate(y[:, :nq].view(b, t, nq // d, d), cos, sin)
     k = rotate(y[:, nq:nq + nk].view(b, t, nk // d, d), cos, sin)
-    return q, k, y[:, nq + nk:].view(b, t, nv // d, d).contiguous()
+    v = y[:, nq + nk:].view(b, t, nv // d, d)
+    return q, k, v.contiguous() if own_v else v
 
 
 def fp8_qkv_rope(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, recipe: Fp8Recipe,
