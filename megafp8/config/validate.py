@@ -159,6 +159,19 @@ def _check_sizes(cfg: Config) -> None:
                           "model.hidden_size, ffn_hidden_size, num_layers, vocab_size and the expert sizes")
 
 
+def _check_alloc_conf(conf: str) -> None:
+    """The allocator string's form only (`key:value`, comma-separated): torch checks the keys and values when CUDA
+    starts, and a mistake there would surface as torch's error on the first CUDA call."""
+    for item in filter(None, (part.strip() for part in conf.split(","))):
+        key, sep, value = item.partition(":")
+        if not sep or not key.strip() or not value.strip():
+            raise ConfigError(
+                f"training.cuda_alloc_conf={conf!r}: {item!r} is not `key:value`; write e.g. "
+                "\"expandable_segments:True\" (comma-separated `key:value` pairs, as PYTORCH_CUDA_ALLOC_CONF), or \"\" "
+                "for torch's defaults"
+            )
+
+
 def validate_config(cfg: Config) -> None:
     """Checks that need only the config."""
     _check_positive(cfg)
@@ -175,6 +188,7 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("data.valid_split equals data.train_split: validation must use held-out data")
     if cfg.checkpoint.resume not in ("auto", "none") and not cfg.checkpoint.resume:
         raise ConfigError("checkpoint.resume must be 'auto', 'none' or a checkpoint path")
+    _check_alloc_conf(cfg.training.cuda_alloc_conf)
     if cfg.training.compile_mode != "default" and not cfg.training.compile:
         raise ConfigError(f"training.compile_mode={cfg.training.compile_mode} needs training.compile=true (nothing is "
                           "compiled otherwise): set it, or drop compile_mode")

@@ -24,6 +24,29 @@ def env_rank() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def configure_cuda_allocator(conf: str) -> str | None:
+    """Give torch's CUDA caching allocator `conf` (`training.cuda_alloc_conf`) through `PYTORCH_CUDA_ALLOC_CONF`,
+    which torch reads when CUDA starts in this process. The environment's own setting wins: a launcher or user who
+    set either variable (even to "") chose. Returns what was set, or None when nothing was."""
+    for var in ALLOC_CONF_VARS:
+        if var in os.environ:
+            if os.environ[var] != conf:
+                log.info("CUDA allocator: %s=%r from the environment (training.cuda_alloc_conf=%r not applied)",
+                         var, os.environ[var], conf)
+            return None
+    if not conf:
+        return None
+    if torch.cuda.is_initialized():  # e.g. a notebook that used CUDA first: the allocator has read its settings
+        log.warning("CUDA is already initialized in this process: training.cuda_alloc_conf=%r cannot apply; set "
+                    "PYTORCH_CUDA_ALLOC_CONF before the first CUDA call instead", conf)
+        return None
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    return conf
+
+
 def pick_device(cfg: Config, local_rank: int) -> torch.device:
     if cfg.training.device == "cpu" or (cfg.training.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -34,6 +57,7 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
             f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible): launch at most "
             f"{torch.cuda.device_count()} processes per node"
         )
+    configure_cuda_allocator(cfg.training.cuda_alloc_conf)
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 

@@ -1,0 +1,88 @@
+"""`training.cuda_alloc_conf`: the CUDA caching allocator's settings reach torch before CUDA starts, the environment's
+own setting wins, and a malformed value is one clear config error. CPU-only: CUDA's calls are stand-ins that record
+what torch would have read when it started."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from megafp8.config import ConfigError, load_config
+from megafp8.train import runtime
+from megafp8.train.runtime import configure_cuda_allocator, pick_device
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in runtime.ALLOC_CONF_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    return monkeypatch
+
+
+def test_the_default_turns_on_expandable_segments_before_cuda_starts(clean_env):
+    """pick_device sets the variable before its first CUDA call (`set_device` starts CUDA and the allocator reads its
+    settings then; job CJ showed a variable set after `import torch` but before that call takes effect on torch
+    2.11)."""
+    seen_at_set_device = []
+    clean_env.setattr(torch.cuda, "is_available", lambda: True)
+    clean_env.setattr(torch.cuda, "device_count", lambda: 1)
+    clean_env.setattr(torch.cuda, "set_device",
+                      lambda index: seen_at_set_device.append(runtime.os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+    cfg = load_config("tiny_dense", ["training.device=cuda"])
+    assert cfg.training.cuda_alloc_conf == "expandable_segments:True"
+    assert pick_device(cfg, 0) == torch.device("cuda", 0)
+    assert seen_at_set_device == ["expandable_segments:True"]
+
+
+def test_cpu_runs_leave_the_environment_alone(clean_env):
+    assert pick_device(load_config("tiny_dense", ["training.device=cpu"]), 0).type == "cpu"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in runtime.os.environ
+
+
+@pytest.mark.parametrize("var, value", [("PYTORCH_CUDA_ALLOC_CONF", ""),
+                                        ("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6"),
+                                        ("PYTORCH_ALLOC_CONF", "expandable_segments:False")])
+def test_the_environment_wins_even_when_empty(clean_env, caplog, var, value):
+    clean_env.setenv(var, value)
+    with caplog.at_level(logging.INFO, logger="megafp8"):
+        assert configure_cuda_allocator("expandable_segments:True") is None
+    assert runtime.os.environ[var] == value
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in runtime.os.environ or var == "PYTORCH_CUDA_ALLOC_CONF"
+    assert f"{var}={value!r} from the environment" in caplog.text
+
+
+def test_the_same_setting_twice_is_quiet(clean_env, caplog):
+    """benchmarks/train_step.py starts the trainer once per recipe in one process: the second start finds the
+    variable the first one set and says nothing."""
+    assert configure_cuda_allocator("expandable_segments:True") == "expandable_segments:True"
+    with caplog.at_level(logging.INFO, logger="megafp8"):
+        assert configure_cuda_allocator("expandable_segments:True") is None
+    assert caplog.text == ""
+
+
+def test_empty_leaves_the_allocator_as_torch_comes(clean_env):
+    assert configure_cuda_allocator("") is None
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in runtime.os.environ
+
+
+def test_too_late_is_a_warning_not_a_silent_no_op(clean_env, caplog):
+    clean_env.setattr(torch.cuda, "is_initialized", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="megafp8"):
+        assert configure_cuda_allocator("expandable_segments:True") is None
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in runtime.os.environ
+    assert "cannot apply" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["expandable_segments", "expandable_segments=True", ":True",
+                                   "expandable_segments:True,garbage_collection_threshold"])
+def test_a_malformed_value_is_one_config_error(value):
+    with pytest.raises(ConfigError, match=r"training.cuda_alloc_conf=.*is not `key:value`"):
+        load_config("tiny_dense", [f"training.cuda_alloc_conf={value}"])
+
+
+@pytest.mark.parametrize("value", ["", "expandable_segments:True,garbage_collection_threshold:0.6",
+                                   "backend:cudaMallocAsync"])
+def test_well_formed_values_load(value):
+    assert load_config("tiny_dense", [f"training.cuda_alloc_conf={value}"]).training.cuda_alloc_conf == value
