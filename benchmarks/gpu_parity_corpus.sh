@@ -16,7 +16,9 @@
 # (every run of the comparison must use the same ones: they are part of each run's id). Sixteenth session (jobs BN,
 # BO): dense_bf16_a finished in two commands at 85-86k tokens/s, each checkpoint taking ~30 s. Twentieth session
 # (jobs CA-CE, one after the other on one GPU): dense_fp8_a (~110k tokens/s) and dense_bf16_b (~90k), two commands
-# each. All three are in docs/parity_runs (PRIOR_RUNS=docs/parity_runs). Left: the MoE pair.
+# each. Twenty-first session (jobs CF, CG): moe_bf16 (~91k tokens/s) and moe_fp8 (~98k), one command each, the
+# corpus made first in CF. All five are in docs/parity_runs (PRIOR_RUNS=docs/parity_runs). Optional: moe_bf16_b
+# (~350 s with the corpus: `bash $S corpus && bash $S run moe_bf16_b && bash $S compare moe`).
 #
 # Every command on the GPU machine may be limited to 10 minutes, so the work comes in sub-steps, each short, each
 # resumable (run them again until `status` says every run is finished):
@@ -27,10 +29,12 @@
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh corpus     # the four above in turn (each skipped once done)
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh run NAME [NAME2]  # NAME on GPU 0 (and NAME2 on GPU 1), each for at
 #        most RUN_SECONDS (450) plus STOP_GRACE (120) to stop, resuming from its newest checkpoint;
-#        NAME: dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8
+#        NAME: dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b (MoE's BF16 seed B: optional, the
+#        MoE seed-to-seed spread; `compare` uses it once it has finished)
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh next       # `run` on the first two unfinished runs in that order
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh status     # each run's last step, and the disk left
-#   OUT=dir bash benchmarks/gpu_parity_corpus.sh compare    # compare_runs --parity and plot_runs, dense and MoE
+#   OUT=dir bash benchmarks/gpu_parity_corpus.sh compare [dense|moe]  # compare_runs --parity and plot_runs, dense
+#        and MoE (or one of them)
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh config NAME  # NAME's resolved config (checks every key), no run
 # Tables go to $OUT/summary.md, plots to $OUT/parity_{dense,moe}.png, each run's metrics, log and run_id.txt (the
 # corpus's token counts, the tokenizer's sha256 and the run's overrides) to $OUT/runs/; the corpus, tokenizer and
@@ -74,7 +78,7 @@ TOKENIZER_SAMPLE_BYTES=${TOKENIZER_SAMPLE_BYTES:-1e8}
 VOCAB_SIZE=32768
 SEQ_LEN=2048
 MICRO_BATCH=8
-ALL_RUNS="dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8"
+ALL_RUNS="dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b"
 mkdir -p "$WORK" "$RUNS" "$OUT/runs"
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
@@ -252,15 +256,23 @@ plan() {
 }
 
 compare() {
-  local dense moe
+  local dense moe moe_labels=("BF16" "FP8")
   dense="$(run_dir dense_bf16_a) $(run_dir dense_fp8_a) $(run_dir dense_bf16_b)"
   moe="$(run_dir moe_bf16) $(run_dir moe_fp8)"
-  step parity_dense python tools/compare_runs.py --parity $dense --window 500
-  step parity_moe python tools/compare_runs.py --parity $moe --window 250
-  step plot_dense python tools/plot_runs.py $dense --labels "BF16 seed A" "FP8 seed A" "BF16 seed B" \
-    --metrics loss val_loss --gaps --smooth 10 --from-step 100 --out "$OUT/parity_dense.png"
-  step plot_moe python tools/plot_runs.py $moe --labels "BF16" "FP8" --metrics loss val_loss --gaps --smooth 10 \
-    --from-step 100 --out "$OUT/parity_moe.png"
+  if finished moe_bf16_b; then  # MoE's own seed-to-seed spread, as the dense comparison has
+    moe="$moe $(run_dir moe_bf16_b)"
+    moe_labels=("BF16 seed A" "FP8 seed A" "BF16 seed B")
+  fi
+  if [ "$1" != moe ]; then
+    step parity_dense python tools/compare_runs.py --parity $dense --window 500
+    step plot_dense python tools/plot_runs.py $dense --labels "BF16 seed A" "FP8 seed A" "BF16 seed B" \
+      --metrics loss val_loss --gaps --smooth 10 --from-step 100 --out "$OUT/parity_dense.png"
+  fi
+  if [ "$1" != dense ]; then
+    step parity_moe python tools/compare_runs.py --parity $moe --window 250
+    step plot_moe python tools/plot_runs.py $moe --labels "${moe_labels[@]}" --metrics loss val_loss --gaps \
+      --smooth 10 --from-step 100 --out "$OUT/parity_moe.png"
+  fi
 }
 
 pack_out() {  # PACK_OUT=1: $OUT/runs and $OUT/logs go into $OUT/parity_files.tar.gz, merged with what earlier
@@ -301,7 +313,8 @@ case ${1:-} in
                   && echo " (in PRIOR_RUNS)")"
           done
           df -h "$WORK" | tail -n 1 ;;
-  compare) compare ;;
+  compare) case ${2:-all} in all|dense|moe) compare "${2:-all}" ;;
+             *) echo "usage: $0 compare [dense|moe]" >&2; exit 2 ;; esac ;;
   config) known_run "${2:-}" || exit 2
           [ -f "$DATA/meta.json" ] || { echo "no corpus in $DATA: run the corpus sub-steps first" >&2; exit 2; }
           overrides=$(run_overrides "${2:-}") || exit 2

@@ -42,6 +42,7 @@ def test_the_script_parses_and_refuses_bad_sub_steps(tmp_path):
     assert subprocess.run(["bash", "-n", SCRIPT], cwd=REPO).returncode == 0
     for args, message in ((("frobnicate",), "usage: OUT=dir bash"), (("run",), "usage:"),
                           (("run", "a", "b", "c"), "usage:"), (("run", "dense_bf16_c"), "unknown run 'dense_bf16_c'"),
+                          (("compare", "mixed"), "usage:"),
                           (("config", "dense_fp8_a"), "no corpus in")):
         result = script(tmp_path, *args)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
@@ -182,3 +183,45 @@ def test_pack_out_keeps_every_sub_step_s_files_in_one_archive(tmp_path):
         assert log == (tmp_path / "work" / "runs" / f"{name}.log").read_text()
     assert "precision.recipe=fp8" in run_id
     assert (out / "summary.md").read_text().count("cut short") == 2
+
+
+def _finished_run(runs_dir: Path, name: str, losses: list[float]) -> None:
+    """A metrics file of a run trained to step len(losses), evaluated at its last step."""
+    (runs_dir / name).mkdir(parents=True)
+    records = [{"kind": "train", "step": step, "loss": loss, "grad_norm": 1.0, "step_time_s": 0.1,
+                "tokens_per_s": 1.0} for step, loss in enumerate(losses, 1)]
+    records.append({"kind": "eval", "step": len(losses), "val_loss": losses[-1]})
+    (runs_dir / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_compare_takes_moe_bf16_seed_b_once_it_has_finished(tmp_path):
+    """`moe_bf16_b` (MoE's BF16 seed B, optional) is a run like the others (seed B's training.seed), and `compare`
+    judges MoE against its seed-to-seed spread once it has finished; before that, against BF16 seed A alone.
+    `compare moe` leaves the dense comparison out."""
+    fake_corpus(tmp_path, 40_000_000, 900_000)
+    config = script(tmp_path, "config", "moe_bf16_b")
+    assert config.returncode == 0, config.stderr
+    cfg = yaml.safe_load(config.stdout)
+    assert (cfg["precision"]["recipe"], cfg["training"]["seed"], cfg["data"]["seed"]) == ("bf16", 2, 1234)
+    assert cfg["model"]["moe"]["num_experts"] == 64 and cfg["checkpoint"]["interval"] == 0
+    runs, env = tmp_path / "work" / "runs", {"MOE_STEPS": "2", "DENSE_STEPS": "2"}
+    _finished_run(runs, "moe_bf16", [4.0, 3.0])
+    _finished_run(runs, "moe_fp8", [4.0, 3.03])
+    _finished_run(runs, "moe_bf16_b", [4.0, 2.94])
+
+    def moe_section() -> str:
+        summary = (tmp_path / "out" / "summary.md").read_text()
+        section = summary.rsplit("## parity_moe\n", 1)[1]
+        return section.split("\n## ", 1)[0]
+
+    (runs / "moe_bf16_b" / "metrics.jsonl").write_text((runs / "moe_bf16_b" / "metrics.jsonl").read_text()
+                                                        .replace('"step": 2,', '"step": 1,'))  # not finished
+    moe_only = script(tmp_path, "compare", "moe", **env).stdout
+    assert "== parity_moe done" in moe_only and "parity_dense" not in moe_only, moe_only
+    assert "BF16 seed-to-seed spread: not measured" in moe_section()
+    _finished_run(tmp_path / "again", "moe_bf16_b", [4.0, 2.94])
+    (runs / "moe_bf16_b" / "metrics.jsonl").write_text((tmp_path / "again" / "moe_bf16_b" / "metrics.jsonl")
+                                                        .read_text())
+    script(tmp_path, "compare", "moe", **env)
+    assert "BF16 seed-to-seed spread |BF16 B - BF16 A|: 2.000%; |FP8 - BF16 A| = 1.000%: inside the spread" \
+        in moe_section(), moe_section()
