@@ -10,7 +10,7 @@ import torch
 
 from megafp8.config import ConfigError, load_config
 from megafp8.train import runtime
-from megafp8.train.runtime import configure_cuda_allocator, pick_device
+from megafp8.train.runtime import EXPANDABLE_SEGMENTS, configure_cuda_allocator, cuda_alloc_conf, pick_device
 
 
 @pytest.fixture
@@ -31,9 +31,39 @@ def test_the_default_turns_on_expandable_segments_before_cuda_starts(clean_env):
     clean_env.setattr(torch.cuda, "set_device",
                       lambda index: seen_at_set_device.append(runtime.os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
     cfg = load_config("tiny_dense", ["training.device=cuda"])
-    assert cfg.training.cuda_alloc_conf == "expandable_segments:True"
+    assert cfg.training.cuda_alloc_conf == "auto"
     assert pick_device(cfg, 0) == torch.device("cuda", 0)
     assert seen_at_set_device == ["expandable_segments:True"]
+
+
+GRAPHS = ["training.compile=true", "training.compile_mode=reduce-overhead"]
+
+
+@pytest.mark.parametrize("config, overrides, expected", [
+    ("tiny_dense", [], EXPANDABLE_SEGMENTS),
+    ("tiny_dense", GRAPHS, EXPANDABLE_SEGMENTS),  # one rank, or data-parallel: no collective inside the graphs
+    ("tiny_dense", GRAPHS + ["parallel.pp=2"], EXPANDABLE_SEGMENTS),
+    ("tiny_dense", ["parallel.tp=2", "training.compile=true"], EXPANDABLE_SEGMENTS),  # compiled, no graphs
+    ("tiny_dense", GRAPHS + ["parallel.tp=2"], ""),  # TP's collectives are captured: torch's allocator
+    ("tiny_moe_fp8", GRAPHS + ["parallel.ep=2"], ""),
+    ("tiny_dense", GRAPHS + ["parallel.tp=2", "training.cuda_alloc_conf=expandable_segments:True"],
+     EXPANDABLE_SEGMENTS),  # asked for explicitly: given
+    ("tiny_dense", ["training.cuda_alloc_conf="], ""),
+])
+def test_auto_leaves_out_expandable_segments_where_graphs_capture_collectives(config, overrides, expected):
+    assert cuda_alloc_conf(load_config(config, overrides)) == expected
+
+
+def test_pick_device_applies_what_auto_resolves_to(clean_env, caplog):
+    seen_at_set_device = []
+    clean_env.setattr(torch.cuda, "is_available", lambda: True)
+    clean_env.setattr(torch.cuda, "device_count", lambda: 2)
+    clean_env.setattr(torch.cuda, "set_device",
+                      lambda index: seen_at_set_device.append(runtime.os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+    with caplog.at_level(logging.INFO, logger="megafp8"):
+        pick_device(load_config("tiny_dense", ["training.device=cuda", "parallel.tp=2", *GRAPHS]), 1)
+    assert seen_at_set_device == [None]
+    assert "CUDA graphs capture this layout's collectives" in caplog.text
 
 
 def test_cpu_runs_leave_the_environment_alone(clean_env):
@@ -82,7 +112,7 @@ def test_a_malformed_value_is_one_config_error(value):
         load_config("tiny_dense", [f"training.cuda_alloc_conf={value}"])
 
 
-@pytest.mark.parametrize("value", ["", "expandable_segments:True,garbage_collection_threshold:0.6",
+@pytest.mark.parametrize("value", ["", "auto", "expandable_segments:True,garbage_collection_threshold:0.6",
                                    "backend:cudaMallocAsync"])
 def test_well_formed_values_load(value):
     assert load_config("tiny_dense", [f"training.cuda_alloc_conf={value}"]).training.cuda_alloc_conf == value

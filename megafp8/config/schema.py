@@ -381,12 +381,15 @@ class TrainingConfig:
     )
     device: DeviceName = setting("auto", "`auto`: CUDA when available (one GPU per local rank), else CPU.")
     cuda_alloc_conf: str = setting(
-        "expandable_segments:True",
+        "auto",
         "Settings of torch's CUDA caching allocator, in `PYTORCH_CUDA_ALLOC_CONF`'s syntax (comma-separated "
-        "`key:value`), set before the first CUDA allocation. Expandable segments grow one mapping per stream instead "
-        "of keeping many fixed blocks: on one H200 the 8B-layer FP8 step under CUDA graphs held 63.7 GiB instead of "
-        "65.8 at the same speed (`docs/benchmarks.md`). `\"\"`: the allocator as torch comes. A "
-        "`PYTORCH_CUDA_ALLOC_CONF` or `PYTORCH_ALLOC_CONF` in the environment, even empty, wins over this key.",
+        "`key:value`), set before the first CUDA allocation; `\"\"`: the allocator as torch comes. `auto`: "
+        "`expandable_segments:True` (each stream's pool one growing mapping instead of many fixed blocks: on one H200 "
+        "the 8B-layer FP8 step under CUDA graphs held 63.7 GiB instead of 65.8, `docs/benchmarks.md`), except where "
+        "CUDA graphs (`compile_mode: reduce-overhead`) capture tensor- or expert-parallel collectives: NCCL's "
+        "registration of captured buffers can hang on expandable segments (pytorch/pytorch#158029), so there `auto` "
+        "leaves the allocator as torch comes. A `PYTORCH_CUDA_ALLOC_CONF` or `PYTORCH_ALLOC_CONF` in the "
+        "environment, even empty, wins over this key.",
     )
 
 

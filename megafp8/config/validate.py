@@ -162,13 +162,15 @@ def _check_sizes(cfg: Config) -> None:
 def _check_alloc_conf(conf: str) -> None:
     """The allocator string's form only (`key:value`, comma-separated): torch checks the keys and values when CUDA
     starts, and a mistake there would surface as torch's error on the first CUDA call."""
+    if conf == "auto":
+        return
     for item in filter(None, (part.strip() for part in conf.split(","))):
         key, sep, value = item.partition(":")
         if not sep or not key.strip() or not value.strip():
             raise ConfigError(
                 f"training.cuda_alloc_conf={conf!r}: {item!r} is not `key:value`; write e.g. "
-                "\"expandable_segments:True\" (comma-separated `key:value` pairs, as PYTORCH_CUDA_ALLOC_CONF), or \"\" "
-                "for torch's defaults"
+                "\"expandable_segments:True\" (comma-separated `key:value` pairs, as PYTORCH_CUDA_ALLOC_CONF), \"auto\", "
+                "or \"\" for torch's defaults"
             )
 
 

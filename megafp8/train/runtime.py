@@ -27,6 +27,24 @@ def env_rank() -> tuple[int, int, int]:
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def cuda_alloc_conf(cfg: Config) -> str:
+    """What `training.cuda_alloc_conf` asks of the allocator, `auto` resolved: expandable segments, except where CUDA
+    graphs capture NCCL collectives (tensor- or expert-parallel ones inside the compiled blocks), since NCCL's
+    registration of buffers captured in a graph assumes one contiguous allocation, which expandable segments break
+    (pytorch/pytorch#158029; torchtitan saw the hang with context parallelism, torchtitan#3306). Data- and
+    pipeline-parallel traffic runs outside the graphs."""
+    conf = cfg.training.cuda_alloc_conf
+    if conf != "auto":
+        return conf
+    graphs = cfg.training.compile and cfg.training.compile_mode == "reduce-overhead"
+    if graphs and (cfg.parallel.tp > 1 or cfg.parallel.ep > 1):
+        return ""
+    return EXPANDABLE_SEGMENTS
+
+
 def configure_cuda_allocator(conf: str) -> str | None:
     """Give torch's CUDA caching allocator `conf` (`training.cuda_alloc_conf`) through `PYTORCH_CUDA_ALLOC_CONF`,
     which torch reads when CUDA starts in this process. The environment's own setting wins: a launcher or user who
@@ -57,7 +75,11 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
             f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible): launch at most "
             f"{torch.cuda.device_count()} processes per node"
         )
-    configure_cuda_allocator(cfg.training.cuda_alloc_conf)
+    conf = cuda_alloc_conf(cfg)
+    if cfg.training.cuda_alloc_conf == "auto" and conf != EXPANDABLE_SEGMENTS:
+        log.info("CUDA allocator as torch comes: CUDA graphs capture this layout's collectives, and NCCL's captured "
+                 "buffers can hang on expandable segments (training.cuda_alloc_conf=auto)")
+    configure_cuda_allocator(conf)
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
