@@ -169,8 +169,8 @@ def _check_alloc_conf(conf: str) -> None:
         if not sep or not key.strip() or not value.strip():
             raise ConfigError(
                 f"training.cuda_alloc_conf={conf!r}: {item!r} is not `key:value`; write e.g. "
-                "\"expandable_segments:True\" (comma-separated `key:value` pairs, as PYTORCH_CUDA_ALLOC_CONF), \"auto\", "
-                "or \"\" for torch's defaults"
+                "\"expandable_segments:True\" (comma-separated `key:value` pairs, as PYTORCH_CUDA_ALLOC_CONF), "
+                "\"auto\", or \"\" for torch's defaults"
             )
 
 
