@@ -29,8 +29,8 @@
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh corpus     # the four above in turn (each skipped once done)
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh run NAME [NAME2]  # NAME on GPU 0 (and NAME2 on GPU 1), each for at
 #        most RUN_SECONDS (450) plus STOP_GRACE (120) to stop, resuming from its newest checkpoint;
-#        NAME: dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b (MoE's BF16 seed B: optional, the
-#        MoE seed-to-seed spread; `compare` uses it once it has finished)
+#        NAME: dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b (MoE's BF16 seed B, for MoE's
+#        seed-to-seed spread: `next` runs it last, and `compare` uses it once it has finished)
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh next       # `run` on the first two unfinished runs in that order
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh status     # each run's last step, and the disk left
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh compare [dense|moe]  # compare_runs --parity and plot_runs, dense

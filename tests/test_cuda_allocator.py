@@ -15,8 +15,11 @@ from megafp8.train.runtime import EXPANDABLE_SEGMENTS, configure_cuda_allocator,
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for var in runtime.ALLOC_CONF_VARS:
-        monkeypatch.delenv(var, raising=False)
+    """No allocator variable, and each restored afterwards (set first, so that monkeypatch records it: what the
+    code under test writes must not reach later tests or the processes they start)."""
+    for var in (*runtime.ALLOC_CONF_VARS, runtime.SET_BY_MEGAFP8):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     return monkeypatch
 
@@ -46,6 +49,9 @@ GRAPHS = ["training.compile=true", "training.compile_mode=reduce-overhead"]
     ("tiny_dense", ["parallel.tp=2", "training.compile=true"], EXPANDABLE_SEGMENTS),  # compiled, no graphs
     ("tiny_dense", GRAPHS + ["parallel.tp=2"], ""),  # TP's collectives are captured: torch's allocator
     ("tiny_moe_fp8", GRAPHS + ["parallel.ep=2"], ""),
+    ("tiny_dense", ["training.compile=true", "training.compile_mode=max-autotune", "parallel.tp=2"], ""),  # graphs too
+    ("tiny_dense", ["training.compile=true", "training.compile_mode=max-autotune-no-cudagraphs", "parallel.tp=2"],
+     EXPANDABLE_SEGMENTS),
     ("tiny_dense", GRAPHS + ["parallel.tp=2", "training.cuda_alloc_conf=expandable_segments:True"],
      EXPANDABLE_SEGMENTS),  # asked for explicitly: given
     ("tiny_dense", ["training.cuda_alloc_conf="], ""),
@@ -84,12 +90,40 @@ def test_the_environment_wins_even_when_empty(clean_env, caplog, var, value):
 
 
 def test_the_same_setting_twice_is_quiet(clean_env, caplog):
-    """benchmarks/train_step.py starts the trainer once per recipe in one process: the second start finds the
-    variable the first one set and says nothing."""
+    """benchmarks/train_step.py starts the trainer once per recipe in one process: the second start, with CUDA
+    running, finds the variable the first one set, as its own, and says nothing; other settings then are a
+    warning."""
     assert configure_cuda_allocator("expandable_segments:True") == "expandable_segments:True"
+    clean_env.setattr(torch.cuda, "is_initialized", lambda: True)
     with caplog.at_level(logging.INFO, logger="megafp8"):
         assert configure_cuda_allocator("expandable_segments:True") is None
     assert caplog.text == ""
+    with caplog.at_level(logging.INFO, logger="megafp8"):
+        assert configure_cuda_allocator("") is None
+    assert "cannot apply" in caplog.text
+
+
+def test_a_value_megafp8_set_is_not_the_users(clean_env):
+    """A megafp8 process launched from one that set the variable (it inherits it, marked) applies its own resolution:
+    under TP with CUDA graphs, torch's own allocator."""
+    clean_env.setenv("PYTORCH_CUDA_ALLOC_CONF", EXPANDABLE_SEGMENTS)
+    clean_env.setenv(runtime.SET_BY_MEGAFP8, EXPANDABLE_SEGMENTS)
+    assert runtime.users_alloc_conf() is None
+    assert configure_cuda_allocator(cuda_alloc_conf(load_config("tiny_dense", [*GRAPHS, "parallel.tp=2"]))) is None
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in runtime.os.environ and runtime.SET_BY_MEGAFP8 not in runtime.os.environ
+    clean_env.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")  # changed since: the user's
+    assert runtime.users_alloc_conf() == ("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")
+
+
+@pytest.mark.parametrize("env, overrides", [({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, []),
+                                            ({}, ["training.cuda_alloc_conf=expandable_segments:True"])])
+def test_expandable_segments_where_graphs_capture_collectives_is_a_warning(clean_env, caplog, env, overrides):
+    for var, value in env.items():
+        clean_env.setenv(var, value)
+    cfg = load_config("tiny_dense", [*GRAPHS, "parallel.tp=2", *overrides])
+    with caplog.at_level(logging.WARNING, logger="megafp8"):
+        runtime.warn_if_graphs_meet_expandable_segments(cfg)
+    assert "can hang" in caplog.text
 
 
 def test_empty_leaves_the_allocator_as_torch_comes(clean_env):
@@ -112,7 +146,19 @@ def test_a_malformed_value_is_one_config_error(value):
         load_config("tiny_dense", [f"training.cuda_alloc_conf={value}"])
 
 
+def test_expandable_segments_is_spelled_as_torch_reads_it():
+    with pytest.raises(ConfigError, match="expandable_segments takes True or False"):
+        load_config("tiny_dense", ["training.cuda_alloc_conf=expandable_segments:true"])
+
+
 @pytest.mark.parametrize("value", ["", "auto", "expandable_segments:True,garbage_collection_threshold:0.6",
-                                   "backend:cudaMallocAsync"])
+                                   "backend:cudaMallocAsync", "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]",
+                                   "expandable_segments:False,roundup_power2_divisions:[256:1,>:4]"])
 def test_well_formed_values_load(value):
     assert load_config("tiny_dense", [f"training.cuda_alloc_conf={value}"]).training.cuda_alloc_conf == value
+
+
+def test_a_bracketed_list_is_one_item():
+    from megafp8.config.validate import _alloc_conf_items
+    assert _alloc_conf_items("expandable_segments:True, roundup_power2_divisions:[256:1,512:2,>:8],") == [
+        "expandable_segments:True", "roundup_power2_divisions:[256:1,512:2,>:8]"]

@@ -235,9 +235,9 @@ def test_blocks_know_when_their_compile_mode_uses_cuda_graphs(tiny_overrides, mo
     """Every mode whose Inductor options turn CUDA graphs on (`reduce-overhead`, `max-autotune`) marks the compiled
     blocks, which then copy their outputs out of the graph pool in evaluation (`Block._outside_the_graph_pool`; the
     copy itself runs on CUDA only: `tests/test_fp8_gpu.py` evaluates under CUDA graphs)."""
-    from megafp8.model.transformer import Block, _uses_cuda_graphs
+    from megafp8.model.transformer import Block, uses_cuda_graphs
 
-    assert [_uses_cuda_graphs(m) for m in ("default", "reduce-overhead", "max-autotune",
+    assert [uses_cuda_graphs(m) for m in ("default", "reduce-overhead", "max-autotune",
                                            "max-autotune-no-cudagraphs")] == [False, True, True, False]
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     for mode, graphs in (("default", False), ("reduce-overhead", True), ("max-autotune", True)):

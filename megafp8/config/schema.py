@@ -386,9 +386,10 @@ class TrainingConfig:
         "`key:value`), set before the first CUDA allocation; `\"\"`: the allocator as torch comes. `auto`: "
         "`expandable_segments:True` (each stream's pool one growing mapping instead of many fixed blocks: on one H200 "
         "the 8B-layer FP8 step under CUDA graphs held 63.7 GiB instead of 65.8, `docs/benchmarks.md`), except where "
-        "CUDA graphs (`compile_mode: reduce-overhead`) capture tensor- or expert-parallel collectives: NCCL's "
-        "registration of captured buffers can hang on expandable segments (pytorch/pytorch#158029), so there `auto` "
-        "leaves the allocator as torch comes. A `PYTORCH_CUDA_ALLOC_CONF` or `PYTORCH_ALLOC_CONF` in the "
+        "CUDA graphs (`compile_mode: reduce-overhead` or `max-autotune`) capture tensor- or expert-parallel "
+        "collectives: NCCL's registration of captured buffers can hang on expandable segments "
+        "(pytorch/pytorch#158029), so there `auto` leaves the allocator as torch comes (and asking for them there "
+        "logs a warning). A `PYTORCH_CUDA_ALLOC_CONF` or `PYTORCH_ALLOC_CONF` in the "
         "environment, even empty, wins over this key.",
     )
 

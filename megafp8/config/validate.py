@@ -159,19 +159,35 @@ def _check_sizes(cfg: Config) -> None:
                           "model.hidden_size, ffn_hidden_size, num_layers, vocab_size and the expert sizes")
 
 
+def _alloc_conf_items(conf: str) -> list[str]:
+    """The comma-separated items of an allocator string; commas inside brackets (`roundup_power2_divisions:[256:1,
+    512:2]`) stay in their item."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(conf):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(conf[start:i])
+            start = i + 1
+    items.append(conf[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
 def _check_alloc_conf(conf: str) -> None:
-    """The allocator string's form only (`key:value`, comma-separated): torch checks the keys and values when CUDA
-    starts, and a mistake there would surface as torch's error on the first CUDA call."""
+    """The allocator string's form (`key:value` items) and the boolean keys' spelling: torch checks the rest when CUDA
+    starts, where a mistake would surface as torch's error on the first CUDA call."""
     if conf == "auto":
         return
-    for item in filter(None, (part.strip() for part in conf.split(","))):
-        key, sep, value = item.partition(":")
-        if not sep or not key.strip() or not value.strip():
+    for item in _alloc_conf_items(conf):
+        key, sep, value = (part.strip() for part in item.partition(":"))
+        if not sep or not key or not value:
             raise ConfigError(
                 f"training.cuda_alloc_conf={conf!r}: {item!r} is not `key:value`; write e.g. "
                 "\"expandable_segments:True\" (comma-separated `key:value` pairs, as PYTORCH_CUDA_ALLOC_CONF), "
                 "\"auto\", or \"\" for torch's defaults"
             )
+        if key == "expandable_segments" and value not in ("True", "False"):
+            raise ConfigError(f"training.cuda_alloc_conf={conf!r}: expandable_segments takes True or False (torch "
+                              f"reads no other spelling), got {value!r}")
 
 
 def validate_config(cfg: Config) -> None:

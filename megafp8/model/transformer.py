@@ -281,7 +281,7 @@ def apply_compile(model: nn.Module, mode: str = "default", backend: str = "induc
     for block in blocks:
         block.uncompiled_forward = block._forward
         block._forward = torch.compile(block._forward, backend=backend, **_compile_settings(mode, comm_overlap))
-        block.under_cuda_graphs = _uses_cuda_graphs(mode)
+        block.under_cuda_graphs = uses_cuda_graphs(mode)
         # Each forward first quantizes the block's changed FP8 weights, eagerly: once per weight version, not once
         # per micro-batch inside the graph; every linear gets a fresh alias of its FP32 main_grad to add its weight
         # gradient into. Every linear is listed, whatever its recipe now: one may switch to FP8 later
@@ -290,7 +290,7 @@ def apply_compile(model: nn.Module, mode: str = "default", backend: str = "induc
     return len(blocks)
 
 
-def _uses_cuda_graphs(mode: str) -> bool:
+def uses_cuda_graphs(mode: str) -> bool:
     """Whether Inductor wraps code compiled in `mode` in CUDA graphs (`reduce-overhead` and `max-autotune` do)."""
     if mode == "default":
         return False

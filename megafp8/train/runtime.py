@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.config import Config, ConfigError, validate_for_world
+from megafp8.model.transformer import uses_cuda_graphs
 from megafp8.parallel import ParallelDims
 
 log = logging.getLogger("megafp8")
@@ -24,42 +25,65 @@ def env_rank() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either; the environment's wins
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either
+# Holds the value megafp8 itself put in PYTORCH_CUDA_ALLOC_CONF: a later start in this process, or a megafp8 process
+# it launches, tells that value from one the user set (which always wins).
+SET_BY_MEGAFP8 = "MEGAFP8_SET_CUDA_ALLOC_CONF"
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def graphs_capture_collectives(cfg: Config) -> bool:
+    """Whether CUDA graphs record this layout's NCCL collectives: tensor- and expert-parallel ones run inside the
+    compiled blocks, which `reduce-overhead` and `max-autotune` put in graphs. Data- and pipeline-parallel traffic
+    runs outside them."""
+    return (cfg.training.compile and uses_cuda_graphs(cfg.training.compile_mode)
+            and (cfg.parallel.tp > 1 or cfg.parallel.ep > 1))
 
 
 def cuda_alloc_conf(cfg: Config) -> str:
     """What `training.cuda_alloc_conf` asks of the allocator, `auto` resolved: expandable segments, except where CUDA
-    graphs capture NCCL collectives (tensor- or expert-parallel ones inside the compiled blocks), since NCCL's
-    registration of buffers captured in a graph assumes one contiguous allocation, which expandable segments break
-    (pytorch/pytorch#158029; torchtitan saw the hang with context parallelism, torchtitan#3306). Data- and
-    pipeline-parallel traffic runs outside the graphs."""
+    graphs capture collectives, since NCCL's registration of buffers captured in a graph assumes one contiguous
+    allocation, which expandable segments break (pytorch/pytorch#158029; torchtitan saw the hang with context
+    parallelism, torchtitan#3306)."""
     conf = cfg.training.cuda_alloc_conf
     if conf != "auto":
         return conf
-    graphs = cfg.training.compile and cfg.training.compile_mode == "reduce-overhead"
-    if graphs and (cfg.parallel.tp > 1 or cfg.parallel.ep > 1):
-        return ""
-    return EXPANDABLE_SEGMENTS
+    return "" if graphs_capture_collectives(cfg) else EXPANDABLE_SEGMENTS
+
+
+def users_alloc_conf() -> tuple[str, str] | None:
+    """(variable, value) of an allocator setting the user's environment holds, not counting one megafp8 set."""
+    for var in ALLOC_CONF_VARS:
+        if var not in os.environ:
+            continue
+        ours = var == "PYTORCH_CUDA_ALLOC_CONF" and os.environ.get(SET_BY_MEGAFP8) == os.environ[var]
+        if not ours:
+            return var, os.environ[var]
+    return None
 
 
 def configure_cuda_allocator(conf: str) -> str | None:
-    """Give torch's CUDA caching allocator `conf` (`training.cuda_alloc_conf`) through `PYTORCH_CUDA_ALLOC_CONF`,
-    which torch reads when CUDA starts in this process. The environment's own setting wins: a launcher or user who
-    set either variable (even to "") chose. Returns what was set, or None when nothing was."""
-    for var in ALLOC_CONF_VARS:
-        if var in os.environ:
-            if os.environ[var] != conf:
-                log.info("CUDA allocator: %s=%r from the environment (training.cuda_alloc_conf=%r not applied)",
-                         var, os.environ[var], conf)
-            return None
-    if not conf:
+    """Give torch's CUDA caching allocator `conf` (`training.cuda_alloc_conf` resolved) through
+    `PYTORCH_CUDA_ALLOC_CONF`, which torch reads when CUDA starts in this process (and a process launched from here
+    inherits). The user's own setting in the environment wins, even "". Returns what was set, or None."""
+    users = users_alloc_conf()
+    if users is not None:
+        if users[1] != conf:
+            log.info("CUDA allocator: %s=%r from the environment (training.cuda_alloc_conf gives %r, not applied)",
+                     users[0], users[1], conf)
         return None
-    if torch.cuda.is_initialized():  # e.g. a notebook that used CUDA first: the allocator has read its settings
-        log.warning("CUDA is already initialized in this process: training.cuda_alloc_conf=%r cannot apply; set "
-                    "PYTORCH_CUDA_ALLOC_CONF before the first CUDA call instead", conf)
+    ours = os.environ.get(SET_BY_MEGAFP8)
+    if torch.cuda.is_initialized():  # the allocator has read its settings already
+        if ours != conf and (ours or conf):  # not this process's earlier start with the same settings
+            log.warning("CUDA is already initialized in this process: training.cuda_alloc_conf's %r cannot apply; "
+                        "set PYTORCH_CUDA_ALLOC_CONF before the first CUDA call instead", conf)
         return None
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    if not conf:  # torch's own settings: drop what a megafp8 process that launched this one set
+        if ours is not None:
+            os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+            os.environ.pop(SET_BY_MEGAFP8)
+        return None
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = os.environ[SET_BY_MEGAFP8] = conf
     return conf
 
 
@@ -73,13 +97,27 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
             f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible): launch at most "
             f"{torch.cuda.device_count()} processes per node"
         )
-    conf = cuda_alloc_conf(cfg)
-    if cfg.training.cuda_alloc_conf == "auto" and conf != EXPANDABLE_SEGMENTS:
-        log.info("CUDA allocator as torch comes: CUDA graphs capture this layout's collectives, and NCCL's captured "
-                 "buffers can hang on expandable segments (training.cuda_alloc_conf=auto)")
-    configure_cuda_allocator(conf)
+    warn_if_graphs_meet_expandable_segments(cfg)
+    configure_cuda_allocator(cuda_alloc_conf(cfg))
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+def warn_if_graphs_meet_expandable_segments(cfg: Config) -> None:
+    """Say so where CUDA graphs capture collectives: why `auto` leaves expandable segments out, or that the user's
+    setting puts them in anyway."""
+    if not graphs_capture_collectives(cfg):
+        return
+    users = users_alloc_conf()
+    asked = users[1] if users is not None else cuda_alloc_conf(cfg)
+    if "expandable_segments:true" in asked.replace(" ", "").lower():
+        log.warning("expandable segments with CUDA graphs that capture NCCL collectives (parallel.tp or parallel.ep > "
+                    "1 with training.compile_mode=%s): such runs can hang (pytorch/pytorch#158029); drop "
+                    "expandable_segments from %s", cfg.training.compile_mode,
+                    users[0] if users is not None else "training.cuda_alloc_conf")
+    elif cfg.training.cuda_alloc_conf == "auto" and users is None:
+        log.info("CUDA allocator as torch comes: CUDA graphs capture this layout's collectives, and NCCL's captured "
+                 "buffers can hang on expandable segments (training.cuda_alloc_conf=auto)")
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
