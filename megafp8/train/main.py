@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 
 import torch
 
 from megafp8.config import Config, ConfigError, dump_config, load_config
 from megafp8.precision import check_backend_name
 from megafp8.train.layouts import render_layouts, search_layouts
-from megafp8.train.plan import GIB, dry_run, with_vocab
+from megafp8.train.plan import GIB, dry_run, make_plan, with_vocab
 from megafp8.train.preemption import exit_status
 from megafp8.train.runtime import env_rank, init_distributed, report_error, seed_everything, shutdown
 from megafp8.train.trainer import Trainer
@@ -64,6 +65,34 @@ def _error(message: str) -> int:
     return 2
 
 
+def out_of_memory_message(cfg: Config, err: BaseException, step: int | None, world_size: int) -> str:
+    """One line for a run that ran out of device memory: where, what the device held, the plan's figure, and what to
+    change. torch's own message is a paragraph, and its advice (expandable segments) is what
+    `training.cuda_alloc_conf: auto` gives already on most layouts."""
+    asked = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]?i?B)", str(err))
+    where = f"at step {step + 1}" if step is not None else "while setting up"
+    parts = [f"out of memory {where}" + (f" (allocating {asked.group(1)})" if asked else "")]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()
+        parts.append(f"GPU {device}: peak {torch.cuda.max_memory_allocated(device) / GIB:,.1f} GiB in tensors, "
+                     f"{torch.cuda.memory_reserved(device) / GIB:,.1f} reserved, of "
+                     f"{torch.cuda.get_device_properties(device).total_memory / GIB:,.1f}")
+    try:
+        parts.append(f"planned {make_plan(with_vocab(cfg), world_size).total_bytes / GIB:,.2f} GiB per rank")
+    except Exception:  # the plan is only a hint here; the error to report is the memory
+        pass
+    t = cfg.training
+    fixes = []
+    if t.micro_batch_size > 1:
+        fixes.append(f"lower training.micro_batch_size (now {t.micro_batch_size}; global_batch_size "
+                     f"{t.global_batch_size} stays, with more accumulation steps)")
+    if t.recompute == "none":
+        fixes.append("set training.recompute=full")
+    fixes.append("spread the model over more GPUs (parallel.tp, parallel.pp, parallel.ep)")
+    return ("; ".join(parts) + ". To fit: " + ", or ".join(fixes) + f". `python tools/plan.py --config ... "
+            f"--world-size {world_size}` shows the memory per rank")
+
+
 def layouts_main(cfg: Config, world_size: int, gpu_gib: float | None, max_tp: int) -> str:
     """`tools/plan.py --layouts`: the layout search's table for `cfg` on `world_size` GPUs."""
     if world_size < 1 or max_tp < 1 or (gpu_gib is not None and not gpu_gib > 0):
@@ -108,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as err:
             return _error(str(err))
         return 0
-    clean = False
+    clean, trainer = False, None
     try:
         dims, device = init_distributed(cfg)
         seed_everything(cfg.training.seed)
@@ -121,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(err))
     except FloatingPointError as err:  # the loss diverged: every rank sees the same reduced loss
         _error(str(err))
+        return 1
+    except torch.OutOfMemoryError as err:
+        log.debug("out of memory", exc_info=True)
+        _error(out_of_memory_message(cfg, err, trainer.step if trainer is not None else None, env_rank()[2]))
         return 1
     except KeyboardInterrupt:
         log.warning("interrupted")
