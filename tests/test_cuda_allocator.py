@@ -4,6 +4,8 @@ what torch would have read when it started."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 from megafp8.config import ConfigError, load_config
 from megafp8.train import runtime
 from megafp8.train.runtime import EXPANDABLE_SEGMENTS, configure_cuda_allocator, cuda_alloc_conf, pick_device
+from tests.conftest import REPO, torchrun_env
 
 
 @pytest.fixture
@@ -122,7 +125,7 @@ def test_expandable_segments_where_graphs_capture_collectives_is_a_warning(clean
         clean_env.setenv(var, value)
     cfg = load_config("tiny_dense", [*GRAPHS, "parallel.tp=2", *overrides])
     with caplog.at_level(logging.WARNING, logger="megafp8"):
-        runtime.warn_if_graphs_meet_expandable_segments(cfg)
+        runtime.warn_if_graphs_meet_expandable_segments(cfg, cuda_alloc_conf(cfg))
     assert "can hang" in caplog.text
 
 
@@ -162,3 +165,25 @@ def test_a_bracketed_list_is_one_item():
     from megafp8.config.validate import _alloc_conf_items
     assert _alloc_conf_items("expandable_segments:True, roundup_power2_divisions:[256:1,512:2,>:8],") == [
         "expandable_segments:True", "roundup_power2_divisions:[256:1,512:2,>:8]"]
+
+
+# Run in a fresh interpreter: the allocator reads its settings once, when CUDA starts in the process.
+_SEGMENTS_AFTER_PICK_DEVICE = """
+import sys, torch
+from megafp8.config import load_config
+from megafp8.train.runtime import pick_device
+pick_device(load_config("tiny_dense", ["training.device=cuda", *sys.argv[1:]]), 0)
+torch.empty(1 << 24, device="cuda")
+print(sorted({segment["is_expandable"] for segment in torch.cuda.memory_snapshot()}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overrides, expandable", [([], "[True]"), ([*GRAPHS, "parallel.tp=2"], "[False]")])
+def test_pick_device_gives_the_gpu_the_resolved_allocator(overrides, expandable):
+    """On a real GPU: what `auto` resolves to is what torch's allocator does (its segments in memory_snapshot())."""
+    env = {k: v for k, v in torchrun_env().items() if k not in (*runtime.ALLOC_CONF_VARS, runtime.SET_BY_MEGAFP8)}
+    result = subprocess.run([sys.executable, "-c", _SEGMENTS_AFTER_PICK_DEVICE, *overrides], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == expandable, result.stdout + result.stderr

@@ -97,19 +97,20 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
             f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible): launch at most "
             f"{torch.cuda.device_count()} processes per node"
         )
-    warn_if_graphs_meet_expandable_segments(cfg)
-    configure_cuda_allocator(cuda_alloc_conf(cfg))
+    conf = cuda_alloc_conf(cfg)
+    warn_if_graphs_meet_expandable_segments(cfg, conf)
+    configure_cuda_allocator(conf)
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
 
-def warn_if_graphs_meet_expandable_segments(cfg: Config) -> None:
+def warn_if_graphs_meet_expandable_segments(cfg: Config, conf: str) -> None:
     """Say so where CUDA graphs capture collectives: why `auto` leaves expandable segments out, or that the user's
-    setting puts them in anyway."""
+    setting (or `conf`, the config's resolved) puts them in anyway."""
     if not graphs_capture_collectives(cfg):
         return
     users = users_alloc_conf()
-    asked = users[1] if users is not None else cuda_alloc_conf(cfg)
+    asked = users[1] if users is not None else conf
     if "expandable_segments:true" in asked.replace(" ", "").lower():
         log.warning("expandable segments with CUDA graphs that capture NCCL collectives (parallel.tp or parallel.ep > "
                     "1 with training.compile_mode=%s): such runs can hang (pytorch/pytorch#158029); drop "
