@@ -338,9 +338,42 @@ def test_every_custom_op_agrees_with_its_fake_implementation():
         (fp8_ops.transpose_weight, (qw[0], qw[1], "reference")),
         (fp8_ops.gemm_1x128_128x128, (a, a_scale, qw[0], qw[1], torch.bfloat16, "reference")),
         (fp8_ops.gemm_1x128_1x128, (a, a_scale, b, b_scale, torch.float32, "reference")),
+        *_grouped_op_cases(),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_faketensor",))
+
+
+def _grouped_op_cases() -> list[tuple]:
+    """The MoE experts' ops (`megafp8.precision.fp8_ops`, `megafp8.parallel.permute`) on a padded layout of three
+    experts, one without rows."""
+    from megafp8.parallel import permute
+    from megafp8.precision import fp8_ops
+    from megafp8.precision.grouped import _add_into_, expert_rows, padded_source_index
+
+    counts = [5, 0, 199]
+    rows = expert_rows(counts, torch.device("cpu"))
+    source = outlier_tensor(102, 256, seed=4)
+    row_to_source = torch.arange(sum(counts)) % source.shape[0]
+    index = padded_source_index(rows, row_to_source)
+    x, x_scale, xt, xt_scale = fp8_ops.gather_quantize_rows_cols(source, index, "e4m3", False, "reference")
+    _, _, dyt, dyt_scale = REFERENCE.quantize_rows_cols(outlier_tensor(rows.total, 384, seed=5), E5M2, False)
+    w = fp8_ops.quantize_weight(outlier_tensor(3 * 384, 256, seed=6).view(3, 384, 256), "e4m3", False, "reference")
+    tiles = (rows.tile_expert, rows.tile_start, rows.tile_count)
+    pos = torch.randperm(rows.total)[:2 * 50].view(50, 2)
+    y, weights = outlier_tensor(rows.total, 256, seed=7), torch.rand(50, 2)
+    return [
+        (fp8_ops.gather_quantize_rows_cols, (source, index, "e4m3", True, "reference")),
+        (fp8_ops.transpose_weight, (w[0], w[1], "reference")),
+        (fp8_ops.grouped_gemm_1x128_128x128, (x, x_scale, w[0], w[1], *tiles, torch.bfloat16, "reference")),
+        (fp8_ops.grouped_gemm_1x128_1x128, (dyt, dyt_scale, xt, xt_scale, *tiles[1:], torch.float32, "reference")),
+        (fp8_ops.grouped_gemm_1x128_1x128_accumulate_, (torch.zeros(3, 384, 256), dyt, dyt_scale, xt, xt_scale,
+                                                        *tiles[1:], "reference")),
+        (_add_into_, (torch.zeros(3, 384, 256), torch.randn(3, 384, 256).bfloat16())),
+        (permute._gather_sum_op, (y, pos)),
+        (permute._combine_op, (y, pos, weights)),
+        (permute._combine_backward_op, (outlier_tensor(50, 256, seed=8), y, pos, weights)),
+    ]
 
 
 def test_kernel_launchers_refuse_tensors_past_int32_offsets_before_launching():

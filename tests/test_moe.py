@@ -468,20 +468,62 @@ def test_fp8_experts_run_their_swiglu_mlp_as_one_function_within_fp8_tolerance_o
     assert not fused[2][1].any() and not fused[3][1].any()  # the expert without rows
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
-def test_the_moe_layer_traces_under_dynamo_and_matches_eager(recipe):
-    """torch.compile (Dynamo, eager backend) runs the MoE layer with the expert and permutation functions as
-    uncompiled islands and gives eager's outputs and gradients."""
-    torch._dynamo.reset()
+def _moe_gemm_layers(moe: MoE) -> list:
+    from megafp8.precision import GemmLayer
+    return [m for m in moe.modules() if isinstance(m, GemmLayer)]
+
+
+def _moe_micro_batches(moe: MoE, forward, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Outputs and input gradients of each micro-batch, then each GEMM layer's FP32 main_grad (summed over the
+    micro-batches) and every other parameter's gradient. Each micro-batch first prepares the GEMM layers, as
+    `Block.forward` does before its compiled code."""
+    layers = _moe_gemm_layers(moe)
+    for p in moe.parameters():
+        p.grad = None
+    for layer in layers:
+        layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32)
     results = []
-    for compiled in (False, True):
-        moe = MoE(MOE.moe, MOE.hidden_size, PrecisionRecipe.from_name(recipe), TensorParallel.single(),
-                  ExpertParallel.single())
-        init_weights(moe, MOE, seed=0)
-        run = torch.compile(moe, backend="eager") if compiled else moe
-        x = torch.randn(64, MOE.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
-        y, aux = run(x, batch=2, seq_len=32)
+    for x0 in inputs:
+        for layer in layers:
+            layer.prepare_for_compiled()
+        x = x0.clone().requires_grad_()
+        y, aux = forward(x, batch=2, seq_len=32)
         (y.float().square().sum() + aux).backward()
-        results.append((y, x.grad, moe.experts.down_proj.weight.grad))
-    for eager, compiled in zip(*results):
-        assert torch.equal(eager, compiled)
+        results += [y, x.grad]
+    results += [layer.weight.main_grad for layer in layers]
+    return results + [p.grad for p in moe.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_a_moe_layer_compiles_into_one_graph_with_eager_bits(recipe):
+    """With one EP rank the MoE layer traces whole (no graph break): the router and dispatch, the experts (FP8: the
+    fused grouped MLP as custom ops, reading the weights prepared eagerly; BF16: `torch._grouped_mm`), and the
+    weighted combine. Compiled (AOTAutograd, exact bits) over two micro-batches it gives eager's outputs, input
+    gradients, FP32 main_grad of every GEMM layer (expert wgrads added in by the graph) and router gradients; each
+    expert weight is quantized once."""
+    torch._dynamo.reset()
+    moe = MoE(MOE.moe, MOE.hidden_size, PrecisionRecipe.from_name(recipe), TensorParallel.single(),
+              ExpertParallel.single())
+    init_weights(moe, MOE, seed=0)
+    inputs = [torch.randn(64, MOE.hidden_size, generator=torch.Generator().manual_seed(i)).bfloat16()
+              for i in (1, 2)]
+    for layer in _moe_gemm_layers(moe):
+        layer.prepare_for_compiled()
+    explained = torch._dynamo.explain(moe)(inputs[0], batch=2, seq_len=32)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    code = "\n".join(g.print_readable(print_output=False) for g in explained.graphs)
+    assert "megafp8.weighted_combine" in code
+    if recipe == "fp8":
+        assert "megafp8.grouped_gemm_1x128_128x128" in code and "megafp8.gather_quantize_rows_cols" in code
+        assert "megafp8.quantize_weight" not in code
+    else:
+        assert "torch._grouped_mm" in code
+    torch._dynamo.reset()
+    eager = _moe_micro_batches(moe, moe, inputs)
+    compiled = _moe_micro_batches(moe, torch.compile(moe, backend="aot_eager", fullgraph=True), inputs)
+    assert len(eager) == len(compiled) > 8
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        assert torch.equal(a, b), i
+    assert all(layer.weight.main_grad.any() for layer in _moe_gemm_layers(moe))
+    if recipe == "fp8":
+        assert [layer.fp8_cache.quantize_count for layer in (moe.experts.gate_up_proj, moe.experts.down_proj)] == [1, 1]

@@ -236,8 +236,9 @@ class PrecisionConfig:
     fp8_backend: str = setting(
         "auto",
         "FP8 GEMM backend: `auto` (the fastest that runs here, logged), or one by name: `reference` (any device; "
-        "FP8 casts, FP32 matmul), `triton` (CUDA), `cublas` (SM90, `F.scaled_mm` blockwise), `hopper` (SM90, opt-in: "
-        "`cublas` with warp-specialized grouped expert GEMMs); `megafp8.precision.backends` lists them.",
+        "FP8 casts, FP32 matmul), `triton` (CUDA), `cublas` (SM90, `F.scaled_mm` blockwise), `hopper` (SM90 with "
+        "Triton's Gluon, what `auto` picks there: `cublas` with warp-specialized grouped expert GEMMs); "
+        "`megafp8.precision.backends` lists them.",
     )
     fp8_grad_format: Fp8FormatName = setting(
         "e4m3", "Format of activation gradients in dgrad/wgrad: `e4m3` (DeepSeek-V3) or `e5m2` (more range)."

@@ -116,6 +116,8 @@ class RoutedExperts(nn.Module):
         # rows [gate; up] per expert; a weight that is not whole 128x128 tiles runs BF16
         self.gate_up_proj = ExpertLinear(e, hidden, 2 * ffn, recipe.for_weight(2 * ffn, hidden), ep, device)
         self.down_proj = ExpertLinear(e, ffn, hidden, recipe.for_weight(hidden, ffn), ep, device)
+        # Across EP ranks the rows received change in number every step: traced, each step would compile anew.
+        self.traceable = not ep.enabled
         # Set while FP8 health is sampled: the two grouped linears then run one by one (SwiGLU's output quantized
         # from BF16, within one E4M3 ULP of the fused path), so the health hooks on each see its input.
         self.observed = False
@@ -127,7 +129,11 @@ class RoutedExperts(nn.Module):
     def forward(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Rows sorted by expert (`counts[e]` for local expert e, a device tensor) -> (out, out_rows): expert row
         i's output is out[out_rows[i]] (the padded layout of the fused FP8 MLP), or out[i] where out_rows is
-        None."""
+        None. Traced into a compiled block with one EP rank (every shape is fixed, nothing syncs with the host);
+        eager across EP ranks."""
+        return (self._run if self.traceable else self._eager_run)(rows, counts)
+
+    def _run(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         gate_up, down = self.gate_up_proj, self.down_proj
         fp8 = gate_up.recipe.fp8
         fused = fp8 is not None and down.recipe.fp8 == fp8 and fp8.all_gemms and not self.observed
@@ -137,15 +143,17 @@ class RoutedExperts(nn.Module):
         gate, up = gate_up(x, counts).chunk(2, dim=-1)  # each (rows, ffn)
         return down(F.silu(gate) * up, counts), None
 
-    @torch.compiler.disable  # our kernels and index maps; compiled code runs around them
+    @torch.compiler.disable
+    def _eager_run(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return self._run(rows, counts)
+
     def _fused_fp8(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One FP8 autograd function in the padded expert layout, the tokens gathered into it by the quantizer.
         The layout is built on the device, sized by its upper bound: no host sync."""
         gate_up, down = self.gate_up_proj, self.down_proj
         layout = expert_rows(counts, rows.source.device, rows.row_to_source.shape[0])
-        padded_of_source = layout.index[rows.source_to_rows]
-        x = GatheredInput(rows.source, padded_source_index(layout, rows.row_to_source),
-                          lambda dx: gather_sum(dx, padded_of_source))
+        x = GatheredInput(rows.source, padded_source_index(layout, rows.row_to_source), gather_sum,
+                          layout.index[rows.source_to_rows])
         y = grouped_fp8_swiglu_mlp(x, layout,
                                    ExpertProjection(gate_up.weight, gate_up.fp8_cache, gate_up.wgrad_queue),
                                    ExpertProjection(down.weight, down.fp8_cache, down.wgrad_queue),

@@ -24,13 +24,12 @@ from megafp8.model.rope import RotaryEmbedding
 from megafp8.parallel import (
     ColumnParallelLinear,
     ExpertParallel,
-    ParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
     gather_from_tp_last,
     vocab_parallel_cross_entropy,
 )
-from megafp8.precision import PrecisionRecipe
+from megafp8.precision import GemmLayer, PrecisionRecipe
 
 if TYPE_CHECKING:  # megafp8.parallel.pipeline imports torch's pipelining (a second at start-up): not at run time
     from megafp8.parallel.pipeline import StageSpec
@@ -53,7 +52,7 @@ class Block(nn.Module):
         self.mlp = (MoE(spec.mlp, cfg.hidden_size, recipe, tp, ep, fp8_dispatch, device) if spec.is_moe
                     else SwiGLU(cfg.hidden_size, spec.mlp.ffn_hidden_size, recipe, tp, device))
         self.recompute = False  # set by `apply_recompute`
-        self.prepared_linears: list[ParallelLinear] = []  # set by `apply_compile`: the linears to prepare eagerly
+        self.prepared_linears: list[GemmLayer] = []  # set by `apply_compile`: the GEMM layers to prepare eagerly
         self.uncompiled_forward = None  # set by `apply_compile`: `_forward` as written, for observed steps
         # Set by `apply_compile` in modes with CUDA graphs (`reduce-overhead`, `max-autotune`): see
         # `_outside_the_graph_pool`.
@@ -284,9 +283,9 @@ def apply_compile(model: nn.Module, mode: str = "default", backend: str = "induc
         block.under_cuda_graphs = uses_cuda_graphs(mode)
         # Each forward first quantizes the block's changed FP8 weights, eagerly: once per weight version, not once
         # per micro-batch inside the graph; every linear gets a fresh alias of its FP32 main_grad to add its weight
-        # gradient into. Every linear is listed, whatever its recipe now: one may switch to FP8 later
-        # (`precision.fp8_start_step`).
-        block.prepared_linears = [m for m in block.modules() if isinstance(m, ParallelLinear)]
+        # gradient into. Every GEMM layer (the linears and the MoE experts' grouped linears) is listed, whatever its
+        # recipe now: one may switch to FP8 later (`precision.fp8_start_step`).
+        block.prepared_linears = [m for m in block.modules() if isinstance(m, GemmLayer)]
     return len(blocks)
 
 

@@ -38,7 +38,7 @@ import torch.nn as nn
 from megafp8.precision import Fp8Backend, Fp8Format, Fp8Recipe, GemmLayer, PrecisionRecipe
 from megafp8.precision.grouped import grouped_linear
 from megafp8.parallel.dims import ExpertParallel
-from megafp8.parallel.permute import RowSource, gather_rows, weighted_combine
+from megafp8.parallel.permute import RowSource, eager_gather_rows, eager_weighted_combine, weighted_combine
 from megafp8.parallel.sharding import mark_expert
 from megafp8.precision.quantize import dequantize_1x128
 
@@ -76,7 +76,8 @@ class ExpertLinear(GemmLayer):
         the host by the grouped GEMMs) -> (M, out)."""
         fp8 = self.recipe.fp8
         if fp8 is None:
-            return grouped_linear(rows, self.weight, counts, None, None, None, self.wgrad_queue)
+            return grouped_linear(rows, self.weight, counts, None, None, None, self.wgrad_queue,
+                                  self.main_grad_slot)
         why = self.why_unsupported(fp8)
         if why is not None:
             raise ValueError(why)
@@ -160,7 +161,7 @@ def dispatch(x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int, ep: Ex
     recv_matrix = recv_counts.view(ep.size, local)
     send_rows = counts.view(ep.size, local).sum(1).tolist()
     recv_rows = recv_matrix.sum(1).tolist()
-    received = _AllToAll.apply(gather_rows(sorted_rows), recv_rows, send_rows, ep, quantize)
+    received = _AllToAll.apply(eager_gather_rows(sorted_rows), recv_rows, send_rows, ep, quantize)
     # Received rows are ordered (source rank, local expert); regroup them expert-major, sources in order.
     segment = torch.repeat_interleave(torch.arange(ep.size * local, device=x.device), recv_counts)  # s * local + e
     regroup = torch.argsort((segment % local) * ep.size + segment // local, stable=True)
@@ -179,7 +180,7 @@ def combine(expert_out: torch.Tensor, out_rows: Optional[torch.Tensor], weights:
         if out_rows is not None:
             back = out_rows[back]
         rows = _AllToAll.apply(expert_out.index_select(0, back), plan.send_rows, plan.recv_rows, ep, None)
-        return weighted_combine(rows, pos, weights)
+        return eager_weighted_combine(rows, pos, weights)
     if out_rows is not None:
         pos = out_rows[pos]
     return weighted_combine(expert_out, pos, weights)

@@ -40,7 +40,6 @@ from megafp8.precision import (
     GemmLayer,
     InputNorm,
     LinearComm,
-    MainGradSlot,
     PrecisionRecipe,
     Rotary,
     fp8_linear,
@@ -123,7 +122,6 @@ class ParallelLinear(GemmLayer):
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.weight = nn.Parameter(torch.empty(weight_shape, dtype=recipe.param_dtype, device=device))
         self._comm: Optional[LinearComm] = None
-        self.main_grad_slot = MainGradSlot()  # in BF16, compiled: what the weight gradient is added into
         self.set_recipe(recipe, fp8_backend)
 
     def _fp8_forward(self, x: torch.Tensor, norm: Optional[InputNorm] = None) -> torch.Tensor:
@@ -133,17 +131,6 @@ class ParallelLinear(GemmLayer):
     def fp8_projection(self) -> Fp8Projection:
         """This layer as one projection of a fused FP8 MLP (`megafp8.precision.fp8_mlp`)."""
         return Fp8Projection(self.weight, self.fp8_cache, self._comm or LinearComm(), self.wgrad_queue)
-
-    def prepare_for_compiled(self) -> None:
-        """Run eagerly before each call of the compiled block holding this layer: quantize the weight if it changed
-        since it was last quantized (traced FP8 linears then read the cache instead of quantizing in every forward),
-        or, in BF16, point the layer at a fresh alias of its FP32 `main_grad` (`MainGradSlot`)."""
-        if not self.runs_fp8:
-            self.main_grad_slot.refresh(self.weight)
-        else:
-            fp8 = self.recipe.fp8
-            self.fp8_cache.prepare(self.weight, self.fp8_backend_for(self.weight.device), fp8.fmt,
-                                   fp8.power_of_two_scales)
 
     @staticmethod
     def gemm_input(inputs: tuple) -> torch.Tensor:

@@ -52,13 +52,23 @@ def gather_sum_reference(d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return acc.to(d.dtype)
 
 
-def gather_sum(d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`gather_sum_reference`, through a Triton kernel on CUDA."""
+@torch.library.custom_op("megafp8::gather_sum", mutates_args=())
+def _gather_sum_op(d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if _use_triton(d):
         from megafp8.parallel import permute_kernels
 
         return permute_kernels.gather_sum(d, index)
     return gather_sum_reference(d, index)
+
+
+@_gather_sum_op.register_fake
+def _(d, index):
+    return d.new_empty(index.shape[0], d.shape[1])
+
+
+def gather_sum(d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`gather_sum_reference`, through a Triton kernel on CUDA (one op in a compiled graph)."""
+    return _gather_sum_op(d if d.stride(-1) == 1 else d.contiguous(), index)
 
 
 def combine_reference(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -87,6 +97,39 @@ def _grad_rows(y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(y) if pos.numel() == y.shape[0] else torch.zeros_like(y)
 
 
+def _triton_combine(y: torch.Tensor, weights: torch.Tensor) -> bool:
+    return _use_triton(y) and weights.dtype == torch.float32
+
+
+@torch.library.custom_op("megafp8::weighted_combine", mutates_args=())
+def _combine_op(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    if _triton_combine(y, weights):
+        from megafp8.parallel import permute_kernels
+
+        return permute_kernels.combine(y, pos, weights)
+    return combine_reference(y, pos, weights)
+
+
+@_combine_op.register_fake
+def _(y, pos, weights):
+    return y.new_empty(pos.shape[0], y.shape[1])
+
+
+@torch.library.custom_op("megafp8::weighted_combine_backward", mutates_args=())
+def _combine_backward_op(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _triton_combine(y, weights):
+        from megafp8.parallel import permute_kernels
+
+        return permute_kernels.combine_backward(dout, y, pos, weights, _grad_rows(y, pos))
+    return combine_backward_reference(dout, y, pos, weights)
+
+
+@_combine_backward_op.register_fake
+def _(dout, y, pos, weights):
+    return torch.empty_like(y), weights.new_empty(pos.shape)
+
+
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, source, row_to_source, source_to_rows):
@@ -99,9 +142,9 @@ class _GatherRows(torch.autograd.Function):
         return gather_sum(dout.contiguous(), source_to_rows), None, None
 
 
-@torch.compiler.disable  # our kernels and index maps; compiled code runs around them
 def gather_rows(rows: RowSource) -> torch.Tensor:
-    """The rows, copied out of their source (M, hidden); the backward sums each source row's rows in FP32."""
+    """The rows, copied out of their source (M, hidden); the backward sums each source row's rows in FP32 (a
+    custom op in a compiled graph)."""
     return _GatherRows.apply(rows.source, rows.row_to_source, rows.source_to_rows)
 
 
@@ -109,32 +152,27 @@ class _WeightedCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, pos, weights):
         ctx.save_for_backward(y, pos, weights)
-        if _use_triton(y) and weights.dtype == torch.float32:
-            from megafp8.parallel import permute_kernels
-
-            return permute_kernels.combine(y, pos, weights)
-        return combine_reference(y, pos, weights)
+        return _combine_op(y, pos, weights)
 
     @staticmethod
     def backward(ctx, dout):
         y, pos, weights = ctx.saved_tensors
-        dout = dout.contiguous()
-        if _use_triton(y) and weights.dtype == torch.float32:
-            from megafp8.parallel import permute_kernels
-
-            dy, dweights = permute_kernels.combine_backward(dout, y, pos, weights, _grad_rows(y, pos))
-        else:
-            dy, dweights = combine_backward_reference(dout, y, pos, weights)
+        dy, dweights = _combine_backward_op(dout.contiguous(), y, pos, weights)
         return dy, None, dweights
 
 
-@torch.compiler.disable  # as `gather_rows`
 def weighted_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y (rows, hidden), pos (N, k) distinct rows of y, weights (N, k) FP32 -> (N, hidden) in y's dtype:
     out[t] = sum_j weights[t, j] * y[pos[t, j]], summed in FP32. Rows of y that `pos` does not name get no
-    gradient (zero)."""
+    gradient (zero). Traced by `torch.compile` as two custom ops (forward, backward)."""
     if y.stride(-1) != 1:
         y = y.contiguous()
     if weights.dtype not in (torch.float32, torch.float64):
         weights = weights.float()
     return _WeightedCombine.apply(y, pos, weights.contiguous())
+
+
+# Eager entry points, for callers whose surroundings cannot be traced (expert parallelism: the all-to-all's split
+# sizes are read on the host, so each step's row counts would recompile the graph).
+eager_gather_rows = torch.compiler.disable(gather_rows)
+eager_weighted_combine = torch.compiler.disable(weighted_combine)

@@ -24,7 +24,7 @@ cache hands it (`Fp8WeightCache.main_grad_alias`). Without a `main_grad`, dw is 
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,14 @@ def fp8_weight_gradient(k, weight: torch.Tensor, main_grad: Optional[torch.Tenso
     def compute_into(out: torch.Tensor) -> None:
         k.gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale)
 
+    return route_weight_gradient(weight, main_grad, compute, compute_into, queue, traced)
+
+
+def route_weight_gradient(weight: torch.Tensor, main_grad: Optional[torch.Tensor], compute: Callable[[], torch.Tensor],
+                          compute_into: Callable[[torch.Tensor], object], queue: Optional[WeightGradQueue],
+                          traced: bool) -> Optional[torch.Tensor]:
+    """Where an FP8 weight gradient goes (see `fp8_weight_gradient`), for any GEMM: `compute()` returns it,
+    `compute_into(out)` adds it into the FP32 `out`."""
     if not traced:
         return weight_grad_or_defer(weight, compute, queue, compute_into)
     if main_grad is None:

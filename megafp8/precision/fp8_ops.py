@@ -9,11 +9,12 @@ eager methods lay them out (scales column-major; weight scales in the backend's 
 from __future__ import annotations
 
 import functools
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
 from megafp8.precision.backends import Fp8Backend, QuantizedWeight, backend_by_name
+from megafp8.precision.expert_layout import ExpertRows
 from megafp8.precision.formats import FORMATS, TILE, Fp8Format
 
 
@@ -159,6 +160,65 @@ def _(out, a, a_scale, b, b_scale, backend):
     return None
 
 
+@torch.library.custom_op("megafp8::gather_quantize_rows_cols", mutates_args=())
+def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: str, pow2: bool, backend: str
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backend(backend).gather_quantize_rows_cols(source, index, FORMATS[fmt], pow2)
+
+
+@gather_quantize_rows_cols.register_fake
+def _(source, index, fmt, pow2, backend):
+    return _fake_rows_cols(index.shape[0], source.shape[1], fmt, source)
+
+
+def _expert_tiles(rows: int, tile_expert: Optional[torch.Tensor], tile_start: torch.Tensor,
+                  tile_count: torch.Tensor):
+    """The padded expert layout as the grouped GEMMs read it, rebuilt from a graph's tensors."""
+    return ExpertRows.of_tiles(rows, tile_expert, tile_start, tile_count)
+
+
+@torch.library.custom_op("megafp8::grouped_gemm_1x128_128x128", mutates_args=())
+def grouped_gemm_1x128_128x128(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                               tile_expert: torch.Tensor, tile_start: torch.Tensor, tile_count: torch.Tensor,
+                               out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    rows = _expert_tiles(a.shape[0], tile_expert, tile_start, tile_count)
+    return _backend(backend).grouped_gemm_1x128_128x128(a, a_scale, QuantizedWeight(b, b_scale, None, None), False,
+                                                         rows, out_dtype)
+
+
+@grouped_gemm_1x128_128x128.register_fake
+def _(a, a_scale, b, b_scale, tile_expert, tile_start, tile_count, out_dtype, backend):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+@torch.library.custom_op("megafp8::grouped_gemm_1x128_1x128", mutates_args=())
+def grouped_gemm_1x128_1x128(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                             tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype,
+                             backend: str) -> torch.Tensor:
+    rows = _expert_tiles(a.shape[1], None, tile_start, tile_count)
+    return _backend(backend).grouped_gemm_1x128_1x128(a, a_scale, b, b_scale, rows, tile_start.shape[0], out_dtype)
+
+
+@grouped_gemm_1x128_1x128.register_fake
+def _(a, a_scale, b, b_scale, tile_start, tile_count, out_dtype, backend):
+    return a.new_empty(tile_start.shape[0], a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+# The experts' weight gradients added into (an alias of) their FP32 `main_grad`, as `gemm_1x128_1x128_accumulate_`.
+@torch.library.custom_op("megafp8::grouped_gemm_1x128_1x128_accumulate_", mutates_args=("out",))
+def grouped_gemm_1x128_1x128_accumulate_(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
+                                         b_scale: torch.Tensor, tile_start: torch.Tensor, tile_count: torch.Tensor,
+                                         backend: str) -> None:
+    rows = _expert_tiles(a.shape[1], None, tile_start, tile_count)
+    _backend(backend).grouped_gemm_1x128_1x128(a, a_scale, b, b_scale, rows, out.shape[0], torch.float32,
+                                               accumulate=out)
+
+
+@grouped_gemm_1x128_1x128_accumulate_.register_fake
+def _(out, a, a_scale, b, b_scale, tile_start, tile_count, backend):
+    return None
+
+
 class TracedKernels:
     """A backend's kernels as the custom ops above: the same methods (those the FP8 autograd functions call)."""
 
@@ -196,6 +256,29 @@ class TracedKernels:
 
     def gemm_1x128_1x128_accumulate_(self, out, a, a_scale, b, b_scale) -> None:
         gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale, self.backend)
+
+    def gather_quantize_rows_cols(self, source: torch.Tensor, index: torch.Tensor, fmt: Fp8Format, pow2: bool):
+        return gather_quantize_rows_cols(source, index, fmt.name, pow2, self.backend)
+
+    def grouped_gemm_1x128_128x128(self, a, a_scale, w: QuantizedWeight, transposed: bool, rows,
+                                   out_dtype: torch.dtype):
+        if not transposed:
+            b, b_scale = w.w_fp8, w.w_scale
+        elif w.wt_fp8 is not None:
+            b, b_scale = w.wt_fp8, w.wt_scale
+        else:
+            b, b_scale = self.transpose_weight(w.w_fp8, w.w_scale)
+        return grouped_gemm_1x128_128x128(a, a_scale, b, b_scale, rows.tile_expert, rows.tile_start, rows.tile_count,
+                                          out_dtype, self.backend)
+
+    def grouped_gemm_1x128_1x128(self, a, a_scale, b, b_scale, rows, num_experts: int, out_dtype: torch.dtype,
+                                 accumulate: Optional[torch.Tensor] = None):
+        if accumulate is None:
+            return grouped_gemm_1x128_1x128(a, a_scale, b, b_scale, rows.tile_start, rows.tile_count, out_dtype,
+                                            self.backend)
+        grouped_gemm_1x128_1x128_accumulate_(accumulate, a, a_scale, b, b_scale, rows.tile_start, rows.tile_count,
+                                             self.backend)
+        return accumulate
 
 
 def kernels(backend: Union[Fp8Backend, str], traced: bool) -> Union[Fp8Backend, TracedKernels]:

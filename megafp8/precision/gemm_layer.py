@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from megafp8.precision.backends import Fp8Backend, select_backend
+from megafp8.precision.bf16_linear import MainGradSlot
 from megafp8.precision.formats import TILE
 from megafp8.precision.recipe import Fp8Recipe, PrecisionRecipe
 from megafp8.precision.weight_cache import Fp8WeightCache
@@ -29,6 +30,7 @@ class GemmLayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.wgrad_queue: Optional[WeightGradQueue] = None  # set to defer weight gradients (zero-bubble PP)
+        self.main_grad_slot = MainGradSlot()  # in BF16, compiled: what the weight gradient is added into
 
     def set_recipe(self, recipe: PrecisionRecipe, fp8_backend: Optional[Fp8Backend] = None) -> None:
         """Switch this layer's numerics (e.g. keep it in BF16); FP8 needs whole 128-wide tiles. `fp8_backend`: the
@@ -67,3 +69,14 @@ class GemmLayer(nn.Module):
         if self._fp8_backend is None:
             self._fp8_backend = select_backend(self.recipe.fp8.backend, device)
         return self._fp8_backend
+
+    def prepare_for_compiled(self) -> None:
+        """Run eagerly before each call of the compiled block holding this layer: quantize the weight if it changed
+        since it was last quantized (traced FP8 layers then read the cache instead of quantizing in every forward),
+        or, in BF16, point the layer at a fresh alias of its FP32 `main_grad` (`MainGradSlot`)."""
+        if not self.runs_fp8:
+            self.main_grad_slot.refresh(self.weight)
+        else:
+            fp8 = self.recipe.fp8
+            self.fp8_cache.prepare(self.weight, self.fp8_backend_for(self.weight.device), fp8.fmt,
+                                   fp8.power_of_two_scales)

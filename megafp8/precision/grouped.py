@@ -16,6 +16,13 @@ BF16 (no FP8 recipe) runs each GEMM as one `torch._grouped_mm` over all experts 
 = cumulative row counts): fprop x @ w^T, dgrad dy @ w, and wgrad dy^T @ x with the offsets along the contracted
 tokens, giving (E, N, K). Where `_grouped_mm` cannot take the problem in one call without a host sync
 (`grouped_mm_unsupported_reason`), a loop of one matmul per expert gives the same result.
+
+Under `torch.compile` both forms are traced into the graph, as the dense layers are: the FP8 experts' fused MLP
+(`grouped_fp8_swiglu_mlp`) through custom ops (`megafp8.precision.fp8_ops`) reading the weights their block quantized
+eagerly, BF16's grouped linear through `torch._grouped_mm`; each adds its weight gradients into an alias of the
+weight's FP32 `main_grad`. Every shape is fixed (the padded layout is sized by its upper bound) and nothing syncs
+with the host, so CUDA graphs capture the experts too. A weight-gradient queue, the unfused FP8 path (FP8-health
+sampling) and the per-expert loop run eagerly inside the graph.
 """
 from __future__ import annotations
 
@@ -26,69 +33,13 @@ from typing import Callable, Optional
 
 import torch
 
-from megafp8.precision.backends import Fp8Backend
-from megafp8.precision.formats import TILE
+from megafp8.precision.backends import Fp8Backend, QuantizedWeight
+from megafp8.precision.expert_layout import ExpertRows, counts_on, expert_rows
+from megafp8.precision.fp8_linear import current_weight, route_weight_gradient, traced_main_grad
+from megafp8.precision.fp8_ops import backend_arg, kernels
 from megafp8.precision.recipe import Fp8Recipe
 from megafp8.precision.weight_cache import Fp8WeightCache
 from megafp8.precision.wgrad import WeightGradQueue, weight_grad_or_defer
-
-
-@dataclass
-class ExpertRows:
-    """Rows sorted by expert, and the padded layout the FP8 GEMMs use: each expert's rows start on a
-    128-row boundary (zero rows fill the gaps), so no 1x128 tile along the rows straddles two experts.
-
-    Built on the device from the row counts, with no host sync: where the counts live on the device, `total`
-    is an upper bound of the padded rows (each expert can add at most 127 padding rows), and the tiles past the
-    last expert's are padding as well (`tile_expert` -1: the GEMMs write zeros there). Only `segments` needs the
-    counts on the host (the reference backend's loops and tests)."""
-
-    counts: torch.Tensor  # (E,) int64 rows per expert, on the rows' device
-    total: int  # padded rows, a multiple of 128
-    index: torch.Tensor  # (rows,) padded position of each row
-    tile_expert: torch.Tensor  # (total / 128,) int32: the expert of each 128-row tile, -1 past the last expert's
-    tile_start: torch.Tensor  # (E,) int32: first tile of each expert
-    tile_count: torch.Tensor  # (E,) int32: tiles of each expert
-
-    @functools.cached_property
-    def segments(self) -> list[tuple[int, int, int]]:
-        """(expert, first padded row, end padded row) of the experts with rows (reads the counts on the host)."""
-        starts, tiles = self.tile_start.tolist(), self.tile_count.tolist()
-        return [(e, s * TILE, (s + t) * TILE) for e, (s, t) in enumerate(zip(starts, tiles)) if t]
-
-
-def counts_on(counts, device: torch.device) -> torch.Tensor:
-    """Per-expert row counts (a list or a tensor) as an int64 tensor on `device`; a host list is copied without
-    waiting for the GPU (pinned, queued)."""
-    if isinstance(counts, torch.Tensor):
-        return counts.to(device=device, dtype=torch.int64)
-    table = torch.tensor(counts, dtype=torch.int64)
-    if device.type == "cuda":  # a copy from pageable memory would wait for the GPU
-        return table.pin_memory().to(device, non_blocking=True)
-    return table.to(device)
-
-
-def expert_rows(counts, device: torch.device, rows: Optional[int] = None) -> ExpertRows:
-    """The padded layout of `rows` rows sorted by expert, `counts[e]` of them for expert e. With host counts (a
-    list) the layout is exact; with device counts `rows` (their sum, known on the host) must be given, and the
-    layout takes the upper bound of the padded rows, so nothing waits for the GPU."""
-    if isinstance(counts, torch.Tensor):
-        if rows is None:
-            raise ValueError("expert_rows with counts on the device needs `rows`, their sum")
-        num_tiles = (rows + counts.shape[0] * (TILE - 1)) // TILE  # sum of ceil(c / 128) is at most this
-    else:
-        rows, num_tiles = sum(counts), sum(-(-c // TILE) for c in counts)
-    counts = counts_on(counts, device)
-    tiles = (counts + TILE - 1) // TILE
-    tile_end = torch.cumsum(tiles, 0)
-    tile_start = tile_end - tiles
-    row_start = torch.cumsum(counts, 0) - counts
-    shift = tile_start * TILE - row_start  # padded minus unpadded position, per expert
-    index = torch.arange(rows, device=device) + torch.repeat_interleave(shift, counts, output_size=rows)
-    tile_expert = torch.searchsorted(tile_end, torch.arange(num_tiles, device=device), right=True)
-    tile_expert = torch.where(tile_expert < counts.shape[0], tile_expert, -1).to(torch.int32)
-    return ExpertRows(counts, num_tiles * TILE, index, tile_expert, tile_start.to(torch.int32),
-                      tiles.to(torch.int32))
 
 
 def _to_padded_layout(x: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
@@ -163,9 +114,12 @@ def grouped_mm_unsupported_reason(device_type: str, capability: Optional[tuple[i
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> Optional[tuple[int, int]]:
+def _device_capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """The CUDA compute capability (None off CUDA); what traced code asks (Dynamo folds it to a constant)."""
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+_capability = functools.lru_cache(maxsize=None)(_device_capability)  # eagerly, asked once per device
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
@@ -186,11 +140,11 @@ class _GroupOffsets:
     empty: Optional[torch.Tensor]  # indices of the experts with no rows to zero, None if none (or none need it)
 
 
-def _kernel_zeroes_empty_experts(device: torch.device) -> bool:
+def _kernel_zeroes_empty_experts(device: torch.device, capability=_capability) -> bool:
     """Whether `_grouped_mm`'s wgrad writes exact zeros for an expert with no rows on `device`: SM90's CUTLASS
     kernel runs the empty group's epilogue on a zero accumulator (tests/test_fp8_gpu.py checks it); SM100's leaves
     garbage (pytorch/pytorch#172439). Elsewhere the empty experts are found on the host and zeroed here."""
-    return device.type == "cuda" and _capability(device)[0] == 9
+    return device.type == "cuda" and capability(device)[0] == 9
 
 
 def _group_offsets(counts: torch.Tensor) -> _GroupOffsets:
@@ -277,14 +231,72 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, weight_grad_or_defer(weight, fp8_wgrad, ctx.queue, fp8_wgrad), None, None, None, None, None
 
 
-@torch.compiler.disable  # like the eager FP8 linear: a cached weight, our own kernels; compiled code runs around it
+@torch.library.custom_op("megafp8::add_into_", mutates_args=("out",))
+def _add_into_(out: torch.Tensor, x: torch.Tensor) -> None:
+    """out += x: a BF16 weight gradient added into (an alias of) the weight's FP32 `main_grad` in a compiled graph
+    (declared as a mutation, so the graph keeps it, in order)."""
+    out.add_(x)
+
+
+@_add_into_.register_fake
+def _(out, x) -> None:
+    return None
+
+
+class _TracedGroupedMmFn(torch.autograd.Function):
+    """High-precision experts inside a compiled graph: `torch._grouped_mm` for fprop, dgrad and wgrad (offsets on
+    the device), the weight gradient added into the main_grad slot's alias, or returned without one."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offs, empty, main_grad):
+        ctx.save_for_backward(x, weight, offs, empty, main_grad)
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, offs, empty, main_grad = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, weight, offs=offs)
+        dw = torch._grouped_mm(dy.t(), x, offs=offs)
+        if empty is not None:  # experts without rows get exactly zero, found on the device
+            dw = torch.where(empty[:, None, None], torch.zeros((), dtype=dw.dtype, device=dw.device), dw)
+        if main_grad is None:
+            return dx, dw, None, None, None
+        _add_into_(main_grad, dw)
+        return dx, None, None, None, None
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts, cache: Optional[Fp8WeightCache],
                    recipe: Optional[Fp8Recipe], backend: Optional[Fp8Backend],
-                   wgrad_queue: Optional[WeightGradQueue] = None) -> torch.Tensor:
+                   wgrad_queue: Optional[WeightGradQueue] = None, main_grad_slot=None) -> torch.Tensor:
     """x (M, K) rows sorted by expert, `counts[e]` of them for expert e (a list, or a tensor: on the device, it
     is never read on the host where BF16's grouped kernel or the FP8 path runs); weight (E, N, K) -> (M, N).
     `recipe` None: BF16/FP32 matmuls; else FP8 per-tile GEMMs through `backend` with the weight cached in `cache`.
-    `wgrad_queue` defers the weight-gradient GEMMs (zero-bubble pipelines)."""
+    `wgrad_queue` defers the weight-gradient GEMMs (zero-bubble pipelines).
+
+    Under `torch.compile` the high-precision form is traced where `torch._grouped_mm` takes it, adding its weight
+    gradient into `main_grad_slot`'s alias (`megafp8.precision.MainGradSlot`, refreshed eagerly before the compiled
+    block); the FP8 form (the experts' unfused path, which FP8-health sampling runs uncompiled), a queue, or a
+    per-expert loop run eagerly inside the graph."""
+    if not torch.compiler.is_compiling():
+        return _eager_grouped_linear(x, weight, counts, cache, recipe, backend, wgrad_queue)
+    counts = counts_on(counts, x.device)
+    if (recipe is None and wgrad_queue is None and counts.shape == (weight.shape[0],) and x.dtype == weight.dtype
+            and x.shape[0] > 0 and weight.is_contiguous()
+            and grouped_mm_unsupported_reason(x.device.type, _device_capability(x.device), x.dtype, x.shape[0],
+                                              weight.shape[0], weight.shape[2], weight.shape[1],
+                                              hip=torch.version.hip is not None) is None):
+        empty = None if _kernel_zeroes_empty_experts(x.device, _device_capability) else counts == 0
+        alias = main_grad_slot.alias if main_grad_slot is not None and torch.is_grad_enabled() else None
+        return _TracedGroupedMmFn.apply(x.contiguous(), weight, torch.cumsum(counts, 0).to(torch.int32), empty,
+                                        alias)
+    return _eager_grouped_linear(x, weight, counts, cache, recipe, backend, wgrad_queue)
+
+
+@torch.compiler.disable  # like the eager FP8 linear: a cached weight, our own kernels; compiled code runs around it
+def _eager_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts, cache: Optional[Fp8WeightCache],
+                          recipe: Optional[Fp8Recipe], backend: Optional[Fp8Backend],
+                          wgrad_queue: Optional[WeightGradQueue]) -> torch.Tensor:
     counts = counts_on(counts, x.device)
     # The rows' sum is checked where it costs no sync with the GPU.
     if counts.shape != (weight.shape[0],) or (not counts.is_cuda and int(counts.sum()) != x.shape[0]):
@@ -307,12 +319,14 @@ class ExpertProjection:
 @dataclass
 class GatheredInput:
     """The fused expert MLP's input, read straight into the padded expert layout: padded row i is
-    `source[index[i]]` (a zero row where index[i] < 0). `source_grad` maps the gradient of the padded rows
-    (Mp, K) to the source's (S, K): the caller owns the permutation (`megafp8.parallel.permute`)."""
+    `source[index[i]]` (a zero row where index[i] < 0). `source_grad(d_padded, grad_index)` maps the gradient of
+    the padded rows (Mp, K) to the source's (S, K): the caller owns the permutation (`megafp8.parallel.permute`).
+    A plain function and a tensor, not a closure, so a compiled graph can hold them."""
 
     source: torch.Tensor  # (S, K)
     index: torch.Tensor  # (Mp,) int64
-    source_grad: Callable[[torch.Tensor], torch.Tensor]
+    source_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    grad_index: torch.Tensor
 
 
 def padded_source_index(layout: ExpertRows, row_to_source: torch.Tensor) -> torch.Tensor:
@@ -338,55 +352,85 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
     quantized from FP32 rather than from BF16 (`megafp8.precision.producers`). Padding rows stay zero throughout."""
 
     @staticmethod
-    def forward(ctx, source, w_gate_up, w_down, index, layout: ExpertRows, source_grad, projections: tuple,
-                recipe: Fp8Recipe, backend: Fp8Backend):
+    def forward(ctx, source, w_gate_up, w_down, gate_up_fp8, gate_up_scale, down_fp8, down_scale, index, tile_expert,
+                tile_start, tile_count, grad_index, main_grad_gate_up, main_grad_down, source_grad, recipe: Fp8Recipe,
+                backend, traced: bool, queues: tuple):
+        k = kernels(backend, traced)
         fmt, pow2 = recipe.fmt, recipe.power_of_two_scales
-        gate_up, down = (p.cache.get(p.weight, backend, fmt, pow2) for p in projections)
-        x_fp8, x_scale, xt_fp8, xt_scale = backend.gather_quantize_rows_cols(source, index, fmt, pow2)
-        gu = backend.grouped_gemm_1x128_128x128(x_fp8, x_scale, gate_up, False, layout, source.dtype)
-        a_fp8, a_scale = backend.swiglu_quantize(gu, fmt, pow2)
-        y = backend.grouped_gemm_1x128_128x128(a_fp8, a_scale, down, False, layout, source.dtype)
-        ctx.layout, ctx.entries, ctx.projections, ctx.recipe, ctx.backend = layout, (gate_up, down), projections, \
-            recipe, backend
-        ctx.source_grad = source_grad
-        ctx.save_for_backward(xt_fp8, xt_scale, gu, w_gate_up, w_down)
+        layout = ExpertRows.of_tiles(index.shape[0], tile_expert, tile_start, tile_count)
+        gate_up = QuantizedWeight(gate_up_fp8, gate_up_scale, None, None)
+        down = QuantizedWeight(down_fp8, down_scale, None, None)
+        x_fp8, x_scale, xt_fp8, xt_scale = k.gather_quantize_rows_cols(source, index, fmt, pow2)
+        gu = k.grouped_gemm_1x128_128x128(x_fp8, x_scale, gate_up, False, layout, source.dtype)
+        a_fp8, a_scale = k.swiglu_quantize(gu, fmt, pow2)
+        y = k.grouped_gemm_1x128_128x128(a_fp8, a_scale, down, False, layout, source.dtype)
+        ctx.recipe, ctx.backend, ctx.traced, ctx.queues, ctx.source_grad = recipe, backend, traced, queues, source_grad
+        ctx.save_for_backward(xt_fp8, xt_scale, gu, w_gate_up, w_down, gate_up_fp8, gate_up_scale, down_fp8,
+                              down_scale, tile_expert, tile_start, tile_count, grad_index, main_grad_gate_up,
+                              main_grad_down)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        recipe, backend, layout = ctx.recipe, ctx.backend, ctx.layout
-        (gate_up, down), (gate_up_proj, down_proj) = ctx.entries, ctx.projections
-        xt_fp8, xt_scale, gu, w_gate_up, w_down = ctx.saved_tensors
+        recipe, traced, (gate_up_queue, down_queue) = ctx.recipe, ctx.traced, ctx.queues
+        k = kernels(ctx.backend, traced)
+        (xt_fp8, xt_scale, gu, w_gate_up, w_down, gate_up_fp8, gate_up_scale, down_fp8, down_scale, tile_expert,
+         tile_start, tile_count, grad_index, main_grad_gate_up, main_grad_down) = ctx.saved_tensors
+        layout = ExpertRows.of_tiles(gu.shape[0], tile_expert, tile_start, tile_count)
+        gate_up = QuantizedWeight(gate_up_fp8, gate_up_scale, None, None)
+        down = QuantizedWeight(down_fp8, down_scale, None, None)
         pow2, experts = recipe.power_of_two_scales, w_down.shape[0]
-        dy_fp8, dy_scale, dyt_fp8, dyt_scale = backend.quantize_rows_cols(dy.contiguous(), recipe.grad_fmt, pow2)
-        da = backend.grouped_gemm_1x128_128x128(dy_fp8, dy_scale, down, True, layout, dy.dtype)
-        dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = backend.swiglu_backward_quantize(
+        dy_fp8, dy_scale, dyt_fp8, dyt_scale = k.quantize_rows_cols(dy.contiguous(), recipe.grad_fmt, pow2)
+        da = k.grouped_gemm_1x128_128x128(dy_fp8, dy_scale, down, True, layout, dy.dtype)
+        dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = k.swiglu_backward_quantize(
             gu, da, recipe.fmt, recipe.grad_fmt, pow2)
-
-        def down_wgrad(into: Optional[torch.Tensor] = None) -> torch.Tensor:
-            return backend.grouped_gemm_1x128_1x128(dyt_fp8, dyt_scale, at_fp8, at_scale, layout, experts, dy.dtype,
-                                                    accumulate=into)
-
-        def gate_up_wgrad(into: Optional[torch.Tensor] = None) -> torch.Tensor:
-            return backend.grouped_gemm_1x128_1x128(dgut_fp8, dgut_scale, xt_fp8, xt_scale, layout, experts,
-                                                    dy.dtype, accumulate=into)
-
-        dw_down = weight_grad_or_defer(w_down, down_wgrad, down_proj.queue, down_wgrad)
-        dx = ctx.source_grad(backend.grouped_gemm_1x128_128x128(dgu_fp8, dgu_scale, gate_up, True, layout,
-                                                                 dy.dtype))
-        dw_gate_up = weight_grad_or_defer(w_gate_up, gate_up_wgrad, gate_up_proj.queue, gate_up_wgrad)
-        return dx, dw_gate_up, dw_down, None, None, None, None, None, None
+        dw_down = _expert_weight_gradient(k, w_down, main_grad_down, dyt_fp8, dyt_scale, at_fp8, at_scale, layout,
+                                          experts, dy.dtype, down_queue, traced)
+        dx = ctx.source_grad(k.grouped_gemm_1x128_128x128(dgu_fp8, dgu_scale, gate_up, True, layout, dy.dtype),
+                             grad_index)
+        dw_gate_up = _expert_weight_gradient(k, w_gate_up, main_grad_gate_up, dgut_fp8, dgut_scale, xt_fp8, xt_scale,
+                                             layout, experts, dy.dtype, gate_up_queue, traced)
+        return (dx, dw_gate_up, dw_down) + (None,) * 16
 
 
-@torch.compiler.disable  # like `grouped_linear`: cached weights, our own kernels; compiled code runs around it
+def _expert_weight_gradient(k, weight: torch.Tensor, main_grad: Optional[torch.Tensor], a: torch.Tensor,
+                            a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, layout: ExpertRows,
+                            experts: int, out_dtype: torch.dtype, queue: Optional[WeightGradQueue],
+                            traced: bool) -> Optional[torch.Tensor]:
+    """The experts' FP8 weight gradients a @ b^T per expert (1x128 tiles along the padded rows), where they go: as
+    `megafp8.precision.fp8_linear.fp8_weight_gradient` says for one FP8 linear."""
+    def compute(into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return k.grouped_gemm_1x128_1x128(a, a_scale, b, b_scale, layout, experts, out_dtype, accumulate=into)
+
+    return route_weight_gradient(weight, main_grad, compute, compute, queue, traced)
+
+
 def grouped_fp8_swiglu_mlp(x: GatheredInput, layout: ExpertRows, gate_up: ExpertProjection, down: ExpertProjection,
                            recipe: Fp8Recipe, backend: Fp8Backend) -> torch.Tensor:
     """down(silu(gate) * up) per expert with [gate | up] = gate_up(x), all six GEMMs grouped FP8 GEMMs, in the
     padded expert layout `layout` (at least one row): x's rows are gathered from their source in the same pass
     that quantizes them, and the output (Mp, N) is padded (zero rows in the padding). gate_up.weight (E, 2F, K)
-    holds [gate; up] per expert, down.weight (E, N, F)."""
+    holds [gate; up] per expert, down.weight (E, N, F).
+
+    Under `torch.compile` it is traced into the graph as custom ops (`megafp8.precision.fp8_ops`), reading the
+    weights the block quantized eagerly and adding the weight gradients into the caches' `main_grad` aliases, as a
+    dense FP8 MLP does; with a weight-gradient queue (zero-bubble pipelines) it runs eagerly inside the graph."""
     if x.index.shape[0] != layout.total or layout.index.shape[0] == 0:
         raise ValueError(f"{x.index.shape[0]} padded rows for a layout of {layout.total} "
                          f"({layout.index.shape[0]} rows; at least one needed)")
-    return _GroupedFp8SwiGLUFn.apply(x.source, gate_up.weight, down.weight, x.index, layout, x.source_grad,
-                                     (gate_up, down), recipe, backend)
+    traced = torch.compiler.is_compiling()
+    if traced and (gate_up.queue is not None or down.queue is not None):
+        return _eager_grouped_fp8_swiglu_mlp(x, layout, gate_up, down, recipe, backend)
+    gate_up_entry = current_weight(gate_up.cache, gate_up.weight, recipe, backend, traced)
+    down_entry = current_weight(down.cache, down.weight, recipe, backend, traced)
+    return _GroupedFp8SwiGLUFn.apply(
+        x.source, gate_up.weight, down.weight, gate_up_entry.w_fp8, gate_up_entry.w_scale, down_entry.w_fp8,
+        down_entry.w_scale, x.index, layout.tile_expert, layout.tile_start, layout.tile_count, x.grad_index,
+        traced_main_grad(gate_up.cache, traced), traced_main_grad(down.cache, traced), x.source_grad, recipe,
+        backend_arg(backend, traced), traced, (gate_up.queue, down.queue))
+
+
+@torch.compiler.disable  # deferred weight gradients run eagerly inside compiled code
+def _eager_grouped_fp8_swiglu_mlp(x: GatheredInput, layout: ExpertRows, gate_up: ExpertProjection,
+                                  down: ExpertProjection, recipe: Fp8Recipe, backend: Fp8Backend) -> torch.Tensor:
+    return grouped_fp8_swiglu_mlp(x, layout, gate_up, down, recipe, backend)

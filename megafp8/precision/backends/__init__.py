@@ -4,7 +4,8 @@
 - `triton`: CUDA GPUs with FP8 tensor cores; our Triton quantizers, fused producers and GEMMs.
 - `cublas`: SM90; cuBLASLt's blockwise-scaled GEMMs (`F.scaled_mm`) fed by the Triton quantizers, and cuBLASLt
   called directly for weight gradients added into `main_grad` (`megafp8.precision.kernels.cublaslt`).
-- `hopper`: SM90, opt-in; `cublas` with the experts' grouped GEMMs on the warp-specialized Gluon kernel.
+- `hopper`: SM90 with Triton's Gluon; `cublas` with the experts' grouped GEMMs on the warp-specialized Gluon kernel
+  (what `auto` picks where it runs).
 
 A backend is one class: its `name`, its `priority` (`auto` picks the available backend of highest priority) and
 `unavailable_reason(device)`. Adding one means writing the class, listing it in `REGISTERED`, and letting the

@@ -1,12 +1,12 @@
 """The `hopper` backend (SM90): the cublas backend with the experts' grouped GEMMs on the warp-specialized Gluon
 kernel (`megafp8.precision.kernels.ws_gemm`) instead of the Triton TMA one.
 
-Opt-in (`precision.fp8_backend: hopper`): its grouped GEMMs beat the TMA kernels on 10 of issue 19's 12 shapes (up
-to 25%) and took 48.7 against 50.8 ms of a compiled MoE step, but the step itself got only 1% faster, within the
-noise (`docs/benchmarks.md`, jobs T and V), so `auto` keeps choosing `cublas`. Since then the kernel reads its
-scales by TMA (job AM: grouped wgrads 13-19% faster, dgrad 2-10%), and the compiled MoE step with it was 1.4% faster
-than with `cublas` (job AS: 93,206 against 91,916 tokens/s, separate runs of one job): still too little, measured
-once, to make it the default.
+`auto` picks it where it runs (SM90 and Triton's Gluon). Its grouped GEMMs beat the TMA kernels on 10 of issue 19's
+12 shapes alone (up to 25%; job AM: the wgrads 13-19% faster since its scales arrive by TMA). In the MoE step they
+paid off only once the experts ran inside the compiled graphs: while they ran eagerly the FP8 step waited on the
+host, and the faster kernels gained 1-1.4% (jobs T, V and AS). Traced, under CUDA graphs, the FP8 MoE step's
+grouped GEMMs take 44.0 ms against the TMA kernels' 51.0 and the step runs 3.2-3.4% faster (102,883 and 103,054
+against 99,713 tokens/s; `docs/benchmarks.md`, twenty-second session). Dense layers run exactly as under `cublas`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class HopperBackend(CublasBackend):
     """cuBLAS for the dense GEMMs, Triton quantizers, warp-specialized grouped GEMMs."""
 
     name = "hopper"
-    priority = 0  # never chosen by `auto` (see the module docstring)
+    priority = 3  # `auto` prefers it to `cublas` where both run (see the module docstring)
     grouped_kernel = "ws"
 
     @classmethod
