@@ -162,6 +162,34 @@ def test_ep2_training_matches_ep1(parity, recipe):
         assert math.isclose(a["moe_bias_abs_max"], b["moe_bias_abs_max"], rel_tol=1e-6)
 
 
+def test_ep2_compiled_training_matches_one_eager_rank(parity):
+    """torch.compile with EP=2 (the experts eager inside the compiled blocks: the next test) trains like one eager
+    rank."""
+    parity.check(MODEL + ["precision.recipe=fp8"], ["parallel.ep=2", "training.compile=true"], 2, LOW_PRECISION_TOL,
+                 "tiny_moe_fp8")
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_experts_trace_with_one_ep_rank_and_run_eagerly_across_several(recipe):
+    """With one EP rank the routed experts are traced (no graph break); across EP ranks they run eagerly inside
+    compiled code, where the rows received change in number every step and a traced graph would compile anew."""
+    from megafp8.model.moe import RoutedExperts
+
+    cfg = dataclasses.replace(MOE.moe, num_experts=4, ffn_hidden_size=128)
+    for ep, counts, traced in ((ExpertParallel.single(), [40, 0, 50, 38], True),
+                               (ExpertParallel(None, 2, 0), [40, 24], False)):
+        torch._dynamo.reset()
+        experts = RoutedExperts(cfg, MOE.hidden_size, PrecisionRecipe.from_name(recipe), ep)
+        init_weights(experts, MOE, seed=0)
+        assert experts.num_local == len(counts)
+        rows = _tokens_as_rows(sum(counts) // 2, 2, MOE.hidden_size)
+        explained = torch._dynamo.explain(experts)(rows, torch.tensor(counts))
+        if traced:
+            assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        else:  # the whole call is one uncompiled function: nothing of it enters a graph
+            assert explained.graph_count == 0, explained.graphs
+
+
 def test_ep2_x_tp2_training_matches_one_rank(parity):
     # Two shared experts: their 256-wide SwiGLU splits into 128-wide TP shards.
     parity.check(MODEL + ["precision.recipe=bf16", "model.moe.num_shared_experts=2"],
