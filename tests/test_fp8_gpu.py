@@ -199,10 +199,10 @@ def test_cublaslt_adds_the_weight_gradient_into_main_grad():
 def test_cuda_graphs_add_the_weight_gradients_into_main_grad_like_eager(tiny_overrides, config):
     """Compiled blocks under CUDA graphs (`compile_mode: reduce-overhead`) add their weight gradients, FP8 and BF16,
     dense and MoE (the experts' grouped GEMMs inside the graphs), into main_grad inside the graphs, four micro-batches
-    a step: the same gradient norms and losses as eager steps
-    (a gradient added into a graph-owned copy instead would show as a different norm), and Inductor skipped CUDA
-    graphs for none of the blocks (a skip would run them compiled without graphs and pass the comparison).
-    Evaluation runs in between (no grad: other graphs) and gives the eager validation losses."""
+    a step: the same gradient norms and losses as eager steps (a gradient added into a graph-owned copy instead would
+    show as a different norm), and Inductor skipped CUDA graphs for none of the blocks (a skip would run them
+    compiled without graphs and pass the comparison). Evaluation runs in between (no grad: other graphs) and gives
+    the eager validation losses."""
     from torch._dynamo.utils import counters
 
     from megafp8.config import load_config

@@ -163,16 +163,17 @@ def test_ep2_training_matches_ep1(parity, recipe):
 
 
 def test_ep2_compiled_training_matches_one_eager_rank(parity):
-    """torch.compile with EP=2 (the experts eager inside the compiled blocks: the next test) trains like one eager
-    rank."""
+    """torch.compile with EP=2 (the experts' GEMMs eager inside the compiled blocks: the next test) trains like one
+    eager rank."""
     parity.check(MODEL + ["precision.recipe=fp8"], ["parallel.ep=2", "training.compile=true"], 2, LOW_PRECISION_TOL,
                  "tiny_moe_fp8")
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
 def test_experts_trace_with_one_ep_rank_and_run_eagerly_across_several(recipe):
-    """With one EP rank the routed experts are traced (no graph break); across EP ranks they run eagerly inside
-    compiled code, where the rows received change in number every step and a traced graph would compile anew."""
+    """With one EP rank the routed experts are traced (no graph break); across EP ranks their gathers and grouped
+    GEMMs run eagerly inside compiled code, where the rows received change in number every step and a traced graph
+    would compile anew."""
     from megafp8.model.moe import RoutedExperts
 
     cfg = dataclasses.replace(MOE.moe, num_experts=4, ffn_hidden_size=128)
@@ -181,13 +182,44 @@ def test_experts_trace_with_one_ep_rank_and_run_eagerly_across_several(recipe):
         torch._dynamo.reset()
         experts = RoutedExperts(cfg, MOE.hidden_size, PrecisionRecipe.from_name(recipe), ep)
         init_weights(experts, MOE, seed=0)
+        for layer in (experts.gate_up_proj, experts.down_proj):
+            layer.prepare_for_compiled()  # as `Block.forward` does before its compiled code
         assert experts.num_local == len(counts)
         rows = _tokens_as_rows(sum(counts) // 2, 2, MOE.hidden_size)
         explained = torch._dynamo.explain(experts)(rows, torch.tensor(counts))
+        code = "\n".join(g.print_readable(print_output=False) for g in explained.graphs)
+        expert_ops = ("_grouped_mm", "megafp8.")  # the grouped GEMMs, the quantizers, the gathers
         if traced:
             assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
-        else:  # the whole call is one uncompiled function: nothing of it enters a graph
-            assert explained.graph_count == 0, explained.graphs
+            assert any(op in code for op in expert_ops)
+        else:  # the gathers and GEMMs run eagerly; BF16's SwiGLU between them is still compiled
+            assert not any(op in code for op in expert_ops), code
+            assert ("silu" in code) == (recipe == "bf16"), code
+
+
+def test_a_bf16_expert_weight_off_a_16_byte_boundary_runs_its_grouped_gemms_eagerly():
+    """`torch._grouped_mm` needs 16-byte aligned operands. Weights are views into flat buffers, and traced code
+    cannot ask for an address, so `prepare_for_compiled` reads it: a weight off the boundary keeps its grouped GEMMs
+    out of the graph (eagerly, the per-expert loop takes it) and gives the same output."""
+    from megafp8.model.moe import RoutedExperts
+
+    cfg = dataclasses.replace(MOE.moe, num_experts=2, ffn_hidden_size=128)
+    experts = RoutedExperts(cfg, MOE.hidden_size, PrecisionRecipe.from_name("bf16"), ExpertParallel.single())
+    init_weights(experts, MOE, seed=0)
+    rows, counts = _tokens_as_rows(40, 2, MOE.hidden_size), torch.tensor([50, 30])
+    want = experts(rows, counts)[0]
+    flat = torch.empty(experts.down_proj.weight.numel() + 1, dtype=torch.bfloat16)
+    shifted = flat[1:].view_as(experts.down_proj.weight).copy_(experts.down_proj.weight)  # 2 bytes off
+    experts.down_proj.weight = torch.nn.Parameter(shifted)
+    assert experts.down_proj.weight.data_ptr() % 16 == 2
+    for layer in (experts.gate_up_proj, experts.down_proj):
+        layer.prepare_for_compiled()
+    assert experts.gate_up_proj.weight_aligned and not experts.down_proj.weight_aligned
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(experts)(rows, counts)
+    code = "\n".join(g.print_readable(print_output=False) for g in explained.graphs)
+    assert code.count('" = torch._grouped_mm(') == 3, code  # gate/up's fprop, dgrad and wgrad only
+    assert torch.equal(torch.compile(experts, backend="aot_eager")(rows, counts)[0], want)
 
 
 def test_ep2_x_tp2_training_matches_one_rank(parity):

@@ -352,8 +352,9 @@ class TrainingConfig:
         False,
         "`torch.compile` every transformer block (the first steps pay the compilation). An FP8 linear enters "
         "the compiled graph as custom ops running our kernels, its tensor-parallel collectives included; "
-        "deferred-wgrad FP8 linears (zero-bubble schedules) and the grouped experts run eagerly inside it. The "
-        "norms, activations and residual adds around them fuse.",
+        "MoE blocks with one EP rank compile whole, the experts' grouped GEMMs included; deferred-wgrad layers "
+        "(zero-bubble schedules) and, across EP ranks, the experts' gathers and GEMMs run eagerly inside the "
+        "graph. The norms, activations and residual adds around them fuse.",
     )
     compile_mode: CompileMode = setting(
         "default",

@@ -27,7 +27,7 @@ from megafp8.config import MoeConfig
 from megafp8.model.mlp import SwiGLU
 from megafp8.parallel import ExpertParallel, TensorParallel, reduce_from_tp
 from megafp8.parallel.experts import ExpertLinear, combine, count_per_expert, dispatch
-from megafp8.parallel.permute import RowSource, gather_rows, gather_sum
+from megafp8.parallel.permute import RowSource, eager_gather_rows, gather_rows, gather_sum
 from megafp8.precision import PrecisionRecipe
 from megafp8.precision.grouped import (
     ExpertProjection, GatheredInput, expert_rows, grouped_fp8_swiglu_mlp, padded_source_index,
@@ -117,7 +117,7 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = ExpertLinear(e, hidden, 2 * ffn, recipe.for_weight(2 * ffn, hidden), ep, device)
         self.down_proj = ExpertLinear(e, ffn, hidden, recipe.for_weight(hidden, ffn), ep, device)
         # Across EP ranks the rows received change in number every step: traced, each step would compile anew.
-        self.traceable = not ep.enabled
+        self.traceable = not ep.enabled  # (each ExpertLinear decides the same for its grouped GEMMs)
         # Set while FP8 health is sampled: the two grouped linears then run one by one (SwiGLU's output quantized
         # from BF16, within one E4M3 ULP of the fused path), so the health hooks on each see its input.
         self.observed = False
@@ -129,23 +129,21 @@ class RoutedExperts(nn.Module):
     def forward(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Rows sorted by expert (`counts[e]` for local expert e, a device tensor) -> (out, out_rows): expert row
         i's output is out[out_rows[i]] (the padded layout of the fused FP8 MLP), or out[i] where out_rows is
-        None. Traced into a compiled block with one EP rank (every shape is fixed, nothing syncs with the host);
-        eager across EP ranks."""
-        return (self._run if self.traceable else self._eager_run)(rows, counts)
-
-    def _run(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        None. Traced into a compiled block with one EP rank (every shape is fixed, nothing syncs with the host).
+        Across EP ranks the gathers and the grouped GEMMs run eagerly inside compiled code and SwiGLU between them
+        is compiled, as before the experts were traced."""
         gate_up, down = self.gate_up_proj, self.down_proj
         fp8 = gate_up.recipe.fp8
         fused = fp8 is not None and down.recipe.fp8 == fp8 and fp8.all_gemms and not self.observed
         if fused and rows.row_to_source.shape[0] > 0:
-            return self._fused_fp8(rows, counts)
-        x = gather_rows(rows)
+            return (self._fused_fp8 if self.traceable else self._eager_fused_fp8)(rows, counts)
+        x = (gather_rows if self.traceable else eager_gather_rows)(rows)
         gate, up = gate_up(x, counts).chunk(2, dim=-1)  # each (rows, ffn)
         return down(F.silu(gate) * up, counts), None
 
     @torch.compiler.disable
-    def _eager_run(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        return self._run(rows, counts)
+    def _eager_fused_fp8(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._fused_fp8(rows, counts)
 
     def _fused_fp8(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One FP8 autograd function in the padded expert layout, the tokens gathered into it by the quantizer.

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megafp8.precision import Fp8Backend, Fp8Format, Fp8Recipe, GemmLayer, PrecisionRecipe
-from megafp8.precision.grouped import grouped_linear
+from megafp8.precision.grouped import eager_grouped_linear, grouped_linear
 from megafp8.parallel.dims import ExpertParallel
 from megafp8.parallel.permute import RowSource, eager_gather_rows, eager_weighted_combine, weighted_combine
 from megafp8.parallel.sharding import mark_expert
@@ -61,6 +61,12 @@ class ExpertLinear(GemmLayer):
         self.weight = nn.Parameter(torch.empty(len(local), out_features, in_features, dtype=recipe.param_dtype,
                                                device=device))
         mark_expert(self.weight, local.start, num_experts)
+        # Traced into compiled code with one EP rank; across EP ranks the rows change in number every step (traced,
+        # each step would compile anew), so the grouped GEMMs run eagerly inside the compiled code.
+        self.traceable = not ep.enabled
+        # Whether the weight starts on a 16-byte boundary, as `torch._grouped_mm` needs (a weight is a view into a
+        # flat buffer); read eagerly by `prepare_for_compiled`, where traced code cannot ask for an address.
+        self.weight_aligned = False
         self.set_recipe(recipe)
 
     # The transposed FP8 copy (dgrad's operand) is made per backward, not kept: the experts hold most weights of a
@@ -76,6 +82,8 @@ class ExpertLinear(GemmLayer):
         the host by the grouped GEMMs) -> (M, out)."""
         fp8 = self.recipe.fp8
         if fp8 is None:
+            if not (self.traceable and self.weight_aligned):
+                return eager_grouped_linear(rows, self.weight, counts, None, None, None, self.wgrad_queue)
             return grouped_linear(rows, self.weight, counts, None, None, None, self.wgrad_queue,
                                   self.main_grad_slot)
         why = self.why_unsupported(fp8)
@@ -83,6 +91,10 @@ class ExpertLinear(GemmLayer):
             raise ValueError(why)
         return grouped_linear(rows, self.weight, counts, self.fp8_cache, fp8, self.fp8_backend_for(rows.device),
                               self.wgrad_queue)
+
+    def prepare_for_compiled(self) -> None:
+        super().prepare_for_compiled()
+        self.weight_aligned = self.weight.data_ptr() % 16 == 0
 
     def extra_repr(self) -> str:
         first, total = self.weight.expert_slice

@@ -1,10 +1,10 @@
 """The backends' FP8 kernels as `torch.library` custom ops, so `torch.compile` traces FP8 layers without a graph break.
 
-The FP8 autograd functions (`fp8_linear`, `fp8_fused`) call their kernels through `kernels(backend, traced)`:
-eagerly, the backend object itself; while compiling, `TracedKernels`, whose methods are these ops. Dynamo and
-AOTAutograd keep each op in the graph as one opaque node (its body is the backend's method, the same kernel, the
-same bits), and Inductor compiles everything between them. Every op's outputs are new tensors, laid out as the
-eager methods lay them out (scales column-major; weight scales in the backend's GEMM layout).
+The FP8 autograd functions (`fp8_linear`, `fp8_mlp`, the experts' grouped MLP in `grouped`) call their kernels through
+`kernels(backend, traced)`: eagerly, the backend object itself; while compiling, `TracedKernels`, whose methods are
+these ops. Dynamo and AOTAutograd keep each op in the graph as one opaque node (its body is the backend's method, the
+same kernel, the same bits), and Inductor compiles everything between them. Every op's outputs are new tensors, laid
+out as the eager methods lay them out (scales column-major; weight scales in the backend's GEMM layout).
 """
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def _(source, index, fmt, pow2, backend):
 
 
 def _expert_tiles(rows: int, tile_expert: Optional[torch.Tensor], tile_start: torch.Tensor,
-                  tile_count: torch.Tensor):
+                  tile_count: torch.Tensor) -> ExpertRows:
     """The padded expert layout as the grouped GEMMs read it, rebuilt from a graph's tensors."""
     return ExpertRows.of_tiles(rows, tile_expert, tile_start, tile_count)
 

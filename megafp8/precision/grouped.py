@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 
 from megafp8.precision.backends import Fp8Backend, QuantizedWeight
+from megafp8.precision.bf16_linear import MainGradSlot
 from megafp8.precision.expert_layout import ExpertRows, counts_on, expert_rows
 from megafp8.precision.fp8_linear import current_weight, route_weight_gradient, traced_main_grad
 from megafp8.precision.fp8_ops import backend_arg, kernels
@@ -268,7 +269,8 @@ class _TracedGroupedMmFn(torch.autograd.Function):
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts, cache: Optional[Fp8WeightCache],
                    recipe: Optional[Fp8Recipe], backend: Optional[Fp8Backend],
-                   wgrad_queue: Optional[WeightGradQueue] = None, main_grad_slot=None) -> torch.Tensor:
+                   wgrad_queue: Optional[WeightGradQueue] = None,
+                   main_grad_slot: Optional[MainGradSlot] = None) -> torch.Tensor:
     """x (M, K) rows sorted by expert, `counts[e]` of them for expert e (a list, or a tensor: on the device, it
     is never read on the host where BF16's grouped kernel or the FP8 path runs); weight (E, N, K) -> (M, N).
     `recipe` None: BF16/FP32 matmuls; else FP8 per-tile GEMMs through `backend` with the weight cached in `cache`.
@@ -279,7 +281,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts, cache: Optiona
     block); the FP8 form (the experts' unfused path, which FP8-health sampling runs uncompiled), a queue, or a
     per-expert loop run eagerly inside the graph."""
     if not torch.compiler.is_compiling():
-        return _eager_grouped_linear(x, weight, counts, cache, recipe, backend, wgrad_queue)
+        return eager_grouped_linear(x, weight, counts, cache, recipe, backend, wgrad_queue)
     counts = counts_on(counts, x.device)
     if (recipe is None and wgrad_queue is None and counts.shape == (weight.shape[0],) and x.dtype == weight.dtype
             and x.shape[0] > 0 and weight.is_contiguous()
@@ -290,13 +292,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts, cache: Optiona
         alias = main_grad_slot.alias if main_grad_slot is not None and torch.is_grad_enabled() else None
         return _TracedGroupedMmFn.apply(x.contiguous(), weight, torch.cumsum(counts, 0).to(torch.int32), empty,
                                         alias)
-    return _eager_grouped_linear(x, weight, counts, cache, recipe, backend, wgrad_queue)
+    return eager_grouped_linear(x, weight, counts, cache, recipe, backend, wgrad_queue)
 
 
 @torch.compiler.disable  # like the eager FP8 linear: a cached weight, our own kernels; compiled code runs around it
-def _eager_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts, cache: Optional[Fp8WeightCache],
-                          recipe: Optional[Fp8Recipe], backend: Optional[Fp8Backend],
-                          wgrad_queue: Optional[WeightGradQueue]) -> torch.Tensor:
+def eager_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts, cache: Optional[Fp8WeightCache],
+                         recipe: Optional[Fp8Recipe], backend: Optional[Fp8Backend],
+                         wgrad_queue: Optional[WeightGradQueue] = None) -> torch.Tensor:
+    """`grouped_linear` run eagerly, also inside compiled code (expert parallelism, FP8, queues, the loop)."""
     counts = counts_on(counts, x.device)
     # The rows' sum is checked where it costs no sync with the GPU.
     if counts.shape != (weight.shape[0],) or (not counts.is_cuda and int(counts.sum()) != x.shape[0]):

@@ -178,7 +178,7 @@ class Fp8Backend:
     def grouped_gemm_1x128_128x128(self, a: torch.Tensor, a_scale: torch.Tensor, w: QuantizedWeight, transposed: bool,
                                    rows, out_dtype: torch.dtype) -> torch.Tensor:
         """Per expert e: A[rows of e] @ B[e]^T, with B = w (E, N, K) or, `transposed`, w^T (E, K, N). A in 1x128
-        tiles, rows laid out by `rows` (`megafp8.precision.grouped.ExpertRows`)."""
+        tiles, rows laid out by `rows` (`megafp8.precision.expert_layout.ExpertRows`)."""
         b, b_scale = self.weight_transposed(w) if transposed else (w.w_fp8, w.w_scale)
         out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
         # The reference GEMMs by name: expert weights keep plain (E, N/128, K/128) scales on every backend, which a
