@@ -66,12 +66,15 @@ def test_recomputation_keeps_far_less_for_backward(tiny_overrides):
     assert full < 0.3 * plain and math.isfinite(full)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
-def test_compiled_blocks_train_like_eager_blocks(parity, recipe):
-    """training.compile: the blocks run through torch.compile (FP8 linears as custom ops inside) and, with
-    recomputation too, track the eager run's losses (fused elementwise kernels round BF16 differently)."""
+@pytest.mark.parametrize("config, recipe", [("tiny_dense", "bf16"), ("tiny_dense", "fp8"), ("tiny_moe_fp8", "fp8")])
+def test_compiled_blocks_train_like_eager_blocks(parity, config, recipe):
+    """training.compile: the blocks run through torch.compile (FP8 linears as custom ops inside; a MoE block whole,
+    its experts' grouped GEMMs included) and, with recomputation too, track the eager run's losses (fused
+    elementwise kernels round BF16 differently)."""
     base = [f"precision.recipe={recipe}", "training.steps=3", "training.eval_interval=0"]
-    parity.check(base, ["training.compile=true", "training.recompute=full"], 1, Tolerance(loss=5e-3))
+    if config == "tiny_moe_fp8":
+        base += ["model.num_layers=2", "optimizer.warmup_steps=1", "logging.fp8_health_interval=0"]
+    parity.check(base, ["training.compile=true", "training.recompute=full"], 1, Tolerance(loss=5e-3), config)
 
 
 def test_a_dense_fp8_block_compiles_into_one_graph(tiny_overrides):
