@@ -41,8 +41,10 @@ for part in $PARTS; do
   case $part in
     tests) step gpu_tests python -m pytest -q -m gpu tests/ -x -p no:cacheprovider ;;
     tests_fp8) step gpu_tests_fp8 python -m pytest -q -m gpu tests/test_fp8_backends.py tests/test_fp8_gpu.py \
+           tests/test_moe_gpu.py \
            -p no:cacheprovider ;;
     tests_one_gpu) step gpu_tests_one_gpu python -m pytest -q -m gpu tests/test_gpu.py tests/test_fp8_gpu.py \
+           tests/test_moe_gpu.py \
            -k "host_wait or learns or moe_layer_on_cuda or mla_moe" -p no:cacheprovider ;;
     fp8_linear) step fp8_linear python benchmarks/fp8_linear.py --backends cublas --cuda-graphs ;;
     compiled_ro_8b) step ours_compiled_cudagraphs_8b python benchmarks/train_step.py training.compile=true \
@@ -76,7 +78,8 @@ for part in $PARTS; do
            --model 8b-layers --recipes bf16 fp8 --profile 3 --profile-top 40 ;;
     profile_moe_compiled) step profile_moe_compiled python benchmarks/train_step.py training.compile=true \
            --model moe --recipes bf16 fp8 --profile 3 ;;
-    tests_moe) step gpu_tests_moe python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
+    tests_moe) step gpu_tests_moe python -m pytest -q -m gpu tests/test_fp8_gpu.py \
+           tests/test_moe_gpu.py tests/test_gpu.py \
            tests/test_fp8_backends.py -k "moe or grouped or gathering or permutation or expert_rows or every_autotuned" \
            -p no:cacheprovider ;;
     tests_all_one_gpu) step gpu_tests_all_one_gpu python -m pytest -q -m gpu tests/ -k "not two_gpus" \
@@ -84,6 +87,7 @@ for part in $PARTS; do
     tests_two_gpus) step gpu_tests_two_gpus python -m pytest -q -m gpu tests/test_gpu.py -k two_gpus \
            -p no:cacheprovider ;;
     tests_weights) step gpu_tests_weights python -m pytest -q -m gpu tests/test_fp8_backends.py tests/test_fp8_gpu.py \
+           tests/test_moe_gpu.py \
            -k "transpose or weight or grouped_gemms or moe" -p no:cacheprovider ;;
     old_moe) step old_moe bash -c "cd \"$OLD\" && python benchmarks/train_step.py --model moe --recipes bf16 fp8" ;;
     old_moe_compiled) step old_moe_compiled bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
@@ -135,6 +139,7 @@ for part in $PARTS; do
     wgrad_bf16) step wgrad_bf16 python benchmarks/wgrad_gemm.py --bf16-only ;;
     attention) step attention python benchmarks/attention.py ;;
     tests_rope) step gpu_tests_rope python -m pytest -q -m gpu tests/test_fp8_backends.py tests/test_fp8_gpu.py \
+           tests/test_moe_gpu.py \
            tests/test_fp8_qkv.py -k "rope or autotuned or custom_op or fused_projection" -p no:cacheprovider ;;
     tests_attention) step gpu_tests_attention python -m pytest -q -m gpu tests/test_sdpa.py -p no:cacheprovider ;;
     attn_1b|attn_8b|attn_eager|attn_mla)  # whole steps with the attention core by torch's order, then by
@@ -150,7 +155,8 @@ for part in $PARTS; do
         step "${part}_${backend}" python benchmarks/train_step.py $flags model.attention_backend=$backend \
              --model $model --recipes bf16 fp8
       done ;;
-    tests_main_grad) step gpu_tests_main_grad python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
+    tests_main_grad) step gpu_tests_main_grad python -m pytest -q -m gpu tests/test_fp8_gpu.py \
+           tests/test_moe_gpu.py tests/test_gpu.py \
            -k "main_grad or host_wait or learns or thread or cuda_graph" -p no:cacheprovider ;;
     memory_8b_eager)  # the 8B-layer eager run's peak, FP8-health step included (memory_modes' slowest row alone)
       step memory_8b-layers_eager python benchmarks/train_step.py --model 8b-layers --steps 10 --warmup 6 \
@@ -220,10 +226,11 @@ for part in $PARTS; do
         wait $sampler 2> /dev/null
       done
       step clocks_8b python benchmarks/clocks_summary.py bf16="$LOGS/clocks_bf16.csv" fp8="$LOGS/clocks_fp8.csv" ;;
-    tests_cublaslt) step gpu_tests_cublaslt python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gpu.py \
+    tests_cublaslt) step gpu_tests_cublaslt python -m pytest -q -m gpu tests/test_fp8_gpu.py \
+           tests/test_moe_gpu.py tests/test_gpu.py \
            -k "cublaslt or cuda_graphs or compiled_fp8_linear or fused_fp8_mlp or learns or host_wait" \
            -p no:cacheprovider ;;
-    tests_ws) step gpu_tests_ws python -m pytest -q -m gpu tests/test_fp8_gpu.py \
+    tests_ws) step gpu_tests_ws python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_moe_gpu.py \
            -k "warp_specialized or grouped or main_grad" -p no:cacheprovider ;;
     compiled_fp8) step ours_compiled_fp8 python benchmarks/train_step.py training.compile=true --model 1b --recipes fp8 ;;
     ours) step ours_eager python benchmarks/train_step.py --model 1b --recipes bf16 fp8 ;;

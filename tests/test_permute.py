@@ -1,6 +1,6 @@
 """The MoE row permutations (`megafp8.parallel.permute`) and the FP8 quantizer that gathers rows into the padded
 expert layout: their pure-torch definitions against plain autograd, on CPU. Their Triton kernels are checked
-against these twins in tests/test_fp8_gpu.py."""
+against these twins in tests/test_moe_gpu.py."""
 from __future__ import annotations
 
 import pytest

@@ -1,0 +1,235 @@
+"""The MoE experts on the GPU (skipped without CUDA): the grouped GEMM kernels (TMA, warp-specialized) against the
+pointer kernels, the permutation kernels against their pure-torch twins, the MoE layer compiled whole against eager,
+weight gradients added into FP32 `main_grad`, and MoE steps that never make the host wait.
+
+The kernels' own bits against the reference backend are checked by `tests/test_fp8_backends.py`; the FP8 layers
+built on the same kernels by `tests/test_fp8_gpu.py`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megafp8.precision import PrecisionRecipe
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda", 0)
+
+
+def _grouped_problem(rows, n: int = 384, k: int = 256) -> tuple:
+    """Operands of the grouped GEMMs over the layout `rows` (outlier-laden, reference-quantized, on the GPU) and the
+    pointer kernels' results: (a, a_s, b, b_s, at, at_s, bt, bt_s, fprop (rows, n), wgrad (E, n, k))."""
+    from megafp8.precision import E4M3, quantize as ref
+    from megafp8.precision.kernels import gemm
+    from tests.fp8_checks import outlier_tensor
+    a, a_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(rows.total, k), E4M3))
+    w = [ref.quantize_128x128(outlier_tensor(n, k, seed=10 + e), E4M3) for e in range(rows.tile_start.shape[0])]
+    b, b_s = (torch.stack([pair[i] for pair in w]).to(CUDA) for i in (0, 1))
+    at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=3), E4M3))
+    bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=4), E4M3))
+    want_y = gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.float32, kernel="pointer")
+    want_dw = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32,
+                                 kernel="pointer")
+    return a, a_s, b, b_s, at, at_s, bt, bt_s, want_y, want_dw
+
+
+def test_grouped_gemm_kernels_with_tma_match_the_pointer_kernels_in_every_configuration():
+    """The TMA grouped GEMMs (fprop/dgrad, wgrad) against the plain ones, with N not a multiple of a 256-wide block
+    (a block reads past its expert's rows into the next expert's) and an expert without rows."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+    from megafp8.precision.grouped import expert_rows
+    from megafp8.precision.kernels import gemm
+    if not gemm.uses_tma(CUDA):
+        pytest.skip("no TMA on this GPU")
+    rows = expert_rows([130, 0, 256, 5], CUDA)
+    a, a_s, b, b_s, at, at_s, bt, bt_s, want_y, want_dw = _grouped_problem(rows)
+    assert not want_dw[1].any()
+    for kernel, run, want in ((gemm._grouped_gemm_tma_kernel, lambda: gemm.grouped_gemm(
+            a, a_s, b, b_s, rows.tile_expert, torch.float32, kernel="tma"), want_y),
+            (gemm._grouped_wgrad_tma_kernel, lambda: gemm.grouped_wgrad(
+                at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, kernel="tma"), want_dw)):
+        saved = kernel.configs, kernel.cache
+        try:
+            ran = 0
+            for config in saved[0]:
+                kernel.configs, kernel.cache = [config], {}
+                try:
+                    got = run()
+                except OutOfResources:  # the autotuner skips it too (e.g. FP32 C's tile)
+                    continue
+                ran += 1
+                err = float((got - want).norm() / want.norm())
+                assert err < 1e-6, f"{kernel.fn.__name__} with {config}: relative error {err}"
+            assert ran >= len(saved[0]) // 2, f"{kernel.fn.__name__}: only {ran} configurations fit"
+        finally:
+            kernel.configs, kernel.cache = saved
+
+
+def test_moe_permutation_kernels_match_their_pure_torch_twins():
+    """The gather-sum and the weighted combine (forward and backward) on CUDA against their twins run on the same
+    GPU tensors: the same FP32 sums in the same order, so the same bits; the combine's weight gradient (a dot
+    product over the features, summed in the kernel's own order) within FP32 rounding."""
+    pytest.importorskip("triton")
+    from megafp8.parallel import permute, permute_kernels
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    tokens, k, hidden = 1000, 8, 384
+    row_to_source = torch.randperm(tokens * k, device=CUDA, generator=g) // k
+    source_to_rows = torch.argsort(row_to_source, stable=True).view(tokens, k)
+    d = torch.randn(tokens * k, hidden, device=CUDA, generator=g).bfloat16()
+    assert torch.equal(permute_kernels.gather_sum(d, source_to_rows), permute.gather_sum_reference(d, source_to_rows))
+    y = torch.randn(tokens * k + 300, hidden, device=CUDA, generator=g).bfloat16()  # 300 rows no token names
+    pos = torch.randperm(tokens * k + 300, device=CUDA, generator=g)[:tokens * k].view(tokens, k)
+    weights = torch.rand(tokens, k, device=CUDA, generator=g)
+    assert torch.equal(permute_kernels.combine(y, pos, weights), permute.combine_reference(y, pos, weights))
+    dout = torch.randn(tokens, hidden, device=CUDA, generator=g).bfloat16()
+    dy, dweights = permute_kernels.combine_backward(dout, y, pos, weights, torch.zeros_like(y))
+    want_dy, want_dweights = permute.combine_backward_reference(dout, y, pos, weights)
+    assert torch.equal(dy, want_dy)
+    torch.testing.assert_close(dweights, want_dweights, rtol=1e-5, atol=1e-5 * float(want_dweights.abs().max()))
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "bf16"])
+def test_compiled_moe_layer_on_gpu_is_one_graph_and_matches_eager(recipe):
+    """The MoE layer under torch.compile with Inductor, whole (`fullgraph`: the experts' grouped GEMMs, the gathering
+    quantizer and the combine are ops of the graph), against the same layer run eagerly."""
+    from megafp8.config import ModelConfig, MoeConfig
+    from megafp8.model import init_weights
+    from megafp8.model.moe import MoE
+    from megafp8.parallel import ExpertParallel, TensorParallel
+    from megafp8.precision import GemmLayer
+
+    cfg = ModelConfig(hidden_size=256, num_heads=2, moe=MoeConfig(num_experts=8, top_k=2, ffn_hidden_size=256,
+                                                                  num_shared_experts=1, first_dense_layers=0))
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        moe = MoE(cfg.moe, cfg.hidden_size, PrecisionRecipe.from_name(recipe), TensorParallel.single(),
+                  ExpertParallel.single(), device=CUDA)
+        init_weights(moe, cfg, seed=0)
+        if compiled:  # as `Block.forward` does before its compiled code: the weights quantized eagerly
+            for layer in moe.modules():
+                if isinstance(layer, GemmLayer):
+                    layer.prepare_for_compiled()
+        run = torch.compile(moe, fullgraph=True) if compiled else moe
+        x = torch.randn(300, 256, generator=torch.Generator().manual_seed(1)).bfloat16().to(CUDA).requires_grad_()
+        y, _ = run(x, batch=3, seq_len=100)
+        y.float().square().sum().backward()
+        results.append((y.float(), x.grad.float(), moe.experts.down_proj.weight.grad.float(),
+                        moe.experts.gate_up_proj.weight.grad.float()))
+    for eager, compiled in zip(*results):
+        assert (eager - compiled).norm() <= 2**-5 * eager.norm()
+
+
+def test_grouped_wgrad_adds_into_fp32_main_grad_once_even_while_autotuning():
+    """`grouped_wgrad(..., accumulate=main_grad)` adds the FP32 product into main_grad, with each kernel (pointer,
+    TMA, warp-specialized), also on a call that autotunes (each trial configuration runs on a restored copy)."""
+    pytest.importorskip("triton")
+    from megafp8.precision import E4M3, quantize as ref
+    from megafp8.precision.grouped import expert_rows
+    from megafp8.precision.kernels import gemm
+    from tests.fp8_checks import outlier_tensor
+    counts = [130, 0, 256, 5]
+    rows = expert_rows(counts, CUDA)
+    n, k = 384, 256
+    at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=3), E4M3))
+    bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=4), E4M3))
+    want = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32,
+                              kernel="pointer")
+    base = torch.randn(len(counts), n, k, device=CUDA)
+    for kernel in _grouped_kernels_here(gemm):
+        for autotuned in (gemm._grouped_wgrad_tma_kernel, gemm._grouped_wgrad_kernel):
+            autotuned.cache = {}  # autotune again, on this accumulating call
+        main_grad = base.clone()
+        out = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.bfloat16,
+                                 kernel=kernel, accumulate=main_grad)
+        assert out.data_ptr() == main_grad.data_ptr()
+        err = float((main_grad - base - want).norm() / want.norm())
+        assert err < 1e-5, f"{kernel}: relative error {err}"
+        assert torch.equal(main_grad[1], base[1])
+
+
+def _grouped_kernels_here(gemm) -> list[str]:
+    """The grouped kernels this GPU runs: pointers everywhere, TMA from SM90, warp-specialized on SM90."""
+    return ["pointer"] + (["tma"] if gemm.uses_tma(CUDA) else []) + \
+        (["ws"] if gemm.warp_specialized_unavailable(CUDA) is None else [])
+
+
+def test_warp_specialized_gemms_match_the_pointer_kernels():
+    """The warp-specialized (Gluon) kernel against the pointer kernels, both tile widths: grouped fprop with N not
+    a multiple of 256 (a tile's second half reads the next expert's rows and is not stored), an expert without rows
+    and padding tiles past the last expert's; grouped wgrad; a dense wgrad whose sizes are not multiples of 128
+    (rows and columns past the edge masked), written in BF16 and added into FP32."""
+    pytest.importorskip("triton")
+    from megafp8.precision import E4M3, quantize as ref
+    from megafp8.precision.grouped import expert_rows
+    from megafp8.precision.kernels import gemm
+    from tests.fp8_checks import outlier_tensor
+    if gemm.warp_specialized_unavailable(CUDA) is not None:
+        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
+    counts = torch.tensor([130, 0, 256, 5])
+    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))  # device counts: padding tiles at the end
+    assert (rows.tile_expert == -1).any()
+    a, a_s, b, b_s, at, at_s, bt, bt_s, want_y, want_dw = _grouped_problem(rows)
+    dn, dk, tokens = 200, 328, 640
+    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(dn, tokens, seed=5), E4M3))
+    xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(dk, tokens, seed=6), E4M3))
+    want_dense = (ref.dequantize_1x128(dt.cpu(), dt_s.cpu()).double() @
+                  ref.dequantize_1x128(xt.cpu(), xt_s.cpu()).double().t()).float().to(CUDA)
+    base = torch.randn(dn, dk, device=CUDA)
+    for block_n in (128, 256):
+        checks = {
+            "grouped fprop": (gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.float32, kernel="ws",
+                                                block_n=block_n), want_y),
+            "grouped wgrad": (gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count,
+                                                 torch.float32, kernel="ws", block_n=block_n), want_dw),
+            "dense wgrad": (gemm.wgrad(dt, dt_s, xt, xt_s, torch.float32, block_n=block_n), want_dense),
+            "dense wgrad, accumulated": (gemm.wgrad(dt, dt_s, xt, xt_s, torch.bfloat16, accumulate=base.clone(),
+                                                    block_n=block_n) - base, want_dense),
+        }
+        for name, (got, want) in checks.items():
+            # Against the pointer kernels (the same tensor-core products) to FP32 rounding; the dense wgrad against
+            # an FP64 product, to the tensor cores' FP8 accumulation within a 128-wide K step (about 2^-14 relative,
+            # measured 9.5e-5; a wrong tile or scale is off by O(1)).
+            tolerance = 1e-3 if name.startswith("dense") else 1e-5
+            err = float((got - want).norm() / want.norm())
+            assert err < tolerance, f"{name}, block_n={block_n}: relative error {err}"
+        assert not checks["grouped wgrad"][0][1].any()
+        assert not checks["grouped fprop"][0][rows.tile_expert.repeat_interleave(128) == -1].any()
+
+
+def test_bf16_grouped_wgrad_gives_an_expert_without_rows_exact_zeros_without_a_host_sync():
+    """On SM90 the BF16 grouped linear takes its counts from the device and trusts `torch._grouped_mm` to write
+    zeros for an expert with no rows (SM100's kernel does not: pytorch/pytorch#172439); checked here with the
+    allocator's free memory poisoned with nan first, under the sync checker."""
+    from megafp8.precision.grouped import grouped_linear
+
+    if torch.cuda.get_device_capability(CUDA)[0] != 9:
+        pytest.skip("the device-count BF16 path runs on compute capability 9.x only")
+    counts = torch.tensor([40, 0, 88, 0], device=CUDA)
+    w = (0.05 * torch.randn(4, 256, 128, device=CUDA)).to(torch.bfloat16).requires_grad_(True)
+    x = torch.randn(128, 128, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    torch.full((64, 1024, 1024), float("nan"), device=CUDA)  # freed at once: its blocks are reused below
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = grouped_linear(x, w, counts, None, None, None)
+        y.backward(torch.ones_like(y))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(w.grad[1], torch.zeros_like(w.grad[1])) and torch.equal(w.grad[3], torch.zeros_like(w.grad[3]))
+    want = (torch.ones(40, 256, device=CUDA).t() @ x[:40].float())
+    torch.testing.assert_close(w.grad[0].float(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_a_moe_training_step_never_makes_the_host_wait(tiny_overrides, recipe):
+    """With one EP rank a MoE step waits for the GPU nowhere: the routing counts stay on the device, the FP8
+    experts' padded layout is sized by its bound, BF16's grouped GEMMs take device offsets."""
+    from megafp8.config import load_config
+    from megafp8.parallel import ParallelDims
+    from megafp8.train import Trainer
+    from tests.conftest import steps_never_wait_for_the_gpu
+
+    cfg = load_config("tiny_moe_fp8", tiny_overrides + ["training.device=auto", f"precision.recipe={recipe}"])
+    steps_never_wait_for_the_gpu(Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0)))
