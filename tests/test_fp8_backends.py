@@ -87,6 +87,29 @@ def test_the_gathering_quantizer_gives_the_reference_bits(backend_on):
         assert_same_quantization(got[2:], want[2:], f"columns, {fmt.name}")
 
 
+def test_the_scaling_gathering_quantizer_gives_its_twins_bits(backend_on):
+    """The MoE combine's gradient into the padded expert layout: padded row p is w[p] * dout[token[p]] computed in
+    FP32 and quantized from FP32 both ways (zero rows for padding, a nan in one token, a zero weight): the bits of
+    the reference quantizer on that FP32 product, computed here independently of the backend."""
+    from megafp8.precision.grouped import padded_source_index
+    backend, device = backend_on
+    dout = outlier_tensor(150, 384, seed=9)
+    dout[7, 9] = float("nan")
+    row_to_source = torch.randperm(300, generator=torch.Generator().manual_seed(1)) // 2
+    layout = expert_rows([130, 0, 3, 167], torch.device("cpu"))
+    index = padded_source_index(layout, row_to_source)
+    factor = torch.rand(layout.total, generator=torch.Generator().manual_seed(2)) * (index >= 0)
+    factor[layout.index[5]] = 0.0
+    product = torch.zeros(layout.total, 384).index_copy_(
+        0, layout.index, dout[row_to_source].float() * factor[layout.index][:, None])
+    for fmt, pow2 in ((E5M2, False), (E4M3, True)):
+        got = backend.gather_scale_quantize_rows_cols(dout.to(device), index.to(device), factor.to(device), fmt,
+                                                      pow2)
+        want = ref.quantize_rows_cols(product, fmt, pow2)
+        assert_same_quantization(got[:2], want[:2], f"rows, {fmt.name}")
+        assert_same_quantization(got[2:], want[2:], f"columns, {fmt.name}")
+
+
 @pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2-scales"])
 @pytest.mark.parametrize("shape", [(256, 384), (3, 128, 256)], ids=["dense", "experts"])
 def test_weight_quantization_gives_the_reference_bits_in_place(backend_on, pow2, shape):
@@ -364,6 +387,8 @@ def _grouped_op_cases() -> list[tuple]:
     y, weights = outlier_tensor(rows.total, 256, seed=7), torch.rand(50, 2)
     return [
         (fp8_ops.gather_quantize_rows_cols, (source, index, "e4m3", True, "reference")),
+        (fp8_ops.gather_scale_quantize_rows_cols, (source, index, torch.rand(rows.total), "e5m2", False,
+                                                   "reference")),
         (fp8_ops.transpose_weight, (w[0], w[1], "reference")),
         (fp8_ops.grouped_gemm_1x128_128x128, (x, x_scale, w[0], w[1], *tiles, torch.bfloat16, "reference")),
         (fp8_ops.grouped_gemm_1x128_1x128, (dyt, dyt_scale, xt, xt_scale, *tiles[1:], torch.float32, "reference")),
@@ -373,6 +398,7 @@ def _grouped_op_cases() -> list[tuple]:
         (permute._gather_sum_op, (y, pos)),
         (permute._combine_op, (y, pos, weights)),
         (permute._combine_backward_op, (outlier_tensor(50, 256, seed=8), y, pos, weights)),
+        (permute.combine_weights_grad, (outlier_tensor(50, 256, seed=8), y, pos)),
     ]
 
 

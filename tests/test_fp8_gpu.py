@@ -345,13 +345,14 @@ def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_eac
         assert_same_quantization(got_a, want_a, f"a^T, pow2={pow2}")
 
 
-@pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("spread_rows, spread_cols", [(True, True), (False, True), (False, False)])
 def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, spread_rows, spread_cols):
     """SM90 quantizes dy both ways, RMSNorm's output and the MoE dispatch's gathered rows through the Gluon kernel
     (`rows_cols_gluon`), other GPUs through the Triton one: the same bytes (values and scales, x^T's padding rows
     included), with E4M3 and E5M2, power-of-two scales, outliers, a nan, a partial last token block and (gathering)
-    zero rows, however the divisions are shared out."""
+    zero rows, however the divisions are shared out. Both (norm, gather): the MoE combine's gradient, factors per
+    gathered row as the inverse RMS and ones as the weight (`gather_scale_quantize_rows_cols`)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.rows_cols_gluon")
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon rows + columns kernel runs on SM90 only")
@@ -366,13 +367,20 @@ def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, 
     index = (torch.randperm(600, device=CUDA) % (m + 100) - 100) if gather else None  # rows of x, zero rows
     if gather:
         m = index.shape[0]
+    if norm and gather:  # a factor per gathered row (some zero), ones as the weight
+        rstd = torch.rand(m, device=CUDA) * (torch.arange(m, device=CUDA) % 7 != 0)
+        weight = torch.ones(k, device=CUDA)
     for fmt, pow2 in ((E4M3, False), (E5M2, True)):
         want, got = (tiles.rows_cols_outputs(m, k, fmt, CUDA) for _ in range(2))
         for out in (want, got):
             for t in (out[0], out[2]):
                 t.view(torch.uint8).fill_(0x55)  # a byte left unwritten shows
         grid = (k // 128, -(-m // 128))
-        if norm:
+        if norm and gather:
+            quantize._gather_scale_rows_cols_kernel[grid](x, index, rstd, weight, *want, m, k, x.stride(0),
+                                                          *tiles.rows_cols_strides(*want), POW2=pow2,
+                                                          **tiles.format_constants(fmt))
+        elif norm:
             producers._rmsnorm_quantize_kernel[grid](x, rstd, weight, *want, m, k, x.stride(0),
                                                      *tiles.rows_cols_strides(*want), POW2=pow2,
                                                      **tiles.format_constants(fmt))

@@ -108,6 +108,9 @@ def _layer_worker(rank, world, recipe_name, fp8_dispatch):
     ref = MoE(MOE.moe, MOE.hidden_size, recipe, TensorParallel.single(), ExpertParallel.single())
     init_weights(moe, MOE, seed=3)
     init_weights(ref, MOE, seed=3)
+    # The reference combines after its experts as the EP ranks must (at EP=1 the fused FP8 experts would combine
+    # their own output and quantize its gradient from FP32: `test_fp8_experts_combining_their_own_output...`).
+    ref.experts.combined = lambda *args: None
     g = torch.Generator().manual_seed(4)
     xs = [torch.randn(40, 128, generator=g).to(recipe.param_dtype) for _ in range(world)]  # each rank's tokens
     dys = [torch.randn(40, 128, generator=g).to(recipe.param_dtype) for _ in range(world)]
@@ -526,6 +529,36 @@ def test_fp8_experts_run_their_swiglu_mlp_as_one_function_within_fp8_tolerance_o
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 0.03, name
         assert float((a.float() - c.float()).norm() / c.float().norm()) < 0.1, name
     assert not fused[2][1].any() and not fused[3][1].any()  # the expert without rows
+
+
+def test_fp8_experts_combining_their_own_output_match_the_separate_combine_within_fp8_rounding(monkeypatch):
+    """With one EP rank the fused FP8 experts combine their own output (`CombinedOutput`): the same forward bits as
+    the separate combine, and a backward that quantizes the experts' output gradient from the FP32 product
+    w[t, j] * dout[t] instead of its BF16 copy: gradients within FP8 rounding of the separate path's, the routing
+    weights' gradient (the same dot products) equal."""
+    import megafp8.model.moe as moe_module
+
+    calls = []
+    counted = moe_module.combine_weights_grad
+    monkeypatch.setattr(moe_module, "combine_weights_grad", lambda *args: calls.append(1) or counted(*args))
+    results = []
+    for separate in (False, True):
+        moe = MoE(MOE.moe, MOE.hidden_size, PrecisionRecipe.from_name("fp8"), TensorParallel.single(),
+                  ExpertParallel.single())
+        init_weights(moe, MOE, seed=0)
+        if separate:
+            moe.experts.combined = lambda *args: None
+        x = torch.randn(64, MOE.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
+        y, aux = moe(x, batch=2, seq_len=32)
+        (y.float().square().sum() + aux).backward()
+        results.append([y, x.grad, moe.router.weight.grad, moe.experts.gate_up_proj.weight.grad,
+                        moe.experts.down_proj.weight.grad])
+    assert len(calls) == 1  # the combined run's backward only
+    (fused, separate) = results
+    assert torch.equal(fused[0], separate[0]) and torch.equal(fused[2], separate[2])  # output, router gradient
+    for name, a, b in zip(("dx", "dw gate/up", "dw down"), (fused[1], *fused[3:]), (separate[1], *separate[3:])):
+        err = float((a.float() - b.float()).norm() / b.float().norm())
+        assert err < 0.03, (name, err)
 
 
 def _moe_gemm_layers(moe: MoE) -> list:

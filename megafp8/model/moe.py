@@ -27,10 +27,12 @@ from megafp8.config import MoeConfig
 from megafp8.model.mlp import SwiGLU
 from megafp8.parallel import ExpertParallel, TensorParallel, reduce_from_tp
 from megafp8.parallel.experts import ExpertLinear, combine, count_per_expert, dispatch
-from megafp8.parallel.permute import RowSource, eager_gather_rows, gather_rows, gather_sum
+from megafp8.parallel.permute import (
+    RowSource, combine_rows, combine_weights_grad, eager_gather_rows, gather_rows, gather_sum,
+)
 from megafp8.precision import PrecisionRecipe
 from megafp8.precision.grouped import (
-    ExpertProjection, GatheredInput, expert_rows, grouped_fp8_swiglu_mlp, padded_source_index,
+    CombinedOutput, ExpertProjection, GatheredInput, expert_rows, grouped_fp8_swiglu_mlp, padded_source_index,
 )
 
 
@@ -133,30 +135,52 @@ class RoutedExperts(nn.Module):
         Across EP ranks the gathers and the grouped GEMMs run eagerly inside compiled code and SwiGLU between them
         is compiled, as before the experts were traced."""
         gate_up, down = self.gate_up_proj, self.down_proj
-        fp8 = gate_up.recipe.fp8
-        fused = fp8 is not None and down.recipe.fp8 == fp8 and fp8.all_gemms and not self.observed
-        if fused and rows.row_to_source.shape[0] > 0:
+        if self._runs_fused(rows):
             return (self._fused_fp8 if self.traceable else self._eager_fused_fp8)(rows, counts)
         x = (gather_rows if self.traceable else eager_gather_rows)(rows)
         gate, up = gate_up(x, counts).chunk(2, dim=-1)  # each (rows, ffn)
         return down(F.silu(gate) * up, counts), None
 
+    def combined(self, rows: RowSource, counts: torch.Tensor, assignment_rows: torch.Tensor,
+                 weights: torch.Tensor) -> Optional[torch.Tensor]:
+        """With one EP rank, where the fused FP8 path runs: the experts' output already combined per token (N,
+        hidden), `weights` (N, k) of the (token, slot) assignments at `assignment_rows` (N, k) among the rows
+        sorted by expert. The combine's backward then hands the experts the quantized gradient of their padded
+        output without a BF16 copy (`CombinedOutput`). None where the experts run otherwise (call `forward`, then
+        combine)."""
+        if not (self.traceable and self._runs_fused(rows)):
+            return None
+        if weights.dtype not in (torch.float32, torch.float64):
+            weights = weights.float()
+        return self._fused_fp8(rows, counts, (assignment_rows, weights.contiguous()))
+
+    def _runs_fused(self, rows: RowSource) -> bool:
+        gate_up, down = self.gate_up_proj, self.down_proj
+        fp8 = gate_up.recipe.fp8
+        fused = fp8 is not None and down.recipe.fp8 == fp8 and fp8.all_gemms and not self.observed
+        return fused and rows.row_to_source.shape[0] > 0
+
     @torch.compiler.disable
     def _eager_fused_fp8(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._fused_fp8(rows, counts)
 
-    def _fused_fp8(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fused_fp8(self, rows: RowSource, counts: torch.Tensor, combine_with: Optional[tuple] = None):
         """One FP8 autograd function in the padded expert layout, the tokens gathered into it by the quantizer.
-        The layout is built on the device, sized by its upper bound: no host sync."""
+        The layout is built on the device, sized by its upper bound: no host sync. Returns (padded output, the
+        padded row of each sorted row), or with `combine_with` (assignment rows, weights) the combined output."""
         gate_up, down = self.gate_up_proj, self.down_proj
         layout = expert_rows(counts, rows.source.device, rows.row_to_source.shape[0])
         x = GatheredInput(rows.source, padded_source_index(layout, rows.row_to_source), gather_sum,
                           layout.index[rows.source_to_rows])
+        combined = None
+        if combine_with is not None:
+            assignment_rows, weights = combine_with
+            combined = CombinedOutput(layout.index[assignment_rows], weights, combine_rows, combine_weights_grad)
         y = grouped_fp8_swiglu_mlp(x, layout,
                                    ExpertProjection(gate_up.weight, gate_up.fp8_cache, gate_up.wgrad_queue),
                                    ExpertProjection(down.weight, down.fp8_cache, down.wgrad_queue),
-                                   gate_up.recipe.fp8, gate_up.fp8_backend_for(rows.source.device))
-        return y, layout.index
+                                   gate_up.recipe.fp8, gate_up.fp8_backend_for(rows.source.device), combined)
+        return y if combined is not None else (y, layout.index)
 
 
 class MoE(nn.Module):
@@ -185,8 +209,12 @@ class MoE(nn.Module):
         """x (tokens, hidden) -> (output, weighted balance loss)."""
         weights, chosen, scores = self.router(x)
         plan = dispatch(x, chosen, self.num_experts, self.ep, self._dispatch_quantizer(x))
-        expert_out, out_rows = self.experts(plan.rows, plan.tokens_per_expert)
-        y = combine(expert_out, out_rows, weights, plan, self.ep)
+        y = None
+        if plan.regroup is None:  # one EP rank: the fused FP8 experts combine their own output
+            y = self.experts.combined(plan.rows, plan.tokens_per_expert, plan.assignment_rows, weights)
+        if y is None:
+            expert_out, out_rows = self.experts(plan.rows, plan.tokens_per_expert)
+            y = combine(expert_out, out_rows, weights, plan, self.ep)
         if self.shared is not None:
             y = y + self.shared(x)
         aux = x.new_zeros((), dtype=torch.float32)

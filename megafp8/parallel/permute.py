@@ -115,6 +115,11 @@ def _(y, pos, weights):
     return y.new_empty(pos.shape[0], y.shape[1])
 
 
+def combine_rows(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`weighted_combine`'s forward alone (no autograd): for code that owns the backward (`CombinedOutput`)."""
+    return _combine_op(y, pos, weights)
+
+
 @torch.library.custom_op("megafp8::weighted_combine_backward", mutates_args=())
 def _combine_backward_op(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +133,28 @@ def _combine_backward_op(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor,
 @_combine_backward_op.register_fake
 def _(dout, y, pos, weights):
     return torch.empty_like(y), weights.new_empty(pos.shape)
+
+
+def combine_weights_grad_reference(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """d w[t, j] = sum over features of dout[t] * y[pos[t, j]] in FP32: `combine_backward_reference`'s second
+    output, where the experts' own backward quantizes dy from dout (`megafp8.precision.grouped.CombinedOutput`)."""
+    g = dout.to(_sum_dtype(dout))
+    return (g.unsqueeze(1) * y[pos].to(g.dtype)).sum(dim=-1)
+
+
+@torch.library.custom_op("megafp8::weighted_combine_weights_grad", mutates_args=())
+def combine_weights_grad(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """`combine_weights_grad_reference`, through a Triton kernel on CUDA (one op in a compiled graph)."""
+    if _use_triton(y):
+        from megafp8.parallel import permute_kernels
+
+        return permute_kernels.combine_weights_grad(dout.contiguous(), y, pos)
+    return combine_weights_grad_reference(dout, y, pos)
+
+
+@combine_weights_grad.register_fake
+def _(dout, y, pos):
+    return dout.new_empty(pos.shape, dtype=torch.promote_types(dout.dtype, torch.float32))
 
 
 class _GatherRows(torch.autograd.Function):

@@ -46,8 +46,10 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, N, H, stride_y, stride_out,
 
 @triton.jit
 def _combine_backward_kernel(dout_ptr, y_ptr, pos_ptr, w_ptr, dy_ptr, dw_ptr, N, H, stride_dout, stride_y,
-                             stride_dy, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One slot j of BLOCK_N tokens (slots vary fastest over the grid, so a token block's dout is read from L2)."""
+                             stride_dy, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+                             WRITE_DY: tl.constexpr = True):
+    """One slot j of BLOCK_N tokens (slots vary fastest over the grid, so a token block's dout is read from L2).
+    Without WRITE_DY only the weights' gradient (dy is quantized from dout by the experts' own backward)."""
     j = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_t = t < N
@@ -61,8 +63,9 @@ def _combine_backward_kernel(dout_ptr, y_ptr, pos_ptr, w_ptr, dy_ptr, dw_ptr, N,
         g = g.to(tl.float32)
         yv = tl.load(y_ptr + row[:, None] * stride_y + h[None, :], mask=mask, other=0.0).to(tl.float32)
         dot += tl.sum(g * yv, axis=1)
-        tl.store(dy_ptr + row[:, None] * stride_dy + h[None, :], (g * w[:, None]).to(dy_ptr.dtype.element_ty),
-                 mask=mask)
+        if WRITE_DY:
+            tl.store(dy_ptr + row[:, None] * stride_dy + h[None, :], (g * w[:, None]).to(dy_ptr.dtype.element_ty),
+                     mask=mask)
     tl.store(dw_ptr + t * K + j, dot, mask=in_t)
 
 
@@ -110,3 +113,16 @@ def combine_backward(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, wei
             dout, y, pos, weights, dy, dweights, n, y.shape[1], dout.stride(0), y.stride(0), dy.stride(0), K=k,
             BLOCK_N=block, BLOCK_H=BLOCK_H, num_warps=4, enable_fp_fusion=False)
     return dy, dweights
+
+
+def combine_weights_grad(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """d w[t, j] = <dout[t], y[pos[t, j]]> in FP32: `combine_backward`'s second output alone."""
+    pos = pos.contiguous()
+    n, k = pos.shape
+    dweights = torch.empty(n, k, dtype=torch.float32, device=y.device)
+    if n:
+        block = _rows_block(n)
+        _combine_backward_kernel[(k, triton.cdiv(n, block))](
+            dout, y, pos, dweights, y, dweights, n, y.shape[1], dout.stride(0), y.stride(0), y.stride(0), K=k,
+            BLOCK_N=block, BLOCK_H=BLOCK_H, WRITE_DY=False, num_warps=4, enable_fp_fusion=False)
+    return dweights

@@ -171,6 +171,18 @@ def _(source, index, fmt, pow2, backend):
     return _fake_rows_cols(index.shape[0], source.shape[1], fmt, source)
 
 
+@torch.library.custom_op("megafp8::gather_scale_quantize_rows_cols", mutates_args=())
+def gather_scale_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, factor: torch.Tensor, fmt: str,
+                                    pow2: bool, backend: str
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backend(backend).gather_scale_quantize_rows_cols(source, index, factor, FORMATS[fmt], pow2)
+
+
+@gather_scale_quantize_rows_cols.register_fake
+def _(source, index, factor, fmt, pow2, backend):
+    return _fake_rows_cols(index.shape[0], source.shape[1], fmt, source)
+
+
 def _expert_tiles(rows: int, tile_expert: Optional[torch.Tensor], tile_start: torch.Tensor,
                   tile_count: torch.Tensor) -> ExpertRows:
     """The padded expert layout as the grouped GEMMs read it, rebuilt from a graph's tensors."""
@@ -259,6 +271,10 @@ class TracedKernels:
 
     def gather_quantize_rows_cols(self, source: torch.Tensor, index: torch.Tensor, fmt: Fp8Format, pow2: bool):
         return gather_quantize_rows_cols(source, index, fmt.name, pow2, self.backend)
+
+    def gather_scale_quantize_rows_cols(self, source: torch.Tensor, index: torch.Tensor, factor: torch.Tensor,
+                                        fmt: Fp8Format, pow2: bool):
+        return gather_scale_quantize_rows_cols(source, index, factor, fmt.name, pow2, self.backend)
 
     def grouped_gemm_1x128_128x128(self, a, a_scale, w: QuantizedWeight, transposed: bool, rows,
                                    out_dtype: torch.dtype):

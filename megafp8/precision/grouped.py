@@ -332,6 +332,20 @@ class GatheredInput:
     grad_index: torch.Tensor
 
 
+@dataclass
+class CombinedOutput:
+    """The experts' output combined per token inside the fused expert MLP: out[t] = sum_j weights[t, j] *
+    y[pos[t, j]] (N, hidden), so that backward quantizes the padded output gradient straight from the combined one
+    (row p = pos[t, j] of it is weights[t, j] * dout[t]) instead of reading a BF16 copy the combine wrote. The
+    caller owns the permutation: `combine(y, pos, weights)` and `weights_grad(dout, y, pos)` (FP32 (N, k)) are its
+    kernels (`megafp8.parallel.permute`), plain functions a compiled graph can hold."""
+
+    pos: torch.Tensor  # (N, k) int64: the padded row of each (token, slot), distinct
+    weights: torch.Tensor  # (N, k) FP32 routing weights
+    combine: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    weights_grad: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def padded_source_index(layout: ExpertRows, row_to_source: torch.Tensor) -> torch.Tensor:
     """(Mp,) the source row of each padded row, -1 for padding; row i of the rows sorted by expert is
     `source[row_to_source[i]]`."""
@@ -345,8 +359,11 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
 
         forward   x gathered from its source into the padded layout and quantized both ways, in one pass;
                   gu = grouped(x, w_gate_up) (Mp, 2F) BF16, kept;  a = silu(gate) * up -> FP8 along F (SwiGLU's
-                  kernel);  y = grouped(a, w_down), returned padded (the combine reads it through an index)
-        backward  dy (padded; zero in padding rows) quantized both ways;  da = grouped dgrad through w_down (Mp, F);
+                  kernel);  y = grouped(a, w_down), returned padded (the combine reads it through an index), or,
+                  with a `CombinedOutput`, combined per token here
+        backward  dy (padded; zero in padding rows) quantized both ways (with a `CombinedOutput`, from the combined
+                  output's gradient: row p of dy is w[t, j] * dout[t], quantized from FP32 by the gathering
+                  quantizer, never written in BF16);  da = grouped dgrad through w_down (Mp, F);
                   d(gu) both ways and a^T again (SwiGLU's backward kernel);  the two wgrads;  dx padded -> the
                   source's gradient through `GatheredInput.source_grad`
 
@@ -356,8 +373,8 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, source, w_gate_up, w_down, gate_up_fp8, gate_up_scale, down_fp8, down_scale, index, tile_expert,
-                tile_start, tile_count, grad_index, main_grad_gate_up, main_grad_down, source_grad, recipe: Fp8Recipe,
-                backend, traced: bool, queues: tuple):
+                tile_start, tile_count, grad_index, main_grad_gate_up, main_grad_down, pos, weights, source_grad,
+                combine_fns, recipe: Fp8Recipe, backend, traced: bool, queues: tuple):
         k = kernels(backend, traced)
         fmt, pow2 = recipe.fmt, recipe.power_of_two_scales
         layout = ExpertRows.of_tiles(index.shape[0], tile_expert, tile_start, tile_count)
@@ -368,22 +385,30 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
         a_fp8, a_scale = k.swiglu_quantize(gu, fmt, pow2)
         y = k.grouped_gemm_1x128_128x128(a_fp8, a_scale, down, False, layout, source.dtype)
         ctx.recipe, ctx.backend, ctx.traced, ctx.queues, ctx.source_grad = recipe, backend, traced, queues, source_grad
+        ctx.combine_fns = combine_fns
         ctx.save_for_backward(xt_fp8, xt_scale, gu, w_gate_up, w_down, gate_up_fp8, gate_up_scale, down_fp8,
                               down_scale, tile_expert, tile_start, tile_count, grad_index, main_grad_gate_up,
-                              main_grad_down)
-        return y
+                              main_grad_down, *((y, pos, weights) if combine_fns is not None else (None,) * 3))
+        return y if combine_fns is None else combine_fns[0](y, pos, weights)
 
     @staticmethod
     def backward(ctx, dy):
         recipe, traced, (gate_up_queue, down_queue) = ctx.recipe, ctx.traced, ctx.queues
         k = kernels(ctx.backend, traced)
         (xt_fp8, xt_scale, gu, w_gate_up, w_down, gate_up_fp8, gate_up_scale, down_fp8, down_scale, tile_expert,
-         tile_start, tile_count, grad_index, main_grad_gate_up, main_grad_down) = ctx.saved_tensors
+         tile_start, tile_count, grad_index, main_grad_gate_up, main_grad_down, y, pos, weights) = ctx.saved_tensors
         layout = ExpertRows.of_tiles(gu.shape[0], tile_expert, tile_start, tile_count)
         gate_up = QuantizedWeight(gate_up_fp8, gate_up_scale, None, None)
         down = QuantizedWeight(down_fp8, down_scale, None, None)
         pow2, experts = recipe.power_of_two_scales, w_down.shape[0]
-        dy_fp8, dy_scale, dyt_fp8, dyt_scale = k.quantize_rows_cols(dy.contiguous(), recipe.grad_fmt, pow2)
+        dweights = None
+        if ctx.combine_fns is None:
+            dy_fp8, dy_scale, dyt_fp8, dyt_scale = k.quantize_rows_cols(dy.contiguous(), recipe.grad_fmt, pow2)
+        else:  # dy is the combined output's gradient (N, hidden)
+            dweights = ctx.combine_fns[1](dy, y, pos).to(weights.dtype)
+            row_token, row_factor = _padded_rows_of_slots(pos, weights, gu.shape[0])
+            dy_fp8, dy_scale, dyt_fp8, dyt_scale = k.gather_scale_quantize_rows_cols(
+                dy.contiguous(), row_token, row_factor, recipe.grad_fmt, pow2)
         da = k.grouped_gemm_1x128_128x128(dy_fp8, dy_scale, down, True, layout, dy.dtype)
         dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = k.swiglu_backward_quantize(
             gu, da, recipe.fmt, recipe.grad_fmt, pow2)
@@ -393,7 +418,19 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
                              grad_index)
         dw_gate_up = _expert_weight_gradient(k, w_gate_up, main_grad_gate_up, dgut_fp8, dgut_scale, xt_fp8, xt_scale,
                                              layout, experts, dy.dtype, gate_up_queue, traced)
-        return (dx, dw_gate_up, dw_down) + (None,) * 16
+        return (dx, dw_gate_up, dw_down) + (None,) * 12 + (dweights,) + (None,) * 6
+
+
+def _padded_rows_of_slots(pos: torch.Tensor, weights: torch.Tensor, padded_rows: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each padded row p, the token t whose slot j it holds (pos[t, j] = p; -1 for padding) and that slot's
+    routing weight in FP32 (0 for padding): row p of the experts' output gradient is weight[p] * dout[token[p]]."""
+    flat = pos.reshape(-1)
+    token = torch.full((padded_rows,), -1, dtype=torch.int64, device=pos.device).index_copy_(
+        0, flat, torch.arange(flat.shape[0], device=pos.device) // pos.shape[1])
+    factor = torch.zeros(padded_rows, dtype=torch.float32, device=pos.device).index_copy_(
+        0, flat, weights.reshape(-1).to(torch.float32))
+    return token, factor
 
 
 def _expert_weight_gradient(k, weight: torch.Tensor, main_grad: Optional[torch.Tensor], a: torch.Tensor,
@@ -409,11 +446,12 @@ def _expert_weight_gradient(k, weight: torch.Tensor, main_grad: Optional[torch.T
 
 
 def grouped_fp8_swiglu_mlp(x: GatheredInput, layout: ExpertRows, gate_up: ExpertProjection, down: ExpertProjection,
-                           recipe: Fp8Recipe, backend: Fp8Backend) -> torch.Tensor:
+                           recipe: Fp8Recipe, backend: Fp8Backend,
+                           combined: Optional[CombinedOutput] = None) -> torch.Tensor:
     """down(silu(gate) * up) per expert with [gate | up] = gate_up(x), all six GEMMs grouped FP8 GEMMs, in the
     padded expert layout `layout` (at least one row): x's rows are gathered from their source in the same pass
-    that quantizes them, and the output (Mp, N) is padded (zero rows in the padding). gate_up.weight (E, 2F, K)
-    holds [gate; up] per expert, down.weight (E, N, F).
+    that quantizes them, and the output (Mp, N) is padded (zero rows in the padding), or with `combined` the
+    combined output (N tokens, N). gate_up.weight (E, 2F, K) holds [gate; up] per expert, down.weight (E, N, F).
 
     Under `torch.compile` it is traced into the graph as custom ops (`megafp8.precision.fp8_ops`), reading the
     weights the block quantized eagerly and adding the weight gradients into the caches' `main_grad` aliases, as a
@@ -423,17 +461,20 @@ def grouped_fp8_swiglu_mlp(x: GatheredInput, layout: ExpertRows, gate_up: Expert
                          f"({layout.index.shape[0]} rows; at least one needed)")
     traced = torch.compiler.is_compiling()
     if traced and (gate_up.queue is not None or down.queue is not None):
-        return _eager_grouped_fp8_swiglu_mlp(x, layout, gate_up, down, recipe, backend)
+        return _eager_grouped_fp8_swiglu_mlp(x, layout, gate_up, down, recipe, backend, combined)
     gate_up_entry = current_weight(gate_up.cache, gate_up.weight, recipe, backend, traced)
     down_entry = current_weight(down.cache, down.weight, recipe, backend, traced)
     return _GroupedFp8SwiGLUFn.apply(
         x.source, gate_up.weight, down.weight, gate_up_entry.w_fp8, gate_up_entry.w_scale, down_entry.w_fp8,
         down_entry.w_scale, x.index, layout.tile_expert, layout.tile_start, layout.tile_count, x.grad_index,
-        traced_main_grad(gate_up.cache, traced), traced_main_grad(down.cache, traced), x.source_grad, recipe,
+        traced_main_grad(gate_up.cache, traced), traced_main_grad(down.cache, traced),
+        *((combined.pos, combined.weights) if combined is not None else (None, None)), x.source_grad,
+        (combined.combine, combined.weights_grad) if combined is not None else None, recipe,
         backend_arg(backend, traced), traced, (gate_up.queue, down.queue))
 
 
 @torch.compiler.disable  # deferred weight gradients run eagerly inside compiled code
 def _eager_grouped_fp8_swiglu_mlp(x: GatheredInput, layout: ExpertRows, gate_up: ExpertProjection,
-                                  down: ExpertProjection, recipe: Fp8Recipe, backend: Fp8Backend) -> torch.Tensor:
-    return grouped_fp8_swiglu_mlp(x, layout, gate_up, down, recipe, backend)
+                                  down: ExpertProjection, recipe: Fp8Recipe, backend: Fp8Backend,
+                                  combined: Optional[CombinedOutput]) -> torch.Tensor:
+    return grouped_fp8_swiglu_mlp(x, layout, gate_up, down, recipe, backend, combined)

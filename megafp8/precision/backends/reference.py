@@ -83,6 +83,15 @@ class Fp8Backend:
         x = torch.where((index >= 0).unsqueeze(1), gathered, torch.zeros((), dtype=source.dtype, device=source.device))
         return self.quantize_rows_cols(x, fmt, power_of_two)
 
+    def gather_scale_quantize_rows_cols(self, source: torch.Tensor, index: torch.Tensor, factor: torch.Tensor,
+                                        fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
+        """`quantize_rows_cols` of x (M, K), x[i] = factor[i] * source[index[i]] computed in FP32 and quantized from
+        FP32 (a fused producer: a zero row where index[i] < 0); factor (M,) FP32."""
+        gathered = source.index_select(0, index.clamp(min=0)).to(torch.float32) * factor.to(torch.float32)[:, None]
+        x = torch.where((index >= 0).unsqueeze(1), gathered, torch.zeros((), dtype=torch.float32,
+                                                                         device=source.device))
+        return ref.quantize_rows_cols(x, fmt, power_of_two)
+
     def rmsnorm_quantize(self, h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format,
                          power_of_two: bool) -> tuple[torch.Tensor, ...]:
         """RMSNorm quantized from FP32: `producers.rmsnorm_quantize` (the last output is rstd (M,))."""

@@ -49,6 +49,9 @@ class TritonBackend(Fp8Backend):
     def gather_quantize_rows_cols(self, source, index, fmt, power_of_two):
         return self.quantizers.gather_quantize_rows_cols(source, index, fmt, power_of_two)
 
+    def gather_scale_quantize_rows_cols(self, source, index, factor, fmt, power_of_two):
+        return self.quantizers.gather_scale_quantize_rows_cols(source, index, factor, fmt, power_of_two)
+
     def rmsnorm_quantize(self, h, weight, eps, fmt, power_of_two):
         return self.producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two)
 

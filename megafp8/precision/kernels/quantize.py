@@ -59,6 +59,16 @@ def rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr
     tiles.store_cols(x, rows, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2)
 
 
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)], key=["K", "FP8_MAX", "POW2"])
+@triton.jit
+def _gather_scale_rows_cols_kernel(x_ptr, idx_ptr, f_ptr, ones_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm,
+                                   stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
+                                   FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    # RMSNorm's path with the row factors as its inverse RMS and ones as its weight: (x * f[row]) * 1.0, exact.
+    rows_cols_tile(x_ptr, f_ptr, ones_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
+                   stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, True, True)
+
+
 @triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)],
                  key=["K", "FP8_MAX", "POW2", "GATHER"])
 @triton.jit
@@ -157,6 +167,28 @@ def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: Fp
         _quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
             source, index.contiguous(), *out, m, k, source.stride(0), *tiles.rows_cols_strides(*out),
             POW2=power_of_two, GATHER=True, **tiles.format_constants(fmt))
+    return out
+
+
+def gather_scale_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, factor: torch.Tensor, fmt: Fp8Format,
+                                    power_of_two: bool) -> tuple[torch.Tensor, ...]:
+    """`quantize_rows_cols` of x (M, K) with x[i] = factor[i] * source[index[i]] in FP32 (a zero row where
+    index[i] < 0), quantized from FP32: the MoE combine's backward writing the experts' output gradient in FP8."""
+    assert source.stride(1) == 1, "gather_scale_quantize_rows_cols needs a row-major source"
+    m, k = index.shape[0], source.shape[1]
+    out = tiles.rows_cols_outputs(m, k, fmt, source.device)
+    check_offsets("gather_scale_quantize_rows_cols", *out)  # source rows are indexed in int64
+    if not m:
+        return out
+    index, factor = index.contiguous(), factor.to(torch.float32).contiguous()
+    ones = torch.ones(k, dtype=torch.float32, device=source.device)
+    gluon = tiles.hopper_gluon(source.device, "rows_cols_gluon")  # the same bytes in fewer instructions
+    if gluon:
+        gluon.launch(source, factor, ones, out, fmt, power_of_two, index=index)
+    else:
+        _gather_scale_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
+            source, index, factor, ones, *out, m, k, source.stride(0), *tiles.rows_cols_strides(*out),
+            POW2=power_of_two, **tiles.format_constants(fmt))
     return out
 
 
