@@ -167,25 +167,37 @@ def swiglu_quantize(gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tup
 def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
                              power_of_two: bool) -> tuple[torch.Tensor, ...]:
     """gu (M, 2F), da (M, F) -> (dgu_fp8 (M, 2F), scales, dgut_fp8 (2F, M_pad), scales_t) in `grad_fmt`, and
-    (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`. Two kernels: the rows, then the columns."""
+    (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`. On SM90 one Gluon kernel reads gu and da once
+    (`rows_cols_gluon.swiglu_backward`); elsewhere two Triton kernels, the rows, then the columns, write the same
+    bytes."""
     assert gu.stride(1) == 1 and da.stride(1) == 1, "swiglu_backward_quantize needs row-major inputs"
     m, f = da.shape
     q, s, qt, st = out = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, gu.device)
     at, ats = tiles.rows_cols_outputs(m, f, fmt, gu.device)[2:]
     check_offsets("swiglu_backward_quantize", gu, da, *out, at)
     if m:
-        consts = dict(GRAD_MAX=grad_fmt.max, POW2=power_of_two)
-        _swiglu_backward_rows_kernel[lambda meta: (f // TILE, triton.cdiv(m, meta["BLOCK_M"]))](
-            gu, da, q, s, m, f, gu.stride(0), da.stride(0), q.stride(0), s.stride(0), s.stride(1), **consts)
-        gluon = tiles.hopper_gluon(gu.device, "swiglu_cols_gluon")  # the same bytes in fewer instructions
-        (gluon.swiglu_backward_cols if gluon else swiglu_backward_cols)(gu, da, qt, st, at, ats, fmt, grad_fmt,
-                                                                        power_of_two)
+        gluon = tiles.hopper_gluon(gu.device, "rows_cols_gluon")  # the same bytes from one read of gu and da
+        if gluon:
+            gluon.swiglu_backward(gu, da, out, at, ats, fmt, grad_fmt, power_of_two)
+        else:
+            swiglu_backward_rows(gu, da, q, s, grad_fmt, power_of_two)
+            swiglu_backward_cols(gu, da, qt, st, at, ats, fmt, grad_fmt, power_of_two)
     return (*out, at, ats)
+
+
+def swiglu_backward_rows(gu: torch.Tensor, da: torch.Tensor, q: torch.Tensor, s: torch.Tensor, grad_fmt: Fp8Format,
+                         power_of_two: bool) -> None:
+    """The row kernel alone: d(gu) along the features into q/s (`grad_fmt`), from gu and da."""
+    m, f = da.shape
+    _swiglu_backward_rows_kernel[lambda meta: (f // TILE, triton.cdiv(m, meta["BLOCK_M"]))](
+        gu, da, q, s, m, f, gu.stride(0), da.stride(0), q.stride(0), s.stride(0), s.stride(1), GRAD_MAX=grad_fmt.max,
+        POW2=power_of_two)
 
 
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
                          ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool) -> None:
-    """The column kernel alone: d(gu)^T into qt/st (`grad_fmt`) and a^T into at/ats (`fmt`), from gu and da."""
+    """The column kernel alone: d(gu)^T into qt/st (`grad_fmt`) and a^T into at/ats (`fmt`), from gu and da (the
+    Triton kernel; `swiglu_cols_gluon.swiglu_backward_cols` writes the same bytes on SM90)."""
     m, f = da.shape
     _swiglu_backward_cols_kernel[lambda meta: (f // meta["BLOCK_N"], triton.cdiv(m, TILE))](
         gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),

@@ -61,9 +61,9 @@ def rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr
 
 @triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)], key=["K", "FP8_MAX", "POW2"])
 @triton.jit
-def _gather_scale_rows_cols_kernel(x_ptr, idx_ptr, f_ptr, ones_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_xm,
-                                   stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
-                                   FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+def _gather_scale_quantize_rows_cols_kernel(x_ptr, idx_ptr, f_ptr, ones_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K,
+                                            stride_xm, stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k,
+                                            stride_st_m, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     # RMSNorm's path with the row factors as its inverse RMS and ones as its weight: (x * f[row]) * 1.0, exact.
     rows_cols_tile(x_ptr, f_ptr, ones_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
                    stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, True, True)
@@ -186,7 +186,7 @@ def gather_scale_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, f
     if gluon:
         gluon.launch(source, factor, ones, out, fmt, power_of_two, index=index)
     else:
-        _gather_scale_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
+        _gather_scale_quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
             source, index, factor, ones, *out, m, k, source.stride(0), *tiles.rows_cols_strides(*out),
             POW2=power_of_two, **tiles.format_constants(fmt))
     return out
