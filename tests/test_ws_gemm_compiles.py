@@ -88,7 +88,7 @@ def _ptxas_and_sass(ptx: str) -> tuple[str, str]:
 
 def _sass_instructions(sass: str) -> int:
     """How many instructions a SASS listing holds (one thread's, for kernels without loops; a loop body once)."""
-    return len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+\S", sass, re.M))
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M))
 
 
 @pytest.mark.parametrize("warps", [4, 8])

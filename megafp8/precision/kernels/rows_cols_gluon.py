@@ -33,27 +33,20 @@ FEATURES_PER_THREAD = 8
 
 
 @functools.cache  # made once: building the layouts costs ~50-130 us of host time, more than a small launch
-def tile_layouts(warps: int = WARPS, tokens_each: int = TOKENS_PER_THREAD,
-                 features_each: int = FEATURES_PER_THREAD) -> tuple:
-    """(LOAD, STORE_T, ROWS, COLS) for a 128 x 128 tile: each thread tokens_each x features_each (LOAD lists them
-    features first, STORE_T tokens first: the same elements in the same threads), a warp's lanes along the tokens
-    (128 / tokens_each) and the features (the rest), the warps side by side along the features; ROWS and COLS give
-    each thread one row's and one column's value (threads past 128 repeat the first ones)."""
+def tile_layouts() -> tuple:
+    """(LOAD, STORE_T, ROWS, COLS) for a 128 x 128 tile: each thread 16 tokens x 8 features (LOAD lists them
+    features first, STORE_T tokens first: the same elements in the same threads), 4 lanes along the features and
+    8 along the tokens, the 4 warps side by side along the features; ROWS and COLS give each of the 128 threads one
+    row's and one column's value."""
     bases = gluon_tiles.bases
-    token_lanes = 128 // tokens_each
-    feature_lanes = 32 // token_lanes
-    assert warps >= 4 and token_lanes * feature_lanes == 32 and features_each * feature_lanes * warps == 128, \
-        f"{warps} warps of {tokens_each} x {features_each} a thread do not tile 128 x 128"
-    features, tokens = bases(features_each, 1, 2, 1), bases(tokens_each, 1, 2, 0)
-    lanes = bases(feature_lanes, features_each, 2, 1) + bases(token_lanes, tokens_each, 2, 0)
-    warp_bases = bases(warps, features_each * feature_lanes, 2, 1)
+    features, tokens = bases(FEATURES_PER_THREAD, 1, 2, 1), bases(TOKENS_PER_THREAD, 1, 2, 0)
+    lanes = bases(4, FEATURES_PER_THREAD, 2, 1) + bases(8, TOKENS_PER_THREAD, 2, 0)
+    warps = bases(WARPS, 4 * FEATURES_PER_THREAD, 2, 1)
 
     def tile(registers: list) -> DistributedLinearLayout:
-        return DistributedLinearLayout(reg_bases=registers, lane_bases=lanes, warp_bases=warp_bases, block_bases=[],
+        return DistributedLinearLayout(reg_bases=registers, lane_bases=lanes, warp_bases=warps, block_bases=[],
                                        shape=[128, 128])
-    whole = min(warps, 4)  # warps whose threads hold distinct rows (or columns); the rest repeat them
-    one_each = DistributedLinearLayout(reg_bases=[], lane_bases=bases(32, 1, 1),
-                                       warp_bases=bases(whole, 32, 1) + [[0]] * (warps.bit_length() - whole.bit_length()),
+    one_each = DistributedLinearLayout(reg_bases=[], lane_bases=bases(32, 1, 1), warp_bases=bases(WARPS, 32, 1),
                                        block_bases=[], shape=[128])
     return tile(features + tokens), tile(tokens + features), one_each, one_each
 
@@ -93,29 +86,14 @@ def _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_pt
     if NORM:
         rstd = gl.load(rstd_ptr + rows, mask=in_rows, other=0.0)
         x = (x * gl.expand_dims(rstd, 1)) * gl.expand_dims(gl.load(w_ptr + cols).to(gl.float32), 0)
-    _store_rows(x, rows, kb, mb, M, q_ptr, s_ptr, stride_qm, stride_sm, stride_sk, FP8_MAX, POW2, ROWS)
-    _store_cols(x, kb, mb, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, COLS)
-
-
-@gluon.jit
-def _store_rows(x, rows, kb, mb, M, q_ptr, s_ptr, stride_qm, stride_sm, stride_sk, FP8_MAX: gl.constexpr,
-                POW2: gl.constexpr, ROWS: gl.constexpr):
-    """x (128 tokens x 128 features, FP32, rows `rows`) quantized along its rows (`tiles.store_rows`): one scale per
-    token over the tile's features, written as tile column kb of q (values) and s (scales); rows past M skipped."""
+    # Rows (`tiles.store_rows`): one scale per token over the tile's 128 features.
     row_scale, row_inv = _scales(gl.reduce(gl.abs(x), 1, gluon_tiles.nan_max), ROWS, FP8_MAX, POW2)
     q = (x * gl.expand_dims(row_inv, 1)).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # saturating
-    cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, x.type.layout))
     gl.store(q_ptr + gl.expand_dims(rows, 1) * stride_qm + gl.expand_dims(cols, 0), q,
-             mask=gl.expand_dims(rows < M, 1))
+             mask=gl.expand_dims(in_rows, 1))
     scale_rows = mb * 128 + gl.arange(0, 128, layout=row_scale.type.layout)
     gl.store(s_ptr + scale_rows * stride_sm + kb * stride_sk, row_scale, mask=scale_rows < M)
-
-
-@gluon.jit
-def _store_cols(x, kb, mb, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
-                POW2: gl.constexpr, STORE_T: gl.constexpr, COLS: gl.constexpr):
-    """x (128 tokens x 128 features, FP32) quantized along its columns (`tiles.store_cols`): one scale per feature
-    over the tile's tokens, x^T written from registers as tile (kb, mb) of qt and st (rows past M are x's zeros)."""
+    # Columns (`tiles.store_cols`): one scale per feature over the tile's 128 tokens, x^T written from registers.
     col_scale, col_inv = _scales(gl.reduce(gl.abs(x), 0, gluon_tiles.nan_max), COLS, FP8_MAX, POW2)
     qt = (x * gl.expand_dims(col_inv, 0)).to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     qt = gl.convert_layout(qt, STORE_T)  # the same threads, tokens first
@@ -172,70 +150,3 @@ def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | No
         q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1), FP8_MAX=fmt.max,
         POW2=power_of_two, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows, COLS=cols,
         num_warps=WARPS)
-
-
-@gluon.jit
-def _swiglu_load(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm, GATE: gl.constexpr, UP: gl.constexpr,
-                 DA: gl.constexpr, LOAD: gl.constexpr):
-    """(gate, up, da) in FP32 at rows x cols, each read only if asked (a zero scalar otherwise); rows past M are
-    zeros."""
-    in_rows = gl.expand_dims(rows < M, 1)
-    gate_ptrs = gu_ptr + gl.expand_dims(rows, 1) * stride_gm + gl.expand_dims(cols, 0)
-    gate = gl.load(gate_ptrs, mask=in_rows, other=0.0).to(gl.float32) if GATE else 0.0
-    up = gl.load(gate_ptrs + F, mask=in_rows, other=0.0).to(gl.float32) if UP else 0.0
-    da_ptrs = da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0)
-    da = gl.load(da_ptrs, mask=in_rows, other=0.0).to(gl.float32) if DA else 0.0
-    return gate, up, da
-
-
-@gluon.jit
-def _swiglu_backward_gluon_kernel(gu_ptr, da_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr, M, F, stride_gm,
-                                  stride_dm, stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
-                                  stride_at, stride_ats_k, stride_ats_m, GRAD_MAX: gl.constexpr,
-                                  FP8_MAX: gl.constexpr, POW2: gl.constexpr, LOAD: gl.constexpr,
-                                  STORE_T: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
-    """SwiGLU's backward for tile (kb, mb), 128 tokens x 128 features of F: d_gate and d_up quantized both ways
-    (tile columns kb and kb + F/128 of d(gu)), a = silu(gate) * up along the tokens. The arithmetic is
-    `producers._swiglu_backward_slice`'s, op for op; rows past M read as zeros (the transposes' padding).
-
-    One result at a time, each from its own read of the inputs it needs: a whole tile of one FP32 result is 64
-    registers a thread (8 warps), and the three results with their inputs held at once would need the whole
-    register file. The tile's inputs (96 KiB) are read from memory once; the later reads hit the caches."""
-    kb = gl.program_id(0)
-    mb = gl.program_id(1)
-    rows = mb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LOAD))
-    cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LOAD))
-    gate, up, da = _swiglu_load(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm, True, True, True, LOAD)
-    s = 1.0 / (1.0 + gl.exp(-gate))
-    d_gate = da * s * up * (1.0 + gate * (1.0 - s))
-    _store_rows(d_gate, rows, kb, mb, M, q_ptr, s_ptr, stride_qm, stride_sm, stride_sk, GRAD_MAX, POW2, ROWS)
-    _store_cols(d_gate, kb, mb, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, GRAD_MAX, POW2, STORE_T, COLS)
-    gate, _, da = _swiglu_load(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm, True, False, True, LOAD)
-    s = 1.0 / (1.0 + gl.exp(-gate))
-    kb_up = kb + F // 128
-    d_up = da * s * gate
-    _store_rows(d_up, rows, kb_up, mb, M, q_ptr, s_ptr, stride_qm, stride_sm, stride_sk, GRAD_MAX, POW2, ROWS)
-    _store_cols(d_up, kb_up, mb, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, GRAD_MAX, POW2, STORE_T, COLS)
-    gate, up, _ = _swiglu_load(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_dm, True, True, False, LOAD)
-    s = 1.0 / (1.0 + gl.exp(-gate))
-    _store_cols(gate * s * up, kb, mb, at_ptr, ats_ptr, stride_at, stride_ats_k, stride_ats_m, FP8_MAX, POW2, STORE_T,
-                COLS)
-
-
-SWIGLU_LAYOUT = (8, 16, 4)  # warps, tokens and features a thread: gate, up and da held at once without spilling
-
-
-def swiglu_backward(gu: torch.Tensor, da: torch.Tensor, out: tuple, at: torch.Tensor, ats: torch.Tensor,
-                    fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool,
-                    layout: tuple = SWIGLU_LAYOUT) -> None:
-    """Fill `out` (d(gu) both ways in `grad_fmt`, from `tiles.rows_cols_outputs(M, 2F)`) and at/ats (a^T in `fmt`)
-    from gu (M, 2F) and da (M, F) in one kernel: the bytes of the Triton row and column kernels together
-    (`producers.swiglu_backward_quantize`). `layout`: (warps, tokens, features a thread) for `tile_layouts`."""
-    m, f = da.shape
-    q, s, qt, st = out
-    warps = layout[0]
-    load, store_t, rows, cols = tile_layouts(*layout)
-    _swiglu_backward_gluon_kernel[(f // 128, -(-m // 128))](
-        gu, da, q, s, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), q.stride(0), s.stride(0), s.stride(1),
-        qt.stride(0), st.stride(0), st.stride(1), at.stride(0), ats.stride(0), ats.stride(1), GRAD_MAX=grad_fmt.max,
-        FP8_MAX=fmt.max, POW2=power_of_two, LOAD=load, STORE_T=store_t, ROWS=rows, COLS=cols, num_warps=warps)
