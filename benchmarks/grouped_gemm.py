@@ -57,7 +57,9 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `torch._scaled_grouped_mm`",
            "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours, TMA (Triton)",
            "ours, warp-specialized (Gluon), 128-wide tiles", "ours, warp-specialized, 256-wide tiles",
+           "ours, ws 128, epilogue from registers", "ours, ws 256, epilogue from registers",
            "ours (the backend's default)")
+ALWAYS = (1, len(COLUMNS) - 1)  # BF16 `_grouped_mm` and the backend's default: the ratio column's two
 WRONG = 2**-3  # relative error beyond which a column's output is reported wrong (FP8 gives a few percent)
 
 
@@ -240,9 +242,10 @@ def ours(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
     return lambda: impl.grouped_gemm_1x128_128x128(a, a_scale, weight, gemm == "dgrad", rows, torch.bfloat16)
 
 
-def our_kernel(kernel: str, block_n: int = 256) -> Callable:
+def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None) -> Callable:
     """A column of one of our grouped kernels, chosen explicitly: "pointer" (what GPUs without TMA run), "tma"
-    (Triton, TMA loads) or "ws" (warp-specialized Gluon, `block_n` wide tiles), against the backend's default."""
+    (Triton, TMA loads) or "ws" (warp-specialized Gluon, `block_n` wide tiles; `tma_store` False: its output tiles
+    stored from the consumers' registers rather than by TMA where they may), against the backend's default."""
     def build(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
         if p.x.device.type != "cuda":
             raise RuntimeError("our Triton kernels need a CUDA GPU")
@@ -254,14 +257,16 @@ def our_kernel(kernel: str, block_n: int = 256) -> Callable:
         a, a_scale, weight = operands
         impl = select_backend(backend, p.x.device)
         b, b_scale = impl.weight_transposed(weight) if gemm == "dgrad" else (weight.w_fp8, weight.w_scale)
+        options = {} if kernel != "ws" else dict(block_n=block_n, tma_store=tma_store)
         return lambda: kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, torch.bfloat16, kernel=kernel,
-                                            block_n=block_n)
-    build.__name__ = f"ours_{kernel}_{block_n}"
+                                            **options)
+    build.__name__ = f"ours_{kernel}_{block_n}" + ("_registers" if tma_store is False else "")
     return build
 
 
 BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, our_kernel("pointer"), our_kernel("tma"),
-            our_kernel("ws", 128), our_kernel("ws", 256), ours)
+            our_kernel("ws", 128), our_kernel("ws", 256), our_kernel("ws", 128, tma_store=False),
+            our_kernel("ws", 256, tma_store=False), ours)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -295,6 +300,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--backend", default="cublas", help="the megafp8 FP8 backend of the 'ours' column")
     parser.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default 30; quick 5)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke test of the table)")
+    parser.add_argument("--columns", nargs="+", default=None,
+                        help="measure only the columns whose label contains one of these (BF16 `_grouped_mm` and "
+                             "the backend's default always run); the others print '-'")
     args = parser.parse_args(argv)
     shapes = [parse_shape(s) for s in (args.shapes or (QUICK_SHAPES if args.quick else SHAPES))]
     iters = args.iters or (5 if args.quick else 30)
@@ -303,17 +311,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error("no CUDA GPU here (--device cpu runs a smoke test)")
     if device.type == "cuda":
         print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, {iters} iters, TFLOP/s\n")
-    rows = []
+    wanted = [i in ALWAYS or args.columns is None or any(c in label for c in args.columns)
+              for i, label in enumerate(COLUMNS)]
+    print(markdown([], args.backend), flush=True)  # the header; each row prints as it is measured
     for experts, per_expert, k, n in shapes:
         p = make_problem(experts, per_expert, k, n, device)
         for gemm in GEMMS:
             reference = bf16_loop(p, gemm, args.backend)().clone()
-            measured = [measure(build, p, gemm, args.backend, reference, iters) for build in BUILDERS]
+            measured = [measure(build, p, gemm, args.backend, reference, iters) if want else ("-", None)
+                        for build, want in zip(BUILDERS, wanted)]
             del reference
-            rows.append((f"{experts} x {per_expert}, {k}, {n}", gemm, [cell for cell, _ in measured],
-                         ratio_cell(measured[-1][1], measured[1][1])))
+            row = (f"{experts} x {per_expert}, {k}, {n}", gemm, [cell for cell, _ in measured],
+                   ratio_cell(measured[-1][1], measured[1][1]))
+            print(markdown([row], args.backend).splitlines()[-1], flush=True)
         del p
-    print(markdown(rows, args.backend))
     if device.type == "cuda":
         print_tuned_configs()
 

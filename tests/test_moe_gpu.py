@@ -198,6 +198,40 @@ def test_warp_specialized_gemms_match_the_pointer_kernels():
         assert not checks["grouped fprop"][0][rows.tile_expert.repeat_interleave(128) == -1].any()
 
 
+def test_the_warp_specialized_gemms_tma_stored_epilogue_writes_the_register_epilogues_bits():
+    """BF16 outputs leave the warp-specialized kernel through shared memory by TMA (`ws_gemm.tma_store_fits`): the
+    same bits as stores from the consumers' registers, both tile widths, for the grouped fprop with N not a
+    multiple of 256 (TMA clips the second half of a tile), an expert without rows and padding tiles, and a dense
+    wgrad with sizes off the 128 grid (rows and columns past the edges clipped). Each output is allocated where a
+    nan-filled tensor of its size was just freed, so an element left unwritten shows."""
+    pytest.importorskip("triton")
+    from megafp8.precision import E4M3, quantize as ref
+    from megafp8.precision.grouped import expert_rows
+    from megafp8.precision.kernels import gemm
+    from tests.fp8_checks import outlier_tensor
+    if gemm.warp_specialized_unavailable(CUDA) is not None:
+        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
+    counts = torch.tensor([130, 0, 256, 5])
+    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
+    a, a_s, b, b_s = _grouped_problem(rows)[:4]
+    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(200, 640, seed=5), E4M3))
+    xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(328, 640, seed=6), E4M3))
+    for block_n in (128, 256):
+        for name, (shape, run) in {
+            "grouped fprop": ((rows.total, b.shape[1]), lambda tma: gemm.grouped_gemm(
+                a, a_s, b, b_s, rows.tile_expert, torch.bfloat16, kernel="ws", block_n=block_n, tma_store=tma)),
+            "dense wgrad": ((dt.shape[0], xt.shape[0]), lambda tma: gemm.wgrad(
+                dt, dt_s, xt, xt_s, torch.bfloat16, block_n=block_n, tma_store=tma)),
+        }.items():
+            outputs = []
+            for tma in (False, True):
+                torch.full(shape, float("nan"), dtype=torch.bfloat16, device=CUDA)  # freed at once, then reused
+                outputs.append(run(tma))
+            plain, by_tma = outputs
+            assert not plain.isnan().any() and torch.equal(plain.view(torch.int16), by_tma.view(torch.int16)), \
+                f"{name}, block_n={block_n}"
+
+
 def test_bf16_grouped_wgrad_gives_an_expert_without_rows_exact_zeros_without_a_host_sync():
     """On SM90 the BF16 grouped linear takes its counts from the device and trusts `torch._grouped_mm` to write
     zeros for an expert with no rows (SM100's kernel does not: pytorch/pytorch#172439); checked here with the

@@ -21,11 +21,16 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 CONFIGS = {  # name -> (constexpr flags, C's element type)
-    "grouped fprop/dgrad": (dict(GROUPED_ROWS=True, GROUPED_K=False, B_BLOCKWISE=True, ACCUMULATE=False), "*bf16"),
-    "grouped wgrad into main_grad": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False, ACCUMULATE=True),
-                                     "*fp32"),
-    "grouped wgrad": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False, ACCUMULATE=False), "*bf16"),
-    "dense wgrad": (dict(GROUPED_ROWS=False, GROUPED_K=False, B_BLOCKWISE=False, ACCUMULATE=False), "*bf16"),
+    "grouped fprop/dgrad": (dict(GROUPED_ROWS=True, GROUPED_K=False, B_BLOCKWISE=True, ACCUMULATE=False,
+                                 TMA_STORE=True), "*bf16"),
+    "grouped fprop/dgrad, stores from registers": (dict(GROUPED_ROWS=True, GROUPED_K=False, B_BLOCKWISE=True,
+                                                        ACCUMULATE=False, TMA_STORE=False), "*bf16"),
+    "grouped wgrad into main_grad": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False, ACCUMULATE=True,
+                                          TMA_STORE=False), "*fp32"),
+    "grouped wgrad": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False, ACCUMULATE=False, TMA_STORE=False),
+                      "*bf16"),
+    "dense wgrad": (dict(GROUPED_ROWS=False, GROUPED_K=False, B_BLOCKWISE=False, ACCUMULATE=False, TMA_STORE=True),
+                    "*bf16"),
 }
 # Spill bytes ptxas may report: the per-row-scale kernels keep a few tile coordinates on the stack outside the K
 # loop (measured 16-48 bytes); the accumulators alone are 256 bytes a thread per 128-column slice.
@@ -41,14 +46,16 @@ def _ptxas_report(flags: dict, c_type: str, block_n: int) -> str:
 
     fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
     scales = torch.empty(2, 256).t()  # (rows, K/128), stored rows-first as the quantizers write them
+    c = torch.empty(256, 256, dtype=torch.bfloat16)
     signature = {"a_desc": mangle_type(ws_gemm._descriptor(fp8, [64, 128])),
                  "b_desc": mangle_type(ws_gemm._descriptor(fp8, [128, 128])),
                  "as_desc": mangle_type(ws_gemm._scale_descriptor(scales, 64)),
-                 "bs_desc": mangle_type(ws_gemm._scale_descriptor(scales, 128)), "c_ptr": c_type,
+                 "bs_desc": mangle_type(ws_gemm._scale_descriptor(scales, 128)),
+                 "c_desc": mangle_type(ws_gemm._descriptor(c if flags["TMA_STORE"] else fp8, [64, 128])), "c_ptr": c_type,
                  "bs_ptr": "*fp32", "tile_expert_ptr": "*i32", "k_start_ptr": "*i32", "k_count_ptr": "*i32"}
     signature.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "num_groups", "stride_ce", "stride_cm",
                                                "stride_bs_e", "stride_bs_n", "stride_bs_k")})
-    constants = dict(flags, BLOCK_N=block_n, STAGES=ws_gemm._stages(block_n), GROUP_M=8)
+    constants = dict(flags, BLOCK_N=block_n, STAGES=ws_gemm._stages(block_n, flags["TMA_STORE"]), GROUP_M=8)
     signature.update({name: "constexpr" for name in constants})
     compiled = triton.compile(GluonASTSource(ws_gemm._ws_gemm_kernel, signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
@@ -221,3 +228,27 @@ def test_scales_reach_tma_rows_first_and_aligned_as_given_or_copied():
         assert torch.equal(got, scale)
         assert got.stride(0) == 1 and got.stride(1) >= got.shape[0] and got.stride(1) % 4 == 0
         assert got.data_ptr() % 16 == 0
+
+
+def test_only_a_written_two_dimensional_aligned_bf16_output_leaves_by_tma():
+    """The warp-specialized kernel stores its output tiles by TMA only where TMA can write them as the register
+    epilogue would (`ws_gemm.tma_store_fits`): not when adding into FP32 main_grad (TMA would overwrite), not a
+    stack of per-expert outputs (TMA clips at the whole tensor's edge, not at each expert's), not FP32, not rows
+    off a 16-byte boundary; asking for it there is an error."""
+    from megafp8.precision.kernels import ws_gemm
+
+    c = torch.empty(256, 384, dtype=torch.bfloat16)
+    assert ws_gemm.tma_store_fits(c, accumulate=False, grouped_k=False)
+    assert not ws_gemm.tma_store_fits(c, accumulate=False, grouped_k=True)
+    assert not ws_gemm.tma_store_fits(c.float(), accumulate=True, grouped_k=False)
+    assert not ws_gemm.tma_store_fits(c.float(), accumulate=False, grouped_k=False)
+    assert ws_gemm.tma_store_fits(torch.empty(4, 256, 384, dtype=torch.bfloat16)[1], accumulate=False,
+                                  grouped_k=False)  # one expert's slice of a stack, as a whole 2-D output
+    assert not ws_gemm.tma_store_fits(torch.empty(256, 388, dtype=torch.bfloat16)[:, :380], accumulate=False,
+                                      grouped_k=False)  # rows 776 bytes apart
+    assert not ws_gemm.tma_store_fits(torch.empty(256 * 384 + 4, dtype=torch.bfloat16)[4:].view(256, 384),
+                                      accumulate=False, grouped_k=False)  # starts 8 bytes off
+    with pytest.raises(AssertionError, match="tma_store_fits"):
+        ws_gemm.ws_gemm(torch.empty(128, 128, dtype=torch.float8_e4m3fn), torch.ones(128, 1),
+                        torch.empty(128, 128, dtype=torch.float8_e4m3fn), torch.ones(128, 1),
+                        torch.empty(128, 128), b_blockwise=False, tma_store=True)

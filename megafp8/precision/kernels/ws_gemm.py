@@ -43,7 +43,8 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Kernel constants are constexprs (the only globals a Gluon kernel may read).
@@ -54,7 +55,8 @@ _PRODUCER_REGS = gl.constexpr(24)
 # A K step's scales in shared memory, as the (unswizzled) [1, rows] TMA boxes read as plain vectors.
 _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 _MAXNREG = 168  # 12 warps (3 warpgroups) x 32 threads x 168 <= the SM's 64K registers
-_GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
+_GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.bfloat16: gl.bfloat16,
+              torch.float32: gl.float32}
 
 
 @gluon.jit
@@ -160,10 +162,21 @@ def _write(c_ptr, acc, rows, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_ptr, bs_ptr, M, N, K_BLOCKS, num_tiles,
-              tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n, stride_bs_k,
-              HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
-              ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+def _write_by_tma(c_desc, c_buf, acc, row, col):
+    """Hand a consumer's 64 x 128 piece of the output tile to the TMA engine through shared memory: the consumer
+    goes on to its next tile while the copy runs (its buffer is reused only after `tma.store_wait`). TMA clips
+    rows and columns past C's edges."""
+    c_buf.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [row, col], c_buf)
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
+              stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
+              B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
     wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator. The stage is released once its
     last wgmma has completed and its scales are read, before the last slice's promotion."""
@@ -202,24 +215,37 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_ptr, bs_ptr, M, 
                 mbarrier.arrive(empty.index(s), count=1)
                 acc0 = acc0 + scaled
             counter += 1
-        rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
-        cols = off_n + gl.arange(0, TILE, layout=col_layout)
-        _write(c_ptr, acc0, rows, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE)
-        if NB == 2:
-            _write(c_ptr, acc1, rows, cols + TILE, M, N, group, stride_ce, stride_cm, ACCUMULATE)
+        if TMA_STORE:  # this consumer's buffers were last handed to TMA a whole tile ago
+            tma.store_wait(pendings=0)
+            _write_by_tma(c_desc, c_bufs.index(NB * HALF), acc0, off_m + HALF * HALF_M, off_n)
+            if NB == 2:
+                _write_by_tma(c_desc, c_bufs.index(NB * HALF + 1), acc1, off_m + HALF * HALF_M, off_n + TILE)
+        else:
+            rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+            cols = off_n + gl.arange(0, TILE, layout=col_layout)
+            _write(c_ptr, acc0, rows, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE)
+            if NB == 2:
+                _write(c_ptr, acc1, rows, cols + TILE, M, N, group, stride_ce, stride_cm, ACCUMULATE)
+    if TMA_STORE:
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_ptr, bs_ptr, tile_expert_ptr, k_start_ptr, k_count_ptr,
-                    M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n, stride_bs_k,
-                    GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
-                    ACCUMULATE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, tile_expert_ptr, k_start_ptr,
+                    k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
+                    stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
     # Scales by K step, as [1, rows] boxes: A's 64 rows per half, B's 128 rows per slice (unused with B in blocks).
     as_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, HALF_M], as_desc.layout)
     bs_bufs = gl.allocate_shared_memory(gl.float32, [NB * STAGES, 1, TILE], bs_desc.layout)
+    if TMA_STORE:  # the epilogue's staging buffers, one per consumer and 128-column slice
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 * NB, HALF_M, TILE], c_desc.layout)
+    else:  # (unused: stores go from the consumers' registers)
+        c_bufs = as_bufs
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -230,12 +256,14 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_ptr, bs_ptr, tile_expert
         num_tiles = num_tiles * num_groups
     # (No starred arguments in Gluon: every partition's arguments are spelled out.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_ptr, bs_ptr, M, N, K_BLOCKS, num_tiles,
-                     tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
-                     stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, BLOCK_N, STAGES, GROUP_M)),
-        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_ptr, bs_ptr, M, N, K_BLOCKS, num_tiles,
-                     tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
-                     stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, BLOCK_N, STAGES, GROUP_M)),
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+                     stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, BLOCK_N,
+                     STAGES, GROUP_M)),
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+                     stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, BLOCK_N,
+                     STAGES, GROUP_M)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
                      K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
                      B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
@@ -277,21 +305,34 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _stages(block_n: int) -> int:
-    """As many stages as fit in shared memory: 48 KB each with 256 columns, 32 KB with 128."""
-    return 4 if block_n == 256 else 6
+def _stages(block_n: int, tma_store: bool = False) -> int:
+    """As many stages as fit in shared memory (227 KB a block) with the epilogue's buffers: 48 KB each with 256
+    columns, 32 KB with 128; a TMA-stored BF16 epilogue takes 16 KB per consumer and slice (64 with 256 columns,
+    32 with 128)."""
+    if block_n == 256:
+        return 3 if tma_store else 4
+    return 5 if tma_store else 6
+
+
+def tma_store_fits(c: torch.Tensor, accumulate: bool, grouped_k: bool) -> bool:
+    """Whether the output tile can leave by TMA: written (not added into), one 2-D C (not a stack per expert, whose
+    rows TMA would not clip at each expert's edge), BF16, its rows 16-byte aligned."""
+    return (not accumulate and not grouped_k and c.dim() == 2 and c.dtype == torch.bfloat16
+            and c.stride(1) == 1 and (c.stride(0) * c.element_size()) % 16 == 0 and c.data_ptr() % 16 == 0)
 
 
 def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, c: torch.Tensor, *,
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
-            block_n: int = 256, group_m: int = 8) -> torch.Tensor:
+            block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None) -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
     K/128) with `tile_expert`, or (rows, K/128) per row of B when not `b_blockwise`. `tile_expert` (M/128,):
     expert per 128-row tile of A, b = (E * N, K) stacked. `k_start`, `k_count` (E,): each group's K blocks, c
-    (E, M, N). `accumulate`: c is FP32 and the product is added into it."""
+    (E, M, N). `accumulate`: c is FP32 and the product is added into it. `tma_store`: the output tiles leave
+    through shared memory by TMA, overlapping the next tile's MMAs (None: wherever `tma_store_fits`), or from the
+    consumers' registers."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
@@ -299,6 +340,10 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     assert block_n in (128, 256) and (not accumulate or c.dtype == torch.float32)
     if tile_expert is not None:
         assert m % _T == 0 and b_blockwise, "rows grouped by expert need whole 128-row tiles and B in blocks"
+    fits = tma_store_fits(c, accumulate, grouped_k)
+    if tma_store is None:
+        tma_store = fits
+    assert fits or not tma_store, "this output cannot be stored by TMA (tma_store_fits)"
     num_groups = k_start.shape[0] if grouped_k else 1
     num_tiles = -(-m // _T) * -(-n // block_n) * num_groups
     if num_tiles == 0:
@@ -310,11 +355,14 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     as_desc = _scale_descriptor(a_scale, _H)
     # With B in blocks its scale is one number per slice, read from global memory; the descriptor is then unused.
     bs_desc = _scale_descriptor(a_scale if b_blockwise else b_scale, _T)
+    a_desc = _descriptor(a, [_H, _T])
+    c_desc = _descriptor(c, [_H, _T]) if tma_store else a_desc  # unused without TMA stores
     _ws_gemm_kernel[grid](
-        _descriptor(a, [_H, _T]), _descriptor(b, [_T, _T]), as_desc, bs_desc, c, b_scale,
+        a_desc, _descriptor(b, [_T, _T]), as_desc, bs_desc, c_desc, c, b_scale,
         tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
         k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
         c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k,
         GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise, ACCUMULATE=accumulate,
-        BLOCK_N=block_n, STAGES=_stages(block_n), GROUP_M=group_m, num_warps=4, maxnreg=_MAXNREG)
+        TMA_STORE=tma_store, BLOCK_N=block_n, STAGES=_stages(block_n, tma_store), GROUP_M=group_m, num_warps=4,
+        maxnreg=_MAXNREG)
     return c
