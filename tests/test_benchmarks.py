@@ -143,7 +143,8 @@ def test_grouped_gemm_benchmark_prints_every_column_or_why_not():
     assert [row[1] for row in rows] == ["fprop", "dgrad", "wgrad"]
     for row in rows:
         bf16_loop, bf16_grouped, rowwise, blockwise, *our_kernels, ours, ratio = row[2:]
-        assert our_kernels == ["RuntimeError: our Triton kernels need a CUDA GPU"] * 4, row  # pointer, TMA, ws x2
+        # pointer, TMA, ws 128 and 256 by TMA-stored and register epilogues
+        assert our_kernels == ["RuntimeError: our Triton kernels need a CUDA GPU"] * 6, row
         assert min(float(bf16_loop), float(bf16_grouped), float(ours)) > 0, row
         assert rowwise.startswith("NotImplementedError: ") and "'CPU' backend" in rowwise, row
         assert blockwise.startswith("ConfigError: the cublas backend needs a CUDA GPU"), row
@@ -573,3 +574,19 @@ def test_ab_steps_compares_the_trees_memory_from_train_steps_table():
     assert "| peak GiB, with warm-up | fp8 | 64.00 (64.00-64.00) | 62.00 (62.00-62.00) |" in text
     assert ab_steps.memory_summary([("old", {c: {} for c in ab_steps.MEMORY_COLUMNS})]) == ""
     assert ab_steps.parse_column("| recipe | tokens/s |\n|---|---|\n| fp8 | 5 |", "held GiB, steady") == {}
+
+
+def test_grouped_gemm_benchmark_measures_only_the_columns_asked_for():
+    """`--columns` keeps a bounded GPU job to the kernels under study: the other columns print '-', while BF16
+    `_grouped_mm` and the backend's default (the ratio's two) always run."""
+    cmd = [sys.executable, "benchmarks/grouped_gemm.py", "--device", "cpu", "--backend", "reference", "--shapes",
+           "2x128,128,256", "--iters", "1", "--columns", "rowwise"]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
+            if line.startswith("| 2 x 128, 128, 256 |")]
+    assert len(rows) == 3
+    for row in rows:
+        bf16_loop, bf16_grouped, rowwise, *others, ours, ratio = row[2:]
+        assert bf16_loop == "-" and set(others) == {"-"}, row
+        assert rowwise.startswith("NotImplementedError: ") and float(bf16_grouped) > 0 and float(ours) > 0, row
