@@ -198,11 +198,12 @@ def test_warp_specialized_gemms_match_the_pointer_kernels():
         assert not checks["grouped fprop"][0][rows.tile_expert.repeat_interleave(128) == -1].any()
 
 
-def test_the_warp_specialized_gemms_tma_stored_epilogue_writes_the_register_epilogues_bits():
-    """BF16 outputs leave the warp-specialized kernel through shared memory by TMA (`ws_gemm.tma_store_fits`): the
-    same bits as stores from the consumers' registers, both tile widths, for the grouped fprop with N not a
-    multiple of 256 (TMA clips the second half of a tile), an expert without rows and padding tiles, and a dense
-    wgrad with sizes off the 128 grid (rows and columns past the edges clipped). Each output is allocated where a
+def test_the_warp_specialized_gemms_tma_epilogue_writes_the_register_epilogues_bits():
+    """Output tiles leave the warp-specialized kernel through shared memory by TMA (`ws_gemm.tma_store_fits`),
+    stored or added into FP32 main_grad by TMA's reduction: the same bits as the register epilogue (load, add,
+    store), both tile widths, for the grouped fprop with N not a multiple of 256 (TMA clips a tile's second half),
+    an expert without rows and padding tiles; the grouped wgrad as a per-expert stack, written and added into; a
+    dense wgrad with sizes off the 128 grid, written and added into. Each written output is allocated where a
     nan-filled tensor of its size was just freed, so an element left unwritten shows."""
     pytest.importorskip("triton")
     from megafp8.precision import E4M3, quantize as ref
@@ -213,23 +214,53 @@ def test_the_warp_specialized_gemms_tma_stored_epilogue_writes_the_register_epil
         pytest.skip(gemm.warp_specialized_unavailable(CUDA))
     counts = torch.tensor([130, 0, 256, 5])
     rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
-    a, a_s, b, b_s = _grouped_problem(rows)[:4]
+    a, a_s, b, b_s, at, at_s, bt, bt_s = _grouped_problem(rows)[:8]
     dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(200, 640, seed=5), E4M3))
     xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(328, 640, seed=6), E4M3))
+    stack = torch.randn(4, at.shape[0], bt.shape[0], device=CUDA)
+    dense = torch.randn(200, 328, device=CUDA)
     for block_n in (128, 256):
         for name, (shape, run) in {
             "grouped fprop": ((rows.total, b.shape[1]), lambda tma: gemm.grouped_gemm(
                 a, a_s, b, b_s, rows.tile_expert, torch.bfloat16, kernel="ws", block_n=block_n, tma_store=tma)),
-            "dense wgrad": ((dt.shape[0], xt.shape[0]), lambda tma: gemm.wgrad(
-                dt, dt_s, xt, xt_s, torch.bfloat16, block_n=block_n, tma_store=tma)),
+            "grouped wgrad": (tuple(stack.shape), lambda tma: gemm.grouped_wgrad(
+                at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.bfloat16, kernel="ws", block_n=block_n,
+                tma_store=tma)),
+            "grouped wgrad into main_grad": (None, lambda tma: gemm.grouped_wgrad(
+                at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, kernel="ws",
+                accumulate=stack.clone(), block_n=block_n, tma_store=tma)),
+            "dense wgrad": ((200, 328), lambda tma: gemm.wgrad(dt, dt_s, xt, xt_s, torch.bfloat16, block_n=block_n,
+                                                             tma_store=tma)),
+            "dense wgrad into main_grad": (None, lambda tma: gemm.wgrad(
+                dt, dt_s, xt, xt_s, torch.float32, accumulate=dense.clone(), block_n=block_n, tma_store=tma)),
         }.items():
             outputs = []
             for tma in (False, True):
-                torch.full(shape, float("nan"), dtype=torch.bfloat16, device=CUDA)  # freed at once, then reused
+                if shape is not None:
+                    torch.full(shape, float("nan"), dtype=torch.bfloat16, device=CUDA)  # freed at once, reused
                 outputs.append(run(tma))
             plain, by_tma = outputs
-            assert not plain.isnan().any() and torch.equal(plain.view(torch.int16), by_tma.view(torch.int16)), \
-                f"{name}, block_n={block_n}"
+            assert not plain.isnan().any() and torch.equal(plain.view(torch.int16 if plain.element_size() == 2 else
+                                                                      torch.int32),
+                                                           by_tma.view(torch.int16 if plain.element_size() == 2 else
+                                                                       torch.int32)), f"{name}, block_n={block_n}"
+
+
+def test_the_tma_reduction_into_main_grad_keeps_subnormal_gradients():
+    """Where a weight's product is zero, adding it into main_grad by TMA's reduction must leave main_grad's values
+    as they are, FP32 subnormals included (the register epilogue's `c + 0.0` keeps them): a reduction that flushed
+    subnormals to zero would differ from the reference there."""
+    pytest.importorskip("triton")
+    from megafp8.precision import E4M3, quantize as ref
+    from megafp8.precision.kernels import gemm
+    if gemm.warp_specialized_unavailable(CUDA) is not None:
+        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
+    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(torch.zeros(256, 256), E4M3))
+    xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(torch.randn(256, 256), E4M3))
+    main_grad = torch.full((256, 256), 1e-40, device=CUDA)  # subnormal in FP32
+    main_grad[::2] = 3.0
+    got = gemm.wgrad(dt, dt_s, xt, xt_s, torch.float32, accumulate=main_grad.clone(), tma_store=True)
+    assert torch.equal(got.view(torch.int32), main_grad.view(torch.int32))
 
 
 def test_bf16_grouped_wgrad_gives_an_expert_without_rows_exact_zeros_without_a_host_sync():

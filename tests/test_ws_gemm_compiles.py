@@ -26,8 +26,10 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
     "grouped fprop/dgrad, stores from registers": (dict(GROUPED_ROWS=True, GROUPED_K=False, B_BLOCKWISE=True,
                                                         ACCUMULATE=False, TMA_STORE=False), "*bf16"),
     "grouped wgrad into main_grad": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False, ACCUMULATE=True,
-                                          TMA_STORE=False), "*fp32"),
-    "grouped wgrad": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False, ACCUMULATE=False, TMA_STORE=False),
+                                          TMA_STORE=True), "*fp32"),
+    "grouped wgrad into main_grad, from registers": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False,
+                                                          ACCUMULATE=True, TMA_STORE=False), "*fp32"),
+    "grouped wgrad": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False, ACCUMULATE=False, TMA_STORE=True),
                       "*bf16"),
     "dense wgrad": (dict(GROUPED_ROWS=False, GROUPED_K=False, B_BLOCKWISE=False, ACCUMULATE=False, TMA_STORE=True),
                     "*bf16"),
@@ -37,7 +39,7 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
 MAX_SPILL_BYTES = 64
 
 
-def _ptxas_report(flags: dict, c_type: str, block_n: int) -> str:
+def _compile(flags: dict, c_type: str, block_n: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -46,19 +48,26 @@ def _ptxas_report(flags: dict, c_type: str, block_n: int) -> str:
 
     fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
     scales = torch.empty(2, 256).t()  # (rows, K/128), stored rows-first as the quantizers write them
-    c = torch.empty(256, 256, dtype=torch.bfloat16)
+    c = torch.empty(256, 256, dtype=torch.bfloat16 if c_type == "*bf16" else torch.float32)
     signature = {"a_desc": mangle_type(ws_gemm._descriptor(fp8, [64, 128])),
                  "b_desc": mangle_type(ws_gemm._descriptor(fp8, [128, 128])),
                  "as_desc": mangle_type(ws_gemm._scale_descriptor(scales, 64)),
                  "bs_desc": mangle_type(ws_gemm._scale_descriptor(scales, 128)),
-                 "c_desc": mangle_type(ws_gemm._descriptor(c if flags["TMA_STORE"] else fp8, [64, 128])), "c_ptr": c_type,
+                 "c_desc": mangle_type(ws_gemm._descriptor(c if flags["TMA_STORE"] else fp8, [64, 128])),
+                 "c_ptr": c_type,
                  "bs_ptr": "*fp32", "tile_expert_ptr": "*i32", "k_start_ptr": "*i32", "k_count_ptr": "*i32"}
     signature.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "num_groups", "stride_ce", "stride_cm",
                                                "stride_bs_e", "stride_bs_n", "stride_bs_k")})
-    constants = dict(flags, BLOCK_N=block_n, STAGES=ws_gemm._stages(block_n, flags["TMA_STORE"]), GROUP_M=8)
+    buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
+    constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8,
+                     STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
     signature.update({name: "constexpr" for name in constants})
-    compiled = triton.compile(GluonASTSource(ws_gemm._ws_gemm_kernel, signature, constexprs=constants),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
+    return triton.compile(GluonASTSource(ws_gemm._ws_gemm_kernel, signature, constexprs=constants),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
+
+
+def _ptxas_report(compiled) -> str:
+    import triton
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     ptx = compiled.asm["ptx"]
     result = subprocess.run([ptxas, "-v", "-arch=sm_90a", "-", "-o", os.devnull], input=ptx, capture_output=True,
@@ -70,12 +79,20 @@ def _ptxas_report(flags: dict, c_type: str, block_n: int) -> str:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_spilled_accumulators(name, block_n):
     flags, c_type = CONFIGS[name]
-    report = _ptxas_report(flags, c_type, block_n)
+    compiled = _compile(flags, c_type, block_n)
+    assert compiled.metadata.shared <= 232448, compiled.metadata.shared  # SM90's shared memory per block
+    ptx = compiled.asm["ptx"]
+    if flags["TMA_STORE"]:  # the epilogue by TMA: stored, or added into main_grad by the TMA unit's reduction
+        op = "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" if flags["ACCUMULATE"] else \
+            "cp.async.bulk.tensor.2d.global.shared::cta"
+        assert op in ptx and not re.search(r"^\s*(@%p\d+\s+)?st\.global", ptx, re.M)  # no store from registers
+    report = _ptxas_report(compiled)
     assert "C7511" not in report and "C7514" not in report, report  # "wgmma ... serialized"
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
     # Branch ws-scales-tma: with the scales read from shared memory, the 256-column wgrad that adds into main_grad
     # spills a few loop registers (104 bytes measured on the CPU); not the accumulators (256 bytes a slice).
-    allowed = 2 * MAX_SPILL_BYTES if (name, block_n) == ("grouped wgrad into main_grad", 256) else MAX_SPILL_BYTES
+    allowed = 2 * MAX_SPILL_BYTES if name.startswith("grouped wgrad into main_grad") and block_n == 256 \
+        else MAX_SPILL_BYTES
     assert spills and max(spills) <= allowed, report
 
 
@@ -230,25 +247,33 @@ def test_scales_reach_tma_rows_first_and_aligned_as_given_or_copied():
         assert got.data_ptr() % 16 == 0
 
 
-def test_only_a_written_two_dimensional_aligned_bf16_output_leaves_by_tma():
-    """The warp-specialized kernel stores its output tiles by TMA only where TMA can write them as the register
-    epilogue would (`ws_gemm.tma_store_fits`): not when adding into FP32 main_grad (TMA would overwrite), not a
-    stack of per-expert outputs (TMA clips at the whole tensor's edge, not at each expert's), not FP32, not rows
-    off a 16-byte boundary; asking for it there is an error."""
+def test_outputs_leave_by_tma_only_where_tma_writes_what_the_register_epilogue_would():
+    """The warp-specialized kernel stores (or adds into FP32 main_grad, by TMA's reduction) its output tiles by TMA
+    only where TMA writes what the register epilogue would (`ws_gemm.tma_store_fits`): BF16 or FP32, rows and
+    start 16-byte aligned, a per-expert stack only when each expert's rows are whole 128-row tiles (TMA clips at the
+    stacked matrix's edges, not at each expert's) and the stack is one matrix; asking for it elsewhere is an
+    error. Shared memory holds the epilogue's buffers beside the stages (`_stages`)."""
     from megafp8.precision.kernels import ws_gemm
 
     c = torch.empty(256, 384, dtype=torch.bfloat16)
-    assert ws_gemm.tma_store_fits(c, accumulate=False, grouped_k=False)
-    assert not ws_gemm.tma_store_fits(c, accumulate=False, grouped_k=True)
-    assert not ws_gemm.tma_store_fits(c.float(), accumulate=True, grouped_k=False)
-    assert not ws_gemm.tma_store_fits(c.float(), accumulate=False, grouped_k=False)
-    assert ws_gemm.tma_store_fits(torch.empty(4, 256, 384, dtype=torch.bfloat16)[1], accumulate=False,
-                                  grouped_k=False)  # one expert's slice of a stack, as a whole 2-D output
-    assert not ws_gemm.tma_store_fits(torch.empty(256, 388, dtype=torch.bfloat16)[:, :380], accumulate=False,
-                                      grouped_k=False)  # rows 776 bytes apart
+    assert ws_gemm.tma_store_fits(c, grouped_k=False, rows=256)
+    assert ws_gemm.tma_store_fits(c.float(), grouped_k=False, rows=256)
+    assert not ws_gemm.tma_store_fits(c.half().to(torch.float8_e4m3fn), grouped_k=False, rows=256)
+    assert not ws_gemm.tma_store_fits(torch.empty(256, 388, dtype=torch.bfloat16)[:, :380], grouped_k=False,
+                                      rows=256)  # rows 776 bytes apart
     assert not ws_gemm.tma_store_fits(torch.empty(256 * 384 + 4, dtype=torch.bfloat16)[4:].view(256, 384),
-                                      accumulate=False, grouped_k=False)  # starts 8 bytes off
+                                      grouped_k=False, rows=256)  # starts 8 bytes off
+    stack = torch.empty(4, 256, 384)
+    assert ws_gemm.tma_store_fits(stack, grouped_k=True, rows=256)
+    assert not ws_gemm.tma_store_fits(torch.empty(4, 200, 384), grouped_k=True, rows=200)  # experts mid-tile
+    assert not ws_gemm.tma_store_fits(torch.empty(4, 512, 384)[:, :256], grouped_k=True, rows=256)  # gaps
     with pytest.raises(AssertionError, match="tma_store_fits"):
         ws_gemm.ws_gemm(torch.empty(128, 128, dtype=torch.float8_e4m3fn), torch.ones(128, 1),
                         torch.empty(128, 128, dtype=torch.float8_e4m3fn), torch.ones(128, 1),
-                        torch.empty(128, 128), b_blockwise=False, tma_store=True)
+                        torch.empty(128, 128, dtype=torch.float16), b_blockwise=False, tma_store=True)
+    for block_n in (128, 256):
+        for dtype in (torch.bfloat16, torch.float32):
+            out = torch.empty(256, 384, dtype=dtype)
+            buffers = 2 * ws_gemm.epilogue_buffers(out, block_n) * 64 * 128 * out.element_size()
+            stages = ws_gemm._stages(block_n, buffers)
+            assert stages >= 3 and stages * (128 + block_n) * 128 + buffers <= ws_gemm._SMEM_BYTES - 1024

@@ -330,10 +330,10 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
 def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype,
                   kernel: Optional[str] = None, accumulate: Optional[torch.Tensor] = None,
-                  block_n: int = 256) -> torch.Tensor:
+                  block_n: int = 256, tma_store: Optional[bool] = None) -> torch.Tensor:
     """a (N, Mp), b (K, Mp) FP8 in 1x128 tiles along Mp, scales (N, Mp/128), (K, Mp/128) -> (E, N, K).
     `accumulate` (E, N, K) FP32: add the product into it in the GEMM's epilogue (no rounding to `out_dtype`, no
-    separate pass) and return it. `kernel` as in `grouped_gemm`."""
+    separate pass) and return it. `kernel`, `block_n` and `tma_store` as in `grouped_gemm`."""
     n, mp = a.shape
     k = b.shape[0]
     num_experts = tile_start.shape[0]
@@ -347,7 +347,7 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     if kernel == "ws":
         from megafp8.precision.kernels.ws_gemm import ws_gemm
         return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=False, accumulate=accumulate is not None,
-                       k_start=tile_start, k_count=tile_count, block_n=block_n)
+                       k_start=tile_start, k_count=tile_count, block_n=block_n, tma_store=tma_store)
     if kernel == "tma":
         sms = _sm_count(a.device)
 

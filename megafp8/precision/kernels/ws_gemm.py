@@ -45,7 +45,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton._C.libtriton import ir
 
 # Kernel constants are constexprs (the only globals a Gluon kernel may read).
 TILE = gl.constexpr(128)
@@ -161,22 +163,35 @@ def _write(c_ptr, acc, rows, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE
     gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """`cp.reduce.async.bulk.tensor ... .add`: the shared-memory tile `src` added into global memory at `coord` by
+    the TMA engine (each element one IEEE add, as `c + acc` in registers). Triton 3.6's Gluon builds this op
+    (`create_async_tma_reduce`) but exports no function for it; this is its `async_copy_shared_to_global` with
+    the reduction kind, and `tma.store_wait` waits for it the same way."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 @gluon.jit
-def _write_by_tma(c_desc, c_buf, acc, row, col):
-    """Hand a consumer's 64 x 128 piece of the output tile to the TMA engine through shared memory: the consumer
-    goes on to its next tile while the copy runs (its buffer is reused only after `tma.store_wait`). TMA clips
-    rows and columns past C's edges."""
+def _write_by_tma(c_desc, c_buf, acc, row, col, ADD: gl.constexpr):
+    """Hand a consumer's 64 x 128 piece of the output tile to the TMA engine through shared memory, stored or (ADD)
+    added into C: the consumer goes on to its next tile while the copy runs (its buffer is reused only after
+    `tma.store_wait`). TMA clips rows and columns past C's edges."""
     c_buf.store(acc.to(c_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(c_desc, [row, col], c_buf)
+    if ADD:
+        _tma_reduce_add(c_desc, [row, col], c_buf)
+    else:
+        tma.async_copy_shared_to_global(c_desc, [row, col], c_buf)
 
 
 @gluon.jit
 def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
               num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
               stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
-              B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+              B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
     wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator. The stage is released once its
     last wgmma has completed and its scales are read, before the last slice's promotion."""
@@ -216,10 +231,13 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
                 acc0 = acc0 + scaled
             counter += 1
         if TMA_STORE:  # this consumer's buffers were last handed to TMA a whole tile ago
+            row = group * M + off_m + HALF * HALF_M if GROUPED_K else off_m + HALF * HALF_M  # C as (E * M, N)
             tma.store_wait(pendings=0)
-            _write_by_tma(c_desc, c_bufs.index(NB * HALF), acc0, off_m + HALF * HALF_M, off_n)
+            _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF), acc0, row, off_n, ACCUMULATE)
             if NB == 2:
-                _write_by_tma(c_desc, c_bufs.index(NB * HALF + 1), acc1, off_m + HALF * HALF_M, off_n + TILE)
+                if C_BUFS == 1:  # one buffer a consumer (FP32 slices): the first slice must have left it
+                    tma.store_wait(pendings=0)
+                _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF + C_BUFS - 1), acc1, row, off_n + TILE, ACCUMULATE)
         else:
             rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
             cols = off_n + gl.arange(0, TILE, layout=col_layout)
@@ -234,7 +252,7 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
 def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, tile_expert_ptr, k_start_ptr,
                     k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
                     stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
-                    ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, BLOCK_N: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
@@ -242,8 +260,8 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
     # Scales by K step, as [1, rows] boxes: A's 64 rows per half, B's 128 rows per slice (unused with B in blocks).
     as_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, HALF_M], as_desc.layout)
     bs_bufs = gl.allocate_shared_memory(gl.float32, [NB * STAGES, 1, TILE], bs_desc.layout)
-    if TMA_STORE:  # the epilogue's staging buffers, one per consumer and 128-column slice
-        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 * NB, HALF_M, TILE], c_desc.layout)
+    if TMA_STORE:  # the epilogue's staging buffers: C_BUFS per consumer, one per 128-column slice or one in all
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 * C_BUFS, HALF_M, TILE], c_desc.layout)
     else:  # (unused: stores go from the consumers' registers)
         c_bufs = as_bufs
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -258,11 +276,13 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
                      num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
-                     stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, BLOCK_N,
+                     stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
+                     BLOCK_N,
                      STAGES, GROUP_M)),
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
                      num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
-                     stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, BLOCK_N,
+                     stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
+                     BLOCK_N,
                      STAGES, GROUP_M)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
                      K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
@@ -305,20 +325,35 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _stages(block_n: int, tma_store: bool = False) -> int:
-    """As many stages as fit in shared memory (227 KB a block) with the epilogue's buffers: 48 KB each with 256
-    columns, 32 KB with 128; a TMA-stored BF16 epilogue takes 16 KB per consumer and slice (64 with 256 columns,
-    32 with 128)."""
-    if block_n == 256:
-        return 3 if tma_store else 4
-    return 5 if tma_store else 6
+_SMEM_BYTES = 232448  # shared memory a block may use on SM90 (227 KB)
 
 
-def tma_store_fits(c: torch.Tensor, accumulate: bool, grouped_k: bool) -> bool:
-    """Whether the output tile can leave by TMA: written (not added into), one 2-D C (not a stack per expert, whose
-    rows TMA would not clip at each expert's edge), BF16, its rows 16-byte aligned."""
-    return (not accumulate and not grouped_k and c.dim() == 2 and c.dtype == torch.bfloat16
-            and c.stride(1) == 1 and (c.stride(0) * c.element_size()) % 16 == 0 and c.data_ptr() % 16 == 0)
+def _stages(block_n: int, epilogue_bytes: int = 0) -> int:
+    """As many stages as fit in shared memory beside the epilogue's staging buffers (`epilogue_bytes`; 0: stores
+    from registers), at most 4 with 256 columns and 6 with 128: a stage holds A's 128 x 128 and B's block_n x 128
+    FP8 tiles and their scales (50,688 bytes with 256 columns, 33,792 with 128); 1 KB is left for the barriers."""
+    stage = 128 * 128 + block_n * 128 + 512 + 4 * block_n
+    return min(4 if block_n == 256 else 6, (_SMEM_BYTES - 1024 - epilogue_bytes) // stage)
+
+
+def epilogue_buffers(c: torch.Tensor, block_n: int) -> int:
+    """Staging buffers per consumer for a TMA epilogue into `c`: one per 128-column slice in BF16, one in all in
+    FP32 (two 32 KB FP32 slices a consumer leave too few stages)."""
+    return block_n // 128 if c.element_size() == 2 else 1
+
+
+def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int) -> bool:
+    """Whether the output tiles can leave by TMA (stored, or added into FP32 `main_grad` by TMA's reduction): C
+    BF16 or FP32, rows contiguous, 16-byte aligned rows and start; a per-expert stack (E, rows, N) only as one
+    (E * rows, N) matrix whose experts start on 128-row tile boundaries (TMA clips at the matrix's edges, not at
+    each expert's)."""
+    if c.dtype not in (torch.bfloat16, torch.float32) or c.stride(-1) != 1 or c.data_ptr() % 16:
+        return False
+    if (c.stride(-2) * c.element_size()) % 16:
+        return False
+    if grouped_k:
+        return c.dim() == 3 and rows % 128 == 0 and c.stride(0) == rows * c.stride(1)
+    return c.dim() == 2
 
 
 def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, c: torch.Tensor, *,
@@ -331,8 +366,8 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     K/128) with `tile_expert`, or (rows, K/128) per row of B when not `b_blockwise`. `tile_expert` (M/128,):
     expert per 128-row tile of A, b = (E * N, K) stacked. `k_start`, `k_count` (E,): each group's K blocks, c
     (E, M, N). `accumulate`: c is FP32 and the product is added into it. `tma_store`: the output tiles leave
-    through shared memory by TMA, overlapping the next tile's MMAs (None: wherever `tma_store_fits`), or from the
-    consumers' registers."""
+    through shared memory by TMA (stored, or added by TMA's reduction), overlapping the next tile's MMAs (None:
+    wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
@@ -340,7 +375,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     assert block_n in (128, 256) and (not accumulate or c.dtype == torch.float32)
     if tile_expert is not None:
         assert m % _T == 0 and b_blockwise, "rows grouped by expert need whole 128-row tiles and B in blocks"
-    fits = tma_store_fits(c, accumulate, grouped_k)
+    fits = tma_store_fits(c, grouped_k, m)
     if tma_store is None:
         tma_store = fits
     assert fits or not tma_store, "this output cannot be stored by TMA (tma_store_fits)"
@@ -356,13 +391,17 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     # With B in blocks its scale is one number per slice, read from global memory; the descriptor is then unused.
     bs_desc = _scale_descriptor(a_scale if b_blockwise else b_scale, _T)
     a_desc = _descriptor(a, [_H, _T])
-    c_desc = _descriptor(c, [_H, _T]) if tma_store else a_desc  # unused without TMA stores
+    # C as one matrix (a per-expert stack as (E * M, N)); unused without TMA stores
+    c_rows = c.shape[0] if c.dim() == 2 else c.shape[0] * m
+    c_desc = _descriptor(c.as_strided((c_rows, n), (c.stride(-2), 1)), [_H, _T]) if tma_store else a_desc
+    c_bufs = epilogue_buffers(c, block_n) if tma_store else 0  # per consumer, each 64 x 128 elements of C
     _ws_gemm_kernel[grid](
         a_desc, _descriptor(b, [_T, _T]), as_desc, bs_desc, c_desc, c, b_scale,
         tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
         k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
         c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k,
         GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise, ACCUMULATE=accumulate,
-        TMA_STORE=tma_store, BLOCK_N=block_n, STAGES=_stages(block_n, tma_store), GROUP_M=group_m, num_warps=4,
+        TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
+        STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m, num_warps=4,
         maxnreg=_MAXNREG)
     return c
