@@ -10,6 +10,8 @@ output gradient dy (E*rows, N);
     fprop  y = x @ w[e]^T per expert         (E*rows, N)
     dgrad  dx = dy @ w[e] per expert         (E*rows, K)
     wgrad  dw[e] = dy[rows of e]^T @ x[rows of e]   (E, N, K): contracts over each expert's tokens
+    wgrad into main_grad   main_grad[e] += dw[e], main_grad (E, N, K) FP32: the weight gradient as training
+           makes it (BF16: `_grouped_mm` then the add, two kernels; ours: added in the GEMM's epilogue)
 
 each 2 * E*rows * K * N FLOPs. Only the GEMM is timed: operands are quantized beforehand (FP8 rowwise: one FP32
 scale per row of each operand along the contracted dim, per expert for wgrad; blockwise and ours: 1x128 tiles for
@@ -53,7 +55,12 @@ from megafp8.precision.quantize import mn_major  # noqa: E402
 
 SHAPES = ["64x2048,2048,2048", "64x2048,1024,2048", "8x4096,7168,4096", "8x4096,2048,7168"]  # issue 19's
 QUICK_SHAPES = ["8x256,512,512", "4x512,1024,512"]
-GEMMS = ("fprop", "dgrad", "wgrad")
+GEMMS = ("fprop", "dgrad", "wgrad", "wgrad into main_grad")
+INTO = "wgrad into main_grad"
+
+
+class NotApplicable(Exception):
+    """A column with no kernel for this GEMM: its cell says n/a."""
 COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `torch._scaled_grouped_mm`",
            "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours, TMA (Triton)",
            "ours, warp-specialized (Gluon), 128-wide tiles", "ours, warp-specialized, 256-wide tiles",
@@ -132,7 +139,13 @@ class Problem:
         return 2.0 * self.x.shape[0] * self.x.shape[1] * self.dy.shape[1]
 
     def out_shape(self, gemm: str) -> tuple[int, ...]:
-        return {"fprop": tuple(self.dy.shape), "dgrad": tuple(self.x.shape), "wgrad": tuple(self.w.shape)}[gemm]
+        return {"fprop": tuple(self.dy.shape), "dgrad": tuple(self.x.shape), "wgrad": tuple(self.w.shape),
+                INTO: tuple(self.w.shape)}[gemm]
+
+    def main_grad(self) -> torch.Tensor:
+        """A zeroed FP32 main_grad for `INTO` (each column adds into its own: after the first call, which is
+        checked, the timed calls keep adding)."""
+        return torch.zeros(self.w.shape, dtype=torch.float32, device=self.x.device)
 
 
 def make_problem(experts: int, rows: int, k: int, n: int, device: torch.device) -> Problem:
@@ -150,6 +163,7 @@ def make_problem(experts: int, rows: int, k: int, n: int, device: torch.device) 
 def bf16_loop(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
     x, w, dy = p.x, p.w, p.dy
     out = torch.empty(p.out_shape(gemm), dtype=torch.bfloat16, device=x.device)
+    main_grad = p.main_grad() if gemm == INTO else None
 
     def run() -> torch.Tensor:
         for e, lo, hi in p.segments:
@@ -159,7 +173,7 @@ def bf16_loop(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]
                 torch.matmul(dy[lo:hi], w[e], out=out[lo:hi])
             else:
                 torch.matmul(dy[lo:hi].t(), x[lo:hi], out=out[e])
-        return out
+        return out if main_grad is None else main_grad.add_(out)
     return run
 
 
@@ -170,6 +184,9 @@ def bf16_grouped(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tens
     if gemm == "dgrad":
         return lambda: torch._grouped_mm(dy, w, offs=offs)
     dyt = dy.t()
+    if gemm == INTO:  # as BF16 training adds its experts' weight gradients (`megafp8.precision.grouped`)
+        main_grad = p.main_grad()
+        return lambda: main_grad.add_(torch._grouped_mm(dyt, x, offs=offs))
     return lambda: torch._grouped_mm(dyt, x, offs=offs)
 
 
@@ -187,6 +204,8 @@ def rowwise_per_expert(t: torch.Tensor, p: Problem) -> tuple[torch.Tensor, torch
 
 def fp8_rowwise(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
     x, w, dy, offs = p.x, p.w, p.dy, p.offs
+    if gemm == INTO:
+        raise NotApplicable
 
     def grouped(a, b, sa, sb):  # a row-major, b column-major
         return lambda: torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
@@ -203,6 +222,8 @@ def fp8_rowwise(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tenso
 def fp8_blockwise_loop(p: Problem, gemm: str, backend: str) -> Callable[[], list[torch.Tensor]]:
     """One `F.scaled_mm` per expert, called as the cublas backend calls it (its quantizers give the layouts). The
     timed call returns each expert's output (joining them would add a copy)."""
+    if gemm == INTO:
+        raise NotApplicable
     cublas = select_backend("cublas", p.x.device)
     bw1, bw128 = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
     calls = []
@@ -225,7 +246,7 @@ def _our_operands(p: Problem, gemm: str, backend: str) -> tuple:
     rows); fprop/dgrad (the rows' FP8 and the stacked weight in 128x128 blocks with its transpose)."""
     impl = select_backend(backend, p.x.device)
     rows = expert_rows([p.rows] * p.experts, p.x.device)  # rows are multiples of 128: no padding
-    if gemm == "wgrad":
+    if gemm in ("wgrad", INTO):
         return impl, rows, (*impl.quantize_rows_cols(p.dy, E4M3, False)[2:],
                             *impl.quantize_rows_cols(p.x, E4M3, False)[2:])
     weight = impl.empty_weight(p.w.shape, E4M3, p.x.device)
@@ -238,6 +259,9 @@ def ours(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
     impl, rows, operands = _our_operands(p, gemm, backend)
     if gemm == "wgrad":
         return lambda: impl.grouped_gemm_1x128_1x128(*operands, rows, p.experts, torch.bfloat16)
+    if gemm == INTO:
+        main_grad = p.main_grad()
+        return lambda: impl.grouped_gemm_1x128_1x128(*operands, rows, p.experts, torch.float32, accumulate=main_grad)
     a, a_scale, weight = operands
     return lambda: impl.grouped_gemm_1x128_128x128(a, a_scale, weight, gemm == "dgrad", rows, torch.bfloat16)
 
@@ -251,13 +275,14 @@ def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None
             raise RuntimeError("our Triton kernels need a CUDA GPU")
         from megafp8.precision.kernels import gemm as kernels
         _, rows, operands = _our_operands(p, gemm, backend)
-        if gemm == "wgrad":
+        options = {} if kernel != "ws" else dict(block_n=block_n, tma_store=tma_store)
+        if gemm in ("wgrad", INTO):
+            main_grad = p.main_grad() if gemm == INTO else None
             return lambda: kernels.grouped_wgrad(*operands, rows.tile_start, rows.tile_count, torch.bfloat16,
-                                                 kernel=kernel, block_n=block_n)
+                                                 kernel=kernel, accumulate=main_grad, **options)
         a, a_scale, weight = operands
         impl = select_backend(backend, p.x.device)
         b, b_scale = impl.weight_transposed(weight) if gemm == "dgrad" else (weight.w_fp8, weight.w_scale)
-        options = {} if kernel != "ws" else dict(block_n=block_n, tma_store=tma_store)
         return lambda: kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, torch.bfloat16, kernel=kernel,
                                             **options)
     build.__name__ = f"ours_{kernel}_{block_n}" + ("_registers" if tma_store is False else "")
@@ -288,6 +313,8 @@ def measure(build: Callable, p: Problem, gemm: str, backend: str, reference: Opt
         del out
         tflops = p.flops / timed_ms(fn, p.x.device, iters) / 1e9
         return f"{tflops:.0f}" if tflops >= 10 else f"{tflops:.3g}", tflops
+    except NotApplicable:
+        return "n/a", None
     except Exception as exc:  # noqa: BLE001 - a column that cannot run says why in its cell
         return error_cell(exc), None
 
