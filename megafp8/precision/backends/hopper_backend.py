@@ -1,12 +1,13 @@
 """The `hopper` backend (SM90): the cublas backend with the experts' grouped GEMMs on the warp-specialized Gluon
 kernel (`megafp8.precision.kernels.ws_gemm`) instead of the Triton TMA one.
 
-`auto` picks it where it runs (SM90 and Triton's Gluon). Its grouped GEMMs beat the TMA kernels on 10 of issue 19's
-12 shapes alone (up to 25%; job AM: the wgrads 13-19% faster since its scales arrive by TMA). In the MoE step they
-paid off only once the experts ran inside the compiled graphs: while they ran eagerly the FP8 step waited on the
-host, and the faster kernels gained 1-1.4% (jobs T, V and AS). Traced, under CUDA graphs, the FP8 MoE step's
-grouped GEMMs take 44.0 ms against the TMA kernels' 51.0 and the step runs 3.2-3.4% faster (102,883 and 103,054
-against 99,713 tokens/s; `docs/benchmarks.md`, twenty-second session). Dense layers run exactly as under `cublas`.
+`auto` picks it where it runs (SM90 and Triton's Gluon). Its grouped fprop and dgrad run at 1.65-1.82x BF16's
+`torch._grouped_mm` on the MoE model's expert shapes since their output tiles leave by TMA, and its wgrads at
+1.25-1.40x (`docs/benchmarks.md`, twenty-third session, jobs CQ and CR). In the MoE step they paid off only once the
+experts ran inside the compiled graphs: while they ran eagerly the FP8 step waited on the host, and faster kernels
+gained 1-1.4% (jobs T, V and AS). Traced, under CUDA graphs, the FP8 MoE step ran 3.2-3.4% faster than with the TMA
+kernels (twenty-second session), and the TMA epilogue took it from 1.132x to 1.170x BF16 within one job (CQ).
+Dense layers run exactly as under `cublas`.
 """
 from __future__ import annotations
 

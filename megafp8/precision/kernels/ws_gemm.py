@@ -19,6 +19,13 @@ product on the CUDA cores the other's MMA keeps the tensor cores busy (DeepGEMM'
 persistent (one per SM) and walk the output tiles grouped along M, so the producer is already loading the next
 tile while the consumers write the last one.
 
+Epilogue: a consumer writes each 64 x 128 slice of its output into shared memory and hands it to the TMA engine,
+which stores it (or, into `main_grad`, adds it: TMA's reduction), while the consumer goes on to its next tile's
+MMAs; it waits for that buffer one tile later. Stored from registers instead, both consumers of a tile stood in
+their epilogue together with the tensor cores idle: the grouped fprop and dgrad ran 28-42% slower
+(`docs/benchmarks.md`, twenty-third session). The buffers cost a pipeline stage (3 instead of 4 at 256 columns).
+Outputs TMA cannot write as the registers would (`tma_store_fits`) keep the register epilogue.
+
 Scales: each K step's scales (A's rows', and B's rows' where B is in 1x128 tiles) arrive by TMA with the
 operands, on the stage's barrier, and the consumers read them from shared memory straight into the accumulator's
 row and column layouts (DeepGEMM's route; loaded from global memory at every K step, the 128 column scales needed
@@ -27,10 +34,11 @@ is released as soon as its last wgmma has completed, before the last slice's pro
 rows-first and 16-byte aligned, as the quantizers write them; any other layout is copied into one
 (`_tma_scales`).
 
-Measured on an H200 (`docs/benchmarks.md`, job AM): 788-1,124 TFLOP/s on issue 19's grouped fprop and dgrad,
-775-877 on their wgrads (13-19% faster than with the scales loaded from global memory), 714-946 on dense weight
-gradients added into main_grad (cuBLASLt: 846-1,007; ahead only on the ~1B QKV). The backends use it only when
-asked (`kernel="ws"`, the `hopper` backend).
+Measured on an H200 (`docs/benchmarks.md`): with the TMA epilogue (jobs CQ and CR) 1,117-1,250 TFLOP/s on the
+grouped fprop and dgrad of the MoE model's expert shapes (1.65-1.82x BF16's `torch._grouped_mm`), 870-1,027 on
+their wgrads written in BF16 (1.25-1.40x); before it (job AM) 788-1,124 on issue 19's grouped fprop and dgrad and
+775-877 on their wgrads, 714-946 on dense weight gradients added into main_grad (cuBLASLt: 846-1,007). The grouped
+GEMMs of the `hopper` backend (`auto` on SM90) run on it; dense layers keep cuBLASLt.
 
 Numerics are the Triton kernels' (`megafp8.precision.kernels.gemm`): an FP32 partial product per 128-wide K step,
 times its scales, added to an FP32 accumulator; results differ from the reference backend only in summation order.
