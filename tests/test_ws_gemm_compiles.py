@@ -247,7 +247,7 @@ def test_scales_reach_tma_rows_first_and_aligned_as_given_or_copied():
         assert got.data_ptr() % 16 == 0
 
 
-def test_outputs_leave_by_tma_only_where_tma_writes_what_the_register_epilogue_would():
+def test_outputs_leave_by_tma_only_where_tma_writes_what_the_register_epilogue_would(monkeypatch):
     """The warp-specialized kernel stores (or adds into FP32 main_grad, by TMA's reduction) its output tiles by TMA
     only where TMA writes what the register epilogue would (`ws_gemm.tma_store_fits`): BF16 or FP32, rows and
     start 16-byte aligned, a per-expert stack only when each expert's rows are whole 128-row tiles (TMA clips at the
@@ -267,6 +267,12 @@ def test_outputs_leave_by_tma_only_where_tma_writes_what_the_register_epilogue_w
     assert ws_gemm.tma_store_fits(stack, grouped_k=True, rows=256)
     assert not ws_gemm.tma_store_fits(torch.empty(4, 200, 384), grouped_k=True, rows=200)  # experts mid-tile
     assert not ws_gemm.tma_store_fits(torch.empty(4, 512, 384)[:, :256], grouped_k=True, rows=256)  # gaps
+    assert ws_gemm.tma_reduce_available()  # the Triton this project runs (3.6) builds TMA's reduction
+    assert ws_gemm.tma_store_fits(stack, grouped_k=True, rows=256, accumulate=True)
+    monkeypatch.setattr(ws_gemm, "tma_reduce_available", lambda: False)  # a Triton without the reduction
+    assert not ws_gemm.tma_store_fits(stack, grouped_k=True, rows=256, accumulate=True)
+    assert ws_gemm.tma_store_fits(stack, grouped_k=True, rows=256)
+    monkeypatch.undo()
     with pytest.raises(AssertionError, match="tma_store_fits"):
         ws_gemm.ws_gemm(torch.empty(128, 128, dtype=torch.float8_e4m3fn), torch.ones(128, 1),
                         torch.empty(128, 128, dtype=torch.float8_e4m3fn), torch.ones(128, 1),

@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton._C.libtriton import ir
+from triton._C.libtriton import gluon_ir, ir
 
 # Kernel constants are constexprs (the only globals a Gluon kernel may read).
 TILE = gl.constexpr(128)
@@ -350,11 +350,19 @@ def epilogue_buffers(c: torch.Tensor, block_n: int) -> int:
     return block_n // 128 if c.element_size() == 2 else 1
 
 
-def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int) -> bool:
-    """Whether the output tiles can leave by TMA (stored, or added into FP32 `main_grad` by TMA's reduction): C
-    BF16 or FP32, rows contiguous, 16-byte aligned rows and start; a per-expert stack (E, rows, N) only as one
-    (E * rows, N) matrix whose experts start on 128-row tile boundaries (TMA clips at the matrix's edges, not at
-    each expert's)."""
+def tma_reduce_available() -> bool:
+    """Whether this Triton builds TMA's reduction (`_tma_reduce_add`): Gluon's builder has had the op without a
+    public function for it; where it is missing, outputs added into `main_grad` keep the register epilogue."""
+    return hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce") and hasattr(ir, "DESCRIPTOR_REDUCE_KIND")
+
+
+def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int, accumulate: bool = False) -> bool:
+    """Whether the output tiles can leave by TMA (stored, or with `accumulate` added into FP32 `main_grad` by TMA's
+    reduction, where this Triton builds it): C BF16 or FP32, rows contiguous, 16-byte aligned rows and start; a
+    per-expert stack (E, rows, N) only as one (E * rows, N) matrix whose experts start on 128-row tile boundaries
+    (TMA clips at the matrix's edges, not at each expert's)."""
+    if accumulate and not tma_reduce_available():
+        return False
     if c.dtype not in (torch.bfloat16, torch.float32) or c.stride(-1) != 1 or c.data_ptr() % 16:
         return False
     if (c.stride(-2) * c.element_size()) % 16:
@@ -383,7 +391,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     assert block_n in (128, 256) and (not accumulate or c.dtype == torch.float32)
     if tile_expert is not None:
         assert m % _T == 0 and b_blockwise, "rows grouped by expert need whole 128-row tiles and B in blocks"
-    fits = tma_store_fits(c, grouped_k, m)
+    fits = tma_store_fits(c, grouped_k, m, accumulate)
     if tma_store is None:
         tma_store = fits
     assert fits or not tma_store, "this output cannot be stored by TMA (tma_store_fits)"
