@@ -55,12 +55,8 @@ from megafp8.precision.quantize import mn_major  # noqa: E402
 
 SHAPES = ["64x2048,2048,2048", "64x2048,1024,2048", "8x4096,7168,4096", "8x4096,2048,7168"]  # issue 19's
 QUICK_SHAPES = ["8x256,512,512", "4x512,1024,512"]
-GEMMS = ("fprop", "dgrad", "wgrad", "wgrad into main_grad")
 INTO = "wgrad into main_grad"
-
-
-class NotApplicable(Exception):
-    """A column with no kernel for this GEMM: its cell says n/a."""
+GEMMS = ("fprop", "dgrad", "wgrad", INTO)
 COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `torch._scaled_grouped_mm`",
            "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours, TMA (Triton)",
            "ours, warp-specialized (Gluon), 128-wide tiles", "ours, warp-specialized, 256-wide tiles",
@@ -68,6 +64,10 @@ COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `tor
            "ours (the backend's default)")
 ALWAYS = (1, len(COLUMNS) - 1)  # BF16 `_grouped_mm` and the backend's default: the ratio column's two
 WRONG = 2**-3  # relative error beyond which a column's output is reported wrong (FP8 gives a few percent)
+
+
+class NotApplicable(Exception):
+    """A column with no kernel for this GEMM: its cell says n/a."""
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
