@@ -25,7 +25,9 @@ activations and gradients, 128x128 blocks for the weight). Columns:
   one per expert (blockwise `F.scaled_grouped_mm` has no SM90 kernel in torch 2.11).
 - ours, pointer / TMA / warp-specialized: our grouped kernels chosen explicitly (`megafp8.precision.kernels.gemm`,
   `kernel=`): pointer loads (GPUs without TMA), TMA loads (Triton, SM90), and the warp-specialized Gluon kernel
-  (SM90) with 128- and 256-wide tiles; dgrad's transposed weight is made once, untimed.
+  (SM90) with 128- and 256-wide tiles, its output tiles leaving by TMA where they may (`ws_gemm.tma_store_fits`;
+  into main_grad by TMA's reduction where this Triton builds it) and, in the "epilogue from registers" columns,
+  stored from its registers; dgrad's transposed weight is made once, untimed.
 - ours: the backend's `grouped_gemm_1x128_128x128` (fprop; dgrad with `transposed=True`, which makes the weight's
   transpose in the call) and `grouped_gemm_1x128_1x128` (wgrad), as `megafp8.precision.grouped` calls them.
 
@@ -33,6 +35,8 @@ Timings: CUDA events around `--iters` calls after 3 warm-up calls (which also ru
 is checked against the BF16 loop's (relative Frobenius error above 1/8 prints "wrong" instead of a speed); a column
 that fails (an API missing in this torch, a GPU it does not support) prints its error's first line in its cell.
 `--device cpu` runs the same table on CPU (a smoke test: the FP8 columns say why they cannot run there).
+`--columns` measures only the columns whose label (the list above, in the table's header) contains one of the
+given words, case ignored; a word that names no column is an error.
 """
 from __future__ import annotations
 
@@ -338,8 +342,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error("no CUDA GPU here (--device cpu runs a smoke test)")
     if device.type == "cuda":
         print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, {iters} iters, TFLOP/s\n")
-    wanted = [i in ALWAYS or args.columns is None or any(c in label for c in args.columns)
-              for i, label in enumerate(COLUMNS)]
+    words = [w.lower() for w in args.columns or []]
+    unknown = [w for w in words if not any(w in label.lower() for label in COLUMNS)]
+    if unknown:
+        parser.error(f"--columns {' '.join(unknown)}: no column's label contains it; the labels: {', '.join(COLUMNS)}")
+    wanted = [i in ALWAYS or not words or any(w in label.lower() for w in words) for i, label in enumerate(COLUMNS)]
     print(markdown([], args.backend), flush=True)  # the header; each row prints as it is measured
     for experts, per_expert, k, n in shapes:
         p = make_problem(experts, per_expert, k, n, device)

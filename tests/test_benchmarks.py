@@ -595,3 +595,6 @@ def test_grouped_gemm_benchmark_measures_only_the_columns_asked_for():
         assert bf16_loop == "-" and set(others) == {"-"}, row
         assert rowwise.startswith("NotImplementedError: ") or rowwise == "n/a", row
         assert float(bf16_grouped) > 0 and float(ours) > 0, row
+    result = subprocess.run(cmd[:-1] + ["ROWWISE", "nosuch"], cwd=REPO, env=torchrun_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2 and "--columns nosuch: no column's label contains it" in result.stderr

@@ -223,6 +223,8 @@ def test_the_warp_specialized_gemms_tma_epilogue_writes_the_register_epilogues_b
         for name, (shape, run) in {
             "grouped fprop": ((rows.total, b.shape[1]), lambda tma: gemm.grouped_gemm(
                 a, a_s, b, b_s, rows.tile_expert, torch.bfloat16, kernel="ws", block_n=block_n, tma_store=tma)),
+            "grouped fprop in FP32": (None, lambda tma: gemm.grouped_gemm(
+                a, a_s, b, b_s, rows.tile_expert, torch.float32, kernel="ws", block_n=block_n, tma_store=tma)),
             "grouped wgrad": (tuple(stack.shape), lambda tma: gemm.grouped_wgrad(
                 at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.bfloat16, kernel="ws", block_n=block_n,
                 tma_store=tma)),
@@ -246,21 +248,26 @@ def test_the_warp_specialized_gemms_tma_epilogue_writes_the_register_epilogues_b
                                                                        torch.int32)), f"{name}, block_n={block_n}"
 
 
-def test_the_tma_reduction_into_main_grad_keeps_subnormal_gradients():
-    """Where a weight's product is zero, adding it into main_grad by TMA's reduction must leave main_grad's values
-    as they are, FP32 subnormals included (the register epilogue's `c + 0.0` keeps them): a reduction that flushed
-    subnormals to zero would differ from the reference there."""
+def test_the_tma_reduction_into_main_grad_adds_and_keeps_subnormal_gradients():
+    """Adding into main_grad by TMA's reduction gives the register epilogue's `c + product` bits where the product
+    is not zero, and leaves main_grad as it is where the product is zero, FP32 subnormals included (a reduction that
+    flushed subnormals to zero, or one that added nothing, would fail)."""
     pytest.importorskip("triton")
     from megafp8.precision import E4M3, quantize as ref
     from megafp8.precision.kernels import gemm
     if gemm.warp_specialized_unavailable(CUDA) is not None:
         pytest.skip(gemm.warp_specialized_unavailable(CUDA))
-    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(torch.zeros(256, 256), E4M3))
+    dy = torch.randn(256, 256)
+    dy[:128] = 0  # the product's first 128 rows are zero
+    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(dy, E4M3))
     xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(torch.randn(256, 256), E4M3))
-    main_grad = torch.full((256, 256), 1e-40, device=CUDA)  # subnormal in FP32
-    main_grad[::2] = 3.0
-    got = gemm.wgrad(dt, dt_s, xt, xt_s, torch.float32, accumulate=main_grad.clone(), tma_store=True)
-    assert torch.equal(got.view(torch.int32), main_grad.view(torch.int32))
+    main_grad = torch.randn(256, 256, device=CUDA)
+    main_grad[:128] = 1e-40  # subnormal in FP32
+    main_grad[:128:2] = 3.0
+    got, want = (gemm.wgrad(dt, dt_s, xt, xt_s, torch.float32, accumulate=main_grad.clone(), tma_store=tma)
+                 for tma in (True, False))
+    assert torch.equal(got[:128].view(torch.int32), main_grad[:128].view(torch.int32))
+    assert not torch.equal(got[128:], main_grad[128:]) and torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_bf16_grouped_wgrad_gives_an_expert_without_rows_exact_zeros_without_a_host_sync():

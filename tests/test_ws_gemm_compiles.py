@@ -33,6 +33,8 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
                       "*bf16"),
     "dense wgrad": (dict(GROUPED_ROWS=False, GROUPED_K=False, B_BLOCKWISE=False, ACCUMULATE=False, TMA_STORE=True),
                     "*bf16"),
+    "dense wgrad into main_grad": (dict(GROUPED_ROWS=False, GROUPED_K=False, B_BLOCKWISE=False, ACCUMULATE=True,
+                                        TMA_STORE=True), "*fp32"),
 }
 # Spill bytes ptxas may report: the per-row-scale kernels keep a few tile coordinates on the stack outside the K
 # loop (measured 16-48 bytes); the accumulators alone are 256 bytes a thread per 128-column slice.
@@ -277,9 +279,20 @@ def test_outputs_leave_by_tma_only_where_tma_writes_what_the_register_epilogue_w
         ws_gemm.ws_gemm(torch.empty(128, 128, dtype=torch.float8_e4m3fn), torch.ones(128, 1),
                         torch.empty(128, 128, dtype=torch.float8_e4m3fn), torch.ones(128, 1),
                         torch.empty(128, 128, dtype=torch.float16), b_blockwise=False, tma_store=True)
+    # Stages beside the epilogue's buffers (the compile test checks the kernel's shared memory against SM90's):
+    # from registers 4 (256 columns) and 6 (128); by TMA 3 and 5 in BF16, 3 and 4 in FP32.
+    stages = {}
     for block_n in (128, 256):
+        stages[block_n, None] = ws_gemm._stages(block_n)
         for dtype in (torch.bfloat16, torch.float32):
             out = torch.empty(256, 384, dtype=dtype)
             buffers = 2 * ws_gemm.epilogue_buffers(out, block_n) * 64 * 128 * out.element_size()
-            stages = ws_gemm._stages(block_n, buffers)
-            assert stages >= 3 and stages * (128 + block_n) * 128 + buffers <= ws_gemm._SMEM_BYTES - 1024
+            stages[block_n, dtype] = ws_gemm._stages(block_n, buffers)
+    assert stages == {(128, None): 6, (128, torch.bfloat16): 5, (128, torch.float32): 4,
+                      (256, None): 4, (256, torch.bfloat16): 3, (256, torch.float32): 3}
+    assert not ws_gemm.tma_store_fits(torch.empty(256, 1).expand(256, 384), grouped_k=False, rows=256)  # stride 0
+    from megafp8.precision.kernels import gemm
+    fp8 = torch.empty(128, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="tma_store=True chooses the warp-specialized kernel's epilogue"):
+        gemm.grouped_gemm(fp8, torch.ones(128, 1), fp8.view(1, 128, 128), torch.ones(1, 1, 1),
+                          torch.zeros(1, dtype=torch.int32), torch.bfloat16, kernel="tma", tma_store=True)

@@ -282,6 +282,12 @@ def _check_kernel(kernel: str) -> None:
         raise ValueError(f"kernel={kernel!r}: choose one of {', '.join(KERNELS)}")
 
 
+def _check_tma_store(kernel: str, tma_store: Optional[bool]) -> None:
+    if tma_store is not None and kernel != "ws":
+        raise ValueError(f"tma_store={tma_store} chooses the warp-specialized kernel's epilogue; this GEMM runs the "
+                         f"{kernel!r} kernel")
+
+
 def _descriptor(t: torch.Tensor):
     """A TMA descriptor over the 2-D tensor t; the autotuner's pre-hook sets its block shape."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -305,6 +311,7 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
     _check_kernel(kernel)
     if kernel != "pointer" and n % 8:  # TMA needs 16-byte aligned rows of C
         kernel = "pointer"
+    _check_tma_store(kernel, tma_store)
     c = torch.empty(mp, n, dtype=out_dtype, device=a.device)
     if kernel == "ws":
         from megafp8.precision.kernels.ws_gemm import ws_gemm
@@ -343,6 +350,7 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
             and accumulate.stride(2) == 1, "grouped_wgrad accumulates into an (E, N, K) FP32 tensor, rows contiguous"
     kernel = kernel or default_kernel(a.device)
     _check_kernel(kernel)
+    _check_tma_store(kernel, tma_store)
     c = torch.empty(num_experts, n, k, dtype=out_dtype, device=a.device) if accumulate is None else accumulate
     if kernel == "ws":
         from megafp8.precision.kernels.ws_gemm import ws_gemm

@@ -363,7 +363,7 @@ def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int, accumulate: bool
         return False
     if c.dtype not in (torch.bfloat16, torch.float32) or c.stride(-1) != 1 or c.data_ptr() % 16:
         return False
-    if (c.stride(-2) * c.element_size()) % 16:
+    if (c.stride(-2) * c.element_size()) % 16 or c.stride(-2) < c.shape[-1]:  # aligned rows, not overlapping
         return False
     if grouped_k:
         return c.dim() == 3 and rows % 128 == 0 and c.stride(0) == rows * c.stride(1)
@@ -389,6 +389,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     assert block_n in (128, 256) and (not accumulate or c.dtype == torch.float32)
     if tile_expert is not None:
         assert m % _T == 0 and b_blockwise, "rows grouped by expert need whole 128-row tiles and B in blocks"
+    assert c.shape[-2] == m, f"C has {c.shape[-2]} rows for A's {m}"  # TMA clips at C's edge, the registers at M
     fits = tma_store_fits(c, grouped_k, m, accumulate)
     if tma_store is None:
         tma_store = fits
