@@ -241,11 +241,8 @@ def test_the_warp_specialized_gemms_tma_epilogue_writes_the_register_epilogues_b
                 if shape is not None:
                     torch.full(shape, float("nan"), dtype=torch.bfloat16, device=CUDA)  # freed at once, reused
                 outputs.append(run(tma))
-            plain, by_tma = outputs
-            assert not plain.isnan().any() and torch.equal(plain.view(torch.int16 if plain.element_size() == 2 else
-                                                                      torch.int32),
-                                                           by_tma.view(torch.int16 if plain.element_size() == 2 else
-                                                                       torch.int32)), f"{name}, block_n={block_n}"
+            plain, by_tma = (t.view(torch.int16 if t.element_size() == 2 else torch.int32) for t in outputs)
+            assert not outputs[0].isnan().any() and torch.equal(plain, by_tma), f"{name}, block_n={block_n}"
 
 
 def test_the_tma_reduction_into_main_grad_adds_and_keeps_subnormal_gradients():
