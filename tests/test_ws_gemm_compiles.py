@@ -1,7 +1,8 @@
 """Gluon kernels compiled for SM90 without a GPU, through Triton's compiler and the wheel's `ptxas`/`cuobjdump`.
 
 - The warp-specialized GEMM (`megafp8.precision.kernels.ws_gemm`), every configuration the backends launch: its
-  MMAs not serialized by the assembler and its accumulators not spilled. A change that makes ptxas serialize the
+  MMAs not serialized by the assembler, its accumulators not spilled, its shared memory within SM90's, and where
+  its epilogue goes by TMA, the bulk store (or reduction) and no store from registers. A change that makes ptxas serialize the
   wgmma pipeline (notes C7511/C7514) or spill the FP32 accumulators runs correctly on the GPU, only much slower.
 - SwiGLU backward's column kernel (`swiglu_cols_gluon`): its instruction count (it is bound by the instructions
   it issues), vector widths and spills.
