@@ -6,7 +6,7 @@
 # Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe; also ref_eager,
 # moe_compiled, compiled_ro (CUDA graphs), compiled_fp8 (FP8 only), tests (the gpu-marked tests), fused_quantize (our
 # quantizers' bandwidth, fused producers against eager and Inductor), profile_compiled (FP8 only), grouped_gemm (MoE
-# grouped GEMMs against BF16 and torch's FP8 ones), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu
+# grouped GEMMs against BF16 and torch's FP8 ones; grouped_moe: the MoE model's shapes, our epilogues), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu
 # (one-GPU training tests), tests_optim (gradient clipping and the fused AdamW update on CUDA;
 # compiled_ro_unfused_update, compiled_ro_8b_unfused_update: whole steps with the update's separate passes),
 # fp8_linear (one layer, BF16 vs FP8, eager and replayed from CUDA graphs), the 8B-layer shape (compiled_ro_8b,
@@ -29,8 +29,8 @@
 # default and the hopper backend (profile_moe_fp8, profile_moe_fp8_hopper; moe_compiled_hopper; moe_compiled_accum: both
 # backends, four micro-batches per step), cg_diag and cg_diag_8b (CUDA graph logs of the FP8 step), an older commit's
 # tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_compiled_ro_bf16, old_compiled_ro_8b_bf16, old_fused_quantize,
-# old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm; ab_ro, ab_ro_8b: the two trees'
-# steps interleaved, AB_REPEATS runs each, benchmarks/ab_steps.py: `git archive COMMIT | tar -x -C
+# old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm; ab_ro, ab_ro_8b, ab_ro_moe: the
+# two trees' steps interleaved, AB_REPEATS runs each, benchmarks/ab_steps.py: `git archive COMMIT | tar -x -C
 # DIR`, carried), and on two GPUs moe_ep2, moe_dp2, dense_2gpu). `profile` also lists the host's busiest operators.
 # STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
@@ -114,15 +114,19 @@ for part in $PARTS; do
     old_profile_compiled) step old_profile_compiled bash -c "cd \"$OLD\" && python benchmarks/train_step.py \
            training.compile=true --model 1b --recipes fp8 --profile 3" ;;
     fused_quantize) step fused_quantize python benchmarks/fused_quantize.py ;;
-    ab_ro|ab_ro_8b)  # $OLD against this tree, interleaved (ABBA), AB_REPEATS runs each: CUDA graphs, AB_RECIPES
-      model=1b; [ "$part" = ab_ro_8b ] && model=8b-layers
+    ab_ro|ab_ro_8b|ab_ro_moe)  # $OLD against this tree, interleaved (ABBA), AB_REPEATS runs each: CUDA graphs,
+                               # AB_RECIPES
+      model=1b; [ "$part" = ab_ro_8b ] && model=8b-layers; [ "$part" = ab_ro_moe ] && model=moe
       step "ab_compiled_cudagraphs_$model" python benchmarks/ab_steps.py --old "$OLD" --repeats "${AB_REPEATS:-3}" \
         --timeout "${AB_RUN_TIMEOUT:-240}" -- --model "$model" training.compile=true \
         training.compile_mode=reduce-overhead --recipes ${AB_RECIPES:-fp8} ;;
     old_fused_quantize) step old_fused_quantize bash -c "cd \"$OLD\" && python benchmarks/fused_quantize.py" ;;
     swiglu_cols) step swiglu_cols_variants python benchmarks/swiglu_cols_variants.py ;;
     rows_cols) step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
-    grouped_gemm) step grouped_gemm python benchmarks/grouped_gemm.py --backend cublas ;;
+    grouped_gemm) step grouped_gemm python benchmarks/grouped_gemm.py --backend hopper --iters 20 ;;
+    grouped_moe)  # the MoE model's two expert shapes, the warp-specialized kernel's TMA and register epilogues
+      step grouped_gemm_moe python benchmarks/grouped_gemm.py --backend hopper --iters 20 \
+        --shapes 64x2048,2048,2048 64x2048,1024,2048 --columns "256-wide" "ws 256" ;;
     wgrad_gemm) step wgrad_gemm python benchmarks/wgrad_gemm.py ;;
     fp8_linear_threads)  # one layer, backward on autograd's worker thread (torch's default) and on the calling thread
       step fp8_linear_worker_thread python benchmarks/fp8_linear.py --backends cublas
