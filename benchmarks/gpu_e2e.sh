@@ -126,7 +126,7 @@ for part in $PARTS; do
     grouped_gemm) step grouped_gemm python benchmarks/grouped_gemm.py --backend hopper --iters 20 ;;
     grouped_moe)  # the MoE model's two expert shapes, the warp-specialized kernel's TMA and register epilogues
       step grouped_gemm_moe python benchmarks/grouped_gemm.py --backend hopper --iters 20 \
-        --shapes 64x2048,2048,2048 64x2048,1024,2048 --columns "256-wide" "ws 256" ;;
+        --shapes 64x2048,2048,2048 64x2048,1024,2048 --columns "warp-specialized" "ws " ;;
     wgrad_gemm) step wgrad_gemm python benchmarks/wgrad_gemm.py ;;
     fp8_linear_threads)  # one layer, backward on autograd's worker thread (torch's default) and on the calling thread
       step fp8_linear_worker_thread python benchmarks/fp8_linear.py --backends cublas
