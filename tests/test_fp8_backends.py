@@ -68,17 +68,23 @@ def test_quantizers_give_the_reference_bits(backend_on, fmt, pow2):
         assert_same_quantization(got[2:], want[2:], f"columns of rows_cols {tuple(x.shape)}")
 
 
+def _tokens_in_padded_layout(seed: int) -> tuple:
+    """150 outlier-laden tokens (a nan in one), each feeding two rows of the padded expert layout of four experts
+    (one without rows): (tokens, row_to_source, layout, index: the padded layout's source rows, -1 for padding)."""
+    from megafp8.precision.grouped import padded_source_index
+    tokens = outlier_tensor(150, 384, seed=8 + seed)
+    tokens[7, 9] = float("nan")
+    row_to_source = torch.randperm(300, generator=torch.Generator().manual_seed(seed)) // 2
+    layout = expert_rows([130, 0, 3, 167], torch.device("cpu"))
+    return tokens, row_to_source, layout, padded_source_index(layout, row_to_source)
+
+
 def test_the_gathering_quantizer_gives_the_reference_bits(backend_on):
     """Token rows gathered into the padded expert layout (each token feeding two rows, zero rows between experts,
     an expert without rows, a nan in one token) and quantized both ways: the bits of the reference quantizer on
     the padded copy."""
-    from megafp8.precision.grouped import padded_source_index
     backend, device = backend_on
-    source = outlier_tensor(150, 384, seed=8)
-    source[7, 9] = float("nan")
-    row_to_source = torch.randperm(300, generator=torch.Generator().manual_seed(0)) // 2
-    layout = expert_rows([130, 0, 3, 167], torch.device("cpu"))
-    index = padded_source_index(layout, row_to_source)
+    source, row_to_source, layout, index = _tokens_in_padded_layout(0)
     padded = source.new_zeros(layout.total, 384).index_copy_(0, layout.index, source[row_to_source])
     for fmt, pow2 in ((E4M3, False), (E5M2, True)):
         got = backend.gather_quantize_rows_cols(source.to(device), index.to(device), fmt, pow2)
@@ -91,13 +97,8 @@ def test_the_scaling_gathering_quantizer_gives_its_twins_bits(backend_on):
     """The MoE combine's gradient into the padded expert layout: padded row p is w[p] * dout[token[p]] computed in
     FP32 and quantized from FP32 both ways (zero rows for padding, a nan in one token, a zero weight): the bits of
     the reference quantizer on that FP32 product, computed here independently of the backend."""
-    from megafp8.precision.grouped import padded_source_index
     backend, device = backend_on
-    dout = outlier_tensor(150, 384, seed=9)
-    dout[7, 9] = float("nan")
-    row_to_source = torch.randperm(300, generator=torch.Generator().manual_seed(1)) // 2
-    layout = expert_rows([130, 0, 3, 167], torch.device("cpu"))
-    index = padded_source_index(layout, row_to_source)
+    dout, row_to_source, layout, index = _tokens_in_padded_layout(1)
     factor = torch.rand(layout.total, generator=torch.Generator().manual_seed(2)) * (index >= 0)
     factor[layout.index[5]] = 0.0
     product = torch.zeros(layout.total, 384).index_copy_(
