@@ -17,7 +17,8 @@
 # gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the
 # wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense
-# wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only), SDPA's backends on our attention shapes (attention;
+# wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only; dense_gemm: the three dense GEMMs, cuBLAS against the
+# warp-specialized kernel), SDPA's backends on our attention shapes (attention;
 # tests_attention; whole steps under CUDA graphs with torch's order and with `model.attention_backend: auto`: attn_1b,
 # attn_8b; eager: attn_eager; the ~1B with MLA, compiled: attn_mla), the GPU tests of RoPE's backward fused into the
 # QKV projection's quantizer (tests_rope), backward on autograd's worker thread against the
@@ -128,6 +129,7 @@ for part in $PARTS; do
       step grouped_gemm_moe python benchmarks/grouped_gemm.py --backend hopper --iters 20 \
         --shapes 64x2048,2048,2048 64x2048,1024,2048 --columns "warp-specialized" "ws " ;;
     wgrad_gemm) step wgrad_gemm python benchmarks/wgrad_gemm.py ;;
+    dense_gemm) step dense_gemm python benchmarks/dense_gemm.py ;;  # fprop, dgrad, wgrad: cuBLAS against ours
     fp8_linear_threads)  # one layer, backward on autograd's worker thread (torch's default) and on the calling thread
       step fp8_linear_worker_thread python benchmarks/fp8_linear.py --backends cublas
       step fp8_linear_calling_thread python benchmarks/fp8_linear.py --backends cublas --calling-thread ;;

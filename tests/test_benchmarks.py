@@ -155,6 +155,29 @@ def test_grouped_gemm_benchmark_prints_every_column_or_why_not():
         assert float(ratio.removesuffix("x")) == pytest.approx(float(ours) / float(bf16_grouped), rel=0.05, abs=0.01)
 
 
+def test_dense_gemm_benchmark_prints_each_gemm_of_each_linear_or_why_not():
+    """benchmarks/dense_gemm.py runs its table on CPU (`--device cpu`, the reference backend's GEMMs): fprop, dgrad
+    and wgrad per linear, each output checked before it is timed; the warp-specialized columns say why they cannot
+    run, and the ratio columns compare the best FP8 column with the backend's and with BF16."""
+    cmd = [sys.executable, "benchmarks/dense_gemm.py", "--device", "cpu", "--backend", "reference", "--tokens", "128",
+           "--shapes", "256,384", "--iters", "1"]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "| BF16 | reference backend | ws 128 | ws 256 | ws 256, registers |" in lines[2]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if line.startswith("| --shapes |")]
+    assert [row[1:4] for row in rows] == [["linear (256 x 384)", "128", gemm] for gemm in ("fprop", "dgrad", "wgrad")]
+    for row in rows:
+        bf16, ours, *ws, vs_backend, vs_bf16 = row[4:]
+        assert ws == ["RuntimeError: the warp-specialized kernel needs an SM90 GPU"] * 3, row
+        ms_bf16, ms_ours = (float(cell.split("(")[1].rstrip(")")) for cell in (bf16, ours))
+        assert vs_backend == "1.00x", row
+        assert float(vs_bf16.removesuffix("x")) == pytest.approx(ms_bf16 / ms_ours, rel=0.05, abs=0.01), row
+    bad = subprocess.run([*cmd[:-4], "--shapes", "256x384"], cwd=REPO, env=torchrun_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "--shapes takes N,K pairs" in bad.stderr
+
+
 def test_grouped_gemm_benchmark_helpers():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import grouped_gemm as gg

@@ -1,0 +1,201 @@
+#!/usr/bin/env python
+"""A dense FP8 linear's three GEMMs (issue 18): cuBLAS against our warp-specialized kernel, and BF16.
+
+    PYTHONPATH=. python benchmarks/dense_gemm.py [--model 1b 8b-layers linear] [--tokens 16384] [--iters 30]
+                                                 [--backend cublas] [--device cuda] [--shapes N,K ...]
+
+Per linear (N output features, K input features) and M tokens (`--tokens` for the models' linears, 8192 for
+`linear`, the shapes of `benchmarks/fp8_linear.py`; `--shapes` names others instead, at `--tokens`):
+
+    fprop  y (M, N) = x (M, K) in 1x128 tiles @ w (N, K)^T in 128x128 blocks, BF16 out
+    dgrad  dx (M, K) = dy (M, N) in 1x128 tiles @ w^T (K, N) in 128x128 blocks (the weight's transpose, made once)
+    wgrad  main_grad (N, K) FP32 += dy^T @ x, both in 1x128 tiles along the tokens
+
+each 2 M N K FLOPs. Operands are quantized beforehand by the cublas backend (what the FP8 linear hands its GEMMs);
+only the GEMM is timed. Columns:
+
+- BF16: `mm` for fprop and dgrad; for wgrad the BF16 recipe's GEMM adding into main_grad
+  (`megafp8.precision.bf16_linear.accumulate_product_`).
+- backend: `--backend`'s dense GEMMs; the cublas backend's (the default, and the hopper backend's) are
+  `F.scaled_mm` with blockwise scaling and, for wgrad, cuBLASLt adding into main_grad in its epilogue.
+- ws 128 / ws 256: the warp-specialized Gluon kernel (`megafp8.precision.kernels.ws_gemm`), 128- or 256-wide tiles,
+  output tiles by TMA (wgrad: added into main_grad by TMA's reduction where this Triton builds it).
+- ws 256, registers: the same kernel storing (or adding) from its registers.
+
+Cells: TFLOP/s (ms); the last two columns are the best FP8 column's ratio to the backend's and to BF16. Each output is
+checked first against the FP32 product of the dequantized operands (BF16 columns: of the BF16 operands); relative
+Frobenius error above 1/64 prints "wrong". A column that cannot run prints its error's first line (`--device cpu
+--backend reference --tokens 256` runs the table as a smoke test: the warp-specialized columns say why not).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megafp8.precision.backends import select_backend  # noqa: E402
+from megafp8.precision.formats import E4M3  # noqa: E402
+from grouped_gemm import timed_ms  # noqa: E402  (benchmarks/, beside this file)
+from wgrad_gemm import LINEARS  # noqa: E402
+
+LINEAR_SHAPES = [("fp8_linear", 18432, 7168), ("fp8_linear", 7168, 18432), ("fp8_linear", 4096, 4096),
+                 ("fp8_linear", 7168, 2048)]  # benchmarks/fp8_linear.py's (M, K, N) at M = 8192, as (name, N, K)
+GEMMS = ("fprop", "dgrad", "wgrad")
+FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers")
+WRONG = 2**-6
+
+Column = tuple[Callable[[], object], Callable[[], torch.Tensor]]  # (timed call, its result in FP32)
+
+
+def operands(m: int, n: int, k: int, g: torch.Generator, backend_name: str) -> dict:
+    """BF16 x (M, K), dy (M, N), w (N, K) and their FP8 forms as the backend makes them."""
+    device = g.device
+    backend = select_backend(backend_name, device)
+    x = torch.randn(m, k, device=device, generator=g).bfloat16()
+    dy = (torch.randn(m, n, device=device, generator=g) * 1e-3).bfloat16()
+    w = (torch.randn(n, k, device=device, generator=g) * k ** -0.5).bfloat16()
+    xq, xs, xtq, xts = backend.quantize_rows_cols(x, E4M3, False)
+    dyq, dys, dytq, dyts = backend.quantize_rows_cols(dy, E4M3, False)
+    qw = backend.empty_weight(w.shape, E4M3, w.device)
+    backend.quantize_weight_(w, qw, E4M3, False)
+    return dict(backend=backend, x=x, dy=dy, w=w, xq=xq, xs=xs, xtq=xtq, xts=xts, dyq=dyq, dys=dys, dytq=dytq,
+                dyts=dyts, qw=qw)
+
+
+def fp8_inputs(gemm: str, o: dict) -> tuple:
+    """(a, a_scale, b, b_scale, b in blocks?) for one GEMM: b_scale (rows, K/128), or a weight's block scales in
+    the layout the backend's GEMM reads (`block_scales_nk` views them as (N/128, K/128))."""
+    qw = o["qw"]
+    if gemm == "fprop":
+        return o["xq"], o["xs"], qw.w_fp8, qw.w_scale, True
+    if gemm == "dgrad":
+        return o["dyq"], o["dys"], qw.wt_fp8, qw.wt_scale, True
+    return o["dytq"], o["dyts"], o["xtq"], o["xts"], False
+
+
+def reference(gemm: str, o: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP32 product of the BF16 operands, of the dequantized FP8 operands)."""
+    from megafp8.precision import quantize as ref
+    a, a_s, b, b_s, blocks = fp8_inputs(gemm, o)
+    bf16 = {"fprop": lambda: o["x"].float() @ o["w"].float().t(), "dgrad": lambda: o["dy"].float() @ o["w"].float(),
+            "wgrad": lambda: o["dy"].float().t() @ o["x"].float()}[gemm]()
+    b32 = ref.dequantize_128x128(b, o["backend"].block_scales_nk(b_s)) if blocks else ref.dequantize_1x128(b, b_s)
+    return bf16, ref.dequantize_1x128(a, a_s) @ b32.t()
+
+
+def columns(gemm: str, o: dict) -> dict[str, Column]:
+    """label -> (timed call, FP32 result) for one GEMM of one shape."""
+    from megafp8.precision.bf16_linear import accumulate_product_
+
+    def ws_gemm(*args, **kwargs):  # imported when called: it needs Triton's Gluon and a GPU (its cells say so)
+        if args[0].device.type != "cuda":
+            raise RuntimeError("the warp-specialized kernel needs an SM90 GPU")
+        from megafp8.precision.kernels.ws_gemm import ws_gemm as kernel
+        return kernel(*args, **kwargs)
+    backend = o["backend"]
+    a, a_s, b, b_s, blocks = fp8_inputs(gemm, o)
+    rows, cols, device = a.shape[0], b.shape[0], a.device
+    if gemm == "wgrad":
+        main_grad = torch.zeros(rows, cols, dtype=torch.float32, device=device)
+
+        def result_of(run):
+            def result():
+                main_grad.zero_()
+                run()
+                return main_grad.clone()
+            return result
+
+        def bf16():
+            accumulate_product_(main_grad, o["dy"].t(), o["x"])
+
+        def by_backend():
+            backend.gemm_1x128_1x128_accumulate_(main_grad, a, a_s, b, b_s)
+
+        def ws(block_n, tma):
+            return lambda: ws_gemm(a, a_s, b, b_s, main_grad, b_blockwise=False, accumulate=True, block_n=block_n,
+                                   tma_store=tma)
+        runs = {"BF16": bf16, "backend": by_backend}
+    else:
+        bf16_a, bf16_b = (o["x"], o["w"].t()) if gemm == "fprop" else (o["dy"], o["w"])
+        out = torch.empty(rows, cols, dtype=torch.bfloat16, device=device)
+
+        def result_of(run):
+            return lambda: run().float()
+
+        def by_backend():
+            return backend.gemm_1x128_128x128(a, a_s, b, b_s, torch.bfloat16)
+
+        def ws(block_n, tma):
+            return lambda: ws_gemm(a, a_s, b, backend.block_scales_nk(b_s), out, b_blockwise=True, block_n=block_n,
+                                   tma_store=tma)
+        runs = {"BF16": lambda: bf16_a @ bf16_b, "backend": by_backend}
+    runs.update({"ws 128": ws(128, None), "ws 256": ws(256, None), "ws 256, registers": ws(256, False)})
+    return {label: (run, result_of(run)) for label, run in runs.items()}
+
+
+def measure(gemm: str, o: dict, m: int, n: int, k: int, iters: int) -> list[str]:
+    """The row's cells: each column's TFLOP/s (ms), then best FP8 / the backend's and best FP8 / BF16."""
+    want_bf16, want_fp8 = reference(gemm, o)
+    cells, ms_of = [], {}
+    for label, (run, result) in columns(gemm, o).items():
+        try:
+            want = want_bf16 if label == "BF16" else want_fp8
+            err = float((result() - want).norm() / want.norm())
+            if err > WRONG:
+                cells.append(f"wrong ({err:.3f})")
+                continue
+            ms = timed_ms(run, o["x"].device, iters)
+        except Exception as exc:  # noqa: BLE001 - a column that cannot run says why
+            cells.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}".replace("|", "/"))
+            continue
+        ms_of[label] = ms
+        cells.append(f"{2 * m * n * k / ms / 1e9:.0f} ({ms:.3f})")
+    best = min((ms_of[c] for c in FP8_COLUMNS if c in ms_of), default=None)
+    for base in ("backend", "BF16"):
+        cells.append(f"{ms_of[base] / best:.2f}x" if best and base in ms_of else "-")
+    return cells
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", nargs="+", default=[*LINEARS, "linear"], choices=[*LINEARS, "linear"])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--backend", default="cublas", help="whose dense GEMMs the backend column times")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--shapes", nargs="+", metavar="N,K", help="these linears instead of --model's")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("needs an SM90 GPU (cuBLAS's blockwise FP8 GEMMs and the warp-specialized kernel)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}, the {args.backend} backend; TFLOP/s (ms)\n")
+    labels = [f"{args.backend} backend" if c == "backend" else c for c in FP8_COLUMNS]
+    header = ["model", "linear (N x K)", "M", "GEMM", "BF16", *labels, "best FP8 / backend", "best FP8 / BF16"]
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
+    g = torch.Generator(device=device).manual_seed(0)
+    tables = {model: None for model in args.model}
+    if args.shapes:
+        try:
+            tables = {"--shapes": [("linear", *map(int, text.split(","))) for text in args.shapes]}
+        except ValueError:
+            parser.error(f"--shapes takes N,K pairs of integers, e.g. 4096,4096 (got {' '.join(args.shapes)})")
+    for model, given in tables.items():
+        shapes, m = (given, args.tokens) if given else \
+            (LINEAR_SHAPES, min(8192, args.tokens)) if model == "linear" else (LINEARS[model], args.tokens)
+        for name, n, k in shapes:
+            o = operands(m, n, k, g, args.backend)
+            for gemm in GEMMS:
+                cells = measure(gemm, o, m, n, k, args.iters)
+                print(f"| {model} | {name} ({n} x {k}) | {m} | {gemm} | " + " | ".join(cells) + " |", flush=True)
+            del o
+
+
+if __name__ == "__main__":
+    main()
