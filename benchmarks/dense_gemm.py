@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python benchmarks/dense_gemm.py [--model 1b 8b-layers linear] [--tokens 16384] [--iters 30]
                                                  [--backend cublas] [--device cuda] [--shapes N,K ...]
+                                                 [--cuda-graphs]
 
 Per linear (N output features, K input features) and M tokens (`--tokens` for the models' linears, 8192 for
 `linear`, the shapes of `benchmarks/fp8_linear.py`; `--shapes` names others instead, at `--tokens`):
@@ -21,6 +22,11 @@ only the GEMM is timed. Columns:
 - ws 128 / ws 256: the warp-specialized Gluon kernel (`megafp8.precision.kernels.ws_gemm`), 128- or 256-wide tiles,
   output tiles by TMA (wgrad: added into main_grad by TMA's reduction where this Triton builds it).
 - ws 256, registers: the same kernel storing (or adding) from its registers.
+
+Timing: CUDA events around `--iters` calls after warm-up; the calls are launched from Python, so a GEMM shorter
+than its launch path (the warp-specialized kernel builds TMA descriptors on the host) is timed at the host's pace.
+`--cuda-graphs` captures the `--iters` calls in one CUDA graph and times its replay: device time, as the training
+step runs under `training.compile_mode: reduce-overhead`.
 
 Cells: TFLOP/s (ms); the last two columns are the best FP8 column's ratio to the backend's and to BF16. Each output is
 checked first against the FP32 product of the dequantized operands (BF16 columns: of the BF16 operands); relative
@@ -138,7 +144,32 @@ def columns(gemm: str, o: dict) -> dict[str, Column]:
     return {label: (run, result_of(run)) for label, run in runs.items()}
 
 
-def measure(gemm: str, o: dict, m: int, n: int, k: int, iters: int) -> list[str]:
+def graphed_ms(run: Callable[[], object], iters: int) -> float:
+    """Milliseconds per call of `run`, `iters` calls captured in one CUDA graph (after warm-up on a side stream, as
+    torch's capture rules ask), the replay timed by CUDA events (median of 5 replays)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            run()
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    del graph
+    return sorted(times[1:])[2]
+
+
+def measure(gemm: str, o: dict, m: int, n: int, k: int, iters: int, graphs: bool = False) -> list[str]:
     """The row's cells: each column's TFLOP/s (ms), then best FP8 / the backend's and best FP8 / BF16."""
     want_bf16, want_fp8 = reference(gemm, o)
     cells, ms_of = [], {}
@@ -149,7 +180,7 @@ def measure(gemm: str, o: dict, m: int, n: int, k: int, iters: int) -> list[str]
             if err > WRONG:
                 cells.append(f"wrong ({err:.3f})")
                 continue
-            ms = timed_ms(run, o["x"].device, iters)
+            ms = graphed_ms(run, iters) if graphs else timed_ms(run, o["x"].device, iters)
         except Exception as exc:  # noqa: BLE001 - a column that cannot run says why
             cells.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}".replace("|", "/"))
             continue
@@ -169,13 +200,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--backend", default="cublas", help="whose dense GEMMs the backend column times")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--shapes", nargs="+", metavar="N,K", help="these linears instead of --model's")
+    parser.add_argument("--cuda-graphs", action="store_true", help="time replays of a CUDA graph of the calls")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("needs an SM90 GPU (cuBLAS's blockwise FP8 GEMMs and the warp-specialized kernel)")
     torch.backends.cuda.matmul.allow_tf32 = False
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{name}, torch {torch.__version__}, the {args.backend} backend; TFLOP/s (ms)\n")
+    if args.cuda_graphs and device.type != "cuda":
+        parser.error("--cuda-graphs needs --device cuda")
+    timing = "replayed from CUDA graphs" if args.cuda_graphs else "launched from Python"
+    print(f"{name}, torch {torch.__version__}, the {args.backend} backend, {timing}; TFLOP/s (ms)\n")
     labels = [f"{args.backend} backend" if c == "backend" else c for c in FP8_COLUMNS]
     header = ["model", "linear (N x K)", "M", "GEMM", "BF16", *labels, "best FP8 / backend", "best FP8 / BF16"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
@@ -192,7 +227,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         for name, n, k in shapes:
             o = operands(m, n, k, g, args.backend)
             for gemm in GEMMS:
-                cells = measure(gemm, o, m, n, k, args.iters)
+                cells = measure(gemm, o, m, n, k, args.iters, args.cuda_graphs)
                 print(f"| {model} | {name} ({n} x {k}) | {m} | {gemm} | " + " | ".join(cells) + " |", flush=True)
             del o
 
