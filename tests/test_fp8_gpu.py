@@ -169,18 +169,24 @@ def test_fp8_training_on_gpu_learns(tiny_overrides):
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-def test_cublaslt_adds_the_weight_gradient_into_main_grad():
-    """The cublas backend's weight gradient into an FP32 main_grad: cuBLASLt adds the FP32 product in its epilogue
-    (SM90 must take this path, not the fallback), equal to the reference's product added in FP32 up to the tensor
+@pytest.mark.parametrize("name", ["cublas", "hopper"])
+def test_the_weight_gradient_is_added_into_main_grad_in_the_gemms_epilogue(name, monkeypatch):
+    """A backend's weight gradient into an FP32 main_grad, added in the GEMM's epilogue: cuBLASLt's under `cublas`
+    (SM90 must take this path, not the fallback), the warp-specialized kernel's under `hopper` (TMA's reduction or
+    its registers; it must not call cuBLASLt), equal to the reference's product added in FP32 up to the tensor
     cores' accumulation inside each 128-wide block (6.8e-5 measured on these outlier-laden operands, job Y), on a
     layer's shape and on views into a larger gradient buffer (offset, as `main_grad`s are)."""
     from megafp8.precision import E4M3
     from megafp8.precision.kernels import cublaslt
     from tests.fp8_checks import outlier_tensor
-    if why_unavailable("cublas", CUDA) is not None:
-        pytest.skip(why_unavailable("cublas", CUDA))
+    if why_unavailable(name, CUDA) is not None:
+        pytest.skip(why_unavailable(name, CUDA))
     assert cublaslt.cached_unavailable_reason(CUDA) is None
-    cublas, reference = select_backend("cublas", CUDA), select_backend("reference", CUDA)
+    cublas, reference = select_backend(name, CUDA), select_backend("reference", CUDA)
+    if name == "hopper":
+        def not_cublaslt(*args, **kwargs):
+            raise AssertionError("the hopper backend's dense weight gradient went to cuBLASLt")
+        monkeypatch.setattr(cublaslt, "gemm_accumulate_", not_cublaslt)
     for n, k, tokens in ((384, 512, 1000), (2048, 5632, 4096)):
         dy = outlier_tensor(tokens, n, seed=1, device=CUDA)
         x = outlier_tensor(tokens, k, seed=2, device=CUDA)

@@ -11,7 +11,7 @@ Dense layers run exactly as under `cublas`.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -25,6 +25,11 @@ class HopperBackend(CublasBackend):
     priority = 3  # `auto` prefers it to `cublas` where both run (see the module docstring)
     grouped_kernel = "ws"
 
+    # The dense layers' GEMMs on the warp-specialized kernel too (fprop and dgrad: 1x128 x 128x128; the weight
+    # gradient added into main_grad); False: cuBLAS's, as under `cublas`.
+    dense_blocks_ws: ClassVar[bool] = True
+    dense_wgrad_ws: ClassVar[bool] = True
+
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> Optional[str]:
         reason = super().unavailable_reason(device)
@@ -32,3 +37,23 @@ class HopperBackend(CublasBackend):
             return reason.replace("cublas backend", "hopper backend")
         from megafp8.precision.kernels.gemm import warp_specialized_unavailable
         return warp_specialized_unavailable(device)
+
+    def gemm_1x128_128x128(self, a, a_scale, b, b_scale, out_dtype):
+        if not self.dense_blocks_ws:
+            return super().gemm_1x128_128x128(a, a_scale, b, b_scale, out_dtype)
+        from megafp8.precision.kernels.ws_gemm import ws_gemm
+        c = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+        return ws_gemm(a, a_scale, b, self.block_scales_nk(b_scale), c, b_blockwise=True,
+                       block_n=_tile_width(b.shape[0]))
+
+    def gemm_1x128_1x128_accumulate_(self, out, a, a_scale, b, b_scale):
+        if not self.dense_wgrad_ws:
+            return super().gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale)
+        from megafp8.precision.kernels.ws_gemm import ws_gemm
+        ws_gemm(a, a_scale, b, b_scale, out, b_blockwise=False, accumulate=True, block_n=_tile_width(b.shape[0]))
+
+
+def _tile_width(columns: int) -> int:
+    """The warp-specialized kernel's tile width for an output of `columns` columns: 256 (fewer, larger tiles) unless
+    one 128-wide tile covers it."""
+    return 128 if columns <= 128 else 256
