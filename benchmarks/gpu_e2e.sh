@@ -13,7 +13,8 @@
 # ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and
 # compiled_ro_kept_t: FP8 keeping its weight transposes; memory_modes: both models' memory in every mode), BF16 and FP8
 # profiled side by side (profile_pair, profile_pair_ro: the ~1B under CUDA graphs, profile_pair_8b,
-# profile_moe_compiled), the MoE GPU tests (tests_moe), the warp-specialized GEMMs' tests (tests_ws), the weight
+# profile_moe_compiled), the MoE GPU tests (tests_moe), the warp-specialized GEMMs' tests (tests_ws; tests_dense_ws:
+# the hopper backend's dense GEMMs on it), the weight
 # gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the
 # wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense
@@ -238,6 +239,10 @@ for part in $PARTS; do
            -p no:cacheprovider ;;
     tests_ws) step gpu_tests_ws python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_moe_gpu.py \
            -k "warp_specialized or grouped or main_grad" -p no:cacheprovider ;;
+    tests_dense_ws)  # the hopper backend's dense GEMMs on the warp-specialized kernel: conformance, main_grad, training
+      step gpu_tests_dense_ws python -m pytest -q -m gpu tests/test_fp8_backends.py -k hopper -p no:cacheprovider
+      step gpu_tests_dense_ws_training python -m pytest -q -m gpu tests/test_fp8_gpu.py \
+           -k "weight_gradient_is_added or cuda_graphs_add or learns" -p no:cacheprovider ;;
     compiled_fp8) step ours_compiled_fp8 python benchmarks/train_step.py training.compile=true --model 1b --recipes fp8 ;;
     ours) step ours_eager python benchmarks/train_step.py --model 1b --recipes bf16 fp8 ;;
     ref) step reference_compiled python benchmarks/reference_model.py --compile \

@@ -169,18 +169,25 @@ def test_fp8_training_on_gpu_learns(tiny_overrides):
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-def test_cublaslt_adds_the_weight_gradient_into_main_grad():
-    """The cublas backend's weight gradient into an FP32 main_grad: cuBLASLt adds the FP32 product in its epilogue
-    (SM90 must take this path, not the fallback), equal to the reference's product added in FP32 up to the tensor
-    cores' accumulation inside each 128-wide block (6.8e-5 measured on these outlier-laden operands, job Y), on a
-    layer's shape and on views into a larger gradient buffer (offset, as `main_grad`s are)."""
+@pytest.mark.parametrize("name", ["cublas", "hopper"])
+def test_cublaslt_adds_the_weight_gradient_into_main_grad(name, monkeypatch):
+    """The cublas and hopper backends' weight gradient into an FP32 main_grad: cuBLASLt adds the FP32 product in its
+    epilogue (SM90 must take this path, not the fallback: the GEMM-then-add is refused here), equal to the
+    reference's product added in FP32 up to the tensor cores' accumulation inside each 128-wide block (6.8e-5
+    measured on these outlier-laden operands, job Y), on a layer's shape and on views into a larger gradient buffer
+    (offset, as `main_grad`s are)."""
     from megafp8.precision import E4M3
     from megafp8.precision.kernels import cublaslt
     from tests.fp8_checks import outlier_tensor
-    if why_unavailable("cublas", CUDA) is not None:
-        pytest.skip(why_unavailable("cublas", CUDA))
+    if why_unavailable(name, CUDA) is not None:
+        pytest.skip(why_unavailable(name, CUDA))
     assert cublaslt.cached_unavailable_reason(CUDA) is None
-    cublas, reference = select_backend("cublas", CUDA), select_backend("reference", CUDA)
+    cublas, reference = select_backend(name, CUDA), select_backend("reference", CUDA)
+    from megafp8.precision.backends.triton_backend import TritonBackend
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError(f"the {name} backend's weight gradient took the GEMM-then-add fallback")
+    monkeypatch.setattr(TritonBackend, "gemm_1x128_1x128_accumulate_", no_fallback)
     for n, k, tokens in ((384, 512, 1000), (2048, 5632, 4096)):
         dy = outlier_tensor(tokens, n, seed=1, device=CUDA)
         x = outlier_tensor(tokens, k, seed=2, device=CUDA)
@@ -193,6 +200,42 @@ def test_cublaslt_adds_the_weight_gradient_into_main_grad():
         err = float((main_grad - want).norm() / want.norm())
         assert err < 5e-4, f"{n}x{k}x{tokens}: rel err {err:.2e}"
         assert torch.equal(buffer[:4096], head)  # nothing written outside the view
+
+
+def test_the_hopper_backend_runs_dense_fprop_and_dgrad_on_the_warp_specialized_kernel(monkeypatch):
+    """Under `hopper` a dense layer's 1x128 x 128x128 GEMMs (fprop, and dgrad on the weight's transpose) run on the
+    warp-specialized kernel, not cuBLAS (`F.scaled_mm` is refused here), and give cuBLAS's results up to summation
+    order, in BF16 and FP32, at token counts off the 128-row grid (TMA clips the last tile)."""
+    import torch.nn.functional as F
+
+    from megafp8.precision import E4M3
+    from tests.fp8_checks import outlier_tensor
+    if why_unavailable("hopper", CUDA) is not None:
+        pytest.skip(why_unavailable("hopper", CUDA))
+    hopper, cublas = select_backend("hopper", CUDA), select_backend("cublas", CUDA)
+    w = hopper.empty_weight(torch.Size((384, 512)), E4M3, CUDA)
+    hopper.quantize_weight_(outlier_tensor(384, 512, seed=3, device=CUDA), w, E4M3, False)
+    wanted = {}
+    for tokens in (200, 1000):
+        x = hopper.quantize_rows(outlier_tensor(tokens, 512, seed=1, device=CUDA), E4M3, False)
+        dy = hopper.quantize_rows(outlier_tensor(tokens, 384, seed=2, device=CUDA), E4M3, False)
+        for dtype in (torch.bfloat16, torch.float32):
+            wanted[tokens, dtype] = (cublas.gemm_1x128_128x128(*x, w.w_fp8, w.w_scale, dtype),
+                                     cublas.gemm_1x128_128x128(*dy, w.wt_fp8, w.wt_scale, dtype), x, dy)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the hopper backend's dense GEMM went to cuBLAS")
+    monkeypatch.setattr(F, "scaled_mm", refused)
+    for (tokens, dtype), (want_y, want_dx, x, dy) in wanted.items():
+        y = hopper.gemm_1x128_128x128(*x, w.w_fp8, w.w_scale, dtype)
+        dx = hopper.gemm_1x128_128x128(*dy, w.wt_fp8, w.wt_scale, dtype)
+        # BF16: one rounding either way; FP32: the two kernels' FP8 accumulation inside a 128-wide K step and their
+        # summation orders (the conformance tests' bounds against the reference)
+        limit = 4e-3 if dtype == torch.bfloat16 else 3e-4
+        for got, want in ((y, want_y), (dx, want_dx)):
+            assert got.dtype == dtype and got.shape == want.shape
+            err = float((got.float() - want.float()).norm() / want.float().norm())
+            assert err < limit, f"{tokens} tokens, {dtype}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("config", ["tiny_dense_fp8", "tiny_dense", "tiny_moe_fp8", "tiny_moe_fp8:bf16"])

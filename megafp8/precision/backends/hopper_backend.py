@@ -1,13 +1,19 @@
-"""The `hopper` backend (SM90): the cublas backend with the experts' grouped GEMMs on the warp-specialized Gluon
-kernel (`megafp8.precision.kernels.ws_gemm`) instead of the Triton TMA one.
+"""The `hopper` backend (SM90): the cublas backend with the experts' grouped GEMMs and the dense layers' fprop and
+dgrad on the warp-specialized Gluon kernel (`megafp8.precision.kernels.ws_gemm`).
 
-`auto` picks it where it runs (SM90 and Triton's Gluon). Its grouped fprop and dgrad run at 1.65-1.82x BF16's
-`torch._grouped_mm` on the MoE model's expert shapes since their output tiles leave by TMA, and its wgrads at
-1.25-1.40x (`docs/benchmarks.md`, twenty-third session, jobs CQ and CR). In the MoE step they paid off only once the
-experts ran inside the compiled graphs: while they ran eagerly the FP8 step waited on the host, and faster kernels
-gained 1-1.4% (jobs T, V and AS). Traced, under CUDA graphs, the FP8 MoE step ran 3.2-3.4% faster than with the TMA
-kernels (twenty-second session), and the TMA epilogue took it from 1.132x to 1.170x BF16 within one job (CQ).
-Dense layers run exactly as under `cublas`.
+`auto` picks it where it runs (SM90 and Triton's Gluon). Its grouped fprop and dgrad run at 1.64-1.80x BF16's
+`torch._grouped_mm` on issue 19's four shapes since their output tiles leave by TMA, its wgrads into `main_grad` at
+1.59-1.99x BF16's `_grouped_mm` and add (`docs/benchmarks.md`, twenty-fourth session, job CV). In the MoE step they
+paid off only once the experts ran inside the compiled graphs: while they ran eagerly the FP8 step waited on the
+host, and faster kernels gained 1-1.4% (jobs T, V and AS). Traced, under CUDA graphs, the FP8 MoE step ran 3.2-3.4%
+faster than with the TMA kernels (twenty-second session), and the TMA epilogue took it from 1.132x to 1.170x BF16
+within one job (CQ).
+
+Dense layers: fprop and dgrad (1x128 x 128x128) run on the same kernel, faster than cuBLAS's blockwise
+`F.scaled_mm` on 22 of the 24 ~1B, 8B-layer and `fp8_linear.py` shapes replayed from CUDA graphs (up to 19%; 3% and
+0.5% slower on the other two; job CV); whole FP8 steps +1.1-1.5% (jobs CV, CW). The weight gradient stays on
+cuBLASLt, adding into `main_grad` in its epilogue: the warp-specialized kernel was slower on 8 of those 12 linears
+(-5% to +7%, job CV).
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ from megafp8.precision.backends.cublas_backend import CublasBackend
 
 
 class HopperBackend(CublasBackend):
-    """cuBLAS for the dense GEMMs, Triton quantizers, warp-specialized grouped GEMMs."""
+    """cuBLAS(Lt) for the dense weight gradients, Triton quantizers, warp-specialized fprop, dgrad and grouped
+    GEMMs."""
 
     name = "hopper"
     priority = 3  # `auto` prefers it to `cublas` where both run (see the module docstring)
@@ -32,3 +39,15 @@ class HopperBackend(CublasBackend):
             return reason.replace("cublas backend", "hopper backend")
         from megafp8.precision.kernels.gemm import warp_specialized_unavailable
         return warp_specialized_unavailable(device)
+
+    def gemm_1x128_128x128(self, a, a_scale, b, b_scale, out_dtype):
+        from megafp8.precision.kernels.ws_gemm import ws_gemm
+        c = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+        return ws_gemm(a, a_scale, b, self.block_scales_nk(b_scale), c, b_blockwise=True,
+                       block_n=_tile_width(b.shape[0]))
+
+
+def _tile_width(columns: int) -> int:
+    """The warp-specialized kernel's tile width for an output of `columns` columns: 256 (fewer, larger tiles; the
+    faster width on every dense shape of job CV) unless one 128-wide tile covers it."""
+    return 128 if columns <= 128 else 256

@@ -37,8 +37,10 @@ rows-first and 16-byte aligned, as the quantizers write them; any other layout i
 Measured on an H200 (`docs/benchmarks.md`): with the TMA epilogue (jobs CQ and CR) 1,117-1,250 TFLOP/s on the
 grouped fprop and dgrad of the MoE model's expert shapes (1.65-1.82x BF16's `torch._grouped_mm`), 870-1,027 on
 their wgrads written in BF16 (1.25-1.40x); before it (job AM) 788-1,124 on issue 19's grouped fprop and dgrad and
-775-877 on their wgrads, 714-946 on dense weight gradients added into main_grad (cuBLASLt: 846-1,007). The grouped
-GEMMs of the `hopper` backend (`auto` on SM90) run on it; dense layers keep cuBLASLt.
+775-877 on their wgrads, 714-946 on dense weight gradients added into main_grad (cuBLASLt: 846-1,007). On dense
+layers, replayed from CUDA graphs (job CV): fprop and dgrad 1,079-1,341 against cuBLAS's 1,059-1,171, weight
+gradients into main_grad 795-1,011 against cuBLASLt's 841-1,000. The `hopper` backend (`auto` on SM90) runs the
+grouped GEMMs and the dense fprop and dgrad on it; dense weight gradients stay on cuBLASLt.
 
 Numerics are the Triton kernels' (`megafp8.precision.kernels.gemm`): an FP32 partial product per 128-wide K step,
 times its scales, added to an FP32 accumulator; results differ from the reference backend only in summation order.
