@@ -237,7 +237,8 @@ class PrecisionConfig:
         "auto",
         "FP8 GEMM backend: `auto` (the fastest that runs here, logged), or one by name: `reference` (any device; "
         "FP8 casts, FP32 matmul), `triton` (CUDA), `cublas` (SM90, `F.scaled_mm` blockwise), `hopper` (SM90 with "
-        "Triton's Gluon, what `auto` picks there: `cublas` with warp-specialized grouped expert GEMMs); "
+        "Triton's Gluon, what `auto` picks there: `cublas` with warp-specialized grouped expert GEMMs and dense "
+        "fprop/dgrad); "
         "`megafp8.precision.backends` lists them.",
     )
     fp8_grad_format: Fp8FormatName = setting(
