@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.precision.backends import select_backend  # noqa: E402
 from megafp8.precision.formats import E4M3  # noqa: E402
-from grouped_gemm import timed_ms  # noqa: E402  (benchmarks/, beside this file)
+from grouped_gemm import graphed_ms, timed_ms  # noqa: E402  (benchmarks/, beside this file)
 from wgrad_gemm import LINEARS  # noqa: E402
 
 LINEAR_SHAPES = [("fp8_linear", 18432, 7168), ("fp8_linear", 7168, 18432), ("fp8_linear", 4096, 4096),
@@ -142,31 +142,6 @@ def columns(gemm: str, o: dict) -> dict[str, Column]:
         runs = {"BF16": lambda: bf16_a @ bf16_b, "backend": by_backend}
     runs.update({"ws 128": ws(128, None), "ws 256": ws(256, None), "ws 256, registers": ws(256, False)})
     return {label: (run, result_of(run)) for label, run in runs.items()}
-
-
-def graphed_ms(run: Callable[[], object], iters: int) -> float:
-    """Milliseconds per call of `run`, `iters` calls captured in one CUDA graph (after warm-up on a side stream, as
-    torch's capture rules ask), the replay timed by CUDA events (median of 5 replays)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            run()
-    times = []
-    for _ in range(6):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    del graph
-    return sorted(times[1:])[2]
 
 
 def measure(gemm: str, o: dict, m: int, n: int, k: int, iters: int, graphs: bool = False) -> list[str]:

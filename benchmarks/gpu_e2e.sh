@@ -9,7 +9,8 @@
 # grouped GEMMs against BF16 and torch's FP8 ones; grouped_moe: the MoE model's shapes, our epilogues), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu
 # (one-GPU training tests), tests_optim (gradient clipping and the fused AdamW update on CUDA;
 # compiled_ro_unfused_update, compiled_ro_8b_unfused_update: whole steps with the update's separate passes),
-# fp8_linear (one layer, BF16 vs FP8, eager and replayed from CUDA graphs), the 8B-layer shape (compiled_ro_8b,
+# fp8_linear (one layer, BF16 vs FP8, eager and replayed from CUDA graphs; fp8_linear_hopper: cublas and hopper),
+# the 8B-layer shape (compiled_ro_8b,
 # ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and
 # compiled_ro_kept_t: FP8 keeping its weight transposes; memory_modes: both models' memory in every mode), BF16 and FP8
 # profiled side by side (profile_pair, profile_pair_ro: the ~1B under CUDA graphs, profile_pair_8b,
@@ -19,7 +20,8 @@
 # wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense
 # wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only; dense_gemm: the three dense GEMMs, cuBLAS against the
-# warp-specialized kernel), SDPA's backends on our attention shapes (attention;
+# warp-specialized kernel; dense_gemm_graphs, grouped_gemm_graphs: replayed from CUDA graphs), SDPA's backends on our
+# attention shapes (attention;
 # tests_attention; whole steps under CUDA graphs with torch's order and with `model.attention_backend: auto`: attn_1b,
 # attn_8b; eager: attn_eager; the ~1B with MLA, compiled: attn_mla), the GPU tests of RoPE's backward fused into the
 # QKV projection's quantizer (tests_rope), backward on autograd's worker thread against the
@@ -49,6 +51,7 @@ for part in $PARTS; do
            tests/test_moe_gpu.py \
            -k "host_wait or learns or moe_layer_on_cuda or mla_moe" -p no:cacheprovider ;;
     fp8_linear) step fp8_linear python benchmarks/fp8_linear.py --backends cublas --cuda-graphs ;;
+    fp8_linear_hopper) step fp8_linear_hopper python benchmarks/fp8_linear.py --backends cublas hopper --cuda-graphs ;;
     compiled_ro_8b) step ours_compiled_cudagraphs_8b python benchmarks/train_step.py training.compile=true \
            training.compile_mode=reduce-overhead --model 8b-layers --recipes bf16 fp8 ;;
     compiled_ro_8b_kept_t) step ours_compiled_cudagraphs_8b_kept_transpose python benchmarks/train_step.py \
@@ -131,6 +134,9 @@ for part in $PARTS; do
         --shapes 64x2048,2048,2048 64x2048,1024,2048 --columns "warp-specialized" "ws " ;;
     wgrad_gemm) step wgrad_gemm python benchmarks/wgrad_gemm.py ;;
     dense_gemm) step dense_gemm python benchmarks/dense_gemm.py ;;  # fprop, dgrad, wgrad: cuBLAS against ours
+    dense_gemm_graphs) step dense_gemm_graphs python benchmarks/dense_gemm.py --cuda-graphs --iters 20 ;;
+    grouped_gemm_graphs) step grouped_gemm_graphs python benchmarks/grouped_gemm.py --backend hopper --iters 20 \
+      --cuda-graphs ;;
     fp8_linear_threads)  # one layer, backward on autograd's worker thread (torch's default) and on the calling thread
       step fp8_linear_worker_thread python benchmarks/fp8_linear.py --backends cublas
       step fp8_linear_calling_thread python benchmarks/fp8_linear.py --backends cublas --calling-thread ;;
@@ -242,7 +248,7 @@ for part in $PARTS; do
     tests_dense_ws)  # the hopper backend's dense GEMMs on the warp-specialized kernel: conformance, main_grad, training
       step gpu_tests_dense_ws python -m pytest -q -m gpu tests/test_fp8_backends.py -k hopper -p no:cacheprovider
       step gpu_tests_dense_ws_training python -m pytest -q -m gpu tests/test_fp8_gpu.py \
-           -k "weight_gradient_is_added or cuda_graphs_add or learns" -p no:cacheprovider ;;
+           -k "cublaslt_adds or hopper_backend_runs_dense or cuda_graphs_add or learns" -p no:cacheprovider ;;
     compiled_fp8) step ours_compiled_fp8 python benchmarks/train_step.py training.compile=true --model 1b --recipes fp8 ;;
     ours) step ours_eager python benchmarks/train_step.py --model 1b --recipes bf16 fp8 ;;
     ref) step reference_compiled python benchmarks/reference_model.py --compile \

@@ -31,7 +31,10 @@ activations and gradients, 128x128 blocks for the weight). Columns:
 - ours: the backend's `grouped_gemm_1x128_128x128` (fprop; dgrad with `transposed=True`, which makes the weight's
   transpose in the call) and `grouped_gemm_1x128_1x128` (wgrad), as `megafp8.precision.grouped` calls them.
 
-Timings: CUDA events around `--iters` calls after 3 warm-up calls (which also run Triton's autotuning). Each output
+Timings: CUDA events around `--iters` calls after 3 warm-up calls (which also run Triton's autotuning);
+`--cuda-graphs`: the `--iters` calls captured in one CUDA graph after those warm-up calls, the median of five
+replays (device time, as the training step runs them; single timings of launched calls moved by up to 20% between
+two columns running the same call, job CV). Each output
 is checked against the BF16 loop's (relative Frobenius error above 1/8 prints "wrong" instead of a speed); a column
 that fails (an API missing in this torch, a GPU it does not support) prints its error's first line in its cell.
 `--device cpu` runs the same table on CPU (a smoke test: the FP8 columns say why they cannot run there).
@@ -123,6 +126,31 @@ def timed_ms(fn: Callable[[], torch.Tensor], device: torch.device, iters: int = 
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def graphed_ms(run: Callable[[], object], iters: int) -> float:
+    """Milliseconds per call of `run`, `iters` calls captured in one CUDA graph (after warm-up on a side stream, as
+    torch's capture rules ask), the replay timed by CUDA events (median of 5 replays)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            run()
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    del graph
+    return sorted(times[1:])[2]
 
 
 @dataclass
@@ -303,7 +331,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def measure(build: Callable, p: Problem, gemm: str, backend: str, reference: Optional[torch.Tensor],
-            iters: int) -> tuple[str, Optional[float]]:
+            iters: int, graphs: bool = False) -> tuple[str, Optional[float]]:
     """(cell, TFLOP/s or None) of one column for one GEMM."""
     try:
         fn = build(p, gemm, backend)
@@ -315,7 +343,7 @@ def measure(build: Callable, p: Problem, gemm: str, backend: str, reference: Opt
         if reference is not None and (err := relative_error(out, reference)) > WRONG:
             return f"wrong: relative error {err:.2f}", None
         del out
-        tflops = p.flops / timed_ms(fn, p.x.device, iters) / 1e9
+        tflops = p.flops / (graphed_ms(fn, iters) if graphs else timed_ms(fn, p.x.device, iters)) / 1e9
         return f"{tflops:.0f}" if tflops >= 10 else f"{tflops:.3g}", tflops
     except NotApplicable:
         return "n/a", None
@@ -334,14 +362,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--columns", nargs="+", default=None,
                         help="measure only the columns whose label contains one of these (BF16 `_grouped_mm` and "
                              "the backend's default always run); the others print '-'")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="time replays of a CUDA graph of the calls (the median of five), not launches")
     args = parser.parse_args(argv)
     shapes = [parse_shape(s) for s in (args.shapes or (QUICK_SHAPES if args.quick else SHAPES))]
     iters = args.iters or (5 if args.quick else 30)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA GPU here (--device cpu runs a smoke test)")
+    if args.cuda_graphs and device.type != "cuda":
+        parser.error("--cuda-graphs needs --device cuda")
     if device.type == "cuda":
-        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, {iters} iters, TFLOP/s\n")
+        timing = "replayed from CUDA graphs" if args.cuda_graphs else "launched from Python"
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, {iters} iters {timing}, TFLOP/s\n")
     words = [w.lower() for w in args.columns or []]
     unknown = [w for w in words if not any(w in label.lower() for label in COLUMNS)]
     if unknown:
@@ -352,8 +385,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         p = make_problem(experts, per_expert, k, n, device)
         for gemm in GEMMS:
             reference = bf16_loop(p, gemm, args.backend)().clone()
-            measured = [measure(build, p, gemm, args.backend, reference, iters) if want else ("-", None)
-                        for build, want in zip(BUILDERS, wanted)]
+            measured = [measure(build, p, gemm, args.backend, reference, iters, args.cuda_graphs) if want
+                        else ("-", None) for build, want in zip(BUILDERS, wanted)]
             del reference
             row = (f"{experts} x {per_expert}, {k}, {n}", gemm, [cell for cell, _ in measured],
                    ratio_cell(measured[-1][1], measured[1][1]))

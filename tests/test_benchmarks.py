@@ -176,6 +176,10 @@ def test_dense_gemm_benchmark_prints_each_gemm_of_each_linear_or_why_not():
     bad = subprocess.run([*cmd[:-4], "--shapes", "256x384"], cwd=REPO, env=torchrun_env(), capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "--shapes takes N,K pairs" in bad.stderr
+    for script in ("dense_gemm.py", "grouped_gemm.py"):  # CUDA graphs need the GPU
+        bad = subprocess.run([sys.executable, f"benchmarks/{script}", "--device", "cpu", "--cuda-graphs"], cwd=REPO,
+                             env=torchrun_env(), capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and "--cuda-graphs needs --device cuda" in bad.stderr, (script, bad.stderr)
 
 
 def test_grouped_gemm_benchmark_helpers():
