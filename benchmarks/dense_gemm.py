@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megafp8.precision.backends import select_backend  # noqa: E402
 from megafp8.precision.formats import E4M3  # noqa: E402
 from grouped_gemm import graphed_ms, timed_ms  # noqa: E402  (benchmarks/, beside this file)
-from wgrad_gemm import LINEARS  # noqa: E402
+from wgrad_gemm import LINEARS, accumulated_result  # noqa: E402
 
 LINEAR_SHAPES = [("fp8_linear", 18432, 7168), ("fp8_linear", 7168, 18432), ("fp8_linear", 4096, 4096),
                  ("fp8_linear", 7168, 2048)]  # benchmarks/fp8_linear.py's (M, K, N) at M = 8192, as (name, N, K)
@@ -110,11 +110,7 @@ def columns(gemm: str, o: dict) -> dict[str, Column]:
         main_grad = torch.zeros(rows, cols, dtype=torch.float32, device=device)
 
         def result_of(run):
-            def result():
-                main_grad.zero_()
-                run()
-                return main_grad.clone()
-            return result
+            return accumulated_result(main_grad, run)
 
         def bf16():
             accumulate_product_(main_grad, o["dy"].t(), o["x"])

@@ -52,11 +52,7 @@ def columns(dy: torch.Tensor, x: torch.Tensor,
     main_grad = torch.zeros(dy.shape[1], x.shape[1], dtype=torch.float32, device=dy.device)
 
     def accumulated(run: Callable[[], object]) -> Callable[[], torch.Tensor]:
-        def result():
-            main_grad.zero_()
-            run()
-            return main_grad.clone()
-        return result
+        return accumulated_result(main_grad, run)
 
     def bf16_into():
         accumulate_product_(main_grad, dy.t(), x)
@@ -91,6 +87,15 @@ def columns(dy: torch.Tensor, x: torch.Tensor,
         cols[f"ours {block_n}"] = (bf16_out, lambda f=bf16_out: f().float())
         cols[f"ours {block_n}, into main_grad"] = (into_main_grad, accumulated(into_main_grad))
     return cols
+
+
+def accumulated_result(main_grad: torch.Tensor, run: Callable[[], object]) -> Callable[[], torch.Tensor]:
+    """A call giving what `run` adds into `main_grad` alone: main_grad zeroed, `run`, a copy of main_grad."""
+    def result():
+        main_grad.zero_()
+        run()
+        return main_grad.clone()
+    return result
 
 
 def cublaslt_columns(dyt, dyt_s, xt, xt_s, main_grad, accumulated) -> dict:
