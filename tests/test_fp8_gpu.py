@@ -177,13 +177,13 @@ def test_cublaslt_adds_the_weight_gradient_into_main_grad(name, monkeypatch):
     measured on these outlier-laden operands, job Y), on a layer's shape and on views into a larger gradient buffer
     (offset, as `main_grad`s are)."""
     from megafp8.precision import E4M3
+    from megafp8.precision.backends.triton_backend import TritonBackend
     from megafp8.precision.kernels import cublaslt
     from tests.fp8_checks import outlier_tensor
     if why_unavailable(name, CUDA) is not None:
         pytest.skip(why_unavailable(name, CUDA))
     assert cublaslt.cached_unavailable_reason(CUDA) is None
-    cublas, reference = select_backend(name, CUDA), select_backend("reference", CUDA)
-    from megafp8.precision.backends.triton_backend import TritonBackend
+    backend, reference = select_backend(name, CUDA), select_backend("reference", CUDA)
 
     def no_fallback(*args, **kwargs):
         raise AssertionError(f"the {name} backend's weight gradient took the GEMM-then-add fallback")
@@ -191,12 +191,12 @@ def test_cublaslt_adds_the_weight_gradient_into_main_grad(name, monkeypatch):
     for n, k, tokens in ((384, 512, 1000), (2048, 5632, 4096)):
         dy = outlier_tensor(tokens, n, seed=1, device=CUDA)
         x = outlier_tensor(tokens, k, seed=2, device=CUDA)
-        dyt, dyt_s = cublas.quantize_rows_cols(dy, E4M3, False)[2:]
-        xt, xt_s = cublas.quantize_rows_cols(x, E4M3, False)[2:]
+        dyt, dyt_s = backend.quantize_rows_cols(dy, E4M3, False)[2:]
+        xt, xt_s = backend.quantize_rows_cols(x, E4M3, False)[2:]
         buffer = torch.randn(n * k + 4096, device=CUDA)
         head, main_grad = buffer[:4096].clone(), buffer[4096:].view(n, k)
         want = main_grad + reference.gemm_1x128_1x128(dyt, dyt_s, xt, xt_s, torch.float32)
-        cublas.gemm_1x128_1x128_accumulate_(main_grad, dyt, dyt_s, xt, xt_s)
+        backend.gemm_1x128_1x128_accumulate_(main_grad, dyt, dyt_s, xt, xt_s)
         err = float((main_grad - want).norm() / want.norm())
         assert err < 5e-4, f"{n}x{k}x{tokens}: rel err {err:.2e}"
         assert torch.equal(buffer[:4096], head)  # nothing written outside the view

@@ -49,5 +49,5 @@ class HopperBackend(CublasBackend):
 
 def _tile_width(columns: int) -> int:
     """The warp-specialized kernel's tile width for an output of `columns` columns: 256 (fewer, larger tiles; the
-    faster width on every dense shape of job CV) unless one 128-wide tile covers it."""
+    faster width on every dense fprop and dgrad of job CV) unless one 128-wide tile covers it."""
     return 128 if columns <= 128 else 256
