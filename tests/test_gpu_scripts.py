@@ -1,0 +1,308 @@
+"""The GPU benchmark scripts (`benchmarks/gpu_2gpu.sh`, `gpu_8.sh`, `gpu_e2e.sh`'s clock and memory parts) run on a
+CPU with stand-ins for `train_step.py`, `torchrun` and `nvidia-smi`: which parts they run, on how many GPUs, what
+they skip and why, and the tables they compute from the stand-ins' rows."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+
+# ------------------------------------------------------------------------ benchmarks/gpu_2gpu.sh (issue 26)
+# A stand-in for benchmarks/train_step.py: prints a table under the real one's header (the test passes it) with
+# TFLOP/s per device = a per-model base x a per-layout factor, and the pipeline schedule's bubble; refuses an
+# override after an option, as train_step.py's parser does. Each call is logged (arguments, visible GPU).
+FAKE_TRAIN_STEP = r'''
+import json, os, sys
+args = sys.argv[1:]
+first_option = next((i for i, a in enumerate(args) if a.startswith("--")), len(args))
+late = [a for a in args[first_option:] if "=" in a and not a.startswith("--")]
+if late:
+    sys.exit(f"train_step.py: error: unrecognized arguments: {' '.join(late)}")
+def option(name):
+    return args[args.index(name) + 1]
+recipes = args[args.index("--recipes") + 1:]
+ranks = int(os.environ.get("FAKE_RANKS", "1"))
+schedule = next((a.split("=")[1] for a in args if a.startswith("parallel.pp_schedule=")), None)
+layout = (f"pp_{schedule}" if schedule else "tp" if "parallel.tp=2" in args
+          else "recompute" if "training.recompute=full" in args else "dp" if ranks == 2 else "one")
+factor = {"one": 1.0, "dp": 0.975, "tp": 0.9, "pp_1f1b": 0.85, "pp_dualpipev": 0.95, "recompute": 0.75}[layout]
+base = {"8b-layers": {"bf16": 400.0, "fp8": 500.0}, "1b": {"bf16": 300.0, "fp8": 340.0}}[option("--model")]
+header = [c.strip() for c in os.environ["FAKE_HEADER"].strip("|").split("|")]
+print(os.environ["FAKE_HEADER"])
+print("|" + "---|" * len(header))
+for recipe in recipes:
+    tflops = base[recipe] * factor
+    cells = dict.fromkeys(header, "0")
+    values = {"model": option("--model"), "recipe": recipe, "ranks": str(ranks),
+              "tokens/s": f"{100 * tflops * ranks:,.0f}", "TFLOP/s per device": f"{tflops:.1f}",
+              "MFU": f"{tflops / 9.894:.1f}%", "peak GiB, steady": "40.00", "tokens/s per GPU": f"{100 * tflops:,.0f}",
+              "bubble, theoretical": {"1f1b": "11.1%", "dualpipev": "2.0%"}.get(schedule, "-")}
+    assert set(values) <= set(cells), set(values) - set(cells)
+    cells.update(values)
+    print("| " + " | ".join(cells[c] for c in header) + " |")
+with open(os.environ["FAKE_CALLS"], "a") as calls:
+    calls.write(json.dumps({"gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "ranks": ranks, "args": args}) + "\n")
+'''
+
+
+def stand_in_tools(tmp_path, fake, gpus: int, scripts: tuple[str, ...], keep_script_arg: bool) -> Path:
+    """A directory of stand-ins to put first on PATH: `python` runs `fake` for each of `scripts` (passing the script's
+    name on where `keep_script_arg`) and reports `gpus` CUDA devices; `torchrun` runs it the same way with FAKE_RANKS
+    set from `--nproc_per_node`; `nvidia-smi` names one fake GPU."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    keep = "" if keep_script_arg else "shift; "
+    routes = "|".join(scripts)
+    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
+case "$1" in {routes}) {keep}exec {sys.executable} {fake} "$@" ;; esac
+if [ "$1" = -c ] && [[ "$2" == *device_count* ]]; then echo {gpus}; exit 0; fi
+exec {sys.executable} "$@"
+""")
+    (bin_dir / "torchrun").write_text(f"""#!/usr/bin/env bash
+ranks=1
+while [[ "$1" == --* ]]; do [[ "$1" == --nproc_per_node=* ]] && ranks=${{1#*=}}; shift; done
+case "$1" in {routes}) {keep};; esac
+FAKE_RANKS=$ranks exec {sys.executable} {fake} "$@"
+""")
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\nprintf 'name, memory.total [MiB]\\nFake GPU, 1 MiB\\n'\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return bin_dir
+
+
+def gpu_2gpu(tmp_path, *parts, budget="1000"):
+    """benchmarks/gpu_2gpu.sh with `python benchmarks/train_step.py` and `torchrun` replaced by the stand-in and
+    two GPUs reported; returns (summary.md, the logged calls)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import train_step
+
+    out = tmp_path / "out"
+    fake = tmp_path / "fake_train_step.py"
+    fake.write_text(FAKE_TRAIN_STEP)
+    bin_dir = stand_in_tools(tmp_path, fake, gpus=2, scripts=("benchmarks/train_step.py",), keep_script_arg=False)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out), BUDGET_S=budget,
+               FAKE_HEADER=train_step.table([]).splitlines()[0], FAKE_CALLS=str(tmp_path / "calls.jsonl"))
+    result = subprocess.run(["bash", "benchmarks/gpu_2gpu.sh", *parts], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    return (out / "summary.md").read_text(), calls
+
+
+def model_of(call: dict) -> str:
+    return call["args"][call["args"].index("--model") + 1]
+
+
+def scaling_rows(summary: str) -> dict[tuple[str, str], list[str]]:
+    """The `scaling` section's rows by (section, recipe)."""
+    table = summary.split("## scaling\n")[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| layout")]
+    return {(row[0], row[2]): row for row in rows}
+
+
+def test_gpu_2gpu_script_runs_every_part_and_computes_efficiency_against_one_gpu(tmp_path):
+    assert subprocess.run(["bash", "-n", "benchmarks/gpu_2gpu.sh"], cwd=REPO).returncode == 0
+    summary, calls = gpu_2gpu(tmp_path)
+    sections = [line[3:] for line in summary.splitlines() if line.startswith("## ")]
+    assert sections == ["one_gpu_8b", "one_gpu_1b", "dp2_8b", "tp2_sp_8b", "pp2_1f1b_8b_16_layers",
+                        "pp2_dualpipev_8b_16_layers", "dp2_1b", "recompute_8b", "recompute_1b", "tp2_sp_1b",
+                        "pp2_1f1b_1b", "pp2_dualpipev_1b", "scaling"], summary
+    assert "FAILED" not in summary and "SKIPPED" not in summary
+    lanes = [(c["gpu"], model_of(c)) for c in calls if c["ranks"] == 1]  # the one-GPU runs, two at a time
+    assert sorted(lanes) == [("0", "8b-layers"), ("0", "8b-layers"), ("1", "1b"), ("1", "1b")]
+    pp_8b = [c["args"] for c in calls if "parallel.pp=2" in c["args"] and "8b-layers" in c["args"]]
+    assert len(pp_8b) == 2 and all("model.num_layers=16" in a and "--global-batch" in a for a in pp_8b)
+    rows = scaling_rows(summary)
+    assert len(rows) == 24  # 12 runs x 2 recipes
+    # | layout | model | recipe | GPUs | tokens/s per GPU | efficiency | FP8 / BF16 | MFU | peak GiB | bubble |
+    assert rows[("one_gpu_8b", "fp8")][5] == "100.0%" and rows[("one_gpu_8b", "fp8")][6] == "1.25x"
+    assert rows[("dp2_8b", "bf16")][3:6] == ["2", "39,000", "97.5%"]
+    assert rows[("dp2_1b", "fp8")][5] == "97.5%" and rows[("dp2_1b", "fp8")][6] == "1.13x"
+    assert rows[("tp2_sp_8b", "fp8")][5:7] == ["90.0%", "1.25x"]
+    assert rows[("pp2_1f1b_8b_16_layers", "bf16")][9] == "15.0% / 11.1%"
+    assert rows[("pp2_dualpipev_1b", "fp8")][9] == "5.0% / 2.0%"
+    assert rows[("recompute_1b", "bf16")][5] == "75.0%" and rows[("recompute_1b", "bf16")][9] == "-"
+
+
+def test_gpu_2gpu_script_tries_tensor_parallel_variants_only_when_asked(tmp_path):
+    """`tp2_cuda_graphs` and `tp2_overlap` (not default parts): TP=2 + SP under CUDA graphs, and compiled with
+    Inductor's comm/compute reordering; the 8B-layer shape then ~1B."""
+    summary, calls = gpu_2gpu(tmp_path, "tp2_cuda_graphs")
+    sections = [line[3:] for line in summary.splitlines() if line.startswith("## ")]
+    assert sections == ["tp2_sp_cuda_graphs_8b", "tp2_sp_cuda_graphs_1b", "scaling"], summary
+    assert [model_of(c) for c in calls] == ["8b-layers", "1b"] and all(c["ranks"] == 2 for c in calls)
+    assert all({"training.compile_mode=reduce-overhead", "parallel.tp=2", "parallel.sequence_parallel=true"}
+               <= set(c["args"]) for c in calls)
+    (tmp_path / "overlap").mkdir()
+    summary, calls = gpu_2gpu(tmp_path / "overlap", "tp2_overlap")
+    assert [line[3:] for line in summary.splitlines() if line.startswith("## ")] == [
+        "tp2_sp_overlap_8b", "tp2_sp_overlap_1b", "scaling"], summary
+    assert all({"training.compile_comm_overlap=true", "parallel.tp=2"} <= set(c["args"]) for c in calls)
+
+
+def test_gpu_2gpu_script_skips_what_the_budget_cannot_hold(tmp_path):
+    """A step that would start with less than its estimate left is skipped, saying how to run it; the rest run."""
+    summary, calls = gpu_2gpu(tmp_path, "one_gpu", "dp2_8b", budget="95")
+    assert "## one_gpu_8b: SKIPPED: " in summary and "it needs ~100 s (another call: OUT=dir bash " \
+        "benchmarks/gpu_2gpu.sh one_gpu)" in summary
+    assert [model_of(c) for c in calls] == ["1b", "8b-layers"] and "FAILED" not in summary  # one_gpu_1b, dp2_8b
+    rows = scaling_rows(summary)
+    assert rows[("dp2_8b", "fp8")][5] == "n/a (no one-GPU row)" and rows[("one_gpu_1b", "bf16")][5] == "100.0%"
+    # The skipped part run in another call, then both summaries compared together:
+    (tmp_path / "again").mkdir()
+    again, _ = gpu_2gpu(tmp_path / "again", "one_gpu")
+    (tmp_path / "first.md").write_text(summary)
+    (tmp_path / "again.md").write_text(again)
+    both = subprocess.run([sys.executable, "benchmarks/scaling_table.py", str(tmp_path / "first.md"),
+                           str(tmp_path / "again.md"), "--baselines", "one_gpu_8b", "one_gpu_1b"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert both.returncode == 0, both.stderr
+    assert scaling_rows("## scaling\n" + both.stdout)[("dp2_8b", "fp8")][5] == "97.5%"
+
+
+# ------------------------------------------------------------------------ benchmarks/gpu_8.sh (issue 23)
+# A stand-in for benchmarks/train_step.py and launch/pretrain.py: logs its arguments and rank count, prints a row.
+FAKE_RUN = r'''
+import json, os, sys
+with open(os.environ["FAKE_CALLS"], "a") as calls:
+    calls.write(json.dumps({"script": sys.argv[1], "ranks": int(os.environ.get("FAKE_RANKS", "1")),
+                            "args": sys.argv[2:]}) + "\n")
+print("| fake row |")
+'''
+
+
+def gpu_8(tmp_path, gpus: int, *parts):
+    """benchmarks/gpu_8.sh with `gpus` GPUs reported, the training scripts and torchrun replaced by the stand-in
+    (the planner, tools/plan.py, is the real one); returns (summary.md, the logged calls)."""
+    out = tmp_path / "out"
+    fake = tmp_path / "fake_run.py"
+    fake.write_text(FAKE_RUN)
+    bin_dir = stand_in_tools(tmp_path, fake, gpus, ("benchmarks/train_step.py", "launch/pretrain.py"),
+                             keep_script_arg=True)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out),
+               FAKE_CALLS=str(tmp_path / "calls.jsonl"))
+    result = subprocess.run(["bash", "benchmarks/gpu_8.sh", *parts], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    calls_file = tmp_path / "calls.jsonl"
+    calls = [json.loads(line) for line in calls_file.read_text().splitlines()] if calls_file.exists() else []
+    return (out / "summary.md").read_text(), calls
+
+
+def test_gpu_8_script_on_two_gpus_runs_the_one_and_two_gpu_parts_and_says_what_it_skipped(tmp_path):
+    """Issue 23: the eight-GPU script on a two-GPU machine measures every one- and two-GPU layout (each BF16 and
+    FP8, the planner's prediction in each row) and names the eight-GPU parts it skipped, with why."""
+    assert subprocess.run(["bash", "-n", "benchmarks/gpu_8.sh"], cwd=REPO).returncode == 0
+    summary, calls = gpu_8(tmp_path, 2)
+    sections = [line[3:] for line in summary.splitlines() if line.startswith("## ")]
+    assert sections == ["dense_1gpu", "moe_1gpu", "dense_tp2", "dense_pp2", "moe_ep2", "moe_tp2", "moe_pp2",
+                        "eight_gpus: SKIPPED: needs 8 GPUs, 2 visible", "loss_8gpu: SKIPPED: needs 8 GPUs, 2 visible"]
+    assert "FAILED" not in summary and summary.count("| fake row |") == 7
+    assert [(c["ranks"], c["args"][c["args"].index("--model") + 1]) for c in calls] == [
+        (1, "1b"), (1, "moe"), (2, "1b"), (2, "1b"), (2, "moe"), (2, "moe"), (2, "moe")]
+    assert all(c["script"] == "benchmarks/train_step.py" and c["args"][-2:] == ["bf16", "fp8"] for c in calls)
+    by_name = dict(zip(sections, calls))
+    assert {"parallel.tp=2", "parallel.sequence_parallel=true"} <= set(by_name["dense_tp2"]["args"])
+    assert "parallel.pp=2" in by_name["dense_pp2"]["args"] and "parallel.ep=2" in by_name["moe_ep2"]["args"]
+
+
+def test_gpu_8_script_on_eight_gpus_also_runs_the_layout_the_planner_recommends(tmp_path):
+    """On eight GPUs: the 16B MoE at TP2 x PP2 x EP2 (DualPipeV, SP), the planner's layout table, the layout it
+    recommends (its overrides passed as they are), and the ~1B at DP=8 and TP=2 x DP=4, all on eight ranks."""
+    summary, calls = gpu_8(tmp_path, 8, "eight_gpus")
+    sections = [line[3:] for line in summary.splitlines() if line.startswith("## ")]
+    assert sections == ["moe16b_tp2_pp2_ep2", "moe16b_layouts", "moe16b_recommended", "dense_dp8", "dense_tp2_dp4"]
+    assert "FAILED" not in summary and "recommended overrides: " in summary
+    recommended = summary.split("recommended overrides: ")[1].splitlines()[0].split()
+    assert [c["ranks"] for c in calls] == [8, 8, 8, 8]
+    assert set(recommended) <= set(calls[1]["args"]) and "16b_moe_fp8" in calls[1]["args"]
+    assert {"parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=dualpipev"} <= set(calls[0]["args"])
+
+
+# ------------------------------------------------------------------------ benchmarks/gpu_e2e.sh clocks_8b
+# A stand-in nvidia-smi: the GPU list for the summary's head, success for the probe of a field name, and for a
+# sampling query (-lms) a CSV of one idle and three busy samples, then it waits to be stopped.
+FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+case "$*" in
+  *name,memory.total*) printf 'name, memory.total [MiB]\\nFake GPU, 1 MiB\\n' ;;
+  *-lms*)
+    echo "timestamp, utilization.gpu [%], clocks.current.sm [MHz], clocks.max.sm [MHz], power.draw [W], \\
+power.limit [W], temperature.gpu, clocks_event_reasons.active"
+    echo "2026/12/01 05:00:00.000, 0 %, 345 MHz, 1980 MHz, 90.00 W, 700.00 W, 30, 0x0000000000000001"
+    echo "2026/12/01 05:00:00.200, 100 %, 1980 MHz, 1980 MHz, 600.50 W, 700.00 W, 50, 0x0000000000000000"
+    echo "2026/12/01 05:00:00.400, 99 %, 1755 MHz, 1980 MHz, 700.00 W, 700.00 W, 61, 0x0000000000000004"
+    echo "2026/12/01 05:00:00.600, 100 %, 1800 MHz, 1980 MHz, 690.00 W, 700.00 W, 62, 0x0000000000000004"
+    exec sleep 60 ;;
+esac
+"""
+
+
+def _gpu_e2e_with_fake_gpu(tmp_path, parts: list[str], on_train_step: str) -> subprocess.CompletedProcess:
+    """`gpu_e2e.sh PARTS` with OUT=tmp_path/out, the stand-in nvidia-smi, and a `python` that runs the shell line
+    `on_train_step` in OUT (instead of the step) for each `benchmarks/train_step.py` call and runs everything else."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
+if [ "$1" = benchmarks/train_step.py ]; then (cd "{out}" && {on_train_step}); exit 0; fi
+if [ "$1" = -c ]; then exit 0; fi  # "import torchao": installed, nothing to install
+exec {sys.executable} "$@"
+""")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out))
+    return subprocess.run(["bash", "benchmarks/gpu_e2e.sh", *parts], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_gpu_e2e_clocks_part_samples_each_recipes_steps_and_summarizes_the_busy_samples(tmp_path):
+    """`gpu_e2e.sh clocks_8b` samples clocks and power while BF16, then FP8, run the 8B-layer step, stops each
+    sampler, and summarizes only the busy samples: median and lowest SM clock, power against its limit, and the
+    clock event reasons (here a power cap in two of three busy samples)."""
+    out = tmp_path / "out"
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["clocks_8b"], 'echo "$*" >> steps.log; sleep 0.3')
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    assert [line[3:] for line in summary.splitlines() if line.startswith("## ")] == \
+        ["steps_8b_bf16", "steps_8b_fp8", "clocks_8b"], summary
+    assert "FAILED" not in summary
+    steps = (tmp_path / "out" / "steps.log").read_text().splitlines()
+    assert len(steps) == 2 and all("--model 8b-layers" in s and "compile_mode=reduce-overhead" in s for s in steps)
+    assert [s.split("--recipes ")[1] for s in steps] == ["bf16", "fp8"]
+    rows = [line for line in summary.splitlines() if line.startswith("| bf16 ") or line.startswith("| fp8 ")]
+    assert len(rows) == 2, summary
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1:] == ["3 of 4", "1800 / 1755 (1980)", "690 (700)", "62", "SW power cap 67%; none 33%"], row
+    assert "sleep 60" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_gpu_e2e_memory_parts_run_each_recipe_in_a_fresh_process_with_and_without_expandable_segments(tmp_path):
+    """`memory_8b_ro_fresh` and `expandable_8b`: the 8B-layer step under CUDA graphs, FP8 then BF16, one process
+    each (one recipe's leftovers would count in the next one's held memory), the allocator as it comes, then with
+    expandable segments."""
+    out = tmp_path / "out"
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["memory_8b_ro_fresh", "expandable_8b"],
+                                    'echo "conf=[$PYTORCH_CUDA_ALLOC_CONF] $*" >> steps.log')
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = (out / "steps.log").read_text().splitlines()
+    assert [(s.split("]")[0] + "]", s.split("--recipes ")[1]) for s in steps] == [
+        ("conf=[]", "fp8"), ("conf=[]", "bf16"),
+        ("conf=[expandable_segments:True]", "fp8"), ("conf=[expandable_segments:True]", "bf16")]
+    assert all("--model 8b-layers" in s and "compile_mode=reduce-overhead" in s for s in steps)
+    summary = (out / "summary.md").read_text()
+    assert [line[3:] for line in summary.splitlines() if line.startswith("## ")] == [
+        "memory_8b_ro_fresh_fp8", "memory_8b_ro_fresh_bf16", "expandable_8b_fp8", "expandable_8b_bf16"]
+
+
+def test_clock_event_reasons_read_as_words():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import clocks_summary
+    assert clocks_summary.reasons(0) == "none"
+    assert clocks_summary.reasons(0x4 | 0x40) == "SW power cap, HW thermal"
