@@ -6,6 +6,8 @@ weight gradient, a dot product over the features whose summation order is the ke
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -104,25 +106,25 @@ def combine_backward(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, wei
                      dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dy, d weights) of `combine`: dy[pos[t, j]] = (w[t, j] * dout[t]) in y's dtype, written into `dy` (whose
     other rows the caller has zeroed); d w[t, j] = <dout[t], y[pos[t, j]]> in FP32."""
-    pos, weights = pos.contiguous(), weights.contiguous()
-    n, k = pos.shape
-    dweights = torch.empty(n, k, dtype=torch.float32, device=y.device)
-    if n:
-        block = _rows_block(n)
-        _combine_backward_kernel[(k, triton.cdiv(n, block))](
-            dout, y, pos, weights, dy, dweights, n, y.shape[1], dout.stride(0), y.stride(0), dy.stride(0), K=k,
-            BLOCK_N=block, BLOCK_H=BLOCK_H, num_warps=4, enable_fp_fusion=False)
-    return dy, dweights
+    return dy, _combine_backward(dout, y, pos, weights.contiguous(), dy)
 
 
 def combine_weights_grad(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """d w[t, j] = <dout[t], y[pos[t, j]]> in FP32: `combine_backward`'s second output alone."""
+    return _combine_backward(dout, y, pos, None, None)
+
+
+def _combine_backward(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, weights: Optional[torch.Tensor],
+                      dy: Optional[torch.Tensor]) -> torch.Tensor:
+    """The weights' gradient (returned), and with `dy` given `w * dout` written into it (`combine_backward`)."""
     pos = pos.contiguous()
     n, k = pos.shape
     dweights = torch.empty(n, k, dtype=torch.float32, device=y.device)
     if n:
+        write_dy = dy is not None
+        w, dy = (weights, dy) if write_dy else (dweights, y)  # unused pointers without dy
         block = _rows_block(n)
         _combine_backward_kernel[(k, triton.cdiv(n, block))](
-            dout, y, pos, dweights, y, dweights, n, y.shape[1], dout.stride(0), y.stride(0), y.stride(0), K=k,
-            BLOCK_N=block, BLOCK_H=BLOCK_H, WRITE_DY=False, num_warps=4, enable_fp_fusion=False)
+            dout, y, pos, w, dy, dweights, n, y.shape[1], dout.stride(0), y.stride(0), dy.stride(0), K=k,
+            BLOCK_N=block, BLOCK_H=BLOCK_H, WRITE_DY=write_dy, num_warps=4, enable_fp_fusion=False)
     return dweights
