@@ -3,7 +3,7 @@
 
     PYTHONPATH=. python benchmarks/dense_gemm.py [--model 1b 8b-layers linear] [--tokens 16384] [--iters 30]
                                                  [--backend cublas] [--device cuda] [--shapes N,K ...]
-                                                 [--cuda-graphs]
+                                                 [--cuda-graphs] [--gemms fprop wgrad] [--columns "ws 256"]
 
 Per linear (N output features, K input features) and M tokens (`--tokens` for the models' linears, 8192 for
 `linear`, the shapes of `benchmarks/fp8_linear.py`; `--shapes` names others instead, at `--tokens`):
@@ -25,6 +25,8 @@ only the GEMM is timed. Columns:
 
 Timing: CUDA events around `--iters` calls after warm-up; the calls are launched from Python, so a GEMM shorter
 than its launch path (the warp-specialized kernel builds TMA descriptors on the host) is timed at the host's pace.
+`--gemms` and `--columns` keep some GEMMs and columns (with a short `--iters`, a clean launch sequence for Nsight
+Compute: `benchmarks/gpu_e2e.sh ncu_ws`).
 `--cuda-graphs` captures the `--iters` calls in one CUDA graph and times its replay: device time, as the training
 step runs under `training.compile_mode: reduce-overhead`.
 
@@ -53,6 +55,7 @@ LINEAR_SHAPES = [("fp8_linear", 18432, 7168), ("fp8_linear", 7168, 18432), ("fp8
                  ("fp8_linear", 7168, 2048)]  # benchmarks/fp8_linear.py's (M, K, N) at M = 8192, as (name, N, K)
 GEMMS = ("fprop", "dgrad", "wgrad")
 FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers")
+ALL_COLUMNS = ("BF16", *FP8_COLUMNS)
 WRONG = 2**-6
 
 Column = tuple[Callable[[], object], Callable[[], torch.Tensor]]  # (timed call, its result in FP32)
@@ -94,8 +97,8 @@ def reference(gemm: str, o: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return bf16, ref.dequantize_1x128(a, a_s) @ b32.t()
 
 
-def columns(gemm: str, o: dict) -> dict[str, Column]:
-    """label -> (timed call, FP32 result) for one GEMM of one shape."""
+def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[str, Column]:
+    """label -> (timed call, FP32 result) for one GEMM of one shape, the `wanted` columns."""
     from megafp8.precision.bf16_linear import accumulate_product_
 
     def ws_gemm(*args, **kwargs):  # imported when called: it needs Triton's Gluon and a GPU (its cells say so)
@@ -137,14 +140,15 @@ def columns(gemm: str, o: dict) -> dict[str, Column]:
                                    tma_store=tma)
         runs = {"BF16": lambda: bf16_a @ bf16_b, "backend": by_backend}
     runs.update({"ws 128": ws(128, None), "ws 256": ws(256, None), "ws 256, registers": ws(256, False)})
-    return {label: (run, result_of(run)) for label, run in runs.items()}
+    return {label: (run, result_of(run)) for label, run in runs.items() if label in wanted}
 
 
-def measure(gemm: str, o: dict, m: int, n: int, k: int, iters: int, graphs: bool = False) -> list[str]:
-    """The row's cells: each column's TFLOP/s (ms), then best FP8 / the backend's and best FP8 / BF16."""
+def measure(gemm: str, o: dict, m: int, n: int, k: int, iters: int, graphs: bool = False,
+            wanted: tuple[str, ...] = ALL_COLUMNS) -> list[str]:
+    """The row's cells: each wanted column's TFLOP/s (ms), then best FP8 / the backend's and best FP8 / BF16."""
     want_bf16, want_fp8 = reference(gemm, o)
     cells, ms_of = [], {}
-    for label, (run, result) in columns(gemm, o).items():
+    for label, (run, result) in columns(gemm, o, wanted).items():
         try:
             want = want_bf16 if label == "BF16" else want_fp8
             err = float((result() - want).norm() / want.norm())
@@ -172,7 +176,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--shapes", nargs="+", metavar="N,K", help="these linears instead of --model's")
     parser.add_argument("--cuda-graphs", action="store_true", help="time replays of a CUDA graph of the calls")
+    parser.add_argument("--gemms", nargs="+", default=list(GEMMS), choices=GEMMS, help="these GEMMs only")
+    parser.add_argument("--columns", nargs="+", default=list(ALL_COLUMNS), choices=ALL_COLUMNS,
+                        help="these columns only")
     args = parser.parse_args(argv)
+    wanted = tuple(c for c in ALL_COLUMNS if c in args.columns)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("needs an SM90 GPU (cuBLAS's blockwise FP8 GEMMs and the warp-specialized kernel)")
@@ -182,8 +190,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error("--cuda-graphs needs --device cuda")
     timing = "replayed from CUDA graphs" if args.cuda_graphs else "launched from Python"
     print(f"{name}, torch {torch.__version__}, the {args.backend} backend, {timing}; TFLOP/s (ms)\n")
-    labels = [f"{args.backend} backend" if c == "backend" else c for c in FP8_COLUMNS]
-    header = ["model", "linear (N x K)", "M", "GEMM", "BF16", *labels, "best FP8 / backend", "best FP8 / BF16"]
+    labels = [f"{args.backend} backend" if c == "backend" else c for c in wanted]
+    header = ["model", "linear (N x K)", "M", "GEMM", *labels, "best FP8 / backend", "best FP8 / BF16"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
     g = torch.Generator(device=device).manual_seed(0)
     tables = {model: None for model in args.model}
@@ -197,8 +205,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             (LINEAR_SHAPES, min(8192, args.tokens)) if model == "linear" else (LINEARS[model], args.tokens)
         for name, n, k in shapes:
             o = operands(m, n, k, g, args.backend)
-            for gemm in GEMMS:
-                cells = measure(gemm, o, m, n, k, args.iters, args.cuda_graphs)
+            for gemm in (g for g in GEMMS if g in args.gemms):
+                cells = measure(gemm, o, m, n, k, args.iters, args.cuda_graphs, wanted)
                 print(f"| {model} | {name} ({n} x {k}) | {m} | {gemm} | " + " | ".join(cells) + " |", flush=True)
             del o
 

@@ -17,7 +17,7 @@
 # profile_moe_compiled), the MoE GPU tests (tests_moe), the warp-specialized GEMMs' tests (tests_ws; tests_dense_ws:
 # the hopper backend's dense GEMMs on it), the weight
 # gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the
-# wgrad GEMM (ncu_kernels), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column
+# wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense
 # wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only; dense_gemm: the three dense GEMMs, cuBLAS against the
 # warp-specialized kernel; dense_gemm_graphs, grouped_gemm_graphs: replayed from CUDA graphs), SDPA's backends on our
@@ -220,6 +220,15 @@ for part in $PARTS; do
         step "ncu_$kernel" ncu --kernel-name "regex:$kernel" --launch-skip 2 --launch-count 1 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
           --section SchedulerStats "$@"
+      done ;;
+    ncu_ws)  # Nsight Compute on the warp-specialized kernel's dense fprop and wgrad (into main_grad) at the 8B-layer
+             # gate/up shape: why it runs at ~55-60% (fprop) and ~45% (wgrad) of the tensor cores' peak. The 3rd
+             # launch of each process (dense_gemm.py: one for its check, three warm-ups), counters as ncu_kernels'
+      for gemm in fprop wgrad; do
+        step "ncu_ws_$gemm" ncu --kernel-name "regex:_ws_gemm_kernel" --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+          --section WarpStateStats --section SchedulerStats --section Occupancy --section SourceCounters \
+          python benchmarks/dense_gemm.py --shapes 28672,4096 --gemms "$gemm" --columns "ws 256" --iters 3
       done ;;
     clocks_8b)  # the SM clock, power and clock event reasons sampled every 200 ms while BF16, then FP8, run the
                 # 8B-layer step under CUDA graphs: do the GEMMs run slower in the step than alone because the clock drops?

@@ -150,14 +150,21 @@ def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> t
     return out
 
 
+def _gathered_outputs(name: str, source: torch.Tensor, index: torch.Tensor,
+                      fmt: Fp8Format) -> tuple[int, int, tuple[torch.Tensor, ...]]:
+    """(M, K, outputs) of a gathering row + column quantizer `name` over the rows source[index[i]]."""
+    assert source.stride(1) == 1, f"{name} needs a row-major source"
+    m, k = index.shape[0], source.shape[1]
+    out = tiles.rows_cols_outputs(m, k, fmt, source.device)
+    check_offsets(name, *out)  # source rows are indexed in int64
+    return m, k, out
+
+
 def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: Fp8Format,
                               power_of_two: bool) -> tuple[torch.Tensor, ...]:
     """`quantize_rows_cols` of x (M, K) with x[i] = source[index[i]] (a zero row where index[i] < 0), reading
     the source rows in place: the gather into a layout and the quantization in one pass."""
-    assert source.stride(1) == 1, "gather_quantize_rows_cols needs a row-major source"
-    m, k = index.shape[0], source.shape[1]
-    out = tiles.rows_cols_outputs(m, k, fmt, source.device)
-    check_offsets("gather_quantize_rows_cols", *out)  # source rows are indexed in int64
+    m, k, out = _gathered_outputs("gather_quantize_rows_cols", source, index, fmt)
     if not m:
         return out
     gluon = tiles.hopper_gluon(source.device, "rows_cols_gluon")  # the same bytes in fewer instructions
@@ -174,10 +181,7 @@ def gather_scale_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, f
                                     power_of_two: bool) -> tuple[torch.Tensor, ...]:
     """`quantize_rows_cols` of x (M, K) with x[i] = factor[i] * source[index[i]] in FP32 (a zero row where
     index[i] < 0), quantized from FP32: the MoE combine's backward writing the experts' output gradient in FP8."""
-    assert source.stride(1) == 1, "gather_scale_quantize_rows_cols needs a row-major source"
-    m, k = index.shape[0], source.shape[1]
-    out = tiles.rows_cols_outputs(m, k, fmt, source.device)
-    check_offsets("gather_scale_quantize_rows_cols", *out)  # source rows are indexed in int64
+    m, k, out = _gathered_outputs("gather_scale_quantize_rows_cols", source, index, fmt)
     if not m:
         return out
     index, factor = index.contiguous(), factor.to(torch.float32).contiguous()
