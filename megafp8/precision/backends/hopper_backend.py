@@ -13,11 +13,7 @@ Dense layers: fprop and dgrad (1x128 x 128x128) run on the same kernel, faster t
 `F.scaled_mm` on 22 of the 24 ~1B, 8B-layer and `fp8_linear.py` shapes replayed from CUDA graphs (up to 19%; 3% and
 0.5% slower on the other two; job CV); whole FP8 steps +1.1-1.5% (jobs CV, CW). The weight gradient stays on
 cuBLASLt, adding into `main_grad` in its epilogue: the warp-specialized kernel was slower on 8 of those 12 linears
-(-5% to +7%, job CV), and with 256 x 128 tiles still on 7 (twenty-fifth session, job CZ).
-
-The experts' weight gradients added into `main_grad` run on 256 x 128 tiles where each expert's rows are whole
-256-row tiles (`tall_tiles`): each consumer warpgroup multiplies two 64-row blocks by one 128-column slice and reads
-that slice's column scales once, half the shared-memory loads of 128 x 256 tiles a K step.
+(-5% to +7%, job CV).
 """
 from __future__ import annotations
 
@@ -49,20 +45,6 @@ class HopperBackend(CublasBackend):
         c = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
         return ws_gemm(a, a_scale, b, self.block_scales_nk(b_scale), c, b_blockwise=True,
                        block_n=_tile_width(b.shape[0]))
-
-    def grouped_gemm_1x128_1x128(self, a, a_scale, b, b_scale, rows, num_experts, out_dtype, accumulate=None):
-        if accumulate is None or a.shape[1] == 0 or not tall_tiles(a.shape[0]):
-            return super().grouped_gemm_1x128_1x128(a, a_scale, b, b_scale, rows, num_experts, out_dtype, accumulate)
-        return self.gemms.grouped_wgrad(a, a_scale, b, b_scale, rows.tile_start, rows.tile_count, out_dtype,
-                                        kernel=self.grouped_kernel, accumulate=accumulate, block_m=256, block_n=128)
-
-
-def tall_tiles(rows: int) -> bool:
-    """Whether the experts' weight gradients into `main_grad`, (E, rows, K), take 256 x 128 tiles: where each
-    expert's `rows` are whole 256-row tiles, so the TMA reduction stays within an expert. Against 128 x 256 tiles on
-    issue 19's shapes, replayed from CUDA graphs (job CZ): 791 against 759 and 831 against 733 TFLOP/s on the MoE
-    model's two (rows 2048, K 2048 and 1024), 859 against 837 and 802 against 825 on the 8-expert ones."""
-    return rows % 256 == 0
 
 
 def _tile_width(columns: int) -> int:
