@@ -15,7 +15,12 @@ Why warp specialization: each 128-wide K step's tensor-core product must be scal
 accumulator (DeepSeek-V3's promotion on CUDA cores), so a consumer waits for every MMA before its FMAs. Here one
 producer warp streams A and B tiles through a ring of shared-memory stages by TMA, and two consumer warpgroups,
 each owning 64 rows of a 128 x BLOCK_N output tile, run independently of each other: while one scales its
-product on the CUDA cores the other's MMA keeps the tensor cores busy (DeepGEMM's scheme). Programs are
+product on the CUDA cores the other's MMA keeps the tensor cores busy (DeepGEMM's scheme). Measured with Nsight
+Compute (`docs/performance.md`), they do so only in part: the tensor pipe is busy 82% of the fprop's cycles and 56%
+of the wgrad's, and a third of the consumers' stall samples wait for their own wgmma. With B in 1x128 tiles the
+output tile may also be 256 x 128 (`block_m=256`): each consumer multiplies two 64-row blocks by one slice of B and
+reads its column scales once for both, half the shared-memory loads of the 128 x 256 tile; the same bits, but no
+faster in the MoE step (0.997x, job DA), so the backends keep 128-row tiles. Programs are
 persistent (one per SM) and walk the output tiles grouped along M, so the producer is already loading the next
 tile while the consumers write the last one.
 
@@ -115,7 +120,8 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
     NB: gl.constexpr = BLOCK_N // TILE
     MB: gl.constexpr = BLOCK_M // HALF_M  # 64-row blocks of A per tile (2 or 4)
     stage_bytes: gl.constexpr = (MB * a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes
-                                 + MB * as_desc.block_type.nbytes + (0 if B_BLOCKWISE else NB * bs_desc.block_type.nbytes))
+                                 + MB * as_desc.block_type.nbytes
+                                 + (0 if B_BLOCKWISE else NB * bs_desc.block_type.nbytes))
     counter = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
@@ -414,7 +420,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     through shared memory by TMA (stored, or added by TMA's reduction), overlapping the next tile's MMAs (None:
     wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there). `block_m` 256
     (with `block_n` 128, B in 1x128 tiles, no `tile_expert`): 256 x 128 output tiles, each consumer two 64-row
-    blocks against one slice of B (`tall_tiles`)."""
+    blocks against one slice of B (same bits as 128-row tiles; the module docstring says what it measured)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
