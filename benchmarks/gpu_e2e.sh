@@ -17,7 +17,8 @@
 # profile_moe_compiled), the MoE GPU tests (tests_moe), the warp-specialized GEMMs' tests (tests_ws; tests_dense_ws:
 # the hopper backend's dense GEMMs on it), the weight
 # gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the
-# wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad), clocks and power sampled during the 8B-layer steps (clocks_8b), SwiGLU backward's column
+# wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad), clocks and power sampled during
+# the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense
 # wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only; dense_gemm: the three dense GEMMs, cuBLAS against the
 # warp-specialized kernel; dense_gemm_graphs, grouped_gemm_graphs: replayed from CUDA graphs), SDPA's backends on our
