@@ -78,7 +78,7 @@ def _ptxas_report(compiled) -> str:
     return result.stdout + result.stderr
 
 
-# (block_m, block_n) of the output tiles: 256 x 128 (`ws_gemm.tall_tiles`) only with B in 1x128 tiles
+# (block_m, block_n) of the output tiles: 256 x 128 (`ws_gemm.ws_gemm(block_m=256)`) only with B in 1x128 tiles
 TILES = [(128, 128), (128, 256), (256, 128)]
 
 
