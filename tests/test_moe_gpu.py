@@ -249,6 +249,47 @@ def test_the_warp_specialized_gemms_tma_epilogue_writes_the_register_epilogues_b
             assert not outputs[0].isnan().any() and torch.equal(plain, by_tma), f"{name}, block_n={block_n}"
 
 
+def test_256_row_tiles_write_the_bits_of_128_row_tiles():
+    """The warp-specialized kernel's 256 x 128 output tiles (B in 1x128 tiles: each consumer multiplies two 64-row
+    blocks by one slice of B and reads that slice's column scales once) do per element what the 128-row tiles do,
+    in the same order: the same bits, by TMA and from registers. Grouped wgrads with 384 rows (a tile half past the
+    edge: registers only, TMA refused) and 512 (TMA); a dense wgrad off the 128 grid; written and added into."""
+    pytest.importorskip("triton")
+    from megafp8.precision import E4M3, quantize as ref
+    from megafp8.precision.grouped import expert_rows
+    from megafp8.precision.kernels import gemm
+    from tests.fp8_checks import outlier_tensor
+    if gemm.warp_specialized_unavailable(CUDA) is not None:
+        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
+    counts = torch.tensor([130, 0, 256, 5])
+    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
+    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(200, 640, seed=5), E4M3))
+    xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(328, 640, seed=6), E4M3))
+    dense = torch.randn(200, 328, device=CUDA)
+    runs = {
+        "dense wgrad": lambda tiles: gemm.wgrad(dt, dt_s, xt, xt_s, torch.bfloat16, **tiles),
+        "dense wgrad into main_grad": lambda tiles: gemm.wgrad(dt, dt_s, xt, xt_s, torch.float32,
+                                                               accumulate=dense.clone(), **tiles)}
+    for n in (384, 512):
+        at, at_s, bt, bt_s = _grouped_problem(rows, n=n)[4:8]
+        stack = torch.randn(4, n, bt.shape[0], device=CUDA)
+        runs[f"grouped wgrad, {n} rows"] = lambda tiles, at=at, at_s=at_s, bt=bt, bt_s=bt_s: gemm.grouped_wgrad(
+            at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.bfloat16, kernel="ws", **tiles)
+        runs[f"grouped wgrad into main_grad, {n} rows"] = \
+            lambda tiles, at=at, at_s=at_s, bt=bt, bt_s=bt_s, stack=stack: gemm.grouped_wgrad(
+                at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, kernel="ws",
+                accumulate=stack.clone(), **tiles)
+    with pytest.raises(AssertionError, match="tma_store_fits"):  # 384 rows: a 256-row tile spans two experts
+        runs["grouped wgrad, 384 rows"](dict(block_m=256, block_n=128, tma_store=True))
+    for name, run in runs.items():
+        want = run(dict(block_n=256, tma_store=False))
+        for tiles in (dict(block_n=128), dict(block_m=256, block_n=128, tma_store=False),
+                      dict(block_m=256, block_n=128)):
+            got = run(tiles)
+            as_int = torch.int16 if got.element_size() == 2 else torch.int32
+            assert torch.equal(got.view(as_int), want.view(as_int)), f"{name}, {tiles}"
+
+
 def test_the_tma_reduction_into_main_grad_adds_and_keeps_subnormal_gradients():
     """Adding into main_grad by TMA's reduction gives the register epilogue's `c + product` bits where the product
     is not zero, and leaves main_grad as it is where the product is zero, FP32 subnormals included (a reduction that
