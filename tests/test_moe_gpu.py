@@ -290,6 +290,41 @@ def test_256_row_tiles_write_the_bits_of_128_row_tiles():
             assert torch.equal(got.view(as_int), want.view(as_int)), f"{name}, {tiles}"
 
 
+def test_consumers_taking_turns_on_the_tensor_cores_write_the_same_bits():
+    """`ws_gemm(pingpong=True)` only orders the two consumer warpgroups' MMAs (each issues once the other's has
+    completed): every output the same bits as without it. Grouped fprop (an expert without rows, padding tiles),
+    grouped wgrad added into main_grad, a dense wgrad off the 128 grid, 128- and 256-wide tiles, 256 x 128 tiles;
+    a kernel whose turns went out of pairs would hang or differ."""
+    pytest.importorskip("triton")
+    from megafp8.precision import E4M3, quantize as ref
+    from megafp8.precision.grouped import expert_rows
+    from megafp8.precision.kernels import gemm
+    from tests.fp8_checks import outlier_tensor
+    if gemm.warp_specialized_unavailable(CUDA) is not None:
+        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
+    counts = torch.tensor([130, 0, 256, 5])
+    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
+    a, a_s, b, b_s, at, at_s, bt, bt_s = _grouped_problem(rows, n=512)[:8]
+    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(200, 640, seed=5), E4M3))
+    xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(328, 640, seed=6), E4M3))
+    stack, dense = torch.randn(4, 512, bt.shape[0], device=CUDA), torch.randn(200, 328, device=CUDA)
+    runs = {
+        "grouped fprop": lambda o: gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.bfloat16, kernel="ws",
+                                                     **o),
+        "grouped wgrad into main_grad": lambda o: gemm.grouped_wgrad(
+            at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, kernel="ws",
+            accumulate=stack.clone(), **o),
+        "dense wgrad into main_grad": lambda o: gemm.wgrad(dt, dt_s, xt, xt_s, torch.float32,
+                                                           accumulate=dense.clone(), **o)}
+    for name, run in runs.items():
+        tiles = [dict(block_n=128), dict(block_n=256)] + ([] if name == "grouped fprop" else
+                                                          [dict(block_m=256, block_n=128)])
+        for options in tiles:
+            want, got = run(options), run(dict(options, pingpong=True))
+            as_int = torch.int16 if got.element_size() == 2 else torch.int32
+            assert torch.equal(got.view(as_int), want.view(as_int)), f"{name}, {options}"
+
+
 def test_the_tma_reduction_into_main_grad_adds_and_keeps_subnormal_gradients():
     """Adding into main_grad by TMA's reduction gives the register epilogue's `c + product` bits where the product
     is not zero, and leaves main_grad as it is where the product is zero, FP32 subnormals included (a reduction that

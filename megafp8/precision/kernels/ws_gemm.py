@@ -145,21 +145,45 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
 
 
 @gluon.jit
+def _issue(a_smem, b_smem, t, turns, turn, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """(t, turn): one K step's 64 x 128 MMA into a fresh FP32 product, issued (`_complete` waits for it). With
+    PINGPONG the two consumers take turns on the tensor cores: this one issues only once the other's last MMA has
+    completed (`turns`: one mbarrier a consumer; `turn`: this consumer's phase), so the other's promotion, not its
+    MMA, overlaps this MMA. Otherwise both issue when ready, and the tensor cores share out MMAs issued together,
+    which then complete together."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(HALF), turn)
+        turn = turn ^ 1
+    t = warpgroup_mma(a_smem, b_smem, t, use_acc=False, is_async=True)
+    return t, turn
+
+
+@gluon.jit
+def _complete(t, turns, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """The product `_issue` started, once complete; with PINGPONG the turn passes to the other consumer."""
+    t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - HALF), count=1)
+    return t
+
+
+@gluon.jit
 def _scaled_product(a_smem, b_smem, t, a_s, bs_smem, bs_ptr, group, n_block, N, kblk, stride_bs_e, stride_bs_n,
-                    stride_bs_k, B_BLOCKWISE: gl.constexpr, col_layout: gl.constexpr):
-    """(t, scaled): the 64 x 128 product of one K step (`t` carries the product's registers from step to step) and
-    that product times its scales: the rows' `a_s` and B's block scale (one per 128 columns) or the scales of B's
-    128 rows (C's columns), which arrived with the stage in `bs_smem` and are read straight into the accumulator's
-    column layout."""
-    t = warpgroup_mma(a_smem, b_smem.permute((1, 0)), t, use_acc=False, is_async=True)
+                    stride_bs_k, turns, turn, HALF: gl.constexpr, PINGPONG: gl.constexpr,
+                    B_BLOCKWISE: gl.constexpr, col_layout: gl.constexpr):
+    """(t, scaled, turn): the 64 x 128 product of one K step (`t` carries the product's registers from step to
+    step; `_issue`) and that product times its scales: the rows' `a_s` and B's block scale (one per 128 columns)
+    or the scales of B's 128 rows (C's columns), which arrived with the stage in `bs_smem` and are read straight
+    into the accumulator's column layout."""
+    t, turn = _issue(a_smem, b_smem.permute((1, 0)), t, turns, turn, HALF, PINGPONG)
     if B_BLOCKWISE:  # (a slice past N's last block reads no scale: its columns are not stored)
         b_s = gl.load(bs_ptr + group * stride_bs_e + n_block * stride_bs_n + kblk * stride_bs_k,
                       mask=n_block < gl.cdiv(N, TILE), other=0.0)
-        t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-        return t, t * (a_s * b_s)[:, None]
-    t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+        t = _complete(t, turns, HALF, PINGPONG)
+        return t, t * (a_s * b_s)[:, None], turn
+    t = _complete(t, turns, HALF, PINGPONG)
     b_s = bs_smem._reinterpret(gl.float32, [TILE], _FLAT).load(col_layout)  # after the wait: fewer live registers
-    return t, t * a_s[:, None] * b_s[None, :]
+    return t, t * a_s[:, None] * b_s[None, :], turn
 
 
 @gluon.jit
@@ -203,16 +227,18 @@ def _write_by_tma(c_desc, c_buf, acc, row, col, ADD: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
-              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
-              stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
+def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, turns, c_desc, c_ptr, bs_ptr, M, N,
+              K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+              stride_bs_n, stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
               B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+              PINGPONG: gl.constexpr):
     """One warpgroup: rows [HALF * BLOCK_M/2, (HALF + 1) * BLOCK_M/2) of every output tile, as two 64 x 128
     products per K step: one 64-row block against BLOCK_N/128 slices of B, or (BLOCK_M 256) two 64-row blocks
     against one slice, whose column scales are then read once for both. Per product: a wgmma into a fresh FP32
     product, wait, scale, add to that product's accumulator. The stage is released once its last wgmma has
-    completed and its scales are read, before the last product's promotion."""
+    completed and its scales are read, before the last product's promotion. With PINGPONG the consumers take
+    turns on the tensor cores (`_issue`); both run the same products, so the turns stay paired."""
     NB: gl.constexpr = BLOCK_N // TILE
     RB: gl.constexpr = BLOCK_M // TILE  # 64-row blocks of A this consumer multiplies (2 only with NB == 1)
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -221,6 +247,7 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
     col_layout: gl.constexpr = gl.SliceLayout(0, layout)
     t = gl.zeros([HALF_M, TILE], gl.float32, layout)
     counter = 0
+    turn = 0  # this consumer's phase on its turn barrier (PINGPONG)
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
             tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_M,
@@ -237,25 +264,26 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
             a_s = as_bufs.index(first)._reinterpret(gl.float32, [HALF_M], _FLAT).load(row_layout)
             if RB == 2:  # B in 1x128 tiles: its 128 column scales, read once, serve both row blocks
                 b_smem = b_bufs.index(s).permute((1, 0))
-                t = warpgroup_mma(a_bufs.index(first), b_smem, t, use_acc=False, is_async=True)
-                t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+                t, turn = _issue(a_bufs.index(first), b_smem, t, turns, turn, HALF, PINGPONG)
+                t = _complete(t, turns, HALF, PINGPONG)
                 b_s = bs_bufs.index(s)._reinterpret(gl.float32, [TILE], _FLAT).load(col_layout)
                 acc0 = _settled(acc0 + t * a_s[:, None] * b_s[None, :])
                 a_s = as_bufs.index(first + 1)._reinterpret(gl.float32, [HALF_M], _FLAT).load(row_layout)
-                t = warpgroup_mma(a_bufs.index(first + 1), b_smem, t, use_acc=False, is_async=True)
-                t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+                t, turn = _issue(a_bufs.index(first + 1), b_smem, t, turns, turn, HALF, PINGPONG)
+                t = _complete(t, turns, HALF, PINGPONG)
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = acc1 + t * a_s[:, None] * b_s[None, :]
             else:
                 a_smem = a_bufs.index(first)
-                t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_bufs.index(NB * s), bs_ptr,
-                                            group, off_n // TILE, N, kblk, stride_bs_e, stride_bs_n, stride_bs_k,
-                                            B_BLOCKWISE, col_layout)
+                t, scaled, turn = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_bufs.index(NB * s),
+                                                  bs_ptr, group, off_n // TILE, N, kblk, stride_bs_e, stride_bs_n,
+                                                  stride_bs_k, turns, turn, HALF, PINGPONG, B_BLOCKWISE, col_layout)
                 if NB == 2:
                     acc0 = _settled(acc0 + scaled)
-                    t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_bufs.index(NB * s + 1),
-                                                bs_ptr, group, off_n // TILE + 1, N, kblk, stride_bs_e, stride_bs_n,
-                                                stride_bs_k, B_BLOCKWISE, col_layout)
+                    t, scaled, turn = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s,
+                                                      bs_bufs.index(NB * s + 1), bs_ptr, group, off_n // TILE + 1, N,
+                                                      kblk, stride_bs_e, stride_bs_n, stride_bs_k, turns, turn, HALF,
+                                                      PINGPONG, B_BLOCKWISE, col_layout)
                     mbarrier.arrive(empty.index(s), count=1)
                     acc1 = acc1 + scaled
                 else:
@@ -294,7 +322,7 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
                     k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
                     stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
                     ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, PINGPONG: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     MB: gl.constexpr = BLOCK_M // HALF_M
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [MB * STAGES, HALF_M, TILE], a_desc.layout)
@@ -311,19 +339,26 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
+    if PINGPONG:  # consumer h issues an MMA once turns[h] has completed a phase: the other's last MMA is done
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(turns.index(0), count=1)
+        mbarrier.init(turns.index(1), count=1)
+        mbarrier.arrive(turns.index(0), count=1)  # consumer 0 goes first
+    else:  # (unused)
+        turns = ready
     num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     if GROUPED_K:
         num_tiles = num_tiles * num_groups
     # (No starred arguments in Gluon: every partition's arguments are spelled out.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
-                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, turns, c_desc, c_ptr, bs_ptr, M, N,
+                     K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_M, BLOCK_N, STAGES, GROUP_M)),
-        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
-                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+                     BLOCK_M, BLOCK_N, STAGES, GROUP_M, PINGPONG)),
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, turns, c_desc, c_ptr, bs_ptr, M, N,
+                     K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_M, BLOCK_N, STAGES, GROUP_M)),
+                     BLOCK_M, BLOCK_N, STAGES, GROUP_M, PINGPONG)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
                      K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
                      B_BLOCKWISE, BLOCK_M, BLOCK_N, STAGES, GROUP_M)),
@@ -410,7 +445,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
             block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None,
-            block_m: int = 128) -> torch.Tensor:
+            block_m: int = 128, pingpong: bool = False) -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
@@ -420,7 +455,8 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     through shared memory by TMA (stored, or added by TMA's reduction), overlapping the next tile's MMAs (None:
     wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there). `block_m` 256
     (with `block_n` 128, B in 1x128 tiles, no `tile_expert`): 256 x 128 output tiles, each consumer two 64-row
-    blocks against one slice of B (same bits as 128-row tiles; the module docstring says what it measured)."""
+    blocks against one slice of B (same bits as 128-row tiles; the module docstring says what it measured).
+    `pingpong`: the two consumers take turns on the tensor cores (`_issue`; an experiment, same bits)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
@@ -458,6 +494,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
         c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k,
         GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise, ACCUMULATE=accumulate,
         TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_M=block_m, BLOCK_N=block_n,
-        STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size(), block_m), GROUP_M=group_m, num_warps=4,
+        STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size(), block_m), GROUP_M=group_m,
+        PINGPONG=pingpong, num_warps=4,
         maxnreg=_MAXNREG)
     return c
