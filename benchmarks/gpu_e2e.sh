@@ -235,7 +235,7 @@ for part in $PARTS; do
                # same bits, then its fprop, dgrad and wgrad against the default, replayed from CUDA graphs
       step gpu_tests_pingpong python -m pytest -q -m gpu tests/test_moe_gpu.py -k "taking_turns or 256_row_tiles" \
            -p no:cacheprovider
-      step dense_gemm_pingpong python benchmarks/dense_gemm.py --model 1b 8b-layers --columns backend "ws 256" \
+      step dense_gemm_pingpong python benchmarks/dense_gemm.py --model 1b 8b-layers --columns backend "ws 128" "ws 256" \
            "ws 256, ping-pong" --cuda-graphs --iters 20
       step grouped_gemm_pingpong python benchmarks/grouped_gemm.py --backend hopper --columns "256-wide" \
            "ping-pong" --cuda-graphs --iters 20 ;;
