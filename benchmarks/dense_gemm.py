@@ -22,10 +22,6 @@ only the GEMM is timed. Columns:
 - ws 128 / ws 256: the warp-specialized Gluon kernel (`megafp8.precision.kernels.ws_gemm`), 128- or 256-wide tiles,
   output tiles by TMA (wgrad: added into main_grad by TMA's reduction where this Triton builds it).
 - ws 256, registers: the same kernel storing (or adding) from its registers.
-- ws 256x128: wgrad only, the kernel's 256 x 128 tiles (each consumer two 64-row blocks against one 128-column
-  slice, whose column scales it reads once for both), output by TMA.
-- ws 256, ping-pong: ws 256 with its two consumer warpgroups taking turns on the tensor cores (each issues its MMA
-  once the other's has completed; `ws_gemm(pingpong=True)`).
 
 Timing: CUDA events around `--iters` calls after warm-up; the calls are launched from Python, so a GEMM shorter
 than its launch path (the warp-specialized kernel builds TMA descriptors on the host) is timed at the host's pace.
@@ -58,7 +54,7 @@ from wgrad_gemm import LINEARS, accumulated_result  # noqa: E402
 LINEAR_SHAPES = [("fp8_linear", 18432, 7168), ("fp8_linear", 7168, 18432), ("fp8_linear", 4096, 4096),
                  ("fp8_linear", 7168, 2048)]  # benchmarks/fp8_linear.py's (M, K, N) at M = 8192, as (name, N, K)
 GEMMS = ("fprop", "dgrad", "wgrad")
-FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers", "ws 256x128", "ws 256, ping-pong")
+FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers")
 ALL_COLUMNS = ("BF16", *FP8_COLUMNS)
 WRONG = 2**-6
 
@@ -125,9 +121,9 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
         def by_backend():
             backend.gemm_1x128_1x128_accumulate_(main_grad, a, a_s, b, b_s)
 
-        def ws(block_n, tma, block_m=128, pingpong=False):
+        def ws(block_n, tma):
             return lambda: ws_gemm(a, a_s, b, b_s, main_grad, b_blockwise=False, accumulate=True, block_n=block_n,
-                                   tma_store=tma, block_m=block_m, pingpong=pingpong)
+                                   tma_store=tma)
         runs = {"BF16": bf16, "backend": by_backend}
     else:
         bf16_a, bf16_b = (o["x"], o["w"].t()) if gemm == "fprop" else (o["dy"], o["w"])
@@ -139,16 +135,11 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
         def by_backend():
             return backend.gemm_1x128_128x128(a, a_s, b, b_s, torch.bfloat16)
 
-        def ws(block_n, tma, block_m=128, pingpong=False):
-            if block_m != 128:
-                def not_here():
-                    raise NotImplementedError("256-row tiles take B in 1x128 tiles: wgrad only")
-                return not_here
+        def ws(block_n, tma):
             return lambda: ws_gemm(a, a_s, b, backend.block_scales_nk(b_s), out, b_blockwise=True, block_n=block_n,
-                                   tma_store=tma, pingpong=pingpong)
+                                   tma_store=tma)
         runs = {"BF16": lambda: bf16_a @ bf16_b, "backend": by_backend}
-    runs.update({"ws 128": ws(128, None), "ws 256": ws(256, None), "ws 256, registers": ws(256, False),
-                 "ws 256x128": ws(128, None, block_m=256), "ws 256, ping-pong": ws(256, None, pingpong=True)})
+    runs.update({"ws 128": ws(128, None), "ws 256": ws(256, None), "ws 256, registers": ws(256, False)})
     return {label: (run, result_of(run)) for label, run in runs.items() if label in wanted}
 
 

@@ -68,7 +68,7 @@ COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `tor
            "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours, TMA (Triton)",
            "ours, warp-specialized (Gluon), 128-wide tiles", "ours, warp-specialized, 256-wide tiles",
            "ours, ws 128, epilogue from registers", "ours, ws 256, epilogue from registers",
-           "ours, ws 256x128 tiles (wgrad)", "ours, ws 256, ping-pong", "ours (the backend's default)")
+           "ours (the backend's default)")
 ALWAYS = (1, len(COLUMNS) - 1)  # BF16 `_grouped_mm` and the backend's default: the ratio column's two
 WRONG = 2**-3  # relative error beyond which a column's output is reported wrong (FP8 gives a few percent)
 
@@ -298,25 +298,16 @@ def ours(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
     return lambda: impl.grouped_gemm_1x128_128x128(a, a_scale, weight, gemm == "dgrad", rows, torch.bfloat16)
 
 
-def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None, block_m: int = 128,
-               pingpong: bool = False) -> Callable:
+def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None) -> Callable:
     """A column of one of our grouped kernels, chosen explicitly: "pointer" (what GPUs without TMA run), "tma"
     (Triton, TMA loads) or "ws" (warp-specialized Gluon, `block_n` wide tiles; `tma_store` False: its output tiles
-    stored from the consumers' registers rather than by TMA where they may; `block_m` 256: 256 x 128 tiles, the
-    weight gradients only; `pingpong`: its consumers taking turns on the tensor cores), against the backend's
-    default."""
+    stored from the consumers' registers rather than by TMA where they may), against the backend's default."""
     def build(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
-        if block_m != 128 and gemm not in ("wgrad", INTO):
-            raise NotApplicable  # 256-row tiles take B in 1x128 tiles: the weight gradients only
         if p.x.device.type != "cuda":
             raise RuntimeError("our Triton kernels need a CUDA GPU")
         from megafp8.precision.kernels import gemm as kernels
         _, rows, operands = _our_operands(p, gemm, backend)
         options = {} if kernel != "ws" else dict(block_n=block_n, tma_store=tma_store)
-        if block_m != 128:
-            options["block_m"] = block_m
-        if pingpong:
-            options["pingpong"] = True
         if gemm in ("wgrad", INTO):
             main_grad = p.main_grad() if gemm == INTO else None
             return lambda: kernels.grouped_wgrad(*operands, rows.tile_start, rows.tile_count, torch.bfloat16,
@@ -326,15 +317,13 @@ def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None
         b, b_scale = impl.weight_transposed(weight) if gemm == "dgrad" else (weight.w_fp8, weight.w_scale)
         return lambda: kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, torch.bfloat16, kernel=kernel,
                                             **options)
-    build.__name__ = f"ours_{kernel}_{block_m}x{block_n}" + ("_registers" if tma_store is False else "") + \
-        ("_pingpong" if pingpong else "")
+    build.__name__ = f"ours_{kernel}_{block_n}" + ("_registers" if tma_store is False else "")
     return build
 
 
 BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, our_kernel("pointer"), our_kernel("tma"),
             our_kernel("ws", 128), our_kernel("ws", 256), our_kernel("ws", 128, tma_store=False),
-            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 128, block_m=256), our_kernel("ws", pingpong=True),
-            ours)
+            our_kernel("ws", 256, tma_store=False), ours)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -42,7 +42,7 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
 MAX_SPILL_BYTES = 64
 
 
-def _compile(flags: dict, c_type: str, block_n: int, block_m: int = 128, pingpong: bool = False):
+def _compile(flags: dict, c_type: str, block_n: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -61,9 +61,9 @@ def _compile(flags: dict, c_type: str, block_n: int, block_m: int = 128, pingpon
                  "bs_ptr": "*fp32", "tile_expert_ptr": "*i32", "k_start_ptr": "*i32", "k_count_ptr": "*i32"}
     signature.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "num_groups", "stride_ce", "stride_cm",
                                                "stride_bs_e", "stride_bs_n", "stride_bs_k")})
-    buffers = ws_gemm.epilogue_buffers(c, block_n, block_m) if flags["TMA_STORE"] else 0
-    constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, PINGPONG=pingpong,
-                     STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size(), block_m))
+    buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
+    constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8,
+                     STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
     signature.update({name: "constexpr" for name in constants})
     return triton.compile(GluonASTSource(ws_gemm._ws_gemm_kernel, signature, constexprs=constants),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
@@ -78,19 +78,11 @@ def _ptxas_report(compiled) -> str:
     return result.stdout + result.stderr
 
 
-# (block_m, block_n) of the output tiles: 256 x 128 (`ws_gemm.ws_gemm(block_m=256)`) only with B in 1x128 tiles
-TILES = [(128, 128), (128, 256), (256, 128)]
-
-
-@pytest.mark.parametrize("pingpong", [False, True])
-@pytest.mark.parametrize("block_m, block_n", TILES)
+@pytest.mark.parametrize("block_n", [128, 256])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_spilled_accumulators(name, block_m,
-                                                                                                    block_n, pingpong):
+def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_spilled_accumulators(name, block_n):
     flags, c_type = CONFIGS[name]
-    if block_m == 256 and flags["B_BLOCKWISE"]:
-        pytest.skip("256-row tiles are for B in 1x128 tiles")
-    compiled = _compile(flags, c_type, block_n, block_m, pingpong)
+    compiled = _compile(flags, c_type, block_n)
     assert compiled.metadata.shared <= 232448, compiled.metadata.shared  # SM90's shared memory per block
     ptx = compiled.asm["ptx"]
     if flags["TMA_STORE"]:  # the epilogue by TMA: stored, or added into main_grad by the TMA unit's reduction

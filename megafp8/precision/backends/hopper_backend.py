@@ -13,8 +13,8 @@ Dense layers: fprop and dgrad (1x128 x 128x128) run on the same kernel, faster t
 `F.scaled_mm` on 22 of the 24 ~1B, 8B-layer and `fp8_linear.py` shapes replayed from CUDA graphs (up to 19%; 3% and
 0.5% slower on the other two; job CV); whole FP8 steps +1.1-1.5% (jobs CV, CW). The weight gradient stays on
 cuBLASLt, adding into `main_grad` in its epilogue: the warp-specialized kernel was slower on 8 of those 12 linears
-(-5% to +7%, job CV), and with its 256 x 128 tiles on 8 again (twenty-fifth session, job CZ). The experts' wgrads
-keep 128 x 256 tiles: on 256 x 128 ones the MoE step ran 0.997x (job DA).
+(-5% to +7%, job CV), and with 256 x 128 tiles on 8 again (twenty-fifth session, job CZ); with the experts' wgrads
+on 256 x 128 tiles the MoE step ran 0.997x (job DA), so those tiles were removed.
 """
 from __future__ import annotations
 

@@ -17,10 +17,10 @@ producer warp streams A and B tiles through a ring of shared-memory stages by TM
 each owning 64 rows of a 128 x BLOCK_N output tile, run independently of each other: while one scales its
 product on the CUDA cores the other's MMA keeps the tensor cores busy (DeepGEMM's scheme). Measured with Nsight
 Compute (`docs/performance.md`), they do so only in part: the tensor pipe is busy 82% of the fprop's cycles and 56%
-of the wgrad's, and a third of the consumers' stall samples wait for their own wgmma. With B in 1x128 tiles the
-output tile may also be 256 x 128 (`block_m=256`): each consumer multiplies two 64-row blocks by one slice of B and
-reads its column scales once for both, half the shared-memory loads of the 128 x 256 tile; the same bits, but no
-faster in the MoE step (0.997x, job DA), so the backends keep 128-row tiles. Programs are
+of the wgrad's, and a third of the consumers' stall samples wait for their own wgmma. 256 x 128 tiles for the
+wgrad (each consumer two 64-row blocks against one slice, its column scales read once: half the shared-memory
+loads) gave the same bits and no faster MoE step (0.997x, job DA); removed again (commit `c8d5599` had them).
+Programs are
 persistent (one per SM) and walk the output tiles grouped along M, so the producer is already loading the next
 tile while the consumers write the last one.
 
@@ -78,11 +78,11 @@ _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5
 
 @gluon.jit
 def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr,
-                 GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, BLOCK_N: gl.constexpr,
                  GROUP_M: gl.constexpr):
     """(off_m, off_n, b_row, group, k_first, k_steps) of output tile `tile`: its first row and column, the first
     row of B it reads, its expert (0 for dense), and its K blocks [k_first, k_first + k_steps)."""
-    num_m = gl.cdiv(M, BLOCK_M)
+    num_m = gl.cdiv(M, TILE)
     num_n = gl.cdiv(N, BLOCK_N)
     group = tile * 0  # dense: one group
     if GROUPED_K:
@@ -93,12 +93,12 @@ def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr
     size_m = gl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (t % in_group) % size_m
     pid_n = (t % in_group) // size_m
-    off_m = pid_m * BLOCK_M
+    off_m = pid_m * TILE
     off_n = pid_n * BLOCK_N
     b_row = off_n
     k_first = 0
     k_steps = K_BLOCKS
-    if GROUPED_ROWS:  # (BLOCK_M 128) a padding tile past the last expert's rows (expert -1) gets zeros: no K steps
+    if GROUPED_ROWS:  # a padding tile past the last expert's rows (expert -1) gets zeros: no K steps
         expert = gl.load(tile_expert_ptr + pid_m)
         k_steps = gl.where(expert >= 0, K_BLOCKS, 0)
         group = gl.maximum(expert, 0)
@@ -112,21 +112,19 @@ def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr
 @gluon.jit
 def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N, K_BLOCKS,
               num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr,
-              GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    """One warp: TMA loads of every tile's A (BLOCK_M/64 blocks of 64 rows) and B (BLOCK_N/128 slices) per K step
-    into the stage ring, with their scales for that K step (A's rows'; B's rows' where B is in 1x128 tiles), on the
-    same barrier; a stage is refilled once both consumers have released it."""
+              GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warp: TMA loads of every tile's A (two 64-row halves) and B (BLOCK_N/128 slices) per K step into the
+    stage ring, with their scales for that K step (A's rows'; B's rows' where B is in 1x128 tiles), on the same
+    barrier; a stage is refilled once both consumers have released it."""
     NB: gl.constexpr = BLOCK_N // TILE
-    MB: gl.constexpr = BLOCK_M // HALF_M  # 64-row blocks of A per tile (2 or 4)
-    stage_bytes: gl.constexpr = (MB * a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes
-                                 + MB * as_desc.block_type.nbytes
-                                 + (0 if B_BLOCKWISE else NB * bs_desc.block_type.nbytes))
+    stage_bytes: gl.constexpr = (2 * a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes
+                                 + 2 * as_desc.block_type.nbytes + (0 if B_BLOCKWISE else NB * bs_desc.block_type.nbytes))
     counter = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
-            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_M,
-            BLOCK_N, GROUP_M)
+            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_N,
+            GROUP_M)
         for kb in range(k_steps):
             s = counter % STAGES
             mbarrier.wait(empty.index(s), ((counter // STAGES) & 1) ^ 1)
@@ -134,9 +132,10 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
             mbarrier.expect(bar, stage_bytes)
             kblk = k_first + kb
             k = kblk * TILE
-            for i in gl.static_range(MB):
-                tma.async_copy_global_to_shared(a_desc, [off_m + i * HALF_M, k], bar, a_bufs.index(MB * s + i))
-                tma.async_copy_global_to_shared(as_desc, [kblk, off_m + i * HALF_M], bar, as_bufs.index(MB * s + i))
+            tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a_bufs.index(2 * s))
+            tma.async_copy_global_to_shared(a_desc, [off_m + HALF_M, k], bar, a_bufs.index(2 * s + 1))
+            tma.async_copy_global_to_shared(as_desc, [kblk, off_m], bar, as_bufs.index(2 * s))
+            tma.async_copy_global_to_shared(as_desc, [kblk, off_m + HALF_M], bar, as_bufs.index(2 * s + 1))
             for h in gl.static_range(NB):
                 tma.async_copy_global_to_shared(b_desc, [b_row + h * TILE, k], bar, b_bufs.index(NB * s + h))
                 if not B_BLOCKWISE:
@@ -145,45 +144,21 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
 
 
 @gluon.jit
-def _issue(a_smem, b_smem, t, turns, turn, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-    """(t, turn): one K step's 64 x 128 MMA into a fresh FP32 product, issued (`_complete` waits for it). With
-    PINGPONG the two consumers take turns on the tensor cores: this one issues only once the other's last MMA has
-    completed (`turns`: one mbarrier a consumer; `turn`: this consumer's phase), so the other's promotion, not its
-    MMA, overlaps this MMA. Otherwise both issue when ready, and the tensor cores share out MMAs issued together,
-    which then complete together."""
-    if PINGPONG:
-        mbarrier.wait(turns.index(HALF), turn)
-        turn = turn ^ 1
-    t = warpgroup_mma(a_smem, b_smem, t, use_acc=False, is_async=True)
-    return t, turn
-
-
-@gluon.jit
-def _complete(t, turns, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-    """The product `_issue` started, once complete; with PINGPONG the turn passes to the other consumer."""
-    t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-    if PINGPONG:
-        mbarrier.arrive(turns.index(1 - HALF), count=1)
-    return t
-
-
-@gluon.jit
 def _scaled_product(a_smem, b_smem, t, a_s, bs_smem, bs_ptr, group, n_block, N, kblk, stride_bs_e, stride_bs_n,
-                    stride_bs_k, turns, turn, HALF: gl.constexpr, PINGPONG: gl.constexpr,
-                    B_BLOCKWISE: gl.constexpr, col_layout: gl.constexpr):
-    """(t, scaled, turn): the 64 x 128 product of one K step (`t` carries the product's registers from step to
-    step; `_issue`) and that product times its scales: the rows' `a_s` and B's block scale (one per 128 columns)
-    or the scales of B's 128 rows (C's columns), which arrived with the stage in `bs_smem` and are read straight
-    into the accumulator's column layout."""
-    t, turn = _issue(a_smem, b_smem.permute((1, 0)), t, turns, turn, HALF, PINGPONG)
+                    stride_bs_k, B_BLOCKWISE: gl.constexpr, col_layout: gl.constexpr):
+    """(t, scaled): the 64 x 128 product of one K step (`t` carries the product's registers from step to step) and
+    that product times its scales: the rows' `a_s` and B's block scale (one per 128 columns) or the scales of B's
+    128 rows (C's columns), which arrived with the stage in `bs_smem` and are read straight into the accumulator's
+    column layout."""
+    t = warpgroup_mma(a_smem, b_smem.permute((1, 0)), t, use_acc=False, is_async=True)
     if B_BLOCKWISE:  # (a slice past N's last block reads no scale: its columns are not stored)
         b_s = gl.load(bs_ptr + group * stride_bs_e + n_block * stride_bs_n + kblk * stride_bs_k,
                       mask=n_block < gl.cdiv(N, TILE), other=0.0)
-        t = _complete(t, turns, HALF, PINGPONG)
-        return t, t * (a_s * b_s)[:, None], turn
-    t = _complete(t, turns, HALF, PINGPONG)
+        t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+        return t, t * (a_s * b_s)[:, None]
+    t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
     b_s = bs_smem._reinterpret(gl.float32, [TILE], _FLAT).load(col_layout)  # after the wait: fewer live registers
-    return t, t * a_s[:, None] * b_s[None, :], turn
+    return t, t * a_s[:, None] * b_s[None, :]
 
 
 @gluon.jit
@@ -227,31 +202,25 @@ def _write_by_tma(c_desc, c_buf, acc, row, col, ADD: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, turns, c_desc, c_ptr, bs_ptr, M, N,
-              K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
-              stride_bs_n, stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
+def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
+              stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
               B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-              PINGPONG: gl.constexpr):
-    """One warpgroup: rows [HALF * BLOCK_M/2, (HALF + 1) * BLOCK_M/2) of every output tile, as two 64 x 128
-    products per K step: one 64-row block against BLOCK_N/128 slices of B, or (BLOCK_M 256) two 64-row blocks
-    against one slice, whose column scales are then read once for both. Per product: a wgmma into a fresh FP32
-    product, wait, scale, add to that product's accumulator. The stage is released once its last wgmma has
-    completed and its scales are read, before the last product's promotion. With PINGPONG the consumers take
-    turns on the tensor cores (`_issue`); both run the same products, so the turns stay paired."""
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
+    wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator. The stage is released once its
+    last wgmma has completed and its scales are read, before the last slice's promotion."""
     NB: gl.constexpr = BLOCK_N // TILE
-    RB: gl.constexpr = BLOCK_M // TILE  # 64-row blocks of A this consumer multiplies (2 only with NB == 1)
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, TILE, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, layout)
     t = gl.zeros([HALF_M, TILE], gl.float32, layout)
     counter = 0
-    turn = 0  # this consumer's phase on its turn barrier (PINGPONG)
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
-            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_M,
-            BLOCK_N, GROUP_M)
+            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_N,
+            GROUP_M)
         # Index vectors are made where they are used, not kept across the K loop: a 128-wide column vector takes 32
         # registers a thread in this layout, which the accumulators need.
         acc0 = gl.zeros([HALF_M, TILE], gl.float32, layout)
@@ -260,59 +229,36 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, turns, c_d
             s = counter % STAGES
             kblk = k_first + kb
             mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
-            first = 2 * RB * s + RB * HALF  # this consumer's first 64-row block of A in the stage
-            a_s = as_bufs.index(first)._reinterpret(gl.float32, [HALF_M], _FLAT).load(row_layout)
-            if RB == 2:  # B in 1x128 tiles: its 128 column scales, read once, serve both row blocks
-                b_smem = b_bufs.index(s).permute((1, 0))
-                t, turn = _issue(a_bufs.index(first), b_smem, t, turns, turn, HALF, PINGPONG)
-                t = _complete(t, turns, HALF, PINGPONG)
-                b_s = bs_bufs.index(s)._reinterpret(gl.float32, [TILE], _FLAT).load(col_layout)
-                acc0 = _settled(acc0 + t * a_s[:, None] * b_s[None, :])
-                a_s = as_bufs.index(first + 1)._reinterpret(gl.float32, [HALF_M], _FLAT).load(row_layout)
-                t, turn = _issue(a_bufs.index(first + 1), b_smem, t, turns, turn, HALF, PINGPONG)
-                t = _complete(t, turns, HALF, PINGPONG)
+            a_s = as_bufs.index(2 * s + HALF)._reinterpret(gl.float32, [HALF_M], _FLAT).load(row_layout)
+            a_smem = a_bufs.index(2 * s + HALF)
+            t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_bufs.index(NB * s), bs_ptr, group,
+                                        off_n // TILE, N, kblk, stride_bs_e, stride_bs_n, stride_bs_k, B_BLOCKWISE,
+                                        col_layout)
+            if NB == 2:
+                acc0 = _settled(acc0 + scaled)
+                t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_bufs.index(NB * s + 1),
+                                            bs_ptr, group, off_n // TILE + 1, N, kblk, stride_bs_e, stride_bs_n,
+                                            stride_bs_k, B_BLOCKWISE, col_layout)
                 mbarrier.arrive(empty.index(s), count=1)
-                acc1 = acc1 + t * a_s[:, None] * b_s[None, :]
+                acc1 = acc1 + scaled
             else:
-                a_smem = a_bufs.index(first)
-                t, scaled, turn = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_bufs.index(NB * s),
-                                                  bs_ptr, group, off_n // TILE, N, kblk, stride_bs_e, stride_bs_n,
-                                                  stride_bs_k, turns, turn, HALF, PINGPONG, B_BLOCKWISE, col_layout)
-                if NB == 2:
-                    acc0 = _settled(acc0 + scaled)
-                    t, scaled, turn = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s,
-                                                      bs_bufs.index(NB * s + 1), bs_ptr, group, off_n // TILE + 1, N,
-                                                      kblk, stride_bs_e, stride_bs_n, stride_bs_k, turns, turn, HALF,
-                                                      PINGPONG, B_BLOCKWISE, col_layout)
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc1 = acc1 + scaled
-                else:
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc0 = acc0 + scaled
+                mbarrier.arrive(empty.index(s), count=1)
+                acc0 = acc0 + scaled
             counter += 1
-        row = off_m + HALF * RB * HALF_M  # this consumer's first row, within the group
         if TMA_STORE:  # this consumer's buffers were last handed to TMA a whole tile ago
-            if GROUPED_K:
-                row = group * M + row  # C as (E * M, N)
+            row = group * M + off_m + HALF * HALF_M if GROUPED_K else off_m + HALF * HALF_M  # C as (E * M, N)
             tma.store_wait(pendings=0)
             _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF), acc0, row, off_n, ACCUMULATE)
-            if NB == 2 or RB == 2:
-                if C_BUFS == 1:  # one buffer a consumer (FP32 slices): the first product must have left it
+            if NB == 2:
+                if C_BUFS == 1:  # one buffer a consumer (FP32 slices): the first slice must have left it
                     tma.store_wait(pendings=0)
-                if RB == 2:
-                    _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF + C_BUFS - 1), acc1, row + HALF_M, off_n,
-                                  ACCUMULATE)
-                else:
-                    _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF + C_BUFS - 1), acc1, row, off_n + TILE,
-                                  ACCUMULATE)
+                _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF + C_BUFS - 1), acc1, row, off_n + TILE, ACCUMULATE)
         else:
-            rows = row + gl.arange(0, HALF_M, layout=row_layout)
+            rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
             cols = off_n + gl.arange(0, TILE, layout=col_layout)
             _write(c_ptr, acc0, rows, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE)
             if NB == 2:
                 _write(c_ptr, acc1, rows, cols + TILE, M, N, group, stride_ce, stride_cm, ACCUMULATE)
-            if RB == 2:
-                _write(c_ptr, acc1, rows + HALF_M, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE)
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
@@ -321,14 +267,13 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, turns, c_d
 def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, tile_expert_ptr, k_start_ptr,
                     k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
                     stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
-                    ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, PINGPONG: gl.constexpr):
+                    ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
-    MB: gl.constexpr = BLOCK_M // HALF_M
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [MB * STAGES, HALF_M, TILE], a_desc.layout)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
-    # Scales by K step, as [1, rows] boxes: A's per 64-row block, B's 128 rows per slice (unused with B in blocks).
-    as_bufs = gl.allocate_shared_memory(gl.float32, [MB * STAGES, 1, HALF_M], as_desc.layout)
+    # Scales by K step, as [1, rows] boxes: A's 64 rows per half, B's 128 rows per slice (unused with B in blocks).
+    as_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, HALF_M], as_desc.layout)
     bs_bufs = gl.allocate_shared_memory(gl.float32, [NB * STAGES, 1, TILE], bs_desc.layout)
     if TMA_STORE:  # the epilogue's staging buffers: C_BUFS per consumer, one per 128-column slice or one in all
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 * C_BUFS, HALF_M, TILE], c_desc.layout)
@@ -339,29 +284,22 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
-    if PINGPONG:  # consumer h issues an MMA once turns[h] has completed a phase: the other's last MMA is done
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(turns.index(0), count=1)
-        mbarrier.init(turns.index(1), count=1)
-        mbarrier.arrive(turns.index(0), count=1)  # consumer 0 goes first
-    else:  # (unused)
-        turns = ready
-    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    num_tiles = gl.cdiv(M, TILE) * gl.cdiv(N, BLOCK_N)
     if GROUPED_K:
         num_tiles = num_tiles * num_groups
     # (No starred arguments in Gluon: every partition's arguments are spelled out.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, turns, c_desc, c_ptr, bs_ptr, M, N,
-                     K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_M, BLOCK_N, STAGES, GROUP_M, PINGPONG)),
-        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, turns, c_desc, c_ptr, bs_ptr, M, N,
-                     K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+                     BLOCK_N, STAGES, GROUP_M)),
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_M, BLOCK_N, STAGES, GROUP_M, PINGPONG)),
+                     BLOCK_N, STAGES, GROUP_M)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
                      K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
-                     B_BLOCKWISE, BLOCK_M, BLOCK_N, STAGES, GROUP_M)),
+                     B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -403,19 +341,18 @@ def _sm_count(device: torch.device) -> int:
 _SMEM_BYTES = 232448  # shared memory a block may use on SM90 (227 KB)
 
 
-def _stages(block_n: int, epilogue_bytes: int = 0, block_m: int = 128) -> int:
+def _stages(block_n: int, epilogue_bytes: int = 0) -> int:
     """As many stages as fit in shared memory beside the epilogue's staging buffers (`epilogue_bytes`; 0: stores
-    from registers), at most 4 with 256-row or -column tiles and 6 with 128 x 128: a stage holds A's block_m x 128
-    and B's block_n x 128 FP8 tiles and their scales (50,688 bytes with 128 x 256 or 256 x 128, 33,792 with 128 x
-    128); 1 KB is left for the barriers."""
-    stage = block_m * 128 + block_n * 128 + 4 * block_m + 4 * block_n
-    return min(4 if max(block_m, block_n) == 256 else 6, (_SMEM_BYTES - 1024 - epilogue_bytes) // stage)
+    from registers), at most 4 with 256 columns and 6 with 128: a stage holds A's 128 x 128 and B's block_n x 128
+    FP8 tiles and their scales (50,688 bytes with 256 columns, 33,792 with 128); 1 KB is left for the barriers."""
+    stage = 128 * 128 + block_n * 128 + 512 + 4 * block_n
+    return min(4 if block_n == 256 else 6, (_SMEM_BYTES - 1024 - epilogue_bytes) // stage)
 
 
-def epilogue_buffers(c: torch.Tensor, block_n: int, block_m: int = 128) -> int:
-    """Staging buffers per consumer for a TMA epilogue into `c`: one per 64 x 128 product in BF16 (two with 128 x
-    256 or 256 x 128 tiles), one in all in FP32 (two 32 KB FP32 products a consumer leave too few stages)."""
-    return (block_m // 128) * (block_n // 128) if c.element_size() == 2 else 1
+def epilogue_buffers(c: torch.Tensor, block_n: int) -> int:
+    """Staging buffers per consumer for a TMA epilogue into `c`: one per 128-column slice in BF16, one in all in
+    FP32 (two 32 KB FP32 slices a consumer leave too few stages)."""
+    return block_n // 128 if c.element_size() == 2 else 1
 
 
 def tma_reduce_available() -> bool:
@@ -424,12 +361,11 @@ def tma_reduce_available() -> bool:
     return hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce") and hasattr(ir, "DESCRIPTOR_REDUCE_KIND")
 
 
-def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int, accumulate: bool = False,
-                   block_m: int = 128) -> bool:
+def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int, accumulate: bool = False) -> bool:
     """Whether the output tiles can leave by TMA (stored, or with `accumulate` added into FP32 `main_grad` by TMA's
     reduction, where this Triton builds it): C BF16 or FP32, rows contiguous, 16-byte aligned rows and start; a
-    per-expert stack (E, rows, N) only as one (E * rows, N) matrix whose experts start on `block_m`-row tile
-    boundaries (TMA clips at the matrix's edges, not at each expert's)."""
+    per-expert stack (E, rows, N) only as one (E * rows, N) matrix whose experts start on 128-row tile boundaries
+    (TMA clips at the matrix's edges, not at each expert's)."""
     if accumulate and not tma_reduce_available():
         return False
     if c.dtype not in (torch.bfloat16, torch.float32) or c.stride(-1) != 1 or c.data_ptr() % 16:
@@ -437,15 +373,14 @@ def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int, accumulate: bool
     if (c.stride(-2) * c.element_size()) % 16 or c.stride(-2) < c.shape[-1]:  # aligned rows, not overlapping
         return False
     if grouped_k:
-        return c.dim() == 3 and rows % block_m == 0 and c.stride(0) == rows * c.stride(1)
+        return c.dim() == 3 and rows % 128 == 0 and c.stride(0) == rows * c.stride(1)
     return c.dim() == 2
 
 
 def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, c: torch.Tensor, *,
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
-            block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None,
-            block_m: int = 128, pingpong: bool = False) -> torch.Tensor:
+            block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None) -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
@@ -453,26 +388,21 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     expert per 128-row tile of A, b = (E * N, K) stacked. `k_start`, `k_count` (E,): each group's K blocks, c
     (E, M, N). `accumulate`: c is FP32 and the product is added into it. `tma_store`: the output tiles leave
     through shared memory by TMA (stored, or added by TMA's reduction), overlapping the next tile's MMAs (None:
-    wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there). `block_m` 256
-    (with `block_n` 128, B in 1x128 tiles, no `tile_expert`): 256 x 128 output tiles, each consumer two 64-row
-    blocks against one slice of B (same bits as 128-row tiles; the module docstring says what it measured).
-    `pingpong`: the two consumers take turns on the tensor cores (`_issue`; an experiment, same bits)."""
+    wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
     assert a.stride(1) == 1 and b.stride(1) == 1 and c.stride(-1) == 1 and k % 8 == 0
     assert block_n in (128, 256) and (not accumulate or c.dtype == torch.float32)
-    assert block_m == 128 or (block_m == 256 and block_n == 128 and not b_blockwise and tile_expert is None), \
-        "256-row tiles are for B in 1x128 tiles, 128 columns wide, rows not grouped by expert"
     if tile_expert is not None:
         assert m % _T == 0 and b_blockwise, "rows grouped by expert need whole 128-row tiles and B in blocks"
     assert c.shape[-2] == m, f"C has {c.shape[-2]} rows for A's {m}"  # TMA clips at C's edge, the registers at M
-    fits = tma_store_fits(c, grouped_k, m, accumulate, block_m)
+    fits = tma_store_fits(c, grouped_k, m, accumulate)
     if tma_store is None:
         tma_store = fits
     assert fits or not tma_store, "this output cannot be stored by TMA (tma_store_fits)"
     num_groups = k_start.shape[0] if grouped_k else 1
-    num_tiles = -(-m // block_m) * -(-n // block_n) * num_groups
+    num_tiles = -(-m // _T) * -(-n // block_n) * num_groups
     if num_tiles == 0:
         return c
     bs_e, bs_n, bs_k = (b_scale.stride() if b_scale.dim() == 3 else (0, *b_scale.stride()))
@@ -486,15 +416,14 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     # C as one matrix (a per-expert stack as (E * M, N)); unused without TMA stores
     c_rows = c.shape[0] if c.dim() == 2 else c.shape[0] * m
     c_desc = _descriptor(c.as_strided((c_rows, n), (c.stride(-2), 1)), [_H, _T]) if tma_store else a_desc
-    c_bufs = epilogue_buffers(c, block_n, block_m) if tma_store else 0  # per consumer, each 64 x 128 of C
+    c_bufs = epilogue_buffers(c, block_n) if tma_store else 0  # per consumer, each 64 x 128 elements of C
     _ws_gemm_kernel[grid](
         a_desc, _descriptor(b, [_T, _T]), as_desc, bs_desc, c_desc, c, b_scale,
         tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
         k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
         c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k,
         GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise, ACCUMULATE=accumulate,
-        TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_M=block_m, BLOCK_N=block_n,
-        STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size(), block_m), GROUP_M=group_m,
-        PINGPONG=pingpong, num_warps=4,
+        TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
+        STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m, num_warps=4,
         maxnreg=_MAXNREG)
     return c
