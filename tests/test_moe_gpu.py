@@ -264,8 +264,8 @@ def test_two_products_in_flight_per_consumer_write_the_same_bits():
     counts = torch.tensor([1900, 0, 1030, 5])
     rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
     a, a_s, b, b_s, at, at_s, bt, bt_s = _grouped_problem(rows, n=384, k=15 * 128)[:8]
-    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(200, 1640, seed=5), E4M3))
-    xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(328, 1640, seed=6), E4M3))
+    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(200, 1664, seed=5), E4M3))
+    xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(328, 1664, seed=6), E4M3))
     stack, dense = torch.randn(4, 384, bt.shape[0], device=CUDA), torch.randn(200, 328, device=CUDA)
     runs = {
         "grouped fprop": lambda o: gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.bfloat16, kernel="ws",
