@@ -17,8 +17,7 @@
 # profile_moe_compiled), the MoE GPU tests (tests_moe), the warp-specialized GEMMs' tests (tests_ws; tests_dense_ws:
 # the hopper backend's dense GEMMs on it), the weight
 # gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the
-# wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad; overlap: it with two products
-# in flight per consumer), clocks and power sampled during
+# wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad), clocks and power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense
 # wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only; dense_gemm: the three dense GEMMs, cuBLAS against the
@@ -232,14 +231,6 @@ for part in $PARTS; do
           --section WarpStateStats --section SchedulerStats --section Occupancy --section SourceCounters \
           python benchmarks/dense_gemm.py --shapes 28672,4096 --gemms "$gemm" --columns "ws 256" --iters 3
       done ;;
-    overlap)  # the warp-specialized kernel with two products in flight per consumer (ws_gemm(overlap=4 or 8), 128 x
-              # 128 tiles): the same bits, then its fprop, dgrad and wgrad against the default, from CUDA graphs
-      step gpu_tests_overlap python -m pytest -q -m gpu tests/test_moe_gpu.py -k "two_products_in_flight" \
-           -p no:cacheprovider
-      step dense_gemm_overlap python benchmarks/dense_gemm.py --model 1b 8b-layers --columns backend "ws 128" \
-           "ws 256" "ws 128, overlap 4" "ws 128, overlap 8" --cuda-graphs --iters 20
-      step grouped_gemm_overlap python benchmarks/grouped_gemm.py --backend hopper --columns "128-wide" "256-wide" \
-           "overlap" --cuda-graphs --iters 20 ;;
     clocks_8b)  # the SM clock, power and clock event reasons sampled every 200 ms while BF16, then FP8, run the
                 # 8B-layer step under CUDA graphs: do the GEMMs run slower in the step than alone because the clock drops?
       for recipe in bf16 fp8; do

@@ -249,42 +249,6 @@ def test_the_warp_specialized_gemms_tma_epilogue_writes_the_register_epilogues_b
             assert not outputs[0].isnan().any() and torch.equal(plain, by_tma), f"{name}, block_n={block_n}"
 
 
-def test_two_products_in_flight_per_consumer_write_the_same_bits():
-    """`ws_gemm(overlap=4 or 8)` only reorders each consumer's issue and promotion (the next K step's MMA before the
-    last one's scaling): every output the same bits as the plain 128 x 128 tiles. K steps per tile chosen to run
-    every path: runs of 8 and 4 and single steps (15 in the grouped fprop, 15, 9 and 1 per expert in its wgrad, 13
-    in the dense wgrad), an expert without rows, padding tiles, the wgrads added into main_grad."""
-    pytest.importorskip("triton")
-    from megafp8.precision import E4M3, quantize as ref
-    from megafp8.precision.grouped import expert_rows
-    from megafp8.precision.kernels import gemm
-    from tests.fp8_checks import outlier_tensor
-    if gemm.warp_specialized_unavailable(CUDA) is not None:
-        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
-    counts = torch.tensor([1900, 0, 1030, 5])
-    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
-    a, a_s, b, b_s, at, at_s, bt, bt_s = _grouped_problem(rows, n=384, k=15 * 128)[:8]
-    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(200, 1664, seed=5), E4M3))
-    xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(328, 1664, seed=6), E4M3))
-    stack, dense = torch.randn(4, 384, bt.shape[0], device=CUDA), torch.randn(200, 328, device=CUDA)
-    runs = {
-        "grouped fprop": lambda o: gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.bfloat16, kernel="ws",
-                                                     block_n=128, **o),
-        "grouped wgrad": lambda o: gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count,
-                                                      torch.bfloat16, kernel="ws", block_n=128, **o),
-        "grouped wgrad into main_grad": lambda o: gemm.grouped_wgrad(
-            at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, kernel="ws",
-            accumulate=stack.clone(), block_n=128, **o),
-        "dense wgrad into main_grad": lambda o: gemm.wgrad(dt, dt_s, xt, xt_s, torch.float32,
-                                                           accumulate=dense.clone(), block_n=128, **o)}
-    for name, run in runs.items():
-        want = run({})
-        for overlap in (4, 8):
-            got = run(dict(overlap=overlap))
-            as_int = torch.int16 if got.element_size() == 2 else torch.int32
-            assert torch.equal(got.view(as_int), want.view(as_int)), f"{name}, overlap {overlap}"
-
-
 def test_the_tma_reduction_into_main_grad_adds_and_keeps_subnormal_gradients():
     """Adding into main_grad by TMA's reduction gives the register epilogue's `c + product` bits where the product
     is not zero, and leaves main_grad as it is where the product is zero, FP32 subnormals included (a reduction that

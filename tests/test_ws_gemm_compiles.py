@@ -42,7 +42,7 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
 MAX_SPILL_BYTES = 64
 
 
-def _compile(flags: dict, c_type: str, block_n: int, overlap: bool = False):
+def _compile(flags: dict, c_type: str, block_n: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -62,7 +62,7 @@ def _compile(flags: dict, c_type: str, block_n: int, overlap: bool = False):
     signature.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "num_groups", "stride_ce", "stride_cm",
                                                "stride_bs_e", "stride_bs_n", "stride_bs_k")})
     buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
-    constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, OVERLAP=overlap,
+    constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8,
                      STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
     signature.update({name: "constexpr" for name in constants})
     return triton.compile(GluonASTSource(ws_gemm._ws_gemm_kernel, signature, constexprs=constants),
@@ -97,18 +97,6 @@ def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_
     allowed = 2 * MAX_SPILL_BYTES if name.startswith("grouped wgrad into main_grad") and block_n == 256 \
         else MAX_SPILL_BYTES
     assert spills and max(spills) <= allowed, report
-
-
-@pytest.mark.parametrize("overlap", [4, 8])
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_two_products_in_flight_compile_without_serialized_mmas_or_spills(name, overlap):
-    """`ws_gemm(overlap=...)` (128 x 128 tiles): ptxas keeps the wgmma pipeline (with an MMA in flight across the K
-    loop's back edge it serialized every wgmma, C7514: hence runs of straight-line steps) and spills nothing."""
-    flags, c_type = CONFIGS[name]
-    report = _ptxas_report(_compile(flags, c_type, 128, overlap=overlap))
-    assert "C7511" not in report and "C7514" not in report, report
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
-    assert spills and max(spills) <= MAX_SPILL_BYTES, report
 
 
 def _ptxas_and_sass(ptx: str) -> tuple[str, str]:

@@ -162,98 +162,6 @@ def _scaled_product(a_smem, b_smem, t, a_s, bs_smem, bs_ptr, group, n_block, N, 
 
 
 @gluon.jit
-def _issue_step(a_bufs, b_bufs, ready, t, counter, HALF: gl.constexpr, STAGES: gl.constexpr):
-    """Once stage `counter` has arrived: its 64 x 128 product (this consumer's rows of A against B's one slice),
-    issued into `t` (128 x 128 tiles; `_k_steps_overlapped`)."""
-    s = counter % STAGES
-    mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
-    return warpgroup_mma(a_bufs.index(2 * s + HALF), b_bufs.index(s).permute((1, 0)), t, use_acc=False,
-                         is_async=True)
-
-
-@gluon.jit
-def _promote_step(acc, t, as_bufs, bs_bufs, empty, bs_ptr, group, n_block, N, kblk, counter, stride_bs_e,
-                  stride_bs_n, stride_bs_k, HALF: gl.constexpr, STAGES: gl.constexpr, B_BLOCKWISE: gl.constexpr,
-                  row_layout: gl.constexpr, col_layout: gl.constexpr):
-    """acc + the completed product `t` of stage `counter` times its scales (`_scaled_product`'s arithmetic),
-    releasing the stage once its scales are read."""
-    s = counter % STAGES
-    a_s = as_bufs.index(2 * s + HALF)._reinterpret(gl.float32, [HALF_M], _FLAT).load(row_layout)
-    if B_BLOCKWISE:
-        b_s = gl.load(bs_ptr + group * stride_bs_e + n_block * stride_bs_n + kblk * stride_bs_k,
-                      mask=n_block < gl.cdiv(N, TILE), other=0.0)
-        scaled = t * (a_s * b_s)[:, None]
-    else:
-        b_s = bs_bufs.index(s)._reinterpret(gl.float32, [TILE], _FLAT).load(col_layout)
-        scaled = t * a_s[:, None] * b_s[None, :]
-    mbarrier.arrive(empty.index(s), count=1)
-    return _settled(acc + scaled)  # (done before the next wgmma into t's registers is issued)
-
-
-@gluon.jit
-def _overlapped_run(acc, t_a, t_b, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, bs_ptr, group, n_block, N, kblk,
-                    counter, stride_bs_e, stride_bs_n, stride_bs_k, RUN: gl.constexpr, HALF: gl.constexpr,
-                    STAGES: gl.constexpr, B_BLOCKWISE: gl.constexpr, row_layout: gl.constexpr,
-                    col_layout: gl.constexpr):
-    """(acc, t_a, t_b): RUN consecutive K steps from stage `counter` (K block `kblk`), each step's MMA issued
-    before the previous step's promotion, the products alternating between `t_a` (even steps) and `t_b` (odd).
-    Straight-line code that waits for all its MMAs: with an MMA still in flight across a loop's back edge, ptxas
-    serialized every wgmma of the kernel (C7514)."""
-    in_flight_a = _issue_step(a_bufs, b_bufs, ready, t_a, counter, HALF, STAGES)
-    in_flight_b = in_flight_a  # (assigned before its first use)
-    for j in gl.static_range(RUN):
-        if j + 1 < RUN:  # issue step j + 1, then wait for step j: one MMA stays in flight during j's promotion
-            if j % 2 == 0:
-                in_flight_b = _issue_step(a_bufs, b_bufs, ready, t_b, counter + j + 1, HALF, STAGES)
-            else:
-                in_flight_a = _issue_step(a_bufs, b_bufs, ready, t_a, counter + j + 1, HALF, STAGES)
-        if j % 2 == 0:
-            t_a = warpgroup_mma_wait(num_outstanding=1 if j + 1 < RUN else 0, deps=(in_flight_a, ))
-            acc = _promote_step(acc, t_a, as_bufs, bs_bufs, empty, bs_ptr, group, n_block, N, kblk + j,
-                                counter + j, stride_bs_e, stride_bs_n, stride_bs_k, HALF, STAGES, B_BLOCKWISE,
-                                row_layout, col_layout)
-        else:
-            t_b = warpgroup_mma_wait(num_outstanding=1 if j + 1 < RUN else 0, deps=(in_flight_b, ))
-            acc = _promote_step(acc, t_b, as_bufs, bs_bufs, empty, bs_ptr, group, n_block, N, kblk + j,
-                                counter + j, stride_bs_e, stride_bs_n, stride_bs_k, HALF, STAGES, B_BLOCKWISE,
-                                row_layout, col_layout)
-    return acc, t_a, t_b
-
-
-@gluon.jit
-def _k_steps_overlapped(acc, t_a, t_b, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, bs_ptr, group, n_block, N,
-                        k_first, k_steps, counter, stride_bs_e, stride_bs_n, stride_bs_k, RUN: gl.constexpr,
-                        HALF: gl.constexpr, STAGES: gl.constexpr, B_BLOCKWISE: gl.constexpr,
-                        row_layout: gl.constexpr, col_layout: gl.constexpr):
-    """(acc, t_a, t_b, counter): a 128 x 128 tile's K steps with two products in flight per consumer, so that its
-    own next MMA, not only the other consumer's, runs while it scales a product on the CUDA cores: runs of RUN
-    steps (`_overlapped_run`; RUN - 1 of every RUN promotions overlap an MMA), then one run of 4 where RUN is 8,
-    then the steps left one at a time. Two products take 64 + 64 registers a thread beside the accumulator's 64.
-    Same products, same order: the same bits."""
-    for r in range(k_steps // RUN):
-        acc, t_a, t_b = _overlapped_run(acc, t_a, t_b, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, bs_ptr, group,
-                                        n_block, N, k_first, counter, stride_bs_e, stride_bs_n, stride_bs_k, RUN,
-                                        HALF, STAGES, B_BLOCKWISE, row_layout, col_layout)
-        counter += RUN
-        k_first += RUN
-    if RUN == 8:
-        if k_steps % 8 >= 4:
-            acc, t_a, t_b = _overlapped_run(acc, t_a, t_b, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, bs_ptr,
-                                            group, n_block, N, k_first, counter, stride_bs_e, stride_bs_n,
-                                            stride_bs_k, 4, HALF, STAGES, B_BLOCKWISE, row_layout, col_layout)
-            counter += 4
-            k_first += 4
-    for r in range(k_steps % 4):
-        t_a = warpgroup_mma_wait(num_outstanding=0,
-                                 deps=(_issue_step(a_bufs, b_bufs, ready, t_a, counter, HALF, STAGES), ))
-        acc = _promote_step(acc, t_a, as_bufs, bs_bufs, empty, bs_ptr, group, n_block, N, k_first, counter,
-                            stride_bs_e, stride_bs_n, stride_bs_k, HALF, STAGES, B_BLOCKWISE, row_layout, col_layout)
-        counter += 1
-        k_first += 1
-    return acc, t_a, t_b, counter
-
-
-@gluon.jit
 def _settled(x):
     """x, through an opaque (volatile) move: the compiler may not hoist the next wgmma above the FMAs that made x,
     which would keep two products' registers live at once and spill the accumulators."""
@@ -298,18 +206,16 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
               num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
               stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
               B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, OVERLAP: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
     wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator. The stage is released once its
-    last wgmma has completed and its scales are read, before the last slice's promotion. With OVERLAP (128 x 128
-    tiles) each step's wgmma is issued before the previous step's promotion (`_k_steps_overlapped`)."""
+    last wgmma has completed and its scales are read, before the last slice's promotion."""
     NB: gl.constexpr = BLOCK_N // TILE
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, TILE, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, layout)
     t = gl.zeros([HALF_M, TILE], gl.float32, layout)
-    t_b = gl.zeros([HALF_M, TILE], gl.float32, layout)  # (OVERLAP: the odd steps' products)
     counter = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
@@ -319,32 +225,26 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
         # registers a thread in this layout, which the accumulators need.
         acc0 = gl.zeros([HALF_M, TILE], gl.float32, layout)
         acc1 = gl.zeros([HALF_M, TILE], gl.float32, layout)
-        if OVERLAP:
-            acc0, t, t_b, counter = _k_steps_overlapped(
-                acc0, t, t_b, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, bs_ptr, group, off_n // TILE, N,
-                k_first, k_steps, counter, stride_bs_e, stride_bs_n, stride_bs_k, OVERLAP, HALF, STAGES,
-                B_BLOCKWISE, row_layout, col_layout)
-        else:
-            for kb in range(k_steps):
-                s = counter % STAGES
-                kblk = k_first + kb
-                mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
-                a_s = as_bufs.index(2 * s + HALF)._reinterpret(gl.float32, [HALF_M], _FLAT).load(row_layout)
-                a_smem = a_bufs.index(2 * s + HALF)
-                t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_bufs.index(NB * s), bs_ptr, group,
-                                            off_n // TILE, N, kblk, stride_bs_e, stride_bs_n, stride_bs_k, B_BLOCKWISE,
-                                            col_layout)
-                if NB == 2:
-                    acc0 = _settled(acc0 + scaled)
-                    t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_bufs.index(NB * s + 1),
-                                                bs_ptr, group, off_n // TILE + 1, N, kblk, stride_bs_e, stride_bs_n,
-                                                stride_bs_k, B_BLOCKWISE, col_layout)
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc1 = acc1 + scaled
-                else:
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc0 = acc0 + scaled
-                counter += 1
+        for kb in range(k_steps):
+            s = counter % STAGES
+            kblk = k_first + kb
+            mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
+            a_s = as_bufs.index(2 * s + HALF)._reinterpret(gl.float32, [HALF_M], _FLAT).load(row_layout)
+            a_smem = a_bufs.index(2 * s + HALF)
+            t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_bufs.index(NB * s), bs_ptr, group,
+                                        off_n // TILE, N, kblk, stride_bs_e, stride_bs_n, stride_bs_k, B_BLOCKWISE,
+                                        col_layout)
+            if NB == 2:
+                acc0 = _settled(acc0 + scaled)
+                t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_bufs.index(NB * s + 1),
+                                            bs_ptr, group, off_n // TILE + 1, N, kblk, stride_bs_e, stride_bs_n,
+                                            stride_bs_k, B_BLOCKWISE, col_layout)
+                mbarrier.arrive(empty.index(s), count=1)
+                acc1 = acc1 + scaled
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
+                acc0 = acc0 + scaled
+            counter += 1
         if TMA_STORE:  # this consumer's buffers were last handed to TMA a whole tile ago
             row = group * M + off_m + HALF * HALF_M if GROUPED_K else off_m + HALF * HALF_M  # C as (E * M, N)
             tma.store_wait(pendings=0)
@@ -368,7 +268,7 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
                     k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
                     stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
                     ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, OVERLAP: gl.constexpr):
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
@@ -392,11 +292,11 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
                      num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_N, STAGES, GROUP_M, OVERLAP)),
+                     BLOCK_N, STAGES, GROUP_M)),
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
                      num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_N, STAGES, GROUP_M, OVERLAP)),
+                     BLOCK_N, STAGES, GROUP_M)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
                      K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
                      B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
@@ -480,8 +380,7 @@ def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int, accumulate: bool
 def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, c: torch.Tensor, *,
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
-            block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None,
-            overlap: int = 0) -> torch.Tensor:
+            block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None) -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
@@ -489,15 +388,12 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     expert per 128-row tile of A, b = (E * N, K) stacked. `k_start`, `k_count` (E,): each group's K blocks, c
     (E, M, N). `accumulate`: c is FP32 and the product is added into it. `tma_store`: the output tiles leave
     through shared memory by TMA (stored, or added by TMA's reduction), overlapping the next tile's MMAs (None:
-    wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there). `overlap` 4 or 8
-    (with `block_n` 128): the K steps in runs of that many with two products in flight per consumer, each step's
-    MMA issued before the previous step's promotion (`_k_steps_overlapped`; the same bits)."""
+    wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
     assert a.stride(1) == 1 and b.stride(1) == 1 and c.stride(-1) == 1 and k % 8 == 0
     assert block_n in (128, 256) and (not accumulate or c.dtype == torch.float32)
-    assert overlap in (0, 4, 8) and (block_n == 128 or not overlap), "overlap: 4 or 8 steps, 128-column tiles"
     if tile_expert is not None:
         assert m % _T == 0 and b_blockwise, "rows grouped by expert need whole 128-row tiles and B in blocks"
     assert c.shape[-2] == m, f"C has {c.shape[-2]} rows for A's {m}"  # TMA clips at C's edge, the registers at M
@@ -528,7 +424,6 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
         c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k,
         GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise, ACCUMULATE=accumulate,
         TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
-        STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m, OVERLAP=overlap,
-        num_warps=4,
+        STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m, num_warps=4,
         maxnreg=_MAXNREG)
     return c
