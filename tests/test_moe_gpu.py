@@ -249,6 +249,37 @@ def test_the_warp_specialized_gemms_tma_epilogue_writes_the_register_epilogues_b
             assert not outputs[0].isnan().any() and torch.equal(plain, by_tma), f"{name}, block_n={block_n}"
 
 
+def test_interleaved_ffmas_write_the_same_bits():
+    """`ws_gemm(interleave_ffma=True)` changes only scheduling flags of the promotion's FFMAs (`ffma_interleave`):
+    the grouped fprop (an expert without rows, padding tiles) stored by TMA and from registers, and a dense fprop
+    off the 128 grid in BF16 and FP32, the same bits as the plain kernel."""
+    pytest.importorskip("triton")
+    from megafp8.precision import E4M3, quantize as ref
+    from megafp8.precision.grouped import expert_rows
+    from megafp8.precision.kernels import gemm
+    from megafp8.precision.kernels.ws_gemm import ws_gemm
+    from tests.fp8_checks import outlier_tensor
+    if gemm.warp_specialized_unavailable(CUDA) is not None:
+        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
+    counts = torch.tensor([130, 0, 256, 5])
+    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
+    a, a_s, b, b_s = _grouped_problem(rows, n=512, k=1024)[:4]
+    x, x_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(200, 1024, seed=5), E4M3))
+    w, w_s = (t.to(CUDA) for t in ref.quantize_128x128(outlier_tensor(384, 1024, seed=6), E4M3))
+    runs = {
+        "grouped fprop": lambda o: gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.bfloat16, kernel="ws",
+                                                     **o),
+        "grouped fprop, stores from registers": lambda o: gemm.grouped_gemm(
+            a, a_s, b, b_s, rows.tile_expert, torch.bfloat16, kernel="ws", tma_store=False, **o)}
+    for dtype in (torch.bfloat16, torch.float32):
+        runs[f"dense fprop, {dtype}"] = lambda o, dtype=dtype: ws_gemm(
+            x, x_s, w, w_s, torch.empty(200, 384, dtype=dtype, device=CUDA), b_blockwise=True, **o)
+    for name, run in runs.items():
+        want, got = run({}), run(dict(interleave_ffma=True))
+        as_int = torch.int16 if got.element_size() == 2 else torch.int32
+        assert torch.equal(got.view(as_int), want.view(as_int)), name
+
+
 def test_the_tma_reduction_into_main_grad_adds_and_keeps_subnormal_gradients():
     """Adding into main_grad by TMA's reduction gives the register epilogue's `c + product` bits where the product
     is not zero, and leaves main_grad as it is where the product is zero, FP32 subnormals included (a reduction that

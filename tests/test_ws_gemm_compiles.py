@@ -42,12 +42,12 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
 MAX_SPILL_BYTES = 64
 
 
-def _compile(flags: dict, c_type: str, block_n: int):
+def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
-    from megafp8.precision.kernels import ws_gemm
+    from megafp8.precision.kernels import ffma_interleave, ws_gemm
 
     fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
     scales = torch.empty(2, 256).t()  # (rows, K/128), stored rows-first as the quantizers write them
@@ -62,11 +62,13 @@ def _compile(flags: dict, c_type: str, block_n: int):
     signature.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "num_groups", "stride_ce", "stride_cm",
                                                "stride_bs_e", "stride_bs_n", "stride_bs_k")})
     buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
-    constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8,
+    constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, INTERLEAVE=interleave_ffma,
                      STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
     signature.update({name: "constexpr" for name in constants})
-    return triton.compile(GluonASTSource(ws_gemm._ws_gemm_kernel, signature, constexprs=constants),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
+    with ffma_interleave.patching_ffma(ws_gemm.INTERLEAVE_MARKER):  # (patches only the kernel carrying it)
+        return triton.compile(GluonASTSource(ws_gemm._ws_gemm_kernel, signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
 
 
 def _ptxas_report(compiled) -> str:
@@ -97,6 +99,27 @@ def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_
     allowed = 2 * MAX_SPILL_BYTES if name.startswith("grouped wgrad into main_grad") and block_n == 256 \
         else MAX_SPILL_BYTES
     assert spills and max(spills) <= allowed, report
+
+
+@pytest.mark.parametrize("name", ["grouped fprop/dgrad", "grouped fprop/dgrad, stores from registers"])
+def test_the_interleaved_variant_differs_only_in_its_promotions_reuse_and_yield_flags(name):
+    """`ws_gemm(interleave_ffma=True)` compiles to the plain kernel's instructions with, in each long FFMA run of
+    the promotion, every other FFMA of its first 9/16 no longer keeping the scale in the reuse cache and its yield
+    flag flipped (`ffma_interleave`): the marker reaches the PTX, the pipeline hook patches that cubin and not the
+    plain one compiled under the same hook, and ptxas keeps the wgmma pipeline."""
+    from megafp8.precision.kernels import ffma_interleave as fi, ws_gemm
+    flags, c_type = CONFIGS[name]
+    plain, interleaved = _compile(flags, c_type, 256), _compile(flags, c_type, 256, interleave_ffma=True)
+    assert ws_gemm.INTERLEAVE_MARKER in interleaved.asm["ptx"] and ws_gemm.INTERLEAVE_MARKER not in plain.asm["ptx"]
+    before = fi.parse_sass(fi.disassemble(plain.asm["cubin"]))["_ws_gemm_kernel"]
+    after = fi.parse_sass(fi.disassemble(interleaved.asm["cubin"]))["_ws_gemm_kernel"]
+    assert [i.low for i in before] == [i.low for i in after]
+    changed = [(old, new) for old, new in zip(before, after) if old.high != new.high]
+    assert changed and all(old.opcode == "FFMA" and old.high ^ new.high == fi.REUSE_B | fi.YIELD
+                           for old, new in changed)
+    assert len(changed) == fi.interleave_ffma(plain.asm["cubin"])[1]  # the plain cubin left as ptxas made it
+    report = _ptxas_report(interleaved)
+    assert "C7511" not in report and "C7514" not in report, report
 
 
 def _ptxas_and_sass(ptx: str) -> tuple[str, str]:

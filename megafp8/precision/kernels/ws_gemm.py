@@ -64,6 +64,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton._C.libtriton import gluon_ir, ir
 
+from megafp8.precision.kernels.ffma_interleave import patching_ffma
+
 # Kernel constants are constexprs (the only globals a Gluon kernel may read).
 TILE = gl.constexpr(128)
 HALF_M = gl.constexpr(64)  # rows of the output tile one consumer warpgroup owns
@@ -71,6 +73,8 @@ _CONSUMER_REGS = gl.constexpr(240)  # registers per thread of a consumer warpgro
 _PRODUCER_REGS = gl.constexpr(24)
 # A K step's scales in shared memory, as the (unswizzled) [1, rows] TMA boxes read as plain vectors.
 _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+INTERLEAVE_MARKER = "megafp8:interleave-ffma"
+_MARKED_MOVE = gl.constexpr("mov.b32 $0, $1; // " + INTERLEAVE_MARKER)  # (`_settled` with INTERLEAVE)
 _MAXNREG = 168  # 12 warps (3 warpgroups) x 32 threads x 168 <= the SM's 64K registers
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.bfloat16: gl.bfloat16,
               torch.float32: gl.float32}
@@ -162,9 +166,12 @@ def _scaled_product(a_smem, b_smem, t, a_s, bs_smem, bs_ptr, group, n_block, N, 
 
 
 @gluon.jit
-def _settled(x):
+def _settled(x, INTERLEAVE: gl.constexpr):
     """x, through an opaque (volatile) move: the compiler may not hoist the next wgmma above the FMAs that made x,
-    which would keep two products' registers live at once and spill the accumulators."""
+    which would keep two products' registers live at once and spill the accumulators. With INTERLEAVE the move
+    carries `INTERLEAVE_MARKER` into the PTX, which has the cubin's FFMA runs interleaved (`ffma_interleave`)."""
+    if INTERLEAVE:
+        return gl.inline_asm_elementwise(_MARKED_MOVE, "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
 
 
@@ -206,7 +213,7 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
               num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
               stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
               B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
     wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator. The stage is released once its
     last wgmma has completed and its scales are read, before the last slice's promotion."""
@@ -235,7 +242,7 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
                                         off_n // TILE, N, kblk, stride_bs_e, stride_bs_n, stride_bs_k, B_BLOCKWISE,
                                         col_layout)
             if NB == 2:
-                acc0 = _settled(acc0 + scaled)
+                acc0 = _settled(acc0 + scaled, INTERLEAVE)
                 t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_bufs.index(NB * s + 1),
                                             bs_ptr, group, off_n // TILE + 1, N, kblk, stride_bs_e, stride_bs_n,
                                             stride_bs_k, B_BLOCKWISE, col_layout)
@@ -268,7 +275,7 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
                     k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
                     stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
                     ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
@@ -292,11 +299,11 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
                      num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_N, STAGES, GROUP_M)),
+                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
                      num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_N, STAGES, GROUP_M)),
+                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
                      K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
                      B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
@@ -380,7 +387,8 @@ def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int, accumulate: bool
 def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, c: torch.Tensor, *,
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
-            block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None) -> torch.Tensor:
+            block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None,
+            interleave_ffma: bool = False) -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
@@ -388,12 +396,15 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     expert per 128-row tile of A, b = (E * N, K) stacked. `k_start`, `k_count` (E,): each group's K blocks, c
     (E, M, N). `accumulate`: c is FP32 and the product is added into it. `tma_store`: the output tiles leave
     through shared memory by TMA (stored, or added by TMA's reduction), overlapping the next tile's MMAs (None:
-    wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there)."""
+    wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there).
+    `interleave_ffma` (256-wide tiles): the promotion's FFMA runs interleaved in the cubin, so the warp scheduler
+    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
     assert a.stride(1) == 1 and b.stride(1) == 1 and c.stride(-1) == 1 and k % 8 == 0
     assert block_n in (128, 256) and (not accumulate or c.dtype == torch.float32)
+    assert block_n == 256 or not interleave_ffma, "the interleaved FFMAs are the 256-wide tiles' (`_settled`)"
     if tile_expert is not None:
         assert m % _T == 0 and b_blockwise, "rows grouped by expert need whole 128-row tiles and B in blocks"
     assert c.shape[-2] == m, f"C has {c.shape[-2]} rows for A's {m}"  # TMA clips at C's edge, the registers at M
@@ -417,13 +428,17 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     c_rows = c.shape[0] if c.dim() == 2 else c.shape[0] * m
     c_desc = _descriptor(c.as_strided((c_rows, n), (c.stride(-2), 1)), [_H, _T]) if tma_store else a_desc
     c_bufs = epilogue_buffers(c, block_n) if tma_store else 0  # per consumer, each 64 x 128 elements of C
-    _ws_gemm_kernel[grid](
-        a_desc, _descriptor(b, [_T, _T]), as_desc, bs_desc, c_desc, c, b_scale,
-        tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
-        k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
-        c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k,
-        GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise, ACCUMULATE=accumulate,
-        TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
-        STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m, num_warps=4,
-        maxnreg=_MAXNREG)
+    args = (a_desc, _descriptor(b, [_T, _T]), as_desc, bs_desc, c_desc, c, b_scale,
+            tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
+            k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
+            c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k)
+    options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise,
+                   ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
+                   STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
+                   INTERLEAVE=interleave_ffma, num_warps=4, maxnreg=_MAXNREG)
+    if interleave_ffma:  # (compiled, the first time, with the cubin pass installed)
+        with patching_ffma(INTERLEAVE_MARKER):
+            _ws_gemm_kernel[grid](*args, **options)
+    else:
+        _ws_gemm_kernel[grid](*args, **options)
     return c
