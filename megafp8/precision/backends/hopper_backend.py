@@ -32,6 +32,7 @@ class HopperBackend(CublasBackend):
     name = "hopper"
     priority = 3  # `auto` prefers it to `cublas` where both run (see the module docstring)
     grouped_kernel = "ws"
+    interleave_ffma = True  # (job DG)
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> Optional[str]:
@@ -44,8 +45,9 @@ class HopperBackend(CublasBackend):
     def gemm_1x128_128x128(self, a, a_scale, b, b_scale, out_dtype):
         from megafp8.precision.kernels.ws_gemm import ws_gemm
         c = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
-        return ws_gemm(a, a_scale, b, self.block_scales_nk(b_scale), c, b_blockwise=True,
-                       block_n=_tile_width(b.shape[0]))
+        block_n = _tile_width(b.shape[0])
+        return ws_gemm(a, a_scale, b, self.block_scales_nk(b_scale), c, b_blockwise=True, block_n=block_n,
+                       interleave_ffma=block_n == 256)
 
 
 def _tile_width(columns: int) -> int:

@@ -29,6 +29,7 @@ class TritonBackend(Fp8Backend):
     name = "triton"
     priority = 1
     grouped_kernel: Optional[str] = None  # the grouped GEMMs' kernel (`megafp8.precision.kernels.gemm`); None: default
+    interleave_ffma = False  # the warp-specialized grouped fprop and dgrad with their FFMAs interleaved (`ws_gemm`)
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> Optional[str]:
@@ -86,7 +87,8 @@ class TritonBackend(Fp8Backend):
         b, b_scale = self.weight_transposed(w) if transposed else (w.w_fp8, w.w_scale)
         if a.shape[0] == 0:
             return torch.zeros(0, b.shape[1], dtype=out_dtype, device=a.device)
-        return self.gemms.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, out_dtype, kernel=self.grouped_kernel)
+        return self.gemms.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, out_dtype, kernel=self.grouped_kernel,
+                                       interleave_ffma=self.interleave_ffma)
 
     def grouped_gemm_1x128_1x128(self, a, a_scale, b, b_scale, rows, num_experts, out_dtype, accumulate=None):
         if a.shape[1] == 0:
