@@ -24,6 +24,13 @@ Programs are
 persistent (one per SM) and walk the output tiles grouped along M, so the producer is already loading the next
 tile while the consumers write the last one.
 
+`interleave_ffma` compiles a variant whose cubin has each promotion's FFMA run interleaved (every other FFMA of
+its first 9/16 yields to other warps and keeps no operand in the reuse cache; `ffma_interleave`, DeepGEMM's
+technique), so the scheduler may issue the other consumer's wgmma inside it: dense fprop and dgrad +2.4% on
+average, grouped ones unchanged (job DG). Two other schedules were measured and removed (`docs/performance.md`):
+consumers taking turns on the tensor cores (slower everywhere) and two products in flight per consumer at 128
+columns (not faster than 256-column tiles).
+
 Epilogue: a consumer writes each 64 x 128 slice of its output into shared memory and hands it to the TMA engine,
 which stores it (or, into `main_grad`, adds it: TMA's reduction), while the consumer goes on to its next tile's
 MMAs; it waits for that buffer one tile later. Stored from registers instead, both consumers of a tile stood in
