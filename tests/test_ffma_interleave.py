@@ -109,3 +109,20 @@ def test_the_pipeline_hook_is_restored_and_patches_only_marked_kernels():
             assert stages["cubin"]("// marker-1\n", {}) != cubin
             assert stages["cubin"]("// another kernel\n", {}) == cubin
     assert knobs.runtime.add_stages_inspection_hook is before
+
+
+def test_a_kernel_the_pass_cannot_patch_keeps_its_cubin_with_a_warning():
+    """No cuobjdump (or a listing the pass does not understand) must not stop the kernel from compiling: the
+    marked kernel keeps ptxas's cubin, and a warning says the interleaving was skipped."""
+    knobs = pytest.importorskip("triton").knobs
+    cubin = _elf({".text._k": _function(_promotion(16))})
+
+    def no_cuobjdump(binary):
+        raise FileNotFoundError("cuobjdump")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fi, "disassemble", no_cuobjdump)
+        with fi.patching_ffma("marker-1"):
+            stages = {"cubin": lambda src, metadata: cubin}
+            knobs.runtime.add_stages_inspection_hook(None, stages, None, None, 90)
+            with pytest.warns(UserWarning, match="FFMA interleaving skipped.*FileNotFoundError"):
+                assert stages["cubin"]("// marker-1\n", {}) == cubin

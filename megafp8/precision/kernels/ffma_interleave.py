@@ -18,6 +18,8 @@ is the second source, bit 59). Each patched word is checked against the listing 
 `patching_ffma(marker)` installs the pass around a launch: a Triton pipeline hook that patches the cubin of any
 kernel whose PTX holds `marker` (a comment the kernel's own inline assembly carries only in its interleaved
 variant, a distinct constexpr and so a distinct Triton cache entry). Kernels compiled outside it are not patched.
+Where the pass cannot run (no cuobjdump, a listing it does not understand) the kernel keeps ptxas's cubin and a
+warning says so: the same results, only without the gain.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import re
 import struct
 import subprocess
 import tempfile
+import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -173,7 +176,15 @@ def patching_ffma(marker: str) -> Iterator[None]:
 
         def cubin_stage(src, metadata):
             cubin = make_cubin(src, metadata)
-            return interleave_ffma(cubin)[0] if marker in src else cubin
+            if marker not in src:
+                return cubin
+            try:
+                return interleave_ffma(cubin)[0]
+            except (OSError, RuntimeError, subprocess.CalledProcessError, ValueError, KeyError,
+                    AssertionError) as error:  # no cuobjdump, or a listing this pass does not understand
+                warnings.warn(f"FFMA interleaving skipped, the kernel runs as ptxas made it (the same results, "
+                              f"slightly slower): {type(error).__name__}: {error}", stacklevel=2)
+                return cubin
         stages["cubin"] = cubin_stage
 
     knobs.runtime.add_stages_inspection_hook = hook
