@@ -89,7 +89,7 @@ def test_a_cubin_whose_bytes_are_not_the_listings_is_refused():
     run = _promotion(16)
     cubin = _elf({".text._k": _function(run)})
     listing = _listing("_k", [(text, low + 1, high) for text, low, high in run])
-    with pytest.raises(AssertionError, match="not the listing's"):
+    with pytest.raises(ValueError, match="not the listing's"):
         fi.interleave_ffma(cubin, listing)
     with pytest.raises(ValueError, match="not a 64-bit little-endian ELF"):
         fi.interleave_ffma(b"\x7fELF\x01\x01" + cubin[6:], _listing("_k", run))

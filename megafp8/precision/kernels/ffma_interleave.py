@@ -2,11 +2,11 @@
 warp-specialized GEMM's promotion (DeepGEMM's technique, its `interleave_ffma`; our own implementation).
 
 Why: each K step a consumer warpgroup scales its FP32 product into the accumulator with a run of 64 FFMAs (one per
-register of its 64 x 128 product). ptxas marks nearly every FFMA of such a run "do not yield" and has each keep its
-shared scale operand in the operand reuse cache, so a warp issues the whole run before the scheduler turns to
-another warp: the other consumer's next wgmma waits behind it (Nsight Compute, `docs/performance.md` item 1). This
-pass clears the reuse flag and flips the yield flag on the first ~9/16 of each long FFMA run (where the flag was
-set), so the scheduler may issue another warp's instructions between them. Both flags are scheduling hints, not
+register of its 64 x 128 product). ptxas sets the same yield flag on nearly every FFMA of such a run and has each
+keep its shared scale operand in the operand reuse cache; by DeepGEMM's reading (which we did not measure
+directly) a warp then issues the whole run before the scheduler turns to another warp, and the other consumer's
+next wgmma waits behind it. This pass clears the reuse flag and flips the yield flag on every other FFMA of the
+first ~9/16 of each long run, so the scheduler may issue another warp's instructions between them. Both flags are scheduling hints, not
 semantics: the reuse cache is only a read-bandwidth saving (without the flag the operand is read from the register
 file) and yielding only lets other warps in, so the kernel computes the same bits (GPU test).
 
@@ -153,9 +153,9 @@ def interleave_ffma(cubin: bytes, listing: str | None = None,
             for offset, high in interleaved_high_words(run, fraction).items():
                 at = start + offset
                 instruction = next(i for i in run if i.offset == offset)
-                assert offset + 16 <= size and struct.unpack_from("<QQ", patched, at) == (instruction.low,
-                                                                                          instruction.high), \
-                    f"{function}+{offset:#x}: the cubin's bytes are not the listing's"
+                if offset + 16 > size or struct.unpack_from("<QQ", patched, at) != (instruction.low,
+                                                                                    instruction.high):
+                    raise ValueError(f"{function}+{offset:#x}: the cubin's bytes are not the listing's")
                 struct.pack_into("<Q", patched, at + 8, high)
                 count += 1
     return bytes(patched), count
@@ -180,8 +180,8 @@ def patching_ffma(marker: str) -> Iterator[None]:
                 return cubin
             try:
                 return interleave_ffma(cubin)[0]
-            except (OSError, RuntimeError, subprocess.CalledProcessError, ValueError, KeyError,
-                    AssertionError) as error:  # no cuobjdump, or a listing this pass does not understand
+            except (OSError, RuntimeError, subprocess.CalledProcessError, ValueError,
+                    KeyError) as error:  # no cuobjdump, or a listing this pass does not understand
                 warnings.warn(f"FFMA interleaving skipped, the kernel runs as ptxas made it (the same results, "
                               f"slightly slower): {type(error).__name__}: {error}", stacklevel=2)
                 return cubin
