@@ -6,9 +6,10 @@ register of its 64 x 128 product). ptxas sets the same yield flag on nearly ever
 keep its shared scale operand in the operand reuse cache; by DeepGEMM's reading (which we did not measure
 directly) a warp then issues the whole run before the scheduler turns to another warp, and the other consumer's
 next wgmma waits behind it. This pass clears the reuse flag and flips the yield flag on every other FFMA of the
-first ~9/16 of each long run, so the scheduler may issue another warp's instructions between them. Both flags are scheduling hints, not
-semantics: the reuse cache is only a read-bandwidth saving (without the flag the operand is read from the register
-file) and yielding only lets other warps in, so the kernel computes the same bits (GPU test).
+first ~9/16 of each long run, so the scheduler may issue another warp's instructions between them. Both flags are
+scheduling hints, not semantics: the reuse cache is only a read-bandwidth saving (without the flag the operand is
+read from the register file) and yielding only lets other warps in, so the kernel computes the same bits (GPU
+test).
 
 How: the cubin is an ELF file; `cuobjdump -sass` lists each function's instructions with their offsets in its
 `.text.<function>` section and their two 64-bit words. The control flags are bits of the high word (Volta and
