@@ -223,7 +223,7 @@ for part in $PARTS; do
           --section SchedulerStats "$@"
       done ;;
     ncu_ws)  # Nsight Compute on the warp-specialized kernel's dense fprop and wgrad (into main_grad) at the 8B-layer
-             # gate/up shape (job CY: tensor pipe busy 82% and 56% of cycles). The 3rd launch of each process
+             # gate/up shape (what it found: docs/performance.md). The 3rd launch of each process
              # (dense_gemm.py: one for its check, three warm-ups), counters as ncu_kernels'
       for gemm in fprop wgrad; do
         step "ncu_ws_$gemm" ncu --kernel-name "regex:_ws_gemm_kernel" --launch-skip 2 --launch-count 1 \

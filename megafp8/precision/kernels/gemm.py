@@ -386,11 +386,9 @@ def wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torc
           tma_store: Optional[bool] = None, interleave_ffma: bool = False) -> torch.Tensor:
     """A dense layer's weight gradient by the warp-specialized kernel: a (N, M) = dy^T, b (K, M) = x^T, FP8 in
     1x128 tiles along the tokens M, scales (N, M/128), (K, M/128) -> (N, K); with `accumulate` ((N, K) FP32, a
-    weight's `main_grad`) added into it in the epilogue and returned. Not used by the backends: cuBLASLt adding into
-    main_grad in its epilogue was faster on 8 of 12 linears of the ~1B, 8B-layer and `fp8_linear.py` shapes even
-    with this kernel's TMA reduction (-5% to +7%; job CV, `benchmarks/dense_gemm.py --cuda-graphs`), and again
-    with 256 x 128 tiles (job CZ, commit `c8d5599`); kept as the measured alternative and for GEMMs cuBLAS does
-    not take."""
+    weight's `main_grad`) added into it in the epilogue and returned. Not used by the backends (cuBLASLt adding into
+    main_grad is faster on most of our linears, `docs/performance.md`); kept as the alternative
+    `benchmarks/dense_gemm.py` measures and for GEMMs cuBLAS does not take."""
     from megafp8.precision.kernels.ws_gemm import ws_gemm
     n, k = a.shape[0], b.shape[0]
     c = accumulate if accumulate is not None else torch.empty(n, k, dtype=out_dtype, device=a.device)

@@ -15,44 +15,32 @@ Why warp specialization: each 128-wide K step's tensor-core product must be scal
 accumulator (DeepSeek-V3's promotion on CUDA cores), so a consumer waits for every MMA before its FMAs. Here one
 producer warp streams A and B tiles through a ring of shared-memory stages by TMA, and two consumer warpgroups,
 each owning 64 rows of a 128 x BLOCK_N output tile, run independently of each other: while one scales its
-product on the CUDA cores the other's MMA keeps the tensor cores busy (DeepGEMM's scheme). Measured with Nsight
-Compute (`docs/performance.md`), they do so only in part: the tensor pipe is busy 82% of the fprop's cycles and 56%
-of the wgrad's, and a third of the consumers' stall samples wait for their own wgmma. 256 x 128 tiles for the
-wgrad (each consumer two 64-row blocks against one slice, its column scales read once: half the shared-memory
-loads) gave the same bits and no faster MoE step (0.997x, job DA); removed again (commit `c8d5599` had them).
-Programs are
+product on the CUDA cores the other's MMA keeps the tensor cores busy (DeepGEMM's scheme). Programs are
 persistent (one per SM) and walk the output tiles grouped along M, so the producer is already loading the next
 tile while the consumers write the last one.
 
 `interleave_ffma` compiles a variant whose cubin has each promotion's FFMA run interleaved (every other FFMA of
 its first 9/16 yields to other warps and keeps no operand in the reuse cache; `ffma_interleave`, DeepGEMM's
-technique), so the scheduler may issue the other consumer's wgmma inside it: dense fprop and dgrad +2.4% on
-average, grouped ones unchanged (job DG). Two other schedules were measured and removed (`docs/performance.md`):
-consumers taking turns on the tensor cores (slower everywhere) and two products in flight per consumer at 128
-columns (not faster than 256-column tiles).
+technique), so the scheduler may issue the other consumer's wgmma inside it.
 
 Epilogue: a consumer writes each 64 x 128 slice of its output into shared memory and hands it to the TMA engine,
 which stores it (or, into `main_grad`, adds it: TMA's reduction), while the consumer goes on to its next tile's
-MMAs; it waits for that buffer one tile later. Stored from registers instead, both consumers of a tile stood in
-their epilogue together with the tensor cores idle: the grouped fprop and dgrad ran 28-42% slower
-(`docs/benchmarks.md`, twenty-third session). The buffers cost a pipeline stage (3 instead of 4 at 256 columns).
-Outputs TMA cannot write as the registers would (`tma_store_fits`) keep the register epilogue.
+MMAs; it waits for that buffer one tile later. Stored from registers, both consumers of a tile would stand in
+their epilogue together with the tensor cores idle. The buffers cost a pipeline stage (3 instead of 4 at 256
+columns). Outputs TMA cannot write as the registers would (`tma_store_fits`) keep the register epilogue.
 
 Scales: each K step's scales (A's rows', and B's rows' where B is in 1x128 tiles) arrive by TMA with the
 operands, on the stage's barrier, and the consumers read them from shared memory straight into the accumulator's
-row and column layouts (DeepGEMM's route; loaded from global memory at every K step, the 128 column scales needed
-a layout conversion through shared memory, and in registers they spilled the accumulators at 256 columns). A stage
-is released as soon as its last wgmma has completed, before the last slice's promotion. TMA reads the scales
+row and column layouts (DeepGEMM's route: loaded from global memory, the 128 column scales needed a layout
+conversion through shared memory, and in registers they spilled the accumulators at 256 columns). A stage is
+released as soon as its last wgmma has completed, before the last slice's promotion. TMA reads the scales
 rows-first and 16-byte aligned, as the quantizers write them; any other layout is copied into one
 (`_tma_scales`).
 
-Measured on an H200 (`docs/benchmarks.md`): with the TMA epilogue (jobs CQ and CR) 1,117-1,250 TFLOP/s on the
-grouped fprop and dgrad of the MoE model's expert shapes (1.65-1.82x BF16's `torch._grouped_mm`), 870-1,027 on
-their wgrads written in BF16 (1.25-1.40x); before it (job AM) 788-1,124 on issue 19's grouped fprop and dgrad and
-775-877 on their wgrads, 714-946 on dense weight gradients added into main_grad (cuBLASLt: 846-1,007). On dense
-layers, replayed from CUDA graphs (job CV): fprop and dgrad 1,079-1,341 against cuBLAS's 1,059-1,171, weight
-gradients into main_grad 795-1,011 against cuBLASLt's 841-1,000. The `hopper` backend (`auto` on SM90) runs the
-grouped GEMMs and the dense fprop and dgrad on it; dense weight gradients stay on cuBLASLt.
+What the kernel measures against cuBLAS and BF16, and the schedules tried and removed (256 x 128 tiles, consumers
+taking turns, two products in flight), are in `docs/performance.md` and `docs/benchmarks.md`. The `hopper` backend
+(`auto` on SM90) runs the grouped GEMMs and the dense fprop and dgrad on it; dense weight gradients stay on
+cuBLASLt.
 
 Numerics are the Triton kernels' (`megafp8.precision.kernels.gemm`): an FP32 partial product per 128-wide K step,
 times its scales, added to an FP32 accumulator; results differ from the reference backend only in summation order.
@@ -60,6 +48,7 @@ Hopper only: TMA, wgmma and `setmaxnreg`; `megafp8.precision.kernels.gemm` keeps
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -443,9 +432,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
                    INTERLEAVE=interleave_ffma, num_warps=4, maxnreg=_MAXNREG)
-    if interleave_ffma:  # (compiled, the first time, with the cubin pass installed)
-        with patching_ffma(INTERLEAVE_MARKER):
-            _ws_gemm_kernel[grid](*args, **options)
-    else:
+    # (the interleaved variant is compiled, the first time, with the cubin pass installed)
+    with patching_ffma(INTERLEAVE_MARKER) if interleave_ffma else contextlib.nullcontext():
         _ws_gemm_kernel[grid](*args, **options)
     return c
