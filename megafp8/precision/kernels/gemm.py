@@ -68,7 +68,8 @@ def gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     _gemm_kernel[grid](a, b, c, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), c.stride(0),
-                       a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), B_BLOCKWISE=b_blockwise)
+                       a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+                       B_BLOCKWISE=b_blockwise)
     return c
 
 

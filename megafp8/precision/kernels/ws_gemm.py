@@ -119,7 +119,8 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
     barrier; a stage is refilled once both consumers have released it."""
     NB: gl.constexpr = BLOCK_N // TILE
     stage_bytes: gl.constexpr = (2 * a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes
-                                 + 2 * as_desc.block_type.nbytes + (0 if B_BLOCKWISE else NB * bs_desc.block_type.nbytes))
+                                 + 2 * as_desc.block_type.nbytes
+                                 + (0 if B_BLOCKWISE else NB * bs_desc.block_type.nbytes))
     counter = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
