@@ -26,7 +26,6 @@ only the GEMM is timed. Columns:
   (`ws_gemm(interleave_ffma=True)`; the 1x128 x 1x128 wgrad has no such runs, so its cubin is unchanged).
 - ws 256, interleaved FFMA, stagger once / every: the same with consumer 1 issuing its MMA after consumer 0's, at
   the kernel's first K step or at every one (`ws_gemm(stagger=...)`).
-- ws 256, interleaved FFMA + FMUL: the FMUL runs interleaved too (`interleave_fmul=True`; the wgrad's row scales).
 
 Timing: CUDA events around `--iters` calls after warm-up; the calls are launched from Python, so a GEMM shorter
 than its launch path (the warp-specialized kernel builds TMA descriptors on the host) is timed at the host's pace.
@@ -60,8 +59,7 @@ LINEAR_SHAPES = [("fp8_linear", 18432, 7168), ("fp8_linear", 7168, 18432), ("fp8
                  ("fp8_linear", 7168, 2048)]  # benchmarks/fp8_linear.py's (M, K, N) at M = 8192, as (name, N, K)
 GEMMS = ("fprop", "dgrad", "wgrad")
 FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers", "ws 256, interleaved FFMA",
-               "ws 256, interleaved FFMA, stagger once", "ws 256, interleaved FFMA, stagger every",
-               "ws 256, interleaved FFMA + FMUL")
+               "ws 256, interleaved FFMA, stagger once", "ws 256, interleaved FFMA, stagger every")
 ALL_COLUMNS = ("BF16", *FP8_COLUMNS)
 WRONG = 2**-6
 
@@ -128,9 +126,9 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
         def by_backend():
             backend.gemm_1x128_1x128_accumulate_(main_grad, a, a_s, b, b_s)
 
-        def ws(block_n, tma, interleave=False, stagger="none", fmul=False):
+        def ws(block_n, tma, interleave=False, stagger="none"):
             return lambda: ws_gemm(a, a_s, b, b_s, main_grad, b_blockwise=False, accumulate=True, block_n=block_n,
-                                   tma_store=tma, interleave_ffma=interleave, stagger=stagger, interleave_fmul=fmul)
+                                   tma_store=tma, interleave_ffma=interleave, stagger=stagger)
         runs = {"BF16": bf16, "backend": by_backend}
     else:
         bf16_a, bf16_b = (o["x"], o["w"].t()) if gemm == "fprop" else (o["dy"], o["w"])
@@ -142,15 +140,14 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
         def by_backend():
             return backend.gemm_1x128_128x128(a, a_s, b, b_s, torch.bfloat16)
 
-        def ws(block_n, tma, interleave=False, stagger="none", fmul=False):
+        def ws(block_n, tma, interleave=False, stagger="none"):
             return lambda: ws_gemm(a, a_s, b, backend.block_scales_nk(b_s), out, b_blockwise=True, block_n=block_n,
-                                   tma_store=tma, interleave_ffma=interleave, stagger=stagger, interleave_fmul=fmul)
+                                   tma_store=tma, interleave_ffma=interleave, stagger=stagger)
         runs = {"BF16": lambda: bf16_a @ bf16_b, "backend": by_backend}
     runs.update({"ws 128": ws(128, None), "ws 256": ws(256, None), "ws 256, registers": ws(256, False),
                  "ws 256, interleaved FFMA": ws(256, None, interleave=True)})
     for stagger in ("once", "every"):
         runs[f"ws 256, interleaved FFMA, stagger {stagger}"] = ws(256, None, interleave=True, stagger=stagger)
-    runs["ws 256, interleaved FFMA + FMUL"] = ws(256, None, fmul=True)
     return {label: (run, result_of(run)) for label, run in runs.items() if label in wanted}
 
 

@@ -19,8 +19,7 @@
 # gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the
 # wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad), clocks and power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
-# kernel against the Gluon variant (swiglu_cols), the consumers' MMAs ordered and the FMUL runs interleaved
-# (stagger), the row + column quantizer against its Gluon twin (rows_cols), dense
+# kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense
 # wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only; dense_gemm: the three dense GEMMs, cuBLAS against the
 # warp-specialized kernel; dense_gemm_graphs, grouped_gemm_graphs: replayed from CUDA graphs), SDPA's backends on our
 # attention shapes (attention;
@@ -134,15 +133,6 @@ for part in $PARTS; do
     grouped_moe)  # the MoE model's two expert shapes, the warp-specialized kernel's TMA and register epilogues
       step grouped_gemm_moe python benchmarks/grouped_gemm.py --backend hopper --iters 20 \
         --shapes 64x2048,2048,2048 64x2048,1024,2048 --columns "warp-specialized" "ws " ;;
-    stagger)  # ws_gemm(stagger=...) and (interleave_fmul=True): their GPU tests of the same bits, then the dense
-              # linears' three GEMMs and issue 19's grouped GEMMs against the interleaved-FFMA kernel the backends run
-      step gpu_tests_stagger timeout 300 python -m pytest -q -m gpu tests/test_moe_gpu.py \
-           -k "staggered or interleaved_fmuls" -p no:cacheprovider
-      step dense_gemm_stagger python benchmarks/dense_gemm.py --model 1b 8b-layers --cuda-graphs --iters 20 \
-           --columns backend "ws 256, interleaved FFMA" "ws 256, interleaved FFMA, stagger once" \
-           "ws 256, interleaved FFMA, stagger every" "ws 256, interleaved FFMA + FMUL"
-      step grouped_gemm_stagger python benchmarks/grouped_gemm.py --backend hopper --columns "interleaved" \
-           --cuda-graphs --iters 20 ;;
     wgrad_gemm) step wgrad_gemm python benchmarks/wgrad_gemm.py ;;
     dense_gemm) step dense_gemm python benchmarks/dense_gemm.py ;;  # fprop, dgrad, wgrad: cuBLAS against ours
     dense_gemm_graphs) step dense_gemm_graphs python benchmarks/dense_gemm.py --cuda-graphs --iters 20 ;;

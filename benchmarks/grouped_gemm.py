@@ -29,8 +29,8 @@ activations and gradients, 128x128 blocks for the weight). Columns:
   into main_grad by TMA's reduction where this Triton builds it) and, in the "epilogue from registers" columns,
   stored from its registers, and in the "interleaved FFMA" column with its promotion's FFMA runs interleaved in the
   cubin (`ws_gemm(interleave_ffma=True)`), and in the "stagger" columns the same with consumer 1 issuing its MMA
-  after consumer 0's, once or at every K step (`ws_gemm(stagger=...)`), and in the "+ FMUL" column with its FMUL
-  runs interleaved too; dgrad's transposed weight is made once, untimed.
+  after consumer 0's, once or at every K step (`ws_gemm(stagger=...)`); dgrad's transposed weight is made once,
+  untimed.
 - ours: the backend's `grouped_gemm_1x128_128x128` (fprop; dgrad with `transposed=True`, which makes the weight's
   transpose in the call) and `grouped_gemm_1x128_1x128` (wgrad), as `megafp8.precision.grouped` calls them.
 
@@ -72,8 +72,7 @@ COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `tor
            "ours, warp-specialized (Gluon), 128-wide tiles", "ours, warp-specialized, 256-wide tiles",
            "ours, ws 128, epilogue from registers", "ours, ws 256, epilogue from registers",
            "ours, ws 256, interleaved FFMA", "ours, ws 256, interleaved FFMA, stagger once",
-           "ours, ws 256, interleaved FFMA, stagger every", "ours, ws 256, interleaved FFMA + FMUL",
-           "ours (the backend's default)")
+           "ours, ws 256, interleaved FFMA, stagger every", "ours (the backend's default)")
 ALWAYS = (1, len(COLUMNS) - 1)  # BF16 `_grouped_mm` and the backend's default: the ratio column's two
 WRONG = 2**-3  # relative error beyond which a column's output is reported wrong (FP8 gives a few percent)
 
@@ -304,12 +303,11 @@ def ours(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
 
 
 def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None,
-               interleave_ffma: bool = False, stagger: str = "none", interleave_fmul: bool = False) -> Callable:
+               interleave_ffma: bool = False, stagger: str = "none") -> Callable:
     """A column of one of our grouped kernels, chosen explicitly: "pointer" (what GPUs without TMA run), "tma"
     (Triton, TMA loads) or "ws" (warp-specialized Gluon, `block_n` wide tiles; `tma_store` False: its output tiles
     stored from the consumers' registers rather than by TMA where they may; `interleave_ffma`: its FFMA runs
-    interleaved in the cubin; `stagger`: its consumers' MMAs ordered; `interleave_fmul`: its FMUL runs interleaved
-    too), against the backend's default."""
+    interleaved in the cubin; `stagger`: its consumers' MMAs ordered), against the backend's default."""
     def build(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
         if p.x.device.type != "cuda":
             raise RuntimeError("our Triton kernels need a CUDA GPU")
@@ -320,8 +318,6 @@ def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None
             options["interleave_ffma"] = True
         if stagger != "none":
             options["stagger"] = stagger
-        if interleave_fmul:
-            options["interleave_fmul"] = True
         if gemm in ("wgrad", INTO):
             main_grad = p.main_grad() if gemm == INTO else None
             return lambda: kernels.grouped_wgrad(*operands, rows.tile_start, rows.tile_count, torch.bfloat16,
@@ -332,8 +328,7 @@ def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None
         return lambda: kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, torch.bfloat16, kernel=kernel,
                                             **options)
     build.__name__ = f"ours_{kernel}_{block_n}" + ("_registers" if tma_store is False else "") + \
-        ("_interleaved" if interleave_ffma else "") + ("" if stagger == "none" else f"_stagger_{stagger}") + \
-        ("_fmul" if interleave_fmul else "")
+        ("_interleaved" if interleave_ffma else "") + ("" if stagger == "none" else f"_stagger_{stagger}")
     return build
 
 
@@ -341,8 +336,7 @@ BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, our_kernel
             our_kernel("ws", 128), our_kernel("ws", 256), our_kernel("ws", 128, tma_store=False),
             our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True),
             our_kernel("ws", 256, interleave_ffma=True, stagger="once"),
-            our_kernel("ws", 256, interleave_ffma=True, stagger="every"), our_kernel("ws", 256, interleave_fmul=True),
-            ours)
+            our_kernel("ws", 256, interleave_ffma=True, stagger="every"), ours)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

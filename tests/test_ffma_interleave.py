@@ -126,18 +126,3 @@ def test_a_kernel_the_pass_cannot_patch_keeps_its_cubin_with_a_warning():
             knobs.runtime.add_stages_inspection_hook(None, stages, None, None, 90)
             with pytest.warns(UserWarning, match="FFMA interleaving skipped.*FileNotFoundError"):
                 assert stages["cubin"]("// marker-1\n", {}) == cubin
-
-
-def test_fmul_runs_are_interleaved_only_when_asked():
-    """The wgrads' row scales sit in FMUL runs (`t * scale`): left alone by default, interleaved by the same rule
-    with `opcodes=("FFMA", "FMUL")`, each opcode's runs apart."""
-    fmuls = [(f"FMUL R{100 + i}, R{20 + i}, R4.reuse", 0x7220 + (i << 16), STALLS | fi.REUSE_B | fi.YIELD)
-             for i in range(16)]
-    code = fmuls + _promotion(16)
-    cubin, listing = _elf({".text._k": _function(code)}), _listing("_k", code)
-    assert fi.interleave_ffma(cubin, listing)[1] == 5  # the FFMA run's 1st, 3rd, ... 9th
-    patched, changed = fi.interleave_ffma(cubin, listing, opcodes=("FFMA", "FMUL"))
-    assert changed == 10
-    start = fi.text_sections(cubin)[".text._k"][0]
-    highs = [struct.unpack_from("<QQ", patched, start + 16 * i)[1] for i in range(16)]
-    assert [i for i, (high, (_, _, old)) in enumerate(zip(highs, fmuls)) if high != old] == [0, 2, 4, 6, 8]

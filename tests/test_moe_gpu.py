@@ -280,37 +280,6 @@ def test_interleaved_ffmas_write_the_same_bits():
         assert torch.equal(got.view(as_int), want.view(as_int)), name
 
 
-def test_interleaved_fmuls_write_the_same_bits():
-    """`ws_gemm(interleave_fmul=True)` (the wgrads' FMUL runs interleaved too) changes only scheduling flags: the
-    grouped wgrad (an expert without rows) in BF16 and added into main_grad, and a dense wgrad into main_grad off
-    the 128 grid, the same bits as the plain kernel."""
-    pytest.importorskip("triton")
-    from megafp8.precision import E4M3, quantize as ref
-    from megafp8.precision.grouped import expert_rows
-    from megafp8.precision.kernels import gemm
-    from tests.fp8_checks import outlier_tensor
-    if gemm.warp_specialized_unavailable(CUDA) is not None:
-        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
-    counts = torch.tensor([130, 0, 256, 5])
-    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
-    at, at_s, bt, bt_s = _grouped_problem(rows, n=512)[4:8]
-    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(200, 640, seed=5), E4M3))
-    xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(328, 640, seed=6), E4M3))
-    stack, dense = torch.randn(4, 512, bt.shape[0], device=CUDA), torch.randn(200, 328, device=CUDA)
-    runs = {
-        "grouped wgrad": lambda o: gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count,
-                                                      torch.bfloat16, kernel="ws", **o),
-        "grouped wgrad into main_grad": lambda o: gemm.grouped_wgrad(
-            at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, kernel="ws",
-            accumulate=stack.clone(), **o),
-        "dense wgrad into main_grad": lambda o: gemm.wgrad(dt, dt_s, xt, xt_s, torch.float32,
-                                                           accumulate=dense.clone(), **o)}
-    for name, run in runs.items():
-        want, got = run({}), run(dict(interleave_fmul=True))
-        as_int = torch.int16 if got.element_size() == 2 else torch.int32
-        assert torch.equal(got.view(as_int), want.view(as_int)), name
-
-
 @pytest.mark.parametrize("stagger", ["once", "every"])
 def test_staggered_consumers_write_the_same_bits(stagger):
     """`ws_gemm(stagger=...)` changes only when consumer 1 issues its MMAs: the grouped fprop (padding tiles) and the

@@ -42,8 +42,7 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
 MAX_SPILL_BYTES = 64
 
 
-def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = False, interleave_fmul: bool = False,
-             stagger: str = "none"):
+def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = False, stagger: str = "none"):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -63,14 +62,10 @@ def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = Fal
     signature.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "num_groups", "stride_ce", "stride_cm",
                                                "stride_bs_e", "stride_bs_n", "stride_bs_k")})
     buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
-    interleave = 2 if interleave_fmul else int(interleave_ffma)
-    constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, INTERLEAVE=interleave,
-                     STAGGER=ws_gemm.STAGGERS.index(stagger),
-                     STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
+    constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, INTERLEAVE=interleave_ffma,
+                     STAGGER=ws_gemm.STAGGERS.index(stagger), STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
     signature.update({name: "constexpr" for name in constants})
-    marker, opcodes = (ws_gemm.INTERLEAVE_FMUL_MARKER, ("FFMA", "FMUL")) if interleave == 2 else \
-        (ws_gemm.INTERLEAVE_MARKER, ("FFMA",))
-    with ffma_interleave.patching_ffma(marker, opcodes):  # (patches only the kernel carrying the marker)
+    with ffma_interleave.patching_ffma(ws_gemm.INTERLEAVE_MARKER):  # (patches only the kernel carrying it)
         return triton.compile(GluonASTSource(ws_gemm._ws_gemm_kernel, signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
@@ -141,24 +136,6 @@ def test_the_staggered_consumers_compile_for_sm90_with_their_order_and_without_s
     assert "C7511" not in report and "C7514" not in report, report
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
     assert spills and max(spills) <= MAX_SPILL_BYTES, report
-
-
-@pytest.mark.parametrize("name", ["grouped wgrad into main_grad", "dense wgrad"])
-def test_the_fmul_variant_interleaves_the_wgrads_fmul_runs_only(name):
-    """`ws_gemm(interleave_fmul=True)`: the 1x128 x 1x128 wgrads' promotion keeps its row scale in the reuse cache
-    along runs of FMULs; those, and nothing else, get their reuse and yield flags changed, and ptxas keeps the
-    wgmma pipeline."""
-    from megafp8.precision.kernels import ffma_interleave as fi
-    flags, c_type = CONFIGS[name]
-    plain, interleaved = _compile(flags, c_type, 256), _compile(flags, c_type, 256, interleave_fmul=True)
-    before = fi.parse_sass(fi.disassemble(plain.asm["cubin"]))["_ws_gemm_kernel"]
-    after = fi.parse_sass(fi.disassemble(interleaved.asm["cubin"]))["_ws_gemm_kernel"]
-    assert [i.low for i in before] == [i.low for i in after]
-    changed = [(old, new) for old, new in zip(before, after) if old.high != new.high]
-    assert changed and all(old.opcode == "FMUL" and old.high ^ new.high == fi.REUSE_B | fi.YIELD
-                           for old, new in changed)
-    report = _ptxas_report(interleaved)
-    assert "C7511" not in report and "C7514" not in report, report
 
 
 def _ptxas_and_sass(ptx: str) -> tuple[str, str]:

@@ -82,11 +82,11 @@ def parse_sass(listing: str) -> dict[str, list[Instruction]]:
     return functions
 
 
-def ffma_runs(instructions: list[Instruction], min_run: int = MIN_RUN, opcode: str = "FFMA") -> list[list[Instruction]]:
-    """Maximal runs of consecutive FFMAs (or `opcode`s), at least `min_run` long."""
+def ffma_runs(instructions: list[Instruction], min_run: int = MIN_RUN) -> list[list[Instruction]]:
+    """Maximal runs of consecutive FFMAs, at least `min_run` long."""
     runs, current = [], []
     for instruction in instructions + [None]:
-        if instruction is not None and instruction.opcode.split(".")[0] == opcode:
+        if instruction is not None and instruction.opcode.startswith("FFMA"):
             current.append(instruction)
             continue
         if len(current) >= min_run:
@@ -140,18 +140,17 @@ def disassemble(cubin: bytes) -> str:
                               check=True).stdout
 
 
-def interleave_ffma(cubin: bytes, listing: str | None = None, fraction: tuple[int, int] = FRACTION,
-                    opcodes: tuple[str, ...] = ("FFMA",)) -> tuple[bytes, int]:
-    """(patched cubin, number of instructions changed): every function's long FFMA runs (and runs of the other
-    `opcodes`, each opcode's runs apart) interleaved (`interleaved_high_words`). `listing`: cuobjdump -sass of
-    `cubin` (made here if not given)."""
+def interleave_ffma(cubin: bytes, listing: str | None = None,
+                    fraction: tuple[int, int] = FRACTION) -> tuple[bytes, int]:
+    """(patched cubin, number of FFMAs changed): every function's long FFMA runs interleaved
+    (`interleaved_high_words`). `listing`: cuobjdump -sass of `cubin` (made here if not given)."""
     functions = parse_sass(listing if listing is not None else disassemble(cubin))
     sections = text_sections(cubin)
     patched = bytearray(cubin)
     count = 0
     for function, instructions in functions.items():
         start, size = sections[f".text.{function}"]
-        for run in (run for opcode in opcodes for run in ffma_runs(instructions, opcode=opcode)):
+        for run in ffma_runs(instructions):
             for offset, high in interleaved_high_words(run, fraction).items():
                 at = start + offset
                 instruction = next(i for i in run if i.offset == offset)
@@ -164,11 +163,10 @@ def interleave_ffma(cubin: bytes, listing: str | None = None, fraction: tuple[in
 
 
 @contextlib.contextmanager
-def patching_ffma(marker: str, opcodes: tuple[str, ...] = ("FFMA",)) -> Iterator[None]:
-    """While inside: Triton compiles the cubin of every kernel whose PTX contains `marker` with its FFMA runs (and
-    its runs of the other `opcodes`) interleaved (`interleave_ffma`). Installs a pipeline-stage hook (chaining any
-    hook already set) and restores the previous one on exit; kernels already compiled, or found in Triton's cache,
-    are not recompiled."""
+def patching_ffma(marker: str) -> Iterator[None]:
+    """While inside: Triton compiles the cubin of every kernel whose PTX contains `marker` with its FFMA runs
+    interleaved (`interleave_ffma`). Installs a pipeline-stage hook (chaining any hook already set) and restores
+    the previous one on exit; kernels already compiled, or found in Triton's cache, are not recompiled."""
     from triton import knobs
     previous = knobs.runtime.add_stages_inspection_hook
 
@@ -182,7 +180,7 @@ def patching_ffma(marker: str, opcodes: tuple[str, ...] = ("FFMA",)) -> Iterator
             if marker not in src:
                 return cubin
             try:
-                return interleave_ffma(cubin, opcodes=opcodes)[0]
+                return interleave_ffma(cubin)[0]
             except (OSError, RuntimeError, subprocess.CalledProcessError, ValueError,
                     KeyError) as error:  # no cuobjdump, or a listing this pass does not understand
                 warnings.warn(f"FFMA interleaving skipped, the kernel runs as ptxas made it (the same results, "

@@ -70,9 +70,7 @@ _PRODUCER_REGS = gl.constexpr(24)
 # A K step's scales in shared memory, as the (unswizzled) [1, rows] TMA boxes read as plain vectors.
 _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 INTERLEAVE_MARKER = "megafp8:interleave-ffma"
-INTERLEAVE_FMUL_MARKER = "megafp8:interleave[FFMA,FMUL]"  # (not a superstring of the other)
-_MARKED_MOVE = gl.constexpr("mov.b32 $0, $1; // " + INTERLEAVE_MARKER)  # (`_settled` with INTERLEAVE 1)
-_FMUL_MARKED_MOVE = gl.constexpr("mov.b32 $0, $1; // " + INTERLEAVE_FMUL_MARKER)  # (INTERLEAVE 2)
+_MARKED_MOVE = gl.constexpr("mov.b32 $0, $1; // " + INTERLEAVE_MARKER)  # (`_settled` with INTERLEAVE)
 _MAXNREG = 168  # 12 warps (3 warpgroups) x 32 threads x 168 <= the SM's 64K registers
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.bfloat16: gl.bfloat16,
               torch.float32: gl.float32}
@@ -185,10 +183,8 @@ def _settled(x, INTERLEAVE: gl.constexpr):
     """x, through an opaque (volatile) move: the compiler may not hoist the next wgmma above the FMAs that made x,
     which would keep two products' registers live at once and spill the accumulators. With INTERLEAVE the move
     carries `INTERLEAVE_MARKER` into the PTX, which has the cubin's FFMA runs interleaved (`ffma_interleave`)."""
-    if INTERLEAVE == 1:
+    if INTERLEAVE:
         return gl.inline_asm_elementwise(_MARKED_MOVE, "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
-    if INTERLEAVE == 2:  # the FMUL runs too (the 1x128 x 1x128 wgrads' row scales)
-        return gl.inline_asm_elementwise(_FMUL_MARKED_MOVE, "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1)
 
 
@@ -420,7 +416,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
             block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None,
-            interleave_ffma: bool = False, interleave_fmul: bool = False, stagger: str = "none") -> torch.Tensor:
+            interleave_ffma: bool = False, stagger: str = "none") -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
@@ -430,18 +426,16 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     through shared memory by TMA (stored, or added by TMA's reduction), overlapping the next tile's MMAs (None:
     wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there).
     `interleave_ffma` (256-wide tiles): the promotion's FFMA runs interleaved in the cubin, so the warp scheduler
-    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits); `interleave_fmul`
-    (an experiment awaiting a GPU): the FMUL runs too, where the wgrads' promotion keeps its row scale.
-    `stagger` ("none", "once", "every"; an experiment awaiting a GPU): consumer 1 issues its first MMA of the
-    kernel ("once") or of every K step ("every") only after consumer 0 has issued its own, so that the two
-    consumers' MMAs queue one behind the other instead of completing together (`STAGGERS`; the same bits)."""
+    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits). `stagger` ("none",
+    "once", "every"): consumer 1 issues its first MMA of the kernel ("once") or of every K step ("every") only
+    after consumer 0 has issued its own, so the two consumers' MMAs run one after the other instead of sharing the
+    tensor cores and completing together (`STAGGERS`; the same bits)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
     assert a.stride(1) == 1 and b.stride(1) == 1 and c.stride(-1) == 1 and k % 8 == 0
     assert block_n in (128, 256) and (not accumulate or c.dtype == torch.float32)
-    interleave = 2 if interleave_fmul else int(interleave_ffma)
-    assert block_n == 256 or not interleave, "the interleaved FFMAs are the 256-wide tiles' (`_settled`)"
+    assert block_n == 256 or not interleave_ffma, "the interleaved FFMAs are the 256-wide tiles' (`_settled`)"
     assert stagger in STAGGERS, f"stagger={stagger!r}: one of {STAGGERS}"
     if tile_expert is not None:
         assert m % _T == 0 and b_blockwise, "rows grouped by expert need whole 128-row tiles and B in blocks"
@@ -473,10 +467,8 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise,
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
-                   INTERLEAVE=interleave, STAGGER=STAGGERS.index(stagger), num_warps=4, maxnreg=_MAXNREG)
-    # (an interleaved variant is compiled, the first time, with the cubin pass installed)
-    patching = patching_ffma(INTERLEAVE_FMUL_MARKER, ("FFMA", "FMUL")) if interleave == 2 else \
-        patching_ffma(INTERLEAVE_MARKER, ("FFMA",)) if interleave else contextlib.nullcontext()
-    with patching:
+                   INTERLEAVE=interleave_ffma, STAGGER=STAGGERS.index(stagger), num_warps=4, maxnreg=_MAXNREG)
+    # (the interleaved variant is compiled, the first time, with the cubin pass installed)
+    with patching_ffma(INTERLEAVE_MARKER) if interleave_ffma else contextlib.nullcontext():
         _ws_gemm_kernel[grid](*args, **options)
     return c
