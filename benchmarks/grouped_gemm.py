@@ -28,9 +28,7 @@ activations and gradients, 128x128 blocks for the weight). Columns:
   (SM90) with 128- and 256-wide tiles, its output tiles leaving by TMA where they may (`ws_gemm.tma_store_fits`;
   into main_grad by TMA's reduction where this Triton builds it) and, in the "epilogue from registers" columns,
   stored from its registers, and in the "interleaved FFMA" column with its promotion's FFMA runs interleaved in the
-  cubin (`ws_gemm(interleave_ffma=True)`), and in the "stagger" columns the same with consumer 1 issuing its MMA
-  after consumer 0's, once or at every K step (`ws_gemm(stagger=...)`); dgrad's transposed weight is made once,
-  untimed.
+  cubin (`ws_gemm(interleave_ffma=True)`); dgrad's transposed weight is made once, untimed.
 - ours: the backend's `grouped_gemm_1x128_128x128` (fprop; dgrad with `transposed=True`, which makes the weight's
   transpose in the call) and `grouped_gemm_1x128_1x128` (wgrad), as `megafp8.precision.grouped` calls them.
 
@@ -71,8 +69,7 @@ COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `tor
            "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours, TMA (Triton)",
            "ours, warp-specialized (Gluon), 128-wide tiles", "ours, warp-specialized, 256-wide tiles",
            "ours, ws 128, epilogue from registers", "ours, ws 256, epilogue from registers",
-           "ours, ws 256, interleaved FFMA", "ours, ws 256, interleaved FFMA, stagger once",
-           "ours, ws 256, interleaved FFMA, stagger every", "ours (the backend's default)")
+           "ours, ws 256, interleaved FFMA", "ours (the backend's default)")
 ALWAYS = (1, len(COLUMNS) - 1)  # BF16 `_grouped_mm` and the backend's default: the ratio column's two
 WRONG = 2**-3  # relative error beyond which a column's output is reported wrong (FP8 gives a few percent)
 
@@ -303,11 +300,11 @@ def ours(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
 
 
 def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None,
-               interleave_ffma: bool = False, stagger: str = "none") -> Callable:
+               interleave_ffma: bool = False) -> Callable:
     """A column of one of our grouped kernels, chosen explicitly: "pointer" (what GPUs without TMA run), "tma"
     (Triton, TMA loads) or "ws" (warp-specialized Gluon, `block_n` wide tiles; `tma_store` False: its output tiles
     stored from the consumers' registers rather than by TMA where they may; `interleave_ffma`: its FFMA runs
-    interleaved in the cubin; `stagger`: its consumers' MMAs ordered), against the backend's default."""
+    interleaved in the cubin), against the backend's default."""
     def build(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
         if p.x.device.type != "cuda":
             raise RuntimeError("our Triton kernels need a CUDA GPU")
@@ -316,8 +313,6 @@ def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None
         options = {} if kernel != "ws" else dict(block_n=block_n, tma_store=tma_store)
         if interleave_ffma:
             options["interleave_ffma"] = True
-        if stagger != "none":
-            options["stagger"] = stagger
         if gemm in ("wgrad", INTO):
             main_grad = p.main_grad() if gemm == INTO else None
             return lambda: kernels.grouped_wgrad(*operands, rows.tile_start, rows.tile_count, torch.bfloat16,
@@ -328,15 +323,13 @@ def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None
         return lambda: kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, torch.bfloat16, kernel=kernel,
                                             **options)
     build.__name__ = f"ours_{kernel}_{block_n}" + ("_registers" if tma_store is False else "") + \
-        ("_interleaved" if interleave_ffma else "") + ("" if stagger == "none" else f"_stagger_{stagger}")
+        ("_interleaved" if interleave_ffma else "")
     return build
 
 
 BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, our_kernel("pointer"), our_kernel("tma"),
             our_kernel("ws", 128), our_kernel("ws", 256), our_kernel("ws", 128, tma_store=False),
-            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True),
-            our_kernel("ws", 256, interleave_ffma=True, stagger="once"),
-            our_kernel("ws", 256, interleave_ffma=True, stagger="every"), ours)
+            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True), ours)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

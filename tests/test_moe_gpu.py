@@ -280,48 +280,6 @@ def test_interleaved_ffmas_write_the_same_bits():
         assert torch.equal(got.view(as_int), want.view(as_int)), name
 
 
-@pytest.mark.parametrize("stagger", ["once", "every"])
-def test_staggered_consumers_write_the_same_bits(stagger):
-    """`ws_gemm(stagger=...)` changes only when consumer 1 issues its MMAs: the grouped fprop (padding tiles) and the
-    grouped wgrad into main_grad whose first expert has no rows (the first tile without a K step: "once" must not
-    wait forever), a dense fprop off the 128 grid in BF16 and FP32, and a dense wgrad into main_grad, the same bits
-    as the unordered kernel, with and without interleaved FFMAs (a lost arrival would hang: run it under
-    `timeout`)."""
-    pytest.importorskip("triton")
-    from megafp8.precision import E4M3, quantize as ref
-    from megafp8.precision.grouped import expert_rows
-    from megafp8.precision.kernels import gemm
-    from megafp8.precision.kernels.ws_gemm import ws_gemm
-    from tests.fp8_checks import outlier_tensor
-    if gemm.warp_specialized_unavailable(CUDA) is not None:
-        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
-    counts = torch.tensor([0, 130, 256, 5])
-    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
-    a, a_s, b, b_s, at, at_s, bt, bt_s = _grouped_problem(rows, n=512, k=1024)[:8]
-    x, x_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(200, 1024, seed=5), E4M3))
-    w, w_s = (t.to(CUDA) for t in ref.quantize_128x128(outlier_tensor(384, 1024, seed=6), E4M3))
-    dyt, dyt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(384, 640, seed=7), E4M3))
-    xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(1024, 640, seed=8), E4M3))
-    start = torch.randn(4, 512, 1024, device=CUDA)
-    runs = {
-        "grouped fprop": lambda o: gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.bfloat16, kernel="ws",
-                                                     **o),
-        "grouped wgrad into main_grad": lambda o: gemm.grouped_wgrad(
-            at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, kernel="ws",
-            accumulate=start.clone(), **o),
-        "dense wgrad into main_grad": lambda o: gemm.wgrad(dyt, dyt_s, xt, xt_s, torch.float32,
-                                                           accumulate=start[0, :384].clone(), **o)}
-    for dtype in (torch.bfloat16, torch.float32):
-        runs[f"dense fprop, {dtype}"] = lambda o, dtype=dtype: ws_gemm(
-            x, x_s, w, w_s, torch.empty(200, 384, dtype=dtype, device=CUDA), b_blockwise=True, **o)
-    for name, run in runs.items():
-        for interleave in (False, True):
-            options = dict(interleave_ffma=True) if interleave and "fprop" in name else {}
-            want, got = run(options), run(dict(options, stagger=stagger))
-            as_int = torch.int16 if got.element_size() == 2 else torch.int32
-            assert torch.equal(got.view(as_int), want.view(as_int)), (name, interleave)
-
-
 def test_the_tma_reduction_into_main_grad_adds_and_keeps_subnormal_gradients():
     """Adding into main_grad by TMA's reduction gives the register epilogue's `c + product` bits where the product
     is not zero, and leaves main_grad as it is where the product is zero, FP32 subnormals included (a reduction that

@@ -42,7 +42,7 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
 MAX_SPILL_BYTES = 64
 
 
-def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = False, stagger: str = "none"):
+def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -63,7 +63,7 @@ def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = Fal
                                                "stride_bs_e", "stride_bs_n", "stride_bs_k")})
     buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
     constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, INTERLEAVE=interleave_ffma,
-                     STAGGER=ws_gemm.STAGGERS.index(stagger), STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
+                     STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
     signature.update({name: "constexpr" for name in constants})
     with ffma_interleave.patching_ffma(ws_gemm.INTERLEAVE_MARKER):  # (patches only the kernel carrying it)
         return triton.compile(GluonASTSource(ws_gemm._ws_gemm_kernel, signature, constexprs=constants),
@@ -120,22 +120,6 @@ def test_the_interleaved_variant_differs_only_in_its_promotions_reuse_and_yield_
     assert len(changed) == fi.interleave_ffma(plain.asm["cubin"])[1]  # the plain cubin left as ptxas made it
     report = _ptxas_report(interleaved)
     assert "C7511" not in report and "C7514" not in report, report
-
-
-@pytest.mark.parametrize("stagger", ["once", "every"])
-@pytest.mark.parametrize("name", ["grouped fprop/dgrad", "dense wgrad into main_grad"])
-def test_the_staggered_consumers_compile_for_sm90_with_their_order_and_without_serialized_mmas(name, stagger):
-    """`ws_gemm(stagger=...)`: consumer 1 waits on the stage's `issued` barrier before its first MMA of a K step, and
-    consumer 0 arrives on it after issuing its own; ptxas keeps the wgmma pipeline and the accumulators in registers,
-    and the plain kernel has no such barrier."""
-    flags, c_type = CONFIGS[name]
-    staggered, plain = _compile(flags, c_type, 256, stagger=stagger), _compile(flags, c_type, 256)
-    waits = len(re.findall(r"mbarrier\.try_wait", staggered.asm["ptx"]))
-    assert waits == len(re.findall(r"mbarrier\.try_wait", plain.asm["ptx"])) + 1
-    report = _ptxas_report(staggered)
-    assert "C7511" not in report and "C7514" not in report, report
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
-    assert spills and max(spills) <= MAX_SPILL_BYTES, report
 
 
 def _ptxas_and_sass(ptx: str) -> tuple[str, str]:

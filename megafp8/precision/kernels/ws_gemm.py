@@ -145,29 +145,13 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
 
 
 @gluon.jit
-def _ordered(counter, STAGGER: gl.constexpr):
-    """Whether this K step's first MMA is ordered between the consumers: every step (STAGGER 2) or the first only."""
-    if STAGGER == 2:
-        return counter >= 0
-    return counter == 0
-
-
-@gluon.jit
 def _scaled_product(a_smem, b_smem, t, a_s, bs_smem, bs_ptr, group, n_block, N, kblk, stride_bs_e, stride_bs_n,
-                    stride_bs_k, issued, s, phase, counter, HALF: gl.constexpr, STAGGER: gl.constexpr,
-                    B_BLOCKWISE: gl.constexpr, col_layout: gl.constexpr):
+                    stride_bs_k, B_BLOCKWISE: gl.constexpr, col_layout: gl.constexpr):
     """(t, scaled): the 64 x 128 product of one K step (`t` carries the product's registers from step to step) and
     that product times its scales: the rows' `a_s` and B's block scale (one per 128 columns) or the scales of B's
     128 rows (C's columns), which arrived with the stage in `bs_smem` and are read straight into the accumulator's
-    column layout. With STAGGER (`ws_gemm(stagger=...)`), consumer 1 issues its MMA only after consumer 0 has
-    issued its own (`issued[s]`), so that the tensor cores run consumer 0's MMA before consumer 1's."""
-    if STAGGER != 0 and HALF == 1:
-        if _ordered(counter, STAGGER):
-            mbarrier.wait(issued.index(s), phase)
+    column layout."""
     t = warpgroup_mma(a_smem, b_smem.permute((1, 0)), t, use_acc=False, is_async=True)
-    if STAGGER != 0 and HALF == 0:
-        if _ordered(counter, STAGGER):
-            mbarrier.arrive(issued.index(s), count=1)
     if B_BLOCKWISE:  # (a slice past N's last block reads no scale: its columns are not stored)
         b_s = gl.load(bs_ptr + group * stride_bs_e + n_block * stride_bs_n + kblk * stride_bs_k,
                       mask=n_block < gl.cdiv(N, TILE), other=0.0)
@@ -222,12 +206,11 @@ def _write_by_tma(c_desc, c_buf, acc, row, col, ADD: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, issued, c_desc, c_ptr, bs_ptr, M, N,
-              K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
-              stride_bs_n, stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
+def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
+              stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
               B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr,
-              STAGGER: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
     wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator. The stage is released once its
     last wgmma has completed and its scales are read, before the last slice's promotion."""
@@ -249,19 +232,17 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, issued, c_
         for kb in range(k_steps):
             s = counter % STAGES
             kblk = k_first + kb
-            phase = (counter // STAGES) & 1
-            mbarrier.wait(ready.index(s), phase)
+            mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
             a_s = as_bufs.index(2 * s + HALF)._reinterpret(gl.float32, [HALF_M], _FLAT).load(row_layout)
             a_smem = a_bufs.index(2 * s + HALF)
             t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_bufs.index(NB * s), bs_ptr, group,
-                                        off_n // TILE, N, kblk, stride_bs_e, stride_bs_n, stride_bs_k, issued, s,
-                                        phase, counter, HALF, STAGGER, B_BLOCKWISE, col_layout)
+                                        off_n // TILE, N, kblk, stride_bs_e, stride_bs_n, stride_bs_k, B_BLOCKWISE,
+                                        col_layout)
             if NB == 2:
                 acc0 = _settled(acc0 + scaled, INTERLEAVE)
                 t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_bufs.index(NB * s + 1),
                                             bs_ptr, group, off_n // TILE + 1, N, kblk, stride_bs_e, stride_bs_n,
-                                            stride_bs_k, issued, s, phase, counter, HALF, 0, B_BLOCKWISE,
-                                            col_layout)
+                                            stride_bs_k, B_BLOCKWISE, col_layout)
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = acc1 + scaled
             else:
@@ -291,7 +272,7 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
                     k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
                     stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
                     ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr, STAGGER: gl.constexpr):
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
@@ -307,25 +288,19 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
-    if STAGGER != 0:  # per stage: consumer 0 has issued the stage's first MMA (`_scaled_product`)
-        issued = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(issued.index(i), count=1)
-    else:  # (unused)
-        issued = ready
     num_tiles = gl.cdiv(M, TILE) * gl.cdiv(N, BLOCK_N)
     if GROUPED_K:
         num_tiles = num_tiles * num_groups
     # (No starred arguments in Gluon: every partition's arguments are spelled out.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, issued, c_desc, c_ptr, bs_ptr, M, N,
-                     K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE, STAGGER)),
-        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, issued, c_desc, c_ptr, bs_ptr, M, N,
-                     K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE, STAGGER)),
+                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
                      K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
                      B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
@@ -333,12 +308,6 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
 
 
 _T = 128  # TILE and HALF_M on the host
-# ws_gemm(stagger=...) -> the kernel's STAGGER. Both consumers wait on the same stage and may issue their MMAs
-# together; if the tensor cores then interleave them, both products complete together and both consumers promote
-# while the tensor cores idle (our reading of Nsight Compute's counts, docs/performance.md). Consumer 1's MMA
-# issued after consumer 0's queues behind it instead: ordered once, the consumers may keep that offset (each one's
-# MMA running while the other promotes); ordered at every K step, they must.
-STAGGERS = ("none", "once", "every")  # (the index is STAGGER)
 _H = 64
 
 
@@ -416,7 +385,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
             block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None,
-            interleave_ffma: bool = False, stagger: str = "none") -> torch.Tensor:
+            interleave_ffma: bool = False) -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
@@ -426,17 +395,13 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     through shared memory by TMA (stored, or added by TMA's reduction), overlapping the next tile's MMAs (None:
     wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there).
     `interleave_ffma` (256-wide tiles): the promotion's FFMA runs interleaved in the cubin, so the warp scheduler
-    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits). `stagger` ("none",
-    "once", "every"): consumer 1 issues its first MMA of the kernel ("once") or of every K step ("every") only
-    after consumer 0 has issued its own, so the two consumers' MMAs run one after the other instead of sharing the
-    tensor cores and completing together (`STAGGERS`; the same bits)."""
+    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
     assert a.stride(1) == 1 and b.stride(1) == 1 and c.stride(-1) == 1 and k % 8 == 0
     assert block_n in (128, 256) and (not accumulate or c.dtype == torch.float32)
     assert block_n == 256 or not interleave_ffma, "the interleaved FFMAs are the 256-wide tiles' (`_settled`)"
-    assert stagger in STAGGERS, f"stagger={stagger!r}: one of {STAGGERS}"
     if tile_expert is not None:
         assert m % _T == 0 and b_blockwise, "rows grouped by expert need whole 128-row tiles and B in blocks"
     assert c.shape[-2] == m, f"C has {c.shape[-2]} rows for A's {m}"  # TMA clips at C's edge, the registers at M
@@ -467,7 +432,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise,
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
-                   INTERLEAVE=interleave_ffma, STAGGER=STAGGERS.index(stagger), num_warps=4, maxnreg=_MAXNREG)
+                   INTERLEAVE=interleave_ffma, num_warps=4, maxnreg=_MAXNREG)
     # (the interleaved variant is compiled, the first time, with the cubin pass installed)
     with patching_ffma(INTERLEAVE_MARKER) if interleave_ffma else contextlib.nullcontext():
         _ws_gemm_kernel[grid](*args, **options)
