@@ -17,7 +17,8 @@
 # profile_moe_compiled), the MoE GPU tests (tests_moe), the warp-specialized GEMMs' tests (tests_ws; tests_dense_ws:
 # the hopper backend's dense GEMMs on it), the weight
 # gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the
-# wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad), clocks and power sampled during
+# wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad; ncu_l2: L2 bandwidth and clusters
+# of the dense fprop, ours against cuBLAS's FP8 and BF16 GEMMs), clocks and power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense
 # wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only; dense_gemm: the three dense GEMMs, cuBLAS against the
@@ -230,6 +231,22 @@ for part in $PARTS; do
           --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
           --section WarpStateStats --section SchedulerStats --section Occupancy --section SourceCounters \
           python benchmarks/dense_gemm.py --shapes 28672,4096 --gemms "$gemm" --columns "ws 256" --iters 3
+      done ;;
+    ncu_l2)  # Nsight Compute: how close the dense fprop at the 8B-layer gate/up shape runs to L2's bandwidth (each K
+             # step of a 128 x 256 tile reads 48 KB from L2 for 8.4 MFLOP) and whether a kernel runs in clusters:
+             # our interleaved-FFMA kernel, cuBLAS's blockwise FP8 GEMM (the cublas backend) and cuBLAS's BF16 GEMM
+      l2="lts__t_bytes.sum.per_second,lts__t_sectors_srcunit_tex_op_read.sum.per_second,\
+lts__t_sectors_srcunit_tex_op_read.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,\
+l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,gpu__time_duration.sum"
+      for column in "ws 256, interleaved FFMA" backend BF16; do
+        case $column in
+          ws*) kernels="regex:_ws_gemm_kernel"; name=ws ;;
+          backend) kernels="regex:nvjet|xmma|cutlass|gemm"; name=cublas_fp8 ;;
+          BF16) kernels="regex:nvjet|xmma|cutlass|gemm"; name=cublas_bf16 ;;
+        esac
+        step "ncu_l2_$name" ncu --kernel-name "$kernels" --launch-skip 2 --launch-count 1 --section LaunchStats \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --metrics "$l2" \
+          python benchmarks/dense_gemm.py --shapes 28672,4096 --gemms fprop --columns "$column" --iters 3
       done ;;
     clocks_8b)  # the SM clock, power and clock event reasons sampled every 200 ms while BF16, then FP8, run the
                 # 8B-layer step under CUDA graphs: do the GEMMs run slower in the step than alone because the clock drops?
