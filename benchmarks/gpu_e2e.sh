@@ -18,7 +18,8 @@
 # the hopper backend's dense GEMMs on it), the weight
 # gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the
 # wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad; ncu_l2: L2 bandwidth and clusters
-# of the dense fprop, ours against cuBLAS's FP8 and BF16 GEMMs), clocks and power sampled during
+# of the dense fprop, ours against cuBLAS's FP8 and BF16 GEMMs), clocks and power sampled during one GEMM run back to
+# back (clocks_gemm), clocks and power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense
 # wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only; dense_gemm: the three dense GEMMs, cuBLAS against the
@@ -251,21 +252,19 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
     clocks_8b)  # the SM clock, power and clock event reasons sampled every 200 ms while BF16, then FP8, run the
                 # 8B-layer step under CUDA graphs: do the GEMMs run slower in the step than alone because the clock drops?
       for recipe in bf16 fp8; do
-        fields=timestamp,utilization.gpu,clocks.current.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu
-        for reasons in clocks_event_reasons.active clocks_throttle_reasons.active; do  # the newer name first
-          if nvidia-smi --query-gpu=$fields,$reasons --format=csv -i 0 > /dev/null 2>&1; then
-            fields=$fields,$reasons
-            break
-          fi
-        done
-        nvidia-smi --query-gpu=$fields --format=csv -i 0 -lms 200 > "$LOGS/clocks_$recipe.csv" 2>&1 &
-        sampler=$!
-        step "steps_8b_$recipe" python benchmarks/train_step.py training.compile=true \
+        SAMPLE_MS=200 sampled_step "$recipe" "steps_8b_$recipe" python benchmarks/train_step.py training.compile=true \
           training.compile_mode=reduce-overhead --model 8b-layers --recipes $recipe
-        kill $sampler 2> /dev/null
-        wait $sampler 2> /dev/null
       done
       step clocks_8b python benchmarks/clocks_summary.py bf16="$LOGS/clocks_bf16.csv" fp8="$LOGS/clocks_fp8.csv" ;;
+    clocks_gemm)  # the same samples while one GEMM runs back to back (the 8B-layer gate/up fprop, 200 calls a CUDA graph
+                  # replay): BF16's, cuBLAS's blockwise FP8 and ours. Is a sustained FP8 GEMM held by the power cap?
+      for column in BF16 backend "ws 256, interleaved FFMA"; do
+        case $column in BF16) label=bf16 ;; backend) label=cublas_fp8 ;; *) label=ws ;; esac
+        sampled_step "$label" "gemm_$label" python benchmarks/dense_gemm.py --shapes 28672,4096 --gemms fprop \
+          --columns "$column" --cuda-graphs --iters 200
+      done
+      step clocks_gemm python benchmarks/clocks_summary.py bf16="$LOGS/clocks_bf16.csv" \
+        cublas_fp8="$LOGS/clocks_cublas_fp8.csv" ws="$LOGS/clocks_ws.csv" ;;
     tests_cublaslt) step gpu_tests_cublaslt python -m pytest -q -m gpu tests/test_fp8_gpu.py \
            tests/test_moe_gpu.py tests/test_gpu.py \
            -k "cublaslt or cuda_graphs or compiled_fp8_linear or fused_fp8_mlp or learns or host_wait" \

@@ -35,6 +35,23 @@ step() {  # step NAME command...: run it (at most $STEP_TIMEOUT s), append its s
   echo "== $name done"
 }
 
+sampled_step() {  # sampled_step LABEL NAME command...: `step NAME command...` with the SM clock, power and clock event
+  # reasons sampled every 100 ms into $LOGS/clocks_LABEL.csv (benchmarks/clocks_summary.py reads it)
+  local label=$1 fields=timestamp,utilization.gpu,clocks.current.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu
+  shift
+  for reasons in clocks_event_reasons.active clocks_throttle_reasons.active; do  # the newer name first
+    if nvidia-smi --query-gpu=$fields,$reasons --format=csv -i 0 > /dev/null 2>&1; then
+      fields=$fields,$reasons
+      break
+    fi
+  done
+  nvidia-smi --query-gpu=$fields --format=csv -i 0 -lms "${SAMPLE_MS:-100}" > "$LOGS/clocks_$label.csv" 2>&1 &
+  local sampler=$!
+  step "$@"
+  kill $sampler 2> /dev/null
+  wait $sampler 2> /dev/null
+}
+
 finish_summary() {  # the logs, as one file that comes back from the GPU machine
   tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 }

@@ -243,14 +243,15 @@ esac
 """
 
 
-def _gpu_e2e_with_fake_gpu(tmp_path, parts: list[str], on_train_step: str) -> subprocess.CompletedProcess:
+def _gpu_e2e_with_fake_gpu(tmp_path, parts: list[str], on_train_step: str,
+                           script: str = "benchmarks/train_step.py") -> subprocess.CompletedProcess:
     """`gpu_e2e.sh PARTS` with OUT=tmp_path/out, the stand-in nvidia-smi, and a `python` that runs the shell line
-    `on_train_step` in OUT (instead of the step) for each `benchmarks/train_step.py` call and runs everything else."""
+    `on_train_step` in OUT (instead of the benchmark) for each call of `script` and runs everything else."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
     (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
-if [ "$1" = benchmarks/train_step.py ]; then (cd "{out}" && {on_train_step}); exit 0; fi
+if [ "$1" = {script} ]; then (cd "{out}" && {on_train_step}); exit 0; fi
 if [ "$1" = -c ]; then exit 0; fi  # "import torchao": installed, nothing to install
 exec {sys.executable} "$@"
 """)
@@ -280,6 +281,28 @@ def test_gpu_e2e_clocks_part_samples_each_recipes_steps_and_summarizes_the_busy_
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1:] == ["3 of 4", "1800 / 1755 (1980)", "690 (700)", "62", "SW power cap 67%; none 33%"], row
+    assert "sleep 60" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_gpu_e2e_clocks_gemm_part_samples_each_gemm_run_back_to_back(tmp_path):
+    """`gpu_e2e.sh clocks_gemm` samples clocks and power while the 8B-layer gate/up fprop runs back to back from a
+    CUDA graph, as BF16's GEMM, cuBLAS's blockwise FP8 GEMM and ours, one process each, stops each sampler, and
+    summarizes the three runs' busy samples."""
+    out = tmp_path / "out"
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["clocks_gemm"], 'printf "%s|" "$@" >> gemms.log; echo >> gemms.log; '
+                                    'sleep 0.3', script="benchmarks/dense_gemm.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    assert [line[3:] for line in summary.splitlines() if line.startswith("## ")] == \
+        ["gemm_bf16", "gemm_cublas_fp8", "gemm_ws", "clocks_gemm"], summary
+    assert "FAILED" not in summary
+    calls = [line.split("|") for line in (out / "gemms.log").read_text().splitlines()]
+    assert [call[call.index("--columns") + 1] for call in calls] == ["BF16", "backend", "ws 256, interleaved FFMA"]
+    assert all({"--cuda-graphs", "28672,4096", "fprop"} <= set(call) for call in calls)
+    rows = {line.split("|")[1].strip(): line for line in summary.splitlines() if line.startswith("| ")
+            and line.split("|")[1].strip() in ("bf16", "cublas_fp8", "ws")}
+    assert sorted(rows) == ["bf16", "cublas_fp8", "ws"], summary
+    assert all("3 of 4" in row and "SW power cap 67%" in row for row in rows.values()), rows
     assert "sleep 60" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
 
