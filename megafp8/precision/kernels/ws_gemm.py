@@ -38,7 +38,8 @@ rows-first and 16-byte aligned, as the quantizers write them; any other layout i
 (`_tma_scales`).
 
 What the kernel measures against cuBLAS and BF16, and the schedules tried and removed (256 x 128 tiles, consumers
-taking turns, two products in flight), are in `docs/performance.md` and `docs/benchmarks.md`. The `hopper` backend
+taking turns, two products in flight, consumer 1's MMAs ordered after consumer 0's, the wgrads' FMUL runs
+interleaved), are in `docs/performance.md` and `docs/benchmarks.md`. The `hopper` backend
 (`auto` on SM90) runs the grouped GEMMs and the dense fprop and dgrad on it; dense weight gradients stay on
 cuBLASLt.
 
