@@ -2,7 +2,10 @@
 
 Kernel names are matched in order against `CATEGORIES` (the first hit wins). The categories follow issue 10's
 question: GEMMs (cuBLAS, CUTLASS, our Triton GEMMs), FP8 quantization (our Triton quantizers), attention,
-communication, optimizer, norms and fused element-wise code, copies and casts.
+communication, optimizer, norms and fused element-wise code, copies and casts; and for the MoE step (issue 19) the
+router's top-k and sort and the permutation kernels around the experts. Since the twenty-seventh session the
+gradient norm's foreach kernels (`_foreach_norm`, and `_foreach_mul_` where the clip is not fused into the update)
+have a category of their own; earlier tables count them in "optimizer (AdamW)".
 """
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("FP8 producers quantizing their output (RMSNorm, SwiGLU)", ("_rmsnorm_quantize", "_rms_inverse", "_swiglu")),
     ("FP8 quantization, standalone (Triton)", ("_quantize", "quantize_", "_transpose_kernel", "_transpose_blocks")),
     ("GEMM", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "_grouped_wgrad", "sm90_", "matmul")),
-    ("optimizer (AdamW)", ("adam", "multi_tensor_apply", "foreach")),
+    ("optimizer (AdamW)", ("adam",)),
+    ("gradient norm and clipping (foreach)", ("multi_tensor_apply", "foreach")),
+    ("MoE routing and permutation", ("_combine", "_gather_sum", "topk", "radixsort", "radix_sort", "sort")),
     ("norm", ("norm",)),
     ("cross-entropy / softmax", ("softmax", "nll_loss", "cross_entropy", "log_softmax")),
     ("torch.compile fused kernels", ("triton_",)),
