@@ -79,15 +79,27 @@ def _spread(values: list[float], spec: str) -> tuple[str, str]:
     return format(statistics.median(values), spec), f"{format(min(values), spec)}-{format(max(values), spec)}"
 
 
+def _ranges(old: list[float], new: list[float]) -> str:
+    """"apart" when every run of one tree beat every run of the other, "overlap" otherwise; with a single run of
+    either tree the spread between runs is unknown, so the two cannot be told apart ("one run")."""
+    if not old or not new:
+        return "-"
+    if min(len(old), len(new)) < 2:
+        return "one run"
+    return "apart" if max(old) < min(new) or max(new) < min(old) else "overlap"
+
+
 def summary(results: list[tuple[str, dict[str, float]]]) -> str:
-    """Per recipe: each tree's median (min-max, runs) and new / old of the medians."""
+    """Per recipe: each tree's median (min-max, runs), new / old of the medians, and whether the two trees' ranges
+    are apart (every run of one faster than every run of the other) or overlap."""
     recipes = sorted({r for _, found in results for r in found})
-    lines = ["| recipe | old: median tokens/s (range, runs) | new: median tokens/s (range, runs) | new / old |",
-             "|---|---|---|---|"]
+    lines = ["| recipe | old: median tokens/s (range, runs) | new: median tokens/s (range, runs) | new / old | "
+             "ranges |", "|---|---|---|---|---|"]
     for recipe in recipes:
-        cells, medians = [], {}
+        cells, medians, runs = [], {}, {}
         for tree in ("old", "new"):
             values = [found[recipe] for t, found in results if t == tree and recipe in found]
+            runs[tree] = values
             if values:
                 medians[tree] = statistics.median(values)
                 median, spread = _spread(values, ",.0f")
@@ -95,7 +107,7 @@ def summary(results: list[tuple[str, dict[str, float]]]) -> str:
             else:
                 cells.append("no run")
         ratio = f"{medians['new'] / medians['old']:.4f}" if len(medians) == 2 else "-"
-        lines.append(f"| {recipe} | {cells[0]} | {cells[1]} | {ratio} |")
+        lines.append(f"| {recipe} | {cells[0]} | {cells[1]} | {ratio} | {_ranges(runs['old'], runs['new'])} |")
     ratios = []  # FP8 / BF16 within each run, where a run timed both
     for tree in ("old", "new"):
         within = [found["fp8"] / found["bf16"] for t, found in results if t == tree and {"fp8", "bf16"} <= set(found)]

@@ -258,7 +258,7 @@ def test_ab_steps_alternates_the_trees_and_compares_their_medians(tmp_path):
     assert [line.split()[0] for line in ran] == ["old", "new", "new", "old", "old", "new"]
     assert all(line.split(" ", 1)[1] == "--model 1b training.compile=true --recipes fp8" for line in ran)
     assert "| 6 | new | fp8 110,000 |" in result.stdout
-    assert "| fp8 | 100,000 (99,000-101,000, 3) | 103,000 (102,000-110,000, 3) | 1.0300 |" in result.stdout
+    assert "| fp8 | 100,000 (99,000-101,000, 3) | 103,000 (102,000-110,000, 3) | 1.0300 | apart |" in result.stdout
 
 
 def test_ab_steps_gives_each_trees_fp8_over_bf16_within_its_runs():
@@ -267,6 +267,9 @@ def test_ab_steps_gives_each_trees_fp8_over_bf16_within_its_runs():
     results = [("old", {"bf16": 100.0, "fp8": 120.0}), ("new", {"bf16": 100.0, "fp8": 125.0}),
                ("new", {"bf16": 90.0, "fp8": 117.0}), ("old", {"bf16": 90.0, "fp8": 106.2})]
     text = ab_steps.summary(results)
+    assert "| bf16 | 95 (90-100, 2) | 95 (90-100, 2) | 1.0000 | overlap |" in text
+    one_each = ab_steps.summary([("old", {"fp8": 100.0}), ("new", {"fp8": 110.0})])
+    assert "| 1.1000 | one run |" in one_each  # one run a tree says nothing about the spread
     assert "FP8 / BF16 within each run: old: median 1.190x (1.180-1.200, 2 runs); new: median 1.275x " \
            "(1.250-1.300, 2 runs)" in text
 
@@ -280,7 +283,7 @@ def test_ab_steps_reports_a_failed_run_and_leaves_it_out(tmp_path):
                             text=True, timeout=120)
     assert result.returncode == 1
     assert "| 2 | new | FAILED (rc 1: CUDA out of memory) |" in result.stdout
-    assert "| fp8 | 100,000 (100,000-100,000, 1) | no run | - |" in result.stdout
+    assert "| fp8 | 100,000 (100,000-100,000, 1) | no run | - | - |" in result.stdout
 
 
 def test_ab_steps_reads_train_steps_own_table():
