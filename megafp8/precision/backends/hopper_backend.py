@@ -39,7 +39,7 @@ class HopperBackend(CublasBackend):
         c = torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
         block_n = _tile_width(b.shape[0])
         return ws_gemm(a, a_scale, b, self.block_scales_nk(b_scale), c, b_blockwise=True, block_n=block_n,
-                       interleave_ffma=block_n == 256)
+                       interleave_ffma=self.interleave_ffma and block_n == 256)
 
 
 def _tile_width(columns: int) -> int:
