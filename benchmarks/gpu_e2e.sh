@@ -256,15 +256,19 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
           training.compile_mode=reduce-overhead --model 8b-layers --recipes $recipe
       done
       step clocks_8b python benchmarks/clocks_summary.py bf16="$LOGS/clocks_bf16.csv" fp8="$LOGS/clocks_fp8.csv" ;;
-    clocks_gemm)  # the same samples while one GEMM runs back to back (the 8B-layer gate/up fprop, 200 calls a CUDA graph
-                  # replay): BF16's, cuBLAS's blockwise FP8 and ours. Is a sustained FP8 GEMM held by the power cap?
-      for column in BF16 backend "ws 256, interleaved FFMA"; do
-        case $column in BF16) label=bf16 ;; backend) label=cublas_fp8 ;; *) label=ws ;; esac
-        sampled_step "$label" "gemm_$label" python benchmarks/dense_gemm.py --shapes 28672,4096 --gemms fprop \
+    clocks_gemm)  # the same samples while one GEMM runs back to back (the 8B-layer gate/up shape, 200 calls a CUDA graph
+                  # replay): the fprop as BF16's, cuBLAS's blockwise FP8 and ours; the 1x128 x 1x128 wgrad into main_grad
+                  # as cuBLASLt's and ours. Is a sustained FP8 GEMM held by the power cap, and the wgrad as much as the fprop?
+      for run in "fprop BF16 bf16" "fprop backend cublas_fp8" "fprop ws ws" "wgrad backend cublaslt_wgrad" \
+                 "wgrad ws ws_wgrad"; do
+        read -r gemm column label <<< "$run"
+        [ "$column" = ws ] && column="ws 256, interleaved FFMA"
+        sampled_step "$label" "gemm_$label" python benchmarks/dense_gemm.py --shapes 28672,4096 --gemms "$gemm" \
           --columns "$column" --cuda-graphs --iters 200
       done
       step clocks_gemm python benchmarks/clocks_summary.py bf16="$LOGS/clocks_bf16.csv" \
-        cublas_fp8="$LOGS/clocks_cublas_fp8.csv" ws="$LOGS/clocks_ws.csv" ;;
+        cublas_fp8="$LOGS/clocks_cublas_fp8.csv" ws="$LOGS/clocks_ws.csv" \
+        cublaslt_wgrad="$LOGS/clocks_cublaslt_wgrad.csv" ws_wgrad="$LOGS/clocks_ws_wgrad.csv" ;;
     tests_cublaslt) step gpu_tests_cublaslt python -m pytest -q -m gpu tests/test_fp8_gpu.py \
            tests/test_moe_gpu.py tests/test_gpu.py \
            -k "cublaslt or cuda_graphs or compiled_fp8_linear or fused_fp8_mlp or learns or host_wait" \

@@ -285,23 +285,26 @@ def test_gpu_e2e_clocks_part_samples_each_recipes_steps_and_summarizes_the_busy_
 
 
 def test_gpu_e2e_clocks_gemm_part_samples_each_gemm_run_back_to_back(tmp_path):
-    """`gpu_e2e.sh clocks_gemm` samples clocks and power while the 8B-layer gate/up fprop runs back to back from a
-    CUDA graph, as BF16's GEMM, cuBLAS's blockwise FP8 GEMM and ours, one process each, stops each sampler, and
-    summarizes the three runs' busy samples."""
+    """`gpu_e2e.sh clocks_gemm` samples clocks and power while one GEMM at the 8B-layer gate/up shape runs back to
+    back from a CUDA graph: the fprop as BF16's GEMM, cuBLAS's blockwise FP8 GEMM and ours, the wgrad as cuBLASLt's
+    and ours, one process each; it stops each sampler and summarizes the five runs' busy samples."""
     out = tmp_path / "out"
     result = _gpu_e2e_with_fake_gpu(tmp_path, ["clocks_gemm"], 'printf "%s|" "$@" >> gemms.log; echo >> gemms.log; '
                                     'sleep 0.3', script="benchmarks/dense_gemm.py")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = (out / "summary.md").read_text()
     assert [line[3:] for line in summary.splitlines() if line.startswith("## ")] == \
-        ["gemm_bf16", "gemm_cublas_fp8", "gemm_ws", "clocks_gemm"], summary
+        ["gemm_bf16", "gemm_cublas_fp8", "gemm_ws", "gemm_cublaslt_wgrad", "gemm_ws_wgrad", "clocks_gemm"], summary
     assert "FAILED" not in summary
     calls = [line.split("|") for line in (out / "gemms.log").read_text().splitlines()]
-    assert [call[call.index("--columns") + 1] for call in calls] == ["BF16", "backend", "ws 256, interleaved FFMA"]
-    assert all({"--cuda-graphs", "28672,4096", "fprop"} <= set(call) for call in calls)
+    assert [(call[call.index("--gemms") + 1], call[call.index("--columns") + 1]) for call in calls] == [
+        ("fprop", "BF16"), ("fprop", "backend"), ("fprop", "ws 256, interleaved FFMA"), ("wgrad", "backend"),
+        ("wgrad", "ws 256, interleaved FFMA")]
+    assert all({"--cuda-graphs", "28672,4096"} <= set(call) for call in calls)
+    labels = ("bf16", "cublas_fp8", "ws", "cublaslt_wgrad", "ws_wgrad")
     rows = {line.split("|")[1].strip(): line for line in summary.splitlines() if line.startswith("| ")
-            and line.split("|")[1].strip() in ("bf16", "cublas_fp8", "ws")}
-    assert sorted(rows) == ["bf16", "cublas_fp8", "ws"], summary
+            and line.split("|")[1].strip() in labels}
+    assert sorted(rows) == sorted(labels), summary
     assert all("3 of 4" in row and "SW power cap 67%" in row for row in rows.values()), rows
     assert "sleep 60" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
