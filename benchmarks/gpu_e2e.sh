@@ -19,9 +19,10 @@
 # gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the
 # wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad; ncu_l2: L2 bandwidth and clusters
 # of the dense fprop, ours against cuBLAS's FP8 and BF16 GEMMs), clocks and power sampled during one GEMM run back to
-# back (clocks_gemm), clocks and power sampled during
+# back (clocks_gemm: the fprop and the wgrad), clocks and power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
-# kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), dense
+# kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), RoPE's
+# backward quantizer against its Gluon twin (rope), dense
 # wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only; dense_gemm: the three dense GEMMs, cuBLAS against the
 # warp-specialized kernel; dense_gemm_graphs, grouped_gemm_graphs: replayed from CUDA graphs), SDPA's backends on our
 # attention shapes (attention;
@@ -131,6 +132,7 @@ for part in $PARTS; do
     old_fused_quantize) step old_fused_quantize bash -c "cd \"$OLD\" && python benchmarks/fused_quantize.py" ;;
     swiglu_cols) step swiglu_cols_variants python benchmarks/swiglu_cols_variants.py ;;
     rows_cols) step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
+    rope) step rope_variants python benchmarks/rope_variants.py ;;  # RoPE's backward quantizer: Triton against Gluon
     grouped_gemm) step grouped_gemm python benchmarks/grouped_gemm.py --backend hopper --iters 20 ;;
     grouped_moe)  # the MoE model's two expert shapes, the warp-specialized kernel's TMA and register epilogues
       step grouped_gemm_moe python benchmarks/grouped_gemm.py --backend hopper --iters 20 \

@@ -435,3 +435,38 @@ def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, 
                      index=index)
         assert_same_quantization(got[:2], want[:2], f"rows, {fmt}, pow2={pow2}, norm={norm}")
         assert_same_quantization(got[2:], want[2:], f"columns, {fmt}, pow2={pow2}, norm={norm}")
+
+
+@pytest.mark.parametrize("tokens_each, warps", [(16, 4), (8, 8)])
+@pytest.mark.parametrize("m, head_dim", [(200, 128), (384, 128), (256, 64)], ids=["partial_tile", "whole", "heads_64"])
+def test_the_gluon_rope_backward_kernel_gives_the_triton_kernels_bits(tokens_each, warps, m, head_dim):
+    """SM90 runs RoPE's backward quantizer (the fused QKV projection's output gradient) as the Gluon kernel
+    (`rows_cols_gluon.launch_rope_backward`), other GPUs as the Triton one: the same bytes, values and scales, x^T's
+    padding included, in both thread layouts, with a partial last tile (masked loads) and whole ones (unmasked),
+    heads of 128 and 64, sequences shorter than the rows (positions wrapping), outliers and a nan."""
+    gluon = pytest.importorskip("megafp8.precision.kernels.rows_cols_gluon")
+    if torch.cuda.get_device_capability(CUDA) != (9, 0):
+        pytest.skip("the Gluon RoPE backward kernel runs on SM90 only")
+    from megafp8.model.rope import RotaryEmbedding
+    from megafp8.precision import E4M3, E5M2
+    from megafp8.precision.kernels import producers, tiles
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(head_dim, 128, 10000.0, device=CUDA)
+    widths = (256, 128, 256)
+    dq, dk, dv = ((torch.randn(m, w, device=CUDA) * torch.logspace(-3, 3, w, device=CUDA)).bfloat16()
+                  for w in widths)
+    dk[17, 3] = float("nan")
+    n = sum(widths)
+    for fmt, pow2 in ((E4M3, False), (E5M2, True)):
+        want, got = (tiles.rows_cols_outputs(m, n, fmt, CUDA) for _ in range(2))
+        for out in (want, got):
+            for t in (out[0], out[2]):
+                t.view(torch.uint8).fill_(0x55)  # a byte left unwritten shows
+        producers._rope_backward_quantize_kernel[(n // 128, -(-m // 128))](
+            dq, dk, dv, rope.cos, rope.sin, *want, m, n, widths[0], widths[1], 128, dq.stride(0), dk.stride(0),
+            dv.stride(0), rope.cos.stride(0), rope.sin.stride(0), *tiles.rows_cols_strides(*want), HEAD_DIM=head_dim,
+            POW2=pow2, **tiles.format_constants(fmt))
+        gluon.launch_rope_backward(dq, dk, dv, rope.cos, rope.sin, 128, head_dim, got, fmt, pow2,
+                                   tokens_each=tokens_each, num_warps=warps)
+        assert_same_quantization(got[:2], want[:2], f"rows, {fmt}, pow2={pow2}")
+        assert_same_quantization(got[2:], want[2:], f"columns, {fmt}, pow2={pow2}")

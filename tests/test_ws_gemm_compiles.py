@@ -221,6 +221,45 @@ def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(no
     assert 8 < per_element <= 18, f"{per_element:.1f} SASS instructions per element"
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["whole_tiles", "partial_last_tile"])
+def test_the_gluon_rope_backward_kernel_compiles_for_sm90_lean_and_without_spills(masked):
+    """RoPE's backward quantizer as SM90 runs it (`rows_cols_gluon.launch_rope_backward`, its default layout), for
+    heads of 128 and 64: 16-byte loads only (each feature's rotation partner is written as an offset the compiler
+    can follow: through an XOR it loaded one element per instruction), no spills, and its instruction count near
+    the Triton kernel's ~32 per element at 4 warps or below it (27-31 when written)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from megafp8.precision.kernels import rows_cols_gluon as r
+
+    signature = {name: "*bf16" for name in ("dq_ptr", "dk_ptr", "dv_ptr")}
+    signature.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                      "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32"})
+    signature.update({name: "i32" for name in ("M", "NQ", "NK", "seq_len", "stride_dq", "stride_dk", "stride_dv",
+                                               "stride_cos", "stride_sin", "stride_qm", "stride_sm", "stride_sk",
+                                               "stride_qt", "stride_st_k", "stride_st_m")})
+    aligned = [n for n in signature if n.endswith("_ptr")] + [
+        "NQ", "NK", "stride_dq", "stride_dk", "stride_dv", "stride_cos", "stride_sin", "stride_qm", "stride_sk",
+        "stride_qt", "stride_st_m"]
+    load, store_t, rows, cols = r.rope_layouts()
+    for head_dim in (128, 64):
+        constants = dict(HEAD_DIM=head_dim, MASKED=masked, FP8_MAX=448.0, POW2=False, LOAD=load, STORE_T=store_t,
+                         ROWS=rows, COLS=cols, stride_sm=1, stride_st_k=1)
+        config_signature = dict(signature, **{name: "constexpr" for name in constants})
+        names = list(config_signature)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the launch specializes them
+        compiled = triton.compile(GluonASTSource(r._rope_backward_quantize_gluon_kernel, config_signature,
+                                                 constexprs=constants, attrs=attrs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": r.ROPE_WARPS})
+        ptx = compiled.asm["ptx"]
+        assert set(re.findall(r"ld\.global\S*", ptx)) == {"ld.global.v4.b32"}, head_dim
+        report, sass = _ptxas_and_sass(ptx)
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+        assert spills and max(spills) == 0, (head_dim, report)
+        per_element = _sass_instructions(sass) * 32 * r.ROPE_WARPS / (128 * 128)
+        assert 15 < per_element <= 33, f"heads of {head_dim}: {per_element:.1f} SASS instructions per element"
+
+
 def test_the_rope_backward_quantizer_compiles_for_sm90_without_spills_in_every_configuration():
     """RoPE's backward quantizer (`producers._rope_backward_quantize_kernel`, a Triton kernel) first held a whole
     128x128 FP32 tile and four loads per element: 255 registers at 8 warps, spilling, and 0.36 TB/s on the GPU;

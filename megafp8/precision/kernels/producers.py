@@ -293,7 +293,12 @@ def rope_backward_quantize(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
     n = sum(widths)
     out = tiles.rows_cols_outputs(m, n, fmt, dq.device)
     check_offsets("rope_backward_quantize", dq, dk, dv, *out)
-    if m:
+    if not m:
+        return out
+    gluon = tiles.hopper_gluon(dq.device, "rows_cols_gluon")  # the same bytes in fewer instructions
+    if gluon:
+        gluon.launch_rope_backward(dq, dk, dv, cos, sin, seq_len, head_dim, out, fmt, power_of_two)
+    else:
         _rope_backward_quantize_kernel[(n // TILE, triton.cdiv(m, TILE))](
             dq, dk, dv, cos, sin, *out, m, n, widths[0], widths[1], seq_len, dq.stride(0), dk.stride(0), dv.stride(0),
             cos.stride(0), sin.stride(0), *tiles.rows_cols_strides(*out), HEAD_DIM=head_dim, POW2=power_of_two,

@@ -1,8 +1,9 @@
 """The row + column quantizer (`quantize.quantize_rows_cols`: x (M, K) in 1x128 tiles along K for fprop/dgrad and
-along M for wgrad, from one read of x), its gathering form (the MoE dispatch) and RMSNorm's producer tiles in
-Gluon, for SM90, where `tiles.hopper_gluon` picks it (other GPUs run the Triton kernels
-`quantize._quantize_rows_cols_kernel` and `producers._rmsnorm_quantize_kernel`, whose bytes it writes:
-`benchmarks/rows_cols_variants.py` and a GPU test compare them). Measured on an H200 (docs/benchmarks.md, jobs AH-AJ):
+along M for wgrad, from one read of x), its gathering form (the MoE dispatch), RMSNorm's producer tiles and RoPE's
+backward (the fused QKV projection's output gradient, `launch_rope_backward`) in Gluon, for SM90, where
+`tiles.hopper_gluon` picks it (other GPUs run the Triton kernels `quantize._quantize_rows_cols_kernel`,
+`producers._rmsnorm_quantize_kernel` and `producers._rope_backward_quantize_kernel`, whose bytes it writes:
+`benchmarks/rows_cols_variants.py`, `benchmarks/rope_variants.py` and GPU tests compare them). Measured on an H200 (docs/benchmarks.md, jobs AH-AJ):
 15-21% less device time than the Triton kernels at every measured shape.
 
 Why: the Triton kernel moves its bytes at 55-66% of copy speed and issues 23 SASS instructions per element, about
@@ -14,6 +15,10 @@ needs 14.6 (17.2 with RMSNorm, 15.6 gathering; `tests/test_ws_gemm_compiles.py` 
 - x kept as loaded (BF16) and converted where it is used;
 - the correctly rounded divisions shared out, one row and one column per thread (`spread`);
 - the FP8 rows written as 8-byte runs, the transposed columns as 16-byte runs, straight from registers.
+
+RoPE's backward tiles are the same quantization after a rotation in FP32 that reads each element's partner (half a
+head away) a second time and two table entries (26.8-32.2 instructions per element by layout and masking, against
+~32 for the Triton kernel at 4 warps, which needed 255 registers; not yet timed on a GPU).
 """
 from __future__ import annotations
 
@@ -86,6 +91,17 @@ def _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_pt
     if NORM:
         rstd = gl.load(rstd_ptr + rows, mask=in_rows, other=0.0)
         x = (x * gl.expand_dims(rstd, 1)) * gl.expand_dims(gl.load(w_ptr + cols).to(gl.float32), 0)
+    _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, stride_qm, stride_sm, stride_sk, stride_qt,
+                   stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, ROWS, COLS)
+
+
+@gluon.jit
+def _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, stride_qm, stride_sm, stride_sk, stride_qt,
+                   stride_st_k, stride_st_m, FP8_MAX: gl.constexpr, POW2: gl.constexpr, STORE_T: gl.constexpr,
+                   ROWS: gl.constexpr, COLS: gl.constexpr):
+    """Tile (kb, mb), x (128 tokens `rows`, 128 features `cols`) in FP32, quantized along its rows (q, s) and along
+    its columns (qt = x^T, st; rows past M, which x holds as zeros, fill qt's padding)."""
+    in_rows = rows < M
     # Rows (`tiles.store_rows`): one scale per token over the tile's 128 features.
     row_scale, row_inv = _scales(gl.reduce(gl.abs(x), 1, gluon_tiles.nan_max), ROWS, FP8_MAX, POW2)
     q = (x * gl.expand_dims(row_inv, 1)).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # saturating
@@ -128,6 +144,74 @@ def _rmsnorm_quantize_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr
                     COLS)
 
 
+@gluon.jit
+def _load_rows(ptrs, in_rows, MASKED: gl.constexpr):
+    """ptrs' values; with MASKED, zeros where not `in_rows` (nothing is read there)."""
+    if MASKED:
+        return gl.load(ptrs, mask=in_rows, other=0.0)
+    return gl.load(ptrs)
+
+
+@gluon.jit
+def _rope_backward_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, cols, kb, M, NQ, NK, seq_len, stride_dq,
+                        stride_dk, stride_dv, stride_cos, stride_sin, HEAD_DIM: gl.constexpr,
+                        MASKED: gl.constexpr):
+    """Tile kb of [RoPE^T(dq) | RoPE^T(dk) | dv] at `rows` in FP32 (zeros past M): per head of d (`producers.
+    rope_backward`), feature f of the first half d[f] cos[f] + d[f + h] sin[f + h], of the second half
+    d[f] cos[f] - d[f - h] sin[f - h], h = HEAD_DIM / 2, at the row's position. Each element's partner (f XOR h)
+    lies in the same tile (heads divide 128); it is read a second time, from L1 or L2, rather than fetched from
+    another warp. A tile lies in one of the three (their widths are whole tiles)."""
+    HALF: gl.constexpr = HEAD_DIM // 2
+    # Rows past M (the last tile's padding, when M is not a multiple of 128: MASKED) read as zeros and read no
+    # table either: a table exactly as long as its tokens ends there. Unmasked loads save the zeroing of their
+    # registers and the predicates.
+    in_rows = gl.expand_dims(rows < M, 1)
+    first = kb * 128
+    if first < NQ + NK:
+        if first < NQ:
+            row_ptrs = dq_ptr + gl.expand_dims(rows.to(gl.int64) * stride_dq, 1)
+            local = cols
+        else:
+            row_ptrs = dk_ptr + gl.expand_dims(rows.to(gl.int64) * stride_dk, 1)
+            local = cols - NQ
+        # The partner f XOR h written as f + h - 2 h * (second half): the compiler then sees the runs of consecutive
+        # features each thread holds in it, and reads them as 16-byte vectors (through an XOR it reads elements).
+        second_half = (local // HALF) % 2
+        to_partner = HALF - 2 * HALF * second_half
+        partner = local + to_partner
+        in_head = local % HEAD_DIM
+        d = _load_rows(row_ptrs + gl.expand_dims(local, 0), in_rows, MASKED).to(gl.float32)
+        d_partner = _load_rows(row_ptrs + gl.expand_dims(partner, 0), in_rows, MASKED).to(gl.float32)
+        positions = gl.expand_dims(rows % seq_len, 1)
+        c = _load_rows(cos_ptr + positions * stride_cos + gl.expand_dims(in_head, 0), in_rows, MASKED)
+        s = _load_rows(sin_ptr + positions * stride_sin + gl.expand_dims(in_head + to_partner, 0), in_rows, MASKED)
+        sign = (1 - 2 * second_half).to(gl.float32)  # exact: d[f] cos - d' sin is d[f] cos + d' (-sin)
+        x = d * c + d_partner * (s * gl.expand_dims(sign, 0))
+    else:
+        x = _load_rows(dv_ptr + gl.expand_dims(rows.to(gl.int64) * stride_dv, 1) + gl.expand_dims(cols - NQ - NK, 0),
+                       in_rows, MASKED).to(gl.float32)
+    return x
+
+
+@gluon.jit
+def _rope_backward_quantize_gluon_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M,
+                                         NQ, NK, seq_len, stride_dq, stride_dk, stride_dv, stride_cos, stride_sin,
+                                         stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
+                                         HEAD_DIM: gl.constexpr, MASKED: gl.constexpr, FP8_MAX: gl.constexpr,
+                                         POW2: gl.constexpr, LOAD: gl.constexpr, STORE_T: gl.constexpr, ROWS: gl.constexpr,
+                                         COLS: gl.constexpr):
+    """One 128x128 tile of [RoPE^T(dq) | RoPE^T(dk) | dv], quantized from FP32 both ways (`producers.
+    _rope_backward_quantize_kernel`'s outputs)."""
+    kb = gl.program_id(0)
+    mb = gl.program_id(1)
+    rows = mb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LOAD))
+    cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LOAD))
+    x = _rope_backward_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, cols, kb, M, NQ, NK, seq_len, stride_dq,
+                            stride_dk, stride_dv, stride_cos, stride_sin, HEAD_DIM, MASKED)
+    _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, stride_qm, stride_sm, stride_sk, stride_qt,
+                   stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, ROWS, COLS)
+
+
 def kernel_for(norm: bool):
     """The entry point: RMSNorm's producer tiles (`norm`) or the quantizer of a tensor as it is (or gathered)."""
     return _rmsnorm_quantize_gluon_kernel if norm else _quantize_rows_cols_gluon_kernel
@@ -150,3 +234,37 @@ def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | No
         q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1), FP8_MAX=fmt.max,
         POW2=power_of_two, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows, COLS=cols,
         num_warps=WARPS)
+
+
+ROPE_WARPS = 8
+ROPE_TOKENS_PER_THREAD = 8  # 8 tokens x 8 features a thread at 8 warps: d, its partner and two table entries each
+
+
+@functools.cache
+def rope_layouts(tokens_each: int = ROPE_TOKENS_PER_THREAD, num_warps: int = ROPE_WARPS) -> tuple:
+    """(LOAD, STORE_T, ROWS, COLS) of the RoPE kernel's 128 x 128 tile (`gluon_tiles.block_layouts`: a column's
+    128 tokens in one warp, the warps side by side along the features; ROWS and COLS give each thread one row's or
+    column's value, the threads past 128 repeating them)."""
+    block_n, load, store_t = gluon_tiles.block_layouts(tokens_each, FEATURES_PER_THREAD, num_warps)
+    assert block_n == 128, f"{tokens_each} tokens a thread at {num_warps} warps do not tile 128 features"
+    assert num_warps >= 4, "ROWS and COLS give each of the first 128 threads one value"
+    warps = [[32 << i] if i < 2 else [0] for i in range(num_warps.bit_length() - 1)]
+    one_each = DistributedLinearLayout(reg_bases=[], lane_bases=gluon_tiles.bases(32, 1, 1), warp_bases=warps,
+                                       block_bases=[], shape=[128])
+    return load, store_t, one_each, one_each
+
+
+def launch_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         seq_len: int, head_dim: int, out: tuple, fmt: Fp8Format, power_of_two: bool,
+                         tokens_each: int = ROPE_TOKENS_PER_THREAD, num_warps: int = ROPE_WARPS) -> None:
+    """Fill `out` (from `tiles.rows_cols_outputs`) with [RoPE^T(dq) | RoPE^T(dk) | dv] quantized both ways: the
+    bytes of `producers.rope_backward_quantize`'s Triton kernel (same arguments, checked by its caller)."""
+    m, nq, nk = dq.shape[0], dq.shape[1], dk.shape[1]
+    n = nq + nk + dv.shape[1]
+    q, s, qt, st = out
+    load, store_t, rows, cols = rope_layouts(tokens_each, num_warps)
+    _rope_backward_quantize_gluon_kernel[(n // 128, -(-m // 128))](
+        dq, dk, dv, cos, sin, q, s, qt, st, m, nq, nk, seq_len, dq.stride(0), dk.stride(0), dv.stride(0),
+        cos.stride(0), sin.stride(0), q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1),
+        HEAD_DIM=head_dim, MASKED=m % 128 != 0, FP8_MAX=fmt.max, POW2=power_of_two, LOAD=load, STORE_T=store_t, ROWS=rows, COLS=cols,
+        num_warps=num_warps)
