@@ -225,8 +225,9 @@ def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(no
 def test_the_gluon_rope_backward_kernel_compiles_for_sm90_lean_and_without_spills(masked):
     """RoPE's backward quantizer as SM90 runs it (`rows_cols_gluon.launch_rope_backward`, its default layout), for
     heads of 128 and 64: 16-byte loads only (each feature's rotation partner is written as an offset the compiler
-    can follow: through an XOR it loaded one element per instruction), no spills, and its instruction count near
-    the Triton kernel's ~32 per element at 4 warps or below it (27-31 when written)."""
+    can follow: through an XOR it loaded one element per instruction), no spills (a few bytes with masked loads),
+    and fewer instructions than the Triton kernel's ~32 per element at 4 warps (26.8, and 31.1 masked, when
+    written): the kernel is bound by the instructions it issues, as the row + column quantizer is."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -255,9 +256,9 @@ def test_the_gluon_rope_backward_kernel_compiles_for_sm90_lean_and_without_spill
         assert set(re.findall(r"ld\.global\S*", ptx)) == {"ld.global.v4.b32"}, head_dim
         report, sass = _ptxas_and_sass(ptx)
         spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
-        assert spills and max(spills) == 0, (head_dim, report)
+        assert spills and max(spills) <= (8 if masked else 0), (head_dim, report)  # masked: 4 bytes when written
         per_element = _sass_instructions(sass) * 32 * r.ROPE_WARPS / (128 * 128)
-        assert 15 < per_element <= 33, f"heads of {head_dim}: {per_element:.1f} SASS instructions per element"
+        assert 15 < per_element <= (32 if masked else 28), f"heads of {head_dim}: {per_element:.1f} per element"
 
 
 def test_the_rope_backward_quantizer_compiles_for_sm90_without_spills_in_every_configuration():

@@ -17,8 +17,8 @@ needs 14.6 (17.2 with RMSNorm, 15.6 gathering; `tests/test_ws_gemm_compiles.py` 
 - the FP8 rows written as 8-byte runs, the transposed columns as 16-byte runs, straight from registers.
 
 RoPE's backward tiles are the same quantization after a rotation in FP32 that reads each element's partner (half a
-head away) a second time and two table entries (26.8-32.2 instructions per element by layout and masking, against
-~32 for the Triton kernel at 4 warps, which needed 255 registers; not yet timed on a GPU).
+head away) a second time and two table entries: 26.8 instructions per element (31.1 where the last tile is partial
+and the loads are masked) against ~32 for the Triton kernel at 4 warps; 23-24% less device time on an H200.
 """
 from __future__ import annotations
 
@@ -236,8 +236,11 @@ def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | No
         num_warps=WARPS)
 
 
-ROPE_WARPS = 8
-ROPE_TOKENS_PER_THREAD = 8  # 8 tokens x 8 features a thread at 8 warps: d, its partner and two table entries each
+# 16 tokens x 8 features a thread at 4 warps, as the row + column quantizer: 0.351 ms at the 8B-layer shape against
+# 0.676 for 8 tokens at 8 warps (fewer registers, 140, but more instructions) and 0.456 for the Triton kernel (H200,
+# docs/benchmarks.md)
+ROPE_WARPS = 4
+ROPE_TOKENS_PER_THREAD = 16
 
 
 @functools.cache
