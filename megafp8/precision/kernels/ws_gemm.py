@@ -50,6 +50,7 @@ Hopper only: TMA, wgmma and `setmaxnreg`; `megafp8.precision.kernels.gemm` keeps
 from __future__ import annotations
 
 import contextlib
+from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -310,11 +311,15 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
 
 _T = 128  # TILE and HALF_M on the host
 _H = 64
+# The shared-memory layouts of the tiles TMA moves, by (box, element type), and of the scales' boxes: pure functions
+# of those, worked out once here rather than at each of a launch's five descriptors (~9 us of host time each).
+_TILE_LAYOUTS = MappingProxyType({(block, dtype): gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+                                  for block in ((_H, _T), (_T, _T)) for dtype, gl_dtype in _GL_DTYPES.items()})
+_SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
-    return TensorDescriptor.from_tensor(t, block, layout)
+    return TensorDescriptor.from_tensor(t, block, _TILE_LAYOUTS[tuple(block), t.dtype])
 
 
 def _tma_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -334,9 +339,7 @@ def _tma_scales(scale: torch.Tensor) -> torch.Tensor:
 def _scale_descriptor(scale: torch.Tensor, rows: int) -> TensorDescriptor:
     """TMA over a (rows, K/128) FP32 scale tensor (`_tma_scales` lays it out), viewed as (K/128, rows): one K
     step's scales of `rows` consecutive rows per box."""
-    view = _tma_scales(scale).t()
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor.from_tensor(view, [1, rows], layout)
+    return TensorDescriptor.from_tensor(_tma_scales(scale).t(), [1, rows], _SCALE_LAYOUT)
 
 
 def _sm_count(device: torch.device) -> int:
