@@ -9,7 +9,11 @@ time a whole small layer's forward and backward, BF16 and FP8.
 (cProfile): where the host time goes. `--kernels` prints, for each whole layer, the device kernels and the torch
 operators one forward + backward runs (torch.profiler), at the small shape and at 8192 x 4096 -> 4096: a copy or
 fill kernel nobody asked for shows there.
-Usage (GPU machine, repo root): PYTHONPATH=. python benchmarks/fp8_launch_cost.py [--cprofile 25] [--kernels]
+`--backend hopper` times the hopper backend's pieces and layers instead of the cublas backend's: its fprop and
+dgrad GEMMs are our warp-specialized Gluon kernel (five TMA descriptors and Gluon's launcher a call), the rest is
+the cublas backend's.
+Usage (GPU machine, repo root): PYTHONPATH=. python benchmarks/fp8_launch_cost.py [--backend hopper] [--cprofile 25]
+                                [--kernels]
 """
 import argparse
 import cProfile
@@ -38,7 +42,13 @@ def per_call_us(fn, calls: int = 2000) -> float:
 
 
 def main() -> None:
-    backend = select_backend("cublas", torch.device("cuda"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="cublas", choices=["cublas", "hopper"])
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    parser.add_argument("--kernels", action="store_true", help="each whole layer's kernels and operators")
+    args = parser.parse_args()
+    backend = select_backend(args.backend, torch.device("cuda"))
+    gemm = "F.scaled_mm blockwise" if args.backend == "cublas" else "warp-specialized GEMM"
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     norm_w = torch.ones(256, device="cuda", dtype=torch.bfloat16)
@@ -57,7 +67,7 @@ def main() -> None:
         "weight + transpose, in place (w)": lambda: backend.quantize_weight_(w, cache, E4M3, False),
         "transpose of the FP8 weight (dgrad without a kept w^T)": lambda: backend.transpose_weight(cache.w_fp8,
                                                                                                   cache.w_scale),
-        "F.scaled_mm blockwise (fprop or dgrad GEMM)": lambda: backend.gemm_1x128_128x128(
+        f"{gemm} (fprop or dgrad)": lambda: backend.gemm_1x128_128x128(
             x_fp8, x_scale, cache.w_fp8, cache.w_scale, torch.bfloat16),
         "wgrad GEMM into FP32 main_grad (cuBLASLt)": lambda: backend.gemm_1x128_1x128_accumulate_(
             main_grad, xt_fp8, xt_scale, xt_fp8, xt_scale),
@@ -66,26 +76,22 @@ def main() -> None:
     rc_fp8, rc_scale = backend.quantize_rows_cols(x, E4M3, False)[:2]
     wt_fp8, wt_scale = backend.transpose_weight(cache.w_fp8, cache.w_scale)
     pieces.update({
-        "F.scaled_mm on quantize_rows_cols' x (made once)": lambda: backend.gemm_1x128_128x128(
+        f"{gemm} on quantize_rows_cols' x (made once)": lambda: backend.gemm_1x128_128x128(
             rc_fp8, rc_scale, cache.w_fp8, cache.w_scale, torch.bfloat16),
-        "quantize_rows_cols, then F.scaled_mm on its x": lambda: backend.gemm_1x128_128x128(
+        f"quantize_rows_cols, then {gemm} on its x": lambda: backend.gemm_1x128_128x128(
             *backend.quantize_rows_cols(x, E4M3, False)[:2], cache.w_fp8, cache.w_scale, torch.bfloat16),
-        "F.scaled_mm on a transposed weight (made once)": lambda: backend.gemm_1x128_128x128(
+        f"{gemm} on a transposed weight (made once)": lambda: backend.gemm_1x128_128x128(
             rc_fp8, rc_scale, wt_fp8, wt_scale, torch.bfloat16),
-        "transpose_weight, then F.scaled_mm on it": lambda: backend.gemm_1x128_128x128(
+        f"transpose_weight, then {gemm} on it": lambda: backend.gemm_1x128_128x128(
             rc_fp8, rc_scale, *backend.transpose_weight(cache.w_fp8, cache.w_scale), torch.bfloat16),
     })
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cprofile", type=int, default=0, metavar="N")
-    parser.add_argument("--kernels", action="store_true", help="each whole layer's kernels and operators")
-    args = parser.parse_args()
-    layers = whole_layers()
+    layers = whole_layers(backend=args.backend)
     if args.kernels:
         for tokens, features in ((128, 256), (8192, 4096)):
-            for name, fn in whole_layers(tokens, features).items():
+            for name, fn in whole_layers(tokens, features, args.backend).items():
                 print(f"\n### {name}, {tokens} tokens, {features} -> {features}\n")
                 print(kernels_and_operators(fn))
-    print("| piece | host us per call |\n|---|---|")
+    print(f"{args.backend} backend\n\n| piece | host us per call |\n|---|---|")
     for name, fn in pieces.items():
         print(f"| {name} | {per_call_us(fn):.1f} |")
     for name, fn in layers.items():  # a whole layer takes longer: fewer calls
@@ -113,7 +119,7 @@ def own_times(fn, top: int, calls: int = 200) -> str:
     return "\n".join(lines)
 
 
-def whole_layers(tokens: int = 128, features: int = 256) -> dict:
+def whole_layers(tokens: int = 128, features: int = 256, backend: str = "cublas") -> dict:
     """Forward + backward of one layer (by default small: 128 tokens, 256 -> 256), BF16 and FP8 (weight cached, as
     for every micro-batch after a step's first), each adding its weight gradient into an FP32 main_grad as in
     training: the host's floor per layer and micro-batch."""
@@ -125,7 +131,7 @@ def whole_layers(tokens: int = 128, features: int = 256) -> dict:
     layers = {}
     for name, recipe in (("BF16 linear, forward + backward", PrecisionRecipe.from_name("bf16")),
                          ("FP8 linear, forward + backward (weight cached)",
-                          PrecisionRecipe.from_name("fp8", Fp8Recipe(backend="cublas")))):
+                          PrecisionRecipe.from_name("fp8", Fp8Recipe(backend=backend)))):
         layer = ColumnParallelLinear(features, features, recipe, device="cuda")
         layer.weight.main_grad = torch.zeros(features, features, device="cuda", dtype=torch.float32)
         layers[name] = layer
