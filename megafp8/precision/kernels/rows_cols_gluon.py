@@ -3,8 +3,8 @@ along M for wgrad, from one read of x), its gathering form (the MoE dispatch), R
 backward (the fused QKV projection's output gradient, `launch_rope_backward`) in Gluon, for SM90, where
 `tiles.hopper_gluon` picks it (other GPUs run the Triton kernels `quantize._quantize_rows_cols_kernel`,
 `producers._rmsnorm_quantize_kernel` and `producers._rope_backward_quantize_kernel`, whose bytes it writes:
-`benchmarks/rows_cols_variants.py`, `benchmarks/rope_variants.py` and GPU tests compare them). Measured on an H200 (docs/benchmarks.md, jobs AH-AJ):
-15-21% less device time than the Triton kernels at every measured shape.
+`benchmarks/rows_cols_variants.py`, `benchmarks/rope_variants.py` and GPU tests compare them). Measured on an H200
+(docs/benchmarks.md, jobs AH-AJ): 15-21% less device time than the Triton kernels at every measured shape.
 
 Why: the Triton kernel moves its bytes at 55-66% of copy speed and issues 23 SASS instructions per element, about
 what a 128x128 tile's memory time allows at the issue rate these kernels reach (`docs/performance.md`). This one
@@ -198,8 +198,8 @@ def _rope_backward_quantize_gluon_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_pt
                                          NQ, NK, seq_len, stride_dq, stride_dk, stride_dv, stride_cos, stride_sin,
                                          stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
                                          HEAD_DIM: gl.constexpr, MASKED: gl.constexpr, FP8_MAX: gl.constexpr,
-                                         POW2: gl.constexpr, LOAD: gl.constexpr, STORE_T: gl.constexpr, ROWS: gl.constexpr,
-                                         COLS: gl.constexpr):
+                                         POW2: gl.constexpr, LOAD: gl.constexpr, STORE_T: gl.constexpr,
+                                         ROWS: gl.constexpr, COLS: gl.constexpr):
     """One 128x128 tile of [RoPE^T(dq) | RoPE^T(dk) | dv], quantized from FP32 both ways (`producers.
     _rope_backward_quantize_kernel`'s outputs)."""
     kb = gl.program_id(0)
@@ -236,9 +236,8 @@ def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | No
         num_warps=WARPS)
 
 
-# 16 tokens x 8 features a thread at 4 warps, as the row + column quantizer: 0.351 ms at the 8B-layer shape against
-# 0.676 for 8 tokens at 8 warps (fewer registers, 140, but more instructions) and 0.456 for the Triton kernel (H200,
-# docs/benchmarks.md)
+# 16 tokens x 8 features a thread at 4 warps, as the row + column quantizer: the faster of the two layouts measured,
+# 8 tokens at 8 warps needing fewer registers but more instructions (`benchmarks/rope_variants.py`, docs/benchmarks.md)
 ROPE_WARPS = 4
 ROPE_TOKENS_PER_THREAD = 16
 
@@ -269,5 +268,5 @@ def launch_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, c
     _rope_backward_quantize_gluon_kernel[(n // 128, -(-m // 128))](
         dq, dk, dv, cos, sin, q, s, qt, st, m, nq, nk, seq_len, dq.stride(0), dk.stride(0), dv.stride(0),
         cos.stride(0), sin.stride(0), q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1),
-        HEAD_DIM=head_dim, MASKED=m % 128 != 0, FP8_MAX=fmt.max, POW2=power_of_two, LOAD=load, STORE_T=store_t, ROWS=rows, COLS=cols,
-        num_warps=num_warps)
+        HEAD_DIM=head_dim, MASKED=m % 128 != 0, FP8_MAX=fmt.max, POW2=power_of_two, LOAD=load, STORE_T=store_t,
+        ROWS=rows, COLS=cols, num_warps=num_warps)
