@@ -85,6 +85,16 @@ def differing_bytes(got, want) -> int:
                for a, b in zip(got, want))
 
 
+def poisoned_rows_cols_outputs(m: int, k: int, fmt, device) -> tuple:
+    """Empty row + column outputs (`tiles.rows_cols_outputs`) with their FP8 bytes set to 0x55: the variant
+    benchmarks' outputs, where a byte a kernel left unwritten shows as a difference."""
+    from megafp8.precision.kernels import tiles
+    out = tiles.rows_cols_outputs(m, k, fmt, device)
+    for t in (out[0], out[2]):
+        t.view(torch.uint8).fill_(0x55)
+    return out
+
+
 def rows_cols_bytes(m: int, k: int) -> int:
     """FP8 rows and columns of an (m, k) tensor, with their FP32 scales."""
     return 2 * m * k + 2 * 4 * m * k // 128

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.precision.formats import E4M3, E5M2  # noqa: E402
 # benchmarks/, beside this file
-from fused_quantize import differing_bytes, graphed_ms, rows_cols_bytes, timed_ms, variant_benchmark_args  # noqa: E402
+from fused_quantize import (differing_bytes, graphed_ms, poisoned_rows_cols_outputs as outputs,  # noqa: E402
+                            rows_cols_bytes, timed_ms, variant_benchmark_args)
 
 SHAPES = [("~1B", 2048, 128, 2048), ("8B-layers", 4096, 128, 4096)]  # (name, width of q, k, v each, head, seq_len)
 LAYOUTS = [(16, 4), (8, 8)]  # (tokens a thread, warps) of the Gluon kernel; features a thread: 8
@@ -44,14 +45,6 @@ def variants() -> dict:
     for tokens_each, warps in LAYOUTS:
         out[f"gluon, {tokens_each} tokens x 8 features a thread, {warps} warps"] = (
             lambda *a, t=tokens_each, w=warps: rows_cols_gluon.launch_rope_backward(*a, tokens_each=t, num_warps=w))
-    return out
-
-
-def outputs(m: int, n: int, fmt, device) -> tuple:
-    from megafp8.precision.kernels import tiles
-    out = tiles.rows_cols_outputs(m, n, fmt, device)
-    for t in (out[0], out[2]):
-        t.view(torch.uint8).fill_(0x55)  # poison: a byte left unwritten shows as a difference
     return out
 
 

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.precision.formats import E4M3, E5M2  # noqa: E402
 # benchmarks/, beside this file
-from fused_quantize import differing_bytes, graphed_ms, rows_cols_bytes, timed_ms, variant_benchmark_args  # noqa: E402
+from fused_quantize import (differing_bytes, graphed_ms, poisoned_rows_cols_outputs as outputs,  # noqa: E402
+                            rows_cols_bytes, timed_ms, variant_benchmark_args)
 
 SHAPES = [("dy", "~1B", 6144), ("dy", "~1B", 2048), ("dy", "~1B", 11264), ("dy", "8B-layers", 12288),
           ("dy", "8B-layers", 28672), ("rmsnorm", "~1B", 2048), ("rmsnorm", "8B-layers", 4096),
@@ -63,14 +64,6 @@ def gather_index(tokens: int, g: torch.Generator) -> torch.Tensor:
     rows = rows[torch.randperm(rows.numel(), generator=g)]
     rows[torch.randperm(rows.numel(), generator=g)[: rows.numel() // 32]] = -1
     return rows
-
-
-def outputs(m: int, k: int, fmt, device) -> tuple:
-    from megafp8.precision.kernels import tiles
-    out = tiles.rows_cols_outputs(m, k, fmt, device)
-    for t in (out[0], out[2]):
-        t.view(torch.uint8).fill_(0x55)  # poison: a byte left unwritten shows as a difference
-    return out
 
 
 def main(argv=None) -> None:
