@@ -9,7 +9,8 @@
 # grouped GEMMs against BF16 and torch's FP8 ones; grouped_moe: the MoE model's shapes, our epilogues), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu
 # (one-GPU training tests), tests_optim (gradient clipping and the fused AdamW update on CUDA;
 # compiled_ro_unfused_update, compiled_ro_8b_unfused_update: whole steps with the update's separate passes),
-# fp8_linear (one layer, BF16 vs FP8, eager and replayed from CUDA graphs; fp8_linear_hopper: cublas and hopper),
+# fp8_linear (one layer, BF16 vs FP8, eager and replayed from CUDA graphs; fp8_linear_hopper: cublas and hopper;
+# launch_cost: host time per call of each piece and layer, the cublas then the hopper backend, with cProfile),
 # the 8B-layer shape (compiled_ro_8b,
 # ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and
 # compiled_ro_kept_t: FP8 keeping its weight transposes; memory_modes: both models' memory in every mode), BF16 and FP8
@@ -142,6 +143,9 @@ for part in $PARTS; do
     dense_gemm_graphs) step dense_gemm_graphs python benchmarks/dense_gemm.py --cuda-graphs --iters 20 ;;
     grouped_gemm_graphs) step grouped_gemm_graphs python benchmarks/grouped_gemm.py --backend hopper --iters 20 \
       --cuda-graphs ;;
+    launch_cost)  # host time per call of each FP8 piece and small layer: the cublas backend, then the hopper one
+      step launch_cost_cublas python benchmarks/fp8_launch_cost.py
+      step launch_cost_hopper python benchmarks/fp8_launch_cost.py --backend hopper --cprofile 12 ;;
     fp8_linear_threads)  # one layer, backward on autograd's worker thread (torch's default) and on the calling thread
       step fp8_linear_worker_thread python benchmarks/fp8_linear.py --backends cublas
       step fp8_linear_calling_thread python benchmarks/fp8_linear.py --backends cublas --calling-thread ;;

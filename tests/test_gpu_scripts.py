@@ -309,6 +309,21 @@ def test_gpu_e2e_clocks_gemm_part_samples_each_gemm_run_back_to_back(tmp_path):
     assert "sleep 60" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
 
+def test_gpu_e2e_launch_cost_part_times_the_cublas_backend_then_the_hopper_one_with_cprofile(tmp_path):
+    """`gpu_e2e.sh launch_cost`: `fp8_launch_cost.py` for the cublas backend, then for the hopper backend with
+    cProfile's breakdown (the warp-specialized GEMM's host cost against cuBLAS's), each a step of its own."""
+    out = tmp_path / "out"
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["launch_cost"], 'echo "$*" >> calls.log',
+                                    script="benchmarks/fp8_launch_cost.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    assert [line[3:] for line in summary.splitlines() if line.startswith("## ")] == \
+        ["launch_cost_cublas", "launch_cost_hopper"], summary
+    assert "FAILED" not in summary
+    assert (out / "calls.log").read_text().splitlines() == [
+        "benchmarks/fp8_launch_cost.py", "benchmarks/fp8_launch_cost.py --backend hopper --cprofile 12"]
+
+
 def test_gpu_e2e_memory_parts_run_each_recipe_in_a_fresh_process_with_and_without_expandable_segments(tmp_path):
     """`memory_8b_ro_fresh` and `expandable_8b`: the 8B-layer step under CUDA graphs, FP8 then BF16, one process
     each (one recipe's leftovers would count in the next one's held memory), the allocator as it comes, then with
