@@ -262,9 +262,9 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
           training.compile_mode=reduce-overhead --model 8b-layers --recipes $recipe
       done
       step clocks_8b python benchmarks/clocks_summary.py bf16="$LOGS/clocks_bf16.csv" fp8="$LOGS/clocks_fp8.csv" ;;
-    clocks_gemm)  # the same samples while one GEMM runs back to back (the 8B-layer gate/up shape, 200 calls a CUDA graph
-                  # replay): the fprop as BF16's, cuBLAS's blockwise FP8 and ours; the 1x128 x 1x128 wgrad into main_grad
-                  # as cuBLASLt's and ours. Is a sustained FP8 GEMM held by the power cap, and the wgrad as much as the fprop?
+    clocks_gemm)  # the same samples while one GEMM runs back to back (the 8B-layer gate/up shape, 200 calls a
+                  # CUDA graph replay): the fprop as BF16's, cuBLAS's blockwise FP8 and ours; the 1x128 x 1x128
+                  # wgrad into main_grad as cuBLASLt's and ours. Is each held by the power cap?
       for run in "fprop BF16 bf16" "fprop backend cublas_fp8" "fprop ws ws" "wgrad backend cublaslt_wgrad" \
                  "wgrad ws ws_wgrad"; do
         read -r gemm column label <<< "$run"

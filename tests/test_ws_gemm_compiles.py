@@ -6,7 +6,8 @@
   wgmma pipeline (notes C7511/C7514) or spill the FP32 accumulators runs correctly on the GPU, only much slower.
 - SwiGLU backward's column kernel (`swiglu_cols_gluon`): its instruction count (it is bound by the instructions
   it issues), vector widths and spills.
-- RoPE's backward quantizer (a Triton kernel): no spills in any configuration its autotuner may pick.
+- RoPE's backward quantizer: the Triton kernel without spills in any configuration its autotuner may pick, and
+  the Gluon kernel SM90 runs (`rows_cols_gluon.launch_rope_backward`): vector loads, no spills, its instruction count.
 
 A regression in either runs correctly, only slower, so no CPU test of the numerics would notice it. Needs Triton with Gluon (skipped where it is not installed)."""
 from __future__ import annotations
