@@ -9,7 +9,8 @@
 - RoPE's backward quantizer: the Triton kernel without spills in any configuration its autotuner may pick, and
   the Gluon kernel SM90 runs (`rows_cols_gluon.launch_rope_backward`): vector loads, no spills, its instruction count.
 
-A regression in either runs correctly, only slower, so no CPU test of the numerics would notice it. Needs Triton with Gluon (skipped where it is not installed)."""
+A regression in any of them runs correctly, only slower, so no CPU test of the numerics would notice it. Needs
+Triton with Gluon (skipped where it is not installed)."""
 from __future__ import annotations
 
 import itertools
