@@ -244,7 +244,7 @@ def test_the_gluon_rope_backward_kernel_compiles_for_sm90_lean_and_without_spill
     aligned = [n for n in signature if n.endswith("_ptr")] + [
         "NQ", "NK", "stride_dq", "stride_dk", "stride_dv", "stride_cos", "stride_sin", "stride_qm", "stride_sk",
         "stride_qt", "stride_st_m"]
-    load, store_t, rows, cols = r.rope_layouts()
+    load, store_t, rows, cols = r.tile_layouts()
     for head_dim in (128, 64):
         constants = dict(HEAD_DIM=head_dim, MASKED=masked, FP8_MAX=448.0, POW2=False, LOAD=load, STORE_T=store_t,
                          ROWS=rows, COLS=cols, stride_sm=1, stride_st_k=1)
@@ -253,13 +253,13 @@ def test_the_gluon_rope_backward_kernel_compiles_for_sm90_lean_and_without_spill
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the launch specializes them
         compiled = triton.compile(GluonASTSource(r._rope_backward_quantize_gluon_kernel, config_signature,
                                                  constexprs=constants, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": r.ROPE_WARPS})
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": r.WARPS})
         ptx = compiled.asm["ptx"]
         assert set(re.findall(r"ld\.global\S*", ptx)) == {"ld.global.v4.b32"}, head_dim
         report, sass = _ptxas_and_sass(ptx)
         spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
         assert spills and max(spills) <= (8 if masked else 0), (head_dim, report)  # masked: 4 bytes when written
-        per_element = _sass_instructions(sass) * 32 * r.ROPE_WARPS / (128 * 128)
+        per_element = _sass_instructions(sass) * 32 * r.WARPS / (128 * 128)
         assert 15 < per_element <= (32 if masked else 28), f"heads of {head_dim}: {per_element:.1f} per element"
 
 

@@ -38,22 +38,19 @@ FEATURES_PER_THREAD = 8
 
 
 @functools.cache  # made once: building the layouts costs ~50-130 us of host time, more than a small launch
-def tile_layouts() -> tuple:
-    """(LOAD, STORE_T, ROWS, COLS) for a 128 x 128 tile: each thread 16 tokens x 8 features (LOAD lists them
-    features first, STORE_T tokens first: the same elements in the same threads), 4 lanes along the features and
-    8 along the tokens, the 4 warps side by side along the features; ROWS and COLS give each of the 128 threads one
-    row's and one column's value."""
-    bases = gluon_tiles.bases
-    features, tokens = bases(FEATURES_PER_THREAD, 1, 2, 1), bases(TOKENS_PER_THREAD, 1, 2, 0)
-    lanes = bases(4, FEATURES_PER_THREAD, 2, 1) + bases(8, TOKENS_PER_THREAD, 2, 0)
-    warps = bases(WARPS, 4 * FEATURES_PER_THREAD, 2, 1)
-
-    def tile(registers: list) -> DistributedLinearLayout:
-        return DistributedLinearLayout(reg_bases=registers, lane_bases=lanes, warp_bases=warps, block_bases=[],
-                                       shape=[128, 128])
-    one_each = DistributedLinearLayout(reg_bases=[], lane_bases=bases(32, 1, 1), warp_bases=bases(WARPS, 32, 1),
+def tile_layouts(tokens_each: int = TOKENS_PER_THREAD, num_warps: int = WARPS) -> tuple:
+    """(LOAD, STORE_T, ROWS, COLS) for a 128 x 128 tile (`gluon_tiles.block_layouts`): each thread tokens_each
+    tokens x 8 features (LOAD lists them features first, STORE_T tokens first: the same elements in the same
+    threads), a column's 128 tokens in one warp, the warps side by side along the features (by default 4 lanes along
+    the features and 8 along the tokens, 4 warps); ROWS and COLS give each of the first 128 threads one row's and
+    one column's value (threads past 128 repeat them)."""
+    block_n, load, store_t = gluon_tiles.block_layouts(tokens_each, FEATURES_PER_THREAD, num_warps)
+    assert block_n == 128, f"{tokens_each} tokens a thread at {num_warps} warps do not tile 128 features"
+    assert num_warps >= 4, "ROWS and COLS give each of the first 128 threads one value"
+    warps = [[32 << i] if i < 2 else [0] for i in range(num_warps.bit_length() - 1)]
+    one_each = DistributedLinearLayout(reg_bases=[], lane_bases=gluon_tiles.bases(32, 1, 1), warp_bases=warps,
                                        block_bases=[], shape=[128])
-    return tile(features + tokens), tile(tokens + features), one_each, one_each
+    return load, store_t, one_each, one_each
 
 
 @gluon.jit
@@ -236,35 +233,17 @@ def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | No
         num_warps=WARPS)
 
 
-# 16 tokens x 8 features a thread at 4 warps, as the row + column quantizer: the faster of the two layouts measured,
-# 8 tokens at 8 warps needing fewer registers but more instructions (`benchmarks/rope_variants.py`, docs/benchmarks.md)
-ROPE_WARPS = 4
-ROPE_TOKENS_PER_THREAD = 16
-
-
-@functools.cache
-def rope_layouts(tokens_each: int = ROPE_TOKENS_PER_THREAD, num_warps: int = ROPE_WARPS) -> tuple:
-    """(LOAD, STORE_T, ROWS, COLS) of the RoPE kernel's 128 x 128 tile (`gluon_tiles.block_layouts`: a column's
-    128 tokens in one warp, the warps side by side along the features; ROWS and COLS give each thread one row's or
-    column's value, the threads past 128 repeating them)."""
-    block_n, load, store_t = gluon_tiles.block_layouts(tokens_each, FEATURES_PER_THREAD, num_warps)
-    assert block_n == 128, f"{tokens_each} tokens a thread at {num_warps} warps do not tile 128 features"
-    assert num_warps >= 4, "ROWS and COLS give each of the first 128 threads one value"
-    warps = [[32 << i] if i < 2 else [0] for i in range(num_warps.bit_length() - 1)]
-    one_each = DistributedLinearLayout(reg_bases=[], lane_bases=gluon_tiles.bases(32, 1, 1), warp_bases=warps,
-                                       block_bases=[], shape=[128])
-    return load, store_t, one_each, one_each
-
-
 def launch_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          seq_len: int, head_dim: int, out: tuple, fmt: Fp8Format, power_of_two: bool,
-                         tokens_each: int = ROPE_TOKENS_PER_THREAD, num_warps: int = ROPE_WARPS) -> None:
+                         tokens_each: int = TOKENS_PER_THREAD, num_warps: int = WARPS) -> None:
     """Fill `out` (from `tiles.rows_cols_outputs`) with [RoPE^T(dq) | RoPE^T(dk) | dv] quantized both ways: the
-    bytes of `producers.rope_backward_quantize`'s Triton kernel (same arguments, checked by its caller)."""
+    bytes of `producers.rope_backward_quantize`'s Triton kernel (same arguments, checked by its caller). The row +
+    column quantizer's layout (16 tokens x 8 features a thread, 4 warps) is the faster of the two measured: 8
+    tokens at 8 warps needs fewer registers but more instructions (`benchmarks/rope_variants.py`)."""
     m, nq, nk = dq.shape[0], dq.shape[1], dk.shape[1]
     n = nq + nk + dv.shape[1]
     q, s, qt, st = out
-    load, store_t, rows, cols = rope_layouts(tokens_each, num_warps)
+    load, store_t, rows, cols = tile_layouts(tokens_each, num_warps)
     _rope_backward_quantize_gluon_kernel[(n // 128, -(-m // 128))](
         dq, dk, dv, cos, sin, q, s, qt, st, m, nq, nk, seq_len, dq.stride(0), dk.stride(0), dv.stride(0),
         cos.stride(0), sin.stride(0), q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1),
