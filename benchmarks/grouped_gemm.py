@@ -28,7 +28,8 @@ activations and gradients, 128x128 blocks for the weight). Columns:
   (SM90) with 128- and 256-wide tiles, its output tiles leaving by TMA where they may (`ws_gemm.tma_store_fits`;
   into main_grad by TMA's reduction where this Triton builds it) and, in the "epilogue from registers" columns,
   stored from its registers, and in the "interleaved FFMA" column with its promotion's FFMA runs interleaved in the
-  cubin (`ws_gemm(interleave_ffma=True)`); dgrad's transposed weight is made once, untimed.
+  cubin (`ws_gemm(interleave_ffma=True)`; the wgrad's promotion has no such runs, so that column's wgrad rows run
+  the plain kernel); dgrad's transposed weight is made once, untimed.
 - ours: the backend's `grouped_gemm_1x128_128x128` (fprop; dgrad with `transposed=True`, which makes the weight's
   transpose in the call) and `grouped_gemm_1x128_1x128` (wgrad), as `megafp8.precision.grouped` calls them.
 
@@ -311,15 +312,15 @@ def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None
         from megafp8.precision.kernels import gemm as kernels
         _, rows, operands = _our_operands(p, gemm, backend)
         options = {} if kernel != "ws" else dict(block_n=block_n, tma_store=tma_store)
-        if interleave_ffma:
-            options["interleave_ffma"] = True
-        if gemm in ("wgrad", INTO):
+        if gemm in ("wgrad", INTO):  # (no FFMA runs to interleave in the wgrad's promotion: the plain cubin)
             main_grad = p.main_grad() if gemm == INTO else None
             return lambda: kernels.grouped_wgrad(*operands, rows.tile_start, rows.tile_count, torch.bfloat16,
                                                  kernel=kernel, accumulate=main_grad, **options)
         a, a_scale, weight = operands
         impl = select_backend(backend, p.x.device)
         b, b_scale = impl.weight_transposed(weight) if gemm == "dgrad" else (weight.w_fp8, weight.w_scale)
+        if interleave_ffma:
+            options["interleave_ffma"] = True
         return lambda: kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, torch.bfloat16, kernel=kernel,
                                             **options)
     build.__name__ = f"ours_{kernel}_{block_n}" + ("_registers" if tma_store is False else "") + \

@@ -30,18 +30,9 @@ SHAPES = [("~1B", 2048, 128, 2048), ("8B-layers", 4096, 128, 4096)]  # (name, wi
 LAYOUTS = [(16, 4), (8, 8)]  # (tokens a thread, warps) of the Gluon kernel; features a thread: 8
 
 
-def triton_rope(dq, dk, dv, cos, sin, seq_len, head_dim, out, fmt, pow2) -> None:
-    from megafp8.precision.kernels import producers, tiles
-    m, widths = dq.shape[0], (dq.shape[1], dk.shape[1], dv.shape[1])
-    producers._rope_backward_quantize_kernel[(sum(widths) // 128, -(-m // 128))](
-        dq, dk, dv, cos, sin, *out, m, sum(widths), widths[0], widths[1], seq_len, dq.stride(0), dk.stride(0),
-        dv.stride(0), cos.stride(0), sin.stride(0), *tiles.rows_cols_strides(*out), HEAD_DIM=head_dim, POW2=pow2,
-        **tiles.format_constants(fmt))
-
-
 def variants() -> dict:
-    from megafp8.precision.kernels import rows_cols_gluon
-    out = {"triton (before)": triton_rope}
+    from megafp8.precision.kernels import producers, rows_cols_gluon
+    out = {"triton (before)": producers.launch_rope_backward_triton}
     for tokens_each, warps in LAYOUTS:
         out[f"gluon, {tokens_each} tokens x 8 features a thread, {warps} warps"] = (
             lambda *a, t=tokens_each, w=warps: rows_cols_gluon.launch_rope_backward(*a, tokens_each=t, num_warps=w))
@@ -64,7 +55,7 @@ def main(argv=None) -> None:
                       for _ in range(3))
         inputs = (dq, dk, dv, rope.cos, rope.sin, seq, head)
         want = outputs(m, 3 * width, fmt, device)
-        triton_rope(*inputs, want, fmt, pow2)
+        runs["triton (before)"](*inputs, want, fmt, pow2)
         cells = []
         for label, run in runs.items():
             try:

@@ -34,17 +34,8 @@ TOP_K = 4  # the gathering case: every token in TOP_K padded rows, 1/32 of the r
 
 
 def triton_rows_cols(x, rstd, weight, index, out, fmt, pow2) -> None:
-    from megafp8.precision.kernels import producers, quantize, tiles
-    m, k = (x.shape[0] if index is None else index.shape[0]), x.shape[1]
-    grid = (k // 128, -(-m // 128))
-    if rstd is None:
-        quantize._quantize_rows_cols_kernel[grid](x, x if index is None else index, *out, m, k, x.stride(0),
-                                                  *tiles.rows_cols_strides(*out), POW2=pow2,
-                                                  GATHER=index is not None, **tiles.format_constants(fmt))
-    else:
-        producers._rmsnorm_quantize_kernel[grid](x, rstd, weight, *out, m, k, x.stride(0),
-                                                 *tiles.rows_cols_strides(*out), POW2=pow2,
-                                                 **tiles.format_constants(fmt))
+    from megafp8.precision.kernels import quantize
+    quantize.launch_rows_cols_triton(x, rstd, weight, out, fmt, pow2, index=index)
 
 
 def variants() -> dict:

@@ -400,7 +400,7 @@ def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, 
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon rows + columns kernel runs on SM90 only")
     from megafp8.precision import E4M3, E5M2
-    from megafp8.precision.kernels import producers, quantize, tiles
+    from megafp8.precision.kernels import quantize, tiles
     torch.manual_seed(0)
     m, k = 328, 384
     x = (torch.randn(m, k, device=CUDA) * torch.logspace(-3, 3, k, device=CUDA)).bfloat16()
@@ -418,19 +418,7 @@ def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, 
         for out in (want, got):
             for t in (out[0], out[2]):
                 t.view(torch.uint8).fill_(0x55)  # a byte left unwritten shows
-        grid = (k // 128, -(-m // 128))
-        if norm and gather:
-            quantize._gather_scale_quantize_rows_cols_kernel[grid](x, index, rstd, weight, *want, m, k, x.stride(0),
-                                                                   *tiles.rows_cols_strides(*want), POW2=pow2,
-                                                                   **tiles.format_constants(fmt))
-        elif norm:
-            producers._rmsnorm_quantize_kernel[grid](x, rstd, weight, *want, m, k, x.stride(0),
-                                                     *tiles.rows_cols_strides(*want), POW2=pow2,
-                                                     **tiles.format_constants(fmt))
-        else:
-            quantize._quantize_rows_cols_kernel[grid](x, x if index is None else index, *want, m, k, x.stride(0),
-                                                      *tiles.rows_cols_strides(*want), POW2=pow2,
-                                                      GATHER=index is not None, **tiles.format_constants(fmt))
+        quantize.launch_rows_cols_triton(x, rstd, weight, want, fmt, pow2, index=index)
         gluon.launch(x, rstd, weight, got, fmt, pow2, spread_rows=spread_rows, spread_cols=spread_cols,
                      index=index)
         assert_same_quantization(got[:2], want[:2], f"rows, {fmt}, pow2={pow2}, norm={norm}")
@@ -462,10 +450,7 @@ def test_the_gluon_rope_backward_kernel_gives_the_triton_kernels_bits(tokens_eac
         for out in (want, got):
             for t in (out[0], out[2]):
                 t.view(torch.uint8).fill_(0x55)  # a byte left unwritten shows
-        producers._rope_backward_quantize_kernel[(n // 128, -(-m // 128))](
-            dq, dk, dv, rope.cos, rope.sin, *want, m, n, widths[0], widths[1], 128, dq.stride(0), dk.stride(0),
-            dv.stride(0), rope.cos.stride(0), rope.sin.stride(0), *tiles.rows_cols_strides(*want), HEAD_DIM=head_dim,
-            POW2=pow2, **tiles.format_constants(fmt))
+        producers.launch_rope_backward_triton(dq, dk, dv, rope.cos, rope.sin, 128, head_dim, want, fmt, pow2)
         gluon.launch_rope_backward(dq, dk, dv, rope.cos, rope.sin, 128, head_dim, got, fmt, pow2,
                                    tokens_each=tokens_each, num_warps=warps)
         assert_same_quantization(got[:2], want[:2], f"rows, {fmt}, pow2={pow2}")

@@ -54,11 +54,11 @@ def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = Fal
     fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
     scales = torch.empty(2, 256).t()  # (rows, K/128), stored rows-first as the quantizers write them
     c = torch.empty(256, 256, dtype=torch.bfloat16 if c_type == "*bf16" else torch.float32)
-    signature = {"a_desc": mangle_type(ws_gemm._descriptor(fp8, [64, 128])),
-                 "b_desc": mangle_type(ws_gemm._descriptor(fp8, [128, 128])),
-                 "as_desc": mangle_type(ws_gemm._scale_descriptor(scales, 64)),
-                 "bs_desc": mangle_type(ws_gemm._scale_descriptor(scales, 128)),
-                 "c_desc": mangle_type(ws_gemm._descriptor(c if flags["TMA_STORE"] else fp8, [64, 128])),
+    signature = {"a_desc": mangle_type(ws_gemm._descriptor(fp8, (64, 128)).checked()),
+                 "b_desc": mangle_type(ws_gemm._descriptor(fp8, (128, 128)).checked()),
+                 "as_desc": mangle_type(ws_gemm._scale_descriptor(scales, 64).checked()),
+                 "bs_desc": mangle_type(ws_gemm._scale_descriptor(scales, 128).checked()),
+                 "c_desc": mangle_type(ws_gemm._descriptor(c if flags["TMA_STORE"] else fp8, (64, 128)).checked()),
                  "c_ptr": c_type,
                  "bs_ptr": "*fp32", "tile_expert_ptr": "*i32", "k_start_ptr": "*i32", "k_count_ptr": "*i32"}
     signature.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "num_groups", "stride_ce", "stride_cm",

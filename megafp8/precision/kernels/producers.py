@@ -40,15 +40,6 @@ def _rms_inverse_kernel(h_ptr, rstd_ptr, M, eps, stride_hm, K: tl.constexpr, BLO
     tl.store(rstd_ptr + rows, rstd, mask=rows < M)
 
 
-@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)], key=["K", "FP8_MAX", "POW2"])
-@triton.jit
-def _rmsnorm_quantize_kernel(h_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_hm, stride_qm,
-                             stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
-                             FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    quantize.rows_cols_tile(h_ptr, rstd_ptr, w_ptr, h_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_hm, stride_qm,
-                            stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, True, False)
-
-
 @triton.jit
 def _gate_up(gu_ptr, rows, cols, M, F, stride_gm):
     """Gate and up (FP32) at rows x cols of gu = [gate | up]; rows past M read as zeros."""
@@ -140,13 +131,7 @@ def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8
     if m:
         _rms_inverse_kernel[(triton.cdiv(m, RMS_BLOCK_M),)](h, rstd, m, eps, h.stride(0), K=k, BLOCK_M=RMS_BLOCK_M,
                                                             num_warps=RMS_WARPS)
-        gluon = tiles.hopper_gluon(h.device, "rows_cols_gluon")  # the same bytes in fewer instructions
-        if gluon:
-            gluon.launch(h, rstd, weight, out, fmt, power_of_two)
-        else:
-            _rmsnorm_quantize_kernel[(k // TILE, triton.cdiv(m, TILE))](
-                h, rstd, weight, *out, m, k, h.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two,
-                **tiles.format_constants(fmt))
+        quantize.launch_rows_cols(h, rstd, weight, out, fmt, power_of_two)
     return (*out, rstd)
 
 
@@ -296,11 +281,20 @@ def rope_backward_quantize(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
     if not m:
         return out
     gluon = tiles.hopper_gluon(dq.device, "rows_cols_gluon")  # the same bytes in fewer instructions
-    if gluon:
-        gluon.launch_rope_backward(dq, dk, dv, cos, sin, seq_len, head_dim, out, fmt, power_of_two)
-    else:
-        _rope_backward_quantize_kernel[(n // TILE, triton.cdiv(m, TILE))](
-            dq, dk, dv, cos, sin, *out, m, n, widths[0], widths[1], seq_len, dq.stride(0), dk.stride(0), dv.stride(0),
-            cos.stride(0), sin.stride(0), *tiles.rows_cols_strides(*out), HEAD_DIM=head_dim, POW2=power_of_two,
-            **tiles.format_constants(fmt))
+    (gluon.launch_rope_backward if gluon else launch_rope_backward_triton)(dq, dk, dv, cos, sin, seq_len, head_dim,
+                                                                          out, fmt, power_of_two)
     return out
+
+
+def launch_rope_backward_triton(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                                sin: torch.Tensor, seq_len: int, head_dim: int, out: tuple, fmt: Fp8Format,
+                                power_of_two: bool) -> None:
+    """Fill `out` (from `tiles.rows_cols_outputs`) as `rope_backward_quantize` does, by the Triton kernel: what
+    GPUs other than SM90 run, and the twin `rows_cols_gluon.launch_rope_backward` (same arguments) is checked
+    against. Arguments as `rope_backward_quantize` checked them."""
+    m, nq, nk = dq.shape[0], dq.shape[1], dk.shape[1]
+    n = nq + nk + dv.shape[1]
+    _rope_backward_quantize_kernel[(n // TILE, triton.cdiv(m, TILE))](
+        dq, dk, dv, cos, sin, *out, m, n, nq, nk, seq_len, dq.stride(0), dk.stride(0), dv.stride(0), cos.stride(0),
+        sin.stride(0), *tiles.rows_cols_strides(*out), HEAD_DIM=head_dim, POW2=power_of_two,
+        **tiles.format_constants(fmt))

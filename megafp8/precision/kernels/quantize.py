@@ -18,6 +18,7 @@ import triton.language as tl
 
 from megafp8.precision.formats import TILE, Fp8Format
 from megafp8.precision.kernels import tiles
+from megafp8.precision.kernels.launch import FastLaunch
 from megafp8.precision.kernels.limits import check_offsets
 
 
@@ -79,6 +80,16 @@ def _quantize_rows_cols_kernel(x_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, 
                    stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, False, GATHER)
 
 
+@triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)], key=["K", "FP8_MAX", "POW2"])
+@triton.jit
+def _rmsnorm_quantize_kernel(h_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, K, stride_hm, stride_qm,
+                             stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
+                             FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    # RMSNorm's producer tiles (`producers.rmsnorm_quantize`): x * rstd[row] * w[col] in FP32, quantized both ways.
+    rows_cols_tile(h_ptr, rstd_ptr, w_ptr, h_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_hm, stride_qm, stride_sm,
+                   stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, True, False)
+
+
 @triton.jit
 def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks,
                             stride_we, stride_wn, stride_qe, stride_qn, stride_qte, stride_qtk,
@@ -119,6 +130,12 @@ def _transpose_blocks_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks, stride_qe, 
     tl.store(st_ptr + e * stride_ste + kb * stride_stn + nb * stride_stk, scale)
 
 
+# The weight kernels by Triton's JIT once per static signature, then compiled (`launch.FastLaunch`): the transpose
+# runs in every FP8 layer's backward.
+_QUANTIZE_WEIGHT = FastLaunch(_quantize_weight_kernel)
+_TRANSPOSE_BLOCKS = FastLaunch(_transpose_blocks_kernel)
+
+
 def quantize_rows(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) -> q (M, K), scales (M, K/128) along K, column-major."""
     assert x.stride(1) == 1, "quantize_rows needs a row-major input"
@@ -140,14 +157,36 @@ def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> t
     check_offsets("quantize_rows_cols", x, *out)
     if not m:
         return out
-    gluon = tiles.hopper_gluon(x.device, "rows_cols_gluon")  # the same bytes in fewer instructions
-    if gluon:
-        gluon.launch(x, None, None, out, fmt, power_of_two)
-    else:
-        _quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
-            x, x, *out, m, k, x.stride(0), *tiles.rows_cols_strides(*out), POW2=power_of_two, GATHER=False,
-            **tiles.format_constants(fmt))
+    launch_rows_cols(x, None, None, out, fmt, power_of_two)
     return out
+
+
+def launch_rows_cols(x: torch.Tensor, rstd: Optional[torch.Tensor], weight: Optional[torch.Tensor], out: tuple,
+                     fmt: Fp8Format, power_of_two: bool, index: Optional[torch.Tensor] = None) -> None:
+    """Fill `out` (from `tiles.rows_cols_outputs`) with a 128x128-tiled tensor quantized both ways: x (M, K) itself,
+    RMSNorm(x) given its rstd (M,) and weight (K,), the rows x[index[i]] (M = len(index); a zero row where
+    index[i] < 0), or with both rstd and index the gathered rows scaled by rstd[i] (weight: ones). On SM90 by the
+    Gluon kernel (`rows_cols_gluon.launch`, the same bytes in fewer instructions), elsewhere by the Triton ones
+    (`launch_rows_cols_triton`)."""
+    gluon = tiles.hopper_gluon(x.device, "rows_cols_gluon")
+    (gluon.launch if gluon else launch_rows_cols_triton)(x, rstd, weight, out, fmt, power_of_two, index=index)
+
+
+def launch_rows_cols_triton(x: torch.Tensor, rstd: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                            out: tuple, fmt: Fp8Format, power_of_two: bool,
+                            index: Optional[torch.Tensor] = None) -> None:
+    """`launch_rows_cols` by the Triton kernels, whichever GPU: the twin the Gluon kernel is checked against."""
+    m, k = (x.shape[0] if index is None else index.shape[0]), x.shape[1]
+    grid = (k // TILE, triton.cdiv(m, TILE))
+    tail = (*out, m, k, x.stride(0), *tiles.rows_cols_strides(*out))
+    constants = dict(POW2=power_of_two, **tiles.format_constants(fmt))
+    if rstd is None:
+        _quantize_rows_cols_kernel[grid](x, x if index is None else index, *tail, GATHER=index is not None,
+                                         **constants)
+    elif index is None:
+        _rmsnorm_quantize_kernel[grid](x, rstd, weight, *tail, **constants)
+    else:
+        _gather_scale_quantize_rows_cols_kernel[grid](x, index, rstd, weight, *tail, **constants)
 
 
 def _gathered_outputs(name: str, source: torch.Tensor, index: torch.Tensor,
@@ -167,13 +206,7 @@ def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: Fp
     m, k, out = _gathered_outputs("gather_quantize_rows_cols", source, index, fmt)
     if not m:
         return out
-    gluon = tiles.hopper_gluon(source.device, "rows_cols_gluon")  # the same bytes in fewer instructions
-    if gluon:
-        gluon.launch(source, None, None, out, fmt, power_of_two, index=index.contiguous())
-    else:
-        _quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
-            source, index.contiguous(), *out, m, k, source.stride(0), *tiles.rows_cols_strides(*out),
-            POW2=power_of_two, GATHER=True, **tiles.format_constants(fmt))
+    launch_rows_cols(source, None, None, out, fmt, power_of_two, index=index.contiguous())
     return out
 
 
@@ -186,13 +219,7 @@ def gather_scale_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, f
         return out
     index, factor = index.contiguous(), factor.to(torch.float32).contiguous()
     ones = torch.ones(k, dtype=torch.float32, device=source.device)
-    gluon = tiles.hopper_gluon(source.device, "rows_cols_gluon")  # the same bytes in fewer instructions
-    if gluon:
-        gluon.launch(source, factor, ones, out, fmt, power_of_two, index=index)
-    else:
-        _gather_scale_quantize_rows_cols_kernel[(k // TILE, triton.cdiv(m, TILE))](
-            source, index, factor, ones, *out, m, k, source.stride(0), *tiles.rows_cols_strides(*out),
-            POW2=power_of_two, **tiles.format_constants(fmt))
+    launch_rows_cols(source, factor, ones, out, fmt, power_of_two, index=index)
     return out
 
 
@@ -207,10 +234,10 @@ def quantize_weight_(w: torch.Tensor, q: torch.Tensor, s_nk: torch.Tensor, qt: O
     w3, q3, qt3, s3, st3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (w, q, qt, s_nk, st_nk))
     experts, n, k = w3.shape
     check_offsets("quantize_weight_", w3[:1], q3[:1], qt3[:1])  # one expert: experts are indexed in int64
-    _quantize_weight_kernel[(k // TILE, experts * (n // TILE))](
-        w3, q3, s3, qt3, st3, n // TILE, w3.stride(0), w3.stride(1), q3.stride(0), q3.stride(1), qt3.stride(0),
-        qt3.stride(1), *s3.stride(), *st3.stride(), POW2=power_of_two, TRANSPOSE=transpose, num_warps=8,
-        **tiles.format_constants(fmt))
+    _QUANTIZE_WEIGHT.launch((k // TILE, experts * (n // TILE)),
+                            (w3, q3, s3, qt3, st3, n // TILE, w3.stride(0), w3.stride(1), q3.stride(0), q3.stride(1),
+                             qt3.stride(0), qt3.stride(1), *s3.stride(), *st3.stride()),
+                            dict(**tiles.format_constants(fmt), POW2=power_of_two, TRANSPOSE=transpose, num_warps=8))
 
 
 def transpose_blocks(q: torch.Tensor, s_nk: torch.Tensor, qt: torch.Tensor, st_nk: torch.Tensor) -> None:
@@ -220,6 +247,6 @@ def transpose_blocks(q: torch.Tensor, s_nk: torch.Tensor, qt: torch.Tensor, st_n
     q3, qt3, s3, st3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (q, qt, s_nk, st_nk))
     experts, n, k = q3.shape
     check_offsets("transpose_blocks", q3[:1], qt3[:1])
-    _transpose_blocks_kernel[(k // TILE, experts * (n // TILE))](
-        q3, s3, qt3, st3, n // TILE, q3.stride(0), q3.stride(1), qt3.stride(0), qt3.stride(1), *s3.stride(),
-        *st3.stride(), num_warps=8)
+    _TRANSPOSE_BLOCKS.launch((k // TILE, experts * (n // TILE)),
+                             (q3, s3, qt3, st3, n // TILE, q3.stride(0), q3.stride(1), qt3.stride(0), qt3.stride(1),
+                              *s3.stride(), *st3.stride()), dict(num_warps=8))

@@ -1,8 +1,8 @@
 """The row + column quantizer (`quantize.quantize_rows_cols`: x (M, K) in 1x128 tiles along K for fprop/dgrad and
 along M for wgrad, from one read of x), its gathering form (the MoE dispatch), RMSNorm's producer tiles and RoPE's
 backward (the fused QKV projection's output gradient, `launch_rope_backward`) in Gluon, for SM90, where
-`tiles.hopper_gluon` picks it (other GPUs run the Triton kernels `quantize._quantize_rows_cols_kernel`,
-`producers._rmsnorm_quantize_kernel` and `producers._rope_backward_quantize_kernel`, whose bytes it writes:
+`tiles.hopper_gluon` picks it (other GPUs run the Triton kernels, launched by `quantize.launch_rows_cols_triton`
+and `producers.launch_rope_backward_triton` with this module's arguments, whose bytes it writes:
 `benchmarks/rows_cols_variants.py`, `benchmarks/rope_variants.py` and GPU tests compare them). Measured on an H200
 (docs/benchmarks.md, jobs AH-AJ): 15-21% less device time than the Triton kernels at every measured shape.
 
@@ -23,6 +23,7 @@ and the loads are masked) against ~32 for the Triton kernel at 4 warps; 23-24% l
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
 
 import torch
 from triton.experimental import gluon
@@ -31,6 +32,7 @@ from triton.experimental.gluon.language import DistributedLinearLayout
 
 from megafp8.precision.formats import Fp8Format
 from megafp8.precision.kernels import gluon_tiles
+from megafp8.precision.kernels.launch import FastLaunch
 
 WARPS = 4
 TOKENS_PER_THREAD = 16
@@ -214,6 +216,11 @@ def kernel_for(norm: bool):
     return _rmsnorm_quantize_gluon_kernel if norm else _quantize_rows_cols_gluon_kernel
 
 
+# Triton's JIT once per static signature, then the compiled kernels (`launch.FastLaunch`)
+_LAUNCHES = MappingProxyType({norm: FastLaunch(kernel_for(norm)) for norm in (False, True)})
+_ROPE_LAUNCH = FastLaunch(_rope_backward_quantize_gluon_kernel)
+
+
 def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | None, out: tuple, fmt: Fp8Format,
            power_of_two: bool, spread_rows: bool = True, spread_cols: bool = True,
            index: torch.Tensor | None = None) -> None:
@@ -226,11 +233,12 @@ def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | No
     rows, cols = (rows if spread_rows else None), (cols if spread_cols else None)
     norm, gather = rstd is not None, index is not None
     # Scaled gathered rows (the MoE combine's gradient) are not RMSNorm's output: profiles count them as a quantizer.
-    kernel_for(norm and not gather)[(k // 128, -(-m // 128))](
-        x, rstd if norm else x, weight if norm else x, index if gather else x, q, s, qt, st, m, x.stride(0),
-        q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1), FP8_MAX=fmt.max,
-        POW2=power_of_two, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows, COLS=cols,
-        num_warps=WARPS)
+    _LAUNCHES[norm and not gather].launch(
+        (k // 128, -(-m // 128)),
+        (x, rstd if norm else x, weight if norm else x, index if gather else x, q, s, qt, st, m, x.stride(0),
+         q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1)),
+        dict(FP8_MAX=fmt.max, POW2=power_of_two, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows,
+             COLS=cols, num_warps=WARPS))
 
 
 def launch_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -244,8 +252,10 @@ def launch_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, c
     n = nq + nk + dv.shape[1]
     q, s, qt, st = out
     load, store_t, rows, cols = tile_layouts(tokens_each, num_warps)
-    _rope_backward_quantize_gluon_kernel[(n // 128, -(-m // 128))](
-        dq, dk, dv, cos, sin, q, s, qt, st, m, nq, nk, seq_len, dq.stride(0), dk.stride(0), dv.stride(0),
-        cos.stride(0), sin.stride(0), q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1),
-        HEAD_DIM=head_dim, MASKED=m % 128 != 0, FP8_MAX=fmt.max, POW2=power_of_two, LOAD=load, STORE_T=store_t,
-        ROWS=rows, COLS=cols, num_warps=num_warps)
+    _ROPE_LAUNCH.launch(
+        (n // 128, -(-m // 128)),
+        (dq, dk, dv, cos, sin, q, s, qt, st, m, nq, nk, seq_len, dq.stride(0), dk.stride(0), dv.stride(0),
+         cos.stride(0), sin.stride(0), q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0),
+         st.stride(1)),
+        dict(HEAD_DIM=head_dim, MASKED=m % 128 != 0, FP8_MAX=fmt.max, POW2=power_of_two, LOAD=load, STORE_T=store_t,
+             ROWS=rows, COLS=cols, num_warps=num_warps))

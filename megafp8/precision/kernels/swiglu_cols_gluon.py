@@ -27,6 +27,7 @@ from triton.experimental.gluon import language as gl
 
 from megafp8.precision.formats import Fp8Format
 from megafp8.precision.kernels import gluon_tiles
+from megafp8.precision.kernels.launch import FastLaunch
 
 TOKENS_PER_THREAD = 8  # 16 lanes along the tokens: 4 shuffle rounds per column max, 8-byte column runs
 FEATURES_PER_THREAD = 4  # x 2 lanes: a warp's 8 features are a 16-byte row segment
@@ -62,6 +63,9 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
                            POW2, store, SPREAD)
 
 
+_LAUNCH = FastLaunch(_swiglu_backward_cols_kernel)  # Triton's JIT once per static signature, then the compiled kernel
+
+
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
                          ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool,
                          num_warps: int = 4, tokens_each: int = TOKENS_PER_THREAD,
@@ -72,8 +76,8 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
     block_n, load, store = gluon_tiles.block_layouts(tokens_each, features_each, num_warps)
     assert f % block_n == 0, f"F={f} must be a multiple of {block_n}"
     grid = (f // block_n, -(-m // 128))
-    _swiglu_backward_cols_kernel[grid](
-        gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
-        at.stride(0), ats.stride(0), ats.stride(1), GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two,
-        BLOCK_N=block_n, LOAD=load, STORE=store,
-        SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps), num_warps=num_warps)
+    _LAUNCH.launch(grid, (gu, da, qt, st, at, ats, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0),
+                          st.stride(1), at.stride(0), ats.stride(0), ats.stride(1)),
+                   dict(GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, BLOCK_N=block_n, LOAD=load,
+                        STORE=store, SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps),
+                        num_warps=num_warps))

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 from typing import Optional
@@ -114,6 +115,7 @@ def rows_cols_strides(q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor, st: to
     return q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1)
 
 
+@functools.cache  # asked at every quantizer launch: the device's capability and the import cost host time
 def hopper_gluon(device: torch.device, module: str) -> Optional[ModuleType]:
     """`megafp8.precision.kernels.<module>`, a Gluon kernel that writes its Triton twin's bytes faster on SM90, where
     it runs (compute capability 9.0 and Triton's Gluon language), else None: the Triton kernel runs."""

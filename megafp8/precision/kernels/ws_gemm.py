@@ -49,7 +49,7 @@ Hopper only: TMA, wgmma and `setmaxnreg`; `megafp8.precision.kernels.gemm` keeps
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 from types import MappingProxyType
 from typing import Optional
 
@@ -59,10 +59,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton._C.libtriton import gluon_ir, ir
 
 from megafp8.precision.kernels.ffma_interleave import patching_ffma
+from megafp8.precision.kernels.launch import Descriptor, FastLaunch
 
 # Kernel constants are constexprs (the only globals a Gluon kernel may read).
 TILE = gl.constexpr(128)
@@ -309,6 +309,7 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
+_LAUNCH = FastLaunch(_ws_gemm_kernel)  # Triton's JIT once per static signature, then the compiled kernel
 _T = 128  # TILE and HALF_M on the host
 _H = 64
 # The shared-memory layouts of the tiles TMA moves, by (box, element type), and of the scales' boxes: pure functions
@@ -318,8 +319,8 @@ _TILE_LAYOUTS = MappingProxyType({(block, dtype): gl.NVMMASharedLayout.get_defau
 _SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(t, block, _TILE_LAYOUTS[tuple(block), t.dtype])
+def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> Descriptor:
+    return Descriptor(t, block, _TILE_LAYOUTS[block, t.dtype])
 
 
 def _tma_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -336,12 +337,13 @@ def _tma_scales(scale: torch.Tensor) -> torch.Tensor:
     return aligned
 
 
-def _scale_descriptor(scale: torch.Tensor, rows: int) -> TensorDescriptor:
+def _scale_descriptor(scale: torch.Tensor, rows: int) -> Descriptor:
     """TMA over a (rows, K/128) FP32 scale tensor (`_tma_scales` lays it out), viewed as (K/128, rows): one K
     step's scales of `rows` consecutive rows per box."""
-    return TensorDescriptor.from_tensor(_tma_scales(scale).t(), [1, rows], _SCALE_LAYOUT)
+    return Descriptor(_tma_scales(scale).t(), (1, rows), _SCALE_LAYOUT)
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -424,12 +426,12 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     as_desc = _scale_descriptor(a_scale, _H)
     # With B in blocks its scale is one number per slice, read from global memory; the descriptor is then unused.
     bs_desc = _scale_descriptor(a_scale if b_blockwise else b_scale, _T)
-    a_desc = _descriptor(a, [_H, _T])
+    a_desc = _descriptor(a, (_H, _T))
     # C as one matrix (a per-expert stack as (E * M, N)); unused without TMA stores
     c_rows = c.shape[0] if c.dim() == 2 else c.shape[0] * m
-    c_desc = _descriptor(c.as_strided((c_rows, n), (c.stride(-2), 1)), [_H, _T]) if tma_store else a_desc
+    c_desc = _descriptor(c.as_strided((c_rows, n), (c.stride(-2), 1)), (_H, _T)) if tma_store else a_desc
     c_bufs = epilogue_buffers(c, block_n) if tma_store else 0  # per consumer, each 64 x 128 elements of C
-    args = (a_desc, _descriptor(b, [_T, _T]), as_desc, bs_desc, c_desc, c, b_scale,
+    args = (a_desc, _descriptor(b, (_T, _T)), as_desc, bs_desc, c_desc, c, b_scale,
             tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
             k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
             c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k)
@@ -438,6 +440,6 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
                    INTERLEAVE=interleave_ffma, num_warps=4, maxnreg=_MAXNREG)
     # (the interleaved variant is compiled, the first time, with the cubin pass installed)
-    with patching_ffma(INTERLEAVE_MARKER) if interleave_ffma else contextlib.nullcontext():
-        _ws_gemm_kernel[grid](*args, **options)
+    _LAUNCH.launch(grid, args, options, compiling=functools.partial(patching_ffma, INTERLEAVE_MARKER)
+                   if interleave_ffma else None)
     return c

@@ -1,0 +1,135 @@
+"""Launching our Triton and Gluon kernels with less host time: Triton's JIT once per static signature, then the
+compiled kernel directly.
+
+A launch through Triton's JIT (`kernel[grid](*args, **constexprs)`) specializes every argument again, builds the
+cache key, checks the globals the kernel read and validates each TMA descriptor: ~50-100 us of host time for our
+warp-specialized GEMM, four times `F.scaled_mm`'s launch (`benchmarks/fp8_launch_cost.py`). Eagerly, a small FP8
+layer is bound by that. `FastLaunch` runs the JIT path the first time it sees a call's static signature and keeps
+the compiled kernel it returns; later calls with the same signature launch that kernel with the same arguments
+(Triton's `CompiledKernel.run`, what the JIT path ends in), with their descriptors made without the checks the
+first call's passed.
+
+The static signature is finer than Triton's specialization, so two calls that share it get the same compiled
+kernel from Triton too: Triton's active driver and device; every integer's type and value (Triton specializes on
+1, on divisibility by 16 and on the integer's width); every tensor's dtype and address modulo 16 (Triton's only
+pointer specialization, its 16-byte alignment); every descriptor's dtype, shape, strides, address modulo 16, block
+and layout; every constexpr (plain values by value, objects by identity); the launch options; and the Triton knobs
+the JIT path reads per launch (debug, instrumentation). A cache entry holds the objects whose identities its key
+uses (driver, layouts, constexprs) alive, so an identity cannot be reused. The grid is an argument of each launch,
+not part of the signature.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Callable, ContextManager, NamedTuple, Optional
+
+import torch
+from triton import knobs
+from triton.runtime.driver import driver
+
+
+class Descriptor(NamedTuple):
+    """A TMA descriptor argument as `FastLaunch` takes it: the tensor, its box and its shared-memory layout (a Gluon
+    `TensorDescriptor` is made from them: checked on the JIT path, unchecked on the fast one)."""
+
+    tensor: torch.Tensor
+    block: tuple[int, ...]
+    layout: Any
+
+    def checked(self):
+        """The Gluon `TensorDescriptor`, made (and checked) as Triton's JIT path is given it."""
+        descriptor_class, _ = _descriptor_class()
+        return descriptor_class.from_tensor(self.tensor, list(self.block), self.layout)
+
+
+@functools.cache
+def _descriptor_class():
+    """Gluon's host-side TensorDescriptor, and whether its fields are the ones `_unchecked` sets (a later Triton
+    that adds one gets checked descriptors on every launch, never a half-made one)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    fields = tuple(f.name for f in dataclasses.fields(TensorDescriptor))
+    return TensorDescriptor, fields == ("base", "shape", "strides", "block_shape", "layout", "padding")
+
+
+def _unchecked(descriptor_class, d: Descriptor, shape: tuple, strides: tuple):
+    """The descriptor `Descriptor.checked` makes, without `__post_init__`'s checks: for a tensor whose dtype,
+    shape, strides, alignment, box and layout (the static signature) passed them on the JIT path."""
+    made = object.__new__(descriptor_class)
+    made.base, made.shape, made.strides = d.tensor, list(shape), list(strides)
+    made.block_shape, made.layout, made.padding = list(d.block), d.layout, "zero"
+    return made
+
+
+def _constexpr_key(value) -> tuple:
+    """A constexpr's part of the static signature: plain values by type and value (floats by their bits), other
+    objects (layouts, dtypes) by identity."""
+    if isinstance(value, float):
+        return (float, value.hex())
+    if value is None or isinstance(value, (bool, int, str)):
+        return (type(value), value)
+    return (object, id(value))
+
+
+def _static(arg) -> tuple:
+    """What of one runtime argument the static signature holds (see the module docstring)."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16)
+    if isinstance(arg, Descriptor):
+        t = arg.tensor
+        return (t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16, arg.block, id(arg.layout))
+    return (type(arg), arg)
+
+
+class FastLaunch:
+    """`kernel[grid](*args, **constexprs)` for a `@gluon.jit` or `@triton.jit` kernel (not an autotuned one) whose
+    runtime parameters come first (all given positionally, `Descriptor`s where it takes TMA descriptors) and whose
+    constexprs come last (all given by name). A memo of compiled kernels, as Triton's own cache is: one entry per
+    static signature."""
+
+    MAX_SIGNATURES = 256  # past this many (a caller making new constexpr objects per call?), launches stay on the JIT
+
+    def __init__(self, kernel) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+        self.kernel = kernel
+        self._compiled: dict[tuple, tuple] = {}
+        self._interpreted = isinstance(kernel, InterpretedFunction)  # TRITON_INTERPRET=1: no driver, no compiling
+
+    def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict,
+               compiling: Optional[Callable[[], ContextManager]] = None) -> None:
+        """Launch the kernel on `grid` with `args` and `constexprs` (launch options such as `num_warps` among
+        them). `compiling`: a context to enter around the JIT path (where a new signature compiles)."""
+        if self._interpreted:
+            self.kernel[grid](*(a.checked() if isinstance(a, Descriptor) else a for a in args), **constexprs)
+            return
+        active = driver.active
+        device = active.get_current_device()
+        key = (id(active), device, tuple(_static(a) for a in args),
+               tuple((k, _constexpr_key(v)) for k, v in constexprs.items()), knobs.runtime.debug,
+               knobs.compilation.instrumentation_mode)
+        entry = self._compiled.get(key)
+        descriptor_class, fast = _descriptor_class()
+        if entry is None or not fast:
+            with compiling() if compiling is not None else contextlib.nullcontext():
+                compiled = self.kernel[grid](*(a.checked() if isinstance(a, Descriptor) else a for a in args),
+                                             **constexprs)
+            names = self.kernel.arg_names
+            if fast and hasattr(compiled, "packed_metadata") and len(self._compiled) < self.MAX_SIGNATURES \
+                    and all(name in constexprs for name in names[len(args):]):
+                # the compiled kernel, the constexprs' values in parameter order, and the driver, constexpr and
+                # layout objects themselves (kept alive so that their identities in the key stay theirs)
+                tail = tuple(constexprs[name] for name in names[len(args):])
+                layouts = tuple(a.layout for a in args if isinstance(a, Descriptor))
+                self._compiled[key] = (compiled, tail, (active, *constexprs.values(), *layouts))
+            return
+        compiled, tail, _ = entry
+        values = [_unchecked(descriptor_class, a, tuple(a.tensor.shape), a.tensor.stride())
+                  if isinstance(a, Descriptor) else a for a in args]
+        values.extend(tail)
+        stream = active.get_current_stream(device)
+        grid_y = grid[1] if len(grid) > 1 else 1
+        grid_z = grid[2] if len(grid) > 2 else 1
+        compiled.run(grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(grid, stream, *values), knobs.runtime.launch_enter_hook,
+                     knobs.runtime.launch_exit_hook, *values)

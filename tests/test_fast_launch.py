@@ -1,0 +1,219 @@
+"""`FastLaunch` (`megafp8.precision.kernels.launch`) hands Triton's launcher exactly what Triton's JIT path hands it.
+
+Without a GPU: Triton compiles the kernels for SM90 (its wheel's `ptxas`) under a driver that records each launch
+instead of making it, every TMA descriptor as the values it would be encoded from. Each case launches once with
+fresh operands through a warmed `FastLaunch` (the fast path) and once through a new one (Triton's JIT path), and
+the two records must be equal: the same compiled kernel, grid, stream, scalars, pointers and descriptors. A
+signature the cache has not seen (another alignment, another constexpr) goes through the JIT path. Needs Triton with
+Gluon (skipped where it is not installed)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+
+class _RecordingDriver:
+    """Triton's driver interface as far as a launch needs it: SM90 device 0, stream 7, nothing launched."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", 90, 32)
+        self.launches: list[tuple] = []
+        self.utils = self
+        self.launcher_cls = self._launcher
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 7
+
+    def get_device_capability(self, device=0):
+        return (9, 0)
+
+    def get_device_properties(self, device):
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132}
+
+    def load_binary(self, name, kernel, shared, device):
+        return 0, ("function", name), 0, 0, 1024
+
+    def fill_tma_descriptor(self, ptr, swizzle, elem_size, elem_type, block, shape, strides, padding):
+        return ("tma", ptr, swizzle, elem_size, elem_type, tuple(block), tuple(shape), tuple(strides), padding)
+
+    def _launcher(self, src, metadata):
+        from triton.backends.nvidia import driver as nvidia
+        signature = dict(src.signature.items())
+        record = self.launches.append
+
+        def launch(*args):
+            record(tuple(_comparable(a) for a in args))
+        wrapped = nvidia.wrap_handle_tensordesc(launch, signature, getattr(metadata, "tensordesc_meta", None))
+
+        def run(grid_x, grid_y, grid_z, stream, function, *args):
+            wrapped(grid_x, grid_y, grid_z, stream, function, False, False, None, None, *args)
+        return run
+
+
+def _comparable(arg):
+    """A launch argument as the record keeps it: tensors by address, launch metadata (a new object per launch) by
+    content, launch hooks by identity."""
+    from triton.compiler.compiler import LazyDict
+    if isinstance(arg, torch.Tensor):
+        return ("tensor", arg.data_ptr())
+    if isinstance(arg, LazyDict):
+        return ("metadata", tuple(sorted(arg.get().items())))
+    return arg
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    """The recording driver, active while the test runs, and empty JIT caches for the kernels the tests launch: the
+    real driver and caches come back after it (on a GPU machine, a later test must not find a kernel whose launcher
+    records instead of launching)."""
+    from collections import defaultdict
+    from triton.runtime.driver import driver
+    from megafp8.precision.kernels import quantize, rows_cols_gluon, ws_gemm
+    fake = _RecordingDriver()
+    monkeypatch.setattr(driver, "_active", fake)
+    for kernel in (ws_gemm._ws_gemm_kernel, rows_cols_gluon.kernel_for(False), rows_cols_gluon.kernel_for(True),
+                   rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel):
+        monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
+    return fake
+
+
+def _fast_and_jit(recording, get, put, call) -> tuple:
+    """What the launcher got from `call(1)` on a warmed FastLaunch (after `call(0)`) and from `call(1)` on a new one.
+    `get()` is the FastLaunch the code under test uses, `put(f)` replaces it."""
+    from megafp8.precision.kernels.launch import FastLaunch
+    warm = FastLaunch(get().kernel)
+    put(warm)
+    call(0)
+    assert len(warm._compiled) == 1, "the first call's signature is kept"
+    recording.launches.clear()
+    call(1)
+    fast = recording.launches[:]
+    assert len(warm._compiled) == 1, "the second call has the first one's signature"
+    put(FastLaunch(warm.kernel))
+    recording.launches.clear()
+    call(1)
+    return fast, recording.launches[:]
+
+
+def _attribute(owner, name: str) -> tuple:
+    return (lambda: getattr(owner, name)), (lambda value: setattr(owner, name, value))
+
+
+_KEPT: dict = {}  # tensors by (seed, what): call(1) reads the same tensors, at the same addresses, both times
+
+
+def _kept(seed: int, what, make):
+    if (seed, what) not in _KEPT:
+        _KEPT[seed, what] = make()
+    return _KEPT[seed, what]
+
+
+def _operands(seed: int, *shapes_dtypes) -> list[torch.Tensor]:
+    def make():
+        torch.manual_seed(seed)
+        return [torch.randn(shape).to(dtype) for shape, dtype in shapes_dtypes]
+    return _kept(seed, shapes_dtypes, make)
+
+
+@pytest.mark.parametrize("case", ["dense fprop", "dense wgrad into main_grad", "grouped rows", "grouped K",
+                                  "stores from registers", "interleaved FFMAs"])
+def test_the_fast_path_launches_the_warp_specialized_gemm_as_the_jit_path_does(recording, monkeypatch, case):
+    from megafp8.precision.kernels import ws_gemm
+    monkeypatch.setattr(ws_gemm, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(ws_gemm, "_LAUNCH", ws_gemm._LAUNCH)  # restored after the test
+    fp8, f32, bf16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
+
+    def call(seed):
+        if case == "dense wgrad into main_grad":
+            a, a_s, b, b_s, c = _operands(seed, ((256, 512), fp8), ((4, 256), f32), ((384, 512), fp8), ((4, 384), f32),
+                                          ((256, 384), f32))
+            ws_gemm.ws_gemm(a, a_s.t(), b, b_s.t(), c, b_blockwise=False, accumulate=True)
+        elif case == "grouped K":
+            a, a_s, b, b_s, c = _operands(seed, ((256, 512), fp8), ((4, 256), f32), ((384, 512), fp8), ((4, 384), f32),
+                                          ((2, 256, 384), bf16))
+            start, count = _kept(seed, "groups", lambda: (torch.tensor([0, 1], dtype=torch.int32),
+                                                          torch.tensor([1, 3], dtype=torch.int32)))
+            ws_gemm.ws_gemm(a, a_s.t(), b, b_s.t(), c, b_blockwise=False, k_start=start, k_count=count)
+        else:
+            a, a_s, b, b_s, c = _operands(seed, ((256, 512), fp8), ((4, 256), f32), ((2 * 384, 512), fp8),
+                                          ((2, 3, 4), f32), ((256, 384), bf16))
+            experts = _kept(seed, "experts", lambda: torch.tensor([1, -1], dtype=torch.int32)) \
+                if case == "grouped rows" else None
+            ws_gemm.ws_gemm(a, a_s.t(), b, b_s if experts is not None else b_s[0], c, b_blockwise=True,
+                            tile_expert=experts, tma_store=False if case == "stores from registers" else None,
+                            interleave_ffma=case == "interleaved FFMAs")
+    fast, jit = _fast_and_jit(recording, *_attribute(ws_gemm, "_LAUNCH"), call)
+    assert len(fast) == 1 and fast == jit
+
+
+@pytest.mark.parametrize("case", ["plain", "rmsnorm", "gathered", "gathered and scaled", "rope backward"])
+def test_the_fast_path_launches_the_gluon_quantizers_as_the_jit_path_does(recording, monkeypatch, case):
+    from megafp8.precision import E4M3
+    from megafp8.precision.kernels import rows_cols_gluon, tiles
+    launches = dict(rows_cols_gluon._LAUNCHES)
+    monkeypatch.setattr(rows_cols_gluon, "_LAUNCHES", launches)
+    monkeypatch.setattr(rows_cols_gluon, "_ROPE_LAUNCH", rows_cols_gluon._ROPE_LAUNCH)
+
+    def call(seed):
+        x, rstd, weight = _operands(seed, ((200, 256), torch.bfloat16), ((200,), torch.float32),
+                                    ((256,), torch.bfloat16))
+        index, factor = _kept(seed, "index", lambda: (torch.randperm(300) % 250 - 50, torch.rand(300)))
+        rows = 300 if case.startswith("gathered") else 200
+        out = _kept(seed, case, lambda: tiles.rows_cols_outputs(rows, 384 if case == "rope backward" else 256, E4M3,
+                                                                x.device))
+        if case == "rope backward":
+            cos, sin = _operands(seed, ((64, 64), torch.float32), ((64, 64), torch.float32))
+            rows_cols_gluon.launch_rope_backward(x[:, :128], x[:, 128:], x[:, :128], cos, sin, 64, 64, out, E4M3,
+                                                 False)
+            return
+        norm = case in ("rmsnorm", "gathered and scaled")
+        rows_cols_gluon.launch(x, rstd if case == "rmsnorm" else factor if norm else None,
+                               weight if norm else None, out, E4M3, True,
+                               index=index if case.startswith("gathered") else None)
+
+    if case == "rope backward":
+        get, put = _attribute(rows_cols_gluon, "_ROPE_LAUNCH")
+    else:
+        norm_kernel = case == "rmsnorm"  # (the gathered and scaled rows run the plain quantizer's kernel)
+        get, put = (lambda: launches[norm_kernel]), (lambda value: launches.__setitem__(norm_kernel, value))
+    fast, jit = _fast_and_jit(recording, get, put, call)
+    assert len(fast) == 1 and fast == jit
+
+
+def test_the_fast_path_launches_the_weight_transpose_as_the_jit_path_does(recording, monkeypatch):
+    from megafp8.precision.kernels import quantize
+    monkeypatch.setattr(quantize, "_TRANSPOSE_BLOCKS", quantize._TRANSPOSE_BLOCKS)
+
+    def call(seed):
+        q, s, qt, st = _operands(seed, ((256, 384), torch.float8_e4m3fn), ((2, 3), torch.float32),
+                                 ((384, 256), torch.float8_e4m3fn), ((3, 2), torch.float32))
+        quantize.transpose_blocks(q, s, qt, st)
+    fast, jit = _fast_and_jit(recording, *_attribute(quantize, "_TRANSPOSE_BLOCKS"), call)
+    assert len(fast) == 1 and fast == jit
+
+
+def test_a_new_alignment_or_constexpr_takes_the_jit_path(recording, monkeypatch):
+    """The static signature tells apart what Triton specializes on: a tensor 16-byte aligned or not, an integer 1 or
+    not, and a constexpr True from a constexpr 1."""
+    from megafp8.precision.kernels import launch, quantize
+    fresh = launch.FastLaunch(quantize._TRANSPOSE_BLOCKS.kernel)
+    monkeypatch.setattr(quantize, "_TRANSPOSE_BLOCKS", fresh)
+    q, qt = torch.zeros(256 * 384 + 16, dtype=torch.float8_e4m3fn), torch.empty(384 * 256, dtype=torch.float8_e4m3fn)
+    s, st = torch.ones(2, 3), torch.empty(3, 2)
+    quantize.transpose_blocks(q[:256 * 384].view(256, 384), s, qt.view(384, 256), st)
+    quantize.transpose_blocks(q[16:].view(256, 384), s, qt.view(384, 256), st)  # another 16-byte aligned start
+    assert len(fresh._compiled) == 1
+    quantize.transpose_blocks(q[8:256 * 384 + 8].view(256, 384), s, qt.view(384, 256), st)  # 8 bytes off
+    assert len(fresh._compiled) == 2
+    assert launch._constexpr_key(True) != launch._constexpr_key(1)
+    assert launch._static(1) != launch._static(True) and launch._static(1) != launch._static(17)
+
