@@ -78,8 +78,13 @@ def recording(monkeypatch):
     from collections import defaultdict
     from triton.runtime.driver import driver
     from megafp8.precision.kernels import quantize, rows_cols_gluon, ws_gemm
+    from triton import knobs
     fake = _RecordingDriver()
     monkeypatch.setattr(driver, "_active", fake)
+    # a launch hook, as a profiler installs: both paths then hand the launcher the launch's metadata
+    hook = knobs.HookChain()
+    hook.add(lambda metadata: None)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
     for kernel in (ws_gemm._ws_gemm_kernel, rows_cols_gluon.kernel_for(False), rows_cols_gluon.kernel_for(True),
                    rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel):
         monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
@@ -189,21 +194,28 @@ def test_the_fast_path_launches_the_gluon_quantizers_as_the_jit_path_does(record
     assert len(fast) == 1 and fast == jit
 
 
-def test_the_fast_path_launches_the_weight_transpose_as_the_jit_path_does(recording, monkeypatch):
+@pytest.mark.parametrize("hooks", [True, False], ids=["launch hook", "no hook"])
+def test_the_fast_path_launches_the_weight_transpose_as_the_jit_path_does(recording, monkeypatch, hooks):
+    """Also without launch hooks, where the fast path makes no launch metadata (the JIT path makes it for none)."""
+    from triton import knobs
     from megafp8.precision.kernels import quantize
     monkeypatch.setattr(quantize, "_TRANSPOSE_BLOCKS", quantize._TRANSPOSE_BLOCKS)
+    if not hooks:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", knobs.HookChain())
 
     def call(seed):
         q, s, qt, st = _operands(seed, ((256, 384), torch.float8_e4m3fn), ((2, 3), torch.float32),
                                  ((384, 256), torch.float8_e4m3fn), ((3, 2), torch.float32))
         quantize.transpose_blocks(q, s, qt, st)
     fast, jit = _fast_and_jit(recording, *_attribute(quantize, "_TRANSPOSE_BLOCKS"), call)
+    if not hooks:
+        jit = [tuple(None if isinstance(a, tuple) and a[:1] == ("metadata",) else a for a in launch) for launch in jit]
     assert len(fast) == 1 and fast == jit
 
 
-def test_a_new_alignment_or_constexpr_takes_the_jit_path(recording, monkeypatch):
+def test_a_new_alignment_takes_the_jit_path(recording, monkeypatch):
     """The static signature tells apart what Triton specializes on: a tensor 16-byte aligned or not, an integer 1 or
-    not, and a constexpr True from a constexpr 1."""
+    not, an integer from a bool or a float."""
     from megafp8.precision.kernels import launch, quantize
     fresh = launch.FastLaunch(quantize._TRANSPOSE_BLOCKS.kernel)
     monkeypatch.setattr(quantize, "_TRANSPOSE_BLOCKS", fresh)
@@ -214,6 +226,6 @@ def test_a_new_alignment_or_constexpr_takes_the_jit_path(recording, monkeypatch)
     assert len(fresh._compiled) == 1
     quantize.transpose_blocks(q[8:256 * 384 + 8].view(256, 384), s, qt.view(384, 256), st)  # 8 bytes off
     assert len(fresh._compiled) == 2
-    assert launch._constexpr_key(True) != launch._constexpr_key(1)
-    assert launch._static(1) != launch._static(True) and launch._static(1) != launch._static(17)
+    assert launch._signature((1,)) != launch._signature((True,)) and launch._signature((1,)) != launch._signature((17,))
+    assert launch._signature((2.0,)) != launch._signature((2,))
 

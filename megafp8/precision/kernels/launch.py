@@ -10,13 +10,16 @@ the compiled kernel it returns; later calls with the same signature launch that 
 first call's passed.
 
 The static signature is finer than Triton's specialization, so two calls that share it get the same compiled
-kernel from Triton too: Triton's active driver and device; every integer's type and value (Triton specializes on
-1, on divisibility by 16 and on the integer's width); every tensor's dtype and address modulo 16 (Triton's only
-pointer specialization, its 16-byte alignment); every descriptor's dtype, shape, strides, address modulo 16, block
-and layout; every constexpr (plain values by value, objects by identity); the launch options; and the Triton knobs
-the JIT path reads per launch (debug, instrumentation). A cache entry holds the objects whose identities its key
-uses (driver, layouts, constexprs) alive, so an identity cannot be reused. The grid is an argument of each launch,
-not part of the signature.
+kernel from Triton too: Triton's active driver and device; every integer's value (Triton specializes on 1, on
+divisibility by 16 and on the integer's width); other plain arguments by type and value (a bool is not 1); every
+tensor's dtype and address modulo 16 (Triton's only pointer specialization, its 16-byte alignment); every
+descriptor's dtype, shape, strides, address modulo 16, box and layout; every constexpr and launch option, by
+identity (immutable values: layouts, dtypes, numbers); and the Triton knobs the JIT path reads per launch (debug,
+instrumentation). A cache entry holds the objects whose identities its key uses (driver, layouts, constexprs)
+alive, so an identity cannot be reused; an equal constexpr made anew at each call (an integer past 256, a computed
+float) only misses the cache, and a kernel stops adding signatures past `FastLaunch.MAX_SIGNATURES`. The grid is
+an argument of each launch, not part of the signature. Launch hooks (a profiler's) get their metadata as on the JIT
+path; without hooks none is made.
 """
 from __future__ import annotations
 
@@ -62,24 +65,28 @@ def _unchecked(descriptor_class, d: Descriptor, shape: tuple, strides: tuple):
     return made
 
 
-def _constexpr_key(value) -> tuple:
-    """A constexpr's part of the static signature: plain values by type and value (floats by their bits), other
-    objects (layouts, dtypes) by identity."""
-    if isinstance(value, float):
-        return (float, value.hex())
-    if value is None or isinstance(value, (bool, int, str)):
-        return (type(value), value)
-    return (object, id(value))
+def _signature(args: tuple) -> tuple:
+    """What of the runtime arguments the static signature holds (see the module docstring): one loop, the common
+    cases first (it runs at every launch)."""
+    out = []
+    for arg in args:
+        kind = type(arg)
+        if kind is int:
+            out.append(arg)
+        elif kind is Descriptor:
+            t = arg.tensor
+            out.append((t.dtype, t.shape, t.stride(), t.data_ptr() & 15, arg.block, id(arg.layout)))
+        elif isinstance(arg, torch.Tensor):
+            out.append((arg.dtype, arg.data_ptr() & 15))
+        else:  # bool (not 1), float, None: by type and value
+            out.append((kind, arg))
+    return tuple(out)
 
 
-def _static(arg) -> tuple:
-    """What of one runtime argument the static signature holds (see the module docstring)."""
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16)
-    if isinstance(arg, Descriptor):
-        t = arg.tensor
-        return (t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16, arg.block, id(arg.layout))
-    return (type(arg), arg)
+def _hooks_on() -> bool:
+    """Whether a launch hook is installed (a profiler's): only then does a launch need its metadata."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(hook is not None and getattr(hook, "calls", True) for hook in hooks)
 
 
 class FastLaunch:
@@ -105,9 +112,9 @@ class FastLaunch:
             return
         active = driver.active
         device = active.get_current_device()
-        key = (id(active), device, tuple(_static(a) for a in args),
-               tuple((k, _constexpr_key(v)) for k, v in constexprs.items()), knobs.runtime.debug,
-               knobs.compilation.instrumentation_mode)
+        # constexprs by identity: the entry keeps them alive (an int past 256 or a float made per call only misses)
+        key = (id(active), device, _signature(args), tuple(constexprs), tuple(map(id, constexprs.values())),
+               knobs.runtime.debug, knobs.compilation.instrumentation_mode)
         entry = self._compiled.get(key)
         descriptor_class, fast = _descriptor_class()
         if entry is None or not fast:
@@ -124,12 +131,13 @@ class FastLaunch:
                 self._compiled[key] = (compiled, tail, (active, *constexprs.values(), *layouts))
             return
         compiled, tail, _ = entry
-        values = [_unchecked(descriptor_class, a, tuple(a.tensor.shape), a.tensor.stride())
-                  if isinstance(a, Descriptor) else a for a in args]
+        signature = key[2]  # (a descriptor's entry holds its shape and strides)
+        values = [_unchecked(descriptor_class, a, static[1], static[2]) if type(a) is Descriptor else a
+                  for a, static in zip(args, signature)]
         values.extend(tail)
         stream = active.get_current_stream(device)
         grid_y = grid[1] if len(grid) > 1 else 1
         grid_z = grid[2] if len(grid) > 2 else 1
-        compiled.run(grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid, stream, *values), knobs.runtime.launch_enter_hook,
-                     knobs.runtime.launch_exit_hook, *values)
+        metadata = compiled.launch_metadata(grid, stream, *values) if _hooks_on() else None
+        compiled.run(grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, metadata,
+                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)

@@ -12,7 +12,8 @@ def check_offsets(what: str, *tensors: torch.Tensor) -> None:
     (row * stride + column past 2^31 would wrap around and read or write the wrong memory, silently). Weights
     stacked per expert pass their per-expert slice: the kernels index experts in int64."""
     for t in tensors:
-        span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size)
+        span = t.numel() if t.is_contiguous() else 1 + sum((size - 1) * stride
+                                                            for size, stride in zip(t.shape, t.stride()) if size)
         if span > INT32_OFFSETS:
             raise ValueError(
                 f"{what}: a {tuple(t.shape)} tensor spans {span:,} elements, past the 2^31 that the FP8 quantizing "
