@@ -3,9 +3,12 @@
 Without a GPU: Triton compiles the kernels for SM90 (its wheel's `ptxas`) under a driver that records each launch
 instead of making it, every TMA descriptor as the values it would be encoded from. Each case launches once with
 fresh operands through a warmed `FastLaunch` (the fast path) and once through a new one (Triton's JIT path), and
-the two records must be equal: the same compiled kernel, grid, stream, scalars, pointers and descriptors. A
-signature the cache has not seen (another alignment, another constexpr) goes through the JIT path. Needs Triton with
-Gluon (skipped where it is not installed)."""
+the two records must be equal: the same compiled kernel, grid, stream, scalars, pointers and descriptors. Covered:
+the warp-specialized GEMM in six configurations, the Gluon row + column quantizer (plain, RMSNorm, gathered,
+gathered and scaled), RoPE's backward quantizer and SwiGLU backward's column kernel, the weight's quantization and
+transpose, RMSNorm's inverse RMS.
+A signature the cache has not seen (another alignment) goes through the JIT path. Needs Triton with Gluon (skipped
+where it is not installed)."""
 from __future__ import annotations
 
 import pytest
@@ -76,9 +79,9 @@ def recording(monkeypatch):
     real driver and caches come back after it (on a GPU machine, a later test must not find a kernel whose launcher
     records instead of launching)."""
     from collections import defaultdict
-    from triton.runtime.driver import driver
-    from megafp8.precision.kernels import quantize, rows_cols_gluon, ws_gemm
     from triton import knobs
+    from triton.runtime.driver import driver
+    from megafp8.precision.kernels import producers, quantize, rows_cols_gluon, swiglu_cols_gluon, ws_gemm
     fake = _RecordingDriver()
     monkeypatch.setattr(driver, "_active", fake)
     # a launch hook, as a profiler installs: both paths then hand the launcher the launch's metadata
@@ -86,7 +89,9 @@ def recording(monkeypatch):
     hook.add(lambda metadata: None)
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
     for kernel in (ws_gemm._ws_gemm_kernel, rows_cols_gluon.kernel_for(False), rows_cols_gluon.kernel_for(True),
-                   rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel):
+                   rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel,
+                   quantize._quantize_weight_kernel, producers._rms_inverse_kernel,
+                   swiglu_cols_gluon._swiglu_backward_cols_kernel):
         monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
     return fake
 
@@ -195,19 +200,26 @@ def test_the_fast_path_launches_the_gluon_quantizers_as_the_jit_path_does(record
 
 
 @pytest.mark.parametrize("hooks", [True, False], ids=["launch hook", "no hook"])
-def test_the_fast_path_launches_the_weight_transpose_as_the_jit_path_does(recording, monkeypatch, hooks):
-    """Also without launch hooks, where the fast path makes no launch metadata (the JIT path makes it for none)."""
+@pytest.mark.parametrize("kernel", ["transpose", "quantize"])
+def test_the_fast_path_launches_the_weight_kernels_as_the_jit_path_does(recording, monkeypatch, hooks, kernel):
+    """The weight's transpose and its quantization (with its transpose), also without launch hooks, where the fast
+    path makes no launch metadata (the JIT path makes it for none)."""
     from triton import knobs
+    from megafp8.precision import E4M3
     from megafp8.precision.kernels import quantize
-    monkeypatch.setattr(quantize, "_TRANSPOSE_BLOCKS", quantize._TRANSPOSE_BLOCKS)
+    name = "_TRANSPOSE_BLOCKS" if kernel == "transpose" else "_QUANTIZE_WEIGHT"
+    monkeypatch.setattr(quantize, name, getattr(quantize, name))
     if not hooks:
         monkeypatch.setattr(knobs.runtime, "launch_enter_hook", knobs.HookChain())
 
     def call(seed):
-        q, s, qt, st = _operands(seed, ((256, 384), torch.float8_e4m3fn), ((2, 3), torch.float32),
-                                 ((384, 256), torch.float8_e4m3fn), ((3, 2), torch.float32))
-        quantize.transpose_blocks(q, s, qt, st)
-    fast, jit = _fast_and_jit(recording, *_attribute(quantize, "_TRANSPOSE_BLOCKS"), call)
+        w, q, s, qt, st = _operands(seed, ((256, 384), torch.bfloat16), ((256, 384), torch.float8_e4m3fn),
+                                    ((2, 3), torch.float32), ((384, 256), torch.float8_e4m3fn), ((3, 2), torch.float32))
+        if kernel == "transpose":
+            quantize.transpose_blocks(q, s, qt, st)
+        else:
+            quantize.quantize_weight_(w, q, s, qt, st, E4M3, True)
+    fast, jit = _fast_and_jit(recording, *_attribute(quantize, name), call)
     if not hooks:
         jit = [tuple(None if isinstance(a, tuple) and a[:1] == ("metadata",) else a for a in launch) for launch in jit]
     assert len(fast) == 1 and fast == jit
@@ -229,3 +241,32 @@ def test_a_new_alignment_takes_the_jit_path(recording, monkeypatch):
     assert launch._signature((1,)) != launch._signature((True,)) and launch._signature((1,)) != launch._signature((17,))
     assert launch._signature((2.0,)) != launch._signature((2,))
 
+
+
+def test_the_fast_path_launches_rmsnorms_inverse_rms_as_the_jit_path_does(recording, monkeypatch):
+    """A float among the runtime arguments (eps) and an integer constexpr made anew at each call (K = 512, past the
+    integers Python keeps one object of): both keyed by value, so the second call takes the fast path."""
+    from megafp8.precision.kernels import producers
+    monkeypatch.setattr(producers, "_RMS_INVERSE", producers._RMS_INVERSE)
+
+    def call(seed):
+        h, rstd = _operands(seed, ((200, 512), torch.bfloat16), ((200,), torch.float32))
+        k = int("512")  # a new int object
+        producers._RMS_INVERSE.launch((-(-200 // producers.RMS_BLOCK_M),), (h, rstd, 200, 1e-5, h.stride(0)),
+                                      dict(K=k, BLOCK_M=producers.RMS_BLOCK_M, num_warps=producers.RMS_WARPS))
+    fast, jit = _fast_and_jit(recording, *_attribute(producers, "_RMS_INVERSE"), call)
+    assert len(fast) == 1 and fast == jit
+
+
+def test_the_fast_path_launches_swiglu_backwards_column_kernel_as_the_jit_path_does(recording, monkeypatch):
+    from megafp8.precision import E4M3, E5M2
+    from megafp8.precision.kernels import swiglu_cols_gluon, tiles
+    monkeypatch.setattr(swiglu_cols_gluon, "_LAUNCH", swiglu_cols_gluon._LAUNCH)
+
+    def call(seed):
+        gu, da = _operands(seed, ((200, 512), torch.bfloat16), ((200, 256), torch.bfloat16))
+        qt, st = _kept(seed, "d(gu)^T", lambda: tiles.rows_cols_outputs(200, 512, E5M2, gu.device)[2:])
+        at, ats = _kept(seed, "a^T", lambda: tiles.rows_cols_outputs(200, 256, E4M3, gu.device)[2:])
+        swiglu_cols_gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, E5M2, False)
+    fast, jit = _fast_and_jit(recording, *_attribute(swiglu_cols_gluon, "_LAUNCH"), call)
+    assert len(fast) == 1 and fast == jit

@@ -13,11 +13,11 @@ The static signature is finer than Triton's specialization, so two calls that sh
 kernel from Triton too: Triton's active driver and device; every integer's value (Triton specializes on 1, on
 divisibility by 16 and on the integer's width); other plain arguments by type and value (a bool is not 1); every
 tensor's dtype and address modulo 16 (Triton's only pointer specialization, its 16-byte alignment); every
-descriptor's dtype, shape, strides, address modulo 16, box and layout; every constexpr and launch option, by
-identity (immutable values: layouts, dtypes, numbers); and the Triton knobs the JIT path reads per launch (debug,
-instrumentation). A cache entry holds the objects whose identities its key uses (driver, layouts, constexprs)
-alive, so an identity cannot be reused; an equal constexpr made anew at each call (an integer past 256, a computed
-float) only misses the cache, and a kernel stops adding signatures past `FastLaunch.MAX_SIGNATURES`. The grid is
+descriptor's dtype, shape, strides, address modulo 16, box and layout; every constexpr and launch option, numbers,
+bools and strings by value and other objects (layouts, dtypes) by identity; and the Triton knobs the JIT path reads
+per launch (debug, instrumentation). A cache entry holds the objects whose identities its key uses (driver,
+layouts, constexprs) alive, so an identity cannot be reused; a kernel stops adding signatures past
+`FastLaunch.MAX_SIGNATURES` (a caller making an equal layout anew at each call only misses the cache). The grid is
 an argument of each launch, not part of the signature. Launch hooks (a profiler's) get their metadata as on the JIT
 path; without hooks none is made.
 """
@@ -83,6 +83,16 @@ def _signature(args: tuple) -> tuple:
     return tuple(out)
 
 
+def _constexpr_signature(constexprs: dict) -> tuple:
+    """The constexprs' part of the static signature: integers by value, other plain values by type and value,
+    objects (layouts, dtypes) by identity (the cache entry keeps them alive)."""
+    return tuple(value if type(value) is int else (type(value), value) if type(value) in _PLAIN
+                 else (object, id(value)) for value in constexprs.values())
+
+
+_PLAIN = (bool, float, str, type(None))
+
+
 def _hooks_on() -> bool:
     """Whether a launch hook is installed (a profiler's): only then does a launch need its metadata."""
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
@@ -112,8 +122,7 @@ class FastLaunch:
             return
         active = driver.active
         device = active.get_current_device()
-        # constexprs by identity: the entry keeps them alive (an int past 256 or a float made per call only misses)
-        key = (id(active), device, _signature(args), tuple(constexprs), tuple(map(id, constexprs.values())),
+        key = (id(active), device, _signature(args), tuple(constexprs), _constexpr_signature(constexprs),
                knobs.runtime.debug, knobs.compilation.instrumentation_mode)
         entry = self._compiled.get(key)
         descriptor_class, fast = _descriptor_class()

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from megafp8.precision.formats import TILE, Fp8Format
 from megafp8.precision.kernels import quantize, tiles
+from megafp8.precision.kernels.launch import FastLaunch
 from megafp8.precision.kernels.limits import check_offsets
 from megafp8.precision.producers import rope_backward_fusable
 
@@ -119,6 +120,9 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
     tiles.store_cols(d_up, rows, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX, POW2)
 
 
+_RMS_INVERSE = FastLaunch(_rms_inverse_kernel)  # Triton's JIT once per static signature, then the compiled kernel
+
+
 def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format,
                      power_of_two: bool) -> tuple[torch.Tensor, ...]:
     """RMSNorm of h (M, K) -> (x_fp8, scales, xt_fp8, scales_t, rstd (M,) FP32): the rows' inverse RMS first (one
@@ -129,8 +133,8 @@ def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8
     out = tiles.rows_cols_outputs(m, k, fmt, h.device)
     check_offsets("rmsnorm_quantize", h, *out)
     if m:
-        _rms_inverse_kernel[(triton.cdiv(m, RMS_BLOCK_M),)](h, rstd, m, eps, h.stride(0), K=k, BLOCK_M=RMS_BLOCK_M,
-                                                            num_warps=RMS_WARPS)
+        _RMS_INVERSE.launch((triton.cdiv(m, RMS_BLOCK_M),), (h, rstd, m, eps, h.stride(0)),
+                            dict(K=k, BLOCK_M=RMS_BLOCK_M, num_warps=RMS_WARPS))
         quantize.launch_rows_cols(h, rstd, weight, out, fmt, power_of_two)
     return (*out, rstd)
 
