@@ -2,9 +2,9 @@
 compiled kernel directly.
 
 A launch through Triton's JIT (`kernel[grid](*args, **constexprs)`) specializes every argument again, builds the
-cache key, checks the globals the kernel read and validates each TMA descriptor: ~50-100 us of host time for our
-warp-specialized GEMM, four times `F.scaled_mm`'s launch (`benchmarks/fp8_launch_cost.py`). Eagerly, a small FP8
-layer is bound by that. `FastLaunch` runs the JIT path the first time it sees a call's static signature and keeps
+cache key, checks the globals the kernel read and validates each TMA descriptor: ~100-140 us of host time a call
+for our warp-specialized GEMM, 4-5 times `F.scaled_mm`'s launch (`benchmarks/fp8_launch_cost.py`; ~58 us this way,
+`docs/performance.md`). Eagerly, a small FP8 layer is bound by that. `FastLaunch` runs the JIT path the first time it sees a call's static signature and keeps
 the compiled kernel it returns; later calls with the same signature launch that kernel with the same arguments
 (Triton's `CompiledKernel.run`, what the JIT path ends in), with their descriptors made without the checks the
 first call's passed.
