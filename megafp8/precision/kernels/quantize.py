@@ -203,7 +203,7 @@ def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: Fp
                               power_of_two: bool) -> tuple[torch.Tensor, ...]:
     """`quantize_rows_cols` of x (M, K) with x[i] = source[index[i]] (a zero row where index[i] < 0), reading
     the source rows in place: the gather into a layout and the quantization in one pass."""
-    m, k, out = _gathered_outputs("gather_quantize_rows_cols", source, index, fmt)
+    m, _, out = _gathered_outputs("gather_quantize_rows_cols", source, index, fmt)
     if not m:
         return out
     launch_rows_cols(source, None, None, out, fmt, power_of_two, index=index.contiguous())
