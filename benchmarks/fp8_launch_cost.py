@@ -12,13 +12,15 @@ fill kernel nobody asked for shows there.
 `--backend hopper` times the hopper backend's pieces and layers instead of the cublas backend's: its fprop and
 dgrad GEMMs are our warp-specialized Gluon kernel (five TMA descriptors and Gluon's launcher a call), the rest is
 the cublas backend's.
+Each piece's calls are timed in `--windows` windows (default 5): the table gives the median window and the lowest.
 Usage (GPU machine, repo root): PYTHONPATH=. python benchmarks/fp8_launch_cost.py [--backend hopper] [--cprofile 25]
-                                [--kernels]
+                                [--kernels] [--windows 5]
 """
 import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,15 +32,23 @@ sys.path.insert(0, ".")
 from megafp8.precision import E4M3, select_backend  # noqa: E402
 
 
-def per_call_us(fn, calls: int = 2000) -> float:
+def per_call_us(fn, calls: int = 2000, windows: int = 5, sync=None) -> tuple[float, float]:
+    """(median, lowest) µs per call of fn over `windows` timing windows of calls / windows calls each, after a
+    warm-up: the host's state (other tenants, the clock) moves single windows by tens of percent, the median and
+    the lowest window much less. `sync` waits for the device (default: torch.cuda.synchronize)."""
+    sync = sync or torch.cuda.synchronize
     for _ in range(50):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    sync()
+    per_window = max(1, calls // windows)
+    times = []
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(per_window):
+            fn()
+        sync()
+        times.append((time.perf_counter() - start) / per_window * 1e6)
+    return statistics.median(times), min(times)
 
 
 def main() -> None:
@@ -46,6 +56,7 @@ def main() -> None:
     parser.add_argument("--backend", default="cublas", choices=["cublas", "hopper"])
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument("--kernels", action="store_true", help="each whole layer's kernels and operators")
+    parser.add_argument("--windows", type=int, default=5, help="timing windows per piece (median and lowest shown)")
     args = parser.parse_args()
     backend = select_backend(args.backend, torch.device("cuda"))
     gemm = "F.scaled_mm blockwise" if args.backend == "cublas" else "warp-specialized GEMM"
@@ -91,11 +102,12 @@ def main() -> None:
             for name, fn in whole_layers(tokens, features, args.backend).items():
                 print(f"\n### {name}, {tokens} tokens, {features} -> {features}\n")
                 print(kernels_and_operators(fn))
-    print(f"{args.backend} backend\n\n| piece | host us per call |\n|---|---|")
+    print(f"{args.backend} backend\n\n| piece | host us per call (median of {args.windows} windows) | lowest window |"
+          "\n|---|---|---|")
     for name, fn in pieces.items():
-        print(f"| {name} | {per_call_us(fn):.1f} |")
+        print("| {} | {:.1f} | {:.1f} |".format(name, *per_call_us(fn, windows=args.windows)))
     for name, fn in layers.items():  # a whole layer takes longer: fewer calls
-        print(f"| {name} | {per_call_us(fn, 500):.1f} |")
+        print("| {} | {:.1f} | {:.1f} |".format(name, *per_call_us(fn, 500, args.windows)))
     for name, fn in {**pieces, **layers}.items() if args.cprofile else ():
         print(f"\n### {name}: own time per call by function (cProfile, 200 calls)\n")
         print(own_times(fn, args.cprofile))

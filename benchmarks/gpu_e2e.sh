@@ -10,7 +10,8 @@
 # (one-GPU training tests), tests_optim (gradient clipping and the fused AdamW update on CUDA;
 # compiled_ro_unfused_update, compiled_ro_8b_unfused_update: whole steps with the update's separate passes),
 # fp8_linear (one layer, BF16 vs FP8, eager and replayed from CUDA graphs; fp8_linear_hopper: cublas and hopper;
-# launch_cost: host time per call of each piece and layer, the cublas then the hopper backend, with cProfile),
+# launch_cost: host time per call of each piece and layer, the cublas then the hopper backend, with cProfile;
+# launch_cost_ab: the same, $OLD and this tree interleaved),
 # the 8B-layer shape (compiled_ro_8b,
 # ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and
 # compiled_ro_kept_t: FP8 keeping its weight transposes; memory_modes: both models' memory in every mode), BF16 and FP8
@@ -146,6 +147,14 @@ for part in $PARTS; do
     launch_cost)  # host time per call of each FP8 piece and small layer: the cublas backend, then the hopper one
       step launch_cost_cublas python benchmarks/fp8_launch_cost.py
       step launch_cost_hopper python benchmarks/fp8_launch_cost.py --backend hopper --cprofile 12 ;;
+    launch_cost_ab)  # the same host times, $OLD against this tree interleaved (old, new, new, old: the host's drift
+                     # reaches both alike), LC_BACKEND's (default hopper)
+      n=0
+      for tree in old new new old; do
+        n=$((n + 1)); dir=.; [ $tree = old ] && dir=$OLD
+        step "launch_cost_${n}_${tree}_${LC_BACKEND:-hopper}" bash -c "cd \"$dir\" && python \
+          benchmarks/fp8_launch_cost.py --backend ${LC_BACKEND:-hopper}"
+      done ;;
     fp8_linear_threads)  # one layer, backward on autograd's worker thread (torch's default) and on the calling thread
       step fp8_linear_worker_thread python benchmarks/fp8_linear.py --backends cublas
       step fp8_linear_calling_thread python benchmarks/fp8_linear.py --backends cublas --calling-thread ;;

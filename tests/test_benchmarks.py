@@ -341,3 +341,22 @@ def test_grouped_gemm_benchmark_measures_only_the_columns_asked_for():
     result = subprocess.run(cmd[:-1] + ["ROWWISE", "nosuch"], cwd=REPO, env=torchrun_env(), capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 2 and "--columns nosuch: no column's label contains it" in result.stderr
+
+
+def test_launch_cost_times_each_piece_in_windows_and_reports_the_median_and_the_lowest():
+    """`fp8_launch_cost.per_call_us`: a warm-up, then `windows` windows of calls / windows calls each, each ended by a
+    sync; the median window and the lowest, per call (a stand-in fn whose calls take 1 ms in one window only)."""
+    import importlib.util
+    import time
+    spec = importlib.util.spec_from_file_location("fp8_launch_cost", REPO / "benchmarks" / "fp8_launch_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    calls, syncs = [], []
+
+    def fn():
+        calls.append(len(syncs))
+        if len(syncs) == 3:  # the third window (after the warm-up's sync and two windows' syncs)
+            time.sleep(0.001)
+    median, lowest = module.per_call_us(fn, calls=40, windows=4, sync=lambda: syncs.append(1))
+    assert len(calls) == 50 + 40 and len(syncs) == 1 + 4
+    assert lowest <= median < 500 and lowest < 100  # the slow window neither the median nor the lowest

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 from tests.conftest import REPO
 
@@ -243,8 +244,8 @@ esac
 """
 
 
-def _gpu_e2e_with_fake_gpu(tmp_path, parts: list[str], on_train_step: str,
-                           script: str = "benchmarks/train_step.py") -> subprocess.CompletedProcess:
+def _gpu_e2e_with_fake_gpu(tmp_path, parts: list[str], on_train_step: str, script: str = "benchmarks/train_step.py",
+                           env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """`gpu_e2e.sh PARTS` with OUT=tmp_path/out, the stand-in nvidia-smi, and a `python` that runs the shell line
     `on_train_step` in OUT (instead of the benchmark) for each call of `script` and runs everything else."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
@@ -257,7 +258,7 @@ exec {sys.executable} "$@"
 """)
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out))
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out), **(env or {}))
     return subprocess.run(["bash", "benchmarks/gpu_e2e.sh", *parts], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
 
@@ -322,6 +323,26 @@ def test_gpu_e2e_launch_cost_part_times_the_cublas_backend_then_the_hopper_one_w
     assert "FAILED" not in summary
     assert (out / "calls.log").read_text().splitlines() == [
         "benchmarks/fp8_launch_cost.py", "benchmarks/fp8_launch_cost.py --backend hopper --cprofile 12"]
+
+
+def test_gpu_e2e_launch_cost_ab_part_interleaves_the_old_tree_and_this_one(tmp_path):
+    """`gpu_e2e.sh launch_cost_ab`: `fp8_launch_cost.py` in $OLD, here, here, $OLD (the host's drift reaches both
+    trees alike), each a step of its own, for the hopper backend unless LC_BACKEND names another."""
+    old = tmp_path / "old_tree"
+    (old / "benchmarks").mkdir(parents=True)
+    out = tmp_path / "out"
+    # the stand-in python runs in OUT; OLDPWD is where it was called from
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["launch_cost_ab"], 'echo "$(basename "$OLDPWD") $*" >> calls.log',
+                                    script="benchmarks/fp8_launch_cost.py", env={"OLD": str(old)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    assert [line[3:] for line in summary.splitlines() if line.startswith("## ")] == \
+        ["launch_cost_1_old_hopper", "launch_cost_2_new_hopper", "launch_cost_3_new_hopper",
+         "launch_cost_4_old_hopper"], summary
+    assert "FAILED" not in summary
+    calls = (out / "calls.log").read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["old_tree", REPO.name, REPO.name, "old_tree"], calls
+    assert all(c.split()[1:] == ["benchmarks/fp8_launch_cost.py", "--backend", "hopper"] for c in calls), calls
 
 
 def test_gpu_e2e_memory_parts_run_each_recipe_in_a_fresh_process_with_and_without_expandable_segments(tmp_path):
