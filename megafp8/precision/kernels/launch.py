@@ -2,12 +2,12 @@
 compiled kernel directly.
 
 A launch through Triton's JIT (`kernel[grid](*args, **constexprs)`) specializes every argument again, builds the
-cache key, checks the globals the kernel read and validates each TMA descriptor: ~100-140 us of host time a call
-for our warp-specialized GEMM, 4-5 times `F.scaled_mm`'s launch (`benchmarks/fp8_launch_cost.py`; ~58 us this way,
-`docs/performance.md`). Eagerly, a small FP8 layer is bound by that. `FastLaunch` runs the JIT path the first time it sees a call's static signature and keeps
-the compiled kernel it returns; later calls with the same signature launch that kernel with the same arguments
-(Triton's `CompiledKernel.run`, what the JIT path ends in), with their descriptors made without the checks the
-first call's passed.
+cache key, checks the globals the kernel read and validates each TMA descriptor: ~100-140 us of host time a call for
+our warp-specialized GEMM, 4-5 times `F.scaled_mm`'s launch (`benchmarks/fp8_launch_cost.py`; ~58 us this way,
+`docs/performance.md`). Eagerly, a small FP8 layer is bound by that. `FastLaunch` runs the JIT path the first time
+it sees a call's static signature and keeps the compiled kernel it returns; later calls with the same signature
+launch that kernel with the same arguments (Triton's `CompiledKernel.run`, what the JIT path ends in), with their
+descriptors made without the checks the first call's passed.
 
 The static signature is finer than Triton's specialization, so two calls that share it get the same compiled
 kernel from Triton too: Triton's active driver and device; every integer's value (Triton specializes on 1, on
