@@ -11,7 +11,8 @@
 # compiled_ro_unfused_update, compiled_ro_8b_unfused_update: whole steps with the update's separate passes),
 # fp8_linear (one layer, BF16 vs FP8, eager and replayed from CUDA graphs; fp8_linear_hopper: cublas and hopper;
 # launch_cost: host time per call of each piece and layer, the cublas then the hopper backend, with cProfile;
-# launch_cost_ab: the same, $OLD and this tree interleaved),
+# launch_cost_ab: the same, $OLD and this tree interleaved), the loss without an FP32 copy of the logits against
+# F.cross_entropy (cross_entropy; tests_loss: its GPU test),
 # the 8B-layer shape (compiled_ro_8b,
 # ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and
 # compiled_ro_kept_t: FP8 keeping its weight transposes; memory_modes: both models' memory in every mode), BF16 and FP8
@@ -134,6 +135,8 @@ for part in $PARTS; do
     old_fused_quantize) step old_fused_quantize bash -c "cd \"$OLD\" && python benchmarks/fused_quantize.py" ;;
     swiglu_cols) step swiglu_cols_variants python benchmarks/swiglu_cols_variants.py ;;
     rows_cols) step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
+    cross_entropy) step cross_entropy python benchmarks/cross_entropy.py ;;
+    tests_loss) step gpu_tests_loss python -m pytest -q -m gpu tests/test_cross_entropy.py -p no:cacheprovider ;;
     rope) step rope_variants python benchmarks/rope_variants.py ;;  # RoPE's backward quantizer: Triton against Gluon
     grouped_gemm) step grouped_gemm python benchmarks/grouped_gemm.py --backend hopper --iters 20 ;;
     grouped_moe)  # the MoE model's two expert shapes, the warp-specialized kernel's TMA and register epilogues

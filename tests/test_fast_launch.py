@@ -6,7 +6,8 @@ fresh operands through a warmed `FastLaunch` (the fast path) and once through a 
 the two records must be equal: the same compiled kernel, grid, stream, scalars, pointers and descriptors. Covered:
 the warp-specialized GEMM in six configurations, the Gluon row + column quantizer (plain, RMSNorm, gathered,
 gathered and scaled), RoPE's backward quantizer and SwiGLU backward's column kernel, the weight's quantization and
-transpose, RMSNorm's inverse RMS.
+transpose, RMSNorm's inverse RMS, the MoE permutation's gather-sum, combine and combine-backward kernels, the
+cross-entropy's row and gradient kernels.
 A signature the cache has not seen (another alignment) goes through the JIT path. Needs Triton with Gluon (skipped
 where it is not installed)."""
 from __future__ import annotations
@@ -91,9 +92,19 @@ def recording(monkeypatch):
     for kernel in (ws_gemm._ws_gemm_kernel, rows_cols_gluon.kernel_for(False), rows_cols_gluon.kernel_for(True),
                    rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel,
                    quantize._quantize_weight_kernel, producers._rms_inverse_kernel,
-                   swiglu_cols_gluon._swiglu_backward_cols_kernel):
+                   swiglu_cols_gluon._swiglu_backward_cols_kernel, *_permutation_kernels(), *_loss_kernels()):
         monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
     return fake
+
+
+def _permutation_kernels() -> tuple:
+    from megafp8.parallel import permute_kernels as pk
+    return pk._gather_sum_kernel, pk._combine_kernel, pk._combine_backward_kernel
+
+
+def _loss_kernels() -> tuple:
+    from megafp8.parallel import cross_entropy_kernels as ce
+    return ce._row_stats_kernel, ce._logits_grad_kernel
 
 
 def _fast_and_jit(recording, get, put, call) -> tuple:
@@ -278,3 +289,55 @@ def test_the_fast_path_launches_swiglu_backwards_column_kernel_as_the_jit_path_d
     fast, jit = _fast_and_jit(recording, *_attribute(swiglu_cols_gluon, "_LAUNCH"), call)
     assert len(fast) == 1 and fast == jit
 
+
+@pytest.mark.parametrize("case", ["gather_sum", "combine", "combine backward", "combine weights' gradient"])
+def test_the_fast_path_launches_the_moe_permutation_kernels_as_the_jit_path_does(recording, monkeypatch, case):
+    """The MoE dispatch's and combine's Triton kernels (`megafp8.parallel.permute_kernels`), a compile option among
+    their launch options (`enable_fp_fusion`)."""
+    from megafp8.parallel import permute_kernels as pk
+    name = {"gather_sum": "_GATHER_SUM", "combine": "_COMBINE"}.get(case, "_COMBINE_BACKWARD")
+    monkeypatch.setattr(pk, name, getattr(pk, name))
+
+    def call(seed):
+        d, dout, w = _operands(seed, ((300, 256), torch.bfloat16), ((100, 256), torch.bfloat16),
+                               ((100, 3), torch.float32))
+        index = _kept(seed, "slots", lambda: (torch.randperm(300) % 300).view(100, 3))
+        if case == "gather_sum":
+            pk.gather_sum(d, index)
+        elif case == "combine":
+            pk.combine(d, index, w)
+        elif case == "combine backward":
+            pk.combine_backward(dout, d, index, w, _kept(seed, "combine dy", lambda: torch.zeros_like(d)))
+        else:
+            pk.combine_weights_grad(dout, d, index)
+    fast, jit = _fast_and_jit(recording, *_attribute(pk, name), call)
+    # Each call allocates its outputs, which may sit at different addresses on the two paths: tensors are compared
+    # by which kept operand they are, "fresh" for the outputs.
+    assert len(fast) == 1 and _by_operand(fast) == _by_operand(jit)
+
+
+@pytest.mark.parametrize("case", ["row stats", "logits gradient"])
+def test_the_fast_path_launches_the_loss_kernels_as_the_jit_path_does(recording, monkeypatch, case):
+    """The cross-entropy's two Triton kernels (`megafp8.parallel.cross_entropy_kernels`): int64 targets, a vocabulary
+    that is not a multiple of the chunk (a runtime integer and, for the row pass, the constexpr chunk count)."""
+    from megafp8.parallel import cross_entropy_kernels as ce
+    name = "_ROW_STATS" if case == "row stats" else "_LOGITS_GRAD"
+    monkeypatch.setattr(ce, name, getattr(ce, name))
+
+    def call(seed):
+        logits, lse, dloss = _operands(seed, ((64, 5000), torch.bfloat16), ((64,), torch.float32),
+                                       ((64,), torch.float32))
+        target = _kept(seed, "targets", lambda: torch.randint(0, 5000, (64,)))
+        if case == "row stats":
+            ce.row_stats(logits, target)
+        else:
+            ce.logits_grad(logits, lse, target, dloss)
+    fast, jit = _fast_and_jit(recording, *_attribute(ce, name), call)
+    assert len(fast) == 1 and _by_operand(fast) == _by_operand(jit)
+
+
+def _by_operand(launches: list) -> list:
+    names = {t.data_ptr(): f"{key}[{i}]" for key, kept in _KEPT.items()
+             for i, t in enumerate(kept if isinstance(kept, (list, tuple)) else [kept]) if isinstance(t, torch.Tensor)}
+    return [tuple(names.get(a[1], "fresh") if isinstance(a, tuple) and a[:1] == ("tensor",) else a for a in launch)
+            for launch in launches]

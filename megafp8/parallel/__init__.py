@@ -1,16 +1,15 @@
 """Parallelism: process-group layout, tensor-parallel layers and collectives, gradient buffers and their reductions."""
 from megafp8.parallel.collectives import gather_from_tp_last, reduce_from_tp, to_tp_region
+from megafp8.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from megafp8.parallel.dims import ExpertParallel, ParallelDims, TensorParallel, rank_groups
 from megafp8.parallel.experts import ExpertLinear
 from megafp8.parallel.grad_buckets import GradBuckets
 from megafp8.parallel.layers import (
-    IGNORE_INDEX,
     ColumnParallelLinear,
     ParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     swiglu_mlp,
-    vocab_parallel_cross_entropy,
 )
 from megafp8.parallel.sharding import (
     TpShard,

@@ -1,4 +1,4 @@
-"""Tensor-parallel GEMM-bearing layers (Megatron style) and the vocab-parallel loss.
+"""Tensor-parallel GEMM-bearing layers (Megatron style) and the vocab-parallel embedding (the loss: `cross_entropy`).
 
 Column-parallel linears split their output features across tensor-parallel ranks (QKV, MLP
 gate/up, LM head); row-parallel linears split their input features and sum their outputs (attention
@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -270,51 +269,3 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}" + (f", tp={self.tp.size}" if self.tp.enabled else "")
 
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of vocab-sharded logits (N, V/tp) in FP32: three small all-reduces
-    (max, target logit, sum of exponentials) instead of gathering the logits."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, tp: TensorParallel):
-        ctx.logits_dtype = logits.dtype
-        logits = logits.float()
-        v_local = logits.shape[-1]
-        row_max = logits.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp.group)
-        shifted = logits - row_max.unsqueeze(-1)
-        local = targets - tp.rank * v_local
-        outside = (local < 0) | (local >= v_local)
-        local = local.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = shifted.exp_()
-        sum_exp = exp.sum(dim=-1)
-        both = torch.stack([target_logit, sum_exp])
-        dist.all_reduce(both, group=tp.group)
-        target_logit, sum_exp = both
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, outside)
-        return sum_exp.log() - target_logit
-
-    @staticmethod
-    def backward(ctx, dloss):
-        softmax, local, outside = ctx.saved_tensors
-        grad = softmax  # d loss / d logits = softmax - one_hot(target), on this rank's vocab columns
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local] -= (~outside).float()
-        return grad.mul_(dloss.unsqueeze(-1)).to(ctx.logits_dtype), None, None
-
-
-IGNORE_INDEX = -100  # a target that contributes no loss (e.g. beyond the end of a sample for MTP)
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                                 tp: Optional[TensorParallel] = None) -> torch.Tensor:
-    """Mean token cross-entropy in FP32 whatever the logits' dtype, over targets other than IGNORE_INDEX.
-    logits: (..., V / tp), targets: (...)."""
-    logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-    if tp is None or not tp.enabled:
-        return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX)
-    valid = targets != IGNORE_INDEX
-    losses = _VocabParallelCrossEntropy.apply(logits, targets.masked_fill(~valid, 0), tp)
-    return (losses * valid).sum() / valid.sum().clamp(min=1)

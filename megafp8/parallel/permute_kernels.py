@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from megafp8.precision.kernels.launch import FastLaunch
+
 BLOCK_H = 128  # features per program (the hidden size is a multiple of 128 wherever FP8 runs; masked otherwise)
 
 
@@ -71,6 +73,13 @@ def _combine_backward_kernel(dout_ptr, y_ptr, pos_ptr, w_ptr, dy_ptr, dw_ptr, N,
     tl.store(dw_ptr + t * K + j, dot, mask=in_t)
 
 
+# Triton's JIT once per static signature, then the compiled kernels (`launch.FastLaunch`): each MoE layer launches
+# these every micro-batch, and with several EP ranks they run eagerly between compiled regions.
+_GATHER_SUM = FastLaunch(_gather_sum_kernel)
+_COMBINE = FastLaunch(_combine_kernel)
+_COMBINE_BACKWARD = FastLaunch(_combine_backward_kernel)
+
+
 def _rows_block(n: int) -> int:
     return 16 if n >= 16 else max(1, triton.next_power_of_2(n))
 
@@ -83,9 +92,9 @@ def gather_sum(d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     out = torch.empty(s_rows, d.shape[1], dtype=d.dtype, device=d.device)
     if s_rows:
         block = _rows_block(s_rows)
-        _gather_sum_kernel[(triton.cdiv(s_rows, block), triton.cdiv(d.shape[1], BLOCK_H))](
-            d, index, out, s_rows, d.shape[1], d.stride(0), out.stride(0), R=r, BLOCK_S=block, BLOCK_H=BLOCK_H,
-            num_warps=4)
+        _GATHER_SUM.launch((triton.cdiv(s_rows, block), triton.cdiv(d.shape[1], BLOCK_H)),
+                           (d, index, out, s_rows, d.shape[1], d.stride(0), out.stride(0)),
+                           dict(R=r, BLOCK_S=block, BLOCK_H=BLOCK_H, num_warps=4))
     return out
 
 
@@ -96,9 +105,9 @@ def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.
     out = torch.empty(n, y.shape[1], dtype=y.dtype, device=y.device)
     if n:
         block = _rows_block(n)
-        _combine_kernel[(triton.cdiv(n, block), triton.cdiv(y.shape[1], BLOCK_H))](
-            y, pos, weights, out, n, y.shape[1], y.stride(0), out.stride(0), K=k, BLOCK_N=block, BLOCK_H=BLOCK_H,
-            num_warps=4, enable_fp_fusion=False)
+        _COMBINE.launch((triton.cdiv(n, block), triton.cdiv(y.shape[1], BLOCK_H)),
+                        (y, pos, weights, out, n, y.shape[1], y.stride(0), out.stride(0)),
+                        dict(K=k, BLOCK_N=block, BLOCK_H=BLOCK_H, num_warps=4, enable_fp_fusion=False))
     return out
 
 
@@ -124,7 +133,9 @@ def _combine_backward(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, we
         write_dy = dy is not None
         w, dy = (weights, dy) if write_dy else (dweights, y)  # unused pointers without dy
         block = _rows_block(n)
-        _combine_backward_kernel[(k, triton.cdiv(n, block))](
-            dout, y, pos, w, dy, dweights, n, y.shape[1], dout.stride(0), y.stride(0), dy.stride(0), K=k,
-            BLOCK_N=block, BLOCK_H=BLOCK_H, WRITE_DY=write_dy, num_warps=4, enable_fp_fusion=False)
+        _COMBINE_BACKWARD.launch((k, triton.cdiv(n, block)),
+                                 (dout, y, pos, w, dy, dweights, n, y.shape[1], dout.stride(0), y.stride(0),
+                                  dy.stride(0)),
+                                 dict(K=k, BLOCK_N=block, BLOCK_H=BLOCK_H, WRITE_DY=write_dy, num_warps=4,
+                                      enable_fp_fusion=False))
     return dweights

@@ -322,19 +322,18 @@ def head_bytes(model: Transformer, mb: MicroBatch) -> HeadBytes:
     mb = dataclasses.replace(mb, compiled=False)  # the head runs eagerly (only blocks are compiled)
     norms = [model.final_norm] + [module.out_norm for module in model.mtp]
     act, hidden = _act_bytes(model.final_norm), model.final_norm.weight.shape[0]
-    vocab, tp = model.lm_head.weight.shape[0], model.lm_head.tp  # this rank's vocabulary
+    vocab = model.lm_head.weight.shape[0]  # this rank's vocabulary
     saved = Saved()
     for i, _ in enumerate(norms):
         _norm(saved, f"head{i}.norm", mb.local, hidden, act, mb, f"head{i}.input")
         _linear_input(saved, model.lm_head, f"head{i}.lm_head", f"head{i}.normed", mb.local, hidden, act, mb)
-        saved.keep(f"head{i}.log_softmax", mb.tokens * vocab * FP32_BYTES)  # the softmax under TP
-        saved.keep(f"head{i}.targets", mb.tokens * INDEX_BYTES)
-    logits = mb.tokens * vocab
-    forward = logits * (act + (FP32_BYTES if act != FP32_BYTES else 0))  # the logits and their FP32 copy
-    # Backward: F.cross_entropy's NLL and log-softmax gradients (FP32 each); under TP the softmax is turned into the
-    # gradient in place, and only its BF16 cast is new.
-    backward = logits * (2 * FP32_BYTES if not tp.enabled else act)
-    return HeadBytes(saved.total, float(max(forward, backward)))
+        # `parallel.cross_entropy`: the logits, read again by the loss's backward; per token the targets on this
+        # rank's columns (int64), the log-sum-exp (FP32) and the mask of counted targets (bool)
+        saved.keep(f"head{i}.logits", mb.tokens * vocab * act)
+        saved.keep(f"head{i}.targets", mb.tokens * (INDEX_BYTES + FP32_BYTES + 1))
+    # Forward makes three FP32 numbers a token beside the kept logits; backward writes the logits' gradient in their
+    # dtype (under TP too: the all-reduces move per-token numbers only).
+    return HeadBytes(saved.total, float(mb.tokens * vocab * act))
 
 
 def rank_activations(model: Transformer, mb: MicroBatch, recompute: bool, in_flight: float) -> dict[str, float]:
