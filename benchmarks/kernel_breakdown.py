@@ -23,7 +23,7 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("gradient norm and clipping (foreach)", ("multi_tensor_apply", "foreach")),
     ("MoE routing and permutation", ("_combine", "_gather_sum", "topk", "radixsort", "radix_sort", "sort")),
     ("norm", ("norm",)),
-    ("cross-entropy / softmax", ("softmax", "nll_loss", "cross_entropy", "log_softmax")),
+    ("cross-entropy / softmax", ("softmax", "nll_loss", "cross_entropy", "log_softmax", "_row_stats", "_logits_grad")),
     ("torch.compile fused kernels", ("triton_",)),
     ("copies / casts", ("copy", "memcpy", "memset", "fill", "cat", "index", "scatter", "gather")),
     ("element-wise (eager)", ("elementwise", "vectorized", "unrolled", "reduce_kernel")),

@@ -2,15 +2,17 @@
 
 Per token the loss is log(sum_v exp(x_v)) - x_target and its gradient softmax(x) - one_hot(target). Written as
 `F.cross_entropy(logits.float())`, a step casts the BF16 logits to FP32, writes their log-softmax, and in backward
-fills an FP32 gradient, writes the log-softmax's FP32 gradient and casts it back: ~30 bytes moved and 12 bytes held
-per logit (2 GiB of FP32 log-softmax kept from forward to backward at 16k tokens and a 32k vocabulary).
+fills an FP32 gradient, writes the log-softmax's FP32 gradient and casts it back: ~36 bytes moved per logit, the
+FP32 log-softmax kept from forward to backward, and 12 bytes per logit at once at its peak (6 GiB at 16k tokens and
+a 32k vocabulary, `benchmarks/cross_entropy.py`).
 
 Here the forward reads each logit once and keeps three FP32 numbers per token: the row's max, the sum of
 exp(x - max) and the target's logit. Under tensor parallelism each rank has them for its vocabulary columns and
 two small all-reduces combine them (the max; then the rescaled sums and the target logit). The backward reads the
 logits once more and writes the gradient in their dtype. Nothing of vocabulary size is made but that gradient, and
-nothing is kept but the logits themselves (the LM head's output, which exists anyway). All arithmetic is FP32; the
-loss is `log(sum) + (max - x_target)`, so a confident prediction keeps its small loss exact.
+nothing is kept but the logits themselves (the LM head's output, which exists anyway): ~6 bytes moved and 2 made
+per BF16 logit. All arithmetic is FP32; the loss is `log(sum) + (max - x_target)`, so a confident prediction keeps
+FP32's relative precision in its small loss.
 
 On CUDA the two passes are Triton kernels (imported lazily: CPU-only installs never need Triton); elsewhere their
 pure-torch twins run, in chunks of rows that bound the FP32 temporaries. The kernels differ from the twins only in

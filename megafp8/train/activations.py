@@ -26,9 +26,8 @@ whole tiles (all n of them: under SP the FP8 bytes are all-gathered).
   expert's rows from a 128-row boundary, sized by its upper bound, rows + local experts x 127). The combine keeps
   the experts' output rows. Shared experts are a SwiGLU without a norm.
 - The head (on the rank holding the last stage, once per loss: the main one and each MTP depth): the final norm,
-  the LM head's BF16 input and the loss's FP32 log-softmax (softmax under TP) of n x vocab / tp. Its transient: the
-  BF16 logits and their FP32 copy in forward; in backward, without TP, cross-entropy's two FP32 gradients (8 bytes
-  per logit) on top of the kept log-softmax; under TP the BF16 gradient only.
+  the LM head's BF16 input, and the loss's logits (n x vocab / tp, BF16, which `parallel.cross_entropy` reads again
+  in backward) with 13 bytes per token. Its transient: the logits' gradient in their dtype.
 
 `training.compile`: Inductor's partitioner recomputes pointwise ops in backward instead of keeping their results,
 and two such differences are modelled (measured on CPU, where they match the compiled blocks on an H200): a norm

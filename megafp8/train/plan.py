@@ -9,9 +9,9 @@ Activations are counted tensor by tensor from the rank's model (`megafp8.train.a
 for backward in its recipe (BF16 blocks keep SwiGLU's FFN-wide intermediates, FP8 linears keep x^T in FP8, MoE
 layers their routed rows in the experts' layout, attention q/k/v, output and logsumexp), under `training.compile`
 without the intermediates Inductor recomputes; times the micro-batches in flight at once. On the rank holding the
-head: the final norm, LM head input and FP32 log-softmax of every loss (`logits and loss`). Counted once on top
-(`transient peak`): the largest transient, the logits and the loss's FP32 gradients (on one GPU without TP, 8
-bytes per logit) or a block's gradient temporaries where those are larger. Under `precision.fp8_start_step` the
+head: the final norm, LM head input and the logits of every loss (`logits and loss`; the loss keeps them, not an
+FP32 copy). Counted once on top (`transient peak`): the largest transient, the logits' gradient or a block's
+gradient temporaries where those are larger. Under `precision.fp8_start_step` the
 activations are those of the larger phase (BF16 before the switch). The prediction is meant to hold within 10% of
 the allocator's steady peak (`benchmarks/train_step.py` prints both).
 
@@ -241,8 +241,8 @@ def _activations_note(cfg: Config, in_flight: float) -> str:
     training = cfg.training
     kept = "each block's input (recomputed in backward)" if training.recompute == "full" else (
         "what each block keeps for backward" + (" (compiled)" if training.compile else ""))
-    return (f"activations: {kept}, {in_flight:g} micro-batch(es) in flight; logits and loss: the head's kept FP32 "
-            "log-softmax, LM head input and norm, per loss; transient peak: the largest temporary on top, counted once "
+    return (f"activations: {kept}, {in_flight:g} micro-batch(es) in flight; logits and loss: the head's kept logits, "
+            "LM head input and norm, per loss; transient peak: the largest temporary on top, counted once "
             "(megafp8/train/activations.py)")
 
 
