@@ -100,8 +100,8 @@ def _(logits, lse, target, dloss):
 
 
 class _CrossEntropy(torch.autograd.Function):
-    """Per-token losses of logits (N, V / tp) against targets (N,) in [0, V); saves the logits and one FP32 number
-    per token."""
+    """Per-token losses of logits (N, V / tp) against targets (N,) in [0, V); saves the logits and, per token, the
+    target's column on this rank and the log-sum-exp."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
