@@ -110,10 +110,8 @@ def _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, strid
     gl.store(s_ptr + scale_rows * stride_sm + kb * stride_sk, row_scale, mask=scale_rows < M)
     # Columns (`tiles.store_cols`): one scale per feature over the tile's 128 tokens, x^T written from registers.
     col_scale, col_inv = _scales(gl.reduce(gl.abs(x), 0, gluon_tiles.nan_max), COLS, FP8_MAX, POW2)
-    # Into the layout that lists each thread's tokens first while still FP32 (the same threads: a renaming of
-    # registers), so that each conversion packs two consecutive tokens, as the transposed store wants them.
-    qt = gl.convert_layout(x * gl.expand_dims(col_inv, 0), STORE_T)
-    qt = qt.to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    qt = (x * gl.expand_dims(col_inv, 0)).to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    qt = gl.convert_layout(qt, STORE_T)  # the same threads, tokens first
     t_rows = mb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, STORE_T))
     t_cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, STORE_T))
     gl.store(qt_ptr + gl.expand_dims(t_cols, 0) * stride_qt + gl.expand_dims(t_rows, 1), qt)

@@ -52,7 +52,7 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
     gate_ptrs = gu_ptr + gl.expand_dims(rows, 1) * stride_gm + gl.expand_dims(cols, 0)
     gate = gl.load(gate_ptrs, mask=in_rows, other=0.0).to(gl.float32)
     up = gl.load(gate_ptrs + F, mask=in_rows, other=0.0).to(gl.float32)
-    s = sigmoid_from_exp(exp_neg(gate))
+    s = 1.0 / (1.0 + gl.exp(-gate))
     gluon_tiles.store_cols(gate * s * up, cols, mb, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX,
                            POW2, store, SPREAD)
     da = gl.load(da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0), mask=in_rows, other=0.0)
@@ -61,28 +61,6 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
                            stride_st_m, GRAD_MAX, POW2, store, SPREAD)
     gluon_tiles.store_cols(da_s * gate, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX,
                            POW2, store, SPREAD)
-
-
-@gluon.jit
-def exp_neg(x):
-    """exp(-x) as Triton's `exp(-x)` computes it, in 2 instructions instead of 6: -x * log2(e) as one multiply (Triton
-    negates as 0 - x, then multiplies: the same product), and `ex2.approx.ftz`, whose result differs from the
-    non-flushing `ex2.approx` only where it is below 2^-126, where 1 + exp(-x) rounds to 1 either way."""
-    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * -1.4426950408889634], dtype=gl.float32,
-                                     is_pure=True, pack=1)
-
-
-@gluon.jit
-def sigmoid_from_exp(e):
-    """1 / (1 + e) for e = exp(-x) >= 0, bit for bit what Triton's `1.0 / (1.0 + e)` gives (`div.full.f32`) in 3
-    instructions instead of 6: 0.25 (1 + e) as one FMA (scaling by 4 commutes with rounding), `rcp.approx` of it
-    (its input at least 0.25, its output at most 4: no subnormal to flush) and x 0.25. `div.full` computes
-    rcp(y) below 2^126 and 0.25 rcp(0.25 y) above: the approximate reciprocal of a power-of-two multiple is the same
-    multiple of it, so the two agree everywhere (inf gives 0, nan nan)."""
-    quarter = gl.fma(e, 0.25, 0.25)
-    r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [quarter], dtype=gl.float32, is_pure=True,
-                                  pack=1)
-    return r * 0.25
 
 
 _LAUNCH = FastLaunch(_swiglu_backward_cols_kernel)  # Triton's JIT once per static signature, then the compiled kernel
