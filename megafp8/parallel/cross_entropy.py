@@ -14,12 +14,14 @@ nothing is kept but the logits themselves (the LM head's output, which exists an
 per BF16 logit. All arithmetic is FP32; the loss is `log(sum) + (max - x_target)`, so a confident prediction keeps
 FP32's relative precision in its small loss.
 
-On CUDA the two passes are Triton kernels (imported lazily: CPU-only installs never need Triton); elsewhere their
-pure-torch twins run, in chunks of rows that bound the FP32 temporaries. The kernels differ from the twins only in
-summation order and in the exponential's last bits (`tests/test_cross_entropy.py` on the GPU).
+On CUDA GPUs of compute capability 8.0 and up the two passes are Triton kernels (imported lazily: CPU-only installs
+never need Triton); elsewhere their pure-torch twins run, in chunks of rows that bound the FP32 temporaries. The
+kernels differ from the twins only in summation order and in the exponential's last bits
+(`tests/test_cross_entropy.py` on the GPU).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Optional
 
@@ -33,7 +35,15 @@ _TWIN_ROWS = 1024  # rows per chunk of the pure-torch twins (bounds their FP32 t
 
 
 def _use_triton(logits: torch.Tensor) -> bool:
-    return logits.is_cuda and torch.version.hip is None and importlib.util.find_spec("triton") is not None
+    return logits.is_cuda and _triton_runs_on(logits.device)
+
+
+@functools.cache  # asked at every loss
+def _triton_runs_on(device: torch.device) -> bool:
+    """The kernels on CUDA GPUs of compute capability 8.0 and up (Triton's supported range; the FP16 recipe's V100s
+    and T4s run the twins), not on ROCm, and only where Triton is installed."""
+    return (torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
+            and importlib.util.find_spec("triton") is not None)
 
 
 def row_stats_reference(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
