@@ -40,8 +40,9 @@ def _use_triton(logits: torch.Tensor) -> bool:
 
 @functools.cache  # asked at every loss
 def _triton_runs_on(device: torch.device) -> bool:
-    """The kernels on CUDA GPUs of compute capability 8.0 and up (Triton's supported range; the FP16 recipe's V100s
-    and T4s run the twins), not on ROCm, and only where Triton is installed."""
+    """The kernels on CUDA GPUs of compute capability 8.0 and up, the range our Triton kernels are tested on, as the
+    fused optimizer update (the FP16 recipe's V100s and T4s run the twins); not on ROCm; only with Triton
+    installed."""
     return (torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
             and importlib.util.find_spec("triton") is not None)
 
