@@ -12,7 +12,8 @@
 # fp8_linear (one layer, BF16 vs FP8, eager and replayed from CUDA graphs; fp8_linear_hopper: cublas and hopper;
 # launch_cost: host time per call of each piece and layer, the cublas then the hopper backend, with cProfile;
 # launch_cost_ab: the same, $OLD and this tree interleaved), the loss without an FP32 copy of the logits against
-# F.cross_entropy (cross_entropy; tests_loss: its GPU test),
+# F.cross_entropy (cross_entropy; tests_loss: its GPU test), the column-quantizer experiment in $EXP against this tree
+# (column_experiment: GPU tests and kernel timings),
 # the 8B-layer shape (compiled_ro_8b,
 # ref_8b, profile_compiled_8b; compiled_ro_8b_kept_t and
 # compiled_ro_kept_t: FP8 keeping its weight transposes; memory_modes: both models' memory in every mode), BF16 and FP8
@@ -136,6 +137,16 @@ for part in $PARTS; do
     swiglu_cols) step swiglu_cols_variants python benchmarks/swiglu_cols_variants.py ;;
     rows_cols) step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
     cross_entropy) step cross_entropy python benchmarks/cross_entropy.py ;;
+    column_experiment)  # job EF's GPU test selection in this tree and in $EXP (a tree with the column-quantizer
+                        # experiment, e.g. `git worktree add -f --detach old_tree d70d2de`, carried), failures listed
+                        # whole; then SwiGLU backward's and the row + column quantizer's variants timed in both trees
+      selection="tests/test_fp8_gpu.py tests/test_fp8_backends.py tests/test_fp8_qkv.py -m gpu -n 4 -rf"
+      selection="$selection -p no:cacheprovider -k 'gluon or quantiz or producer or rope'"
+      variants="python benchmarks/swiglu_cols_variants.py && python benchmarks/rows_cols_variants.py"
+      step column_tests_here bash -c "python -m pytest -q $selection"
+      step column_tests_exp bash -c "cd \"$EXP\" && python -m pytest -q $selection"
+      step column_variants_here bash -c "$variants"
+      step column_variants_exp bash -c "cd \"$EXP\" && $variants" ;;
     tests_loss) step gpu_tests_loss python -m pytest -q -m gpu tests/test_cross_entropy.py -p no:cacheprovider ;;
     rope) step rope_variants python benchmarks/rope_variants.py ;;  # RoPE's backward quantizer: Triton against Gluon
     grouped_gemm) step grouped_gemm python benchmarks/grouped_gemm.py --backend hopper --iters 20 ;;
