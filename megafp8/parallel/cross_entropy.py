@@ -133,7 +133,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss: torch.Tensor):
         logits, local, lse = ctx.saved_tensors
-        return _logits_grad_op(logits, lse, local, dloss.float().contiguous()), None, None
+        return _logits_grad_op(logits, lse, local, dloss), None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,

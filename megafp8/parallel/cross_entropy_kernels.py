@@ -13,7 +13,7 @@ import triton.language as tl
 
 from megafp8.precision.kernels.launch import FastLaunch
 
-STATS_BLOCK, STATS_WARPS = 4096, 4  # columns per chunk of the row pass (one program per row), its warps
+STATS_BLOCK, STATS_WARPS = 4096, 8  # columns per chunk of the row pass (one program per row), its warps
 GRAD_BLOCK, GRAD_WARPS = 4096, 8  # columns per program of the gradient pass, its warps
 
 
