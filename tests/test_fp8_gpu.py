@@ -357,21 +357,23 @@ def test_every_autotuned_configuration_of_every_kernel_gives_the_same_bits():
             kernel.configs, kernel.cache = saved
 
 
+@pytest.mark.parametrize("m", [328, 1, 2])
 @pytest.mark.parametrize("tokens_each, features_each, warps", [(8, 4, 4), (4, 8, 4), (8, 4, 8), (16, 2, 4)])
-def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_each, features_each, warps):
+def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_each, features_each, warps, m):
     """SM90 runs SwiGLU backward's column outputs through the Gluon kernel (`swiglu_cols_gluon`), other GPUs
     through the Triton one: every layout of the Gluon kernel must write the Triton kernel's bytes (values and
-    scales, the padding rows past M included), with power-of-two scales, E5M2 gradients, outliers and a nan."""
+    scales, the padding rows past M included), with power-of-two scales, E5M2 gradients, outliers and a nan; also
+    for one and two tokens (one token: the case `gluon_tiles.NOT_SPECIALIZED` guards)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.swiglu_cols_gluon")
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon column kernel runs on SM90 only")
     from megafp8.precision import E4M3, E5M2
     from megafp8.precision.kernels import producers, tiles
     torch.manual_seed(0)
-    m, f = 328, 384
+    f = 384
     gu = (torch.randn(m, 2 * f, device=CUDA) * torch.logspace(-3, 3, 2 * f, device=CUDA)).bfloat16()
     da = torch.randn(m, f, device=CUDA, dtype=torch.bfloat16)
-    gu[17, 3] = float("nan")
+    gu[17 % m, 3] = float("nan")
     for grad_fmt, pow2 in ((E4M3, False), (E5M2, True)):
         outputs = []
         for run in (producers.swiglu_backward_cols,
@@ -389,26 +391,30 @@ def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_eac
 
 
 @pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("spread_rows, spread_cols", [(True, True), (False, True), (False, False)])
-def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, spread_rows, spread_cols):
+@pytest.mark.parametrize("spread_rows, spread_cols, m", [(True, True, 328), (False, True, 328), (False, False, 328),
+                                                         (True, True, 1), (True, True, 2)])
+def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, spread_rows, spread_cols, m):
     """SM90 quantizes dy both ways, RMSNorm's output and the MoE dispatch's gathered rows through the Gluon kernel
     (`rows_cols_gluon`), other GPUs through the Triton one: the same bytes (values and scales, x^T's padding rows
     included), with E4M3 and E5M2, power-of-two scales, outliers, a nan, a partial last token block and (gathering)
-    zero rows, however the divisions are shared out. Both (norm, gather): the MoE combine's gradient, factors per
-    gathered row as the inverse RMS and ones as the weight (`gather_scale_quantize_rows_cols`)."""
+    zero rows, however the divisions are shared out, and for one and two tokens (one token is what ptxas
+    miscompiled when M was compiled in: `gluon_tiles.NOT_SPECIALIZED`). Both (norm, gather): the MoE combine's
+    gradient, factors per gathered row as the inverse RMS and ones as the weight
+    (`gather_scale_quantize_rows_cols`)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.rows_cols_gluon")
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon rows + columns kernel runs on SM90 only")
     from megafp8.precision import E4M3, E5M2
     from megafp8.precision.kernels import quantize, tiles
     torch.manual_seed(0)
-    m, k = 328, 384
+    k = 384
     x = (torch.randn(m, k, device=CUDA) * torch.logspace(-3, 3, k, device=CUDA)).bfloat16()
-    x[17, 3] = float("nan")
+    x[17 % m, 3] = float("nan")
     rstd = torch.rsqrt(x.float().pow(2).mean(1) + 1e-5) if norm else None
     weight = (torch.rand(k, device=CUDA) + 0.5).bfloat16() if norm else None
     index = (torch.randperm(600, device=CUDA) % (m + 100) - 100) if gather else None  # rows of x, zero rows
     if gather:
+        index = index[:m] if m < 128 else index  # as few gathered rows as x has tokens
         m = index.shape[0]
     if norm and gather:  # a factor per gathered row (some zero), ones as the weight
         rstd = torch.rand(m, device=CUDA) * (torch.arange(m, device=CUDA) % 7 != 0)
@@ -426,12 +432,14 @@ def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, 
 
 
 @pytest.mark.parametrize("tokens_each, warps", [(16, 4), (8, 8)])
-@pytest.mark.parametrize("m, head_dim", [(200, 128), (384, 128), (256, 64)], ids=["partial_tile", "whole", "heads_64"])
+@pytest.mark.parametrize("m, head_dim", [(200, 128), (384, 128), (256, 64), (1, 128)],
+                         ids=["partial_tile", "whole", "heads_64", "one_token"])
 def test_the_gluon_rope_backward_kernel_gives_the_triton_kernels_bits(tokens_each, warps, m, head_dim):
     """SM90 runs RoPE's backward quantizer (the fused QKV projection's output gradient) as the Gluon kernel
     (`rows_cols_gluon.launch_rope_backward`), other GPUs as the Triton one: the same bytes, values and scales, x^T's
     padding included, in both thread layouts, with a partial last tile (masked loads) and whole ones (unmasked),
-    heads of 128 and 64, sequences shorter than the rows (positions wrapping), outliers and a nan."""
+    heads of 128 and 64, sequences shorter than the rows (positions wrapping), outliers and a nan, and one token
+    (the case `gluon_tiles.NOT_SPECIALIZED` guards)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.rows_cols_gluon")
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon RoPE backward kernel runs on SM90 only")
@@ -443,7 +451,7 @@ def test_the_gluon_rope_backward_kernel_gives_the_triton_kernels_bits(tokens_eac
     widths = (256, 128, 256)
     dq, dk, dv = ((torch.randn(m, w, device=CUDA) * torch.logspace(-3, 3, w, device=CUDA)).bfloat16()
                   for w in widths)
-    dk[17, 3] = float("nan")
+    dk[17 % m, 3] = float("nan")
     n = sum(widths)
     for fmt, pow2 in ((E4M3, False), (E5M2, True)):
         want, got = (tiles.rows_cols_outputs(m, n, fmt, CUDA) for _ in range(2))

@@ -17,6 +17,12 @@ from megafp8.precision.formats import MIN_AMAX
 _MIN_AMAX = gl.constexpr(MIN_AMAX)
 _NAN_PROPAGATES = gl.constexpr(PropagateNan.ALL)
 TOKENS = gl.constexpr(128)  # a 1x128 tile along the tokens
+# The token count is never compiled in as a constant (Triton's JIT makes an integer argument equal to 1 one): with
+# M = 1 every padding row of a tile is a known zero, two consecutive tokens' products 0 * inv the same value, and
+# ptxas 12.8 (Triton 3.6's) then packs such pairs (`F2FP...PACK_AB_MERGE_C`, both sources one register) with the
+# upper half of a register nothing wrote: garbage bytes in x^T's padding, seen on an H200 (docs/benchmarks.md,
+# thirty-first session). The kernels that convert their column tiles tokens first name it in `do_not_specialize`.
+NOT_SPECIALIZED = ("M",)
 
 
 @gluon.jit
@@ -58,8 +64,8 @@ def store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m,
     scale_cols = gl.convert_layout(cols, SPREAD)
     # No clamp: the conversion saturates (`cvt.rn.satfinite`: finite values past FP8_MAX and infinities give
     # +-FP8_MAX, nan stays nan), which is what tiles.to_fp8's clamp-then-convert gives, in 2 fewer instructions.
-    q = x * gl.expand_dims(inv, 0)
-    q = gl.convert_layout(q.to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), STORE)
+    q = gl.convert_layout(x * gl.expand_dims(inv, 0), STORE)
+    q = q.to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     rows = mb * TOKENS + gl.arange(0, TOKENS, layout=gl.SliceLayout(1, STORE))
     qt_rows = gl.convert_layout(cols, gl.SliceLayout(0, STORE))  # x's columns are x^T's rows
     gl.store(qt_ptr + gl.expand_dims(qt_rows, 0) * stride_qt + gl.expand_dims(rows, 1), q)

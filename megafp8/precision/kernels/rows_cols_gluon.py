@@ -8,13 +8,17 @@ and `producers.launch_rope_backward_triton` with this module's arguments, whose 
 
 Why: the Triton kernel moves its bytes at 55-66% of copy speed and issues 23 SASS instructions per element, about
 what a 128x128 tile's memory time allows at the issue rate these kernels reach (`docs/performance.md`). This one
-needs 14.6 (17.2 with RMSNorm, 15.6 gathering; `tests/test_ws_gemm_compiles.py` bounds them):
+needs 12.3 (14.8 with RMSNorm, 13.4 gathering; `tests/test_ws_gemm_compiles.py` bounds them):
 - one program per 128x128 tile with 4 warps, each thread holding 16 tokens x 8 features;
 - the tile's column maxima within a warp (3 shuffle rounds, no barrier), its row maxima across the 4 warps (one
   exchange through shared memory);
 - x kept as loaded (BF16) and converted where it is used;
 - the correctly rounded divisions shared out, one row and one column per thread (`spread`);
-- the FP8 rows written as 8-byte runs, the transposed columns as 16-byte runs, straight from registers.
+- the FP8 rows written as 8-byte runs, the transposed columns as 16-byte runs, straight from registers; the
+  column tile moves into the tokens-first layout while still FP32 (a renaming of each thread's registers), so that
+  each paired FP8 conversion packs two consecutive tokens as the transposed store wants them, with no byte
+  shuffling after it (14.6 -> 12.3 per element, 9-18% less device time: docs/benchmarks.md, thirty-first
+  session). M stays a runtime value (`gluon_tiles.NOT_SPECIALIZED`).
 
 RoPE's backward tiles are the same quantization after a rotation in FP32 that reads each element's partner (half a
 head away) a second time and two table entries: 26.8 instructions per element (31.1 where the last tile is partial
@@ -32,6 +36,7 @@ from triton.experimental.gluon.language import DistributedLinearLayout
 
 from megafp8.precision.formats import Fp8Format
 from megafp8.precision.kernels import gluon_tiles
+from megafp8.precision.kernels.gluon_tiles import NOT_SPECIALIZED
 from megafp8.precision.kernels.launch import FastLaunch
 
 WARPS = 4
@@ -110,8 +115,10 @@ def _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, strid
     gl.store(s_ptr + scale_rows * stride_sm + kb * stride_sk, row_scale, mask=scale_rows < M)
     # Columns (`tiles.store_cols`): one scale per feature over the tile's 128 tokens, x^T written from registers.
     col_scale, col_inv = _scales(gl.reduce(gl.abs(x), 0, gluon_tiles.nan_max), COLS, FP8_MAX, POW2)
-    qt = (x * gl.expand_dims(col_inv, 0)).to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    qt = gl.convert_layout(qt, STORE_T)  # the same threads, tokens first
+    # Into the layout that lists each thread's tokens first while still FP32 (the same threads: a renaming of
+    # registers), so that each conversion packs two consecutive tokens, as the transposed store wants them.
+    qt = gl.convert_layout(x * gl.expand_dims(col_inv, 0), STORE_T)
+    qt = qt.to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     t_rows = mb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, STORE_T))
     t_cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, STORE_T))
     gl.store(qt_ptr + gl.expand_dims(t_cols, 0) * stride_qt + gl.expand_dims(t_rows, 1), qt)
@@ -121,7 +128,7 @@ def _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, strid
 
 # Two entry points around the same tile, so that a profile tells the RMSNorm producer's launches from the standalone
 # quantizer's by the kernel's name (`benchmarks/kernel_breakdown.py` sorts them into those categories).
-@gluon.jit
+@gluon.jit(do_not_specialize=NOT_SPECIALIZED)
 def _quantize_rows_cols_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm,
                                      stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
                                      FP8_MAX: gl.constexpr, POW2: gl.constexpr, NORM: gl.constexpr,
@@ -132,7 +139,7 @@ def _quantize_rows_cols_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_p
                     COLS)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=NOT_SPECIALIZED)
 def _rmsnorm_quantize_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm,
                                    stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
                                    FP8_MAX: gl.constexpr, POW2: gl.constexpr, NORM: gl.constexpr,
@@ -192,7 +199,7 @@ def _rope_backward_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, cols, kb
     return x
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=NOT_SPECIALIZED)
 def _rope_backward_quantize_gluon_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M,
                                          NQ, NK, seq_len, stride_dq, stride_dk, stride_dv, stride_cos, stride_sin,
                                          stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,

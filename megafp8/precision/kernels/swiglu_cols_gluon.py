@@ -9,12 +9,17 @@ Gluon lets us choose the layout that needs fewest. Each thread holds 8 consecuti
 16 lanes of a warp cover the 128 tokens and 2 lanes its 8 features, and the warps sit side by side along the
 features (`block_layouts`). A column's max is taken within the thread and over 4 shuffle rounds, with no barrier;
 each thread writes its 8 tokens of a column as 8 consecutive FP8 bytes of the transposed output, straight from its
-registers. Three more savings, each worth 10-25 instructions per element (58 remain, against 143 in the Triton
-kernel; `tests/test_ws_gemm_compiles.py` bounds it):
+registers. More savings (47 instructions per element remain at 4 warps, against 143 in the Triton kernel;
+`tests/test_ws_gemm_compiles.py` bounds it):
 - nan-propagating maxima are one `max.NaN` instruction;
 - no clamp before the FP8 conversion, which saturates by itself (`cvt.rn.satfinite`);
 - the two correctly rounded divisions per column are shared out over the warp's lanes (`spread_layout`), one
-  column each, instead of every lane dividing for all its warp's columns.
+  column each, instead of every lane dividing for all its warp's columns;
+- exp(-gate) as one multiply and `ex2.approx.ftz` (`exp_neg`: 2 instructions for 6, the same values wherever
+  they can change the sigmoid);
+- the column tiles converted to FP8 after moving into the tokens-first layout (`gluon_tiles.store_cols`), so
+  each paired conversion packs two consecutive tokens (54 -> 47 per element; the column kernel 15% faster:
+  docs/benchmarks.md, thirty-first session).
 
 Numerics are the Triton kernels' (`megafp8.precision.kernels.tiles`, `producers`), op for op, so the two give the
 same bits.
@@ -33,7 +38,7 @@ TOKENS_PER_THREAD = 8  # 16 lanes along the tokens: 4 shuffle rounds per column 
 FEATURES_PER_THREAD = 4  # x 2 lanes: a warp's 8 features are a 16-byte row segment
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=gluon_tiles.NOT_SPECIALIZED)
 def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr, M, F, stride_gm, stride_dm,
                                  stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k, stride_ats_m,
                                  GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
@@ -52,7 +57,7 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
     gate_ptrs = gu_ptr + gl.expand_dims(rows, 1) * stride_gm + gl.expand_dims(cols, 0)
     gate = gl.load(gate_ptrs, mask=in_rows, other=0.0).to(gl.float32)
     up = gl.load(gate_ptrs + F, mask=in_rows, other=0.0).to(gl.float32)
-    s = 1.0 / (1.0 + gl.exp(-gate))
+    s = 1.0 / (1.0 + exp_neg(gate))
     gluon_tiles.store_cols(gate * s * up, cols, mb, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX,
                            POW2, store, SPREAD)
     da = gl.load(da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0), mask=in_rows, other=0.0)
@@ -61,6 +66,15 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
                            stride_st_m, GRAD_MAX, POW2, store, SPREAD)
     gluon_tiles.store_cols(da_s * gate, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX,
                            POW2, store, SPREAD)
+
+
+@gluon.jit
+def exp_neg(x):
+    """exp(-x) as Triton's `exp(-x)` computes it, in 2 instructions instead of 6: -x * log2(e) as one multiply (Triton
+    negates as 0 - x, then multiplies: the same product), and `ex2.approx.ftz`, whose result differs from the
+    non-flushing `ex2.approx` only where it is below 2^-126, where 1 + exp(-x) rounds to 1 either way."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * -1.4426950408889634], dtype=gl.float32,
+                                     is_pure=True, pack=1)
 
 
 _LAUNCH = FastLaunch(_swiglu_backward_cols_kernel)  # Triton's JIT once per static signature, then the compiled kernel
