@@ -92,9 +92,16 @@ def recording(monkeypatch):
     for kernel in (ws_gemm._ws_gemm_kernel, rows_cols_gluon.kernel_for(False), rows_cols_gluon.kernel_for(True),
                    rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel,
                    quantize._quantize_weight_kernel, producers._rms_inverse_kernel,
-                   swiglu_cols_gluon._swiglu_backward_cols_kernel, *_permutation_kernels(), *_loss_kernels()):
+                   swiglu_cols_gluon._swiglu_backward_cols_kernel, *_one_token_twins(), *_permutation_kernels(),
+                   *_loss_kernels()):
         monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
     return fake
+
+
+def _one_token_twins() -> tuple:
+    from megafp8.precision.kernels import rows_cols_gluon, swiglu_cols_gluon
+    launches = (*rows_cols_gluon._LAUNCHES.values(), rows_cols_gluon._ROPE_LAUNCH, swiglu_cols_gluon._LAUNCH)
+    return tuple(launch.one_token_kernel for launch in launches)
 
 
 def _permutation_kernels() -> tuple:
@@ -215,6 +222,45 @@ def test_the_fast_path_launches_the_gluon_quantizers_as_the_jit_path_does(record
         get, put = (lambda: launches[norm_kernel]), (lambda value: launches.__setitem__(norm_kernel, value))
     fast, jit = _fast_and_jit(recording, get, put, call)
     assert len(fast) == 1 and fast == jit
+
+
+@pytest.mark.parametrize("case", ["quantizer", "swiglu columns"])
+def test_one_token_launches_the_twin_that_keeps_the_token_count_at_runtime(recording, monkeypatch, case):
+    """A kernel that converts its column tiles tokens first runs one token through its twin compiled with M a
+    runtime value (ptxas 12.8 miscompiles the M = 1 specialization: `gluon_tiles.TokenCountLaunch`), and every
+    other token count through the kernel Triton specializes as usual; each keeps its compiled signature."""
+    from megafp8.precision import E4M3, E5M2
+    from megafp8.precision.kernels import gluon_tiles, rows_cols_gluon, swiglu_cols_gluon, tiles
+    if case == "quantizer":
+        fresh = gluon_tiles.TokenCountLaunch(rows_cols_gluon.kernel_for(False))
+        monkeypatch.setattr(rows_cols_gluon, "_LAUNCHES", {False: fresh, True: fresh})
+
+        def call(m):
+            x = torch.randn(m, 256).to(torch.bfloat16)
+            rows_cols_gluon.launch(x, None, None, tiles.rows_cols_outputs(m, 256, E4M3, x.device), E4M3, False)
+    else:
+        fresh = gluon_tiles.TokenCountLaunch(swiglu_cols_gluon._swiglu_backward_cols_kernel)
+        monkeypatch.setattr(swiglu_cols_gluon, "_LAUNCH", fresh)
+
+        def call(m):
+            gu, da = torch.randn(m, 512).to(torch.bfloat16), torch.randn(m, 256).to(torch.bfloat16)
+            qt, st = tiles.rows_cols_outputs(m, 512, E5M2, gu.device)[2:]
+            at, ats = tiles.rows_cols_outputs(m, 256, E4M3, gu.device)[2:]
+            swiglu_cols_gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, E5M2, False)
+    specialized, twin = fresh._launches
+    assert twin.kernel.fn is specialized.kernel.fn is fresh.kernel.fn
+    assert [p.do_not_specialize for p in twin.kernel.params if p.name == "M"] == [True]
+    assert [p.do_not_specialize for p in specialized.kernel.params if p.name == "M"] == [False]
+    call(1)
+    assert (len(specialized._compiled), len(twin._compiled)) == (0, 1)
+    ((compiled, _, _),) = twin._compiled.values()
+    assert compiled.src.signature["M"] != "constexpr"  # M = 1 stays a runtime value
+    call(2)
+    call(1)
+    assert (len(specialized._compiled), len(twin._compiled)) == (1, 1)
+    ((compiled, _, _),) = specialized._compiled.values()
+    assert compiled.src.signature["M"] != "constexpr"
+    assert len(recording.launches) == 3
 
 
 @pytest.mark.parametrize("hooks", [True, False], ids=["launch hook", "no hook"])

@@ -363,7 +363,7 @@ def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_eac
     """SM90 runs SwiGLU backward's column outputs through the Gluon kernel (`swiglu_cols_gluon`), other GPUs
     through the Triton one: every layout of the Gluon kernel must write the Triton kernel's bytes (values and
     scales, the padding rows past M included), with power-of-two scales, E5M2 gradients, outliers and a nan; also
-    for one and two tokens (one token: the case `gluon_tiles.NOT_SPECIALIZED` guards)."""
+    for one and two tokens (one token: the twin of `gluon_tiles.TokenCountLaunch`)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.swiglu_cols_gluon")
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon column kernel runs on SM90 only")
@@ -398,7 +398,7 @@ def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, 
     (`rows_cols_gluon`), other GPUs through the Triton one: the same bytes (values and scales, x^T's padding rows
     included), with E4M3 and E5M2, power-of-two scales, outliers, a nan, a partial last token block and (gathering)
     zero rows, however the divisions are shared out, and for one and two tokens (one token is what ptxas
-    miscompiled when M was compiled in: `gluon_tiles.NOT_SPECIALIZED`). Both (norm, gather): the MoE combine's
+    miscompiled when M was compiled in: `gluon_tiles.TokenCountLaunch`). Both (norm, gather): the MoE combine's
     gradient, factors per gathered row as the inverse RMS and ones as the weight
     (`gather_scale_quantize_rows_cols`)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.rows_cols_gluon")
@@ -439,7 +439,7 @@ def test_the_gluon_rope_backward_kernel_gives_the_triton_kernels_bits(tokens_eac
     (`rows_cols_gluon.launch_rope_backward`), other GPUs as the Triton one: the same bytes, values and scales, x^T's
     padding included, in both thread layouts, with a partial last tile (masked loads) and whole ones (unmasked),
     heads of 128 and 64, sequences shorter than the rows (positions wrapping), outliers and a nan, and one token
-    (the case `gluon_tiles.NOT_SPECIALIZED` guards)."""
+    (the twin of `gluon_tiles.TokenCountLaunch`)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.rows_cols_gluon")
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon RoPE backward kernel runs on SM90 only")

@@ -147,23 +147,47 @@ def _sass_instructions(sass: str) -> int:
 def _packs_one_register_twice(sass: str) -> list:
     """The FP8 pair conversions whose two sources are one register: ptxas 12.8 emits them where it proved two
     consecutive tokens equal (M compiled in as 1, the padding rows known zeros) and merged such pairs with a half
-    register nothing wrote (`gluon_tiles.NOT_SPECIALIZED`). With M a runtime value no two products are provably
+    register nothing wrote (`gluon_tiles.TokenCountLaunch`). With M a runtime value no two products are provably
     equal, so none should appear."""
     return re.findall(r"F2FP\S*\s+R\d+, (R\d+), \1,", sass)
 
 
-def test_the_kernels_converting_columns_tokens_first_never_compile_the_token_count_in():
-    """Triton's JIT compiles an integer argument equal to 1 in as a constant; with M = 1 ptxas 12.8 miscompiled
-    the row + column quantizer's transposed padding on an H200 (garbage bytes past the one token). Every Gluon
-    kernel that converts its column tiles tokens first keeps M a runtime value."""
-    from megafp8.precision.kernels import gluon_tiles, rows_cols_gluon as r, swiglu_cols_gluon as g
+def _rows_cols_compiled(norm: bool, gather: bool, one_token: bool = False):
+    """The row + column quantizer compiled for sm_90 as its launches specialize it (M = 1 compiled in where
+    `one_token`, as Triton's JIT would without `TokenCountLaunch`'s twin)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from megafp8.precision.kernels import rows_cols_gluon as r
 
-    assert gluon_tiles.NOT_SPECIALIZED == ("M",)
-    kernels = (r._quantize_rows_cols_gluon_kernel, r._rmsnorm_quantize_gluon_kernel,
-               r._rope_backward_quantize_gluon_kernel, g._swiglu_backward_cols_kernel)
-    for kernel in kernels:
-        (m,) = [p for p in kernel.params if p.name == "M"]
-        assert m.do_not_specialize, kernel.fn.__name__
+    signature = {"x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*bf16", "idx_ptr": "*i64", "q_ptr": "*fp8e4nv",
+                 "s_ptr": "*fp32", "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32"}
+    signature.update({name: "i32" for name in ("M", "stride_xm", "stride_qm", "stride_sm", "stride_sk", "stride_qt",
+                                               "stride_st_k", "stride_st_m")})
+    load, store_t, rows, cols = r.tile_layouts()
+    constants = dict(FP8_MAX=448.0, POW2=False, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows,
+                     COLS=cols, stride_sm=1, stride_st_k=1, **(dict(M=1) if one_token else {}))
+    signature.update({name: "constexpr" for name in constants})
+    names = list(signature)
+    aligned = ["x_ptr", "rstd_ptr", "w_ptr", "idx_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "stride_xm",
+               "stride_qm", "stride_sk", "stride_qt", "stride_st_m"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the launch specializes them
+    return triton.compile(GluonASTSource(r.kernel_for(norm), signature, constexprs=constants, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": r.WARPS})
+
+
+def test_one_token_runs_through_a_twin_because_ptxas_miscompiles_the_token_count_compiled_in():
+    """Triton's JIT compiles an integer argument equal to 1 in as a constant; with M = 1 ptxas 12.8 packs pairs
+    of the transposed padding with a register half nothing wrote (garbage bytes past the one token on an H200).
+    Every Gluon kernel that converts its column tiles tokens first launches through `TokenCountLaunch`, whose twin
+    keeps M a runtime value. Should a later ptxas stop emitting those pairs for M = 1, the twin can go."""
+    from megafp8.precision.kernels import rows_cols_gluon as r, swiglu_cols_gluon as g
+
+    for launch in (*r._LAUNCHES.values(), r._ROPE_LAUNCH, g._LAUNCH):
+        assert launch.one_token_kernel.fn is launch.kernel.fn
+        for kernel, runtime in ((launch.kernel, False), (launch.one_token_kernel, True)):
+            assert [p.do_not_specialize for p in kernel.params if p.name == "M"] == [runtime], kernel.fn.__name__
+    assert _packs_one_register_twice(_ptxas_and_sass(_rows_cols_compiled(False, False, True).asm["ptx"])[1])
 
 
 @pytest.mark.parametrize("warps", [4, 8])
@@ -219,25 +243,9 @@ def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(no
     55-66% of copy speed: compiled for SM90 it must stay under 16 (12.3 plain, 14.8 with the norm, 13.4 gathering
     rows for the MoE dispatch), not spill, read 16-byte row segments and write 8-byte FP8 row runs and 16-byte
     transposed runs."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     from megafp8.precision.kernels import rows_cols_gluon as r
 
-    signature = {"x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*bf16", "idx_ptr": "*i64", "q_ptr": "*fp8e4nv",
-                 "s_ptr": "*fp32", "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32"}
-    signature.update({name: "i32" for name in ("M", "stride_xm", "stride_qm", "stride_sm", "stride_sk", "stride_qt",
-                                               "stride_st_k", "stride_st_m")})
-    load, store_t, rows, cols = r.tile_layouts()
-    constants = dict(FP8_MAX=448.0, POW2=False, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows,
-                     COLS=cols, stride_sm=1, stride_st_k=1)
-    signature.update({name: "constexpr" for name in constants})
-    names = list(signature)
-    aligned = ["x_ptr", "rstd_ptr", "w_ptr", "idx_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "stride_xm",
-               "stride_qm", "stride_sk", "stride_qt", "stride_st_m"]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # as the launch specializes them
-    compiled = triton.compile(GluonASTSource(r.kernel_for(norm), signature, constexprs=constants, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": r.WARPS})
+    compiled = _rows_cols_compiled(norm, gather)
     ptx = compiled.asm["ptx"]
     assert set(re.findall(r"ld\.global\.v\S+", ptx)) == {"ld.global.v4.b32"}
     assert {"st.global.v2.b32", "st.global.v4.b32"} <= set(re.findall(r"st\.global\.\S+", ptx))

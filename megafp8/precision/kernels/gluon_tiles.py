@@ -13,16 +13,34 @@ from triton.experimental.gluon.language import DistributedLinearLayout  # a Gluo
 from triton.language import PropagateNan
 
 from megafp8.precision.formats import MIN_AMAX
+from megafp8.precision.kernels.launch import FastLaunch
 
 _MIN_AMAX = gl.constexpr(MIN_AMAX)
 _NAN_PROPAGATES = gl.constexpr(PropagateNan.ALL)
 TOKENS = gl.constexpr(128)  # a 1x128 tile along the tokens
-# The token count is never compiled in as a constant (Triton's JIT makes an integer argument equal to 1 one): with
-# M = 1 every padding row of a tile is a known zero, two consecutive tokens' products 0 * inv the same value, and
-# ptxas 12.8 (Triton 3.6's) then packs such pairs (`F2FP...PACK_AB_MERGE_C`, both sources one register) with the
-# upper half of a register nothing wrote: garbage bytes in x^T's padding, seen on an H200 (docs/benchmarks.md,
-# thirty-first session). The kernels that convert their column tiles tokens first name it in `do_not_specialize`.
+# One token is never compiled in as a constant (Triton's JIT makes an integer argument equal to 1 one): with M = 1
+# every padding row of a tile is a known zero, two consecutive tokens' products 0 * inv the same value, and ptxas
+# 12.8 (Triton 3.6's) then packs such pairs (`F2FP...PACK_AB_MERGE_C`, both sources one register) with the upper
+# half of a register nothing wrote: garbage bytes in x^T's padding, seen on an H200 (docs/benchmarks.md, thirty-first
+# session). Other token counts keep Triton's specialization (divisibility by 16 lets the transposed stores use wide
+# runs): `TokenCountLaunch` sends M = 1 to a twin of the kernel that takes M as a runtime value.
 NOT_SPECIALIZED = ("M",)
+
+
+class TokenCountLaunch:
+    """`FastLaunch` of a kernel that converts its column tiles tokens first and takes the token count as its
+    runtime argument `M`: M specialized as Triton's JIT does, except M = 1, launched through a twin of the kernel
+    compiled with M a runtime value (`NOT_SPECIALIZED`). Same interface as `FastLaunch`."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.one_token_kernel = gluon.jit(do_not_specialize=NOT_SPECIALIZED)(kernel.fn)
+        self._m_position = kernel.arg_names.index("M")
+        self._launches = (FastLaunch(kernel), FastLaunch(self.one_token_kernel))
+
+    def launch(self, grid: tuple, args: tuple, constexprs: dict) -> None:
+        """`FastLaunch.launch`, through the twin where M (among `args`) is 1."""
+        self._launches[args[self._m_position] == 1].launch(grid, args, constexprs)
 
 
 @gluon.jit

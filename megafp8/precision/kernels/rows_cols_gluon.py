@@ -18,7 +18,8 @@ needs 12.3 (14.8 with RMSNorm, 13.4 gathering; `tests/test_ws_gemm_compiles.py` 
   column tile moves into the tokens-first layout while still FP32 (a renaming of each thread's registers), so that
   each paired FP8 conversion packs two consecutive tokens as the transposed store wants them, with no byte
   shuffling after it (14.6 -> 12.3 per element, 9-18% less device time: docs/benchmarks.md, thirty-first
-  session). M stays a runtime value (`gluon_tiles.NOT_SPECIALIZED`).
+  session). One token runs through a twin
+  compiled with M a runtime value (`gluon_tiles.TokenCountLaunch`).
 
 RoPE's backward tiles are the same quantization after a rotation in FP32 that reads each element's partner (half a
 head away) a second time and two table entries: 26.8 instructions per element (31.1 where the last tile is partial
@@ -36,8 +37,6 @@ from triton.experimental.gluon.language import DistributedLinearLayout
 
 from megafp8.precision.formats import Fp8Format
 from megafp8.precision.kernels import gluon_tiles
-from megafp8.precision.kernels.gluon_tiles import NOT_SPECIALIZED
-from megafp8.precision.kernels.launch import FastLaunch
 
 WARPS = 4
 TOKENS_PER_THREAD = 16
@@ -128,7 +127,7 @@ def _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, strid
 
 # Two entry points around the same tile, so that a profile tells the RMSNorm producer's launches from the standalone
 # quantizer's by the kernel's name (`benchmarks/kernel_breakdown.py` sorts them into those categories).
-@gluon.jit(do_not_specialize=NOT_SPECIALIZED)
+@gluon.jit
 def _quantize_rows_cols_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm,
                                      stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
                                      FP8_MAX: gl.constexpr, POW2: gl.constexpr, NORM: gl.constexpr,
@@ -139,7 +138,7 @@ def _quantize_rows_cols_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_p
                     COLS)
 
 
-@gluon.jit(do_not_specialize=NOT_SPECIALIZED)
+@gluon.jit
 def _rmsnorm_quantize_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm,
                                    stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
                                    FP8_MAX: gl.constexpr, POW2: gl.constexpr, NORM: gl.constexpr,
@@ -199,7 +198,7 @@ def _rope_backward_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, cols, kb
     return x
 
 
-@gluon.jit(do_not_specialize=NOT_SPECIALIZED)
+@gluon.jit
 def _rope_backward_quantize_gluon_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M,
                                          NQ, NK, seq_len, stride_dq, stride_dk, stride_dv, stride_cos, stride_sin,
                                          stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
@@ -224,8 +223,8 @@ def kernel_for(norm: bool):
 
 
 # Triton's JIT once per static signature, then the compiled kernels (`launch.FastLaunch`)
-_LAUNCHES = MappingProxyType({norm: FastLaunch(kernel_for(norm)) for norm in (False, True)})
-_ROPE_LAUNCH = FastLaunch(_rope_backward_quantize_gluon_kernel)
+_LAUNCHES = MappingProxyType({norm: gluon_tiles.TokenCountLaunch(kernel_for(norm)) for norm in (False, True)})
+_ROPE_LAUNCH = gluon_tiles.TokenCountLaunch(_rope_backward_quantize_gluon_kernel)
 
 
 def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | None, out: tuple, fmt: Fp8Format,

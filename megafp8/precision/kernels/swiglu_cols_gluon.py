@@ -32,13 +32,12 @@ from triton.experimental.gluon import language as gl
 
 from megafp8.precision.formats import Fp8Format
 from megafp8.precision.kernels import gluon_tiles
-from megafp8.precision.kernels.launch import FastLaunch
 
 TOKENS_PER_THREAD = 8  # 16 lanes along the tokens: 4 shuffle rounds per column max, 8-byte column runs
 FEATURES_PER_THREAD = 4  # x 2 lanes: a warp's 8 features are a 16-byte row segment
 
 
-@gluon.jit(do_not_specialize=gluon_tiles.NOT_SPECIALIZED)
+@gluon.jit
 def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr, M, F, stride_gm, stride_dm,
                                  stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k, stride_ats_m,
                                  GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
@@ -77,7 +76,8 @@ def exp_neg(x):
                                      is_pure=True, pack=1)
 
 
-_LAUNCH = FastLaunch(_swiglu_backward_cols_kernel)  # Triton's JIT once per static signature, then the compiled kernel
+# Triton's JIT once per static signature, then the compiled kernel; one token through a twin (`TokenCountLaunch`)
+_LAUNCH = gluon_tiles.TokenCountLaunch(_swiglu_backward_cols_kernel)
 
 
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
