@@ -93,7 +93,7 @@ def recording(monkeypatch):
                    rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel,
                    quantize._quantize_weight_kernel, producers._rms_inverse_kernel,
                    swiglu_cols_gluon._swiglu_backward_cols_kernel, *_one_token_twins(), *_permutation_kernels(),
-                   *_loss_kernels()):
+                   *_loss_kernels(), _routing_kernel()):
         monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
     return fake
 
@@ -107,6 +107,11 @@ def _one_token_twins() -> tuple:
 def _permutation_kernels() -> tuple:
     from megafp8.parallel import permute_kernels as pk
     return pk._gather_sum_kernel, pk._combine_kernel, pk._combine_backward_kernel
+
+
+def _routing_kernel():
+    from megafp8.parallel import routing_kernels
+    return routing_kernels._group_limited_topk_kernel
 
 
 def _loss_kernels() -> tuple:
@@ -359,6 +364,18 @@ def test_the_fast_path_launches_the_moe_permutation_kernels_as_the_jit_path_does
     fast, jit = _fast_and_jit(recording, *_attribute(pk, name), call)
     # Each call allocates its outputs, which may sit at different addresses on the two paths: tensors are compared
     # by which kept operand they are, "fresh" for the outputs.
+    assert len(fast) == 1 and _by_operand(fast) == _by_operand(jit)
+
+
+def test_the_fast_path_launches_the_routing_kernel_as_the_jit_path_does(recording, monkeypatch):
+    """The router's group-limited top-k (`megafp8.parallel.routing_kernels`): a partial last block of tokens."""
+    from megafp8.parallel import routing_kernels as rk
+    monkeypatch.setattr(rk, "_LAUNCH", rk._LAUNCH)
+
+    def call(seed):
+        (choice,) = _operands(seed, ((100, 64), torch.float32))
+        rk.group_limited_topk(choice, 8, 4, 8)
+    fast, jit = _fast_and_jit(recording, *_attribute(rk, "_LAUNCH"), call)
     assert len(fast) == 1 and _by_operand(fast) == _by_operand(jit)
 
 

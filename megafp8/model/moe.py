@@ -30,6 +30,7 @@ from megafp8.parallel.experts import ExpertLinear, combine, count_per_expert, di
 from megafp8.parallel.permute import (
     RowSource, combine_rows, combine_weights_grad, eager_gather_rows, gather_rows, gather_sum,
 )
+from megafp8.parallel.routing import group_limited_topk
 from megafp8.precision import PrecisionRecipe
 from megafp8.precision.grouped import (
     CombinedOutput, ExpertProjection, GatheredInput, expert_rows, grouped_fp8_swiglu_mlp, padded_source_index,
@@ -56,16 +57,8 @@ class Router(nn.Module):
         return logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
-        """(N, E) scores -> (N, k) chosen experts (bias-steered, group-limited)."""
-        choice = scores.detach() + self.expert_bias
-        if self.n_group > 1:
-            grouped = choice.view(choice.shape[0], self.n_group, -1)  # (N, groups, experts per group)
-            best = min(2, grouped.shape[-1])
-            group_score = grouped.topk(best, dim=-1).values.sum(dim=-1)  # (N, groups)
-            keep = group_score.topk(self.topk_group, dim=-1).indices
-            mask = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
-            choice = grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).view_as(choice)
-        return choice.topk(self.top_k, dim=-1).indices
+        """(N, E) scores -> (N, k) chosen experts (bias-steered, group-limited: `routing.group_limited_topk`)."""
+        return group_limited_topk(scores.detach() + self.expert_bias, self.n_group, self.topk_group, self.top_k)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, hidden) -> (weights (N, k) FP32, chosen experts (N, k), scores (N, E) FP32)."""
