@@ -130,7 +130,8 @@ def test_the_kernel_chooses_as_its_twin_in_the_interpreter(tmp_path):
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
 def test_the_kernel_on_the_gpu_chooses_as_its_twin(case):
     """On CUDA the router runs the kernel: the twin's choice on 16k tokens of sigmoid scores plus a bias (as the
-    router makes them), also under torch.compile."""
+    router makes them), also under torch.compile. Where a token's scores tie, `torch.topk` may order the equal
+    experts otherwise: there the chosen scores must still be the twin's, best first."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     e, n_group, topk_group, top_k = case
@@ -138,6 +139,8 @@ def test_the_kernel_on_the_gpu_chooses_as_its_twin(case):
     choice = torch.randn(16384, e, device="cuda", generator=g).sigmoid() + torch.randn(e, device="cuda") * 1e-3
     assert kernel_fits(choice, n_group)
     want = group_limited_topk_reference(choice, n_group, topk_group, top_k)
-    assert torch.equal(group_limited_topk(choice, n_group, topk_group, top_k), want)
     compiled = torch.compile(lambda c: group_limited_topk(c + 0.0, n_group, topk_group, top_k), fullgraph=True)
-    assert torch.equal(compiled(choice), want)
+    for got in (group_limited_topk(choice, n_group, topk_group, top_k), compiled(choice)):
+        differing = (got != want).any(dim=1)
+        assert differing.sum() <= 16, int(differing.sum())  # ties are rare in these scores
+        assert torch.equal(choice[differing].gather(1, got[differing]), choice[differing].gather(1, want[differing]))
