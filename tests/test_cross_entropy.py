@@ -99,17 +99,17 @@ def test_the_kernels_run_only_where_triton_supports_the_gpu(monkeypatch):
     """Compute capability 8.0 and up with Triton installed: the kernels; the FP16 recipe's V100s and T4s, ROCm, or
     no Triton: the twins."""
     import importlib.util
-    from megafp8.parallel import cross_entropy as ce
+    from megafp8.parallel import triton_support
     cuda = torch.device("cuda", 0)
     cases = [((9, 0), None, True, True), ((8, 0), None, True, True), ((7, 5), None, True, False),
              ((7, 0), None, True, False), ((9, 0), "6.2", True, False), ((9, 0), None, False, False)]
     for capability, hip, has_triton, expected in cases:
-        ce._triton_runs_on.cache_clear()
+        triton_support.triton_runs_on.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         monkeypatch.setattr(torch.version, "hip", hip)
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, t=has_triton: object() if t else None)
-        assert ce._triton_runs_on(cuda) is expected, (capability, hip, has_triton)
-    ce._triton_runs_on.cache_clear()
+        assert triton_support.triton_runs_on(cuda) is expected, (capability, hip, has_triton)
+    triton_support.triton_runs_on.cache_clear()
 
 
 INTERPRETED = r'''

@@ -47,7 +47,7 @@ def test_the_kernel_takes_only_the_shapes_it_is_written_for(monkeypatch):
     """Powers of two of experts (up to 1024) in groups of a power of two, FP32 with unit column stride, on CUDA:
     anything else runs the twin."""
     from megafp8.parallel import routing
-    monkeypatch.setattr(routing, "_triton_runs_on", lambda device: True)
+    monkeypatch.setattr(routing, "triton_runs_on", lambda device: True)
 
     class _Cuda:  # the attributes kernel_fits reads, of a CUDA tensor
         def __init__(self, shape, dtype=torch.float32, column_stride=1, cuda=True):

@@ -21,30 +21,20 @@ kernels differ from the twins only in summation order and in the exponential's l
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megafp8.parallel.dims import TensorParallel
+from megafp8.parallel.triton_support import triton_runs_on
 
 IGNORE_INDEX = -100  # a target that contributes no loss (e.g. beyond the end of a sample for MTP)
 _TWIN_ROWS = 1024  # rows per chunk of the pure-torch twins (bounds their FP32 temporaries)
 
 
 def _use_triton(logits: torch.Tensor) -> bool:
-    return logits.is_cuda and _triton_runs_on(logits.device)
-
-
-@functools.cache  # asked at every loss
-def _triton_runs_on(device: torch.device) -> bool:
-    """The kernels on CUDA GPUs of compute capability 8.0 and up, the range our Triton kernels are tested on, as the
-    fused optimizer update (the FP16 recipe's V100s and T4s run the twins); not on ROCm; only with Triton
-    installed."""
-    return (torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
-            and importlib.util.find_spec("triton") is not None)
+    return logits.is_cuda and triton_runs_on(logits.device)
 
 
 def row_stats_reference(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,10 +11,9 @@ nan counting as the largest score (as `torch.topk` ranks it).
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
+
+from megafp8.parallel.triton_support import triton_runs_on
 
 MAX_KERNEL_EXPERTS = 1024  # the kernel holds a token's scores in registers
 
@@ -33,19 +32,11 @@ def group_limited_topk_reference(choice: torch.Tensor, n_group: int, topk_group:
 
 def kernel_fits(choice: torch.Tensor, n_group: int) -> bool:
     """Whether the Triton kernel takes these scores: CUDA FP32 with unit column stride on a GPU it runs on, a power
-    of two of experts (up to `MAX_KERNEL_EXPERTS`) in groups of a power of two."""
+    of two of experts (up to `MAX_KERNEL_EXPERTS`) in groups of a power of two (`triton_support`)."""
     e = choice.shape[-1]
     return (choice.is_cuda and choice.dtype == torch.float32 and choice.dim() == 2 and choice.stride(-1) == 1
             and 0 < e <= MAX_KERNEL_EXPERTS and e & (e - 1) == 0 and e % n_group == 0
-            and (e // n_group) & (e // n_group - 1) == 0 and _triton_runs_on(choice.device))
-
-
-@functools.cache  # asked at every routing
-def _triton_runs_on(device: torch.device) -> bool:
-    """CUDA GPUs of compute capability 8.0 and up (the range our Triton kernels are tested on), not ROCm, with
-    Triton installed."""
-    return (torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
-            and importlib.util.find_spec("triton") is not None)
+            and (e // n_group) & (e // n_group - 1) == 0 and triton_runs_on(choice.device))
 
 
 @torch.library.custom_op("megafp8::group_limited_topk", mutates_args=())
