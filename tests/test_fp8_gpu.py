@@ -414,7 +414,9 @@ def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, 
     weight = (torch.rand(k, device=CUDA) + 0.5).bfloat16() if norm else None
     index = (torch.randperm(600, device=CUDA) % (m + 100) - 100) if gather else None  # rows of x, zero rows
     if gather:
-        index = index[:m] if m < 128 else index  # as few gathered rows as x has tokens
+        # as few gathered rows as x has tokens: one token gathers x's row 0 (the nan's row); two tokens gather
+        # row 1 (the nan's) and a zero row
+        index = torch.tensor([m - 1, -1], device=CUDA)[:m] if m < 128 else index
         m = index.shape[0]
     if norm and gather:  # a factor per gathered row (some zero), ones as the weight
         rstd = torch.rand(m, device=CUDA) * (torch.arange(m, device=CUDA) % 7 != 0)

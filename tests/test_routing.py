@@ -35,6 +35,7 @@ def _by_definition(choice: torch.Tensor, n_group: int, topk_group: int, top_k: i
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
 def test_the_twin_chooses_as_the_definition_says(case):
     e, n_group, topk_group, top_k = case
+    assert group_limited_topk_reference(torch.empty(0, e), n_group, topk_group, top_k).shape == (0, top_k)
     choice = torch.rand(40, e, generator=torch.Generator().manual_seed(e + n_group))
     torch.testing.assert_close(group_limited_topk_reference(choice, n_group, topk_group, top_k),
                                _by_definition(choice, n_group, topk_group, top_k), rtol=0, atol=0)
@@ -108,6 +109,9 @@ assert torch.equal(group_limited_topk_reference(odd[:1], n_group, topk_group, to
 for row in chosen.tolist():
     assert len(set(row)) == top_k and all(0 <= c < e for c in row), row
 assert chosen[2, 0].item() == 5  # +0.0 above -0.0
+# a real -inf in a kept group ranks above the experts of dropped groups
+minus_inf = torch.tensor([[1.0, 1.0, 1.0, 1.0, 5.0, 4.0, float("-inf"), 3.0]])  # group 0 dropped
+assert k.group_limited_topk(minus_inf, 2, 1, 4).tolist() == [[4, 5, 7, 6]]
 assert k.group_limited_topk(torch.empty(0, e), n_group, topk_group, top_k).shape == (0, top_k)
 print("ok")
 '''
@@ -136,7 +140,8 @@ def test_the_kernel_on_the_gpu_chooses_as_its_twin(case):
         pytest.skip("needs CUDA")
     e, n_group, topk_group, top_k = case
     g = torch.Generator(device="cuda").manual_seed(e)
-    choice = torch.randn(16384, e, device="cuda", generator=g).sigmoid() + torch.randn(e, device="cuda") * 1e-3
+    choice = (torch.randn(16384, e, device="cuda", generator=g).sigmoid()
+              + torch.randn(e, device="cuda", generator=g) * 1e-3)
     assert kernel_fits(choice, n_group)
     want = group_limited_topk_reference(choice, n_group, topk_group, top_k)
     compiled = torch.compile(lambda c: group_limited_topk(c + 0.0, n_group, topk_group, top_k), fullgraph=True)

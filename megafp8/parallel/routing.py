@@ -5,9 +5,10 @@ consecutive experts scores the sum of its two best (its best where a group holds
 `topk_group` best groups, and its `top_k` best experts among those groups' are chosen, best first. The pure-torch
 definition is `group_limited_topk_reference` (three `torch.topk` calls and the masking between them); on CUDA
 GPUs of compute capability 8.0 and up one Triton kernel (`routing_kernels`) makes the same choice in one pass. The
-two agree wherever the scores have no ties; on a tie the kernel takes the lower expert (or group) index, while
-`torch.topk` leaves the order of equal values unspecified. Either way a token's experts are distinct and in range,
-nan counting as the largest score (as `torch.topk` ranks it).
+two agree wherever the scores have no ties; between equal scores the kernel takes the lower expert (or group) index
+(+0.0 counting above -0.0), while `torch.topk` leaves the order of equal values unspecified, and the kernel ranks an
+expert of a dropped group below every score, -inf included, where the twin's -inf fill ties with a real -inf. Either
+way a token's experts are distinct and in range, nan counting as the largest score (as `torch.topk` ranks it).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ MAX_KERNEL_EXPERTS = 1024  # the kernel holds a token's scores in registers
 def group_limited_topk_reference(choice: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> torch.Tensor:
     """(N, E) scores -> (N, top_k) chosen experts (int64, best first), group-limited where n_group > 1."""
     if n_group > 1:
-        grouped = choice.view(choice.shape[0], n_group, -1)  # (N, groups, experts per group)
+        grouped = choice.view(choice.shape[0], n_group, choice.shape[1] // n_group)  # (N, groups, experts each)
         best = min(2, grouped.shape[-1])
         group_score = grouped.topk(best, dim=-1).values.sum(dim=-1)  # (N, groups)
         keep = group_score.topk(topk_group, dim=-1).indices
