@@ -18,8 +18,7 @@ needs 12.3 (14.8 with RMSNorm, 13.4 gathering; `tests/test_ws_gemm_compiles.py` 
   column tile moves into the tokens-first layout while still FP32 (a renaming of each thread's registers), so that
   each paired FP8 conversion packs two consecutive tokens as the transposed store wants them, with no byte
   shuffling after it (14.6 -> 12.3 per element, 9-18% less device time: docs/benchmarks.md, thirty-first
-  session). One token runs through a twin
-  compiled with M a runtime value (`gluon_tiles.TokenCountLaunch`).
+  session). One token runs through a twin compiled with M a runtime value (`gluon_tiles.TokenCountLaunch`).
 
 RoPE's backward tiles are the same quantization after a rotation in FP32 that reads each element's partner (half a
 head away) a second time and two table entries: 26.8 instructions per element (31.1 where the last tile is partial
