@@ -252,10 +252,7 @@ def test_one_token_launches_the_twin_that_keeps_the_token_count_at_runtime(recor
             qt, st = tiles.rows_cols_outputs(m, 512, E5M2, gu.device)[2:]
             at, ats = tiles.rows_cols_outputs(m, 256, E4M3, gu.device)[2:]
             swiglu_cols_gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, E5M2, False)
-    specialized, twin = fresh._launches
-    assert twin.kernel.fn is specialized.kernel.fn is fresh.kernel.fn
-    assert [p.do_not_specialize for p in twin.kernel.params if p.name == "M"] == [True]
-    assert [p.do_not_specialize for p in specialized.kernel.params if p.name == "M"] == [False]
+    specialized, twin = fresh._launches  # (the twins' flags: tests/test_ws_gemm_compiles.py)
     call(1)
     assert (len(specialized._compiled), len(twin._compiled)) == (0, 1)
     ((compiled, _, _),) = twin._compiled.values()
