@@ -109,9 +109,9 @@ assert torch.equal(group_limited_topk_reference(odd[:1], n_group, topk_group, to
 for row in chosen.tolist():
     assert len(set(row)) == top_k and all(0 <= c < e for c in row), row
 assert chosen[2, 0].item() == 5  # +0.0 above -0.0
-# a dropped group's experts count as -inf, as in the twin: the lower column among equal -infs
+# a real -inf in a kept group ranks above the experts of dropped groups
 minus_inf = torch.tensor([[1.0, 1.0, 1.0, 1.0, 5.0, 4.0, float("-inf"), 3.0]])  # group 0 dropped
-assert k.group_limited_topk(minus_inf, 2, 1, 4).tolist() == [[4, 5, 7, 0]]
+assert k.group_limited_topk(minus_inf, 2, 1, 4).tolist() == [[4, 5, 7, 6]]
 assert k.group_limited_topk(torch.empty(0, e), n_group, topk_group, top_k).shape == (0, top_k)
 print("ok")
 '''

@@ -6,9 +6,9 @@ consecutive experts scores the sum of its two best (its best where a group holds
 definition is `group_limited_topk_reference` (three `torch.topk` calls and the masking between them); on CUDA
 GPUs of compute capability 8.0 and up one Triton kernel (`routing_kernels`) makes the same choice in one pass. The
 two agree wherever the scores have no ties; between equal scores the kernel takes the lower expert (or group) index
-(+0.0 counting above -0.0; a dropped group's experts count as -inf, as in the twin), while `torch.topk` leaves the
-order of equal values unspecified. Either way a token's experts are distinct and in range, nan counting as the
-largest score (as `torch.topk` ranks it).
+(+0.0 counting above -0.0), while `torch.topk` leaves the order of equal values unspecified, and the kernel ranks an
+expert of a dropped group below every score, -inf included, where the twin's -inf fill ties with a real -inf. Either
+way a token's experts are distinct and in range, nan counting as the largest score (as `torch.topk` ranks it).
 """
 from __future__ import annotations
 

@@ -19,6 +19,9 @@ from megafp8.precision.kernels.launch import FastLaunch
 ELEMENTS_PER_PROGRAM = 2048  # scores a program holds (tokens x experts): 32 tokens of 64 experts, 8 of 256
 WARPS = 4
 _STRUCK = tl.constexpr(-(2 ** 63))  # a chosen expert's or group's integer: below every score's
+# A dropped group's experts: below every score's integer (-inf's is -2**31 + 2**23 - 1 before the shift), above
+# _STRUCK whatever the column, so a real -inf in a kept group still ranks above them and none is struck twice.
+_DROPPED = tl.constexpr((-(2 ** 31) + 1) * 2 ** 32)
 
 
 @triton.jit
@@ -64,9 +67,7 @@ def _group_limited_topk_kernel(s_ptr, out_ptr, N, stride_s, E: tl.constexpr, GRO
             kept = kept | hit
             group_key = tl.where(hit, _STRUCK, group_key)
         kept = tl.reshape(tl.broadcast_to(kept[:, :, None], (BLOCK_T, GROUPS, PER_GROUP)), (BLOCK_T, E))
-        # the other groups' experts as -inf scores, as the twin's masked_fill leaves them
-        minus_inf = (_ordered(tl.full((BLOCK_T, E), float("-inf"), tl.float32)) << 32) | low
-        packed = tl.where(kept, packed, minus_inf)
+        packed = tl.where(kept, packed, _DROPPED | low)  # the other groups' experts below every score
     out = out_ptr + rows.to(tl.int64) * TOP_K
     for k in tl.static_range(TOP_K):
         best = tl.max(packed, axis=1)
