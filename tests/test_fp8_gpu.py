@@ -390,46 +390,6 @@ def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_eac
         assert_same_quantization(got_a, want_a, f"a^T, pow2={pow2}")
 
 
-@pytest.mark.parametrize("m", [328, 256, 1, 2])
-@pytest.mark.parametrize("tokens_each, features_each, warps", [(8, 8, 8), (8, 4, 16)])
-def test_the_one_pass_swiglu_backward_gives_the_two_triton_kernels_bits(tokens_each, features_each, warps, m):
-    """SM90 runs SwiGLU's whole backward quantizer in one Gluon pass (`swiglu_backward_gluon`), other GPUs through
-    the Triton row and column kernels: the same bytes in all five outputs (d(gu) along the features, d(gu)^T, a^T
-    and their scales, the padding rows past M included), with power-of-two scales, E5M2 gradients, outliers and a
-    nan, a partial last token block (masked loads) and a whole one (unmasked), one token (the twin of
-    `gluon_tiles.TokenCountLaunch`) and two."""
-    fused = pytest.importorskip("megafp8.precision.kernels.swiglu_backward_gluon")
-    if torch.cuda.get_device_capability(CUDA) != (9, 0):
-        pytest.skip("the one-pass Gluon kernel runs on SM90 only")
-    from megafp8.precision import E4M3, E5M2
-    from megafp8.precision.kernels import producers, tiles
-    torch.manual_seed(0)
-    f = 384
-    gu = (torch.randn(m, 2 * f, device=CUDA) * torch.logspace(-3, 3, 2 * f, device=CUDA)).bfloat16()
-    da = torch.randn(m, f, device=CUDA, dtype=torch.bfloat16)
-    gu[17 % m, 3] = float("nan")
-    da[(5 * m) // 7, 200] = 3e4  # an outlier in one row tile of d_gate and d_up
-
-    def two_kernels(gu, da, out, at, ats, fmt, grad_fmt, pow2):
-        producers.swiglu_backward_rows(gu, da, *out[:2], grad_fmt, pow2)
-        producers.swiglu_backward_cols(gu, da, *out[2:], at, ats, fmt, grad_fmt, pow2)
-
-    for grad_fmt, pow2 in ((E4M3, False), (E5M2, True)):
-        outputs = []
-        for run in (two_kernels, lambda *a: fused.swiglu_backward(*a, tokens_each=tokens_each,
-                                                                  features_each=features_each, num_warps=warps)):
-            out = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, CUDA)
-            at, ats = tiles.rows_cols_outputs(m, f, E4M3, CUDA)[2:]
-            for t in (out[0], out[2], at):
-                t.view(torch.uint8).fill_(0x55)  # a byte left unwritten shows
-            run(gu, da, out, at, ats, E4M3, grad_fmt, pow2)
-            outputs.append((out[:2], out[2:], (at, ats)))
-        (want_r, want_d, want_a), (got_r, got_d, got_a) = outputs
-        assert_same_quantization(got_r, want_r, f"d(gu), {grad_fmt}, pow2={pow2}")
-        assert_same_quantization(got_d, want_d, f"d(gu)^T, {grad_fmt}, pow2={pow2}")
-        assert_same_quantization(got_a, want_a, f"a^T, pow2={pow2}")
-
-
 @pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("spread_rows, spread_cols, m", [(True, True, 328), (False, True, 328), (False, False, 328),
                                                          (True, True, 1), (True, True, 2)])

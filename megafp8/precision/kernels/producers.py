@@ -156,22 +156,19 @@ def swiglu_quantize(gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tup
 def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
                              power_of_two: bool) -> tuple[torch.Tensor, ...]:
     """gu (M, 2F), da (M, F) -> (dgu_fp8 (M, 2F), scales, dgut_fp8 (2F, M_pad), scales_t) in `grad_fmt`, and
-    (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`. Two Triton kernels, the rows, then the
-    columns; on SM90 one Gluon pass writes the same bytes (`swiglu_backward_gluon`)."""
+    (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`. Two kernels: the rows, then the columns (on
+    SM90 the Gluon column kernel, the same bytes in fewer instructions). One kernel reading gu and da once was
+    slower (`docs/benchmarks.md`, twenty-third session: 1.035 against 0.730 ms at the MoE experts' shape)."""
     assert gu.stride(1) == 1 and da.stride(1) == 1, "swiglu_backward_quantize needs row-major inputs"
     m, f = da.shape
     q, s, qt, st = out = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, gu.device)
     at, ats = tiles.rows_cols_outputs(m, f, fmt, gu.device)[2:]
     check_offsets("swiglu_backward_quantize", gu, da, *out, at)
     if m:
-        one_pass = tiles.hopper_gluon(gu.device, "swiglu_backward_gluon")  # the same bytes, gu and da read once
-        if one_pass and f % TILE == 0:
-            one_pass.swiglu_backward(gu, da, out, at, ats, fmt, grad_fmt, power_of_two)
-        else:
-            swiglu_backward_rows(gu, da, q, s, grad_fmt, power_of_two)
-            gluon = tiles.hopper_gluon(gu.device, "swiglu_cols_gluon")  # the same bytes in fewer instructions
-            (gluon.swiglu_backward_cols if gluon else swiglu_backward_cols)(gu, da, qt, st, at, ats, fmt, grad_fmt,
-                                                                            power_of_two)
+        swiglu_backward_rows(gu, da, q, s, grad_fmt, power_of_two)
+        gluon = tiles.hopper_gluon(gu.device, "swiglu_cols_gluon")  # the same bytes in fewer instructions
+        (gluon.swiglu_backward_cols if gluon else swiglu_backward_cols)(gu, da, qt, st, at, ats, fmt, grad_fmt,
+                                                                        power_of_two)
     return (*out, at, ats)
 
 
