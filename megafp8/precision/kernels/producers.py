@@ -158,7 +158,8 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format,
     """gu (M, 2F), da (M, F) -> (dgu_fp8 (M, 2F), scales, dgut_fp8 (2F, M_pad), scales_t) in `grad_fmt`, and
     (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`. Two kernels: the rows, then the columns (on
     SM90 the Gluon column kernel, the same bytes in fewer instructions). One kernel reading gu and da once was
-    slower (`docs/benchmarks.md`, twenty-third session: 1.035 against 0.730 ms at the MoE experts' shape)."""
+    slower, in Triton (`docs/benchmarks.md`, twenty-third session: 1.035 against 0.730 ms at the MoE experts' shape)
+    and in Gluon (job EK: 1.605 against 1.169 ms at the 8B-layer shape; 255 registers a thread, one program an SM)."""
     assert gu.stride(1) == 1 and da.stride(1) == 1, "swiglu_backward_quantize needs row-major inputs"
     m, f = da.shape
     q, s, qt, st = out = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, gu.device)
