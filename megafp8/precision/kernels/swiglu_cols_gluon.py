@@ -42,11 +42,10 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
                                  stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k, stride_ats_m,
                                  GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
                                  BLOCK_N: gl.constexpr, LOAD: gl.constexpr, STORE: gl.constexpr,
-                                 SPREAD: gl.constexpr, MASKED: gl.constexpr):
+                                 SPREAD: gl.constexpr):
     """d(gu)^T and a^T for 128 tokens x BLOCK_N features; rows past M read as zeros (the transposes' padding), as
-    in the Triton column kernel; MASKED where M is not a multiple of 128 (else every row is in range). LOAD and
-    STORE (`block_layouts`) put the same elements in the same threads, each thread's features first (row-segment
-    reads) or its tokens first (column-run writes)."""
+    in the Triton column kernel. LOAD and STORE (`block_layouts`) put the same elements in the same threads, each
+    thread's features first (row-segment reads) or its tokens first (column-run writes)."""
     load: gl.constexpr = LOAD
     store: gl.constexpr = STORE
     block_n: gl.constexpr = BLOCK_N
@@ -55,13 +54,12 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
     cols = gl.program_id(0) * block_n + gl.arange(0, block_n, layout=gl.SliceLayout(0, load))
     in_rows = gl.expand_dims(rows < M, 1)
     gate_ptrs = gu_ptr + gl.expand_dims(rows, 1) * stride_gm + gl.expand_dims(cols, 0)
-    gate = gluon_tiles.load_rows(gate_ptrs, in_rows, MASKED).to(gl.float32)
-    up = gluon_tiles.load_rows(gate_ptrs + F, in_rows, MASKED).to(gl.float32)
+    gate = gl.load(gate_ptrs, mask=in_rows, other=0.0).to(gl.float32)
+    up = gl.load(gate_ptrs + F, mask=in_rows, other=0.0).to(gl.float32)
     s = 1.0 / (1.0 + exp_neg(gate))
     gluon_tiles.store_cols(gate * s * up, cols, mb, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX,
                            POW2, store, SPREAD)
-    da = gluon_tiles.load_rows(da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0), in_rows,
-                               MASKED)
+    da = gl.load(da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0), mask=in_rows, other=0.0)
     da_s = da.to(gl.float32) * s
     gluon_tiles.store_cols(da_s * up * (1.0 + gate * (1.0 - s)), cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k,
                            stride_st_m, GRAD_MAX, POW2, store, SPREAD)
@@ -96,4 +94,4 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
                           st.stride(1), at.stride(0), ats.stride(0), ats.stride(1)),
                    dict(GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, BLOCK_N=block_n, LOAD=load,
                         STORE=store, SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps),
-                        MASKED=m % 128 != 0, num_warps=num_warps))
+                        num_warps=num_warps))
