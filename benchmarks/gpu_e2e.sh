@@ -21,7 +21,8 @@
 # profile_moe_compiled), the MoE GPU tests (tests_moe), the warp-specialized GEMMs' tests (tests_ws; tests_dense_ws:
 # the hopper backend's dense GEMMs on it), the weight
 # gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the
-# wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad; ncu_l2: L2 bandwidth and clusters
+# wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad; ncu_wgrad_forms: both scale forms
+# at one M x N x K; ncu_l2: L2 bandwidth and clusters
 # of the dense fprop, ours against cuBLAS's FP8 and BF16 GEMMs), clocks and power sampled during one GEMM run back to
 # back (clocks_gemm: the fprop and the wgrad), clocks and power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
@@ -261,6 +262,16 @@ for part in $PARTS; do
           --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
           --section WarpStateStats --section SchedulerStats --section Occupancy --section SourceCounters \
           python benchmarks/dense_gemm.py --shapes 28672,4096 --gemms "$gemm" --columns "ws 256" --iters 3
+      done ;;
+    ncu_wgrad_forms)  # Nsight Compute (clocks locked) on the warp-specialized kernel at one M x N x K, 28,672 x 4,096 x
+                      # 16,384, in both scale forms: the 8B-layer gate/up wgrad (1x128 x 1x128, into main_grad) and
+                      # an fprop of the same dimensions (1x128 x 128x128, BF16 out): job CY compared them at
+                      # different K; this separates the per-column scales' cost per K step from the shape's
+      for form in wgrad fprop; do
+        shape="--shapes 28672,4096"; [ "$form" = fprop ] && shape="--tokens 28672 --shapes 4096,16384"
+        step "ncu_wgrad_forms_$form" ncu --kernel-name "regex:_ws_gemm_kernel" --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+          python benchmarks/dense_gemm.py $shape --gemms "$form" --columns "ws 256" --iters 3
       done ;;
     ncu_l2)  # Nsight Compute: how close the dense fprop at the 8B-layer gate/up shape runs to L2's bandwidth (each K
              # step of a 128 x 256 tile reads 48 KB from L2 for 8.4 MFLOP) and whether a kernel runs in clusters:
