@@ -36,8 +36,12 @@ def kernel_fits(choice: torch.Tensor, n_group: int) -> bool:
     of two of experts (up to `MAX_KERNEL_EXPERTS`) in groups of a power of two (`triton_support`)."""
     e = choice.shape[-1]
     return (choice.is_cuda and choice.dtype == torch.float32 and choice.dim() == 2 and choice.stride(-1) == 1
-            and 0 < e <= MAX_KERNEL_EXPERTS and e & (e - 1) == 0 and e % n_group == 0
-            and (e // n_group) & (e // n_group - 1) == 0 and triton_runs_on(choice.device))
+            and e <= MAX_KERNEL_EXPERTS and _power_of_two(e) and e % n_group == 0 and _power_of_two(e // n_group)
+            and triton_runs_on(choice.device))
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 @torch.library.custom_op("megafp8::group_limited_topk", mutates_args=())
