@@ -357,13 +357,14 @@ def test_every_autotuned_configuration_of_every_kernel_gives_the_same_bits():
             kernel.configs, kernel.cache = saved
 
 
-@pytest.mark.parametrize("m", [328, 1, 2])
+@pytest.mark.parametrize("m", [328, 256, 1, 2])
 @pytest.mark.parametrize("tokens_each, features_each, warps", [(8, 4, 4), (4, 8, 4), (8, 4, 8), (16, 2, 4)])
 def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_each, features_each, warps, m):
     """SM90 runs SwiGLU backward's column outputs through the Gluon kernel (`swiglu_cols_gluon`), other GPUs
     through the Triton one: every layout of the Gluon kernel must write the Triton kernel's bytes (values and
     scales, the padding rows past M included), with power-of-two scales, E5M2 gradients, outliers and a nan; also
-    for one and two tokens (one token: the twin of `gluon_tiles.TokenCountLaunch`)."""
+    for one and two tokens (one token: the twin of `gluon_tiles.TokenCountLaunch`) and whole token blocks (256:
+    loads without predicates)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.swiglu_cols_gluon")
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon column kernel runs on SM90 only")
@@ -392,13 +393,14 @@ def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_eac
 
 @pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("spread_rows, spread_cols, m", [(True, True, 328), (False, True, 328), (False, False, 328),
-                                                         (True, True, 1), (True, True, 2)])
+                                                         (True, True, 256), (True, True, 1), (True, True, 2)])
 def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, spread_rows, spread_cols, m):
     """SM90 quantizes dy both ways, RMSNorm's output and the MoE dispatch's gathered rows through the Gluon kernel
     (`rows_cols_gluon`), other GPUs through the Triton one: the same bytes (values and scales, x^T's padding rows
-    included), with E4M3 and E5M2, power-of-two scales, outliers, a nan, a partial last token block and (gathering)
-    zero rows, however the divisions are shared out, and for one and two tokens (one token is what ptxas
-    miscompiled when M was compiled in: `gluon_tiles.TokenCountLaunch`). Both (norm, gather): the MoE combine's
+    included), with E4M3 and E5M2, power-of-two scales, outliers, a nan, a partial last token block, a whole one
+    (256 tokens: loads and row stores without predicates) and (gathering) zero rows, however the divisions are
+    shared out, and for one and two tokens (one token is what ptxas miscompiled when M was compiled in:
+    `gluon_tiles.TokenCountLaunch`). Both (norm, gather): the MoE combine's
     gradient, factors per gathered row as the inverse RMS and ones as the weight
     (`gather_scale_quantize_rows_cols`)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.rows_cols_gluon")

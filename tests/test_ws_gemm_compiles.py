@@ -152,9 +152,9 @@ def _packs_one_register_twice(sass: str) -> list:
     return re.findall(r"F2FP\S*\s+R\d+, (R\d+), \1,", sass)
 
 
-def _rows_cols_compiled(norm: bool, gather: bool, one_token: bool = False):
+def _rows_cols_compiled(norm: bool, gather: bool, one_token: bool = False, masked: bool = True):
     """The row + column quantizer compiled for sm_90 as its launches specialize it (M = 1 compiled in where
-    `one_token`, as Triton's JIT would without `TokenCountLaunch`'s twin)."""
+    `one_token`, as Triton's JIT would without `TokenCountLaunch`'s twin; `masked`: M not a multiple of 128)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -166,7 +166,8 @@ def _rows_cols_compiled(norm: bool, gather: bool, one_token: bool = False):
                                                "stride_st_k", "stride_st_m")})
     load, store_t, rows, cols = r.tile_layouts()
     constants = dict(FP8_MAX=448.0, POW2=False, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows,
-                     COLS=cols, stride_sm=1, stride_st_k=1, **(dict(M=1) if one_token else {}))
+                     COLS=cols, MASKED=masked or one_token,
+                     stride_sm=1, stride_st_k=1, **(dict(M=1) if one_token else {}))
     signature.update({name: "constexpr" for name in constants})
     names = list(signature)
     aligned = ["x_ptr", "rstd_ptr", "w_ptr", "idx_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "stride_xm",
@@ -236,16 +237,18 @@ def test_the_gluon_swiglu_column_kernel_compiles_for_sm90_lean_and_without_spill
     assert 30 < per_element <= 56, f"{instructions} SASS instructions a thread, {per_element:.1f} per element"
 
 
+@pytest.mark.parametrize("masked", [True, False], ids=["partial_last_tile", "whole_tiles"])
 @pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True)])
-def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(norm, gather):
+def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(norm, gather, masked):
     """The row + column quantizer (`rows_cols_gluon`, what SM90 runs for dy, RMSNorm's output and the MoE dispatch)
     exists to issue fewer instructions than the Triton kernel's 23 per element, which is what held that kernel to
     55-66% of copy speed: compiled for SM90 it must stay under 16 (12.3 plain, 14.8 with the norm, 13.4 gathering
-    rows for the MoE dispatch), not spill, read 16-byte row segments and write 8-byte FP8 row runs and 16-byte
-    transposed runs."""
+    rows for the MoE dispatch, with a partial last token block), not spill, read 16-byte row segments and write
+    8-byte FP8 row runs and 16-byte transposed runs. Whole token blocks (M a multiple of 128, what training runs)
+    need no predicates on their loads and row stores: no more instructions than a partial one."""
     from megafp8.precision.kernels import rows_cols_gluon as r
 
-    compiled = _rows_cols_compiled(norm, gather)
+    compiled = _rows_cols_compiled(norm, gather, masked=masked)
     ptx = compiled.asm["ptx"]
     assert set(re.findall(r"ld\.global\.v\S+", ptx)) == {"ld.global.v4.b32"}
     assert {"st.global.v2.b32", "st.global.v4.b32"} <= set(re.findall(r"st\.global\.\S+", ptx))
@@ -255,6 +258,9 @@ def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(no
     assert not _packs_one_register_twice(sass)
     per_element = _sass_instructions(sass) * 32 * r.WARPS / (128 * 128)
     assert 8 < per_element <= 16, f"{per_element:.1f} SASS instructions per element"
+    if not masked:
+        partial = _sass_instructions(_ptxas_and_sass(_rows_cols_compiled(norm, gather).asm["ptx"])[1])
+        assert per_element <= partial * 32 * r.WARPS / (128 * 128), (per_element, partial)
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["whole_tiles", "partial_last_tile"])

@@ -74,7 +74,7 @@ def _scales(amax_sliced, SPREAD: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.c
 def _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm,
                     stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
                     POW2: gl.constexpr, NORM: gl.constexpr, GATHER: gl.constexpr, LOAD: gl.constexpr,
-                    STORE_T: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+                    STORE_T: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr):
     """Tile (kb, mb) of x (M, K): quantized along its rows (q, s) and along its columns (qt = x^T, st; rows past M
     as zeros). With NORM, of RMSNorm(x): (x * rstd[row]) * w[col] in FP32, as the Triton kernel computes it. With
     GATHER, row i is x[idx[i]] (a zero row where idx[i] < 0): the MoE dispatch's gather into the expert layout."""
@@ -88,29 +88,34 @@ def _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_pt
         x = gl.load(x_ptr + gl.expand_dims(src.to(gl.int64), 1) * stride_xm + gl.expand_dims(cols, 0),
                     mask=gl.expand_dims(src >= 0, 1), other=0.0).to(gl.float32)
     else:
-        x = gl.load(x_ptr + gl.expand_dims(rows, 1) * stride_xm + gl.expand_dims(cols, 0),
-                    mask=gl.expand_dims(in_rows, 1), other=0.0).to(gl.float32)
+        x = gluon_tiles.load_rows(x_ptr + gl.expand_dims(rows, 1) * stride_xm + gl.expand_dims(cols, 0),
+                                  gl.expand_dims(in_rows, 1), MASKED).to(gl.float32)
     if NORM:
-        rstd = gl.load(rstd_ptr + rows, mask=in_rows, other=0.0)
+        rstd = gluon_tiles.load_rows(rstd_ptr + rows, in_rows, MASKED)
         x = (x * gl.expand_dims(rstd, 1)) * gl.expand_dims(gl.load(w_ptr + cols).to(gl.float32), 0)
     _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, stride_qm, stride_sm, stride_sk, stride_qt,
-                   stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, ROWS, COLS)
+                   stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, ROWS, COLS, MASKED)
 
 
 @gluon.jit
 def _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, stride_qm, stride_sm, stride_sk, stride_qt,
                    stride_st_k, stride_st_m, FP8_MAX: gl.constexpr, POW2: gl.constexpr, STORE_T: gl.constexpr,
-                   ROWS: gl.constexpr, COLS: gl.constexpr):
+                   ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr):
     """Tile (kb, mb), x (128 tokens `rows`, 128 features `cols`) in FP32, quantized along its rows (q, s) and along
-    its columns (qt = x^T, st; rows past M, which x holds as zeros, fill qt's padding)."""
-    in_rows = rows < M
+    its columns (qt = x^T, st; rows past M, which x holds as zeros, fill qt's padding). Rows are stored below M
+    only where MASKED (M not a multiple of 128; else every row is in range and the stores need no predicate)."""
     # Rows (`tiles.store_rows`): one scale per token over the tile's 128 features.
     row_scale, row_inv = _scales(gl.reduce(gl.abs(x), 1, gluon_tiles.nan_max), ROWS, FP8_MAX, POW2)
     q = (x * gl.expand_dims(row_inv, 1)).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # saturating
-    gl.store(q_ptr + gl.expand_dims(rows, 1) * stride_qm + gl.expand_dims(cols, 0), q,
-             mask=gl.expand_dims(in_rows, 1))
+    q_ptrs = q_ptr + gl.expand_dims(rows, 1) * stride_qm + gl.expand_dims(cols, 0)
     scale_rows = mb * 128 + gl.arange(0, 128, layout=row_scale.type.layout)
-    gl.store(s_ptr + scale_rows * stride_sm + kb * stride_sk, row_scale, mask=scale_rows < M)
+    s_ptrs = s_ptr + scale_rows * stride_sm + kb * stride_sk
+    if MASKED:
+        gl.store(q_ptrs, q, mask=gl.expand_dims(rows < M, 1))
+        gl.store(s_ptrs, row_scale, mask=scale_rows < M)
+    else:
+        gl.store(q_ptrs, q)
+        gl.store(s_ptrs, row_scale)
     # Columns (`tiles.store_cols`): one scale per feature over the tile's 128 tokens, x^T written from registers.
     col_scale, col_inv = _scales(gl.reduce(gl.abs(x), 0, gluon_tiles.nan_max), COLS, FP8_MAX, POW2)
     # Into the layout that lists each thread's tokens first while still FP32 (the same threads: a renaming of
@@ -131,10 +136,10 @@ def _quantize_rows_cols_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_p
                                      stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
                                      FP8_MAX: gl.constexpr, POW2: gl.constexpr, NORM: gl.constexpr,
                                      GATHER: gl.constexpr, LOAD: gl.constexpr, STORE_T: gl.constexpr,
-                                     ROWS: gl.constexpr, COLS: gl.constexpr):
+                                     ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr):
     _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
                     stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, NORM, GATHER, LOAD, STORE_T, ROWS,
-                    COLS)
+                    COLS, MASKED)
 
 
 @gluon.jit
@@ -142,18 +147,10 @@ def _rmsnorm_quantize_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr
                                    stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
                                    FP8_MAX: gl.constexpr, POW2: gl.constexpr, NORM: gl.constexpr,
                                    GATHER: gl.constexpr, LOAD: gl.constexpr, STORE_T: gl.constexpr,
-                                   ROWS: gl.constexpr, COLS: gl.constexpr):
+                                   ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr):
     _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
                     stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, NORM, GATHER, LOAD, STORE_T, ROWS,
-                    COLS)
-
-
-@gluon.jit
-def _load_rows(ptrs, in_rows, MASKED: gl.constexpr):
-    """ptrs' values; with MASKED, zeros where not `in_rows` (nothing is read there)."""
-    if MASKED:
-        return gl.load(ptrs, mask=in_rows, other=0.0)
-    return gl.load(ptrs)
+                    COLS, MASKED)
 
 
 @gluon.jit
@@ -184,16 +181,17 @@ def _rope_backward_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, cols, kb
         to_partner = HALF - 2 * HALF * second_half
         partner = local + to_partner
         in_head = local % HEAD_DIM
-        d = _load_rows(row_ptrs + gl.expand_dims(local, 0), in_rows, MASKED).to(gl.float32)
-        d_partner = _load_rows(row_ptrs + gl.expand_dims(partner, 0), in_rows, MASKED).to(gl.float32)
+        d = gluon_tiles.load_rows(row_ptrs + gl.expand_dims(local, 0), in_rows, MASKED).to(gl.float32)
+        d_partner = gluon_tiles.load_rows(row_ptrs + gl.expand_dims(partner, 0), in_rows, MASKED).to(gl.float32)
         positions = gl.expand_dims(rows % seq_len, 1)
-        c = _load_rows(cos_ptr + positions * stride_cos + gl.expand_dims(in_head, 0), in_rows, MASKED)
-        s = _load_rows(sin_ptr + positions * stride_sin + gl.expand_dims(in_head + to_partner, 0), in_rows, MASKED)
+        c = gluon_tiles.load_rows(cos_ptr + positions * stride_cos + gl.expand_dims(in_head, 0), in_rows, MASKED)
+        s = gluon_tiles.load_rows(sin_ptr + positions * stride_sin + gl.expand_dims(in_head + to_partner, 0), in_rows,
+                                  MASKED)
         sign = (1 - 2 * second_half).to(gl.float32)  # exact: d[f] cos - d' sin is d[f] cos + d' (-sin)
         x = d * c + d_partner * (s * gl.expand_dims(sign, 0))
     else:
-        x = _load_rows(dv_ptr + gl.expand_dims(rows.to(gl.int64) * stride_dv, 1) + gl.expand_dims(cols - NQ - NK, 0),
-                       in_rows, MASKED).to(gl.float32)
+        x = gluon_tiles.load_rows(dv_ptr + gl.expand_dims(rows.to(gl.int64) * stride_dv, 1)
+                                  + gl.expand_dims(cols - NQ - NK, 0), in_rows, MASKED).to(gl.float32)
     return x
 
 
@@ -213,7 +211,7 @@ def _rope_backward_quantize_gluon_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_pt
     x = _rope_backward_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, cols, kb, M, NQ, NK, seq_len, stride_dq,
                             stride_dk, stride_dv, stride_cos, stride_sin, HEAD_DIM, MASKED)
     _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, stride_qm, stride_sm, stride_sk, stride_qt,
-                   stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, ROWS, COLS)
+                   stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, ROWS, COLS, MASKED)
 
 
 def kernel_for(norm: bool):
@@ -243,7 +241,7 @@ def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | No
         (x, rstd if norm else x, weight if norm else x, index if gather else x, q, s, qt, st, m, x.stride(0),
          q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1)),
         dict(FP8_MAX=fmt.max, POW2=power_of_two, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows,
-             COLS=cols, num_warps=WARPS))
+             COLS=cols, MASKED=m % 128 != 0, num_warps=WARPS))
 
 
 def launch_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
