@@ -104,41 +104,6 @@ def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_
     assert spills and max(spills) <= allowed, report
 
 
-def _fmuls_after_each_wait(sass: str) -> list[int]:
-    """FMULs between each `WARPGROUP.DEPBAR` (a consumer's wait for its wgmma) and its next branch or wgmma: the
-    promotion's multiplies on the path between one MMA's completion and the next MMA's issue."""
-    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)
-    counts, inside = [], False
-    for op in ops:
-        if op.startswith("WARPGROUP.DEPBAR"):
-            inside = True
-            counts.append(0)
-        elif op.startswith(("BRA", "WARPGROUP.ARRIVE")):
-            inside = False
-        elif inside and op.startswith("FMUL"):
-            counts[-1] += 1
-    return counts
-
-
-@pytest.mark.parametrize("name", ["dense wgrad into main_grad", "grouped wgrad into main_grad", "grouped wgrad"])
-def test_early_scales_leave_the_wgrads_promotion_one_ffma_an_element(name):
-    """`ws_gemm(early_scales=True)` (128-wide tiles) forms each K step's outer product of the two scale vectors
-    while that step's MMA runs: after each consumer's wait no FMUL is left (the plain kernel's 64 a thread: the
-    product times the row scale, before the FFMA with the column scale), and nothing spills. A compiler that sank
-    the multiplies below the wait would keep the bits and lose the point, which no GPU test of the numerics sees."""
-    from megafp8.precision.kernels import ffma_interleave as fi
-    flags, c_type = CONFIGS[name]
-    plain, early = _compile(flags, c_type, 128), _compile(dict(flags, EARLY_SCALES=True), c_type, 128)
-    plain_fmuls = _fmuls_after_each_wait(fi.disassemble(plain.asm["cubin"]))
-    early_fmuls = _fmuls_after_each_wait(fi.disassemble(early.asm["cubin"]))
-    assert plain_fmuls == [64, 64], plain_fmuls  # (one K loop per consumer warpgroup)
-    assert early_fmuls == [0, 0], early_fmuls
-    report = _ptxas_report(early)
-    assert "C7511" not in report and "C7514" not in report, report
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
-    assert spills and max(spills) <= MAX_SPILL_BYTES, report
-
-
 @pytest.mark.parametrize("name", ["grouped fprop/dgrad", "grouped fprop/dgrad, stores from registers"])
 def test_the_interleaved_variant_differs_only_in_its_promotions_reuse_and_yield_flags(name):
     """`ws_gemm(interleave_ffma=True)` compiles to the plain kernel's instructions with, in each long FFMA run of
