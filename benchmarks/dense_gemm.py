@@ -24,8 +24,6 @@ only the GEMM is timed. Columns:
 - ws 256, registers: the same kernel storing (or adding) from its registers.
 - ws 256, interleaved FFMA: ws 256 with its promotion's FFMA runs interleaved in the cubin
   (`ws_gemm(interleave_ffma=True)`; the 1x128 x 1x128 wgrad has no such runs, so its cubin is unchanged).
-- ws 128, early scales (wgrad only): ws 128 forming each K step's outer product of the two scale vectors while
-  its MMA runs (`ws_gemm(early_scales=True)`), so its promotion is one FFMA an element.
 
 Timing: CUDA events around `--iters` calls after warm-up; the calls are launched from Python, so a GEMM shorter
 than its launch path (the warp-specialized kernel builds TMA descriptors on the host) is timed at the host's pace.
@@ -58,7 +56,7 @@ from wgrad_gemm import LINEARS, accumulated_result  # noqa: E402
 LINEAR_SHAPES = [("fp8_linear", 18432, 7168), ("fp8_linear", 7168, 18432), ("fp8_linear", 4096, 4096),
                  ("fp8_linear", 7168, 2048)]  # benchmarks/fp8_linear.py's (M, K, N) at M = 8192, as (name, N, K)
 GEMMS = ("fprop", "dgrad", "wgrad")
-FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers", "ws 256, interleaved FFMA", "ws 128, early scales")
+FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers", "ws 256, interleaved FFMA")
 ALL_COLUMNS = ("BF16", *FP8_COLUMNS)
 WRONG = 2**-6
 
@@ -125,9 +123,9 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
         def by_backend():
             backend.gemm_1x128_1x128_accumulate_(main_grad, a, a_s, b, b_s)
 
-        def ws(block_n, tma, interleave=False, early=False):
+        def ws(block_n, tma, interleave=False):
             return lambda: ws_gemm(a, a_s, b, b_s, main_grad, b_blockwise=False, accumulate=True, block_n=block_n,
-                                   tma_store=tma, interleave_ffma=interleave, early_scales=early)
+                                   tma_store=tma, interleave_ffma=interleave)
         runs = {"BF16": bf16, "backend": by_backend}
     else:
         bf16_a, bf16_b = (o["x"], o["w"].t()) if gemm == "fprop" else (o["dy"], o["w"])
@@ -139,13 +137,12 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
         def by_backend():
             return backend.gemm_1x128_128x128(a, a_s, b, b_s, torch.bfloat16)
 
-        def ws(block_n, tma, interleave=False, early=False):
+        def ws(block_n, tma, interleave=False):
             return lambda: ws_gemm(a, a_s, b, backend.block_scales_nk(b_s), out, b_blockwise=True, block_n=block_n,
-                                   tma_store=tma, interleave_ffma=interleave, early_scales=early)
+                                   tma_store=tma, interleave_ffma=interleave)
         runs = {"BF16": lambda: bf16_a @ bf16_b, "backend": by_backend}
     runs.update({"ws 128": ws(128, None), "ws 256": ws(256, None), "ws 256, registers": ws(256, False),
-                 "ws 256, interleaved FFMA": ws(256, None, interleave=True),
-                 "ws 128, early scales": ws(128, None, early=True)})
+                 "ws 256, interleaved FFMA": ws(256, None, interleave=True)})
     return {label: (run, result_of(run)) for label, run in runs.items() if label in wanted}
 
 

@@ -70,7 +70,7 @@ COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `tor
            "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours, TMA (Triton)",
            "ours, warp-specialized (Gluon), 128-wide tiles", "ours, warp-specialized, 256-wide tiles",
            "ours, ws 128, epilogue from registers", "ours, ws 256, epilogue from registers",
-           "ours, ws 256, interleaved FFMA", "ours, ws 128, early scales (wgrads)", "ours (the backend's default)")
+           "ours, ws 256, interleaved FFMA", "ours (the backend's default)")
 ALWAYS = (1, len(COLUMNS) - 1)  # BF16 `_grouped_mm` and the backend's default: the ratio column's two
 WRONG = 2**-3  # relative error beyond which a column's output is reported wrong (FP8 gives a few percent)
 
@@ -301,23 +301,18 @@ def ours(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
 
 
 def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None,
-               interleave_ffma: bool = False, early_scales: bool = False) -> Callable:
+               interleave_ffma: bool = False) -> Callable:
     """A column of one of our grouped kernels, chosen explicitly: "pointer" (what GPUs without TMA run), "tma"
     (Triton, TMA loads) or "ws" (warp-specialized Gluon, `block_n` wide tiles; `tma_store` False: its output tiles
     stored from the consumers' registers rather than by TMA where they may; `interleave_ffma`: its FFMA runs
-    interleaved in the cubin; `early_scales`: the wgrads' scale products formed while the MMA runs, n/a for fprop
-    and dgrad), against the backend's default."""
+    interleaved in the cubin), against the backend's default."""
     def build(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
         if p.x.device.type != "cuda":
             raise RuntimeError("our Triton kernels need a CUDA GPU")
         from megafp8.precision.kernels import gemm as kernels
         _, rows, operands = _our_operands(p, gemm, backend)
         options = {} if kernel != "ws" else dict(block_n=block_n, tma_store=tma_store)
-        if early_scales and gemm not in ("wgrad", INTO):
-            raise NotApplicable("early scales are the wgrads' (1x128 x 1x128) option")
         if gemm in ("wgrad", INTO):  # (no FFMA runs to interleave in the wgrad's promotion: the plain cubin)
-            if early_scales:
-                options["early_scales"] = True
             main_grad = p.main_grad() if gemm == INTO else None
             return lambda: kernels.grouped_wgrad(*operands, rows.tile_start, rows.tile_count, torch.bfloat16,
                                                  kernel=kernel, accumulate=main_grad, **options)
@@ -329,14 +324,13 @@ def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None
         return lambda: kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, torch.bfloat16, kernel=kernel,
                                             **options)
     build.__name__ = f"ours_{kernel}_{block_n}" + ("_registers" if tma_store is False else "") + \
-        ("_interleaved" if interleave_ffma else "") + ("_early_scales" if early_scales else "")
+        ("_interleaved" if interleave_ffma else "")
     return build
 
 
 BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, our_kernel("pointer"), our_kernel("tma"),
             our_kernel("ws", 128), our_kernel("ws", 256), our_kernel("ws", 128, tma_store=False),
-            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True),
-            our_kernel("ws", 128, early_scales=True), ours)
+            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True), ours)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -163,8 +163,7 @@ def test_warp_specialized_gemms_match_the_pointer_kernels():
     """The warp-specialized (Gluon) kernel against the pointer kernels, both tile widths: grouped fprop with N not
     a multiple of 256 (a tile's second half reads the next expert's rows and is not stored), an expert without rows
     and padding tiles past the last expert's; grouped wgrad; a dense wgrad whose sizes are not multiples of 128
-    (rows and columns past the edge masked), written in BF16 and added into FP32; the wgrads also with the scales'
-    product formed while the MMA runs (`early_scales`, 128-wide tiles)."""
+    (rows and columns past the edge masked), written in BF16 and added into FP32."""
     pytest.importorskip("triton")
     from megafp8.precision import E4M3, quantize as ref
     from megafp8.precision.grouped import expert_rows
@@ -182,17 +181,15 @@ def test_warp_specialized_gemms_match_the_pointer_kernels():
     want_dense = (ref.dequantize_1x128(dt.cpu(), dt_s.cpu()).double() @
                   ref.dequantize_1x128(xt.cpu(), xt_s.cpu()).double().t()).float().to(CUDA)
     base = torch.randn(dn, dk, device=CUDA)
-    for block_n, early in ((128, False), (256, False), (128, True)):
+    for block_n in (128, 256):
         checks = {
             "grouped fprop": (gemm.grouped_gemm(a, a_s, b, b_s, rows.tile_expert, torch.float32, kernel="ws",
                                                 block_n=block_n), want_y),
             "grouped wgrad": (gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count,
-                                                 torch.float32, kernel="ws", block_n=block_n, early_scales=early),
-                              want_dw),
-            "dense wgrad": (gemm.wgrad(dt, dt_s, xt, xt_s, torch.float32, block_n=block_n, early_scales=early),
-                            want_dense),
+                                                 torch.float32, kernel="ws", block_n=block_n), want_dw),
+            "dense wgrad": (gemm.wgrad(dt, dt_s, xt, xt_s, torch.float32, block_n=block_n), want_dense),
             "dense wgrad, accumulated": (gemm.wgrad(dt, dt_s, xt, xt_s, torch.bfloat16, accumulate=base.clone(),
-                                                    block_n=block_n, early_scales=early) - base, want_dense),
+                                                    block_n=block_n) - base, want_dense),
         }
         for name, (got, want) in checks.items():
             # Against the pointer kernels (the same tensor-core products) to FP32 rounding; the dense wgrad against
@@ -200,7 +197,7 @@ def test_warp_specialized_gemms_match_the_pointer_kernels():
             # measured 9.5e-5; a wrong tile or scale is off by O(1)).
             tolerance = 1e-3 if name.startswith("dense") else 1e-5
             err = float((got - want).norm() / want.norm())
-            assert err < tolerance, f"{name}, block_n={block_n}, early scales {early}: relative error {err}"
+            assert err < tolerance, f"{name}, block_n={block_n}: relative error {err}"
         assert not checks["grouped wgrad"][0][1].any()
         assert not checks["grouped fprop"][0][rows.tile_expert.repeat_interleave(128) == -1].any()
 

@@ -340,12 +340,11 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
 def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype,
                   kernel: Optional[str] = None, accumulate: Optional[torch.Tensor] = None,
-                  block_n: int = 256, tma_store: Optional[bool] = None, early_scales: bool = False) -> torch.Tensor:
+                  block_n: int = 256, tma_store: Optional[bool] = None) -> torch.Tensor:
     """a (N, Mp), b (K, Mp) FP8 in 1x128 tiles along Mp, scales (N, Mp/128), (K, Mp/128) -> (E, N, K).
     `accumulate` (E, N, K) FP32: add the product into it in the GEMM's epilogue (no rounding to `out_dtype`, no
     separate pass) and return it. `kernel`, `block_n` and `tma_store` as in `grouped_gemm` (the 1x128 x 1x128
-    promotion has no long FFMA runs to interleave: `ws_gemm(interleave_ffma=True)` would leave its cubin as it is);
-    `early_scales` as in `ws_gemm` (128-wide tiles)."""
+    promotion has no long FFMA runs to interleave: `ws_gemm(interleave_ffma=True)` would leave its cubin as it is)."""
     n, mp = a.shape
     k = b.shape[0]
     num_experts = tile_start.shape[0]
@@ -360,8 +359,7 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     if kernel == "ws":
         from megafp8.precision.kernels.ws_gemm import ws_gemm
         return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=False, accumulate=accumulate is not None,
-                       k_start=tile_start, k_count=tile_count, block_n=block_n, tma_store=tma_store,
-                       early_scales=early_scales)
+                       k_start=tile_start, k_count=tile_count, block_n=block_n, tma_store=tma_store)
     if kernel == "tma":
         sms = _sm_count(a.device)
 
@@ -385,7 +383,7 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
 
 def wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
           accumulate: Optional[torch.Tensor] = None, block_n: int = 256,
-          tma_store: Optional[bool] = None, early_scales: bool = False) -> torch.Tensor:
+          tma_store: Optional[bool] = None) -> torch.Tensor:
     """A dense layer's weight gradient by the warp-specialized kernel: a (N, M) = dy^T, b (K, M) = x^T, FP8 in
     1x128 tiles along the tokens M, scales (N, M/128), (K, M/128) -> (N, K); with `accumulate` ((N, K) FP32, a
     weight's `main_grad`) added into it in the epilogue and returned. Not used by the backends (cuBLASLt adding into
@@ -395,4 +393,4 @@ def wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torc
     n, k = a.shape[0], b.shape[0]
     c = accumulate if accumulate is not None else torch.empty(n, k, dtype=out_dtype, device=a.device)
     return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=False, accumulate=accumulate is not None,
-                   block_n=block_n, tma_store=tma_store, early_scales=early_scales)
+                   block_n=block_n, tma_store=tma_store)

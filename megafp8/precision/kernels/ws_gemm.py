@@ -148,17 +148,12 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
 
 @gluon.jit
 def _scaled_product(a_smem, b_smem, t, a_s, bs_smem, bs_ptr, group, n_block, N, kblk, stride_bs_e, stride_bs_n,
-                    stride_bs_k, B_BLOCKWISE: gl.constexpr, col_layout: gl.constexpr, EARLY_SCALES: gl.constexpr):
+                    stride_bs_k, B_BLOCKWISE: gl.constexpr, col_layout: gl.constexpr):
     """(t, scaled): the 64 x 128 product of one K step (`t` carries the product's registers from step to step) and
     that product times its scales: the rows' `a_s` and B's block scale (one per 128 columns) or the scales of B's
     128 rows (C's columns), which arrived with the stage in `bs_smem` and are read straight into the accumulator's
     column layout."""
     t = warpgroup_mma(a_smem, b_smem.permute((1, 0)), t, use_acc=False, is_async=True)
-    if EARLY_SCALES:  # the outer product of the scales while the MMA runs: after the wait, one FFMA an element
-        b_s = bs_smem._reinterpret(gl.float32, [TILE], _FLAT).load(col_layout)
-        s = _settled(a_s[:, None] * b_s[None, :], False)
-        t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-        return t, t * s
     if B_BLOCKWISE:  # (a slice past N's last block reads no scale: its columns are not stored)
         b_s = gl.load(bs_ptr + group * stride_bs_e + n_block * stride_bs_n + kblk * stride_bs_k,
                       mask=n_block < gl.cdiv(N, TILE), other=0.0)
@@ -217,8 +212,7 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
               num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
               stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
               B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr,
-              EARLY_SCALES: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
     wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator. The stage is released once its
     last wgmma has completed and its scales are read, before the last slice's promotion."""
@@ -245,12 +239,12 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
             a_smem = a_bufs.index(2 * s + HALF)
             t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_bufs.index(NB * s), bs_ptr, group,
                                         off_n // TILE, N, kblk, stride_bs_e, stride_bs_n, stride_bs_k, B_BLOCKWISE,
-                                        col_layout, EARLY_SCALES)
+                                        col_layout)
             if NB == 2:
                 acc0 = _settled(acc0 + scaled, INTERLEAVE)
                 t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_bufs.index(NB * s + 1),
                                             bs_ptr, group, off_n // TILE + 1, N, kblk, stride_bs_e, stride_bs_n,
-                                            stride_bs_k, B_BLOCKWISE, col_layout, EARLY_SCALES)
+                                            stride_bs_k, B_BLOCKWISE, col_layout)
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = acc1 + scaled
             else:
@@ -280,8 +274,7 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
                     k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
                     stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
                     ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr,
-                    EARLY_SCALES: gl.constexpr = False):
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
@@ -305,11 +298,11 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
                      num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE, EARLY_SCALES)),
+                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
                      num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE, EARLY_SCALES)),
+                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
                      K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
                      B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
@@ -398,7 +391,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
             block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None,
-            interleave_ffma: bool = False, early_scales: bool = False) -> torch.Tensor:
+            interleave_ffma: bool = False) -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
@@ -408,18 +401,13 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     through shared memory by TMA (stored, or added by TMA's reduction), overlapping the next tile's MMAs (None:
     wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there).
     `interleave_ffma` (256-wide tiles): the promotion's FFMA runs interleaved in the cubin, so the warp scheduler
-    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits). `early_scales`
-    (128-wide tiles, B in 1x128 tiles): each K step's outer product of the two scale vectors is formed while its
-    MMA runs, so the promotion after the wait is one FFMA an element, as the forward's (the scales' product
-    rounded once, as there: results within one FP32 rounding of the other order)."""
+    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
     assert a.stride(1) == 1 and b.stride(1) == 1 and c.stride(-1) == 1 and k % 8 == 0
     assert block_n in (128, 256) and (not accumulate or c.dtype == torch.float32)
     assert block_n == 256 or not interleave_ffma, "the interleaved FFMAs are the 256-wide tiles' (`_settled`)"
-    assert not early_scales or (block_n == 128 and not b_blockwise), \
-        "early scales: 128-wide tiles (at 256 the product of the scales would not fit beside two accumulators)"
     if tile_expert is not None:
         assert m % _T == 0 and b_blockwise, "rows grouped by expert need whole 128-row tiles and B in blocks"
     assert c.shape[-2] == m, f"C has {c.shape[-2]} rows for A's {m}"  # TMA clips at C's edge, the registers at M
@@ -450,7 +438,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise,
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
-                   INTERLEAVE=interleave_ffma, EARLY_SCALES=early_scales, num_warps=4, maxnreg=_MAXNREG)
+                   INTERLEAVE=interleave_ffma, num_warps=4, maxnreg=_MAXNREG)
     # (the interleaved variant is compiled, the first time, with the cubin pass installed)
     _LAUNCH.launch(grid, args, options, compiling=functools.partial(patching_ffma, INTERLEAVE_MARKER)
                    if interleave_ffma else None)
