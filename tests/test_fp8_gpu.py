@@ -363,8 +363,7 @@ def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_eac
     """SM90 runs SwiGLU backward's column outputs through the Gluon kernel (`swiglu_cols_gluon`), other GPUs
     through the Triton one: every layout of the Gluon kernel must write the Triton kernel's bytes (values and
     scales, the padding rows past M included), with power-of-two scales, E5M2 gradients, outliers and a nan; also
-    for one and two tokens (one token: the twin of `gluon_tiles.TokenCountLaunch`) and whole token blocks (256:
-    loads without predicates)."""
+    for one and two tokens (one token: the twin of `gluon_tiles.TokenCountLaunch`) and a whole token block (256)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.swiglu_cols_gluon")
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon column kernel runs on SM90 only")
@@ -398,11 +397,10 @@ def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, 
     """SM90 quantizes dy both ways, RMSNorm's output and the MoE dispatch's gathered rows through the Gluon kernel
     (`rows_cols_gluon`), other GPUs through the Triton one: the same bytes (values and scales, x^T's padding rows
     included), with E4M3 and E5M2, power-of-two scales, outliers, a nan, a partial last token block, a whole one
-    (256 tokens: loads and row stores without predicates) and (gathering) zero rows, however the divisions are
-    shared out, and for one and two tokens (one token is what ptxas miscompiled when M was compiled in:
-    `gluon_tiles.TokenCountLaunch`). Both (norm, gather): the MoE combine's
-    gradient, factors per gathered row as the inverse RMS and ones as the weight
-    (`gather_scale_quantize_rows_cols`)."""
+    (256 tokens: RMSNorm's tiles then load and store rows without predicates) and (gathering) zero rows, however the
+    divisions are shared out, and for one and two tokens (one token is what ptxas miscompiled when M was compiled
+    in: `gluon_tiles.TokenCountLaunch`). Both (norm, gather): the MoE combine's gradient, factors per gathered row
+    as the inverse RMS and ones as the weight (`gather_scale_quantize_rows_cols`)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.rows_cols_gluon")
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon rows + columns kernel runs on SM90 only")

@@ -46,7 +46,7 @@ class TokenCountLaunch:
 @gluon.jit
 def load_rows(ptrs, in_rows, MASKED: gl.constexpr):
     """ptrs' values; with MASKED (a partial last token block), zeros where not `in_rows` (nothing is read there).
-    Unmasked loads save the predicates and the zeroing of their registers (the row + column quantizer: 12.3 -> 11.6
+    Unmasked loads save the predicates and the zeroing of their registers (RMSNorm's quantizer tiles: 14.8 -> 13.8
     SASS instructions per element)."""
     if MASKED:
         return gl.load(ptrs, mask=in_rows, other=0.0)
