@@ -44,16 +44,6 @@ class TokenCountLaunch:
 
 
 @gluon.jit
-def load_rows(ptrs, in_rows, MASKED: gl.constexpr):
-    """ptrs' values; with MASKED (a partial last token block), zeros where not `in_rows` (nothing is read there).
-    Unmasked loads save the predicates and the zeroing of their registers (RMSNorm's quantizer tiles: 14.8 -> 13.8
-    SASS instructions per element)."""
-    if MASKED:
-        return gl.load(ptrs, mask=in_rows, other=0.0)
-    return gl.load(ptrs)
-
-
-@gluon.jit
 def nan_max(a, b):
     """Elementwise max, nan if either is nan (tiles.max_propagating_nan): one `max.NaN` instruction."""
     return gl.maximum(a, b, propagate_nan=_NAN_PROPAGATES)

@@ -88,13 +88,23 @@ def _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_pt
         x = gl.load(x_ptr + gl.expand_dims(src.to(gl.int64), 1) * stride_xm + gl.expand_dims(cols, 0),
                     mask=gl.expand_dims(src >= 0, 1), other=0.0).to(gl.float32)
     else:
-        x = gluon_tiles.load_rows(x_ptr + gl.expand_dims(rows, 1) * stride_xm + gl.expand_dims(cols, 0),
-                                  gl.expand_dims(in_rows, 1), MASKED).to(gl.float32)
+        x = _load_rows(x_ptr + gl.expand_dims(rows, 1) * stride_xm + gl.expand_dims(cols, 0),
+                       gl.expand_dims(in_rows, 1), MASKED).to(gl.float32)
     if NORM:
-        rstd = gluon_tiles.load_rows(rstd_ptr + rows, in_rows, MASKED)
+        rstd = _load_rows(rstd_ptr + rows, in_rows, MASKED)
         x = (x * gl.expand_dims(rstd, 1)) * gl.expand_dims(gl.load(w_ptr + cols).to(gl.float32), 0)
     _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, stride_qm, stride_sm, stride_sk, stride_qt,
                    stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, ROWS, COLS, MASKED)
+
+
+@gluon.jit
+def _load_rows(ptrs, in_rows, MASKED: gl.constexpr):
+    """ptrs' values; with MASKED (a partial last token block), zeros where not `in_rows` (nothing is read there).
+    Unmasked loads save the predicates and the zeroing of their registers (RMSNorm's quantizer tiles: 14.8 -> 13.8
+    SASS instructions per element)."""
+    if MASKED:
+        return gl.load(ptrs, mask=in_rows, other=0.0)
+    return gl.load(ptrs)
 
 
 @gluon.jit
@@ -181,17 +191,16 @@ def _rope_backward_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, cols, kb
         to_partner = HALF - 2 * HALF * second_half
         partner = local + to_partner
         in_head = local % HEAD_DIM
-        d = gluon_tiles.load_rows(row_ptrs + gl.expand_dims(local, 0), in_rows, MASKED).to(gl.float32)
-        d_partner = gluon_tiles.load_rows(row_ptrs + gl.expand_dims(partner, 0), in_rows, MASKED).to(gl.float32)
+        d = _load_rows(row_ptrs + gl.expand_dims(local, 0), in_rows, MASKED).to(gl.float32)
+        d_partner = _load_rows(row_ptrs + gl.expand_dims(partner, 0), in_rows, MASKED).to(gl.float32)
         positions = gl.expand_dims(rows % seq_len, 1)
-        c = gluon_tiles.load_rows(cos_ptr + positions * stride_cos + gl.expand_dims(in_head, 0), in_rows, MASKED)
-        s = gluon_tiles.load_rows(sin_ptr + positions * stride_sin + gl.expand_dims(in_head + to_partner, 0), in_rows,
-                                  MASKED)
+        c = _load_rows(cos_ptr + positions * stride_cos + gl.expand_dims(in_head, 0), in_rows, MASKED)
+        s = _load_rows(sin_ptr + positions * stride_sin + gl.expand_dims(in_head + to_partner, 0), in_rows, MASKED)
         sign = (1 - 2 * second_half).to(gl.float32)  # exact: d[f] cos - d' sin is d[f] cos + d' (-sin)
         x = d * c + d_partner * (s * gl.expand_dims(sign, 0))
     else:
-        x = gluon_tiles.load_rows(dv_ptr + gl.expand_dims(rows.to(gl.int64) * stride_dv, 1)
-                                  + gl.expand_dims(cols - NQ - NK, 0), in_rows, MASKED).to(gl.float32)
+        x = _load_rows(dv_ptr + gl.expand_dims(rows.to(gl.int64) * stride_dv, 1) + gl.expand_dims(cols - NQ - NK, 0),
+                       in_rows, MASKED).to(gl.float32)
     return x
 
 
