@@ -24,6 +24,11 @@ only the GEMM is timed. Columns:
 - ws 256, registers: the same kernel storing (or adding) from its registers.
 - ws 256, interleaved FFMA: ws 256 with its promotion's FFMA runs interleaved in the cubin
   (`ws_gemm(interleave_ffma=True)`; the 1x128 x 1x128 wgrad has no such runs, so its cubin is unchanged).
+- ws 256, x in 128x128 blocks (wgrad only; an experiment, not the recipe): x^T quantized in 128 x 128 blocks (features
+  x tokens, the weights' quantizer) instead of 1x128 tiles along the tokens, so the kernel promotes each K step as
+  fprop does (one FFMA an element, the interleaved cubin) instead of forming the outer product of two scale vectors.
+  Its output is checked against its own dequantized operands; what the coarser scaling costs in accuracy is
+  `benchmarks/wgrad_scaling.py`'s question.
 
 Timing: CUDA events around `--iters` calls after warm-up; the calls are launched from Python, so a GEMM shorter
 than its launch path (the warp-specialized kernel builds TMA descriptors on the host) is timed at the host's pace.
@@ -56,11 +61,13 @@ from wgrad_gemm import LINEARS, accumulated_result  # noqa: E402
 LINEAR_SHAPES = [("fp8_linear", 18432, 7168), ("fp8_linear", 7168, 18432), ("fp8_linear", 4096, 4096),
                  ("fp8_linear", 7168, 2048)]  # benchmarks/fp8_linear.py's (M, K, N) at M = 8192, as (name, N, K)
 GEMMS = ("fprop", "dgrad", "wgrad")
-FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers", "ws 256, interleaved FFMA")
+BLOCKS = "ws 256, x in 128x128 blocks"
+FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers", "ws 256, interleaved FFMA", BLOCKS)
 ALL_COLUMNS = ("BF16", *FP8_COLUMNS)
 WRONG = 2**-6
 
-Column = tuple[Callable[[], object], Callable[[], torch.Tensor]]  # (timed call, its result in FP32)
+# (timed call, its result in FP32, the FP32 result it should give; None: the dequantized operands' product)
+Column = tuple[Callable[[], object], Callable[[], torch.Tensor], Optional[Callable[[], torch.Tensor]]]
 
 
 def operands(m: int, n: int, k: int, g: torch.Generator, backend_name: str) -> dict:
@@ -111,6 +118,7 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
     backend = o["backend"]
     a, a_s, b, b_s, blocks = fp8_inputs(gemm, o)
     rows, cols, device = a.shape[0], b.shape[0], a.device
+    wants: dict[str, Callable[[], torch.Tensor]] = {}
     if gemm == "wgrad":
         main_grad = torch.zeros(rows, cols, dtype=torch.float32, device=device)
 
@@ -127,6 +135,17 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
             return lambda: ws_gemm(a, a_s, b, b_s, main_grad, b_blockwise=False, accumulate=True, block_n=block_n,
                                    tma_store=tma, interleave_ffma=interleave)
         runs = {"BF16": bf16, "backend": by_backend}
+        if BLOCKS in wanted:
+            xt_blocks = backend.empty_weight((o["x"].shape[1], o["x"].shape[0]), E4M3, device)
+            backend.quantize_weight_(o["x"].t().contiguous(), xt_blocks, E4M3, False)
+            xt_scales = backend.block_scales_nk(xt_blocks.w_scale)
+            runs[BLOCKS] = lambda: ws_gemm(a, a_s, xt_blocks.w_fp8, xt_scales, main_grad, b_blockwise=True,
+                                           accumulate=True, block_n=256, interleave_ffma=True)
+
+            def blocks_want():
+                from megafp8.precision import quantize as ref
+                return ref.dequantize_1x128(a, a_s) @ ref.dequantize_128x128(xt_blocks.w_fp8, xt_scales).t()
+            wants = {BLOCKS: blocks_want}
     else:
         bf16_a, bf16_b = (o["x"], o["w"].t()) if gemm == "fprop" else (o["dy"], o["w"])
         out = torch.empty(rows, cols, dtype=torch.bfloat16, device=device)
@@ -140,10 +159,10 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
         def ws(block_n, tma, interleave=False):
             return lambda: ws_gemm(a, a_s, b, backend.block_scales_nk(b_s), out, b_blockwise=True, block_n=block_n,
                                    tma_store=tma, interleave_ffma=interleave)
-        runs = {"BF16": lambda: bf16_a @ bf16_b, "backend": by_backend}
+        runs = {"BF16": lambda: bf16_a @ bf16_b, "backend": by_backend, BLOCKS: None}  # BLOCKS: wgrad only
     runs.update({"ws 128": ws(128, None), "ws 256": ws(256, None), "ws 256, registers": ws(256, False),
                  "ws 256, interleaved FFMA": ws(256, None, interleave=True)})
-    return {label: (run, result_of(run)) for label, run in runs.items() if label in wanted}
+    return {label: (runs[label], runs[label] and result_of(runs[label]), wants.get(label)) for label in wanted}
 
 
 def measure(gemm: str, o: dict, m: int, n: int, k: int, iters: int, graphs: bool = False,
@@ -151,9 +170,12 @@ def measure(gemm: str, o: dict, m: int, n: int, k: int, iters: int, graphs: bool
     """The row's cells: each wanted column's TFLOP/s (ms), then best FP8 / the backend's and best FP8 / BF16."""
     want_bf16, want_fp8 = reference(gemm, o)
     cells, ms_of = [], {}
-    for label, (run, result) in columns(gemm, o, wanted).items():
+    for label, (run, result, own_want) in columns(gemm, o, wanted).items():
+        if run is None:
+            cells.append("n/a")
+            continue
         try:
-            want = want_bf16 if label == "BF16" else want_fp8
+            want = want_bf16 if label == "BF16" else own_want() if own_want else want_fp8
             err = float((result() - want).norm() / want.norm())
             if err > WRONG:
                 cells.append(f"wrong ({err:.3f})")

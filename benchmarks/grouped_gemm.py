@@ -30,6 +30,8 @@ activations and gradients, 128x128 blocks for the weight). Columns:
   stored from its registers, and in the "interleaved FFMA" column with its promotion's FFMA runs interleaved in the
   cubin (`ws_gemm(interleave_ffma=True)`; the wgrad's promotion has no such runs, so that column's wgrad rows run
   the plain kernel); dgrad's transposed weight is made once, untimed.
+- ours, ws 256, x in 128x128 blocks (wgrads only; an experiment, not the recipe): x^T quantized in 128 x 128 blocks
+  (the weights' quantizer) instead of 1x128 tiles along the rows, so each K step is promoted as in fprop.
 - ours: the backend's `grouped_gemm_1x128_128x128` (fprop; dgrad with `transposed=True`, which makes the weight's
   transpose in the call) and `grouped_gemm_1x128_1x128` (wgrad), as `megafp8.precision.grouped` calls them.
 
@@ -70,7 +72,7 @@ COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `tor
            "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours, TMA (Triton)",
            "ours, warp-specialized (Gluon), 128-wide tiles", "ours, warp-specialized, 256-wide tiles",
            "ours, ws 128, epilogue from registers", "ours, ws 256, epilogue from registers",
-           "ours, ws 256, interleaved FFMA", "ours (the backend's default)")
+           "ours, ws 256, interleaved FFMA", "ours, ws 256, x in 128x128 blocks", "ours (the backend's default)")
 ALWAYS = (1, len(COLUMNS) - 1)  # BF16 `_grouped_mm` and the backend's default: the ratio column's two
 WRONG = 2**-3  # relative error beyond which a column's output is reported wrong (FP8 gives a few percent)
 
@@ -328,9 +330,28 @@ def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None
     return build
 
 
+def wgrad_x_blocks(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
+    """The wgrads with x^T quantized in 128 x 128 blocks (features x rows, the weights' quantizer; an experiment, not
+    the recipe): the warp-specialized kernel then promotes each K step as fprop does, one FFMA an element."""
+    if gemm not in ("wgrad", INTO):
+        raise NotApplicable
+    if p.x.device.type != "cuda":
+        raise RuntimeError("our Triton kernels need a CUDA GPU")
+    from megafp8.precision.kernels.ws_gemm import ws_gemm
+    impl, rows, (dyt, dyt_scale, _, _) = _our_operands(p, gemm, backend)
+    xt = impl.empty_weight((p.x.shape[1], p.x.shape[0]), E4M3, p.x.device)
+    impl.quantize_weight_(p.x.t().contiguous(), xt, E4M3, False)
+    xt_scale = impl.block_scales_nk(xt.w_scale)
+    main_grad = p.main_grad() if gemm == INTO else None
+    out = main_grad if main_grad is not None else torch.empty(p.experts, dyt.shape[0], p.x.shape[1],
+                                                              dtype=torch.bfloat16, device=p.x.device)
+    return lambda: ws_gemm(dyt, dyt_scale, xt.w_fp8, xt_scale, out, b_blockwise=True, accumulate=main_grad is not None,
+                           k_start=rows.tile_start, k_count=rows.tile_count, block_n=256, interleave_ffma=True)
+
+
 BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, our_kernel("pointer"), our_kernel("tma"),
             our_kernel("ws", 128), our_kernel("ws", 256), our_kernel("ws", 128, tma_store=False),
-            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True), ours)
+            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True), wgrad_x_blocks, ours)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
