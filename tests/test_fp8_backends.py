@@ -459,3 +459,56 @@ def test_cublas_block_scales_are_k_major_with_zeroed_padding(k_blocks):
     assert scales.shape == (4, 5) and scales.stride() == (1, 4) and scales.dtype == torch.float32
     if k_blocks == 3:
         assert torch.equal(scales[3], torch.zeros(5))
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["scales", "pow2-scales"])
+def test_x_in_128x128_blocks_for_wgrad_matches_the_reference(backend_on, pow2):
+    """`precision.fp8_wgrad_input_blocks`: on a backend that takes it, x^T quantized in 128x128 blocks by the row +
+    column quantizer (plain, gathering, and RMSNorm's given the kernel's own inverse RMS) gives the reference bits,
+    and the wgrad GEMMs reading it (dense, into BF16 and added into FP32 main_grad; grouped by expert, with an empty
+    expert and a partial tile) match the reference within FP32 accumulation. A backend that does not take it says
+    so instead of computing with the wrong scales."""
+    backend, device = backend_on
+    x = outlier_tensor(200, 384, seed=11)
+    dy = outlier_tensor(200, 256, seed=12)
+    if not backend.wgrad_input_blocks:
+        *_, dyt, dyt_s = ref.quantize_rows_cols(dy, E4M3)
+        *_, xt, xt_s = ref.quantize_rows_cols(x, E4M3, cols_in_blocks=True)
+        with pytest.raises(ValueError, match="precision.fp8_wgrad_input_blocks needs the hopper backend"):
+            backend.gemm_1x128_1x128(dyt.to(device), dyt_s.to(device), xt.to(device), xt_s.to(device), torch.float32)
+        return
+    got = backend.quantize_rows_cols(x.to(device), E4M3, pow2, cols_in_blocks=True)
+    want = ref.quantize_rows_cols(x, E4M3, pow2, cols_in_blocks=True)
+    assert_same_quantization(got[:2], want[:2], "rows")
+    assert_same_quantization(got[2:], want[2:], "x^T in blocks")
+    index = torch.tensor([i * 7 % 200 if i % 5 else -1 for i in range(300)])
+    got = backend.gather_quantize_rows_cols(x.to(device), index.to(device), E4M3, pow2, cols_in_blocks=True)
+    gathered = torch.where((index >= 0)[:, None], x[index.clamp(min=0)], torch.zeros(()))
+    assert_same_quantization(got[2:], ref.quantize_rows_cols(gathered, E4M3, pow2, cols_in_blocks=True)[2:],
+                             "gathered x^T in blocks")
+    h, norm_weight = outlier_tensor(256, 384, seed=13).bfloat16(), (torch.rand(384) + 0.5).bfloat16()
+    *got, rstd = backend.rmsnorm_quantize(h.to(device), norm_weight.to(device), 1e-5, E4M3, pow2,
+                                          cols_in_blocks=True)
+    want = producers.rmsnorm_quantize(h, norm_weight, 1e-5, E4M3, pow2, rstd=rstd.cpu(), cols_in_blocks=True)
+    assert_same_quantization(got[2:4], want[2:4], "RMSNorm's x^T in blocks")
+    # the GEMMs, on the reference's operands
+    *_, dyt, dyt_s = ref.quantize_rows_cols(dy, E4M3, pow2)
+    *_, xt, xt_s = ref.quantize_rows_cols(x, E4M3, pow2, cols_in_blocks=True)
+    dev = [t.to(device) for t in (dyt, dyt_s, xt, xt_s)]
+    want = REFERENCE.gemm_1x128_1x128(dyt, dyt_s, xt, xt_s, torch.float32)
+    assert _relative_error(backend.gemm_1x128_1x128(*dev, torch.bfloat16), want) <= 4e-3  # BF16 output
+    main_grad = torch.randn(256, 384)
+    added = main_grad.to(device, copy=True)
+    backend.gemm_1x128_1x128_accumulate_(added, *dev)
+    assert _relative_error(added.cpu() - main_grad, want) <= 6e-4
+    counts = [5, 0, 130, 1, 300]
+    rows, rows_cpu = expert_rows(counts, device), expert_rows(counts, torch.device("cpu"))
+    at = ref.quantize_1x128(outlier_tensor(256, rows.total, seed=14), E4M3)
+    bt = ref.quantize_128x128(outlier_tensor(384, rows.total, seed=15), E4M3)
+    want = REFERENCE.grouped_gemm_1x128_1x128(*at, *bt, rows_cpu, len(counts), torch.float32)
+    main_grad = torch.randn(len(counts), 256, 384)
+    added = backend.grouped_gemm_1x128_1x128(*[t.to(device) for t in (*at, *bt)], rows, len(counts), torch.float32,
+                                             accumulate=main_grad.to(device, copy=True)).cpu()
+    for e, _, _ in rows.segments:
+        assert _relative_error(added[e] - main_grad[e], want[e]) <= 6e-4
+    assert torch.equal(added[1], main_grad[1])  # the empty expert

@@ -152,9 +152,11 @@ def _packs_one_register_twice(sass: str) -> list:
     return re.findall(r"F2FP\S*\s+R\d+, (R\d+), \1,", sass)
 
 
-def _rows_cols_compiled(norm: bool, gather: bool, one_token: bool = False, masked: bool = True):
+def _rows_cols_compiled(norm: bool, gather: bool, one_token: bool = False, masked: bool = True,
+                        col_blocks: bool = False):
     """The row + column quantizer compiled for sm_90 as its launches specialize it (M = 1 compiled in where
-    `one_token`, as Triton's JIT would without `TokenCountLaunch`'s twin; `masked`: M not a multiple of 128)."""
+    `one_token`, as Triton's JIT would without `TokenCountLaunch`'s twin; `masked`: M not a multiple of 128;
+    `col_blocks`: x^T in 128x128 blocks)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -166,7 +168,7 @@ def _rows_cols_compiled(norm: bool, gather: bool, one_token: bool = False, maske
                                                "stride_st_k", "stride_st_m")})
     load, store_t, rows, cols = r.tile_layouts()
     constants = dict(FP8_MAX=448.0, POW2=False, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows,
-                     COLS=cols, MASKED=masked or one_token,
+                     COLS=cols, MASKED=masked or one_token, COL_BLOCKS=col_blocks,
                      stride_sm=1, stride_st_k=1, **(dict(M=1) if one_token else {}))
     signature.update({name: "constexpr" for name in constants})
     names = list(signature)
@@ -237,20 +239,23 @@ def test_the_gluon_swiglu_column_kernel_compiles_for_sm90_lean_and_without_spill
     assert 30 < per_element <= 56, f"{instructions} SASS instructions a thread, {per_element:.1f} per element"
 
 
-@pytest.mark.parametrize("norm, gather, masked", [(False, False, True), (True, False, True), (False, True, True),
-                                                  (True, False, False)],
-                         ids=["dy", "rmsnorm_partial_last_tile", "gather", "rmsnorm_whole_tiles"])
-def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(norm, gather, masked):
+@pytest.mark.parametrize("norm, gather, masked, col_blocks",
+                         [(False, False, True, False), (True, False, True, False), (False, True, True, False),
+                          (True, False, False, False), (True, False, False, True), (False, True, True, True)],
+                         ids=["dy", "rmsnorm_partial_last_tile", "gather", "rmsnorm_whole_tiles",
+                              "rmsnorm_whole_tiles_x_in_blocks", "gather_x_in_blocks"])
+def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(norm, gather, masked, col_blocks):
     """The row + column quantizer (`rows_cols_gluon`, what SM90 runs for dy, RMSNorm's output and the MoE dispatch)
     exists to issue fewer instructions than the Triton kernel's 23 per element, which is what held that kernel to
     55-66% of copy speed: compiled for SM90 it must stay under 16 (12.3 plain, 14.8 with the norm, 13.4 gathering
     rows for the MoE dispatch, with a partial last token block), not spill, read 16-byte row segments and write
     8-byte FP8 row runs and 16-byte transposed runs. RMSNorm's tiles on whole token blocks (M a multiple of 128,
     what training runs) need no predicates on their loads and row stores: no more instructions than a partial
-    one. (dy and the gather keep their predicates there: unmasked, dy's kernel was slower, job EN.)"""
+    one. (dy and the gather keep their predicates there: unmasked, dy's kernel was slower, job EN.) With x^T in
+    128x128 blocks (`precision.fp8_wgrad_input_blocks`) the block's max costs one more reduction a tile."""
     from megafp8.precision.kernels import rows_cols_gluon as r
 
-    compiled = _rows_cols_compiled(norm, gather, masked=masked)
+    compiled = _rows_cols_compiled(norm, gather, masked=masked, col_blocks=col_blocks)
     ptx = compiled.asm["ptx"]
     assert set(re.findall(r"ld\.global\.v\S+", ptx)) == {"ld.global.v4.b32"}
     assert {"st.global.v2.b32", "st.global.v4.b32"} <= set(re.findall(r"st\.global\.\S+", ptx))

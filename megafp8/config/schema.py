@@ -257,6 +257,14 @@ class PrecisionConfig:
         "the kept FP8 weight instead (the same bits); on one H200 that cost no measurable step time on the ~1B and "
         "8B-layer shapes and held 0.75 and 1.81 GiB less (`docs/benchmarks.md`). Expert weights always work this way.",
     )
+    fp8_wgrad_input_blocks: bool = setting(
+        False,
+        "Opt-in, a departure from DeepSeek-V3's recipe: quantize the weight gradient's input x in 128x128 blocks "
+        "(features x tokens) instead of 1x128 tiles along the tokens, where a row + column quantizer makes it "
+        "(RMSNorm's output, an FP8 linear's own input, the MoE dispatch; SwiGLU's output keeps its tiles). The wgrad "
+        "GEMM then runs 1.19-1.46x faster on one H200; dW's error grows 0-2% on activations with channel structure, "
+        "34% with token outliers (`docs/precision.md`). Needs the hopper backend (or reference).",
+    )
     fp8_layers: list[str] = setting(
         ["*"],
         "Globs of GEMM layer names (e.g. `layers.*.mlp.*`) that run FP8 under `recipe: fp8`. Naming a "

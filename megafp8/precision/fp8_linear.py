@@ -106,13 +106,13 @@ def quantize_layer_input(k, x2d: torch.Tensor, norm_weight: Optional[torch.Tenso
     `norm_weight` its RMSNorm, quantized by the norm's own kernel from FP32 (rstd: the norm's (M,) inverse RMS,
     else None). Quantized on this rank's rows and gathered in FP8 where `comm` allows it (with a norm, the caller
     checked it does). Without `for_wgrad` (no weight gradient to compute) x^T is neither made nor gathered:
-    xt_fp8 and xt_scale are None."""
-    fmt, pow2 = recipe.fmt, recipe.power_of_two_scales
+    xt_fp8 and xt_scale are None. x^T comes in 128x128 blocks under `recipe.wgrad_input_blocks`."""
+    fmt, pow2, blocks = recipe.fmt, recipe.power_of_two_scales, recipe.wgrad_input_blocks
     if norm_weight is not None:
-        *parts, rstd = k.rmsnorm_quantize(x2d, norm_weight, eps, fmt, pow2)
+        *parts, rstd = k.rmsnorm_quantize(x2d, norm_weight, eps, fmt, pow2, blocks)
         return (*comm.gather_quantized(*(parts if for_wgrad else parts[:2] + [None, None])), rstd)
     if for_wgrad:
-        return (*quantized_input(x2d, lambda t: k.quantize_rows_cols(t, fmt, pow2), comm), None)
+        return (*quantized_input(x2d, lambda t: k.quantize_rows_cols(t, fmt, pow2, blocks), comm), None)
     return (*quantized_input(x2d, lambda t: (*k.quantize_rows(t, fmt, pow2), None, None), comm), None)
 
 
@@ -172,7 +172,8 @@ class _Fp8LinearFn(torch.autograd.Function):
                 y = k.gemm_1x128_128x128(*k.quantize_rows(x_full, fmt, pow2), w_fp8, w_scale, x.dtype)
             else:
                 y = F.linear(x_full, weight)
-            x_cols = k.quantize_rows_cols(x_full, fmt, pow2)[2:] if recipe.wgrad else [x_full]
+            x_cols = (k.quantize_rows_cols(x_full, fmt, pow2, recipe.wgrad_input_blocks)[2:] if recipe.wgrad
+                      else [x_full])
         fused_norm = norm_weight is not None
         ctx.save_for_backward(*x_cols, weight, *for_dgrad(w_fp8, w_scale, wt_fp8, wt_scale),
                               x2d if fused_norm else None, norm_weight, rstd, main_grad)

@@ -28,11 +28,12 @@ def _fake_scales(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(cols, rows, dtype=torch.float32).t()
 
 
-def _fake_rows_cols(m: int, k: int, fmt: str, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _fake_rows_cols(m: int, k: int, fmt: str, like: torch.Tensor, cols_in_blocks: bool = False
+                    ) -> tuple[torch.Tensor, ...]:
     m_pad = -(-m // TILE) * TILE
     dtype = FORMATS[fmt].dtype
-    return (like.new_empty(m, k, dtype=dtype), _fake_scales(m, k // TILE, like),
-            like.new_empty(k, m_pad, dtype=dtype), _fake_scales(k, m_pad // TILE, like))
+    return (like.new_empty(m, k, dtype=dtype), _fake_scales(m, k // TILE, like), like.new_empty(k, m_pad, dtype=dtype),
+            _fake_scales(k // TILE if cols_in_blocks else k, m_pad // TILE, like))
 
 
 @torch.library.custom_op("megafp8::quantize_rows", mutates_args=())
@@ -47,25 +48,26 @@ def _(x, fmt, pow2, backend):
 
 
 @torch.library.custom_op("megafp8::quantize_rows_cols", mutates_args=())
-def quantize_rows_cols(x: torch.Tensor, fmt: str, pow2: bool, backend: str
+def quantize_rows_cols(x: torch.Tensor, fmt: str, pow2: bool, backend: str, cols_in_blocks: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backend(backend).quantize_rows_cols(x, FORMATS[fmt], pow2)
+    return _backend(backend).quantize_rows_cols(x, FORMATS[fmt], pow2, cols_in_blocks)
 
 
 @quantize_rows_cols.register_fake
-def _(x, fmt, pow2, backend):
-    return _fake_rows_cols(*x.shape, fmt, x)
+def _(x, fmt, pow2, backend, cols_in_blocks=False):
+    return _fake_rows_cols(*x.shape, fmt, x, cols_in_blocks)
 
 
 @torch.library.custom_op("megafp8::rmsnorm_quantize", mutates_args=())
-def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str, pow2: bool, backend: str
+def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str, pow2: bool, backend: str,
+                     cols_in_blocks: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backend(backend).rmsnorm_quantize(h, weight, eps, FORMATS[fmt], pow2)
+    return _backend(backend).rmsnorm_quantize(h, weight, eps, FORMATS[fmt], pow2, cols_in_blocks)
 
 
 @rmsnorm_quantize.register_fake
-def _(h, weight, eps, fmt, pow2, backend):
-    return (*_fake_rows_cols(*h.shape, fmt, h), h.new_empty(h.shape[0], dtype=torch.float32))
+def _(h, weight, eps, fmt, pow2, backend, cols_in_blocks=False):
+    return (*_fake_rows_cols(*h.shape, fmt, h, cols_in_blocks), h.new_empty(h.shape[0], dtype=torch.float32))
 
 
 @torch.library.custom_op("megafp8::swiglu_quantize", mutates_args=())
@@ -161,14 +163,15 @@ def _(out, a, a_scale, b, b_scale, backend):
 
 
 @torch.library.custom_op("megafp8::gather_quantize_rows_cols", mutates_args=())
-def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: str, pow2: bool, backend: str
+def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: str, pow2: bool, backend: str,
+                              cols_in_blocks: bool = False
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backend(backend).gather_quantize_rows_cols(source, index, FORMATS[fmt], pow2)
+    return _backend(backend).gather_quantize_rows_cols(source, index, FORMATS[fmt], pow2, cols_in_blocks)
 
 
 @gather_quantize_rows_cols.register_fake
-def _(source, index, fmt, pow2, backend):
-    return _fake_rows_cols(index.shape[0], source.shape[1], fmt, source)
+def _(source, index, fmt, pow2, backend, cols_in_blocks=False):
+    return _fake_rows_cols(index.shape[0], source.shape[1], fmt, source, cols_in_blocks)
 
 
 @torch.library.custom_op("megafp8::gather_scale_quantize_rows_cols", mutates_args=())
@@ -240,11 +243,12 @@ class TracedKernels:
     def quantize_rows(self, x: torch.Tensor, fmt: Fp8Format, pow2: bool):
         return quantize_rows(x, fmt.name, pow2, self.backend)
 
-    def quantize_rows_cols(self, x: torch.Tensor, fmt: Fp8Format, pow2: bool):
-        return quantize_rows_cols(x, fmt.name, pow2, self.backend)
+    def quantize_rows_cols(self, x: torch.Tensor, fmt: Fp8Format, pow2: bool, cols_in_blocks: bool = False):
+        return quantize_rows_cols(x, fmt.name, pow2, self.backend, cols_in_blocks)
 
-    def rmsnorm_quantize(self, h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format, pow2: bool):
-        return rmsnorm_quantize(h, weight, eps, fmt.name, pow2, self.backend)
+    def rmsnorm_quantize(self, h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format, pow2: bool,
+                         cols_in_blocks: bool = False):
+        return rmsnorm_quantize(h, weight, eps, fmt.name, pow2, self.backend, cols_in_blocks)
 
     def swiglu_quantize(self, gu: torch.Tensor, fmt: Fp8Format, pow2: bool):
         return swiglu_quantize(gu, fmt.name, pow2, self.backend)
@@ -269,8 +273,9 @@ class TracedKernels:
     def gemm_1x128_1x128_accumulate_(self, out, a, a_scale, b, b_scale) -> None:
         gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale, self.backend)
 
-    def gather_quantize_rows_cols(self, source: torch.Tensor, index: torch.Tensor, fmt: Fp8Format, pow2: bool):
-        return gather_quantize_rows_cols(source, index, fmt.name, pow2, self.backend)
+    def gather_quantize_rows_cols(self, source: torch.Tensor, index: torch.Tensor, fmt: Fp8Format, pow2: bool,
+                                  cols_in_blocks: bool = False):
+        return gather_quantize_rows_cols(source, index, fmt.name, pow2, self.backend, cols_in_blocks)
 
     def gather_scale_quantize_rows_cols(self, source: torch.Tensor, index: torch.Tensor, factor: torch.Tensor,
                                         fmt: Fp8Format, pow2: bool):

@@ -67,7 +67,9 @@ class GemmLayer(nn.Module):
     def fp8_backend_for(self, device: torch.device) -> Fp8Backend:
         """The FP8 GEMM backend for inputs on `device`: the recipe's, selected once."""
         if self._fp8_backend is None:
-            self._fp8_backend = select_backend(self.recipe.fp8.backend, device)
+            backend = select_backend(self.recipe.fp8.backend, device)
+            self.recipe.fp8.check_backend(backend)
+            self._fp8_backend = backend
         return self._fp8_backend
 
     def prepare_for_compiled(self) -> None:

@@ -184,7 +184,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         entry = cache.get(weight, backend, recipe.fmt, recipe.power_of_two_scales)
         # One launch for all experts; the rows' transpose (for wgrad) comes from the same read of x.
         xp_fp8, xp_scale, xt_fp8, xt_scale = backend.quantize_rows_cols(_to_padded_layout(x, rows), recipe.fmt,
-                                                                        recipe.power_of_two_scales)
+                                                                        recipe.power_of_two_scales,
+                                                                        recipe.wgrad_input_blocks)
         yp = backend.grouped_gemm_1x128_128x128(xp_fp8, xp_scale, entry, False, rows, x.dtype)
         ctx.rows, ctx.entry = rows, entry
         ctx.save_for_backward(xt_fp8, xt_scale, weight)
@@ -380,7 +381,8 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
         layout = ExpertRows.of_tiles(index.shape[0], tile_expert, tile_start, tile_count)
         gate_up = QuantizedWeight(gate_up_fp8, gate_up_scale, None, None)
         down = QuantizedWeight(down_fp8, down_scale, None, None)
-        x_fp8, x_scale, xt_fp8, xt_scale = k.gather_quantize_rows_cols(source, index, fmt, pow2)
+        x_fp8, x_scale, xt_fp8, xt_scale = k.gather_quantize_rows_cols(source, index, fmt, pow2,
+                                                                       recipe.wgrad_input_blocks)
         gu = k.grouped_gemm_1x128_128x128(x_fp8, x_scale, gate_up, False, layout, source.dtype)
         a_fp8, a_scale = k.swiglu_quantize(gu, fmt, pow2)
         y = k.grouped_gemm_1x128_128x128(a_fp8, a_scale, down, False, layout, source.dtype)

@@ -30,15 +30,16 @@ def rms_inverse(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format, power_of_two: bool,
-                     rstd: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
-    """RMSNorm of h (M, K) with `weight` (K,), quantized from FP32: (x_fp8, scales, xt_fp8, scales_t, rstd).
+                     rstd: Optional[torch.Tensor] = None, cols_in_blocks: bool = False) -> tuple[torch.Tensor, ...]:
+    """RMSNorm of h (M, K) with `weight` (K,), quantized from FP32: (x_fp8, scales, xt_fp8, scales_t, rstd), x^T
+    in 128x128 blocks with `cols_in_blocks` (`quantize_rows_cols`).
 
     The normalized row is (h * rstd) * weight in FP32, in that order (F.rms_norm's). `rstd` (M,), if given,
     replaces the computed one: a test passes a kernel's own rstd to check the rest of its arithmetic bit for bit."""
     if rstd is None:
         rstd = rms_inverse(h, eps)
     y32 = h.float() * rstd.unsqueeze(-1) * weight.float()
-    return (*quantize_rows_cols(y32, fmt, power_of_two), rstd)
+    return (*quantize_rows_cols(y32, fmt, power_of_two, cols_in_blocks), rstd)
 
 
 def rmsnorm_backward(h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,

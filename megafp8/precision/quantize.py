@@ -96,7 +96,8 @@ def quantize_1x128_transposed(x: torch.Tensor, fmt: Fp8Format, power_of_two: boo
     return quantize_1x128(x.t().contiguous(), fmt, power_of_two)
 
 
-def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) -> tuple[torch.Tensor, ...]:
+def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False,
+                       cols_in_blocks: bool = False) -> tuple[torch.Tensor, ...]:
     """Both quantizations a GEMM operand needs when it is contracted over K (fprop, dgrad) and over its rows
     (wgrad), each from the high-precision x itself:
 
@@ -104,10 +105,32 @@ def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool = Fal
                     xt_fp8 (K, M_pad), scales (K, M_pad/128)  x^T in 1x128 tiles along the rows, M padded with
                                                               zero rows to a multiple of 128
 
+    `cols_in_blocks` (`Fp8Recipe.wgrad_input_blocks`, for the weight gradient's input x only): x^T in 128x128
+    blocks instead, scales (K/128, M_pad/128), one per block of 128 features x 128 tokens (`cols_in_blocks` tells
+    the two layouts apart by the scales' shape).
+
     Scales are returned column-major (stride (1, rows)), the layout the GEMMs read, as every backend returns them."""
     q, s = quantize_1x128(x, fmt, power_of_two)
-    qt, st = quantize_1x128_transposed(pad_rows(x, -x.shape[0] % TILE, 0.0), fmt, power_of_two)
+    padded = pad_rows(x, -x.shape[0] % TILE, 0.0)
+    if cols_in_blocks:
+        qt, st = quantize_128x128(padded.t().contiguous(), fmt, power_of_two)
+    else:
+        qt, st = quantize_1x128_transposed(padded, fmt, power_of_two)
     return q, mn_major(s), qt, mn_major(st)
+
+
+def scales_in_blocks(values: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether the scales of a token-contracting wgrad operand (values (C, M_pad)) are one per 128 x 128 block
+    ((C/128, M_pad/128): `quantize_rows_cols(cols_in_blocks=True)`), not one per 1x128 tile along the tokens
+    ((C, M_pad/128))."""
+    return scales.shape[0] != values.shape[0]
+
+
+def dequantize_along_tokens(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A wgrad operand (C, M_pad) in FP32 from either layout of `quantize_rows_cols`'s x^T."""
+    if scales_in_blocks(values, scales):
+        return dequantize_128x128(values, scales)
+    return dequantize_1x128(values, scales)
 
 
 def mn_major(scale: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from megafp8.config import ConfigError, PrecisionConfig
-from megafp8.precision.backends import check_backend_name
+from megafp8.precision.backends import Fp8Backend, check_backend_name
 from megafp8.precision.formats import FORMATS, TILE, Fp8Format
 
 _PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16, "fp16": torch.float16}
@@ -34,6 +34,11 @@ class Fp8Recipe:
     # Keep each FP8 weight's transpose (what dgrad reads) for the weight's version; by default make it in each
     # backward from the kept FP8 weight (the same bits; one byte a parameter less held, one transpose per backward).
     keep_weight_transpose: bool = False
+    # Opt-in, a departure from DeepSeek-V3's recipe: the weight gradient's input x quantized in 128x128 blocks
+    # (features x tokens) instead of 1x128 tiles along the tokens, where a row + column quantizer makes it (RMSNorm's
+    # output, an FP8 linear's own input, the MoE dispatch; SwiGLU's output for the down projections keeps its
+    # tiles). The wgrad GEMM then promotes as fprop does (`docs/precision.md`).
+    wgrad_input_blocks: bool = False
 
     def __post_init__(self) -> None:
         for what, name in (("format", self.format), ("grad_format", self.grad_format)):
@@ -48,6 +53,14 @@ class Fp8Recipe:
     @property
     def grad_fmt(self) -> Fp8Format:
         return FORMATS[self.grad_format]
+
+    def check_backend(self, backend: Fp8Backend) -> None:
+        """Refuse a backend this recipe cannot run on (a `ConfigError` saying what to change)."""
+        if self.wgrad_input_blocks and not backend.wgrad_input_blocks:
+            raise ConfigError(f"precision.fp8_wgrad_input_blocks: the {backend.name} backend's weight-gradient GEMMs "
+                              "read x in 1x128 tiles only; use precision.fp8_backend=hopper (SM90 with Triton's "
+                              "Gluon; `auto` picks it there) or reference, or set precision.fp8_wgrad_input_blocks "
+                              "to false")
 
     @property
     def all_gemms(self) -> bool:
@@ -77,7 +90,8 @@ class PrecisionRecipe:
         name = name or cfg.recipe
         fp8 = Fp8Recipe(grad_format=cfg.fp8_grad_format, power_of_two_scales=cfg.fp8_power_of_two_scales,
                         fprop=cfg.fp8_fprop, dgrad=cfg.fp8_dgrad, wgrad=cfg.fp8_wgrad, backend=cfg.fp8_backend,
-                        keep_weight_transpose=cfg.fp8_keep_weight_transpose)
+                        keep_weight_transpose=cfg.fp8_keep_weight_transpose,
+                        wgrad_input_blocks=cfg.fp8_wgrad_input_blocks)
         return cls.from_name(name, fp8 if name == "fp8" else None)
 
     def high_precision(self) -> "PrecisionRecipe":

@@ -7,6 +7,10 @@ dgrad (1x128 x 128x128) run on the same kernel; the dense weight gradient stays 
 `main_grad` in its epilogue, which is faster there than the warp-specialized kernel. The fprop and dgrad, dense
 and grouped, use the kernel's interleaved-FFMA variant (`ws_gemm(interleave_ffma=True)`, the same bits). The
 measurements behind each choice are in `docs/performance.md` and `docs/benchmarks.md`.
+
+With `precision.fp8_wgrad_input_blocks` (x^T in 128x128 blocks, `Fp8Recipe.wgrad_input_blocks`) the weight
+gradients whose input arrives that way run on the warp-specialized kernel too, promoted as fprop is (1.19-1.46x
+cuBLASLt's 1x128 x 1x128 wgrad on our dense linears).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from megafp8.precision import quantize as ref
 from megafp8.precision.backends.cublas_backend import CublasBackend
 
 
@@ -25,6 +30,7 @@ class HopperBackend(CublasBackend):
     priority = 3  # `auto` prefers it to `cublas` where both run (see the module docstring)
     grouped_kernel = "ws"
     interleave_ffma = True
+    wgrad_input_blocks = True  # x^T in 128x128 blocks: its wgrads on the warp-specialized kernel
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> Optional[str]:
@@ -40,6 +46,19 @@ class HopperBackend(CublasBackend):
         block_n = _tile_width(b.shape[0])
         return ws_gemm(a, a_scale, b, self.block_scales_nk(b_scale), c, b_blockwise=True, block_n=block_n,
                        interleave_ffma=self.interleave_ffma and block_n == 256)
+
+    def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype):
+        if not ref.scales_in_blocks(b, b_scale):
+            return super().gemm_1x128_1x128(a, a_scale, b, b_scale, out_dtype)
+        from megafp8.precision.kernels.gemm import wgrad
+        return wgrad(a, a_scale, b, b_scale, out_dtype, b_blocks=True)
+
+    def gemm_1x128_1x128_accumulate_(self, out, a, a_scale, b, b_scale):
+        if not ref.scales_in_blocks(b, b_scale):
+            super().gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale)
+            return
+        from megafp8.precision.kernels.gemm import wgrad
+        wgrad(a, a_scale, b, b_scale, torch.float32, accumulate=out, b_blocks=True)
 
 
 def _tile_width(columns: int) -> int:

@@ -59,6 +59,9 @@ class Fp8Backend:
 
     name: ClassVar[str] = "reference"
     priority: ClassVar[int] = 0  # `auto` picks the available backend of highest priority
+    # Whether the backend takes the weight gradient's input x in 128x128 blocks (`Fp8Recipe.wgrad_input_blocks`): its
+    # row + column quantizers write them and its wgrad GEMMs read them.
+    wgrad_input_blocks: ClassVar[bool] = True
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> Optional[str]:
@@ -72,16 +75,18 @@ class Fp8Backend:
         q, s = ref.quantize_1x128(x, fmt, power_of_two)
         return q, ref.mn_major(s)
 
-    def quantize_rows_cols(self, x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
-        """x (M, K) -> (x_fp8, scales, xt_fp8 (K, M_pad), scales_t): `quantize.quantize_rows_cols`."""
-        return ref.quantize_rows_cols(x, fmt, power_of_two)
+    def quantize_rows_cols(self, x: torch.Tensor, fmt: Fp8Format, power_of_two: bool,
+                           cols_in_blocks: bool = False) -> tuple[torch.Tensor, ...]:
+        """x (M, K) -> (x_fp8, scales, xt_fp8 (K, M_pad), scales_t): `quantize.quantize_rows_cols` (x^T in 128x128
+        blocks with `cols_in_blocks`)."""
+        return ref.quantize_rows_cols(x, fmt, power_of_two, cols_in_blocks)
 
     def gather_quantize_rows_cols(self, source: torch.Tensor, index: torch.Tensor, fmt: Fp8Format,
-                                  power_of_two: bool) -> tuple[torch.Tensor, ...]:
+                                  power_of_two: bool, cols_in_blocks: bool = False) -> tuple[torch.Tensor, ...]:
         """`quantize_rows_cols` of x (M, K), x[i] = source[index[i]] (index (M,); a zero row where index[i] < 0)."""
         gathered = source.index_select(0, index.clamp(min=0))
         x = torch.where((index >= 0).unsqueeze(1), gathered, torch.zeros((), dtype=source.dtype, device=source.device))
-        return self.quantize_rows_cols(x, fmt, power_of_two)
+        return self.quantize_rows_cols(x, fmt, power_of_two, cols_in_blocks)
 
     def gather_scale_quantize_rows_cols(self, source: torch.Tensor, index: torch.Tensor, factor: torch.Tensor,
                                         fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
@@ -93,9 +98,9 @@ class Fp8Backend:
         return ref.quantize_rows_cols(x, fmt, power_of_two)
 
     def rmsnorm_quantize(self, h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format,
-                         power_of_two: bool) -> tuple[torch.Tensor, ...]:
+                         power_of_two: bool, cols_in_blocks: bool = False) -> tuple[torch.Tensor, ...]:
         """RMSNorm quantized from FP32: `producers.rmsnorm_quantize` (the last output is rstd (M,))."""
-        return producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two)
+        return producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two, cols_in_blocks=cols_in_blocks)
 
     def swiglu_quantize(self, gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
         """silu(gate) * up quantized from FP32 along its features: `producers.swiglu_quantize`."""
@@ -175,8 +180,9 @@ class Fp8Backend:
 
     def gemm_1x128_1x128(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                          out_dtype: torch.dtype) -> torch.Tensor:
-        """A (M, K) @ B (N, K)^T, both in 1x128 tiles along K (the weight gradient's GEMM)."""
-        return (ref.dequantize_1x128(a, a_scale) @ ref.dequantize_1x128(b, b_scale).t()).to(out_dtype)
+        """A (M, K) @ B (N, K)^T, both in 1x128 tiles along K (the weight gradient's GEMM; B, the input x^T, in
+        128x128 blocks where its scales say so: `quantize.scales_in_blocks`)."""
+        return (ref.dequantize_1x128(a, a_scale) @ ref.dequantize_along_tokens(b, b_scale).t()).to(out_dtype)
 
     def gemm_1x128_1x128_accumulate_(self, out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor,
                                      b: torch.Tensor, b_scale: torch.Tensor) -> None:
@@ -204,7 +210,7 @@ class Fp8Backend:
         added into it (never rounded to `out_dtype`), which is returned."""
         out = torch.zeros(num_experts, a.shape[0], b.shape[0], dtype=out_dtype if accumulate is None
                           else torch.float32, device=a.device)
-        for e, lo, hi in rows.segments:
+        for e, lo, hi in rows.segments:  # (B's scales, per 1x128 tile or per block, are per 128 rows either way)
             t0, t1 = lo // TILE, hi // TILE
             out[e] = Fp8Backend.gemm_1x128_1x128(self, a[:, lo:hi].contiguous(), a_scale[:, t0:t1],
                                                  b[:, lo:hi].contiguous(), b_scale[:, t0:t1], out.dtype)

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from megafp8.precision import quantize as ref
 from megafp8.precision.backends.reference import Fp8Backend, QuantizedWeight
 from megafp8.precision.formats import Fp8Format
 from megafp8.precision.producers import rope_backward_fusable
@@ -30,6 +31,7 @@ class TritonBackend(Fp8Backend):
     priority = 1
     grouped_kernel: Optional[str] = None  # the grouped GEMMs' kernel (`megafp8.precision.kernels.gemm`); None: default
     interleave_ffma = False  # the warp-specialized grouped fprop and dgrad with their FFMAs interleaved (`ws_gemm`)
+    wgrad_input_blocks = False  # its wgrad GEMMs read x^T in 1x128 tiles only (the hopper backend: blocks too)
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> Optional[str]:
@@ -44,17 +46,17 @@ class TritonBackend(Fp8Backend):
     def quantize_rows(self, x, fmt, power_of_two):
         return self.quantizers.quantize_rows(x, fmt, power_of_two)
 
-    def quantize_rows_cols(self, x, fmt, power_of_two):
-        return self.quantizers.quantize_rows_cols(x, fmt, power_of_two)
+    def quantize_rows_cols(self, x, fmt, power_of_two, cols_in_blocks=False):
+        return self.quantizers.quantize_rows_cols(x, fmt, power_of_two, cols_in_blocks)
 
-    def gather_quantize_rows_cols(self, source, index, fmt, power_of_two):
-        return self.quantizers.gather_quantize_rows_cols(source, index, fmt, power_of_two)
+    def gather_quantize_rows_cols(self, source, index, fmt, power_of_two, cols_in_blocks=False):
+        return self.quantizers.gather_quantize_rows_cols(source, index, fmt, power_of_two, cols_in_blocks)
 
     def gather_scale_quantize_rows_cols(self, source, index, factor, fmt, power_of_two):
         return self.quantizers.gather_scale_quantize_rows_cols(source, index, factor, fmt, power_of_two)
 
-    def rmsnorm_quantize(self, h, weight, eps, fmt, power_of_two):
-        return self.producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two)
+    def rmsnorm_quantize(self, h, weight, eps, fmt, power_of_two, cols_in_blocks=False):
+        return self.producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two, cols_in_blocks)
 
     def swiglu_quantize(self, gu, fmt, power_of_two):
         return self.producers.swiglu_quantize(gu, fmt, power_of_two)
@@ -81,7 +83,14 @@ class TritonBackend(Fp8Backend):
         return self.gemms.gemm(a, a_scale, b, b_scale, True, out_dtype)
 
     def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype):
+        self._tiles_only(b, b_scale)
         return self.gemms.gemm(a, a_scale, b, b_scale, False, out_dtype)
+
+    def _tiles_only(self, b, b_scale) -> None:
+        """Refuse x^T in 128x128 blocks (`Fp8Recipe.wgrad_input_blocks`), which these wgrad GEMMs do not read."""
+        if ref.scales_in_blocks(b, b_scale):
+            raise ValueError(f"the {self.name} backend's weight-gradient GEMMs read x^T in 1x128 tiles only; "
+                             "precision.fp8_wgrad_input_blocks needs the hopper backend (SM90) or reference")
 
     def grouped_gemm_1x128_128x128(self, a, a_scale, w, transposed, rows, out_dtype):
         b, b_scale = self.weight_transposed(w) if transposed else (w.w_fp8, w.w_scale)
@@ -91,9 +100,12 @@ class TritonBackend(Fp8Backend):
                                        interleave_ffma=self.interleave_ffma)
 
     def grouped_gemm_1x128_1x128(self, a, a_scale, b, b_scale, rows, num_experts, out_dtype, accumulate=None):
+        if not self.wgrad_input_blocks:
+            self._tiles_only(b, b_scale)
         if a.shape[1] == 0:
             if accumulate is not None:
                 return accumulate
             return torch.zeros(num_experts, a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
         return self.gemms.grouped_wgrad(a, a_scale, b, b_scale, rows.tile_start, rows.tile_count, out_dtype,
-                                        kernel=self.grouped_kernel, accumulate=accumulate)
+                                        kernel=self.grouped_kernel, accumulate=accumulate,
+                                        b_blocks=ref.scales_in_blocks(b, b_scale))

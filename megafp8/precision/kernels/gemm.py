@@ -340,11 +340,13 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
 def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype,
                   kernel: Optional[str] = None, accumulate: Optional[torch.Tensor] = None,
-                  block_n: int = 256, tma_store: Optional[bool] = None) -> torch.Tensor:
+                  block_n: int = 256, tma_store: Optional[bool] = None, b_blocks: bool = False) -> torch.Tensor:
     """a (N, Mp), b (K, Mp) FP8 in 1x128 tiles along Mp, scales (N, Mp/128), (K, Mp/128) -> (E, N, K).
     `accumulate` (E, N, K) FP32: add the product into it in the GEMM's epilogue (no rounding to `out_dtype`, no
     separate pass) and return it. `kernel`, `block_n` and `tma_store` as in `grouped_gemm` (the 1x128 x 1x128
-    promotion has no long FFMA runs to interleave: `ws_gemm(interleave_ffma=True)` would leave its cubin as it is)."""
+    promotion has no long FFMA runs to interleave: `ws_gemm(interleave_ffma=True)` would leave its cubin as it is).
+    `b_blocks`: b in 128x128 blocks, scales (K/128, Mp/128) (`Fp8Recipe.wgrad_input_blocks`; the warp-specialized
+    kernel only, 256-wide tiles, promoted as fprop is, its FFMAs interleaved)."""
     n, mp = a.shape
     k = b.shape[0]
     num_experts = tile_start.shape[0]
@@ -356,6 +358,13 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     _check_kernel(kernel)
     _check_tma_store(kernel, tma_store)
     c = torch.empty(num_experts, n, k, dtype=out_dtype, device=a.device) if accumulate is None else accumulate
+    if b_blocks:
+        if kernel != "ws":
+            raise ValueError(f"b in 128x128 blocks needs the warp-specialized kernel, not {kernel!r}")
+        from megafp8.precision.kernels.ws_gemm import ws_gemm
+        return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=True, accumulate=accumulate is not None,
+                       k_start=tile_start, k_count=tile_count, block_n=256, tma_store=tma_store,
+                       interleave_ffma=True)
     if kernel == "ws":
         from megafp8.precision.kernels.ws_gemm import ws_gemm
         return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=False, accumulate=accumulate is not None,
@@ -383,14 +392,19 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
 
 def wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
           accumulate: Optional[torch.Tensor] = None, block_n: int = 256,
-          tma_store: Optional[bool] = None) -> torch.Tensor:
+          tma_store: Optional[bool] = None, b_blocks: bool = False) -> torch.Tensor:
     """A dense layer's weight gradient by the warp-specialized kernel: a (N, M) = dy^T, b (K, M) = x^T, FP8 in
     1x128 tiles along the tokens M, scales (N, M/128), (K, M/128) -> (N, K); with `accumulate` ((N, K) FP32, a
-    weight's `main_grad`) added into it in the epilogue and returned. Not used by the backends (cuBLASLt adding into
-    main_grad is faster on most of our linears, `docs/performance.md`); kept as the alternative
-    `benchmarks/dense_gemm.py` measures and for GEMMs cuBLAS does not take."""
+    weight's `main_grad`) added into it in the epilogue and returned. With x^T in 1x128 tiles the backends leave
+    it to cuBLASLt (adding into main_grad is faster there on most of our linears, `docs/performance.md`; kept as the
+    alternative `benchmarks/dense_gemm.py` measures). With `b_blocks` (x^T in 128x128 blocks, scales (K/128, M/128):
+    `Fp8Recipe.wgrad_input_blocks`) the hopper backend runs it: promoted as fprop is, 1.19-1.46x cuBLASLt's 1x128 x
+    1x128 wgrad (`docs/benchmarks.md`, thirty-fifth session)."""
     from megafp8.precision.kernels.ws_gemm import ws_gemm
     n, k = a.shape[0], b.shape[0]
     c = accumulate if accumulate is not None else torch.empty(n, k, dtype=out_dtype, device=a.device)
+    if b_blocks:
+        return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=True, accumulate=accumulate is not None,
+                       block_n=256, tma_store=tma_store, interleave_ffma=True)
     return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=False, accumulate=accumulate is not None,
                    block_n=block_n, tma_store=tma_store)

@@ -149,27 +149,37 @@ def quantize_rows(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[
     return q, s
 
 
-def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
-    """x (M, K) -> (q (M, K), scales (M, K/128), x^T q (K, M_pad), scales (K, M_pad/128)), one read of x."""
+def quantize_rows_cols(x: torch.Tensor, fmt: Fp8Format, power_of_two: bool,
+                       cols_in_blocks: bool = False) -> tuple[torch.Tensor, ...]:
+    """x (M, K) -> (q (M, K), scales (M, K/128), x^T q (K, M_pad), scales (K, M_pad/128)), one read of x; x^T in
+    128x128 blocks with `cols_in_blocks` (scales (K/128, M_pad/128))."""
     assert x.stride(1) == 1, "quantize_rows_cols needs a row-major input"
     m, k = x.shape
-    out = tiles.rows_cols_outputs(m, k, fmt, x.device)
+    out = tiles.rows_cols_outputs(m, k, fmt, x.device, cols_in_blocks)
     check_offsets("quantize_rows_cols", x, *out)
     if not m:
         return out
-    launch_rows_cols(x, None, None, out, fmt, power_of_two)
+    launch_rows_cols(x, None, None, out, fmt, power_of_two, cols_in_blocks=cols_in_blocks)
     return out
 
 
 def launch_rows_cols(x: torch.Tensor, rstd: Optional[torch.Tensor], weight: Optional[torch.Tensor], out: tuple,
-                     fmt: Fp8Format, power_of_two: bool, index: Optional[torch.Tensor] = None) -> None:
+                     fmt: Fp8Format, power_of_two: bool, index: Optional[torch.Tensor] = None,
+                     cols_in_blocks: bool = False) -> None:
     """Fill `out` (from `tiles.rows_cols_outputs`) with a 128x128-tiled tensor quantized both ways: x (M, K) itself,
     RMSNorm(x) given its rstd (M,) and weight (K,), the rows x[index[i]] (M = len(index); a zero row where
     index[i] < 0), or with both rstd and index the gathered rows scaled by rstd[i] (weight: ones). On SM90 by the
     Gluon kernel (`rows_cols_gluon.launch`, the same bytes in fewer instructions), elsewhere by the Triton ones
-    (`launch_rows_cols_triton`)."""
+    (`launch_rows_cols_triton`). x^T in 128x128 blocks (`cols_in_blocks`, out from `tiles.rows_cols_outputs` with
+    it) only by the Gluon kernel: the backends that take them (`Fp8Backend.wgrad_input_blocks`) run on SM90."""
     gluon = tiles.hopper_gluon(x.device, "rows_cols_gluon")
-    (gluon.launch if gluon else launch_rows_cols_triton)(x, rstd, weight, out, fmt, power_of_two, index=index)
+    if gluon:
+        gluon.launch(x, rstd, weight, out, fmt, power_of_two, index=index, cols_in_blocks=cols_in_blocks)
+        return
+    if cols_in_blocks:
+        raise ValueError("x^T in 128x128 blocks (precision.fp8_wgrad_input_blocks) is quantized by the Gluon kernel, "
+                         "which needs an SM90 GPU and Triton's Gluon")
+    launch_rows_cols_triton(x, rstd, weight, out, fmt, power_of_two, index=index)
 
 
 def launch_rows_cols_triton(x: torch.Tensor, rstd: Optional[torch.Tensor], weight: Optional[torch.Tensor],
@@ -189,24 +199,25 @@ def launch_rows_cols_triton(x: torch.Tensor, rstd: Optional[torch.Tensor], weigh
         _gather_scale_quantize_rows_cols_kernel[grid](x, index, rstd, weight, *tail, **constants)
 
 
-def _gathered_outputs(name: str, source: torch.Tensor, index: torch.Tensor,
-                      fmt: Fp8Format) -> tuple[int, int, tuple[torch.Tensor, ...]]:
+def _gathered_outputs(name: str, source: torch.Tensor, index: torch.Tensor, fmt: Fp8Format,
+                      cols_in_blocks: bool = False) -> tuple[int, int, tuple[torch.Tensor, ...]]:
     """(M, K, outputs) of a gathering row + column quantizer `name` over the rows source[index[i]]."""
     assert source.stride(1) == 1, f"{name} needs a row-major source"
     m, k = index.shape[0], source.shape[1]
-    out = tiles.rows_cols_outputs(m, k, fmt, source.device)
+    out = tiles.rows_cols_outputs(m, k, fmt, source.device, cols_in_blocks)
     check_offsets(name, *out)  # source rows are indexed in int64
     return m, k, out
 
 
 def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: Fp8Format,
-                              power_of_two: bool) -> tuple[torch.Tensor, ...]:
+                              power_of_two: bool, cols_in_blocks: bool = False) -> tuple[torch.Tensor, ...]:
     """`quantize_rows_cols` of x (M, K) with x[i] = source[index[i]] (a zero row where index[i] < 0), reading
     the source rows in place: the gather into a layout and the quantization in one pass."""
-    m, _, out = _gathered_outputs("gather_quantize_rows_cols", source, index, fmt)
+    m, _, out = _gathered_outputs("gather_quantize_rows_cols", source, index, fmt, cols_in_blocks)
     if not m:
         return out
-    launch_rows_cols(source, None, None, out, fmt, power_of_two, index=index.contiguous())
+    launch_rows_cols(source, None, None, out, fmt, power_of_two, index=index.contiguous(),
+                     cols_in_blocks=cols_in_blocks)
     return out
 
 

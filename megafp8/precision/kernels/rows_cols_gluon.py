@@ -74,10 +74,12 @@ def _scales(amax_sliced, SPREAD: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.c
 def _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm,
                     stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
                     POW2: gl.constexpr, NORM: gl.constexpr, GATHER: gl.constexpr, LOAD: gl.constexpr,
-                    STORE_T: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr):
+                    STORE_T: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr,
+                    COL_BLOCKS: gl.constexpr):
     """Tile (kb, mb) of x (M, K): quantized along its rows (q, s) and along its columns (qt = x^T, st; rows past M
-    as zeros). With NORM, of RMSNorm(x): (x * rstd[row]) * w[col] in FP32, as the Triton kernel computes it. With
-    GATHER, row i is x[idx[i]] (a zero row where idx[i] < 0): the MoE dispatch's gather into the expert layout."""
+    as zeros; with COL_BLOCKS, x^T as one 128x128 block). With NORM, of RMSNorm(x): (x * rstd[row]) * w[col] in
+    FP32, as the Triton kernel computes it. With GATHER, row i is x[idx[i]] (a zero row where idx[i] < 0): the MoE
+    dispatch's gather into the expert layout."""
     kb = gl.program_id(0)
     mb = gl.program_id(1)
     rows = mb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LOAD))
@@ -94,7 +96,7 @@ def _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_pt
         rstd = _load_rows(rstd_ptr + rows, in_rows, MASKED)
         x = (x * gl.expand_dims(rstd, 1)) * gl.expand_dims(gl.load(w_ptr + cols).to(gl.float32), 0)
     _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, stride_qm, stride_sm, stride_sk, stride_qt,
-                   stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, ROWS, COLS, MASKED)
+                   stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, ROWS, COLS, MASKED, COL_BLOCKS)
 
 
 @gluon.jit
@@ -110,10 +112,11 @@ def _load_rows(ptrs, in_rows, MASKED: gl.constexpr):
 @gluon.jit
 def _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, stride_qm, stride_sm, stride_sk, stride_qt,
                    stride_st_k, stride_st_m, FP8_MAX: gl.constexpr, POW2: gl.constexpr, STORE_T: gl.constexpr,
-                   ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr):
+                   ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr, COL_BLOCKS: gl.constexpr):
     """Tile (kb, mb), x (128 tokens `rows`, 128 features `cols`) in FP32, quantized along its rows (q, s) and along
     its columns (qt = x^T, st; rows past M, which x holds as zeros, fill qt's padding). Rows are stored below M
-    only where MASKED (M not a multiple of 128; else every row is in range and the stores need no predicate)."""
+    only where MASKED (M not a multiple of 128; else every row is in range and the stores need no predicate).
+    COL_BLOCKS: x^T as one 128x128 block, its one scale at st[kb, mb] (`quantize.quantize_rows_cols`)."""
     # Rows (`tiles.store_rows`): one scale per token over the tile's 128 features.
     row_scale, row_inv = _scales(gl.reduce(gl.abs(x), 1, gluon_tiles.nan_max), ROWS, FP8_MAX, POW2)
     q = (x * gl.expand_dims(row_inv, 1)).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # saturating
@@ -127,7 +130,10 @@ def _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, strid
         gl.store(q_ptrs, q)
         gl.store(s_ptrs, row_scale)
     # Columns (`tiles.store_cols`): one scale per feature over the tile's 128 tokens, x^T written from registers.
-    col_scale, col_inv = _scales(gl.reduce(gl.abs(x), 0, gluon_tiles.nan_max), COLS, FP8_MAX, POW2)
+    col_amax = gl.reduce(gl.abs(x), 0, gluon_tiles.nan_max)
+    if COL_BLOCKS:  # the block's max in every column: each computes the same scale, one stores it
+        col_amax = gluon_tiles.nan_max(col_amax, gl.reduce(col_amax, 0, gluon_tiles.nan_max))
+    col_scale, col_inv = _scales(col_amax, COLS, FP8_MAX, POW2)
     # Into the layout that lists each thread's tokens first while still FP32 (the same threads: a renaming of
     # registers), so that each conversion packs two consecutive tokens, as the transposed store wants them.
     qt = gl.convert_layout(x * gl.expand_dims(col_inv, 0), STORE_T)
@@ -136,7 +142,10 @@ def _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, strid
     t_cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, STORE_T))
     gl.store(qt_ptr + gl.expand_dims(t_cols, 0) * stride_qt + gl.expand_dims(t_rows, 1), qt)
     scale_cols = kb * 128 + gl.arange(0, 128, layout=col_scale.type.layout)
-    gl.store(st_ptr + scale_cols * stride_st_k + mb * stride_st_m, col_scale)
+    if COL_BLOCKS:
+        gl.store(st_ptr + (scale_cols // 128) * stride_st_k + mb * stride_st_m, col_scale, mask=scale_cols % 128 == 0)
+    else:
+        gl.store(st_ptr + scale_cols * stride_st_k + mb * stride_st_m, col_scale)
 
 
 # Two entry points around the same tile, so that a profile tells the RMSNorm producer's launches from the standalone
@@ -146,10 +155,11 @@ def _quantize_rows_cols_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_p
                                      stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
                                      FP8_MAX: gl.constexpr, POW2: gl.constexpr, NORM: gl.constexpr,
                                      GATHER: gl.constexpr, LOAD: gl.constexpr, STORE_T: gl.constexpr,
-                                     ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr):
+                                     ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr,
+                                     COL_BLOCKS: gl.constexpr):
     _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
                     stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, NORM, GATHER, LOAD, STORE_T, ROWS,
-                    COLS, MASKED)
+                    COLS, MASKED, COL_BLOCKS)
 
 
 @gluon.jit
@@ -157,10 +167,11 @@ def _rmsnorm_quantize_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr
                                    stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m,
                                    FP8_MAX: gl.constexpr, POW2: gl.constexpr, NORM: gl.constexpr,
                                    GATHER: gl.constexpr, LOAD: gl.constexpr, STORE_T: gl.constexpr,
-                                   ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr):
+                                   ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr,
+                                   COL_BLOCKS: gl.constexpr):
     _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
                     stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, NORM, GATHER, LOAD, STORE_T, ROWS,
-                    COLS, MASKED)
+                    COLS, MASKED, COL_BLOCKS)
 
 
 @gluon.jit
@@ -221,7 +232,7 @@ def _rope_backward_quantize_gluon_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_pt
                             stride_dk, stride_dv, stride_cos, stride_sin, HEAD_DIM, MASKED)
     # Its row stores keep their predicates on whole token blocks (as before `f3b4467`; without them, not timed).
     _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, stride_qm, stride_sm, stride_sk, stride_qt,
-                   stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, ROWS, COLS, True)
+                   stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, ROWS, COLS, True, False)
 
 
 def kernel_for(norm: bool):
@@ -236,10 +247,11 @@ _ROPE_LAUNCH = gluon_tiles.TokenCountLaunch(_rope_backward_quantize_gluon_kernel
 
 def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | None, out: tuple, fmt: Fp8Format,
            power_of_two: bool, spread_rows: bool = True, spread_cols: bool = True,
-           index: torch.Tensor | None = None) -> None:
+           index: torch.Tensor | None = None, cols_in_blocks: bool = False) -> None:
     """Fill `out` (from `tiles.rows_cols_outputs`) from x (M, K), from RMSNorm(x) given its rstd (M,) and weight
     (K,), or from the rows x[index[i]] (M = len(index); a zero row where index[i] < 0).
-    `spread_rows`/`spread_cols`: share the rows' or columns' divisions out over the threads."""
+    `spread_rows`/`spread_cols`: share the rows' or columns' divisions out over the threads. `cols_in_blocks`: x^T
+    in 128x128 blocks (out from `tiles.rows_cols_outputs` with it)."""
     m, k = (x.shape[0] if index is None else index.shape[0]), x.shape[1]
     q, s, qt, st = out
     load, store_t, rows, cols = tile_layouts()
@@ -255,7 +267,7 @@ def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | No
         (x, rstd if norm else x, weight if norm else x, index if gather else x, q, s, qt, st, m, x.stride(0),
          q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1)),
         dict(FP8_MAX=fmt.max, POW2=power_of_two, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows,
-             COLS=cols, MASKED=masked, num_warps=WARPS))
+             COLS=cols, MASKED=masked, COL_BLOCKS=cols_in_blocks, num_warps=WARPS))
 
 
 def launch_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -103,11 +103,14 @@ def mn_major_scales(rows: int, cols: int, device: torch.device) -> torch.Tensor:
     return torch.empty(cols, rows, dtype=torch.float32, device=device).t()
 
 
-def rows_cols_outputs(m: int, k: int, fmt: Fp8Format, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Empty (x_fp8 (M, K), scales (M, K/128), xt_fp8 (K, M_pad), scales_t (K, M_pad/128)), scales column-major."""
+def rows_cols_outputs(m: int, k: int, fmt: Fp8Format, device: torch.device,
+                      cols_in_blocks: bool = False) -> tuple[torch.Tensor, ...]:
+    """Empty (x_fp8 (M, K), scales (M, K/128), xt_fp8 (K, M_pad), scales_t (K, M_pad/128)), scales column-major;
+    with `cols_in_blocks` x^T's scales are one per 128x128 block, (K/128, M_pad/128) (`quantize.quantize_rows_cols`)."""
     m_pad = -(-m // 128) * 128
     return (torch.empty(m, k, dtype=fmt.dtype, device=device), mn_major_scales(m, k // 128, device),
-            torch.empty(k, m_pad, dtype=fmt.dtype, device=device), mn_major_scales(k, m_pad // 128, device))
+            torch.empty(k, m_pad, dtype=fmt.dtype, device=device),
+            mn_major_scales(k // 128 if cols_in_blocks else k, m_pad // 128, device))
 
 
 def rows_cols_strides(q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor, st: torch.Tensor) -> tuple[int, ...]:
