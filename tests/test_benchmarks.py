@@ -196,6 +196,26 @@ def test_dense_gemm_benchmark_prints_each_gemm_of_each_linear_or_why_not():
         assert bad.returncode == 2 and "--cuda-graphs needs --device cuda" in bad.stderr, (script, bad.stderr)
 
 
+def test_wgrad_scaling_study_compares_the_two_scalings_of_x_on_each_distribution():
+    """benchmarks/wgrad_scaling.py (the accuracy study behind `precision.fp8_wgrad_input_blocks`): a row per
+    distribution with each scaling's dW error against FP64; on i.i.d. Gaussian x the blocks cost (almost) nothing,
+    on x with token outliers they cost more than on any other row; sizes that are not whole tiles are refused."""
+    cmd = [sys.executable, "benchmarks/wgrad_scaling.py", "--tokens", "1024", "--features", "256", "--outputs", "256"]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {cells[0]: cells[1:] for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line
+            for cells in [[c.strip() for c in line.split("|")[1:-1]]] if cells[0] != "x"}
+    assert len(rows) == 5
+    ratios = {name: float(cells[2].removesuffix("x")) for name, cells in rows.items()}
+    for name, (recipe, blocks, _, tensorwise) in rows.items():
+        assert 0.01 < float(recipe) < 0.06 and 0.01 < float(blocks) < 0.06 and float(tensorwise) > 0.01, name
+    assert ratios["gaussian"] == pytest.approx(1.0, abs=0.05)
+    assert max(ratios, key=ratios.get).startswith("token outliers"), ratios
+    bad = subprocess.run(cmd[:2] + ["--tokens", "1000"], cwd=REPO, env=torchrun_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "--tokens must be a multiple of 128" in bad.stderr
+
+
 def test_grouped_gemm_benchmark_helpers():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import grouped_gemm as gg
