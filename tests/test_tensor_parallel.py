@@ -267,6 +267,14 @@ def test_compiled_fp8_tp2_sp_training_matches_tp1(parity):
                  LOW_PRECISION_TOL)
 
 
+def test_fp8_tp2_sp_with_x_in_blocks_for_wgrad_matches_tp1(parity):
+    """`precision.fp8_wgrad_input_blocks`: under sequence parallelism each rank quantizes its own token shard (whole
+    128-token blocks) and the FP8 x^T is gathered with its block scales; row-parallel layers split x's features at
+    128-feature block boundaries. So TP=2 + SP trains as TP=1 does with the same switch."""
+    parity.check(TP_MODEL + ["precision.recipe=fp8", "precision.fp8_wgrad_input_blocks=true"], LAYOUTS["tp2_sp"], 2,
+                 LOW_PRECISION_TOL)
+
+
 def test_tp2_with_mla_and_mtp_matches_tp1(parity):
     """MLA attention and one MTP depth (shared embedding and vocab-parallel head, ignored targets) at TP=2 + SP."""
     mla = ["model.attention.kind=mla", "model.attention.q_lora_rank=128", "model.attention.kv_lora_rank=128",

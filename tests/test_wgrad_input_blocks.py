@@ -4,6 +4,8 @@ compiled, and the backends that refuse it. (The Gluon quantizer and the warp-spe
 are checked against these definitions by `tests/test_fp8_gpu.py`.)"""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -146,20 +148,24 @@ def test_the_config_switch_reaches_the_recipe(tiny_overrides):
 
 
 @pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe_fp8"])
-def test_a_tiny_model_trains_with_x_in_blocks_as_it_does_with_tiles(tiny_overrides, model):
+def test_a_tiny_model_trains_with_x_in_blocks_as_it_does_with_tiles(tiny_overrides, model, caplog):
     """A few optimizer steps of a tiny FP8 model, dense and MoE (reference backend, CPU): the losses track the
     default recipe's closely (the blocks change only the weight gradients' rounding), and the first, which no weight
-    gradient has touched yet, is the same."""
+    gradient has touched yet, is the same. The run's start-up line says the recipe left DeepSeek-V3's tiles."""
     from megafp8.parallel import ParallelDims
     from megafp8.train import Trainer
 
-    losses = {}
+    losses, said = {}, {}
     for blocks in (False, True):
         torch.manual_seed(0)
         cfg = _fp8_config(tiny_overrides, blocks, "training.steps=6", "optimizer.warmup_steps=1",
                           f"run_name=blocks_{blocks}", model=model)
-        records = Trainer(cfg, ParallelDims.single(), torch.device("cpu")).fit()
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            records = Trainer(cfg, ParallelDims.single(), torch.device("cpu")).fit()
         losses[blocks] = [r["loss"] for r in records if r["kind"] == "train"]
+        said[blocks] = "the wgrads' x in 128x128 blocks" in caplog.text
+    assert said == {False: False, True: True}
     tiles, blocks = losses[False], losses[True]
     assert len(tiles) == len(blocks) == 6
     assert tiles[0] == blocks[0] and tiles != blocks

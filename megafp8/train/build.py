@@ -197,8 +197,10 @@ def log_run_start(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, 
         return
     num_params = sum(math.prod(full_shape(p, dims.tensor_parallel.size)) for p in whole_model.parameters())
     m, training = model_cfg, cfg.training
-    log.info("model: %.2fM parameters (%s, vocab %d, %s) | precision %s", num_params / 1e6, describe_blocks(m),
-             m.vocab_size, describe_rope(m.rope_theta, m.rope_scaling), recipe.name)
+    blocks = recipe.fp8 is not None and recipe.fp8.wgrad_input_blocks  # an opt-in off DeepSeek-V3's recipe: said
+    log.info("model: %.2fM parameters (%s, vocab %d, %s) | precision %s%s", num_params / 1e6, describe_blocks(m),
+             m.vocab_size, describe_rope(m.rope_theta, m.rope_scaling), recipe.name,
+             " (the wgrads' x in 128x128 blocks: precision.fp8_wgrad_input_blocks)" if blocks else "")
     memory = optimizer.memory_bytes()
     log.info(
         "memory per rank: %s (bytes/param: %s) | optimizer %s over %d data-parallel rank(s), moments %s",
