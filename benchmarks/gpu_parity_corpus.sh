@@ -30,7 +30,9 @@
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh run NAME [NAME2]  # NAME on GPU 0 (and NAME2 on GPU 1), each for at
 #        most RUN_SECONDS (450) plus STOP_GRACE (120) to stop, resuming from its newest checkpoint;
 #        NAME: dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b (MoE's BF16 seed B, for MoE's
-#        seed-to-seed spread: `next` runs it last, and `compare` uses it once it has finished)
+#        seed-to-seed spread: `next` runs it after the others, and `compare` uses it once it has finished)
+#        dense_fp8blocks_a (FP8 seed A with the opt-in `precision.fp8_wgrad_input_blocks`: `next` runs it last,
+#        `compare` sets it against the two BF16 seeds once it has finished)
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh next       # `run` on the first two unfinished runs in that order
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh status     # each run's last step, and the disk left
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh compare [dense|moe]  # compare_runs --parity and plot_runs, dense
@@ -78,7 +80,7 @@ TOKENIZER_SAMPLE_BYTES=${TOKENIZER_SAMPLE_BYTES:-1e8}
 VOCAB_SIZE=32768
 SEQ_LEN=2048
 MICRO_BATCH=8
-ALL_RUNS="dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b"
+ALL_RUNS="dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b dense_fp8blocks_a"
 mkdir -p "$WORK" "$RUNS" "$OUT/runs"
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
@@ -123,10 +125,12 @@ known_run() {  # known_run NAME: fails, saying which names exist, unless NAME is
   return 2
 }
 
-run_overrides() {  # run_overrides NAME: every override of run NAME: family_recipe[_seed]
+run_overrides() {  # run_overrides NAME: every override of run NAME: family_recipe[_seed]; recipe fp8blocks is FP8
+  # with the opt-in `precision.fp8_wgrad_input_blocks` (the wgrads' x in 128x128 blocks)
   known_run "$1" || return 2
-  local family=${1%%_*} rest=${1#*_} recipe seed interval
+  local family=${1%%_*} rest=${1#*_} recipe seed interval blocks=""
   recipe=${rest%%_*}
+  if [ "$recipe" = fp8blocks ]; then recipe=fp8; blocks="precision.fp8_wgrad_input_blocks=true"; fi
   seed=$([ "${rest#*_}" = b ] && echo "${SEED_B:-2}" || echo "${SEED_A:-1}")
   interval=$([ "$family" = moe ] && echo "${MOE_CHECKPOINT_INTERVAL:-0}" || echo "${DENSE_CHECKPOINT_INTERVAL:-500}")
   echo "$(model_overrides "$([ "$family" = moe ] && echo moe || echo 1b)") model.vocab_size=$VOCAB_SIZE
@@ -135,7 +139,7 @@ run_overrides() {  # run_overrides NAME: every override of run NAME: family_reci
     training.global_batch_size=$MICRO_BATCH training.steps=$(steps_of "$1") training.eval_interval=500
     training.eval_iters=$(eval_iters) optimizer.lr=3e-4 optimizer.min_lr=3e-5 optimizer.warmup_steps=200
     optimizer.decay_style=cosine logging.log_interval=10 logging.output_dir=$RUNS run_name=$1
-    checkpoint.interval=$interval checkpoint.keep_last=1 checkpoint.resume=auto ${EXTRA_OVERRIDES:-}"
+    checkpoint.interval=$interval checkpoint.keep_last=1 checkpoint.resume=auto $blocks ${EXTRA_OVERRIDES:-}"
 }
 
 run_id() {  # run_id NAME: what NAME's result depends on: the corpus's token counts, its tokenizer's sha256 (byte
@@ -267,6 +271,10 @@ compare() {
     step parity_dense python tools/compare_runs.py --parity $dense --window 500
     step plot_dense python tools/plot_runs.py $dense --labels "BF16 seed A" "FP8 seed A" "BF16 seed B" \
       --metrics loss val_loss --gaps --smooth 10 --from-step 100 --out "$OUT/parity_dense.png"
+    if finished dense_fp8blocks_a; then  # the opt-in against the same BF16 seeds
+      step parity_dense_fp8blocks python tools/compare_runs.py --parity $(run_dir dense_bf16_a) \
+        $(run_dir dense_fp8blocks_a) $(run_dir dense_bf16_b) --window 500
+    fi
   fi
   if [ "$1" != dense ]; then
     step parity_moe python tools/compare_runs.py --parity $moe --window 250

@@ -221,3 +221,31 @@ def test_compare_takes_moe_bf16_seed_b_once_it_has_finished(tmp_path):
     script(tmp_path, "compare", "moe", **env)
     assert "BF16 seed-to-seed spread |BF16 B - BF16 A|: 2.000%; |FP8 - BF16 A| = 1.000%: inside the spread" \
         in moe_section(), moe_section()
+
+
+def test_the_opt_in_run_is_fp8_with_x_in_blocks_and_compare_sets_it_against_the_bf16_seeds(tmp_path):
+    """`dense_fp8blocks_a` is FP8 seed A with `precision.fp8_wgrad_input_blocks` (its only difference from
+    `dense_fp8_a`, so its own run id); `compare dense` judges it against the two BF16 seeds once it has finished,
+    and leaves it out before."""
+    fake_corpus(tmp_path, 40_000_000, 900_000)
+    configs = {}
+    for name in ("dense_fp8_a", "dense_fp8blocks_a"):
+        config = script(tmp_path, "config", name)
+        assert config.returncode == 0, config.stderr
+        configs[name] = yaml.safe_load(config.stdout)
+    blocks, tiles = configs["dense_fp8blocks_a"], configs["dense_fp8_a"]
+    assert (blocks["precision"]["recipe"], blocks["training"]["seed"]) == ("fp8", 1)
+    assert blocks["precision"]["fp8_wgrad_input_blocks"] and not tiles["precision"]["fp8_wgrad_input_blocks"]
+    blocks["precision"]["fp8_wgrad_input_blocks"] = False
+    blocks["run_name"] = tiles["run_name"]
+    assert blocks == tiles
+    runs, env = tmp_path / "work" / "runs", {"DENSE_STEPS": "2", "MOE_STEPS": "2"}
+    _finished_run(runs, "dense_bf16_a", [4.0, 3.0])
+    _finished_run(runs, "dense_fp8_a", [4.0, 3.01])
+    _finished_run(runs, "dense_bf16_b", [4.0, 2.94])
+    _finished_run(runs, "dense_fp8blocks_a", [4.0])  # not finished
+    assert "parity_dense_fp8blocks" not in script(tmp_path, "compare", "dense", **env).stdout
+    _finished_run(runs, "dense_fp8blocks_a", [4.0, 3.02])
+    assert "== parity_dense_fp8blocks done" in script(tmp_path, "compare", "dense", **env).stdout
+    section = (tmp_path / "out" / "summary.md").read_text().rsplit("## parity_dense_fp8blocks\n", 1)[1]
+    assert "|FP8 - BF16 A| = 0.667%: inside the spread" in section, section
