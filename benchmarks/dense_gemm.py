@@ -145,7 +145,7 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
             def blocks_want():
                 from megafp8.precision import quantize as ref
                 return ref.dequantize_1x128(a, a_s) @ ref.dequantize_128x128(xt_blocks.w_fp8, xt_scales).t()
-            wants = {BLOCKS: blocks_want}
+            wants[BLOCKS] = blocks_want
     else:
         bf16_a, bf16_b = (o["x"], o["w"].t()) if gemm == "fprop" else (o["dy"], o["w"])
         out = torch.empty(rows, cols, dtype=torch.bfloat16, device=device)

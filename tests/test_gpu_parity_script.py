@@ -30,6 +30,16 @@ def script(tmp_path, *args, **env):
                           timeout=300)
 
 
+def run_configs(tmp_path, *names) -> dict:
+    """Each run's resolved config, as the script's `config` sub-step prints it (every key checked)."""
+    configs = {}
+    for name in names:
+        result = script(tmp_path, "config", name)
+        assert result.returncode == 0, result.stderr
+        configs[name] = yaml.safe_load(result.stdout)
+    return configs
+
+
 def fake_corpus(tmp_path, train_tokens, valid_tokens):
     """A meta.json with these token counts: all `plan` and `config` read."""
     corpus = tmp_path / "work" / "corpus"
@@ -57,11 +67,7 @@ def test_plan_cuts_the_runs_to_one_pass_and_configs_hold_every_setting(tmp_path)
     assert "- dense: 2441 steps of 16384 tokens = 39993344 tokens, one pass at most (cut from 3000: the corpus holds " \
            "one pass of 2441 steps)\n" in plan.stdout
     assert "- moe: 1000 steps of 16384 tokens = 16384000 tokens, one pass at most\n" in plan.stdout
-    configs = {}
-    for name in ("dense_bf16_b", "moe_fp8"):
-        result = script(tmp_path, "config", name)
-        assert result.returncode == 0, result.stderr
-        configs[name] = yaml.safe_load(result.stdout)
+    configs = run_configs(tmp_path, "dense_bf16_b", "moe_fp8")
     dense, moe = configs["dense_bf16_b"], configs["moe_fp8"]
     assert (dense["precision"]["recipe"], dense["training"]["seed"], dense["data"]["seed"]) == ("bf16", 2, 1234)
     assert (moe["precision"]["recipe"], moe["training"]["seed"], moe["data"]["seed"]) == ("fp8", 1, 1234)
@@ -199,9 +205,7 @@ def test_compare_takes_moe_bf16_seed_b_once_it_has_finished(tmp_path):
     judges MoE against its seed-to-seed spread once it has finished; before that, against BF16 seed A alone.
     `compare moe` leaves the dense comparison out."""
     fake_corpus(tmp_path, 40_000_000, 900_000)
-    config = script(tmp_path, "config", "moe_bf16_b")
-    assert config.returncode == 0, config.stderr
-    cfg = yaml.safe_load(config.stdout)
+    cfg = run_configs(tmp_path, "moe_bf16_b")["moe_bf16_b"]
     assert (cfg["precision"]["recipe"], cfg["training"]["seed"], cfg["data"]["seed"]) == ("bf16", 2, 1234)
     assert cfg["model"]["moe"]["num_experts"] == 64 and cfg["checkpoint"]["interval"] == 0
     runs, env = tmp_path / "work" / "runs", {"MOE_STEPS": "2", "DENSE_STEPS": "2"}
@@ -228,11 +232,7 @@ def test_the_opt_in_run_is_fp8_with_x_in_blocks_and_compare_sets_it_against_the_
     `dense_fp8_a`, so its own run id); `compare dense` judges it against the two BF16 seeds once it has finished,
     and leaves it out before."""
     fake_corpus(tmp_path, 40_000_000, 900_000)
-    configs = {}
-    for name in ("dense_fp8_a", "dense_fp8blocks_a"):
-        config = script(tmp_path, "config", name)
-        assert config.returncode == 0, config.stderr
-        configs[name] = yaml.safe_load(config.stdout)
+    configs = run_configs(tmp_path, "dense_fp8_a", "dense_fp8blocks_a")
     blocks, tiles = configs["dense_fp8blocks_a"], configs["dense_fp8_a"]
     assert (blocks["precision"]["recipe"], blocks["training"]["seed"]) == ("fp8", 1)
     assert blocks["precision"]["fp8_wgrad_input_blocks"] and not tiles["precision"]["fp8_wgrad_input_blocks"]

@@ -136,6 +136,23 @@ def test_backends_whose_wgrads_read_tiles_only_refuse_the_blocks_with_what_to_ch
     Fp8Recipe(wgrad_input_blocks=False).check_backend(CublasBackend.__new__(CublasBackend))
 
 
+def test_each_backend_tells_the_layouts_apart_by_the_scales_and_refuses_what_it_cannot_read():
+    """The GPU backends' wgrads dispatch on `_x_in_blocks`: x^T's layout read off its scales, block scales refused by
+    a backend whose wgrads read 1x128 tiles only (the error the GPU conformance test expects). Unbuilt backends: the
+    check is plain Python."""
+    x = torch.randn(256, 384, generator=torch.Generator().manual_seed(6)).bfloat16()
+    tiles = ref.quantize_rows_cols(x, E4M3)[2:]
+    blocks = ref.quantize_rows_cols(x, E4M3, cols_in_blocks=True)[2:]
+    hopper = HopperBackend.__new__(HopperBackend)
+    assert hopper._x_in_blocks(*blocks) and not hopper._x_in_blocks(*tiles)
+    for cls in (TritonBackend, CublasBackend):
+        backend = cls.__new__(cls)
+        assert not backend._x_in_blocks(*tiles)
+        with pytest.raises(ValueError, match=f"the {cls.name} backend's weight-gradient GEMMs read x\\^T in 1x128 "
+                                             "tiles only; precision.fp8_wgrad_input_blocks needs the hopper"):
+            backend._x_in_blocks(*blocks)
+
+
 def _fp8_config(tiny_overrides, blocks: bool, *extra: str, model: str = "tiny_dense"):
     return load_config(model, tiny_overrides + [
         "precision.recipe=fp8", "precision.fp8_backend=reference", f"precision.fp8_wgrad_input_blocks={blocks}",

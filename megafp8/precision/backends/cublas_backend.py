@@ -68,11 +68,11 @@ class CublasBackend(TritonBackend):
         return self._scaled_mm(a, a_scale, b, b_scale, F.ScalingType.BlockWise128x128, out_dtype)
 
     def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype):
-        self._tiles_only(b, b_scale)
+        self._x_in_blocks(b, b_scale)
         return self._scaled_mm(a, a_scale, b, mn_major(b_scale), F.ScalingType.BlockWise1x128, out_dtype)
 
     def gemm_1x128_1x128_accumulate_(self, out, a, a_scale, b, b_scale):
-        self._tiles_only(b, b_scale)
+        self._x_in_blocks(b, b_scale)
         from megafp8.precision.kernels import cublaslt
         if cublaslt.cached_unavailable_reason(out.device) is None:
             try:

@@ -18,7 +18,6 @@ from typing import Optional
 
 import torch
 
-from megafp8.precision import quantize as ref
 from megafp8.precision.backends.cublas_backend import CublasBackend
 
 
@@ -48,13 +47,13 @@ class HopperBackend(CublasBackend):
                        interleave_ffma=self.interleave_ffma and block_n == 256)
 
     def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype):
-        if not ref.scales_in_blocks(b, b_scale):
+        if not self._x_in_blocks(b, b_scale):
             return super().gemm_1x128_1x128(a, a_scale, b, b_scale, out_dtype)
         from megafp8.precision.kernels.gemm import wgrad
         return wgrad(a, a_scale, b, b_scale, out_dtype, b_blocks=True)
 
     def gemm_1x128_1x128_accumulate_(self, out, a, a_scale, b, b_scale):
-        if not ref.scales_in_blocks(b, b_scale):
+        if not self._x_in_blocks(b, b_scale):
             super().gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale)
             return
         from megafp8.precision.kernels.gemm import wgrad

@@ -83,14 +83,17 @@ class TritonBackend(Fp8Backend):
         return self.gemms.gemm(a, a_scale, b, b_scale, True, out_dtype)
 
     def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype):
-        self._tiles_only(b, b_scale)
+        self._x_in_blocks(b, b_scale)
         return self.gemms.gemm(a, a_scale, b, b_scale, False, out_dtype)
 
-    def _tiles_only(self, b, b_scale) -> None:
-        """Refuse x^T in 128x128 blocks (`Fp8Recipe.wgrad_input_blocks`), which these wgrad GEMMs do not read."""
-        if ref.scales_in_blocks(b, b_scale):
+    def _x_in_blocks(self, b, b_scale) -> bool:
+        """Whether a wgrad's B (x^T) comes in 128x128 blocks (`Fp8Recipe.wgrad_input_blocks`, told by its scales'
+        shape); refused by a backend whose wgrad GEMMs read 1x128 tiles only (`wgrad_input_blocks` false)."""
+        blocks = ref.scales_in_blocks(b, b_scale)
+        if blocks and not self.wgrad_input_blocks:
             raise ValueError(f"the {self.name} backend's weight-gradient GEMMs read x^T in 1x128 tiles only; "
                              "precision.fp8_wgrad_input_blocks needs the hopper backend (SM90) or reference")
+        return blocks
 
     def grouped_gemm_1x128_128x128(self, a, a_scale, w, transposed, rows, out_dtype):
         b, b_scale = self.weight_transposed(w) if transposed else (w.w_fp8, w.w_scale)
@@ -100,12 +103,11 @@ class TritonBackend(Fp8Backend):
                                        interleave_ffma=self.interleave_ffma)
 
     def grouped_gemm_1x128_1x128(self, a, a_scale, b, b_scale, rows, num_experts, out_dtype, accumulate=None):
-        if not self.wgrad_input_blocks:
-            self._tiles_only(b, b_scale)
+        b_blocks = self._x_in_blocks(b, b_scale)
         if a.shape[1] == 0:
             if accumulate is not None:
                 return accumulate
             return torch.zeros(num_experts, a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
         return self.gemms.grouped_wgrad(a, a_scale, b, b_scale, rows.tile_start, rows.tile_count, out_dtype,
                                         kernel=self.grouped_kernel, accumulate=accumulate,
-                                        b_blocks=ref.scales_in_blocks(b, b_scale))
+                                        b_blocks=b_blocks)
