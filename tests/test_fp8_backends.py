@@ -363,6 +363,9 @@ def test_every_custom_op_agrees_with_its_fake_implementation():
         (fp8_ops.rmsnorm_quantize, (x, norm_weight, 1e-5, "e4m3", False, "reference")),
         (fp8_ops.swiglu_quantize, (gu, "e4m3", False, "reference")),
         (fp8_ops.swiglu_backward_quantize, (gu, da, "e4m3", "e5m2", False, "reference")),
+        (fp8_ops.swiglu_quantize_amax, (gu, "e4m3", False, "reference")),
+        (fp8_ops.swiglu_backward_quantize, (gu, da, "e4m3", "e5m2", False, "reference",
+                                            producers.tile_maxima(producers.swiglu(gu)))),
         (fp8_ops.rope_backward_quantize, (*_rope_gradients(200, (256, 128, 128)), *_rope_tables(64, 64), 64, 64,
                                           "e5m2", False, "reference")),
         (fp8_ops.quantize_weight, (w, "e4m3", False, "reference")),
@@ -491,6 +494,7 @@ def test_x_in_128x128_blocks_for_wgrad_matches_the_reference(backend_on, pow2):
                                           cols_in_blocks=True)
     want = producers.rmsnorm_quantize(h, norm_weight, 1e-5, E4M3, pow2, rstd=rstd.cpu(), cols_in_blocks=True)
     assert_same_quantization(got[2:4], want[2:4], "RMSNorm's x^T in blocks")
+    _check_swiglu_output_in_blocks(backend, device, pow2)
     # the GEMMs, on the reference's operands
     *_, dyt, dyt_s = ref.quantize_rows_cols(dy, E4M3, pow2)
     *_, xt, xt_s = ref.quantize_rows_cols(x, E4M3, pow2, cols_in_blocks=True)
@@ -512,3 +516,29 @@ def test_x_in_128x128_blocks_for_wgrad_matches_the_reference(backend_on, pow2):
     for e, _, _ in rows.segments:
         assert _relative_error(added[e] - main_grad[e], want[e]) <= 6e-4
     assert torch.equal(added[1], main_grad[1])  # the empty expert
+
+
+def _check_swiglu_output_in_blocks(backend, device, pow2: bool) -> None:
+    """SwiGLU's output a^T in 128x128 blocks (the down projection's wgrad input): the forward writes each 1x128
+    tile's max |a| (its rows unchanged by it), and the backward, given them, makes a^T's block scales from them
+    exactly (the max over a block's 128 tokens, then the scale) and a^T within one FP8 ULP of the definition (the
+    kernels' exp is not torch's), its other outputs unchanged."""
+    for m in (300, 256):  # a partial last token block, and none
+        gu, da = outlier_tensor(m, 512, seed=16), outlier_tensor(m, 256, seed=17)
+        plain = backend.swiglu_quantize(gu.to(device), E4M3, pow2)
+        *rows, amax = backend.swiglu_quantize(gu.to(device), E4M3, pow2, row_amax=True)
+        assert_same_quantization(rows, plain, "SwiGLU's rows with its tile maxima")
+        assert amax.stride() == (1, m)  # tokens first, as the kernel reads a block's 128 tokens
+        want_amax = producers.swiglu_quantize(gu, E4M3, pow2, row_amax=True)[2]
+        assert int(float_ulps(amax.cpu(), want_amax).max()) <= PRODUCER_SCALE_ULPS, "tile maxima"
+        tiles = backend.swiglu_backward_quantize(gu.to(device), da.to(device), E4M3, E5M2, pow2)
+        got = backend.swiglu_backward_quantize(gu.to(device), da.to(device), E4M3, E5M2, pow2, amax)
+        for i, part in ((0, "d(gu) rows"), (2, "d(gu) columns")):
+            assert_same_quantization(got[i:i + 2], tiles[i:i + 2], f"{part} beside a^T in blocks")
+        m_pad = -(-m // 128) * 128
+        assert got[4].shape == (256, m_pad) and got[5].shape == (2, m_pad // 128)
+        block_amax = torch.nn.functional.pad(amax.cpu(), (0, 0, 0, m_pad - m)).reshape(m_pad // 128, 128, 2)
+        scale, _ = ref.scales_from_amax(block_amax.amax(dim=1).t(), E4M3, pow2)
+        assert torch.equal(got[5].cpu(), scale), "a^T's block scales from the forward's tile maxima"
+        want = producers.swiglu_backward_quantize(gu, da, E4M3, E5M2, pow2, want_amax)
+        assert_within_one_fp8_ulp(got[4:], want[4:], PRODUCER_SCALE_ULPS, "SwiGLU output columns in blocks")

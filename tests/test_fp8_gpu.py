@@ -89,6 +89,42 @@ def test_fused_fp8_mlp_on_gpu_matches_the_reference_backend_and_compiles_to_its_
             assert err < 2e-2, f"{name} {what}: rel err {err:.2e} vs reference backend"
 
 
+def test_the_fused_mlp_with_its_wgrads_inputs_in_blocks_matches_the_reference_and_compiles_to_its_eager_bits():
+    """`precision.fp8_wgrad_input_blocks` on the hopper backend: the fused MLP's two weight gradients read x^T
+    (RMSNorm's output) and a^T (SwiGLU's, in blocks from the forward's tile maxima) in 128x128 blocks. Within FP8
+    tolerance of the reference backend with the same switch, its output and input gradient the bits of the default
+    recipe's, and compiled (Inductor) its eager bits."""
+    from megafp8.parallel import swiglu_mlp
+
+    if why_unavailable("hopper", CUDA) is not None:
+        pytest.skip(why_unavailable("hopper", CUDA))
+    x0 = torch.randn(3, 100, 512, device=CUDA, dtype=torch.bfloat16)
+    results = {}
+    for name, blocks in (("reference", True), ("hopper", False), ("hopper", True)):
+        recipe = PrecisionRecipe.from_name("fp8", Fp8Recipe(backend=name, wgrad_input_blocks=blocks))
+        gate_up, down, norm = swiglu_mlp_layers(recipe, 512, 768, 0.02, 1, CUDA)
+        params = [norm.weight, gate_up.weight, down.weight]
+
+        def f(x):
+            return swiglu_mlp(x, gate_up, down, norm)
+        torch._dynamo.reset()
+        results[name, blocks] = eager = _mlp_step(f, x0, params)
+        if (name, blocks) != ("hopper", True):
+            continue
+        torch._dynamo.reset()
+        compiled = _mlp_step(torch.compile(f), x0, params)
+        for what, a, b in zip(("y", "dx", "d norm", "d gate_up", "d down"), eager, compiled):
+            assert_compiled_bits(a, b, what, f"{what} differs compiled")
+    blocks, tiles, reference = results["hopper", True], results["hopper", False], results["reference", True]
+    for what, a, b in zip(("y", "dx"), blocks, tiles):
+        assert torch.equal(a, b), f"{what}: the switch changes only the weight gradients"
+    for what, a, b in zip(("d gate_up", "d down"), blocks[3:], tiles[3:]):
+        assert not torch.equal(a, b), f"{what}: the switch left this weight gradient's input in tiles"
+    for what, a, b in zip(("y", "dx", "d norm", "d gate_up", "d down"), blocks, reference):
+        err = (a.float() - b.float()).norm() / b.float().norm()
+        assert err < 2e-2, f"hopper with blocks, {what}: rel err {err:.2e} vs reference backend"
+
+
 def test_an_mlp_keeping_no_weight_transpose_on_gpu_gives_the_kept_transposes_bits():
     """`precision.fp8_keep_weight_transpose: false` on each GPU backend: w^T made in backward by the block-transpose
     kernel, in the backend's scale layout, eagerly and inside an Inductor graph, gives the bits of the run that keeps

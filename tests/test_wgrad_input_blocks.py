@@ -126,6 +126,66 @@ def test_a_compiled_fp8_linear_with_x_in_blocks_keeps_the_eager_bits():
         assert torch.equal(a, b)
 
 
+def test_a_compiled_fp8_mlp_with_its_wgrads_inputs_in_blocks_keeps_the_eager_bits():
+    """The fused SwiGLU MLP traced whole: SwiGLU's tile maxima (the op `swiglu_quantize_amax`) and a^T's block
+    scales have fake shapes a graph accepts, and the compiled MLP gives the eager bits."""
+    from megafp8.parallel import swiglu_mlp
+    from tests.fp8_checks import run_with_grads, swiglu_mlp_layers
+
+    recipe = PrecisionRecipe.from_name("fp8", Fp8Recipe(backend="reference", wgrad_input_blocks=True))
+    gate_up, down, norm = swiglu_mlp_layers(recipe, 256, 384, 0.05, 2)
+    params = [norm.weight, gate_up.weight, down.weight]
+    x0 = torch.randn(2, 100, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
+
+    def f(x):
+        return swiglu_mlp(x, gate_up, down, norm)
+    eager = run_with_grads(f, x0, params, dy_scale=0.01)
+    torch._dynamo.reset()
+    compiled = run_with_grads(torch.compile(f, backend="aot_eager", fullgraph=True), x0, params, dy_scale=0.01)
+    torch._dynamo.reset()
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
+def _swiglu_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gu = (torch.randn(200, 512, generator=torch.Generator().manual_seed(8)) * 2).bfloat16()
+    return gu, torch.randn(200, 256, generator=torch.Generator().manual_seed(9)).bfloat16()
+
+
+def test_swiglus_output_in_blocks_is_the_block_quantizer_of_a():
+    """The reference: the forward's tile maxima are max |a| per 1x128 tile, tokens first; given them, a^T in blocks
+    is `quantize_rows_cols(a, cols_in_blocks=True)`'s and the other outputs are unchanged; tile maxima laid out
+    otherwise are refused."""
+    from megafp8.precision import producers
+
+    gu, da = _swiglu_inputs()
+    q, s, amax = producers.swiglu_quantize(gu, E4M3, False, row_amax=True)
+    assert amax.shape == (200, 2) and amax.stride() == (1, 200)
+    assert torch.equal(amax, producers.swiglu(gu).abs().reshape(200, 2, 128).amax(-1))
+    tiles = producers.swiglu_backward_quantize(gu, da, E4M3, E4M3, False)
+    blocks = producers.swiglu_backward_quantize(gu, da, E4M3, E4M3, False, amax)
+    for a, b in zip(tiles[:4], blocks[:4]):
+        assert torch.equal(a, b)
+    for a, b in zip(blocks[4:], ref.quantize_rows_cols(producers.swiglu(gu), E4M3, cols_in_blocks=True)[2:]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="tile maxima"):
+        producers.swiglu_backward_quantize(gu, da, E4M3, E4M3, False, amax.contiguous())
+
+
+def test_the_triton_swiglu_kernels_refuse_its_output_in_blocks_with_what_to_change(monkeypatch):
+    """Off SM90 (no Gluon column kernel) the Triton kernels refuse a^T in blocks before launching anything, instead
+    of writing tiles where block scales are expected."""
+    pytest.importorskip("triton")
+    from megafp8.precision import producers
+    from megafp8.precision.kernels import producers as kernels, tiles
+
+    monkeypatch.setattr(tiles, "hopper_gluon", lambda device, module: None)
+    gu, da = _swiglu_inputs()
+    amax = producers.swiglu_quantize(gu, E4M3, False, row_amax=True)[2]
+    with pytest.raises(ValueError, match="the hopper backend"):
+        kernels.swiglu_backward_quantize(gu, da, E4M3, E4M3, False, amax)
+
+
 def test_backends_whose_wgrads_read_tiles_only_refuse_the_blocks_with_what_to_change():
     recipe = Fp8Recipe(backend="reference", wgrad_input_blocks=True)
     recipe.check_backend(Fp8Backend())
@@ -164,25 +224,62 @@ def test_the_config_switch_reaches_the_recipe(tiny_overrides):
     assert not PrecisionRecipe.from_config(_fp8_config(tiny_overrides, False).precision).fp8.wgrad_input_blocks
 
 
+def _record_wgrad_layouts(monkeypatch) -> list:
+    """Patch the reference backend's weight-gradient GEMMs (dense into a new tensor or into main_grad, grouped) to
+    note, call by call, (grouped, x^T's rows: the features, whether x^T came in 128x128 blocks by its scales)."""
+    seen, depth = [], [0]
+
+    def spy(name: str, b_at: int):
+        original = getattr(Fp8Backend, name)
+
+        def wrapped(self, *args, **kwargs):
+            b, b_scale = args[b_at], args[b_at + 1]
+            if not depth[0]:  # not the reference's grouped GEMM calling its dense one per expert
+                seen.append((name.startswith("grouped"), b.shape[0], ref.scales_in_blocks(b, b_scale)))
+            depth[0] += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        monkeypatch.setattr(Fp8Backend, name, wrapped)
+
+    spy("gemm_1x128_1x128", 2)
+    spy("gemm_1x128_1x128_accumulate_", 3)
+    spy("grouped_gemm_1x128_1x128", 2)
+    return seen
+
+
 @pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe_fp8"])
-def test_a_tiny_model_trains_with_x_in_blocks_as_it_does_with_tiles(tiny_overrides, model, caplog):
+def test_a_tiny_model_trains_with_x_in_blocks_as_it_does_with_tiles(tiny_overrides, model, caplog, monkeypatch):
     """A few optimizer steps of a tiny FP8 model, dense and MoE (reference backend, CPU): the losses track the
     default recipe's closely (the blocks change only the weight gradients' rounding), and the first, which no weight
-    gradient has touched yet, is the same. The run's start-up line says the recipe left DeepSeek-V3's tiles."""
+    gradient has touched yet, is the same. With the switch on every dense FP8 weight gradient reads x^T in blocks
+    (the norms' outputs, the linears' own inputs, SwiGLU's outputs), and so do the experts' gate/up projections
+    (their gathered rows); the experts' down projections keep SwiGLU's output in tiles (measured no faster in
+    blocks). Off, none reads blocks. The run's start-up line says the recipe left DeepSeek-V3's tiles."""
     from megafp8.parallel import ParallelDims
     from megafp8.train import Trainer
 
-    losses, said = {}, {}
+    losses, said, layouts = {}, {}, {}
     for blocks in (False, True):
         torch.manual_seed(0)
         cfg = _fp8_config(tiny_overrides, blocks, "training.steps=6", "optimizer.warmup_steps=1",
                           f"run_name=blocks_{blocks}", model=model)
         caplog.clear()
-        with caplog.at_level(logging.INFO):
+        with caplog.at_level(logging.INFO), monkeypatch.context() as patch:
+            seen = _record_wgrad_layouts(patch)
             records = Trainer(cfg, ParallelDims.single(), torch.device("cpu")).fit()
         losses[blocks] = [r["loss"] for r in records if r["kind"] == "train"]
         said[blocks] = "the wgrads' x in 128x128 blocks" in caplog.text
+        layouts[blocks] = set(seen)
     assert said == {False: False, True: True}
+    assert {blocks for *_, blocks in layouts[False]} == {False}
+    assert {blocks for grouped, _, blocks in layouts[True] if not grouped} == {True}
+    grouped = {(features, blocks) for is_grouped, features, blocks in layouts[True] if is_grouped}
+    if model == "tiny_moe_fp8":  # the experts: gate/up's input in blocks, down's in tiles
+        assert len(grouped) == 2 and {blocks for _, blocks in grouped} == {True, False}
+    else:
+        assert not grouped
     tiles, blocks = losses[False], losses[True]
     assert len(tiles) == len(blocks) == 6
     assert tiles[0] == blocks[0] and tiles != blocks

@@ -5,7 +5,9 @@
               a  = silu(gate) * up -> FP8 along F         (the SwiGLU kernel quantizes; `a` is never written)
               y  = a_fp8 @ w_down^T
     backward  dy -> FP8 both ways;  da = dy_fp8 @ w_down   (M, F) BF16
-              d(gu) -> FP8 both ways, a^T -> FP8 again    (SwiGLU's backward kernel, which reads gu anyway)
+              d(gu) -> FP8 both ways, a^T -> FP8 again    (SwiGLU's backward kernel, which reads gu anyway; in
+                                                          128x128 blocks under `wgrad_input_blocks`, from the
+                                                          forward's tile maxima of a)
               dw_down = dy^T_fp8 @ a^T_fp8^T
               dx = d(gu)_fp8 @ w_gate_up;  dw_gate_up = d(gu)^T_fp8 @ x^T_fp8^T;  then the norm's backward
 
@@ -56,12 +58,16 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         x_fp8, x_scale, xt_fp8, xt_scale, rstd = quantize_layer_input(k, x2d, norm_weight, eps, recipe, comm_in,
                                                                       for_wgrad=w_gate_up.requires_grad and grad_enabled)
         gu = k.gemm_1x128_128x128(x_fp8, x_scale, gu_fp8, gu_scale, x.dtype)  # (M, 2F) [gate | up], this rank's F
-        a_fp8, a_scale = k.swiglu_quantize(gu, fmt, pow2)  # its transpose for wgrad: made again in backward
+        # Its transpose for wgrad is made again in backward; in 128x128 blocks (`recipe.wgrad_input_blocks`) from
+        # the tile maxima kept here.
+        a_blocks = recipe.wgrad_input_blocks and w_down.requires_grad and grad_enabled
+        a_fp8, a_scale, *a_amax = k.swiglu_quantize(gu, fmt, pow2, row_amax=a_blocks)
         y = comm_out.reduce_output(k.gemm_1x128_128x128(a_fp8, a_scale, down_fp8, down_scale, x.dtype))
         fused_norm = norm_weight is not None
         ctx.save_for_backward(xt_fp8, xt_scale, gu, w_gate_up, *for_dgrad(gu_fp8, gu_scale, gut_fp8, gut_scale),
                               w_down, *for_dgrad(down_fp8, down_scale, downt_fp8, downt_scale),
-                              x2d if fused_norm else None, norm_weight, rstd, main_grad_gate_up, main_grad_down)
+                              x2d if fused_norm else None, norm_weight, rstd, main_grad_gate_up, main_grad_down,
+                              a_amax[0] if a_blocks else None)
         ctx.recipe, ctx.backend, ctx.traced, ctx.comms, ctx.queues = recipe, backend, traced, comms, queues
         ctx.kept_transposes = (gut_fp8 is not None, downt_fp8 is not None)
         ctx.in_shape = x.shape
@@ -74,7 +80,7 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         recipe, (comm_in, comm_out), (queue_gate_up, queue_down) = ctx.recipe, ctx.comms, ctx.queues
         k = kernels(ctx.backend, ctx.traced)
         (xt_fp8, xt_scale, gu, w_gate_up, gut_fp8, gut_scale, w_down, downt_fp8, downt_scale, x2d, norm_weight,
-         rstd, main_grad_gate_up, main_grad_down) = ctx.saved_tensors
+         rstd, main_grad_gate_up, main_grad_down, a_amax) = ctx.saved_tensors
         pow2 = recipe.power_of_two_scales
         dy2d = comm_out.gather_grad_output(dy.reshape(-1, dy.shape[-1]).contiguous())
         dy_fp8, dy_scale, dyt_fp8, dyt_scale = k.quantize_rows_cols(dy2d, recipe.grad_fmt, pow2)
@@ -83,7 +89,7 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
                                   dy.dtype)  # (M, F)
         # d(gu) both ways, and SwiGLU's output again (its transpose, for the down projection's wgrad).
         dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = k.swiglu_backward_quantize(
-            gu, da, recipe.fmt, recipe.grad_fmt, pow2)
+            gu, da, recipe.fmt, recipe.grad_fmt, pow2, a_amax)
         dw_down = fp8_weight_gradient(k, w_down, main_grad_down, dyt_fp8, dyt_scale, at_fp8, at_scale, dy.dtype,
                                       queue_down, ctx.traced)
         finish_dx = comm_in.start_reduce_grad_input(

@@ -80,16 +80,31 @@ def _(gu, fmt, pow2, backend):
     return _fake_rows_cols(gu.shape[0], gu.shape[1] // 2, fmt, gu)[:2]
 
 
+# With each tile's max |a| for the backward's a^T in 128x128 blocks (`Fp8Recipe.wgrad_input_blocks`).
+@torch.library.custom_op("megafp8::swiglu_quantize_amax", mutates_args=())
+def swiglu_quantize_amax(gu: torch.Tensor, fmt: str, pow2: bool, backend: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backend(backend).swiglu_quantize(gu, FORMATS[fmt], pow2, row_amax=True)
+
+
+@swiglu_quantize_amax.register_fake
+def _(gu, fmt, pow2, backend):
+    m, f = gu.shape[0], gu.shape[1] // 2
+    return (*_fake_rows_cols(m, f, fmt, gu)[:2], _fake_scales(m, f // TILE, gu))
+
+
 @torch.library.custom_op("megafp8::swiglu_backward_quantize", mutates_args=())
-def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: str, grad_fmt: str, pow2: bool, backend: str
+def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: str, grad_fmt: str, pow2: bool, backend: str,
+                             a_amax: Optional[torch.Tensor] = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                         torch.Tensor]:
-    return _backend(backend).swiglu_backward_quantize(gu, da, FORMATS[fmt], FORMATS[grad_fmt], pow2)
+    return _backend(backend).swiglu_backward_quantize(gu, da, FORMATS[fmt], FORMATS[grad_fmt], pow2, a_amax)
 
 
 @swiglu_backward_quantize.register_fake
-def _(gu, da, fmt, grad_fmt, pow2, backend):
-    return (*_fake_rows_cols(*gu.shape, grad_fmt, gu), *_fake_rows_cols(*da.shape, fmt, gu)[2:])
+def _(gu, da, fmt, grad_fmt, pow2, backend, a_amax=None):
+    return (*_fake_rows_cols(*gu.shape, grad_fmt, gu),
+            *_fake_rows_cols(*da.shape, fmt, gu, cols_in_blocks=a_amax is not None)[2:])
 
 
 @torch.library.custom_op("megafp8::rope_backward_quantize", mutates_args=())
@@ -250,12 +265,14 @@ class TracedKernels:
                          cols_in_blocks: bool = False):
         return rmsnorm_quantize(h, weight, eps, fmt.name, pow2, self.backend, cols_in_blocks)
 
-    def swiglu_quantize(self, gu: torch.Tensor, fmt: Fp8Format, pow2: bool):
+    def swiglu_quantize(self, gu: torch.Tensor, fmt: Fp8Format, pow2: bool, row_amax: bool = False):
+        if row_amax:
+            return swiglu_quantize_amax(gu, fmt.name, pow2, self.backend)
         return swiglu_quantize(gu, fmt.name, pow2, self.backend)
 
     def swiglu_backward_quantize(self, gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
-                                 pow2: bool):
-        return swiglu_backward_quantize(gu, da, fmt.name, grad_fmt.name, pow2, self.backend)
+                                 pow2: bool, a_amax: Optional[torch.Tensor] = None):
+        return swiglu_backward_quantize(gu, da, fmt.name, grad_fmt.name, pow2, self.backend, a_amax)
 
     def rope_backward_quantize(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
                                sin: torch.Tensor, seq_len: int, head_dim: int, fmt: Fp8Format, pow2: bool):

@@ -64,12 +64,26 @@ def swiglu(gu: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def swiglu_quantize(gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_quantize(gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool, row_amax: bool = False
+                    ) -> tuple[torch.Tensor, ...]:
     """silu(gate) * up of gu (M, 2F), quantized from FP32 in 1x128 tiles along F: (a_fp8 (M, F), scales), the down
     projection's forward input. Its transpose for the weight gradient comes from `swiglu_backward_quantize`,
-    which reads gu anyway: saving it from the forward would keep another byte per element for backward."""
-    q, s = quantize_1x128(swiglu(gu), fmt, power_of_two)
-    return q, mn_major(s)
+    which reads gu anyway: saving it from the forward would keep another byte per element for backward.
+
+    `row_amax` (`Fp8Recipe.wgrad_input_blocks`) adds each 1x128 tile's max |a| (M, F/128) FP32, what the tiles'
+    scales were made from: the backward takes a 128x128 block's max of a as the max of its 128 tokens' maxima."""
+    a = swiglu(gu)
+    q, s = quantize_1x128(a, fmt, power_of_two)
+    if not row_amax:
+        return q, mn_major(s)
+    return q, mn_major(s), tile_maxima(a)
+
+
+def tile_maxima(a: torch.Tensor) -> torch.Tensor:
+    """max |a| over each 1x128 tile along the features (nan if the tile holds one): (M, F) -> (M, F/128) FP32,
+    column-major as the tiles' scales (a kernel reads a block's 128 tokens as one run)."""
+    m, f = a.shape
+    return mn_major(a.float().abs().reshape(m, f // 128, 128).amax(dim=-1))
 
 
 def swiglu_backward(gu: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
@@ -84,12 +98,31 @@ def swiglu_backward(gu: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
-                             power_of_two: bool) -> tuple[torch.Tensor, ...]:
+                             power_of_two: bool, a_amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """`swiglu_backward` quantized from FP32 in `grad_fmt` both ways, and SwiGLU's output again, its transpose
     quantized in `fmt` for the down projection's weight gradient: (dgu_fp8 (M, 2F), scales, dgut_fp8 (2F, M_pad),
-    scales_t, at_fp8 (F, M_pad), at_scales)."""
+    scales_t, at_fp8 (F, M_pad), at_scales).
+
+    With `a_amax` (the forward's `swiglu_quantize(..., row_amax=True)`; `Fp8Recipe.wgrad_input_blocks`) a^T comes
+    in 128x128 blocks, scales (F/128, M_pad/128), as `quantize_rows_cols(cols_in_blocks=True)` makes them. The
+    kernels take each block's max from a_amax instead of from a (the same value: the max over a block's tokens of
+    their tiles' maxima); this definition takes it from a itself, and checks only a_amax's shape."""
+    a = swiglu(gu)
+    blocks = a_amax is not None
+    if blocks:
+        check_tile_maxima(a_amax, a.shape)
     return (*quantize_rows_cols(swiglu_backward(gu, da), grad_fmt, power_of_two),
-            *quantize_rows_cols(swiglu(gu), fmt, power_of_two)[2:])
+            *quantize_rows_cols(a, fmt, power_of_two, cols_in_blocks=blocks)[2:])
+
+
+def check_tile_maxima(a_amax: torch.Tensor, a_shape: tuple[int, int]) -> None:
+    """Refuse an `a_amax` that is not laid out as the tile maxima of an (M, F) SwiGLU output: (M, F/128) FP32,
+    column-major (`tile_maxima`)."""
+    m, f = a_shape
+    if a_amax.shape != (m, f // 128) or a_amax.dtype != torch.float32 or a_amax.stride() != (1, m):
+        raise ValueError(f"a_amax must be SwiGLU's 1x128 tile maxima, ({m}, {f // 128}) FP32 column-major "
+                         f"(swiglu_quantize(row_amax=True)); got {tuple(a_amax.shape)} {a_amax.dtype} strides "
+                         f"{a_amax.stride()}")
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

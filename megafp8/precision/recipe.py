@@ -36,8 +36,9 @@ class Fp8Recipe:
     keep_weight_transpose: bool = False
     # Opt-in, a departure from DeepSeek-V3's recipe: the weight gradient's input x quantized in 128x128 blocks
     # (features x tokens) instead of 1x128 tiles along the tokens, where a row + column quantizer makes it (RMSNorm's
-    # output, an FP8 linear's own input, the MoE dispatch; SwiGLU's output for the down projections keeps its
-    # tiles). The wgrad GEMM then promotes as fprop does (`docs/precision.md`).
+    # output, an FP8 linear's own input, the MoE dispatch) and the dense MLP's SwiGLU output (its blocks' maxima from
+    # the forward's tile maxima); the experts' SwiGLU output keeps its tiles. The wgrad GEMM then promotes as fprop
+    # does (`docs/precision.md`).
     wgrad_input_blocks: bool = False
 
     def __post_init__(self) -> None:

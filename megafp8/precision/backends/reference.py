@@ -102,15 +102,17 @@ class Fp8Backend:
         """RMSNorm quantized from FP32: `producers.rmsnorm_quantize` (the last output is rstd (M,))."""
         return producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two, cols_in_blocks=cols_in_blocks)
 
-    def swiglu_quantize(self, gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, ...]:
-        """silu(gate) * up quantized from FP32 along its features: `producers.swiglu_quantize`."""
-        return producers.swiglu_quantize(gu, fmt, power_of_two)
+    def swiglu_quantize(self, gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool,
+                        row_amax: bool = False) -> tuple[torch.Tensor, ...]:
+        """silu(gate) * up quantized from FP32 along its features, and with `row_amax` each tile's max |a| (for a^T
+        in blocks in the backward): `producers.swiglu_quantize`."""
+        return producers.swiglu_quantize(gu, fmt, power_of_two, row_amax)
 
     def swiglu_backward_quantize(self, gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
-                                 power_of_two: bool) -> tuple[torch.Tensor, ...]:
-        """SwiGLU's input gradient quantized from FP32, and its output's transpose:
-        `producers.swiglu_backward_quantize`."""
-        return producers.swiglu_backward_quantize(gu, da, fmt, grad_fmt, power_of_two)
+                                 power_of_two: bool, a_amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+        """SwiGLU's input gradient quantized from FP32, and its output's transpose (in 128x128 blocks given the
+        forward's tile maxima `a_amax`): `producers.swiglu_backward_quantize`."""
+        return producers.swiglu_backward_quantize(gu, da, fmt, grad_fmt, power_of_two, a_amax)
 
     def rope_backward_quantize(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
                                sin: torch.Tensor, seq_len: int, head_dim: int, fmt: Fp8Format,

@@ -58,11 +58,11 @@ class TritonBackend(Fp8Backend):
     def rmsnorm_quantize(self, h, weight, eps, fmt, power_of_two, cols_in_blocks=False):
         return self.producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two, cols_in_blocks)
 
-    def swiglu_quantize(self, gu, fmt, power_of_two):
-        return self.producers.swiglu_quantize(gu, fmt, power_of_two)
+    def swiglu_quantize(self, gu, fmt, power_of_two, row_amax=False):
+        return self.producers.swiglu_quantize(gu, fmt, power_of_two, row_amax)
 
-    def swiglu_backward_quantize(self, gu, da, fmt, grad_fmt, power_of_two):
-        return self.producers.swiglu_backward_quantize(gu, da, fmt, grad_fmt, power_of_two)
+    def swiglu_backward_quantize(self, gu, da, fmt, grad_fmt, power_of_two, a_amax=None):
+        return self.producers.swiglu_backward_quantize(gu, da, fmt, grad_fmt, power_of_two, a_amax)
 
     def rope_backward_quantize(self, dq, dk, dv, cos, sin, seq_len, head_dim, fmt, power_of_two):
         if not rope_backward_fusable((dq.shape[1], dk.shape[1], dv.shape[1]), head_dim):

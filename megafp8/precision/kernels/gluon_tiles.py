@@ -73,6 +73,33 @@ def store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m,
     scales at st[cols, mb]. The FP8 tile moves to `STORE` (the same threads, tokens first in each thread's
     registers: no data leaves a thread) so that each thread writes its tokens of a column as one store."""
     amax = gl.reduce(gl.abs(x), 0, nan_max)  # the 16 token lanes of a column all hold its maximum
+    store_cols_scaled(x, amax, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2, STORE,
+                      SPREAD, False)
+
+
+@gluon.jit
+def store_block_cols(x, row_amax_ptr, stride_ab, M, block, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k,
+                     stride_st_m, FP8_MAX: gl.constexpr, POW2: gl.constexpr, LOAD: gl.constexpr,
+                     STORE: gl.constexpr, SPREAD: gl.constexpr):
+    """x (128 tokens, columns of the 128-feature block `block`) FP32, stored transposed as part of its 128x128
+    block of x^T (`quantize.quantize_rows_cols(cols_in_blocks=True)`). The block's max is the max over its 128
+    tokens of their 1x128 tiles' maxima, `row_amax[token, block]` (M rows, stored tokens first: `stride_ab` apart
+    from block to block; the producer wrote them when it quantized x along its features), so no column of x is
+    reduced here. Its scale goes to st[block, mb], stored
+    by the block's first column alone (the other programs of the block compute the same scale)."""
+    tokens = mb * TOKENS + gl.arange(0, TOKENS, layout=gl.SliceLayout(1, LOAD))
+    tile_maxima = gl.load(row_amax_ptr + block * stride_ab + tokens, mask=tokens < M, other=0.0)
+    # The block's max in every column (`_quantize_tile`'s COL_BLOCKS form): each column divides for the same scale.
+    amax = nan_max(gl.full(cols.shape, 0.0, gl.float32, cols.type.layout), gl.reduce(tile_maxima, 0, nan_max))
+    store_cols_scaled(x, amax, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2, STORE,
+                      SPREAD, True)
+
+
+@gluon.jit
+def store_cols_scaled(x, amax, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
+                      POW2: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr, BLOCK: gl.constexpr):
+    """`store_cols` given each column's max `amax` (x's column layout); BLOCK: one scale per 128x128 block at
+    st[col // 128, mb], stored where col % 128 == 0."""
     # SPREAD: each lane takes one of its warp's columns for the two correctly rounded divisions (~10 instructions
     # each) instead of every lane dividing for all the columns it holds; the multipliers return to the lanes that
     # hold each column through a few hundred bytes of shared memory (a barrier per result: 0.358 against 0.415 ms
@@ -87,7 +114,11 @@ def store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m,
     rows = mb * TOKENS + gl.arange(0, TOKENS, layout=gl.SliceLayout(1, STORE))
     qt_rows = gl.convert_layout(cols, gl.SliceLayout(0, STORE))  # x's columns are x^T's rows
     gl.store(qt_ptr + gl.expand_dims(qt_rows, 0) * stride_qt + gl.expand_dims(rows, 1), q)
-    gl.store(st_ptr + scale_cols * stride_st_k + mb * stride_st_m, scale)
+    if BLOCK:
+        gl.store(st_ptr + (scale_cols // TOKENS) * stride_st_k + mb * stride_st_m, scale,
+                 mask=scale_cols % TOKENS == 0)
+    else:
+        gl.store(st_ptr + scale_cols * stride_st_k + mb * stride_st_m, scale)
 
 
 @functools.cache  # made on every launch otherwise: the same few layouts, immutable

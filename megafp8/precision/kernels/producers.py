@@ -6,6 +6,8 @@ Every quantizing program owns a 128x128 tile: 128 tokens (a whole 1x128 tile alo
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -14,7 +16,7 @@ from megafp8.precision.formats import TILE, Fp8Format
 from megafp8.precision.kernels import quantize, tiles
 from megafp8.precision.kernels.launch import FastLaunch
 from megafp8.precision.kernels.limits import check_offsets
-from megafp8.precision.producers import rope_backward_fusable
+from megafp8.precision.producers import check_tile_maxima, rope_backward_fusable
 
 
 # One configuration, not autotuned: the sum of squares' order follows the block shape and the warps, and a choice
@@ -71,15 +73,20 @@ def _swiglu_backward_slice(gu_ptr, da_ptr, rows, cols, M, F, stride_gm, stride_d
 @triton.autotune(configs=[triton.Config({"BLOCK_M": bm}, num_warps=w) for bm in (32, 64, 128) for w in (4, 8)],
                  key=["F", "FP8_MAX", "POW2"])
 @triton.jit
-def _swiglu_quantize_kernel(gu_ptr, q_ptr, s_ptr, M, F, stride_gm, stride_qm, stride_sm, stride_sk,
-                            FP8_MAX: tl.constexpr, POW2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """silu(gate) * up for BLOCK_M tokens x 128 features, quantized along the features (whole row tiles)."""
+def _swiglu_quantize_kernel(gu_ptr, q_ptr, s_ptr, amax_ptr, M, F, stride_gm, stride_qm, stride_sm, stride_sk,
+                            stride_ak, FP8_MAX: tl.constexpr, POW2: tl.constexpr, ROW_AMAX: tl.constexpr,
+                            BLOCK_M: tl.constexpr):
+    """silu(gate) * up for BLOCK_M tokens x 128 features, quantized along the features (whole row tiles); with
+    ROW_AMAX each tile's max |a| also stored at amax[rows, kb], tokens first (the backward's a^T blocks take their
+    max from it)."""
     kb = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = kb * 128 + tl.arange(0, 128)
     gate, up = _gate_up(gu_ptr, rows, cols, M, F, stride_gm)
-    tiles.store_rows(_silu_parts(gate)[1] * up, rows, cols, M, kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk,
-                     FP8_MAX, POW2)
+    a = _silu_parts(gate)[1] * up
+    tiles.store_rows(a, rows, cols, M, kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk, FP8_MAX, POW2)
+    if ROW_AMAX:  # the same reduction store_rows makes its scales from (one after common subexpressions)
+        tl.store(amax_ptr + kb * stride_ak + rows, tiles.amax(tl.abs(a), 1), mask=rows < M)
 
 
 # SwiGLU's backward in two kernels, each computing only what it stores: its rows kernel streams like the forward
@@ -140,37 +147,50 @@ def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8
     return (*out, rstd)
 
 
-def swiglu_quantize(gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """gu (M, 2F) = [gate | up] -> silu(gate) * up quantized along F: (a_fp8 (M, F), scales (M, F/128))."""
+def swiglu_quantize(gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool,
+                    row_amax: bool = False) -> tuple[torch.Tensor, ...]:
+    """gu (M, 2F) = [gate | up] -> silu(gate) * up quantized along F: (a_fp8 (M, F), scales (M, F/128)), and with
+    `row_amax` each tile's max |a| (M, F/128) FP32, column-major (`producers.swiglu_quantize`)."""
     assert gu.stride(1) == 1, "swiglu_quantize needs a row-major input"
     m, f = gu.shape[0], gu.shape[1] // 2
     q = torch.empty(m, f, dtype=fmt.dtype, device=gu.device)
     s = tiles.mn_major_scales(m, f // TILE, gu.device)
+    amax = tiles.mn_major_scales(m, f // TILE, gu.device) if row_amax else s  # tokens first, as the scales
     check_offsets("swiglu_quantize", gu, q)
     if m:
         _swiglu_quantize_kernel[lambda meta: (f // TILE, triton.cdiv(m, meta["BLOCK_M"]))](
-            gu, q, s, m, f, gu.stride(0), q.stride(0), s.stride(0), s.stride(1), POW2=power_of_two,
-            **tiles.format_constants(fmt))
-    return q, s
+            gu, q, s, amax, m, f, gu.stride(0), q.stride(0), s.stride(0), s.stride(1), amax.stride(1),
+            POW2=power_of_two, ROW_AMAX=row_amax, **tiles.format_constants(fmt))
+    return (q, s, amax) if row_amax else (q, s)
 
 
 def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
-                             power_of_two: bool) -> tuple[torch.Tensor, ...]:
+                             power_of_two: bool, a_amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """gu (M, 2F), da (M, F) -> (dgu_fp8 (M, 2F), scales, dgut_fp8 (2F, M_pad), scales_t) in `grad_fmt`, and
-    (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`. Two kernels: the rows, then the columns (on
-    SM90 the Gluon column kernel, the same bytes in fewer instructions). One kernel reading gu and da once was
-    slower, in Triton (`docs/benchmarks.md`, twenty-third session: 1.035 against 0.730 ms at the MoE experts' shape)
-    and in Gluon (job EK: 1.605 against 1.169 ms at the 8B-layer shape; 255 registers a thread, one program an SM)."""
+    (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`, in 128x128 blocks given the forward's tile
+    maxima `a_amax` (M, F/128) (`producers.swiglu_backward_quantize`; the Gluon column kernel only). Two kernels:
+    the rows, then the columns (on SM90 the Gluon column kernel, the same bytes in fewer instructions). One kernel
+    reading gu and da once was slower, in Triton (`docs/benchmarks.md`, twenty-third session: 1.035 against 0.730
+    ms at the MoE experts' shape) and in Gluon (job EK: 1.605 against 1.169 ms at the 8B-layer shape; 255 registers
+    a thread, one program an SM)."""
     assert gu.stride(1) == 1 and da.stride(1) == 1, "swiglu_backward_quantize needs row-major inputs"
     m, f = da.shape
+    blocks = a_amax is not None
     q, s, qt, st = out = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, gu.device)
-    at, ats = tiles.rows_cols_outputs(m, f, fmt, gu.device)[2:]
+    at, ats = tiles.rows_cols_outputs(m, f, fmt, gu.device, cols_in_blocks=blocks)[2:]
     check_offsets("swiglu_backward_quantize", gu, da, *out, at)
+    gluon = tiles.hopper_gluon(gu.device, "swiglu_cols_gluon")  # the same bytes in fewer instructions
+    if blocks:
+        check_tile_maxima(a_amax, (m, f))
+        if gluon is None:
+            raise ValueError("SwiGLU's a^T in 128x128 blocks (precision.fp8_wgrad_input_blocks) is quantized by the "
+                             "Gluon column kernel, on SM90: use the hopper backend there, or the reference one")
     if m:
         swiglu_backward_rows(gu, da, q, s, grad_fmt, power_of_two)
-        gluon = tiles.hopper_gluon(gu.device, "swiglu_cols_gluon")  # the same bytes in fewer instructions
-        (gluon.swiglu_backward_cols if gluon else swiglu_backward_cols)(gu, da, qt, st, at, ats, fmt, grad_fmt,
-                                                                        power_of_two)
+        if gluon:
+            gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, fmt, grad_fmt, power_of_two, a_amax=a_amax)
+        else:
+            swiglu_backward_cols(gu, da, qt, st, at, ats, fmt, grad_fmt, power_of_two)
     return (*out, at, ats)
 
 
