@@ -385,7 +385,7 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
                                                                        recipe.wgrad_input_blocks)
         gu = k.grouped_gemm_1x128_128x128(x_fp8, x_scale, gate_up, False, layout, source.dtype)
         # a^T (the down projections' wgrad input) keeps its tiles under `recipe.wgrad_input_blocks`, unlike the
-        # dense MLP's: in blocks the MoE step did not get faster (0.99x, docs/benchmarks.md job EV).
+        # dense MLP's: in blocks the MoE step did not get faster (0.99x, docs/benchmarks.md jobs EU and EW).
         a_fp8, a_scale = k.swiglu_quantize(gu, fmt, pow2)
         y = k.grouped_gemm_1x128_128x128(a_fp8, a_scale, down, False, layout, source.dtype)
         ctx.recipe, ctx.backend, ctx.traced, ctx.queues, ctx.source_grad = recipe, backend, traced, queues, source_grad

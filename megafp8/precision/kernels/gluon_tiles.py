@@ -85,8 +85,8 @@ def store_block_cols(x, row_amax_ptr, stride_ab, M, block, cols, mb, qt_ptr, str
     block of x^T (`quantize.quantize_rows_cols(cols_in_blocks=True)`). The block's max is the max over its 128
     tokens of their 1x128 tiles' maxima, `row_amax[token, block]` (M rows, stored tokens first: `stride_ab` apart
     from block to block; the producer wrote them when it quantized x along its features), so no column of x is
-    reduced here. Its scale goes to st[block, mb], stored
-    by the block's first column alone (the other programs of the block compute the same scale)."""
+    reduced here. Its scale goes to st[block, mb], stored by the block's first column alone (the other programs
+    of the block compute the same scale)."""
     tokens = mb * TOKENS + gl.arange(0, TOKENS, layout=gl.SliceLayout(1, LOAD))
     tile_maxima = gl.load(row_amax_ptr + block * stride_ab + tokens, mask=tokens < M, other=0.0)
     # The block's max in every column (`_quantize_tile`'s COL_BLOCKS form): each column divides for the same scale.
