@@ -24,9 +24,11 @@ only the GEMM is timed. Columns:
 - ws 256, registers: the same kernel storing (or adding) from its registers.
 - ws 256, interleaved FFMA: ws 256 with its promotion's FFMA runs interleaved in the cubin
   (`ws_gemm(interleave_ffma=True)`; the 1x128 x 1x128 wgrad has no such runs, so its cubin is unchanged).
-- ws 256, x in 128x128 blocks (wgrad only; an experiment, not the recipe): x^T quantized in 128 x 128 blocks (features
-  x tokens, the weights' quantizer) instead of 1x128 tiles along the tokens, so the kernel promotes each K step as
-  fprop does (one FFMA an element, the interleaved cubin) instead of forming the outer product of two scale vectors.
+- ws 256, x in 128x128 blocks (wgrad only; the opt-in `precision.fp8_wgrad_input_blocks`, not DeepSeek-V3's
+  recipe): x^T quantized in 128 x 128 blocks (features x tokens, `quantize_rows_cols(cols_in_blocks=True)`) instead
+  of 1x128 tiles along the tokens, so the kernel (`gemm.wgrad(b_blocks=True)`, what the hopper backend runs)
+  promotes each K step as fprop does (one FFMA an element, the interleaved cubin) instead of forming the outer
+  product of two scale vectors.
   Its output is checked against its own dequantized operands; what the coarser scaling costs in accuracy is
   `benchmarks/wgrad_scaling.py`'s question.
 
@@ -45,6 +47,7 @@ Frobenius error above 1/64 prints "wrong". A column that cannot run prints its e
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -106,15 +109,21 @@ def reference(gemm: str, o: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return bf16, ref.dequantize_1x128(a, a_s) @ b32.t()
 
 
+def _sm90_only(module: str, name: str) -> Callable:
+    """`megafp8.precision.kernels.<module>.<name>`, imported when called (it needs Triton's Gluon and a GPU; off one
+    its cells say so)."""
+    def call(*args, **kwargs):
+        if args[0].device.type != "cuda":
+            raise RuntimeError("the warp-specialized kernel needs an SM90 GPU")
+        return getattr(importlib.import_module(f"megafp8.precision.kernels.{module}"), name)(*args, **kwargs)
+    return call
+
+
 def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[str, Column]:
     """label -> (timed call, FP32 result) for one GEMM of one shape, the `wanted` columns."""
     from megafp8.precision.bf16_linear import accumulate_product_
 
-    def ws_gemm(*args, **kwargs):  # imported when called: it needs Triton's Gluon and a GPU (its cells say so)
-        if args[0].device.type != "cuda":
-            raise RuntimeError("the warp-specialized kernel needs an SM90 GPU")
-        from megafp8.precision.kernels.ws_gemm import ws_gemm as kernel
-        return kernel(*args, **kwargs)
+    ws_gemm, wgrad = _sm90_only("ws_gemm", "ws_gemm"), _sm90_only("gemm", "wgrad")
     backend = o["backend"]
     a, a_s, b, b_s, blocks = fp8_inputs(gemm, o)
     rows, cols, device = a.shape[0], b.shape[0], a.device
@@ -135,16 +144,13 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
             return lambda: ws_gemm(a, a_s, b, b_s, main_grad, b_blockwise=False, accumulate=True, block_n=block_n,
                                    tma_store=tma, interleave_ffma=interleave)
         runs = {"BF16": bf16, "backend": by_backend}
-        if BLOCKS in wanted:
-            xt_blocks = backend.empty_weight((o["x"].shape[1], o["x"].shape[0]), E4M3, device)
-            backend.quantize_weight_(o["x"].t().contiguous(), xt_blocks, E4M3, False)
-            xt_scales = backend.block_scales_nk(xt_blocks.w_scale)
-            runs[BLOCKS] = lambda: ws_gemm(a, a_s, xt_blocks.w_fp8, xt_scales, main_grad, b_blockwise=True,
-                                           accumulate=True, block_n=256, interleave_ffma=True)
+        if BLOCKS in wanted:  # as the hopper backend runs it under `precision.fp8_wgrad_input_blocks`
+            xt, xt_s = backend.quantize_rows_cols(o["x"], E4M3, False, cols_in_blocks=True)[2:]
+            runs[BLOCKS] = lambda: wgrad(a, a_s, xt, xt_s, torch.float32, accumulate=main_grad, b_blocks=True)
 
             def blocks_want():
                 from megafp8.precision import quantize as ref
-                return ref.dequantize_1x128(a, a_s) @ ref.dequantize_128x128(xt_blocks.w_fp8, xt_scales).t()
+                return ref.dequantize_1x128(a, a_s) @ ref.dequantize_along_tokens(xt, xt_s).t()
             wants[BLOCKS] = blocks_want
     else:
         bf16_a, bf16_b = (o["x"], o["w"].t()) if gemm == "fprop" else (o["dy"], o["w"])

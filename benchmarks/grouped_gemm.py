@@ -30,8 +30,9 @@ activations and gradients, 128x128 blocks for the weight). Columns:
   stored from its registers, and in the "interleaved FFMA" column with its promotion's FFMA runs interleaved in the
   cubin (`ws_gemm(interleave_ffma=True)`; the wgrad's promotion has no such runs, so that column's wgrad rows run
   the plain kernel); dgrad's transposed weight is made once, untimed.
-- ours, ws 256, x in 128x128 blocks (wgrads only; an experiment, not the recipe): x^T quantized in 128 x 128 blocks
-  (the weights' quantizer) instead of 1x128 tiles along the rows, so each K step is promoted as in fprop.
+- ours, ws 256, x in 128x128 blocks (wgrads only; the opt-in `precision.fp8_wgrad_input_blocks`, not the recipe):
+  x^T quantized in 128 x 128 blocks (`quantize_rows_cols(cols_in_blocks=True)`) instead of 1x128 tiles along the
+  rows, so each K step is promoted as in fprop (`gemm.grouped_wgrad(b_blocks=True)`, what the hopper backend runs).
 - ours: the backend's `grouped_gemm_1x128_128x128` (fprop; dgrad with `transposed=True`, which makes the weight's
   transpose in the call) and `grouped_gemm_1x128_1x128` (wgrad), as `megafp8.precision.grouped` calls them.
 
@@ -331,22 +332,20 @@ def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None
 
 
 def wgrad_x_blocks(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
-    """The wgrads with x^T quantized in 128 x 128 blocks (features x rows, the weights' quantizer; an experiment, not
-    the recipe): the warp-specialized kernel then promotes each K step as fprop does, one FFMA an element."""
+    """The wgrads with x^T quantized in 128 x 128 blocks (features x rows; the opt-in
+    `precision.fp8_wgrad_input_blocks`, not the recipe), as the hopper backend runs them: the warp-specialized kernel
+    then promotes each K step as fprop does, one FFMA an element."""
     if gemm not in ("wgrad", INTO):
         raise NotApplicable
     if p.x.device.type != "cuda":
         raise RuntimeError("our Triton kernels need a CUDA GPU")
-    from megafp8.precision.kernels.ws_gemm import ws_gemm
+    from megafp8.precision.kernels.gemm import grouped_wgrad
     impl, rows, (dyt, dyt_scale, _, _) = _our_operands(p, gemm, backend)
-    xt = impl.empty_weight((p.x.shape[1], p.x.shape[0]), E4M3, p.x.device)
-    impl.quantize_weight_(p.x.t().contiguous(), xt, E4M3, False)
-    xt_scale = impl.block_scales_nk(xt.w_scale)
+    xt, xt_scale = impl.quantize_rows_cols(p.x, E4M3, False, cols_in_blocks=True)[2:]
     main_grad = p.main_grad() if gemm == INTO else None
-    out = main_grad if main_grad is not None else torch.empty(p.experts, dyt.shape[0], p.x.shape[1],
-                                                              dtype=torch.bfloat16, device=p.x.device)
-    return lambda: ws_gemm(dyt, dyt_scale, xt.w_fp8, xt_scale, out, b_blockwise=True, accumulate=main_grad is not None,
-                           k_start=rows.tile_start, k_count=rows.tile_count, block_n=256, interleave_ffma=True)
+    return lambda: grouped_wgrad(dyt, dyt_scale, xt, xt_scale, rows.tile_start, rows.tile_count,
+                                 torch.float32 if main_grad is not None else torch.bfloat16, kernel="ws",
+                                 accumulate=main_grad, b_blocks=True)
 
 
 BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, our_kernel("pointer"), our_kernel("tma"),

@@ -358,17 +358,12 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     _check_kernel(kernel)
     _check_tma_store(kernel, tma_store)
     c = torch.empty(num_experts, n, k, dtype=out_dtype, device=a.device) if accumulate is None else accumulate
-    if b_blocks:
-        if kernel != "ws":
-            raise ValueError(f"b in 128x128 blocks needs the warp-specialized kernel, not {kernel!r}")
-        from megafp8.precision.kernels.ws_gemm import ws_gemm
-        return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=True, accumulate=accumulate is not None,
-                       k_start=tile_start, k_count=tile_count, block_n=256, tma_store=tma_store,
-                       interleave_ffma=True)
+    if b_blocks and kernel != "ws":
+        raise ValueError(f"b in 128x128 blocks needs the warp-specialized kernel, not {kernel!r}")
     if kernel == "ws":
         from megafp8.precision.kernels.ws_gemm import ws_gemm
-        return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=False, accumulate=accumulate is not None,
-                       k_start=tile_start, k_count=tile_count, block_n=block_n, tma_store=tma_store)
+        return ws_gemm(a, a_scale, b, b_scale, c, accumulate=accumulate is not None, k_start=tile_start,
+                       k_count=tile_count, tma_store=tma_store, **_wgrad_promotion(b_blocks, block_n))
     if kernel == "tma":
         sms = _sm_count(a.device)
 
@@ -403,8 +398,13 @@ def wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torc
     from megafp8.precision.kernels.ws_gemm import ws_gemm
     n, k = a.shape[0], b.shape[0]
     c = accumulate if accumulate is not None else torch.empty(n, k, dtype=out_dtype, device=a.device)
+    return ws_gemm(a, a_scale, b, b_scale, c, accumulate=accumulate is not None, tma_store=tma_store,
+                   **_wgrad_promotion(b_blocks, block_n))
+
+
+def _wgrad_promotion(b_blocks: bool, block_n: int) -> dict:
+    """`ws_gemm`'s promotion arguments for a wgrad: x^T in 1x128 tiles (the scale vectors' outer product, `block_n`
+    as asked) or in 128x128 blocks (promoted as fprop is: 256-wide tiles, the interleaved-FFMA cubin)."""
     if b_blocks:
-        return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=True, accumulate=accumulate is not None,
-                       block_n=256, tma_store=tma_store, interleave_ffma=True)
-    return ws_gemm(a, a_scale, b, b_scale, c, b_blockwise=False, accumulate=accumulate is not None,
-                   block_n=block_n, tma_store=tma_store)
+        return dict(b_blockwise=True, block_n=256, interleave_ffma=True)
+    return dict(b_blockwise=False, block_n=block_n)
