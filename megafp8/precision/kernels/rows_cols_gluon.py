@@ -47,15 +47,47 @@ def tile_layouts(tokens_each: int = TOKENS_PER_THREAD, num_warps: int = WARPS) -
     """(LOAD, STORE_T, ROWS, COLS) for a 128 x 128 tile (`gluon_tiles.block_layouts`): each thread tokens_each
     tokens x 8 features (LOAD lists them features first, STORE_T tokens first: the same elements in the same
     threads), a column's 128 tokens in one warp, the warps side by side along the features (by default 4 lanes along
-    the features and 8 along the tokens, 4 warps); ROWS and COLS give each of the first 128 threads one row's and
-    one column's value (threads past 128 repeat them)."""
+    the features and 8 along the tokens, 4 warps); ROWS gives each of the first 128 threads one row's maxima from
+    every warp (`token_partials_layout`, read by `_row_scales`), COLS one column's value (threads past 128 repeat
+    them)."""
     block_n, load, store_t = gluon_tiles.block_layouts(tokens_each, FEATURES_PER_THREAD, num_warps)
     assert block_n == 128, f"{tokens_each} tokens a thread at {num_warps} warps do not tile 128 features"
     assert num_warps >= 4, "ROWS and COLS give each of the first 128 threads one value"
     warps = [[32 << i] if i < 2 else [0] for i in range(num_warps.bit_length() - 1)]
     one_each = DistributedLinearLayout(reg_bases=[], lane_bases=gluon_tiles.bases(32, 1, 1), warp_bases=warps,
                                        block_bases=[], shape=[128])
-    return load, store_t, one_each, one_each
+    return load, store_t, token_partials_layout(num_warps), one_each
+
+
+@functools.cache
+def token_partials_layout(num_warps: int = WARPS) -> DistributedLinearLayout:
+    """(128 tokens, num_warps) values, thread t of the first 128 holding token t's value from every warp (in its
+    registers): how the row maxima's cross-warp step reads the warps' partial maxima (`_row_scales`)."""
+    registers = gluon_tiles.bases(num_warps, 1, 2, 1)
+    warps = [[32 << i, 0] if i < 2 else [0, 0] for i in range(num_warps.bit_length() - 1)]
+    return DistributedLinearLayout(reg_bases=registers, lane_bases=gluon_tiles.bases(32, 1, 2), warp_bases=warps,
+                                   block_bases=[], shape=[128, num_warps])
+
+
+@gluon.jit
+def _row_scales(x, FP8_MAX: gl.constexpr, POW2: gl.constexpr, PARTIALS: gl.constexpr):
+    """(scale, multiplier) of each of x's 128 rows (in x's row layout), the max over its 128 features taken in two
+    steps: each warp's max over its features of each row (within threads and shuffles), then, through shared memory
+    laid out tokens first, the max over the warps' partials, read by one thread a row (`PARTIALS`, which divides
+    for its row). The multipliers return through shared memory the same way. Each shared access is conflict-free:
+    a thread writes or reads consecutive words, a warp's threads consecutive runs. (Triton's own cross-warp
+    reduction and layout conversions here wrote rows 16 bytes apart: 6-way bank conflicts, half the kernel's L1
+    wavefronts; Nsight Compute, docs/benchmarks.md job FB.)"""
+    num_warps: gl.constexpr = PARTIALS.shape[1]
+    per_warp = gl.reduce(gl.reshape(gl.abs(x), [128, num_warps, 128 // num_warps]), 2, gluon_tiles.nan_max)
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1])
+    partials = gl.allocate_shared_memory(gl.float32, [128, num_warps], plain, per_warp)
+    gl.thread_barrier()
+    amax = gl.reduce(partials.load(PARTIALS), 1, gluon_tiles.nan_max)  # one row a thread
+    scale, inv = gluon_tiles.tile_scale(amax, FP8_MAX, POW2)
+    inverses = gl.allocate_shared_memory(gl.float32, [128], gl.SwizzledSharedLayout(1, 1, 1, order=[0]), inv)
+    gl.thread_barrier()
+    return scale, inverses.load(gl.SliceLayout(1, x.type.layout))
 
 
 @gluon.jit
@@ -118,7 +150,10 @@ def _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, strid
     only where MASKED (M not a multiple of 128; else every row is in range and the stores need no predicate).
     COL_BLOCKS: x^T as one 128x128 block, its one scale at st[kb, mb] (`quantize.quantize_rows_cols`)."""
     # Rows (`tiles.store_rows`): one scale per token over the tile's 128 features.
-    row_scale, row_inv = _scales(gl.reduce(gl.abs(x), 1, gluon_tiles.nan_max), ROWS, FP8_MAX, POW2)
+    if ROWS is None:  # each thread divides for all the rows it holds
+        row_scale, row_inv = _scales(gl.reduce(gl.abs(x), 1, gluon_tiles.nan_max), None, FP8_MAX, POW2)
+    else:
+        row_scale, row_inv = _row_scales(x, FP8_MAX, POW2, ROWS)
     q = (x * gl.expand_dims(row_inv, 1)).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # saturating
     q_ptrs = q_ptr + gl.expand_dims(rows, 1) * stride_qm + gl.expand_dims(cols, 0)
     scale_rows = mb * 128 + gl.arange(0, 128, layout=row_scale.type.layout)
