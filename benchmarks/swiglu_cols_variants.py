@@ -37,12 +37,10 @@ def outputs(m: int, f: int, grad_fmt, device):
 def variants() -> dict:
     from megafp8.precision.kernels import producers, swiglu_cols_gluon
     out = {"triton (backends')": producers.swiglu_backward_cols}
-    for tokens, features, warps, token_warps in ((8, 4, 4, 1), (4, 8, 4, 1), (8, 4, 8, 1), (8, 4, 4, 2),
-                                                 (4, 8, 4, 2), (8, 4, 8, 2)):
-        along = "" if token_warps == 1 else f", {token_warps} along the tokens"
-        out[f"gluon {tokens}x{features}, {warps} warps{along}"] = (
-            lambda *a, t=tokens, f=features, w=warps, tw=token_warps: swiglu_cols_gluon.swiglu_backward_cols(
-                *a, num_warps=w, tokens_each=t, features_each=f, token_warps=tw))
+    for tokens, features, warps in ((8, 4, 4), (4, 8, 4), (8, 4, 8), (4, 4, 4), (16, 2, 4)):
+        out[f"gluon {tokens}x{features}, {warps} warps"] = (
+            lambda *a, t=tokens, f=features, w=warps: swiglu_cols_gluon.swiglu_backward_cols(
+                *a, num_warps=w, tokens_each=t, features_each=f))
     return out
 
 

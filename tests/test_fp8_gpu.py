@@ -394,16 +394,12 @@ def test_every_autotuned_configuration_of_every_kernel_gives_the_same_bits():
 
 
 @pytest.mark.parametrize("m", [328, 256, 1, 2])
-@pytest.mark.parametrize("tokens_each, features_each, warps, token_warps",
-                         [(8, 4, 4, 1), (4, 8, 4, 1), (8, 4, 8, 1), (16, 2, 4, 1), (8, 4, 4, 2), (4, 8, 4, 2),
-                          (8, 4, 8, 2)])
-def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_each, features_each, warps, token_warps,
-                                                                      m):
+@pytest.mark.parametrize("tokens_each, features_each, warps", [(8, 4, 4), (4, 8, 4), (8, 4, 8), (16, 2, 4)])
+def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_each, features_each, warps, m):
     """SM90 runs SwiGLU backward's column outputs through the Gluon kernel (`swiglu_cols_gluon`), other GPUs
     through the Triton one: every layout of the Gluon kernel must write the Triton kernel's bytes (values and
     scales, the padding rows past M included), with power-of-two scales, E5M2 gradients, outliers and a nan; also
-    for one and two tokens (one token: the twin of `gluon_tiles.TokenCountLaunch`) and a whole token block (256).
-    Layouts with a block's tokens in two warps take each column's max across them through shared memory."""
+    for one and two tokens (one token: the twin of `gluon_tiles.TokenCountLaunch`) and a whole token block (256)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.swiglu_cols_gluon")
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon column kernel runs on SM90 only")
@@ -418,7 +414,7 @@ def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_eac
         outputs = []
         for run in (producers.swiglu_backward_cols,
                     lambda *a: gluon.swiglu_backward_cols(*a, num_warps=warps, tokens_each=tokens_each,
-                                                          features_each=features_each, token_warps=token_warps)):
+                                                          features_each=features_each)):
             qt, st = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, CUDA)[2:]
             at, ats = tiles.rows_cols_outputs(m, f, E4M3, CUDA)[2:]
             for t in (qt, at):

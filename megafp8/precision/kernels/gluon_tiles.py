@@ -138,63 +138,20 @@ def bases(count: int, step: int, rank: int, dim: int = 0) -> list:
 
 
 @functools.cache
-def block_layouts(tokens_each: int, features_each: int, num_warps: int, token_warps: int = 1) -> tuple:
+def block_layouts(tokens_each: int, features_each: int, num_warps: int) -> tuple:
     """(BLOCK_N, LOAD, STORE) for 128 tokens x BLOCK_N features: each thread holds tokens_each x features_each, a
-    warp's lanes cover 128 / token_warps tokens (128 / token_warps / tokens_each lanes) and as many feature groups as
-    remain; `token_warps` warps side by side along the tokens (1: a column's 128 tokens in one warp), the others
-    along the features. LOAD lists a thread's registers features first, STORE tokens first: the same elements in the
-    same threads (converting between them moves no data)."""
-    token_lanes = 128 // (tokens_each * token_warps)
+    warp's lanes cover the 128 tokens (128 / tokens_each lanes) and as many feature groups as remain, the warps sit
+    side by side along the features. LOAD lists a thread's registers features first, STORE tokens first: the same
+    elements in the same threads (converting between them moves no data)."""
+    token_lanes = 128 // tokens_each
     assert token_lanes <= 32 and 32 % token_lanes == 0, f"{tokens_each} tokens a thread cannot cover 128 in a warp"
     feature_lanes = 32 // token_lanes
-    block_n = features_each * feature_lanes * (num_warps // token_warps)
+    block_n = features_each * feature_lanes * num_warps
     features, tokens = bases(features_each, 1, 2, 1), bases(tokens_each, 1, 2, 0)
     lanes = bases(feature_lanes, features_each, 2, 1) + bases(token_lanes, tokens_each, 2, 0)
-    warps = bases(token_warps, tokens_each * token_lanes, 2, 0) + bases(num_warps // token_warps,
-                                                                        features_each * feature_lanes, 2, 1)
+    warps = bases(num_warps, features_each * feature_lanes, 2, 1)
 
     def layout(registers: list) -> DistributedLinearLayout:
         return DistributedLinearLayout(reg_bases=registers, lane_bases=lanes, warp_bases=warps, block_bases=[],
                                           shape=[128, block_n])
     return block_n, layout(features + tokens), layout(tokens + features)
-
-
-@functools.cache
-def column_partials_layout(block_n: int, token_warps: int, num_warps: int) -> DistributedLinearLayout:
-    """(token_warps, block_n) values, thread c holding column c's value from each warp along the tokens (in its
-    registers): columns along the lanes, then the warps (threads past block_n repeat them). How
-    `store_cols_across_warps` reads the warps' partial maxima."""
-    columns = bases(block_n, 1, 2, 1)
-    lanes, warps = columns[:5], columns[5:]
-    return DistributedLinearLayout(reg_bases=bases(token_warps, 1, 2, 0),
-                                   lane_bases=lanes + [[0, 0]] * (5 - len(lanes)),
-                                   warp_bases=warps + [[0, 0]] * (num_warps.bit_length() - 1 - len(warps)),
-                                   block_bases=[], shape=[token_warps, block_n])
-
-
-@gluon.jit
-def store_cols_across_warps(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
-                            POW2: gl.constexpr, STORE: gl.constexpr, PARTIALS: gl.constexpr):
-    """`store_cols` for a block whose 128 tokens lie in several warps (`block_layouts(token_warps=...)`): each warp's
-    max of each column over its tokens (within threads and shuffles), then through shared memory of its own, laid
-    out columns first so that every access is conflict-free, the max over the warps' partials, read by one lane a
-    column (`PARTIALS`, which divides for its column). The multipliers return through shared memory the same way."""
-    n: gl.constexpr = x.shape[1]
-    token_warps: gl.constexpr = PARTIALS.shape[0]
-    per_warp = gl.reduce(gl.reshape(gl.abs(x), [token_warps, TOKENS // token_warps, n]), 1, nan_max)
-    partials = gl.allocate_shared_memory(gl.float32, [token_warps, n], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]),
-                                         per_warp)
-    gl.thread_barrier()
-    amax = gl.reduce(partials.load(PARTIALS), 0, nan_max)  # one column a lane
-    scale, inv = tile_scale(amax, FP8_MAX, POW2)
-    inverses = gl.allocate_shared_memory(gl.float32, [n], gl.SwizzledSharedLayout(1, 1, 1, order=[0]), inv)
-    gl.thread_barrier()
-    inv = inverses.load(gl.SliceLayout(0, x.type.layout))
-    # No clamp: the conversion saturates (`store_cols_scaled`).
-    q = gl.convert_layout(x * gl.expand_dims(inv, 0), STORE)
-    q = q.to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    rows = mb * TOKENS + gl.arange(0, TOKENS, layout=gl.SliceLayout(1, STORE))
-    qt_rows = gl.convert_layout(cols, gl.SliceLayout(0, STORE))  # x's columns are x^T's rows
-    gl.store(qt_ptr + gl.expand_dims(qt_rows, 0) * stride_qt + gl.expand_dims(rows, 1), q)
-    scale_cols = gl.convert_layout(cols, amax.type.layout)
-    gl.store(st_ptr + scale_cols * stride_st_k + mb * stride_st_m, scale)

@@ -44,14 +44,12 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
                                  stride_dm, stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k,
                                  stride_ats_m, stride_ab, GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr,
                                  POW2: gl.constexpr, A_BLOCKS: gl.constexpr, BLOCK_N: gl.constexpr,
-                                 LOAD: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr,
-                                 PARTIALS: gl.constexpr):
+                                 LOAD: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr):
     """d(gu)^T and a^T for 128 tokens x BLOCK_N features; rows past M read as zeros (the transposes' padding), as
     in the Triton column kernel. LOAD and STORE (`block_layouts`) put the same elements in the same threads, each
     thread's features first (row-segment reads) or its tokens first (column-run writes). A_BLOCKS: a^T in 128x128
     blocks, each block's max from the forward's tile maxima amax (M, F/128), stored tokens first
-    (`gluon_tiles.store_block_cols`). PARTIALS (not None): the block's tokens lie in several warps, and each
-    column's max crosses them through shared memory (`gluon_tiles.store_cols_across_warps`)."""
+    (`gluon_tiles.store_block_cols`)."""
     load: gl.constexpr = LOAD
     store: gl.constexpr = STORE
     block_n: gl.constexpr = BLOCK_N
@@ -68,26 +66,14 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
         gluon_tiles.store_block_cols(gate * s * up, amax_ptr, stride_ab, M, block, cols, mb, at_ptr, stride_at,
                                      ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX, POW2, load, store, SPREAD)
     else:
-        _store_cols(gate * s * up, cols, mb, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX, POW2,
-                    store, SPREAD, PARTIALS)
+        gluon_tiles.store_cols(gate * s * up, cols, mb, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m,
+                               FP8_MAX, POW2, store, SPREAD)
     da = gl.load(da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0), mask=in_rows, other=0.0)
     da_s = da.to(gl.float32) * s
-    _store_cols(da_s * up * (1.0 + gate * (1.0 - s)), cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m,
-                GRAD_MAX, POW2, store, SPREAD, PARTIALS)
-    _store_cols(da_s * gate, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX, POW2, store,
-                SPREAD, PARTIALS)
-
-
-@gluon.jit
-def _store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
-                POW2: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr, PARTIALS: gl.constexpr):
-    """`gluon_tiles.store_cols` (a column's tokens in one warp) or `store_cols_across_warps` (PARTIALS given)."""
-    if PARTIALS is None:
-        gluon_tiles.store_cols(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2, STORE,
-                               SPREAD)
-    else:
-        gluon_tiles.store_cols_across_warps(x, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX,
-                                            POW2, STORE, PARTIALS)
+    gluon_tiles.store_cols(da_s * up * (1.0 + gate * (1.0 - s)), cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k,
+                           stride_st_m, GRAD_MAX, POW2, store, SPREAD)
+    gluon_tiles.store_cols(da_s * gate, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX,
+                           POW2, store, SPREAD)
 
 
 @gluon.jit
@@ -106,18 +92,15 @@ _LAUNCH = gluon_tiles.TokenCountLaunch(_swiglu_backward_cols_kernel)
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
                          ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool,
                          num_warps: int = 4, tokens_each: int = TOKENS_PER_THREAD,
-                         features_each: int = FEATURES_PER_THREAD, a_amax: Optional[torch.Tensor] = None,
-                         token_warps: int = 1) -> None:
+                         features_each: int = FEATURES_PER_THREAD, a_amax: Optional[torch.Tensor] = None) -> None:
     """Fill qt/st (d(gu)^T (2F, M_pad) in `grad_fmt`) and at/ats (a^T (F, M_pad) in `fmt`) from gu (M, 2F) and
     da (M, F), as the Triton column kernel does (outputs from `tiles.rows_cols_outputs`). Given the forward's tile
     maxima `a_amax` (M, F/128) FP32 (column-major), a^T in 128x128 blocks (ats (F/128, M_pad/128)), as
-    `producers.swiglu_backward_quantize` defines them. `token_warps` warps side by side along a block's 128 tokens
-    (`gluon_tiles.block_layouts`; tiles only)."""
+    `producers.swiglu_backward_quantize` defines them."""
     m, f = da.shape
-    block_n, load, store = gluon_tiles.block_layouts(tokens_each, features_each, num_warps, token_warps)
+    block_n, load, store = gluon_tiles.block_layouts(tokens_each, features_each, num_warps)
     assert f % block_n == 0, f"F={f} must be a multiple of {block_n}"
     blocks = a_amax is not None
-    assert token_warps == 1 or not blocks, "a^T in blocks takes a column's 128 tokens in one warp"
     assert not blocks or 128 % block_n == 0, f"a program's {block_n} features must lie in one 128x128 block"
     amax = a_amax if blocks else ats  # an unused pointer without blocks
     grid = (f // block_n, -(-m // 128))
@@ -125,6 +108,4 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
                           st.stride(1), at.stride(0), ats.stride(0), ats.stride(1), amax.stride(1)),
                    dict(GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, A_BLOCKS=blocks, BLOCK_N=block_n,
                         LOAD=load, STORE=store, SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps),
-                        PARTIALS=None if token_warps == 1 else gluon_tiles.column_partials_layout(block_n, token_warps,
-                                                                                                  num_warps),
                         num_warps=num_warps))
