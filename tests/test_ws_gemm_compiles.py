@@ -152,6 +152,19 @@ def _packs_one_register_twice(sass: str) -> list:
     return re.findall(r"F2FP\S*\s+R\d+, (R\d+), \1,", sass)
 
 
+def _assert_wide_shared_accesses(sass: str) -> None:
+    """The row + column quantizer's and RoPE's tiles exchange their row maxima and scales through shared memory in
+    a few 16-byte (or matrix) accesses a thread (`rows_cols_gluon._row_scales`: 6 stores and 6 loads when written).
+    Triton's own cross-warp reduction stored each thread's 16 row partials as scalar stores 16 bytes apart and read
+    them back so: 6-way bank conflicts, half the kernel's L1 wavefronts (Nsight Compute, docs/benchmarks.md job FB),
+    which no numerics test would notice. (With x^T in 128x128 blocks, the block's one max crosses the warps as one
+    scalar store and load a thread, twice.)"""
+    stores = re.findall(r"\bSTS(?:\.\d+)? \[", sass)
+    loads = re.findall(r"\bLDS(?:\.\d+)? R\d+, \[", sass)
+    scalar = re.findall(r"\bSTS \[|\bLDS R\d+, \[", sass)
+    assert len(stores) <= 8 and len(loads) <= 8 and len(scalar) <= 4, (len(stores), len(loads), scalar)
+
+
 def _rows_cols_compiled(norm: bool, gather: bool, one_token: bool = False, masked: bool = True,
                         col_blocks: bool = False):
     """The row + column quantizer compiled for sm_90 as its launches specialize it (M = 1 compiled in where
@@ -271,6 +284,7 @@ def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(no
     # 4 bytes since the row maxima cross the warps through shared memory of their own (`_row_scales`)
     assert spills and max(spills) <= (0 if not masked or not (norm or gather) else 8), report
     assert not _packs_one_register_twice(sass)
+    _assert_wide_shared_accesses(sass)
     per_element = _sass_instructions(sass) * 32 * r.WARPS / (128 * 128)
     assert 8 < per_element <= 16, f"{per_element:.1f} SASS instructions per element"
     if not masked:
@@ -315,6 +329,7 @@ def test_the_gluon_rope_backward_kernel_compiles_for_sm90_lean_and_without_spill
         spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
         # masked (a partial last tile, never in training): 4 bytes when written, 48 since `_row_scales`
         assert spills and max(spills) <= (64 if masked else 0), (head_dim, report)
+        _assert_wide_shared_accesses(sass)
         per_element = _sass_instructions(sass) * 32 * r.WARPS / (128 * 128)
         assert 15 < per_element <= (32 if masked else 28), f"heads of {head_dim}: {per_element:.1f} per element"
 

@@ -8,10 +8,11 @@ and `producers.launch_rope_backward_triton` with this module's arguments, whose 
 
 Why: the Triton kernel moves its bytes at 55-66% of copy speed and issues 23 SASS instructions per element, about
 what a 128x128 tile's memory time allows at the issue rate these kernels reach (`docs/performance.md`). This one
-needs 12.3 (14.8 with RMSNorm, 13.4 gathering; `tests/test_ws_gemm_compiles.py` bounds them):
+needs 11.7 (12.3 before `_row_scales`; 14.8 with RMSNorm and 13.4 gathering when measured before it;
+`tests/test_ws_gemm_compiles.py` bounds them):
 - one program per 128x128 tile with 4 warps, each thread holding 16 tokens x 8 features;
 - the tile's column maxima within a warp (3 shuffle rounds, no barrier), its row maxima across the 4 warps (one
-  exchange through shared memory);
+  exchange through shared memory, laid out so that no access conflicts: `_row_scales`);
 - x kept as loaded (BF16) and converted where it is used;
 - the correctly rounded divisions shared out, one row and one column per thread (`spread`);
 - the FP8 rows written as 8-byte runs, the transposed columns as 16-byte runs, straight from registers; the
@@ -21,8 +22,12 @@ needs 12.3 (14.8 with RMSNorm, 13.4 gathering; `tests/test_ws_gemm_compiles.py` 
   session). One token runs through a twin compiled with M a runtime value (`gluon_tiles.TokenCountLaunch`).
 
 RoPE's backward tiles are the same quantization after a rotation in FP32 that reads each element's partner (half a
-head away) a second time and two table entries: 26.8 instructions per element (31.1 where the last tile is partial
-and the loads are masked) against ~32 for the Triton kernel at 4 warps; 23-24% less device time on an H200.
+head away) a second time and two table entries: 23.6 instructions per element (26.8 before `_row_scales`)
+against ~32 for the Triton kernel at 4 warps; 23-24% less device time on an H200, and 10% less since.
+
+What bounds these kernels (Nsight Compute, docs/benchmarks.md jobs FA-FC) is the L1/TEX pipeline, not DRAM and not
+the instructions they issue: cutting instructions alone did not make them faster, removing shared-memory bank
+conflicts did.
 """
 from __future__ import annotations
 
