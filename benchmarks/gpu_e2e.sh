@@ -21,8 +21,9 @@
 # profile_moe_compiled), the MoE GPU tests (tests_moe), the warp-specialized GEMMs' tests (tests_ws; tests_dense_ws:
 # the hopper backend's dense GEMMs on it), the weight
 # gradient through cuBLASLt into main_grad (tests_cublaslt), Nsight Compute on SwiGLU backward's column kernel and the
-# wgrad GEMM (ncu_kernels; ncu_ws: our warp-specialized kernel's fprop and wgrad; ncu_wgrad_forms: both scale forms
-# at one M x N x K; ncu_l2: L2 bandwidth and clusters
+# wgrad GEMM (ncu_kernels; ncu_producers: the producers' Gluon kernels at the 8B-layer step's shapes, their L1
+# wavefronts and bank conflicts; ncu_ws: our warp-specialized kernel's fprop and wgrad; ncu_wgrad_forms: both scale
+# forms at one M x N x K; ncu_l2: L2 bandwidth and clusters
 # of the dense fprop, ours against cuBLAS's FP8 and BF16 GEMMs), clocks and power sampled during one GEMM run back to
 # back (clocks_gemm: the fprop and the wgrad), clocks and power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
@@ -254,6 +255,14 @@ for part in $PARTS; do
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
           --section SchedulerStats "$@"
       done ;;
+    ncu_producers)  # Nsight Compute on the producers' Gluon kernels at the 8B-layer step's shapes (RoPE's backward,
+                    # SwiGLU backward's columns, the row + column quantizer; benchmarks/producer_kernels.py): what
+                    # bounds each, its L1 wavefronts, shared ones and bank conflicts (docs/benchmarks.md jobs FA-FC)
+      step ncu_producers ncu --kernel-name "regex:gluon|_swiglu_backward_cols_kernel" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        --metrics l1tex__data_pipe_lsu_wavefronts.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,\
+l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum \
+        python benchmarks/producer_kernels.py ;;
     ncu_ws)  # Nsight Compute on the warp-specialized kernel's dense fprop and wgrad (into main_grad) at the 8B-layer
              # gate/up shape (what it found: docs/performance.md). The 3rd launch of each process
              # (dense_gemm.py: one for its check, three warm-ups), counters as ncu_kernels'

@@ -245,12 +245,15 @@ esac
 
 
 def _gpu_e2e_with_fake_gpu(tmp_path, parts: list[str], on_train_step: str, script: str = "benchmarks/train_step.py",
-                           env: Optional[dict] = None) -> subprocess.CompletedProcess:
+                           env: Optional[dict] = None, tools: Optional[dict] = None) -> subprocess.CompletedProcess:
     """`gpu_e2e.sh PARTS` with OUT=tmp_path/out, the stand-in nvidia-smi, and a `python` that runs the shell line
-    `on_train_step` in OUT (instead of the benchmark) for each call of `script` and runs everything else."""
+    `on_train_step` in OUT (instead of the benchmark) for each call of `script` and runs everything else; `tools`:
+    more stand-ins on the PATH, {name: bash script}."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    for name, text in (tools or {}).items():
+        (bin_dir / name).write_text(text)
     (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
 if [ "$1" = {script} ]; then (cd "{out}" && {on_train_step}); exit 0; fi
 if [ "$1" = -c ]; then exit 0; fi  # "import torchao": installed, nothing to install
@@ -261,6 +264,22 @@ exec {sys.executable} "$@"
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out), **(env or {}))
     return subprocess.run(["bash", "benchmarks/gpu_e2e.sh", *parts], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
+
+
+def test_gpu_e2e_ncu_producers_part_profiles_the_producer_kernels_with_their_wavefront_counters(tmp_path):
+    """`gpu_e2e.sh ncu_producers` runs Nsight Compute once over `benchmarks/producer_kernels.py`, on the producers'
+    Gluon kernels (SwiGLU backward's columns by name), with the L1 wavefront, shared, bank-conflict and global-sector
+    counters that located their bound (docs/benchmarks.md jobs FA-FC) as one metrics list."""
+    recording_ncu = '#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$OUT/ncu_args.txt"\n'
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["ncu_producers"], "true", tools={"ncu": recording_ncu})
+    assert result.returncode == 0, result.stderr[-3000:]
+    args = (tmp_path / "out" / "ncu_args.txt").read_text().splitlines()
+    assert args[args.index("--kernel-name") + 1] == "regex:gluon|_swiglu_backward_cols_kernel"
+    metrics = args[args.index("--metrics") + 1].split(",")
+    assert {"l1tex__data_pipe_lsu_wavefronts.sum", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
+            "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
+            "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum"} == set(metrics)
+    assert args[-2:] == ["python", "benchmarks/producer_kernels.py"]
 
 
 def test_gpu_e2e_clocks_part_samples_each_recipes_steps_and_summarizes_the_busy_samples(tmp_path):
