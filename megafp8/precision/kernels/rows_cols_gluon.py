@@ -77,10 +77,9 @@ def token_partials_layout(num_warps: int = WARPS) -> DistributedLinearLayout:
 @gluon.jit
 def _row_scales(magnitudes, FP8_MAX: gl.constexpr, POW2: gl.constexpr, PARTIALS: gl.constexpr):
     """(scale, multiplier) of each of 128 rows (in the rows' layout of `magnitudes`, their elements' |x|, nan where
-    x is), the max over a row taken in two
-    steps: each warp's max over its features of each row (within threads and shuffles), then, through shared memory
-    laid out tokens first, the max over the warps' partials, read by one thread a row (`PARTIALS`, which divides
-    for its row). The multipliers return through shared memory the same way. Each shared access is conflict-free:
+    x is), the max over a row taken in two steps: each warp's max over its features of each row (within threads
+    and shuffles), then, through shared memory laid out tokens first, the max over the warps' partials, read by
+    one thread a row (`PARTIALS`, which divides for its row). The multipliers return through shared memory the same way. Each shared access is conflict-free:
     a thread writes or reads consecutive words, a warp's threads consecutive runs. (Triton's own cross-warp
     reduction and layout conversions here wrote rows 16 bytes apart: 6-way bank conflicts, half the kernel's L1
     wavefronts; Nsight Compute, docs/benchmarks.md job FB.)"""
