@@ -1,8 +1,7 @@
 #!/usr/bin/env python
 """RoPE's backward quantizer (the QKV projection's output gradient [RoPE^T(dq) | RoPE^T(dk) | dv], quantized both
 ways from FP32): the Triton kernel (what GPUs other than SM90 run) against the Gluon kernel that SM90 runs
-(`megafp8.precision.kernels.rows_cols_gluon.launch_rope_backward`), in two thread layouts, and its variant holding
-each rotation pair in one thread (`pairs=True`), given RoPE's tables whole or their first halves.
+(`megafp8.precision.kernels.rows_cols_gluon.launch_rope_backward`), in two thread layouts.
 
     PYTHONPATH=. python benchmarks/rope_variants.py [--tokens 16384] [--iters 30]
 
@@ -37,13 +36,6 @@ def variants() -> dict:
     for tokens_each, warps in LAYOUTS:
         out[f"gluon, {tokens_each} tokens x 8 features a thread, {warps} warps"] = (
             lambda *a, t=tokens_each, w=warps: rows_cols_gluon.launch_rope_backward(*a, tokens_each=t, num_warps=w))
-    # Each rotation pair in one thread (16 tokens x 4 pairs, 4 warps), given the tables whole or their first halves
-    # (RotaryEmbedding's halves are equal): every element and table entry read once.
-    for half in (False, True):
-        out[f"gluon, rotation pairs, {'half' if half else 'whole'} tables"] = (
-            lambda dq, dk, dv, cos, sin, seq, head, *rest, h=half: rows_cols_gluon.launch_rope_backward(
-                dq, dk, dv, cos[:, :head // 2] if h else cos, sin[:, :head // 2] if h else sin, seq, head, *rest,
-                pairs=True))
     return out
 
 

@@ -470,20 +470,14 @@ def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, 
 
 
 @pytest.mark.parametrize("tokens_each, warps", [(16, 4), (8, 8)])
-@pytest.mark.parametrize("m, head_dim, seq_len", [(200, 128, 128), (384, 128, 128), (256, 64, 128), (1, 128, 128),
-                                                  (200, 128, 96)],
-                         ids=["partial_tile", "whole", "heads_64", "one_token", "sequences_of_96"])
-@pytest.mark.parametrize("pairs, half_tables", [(False, False), (True, False), (True, True)],
-                         ids=["default", "pairs", "pairs_half_tables"])
-def test_the_gluon_rope_backward_kernel_gives_the_triton_kernels_bits(tokens_each, warps, m, head_dim, seq_len,
-                                                                      pairs, half_tables):
+@pytest.mark.parametrize("m, head_dim", [(200, 128), (384, 128), (256, 64), (1, 128)],
+                         ids=["partial_tile", "whole", "heads_64", "one_token"])
+def test_the_gluon_rope_backward_kernel_gives_the_triton_kernels_bits(tokens_each, warps, m, head_dim):
     """SM90 runs RoPE's backward quantizer (the fused QKV projection's output gradient) as the Gluon kernel
     (`rows_cols_gluon.launch_rope_backward`), other GPUs as the Triton one: the same bytes, values and scales, x^T's
     padding included, in both thread layouts, with a partial last tile (masked loads) and whole ones (unmasked),
-    heads of 128 and 64, sequences shorter than the rows (positions wrapping; sequences of 96 end inside a token
-    block), outliers and a nan, and one token (the twin of `gluon_tiles.TokenCountLaunch`). The rotation-pairs
-    variant too (`pairs=True`), given the tables whole or their first halves (equal halves, as `RotaryEmbedding`
-    builds them)."""
+    heads of 128 and 64, sequences shorter than the rows (positions wrapping), outliers and a nan, and one token
+    (the twin of `gluon_tiles.TokenCountLaunch`)."""
     gluon = pytest.importorskip("megafp8.precision.kernels.rows_cols_gluon")
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon RoPE backward kernel runs on SM90 only")
@@ -502,9 +496,8 @@ def test_the_gluon_rope_backward_kernel_gives_the_triton_kernels_bits(tokens_eac
         for out in (want, got):
             for t in (out[0], out[2]):
                 t.view(torch.uint8).fill_(0x55)  # a byte left unwritten shows
-        producers.launch_rope_backward_triton(dq, dk, dv, rope.cos, rope.sin, seq_len, head_dim, want, fmt, pow2)
-        half = head_dim // 2 if half_tables else head_dim
-        gluon.launch_rope_backward(dq, dk, dv, rope.cos[:, :half], rope.sin[:, :half], seq_len, head_dim, got, fmt,
-                                   pow2, tokens_each=tokens_each, num_warps=warps, pairs=pairs)
+        producers.launch_rope_backward_triton(dq, dk, dv, rope.cos, rope.sin, 128, head_dim, want, fmt, pow2)
+        gluon.launch_rope_backward(dq, dk, dv, rope.cos, rope.sin, 128, head_dim, got, fmt, pow2,
+                                   tokens_each=tokens_each, num_warps=warps)
         assert_same_quantization(got[:2], want[:2], f"rows, {fmt}, pow2={pow2}")
         assert_same_quantization(got[2:], want[2:], f"columns, {fmt}, pow2={pow2}")

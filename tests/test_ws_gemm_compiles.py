@@ -152,20 +152,6 @@ def _packs_one_register_twice(sass: str) -> list:
     return re.findall(r"F2FP\S*\s+R\d+, (R\d+), \1,", sass)
 
 
-def _rope_signature() -> tuple[dict, list]:
-    """The Gluon RoPE kernels' runtime arguments (name -> type) and those the launch specializes as 16-aligned."""
-    signature = {name: "*bf16" for name in ("dq_ptr", "dk_ptr", "dv_ptr")}
-    signature.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-                      "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32"})
-    signature.update({name: "i32" for name in ("M", "NQ", "NK", "seq_len", "stride_dq", "stride_dk", "stride_dv",
-                                               "stride_cos", "stride_sin", "stride_qm", "stride_sm", "stride_sk",
-                                               "stride_qt", "stride_st_k", "stride_st_m")})
-    aligned = [n for n in signature if n.endswith("_ptr")] + [
-        "NQ", "NK", "stride_dq", "stride_dk", "stride_dv", "stride_cos", "stride_sin", "stride_qm", "stride_sk",
-        "stride_qt", "stride_st_m"]
-    return signature, aligned
-
-
 def _assert_wide_shared_accesses(sass: str) -> None:
     """The row + column quantizer's and RoPE's tiles exchange their row maxima and scales through shared memory in
     a few 16-byte (or matrix) accesses a thread (`rows_cols_gluon._row_scales`: 6 stores and 6 loads when written).
@@ -213,7 +199,7 @@ def test_one_token_runs_through_a_twin_because_ptxas_miscompiles_the_token_count
     keeps M a runtime value. Should a later ptxas stop emitting those pairs for M = 1, the twin can go."""
     from megafp8.precision.kernels import rows_cols_gluon as r, swiglu_cols_gluon as g
 
-    for launch in (*r._LAUNCHES.values(), r._ROPE_LAUNCH, r._ROPE_PAIRS_LAUNCH, g._LAUNCH):
+    for launch in (*r._LAUNCHES.values(), r._ROPE_LAUNCH, g._LAUNCH):
         assert launch.one_token_kernel.fn is launch.kernel.fn
         for kernel, runtime in ((launch.kernel, False), (launch.one_token_kernel, True)):
             assert [p.do_not_specialize for p in kernel.params if p.name == "M"] == [runtime], kernel.fn.__name__
@@ -318,7 +304,15 @@ def test_the_gluon_rope_backward_kernel_compiles_for_sm90_lean_and_without_spill
     from triton.experimental.gluon._runtime import GluonASTSource
     from megafp8.precision.kernels import rows_cols_gluon as r
 
-    signature, aligned = _rope_signature()
+    signature = {name: "*bf16" for name in ("dq_ptr", "dk_ptr", "dv_ptr")}
+    signature.update({"cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                      "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32"})
+    signature.update({name: "i32" for name in ("M", "NQ", "NK", "seq_len", "stride_dq", "stride_dk", "stride_dv",
+                                               "stride_cos", "stride_sin", "stride_qm", "stride_sm", "stride_sk",
+                                               "stride_qt", "stride_st_k", "stride_st_m")})
+    aligned = [n for n in signature if n.endswith("_ptr")] + [
+        "NQ", "NK", "stride_dq", "stride_dk", "stride_dv", "stride_cos", "stride_sin", "stride_qm", "stride_sk",
+        "stride_qt", "stride_st_m"]
     load, store_t, rows, cols = r.tile_layouts()
     for head_dim in (128, 64):
         constants = dict(HEAD_DIM=head_dim, MASKED=masked, FP8_MAX=448.0, POW2=False, LOAD=load, STORE_T=store_t,
@@ -338,43 +332,6 @@ def test_the_gluon_rope_backward_kernel_compiles_for_sm90_lean_and_without_spill
         _assert_wide_shared_accesses(sass)
         per_element = _sass_instructions(sass) * 32 * r.WARPS / (128 * 128)
         assert 15 < per_element <= (32 if masked else 28), f"heads of {head_dim}: {per_element:.1f} per element"
-
-
-@pytest.mark.parametrize("masked", [False, True], ids=["whole_tiles", "partial_last_tile"])
-def test_the_gluon_rope_pairs_variant_compiles_for_sm90_lean_and_without_spills(masked):
-    """RoPE's backward held as rotation pairs (`rows_cols_gluon.launch_rope_backward(pairs=True)`, a variant
-    `benchmarks/rope_variants.py` measures against the default): each element read once in 8-byte runs and each
-    table entry once in 16-byte runs; no spills on whole tiles; training's case (tables' first halves, sequences of
-    whole token blocks) at most 20.5 instructions per element (19.6 when written, against the default's 23.6); its
-    row maxima's exchange as wide as the default's."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from megafp8.precision.kernels import rows_cols_gluon as r
-
-    signature, aligned = _rope_signature()
-    load, store_t, rows, cols = r.pair_layouts()
-    for head_dim, half_tables, seq_aligned in ((128, True, True), (64, True, True), (128, False, False)):
-        case = (head_dim, half_tables, seq_aligned)
-        constants = dict(HEAD_DIM=head_dim, HALF_TABLES=half_tables, SEQ_ALIGNED=seq_aligned, MASKED=masked,
-                         FP8_MAX=448.0, POW2=False, LOAD=load, STORE_T=store_t, ROWS=rows, COLS=cols, stride_sm=1,
-                         stride_st_k=1)
-        config_signature = dict(signature, **{name: "constexpr" for name in constants})
-        names = list(config_signature)
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        compiled = triton.compile(GluonASTSource(r._rope_backward_pairs_quantize_gluon_kernel, config_signature,
-                                                 constexprs=constants, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": r.WARPS})
-        ptx = compiled.asm["ptx"]
-        assert set(re.findall(r"ld\.global\S*", ptx)) == {"ld.global.v2.b32", "ld.global.v4.b32"}, case
-        report, sass = _ptxas_and_sass(ptx)
-        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
-        # whole tables with a partial last tile (never training's case) spill 84 bytes when written
-        assert spills and max(spills) <= (128 if masked and not half_tables else 0), (case, report)
-        _assert_wide_shared_accesses(sass)
-        per_element = _sass_instructions(sass) * 32 * r.WARPS / (128 * 128)
-        bound = 20.5 if half_tables and seq_aligned and not masked else 26
-        assert 15 < per_element <= bound, f"{case}: {per_element:.1f} per element"
 
 
 def test_the_rope_backward_quantizer_compiles_for_sm90_without_spills_in_every_configuration():

@@ -75,9 +75,8 @@ def token_partials_layout(num_warps: int = WARPS) -> DistributedLinearLayout:
 
 
 @gluon.jit
-def _row_scales(magnitudes, FP8_MAX: gl.constexpr, POW2: gl.constexpr, PARTIALS: gl.constexpr):
-    """(scale, multiplier) of each of 128 rows (in the rows' layout of `magnitudes`, their elements' |x|, nan where
-    x is), the max over a row taken in two
+def _row_scales(x, FP8_MAX: gl.constexpr, POW2: gl.constexpr, PARTIALS: gl.constexpr):
+    """(scale, multiplier) of each of x's 128 rows (in x's row layout), the max over its 128 features taken in two
     steps: each warp's max over its features of each row (within threads and shuffles), then, through shared memory
     laid out tokens first, the max over the warps' partials, read by one thread a row (`PARTIALS`, which divides
     for its row). The multipliers return through shared memory the same way. Each shared access is conflict-free:
@@ -85,8 +84,7 @@ def _row_scales(magnitudes, FP8_MAX: gl.constexpr, POW2: gl.constexpr, PARTIALS:
     reduction and layout conversions here wrote rows 16 bytes apart: 6-way bank conflicts, half the kernel's L1
     wavefronts; Nsight Compute, docs/benchmarks.md job FB.)"""
     num_warps: gl.constexpr = PARTIALS.shape[1]
-    per_warp = gl.reduce(gl.reshape(magnitudes, [128, num_warps, magnitudes.shape[1] // num_warps]), 2,
-                         gluon_tiles.nan_max)
+    per_warp = gl.reduce(gl.reshape(gl.abs(x), [128, num_warps, 128 // num_warps]), 2, gluon_tiles.nan_max)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1])
     partials = gl.allocate_shared_memory(gl.float32, [128, num_warps], plain, per_warp)
     gl.thread_barrier()
@@ -94,7 +92,7 @@ def _row_scales(magnitudes, FP8_MAX: gl.constexpr, POW2: gl.constexpr, PARTIALS:
     scale, inv = gluon_tiles.tile_scale(amax, FP8_MAX, POW2)
     inverses = gl.allocate_shared_memory(gl.float32, [128], gl.SwizzledSharedLayout(1, 1, 1, order=[0]), inv)
     gl.thread_barrier()
-    return scale, inverses.load(gl.SliceLayout(1, magnitudes.type.layout))
+    return scale, inverses.load(gl.SliceLayout(1, x.type.layout))
 
 
 @gluon.jit
@@ -160,7 +158,7 @@ def _quantize_tile(x, rows, cols, kb, mb, M, q_ptr, s_ptr, qt_ptr, st_ptr, strid
     if ROWS is None:  # each thread divides for all the rows it holds
         row_scale, row_inv = _scales(gl.reduce(gl.abs(x), 1, gluon_tiles.nan_max), None, FP8_MAX, POW2)
     else:
-        row_scale, row_inv = _row_scales(gl.abs(x), FP8_MAX, POW2, ROWS)
+        row_scale, row_inv = _row_scales(x, FP8_MAX, POW2, ROWS)
     q = (x * gl.expand_dims(row_inv, 1)).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # saturating
     q_ptrs = q_ptr + gl.expand_dims(rows, 1) * stride_qm + gl.expand_dims(cols, 0)
     scale_rows = mb * 128 + gl.arange(0, 128, layout=row_scale.type.layout)
@@ -217,19 +215,6 @@ def _rmsnorm_quantize_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr
 
 
 @gluon.jit
-def _query_or_key_rows(dq_ptr, dk_ptr, rows, cols, first, NQ, stride_dq, stride_dk):
-    """(row pointers, columns within it) of a tile of [dq | dk] whose first column is `first`: dq's rows where it
-    lies in the queries, dk's (columns counted from NQ) where in the keys."""
-    if first < NQ:
-        row_ptrs = dq_ptr + gl.expand_dims(rows.to(gl.int64) * stride_dq, 1)
-        local = cols
-    else:
-        row_ptrs = dk_ptr + gl.expand_dims(rows.to(gl.int64) * stride_dk, 1)
-        local = cols - NQ
-    return row_ptrs, local
-
-
-@gluon.jit
 def _rope_backward_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, cols, kb, M, NQ, NK, seq_len, stride_dq,
                         stride_dk, stride_dv, stride_cos, stride_sin, HEAD_DIM: gl.constexpr,
                         MASKED: gl.constexpr):
@@ -245,7 +230,12 @@ def _rope_backward_tile(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, cols, kb
     in_rows = gl.expand_dims(rows < M, 1)
     first = kb * 128
     if first < NQ + NK:
-        row_ptrs, local = _query_or_key_rows(dq_ptr, dk_ptr, rows, cols, first, NQ, stride_dq, stride_dk)
+        if first < NQ:
+            row_ptrs = dq_ptr + gl.expand_dims(rows.to(gl.int64) * stride_dq, 1)
+            local = cols
+        else:
+            row_ptrs = dk_ptr + gl.expand_dims(rows.to(gl.int64) * stride_dk, 1)
+            local = cols - NQ
         # The partner f XOR h written as f + h - 2 h * (second half): the compiler then sees the runs of consecutive
         # features each thread holds in it, and reads them as 16-byte vectors (through an XOR it reads elements).
         second_half = (local // HALF) % 2
@@ -285,103 +275,6 @@ def _rope_backward_quantize_gluon_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_pt
                    stride_st_k, stride_st_m, FP8_MAX, POW2, STORE_T, ROWS, COLS, True, False)
 
 
-@functools.cache
-def pair_layouts(tokens_each: int = TOKENS_PER_THREAD, num_warps: int = WARPS) -> tuple:
-    """(LOAD, STORE_T, ROWS, COLS) for RoPE's backward held as rotation pairs (`launch_rope_backward(pairs=True)`):
-    a 128 x 128 tile as its two halves, each 128 tokens x 64 pairs (`gluon_tiles.block_layouts` with 4 pairs a
-    thread: by default 16 tokens x 4 pairs, 4 lanes along the pairs and 8 along the tokens, 4 warps), the same
-    registers of the two halves holding the two elements of each pair. ROWS as `tile_layouts`'; COLS shares a
-    half's 64 columns out over each warp's lanes (`gluon_tiles.spread_layout`)."""
-    block_n, load, store_t = gluon_tiles.block_layouts(tokens_each, 4, num_warps)
-    assert block_n == 64, f"{tokens_each} tokens a thread at {num_warps} warps do not tile 64 pairs"
-    return load, store_t, token_partials_layout(num_warps), gluon_tiles.spread_layout(block_n // num_warps, num_warps)
-
-
-@gluon.jit
-def _rope_backward_pairs(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, pairs, kb, M, NQ, NK, seq_len, stride_dq,
-                         stride_dk, stride_dv, stride_cos, stride_sin, HEAD_DIM: gl.constexpr,
-                         HALF_TABLES: gl.constexpr, SEQ_ALIGNED: gl.constexpr, MASKED: gl.constexpr):
-    """Tile kb of [RoPE^T(dq) | RoPE^T(dk) | dv] at `rows` in FP32 (zeros past M), as its 64 rotation pairs:
-    (x_lo, x_hi, col_lo), x_lo at columns col_lo (each head's first half), x_hi half a head further, at the row's
-    position: x_lo = d_lo cos_lo + d_hi sin_hi, x_hi = d_hi cos_hi - d_lo sin_lo, the Triton kernel's expressions
-    (`producers._rope_pairs`), so the same bits. Each element and each table entry is read once; with HALF_TABLES
-    (the tables' first halves, of tables whose halves are equal) a pair's two elements share theirs. SEQ_ALIGNED
-    (seq_len a multiple of 128): a token block's positions run on from its first's, one remainder a program."""
-    HALF: gl.constexpr = HEAD_DIM // 2
-    in_rows = gl.expand_dims(rows < M, 1)  # past M (MASKED only) neither gradient nor table is read
-    in_head = pairs % HALF  # runs of HALF consecutive features: the loads stay vectors
-    col_lo = kb * 128 + (pairs // HALF) * HEAD_DIM + in_head
-    first = kb * 128
-    if first < NQ + NK:
-        row_ptrs, local = _query_or_key_rows(dq_ptr, dk_ptr, rows, col_lo, first, NQ, stride_dq, stride_dk)
-        lo_ptrs = row_ptrs + gl.expand_dims(local, 0)
-        d_lo = _load_rows(lo_ptrs, in_rows, MASKED).to(gl.float32)
-        d_hi = _load_rows(lo_ptrs + HALF, in_rows, MASKED).to(gl.float32)
-        if SEQ_ALIGNED:
-            first_row = gl.program_id(1) * 128
-            first_position = first_row % seq_len
-            cos_row = cos_ptr + first_position * stride_cos
-            sin_row = sin_ptr + first_position * stride_sin
-            positions = gl.expand_dims(rows - first_row, 1)
-        else:
-            cos_row = cos_ptr
-            sin_row = sin_ptr
-            positions = gl.expand_dims(rows % seq_len, 1)
-        cos_ptrs = cos_row + positions * stride_cos + gl.expand_dims(in_head, 0)
-        sin_ptrs = sin_row + positions * stride_sin + gl.expand_dims(in_head, 0)
-        c_lo = _load_rows(cos_ptrs, in_rows, MASKED)
-        s_lo = _load_rows(sin_ptrs, in_rows, MASKED)
-        if HALF_TABLES:
-            c_hi = c_lo
-            s_hi = s_lo
-        else:
-            c_hi = _load_rows(cos_ptrs + HALF, in_rows, MASKED)
-            s_hi = _load_rows(sin_ptrs + HALF, in_rows, MASKED)
-        x_lo = d_lo * c_lo + d_hi * s_hi
-        x_hi = d_hi * c_hi - d_lo * s_lo
-    else:
-        lo_ptrs = dv_ptr + gl.expand_dims(rows.to(gl.int64) * stride_dv, 1) + gl.expand_dims(col_lo - NQ - NK, 0)
-        x_lo = _load_rows(lo_ptrs, in_rows, MASKED).to(gl.float32)
-        x_hi = _load_rows(lo_ptrs + HALF, in_rows, MASKED).to(gl.float32)
-    return x_lo, x_hi, col_lo
-
-
-@gluon.jit
-def _rope_backward_pairs_quantize_gluon_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, qt_ptr,
-                                               st_ptr, M, NQ, NK, seq_len, stride_dq, stride_dk, stride_dv,
-                                               stride_cos, stride_sin, stride_qm, stride_sm, stride_sk, stride_qt,
-                                               stride_st_k, stride_st_m, HEAD_DIM: gl.constexpr,
-                                               HALF_TABLES: gl.constexpr, SEQ_ALIGNED: gl.constexpr,
-                                               MASKED: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
-                                               LOAD: gl.constexpr, STORE_T: gl.constexpr, ROWS: gl.constexpr,
-                                               COLS: gl.constexpr):
-    """`_rope_backward_quantize_gluon_kernel`'s outputs from the tile held as rotation pairs (`pair_layouts`): each
-    row's scale over both halves of its pairs, each column's over its 128 tokens."""
-    HALF: gl.constexpr = HEAD_DIM // 2
-    kb = gl.program_id(0)
-    mb = gl.program_id(1)
-    rows = mb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LOAD))
-    pairs = gl.arange(0, 64, layout=gl.SliceLayout(0, LOAD))
-    x_lo, x_hi, col_lo = _rope_backward_pairs(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, rows, pairs, kb, M, NQ, NK,
-                                              seq_len, stride_dq, stride_dk, stride_dv, stride_cos, stride_sin,
-                                              HEAD_DIM, HALF_TABLES, SEQ_ALIGNED, MASKED)
-    # Rows: one scale per token over both halves (the pairs' larger magnitudes), row stores on whole token blocks
-    # predicated as the other kernel's.
-    row_scale, row_inv = _row_scales(gluon_tiles.nan_max(gl.abs(x_lo), gl.abs(x_hi)), FP8_MAX, POW2, ROWS)
-    inv = gl.expand_dims(row_inv, 1)
-    q_ptrs = q_ptr + gl.expand_dims(rows, 1) * stride_qm + gl.expand_dims(col_lo, 0)
-    in_rows = gl.expand_dims(rows < M, 1)
-    gl.store(q_ptrs, (x_lo * inv).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=in_rows)
-    gl.store(q_ptrs + HALF, (x_hi * inv).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=in_rows)
-    scale_rows = mb * 128 + gl.arange(0, 128, layout=row_scale.type.layout)
-    gl.store(s_ptr + scale_rows * stride_sm + kb * stride_sk, row_scale, mask=scale_rows < M)
-    # Columns: each half's own (rows past M are zeros: the transposes' padding).
-    gluon_tiles.store_cols(x_lo, col_lo, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX, POW2,
-                           STORE_T, COLS)
-    gluon_tiles.store_cols(x_hi, col_lo + HALF, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, FP8_MAX,
-                           POW2, STORE_T, COLS)
-
-
 def kernel_for(norm: bool):
     """The entry point: RMSNorm's producer tiles (`norm`) or the quantizer of a tensor as it is (or gathered)."""
     return _rmsnorm_quantize_gluon_kernel if norm else _quantize_rows_cols_gluon_kernel
@@ -390,7 +283,6 @@ def kernel_for(norm: bool):
 # Triton's JIT once per static signature, then the compiled kernels (`launch.FastLaunch`)
 _LAUNCHES = MappingProxyType({norm: gluon_tiles.TokenCountLaunch(kernel_for(norm)) for norm in (False, True)})
 _ROPE_LAUNCH = gluon_tiles.TokenCountLaunch(_rope_backward_quantize_gluon_kernel)
-_ROPE_PAIRS_LAUNCH = gluon_tiles.TokenCountLaunch(_rope_backward_pairs_quantize_gluon_kernel)
 
 
 def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | None, out: tuple, fmt: Fp8Format,
@@ -420,33 +312,19 @@ def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | No
 
 def launch_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          seq_len: int, head_dim: int, out: tuple, fmt: Fp8Format, power_of_two: bool,
-                         tokens_each: int = TOKENS_PER_THREAD, num_warps: int = WARPS, pairs: bool = False) -> None:
+                         tokens_each: int = TOKENS_PER_THREAD, num_warps: int = WARPS) -> None:
     """Fill `out` (from `tiles.rows_cols_outputs`) with [RoPE^T(dq) | RoPE^T(dk) | dv] quantized both ways: the
     bytes of `producers.rope_backward_quantize`'s Triton kernel (same arguments, checked by its caller). The row +
     column quantizer's layout (16 tokens x 8 features a thread, 4 warps) is the faster of the two measured: 8
-    tokens at 8 warps needs fewer registers but more instructions (`benchmarks/rope_variants.py`).
-
-    `pairs`: the variant holding each rotation pair in one thread (`pair_layouts`; tokens_each x 4 pairs a thread),
-    which reads every element and table entry once and takes tables of head_dim / 2 entries, the first halves of
-    tables whose halves are equal (as `RotaryEmbedding` builds them): measured against the default by
-    `benchmarks/rope_variants.py` (before `_row_scales`, job EY: 0.344 against 0.338 ms), not what the backends
-    launch."""
+    tokens at 8 warps needs fewer registers but more instructions (`benchmarks/rope_variants.py`)."""
     m, nq, nk = dq.shape[0], dq.shape[1], dk.shape[1]
     n = nq + nk + dv.shape[1]
     q, s, qt, st = out
-    args = (dq, dk, dv, cos, sin, q, s, qt, st, m, nq, nk, seq_len, dq.stride(0), dk.stride(0), dv.stride(0),
-            cos.stride(0), sin.stride(0), q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0),
-            st.stride(1))
-    grid = (n // 128, -(-m // 128))
-    if pairs:
-        load, store_t, rows, cols = pair_layouts(tokens_each, num_warps)
-        _ROPE_PAIRS_LAUNCH.launch(grid, args, dict(
-            HEAD_DIM=head_dim, HALF_TABLES=cos.shape[1] != head_dim, SEQ_ALIGNED=seq_len % 128 == 0,
-            MASKED=m % 128 != 0, FP8_MAX=fmt.max, POW2=power_of_two, LOAD=load, STORE_T=store_t, ROWS=rows,
-            COLS=cols, num_warps=num_warps))
-        return
-    assert cos.shape[1] == head_dim, "the default RoPE kernel reads whole tables (`pairs` takes their halves)"
     load, store_t, rows, cols = tile_layouts(tokens_each, num_warps)
-    _ROPE_LAUNCH.launch(grid, args, dict(
-        HEAD_DIM=head_dim, MASKED=m % 128 != 0, FP8_MAX=fmt.max, POW2=power_of_two, LOAD=load, STORE_T=store_t,
-        ROWS=rows, COLS=cols, num_warps=num_warps))
+    _ROPE_LAUNCH.launch(
+        (n // 128, -(-m // 128)),
+        (dq, dk, dv, cos, sin, q, s, qt, st, m, nq, nk, seq_len, dq.stride(0), dk.stride(0), dv.stride(0),
+         cos.stride(0), sin.stride(0), q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0),
+         st.stride(1)),
+        dict(HEAD_DIM=head_dim, MASKED=m % 128 != 0, FP8_MAX=fmt.max, POW2=power_of_two, LOAD=load, STORE_T=store_t,
+             ROWS=rows, COLS=cols, num_warps=num_warps))
