@@ -258,7 +258,7 @@ for part in $PARTS; do
     ncu_producers)  # Nsight Compute on the producers' Gluon kernels at the 8B-layer step's shapes (RoPE's backward,
                     # SwiGLU backward's columns, the row + column quantizer; benchmarks/producer_kernels.py): what
                     # bounds each, its L1 wavefronts, shared ones and bank conflicts (docs/benchmarks.md jobs FA-FC)
-      step ncu_producers ncu --kernel-name "regex:gluon|_swiglu_backward_cols_kernel" \
+      step ncu_producers ncu --kernel-name "regex:gluon|swiglu_backward_cols" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
         --metrics l1tex__data_pipe_lsu_wavefronts.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,\
 l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum \

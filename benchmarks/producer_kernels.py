@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The FP8 producers' quantizing kernels of one 8B-layer step, each launched twice (a warm-up, then the one to read)
 at that step's shapes (16,384 tokens): RoPE's backward quantizer (dq, dk, dv of 4,096 features each), SwiGLU's
-backward (gu 28,672 and da 14,336 features: the Triton row kernel, then the column kernel) and the row + column
-quantizer of a 4,096-wide dy. For Nsight Compute, which times and analyses each launch alone, e.g.
+backward (gu 28,672 and da 14,336 features: the Triton row kernel, then the column kernel, which reads by TMA;
+`swiglu_loads`: the column kernel alone reading with the threads' loads) and the row + column quantizer of a
+4,096-wide dy. For Nsight Compute, which times and analyses each launch alone, e.g.
 
     PYTHONPATH=. ncu --kernel-name regex:"gluon|swiglu_backward" --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats --section MemoryWorkloadAnalysis python benchmarks/producer_kernels.py
@@ -24,7 +25,8 @@ def main(argv=None) -> None:
     from megafp8.precision.formats import E4M3
     from megafp8.precision.kernels import producers, quantize
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", nargs="+", default=["rope", "swiglu", "dy"], choices=["rope", "swiglu", "dy"])
+    parser.add_argument("--kernels", nargs="+", default=["rope", "swiglu", "dy"],
+                        choices=["rope", "swiglu", "swiglu_loads", "dy"])
     args = parser.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -39,6 +41,13 @@ def main(argv=None) -> None:
     if "swiglu" in args.kernels:
         gu, da = randn(TOKENS, 2 * FFN), randn(TOKENS, FFN)
         runs["swiglu"] = lambda: producers.swiglu_backward_quantize(gu, da, E4M3, E4M3, False)
+    if "swiglu_loads" in args.kernels:
+        from megafp8.precision.kernels import swiglu_cols_gluon, tiles
+        gu, da = randn(TOKENS, 2 * FFN), randn(TOKENS, FFN)
+        qt, st = tiles.rows_cols_outputs(TOKENS, 2 * FFN, E4M3, gu.device)[2:]
+        at, ats = tiles.rows_cols_outputs(TOKENS, FFN, E4M3, gu.device)[2:]
+        runs["swiglu_loads"] = lambda: swiglu_cols_gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, E4M3,
+                                                                              False, use_tma=False)
     if "dy" in args.kernels:
         dy = randn(TOKENS, WIDTH)
         runs["dy"] = lambda: quantize.quantize_rows_cols(dy, E4M3, False)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """SwiGLU backward's column outputs (d(gu)^T and a^T, quantized along the tokens): the Triton column kernel (what
 GPUs other than SM90 run) against layouts of the Gluon kernel that SM90 runs
-(`megafp8.precision.kernels.swiglu_cols_gluon`; its default is 8 tokens x 4 features a thread, 4 warps).
+(`megafp8.precision.kernels.swiglu_cols_gluon`; its default is 8 tokens x 4 features a thread, 4 warps, reading gu
+and da by TMA where the token count is a multiple of 8).
 
     PYTHONPATH=. python benchmarks/swiglu_cols_variants.py [--tokens 16384] [--iters 30]
 
@@ -37,7 +38,12 @@ def outputs(m: int, f: int, grad_fmt, device):
 def variants() -> dict:
     from megafp8.precision.kernels import producers, swiglu_cols_gluon
     out = {"triton (backends')": producers.swiglu_backward_cols}
-    for tokens, features, warps in ((8, 4, 4), (4, 8, 4), (8, 4, 8), (4, 4, 4), (16, 2, 4)):
+    # The default layout reading gu and da with the threads' loads, and by TMA (eight boxes or one a tensor: what
+    # the backends run where the token count is a multiple of 8); then other layouts' loads.
+    for label, tma, one_box in (("loads", False, False), ("TMA, 8 boxes", True, False), ("TMA, 1 box", True, True)):
+        out[f"gluon 8x4, {label}"] = (lambda *a, t=tma, o=one_box: swiglu_cols_gluon.swiglu_backward_cols(
+            *a, use_tma=t, one_box=o))
+    for tokens, features, warps in ((4, 8, 4), (4, 4, 4)):
         out[f"gluon {tokens}x{features}, {warps} warps"] = (
             lambda *a, t=tokens, f=features, w=warps: swiglu_cols_gluon.swiglu_backward_cols(
                 *a, num_warps=w, tokens_each=t, features_each=f))

@@ -426,6 +426,43 @@ def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_eac
         assert_same_quantization(got_a, want_a, f"a^T, pow2={pow2}")
 
 
+@pytest.mark.parametrize("m", [328, 256, 8, 136])
+@pytest.mark.parametrize("one_box", [False, True], ids=["eight_boxes", "one_box"])
+@pytest.mark.parametrize("a_blocks", [False, True], ids=["a_in_tiles", "a_in_blocks"])
+def test_the_swiglu_column_kernel_reading_by_tma_gives_the_pointer_kernels_bits(m, one_box, a_blocks):
+    """SwiGLU backward's Gluon column kernel reads gu and da through TMA into shared memory where M is a multiple
+    of 8 (`swiglu_cols_gluon._swiglu_backward_cols_tma_kernel`, slabs of tokens 8 apart): the bytes of the same
+    kernel reading them with the threads' loads (which the test above holds to the Triton kernel's), a^T in tiles
+    and in 128x128 blocks, partial and whole token blocks, E5M2 and power-of-two scales, outliers and a nan, and
+    gu a view whose rows lie further apart than its width (the slab view must stay inside its storage)."""
+    gluon = pytest.importorskip("megafp8.precision.kernels.swiglu_cols_gluon")
+    if torch.cuda.get_device_capability(CUDA) != (9, 0):
+        pytest.skip("the Gluon column kernel runs on SM90 only")
+    from megafp8.precision import E4M3, E5M2
+    from megafp8.precision.kernels import producers, tiles
+    torch.manual_seed(0)
+    f = 384
+    wide = (torch.randn(m, 2 * f + 64, device=CUDA) * torch.logspace(-3, 3, 2 * f + 64, device=CUDA)).bfloat16()
+    gu = wide[:, 32:32 + 2 * f]  # rows 2F + 64 apart, starting 64 bytes in
+    da = torch.randn(m, f, device=CUDA, dtype=torch.bfloat16)
+    gu[17 % m, 3] = float("nan")
+    assert gluon.tma_fits(gu, da)
+    a_amax = producers.swiglu_quantize(gu, E4M3, False, row_amax=True)[2] if a_blocks else None
+    for grad_fmt, pow2 in ((E4M3, False), (E5M2, True)):
+        outputs = []
+        for use_tma in (False, True):
+            qt, st = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, CUDA)[2:]
+            at, ats = tiles.rows_cols_outputs(m, f, E4M3, CUDA, cols_in_blocks=a_blocks)[2:]
+            for t in (qt, at):
+                t.view(torch.uint8).fill_(0x55)  # a byte left unwritten shows
+            gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, grad_fmt, pow2, a_amax=a_amax,
+                                       use_tma=use_tma, one_box=one_box)
+            outputs.append(((qt, st), (at, ats)))
+        (want_d, want_a), (got_d, got_a) = outputs
+        assert_same_quantization(got_d, want_d, f"d(gu)^T, {grad_fmt}, pow2={pow2}")
+        assert_same_quantization(got_a, want_a, f"a^T, pow2={pow2}")
+
+
 @pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("spread_rows, spread_cols, m", [(True, True, 328), (False, True, 328), (False, False, 328),
                                                          (True, True, 256), (True, True, 1), (True, True, 2)])

@@ -274,7 +274,7 @@ def test_gpu_e2e_ncu_producers_part_profiles_the_producer_kernels_with_their_wav
     result = _gpu_e2e_with_fake_gpu(tmp_path, ["ncu_producers"], "true", tools={"ncu": recording_ncu})
     assert result.returncode == 0, result.stderr[-3000:]
     args = (tmp_path / "out" / "ncu_args.txt").read_text().splitlines()
-    assert args[args.index("--kernel-name") + 1] == "regex:gluon|_swiglu_backward_cols_kernel"
+    assert args[args.index("--kernel-name") + 1] == "regex:gluon|swiglu_backward_cols"
     metrics = args[args.index("--metrics") + 1].split(",")
     assert {"l1tex__data_pipe_lsu_wavefronts.sum", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
             "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",

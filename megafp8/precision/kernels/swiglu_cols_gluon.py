@@ -2,10 +2,12 @@
 `producers.swiglu_backward_quantize` runs this kernel instead of the Triton column kernel
 (`producers._swiglu_backward_cols_kernel`, kept for other GPUs and as the reference it is checked against): the same
 bytes (`tests/test_fp8_gpu.py`, `benchmarks/swiglu_cols_variants.py`) in 0.343 against 0.449 ms at the ~1B shape
-(`docs/benchmarks.md`, eleventh session).
+(`docs/benchmarks.md`, eleventh session), and since its blocks arrive by TMA (`_swiglu_backward_cols_tma_kernel`,
+where M is a multiple of 8: every training step) in 0.232 ms (job FF; 0.589 against the Triton kernel's 1.136 at
+the 8B-layer shape, ~3.6 TB/s moved).
 
-Why it is faster: the column kernel is bound by the instructions it issues, not by memory (Nsight Compute), and
-Gluon lets us choose the layout that needs fewest. Each thread holds 8 consecutive tokens x 4 consecutive features,
+Why it is faster: the Triton column kernel was bound by the instructions it issued, and Gluon lets us choose the
+layout that needs fewest (once they were few, the L1 wavefronts of the threads' loads bound it: hence TMA). Each thread holds 8 consecutive tokens x 4 consecutive features,
 16 lanes of a warp cover the 128 tokens and 2 lanes its 8 features, and the warps sit side by side along the
 features (`block_layouts`). A column's max is taken within the thread and over 4 shuffle rounds, with no barrier;
 each thread writes its 8 tokens of a column as 8 consecutive FP8 bytes of the transposed output, straight from its
@@ -26,15 +28,21 @@ same bits.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language import DistributedLinearLayout
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from megafp8.precision.formats import Fp8Format
 from megafp8.precision.kernels import gluon_tiles
+from megafp8.precision.kernels.launch import Descriptor, FastLaunch
 
+_SLAB = 8  # tokens side by side in a view row of `_slab_view`
+SLAB_TOKENS = gl.constexpr(_SLAB)
 TOKENS_PER_THREAD = 8  # 16 lanes along the tokens: 4 shuffle rounds per column max, 8-byte column runs
 FEATURES_PER_THREAD = 4  # x 2 lanes: a warp's 8 features are a 16-byte row segment
 
@@ -61,19 +69,118 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
     gate = gl.load(gate_ptrs, mask=in_rows, other=0.0).to(gl.float32)
     up = gl.load(gate_ptrs + F, mask=in_rows, other=0.0).to(gl.float32)
     s = 1.0 / (1.0 + exp_neg(gate))
+    _store_a(gate, up, s, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m, stride_ab,
+             FP8_MAX, POW2, A_BLOCKS, BLOCK_N, load, store, SPREAD)
+    da = gl.load(da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0), mask=in_rows, other=0.0)
+    _store_grads(da, gate, up, s, cols, mb, F, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, GRAD_MAX, POW2,
+                 store, SPREAD)
+
+
+@gluon.jit
+def _store_a(gate, up, s, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m, stride_ab,
+             FP8_MAX: gl.constexpr, POW2: gl.constexpr, A_BLOCKS: gl.constexpr, BLOCK_N: gl.constexpr,
+             LOAD: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr):
+    """a^T = (silu(gate) * up)^T of the block (s: the gate's sigmoid), in tiles or in 128x128 blocks."""
     if A_BLOCKS:
-        block = gl.program_id(0) * block_n // gluon_tiles.TOKENS  # the 128 features this program's lie in
+        block = gl.program_id(0) * BLOCK_N // gluon_tiles.TOKENS  # the 128 features this program's lie in
         gluon_tiles.store_block_cols(gate * s * up, amax_ptr, stride_ab, M, block, cols, mb, at_ptr, stride_at,
-                                     ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX, POW2, load, store, SPREAD)
+                                     ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX, POW2, LOAD, STORE, SPREAD)
     else:
         gluon_tiles.store_cols(gate * s * up, cols, mb, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m,
-                               FP8_MAX, POW2, store, SPREAD)
-    da = gl.load(da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0), mask=in_rows, other=0.0)
+                               FP8_MAX, POW2, STORE, SPREAD)
+
+
+@gluon.jit
+def _store_grads(da, gate, up, s, cols, mb, F, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m,
+                 GRAD_MAX: gl.constexpr, POW2: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr):
+    """d(gate)^T and d(up)^T of the block from a's gradient da, quantized along the tokens."""
     da_s = da.to(gl.float32) * s
     gluon_tiles.store_cols(da_s * up * (1.0 + gate * (1.0 - s)), cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k,
-                           stride_st_m, GRAD_MAX, POW2, store, SPREAD)
+                           stride_st_m, GRAD_MAX, POW2, STORE, SPREAD)
     gluon_tiles.store_cols(da_s * gate, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX,
-                           POW2, store, SPREAD)
+                           POW2, STORE, SPREAD)
+
+
+@gluon.jit
+def _swiglu_backward_cols_tma_kernel(gu_desc, da_desc, qt_ptr, st_ptr, at_ptr, ats_ptr, amax_ptr, M, F, stride_gm,
+                                     stride_dm, stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k,
+                                     stride_ats_m, stride_ab, GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr,
+                                     POW2: gl.constexpr, A_BLOCKS: gl.constexpr, BLOCK_N: gl.constexpr,
+                                     LOAD: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr,
+                                     SLABS: gl.constexpr, ONE_BOX: gl.constexpr):
+    """`_swiglu_backward_cols_kernel`'s outputs, its blocks of gate, up and da brought into shared memory by TMA
+    instead of loaded by the threads (M a multiple of 8). Why: the pointer kernel is bound by the L1 wavefronts of
+    its 16-byte row reads (each 32-byte sector looked up twice, by the two warps that share it: Nsight Compute,
+    docs/benchmarks.md job FB); TMA moves whole lines without the LSU, and the threads read shared memory (job FF:
+    0.589 against 0.741 ms at the 8B-layer shape, L1/TEX 33% busy against 74%, the same bytes).
+
+    How the reads avoid bank conflicts in the column layout, where the 16 token lanes of a warp read the same 16
+    bytes of rows 8 apart (in one plain or swizzled tile they all fall in one bank group): the descriptors view
+    each tensor as (M/8, 8 rows side by side) (`_slab_view`), so that a box of 16 view rows at column r * stride
+    holds tokens r, r + 8, ..., r + 120 of the block. Eight such boxes fill eight slabs; slab r, view row j holds
+    token 8 j + r. ONE_BOX (the default) moves the eight slabs as one 3-D box, the view's token dimension split
+    in two with strides not in decreasing order (TMA takes them: job FF); the eight 2-D boxes cost 24 copies and
+    a barrier after each (5% slower). The lanes' rows then differ by one within a slab, and the 64-byte swizzle
+    spreads each half warp's 16-byte reads over all 32 banks (0.6 M conflicts in 32 M shared wavefronts, job FF).
+    `SLABS` reads the slabs into the column layout, which `_in_token_order` renames to the tokens' order (the same
+    registers)."""
+    mb = gl.program_id(1)
+    c = gl.program_id(0) * BLOCK_N
+    ROWS: gl.constexpr = gluon_tiles.TOKENS // SLAB_TOKENS  # view rows a slab: tokens 8 apart
+    if ONE_BOX:  # one (8 slabs, 16 view rows, BLOCK_N) box a tensor
+        shape: gl.constexpr = [SLAB_TOKENS, ROWS, BLOCK_N]
+    else:
+        shape: gl.constexpr = [gluon_tiles.TOKENS, BLOCK_N]
+    gate_s = gl.allocate_shared_memory(gu_desc.dtype, shape, gu_desc.layout)
+    up_s = gl.allocate_shared_memory(gu_desc.dtype, shape, gu_desc.layout)
+    da_s = gl.allocate_shared_memory(da_desc.dtype, shape, da_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(0), count=1)
+    mbarrier.init(bars.index(1), count=1)
+    fence_async_shared()
+    j = mb * ROWS
+    BYTES: gl.constexpr = 2 * gluon_tiles.TOKENS * BLOCK_N  # a tensor's block, BF16
+    mbarrier.expect(bars.index(0), 2 * BYTES)
+    mbarrier.expect(bars.index(1), BYTES)
+    if ONE_BOX:
+        tma.async_copy_global_to_shared(gu_desc, [0, j, c], bars.index(0), gate_s)
+        tma.async_copy_global_to_shared(gu_desc, [0, j, F + c], bars.index(0), up_s)
+        tma.async_copy_global_to_shared(da_desc, [0, j, c], bars.index(1), da_s)
+        gate_s = gate_s.reshape([gluon_tiles.TOKENS, BLOCK_N])
+        up_s = up_s.reshape([gluon_tiles.TOKENS, BLOCK_N])
+        da_s = da_s.reshape([gluon_tiles.TOKENS, BLOCK_N])
+    else:  # eight boxes a tensor, each slab's by the three tensors in turn (Triton puts a barrier between two
+        # copies into one buffer)
+        for r in gl.static_range(SLAB_TOKENS):
+            tma.async_copy_global_to_shared(gu_desc, [j, r * stride_gm + c], bars.index(0),
+                                            gate_s.slice(r * ROWS, ROWS))
+            tma.async_copy_global_to_shared(gu_desc, [j, r * stride_gm + F + c], bars.index(0),
+                                            up_s.slice(r * ROWS, ROWS))
+            tma.async_copy_global_to_shared(da_desc, [j, r * stride_dm + c], bars.index(1),
+                                            da_s.slice(r * ROWS, ROWS))
+    cols = c + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LOAD))
+    mbarrier.wait(bars.index(0), 0)
+    gate = _in_token_order(gate_s.load(SLABS), LOAD).to(gl.float32)
+    up = _in_token_order(up_s.load(SLABS), LOAD).to(gl.float32)
+    s = 1.0 / (1.0 + exp_neg(gate))
+    _store_a(gate, up, s, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m, stride_ab,
+             FP8_MAX, POW2, A_BLOCKS, BLOCK_N, LOAD, STORE, SPREAD)
+    mbarrier.wait(bars.index(1), 0)
+    da = _in_token_order(da_s.load(SLABS), LOAD)
+    _store_grads(da, gate, up, s, cols, mb, F, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, GRAD_MAX, POW2,
+                 STORE, SPREAD)
+    mbarrier.invalidate(bars.index(0))
+    mbarrier.invalidate(bars.index(1))
+
+
+@gluon.jit
+def _in_token_order(x, LOAD: gl.constexpr):
+    """A block read from the slabs (row 16 r + j holds token 8 j + r) indexed by token: the same registers (the
+    conversion is asserted trivial), renamed."""
+    n: gl.constexpr = x.shape[1]
+    slabs = gl.reshape(x, [SLAB_TOKENS, gluon_tiles.TOKENS // SLAB_TOKENS, n])
+    by_token = gl.reshape(gl.permute(slabs, [1, 0, 2]), [gluon_tiles.TOKENS, n])
+    return gl.convert_layout(by_token, LOAD, assert_trivial=True)
 
 
 @gluon.jit
@@ -87,25 +194,80 @@ def exp_neg(x):
 
 # Triton's JIT once per static signature, then the compiled kernel; one token through a twin (`TokenCountLaunch`)
 _LAUNCH = gluon_tiles.TokenCountLaunch(_swiglu_backward_cols_kernel)
+# The TMA kernel needs M a multiple of 8 (`_slab_view`): M is never 1 there, so no twin.
+_TMA_LAUNCH = FastLaunch(_swiglu_backward_cols_tma_kernel)
+
+
+def _slab_position(token: int) -> int:
+    """Where token t of a 128-token block lies in the slabs: slab t % 8, view row t // 8 of it."""
+    return 16 * (token % _SLAB) + token // _SLAB
+
+
+@functools.cache
+def slab_layout(load: DistributedLinearLayout) -> DistributedLinearLayout:
+    """`load` (a [128, BLOCK_N] column layout) over the slabs: each thread reads the elements it holds in `load`
+    (the token bases moved to their slab rows; every basis is one token bit, so the map stays linear)."""
+    def moved(bases: list) -> list:
+        return [[_slab_position(t), f] for t, f in bases]
+    return DistributedLinearLayout(reg_bases=moved(load.reg_bases), lane_bases=moved(load.lane_bases),
+                                   warp_bases=moved(load.warp_bases), block_bases=[], shape=list(load.shape))
+
+
+@functools.cache
+def slab_shared_layout(block_n: int, rank: int = 2) -> gl.NVMMASharedLayout:
+    """The slabs' shared layout: rows of block_n BF16, swizzled over 64 bytes (what spreads a half warp's reads of
+    16 consecutive slab rows over the 32 banks)."""
+    assert 2 * block_n == 64, f"the slab swizzle is made for 64-byte rows, not {block_n} BF16"
+    return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=rank)
+
+
+def _slab_view(t: torch.Tensor, width: int, one_box: bool = False) -> torch.Tensor:
+    """t (M, >= width), rows `stride` apart, viewed as (M/8, 7 stride + width): view row j holds rows 8j .. 8j + 7
+    side by side, row 8j + r at columns r * stride + [0, width). The same storage, ending at t's last element.
+    `one_box`: as (8, M/8, width) instead, [r, j] being row 8j + r (strides not in decreasing order)."""
+    stride, rows = t.stride(0), t.shape[0] // _SLAB
+    if one_box:
+        return t.as_strided((_SLAB, rows, width), (stride, _SLAB * stride, 1))
+    return t.as_strided((rows, (_SLAB - 1) * stride + width), (_SLAB * stride, 1))
+
+
+def tma_fits(gu: torch.Tensor, da: torch.Tensor) -> bool:
+    """Whether the TMA kernel can read gu and da: a whole number of slab rows (M % 8 == 0), contiguous rows whose
+    strides and starts TMA can address (16-byte multiples)."""
+    return (da.shape[0] % _SLAB == 0 and all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+                                                  for t in (gu, da)))
 
 
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
                          ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool,
                          num_warps: int = 4, tokens_each: int = TOKENS_PER_THREAD,
-                         features_each: int = FEATURES_PER_THREAD, a_amax: Optional[torch.Tensor] = None) -> None:
+                         features_each: int = FEATURES_PER_THREAD, a_amax: Optional[torch.Tensor] = None,
+                         use_tma: Optional[bool] = None, one_box: bool = True) -> None:
     """Fill qt/st (d(gu)^T (2F, M_pad) in `grad_fmt`) and at/ats (a^T (F, M_pad) in `fmt`) from gu (M, 2F) and
     da (M, F), as the Triton column kernel does (outputs from `tiles.rows_cols_outputs`). Given the forward's tile
     maxima `a_amax` (M, F/128) FP32 (column-major), a^T in 128x128 blocks (ats (F/128, M_pad/128)), as
-    `producers.swiglu_backward_quantize` defines them."""
+    `producers.swiglu_backward_quantize` defines them. `use_tma`: read gu and da through TMA (the default where
+    `tma_fits` and the layout has 64-byte block rows) or with the threads' loads (False); `one_box`: one TMA box
+    a tensor (a view whose strides are not in decreasing order; the faster) or eight (False)."""
     m, f = da.shape
     block_n, load, store = gluon_tiles.block_layouts(tokens_each, features_each, num_warps)
     assert f % block_n == 0, f"F={f} must be a multiple of {block_n}"
     blocks = a_amax is not None
     assert not blocks or 128 % block_n == 0, f"a program's {block_n} features must lie in one 128x128 block"
+    if use_tma is None:
+        use_tma = 2 * block_n == 64 and tma_fits(gu, da)
     amax = a_amax if blocks else ats  # an unused pointer without blocks
     grid = (f // block_n, -(-m // 128))
-    _LAUNCH.launch(grid, (gu, da, qt, st, at, ats, amax, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0),
-                          st.stride(1), at.stride(0), ats.stride(0), ats.stride(1), amax.stride(1)),
-                   dict(GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, A_BLOCKS=blocks, BLOCK_N=block_n,
-                        LOAD=load, STORE=store, SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps),
-                        num_warps=num_warps))
+    outputs = (qt, st, at, ats, amax, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
+               at.stride(0), ats.stride(0), ats.stride(1), amax.stride(1))
+    constexprs = dict(GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, A_BLOCKS=blocks, BLOCK_N=block_n,
+                      LOAD=load, STORE=store, SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps),
+                      num_warps=num_warps)
+    if use_tma:
+        shared = slab_shared_layout(block_n, 3 if one_box else 2)
+        box = (_SLAB, 16, block_n) if one_box else (16, block_n)
+        boxes = (Descriptor(_slab_view(gu, 2 * f, one_box), box, shared),
+                 Descriptor(_slab_view(da, f, one_box), box, shared))
+        _TMA_LAUNCH.launch(grid, boxes + outputs, dict(constexprs, SLABS=slab_layout(load), ONE_BOX=one_box))
+    else:
+        _LAUNCH.launch(grid, (gu, da) + outputs, constexprs)
