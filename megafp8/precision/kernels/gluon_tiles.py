@@ -121,6 +121,35 @@ def store_cols_scaled(x, amax, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k,
         gl.store(st_ptr + scale_cols * stride_st_k + mb * stride_st_m, scale)
 
 
+@gluon.jit
+def token_scales(per_warp, FP8_MAX: gl.constexpr, POW2: gl.constexpr, PARTIALS: gl.constexpr):
+    """(scale, inverses) of 128 tokens' 1x128 tiles from each warp's partial maxima `per_warp` (128 tokens,
+    num_warps): the partials cross the warps through shared memory laid out tokens first, one thread a token
+    (`PARTIALS`, `token_partials_layout`) takes their max and divides (the scale in PARTIALS' token layout), and
+    the multipliers go back to shared memory (`inverses`, 128 FP32, for any layout to read). Each access is
+    conflict-free where a thread's partials are consecutive tokens (Triton's own cross-warp reduction wrote them
+    16 bytes apart: 6-way bank conflicts, half the row + column quantizer's L1 wavefronts; docs/benchmarks.md job
+    FB)."""
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1])
+    partials = gl.allocate_shared_memory(gl.float32, per_warp.shape, plain, per_warp)
+    gl.thread_barrier()
+    amax = gl.reduce(partials.load(PARTIALS), 1, nan_max)  # one token a thread
+    scale, inv = tile_scale(amax, FP8_MAX, POW2)
+    inverses = gl.allocate_shared_memory(gl.float32, [TOKENS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]), inv)
+    gl.thread_barrier()
+    return scale, inverses
+
+
+@functools.cache
+def token_partials_layout(num_warps: int = 4) -> DistributedLinearLayout:
+    """(128 tokens, num_warps) values, thread t of the first 128 holding token t's value from every warp (in its
+    registers): how `token_scales` reads the warps' partial maxima."""
+    registers = bases(num_warps, 1, 2, 1)
+    warps = [[32 << i, 0] if i < 2 else [0, 0] for i in range(num_warps.bit_length() - 1)]
+    return DistributedLinearLayout(reg_bases=registers, lane_bases=bases(32, 1, 2), warp_bases=warps,
+                                   block_bases=[], shape=[128, num_warps])
+
+
 @functools.cache  # made on every launch otherwise: the same few layouts, immutable
 def spread_layout(features_per_warp: int, num_warps: int) -> DistributedLinearLayout:
     """The layout of a block's per-column values in which lane l of warp w holds column

@@ -53,7 +53,7 @@ def tile_layouts(tokens_each: int = TOKENS_PER_THREAD, num_warps: int = WARPS) -
     tokens x 8 features (LOAD lists them features first, STORE_T tokens first: the same elements in the same
     threads), a column's 128 tokens in one warp, the warps side by side along the features (by default 4 lanes along
     the features and 8 along the tokens, 4 warps); ROWS gives each of the first 128 threads one row's maxima from
-    every warp (`token_partials_layout`, read by `_row_scales`), COLS one column's value (threads past 128 repeat
+    every warp (`gluon_tiles.token_partials_layout`, read by `_row_scales`), COLS one column's value (threads past 128 repeat
     them)."""
     block_n, load, store_t = gluon_tiles.block_layouts(tokens_each, FEATURES_PER_THREAD, num_warps)
     assert block_n == 128, f"{tokens_each} tokens a thread at {num_warps} warps do not tile 128 features"
@@ -61,17 +61,7 @@ def tile_layouts(tokens_each: int = TOKENS_PER_THREAD, num_warps: int = WARPS) -
     warps = [[32 << i] if i < 2 else [0] for i in range(num_warps.bit_length() - 1)]
     one_each = DistributedLinearLayout(reg_bases=[], lane_bases=gluon_tiles.bases(32, 1, 1), warp_bases=warps,
                                        block_bases=[], shape=[128])
-    return load, store_t, token_partials_layout(num_warps), one_each
-
-
-@functools.cache
-def token_partials_layout(num_warps: int = WARPS) -> DistributedLinearLayout:
-    """(128 tokens, num_warps) values, thread t of the first 128 holding token t's value from every warp (in its
-    registers): how the row maxima's cross-warp step reads the warps' partial maxima (`_row_scales`)."""
-    registers = gluon_tiles.bases(num_warps, 1, 2, 1)
-    warps = [[32 << i, 0] if i < 2 else [0, 0] for i in range(num_warps.bit_length() - 1)]
-    return DistributedLinearLayout(reg_bases=registers, lane_bases=gluon_tiles.bases(32, 1, 2), warp_bases=warps,
-                                   block_bases=[], shape=[128, num_warps])
+    return load, store_t, gluon_tiles.token_partials_layout(num_warps), one_each
 
 
 @gluon.jit
@@ -85,13 +75,7 @@ def _row_scales(x, FP8_MAX: gl.constexpr, POW2: gl.constexpr, PARTIALS: gl.const
     wavefronts; Nsight Compute, docs/benchmarks.md job FB.)"""
     num_warps: gl.constexpr = PARTIALS.shape[1]
     per_warp = gl.reduce(gl.reshape(gl.abs(x), [128, num_warps, 128 // num_warps]), 2, gluon_tiles.nan_max)
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1])
-    partials = gl.allocate_shared_memory(gl.float32, [128, num_warps], plain, per_warp)
-    gl.thread_barrier()
-    amax = gl.reduce(partials.load(PARTIALS), 1, gluon_tiles.nan_max)  # one row a thread
-    scale, inv = gluon_tiles.tile_scale(amax, FP8_MAX, POW2)
-    inverses = gl.allocate_shared_memory(gl.float32, [128], gl.SwizzledSharedLayout(1, 1, 1, order=[0]), inv)
-    gl.thread_barrier()
+    scale, inverses = gluon_tiles.token_scales(per_warp, FP8_MAX, POW2, PARTIALS)
     return scale, inverses.load(gl.SliceLayout(1, x.type.layout))
 
 
