@@ -9,8 +9,7 @@ and da by TMA where the token count is a multiple of 8).
 First the bits: on an awkward shape (200 tokens, outliers, a nan) and on each timed shape, every Gluon variant's
 FP8 values and scales must equal the Triton kernel's ("same bits" or the count of differing bytes). Then ms and
 GB/s (gu and da read once, the three transposed FP8 outputs and their scales written once) at the ~1B and
-8B-layer shapes, E4M3 values and E4M3 gradients. Last, SwiGLU's whole backward (d(gu) along the features too):
-the Triton row kernel and the column kernel against the one fused kernel (`swiglu_backward_fused`), bits and ms.
+8B-layer shapes, E4M3 values and E4M3 gradients.
 """
 from __future__ import annotations
 
@@ -83,41 +82,5 @@ def main(argv=None) -> None:
         print(f"| {name}, F={f} | " + " | ".join(cells) + " |", flush=True)
 
 
-def whole_backward(args, device) -> None:
-    """The row kernel + the column kernel against the fused kernel: bytes that differ, ms, GB/s (each kernel's own
-    reads and writes: 17 and 11 bytes per element, with the scales)."""
-    from megafp8.precision.kernels import producers, swiglu_cols_gluon, tiles
-
-    def outputs(m, f):
-        out = tiles.rows_cols_outputs(m, 2 * f, E4M3, device) + tiles.rows_cols_outputs(m, f, E4M3, device)[2:]
-        for t in (out[0], out[2], out[4]):
-            t.view(torch.uint8).fill_(0x55)
-        return out
-
-    def two_kernels(gu, da, q, s, qt, st, at, ats):
-        producers.swiglu_backward_rows(gu, da, q, s, E4M3, False)
-        swiglu_cols_gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, E4M3, False)
-
-    def fused(gu, da, *out):
-        swiglu_cols_gluon.swiglu_backward_fused(gu, da, *out, E4M3, E4M3, False)
-    g = torch.Generator(device="cpu").manual_seed(1)
-    print("\n| shape | rows + columns (two kernels) | fused |\n|---|---|---|")
-    for name, f in SHAPES.items():
-        m = args.tokens
-        gu = (torch.randn(m, 2 * f, generator=g) * torch.logspace(-2, 2, 2 * f)).bfloat16().to(device)
-        da = torch.randn(m, f, generator=g).bfloat16().to(device)
-        want, got = outputs(m, f), outputs(m, f)
-        two_kernels(gu, da, *want)
-        fused(gu, da, *got)
-        bad = differing_bytes(got, want)
-        cells = []
-        for run, out, moved in ((two_kernels, want, 17), (fused, got, 11)):
-            ms = timed_ms(run, gu, da, *out, iters=args.iters)
-            cells.append(f"{ms:.3f} ms, {moved * m * f / ms / 1e6:.0f} GB/s")
-        cells[1] += "" if not bad else f" ({bad} bytes differ)"
-        print(f"| {name}, F={f} | " + " | ".join(cells) + " |", flush=True)
-
-
 if __name__ == "__main__":
     main()
-    whole_backward(*variant_benchmark_args(__doc__))

@@ -93,7 +93,6 @@ def recording(monkeypatch):
                    rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel,
                    quantize._quantize_weight_kernel, producers._rms_inverse_kernel,
                    swiglu_cols_gluon._swiglu_backward_cols_kernel, swiglu_cols_gluon._swiglu_backward_cols_tma_kernel,
-                   swiglu_cols_gluon._swiglu_backward_fused_kernel,
                    *_one_token_twins(), *_permutation_kernels(),
                    *_loss_kernels(), _routing_kernel()):
         monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
@@ -344,20 +343,6 @@ def test_the_fast_path_launches_swiglu_backwards_column_kernel_as_the_jit_path_d
         at, ats = _kept(seed, "a^T", lambda: tiles.rows_cols_outputs(200, 256, E4M3, gu.device)[2:])
         swiglu_cols_gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, E5M2, False, use_tma=use_tma)
     fast, jit = _fast_and_jit(recording, *_attribute(swiglu_cols_gluon, name), call)
-    assert len(fast) == 1 and fast == jit
-
-
-def test_the_fast_path_launches_swiglus_fused_backward_as_the_jit_path_does(recording, monkeypatch):
-    from megafp8.precision import E4M3, E5M2
-    from megafp8.precision.kernels import swiglu_cols_gluon, tiles
-    monkeypatch.setattr(swiglu_cols_gluon, "_FUSED_LAUNCH", swiglu_cols_gluon._FUSED_LAUNCH)
-
-    def call(seed):
-        gu, da = _operands(seed, ((200, 512), torch.bfloat16), ((200, 256), torch.bfloat16))
-        out = _kept(seed, "d(gu) both ways", lambda: tiles.rows_cols_outputs(200, 512, E5M2, gu.device))
-        at, ats = _kept(seed, "a^T", lambda: tiles.rows_cols_outputs(200, 256, E4M3, gu.device)[2:])
-        swiglu_cols_gluon.swiglu_backward_fused(gu, da, *out, at, ats, E4M3, E5M2, False)
-    fast, jit = _fast_and_jit(recording, *_attribute(swiglu_cols_gluon, "_FUSED_LAUNCH"), call)
     assert len(fast) == 1 and fast == jit
 
 

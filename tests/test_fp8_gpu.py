@@ -463,51 +463,6 @@ def test_the_swiglu_column_kernel_reading_by_tma_gives_the_pointer_kernels_bits(
         assert_same_quantization(got_a, want_a, f"a^T, pow2={pow2}")
 
 
-@pytest.mark.parametrize("m", [328, 256, 8, 136])
-@pytest.mark.parametrize("a_blocks", [False, True], ids=["a_in_tiles", "a_in_blocks"])
-def test_swiglus_fused_backward_gives_the_row_and_column_kernels_bits(m, a_blocks):
-    """SM90 runs SwiGLU's whole backward as one Gluon kernel where it fits (`swiglu_cols_gluon.
-    swiglu_backward_fused`: gu and da read once by TMA, the row gradients computed again from shared memory): the
-    bytes of the Triton row kernel (d(gu) along the features, values and scales) and of the column kernel
-    (d(gu)^T and a^T, in tiles and in 128x128 blocks), with partial and whole token blocks, E5M2 and power-of-two
-    scales, outliers and a nan, and gu a view with rows further apart than its width; `producers.
-    swiglu_backward_quantize` takes it."""
-    gluon = pytest.importorskip("megafp8.precision.kernels.swiglu_cols_gluon")
-    if torch.cuda.get_device_capability(CUDA) != (9, 0):
-        pytest.skip("the Gluon kernels run on SM90 only")
-    from megafp8.precision import E4M3, E5M2
-    from megafp8.precision.kernels import producers, tiles
-    torch.manual_seed(0)
-    f = 384
-    wide = (torch.randn(m, 2 * f + 64, device=CUDA) * torch.logspace(-3, 3, 2 * f + 64, device=CUDA)).bfloat16()
-    gu = wide[:, 32:32 + 2 * f]
-    da = torch.randn(m, f, device=CUDA, dtype=torch.bfloat16)
-    gu[17 % m, 3] = float("nan")
-    gu[5, 600] = 3e4  # an outlier in one up tile's row
-    assert gluon.fused_fits(gu, da)
-    a_amax = producers.swiglu_quantize(gu, E4M3, False, row_amax=True)[2] if a_blocks else None
-    for grad_fmt, pow2 in ((E4M3, False), (E5M2, True)):
-        outputs = []
-        for fused in (False, True):
-            q, s, qt, st = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, CUDA)
-            at, ats = tiles.rows_cols_outputs(m, f, E4M3, CUDA, cols_in_blocks=a_blocks)[2:]
-            for t in (q, qt, at):
-                t.view(torch.uint8).fill_(0x55)  # a byte left unwritten shows
-            s.fill_(-1.0)
-            if fused:
-                gluon.swiglu_backward_fused(gu, da, q, s, qt, st, at, ats, E4M3, grad_fmt, pow2, a_amax=a_amax)
-            else:
-                producers.swiglu_backward_rows(gu, da, q, s, grad_fmt, pow2)
-                gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, grad_fmt, pow2, a_amax=a_amax)
-            outputs.append(((q, s), (qt, st), (at, ats)))
-        want, got = outputs
-        for name, g, w in zip(("d(gu)", "d(gu)^T", "a^T"), got, want):
-            assert_same_quantization(g, w, f"{name}, {grad_fmt}, pow2={pow2}")
-        through = producers.swiglu_backward_quantize(gu, da, E4M3, grad_fmt, pow2, a_amax=a_amax)
-        for name, g, w in zip(("d(gu)", "d(gu)^T", "a^T"), (through[:2], through[2:4], through[4:]), want):
-            assert_same_quantization(g, w, f"swiglu_backward_quantize's {name}, {grad_fmt}, pow2={pow2}")
-
-
 @pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("spread_rows, spread_cols, m", [(True, True, 328), (False, True, 328), (False, False, 328),
                                                          (True, True, 256), (True, True, 1), (True, True, 2)])

@@ -311,58 +311,6 @@ def test_the_swiglu_column_kernel_reading_by_tma_compiles_for_sm90_without_threa
     assert 30 < per_element <= (48 if one_box else 60), f"{per_element:.1f} SASS instructions per element"
 
 
-@pytest.mark.parametrize("a_blocks", [False, True], ids=["a_in_tiles", "a_in_blocks"])
-def test_swiglus_fused_backward_compiles_for_sm90_two_programs_an_sm_without_spills(a_blocks):
-    """SwiGLU's fused backward (`swiglu_backward_fused`) pays only if two programs share an SM (one could not hide
-    its loads: the one-pass kernel of job EK, 255 registers, ran 37% slower than two kernels). So: at most 96 KB +
-    a few of shared memory and 255 registers a thread, nothing spilled; gu and da by three 4-D TMA boxes and no
-    global load of theirs; the columns read as the column kernel reads them (3 x 8 8-byte reads a column block) and
-    the rows as 16-byte reads (3 x 4 a block); 8-byte stores of the columns (12 a block) and of the rows (8 a block);
-    and about the instructions of the two kernels it replaces (the column kernel's ~46 per element and the
-    recomputed rows')."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-    from megafp8.precision.kernels import gluon_tiles as gt, swiglu_cols_gluon as g
-
-    block_n, load, store = gt.block_layouts(g.TOKENS_PER_THREAD, g.FEATURES_PER_THREAD, 4)
-    shared, box = g.slab_shared_layout(block_n, 4), (128 // block_n, 8, 16, block_n)
-    gu, da = torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(256, 256, dtype=torch.bfloat16)
-    signature = {"gu_desc": mangle_type(g.Descriptor(g._sub_block_view(gu, 512, block_n), box, shared).checked()),
-                 "da_desc": mangle_type(g.Descriptor(g._sub_block_view(da, 256, block_n), box, shared).checked())}
-    signature.update({name: "*fp8e4nv" if name in ("q_ptr", "qt_ptr", "at_ptr") else "*fp32"
-                      for name in ("q_ptr", "s_ptr", "qt_ptr", "st_ptr", "at_ptr", "ats_ptr", "amax_ptr")})
-    signature.update({name: "i32" for name in ("M", "F", "stride_qm", "stride_sm", "stride_sk", "stride_qt",
-                                               "stride_st_k", "stride_st_m", "stride_at", "stride_ats_k",
-                                               "stride_ats_m", "stride_ab")})
-    row = g.row_layout()
-    constants = dict(GRAD_MAX=448.0, FP8_MAX=448.0, POW2=False, A_BLOCKS=a_blocks, BLOCK_N=block_n, LOAD=load,
-                     STORE=store, SPREAD=gt.spread_layout(block_n // 4, 4), SLABS=g.slab_layout(load), ROW=row,
-                     ROW_SLABS=g.slab_layout(row), PARTIALS=gt.token_partials_layout(4), stride_sm=1,
-                     stride_st_k=1, stride_ats_k=1)
-    signature.update({name: "constexpr" for name in constants})
-    names = list(signature)
-    aligned = [names.index(n) for n in names if n.endswith("_ptr") or n in (
-        "M", "F", "stride_qm", "stride_sk", "stride_qt", "stride_at", "stride_st_m", "stride_ats_m", "stride_ab")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}  # as the launch specializes them
-    compiled = triton.compile(GluonASTSource(g._swiglu_backward_fused_kernel, signature, constexprs=constants,
-                                             attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert 3 * 2 * 128 * 128 <= compiled.metadata.shared <= 3 * 2 * 128 * 128 + 6 * 1024
-    report, sass = _ptxas_and_sass(compiled.asm["ptx"])
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
-    assert registers <= 255 and spills == [0], report
-    assert len(re.findall(r"\bUTMALDG\.4D\b", sass)) == 3
-    assert len(re.findall(r"\bLDG\b", sass)) <= (8 if a_blocks else 0)  # a's tile maxima only
-    sub = 128 // block_n
-    assert len(re.findall(r"\bLDS\.64\b", sass)) == sub * 3 * g.TOKENS_PER_THREAD
-    assert len(re.findall(r"\bLDS\.128\b", sass)) >= sub * 3 * 4
-    assert len(re.findall(r"\bSTG\.E\.64\b", sass)) == sub * (3 * g.FEATURES_PER_THREAD + 2 * 4)
-    per_element = _sass_instructions(sass) * 32 * 4 / (128 * 128)
-    assert 50 < per_element <= 72, f"{per_element:.1f} SASS instructions per element"
-
-
 @pytest.mark.parametrize("norm, gather, masked, col_blocks",
                          [(False, False, True, False), (True, False, True, False), (False, True, True, False),
                           (True, False, False, False), (True, False, False, True), (False, True, True, True)],

@@ -168,13 +168,11 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format,
                              power_of_two: bool, a_amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """gu (M, 2F), da (M, F) -> (dgu_fp8 (M, 2F), scales, dgut_fp8 (2F, M_pad), scales_t) in `grad_fmt`, and
     (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`, in 128x128 blocks given the forward's tile
-    maxima `a_amax` (M, F/128) (`producers.swiglu_backward_quantize`; the Gluon kernels only). On SM90, where the
-    token count is a multiple of 8 and F of 128 (`swiglu_cols_gluon.fused_fits`: every training step), one Gluon
-    kernel reading gu and da once by TMA (`swiglu_cols_gluon.swiglu_backward_fused`); else two kernels: the rows,
-    then the columns (on SM90 the Gluon column kernel, the same bytes in fewer instructions). Earlier one-pass
-    kernels, reading with the threads' loads, were slower, in Triton (`docs/benchmarks.md`, twenty-third session:
-    1.035 against 0.730 ms at the MoE experts' shape) and in Gluon (job EK: 1.605 against 1.169 ms at the 8B-layer
-    shape; 255 registers a thread, one program an SM)."""
+    maxima `a_amax` (M, F/128) (`producers.swiglu_backward_quantize`; the Gluon column kernel only). Two kernels:
+    the rows, then the columns (on SM90 the Gluon column kernel, the same bytes in fewer instructions). One kernel
+    reading gu and da once was slower, in Triton (`docs/benchmarks.md`, twenty-third session: 1.035 against 0.730
+    ms at the MoE experts' shape) and in Gluon (job EK: 1.605 against 1.169 ms at the 8B-layer shape; 255 registers
+    a thread, one program an SM)."""
     assert gu.stride(1) == 1 and da.stride(1) == 1, "swiglu_backward_quantize needs row-major inputs"
     m, f = da.shape
     blocks = a_amax is not None
@@ -187,9 +185,7 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format,
         if gluon is None:
             raise ValueError("SwiGLU's a^T in 128x128 blocks (precision.fp8_wgrad_input_blocks) is quantized by the "
                              "Gluon column kernel, on SM90: use the hopper backend there, or the reference one")
-    if m and gluon and gluon.fused_fits(gu, da):  # one kernel, gu and da read once
-        gluon.swiglu_backward_fused(gu, da, q, s, qt, st, at, ats, fmt, grad_fmt, power_of_two, a_amax=a_amax)
-    elif m:
+    if m:
         swiglu_backward_rows(gu, da, q, s, grad_fmt, power_of_two)
         if gluon:
             gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, fmt, grad_fmt, power_of_two, a_amax=a_amax)

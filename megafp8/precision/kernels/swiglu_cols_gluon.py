@@ -69,20 +69,20 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
     gate = gl.load(gate_ptrs, mask=in_rows, other=0.0).to(gl.float32)
     up = gl.load(gate_ptrs + F, mask=in_rows, other=0.0).to(gl.float32)
     s = 1.0 / (1.0 + exp_neg(gate))
-    _store_a(gate, up, s, cols, gl.program_id(0) * BLOCK_N // gluon_tiles.TOKENS, mb, M, at_ptr, ats_ptr, amax_ptr,
-             stride_at, stride_ats_k, stride_ats_m, stride_ab, FP8_MAX, POW2, A_BLOCKS, load, store, SPREAD)
+    _store_a(gate, up, s, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m, stride_ab,
+             FP8_MAX, POW2, A_BLOCKS, BLOCK_N, load, store, SPREAD)
     da = gl.load(da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0), mask=in_rows, other=0.0)
     _store_grads(da, gate, up, s, cols, mb, F, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, GRAD_MAX, POW2,
                  store, SPREAD)
 
 
 @gluon.jit
-def _store_a(gate, up, s, cols, block, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m,
-             stride_ab, FP8_MAX: gl.constexpr, POW2: gl.constexpr, A_BLOCKS: gl.constexpr, LOAD: gl.constexpr,
-             STORE: gl.constexpr, SPREAD: gl.constexpr):
-    """a^T = (silu(gate) * up)^T of the block (s: the gate's sigmoid), in tiles or, A_BLOCKS, in 128x128 blocks
-    (`block`: the 128 features `cols` lie in)."""
+def _store_a(gate, up, s, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m, stride_ab,
+             FP8_MAX: gl.constexpr, POW2: gl.constexpr, A_BLOCKS: gl.constexpr, BLOCK_N: gl.constexpr,
+             LOAD: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr):
+    """a^T = (silu(gate) * up)^T of the block (s: the gate's sigmoid), in tiles or in 128x128 blocks."""
     if A_BLOCKS:
+        block = gl.program_id(0) * BLOCK_N // gluon_tiles.TOKENS  # the 128 features this program's lie in
         gluon_tiles.store_block_cols(gate * s * up, amax_ptr, stride_ab, M, block, cols, mb, at_ptr, stride_at,
                                      ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX, POW2, LOAD, STORE, SPREAD)
     else:
@@ -93,22 +93,12 @@ def _store_a(gate, up, s, cols, block, mb, M, at_ptr, ats_ptr, amax_ptr, stride_
 @gluon.jit
 def _store_grads(da, gate, up, s, cols, mb, F, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m,
                  GRAD_MAX: gl.constexpr, POW2: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr):
-    """d(gate)^T and d(up)^T of the block from a's gradient da, quantized along the tokens; returns (d(gate),
-    d(up)) in FP32."""
-    d_gate, d_up = _grads(da, gate, up, s)
-    gluon_tiles.store_cols(d_gate, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX, POW2,
-                           STORE, SPREAD)
-    gluon_tiles.store_cols(d_up, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX, POW2,
-                           STORE, SPREAD)
-    return d_gate, d_up
-
-
-@gluon.jit
-def _grads(da, gate, up, s):
-    """(d(gate), d(up)) in FP32 from da (BF16), gate and up (FP32) and the gate's sigmoid s: the Triton kernels'
-    `_swiglu_backward_slice`, op for op."""
+    """d(gate)^T and d(up)^T of the block from a's gradient da, quantized along the tokens."""
     da_s = da.to(gl.float32) * s
-    return da_s * up * (1.0 + gate * (1.0 - s)), da_s * gate
+    gluon_tiles.store_cols(da_s * up * (1.0 + gate * (1.0 - s)), cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k,
+                           stride_st_m, GRAD_MAX, POW2, STORE, SPREAD)
+    gluon_tiles.store_cols(da_s * gate, cols + F, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, GRAD_MAX,
+                           POW2, STORE, SPREAD)
 
 
 @gluon.jit
@@ -173,115 +163,14 @@ def _swiglu_backward_cols_tma_kernel(gu_desc, da_desc, qt_ptr, st_ptr, at_ptr, a
     gate = _in_token_order(gate_s.load(SLABS), LOAD).to(gl.float32)
     up = _in_token_order(up_s.load(SLABS), LOAD).to(gl.float32)
     s = 1.0 / (1.0 + exp_neg(gate))
-    _store_a(gate, up, s, cols, gl.program_id(0) * BLOCK_N // gluon_tiles.TOKENS, mb, M, at_ptr, ats_ptr, amax_ptr,
-             stride_at, stride_ats_k, stride_ats_m, stride_ab, FP8_MAX, POW2, A_BLOCKS, LOAD, STORE, SPREAD)
+    _store_a(gate, up, s, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m, stride_ab,
+             FP8_MAX, POW2, A_BLOCKS, BLOCK_N, LOAD, STORE, SPREAD)
     mbarrier.wait(bars.index(1), 0)
     da = _in_token_order(da_s.load(SLABS), LOAD)
     _store_grads(da, gate, up, s, cols, mb, F, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, GRAD_MAX, POW2,
                  STORE, SPREAD)
     mbarrier.invalidate(bars.index(0))
     mbarrier.invalidate(bars.index(1))
-
-
-@gluon.jit
-def _swiglu_backward_fused_kernel(gu_desc, da_desc, q_ptr, s_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr, amax_ptr, M, F,
-                                  stride_qm, stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m, stride_at,
-                                  stride_ats_k, stride_ats_m, stride_ab, GRAD_MAX: gl.constexpr,
-                                  FP8_MAX: gl.constexpr, POW2: gl.constexpr, A_BLOCKS: gl.constexpr,
-                                  BLOCK_N: gl.constexpr, LOAD: gl.constexpr, STORE: gl.constexpr,
-                                  SPREAD: gl.constexpr, SLABS: gl.constexpr, ROW: gl.constexpr,
-                                  ROW_SLABS: gl.constexpr, PARTIALS: gl.constexpr):
-    """SwiGLU's whole backward for 128 tokens x 128 features (`swiglu_backward_fused`): d(gu) along the features
-    (the Triton row kernel's outputs) and d(gu)^T, a^T along the tokens (the column kernel's), gu and da read once
-    (11 bytes moved per element against the two kernels' 17). One TMA box a tensor brings the block in as
-    128 / BLOCK_N column blocks of slabs (`_sub_block_view`), 96 KB of shared memory. First the columns, block by
-    block as `_swiglu_backward_cols_tma_kernel` does them, keeping each warp's part of every token's row maxima
-    of d(gate) and d(up); the maxima cross the warps once (`gluon_tiles.token_scales`); then the rows, each
-    element's gradient computed again from shared memory (the same ops, so the same FP32 values) in a layout
-    that holds 8 consecutive features of a token (`row_layout`: conflict-free 16-byte reads, 8-byte row stores).
-    A whole tile of the three results in registers needed 255 a thread (job EK); this holds one column block's."""
-    kb = gl.program_id(0)
-    mb = gl.program_id(1)
-    SUB: gl.constexpr = gluon_tiles.TOKENS // BLOCK_N  # column blocks in the program's 128 features
-    ROWS: gl.constexpr = gluon_tiles.TOKENS // SLAB_TOKENS
-    # Each tensor's block as SUB column blocks of 128 slab rows, one after the other; TMA fills it as its box
-    # (SUB, 8 slabs, 16 rows, BLOCK_N) under the same 64-byte swizzle (it follows the address).
-    rows_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
-    gate_s = gl.allocate_shared_memory(gu_desc.dtype, [SUB * gluon_tiles.TOKENS, BLOCK_N], rows_layout)
-    up_s = gl.allocate_shared_memory(gu_desc.dtype, [SUB * gluon_tiles.TOKENS, BLOCK_N], rows_layout)
-    da_s = gl.allocate_shared_memory(da_desc.dtype, [SUB * gluon_tiles.TOKENS, BLOCK_N], rows_layout)
-    box: gl.constexpr = [SUB, SLAB_TOKENS, ROWS, BLOCK_N]
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bars.index(0), count=1)
-    mbarrier.init(bars.index(1), count=1)
-    fence_async_shared()
-    BYTES: gl.constexpr = 2 * gluon_tiles.TOKENS * gluon_tiles.TOKENS  # a tensor's block, BF16
-    mbarrier.expect(bars.index(0), 2 * BYTES)
-    mbarrier.expect(bars.index(1), BYTES)
-    tma.async_copy_global_to_shared(gu_desc, [kb * SUB, 0, mb * ROWS, 0], bars.index(0),
-                                    gate_s._reinterpret(gu_desc.dtype, box, gu_desc.layout))
-    tma.async_copy_global_to_shared(gu_desc, [F // BLOCK_N + kb * SUB, 0, mb * ROWS, 0], bars.index(0),
-                                    up_s._reinterpret(gu_desc.dtype, box, gu_desc.layout))
-    tma.async_copy_global_to_shared(da_desc, [kb * SUB, 0, mb * ROWS, 0], bars.index(1),
-                                    da_s._reinterpret(da_desc.dtype, box, da_desc.layout))
-    mbarrier.wait(bars.index(0), 0)
-    mbarrier.wait(bars.index(1), 0)
-    num_warps: gl.constexpr = PARTIALS.shape[1]
-    for i in gl.static_range(SUB):  # the columns
-        cols = kb * gluon_tiles.TOKENS + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LOAD))
-        gate = _block_in_token_order(gate_s, i, SLABS, LOAD).to(gl.float32)
-        up = _block_in_token_order(up_s, i, SLABS, LOAD).to(gl.float32)
-        s = 1.0 / (1.0 + exp_neg(gate))
-        _store_a(gate, up, s, cols, kb, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m,
-                 stride_ab, FP8_MAX, POW2, A_BLOCKS, LOAD, STORE, SPREAD)
-        d_gate, d_up = _store_grads(_block_in_token_order(da_s, i, SLABS, LOAD), gate, up, s, cols, mb, F, qt_ptr,
-                                    st_ptr, stride_qt, stride_st_k, stride_st_m, GRAD_MAX, POW2, STORE, SPREAD)
-        gate_part = _warp_row_maxima(d_gate, num_warps)
-        up_part = _warp_row_maxima(d_up, num_warps)
-        if i == 0:
-            gate_max, up_max = gate_part, up_part
-        else:
-            gate_max = gluon_tiles.nan_max(gate_max, gate_part)
-            up_max = gluon_tiles.nan_max(up_max, up_part)
-    gate_scale, gate_inv = gluon_tiles.token_scales(gate_max, GRAD_MAX, POW2, PARTIALS)
-    up_scale, up_inv = gluon_tiles.token_scales(up_max, GRAD_MAX, POW2, PARTIALS)
-    tokens = mb * gluon_tiles.TOKENS + gl.arange(0, gluon_tiles.TOKENS, layout=gate_scale.type.layout)
-    scale_ptrs = s_ptr + tokens * stride_sm + kb * stride_sk
-    gl.store(scale_ptrs, gate_scale, mask=tokens < M)
-    gl.store(scale_ptrs + (F // gluon_tiles.TOKENS) * stride_sk, up_scale, mask=tokens < M)
-    # the rows
-    rows = mb * gluon_tiles.TOKENS + gl.arange(0, gluon_tiles.TOKENS, layout=gl.SliceLayout(1, ROW))
-    in_rows = gl.expand_dims(rows < M, 1)
-    gate_inv = gl.expand_dims(gate_inv.load(gl.SliceLayout(1, ROW)), 1)
-    up_inv = gl.expand_dims(up_inv.load(gl.SliceLayout(1, ROW)), 1)
-    row_ptrs = q_ptr + gl.expand_dims(rows, 1) * stride_qm
-    for i in gl.static_range(SUB):
-        cols = kb * gluon_tiles.TOKENS + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ROW))
-        gate = _block_in_token_order(gate_s, i, ROW_SLABS, ROW).to(gl.float32)
-        up = _block_in_token_order(up_s, i, ROW_SLABS, ROW).to(gl.float32)
-        s = 1.0 / (1.0 + exp_neg(gate))
-        d_gate, d_up = _grads(_block_in_token_order(da_s, i, ROW_SLABS, ROW), gate, up, s)
-        q = (d_gate * gate_inv).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # saturating
-        gl.store(row_ptrs + gl.expand_dims(cols, 0), q, mask=in_rows)
-        q = (d_up * up_inv).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        gl.store(row_ptrs + gl.expand_dims(cols + F, 0), q, mask=in_rows)
-    mbarrier.invalidate(bars.index(0))
-    mbarrier.invalidate(bars.index(1))
-
-
-@gluon.jit
-def _block_in_token_order(blocks, i: gl.constexpr, SLABS: gl.constexpr, LAYOUT: gl.constexpr):
-    """Column block i of the fused kernel's shared blocks (128 slab rows each), read in SLABS and renamed to token
-    order."""
-    return _in_token_order(blocks.slice(i * gluon_tiles.TOKENS, gluon_tiles.TOKENS).load(SLABS), LAYOUT)
-
-
-@gluon.jit
-def _warp_row_maxima(x, num_warps: gl.constexpr):
-    """Each warp's max |x| over its features of each of the block's 128 tokens (no value crosses a warp):
-    (128, num_warps), for `gluon_tiles.token_scales`."""
-    per_warp: gl.constexpr = x.shape[1] // num_warps
-    return gl.reduce(gl.reshape(gl.abs(x), [gluon_tiles.TOKENS, num_warps, per_warp]), 2, gluon_tiles.nan_max)
 
 
 @gluon.jit
@@ -307,7 +196,6 @@ def exp_neg(x):
 _LAUNCH = gluon_tiles.TokenCountLaunch(_swiglu_backward_cols_kernel)
 # The TMA kernel needs M a multiple of 8 (`_slab_view`): M is never 1 there, so no twin.
 _TMA_LAUNCH = FastLaunch(_swiglu_backward_cols_tma_kernel)
-_FUSED_LAUNCH = FastLaunch(_swiglu_backward_fused_kernel)
 
 
 def _slab_position(token: int) -> int:
@@ -343,41 +231,11 @@ def _slab_view(t: torch.Tensor, width: int, one_box: bool = False) -> torch.Tens
     return t.as_strided((rows, (_SLAB - 1) * stride + width), (_SLAB * stride, 1))
 
 
-def _sub_block_view(t: torch.Tensor, width: int, block_n: int) -> torch.Tensor:
-    """t (M, >= width) as (width / block_n, 8, M/8, block_n): [b, r, j] is row 8j + r's column block b, so that one
-    box of (128 / block_n, 8, 16, block_n) brings a 128 x 128 block in as column blocks of slabs (strides not in
-    decreasing order)."""
-    stride = t.stride(0)
-    return t.as_strided((width // block_n, _SLAB, t.shape[0] // _SLAB, block_n), (block_n, stride, _SLAB * stride, 1))
-
-
-@functools.cache
-def row_layout(num_warps: int = 4) -> DistributedLinearLayout:
-    """The fused kernel's row pass over a [128 tokens, 32 features] column block: each thread 8 consecutive
-    features (16 bytes in, 8 FP8 bytes out) of 4 tokens; a quarter warp's 16-byte reads (4 lanes along a slab row,
-    2 along the slab rows, which lie in opposite halves of the banks) are conflict-free in the slabs
-    (`slab_layout(row_layout())`)."""
-    assert num_warps == 4, "the fused kernel's layouts are made for 4 warps"
-    return DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [2, 0], [4, 0]],
-                                   lane_bases=[[0, 8], [0, 16], [8, 0], [16, 0], [32, 0]],
-                                   warp_bases=[[64, 0], [1, 0]], block_bases=[], shape=[128, 32])
-
-
 def tma_fits(gu: torch.Tensor, da: torch.Tensor) -> bool:
     """Whether the TMA kernel can read gu and da: a whole number of slab rows (M % 8 == 0), contiguous rows whose
     strides and starts TMA can address (16-byte multiples)."""
     return (da.shape[0] % _SLAB == 0 and all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
                                                   for t in (gu, da)))
-
-
-# Whether `producers.swiglu_backward_quantize` runs SwiGLU's backward as the one fused kernel where it fits (else the
-# Triton row kernel and the column kernel). A constant: the benchmarks call both forms directly.
-FUSED_BACKWARD = True
-
-
-def fused_fits(gu: torch.Tensor, da: torch.Tensor) -> bool:
-    """Whether `swiglu_backward_fused` takes gu and da (and `FUSED_BACKWARD` is on): `tma_fits`, F % 128 == 0."""
-    return FUSED_BACKWARD and da.shape[1] % 128 == 0 and tma_fits(gu, da)
 
 
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
@@ -413,28 +271,3 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
         _TMA_LAUNCH.launch(grid, boxes + outputs, dict(constexprs, SLABS=slab_layout(load), ONE_BOX=one_box))
     else:
         _LAUNCH.launch(grid, (gu, da) + outputs, constexprs)
-
-
-def swiglu_backward_fused(gu: torch.Tensor, da: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor,
-                          st: torch.Tensor, at: torch.Tensor, ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
-                          power_of_two: bool, a_amax: Optional[torch.Tensor] = None) -> None:
-    """SwiGLU's whole backward in one kernel: q/s (d(gu) along the features, `grad_fmt`) as the Triton row kernel
-    writes them, and qt/st, at/ats as `swiglu_backward_cols` does (a^T in 128x128 blocks given `a_amax`), from one
-    read of gu and da. Needs `tma_fits(gu, da)` and F a multiple of 128."""
-    m, f = da.shape
-    assert f % 128 == 0 and tma_fits(gu, da), "swiglu_backward_fused needs F % 128 == 0 and tma_fits(gu, da)"
-    block_n, load, store = gluon_tiles.block_layouts(TOKENS_PER_THREAD, FEATURES_PER_THREAD, 4)
-    blocks = a_amax is not None
-    amax = a_amax if blocks else ats  # an unused pointer without blocks
-    shared = slab_shared_layout(block_n, 4)
-    box = (128 // block_n, _SLAB, 16, block_n)
-    descriptors = (Descriptor(_sub_block_view(gu, 2 * f, block_n), box, shared),
-                   Descriptor(_sub_block_view(da, f, block_n), box, shared))
-    row = row_layout()
-    _FUSED_LAUNCH.launch(
-        (f // 128, -(-m // 128)),
-        descriptors + (q, s, qt, st, at, ats, amax, m, f, q.stride(0), s.stride(0), s.stride(1), qt.stride(0),
-                       st.stride(0), st.stride(1), at.stride(0), ats.stride(0), ats.stride(1), amax.stride(1)),
-        dict(GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, A_BLOCKS=blocks, BLOCK_N=block_n, LOAD=load,
-             STORE=store, SPREAD=gluon_tiles.spread_layout(block_n // 4, 4), SLABS=slab_layout(load), ROW=row,
-             ROW_SLABS=slab_layout(row), PARTIALS=gluon_tiles.token_partials_layout(4), num_warps=4))
