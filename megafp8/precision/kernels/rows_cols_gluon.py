@@ -53,8 +53,8 @@ def tile_layouts(tokens_each: int = TOKENS_PER_THREAD, num_warps: int = WARPS) -
     tokens x 8 features (LOAD lists them features first, STORE_T tokens first: the same elements in the same
     threads), a column's 128 tokens in one warp, the warps side by side along the features (by default 4 lanes along
     the features and 8 along the tokens, 4 warps); ROWS gives each of the first 128 threads one row's maxima from
-    every warp (`gluon_tiles.token_partials_layout`, read by `_row_scales`), COLS one column's value (threads past 128 repeat
-    them)."""
+    every warp (`gluon_tiles.token_partials_layout`, read by `_row_scales`), COLS one column's value (threads past
+    128 repeat them)."""
     block_n, load, store_t = gluon_tiles.block_layouts(tokens_each, FEATURES_PER_THREAD, num_warps)
     assert block_n == 128, f"{tokens_each} tokens a thread at {num_warps} warps do not tile 128 features"
     assert num_warps >= 4, "ROWS and COLS give each of the first 128 threads one value"
