@@ -93,7 +93,6 @@ def recording(monkeypatch):
                    rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel,
                    quantize._quantize_weight_kernel, producers._rms_inverse_kernel,
                    swiglu_cols_gluon._swiglu_backward_cols_kernel, swiglu_cols_gluon._swiglu_backward_cols_tma_kernel,
-                   swiglu_cols_gluon._swiglu_backward_cols_persistent_kernel,
                    *_one_token_twins(), *_permutation_kernels(),
                    *_loss_kernels(), _routing_kernel()):
         monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
@@ -330,22 +329,19 @@ def test_the_fast_path_launches_rmsnorms_inverse_rms_as_the_jit_path_does(record
     assert len(fast) == 1 and fast == jit
 
 
-@pytest.mark.parametrize("form", ["loads", "tma", "persistent"])
-def test_the_fast_path_launches_swiglu_backwards_column_kernel_as_the_jit_path_does(recording, monkeypatch, form):
-    """The forms of the Gluon column kernel: the threads' loads, TMA (its two descriptors over slab views), and
-    TMA walked by persistent programs."""
+@pytest.mark.parametrize("use_tma", [False, True], ids=["loads", "tma"])
+def test_the_fast_path_launches_swiglu_backwards_column_kernel_as_the_jit_path_does(recording, monkeypatch, use_tma):
+    """Both forms of the Gluon column kernel: the threads' loads, and TMA (its two descriptors over slab views)."""
     from megafp8.precision import E4M3, E5M2
     from megafp8.precision.kernels import swiglu_cols_gluon, tiles
-    name = {"loads": "_LAUNCH", "tma": "_TMA_LAUNCH", "persistent": "_PERSISTENT_LAUNCH"}[form]
+    name = "_TMA_LAUNCH" if use_tma else "_LAUNCH"
     monkeypatch.setattr(swiglu_cols_gluon, name, getattr(swiglu_cols_gluon, name))
-    monkeypatch.setattr(swiglu_cols_gluon, "_sm_count", lambda device: 132)
 
     def call(seed):
         gu, da = _operands(seed, ((200, 512), torch.bfloat16), ((200, 256), torch.bfloat16))
         qt, st = _kept(seed, "d(gu)^T", lambda: tiles.rows_cols_outputs(200, 512, E5M2, gu.device)[2:])
         at, ats = _kept(seed, "a^T", lambda: tiles.rows_cols_outputs(200, 256, E4M3, gu.device)[2:])
-        swiglu_cols_gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, E5M2, False, use_tma=form != "loads",
-                                               persistent=form == "persistent")
+        swiglu_cols_gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, E5M2, False, use_tma=use_tma)
     fast, jit = _fast_and_jit(recording, *_attribute(swiglu_cols_gluon, name), call)
     assert len(fast) == 1 and fast == jit
 

@@ -311,49 +311,6 @@ def test_the_swiglu_column_kernel_reading_by_tma_compiles_for_sm90_without_threa
     assert 30 < per_element <= (48 if one_box else 60), f"{per_element:.1f} SASS instructions per element"
 
 
-@pytest.mark.parametrize("a_blocks", [False, True], ids=["a_in_tiles", "a_in_blocks"])
-def test_the_persistent_swiglu_column_kernel_compiles_for_sm90_three_programs_an_sm(a_blocks):
-    """The persistent form of the TMA column kernel (`_swiglu_backward_cols_persistent_kernel`) loads its next
-    block while computing this one, so it must keep the one-box kernel's occupancy with twice its shared memory:
-    three programs an SM (at most 168 registers a thread, 2 x 24 KB of stages and a few scales each), nothing
-    spilled, two 3-D copies a tensor in the code (the first block's and the next one's), no global load of gu or
-    da, and the one-box kernel's 8-byte shared reads and stores per block."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-    from megafp8.precision.kernels import gluon_tiles as gt, swiglu_cols_gluon as g
-
-    block_n, load, store = gt.block_layouts(g.TOKENS_PER_THREAD, g.FEATURES_PER_THREAD, 4)
-    shared, box = g.slab_shared_layout(block_n, 3), (8, 16, block_n)
-    gu, da = torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(256, 256, dtype=torch.bfloat16)
-    signature = {"gu_desc": mangle_type(g.Descriptor(g._slab_view(gu, 512, True), box, shared).checked()),
-                 "da_desc": mangle_type(g.Descriptor(g._slab_view(da, 256, True), box, shared).checked()),
-                 "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32", "at_ptr": "*fp8e4nv", "ats_ptr": "*fp32",
-                 "amax_ptr": "*fp32"}
-    signature.update({name: "i32" for name in ("M", "F", "stride_qt", "stride_st_k", "stride_st_m", "stride_at",
-                                               "stride_ats_k", "stride_ats_m", "stride_ab")})
-    constants = dict(GRAD_MAX=448.0, FP8_MAX=448.0, POW2=False, A_BLOCKS=a_blocks, BLOCK_N=block_n, LOAD=load,
-                     STORE=store, SPREAD=gt.spread_layout(block_n // 4, 4), SLABS=g.slab_layout(load),
-                     stride_st_k=1, stride_ats_k=1)
-    signature.update({name: "constexpr" for name in constants})
-    names = list(signature)
-    aligned = [names.index(n) for n in names if n.endswith("_ptr") or n in (
-        "M", "F", "stride_qt", "stride_at", "stride_st_m", "stride_ats_m", "stride_ab")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}  # as the launch specializes them
-    compiled = triton.compile(GluonASTSource(g._swiglu_backward_cols_persistent_kernel, signature,
-                                             constexprs=constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "maxnreg": g.PERSISTENT_MAXNREG})
-    assert 2 * 3 * 2 * 128 * block_n <= compiled.metadata.shared <= 2 * 3 * 2 * 128 * block_n + 1024
-    report, sass = _ptxas_and_sass(compiled.asm["ptx"])
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    assert registers * 128 * g.PROGRAMS_PER_SM <= 65536 and "0 bytes spill stores" in report, report
-    assert len(re.findall(r"\bUTMALDG\.3D\b", sass)) == 6
-    assert len(re.findall(r"\bLDG\b", sass)) <= (2 if a_blocks else 0)
-    assert len(re.findall(r"\bLDS\.64\b", sass)) == 3 * g.TOKENS_PER_THREAD
-    assert len(re.findall(r"\bSTG\.E\.64\b", sass)) == 3 * g.FEATURES_PER_THREAD
-
-
 @pytest.mark.parametrize("norm, gather, masked, col_blocks",
                          [(False, False, True, False), (True, False, True, False), (False, True, True, False),
                           (True, False, False, False), (True, False, False, True), (False, True, True, True)],

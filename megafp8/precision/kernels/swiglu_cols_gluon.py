@@ -70,20 +70,20 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
     gate = gl.load(gate_ptrs, mask=in_rows, other=0.0).to(gl.float32)
     up = gl.load(gate_ptrs + F, mask=in_rows, other=0.0).to(gl.float32)
     s = 1.0 / (1.0 + exp_neg(gate))
-    _store_a(gate, up, s, cols, gl.program_id(0) * BLOCK_N // gluon_tiles.TOKENS, mb, M, at_ptr, ats_ptr, amax_ptr,
-             stride_at, stride_ats_k, stride_ats_m, stride_ab, FP8_MAX, POW2, A_BLOCKS, load, store, SPREAD)
+    _store_a(gate, up, s, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m, stride_ab,
+             FP8_MAX, POW2, A_BLOCKS, BLOCK_N, load, store, SPREAD)
     da = gl.load(da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0), mask=in_rows, other=0.0)
     _store_grads(da, gate, up, s, cols, mb, F, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, GRAD_MAX, POW2,
                  store, SPREAD)
 
 
 @gluon.jit
-def _store_a(gate, up, s, cols, block, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m,
-             stride_ab, FP8_MAX: gl.constexpr, POW2: gl.constexpr, A_BLOCKS: gl.constexpr, LOAD: gl.constexpr,
-             STORE: gl.constexpr, SPREAD: gl.constexpr):
-    """a^T = (silu(gate) * up)^T of the block (s: the gate's sigmoid), in tiles or, A_BLOCKS, in 128x128 blocks
-    (`block`: the 128 features `cols` lie in)."""
+def _store_a(gate, up, s, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m, stride_ab,
+             FP8_MAX: gl.constexpr, POW2: gl.constexpr, A_BLOCKS: gl.constexpr, BLOCK_N: gl.constexpr,
+             LOAD: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr):
+    """a^T = (silu(gate) * up)^T of the block (s: the gate's sigmoid), in tiles or in 128x128 blocks."""
     if A_BLOCKS:
+        block = gl.program_id(0) * BLOCK_N // gluon_tiles.TOKENS  # the 128 features this program's lie in
         gluon_tiles.store_block_cols(gate * s * up, amax_ptr, stride_ab, M, block, cols, mb, at_ptr, stride_at,
                                      ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX, POW2, LOAD, STORE, SPREAD)
     else:
@@ -164,85 +164,14 @@ def _swiglu_backward_cols_tma_kernel(gu_desc, da_desc, qt_ptr, st_ptr, at_ptr, a
     gate = _in_token_order(gate_s.load(SLABS), LOAD).to(gl.float32)
     up = _in_token_order(up_s.load(SLABS), LOAD).to(gl.float32)
     s = 1.0 / (1.0 + exp_neg(gate))
-    _store_a(gate, up, s, cols, gl.program_id(0) * BLOCK_N // gluon_tiles.TOKENS, mb, M, at_ptr, ats_ptr, amax_ptr,
-             stride_at, stride_ats_k, stride_ats_m, stride_ab, FP8_MAX, POW2, A_BLOCKS, LOAD, STORE, SPREAD)
+    _store_a(gate, up, s, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m, stride_ab,
+             FP8_MAX, POW2, A_BLOCKS, BLOCK_N, LOAD, STORE, SPREAD)
     mbarrier.wait(bars.index(1), 0)
     da = _in_token_order(da_s.load(SLABS), LOAD)
     _store_grads(da, gate, up, s, cols, mb, F, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, GRAD_MAX, POW2,
                  STORE, SPREAD)
     mbarrier.invalidate(bars.index(0))
     mbarrier.invalidate(bars.index(1))
-
-
-@gluon.jit
-def _swiglu_backward_cols_persistent_kernel(gu_desc, da_desc, qt_ptr, st_ptr, at_ptr, ats_ptr, amax_ptr, M, F,
-                                            stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k,
-                                            stride_ats_m, stride_ab, GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr,
-                                            POW2: gl.constexpr, A_BLOCKS: gl.constexpr, BLOCK_N: gl.constexpr,
-                                            LOAD: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr,
-                                            SLABS: gl.constexpr):
-    """The one-box TMA kernel's blocks, walked by persistent programs (a few an SM) that load their next block
-    into a second stage of shared memory while they compute this one. Why: the one-box kernel (job FF: 0.589 ms,
-    DRAM 61% busy) loads, waits and computes each block in turn, its loads in flight only while another of the
-    SM's programs computes. Blocks go to programs round-robin in the one-box grid's order (column blocks of a token
-    block side by side), so the programs of one wave still share their token blocks' rows in L2."""
-    ROWS: gl.constexpr = gluon_tiles.TOKENS // SLAB_TOKENS
-    stages: gl.constexpr = [2, SLAB_TOKENS, ROWS, BLOCK_N]
-    gate_s = gl.allocate_shared_memory(gu_desc.dtype, stages, gu_desc.layout)
-    up_s = gl.allocate_shared_memory(gu_desc.dtype, stages, gu_desc.layout)
-    da_s = gl.allocate_shared_memory(da_desc.dtype, stages, da_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bars.index(0), count=1)
-    mbarrier.init(bars.index(1), count=1)
-    fence_async_shared()
-    col_blocks = F // BLOCK_N
-    num_blocks = col_blocks * gl.cdiv(M, gluon_tiles.TOKENS)
-    first = gl.program_id(0)
-    step = gl.num_programs(0)
-    _load_block(gu_desc, da_desc, gate_s, up_s, da_s, bars, 0, first, col_blocks, F, first < num_blocks)
-    i = 0
-    for b in range(first, num_blocks, step):
-        stage = i % 2
-        # The other stage was read in the last iteration: every warp must be done with it before TMA refills it.
-        gl.thread_barrier()
-        _load_block(gu_desc, da_desc, gate_s, up_s, da_s, bars, 1 - stage, b + step, col_blocks, F,
-                    b + step < num_blocks)
-        mbarrier.wait(bars.index(stage), (i // 2) & 1)
-        mb = b // col_blocks
-        c = (b % col_blocks) * BLOCK_N
-        cols = c + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LOAD))
-        gate = _in_token_order(_slabs(gate_s, stage).load(SLABS), LOAD).to(gl.float32)
-        up = _in_token_order(_slabs(up_s, stage).load(SLABS), LOAD).to(gl.float32)
-        s = 1.0 / (1.0 + exp_neg(gate))
-        _store_a(gate, up, s, cols, c // gluon_tiles.TOKENS, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at,
-                 stride_ats_k, stride_ats_m, stride_ab, FP8_MAX, POW2, A_BLOCKS, LOAD, STORE, SPREAD)
-        da = _in_token_order(_slabs(da_s, stage).load(SLABS), LOAD)
-        _store_grads(da, gate, up, s, cols, mb, F, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, GRAD_MAX,
-                     POW2, STORE, SPREAD)
-        i += 1
-    mbarrier.invalidate(bars.index(0))
-    mbarrier.invalidate(bars.index(1))
-
-
-@gluon.jit
-def _load_block(gu_desc, da_desc, gate_s, up_s, da_s, bars, stage, b, col_blocks, F, pred):
-    """TMA loads of block b's gate, up and da (one slab box each) into `stage`, on that stage's barrier; nothing
-    where not `pred` (past the last block)."""
-    ROWS: gl.constexpr = gluon_tiles.TOKENS // SLAB_TOKENS
-    BLOCK_N: gl.constexpr = gate_s.shape[3]
-    j = (b // col_blocks) * ROWS
-    c = (b % col_blocks) * BLOCK_N
-    bar = bars.index(stage)
-    mbarrier.expect(bar, 3 * 2 * gluon_tiles.TOKENS * BLOCK_N, pred=pred)
-    tma.async_copy_global_to_shared(gu_desc, [0, j, c], bar, gate_s.index(stage), pred=pred)
-    tma.async_copy_global_to_shared(gu_desc, [0, j, F + c], bar, up_s.index(stage), pred=pred)
-    tma.async_copy_global_to_shared(da_desc, [0, j, c], bar, da_s.index(stage), pred=pred)
-
-
-@gluon.jit
-def _slabs(blocks, stage):
-    """Stage `stage` of a persistent program's slab buffers as one [128, BLOCK_N] block of slab rows."""
-    return blocks.index(stage).reshape([gluon_tiles.TOKENS, blocks.shape[3]])
 
 
 @gluon.jit
@@ -268,14 +197,6 @@ def exp_neg(x):
 _LAUNCH = gluon_tiles.TokenCountLaunch(_swiglu_backward_cols_kernel)
 # The TMA kernel needs M a multiple of 8 (`_slab_view`): M is never 1 there, so no twin.
 _TMA_LAUNCH = FastLaunch(_swiglu_backward_cols_tma_kernel)
-_PERSISTENT_LAUNCH = FastLaunch(_swiglu_backward_cols_persistent_kernel)
-PROGRAMS_PER_SM = 3  # the one-box kernel's occupancy (152 registers a thread); 48 KB of stages each
-PERSISTENT_MAXNREG = 65536 // (128 * PROGRAMS_PER_SM) // 8 * 8  # 168: a^T in blocks took 174 unbounded
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _slab_position(token: int) -> int:
@@ -322,15 +243,13 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
                          ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool,
                          num_warps: int = 4, tokens_each: int = TOKENS_PER_THREAD,
                          features_each: int = FEATURES_PER_THREAD, a_amax: Optional[torch.Tensor] = None,
-                         use_tma: Optional[bool] = None, one_box: bool = True, persistent: bool = False) -> None:
+                         use_tma: Optional[bool] = None, one_box: bool = True) -> None:
     """Fill qt/st (d(gu)^T (2F, M_pad) in `grad_fmt`) and at/ats (a^T (F, M_pad) in `fmt`) from gu (M, 2F) and
     da (M, F), as the Triton column kernel does (outputs from `tiles.rows_cols_outputs`). Given the forward's tile
     maxima `a_amax` (M, F/128) FP32 (column-major), a^T in 128x128 blocks (ats (F/128, M_pad/128)), as
     `producers.swiglu_backward_quantize` defines them. `use_tma`: read gu and da through TMA (the default where
     `tma_fits` and the layout has 64-byte block rows) or with the threads' loads (False); `one_box`: one TMA box
-    a tensor (a view whose strides are not in decreasing order; the faster) or eight (False); `persistent`: the
-    one-box blocks walked by `PROGRAMS_PER_SM` programs an SM, each loading its next block while computing this one
-    (not yet run on a GPU: not the default)."""
+    a tensor (a view whose strides are not in decreasing order; the faster) or eight (False)."""
     m, f = da.shape
     block_n, load, store = gluon_tiles.block_layouts(tokens_each, features_each, num_warps)
     assert f % block_n == 0, f"F={f} must be a multiple of {block_n}"
@@ -345,14 +264,7 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
     constexprs = dict(GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, A_BLOCKS=blocks, BLOCK_N=block_n,
                       LOAD=load, STORE=store, SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps),
                       num_warps=num_warps)
-    if use_tma and persistent:
-        shared = slab_shared_layout(block_n, 3)
-        boxes = tuple(Descriptor(_slab_view(t, width, True), (_SLAB, 16, block_n), shared)
-                      for t, width in ((gu, 2 * f), (da, f)))
-        programs = min(grid[0] * grid[1], PROGRAMS_PER_SM * _sm_count(gu.device))
-        _PERSISTENT_LAUNCH.launch((programs,), boxes + outputs[:7] + outputs[9:],
-                                  dict(constexprs, SLABS=slab_layout(load), maxnreg=PERSISTENT_MAXNREG))
-    elif use_tma:
+    if use_tma:
         shared = slab_shared_layout(block_n, 3 if one_box else 2)
         box = (_SLAB, 16, block_n) if one_box else (16, block_n)
         boxes = (Descriptor(_slab_view(gu, 2 * f, one_box), box, shared),
