@@ -38,11 +38,10 @@ def outputs(m: int, f: int, grad_fmt, device):
 def variants() -> dict:
     from megafp8.precision.kernels import producers, swiglu_cols_gluon
     out = {"triton (backends')": producers.swiglu_backward_cols}
-    # The default layout reading gu and da with the threads' loads, and by TMA (eight boxes or one a tensor: what
-    # the backends run where the token count is a multiple of 8); then other layouts' loads.
-    for label, tma, one_box in (("loads", False, False), ("TMA, 8 boxes", True, False), ("TMA, 1 box", True, True)):
-        out[f"gluon 8x4, {label}"] = (lambda *a, t=tma, o=one_box: swiglu_cols_gluon.swiglu_backward_cols(
-            *a, use_tma=t, one_box=o))
+    # The default layout reading gu and da with the threads' loads, and by TMA (what the backends run where the
+    # token count is a multiple of 8); then other layouts' loads.
+    for label, tma in (("loads", False), ("TMA", True)):
+        out[f"gluon 8x4, {label}"] = (lambda *a, t=tma: swiglu_cols_gluon.swiglu_backward_cols(*a, use_tma=t))
     for tokens, features, warps in ((4, 8, 4), (4, 4, 4)):
         out[f"gluon {tokens}x{features}, {warps} warps"] = (
             lambda *a, t=tokens, f=features, w=warps: swiglu_cols_gluon.swiglu_backward_cols(

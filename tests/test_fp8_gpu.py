@@ -427,9 +427,8 @@ def test_the_gluon_swiglu_column_kernel_gives_the_triton_kernels_bits(tokens_eac
 
 
 @pytest.mark.parametrize("m", [328, 256, 8, 136])
-@pytest.mark.parametrize("one_box", [False, True], ids=["eight_boxes", "one_box"])
 @pytest.mark.parametrize("a_blocks", [False, True], ids=["a_in_tiles", "a_in_blocks"])
-def test_the_swiglu_column_kernel_reading_by_tma_gives_the_pointer_kernels_bits(m, one_box, a_blocks):
+def test_the_swiglu_column_kernel_reading_by_tma_gives_the_pointer_kernels_bits(m, a_blocks):
     """SwiGLU backward's Gluon column kernel reads gu and da through TMA into shared memory where M is a multiple
     of 8 (`swiglu_cols_gluon._swiglu_backward_cols_tma_kernel`, slabs of tokens 8 apart): the bytes of the same
     kernel reading them with the threads' loads (which the test above holds to the Triton kernel's), a^T in tiles
@@ -456,7 +455,7 @@ def test_the_swiglu_column_kernel_reading_by_tma_gives_the_pointer_kernels_bits(
             for t in (qt, at):
                 t.view(torch.uint8).fill_(0x55)  # a byte left unwritten shows
             gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, grad_fmt, pow2, a_amax=a_amax,
-                                       use_tma=use_tma, one_box=one_box)
+                                       use_tma=use_tma)
             outputs.append(((qt, st), (at, ats)))
         (want_d, want_a), (got_d, got_a) = outputs
         assert_same_quantization(got_d, want_d, f"d(gu)^T, {grad_fmt}, pow2={pow2}")

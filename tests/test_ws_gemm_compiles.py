@@ -258,12 +258,11 @@ def test_the_gluon_swiglu_column_kernel_compiles_for_sm90_lean_and_without_spill
                                                           f"{per_element:.1f} per element"
 
 
-@pytest.mark.parametrize("one_box, a_blocks", [(True, False), (False, False), (True, True)],
-                         ids=["one_box", "eight_boxes", "one_box_a_in_blocks"])
-def test_the_swiglu_column_kernel_reading_by_tma_compiles_for_sm90_without_thread_loads(one_box, a_blocks):
+@pytest.mark.parametrize("a_blocks", [False, True], ids=["a_in_tiles", "a_in_blocks"])
+def test_the_swiglu_column_kernel_reading_by_tma_compiles_for_sm90_without_thread_loads(a_blocks):
     """The column kernel's TMA form (`_swiglu_backward_cols_tma_kernel`, what SM90 runs where M % 8 == 0) was made
     to take gu and da off the LSU's global path (Nsight Compute: each 32-byte sector looked up twice, job FB). It
-    must issue no global load of gu or da, bring each tensor's block in by TMA (one 3-D box, or eight 2-D ones),
+    must issue no global load of gu or da, bring each tensor's block in by TMA (one 3-D box),
     read each thread's row segments from shared memory as 8-byte vectors (3 x 8 of them, as the pointer kernel
     loads them), rename the slabs into token order for free (`_in_token_order` asserts it), keep the 8-byte
     transposed stores, and cost no more instructions per element than the pointer kernel's bound."""
@@ -275,11 +274,10 @@ def test_the_swiglu_column_kernel_reading_by_tma_compiles_for_sm90_without_threa
 
     warps = 4
     block_n, load, store = gt.block_layouts(g.TOKENS_PER_THREAD, g.FEATURES_PER_THREAD, warps)
-    shared = g.slab_shared_layout(block_n, 3 if one_box else 2)
-    box = (8, 16, block_n) if one_box else (16, block_n)
+    shared, box = g.slab_shared_layout(block_n), (8, 16, block_n)
     gu, da = torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(256, 256, dtype=torch.bfloat16)
-    signature = {"gu_desc": mangle_type(g.Descriptor(g._slab_view(gu, 512, one_box), box, shared).checked()),
-                 "da_desc": mangle_type(g.Descriptor(g._slab_view(da, 256, one_box), box, shared).checked()),
+    signature = {"gu_desc": mangle_type(g.Descriptor(g._slab_view(gu, 512), box, shared).checked()),
+                 "da_desc": mangle_type(g.Descriptor(g._slab_view(da, 256), box, shared).checked()),
                  "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32", "at_ptr": "*fp8e4nv", "ats_ptr": "*fp32",
                  "amax_ptr": "*fp32"}
     ints = ["M", "F", "stride_gm", "stride_dm", "stride_qt", "stride_st_k", "stride_st_m", "stride_at",
@@ -287,7 +285,7 @@ def test_the_swiglu_column_kernel_reading_by_tma_compiles_for_sm90_without_threa
     signature.update({name: "i32" for name in ints})
     constants = dict(GRAD_MAX=448.0, FP8_MAX=448.0, POW2=False, A_BLOCKS=a_blocks, BLOCK_N=block_n, LOAD=load,
                      STORE=store, SPREAD=gt.spread_layout(block_n // warps, warps), SLABS=g.slab_layout(load),
-                     ONE_BOX=one_box, stride_st_k=1, stride_ats_k=1)
+                     stride_st_k=1, stride_ats_k=1)
     signature.update({name: "constexpr" for name in constants})
     names = list(signature)
     aligned = [names.index(n) for n in ("qt_ptr", "st_ptr", "at_ptr", "ats_ptr", "amax_ptr", "M", "F", "stride_gm",
@@ -301,14 +299,13 @@ def test_the_swiglu_column_kernel_reading_by_tma_compiles_for_sm90_without_threa
     report, sass = _ptxas_and_sass(compiled.asm["ptx"])
     # global loads only of a's tile maxima, with a^T in blocks (a thread's 8 tokens' of its block)
     assert len(re.findall(r"\bLDG\b", sass)) <= (2 if a_blocks else 0)
-    assert len(re.findall(r"\bUTMALDG\.(\d)D\b", sass)) == (3 if one_box else 24)
+    assert len(re.findall(r"\bUTMALDG\.3D\b", sass)) == 3
     assert len(re.findall(r"\bLDS\.64\b", sass)) == 3 * g.TOKENS_PER_THREAD
     assert len(re.findall(r"\bSTG\.E\.64\b", sass)) == 3 * g.FEATURES_PER_THREAD
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
     assert spills and max(spills) <= 16, report
     per_element = _sass_instructions(sass) * 32 * warps / (128 * block_n)
-    # the eight-box form issues each of its 24 copies from one elected thread between barriers (~11 per element)
-    assert 30 < per_element <= (48 if one_box else 60), f"{per_element:.1f} SASS instructions per element"
+    assert 30 < per_element <= 48, f"{per_element:.1f} SASS instructions per element"
 
 
 @pytest.mark.parametrize("norm, gather, masked, col_blocks",

@@ -108,7 +108,7 @@ def _swiglu_backward_cols_tma_kernel(gu_desc, da_desc, qt_ptr, st_ptr, at_ptr, a
                                      stride_ats_m, stride_ab, GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr,
                                      POW2: gl.constexpr, A_BLOCKS: gl.constexpr, BLOCK_N: gl.constexpr,
                                      LOAD: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr,
-                                     SLABS: gl.constexpr, ONE_BOX: gl.constexpr):
+                                     SLABS: gl.constexpr):
     """`_swiglu_backward_cols_kernel`'s outputs, its blocks of gate, up and da brought into shared memory by TMA
     instead of loaded by the threads (M a multiple of 8). Why: the pointer kernel is bound by the L1 wavefronts of
     its 16-byte row reads (each 32-byte sector looked up twice, by the two warps that share it: Nsight Compute,
@@ -117,21 +117,17 @@ def _swiglu_backward_cols_tma_kernel(gu_desc, da_desc, qt_ptr, st_ptr, at_ptr, a
 
     How the reads avoid bank conflicts in the column layout, where the 16 token lanes of a warp read the same 16
     bytes of rows 8 apart (in one plain or swizzled tile they all fall in one bank group): the descriptors view
-    each tensor as (M/8, 8 rows side by side) (`_slab_view`), so that a box of 16 view rows at column r * stride
-    holds tokens r, r + 8, ..., r + 120 of the block. Eight such boxes fill eight slabs; slab r, view row j holds
-    token 8 j + r. ONE_BOX (the default) moves the eight slabs as one 3-D box, the view's token dimension split
-    in two with strides not in decreasing order (TMA takes them: job FF); the eight 2-D boxes cost 24 copies and
-    a barrier after each (5% slower). The lanes' rows then differ by one within a slab, and the 64-byte swizzle
-    spreads each half warp's 16-byte reads over all 32 banks (0.6 M conflicts in 32 M shared wavefronts, job FF).
+    each tensor as (8, M/8) rows (`_slab_view`), [r, j] being token 8 j + r, so that one 3-D box a tensor holds
+    tokens r, r + 8, ..., r + 120 of the block in slab r (the view's strides are not in decreasing order; TMA
+    takes them: job FF; eight 2-D boxes a tensor cost 24 copies with a barrier after each, 5% slower). The lanes'
+    rows then differ by one within a slab, and the 64-byte swizzle spreads each half warp's 16-byte reads over
+    all 32 banks (0.6 M conflicts in 32 M shared wavefronts, job FF).
     `SLABS` reads the slabs into the column layout, which `_in_token_order` renames to the tokens' order (the same
     registers)."""
     mb = gl.program_id(1)
     c = gl.program_id(0) * BLOCK_N
     ROWS: gl.constexpr = gluon_tiles.TOKENS // SLAB_TOKENS  # view rows a slab: tokens 8 apart
-    if ONE_BOX:  # one (8 slabs, 16 view rows, BLOCK_N) box a tensor
-        shape: gl.constexpr = [SLAB_TOKENS, ROWS, BLOCK_N]
-    else:
-        shape: gl.constexpr = [gluon_tiles.TOKENS, BLOCK_N]
+    shape: gl.constexpr = [SLAB_TOKENS, ROWS, BLOCK_N]  # one box a tensor: 8 slabs of 16 view rows
     gate_s = gl.allocate_shared_memory(gu_desc.dtype, shape, gu_desc.layout)
     up_s = gl.allocate_shared_memory(gu_desc.dtype, shape, gu_desc.layout)
     da_s = gl.allocate_shared_memory(da_desc.dtype, shape, da_desc.layout)
@@ -143,22 +139,12 @@ def _swiglu_backward_cols_tma_kernel(gu_desc, da_desc, qt_ptr, st_ptr, at_ptr, a
     BYTES: gl.constexpr = 2 * gluon_tiles.TOKENS * BLOCK_N  # a tensor's block, BF16
     mbarrier.expect(bars.index(0), 2 * BYTES)
     mbarrier.expect(bars.index(1), BYTES)
-    if ONE_BOX:
-        tma.async_copy_global_to_shared(gu_desc, [0, j, c], bars.index(0), gate_s)
-        tma.async_copy_global_to_shared(gu_desc, [0, j, F + c], bars.index(0), up_s)
-        tma.async_copy_global_to_shared(da_desc, [0, j, c], bars.index(1), da_s)
-        gate_s = gate_s.reshape([gluon_tiles.TOKENS, BLOCK_N])
-        up_s = up_s.reshape([gluon_tiles.TOKENS, BLOCK_N])
-        da_s = da_s.reshape([gluon_tiles.TOKENS, BLOCK_N])
-    else:  # eight boxes a tensor, each slab's by the three tensors in turn (Triton puts a barrier between two
-        # copies into one buffer)
-        for r in gl.static_range(SLAB_TOKENS):
-            tma.async_copy_global_to_shared(gu_desc, [j, r * stride_gm + c], bars.index(0),
-                                            gate_s.slice(r * ROWS, ROWS))
-            tma.async_copy_global_to_shared(gu_desc, [j, r * stride_gm + F + c], bars.index(0),
-                                            up_s.slice(r * ROWS, ROWS))
-            tma.async_copy_global_to_shared(da_desc, [j, r * stride_dm + c], bars.index(1),
-                                            da_s.slice(r * ROWS, ROWS))
+    tma.async_copy_global_to_shared(gu_desc, [0, j, c], bars.index(0), gate_s)
+    tma.async_copy_global_to_shared(gu_desc, [0, j, F + c], bars.index(0), up_s)
+    tma.async_copy_global_to_shared(da_desc, [0, j, c], bars.index(1), da_s)
+    gate_s = gate_s.reshape([gluon_tiles.TOKENS, BLOCK_N])
+    up_s = up_s.reshape([gluon_tiles.TOKENS, BLOCK_N])
+    da_s = da_s.reshape([gluon_tiles.TOKENS, BLOCK_N])
     cols = c + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LOAD))
     mbarrier.wait(bars.index(0), 0)
     gate = _in_token_order(gate_s.load(SLABS), LOAD).to(gl.float32)
@@ -215,21 +201,18 @@ def slab_layout(load: DistributedLinearLayout) -> DistributedLinearLayout:
 
 
 @functools.cache
-def slab_shared_layout(block_n: int, rank: int = 2) -> gl.NVMMASharedLayout:
-    """The slabs' shared layout: rows of block_n BF16, swizzled over 64 bytes (what spreads a half warp's reads of
-    16 consecutive slab rows over the 32 banks)."""
+def slab_shared_layout(block_n: int) -> gl.NVMMASharedLayout:
+    """The slabs' shared layout (8 slabs, 16 rows, block_n): rows of block_n BF16, swizzled over 64 bytes (what
+    spreads a half warp's reads of 16 consecutive slab rows over the 32 banks)."""
     assert 2 * block_n == 64, f"the slab swizzle is made for 64-byte rows, not {block_n} BF16"
-    return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=rank)
+    return gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=3)
 
 
-def _slab_view(t: torch.Tensor, width: int, one_box: bool = False) -> torch.Tensor:
-    """t (M, >= width), rows `stride` apart, viewed as (M/8, 7 stride + width): view row j holds rows 8j .. 8j + 7
-    side by side, row 8j + r at columns r * stride + [0, width). The same storage, ending at t's last element.
-    `one_box`: as (8, M/8, width) instead, [r, j] being row 8j + r (strides not in decreasing order)."""
-    stride, rows = t.stride(0), t.shape[0] // _SLAB
-    if one_box:
-        return t.as_strided((_SLAB, rows, width), (stride, _SLAB * stride, 1))
-    return t.as_strided((rows, (_SLAB - 1) * stride + width), (_SLAB * stride, 1))
+def _slab_view(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t (M, >= width), rows `stride` apart, viewed as (8, M/8, width): [r, j] is row 8j + r (strides not in
+    decreasing order). The same storage, ending at t's last element."""
+    stride = t.stride(0)
+    return t.as_strided((_SLAB, t.shape[0] // _SLAB, width), (stride, _SLAB * stride, 1))
 
 
 def tma_fits(gu: torch.Tensor, da: torch.Tensor) -> bool:
@@ -243,13 +226,12 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
                          ats: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool,
                          num_warps: int = 4, tokens_each: int = TOKENS_PER_THREAD,
                          features_each: int = FEATURES_PER_THREAD, a_amax: Optional[torch.Tensor] = None,
-                         use_tma: Optional[bool] = None, one_box: bool = True) -> None:
+                         use_tma: Optional[bool] = None) -> None:
     """Fill qt/st (d(gu)^T (2F, M_pad) in `grad_fmt`) and at/ats (a^T (F, M_pad) in `fmt`) from gu (M, 2F) and
     da (M, F), as the Triton column kernel does (outputs from `tiles.rows_cols_outputs`). Given the forward's tile
     maxima `a_amax` (M, F/128) FP32 (column-major), a^T in 128x128 blocks (ats (F/128, M_pad/128)), as
     `producers.swiglu_backward_quantize` defines them. `use_tma`: read gu and da through TMA (the default where
-    `tma_fits` and the layout has 64-byte block rows) or with the threads' loads (False); `one_box`: one TMA box
-    a tensor (a view whose strides are not in decreasing order; the faster) or eight (False)."""
+    `tma_fits` and the layout has 64-byte block rows) or with the threads' loads (False)."""
     m, f = da.shape
     block_n, load, store = gluon_tiles.block_layouts(tokens_each, features_each, num_warps)
     assert f % block_n == 0, f"F={f} must be a multiple of {block_n}"
@@ -265,10 +247,8 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
                       LOAD=load, STORE=store, SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps),
                       num_warps=num_warps)
     if use_tma:
-        shared = slab_shared_layout(block_n, 3 if one_box else 2)
-        box = (_SLAB, 16, block_n) if one_box else (16, block_n)
-        boxes = (Descriptor(_slab_view(gu, 2 * f, one_box), box, shared),
-                 Descriptor(_slab_view(da, f, one_box), box, shared))
-        _TMA_LAUNCH.launch(grid, boxes + outputs, dict(constexprs, SLABS=slab_layout(load), ONE_BOX=one_box))
+        shared, box = slab_shared_layout(block_n), (_SLAB, 128 // _SLAB, block_n)  # 8 slabs of 16 rows
+        boxes = (Descriptor(_slab_view(gu, 2 * f), box, shared), Descriptor(_slab_view(da, f), box, shared))
+        _TMA_LAUNCH.launch(grid, boxes + outputs, dict(constexprs, SLABS=slab_layout(load)))
     else:
         _LAUNCH.launch(grid, (gu, da) + outputs, constexprs)
