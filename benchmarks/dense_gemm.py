@@ -31,10 +31,6 @@ only the GEMM is timed. Columns:
   product of two scale vectors.
   Its output is checked against its own dequantized operands; what the coarser scaling costs in accuracy is
   `benchmarks/wgrad_scaling.py`'s question.
-- ws 256 + residual / ws 256, then + residual (fprop and dgrad; not among the FP8 columns the ratios compare): a
-  BF16 residual (M, N) added to the output, by the kernel's epilogue (`ws_gemm(residual=...)`, what the hopper
-  backend runs for the output projections, `gemm_1x128_128x128_add`) or by `residual + y` after ws 256, interleaved
-  FFMA. Both are the interleaved kernel.
 
 Timing: CUDA events around `--iters` calls after warm-up; the calls are launched from Python, so a GEMM shorter
 than its launch path (the warp-specialized kernel builds TMA descriptors on the host) is timed at the host's pace.
@@ -70,9 +66,7 @@ LINEAR_SHAPES = [("fp8_linear", 18432, 7168), ("fp8_linear", 7168, 18432), ("fp8
 GEMMS = ("fprop", "dgrad", "wgrad")
 BLOCKS = "ws 256, x in 128x128 blocks"
 FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers", "ws 256, interleaved FFMA", BLOCKS)
-# fprop and dgrad with a residual (M, N) BF16 added to the output: by the epilogue, or by a torch add after it
-RESIDUAL_COLUMNS = ("ws 256 + residual", "ws 256, then + residual")
-ALL_COLUMNS = ("BF16", *FP8_COLUMNS, *RESIDUAL_COLUMNS)
+ALL_COLUMNS = ("BF16", *FP8_COLUMNS)
 WRONG = 2**-6
 
 # (timed call, its result in FP32, the FP32 result it should give; None: the dequantized operands' product)
@@ -168,19 +162,12 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
         def by_backend():
             return backend.gemm_1x128_128x128(a, a_s, b, b_s, torch.bfloat16)
 
-        def ws(block_n, tma, interleave=False, residual=None):
+        def ws(block_n, tma, interleave=False):
             return lambda: ws_gemm(a, a_s, b, backend.block_scales_nk(b_s), out, b_blockwise=True, block_n=block_n,
-                                   tma_store=tma, interleave_ffma=interleave, residual=residual)
+                                   tma_store=tma, interleave_ffma=interleave)
         runs = {"BF16": lambda: bf16_a @ bf16_b, "backend": by_backend, BLOCKS: None}  # BLOCKS: wgrad only
-        if any(c in wanted for c in RESIDUAL_COLUMNS):
-            residual = torch.randn(rows, cols, device=device).bfloat16()
-            fused, plain = ws(256, None, True, residual), ws(256, None, True)
-            runs.update({RESIDUAL_COLUMNS[0]: fused, RESIDUAL_COLUMNS[1]: lambda: residual + plain()})
-            for label in RESIDUAL_COLUMNS:
-                wants[label] = lambda: reference(gemm, o)[1] + residual.float()
     runs.update({"ws 128": ws(128, None), "ws 256": ws(256, None), "ws 256, registers": ws(256, False),
                  "ws 256, interleaved FFMA": ws(256, None, interleave=True)})
-    runs.update({label: None for label in RESIDUAL_COLUMNS if label not in runs})  # (wgrad)
     return {label: (runs[label], runs[label] and result_of(runs[label]), wants.get(label)) for label in wanted}
 
 

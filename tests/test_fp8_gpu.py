@@ -274,39 +274,6 @@ def test_the_hopper_backend_runs_dense_fprop_and_dgrad_on_the_warp_specialized_k
             assert err < limit, f"{tokens} tokens, {dtype}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("tokens, n, k", [(200, 384, 512), (4096, 4096, 1024), (1000, 128, 512), (256, 640, 256)])
-def test_the_warp_specialized_gemm_adds_the_residual_with_the_bits_of_the_add_after_it(monkeypatch, tokens, n, k):
-    """The hopper backend's `gemm_1x128_128x128_add` (the output projections' fprop with the residual stream) adds
-    the residual in the GEMM's epilogue, read by TMA during the K loop: the bits of the same kernel's output
-    followed by `residual + y`, at token counts off the 128-row grid, 256- and 128-wide tiles, a partial last
-    column tile (640 = 2.5 x 256), and 512 tiles on 132 SMs (each consumer's residual barrier through several
-    phases); the residual is left unchanged. A residual TMA cannot read (rows 520 bytes apart) takes the add
-    after the GEMM."""
-    from megafp8.precision import E4M3
-    from megafp8.precision.backends import Fp8Backend
-    from tests.fp8_checks import outlier_tensor
-    if why_unavailable("hopper", CUDA) is not None:
-        pytest.skip(why_unavailable("hopper", CUDA))
-    hopper = select_backend("hopper", CUDA)
-    w = hopper.empty_weight(torch.Size((n, k)), E4M3, CUDA)
-    hopper.quantize_weight_(outlier_tensor(n, k, seed=3, device=CUDA), w, E4M3, False)
-    x = hopper.quantize_rows(outlier_tensor(tokens, k, seed=1, device=CUDA), E4M3, False)
-    residual = outlier_tensor(tokens, n, seed=2, device=CUDA)
-    kept = residual.clone()
-    want = residual + hopper.gemm_1x128_128x128(*x, w.w_fp8, w.w_scale, torch.bfloat16)
-
-    def fallback(*args, **kwargs):
-        raise AssertionError("the residual was added after the GEMM")
-    with monkeypatch.context() as patch:
-        patch.setattr(Fp8Backend, "gemm_1x128_128x128_add", fallback)
-        got = hopper.gemm_1x128_128x128_add(*x, w.w_fp8, w.w_scale, residual)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-    assert torch.equal(residual, kept)
-    unaligned = torch.zeros(tokens, n + 4, dtype=torch.bfloat16, device=CUDA)[:, :n]
-    unaligned.copy_(residual)
-    assert torch.equal(hopper.gemm_1x128_128x128_add(*x, w.w_fp8, w.w_scale, unaligned), want)
-
-
 @pytest.mark.parametrize("config", ["tiny_dense_fp8", "tiny_dense", "tiny_moe_fp8", "tiny_moe_fp8:bf16"])
 def test_cuda_graphs_add_the_weight_gradients_into_main_grad_like_eager(tiny_overrides, config):
     """Compiled blocks under CUDA graphs (`compile_mode: reduce-overhead`) add their weight gradients, FP8 and BF16,

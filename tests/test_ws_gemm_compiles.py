@@ -41,9 +41,6 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
                                         TMA_STORE=True), "*fp32"),
     "dense fprop/dgrad": (dict(GROUPED_ROWS=False, GROUPED_K=False, B_BLOCKWISE=True, ACCUMULATE=False,
                                TMA_STORE=True), "*bf16"),
-    # The residual read by TMA into the epilogue buffers during the K loop and added before the store.
-    "dense fprop plus residual": (dict(GROUPED_ROWS=False, GROUPED_K=False, B_BLOCKWISE=True, ACCUMULATE=False,
-                                       TMA_STORE=True, RESIDUAL=True), "*bf16"),
 }
 # Spill bytes ptxas may report: the per-row-scale kernels keep a few tile coordinates on the stack outside the K
 # loop (measured 16-48 bytes); the accumulators alone are 256 bytes a thread per 128-column slice.
@@ -65,14 +62,12 @@ def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = Fal
                  "as_desc": mangle_type(ws_gemm._scale_descriptor(scales, 64).checked()),
                  "bs_desc": mangle_type(ws_gemm._scale_descriptor(scales, 128).checked()),
                  "c_desc": mangle_type(ws_gemm._descriptor(c if flags["TMA_STORE"] else fp8, (64, 128)).checked()),
-                 "r_desc": mangle_type(ws_gemm._descriptor(c if flags.get("RESIDUAL") else fp8, (64, 128)).checked()),
                  "c_ptr": c_type,
                  "bs_ptr": "*fp32", "tile_expert_ptr": "*i32", "k_start_ptr": "*i32", "k_count_ptr": "*i32"}
     signature.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "num_groups", "stride_ce", "stride_cm",
                                                "stride_bs_e", "stride_bs_n", "stride_bs_k")})
     buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
-    constants = dict(dict(RESIDUAL=False), **flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8,
-                     INTERLEAVE=interleave_ffma,
+    constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, INTERLEAVE=interleave_ffma,
                      STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
     signature.update({name: "constexpr" for name in constants})
     with ffma_interleave.patching_ffma(ws_gemm.INTERLEAVE_MARKER):  # (patches only the kernel carrying it)
@@ -101,10 +96,6 @@ def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_
         op = "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" if flags["ACCUMULATE"] else \
             "cp.async.bulk.tensor.2d.global.shared::cta"
         assert op in ptx and not re.search(r"^\s*(@%p\d+\s+)?st\.global", ptx, re.M)  # no store from registers
-    # TMA loads: the producer's alone, or also each consumer's residual pieces (never a load from registers)
-    tma_loads = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx))
-    assert not re.search(r"^\s*(@%p\d+\s+)?ld\.global\.v", ptx, re.M) or not flags.get("RESIDUAL")
-    assert tma_loads > 0
     report = _ptxas_report(compiled)
     assert "C7511" not in report and "C7514" not in report, report  # "wgmma ... serialized"
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]

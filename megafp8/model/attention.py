@@ -40,10 +40,9 @@ class Attention(nn.Module):
         self.observed = False
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int, seq_len: int,
-                norm: Optional[RMSNorm] = None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+                norm: Optional[RMSNorm] = None) -> torch.Tensor:
         """x: (tokens, hidden) token-major, all B*T tokens or this rank's share under sequence parallelism. `norm`
-        is applied to x first (under FP8, fused into the QKV projection's quantizer); `residual` (shaped as the
-        output) is added to the output (under FP8, by the output projection's GEMM where it can)."""
+        is applied to x first (under FP8, fused into the QKV projection's quantizer)."""
         rotary = Rotary(self.widths, self.head_dim, batch, seq_len)
         if norm is not None and not self.observed and self.qkv_proj.fuses_rope(x.numel() // x.shape[-1], rotary):
             # FP8: RoPE's backward quantizes the projection's output gradient itself (`megafp8.precision.fp8_qkv`)
@@ -64,4 +63,4 @@ class Attention(nn.Module):
                 is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
             )
         out = out.transpose(1, 2).reshape(batch * seq_len, self.n_heads * self.head_dim)
-        return self.out_proj(out, residual)
+        return self.out_proj(out)

@@ -66,10 +66,9 @@ class MultiHeadLatentAttention(nn.Module):
         return self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int, seq_len: int,
-                norm: Optional[nn.Module] = None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+                norm: Optional[nn.Module] = None) -> torch.Tensor:
         """x: (tokens, hidden) token-major, all B*T tokens or this rank's share under sequence parallelism; `norm`
-        is applied to it first; `residual` (shaped as the output) is added to the output (under FP8, by the output
-        projection's GEMM where it can)."""
+        is applied to it first."""
         if norm is not None:
             x = norm(x)
         h = self.n_heads
@@ -88,4 +87,4 @@ class MultiHeadLatentAttention(nn.Module):
         with attention_kernels(self.sdpa_backends):
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, scale=self.scale)  # (B, heads, T, v_head_dim)
-        return self.out_proj(out.transpose(1, 2).reshape(batch * seq_len, h * self.v_dim), residual)
+        return self.out_proj(out.transpose(1, 2).reshape(batch * seq_len, h * self.v_dim))

@@ -24,9 +24,7 @@ class SwiGLU(nn.Module):
         self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, recipe.for_weight(hidden_size, local), tp,
                                            device=device)
 
-    def forward(self, x: torch.Tensor, norm: Optional[RMSNorm] = None,
-                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x (tokens, hidden) -> (tokens, hidden); `norm` is applied to x first; `residual` (tokens, hidden), if
-        given, is added to the output (by the down projection's FP8 GEMM where it can). Under FP8 the norm, SwiGLU
-        and SwiGLU's backward each quantize their own output for the next GEMM (`megafp8.parallel.swiglu_mlp`)."""
-        return swiglu_mlp(x, self.gate_up_proj, self.down_proj, norm, residual)
+    def forward(self, x: torch.Tensor, norm: Optional[RMSNorm] = None) -> torch.Tensor:
+        """x (tokens, hidden) -> (tokens, hidden); `norm` is applied to x first. Under FP8 the norm, SwiGLU and
+        SwiGLU's backward each quantize their own output for the next GEMM (`megafp8.parallel.swiglu_mlp`)."""
+        return swiglu_mlp(x, self.gate_up_proj, self.down_proj, norm)

@@ -109,14 +109,12 @@ class Block(nn.Module):
 
     def _forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int,
                  seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        # The norms go in with their inputs: under FP8 each is fused into the next GEMM's quantizer. The residual
-        # stream goes in too: under FP8 the output projections' GEMMs add it in their epilogue (the bits of
-        # `x + out`, without a pass of their own over three tensors).
-        x = self.attn(x, rope, batch, seq_len, norm=self.attn_norm, residual=x)
+        # The norms go in with their inputs: under FP8 each is fused into the next GEMM's quantizer.
+        x = x + self.attn(x, rope, batch, seq_len, norm=self.attn_norm)
         if isinstance(self.mlp, MoE):
             y, aux = self.mlp(self.mlp_norm(x), batch, seq_len)
             return x + y, aux
-        return self.mlp(x, norm=self.mlp_norm, residual=x), None
+        return x + self.mlp(x, norm=self.mlp_norm), None
 
 
 class LayerDict(nn.ModuleDict):

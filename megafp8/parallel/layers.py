@@ -98,8 +98,6 @@ class _ColumnComm(LinearComm):
 class _RowComm(LinearComm):
     """Output partial sums all-reduced (or reduce-scattered to SP token shards); output gradient gathered under SP."""
 
-    reduces_output = True
-
     def __init__(self, tp: TensorParallel) -> None:
         self.tp = tp
 
@@ -125,10 +123,9 @@ class ParallelLinear(GemmLayer):
         self._comm: Optional[LinearComm] = None
         self.set_recipe(recipe, fp8_backend)
 
-    def _fp8_forward(self, x: torch.Tensor, norm: Optional[InputNorm] = None,
-                     residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _fp8_forward(self, x: torch.Tensor, norm: Optional[InputNorm] = None) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.fp8_cache, self.recipe.fp8, self.fp8_backend_for(x.device), self._comm,
-                          self.wgrad_queue, norm, residual)
+                          self.wgrad_queue, norm)
 
     def fp8_projection(self) -> Fp8Projection:
         """This layer as one projection of a fused FP8 MLP (`megafp8.precision.fp8_mlp`)."""
@@ -216,41 +213,31 @@ class RowParallelLinear(ParallelLinear):
             mark_sharded(self.weight, TpShard(1, (in_features,)))
             self._comm = _RowComm(tp)
 
-    @staticmethod
-    def gemm_input(inputs: tuple) -> torch.Tensor:
-        """x, from the positional inputs of a call (`x` or `(x, residual)`: this layer takes no norm)."""
-        return inputs[0]
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x: (tokens, in / tp) -> (tokens, out), or this rank's 1/tp of the tokens under SP. `residual` (shaped as
-        the output): returns residual + the output, which an FP8 layer's GEMM adds itself where the output needs
-        no reduction (`megafp8.precision.fp8_linear.project_with_residual`)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (tokens, in / tp) -> (tokens, out), or this rank's 1/tp of the tokens under SP."""
         if self.tp.sp:
             x = x.reshape(-1, x.shape[-1])
         if self.runs_fp8:
-            return self._fp8_forward(x, residual=residual)
+            return self._fp8_forward(x)
         y = linear(x, self.weight, self.wgrad_queue, self.main_grad_slot)
-        y = reduce_scatter_to_sp(y, self.tp) if self.tp.sp else reduce_from_tp(y, self.tp)
-        return y if residual is None else residual + y
+        return reduce_scatter_to_sp(y, self.tp) if self.tp.sp else reduce_from_tp(y, self.tp)
 
 
 def swiglu_mlp(x: torch.Tensor, gate_up: ColumnParallelLinear, down: RowParallelLinear,
-               norm: Optional[InputNorm] = None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """down(silu(gate) * up) with [gate | up] = gate_up(x), of `norm(x)` if a norm is given; plus `residual` if
-    one is given (shaped as the output; see `RowParallelLinear.forward`). Where both projections run all their
-    GEMMs in FP8 under one recipe, it is one fused FP8 function in which the norm, SwiGLU and SwiGLU's backward
-    each quantize their own FP32 output (`megafp8.precision.fp8_mlp`); otherwise the layers run one after the
-    other."""
+               norm: Optional[InputNorm] = None) -> torch.Tensor:
+    """down(silu(gate) * up) with [gate | up] = gate_up(x), of `norm(x)` if a norm is given. Where both
+    projections run all their GEMMs in FP8 under one recipe, it is one fused FP8 function in which the norm,
+    SwiGLU and SwiGLU's backward each quantize their own FP32 output (`megafp8.precision.fp8_mlp`); otherwise the
+    layers run one after the other."""
     rows = x.reshape(-1, x.shape[-1]).shape[0]
     if gate_up.fuses_norm(rows) and down.runs_fp8 and down.recipe.fp8 == gate_up.recipe.fp8:
         if gate_up.tp.sp:
             x = x.reshape(-1, x.shape[-1])
         backend = gate_up.fp8_backend_for(x.device)
         down.fp8_backend_for(x.device)  # the same recipe: the same backend (resolved for both, as each layer logs it)
-        return fp8_swiglu_mlp(x, gate_up.fp8_projection(), down.fp8_projection(), gate_up.recipe.fp8, backend, norm,
-                              residual)
+        return fp8_swiglu_mlp(x, gate_up.fp8_projection(), down.fp8_projection(), gate_up.recipe.fp8, backend, norm)
     gate, up = gate_up(x, norm).chunk(2, dim=-1)  # each (tokens, ffn_hidden_size / tp)
-    return down(F.silu(gate) * up, residual)
+    return down(F.silu(gate) * up)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -125,26 +125,6 @@ def layer_input_grad(dx2d: torch.Tensor, x2d: Optional[torch.Tensor], norm_weigh
     return dh.reshape(in_shape), dnorm.to(norm_weight.dtype)
 
 
-def project_with_residual(k, a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-                          dtype: torch.dtype, comm: LinearComm, residual: Optional[torch.Tensor]) -> torch.Tensor:
-    """A projection's output a @ w^T (BF16, 2-D) through `comm`'s reduction, plus `residual` (the residual stream
-    the projection's output joins) if one is given: added by the GEMM's epilogue where `comm` reduces nothing
-    (`gemm_1x128_128x128_add`: the bits of `residual + y`, one pass over three tensors less), else after the
-    reduction, where the output is whole."""
-    if residual is None:
-        return comm.reduce_output(k.gemm_1x128_128x128(a_fp8, a_scale, w_fp8, w_scale, dtype))
-    if not comm.reduces_output:
-        return k.gemm_1x128_128x128_add(a_fp8, a_scale, w_fp8, w_scale, residual.reshape(a_fp8.shape[0], -1))
-    y = comm.reduce_output(k.gemm_1x128_128x128(a_fp8, a_scale, w_fp8, w_scale, dtype))
-    return y + residual.reshape(y.shape)
-
-
-def distinct_from(residual: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
-    """`residual`, as a tensor other than `x` where it is x (a block's MLP takes its input as its residual):
-    Dynamo cannot trace an autograd function given one tensor as two inputs (a graph break), a view of it can."""
-    return residual.view_as(residual) if residual is x else residual
-
-
 def input_and_weight_grads(ctx, k, saved: tuple, dy_fp8: Optional[torch.Tensor], dy_scale: Optional[torch.Tensor],
                            dy_cols: Optional[list], dy2d: Optional[torch.Tensor], dtype: torch.dtype) -> tuple:
     """(dx, d norm_weight, dw): an FP8 linear's backward once its output gradient is quantized, shared by
@@ -175,7 +155,7 @@ def input_and_weight_grads(ctx, k, saved: tuple, dy_fp8: Optional[torch.Tensor],
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, norm_weight, weight, w_fp8, w_scale, wt_fp8, wt_scale, main_grad, residual, eps: float,
+    def forward(ctx, x, norm_weight, weight, w_fp8, w_scale, wt_fp8, wt_scale, main_grad, eps: float,
                 recipe: Fp8Recipe, backend, traced: bool, comm: LinearComm, queue: Optional[WeightGradQueue],
                 grad_enabled: bool):
         k = kernels(backend, traced)
@@ -185,16 +165,13 @@ class _Fp8LinearFn(torch.autograd.Function):
         if recipe.all_gemms:
             x_fp8, x_scale, *x_cols, rstd = quantize_layer_input(k, x2d, norm_weight, eps, recipe, comm,
                                                                  for_wgrad=weight.requires_grad and grad_enabled)
-            y = project_with_residual(k, x_fp8, x_scale, w_fp8, w_scale, x.dtype, comm, residual)
+            y = k.gemm_1x128_128x128(x_fp8, x_scale, w_fp8, w_scale, x.dtype)
         else:  # an experiment with some GEMMs in BF16 (no fused norm): gather BF16, quantize what FP8 GEMMs need
             x_full = comm.gather_input(x2d)
             if recipe.fprop:
                 y = k.gemm_1x128_128x128(*k.quantize_rows(x_full, fmt, pow2), w_fp8, w_scale, x.dtype)
             else:
                 y = F.linear(x_full, weight)
-            y = comm.reduce_output(y)
-            if residual is not None:
-                y = y + residual.reshape(y.shape)
             x_cols = (k.quantize_rows_cols(x_full, fmt, pow2, recipe.wgrad_input_blocks)[2:] if recipe.wgrad
                       else [x_full])
         fused_norm = norm_weight is not None
@@ -203,9 +180,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.recipe, ctx.backend, ctx.traced, ctx.comm, ctx.queue = recipe, backend, traced, comm, queue
         ctx.kept_transpose = wt_fp8 is not None
         ctx.in_shape = x.shape
-        ctx.residual_shape = residual.shape if residual is not None else None
-        if residual is not None:
-            return y.reshape(residual.shape)
+        y = comm.reduce_output(y)
         if y.shape[0] != x2d.shape[0]:  # the collectives changed the token count (sequence parallelism)
             return y
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -224,9 +199,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         elif need_dx and recipe.dgrad:
             dy_fp8, dy_scale = k.quantize_rows(dy2d, fmt, pow2)
         dx, dnorm, dw = input_and_weight_grads(ctx, k, ctx.saved_tensors, dy_fp8, dy_scale, dy_cols, dy2d, dy.dtype)
-        # The residual's gradient is the output's (as `residual + y`'s backward gives it: the same tensor).
-        d_residual = dy if ctx.residual_shape is not None and ctx.needs_input_grad[8] else None
-        return dx, dnorm, dw, None, None, None, None, None, d_residual, None, None, None, None, None, None, None
+        return dx, dnorm, dw, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def current_weight(cache: Fp8WeightCache, weight: torch.Tensor, recipe: Fp8Recipe, backend: Fp8Backend,
@@ -242,27 +215,23 @@ def current_weight(cache: Fp8WeightCache, weight: torch.Tensor, recipe: Fp8Recip
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, recipe: Fp8Recipe,
                backend: Fp8Backend, comm: Optional[LinearComm] = None,
-               wgrad_queue: Optional[WeightGradQueue] = None, norm: Optional[InputNorm] = None,
-               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+               wgrad_queue: Optional[WeightGradQueue] = None, norm: Optional[InputNorm] = None) -> torch.Tensor:
     """`x @ weight^T` with FP8 GEMMs; x (..., K) BF16, weight (N, K). Token count M need not be a multiple of 128.
     `comm` adds the collectives of a tensor-parallel layer (output rows may then differ from input rows);
     `wgrad_queue` defers the weight-gradient GEMM (zero-bubble pipelines). `norm`: an RMSNorm to apply to x
-    first, fused into the quantization of x (callers check `fuses_norm`). `residual`: returns residual + the
-    layer's output instead (residual shaped as the output; `project_with_residual` adds it in the GEMM where it
-    can).
+    first, fused into the quantization of x (callers check `fuses_norm`).
 
     Under `torch.compile`, a layer without deferral is traced into the graph, its tensor-parallel collectives
     included (its kernels are custom ops, `megafp8.precision.fp8_ops`); it reads its quantized weight from `cache`
     once `cache.prepare` has run (eagerly, before the compiled code: `Block.forward` does). A layer that defers its
     weight gradient runs eagerly inside the compiled code."""
     if torch.compiler.is_compiling() and wgrad_queue is not None:
-        return _eager_fp8_linear(x, weight, cache, recipe, backend, comm, wgrad_queue, norm, residual)
+        return _eager_fp8_linear(x, weight, cache, recipe, backend, comm, wgrad_queue, norm)
     traced = torch.compiler.is_compiling()
     entry = current_weight(cache, weight, recipe, backend, traced)
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
-    residual = distinct_from(residual, x)
-    return _Fp8LinearFn.apply(x, norm_weight, weight, *entry.tensors(), traced_main_grad(cache, traced), residual, eps,
-                              recipe, backend_arg(backend, traced), traced, comm or LinearComm(), wgrad_queue,
+    return _Fp8LinearFn.apply(x, norm_weight, weight, *entry.tensors(), traced_main_grad(cache, traced), eps, recipe,
+                              backend_arg(backend, traced), traced, comm or LinearComm(), wgrad_queue,
                               torch.is_grad_enabled())
 
 
@@ -277,5 +246,5 @@ def fuses_norm(recipe: Fp8Recipe, comm: Optional[LinearComm], rows: int) -> bool
 @torch.compiler.disable
 def _eager_fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, recipe: Fp8Recipe,
                       backend: Fp8Backend, comm: Optional[LinearComm], wgrad_queue: Optional[WeightGradQueue],
-                      norm: Optional[InputNorm], residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return fp8_linear(x, weight, cache, recipe, backend, comm, wgrad_queue, norm, residual)
+                      norm: Optional[InputNorm]) -> torch.Tensor:
+    return fp8_linear(x, weight, cache, recipe, backend, comm, wgrad_queue, norm)

@@ -26,8 +26,8 @@ import torch
 
 from megafp8.precision.backends import Fp8Backend
 from megafp8.precision.fp8_linear import (
-    InputNorm, current_weight, dgrad_weight, distinct_from, for_dgrad, fp8_weight_gradient, layer_input_grad,
-    project_with_residual, quantize_layer_input, traced_main_grad,
+    InputNorm, current_weight, dgrad_weight, for_dgrad, fp8_weight_gradient, layer_input_grad, quantize_layer_input,
+    traced_main_grad,
 )
 from megafp8.precision.fp8_ops import backend_arg, kernels
 from megafp8.precision.linear_comm import LinearComm
@@ -49,8 +49,8 @@ class Fp8Projection:
 class _Fp8SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, w_gate_up, w_down, gu_fp8, gu_scale, gut_fp8, gut_scale, down_fp8, down_scale,
-                downt_fp8, downt_scale, main_grad_gate_up, main_grad_down, residual, eps: float, recipe: Fp8Recipe,
-                backend, traced: bool, comms: tuple, queues: tuple, grad_enabled: bool):
+                downt_fp8, downt_scale, main_grad_gate_up, main_grad_down, eps: float, recipe: Fp8Recipe, backend,
+                traced: bool, comms: tuple, queues: tuple, grad_enabled: bool):
         k = kernels(backend, traced)
         comm_in, comm_out = comms
         fmt, pow2 = recipe.fmt, recipe.power_of_two_scales
@@ -62,7 +62,7 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         # the tile maxima kept here.
         a_blocks = recipe.wgrad_input_blocks and w_down.requires_grad and grad_enabled
         a_fp8, a_scale, *a_amax = k.swiglu_quantize(gu, fmt, pow2, row_amax=a_blocks)
-        y = project_with_residual(k, a_fp8, a_scale, down_fp8, down_scale, x.dtype, comm_out, residual)
+        y = comm_out.reduce_output(k.gemm_1x128_128x128(a_fp8, a_scale, down_fp8, down_scale, x.dtype))
         fused_norm = norm_weight is not None
         ctx.save_for_backward(xt_fp8, xt_scale, gu, w_gate_up, *for_dgrad(gu_fp8, gu_scale, gut_fp8, gut_scale),
                               w_down, *for_dgrad(down_fp8, down_scale, downt_fp8, downt_scale),
@@ -71,9 +71,6 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         ctx.recipe, ctx.backend, ctx.traced, ctx.comms, ctx.queues = recipe, backend, traced, comms, queues
         ctx.kept_transposes = (gut_fp8 is not None, downt_fp8 is not None)
         ctx.in_shape = x.shape
-        ctx.has_residual = residual is not None
-        if residual is not None:
-            return y.reshape(residual.shape)
         if y.shape[0] != x2d.shape[0]:  # sequence parallelism: this rank's share of the tokens
             return y
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -100,32 +97,26 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         dw_gate_up = fp8_weight_gradient(k, w_gate_up, main_grad_gate_up, dgut_fp8, dgut_scale, xt_fp8, xt_scale,
                                          dy.dtype, queue_gate_up, ctx.traced)
         dx, dnorm = layer_input_grad(finish_dx(), x2d, norm_weight, rstd, ctx.in_shape)
-        d_residual = dy if ctx.has_residual and ctx.needs_input_grad[14] else None  # `residual + y`'s: dy itself
-        return (dx, dnorm, dw_gate_up, dw_down) + (None,) * 10 + (d_residual,) + (None,) * 7
+        return (dx, dnorm, dw_gate_up, dw_down) + (None,) * 17
 
 
 def fp8_swiglu_mlp(x: torch.Tensor, gate_up: Fp8Projection, down: Fp8Projection, recipe: Fp8Recipe,
-                   backend: Fp8Backend, norm: Optional[InputNorm] = None,
-                   residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   backend: Fp8Backend, norm: Optional[InputNorm] = None) -> torch.Tensor:
     """down(silu(gate) * up) with gate/up = gate_up(x) (or of `norm(x)`, fused), all six GEMMs in FP8 and every
     producer quantizing its own FP32 output. x (..., K); gate_up.weight (2F, K) holds [gate; up]; down.weight
-    (N, F). `residual` (shaped as the output): residual + the MLP's output, added by the down projection's GEMM
-    where it can (`project_with_residual`). Traced into a compiled graph, collectives included, where neither
-    projection has a wgrad queue."""
+    (N, F). Traced into a compiled graph, collectives included, where neither projection has a wgrad queue."""
     compiling = torch.compiler.is_compiling()
     if compiling and (gate_up.queue is not None or down.queue is not None):
-        return _eager_fp8_swiglu_mlp(x, gate_up, down, recipe, backend, norm, residual)
+        return _eager_fp8_swiglu_mlp(x, gate_up, down, recipe, backend, norm)
     entries = [current_weight(p.cache, p.weight, recipe, backend, compiling) for p in (gate_up, down)]
     norm_weight, eps = (norm.weight, norm.eps) if norm is not None else (None, 0.0)
-    residual = distinct_from(residual, x)
     return _Fp8SwiGLUFn.apply(x, norm_weight, gate_up.weight, down.weight, *entries[0].tensors(),
                               *entries[1].tensors(), traced_main_grad(gate_up.cache, compiling),
-                              traced_main_grad(down.cache, compiling), residual, eps, recipe,
-                              backend_arg(backend, compiling),
+                              traced_main_grad(down.cache, compiling), eps, recipe, backend_arg(backend, compiling),
                               compiling, (gate_up.comm, down.comm), (gate_up.queue, down.queue),
                               torch.is_grad_enabled())
 
 
 @torch.compiler.disable  # deferred weight gradients run eagerly inside compiled code
-def _eager_fp8_swiglu_mlp(x, gate_up, down, recipe, backend, norm, residual=None):
-    return fp8_swiglu_mlp(x, gate_up, down, recipe, backend, norm, residual)
+def _eager_fp8_swiglu_mlp(x, gate_up, down, recipe, backend, norm):
+    return fp8_swiglu_mlp(x, gate_up, down, recipe, backend, norm)

@@ -164,17 +164,6 @@ gemm_1x128_128x128 = _gemm_op("gemm_1x128_128x128")
 gemm_1x128_1x128 = _gemm_op("gemm_1x128_1x128")
 
 
-@torch.library.custom_op("megafp8::gemm_1x128_128x128_add", mutates_args=())
-def gemm_1x128_128x128_add(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                           residual: torch.Tensor, backend: str) -> torch.Tensor:
-    return _backend(backend).gemm_1x128_128x128_add(a, a_scale, b, b_scale, residual)
-
-
-@gemm_1x128_128x128_add.register_fake
-def _(a, a_scale, b, b_scale, residual, backend):
-    return a.new_empty(a.shape[0], b.shape[0], dtype=residual.dtype)
-
-
 # The one op that writes into a tensor it was given: a weight gradient added into (a private alias of) the weight's
 # FP32 `main_grad` (`Fp8WeightCache.main_grad_alias`). Declaring the mutation keeps the op in the graph and in order.
 @torch.library.custom_op("megafp8::gemm_1x128_1x128_accumulate_", mutates_args=("out",))
@@ -297,9 +286,6 @@ class TracedKernels:
 
     def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype: torch.dtype):
         return gemm_1x128_1x128(a, a_scale, b, b_scale, out_dtype, self.backend)
-
-    def gemm_1x128_128x128_add(self, a, a_scale, b, b_scale, residual: torch.Tensor):
-        return gemm_1x128_128x128_add(a, a_scale, b, b_scale, residual, self.backend)
 
     def gemm_1x128_1x128_accumulate_(self, out, a, a_scale, b, b_scale) -> None:
         gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale, self.backend)

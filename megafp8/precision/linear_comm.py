@@ -33,10 +33,6 @@ class LinearComm:
         features only (xt_fp8 and xt_scale None: no weight gradient to compute)."""
         return x_fp8, x_scale, xt_fp8, xt_scale
 
-    # Whether `reduce_output` changes the GEMM's output (sums partial products over ranks). Where it does not, a
-    # residual added to the layer's output can be added by the GEMM itself (`project_with_residual`).
-    reduces_output: bool = False
-
     def reduce_output(self, y2d: torch.Tensor) -> torch.Tensor:
         """The GEMM's output -> the layer's output (e.g. summed over ranks that split K)."""
         return y2d

@@ -46,17 +46,6 @@ class HopperBackend(CublasBackend):
         return ws_gemm(a, a_scale, b, self.block_scales_nk(b_scale), c, b_blockwise=True, block_n=block_n,
                        interleave_ffma=self.interleave_ffma and block_n == 256)
 
-    def gemm_1x128_128x128_add(self, a, a_scale, b, b_scale, residual):
-        """The residual added by the warp-specialized kernel's epilogue, read by TMA during the K loop (the same
-        bits as the GEMM followed by `residual + y`; one pass over three tensors less), where `residual_fits`."""
-        from megafp8.precision.kernels.ws_gemm import residual_fits, ws_gemm
-        c = torch.empty(a.shape[0], b.shape[0], dtype=residual.dtype, device=a.device)
-        if not residual_fits(residual, c):
-            return super().gemm_1x128_128x128_add(a, a_scale, b, b_scale, residual)
-        block_n = _tile_width(b.shape[0])
-        return ws_gemm(a, a_scale, b, self.block_scales_nk(b_scale), c, b_blockwise=True, block_n=block_n,
-                       interleave_ffma=self.interleave_ffma and block_n == 256, residual=residual)
-
     def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype):
         if not self._x_in_blocks(b, b_scale):
             return super().gemm_1x128_1x128(a, a_scale, b, b_scale, out_dtype)

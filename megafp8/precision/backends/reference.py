@@ -180,13 +180,6 @@ class Fp8Backend:
         a32 = ref.dequantize_1x128(a, a_scale)
         return (a32 @ ref.dequantize_128x128(b, b_scale).t()).to(out_dtype)
 
-    def gemm_1x128_128x128_add(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                               residual: torch.Tensor) -> torch.Tensor:
-        """residual + `gemm_1x128_128x128` (written in residual's dtype): the product rounded to that dtype, then
-        added in FP32 and rounded again, the bits of `residual + y` (a residual connection after a projection).
-        Backends whose GEMM adds the residual in its epilogue override it."""
-        return residual + self.gemm_1x128_128x128(a, a_scale, b, b_scale, residual.dtype)
-
     def gemm_1x128_1x128(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                          out_dtype: torch.dtype) -> torch.Tensor:
         """A (M, K) @ B (N, K)^T, both in 1x128 tiles along K (the weight gradient's GEMM; B, the input x^T, in

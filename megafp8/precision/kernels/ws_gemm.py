@@ -195,17 +195,11 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _write_by_tma(c_desc, c_buf, acc, row, col, ADD: gl.constexpr, RESIDUAL: gl.constexpr):
+def _write_by_tma(c_desc, c_buf, acc, row, col, ADD: gl.constexpr):
     """Hand a consumer's 64 x 128 piece of the output tile to the TMA engine through shared memory, stored or (ADD)
     added into C: the consumer goes on to its next tile while the copy runs (its buffer is reused only after
-    `tma.store_wait`). TMA clips rows and columns past C's edges. With RESIDUAL the buffer holds the residual's
-    piece (`_prefetch_residual`), and what is stored is residual + the product rounded to C's type, added in FP32
-    and rounded again: the bits of `residual + y` after a GEMM that writes y (each thread reads and overwrites
-    the same elements of the buffer, so no barrier is needed between)."""
-    out = acc.to(c_desc.dtype)
-    if RESIDUAL:
-        out = (out.to(gl.float32) + c_buf.load(acc.type.layout).to(gl.float32)).to(c_desc.dtype)
-    c_buf.store(out)
+    `tma.store_wait`). TMA clips rows and columns past C's edges."""
+    c_buf.store(acc.to(c_desc.dtype))
     fence_async_shared()
     if ADD:
         _tma_reduce_add(c_desc, [row, col], c_buf)
@@ -214,28 +208,14 @@ def _write_by_tma(c_desc, c_buf, acc, row, col, ADD: gl.constexpr, RESIDUAL: gl.
 
 
 @gluon.jit
-def _prefetch_residual(r_desc, c_bufs, bar, row, col, first: gl.constexpr, NB: gl.constexpr):
-    """TMA loads of the residual's pieces of this consumer's output tile (rows `row`.., columns `col`.., one 64 x 128
-    piece per slice) into its epilogue buffers `first`.., on `bar`. Called once the last tile's stores have had a
-    K step to leave those buffers (`tma.store_wait`), so the loads run under this tile's MMAs."""
-    tma.store_wait(pendings=0)
-    mbarrier.expect(bar, NB * r_desc.block_type.nbytes)
-    for h in gl.static_range(NB):
-        tma.async_copy_global_to_shared(r_desc, [row, col + h * TILE], bar, c_bufs.index(first + h))
-
-
-@gluon.jit
-def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, r_desc, r_bars, c_ptr, bs_ptr, M, N,
-              K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
-              stride_bs_n, stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
+def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
+              stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
               B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr,
-              RESIDUAL: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
     wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator. The stage is released once its
-    last wgmma has completed and its scales are read, before the last slice's promotion. With RESIDUAL (dense, TMA
-    stores, one buffer a slice) the residual's pieces of the tile arrive in the epilogue buffers during the K loop
-    and are added in the epilogue."""
+    last wgmma has completed and its scales are read, before the last slice's promotion."""
     NB: gl.constexpr = BLOCK_N // TILE
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, TILE, 32])
@@ -243,7 +223,6 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, r_
     col_layout: gl.constexpr = gl.SliceLayout(0, layout)
     t = gl.zeros([HALF_M, TILE], gl.float32, layout)
     counter = 0
-    tiles_done = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
             tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_N,
@@ -272,38 +251,30 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, r_
                 mbarrier.arrive(empty.index(s), count=1)
                 acc0 = acc0 + scaled
             counter += 1
-            if RESIDUAL:
-                if kb == 0:  # (K steps after the first: the residual's loads are in flight)
-                    _prefetch_residual(r_desc, c_bufs, r_bars.index(HALF), off_m + HALF * HALF_M, off_n,
-                                       C_BUFS * HALF, NB)
         if TMA_STORE:  # this consumer's buffers were last handed to TMA a whole tile ago
             row = group * M + off_m + HALF * HALF_M if GROUPED_K else off_m + HALF * HALF_M  # C as (E * M, N)
             tma.store_wait(pendings=0)
-            if RESIDUAL:
-                mbarrier.wait(r_bars.index(HALF), tiles_done & 1)
-            _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF), acc0, row, off_n, ACCUMULATE, RESIDUAL)
+            _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF), acc0, row, off_n, ACCUMULATE)
             if NB == 2:
                 if C_BUFS == 1:  # one buffer a consumer (FP32 slices): the first slice must have left it
                     tma.store_wait(pendings=0)
-                _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF + C_BUFS - 1), acc1, row, off_n + TILE, ACCUMULATE,
-                              RESIDUAL)
+                _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF + C_BUFS - 1), acc1, row, off_n + TILE, ACCUMULATE)
         else:
             rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
             cols = off_n + gl.arange(0, TILE, layout=col_layout)
             _write(c_ptr, acc0, rows, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE)
             if NB == 2:
                 _write(c_ptr, acc1, rows, cols + TILE, M, N, group, stride_ce, stride_cm, ACCUMULATE)
-        tiles_done += 1
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, r_desc, c_ptr, bs_ptr, tile_expert_ptr, k_start_ptr,
+def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, tile_expert_ptr, k_start_ptr,
                     k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
                     stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
                     ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr, RESIDUAL: gl.constexpr):
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
@@ -319,25 +290,19 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, r_desc, c_ptr, bs_
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
-    if RESIDUAL:  # each consumer's residual loads
-        r_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(r_bars.index(i), count=1)
-    else:  # (unused)
-        r_bars = ready
     num_tiles = gl.cdiv(M, TILE) * gl.cdiv(N, BLOCK_N)
     if GROUPED_K:
         num_tiles = num_tiles * num_groups
     # (No starred arguments in Gluon: every partition's arguments are spelled out.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, r_desc, r_bars, c_ptr, bs_ptr,
-                     M, N, K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm,
-                     stride_bs_e, stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE,
-                     TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE, RESIDUAL)),
-        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, r_desc, r_bars, c_ptr, bs_ptr,
-                     M, N, K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm,
-                     stride_bs_e, stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE,
-                     TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE, RESIDUAL)),
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+                     stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
+                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+                     stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
+                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
                      K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
                      B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
@@ -422,19 +387,11 @@ def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int, accumulate: bool
     return c.dim() == 2
 
 
-def residual_fits(residual: torch.Tensor, c: torch.Tensor) -> bool:
-    """Whether the epilogue can add `residual` into the dense output `c` (`ws_gemm(residual=...)`): both BF16 (one
-    epilogue buffer a 128-column slice, which the residual's piece arrives in), the same shape, and the residual's
-    rows addressable by TMA as C's are (`tma_store_fits`)."""
-    return (c.dtype == residual.dtype == torch.bfloat16 and residual.shape == c.shape
-            and tma_store_fits(residual, False, residual.shape[0]) and tma_store_fits(c, False, c.shape[0]))
-
-
 def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, c: torch.Tensor, *,
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
             block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None,
-            interleave_ffma: bool = False, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+            interleave_ffma: bool = False) -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
@@ -444,10 +401,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     through shared memory by TMA (stored, or added by TMA's reduction), overlapping the next tile's MMAs (None:
     wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there).
     `interleave_ffma` (256-wide tiles): the promotion's FFMA runs interleaved in the cubin, so the warp scheduler
-    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits). `residual` (dense,
-    BF16 C stored by TMA; `residual_fits`): C = residual + A @ B^T, the product rounded to C's type and then added
-    in FP32, as `residual + y` would (the residual's tiles are read by TMA during the K loop: no separate pass over
-    three tensors)."""
+    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
@@ -461,9 +415,6 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     if tma_store is None:
         tma_store = fits
     assert fits or not tma_store, "this output cannot be stored by TMA (tma_store_fits)"
-    if residual is not None:
-        assert tma_store and residual_fits(residual, c) and tile_expert is None and not grouped_k, \
-            "a residual needs a dense BF16 C stored by TMA and a residual TMA can read (residual_fits)"
     num_groups = k_start.shape[0] if grouped_k else 1
     num_tiles = -(-m // _T) * -(-n // block_n) * num_groups
     if num_tiles == 0:
@@ -480,15 +431,14 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     c_rows = c.shape[0] if c.dim() == 2 else c.shape[0] * m
     c_desc = _descriptor(c.as_strided((c_rows, n), (c.stride(-2), 1)), (_H, _T)) if tma_store else a_desc
     c_bufs = epilogue_buffers(c, block_n) if tma_store else 0  # per consumer, each 64 x 128 elements of C
-    r_desc = _descriptor(residual, (_H, _T)) if residual is not None else c_desc
-    args = (a_desc, _descriptor(b, (_T, _T)), as_desc, bs_desc, c_desc, r_desc, c, b_scale,
+    args = (a_desc, _descriptor(b, (_T, _T)), as_desc, bs_desc, c_desc, c, b_scale,
             tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
             k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
             c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k)
     options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise,
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
-                   INTERLEAVE=interleave_ffma, RESIDUAL=residual is not None, num_warps=4, maxnreg=_MAXNREG)
+                   INTERLEAVE=interleave_ffma, num_warps=4, maxnreg=_MAXNREG)
     # (the interleaved variant is compiled, the first time, with the cubin pass installed)
     _LAUNCH.launch(grid, args, options, compiling=functools.partial(patching_ffma, INTERLEAVE_MARKER)
                    if interleave_ffma else None)
