@@ -294,50 +294,6 @@ def test_fp8_linear_compiles_into_the_graph_with_the_eager_bits(fused_norm):
     assert torch._dynamo.explain(deferred)(x0.clone().requires_grad_(True), w).graph_break_count > 0
 
 
-def test_a_compiled_fused_norm_takes_its_inverse_rms_from_the_graph():
-    """Compiled, the fused norm's inverse RMS is plain torch in the forward graph, computed from the residual add that
-    makes the norm's input, and handed to the norm's quantizer op: so Inductor can sum the squares in the kernel that
-    does the add, instead of the op reading h once more for them. Eager bits are kept (aot_eager runs the graph's
-    ops as ATen runs them eagerly); the gradient flows once through rstd (no second path outside the op)."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-
-    torch.manual_seed(0)
-    w = torch.nn.Parameter((torch.randn(384, 256) * 0.05).to(torch.bfloat16))
-    x0, r0 = torch.randn(2, 100, 256).to(torch.bfloat16), torch.randn(2, 100, 256).to(torch.bfloat16)
-    linear = _norm_then_fp8(Fp8Recipe(backend="reference"), fused_norm=True)
-
-    def f(x, w):
-        return linear(x + r0, w)  # the residual stream's add, then the fused norm + FP8 linear
-
-    forward_graphs = []
-
-    def capture(graph, inputs):
-        forward_graphs.append(graph)
-        return make_boxed_func(graph.forward)
-
-    eager = _loss_and_grads(f, x0, w)
-    torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=capture, bw_compiler=lambda graph, inputs: make_boxed_func(graph.forward))
-    compiled = _loss_and_grads(torch.compile(f, backend=backend), x0, w)
-    for a, b in zip(eager, compiled):
-        assert torch.equal(a, b)
-    norm_ops = [n for g in forward_graphs for n in g.graph.nodes if n.target is torch.ops.megafp8.rmsnorm_quantize.default]
-    assert len(norm_ops) == 1
-    h, _, rstd = norm_ops[0].args[:3]
-    assert rstd.target is torch.ops.aten.rsqrt.default
-
-    def adds_above(node):  # the residual adds that `node` is computed from
-        seen, todo = set(), [node]
-        while todo:
-            n = todo.pop()
-            seen.add(n)
-            todo.extend(a for a in n.all_input_nodes if a not in seen)
-        return {n for n in seen if n.target is torch.ops.aten.add.Tensor}
-
-    assert adds_above(h) and adds_above(h) <= adds_above(rstd)  # h's producer feeds the reduction in the graph
-
-
 @pytest.mark.parametrize("fused_norm", [False, True], ids=["norm-then-linear", "fused-norm"])
 def test_a_linear_keeping_no_weight_transpose_gives_the_same_bits_eagerly_and_compiled(fused_norm):
     """A cache without w^T (`precision.fp8_keep_weight_transpose: false`): dgrad's w^T is made in backward, by an op

@@ -138,9 +138,7 @@ def test_fp8_health_observes_the_projection_unfused(tiny_overrides):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_on_the_gpu_the_fused_projection_matches_its_unfused_self(compiled):
     """The fused kernel on the GPU backend (`auto`), eagerly and compiled by Inductor: forward bit for bit the
-    unfused (eager) layer's, gradients within FP8 noise of it (3%), as on the CPU. Compiled, the norm's inverse RMS
-    is Inductor's (`fp8_ops.TracedKernels.rmsnorm_quantize`), a few FP32 ULPs from our kernel's: the forward within
-    1e-3 then."""
+    unfused layer's, gradients within FP8 noise of it (3%), as on the CPU."""
     layer, norm, rope, x, grads, rotary = _layer_and_inputs()
     layer, norm, rope = layer.cuda(), norm.cuda(), rope.cuda()
     x, grads = x.cuda(), [g.cuda() for g in grads]
@@ -152,10 +150,7 @@ def test_on_the_gpu_the_fused_projection_matches_its_unfused_self(compiled):
     fused_out, fused = _run(fused_fn, layer, norm, x, grads)
     plain_out, plain = _run(lambda t: _unfused(layer, norm, rope, t, rotary), layer, norm, x, grads)
     for got, want in zip(fused_out, plain_out):
-        if compiled:
-            assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-3
-        else:
-            assert torch.equal(got, want)
+        assert torch.equal(got, want)
     assert all(t.untyped_storage().nbytes() == t.nbytes for t in fused_out)
     for got, want, what in zip(fused, plain, ("dx", "d norm weight", "dw")):
         err = float((got.float() - want.float()).norm() / want.float().norm())

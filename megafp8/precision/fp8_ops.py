@@ -13,7 +13,6 @@ from typing import Optional, Union
 
 import torch
 
-from megafp8.precision import producers
 from megafp8.precision.backends import Fp8Backend, QuantizedWeight, backend_by_name
 from megafp8.precision.expert_layout import ExpertRows
 from megafp8.precision.formats import FORMATS, TILE, Fp8Format
@@ -59,18 +58,16 @@ def _(x, fmt, pow2, backend, cols_in_blocks=False):
     return _fake_rows_cols(*x.shape, fmt, x, cols_in_blocks)
 
 
-# RMSNorm's tiles given its inverse RMS `rstd`, which the traced graph computes in plain torch
-# (`TracedKernels.rmsnorm_quantize`): Inductor then fuses that reduction into the kernel that produces h (the residual
-# add), instead of our kernel reading h once more for it.
 @torch.library.custom_op("megafp8::rmsnorm_quantize", mutates_args=())
-def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, fmt: str, pow2: bool, backend: str,
-                     cols_in_blocks: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backend(backend).rmsnorm_quantize(h, weight, 0.0, FORMATS[fmt], pow2, cols_in_blocks, rstd=rstd)[:4]
+def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str, pow2: bool, backend: str,
+                     cols_in_blocks: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backend(backend).rmsnorm_quantize(h, weight, eps, FORMATS[fmt], pow2, cols_in_blocks)
 
 
 @rmsnorm_quantize.register_fake
-def _(h, weight, rstd, fmt, pow2, backend, cols_in_blocks=False):
-    return _fake_rows_cols(*h.shape, fmt, h, cols_in_blocks)
+def _(h, weight, eps, fmt, pow2, backend, cols_in_blocks=False):
+    return (*_fake_rows_cols(*h.shape, fmt, h, cols_in_blocks), h.new_empty(h.shape[0], dtype=torch.float32))
 
 
 @torch.library.custom_op("megafp8::swiglu_quantize", mutates_args=())
@@ -266,11 +263,7 @@ class TracedKernels:
 
     def rmsnorm_quantize(self, h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format, pow2: bool,
                          cols_in_blocks: bool = False):
-        """As the backends' method; the inverse RMS in plain torch (the reference's own formula), where Inductor
-        fuses it with h's producer: in a compiled block, the residual add that makes h also sums its squares
-        (one read of h fewer than our kernel computing it; the same arithmetic to within the reduction's order)."""
-        rstd = producers.rms_inverse(h, eps)
-        return (*rmsnorm_quantize(h, weight, rstd, fmt.name, pow2, self.backend, cols_in_blocks), rstd)
+        return rmsnorm_quantize(h, weight, eps, fmt.name, pow2, self.backend, cols_in_blocks)
 
     def swiglu_quantize(self, gu: torch.Tensor, fmt: Fp8Format, pow2: bool, row_amax: bool = False):
         if row_amax:

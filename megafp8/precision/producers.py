@@ -35,8 +35,7 @@ def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8
     in 128x128 blocks with `cols_in_blocks` (`quantize_rows_cols`).
 
     The normalized row is (h * rstd) * weight in FP32, in that order (F.rms_norm's). `rstd` (M,), if given,
-    replaces the computed one: a compiled graph passes the one it computed where h was produced, and a test
-    passes a kernel's own rstd to check the rest of its arithmetic bit for bit."""
+    replaces the computed one: a test passes a kernel's own rstd to check the rest of its arithmetic bit for bit."""
     if rstd is None:
         rstd = rms_inverse(h, eps)
     y32 = h.float() * rstd.unsqueeze(-1) * weight.float()

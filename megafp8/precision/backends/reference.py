@@ -98,12 +98,9 @@ class Fp8Backend:
         return ref.quantize_rows_cols(x, fmt, power_of_two)
 
     def rmsnorm_quantize(self, h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format,
-                         power_of_two: bool, cols_in_blocks: bool = False,
-                         rstd: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
-        """RMSNorm quantized from FP32: `producers.rmsnorm_quantize` (the last output is rstd (M,)). Given `rstd`
-        (M,) FP32, the rows' inverse RMS computed elsewhere (a compiled graph fuses it with h's producer), that one
-        is used and returned, and `eps` is not read."""
-        return producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two, rstd=rstd, cols_in_blocks=cols_in_blocks)
+                         power_of_two: bool, cols_in_blocks: bool = False) -> tuple[torch.Tensor, ...]:
+        """RMSNorm quantized from FP32: `producers.rmsnorm_quantize` (the last output is rstd (M,))."""
+        return producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two, cols_in_blocks=cols_in_blocks)
 
     def swiglu_quantize(self, gu: torch.Tensor, fmt: Fp8Format, power_of_two: bool,
                         row_amax: bool = False) -> tuple[torch.Tensor, ...]:

@@ -55,8 +55,8 @@ class TritonBackend(Fp8Backend):
     def gather_scale_quantize_rows_cols(self, source, index, factor, fmt, power_of_two):
         return self.quantizers.gather_scale_quantize_rows_cols(source, index, factor, fmt, power_of_two)
 
-    def rmsnorm_quantize(self, h, weight, eps, fmt, power_of_two, cols_in_blocks=False, rstd=None):
-        return self.producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two, cols_in_blocks, rstd)
+    def rmsnorm_quantize(self, h, weight, eps, fmt, power_of_two, cols_in_blocks=False):
+        return self.producers.rmsnorm_quantize(h, weight, eps, fmt, power_of_two, cols_in_blocks)
 
     def swiglu_quantize(self, gu, fmt, power_of_two, row_amax=False):
         return self.producers.swiglu_quantize(gu, fmt, power_of_two, row_amax)

@@ -131,26 +131,18 @@ _RMS_INVERSE = FastLaunch(_rms_inverse_kernel)  # Triton's JIT once per static s
 
 
 def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: Fp8Format,
-                     power_of_two: bool, cols_in_blocks: bool = False,
-                     rstd: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+                     power_of_two: bool, cols_in_blocks: bool = False) -> tuple[torch.Tensor, ...]:
     """RMSNorm of h (M, K) -> (x_fp8, scales, xt_fp8, scales_t, rstd (M,) FP32): the rows' inverse RMS first (one
     read of h), then every 128x128 tile normalized and quantized both ways (a second read, the only write); x^T
-    in 128x128 blocks with `cols_in_blocks` (`quantize.quantize_rows_cols`). A given `rstd` (M,) FP32 replaces
-    the first pass (a compiled graph computes it where h is produced) and is returned as it is."""
+    in 128x128 blocks with `cols_in_blocks` (`quantize.quantize_rows_cols`)."""
     assert h.stride(1) == 1 and weight.is_contiguous(), "rmsnorm_quantize needs a row-major input"
     m, k = h.shape
-    given = rstd is not None
-    if given:
-        assert rstd.shape == (m,) and rstd.dtype == torch.float32 and rstd.stride() == (1,), \
-            f"rmsnorm_quantize: rstd must be ({m},) FP32 and contiguous, not {tuple(rstd.shape)} {rstd.dtype}"
-    else:
-        rstd = torch.empty(m, dtype=torch.float32, device=h.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=h.device)
     out = tiles.rows_cols_outputs(m, k, fmt, h.device, cols_in_blocks)
     check_offsets("rmsnorm_quantize", h, *out)
     if m:
-        if not given:
-            _RMS_INVERSE.launch((triton.cdiv(m, RMS_BLOCK_M),), (h, rstd, m, eps, h.stride(0)),
-                                dict(K=k, BLOCK_M=RMS_BLOCK_M, num_warps=RMS_WARPS))
+        _RMS_INVERSE.launch((triton.cdiv(m, RMS_BLOCK_M),), (h, rstd, m, eps, h.stride(0)),
+                            dict(K=k, BLOCK_M=RMS_BLOCK_M, num_warps=RMS_WARPS))
         quantize.launch_rows_cols(h, rstd, weight, out, fmt, power_of_two, cols_in_blocks=cols_in_blocks)
     return (*out, rstd)
 
