@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,24 +38,12 @@ from megafp8.parallel import (
     local_piece,
     tp_shard_of,
 )
-from megafp8.optim.fused_update import adamw_update_, adamw_update_quantize_, bias_corrections, fused_update_reason
+from megafp8.optim.fused_update import adamw_update_, bias_corrections, fused_update_reason
 from megafp8.parallel.flat import all_gather_flat
 from megafp8.parallel.grad_buckets import Bucket
 from megafp8.parallel.sharding import Placed, placed_param
-from megafp8.precision import Fp8WeightCache
-from megafp8.precision.weight_cache import WeightQuantizeTarget
 
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class QuantizedWeightLayer(Protocol):
-    """A layer whose weight has an FP8 cache (`megafp8.precision.GemmLayer`); the cache is read at each step (a
-    recipe change replaces it)."""
-
-    weight: nn.Parameter
-    fp8_cache: Optional[Fp8WeightCache]
-
-
 # Runs after every step with the step's `applied` flag (a 0-d bool device tensor; None: applied unconditionally).
 StepHook = Callable[[Optional[torch.Tensor]], None]
 
@@ -90,7 +78,6 @@ class DistributedAdamW:
         self._skipped: torch.Tensor | None = None  # steps skipped on the device since the last settle
         self._clip_coef: torch.Tensor | None = None  # the last clipping scale, for the fused update to apply
         self._post_step_hooks: list[StepHook] = []
-        self._quantized_layers: dict[int, QuantizedWeightLayer] = {}  # by id of the weight
         moment_dtype = MOMENT_DTYPES[cfg.moment_dtype]
         self.shards: list[_Shard] = []
         for bucket in buckets.buckets:
@@ -203,19 +190,16 @@ class DistributedAdamW:
         fp32_moments = [s.exp_avg.dtype == torch.float32 for s in self.shards]
         fused = self._fused_update_shards()
         coef, self._clip_coef = self._clip_coef, None
-        quantized: list[tuple[nn.Parameter, Fp8WeightCache]] = []  # weights whose update quantized them
         if fused:
             corrections = self._bias_corrections(self.shards[0].master.device)
             for shard in self.shards:
                 if id(shard) in fused:
-                    quantized += self._fused_update(shard, lr, corrections, coef, skip)
+                    self._fused_update(shard, lr, corrections, coef, skip)
         self._fused_step([s for s, fp32 in zip(self.shards, fp32_moments) if fp32 and id(s) not in fused], lr, skip)
         for shard, fp32 in zip(self.shards, fp32_moments):
             if not fp32 and id(shard) not in fused:
                 self._step_shard(shard, lr, apply)
         self._publish(written=fused)
-        for weight, cache in quantized:  # after `_publish` bumped the weights' versions
-            cache.mark_current(weight)
         self._run_post_step_hooks(apply)
 
     def skip_step(self) -> None:
@@ -224,14 +208,6 @@ class DistributedAdamW:
         step)."""
         self._clip_coef = None  # belongs to this step's gradients, which the next step will not see
         self._run_post_step_hooks(torch.zeros((), dtype=torch.bool, device=self.shards[0].master.device))
-
-    def quantize_weights_in_update(self, layers: Iterable[QuantizedWeightLayer]) -> None:
-        """Let the fused update (`optimizer.fused_update` on CUDA) quantize these layers' FP8 weights as it writes
-        them: for each weight whose range lies in this rank's shard and whose cache has been filled by a backend
-        with the Triton weight quantizer, one kernel updates the weight and fills its cache for the next forward,
-        which then does not pass over the weight again (the same bits: the standalone quantizer's code on the
-        weight just written). Other weights are quantized by their first forward after the step, as before."""
-        self._quantized_layers = {id(layer.weight): layer for layer in layers}
 
     def register_step_post_hook(self, hook: StepHook) -> None:
         """Run `hook(applied)` after every step, skipped ones included (`applied` False on the device then)."""
@@ -283,41 +259,14 @@ class DistributedAdamW:
         return bias_corrections(self._betas, self._device_step_count(device))
 
     def _fused_update(self, shard: _Shard, lr: float, corrections: torch.Tensor, coef: torch.Tensor | None,
-                      skip: torch.Tensor | None) -> list[tuple[nn.Parameter, Fp8WeightCache]]:
+                      skip: torch.Tensor | None) -> None:
         """One kernel: the clipping scale, AdamW (torch's fused kernel's arithmetic) and the updated master cast
-        into the model's weights (this rank's range of the bucket), which `_publish` then leaves as they are; over
-        the FP8 weights `quantize_weights_in_update` named, its blocked twin that also quantizes them. Returns
-        those weights with their caches, to be marked current once published."""
+        into the model's weights (this rank's range of the bucket), which `_publish` then leaves as they are."""
         c = self.cfg
         own = shard.bucket.params_flat[shard.start : shard.end]
-        ranges = (shard.master, self.buckets.shard_grads(shard.bucket), shard.exp_avg, shard.exp_avg_sq, own)
-        decay_end = shard.decay_end if c.weight_decay != 0 else 0
-        hyper = dict(corrections=corrections, lr=lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
-                     weight_decay=c.weight_decay, coef=coef, skip=skip)
-        weights = self._quantize_targets(shard, decay_end)
-        for lo, hi in _complement([(lo, hi) for lo, hi, *_ in weights], own.numel()):
-            adamw_update_(*(t[lo:hi] for t in ranges), decay_end=decay_end - lo, **hyper)
-        for lo, hi, weight, _, target in weights:
-            pieces = [t[lo:hi] for t in ranges]
-            pieces[-1] = pieces[-1].view(weight.shape)
-            adamw_update_quantize_(*pieces, target=target, decay=hi <= decay_end, **hyper)
-        return [(weight, cache) for _, _, weight, cache, _ in weights]
-
-    def _quantize_targets(self, shard: _Shard, decay_end: int
-                          ) -> list[tuple[int, int, nn.Parameter, Fp8WeightCache, WeightQuantizeTarget]]:
-        """(lo, hi) within the shard, weight, cache and quantization target of each weight of this shard that the
-        update quantizes: named by `quantize_weights_in_update`, wholly in the shard, all decayed or none, its
-        cache filled by the Triton weight quantizer at the weight's shape."""
-        found = []
-        for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
-            cache = getattr(self._quantized_layers.get(id(p)), "fp8_cache", None)
-            lo, hi = offset - shard.start, offset - shard.start + p.numel()
-            if cache is None or lo < 0 or hi > shard.end - shard.start or lo < decay_end < hi:
-                continue
-            target = cache.update_target()
-            if target is not None and tuple(target.q.shape) == tuple(p.shape):
-                found.append((lo, hi, p, cache, target))
-        return found
+        adamw_update_(shard.master, self.buckets.shard_grads(shard.bucket), shard.exp_avg, shard.exp_avg_sq, own,
+                      shard.decay_end if c.weight_decay != 0 else 0, corrections, lr, c.beta1, c.beta2, c.eps,
+                      c.weight_decay, coef=coef, skip=skip)
 
     def _step_shard(self, shard: _Shard, lr: float, apply: torch.Tensor | None) -> None:
         """BF16 moments without the fused update (off the GPU, or `optimizer.fused_update: false`): the update in

@@ -30,17 +30,50 @@ from typing import Optional
 
 import torch
 
-from megafp8.precision.formats import TILE
-from megafp8.precision.weight_cache import WeightQuantizeTarget
-
 _BLOCK = 1024
-_ROWS = 16  # rows of a weight's 128x128 block updated at a time (16 x 128 elements a tensor, 8 a thread)
-_WARPS = 8  # 8 elements a thread a tensor: the flat kernel's
 
 
-def _kernels():
-    from megafp8.optim import update_kernels  # Triton: imported on first use
-    return update_kernels
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw_update_kernel(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, coef_ptr, skip_ptr,
+                            corrections_ptr, n, decay_end, lr: tl.float32, neg_lr_weight_decay: tl.float32,
+                            beta1: tl.float32, beta2: tl.float32, eps: tl.float32, HAS_COEF: tl.constexpr,
+                            HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        param = tl.load(master_ptr + offs, mask=mask, other=0.0)
+        skipped = False
+        if HAS_SKIP:  # callers pass 0.0 or 1.0 (torch's found_inf skips at exactly 1.0)
+            skipped = tl.load(skip_ptr) != 0
+        if not skipped:
+            grad = tl.load(grad_ptr + offs, mask=mask, other=0.0)
+            if HAS_COEF:
+                grad = grad * tl.load(coef_ptr)  # as `_foreach_mul_(grads, coef)`
+            # FP32 moments, or BF16 ones widened (exactly) to FP32
+            exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            # param -= lr * weight_decay * param, contracted as nvcc does; only where the shard decays (torch skips
+            # it at zero decay, where it would turn -0.0 into 0.0 and inf into nan). The negated product comes from
+            # the host: Triton negates as 0 - x, which would give +0.0 for lr = 0 where torch has -0.0.
+            param = tl.where(offs < decay_end, tl.fma(neg_lr_weight_decay, param, param), param)
+            exp_avg = tl.fma(beta1, exp_avg, tl.fma(-beta1, grad, grad))
+            grad_sq = grad * grad
+            exp_avg_sq = tl.fma(beta2, exp_avg_sq, tl.fma(-beta2, grad_sq, grad_sq))
+            step_size = tl.math.div_rn(lr, tl.load(corrections_ptr))
+            bias_correction2_sqrt = tl.sqrt_rn(tl.load(corrections_ptr + 1))
+            denom = tl.math.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
+            param = param - tl.math.div_rn(step_size * exp_avg, denom)
+            tl.store(master_ptr + offs, param, mask=mask)
+            # BF16 moments are rounded (to nearest) only when stored: this step's update used them in FP32
+            tl.store(exp_avg_ptr + offs, exp_avg.to(exp_avg_ptr.dtype.element_ty), mask=mask)
+            tl.store(exp_avg_sq_ptr + offs, exp_avg_sq.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offs, param.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return adamw_update_kernel
 
 
 @functools.cache  # asked at every clip and step
@@ -83,41 +116,11 @@ def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     assert corrections.dtype == torch.float32 and corrections.numel() == 2, "adamw_update_: corrections"
     if n == 0:
         return
-    _kernels().adamw_update_kernel[(-(-n // _BLOCK),)](
+    _kernel()[(-(-n // _BLOCK),)](
         master, grad, exp_avg, exp_avg_sq, out, coef if coef is not None else master,
         skip if skip is not None else master, corrections, n, min(max(decay_end, 0), n), lr,
         -(_fp32(lr) * _fp32(weight_decay)), beta1, beta2, eps, HAS_COEF=coef is not None, HAS_SKIP=skip is not None,
         BLOCK=_BLOCK)
-
-
-def adamw_update_quantize_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                           out: torch.Tensor, target: WeightQuantizeTarget, decay: bool, corrections: torch.Tensor,
-                           lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                           coef: Optional[torch.Tensor] = None, skip: Optional[torch.Tensor] = None) -> None:
-    """`adamw_update_` over one weight's range (flat, `out` viewing the weight, (N, K) or stacked experts (E, N, K)),
-    decayed if `decay`, which then quantizes the weight's new values in 128x128 blocks into `target` as the
-    standalone weight quantizer would (the same code on the same values: the same bits)."""
-    shape = out.shape
-    *lead, n, k = shape
-    experts = lead[0] if lead else 1
-    assert len(lead) <= 1 and n % TILE == 0 and k % TILE == 0, f"adamw_update_quantize_: weight of shape {shape}"
-    flat = [t.reshape(-1) for t in (master, grad, exp_avg, exp_avg_sq)]
-    for t in (*flat, out):
-        assert t.numel() == out.numel() and t.is_contiguous() and t.device == out.device, \
-            "adamw_update_quantize_: mismatched range"
-    assert flat[0].dtype == flat[1].dtype == torch.float32, "adamw_update_quantize_: FP32 master, grad"
-    assert flat[2].dtype == flat[3].dtype in (torch.float32, torch.bfloat16), "adamw_update_quantize_: moments"
-    transpose = target.qt is not None
-    q3, s3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (target.q, target.s_nk))
-    qt3, st3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (target.qt, target.st_nk)) if transpose else (q3, s3)
-    assert q3.shape == (experts, n, k) and q3.is_contiguous() and qt3.is_contiguous(), \
-        "adamw_update_quantize_: the FP8 weight must be row-major, the weight's shape"
-    _kernels().adamw_update_quantize_kernel[(k // TILE, experts * (n // TILE))](
-        *flat, out, coef if coef is not None else flat[0], skip if skip is not None else flat[0], corrections,
-        lr, -(_fp32(lr) * _fp32(weight_decay)), beta1, beta2, eps,
-        q3, s3, qt3, st3, n // TILE, k, q3.stride(0), q3.stride(1), qt3.stride(0), qt3.stride(1), *s3.stride(),
-        *st3.stride(), FP8_MAX=target.fmt.max, POW2=target.power_of_two, TRANSPOSE=transpose, DECAY=decay,
-        HAS_COEF=coef is not None, HAS_SKIP=skip is not None, ROWS=_ROWS, num_warps=_WARPS)
 
 
 def _fp32(value: float) -> float:

@@ -5,15 +5,11 @@ write-back) bumps, so the micro-batches of one step share one quantization and a
 version is quantized by the backend straight into the kept tensors (no temporary, no copy): compiled blocks read
 them as graph inputs and CUDA graphs replay them without copying (they are marked static).
 
-The optimizer may quantize a weight's new version itself, in the kernel that writes it (`update_target`,
-`mark_current`; see `megafp8.optim.fused_update`): the next forward then finds the cache current.
-
 The cache also hands compiled code the weight's FP32 `main_grad` to add its weight gradient into (see
 `main_grad_alias`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -21,19 +17,6 @@ import torch
 from megafp8.precision.backends import Fp8Backend, QuantizedWeight
 from megafp8.precision.formats import Fp8Format
 from megafp8.precision.wgrad import main_grad_alias
-
-
-@dataclass(frozen=True)
-class WeightQuantizeTarget:
-    """Where a weight's quantization goes, as the standalone Triton weight quantizer writes it: q ([E,] N, K), the
-    block scales viewed [E,] N/128, K/128 (`Fp8Backend.block_scales_nk`), and w^T with its scales, or None."""
-
-    q: torch.Tensor
-    s_nk: torch.Tensor
-    qt: Optional[torch.Tensor]
-    st_nk: Optional[torch.Tensor]
-    fmt: Fp8Format
-    power_of_two: bool
 
 
 class Fp8WeightCache:
@@ -54,7 +37,6 @@ class Fp8WeightCache:
         # A fresh alias of the weight's FP32 main_grad, made by each `prepare` (None without one): see
         # `megafp8.precision.wgrad.fresh_alias`.
         self.main_grad_alias: Optional[torch.Tensor] = None
-        self._quantizer: Optional[tuple[Fp8Backend, Fp8Format, bool]] = None  # how `get` last quantized
 
     def get(self, weight: torch.Tensor, backend: Fp8Backend, fmt: Fp8Format, power_of_two: bool) -> QuantizedWeight:
         """The quantization of `weight`'s current version (made now if the weight changed)."""
@@ -69,22 +51,7 @@ class Fp8WeightCache:
                 backend.quantize_weight_(weight.detach(), self.entry, fmt, power_of_two)
             self._version = version
             self.quantize_count += 1
-        self._quantizer = (backend, fmt, power_of_two)
         return self.entry
-
-    def update_target(self) -> Optional[WeightQuantizeTarget]:
-        """Where an optimizer's update may write the weight's next quantization (then calling `mark_current`), or
-        None: nothing quantized yet, or a backend whose weights the Triton weight quantizer does not lay out."""
-        if self.entry is None or self._quantizer is None:
-            return None
-        backend, fmt, power_of_two = self._quantizer
-        views = backend.weight_quantizer_views(self.entry)
-        return None if views is None else WeightQuantizeTarget(*views, fmt, power_of_two)
-
-    def mark_current(self, weight: torch.Tensor) -> None:
-        """The weight's current version has been quantized into `update_target()` (by the update that wrote it)."""
-        self._version = (weight.data_ptr(), weight._version)
-        self.quantize_count += 1
 
     @torch.compiler.disable
     def prepare(self, weight: torch.Tensor, backend: Fp8Backend, fmt: Fp8Format, power_of_two: bool) -> None:
@@ -105,4 +72,3 @@ class Fp8WeightCache:
     def clear(self) -> None:
         """Forget the quantized weight (the next forward re-quantizes)."""
         self.entry, self._version, self.prepared, self.main_grad_alias = None, None, False, None
-        self._quantizer = None

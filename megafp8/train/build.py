@@ -38,7 +38,7 @@ from megafp8.parallel import (
     tp_shard_of,
 )
 from megafp8.parallel.pipeline import PipelineLayout, StageSpec
-from megafp8.precision import DynamicLossScaler, GemmLayer, PrecisionRecipe, resolve_recipe, select_backend
+from megafp8.precision import DynamicLossScaler, PrecisionRecipe, resolve_recipe, select_backend
 from megafp8.train.expert_balance import ExpertBalance
 from megafp8.train.fp8_health import Fp8HealthMonitor
 from megafp8.train.loggers import ExperimentLogger
@@ -165,10 +165,7 @@ def build_optimizer(model: Transformer, cfg: Config, dims: ParallelDims) -> Dist
     buckets = GradBuckets(params, group_of, bucket_numel=int(opt.bucket_size_mb * 2**20 / 4), sharded=opt.sharded,
                           overlap=opt.overlap_grad_reduce, also_sum_over=partial, mean_over=dims.dp)
     names = {p: n for n, p in model.named_parameters()}
-    optimizer = DistributedAdamW(buckets, names, opt, tp, dims.expert_parallel, dims.pp_group)
-    # The fused update quantizes the FP8 weights it writes (no pass of their own before the next forward).
-    optimizer.quantize_weights_in_update(m for m in model.modules() if isinstance(m, GemmLayer))
-    return optimizer
+    return DistributedAdamW(buckets, names, opt, tp, dims.expert_parallel, dims.pp_group)
 
 
 def build_data(cfg: Config, meta: DatasetMeta, dims: ParallelDims) -> tuple[DistributedLoader, Optional[PackedDataset]]:

@@ -151,12 +151,6 @@ class Fp8Backend:
                 out.wt_fp8.view(torch.uint8).copy_(_transposed_fp8(q).view(torch.uint8))
                 self.block_scales_nk(out.wt_scale).copy_(s.transpose(-2, -1))
 
-    def weight_quantizer_views(self, out: QuantizedWeight) -> Optional[tuple[torch.Tensor, ...]]:
-        """(q, block scales viewed [E,] N/128, K/128, q^T or None, its scales or None): the tensors of `out` as
-        the Triton weight quantizer (`megafp8.precision.kernels.quantize.quantize_weight_`) fills them, where this
-        backend quantizes weights with it; None here (the reference quantizes in torch)."""
-        return None
-
     def weight_transposed(self, w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
         """(w^T FP8, its block scales in the GEMM's layout): the kept transpose, or one made now from w's FP8
         values (the same bits: 128x128 blocks are transpose-invariant) for the caller's GEMM only."""

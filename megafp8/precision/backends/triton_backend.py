@@ -71,12 +71,9 @@ class TritonBackend(Fp8Backend):
         return self.producers.rope_backward_quantize(dq, dk, dv, cos, sin, seq_len, head_dim, fmt, power_of_two)
 
     def quantize_weight_(self, w: torch.Tensor, out: QuantizedWeight, fmt: Fp8Format, power_of_two: bool) -> None:
-        self.quantizers.quantize_weight_(w, *self.weight_quantizer_views(out), fmt, power_of_two)
-
-    def weight_quantizer_views(self, out: QuantizedWeight) -> Optional[tuple[torch.Tensor, ...]]:
         kept = out.wt_fp8 is not None
-        return (out.w_fp8, self.block_scales_nk(out.w_scale), out.wt_fp8 if kept else None,
-                self.block_scales_nk(out.wt_scale) if kept else None)
+        self.quantizers.quantize_weight_(w, out.w_fp8, self.block_scales_nk(out.w_scale), out.wt_fp8 if kept else None,
+                                         self.block_scales_nk(out.wt_scale) if kept else None, fmt, power_of_two)
 
     def _transpose_into(self, w: QuantizedWeight, out: QuantizedWeight) -> None:
         self.quantizers.transpose_blocks(w.w_fp8, self.block_scales_nk(w.w_scale), out.w_fp8,

@@ -104,9 +104,14 @@ def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks,
     n = nb * 128 + tl.arange(0, 128)
     k = kb * 128 + tl.arange(0, 128)
     w = tl.load(w_ptr + e * stride_we + n[:, None] * stride_wn + k[None, :]).to(tl.float32)
-    tiles.store_weight_block(w, e, nb, kb, q_ptr, s_ptr, qt_ptr, st_ptr, stride_qe, stride_qn, stride_qte, stride_qtk,
-                             stride_se, stride_sn, stride_sk, stride_ste, stride_stn, stride_stk, FP8_MAX, POW2,
-                             TRANSPOSE)
+    block_amax = tiles.amax(tiles.amax(tl.abs(w), 1), 0)
+    scale, inv = tiles.tile_scale(block_amax, FP8_MAX, POW2)
+    q = tiles.to_fp8(w, inv, FP8_MAX, q_ptr.dtype.element_ty)
+    tl.store(q_ptr + e * stride_qe + n[:, None] * stride_qn + k[None, :], q)
+    tl.store(s_ptr + e * stride_se + nb * stride_sn + kb * stride_sk, scale)
+    if TRANSPOSE:
+        tl.store(qt_ptr + e * stride_qte + k[:, None] * stride_qtk + n[None, :], tl.trans(q))
+        tl.store(st_ptr + e * stride_ste + kb * stride_stn + nb * stride_stk, scale)
 
 
 @triton.jit

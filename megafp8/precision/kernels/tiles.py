@@ -86,25 +86,6 @@ def store_cols(x, rows, cols, mb, qt_ptr, stride_qt, st_ptr, stride_st_k, stride
 
 
 @triton.jit
-def store_weight_block(w, e, nb, kb, q_ptr, s_ptr, qt_ptr, st_ptr, stride_qe, stride_qn, stride_qte, stride_qtk,
-                       stride_se, stride_sn, stride_sk, stride_ste, stride_stn, stride_stk,
-                       FP8_MAX: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr):
-    """Quantize the FP32 block w (128 x 128) of weight e (N, K) at block (nb, kb) with one scale: its values at
-    q[e] and (with TRANSPOSE), transposed, at qt[e] (K, N); its scale at s[e, nb, kb] and st[e, kb, nb] (strides
-    as [e, n block, k block] of each; `e` in int64)."""
-    n = nb * 128 + tl.arange(0, 128)
-    k = kb * 128 + tl.arange(0, 128)
-    block_amax = amax(amax(tl.abs(w), 1), 0)
-    scale, inv = tile_scale(block_amax, FP8_MAX, POW2)
-    q = to_fp8(w, inv, FP8_MAX, q_ptr.dtype.element_ty)
-    tl.store(q_ptr + e * stride_qe + n[:, None] * stride_qn + k[None, :], q)
-    tl.store(s_ptr + e * stride_se + nb * stride_sn + kb * stride_sk, scale)
-    if TRANSPOSE:
-        tl.store(qt_ptr + e * stride_qte + k[:, None] * stride_qtk + n[None, :], tl.trans(q))
-        tl.store(st_ptr + e * stride_ste + kb * stride_stn + nb * stride_stk, scale)
-
-
-@triton.jit
 def store_transposed(x, col_inv, rows, cols, qt_ptr, stride_qt, FP8_MAX: tl.constexpr):
     """x (rows, cols) FP32 times its columns' quantization multipliers, in FP8, stored as x^T: qt[cols, rows]
     (contiguous along the rows, so the writes coalesce)."""
