@@ -169,7 +169,6 @@ def _operands(seed: int, *shapes_dtypes) -> list[torch.Tensor]:
                                   "stores from registers", "interleaved FFMAs"])
 def test_the_fast_path_launches_the_warp_specialized_gemm_as_the_jit_path_does(recording, monkeypatch, case):
     from megafp8.precision.kernels import ws_gemm
-    from megafp8.precision.kernels.schedule import balanced_tile_order
     monkeypatch.setattr(ws_gemm, "_sm_count", lambda device: 132)
     monkeypatch.setattr(ws_gemm, "_LAUNCH", ws_gemm._LAUNCH)  # restored after the test
     fp8, f32, bf16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
@@ -184,8 +183,6 @@ def test_the_fast_path_launches_the_warp_specialized_gemm_as_the_jit_path_does(r
                                           ((2, 256, 384), bf16))
             start, count = _kept(seed, "groups", lambda: (torch.tensor([0, 1], dtype=torch.int32),
                                                           torch.tensor([1, 3], dtype=torch.int32)))
-            order = _kept(seed, "order", lambda: balanced_tile_order(count, 4, 8))  # the walk, at a kept address
-            monkeypatch.setattr(ws_gemm, "balanced_tile_order", lambda *args: order)
             ws_gemm.ws_gemm(a, a_s.t(), b, b_s.t(), c, b_blockwise=False, k_start=start, k_count=count)
         else:
             a, a_s, b, b_s, c = _operands(seed, ((256, 512), fp8), ((4, 256), f32), ((2 * 384, 512), fp8),

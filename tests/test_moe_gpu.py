@@ -202,37 +202,6 @@ def test_warp_specialized_gemms_match_the_pointer_kernels():
         assert not checks["grouped fprop"][0][rows.tile_expert.repeat_interleave(128) == -1].any()
 
 
-def test_the_balanced_tile_walk_writes_the_expert_by_expert_walks_bits():
-    """The warp-specialized grouped wgrad with its programs walking the tiles busiest expert first, dealt as a
-    snake (`schedule.balanced_tile_order`, the default), against the expert-by-expert walk: the same bits, written
-    in BF16 and added into FP32 main_grad (a tile skipped or taken twice would show there), both tile widths, over
-    40 uneven experts (some without rows) so that the walk has whole rounds of 132 programs to reverse."""
-    pytest.importorskip("triton")
-    from megafp8.precision import E4M3, quantize as ref
-    from megafp8.precision.grouped import expert_rows
-    from megafp8.precision.kernels import gemm
-    from tests.fp8_checks import outlier_tensor
-    if gemm.warp_specialized_unavailable(CUDA) is not None:
-        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
-    g = torch.Generator().manual_seed(7)
-    counts = torch.randint(0, 700, (40,), generator=g)
-    counts[::9] = 0
-    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
-    n, k = 384, 512
-    at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=3), E4M3))
-    bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=4), E4M3))
-    base = torch.randn(40, n, k, device=CUDA)
-    for block_n in (128, 256):
-        for into in (False, True):
-            outputs = [gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count,
-                                          torch.float32 if into else torch.bfloat16, kernel="ws", block_n=block_n,
-                                          accumulate=base.clone() if into else None, balance_groups=balanced)
-                       for balanced in (False, True)]
-            walked, balanced = (t.view(torch.int32 if into else torch.int16) for t in outputs)
-            assert torch.equal(walked, balanced), f"block_n={block_n}, into main_grad: {into}"
-            assert not outputs[1].isnan().any()
-
-
 def test_the_warp_specialized_gemms_tma_epilogue_writes_the_register_epilogues_bits():
     """Output tiles leave the warp-specialized kernel through shared memory by TMA (`ws_gemm.tma_store_fits`),
     stored or added into FP32 main_grad by TMA's reduction: the same bits as the register epilogue (load, add,

@@ -63,14 +63,11 @@ def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = Fal
                  "bs_desc": mangle_type(ws_gemm._scale_descriptor(scales, 128).checked()),
                  "c_desc": mangle_type(ws_gemm._descriptor(c if flags["TMA_STORE"] else fp8, (64, 128)).checked()),
                  "c_ptr": c_type,
-                 "bs_ptr": "*fp32", "tile_expert_ptr": "*i32", "k_start_ptr": "*i32", "k_count_ptr": "*i32",
-                 "tile_order_ptr": "*i32"}
+                 "bs_ptr": "*fp32", "tile_expert_ptr": "*i32", "k_start_ptr": "*i32", "k_count_ptr": "*i32"}
     signature.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "num_groups", "stride_ce", "stride_cm",
                                                "stride_bs_e", "stride_bs_n", "stride_bs_k")})
     buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
-    # K grouped: the programs walk the balanced tile order, as `ws_gemm` launches them with more than one expert
     constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, INTERLEAVE=interleave_ffma,
-                     ORDERED=flags["GROUPED_K"],
                      STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
     signature.update({name: "constexpr" for name in constants})
     with ffma_interleave.patching_ffma(ws_gemm.INTERLEAVE_MARKER):  # (patches only the kernel carrying it)

@@ -17,9 +17,7 @@ producer warp streams A and B tiles through a ring of shared-memory stages by TM
 each owning 64 rows of a 128 x BLOCK_N output tile, run independently of each other: while one scales its
 product on the CUDA cores the other's MMA keeps the tensor cores busy (DeepGEMM's scheme). Programs are
 persistent (one per SM) and walk the output tiles grouped along M, so the producer is already loading the next
-tile while the consumers write the last one. In the K-grouped wgrad a tile's cost is its expert's rows, which the
-router makes uneven: there the walk takes the busiest experts first, dealt over the programs as a snake
-(`schedule.balanced_tile_order`), so no program is left with a stripe of busy experts.
+tile while the consumers write the last one.
 
 `interleave_ffma` compiles a variant whose cubin has each promotion's FFMA run interleaved (every other FFMA of
 its first 9/16 yields to other warps and keeps no operand in the reuse cache; `ffma_interleave`, DeepGEMM's
@@ -65,7 +63,6 @@ from triton._C.libtriton import gluon_ir, ir
 
 from megafp8.precision.kernels.ffma_interleave import patching_ffma
 from megafp8.precision.kernels.launch import Descriptor, FastLaunch
-from megafp8.precision.kernels.schedule import balanced_tile_order
 
 # Kernel constants are constexprs (the only globals a Gluon kernel may read).
 TILE = gl.constexpr(128)
@@ -115,20 +112,10 @@ def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr
 
 
 @gluon.jit
-def _walk(position, tile_order_ptr, ORDERED: gl.constexpr):
-    """The output tile at `position` of the programs' walk: the position itself, or (`ORDERED`) the tile that
-    `tile_order` puts there (`schedule.balanced_tile_order`). Producer and consumers read the same table."""
-    tile = position
-    if ORDERED:
-        tile = gl.load(tile_order_ptr + position)
-    return tile
-
-
-@gluon.jit
 def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N, K_BLOCKS,
-              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, tile_order_ptr,
+              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr,
               GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr, ORDERED: gl.constexpr):
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """One warp: TMA loads of every tile's A (two 64-row halves) and B (BLOCK_N/128 slices) per K step into the
     stage ring, with their scales for that K step (A's rows'; B's rows' where B is in 1x128 tiles), on the same
     barrier; a stage is refilled once both consumers have released it."""
@@ -137,8 +124,7 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
                                  + 2 * as_desc.block_type.nbytes
                                  + (0 if B_BLOCKWISE else NB * bs_desc.block_type.nbytes))
     counter = 0
-    for position in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        tile = _walk(position, tile_order_ptr, ORDERED)
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
             tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_N,
             GROUP_M)
@@ -223,11 +209,10 @@ def _write_by_tma(c_desc, c_buf, acc, row, col, ADD: gl.constexpr):
 
 @gluon.jit
 def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
-              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, tile_order_ptr, stride_ce, stride_cm,
-              stride_bs_e, stride_bs_n, stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr,
-              GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr,
-              C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-              INTERLEAVE: gl.constexpr, ORDERED: gl.constexpr):
+              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
+              stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
+              B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
     wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator. The stage is released once its
     last wgmma has completed and its scales are read, before the last slice's promotion."""
@@ -238,8 +223,7 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
     col_layout: gl.constexpr = gl.SliceLayout(0, layout)
     t = gl.zeros([HALF_M, TILE], gl.float32, layout)
     counter = 0
-    for position in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        tile = _walk(position, tile_order_ptr, ORDERED)
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
             tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_N,
             GROUP_M)
@@ -287,11 +271,10 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
 
 @gluon.jit
 def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, tile_expert_ptr, k_start_ptr,
-                    k_count_ptr, tile_order_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e,
-                    stride_bs_n, stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
-                    B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr,
-                    C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                    INTERLEAVE: gl.constexpr, ORDERED: gl.constexpr):
+                    k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
+                    stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
@@ -313,16 +296,16 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
     # (No starred arguments in Gluon: every partition's arguments are spelled out.)
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
-                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, tile_order_ptr, stride_ce, stride_cm,
-                     stride_bs_e, stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE,
-                     TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE, ORDERED)),
+                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+                     stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
+                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
-                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, tile_order_ptr, stride_ce, stride_cm,
-                     stride_bs_e, stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE,
-                     TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE, ORDERED)),
+                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
+                     stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
+                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
-                     K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, tile_order_ptr, GROUPED_ROWS,
-                     GROUPED_K, B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M, ORDERED)),
+                     K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
+                     B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -408,7 +391,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
             block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None,
-            interleave_ffma: bool = False, balance_groups: bool = True) -> torch.Tensor:
+            interleave_ffma: bool = False) -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
@@ -418,9 +401,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     through shared memory by TMA (stored, or added by TMA's reduction), overlapping the next tile's MMAs (None:
     wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there).
     `interleave_ffma` (256-wide tiles): the promotion's FFMA runs interleaved in the cubin, so the warp scheduler
-    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits). `balance_groups`
-    (K grouped): the programs walk the tiles in `schedule.balanced_tile_order`, experts with the most K steps
-    first, dealt as a snake, instead of expert by expert (each tile is computed as before: the same bits)."""
+    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
@@ -441,8 +422,6 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     bs_e, bs_n, bs_k = (b_scale.stride() if b_scale.dim() == 3 else (0, *b_scale.stride()))
     dummy = a_scale  # an unused pointer argument
     grid = (min(_sm_count(a.device), num_tiles),)
-    ordered = grouped_k and balance_groups and num_groups > 1
-    tile_order = balanced_tile_order(k_count, num_tiles // num_groups, grid[0]) if ordered else dummy
     a_scale = _tma_scales(a_scale)
     as_desc = _scale_descriptor(a_scale, _H)
     # With B in blocks its scale is one number per slice, read from global memory; the descriptor is then unused.
@@ -454,12 +433,12 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     c_bufs = epilogue_buffers(c, block_n) if tma_store else 0  # per consumer, each 64 x 128 elements of C
     args = (a_desc, _descriptor(b, (_T, _T)), as_desc, bs_desc, c_desc, c, b_scale,
             tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
-            k_count if grouped_k else dummy, tile_order, m, n, -(-k // _T), num_groups,
+            k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
             c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k)
     options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise,
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
-                   INTERLEAVE=interleave_ffma, ORDERED=ordered, num_warps=4, maxnreg=_MAXNREG)
+                   INTERLEAVE=interleave_ffma, num_warps=4, maxnreg=_MAXNREG)
     # (the interleaved variant is compiled, the first time, with the cubin pass installed)
     _LAUNCH.launch(grid, args, options, compiling=functools.partial(patching_ffma, INTERLEAVE_MARKER)
                    if interleave_ffma else None)
