@@ -202,6 +202,40 @@ def test_warp_specialized_gemms_match_the_pointer_kernels():
         assert not checks["grouped fprop"][0][rows.tile_expert.repeat_interleave(128) == -1].any()
 
 
+@pytest.mark.parametrize("tma_store", [True, False])
+def test_experts_without_rows_leave_their_main_grad_untouched(tma_store):
+    """The warp-specialized grouped wgrad into main_grad with most experts idle (as a young router leaves them: in
+    the MoE benchmark's first steps 33-52 of 64 experts got no rows, job FS): an idle expert's main_grad keeps its
+    exact bits, -0.0 and NaN included (its tiles add nothing, not even a zero, and skip their epilogue); the busy
+    experts' sums are the pointer kernel's to FP32 rounding, the TMA reduction's and the registers' alike."""
+    pytest.importorskip("triton")
+    from megafp8.precision import E4M3, quantize as ref
+    from megafp8.precision.grouped import expert_rows
+    from megafp8.precision.kernels import gemm
+    from tests.fp8_checks import outlier_tensor
+    if gemm.warp_specialized_unavailable(CUDA) is not None:
+        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
+    counts = torch.zeros(24, dtype=torch.long)
+    counts[[2, 3, 11, 20]] = torch.tensor([700, 130, 1, 256])
+    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
+    n, k = 384, 512
+    at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=3), E4M3))
+    bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=4), E4M3))
+    want = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, kernel="pointer")
+    base = torch.randn(24, n, k, device=CUDA)
+    base[0, 0, :5] = torch.tensor([-0.0, float("nan"), float("-inf"), -0.0, 1e-40])
+    base[7].fill_(-0.0)
+    idle = counts == 0
+    for block_n in (128, 256):
+        main_grad = base.clone()
+        gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, kernel="ws",
+                           accumulate=main_grad, block_n=block_n, tma_store=tma_store)
+        assert torch.equal(main_grad[idle].view(torch.int32), base[idle].view(torch.int32)), f"block_n={block_n}"
+        busy = ~idle
+        err = float((main_grad[busy] - base[busy] - want[busy]).norm() / want[busy].norm())
+        assert err < 1e-5, f"block_n={block_n}: relative error {err}"
+
+
 def test_the_warp_specialized_gemms_tma_epilogue_writes_the_register_epilogues_bits():
     """Output tiles leave the warp-specialized kernel through shared memory by TMA (`ws_gemm.tma_store_fits`),
     stored or added into FP32 main_grad by TMA's reduction: the same bits as the register epilogue (load, add,

@@ -208,6 +208,28 @@ def _write_by_tma(c_desc, c_buf, acc, row, col, ADD: gl.constexpr):
 
 
 @gluon.jit
+def _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, M, N, stride_ce, stride_cm,
+              HALF: gl.constexpr, GROUPED_K: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr,
+              C_BUFS: gl.constexpr, NB: gl.constexpr, row_layout: gl.constexpr, col_layout: gl.constexpr):
+    """A consumer's rows of the output tile leave: by TMA through its shared-memory buffers, or from registers
+    (`acc1`, the second 128-column slice, where the tile is 256 wide)."""
+    if TMA_STORE:  # this consumer's buffers were last handed to TMA a whole tile ago
+        row = group * M + off_m + HALF * HALF_M if GROUPED_K else off_m + HALF * HALF_M  # C as (E * M, N)
+        tma.store_wait(pendings=0)
+        _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF), acc0, row, off_n, ACCUMULATE)
+        if NB == 2:
+            if C_BUFS == 1:  # one buffer a consumer (FP32 slices): the first slice must have left it
+                tma.store_wait(pendings=0)
+            _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF + C_BUFS - 1), acc1, row, off_n + TILE, ACCUMULATE)
+    else:
+        rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+        cols = off_n + gl.arange(0, TILE, layout=col_layout)
+        _write(c_ptr, acc0, rows, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE)
+        if NB == 2:
+            _write(c_ptr, acc1, rows, cols + TILE, M, N, group, stride_ce, stride_cm, ACCUMULATE)
+
+
+@gluon.jit
 def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
               num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
               stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
@@ -251,20 +273,15 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
                 mbarrier.arrive(empty.index(s), count=1)
                 acc0 = acc0 + scaled
             counter += 1
-        if TMA_STORE:  # this consumer's buffers were last handed to TMA a whole tile ago
-            row = group * M + off_m + HALF * HALF_M if GROUPED_K else off_m + HALF * HALF_M  # C as (E * M, N)
-            tma.store_wait(pendings=0)
-            _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF), acc0, row, off_n, ACCUMULATE)
-            if NB == 2:
-                if C_BUFS == 1:  # one buffer a consumer (FP32 slices): the first slice must have left it
-                    tma.store_wait(pendings=0)
-                _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF + C_BUFS - 1), acc1, row, off_n + TILE, ACCUMULATE)
+        if ACCUMULATE:
+            # A tile without K steps (an expert the router gave no rows) would add zeros: main_grad is left as it
+            # is, rather than read and written back (with most experts idle, a third of a grouped wgrad's time).
+            if k_steps > 0:
+                _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, M, N, stride_ce, stride_cm, HALF,
+                          GROUPED_K, ACCUMULATE, TMA_STORE, C_BUFS, NB, row_layout, col_layout)
         else:
-            rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
-            cols = off_n + gl.arange(0, TILE, layout=col_layout)
-            _write(c_ptr, acc0, rows, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE)
-            if NB == 2:
-                _write(c_ptr, acc1, rows, cols + TILE, M, N, group, stride_ce, stride_cm, ACCUMULATE)
+            _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, M, N, stride_ce, stride_cm, HALF,
+                      GROUPED_K, ACCUMULATE, TMA_STORE, C_BUFS, NB, row_layout, col_layout)
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
@@ -397,9 +414,11 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
     K/128) with `tile_expert`, or (rows, K/128) per row of B when not `b_blockwise`. `tile_expert` (M/128,):
     expert per 128-row tile of A, b = (E * N, K) stacked. `k_start`, `k_count` (E,): each group's K blocks, c
-    (E, M, N). `accumulate`: c is FP32 and the product is added into it. `tma_store`: the output tiles leave
-    through shared memory by TMA (stored, or added by TMA's reduction), overlapping the next tile's MMAs (None:
-    wherever `tma_store_fits`), or from the consumers' registers (loaded, added and stored there).
+    (E, M, N). `accumulate`: c is FP32 and the product is added into it (a group without K blocks, an expert
+    without rows, leaves its c untouched: not even a zero is added, so its -0.0s and NaNs stay as they were).
+    `tma_store`: the output tiles leave through shared memory by TMA (stored, or added by TMA's reduction),
+    overlapping the next tile's MMAs (None: wherever `tma_store_fits`), or from the consumers' registers (loaded,
+    added and stored there).
     `interleave_ffma` (256-wide tiles): the promotion's FFMA runs interleaved in the cubin, so the warp scheduler
     may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits)."""
     m, k = a.shape
