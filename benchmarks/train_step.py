@@ -38,7 +38,10 @@ it leaves out NCCL's buffers and the CUDA context. Compare recipes by it under C
 split a compiled block (there should be none: a split block runs slower, see `docs/performance.md`). Under pipeline
 parallelism the last column gives the schedule's theoretical bubble (the one the training loop's start-up line logs:
 simulated from the schedule's actions with forward = input-gradient = weight-gradient time);
-`benchmarks/scaling_table.py` sets it beside the measured one. Rank 0 prints the table as Markdown.
+`benchmarks/scaling_table.py` sets it beside the measured one. For MoE models the last column gives the routing's
+balance over the timed windows (medians): the spread of routed rows per expert (coefficient of variation, the
+layers' mean) and the busiest expert's rows over the mean (the worst layer), which set how evenly the experts'
+grouped GEMMs share out their work. Rank 0 prints the table as Markdown.
 """
 from __future__ import annotations
 
@@ -173,7 +176,10 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
             "mfu": statistics.median(r["mfu"] for r in records) if records[0]["mfu"] is not None else None,
             "peak_gib": steady_peak, "warmup_peak_gib": max(warmup_peak, steady_peak), "loss": records[-1]["loss"],
             "graph_breaks": sum(counters["graph_break"].values()), "planned_gib": plan.total_bytes / 2**30,
-            "per_rank": [(steady, planned) for steady, _, planned, _ in per_rank], "bubble": bubble, "held_gib": held}
+            "per_rank": [(steady, planned) for steady, _, planned, _ in per_rank], "bubble": bubble, "held_gib": held,
+            "expert_load": ((statistics.median(r["moe_load_cv"] for r in records),
+                             statistics.median(r["moe_load_max_over_mean"] for r in records))
+                            if "moe_load_cv" in records[0] else None)}
 
 
 def over_ranks(values: list[float], device: torch.device) -> list[list[float]]:
@@ -222,18 +228,20 @@ def table(rows: list[dict]) -> str:
     best_bf16 = max((r["tokens_per_s"] for r in rows if r["recipe"] == "bf16"), default=None)
     lines = ["| model | recipe | ranks | step (s) | tokens/s | vs BF16 | TFLOP/s per device | MFU | peak GiB, steady | "
              "peak GiB, with warm-up | final loss | graph breaks | planned GiB | steady / planned | "
-             "per rank: steady / planned GiB | held GiB, steady | tokens/s per GPU | bubble, theoretical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "per rank: steady / planned GiB | held GiB, steady | tokens/s per GPU | bubble, theoretical | "
+             "expert load: cv, busiest / mean |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tokens_per_s'] / best_bf16:.2f}x" if best_bf16 else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         measured = f"{r['peak_gib'] / r['planned_gib']:.2f}" if r["peak_gib"] else "n/a"
         ranks = ", ".join(f"{steady:.2f} / {planned:.2f}" for steady, planned in r["per_rank"])
         bubble = f"{100 * r['bubble']:.1f}%" if r["bubble"] is not None else "-"
+        load = f"{r['expert_load'][0]:.2f}, {r['expert_load'][1]:.2f}x" if r.get("expert_load") else "-"
         lines.append(f"| {r['model']} | {r['recipe']} | {r['ranks']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
                      f"{ratio} | {r['tflops']:.1f} | {mfu} | {r['peak_gib']:.2f} | {r['warmup_peak_gib']:.2f} | "
                      f"{r['loss']:.4f} | {r['graph_breaks']} | {r['planned_gib']:.2f} | {measured} | {ranks} | "
-                     f"{r['held_gib']:.2f} | {r['tokens_per_s'] / r['ranks']:,.0f} | {bubble} |")
+                     f"{r['held_gib']:.2f} | {r['tokens_per_s'] / r['ranks']:,.0f} | {bubble} | {load} |")
     return "\n".join(lines)
 
 
