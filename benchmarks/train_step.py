@@ -38,8 +38,8 @@ it leaves out NCCL's buffers and the CUDA context. Compare recipes by it under C
 split a compiled block (there should be none: a split block runs slower, see `docs/performance.md`). Under pipeline
 parallelism the last column gives the schedule's theoretical bubble (the one the training loop's start-up line logs:
 simulated from the schedule's actions with forward = input-gradient = weight-gradient time);
-`benchmarks/scaling_table.py` sets it beside the measured one. For MoE models the last column gives the routing's
-balance over the timed windows (medians): the spread of routed rows per expert (coefficient of variation, the
+`benchmarks/scaling_table.py` sets it beside the measured one. For MoE models the column before it gives the
+routing's balance over the timed windows (medians): the spread of routed rows per expert (coefficient of variation, the
 layers' mean) and the busiest expert's rows over the mean (the worst layer), which set how evenly the experts'
 grouped GEMMs share out their work. Rank 0 prints the table as Markdown.
 """
@@ -228,8 +228,8 @@ def table(rows: list[dict]) -> str:
     best_bf16 = max((r["tokens_per_s"] for r in rows if r["recipe"] == "bf16"), default=None)
     lines = ["| model | recipe | ranks | step (s) | tokens/s | vs BF16 | TFLOP/s per device | MFU | peak GiB, steady | "
              "peak GiB, with warm-up | final loss | graph breaks | planned GiB | steady / planned | "
-             "per rank: steady / planned GiB | held GiB, steady | tokens/s per GPU | bubble, theoretical | "
-             "expert load: cv, busiest / mean |",
+             "per rank: steady / planned GiB | held GiB, steady | tokens/s per GPU | expert load: cv, busiest / mean | "
+             "bubble, theoretical |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tokens_per_s'] / best_bf16:.2f}x" if best_bf16 else "-"
@@ -241,7 +241,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['recipe']} | {r['ranks']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
                      f"{ratio} | {r['tflops']:.1f} | {mfu} | {r['peak_gib']:.2f} | {r['warmup_peak_gib']:.2f} | "
                      f"{r['loss']:.4f} | {r['graph_breaks']} | {r['planned_gib']:.2f} | {measured} | {ranks} | "
-                     f"{r['held_gib']:.2f} | {r['tokens_per_s'] / r['ranks']:,.0f} | {bubble} | {load} |")
+                     f"{r['held_gib']:.2f} | {r['tokens_per_s'] / r['ranks']:,.0f} | {load} | {bubble} |")
     return "\n".join(lines)
 
 
