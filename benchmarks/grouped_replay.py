@@ -26,21 +26,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train_step  # noqa: E402
-from grouped_gemm import graphed_ms  # noqa: E402
-from megafp8.precision.kernels import gemm  # noqa: E402
 from megafp8.train.runtime import init_distributed, seed_everything  # noqa: E402
 from megafp8.train.trainer import Trainer  # noqa: E402
 
 
 class Recorder:
-    """Wraps the kernels module's grouped GEMMs: names each call's profiler range and, while `keeping`, copies its
-    operands for a replay."""
+    """Wraps a kernels module's grouped GEMMs (`megafp8.precision.kernels.gemm`, whose functions the backends look
+    up at each call): names each call's profiler range and, while `keeping`, copies its operands for a replay.
+    `kept`: (range name, kind, (function, args, kwargs, tile_count or None)) per kept call."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
         self.keeping = False
-        self.kept: list[tuple[str, str, tuple]] = []  # (range name, kind, (function, args, kwargs))
-        self.wgrad, self.fprop = gemm.grouped_wgrad, gemm.grouped_gemm
+        self.kept: list[tuple[str, str, tuple]] = []
+        self.wgrad, self.fprop = kernels.grouped_wgrad, kernels.grouped_gemm
         self._calls = defaultdict(int)
+
+    def install(self) -> None:
+        self.kernels.grouped_wgrad, self.kernels.grouped_gemm = self.grouped_wgrad, self.grouped_gemm
+
+    def uninstall(self) -> None:
+        self.kernels.grouped_wgrad, self.kernels.grouped_gemm = self.wgrad, self.fprop
 
     def name(self, kind: str, shape: tuple) -> str:
         key = (kind, shape)
@@ -57,7 +63,7 @@ class Recorder:
                 copies = [t.clone() for t in (a, a_scale, b, b_scale, tile_start, tile_count)]
                 into = kwargs.get("accumulate")
                 kept_kwargs = dict(kwargs, accumulate=into.clone() if into is not None else None)
-                self.kept.append((name, "wgrad", (self.wgrad, (*copies, out_dtype), kept_kwargs, tile_count)))
+                self.kept.append((name, "wgrad", (self.wgrad, (*copies, out_dtype), kept_kwargs, copies[5])))
             return self.wgrad(a, a_scale, b, b_scale, tile_start, tile_count, out_dtype, **kwargs)
 
     def grouped_gemm(self, a, a_scale, b, b_scale, tile_expert, out_dtype, **kwargs):
@@ -98,8 +104,10 @@ def main(argv=None) -> None:
     cfg = train_step.run_config(args.model, "fp8", args, data)
     dims, device = init_distributed(cfg)
     seed_everything(cfg.training.seed)
-    recorder = Recorder()
-    gemm.grouped_wgrad, gemm.grouped_gemm = recorder.grouped_wgrad, recorder.grouped_gemm
+    from grouped_gemm import graphed_ms
+    from megafp8.precision.kernels import gemm  # (Triton: imported here, so the CPU tests can import this file)
+    recorder = Recorder(gemm)
+    recorder.install()
     trainer = Trainer(cfg, dims, device)
     for _ in range(args.steps - 2):
         recorder.start_step()
@@ -117,6 +125,7 @@ def main(argv=None) -> None:
     recorder.keeping = True
     trainer.train_step()
     recorder.keeping = False
+    recorder.uninstall()
     del trainer, prof
     train_step.release_memory(device)
     print("| call | rows per expert: busiest / mean, experts without rows | in the step: ms (TFLOP/s) | alone: ms "

@@ -385,3 +385,46 @@ def test_launch_cost_times_each_piece_in_windows_and_reports_the_median_and_the_
     median, lowest = module.per_call_us(fn, calls=40, windows=4, sync=lambda: syncs.append(1))
     assert len(calls) == 50 + 40 and len(syncs) == 1 + 4
     assert lowest <= median < 500 and lowest < 100  # the slow window neither the median nor the lowest
+
+
+def test_grouped_replay_names_each_call_keeps_copies_and_counts_its_flops():
+    """`benchmarks/grouped_replay.py`'s recorder (the GPU part needs CUDA and Triton): around a stand-in kernels
+    module it passes each call through, names calls per kind and shape in call order (numbering afresh each step),
+    keeps copies only while asked (the replay must not see the step's later writes), and restores the module."""
+    import types
+
+    import torch
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import grouped_replay
+
+    calls = []
+    kernels = types.SimpleNamespace(grouped_wgrad=lambda *args, **kwargs: calls.append(("wgrad", args, kwargs)),
+                                    grouped_gemm=lambda *args, **kwargs: calls.append(("gemm", args, kwargs)))
+    original = (kernels.grouped_wgrad, kernels.grouped_gemm)
+    recorder = grouped_replay.Recorder(kernels)
+    recorder.install()
+    at, bt = torch.zeros(256, 512), torch.zeros(128, 512)  # (N, Mp), (K, Mp): 2 experts, 4 tiles of 128 rows
+    start, count = torch.tensor([0, 2]), torch.tensor([3, 1])
+    main_grad = torch.zeros(2, 256, 128)
+    x, w, tile_expert = torch.zeros(512, 256), torch.zeros(2, 384, 256), torch.tensor([0, 1, 1, -1])
+    for step in range(2):
+        recorder.start_step()
+        recorder.keeping = step == 1
+        kernels.grouped_wgrad(at, torch.ones(256, 4), bt, torch.ones(128, 4), start, count, torch.float32,
+                              accumulate=main_grad)
+        kernels.grouped_gemm(x, torch.ones(512, 2), w, torch.ones(2, 3, 2), tile_expert, torch.bfloat16, kernel="ws")
+        kernels.grouped_gemm(x, torch.ones(512, 2), w, torch.ones(2, 3, 2), tile_expert, torch.bfloat16, kernel="ws")
+    recorder.uninstall()
+    assert (kernels.grouped_wgrad, kernels.grouped_gemm) == original and len(calls) == 6
+    assert calls[0][2]["accumulate"] is main_grad  # the step's own call adds into the real main_grad
+    names = [name for name, _, _ in recorder.kept]
+    assert names == ["replay:wgrad 2x256x128 #1", "replay:fprop/dgrad 2x512x256x384 #1",
+                     "replay:fprop/dgrad 2x512x256x384 #2"]
+    _, kind, (function, args, kwargs, tile_count) = recorder.kept[0]
+    assert function is original[0] and kind == "wgrad"
+    assert kwargs["accumulate"] is not main_grad and torch.equal(kwargs["accumulate"], main_grad)
+    assert args[0] is not at and tile_count.tolist() == [3, 1]
+    main_grad.add_(1.0)  # the step goes on writing: the kept copies do not follow
+    assert not kwargs["accumulate"].any()
+    assert grouped_replay.flops("wgrad", args) == 2.0 * 4 * 128 * 256 * 128
+    assert grouped_replay.flops("fprop/dgrad", recorder.kept[1][2][1]) == 2.0 * 3 * 128 * 256 * 384
