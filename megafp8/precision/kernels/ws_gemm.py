@@ -275,7 +275,8 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
             counter += 1
         if ACCUMULATE:
             # A tile without K steps (an expert the router gave no rows) would add zeros: main_grad is left as it
-            # is, rather than read and written back (with most experts idle, a third of a grouped wgrad's time).
+            # is, rather than read and written back (with 33-52 of 64 experts idle: 14-24% of a grouped wgrad's
+            # time in the MoE step, docs/benchmarks.md jobs FS-FT).
             if k_steps > 0:
                 _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, M, N, stride_ce, stride_cm, HALF,
                           GROUPED_K, ACCUMULATE, TMA_STORE, C_BUFS, NB, row_layout, col_layout)
