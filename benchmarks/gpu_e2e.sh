@@ -45,7 +45,8 @@
 # tree in $OLD (old_compiled_ro, old_compiled_ro_8b, old_compiled_ro_bf16, old_compiled_ro_8b_bf16, old_fused_quantize,
 # old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm; ab_ro, ab_ro_8b, ab_ro_moe: the
 # two trees' steps interleaved, AB_REPEATS runs each, benchmarks/ab_steps.py: `git archive COMMIT | tar -x -C
-# DIR`, carried), and on two GPUs moe_ep2, moe_dp2, dense_2gpu). `profile` also lists the host's busiest operators.
+# DIR`, carried), the MoE step after the router has balanced (moe_balanced: MOE_WARMUP untimed steps, default 200),
+# and on two GPUs moe_ep2, moe_dp2, dense_2gpu). `profile` also lists the host's busiest operators.
 # STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
@@ -135,6 +136,13 @@ for part in $PARTS; do
       step "ab_compiled_cudagraphs_$model" python benchmarks/ab_steps.py --old "$OLD" --repeats "${AB_REPEATS:-3}" \
         --timeout "${AB_RUN_TIMEOUT:-240}" -- --model "$model" training.compile=true \
         training.compile_mode=reduce-overhead --recipes ${AB_RECIPES:-fp8} ;;
+    moe_balanced)  # the MoE step after MOE_WARMUP (default 200) untimed steps, by which the balancing bias has
+                   # spread the tokens (the benchmark's first steps send nearly every token to one expert a layer:
+                   # docs/benchmarks.md jobs FS-FT); CUDA graphs, BF16 and FP8, 30 timed steps; the table's
+                   # "expert load" column says how balanced the timed steps were
+      warm=${MOE_WARMUP:-200}
+      step moe_balanced python benchmarks/train_step.py --model moe --warmup "$warm" --steps $((warm + 30)) \
+        training.compile=true training.compile_mode=reduce-overhead --recipes bf16 fp8 ;;
     old_fused_quantize) step old_fused_quantize bash -c "cd \"$OLD\" && python benchmarks/fused_quantize.py" ;;
     swiglu_cols) step swiglu_cols_variants python benchmarks/swiglu_cols_variants.py ;;
     rows_cols) step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
