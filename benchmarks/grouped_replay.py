@@ -10,8 +10,9 @@ steps, the second to last profiled. Every call of the kernels module's `grouped_
 named after its role and shape, so the profile gives each call's device time in one profiled step. The step after it
 keeps its calls (their operands copied) and each is replayed alone afterwards: `--iters` calls captured in one CUDA
 graph, the median of five replays (`grouped_gemm.graphed_ms`), into a copy of its `main_grad`. Printed per call:
-the MoE layer (in call order), shape, rows per expert (busiest over the mean; experts without rows), device ms in
-the step and alone, and TFLOP/s of each (2 x routed rows padded to 128 x N x K)."""
+the call (its kind and shape, numbered in call order: one per MoE layer and pass), the replayed step's 128-row tiles
+per expert (busiest over the mean; experts without rows), device ms in the step and alone, and TFLOP/s of each
+(2 x routed rows padded to 128 x N x K)."""
 from __future__ import annotations
 
 import argparse
@@ -120,7 +121,7 @@ def main(argv=None) -> None:
         torch.cuda.synchronize(device)
     in_step = device_ms(prof, 1)
     # The next step's calls, copied for the replay (outside the profile: the copies would sit between the kernels).
-    # Its routing is one step younger than the profiled one's; the table gives both the rows' spread.
+    # Its routing is one step older than the profiled one's; the table's spread of rows is this step's.
     recorder.start_step()
     recorder.keeping = True
     trainer.train_step()
@@ -128,8 +129,8 @@ def main(argv=None) -> None:
     recorder.uninstall()
     del trainer, prof
     train_step.release_memory(device)
-    print("| call | rows per expert: busiest / mean, experts without rows | in the step: ms (TFLOP/s) | alone: ms "
-          "(TFLOP/s) | alone / in the step |")
+    print("| call | 128-row tiles per expert: busiest / mean, experts without rows | in the step: ms (TFLOP/s) | "
+          "alone: ms (TFLOP/s) | alone / in the step |")
     print("|---|---|---|---|---|")
     ratios = defaultdict(list)
     for name, kind, (function, call_args, kwargs, tile_count) in recorder.kept:
