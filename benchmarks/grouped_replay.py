@@ -121,7 +121,7 @@ def main(argv=None) -> None:
         torch.cuda.synchronize(device)
     in_step = device_ms(prof, 1)
     # The next step's calls, copied for the replay (outside the profile: the copies would sit between the kernels).
-    # Its routing is one step older than the profiled one's; the table's spread of rows is this step's.
+    # Its routing comes one step after the profiled one's; the table's spread of rows is this step's.
     recorder.start_step()
     recorder.keeping = True
     trainer.train_step()
