@@ -4,7 +4,8 @@
 Each run is a fresh process of `benchmarks/train_step.py` with the same arguments, in the old tree (`--old`) or the
 new one (`--new`, default the current directory). The runs alternate in ABBA order (old, new, new, old, old, ...),
 so a drift over the job (clocks, temperature, the power cap) reaches both trees alike. Printed: every run's tokens/s
-per recipe, then per recipe the median and range of each tree and the ratio of the medians, and where runs time
+per recipe (for MoE models with the routing's balance over its timed steps, train_step.py's "expert load" column),
+then per recipe the median and range of each tree and the ratio of the medians, and where runs time
 both BF16 and FP8, each tree's FP8 / BF16 within a run (median and range over its runs); last, each tree's memory
 as train_step.py reports it (peak with the warm-up, and held in the steady state: the figure to compare under CUDA
 graphs), median and range per recipe.
@@ -26,11 +27,17 @@ from pathlib import Path
 
 
 MEMORY_COLUMNS = ("peak GiB, with warm-up", "held GiB, steady")  # train_step.py's, compared where it prints them
+LOAD_COLUMN = "expert load: cv, busiest / mean"  # train_step.py's, for MoE models: shown with each run's figures
 
 
 def parse_column(table: str, column: str) -> dict[str, float]:
     """{recipe: value of `column`} from train_step.py's Markdown table (the first table whose header names both
     "recipe" and "tokens/s"); {} where it has no such column."""
+    return {recipe: float(cell.replace(",", "")) for recipe, cell in parse_cells(table, column).items()}
+
+
+def parse_cells(table: str, column: str) -> dict[str, str]:
+    """{recipe: the cell of `column`, as printed} from the same table; {} where it has no such column."""
     columns, found = None, {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -44,7 +51,7 @@ def parse_column(table: str, column: str) -> dict[str, float]:
             if found:
                 break
             continue
-        found[cells[columns.index("recipe")]] = float(cells[columns.index(column)].replace(",", ""))
+        found[cells[columns.index("recipe")]] = cells[columns.index(column)]
     return found
 
 
@@ -59,19 +66,21 @@ def order(repeats: int) -> list[str]:
     return [tree for pair in pairs for tree in pair]
 
 
-def run_once(tree: Path, train_step_args: list[str], timeout: float) -> tuple[dict[str, float], str, dict]:
-    """({recipe: tokens/s}, error text, {memory column: {recipe: GiB}}): one train_step.py process in `tree`."""
+def run_once(tree: Path, train_step_args: list[str], timeout: float) -> tuple[dict[str, float], str, dict, dict]:
+    """({recipe: tokens/s}, error text, {memory column: {recipe: GiB}}, {recipe: expert load cell}): one
+    train_step.py process in `tree` (the expert load only for MoE models of a tree that prints it)."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     try:
         done = subprocess.run([sys.executable, "benchmarks/train_step.py", *train_step_args], cwd=tree, env=env,
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {}, f"timed out after {timeout:.0f} s", {}
+        return {}, f"timed out after {timeout:.0f} s", {}, {}
     found = parse_tokens_per_s(done.stdout)
     if done.returncode != 0 or not found:
         tail = " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        return {}, f"rc {done.returncode}: {tail[-300:]}", {}
-    return found, "", {column: parse_column(done.stdout, column) for column in MEMORY_COLUMNS}
+        return {}, f"rc {done.returncode}: {tail[-300:]}", {}, {}
+    loads = {recipe: cell for recipe, cell in parse_cells(done.stdout, LOAD_COLUMN).items() if cell != "-"}
+    return found, "", {column: parse_column(done.stdout, column) for column in MEMORY_COLUMNS}, loads
 
 
 def _spread(values: list[float], spec: str) -> tuple[str, str]:
@@ -153,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     results, memory = [], []
     print("| run | tree | tokens/s by recipe |\n|---|---|---|")
     for i, tree in enumerate(order(args.repeats), 1):
-        found, error, gib = run_once(trees[tree], train_step_args, args.timeout)
-        shown = ", ".join(f"{r} {v:,.0f}" for r, v in found.items()) or f"FAILED ({error})"
+        found, error, gib, loads = run_once(trees[tree], train_step_args, args.timeout)
+        # (a MoE run's routing balance beside its figure: collapsed and balanced routing time differently)
+        shown = ", ".join(f"{r} {v:,.0f}" + (f" (expert load {loads[r]})" if r in loads else "")
+                          for r, v in found.items()) or f"FAILED ({error})"
         print(f"| {i} | {tree} | {shown} |", flush=True)
         results.append((tree, found))
         memory.append((tree, gib))

@@ -428,3 +428,38 @@ def test_grouped_replay_names_each_call_keeps_copies_and_counts_its_flops():
     assert not kwargs["accumulate"].any()
     assert grouped_replay.flops("wgrad", args) == 2.0 * 4 * 128 * 256 * 128
     assert grouped_replay.flops("fprop/dgrad", recorder.kept[1][2][1]) == 2.0 * 3 * 128 * 256 * 384
+
+
+def test_ab_steps_shows_each_moe_runs_expert_load_beside_its_figure():
+    """train_step.py's "expert load" cell (MoE models) is read as printed and shown with the run's tokens/s; a
+    dense model's "-" is left out, and a float column still parses as before."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import ab_steps
+    import train_step
+    row = dict(model="moe", ranks=1, step_s=0.15, tflops=600.0, mfu=0.6, peak_gib=20.0, warmup_peak_gib=30.0,
+               loss=3.1, graph_breaks=0, planned_gib=21.0, per_rank=[(20.0, 21.0)], held_gib=40.0, bubble=None)
+    table = train_step.table([dict(row, recipe="bf16", tokens_per_s=95482.0, expert_load=(1.16, 7.97)),
+                              dict(row, recipe="fp8", tokens_per_s=122413.0, expert_load=None)])
+    assert ab_steps.parse_cells(table, ab_steps.LOAD_COLUMN) == {"bf16": "1.16, 7.97x", "fp8": "-"}
+    assert ab_steps.parse_column(table, "held GiB, steady") == {"bf16": 40.0, "fp8": 40.0}
+
+
+def test_ab_steps_prints_a_moe_runs_expert_load_with_its_tokens_per_s(tmp_path):
+    stand_in = '''import sys
+print("| model | recipe | ranks | tokens/s | expert load: cv, busiest / mean |")
+print("|---|---|---|---|---|")
+print("| moe | bf16 | 1 | 95,000 | 1.16, 7.97x |")
+print("| moe | fp8 | 1 | 120,000 | 0.20, 1.40x |")
+'''
+    trees = []
+    for name in ("old", "new"):
+        tree = tmp_path / name
+        (tree / "benchmarks").mkdir(parents=True)
+        (tree / "benchmarks" / "train_step.py").write_text(stand_in)
+        trees.append(tree)
+    cmd = [sys.executable, str(REPO / "benchmarks/ab_steps.py"), "--old", str(trees[0]), "--new", str(trees[1]),
+           "--repeats", "1", "--", "--model", "moe", "--recipes", "bf16", "fp8"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "| 1 | old | bf16 95,000 (expert load 1.16, 7.97x), fp8 120,000 (expert load 0.20, 1.40x) |" \
+        in result.stdout, result.stdout
