@@ -34,7 +34,7 @@ from megafp8.train.trainer import Trainer  # noqa: E402
 class Recorder:
     """Wraps a kernels module's grouped GEMMs (`megafp8.precision.kernels.gemm`, whose functions the backends look
     up at each call): names each call's profiler range and, while `keeping`, copies its operands for a replay.
-    `kept`: (range name, kind, (function, args, kwargs, tile_count or None)) per kept call."""
+    `kept`: (range name, kind, (function, args, kwargs)) per kept call (a wgrad's tile counts are its args[5])."""
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels
@@ -64,7 +64,7 @@ class Recorder:
                 copies = [t.clone() for t in (a, a_scale, b, b_scale, tile_start, tile_count)]
                 into = kwargs.get("accumulate")
                 kept_kwargs = dict(kwargs, accumulate=into.clone() if into is not None else None)
-                self.kept.append((name, "wgrad", (self.wgrad, (*copies, out_dtype), kept_kwargs, copies[5])))
+                self.kept.append((name, "wgrad", (self.wgrad, (*copies, out_dtype), kept_kwargs)))
             return self.wgrad(a, a_scale, b, b_scale, tile_start, tile_count, out_dtype, **kwargs)
 
     def grouped_gemm(self, a, a_scale, b, b_scale, tile_expert, out_dtype, **kwargs):
@@ -72,7 +72,7 @@ class Recorder:
         with torch.profiler.record_function(name):
             if self.keeping:
                 copies = [t.clone() for t in (a, a_scale, b, b_scale, tile_expert)]
-                self.kept.append((name, "fprop/dgrad", (self.fprop, (*copies, out_dtype), dict(kwargs), None)))
+                self.kept.append((name, "fprop/dgrad", (self.fprop, (*copies, out_dtype), dict(kwargs))))
             return self.fprop(a, a_scale, b, b_scale, tile_expert, out_dtype, **kwargs)
 
 
@@ -133,13 +133,13 @@ def main(argv=None) -> None:
           "alone: ms (TFLOP/s) | alone / in the step |")
     print("|---|---|---|---|---|")
     ratios = defaultdict(list)
-    for name, kind, (function, call_args, kwargs, tile_count) in recorder.kept:
+    for name, kind, (function, call_args, kwargs) in recorder.kept:
         alone = graphed_ms(lambda: function(*call_args, **kwargs), args.iters)
         here = in_step.get(name)
         work = flops(kind, call_args)
         spread = "-"
-        if tile_count is not None:
-            counts = tile_count.double()
+        if kind == "wgrad":
+            counts = call_args[5].double()  # each expert's 128-row tiles
             spread = f"{float(counts.max() / counts.mean()):.2f}, {int((counts == 0).sum())}"
         here_cell = f"{here:.3f} ({work / here / 1e9:,.0f})" if here else "n/a (not in the profiled step)"
         ratio = f"{alone / here:.2f}" if here else "-"
