@@ -462,3 +462,23 @@ print("| moe | fp8 | 1 | 120,000 | 0.20, 1.40x |")
     assert result.returncode == 0, result.stderr
     assert "| 1 | old | bf16 95,000 (expert load 1.16, 7.97x), fp8 120,000 (expert load 0.20, 1.40x) |" \
         in result.stdout, result.stdout
+
+
+def test_health_cost_times_sampled_steps_against_plain_ones(corpus_dir, tmp_path):
+    """`benchmarks/health_cost.py` on the tiny model (CPU, uncompiled): steps are logged one by one, the sampled ones
+    (0-based steps that are multiples of the interval: records 4 and 7 of 2 + 6 timed steps at interval 3) are told
+    from the plain ones, and the table gives both medians and the share a sample adds at the default interval."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import health_cost
+    assert [s for s in range(1, 11) if health_cost.sampled(s, 3)] == [1, 4, 7, 10]
+    records = [{"step": s, "step_time_s": 0.5 if health_cost.sampled(s, 3) else 0.1} for s in range(3, 9)]
+    table = health_cost.step_table(records, 3)
+    assert "| 100.0 (4 steps) | 500.0 (2 steps) | 400.0 | 4.00% |" in table
+    with pytest.raises(SystemExit, match="no sampled step"):
+        health_cost.step_table(records[2:3], 3)
+    cmd = [sys.executable, "benchmarks/health_cost.py", "--model", "tiny", "--interval", "3", "--steps", "8",
+           "--warmup", "2", "--data", str(corpus_dir), "training.device=cpu", "training.compile=false"]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = result.stdout.strip().splitlines()[-1]
+    assert re.search(r"\(4 steps\) \| [\d.]+ \(2 steps\)", row), result.stdout

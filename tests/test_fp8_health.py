@@ -59,6 +59,83 @@ def test_stats_by_chunks_of_rows_are_the_whole_tensors(blocks):
     assert 0 < whole["underflow"].item() < 1 and whole["at_max"].item() > 0
 
 
+def test_stats_take_each_chunks_sums_from_the_given_function():
+    """`sums` (a backend's `health_sums`) measures every chunk in place of `chunk_sums`; the reference backend's is
+    `chunk_sums` itself, so the statistics are the same either way."""
+    from megafp8.precision.backends import Fp8Backend
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 256, generator=g).bfloat16()
+    seen = []
+
+    def sums(x2d, fmt, blocks, power_of_two):
+        seen.append((tuple(x2d.shape), x2d.dtype, blocks, power_of_two))
+        return Fp8Backend().health_sums(x2d, fmt, blocks, power_of_two)
+
+    got = fp8_stats(x, E4M3, power_of_two=True, chunk_elements=256 * 128, sums=sums)
+    want = fp8_stats(x, E4M3, power_of_two=True, chunk_elements=256 * 128)
+    assert seen == [((128, 256), torch.bfloat16, False, True)] * 2 + [((44, 256), torch.bfloat16, False, True)]
+    assert {k: v.item() for k, v in got.items()} == {k: v.item() for k, v in want.items()}
+
+
+def test_the_monitor_measures_with_each_layers_backend(tiny_overrides, monkeypatch):
+    """The sampled monitor takes its sums from each FP8 layer's backend (`Fp8Backend.health_sums`: on a GPU the
+    one-pass kernel), for inputs, weights and output gradients alike."""
+    from megafp8.precision.backends import Fp8Backend
+
+    calls = []
+    original = Fp8Backend.health_sums
+
+    def counting(self, x2d, fmt, blocks, power_of_two):
+        calls.append(blocks)
+        return original(self, x2d, fmt, blocks, power_of_two)
+
+    monkeypatch.setattr(Fp8Backend, "health_sums", counting)
+    cfg = load_config("tiny_dense_fp8", tiny_overrides + ["training.steps=1", "optimizer.warmup_steps=1",
+                                                          "training.eval_interval=0", "logging.fp8_health_interval=1",
+                                                          "precision.fp8_backend=reference"])
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+    trainer.fit()
+    layers = sum(1 for m in trainer.model.modules() if getattr(m, "runs_fp8", False))
+    assert calls.count(True) == layers  # one weight each (a single chunk)
+    assert calls.count(False) >= 2 * layers  # inputs and output gradients, a chunk or more each
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt_name", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_health_kernel_matches_the_reference_on_the_gpu(fmt_name, dtype):
+    """On CUDA (the real FP8 conversion): tiles and blocks, power-of-two scales or not, values spanning 1e-12 to
+    1e15 (subnormals and flushed values in every tile kind), zero rows, constant tiles, and a tile holding inf
+    and nan: the same counts, a nan maximum where the reference's is, energies to 1e-6 where finite."""
+    from megafp8.precision.formats import FORMATS
+    from megafp8.precision.health import chunk_sums
+    from megafp8.precision.kernels.health import health_sums
+
+    fmt, cuda = FORMATS[fmt_name], torch.device("cuda")
+    g = torch.Generator(device=cuda).manual_seed(3)
+    x = torch.randn(1000, 512, device=cuda, generator=g) * torch.logspace(-12, 6, 1000, device=cuda).unsqueeze(1)
+    x[:, ::97] *= 1e4  # outliers that flush their tiles' small values in E4M3
+    x[400, 0] = 1e15  # and one that flushes its tile's others in E5M2 too (a range of ~1e20 within the tile)
+    x[11] = 0.0
+    x[300, 128:256] = -5.0
+    bad = x[:256].clone()
+    bad[3, 7], bad[130, 300] = float("nan"), float("inf")
+    for blocks, source in ((False, x), (True, x[:896]), (False, x[:, 256:]), (False, bad), (True, bad)):
+        rows = source.to(dtype)
+        for pow2 in (False, True):
+            want, got = chunk_sums(rows, fmt, blocks, pow2), health_sums(rows, fmt, blocks, pow2)
+            for key in ("underflow", "nonzero", "at_max"):
+                assert got[key].item() == want[key].item(), (blocks, pow2, key)
+            assert got["amax"].isnan().item() == want["amax"].isnan().item()
+            if not want["amax"].isnan():
+                assert got["amax"].item() == want["amax"].item()
+                for key in ("signal", "noise"):
+                    assert got[key].item() == pytest.approx(want[key].item(), rel=1e-6), (blocks, pow2, key)
+            if source is x:
+                assert 0 < want["underflow"] < want["nonzero"] and want["at_max"] > 0
+
+
 def test_weight_stats_use_blocks():
     w = torch.full((128, 256), 2.0)
     w[:, 128:] = 1.0

@@ -391,14 +391,15 @@ def test_clock_event_reasons_read_as_words():
 
 def test_gpu_e2e_moe_balanced_part_times_both_recipes_after_the_routers_warm_up(tmp_path):
     """`gpu_e2e.sh moe_balanced` runs the MoE step once for BF16 and FP8 under CUDA graphs after MOE_WARMUP
-    untimed steps (the balancing bias needs them: the first steps route nearly every token to one expert), timing
-    30 steps after them."""
+    untimed steps with the balancing bias moving MOE_BIAS_RATE a step (the first steps route nearly every token
+    to one expert), timing 30 steps after them."""
     result = _gpu_e2e_with_fake_gpu(tmp_path, ["moe_balanced"], 'echo "$*" >> steps.log',
-                                    env={"MOE_WARMUP": "150"})
+                                    env={"MOE_WARMUP": "150", "MOE_BIAS_RATE": "0.02"})
     assert result.returncode == 0, result.stderr[-3000:]
     steps = (tmp_path / "out" / "steps.log").read_text().splitlines()
     assert len(steps) == 1, steps
     args = steps[0].split()
     assert args[args.index("--model") + 1] == "moe" and args[args.index("--warmup") + 1] == "150"
     assert args[args.index("--steps") + 1] == "180" and "training.compile_mode=reduce-overhead" in args
+    assert "model.moe.bias_update_rate=0.02" in args
     assert args[args.index("--recipes") + 1:] == ["bf16", "fp8"]

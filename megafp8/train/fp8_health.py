@@ -24,10 +24,15 @@ from megafp8.model.moe import RoutedExperts
 from megafp8.model.transformer import Block
 from megafp8.parallel import ParallelLinear
 from megafp8.precision import GemmLayer
-from megafp8.precision.health import RowMaker, fp8_stats, fp8_stats_of_rows
+from megafp8.precision.health import ChunkSums, RowMaker, fp8_stats, fp8_stats_of_rows
 from megafp8.precision.producers import swiglu, swiglu_backward
 
 log = logging.getLogger("megafp8")
+
+
+def _sums_of(layer: nn.Module) -> ChunkSums:
+    """The layer's FP8 backend's health sums (one pass over each tensor on a GPU backend)."""
+    return layer.fp8_backend_for(layer.weight.device).health_sums
 
 
 class Fp8HealthMonitor:
@@ -66,12 +71,12 @@ class Fp8HealthMonitor:
 
     def _record_rows(self, name: str, layer: nn.Module, rows: RowMaker, count: int, width: int) -> None:
         """`_record` of an input (count, width) that `rows(start, stop)` makes a chunk of rows at a time."""
-        fp8 = layer.recipe.fp8
+        fp8, sums = layer.recipe.fp8, _sums_of(layer)
         self._stats[name] = {
-            "input": fp8_stats_of_rows(rows, count, width, fp8.fmt, power_of_two=fp8.power_of_two_scales),
+            "input": fp8_stats_of_rows(rows, count, width, fp8.fmt, power_of_two=fp8.power_of_two_scales, sums=sums),
             # Stacked expert weights (E, N, K) as (E*N, K): their 128x128 blocks never straddle two experts.
             "weight": fp8_stats(layer.weight.reshape(-1, layer.weight.shape[-1]), fp8.fmt, blocks=True,
-                                power_of_two=fp8.power_of_two_scales),
+                                power_of_two=fp8.power_of_two_scales, sums=sums),
         }
 
     def _record_grad(self, name: str, layer: nn.Module, grad: torch.Tensor) -> None:
@@ -82,7 +87,7 @@ class Fp8HealthMonitor:
         if name in self._stats and "grad" not in self._stats[name]:
             fp8 = layer.recipe.fp8
             self._stats[name]["grad"] = fp8_stats_of_rows(rows, count, width, fp8.grad_fmt,
-                                                          power_of_two=fp8.power_of_two_scales)
+                                                          power_of_two=fp8.power_of_two_scales, sums=_sums_of(layer))
 
     def _make_hook(self, name: str):
         # The hooks run eagerly even inside a compiled block: traced, each layer's hook (a closure over its name)

@@ -23,7 +23,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from megafp8.precision import producers
+from megafp8.precision import health, producers
 from megafp8.precision import quantize as ref
 from megafp8.precision.formats import FORMATS, TILE, Fp8Format
 
@@ -120,6 +120,12 @@ class Fp8Backend:
         """The QKV projection's output gradient through RoPE's backward, quantized from FP32 both ways:
         `producers.rope_backward_quantize`."""
         return producers.rope_backward_quantize(dq, dk, dv, cos, sin, seq_len, head_dim, fmt, power_of_two)
+
+    def health_sums(self, x2d: torch.Tensor, fmt: Fp8Format, blocks: bool,
+                    power_of_two: bool) -> dict[str, torch.Tensor]:
+        """The FP8 health monitor's sums over x2d (M, K) quantized in 1x128 tiles (or 128x128 `blocks`):
+        `health.chunk_sums`, the definition."""
+        return health.chunk_sums(x2d, fmt, blocks, power_of_two)
 
     # ------------------------------------------------------------------ weights
 

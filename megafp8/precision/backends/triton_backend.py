@@ -39,9 +39,9 @@ class TritonBackend(Fp8Backend):
 
     def __init__(self) -> None:
         # Imported here: CPU-only installs never need Triton.
-        from megafp8.precision.kernels import gemm, producers, quantize
+        from megafp8.precision.kernels import gemm, health, producers, quantize
 
-        self.quantizers, self.producers, self.gemms = quantize, producers, gemm
+        self.quantizers, self.producers, self.gemms, self.health = quantize, producers, gemm, health
 
     def quantize_rows(self, x, fmt, power_of_two):
         return self.quantizers.quantize_rows(x, fmt, power_of_two)
@@ -63,6 +63,9 @@ class TritonBackend(Fp8Backend):
 
     def swiglu_backward_quantize(self, gu, da, fmt, grad_fmt, power_of_two, a_amax=None):
         return self.producers.swiglu_backward_quantize(gu, da, fmt, grad_fmt, power_of_two, a_amax)
+
+    def health_sums(self, x2d, fmt, blocks, power_of_two):
+        return self.health.health_sums(x2d, fmt, blocks, power_of_two)
 
     def rope_backward_quantize(self, dq, dk, dv, cos, sin, seq_len, head_dim, fmt, power_of_two):
         if not rope_backward_fusable((dq.shape[1], dk.shape[1], dv.shape[1]), head_dim):
