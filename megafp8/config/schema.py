@@ -466,7 +466,8 @@ class LoggingConfig:
     wandb_project: str = setting("megafp8", "Weights & Biases project name.")
     fp8_health_interval: int = setting(
         100, "Every this many steps, record FP8 health (max-abs, underflow, at-max fraction, SNR) of each FP8 "
-        "layer's input, weight and output gradient in the metrics file; 0 disables."
+        "layer's input, weight and output gradient in the metrics file; 0 disables. A sampled step runs its "
+        "compiled blocks uncompiled: on an H200 it takes ~0.2-0.4 s more than a plain step (~1.5% at 100)."
     )
     fp8_underflow_warn: float = setting(0.05, "Warn when more than this fraction of a tensor's nonzeros flush to 0.")
     fp8_at_max_warn: float = setting(
