@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import torch.nn as nn
 
 from megafp8.config import load_config
 from megafp8.parallel import ParallelDims
@@ -168,8 +169,9 @@ def test_monitor_samples_every_n_steps_and_warns(tiny_overrides, caplog):
 
 
 def test_a_sampled_mlp_reports_the_same_health_by_chunks_of_rows(tiny_overrides, monkeypatch):
-    """The fused SwiGLU MLP's hooks recompute gate/up, SwiGLU's output and its gradient a chunk of rows at a time:
-    with chunks of 32 rows the health report is the one-chunk report (SNRs up to summation order)."""
+    """The fused SwiGLU MLP's observer measures SwiGLU's output and gu's gradient (made from gu and da) a chunk of
+    rows at a time: with chunks of 32 rows the health report is the one-chunk report (SNRs up to summation
+    order)."""
     import megafp8.precision.health as health
 
     def report(name):
@@ -189,6 +191,70 @@ def test_a_sampled_mlp_reports_the_same_health_by_chunks_of_rows(tiny_overrides,
         for kind, stats in kinds.items():
             for stat, value in stats.items():
                 assert chunked[layer][kind][stat] == pytest.approx(value, rel=1e-6, abs=1e-12), (layer, kind, stat)
+
+
+def _mlp_health(monkeypatch, fused: bool) -> dict:
+    """One sampled forward and backward of an FP8 SwiGLU MLP (reference backend) called as blocks call it, with its
+    input norm as a keyword; unfused (`fuses_norm` off), its two linears run as modules and their own hooks see their
+    tensors. The input is the residual stream, ~100x the scale of its normalized form."""
+    from megafp8.model.mlp import SwiGLU
+    from megafp8.model.norm import RMSNorm
+    from megafp8.parallel import ColumnParallelLinear, TensorParallel
+    from megafp8.precision import Fp8Recipe, PrecisionRecipe
+    from megafp8.train.fp8_health import Fp8HealthMonitor
+
+    if not fused:
+        monkeypatch.setattr(ColumnParallelLinear, "fuses_norm", lambda self, rows: False)
+    torch.manual_seed(0)
+    recipe = PrecisionRecipe.from_name("fp8", Fp8Recipe(backend="reference"))
+    model = nn.ModuleDict({"norm": RMSNorm(256, 1e-6, torch.bfloat16), "mlp": SwiGLU(256, 384, recipe,
+                                                                                      TensorParallel.single())})
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "proj" in name:
+                param.normal_(0, 0.05)
+    x = (torch.randn(2, 128, 256) * 100).bfloat16().requires_grad_()
+    monitor = Fp8HealthMonitor(model, interval=1, underflow_warn=1.0, at_max_warn=1.0)
+    assert monitor.arm(0)
+    seen = {}
+    if fused:  # what the fused function hands its observer, kept by a wrapper around the monitor's
+        observer = model["mlp"].observer
+        forward, backward = observer.forward, observer.backward
+        observer.forward = lambda gu: (seen.setdefault("gu", gu.clone()), forward(gu))
+        observer.backward = lambda dy, gu, da: (seen.update(dy=dy.clone(), da=da.clone()), backward(dy, gu, da))
+    y = model["mlp"](x, norm=model["norm"])
+    y.backward(torch.randn_like(y) * 1e-3)
+    report = monitor.collect(0)
+    assert model["mlp"].observer is None and not any(m._forward_hooks for m in model.modules())
+    return report, seen, recipe.fp8
+
+
+def test_a_fused_mlps_health_is_what_its_linears_report_run_one_by_one(monkeypatch):
+    """The fused FP8 MLP's hook and observer report what its projections quantize. Exactly: the gate/up input is
+    norm(x) (the GEMM's input; the norm is passed as a keyword) and the output gradient is what the projections
+    run unfused report; SwiGLU's output and gu's gradient are the statistics of swiglu(gu) and swiglu_backward(gu,
+    da) in FP32, from the tensors the fused function made. Against the unfused run, whose gu comes from the norm's
+    BF16 output (quantized from FP32 when fused) and whose SwiGLU runs in BF16, those two agree to FP8 rounding."""
+    from megafp8.precision.health import fp8_stats
+    from megafp8.precision.producers import swiglu, swiglu_backward
+
+    fused, seen, fp8 = _mlp_health(monkeypatch, fused=True)
+    with pytest.MonkeyPatch.context() as unfused_patch:
+        unfused, _, _ = _mlp_health(unfused_patch, fused=False)
+    assert set(fused) == set(unfused) == {"mlp.gate_up_proj", "mlp.down_proj"}
+    assert fused["mlp.gate_up_proj"]["input"] == unfused["mlp.gate_up_proj"]["input"]
+    assert fused["mlp.gate_up_proj"]["input"]["amax"] < 20  # normalized, not the ~100x residual stream
+    assert fused["mlp.down_proj"]["grad"] == unfused["mlp.down_proj"]["grad"]
+    as_floats = lambda stats: {k: v.float().item() for k, v in stats.items()}  # noqa: E731 (as `collect` reports)
+    assert fused["mlp.down_proj"]["input"] == as_floats(fp8_stats(swiglu(seen["gu"]), fp8.fmt))
+    assert fused["mlp.gate_up_proj"]["grad"] == as_floats(fp8_stats(swiglu_backward(seen["gu"], seen["da"]),
+                                                                    fp8.grad_fmt))
+    for name, kind in (("mlp.down_proj", "input"), ("mlp.gate_up_proj", "grad")):
+        got, want = fused[name][kind], unfused[name][kind]
+        assert got["amax"] == pytest.approx(want["amax"], rel=0.05), (name, kind)
+        assert got["snr_db"] == pytest.approx(want["snr_db"], abs=1.0), (name, kind)
+    for name in fused:
+        assert fused[name]["weight"] == unfused[name]["weight"]
 
 
 def test_monitor_covers_grouped_expert_linears(tiny_overrides):

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from megafp8.model.norm import RMSNorm
 from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, swiglu_mlp
-from megafp8.precision import PrecisionRecipe
+from megafp8.precision import MlpObserver, PrecisionRecipe
 
 
 class SwiGLU(nn.Module):
@@ -23,8 +23,10 @@ class SwiGLU(nn.Module):
                                                  parts=(ffn_hidden_size, ffn_hidden_size), device=device)
         self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, recipe.for_weight(hidden_size, local), tp,
                                            device=device)
+        # Set by the FP8 health monitor for a sampled step (eager only): sees the fused FP8 MLP's inner tensors.
+        self.observer: Optional[MlpObserver] = None
 
     def forward(self, x: torch.Tensor, norm: Optional[RMSNorm] = None) -> torch.Tensor:
         """x (tokens, hidden) -> (tokens, hidden); `norm` is applied to x first. Under FP8 the norm, SwiGLU and
         SwiGLU's backward each quantize their own output for the next GEMM (`megafp8.parallel.swiglu_mlp`)."""
-        return swiglu_mlp(x, self.gate_up_proj, self.down_proj, norm)
+        return swiglu_mlp(x, self.gate_up_proj, self.down_proj, norm, self.observer)

@@ -39,6 +39,7 @@ from megafp8.precision import (
     GemmLayer,
     InputNorm,
     LinearComm,
+    MlpObserver,
     PrecisionRecipe,
     Rotary,
     fp8_linear,
@@ -224,18 +225,19 @@ class RowParallelLinear(ParallelLinear):
 
 
 def swiglu_mlp(x: torch.Tensor, gate_up: ColumnParallelLinear, down: RowParallelLinear,
-               norm: Optional[InputNorm] = None) -> torch.Tensor:
+               norm: Optional[InputNorm] = None, observer: Optional[MlpObserver] = None) -> torch.Tensor:
     """down(silu(gate) * up) with [gate | up] = gate_up(x), of `norm(x)` if a norm is given. Where both
     projections run all their GEMMs in FP8 under one recipe, it is one fused FP8 function in which the norm,
-    SwiGLU and SwiGLU's backward each quantize their own FP32 output (`megafp8.precision.fp8_mlp`); otherwise the
-    layers run one after the other."""
+    SwiGLU and SwiGLU's backward each quantize their own FP32 output (`megafp8.precision.fp8_mlp`; `observer` sees
+    its inner tensors); otherwise the layers run one after the other (their own hooks see theirs)."""
     rows = x.reshape(-1, x.shape[-1]).shape[0]
     if gate_up.fuses_norm(rows) and down.runs_fp8 and down.recipe.fp8 == gate_up.recipe.fp8:
         if gate_up.tp.sp:
             x = x.reshape(-1, x.shape[-1])
         backend = gate_up.fp8_backend_for(x.device)
         down.fp8_backend_for(x.device)  # the same recipe: the same backend (resolved for both, as each layer logs it)
-        return fp8_swiglu_mlp(x, gate_up.fp8_projection(), down.fp8_projection(), gate_up.recipe.fp8, backend, norm)
+        return fp8_swiglu_mlp(x, gate_up.fp8_projection(), down.fp8_projection(), gate_up.recipe.fp8, backend, norm,
+                              observer)
     gate, up = gate_up(x, norm).chunk(2, dim=-1)  # each (tokens, ffn_hidden_size / tp)
     return down(F.silu(gate) * up)
 

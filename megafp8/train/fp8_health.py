@@ -6,8 +6,10 @@ gradient arriving at the output (1x128 tiles, gradient format). Hooks are attach
 micro-batch, so other steps pay nothing; compiled blocks run uncompiled during the sampled step
 (`Block.observed`), so no hook ever enters a compiled graph, and recomputed, so that step keeps no more for
 backward than a compiled one would (the hooks record on the first forward only). The two projections of a fused
-FP8 SwiGLU MLP never run as modules of their own: its hook recomputes their inputs and output gradients in BF16
-(a GEMM and SwiGLU forward and backward on the sampled micro-batch), without touching what the step computes.
+FP8 SwiGLU MLP never run as modules of their own: the MLP's hook measures the gate/up input, and its observer
+(`MlpObserver`) the tensors the fused function makes on the way (the gate/up output gu in forward; the output
+gradient and SwiGLU's output gradient in backward), from which SwiGLU's output and gu's gradient are measured as
+the fused path quantizes them, in FP32; what the step computes is untouched and no GEMM is recomputed.
 """
 from __future__ import annotations
 
@@ -16,14 +18,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from megafp8.model.attention import Attention
 from megafp8.model.mlp import SwiGLU
 from megafp8.model.moe import RoutedExperts
 from megafp8.model.transformer import Block
 from megafp8.parallel import ParallelLinear
-from megafp8.precision import GemmLayer
+from megafp8.precision import GemmLayer, MlpObserver
 from megafp8.precision.health import ChunkSums, RowMaker, fp8_stats, fp8_stats_of_rows
 from megafp8.precision.producers import swiglu, swiglu_backward
 
@@ -52,8 +53,9 @@ class Fp8HealthMonitor:
             if isinstance(layer, GemmLayer) and layer.runs_fp8:
                 self._handles.append(layer.register_forward_hook(self._make_hook(name)))
             elif isinstance(layer, SwiGLU) and layer.down_proj.runs_fp8:
-                self._handles.append(layer.register_forward_hook(
-                    self._make_mlp_hook(names[layer.gate_up_proj], names[layer.down_proj])))
+                gate_up_name, down_name = names[layer.gate_up_proj], names[layer.down_proj]
+                self._handles.append(layer.register_forward_hook(self._make_mlp_hook(gate_up_name), with_kwargs=True))
+                layer.observer = self._mlp_observer(layer, gate_up_name, down_name)
         self._set_observed(bool(self._handles))
         return bool(self._handles)
 
@@ -64,6 +66,8 @@ class Fp8HealthMonitor:
         for module in self.model.modules():
             if isinstance(module, (Block, RoutedExperts, Attention)):
                 module.observed = observed
+            elif isinstance(module, SwiGLU) and not observed:
+                module.observer = None
 
     def _record(self, name: str, layer: nn.Module, x: torch.Tensor) -> None:
         x2d = x.reshape(-1, x.shape[-1])
@@ -104,41 +108,43 @@ class Fp8HealthMonitor:
 
         return hook
 
-    def _make_mlp_hook(self, gate_up_name: str, down_name: str):
-        """For a SwiGLU whose projections ran as one fused FP8 function (their own hooks did not fire): the
-        tensors they quantized, recomputed in BF16 from the MLP's input (on this rank's tokens). Nothing is kept
-        between forward and backward but the input, which the step keeps anyway: the gradient hook recomputes the
-        gate/up projection (a GEMM on the sampled micro-batch) rather than holding its output for every layer, a
-        chunk of rows at a time (`fp8_stats_of_rows`), so no (tokens, 2 x FFN) tensor is made whole."""
+    def _make_mlp_hook(self, gate_up_name: str):
+        """For a SwiGLU whose projections may run as one fused FP8 function (their own hooks then do not fire): the
+        gate/up projection's input as its GEMM sees it, norm(x) where the MLP is called with a norm (a keyword:
+        the hook is registered `with_kwargs`). Its output and SwiGLU's tensors come from the MLP's observer."""
         @torch.compiler.disable
-        def hook(mlp: SwiGLU, inputs: tuple, output: torch.Tensor) -> None:
+        def hook(mlp: SwiGLU, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
             if gate_up_name in self._stats:
-                return  # the layers ran (and were observed) one by one, or a later micro-batch
-            gate_up, down = mlp.gate_up_proj, mlp.down_proj
+                return  # the layers ran (and were observed) one by one, or a later micro-batch or recomputation
             with torch.no_grad():
-                x = gate_up.gemm_input(inputs)
-                x = x.reshape(-1, x.shape[-1])
-                self._record(gate_up_name, gate_up, x)
-                self._record_rows(down_name, down,
-                                  lambda start, stop: swiglu(F.linear(x[start:stop], gate_up.weight)).to(x.dtype),
-                                  x.shape[0], down.weight.shape[-1])
-            if output.requires_grad:
-                @torch.compiler.disable
-                def grad_hook(dy: torch.Tensor) -> None:
-                    with torch.no_grad():
-                        self._record_grad(down_name, down, dy)
-                        x = gate_up.gemm_input(inputs)
-                        x, dy2d = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-
-                        def d_gate_up(start: int, stop: int) -> torch.Tensor:
-                            gu = F.linear(x[start:stop], gate_up.weight)
-                            return swiglu_backward(gu, dy2d[start:stop] @ down.weight).to(dy.dtype)
-                        self._record_grad_rows(gate_up_name, gate_up, d_gate_up, x.shape[0],
-                                               gate_up.weight.shape[0])
-
-                output.register_hook(grad_hook)
+                norm = kwargs.get("norm", args[1] if len(args) > 1 else None)
+                x = args[0] if norm is None else norm(args[0])
+            self._record(gate_up_name, mlp.gate_up_proj, x)
 
         return hook
+
+    def _mlp_observer(self, mlp: SwiGLU, gate_up_name: str, down_name: str) -> MlpObserver:
+        """What the fused FP8 MLP hands over as it runs (`MlpObserver`): the down projection's input, SwiGLU's
+        output in FP32 as the fused path quantizes it, from the gate/up output gu; in backward the output gradient
+        and gu's gradient, from gu and SwiGLU's output gradient. Each is measured a chunk of rows at a time
+        (`fp8_stats_of_rows`) and nothing is kept: no GEMM is recomputed and no (tokens, 2 x FFN) tensor is made."""
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+
+        def forward(gu: torch.Tensor) -> None:
+            if down_name in self._stats:
+                return  # a later micro-batch, or the forward recomputed
+            with torch.no_grad():
+                self._record_rows(down_name, down, lambda start, stop: swiglu(gu[start:stop]), gu.shape[0],
+                                  gu.shape[1] // 2)
+
+        def backward(dy: torch.Tensor, gu: torch.Tensor, da: torch.Tensor) -> None:
+            with torch.no_grad():
+                self._record_grad(down_name, down, dy)
+                self._record_grad_rows(gate_up_name, gate_up,
+                                       lambda start, stop: swiglu_backward(gu[start:stop], da[start:stop]),
+                                       gu.shape[0], gu.shape[1])
+
+        return MlpObserver(forward, backward)
 
     def collect(self, step: int) -> dict[str, Any]:
         """Detach the hooks and return {layer: {tensor: {stat: float}}}; warns about drifting layers."""
