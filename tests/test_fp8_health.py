@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -107,8 +108,9 @@ def test_the_monitor_measures_with_each_layers_backend(tiny_overrides, monkeypat
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_triton_health_kernel_matches_the_reference_on_the_gpu(fmt_name, dtype):
     """On CUDA (the real FP8 conversion): tiles and blocks, power-of-two scales or not, values spanning 1e-12 to
-    1e15 (subnormals and flushed values in every tile kind), zero rows, constant tiles, and a tile holding inf
-    and nan: the same counts, a nan maximum where the reference's is, energies to 1e-6 where finite."""
+    1e15 (subnormals and flushed values in every tile kind), zero rows, constant tiles, tiles holding inf and nan or
+    inf alone, tiles whose squares sum past FP32's range, strided columns and no rows: the same counts, the same
+    non-finite maxima and energies where the reference's are, and finite ones equal (energies to 1e-6)."""
     from megafp8.precision.formats import FORMATS
     from megafp8.precision.health import chunk_sums
     from megafp8.precision.kernels.health import health_sums
@@ -122,17 +124,26 @@ def test_the_triton_health_kernel_matches_the_reference_on_the_gpu(fmt_name, dty
     x[300, 128:256] = -5.0
     bad = x[:256].clone()
     bad[3, 7], bad[130, 300] = float("nan"), float("inf")
-    for blocks, source in ((False, x), (True, x[:896]), (False, x[:, 256:]), (False, bad), (True, bad)):
+    infinite = x[:256].clone()
+    infinite[130, 300] = float("inf")  # a nan noise, an inf signal and maximum, counts as the reference's
+    huge = torch.full((256, 256), 1e18, device=cuda)  # squares past FP32's range in a tile's sum, finite in FP64
+    huge[:, 1::2] = -3e17
+    cases = ((False, x), (True, x[:896]), (False, x[:, 256:]), (False, bad), (True, bad), (False, infinite),
+             (True, infinite), (False, huge), (True, huge), (False, x[:, ::2]), (False, x[:0]))
+    for blocks, source in cases:
         rows = source.to(dtype)
         for pow2 in (False, True):
             want, got = chunk_sums(rows, fmt, blocks, pow2), health_sums(rows, fmt, blocks, pow2)
             for key in ("underflow", "nonzero", "at_max"):
                 assert got[key].item() == want[key].item(), (blocks, pow2, key)
-            assert got["amax"].isnan().item() == want["amax"].isnan().item()
-            if not want["amax"].isnan():
-                assert got["amax"].item() == want["amax"].item()
-                for key in ("signal", "noise"):
-                    assert got[key].item() == pytest.approx(want[key].item(), rel=1e-6), (blocks, pow2, key)
+            assert got["amax"].dtype == want["amax"].dtype and got["signal"].dtype == want["signal"].dtype
+            for key in ("amax", "signal", "noise"):
+                mine, ref = got[key].item(), want[key].item()
+                assert math.isnan(mine) == math.isnan(ref) and math.isinf(mine) == math.isinf(ref), (blocks, key, ref)
+                if math.isfinite(ref):
+                    assert mine == (ref if key == "amax" else pytest.approx(ref, rel=1e-6)), (blocks, pow2, key)
+            if source is huge:
+                assert math.isfinite(got["signal"].item()) and got["signal"].item() > 1e39
             if source is x:
                 assert 0 < want["underflow"] < want["nonzero"] and want["at_max"] > 0
 
@@ -193,7 +204,7 @@ def test_a_sampled_mlp_reports_the_same_health_by_chunks_of_rows(tiny_overrides,
                 assert chunked[layer][kind][stat] == pytest.approx(value, rel=1e-6, abs=1e-12), (layer, kind, stat)
 
 
-def _mlp_health(monkeypatch, fused: bool) -> dict:
+def _mlp_health(monkeypatch, fused: bool, recompute: bool = False, micro_batches: int = 1) -> tuple:
     """One sampled forward and backward of an FP8 SwiGLU MLP (reference backend) called as blocks call it, with its
     input norm as a keyword; unfused (`fuses_norm` off), its two linears run as modules and their own hooks see their
     tensors. The input is the residual stream, ~100x the scale of its normalized form."""
@@ -222,8 +233,15 @@ def _mlp_health(monkeypatch, fused: bool) -> dict:
         forward, backward = observer.forward, observer.backward
         observer.forward = lambda gu: (seen.setdefault("gu", gu.clone()), forward(gu))
         observer.backward = lambda dy, gu, da: (seen.update(dy=dy.clone(), da=da.clone()), backward(dy, gu, da))
-    y = model["mlp"](x, norm=model["norm"])
-    y.backward(torch.randn_like(y) * 1e-3)
+    g = torch.Generator().manual_seed(1)
+    for micro_batch in range(micro_batches):  # later micro-batches: other inputs, reported by none
+        inputs = x if micro_batch == 0 else (torch.randn(2, 128, 256, generator=g) * 50).bfloat16()
+        if recompute:  # as a recomputed (or sampled compiled) block: the forward runs again in backward
+            y = torch.utils.checkpoint.checkpoint(lambda v: model["mlp"](v, norm=model["norm"]), inputs,
+                                                  use_reentrant=False)
+        else:
+            y = model["mlp"](inputs, norm=model["norm"])
+        y.backward(torch.randn(y.shape, generator=g) * 1e-3)
     report = monitor.collect(0)
     assert model["mlp"].observer is None and not any(m._forward_hooks for m in model.modules())
     return report, seen, recipe.fp8
@@ -255,6 +273,35 @@ def test_a_fused_mlps_health_is_what_its_linears_report_run_one_by_one(monkeypat
         assert got["snr_db"] == pytest.approx(want["snr_db"], abs=1.0), (name, kind)
     for name in fused:
         assert fused[name]["weight"] == unfused[name]["weight"]
+
+
+def test_a_fused_mlps_health_is_its_first_micro_batchs_under_recomputation(monkeypatch):
+    """Recomputed (the forward runs again before backward) and followed by a second micro-batch, the fused MLP
+    reports what one plain call on the first micro-batch reports: the observer measures its first forward and first
+    backward only."""
+    plain, _, _ = _mlp_health(monkeypatch, fused=True)
+    recomputed, _, _ = _mlp_health(monkeypatch, fused=True, recompute=True, micro_batches=2)
+    assert recomputed == plain
+
+
+def test_a_sample_left_armed_by_a_failed_step_is_detached_by_the_next_arm():
+    """A step that raises between `arm` and `collect` leaves hooks, observers and the observed flags behind; the
+    next `arm` detaches them first (no hook fires twice), and an unsampled step's `arm` leaves nothing attached."""
+    from megafp8.model.mlp import SwiGLU
+    from megafp8.parallel import TensorParallel
+    from megafp8.precision import Fp8Recipe, PrecisionRecipe
+    from megafp8.train.fp8_health import Fp8HealthMonitor
+
+    recipe = PrecisionRecipe.from_name("fp8", Fp8Recipe(backend="reference"))
+    model = nn.ModuleDict({"mlp": SwiGLU(256, 384, recipe, TensorParallel.single())})
+    monitor = Fp8HealthMonitor(model, interval=2, underflow_warn=1.0, at_max_warn=1.0)
+    hooks = lambda: sum(len(m._forward_hooks) for m in model.modules())  # noqa: E731
+    assert monitor.arm(0)
+    once = hooks()
+    assert once == 3 and model["mlp"].observer is not None  # the two linears' hooks and the MLP's
+    assert monitor.arm(2) and hooks() == once  # the step before raised: armed again, not twice
+    assert not monitor.arm(3)
+    assert hooks() == 0 and model["mlp"].observer is None
 
 
 def test_monitor_covers_grouped_expert_linears(tiny_overrides):

@@ -44,7 +44,9 @@ class Fp8HealthMonitor:
         self._handles: list[Any] = []
 
     def arm(self, step: int) -> bool:
-        """Attach one-shot hooks if `step` is sampled; returns whether it is."""
+        """Attach one-shot hooks if `step` is sampled; returns whether it is. What an earlier sample left attached
+        (a step that raised before `collect`) is detached first."""
+        self._detach()
         if self.interval <= 0 or step % self.interval != 0:
             return False
         self._stats = {}
@@ -110,8 +112,10 @@ class Fp8HealthMonitor:
 
     def _make_mlp_hook(self, gate_up_name: str):
         """For a SwiGLU whose projections may run as one fused FP8 function (their own hooks then do not fire): the
-        gate/up projection's input as its GEMM sees it, norm(x) where the MLP is called with a norm (a keyword:
-        the hook is registered `with_kwargs`). Its output and SwiGLU's tensors come from the MLP's observer."""
+        gate/up projection's input, norm(x) where the MLP is called with a norm (a keyword: the hook is registered
+        `with_kwargs`), in the model's dtype as every layer's hook measures a fused norm's output (the fused FP8 path
+        quantizes the norm's FP32 output; these are the statistics of its BF16 rounding). Its output and SwiGLU's
+        tensors come from the MLP's observer."""
         @torch.compiler.disable
         def hook(mlp: SwiGLU, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
             if gate_up_name in self._stats:
@@ -127,9 +131,12 @@ class Fp8HealthMonitor:
         """What the fused FP8 MLP hands over as it runs (`MlpObserver`): the down projection's input, SwiGLU's
         output in FP32 as the fused path quantizes it, from the gate/up output gu; in backward the output gradient
         and gu's gradient, from gu and SwiGLU's output gradient. Each is measured a chunk of rows at a time
-        (`fp8_stats_of_rows`) and nothing is kept: no GEMM is recomputed and no (tokens, 2 x FFN) tensor is made."""
+        (`fp8_stats_of_rows`) and nothing is kept: no GEMM is recomputed and no (tokens, 2 x FFN) tensor is made.
+        Under sequence parallelism these tensors hold the tensor-parallel group's gathered tokens (what the fused
+        path quantizes), the gate/up input this rank's. Like the hooks, the callbacks run eagerly if ever traced."""
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
 
+        @torch.compiler.disable
         def forward(gu: torch.Tensor) -> None:
             if down_name in self._stats:
                 return  # a later micro-batch, or the forward recomputed
@@ -137,6 +144,7 @@ class Fp8HealthMonitor:
                 self._record_rows(down_name, down, lambda start, stop: swiglu(gu[start:stop]), gu.shape[0],
                                   gu.shape[1] // 2)
 
+        @torch.compiler.disable
         def backward(dy: torch.Tensor, gu: torch.Tensor, da: torch.Tensor) -> None:
             with torch.no_grad():
                 self._record_grad(down_name, down, dy)
@@ -146,12 +154,17 @@ class Fp8HealthMonitor:
 
         return MlpObserver(forward, backward)
 
-    def collect(self, step: int) -> dict[str, Any]:
-        """Detach the hooks and return {layer: {tensor: {stat: float}}}; warns about drifting layers."""
+    def _detach(self) -> None:
+        if not self._handles:  # nothing attached (the flags and observers are set only with hooks)
+            return
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._set_observed(False)
+
+    def collect(self, step: int) -> dict[str, Any]:
+        """Detach the hooks and return {layer: {tensor: {stat: float}}}; warns about drifting layers."""
+        self._detach()
         keys = [(name, kind, stat) for name, kinds in self._stats.items() for kind, stats in kinds.items()
                 for stat in stats]
         values = torch.stack([self._stats[n][k][s].float() for n, k, s in keys]).tolist() if keys else []

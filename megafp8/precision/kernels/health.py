@@ -5,8 +5,8 @@ bits), dequantizes it in registers and writes six partial sums: max |x|, element
 elements at the format's maximum, sum x^2 and sum (x - dequantized)^2. torch then adds the programs' partials (the
 energies in FP64). The reference reads and writes the tensor in FP32 about fifteen times (the casts, the quantized
 copy, the dequantized copy, each comparison and square); this reads it once in its own dtype. The counts are exact;
-the energies differ from the reference's by summation order only (FP32 within a program's tile, FP64 across;
-nothing is contracted into FMAs).
+the energies differ from the reference's by summation order only (FP32 within a row of a tile, FP64 across rows and
+programs; nothing is contracted into FMAs).
 """
 from __future__ import annotations
 
@@ -32,18 +32,21 @@ def _tile_partials(x, scale, inv, FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr
     underflow = tl.sum(tl.sum(((q == 0) & nonzero).to(tl.float32), 1), 0)
     nonzeros = tl.sum(tl.sum(nonzero.to(tl.float32), 1), 0)
     at_max = tl.sum(tl.sum((tl.abs(q) == FP8_MAX).to(tl.float32), 1), 0)
-    signal = tl.sum(tl.sum(x * x, 1), 0)
-    noise = tl.sum(tl.sum(error * error, 1), 0)
+    # Squares in FP32 as the reference's; each row's 128 added in FP32, the rows in FP64 (a tile of 4,096 or 16,384
+    # squares added in FP32 would overflow at an RMS ~10x below where the reference's squares do).
+    signal = tl.sum(tl.sum(x * x, 1).to(tl.float64), 0)
+    noise = tl.sum(tl.sum(error * error, 1).to(tl.float64), 0)
     return amax, underflow, nonzeros, at_max, signal, noise
 
 
 @triton.jit
 def _health_sums_kernel(x_ptr, out_ptr, M, stride_xm, FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr,
                         POW2: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Program (kb, mb): x[mb*BLOCK_M : (mb+1)*BLOCK_M, kb*128 : (kb+1)*128] quantized in 1x128 tiles along the
-    columns, or (BLOCKS, BLOCK_M = 128) as one 128x128 block; its six sums into out[program, :]."""
-    kb = tl.program_id(0)
-    mb = tl.program_id(1)
+    """Program (mb, kb): x[mb*BLOCK_M : (mb+1)*BLOCK_M, kb*128 : (kb+1)*128] quantized in 1x128 tiles along the
+    columns, or (BLOCKS, BLOCK_M = 128) as one 128x128 block; its six sums into out[program, :] (FP64). The row
+    blocks go on the grid's first axis, which takes 2^31 - 1 programs (the others 65,535)."""
+    mb = tl.program_id(0)
+    kb = tl.program_id(1)
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = kb * 128 + tl.arange(0, 128)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=(rows < M)[:, None],
@@ -54,9 +57,9 @@ def _health_sums_kernel(x_ptr, out_ptr, M, stride_xm, FP8_MAX: tl.constexpr, FP8
     else:
         scale, inv = tiles.tile_scale(tiles.amax(tl.abs(x), 1), FP8_MAX, POW2)
         partials = _tile_partials(x, scale[:, None], inv[:, None], FP8_MAX, FP8_DTYPE)
-    out = out_ptr + (mb.to(tl.int64) * tl.num_programs(0) + kb) * 6
+    out = out_ptr + (mb.to(tl.int64) * tl.num_programs(1) + kb) * 6
     for i in tl.static_range(6):
-        tl.store(out + i, partials[i])
+        tl.store(out + i, partials[i].to(tl.float64))
 
 
 def health_sums(x2d: torch.Tensor, fmt: Fp8Format, blocks: bool, power_of_two: bool) -> dict[str, torch.Tensor]:
@@ -69,8 +72,8 @@ def health_sums(x2d: torch.Tensor, fmt: Fp8Format, blocks: bool, power_of_two: b
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
     block_m = TILE if blocks else ROWS_PER_TILE_PROGRAM
-    grid = (k // TILE, triton.cdiv(m, block_m))
-    partials = torch.empty(grid[1] * grid[0], 6, dtype=torch.float32, device=x2d.device)
+    grid = (triton.cdiv(m, block_m), k // TILE)
+    partials = torch.empty(grid[0] * grid[1], 6, dtype=torch.float64, device=x2d.device)
     if m:
         _health_sums_kernel[grid](x2d, partials, m, x2d.stride(0), FP8_MAX=fmt.max, FP8_DTYPE=_triton_dtype(fmt),
                                   POW2=power_of_two, BLOCKS=blocks, BLOCK_M=block_m,
@@ -79,8 +82,9 @@ def health_sums(x2d: torch.Tensor, fmt: Fp8Format, blocks: bool, power_of_two: b
                                   # dequantized copy does (contracted, a tile maximum's error of one rounding of q *
                                   # scale vanishes, 0.1% of the noise in job FY's test), and the squares before sums.
                                   enable_fp_fusion=False)
-    amax = partials[:, 0].amax() if partials.shape[0] else partials.new_zeros(())
-    totals = partials[:, 1:].sum(dim=0, dtype=torch.float64)
+    # amax: FP32 values held exactly in FP64, as the reference's FP32 maximum
+    amax = partials[:, 0].amax().float() if partials.shape[0] else torch.zeros((), device=x2d.device)
+    totals = partials[:, 1:].sum(dim=0)
     counts = totals[:3].round().to(torch.int64)  # exact: each partial is an exact integer below 2^24
     return {"amax": amax, "underflow": counts[0], "nonzero": counts[1], "at_max": counts[2],
             "signal": totals[3], "noise": totals[4]}
