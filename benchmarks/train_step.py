@@ -132,9 +132,21 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def sampled_steps(first: int, stop: int, interval: int) -> list[int]:
+    """The 0-based steps in [first, stop) that sample FP8 health every `interval` steps (none if 0)."""
+    return [step for step in range(first, stop) if interval > 0 and step % interval == 0]
+
+
 def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     """One run; returns its summary row (rank 0's figures)."""
     cfg = run_config(model, recipe, args, data)
+    warmup = min(args.warmup, args.steps - args.log_interval)
+    health = sampled_steps(max(warmup - 1, 0), args.steps, cfg.logging.fp8_health_interval)
+    if cfg.precision.recipe == "fp8" and health:  # (the last warm-up step counts: it sets the held memory)
+        print(f"warning: step(s) {', '.join(str(s + 1) for s in health)} of the {recipe} run sample FP8 health "
+              f"(logging.fp8_health_interval={cfg.logging.fp8_health_interval}), eagerly: the timing's median leaves "
+              "them out, the steady and held memory columns do not; a --warmup past them keeps them out",
+              file=sys.stderr)
     dims, device = init_distributed(cfg)
     seed_everything(cfg.training.seed)
     if device.type == "cuda":
@@ -142,7 +154,6 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     torch._dynamo.reset()
     counters.clear()
     trainer = Trainer(cfg, dims, device)
-    warmup = min(args.warmup, args.steps - args.log_interval)
     warmup_peak = 0.0
     for step in range(warmup):  # compiling, autotuning, CUDA graph recording
         if step == warmup - 1 and device.type == "cuda":

@@ -482,3 +482,15 @@ def test_health_cost_times_sampled_steps_against_plain_ones(corpus_dir, tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     row = result.stdout.strip().splitlines()[-1]
     assert re.search(r"\(4 steps\) \| [\d.]+ \(2 steps\)", row), result.stdout
+
+
+def test_train_step_names_the_health_samples_its_memory_columns_would_count():
+    """A health-sampled step (every `logging.fp8_health_interval`-th, eager) in the timed window, or as the last
+    warm-up step (after which the held memory is measured), sets FP8's memory columns: `sampled_steps` finds them.
+    The MoE balanced part's 210 warm-up steps keep step 200's sample out; 200 did not (jobs FV-FW)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import train_step
+    assert train_step.sampled_steps(199, 230, 100) == [200]
+    assert train_step.sampled_steps(209, 240, 100) == []
+    assert train_step.sampled_steps(0, 30, 100) == [0]
+    assert train_step.sampled_steps(9, 30, 0) == []
