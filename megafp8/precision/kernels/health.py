@@ -17,7 +17,6 @@ import triton.language as tl
 from megafp8.precision.formats import TILE, Fp8Format
 from megafp8.precision.kernels import tiles
 
-SUMS = ("amax", "underflow", "nonzero", "at_max", "signal", "noise")  # the partials' columns, in order
 ROWS_PER_TILE_PROGRAM = 32  # 1x128 tiles: rows of x per program (32 x 128 elements: exact FP32 counts)
 
 
@@ -43,7 +42,8 @@ def _tile_partials(x, scale, inv, FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr
 def _health_sums_kernel(x_ptr, out_ptr, M, stride_xm, FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr,
                         POW2: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr):
     """Program (mb, kb): x[mb*BLOCK_M : (mb+1)*BLOCK_M, kb*128 : (kb+1)*128] quantized in 1x128 tiles along the
-    columns, or (BLOCKS, BLOCK_M = 128) as one 128x128 block; its six sums into out[program, :] (FP64). The row
+    columns, or (BLOCKS, BLOCK_M = 128) as one 128x128 block; its six sums (`_tile_partials`) into out[program, :]
+    (FP64). The row
     blocks go on the grid's first axis, which takes 2^31 - 1 programs (the others 65,535)."""
     mb = tl.program_id(0)
     kb = tl.program_id(1)
@@ -80,7 +80,7 @@ def health_sums(x2d: torch.Tensor, fmt: Fp8Format, blocks: bool, power_of_two: b
                                   num_warps=8 if blocks else 4,
                                   # No FMA contraction: x - q * scale rounds the product first, as the reference's
                                   # dequantized copy does (contracted, a tile maximum's error of one rounding of q *
-                                  # scale vanishes, 0.1% of the noise in job FY's test), and the squares before sums.
+                                  # scale vanishes, 0.1% of the noise in job FZ's test), and the squares before sums.
                                   enable_fp_fusion=False)
     # amax: FP32 values held exactly in FP64, as the reference's FP32 maximum
     amax = partials[:, 0].amax().float() if partials.shape[0] else torch.zeros((), device=x2d.device)
