@@ -43,8 +43,7 @@ def _health_sums_kernel(x_ptr, out_ptr, M, stride_xm, FP8_MAX: tl.constexpr, FP8
                         POW2: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr):
     """Program (mb, kb): x[mb*BLOCK_M : (mb+1)*BLOCK_M, kb*128 : (kb+1)*128] quantized in 1x128 tiles along the
     columns, or (BLOCKS, BLOCK_M = 128) as one 128x128 block; its six sums (`_tile_partials`) into out[program, :]
-    (FP64). The row
-    blocks go on the grid's first axis, which takes 2^31 - 1 programs (the others 65,535)."""
+    (FP64). The row blocks go on the grid's first axis, which takes 2^31 - 1 programs (the others 65,535)."""
     mb = tl.program_id(0)
     kb = tl.program_id(1)
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
