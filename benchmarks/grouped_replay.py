@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,8 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train_step  # noqa: E402
-from megafp8.train.runtime import init_distributed, seed_everything  # noqa: E402
-from megafp8.train.trainer import Trainer  # noqa: E402
 
 
 class Recorder:
@@ -100,16 +99,13 @@ def main(argv=None) -> None:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
     args.overrides = ["training.compile=true"] + args.overrides
-    args.log_interval, args.out, args.global_batch = 1, Path("/tmp/megafp8-replay"), None
-    data = train_step.corpus(args.data)
-    cfg = train_step.run_config(args.model, "fp8", args, data)
-    dims, device = init_distributed(cfg)
-    seed_everything(cfg.training.seed)
+    args.log_interval, args.out, args.global_batch = 1, Path(tempfile.mkdtemp(prefix="megafp8-replay-")), None
+    trainer, device = train_step.new_trainer(train_step.run_config(args.model, "fp8", args,
+                                                                   train_step.corpus(args.data)))
     from grouped_gemm import graphed_ms
     from megafp8.precision.kernels import gemm  # (Triton: imported here, so the CPU tests can import this file)
     recorder = Recorder(gemm)
-    recorder.install()
-    trainer = Trainer(cfg, dims, device)
+    recorder.install()  # (the backends look the kernels up at each call)
     for _ in range(args.steps - 2):
         recorder.start_step()
         trainer.train_step()

@@ -28,9 +28,9 @@ DEFAULT_INTERVAL = 100  # `logging.fp8_health_interval`'s default
 
 
 def sampled(step: int, interval: int) -> bool:
-    """Whether the training record of (1-based) `step` is a health-sampled step: the monitor samples the 0-based
-    steps that are multiples of the interval."""
-    return (step - 1) % interval == 0
+    """Whether the training record of (1-based) `step` is a health-sampled step (`fp8_health.is_sampled`)."""
+    from megafp8.train.fp8_health import is_sampled
+    return is_sampled(step - 1, interval)
 
 
 def step_table(records: list[dict], interval: int) -> str:
@@ -94,15 +94,9 @@ def main(argv=None) -> None:
     if args.stats:
         print(stats_table([tuple(int(v) for v in s.split("x")) for s in args.shapes]))
         return
-    from megafp8.train.runtime import init_distributed, seed_everything
-    from megafp8.train.trainer import Trainer
-
     args.overrides = ["training.compile=true", f"logging.fp8_health_interval={args.interval}"] + args.overrides
     args.log_interval, args.out, args.global_batch = 1, Path(tempfile.mkdtemp(prefix="megafp8-health-cost-")), None
-    cfg = train_step.run_config(args.model, "fp8", args, train_step.corpus(args.data))
-    dims, device = init_distributed(cfg)
-    seed_everything(cfg.training.seed)
-    trainer = Trainer(cfg, dims, device)
+    trainer, _ = train_step.new_trainer(train_step.run_config(args.model, "fp8", args, train_step.corpus(args.data)))
     for _ in range(args.warmup):
         trainer.train_step()
     records = [r for r in trainer.fit() if r["kind"] == "train"]

@@ -63,6 +63,7 @@ from megafp8.data.corpus import stdlib_files  # noqa: E402
 from megafp8.data.preprocess import preprocess  # noqa: E402
 from megafp8.train.runtime import env_rank, init_distributed, seed_everything, shutdown  # noqa: E402
 from megafp8.train.plan import make_plan, with_vocab  # noqa: E402
+from megafp8.train.fp8_health import is_sampled  # noqa: E402
 from megafp8.train.trainer import Trainer  # noqa: E402
 
 import kernel_breakdown  # noqa: E402  (benchmarks/, beside this file)
@@ -134,7 +135,14 @@ def release_memory(device: torch.device) -> None:
 
 def sampled_steps(first: int, stop: int, interval: int) -> list[int]:
     """The 0-based steps in [first, stop) that sample FP8 health every `interval` steps (none if 0)."""
-    return [step for step in range(first, stop) if interval > 0 and step % interval == 0]
+    return [step for step in range(first, stop) if is_sampled(step, interval)]
+
+
+def new_trainer(cfg) -> tuple[Trainer, torch.device]:
+    """This process's trainer for `cfg`: the process group set up and the run seeded first."""
+    dims, device = init_distributed(cfg)
+    seed_everything(cfg.training.seed)
+    return Trainer(cfg, dims, device), device
 
 
 def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
@@ -210,9 +218,8 @@ def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> st
     from torch.profiler import profile as torch_profile
 
     cfg = run_config(model, recipe, args, data)
-    dims, device = init_distributed(cfg)
-    seed_everything(cfg.training.seed)
-    trainer = Trainer(cfg, dims, device)
+    trainer, device = new_trainer(cfg)
+    ranks = trainer.dims.world_size
     for _ in range(args.warmup):
         trainer.train_step()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
@@ -230,7 +237,7 @@ def profile(model: str, recipe: str, args: argparse.Namespace, data: Path) -> st
     trainer.metrics.close()
     del trainer, prof
     release_memory(device)
-    title = f"{label(model, args)}, {recipe}{' (compiled)' if cfg.training.compile else ''}, {dims.world_size} rank(s)"
+    title = f"{label(model, args)}, {recipe}{' (compiled)' if cfg.training.compile else ''}, {ranks} rank(s)"
     return kernel_breakdown.markdown(title, kernel_breakdown.breakdown(kernels, args.profile), wall_ms,
                                      kernel_breakdown.top_kernels(kernels, args.profile, args.profile_top), host, ops)
 

@@ -31,6 +31,11 @@ from megafp8.precision.producers import swiglu, swiglu_backward
 log = logging.getLogger("megafp8")
 
 
+def is_sampled(step: int, interval: int) -> bool:
+    """Whether the 0-based training `step` samples FP8 health every `interval` steps (0: never)."""
+    return interval > 0 and step % interval == 0
+
+
 def _sums_of(layer: nn.Module) -> ChunkSums:
     """The layer's FP8 backend's health sums (one pass over each tensor on a GPU backend)."""
     return layer.fp8_backend_for(layer.weight.device).health_sums
@@ -47,7 +52,7 @@ class Fp8HealthMonitor:
         """Attach one-shot hooks if `step` is sampled; returns whether it is. What an earlier sample left attached
         (a step that raised before `collect`) is detached first."""
         self._detach()
-        if self.interval <= 0 or step % self.interval != 0:
+        if not is_sampled(step, self.interval):
             return False
         self._stats = {}
         names = {m: n for n, m in self.model.named_modules()}
