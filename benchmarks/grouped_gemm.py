@@ -30,9 +30,6 @@ activations and gradients, 128x128 blocks for the weight). Columns:
   stored from its registers, and in the "interleaved FFMA" column with its promotion's FFMA runs interleaved in the
   cubin (`ws_gemm(interleave_ffma=True)`; the wgrad's promotion has no such runs, so that column's wgrad rows run
   the plain kernel); dgrad's transposed weight is made once, untimed.
-- ours, ws 256, main_grad not prefetched (the wgrad into main_grad only): the warp-specialized kernel without the
-  L2 prefetch of each tile's part of main_grad at the tile's start (`ws_gemm(prefetch_c=False)`), which the
-  backend runs with.
 - ours, ws 256, x in 128x128 blocks (wgrads only; the opt-in `precision.fp8_wgrad_input_blocks`, not the recipe):
   x^T quantized in 128 x 128 blocks (`quantize_rows_cols(cols_in_blocks=True)`) instead of 1x128 tiles along the
   rows, so each K step is promoted as in fprop (`gemm.grouped_wgrad(b_blocks=True)`, what the hopper backend runs).
@@ -76,8 +73,7 @@ COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `tor
            "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours, TMA (Triton)",
            "ours, warp-specialized (Gluon), 128-wide tiles", "ours, warp-specialized, 256-wide tiles",
            "ours, ws 128, epilogue from registers", "ours, ws 256, epilogue from registers",
-           "ours, ws 256, interleaved FFMA", "ours, ws 256, main_grad not prefetched",
-           "ours, ws 256, x in 128x128 blocks", "ours (the backend's default)")
+           "ours, ws 256, interleaved FFMA", "ours, ws 256, x in 128x128 blocks", "ours (the backend's default)")
 ALWAYS = (1, len(COLUMNS) - 1)  # BF16 `_grouped_mm` and the backend's default: the ratio column's two
 WRONG = 2**-3  # relative error beyond which a column's output is reported wrong (FP8 gives a few percent)
 
@@ -308,22 +304,17 @@ def ours(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
 
 
 def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None,
-               interleave_ffma: bool = False, prefetch_c: bool = True) -> Callable:
+               interleave_ffma: bool = False) -> Callable:
     """A column of one of our grouped kernels, chosen explicitly: "pointer" (what GPUs without TMA run), "tma"
     (Triton, TMA loads) or "ws" (warp-specialized Gluon, `block_n` wide tiles; `tma_store` False: its output tiles
     stored from the consumers' registers rather than by TMA where they may; `interleave_ffma`: its FFMA runs
-    interleaved in the cubin; `prefetch_c` False: the wgrad into main_grad without its tiles' L2 prefetch of
-    main_grad, the only GEMM that option changes), against the backend's default."""
+    interleaved in the cubin), against the backend's default."""
     def build(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
-        if not prefetch_c and gemm != INTO:
-            raise NotApplicable
         if p.x.device.type != "cuda":
             raise RuntimeError("our Triton kernels need a CUDA GPU")
         from megafp8.precision.kernels import gemm as kernels
         _, rows, operands = _our_operands(p, gemm, backend)
         options = {} if kernel != "ws" else dict(block_n=block_n, tma_store=tma_store)
-        if not prefetch_c:
-            options["prefetch_c"] = False
         if gemm in ("wgrad", INTO):  # (no FFMA runs to interleave in the wgrad's promotion: the plain cubin)
             main_grad = p.main_grad() if gemm == INTO else None
             return lambda: kernels.grouped_wgrad(*operands, rows.tile_start, rows.tile_count, torch.bfloat16,
@@ -336,7 +327,7 @@ def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None
         return lambda: kernels.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, torch.bfloat16, kernel=kernel,
                                             **options)
     build.__name__ = f"ours_{kernel}_{block_n}" + ("_registers" if tma_store is False else "") + \
-        ("_interleaved" if interleave_ffma else "") + ("" if prefetch_c else "_no_prefetch")
+        ("_interleaved" if interleave_ffma else "")
     return build
 
 
@@ -359,8 +350,7 @@ def wgrad_x_blocks(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Te
 
 BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, our_kernel("pointer"), our_kernel("tma"),
             our_kernel("ws", 128), our_kernel("ws", 256), our_kernel("ws", 128, tma_store=False),
-            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True),
-            our_kernel("ws", 256, prefetch_c=False), wgrad_x_blocks, ours)
+            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True), wgrad_x_blocks, ours)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

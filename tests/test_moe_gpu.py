@@ -314,43 +314,6 @@ def test_interleaved_ffmas_write_the_same_bits():
         assert torch.equal(got.view(as_int), want.view(as_int)), name
 
 
-def test_prefetching_main_grad_into_l2_writes_the_same_bits():
-    """`ws_gemm(prefetch_c=True)` (the default where a GEMM adds into main_grad) only asks L2 for each tile's part
-    of main_grad at the tile's start: the grouped wgrad (an expert without rows, experts of 1 to 700 rows) added by
-    TMA's reduction and from registers, both tile widths, and a dense wgrad with sizes off the 128 grid, the same
-    bits as without it; an idle expert's main_grad keeps its own."""
-    pytest.importorskip("triton")
-    from megafp8.precision import E4M3, quantize as ref
-    from megafp8.precision.grouped import expert_rows
-    from megafp8.precision.kernels import gemm
-    from megafp8.precision.kernels.ws_gemm import ws_gemm
-    from tests.fp8_checks import outlier_tensor
-    if gemm.warp_specialized_unavailable(CUDA) is not None:
-        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
-    counts = torch.tensor([700, 0, 130, 1, 256])
-    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
-    n, k = 384, 640
-    at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=7), E4M3))
-    bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=8), E4M3))
-    base = torch.randn(5, n, k, device=CUDA)
-    base[1, 0, :3] = torch.tensor([-0.0, float("nan"), 1e-40])
-    for block_n in (128, 256):
-        for tma_store in (True, False):
-            got, want = (gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32,
-                                            kernel="ws", accumulate=base.clone(), block_n=block_n,
-                                            tma_store=tma_store, prefetch_c=prefetch)
-                         for prefetch in (True, False))
-            label = f"block_n={block_n}, tma_store={tma_store}"
-            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), label
-            assert torch.equal(got[1].view(torch.int32), base[1].view(torch.int32)), label
-    dt, dt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(200, 384, seed=9), E4M3))
-    xt, xt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(136, 384, seed=10), E4M3))
-    dense = torch.randn(200, 136, device=CUDA)
-    got, want = (ws_gemm(dt, dt_s, xt, xt_s, dense.clone(), b_blockwise=False, accumulate=True, prefetch_c=prefetch)
-                 for prefetch in (True, False))
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32)) and not torch.equal(got, dense)
-
-
 def test_the_tma_reduction_into_main_grad_adds_and_keeps_subnormal_gradients():
     """Adding into main_grad by TMA's reduction gives the register epilogue's `c + product` bits where the product
     is not zero, and leaves main_grad as it is where the product is zero, FP32 subnormals included (a reduction that

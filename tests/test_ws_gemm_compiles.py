@@ -47,7 +47,7 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
 MAX_SPILL_BYTES = 64
 
 
-def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = False, prefetch_c: bool = True):
+def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -68,7 +68,6 @@ def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = Fal
                                                "stride_bs_e", "stride_bs_n", "stride_bs_k")})
     buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
     constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, INTERLEAVE=interleave_ffma,
-                     PREFETCH_C=flags["ACCUMULATE"] and prefetch_c,  # as `ws_gemm` sets it
                      STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
     signature.update({name: "constexpr" for name in constants})
     with ffma_interleave.patching_ffma(ws_gemm.INTERLEAVE_MARKER):  # (patches only the kernel carrying it)
@@ -97,8 +96,6 @@ def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_
         op = "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" if flags["ACCUMULATE"] else \
             "cp.async.bulk.tensor.2d.global.shared::cta"
         assert op in ptx and not re.search(r"^\s*(@%p\d+\s+)?st\.global", ptx, re.M)  # no store from registers
-    # C's lines asked of L2 at each tile's start where the tile adds into it (`ws_gemm._prefetch_c`), nowhere else
-    assert ("prefetch.global.L2" in ptx) == flags["ACCUMULATE"]
     report = _ptxas_report(compiled)
     assert "C7511" not in report and "C7514" not in report, report  # "wgmma ... serialized"
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]

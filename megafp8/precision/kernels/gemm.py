@@ -340,15 +340,13 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
 def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype,
                   kernel: Optional[str] = None, accumulate: Optional[torch.Tensor] = None,
-                  block_n: int = 256, tma_store: Optional[bool] = None, b_blocks: bool = False,
-                  prefetch_c: bool = True) -> torch.Tensor:
+                  block_n: int = 256, tma_store: Optional[bool] = None, b_blocks: bool = False) -> torch.Tensor:
     """a (N, Mp), b (K, Mp) FP8 in 1x128 tiles along Mp, scales (N, Mp/128), (K, Mp/128) -> (E, N, K).
     `accumulate` (E, N, K) FP32: add the product into it in the GEMM's epilogue (no rounding to `out_dtype`, no
     separate pass) and return it. `kernel`, `block_n` and `tma_store` as in `grouped_gemm` (the 1x128 x 1x128
     promotion has no long FFMA runs to interleave: `ws_gemm(interleave_ffma=True)` would leave its cubin as it is).
     `b_blocks`: b in 128x128 blocks, scales (K/128, Mp/128) (`Fp8Recipe.wgrad_input_blocks`; the warp-specialized
-    kernel only, 256-wide tiles, promoted as fprop is, its FFMAs interleaved). `prefetch_c` (the warp-specialized
-    kernel adding into `accumulate`): each tile first asks L2 for its part of main_grad (`ws_gemm`)."""
+    kernel only, 256-wide tiles, promoted as fprop is, its FFMAs interleaved)."""
     n, mp = a.shape
     k = b.shape[0]
     num_experts = tile_start.shape[0]
@@ -365,8 +363,7 @@ def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     if kernel == "ws":
         from megafp8.precision.kernels.ws_gemm import ws_gemm
         return ws_gemm(a, a_scale, b, b_scale, c, accumulate=accumulate is not None, k_start=tile_start,
-                       k_count=tile_count, tma_store=tma_store, prefetch_c=prefetch_c,
-                       **_wgrad_promotion(b_blocks, block_n))
+                       k_count=tile_count, tma_store=tma_store, **_wgrad_promotion(b_blocks, block_n))
     if kernel == "tma":
         sms = _sm_count(a.device)
 

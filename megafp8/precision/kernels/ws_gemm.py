@@ -229,34 +229,12 @@ def _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, M, N, stri
             _write(c_ptr, acc1, rows, cols + TILE, M, N, group, stride_ce, stride_cm, ACCUMULATE)
 
 
-# `prefetch.global.L2` of one 128-byte line where the predicate is set; the dummy result keeps the op in the program
-_PREFETCH_LINE = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
-
-
-@gluon.jit
-def _prefetch_c(c_ptr, group, off_m, off_n, M, N, stride_ce, stride_cm, HALF: gl.constexpr,
-                BLOCK_N: gl.constexpr):
-    """Ask L2 for this consumer's 64 x BLOCK_N piece of FP32 C (`main_grad`) at the start of a tile, one prefetch
-    per 128-byte line (four a thread at 256 columns): by the epilogue, ~16 K steps later in an expert's wgrad, the
-    reduction's read of C finds it in L2 instead of waiting on HBM while the tensor cores idle. A hint only: no
-    value changes, lines past C's edges are not asked for."""
-    LINES: gl.constexpr = BLOCK_N // 32  # 128-byte lines in one row of the piece
-    layout: gl.constexpr = gl.BlockedLayout([HALF_M * LINES // 128], [32], [4], [0])
-    line = gl.arange(0, HALF_M * LINES, layout=layout)
-    rows = off_m + HALF * HALF_M + line // LINES
-    cols = off_n + (line % LINES) * 32
-    ptrs = c_ptr + group.to(gl.int64) * stride_ce + rows.to(gl.int64) * stride_cm + cols
-    wanted = ((rows < M) & (cols < N)).to(gl.int32)
-    gl.inline_asm_elementwise(_PREFETCH_LINE, "=r,l,r", [ptrs, wanted], dtype=gl.int32, is_pure=False, pack=1)
-
-
 @gluon.jit
 def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
               num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
               stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
               B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr,
-              PREFETCH_C: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
     wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator. The stage is released once its
     last wgmma has completed and its scales are read, before the last slice's promotion."""
@@ -271,9 +249,6 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
         off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
             tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_N,
             GROUP_M)
-        if PREFETCH_C:  # (C is read only where the tile adds into it: not for an expert without rows)
-            if k_steps > 0:
-                _prefetch_c(c_ptr, group, off_m, off_n, M, N, stride_ce, stride_cm, HALF, BLOCK_N)
         # Index vectors are made where they are used, not kept across the K loop: a 128-wide column vector takes 32
         # registers a thread in this layout, which the accumulators need.
         acc0 = gl.zeros([HALF_M, TILE], gl.float32, layout)
@@ -317,8 +292,7 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
                     k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
                     stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
                     ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr,
-                    PREFETCH_C: gl.constexpr):
+                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
@@ -342,11 +316,11 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
                      num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE, PREFETCH_C)),
+                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
                      num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
                      stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE, PREFETCH_C)),
+                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
                      K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
                      B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
@@ -435,7 +409,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
             block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None,
-            interleave_ffma: bool = False, prefetch_c: bool = True) -> torch.Tensor:
+            interleave_ffma: bool = False) -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
@@ -447,9 +421,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     overlapping the next tile's MMAs (None: wherever `tma_store_fits`), or from the consumers' registers (loaded,
     added and stored there).
     `interleave_ffma` (256-wide tiles): the promotion's FFMA runs interleaved in the cubin, so the warp scheduler
-    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits).
-    `prefetch_c` (with `accumulate`): each tile first asks L2 for the part of C it will add into (`_prefetch_c`;
-    the same bits)."""
+    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
@@ -486,8 +458,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise,
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
-                   INTERLEAVE=interleave_ffma, PREFETCH_C=accumulate and prefetch_c, num_warps=4,
-                   maxnreg=_MAXNREG)
+                   INTERLEAVE=interleave_ffma, num_warps=4, maxnreg=_MAXNREG)
     # (the interleaved variant is compiled, the first time, with the cubin pass installed)
     _LAUNCH.launch(grid, args, options, compiling=functools.partial(patching_ffma, INTERLEAVE_MARKER)
                    if interleave_ffma else None)
