@@ -15,6 +15,10 @@ graphs), median and range per recipe.
 
 (Everything after `--` goes to train_step.py: its `section.key=value` overrides before `--recipes`.) A run that
 fails is listed with its exit status and the end of its error output, and left out of the medians.
+
+`--prime` first runs each tree once, untimed and short (the same arguments, then `--warmup 1 --steps 2`): on a
+fresh machine Triton and Inductor compile the kernels there, into their on-disk caches, rather than inside the
+first timed run, which otherwise needs the compilation's time too within `--timeout` (job GF lost its first run so).
 """
 from __future__ import annotations
 
@@ -58,6 +62,19 @@ def parse_cells(table: str, column: str) -> dict[str, str]:
 def parse_tokens_per_s(table: str) -> dict[str, float]:
     """{recipe: tokens/s} from train_step.py's Markdown table."""
     return parse_column(table, "tokens/s")
+
+
+PRIME_ARGS = ("--warmup", "1", "--steps", "2")  # appended to a priming run's arguments: the last value counts
+
+
+def prime(trees: dict[str, Path], train_step_args: list[str], timeout: float) -> str:
+    """One short untimed run of each tree (`--prime`), so that the timed runs find the compiled kernels in the
+    caches; a line saying how each went (a failed priming run is reported, and the timed runs still go ahead)."""
+    done = []
+    for tree in ("old", "new"):
+        found, error, _, _ = run_once(trees[tree], [*train_step_args, *PRIME_ARGS], timeout)
+        done.append(f"{tree} {'ok' if found else f'FAILED ({error})'}")
+    return "primed (untimed, " + " ".join(PRIME_ARGS) + "): " + ", ".join(done)
 
 
 def order(repeats: int) -> list[str]:
@@ -154,12 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=Path, default=Path("."), help="the tree under test (default: here)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each tree")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
+    parser.add_argument("--prime", action="store_true",
+                        help="first one short untimed run in each tree, to fill the compilers' caches")
     args = parser.parse_args(ours)
     for tree in (args.old, args.new):
         if not (tree / "benchmarks" / "train_step.py").is_file():
             parser.error(f"{tree} has no benchmarks/train_step.py: give the root of a megafp8 tree")
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
     results, memory = [], []
+    if args.prime:
+        print(prime(trees, train_step_args, args.timeout) + "\n", flush=True)
     print("| run | tree | tokens/s by recipe |\n|---|---|---|")
     for i, tree in enumerate(order(args.repeats), 1):
         found, error, gib, loads = run_once(trees[tree], train_step_args, args.timeout)

@@ -286,6 +286,25 @@ def test_ab_steps_alternates_the_trees_and_compares_their_medians(tmp_path):
     assert "| fp8 | 100,000 (99,000-101,000, 3) | 103,000 (102,000-110,000, 3) | 1.0300 | apart |" in result.stdout
 
 
+def test_ab_steps_primes_each_tree_once_untimed_before_the_timed_runs(tmp_path):
+    """`--prime`: one short run in each tree first (the same arguments, then `--warmup 1 --steps 2`), left out of
+    the table and the medians; then the ABBA runs with the arguments unchanged."""
+    old = ab_tree(tmp_path, "old", ["1", "100000", "101000"])
+    new = ab_tree(tmp_path, "new", ["fail", "103000", "102000"])
+    log = tmp_path / "ab.log"
+    cmd = [sys.executable, str(REPO / "benchmarks/ab_steps.py"), "--old", str(old), "--new", str(new),
+           "--repeats", "2", "--prime", "--", "--model", "moe", "--recipes", "fp8"]
+    result = subprocess.run(cmd, env=dict(os.environ, AB_LOG=str(log)), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    ran = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    assert ran[:2] == [["old", "--model moe --recipes fp8 --warmup 1 --steps 2"],
+                       ["new", "--model moe --recipes fp8 --warmup 1 --steps 2"]]
+    assert [tree for tree, _ in ran[2:]] == ["old", "new", "new", "old"]
+    assert all(args == "--model moe --recipes fp8" for _, args in ran[2:])
+    assert "primed (untimed, --warmup 1 --steps 2): old ok, new FAILED (rc 1: CUDA out of memory)" in result.stdout
+    assert "| fp8 | 100,500 (100,000-101,000, 2) | 102,500 (102,000-103,000, 2) | 1.0199 | apart |" in result.stdout
+
+
 def test_ab_steps_gives_each_trees_fp8_over_bf16_within_its_runs():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import ab_steps
