@@ -269,19 +269,27 @@ def ab_tree(root: Path, name: str, rates: list[str]) -> Path:
     return tree
 
 
+def run_ab_steps(root: Path, old_rates: list[str], new_rates: list[str], ours: list[str],
+                 train_step: list[str]) -> tuple[subprocess.CompletedProcess, list[tuple[str, str]]]:
+    """ab_steps.py over two stand-in trees giving these tokens/s run by run ("fail": a failed run), with its own
+    arguments `ours` and `train_step` after `--`; (its result, (tree, arguments) of each run in order)."""
+    old, new = ab_tree(root, "old", old_rates), ab_tree(root, "new", new_rates)
+    log = root / "ab.log"
+    cmd = [sys.executable, str(REPO / "benchmarks/ab_steps.py"), "--old", str(old), "--new", str(new), *ours, "--",
+           *train_step]
+    result = subprocess.run(cmd, env=dict(os.environ, AB_LOG=str(log)), capture_output=True, text=True, timeout=120)
+    ran = [tuple(line.split(" ", 1)) for line in log.read_text().splitlines()] if log.exists() else []
+    return result, ran
+
+
 def test_ab_steps_alternates_the_trees_and_compares_their_medians(tmp_path):
     """ABBA order (old, new, new, old, old, new), every run's figure, each tree's median and range, new / old of the
     medians; the train_step.py arguments after `--` reach every run unchanged."""
-    old = ab_tree(tmp_path, "old", ["100000", "101000", "99000"])
-    new = ab_tree(tmp_path, "new", ["103000", "102000", "110000"])
-    log = tmp_path / "ab.log"
-    cmd = [sys.executable, str(REPO / "benchmarks/ab_steps.py"), "--old", str(old), "--new", str(new),
-           "--repeats", "3", "--", "--model", "1b", "training.compile=true", "--recipes", "fp8"]
-    result = subprocess.run(cmd, env=dict(os.environ, AB_LOG=str(log)), capture_output=True, text=True, timeout=120)
+    result, ran = run_ab_steps(tmp_path, ["100000", "101000", "99000"], ["103000", "102000", "110000"],
+                               ["--repeats", "3"], ["--model", "1b", "training.compile=true", "--recipes", "fp8"])
     assert result.returncode == 0, result.stderr
-    ran = log.read_text().splitlines()
-    assert [line.split()[0] for line in ran] == ["old", "new", "new", "old", "old", "new"]
-    assert all(line.split(" ", 1)[1] == "--model 1b training.compile=true --recipes fp8" for line in ran)
+    assert [tree for tree, _ in ran] == ["old", "new", "new", "old", "old", "new"]
+    assert all(args == "--model 1b training.compile=true --recipes fp8" for _, args in ran)
     assert "| 6 | new | fp8 110,000 |" in result.stdout
     assert "| fp8 | 100,000 (99,000-101,000, 3) | 103,000 (102,000-110,000, 3) | 1.0300 | apart |" in result.stdout
 
@@ -289,16 +297,11 @@ def test_ab_steps_alternates_the_trees_and_compares_their_medians(tmp_path):
 def test_ab_steps_primes_each_tree_once_untimed_before_the_timed_runs(tmp_path):
     """`--prime`: one short run in each tree first (the same arguments, then `--warmup 1 --steps 2`), left out of
     the table and the medians; then the ABBA runs with the arguments unchanged."""
-    old = ab_tree(tmp_path, "old", ["1", "100000", "101000"])
-    new = ab_tree(tmp_path, "new", ["fail", "103000", "102000"])
-    log = tmp_path / "ab.log"
-    cmd = [sys.executable, str(REPO / "benchmarks/ab_steps.py"), "--old", str(old), "--new", str(new),
-           "--repeats", "2", "--prime", "--", "--model", "moe", "--recipes", "fp8"]
-    result = subprocess.run(cmd, env=dict(os.environ, AB_LOG=str(log)), capture_output=True, text=True, timeout=120)
+    result, ran = run_ab_steps(tmp_path, ["1", "100000", "101000"], ["fail", "103000", "102000"],
+                               ["--repeats", "2", "--prime"], ["--model", "moe", "--recipes", "fp8"])
     assert result.returncode == 0, result.stderr
-    ran = [line.split(" ", 1) for line in log.read_text().splitlines()]
-    assert ran[:2] == [["old", "--model moe --recipes fp8 --warmup 1 --steps 2"],
-                       ["new", "--model moe --recipes fp8 --warmup 1 --steps 2"]]
+    assert ran[:2] == [("old", "--model moe --recipes fp8 --warmup 1 --steps 2"),
+                       ("new", "--model moe --recipes fp8 --warmup 1 --steps 2")]
     assert [tree for tree, _ in ran[2:]] == ["old", "new", "new", "old"]
     assert all(args == "--model moe --recipes fp8" for _, args in ran[2:])
     assert "primed (untimed, --warmup 1 --steps 2): old ok, new FAILED (rc 1: CUDA out of memory)" in result.stdout
@@ -319,12 +322,7 @@ def test_ab_steps_gives_each_trees_fp8_over_bf16_within_its_runs():
 
 
 def test_ab_steps_reports_a_failed_run_and_leaves_it_out(tmp_path):
-    old = ab_tree(tmp_path, "old", ["100000"])
-    new = ab_tree(tmp_path, "new", ["fail"])
-    cmd = [sys.executable, str(REPO / "benchmarks/ab_steps.py"), "--old", str(old), "--new", str(new),
-           "--repeats", "1", "--", "--recipes", "fp8"]
-    result = subprocess.run(cmd, env=dict(os.environ, AB_LOG=str(tmp_path / "ab.log")), capture_output=True,
-                            text=True, timeout=120)
+    result, _ = run_ab_steps(tmp_path, ["100000"], ["fail"], ["--repeats", "1"], ["--recipes", "fp8"])
     assert result.returncode == 1
     assert "| 2 | new | FAILED (rc 1: CUDA out of memory) |" in result.stdout
     assert "| fp8 | 100,000 (100,000-100,000, 1) | no run | - | - |" in result.stdout
