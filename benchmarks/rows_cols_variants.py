@@ -11,7 +11,10 @@ padding) and on each timed shape, every Gluon variant's FP8 values and scales mu
 `compile_mode: reduce-overhead`) and GB/s (x read once, both FP8 layouts and their scales written once; RMSNorm's
 rstd computed beforehand, not timed), with the ms of back-to-back eager launches in brackets (the host's launch
 cost shows there when it exceeds the kernel's), at the ~1B and 8B-layer shapes of dy and of the
-norms' inputs, and for a top-4 dispatch of 16,384 tokens of width 2048.
+norms' inputs, for a top-4 dispatch of 16,384 tokens of width 2048 in random order, and for the MoE benchmark
+model's dispatch as its layer lays it out: 16,384 tokens each in 8 of 64 experts, sorted by expert, each expert's
+rows padded to 128, the layout as long as `expert_rows` makes it without a host sync (139,136 rows). The column
+"token blocks first" runs the Gluon kernel with its grid walking the token blocks first (`launch(rows_first=True)`).
 """
 from __future__ import annotations
 
@@ -29,8 +32,9 @@ from fused_quantize import (differing_bytes, graphed_ms, poisoned_rows_cols_outp
 
 SHAPES = [("dy", "~1B", 6144), ("dy", "~1B", 2048), ("dy", "~1B", 11264), ("dy", "8B-layers", 12288),
           ("dy", "8B-layers", 28672), ("rmsnorm", "~1B", 2048), ("rmsnorm", "8B-layers", 4096),
-          ("gather", "MoE dispatch, top-4 of the tokens", 2048)]
+          ("gather", "MoE dispatch, top-4 of the tokens", 2048), ("moe_layout", "MoE expert layout, top-8 of 64", 2048)]
 TOP_K = 4  # the gathering case: every token in TOP_K padded rows, 1/32 of the rows padding (index -1)
+EXPERTS, EXPERT_TOP_K = 64, 8  # the MoE layout case (`train_step.py --model moe`)
 
 
 def triton_rows_cols(x, rstd, weight, index, out, fmt, pow2) -> None:
@@ -45,7 +49,9 @@ def variants() -> dict:
         label = "gluon, divisions shared out: " + {(True, True): "rows and columns", (False, True): "columns",
                                                    (False, False): "none"}[rows, cols]
         out[label] = (lambda x, rstd, w, index, o, fmt, pow2, r=rows, c=cols: rows_cols_gluon.launch(
-            x, rstd, w, o, fmt, pow2, spread_rows=r, spread_cols=c, index=index))
+            x, rstd, w, o, fmt, pow2, spread_rows=r, spread_cols=c, index=index, rows_first=False))
+    out["gluon, token blocks first"] = (lambda x, rstd, w, index, o, fmt, pow2: rows_cols_gluon.launch(
+        x, rstd, w, o, fmt, pow2, index=index, rows_first=True))
     return out
 
 
@@ -55,6 +61,24 @@ def gather_index(tokens: int, g: torch.Generator) -> torch.Tensor:
     rows = rows[torch.randperm(rows.numel(), generator=g)]
     rows[torch.randperm(rows.numel(), generator=g)[: rows.numel() // 32]] = -1
     return rows
+
+
+def moe_layout_index(tokens: int, g: torch.Generator) -> torch.Tensor:
+    """The MoE dispatch's gather map as the layer makes it: each token routed to EXPERT_TOP_K distinct experts of
+    EXPERTS at random (balanced on average), the (token, expert) pairs sorted by expert (tokens in order within
+    one), each expert's rows padded to 128 (index -1), the layout as long as its bound without a host sync
+    (`megafp8.precision.expert_layout.expert_rows`)."""
+    chosen = torch.rand(tokens, EXPERTS, generator=g).topk(EXPERT_TOP_K, dim=1).indices.flatten()
+    token = torch.arange(tokens).repeat_interleave(EXPERT_TOP_K)
+    order = torch.sort(chosen, stable=True).indices
+    chosen, token = chosen[order], token[order]
+    counts = torch.bincount(chosen, minlength=EXPERTS)
+    padded = (counts + 127) // 128 * 128
+    first_row = torch.cumsum(padded, 0) - padded
+    rank = torch.arange(token.numel()) - (torch.cumsum(counts, 0) - counts)[chosen]
+    index = torch.full(((token.numel() + EXPERTS * 127) // 128 * 128,), -1, dtype=torch.long)
+    index[first_row[chosen] + rank] = token
+    return index
 
 
 def main(argv=None) -> None:
@@ -76,6 +100,8 @@ def main(argv=None) -> None:
             weight = (torch.rand(k, generator=g) + 0.5).bfloat16().to(device)
         if kind == "gather":
             index = gather_index(tokens, g).to(device)
+        if kind == "moe_layout":
+            index = moe_layout_index(tokens, g).to(device)
         m = tokens if index is None else index.shape[0]
         want = outputs(m, k, fmt, device)
         triton_rows_cols(x, rstd, weight, index, want, fmt, pow2)

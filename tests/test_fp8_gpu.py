@@ -472,7 +472,8 @@ def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, 
     (256 tokens: RMSNorm's tiles then load and store rows without predicates) and (gathering) zero rows, however the
     divisions are shared out, and for one and two tokens (one token is what ptxas miscompiled when M was compiled
     in: `gluon_tiles.TokenCountLaunch`). Both (norm, gather): the MoE combine's gradient, factors per gathered row
-    as the inverse RMS and ones as the weight (`gather_scale_quantize_rows_cols`)."""
+    as the inverse RMS and ones as the weight (`gather_scale_quantize_rows_cols`). The grid walking the token blocks
+    first (`launch(rows_first=True)`) writes the same bytes."""
     gluon = pytest.importorskip("megafp8.precision.kernels.rows_cols_gluon")
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("the Gluon rows + columns kernel runs on SM90 only")
@@ -494,15 +495,17 @@ def test_the_gluon_rows_cols_kernel_gives_the_triton_kernels_bits(norm, gather, 
         rstd = torch.rand(m, device=CUDA) * (torch.arange(m, device=CUDA) % 7 != 0)
         weight = torch.ones(k, device=CUDA)
     for fmt, pow2 in ((E4M3, False), (E5M2, True)):
-        want, got = (tiles.rows_cols_outputs(m, k, fmt, CUDA) for _ in range(2))
-        for out in (want, got):
+        want, got, walked = (tiles.rows_cols_outputs(m, k, fmt, CUDA) for _ in range(3))
+        for out in (want, got, walked):
             for t in (out[0], out[2]):
                 t.view(torch.uint8).fill_(0x55)  # a byte left unwritten shows
         quantize.launch_rows_cols_triton(x, rstd, weight, want, fmt, pow2, index=index)
-        gluon.launch(x, rstd, weight, got, fmt, pow2, spread_rows=spread_rows, spread_cols=spread_cols,
-                     index=index)
-        assert_same_quantization(got[:2], want[:2], f"rows, {fmt}, pow2={pow2}, norm={norm}")
-        assert_same_quantization(got[2:], want[2:], f"columns, {fmt}, pow2={pow2}, norm={norm}")
+        for out, rows_first in ((got, False), (walked, True)):
+            gluon.launch(x, rstd, weight, out, fmt, pow2, spread_rows=spread_rows, spread_cols=spread_cols,
+                         index=index, rows_first=rows_first)
+            label = f"{fmt}, pow2={pow2}, norm={norm}, rows_first={rows_first}"
+            assert_same_quantization(out[:2], want[:2], f"rows, {label}")
+            assert_same_quantization(out[2:], want[2:], f"columns, {label}")
 
 
 @pytest.mark.parametrize("tokens_each, warps", [(16, 4), (8, 8)])

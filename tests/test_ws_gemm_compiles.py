@@ -168,7 +168,7 @@ def _assert_wide_shared_accesses(sass: str) -> None:
 
 
 def _rows_cols_compiled(norm: bool, gather: bool, one_token: bool = False, masked: bool = True,
-                        col_blocks: bool = False):
+                        col_blocks: bool = False, rows_first: bool = False):
     """The row + column quantizer compiled for sm_90 as its launches specialize it (M = 1 compiled in where
     `one_token`, as Triton's JIT would without `TokenCountLaunch`'s twin; `masked`: M not a multiple of 128;
     `col_blocks`: x^T in 128x128 blocks)."""
@@ -183,7 +183,7 @@ def _rows_cols_compiled(norm: bool, gather: bool, one_token: bool = False, maske
                                                "stride_st_k", "stride_st_m")})
     load, store_t, rows, cols = r.tile_layouts()
     constants = dict(FP8_MAX=448.0, POW2=False, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows,
-                     COLS=cols, MASKED=masked or one_token, COL_BLOCKS=col_blocks,
+                     COLS=cols, MASKED=masked or one_token, COL_BLOCKS=col_blocks, ROWS_FIRST=rows_first,
                      stride_sm=1, stride_st_k=1, **(dict(M=1) if one_token else {}))
     signature.update({name: "constexpr" for name in constants})
     names = list(signature)
@@ -342,6 +342,23 @@ def test_the_gluon_rows_cols_kernel_compiles_for_sm90_lean_and_without_spills(no
     if not masked:
         partial = _sass_instructions(_ptxas_and_sass(_rows_cols_compiled(norm, gather).asm["ptx"])[1])
         assert per_element <= partial * 32 * r.WARPS / (128 * 128), (per_element, partial)
+
+
+def test_walking_the_token_blocks_first_changes_only_which_program_takes_which_tile():
+    """`rows_cols_gluon.launch(rows_first=True)` (the gather's grid with its token blocks on the first axis) swaps
+    the two program ids and nothing else: as many instructions as the default walk, the same memory accesses,
+    shuffles, conversions and arithmetic (ptxas may pick other integer opcodes for the addresses)."""
+    import collections
+
+    def opcodes(rows_first: bool) -> collections.Counter:
+        listing = _ptxas_and_sass(_rows_cols_compiled(False, True, rows_first=rows_first).asm["ptx"])[1]
+        return collections.Counter(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+([A-Z][A-Z0-9.]*)", listing, re.M))
+
+    walked, default = opcodes(True), opcodes(False)
+    assert sum(walked.values()) == sum(default.values())
+    work = ("LDG", "STG", "LDS", "STS", "SHFL", "F2FP", "FMNMX", "FMUL", "FFMA", "MUFU", "BAR")
+    assert {op: n for op, n in walked.items() if op.startswith(work)} == \
+        {op: n for op, n in default.items() if op.startswith(work)}
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["whole_tiles", "partial_last_tile"])

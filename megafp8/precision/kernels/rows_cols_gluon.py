@@ -96,13 +96,17 @@ def _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_pt
                     stride_sm, stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX: gl.constexpr,
                     POW2: gl.constexpr, NORM: gl.constexpr, GATHER: gl.constexpr, LOAD: gl.constexpr,
                     STORE_T: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr,
-                    COL_BLOCKS: gl.constexpr):
+                    COL_BLOCKS: gl.constexpr, ROWS_FIRST: gl.constexpr):
     """Tile (kb, mb) of x (M, K): quantized along its rows (q, s) and along its columns (qt = x^T, st; rows past M
     as zeros; with COL_BLOCKS, x^T as one 128x128 block). With NORM, of RMSNorm(x): (x * rstd[row]) * w[col] in
     FP32, as the Triton kernel computes it. With GATHER, row i is x[idx[i]] (a zero row where idx[i] < 0): the MoE
-    dispatch's gather into the expert layout."""
-    kb = gl.program_id(0)
-    mb = gl.program_id(1)
+    dispatch's gather into the expert layout. ROWS_FIRST: the grid's first axis walks the token blocks (`launch`)."""
+    if ROWS_FIRST:
+        mb = gl.program_id(0)
+        kb = gl.program_id(1)
+    else:
+        kb = gl.program_id(0)
+        mb = gl.program_id(1)
     rows = mb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LOAD))
     cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LOAD))
     in_rows = rows < M
@@ -180,10 +184,10 @@ def _quantize_rows_cols_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_p
                                      FP8_MAX: gl.constexpr, POW2: gl.constexpr, NORM: gl.constexpr,
                                      GATHER: gl.constexpr, LOAD: gl.constexpr, STORE_T: gl.constexpr,
                                      ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr,
-                                     COL_BLOCKS: gl.constexpr):
+                                     COL_BLOCKS: gl.constexpr, ROWS_FIRST: gl.constexpr):
     _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
                     stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, NORM, GATHER, LOAD, STORE_T, ROWS,
-                    COLS, MASKED, COL_BLOCKS)
+                    COLS, MASKED, COL_BLOCKS, ROWS_FIRST)
 
 
 @gluon.jit
@@ -192,10 +196,10 @@ def _rmsnorm_quantize_gluon_kernel(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr
                                    FP8_MAX: gl.constexpr, POW2: gl.constexpr, NORM: gl.constexpr,
                                    GATHER: gl.constexpr, LOAD: gl.constexpr, STORE_T: gl.constexpr,
                                    ROWS: gl.constexpr, COLS: gl.constexpr, MASKED: gl.constexpr,
-                                   COL_BLOCKS: gl.constexpr):
+                                   COL_BLOCKS: gl.constexpr, ROWS_FIRST: gl.constexpr):
     _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, stride_xm, stride_qm, stride_sm,
                     stride_sk, stride_qt, stride_st_k, stride_st_m, FP8_MAX, POW2, NORM, GATHER, LOAD, STORE_T, ROWS,
-                    COLS, MASKED, COL_BLOCKS)
+                    COLS, MASKED, COL_BLOCKS, ROWS_FIRST)
 
 
 @gluon.jit
@@ -269,13 +273,24 @@ _LAUNCHES = MappingProxyType({norm: gluon_tiles.TokenCountLaunch(kernel_for(norm
 _ROPE_LAUNCH = gluon_tiles.TokenCountLaunch(_rope_backward_quantize_gluon_kernel)
 
 
+# Whether gathers walk the token blocks first (`launch(rows_first=...)`'s default with an index). Not yet measured
+# on a GPU: off, as before, until the benchmark (`rows_cols_variants.py`, its MoE layout row) says otherwise.
+GATHER_ROWS_FIRST = False
+
+
 def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | None, out: tuple, fmt: Fp8Format,
            power_of_two: bool, spread_rows: bool = True, spread_cols: bool = True,
-           index: torch.Tensor | None = None, cols_in_blocks: bool = False) -> None:
+           index: torch.Tensor | None = None, cols_in_blocks: bool = False, rows_first: bool | None = None) -> None:
     """Fill `out` (from `tiles.rows_cols_outputs`) from x (M, K), from RMSNorm(x) given its rstd (M,) and weight
     (K,), or from the rows x[index[i]] (M = len(index); a zero row where index[i] < 0).
     `spread_rows`/`spread_cols`: share the rows' or columns' divisions out over the threads. `cols_in_blocks`: x^T
-    in 128x128 blocks (out from `tiles.rows_cols_outputs` with it)."""
+    in 128x128 blocks (out from `tiles.rows_cols_outputs` with it).
+    `rows_first` (None: `GATHER_ROWS_FIRST` for a gather, else False): the grid walks the token blocks first, one
+    128-feature column at a time, instead of each token block's features first. The same bytes either way; it
+    changes which tiles run at once. In the MoE dispatch every token is gathered into top_k rows far apart in the
+    expert layout (sorted by expert), so walking a block's features first reads each token's row from HBM once
+    per expert (the source, 64 MB at 16,384 x 2,048, outgrows L2 between the reads); walking the token blocks
+    first keeps one 128-feature column of the source (4 MB) in L2 while all its copies are read."""
     m, k = (x.shape[0] if index is None else index.shape[0]), x.shape[1]
     q, s, qt, st = out
     load, store_t, rows, cols = tile_layouts()
@@ -286,12 +301,15 @@ def launch(x: torch.Tensor, rstd: torch.Tensor | None, weight: torch.Tensor | No
     # Unmasked loads and stores on whole token blocks: RMSNorm's tiles 12-14% faster, dy's 9-11% slower (the same
     # bits; job EN, docs/benchmarks.md), so only RMSNorm's drop the predicates.
     masked = m % 128 != 0 or not producer_tiles
+    if rows_first is None:
+        rows_first = gather and GATHER_ROWS_FIRST
+    grid = (-(-m // 128), k // 128) if rows_first else (k // 128, -(-m // 128))
     _LAUNCHES[producer_tiles].launch(
-        (k // 128, -(-m // 128)),
+        grid,
         (x, rstd if norm else x, weight if norm else x, index if gather else x, q, s, qt, st, m, x.stride(0),
          q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1)),
         dict(FP8_MAX=fmt.max, POW2=power_of_two, NORM=norm, GATHER=gather, LOAD=load, STORE_T=store_t, ROWS=rows,
-             COLS=cols, MASKED=masked, COL_BLOCKS=cols_in_blocks, num_warps=WARPS))
+             COLS=cols, MASKED=masked, COL_BLOCKS=cols_in_blocks, ROWS_FIRST=rows_first, num_warps=WARPS))
 
 
 def launch_rope_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
