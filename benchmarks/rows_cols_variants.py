@@ -15,6 +15,10 @@ norms' inputs, for a top-4 dispatch of 16,384 tokens of width 2048 in random ord
 model's dispatch as its layer lays it out: 16,384 tokens each in 8 of 64 experts, sorted by expert, each expert's
 rows padded to 128, the layout as long as `expert_rows` makes it without a host sync (139,136 rows). The column
 "token blocks first" runs the Gluon kernel with its grid walking the token blocks first (`launch(rows_first=True)`).
+Last, BF16's dispatch of the same layout's rows (unpadded, as the BF16 experts take them): `index_select` (what it
+runs by default) against `permute_kernels.gather_rows` walking the row blocks first and each block's features
+first (`permute.GATHER_ROWS_BY_BLOCKS`), ms of device time and GB/s (read once, written once); the copies must
+equal `index_select`'s.
 """
 from __future__ import annotations
 
@@ -123,6 +127,26 @@ def main(argv=None) -> None:
                 cells.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}".replace("|", "/"))
         label = f"{name}, {'E5M2 pow2' if pow2 else fmt.name}" if tokens == 200 else name
         print(f"| {kind} | {label}, {m}x{k} | " + " | ".join(cells) + " |", flush=True)
+    print("\n" + bf16_dispatch(args.tokens, 2048, args.iters, device, g))
+
+
+def bf16_dispatch(tokens: int, k: int, iters: int, device: torch.device, g: torch.Generator) -> str:
+    """BF16's dispatch gather of the MoE layout's rows, three ways (the module docstring), as a Markdown table."""
+    from megafp8.parallel import permute_kernels
+    x = torch.randn(tokens, k, generator=g).bfloat16().to(device)
+    index = moe_layout_index(tokens, g)
+    index = index[index >= 0].to(device)  # the rows sorted by expert, unpadded
+    want = x.index_select(0, index)
+    runs = {"`index_select`": lambda: x.index_select(0, index),
+            "gather_rows, row blocks first": lambda: permute_kernels.gather_rows(x, index, rows_first=True),
+            "gather_rows, features first": lambda: permute_kernels.gather_rows(x, index, rows_first=False)}
+    cells = []
+    for run in runs.values():
+        same = torch.equal(run(), want)
+        ms = graphed_ms(run, iters=iters)
+        cells.append(f"{ms:.3f} ms, {2 * want.numel() * 2 / ms / 1e6:.0f} GB/s" + ("" if same else " (WRONG)"))
+    return ("| BF16 dispatch, MoE expert layout | " + " | ".join(runs) + " |\n|---|" + "---|" * len(runs) + "\n"
+            + f"| {index.numel()}x{k} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

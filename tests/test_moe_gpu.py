@@ -91,6 +91,12 @@ def test_moe_permutation_kernels_match_their_pure_torch_twins():
     torch.testing.assert_close(permute_kernels.combine_weights_grad(dout, y, pos), want_dweights, rtol=1e-5,
                                atol=1e-5 * float(want_dweights.abs().max()))
     assert torch.equal(permute.combine_weights_grad_reference(dout, y, pos), want_dweights)
+    # the dispatch's gather as a copy kernel (`permute.GATHER_ROWS_BY_BLOCKS`), rows not a whole number of blocks,
+    # features not of 128: index_select's bytes, either walk
+    source = torch.randn(tokens, hidden + 64, device=CUDA, generator=g).bfloat16()
+    index = row_to_source[:tokens * k - 5]
+    for rows_first in (True, False):
+        assert torch.equal(permute_kernels.gather_rows(source, index, rows_first), source.index_select(0, index))
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "bf16"])

@@ -157,10 +157,32 @@ def _(dout, y, pos):
     return dout.new_empty(pos.shape, dtype=torch.promote_types(dout.dtype, torch.float32))
 
 
+# Whether the dispatch's gather (BF16 experts) runs `permute_kernels.gather_rows`, walking the row blocks first (the
+# FP8 gathers' `rows_cols_gluon.GATHER_ROWS_FIRST`), rather than `index_select`. Not yet run on a GPU: off, as
+# before, until `benchmarks/rows_cols_variants.py` (its BF16 dispatch lines) says otherwise.
+GATHER_ROWS_BY_BLOCKS = False
+
+
+@torch.library.custom_op("megafp8::gather_rows", mutates_args=())
+def _gather_rows_op(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if _use_triton(source):
+        from megafp8.parallel import permute_kernels
+
+        return permute_kernels.gather_rows(source, index)
+    return source.index_select(0, index)
+
+
+@_gather_rows_op.register_fake
+def _(source, index):
+    return source.new_empty(index.shape[0], source.shape[1])
+
+
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, source, row_to_source, source_to_rows):
         ctx.save_for_backward(source_to_rows)
+        if GATHER_ROWS_BY_BLOCKS and source.stride(-1) == 1:
+            return _gather_rows_op(source, row_to_source)
         return source.index_select(0, row_to_source)
 
     @staticmethod

@@ -73,11 +73,33 @@ def _combine_backward_kernel(dout_ptr, y_ptr, pos_ptr, w_ptr, dy_ptr, dw_ptr, N,
     tl.store(dw_ptr + t * K + j, dot, mask=in_t)
 
 
+@triton.jit
+def _gather_rows_kernel(src_ptr, idx_ptr, out_ptr, M, H, stride_src, stride_out, ROWS_FIRST: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[i] = src[idx[i]] for BLOCK_M rows x BLOCK_H features: a copy. ROWS_FIRST: the grid's first axis walks
+    the row blocks, so the programs running at once read one BLOCK_H-wide column of the source (`gather_rows`)."""
+    if ROWS_FIRST:
+        pm = tl.program_id(0)
+        ph = tl.program_id(1)
+    else:
+        ph = tl.program_id(0)
+        pm = tl.program_id(1)
+    i = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = ph * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_i = i < M
+    mask = in_i[:, None] & (h < H)[None, :]
+    row = tl.load(idx_ptr + i, mask=in_i, other=0).to(tl.int64)
+    values = tl.load(src_ptr + row[:, None] * stride_src + h[None, :], mask=mask)
+    tl.store(out_ptr + i[:, None].to(tl.int64) * stride_out + h[None, :], values, mask=mask)
+
+
 # Triton's JIT once per static signature, then the compiled kernels (`launch.FastLaunch`): each MoE layer launches
 # these every micro-batch, and with several EP ranks they run eagerly between compiled regions.
 _GATHER_SUM = FastLaunch(_gather_sum_kernel)
 _COMBINE = FastLaunch(_combine_kernel)
 _COMBINE_BACKWARD = FastLaunch(_combine_backward_kernel)
+_GATHER_ROWS = FastLaunch(_gather_rows_kernel)
+GATHER_BLOCK_M = 32  # rows per program of `gather_rows`
 
 
 def _rows_block(n: int) -> int:
@@ -95,6 +117,23 @@ def gather_sum(d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         _GATHER_SUM.launch((triton.cdiv(s_rows, block), triton.cdiv(d.shape[1], BLOCK_H)),
                            (d, index, out, s_rows, d.shape[1], d.stride(0), out.stride(0)),
                            dict(R=r, BLOCK_S=block, BLOCK_H=BLOCK_H, num_warps=4))
+    return out
+
+
+def gather_rows(source: torch.Tensor, index: torch.Tensor, rows_first: bool = True) -> torch.Tensor:
+    """source.index_select(0, index) (source (S, H) row-major, index (M,) of valid rows), the same bytes. With
+    `rows_first` the grid walks the row blocks first, one 128-feature column at a time: in the MoE dispatch each
+    source row is read into top_k rows far apart, and walking each row block's features first reads it from HBM
+    once per expert where the source outgrows L2 (`rows_cols_gluon.launch` walks the FP8 gathers so too)."""
+    assert source.stride(1) == 1, "gather_rows needs a row-major source"
+    index = index.contiguous()
+    m, h = index.shape[0], source.shape[1]
+    out = torch.empty(m, h, dtype=source.dtype, device=source.device)
+    if m:
+        row_blocks, columns = triton.cdiv(m, GATHER_BLOCK_M), triton.cdiv(h, BLOCK_H)
+        _GATHER_ROWS.launch((row_blocks, columns) if rows_first else (columns, row_blocks),
+                            (source, index, out, m, h, source.stride(0), out.stride(0)),
+                            dict(ROWS_FIRST=rows_first, BLOCK_M=GATHER_BLOCK_M, BLOCK_H=BLOCK_H, num_warps=4))
     return out
 
 
