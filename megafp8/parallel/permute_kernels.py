@@ -78,12 +78,8 @@ def _gather_rows_kernel(src_ptr, idx_ptr, out_ptr, M, H, stride_src, stride_out,
                         BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[i] = src[idx[i]] for BLOCK_M rows x BLOCK_H features: a copy. ROWS_FIRST: the grid's first axis walks
     the row blocks, so the programs running at once read one BLOCK_H-wide column of the source (`gather_rows`)."""
-    if ROWS_FIRST:
-        pm = tl.program_id(0)
-        ph = tl.program_id(1)
-    else:
-        ph = tl.program_id(0)
-        pm = tl.program_id(1)
+    pm = tl.program_id(0 if ROWS_FIRST else 1)
+    ph = tl.program_id(1 if ROWS_FIRST else 0)
     i = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     h = ph * BLOCK_H + tl.arange(0, BLOCK_H)
     in_i = i < M

@@ -101,12 +101,8 @@ def _rows_cols_tile(x_ptr, rstd_ptr, w_ptr, idx_ptr, q_ptr, s_ptr, qt_ptr, st_pt
     as zeros; with COL_BLOCKS, x^T as one 128x128 block). With NORM, of RMSNorm(x): (x * rstd[row]) * w[col] in
     FP32, as the Triton kernel computes it. With GATHER, row i is x[idx[i]] (a zero row where idx[i] < 0): the MoE
     dispatch's gather into the expert layout. ROWS_FIRST: the grid's first axis walks the token blocks (`launch`)."""
-    if ROWS_FIRST:
-        mb = gl.program_id(0)
-        kb = gl.program_id(1)
-    else:
-        kb = gl.program_id(0)
-        mb = gl.program_id(1)
+    mb = gl.program_id(0 if ROWS_FIRST else 1)
+    kb = gl.program_id(1 if ROWS_FIRST else 0)
     rows = mb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, LOAD))
     cols = kb * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, LOAD))
     in_rows = rows < M
