@@ -6,7 +6,7 @@ fresh operands through a warmed `FastLaunch` (the fast path) and once through a 
 the two records must be equal: the same compiled kernel, grid, stream, scalars, pointers and descriptors. Covered:
 the warp-specialized GEMM in six configurations, the Gluon row + column quantizer (plain, RMSNorm, gathered,
 gathered and scaled), RoPE's backward quantizer and SwiGLU backward's column kernel, the weight's quantization and
-transpose, RMSNorm's inverse RMS, the MoE permutation's gather-sum, combine and combine-backward kernels, the
+transpose, RMSNorm's inverse RMS, the MoE permutation's gather-sum, combine, combine-backward and row-copy kernels, the
 cross-entropy's row and gradient kernels.
 A signature the cache has not seen (another alignment) goes through the JIT path. Needs Triton with Gluon (skipped
 where it is not installed)."""
@@ -107,7 +107,7 @@ def _one_token_twins() -> tuple:
 
 def _permutation_kernels() -> tuple:
     from megafp8.parallel import permute_kernels as pk
-    return pk._gather_sum_kernel, pk._combine_kernel, pk._combine_backward_kernel
+    return pk._gather_sum_kernel, pk._combine_kernel, pk._combine_backward_kernel, pk._gather_rows_kernel
 
 
 def _routing_kernel():
@@ -346,12 +346,14 @@ def test_the_fast_path_launches_swiglu_backwards_column_kernel_as_the_jit_path_d
     assert len(fast) == 1 and fast == jit
 
 
-@pytest.mark.parametrize("case", ["gather_sum", "combine", "combine backward", "combine weights' gradient"])
+@pytest.mark.parametrize("case", ["gather_sum", "combine", "combine backward", "combine weights' gradient",
+                                  "gather rows", "gather rows, features first"])
 def test_the_fast_path_launches_the_moe_permutation_kernels_as_the_jit_path_does(recording, monkeypatch, case):
     """The MoE dispatch's and combine's Triton kernels (`megafp8.parallel.permute_kernels`), a compile option among
-    their launch options (`enable_fp_fusion`)."""
+    their launch options (`enable_fp_fusion`); the dispatch's row copy in both walks."""
     from megafp8.parallel import permute_kernels as pk
     name = {"gather_sum": "_GATHER_SUM", "combine": "_COMBINE"}.get(case, "_COMBINE_BACKWARD")
+    name = "_GATHER_ROWS" if case.startswith("gather rows") else name
     monkeypatch.setattr(pk, name, getattr(pk, name))
 
     def call(seed):
@@ -364,6 +366,8 @@ def test_the_fast_path_launches_the_moe_permutation_kernels_as_the_jit_path_does
             pk.combine(d, index, w)
         elif case == "combine backward":
             pk.combine_backward(dout, d, index, w, _kept(seed, "combine dy", lambda: torch.zeros_like(d)))
+        elif case.startswith("gather rows"):
+            pk.gather_rows(d, index.flatten()[:250], rows_first=case == "gather rows")
         else:
             pk.combine_weights_grad(dout, d, index)
     fast, jit = _fast_and_jit(recording, *_attribute(pk, name), call)
