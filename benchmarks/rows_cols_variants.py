@@ -33,6 +33,7 @@ from megafp8.precision.formats import E4M3, E5M2  # noqa: E402
 # benchmarks/, beside this file
 from fused_quantize import (differing_bytes, graphed_ms, poisoned_rows_cols_outputs as outputs,  # noqa: E402
                             rows_cols_bytes, timed_ms, variant_benchmark_args)
+from gather_l2_model import expert_layout_index  # noqa: E402
 
 SHAPES = [("dy", "~1B", 6144), ("dy", "~1B", 2048), ("dy", "~1B", 11264), ("dy", "8B-layers", 12288),
           ("dy", "8B-layers", 28672), ("rmsnorm", "~1B", 2048), ("rmsnorm", "8B-layers", 4096),
@@ -67,22 +68,10 @@ def gather_index(tokens: int, g: torch.Generator) -> torch.Tensor:
     return rows
 
 
-def moe_layout_index(tokens: int, g: torch.Generator) -> torch.Tensor:
-    """The MoE dispatch's gather map as the layer makes it: each token routed to EXPERT_TOP_K distinct experts of
-    EXPERTS at random (balanced on average), the (token, expert) pairs sorted by expert (tokens in order within
-    one), each expert's rows padded to 128 (index -1), the layout as long as its bound without a host sync
-    (`megafp8.precision.expert_layout.expert_rows`)."""
-    chosen = torch.rand(tokens, EXPERTS, generator=g).topk(EXPERT_TOP_K, dim=1).indices.flatten()
-    token = torch.arange(tokens).repeat_interleave(EXPERT_TOP_K)
-    order = torch.sort(chosen, stable=True).indices
-    chosen, token = chosen[order], token[order]
-    counts = torch.bincount(chosen, minlength=EXPERTS)
-    padded = (counts + 127) // 128 * 128
-    first_row = torch.cumsum(padded, 0) - padded
-    rank = torch.arange(token.numel()) - (torch.cumsum(counts, 0) - counts)[chosen]
-    index = torch.full(((token.numel() + EXPERTS * 127) // 128 * 128,), -1, dtype=torch.long)
-    index[first_row[chosen] + rank] = token
-    return index
+def moe_layout_index(tokens: int) -> torch.Tensor:
+    """The MoE dispatch's gather map as the layer makes it (`gather_l2_model.expert_layout_index`: EXPERT_TOP_K of
+    EXPERTS experts a token at random, sorted by expert, each expert padded to 128, the layout at its bound)."""
+    return expert_layout_index(tokens, EXPERTS, EXPERT_TOP_K)
 
 
 def main(argv=None) -> None:
@@ -105,7 +94,7 @@ def main(argv=None) -> None:
         if kind == "gather":
             index = gather_index(tokens, g).to(device)
         if kind == "moe_layout":
-            index = moe_layout_index(tokens, g).to(device)
+            index = moe_layout_index(tokens).to(device)
         m = tokens if index is None else index.shape[0]
         want = outputs(m, k, fmt, device)
         triton_rows_cols(x, rstd, weight, index, want, fmt, pow2)
@@ -134,7 +123,7 @@ def bf16_dispatch(tokens: int, k: int, iters: int, device: torch.device, g: torc
     """BF16's dispatch gather of the MoE layout's rows, three ways (the module docstring), as a Markdown table."""
     from megafp8.parallel import permute_kernels
     x = torch.randn(tokens, k, generator=g).bfloat16().to(device)
-    index = moe_layout_index(tokens, g)
+    index = moe_layout_index(tokens)
     index = index[index >= 0].to(device)  # the rows sorted by expert, unpadded
     want = x.index_select(0, index)
     runs = {"`index_select`": lambda: x.index_select(0, index),

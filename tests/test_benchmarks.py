@@ -511,3 +511,21 @@ def test_train_step_names_the_health_samples_its_memory_columns_would_count():
     assert train_step.sampled_steps(209, 240, 100) == []
     assert train_step.sampled_steps(0, 30, 100) == [0]
     assert train_step.sampled_steps(9, 30, 0) == []
+
+
+def test_the_gather_l2_model_reads_the_source_once_walking_token_blocks_first():
+    """benchmarks/gather_l2_model.py on a small expert layout (512 tokens x 1,024 BF16, top-2 of 8 experts): walking
+    the token blocks first, an L2 half the source's size still reads each source line from HBM once; walking each
+    block's features first reads nearly all of it twice (once per expert); with L2 larger than everything both read
+    the source once. (`expert_layout_index`: every token in top_k rows, experts padded to 128, the layout at its
+    bound.)"""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gather_l2_model as model
+    index = model.expert_layout_index(512, 8, 2)
+    assert index.numel() == (512 * 2 + 8 * 127) // 128 * 128
+    assert sorted(index[index >= 0].tolist()) == sorted(list(range(512)) * 2)
+    source = 512 * 1024 * 2
+    small, large = source // 2, 64 * source
+    assert model.source_bytes_from_hbm(index, 1024, True, small) == source
+    assert model.source_bytes_from_hbm(index, 1024, False, small) > 1.5 * source
+    assert model.source_bytes_from_hbm(index, 1024, False, large) == source
