@@ -24,6 +24,10 @@ only the GEMM is timed. Columns:
 - ws 256, registers: the same kernel storing (or adding) from its registers.
 - ws 256, interleaved FFMA: ws 256 with its promotion's FFMA runs interleaved in the cubin
   (`ws_gemm(interleave_ffma=True)`; the 1x128 x 1x128 wgrad has no such runs, so its cubin is unchanged).
+- ws 256, interleaved FFMA, GROUP_M 16 / 32: the interleaved kernel (what the hopper backend runs, 8 row tiles a
+  group) walking its output tiles in groups of 16 or 32 row tiles (`ws_gemm(group_m=...)`): the weight, streamed
+  once per group (the 8B-layer gate/up's 117 MB of FP8 16 times per fprop at 16,384 tokens with groups of 8), is
+  then read from HBM half or a quarter as often; the same bits.
 - ws 256, x in 128x128 blocks (wgrad only; the opt-in `precision.fp8_wgrad_input_blocks`, not DeepSeek-V3's
   recipe): x^T quantized in 128 x 128 blocks (features x tokens, `quantize_rows_cols(cols_in_blocks=True)`) instead
   of 1x128 tiles along the tokens, so the kernel (`gemm.wgrad(b_blocks=True)`, what the hopper backend runs)
@@ -65,7 +69,8 @@ LINEAR_SHAPES = [("fp8_linear", 18432, 7168), ("fp8_linear", 7168, 18432), ("fp8
                  ("fp8_linear", 7168, 2048)]  # benchmarks/fp8_linear.py's (M, K, N) at M = 8192, as (name, N, K)
 GEMMS = ("fprop", "dgrad", "wgrad")
 BLOCKS = "ws 256, x in 128x128 blocks"
-FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers", "ws 256, interleaved FFMA", BLOCKS)
+GROUPED = {"ws 256, interleaved FFMA, GROUP_M 16": 16, "ws 256, interleaved FFMA, GROUP_M 32": 32}
+FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers", "ws 256, interleaved FFMA", *GROUPED, BLOCKS)
 ALL_COLUMNS = ("BF16", *FP8_COLUMNS)
 WRONG = 2**-6
 
@@ -140,9 +145,9 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
         def by_backend():
             backend.gemm_1x128_1x128_accumulate_(main_grad, a, a_s, b, b_s)
 
-        def ws(block_n, tma, interleave=False):
+        def ws(block_n, tma, interleave=False, group_m=8):
             return lambda: ws_gemm(a, a_s, b, b_s, main_grad, b_blockwise=False, accumulate=True, block_n=block_n,
-                                   tma_store=tma, interleave_ffma=interleave)
+                                   tma_store=tma, interleave_ffma=interleave, group_m=group_m)
         runs = {"BF16": bf16, "backend": by_backend}
         if BLOCKS in wanted:  # as the hopper backend runs it under `precision.fp8_wgrad_input_blocks`
             xt, xt_s = backend.quantize_rows_cols(o["x"], E4M3, False, cols_in_blocks=True)[2:]
@@ -162,12 +167,13 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
         def by_backend():
             return backend.gemm_1x128_128x128(a, a_s, b, b_s, torch.bfloat16)
 
-        def ws(block_n, tma, interleave=False):
+        def ws(block_n, tma, interleave=False, group_m=8):
             return lambda: ws_gemm(a, a_s, b, backend.block_scales_nk(b_s), out, b_blockwise=True, block_n=block_n,
-                                   tma_store=tma, interleave_ffma=interleave)
+                                   tma_store=tma, interleave_ffma=interleave, group_m=group_m)
         runs = {"BF16": lambda: bf16_a @ bf16_b, "backend": by_backend, BLOCKS: None}  # BLOCKS: wgrad only
     runs.update({"ws 128": ws(128, None), "ws 256": ws(256, None), "ws 256, registers": ws(256, False),
                  "ws 256, interleaved FFMA": ws(256, None, interleave=True)})
+    runs.update({label: ws(256, None, interleave=True, group_m=g) for label, g in GROUPED.items()})
     return {label: (runs[label], runs[label] and result_of(runs[label]), wants.get(label)) for label in wanted}
 
 

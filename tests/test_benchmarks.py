@@ -176,13 +176,13 @@ def test_dense_gemm_benchmark_prints_each_gemm_of_each_linear_or_why_not():
     result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert "| BF16 | reference backend | ws 128 | ws 256 | ws 256, registers | ws 256, interleaved FFMA | ws 256, x in " \
-        "128x128 blocks |" in lines[2]
+    assert "| BF16 | reference backend | ws 128 | ws 256 | ws 256, registers | ws 256, interleaved FFMA | ws 256, " \
+        "interleaved FFMA, GROUP_M 16 | ws 256, interleaved FFMA, GROUP_M 32 | ws 256, x in 128x128 blocks |" in lines[2]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if line.startswith("| --shapes |")]
     assert [row[1:4] for row in rows] == [["linear (256 x 384)", "128", gemm] for gemm in ("fprop", "dgrad", "wgrad")]
     for row in rows:
         bf16, ours, *ws, x_blocks, vs_backend, vs_bf16 = row[4:]
-        assert ws == ["RuntimeError: the warp-specialized kernel needs an SM90 GPU"] * 4, row
+        assert ws == ["RuntimeError: the warp-specialized kernel needs an SM90 GPU"] * 6, row
         assert x_blocks == ("n/a" if row[3] != "wgrad" else ws[0]), row  # the wgrad with x^T in 128x128 blocks
         ms_bf16, ms_ours = (float(cell.split("(")[1].rstrip(")")) for cell in (bf16, ours))
         assert vs_backend == "1.00x", row
