@@ -27,10 +27,12 @@
 # of the dense fprop, ours against cuBLAS's FP8 and BF16 GEMMs), clocks and power sampled during one GEMM run back to
 # back (clocks_gemm: the fprop and the wgrad), clocks and power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
-# kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols), RoPE's
+# kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols; with
+# the MoE gathers' two walks and their GPU tests: gathers_walk), RoPE's
 # backward quantizer against its Gluon twin (rope), dense
 # wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only; dense_gemm: the three dense GEMMs, cuBLAS against the
-# warp-specialized kernel; dense_gemm_graphs, grouped_gemm_graphs: replayed from CUDA graphs), SDPA's backends on our
+# warp-specialized kernel; dense_gemm_graphs, grouped_gemm_graphs: replayed from CUDA graphs; group_m: the dense
+# fprop and dgrad in groups of 8, 16 and 32 row tiles), SDPA's backends on our
 # attention shapes (attention;
 # tests_attention; whole steps under CUDA graphs with torch's order and with `model.attention_backend: auto`: attn_1b,
 # attn_8b; eager: attn_eager; the ~1B with MLA, compiled: attn_mla), the GPU tests of RoPE's backward fused into the
@@ -150,6 +152,16 @@ for part in $PARTS; do
     old_fused_quantize) step old_fused_quantize bash -c "cd \"$OLD\" && python benchmarks/fused_quantize.py" ;;
     swiglu_cols) step swiglu_cols_variants python benchmarks/swiglu_cols_variants.py ;;
     rows_cols) step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
+    gathers_walk)  # the MoE gathers walking their token blocks first (FP8: rows_cols_gluon.GATHER_ROWS_FIRST; BF16:
+                   # permute.GATHER_ROWS_BY_BLOCKS): their GPU tests (the same bytes either walk), then the row +
+                   # column quantizer's variants, whose MoE expert-layout row and BF16 dispatch table time both walks
+      step gathers_walk_tests python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_moe_gpu.py -n 4 \
+        -k "gluon_rows_cols or permutation_kernels" -p no:cacheprovider
+      step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
+    group_m)  # the dense fprop and dgrad walking their output tiles in groups of 8 (the default), 16 and 32 row tiles
+      step dense_gemm_group_m python benchmarks/dense_gemm.py --model 8b-layers 1b --gemms fprop dgrad --cuda-graphs \
+        --iters 20 --columns "ws 256, interleaved FFMA" "ws 256, interleaved FFMA, GROUP_M 16" \
+        "ws 256, interleaved FFMA, GROUP_M 32" ;;
     cross_entropy) step cross_entropy python benchmarks/cross_entropy.py ;;
     column_experiment)  # job EF's GPU test selection in this tree and in $EXP (a tree with the column-quantizer
                         # experiment, e.g. `git worktree add -f --detach old_tree d70d2de`, carried), failures listed

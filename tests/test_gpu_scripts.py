@@ -403,3 +403,20 @@ def test_gpu_e2e_moe_balanced_part_times_both_recipes_after_the_routers_warm_up(
     assert args[args.index("--steps") + 1] == "180" and "training.compile_mode=reduce-overhead" in args
     assert "model.moe.bias_update_rate=0.02" in args
     assert args[args.index("--recipes") + 1:] == ["bf16", "fp8"]
+
+
+def test_gpu_e2e_group_m_part_times_the_dense_gemms_in_three_group_widths(tmp_path):
+    """`gpu_e2e.sh group_m` runs benchmarks/dense_gemm.py once, replayed from CUDA graphs, on the 8B-layer and ~1B
+    linears' fprop and dgrad, with the interleaved kernel's three group widths as its columns."""
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["group_m"], 'printf "%s\\n" "$@" >> gemm.log',
+                                    script="benchmarks/dense_gemm.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    args = (tmp_path / "out" / "gemm.log").read_text().splitlines()
+    assert args[args.index("--model") + 1:args.index("--model") + 3] == ["8b-layers", "1b"]
+    assert args[args.index("--gemms") + 1:args.index("--gemms") + 3] == ["fprop", "dgrad"]
+    assert "--cuda-graphs" in args
+    assert args[args.index("--columns") + 1:] == ["ws 256, interleaved FFMA", "ws 256, interleaved FFMA, GROUP_M 16",
+                                                  "ws 256, interleaved FFMA, GROUP_M 32"]
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import dense_gemm
+    assert set(args[args.index("--columns") + 1:]) <= set(dense_gemm.ALL_COLUMNS)
