@@ -12,6 +12,11 @@ model: it runs the tiles one after another (the GPU runs a few hundred at once, 
 within that window), ignores L2's sets and partitions and assumes every write allocates a line.
 
     PYTHONPATH=. python benchmarks/gather_l2_model.py [--tokens 16384] [--hidden 2048] [--experts 64] [--top-k 8]
+
+`--gemms` models the warp-specialized GEMM's operand reads instead, at tile granularity: the 8B-layer linears'
+fprop and dgrad at 16,384 tokens, its output tiles (128 x 256) in the kernel's order for groups of GROUP_M row
+tiles (`ws_gemm._tile_coords`), 132 at a time (one program an SM), each touching its A row block (128 x K FP8) and
+B column block (256 x K), and the HBM bytes those reads miss in L2 per GROUP_M.
 """
 from __future__ import annotations
 
@@ -79,6 +84,42 @@ def source_bytes_from_hbm(index: torch.Tensor, hidden: int, rows_first: bool, l2
     return missed * LINE
 
 
+# The 8B-layer linears' fprop and dgrad at 16,384 tokens: name -> (M, N, K) of C (M, N) = A (M, K) @ B (N, K)^T
+GEMMS = {"qkv fprop": (16384, 12288, 4096), "out fprop": (16384, 4096, 4096), "gate/up fprop": (16384, 28672, 4096),
+         "down fprop": (16384, 4096, 14336), "qkv dgrad": (16384, 4096, 12288), "out dgrad": (16384, 4096, 4096),
+         "gate/up dgrad": (16384, 4096, 28672), "down dgrad": (16384, 14336, 4096)}
+
+
+def gemm_tile_order(num_m: int, num_n: int, group_m: int) -> Iterator[tuple[int, int]]:
+    """The output tiles (row tile, column tile) in `ws_gemm._tile_coords`'s order: groups of `group_m` row tiles,
+    the row tiles varying fastest within a group."""
+    in_group = group_m * num_n
+    for t in range(num_m * num_n):
+        first_m = (t // in_group) * group_m
+        size_m = min(num_m - first_m, group_m)
+        yield first_m + (t % in_group) % size_m, (t % in_group) // size_m
+
+
+def gemm_bytes_from_hbm(m: int, n: int, k: int, group_m: int, l2_bytes: int, programs: int = 132,
+                        block_n: int = 256) -> int:
+    """FP8 operand bytes the GEMM's tiles miss in the modelled L2 (row and column blocks as LRU entries)."""
+    lru: collections.OrderedDict = collections.OrderedDict()
+    held = fetched = 0
+    tiles = list(gemm_tile_order(m // TILE, -(-n // block_n), group_m))
+    for wave in range(0, len(tiles), programs):
+        for row, col in tiles[wave:wave + programs]:
+            for key, size in ((("a", row), TILE * k), (("b", col), block_n * k)):
+                if key in lru:
+                    lru.move_to_end(key)
+                    continue
+                fetched += size
+                held += size
+                lru[key] = size
+        while held > l2_bytes:
+            held -= lru.popitem(last=False)[1]
+    return fetched
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -86,7 +127,17 @@ def main(argv=None) -> None:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--l2-mib", type=int, nargs="+", default=[50, 25])
+    parser.add_argument("--gemms", action="store_true", help="model the 8B-layer GEMMs' operand reads instead")
     args = parser.parse_args(argv)
+    if args.gemms:
+        widths = (4, 8, 16, 32)
+        print(f"HBM bytes read (MB) with {args.l2_mib[0]} MiB of L2, by GROUP_M (the kernel's default: 8)\n")
+        print("| GEMM (M, N, K) | A + B (MB) | " + " | ".join(f"GROUP_M {g}" for g in widths) + " |")
+        print("|---|---|" + "---|" * len(widths))
+        for name, (m, n, k) in GEMMS.items():
+            cells = [f"{gemm_bytes_from_hbm(m, n, k, g, args.l2_mib[0] << 20) / 1e6:.0f}" for g in widths]
+            print(f"| {name} ({m}, {n}, {k}) | {(m + n) * k / 1e6:.0f} | " + " | ".join(cells) + " |")
+        return
     index = expert_layout_index(args.tokens, args.experts, args.top_k)
     source = args.tokens * args.hidden * 2
     print(f"{args.tokens} tokens x {args.hidden} BF16 ({source / 2**20:.0f} MiB), top-{args.top_k} of {args.experts} "

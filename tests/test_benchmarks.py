@@ -529,3 +529,20 @@ def test_the_gather_l2_model_reads_the_source_once_walking_token_blocks_first():
     assert model.source_bytes_from_hbm(index, 1024, True, small) == source
     assert model.source_bytes_from_hbm(index, 1024, False, small) > 1.5 * source
     assert model.source_bytes_from_hbm(index, 1024, False, large) == source
+
+
+def test_the_gemm_l2_model_walks_every_tile_once_and_reads_operands_once_when_they_fit():
+    """`gather_l2_model.py --gemms`: the tile order of `ws_gemm._tile_coords` (groups of GROUP_M row tiles, a
+    partial last group) visits every output tile once; with L2 holding both operands each is read from HBM once,
+    and with a small L2 larger groups reread the wide operand less."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gather_l2_model as model
+    for group_m in (1, 3, 8):
+        tiles = list(model.gemm_tile_order(10, 7, group_m))
+        assert sorted(tiles) == [(m, n) for m in range(10) for n in range(7)]
+        assert [m for m, _ in tiles[:group_m]] == list(range(min(group_m, 10)))  # row tiles fastest in a group
+    m, n, k = 128 * 16, 256 * 12, 512
+    assert model.gemm_bytes_from_hbm(m, n, k, 8, 1 << 30, programs=8) == (m + n) * k
+    small = 8 * 256 * k
+    assert model.gemm_bytes_from_hbm(m, n, k, 16, small, programs=8) < model.gemm_bytes_from_hbm(m, n, k, 2, small,
+                                                                                                 programs=8)
