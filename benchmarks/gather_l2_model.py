@@ -31,21 +31,18 @@ TILE = 128
 
 
 def expert_layout_index(tokens: int, experts: int, top_k: int, seed: int = 0) -> torch.Tensor:
-    """The padded expert layout's source row of each row (-1 for padding): every token routed to top_k distinct
-    experts at random, rows sorted by expert (tokens in order within one), each expert padded to 128 rows, the
-    layout as long as its bound without a host sync (`megafp8.precision.expert_layout.expert_rows`)."""
+    """The padded expert layout's source row of each row (-1 for padding), built as the MoE layer builds it
+    (`expert_rows` with the counts on the device, so the layout takes its bound; `padded_source_index`): every
+    token routed to top_k distinct experts at random, rows sorted by expert (tokens in order within one)."""
+    from megafp8.precision.expert_layout import expert_rows
+    from megafp8.precision.grouped import padded_source_index
+
     g = torch.Generator().manual_seed(seed)
     chosen = torch.rand(tokens, experts, generator=g).topk(top_k, dim=1).indices.flatten()
-    token = torch.arange(tokens).repeat_interleave(top_k)
     order = torch.sort(chosen, stable=True).indices
-    chosen, token = chosen[order], token[order]
     counts = torch.bincount(chosen, minlength=experts)
-    padded = (counts + TILE - 1) // TILE * TILE
-    first_row = torch.cumsum(padded, 0) - padded
-    rank = torch.arange(token.numel()) - (torch.cumsum(counts, 0) - counts)[chosen]
-    index = torch.full(((token.numel() + experts * (TILE - 1)) // TILE * TILE,), -1, dtype=torch.long)
-    index[first_row[chosen] + rank] = token
-    return index
+    layout = expert_rows(counts, torch.device("cpu"), rows=chosen.numel())
+    return padded_source_index(layout, order // top_k)
 
 
 def tile_order(token_blocks: int, feature_blocks: int, rows_first: bool) -> Iterator[tuple[int, int]]:
