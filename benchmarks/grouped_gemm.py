@@ -12,6 +12,8 @@ output gradient dy (E*rows, N);
     wgrad  dw[e] = dy[rows of e]^T @ x[rows of e]   (E, N, K): contracts over each expert's tokens
     wgrad into main_grad   main_grad[e] += dw[e], main_grad (E, N, K) FP32: the weight gradient as training
            makes it (BF16: `_grouped_mm` then the add, two kernels; ours: added in the GEMM's epilogue)
+    wgrad, FP32 out   main_grad[e] = dw[e]: what a first micro-batch could write over main_grad instead of
+           zeroing it and adding (BF16: `_grouped_mm` then a cast into main_grad; ours: FP32 stored by the GEMM)
 
 each 2 * E*rows * K * N FLOPs. Only the GEMM is timed: operands are quantized beforehand (FP8 rowwise: one FP32
 scale per row of each operand along the contracted dim, per expert for wgrad; blockwise and ours: 1x128 tiles for
@@ -68,7 +70,10 @@ from megafp8.precision.quantize import mn_major  # noqa: E402
 SHAPES = ["64x2048,2048,2048", "64x2048,1024,2048", "8x4096,7168,4096", "8x4096,2048,7168"]  # issue 19's
 QUICK_SHAPES = ["8x256,512,512", "4x512,1024,512"]
 INTO = "wgrad into main_grad"
-GEMMS = ("fprop", "dgrad", "wgrad", INTO)
+FP32_OUT = "wgrad, FP32 out"  # written over main_grad, as a first micro-batch could without main_grad's zeroing
+GEMMS = ("fprop", "dgrad", "wgrad", INTO, FP32_OUT)
+WGRADS = ("wgrad", INTO, FP32_OUT)
+GEMM_KEYS = {"fprop": "fprop", "dgrad": "dgrad", "wgrad": "wgrad", "into": INTO, "fp32": FP32_OUT}  # --gemms
 COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `torch._scaled_grouped_mm`",
            "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours, TMA (Triton)",
            "ours, warp-specialized (Gluon), 128-wide tiles", "ours, warp-specialized, 256-wide tiles",
@@ -177,11 +182,11 @@ class Problem:
 
     def out_shape(self, gemm: str) -> tuple[int, ...]:
         return {"fprop": tuple(self.dy.shape), "dgrad": tuple(self.x.shape), "wgrad": tuple(self.w.shape),
-                INTO: tuple(self.w.shape)}[gemm]
+                INTO: tuple(self.w.shape), FP32_OUT: tuple(self.w.shape)}[gemm]
 
     def main_grad(self) -> torch.Tensor:
         """A zeroed FP32 main_grad for `INTO` (each column adds into its own: after the first call, which is
-        checked, the timed calls keep adding)."""
+        checked, the timed calls keep adding) and for BF16's `FP32_OUT` (cast into it)."""
         return torch.zeros(self.w.shape, dtype=torch.float32, device=self.x.device)
 
 
@@ -200,7 +205,7 @@ def make_problem(experts: int, rows: int, k: int, n: int, device: torch.device) 
 def bf16_loop(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
     x, w, dy = p.x, p.w, p.dy
     out = torch.empty(p.out_shape(gemm), dtype=torch.bfloat16, device=x.device)
-    main_grad = p.main_grad() if gemm == INTO else None
+    main_grad = p.main_grad() if gemm in (INTO, FP32_OUT) else None
 
     def run() -> torch.Tensor:
         for e, lo, hi in p.segments:
@@ -210,7 +215,9 @@ def bf16_loop(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]
                 torch.matmul(dy[lo:hi], w[e], out=out[lo:hi])
             else:
                 torch.matmul(dy[lo:hi].t(), x[lo:hi], out=out[e])
-        return out if main_grad is None else main_grad.add_(out)
+        if main_grad is None:
+            return out
+        return main_grad.add_(out) if gemm == INTO else main_grad.copy_(out)
     return run
 
 
@@ -224,6 +231,9 @@ def bf16_grouped(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tens
     if gemm == INTO:  # as BF16 training adds its experts' weight gradients (`megafp8.precision.grouped`)
         main_grad = p.main_grad()
         return lambda: main_grad.add_(torch._grouped_mm(dyt, x, offs=offs))
+    if gemm == FP32_OUT:  # `_grouped_mm` writes BF16: cast into the FP32 main_grad in place of the add
+        main_grad = p.main_grad()
+        return lambda: main_grad.copy_(torch._grouped_mm(dyt, x, offs=offs))
     return lambda: torch._grouped_mm(dyt, x, offs=offs)
 
 
@@ -241,7 +251,7 @@ def rowwise_per_expert(t: torch.Tensor, p: Problem) -> tuple[torch.Tensor, torch
 
 def fp8_rowwise(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
     x, w, dy, offs = p.x, p.w, p.dy, p.offs
-    if gemm == INTO:
+    if gemm in (INTO, FP32_OUT):
         raise NotApplicable
 
     def grouped(a, b, sa, sb):  # a row-major, b column-major
@@ -259,7 +269,7 @@ def fp8_rowwise(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tenso
 def fp8_blockwise_loop(p: Problem, gemm: str, backend: str) -> Callable[[], list[torch.Tensor]]:
     """One `F.scaled_mm` per expert, called as the cublas backend calls it (its quantizers give the layouts). The
     timed call returns each expert's output (joining them would add a copy)."""
-    if gemm == INTO:
+    if gemm in (INTO, FP32_OUT):
         raise NotApplicable
     cublas = select_backend("cublas", p.x.device)
     bw1, bw128 = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
@@ -283,7 +293,7 @@ def _our_operands(p: Problem, gemm: str, backend: str) -> tuple:
     rows); fprop/dgrad (the rows' FP8 and the stacked weight in 128x128 blocks with its transpose)."""
     impl = select_backend(backend, p.x.device)
     rows = expert_rows([p.rows] * p.experts, p.x.device)  # rows are multiples of 128: no padding
-    if gemm in ("wgrad", INTO):
+    if gemm in WGRADS:
         return impl, rows, (*impl.quantize_rows_cols(p.dy, E4M3, False)[2:],
                             *impl.quantize_rows_cols(p.x, E4M3, False)[2:])
     weight = impl.empty_weight(p.w.shape, E4M3, p.x.device)
@@ -299,6 +309,8 @@ def ours(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
     if gemm == INTO:
         main_grad = p.main_grad()
         return lambda: impl.grouped_gemm_1x128_1x128(*operands, rows, p.experts, torch.float32, accumulate=main_grad)
+    if gemm == FP32_OUT:
+        return lambda: impl.grouped_gemm_1x128_1x128(*operands, rows, p.experts, torch.float32)
     a, a_scale, weight = operands
     return lambda: impl.grouped_gemm_1x128_128x128(a, a_scale, weight, gemm == "dgrad", rows, torch.bfloat16)
 
@@ -315,9 +327,10 @@ def our_kernel(kernel: str, block_n: int = 256, tma_store: Optional[bool] = None
         from megafp8.precision.kernels import gemm as kernels
         _, rows, operands = _our_operands(p, gemm, backend)
         options = {} if kernel != "ws" else dict(block_n=block_n, tma_store=tma_store)
-        if gemm in ("wgrad", INTO):  # (no FFMA runs to interleave in the wgrad's promotion: the plain cubin)
+        if gemm in WGRADS:  # (no FFMA runs to interleave in the wgrad's promotion: the plain cubin)
             main_grad = p.main_grad() if gemm == INTO else None
-            return lambda: kernels.grouped_wgrad(*operands, rows.tile_start, rows.tile_count, torch.bfloat16,
+            dtype = torch.float32 if gemm == FP32_OUT else torch.bfloat16
+            return lambda: kernels.grouped_wgrad(*operands, rows.tile_start, rows.tile_count, dtype,
                                                  kernel=kernel, accumulate=main_grad, **options)
         a, a_scale, weight = operands
         impl = select_backend(backend, p.x.device)
@@ -335,7 +348,7 @@ def wgrad_x_blocks(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Te
     """The wgrads with x^T quantized in 128 x 128 blocks (features x rows; the opt-in
     `precision.fp8_wgrad_input_blocks`, not the recipe), as the hopper backend runs them: the warp-specialized kernel
     then promotes each K step as fprop does, one FFMA an element."""
-    if gemm not in ("wgrad", INTO):
+    if gemm not in WGRADS:
         raise NotApplicable
     if p.x.device.type != "cuda":
         raise RuntimeError("our Triton kernels need a CUDA GPU")
@@ -344,7 +357,7 @@ def wgrad_x_blocks(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Te
     xt, xt_scale = impl.quantize_rows_cols(p.x, E4M3, False, cols_in_blocks=True)[2:]
     main_grad = p.main_grad() if gemm == INTO else None
     return lambda: grouped_wgrad(dyt, dyt_scale, xt, xt_scale, rows.tile_start, rows.tile_count,
-                                 torch.float32 if main_grad is not None else torch.bfloat16, kernel="ws",
+                                 torch.bfloat16 if gemm == "wgrad" else torch.float32, kernel="ws",
                                  accumulate=main_grad, b_blocks=True)
 
 
@@ -389,6 +402,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--columns", nargs="+", default=None,
                         help="measure only the columns whose label contains one of these (BF16 `_grouped_mm` and "
                              "the backend's default always run); the others print '-'")
+    parser.add_argument("--gemms", nargs="+", choices=sorted(GEMM_KEYS), default=None,
+                        help="measure only these rows (default all): fprop, dgrad, wgrad (BF16 out), into (the wgrad "
+                             "added into FP32 main_grad), fp32 (the wgrad written in FP32 over main_grad)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="time replays of a CUDA graph of the calls (the median of five), not launches")
     args = parser.parse_args(argv)
@@ -402,6 +418,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if device.type == "cuda":
         timing = "replayed from CUDA graphs" if args.cuda_graphs else "launched from Python"
         print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, {iters} iters {timing}, TFLOP/s\n")
+    gemms = [g for g in GEMMS if args.gemms is None or g in {GEMM_KEYS[key] for key in args.gemms}]
     words = [w.lower() for w in args.columns or []]
     unknown = [w for w in words if not any(w in label.lower() for label in COLUMNS)]
     if unknown:
@@ -410,7 +427,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(markdown([], args.backend), flush=True)  # the header; each row prints as it is measured
     for experts, per_expert, k, n in shapes:
         p = make_problem(experts, per_expert, k, n, device)
-        for gemm in GEMMS:
+        for gemm in gemms:
             reference = bf16_loop(p, gemm, args.backend)().clone()
             measured = [measure(build, p, gemm, args.backend, reference, iters, args.cuda_graphs) if want
                         else ("-", None) for build, want in zip(BUILDERS, wanted)]

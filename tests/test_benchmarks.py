@@ -151,7 +151,7 @@ def test_grouped_gemm_benchmark_prints_every_column_or_why_not():
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
             if line.startswith("| 2 x 128, 128, 256 |")]
-    assert [row[1] for row in rows] == ["fprop", "dgrad", "wgrad", "wgrad into main_grad"]
+    assert [row[1] for row in rows] == ["fprop", "dgrad", "wgrad", "wgrad into main_grad", "wgrad, FP32 out"]
     for row in rows:
         bf16_loop, bf16_grouped, rowwise, blockwise, *our_kernels, x_blocks, ours, ratio = row[2:]
         # pointer, TMA, ws 128 and 256 by TMA and register epilogues, ws 256 with interleaved FFMAs
@@ -159,7 +159,7 @@ def test_grouped_gemm_benchmark_prints_every_column_or_why_not():
         # the wgrads with x^T in 128x128 blocks: a column of the wgrad rows only
         assert x_blocks == ("n/a" if row[1] in ("fprop", "dgrad") else our_kernels[0]), row
         assert min(float(bf16_loop), float(bf16_grouped), float(ours)) > 0, row
-        if row[1] == "wgrad into main_grad":
+        if row[1] in ("wgrad into main_grad", "wgrad, FP32 out"):
             assert rowwise == blockwise == "n/a", row
         else:
             assert rowwise.startswith("NotImplementedError: ") and "'CPU' backend" in rowwise, row
@@ -367,14 +367,14 @@ def test_ab_steps_compares_the_trees_memory_from_train_steps_table():
 
 def test_grouped_gemm_benchmark_measures_only_the_columns_asked_for():
     """`--columns` keeps a bounded GPU job to the kernels under study: the other columns print '-', while BF16
-    `_grouped_mm` and the backend's default (the ratio's two) always run."""
+    `_grouped_mm` and the backend's default (the ratio's two) always run; `--gemms` keeps it to the rows asked for."""
     cmd = [sys.executable, "benchmarks/grouped_gemm.py", "--device", "cpu", "--backend", "reference", "--shapes",
-           "2x128,128,256", "--iters", "1", "--columns", "rowwise"]
+           "2x128,128,256", "--iters", "1", "--gemms", "fp32", "fprop", "--columns", "rowwise"]
     result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
             if line.startswith("| 2 x 128, 128, 256 |")]
-    assert len(rows) == 4
+    assert [row[1] for row in rows] == ["fprop", "wgrad, FP32 out"]
     for row in rows:
         bf16_loop, bf16_grouped, rowwise, *others, ours, ratio = row[2:]
         assert bf16_loop == "-" and set(others) == {"-"}, row

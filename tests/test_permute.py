@@ -30,12 +30,14 @@ def test_gather_rows_matches_indexing_and_its_backward_sums_each_token_once():
                              (source,))
 
 
-def test_the_gather_as_one_op_gives_indexing_and_compiles_as_one_graph(monkeypatch):
-    """With `permute.GATHER_ROWS_BY_BLOCKS` the dispatch's gather is the op `megafp8::gather_rows` (on CUDA the
-    Triton copy walking row blocks first; its bytes are checked in tests/test_moe_gpu.py): the rows and the
-    gradient of indexing, eagerly and compiled without a graph break."""
+@pytest.mark.parametrize("by_blocks", [True, False])
+def test_the_gather_as_one_op_gives_indexing_and_compiles_as_one_graph(monkeypatch, by_blocks):
+    """With `permute.GATHER_ROWS_BY_BLOCKS` (the default since job GG) the dispatch's gather is the op
+    `megafp8::gather_rows` (on CUDA the Triton copy walking row blocks first; its bytes are checked in
+    tests/test_moe_gpu.py), without it `index_select`: either way the rows and the gradient of indexing, eagerly
+    and compiled without a graph break."""
     from megafp8.parallel import permute
-    monkeypatch.setattr(permute, "GATHER_ROWS_BY_BLOCKS", True)
+    monkeypatch.setattr(permute, "GATHER_ROWS_BY_BLOCKS", by_blocks)
     rows = _rows(40, 8, 256, dtype=torch.bfloat16, seed=1)
     run = lambda s: gather_rows(RowSource(s, rows.row_to_source, rows.source_to_rows))  # noqa: E731
     for fn in (run, torch.compile(run, backend="aot_eager", fullgraph=True)):
