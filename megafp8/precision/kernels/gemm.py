@@ -319,7 +319,7 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
     if kernel == "ws":
         from megafp8.precision.kernels.ws_gemm import ws_gemm
         return ws_gemm(a, a_scale, b.reshape(-1, k), b_scale, c, b_blockwise=True, tile_expert=tile_expert,
-                       block_n=block_n, tma_store=tma_store)
+                       block_n=block_n, tma_store=tma_store, interleave_ffma=interleave_ffma)
     if kernel == "tma":
         sms = _sm_count(a.device)
 
