@@ -371,8 +371,8 @@ def test_a_moe_layer_compiles_into_one_graph_with_eager_bits(recipe):
 @pytest.mark.parametrize("interleave", [True, False])
 def test_the_hopper_backends_grouped_fprop_and_dgrad_reach_the_kernel_with_its_ffma_interleaving(monkeypatch,
                                                                                                  interleave):
-    """`HopperBackend.interleave_ffma` reaches `ws_gemm` through `gemm.grouped_gemm` (from `f6e6d2b` to this test's
-    commit the pass-through was lost, and the grouped GEMMs ran the plain cubin whatever the backend asked). The
+    """`HopperBackend.grouped_interleave_ffma` reaches `ws_gemm` through `gemm.grouped_gemm` (from `f6e6d2b` to
+    `425867d` the pass-through was lost, and the grouped GEMMs ran the plain cubin whatever the backend asked). The
     kernel is replaced by a recorder: no GPU needed, only Triton with Gluon to import the kernel's module."""
     pytest.importorskip("triton.experimental.gluon")
     from megafp8.precision.backends.hopper_backend import HopperBackend
@@ -383,7 +383,7 @@ def test_the_hopper_backends_grouped_fprop_and_dgrad_reach_the_kernel_with_its_f
 
     calls = []
     monkeypatch.setattr(ws_gemm, "ws_gemm", lambda *args, **kwargs: calls.append(kwargs) or args[4])
-    monkeypatch.setattr(HopperBackend, "interleave_ffma", interleave)
+    monkeypatch.setattr(HopperBackend, "grouped_interleave_ffma", interleave)
     backend = HopperBackend()  # (constructing it checks no device: the kernel never runs)
     a, a_scale = torch.zeros(256, 256, dtype=E4M3.dtype), torch.ones(256, 2)
     w = QuantizedWeight(torch.zeros(2, 384, 256, dtype=E4M3.dtype), torch.ones(2, 3, 2), None, None)

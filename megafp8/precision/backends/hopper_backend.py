@@ -4,8 +4,9 @@ dgrad on the warp-specialized Gluon kernel (`megafp8.precision.kernels.ws_gemm`)
 `auto` picks it where it runs (SM90 and Triton's Gluon). The warp-specialized grouped GEMMs pay off once the
 experts run inside the compiled graphs (eagerly, the FP8 MoE step waits on the host instead). The dense fprop and
 dgrad (1x128 x 128x128) run on the same kernel; the dense weight gradient stays on cuBLASLt, adding into
-`main_grad` in its epilogue, which is faster there than the warp-specialized kernel. The fprop and dgrad, dense
-and grouped, use the kernel's interleaved-FFMA variant (`ws_gemm(interleave_ffma=True)`, the same bits). The
+`main_grad` in its epilogue, which is faster there than the warp-specialized kernel. The dense fprop and dgrad
+use the kernel's interleaved-FFMA variant (`ws_gemm(interleave_ffma=True)`, the same bits); the grouped ones the
+plain kernel, which was 13% faster on three of four MoE-step shapes and no slower in the step (job GL). The
 measurements behind each choice are in `docs/performance.md` and `docs/benchmarks.md`.
 
 With `precision.fp8_wgrad_input_blocks` (x^T in 128x128 blocks, `Fp8Recipe.wgrad_input_blocks`) the weight
@@ -28,7 +29,8 @@ class HopperBackend(CublasBackend):
     name = "hopper"
     priority = 3  # `auto` prefers it to `cublas` where both run (see the module docstring)
     grouped_kernel = "ws"
-    interleave_ffma = True
+    interleave_ffma = True  # the dense fprop and dgrad (mean +2.4%, jobs DG-DK)
+    grouped_interleave_ffma = False  # the plain grouped fprop/dgrad: 1,101-1,252 TFLOP/s against 1,082-1,105 (GL)
     wgrad_input_blocks = True  # x^T in 128x128 blocks: its wgrads on the warp-specialized kernel
 
     @classmethod

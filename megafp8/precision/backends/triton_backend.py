@@ -30,7 +30,7 @@ class TritonBackend(Fp8Backend):
     name = "triton"
     priority = 1
     grouped_kernel: Optional[str] = None  # the grouped GEMMs' kernel (`megafp8.precision.kernels.gemm`); None: default
-    interleave_ffma = False  # the warp-specialized grouped fprop and dgrad with their FFMAs interleaved (`ws_gemm`)
+    grouped_interleave_ffma = False  # the warp-specialized grouped fprop and dgrad's FFMAs interleaved (`ws_gemm`)
     wgrad_input_blocks = False  # its wgrad GEMMs read x^T in 1x128 tiles only (the hopper backend: blocks too)
 
     @classmethod
@@ -103,7 +103,7 @@ class TritonBackend(Fp8Backend):
         if a.shape[0] == 0:
             return torch.zeros(0, b.shape[1], dtype=out_dtype, device=a.device)
         return self.gemms.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, out_dtype, kernel=self.grouped_kernel,
-                                       interleave_ffma=self.interleave_ffma)
+                                       interleave_ffma=self.grouped_interleave_ffma)
 
     def grouped_gemm_1x128_1x128(self, a, a_scale, b, b_scale, rows, num_experts, out_dtype, accumulate=None):
         b_blocks = self._x_in_blocks(b, b_scale)
