@@ -28,7 +28,8 @@
 # back (clocks_gemm: the fprop and the wgrad), clocks and power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols; with
-# the MoE gathers' two walks and their GPU tests: gathers_walk), RoPE's
+# the MoE gathers' two walks and their GPU tests: gathers_walk; the experts' down dgrad with SwiGLU's backward in
+# its epilogue, its GPU tests and its timing against the two steps: dgrad_swiglu), RoPE's
 # backward quantizer against its Gluon twin (rope), dense
 # wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only; dense_gemm: the three dense GEMMs, cuBLAS against the
 # warp-specialized kernel; dense_gemm_graphs, grouped_gemm_graphs: replayed from CUDA graphs; group_m: the dense
@@ -158,6 +159,11 @@ for part in $PARTS; do
       step gathers_walk_tests python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_moe_gpu.py -n 4 \
         -k "gluon_rows_cols or permutation_kernels" -p no:cacheprovider
       step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
+    dgrad_swiglu)  # the experts' down dgrad with SwiGLU's backward in its epilogue (ws_swiglu_dgrad): its compile
+                   # test, its GPU test against the two steps, the MoE layer's fused-path tests, then its timing
+      step dgrad_swiglu_tests python -m pytest -q -m gpu tests/test_moe_gpu.py -n 4 -p no:cacheprovider \
+        -k "swiglus_backward_in_its_epilogue or compiled_moe_layer_on_gpu"
+      step dgrad_swiglu_bench python benchmarks/dgrad_swiglu.py ;;
     group_m)  # the dense fprop and dgrad walking their output tiles in groups of 8 (the default), 16 and 32 row tiles
       step dense_gemm_group_m python benchmarks/dense_gemm.py --model 8b-layers 1b --gemms fprop dgrad --cuda-graphs \
         --iters 20 --columns "ws 256, interleaved FFMA" "ws 256, interleaved FFMA, GROUP_M 16" \

@@ -230,17 +230,53 @@ def _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, M, N, stri
 
 
 @gluon.jit
+def _tile_product(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, t, counter, bs_ptr, group, off_n, N, k_first,
+                  k_steps, stride_bs_e, stride_bs_n, stride_bs_k, HALF: gl.constexpr, B_BLOCKWISE: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INTERLEAVE: gl.constexpr, layout: gl.constexpr):
+    """(acc0, acc1, t, counter): one consumer's rows of one output tile, each 128-column slice's FP32 accumulator
+    (acc1 only where the tile is 256 wide). Per K step and slice: a wgmma into a fresh FP32 product, wait, scale,
+    add to that slice's accumulator. The stage is released once its last wgmma has completed and its scales are
+    read, before the last slice's promotion. `counter` counts the K steps taken so far (the stage ring's position)."""
+    NB: gl.constexpr = BLOCK_N // TILE
+    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, layout)
+    acc0 = gl.zeros([HALF_M, TILE], gl.float32, layout)
+    acc1 = gl.zeros([HALF_M, TILE], gl.float32, layout)
+    for kb in range(k_steps):
+        s = counter % STAGES
+        kblk = k_first + kb
+        mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
+        a_s = as_bufs.index(2 * s + HALF)._reinterpret(gl.float32, [HALF_M], _FLAT).load(row_layout)
+        a_smem = a_bufs.index(2 * s + HALF)
+        t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_bufs.index(NB * s), bs_ptr, group,
+                                    off_n // TILE, N, kblk, stride_bs_e, stride_bs_n, stride_bs_k, B_BLOCKWISE,
+                                    col_layout)
+        if NB == 2:
+            acc0 = _settled(acc0 + scaled, INTERLEAVE)
+            t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_bufs.index(NB * s + 1),
+                                        bs_ptr, group, off_n // TILE + 1, N, kblk, stride_bs_e, stride_bs_n,
+                                        stride_bs_k, B_BLOCKWISE, col_layout)
+            mbarrier.arrive(empty.index(s), count=1)
+            acc1 = acc1 + scaled
+        else:
+            mbarrier.arrive(empty.index(s), count=1)
+            acc0 = acc0 + scaled
+        counter += 1
+    return acc0, acc1, t, counter
+
+
+NVMMA_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32]))
+
+
+@gluon.jit
 def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
               num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
               stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
               B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
-    """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile. Per K step and 128-column slice: a
-    wgmma into a fresh FP32 product, wait, scale, add to that slice's accumulator. The stage is released once its
-    last wgmma has completed and its scales are read, before the last slice's promotion."""
+    """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile (`_tile_product`), then its epilogue."""
     NB: gl.constexpr = BLOCK_N // TILE
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, TILE, 32])
+    layout: gl.constexpr = NVMMA_LAYOUT
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, layout)
     t = gl.zeros([HALF_M, TILE], gl.float32, layout)
@@ -251,28 +287,9 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
             GROUP_M)
         # Index vectors are made where they are used, not kept across the K loop: a 128-wide column vector takes 32
         # registers a thread in this layout, which the accumulators need.
-        acc0 = gl.zeros([HALF_M, TILE], gl.float32, layout)
-        acc1 = gl.zeros([HALF_M, TILE], gl.float32, layout)
-        for kb in range(k_steps):
-            s = counter % STAGES
-            kblk = k_first + kb
-            mbarrier.wait(ready.index(s), (counter // STAGES) & 1)
-            a_s = as_bufs.index(2 * s + HALF)._reinterpret(gl.float32, [HALF_M], _FLAT).load(row_layout)
-            a_smem = a_bufs.index(2 * s + HALF)
-            t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s), t, a_s, bs_bufs.index(NB * s), bs_ptr, group,
-                                        off_n // TILE, N, kblk, stride_bs_e, stride_bs_n, stride_bs_k, B_BLOCKWISE,
-                                        col_layout)
-            if NB == 2:
-                acc0 = _settled(acc0 + scaled, INTERLEAVE)
-                t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_bufs.index(NB * s + 1),
-                                            bs_ptr, group, off_n // TILE + 1, N, kblk, stride_bs_e, stride_bs_n,
-                                            stride_bs_k, B_BLOCKWISE, col_layout)
-                mbarrier.arrive(empty.index(s), count=1)
-                acc1 = acc1 + scaled
-            else:
-                mbarrier.arrive(empty.index(s), count=1)
-                acc0 = acc0 + scaled
-            counter += 1
+        acc0, acc1, t, counter = _tile_product(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, t, counter, bs_ptr,
+                                               group, off_n, N, k_first, k_steps, stride_bs_e, stride_bs_n,
+                                               stride_bs_k, HALF, B_BLOCKWISE, BLOCK_N, STAGES, INTERLEAVE, layout)
         if ACCUMULATE:
             # A tile without K steps (an expert the router gave no rows) would add zeros: main_grad is left as it
             # is, rather than read and written back (with 33-52 of 64 experts idle: 14-24% of a grouped wgrad's
