@@ -83,13 +83,14 @@ def recording(monkeypatch):
     from triton import knobs
     from triton.runtime.driver import driver
     from megafp8.precision.kernels import producers, quantize, rows_cols_gluon, swiglu_cols_gluon, ws_gemm
+    from megafp8.precision.kernels import ws_swiglu_dgrad
     fake = _RecordingDriver()
     monkeypatch.setattr(driver, "_active", fake)
     # a launch hook, as a profiler installs: both paths then hand the launcher the launch's metadata
     hook = knobs.HookChain()
     hook.add(lambda metadata: None)
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
-    for kernel in (ws_gemm._ws_gemm_kernel, rows_cols_gluon.kernel_for(False), rows_cols_gluon.kernel_for(True),
+    for kernel in (ws_gemm._ws_gemm_kernel, ws_swiglu_dgrad._ws_dgrad_swiglu_kernel, rows_cols_gluon.kernel_for(False), rows_cols_gluon.kernel_for(True),
                    rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel,
                    quantize._quantize_weight_kernel, producers._rms_inverse_kernel,
                    swiglu_cols_gluon._swiglu_backward_cols_kernel, swiglu_cols_gluon._swiglu_backward_cols_tma_kernel,
@@ -193,6 +194,25 @@ def test_the_fast_path_launches_the_warp_specialized_gemm_as_the_jit_path_does(r
                             tile_expert=experts, tma_store=False if case == "stores from registers" else None,
                             interleave_ffma=case == "interleaved FFMAs")
     fast, jit = _fast_and_jit(recording, *_attribute(ws_gemm, "_LAUNCH"), call)
+    assert len(fast) == 1 and fast == jit
+
+
+def test_the_fast_path_launches_the_dgrad_with_swiglus_backward_as_the_jit_path_does(recording, monkeypatch):
+    """`ws_swiglu_dgrad.dgrad_swiglu_backward`: 2 experts (one tile each and a padding tile), F = 256, N = 512."""
+    from megafp8.precision import E4M3
+    from megafp8.precision.kernels import tiles, ws_gemm, ws_swiglu_dgrad
+    monkeypatch.setattr(ws_gemm, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(ws_swiglu_dgrad, "_LAUNCH", ws_swiglu_dgrad._LAUNCH)  # restored after the test
+    fp8, f32, bf16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
+
+    def call(seed):
+        dy, dy_s, b, b_s, gu = _operands(seed, ((384, 512), fp8), ((4, 384), f32), ((2 * 256, 512), fp8),
+                                         ((2, 2, 4), f32), ((384, 512), bf16))
+        experts = _kept(seed, "experts", lambda: torch.tensor([0, 1, -1], dtype=torch.int32))
+        out = _kept(seed, "out", lambda: (*tiles.rows_cols_outputs(384, 512, E4M3, dy.device),
+                                          *tiles.rows_cols_outputs(384, 256, E4M3, dy.device)[2:]))
+        ws_swiglu_dgrad.dgrad_swiglu_backward(dy, dy_s.t(), b, b_s, experts, gu, out, E4M3, E4M3, False)
+    fast, jit = _fast_and_jit(recording, *_attribute(ws_swiglu_dgrad, "_LAUNCH"), call)
     assert len(fast) == 1 and fast == jit
 
 

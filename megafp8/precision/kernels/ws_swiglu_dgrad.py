@@ -41,6 +41,7 @@ _STORE_COLS = gl.constexpr(gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1]))
 # One column a thread (128 threads): the tile scales' two correctly rounded divisions once per column, not once per
 # column in each of the 8 threads that hold it in the MMA layout (`gluon_tiles.store_cols_scaled`'s SPREAD).
 _SPREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+_T = ws_gemm._T  # TILE on the host
 STAGES = 4  # 4 x 33 KB of operand stages beside the column tiles' layout conversions
 
 
@@ -245,16 +246,16 @@ def dgrad_swiglu_backward(dy: torch.Tensor, dy_scale: torch.Tensor, b: torch.Ten
     mp, n = dy.shape
     f = gu.shape[1] // 2
     q, s, qt, st, at, ats = out
-    assert mp % TILE == 0 and n % TILE == 0 and f % TILE == 0 and gu.shape[0] == mp and gu.stride(1) == 1
+    assert mp % _T == 0 and n % _T == 0 and f % _T == 0 and gu.shape[0] == mp and gu.stride(1) == 1
     assert b.shape == (b_scale.shape[0] * f, n) and dy.stride(1) == 1 and b.stride(1) == 1
     assert s.stride(0) == 1 and st.stride(0) == 1 and ats.stride(0) == 1, "scales column-major"
-    num_tiles = mp // TILE * (f // TILE)
+    num_tiles = mp // _T * (f // _T)
     if num_tiles == 0:
         return out
     dy_scale = ws_gemm._tma_scales(dy_scale)
     as_desc = ws_gemm._scale_descriptor(dy_scale, ws_gemm._H)
     args = (ws_gemm._descriptor(dy, (ws_gemm._H, ws_gemm._T)), ws_gemm._descriptor(b, (ws_gemm._T, ws_gemm._T)),
-            as_desc, ws_gemm._scale_descriptor(dy_scale, ws_gemm._T), b_scale, tile_expert, mp, f, n // TILE,
+            as_desc, ws_gemm._scale_descriptor(dy_scale, ws_gemm._T), b_scale, tile_expert, mp, f, n // _T,
             *b_scale.stride(), gu, gu.stride(0), q, q.stride(0), s, s.stride(0), s.stride(1), qt, qt.stride(0), st,
             st.stride(0), st.stride(1), at, at.stride(0), ats, ats.stride(0), ats.stride(1))
     options = dict(STAGES=STAGES, GROUP_M=8, GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, num_warps=4,
