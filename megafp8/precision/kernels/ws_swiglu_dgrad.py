@@ -7,8 +7,9 @@ from the FP32 accumulator and the kept gu = [gate | up] (Mp, 2F) BF16
 
 and quantize them as `producers.swiglu_backward_quantize` does: d(gu) along the features (1x128, rows) and along
 the tokens (128x1, stored transposed), a along the tokens (stored transposed, for the down projection's wgrad).
-da never leaves the registers: per element SwiGLU's kernels moved 19 bytes (da written and read twice, gu read
-twice, five FP8 outputs), the epilogue 9 (gu read, the outputs written). The definition is
+da never leaves the registers: per element SwiGLU's kernels moved 19 bytes through HBM (da written and read twice,
+gu read twice, five FP8 outputs), the epilogue 9 (gu read, the outputs written; its later reads of a tile's gu,
+64 KB, come from L2). The definition is
 `Fp8Backend.grouped_dgrad_swiglu_backward` (the dgrad in FP32, then SwiGLU's backward); the arithmetic is the SwiGLU
 kernels', op for op, so results agree with it to FP8 rounding of last-bit differences (GPU test).
 
