@@ -1,16 +1,18 @@
 #!/usr/bin/env python
-"""The experts' down-projection dgrad and SwiGLU's backward (issue 19): two steps against one.
+"""The down projection's dgrad and SwiGLU's backward (issues 18 and 19): two steps against one.
 
     PYTHONPATH=. python benchmarks/dgrad_swiglu.py [--tokens 16384 --experts 64 --top-k 8 --hidden 2048 --ffn 1024]
 
-In the MoE step's padded expert layout (the layer's own `expert_rows`, tokens routed at random), per call, ms of
-device time replayed from CUDA graphs (`fused_quantize.graphed_ms`):
+The experts in the MoE step's padded expert layout (the layer's own `expert_rows`, tokens routed at random), then
+the dense MLPs of the ~1B and 8B-layer shapes (16,384 tokens), per call, ms of device time replayed from CUDA
+graphs (`fused_quantize.graphed_ms`):
 
 - two steps (what the FP8 experts run by default): the hopper backend's grouped dgrad da = dy @ w_down in BF16,
   then `swiglu_backward_quantize(gu, da)` (SwiGLU's row and column kernels);
 - the definition: the same with da in FP32 (`Fp8Backend.grouped_dgrad_swiglu_backward`'s composition);
-- one step: `HopperBackend.grouped_dgrad_swiglu_backward`, SwiGLU's backward in the dgrad's epilogue
-  (`megafp8.precision.kernels.ws_swiglu_dgrad`; `grouped.FUSE_SWIGLU_DGRAD`).
+- one step: `HopperBackend.grouped_dgrad_swiglu_backward` (dense: `dgrad_swiglu_backward`), SwiGLU's backward in
+  the dgrad's epilogue (`megafp8.precision.kernels.ws_swiglu_dgrad`; `grouped.FUSE_SWIGLU_DGRAD`,
+  `fp8_mlp.FUSE_SWIGLU_DGRAD`).
 
 The one step's outputs are checked against the definition's: the share of FP8 bytes that differ and the largest
 difference in FP8 ULPs, per output (the numerics contract allows one). Needs an SM90 GPU.
@@ -29,6 +31,7 @@ from megafp8.precision.formats import E4M3  # noqa: E402
 
 from fused_quantize import graphed_ms  # noqa: E402
 
+DENSE = {"~1B": (2048, 5632), "8B-layers": (4096, 14336)}  # hidden, F
 OUTPUTS = ("d(gu) rows", "d(gu) scales", "d(gu)^T", "d(gu)^T scales", "a^T", "a^T scales")
 
 
@@ -50,6 +53,14 @@ def compare(got: tuple, want: tuple) -> list[str]:
     return cells
 
 
+def timed_forms(two_steps, one_step, definition, iters: int) -> None:
+    """The three forms' rows of the table, and the one step's agreement with the definition."""
+    print(f"| two steps, da in BF16 (the default) | {graphed_ms(lambda: two_steps(torch.bfloat16), iters=iters):.3f} |")
+    print(f"| two steps, da in FP32 (the definition) | {graphed_ms(lambda: two_steps(torch.float32), iters=iters):.3f} |")
+    print(f"| one step, SwiGLU's backward in the dgrad's epilogue | {graphed_ms(one_step, iters=iters):.3f} |")
+    print("\none step against the definition: " + "; ".join(compare(one_step(), definition())) + "\n")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -66,30 +77,35 @@ def main(argv=None) -> None:
 
     hopper = select_backend("hopper", device)
     g = torch.Generator(device=device).manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=g, device=device).bfloat16()  # noqa: E731
     chosen = torch.rand(args.tokens, args.experts, generator=g, device=device).topk(args.top_k, dim=1).indices
     counts = torch.bincount(chosen.flatten(), minlength=args.experts)
     rows = expert_rows(counts, device, rows=chosen.numel())
-    randn = lambda *shape: torch.randn(*shape, generator=g, device=device).bfloat16()  # noqa: E731
     weight = hopper.empty_weight(torch.Size((args.experts, args.hidden, args.ffn)), E4M3, device)
     hopper.quantize_weight_(randn(args.experts, args.hidden, args.ffn) * args.ffn ** -0.5, weight, E4M3, False)
     dy, dy_s = hopper.quantize_rows(randn(rows.total, args.hidden), E4M3, False)
     gu = randn(rows.total, 2 * args.ffn)
-
-    def two_steps(dtype: torch.dtype):
-        da = hopper.grouped_gemm_1x128_128x128(dy, dy_s, weight, True, rows, dtype)
-        return hopper.swiglu_backward_quantize(gu, da, E4M3, E4M3, False)
-
-    def one_step():
-        return hopper.grouped_dgrad_swiglu_backward(dy, dy_s, weight, True, rows, gu, E4M3, E4M3, False)
-
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {rows.total} padded rows "
-          f"({args.tokens} tokens x top-{args.top_k} of {args.experts}), hidden {args.hidden}, F {args.ffn}\n")
-    print("| form | ms |\n|---|---|")
-    print(f"| two steps, da in BF16 (the default) | {graphed_ms(lambda: two_steps(torch.bfloat16), iters=args.iters):.3f} |")
-    print(f"| two steps, da in FP32 (the definition) | {graphed_ms(lambda: two_steps(torch.float32), iters=args.iters):.3f} |")
-    print(f"| one step, SwiGLU's backward in the dgrad's epilogue | {graphed_ms(one_step, iters=args.iters):.3f} |")
-    want = Fp8Backend.grouped_dgrad_swiglu_backward(hopper, dy, dy_s, weight, True, rows, gu, E4M3, E4M3, False)
-    print("\none step against the definition: " + "; ".join(compare(one_step(), want)))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print(f"Experts: {rows.total} padded rows ({args.tokens} tokens x top-{args.top_k} of {args.experts}), hidden "
+          f"{args.hidden}, F {args.ffn}\n\n| form | ms |\n|---|---|")
+    timed_forms(
+        lambda dtype: hopper.swiglu_backward_quantize(
+            gu, hopper.grouped_gemm_1x128_128x128(dy, dy_s, weight, True, rows, dtype), E4M3, E4M3, False),
+        lambda: hopper.grouped_dgrad_swiglu_backward(dy, dy_s, weight, True, rows, gu, E4M3, E4M3, False),
+        lambda: Fp8Backend.grouped_dgrad_swiglu_backward(hopper, dy, dy_s, weight, True, rows, gu, E4M3, E4M3, False),
+        args.iters)
+    for name, (hidden, f) in DENSE.items():
+        w = hopper.empty_weight(torch.Size((hidden, f)), E4M3, device)
+        hopper.quantize_weight_(randn(hidden, f) * f ** -0.5, w, E4M3, False)
+        dy, dy_s = hopper.quantize_rows(randn(args.tokens, hidden), E4M3, False)
+        gu = randn(args.tokens, 2 * f)
+        print(f"Dense, {name}: {args.tokens} tokens, hidden {hidden}, F {f}\n\n| form | ms |\n|---|---|")
+        timed_forms(
+            lambda dtype: hopper.swiglu_backward_quantize(
+                gu, hopper.gemm_1x128_128x128(dy, dy_s, w.wt_fp8, w.wt_scale, dtype), E4M3, E4M3, False),
+            lambda: hopper.dgrad_swiglu_backward(dy, dy_s, w.wt_fp8, w.wt_scale, gu, E4M3, E4M3, False),
+            lambda: Fp8Backend.dgrad_swiglu_backward(hopper, dy, dy_s, w.wt_fp8, w.wt_scale, gu, E4M3, E4M3, False),
+            args.iters)
 
 
 if __name__ == "__main__":

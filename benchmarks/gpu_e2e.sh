@@ -161,8 +161,8 @@ for part in $PARTS; do
       step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
     dgrad_swiglu)  # the experts' down dgrad with SwiGLU's backward in its epilogue (ws_swiglu_dgrad): its compile
                    # test, its GPU test against the two steps, the MoE layer's fused-path tests, then its timing
-      step dgrad_swiglu_tests python -m pytest -q -m gpu tests/test_moe_gpu.py -n 4 -p no:cacheprovider \
-        -k "swiglus_backward_in_its_epilogue or compiled_moe_layer_on_gpu"
+      step dgrad_swiglu_tests python -m pytest -q -m gpu tests/test_moe_gpu.py tests/test_fp8_gpu.py -n 4 \
+        -p no:cacheprovider -k "swiglus_backward_in_its_epilogue or compiled_moe_layer_on_gpu or fused_fp8_mlp_on_gpu"
       step dgrad_swiglu_bench python benchmarks/dgrad_swiglu.py ;;
     group_m)  # the dense fprop and dgrad walking their output tiles in groups of 8 (the default), 16 and 32 row tiles
       step dense_gemm_group_m python benchmarks/dense_gemm.py --model 8b-layers 1b --gemms fprop dgrad --cuda-graphs \

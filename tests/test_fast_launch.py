@@ -197,20 +197,24 @@ def test_the_fast_path_launches_the_warp_specialized_gemm_as_the_jit_path_does(r
     assert len(fast) == 1 and fast == jit
 
 
-def test_the_fast_path_launches_the_dgrad_with_swiglus_backward_as_the_jit_path_does(recording, monkeypatch):
-    """`ws_swiglu_dgrad.dgrad_swiglu_backward`: 2 experts (one tile each and a padding tile), F = 256, N = 512."""
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_fast_path_launches_the_dgrad_with_swiglus_backward_as_the_jit_path_does(recording, monkeypatch, grouped):
+    """`ws_swiglu_dgrad.dgrad_swiglu_backward`: 2 experts (one tile each and a padding tile), F = 256, N = 512; or
+    dense, 300 rows (not a whole number of tiles)."""
     from megafp8.precision import E4M3
     from megafp8.precision.kernels import tiles, ws_gemm, ws_swiglu_dgrad
     monkeypatch.setattr(ws_gemm, "_sm_count", lambda device: 132)
     monkeypatch.setattr(ws_swiglu_dgrad, "_LAUNCH", ws_swiglu_dgrad._LAUNCH)  # restored after the test
     fp8, f32, bf16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
 
+    m = 384 if grouped else 300
+
     def call(seed):
-        dy, dy_s, b, b_s, gu = _operands(seed, ((384, 512), fp8), ((4, 384), f32), ((2 * 256, 512), fp8),
-                                         ((2, 2, 4), f32), ((384, 512), bf16))
-        experts = _kept(seed, "experts", lambda: torch.tensor([0, 1, -1], dtype=torch.int32))
-        out = _kept(seed, "out", lambda: (*tiles.rows_cols_outputs(384, 512, E4M3, dy.device),
-                                          *tiles.rows_cols_outputs(384, 256, E4M3, dy.device)[2:]))
+        dy, dy_s, b, b_s, gu = _operands(seed, ((m, 512), fp8), ((4, m), f32), ((2 * 256 if grouped else 256, 512), fp8),
+                                         ((2, 2, 4) if grouped else (2, 4), f32), ((m, 512), bf16))
+        experts = _kept(seed, "experts", lambda: torch.tensor([0, 1, -1], dtype=torch.int32)) if grouped else None
+        out = _kept(seed, "out", lambda: (*tiles.rows_cols_outputs(m, 512, E4M3, dy.device),
+                                          *tiles.rows_cols_outputs(m, 256, E4M3, dy.device)[2:]))
         ws_swiglu_dgrad.dgrad_swiglu_backward(dy, dy_s.t(), b, b_s, experts, gu, out, E4M3, E4M3, False)
     fast, jit = _fast_and_jit(recording, *_attribute(ws_swiglu_dgrad, "_LAUNCH"), call)
     assert len(fast) == 1 and fast == jit

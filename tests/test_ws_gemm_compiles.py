@@ -106,13 +106,14 @@ def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_
     assert spills and max(spills) <= allowed, report
 
 
-def test_the_down_dgrad_with_swiglus_backward_in_its_epilogue_compiles_for_sm90_without_spills():
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_down_dgrad_with_swiglus_backward_in_its_epilogue_compiles_for_sm90_without_spills(grouped):
     """`ws_swiglu_dgrad` (the experts' down-projection dgrad with SwiGLU's backward in the consumers' epilogue):
     compiled for SM90 with the launch's specializations, its MMAs not serialized, nothing spilled (its first form,
     holding the three results and the column maxima in registers, spilled 7 KB a thread), its shared memory within
     SM90's, the column maxima exchanged through a partition-scoped barrier (128 threads: a CTA-wide one would
     deadlock against the producer warp), and each thread's 8 tokens of a transposed column stored as one 8-byte
-    store."""
+    store. For the experts (`grouped`) and for a dense MLP."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -130,8 +131,8 @@ def test_the_down_dgrad_with_swiglus_backward_in_its_epilogue_compiles_for_sm90_
     signature.update({name: "i32" for name in fused._ws_dgrad_swiglu_kernel.arg_names
                       if name.startswith("stride_") or name in ("M", "F", "K_BLOCKS")})
     # the scales are column-major (unit strides down their rows: specialized to 1 at launch)
-    constants = dict(stride_sm=1, stride_st_k=1, stride_ats_k=1, STAGES=fused.STAGES, GROUP_M=8, GRAD_MAX=448.0,
-                     FP8_MAX=448.0, POW2=False)
+    constants = dict(stride_sm=1, stride_st_k=1, stride_ats_k=1, GROUPED_ROWS=grouped, STAGES=fused.STAGES, GROUP_M=8,
+                     GRAD_MAX=448.0, FP8_MAX=448.0, POW2=False)
     signature.update({name: "constexpr" for name in constants})
     names = fused._ws_dgrad_swiglu_kernel.arg_names
     signature = {name: signature[name] for name in names}

@@ -221,6 +221,20 @@ def _(a, a_scale, b, b_scale, tile_expert, tile_start, tile_count, out_dtype, ba
     return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
 
+@torch.library.custom_op("megafp8::dgrad_swiglu_backward", mutates_args=())
+def dgrad_swiglu_backward(dy: torch.Tensor, dy_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                          gu: torch.Tensor, fmt: str, grad_fmt: str, pow2: bool, backend: str
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                     torch.Tensor]:
+    return _backend(backend).dgrad_swiglu_backward(dy, dy_scale, b, b_scale, gu, FORMATS[fmt], FORMATS[grad_fmt],
+                                                   pow2)
+
+
+@dgrad_swiglu_backward.register_fake
+def _(dy, dy_scale, b, b_scale, gu, fmt, grad_fmt, pow2, backend):
+    return (*_fake_rows_cols(*gu.shape, grad_fmt, gu), *_fake_rows_cols(gu.shape[0], gu.shape[1] // 2, fmt, gu)[2:])
+
+
 @torch.library.custom_op("megafp8::grouped_dgrad_swiglu_backward", mutates_args=())
 def grouped_dgrad_swiglu_backward(dy: torch.Tensor, dy_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                                   tile_expert: torch.Tensor, tile_start: torch.Tensor, tile_count: torch.Tensor,
@@ -302,6 +316,10 @@ class TracedKernels:
 
     def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype: torch.dtype):
         return gemm_1x128_1x128(a, a_scale, b, b_scale, out_dtype, self.backend)
+
+    def dgrad_swiglu_backward(self, dy, dy_scale, wt, wt_scale, gu: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
+                              pow2: bool):
+        return dgrad_swiglu_backward(dy, dy_scale, wt, wt_scale, gu, fmt.name, grad_fmt.name, pow2, self.backend)
 
     def gemm_1x128_1x128_accumulate_(self, out, a, a_scale, b, b_scale) -> None:
         gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale, self.backend)

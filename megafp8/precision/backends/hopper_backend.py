@@ -48,6 +48,15 @@ class HopperBackend(CublasBackend):
         return ws_gemm(a, a_scale, b, self.block_scales_nk(b_scale), c, b_blockwise=True, block_n=block_n,
                        interleave_ffma=self.interleave_ffma and block_n == 256)
 
+    def dgrad_swiglu_backward(self, dy, dy_scale, wt, wt_scale, gu, fmt, grad_fmt, power_of_two):
+        """A dense MLP's down-projection dgrad with SwiGLU's backward in the GEMM's epilogue (`ws_swiglu_dgrad`)."""
+        from megafp8.precision.kernels import tiles, ws_swiglu_dgrad
+        m, f = gu.shape[0], gu.shape[1] // 2
+        out = (*tiles.rows_cols_outputs(m, 2 * f, grad_fmt, gu.device),
+               *tiles.rows_cols_outputs(m, f, fmt, gu.device)[2:])
+        return ws_swiglu_dgrad.dgrad_swiglu_backward(dy, dy_scale, wt, self.block_scales_nk(wt_scale), None, gu, out,
+                                                     fmt, grad_fmt, power_of_two)
+
     def grouped_dgrad_swiglu_backward(self, dy, dy_scale, w, transposed, rows, gu, fmt, grad_fmt, power_of_two):
         """The down projection's dgrad with SwiGLU's backward in the GEMM's epilogue (`ws_swiglu_dgrad`): da stays
         in the consumers' FP32 registers instead of going to HBM in BF16 and back."""

@@ -13,12 +13,16 @@ gu read twice, five FP8 outputs), the epilogue 9 (gu read, the outputs written; 
 `Fp8Backend.grouped_dgrad_swiglu_backward` (the dgrad in FP32, then SwiGLU's backward); the arithmetic is the SwiGLU
 kernels', op for op, so results agree with it to FP8 rounding of last-bit differences (GPU test).
 
+The dense MLP's down projection (issue 18) runs the same kernel without the expert table (`GROUPED_ROWS` off).
+
 Tiles are 128 rows x 128 features (one 1x128 row tile of d_gate and of d_up per row), each consumer warpgroup
 owning 64 rows, as in `ws_gemm`. A 128x1 column tile spans both consumers: each reduces its 64 rows' column
 maxima, hands them to the other through shared memory (double-buffered slots, an mbarrier both consumers arrive
 on), and both quantize with the maximum of the two. Not yet run on a GPU (`grouped.FUSE_SWIGLU_DGRAD` is off).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from triton.experimental import gluon
@@ -176,15 +180,17 @@ def _swiglu_epilogue(da, xch, xbar, uses, off_m, off_n, M, F, gu_ptr, stride_gm,
 def _swiglu_consumer(a_bufs, b_bufs, as_bufs, bs_bufs, xch, xbar, ready, empty, bs_ptr, tile_expert_ptr, M, F,
                      K_BLOCKS, num_tiles, stride_bs_e, stride_bs_n, stride_bs_k, gu_ptr, stride_gm, q_ptr, stride_qm,
                      s_ptr, stride_sm, stride_sk, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, at_ptr,
-                     stride_at, ats_ptr, stride_ats_k, stride_ats_m, HALF: gl.constexpr, STAGES: gl.constexpr,
-                     GROUP_M: gl.constexpr, GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.constexpr):
+                     stride_at, ats_ptr, stride_ats_k, stride_ats_m, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr,
+                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr,
+                     POW2: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every 128 x 128 tile of da, then SwiGLU's backward."""
     layout: gl.constexpr = NVMMA_LAYOUT
     counter = 0
     uses = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
-            tile, M, F, K_BLOCKS, tile_expert_ptr, tile_expert_ptr, tile_expert_ptr, True, False, TILE, GROUP_M)
+            tile, M, F, K_BLOCKS, tile_expert_ptr, tile_expert_ptr, tile_expert_ptr, GROUPED_ROWS, False, TILE,
+            GROUP_M)
         # The product's registers are made per tile (not carried across tiles as `ws_gemm` does): dead in the
         # epilogue, which needs them.
         t = gl.zeros([HALF_M, TILE], gl.float32, layout)
@@ -201,8 +207,9 @@ def _swiglu_consumer(a_bufs, b_bufs, as_bufs, bs_bufs, xch, xbar, ready, empty, 
 def _ws_dgrad_swiglu_kernel(a_desc, b_desc, as_desc, bs_desc, bs_ptr, tile_expert_ptr, M, F, K_BLOCKS, stride_bs_e,
                             stride_bs_n, stride_bs_k, gu_ptr, stride_gm, q_ptr, stride_qm, s_ptr, stride_sm,
                             stride_sk, qt_ptr, stride_qt, st_ptr, stride_st_k, stride_st_m, at_ptr, stride_at,
-                            ats_ptr, stride_ats_k, stride_ats_m, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                            GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.constexpr):
+                            ats_ptr, stride_ats_k, stride_ats_m, GROUPED_ROWS: gl.constexpr, STAGES: gl.constexpr,
+                            GROUP_M: gl.constexpr, GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr,
+                            POW2: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, TILE, TILE], b_desc.layout)
     as_bufs = gl.allocate_shared_memory(gl.float32, [2 * STAGES, 1, HALF_M], as_desc.layout)
@@ -221,16 +228,16 @@ def _ws_dgrad_swiglu_kernel(a_desc, b_desc, as_desc, bs_desc, bs_ptr, tile_exper
         (_swiglu_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, xch, xbar, ready, empty, bs_ptr, tile_expert_ptr, M, F,
                             K_BLOCKS, num_tiles, stride_bs_e, stride_bs_n, stride_bs_k, gu_ptr, stride_gm, q_ptr,
                             stride_qm, s_ptr, stride_sm, stride_sk, qt_ptr, stride_qt, st_ptr, stride_st_k,
-                            stride_st_m, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, 0, STAGES, GROUP_M,
-                            GRAD_MAX, FP8_MAX, POW2)),
+                            stride_st_m, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, 0, GROUPED_ROWS,
+                            STAGES, GROUP_M, GRAD_MAX, FP8_MAX, POW2)),
         (_swiglu_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, xch, xbar, ready, empty, bs_ptr, tile_expert_ptr, M, F,
                             K_BLOCKS, num_tiles, stride_bs_e, stride_bs_n, stride_bs_k, gu_ptr, stride_gm, q_ptr,
                             stride_qm, s_ptr, stride_sm, stride_sk, qt_ptr, stride_qt, st_ptr, stride_st_k,
-                            stride_st_m, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, 1, STAGES, GROUP_M,
-                            GRAD_MAX, FP8_MAX, POW2)),
+                            stride_st_m, at_ptr, stride_at, ats_ptr, stride_ats_k, stride_ats_m, 1, GROUPED_ROWS,
+                            STAGES, GROUP_M, GRAD_MAX, FP8_MAX, POW2)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, F,
-                     K_BLOCKS, num_tiles, tile_expert_ptr, tile_expert_ptr, tile_expert_ptr, True, False, True, TILE,
-                     STAGES, GROUP_M)),
+                     K_BLOCKS, num_tiles, tile_expert_ptr, tile_expert_ptr, tile_expert_ptr, GROUPED_ROWS, False,
+                     True, TILE, STAGES, GROUP_M)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -238,28 +245,32 @@ _LAUNCH = FastLaunch(_ws_dgrad_swiglu_kernel)  # Triton's JIT once per static si
 
 
 def dgrad_swiglu_backward(dy: torch.Tensor, dy_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                          tile_expert: torch.Tensor, gu: torch.Tensor, out: tuple, fmt: Fp8Format,
+                          tile_expert: Optional[torch.Tensor], gu: torch.Tensor, out: tuple, fmt: Fp8Format,
                           grad_fmt: Fp8Format, power_of_two: bool) -> tuple:
-    """Fill `out` = (dgu_fp8 (Mp, 2F), scales (Mp, 2F/128), dgut_fp8 (2F, Mp), scales_t (2F, Mp/128), at_fp8 (F, Mp),
-    at_scales (F, Mp/128)), scales column-major (`tiles.rows_cols_outputs`), from dy (Mp, N) FP8 in 1x128 tiles
-    with its scales (Mp, N/128), the stacked transposed down weight b (E * F, N) FP8 in 128x128 blocks with its
-    scales (E, F/128, N/128), the tile -> expert table and gu (Mp, 2F) BF16; returns `out`."""
-    mp, n = dy.shape
+    """Fill `out` = (dgu_fp8 (M, 2F), scales (M, 2F/128), dgut_fp8 (2F, M_pad), scales_t (2F, M_pad/128), at_fp8
+    (F, M_pad), at_scales (F, M_pad/128)), scales column-major (`tiles.rows_cols_outputs`), from dy (M, N) FP8 in
+    1x128 tiles with its scales (M, N/128), gu (M, 2F) and the down weight's transpose b in 128x128 blocks: for the
+    experts (`tile_expert`, the 128-row tiles' experts; M a multiple of 128) stacked (E * F, N) with scales
+    (E, F/128, N/128), for a dense MLP (`tile_expert` None) (F, N) with scales (F/128, N/128). Returns `out`."""
+    m, n = dy.shape
     f = gu.shape[1] // 2
     q, s, qt, st, at, ats = out
-    assert mp % _T == 0 and n % _T == 0 and f % _T == 0 and gu.shape[0] == mp and gu.stride(1) == 1
-    assert b.shape == (b_scale.shape[0] * f, n) and dy.stride(1) == 1 and b.stride(1) == 1
+    grouped = tile_expert is not None
+    assert n % _T == 0 and f % _T == 0 and gu.shape[0] == m and gu.stride(1) == 1 and (m % _T == 0 or not grouped)
+    assert b.shape == ((b_scale.shape[0] if grouped else 1) * f, n) and dy.stride(1) == 1 and b.stride(1) == 1
     assert s.stride(0) == 1 and st.stride(0) == 1 and ats.stride(0) == 1, "scales column-major"
-    num_tiles = mp // _T * (f // _T)
+    num_tiles = -(-m // _T) * (f // _T)
     if num_tiles == 0:
         return out
     dy_scale = ws_gemm._tma_scales(dy_scale)
     as_desc = ws_gemm._scale_descriptor(dy_scale, ws_gemm._H)
+    bs_strides = b_scale.stride() if grouped else (0, *b_scale.stride())
     args = (ws_gemm._descriptor(dy, (ws_gemm._H, ws_gemm._T)), ws_gemm._descriptor(b, (ws_gemm._T, ws_gemm._T)),
-            as_desc, ws_gemm._scale_descriptor(dy_scale, ws_gemm._T), b_scale, tile_expert, mp, f, n // _T,
-            *b_scale.stride(), gu, gu.stride(0), q, q.stride(0), s, s.stride(0), s.stride(1), qt, qt.stride(0), st,
-            st.stride(0), st.stride(1), at, at.stride(0), ats, ats.stride(0), ats.stride(1))
-    options = dict(STAGES=STAGES, GROUP_M=8, GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, num_warps=4,
-                   maxnreg=ws_gemm._MAXNREG)
+            as_desc, ws_gemm._scale_descriptor(dy_scale, ws_gemm._T), b_scale,
+            tile_expert if grouped else dy_scale, m, f, n // _T, *bs_strides, gu, gu.stride(0), q, q.stride(0), s,
+            s.stride(0), s.stride(1), qt, qt.stride(0), st, st.stride(0), st.stride(1), at, at.stride(0), ats,
+            ats.stride(0), ats.stride(1))
+    options = dict(GROUPED_ROWS=grouped, STAGES=STAGES, GROUP_M=8, GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max,
+                   POW2=power_of_two, num_warps=4, maxnreg=ws_gemm._MAXNREG)
     _LAUNCH.launch((min(ws_gemm._sm_count(dy.device), num_tiles),), args, options)
     return out
