@@ -66,8 +66,9 @@ def _swiglu_output(da, gu_ptr, row0, col0, M, F, stride_gm, WHICH: gl.constexpr)
     """One of SwiGLU's backward values at this consumer's 64 rows from row0 x the 128 features from col0, FP32, as
     `producers._swiglu_backward_slice` computes it (rows past M read as zeros): WHICH 0 d_gate = da * s * up *
     (1 + gate * (1 - s)), 1 d_up = da * s * gate, 2 the output a = gate * s * up (s = sigmoid(gate)). gu is read
-    here for each value: a value held across the next one's computation would take 64 more registers a thread,
-    which the epilogue does not have (the reads hit L2)."""
+    here for each value, six times a tile (the first from HBM, the others from L2): a value held across the next
+    one's computation takes 64 more registers a thread, which the epilogue does not have (one read per pass, gate
+    and up kept in BF16 and made FP32 afresh for each value, spilled 1.7 KB a thread: ptxas, on a CPU)."""
     layout: gl.constexpr = NVMMA_LAYOUT
     rows = _rows(row0, layout)
     in_rows = gl.expand_dims(rows < M, 1)
