@@ -55,9 +55,11 @@ def compare(got: tuple, want: tuple) -> list[str]:
 
 def timed_forms(two_steps, one_step, definition, iters: int) -> None:
     """The three forms' rows of the table, and the one step's agreement with the definition."""
-    print(f"| two steps, da in BF16 (the default) | {graphed_ms(lambda: two_steps(torch.bfloat16), iters=iters):.3f} |")
-    print(f"| two steps, da in FP32 (the definition) | {graphed_ms(lambda: two_steps(torch.float32), iters=iters):.3f} |")
-    print(f"| one step, SwiGLU's backward in the dgrad's epilogue | {graphed_ms(one_step, iters=iters):.3f} |")
+    forms = {"two steps, da in BF16 (the default)": lambda: two_steps(torch.bfloat16),
+             "two steps, da in FP32 (the definition)": lambda: two_steps(torch.float32),
+             "one step, SwiGLU's backward in the dgrad's epilogue": one_step}
+    for name, fn in forms.items():
+        print(f"| {name} | {graphed_ms(fn, iters=iters):.3f} |")
     print("\none step against the definition: " + "; ".join(compare(one_step(), definition())) + "\n")
 
 

@@ -90,7 +90,8 @@ def recording(monkeypatch):
     hook = knobs.HookChain()
     hook.add(lambda metadata: None)
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
-    for kernel in (ws_gemm._ws_gemm_kernel, ws_swiglu_dgrad._ws_dgrad_swiglu_kernel, rows_cols_gluon.kernel_for(False), rows_cols_gluon.kernel_for(True),
+    for kernel in (ws_gemm._ws_gemm_kernel, ws_swiglu_dgrad._ws_dgrad_swiglu_kernel, rows_cols_gluon.kernel_for(False),
+                   rows_cols_gluon.kernel_for(True),
                    rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel,
                    quantize._quantize_weight_kernel, producers._rms_inverse_kernel,
                    swiglu_cols_gluon._swiglu_backward_cols_kernel, swiglu_cols_gluon._swiglu_backward_cols_tma_kernel,
@@ -210,7 +211,8 @@ def test_the_fast_path_launches_the_dgrad_with_swiglus_backward_as_the_jit_path_
     m = 384 if grouped else 300
 
     def call(seed):
-        dy, dy_s, b, b_s, gu = _operands(seed, ((m, 512), fp8), ((4, m), f32), ((2 * 256 if grouped else 256, 512), fp8),
+        dy, dy_s, b, b_s, gu = _operands(seed, ((m, 512), fp8), ((4, m), f32),
+                                         ((2 * 256 if grouped else 256, 512), fp8),
                                          ((2, 2, 4) if grouped else (2, 4), f32), ((m, 512), bf16))
         experts = _kept(seed, "experts", lambda: torch.tensor([0, 1, -1], dtype=torch.int32)) if grouped else None
         out = _kept(seed, "out", lambda: (*tiles.rows_cols_outputs(m, 512, E4M3, dy.device),

@@ -63,7 +63,8 @@ def _fusing_swiglu_dgrad(monkeypatch, fuse: bool) -> list:
     from megafp8.precision.backends import Fp8Backend
     monkeypatch.setattr(fp8_mlp, "FUSE_SWIGLU_DGRAD", fuse)
     calls, one_step = [], Fp8Backend.dgrad_swiglu_backward
-    monkeypatch.setattr(Fp8Backend, "dgrad_swiglu_backward", lambda self, *args: calls.append(1) or one_step(self, *args))
+    monkeypatch.setattr(Fp8Backend, "dgrad_swiglu_backward",
+                        lambda self, *args: calls.append(1) or one_step(self, *args))
     return calls
 
 

@@ -82,12 +82,12 @@ def _has_generic_grouped_mm() -> bool:
 
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_HAS_GENERIC_GROUPED_MM = _has_generic_grouped_mm()
 # Whether the FP8 experts' backward takes the down projection's dgrad and SwiGLU's backward as one step
 # (`Fp8Backend.grouped_dgrad_swiglu_backward`: da in FP32, on the hopper backend never leaving the GEMM's registers)
 # instead of a BF16 da written, read and quantized by SwiGLU's backward kernels. Not yet run on a GPU: off until the
-# GPU tests and `benchmarks/grouped_gemm.py`'s fused row have run (docs/benchmarks.md, the next GPU list).
+# GPU tests and `benchmarks/dgrad_swiglu.py` have run (docs/benchmarks.md, the next GPU list).
 FUSE_SWIGLU_DGRAD = False
-_HAS_GENERIC_GROUPED_MM = _has_generic_grouped_mm()
 
 
 def grouped_mm_unsupported_reason(device_type: str, capability: Optional[tuple[int, int]], dtype: torch.dtype,
@@ -371,8 +371,8 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
                   output's gradient: row p of dy is w[t, j] * dout[t], quantized from FP32 by the gathering
                   quantizer, never written in BF16);  da = grouped dgrad through w_down (Mp, F);
                   d(gu) both ways and a^T again (SwiGLU's backward kernel; with `FUSE_SWIGLU_DGRAD` one
-                  step from da in FP32, `Fp8Backend.grouped_dgrad_swiglu_backward`);  the two wgrads;  dx padded -> the
-                  source's gradient through `GatheredInput.source_grad`
+                  step from da in FP32, `Fp8Backend.grouped_dgrad_swiglu_backward`);  the two wgrads;  dx
+                  padded -> the source's gradient through `GatheredInput.source_grad`
 
     Against two grouped linears around an eager SwiGLU, this skips the copies into and out of the padded layout,
     the eager SwiGLU and its backward, and two quantization passes; SwiGLU's output and its input gradient are
