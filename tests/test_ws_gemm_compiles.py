@@ -112,8 +112,8 @@ def test_the_down_dgrad_with_swiglus_backward_in_its_epilogue_compiles_for_sm90_
     compiled for SM90 with the launch's specializations, its MMAs not serialized, nothing spilled (its first form,
     holding the three results and the column maxima in registers, spilled 7 KB a thread), its shared memory within
     SM90's, the column maxima exchanged through a partition-scoped barrier (128 threads: a CTA-wide one would
-    deadlock against the producer warp), and each thread's 8 tokens of a transposed column stored as one 8-byte
-    store. For the experts (`grouped`) and for a dense MLP."""
+    deadlock against the producer warp), each thread's 8 tokens of a transposed column stored as one 8-byte store
+    and its 16 features of a row as one 16-byte store. For the experts (`grouped`) and for a dense MLP."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -151,8 +151,11 @@ def test_the_down_dgrad_with_swiglus_backward_in_its_epilogue_compiles_for_sm90_
     assert spills and max(spills) <= MAX_SPILL_BYTES, report
     barriers = set(re.findall(r"bar\.sync\s+(\d+), (\d+);", ptx))
     assert barriers and all(threads == "128" for _, threads in barriers), barriers
-    # 3 transposed results x 8 of a thread's columns... at least one 8-byte store each; no byte stores
-    assert len(re.findall(r"st\.global\.v2\.b32", ptx)) >= 3 * 8 and "st.global.b8" not in ptx
+    # a thread's 8 tokens of each of its 8 columns of the 3 transposed results as one 8-byte store, its 64 bytes of
+    # each of the 2 row results as four 16-byte stores (the consumer's code is there once per consumer)
+    assert len(re.findall(r"st\.global\.v2\.b32", ptx)) == 2 * 3 * 8
+    assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 2 * 2 * 4
+    assert "st.global.b8" not in ptx and "st.global.b16" not in ptx
 
 
 @pytest.mark.parametrize("name", ["grouped fprop/dgrad", "grouped fprop/dgrad, stores from registers"])

@@ -43,6 +43,8 @@ _XCH = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=
 _FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 # Column tiles stored tokens first: each thread 8 consecutive tokens of a column (8-byte stores of x^T's rows).
 _STORE_COLS = gl.constexpr(gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1]))
+# Row tiles stored features first: each thread 16 consecutive features of a row (16-byte stores of its rows).
+_STORE_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
 # One column a thread (128 threads): the tile scales' two correctly rounded divisions once per column, not once per
 # column in each of the 8 threads that hold it in the MMA layout (`gluon_tiles.store_cols_scaled`'s SPREAD).
 _SPREAD = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
@@ -87,15 +89,17 @@ def _swiglu_output(da, gu_ptr, row0, col0, M, F, stride_gm, WHICH: gl.constexpr)
 @gluon.jit
 def _store_rows(x, row0, col0, M, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk, FP8_MAX: gl.constexpr,
                 POW2: gl.constexpr):
-    """x (64 rows from row0, the 128 features from col0) quantized along the features (`tiles.store_rows`)."""
+    """x (64 rows from row0, the 128 features from col0) quantized along the features (`tiles.store_rows`), the FP8
+    values moved to `_STORE_ROWS` for 16-byte stores (from the MMA layout, which holds column pairs: 2-byte ones)."""
     layout: gl.constexpr = NVMMA_LAYOUT
     scale, inv = gluon_tiles.tile_scale(gl.reduce(gl.abs(x), 1, gluon_tiles.nan_max), FP8_MAX, POW2)
-    q = (x * gl.expand_dims(inv, 1)).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    q = gl.convert_layout((x * gl.expand_dims(inv, 1)).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                          _STORE_ROWS)
+    q_rows = _rows(row0, _STORE_ROWS)
+    gl.store(q_ptr + gl.expand_dims(q_rows.to(gl.int64) * stride_qm, 1) + gl.expand_dims(_cols(col0, _STORE_ROWS), 0),
+             q, mask=gl.expand_dims(q_rows < M, 1))
     rows = _rows(row0, layout)
-    in_rows = rows < M
-    gl.store(q_ptr + gl.expand_dims(rows.to(gl.int64) * stride_qm, 1) + gl.expand_dims(_cols(col0, layout), 0), q,
-             mask=gl.expand_dims(in_rows, 1))
-    gl.store(s_ptr + rows * stride_sm + (col0 // TILE) * stride_sk, scale, mask=in_rows)
+    gl.store(s_ptr + rows * stride_sm + (col0 // TILE) * stride_sk, scale, mask=rows < M)
 
 
 @gluon.jit
