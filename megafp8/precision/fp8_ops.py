@@ -101,10 +101,15 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: str, grad_
     return _backend(backend).swiglu_backward_quantize(gu, da, FORMATS[fmt], FORMATS[grad_fmt], pow2, a_amax)
 
 
+def _fake_swiglu_backward(gu: torch.Tensor, fmt: str, grad_fmt: str, a_blocks: bool = False) -> tuple:
+    """SwiGLU's quantized backward outputs for gu (M, 2F), as `tiles.swiglu_backward_outputs` makes them."""
+    return (*_fake_rows_cols(*gu.shape, grad_fmt, gu),
+            *_fake_rows_cols(gu.shape[0], gu.shape[1] // 2, fmt, gu, cols_in_blocks=a_blocks)[2:])
+
+
 @swiglu_backward_quantize.register_fake
 def _(gu, da, fmt, grad_fmt, pow2, backend, a_amax=None):
-    return (*_fake_rows_cols(*gu.shape, grad_fmt, gu),
-            *_fake_rows_cols(*da.shape, fmt, gu, cols_in_blocks=a_amax is not None)[2:])
+    return _fake_swiglu_backward(gu, fmt, grad_fmt, a_amax is not None)
 
 
 @torch.library.custom_op("megafp8::rope_backward_quantize", mutates_args=())
@@ -232,7 +237,7 @@ def dgrad_swiglu_backward(dy: torch.Tensor, dy_scale: torch.Tensor, b: torch.Ten
 
 @dgrad_swiglu_backward.register_fake
 def _(dy, dy_scale, b, b_scale, gu, fmt, grad_fmt, pow2, backend):
-    return (*_fake_rows_cols(*gu.shape, grad_fmt, gu), *_fake_rows_cols(gu.shape[0], gu.shape[1] // 2, fmt, gu)[2:])
+    return _fake_swiglu_backward(gu, fmt, grad_fmt)
 
 
 @torch.library.custom_op("megafp8::grouped_dgrad_swiglu_backward", mutates_args=())
@@ -248,7 +253,7 @@ def grouped_dgrad_swiglu_backward(dy: torch.Tensor, dy_scale: torch.Tensor, b: t
 
 @grouped_dgrad_swiglu_backward.register_fake
 def _(dy, dy_scale, b, b_scale, tile_expert, tile_start, tile_count, gu, fmt, grad_fmt, pow2, backend):
-    return (*_fake_rows_cols(*gu.shape, grad_fmt, gu), *_fake_rows_cols(gu.shape[0], gu.shape[1] // 2, fmt, gu)[2:])
+    return _fake_swiglu_backward(gu, fmt, grad_fmt)
 
 
 @torch.library.custom_op("megafp8::grouped_gemm_1x128_1x128", mutates_args=())

@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from megafp8.precision.formats import Fp8Format
-from megafp8.precision.kernels import gluon_tiles, ws_gemm
+from megafp8.precision.kernels import gluon_tiles, tiles, ws_gemm
 from megafp8.precision.kernels.launch import FastLaunch
 from megafp8.precision.kernels.swiglu_cols_gluon import exp_neg
 from megafp8.precision.kernels.ws_gemm import (_CONSUMER_REGS, _PRODUCER_REGS, HALF_M, NVMMA_LAYOUT, TILE, _producer,
@@ -250,20 +250,20 @@ _LAUNCH = FastLaunch(_ws_dgrad_swiglu_kernel)  # Triton's JIT once per static si
 
 
 def dgrad_swiglu_backward(dy: torch.Tensor, dy_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                          tile_expert: Optional[torch.Tensor], gu: torch.Tensor, out: tuple, fmt: Fp8Format,
-                          grad_fmt: Fp8Format, power_of_two: bool) -> tuple:
-    """Fill `out` = (dgu_fp8 (M, 2F), scales (M, 2F/128), dgut_fp8 (2F, M_pad), scales_t (2F, M_pad/128), at_fp8
-    (F, M_pad), at_scales (F, M_pad/128)), scales column-major (`tiles.rows_cols_outputs`), from dy (M, N) FP8 in
+                          tile_expert: Optional[torch.Tensor], gu: torch.Tensor, fmt: Fp8Format,
+                          grad_fmt: Fp8Format, power_of_two: bool, out: Optional[tuple] = None) -> tuple:
+    """(dgu_fp8 (M, 2F), scales (M, 2F/128), dgut_fp8 (2F, M_pad), scales_t (2F, M_pad/128), at_fp8 (F, M_pad),
+    at_scales (F, M_pad/128)), scales column-major (`tiles.swiglu_backward_outputs`), from dy (M, N) FP8 in
     1x128 tiles with its scales (M, N/128), gu (M, 2F) and the down weight's transpose b in 128x128 blocks: for the
     experts (`tile_expert`, the 128-row tiles' experts; M a multiple of 128) stacked (E * F, N) with scales
-    (E, F/128, N/128), for a dense MLP (`tile_expert` None) (F, N) with scales (F/128, N/128). Returns `out`."""
+    (E, F/128, N/128), for a dense MLP (`tile_expert` None) (F, N) with scales (F/128, N/128). Into `out` where
+    given (from `tiles.swiglu_backward_outputs`)."""
     m, n = dy.shape
     f = gu.shape[1] // 2
-    q, s, qt, st, at, ats = out
+    q, s, qt, st, at, ats = out = out or tiles.swiglu_backward_outputs(m, f, fmt, grad_fmt, gu.device)
     grouped = tile_expert is not None
     assert n % _T == 0 and f % _T == 0 and gu.shape[0] == m and gu.stride(1) == 1 and (m % _T == 0 or not grouped)
     assert b.shape == ((b_scale.shape[0] if grouped else 1) * f, n) and dy.stride(1) == 1 and b.stride(1) == 1
-    assert s.stride(0) == 1 and st.stride(0) == 1 and ats.stride(0) == 1, "scales column-major"
     num_tiles = -(-m // _T) * (f // _T)
     if num_tiles == 0:
         return out
