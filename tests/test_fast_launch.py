@@ -371,6 +371,27 @@ def test_the_fast_path_launches_swiglu_backwards_column_kernel_as_the_jit_path_d
     assert len(fast) == 1 and fast == jit
 
 
+def test_an_fp32_da_takes_swiglu_backwards_loads_and_a_descriptor_of_the_wrong_width_is_refused(recording,
+                                                                                                  monkeypatch):
+    """The fused dgrad's definition hands SwiGLU's backward an FP32 da: the column kernel reads it with the threads'
+    loads (its TMA slabs are 64-byte rows of BF16; job GM's GPU failed filling such a tensor map), and a descriptor
+    whose shared layout is for 16-bit elements over an FP32 tensor is refused before any driver sees it."""
+    from megafp8.precision import E4M3
+    from megafp8.precision.kernels import swiglu_cols_gluon, tiles
+    from megafp8.precision.kernels.launch import Descriptor
+    for name in ("_TMA_LAUNCH", "_LAUNCH"):
+        monkeypatch.setattr(swiglu_cols_gluon, name, getattr(swiglu_cols_gluon, name))
+    gu, da = _operands(0, ((256, 512), torch.bfloat16), ((256, 256), torch.float32))
+    assert not swiglu_cols_gluon.tma_fits(gu, da) and swiglu_cols_gluon.tma_fits(gu, da.bfloat16())
+    qt, st = tiles.rows_cols_outputs(256, 512, E4M3, gu.device)[2:]
+    at, ats = tiles.rows_cols_outputs(256, 256, E4M3, gu.device)[2:]
+    swiglu_cols_gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, E4M3, False)
+    assert len(recording.launches) == 1
+    wrong = Descriptor(da.view(8, 32, 256), (8, 16, 32), swiglu_cols_gluon.slab_shared_layout(32))
+    with pytest.raises(ValueError, match="16-bit elements.*float32"):
+        wrong.checked()
+
+
 @pytest.mark.parametrize("case", ["gather_sum", "combine", "combine backward", "combine weights' gradient",
                                   "gather rows", "gather rows, features first"])
 def test_the_fast_path_launches_the_moe_permutation_kernels_as_the_jit_path_does(recording, monkeypatch, case):

@@ -42,7 +42,13 @@ class Descriptor(NamedTuple):
     layout: Any
 
     def checked(self):
-        """The Gluon `TensorDescriptor`, made (and checked) as Triton's JIT path is given it."""
+        """The Gluon `TensorDescriptor`, made (and checked) as Triton's JIT path is given it. A shared layout made
+        for another element width than the tensor's is refused here (the driver would only say "invalid argument"
+        when it fills the tensor map)."""
+        bits = getattr(self.layout, "element_bitwidth", None)
+        if bits is not None and bits != 8 * self.tensor.element_size():
+            raise ValueError(f"a TMA descriptor's shared layout is for {bits}-bit elements, its tensor holds "
+                             f"{self.tensor.dtype}: make the layout for the tensor's dtype or convert the tensor")
         descriptor_class, _ = _descriptor_class()
         return descriptor_class.from_tensor(self.tensor, list(self.block), self.layout)
 
