@@ -28,9 +28,7 @@
 # back (clocks_gemm: the fprop and the wgrad), clocks and power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols; with
-# the MoE gathers' two walks and their GPU tests: gathers_walk; the experts' down dgrad with SwiGLU's backward in
-# its epilogue, its GPU tests and its timing against the two steps: dgrad_swiglu; the MoE and 8B-layer FP8 steps
-# with it switched on, against this tree: dgrad_swiglu_ab, dgrad_swiglu_ab_8b), RoPE's
+# the MoE gathers' two walks and their GPU tests: gathers_walk), RoPE's
 # backward quantizer against its Gluon twin (rope), dense
 # wgrad GEMMs (wgrad_gemm; wgrad_bf16: the BF16 columns only; dense_gemm: the three dense GEMMs, cuBLAS against the
 # warp-specialized kernel; dense_gemm_graphs, grouped_gemm_graphs: replayed from CUDA graphs; group_m: the dense
@@ -160,27 +158,6 @@ for part in $PARTS; do
       step gathers_walk_tests python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_moe_gpu.py -n 4 \
         -k "gluon_rows_cols or permutation_kernels" -p no:cacheprovider
       step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
-    dgrad_swiglu)  # the experts' down dgrad with SwiGLU's backward in its epilogue (ws_swiglu_dgrad): its compile
-                   # test, its GPU test against the two steps, the MoE layer's fused-path tests, then its timing
-      step dgrad_swiglu_tests python -m pytest -q -m gpu tests/test_moe_gpu.py tests/test_fp8_gpu.py -n 4 \
-        -p no:cacheprovider -k "swiglus_backward_in_its_epilogue or compiled_moe_layer_on_gpu or fused_fp8_mlp_on_gpu"
-      step dgrad_swiglu_bench python benchmarks/dgrad_swiglu.py ;;
-    dgrad_swiglu_ab|dgrad_swiglu_ab_8b)  # the FP8 step with the switch on (a copy of this tree with
-                   # grouped.FUSE_SWIGLU_DGRAD, for the 8B-layer shape fp8_mlp.FUSE_SWIGLU_DGRAD) against this tree,
-                   # primed, ABBA, AB_REPEATS (default 2) runs each: the balanced MoE step, or the 8B-layer step
-      fused="${TMPDIR:-/tmp}/megafp8-fused-swiglu"
-      rm -rf "$fused" && mkdir -p "$fused"
-      tar --exclude=./old_tree --exclude=./.git --exclude=./.venv -cf - . | tar xf - -C "$fused"
-      if [ "$part" = dgrad_swiglu_ab ]; then
-        sed -i 's/^FUSE_SWIGLU_DGRAD = False$/FUSE_SWIGLU_DGRAD = True/' "$fused/megafp8/precision/grouped.py"
-        args="--model moe --warmup 210 --steps 240 training.compile=true training.compile_mode=reduce-overhead"
-        args="$args model.moe.bias_update_rate=0.01"
-      else
-        sed -i 's/^FUSE_SWIGLU_DGRAD = False$/FUSE_SWIGLU_DGRAD = True/' "$fused/megafp8/precision/fp8_mlp.py"
-        args="--model 8b-layers training.compile=true training.compile_mode=reduce-overhead"
-      fi
-      step "$part" python benchmarks/ab_steps.py --prime --old . --new "$fused" --repeats "${AB_REPEATS:-2}" \
-        --timeout "${AB_RUN_TIMEOUT:-130}" -- $args --recipes fp8 ;;
     group_m)  # the dense fprop and dgrad walking their output tiles in groups of 8 (the default), 16 and 32 row tiles
       step dense_gemm_group_m python benchmarks/dense_gemm.py --model 8b-layers 1b --gemms fprop dgrad --cuda-graphs \
         --iters 20 --columns "ws 256, interleaved FFMA" "ws 256, interleaved FFMA, GROUP_M 16" \

@@ -83,15 +83,13 @@ def recording(monkeypatch):
     from triton import knobs
     from triton.runtime.driver import driver
     from megafp8.precision.kernels import producers, quantize, rows_cols_gluon, swiglu_cols_gluon, ws_gemm
-    from megafp8.precision.kernels import ws_swiglu_dgrad
     fake = _RecordingDriver()
     monkeypatch.setattr(driver, "_active", fake)
     # a launch hook, as a profiler installs: both paths then hand the launcher the launch's metadata
     hook = knobs.HookChain()
     hook.add(lambda metadata: None)
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
-    for kernel in (ws_gemm._ws_gemm_kernel, ws_swiglu_dgrad._ws_dgrad_swiglu_kernel, rows_cols_gluon.kernel_for(False),
-                   rows_cols_gluon.kernel_for(True),
+    for kernel in (ws_gemm._ws_gemm_kernel, rows_cols_gluon.kernel_for(False), rows_cols_gluon.kernel_for(True),
                    rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel,
                    quantize._quantize_weight_kernel, producers._rms_inverse_kernel,
                    swiglu_cols_gluon._swiglu_backward_cols_kernel, swiglu_cols_gluon._swiglu_backward_cols_tma_kernel,
@@ -195,29 +193,6 @@ def test_the_fast_path_launches_the_warp_specialized_gemm_as_the_jit_path_does(r
                             tile_expert=experts, tma_store=False if case == "stores from registers" else None,
                             interleave_ffma=case == "interleaved FFMAs")
     fast, jit = _fast_and_jit(recording, *_attribute(ws_gemm, "_LAUNCH"), call)
-    assert len(fast) == 1 and fast == jit
-
-
-@pytest.mark.parametrize("grouped", [True, False])
-def test_the_fast_path_launches_the_dgrad_with_swiglus_backward_as_the_jit_path_does(recording, monkeypatch, grouped):
-    """`ws_swiglu_dgrad.dgrad_swiglu_backward`: 2 experts (one tile each and a padding tile), F = 256, N = 512; or
-    dense, 300 rows (not a whole number of tiles)."""
-    from megafp8.precision import E4M3
-    from megafp8.precision.kernels import tiles, ws_gemm, ws_swiglu_dgrad
-    monkeypatch.setattr(ws_gemm, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(ws_swiglu_dgrad, "_LAUNCH", ws_swiglu_dgrad._LAUNCH)  # restored after the test
-    fp8, f32, bf16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
-
-    m = 384 if grouped else 300
-
-    def call(seed):
-        dy, dy_s, b, b_s, gu = _operands(seed, ((m, 512), fp8), ((4, m), f32),
-                                         ((2 * 256 if grouped else 256, 512), fp8),
-                                         ((2, 2, 4) if grouped else (2, 4), f32), ((m, 512), bf16))
-        experts = _kept(seed, "experts", lambda: torch.tensor([0, 1, -1], dtype=torch.int32)) if grouped else None
-        out = _kept(seed, "out", lambda: tiles.swiglu_backward_outputs(m, 256, E4M3, E4M3, dy.device))
-        ws_swiglu_dgrad.dgrad_swiglu_backward(dy, dy_s.t(), b, b_s, experts, gu, E4M3, E4M3, False, out)
-    fast, jit = _fast_and_jit(recording, *_attribute(ws_swiglu_dgrad, "_LAUNCH"), call)
     assert len(fast) == 1 and fast == jit
 
 
@@ -373,7 +348,7 @@ def test_the_fast_path_launches_swiglu_backwards_column_kernel_as_the_jit_path_d
 
 def test_an_fp32_da_takes_swiglu_backwards_loads_and_a_descriptor_of_the_wrong_width_is_refused(recording,
                                                                                                   monkeypatch):
-    """The fused dgrad's definition hands SwiGLU's backward an FP32 da: the column kernel reads it with the threads'
+    """SwiGLU's backward given an FP32 da (a dgrad written in FP32): the column kernel reads it with the threads'
     loads (its TMA slabs are 64-byte rows of BF16; job GM's GPU failed filling such a tensor map), and a descriptor
     whose shared layout is for 16-bit elements over an FP32 tensor is refused before any driver sees it."""
     from megafp8.precision import E4M3

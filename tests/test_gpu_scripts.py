@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import pytest
-
 from tests.conftest import REPO
 
 
@@ -422,25 +420,3 @@ def test_gpu_e2e_group_m_part_times_the_dense_gemms_in_three_group_widths(tmp_pa
     sys.path.insert(0, str(REPO / "benchmarks"))
     import dense_gemm
     assert set(args[args.index("--columns") + 1:]) <= set(dense_gemm.ALL_COLUMNS)
-
-
-@pytest.mark.parametrize("part, module, model", [("dgrad_swiglu_ab", "grouped", "moe"),
-                                                 ("dgrad_swiglu_ab_8b", "fp8_mlp", "8b-layers")])
-def test_gpu_e2e_dgrad_swiglu_ab_parts_time_a_copy_with_the_fused_backward_switched_on(tmp_path, part, module, model):
-    """`gpu_e2e.sh dgrad_swiglu_ab` (`_8b`) copies this tree with the experts' (the dense MLP's) FUSE_SWIGLU_DGRAD
-    turned on and runs `ab_steps.py --prime` of this tree against the copy, FP8 only; this tree keeps its switch."""
-    result = _gpu_e2e_with_fake_gpu(
-        tmp_path, [part], 'printf "%s\\n" "$@" > ab.log; grep -h "^FUSE_SWIGLU_DGRAD" '
-        '"$(sed -n "/^--new$/{n;p}" ab.log)"/megafp8/precision/*.py > switches.log',
-        script="benchmarks/ab_steps.py", env={"TMPDIR": str(tmp_path)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    args = (tmp_path / "out" / "ab.log").read_text().splitlines()
-    assert args[args.index("--old") + 1] == "." and "--prime" in args
-    assert args[args.index("--new") + 1] == str(tmp_path / "megafp8-fused-swiglu")
-    assert args[args.index("--model") + 1] == model and args[args.index("--recipes") + 1:] == ["fp8"]
-    switches = (tmp_path / "out" / "switches.log").read_text().splitlines()
-    assert sorted(switches) == sorted(["FUSE_SWIGLU_DGRAD = True", "FUSE_SWIGLU_DGRAD = False"])
-    copied = (tmp_path / "megafp8-fused-swiglu" / "megafp8" / "precision" / f"{module}.py").read_text()
-    assert "\nFUSE_SWIGLU_DGRAD = True\n" in copied
-    import importlib
-    assert importlib.import_module(f"megafp8.precision.{module}").FUSE_SWIGLU_DGRAD is False

@@ -106,58 +106,6 @@ def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_
     assert spills and max(spills) <= allowed, report
 
 
-@pytest.mark.parametrize("grouped", [True, False])
-def test_the_down_dgrad_with_swiglus_backward_in_its_epilogue_compiles_for_sm90_without_spills(grouped):
-    """`ws_swiglu_dgrad` (the experts' down-projection dgrad with SwiGLU's backward in the consumers' epilogue):
-    compiled for SM90 with the launch's specializations, its MMAs not serialized, nothing spilled (its first form,
-    holding the three results and the column maxima in registers, spilled 7 KB a thread), its shared memory within
-    SM90's, the column maxima exchanged through a partition-scoped barrier (128 threads: a CTA-wide one would
-    deadlock against the producer warp), each thread's 8 tokens of a transposed column stored as one 8-byte store
-    and its 16 features of a row as one 16-byte store. For the experts (`grouped`) and for a dense MLP."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-    from megafp8.precision.kernels import ws_gemm, ws_swiglu_dgrad as fused
-
-    fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
-    scales = torch.empty(2, 256).t()
-    signature = {"a_desc": mangle_type(ws_gemm._descriptor(fp8, (64, 128)).checked()),
-                 "b_desc": mangle_type(ws_gemm._descriptor(fp8, (128, 128)).checked()),
-                 "as_desc": mangle_type(ws_gemm._scale_descriptor(scales, 64).checked()),
-                 "bs_desc": mangle_type(ws_gemm._scale_descriptor(scales, 128).checked()),
-                 "bs_ptr": "*fp32", "tile_expert_ptr": "*i32", "gu_ptr": "*bf16", "q_ptr": "*fp8e4nv",
-                 "s_ptr": "*fp32", "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32", "at_ptr": "*fp8e4nv", "ats_ptr": "*fp32"}
-    signature.update({name: "i32" for name in fused._ws_dgrad_swiglu_kernel.arg_names
-                      if name.startswith("stride_") or name in ("M", "F", "K_BLOCKS")})
-    # the scales are column-major (unit strides down their rows: specialized to 1 at launch)
-    constants = dict(stride_sm=1, stride_st_k=1, stride_ats_k=1, GROUPED_ROWS=grouped, STAGES=fused.STAGES, GROUP_M=8,
-                     GRAD_MAX=448.0, FP8_MAX=448.0, POW2=False)
-    signature.update({name: "constexpr" for name in constants})
-    names = fused._ws_dgrad_swiglu_kernel.arg_names
-    signature = {name: signature[name] for name in names}
-    aligned = [names.index(n) for n in ("bs_ptr", "tile_expert_ptr", "gu_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr",
-                                        "at_ptr", "ats_ptr", "M", "F", "stride_gm", "stride_qm", "stride_sk",
-                                        "stride_qt", "stride_st_m", "stride_at", "stride_ats_m")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}  # as the launch specializes them
-    compiled = triton.compile(GluonASTSource(fused._ws_dgrad_swiglu_kernel, signature, constexprs=constants,
-                                             attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
-    assert compiled.metadata.shared <= 232448, compiled.metadata.shared
-    ptx = compiled.asm["ptx"]
-    report = _ptxas_report(compiled)
-    assert "C7511" not in report and "C7514" not in report, report
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
-    assert spills and max(spills) <= MAX_SPILL_BYTES, report
-    barriers = set(re.findall(r"bar\.sync\s+(\d+), (\d+);", ptx))
-    assert barriers and all(threads == "128" for _, threads in barriers), barriers
-    # a thread's 8 tokens of each of its 8 columns of the 3 transposed results as one 8-byte store, its 64 bytes of
-    # each of the 2 row results as four 16-byte stores (the consumer's code is there once per consumer)
-    assert len(re.findall(r"st\.global\.v2\.b32", ptx)) == 2 * 3 * 8
-    assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 2 * 2 * 4
-    assert "st.global.b8" not in ptx and "st.global.b16" not in ptx
-
-
 @pytest.mark.parametrize("name", ["grouped fprop/dgrad", "grouped fprop/dgrad, stores from registers"])
 def test_the_interleaved_variant_differs_only_in_its_promotions_reuse_and_yield_flags(name):
     """`ws_gemm(interleave_ffma=True)` compiles to the plain kernel's instructions with, in each long FFMA run of

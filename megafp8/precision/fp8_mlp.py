@@ -57,13 +57,6 @@ class MlpObserver:
     backward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-# Whether backward takes the down projection's dgrad and SwiGLU's backward as one step (`Fp8Backend.
-# dgrad_swiglu_backward`: da in FP32, on the hopper backend never leaving the GEMM's registers), where nothing needs
-# da itself (no observer) and a^T comes in 1x128 tiles. Not yet run on a GPU: off until the GPU tests and
-# `benchmarks/dgrad_swiglu.py` have run (docs/benchmarks.md, the next GPU list).
-FUSE_SWIGLU_DGRAD = False
-
-
 class _Fp8SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, w_gate_up, w_down, gu_fp8, gu_scale, gut_fp8, gut_scale, down_fp8, down_scale,
@@ -107,17 +100,13 @@ class _Fp8SwiGLUFn(torch.autograd.Function):
         dy2d = comm_out.gather_grad_output(dy.reshape(-1, dy.shape[-1]).contiguous())
         dy_fp8, dy_scale, dyt_fp8, dyt_scale = k.quantize_rows_cols(dy2d, recipe.grad_fmt, pow2)
         kept_gate_up, kept_down = ctx.kept_transposes
-        downt = dgrad_weight(k, downt_fp8, downt_scale, kept_down)
+        da = k.gemm_1x128_128x128(dy_fp8, dy_scale, *dgrad_weight(k, downt_fp8, downt_scale, kept_down),
+                                  dy.dtype)  # (M, F)
+        if ctx.observer is not None:
+            ctx.observer.backward(dy2d, gu, da)
         # d(gu) both ways, and SwiGLU's output again (its transpose, for the down projection's wgrad).
-        if FUSE_SWIGLU_DGRAD and ctx.observer is None and a_amax is None:
-            dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = k.dgrad_swiglu_backward(
-                dy_fp8, dy_scale, *downt, gu, recipe.fmt, recipe.grad_fmt, pow2)
-        else:
-            da = k.gemm_1x128_128x128(dy_fp8, dy_scale, *downt, dy.dtype)  # (M, F)
-            if ctx.observer is not None:
-                ctx.observer.backward(dy2d, gu, da)
-            dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = k.swiglu_backward_quantize(
-                gu, da, recipe.fmt, recipe.grad_fmt, pow2, a_amax)
+        dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = k.swiglu_backward_quantize(
+            gu, da, recipe.fmt, recipe.grad_fmt, pow2, a_amax)
         dw_down = fp8_weight_gradient(k, w_down, main_grad_down, dyt_fp8, dyt_scale, at_fp8, at_scale, dy.dtype,
                                       queue_down, ctx.traced)
         finish_dx = comm_in.start_reduce_grad_input(

@@ -101,15 +101,10 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: str, grad_
     return _backend(backend).swiglu_backward_quantize(gu, da, FORMATS[fmt], FORMATS[grad_fmt], pow2, a_amax)
 
 
-def _fake_swiglu_backward(gu: torch.Tensor, fmt: str, grad_fmt: str, a_blocks: bool = False) -> tuple:
-    """SwiGLU's quantized backward outputs for gu (M, 2F), as `tiles.swiglu_backward_outputs` makes them."""
-    return (*_fake_rows_cols(*gu.shape, grad_fmt, gu),
-            *_fake_rows_cols(gu.shape[0], gu.shape[1] // 2, fmt, gu, cols_in_blocks=a_blocks)[2:])
-
-
 @swiglu_backward_quantize.register_fake
 def _(gu, da, fmt, grad_fmt, pow2, backend, a_amax=None):
-    return _fake_swiglu_backward(gu, fmt, grad_fmt, a_amax is not None)
+    return (*_fake_rows_cols(*gu.shape, grad_fmt, gu),
+            *_fake_rows_cols(*da.shape, fmt, gu, cols_in_blocks=a_amax is not None)[2:])
 
 
 @torch.library.custom_op("megafp8::rope_backward_quantize", mutates_args=())
@@ -226,36 +221,6 @@ def _(a, a_scale, b, b_scale, tile_expert, tile_start, tile_count, out_dtype, ba
     return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
 
-@torch.library.custom_op("megafp8::dgrad_swiglu_backward", mutates_args=())
-def dgrad_swiglu_backward(dy: torch.Tensor, dy_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                          gu: torch.Tensor, fmt: str, grad_fmt: str, pow2: bool, backend: str
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                     torch.Tensor]:
-    return _backend(backend).dgrad_swiglu_backward(dy, dy_scale, b, b_scale, gu, FORMATS[fmt], FORMATS[grad_fmt],
-                                                   pow2)
-
-
-@dgrad_swiglu_backward.register_fake
-def _(dy, dy_scale, b, b_scale, gu, fmt, grad_fmt, pow2, backend):
-    return _fake_swiglu_backward(gu, fmt, grad_fmt)
-
-
-@torch.library.custom_op("megafp8::grouped_dgrad_swiglu_backward", mutates_args=())
-def grouped_dgrad_swiglu_backward(dy: torch.Tensor, dy_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                                  tile_expert: torch.Tensor, tile_start: torch.Tensor, tile_count: torch.Tensor,
-                                  gu: torch.Tensor, fmt: str, grad_fmt: str, pow2: bool, backend: str
-                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                             torch.Tensor]:
-    rows = _expert_tiles(dy.shape[0], tile_expert, tile_start, tile_count)
-    return _backend(backend).grouped_dgrad_swiglu_backward(dy, dy_scale, QuantizedWeight(b, b_scale, None, None),
-                                                           False, rows, gu, FORMATS[fmt], FORMATS[grad_fmt], pow2)
-
-
-@grouped_dgrad_swiglu_backward.register_fake
-def _(dy, dy_scale, b, b_scale, tile_expert, tile_start, tile_count, gu, fmt, grad_fmt, pow2, backend):
-    return _fake_swiglu_backward(gu, fmt, grad_fmt)
-
-
 @torch.library.custom_op("megafp8::grouped_gemm_1x128_1x128", mutates_args=())
 def grouped_gemm_1x128_1x128(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                              tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype,
@@ -322,10 +287,6 @@ class TracedKernels:
     def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype: torch.dtype):
         return gemm_1x128_1x128(a, a_scale, b, b_scale, out_dtype, self.backend)
 
-    def dgrad_swiglu_backward(self, dy, dy_scale, wt, wt_scale, gu: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
-                              pow2: bool):
-        return dgrad_swiglu_backward(dy, dy_scale, wt, wt_scale, gu, fmt.name, grad_fmt.name, pow2, self.backend)
-
     def gemm_1x128_1x128_accumulate_(self, out, a, a_scale, b, b_scale) -> None:
         gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale, self.backend)
 
@@ -337,25 +298,16 @@ class TracedKernels:
                                         fmt: Fp8Format, pow2: bool):
         return gather_scale_quantize_rows_cols(source, index, factor, fmt.name, pow2, self.backend)
 
-    def _grouped_weight(self, w: QuantizedWeight, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, its scales) of an expert weight as the grouped GEMM reads it: w, or w^T (kept or made now)."""
-        if not transposed:
-            return w.w_fp8, w.w_scale
-        if w.wt_fp8 is not None:
-            return w.wt_fp8, w.wt_scale
-        return self.transpose_weight(w.w_fp8, w.w_scale)
-
     def grouped_gemm_1x128_128x128(self, a, a_scale, w: QuantizedWeight, transposed: bool, rows,
                                    out_dtype: torch.dtype):
-        b, b_scale = self._grouped_weight(w, transposed)
+        if not transposed:
+            b, b_scale = w.w_fp8, w.w_scale
+        elif w.wt_fp8 is not None:
+            b, b_scale = w.wt_fp8, w.wt_scale
+        else:
+            b, b_scale = self.transpose_weight(w.w_fp8, w.w_scale)
         return grouped_gemm_1x128_128x128(a, a_scale, b, b_scale, rows.tile_expert, rows.tile_start, rows.tile_count,
                                           out_dtype, self.backend)
-
-    def grouped_dgrad_swiglu_backward(self, dy, dy_scale, w: QuantizedWeight, transposed: bool, rows,
-                                      gu: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format, pow2: bool):
-        b, b_scale = self._grouped_weight(w, transposed)
-        return grouped_dgrad_swiglu_backward(dy, dy_scale, b, b_scale, rows.tile_expert, rows.tile_start,
-                                             rows.tile_count, gu, fmt.name, grad_fmt.name, pow2, self.backend)
 
     def grouped_gemm_1x128_1x128(self, a, a_scale, b, b_scale, rows, num_experts: int, out_dtype: torch.dtype,
                                  accumulate: Optional[torch.Tensor] = None):

@@ -83,11 +83,6 @@ def _has_generic_grouped_mm() -> bool:
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 _HAS_GENERIC_GROUPED_MM = _has_generic_grouped_mm()
-# Whether the FP8 experts' backward takes the down projection's dgrad and SwiGLU's backward as one step
-# (`Fp8Backend.grouped_dgrad_swiglu_backward`: da in FP32, on the hopper backend never leaving the GEMM's registers)
-# instead of a BF16 da written, read and quantized by SwiGLU's backward kernels. Not yet run on a GPU: off until the
-# GPU tests and `benchmarks/dgrad_swiglu.py` have run (docs/benchmarks.md, the next GPU list).
-FUSE_SWIGLU_DGRAD = False
 
 
 def grouped_mm_unsupported_reason(device_type: str, capability: Optional[tuple[int, int]], dtype: torch.dtype,
@@ -370,9 +365,8 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
         backward  dy (padded; zero in padding rows) quantized both ways (with a `CombinedOutput`, from the combined
                   output's gradient: row p of dy is w[t, j] * dout[t], quantized from FP32 by the gathering
                   quantizer, never written in BF16);  da = grouped dgrad through w_down (Mp, F);
-                  d(gu) both ways and a^T again (SwiGLU's backward kernel; with `FUSE_SWIGLU_DGRAD` one
-                  step from da in FP32, `Fp8Backend.grouped_dgrad_swiglu_backward`);  the two wgrads;  dx
-                  padded -> the source's gradient through `GatheredInput.source_grad`
+                  d(gu) both ways and a^T again (SwiGLU's backward kernel);  the two wgrads;  dx padded -> the
+                  source's gradient through `GatheredInput.source_grad`
 
     Against two grouped linears around an eager SwiGLU, this skips the copies into and out of the padded layout,
     the eager SwiGLU and its backward, and two quantization passes; SwiGLU's output and its input gradient are
@@ -419,13 +413,9 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
             row_token, row_factor = _padded_rows_of_slots(pos, weights, gu.shape[0])
             dy_fp8, dy_scale, dyt_fp8, dyt_scale = k.gather_scale_quantize_rows_cols(
                 dy.contiguous(), row_token, row_factor, recipe.grad_fmt, pow2)
-        if FUSE_SWIGLU_DGRAD:
-            dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = k.grouped_dgrad_swiglu_backward(
-                dy_fp8, dy_scale, down, True, layout, gu, recipe.fmt, recipe.grad_fmt, pow2)
-        else:
-            da = k.grouped_gemm_1x128_128x128(dy_fp8, dy_scale, down, True, layout, dy.dtype)
-            dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = k.swiglu_backward_quantize(
-                gu, da, recipe.fmt, recipe.grad_fmt, pow2)
+        da = k.grouped_gemm_1x128_128x128(dy_fp8, dy_scale, down, True, layout, dy.dtype)
+        dgu_fp8, dgu_scale, dgut_fp8, dgut_scale, at_fp8, at_scale = k.swiglu_backward_quantize(
+            gu, da, recipe.fmt, recipe.grad_fmt, pow2)
         dw_down = _expert_weight_gradient(k, w_down, main_grad_down, dyt_fp8, dyt_scale, at_fp8, at_scale, layout,
                                           experts, dy.dtype, down_queue, traced)
         dx = ctx.source_grad(k.grouped_gemm_1x128_128x128(dgu_fp8, dgu_scale, gate_up, True, layout, dy.dtype),

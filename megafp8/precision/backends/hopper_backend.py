@@ -48,20 +48,6 @@ class HopperBackend(CublasBackend):
         return ws_gemm(a, a_scale, b, self.block_scales_nk(b_scale), c, b_blockwise=True, block_n=block_n,
                        interleave_ffma=self.interleave_ffma and block_n == 256)
 
-    def dgrad_swiglu_backward(self, dy, dy_scale, wt, wt_scale, gu, fmt, grad_fmt, power_of_two):
-        """A dense MLP's down-projection dgrad with SwiGLU's backward in the GEMM's epilogue (`ws_swiglu_dgrad`)."""
-        from megafp8.precision.kernels import ws_swiglu_dgrad
-        return ws_swiglu_dgrad.dgrad_swiglu_backward(dy, dy_scale, wt, self.block_scales_nk(wt_scale), None, gu,
-                                                     fmt, grad_fmt, power_of_two)
-
-    def grouped_dgrad_swiglu_backward(self, dy, dy_scale, w, transposed, rows, gu, fmt, grad_fmt, power_of_two):
-        """The down projection's dgrad with SwiGLU's backward in the GEMM's epilogue (`ws_swiglu_dgrad`): da stays
-        in the consumers' FP32 registers instead of going to HBM in BF16 and back."""
-        from megafp8.precision.kernels import ws_swiglu_dgrad
-        b, b_scale = self.weight_transposed(w) if transposed else (w.w_fp8, w.w_scale)
-        return ws_swiglu_dgrad.dgrad_swiglu_backward(dy, dy_scale, b.reshape(-1, b.shape[-1]), b_scale,
-                                                     rows.tile_expert, gu, fmt, grad_fmt, power_of_two)
-
     def gemm_1x128_1x128(self, a, a_scale, b, b_scale, out_dtype):
         if not self._x_in_blocks(b, b_scale):
             return super().gemm_1x128_1x128(a, a_scale, b, b_scale, out_dtype)

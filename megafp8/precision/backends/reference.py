@@ -210,27 +210,6 @@ class Fp8Backend:
             out[lo:hi] = Fp8Backend.gemm_1x128_128x128(self, a[lo:hi], a_scale[lo:hi], b[e], b_scale[e], out_dtype)
         return out
 
-    def dgrad_swiglu_backward(self, dy: torch.Tensor, dy_scale: torch.Tensor, wt: torch.Tensor, wt_scale: torch.Tensor,
-                              gu: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
-                              power_of_two: bool) -> tuple[torch.Tensor, ...]:
-        """A dense SwiGLU MLP's down-projection dgrad and SwiGLU's backward from it, as one step: da = dy @ w
-        (`gemm_1x128_128x128` with B = w^T, `wt` and its block scales as that GEMM takes them), kept in FP32, then
-        `swiglu_backward_quantize(gu, da)` (a^T in 1x128 tiles). The definition; the hopper backend computes
-        SwiGLU's backward in the GEMM's epilogue instead (`grouped_dgrad_swiglu_backward` for the experts)."""
-        da = self.gemm_1x128_128x128(dy, dy_scale, wt, wt_scale, torch.float32)
-        return self.swiglu_backward_quantize(gu, da, fmt, grad_fmt, power_of_two)
-
-    def grouped_dgrad_swiglu_backward(self, dy: torch.Tensor, dy_scale: torch.Tensor, w: QuantizedWeight,
-                                      transposed: bool, rows, gu: torch.Tensor, fmt: Fp8Format, grad_fmt: Fp8Format,
-                                      power_of_two: bool) -> tuple[torch.Tensor, ...]:
-        """The experts' down projection's dgrad and SwiGLU's backward from it, as one step: da = dy @ w per expert
-        (`grouped_gemm_1x128_128x128`, kept in FP32, never rounded to BF16), then `swiglu_backward_quantize(gu, da)`:
-        (dgu_fp8 (Mp, 2F), scales, dgut_fp8 (2F, Mp), scales_t, at_fp8 (F, Mp), at_scales). This composition is the
-        definition; the hopper backend computes SwiGLU's backward in the GEMM's epilogue instead, from the same FP32
-        accumulator, so that da never leaves the registers."""
-        da = self.grouped_gemm_1x128_128x128(dy, dy_scale, w, transposed, rows, torch.float32)
-        return self.swiglu_backward_quantize(gu, da, fmt, grad_fmt, power_of_two)
-
     def grouped_gemm_1x128_1x128(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
                                  b_scale: torch.Tensor, rows, num_experts: int, out_dtype: torch.dtype,
                                  accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -216,8 +216,8 @@ def _slab_view(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def tma_fits(gu: torch.Tensor, da: torch.Tensor) -> bool:
-    """Whether the TMA kernel can read gu and da: both BF16 (the slabs' 64-byte rows hold 32 of them; an FP32 da,
-    the fused dgrad's definition, takes the threads' loads), a whole, nonzero number of slab rows (M % 8 == 0),
+    """Whether the TMA kernel can read gu and da: both BF16 (the slabs' 64-byte rows hold 32 of them; a da in FP32,
+    from a dgrad written in FP32, takes the threads' loads), a whole, nonzero number of slab rows (M % 8 == 0),
     contiguous rows whose strides and starts TMA can address (16-byte multiples)."""
     bf16 = gu.dtype == da.dtype == torch.bfloat16
     aligned = all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (gu, da))

@@ -113,13 +113,6 @@ def rows_cols_outputs(m: int, k: int, fmt: Fp8Format, device: torch.device,
             mn_major_scales(k // 128 if cols_in_blocks else k, m_pad // 128, device))
 
 
-def swiglu_backward_outputs(m: int, f: int, fmt: Fp8Format, grad_fmt: Fp8Format, device: torch.device,
-                            a_blocks: bool = False) -> tuple[torch.Tensor, ...]:
-    """Empty outputs of SwiGLU's quantized backward for gu (M, 2F): d(gu) both ways in `grad_fmt`
-    (`rows_cols_outputs`), then a^T (F, M_pad) in `fmt` with its scales (in 128x128 blocks with `a_blocks`)."""
-    return (*rows_cols_outputs(m, 2 * f, grad_fmt, device), *rows_cols_outputs(m, f, fmt, device, a_blocks)[2:])
-
-
 def rows_cols_strides(q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor, st: torch.Tensor) -> tuple[int, ...]:
     """The stride arguments of `store_rows` and `store_cols` for outputs from `rows_cols_outputs`."""
     return q.stride(0), s.stride(0), s.stride(1), qt.stride(0), st.stride(0), st.stride(1)
