@@ -545,7 +545,7 @@ def _tp_net(tp):
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in net.parameters():
-            full = torch.randn(full_shape(p, tp.size), generator=g) * 0.1 + (1.0 if p.ndim == 1 else 0.0)
+            full = torch.randn(full_shape(p), generator=g) * 0.1 + (1.0 if p.ndim == 1 else 0.0)
             p.copy_(shard_of(full, tp_shard_of(p), tp.rank, tp.size))
     return net
 

@@ -33,5 +33,5 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, tp: Optional[Ten
         std = residual_std if name.endswith(_RESIDUAL_OUTPUTS) else cfg.init_std
         # The CPU generator keeps 32 bits of its seed: hash the run seed and the name together into them.
         draw_from = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-        values = torch.empty(full_shape(param, tp.size), dtype=torch.float32).normal_(0.0, std, generator=draw_from)
+        values = torch.empty(full_shape(param), dtype=torch.float32).normal_(0.0, std, generator=draw_from)
         param.copy_(local_piece(values, param, tp))

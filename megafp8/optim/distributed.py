@@ -351,7 +351,7 @@ class DistributedAdamW:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = {self.names[p]: full_shape(p, self.tp.size) for s in self.shards for p in s.bucket.params}
+        expected = {self.names[p]: full_shape(p) for s in self.shards for p in s.bucket.params}
         for key in ("masters", "exp_avg", "exp_avg_sq"):
             saved = state.get(key, {})
             missing = [n for n in expected if n not in saved]

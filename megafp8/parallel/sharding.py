@@ -37,7 +37,7 @@ def mark_sharded(param: torch.nn.Parameter, spec: TpShard) -> None:
     param.tp_shard = spec
 
 
-def full_shape(local: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+def full_shape(local: torch.Tensor) -> tuple[int, ...]:
     """The unsharded shape of a (possibly sharded) parameter: TP shards joined, and for stacked routed-expert
     weights every expert (not only this expert-parallel rank's)."""
     spec = tp_shard_of(local)
@@ -224,4 +224,4 @@ def placed_param(local: torch.Tensor, param: torch.Tensor, tp: TensorParallel, s
         for where, (offsets, sizes) in global_boxes(param, tp.rank, tp.size, box_offsets, box_sizes):
             relative = tuple(o - b for o, b in zip(offsets, box_offsets))
             pieces.append(Piece(where, _narrow(box, relative, sizes)))
-    return Placed(full_shape(param, tp.size), pieces)
+    return Placed(full_shape(param), pieces)

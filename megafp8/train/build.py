@@ -195,7 +195,7 @@ def log_run_start(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, 
     the run, one line each."""
     if dims.rank != 0:
         return
-    num_params = sum(math.prod(full_shape(p, dims.tensor_parallel.size)) for p in whole_model.parameters())
+    num_params = sum(math.prod(full_shape(p)) for p in whole_model.parameters())
     m, training = model_cfg, cfg.training
     blocks = recipe.fp8 is not None and recipe.fp8.wgrad_input_blocks  # an opt-in off DeepSeek-V3's recipe: said
     log.info("model: %.2fM parameters (%s, vocab %d, %s) | precision %s%s", num_params / 1e6, describe_blocks(m),

@@ -139,7 +139,7 @@ class ModelState:
         for name, tensor in model.state_dict().items():
             param = params.get(name)
             if meta:
-                state[name] = torch.empty(full_shape(param, self.tp.size) if param is not None else tensor.shape,
+                state[name] = torch.empty(full_shape(param) if param is not None else tensor.shape,
                                           device="meta")
             elif param is not None:
                 state[name] = gather_param(tensor.detach(), param, self.tp, self.ep).to("cpu", copy=True)

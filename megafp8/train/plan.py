@@ -143,7 +143,7 @@ def make_plan(cfg: Config, world_size: int, layout: Optional[PipelineLayout] = N
     whole = meta_model()
     params: dict[str, int] = {p: 0 for p in ("embedding", "attention", "mlp", "experts", "norms", "lm_head", "mtp")}
     for name, p in whole.named_parameters():
-        params[_part(name)] += math.prod(full_shape(p, tp))  # every expert, every TP shard
+        params[_part(name)] += math.prod(full_shape(p))  # every expert, every TP shard
     # Each pipeline rank's model: its stages' parts (without pipelining, the whole model).
     ranks = [(whole, None)] if layout is None else [(meta_model(stages), stages) for stages in
                                                     (layout.local_stages(r) for r in range(pp))]
