@@ -35,6 +35,9 @@ only the GEMM is timed. Columns:
   product of two scale vectors.
   Its output is checked against its own dequantized operands; what the coarser scaling costs in accuracy is
   `benchmarks/wgrad_scaling.py`'s question.
+- DeepGEMM (a peer, not ours; left out of the ratio columns): DeepSeek's `deep_gemm.fp8_gemm_nt` on the same FP8
+  operands, its 1D2D kernel for fprop and dgrad and its 1D1D kernel adding into main_grad for wgrad
+  (`benchmarks/deepgemm_peer.py`; only where `import deep_gemm` works, its cell says why not elsewhere).
 
 Timing: CUDA events around `--iters` calls after warm-up; the calls are launched from Python, so a GEMM shorter
 than its launch path (the warp-specialized kernel builds TMA descriptors on the host) is timed at the host's pace.
@@ -71,7 +74,8 @@ GEMMS = ("fprop", "dgrad", "wgrad")
 BLOCKS = "ws 256, x in 128x128 blocks"
 GROUPED = {"ws 256, interleaved FFMA, GROUP_M 16": 16, "ws 256, interleaved FFMA, GROUP_M 32": 32}
 FP8_COLUMNS = ("backend", "ws 128", "ws 256", "ws 256, registers", "ws 256, interleaved FFMA", *GROUPED, BLOCKS)
-ALL_COLUMNS = ("BF16", *FP8_COLUMNS)
+PEER = "DeepGEMM"  # a peer's kernels on the same operands: measured, not counted as ours in the ratio columns
+ALL_COLUMNS = ("BF16", *FP8_COLUMNS, PEER)
 WRONG = 2**-6
 
 # (timed call, its result in FP32, the FP32 result it should give; None: the dequantized operands' product)
@@ -124,6 +128,19 @@ def _sm90_only(module: str, name: str) -> Callable:
     return call
 
 
+def peer_column(gemm: str, *operands: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """DeepGEMM's GEMM on these operands (`deepgemm_peer.dense`), built when first called, so that a machine without
+    DeepGEMM prints why in the cell."""
+    built: list[Callable[[], torch.Tensor]] = []
+
+    def run():
+        if not built:
+            from deepgemm_peer import dense  # benchmarks/, beside this file
+            built.append(dense(gemm, *operands))
+        return built[0]()
+    return run
+
+
 def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[str, Column]:
     """label -> (timed call, FP32 result) for one GEMM of one shape, the `wanted` columns."""
     from megafp8.precision.bf16_linear import accumulate_product_
@@ -149,6 +166,8 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
             return lambda: ws_gemm(a, a_s, b, b_s, main_grad, b_blockwise=False, accumulate=True, block_n=block_n,
                                    tma_store=tma, interleave_ffma=interleave, group_m=group_m)
         runs = {"BF16": bf16, "backend": by_backend}
+        if PEER in wanted:
+            runs[PEER] = peer_column("wgrad", a, a_s, b, b_s, main_grad)
         if BLOCKS in wanted:  # as the hopper backend runs it under `precision.fp8_wgrad_input_blocks`
             xt, xt_s = backend.quantize_rows_cols(o["x"], E4M3, False, cols_in_blocks=True)[2:]
             runs[BLOCKS] = lambda: wgrad(a, a_s, xt, xt_s, torch.float32, accumulate=main_grad, b_blocks=True)
@@ -171,6 +190,8 @@ def columns(gemm: str, o: dict, wanted: tuple[str, ...] = ALL_COLUMNS) -> dict[s
             return lambda: ws_gemm(a, a_s, b, backend.block_scales_nk(b_s), out, b_blockwise=True, block_n=block_n,
                                    tma_store=tma, interleave_ffma=interleave, group_m=group_m)
         runs = {"BF16": lambda: bf16_a @ bf16_b, "backend": by_backend, BLOCKS: None}  # BLOCKS: wgrad only
+        if PEER in wanted:
+            runs[PEER] = peer_column(gemm, a, a_s, b, backend.block_scales_nk(b_s), out)
     runs.update({"ws 128": ws(128, None), "ws 256": ws(256, None), "ws 256, registers": ws(256, False),
                  "ws 256, interleaved FFMA": ws(256, None, interleave=True)})
     runs.update({label: ws(256, None, interleave=True, group_m=g) for label, g in GROUPED.items()})

@@ -25,7 +25,8 @@
 # wavefronts and bank conflicts; ncu_ws: our warp-specialized kernel's fprop and wgrad; ncu_wgrad_forms: both scale
 # forms at one M x N x K; ncu_l2: L2 bandwidth and clusters
 # of the dense fprop, ours against cuBLAS's FP8 and BF16 GEMMs), clocks and power sampled during one GEMM run back to
-# back (clocks_gemm: the fprop and the wgrad), clocks and power sampled during
+# back (clocks_gemm: the fprop and the wgrad), DeepGEMM against ours on the same operands (deepgemm: its source
+# carried in .dg/DeepGEMM and built there), clocks and power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols; with
 # the MoE gathers' two walks and their GPU tests: gathers_walk), RoPE's
@@ -342,6 +343,31 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
       step clocks_gemm python benchmarks/clocks_summary.py bf16="$LOGS/clocks_bf16.csv" \
         cublas_fp8="$LOGS/clocks_cublas_fp8.csv" ws="$LOGS/clocks_ws.csv" \
         cublaslt_wgrad="$LOGS/clocks_cublaslt_wgrad.csv" ws_wgrad="$LOGS/clocks_ws_wgrad.csv" ;;
+    deepgemm)  # DeepGEMM (built by install_deepgemm) against ours on the same FP8 operands: the 8B-layer's dense
+               # GEMMs (DG_ITERS calls a CUDA graph replay, default 100), the MoE experts' grouped ones, and the
+               # 8B-layer gate/up fprop and wgrad run back to back (200 calls a replay) with clocks and power sampled
+      install_deepgemm
+      for nk in 12288,4096 4096,4096 28672,4096 4096,14336; do  # each shape's first calls JIT-compile: in parallel
+        timeout 300 python benchmarks/dense_gemm.py --shapes $nk --columns "ws 256, interleaved FFMA" DeepGEMM --iters 1 \
+          > "$LOGS/deepgemm_warm_$nk.log" 2>&1 &
+      done
+      for shape in 64x2176,2048,2048 64x2176,1024,2048; do
+        timeout 300 python benchmarks/grouped_gemm.py --backend hopper --shapes $shape --gemms fprop dgrad into \
+          --columns interleaved deepgemm --iters 1 > "$LOGS/deepgemm_warm_$shape.log" 2>&1 &
+      done
+      wait
+      step deepgemm_dense python benchmarks/dense_gemm.py --model 8b-layers --cuda-graphs --iters "${DG_ITERS:-100}" \
+        --columns BF16 backend "ws 256, interleaved FFMA" DeepGEMM
+      step deepgemm_grouped python benchmarks/grouped_gemm.py --backend hopper --cuda-graphs --iters 20 \
+        --shapes 64x2176,2048,2048 64x2176,1024,2048 --gemms fprop dgrad into --columns interleaved deepgemm
+      for run in "fprop ws ws" "fprop DeepGEMM dg" "wgrad backend cublaslt_wgrad" "wgrad DeepGEMM dg_wgrad"; do
+        read -r gemm column label <<< "$run"
+        [ "$column" = ws ] && column="ws 256, interleaved FFMA"
+        sampled_step "$label" "gemm_$label" python benchmarks/dense_gemm.py --shapes 28672,4096 --gemms "$gemm" \
+          --columns "$column" --cuda-graphs --iters 200
+      done
+      step clocks_deepgemm python benchmarks/clocks_summary.py ws="$LOGS/clocks_ws.csv" dg="$LOGS/clocks_dg.csv" \
+        cublaslt_wgrad="$LOGS/clocks_cublaslt_wgrad.csv" dg_wgrad="$LOGS/clocks_dg_wgrad.csv" ;;
     tests_cublaslt) step gpu_tests_cublaslt python -m pytest -q -m gpu tests/test_fp8_gpu.py \
            tests/test_moe_gpu.py tests/test_gpu.py \
            -k "cublaslt or cuda_graphs or compiled_fp8_linear or fused_fp8_mlp or learns or host_wait" \

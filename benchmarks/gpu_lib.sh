@@ -24,6 +24,29 @@ install_torchao() {  # torchao's wheel, carried in wheels/ (the GPU machine has 
   fi
 }
 
+install_deepgemm() {  # DeepGEMM (a peer for dense_gemm.py's and grouped_gemm.py's DeepGEMM columns), built here from
+  # its source carried in $DEEPGEMM_SRC (default .dg/DeepGEMM: DeepGEMM's tree with its cutlass and fmt submodules'
+  # include/ folders and licences; `git archive` of each); it JIT-compiles its kernels with this machine's nvcc
+  local src=${DEEPGEMM_SRC:-.dg/DeepGEMM}
+  if [ ! -d "$src" ]; then
+    echo "no DeepGEMM source in $src: its columns say why they cannot run" >> "$OUT/summary.md"
+    return
+  fi
+  src=$(cd "$src" && pwd)
+  local nvcc_path
+  nvcc_path=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  export PYTHONPATH="$src:$PYTHONPATH" CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc_path")")}
+  export PATH="$CUDA_HOME/bin:$PATH"
+  python -c "import deep_gemm" 2> /dev/null && return
+  local t0=$SECONDS
+  (cd "$src" && ln -sfn "$src/third-party/cutlass/include/cutlass" deep_gemm/include/cutlass \
+     && ln -sfn "$src/third-party/cutlass/include/cute" deep_gemm/include/cute && nvcc --version \
+     && python setup.py build && ln -sf "$src/$(find build -name '_C*.so' | head -n 1)" deep_gemm/ \
+     && python -c "import deep_gemm; print('deep_gemm', deep_gemm.__version__)") > "$LOGS/deepgemm_build.log" 2>&1 \
+    && echo "DeepGEMM built from $src in $((SECONDS - t0)) s (CUDA_HOME $CUDA_HOME)" >> "$OUT/summary.md" \
+    || echo "DeepGEMM build failed: $(tail -n 5 "$LOGS/deepgemm_build.log")" >> "$OUT/summary.md"
+}
+
 step() {  # step NAME command...: run it (at most $STEP_TIMEOUT s), append its stdout (a table) and its time to the
   # summary, keep its stderr
   local name=$1 t0=$SECONDS

@@ -35,6 +35,10 @@ activations and gradients, 128x128 blocks for the weight). Columns:
 - ours, ws 256, x in 128x128 blocks (wgrads only; the opt-in `precision.fp8_wgrad_input_blocks`, not the recipe):
   x^T quantized in 128 x 128 blocks (`quantize_rows_cols(cols_in_blocks=True)`) instead of 1x128 tiles along the
   rows, so each K step is promoted as in fprop (`gemm.grouped_wgrad(b_blocks=True)`, what the hopper backend runs).
+- DeepGEMM (a peer, not ours): DeepSeek's `m_grouped_fp8_gemm_nt_contiguous` (fprop; dgrad on the weight's
+  transpose, made once, untimed) and its SM90 1D1D `k_grouped_fp8_gemm_nt_contiguous` (the wgrad added into FP32
+  main_grad; it has no BF16 or written-over form), on our quantized operands re-laid out untimed
+  (`benchmarks/deepgemm_peer.py`; only where `import deep_gemm` works, its cell says why not elsewhere).
 - ours: the backend's `grouped_gemm_1x128_128x128` (fprop; dgrad with `transposed=True`, which makes the weight's
   transpose in the call) and `grouped_gemm_1x128_1x128` (wgrad), as `megafp8.precision.grouped` calls them.
 
@@ -78,7 +82,8 @@ COLUMNS = ("BF16 loop of matmuls", "BF16 `torch._grouped_mm`", "FP8 rowwise `tor
            "FP8 blockwise, loop of `F.scaled_mm`", "ours, pointer kernels (no TMA)", "ours, TMA (Triton)",
            "ours, warp-specialized (Gluon), 128-wide tiles", "ours, warp-specialized, 256-wide tiles",
            "ours, ws 128, epilogue from registers", "ours, ws 256, epilogue from registers",
-           "ours, ws 256, interleaved FFMA", "ours, ws 256, x in 128x128 blocks", "ours (the backend's default)")
+           "ours, ws 256, interleaved FFMA", "ours, ws 256, x in 128x128 blocks", "DeepGEMM (peer)",
+           "ours (the backend's default)")
 ALWAYS = (1, len(COLUMNS) - 1)  # BF16 `_grouped_mm` and the backend's default: the ratio column's two
 WRONG = 2**-3  # relative error beyond which a column's output is reported wrong (FP8 gives a few percent)
 
@@ -361,9 +366,24 @@ def wgrad_x_blocks(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Te
                                  accumulate=main_grad, b_blocks=True)
 
 
+def deepgemm(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
+    """DeepGEMM's grouped FP8 GEMMs on our quantized operands (`deepgemm_peer`): m-grouped for fprop and dgrad,
+    k-grouped (SM90 1D1D) for the wgrad added into main_grad."""
+    if gemm in ("wgrad", FP32_OUT):
+        raise NotApplicable
+    import deepgemm_peer  # benchmarks/, beside this file
+    impl, _, operands = _our_operands(p, gemm, backend)
+    if gemm == INTO:
+        dyt, dyt_scale, xt, xt_scale = operands
+        return deepgemm_peer.k_grouped(dyt, dyt_scale, xt, xt_scale, p.experts, p.rows, p.main_grad())
+    a, a_scale, weight = operands
+    b, b_scale = impl.weight_transposed(weight) if gemm == "dgrad" else (weight.w_fp8, weight.w_scale)
+    return deepgemm_peer.m_grouped(a, a_scale, b, impl.block_scales_nk(b_scale), p.experts, p.rows)
+
+
 BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, our_kernel("pointer"), our_kernel("tma"),
             our_kernel("ws", 128), our_kernel("ws", 256), our_kernel("ws", 128, tma_store=False),
-            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True), wgrad_x_blocks, ours)
+            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True), wgrad_x_blocks, deepgemm, ours)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -153,11 +153,16 @@ def test_grouped_gemm_benchmark_prints_every_column_or_why_not():
             if line.startswith("| 2 x 128, 128, 256 |")]
     assert [row[1] for row in rows] == ["fprop", "dgrad", "wgrad", "wgrad into main_grad", "wgrad, FP32 out"]
     for row in rows:
-        bf16_loop, bf16_grouped, rowwise, blockwise, *our_kernels, x_blocks, ours, ratio = row[2:]
+        bf16_loop, bf16_grouped, rowwise, blockwise, *our_kernels, x_blocks, peer, ours, ratio = row[2:]
         # pointer, TMA, ws 128 and 256 by TMA and register epilogues, ws 256 with interleaved FFMAs
         assert our_kernels == ["RuntimeError: our Triton kernels need a CUDA GPU"] * 7, row
         # the wgrads with x^T in 128x128 blocks: a column of the wgrad rows only
         assert x_blocks == ("n/a" if row[1] in ("fprop", "dgrad") else our_kernels[0]), row
+        # DeepGEMM, a peer: no BF16-out or written-over wgrad; elsewhere it says why it cannot run without DeepGEMM
+        if row[1] in ("wgrad", "wgrad, FP32 out"):
+            assert peer == "n/a", row
+        else:
+            assert peer.startswith("ImportError: DeepGEMM is not importable here"), row
         assert min(float(bf16_loop), float(bf16_grouped), float(ours)) > 0, row
         if row[1] in ("wgrad into main_grad", "wgrad, FP32 out"):
             assert rowwise == blockwise == "n/a", row
@@ -177,13 +182,15 @@ def test_dense_gemm_benchmark_prints_each_gemm_of_each_linear_or_why_not():
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert "| BF16 | reference backend | ws 128 | ws 256 | ws 256, registers | ws 256, interleaved FFMA | ws 256, " \
-        "interleaved FFMA, GROUP_M 16 | ws 256, interleaved FFMA, GROUP_M 32 | ws 256, x in 128x128 blocks |" in lines[2]
+        "interleaved FFMA, GROUP_M 16 | ws 256, interleaved FFMA, GROUP_M 32 | ws 256, x in 128x128 blocks | " \
+        "DeepGEMM |" in lines[2]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if line.startswith("| --shapes |")]
     assert [row[1:4] for row in rows] == [["linear (256 x 384)", "128", gemm] for gemm in ("fprop", "dgrad", "wgrad")]
     for row in rows:
-        bf16, ours, *ws, x_blocks, vs_backend, vs_bf16 = row[4:]
+        bf16, ours, *ws, x_blocks, peer, vs_backend, vs_bf16 = row[4:]
         assert ws == ["RuntimeError: the warp-specialized kernel needs an SM90 GPU"] * 6, row
         assert x_blocks == ("n/a" if row[3] != "wgrad" else ws[0]), row  # the wgrad with x^T in 128x128 blocks
+        assert peer.startswith("ImportError: DeepGEMM is not importable here"), row  # a peer, left out of the ratios
         ms_bf16, ms_ours = (float(cell.split("(")[1].rstrip(")")) for cell in (bf16, ours))
         assert vs_backend == "1.00x", row
         assert float(vs_bf16.removesuffix("x")) == pytest.approx(ms_bf16 / ms_ours, rel=0.05, abs=0.01), row
