@@ -26,25 +26,49 @@ install_torchao() {  # torchao's wheel, carried in wheels/ (the GPU machine has 
 
 install_deepgemm() {  # DeepGEMM (a peer for dense_gemm.py's and grouped_gemm.py's DeepGEMM columns), built here from
   # its source carried in $DEEPGEMM_SRC (default .dg/DeepGEMM: DeepGEMM's tree with its cutlass and fmt submodules'
-  # include/ folders and licences; `git archive` of each); it JIT-compiles its kernels with this machine's nvcc
-  local src=${DEEPGEMM_SRC:-.dg/DeepGEMM}
+  # include/ folders and licences; `git archive` of each); it JIT-compiles its kernels with this machine's nvcc.
+  # Built as it comes, its first JIT call crashed here (std::regex reached a facet of another libstdc++), so two
+  # builds are made side by side and the first that passes `deepgemm_peer.py`'s smoke test is used: as it comes, run
+  # with the compiler's own libstdc++ preloaded; libstdc++ linked into it statically.
+  local src=${DEEPGEMM_SRC:-.dg/DeepGEMM} nvcc_path cxx variant dir preload rc
   if [ ! -d "$src" ]; then
     echo "no DeepGEMM source in $src: its columns say why they cannot run" >> "$OUT/summary.md"
     return
   fi
   src=$(cd "$src" && pwd)
-  local nvcc_path
   nvcc_path=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-  export PYTHONPATH="$src:$PYTHONPATH" CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc_path")")}
+  export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc_path")")}
   export PATH="$CUDA_HOME/bin:$PATH"
-  python -c "import deep_gemm" 2> /dev/null && return
-  local t0=$SECONDS
-  (cd "$src" && ln -sfn "$src/third-party/cutlass/include/cutlass" deep_gemm/include/cutlass \
-     && ln -sfn "$src/third-party/cutlass/include/cute" deep_gemm/include/cute && nvcc --version \
-     && python setup.py build && ln -sf "$src/$(find build -name '_C*.so' | head -n 1)" deep_gemm/ \
-     && python -c "import deep_gemm; print('deep_gemm', deep_gemm.__version__)") > "$LOGS/deepgemm_build.log" 2>&1 \
-    && echo "DeepGEMM built from $src in $((SECONDS - t0)) s (CUDA_HOME $CUDA_HOME)" >> "$OUT/summary.md" \
-    || echo "DeepGEMM build failed: $(tail -n 5 "$LOGS/deepgemm_build.log")" >> "$OUT/summary.md"
+  cxx=${CXX:-$(command -v c++ || command -v g++)}
+  local t0=$SECONDS log="$LOGS/deepgemm_build.log"
+  { echo "compiler $cxx: $($cxx --version | head -n 1); its libstdc++ $($cxx -print-file-name=libstdc++.so.6)"
+    python -c "import torch; print('libstdc++ in a torch process:', sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l}))"
+    nvcc --version | tail -n 2; } > "$log" 2>&1
+  for variant in plain static; do
+    dir=/tmp/deepgemm_$variant
+    rm -rf "$dir" && cp -r "$src" "$dir"
+    (cd "$dir" && ln -sfn "$dir/third-party/cutlass/include/cutlass" deep_gemm/include/cutlass \
+       && ln -sfn "$dir/third-party/cutlass/include/cute" deep_gemm/include/cute \
+       && if [ $variant = static ]; then export LDFLAGS="-static-libstdc++ -static-libgcc"; fi \
+       && python setup.py build && ln -sf "$dir/$(find build -name '_C*.so' | head -n 1)" deep_gemm/) \
+      > "$LOGS/deepgemm_build_$variant.log" 2>&1 &
+  done
+  wait
+  for variant in plain static; do
+    dir=/tmp/deepgemm_$variant
+    preload=
+    [ $variant = plain ] && preload=$($cxx -print-file-name=libstdc++.so.6)
+    PYTHONPATH="$dir:$PYTHONPATH" LD_PRELOAD=$preload timeout 300 python benchmarks/deepgemm_peer.py >> "$log" 2>&1
+    rc=$?
+    if [ $rc = 0 ]; then
+      export PYTHONPATH="$dir:$PYTHONPATH"
+      [ -n "$preload" ] && export LD_PRELOAD=$preload
+      echo "DeepGEMM built ($variant${preload:+, $preload preloaded}) in $((SECONDS - t0)) s: $(tail -n 2 "$log" | tr '\n' ' ')" >> "$OUT/summary.md"
+      return
+    fi
+    echo "DeepGEMM $variant failed its smoke test (rc $rc; its build: $(tail -n 2 "$LOGS/deepgemm_build_$variant.log" | tr '\n' ' '))" >> "$log"
+  done
+  echo "DeepGEMM: no build ran here: $(tail -n 4 "$log" | tr '\n' ' ')" >> "$OUT/summary.md"
 }
 
 step() {  # step NAME command...: run it (at most $STEP_TIMEOUT s), append its stdout (a table) and its time to the
