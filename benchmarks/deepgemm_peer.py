@@ -42,9 +42,9 @@ def dense(gemm: str, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_
     a_s = _tokens_scales(dg, a_scale)
     if gemm == "wgrad":
         b_s = _tokens_scales(dg, b_scale)
-        return lambda: dg.fp8_gemm_nt((a, a_s), (b, b_s), out, c=out, recipe=(1, 1, 128))
+        return lambda: dg.fp8_gemm_nt((a, a_s), (b, b_s), out, c=out, recipe=(1, 1, 128)) or out
     b_s = b_scale.contiguous()
-    return lambda: dg.fp8_gemm_nt((a, a_s), (b, b_s), out)
+    return lambda: dg.fp8_gemm_nt((a, a_s), (b, b_s), out) or out  # (it writes `out` and returns None)
 
 
 def m_grouped(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, experts: int,

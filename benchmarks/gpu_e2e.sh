@@ -346,8 +346,9 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
     deepgemm)  # DeepGEMM (built by install_deepgemm) against ours on the same FP8 operands: the 8B-layer's dense
                # GEMMs (DG_ITERS calls a CUDA graph replay, default 100), the MoE experts' grouped ones, and the
                # 8B-layer gate/up fprop and wgrad run back to back (200 calls a replay) with clocks and power sampled
+      export DG_JIT_CACHE_DIR=/tmp/deepgemm_cache  # its generated kernels (their tile configurations) go to the logs
       install_deepgemm
-      for nk in 12288,4096 4096,4096 28672,4096 4096,14336; do  # each shape's first calls JIT-compile: in parallel
+      for nk in 12288,4096 4096,4096 28672,4096 4096,14336 6144,2048 2048,2048 11264,2048 2048,5632; do  # JIT: in parallel
         timeout 300 python benchmarks/dense_gemm.py --shapes $nk --columns "ws 256, interleaved FFMA" DeepGEMM --iters 1 \
           > "$LOGS/deepgemm_warm_$nk.log" 2>&1 &
       done
@@ -356,7 +357,7 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
           --columns interleaved deepgemm --iters 1 > "$LOGS/deepgemm_warm_$shape.log" 2>&1 &
       done
       wait
-      step deepgemm_dense python benchmarks/dense_gemm.py --model 8b-layers --cuda-graphs --iters "${DG_ITERS:-100}" \
+      step deepgemm_dense python benchmarks/dense_gemm.py --model 8b-layers 1b --cuda-graphs --iters "${DG_ITERS:-100}" \
         --columns BF16 backend "ws 256, interleaved FFMA" DeepGEMM
       step deepgemm_grouped python benchmarks/grouped_gemm.py --backend hopper --cuda-graphs --iters 20 \
         --shapes 64x2176,2048,2048 64x2176,1024,2048 --gemms fprop dgrad into --columns interleaved deepgemm
@@ -367,7 +368,9 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
           --columns "$column" --cuda-graphs --iters 200
       done
       step clocks_deepgemm python benchmarks/clocks_summary.py ws="$LOGS/clocks_ws.csv" dg="$LOGS/clocks_dg.csv" \
-        cublaslt_wgrad="$LOGS/clocks_cublaslt_wgrad.csv" dg_wgrad="$LOGS/clocks_dg_wgrad.csv" ;;
+        cublaslt_wgrad="$LOGS/clocks_cublaslt_wgrad.csv" dg_wgrad="$LOGS/clocks_dg_wgrad.csv"
+      mkdir -p "$LOGS/deepgemm_kernels"
+      find "$DG_JIT_CACHE_DIR" -name '*.cu' -exec cp --backup=numbered {} "$LOGS/deepgemm_kernels/" \; 2> /dev/null ;;
     tests_cublaslt) step gpu_tests_cublaslt python -m pytest -q -m gpu tests/test_fp8_gpu.py \
            tests/test_moe_gpu.py tests/test_gpu.py \
            -k "cublaslt or cuda_graphs or compiled_fp8_linear or fused_fp8_mlp or learns or host_wait" \
