@@ -26,7 +26,8 @@
 # forms at one M x N x K; ncu_l2: L2 bandwidth and clusters
 # of the dense fprop, ours against cuBLAS's FP8 and BF16 GEMMs), clocks and power sampled during one GEMM run back to
 # back (clocks_gemm: the fprop and the wgrad), DeepGEMM against ours on the same operands (deepgemm: its source
-# carried in .dg/DeepGEMM and built there), clocks and power sampled during
+# carried in .dg/DeepGEMM and built there; deepgemm_steps: the 8B-layer step on the deepgemm backend), clocks and
+# power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols; with
 # the MoE gathers' two walks and their GPU tests: gathers_walk), RoPE's
@@ -348,8 +349,9 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
                # 8B-layer gate/up fprop and wgrad run back to back (200 calls a replay) with clocks and power sampled
       export DG_JIT_CACHE_DIR=/tmp/deepgemm_cache  # its generated kernels (their tile configurations) go to the logs
       install_deepgemm
-      for nk in 12288,4096 4096,4096 28672,4096 4096,14336 6144,2048 2048,2048 11264,2048 2048,5632; do  # JIT: in parallel
-        timeout 300 python benchmarks/dense_gemm.py --shapes $nk --columns "ws 256, interleaved FFMA" DeepGEMM --iters 1 \
+      for nk in 12288,4096 4096,4096 28672,4096 4096,14336 6144,2048 2048,2048 11264,2048 2048,5632; do  # JIT-compiled
+        timeout 300 python benchmarks/dense_gemm.py --shapes $nk --columns "ws 256, interleaved FFMA" DeepGEMM \
+          --iters 1 \
           > "$LOGS/deepgemm_warm_$nk.log" 2>&1 &
       done
       for shape in 64x2176,2048,2048 64x2176,1024,2048; do
@@ -371,6 +373,21 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
         cublaslt_wgrad="$LOGS/clocks_cublaslt_wgrad.csv" dg_wgrad="$LOGS/clocks_dg_wgrad.csv"
       mkdir -p "$LOGS/deepgemm_kernels"
       find "$DG_JIT_CACHE_DIR" -name '*.cu' -exec cp --backup=numbered {} "$LOGS/deepgemm_kernels/" \; 2> /dev/null ;;
+    deepgemm_steps)  # the 8B-layer step under CUDA graphs: BF16 and FP8 (auto: hopper), then FP8 on the deepgemm
+                     # backend (DeepGEMM's dense fprop and dgrad), its kernels JIT-compiled first, in parallel
+      export DG_JIT_CACHE_DIR=/tmp/deepgemm_cache
+      install_deepgemm
+      for nk in 12288,4096 4096,4096 28672,4096 4096,14336; do
+        timeout 300 python benchmarks/dense_gemm.py --shapes $nk --gemms fprop dgrad --columns DeepGEMM --iters 1 \
+          > "$LOGS/deepgemm_warm_$nk.log" 2>&1 &
+      done
+      wait
+      step ours_8b_cudagraphs python benchmarks/train_step.py training.compile=true \
+        training.compile_mode=reduce-overhead --model 8b-layers --recipes bf16 fp8
+      step deepgemm_8b_cudagraphs python benchmarks/train_step.py training.compile=true \
+        training.compile_mode=reduce-overhead precision.fp8_backend=deepgemm --model 8b-layers --recipes fp8
+      STEP_TIMEOUT=150 step gpu_tests_deepgemm python -m pytest -q -m gpu tests/test_fp8_backends.py -k "deepgemm and gemm" \
+        -p no:cacheprovider ;;
     tests_cublaslt) step gpu_tests_cublaslt python -m pytest -q -m gpu tests/test_fp8_gpu.py \
            tests/test_moe_gpu.py tests/test_gpu.py \
            -k "cublaslt or cuda_graphs or compiled_fp8_linear or fused_fp8_mlp or learns or host_wait" \

@@ -6,6 +6,8 @@
   called directly for weight gradients added into `main_grad` (`megafp8.precision.kernels.cublaslt`).
 - `hopper`: SM90 with Triton's Gluon; `cublas` with the experts' grouped GEMMs on the warp-specialized Gluon kernel
   (what `auto` picks where it runs).
+- `deepgemm`: opt-in (never `auto`), where DeepSeek's DeepGEMM is installed; `hopper` with the dense fprop and dgrad
+  on DeepGEMM's 1x128 x 128x128 kernel.
 
 A backend is one class: its `name`, its `priority` (`auto` picks the available backend of highest priority) and
 `unavailable_reason(device)`. Adding one means writing the class, listing it in `REGISTERED`, and letting the
@@ -19,11 +21,12 @@ import torch
 
 from megafp8.config import ConfigError
 from megafp8.precision.backends.cublas_backend import CublasBackend
+from megafp8.precision.backends.deepgemm_backend import DeepGemmBackend
 from megafp8.precision.backends.hopper_backend import HopperBackend
 from megafp8.precision.backends.reference import Fp8Backend, QuantizedWeight
 from megafp8.precision.backends.triton_backend import TritonBackend
 
-REGISTERED: tuple[type[Fp8Backend], ...] = (Fp8Backend, TritonBackend, CublasBackend, HopperBackend)
+REGISTERED: tuple[type[Fp8Backend], ...] = (Fp8Backend, TritonBackend, CublasBackend, HopperBackend, DeepGemmBackend)
 AUTO = "auto"
 
 

@@ -1,0 +1,82 @@
+"""The opt-in `deepgemm` backend (`megafp8.precision.backends.deepgemm_backend`) on the CPU, with a stand-in for
+DeepGEMM: the operands and scale layouts it hands `deep_gemm.fp8_gemm_nt`, that `auto` never picks it, and the
+reason it gives where it cannot run. Its GEMMs against the reference run with the GPU conformance tests
+(`tests/test_fp8_backends.py`, `deepgemm-cuda`) where DeepGEMM is installed."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from megafp8.precision import E4M3
+from megafp8.precision import quantize as ref
+from megafp8.precision.backends import REGISTERED, Fp8Backend, select_backend
+from megafp8.precision.backends.deepgemm_backend import DeepGemmBackend
+from megafp8.precision.backends.hopper_backend import HopperBackend
+from megafp8.precision.backends.triton_backend import TritonBackend
+
+
+@pytest.fixture(autouse=True)
+def no_triton_kernels(monkeypatch):
+    """The backends' constructors import their Triton kernels, which a CPU-only install lacks; nothing here runs
+    them."""
+    monkeypatch.setattr(TritonBackend, "__init__", lambda self: None)
+
+
+def _stand_in(calls: list):
+    """A `deep_gemm` module whose `fp8_gemm_nt` checks DeepGEMM's SM90 layout rules and writes the product of the
+    dequantized operands."""
+    def fp8_gemm_nt(a_pair, b_pair, out, c=None, recipe=None):
+        (a, a_scale), (b, b_scale) = a_pair, b_pair
+        m, k = a.shape
+        assert a_scale.shape == (m, k // 128) and a_scale.stride() == (1, m), "A's scales: MN-major"
+        assert b_scale.shape == (b.shape[0] // 128, k // 128) and b_scale.is_contiguous(), "B's: (N/128, K/128)"
+        assert out.dtype == torch.bfloat16 and c is None and recipe is None
+        calls.append(tuple(b_scale.shape))
+        out.copy_(ref.dequantize_1x128(a, a_scale) @ ref.dequantize_128x128(b, b_scale).t())
+    return types.SimpleNamespace(fp8_gemm_nt=fp8_gemm_nt)
+
+
+def test_deepgemm_backend_hands_deepgemm_the_layouts_it_reads(monkeypatch):
+    """K = 640 (five 128-wide blocks): the cublas weight layout pads K/128 to eight, which DeepGEMM must not see;
+    the result is the reference GEMM's (the stand-in computes it the reference's way)."""
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "deep_gemm", _stand_in(calls))
+    backend = DeepGemmBackend()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(260, 640, generator=g), torch.randn(384, 640, generator=g)
+    a, a_scale = ref.quantize_1x128(x, E4M3)
+    weight = backend.empty_weight(w.shape, E4M3, torch.device("cpu"))
+    q, s = ref.quantize_128x128(w, E4M3)
+    weight.w_fp8.copy_(q)
+    backend.block_scales_nk(weight.w_scale)[:, :5].copy_(s)
+    assert backend.block_scales_nk(weight.w_scale).shape == (3, 8)  # the padded cublas layout
+    got = backend.gemm_1x128_128x128(a, a_scale, weight.w_fp8, weight.w_scale, torch.bfloat16)
+    want = Fp8Backend().gemm_1x128_128x128(a, a_scale, q, s, torch.bfloat16)
+    assert calls == [(3, 5)]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_deepgemm_backend_leaves_other_output_types_to_the_hopper_kernel(monkeypatch):
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "deep_gemm", _stand_in(calls))
+    monkeypatch.setattr(HopperBackend, "gemm_1x128_128x128", lambda self, *args: "hopper")
+    a = torch.zeros(128, 128, dtype=E4M3.dtype)
+    assert DeepGemmBackend().gemm_1x128_128x128(a, torch.ones(128, 1), a, torch.ones(1, 1), torch.float32) == "hopper"
+    assert calls == []
+
+
+def test_auto_never_picks_the_deepgemm_backend(monkeypatch):
+    for cls in REGISTERED:
+        monkeypatch.setattr(cls, "unavailable_reason", classmethod(lambda cls, device: None))
+    assert type(select_backend("auto", torch.device("cpu"))) is HopperBackend
+    assert type(select_backend("deepgemm", torch.device("cpu"))) is DeepGemmBackend
+
+
+def test_deepgemm_backend_says_why_it_cannot_run():
+    reason = DeepGemmBackend.unavailable_reason(torch.device("cpu"))
+    assert reason is not None and "deepgemm backend" in reason
+    with pytest.raises(Exception, match="deepgemm backend"):
+        select_backend("deepgemm", torch.device("cpu"))
