@@ -32,30 +32,34 @@ def _stand_in(calls: list):
         (a, a_scale), (b, b_scale) = a_pair, b_pair
         m, k = a.shape
         assert a_scale.shape == (m, k // 128) and a_scale.stride() == (1, m), "A's scales: MN-major"
-        assert b_scale.shape == (b.shape[0] // 128, k // 128) and b_scale.is_contiguous(), "B's: (N/128, K/128)"
+        # its rule for B's block scales (`check_sf_layout`'s SM90 check): strides exactly (K/128, 1), or transposed
+        assert b_scale.shape == (b.shape[0] // 128, k // 128), "B's scales: (N/128, K/128)"
+        assert b_scale.stride() in ((k // 128, 1), (1, b.shape[0] // 128)), f"B's scales' strides {b_scale.stride()}"
         assert out.dtype == torch.bfloat16 and c is None and recipe is None
         calls.append(tuple(b_scale.shape))
         out.copy_(ref.dequantize_1x128(a, a_scale) @ ref.dequantize_128x128(b, b_scale).t())
     return types.SimpleNamespace(fp8_gemm_nt=fp8_gemm_nt)
 
 
-def test_deepgemm_backend_hands_deepgemm_the_layouts_it_reads(monkeypatch):
+@pytest.mark.parametrize("m, n, k", [(260, 384, 640), (1, 128, 256), (5, 128, 384)])
+def test_deepgemm_backend_hands_deepgemm_the_layouts_it_reads(monkeypatch, m, n, k):
     """K = 640 (five 128-wide blocks): the cublas weight layout pads K/128 to eight, which DeepGEMM must not see;
-    the result is the reference GEMM's (the stand-in computes it the reference's way)."""
+    N = 128 (one block row): torch calls the padded view contiguous, DeepGEMM does not (job GW's two failures); one
+    or five rows. The result is the reference GEMM's (the stand-in computes it the reference's way)."""
     calls: list = []
     monkeypatch.setitem(sys.modules, "deep_gemm", _stand_in(calls))
     backend = DeepGemmBackend()
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(260, 640, generator=g), torch.randn(384, 640, generator=g)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     a, a_scale = ref.quantize_1x128(x, E4M3)
     weight = backend.empty_weight(w.shape, E4M3, torch.device("cpu"))
     q, s = ref.quantize_128x128(w, E4M3)
     weight.w_fp8.copy_(q)
-    backend.block_scales_nk(weight.w_scale)[:, :5].copy_(s)
-    assert backend.block_scales_nk(weight.w_scale).shape == (3, 8)  # the padded cublas layout
+    backend.block_scales_nk(weight.w_scale)[:, :k // 128].copy_(s)
+    assert backend.block_scales_nk(weight.w_scale).shape == (n // 128, -(-k // 512) * 4)  # the padded cublas layout
     got = backend.gemm_1x128_128x128(a, a_scale, weight.w_fp8, weight.w_scale, torch.bfloat16)
     want = Fp8Backend().gemm_1x128_128x128(a, a_scale, q, s, torch.bfloat16)
-    assert calls == [(3, 5)]
+    assert calls == [(n // 128, k // 128)]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

@@ -46,9 +46,17 @@ class DeepGemmBackend(HopperBackend):
         if out_dtype != torch.bfloat16:  # DeepGEMM's 1x128 x 128x128 kernel writes BF16 only
             return super().gemm_1x128_128x128(a, a_scale, b, b_scale, out_dtype)
         import deep_gemm
-        k_blocks = b.shape[1] // TILE
-        b_blocks = self.block_scales_nk(b_scale)[:, :k_blocks]  # (N/128, K/128); the cublas layout pads K/128
         out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
-        deep_gemm.fp8_gemm_nt((a, mn_major(a_scale)), (b, b_blocks if b_blocks.is_contiguous() else
-                                                      b_blocks.contiguous()), out)
+        deep_gemm.fp8_gemm_nt((a, mn_major(a_scale)), (b, _row_major_blocks(self.block_scales_nk(b_scale), b)), out)
         return out
+
+
+def _row_major_blocks(blocks: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """B's block scales as DeepGEMM's SM90 kernel reads them: (N/128, K/128) with strides exactly (K/128, 1). The
+    cublas layout pads K/128 to a multiple of four, and torch calls a one-row view of it contiguous whatever its row
+    stride, which DeepGEMM refuses (job GW: N = 128); either way a copy, a few bytes."""
+    n_blocks, k_blocks = b.shape[0] // TILE, b.shape[1] // TILE
+    blocks = blocks[:, :k_blocks]
+    if blocks.stride() == (k_blocks, 1):
+        return blocks
+    return torch.empty(n_blocks, k_blocks, dtype=blocks.dtype, device=blocks.device).copy_(blocks)
