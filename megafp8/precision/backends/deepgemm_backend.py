@@ -2,8 +2,9 @@
 
 DeepGEMM (github.com/deepseek-ai/DeepGEMM) is the public library of DeepSeek-V3's blockwise FP8 GEMMs. Its SM90
 1x128 x 128x128 kernel (`deep_gemm.fp8_gemm_nt`) runs 256 x 128 tiles in clusters of two CTAs that share the A
-tile by TMA multicast, which our Gluon kernel cannot issue (Triton 3.6); on the 8B-layer's linears it ran 7-9%
-faster than ours at the same power-capped clock (`benchmarks/dense_gemm.py`'s DeepGEMM column, docs/benchmarks.md).
+tile by TMA multicast, which our Gluon kernel cannot issue (Triton 3.6); on the 8B-layer's linears it ran 5-9%
+faster than ours, 8% at the same power-capped clock (`benchmarks/dense_gemm.py`'s DeepGEMM column, job GV in
+docs/benchmarks.md).
 The numerics are the recipe's: the same operands and scales, each 128-deep product promoted into FP32 (only the
 order of the FP32 additions differs, as between any two GEMM kernels).
 
