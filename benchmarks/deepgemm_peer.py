@@ -12,6 +12,8 @@ k-grouped operands one expert after another). Each column's output is checked by
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -76,29 +78,7 @@ def k_grouped(at: torch.Tensor, at_scale: torch.Tensor, bt: torch.Tensor, bt_sca
                                                        recipe=(1, 1, 128)) or main_grad
 
 
-def smoke() -> None:
-    """A check that this DeepGEMM build runs here: the calls that JIT-compile (a scale transpose, a 1D2D and a 1D1D
-    GEMM on a small shape, DeepGEMM's own quantizers), each against the FP32 product (FP8's error is a few
-    percent). Raises on a wrong result; a broken build ends the process (a C++ library can crash it)."""
-    dg = _deep_gemm()
-    from deep_gemm.utils import per_block_cast_to_fp8, per_token_cast_to_fp8
-    m, n, k = 256, 512, 1024
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    want = a.float() @ b.float().t()
-    a8, a_s = per_token_cast_to_fp8(a, use_ue8m0=False)
-    a_s = _tokens_scales(dg, a_s)  # row-major in: JIT-compiles DeepGEMM's transpose
-    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    dg.fp8_gemm_nt((a8, a_s), per_block_cast_to_fp8(b, use_ue8m0=False), out)
-    b8, b_s = per_token_cast_to_fp8(b, use_ue8m0=False)
-    acc = torch.zeros(m, n, device="cuda", dtype=torch.float32)
-    dg.fp8_gemm_nt((a8, a_s), (b8, _tokens_scales(dg, b_s)), acc, c=acc, recipe=(1, 1, 128))
-    for name, got in (("1D2D", out.float()), ("1D1D", acc)):
-        err = float((got - want).norm() / want.norm())
-        if not err < 0.1:
-            raise RuntimeError(f"DeepGEMM's {name} GEMM is wrong here: relative error {err:.3g}")
-        print(f"DeepGEMM {dg.__version__} {name}: relative error {err:.4f}")
-
-
-if __name__ == "__main__":
-    smoke()
+if __name__ == "__main__":  # the check `install_deepgemm` runs on a fresh build: the backend's own smoke test
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from megafp8.precision.backends.deepgemm_backend import smoke_test
+    smoke_test()

@@ -349,18 +349,18 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
                # 8B-layer gate/up fprop and wgrad run back to back (200 calls a replay) with clocks and power sampled
       export DG_JIT_CACHE_DIR=/tmp/deepgemm_cache  # its generated kernels (their tile configurations) go to the logs
       install_deepgemm
-      for nk in 12288,4096 4096,4096 28672,4096 4096,14336 6144,2048 2048,2048 11264,2048 2048,5632; do  # JIT-compiled
+      # each shape's first call JIT-compiles (seconds): all of them first, in parallel
+      for nk in 12288,4096 4096,4096 28672,4096 4096,14336 6144,2048 2048,2048 11264,2048 2048,5632; do
         timeout 300 python benchmarks/dense_gemm.py --shapes $nk --columns "ws 256, interleaved FFMA" DeepGEMM \
-          --iters 1 \
-          > "$LOGS/deepgemm_warm_$nk.log" 2>&1 &
+          --iters 1 > "$LOGS/deepgemm_warm_$nk.log" 2>&1 &
       done
       for shape in 64x2176,2048,2048 64x2176,1024,2048; do
         timeout 300 python benchmarks/grouped_gemm.py --backend hopper --shapes $shape --gemms fprop dgrad into \
           --columns interleaved deepgemm --iters 1 > "$LOGS/deepgemm_warm_$shape.log" 2>&1 &
       done
       wait
-      step deepgemm_dense python benchmarks/dense_gemm.py --model 8b-layers 1b --cuda-graphs --iters "${DG_ITERS:-100}" \
-        --columns BF16 backend "ws 256, interleaved FFMA" DeepGEMM
+      step deepgemm_dense python benchmarks/dense_gemm.py --model 8b-layers 1b --cuda-graphs \
+        --iters "${DG_ITERS:-100}" --columns BF16 backend "ws 256, interleaved FFMA" DeepGEMM
       step deepgemm_grouped python benchmarks/grouped_gemm.py --backend hopper --cuda-graphs --iters 20 \
         --shapes 64x2176,2048,2048 64x2176,1024,2048 --gemms fprop dgrad into --columns interleaved deepgemm
       for run in "fprop ws ws" "fprop DeepGEMM dg" "wgrad backend cublaslt_wgrad" "wgrad DeepGEMM dg_wgrad"; do
@@ -386,8 +386,8 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
         training.compile_mode=reduce-overhead --model 8b-layers --recipes bf16 fp8
       step deepgemm_8b_cudagraphs python benchmarks/train_step.py training.compile=true \
         training.compile_mode=reduce-overhead precision.fp8_backend=deepgemm --model 8b-layers --recipes fp8
-      STEP_TIMEOUT=150 step gpu_tests_deepgemm python -m pytest -q -m gpu tests/test_fp8_backends.py -k "deepgemm and gemm" \
-        -p no:cacheprovider ;;
+      STEP_TIMEOUT=150 step gpu_tests_deepgemm python -m pytest -q -m gpu tests/test_fp8_backends.py \
+        -k "deepgemm and gemm" -p no:cacheprovider ;;
     tests_cublaslt) step gpu_tests_cublaslt python -m pytest -q -m gpu tests/test_fp8_gpu.py \
            tests/test_moe_gpu.py tests/test_gpu.py \
            -k "cublaslt or cuda_graphs or compiled_fp8_linear or fused_fp8_mlp or learns or host_wait" \

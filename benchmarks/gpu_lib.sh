@@ -42,7 +42,8 @@ install_deepgemm() {  # DeepGEMM (a peer for dense_gemm.py's and grouped_gemm.py
   cxx=${CXX:-$(command -v c++ || command -v g++)}
   local t0=$SECONDS log="$LOGS/deepgemm_build.log"
   { echo "compiler $cxx: $($cxx --version | head -n 1); its libstdc++ $($cxx -print-file-name=libstdc++.so.6)"
-    python -c "import torch; print('libstdc++ in a torch process:', sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l}))"
+    python -c "import torch; print('libstdc++ in a torch process:',
+      sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l}))"
     nvcc --version | tail -n 2; } > "$log" 2>&1
   for variant in plain static; do
     dir=/tmp/deepgemm_$variant
@@ -63,10 +64,12 @@ install_deepgemm() {  # DeepGEMM (a peer for dense_gemm.py's and grouped_gemm.py
     if [ $rc = 0 ]; then
       export PYTHONPATH="$dir:$PYTHONPATH"
       [ -n "$preload" ] && export LD_PRELOAD=$preload
-      echo "DeepGEMM built ($variant${preload:+, $preload preloaded}) in $((SECONDS - t0)) s: $(tail -n 2 "$log" | tr '\n' ' ')" >> "$OUT/summary.md"
+      echo "DeepGEMM built ($variant${preload:+, $preload preloaded}) in $((SECONDS - t0)) s:" \
+        "$(tail -n 2 "$log" | tr '\n' ' ')" >> "$OUT/summary.md"
       return
     fi
-    echo "DeepGEMM $variant failed its smoke test (rc $rc; its build: $(tail -n 2 "$LOGS/deepgemm_build_$variant.log" | tr '\n' ' '))" >> "$log"
+    echo "DeepGEMM $variant failed its smoke test (rc $rc; its build:" \
+      "$(tail -n 2 "$LOGS/deepgemm_build_$variant.log" | tr '\n' ' '))" >> "$log"
   done
   echo "DeepGEMM: no build ran here: $(tail -n 4 "$log" | tr '\n' ' ')" >> "$OUT/summary.md"
 }

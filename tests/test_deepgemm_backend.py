@@ -4,6 +4,7 @@ reason it gives where it cannot run. Its GEMMs against the reference run with th
 (`tests/test_fp8_backends.py`, `deepgemm-cuda`) where DeepGEMM is installed."""
 from __future__ import annotations
 
+import subprocess
 import sys
 import types
 
@@ -13,6 +14,7 @@ import torch
 from megafp8.precision import E4M3
 from megafp8.precision import quantize as ref
 from megafp8.precision.backends import REGISTERED, Fp8Backend, select_backend
+from megafp8.precision.backends import deepgemm_backend
 from megafp8.precision.backends.deepgemm_backend import DeepGemmBackend
 from megafp8.precision.backends.hopper_backend import HopperBackend
 from megafp8.precision.backends.triton_backend import TritonBackend
@@ -84,3 +86,34 @@ def test_deepgemm_backend_says_why_it_cannot_run():
     assert reason is not None and "deepgemm backend" in reason
     with pytest.raises(Exception, match="deepgemm backend"):
         select_backend("deepgemm", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("returncode, stderr, says", [
+    (0, "", None),
+    (-11, "", "SIGSEGV"),
+    (1, "Traceback ...\nRuntimeError: DeepGEMM's 1x128 x 128x128 GEMM is wrong here", "is wrong here")])
+def test_deepgemm_backend_runs_deepgemm_once_in_a_child_before_it_is_used(monkeypatch, returncode, stderr, says):
+    """Where DeepGEMM imports, the backend's availability is its smoke test in a child process, asked once per
+    process: a crash there (the libstdc++ mismatch seen on the H200 machine) becomes a reason that says what to try,
+    not a training process killed at its first GEMM; a wrong result says which GEMM."""
+    monkeypatch.setitem(sys.modules, "deep_gemm", types.SimpleNamespace())
+    monkeypatch.setattr(HopperBackend, "unavailable_reason", classmethod(lambda cls, device: None))
+    runs = []
+
+    def run(command, **kwargs):
+        runs.append(command)
+        return subprocess.CompletedProcess(command, returncode, "", stderr)
+    monkeypatch.setattr(deepgemm_backend.subprocess, "run", run)
+    deepgemm_backend.smoke_test_failure.cache_clear()
+    try:
+        for _ in range(3):
+            reason = DeepGemmBackend.unavailable_reason(torch.device("cuda", 0))
+    finally:
+        deepgemm_backend.smoke_test_failure.cache_clear()
+    assert len(runs) == 1 and runs[0][0] == sys.executable and "smoke_test(0)" in runs[0][-1]
+    if says is None:
+        assert reason is None
+    else:
+        assert says in reason, reason
+    if returncode < 0:
+        assert "LD_PRELOAD=$(c++ -print-file-name=libstdc++.so.6)" in reason and "fp8_backend=auto" in reason

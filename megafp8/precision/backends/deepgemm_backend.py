@@ -11,11 +11,17 @@ order of the FP32 additions differs, as between any two GEMM kernels).
 It is opt-in (`precision.fp8_backend: deepgemm`; `auto` never picks it) because DeepGEMM is an optional dependency
 with needs of its own: it is built from source against the installed torch and JIT-compiles each GEMM shape with the
 CUDA toolkit's nvcc at first use (seconds per shape), and on the machine we measured on its JIT crashed unless the
-compiler's libstdc++ was preloaded (`benchmarks/gpu_lib.sh` `install_deepgemm`). The weight gradients, the experts'
+compiler's libstdc++ was preloaded (`benchmarks/gpu_lib.sh` `install_deepgemm`). So before it is used, a child
+process runs `smoke_test` once (seconds, plus the JIT's first compiles): a crash there becomes a reason not to run,
+which says what to try, instead of a training process killed at its first GEMM. The weight gradients, the experts'
 grouped GEMMs and every quantizer stay on the hopper backend's kernels.
 """
 from __future__ import annotations
 
+import functools
+import signal
+import subprocess
+import sys
 from typing import Optional
 
 import torch
@@ -41,7 +47,7 @@ class DeepGemmBackend(HopperBackend):
         except Exception as exc:  # noqa: BLE001 - any failure to load it is a reason not to use it
             return (f"the deepgemm backend needs DeepGEMM (github.com/deepseek-ai/DeepGEMM) built and importable "
                     f"({type(exc).__name__}: {exc})")
-        return None
+        return smoke_test_failure(device.index if device.index is not None else torch.cuda.current_device())
 
     def gemm_1x128_128x128(self, a, a_scale, b, b_scale, out_dtype):
         if out_dtype != torch.bfloat16:  # DeepGEMM's 1x128 x 128x128 kernel writes BF16 only
@@ -61,3 +67,54 @@ def _row_major_blocks(blocks: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if blocks.stride() == (k_blocks, 1):
         return blocks
     return torch.empty(n_blocks, k_blocks, dtype=blocks.dtype, device=blocks.device).copy_(blocks)
+
+
+SMOKE_TIMEOUT_S = 900  # the child's first run JIT-compiles three kernels; later runs find them in DeepGEMM's cache
+
+
+@functools.cache
+def smoke_test_failure(device_index: int) -> Optional[str]:
+    """None if `smoke_test` passes in a child process on GPU `device_index` (asked once per process), else why not,
+    with what to try when DeepGEMM crashed the child."""
+    command = [sys.executable, "-c", "from megafp8.precision.backends.deepgemm_backend import smoke_test; "
+               f"smoke_test({device_index})"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"the deepgemm backend's test of DeepGEMM did not finish in {SMOKE_TIMEOUT_S} s"
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        name = signal.Signals(-done.returncode).name
+        return (f"DeepGEMM crashed a test process ({name}) on its first GEMM: where its JIT runs std::regex against "
+                "another libstdc++ than its compiler's, preloading the compiler's cures it (we saw this on an H200 "
+                "machine): LD_PRELOAD=$(c++ -print-file-name=libstdc++.so.6); or set precision.fp8_backend=auto")
+    last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+    return f"the deepgemm backend's test of DeepGEMM failed: {last}"
+
+
+def smoke_test(device_index: int = 0) -> None:
+    """The DeepGEMM calls this backend makes, on a small shape, against the FP32 product (FP8's error is a few
+    percent): the 1x128 scales' transpose into DeepGEMM's layout and a 1x128 x 128x128 GEMM, which JIT-compile, and
+    its 1x128 x 1x128 one (benchmarks). Raises on a wrong result; a broken build may kill the process instead, which
+    is why `smoke_test_failure` runs it in a child."""
+    import deep_gemm as dg
+    from deep_gemm.utils import per_block_cast_to_fp8, per_token_cast_to_fp8
+    device = torch.device("cuda", device_index)
+    m, n, k = 256, 512, 1024
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(m, k, device=device, generator=g).bfloat16()
+    b = torch.randn(n, k, device=device, generator=g).bfloat16()
+    want = a.float() @ b.float().t()
+    a8, a_scale = per_token_cast_to_fp8(a, use_ue8m0=False)
+    a_scale = dg.get_mn_major_tma_aligned_tensor(a_scale)  # row-major in: DeepGEMM's JIT-compiled transpose
+    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    dg.fp8_gemm_nt((a8, a_scale), per_block_cast_to_fp8(b, use_ue8m0=False), out)
+    b8, b_scale = per_token_cast_to_fp8(b, use_ue8m0=False)
+    acc = torch.zeros(m, n, device=device, dtype=torch.float32)
+    dg.fp8_gemm_nt((a8, a_scale), (b8, dg.get_mn_major_tma_aligned_tensor(b_scale)), acc, c=acc, recipe=(1, 1, 128))
+    for name, got in (("1x128 x 128x128", out.float()), ("1x128 x 1x128", acc)):
+        err = float((got - want).norm() / want.norm())
+        if not err < 0.1:
+            raise RuntimeError(f"DeepGEMM's {name} GEMM is wrong here: relative error {err:.3g}")
+        print(f"DeepGEMM {dg.__version__} {name}: relative error {err:.4f}")
