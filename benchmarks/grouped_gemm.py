@@ -383,7 +383,8 @@ def deepgemm(p: Problem, gemm: str, backend: str) -> Callable[[], torch.Tensor]:
 
 BUILDERS = (bf16_loop, bf16_grouped, fp8_rowwise, fp8_blockwise_loop, our_kernel("pointer"), our_kernel("tma"),
             our_kernel("ws", 128), our_kernel("ws", 256), our_kernel("ws", 128, tma_store=False),
-            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True), wgrad_x_blocks, deepgemm, ours)
+            our_kernel("ws", 256, tma_store=False), our_kernel("ws", 256, interleave_ffma=True), wgrad_x_blocks,
+            deepgemm, ours)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

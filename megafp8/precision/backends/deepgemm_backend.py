@@ -4,9 +4,8 @@ DeepGEMM (github.com/deepseek-ai/DeepGEMM) is the public library of DeepSeek-V3'
 1x128 x 128x128 kernel (`deep_gemm.fp8_gemm_nt`) runs 256 x 128 tiles in clusters of two CTAs that share the A
 tile by TMA multicast, which our Gluon kernel cannot issue (Triton 3.6); on the 8B-layer's linears it ran 5-9%
 faster than ours, 8% at the same power-capped clock (`benchmarks/dense_gemm.py`'s DeepGEMM column, job GV in
-docs/benchmarks.md).
-The numerics are the recipe's: the same operands and scales, each 128-deep product promoted into FP32 (only the
-order of the FP32 additions differs, as between any two GEMM kernels).
+docs/benchmarks.md). The numerics are the recipe's: the same operands and scales, each 128-deep product promoted
+into FP32 (only the order of the FP32 additions differs, as between any two GEMM kernels).
 
 It is opt-in (`precision.fp8_backend: deepgemm`; `auto` never picks it) because DeepGEMM is an optional dependency
 with needs of its own: it is built from source against the installed torch and JIT-compiles each GEMM shape with the
@@ -96,8 +95,8 @@ def smoke_test_failure(device_index: int) -> Optional[str]:
 def smoke_test(device_index: int = 0) -> None:
     """The DeepGEMM calls this backend makes, on a small shape, against the FP32 product (FP8's error is a few
     percent): the 1x128 scales' transpose into DeepGEMM's layout and a 1x128 x 128x128 GEMM, which JIT-compile, and
-    its 1x128 x 1x128 one (benchmarks). Raises on a wrong result; a broken build may kill the process instead, which
-    is why `smoke_test_failure` runs it in a child."""
+    its 1x128 x 1x128 GEMM (which only the benchmarks call). Raises on a wrong result; a broken build may kill the
+    process instead, which is why `smoke_test_failure` runs it in a child."""
     import deep_gemm as dg
     from deep_gemm.utils import per_block_cast_to_fp8, per_token_cast_to_fp8
     device = torch.device("cuda", device_index)
