@@ -29,7 +29,8 @@ install_deepgemm() {  # DeepGEMM (a peer for dense_gemm.py's and grouped_gemm.py
   # include/ folders and licences; `git archive` of each); it JIT-compiles its kernels with this machine's nvcc.
   # Built as it comes, its first JIT call crashed here (std::regex reached a facet of another libstdc++), so two
   # builds are made side by side and the first that passes `deepgemm_peer.py`'s smoke test is used: as it comes, run
-  # with the compiler's own libstdc++ preloaded; libstdc++ linked into it statically.
+  # with the compiler's own libstdc++ preloaded; libstdc++ linked into it statically. Builds left in /tmp by an
+  # earlier call on the same machine are reused.
   local src=${DEEPGEMM_SRC:-.dg/DeepGEMM} nvcc_path cxx variant dir preload rc
   if [ ! -d "$src" ]; then
     echo "no DeepGEMM source in $src: its columns say why they cannot run" >> "$OUT/summary.md"
@@ -47,6 +48,7 @@ install_deepgemm() {  # DeepGEMM (a peer for dense_gemm.py's and grouped_gemm.py
     nvcc --version | tail -n 2; } > "$log" 2>&1
   for variant in plain static; do
     dir=/tmp/deepgemm_$variant
+    ls "$dir"/deep_gemm/_C*.so > /dev/null 2>&1 && continue  # built by an earlier call on this machine
     rm -rf "$dir" && cp -r "$src" "$dir"
     (cd "$dir" && ln -sfn "$dir/third-party/cutlass/include/cutlass" deep_gemm/include/cutlass \
        && ln -sfn "$dir/third-party/cutlass/include/cute" deep_gemm/include/cute \

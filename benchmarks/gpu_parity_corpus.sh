@@ -32,7 +32,9 @@
 #        NAME: dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b (MoE's BF16 seed B, for MoE's
 #        seed-to-seed spread: `next` runs it after the others, and `compare` uses it once it has finished)
 #        dense_fp8blocks_a (FP8 seed A with the opt-in `precision.fp8_wgrad_input_blocks`: `next` runs it last,
-#        `compare` sets it against the two BF16 seeds once it has finished)
+#        `compare` sets it against the two BF16 seeds once it has finished), dense_fp8deepgemm_a (FP8 seed A on the
+#        opt-in `precision.fp8_backend: deepgemm`, DeepGEMM built first by gpu_lib.sh's install_deepgemm from the
+#        source carried in .dg/DeepGEMM; likewise last, and set against the BF16 seeds)
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh next       # `run` on the first two unfinished runs in that order
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh status     # each run's last step, and the disk left
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh compare [dense|moe]  # compare_runs --parity and plot_runs, dense
@@ -80,7 +82,7 @@ TOKENIZER_SAMPLE_BYTES=${TOKENIZER_SAMPLE_BYTES:-1e8}
 VOCAB_SIZE=32768
 SEQ_LEN=2048
 MICRO_BATCH=8
-ALL_RUNS="dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b dense_fp8blocks_a"
+ALL_RUNS="dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b dense_fp8blocks_a dense_fp8deepgemm_a"
 mkdir -p "$WORK" "$RUNS" "$OUT/runs"
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
@@ -126,11 +128,13 @@ known_run() {  # known_run NAME: fails, saying which names exist, unless NAME is
 }
 
 run_overrides() {  # run_overrides NAME: every override of run NAME: family_recipe[_seed]; recipe fp8blocks is FP8
-  # with the opt-in `precision.fp8_wgrad_input_blocks` (the wgrads' x in 128x128 blocks)
+  # with the opt-in `precision.fp8_wgrad_input_blocks` (the wgrads' x in 128x128 blocks), fp8deepgemm FP8 on the
+  # opt-in deepgemm backend (DeepGEMM's dense fprop and dgrad)
   known_run "$1" || return 2
   local family=${1%%_*} rest=${1#*_} recipe seed interval blocks=""
   recipe=${rest%%_*}
   if [ "$recipe" = fp8blocks ]; then recipe=fp8; blocks="precision.fp8_wgrad_input_blocks=true"; fi
+  if [ "$recipe" = fp8deepgemm ]; then recipe=fp8; blocks="precision.fp8_backend=deepgemm"; fi
   seed=$([ "${rest#*_}" = b ] && echo "${SEED_B:-2}" || echo "${SEED_A:-1}")
   interval=$([ "$family" = moe ] && echo "${MOE_CHECKPOINT_INTERVAL:-0}" || echo "${DENSE_CHECKPOINT_INTERVAL:-500}")
   echo "$(model_overrides "$([ "$family" = moe ] && echo moe || echo 1b)") model.vocab_size=$VOCAB_SIZE
@@ -199,6 +203,7 @@ run_one() {  # run_one NAME GPU [SECONDS]: train NAME on GPU for at most SECONDS
   local name=$1 overrides rc
   overrides=$(run_overrides "$name") || return 2
   if finished "$name"; then echo "$name: finished already"; return 0; fi
+  case $name in *deepgemm*) install_deepgemm ;; esac  # built once a machine (a second call reuses the build)
   # At RUN_SECONDS timeout sends SIGTERM: the run stops at its next logging step with a checkpoint
   # (checkpoint.save_on_signal, where checkpoint.interval > 0), and is killed (137) if that takes over STOP_GRACE s.
   # The dense model's checkpoint (12.5 GiB) took ~30 s to write on the GPU machine: a 30 s grace killed the stop's
@@ -274,6 +279,10 @@ compare() {
     if finished dense_fp8blocks_a; then  # the opt-in against the same BF16 seeds
       step parity_dense_fp8blocks python tools/compare_runs.py --parity $(run_dir dense_bf16_a) \
         $(run_dir dense_fp8blocks_a) $(run_dir dense_bf16_b) --window 500
+    fi
+    if finished dense_fp8deepgemm_a; then  # the deepgemm backend, likewise
+      step parity_dense_fp8deepgemm python tools/compare_runs.py --parity $(run_dir dense_bf16_a) \
+        $(run_dir dense_fp8deepgemm_a) $(run_dir dense_bf16_b) --window 500
     fi
   fi
   if [ "$1" != dense ]; then

@@ -249,3 +249,26 @@ def test_the_opt_in_run_is_fp8_with_x_in_blocks_and_compare_sets_it_against_the_
     assert "== parity_dense_fp8blocks done" in script(tmp_path, "compare", "dense", **env).stdout
     section = (tmp_path / "out" / "summary.md").read_text().rsplit("## parity_dense_fp8blocks\n", 1)[1]
     assert "|FP8 - BF16 A| = 0.667%: inside the spread" in section, section
+
+
+def test_the_deepgemm_run_is_fp8_on_the_deepgemm_backend_and_compare_sets_it_against_the_bf16_seeds(tmp_path):
+    """`dense_fp8deepgemm_a` is FP8 seed A on `precision.fp8_backend: deepgemm` (its only difference from
+    `dense_fp8_a`, so its own run id); `compare dense` judges it against the two BF16 seeds once it has finished."""
+    fake_corpus(tmp_path, 40_000_000, 900_000)
+    configs = run_configs(tmp_path, "dense_fp8_a", "dense_fp8deepgemm_a")
+    deepgemm, plain = configs["dense_fp8deepgemm_a"], configs["dense_fp8_a"]
+    assert (deepgemm["precision"]["recipe"], deepgemm["training"]["seed"]) == ("fp8", 1)
+    assert deepgemm["precision"]["fp8_backend"] == "deepgemm" and plain["precision"]["fp8_backend"] == "auto"
+    deepgemm["precision"]["fp8_backend"] = "auto"
+    deepgemm["run_name"] = plain["run_name"]
+    assert deepgemm == plain
+    runs, env = tmp_path / "work" / "runs", {"DENSE_STEPS": "2", "MOE_STEPS": "2"}
+    _finished_run(runs, "dense_bf16_a", [4.0, 3.0])
+    _finished_run(runs, "dense_fp8_a", [4.0, 3.01])
+    _finished_run(runs, "dense_bf16_b", [4.0, 2.94])
+    _finished_run(runs, "dense_fp8deepgemm_a", [4.0])  # not finished
+    assert "parity_dense_fp8deepgemm" not in script(tmp_path, "compare", "dense", **env).stdout
+    _finished_run(runs, "dense_fp8deepgemm_a", [4.0, 3.03])
+    assert "== parity_dense_fp8deepgemm done" in script(tmp_path, "compare", "dense", **env).stdout
+    section = (tmp_path / "out" / "summary.md").read_text().rsplit("## parity_dense_fp8deepgemm\n", 1)[1]
+    assert "|FP8 - BF16 A| = 1.000%: inside the spread" in section, section
