@@ -9,6 +9,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
 import yaml
 
 from megafp8.data.preprocess import preprocess
@@ -227,48 +228,30 @@ def test_compare_takes_moe_bf16_seed_b_once_it_has_finished(tmp_path):
         in moe_section(), moe_section()
 
 
-def test_the_opt_in_run_is_fp8_with_x_in_blocks_and_compare_sets_it_against_the_bf16_seeds(tmp_path):
-    """`dense_fp8blocks_a` is FP8 seed A with `precision.fp8_wgrad_input_blocks` (its only difference from
-    `dense_fp8_a`, so its own run id); `compare dense` judges it against the two BF16 seeds once it has finished,
-    and leaves it out before."""
+@pytest.mark.parametrize("opt_in, option, on, off, final, gap", [
+    ("fp8blocks", "fp8_wgrad_input_blocks", True, False, 3.02, "0.667%"),
+    ("fp8deepgemm", "fp8_backend", "deepgemm", "auto", 3.03, "1.000%")])
+def test_an_opt_in_run_is_fp8_seed_a_with_its_one_option_and_compare_sets_it_against_the_bf16_seeds(
+        tmp_path, opt_in, option, on, off, final, gap):
+    """`dense_fp8blocks_a` (x in 128x128 blocks for the wgrads) and `dense_fp8deepgemm_a` (the deepgemm backend) are
+    FP8 seed A with one precision option changed (their only difference from `dense_fp8_a`, so each its own run id);
+    `compare dense` judges each against the two BF16 seeds once it has finished, and leaves it out before."""
+    name = f"dense_{opt_in}_a"
     fake_corpus(tmp_path, 40_000_000, 900_000)
-    configs = run_configs(tmp_path, "dense_fp8_a", "dense_fp8blocks_a")
-    blocks, tiles = configs["dense_fp8blocks_a"], configs["dense_fp8_a"]
-    assert (blocks["precision"]["recipe"], blocks["training"]["seed"]) == ("fp8", 1)
-    assert blocks["precision"]["fp8_wgrad_input_blocks"] and not tiles["precision"]["fp8_wgrad_input_blocks"]
-    blocks["precision"]["fp8_wgrad_input_blocks"] = False
-    blocks["run_name"] = tiles["run_name"]
-    assert blocks == tiles
+    configs = run_configs(tmp_path, "dense_fp8_a", name)
+    run, plain = configs[name], configs["dense_fp8_a"]
+    assert (run["precision"]["recipe"], run["training"]["seed"]) == ("fp8", 1)
+    assert (run["precision"][option], plain["precision"][option]) == (on, off)
+    run["precision"][option] = off
+    run["run_name"] = plain["run_name"]
+    assert run == plain
     runs, env = tmp_path / "work" / "runs", {"DENSE_STEPS": "2", "MOE_STEPS": "2"}
     _finished_run(runs, "dense_bf16_a", [4.0, 3.0])
     _finished_run(runs, "dense_fp8_a", [4.0, 3.01])
     _finished_run(runs, "dense_bf16_b", [4.0, 2.94])
-    _finished_run(runs, "dense_fp8blocks_a", [4.0])  # not finished
-    assert "parity_dense_fp8blocks" not in script(tmp_path, "compare", "dense", **env).stdout
-    _finished_run(runs, "dense_fp8blocks_a", [4.0, 3.02])
-    assert "== parity_dense_fp8blocks done" in script(tmp_path, "compare", "dense", **env).stdout
-    section = (tmp_path / "out" / "summary.md").read_text().rsplit("## parity_dense_fp8blocks\n", 1)[1]
-    assert "|FP8 - BF16 A| = 0.667%: inside the spread" in section, section
-
-
-def test_the_deepgemm_run_is_fp8_on_the_deepgemm_backend_and_compare_sets_it_against_the_bf16_seeds(tmp_path):
-    """`dense_fp8deepgemm_a` is FP8 seed A on `precision.fp8_backend: deepgemm` (its only difference from
-    `dense_fp8_a`, so its own run id); `compare dense` judges it against the two BF16 seeds once it has finished."""
-    fake_corpus(tmp_path, 40_000_000, 900_000)
-    configs = run_configs(tmp_path, "dense_fp8_a", "dense_fp8deepgemm_a")
-    deepgemm, plain = configs["dense_fp8deepgemm_a"], configs["dense_fp8_a"]
-    assert (deepgemm["precision"]["recipe"], deepgemm["training"]["seed"]) == ("fp8", 1)
-    assert deepgemm["precision"]["fp8_backend"] == "deepgemm" and plain["precision"]["fp8_backend"] == "auto"
-    deepgemm["precision"]["fp8_backend"] = "auto"
-    deepgemm["run_name"] = plain["run_name"]
-    assert deepgemm == plain
-    runs, env = tmp_path / "work" / "runs", {"DENSE_STEPS": "2", "MOE_STEPS": "2"}
-    _finished_run(runs, "dense_bf16_a", [4.0, 3.0])
-    _finished_run(runs, "dense_fp8_a", [4.0, 3.01])
-    _finished_run(runs, "dense_bf16_b", [4.0, 2.94])
-    _finished_run(runs, "dense_fp8deepgemm_a", [4.0])  # not finished
-    assert "parity_dense_fp8deepgemm" not in script(tmp_path, "compare", "dense", **env).stdout
-    _finished_run(runs, "dense_fp8deepgemm_a", [4.0, 3.03])
-    assert "== parity_dense_fp8deepgemm done" in script(tmp_path, "compare", "dense", **env).stdout
-    section = (tmp_path / "out" / "summary.md").read_text().rsplit("## parity_dense_fp8deepgemm\n", 1)[1]
-    assert "|FP8 - BF16 A| = 1.000%: inside the spread" in section, section
+    _finished_run(runs, name, [4.0])  # not finished
+    assert f"parity_dense_{opt_in}" not in script(tmp_path, "compare", "dense", **env).stdout
+    _finished_run(runs, name, [4.0, final])
+    assert f"== parity_dense_{opt_in} done" in script(tmp_path, "compare", "dense", **env).stdout
+    section = (tmp_path / "out" / "summary.md").read_text().rsplit(f"## parity_dense_{opt_in}\n", 1)[1]
+    assert f"|FP8 - BF16 A| = {gap}: inside the spread" in section, section
