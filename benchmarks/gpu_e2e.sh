@@ -26,7 +26,8 @@
 # forms at one M x N x K; ncu_l2: L2 bandwidth and clusters
 # of the dense fprop, ours against cuBLAS's FP8 and BF16 GEMMs), clocks and power sampled during one GEMM run back to
 # back (clocks_gemm: the fprop and the wgrad), DeepGEMM against ours on the same operands (deepgemm: its source
-# carried in .dg/DeepGEMM and built there; deepgemm_steps: the 8B-layer step on the deepgemm backend), clocks and
+# carried in .dg/DeepGEMM and built there; deepgemm_steps: the 8B-layer step on the deepgemm backend;
+# fp8_linear_deepgemm: the FP8 linear on cublas, hopper and deepgemm), clocks and
 # power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols; with
@@ -67,6 +68,10 @@ for part in $PARTS; do
            -k "host_wait or learns or moe_layer_on_cuda or mla_moe" -p no:cacheprovider ;;
     fp8_linear) step fp8_linear python benchmarks/fp8_linear.py --backends cublas --cuda-graphs ;;
     fp8_linear_hopper) step fp8_linear_hopper python benchmarks/fp8_linear.py --backends cublas hopper --cuda-graphs ;;
+    fp8_linear_deepgemm)  # the FP8 linear on the three SM90 backends (DeepGEMM built, or reused, first)
+      export DG_JIT_CACHE_DIR=/tmp/deepgemm_cache
+      install_deepgemm
+      step fp8_linear_deepgemm python benchmarks/fp8_linear.py --backends cublas hopper deepgemm --cuda-graphs ;;
     compiled_ro_8b) step ours_compiled_cudagraphs_8b python benchmarks/train_step.py training.compile=true \
            training.compile_mode=reduce-overhead --model 8b-layers --recipes bf16 fp8 ;;
     compiled_ro_8b_kept_t) step ours_compiled_cudagraphs_8b_kept_transpose python benchmarks/train_step.py \
