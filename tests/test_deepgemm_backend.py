@@ -104,16 +104,42 @@ def test_deepgemm_backend_runs_deepgemm_once_in_a_child_before_it_is_used(monkey
         runs.append(command)
         return subprocess.CompletedProcess(command, returncode, "", stderr)
     monkeypatch.setattr(deepgemm_backend.subprocess, "run", run)
-    deepgemm_backend.smoke_test_failure.cache_clear()
+    runtimes = []
+    monkeypatch.setattr(deepgemm_backend, "create_runtime", runtimes.append)
+    for cached in (deepgemm_backend.smoke_test_failure, deepgemm_backend.ready_failure):
+        cached.cache_clear()
     try:
         for _ in range(3):
             reason = DeepGemmBackend.unavailable_reason(torch.device("cuda", 0))
     finally:
-        deepgemm_backend.smoke_test_failure.cache_clear()
+        for cached in (deepgemm_backend.smoke_test_failure, deepgemm_backend.ready_failure):
+            cached.cache_clear()
     assert len(runs) == 1 and runs[0][0] == sys.executable and "smoke_test(0)" in runs[0][-1]
     if says is None:
-        assert reason is None
+        assert reason is None and runtimes == [0]  # DeepGEMM's runtime made once, in this process, after the child
     else:
         assert says in reason, reason
+        assert runtimes == []
     if returncode < 0:
         assert "LD_PRELOAD=$(c++ -print-file-name=libstdc++.so.6)" in reason and "fp8_backend=auto" in reason
+
+
+def test_deepgemm_backend_makes_deepgemms_runtime_eagerly_on_its_gpu(monkeypatch):
+    """`create_runtime` touches DeepGEMM's runtime object (which makes it, and its workspace, at first use) on the
+    GPU the backend will run on, so that its first GEMM, maybe inside a CUDA graph's warm-up, allocates nothing to
+    keep (job GZ: "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs")."""
+    events = []
+    monkeypatch.setitem(sys.modules, "deep_gemm", types.SimpleNamespace(get_num_sms=lambda: events.append("runtime")))
+
+    class Device:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            events.append(("device", self.index))
+
+        def __exit__(self, *exc):
+            events.append("left")
+    monkeypatch.setattr(deepgemm_backend.torch.cuda, "device", Device)
+    deepgemm_backend.create_runtime(3)
+    assert events == [("device", 3), "runtime", "left"]

@@ -7,6 +7,9 @@ GEMM tolerance, compile to exactly their eager bits, and train.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -307,6 +310,29 @@ def test_cuda_graphs_add_the_weight_gradients_into_main_grad_like_eager(tiny_ove
     for eager, graphed in zip(runs["eager"], runs["reduce-overhead"]):
         assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=0.03), (eager, graphed)
         assert graphed["loss"] == pytest.approx(eager["loss"], rel=0.01), (eager, graphed)
+
+
+@pytest.mark.parametrize("backend", ["hopper", "deepgemm"])
+def test_a_run_under_cuda_graphs_resumes_in_a_new_process(tiny_overrides, tmp_path, backend):
+    """A compiled FP8 run under CUDA graphs, checkpointed and launched again in a new process (as after a
+    scheduler's stop), resumes and finishes. Each launch is a fresh process, so the new one's first GEMMs (for
+    `deepgemm`, DeepGEMM's first call in that process) come inside the CUDA graph trees' warm-up runs: job GZ's
+    resumed parity run stopped there ("Detected 1 tensor(s) in the cudagraph pool not tracked as outputs") until the
+    backend made DeepGEMM's runtime eagerly (`deepgemm_backend.create_runtime`)."""
+    from tests.conftest import REPO, torchrun_env
+    reason = why_unavailable(backend, CUDA)
+    if reason is not None:
+        pytest.skip(reason)
+    args = [sys.executable, "launch/pretrain.py", "--config", "tiny_dense_fp8", *tiny_overrides,
+            "training.compile=true", "training.compile_mode=reduce-overhead", f"precision.fp8_backend={backend}",
+            "training.eval_interval=0", "checkpoint.interval=3", "checkpoint.resume=auto"]
+    for steps, says in ((3, "step 3/"), (5, "resuming")):
+        done = subprocess.run(args + [f"training.steps={steps}"], capture_output=True, text=True, cwd=REPO,
+                              env=torchrun_env(), timeout=300)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, output[-3000:]
+        assert says in output, output[-3000:]
+    assert "step 5/5" in output, output[-3000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

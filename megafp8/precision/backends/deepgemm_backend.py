@@ -12,8 +12,9 @@ with needs of its own: it is built from source against the installed torch and J
 CUDA toolkit's nvcc at first use (seconds per shape), and on the machine we measured on its JIT crashed unless the
 compiler's libstdc++ was preloaded (`benchmarks/gpu_lib.sh` `install_deepgemm`). So before it is used, a child
 process runs `smoke_test` once (seconds, plus the JIT's first compiles): a crash there becomes a reason not to run,
-which says what to try, instead of a training process killed at its first GEMM. The weight gradients, the experts'
-grouped GEMMs and every quantizer stay on the hopper backend's kernels.
+which says what to try, instead of a training process killed at its first GEMM. Then DeepGEMM's runtime is made in
+this process, eagerly (`create_runtime`: its workspace must not be allocated inside a CUDA graph's warm-up). The
+weight gradients, the experts' grouped GEMMs and every quantizer stay on the hopper backend's kernels.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class DeepGemmBackend(HopperBackend):
         except Exception as exc:  # noqa: BLE001 - any failure to load it is a reason not to use it
             return (f"the deepgemm backend needs DeepGEMM (github.com/deepseek-ai/DeepGEMM) built and importable "
                     f"({type(exc).__name__}: {exc})")
-        return smoke_test_failure(device.index if device.index is not None else torch.cuda.current_device())
+        return ready_failure(device.index if device.index is not None else torch.cuda.current_device())
 
     def gemm_1x128_128x128(self, a, a_scale, b, b_scale, out_dtype):
         if out_dtype != torch.bfloat16:  # DeepGEMM's 1x128 x 128x128 kernel writes BF16 only
@@ -66,6 +67,28 @@ def _row_major_blocks(blocks: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if blocks.stride() == (k_blocks, 1):
         return blocks
     return torch.empty(n_blocks, k_blocks, dtype=blocks.dtype, device=blocks.device).copy_(blocks)
+
+
+@functools.cache
+def ready_failure(device_index: int) -> Optional[str]:
+    """None once DeepGEMM passed `smoke_test` in a child process and its runtime exists in this one (asked once per
+    process and GPU), else why DeepGEMM cannot be used."""
+    reason = smoke_test_failure(device_index)
+    if reason is None:
+        create_runtime(device_index)
+    return reason
+
+
+def create_runtime(device_index: int) -> None:
+    """Make DeepGEMM's per-process runtime now, eagerly. DeepGEMM makes it at its first call, and with it a 32 MiB
+    cuBLASLt workspace from torch's allocator that it keeps for the life of the process. Under CUDA graphs
+    (`compile_mode: reduce-overhead`) that first call can come inside a graph tree's warm-up run, whose allocations
+    go to the graphs' private pool, and Inductor then stops the run: "Detected 1 tensor(s) in the cudagraph pool not
+    tracked as outputs" (job GZ: a run resumed from its checkpoint in a new process, at its first step). Made here,
+    before any layer runs, the workspace comes from the ordinary pool."""
+    import deep_gemm
+    with torch.cuda.device(device_index):
+        deep_gemm.get_num_sms()  # the first use of DeepGEMM's runtime object creates it
 
 
 SMOKE_TIMEOUT_S = 900  # the child's first run JIT-compiles three kernels; later runs find them in DeepGEMM's cache
