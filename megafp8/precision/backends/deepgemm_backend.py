@@ -84,8 +84,9 @@ def create_runtime(device_index: int) -> None:
     cuBLASLt workspace from torch's allocator that it keeps for the life of the process. Under CUDA graphs
     (`compile_mode: reduce-overhead`) that first call can come inside a graph tree's warm-up run, whose allocations
     go to the graphs' private pool, and Inductor then stops the run: "Detected 1 tensor(s) in the cudagraph pool not
-    tracked as outputs" (job GZ: a run resumed from its checkpoint in a new process, at its first step). Made here,
-    before any layer runs, the workspace comes from the ordinary pool."""
+    tracked as outputs" (job GZ: a run resumed at step 1,860 in a new process, at its first step; a fresh run's
+    step 0 runs its blocks uncompiled to sample FP8 health, so there DeepGEMM's first call came outside the graphs).
+    Made here, before any layer runs, the workspace comes from the ordinary pool."""
     import deep_gemm
     with torch.cuda.device(device_index):
         deep_gemm.get_num_sms()  # the first use of DeepGEMM's runtime object creates it
