@@ -27,7 +27,8 @@
 # of the dense fprop, ours against cuBLAS's FP8 and BF16 GEMMs), clocks and power sampled during one GEMM run back to
 # back (clocks_gemm: the fprop and the wgrad), DeepGEMM against ours on the same operands (deepgemm: its source
 # carried in .dg/DeepGEMM and built there; deepgemm_steps: the 8B-layer step on the deepgemm backend;
-# fp8_linear_deepgemm: the FP8 linear on cublas, hopper and deepgemm), clocks and
+# fp8_linear_deepgemm: the FP8 linear on cublas, hopper and deepgemm; deepgemm_steps_1b_moe: the ~1B and MoE steps
+# on it; tests_resume: a run under CUDA graphs resumed in a new process, hopper and deepgemm), clocks and
 # power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols; with
@@ -393,6 +394,25 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
         training.compile_mode=reduce-overhead precision.fp8_backend=deepgemm --model 8b-layers --recipes fp8
       STEP_TIMEOUT=150 step gpu_tests_deepgemm python -m pytest -q -m gpu tests/test_fp8_backends.py \
         -k "deepgemm and gemm" -p no:cacheprovider ;;
+    tests_resume)  # a run under CUDA graphs resumed in a new process, on hopper and deepgemm (DeepGEMM built first)
+      export DG_JIT_CACHE_DIR=/tmp/deepgemm_cache
+      install_deepgemm
+      step gpu_tests_resume python -m pytest -q -m gpu tests/test_fp8_gpu.py -k resumes -p no:cacheprovider ;;
+    deepgemm_steps_1b_moe)  # the ~1B step (BF16, FP8 on hopper, FP8 on deepgemm) and the balanced MoE step (FP8 on
+                            # hopper and on deepgemm: its attention projections; the experts keep our grouped GEMMs)
+      export DG_JIT_CACHE_DIR=/tmp/deepgemm_cache
+      install_deepgemm
+      step deepgemm_1b_hopper python benchmarks/train_step.py training.compile=true \
+        training.compile_mode=reduce-overhead --model 1b --recipes bf16 fp8
+      step deepgemm_1b python benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead \
+        precision.fp8_backend=deepgemm --model 1b --recipes fp8
+      warm=${MOE_WARMUP:-210}
+      for run in "hopper bf16 fp8" "deepgemm fp8"; do
+        read -r backend recipes <<< "$run"
+        step "deepgemm_moe_$backend" python benchmarks/train_step.py --model moe --warmup "$warm" \
+          --steps $((warm + 30)) training.compile=true training.compile_mode=reduce-overhead \
+          model.moe.bias_update_rate="${MOE_BIAS_RATE:-0.01}" precision.fp8_backend=$backend --recipes $recipes
+      done ;;
     tests_cublaslt) step gpu_tests_cublaslt python -m pytest -q -m gpu tests/test_fp8_gpu.py \
            tests/test_moe_gpu.py tests/test_gpu.py \
            -k "cublaslt or cuda_graphs or compiled_fp8_linear or fused_fp8_mlp or learns or host_wait" \
