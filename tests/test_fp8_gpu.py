@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megafp8.precision import Fp8Recipe, PrecisionRecipe, select_backend, why_unavailable
+from tests.conftest import REPO, torchrun_env
 from tests.fp8_checks import assert_same_quantization, run_with_grads, swiglu_mlp_layers
 
 pytestmark = pytest.mark.gpu
@@ -313,14 +314,13 @@ def test_cuda_graphs_add_the_weight_gradients_into_main_grad_like_eager(tiny_ove
 
 
 @pytest.mark.parametrize("backend", ["hopper", "deepgemm"])
-def test_a_run_under_cuda_graphs_resumes_in_a_new_process(tiny_overrides, tmp_path, backend):
+def test_a_run_under_cuda_graphs_resumes_in_a_new_process(tiny_overrides, backend):
     """A compiled FP8 run under CUDA graphs, checkpointed and launched again in a new process (as after a
     scheduler's stop), resumes and finishes. Each launch is a fresh process, so the new one's first GEMMs (for
     `deepgemm`, DeepGEMM's first call in that process) come inside the CUDA graph trees' warm-up runs (step 3 does
     not sample FP8 health, which would run the blocks uncompiled, as step 0 does): job GZ's resumed parity run
     stopped there ("Detected 1 tensor(s) in the cudagraph pool not tracked as outputs") until the backend made
     DeepGEMM's runtime eagerly (`deepgemm_backend.create_runtime`)."""
-    from tests.conftest import REPO, torchrun_env
     reason = why_unavailable(backend, CUDA)
     if reason is not None:
         pytest.skip(reason)
