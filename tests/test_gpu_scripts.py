@@ -420,3 +420,47 @@ def test_gpu_e2e_group_m_part_times_the_dense_gemms_in_three_group_widths(tmp_pa
     sys.path.insert(0, str(REPO / "benchmarks"))
     import dense_gemm
     assert set(args[args.index("--columns") + 1:]) <= set(dense_gemm.ALL_COLUMNS)
+
+
+# ------------------------------------------------------------------------ benchmarks/deepgemm_source.sh
+
+
+def _repo_with(path: Path, files: list[str]) -> str:
+    """A git repository at `path` with `files` committed; returns its commit."""
+    for name in files:
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(name)
+    git = ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(path)], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], check=True)
+    return subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_deepgemm_source_takes_what_the_build_reads_into_an_ignored_dg(tmp_path):
+    """`deepgemm_source.sh` writes .dg/DeepGEMM in the work tree it runs in: DeepGEMM's build inputs (not its tests
+    or docs), cutlass's and fmt's include/ and licences under third-party/, and lists /.dg/ in .git/info/exclude
+    once; without its three clones it says what it needs."""
+    deepgemm = _repo_with(tmp_path / "dg", ["csrc/a.cpp", "deep_gemm/__init__.py", "setup.py", "scripts/s.sh",
+                                            "third-party/tilelang_ops/t.py", "CMakeLists.txt", "LICENSE",
+                                            "tests/test_x.py", "README.md"])
+    cutlass = _repo_with(tmp_path / "cutlass", ["include/cute/c.hpp", "LICENSE.txt", "media/big.png"])
+    fmt = _repo_with(tmp_path / "fmt", ["include/fmt/f.h", "LICENSE", "doc/d.md"])
+    work = tmp_path / "work"
+    _repo_with(work, ["x"])
+    env = {**os.environ, "DEEPGEMM_COMMIT": deepgemm, "CUTLASS_COMMIT": cutlass, "FMT_COMMIT": fmt}
+    script = str(REPO / "benchmarks" / "deepgemm_source.sh")
+    for _ in range(2):
+        done = subprocess.run(["bash", script, str(tmp_path / "dg"), str(tmp_path / "cutlass"), str(tmp_path / "fmt")],
+                              cwd=work, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    dest = work / ".dg" / "DeepGEMM"
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == [
+        "CMakeLists.txt", "LICENSE", "csrc/a.cpp", "deep_gemm/__init__.py", "scripts/s.sh", "setup.py",
+        "third-party/cutlass/LICENSE.txt", "third-party/cutlass/include/cute/c.hpp", "third-party/fmt/LICENSE",
+        "third-party/fmt/include/fmt/f.h", "third-party/tilelang_ops/t.py"]
+    assert (work / ".git" / "info" / "exclude").read_text().splitlines().count("/.dg/") == 1
+    assert subprocess.run(["git", "-C", str(work), "status", "--porcelain"], capture_output=True,
+                          text=True).stdout == ""
+    usage = subprocess.run(["bash", script], cwd=work, capture_output=True, text=True)
+    assert usage.returncode == 2 and "usage:" in usage.stderr and "deepseek-ai/DeepGEMM" in usage.stderr
