@@ -70,7 +70,6 @@ for part in $PARTS; do
     fp8_linear) step fp8_linear python benchmarks/fp8_linear.py --backends cublas --cuda-graphs ;;
     fp8_linear_hopper) step fp8_linear_hopper python benchmarks/fp8_linear.py --backends cublas hopper --cuda-graphs ;;
     fp8_linear_deepgemm)  # the FP8 linear on the three SM90 backends (DeepGEMM built, or reused, first)
-      export DG_JIT_CACHE_DIR=/tmp/deepgemm_cache
       install_deepgemm
       step fp8_linear_deepgemm python benchmarks/fp8_linear.py --backends cublas hopper deepgemm --cuda-graphs ;;
     compiled_ro_8b) step ours_compiled_cudagraphs_8b python benchmarks/train_step.py training.compile=true \
@@ -353,7 +352,6 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
     deepgemm)  # DeepGEMM (built by install_deepgemm) against ours on the same FP8 operands: the 8B-layer's dense
                # GEMMs (DG_ITERS calls a CUDA graph replay, default 100), the MoE experts' grouped ones, and the
                # 8B-layer gate/up fprop and wgrad run back to back (200 calls a replay) with clocks and power sampled
-      export DG_JIT_CACHE_DIR=/tmp/deepgemm_cache  # its generated kernels (their tile configurations) go to the logs
       install_deepgemm
       # each shape's first call JIT-compiles (seconds): all of them first, in parallel
       for nk in 12288,4096 4096,4096 28672,4096 4096,14336 6144,2048 2048,2048 11264,2048 2048,5632; do
@@ -381,7 +379,6 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
       find "$DG_JIT_CACHE_DIR" -name '*.cu' -exec cp --backup=numbered {} "$LOGS/deepgemm_kernels/" \; 2> /dev/null ;;
     deepgemm_steps)  # the 8B-layer step under CUDA graphs: BF16 and FP8 (auto: hopper), then FP8 on the deepgemm
                      # backend (DeepGEMM's dense fprop and dgrad), its kernels JIT-compiled first, in parallel
-      export DG_JIT_CACHE_DIR=/tmp/deepgemm_cache
       install_deepgemm
       for nk in 12288,4096 4096,4096 28672,4096 4096,14336; do
         timeout 300 python benchmarks/dense_gemm.py --shapes $nk --gemms fprop dgrad --columns DeepGEMM --iters 1 \
@@ -395,12 +392,10 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
       STEP_TIMEOUT=150 step gpu_tests_deepgemm python -m pytest -q -m gpu tests/test_fp8_backends.py \
         -k "deepgemm and gemm" -p no:cacheprovider ;;
     tests_resume)  # a run under CUDA graphs resumed in a new process, on hopper and deepgemm (DeepGEMM built first)
-      export DG_JIT_CACHE_DIR=/tmp/deepgemm_cache
       install_deepgemm
       step gpu_tests_resume python -m pytest -q -m gpu tests/test_fp8_gpu.py -k resumes -p no:cacheprovider ;;
     deepgemm_steps_1b_moe)  # the ~1B step (BF16, FP8 on hopper, FP8 on deepgemm) and the balanced MoE step (FP8 on
                             # hopper and on deepgemm: its attention projections; the experts keep our grouped GEMMs)
-      export DG_JIT_CACHE_DIR=/tmp/deepgemm_cache
       install_deepgemm
       step deepgemm_1b_hopper python benchmarks/train_step.py training.compile=true \
         training.compile_mode=reduce-overhead --model 1b --recipes bf16 fp8

@@ -30,7 +30,9 @@ install_deepgemm() {  # DeepGEMM (a peer for dense_gemm.py's and grouped_gemm.py
   # Built as it comes, its first JIT call crashed here (std::regex reached a facet of another libstdc++), so two
   # builds are made side by side and the first that passes `deepgemm_peer.py`'s smoke test is used: as it comes, run
   # with the compiler's own libstdc++ preloaded; libstdc++ linked into it statically. Builds left in /tmp by an
-  # earlier call on the same machine are reused.
+  # earlier call on the same machine are reused. Its JIT cache (the generated kernels, which `gpu_e2e.sh deepgemm`
+  # copies to the logs) goes to $DG_JIT_CACHE_DIR, shared by every part and run of the machine.
+  export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm_cache}
   local src=${DEEPGEMM_SRC:-.dg/DeepGEMM} nvcc_path cxx variant dir preload rc
   if [ ! -d "$src" ]; then
     echo "no DeepGEMM source in $src: its columns say why they cannot run" >> "$OUT/summary.md"

@@ -106,14 +106,12 @@ def test_deepgemm_backend_runs_deepgemm_once_in_a_child_before_it_is_used(monkey
     monkeypatch.setattr(deepgemm_backend.subprocess, "run", run)
     runtimes = []
     monkeypatch.setattr(deepgemm_backend, "create_runtime", runtimes.append)
-    for cached in (deepgemm_backend.smoke_test_failure, deepgemm_backend.ready_failure):
-        cached.cache_clear()
+    deepgemm_backend.ready_failure.cache_clear()
     try:
         for _ in range(3):
             reason = DeepGemmBackend.unavailable_reason(torch.device("cuda", 0))
     finally:
-        for cached in (deepgemm_backend.smoke_test_failure, deepgemm_backend.ready_failure):
-            cached.cache_clear()
+        deepgemm_backend.ready_failure.cache_clear()
     assert len(runs) == 1 and runs[0][0] == sys.executable and "smoke_test(0)" in runs[0][-1]
     if says is None:
         assert reason is None and runtimes == [0]  # DeepGEMM's runtime made once, in this process, after the child

@@ -95,10 +95,9 @@ def create_runtime(device_index: int) -> None:
 SMOKE_TIMEOUT_S = 900  # the child's first run JIT-compiles three kernels; later runs find them in DeepGEMM's cache
 
 
-@functools.cache
 def smoke_test_failure(device_index: int) -> Optional[str]:
-    """None if `smoke_test` passes in a child process on GPU `device_index` (asked once per process), else why not,
-    with what to try when DeepGEMM crashed the child."""
+    """None if `smoke_test` passes in a child process on GPU `device_index`, else why not, with what to try when
+    DeepGEMM crashed the child (asked once per process and GPU, through `ready_failure`)."""
     command = [sys.executable, "-c", "from megafp8.precision.backends.deepgemm_backend import smoke_test; "
                f"smoke_test({device_index})"]
     try:
