@@ -12,8 +12,6 @@ k-grouped operands one expert after another). Each column's output is checked by
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -24,8 +22,8 @@ def _deep_gemm():
     try:
         import deep_gemm
     except ImportError as exc:
-        raise ImportError(f"DeepGEMM is not importable here ({exc}); build it (its develop.sh) and put it on "
-                          "PYTHONPATH to fill this column") from exc
+        raise ImportError(f"DeepGEMM is not importable here ({exc}); build it with tools/install_deepgemm.py and "
+                          "source the deepgemm.env it writes to fill this column") from exc
     return deep_gemm
 
 
@@ -77,8 +75,3 @@ def k_grouped(at: torch.Tensor, at_scale: torch.Tensor, bt: torch.Tensor, bt_sca
     return lambda: dg.k_grouped_fp8_gemm_nt_contiguous((a, a_s), (b, b_s), main_grad, ks, ks_tensor, main_grad,
                                                        recipe=(1, 1, 128)) or main_grad
 
-
-if __name__ == "__main__":  # the check `install_deepgemm` runs on a fresh build: the backend's own smoke test
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megafp8.precision.backends.deepgemm_backend import smoke_test
-    smoke_test()

@@ -24,58 +24,34 @@ install_torchao() {  # torchao's wheel, carried in wheels/ (the GPU machine has 
   fi
 }
 
-install_deepgemm() {  # DeepGEMM (a peer for dense_gemm.py's and grouped_gemm.py's DeepGEMM columns), built here from
-  # its source carried in $DEEPGEMM_SRC (default .dg/DeepGEMM: DeepGEMM's tree with its cutlass and fmt submodules'
-  # include/ folders and licences; `git archive` of each); it JIT-compiles its kernels with this machine's nvcc.
-  # Built as it comes, its first JIT call crashed here (std::regex reached a facet of another libstdc++), so two
-  # builds are made side by side and the first that passes `deepgemm_peer.py`'s smoke test is used: as it comes, run
-  # with the compiler's own libstdc++ preloaded; libstdc++ linked into it statically. Builds left in /tmp by an
-  # earlier call on the same machine are reused. Its JIT cache (the generated kernels, which `gpu_e2e.sh deepgemm`
-  # copies to the logs) goes to $DG_JIT_CACHE_DIR, shared by every part and run of the machine.
+install_deepgemm() {  # DeepGEMM (the `deepgemm` backend; a peer column of dense_gemm.py and grouped_gemm.py), built
+  # here by tools/install_deepgemm.py from its source carried in $DEEPGEMM_SRC (default .dg/DeepGEMM: DeepGEMM's tree
+  # with its cutlass and fmt submodules' include/ folders and licences, made by benchmarks/deepgemm_source.sh); it
+  # JIT-compiles its kernels with this machine's nvcc. The tool builds two forms side by side and keeps the first
+  # that passes the backend's check (here, jobs GU-GZ: as it comes, with the compiler's libstdc++ preloaded); this
+  # shell then sources the environment it wrote. Builds and that file in /tmp, left by an earlier call on the same
+  # machine, are reused. The JIT cache (the generated kernels, which `gpu_e2e.sh deepgemm` copies to the logs) goes
+  # to $DG_JIT_CACHE_DIR, shared by every part and run of the machine.
   export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm_cache}
-  local src=${DEEPGEMM_SRC:-.dg/DeepGEMM} nvcc_path cxx variant dir preload rc
+  local src=${DEEPGEMM_SRC:-.dg/DeepGEMM} prefix=${DEEPGEMM_PREFIX:-/tmp/deepgemm} t0=$SECONDS
+  local log="$LOGS/deepgemm_build.log"
   if [ ! -d "$src" ]; then
     echo "no DeepGEMM source in $src: its columns say why they cannot run" >> "$OUT/summary.md"
     return
   fi
-  src=$(cd "$src" && pwd)
-  nvcc_path=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-  export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$nvcc_path")")}
-  export PATH="$CUDA_HOME/bin:$PATH"
-  cxx=${CXX:-$(command -v c++ || command -v g++)}
-  local t0=$SECONDS log="$LOGS/deepgemm_build.log"
+  local cxx=${CXX:-$(command -v c++ || command -v g++)}
   { echo "compiler $cxx: $($cxx --version | head -n 1); its libstdc++ $($cxx -print-file-name=libstdc++.so.6)"
     python -c "import torch; print('libstdc++ in a torch process:',
       sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l}))"
-    nvcc --version | tail -n 2; } > "$log" 2>&1
-  for variant in plain static; do
-    dir=/tmp/deepgemm_$variant
-    ls "$dir"/deep_gemm/_C*.so > /dev/null 2>&1 && continue  # built by an earlier call on this machine
-    rm -rf "$dir" && cp -r "$src" "$dir"
-    (cd "$dir" && ln -sfn "$dir/third-party/cutlass/include/cutlass" deep_gemm/include/cutlass \
-       && ln -sfn "$dir/third-party/cutlass/include/cute" deep_gemm/include/cute \
-       && if [ $variant = static ]; then export LDFLAGS="-static-libstdc++ -static-libgcc"; fi \
-       && python setup.py build && ln -sf "$dir/$(find build -name '_C*.so' | head -n 1)" deep_gemm/) \
-      > "$LOGS/deepgemm_build_$variant.log" 2>&1 &
-  done
-  wait
-  for variant in plain static; do
-    dir=/tmp/deepgemm_$variant
-    preload=
-    [ $variant = plain ] && preload=$($cxx -print-file-name=libstdc++.so.6)
-    PYTHONPATH="$dir:$PYTHONPATH" LD_PRELOAD=$preload timeout 300 python benchmarks/deepgemm_peer.py >> "$log" 2>&1
-    rc=$?
-    if [ $rc = 0 ]; then
-      export PYTHONPATH="$dir:$PYTHONPATH"
-      [ -n "$preload" ] && export LD_PRELOAD=$preload
-      echo "DeepGEMM built ($variant${preload:+, $preload preloaded}) in $((SECONDS - t0)) s:" \
-        "$(tail -n 2 "$log" | tr '\n' ' ')" >> "$OUT/summary.md"
-      return
-    fi
-    echo "DeepGEMM $variant failed its smoke test (rc $rc; its build:" \
-      "$(tail -n 2 "$LOGS/deepgemm_build_$variant.log" | tr '\n' ' '))" >> "$log"
-  done
-  echo "DeepGEMM: no build ran here: $(tail -n 4 "$log" | tr '\n' ' ')" >> "$OUT/summary.md"
+    nvcc --version | tail -n 2; } >> "$log" 2>&1
+  if python tools/install_deepgemm.py --prefix "$prefix" --source "$src" >> "$log" 2>&1; then
+    # shellcheck disable=SC1091
+    source "$prefix/deepgemm.env"
+    echo "DeepGEMM ready in $((SECONDS - t0)) s: $(head -n 1 "$prefix/deepgemm.env" | cut -c 3-)" >> "$OUT/summary.md"
+    cp "$prefix"/build_*.log "$LOGS/" 2> /dev/null
+  else
+    echo "DeepGEMM: no build ran here: $(tail -n 4 "$log" | tr '\n' ' ')" >> "$OUT/summary.md"
+  fi
 }
 
 step() {  # step NAME command...: run it (at most $STEP_TIMEOUT s), append its stdout (a table) and its time to the

@@ -153,6 +153,11 @@ COMMANDS: dict[str, Run | Skip] = {
         Skip(SLURM),
     "GPUS_PER_NODE=2 sbatch --nodes=1 --export=ALL,OMP_NUM_THREADS=1 launch/slurm/pretrain.sbatch "
     "--config tiny_dense.yaml training.steps=20 training.eval_interval=10 logging.log_interval=10": Skip(SLURM),
+    # DeepGEMM (docs/precision.md): tests/test_install_deepgemm.py runs the tool with a stand-in DeepGEMM.
+    "python tools/install_deepgemm.py --prefix ~/deepgemm": Skip("clones and builds DeepGEMM, checks it on a GPU"),
+    "source ~/deepgemm/deepgemm.env": Skip("the file the install above writes"),
+    "torchrun --nproc_per_node=8 launch/pretrain.py --config 1b_dense_fp8.yaml precision.fp8_backend=deepgemm":
+        Skip(GPU),
 }
 
 

@@ -55,3 +55,34 @@ def test_a_missing_sbatch_is_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr == ("error: sbatch is not on PATH: run this on a SLURM login node, or pass --print-only to "
                              "see the command\n")
+
+
+def _sbatch_script(tmp_path, **env):
+    """launch/slurm/pretrain.sbatch with stand-ins for `scontrol` and `srun` (which prints what torchrun would get)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "PYTHONPATH=$PYTHONPATH"\necho "LD_PRELOAD=$LD_PRELOAD"\n'
+                                  'echo "ARGS=$*"\n')
+    for name in ("scontrol", "srun"):
+        (bin_dir / name).chmod(0o755)
+    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "7",
+            "SLURM_JOB_NUM_NODES": "1", "SLURM_SUBMIT_DIR": str(REPO), "MEGAFP8_VENV": str(tmp_path / "no_venv")}
+    return subprocess.run(["bash", str(REPO / "launch/slurm/pretrain.sbatch"), "--config", "tiny_dense"],
+                          env={**base, **env}, capture_output=True, text=True, timeout=60)
+
+
+def test_the_sbatch_script_sources_megafp8_env_file_for_every_node(tmp_path):
+    """MEGAFP8_ENV_FILE (e.g. tools/install_deepgemm.py's deepgemm.env) is sourced before srun, which passes what it
+    exports to torchrun; a path that does not exist stops the job with one line, before srun runs."""
+    env_file = tmp_path / "deepgemm.env"
+    env_file.write_text('export PYTHONPATH="/dg/plain${PYTHONPATH:+:$PYTHONPATH}"\nexport LD_PRELOAD="/gcc/libstdc++.so.6"\n')
+    done = _sbatch_script(tmp_path, MEGAFP8_ENV_FILE=str(env_file), PYTHONPATH="/mine")
+    assert done.returncode == 0, done.stderr
+    assert "PYTHONPATH=/dg/plain:/mine" in done.stdout and "LD_PRELOAD=/gcc/libstdc++.so.6" in done.stdout
+    assert "launch/pretrain.py --config tiny_dense" in done.stdout
+    plain = _sbatch_script(tmp_path)
+    assert plain.returncode == 0 and "LD_PRELOAD=\n" in plain.stdout
+    missing = _sbatch_script(tmp_path, MEGAFP8_ENV_FILE=str(tmp_path / "nope.env"))
+    assert missing.returncode == 2 and "ARGS=" not in missing.stdout
+    assert missing.stderr.count("\n") == 1 and "nope.env does not exist" in missing.stderr

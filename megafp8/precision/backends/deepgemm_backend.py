@@ -10,7 +10,7 @@ into FP32 (only the order of the FP32 additions differs, as between any two GEMM
 It is opt-in (`precision.fp8_backend: deepgemm`; `auto` never picks it) because DeepGEMM is an optional dependency
 with needs of its own: it is built from source against the installed torch and JIT-compiles each GEMM shape with the
 CUDA toolkit's nvcc at first use (seconds per shape), and on the machine we measured on its JIT crashed unless the
-compiler's libstdc++ was preloaded (`benchmarks/gpu_lib.sh` `install_deepgemm`). So before it is used, a child
+compiler's libstdc++ was preloaded (`tools/install_deepgemm.py` finds a build that runs). So before it is used, a child
 process runs `smoke_test` once (seconds, plus the JIT's first compiles): a crash there becomes a reason not to run,
 which says what to try, instead of a training process killed at its first GEMM. Then DeepGEMM's runtime is made in
 this process, eagerly (`create_runtime`: its workspace must not be allocated inside a CUDA graph's warm-up). The
@@ -46,7 +46,8 @@ class DeepGemmBackend(HopperBackend):
             import deep_gemm  # noqa: F401
         except Exception as exc:  # noqa: BLE001 - any failure to load it is a reason not to use it
             return (f"the deepgemm backend needs DeepGEMM (github.com/deepseek-ai/DeepGEMM) built and importable "
-                    f"({type(exc).__name__}: {exc})")
+                    f"({type(exc).__name__}: {exc}): `python tools/install_deepgemm.py --prefix DIR` builds and "
+                    "checks it, then `source DIR/deepgemm.env`")
         return ready_failure(device.index if device.index is not None else torch.cuda.current_device())
 
     def gemm_1x128_128x128(self, a, a_scale, b, b_scale, out_dtype):
@@ -95,13 +96,14 @@ def create_runtime(device_index: int) -> None:
 SMOKE_TIMEOUT_S = 900  # the child's first run JIT-compiles three kernels; later runs find them in DeepGEMM's cache
 
 
-def smoke_test_failure(device_index: int) -> Optional[str]:
-    """None if `smoke_test` passes in a child process on GPU `device_index`, else why not, with what to try when
-    DeepGEMM crashed the child (asked once per process and GPU, through `ready_failure`)."""
+def smoke_test_failure(device_index: int, env: Optional[dict[str, str]] = None) -> Optional[str]:
+    """None if `smoke_test` passes in a child process on GPU `device_index` (with environment `env`, else this
+    process's), else why not, with what to try when DeepGEMM crashed the child (asked once per process and GPU,
+    through `ready_failure`; `tools/install_deepgemm.py` asks it of each build it makes)."""
     command = [sys.executable, "-c", "from megafp8.precision.backends.deepgemm_backend import smoke_test; "
                f"smoke_test({device_index})"]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
         return f"the deepgemm backend's test of DeepGEMM did not finish in {SMOKE_TIMEOUT_S} s"
     if done.returncode == 0:
@@ -110,7 +112,8 @@ def smoke_test_failure(device_index: int) -> Optional[str]:
         name = signal.Signals(-done.returncode).name
         return (f"DeepGEMM crashed a test process ({name}) on its first GEMM: where its JIT runs std::regex against "
                 "another libstdc++ than its compiler's, preloading the compiler's cures it (we saw this on an H200 "
-                "machine): LD_PRELOAD=$(c++ -print-file-name=libstdc++.so.6); or set precision.fp8_backend=auto")
+                "machine): LD_PRELOAD=$(c++ -print-file-name=libstdc++.so.6), or install it with "
+                "tools/install_deepgemm.py, which finds a build that runs here; or set precision.fp8_backend=auto")
     last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
     return f"the deepgemm backend's test of DeepGEMM failed: {last}"
 

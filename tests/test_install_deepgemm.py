@@ -1,0 +1,207 @@
+"""tools/install_deepgemm.py on the CPU, with a stand-in DeepGEMM source (its setup.py makes a file named like the
+extension), a stand-in CUDA toolkit and compiler, and the deepgemm backend's child-process check answered per build:
+both builds made side by side, the candidates checked least intrusive first, the first that passes written into a
+file a shell sources, and each way it can fail said once, with what to do."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megafp8.precision.backends import deepgemm_backend
+from tools import install_deepgemm as tool
+
+SETUP_PY = """import os, pathlib, sys
+assert sys.argv[1:] == ["build"], sys.argv
+if "-static-libstdc++" in os.environ.get("LDFLAGS", "") and os.environ.get("FAIL_STATIC"):
+    sys.exit("static link failed")
+out = pathlib.Path("build/lib.fake/deep_gemm")
+out.mkdir(parents=True, exist_ok=True)
+(out / "_C.fake.so").write_text(os.environ.get("LDFLAGS", "") + "|" + os.environ["CUDA_HOME"])
+"""
+
+
+def _source(root: Path, submodules: bool = True) -> Path:
+    src = root / "DeepGEMM"
+    for rel, text in {"setup.py": SETUP_PY, "deep_gemm/__init__.py": "__version__ = '2.6.1'\n",
+                      "csrc/python_api.cpp": "", "deep_gemm/include/deep_gemm/x.cuh": ""}.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    if submodules:
+        for rel in ("third-party/cutlass/include/cute/c.hpp", "third-party/cutlass/include/cutlass/c.h",
+                    "third-party/fmt/include/fmt/f.h"):
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            (src / rel).write_text("")
+    return src
+
+
+def _toolchain(root: Path) -> dict[str, str]:
+    """A CUDA_HOME with an nvcc, and a CXX that names a libstdc++ for `-print-file-name`."""
+    cuda = root / "cuda"
+    (cuda / "bin").mkdir(parents=True)
+    (cuda / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (cuda / "bin" / "nvcc").chmod(0o755)
+    libstdcxx = root / "gcc" / "libstdc++.so.6"
+    libstdcxx.parent.mkdir()
+    libstdcxx.write_text("")
+    cxx = root / "cxx"
+    cxx.write_text(f"#!/bin/sh\necho {libstdcxx}\n")
+    cxx.chmod(0o755)
+    return {"CUDA_HOME": str(cuda), "CXX": str(cxx), "PATH": "/usr/bin:/bin", "PYTHONPATH": "/site/mine"}
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """The backend's check of each candidate, answered by `checks.answer(env)`; records the environments it saw."""
+    real_run = subprocess.run
+
+    class Checks:
+        seen: list[dict] = []
+
+        @staticmethod
+        def answer(env):
+            return 0, ""
+
+    def run(command, **kwargs):
+        if command[0] == sys.executable and "smoke_test(" in command[-1]:
+            Checks.seen.append(kwargs["env"])
+            rc, err = Checks.answer(kwargs["env"])
+            return subprocess.CompletedProcess(command, rc, "", err)
+        return real_run(command, **kwargs)
+    monkeypatch.setattr(deepgemm_backend.subprocess, "run", run)
+    monkeypatch.setattr(tool, "gpu_name", lambda index: "NVIDIA H200")
+    return Checks
+
+
+def _install(argv, base, capsys):
+    rc = tool.install(tool.parse_args(argv), base)
+    return rc, capsys.readouterr().out
+
+
+def test_it_builds_both_forms_checks_them_least_intrusive_first_and_writes_what_a_shell_sources(tmp_path, checks,
+                                                                                                capsys):
+    """As on the H200 machine: as it comes the check crashes, static fails, preloaded passes; the env file puts that
+    build first on PYTHONPATH and preloads the compiler's libstdc++, keeping what both held."""
+    src, base = _source(tmp_path), _toolchain(tmp_path)
+    prefix = tmp_path / "dg"
+    libstdcxx = str(tmp_path / "gcc" / "libstdc++.so.6")
+    checks.answer = lambda env: ((0, "") if env.get("LD_PRELOAD") == libstdcxx else
+                                 (-11, "") if str(prefix / "plain") in env["PYTHONPATH"] else (1, "Err: wrong here"))
+    rc, out = _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)
+    assert rc == 0, out
+    for variant, ldflags in (("plain", ""), ("static", "-static-libstdc++ -static-libgcc")):
+        (so,) = (prefix / variant / "deep_gemm").glob("_C*.so")
+        assert so.read_text() == f"{ldflags}|{base['CUDA_HOME']}"  # built in place, with the toolkit and flags given
+        assert (prefix / variant / "deep_gemm/include/cute").resolve() == (
+            prefix / variant / "third-party/cutlass/include/cute")
+    tried = [(Path(env["PYTHONPATH"].split(":")[0]).name, env.get("LD_PRELOAD")) for env in checks.seen]
+    assert tried == [("plain", None), ("static", None), ("plain", libstdcxx)]
+    assert all(env["PYTHONPATH"].split(":")[1:] == [str(tool.REPO_ROOT), "/site/mine"] for env in checks.seen)
+    assert "SIGSEGV" in out and "Err: wrong here" in out and "source " + str(prefix / "deepgemm.env") in out
+    sourced = subprocess.run(["bash", "-c", f'PYTHONPATH=/a LD_PRELOAD=/b.so; source {prefix}/deepgemm.env; '
+                              'echo "$PYTHONPATH"; echo "$LD_PRELOAD"'], capture_output=True, text=True, check=True)
+    assert sourced.stdout.splitlines() == [f"{prefix / 'plain'}:/a", f"{libstdcxx} /b.so"]
+    assert "DeepGEMM 2.6.1" in (prefix / "deepgemm.env").read_text() and "NVIDIA H200" in (
+        prefix / "deepgemm.env").read_text()
+
+    checks.seen.clear()  # again: nothing to do
+    rc, out = _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)
+    assert rc == 0 and "already installed" in out and checks.seen == []
+    rc, out = _install(["--prefix", str(prefix), "--source", str(src), "--recheck"], base, capsys)
+    assert rc == 0 and "plain: built before" in out and "static: built before" in out and len(checks.seen) == 3
+
+
+def test_the_first_form_that_passes_needs_no_preload_and_a_failed_build_is_skipped(tmp_path, checks, capsys):
+    src, base = _source(tmp_path), {**_toolchain(tmp_path), "FAIL_STATIC": "1"}
+    prefix = tmp_path / "dg"
+    rc, out = _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)
+    assert rc == 0 and "build failed, skipped: static" in out and "static link failed" in out
+    assert len(checks.seen) == 1
+    text = (prefix / "deepgemm.env").read_text()
+    assert f'export PYTHONPATH="{prefix / "plain"}' in text and "LD_PRELOAD" not in text
+
+
+def test_when_no_form_passes_it_says_why_for_each_and_leaves_no_env_file(tmp_path, checks, capsys):
+    src, base = _source(tmp_path), _toolchain(tmp_path)
+    prefix = tmp_path / "dg"
+    prefix.mkdir()
+    (prefix / "deepgemm.env").write_text("# an older install\n")
+    checks.answer = lambda env: (1, "RuntimeError: DeepGEMM's 1x128 x 128x128 GEMM is wrong here")
+    with pytest.raises(tool.InstallError, match="no DeepGEMM build passed the backend's check on NVIDIA H200") as err:
+        tool.install(tool.parse_args(["--prefix", str(prefix), "--source", str(src)]), base)
+    assert str(err.value).count("is wrong here") == 3
+    assert not (prefix / "deepgemm.env").exists()  # no stale file that a run would source
+
+
+def test_a_changed_source_is_built_again(tmp_path, checks, capsys):
+    src, base = _source(tmp_path), _toolchain(tmp_path)
+    git = ["git", "-C", str(src), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    prefix = tmp_path / "dg"
+    assert _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)[0] == 0
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "two"], check=True)
+    rc, out = _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)
+    assert rc == 0 and "plain: building" in out and "already installed" not in out
+
+
+def test_build_only_needs_no_gpu_and_a_check_without_one_says_where_to_run(tmp_path, checks, capsys, monkeypatch):
+    src, base = _source(tmp_path), _toolchain(tmp_path)
+    prefix = tmp_path / "dg"
+    monkeypatch.setattr(tool, "gpu_name", lambda index: None)
+    rc, out = _install(["--prefix", str(prefix), "--source", str(src), "--build-only"], base, capsys)
+    assert rc == 0 and "not checked (--build-only)" in out and not (prefix / "deepgemm.env").exists()
+    with pytest.raises(tool.InstallError, match="no CUDA GPU 0 here .* GPU node .* builds are reused"):
+        tool.install(tool.parse_args(["--prefix", str(prefix), "--source", str(src)]), base)
+    assert checks.seen == []
+
+
+def test_bad_input_gets_one_line_that_says_what_to_do(tmp_path, capsys, monkeypatch):
+    base = _toolchain(tmp_path)
+    no_submodules = _source(tmp_path / "a", submodules=False)
+    monkeypatch.setattr(tool.os, "environ", base)
+    assert tool.main(["--prefix", str(tmp_path / "dg"), "--source", str(no_submodules)]) == 1
+    err = capsys.readouterr().err
+    assert "cutlass submodule's headers" in err and "git submodule update --init" in err
+    assert tool.main(["--prefix", str(tmp_path / "dg"), "--source", str(tmp_path / "nowhere")]) == 1
+    assert "nowhere does not exist: pass a clone" in capsys.readouterr().err
+    monkeypatch.setattr(tool, "DEFAULT_CUDA_HOME", tmp_path / "no_cuda")
+    with pytest.raises(tool.InstallError, match="need the CUDA toolkit's nvcc: set CUDA_HOME .*no_cuda"):
+        tool.find_toolchain({"PATH": str(tmp_path / "empty"), "CXX": base["CXX"]})
+    assert tool.find_toolchain({"PATH": str(Path(base["CUDA_HOME"]) / "bin"), "CXX": base["CXX"]}).cuda_home == Path(
+        base["CUDA_HOME"])  # found through nvcc on PATH
+
+
+def _gpu_lib_install(tmp_path, src, prefix, base):
+    """benchmarks/gpu_lib.sh's `install_deepgemm` in a shell; returns that shell's PYTHONPATH and LD_PRELOAD after it,
+    and the summary it wrote."""
+    (tmp_path / "out").mkdir(exist_ok=True)
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    script = (f"OUT={tmp_path / 'out'}; source benchmarks/gpu_lib.sh; LOGS={tmp_path / 'logs'}; install_deepgemm; "
+              'echo "$PYTHONPATH"; echo "${LD_PRELOAD:-}"')
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DEEPGEMM_SRC": str(src),
+           "DEEPGEMM_PREFIX": str(prefix), "CUDA_HOME": base["CUDA_HOME"], "CXX": base["CXX"], "HOME": str(tmp_path)}
+    done = subprocess.run(["bash", "-c", script], cwd=tool.REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines(), (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_the_gpu_scripts_use_the_tool_and_source_what_it_wrote(tmp_path, checks, capsys):
+    """`install_deepgemm` (what every DeepGEMM part of the GPU scripts calls first) runs the tool on the carried
+    source and sources its deepgemm.env, so the runs after it import that build with its preload; where the tool
+    fails, the summary says why. (The check needs a GPU: here the tool's first run, with the check answered as on the
+    H200 machine, is made in this process, and the script finds it installed.)"""
+    src, base = _source(tmp_path), _toolchain(tmp_path)
+    prefix = tmp_path / "dg"
+    (pythonpath, preload), summary = _gpu_lib_install(tmp_path, src, prefix, base)
+    assert "DeepGEMM: no build ran here" in summary and "no CUDA GPU 0 here" in summary, summary
+    libstdcxx = str(tmp_path / "gcc" / "libstdc++.so.6")
+    checks.answer = lambda env: (0, "") if env.get("LD_PRELOAD") == libstdcxx else (-11, "")
+    assert _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)[0] == 0
+    (pythonpath, preload), summary = _gpu_lib_install(tmp_path, src, prefix, base)
+    assert pythonpath == f"{prefix / 'plain'}:." and preload == libstdcxx
+    assert "DeepGEMM ready in" in summary and "DeepGEMM 2.6.1, build 'plain, with" in summary, summary
