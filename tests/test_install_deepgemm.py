@@ -66,7 +66,7 @@ def checks(monkeypatch):
 
     def run(command, **kwargs):
         if command[0] == sys.executable and "smoke_test(" in command[-1]:
-            Checks.seen.append(kwargs["env"])
+            Checks.seen.append({**kwargs["env"], "timeout": kwargs["timeout"]})
             rc, err = Checks.answer(kwargs["env"])
             return subprocess.CompletedProcess(command, rc, "", err)
         return real_run(command, **kwargs)
@@ -98,6 +98,7 @@ def test_it_builds_both_forms_checks_them_least_intrusive_first_and_writes_what_
             prefix / variant / "third-party/cutlass/include/cute")
     tried = [(Path(env["PYTHONPATH"].split(":")[0]).name, env.get("LD_PRELOAD")) for env in checks.seen]
     assert tried == [("plain", None), ("static", None), ("plain", libstdcxx)]
+    assert {env["timeout"] for env in checks.seen} == {300}  # --check-timeout's default, not the backend's 900 s
     assert all(env["PYTHONPATH"].split(":")[1:] == [str(tool.REPO_ROOT), "/site/mine"] for env in checks.seen)
     assert "SIGSEGV" in out and "Err: wrong here" in out and "source " + str(prefix / "deepgemm.env") in out
     sourced = subprocess.run(["bash", "-c", f'PYTHONPATH=/a LD_PRELOAD=/b.so; source {prefix}/deepgemm.env; '

@@ -122,7 +122,7 @@ def find_toolchain(env: dict[str, str]) -> Toolchain:
 
 
 def build_env(toolchain: Toolchain, variant: str, base: dict[str, str]) -> dict[str, str]:
-    env = {**base, "CUDA_HOME": str(toolchain.cuda_home), "CXX": toolchain.cxx,
+    env = {**base, "CUDA_HOME": str(toolchain.cuda_home),  # (CXX as the caller set it: setuptools' choice otherwise)
            "PATH": os.pathsep.join((str(toolchain.cuda_home / "bin"), base.get("PATH", "")))}
     if variant == "static":  # no libstdc++ of its own to load at run time: whichever the process has cannot clash
         env["LDFLAGS"] = " ".join(p for p in (base.get("LDFLAGS"), "-static-libstdc++ -static-libgcc") if p)
@@ -209,10 +209,10 @@ def candidates(prefix: Path, source: Path, cxx: str) -> list[Candidate]:
     return found
 
 
-def check(candidate: Candidate, device_index: int, base: dict[str, str]) -> Optional[str]:
+def check(candidate: Candidate, device_index: int, base: dict[str, str], timeout_s: float) -> Optional[str]:
     """None if the deepgemm backend's own check passes with `candidate` in a child process, else why not."""
     from megafp8.precision.backends.deepgemm_backend import smoke_test_failure
-    return smoke_test_failure(device_index, env=candidate.env(base))
+    return smoke_test_failure(device_index, env=candidate.env(base), timeout_s=timeout_s)
 
 
 def write_env(prefix: Path, chosen: Candidate, checked_on: str, version: str) -> Path:
@@ -281,7 +281,7 @@ def install(args: argparse.Namespace, base: dict[str, str], say: Callable[[str],
     reasons = []
     for candidate in candidates(prefix, source, toolchain.cxx):
         t1 = time.monotonic()
-        reason = check(candidate, args.device, {**base, "CUDA_HOME": str(toolchain.cuda_home)})
+        reason = check(candidate, args.device, {**base, "CUDA_HOME": str(toolchain.cuda_home)}, args.check_timeout)
         say(f"check of {candidate.describe()}: {reason or 'passed'} ({time.monotonic() - t1:.0f} s)")
         if reason is None:
             path = write_env(prefix, candidate, name, deepgemm_version(candidate.path))
@@ -299,6 +299,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--source", type=Path, help="a DeepGEMM clone with its submodules (else one is cloned)")
     parser.add_argument("--commit", default=DEEPGEMM_COMMIT, help=f"what to clone (default {DEEPGEMM_COMMIT})")
     parser.add_argument("--device", type=int, default=0, help="the GPU to check it on")
+    parser.add_argument("--check-timeout", type=float, default=300,
+                        help="seconds for each build's check (its first run JIT-compiles three kernels)")
     parser.add_argument("--build-only", action="store_true", help="build, do not check (no GPU needed)")
     parser.add_argument("--rebuild", action="store_true", help="build again even where a build is there")
     parser.add_argument("--recheck", action="store_true", help="check again after a successful install")

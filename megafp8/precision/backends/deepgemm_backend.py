@@ -96,16 +96,17 @@ def create_runtime(device_index: int) -> None:
 SMOKE_TIMEOUT_S = 900  # the child's first run JIT-compiles three kernels; later runs find them in DeepGEMM's cache
 
 
-def smoke_test_failure(device_index: int, env: Optional[dict[str, str]] = None) -> Optional[str]:
+def smoke_test_failure(device_index: int, env: Optional[dict[str, str]] = None,
+                       timeout_s: float = SMOKE_TIMEOUT_S) -> Optional[str]:
     """None if `smoke_test` passes in a child process on GPU `device_index` (with environment `env`, else this
     process's), else why not, with what to try when DeepGEMM crashed the child (asked once per process and GPU,
     through `ready_failure`; `tools/install_deepgemm.py` asks it of each build it makes)."""
     command = [sys.executable, "-c", "from megafp8.precision.backends.deepgemm_backend import smoke_test; "
                f"smoke_test({device_index})"]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
-        return f"the deepgemm backend's test of DeepGEMM did not finish in {SMOKE_TIMEOUT_S} s"
+        return f"the deepgemm backend's test of DeepGEMM did not finish in {timeout_s:g} s"
     if done.returncode == 0:
         return None
     if done.returncode < 0:
