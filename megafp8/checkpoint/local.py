@@ -81,12 +81,17 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _discard(directory: Path) -> None:
-    """Delete a directory by first renaming it aside (atomic), so an interruption never leaves it half-deleted
-    under its own name."""
+def _set_aside(directory: Path) -> Path:
+    """Rename a directory to a leftover's name (atomic), so an interruption never leaves it half-deleted under its
+    own name; returns the new path, to delete."""
     doomed = directory.with_name(f"{directory.name}.deleting-{uuid.uuid4().hex[:12]}")
     directory.rename(doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    return doomed
+
+
+def _discard(directory: Path) -> None:
+    """Delete a directory, set aside first."""
+    shutil.rmtree(_set_aside(directory), ignore_errors=True)
 
 
 def _point_latest_at(root: Path, name: str) -> None:
@@ -103,11 +108,15 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
     """Make the complete directory `tmp` checkpoint `step`: rename it, then point `latest` at it (atomically,
     both fsynced), then prune to the newest `keep_last` (call on one rank, after every rank has written)."""
     final = root / step_dir_name(step)
-    if final.exists():  # the same step saved again (after resuming from an earlier one)
-        _discard(final)
+    # The same step saved again (after resuming from an earlier one): its old directory is only set aside here and
+    # deleted once the new one has its name. An interruption during that deletion (long, for a large checkpoint)
+    # leaves the new checkpoint in place; only the instant between the two renames leaves neither under its name.
+    replaced = _set_aside(final) if final.exists() else None
     tmp.rename(final)
     _fsync_dir(root)
     _point_latest_at(root, final.name)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
     prune(root, final, keep_last)
     return final
 
