@@ -4,6 +4,7 @@ writer per run directory."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shutil
 import subprocess
 import sys
@@ -130,6 +131,26 @@ def test_a_step_saved_again_killed_while_replacing_keeps_a_complete_checkpoint_o
     remove_leftovers(ckpt)  # what the next start does first
     assert find_latest(ckpt) == ckpt / "step_00000002"
     assert verify_checkpoint(ckpt / "step_00000002")
+
+
+def test_the_names_of_a_checkpoints_files_are_durable_before_latest_names_it(saved, tmp_path, monkeypatch):
+    """Each file's bytes were fsynced, and the checkpoint root after the rename, but never the directory holding the
+    files' names: after a power loss `latest` could name a directory whose files are not there."""
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    tmp = fresh_temporary(ckpt, 3)
+    shutil.copytree(saved["full"] / "step_00000002", tmp, dirs_exist_ok=True)
+    synced, real_fsync = [], os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    directory = tmp.stat().st_ino  # a rename keeps the inode
+    latest_before = (ckpt / "latest").stat().st_ino
+    publish(ckpt, tmp, 3, keep_last=0)
+    latest = (ckpt / "latest").stat().st_ino  # the new pointer file, fsynced before it replaced the old one
+    assert latest != latest_before and directory in synced and synced.index(directory) < synced.index(latest)
 
 
 def test_an_interrupted_prune_never_leaves_a_checkpoint_that_looks_complete(saved, tmp_path):

@@ -11,7 +11,8 @@ with torch.distributed.checkpoint (`megafp8/checkpoint/sharded.py`); `load_check
 form into the same full-tensor dictionary (for tools and tests).
 
 A checkpoint is written into a directory private to its writer (`step_N.tmp-<random>`), its manifest
-last; then the directory is renamed to `step_N` and `latest` replaced atomically, each step fsynced. So
+last; then the directory is renamed to `step_N` and `latest` replaced atomically, each step fsynced (the
+files, the directory holding their names, the rename, the pointer). So
 a save killed midway leaves the previous checkpoint intact and `latest` only ever names a checkpoint
 whose every file was written and recorded. Pruning renames a directory aside before deleting it, so an
 interrupted prune never leaves a `step_N` without some of its files. Loading verifies every file's
@@ -108,6 +109,7 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
     """Make the complete directory `tmp` checkpoint `step`: rename it, then point `latest` at it (atomically,
     both fsynced), then prune to the newest `keep_last` (call on one rank, after every rank has written)."""
     final = root / step_dir_name(step)
+    _fsync_dir(tmp)  # the names of its files: without this, `latest` could outlive them in a power loss
     # The same step saved again (after resuming from an earlier one): its old directory is only set aside here and
     # deleted once the new one has its name. An interruption during that deletion (long, for a large checkpoint)
     # leaves the new checkpoint in place; only the instant between the two renames leaves neither under its name.
