@@ -74,6 +74,38 @@ def test_a_longer_relaunch_continues_the_run(tiny_overrides):
     assert metric_steps(trainer.run_dir) == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_relaunch_of_a_run_started_from_a_checkpoint_continues_from_its_own(tiny_overrides, caplog):
+    """A run started from another run's checkpoint (`checkpoint.resume=PATH`, as docs/checkpoints.md starts one from
+    an imported checkpoint) and relaunched with the same config (a requeue) went back to PATH: it dropped its
+    metrics after PATH's step and retrained, overwriting its own checkpoints."""
+    first = make_trainer(tiny_overrides, SAVING + ["run_name=first", "training.steps=2"])
+    first.fit()
+    stage = SAVING + ["run_name=stage", "training.steps=6", f"checkpoint.resume={first.checkpoint_dir / 'step_00000002'}"]
+    run = make_trainer(tiny_overrides, stage)
+    assert run.step == 2  # the first launch starts from PATH
+    for _ in range(2):
+        run.train_step()
+    run.save()  # then the job is requeued
+    with caplog.at_level(logging.WARNING, logger="megafp8"):
+        again = make_trainer(tiny_overrides, stage)
+    assert again.step == 4
+    assert "this run started from it and has checkpoints of its own since" in caplog.text
+
+
+def test_going_back_to_an_earlier_checkpoint_holds_across_relaunches(tiny_overrides):
+    """`checkpoint.resume=PATH` of one of the run's own earlier checkpoints goes back to it; a relaunch of that
+    launch continues the new branch once it saved, and goes back to PATH again until then."""
+    first = make_trainer(tiny_overrides, SAVING + ["checkpoint.keep_last=0"])
+    first.fit()
+    back = SAVING + ["checkpoint.keep_last=0", f"checkpoint.resume={first.checkpoint_dir / 'step_00000002'}"]
+    assert make_trainer(tiny_overrides, back).step == 2  # killed before it saved
+    branch = make_trainer(tiny_overrides, back)
+    assert branch.step == 2
+    branch.train_step()
+    branch.save()  # step 3 of the new branch (the old one's step 4 is still there)
+    assert make_trainer(tiny_overrides, back).step == 3
+
+
 def test_another_config_is_refused_and_leaves_the_directory_as_it_was(tiny_overrides):
     first = make_trainer(tiny_overrides, SAVING)
     first.fit()

@@ -244,6 +244,18 @@ def resume_candidates(root: Path) -> tuple[list[Path], list[str]]:
     return candidates, skipped
 
 
+def saved_config(directory: Path) -> Optional[dict[str, Any]]:
+    """The run config recorded in checkpoint `directory`, without reading its tensors (a full checkpoint's state file
+    is memory-mapped); None where it records none or its file cannot be read (verification names a damaged file)."""
+    file = directory / (META_FILE if is_sharded_checkpoint(directory) else STATE_FILE)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # torch raises several types for truncated or foreign files
+        return None
+    config = state.get("config") if isinstance(state, dict) else None
+    return config if isinstance(config, dict) else None
+
+
 @dataclass(frozen=True)
 class LoadAdvice:
     """What a load error tells the user to do when the checkpoint is `missing`, or `damaged`."""
