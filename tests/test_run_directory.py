@@ -106,6 +106,27 @@ def test_going_back_to_an_earlier_checkpoint_holds_across_relaunches(tiny_overri
     assert make_trainer(tiny_overrides, back).step == 3
 
 
+def test_a_checkpoint_saved_under_other_settings_is_not_resumed_without_a_word(tiny_overrides, tmp_path, caplog):
+    """Runs sharing a checkpoint.dir: a run of another run_name has no config.yaml to compare, and `auto` resumed
+    the other run's newest checkpoint under its own global batch (another data position per step, another
+    gradient scale) without a word, then saved and pruned in that run's directory."""
+    shared = SAVING + [f"checkpoint.dir={tmp_path / 'shared'}"]
+    make_trainer(tiny_overrides, shared).fit()
+    before = snapshot(tmp_path / "shared")
+    with pytest.raises(ConfigError, match=r"step_00000004 was saved under other settings than this run's "
+                                          r"\(training.global_batch_size: 8 there, 16 here\): resume it with the "
+                                          r"settings it was saved with"):
+        make_trainer(tiny_overrides, shared + ["run_name=other", "training.global_batch_size=16"])
+    assert snapshot(tmp_path / "shared") == before and not (tmp_path / "runs" / "other").exists()
+    assert make_trainer(tiny_overrides, shared + ["run_name=same_settings"]).step == 4  # same settings: resumes
+    # A checkpoint named by checkpoint.resume may start a run of other settings: they are named.
+    named = [f"checkpoint.resume={tmp_path / 'shared' / 'step_00000004'}", "run_name=named",
+             "training.global_batch_size=16"]
+    with caplog.at_level(logging.WARNING, logger="megafp8"):
+        assert make_trainer(tiny_overrides, SAVING + named).step == 4
+    assert "under settings other than it was saved with (training.global_batch_size: 8 there, 16 here)" in caplog.text
+
+
 def test_another_config_is_refused_and_leaves_the_directory_as_it_was(tiny_overrides):
     first = make_trainer(tiny_overrides, SAVING)
     first.fit()

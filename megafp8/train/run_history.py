@@ -120,10 +120,12 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """`key: <saved> there, <current> here` for each setting that makes `current` another run than `saved`."""
+def config_changes(saved: dict[str, Any], current: dict[str, Any], shared_only: bool = False) -> list[str]:
+    """`key: <saved> there, <current> here` for each setting that makes `current` another run than `saved`.
+    `shared_only`: only the settings both hold (a checkpoint's config from another version of megafp8)."""
     old, new = _flat(saved), _flat(current)
-    keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RELAUNCH_SETTINGS)]
+    keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RELAUNCH_SETTINGS)
+            and (not shared_only or (k in old and k in new))]
     return [f"{k}: {old.get(k)} there, {new.get(k)} here" for k in keys if old.get(k) != new.get(k)]
 
 
