@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
 from megafp8.train.run_history import drop_metrics_after
+from tests.conftest import REPO, torchrun_env
 
 SHORT = ["training.steps=4", "training.eval_interval=0", "logging.log_interval=1"]
 SAVING = SHORT + ["checkpoint.interval=2", "checkpoint.format=full"]
@@ -125,6 +128,32 @@ def test_a_checkpoint_saved_under_other_settings_is_not_resumed_without_a_word(t
     with caplog.at_level(logging.WARNING, logger="megafp8"):
         assert make_trainer(tiny_overrides, SAVING + named).step == 4
     assert "under settings other than it was saved with (training.global_batch_size: 8 there, 16 here)" in caplog.text
+
+
+def test_a_config_yaml_write_cut_short_leaves_the_earlier_one(tiny_overrides):
+    """config.yaml is how a relaunch knows its run: written in place, a write cut short (the disk full, here a
+    file-size limit) left a truncated one, so the next launch saw "another run" and was told to overwrite it."""
+    first = make_trainer(tiny_overrides, SAVING)
+    first.fit()
+    config = first.run_dir / "config.yaml"
+    before = config.read_bytes()
+    script = f"""
+import resource, signal
+from pathlib import Path
+from megafp8.train.run_history import record_launch
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))  # no file may grow past 1000 bytes
+try:
+    record_launch(Path({str(first.run_dir)!r}), Path({str(first.checkpoint_dir)!r}), Path({str(first.metrics_path)!r}),
+                  4, False, None, {before.decode()!r} + "# " + "x" * 4000 + "\\n")
+except OSError as err:
+    print("write failed:", err)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=torchrun_env(),
+                            cwd=REPO, timeout=120)
+    assert "write failed: [Errno 27] File too large" in result.stdout, result.stdout + result.stderr
+    assert config.read_bytes() == before
+    assert make_trainer(tiny_overrides, SAVING).step == 4
 
 
 def test_another_config_is_refused_and_leaves_the_directory_as_it_was(tiny_overrides):
