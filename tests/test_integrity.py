@@ -4,6 +4,7 @@ writer per run directory."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from megafp8.checkpoint import find_latest, list_checkpoints, load_checkpoint
-from megafp8.checkpoint.local import fresh_temporary, publish, verify_checkpoint
+from megafp8.checkpoint.local import fresh_temporary, publish, remove_leftovers, verify_checkpoint
 from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
@@ -109,6 +110,47 @@ def test_newer_checkpoints_than_latest_are_never_resumed_or_pruned(saved, tmp_pa
     assert publish(ckpt, tmp, 2, keep_last=1) == ckpt / "step_00000002"
     assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000002", "step_00000009"]
     assert find_latest(ckpt).name == "step_00000002" and state["step"] == 1
+
+
+def test_a_step_saved_again_killed_while_replacing_keeps_a_complete_checkpoint_of_it(saved, tmp_path, monkeypatch):
+    """Saving a step that exists already (after going back to an earlier one) replaces its directory. The old one
+    used to be deleted first, the new one still under its temporary name: killed during that deletion (long for a
+    large checkpoint), the step had no checkpoint left, and the next start removed the complete new one as a
+    leftover."""
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    tmp = fresh_temporary(ckpt, 2)
+    shutil.copytree(saved["full"] / "step_00000002", tmp, dirs_exist_ok=True)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed while deleting the replaced checkpoint")
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        publish(ckpt, tmp, 2, keep_last=0)
+    monkeypatch.undo()
+    remove_leftovers(ckpt)  # what the next start does first
+    assert find_latest(ckpt) == ckpt / "step_00000002"
+    assert verify_checkpoint(ckpt / "step_00000002")
+
+
+def test_the_names_of_a_checkpoints_files_are_durable_before_latest_names_it(saved, tmp_path, monkeypatch):
+    """Each file's bytes were fsynced, and the checkpoint root after the rename, but never the directory holding the
+    files' names: after a power loss `latest` could name a directory whose files are not there."""
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    tmp = fresh_temporary(ckpt, 3)
+    shutil.copytree(saved["full"] / "step_00000002", tmp, dirs_exist_ok=True)
+    synced, real_fsync = [], os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    directory = tmp.stat().st_ino  # a rename keeps the inode
+    latest_before = (ckpt / "latest").stat().st_ino
+    publish(ckpt, tmp, 3, keep_last=0)
+    latest = (ckpt / "latest").stat().st_ino  # the new pointer file, fsynced before it replaced the old one
+    assert latest != latest_before and directory in synced and synced.index(directory) < synced.index(latest)
 
 
 def test_an_interrupted_prune_never_leaves_a_checkpoint_that_looks_complete(saved, tmp_path):

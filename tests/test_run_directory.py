@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
 from megafp8.train.run_history import drop_metrics_after
+from tests.conftest import REPO, torchrun_env
 
 SHORT = ["training.steps=4", "training.eval_interval=0", "logging.log_interval=1"]
 SAVING = SHORT + ["checkpoint.interval=2", "checkpoint.format=full"]
@@ -72,6 +75,85 @@ def test_a_longer_relaunch_continues_the_run(tiny_overrides):
     assert trainer.step == 4
     trainer.fit()
     assert metric_steps(trainer.run_dir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_relaunch_of_a_run_started_from_a_checkpoint_continues_from_its_own(tiny_overrides, caplog):
+    """A run started from another run's checkpoint (`checkpoint.resume=PATH`, as docs/checkpoints.md starts one from
+    an imported checkpoint) and relaunched with the same config (a requeue) went back to PATH: it dropped its
+    metrics after PATH's step and retrained, overwriting its own checkpoints."""
+    first = make_trainer(tiny_overrides, SAVING + ["run_name=first", "training.steps=2"])
+    first.fit()
+    stage = SAVING + ["run_name=stage", "training.steps=6", f"checkpoint.resume={first.checkpoint_dir / 'step_00000002'}"]
+    run = make_trainer(tiny_overrides, stage)
+    assert run.step == 2  # the first launch starts from PATH
+    for _ in range(2):
+        run.train_step()
+    run.save()  # then the job is requeued
+    with caplog.at_level(logging.WARNING, logger="megafp8"):
+        again = make_trainer(tiny_overrides, stage)
+    assert again.step == 4
+    assert "this run started from it and has checkpoints of its own since" in caplog.text
+
+
+def test_going_back_to_an_earlier_checkpoint_holds_across_relaunches(tiny_overrides):
+    """`checkpoint.resume=PATH` of one of the run's own earlier checkpoints goes back to it; a relaunch of that
+    launch continues the new branch once it saved, and goes back to PATH again until then."""
+    first = make_trainer(tiny_overrides, SAVING + ["checkpoint.keep_last=0"])
+    first.fit()
+    back = SAVING + ["checkpoint.keep_last=0", f"checkpoint.resume={first.checkpoint_dir / 'step_00000002'}"]
+    assert make_trainer(tiny_overrides, back).step == 2  # killed before it saved
+    branch = make_trainer(tiny_overrides, back)
+    assert branch.step == 2
+    branch.train_step()
+    branch.save()  # step 3 of the new branch (the old one's step 4 is still there)
+    assert make_trainer(tiny_overrides, back).step == 3
+
+
+def test_a_checkpoint_saved_under_other_settings_is_not_resumed_without_a_word(tiny_overrides, tmp_path, caplog):
+    """Runs sharing a checkpoint.dir: a run of another run_name has no config.yaml to compare, and `auto` resumed
+    the other run's newest checkpoint under its own global batch (another data position per step, another
+    gradient scale) without a word, then saved and pruned in that run's directory."""
+    shared = SAVING + [f"checkpoint.dir={tmp_path / 'shared'}"]
+    make_trainer(tiny_overrides, shared).fit()
+    before = snapshot(tmp_path / "shared")
+    with pytest.raises(ConfigError, match=r"step_00000004 was saved under other settings than this run's "
+                                          r"\(training.global_batch_size: 8 there, 16 here\): resume it with the "
+                                          r"settings it was saved with"):
+        make_trainer(tiny_overrides, shared + ["run_name=other", "training.global_batch_size=16"])
+    assert snapshot(tmp_path / "shared") == before and not (tmp_path / "runs" / "other").exists()
+    assert make_trainer(tiny_overrides, shared + ["run_name=same_settings"]).step == 4  # same settings: resumes
+    # A checkpoint named by checkpoint.resume may start a run of other settings: they are named.
+    named = [f"checkpoint.resume={tmp_path / 'shared' / 'step_00000004'}", "run_name=named",
+             "training.global_batch_size=16"]
+    with caplog.at_level(logging.WARNING, logger="megafp8"):
+        assert make_trainer(tiny_overrides, SAVING + named).step == 4
+    assert "under settings other than it was saved with (training.global_batch_size: 8 there, 16 here)" in caplog.text
+
+
+def test_a_config_yaml_write_cut_short_leaves_the_earlier_one(tiny_overrides):
+    """config.yaml is how a relaunch knows its run: written in place, a write cut short (the disk full, here a
+    file-size limit) left a truncated one, so the next launch saw "another run" and was told to overwrite it."""
+    first = make_trainer(tiny_overrides, SAVING)
+    first.fit()
+    config = first.run_dir / "config.yaml"
+    before = config.read_bytes()
+    script = f"""
+import resource, signal
+from pathlib import Path
+from megafp8.train.run_history import record_launch
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))  # no file may grow past 1000 bytes
+try:
+    record_launch(Path({str(first.run_dir)!r}), Path({str(first.checkpoint_dir)!r}), Path({str(first.metrics_path)!r}),
+                  4, False, None, {before.decode()!r} + "# " + "x" * 4000 + "\\n")
+except OSError as err:
+    print("write failed:", err)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=torchrun_env(),
+                            cwd=REPO, timeout=120)
+    assert "write failed: [Errno 27] File too large" in result.stdout, result.stdout + result.stderr
+    assert config.read_bytes() == before
+    assert make_trainer(tiny_overrides, SAVING).step == 4
 
 
 def test_another_config_is_refused_and_leaves_the_directory_as_it_was(tiny_overrides):

@@ -11,7 +11,8 @@ with torch.distributed.checkpoint (`megafp8/checkpoint/sharded.py`); `load_check
 form into the same full-tensor dictionary (for tools and tests).
 
 A checkpoint is written into a directory private to its writer (`step_N.tmp-<random>`), its manifest
-last; then the directory is renamed to `step_N` and `latest` replaced atomically, each step fsynced. So
+last; then the directory is renamed to `step_N` and `latest` replaced atomically, each step fsynced (the
+files, the directory holding their names, the rename, the pointer). So
 a save killed midway leaves the previous checkpoint intact and `latest` only ever names a checkpoint
 whose every file was written and recorded. Pruning renames a directory aside before deleting it, so an
 interrupted prune never leaves a `step_N` without some of its files. Loading verifies every file's
@@ -81,12 +82,17 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _discard(directory: Path) -> None:
-    """Delete a directory by first renaming it aside (atomic), so an interruption never leaves it half-deleted
-    under its own name."""
+def _set_aside(directory: Path) -> Path:
+    """Rename a directory to a leftover's name (atomic), so an interruption never leaves it half-deleted under its
+    own name; returns the new path, to delete."""
     doomed = directory.with_name(f"{directory.name}.deleting-{uuid.uuid4().hex[:12]}")
     directory.rename(doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    return doomed
+
+
+def _discard(directory: Path) -> None:
+    """Delete a directory, set aside first."""
+    shutil.rmtree(_set_aside(directory), ignore_errors=True)
 
 
 def _point_latest_at(root: Path, name: str) -> None:
@@ -103,11 +109,16 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
     """Make the complete directory `tmp` checkpoint `step`: rename it, then point `latest` at it (atomically,
     both fsynced), then prune to the newest `keep_last` (call on one rank, after every rank has written)."""
     final = root / step_dir_name(step)
-    if final.exists():  # the same step saved again (after resuming from an earlier one)
-        _discard(final)
+    _fsync_dir(tmp)  # the names of its files: without this, `latest` could outlive them in a power loss
+    # The same step saved again (after resuming from an earlier one): its old directory is only set aside here and
+    # deleted once the new one has its name. An interruption during that deletion (long, for a large checkpoint)
+    # leaves the new checkpoint in place; only the instant between the two renames leaves neither under its name.
+    replaced = _set_aside(final) if final.exists() else None
     tmp.rename(final)
     _fsync_dir(root)
     _point_latest_at(root, final.name)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
     prune(root, final, keep_last)
     return final
 
@@ -231,6 +242,18 @@ def resume_candidates(root: Path) -> tuple[list[Path], list[str]]:
         else:
             skipped.append(problem)
     return candidates, skipped
+
+
+def saved_config(directory: Path) -> Optional[dict[str, Any]]:
+    """The run config recorded in checkpoint `directory`, without reading its tensors (a full checkpoint's state file
+    is memory-mapped); None where it records none or its file cannot be read (verification names a damaged file)."""
+    file = directory / (META_FILE if is_sharded_checkpoint(directory) else STATE_FILE)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # torch raises several types for truncated or foreign files
+        return None
+    config = state.get("config") if isinstance(state, dict) else None
+    return config if isinstance(config, dict) else None
 
 
 @dataclass(frozen=True)

@@ -430,7 +430,8 @@ class CheckpointConfig:
     resume: str = setting(
         "auto",
         "`auto`: resume from the latest checkpoint in `dir` if one exists; `none`: start fresh; "
-        "otherwise a path to a checkpoint directory to resume from.",
+        "otherwise a path to a checkpoint directory to resume from (where the run starts: once it has saved "
+        "checkpoints of its own since, a relaunch of it continues from those).",
     )
     save_on_signal: bool = setting(
         True,

@@ -42,6 +42,7 @@ from megafp8.config.schema import upgrade_saved_model
 from megafp8.optim import DistributedAdamW
 from megafp8.parallel import ExpertParallel, ParallelDims, TensorParallel, full_shape, gather_param
 from megafp8.parallel.sharding import Piece, Placed, placed_param
+from megafp8.train.run_history import config_changes
 from megafp8.train.state import TrainState
 
 log = logging.getLogger("megafp8")
@@ -290,10 +291,12 @@ class Checkpointer:
         return merged_model, merged_opt
 
     # ------------------------------------------------------------------------------------- load
-    def load(self, path: Path) -> None:
+    def load(self, path: Path, named: bool = False) -> None:
         """Resume every part from a checkpoint of either form, saved at any layout. A part whose saved state is
-        empty keeps its own (checkpoints imported from other formats hold no data position)."""
+        empty keeps its own (checkpoints imported from other formats hold no data position). `named`: the
+        checkpoint is the one `checkpoint.resume` names, which may start a run of other settings."""
         meta = self._load_sharded(path) if is_sharded_checkpoint(path) else self._load_full(path)
+        self._check_run_settings(path, meta.get("config"), named)
         self.train_state.load_state_dict(meta)
         for name, part in self.parts.items():
             if part is not None and meta.get(name):
@@ -303,6 +306,29 @@ class Checkpointer:
             log.warning("resuming %s with model settings other than its own (%s): the weights now compute another "
                         "function; set them as the checkpoint has unless this is meant (e.g. a context-extension "
                         "stage)", path, "; ".join(changes))
+
+    def _check_run_settings(self, path: Path, saved: Any, named: bool) -> None:
+        """The settings of this run that differ from those `path` was saved with, beyond what may change between
+        launches of one run: a ConfigError for a checkpoint found in the checkpoint directory (another run's, where
+        runs share checkpoint.dir), a warning for one `checkpoint.resume` names (a run of its own starting from it).
+        The run's name may differ: runs of the same settings may share a checkpoint directory."""
+        if not isinstance(saved, dict):
+            return  # imported from another format: no run settings
+        if isinstance(saved.get("model"), dict):
+            saved = {**saved, "model": upgrade_saved_model(saved["model"])}
+        changes = [c for c in config_changes(saved, self.config, shared_only=True) if not c.startswith("run_name:")]
+        if named:  # model settings: their shapes are checked, and those unseen are warned about after this
+            changes = [c for c in changes if not c.startswith("model.")]
+        if not changes:
+            return
+        if named:
+            log.warning("resuming %s under settings other than it was saved with (%s): this run continues its "
+                        "weights and data position under them", path, "; ".join(changes))
+            return
+        more = f" and {len(changes) - 1} more setting(s)" if len(changes) > 1 else ""
+        raise ConfigError(f"checkpoint {path} was saved under other settings than this run's ({changes[0]}{more}): "
+                          "resume it with the settings it was saved with; or, to start a run of these settings from "
+                          f"it, name it (checkpoint.resume={path}) and give this run its own checkpoint.dir")
 
     def _load_full(self, path: Path) -> dict[str, Any]:
         state = load_checkpoint(path, verify=False)  # verified before (megafp8/train/resume.py)

@@ -3,7 +3,8 @@
 Verification re-reads every file of the checkpoint and compares its xxh3_64 digest with the one recorded when
 it was written; the files are shared out over the ranks, so each reads about 1/world of them. `auto` takes
 the newest checkpoint that verifies and says which newer ones it passed over and why; it starts fresh only
-where no checkpoint directory exists at all.
+where no checkpoint directory exists at all. A path is where a run starts: once the run has saved checkpoints
+of its own since, a relaunch with the same path continues from those.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from megafp8.checkpoint.local import (
     checkpoint_bytes,
     has_checksums,
     resume_candidates,
+    saved_config,
     verification_problem,
 )
 from megafp8.config import ConfigError
@@ -61,12 +63,32 @@ def verified_resume_path(resume: str, checkpoint_dir: Path, dims: ParallelDims) 
         return None
     if resume == "auto":
         return _newest_good(checkpoint_dir, dims)
+    if on_every_rank(dims.rank == 0 and continues_from(resume, checkpoint_dir), dims):
+        if dims.rank == 0:
+            log.warning("checkpoint.resume=%s: this run started from it and has checkpoints of its own since: "
+                        "continuing from the newest of them (to start over from %s, give this run another run_name "
+                        "or checkpoint.dir)", resume, resume)
+        return _newest_good(checkpoint_dir, dims)
     path = Path(resume)
     problem = first_problem(path.parent if path.is_file() else path, dims)  # a directory, or its state.pt
     if problem:
         raise ConfigError(f"{problem}. Resume from another checkpoint (checkpoint.resume=PATH), or set "
                           "checkpoint.resume=auto to take the newest one that verifies")
     return path
+
+
+def continues_from(resume: str, checkpoint_dir: Path) -> bool:
+    """Whether the newest readable checkpoint under `checkpoint_dir` was saved by a launch that started from
+    `resume` (a path) too: the run has moved on from that path, and a relaunch of the same config (a requeue)
+    continues it instead of going back to the path. A checkpoint saved before (a run going back to one of its own
+    earlier checkpoints, killed before its first save) records another start, and the path still applies."""
+    candidates, _ = resume_candidates(checkpoint_dir)
+    for directory in candidates:
+        config = saved_config(directory)
+        if config is not None:
+            started_from = config.get("checkpoint", {}).get("resume")
+            return isinstance(started_from, str) and Path(started_from).resolve() == Path(resume).resolve()
+    return False
 
 
 def _newest_good(root: Path, dims: ParallelDims) -> Optional[Path]:

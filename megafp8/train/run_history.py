@@ -94,7 +94,7 @@ def record_launch(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, step:
         log.info("%s holds an earlier launch of this run without a checkpoint: starting it over from step 0%s",
                  run_dir, dropped_note)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CONFIG_FILE).write_text(config_yaml)
+    replace_file(run_dir / CONFIG_FILE, config_yaml)
 
 
 def read_earlier_run(run_dir: Path, checkpoint_dir: Path, metrics_path: Path) -> Optional[EarlierRun]:
@@ -120,10 +120,12 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """`key: <saved> there, <current> here` for each setting that makes `current` another run than `saved`."""
+def config_changes(saved: dict[str, Any], current: dict[str, Any], shared_only: bool = False) -> list[str]:
+    """`key: <saved> there, <current> here` for each setting that makes `current` another run than `saved`.
+    `shared_only`: only the settings both hold (a checkpoint's config from another version of megafp8)."""
     old, new = _flat(saved), _flat(current)
-    keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RELAUNCH_SETTINGS)]
+    keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RELAUNCH_SETTINGS)
+            and (not shared_only or (k in old and k in new))]
     return [f"{k}: {old.get(k)} there, {new.get(k)} here" for k in keys if old.get(k) != new.get(k)]
 
 
@@ -166,10 +168,19 @@ def drop_metrics_after(metrics_path: Path, step: int) -> int:
     kept = [line for line in lines if line.strip() and _step_of(line) <= step]
     dropped = len(lines) - len(kept)
     if dropped:
-        tmp = metrics_path.with_name(metrics_path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, metrics_path)
+        replace_file(metrics_path, "".join(line + "\n" for line in kept))
     return dropped
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Replace `path` by a file holding `text`, atomically: a write cut short (a full disk, a kill) leaves the
+    earlier file whole, never a truncated one (config.yaml is how a relaunch knows its run)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _step_of(line: str) -> int:

@@ -241,9 +241,10 @@ class Trainer:
         """Block until a background checkpoint write is done; re-raises its error."""
         self.checkpointer.wait()
 
-    def load(self, path: Path) -> None:
-        """Resume from checkpoint `path`, already verified (`megafp8.train.resume.verified_resume_path`)."""
-        self.checkpointer.load(path)
+    def load(self, path: Path, named: bool = False) -> None:
+        """Resume from checkpoint `path`, already verified (`megafp8.train.resume.verified_resume_path`); `named`:
+        the one `checkpoint.resume` names."""
+        self.checkpointer.load(path, named)
         self.fp8.convert(self.model, self.step)  # from precision.fp8_start_step on, the planned layers run FP8
 
     def _open_run(self) -> ExperimentLogger:
@@ -253,7 +254,8 @@ class Trainer:
         replace, resumed_from = choose_start(self.run_dir, self.checkpoint_dir, self.metrics_path, resolved,
                                              self.cfg.checkpoint, self.dims)
         if resumed_from is not None:
-            self.load(resumed_from)
+            resume = self.cfg.checkpoint.resume
+            self.load(resumed_from, named=resume not in ("auto", "none") and resumed_from == Path(resume))
         open_run_directories(self.run_lock, self.run_dir, self.checkpoint_dir, self.dims)
         if self.dims.rank == 0:
             record_launch(self.run_dir, self.checkpoint_dir, self.metrics_path, self.step, replace, resumed_from,
