@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -248,3 +249,34 @@ def test_a_run_saved_before_the_model_sections_relaunches_and_resumes(tiny_overr
     current = {**config["model"], "moe": {**config["model"]["moe"], "top_k": 4}}
     assert model_setting_changes(state["config"]["model"], current) == [
         "model.moe.top_k: 2 in the checkpoint, 4 in this run"]
+
+
+def test_a_relaunch_whose_checkpoint_dir_moved_without_its_checkpoints_is_refused(tiny_overrides, tmp_path):
+    """checkpoint.dir may change between launches, but a relaunch pointed at a new one that holds no checkpoint,
+    while the earlier launch's still holds the run's, started the run over from step 0 with an info line and
+    dropped every metric record after step 0."""
+    first = make_trainer(tiny_overrides, SAVING)
+    first.fit()
+    before, moved = snapshot(first.run_dir), tmp_path / "moved"
+    with pytest.raises(ConfigError, match=rf"checkpoint.dir is {moved}, which holds no checkpoint, but this run's "
+                                          rf"earlier launch saved them in {first.checkpoint_dir} \(newest "
+                                          r"step_00000004\): set checkpoint.dir back to it"):
+        make_trainer(tiny_overrides, SAVING + [f"checkpoint.dir={moved}"])
+    assert snapshot(first.run_dir) == before and not any(moved.glob("step_*"))
+    over = make_trainer(tiny_overrides, SAVING + [f"checkpoint.dir={moved}", "checkpoint.overwrite=true"])
+    assert over.step == 0 and (first.checkpoint_dir / "step_00000004").is_dir()  # left where it was
+    named = f"checkpoint.resume={first.checkpoint_dir / 'step_00000004'}"
+    assert make_trainer(tiny_overrides, SAVING + [f"checkpoint.dir={moved}", named]).step == 4
+
+
+def test_a_relaunch_whose_checkpoints_moved_with_their_dir_resumes(tiny_overrides, tmp_path):
+    first = make_trainer(tiny_overrides, SAVING)
+    first.fit()
+    moved = tmp_path / "moved"
+    first.checkpoint_dir.rename(moved)
+    relaunch = make_trainer(tiny_overrides, SAVING + [f"checkpoint.dir={moved}", "training.steps=6"])
+    assert relaunch.step == 4
+    relaunch.fit()
+    # The next relaunch compares with the moved dir (recorded in config.yaml), given relative to the working directory.
+    again = make_trainer(tiny_overrides, SAVING + [f"checkpoint.dir={os.path.relpath(moved)}", "training.steps=6"])
+    assert again.step == 6 and metric_steps(relaunch.run_dir) == [1, 2, 3, 4, 5, 6]
