@@ -243,8 +243,9 @@ def test_a_run_saved_before_the_model_sections_relaunches_and_resumes(tiny_overr
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megafp8"):
         again = make_trainer(tiny_overrides, SAVING + ["training.steps=6"])
-    # No warning (info lines pass where an earlier test set the logger to INFO)
-    assert again.step == 4 and [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    # No warning but the longer schedule's (info lines pass where an earlier test set the logger to INFO)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert again.step == 4 and [w for w in warnings if "the learning rate goes from" not in w] == []
     assert model_config_of(load_checkpoint(newest)) == again.model_cfg
     current = {**config["model"], "moe": {**config["model"]["moe"], "top_k": 4}}
     assert model_setting_changes(state["config"]["model"], current) == [
@@ -280,3 +281,36 @@ def test_a_relaunch_whose_checkpoints_moved_with_their_dir_resumes(tiny_override
     # The next relaunch compares with the moved dir (recorded in config.yaml), given relative to the working directory.
     again = make_trainer(tiny_overrides, SAVING + [f"checkpoint.dir={os.path.relpath(moved)}", "training.steps=6"])
     assert again.step == 6 and metric_steps(relaunch.run_dir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_longer_relaunch_says_where_the_learning_rate_changes(tiny_overrides, caplog):
+    """training.steps may change between launches, but the cosine, linear and WSD schedules depend on it: a finished
+    cosine run extended from 4 to 6 steps resumed at a learning rate back up from min_lr without a word."""
+    from megafp8.optim import lr_at
+
+    make_trainer(tiny_overrides, SAVING).fit()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megafp8"):
+        longer = make_trainer(tiny_overrides, SAVING + ["training.steps=6"])
+    before, now = lr_at(4, longer.cfg.optimizer, 4), lr_at(4, longer.cfg.optimizer, 6)
+    assert now > 2 * before  # min_lr at the end of the 4-step schedule
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and (f"step 4: the learning rate goes from {before:.4g}, the schedule the checkpoint was "
+                                   f"saved with, to {now:.4g} (training.steps: 4 there, 6 here)") in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megafp8"):  # the same schedule: no word
+        assert make_trainer(tiny_overrides, SAVING).step == 4
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_schedule_change_is_told_only_where_it_moves_the_resumed_learning_rate():
+    from megafp8.train.checkpointing import schedule_change_warning
+
+    def config(steps: int, **optimizer) -> dict:
+        return {"optimizer": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_style": "wsd", **optimizer},
+                "training": {"steps": steps}}
+    assert schedule_change_warning(config(100), config(200), 10, 10) is None  # WSD's stable phase in both
+    assert "training.steps: 100 there, 200 here" in schedule_change_warning(config(100), config(200), 90, 90)
+    assert "optimizer.decay_style: wsd there, cosine here" in schedule_change_warning(
+        config(100), config(100, decay_style="cosine"), 10, 10)
+    assert schedule_change_warning({"training": {"steps": 100}}, config(100), 90, 90) is None  # saved lacks them
