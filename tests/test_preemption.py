@@ -195,7 +195,8 @@ def test_a_save_too_slow_for_the_signal_grace_is_reported_once(tiny_overrides, t
     for save_on_signal, warnings in (("true", 1), ("false", 0)):
         caplog.clear()
         cfg = _config(tiny_overrides, tmp_path / save_on_signal, "checkpoint.interval=4",
-                      f"checkpoint.save_on_signal={save_on_signal}", f"checkpoint.async_save={async_save}")
+                      f"checkpoint.save_on_signal={save_on_signal}", f"checkpoint.async_save={async_save}",
+                      f"run_name=save_on_signal_{save_on_signal}")  # two runs, not a relaunch with checkpoint.dir moved
         trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
         with caplog.at_level(logging.INFO, logger="megafp8"):
             trainer.fit()

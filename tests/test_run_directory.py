@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -242,9 +243,74 @@ def test_a_run_saved_before_the_model_sections_relaunches_and_resumes(tiny_overr
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megafp8"):
         again = make_trainer(tiny_overrides, SAVING + ["training.steps=6"])
-    # No warning (info lines pass where an earlier test set the logger to INFO)
-    assert again.step == 4 and [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    # No warning but the longer schedule's (info lines pass where an earlier test set the logger to INFO)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert again.step == 4 and [w for w in warnings if "the learning rate goes from" not in w] == []
     assert model_config_of(load_checkpoint(newest)) == again.model_cfg
     current = {**config["model"], "moe": {**config["model"]["moe"], "top_k": 4}}
     assert model_setting_changes(state["config"]["model"], current) == [
         "model.moe.top_k: 2 in the checkpoint, 4 in this run"]
+
+
+def test_a_relaunch_whose_checkpoint_dir_moved_without_its_checkpoints_is_refused(tiny_overrides, tmp_path):
+    """checkpoint.dir may change between launches, but a relaunch pointed at a new one that holds no checkpoint,
+    while the earlier launch's still holds the run's, started the run over from step 0 with an info line and
+    dropped every metric record after step 0."""
+    first = make_trainer(tiny_overrides, SAVING)
+    first.fit()
+    before, moved = snapshot(first.run_dir), tmp_path / "moved"
+    with pytest.raises(ConfigError, match=rf"checkpoint.dir is {moved}, which holds no checkpoint, but this run's "
+                                          rf"earlier launch saved them in {first.checkpoint_dir} \(newest "
+                                          r"step_00000004\): set checkpoint.dir back to it"):
+        make_trainer(tiny_overrides, SAVING + [f"checkpoint.dir={moved}"])
+    assert snapshot(first.run_dir) == before and not any(moved.glob("step_*"))
+    over = make_trainer(tiny_overrides, SAVING + [f"checkpoint.dir={moved}", "checkpoint.overwrite=true"])
+    assert over.step == 0 and (first.checkpoint_dir / "step_00000004").is_dir()  # left where it was
+    named = f"checkpoint.resume={first.checkpoint_dir / 'step_00000004'}"
+    assert make_trainer(tiny_overrides, SAVING + [f"checkpoint.dir={moved}", named]).step == 4
+
+
+def test_a_relaunch_whose_checkpoints_moved_with_their_dir_resumes(tiny_overrides, tmp_path):
+    first = make_trainer(tiny_overrides, SAVING)
+    first.fit()
+    moved = tmp_path / "moved"
+    first.checkpoint_dir.rename(moved)
+    relaunch = make_trainer(tiny_overrides, SAVING + [f"checkpoint.dir={moved}", "training.steps=6"])
+    assert relaunch.step == 4
+    relaunch.fit()
+    # The next relaunch compares with the moved dir (recorded in config.yaml), given relative to the working directory.
+    again = make_trainer(tiny_overrides, SAVING + [f"checkpoint.dir={os.path.relpath(moved)}", "training.steps=6"])
+    assert again.step == 6 and metric_steps(relaunch.run_dir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_longer_relaunch_says_where_the_learning_rate_changes(tiny_overrides, caplog):
+    """training.steps may change between launches, but the cosine, linear and WSD schedules depend on it: a finished
+    cosine run extended from 4 to 6 steps resumed at a learning rate back up from min_lr without a word."""
+    from megafp8.optim import lr_at
+
+    make_trainer(tiny_overrides, SAVING).fit()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megafp8"):
+        longer = make_trainer(tiny_overrides, SAVING + ["training.steps=6"])
+    before, now = lr_at(4, longer.cfg.optimizer, 4), lr_at(4, longer.cfg.optimizer, 6)
+    assert now > 2 * before  # min_lr at the end of the 4-step schedule
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and (f"step 4: the learning rate goes from {before:.4g}, the schedule the checkpoint was "
+                                   f"saved with, to {now:.4g} (training.steps: 4 there, 6 here)") in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megafp8"):  # the same schedule: no word
+        assert make_trainer(tiny_overrides, SAVING).step == 4
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_schedule_change_is_told_only_where_it_moves_the_resumed_learning_rate():
+    from megafp8.train.checkpointing import schedule_change_warning
+
+    def config(steps: int, **optimizer) -> dict:
+        return {"optimizer": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2, "decay_style": "wsd", **optimizer},
+                "training": {"steps": steps}}
+    assert schedule_change_warning(config(100), config(200), 10, 10) is None  # WSD's stable phase in both
+    assert "training.steps: 100 there, 200 here" in schedule_change_warning(config(100), config(200), 90, 90)
+    assert "optimizer.decay_style: wsd there, cosine here" in schedule_change_warning(
+        config(100), config(100, decay_style="cosine"), 10, 10)
+    assert schedule_change_warning({"training": {"steps": 100}}, config(100), 90, 90) is None  # saved lacks them

@@ -229,7 +229,8 @@ def test_async_save_resumes_bit_identically_and_surfaces_write_errors(tiny_overr
 
     monkeypatch.setattr(torch, "save", failing_save)
     broken = make_trainer(tiny_overrides, [f"checkpoint.dir={tmp_path / 'other'}", "checkpoint.interval=3",
-                                           "checkpoint.async_save=true", "checkpoint.resume=none"])
+                                           "checkpoint.async_save=true", "checkpoint.resume=none",
+                                           "run_name=broken"])  # another run, not a relaunch with checkpoint.dir moved
     with pytest.raises(OSError, match="disk full"):
         broken.fit()
     assert not (tmp_path / "other" / "latest").exists()

@@ -23,7 +23,9 @@ training's); the next save and the end of training wait for it and re-raise its 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -37,9 +39,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from megafp8.checkpoint import check_tensors_match, load_checkpoint, save_checkpoint
 from megafp8.checkpoint.local import fresh_temporary, publish
 from megafp8.checkpoint.sharded import SafeReader, is_sharded_checkpoint, read_sharded, write_sharded
-from megafp8.config import CheckpointConfig, ConfigError
+from megafp8.config import CheckpointConfig, ConfigError, OptimizerConfig
 from megafp8.config.schema import upgrade_saved_model
-from megafp8.optim import DistributedAdamW
+from megafp8.optim import DistributedAdamW, lr_at
 from megafp8.parallel import ExpertParallel, ParallelDims, TensorParallel, full_shape, gather_param
 from megafp8.parallel.sharding import Piece, Placed, placed_param
 from megafp8.train.run_history import config_changes
@@ -51,6 +53,10 @@ log = logging.getLogger("megafp8")
 _UNSEEN_MODEL_SETTINGS = ("rope_theta", "rope_scaling", "norm_eps", "moe.score_func", "moe.top_k", "moe.n_group",
                           "moe.topk_group", "moe.routed_scaling_factor", "moe.norm_topk_prob")
 _MISSING = object()
+# The settings the learning-rate schedule reads (`megafp8/optim/lr_schedule.py`); `training.steps` may change between
+# launches of one run, and so may the others in a run started from a checkpoint that `checkpoint.resume` names.
+_SCHEDULE_SETTINGS = ("optimizer.lr", "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.decay_style",
+                      "optimizer.wsd_decay_fraction", "training.steps")
 # What a stop on SIGTERM has to save in: torchrun's agent, SLURM (its default KillWait) and `timeout -k 30` kill the
 # process 30 s after SIGTERM. A checkpoint that takes longer than _SLOW_SAVE_S leaves too little of it for the steps
 # up to the next logging step and the save.
@@ -89,6 +95,40 @@ def model_setting_changes(saved: dict[str, Any], current: dict[str, Any]) -> lis
         if before is not _MISSING and before != now:
             changes.append(f"model.{key}: {before} in the checkpoint, {now} in this run")
     return changes
+
+
+def _schedule_settings(config: dict[str, Any], fallback: dict[str, Any]) -> dict[str, Any]:
+    """The schedule's settings in a config's dict form, by dotted name; one it lacks (a checkpoint of an earlier
+    version) is taken from `fallback`."""
+    settings = {}
+    for key in _SCHEDULE_SETTINGS:
+        value = _setting(config, key)
+        settings[key] = value if value is not _MISSING else _setting(fallback, key)
+    return settings
+
+
+def _scheduled_lr(settings: dict[str, Any], step: int) -> float:
+    """The learning rate of optimizer step `step` under the schedule `settings` describe (the defaults for those
+    they lack)."""
+    optimizer = dataclasses.replace(OptimizerConfig(), **{key.removeprefix("optimizer."): value
+                                                          for key, value in settings.items()
+                                                          if key.startswith("optimizer.") and value is not _MISSING})
+    return lr_at(step, optimizer, settings["training.steps"])
+
+
+def schedule_change_warning(saved: dict[str, Any], current: dict[str, Any], step: int,
+                            optimizer_step: int) -> Optional[str]:
+    """The warning to log where a run resumes (at `step`; the optimizer's own count `optimizer_step`) at another
+    learning rate than the schedule of its checkpoint's config `saved` gives there (e.g. a finished cosine run
+    extended by a larger `training.steps` climbs back from `min_lr`): None where the two agree to 1e-6."""
+    before, now = _schedule_settings(saved, current), _schedule_settings(current, current)
+    lr_before, lr_now = _scheduled_lr(before, optimizer_step), _scheduled_lr(now, optimizer_step)
+    if math.isclose(lr_before, lr_now, rel_tol=1e-6):
+        return None
+    changes = "; ".join(f"{key}: {before[key]} there, {now[key]} here" for key in before if before[key] != now[key])
+    return (f"resuming at step {step}: the learning rate goes from {lr_before:.4g}, the schedule the checkpoint was "
+            f"saved with, to {lr_now:.4g} ({changes}): the schedule depends on these settings; meant when extending "
+            "a run, otherwise set them as the checkpoint has")
 
 
 class _BackgroundWrite:
@@ -306,6 +346,16 @@ class Checkpointer:
             log.warning("resuming %s with model settings other than its own (%s): the weights now compute another "
                         "function; set them as the checkpoint has unless this is meant (e.g. a context-extension "
                         "stage)", path, "; ".join(changes))
+        self._warn_of_schedule_change(meta.get("config"))
+
+    def _warn_of_schedule_change(self, saved: Any) -> None:
+        """On rank 0, one warning where the learning rate of the resumed step differs from the one the checkpoint's
+        schedule gives there (not refused: extending a run by a larger `training.steps` is often meant)."""
+        if self.dims.rank != 0 or not isinstance(saved, dict):
+            return  # imported from another format: no schedule
+        warning = schedule_change_warning(saved, self.config, self.train_state.step, self.optimizer.step_count)
+        if warning is not None:
+            log.warning(warning)
 
     def _check_run_settings(self, path: Path, saved: Any, named: bool) -> None:
         """The settings of this run that differ from those `path` was saved with, beyond what may change between

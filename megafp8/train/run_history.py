@@ -4,8 +4,8 @@ A launch whose config matches the earlier run's (`config.yaml`), apart from the 
 launches of one run (`RELAUNCH_SETTINGS`: how long, where and how it runs, what it logs), continues that run:
 `checkpoint.resume=auto` resumes its newest checkpoint (what a SLURM requeue needs), or starts it over from step 0
 where it saved none. Metric records after the step a launch starts from are dropped, so a curve is never spliced.
-Another config, or `checkpoint.resume=none` over the run's checkpoints, is refused in one line unless
-`checkpoint.overwrite` says to replace the earlier run.
+Another config, `checkpoint.resume=none` over the run's checkpoints, or a `checkpoint.dir` moved away from the one
+that still holds them, is refused in one line unless `checkpoint.overwrite` says to replace the earlier run.
 """
 from __future__ import annotations
 
@@ -38,11 +38,14 @@ _RUN_FILES = (CONFIG_FILE, RUN_INFO_FILE, "tensorboard", "wandb")
 
 @dataclass(frozen=True)
 class EarlierRun:
-    """What an earlier launch left: its config (None if it left no config.yaml), metrics and checkpoints."""
+    """What an earlier launch left: its config (None if it left no config.yaml), metrics and checkpoints, and,
+    where this launch's checkpoint directory holds none, the earlier launch's other one with its newest checkpoint
+    (`left_behind`)."""
 
     config: Optional[dict[str, Any]]
     has_metrics: bool
     checkpoints: list[str]
+    left_behind: Optional[tuple[Path, str]] = None
 
 
 @dataclass(frozen=True)
@@ -56,9 +59,15 @@ class Verdict:
 def run_paths(cfg: Config) -> tuple[Path, Path, Path]:
     """Where a run's files go: (run directory, checkpoint directory, metrics file)."""
     run_dir = Path(cfg.logging.output_dir) / (cfg.run_name or "run")
-    checkpoint_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     metrics_path = Path(cfg.logging.metrics_file)
-    return run_dir, checkpoint_dir, metrics_path if metrics_path.is_absolute() else run_dir / metrics_path
+    return (run_dir, checkpoint_dir_of(run_dir, cfg.checkpoint.dir),
+            metrics_path if metrics_path.is_absolute() else run_dir / metrics_path)
+
+
+def checkpoint_dir_of(run_dir: Path, setting: Optional[str]) -> Path:
+    """The checkpoint directory that `checkpoint.dir` = `setting` names for the run in `run_dir` (a relative one is
+    relative to the working directory, as the run's own paths are)."""
+    return Path(setting) if setting else run_dir / "checkpoints"
 
 
 def choose_start(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, config: dict[str, Any],
@@ -105,9 +114,25 @@ def read_earlier_run(run_dir: Path, checkpoint_dir: Path, metrics_path: Path) ->
     has_metrics = metrics_path.is_file() and metrics_path.stat().st_size > 0
     if config is None and not checkpoints and not has_metrics:
         return None
-    if isinstance(config, dict) and isinstance(config.get("model"), dict):  # an earlier version's layout: today's
+    if not isinstance(config, dict):
+        return EarlierRun(None, has_metrics, checkpoints)
+    if isinstance(config.get("model"), dict):  # an earlier version's layout: today's
         config = {**config, "model": upgrade_saved_model(config["model"])}
-    return EarlierRun(config if isinstance(config, dict) else None, has_metrics, checkpoints)
+    left_behind = None if checkpoints else checkpoints_left_behind(config, run_dir, checkpoint_dir)
+    return EarlierRun(config, has_metrics, checkpoints, left_behind)
+
+
+def checkpoints_left_behind(config: dict[str, Any], run_dir: Path, checkpoint_dir: Path) -> Optional[tuple[Path, str]]:
+    """The checkpoint directory the earlier launch (its `config`) saved in and its newest checkpoint, where that is
+    another directory than this launch's `checkpoint_dir` and still holds checkpoints; None otherwise."""
+    saved = config.get("checkpoint")
+    if not isinstance(saved, dict):
+        return None
+    earlier_dir = checkpoint_dir_of(run_dir, saved.get("dir"))
+    if earlier_dir.resolve() == checkpoint_dir.resolve():
+        return None
+    found = list_checkpoints(earlier_dir)
+    return (earlier_dir, found[-1].name) if found else None
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -147,6 +172,15 @@ def judge(earlier: Optional[EarlierRun], current: dict[str, Any], resume: str, o
         return Verdict(refusal=f"checkpoint.resume=none, but {checkpoint_dir} holds this run's checkpoints (newest "
                                f"{earlier.checkpoints[-1]}): leave checkpoint.resume=auto to continue it, give this "
                                "run another run_name, or set checkpoint.overwrite=true to start it over")
+    if earlier.left_behind is not None and resume in ("auto", "none"):  # `auto` would start over from step 0
+        if overwrite:
+            return Verdict(replace=True)  # the checkpoints left behind stay where they are
+        earlier_dir, newest = earlier.left_behind
+        return Verdict(refusal=f"checkpoint.dir is {checkpoint_dir}, which holds no checkpoint, but this run's earlier "
+                               f"launch saved them in {earlier_dir} (newest {newest}): set checkpoint.dir back to it "
+                               f"or move its checkpoints into {checkpoint_dir} to continue the run, or name one "
+                               "(checkpoint.resume=PATH); give this run another run_name, or set "
+                               "checkpoint.overwrite=true to start it over")
     return Verdict()
 
 
