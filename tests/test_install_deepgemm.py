@@ -206,3 +206,19 @@ def test_the_gpu_scripts_use_the_tool_and_source_what_it_wrote(tmp_path, checks,
     (pythonpath, preload), summary = _gpu_lib_install(tmp_path, src, prefix, base)
     assert pythonpath == f"{prefix / 'plain'}:." and preload == libstdcxx
     assert "DeepGEMM ready in" in summary and "DeepGEMM 2.6.1, build 'plain, with" in summary, summary
+
+
+def test_a_build_past_its_time_is_stopped_with_its_compilers_and_said(tmp_path, capsys, monkeypatch):
+    """The build runs in its own process group, so a timeout kills what setup.py started too (a compiler left running
+    would hold the machine), and the other build still counts."""
+    src, base = _source(tmp_path), _toolchain(tmp_path)
+    (src / "setup.py").write_text(SETUP_PY.replace('assert sys.argv', 'import subprocess, time\nif os.environ.get('
+                                                   '"LDFLAGS"): subprocess.Popen(["sleep", "987"]); time.sleep(987)\n'
+                                                   'assert sys.argv'))
+    monkeypatch.setattr(tool, "BUILD_TIMEOUT_S", 3)
+    prefix = tmp_path / "dg"
+    tool.build_all(tool.check_source(src), prefix, tool.find_toolchain(base), False, base)
+    out = capsys.readouterr().out
+    assert "build failed, skipped: static (rc timeout after 3 s" in out
+    assert tool.is_built(prefix / "plain", src.resolve()) and not tool.is_built(prefix / "static", src.resolve())
+    assert "sleep 987" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

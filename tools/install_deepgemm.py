@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -161,7 +162,8 @@ def start_build(source: Path, dest: Path, variant: str, toolchain: Toolchain, lo
               '[ -n "$so" ] || { echo "setup.py build made no _C*.so" >&2; exit 1; }; ln -sf "$PWD/$so" deep_gemm/')
     env = {**build_env(toolchain, variant, base), "PYTHON": sys.executable}  # built against this torch
     with log.open("w") as out:
-        return subprocess.Popen(["bash", "-c", script], cwd=dest, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(["bash", "-c", script], cwd=dest, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group: a timeout stops the compilers too
 
 
 def build_all(source: Path, prefix: Path, toolchain: Toolchain, rebuild: bool, base: dict[str, str],
@@ -180,8 +182,9 @@ def build_all(source: Path, prefix: Path, toolchain: Toolchain, rebuild: bool, b
         try:
             rc = process.wait(timeout=BUILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            process.kill()
-            rc = "timeout"
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            rc = f"timeout after {BUILD_TIMEOUT_S} s"
         if rc != 0:
             failed.append(f"{variant} (rc {rc}; {_tail(prefix / f'build_{variant}.log')})")
         else:
