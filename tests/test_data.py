@@ -46,6 +46,28 @@ def test_held_out_split_is_deterministic(tmp_path):
     assert 5 <= a["valid"][0]["num_docs"] <= 40
 
 
+def test_a_draw_that_holds_out_nothing_moves_the_last_document_never_copies_it(tmp_path, caplog):
+    """A few documents at --valid-fraction 0.01 used to copy the last training document into `valid`: validation
+    measured training data, silently."""
+    docs = [f"document {i} " * 30 for i in range(6)]
+    with caplog.at_level("INFO"):
+        splits = preprocess([str(write_docs(tmp_path / "src", docs))], tmp_path / "out", valid_fraction=0.01)
+    assert [splits["train"][0]["num_docs"], splits["valid"][0]["num_docs"]] == [5, 1]
+    meta = read_meta(tmp_path / "out")
+    valid = TokenStream(meta, "valid").read(0, TokenStream(meta, "valid").num_tokens)
+    train = TokenStream(meta, "train").read(0, TokenStream(meta, "train").num_tokens)
+    assert ByteTokenizer().decode(valid[:-1].tolist()) == docs[-1]
+    assert ByteTokenizer().decode(train.tolist()).count("document 5") == 0
+    assert "drew none of the 6 documents: the last one is held out instead" in caplog.text
+
+
+def test_a_single_document_is_copied_into_valid_with_a_warning(tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        splits = preprocess([str(write_docs(tmp_path / "src", ["only " * 50]))], tmp_path / "out")
+    assert [splits["train"][0]["num_docs"], splits["valid"][0]["num_docs"]] == [1, 1]
+    assert "validation loss is measured on training data" in caplog.text
+
+
 def test_jsonl_input_and_bad_record(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text("\n".join(json.dumps({"content": f"text {i}"}) for i in range(5)) + "\n")
