@@ -9,7 +9,7 @@ import torch
 
 from megafp8.config import Config, ConfigError, dump_config, load_config
 from megafp8.precision import check_backend_name
-from megafp8.train.layouts import render_layouts, search_layouts
+from megafp8.train.layouts import lighter_settings, render_layouts, search_layouts
 from megafp8.train.plan import GIB, dry_run, make_plan, with_vocab
 from megafp8.train.preemption import exit_status
 from megafp8.train.runtime import env_rank, init_distributed, report_error, seed_everything, shutdown
@@ -102,7 +102,8 @@ def layouts_main(cfg: Config, world_size: int, gpu_gib: float | None, max_tp: in
         gpu_gib = (torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available()
                    else H200_GIB)
     gpu_bytes = gpu_gib * GIB
-    return render_layouts(search_layouts(with_vocab(cfg), world_size, gpu_bytes, max_tp), world_size, gpu_bytes)
+    return render_layouts(search_layouts(with_vocab(cfg), world_size, gpu_bytes, max_tp), world_size, gpu_bytes,
+                          lighter_settings(cfg))
 
 
 def plan_main(argv: list[str] | None = None) -> int:
