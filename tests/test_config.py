@@ -106,6 +106,28 @@ def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
         load_config(str(path))
 
 
+def test_a_yaml_syntax_error_is_one_line_naming_where(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  size: tiny\n  hidden_size: 256\n  num_layers 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value) == (f"{path}: not valid YAML: line 4, column 3: could not find expected ':' (while "
+                              "scanning a simple key)")  # was five lines, naming "<unicode string>"
+
+
+@pytest.mark.parametrize("override, problem", [
+    ("optimizer.lr=[1", "line 1, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence)"),
+    ("run_name=*exp", "line 1, column 1: found undefined alias 'exp'"),
+])
+def test_an_override_value_that_is_not_yaml_is_one_line_not_a_traceback(override, problem):
+    with pytest.raises(ConfigError) as err:  # was yaml's own exception: a traceback from launch/pretrain.py
+        load_config("tiny_dense", [override])
+    key, _, text = override.partition("=")
+    assert str(err.value).startswith(f"override '{override}': its value is not valid YAML ({problem}); ")
+    assert str(err.value).endswith(f"'{key}=\"{text}\"'")
+    assert load_config("tiny_dense", ["run_name=\"*exp\""]).run_name == "*exp"
+
+
 def test_missing_config_name_suggests_the_closest(tmp_path):
     with pytest.raises(ConfigError, match=r"config 'tiny_dens' not found.*Did you mean 'tiny_dense.yaml'"):
         load_config("tiny_dens")

@@ -71,7 +71,12 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key, sep, text = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override '{item}' is not of the form section.key=value (e.g. model.num_layers=4)")
-        value = yaml.safe_load(text) if text != "" else ""
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override '{item}': its value is not valid YAML ({yaml_problem(err)}); a string "
+                              f"with YAML's special characters goes in quotes inside the shell's: '{key}=\"{text}\"'"
+                              ) from None
         node = nested
         parts = key.split(".")
         for part in parts[:-1]:
@@ -276,6 +281,18 @@ def model_config_from_saved(saved: dict[str, Any]) -> ModelConfig:
     return build_dataclass(ModelConfig, upgrade_saved_model(saved), "model.", ignore_unknown=True)
 
 
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: where (1-based line and column: the construct it was reading, else where it
+    stopped) and what, e.g. `line 4, column 3: could not find expected ':' (while scanning a simple key)`. Its own
+    message spans lines and names the stream "<unicode string>"."""
+    problem = getattr(err, "problem", None)
+    context = getattr(err, "context", None)
+    mark = getattr(err, "context_mark", None) or getattr(err, "problem_mark", None)
+    if mark is None or problem is None:
+        return " ".join(str(err).split())
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
+
+
 def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
     """Load, override, build and validate a config. `None` means the built-in defaults."""
     raw: dict[str, Any] = {}
@@ -286,7 +303,7 @@ def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | N
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+            raise ConfigError(f"{path}: not valid YAML: {yaml_problem(err)}") from None
         raw = loaded if loaded is not None else {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
