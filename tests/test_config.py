@@ -116,7 +116,8 @@ def test_a_yaml_syntax_error_is_one_line_naming_where(tmp_path):
 
 
 @pytest.mark.parametrize("override, problem", [
-    ("optimizer.lr=[1", "line 1, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence)"),
+    ("optimizer.lr=[1",
+     "line 1, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence)"),
     ("run_name=*exp", "line 1, column 1: found undefined alias 'exp'"),
 ])
 def test_an_override_value_that_is_not_yaml_is_one_line_not_a_traceback(override, problem):
