@@ -95,6 +95,14 @@ def test_missing_inputs_and_data_path(tmp_path):
         read_meta(tmp_path / "missing")
 
 
+def test_a_missing_relative_data_path_names_the_working_directory(tmp_path, monkeypatch):
+    """Launched from outside the repository, 'data/pystdlib does not exist' did not say where it was looked for."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"data.path 'data/x' does not exist \(relative to the working directory, "
+                                          rf"{tmp_path}\)\. Create it with"):
+        read_meta("data/x")
+
+
 def test_truncated_shard_is_reported(tmp_path, corpus_dir):
     import shutil
     copy = tmp_path / "copy"
