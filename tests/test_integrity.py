@@ -145,6 +145,9 @@ def test_a_directory_of_checkpoints_given_as_a_checkpoint_names_its_newest(saved
         _trainer(tiny_overrides + [f"checkpoint.resume={ckpt}"])
     assert str(err.value) == f"checkpoint.resume: {ckpt} holds checkpoints but is not one: give one of them, e.g. " \
                              f"{newest}"
+    with pytest.raises(ConfigError) as err:  # was "... lacks model, optimizer: not a megafp8 training checkpoint"
+        _trainer(tiny_overrides + [f"checkpoint.resume={newest / 'meta.pt'}"])
+    assert str(err.value) == f"{newest / 'meta.pt'} is one file of the sharded checkpoint {newest}: give that directory"
     for name in ("checksums.json", "meta.pt"):  # a step_N whose save did not finish is still only incomplete
         (newest / name).unlink()
     assert "is incomplete (no checksums.json" in verification_problem(newest)

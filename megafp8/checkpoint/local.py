@@ -275,6 +275,8 @@ def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMI
         raise ConfigError(f"{problem}; {advice.damaged}")
     if path.is_dir() and is_sharded_checkpoint(path):
         return _consolidate(path, advice)
+    if path.is_file() and is_sharded_checkpoint(path.parent):
+        raise ConfigError(f"{path} is one file of the sharded checkpoint {path.parent}: give that directory")
     file = path / STATE_FILE if path.is_dir() else path
     if not file.is_file():
         raise ConfigError(f"checkpoint '{path}' not found (expected {file}); {advice.missing}")
