@@ -80,6 +80,8 @@ def test_every_field_has_a_doc():
         (["data.seq_len=0"], "data.seq_len must be positive"),
         (["model=3"], "model: expected a mapping"),
         (["num_layers"], "is not of the form section.key=value"),
+        (["training.steps=1e3"], "training.steps: expected int, got str ('1e3'): write it as 1000"),
+        (["training.steps=1000.0"], "training.steps: expected int, got float (1000.0): write it as 1000"),
         (["training.compile_mode=reduce-overhead"], "training.compile_mode=reduce-overhead needs training.compile=true"),
         (["training.compile=true", "training.compile_mode=fast"], "is not one of 'default' | 'reduce-overhead'"),
         (["model.rope_scaling.factor=8"], "model.rope_scaling.factor=8.0 has no effect with model.rope_scaling.type=none"),

@@ -190,6 +190,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        _refuse_integral_spelling(key, value)
     elif tp is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -210,6 +211,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     else:
         raise TypeError(f"config field {key} has unsupported type {tp!r}")
     raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} ({value!r})")
+
+
+def _refuse_integral_spelling(key: str, value: Any) -> None:
+    """An int setting written as a whole float (`1e3`, which PyYAML reads as a string, or `1000.0`): one line that
+    says how to write it. Other values fall through to the type error."""
+    if isinstance(value, bool) or not isinstance(value, (str, float)):
+        return
+    try:
+        number = float(value)
+    except ValueError:
+        return
+    if math.isfinite(number) and number == int(number):
+        raise ConfigError(f"{key}: expected int, got {type(value).__name__} ({value!r}): write it as {int(number)}")
 
 
 def _moved_keys(cls: type, raw: dict[str, Any], prefix: str) -> None:
