@@ -91,7 +91,16 @@ def test_another_config_is_refused_and_leaves_the_directory_as_it_was(tiny_overr
     assert snapshot(first.run_dir) == before
 
 
-def test_resume_none_over_checkpoints_is_refused(tiny_overrides):
+def test_a_run_directory_that_cannot_be_created_is_one_line(tiny_overrides, tmp_path):
+    """A logging.output_dir below a file (or without write permission) ended in mkdir's traceback."""
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError) as err:
+        make_trainer(tiny_overrides, SHORT + [f"logging.output_dir={tmp_path / 'a_file' / 'runs'}"])
+    assert str(err.value) == (f"cannot write in {tmp_path / 'a_file' / 'runs' / 't'} (Not a directory): point "
+                              "logging.output_dir (or checkpoint.dir) at a directory this run may write")
+
+
+
     first = make_trainer(tiny_overrides, SAVING)
     first.fit()
     before = snapshot(first.run_dir)
