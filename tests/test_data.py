@@ -91,6 +91,18 @@ def test_existing_output_is_not_clobbered(tmp_path):
 def test_missing_inputs_and_data_path(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         preprocess([str(tmp_path / "nope.txt")], tmp_path / "out")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for name in ("a.md", "b.md", "c.rst"):
+        (notes / name).write_text("some text")
+    with pytest.raises(ConfigError) as err:  # was "no input files found in [...]", not naming --extensions
+        preprocess([str(notes)], tmp_path / "out")
+    assert str(err.value) == (f"no .txt, .jsonl or .json files in {notes} (it holds 2 .md, 1 .rst files): to read "
+                              "other text files, add --extensions with their endings, e.g. --extensions .md (each "
+                              "file one document)")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"^no input files found in .*empty$"):
+        preprocess([str(tmp_path / "empty")], tmp_path / "out")
     with pytest.raises(ConfigError, match=r"data.path '.*missing' does not exist. Create it with: python tools/preprocess_data.py"):
         read_meta(tmp_path / "missing")
 
