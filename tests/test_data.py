@@ -214,6 +214,12 @@ def test_hf_tokenizer_train_and_preprocess(tmp_path):
     first_doc = first_doc[: int(np.argmax(first_doc == 0))]
     assert tok.decode(first_doc.tolist()) == (src / "000.txt").read_text()
     assert stream.num_tokens < sum(len(p.read_text()) for p in src.iterdir())  # BPE compresses
+    trained = tok_path.read_bytes()  # the data names it: it was replaced without a word
+    with pytest.raises(ConfigError, match=r"tokenizer.json' already exists .*pass --overwrite to replace it"):
+        train_tokenizer([str(src)], tok_path, vocab_size=300)
+    assert tok_path.read_bytes() == trained
+    train_tokenizer([str(src)], tok_path, vocab_size=300, overwrite=True)
+    assert tok_path.read_bytes() != trained
 
 
 def test_preprocessing_records_each_shard_s_largest_token_id(tmp_path):

@@ -135,9 +135,10 @@ def _split_documents(tokenizer: Tokenizer, files: list[Path], valid_fraction: fl
 
 
 def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json_key: str = "text",
-                    tree: TextTree | None = None, sample_bytes: int = 0) -> tuple[int, int]:
+                    tree: TextTree | None = None, sample_bytes: int = 0, overwrite: bool = False) -> tuple[int, int]:
     """Train a byte-level BPE `tokenizer.json` on local files with Hugging Face `tokenizers`; returns the
-    (documents, bytes) it was trained on.
+    (documents, bytes) it was trained on. An existing `output` is replaced only with `overwrite` (data tokenized
+    with it names it in its meta.json).
 
     With `tree` (from `scan_text_tree`), the documents are its train split's files only (the held-out files stay
     unseen), in its seeded order; `sample_bytes` > 0 stops after the document that reaches that many bytes (with a
@@ -148,6 +149,9 @@ def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json
         raise ConfigError("training a tokenizer needs `tokenizers`: pip install 'megafp8[hf]'") from None
     if vocab_size < 257:
         raise ConfigError(f"--vocab-size must be at least 257 (256 bytes + end-of-text), got {vocab_size}")
+    if Path(output).exists() and not overwrite:
+        raise ConfigError(f"output '{output}' already exists (data tokenized with it would no longer match it): pass "
+                          "--overwrite to replace it, or choose another --output")
     if tree is not None:
         docs: Iterable[str] = map(read_text, tree.train)
     else:
