@@ -214,6 +214,25 @@ def test_the_dry_run_refuses_what_the_launch_refuses_in_one_line(capsys, overrid
     assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--config", "tiny_dense", "--training.steps=10"],
+     "unrecognized arguments: --training.steps=10 (settings are overrides without dashes, after the options: "
+     "training.steps=10)"),
+    (["--config", "tiny_dense", "--steps"], "unrecognized arguments: --steps (settings go after the options as "
+                                            "section.key=value, e.g. training.steps=10; --print-config lists them)"),
+    (["tiny_dense.yaml"], "the following arguments are required: --config (e.g. --config tiny_dense.yaml: a file in "
+                          "configs/, or a path)"),
+])
+def test_a_usage_error_says_how_to_write_what_was_meant(capsys, argv, expected):
+    """argparse alone said 'unrecognized arguments: --training.steps=10' and stopped there."""
+    from megafp8.train.main import main, plan_main
+
+    for entry in (main, plan_main):
+        with pytest.raises(SystemExit) as exit:
+            entry(argv)
+        assert exit.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(f"error: {expected}")
+
+
 # -------------------------------------------------------------------------------- model sections
 
 @pytest.mark.parametrize("overrides, expected", [
