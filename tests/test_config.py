@@ -80,6 +80,8 @@ def test_every_field_has_a_doc():
         (["data.seq_len=0"], "data.seq_len must be positive"),
         (["model=3"], "model: expected a mapping"),
         (["num_layers"], "is not of the form section.key=value"),
+        (["training.steps=1e3"], "training.steps: expected int, got str ('1e3'): write it as 1000"),
+        (["training.steps=1000.0"], "training.steps: expected int, got float (1000.0): write it as 1000"),
         (["training.compile_mode=reduce-overhead"], "training.compile_mode=reduce-overhead needs training.compile=true"),
         (["training.compile=true", "training.compile_mode=fast"], "is not one of 'default' | 'reduce-overhead'"),
         (["model.rope_scaling.factor=8"], "model.rope_scaling.factor=8.0 has no effect with model.rope_scaling.type=none"),
@@ -104,6 +106,29 @@ def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
     path.write_text("model:\n  hiden_size: 512\n")
     with pytest.raises(ConfigError, match=r"'model.hiden_size'. Did you mean 'model.hidden_size'\?.*bad.yaml"):
         load_config(str(path))
+
+
+def test_a_yaml_syntax_error_is_one_line_naming_where(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  size: tiny\n  hidden_size: 256\n  num_layers 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value) == (f"{path}: not valid YAML: line 4, column 3: could not find expected ':' (while "
+                              "scanning a simple key)")  # was five lines, naming "<unicode string>"
+
+
+@pytest.mark.parametrize("override, problem", [
+    ("optimizer.lr=[1",
+     "line 1, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence)"),
+    ("run_name=*exp", "line 1, column 1: found undefined alias 'exp'"),
+])
+def test_an_override_value_that_is_not_yaml_is_one_line_not_a_traceback(override, problem):
+    with pytest.raises(ConfigError) as err:  # was yaml's own exception: a traceback from launch/pretrain.py
+        load_config("tiny_dense", [override])
+    key, _, text = override.partition("=")
+    assert str(err.value).startswith(f"override '{override}': its value is not valid YAML ({problem}); ")
+    assert str(err.value).endswith(f"'{key}=\"{text}\"'")
+    assert load_config("tiny_dense", ["run_name=\"*exp\""]).run_name == "*exp"
 
 
 def test_missing_config_name_suggests_the_closest(tmp_path):
@@ -187,6 +212,25 @@ def test_the_dry_run_refuses_what_the_launch_refuses_in_one_line(capsys, overrid
     assert main(["--config", "tiny_dense", "--dry-run", "--world-size", "2", "model.vocab_size=384", *overrides]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--config", "tiny_dense", "--training.steps=10"],
+     "unrecognized arguments: --training.steps=10 (settings are overrides without dashes, after the options: "
+     "training.steps=10)"),
+    (["--config", "tiny_dense", "--steps"], "unrecognized arguments: --steps (settings go after the options as "
+                                            "section.key=value, e.g. training.steps=10; --print-config lists them)"),
+    (["tiny_dense.yaml"], "the following arguments are required: --config (e.g. --config tiny_dense.yaml: a file in "
+                          "configs/, or a path)"),
+])
+def test_a_usage_error_says_how_to_write_what_was_meant(capsys, argv, expected):
+    """argparse alone said 'unrecognized arguments: --training.steps=10' and stopped there."""
+    from megafp8.train.main import main, plan_main
+
+    for entry in (main, plan_main):
+        with pytest.raises(SystemExit) as exit:
+            entry(argv)
+        assert exit.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(f"error: {expected}")
 
 
 # -------------------------------------------------------------------------------- model sections

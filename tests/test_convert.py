@@ -134,6 +134,10 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
     # Between the two on-disk forms and back: the same tensors and state.
     output("consolidate")
     assert "form: full (one state.pt)" in output("inspect consolidated")
+    rows = [[line.split(" | ")[0] for line in output(name).splitlines() if line.startswith("| ") and "weight" in line]
+            for name in ("inspect", "inspect consolidated")]
+    assert rows[0] == rows[1]  # the sharded index's order was the ranks' (layers.0.attn_norm after lm_head)
+    assert rows[0][:3] == ["| embed.weight", "| final_norm.weight", "| layers.0.attn.out_proj.weight"]
     output("shard")
     original, back = (load_checkpoint(step6), load_checkpoint(tmp_path / "sharded" / "step_00000006"))
     assert original["loader"] == back["loader"] and original["optimizer"]["step"] == back["optimizer"]["step"] == 6

@@ -46,6 +46,28 @@ def test_held_out_split_is_deterministic(tmp_path):
     assert 5 <= a["valid"][0]["num_docs"] <= 40
 
 
+def test_a_draw_that_holds_out_nothing_moves_the_last_document_never_copies_it(tmp_path, caplog):
+    """A few documents at --valid-fraction 0.01 used to copy the last training document into `valid`: validation
+    measured training data, silently."""
+    docs = [f"document {i} " * 30 for i in range(6)]
+    with caplog.at_level("INFO"):
+        splits = preprocess([str(write_docs(tmp_path / "src", docs))], tmp_path / "out", valid_fraction=0.01)
+    assert [splits["train"][0]["num_docs"], splits["valid"][0]["num_docs"]] == [5, 1]
+    meta = read_meta(tmp_path / "out")
+    valid = TokenStream(meta, "valid").read(0, TokenStream(meta, "valid").num_tokens)
+    train = TokenStream(meta, "train").read(0, TokenStream(meta, "train").num_tokens)
+    assert ByteTokenizer().decode(valid[:-1].tolist()) == docs[-1]
+    assert ByteTokenizer().decode(train.tolist()).count("document 5") == 0
+    assert "drew none of the 6 documents: the last one is held out instead" in caplog.text
+
+
+def test_a_single_document_is_copied_into_valid_with_a_warning(tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        splits = preprocess([str(write_docs(tmp_path / "src", ["only " * 50]))], tmp_path / "out")
+    assert [splits["train"][0]["num_docs"], splits["valid"][0]["num_docs"]] == [1, 1]
+    assert "validation loss is measured on training data" in caplog.text
+
+
 def test_jsonl_input_and_bad_record(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text("\n".join(json.dumps({"content": f"text {i}"}) for i in range(5)) + "\n")
@@ -69,8 +91,28 @@ def test_existing_output_is_not_clobbered(tmp_path):
 def test_missing_inputs_and_data_path(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         preprocess([str(tmp_path / "nope.txt")], tmp_path / "out")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for name in ("a.md", "b.md", "c.rst"):
+        (notes / name).write_text("some text")
+    with pytest.raises(ConfigError) as err:  # was "no input files found in [...]", not naming --extensions
+        preprocess([str(notes)], tmp_path / "out")
+    assert str(err.value) == (f"no .txt, .jsonl or .json files in {notes} (it holds 2 .md, 1 .rst files): to read "
+                              "other text files, add --extensions with their endings, e.g. --extensions .md (each "
+                              "file one document)")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"^no input files found in .*empty$"):
+        preprocess([str(tmp_path / "empty")], tmp_path / "out")
     with pytest.raises(ConfigError, match=r"data.path '.*missing' does not exist. Create it with: python tools/preprocess_data.py"):
         read_meta(tmp_path / "missing")
+
+
+def test_a_missing_relative_data_path_names_the_working_directory(tmp_path, monkeypatch):
+    """Launched from outside the repository, 'data/pystdlib does not exist' did not say where it was looked for."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"data.path 'data/x' does not exist \(relative to the working directory, "
+                                          rf"{tmp_path}\)\. Create it with"):
+        read_meta("data/x")
 
 
 def test_truncated_shard_is_reported(tmp_path, corpus_dir):
@@ -172,6 +214,12 @@ def test_hf_tokenizer_train_and_preprocess(tmp_path):
     first_doc = first_doc[: int(np.argmax(first_doc == 0))]
     assert tok.decode(first_doc.tolist()) == (src / "000.txt").read_text()
     assert stream.num_tokens < sum(len(p.read_text()) for p in src.iterdir())  # BPE compresses
+    trained = tok_path.read_bytes()  # the data names it: it was replaced without a word
+    with pytest.raises(ConfigError, match=r"tokenizer.json' already exists .*pass --overwrite to replace it"):
+        train_tokenizer([str(src)], tok_path, vocab_size=300)
+    assert tok_path.read_bytes() == trained
+    train_tokenizer([str(src)], tok_path, vocab_size=300, overwrite=True)
+    assert tok_path.read_bytes() != trained
 
 
 def test_preprocessing_records_each_shard_s_largest_token_id(tmp_path):

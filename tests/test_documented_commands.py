@@ -126,7 +126,7 @@ COMMANDS: dict[str, Run | Skip] = {
     "python tools/convert_checkpoint.py shard one_file/step_00001000 --out sharded/":
         Run((("step_00001000", TINY_STEP),), "the consolidated 2-step checkpoint"),
     "python tools/fp8_sensitivity.py --config tiny_dense --checkpoint runs/tiny_dense/checkpoints/step_00000100 "
-    "--batches 4 --plot docs/fp8_sensitivity.png --json sensitivity.json":
+    "--batches 4 --plot sensitivity.png --json sensitivity.json":
         Run((("step_00000100", TINY_STEP), ("--batches 4", "--batches 1")),
             "the 2-step run's checkpoint, one batch"),
     # FP8-vs-BF16 parity (issue 22): the 2-step run stands in for each of the three runs.

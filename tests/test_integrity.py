@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megafp8.checkpoint import find_latest, list_checkpoints, load_checkpoint
-from megafp8.checkpoint.local import fresh_temporary, publish, remove_leftovers, verify_checkpoint
+from megafp8.checkpoint.local import (fresh_temporary, publish, remove_leftovers, verification_problem,
+                                      verify_checkpoint)
 from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
@@ -169,6 +170,30 @@ def test_leftovers_of_interrupted_saves_are_removed_at_start(saved, tiny_overrid
     resumed = _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}"])
     assert resumed.step == 2
     assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000001", "step_00000002"]
+
+
+def test_a_directory_of_checkpoints_given_as_a_checkpoint_names_its_newest(saved, tiny_overrides, tmp_path):
+    """The checkpoint root or the run directory in place of a checkpoint was 'incomplete (no checksums.json: its
+    save did not finish)', for the tools and for checkpoint.resume alike."""
+    run_dir = tmp_path / "run"
+    ckpt = shutil.copytree(saved["sharded"], run_dir / "checkpoints")
+    newest = ckpt / "step_00000002"
+    for given in (ckpt, run_dir):
+        expected = f"{given} holds checkpoints but is not one: give one of them, e.g. {newest}"
+        assert verification_problem(given) == expected
+        with pytest.raises(ConfigError) as err:
+            load_checkpoint(given)
+        assert str(err.value) == expected
+    with pytest.raises(ConfigError) as err:
+        _trainer(tiny_overrides + [f"checkpoint.resume={ckpt}"])
+    assert str(err.value) == f"checkpoint.resume: {ckpt} holds checkpoints but is not one: give one of them, e.g. " \
+                             f"{newest}"
+    with pytest.raises(ConfigError) as err:  # was "... lacks model, optimizer: not a megafp8 training checkpoint"
+        _trainer(tiny_overrides + [f"checkpoint.resume={newest / 'meta.pt'}"])
+    assert str(err.value) == f"{newest / 'meta.pt'} is one file of the sharded checkpoint {newest}: give that directory"
+    for name in ("checksums.json", "meta.pt"):  # a step_N whose save did not finish is still only incomplete
+        (newest / name).unlink()
+    assert "is incomplete (no checksums.json" in verification_problem(newest)
 
 
 def test_verify_tool_checks_without_building_a_model(saved, tmp_path):

@@ -161,13 +161,29 @@ def test_another_config_is_refused_and_leaves_the_directory_as_it_was(tiny_overr
     first = make_trainer(tiny_overrides, SAVING)
     first.fit()
     before = snapshot(first.run_dir)
-    with pytest.raises(ConfigError, match=r"runs/t holds another run \(training.seed: 1234 there, 99 here\): give "
-                                          r"this run another run_name, or set checkpoint.overwrite=true"):
+    with pytest.raises(ConfigError) as err:
         make_trainer(tiny_overrides, SAVING + ["training.seed=99"])
+    assert str(err.value) == (f"{first.run_dir} holds another run (training.seed: 1234 there, 99 here): give this run "
+                              "another run_name (to continue from that run's newest checkpoint: checkpoint.resume="
+                              f"{first.checkpoint_dir / 'step_00000004'}), or set checkpoint.overwrite=true to "
+                              "replace that run")
+    with pytest.raises(ConfigError) as err:  # another model: the checkpoint would not load
+        make_trainer(tiny_overrides, SAVING + ["model.num_layers=1"])
+    assert str(err.value).endswith("(model.num_layers: 2 there, 1 here): give this run another run_name, or set "
+                                   "checkpoint.overwrite=true to replace that run")
     assert snapshot(first.run_dir) == before
 
 
-def test_resume_none_over_checkpoints_is_refused(tiny_overrides):
+def test_a_run_directory_that_cannot_be_created_is_one_line(tiny_overrides, tmp_path):
+    """A logging.output_dir below a file (or without write permission) ended in mkdir's traceback."""
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError) as err:
+        make_trainer(tiny_overrides, SHORT + [f"logging.output_dir={tmp_path / 'a_file' / 'runs'}"])
+    assert str(err.value) == (f"cannot write in {tmp_path / 'a_file' / 'runs' / 't'} (Not a directory): point "
+                              "logging.output_dir (or checkpoint.dir) at a directory this run may write")
+
+
+
     first = make_trainer(tiny_overrides, SAVING)
     first.fit()
     before = snapshot(first.run_dir)

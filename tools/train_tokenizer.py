@@ -25,7 +25,9 @@ from tools.preprocess_data import add_text_tree_options, byte_count  # noqa: E40
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, help="text/JSONL files, directories, or 'stdlib'")
-    parser.add_argument("--output", required=True, help="path of the tokenizer.json to write")
+    parser.add_argument("--output", required=True, help="path of the tokenizer.json to write (must not exist unless "
+                                                        "--overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.json")
     parser.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size, special tokens included")
     parser.add_argument("--json-key", default="text", help="field holding the text in JSONL records")
     add_text_tree_options(parser, "text-tree mode: the fraction of files tools/preprocess_data.py holds out with the "
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.extensions is not None:
             tree = scan_text_tree(args.input, args.extensions, args.valid_fraction, args.seed, args.max_file_bytes)
         docs, size = train_tokenizer(args.input, args.output, args.vocab_size, args.json_key, tree,
-                                     args.sample_bytes)
+                                     args.sample_bytes, args.overwrite)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

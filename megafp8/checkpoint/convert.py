@@ -109,6 +109,12 @@ def shard(checkpoint: Path, out_root: Path) -> Path:
     return publish(out_root, tmp, step, keep_last=0)
 
 
+def tensor_order(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key of a tensor name, numbers by value (`layers.2` before `layers.10`): the listing's order, the same for
+    both forms (a sharded checkpoint's index holds the tensors in the order the ranks wrote them)."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in name.split("."))
+
+
 def describe(checkpoint: Path) -> str:
     state = load_checkpoint(checkpoint, advice=CONVERTING)
     config = state.get("config", {})
@@ -133,7 +139,7 @@ def describe(checkpoint: Path) -> str:
     optimizer = state.get("optimizer", {})
     lines += ["", "| tensor | shape | dtype | FP32 master | AdamW moments |", "|---|---|---|---|---|"]
     total = 0
-    for name, tensor in state["model"].items():
+    for name, tensor in sorted(state["model"].items(), key=lambda item: tensor_order(item[0])):
         total += tensor.numel()
         has_master = name in optimizer.get("masters", {})
         has_moments = name in optimizer.get("exp_avg", {})

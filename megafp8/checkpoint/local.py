@@ -166,9 +166,23 @@ def _legacy_complete(directory: Path) -> bool:
     return is_sharded_checkpoint(directory) and (directory / META_FILE).is_file()
 
 
+def not_a_checkpoint(directory: Path) -> Optional[str]:
+    """One line when `directory` is a directory of checkpoints (`step_N` directories, `latest`) or a run directory
+    holding `checkpoints/`, not a checkpoint itself: it names the newest complete checkpoint in it. None otherwise."""
+    if (directory / MANIFEST_FILE).exists() or _legacy_complete(directory):
+        return None
+    for root in (directory, directory / "checkpoints"):
+        steps = _step_dirs(root)
+        if steps:
+            newest = find_latest(root) or steps[-1]
+            return f"{directory} holds checkpoints but is not one: give one of them, e.g. {newest}"
+    return None
+
+
 def checkpoint_problem(directory: Path) -> Optional[str]:
     """Why `directory` is not a complete checkpoint, in one line (None if it is): its manifest is missing or
-    damaged, or a file it lists is missing or of another size. Cheap: no file is read but the manifest."""
+    damaged, or a file it lists is missing or of another size, or it is a directory that holds checkpoints. Cheap:
+    no file is read but the manifest."""
     if not directory.is_dir():
         return f"checkpoint '{directory}' not found"
     try:
@@ -178,7 +192,8 @@ def checkpoint_problem(directory: Path) -> Optional[str]:
     if files is None:
         if _legacy_complete(directory):
             return None
-        return f"checkpoint {directory} is incomplete (no {MANIFEST_FILE}: its save did not finish)"
+        return (not_a_checkpoint(directory)
+                or f"checkpoint {directory} is incomplete (no {MANIFEST_FILE}: its save did not finish)")
     return quick_problem(directory, files)
 
 
@@ -275,12 +290,16 @@ def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMI
     first (a ConfigError naming the first bad file). `advice`: how errors end (training's by default)."""
     if not path.exists():
         raise ConfigError(f"checkpoint '{path}' not found; {advice.missing}")
+    if path.is_dir() and (holder := not_a_checkpoint(path)) is not None:
+        raise ConfigError(holder)
     directory = path if path.is_dir() else path.parent
     problem = verification_problem(directory) if verify and (path.is_dir() or has_checksums(directory)) else None
     if problem:
         raise ConfigError(f"{problem}; {advice.damaged}")
     if path.is_dir() and is_sharded_checkpoint(path):
         return _consolidate(path, advice)
+    if path.is_file() and is_sharded_checkpoint(path.parent):
+        raise ConfigError(f"{path} is one file of the sharded checkpoint {path.parent}: give that directory")
     file = path / STATE_FILE if path.is_dir() else path
     if not file.is_file():
         raise ConfigError(f"checkpoint '{path}' not found (expected {file}); {advice.missing}")

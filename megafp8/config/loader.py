@@ -71,7 +71,12 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key, sep, text = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override '{item}' is not of the form section.key=value (e.g. model.num_layers=4)")
-        value = yaml.safe_load(text) if text != "" else ""
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override '{item}': its value is not valid YAML ({yaml_problem(err)}); a string "
+                              f"with YAML's special characters goes in quotes inside the shell's: '{key}=\"{text}\"'"
+                              ) from None
         node = nested
         parts = key.split(".")
         for part in parts[:-1]:
@@ -185,6 +190,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        _refuse_integral_spelling(key, value)
     elif tp is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -205,6 +211,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     else:
         raise TypeError(f"config field {key} has unsupported type {tp!r}")
     raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} ({value!r})")
+
+
+def _refuse_integral_spelling(key: str, value: Any) -> None:
+    """An int setting written as a whole float (`1e3`, which PyYAML reads as a string, or `1000.0`): one line that
+    says how to write it. Other values fall through to the type error."""
+    if isinstance(value, bool) or not isinstance(value, (str, float)):
+        return
+    try:
+        number = float(value)
+    except ValueError:
+        return
+    if math.isfinite(number) and number == int(number):
+        raise ConfigError(f"{key}: expected int, got {type(value).__name__} ({value!r}): write it as {int(number)}")
 
 
 def _moved_keys(cls: type, raw: dict[str, Any], prefix: str) -> None:
@@ -276,6 +295,18 @@ def model_config_from_saved(saved: dict[str, Any]) -> ModelConfig:
     return build_dataclass(ModelConfig, upgrade_saved_model(saved), "model.", ignore_unknown=True)
 
 
+def yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: where (1-based line and column: the construct it was reading, else where it
+    stopped) and what, e.g. `line 4, column 3: could not find expected ':' (while scanning a simple key)`. Its own
+    message spans lines and names the stream "<unicode string>"."""
+    problem = getattr(err, "problem", None)
+    context = getattr(err, "context", None)
+    mark = getattr(err, "context_mark", None) or getattr(err, "problem_mark", None)
+    if mark is None or problem is None:
+        return " ".join(str(err).split())
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
+
+
 def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
     """Load, override, build and validate a config. `None` means the built-in defaults."""
     raw: dict[str, Any] = {}
@@ -286,7 +317,7 @@ def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | N
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+            raise ConfigError(f"{path}: not valid YAML: {yaml_problem(err)}") from None
         raw = loaded if loaded is not None else {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")

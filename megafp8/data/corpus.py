@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -37,8 +38,19 @@ def input_files(inputs: list[str]) -> list[Path]:
         else:
             raise ConfigError(f"input '{item}' does not exist (give text/JSONL files, directories, or '{STDLIB}')")
     if not files:
-        raise ConfigError(f"no input files found in {inputs}")
+        raise ConfigError(_nothing_to_read(inputs))
     return files
+
+
+def _nothing_to_read(inputs: list[str]) -> str:
+    """Why directories gave no documents, and the option that reads the files they do hold."""
+    found = Counter(p.suffix.lower() for item in inputs for p in Path(item).rglob("*") if p.is_file() and p.suffix)
+    where = " ".join(inputs)
+    if not found:
+        return f"no input files found in {where}"
+    kinds = ", ".join(f"{n} {suffix}" for suffix, n in found.most_common(4))
+    return (f"no .txt, .jsonl or .json files in {where} (it holds {kinds} files): to read other text files, add "
+            f"--extensions with their endings, e.g. --extensions {found.most_common(1)[0][0]} (each file one document)")
 
 
 def read_documents(path: Path, json_key: str = "text") -> Iterator[str]:

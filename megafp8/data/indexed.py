@@ -106,6 +106,8 @@ def read_meta(path: str | Path) -> DatasetMeta:
     meta_path = root / META_FILE
     if not meta_path.is_file():
         what = "does not exist" if not root.exists() else f"has no {META_FILE}"
+        if not root.is_absolute():  # a run launched from another directory than the data's
+            what += f" (relative to the working directory, {Path.cwd()})"
         raise ConfigError(
             f"data.path '{root}' {what}. Create it with: python tools/preprocess_data.py --input <files or 'stdlib'> "
             f"--output {root} (or point data.path at a directory written by that tool)"

@@ -74,13 +74,17 @@ def preprocess(
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "valid")}
     started, num_docs, num_tokens = time.time(), 0, 0
-    last_train: np.ndarray | None = None
+    held: np.ndarray | None = None  # the latest training document, written one behind (see `_place_last`)
     for split, tokens in _split_documents(tokenizer, files, valid_fraction, seed, json_key, tree):
-        writers[split].add(tokens)
-        last_train = tokens if split == "train" else last_train
+        if split == "train":
+            if held is not None:
+                writers["train"].add(held)
+            held = tokens
+        else:
+            writers["valid"].add(tokens)
         num_docs, num_tokens = num_docs + 1, num_tokens + len(tokens)
-    if valid_fraction > 0 and not writers["valid"].shards and last_train is not None:
-        writers["valid"].add(last_train)  # tiny inputs: keep a held-out split (duplicating one document)
+    if held is not None:
+        _place_last(held, writers, valid_fraction, num_docs)
     splits = {s: w.close() for s, w in writers.items() if w.shards}
     if "train" not in splits:
         shutil.rmtree(tmp)
@@ -99,6 +103,23 @@ def preprocess(
     return splits
 
 
+def _place_last(last: np.ndarray, writers: dict[str, ShardWriter], valid_fraction: float, num_docs: int) -> None:
+    """Write the last training document. Where the draw held out no document, it is moved to the held-out split
+    instead (as the text-tree mode moves a file), or, being the only document, copied there, with a warning that
+    validation then reads training data."""
+    if valid_fraction == 0 or writers["valid"].shards:
+        writers["train"].add(last)
+    elif writers["train"].shards:
+        writers["valid"].add(last)
+        log.info("--valid-fraction %g drew none of the %d documents: the last one is held out instead",
+                 valid_fraction, num_docs)
+    else:
+        writers["train"].add(last)
+        writers["valid"].add(last)
+        log.warning("one document only: the held-out split is a copy of it, so validation loss is measured "
+                    "on training data (give more documents for a real held-out split)")
+
+
 def _split_documents(tokenizer: Tokenizer, files: list[Path], valid_fraction: float, seed: int, json_key: str,
                      tree: TextTree | None) -> Iterator[tuple[str, np.ndarray]]:
     """(split, tokens) of every document: a text tree's files split by file, else each document by a seeded draw."""
@@ -114,9 +135,10 @@ def _split_documents(tokenizer: Tokenizer, files: list[Path], valid_fraction: fl
 
 
 def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json_key: str = "text",
-                    tree: TextTree | None = None, sample_bytes: int = 0) -> tuple[int, int]:
+                    tree: TextTree | None = None, sample_bytes: int = 0, overwrite: bool = False) -> tuple[int, int]:
     """Train a byte-level BPE `tokenizer.json` on local files with Hugging Face `tokenizers`; returns the
-    (documents, bytes) it was trained on.
+    (documents, bytes) it was trained on. An existing `output` is replaced only with `overwrite` (data tokenized
+    with it names it in its meta.json).
 
     With `tree` (from `scan_text_tree`), the documents are its train split's files only (the held-out files stay
     unseen), in its seeded order; `sample_bytes` > 0 stops after the document that reaches that many bytes (with a
@@ -127,6 +149,9 @@ def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json
         raise ConfigError("training a tokenizer needs `tokenizers`: pip install 'megafp8[hf]'") from None
     if vocab_size < 257:
         raise ConfigError(f"--vocab-size must be at least 257 (256 bytes + end-of-text), got {vocab_size}")
+    if Path(output).exists() and not overwrite:
+        raise ConfigError(f"output '{output}' already exists (data tokenized with it would no longer match it): pass "
+                          "--overwrite to replace it, or choose another --output")
     if tree is not None:
         docs: Iterable[str] = map(read_text, tree.train)
     else:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from megafp8.config import Config, ConfigError
 from megafp8.config.layout import V_SHAPED
@@ -101,8 +101,22 @@ def search_layouts(cfg: Config, world_size: int, gpu_bytes: float, max_tp: int =
             + sorted(refused, key=lambda o: (o.planned_gib is None, o.planned_gib or 0.0, o.cost())))
 
 
-def render_layouts(options: list[LayoutOption], world_size: int, gpu_bytes: float) -> str:
-    """The search as a table, the recommendation first (or why nothing fits)."""
+def lighter_settings(cfg: Config) -> list[str]:
+    """The settings that lower every layout's memory and that `cfg` does not use yet, as advice."""
+    advice = []
+    if cfg.training.micro_batch_size > 1:
+        advice.append("lower training.micro_batch_size")
+    if not cfg.optimizer.sharded:
+        advice.append("set optimizer.sharded=true")
+    if cfg.training.recompute != "full":
+        advice.append("set training.recompute=full")
+    return advice
+
+
+def render_layouts(options: list[LayoutOption], world_size: int, gpu_bytes: float,
+                   lighter: Sequence[str] = ()) -> str:
+    """The search as a table, the recommendation first (or why nothing fits: more GPUs, the `lighter` settings
+    (`lighter_settings`), a smaller model)."""
     lines = [f"layouts on {world_size} GPU(s) of {gpu_bytes / GIB:,.1f} GiB", "",
              "| | tp | pp | ep | dp | planned GiB per GPU (busiest rank) | why not |", "|---|---|---|---|---|---|---|"]
     for i, o in enumerate(options):
@@ -114,6 +128,5 @@ def render_layouts(options: list[LayoutOption], world_size: int, gpu_bytes: floa
         lines += ["", "recommended overrides: " + " ".join(options[0].overrides),
                   "(the least model parallelism that fits; measure it: benchmarks/train_step.py at these settings)"]
     else:
-        lines += ["", "no layout fits: raise the GPU count, lower training.micro_batch_size, set "
-                      "optimizer.sharded=true or training.recompute=full, or use a smaller model"]
+        lines += ["", "no layout fits: " + ", ".join(["raise the GPU count", *lighter]) + ", or use a smaller model"]
     return "\n".join(lines)

@@ -4,12 +4,13 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+from typing import NoReturn
 
 import torch
 
 from megafp8.config import Config, ConfigError, dump_config, load_config
 from megafp8.precision import check_backend_name
-from megafp8.train.layouts import render_layouts, search_layouts
+from megafp8.train.layouts import lighter_settings, render_layouts, search_layouts
 from megafp8.train.plan import GIB, dry_run, make_plan, with_vocab
 from megafp8.train.preemption import exit_status
 from megafp8.train.runtime import env_rank, init_distributed, report_error, seed_everything, shutdown
@@ -27,9 +28,31 @@ PLAN_DESCRIPTION = ("Plan a run without allocating it: parameters by part, memor
                     "start with.")
 
 
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors end with how to write what was probably meant (`usage_hint`)."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + usage_hint(message))
+
+
+def usage_hint(message: str) -> str:
+    """For an argparse error: settings given as options (`--training.steps=10`) are overrides without dashes; a
+    config given without `--config` needs it."""
+    unknown = message.partition("unrecognized arguments: ")[2].split()
+    dotted = [arg.lstrip("-") for arg in unknown if arg.startswith("--") and "." in arg.partition("=")[0]]
+    if dotted:
+        return f" (settings are overrides without dashes, after the options: {' '.join(dotted)})"
+    if unknown:
+        return (" (settings go after the options as section.key=value, e.g. training.steps=10; --print-config "
+                "lists them)")
+    if "required: --config" in message:
+        return " (e.g. --config tiny_dense.yaml: a file in configs/, or a path)"
+    return ""
+
+
 def build_parser(prog: str, description: str, plan_only: bool = False) -> argparse.ArgumentParser:
     """The command line of `launch/pretrain.py`, or with `plan_only` that of `tools/plan.py` (always a dry run)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = CommandLineParser(prog=prog, description=description)
     parser.add_argument("--config", required=True,
                         help="a YAML path, or a name in configs/ (with or without .yaml), e.g. tiny_dense")
     if not plan_only:
@@ -102,7 +125,8 @@ def layouts_main(cfg: Config, world_size: int, gpu_gib: float | None, max_tp: in
         gpu_gib = (torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available()
                    else H200_GIB)
     gpu_bytes = gpu_gib * GIB
-    return render_layouts(search_layouts(with_vocab(cfg), world_size, gpu_bytes, max_tp), world_size, gpu_bytes)
+    return render_layouts(search_layouts(with_vocab(cfg), world_size, gpu_bytes, max_tp), world_size, gpu_bytes,
+                          lighter_settings(cfg))
 
 
 def plan_main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megafp8.checkpoint.local import (
     checkpoint_bytes,
     has_checksums,
+    not_a_checkpoint,
     resume_candidates,
     saved_config,
     verification_problem,
@@ -70,6 +71,8 @@ def verified_resume_path(resume: str, checkpoint_dir: Path, dims: ParallelDims) 
                         "or checkpoint.dir)", resume, resume)
         return _newest_good(checkpoint_dir, dims)
     path = Path(resume)
+    if path.is_dir() and (holder := not_a_checkpoint(path)) is not None:
+        raise ConfigError(f"checkpoint.resume: {holder}")
     problem = first_problem(path.parent if path.is_file() else path, dims)  # a directory, or its state.pt
     if problem:
         raise ConfigError(f"{problem}. Resume from another checkpoint (checkpoint.resume=PATH), or set "

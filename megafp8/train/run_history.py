@@ -164,8 +164,9 @@ def judge(earlier: Optional[EarlierRun], current: dict[str, Any], resume: str, o
         if overwrite:
             return Verdict(replace=True)
         more = f" and {len(changes) - 1} more setting(s)" if len(changes) > 1 else ""
-        return Verdict(refusal=f"{run_dir} holds another run ({changes[0]}{more}): give this run another run_name, "
-                               "or set checkpoint.overwrite=true to replace that run")
+        return Verdict(refusal=f"{run_dir} holds another run ({changes[0]}{more}): give this run another run_name"
+                               f"{_start_from(earlier, changes, checkpoint_dir)}, or set checkpoint.overwrite=true "
+                               "to replace that run")
     if resume == "none" and earlier.checkpoints:
         if overwrite:
             return Verdict(replace=True)
@@ -182,6 +183,15 @@ def judge(earlier: Optional[EarlierRun], current: dict[str, Any], resume: str, o
                                "(checkpoint.resume=PATH); give this run another run_name, or set "
                                "checkpoint.overwrite=true to start it over")
     return Verdict()
+
+
+def _start_from(earlier: EarlierRun, changes: list[str], checkpoint_dir: Path) -> str:
+    """How a new run starts from the earlier run's newest checkpoint, as a clause of the refusal; empty where there
+    is none, or where the model changed (its tensors would not fit)."""
+    if not earlier.checkpoints or any(change.startswith("model.") for change in changes):
+        return ""
+    newest = checkpoint_dir / earlier.checkpoints[-1]
+    return f" (to continue from that run's newest checkpoint: checkpoint.resume={newest})"
 
 
 def remove_earlier_run(run_dir: Path, checkpoint_dir: Path, metrics_path: Path) -> None:

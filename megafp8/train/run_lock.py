@@ -71,9 +71,13 @@ def _lock(directory: Path, create: bool) -> Optional[IO[str]]:
     path = directory / LOCK_FILE
     if not create and not path.is_file():
         return None
-    if create:
-        directory.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a+" if create else "r+")
+    try:
+        if create:
+            directory.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+" if create else "r+")
+    except OSError as err:
+        raise ConfigError(f"cannot write in {directory} ({err.strerror}): point logging.output_dir (or checkpoint.dir) "
+                          "at a directory this run may write") from None
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
