@@ -110,6 +110,11 @@ COMMANDS: dict[str, Run | Skip] = {
         Run((("checkpoint.interval=100", f"checkpoint.interval=2 {TINY_TRAINING}"),),
             f"2 steps, saving {TINY_STEP} where the docs' 200-step run saves step_00000100 and step_00000200"),
     # Checkpoints: the 2-step checkpoint stands in for the docs' step_00000100/200 (and runs/big's step_00001000).
+    "python launch/pretrain.py --config tiny_dense.yaml --evaluate data.path=data/pystdlib training.eval_iters=20":
+        Run((("training.eval_iters=20", "training.eval_iters=1"),), "the 2-step run's newest checkpoint, one batch"),
+    "python launch/pretrain.py --config tiny_dense.yaml --evaluate data.path=data/pystdlib "
+    "checkpoint.resume=runs/tiny_dense/checkpoints/step_00000100":
+        Run((("step_00000100", f"{TINY_STEP} training.eval_iters=1"),), "the 2-step run's checkpoint, one batch"),
     "python tools/convert_checkpoint.py inspect runs/tiny_dense/checkpoints/step_00000200":
         Run((("step_00000200", TINY_STEP),), "the 2-step run's checkpoint"),
     "python tools/convert_checkpoint.py to-hf runs/tiny_dense/checkpoints/step_00000200 --out hf/tiny":

@@ -119,6 +119,24 @@ def test_checkpoint_from_two_sharded_ranks_resumes_on_one(tiny_overrides, tmp_pa
     torch.testing.assert_close(torch.tensor(one_rank), torch.tensor(two_rank[3:]), rtol=2e-3, atol=0)
 
 
+def test_evaluate_gives_one_loss_at_any_rank_count(tiny_overrides, tmp_path):
+    """A checkpoint saved on one rank, evaluated by `--evaluate` on two ranks (DP=2: each evaluates half of the
+    held-out micro-batches) and on one: the same loss, and that of the run's own evaluation at that step."""
+    common = [*tiny_overrides, f"logging.output_dir={tmp_path}", "checkpoint.interval=2", "training.steps=2",
+              "training.eval_interval=2", "training.eval_iters=4", "checkpoint.format=sharded"]
+    Trainer(load_config("tiny_dense", common), ParallelDims.single(), torch.device("cpu")).fit()
+    logged = [r["val_loss"] for r in read_metrics(tmp_path / "t") if r["kind"] == "eval"]
+    two = torchrun(2, ["--config", "tiny_dense", "--evaluate", *common])
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run([sys.executable, PRETRAIN, "--config", "tiny_dense", "--evaluate", *common],
+                         capture_output=True, text=True, timeout=120, env=torchrun_env(), cwd=REPO)
+    assert one.returncode == 0, one.stderr[-3000:]
+    records = [json.loads(result.stdout.strip().splitlines()[-1]) for result in (two, one)]
+    assert [r["step"] for r in records] == [2, 2] and two.stdout.count('"val_loss"') == 1  # printed by rank 0 only
+    assert records[0]["val_loss"] == pytest.approx(records[1]["val_loss"], rel=1e-5)
+    assert records[1]["val_loss"] == pytest.approx(logged[-1], rel=1e-6)
+
+
 def test_divergence_stops_with_one_clear_error(tiny_overrides):
     cmd = [sys.executable, PRETRAIN, "--config", "tiny_dense", *tiny_overrides, "optimizer.lr=1e6",
            "training.eval_interval=0", "training.max_consecutive_skips=2"]

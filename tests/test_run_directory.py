@@ -330,3 +330,40 @@ def test_a_schedule_change_is_told_only_where_it_moves_the_resumed_learning_rate
     assert "optimizer.decay_style: wsd there, cosine here" in schedule_change_warning(
         config(100), config(100, decay_style="cosine"), 10, 10)
     assert schedule_change_warning({"training": {"steps": 100}}, config(100), 90, 90) is None  # saved lacks them
+
+
+# ------------------------------------------------------------------------------ --evaluate
+
+
+def _evaluate(overrides, capsys) -> tuple[int, str, str]:
+    from megafp8.train.main import main
+    status = main(["--config", "tiny_dense", "--evaluate", *overrides])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_evaluate_gives_a_checkpoints_validation_loss_and_writes_nothing(tiny_overrides, capsys):
+    """`--evaluate` loads the run's newest checkpoint (or the one checkpoint.resume names) and gives the loss the run
+    logged at that step, on the same held-out micro-batches; the run directory is left byte for byte as it was (no
+    launch recorded, no metric dropped, no lock file), even where the run evaluates nowhere itself."""
+    evaluating = SAVING + ["training.eval_interval=2", "training.eval_iters=2"]
+    trainer = make_trainer(tiny_overrides, evaluating)
+    trainer.fit()
+    logged = {r["step"]: r["val_loss"] for r in map(json.loads, trainer.metrics_path.read_text().splitlines())
+              if r["kind"] == "eval"}
+    before = snapshot(trainer.run_dir)
+    for extra, step in ((["training.eval_interval=0"], 4), ([f"checkpoint.resume={trainer.checkpoint_dir}/step_00000002"], 2)):
+        status, out, _ = _evaluate(tiny_overrides + SAVING + ["training.eval_iters=2"] + extra, capsys)
+        assert status == 0
+        record = json.loads(out.strip().splitlines()[-1])
+        assert record["step"] == step and record["checkpoint"].endswith(f"step_0000000{step}")
+        assert record["val_loss"] == pytest.approx(logged[step], rel=1e-6)
+    assert snapshot(trainer.run_dir) == before
+
+
+def test_evaluate_without_a_checkpoint_says_what_to_name(tiny_overrides, tmp_path, capsys):
+    status, _, err = _evaluate(tiny_overrides + SHORT, capsys)
+    assert status == 2 and "--evaluate: " in err and "holds no checkpoint: name one with checkpoint.resume=PATH" in err
+    status, _, err = _evaluate(tiny_overrides + SHORT + ["checkpoint.resume=none"], capsys)
+    assert status == 2 and "checkpoint.resume=none names none" in err
+    assert not (tmp_path / "runs").exists()  # nothing was written

@@ -69,8 +69,10 @@ class Parts:
     whole_model_meta: Callable[[], Transformer]
 
 
-def build_parts(cfg: Config, dims: ParallelDims, device: torch.device, num_micro_batches: int) -> Parts:
-    """Every part of a run on this rank, built in a fixed order (every rank runs the same collectives)."""
+def build_parts(cfg: Config, dims: ParallelDims, device: torch.device, num_micro_batches: int,
+                evaluating: bool = False) -> Parts:
+    """Every part of a run on this rank, built in a fixed order (every rank runs the same collectives);
+    `evaluating`: the held-out set even where the run does not evaluate (`launch/pretrain.py --evaluate`)."""
     layout = pipeline_layout(cfg)  # built once: the memory check, the model and the pipeline runner read it
     cfg, model_cfg, recipe, meta = resolve(cfg, dims, device, layout)
     tp, ep = dims.tensor_parallel, dims.expert_parallel
@@ -79,7 +81,7 @@ def build_parts(cfg: Config, dims: ParallelDims, device: torch.device, num_micro
                         stages=layout.local_stages(dims.pp_rank) if layout else None, fp8=fp8)
     loss_scaler = DynamicLossScaler.from_config(cfg.precision) if recipe.name == "fp16" else None
     optimizer = build_optimizer(model, cfg, dims)
-    loader, valid_set = build_data(cfg, meta, dims)
+    loader, valid_set = build_data(cfg, meta, dims, evaluating)
     training = cfg.training
     pipeline = (PipelineRunner(model, layout, dims, num_micro_batches, training.micro_batch_size, cfg.data.seq_len,
                                device) if layout else None)
@@ -168,14 +170,15 @@ def build_optimizer(model: Transformer, cfg: Config, dims: ParallelDims) -> Dist
     return DistributedAdamW(buckets, names, opt, tp, dims.expert_parallel, dims.pp_group)
 
 
-def build_data(cfg: Config, meta: DatasetMeta, dims: ParallelDims) -> tuple[DistributedLoader, Optional[PackedDataset]]:
-    """This rank's training loader and, when the run evaluates, the held-out set."""
+def build_data(cfg: Config, meta: DatasetMeta, dims: ParallelDims,
+               evaluating: bool = False) -> tuple[DistributedLoader, Optional[PackedDataset]]:
+    """This rank's training loader and, when the run evaluates (or only `evaluating`), the held-out set."""
     data, training = cfg.data, cfg.training
     train_set = PackedDataset(TokenStream(meta, data.train_split), data.seq_len, data.train_split)
     loader = DistributedLoader(train_set, training.global_batch_size, training.micro_batch_size, dims.dp_rank,
                                dims.dp_size, training.seed if data.seed is None else data.seed)
     valid_set = None
-    if training.eval_interval > 0:
+    if training.eval_interval > 0 or evaluating:
         valid_set = PackedDataset(TokenStream(meta, data.valid_split), data.seq_len, data.valid_split)
     return loader, valid_set
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 from typing import NoReturn
@@ -59,6 +60,10 @@ def build_parser(prog: str, description: str, plan_only: bool = False) -> argpar
         parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
         parser.add_argument("--dry-run", action="store_true",
                             help="print parameters, per-GPU memory and FLOPs of the run and exit (allocates nothing)")
+        parser.add_argument("--evaluate", action="store_true",
+                            help="evaluate the checkpoint checkpoint.resume names (auto: the run's newest that "
+                                 "verifies) on training.eval_iters held-out micro-batches, print its record as JSON "
+                                 "and exit; writes nothing")
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks to plan the dry run for (default: torchrun's WORLD_SIZE, else 1)")
     parser.add_argument("--peak-tflops", type=float, default=989.4, help="dry run: peak TFLOP/s per GPU (H100/H200)")
@@ -74,7 +79,7 @@ def build_parser(prog: str, description: str, plan_only: bool = False) -> argpar
                                  f"{H200_GIB:g})")
         parser.add_argument("--max-tp", type=int, default=8,
                             help="--layouts: the largest tensor-parallel size to consider (GPUs of one node)")
-        parser.set_defaults(print_config=False, dry_run=True)
+        parser.set_defaults(print_config=False, dry_run=True, evaluate=False)
     return parser
 
 
@@ -165,7 +170,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         dims, device = init_distributed(cfg)
         seed_everything(cfg.training.seed)
-        trainer = Trainer(cfg, dims, device)
+        trainer = Trainer(cfg, dims, device, evaluate_only=args.evaluate)
+        if args.evaluate:
+            record = trainer.evaluate_checkpoint()
+            if dims.rank == 0:
+                print(json.dumps(record), flush=True)
+            clean = True
+            return 0
         trainer.fit()
         clean = True
         if trainer.stopped_on is not None:  # checkpointed, not finished: say so as the signal would have

@@ -70,13 +70,31 @@ def verified_resume_path(resume: str, checkpoint_dir: Path, dims: ParallelDims) 
                         "continuing from the newest of them (to start over from %s, give this run another run_name "
                         "or checkpoint.dir)", resume, resume)
         return _newest_good(checkpoint_dir, dims)
-    path = Path(resume)
+    return _verified_path(Path(resume), dims)
+
+
+def _verified_path(path: Path, dims: ParallelDims) -> Path:
+    """Checkpoint `path` (a directory, or a full checkpoint's state.pt), verified; a ConfigError names the bad
+    file."""
     if path.is_dir() and (holder := not_a_checkpoint(path)) is not None:
         raise ConfigError(f"checkpoint.resume: {holder}")
     problem = first_problem(path.parent if path.is_file() else path, dims)  # a directory, or its state.pt
     if problem:
         raise ConfigError(f"{problem}. Resume from another checkpoint (checkpoint.resume=PATH), or set "
                           "checkpoint.resume=auto to take the newest one that verifies")
+    return path
+
+
+def checkpoint_to_evaluate(resume: str, checkpoint_dir: Path, dims: ParallelDims) -> Path:
+    """The checkpoint `launch/pretrain.py --evaluate` evaluates, verified: the one `checkpoint.resume` names, or for
+    `auto` the newest good one under `checkpoint_dir`. A ConfigError where there is none."""
+    if resume == "none":
+        raise ConfigError("--evaluate evaluates a checkpoint, and checkpoint.resume=none names none: leave it auto "
+                          "(the newest in checkpoint.dir) or name one (checkpoint.resume=PATH)")
+    path = _newest_good(checkpoint_dir, dims) if resume == "auto" else _verified_path(Path(resume), dims)
+    if path is None:
+        raise ConfigError(f"--evaluate: {checkpoint_dir} holds no checkpoint: name one with checkpoint.resume=PATH, "
+                          "or give the run_name (or checkpoint.dir) of the run that saved them")
     return path
 
 

@@ -38,6 +38,7 @@ from megafp8.train.metrics import (
 )
 from megafp8.train.nonfinite import NonFiniteGuard, unscale_or_skip, window_loss
 from megafp8.train.preemption import StopRequest, stop_agreed
+from megafp8.train.resume import checkpoint_to_evaluate
 from megafp8.train.run_history import choose_start, record_launch, run_paths
 from megafp8.train.run_lock import claim_run_directories, open_run_directories
 from megafp8.train.runtime import host_to_device
@@ -49,14 +50,17 @@ log = logging.getLogger("megafp8")
 class Trainer:
     """One run on one rank: the loop over the model, optimizer, data and checkpointer built from `cfg`."""
 
-    def __init__(self, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
+    def __init__(self, cfg: Config, dims: ParallelDims, device: torch.device, evaluate_only: bool = False) -> None:
+        """`evaluate_only`: load the checkpoint `checkpoint.resume` names (`auto`: the newest that verifies) for
+        `evaluate_checkpoint`, and write nothing (`launch/pretrain.py --evaluate`)."""
         self.dims, self.device = dims, device
         self.tp, self.ep = dims.tensor_parallel, dims.expert_parallel
         self.num_micro_batches = validate_for_world(cfg, dims.world_size)
         self.run_dir, self.checkpoint_dir, self.metrics_path = run_paths(cfg)
-        # Nothing is written into the run directory until the config, data and checkpoint are validated.
-        self.run_lock = claim_run_directories(self.run_dir, self.checkpoint_dir, dims)
-        parts = build_parts(cfg, dims, device, self.num_micro_batches)
+        # Nothing is written into the run directory until the config, data and checkpoint are validated; an
+        # evaluation writes nothing there, so it takes no lock (it may run beside the training run).
+        self.run_lock = None if evaluate_only else claim_run_directories(self.run_dir, self.checkpoint_dir, dims)
+        parts = build_parts(cfg, dims, device, self.num_micro_batches, evaluating=evaluate_only)
         self.cfg, self.model_cfg, self.recipe, self.layout = parts.cfg, parts.model_cfg, parts.recipe, parts.layout
         self.model, self.fp8, self.optimizer = parts.model, parts.fp8, parts.optimizer
         self.grad_buckets = parts.optimizer.buckets
@@ -74,7 +78,8 @@ class Trainer:
                                      training_flops_per_token(self.model_cfg, self.cfg.data.seq_len), dims.world_size,
                                      peak_tflops(device, self.cfg.logging.peak_tflops))
         self.stopped_on: str | None = None  # the signal a run stopped on (`checkpoint.save_on_signal`)
-        self.metrics = self._open_run()
+        self.loaded_from: Path | None = None  # the checkpoint this launch resumed or evaluates
+        self.metrics = self._open_for_evaluation() if evaluate_only else self._open_run()
 
     @property
     def step(self) -> int:
@@ -136,6 +141,13 @@ class Trainer:
         """Mean loss over the fixed held-out micro-batches (`training.eval_iters` of them, split across ranks)."""
         assert self.valid_set is not None
         return evaluate(self.model, self.pipeline, self.valid_set, self.cfg.training, self.dims, self.device)
+
+    def evaluate_checkpoint(self) -> dict[str, Any]:
+        """The evaluation record of the checkpoint loaded with `evaluate_only`, logged as training logs its
+        evaluations (the same held-out micro-batches, so the same loss as the run's own evaluation at that step)."""
+        record = eval_record(self.step, self.evaluate())
+        log.info("%s (%s)", format_eval_line(record), self.loaded_from)
+        return {**record, "checkpoint": str(self.loaded_from)}
 
     # ------------------------------------------------------------------------------------ loop
     def fit(self) -> list[dict[str, Any]]:
@@ -245,6 +257,7 @@ class Trainer:
         """Resume from checkpoint `path`, already verified (`megafp8.train.resume.verified_resume_path`); `named`:
         the one `checkpoint.resume` names."""
         self.checkpointer.load(path, named)
+        self.loaded_from = path
         self.fp8.convert(self.model, self.step)  # from precision.fp8_start_step on, the planned layers run FP8
 
     def _open_run(self) -> ExperimentLogger:
@@ -261,6 +274,12 @@ class Trainer:
             record_launch(self.run_dir, self.checkpoint_dir, self.metrics_path, self.step, replace, resumed_from,
                           dump_config(self.resolved_config()))
         return build_logger(self.cfg, resolved, self.run_dir, self.metrics_path, self.dims)
+
+    def _open_for_evaluation(self) -> ExperimentLogger:
+        """Load the checkpoint to evaluate; the run directory is neither judged nor written (no launch is recorded,
+        no metric dropped) and the loggers are off."""
+        self.load(checkpoint_to_evaluate(self.cfg.checkpoint.resume, self.checkpoint_dir, self.dims), named=True)
+        return ExperimentLogger([], self.run_dir, self.metrics_path, "", {}, "", enabled=False)
 
     def resolved_config(self) -> Config:
         """The run's config with the model's vocabulary resolved (what `config.yaml` records)."""
