@@ -43,7 +43,8 @@ install_deepgemm() {  # DeepGEMM (the `deepgemm` backend; a peer column of dense
   { echo "compiler $cxx: $($cxx --version | head -n 1); its libstdc++ $($cxx -print-file-name=libstdc++.so.6)"
     python -c "import torch; print('libstdc++ in a torch process:',
       sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l}))"
-    nvcc --version | tail -n 2; } >> "$log" 2>&1
+    "${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")}/bin/nvcc" --version \
+      | tail -n 2; } >> "$log" 2>&1
   if python tools/install_deepgemm.py --prefix "$prefix" --source "$src" >> "$log" 2>&1; then
     # shellcheck disable=SC1091
     source "$prefix/deepgemm.env"

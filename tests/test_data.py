@@ -12,6 +12,7 @@ from megafp8.data import (
     ByteTokenizer, DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches,
 )
 from megafp8.data.preprocess import preprocess, train_tokenizer
+from megafp8.data.corpus import input_files, read_documents
 
 
 def write_docs(folder, docs):
@@ -86,6 +87,17 @@ def test_existing_output_is_not_clobbered(tmp_path):
     with pytest.raises(ConfigError, match="already exists; pass --overwrite"):
         preprocess([str(src)], tmp_path / "out")
     assert read_meta(tmp_path / "out").splits
+
+
+def test_upper_case_endings_are_read_as_their_kind(tmp_path):
+    """A directory of .TXT and .JSONL files: read as text and JSON lines, not refused as holding '.txt' files."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "A.TXT").write_text("plain text document " * 20)
+    (src / "b.JSONL").write_text('{"text": "one"}\n{"text": "two"}\n')
+    files = input_files([str(src)])
+    assert [p.name for p in files] == ["A.TXT", "b.JSONL"]
+    assert list(read_documents(files[1])) == ["one", "two"]
 
 
 def test_missing_inputs_and_data_path(tmp_path):

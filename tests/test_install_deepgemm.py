@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,8 +103,10 @@ def test_it_builds_both_forms_checks_them_least_intrusive_first_and_writes_what_
     assert all(env["PYTHONPATH"].split(":")[1:] == [str(tool.REPO_ROOT), "/site/mine"] for env in checks.seen)
     assert "SIGSEGV" in out and "Err: wrong here" in out and "source " + str(prefix / "deepgemm.env") in out
     sourced = subprocess.run(["bash", "-c", f'PYTHONPATH=/a LD_PRELOAD=/b.so; source {prefix}/deepgemm.env; '
-                              'echo "$PYTHONPATH"; echo "$LD_PRELOAD"'], capture_output=True, text=True, check=True)
-    assert sourced.stdout.splitlines() == [f"{prefix / 'plain'}:/a", f"{libstdcxx} /b.so"]
+                              'echo "$PYTHONPATH"; echo "$LD_PRELOAD"; echo "$CUDA_HOME"; command -v nvcc'],
+                             capture_output=True, text=True, check=True)
+    assert sourced.stdout.splitlines() == [f"{prefix / 'plain'}:/a", f"{libstdcxx} /b.so", base["CUDA_HOME"],
+                                           f"{base['CUDA_HOME']}/bin/nvcc"]  # the toolkit its JIT was checked with
     assert "DeepGEMM 2.6.1" in (prefix / "deepgemm.env").read_text() and "NVIDIA H200" in (
         prefix / "deepgemm.env").read_text()
 
@@ -222,3 +225,66 @@ def test_a_build_past_its_time_is_stopped_with_its_compilers_and_said(tmp_path, 
     assert "build failed, skipped: static (rc timeout after 3 s" in out
     assert tool.is_built(prefix / "plain", src.resolve()) and not tool.is_built(prefix / "static", src.resolve())
     assert "sleep 987" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_builds_made_after_the_check_are_not_vouched_for(tmp_path, checks, capsys):
+    """A --build-only of a newer source (the login-node step of an upgrade) leaves no deepgemm.env that names the
+    builds as checked: the next run on the GPU checks them again."""
+    src, base = _source(tmp_path), _toolchain(tmp_path)
+    git = ["git", "-C", str(src), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    prefix = tmp_path / "dg"
+    assert _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)[0] == 0
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "two"], check=True)
+    rc, out = _install(["--prefix", str(prefix), "--source", str(src), "--build-only"], base, capsys)
+    assert rc == 0 and "plain: building" in out and not (prefix / "deepgemm.env").exists()
+    checks.seen.clear()
+    rc, out = _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)
+    assert rc == 0 and "already installed" not in out and len(checks.seen) == 1
+
+
+def _git_repo(path: Path) -> list[str]:
+    """A DeepGEMM stand-in as a git repository with two commits; returns them, oldest first."""
+    _source(path.parent, submodules=True)
+    git = ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(path)], check=True)
+    commits = []
+    for message in ("one", "two"):
+        (path / "csrc" / "version.txt").write_text(message)
+        subprocess.run(git + ["add", "-A"], check=True)
+        subprocess.run(git + ["commit", "-qm", message], check=True)
+        commits.append(subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip())
+    return commits
+
+
+def test_the_clone_is_at_the_commit_asked_for_and_a_failed_one_leaves_nothing(tmp_path, monkeypatch):
+    upstream = tmp_path / "DeepGEMM"
+    one, two = _git_repo(upstream)
+    monkeypatch.setattr(tool, "DEEPGEMM_URL", str(upstream))
+    dest = tmp_path / "prefix" / "src"
+    dest.parent.mkdir()
+    for commit in (one, two, two):  # the last one reuses the clone
+        tool.clone(dest, commit)
+        assert (dest / "csrc" / "version.txt").read_text() == ("one" if commit == one else "two")
+    with pytest.raises(tool.InstallError, match="checkout -q no-such-commit` failed"):
+        tool.clone(dest, "no-such-commit")
+    assert not dest.exists()  # no clone at the wrong commit for a later run to take
+
+
+def test_an_interrupted_build_leaves_no_compiler_running(tmp_path, capsys, monkeypatch):
+    src, base = _source(tmp_path), _toolchain(tmp_path)
+    (src / "setup.py").write_text('import subprocess, time\nsubprocess.Popen(["sleep", "986"]); time.sleep(986)\n')
+    real_wait = subprocess.Popen.wait
+
+    def interrupted(self, timeout=None):
+        if timeout is not None:
+            time.sleep(1)  # the builds have started their children
+            raise KeyboardInterrupt
+        return real_wait(self)
+    monkeypatch.setattr(subprocess.Popen, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tool.build_all(tool.check_source(src), tmp_path / "dg", tool.find_toolchain(base), False, base)
+    monkeypatch.setattr(subprocess.Popen, "wait", real_wait)
+    assert "sleep 986" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

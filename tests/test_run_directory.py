@@ -183,7 +183,7 @@ def test_a_run_directory_that_cannot_be_created_is_one_line(tiny_overrides, tmp_
                               "logging.output_dir (or checkpoint.dir) at a directory this run may write")
 
 
-
+def test_resume_none_over_checkpoints_is_refused(tiny_overrides):
     first = make_trainer(tiny_overrides, SAVING)
     first.fit()
     before = snapshot(first.run_dir)

@@ -92,19 +92,32 @@ def check_source(source: Path) -> Path:
 
 
 def clone(dest: Path, commit: str, run: Callable = subprocess.run) -> Path:
-    """A recursive clone of DeepGEMM at `commit` in `dest` (reused if it is there)."""
-    if not (dest / "setup.py").exists():
-        if dest.exists():
-            shutil.rmtree(dest)
-        steps = [["git", "clone", "-q", DEEPGEMM_URL, str(dest)],
-                 ["git", "-C", str(dest), "checkout", "-q", commit],
-                 ["git", "-C", str(dest), "submodule", "update", "-q", "--init", "--recursive"]]
-        for step in steps:
-            done = run(step, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise InstallError(f"`{' '.join(step)}` failed ({done.stderr.strip()[-300:]}); without network, "
-                                   "clone DeepGEMM recursively elsewhere and pass it with --source")
+    """A recursive clone of DeepGEMM at `commit` in `dest`: reused where it is one at that commit, else made again,
+    in a temporary directory renamed into place only once every step has passed (a failed checkout leaves nothing
+    that a later run would take for a clone at `commit`)."""
+    if (dest / "setup.py").exists() and _head(dest, run) == _head(dest, run, commit):
+        return check_source(dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    for stale in (tmp, dest):
+        if stale.exists():
+            shutil.rmtree(stale)
+    steps = [["git", "clone", "-q", DEEPGEMM_URL, str(tmp)],
+             ["git", "-C", str(tmp), "checkout", "-q", commit],
+             ["git", "-C", str(tmp), "submodule", "update", "-q", "--init", "--recursive"]]
+    for step in steps:
+        done = run(step, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise InstallError(f"`{' '.join(step)}` failed ({done.stderr.strip()[-300:]}); without network, "
+                               "clone DeepGEMM recursively elsewhere and pass it with --source")
+    tmp.rename(dest)
     return check_source(dest)
+
+
+def _head(clone_dir: Path, run: Callable, revision: str = "HEAD") -> Optional[str]:
+    """The commit `revision` names in the clone, or None where it names none there."""
+    done = run(["git", "-C", str(clone_dir), "rev-parse", "-q", "--verify", f"{revision}^{{commit}}"],
+               capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def find_toolchain(env: dict[str, str]) -> Toolchain:
@@ -178,17 +191,22 @@ def build_all(source: Path, prefix: Path, toolchain: Toolchain, rebuild: bool, b
         say(f"{variant}: building in {dest} (log {prefix / f'build_{variant}.log'})")
         started[variant] = start_build(source, dest, variant, toolchain, prefix / f"build_{variant}.log", base)
     failed = []
-    for variant, process in started.items():
-        try:
-            rc = process.wait(timeout=BUILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            rc = f"timeout after {BUILD_TIMEOUT_S} s"
-        if rc != 0:
-            failed.append(f"{variant} (rc {rc}; {_tail(prefix / f'build_{variant}.log')})")
-        else:
-            (prefix / variant / STAMP).write_text(source_id(source))
+    deadline = time.monotonic() + BUILD_TIMEOUT_S  # one bound for both: they run side by side
+    try:
+        for variant, process in started.items():
+            try:
+                rc = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rc = f"timeout after {BUILD_TIMEOUT_S} s"
+            if rc != 0:
+                failed.append(f"{variant} (rc {rc}; {_tail(prefix / f'build_{variant}.log')})")
+            else:
+                (prefix / variant / STAMP).write_text(source_id(source))
+    finally:  # a timeout, Ctrl-C or an error here: no compiler is left running (they are in their own sessions)
+        for process in started.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
     if len(failed) == len(VARIANTS):
         raise InstallError(f"no DeepGEMM build succeeded: {'; '.join(failed)}")
     for what in failed:
@@ -218,12 +236,16 @@ def check(candidate: Candidate, device_index: int, base: dict[str, str], timeout
     return smoke_test_failure(device_index, env=candidate.env(base), timeout_s=timeout_s)
 
 
-def write_env(prefix: Path, chosen: Candidate, checked_on: str, version: str) -> Path:
-    """PREFIX/deepgemm.env: what a run sources to use `chosen` (it keeps what PYTHONPATH and LD_PRELOAD held)."""
+def write_env(prefix: Path, chosen: Candidate, checked_on: str, version: str, source: Path, cuda_home: Path) -> Path:
+    """PREFIX/deepgemm.env: what a run sources to use `chosen` (it keeps what PYTHONPATH, PATH and LD_PRELOAD held),
+    with the CUDA toolkit the check ran with (DeepGEMM's JIT calls its nvcc at run time)."""
     lines = [f"# Made by megafp8's tools/install_deepgemm.py on {datetime.date.today()}: DeepGEMM {version}, "
              f"build '{chosen.describe()}', checked on {checked_on}.",
              "# Source it before torchrun (or in the SLURM script), then set precision.fp8_backend=deepgemm.",
              f"# build: {chosen.path}",
+             f"# source: {_one_line(source_id(source))}",
+             f'export CUDA_HOME="{cuda_home}"',
+             f'export PATH="{cuda_home / "bin"}:$PATH"',
              f'export PYTHONPATH="{chosen.path}${{PYTHONPATH:+:$PYTHONPATH}}"']
     if chosen.preload:
         lines.append(f'export LD_PRELOAD="{chosen.preload}${{LD_PRELOAD:+ $LD_PRELOAD}}"')
@@ -234,14 +256,20 @@ def write_env(prefix: Path, chosen: Candidate, checked_on: str, version: str) ->
     return path
 
 
-def installed_build(env_file: Path) -> Optional[Path]:
-    """The build that `env_file` (written by `write_env`) points at, or None where there is no such file."""
+def _one_line(text: str) -> str:
+    return " @ ".join(text.splitlines())
+
+
+def installed_build(env_file: Path, source: Path) -> Optional[Path]:
+    """The build that `env_file` (written by `write_env`) points at, where it was checked as built from `source` as
+    it is now; None where there is no such file or it records another source."""
     if not env_file.exists():
         return None
-    for line in env_file.read_text().splitlines():
-        if line.startswith("# build: "):
-            return Path(line[len("# build: "):])
-    return None
+    fields = dict(line[2:].split(": ", 1) for line in env_file.read_text().splitlines()
+                  if line.startswith(("# build: ", "# source: ")))
+    if fields.get("source") != _one_line(source_id(source)) or "build" not in fields:
+        return None
+    return Path(fields["build"])
 
 
 def deepgemm_version(build: Path) -> str:
@@ -264,12 +292,14 @@ def install(args: argparse.Namespace, base: dict[str, str], say: Callable[[str],
     prefix.mkdir(parents=True, exist_ok=True)
     source = check_source(args.source) if args.source else clone(prefix / "src", args.commit)
     env_file = prefix / ENV_FILE
-    build = installed_build(env_file)
+    build = installed_build(env_file, source)
     if build is not None and is_built(build, source) and not (args.recheck or args.rebuild or args.build_only):
         say(f"already installed and checked: {env_file.read_text().splitlines()[0].lstrip('# ')}\n"
             f"source {env_file}   (--recheck to check it again, --rebuild to build again)")
         return 0
     toolchain = find_toolchain(base)
+    if args.rebuild or not all(is_built(prefix / v, source) for v in VARIANTS):
+        env_file.unlink(missing_ok=True)  # it vouches for the builds it was checked with, not for new ones
     t0 = time.monotonic()
     build_all(source, prefix, toolchain, args.rebuild, base, say)
     say(f"built in {time.monotonic() - t0:.0f} s")
@@ -287,7 +317,7 @@ def install(args: argparse.Namespace, base: dict[str, str], say: Callable[[str],
         reason = check(candidate, args.device, {**base, "CUDA_HOME": str(toolchain.cuda_home)}, args.check_timeout)
         say(f"check of {candidate.describe()}: {reason or 'passed'} ({time.monotonic() - t1:.0f} s)")
         if reason is None:
-            path = write_env(prefix, candidate, name, deepgemm_version(candidate.path))
+            path = write_env(prefix, candidate, name, deepgemm_version(candidate.path), source, toolchain.cuda_home)
             say(f"DeepGEMM works here as '{candidate.describe()}'.\nsource {path}\n"
                 "then run with precision.fp8_backend=deepgemm")
             return 0

@@ -32,7 +32,8 @@ def input_files(inputs: list[str]) -> list[Path]:
             continue
         path = Path(item)
         if path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl", ".json") and p.is_file()))
+            files.extend(sorted(p for p in path.rglob("*")
+                                if p.suffix.lower() in (".txt", ".jsonl", ".json") and p.is_file()))
         elif path.is_file():
             files.append(path)
         else:
@@ -55,7 +56,7 @@ def _nothing_to_read(inputs: list[str]) -> str:
 
 def read_documents(path: Path, json_key: str = "text") -> Iterator[str]:
     """One document per JSONL line (its `json_key` field) or one per other file."""
-    if path.suffix in (".jsonl", ".json"):
+    if path.suffix.lower() in (".jsonl", ".json"):
         with open(path, encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
