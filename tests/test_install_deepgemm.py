@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -139,19 +140,6 @@ def test_when_no_form_passes_it_says_why_for_each_and_leaves_no_env_file(tmp_pat
     assert not (prefix / "deepgemm.env").exists()  # no stale file that a run would source
 
 
-def test_a_changed_source_is_built_again(tmp_path, checks, capsys):
-    src, base = _source(tmp_path), _toolchain(tmp_path)
-    git = ["git", "-C", str(src), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(["git", "init", "-q", str(src)], check=True)
-    subprocess.run(git + ["add", "-A"], check=True)
-    subprocess.run(git + ["commit", "-qm", "one"], check=True)
-    prefix = tmp_path / "dg"
-    assert _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)[0] == 0
-    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "two"], check=True)
-    rc, out = _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)
-    assert rc == 0 and "plain: building" in out and "already installed" not in out
-
-
 def test_build_only_needs_no_gpu_and_a_check_without_one_says_where_to_run(tmp_path, checks, capsys, monkeypatch):
     src, base = _source(tmp_path), _toolchain(tmp_path)
     prefix = tmp_path / "dg"
@@ -227,36 +215,48 @@ def test_a_build_past_its_time_is_stopped_with_its_compilers_and_said(tmp_path, 
     assert "sleep 987" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
 
-def test_builds_made_after_the_check_are_not_vouched_for(tmp_path, checks, capsys):
-    """A --build-only of a newer source (the login-node step of an upgrade) leaves no deepgemm.env that names the
-    builds as checked: the next run on the GPU checks them again."""
+@pytest.mark.parametrize("build_only", [False, True])
+def test_a_changed_source_is_built_again_and_checked_again(tmp_path, checks, capsys, build_only):
+    """A clone moved to another commit is built again. A --build-only of it (the login-node step of an upgrade)
+    leaves no deepgemm.env that names the new builds as checked: the next run on the GPU checks them."""
     src, base = _source(tmp_path), _toolchain(tmp_path)
-    git = ["git", "-C", str(src), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(["git", "init", "-q", str(src)], check=True)
-    subprocess.run(git + ["add", "-A"], check=True)
-    subprocess.run(git + ["commit", "-qm", "one"], check=True)
+    commit = _git_repo_of(src)
+    commit("one")
     prefix = tmp_path / "dg"
     assert _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)[0] == 0
-    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "two"], check=True)
-    rc, out = _install(["--prefix", str(prefix), "--source", str(src), "--build-only"], base, capsys)
-    assert rc == 0 and "plain: building" in out and not (prefix / "deepgemm.env").exists()
+    commit("two")
     checks.seen.clear()
-    rc, out = _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)
-    assert rc == 0 and "already installed" not in out and len(checks.seen) == 1
+    rc, out = _install(["--prefix", str(prefix), "--source", str(src)] + ["--build-only"] * build_only, base, capsys)
+    assert rc == 0 and "plain: building" in out and "already installed" not in out
+    if build_only:
+        assert not (prefix / "deepgemm.env").exists() and checks.seen == []
+        rc, out = _install(["--prefix", str(prefix), "--source", str(src)], base, capsys)
+        assert rc == 0 and "already installed" not in out
+    assert len(checks.seen) == 1
+
+
+def _git_repo_of(tree: Path) -> Callable[[str], str]:
+    """`tree` made a git repository; returns a function that commits what the tree holds then (or nothing) and
+    returns the commit."""
+    git = ["git", "-C", str(tree), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)
+
+    def commit(message: str) -> str:
+        subprocess.run(git + ["add", "-A"], check=True)
+        subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", message], check=True)
+        return subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return commit
 
 
 def _git_repo(path: Path) -> list[str]:
-    """A DeepGEMM stand-in as a git repository with two commits; returns them, oldest first."""
+    """A DeepGEMM stand-in as a git repository with two commits that differ in csrc/version.txt; returns them,
+    oldest first."""
     _source(path.parent, submodules=True)
-    git = ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(["git", "init", "-q", str(path)], check=True)
-    commits = []
-    for message in ("one", "two"):
-        (path / "csrc" / "version.txt").write_text(message)
-        subprocess.run(git + ["add", "-A"], check=True)
-        subprocess.run(git + ["commit", "-qm", message], check=True)
-        commits.append(subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip())
-    return commits
+    (path / "csrc" / "version.txt").write_text("one")
+    commit = _git_repo_of(path)
+    one = commit("one")
+    (path / "csrc" / "version.txt").write_text("two")
+    return [one, commit("two")]
 
 
 def test_the_clone_is_at_the_commit_asked_for_and_a_failed_one_leaves_nothing(tmp_path, monkeypatch):

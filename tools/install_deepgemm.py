@@ -216,17 +216,15 @@ def build_all(source: Path, prefix: Path, toolchain: Toolchain, rebuild: bool, b
 def candidates(prefix: Path, source: Path, cxx: str) -> list[Candidate]:
     """The built forms, least intrusive first: as it comes, static, then as it comes with the compiler's libstdc++
     preloaded (the cure measured on the H200 machine; preloading affects the whole training process)."""
-    plain, static = prefix / "plain", prefix / "static"
-    found = []
-    if is_built(plain, source):
-        found.append(Candidate("plain", plain))
+    plain_built, static = is_built(prefix / "plain", source), prefix / "static"
+    found = [Candidate("plain", prefix / "plain")] if plain_built else []
     if is_built(static, source):
         found.append(Candidate("static", static))
-    if is_built(plain, source):
+    if plain_built:
         libstdcxx = subprocess.run([cxx, "-print-file-name=libstdc++.so.6"], capture_output=True,
                                    text=True).stdout.strip()
         if libstdcxx and Path(libstdcxx).is_absolute() and Path(libstdcxx).exists():
-            found.append(Candidate("plain", plain, preload=libstdcxx))
+            found.append(Candidate("plain", prefix / "plain", preload=libstdcxx))
     return found
 
 
