@@ -281,3 +281,28 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_step_1(tiny_overrid
                                           "tokenizer") as err:
         Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     assert "\n" not in str(err.value)
+
+
+def _word_level_tokenizer(path, vocab):
+    """A tokenizer.json mapping whitespace-separated words to the ids of `vocab` (which may leave gaps)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("eos_id", [70_000, 65_600])
+def test_a_tokenizer_whose_ids_leave_gaps_keeps_every_id(tmp_path, eos_id):
+    """A tokenizer.json whose ids are not 0..n-1 (here 4 tokens, the end-of-text one at `eos_id`) reported n as its
+    vocabulary: the tokens were stored as uint16 and preprocessing died in numpy with "OverflowError: Python integer
+    70000 out of bounds for uint16" (under numpy 1.x, which setup.py allows, id 65600 wrapped silently to 64)."""
+    pytest.importorskip("tokenizers")
+    tok_path = _word_level_tokenizer(tmp_path / "gaps.json", {"a": 0, "b": 1, "[UNK]": 2, "<|endoftext|>": eos_id})
+    src = write_docs(tmp_path / "src", ["a b a", "b b"])
+    preprocess([str(src)], tmp_path / "out", tokenizer_spec=str(tok_path), valid_fraction=0.0)
+    meta = read_meta(tmp_path / "out")
+    assert (meta.vocab_size, meta.eos_id, meta.dtype) == (eos_id + 1, eos_id, np.uint32)
+    stream = TokenStream(meta, "train")
+    assert stream.read(0, stream.num_tokens).tolist() == [0, 1, 0, eos_id, 1, 1, eos_id]
