@@ -306,3 +306,20 @@ def test_a_tokenizer_whose_ids_leave_gaps_keeps_every_id(tmp_path, eos_id):
     assert (meta.vocab_size, meta.eos_id, meta.dtype) == (eos_id + 1, eos_id, np.uint32)
     stream = TokenStream(meta, "train")
     assert stream.read(0, stream.num_tokens).tolist() == [0, 1, 0, eos_id, 1, 1, eos_id]
+
+
+def test_overwrite_replaces_only_a_directory_preprocessing_wrote(tmp_path):
+    """`--output data --overwrite` (meant: data/new) deleted the whole data/ directory, every other dataset in it."""
+    src = write_docs(tmp_path / "src", ["abc " * 50, "def " * 50])
+    parent = tmp_path / "data"
+    preprocess([str(src)], parent / "old", valid_fraction=0.0)
+    (parent / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"output '.*data' is not a directory written by tools/preprocess_data.py "
+                                          r"\(it has no meta.json\): --overwrite replaces only those"):
+        preprocess([str(src)], parent, overwrite=True)
+    assert (parent / "notes.txt").read_text() == "mine" and read_meta(parent / "old").splits
+    preprocess([str(src)], parent / "old", valid_fraction=0.5, overwrite=True)  # a dataset is replaced
+    assert "valid" in read_meta(parent / "old").splits
+    (tmp_path / "empty").mkdir()
+    preprocess([str(src)], tmp_path / "empty", overwrite=True)  # so is an empty directory
+    assert read_meta(tmp_path / "empty").splits

@@ -10,6 +10,7 @@ output directory appears only when complete (written under a temporary name, the
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -20,7 +21,7 @@ import numpy as np
 
 from megafp8.config import ConfigError
 from megafp8.data.corpus import input_files, read_documents
-from megafp8.data.indexed import ShardWriter, token_dtype, write_meta
+from megafp8.data.indexed import META_FILE, ShardWriter, token_dtype, write_meta
 from megafp8.data.text_tree import TextTree, read_text
 from megafp8.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -64,8 +65,7 @@ def preprocess(
     if not 0 <= valid_fraction < 1:
         raise ConfigError(f"--valid-fraction must be in [0, 1), got {valid_fraction}")
     out = Path(output)
-    if out.exists() and not overwrite:
-        raise ConfigError(f"output '{out}' already exists; pass --overwrite to replace it, or choose another --output")
+    _check_replaceable(out, overwrite)
     tokenizer = load_tokenizer(tokenizer_spec, eos_token)
     files = input_files(inputs) if tree is None else []
     tmp = out.with_name(out.name + ".partial")
@@ -101,6 +101,28 @@ def preprocess(
     tmp.rename(out)
     log.info("%d documents, %d tokens -> %s in %.1fs", num_docs, num_tokens, out, time.time() - started)
     return splits
+
+
+def _check_replaceable(out: Path, overwrite: bool) -> None:
+    """Refuse an existing `out` unless `overwrite`, and even then unless it is an earlier output of this tool (or an
+    empty directory): `--output data --overwrite`, meant as data/new, would delete every dataset under data/."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not overwrite:
+        raise ConfigError(f"output '{out}' already exists; pass --overwrite to replace it, or choose another --output")
+    if out.is_dir() and not out.is_symlink() and (_is_token_directory(out) or not any(out.iterdir())):
+        return
+    why = "a symbolic link" if out.is_symlink() else f"it has no {META_FILE}"
+    raise ConfigError(f"output '{out}' is not a directory written by tools/preprocess_data.py ({why}): --overwrite "
+                      "replaces only those; choose another --output (a new directory)")
+
+
+def _is_token_directory(path: Path) -> bool:
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and str(meta.get("format", "")).startswith("megafp8-tokens")
 
 
 def _place_last(last: np.ndarray, writers: dict[str, ShardWriter], valid_fraction: float, num_docs: int) -> None:
