@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -323,3 +324,47 @@ def test_overwrite_replaces_only_a_directory_preprocessing_wrote(tmp_path):
     (tmp_path / "empty").mkdir()
     preprocess([str(src)], tmp_path / "empty", overwrite=True)  # so is an empty directory
     assert read_meta(tmp_path / "empty").splits
+
+
+def test_a_second_preprocessing_into_the_same_output_is_refused_while_the_first_writes(tmp_path, monkeypatch):
+    """Both wrote OUT.partial: the second deleted the first's files and renamed its own output into place, the first
+    then died with FileNotFoundError (or, finishing first, published a directory holding the other's half-written
+    shards, which the other kept appending to)."""
+    import megafp8.data.preprocess as pre
+
+    docs = [f"first corpus {i} " * 20 for i in range(3)]
+    src, other = write_docs(tmp_path / "src", docs), write_docs(tmp_path / "other", ["second corpus " * 40])
+    out, refusals, real_read = tmp_path / "out", [], pre.read_documents
+
+    def read_while_another_starts(path, json_key="text"):
+        if not refusals:
+            refusals.append(None)
+            with pytest.raises(ConfigError) as err:
+                preprocess([str(other)], out, valid_fraction=0.0)
+            refusals.append(str(err.value))
+        yield from real_read(path, json_key)
+
+    monkeypatch.setattr(pre, "read_documents", read_while_another_starts)
+    preprocess([str(src)], out, valid_fraction=0.0)
+    assert re.fullmatch(rf"output '{out}' is being written by another tools/preprocess_data.py \(pid \d+ on .*\) in "
+                        rf"{out}.partial: wait for it to end, or choose another --output", refusals[1])
+    stream = TokenStream(read_meta(out), "train")
+    assert ByteTokenizer().decode(stream.read(0, stream.num_tokens).tolist()) == "".join(docs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "out", "src"]  # no lock or partial left behind
+    assert ".lock" not in [p.name for p in out.iterdir()]
+
+
+def test_what_an_interrupted_preprocessing_left_is_cleared_not_published(tmp_path):
+    src = write_docs(tmp_path / "src", ["abc " * 50])
+    partial = tmp_path / "out.partial"
+    (partial / "train").mkdir(parents=True)
+    (partial / "train" / "00007.bin").write_bytes(b"\x01\x00" * 9)  # a shard of a killed run, and its lock file
+    (partial / ".lock").write_text("pid 1 on gone")
+    preprocess([str(src)], tmp_path / "out", valid_fraction=0.0)
+    assert not partial.exists() and sorted(p.name for p in (tmp_path / "out" / "train").iterdir()) == [
+        "00000.bin", "00000.idx"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n[1]\n')
+    with pytest.raises(ConfigError, match="bad.jsonl:2"):
+        preprocess([str(bad)], tmp_path / "out2")
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out2.partial").exists()
