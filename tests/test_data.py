@@ -368,3 +368,28 @@ def test_what_an_interrupted_preprocessing_left_is_cleared_not_published(tmp_pat
     with pytest.raises(ConfigError, match="bad.jsonl:2"):
         preprocess([str(bad)], tmp_path / "out2")
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out2.partial").exists()
+
+
+def test_a_named_checkpoint_starts_a_run_of_other_data_settings_from_its_first_sample(tiny_overrides, tmp_path,
+                                                                                      caplog):
+    """checkpoint.resume=PATH may start a run of other settings (docs/checkpoints.md), a context-extension stage
+    among them, but the loader refused any other data.seq_len, data.path or data seed: "resume with the same
+    data.path, data.seq_len and data order seed", right after the warning that the run continues under them."""
+    from megafp8.config import load_config
+    from megafp8.parallel import ParallelDims
+    from megafp8.train import Trainer
+
+    common = tiny_overrides + ["training.steps=2", "checkpoint.interval=2", "training.eval_interval=0"]
+    Trainer(load_config("tiny_dense", common), ParallelDims.single(), torch.device("cpu")).fit()
+    path = tmp_path / "runs" / "t" / "checkpoints" / "step_00000002"
+    with caplog.at_level("WARNING", logger="megafp8"):
+        longer = Trainer(load_config("tiny_dense", common + ["run_name=long", f"checkpoint.resume={path}",
+                                                            "data.seq_len=128", "training.steps=3"]),
+                         ParallelDims.single(), torch.device("cpu"))
+    assert longer.step == 2 and longer.loader.consumed_samples == 0
+    assert re.search(r"data position of .*step_00000002 \(16 samples consumed\) does not fit this run's data: the "
+                     r"saved data-loader state is for \d+ samples .*: this run reads its data from the first sample of "
+                     r"its own order", caplog.text)
+    fresh = make_loader(longer.cfg.data.path, seed=longer.loader.seed)
+    fresh.dataset = longer.loader.dataset
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(longer.loader.next_step(), fresh.next_step()))
