@@ -393,3 +393,21 @@ def test_a_named_checkpoint_starts_a_run_of_other_data_settings_from_its_first_s
     fresh = make_loader(longer.cfg.data.path, seed=longer.loader.seed)
     fresh.dataset = longer.loader.dataset
     assert all(torch.equal(a[0], b[0]) for a, b in zip(longer.loader.next_step(), fresh.next_step()))
+
+
+def test_batches_larger_than_their_split_are_warned_about(tiny_overrides, tmp_path, caplog):
+    """A global batch larger than the training samples holds some of them twice in every step, and validation of
+    more samples than the held-out split has reads some twice: both happened without a word."""
+    from megafp8.config import load_config
+    from megafp8.parallel import ParallelDims
+    from megafp8.train.build import build_data
+
+    preprocess([str(write_docs(tmp_path / "src", ["x" * 300, "y" * 200]))], tmp_path / "small", valid_fraction=0.5)
+    cfg = load_config("tiny_dense", tiny_overrides + [f"data.path={tmp_path / 'small'}", "training.eval_iters=3"])
+    with caplog.at_level("WARNING", logger="megafp8"):
+        loader, valid = build_data(cfg, read_meta(tmp_path / "small"), ParallelDims.single())
+    assert (len(loader.dataset), len(valid)) == (4, 3)  # 301 and 201 tokens: samples of 64 + 1
+    assert ("training.global_batch_size=8 is more than the 4 samples of split 'train': every step holds some samples "
+            "more than once (add data, or lower training.global_batch_size or data.seq_len)") in caplog.text
+    assert ("validation reads training.eval_iters x training.micro_batch_size = 6 samples, more than the 3 of split "
+            "'valid': it reads some more than once (add held-out data, or lower training.eval_iters)") in caplog.text
