@@ -411,3 +411,12 @@ def test_batches_larger_than_their_split_are_warned_about(tiny_overrides, tmp_pa
             "more than once (add data, or lower training.global_batch_size or data.seq_len)") in caplog.text
     assert ("validation reads training.eval_iters x training.micro_batch_size = 6 samples, more than the 3 of split "
             "'valid': it reads some more than once (add held-out data, or lower training.eval_iters)") in caplog.text
+
+
+def test_a_file_named_twice_in_the_inputs_is_read_once(tmp_path, caplog):
+    """`--input corpus/ corpus/extra.jsonl` (or a shell glob overlapping a name) trained on the file twice."""
+    src = write_docs(tmp_path / "src", ["alpha " * 20, "beta " * 20])
+    with caplog.at_level("WARNING"):
+        files = input_files([str(src), str(src / "001.txt"), str(tmp_path / "src" / ".." / "src" / "000.txt")])
+    assert [p.name for p in files] == ["000.txt", "001.txt"]
+    assert "2 input file(s) named more than once are read once" in caplog.text
