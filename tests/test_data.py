@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -281,3 +282,141 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_step_1(tiny_overrid
                                           "tokenizer") as err:
         Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
     assert "\n" not in str(err.value)
+
+
+def _word_level_tokenizer(path, vocab):
+    """A tokenizer.json mapping whitespace-separated words to the ids of `vocab` (which may leave gaps)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("eos_id", [70_000, 65_600])
+def test_a_tokenizer_whose_ids_leave_gaps_keeps_every_id(tmp_path, eos_id):
+    """A tokenizer.json whose ids are not 0..n-1 (here 4 tokens, the end-of-text one at `eos_id`) reported n as its
+    vocabulary: the tokens were stored as uint16 and preprocessing died in numpy with "OverflowError: Python integer
+    70000 out of bounds for uint16" (under numpy 1.x, which setup.py allows, id 65600 wrapped silently to 64)."""
+    pytest.importorskip("tokenizers")
+    tok_path = _word_level_tokenizer(tmp_path / "gaps.json", {"a": 0, "b": 1, "[UNK]": 2, "<|endoftext|>": eos_id})
+    src = write_docs(tmp_path / "src", ["a b a", "b b"])
+    preprocess([str(src)], tmp_path / "out", tokenizer_spec=str(tok_path), valid_fraction=0.0)
+    meta = read_meta(tmp_path / "out")
+    assert (meta.vocab_size, meta.eos_id, meta.dtype) == (eos_id + 1, eos_id, np.uint32)
+    stream = TokenStream(meta, "train")
+    assert stream.read(0, stream.num_tokens).tolist() == [0, 1, 0, eos_id, 1, 1, eos_id]
+
+
+def test_overwrite_replaces_only_a_directory_preprocessing_wrote(tmp_path):
+    """`--output data --overwrite` (meant: data/new) deleted the whole data/ directory, every other dataset in it."""
+    src = write_docs(tmp_path / "src", ["abc " * 50, "def " * 50])
+    parent = tmp_path / "data"
+    preprocess([str(src)], parent / "old", valid_fraction=0.0)
+    (parent / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"output '.*data' is not a directory written by tools/preprocess_data.py "
+                                          r"\(it has no meta.json\): --overwrite replaces only those"):
+        preprocess([str(src)], parent, overwrite=True)
+    assert (parent / "notes.txt").read_text() == "mine" and read_meta(parent / "old").splits
+    preprocess([str(src)], parent / "old", valid_fraction=0.5, overwrite=True)  # a dataset is replaced
+    assert "valid" in read_meta(parent / "old").splits
+    (tmp_path / "empty").mkdir()
+    preprocess([str(src)], tmp_path / "empty", overwrite=True)  # so is an empty directory
+    assert read_meta(tmp_path / "empty").splits
+
+
+def test_a_second_preprocessing_into_the_same_output_is_refused_while_the_first_writes(tmp_path, monkeypatch):
+    """Both wrote OUT.partial: the second deleted the first's files and renamed its own output into place, the first
+    then died with FileNotFoundError (or, finishing first, published a directory holding the other's half-written
+    shards, which the other kept appending to)."""
+    import megafp8.data.preprocess as pre
+
+    docs = [f"first corpus {i} " * 20 for i in range(3)]
+    src, other = write_docs(tmp_path / "src", docs), write_docs(tmp_path / "other", ["second corpus " * 40])
+    out, refusals, real_read = tmp_path / "out", [], pre.read_documents
+
+    def read_while_another_starts(path, json_key="text"):
+        if not refusals:
+            refusals.append(None)
+            with pytest.raises(ConfigError) as err:
+                preprocess([str(other)], out, valid_fraction=0.0)
+            refusals.append(str(err.value))
+        yield from real_read(path, json_key)
+
+    monkeypatch.setattr(pre, "read_documents", read_while_another_starts)
+    preprocess([str(src)], out, valid_fraction=0.0)
+    assert re.fullmatch(rf"output '{out}' is being written by another tools/preprocess_data.py \(pid \d+ on .*\) in "
+                        rf"{out}.partial: wait for it to end, or choose another --output", refusals[1])
+    stream = TokenStream(read_meta(out), "train")
+    assert ByteTokenizer().decode(stream.read(0, stream.num_tokens).tolist()) == "".join(docs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "out", "src"]  # no lock or partial left behind
+    assert ".lock" not in [p.name for p in out.iterdir()]
+
+
+def test_what_an_interrupted_preprocessing_left_is_cleared_not_published(tmp_path):
+    src = write_docs(tmp_path / "src", ["abc " * 50])
+    partial = tmp_path / "out.partial"
+    (partial / "train").mkdir(parents=True)
+    (partial / "train" / "00007.bin").write_bytes(b"\x01\x00" * 9)  # a shard of a killed run, and its lock file
+    (partial / ".lock").write_text("pid 1 on gone")
+    preprocess([str(src)], tmp_path / "out", valid_fraction=0.0)
+    assert not partial.exists() and sorted(p.name for p in (tmp_path / "out" / "train").iterdir()) == [
+        "00000.bin", "00000.idx"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n[1]\n')
+    with pytest.raises(ConfigError, match="bad.jsonl:2"):
+        preprocess([str(bad)], tmp_path / "out2")
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out2.partial").exists()
+
+
+def test_a_named_checkpoint_starts_a_run_of_other_data_settings_from_its_first_sample(tiny_overrides, tmp_path,
+                                                                                      caplog):
+    """checkpoint.resume=PATH may start a run of other settings (docs/checkpoints.md), a context-extension stage
+    among them, but the loader refused any other data.seq_len, data.path or data seed: "resume with the same
+    data.path, data.seq_len and data order seed", right after the warning that the run continues under them."""
+    from megafp8.config import load_config
+    from megafp8.parallel import ParallelDims
+    from megafp8.train import Trainer
+
+    common = tiny_overrides + ["training.steps=2", "checkpoint.interval=2", "training.eval_interval=0"]
+    Trainer(load_config("tiny_dense", common), ParallelDims.single(), torch.device("cpu")).fit()
+    path = tmp_path / "runs" / "t" / "checkpoints" / "step_00000002"
+    with caplog.at_level("WARNING", logger="megafp8"):
+        longer = Trainer(load_config("tiny_dense", common + ["run_name=long", f"checkpoint.resume={path}",
+                                                            "data.seq_len=128", "training.steps=3"]),
+                         ParallelDims.single(), torch.device("cpu"))
+    assert longer.step == 2 and longer.loader.consumed_samples == 0
+    assert re.search(r"data position of .*step_00000002 \(16 samples consumed\) does not fit this run's data: the "
+                     r"saved data-loader state is for \d+ samples .*: this run reads its data from the first sample of "
+                     r"its own order", caplog.text)
+    fresh = make_loader(longer.cfg.data.path, seed=longer.loader.seed)
+    fresh.dataset = longer.loader.dataset
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(longer.loader.next_step(), fresh.next_step()))
+
+
+def test_batches_larger_than_their_split_are_warned_about(tiny_overrides, tmp_path, caplog):
+    """A global batch larger than the training samples holds some of them twice in every step, and validation of
+    more samples than the held-out split has reads some twice: both happened without a word."""
+    from megafp8.config import load_config
+    from megafp8.parallel import ParallelDims
+    from megafp8.train.build import build_data
+
+    preprocess([str(write_docs(tmp_path / "src", ["x" * 300, "y" * 200]))], tmp_path / "small", valid_fraction=0.5)
+    cfg = load_config("tiny_dense", tiny_overrides + [f"data.path={tmp_path / 'small'}", "training.eval_iters=3"])
+    with caplog.at_level("WARNING", logger="megafp8"):
+        loader, valid = build_data(cfg, read_meta(tmp_path / "small"), ParallelDims.single())
+    assert (len(loader.dataset), len(valid)) == (4, 3)  # 301 and 201 tokens: samples of 64 + 1
+    assert ("training.global_batch_size=8 is more than the 4 samples of split 'train': every step holds some samples "
+            "more than once (add data, or lower training.global_batch_size or data.seq_len)") in caplog.text
+    assert ("validation reads training.eval_iters x training.micro_batch_size = 6 samples, more than the 3 of split "
+            "'valid': it reads some more than once (add held-out data, or lower training.eval_iters)") in caplog.text
+
+
+def test_a_file_named_twice_in_the_inputs_is_read_once(tmp_path, caplog):
+    """`--input corpus/ corpus/extra.jsonl` (or a shell glob overlapping a name) trained on the file twice."""
+    src = write_docs(tmp_path / "src", ["alpha " * 20, "beta " * 20])
+    with caplog.at_level("WARNING"):
+        files = input_files([str(src), str(src / "001.txt"), str(tmp_path / "src" / ".." / "src" / "000.txt")])
+    assert [p.name for p in files] == ["000.txt", "001.txt"]
+    assert "2 input file(s) named more than once are read once" in caplog.text

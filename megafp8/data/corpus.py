@@ -6,6 +6,7 @@ on any machine with Python; nothing to download).
 from __future__ import annotations
 
 import json
+import logging
 import sysconfig
 from collections import Counter
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Iterator
 from megafp8.config import ConfigError
 
 STDLIB = "stdlib"
+log = logging.getLogger(__name__)
 
 
 def stdlib_files() -> list[Path]:
@@ -40,7 +42,13 @@ def input_files(inputs: list[str]) -> list[Path]:
             raise ConfigError(f"input '{item}' does not exist (give text/JSONL files, directories, or '{STDLIB}')")
     if not files:
         raise ConfigError(_nothing_to_read(inputs))
-    return files
+    unique: dict[Path, Path] = {}
+    for path in files:
+        unique.setdefault(path.resolve(), path)  # a file's first mention keeps its place
+    if len(unique) < len(files):
+        log.warning("%d input file(s) named more than once are read once (a directory and a file in it, or "
+                    "overlapping names)", len(files) - len(unique))
+    return list(unique.values())
 
 
 def _nothing_to_read(inputs: list[str]) -> str:

@@ -23,6 +23,16 @@ from megafp8.data.indexed import TokenStream
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), each (B, T) int64
 
 
+class DataPositionError(ConfigError):
+    """A saved data position that does not fit this run's samples or order (other data, seq_len or seed): a
+    relaunch must not continue from it; a run started from a named checkpoint starts its data afresh."""
+
+    def __init__(self, mismatch: str) -> None:
+        super().__init__(f"{mismatch}: resume with the same data.path, data.seq_len and data order seed (data.seed, "
+                         "else training.seed)")
+        self.mismatch = mismatch
+
+
 class PackedDataset:
     def __init__(self, stream: TokenStream, seq_len: int, split: str = "") -> None:
         self.stream, self.seq_len = stream, seq_len
@@ -93,10 +103,9 @@ class DistributedLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_samples"] != len(self.dataset) or state["seed"] != self.seed:
-            raise ConfigError(
+            raise DataPositionError(
                 f"the saved data-loader state is for {state['num_samples']} samples with seed {state['seed']}, but this "
-                f"run has {len(self.dataset)} samples with seed {self.seed}: resume with the same data.path, "
-                "data.seq_len and data order seed (data.seed, else training.seed)"
+                f"run has {len(self.dataset)} samples with seed {self.seed}"
             )
         self.consumed_samples = int(state["consumed_samples"])
 

@@ -6,25 +6,32 @@ same inputs and seed give the same splits. A text tree (`extensions` given): eve
 directories whose name ends with one of `extensions` is one document, duplicates dropped, and whole files are
 held out by a seeded hash of their content (`megafp8.data.text_tree`). Every shard
 records its largest token id, which must be below the tokenizer's vocabulary size. The
-output directory appears only when complete (written under a temporary name, then renamed).
+output directory appears only when complete (written under a temporary name, locked against a second run into
+the same output, then renamed).
 """
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import logging
+import os
 import shutil
+import socket
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import IO, Iterable, Iterator
 
 import numpy as np
 
 from megafp8.config import ConfigError
 from megafp8.data.corpus import input_files, read_documents
-from megafp8.data.indexed import ShardWriter, token_dtype, write_meta
+from megafp8.data.indexed import META_FILE, ShardWriter, token_dtype, write_meta
 from megafp8.data.text_tree import TextTree, read_text
 from megafp8.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
+LOCK_FILE = ".lock"  # in OUT.partial while a run writes it
 
 
 def _encode_all(tokenizer: Tokenizer, docs: Iterable[str], batch: int = 256) -> Iterator[np.ndarray]:
@@ -64,16 +71,39 @@ def preprocess(
     if not 0 <= valid_fraction < 1:
         raise ConfigError(f"--valid-fraction must be in [0, 1), got {valid_fraction}")
     out = Path(output)
-    if out.exists() and not overwrite:
-        raise ConfigError(f"output '{out}' already exists; pass --overwrite to replace it, or choose another --output")
+    _check_replaceable(out, overwrite)
     tokenizer = load_tokenizer(tokenizer_spec, eos_token)
     files = input_files(inputs) if tree is None else []
+    started = time.time()
     tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    lock = _claim(tmp, out)
+    try:
+        splits, num_docs, num_tokens = _write_splits(tmp, tokenizer, files, valid_fraction, seed, shard_tokens,
+                                                     json_key, tree)
+        if "train" not in splits:
+            raise ConfigError(f"no training documents in {inputs} (all inputs empty, or --valid-fraction too high)")
+        largest = max(shard["max_token_id"] for shards in splits.values() for shard in shards)
+        if largest >= tokenizer.vocab_size:
+            raise ConfigError(f"tokenizer {tokenizer.spec} produced token id {largest} but reports a vocabulary of "
+                              f"{tokenizer.vocab_size}: use a tokenizer whose ids fit its vocabulary size")
+        write_meta(tmp, tokenizer.spec, tokenizer.vocab_size, tokenizer.eos_id, splits, source=" ".join(inputs),
+                   corpus=tree.summary() if tree is not None else None)
+        _publish(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours: the lock says no one else writes there
+        raise
+    finally:
+        lock.close()  # drops the lock
+    log.info("%d documents, %d tokens -> %s in %.1fs", num_docs, num_tokens, out, time.time() - started)
+    return splits
+
+
+def _write_splits(tmp: Path, tokenizer: Tokenizer, files: list[Path], valid_fraction: float, seed: int,
+                  shard_tokens: int, json_key: str, tree: TextTree | None) -> tuple[dict[str, list], int, int]:
+    """Tokenize every document into the shards of `tmp`; returns the split table, documents and tokens."""
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "valid")}
-    started, num_docs, num_tokens = time.time(), 0, 0
+    num_docs, num_tokens = 0, 0
     held: np.ndarray | None = None  # the latest training document, written one behind (see `_place_last`)
     for split, tokens in _split_documents(tokenizer, files, valid_fraction, seed, json_key, tree):
         if split == "train":
@@ -85,22 +115,67 @@ def preprocess(
         num_docs, num_tokens = num_docs + 1, num_tokens + len(tokens)
     if held is not None:
         _place_last(held, writers, valid_fraction, num_docs)
-    splits = {s: w.close() for s, w in writers.items() if w.shards}
-    if "train" not in splits:
-        shutil.rmtree(tmp)
-        raise ConfigError(f"no training documents in {inputs} (all inputs empty, or --valid-fraction too high)")
-    largest = max(shard["max_token_id"] for shards in splits.values() for shard in shards)
-    if largest >= tokenizer.vocab_size:
-        shutil.rmtree(tmp)
-        raise ConfigError(f"tokenizer {tokenizer.spec} produced token id {largest} but reports a vocabulary of "
-                          f"{tokenizer.vocab_size}: use a tokenizer whose ids fit its vocabulary size")
-    write_meta(tmp, tokenizer.spec, tokenizer.vocab_size, tokenizer.eos_id, splits, source=" ".join(inputs),
-               corpus=tree.summary() if tree is not None else None)
-    if out.exists():
+    return {s: w.close() for s, w in writers.items() if w.shards}, num_docs, num_tokens
+
+
+def _claim(tmp: Path, out: Path) -> IO[str]:
+    """Lock the temporary output directory `tmp` (created if need be) and empty it of what an interrupted run left.
+    Two preprocessings into one output would otherwise write the same files: the second deleted the first's, and
+    either could publish a directory of the other's half-written shards. The lock (`flock`: per open file, so even
+    within one process) is dropped by the kernel however the process ends: an interrupted run leaves no stale one."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    lock = open(tmp / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        if err.errno in (errno.EACCES, errno.EAGAIN):
+            raise ConfigError(f"output '{out}' is being written by another tools/preprocess_data.py ({holder}) in "
+                              f"{tmp}: wait for it to end, or choose another --output") from None
+        raise ConfigError(f"cannot lock {tmp / LOCK_FILE} ({err.strerror}): write --output on a file system with "
+                          "file locks") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    lock.flush()
+    for leftover in tmp.iterdir():
+        if leftover.name != LOCK_FILE:
+            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    return lock
+
+
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the complete `tmp` to `out` (replacing an earlier output only with `overwrite`), lock file left out."""
+    if out.exists() or out.is_symlink():
+        if not overwrite:  # it appeared while this run wrote
+            raise ConfigError(f"output '{out}' appeared while this run wrote it (another tools/preprocess_data.py?): "
+                              "pass --overwrite to replace it, or choose another --output")
         shutil.rmtree(out)
     tmp.rename(out)
-    log.info("%d documents, %d tokens -> %s in %.1fs", num_docs, num_tokens, out, time.time() - started)
-    return splits
+    (out / LOCK_FILE).unlink()  # still held: a run that opened it meanwhile is refused, then finds no .partial
+
+
+def _check_replaceable(out: Path, overwrite: bool) -> None:
+    """Refuse an existing `out` unless `overwrite`, and even then unless it is an earlier output of this tool (or an
+    empty directory): `--output data --overwrite`, meant as data/new, would delete every dataset under data/."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if not overwrite:
+        raise ConfigError(f"output '{out}' already exists; pass --overwrite to replace it, or choose another --output")
+    if out.is_dir() and not out.is_symlink() and (_is_token_directory(out) or not any(out.iterdir())):
+        return
+    why = "a symbolic link" if out.is_symlink() else f"it has no {META_FILE}"
+    raise ConfigError(f"output '{out}' is not a directory written by tools/preprocess_data.py ({why}): --overwrite "
+                      "replaces only those; choose another --output (a new directory)")
+
+
+def _is_token_directory(path: Path) -> bool:
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and str(meta.get("format", "")).startswith("megafp8-tokens")
 
 
 def _place_last(last: np.ndarray, writers: dict[str, ShardWriter], valid_fraction: float, num_docs: int) -> None:

@@ -57,7 +57,10 @@ class HFTokenizer:
             raise ConfigError(f"tokenizer file '{path}' does not exist; pass a tokenizer.json path or 'byte'")
         self.spec = str(Path(path).resolve())
         self._tok = _HFTokenizer.from_file(self.spec)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # Ids need not be 0..n-1 (a tokenizer.json may leave gaps, e.g. special tokens placed high): the vocabulary
+        # must hold the largest id, or its tokens would be stored in too narrow a dtype.
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
         self.eos_id = self._find_eos(eos_token)
 
     def _find_eos(self, eos_token: str | None) -> int:

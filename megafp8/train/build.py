@@ -180,7 +180,24 @@ def build_data(cfg: Config, meta: DatasetMeta, dims: ParallelDims,
     valid_set = None
     if training.eval_interval > 0 or evaluating:
         valid_set = PackedDataset(TokenStream(meta, data.valid_split), data.seq_len, data.valid_split)
+    if dims.rank == 0:
+        _warn_of_repeated_samples(cfg, train_set, valid_set)
     return loader, valid_set
+
+
+def _warn_of_repeated_samples(cfg: Config, train_set: PackedDataset, valid_set: Optional[PackedDataset]) -> None:
+    """The loader walks its sample order round and round, and validation wraps around its split: a batch larger
+    than its split reads some samples twice (allowed: a smoke test on a small corpus), said once at start-up."""
+    data, training = cfg.data, cfg.training
+    if training.global_batch_size > len(train_set):
+        log.warning("training.global_batch_size=%d is more than the %d samples of split '%s': every step holds some "
+                    "samples more than once (add data, or lower training.global_batch_size or data.seq_len)",
+                    training.global_batch_size, len(train_set), data.train_split)
+    num_valid = training.eval_iters * training.micro_batch_size
+    if valid_set is not None and num_valid > len(valid_set):
+        log.warning("validation reads training.eval_iters x training.micro_batch_size = %d samples, more than the %d "
+                    "of split '%s': it reads some more than once (add held-out data, or lower training.eval_iters)",
+                    num_valid, len(valid_set), data.valid_split)
 
 
 def build_logger(cfg: Config, config: dict[str, Any], run_dir: Path, metrics_path: Path,

@@ -41,6 +41,7 @@ from megafp8.checkpoint.local import fresh_temporary, publish
 from megafp8.checkpoint.sharded import SafeReader, is_sharded_checkpoint, read_sharded, write_sharded
 from megafp8.config import CheckpointConfig, ConfigError, OptimizerConfig
 from megafp8.config.schema import upgrade_saved_model
+from megafp8.data.dataset import DataPositionError
 from megafp8.optim import DistributedAdamW, lr_at
 from megafp8.parallel import ExpertParallel, ParallelDims, TensorParallel, full_shape, gather_param
 from megafp8.parallel.sharding import Piece, Placed, placed_param
@@ -340,7 +341,16 @@ class Checkpointer:
         self.train_state.load_state_dict(meta)
         for name, part in self.parts.items():
             if part is not None and meta.get(name):
-                part.load_state_dict(meta[name])
+                try:
+                    part.load_state_dict(meta[name])
+                except DataPositionError as err:
+                    if not named:
+                        raise
+                    # A run of its own from this checkpoint (a new stage: other data, a longer context): its
+                    # position in another sample order means nothing here.
+                    log.warning("the data position of %s (%s samples consumed) does not fit this run's data: %s: "
+                                "this run reads its data from the first sample of its own order", path,
+                                meta[name].get("consumed_samples"), err.mismatch)
         changes = model_setting_changes(meta.get("config", {}).get("model", {}), self.config["model"])
         if changes:
             log.warning("resuming %s with model settings other than its own (%s): the weights now compute another "
