@@ -1,6 +1,7 @@
 """Run a test body on N gloo ranks in fresh processes (forked from a preloaded server, file-store rendezvous)."""
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import os
 import sys
@@ -18,7 +19,9 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
     # ran as many OpenMP threads as there are cores: 4 ranks x 2 spinning threads on a 2-core CI machine made a
     # 4-rank pipeline run of the tiny model ~5x slower.
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    # A collective that some rank never reaches fails the test after 5 minutes, not torch's default 30.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(minutes=5))
     try:
         try:
             fn(rank, world_size, *args)

@@ -10,7 +10,8 @@ import torch
 
 from megafp8.config import ConfigError
 from megafp8.data import (
-    ByteTokenizer, DistributedLoader, PackedDataset, TokenStream, read_meta, validation_batches,
+    ByteTokenizer, DistributedLoader, PackedDataset, TokenStream, lockstep_validation_batches, read_meta,
+    validation_batches,
 )
 from megafp8.data.preprocess import preprocess, train_tokenizer
 from megafp8.data.corpus import input_files, read_documents
@@ -209,6 +210,19 @@ def test_validation_batches_are_the_same_set_for_any_layout(corpus_dir):
     r1 = validation_batches(ds, 2, 5, 1, 2)
     assert (len(r0), len(r1)) == (3, 2)  # micro-batches 0, 2, 4 and 1, 3
     assert torch.equal(torch.cat([r0[0][0], r1[0][0], r0[1][0], r1[1][0], r0[2][0]]), whole)
+
+
+@pytest.mark.parametrize("num_micro", [1, 3, 4])
+def test_every_rank_runs_as_many_validation_micro_batches_and_the_counted_ones_are_the_set(corpus_dir, num_micro):
+    """Expert parallelism pairs each forward's all-to-alls across ranks, so every rank runs the same number of
+    held-out micro-batches; the counted ones are, together, the set one rank would evaluate."""
+    ds = PackedDataset(TokenStream(read_meta(corpus_dir), "valid"), 64)
+    whole = validation_batches(ds, 2, num_micro, 0, 1)
+    per_rank = [lockstep_validation_batches(ds, 2, num_micro, r, 3) for r in range(3)]
+    assert {len(batches) for batches, _ in per_rank} == {-(-num_micro // 3)}
+    counted = {m: per_rank[m % 3][0][m // 3][0] for m in range(num_micro)}
+    assert [sum(c) for _, c in per_rank] == [len(range(r, num_micro, 3)) for r in range(3)]
+    assert all(torch.equal(counted[m], whole[m][0]) for m in range(num_micro))
 
 
 def test_hf_tokenizer_train_and_preprocess(tmp_path):

@@ -165,6 +165,16 @@ def test_ep2_training_matches_ep1(parity, recipe):
         assert math.isclose(a["moe_bias_abs_max"], b["moe_bias_abs_max"], rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("eval_iters", [1, 3])
+def test_ep2_evaluates_micro_batches_that_do_not_divide_over_its_ranks(parity, eval_iters):
+    """A held-out set of 1 or 3 micro-batches over 2 EP ranks: the rank with fewer runs one more forward, not
+    counted, so its experts' all-to-alls pair with its peer's (before, it left the collective early: a hang on
+    NCCL, an error on gloo), and the loss is that of one rank evaluating them all."""
+    evaluating = MODEL + ["precision.recipe=bf16", "training.steps=2", "training.eval_interval=2",
+                          f"training.eval_iters={eval_iters}"]
+    parity.check(evaluating, ["parallel.ep=2"], 2, LOW_PRECISION_TOL, "tiny_moe_fp8", evals=1)
+
+
 def test_ep2_compiled_training_matches_one_eager_rank(parity):
     """torch.compile with EP=2 (the experts' GEMMs eager inside the compiled blocks: the next test) trains like one
     eager rank."""

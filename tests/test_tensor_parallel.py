@@ -11,6 +11,7 @@ gradients). The FP32 loss: 1e-5 relative. Whole-model training over 5 steps: 0.5
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -328,6 +329,30 @@ def test_rank_placement_keeps_tensor_parallel_innermost():
     assert groups["ep"][0] == [0, 2] and groups["edp"][0] == [0, 4]
     for kind, members in groups.items():  # every rank in exactly one group of each kind
         assert sorted(r for g in members for r in g) == list(range(16)), kind
+
+
+def _timeout_worker(rank: int, world: int) -> None:
+    cfg = load_config("tiny_dense", ["parallel.tp=2", "parallel.timeout_minutes=0.05"])  # 3 s
+    dims = ParallelDims.from_config(cfg.parallel)
+    late = 15.0  # this rank's data-parallel peer (dp_rank 1) joins the all-reduce 15 s late: too late at 3 s
+    if dims.dp_rank == 0:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):  # (under torch's default the all-reduce completed when the peer came)
+            dist.all_reduce(torch.ones(1), group=dims.dp_group)
+        assert time.monotonic() - started < late
+    else:
+        time.sleep(late)
+        try:
+            dist.all_reduce(torch.ones(1), group=dims.dp_group)
+        except RuntimeError:
+            pass  # its peer has given up: this one fails too, or after its own timeout
+
+
+def test_parallel_timeout_applies_to_every_process_group():
+    """`parallel.timeout_minutes` holds on the tensor-, data-, pipeline- and expert-parallel groups, not only on the
+    default group: a new group takes torch's own default (30 minutes on gloo) unless given one, so a collective that
+    one rank of a DP group missed waited half an hour."""
+    spawn(4, _timeout_worker)
 
 
 def test_layer_rejects_a_shard_off_the_tile_grid():

@@ -208,7 +208,9 @@ class ParallelConfig:
     backend: BackendName = setting(
         "auto", "`torch.distributed` backend: `auto` picks NCCL when training on CUDA and gloo on CPU."
     )
-    timeout_minutes: float = setting(30.0, "Timeout of collectives before a rank gives up with an error.")
+    timeout_minutes: float = setting(
+        30.0, "Timeout of collectives, on every process group (tensor-, data-, pipeline- and expert-parallel), "
+        "before a rank gives up with an error.")
 
 
 @dataclass

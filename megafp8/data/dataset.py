@@ -118,3 +118,15 @@ def validation_batches(dataset: PackedDataset, micro_batch_size: int, num_micro:
         indices = np.arange(m * micro_batch_size, (m + 1) * micro_batch_size) % len(dataset)
         batches.append(dataset.batch(indices))
     return batches
+
+
+def lockstep_validation_batches(dataset: PackedDataset, micro_batch_size: int, num_micro: int, dp_rank: int,
+                                dp_size: int) -> tuple[list[Batch], list[bool]]:
+    """`validation_batches`, run in lockstep: every rank gets ceil(num_micro / dp_size) micro-batches, and whether
+    each counts. Under expert parallelism each forward pass's all-to-alls pair with the other EP ranks' (a rank
+    with one micro-batch fewer left its peers waiting in a collective); a rank short of the most runs micro-batch 0
+    again, not counted."""
+    batches = validation_batches(dataset, micro_batch_size, num_micro, dp_rank, dp_size)
+    rounds = -(-num_micro // dp_size)
+    filler = validation_batches(dataset, micro_batch_size, 1, 0, 1)[0]
+    return batches + [filler] * (rounds - len(batches)), [True] * len(batches) + [False] * (rounds - len(batches))

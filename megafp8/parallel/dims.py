@@ -14,6 +14,7 @@ A group of one rank is `None`: every collective on it is skipped, so TP=1 layers
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Optional
 
@@ -115,9 +116,12 @@ class ParallelDims:
         return cls(world_size=1, rank=0)
 
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, ep: int = 1, sequence_parallel: bool = False) -> "ParallelDims":
+    def build(cls, tp: int = 1, pp: int = 1, ep: int = 1, sequence_parallel: bool = False,
+              timeout: Optional[datetime.timedelta] = None) -> "ParallelDims":
         """The layout of the initialized default process group (one process when there is none).
-        Collective: every rank must call it with the same sizes, since each group is created by all ranks."""
+        Collective: every rank must call it with the same sizes, since each group is created by all ranks.
+        `timeout`: how long a collective on one of the groups waits before it fails (None: torch's default for the
+        backend, 30 minutes on gloo, 10 on NCCL; a new group does not take the default group's timeout)."""
         if not dist.is_available() or not dist.is_initialized():
             world_size, rank = 1, 0
         else:
@@ -129,7 +133,7 @@ class ParallelDims:
             for ranks in groups:
                 if len(ranks) == 1:
                     continue  # no collective on a group of one
-                group = dist.group.WORLD if len(ranks) == world_size else dist.new_group(ranks)
+                group = dist.group.WORLD if len(ranks) == world_size else dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     mine[kind] = group
         return cls(world_size, rank, tp, pp, dp, ep, mine["tp"], mine["dp"], mine["pp"], mine["ep"], mine["edp"],
@@ -137,8 +141,9 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig) -> "ParallelDims":
-        """`build` with the sizes of a config's `parallel` section (collective)."""
-        return cls.build(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, sequence_parallel=parallel.sequence_parallel)
+        """`build` with the sizes and the collectives' timeout of a config's `parallel` section (collective)."""
+        return cls.build(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, sequence_parallel=parallel.sequence_parallel,
+                         timeout=datetime.timedelta(minutes=parallel.timeout_minutes))
 
     # Coordinates of this rank (the placement in the module docstring).
     @property

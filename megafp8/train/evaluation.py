@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.config import TrainingConfig
-from megafp8.data import PackedDataset, validation_batches
+from megafp8.data import PackedDataset, lockstep_validation_batches
 from megafp8.model import Transformer
 from megafp8.parallel import ParallelDims
 from megafp8.train.pipelined import PipelineRunner
@@ -24,16 +24,18 @@ def evaluate(model: Transformer, pipeline: Optional[PipelineRunner], valid_set: 
              training: TrainingConfig, dims: ParallelDims, device: torch.device) -> float:
     """Mean loss over the fixed held-out micro-batches (`training.eval_iters` of them, split across ranks)."""
     model.eval()
-    batches = validation_batches(valid_set, training.micro_batch_size, training.eval_iters, dims.dp_rank,
-                                 dims.dp_size)
+    batches, counted = lockstep_validation_batches(valid_set, training.micro_batch_size, training.eval_iters,
+                                                   dims.dp_rank, dims.dp_size)
     if pipeline is not None:
-        total = pipeline.evaluate(batches)
+        total = pipeline.evaluate(batches, counted)
         dist.all_reduce(total, group=dims.pp_group)  # only the last stage's rank holds the loss
     else:
         total = torch.zeros(2, device=device)  # (sum of micro-batch losses, count)
-        for tokens, targets in batches:
-            total[0] += model(host_to_device(tokens, device), host_to_device(targets, device))
-            total[1] += 1
+        for (tokens, targets), counts in zip(batches, counted):
+            loss = model(host_to_device(tokens, device), host_to_device(targets, device))
+            if counts:
+                total[0] += loss
+                total[1] += 1
     if dims.dp_group is not None:
         dist.all_reduce(total, group=dims.dp_group)
     return (total[0] / total[1]).item()

@@ -76,15 +76,19 @@ class PipelineRunner:
         return torch.stack(self._losses).sum() / self.n_micro
 
     @torch.no_grad()
-    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """(sum of micro-batch losses, count) on the rank holding the last stage, zeros elsewhere."""
+    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], counted: Sequence[bool]
+                 ) -> torch.Tensor:
+        """(sum of the counted micro-batches' losses, their count) on the rank holding the last stage, zeros
+        elsewhere. Every micro-batch runs: the uncounted ones keep this rank in step with its peers' collectives."""
         total = torch.zeros(2, device=self.device)
         hidden_like = torch.empty(self.hidden_shape, dtype=self.hidden_dtype, device=self.device)
-        for tokens, targets in batches:
+        for (tokens, targets), counts in zip(batches, counted):
             first_input = host_to_device(tokens, self.device) if self.holds_first else None
             out = forward_only(self.chunks, self.specs, self.layout, self.dims.pp_rank, self.dims.pp_group,
                                first_input, hidden_like)
             if out is not None:
-                total[0] += self.model.head_loss(out, host_to_device(targets, self.device))
-                total[1] += 1
+                loss = self.model.head_loss(out, host_to_device(targets, self.device))
+                if counts:
+                    total[0] += loss
+                    total[1] += 1
         return total
