@@ -537,6 +537,16 @@ def test_lr_schedules(style):
         assert lrs[10 + 45] == pytest.approx(0.55, abs=0.02)  # halfway through decay
 
 
+@pytest.mark.parametrize("steps, fraction", [(100, 0.01), (100, 0.004), (10, 0.1), (3, 0.2)])
+def test_a_wsd_decay_of_one_step_or_less_still_ends_at_min_lr(steps, fraction):
+    """The decay phase's first step is at `lr` and its last at `min_lr`. Where steps x wsd_decay_fraction rounded to
+    one step (or none), that one step was at `lr`: the run ended at its peak learning rate without a word."""
+    cfg = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=1, decay_style="wsd", wsd_decay_fraction=fraction)
+    lrs = [lr_at(s, cfg, steps) for s in range(steps)]
+    assert lrs[-1] == pytest.approx(0.1)
+    assert lrs[-2] == 1.0  # the stable phase lasts up to the last step
+
+
 def _tp_net(tp):
     """LayerNorm (replicated over TP) -> column (128 -> 256) -> tanh -> row (256 -> 128); seeded full weights."""
     recipe = PrecisionRecipe.from_name("fp32")
