@@ -1,6 +1,7 @@
 """Gradient buckets and the (sharded) FP32-master AdamW against torch.optim.AdamW; clipping; LR schedules."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch.nn as nn
 
 from megafp8.config import OptimizerConfig
 from megafp8.optim import DistributedAdamW, lr_at
+from megafp8.optim.distributed import MOMENT_DTYPES
 from megafp8.parallel import (
     ColumnParallelLinear,
     GradBuckets,
@@ -157,6 +159,46 @@ def _state_worker(rank, world):
 
 def test_state_dict_is_layout_independent():
     spawn(2, _state_worker)
+
+
+def _sharded_save_worker(rank, world, directory):
+    from megafp8.checkpoint.sharded import write_sharded
+    net = small_net()
+    buckets, opt = make_optimizer(net, CFG, group=dist.group.WORLD, bucket_numel=100)
+    train_ours(net, buckets, opt, CFG, steps=3, rank=rank, world=world)
+    state = opt.state_dict()
+    write_sharded(directory, opt.placed_state(), {"optimizer_step": opt.step_count} if rank == 0 else None)
+    if rank == 0:
+        torch.save(state, directory.parent / "full.pt")
+
+
+def _sharded_load_worker(rank, world, directory, moment_dtype):
+    from megafp8.checkpoint.sharded import read_sharded
+    cfg = dataclasses.replace(CFG, moment_dtype=moment_dtype)
+    net = small_net(seed=9)
+    _, opt = make_optimizer(net, cfg, group=dist.group.WORLD if world > 1 else None, bucket_numel=77)
+    opt.finish_placed_load(read_sharded(directory, opt.placed_state())["optimizer_step"])
+    state, saved = opt.state_dict(), torch.load(directory.parent / "full.pt")
+    assert state["step"] == saved["step"] == 3
+    dtype = MOMENT_DTYPES[moment_dtype]
+    for name, p in net.named_parameters():
+        assert torch.equal(state["masters"][name], saved["masters"][name]), name
+        assert torch.equal(p.detach(), saved["masters"][name].to(p.dtype)), name  # the weights cast from them
+        for key in ("exp_avg", "exp_avg_sq"):  # read as they were, or rounded to BF16 once
+            assert torch.equal(state[key][name], saved[key][name].to(dtype).float()), (key, name)
+
+
+@pytest.mark.parametrize("world, moment_dtype", [(1, "fp32"), (3, "bf16")])
+def test_a_sharded_optimizer_state_resumes_at_another_dp_size_and_moment_dtype(tmp_path, world, moment_dtype):
+    """Saved at DP=2 (FP32 moments, buckets of 100 elements: shard boundaries inside parameters), read at DP=1 with
+    FP32 moments or DP=3 (another bucket size) with BF16 ones: the same masters and step, the moments exact or
+    rounded to BF16 once."""
+    directory = tmp_path / "ck"
+    spawn(2, _sharded_save_worker, directory)
+    if world == 1:
+        _sharded_load_worker(0, 1, directory, moment_dtype)
+    else:
+        spawn(world, _sharded_load_worker, directory, moment_dtype)
 
 
 def test_load_rejects_mismatched_state():
@@ -535,6 +577,16 @@ def test_lr_schedules(style):
         assert lrs[79] == 1.0 and lrs[81] < 1.0  # stable, then decays over the last 20%
     if style == "cosine":
         assert lrs[10 + 45] == pytest.approx(0.55, abs=0.02)  # halfway through decay
+
+
+@pytest.mark.parametrize("steps, fraction", [(100, 0.01), (100, 0.004), (10, 0.1), (3, 0.2)])
+def test_a_wsd_decay_of_one_step_or_less_still_ends_at_min_lr(steps, fraction):
+    """The decay phase's first step is at `lr` and its last at `min_lr`. Where steps x wsd_decay_fraction rounded to
+    one step (or none), that one step was at `lr`: the run ended at its peak learning rate without a word."""
+    cfg = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=1, decay_style="wsd", wsd_decay_fraction=fraction)
+    lrs = [lr_at(s, cfg, steps) for s in range(steps)]
+    assert lrs[-1] == pytest.approx(0.1)
+    assert lrs[-2] == 1.0  # the stable phase lasts up to the last step
 
 
 def _tp_net(tp):

@@ -291,7 +291,10 @@ class OptimizerConfig:
         "After warmup: `cosine` or `linear` decay to `min_lr` at the last step; `wsd` (warmup-stable-decay) "
         "holds `lr` then decays linearly over the last `wsd_decay_fraction` of steps; `constant` holds `lr`.",
     )
-    wsd_decay_fraction: float = setting(0.2, "Fraction of all steps spent decaying when `decay_style: wsd`.")
+    wsd_decay_fraction: float = setting(
+        0.2, "Fraction of all steps spent decaying when `decay_style: wsd` (at least two steps: the first at `lr`, the "
+        "last at `min_lr`)."
+    )
     weight_decay: float = setting(0.1, "Decoupled weight decay; applied to matrices only (not norms or biases).")
     beta1: float = setting(0.9, "AdamW beta1.")
     beta2: float = setting(0.95, "AdamW beta2.")

@@ -13,7 +13,9 @@ def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
     if cfg.decay_style == "constant":
         return cfg.lr
     if cfg.decay_style == "wsd":
-        decay_steps = max(1, round(total_steps * cfg.wsd_decay_fraction))
+        # The decay phase's first step is at `lr` and its last at `min_lr`: it needs two steps to decay at all (one,
+        # which a small fraction of a short run rounds to, ended the run at its peak learning rate).
+        decay_steps = max(2, round(total_steps * cfg.wsd_decay_fraction))
         decay_start = max(cfg.warmup_steps, total_steps - decay_steps)
         if step < decay_start:
             return cfg.lr
