@@ -221,6 +221,10 @@ def test_deepseek_fp8_export_dequantizes_within_the_e4m3_bound(tmp_path):
     assert tensors["model.layers.1.mlp.experts.3.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # the router stays FP32
     assert tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.bfloat16  # 192 rows: unaligned
+    # ... and declared, or FP8 loaders would make it an FP8 layer with no scale (checked in test_hf_transformers.py)
+    quantization = json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"]
+    assert quantization["modules_to_not_convert"] == ["lm_head"] + [
+        f"model.layers.{i}.self_attn.kv_a_proj_with_mqa" for i in range(4)]  # layer 3: the MTP module
     restored = load_hf(tmp_path / "hf").state
     w = model.state_dict()["layers.1.mlp.experts.gate_up_proj.weight"]
     assert (restored["layers.1.mlp.experts.gate_up_proj.weight"] - w).abs().max() <= 2**-3 * w.abs().max()

@@ -9,9 +9,9 @@ gate/up weights are split into the separate projections on export and fused agai
 Import reads every tensor the model needs by name and then refuses any tensor of the file it did not read (a bias,
 a layer the config does not declare), so nothing is dropped silently. `fp8=True` on export stores every GEMM weight
 that is whole 128x128 tiles as E4M3 with block scales under `<name>_scale_inv` (the DeepSeek-V3 layout: the FP32
-multiplier that dequantizes each block) and declares it in `quantization_config`; embeddings, norms, the LM head and
-the routers stay BF16/FP32. Import dequantizes such weights (blocks at the edges may be partial, as DeepSeek ships
-its 576-row kv_a).
+multiplier that dequantizes each block) and declares it in `quantization_config`, with the linears it left BF16 under
+`modules_to_not_convert`; embeddings, norms, the LM head and the routers stay BF16/FP32. Import dequantizes such
+weights (blocks at the edges may be partial, as DeepSeek ships its 576-row kv_a).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 
 from megafp8.checkpoint.hf_config import HfModel, export_layout, hf_config, model_from_hf
 from megafp8.checkpoint.hf_deepseek import check_mtp_copies, from_deepseek_tensors, mtp_note, to_deepseek_tensors
-from megafp8.checkpoint.hf_tensors import HfTensors, check_no_selection_bias, emitter
+from megafp8.checkpoint.hf_tensors import HfTensors, bf16_linears, check_no_selection_bias, emitter
 from megafp8.config import ConfigError, ModelConfig
 
 WEIGHTS_FILE = "model.safetensors"
@@ -127,9 +127,12 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, 
     layout = export_layout(cfg)
     tensors = (to_hf_tensors(state, cfg, fp8) if layout in ("llama", "mixtral")
                else to_deepseek_tensors(state, cfg, fp8, layout))
+    config = hf_config(cfg, layout, max_seq_len, fp8)
+    if fp8:
+        config["quantization_config"]["modules_to_not_convert"] = bf16_linears(tensors)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config(cfg, layout, max_seq_len, fp8), indent=2))
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return layout
 
 

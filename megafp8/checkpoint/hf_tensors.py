@@ -1,6 +1,7 @@
 """Reading and writing Hugging Face tensors: FP8 blocks, routers in FP32, and a reader that knows what it read."""
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import torch
@@ -9,7 +10,9 @@ from megafp8.config import ConfigError
 from megafp8.precision.formats import E4M3, TILE
 from megafp8.precision.quantize import quantize_128x128
 
-_GEMM_NAMES = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")  # what FP8 export may quantize
+# What FP8 export may quantize: the weights transformers holds in nn.Linear layers, lm_head aside (DeepSeek's kv_a is
+# `kv_a_proj_with_mqa`).
+_GEMM_NAMES = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight")
 _ROUTER_NAMES = ("gate.weight", "e_score_correction_bias")  # stay FP32, as DeepSeek ships them
 
 
@@ -31,6 +34,16 @@ def emitter(out: dict[str, torch.Tensor], fp8: bool) -> Callable[[str, torch.Ten
         else:
             out[name] = t.to(torch.bfloat16).contiguous()
     return emit
+
+
+def bf16_linears(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The modules (Hugging Face names) of an FP8 export whose GEMM weights stayed BF16 (not whole 128x128 tiles),
+    plus `lm_head`: `quantization_config.modules_to_not_convert`. FP8 loaders (transformers, vLLM) make every other
+    linear an FP8 layer expecting an E4M3 weight and its `_scale_inv`; a BF16 weight there got an uninitialized scale.
+    Experts are named by their `experts` module, which transformers (5) holds all of a layer's experts in."""
+    kept = {re.sub(r"\.experts\.\d+\..*", ".experts", name.removesuffix(".weight")) for name, t in tensors.items()
+            if name.endswith(_GEMM_NAMES) and t.dtype != torch.float8_e4m3fn}
+    return ["lm_head"] + sorted(kept)
 
 
 class HfTensors:
