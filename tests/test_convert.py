@@ -490,3 +490,51 @@ def test_conversion_errors_name_the_short_shard_and_give_conversion_advice(tmp_p
         export_hf(sharded, tmp_path / "out", fp8=False)
     with pytest.raises(ConfigError, match=r"not found; check the checkpoint path given to the tool$"):
         export_hf(tmp_path / "nowhere", tmp_path / "out", fp8=False)
+
+
+def _sharded(source, target, shards: list[list[str]], index: dict | None = None):
+    """`target`: `source`'s config.json and its tensors written as the shards named (a tensor may be in two), with
+    `index` (by default the true one) as model.safetensors.index.json."""
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir()
+    (target / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(str(source / WEIGHTS_FILE))
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        chosen = [n for n in names if any(n.startswith(prefix) for prefix in part)]
+        save_file({n: tensors[n] for n in chosen}, str(target / file))
+        weight_map.update({n: file for n in chosen})
+    index = {"metadata": {}, "weight_map": weight_map} if index is None else index
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    return target
+
+
+def test_sharded_safetensors_that_disagree_with_their_index_are_refused(tmp_path, llama_dir):
+    whole = ["lm_head", "model.embed_tokens", "model.norm"]
+    layers = ["model.layers.0", "model.layers.1"]
+    state = load_hf(_sharded(llama_dir, tmp_path / "good", [whole, layers])).state  # a true index: read
+    assert torch.equal(state["embed.weight"], load_hf(llama_dir).state["embed.weight"])
+    with pytest.raises(ConfigError, match=r"tensor 'model.norm.weight' is in two files, model-00001-of-00002.safetensors "
+                                          r"and model-00002-of-00002.safetensors: which one is meant is unclear"):
+        load_hf(_sharded(llama_dir, tmp_path / "twice", [whole, layers + ["model.norm"]]))
+    lying = _sharded(llama_dir, tmp_path / "lying", [whole, layers])
+    index = json.loads((lying / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "model-00002-of-00002.safetensors"
+    (lying / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"model.safetensors.index.json places tensor 'model.norm.weight' in "
+                                          r"model-00002-of-00002.safetensors, but model-00001-of-00002.safetensors "
+                                          r"holds it"):
+        load_hf(lying)
+    both = _sharded(llama_dir, tmp_path / "both", [whole, layers])
+    (both / WEIGHTS_FILE).symlink_to(llama_dir / WEIGHTS_FILE)
+    with pytest.raises(ConfigError, match=r"holds both model.safetensors and model.safetensors.index.json"):
+        load_hf(both)
+    for name, text in (("model.safetensors.index.json", "{not json"), ("model.safetensors.index.json", "{}"),
+                       ("config.json", "{")):
+        broken = _sharded(llama_dir, tmp_path / f"broken-{len(list(tmp_path.iterdir()))}", [whole, layers])
+        (broken / name).write_text(text)
+        with pytest.raises(ConfigError, match=rf"{re.escape(str(broken / name))} is not a valid"):
+            load_hf(broken)

@@ -29,6 +29,7 @@ from megafp8.checkpoint.hf_tensors import HfTensors, bf16_linears, check_no_sele
 from megafp8.config import ConfigError, ModelConfig
 
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # of a checkpoint sharded into several safetensors files
 CONFIG_FILE = "config.json"
 _PLAIN = {  # ours -> Hugging Face Llama, per layer ({i}) or global
     "embed.weight": "model.embed_tokens.weight",
@@ -146,18 +147,47 @@ def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`, or one ConfigError saying that the file is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} is not a valid JSON file ({err})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} is not a valid JSON object")
+    return value
+
+
 def _read_tensors(in_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of `in_dir`'s model.safetensors or of the shards its index names. A tensor in two files, or not in
+    the file the index places it in, is refused: which copy transformers would read is then unclear."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    index = in_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS_FILE]
+    index = in_dir / INDEX_FILE
+    if index.is_file() and (in_dir / WEIGHTS_FILE).exists():
+        raise ConfigError(f"{in_dir} holds both {WEIGHTS_FILE} and {INDEX_FILE}: one is left from another export; "
+                          f"remove it (transformers reads {WEIGHTS_FILE})")
+    weight_map = _read_json(index).get("weight_map") if index.is_file() else None
+    if index.is_file() and not isinstance(weight_map, dict):
+        raise ConfigError(f"{index} is not a valid safetensors index: it has no weight_map")
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    holder: dict[str, str] = {}  # tensor -> the file it was read from
+    for file in sorted(set(weight_map.values())) if weight_map else [WEIGHTS_FILE]:
         try:
-            tensors.update(load_file(str(in_dir / file)))
+            loaded = load_file(str(in_dir / file))
         except (SafetensorError, OSError, ValueError) as err:
             raise ConfigError(f"{in_dir / file} is not a readable safetensors file ({err})") from None
+        for name in loaded:
+            if name in holder:
+                raise ConfigError(f"tensor '{name}' is in two files, {holder[name]} and {file}: which one is meant is "
+                                  "unclear")
+            holder[name] = file
+        tensors.update(loaded)
+    for name, file in (weight_map or {}).items():
+        if holder.get(name) != file:
+            raise ConfigError(f"{INDEX_FILE} places tensor '{name}' in {file}, but "
+                              f"{holder[name] + ' holds it' if name in holder else 'no file holds it'}")
     return tensors
 
 
@@ -180,7 +210,7 @@ def load_hf(in_dir: Path) -> Imported:
     config_path = in_dir / CONFIG_FILE
     if not config_path.is_file():
         raise ConfigError(f"{config_path} not found: expected a Hugging Face model directory")
-    raw_config = json.loads(config_path.read_text())
+    raw_config = _read_json(config_path)
     model: HfModel = model_from_hf(raw_config)
     get = HfTensors(_read_tensors(in_dir))
     cfg, notes = model.cfg, list(model.notes)
