@@ -492,6 +492,29 @@ def test_conversion_errors_name_the_short_shard_and_give_conversion_advice(tmp_p
         export_hf(tmp_path / "nowhere", tmp_path / "out", fp8=False)
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(num_key_value_heads=4), "tensor 'layers.0.attn.qkv_proj.weight' (from model.layers.0.self_attn.q_proj.weight, "
+                                  "model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.v_proj.weight) has "
+                                  "shape (512, 256), but config.json describes (768, 256)"),
+    (dict(vocab_size=256), "tensor 'embed.weight' (from model.embed_tokens.weight) has shape (384, 256), but "
+                           "config.json describes (256, 256)"),
+])
+def test_a_config_that_does_not_match_the_tensors_is_refused_naming_the_tensor(tmp_path, llama_dir, change, message):
+    """Before, the import wrote a checkpoint whose config and tensors disagreed; the run resuming it failed instead."""
+    with pytest.raises(ConfigError) as err:
+        load_hf(_edited(llama_dir, tmp_path / "hf", change))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_deepseek_config_that_does_not_match_the_tensors_is_refused_naming_the_tensor(tmp_path):
+    """The rotary rows are permuted on import: before, a wrong width failed there with torch's view error."""
+    _exported(DEEPSEEK, tmp_path / "hf")
+    with pytest.raises(ConfigError, match=re.escape(
+            "tensor 'layers.0.attn.q_b_proj.weight' (from model.layers.0.self_attn.q_b_proj.weight) has shape (512, 128), "
+            "but config.json describes (384, 128): the config does not match the weights")):
+        load_hf(_edited(tmp_path / "hf", tmp_path / "edited", dict(qk_rope_head_dim=32)))
+
+
 def _sharded(source, target, shards: list[list[str]], index: dict | None = None):
     """`target`: `source`'s config.json and its tensors written as the shards named (a tensor may be in two), with
     `index` (by default the true one) as model.safetensors.index.json."""

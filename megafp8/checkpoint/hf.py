@@ -108,6 +108,7 @@ def from_hf_tensors(get: HfTensors, expected: dict[str, tuple[int, ...]],
             ours[name] = torch.zeros(shape)  # Mixtral routes without one
         else:
             raise ConfigError(f"tensor '{name}' has no Hugging Face Llama/Mixtral name")
+        get.check_shape(name, ours[name], shape)
     return ours
 
 

@@ -52,6 +52,7 @@ class HfTensors:
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors, self.read = tensors, set()
+        self.recent: list[str] = []  # read since the last `check_shape`: the sources of the tensor it checks
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -60,6 +61,7 @@ class HfTensors:
         if name not in self.tensors:
             raise ConfigError(f"tensor '{name}' is missing from the Hugging Face checkpoint")
         self.read.add(name)
+        self.recent.append(name)
         value = self.tensors[name]
         if value.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             return value.float()
@@ -68,6 +70,18 @@ class HfTensors:
             raise ConfigError(f"FP8 tensor '{name}' has no '{name}_scale_inv' block scales")
         self.read.add(name + "_scale_inv")
         return _dequantize(name, value, scale.float())
+
+    def check_shape(self, ours: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """`tensor` (our tensor `ours`, made of the tensors read since the last call), refused unless it has the shape
+        the config describes: a config.json that does not match its weights would otherwise be imported, and the run
+        resuming from it fail."""
+        sources, self.recent = self.recent, []
+        if tuple(tensor.shape) != tuple(shape):
+            if len(sources) > 3:  # a layer's experts: hundreds
+                sources = sources[:2] + [f"{len(sources) - 2} more"]
+            raise ConfigError(f"tensor '{ours}' (from {', '.join(sources)}) has shape {tuple(tensor.shape)}, but "
+                              f"config.json describes {tuple(shape)}: the config does not match the weights")
+        return tensor
 
     def check_all_read(self) -> None:
         """Refuse tensors that no part of the model took: they would be dropped silently."""
