@@ -493,9 +493,9 @@ def test_conversion_errors_name_the_short_shard_and_give_conversion_advice(tmp_p
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(num_key_value_heads=4), "tensor 'layers.0.attn.qkv_proj.weight' (from model.layers.0.self_attn.q_proj.weight, "
-                                  "model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.v_proj.weight) has "
-                                  "shape (512, 256), but config.json describes (768, 256)"),
+    (dict(num_key_value_heads=4), "tensor 'layers.0.attn.qkv_proj.weight' (from model.layers.0.self_attn.q_proj."
+                                  "weight, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.v_proj."
+                                  "weight) has shape (512, 256), but config.json describes (768, 256)"),
     (dict(vocab_size=256), "tensor 'embed.weight' (from model.embed_tokens.weight) has shape (384, 256), but "
                            "config.json describes (256, 256)"),
 ])
@@ -510,8 +510,8 @@ def test_a_deepseek_config_that_does_not_match_the_tensors_is_refused_naming_the
     """The rotary rows are permuted on import: before, a wrong width failed there with torch's view error."""
     _exported(DEEPSEEK, tmp_path / "hf")
     with pytest.raises(ConfigError, match=re.escape(
-            "tensor 'layers.0.attn.q_b_proj.weight' (from model.layers.0.self_attn.q_b_proj.weight) has shape (512, 128), "
-            "but config.json describes (384, 128): the config does not match the weights")):
+            "tensor 'layers.0.attn.q_b_proj.weight' (from model.layers.0.self_attn.q_b_proj.weight) has shape "
+            "(512, 128), but config.json describes (384, 128): the config does not match the weights")):
         load_hf(_edited(tmp_path / "hf", tmp_path / "edited", dict(qk_rope_head_dim=32)))
 
 
@@ -540,8 +540,9 @@ def test_sharded_safetensors_that_disagree_with_their_index_are_refused(tmp_path
     layers = ["model.layers.0", "model.layers.1"]
     state = load_hf(_sharded(llama_dir, tmp_path / "good", [whole, layers])).state  # a true index: read
     assert torch.equal(state["embed.weight"], load_hf(llama_dir).state["embed.weight"])
-    with pytest.raises(ConfigError, match=r"tensor 'model.norm.weight' is in two files, model-00001-of-00002.safetensors "
-                                          r"and model-00002-of-00002.safetensors: which one is meant is unclear"):
+    with pytest.raises(ConfigError, match=r"tensor 'model.norm.weight' is in two files, model-00001-of-00002."
+                                          r"safetensors and model-00002-of-00002.safetensors: which one is meant is "
+                                          r"unclear"):
         load_hf(_sharded(llama_dir, tmp_path / "twice", [whole, layers + ["model.norm"]]))
     lying = _sharded(llama_dir, tmp_path / "lying", [whole, layers])
     index = json.loads((lying / "model.safetensors.index.json").read_text())
@@ -561,3 +562,4 @@ def test_sharded_safetensors_that_disagree_with_their_index_are_refused(tmp_path
         (broken / name).write_text(text)
         with pytest.raises(ConfigError, match=rf"{re.escape(str(broken / name))} is not a valid"):
             load_hf(broken)
+
