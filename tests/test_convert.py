@@ -563,3 +563,9 @@ def test_sharded_safetensors_that_disagree_with_their_index_are_refused(tmp_path
         with pytest.raises(ConfigError, match=rf"{re.escape(str(broken / name))} is not a valid"):
             load_hf(broken)
 
+
+def test_deepseek_n_shared_experts_null_means_none(tmp_path):
+    """DeepSeek's own modeling code reads a null `n_shared_experts` as no shared experts; before, a TypeError."""
+    _exported(with_moe(DEEPSEEK, num_shared_experts=0), tmp_path / "hf")
+    imported = load_hf(_edited(tmp_path / "hf", tmp_path / "null", dict(n_shared_experts=None)))
+    assert imported.cfg.moe.num_shared_experts == 0
