@@ -221,6 +221,10 @@ def test_deepseek_fp8_export_dequantizes_within_the_e4m3_bound(tmp_path):
     assert tensors["model.layers.1.mlp.experts.3.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # the router stays FP32
     assert tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.bfloat16  # 192 rows: unaligned
+    # ... and declared, or FP8 loaders would make it an FP8 layer with no scale (checked in test_hf_transformers.py)
+    quantization = json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"]
+    assert quantization["modules_to_not_convert"] == ["lm_head"] + [
+        f"model.layers.{i}.self_attn.kv_a_proj_with_mqa" for i in range(4)]  # layer 3: the MTP module
     restored = load_hf(tmp_path / "hf").state
     w = model.state_dict()["layers.1.mlp.experts.gate_up_proj.weight"]
     assert (restored["layers.1.mlp.experts.gate_up_proj.weight"] - w).abs().max() <= 2**-3 * w.abs().max()
@@ -486,3 +490,82 @@ def test_conversion_errors_name_the_short_shard_and_give_conversion_advice(tmp_p
         export_hf(sharded, tmp_path / "out", fp8=False)
     with pytest.raises(ConfigError, match=r"not found; check the checkpoint path given to the tool$"):
         export_hf(tmp_path / "nowhere", tmp_path / "out", fp8=False)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_key_value_heads=4), "tensor 'layers.0.attn.qkv_proj.weight' (from model.layers.0.self_attn.q_proj."
+                                  "weight, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.v_proj."
+                                  "weight) has shape (512, 256), but config.json describes (768, 256)"),
+    (dict(vocab_size=256), "tensor 'embed.weight' (from model.embed_tokens.weight) has shape (384, 256), but "
+                           "config.json describes (256, 256)"),
+])
+def test_a_config_that_does_not_match_the_tensors_is_refused_naming_the_tensor(tmp_path, llama_dir, change, message):
+    """Before, the import wrote a checkpoint whose config and tensors disagreed; the run resuming it failed instead."""
+    with pytest.raises(ConfigError) as err:
+        load_hf(_edited(llama_dir, tmp_path / "hf", change))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_deepseek_config_that_does_not_match_the_tensors_is_refused_naming_the_tensor(tmp_path):
+    """The rotary rows are permuted on import: before, a wrong width failed there with torch's view error."""
+    _exported(DEEPSEEK, tmp_path / "hf")
+    with pytest.raises(ConfigError, match=re.escape(
+            "tensor 'layers.0.attn.q_b_proj.weight' (from model.layers.0.self_attn.q_b_proj.weight) has shape "
+            "(512, 128), but config.json describes (384, 128): the config does not match the weights")):
+        load_hf(_edited(tmp_path / "hf", tmp_path / "edited", dict(qk_rope_head_dim=32)))
+
+
+def _sharded(source, target, shards: list[list[str]], index: dict | None = None):
+    """`target`: `source`'s config.json and its tensors written as the shards named (a tensor may be in two), with
+    `index` (by default the true one) as model.safetensors.index.json."""
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir()
+    (target / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(str(source / WEIGHTS_FILE))
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        chosen = [n for n in names if any(n.startswith(prefix) for prefix in part)]
+        save_file({n: tensors[n] for n in chosen}, str(target / file))
+        weight_map.update({n: file for n in chosen})
+    index = {"metadata": {}, "weight_map": weight_map} if index is None else index
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    return target
+
+
+def test_sharded_safetensors_that_disagree_with_their_index_are_refused(tmp_path, llama_dir):
+    whole = ["lm_head", "model.embed_tokens", "model.norm"]
+    layers = ["model.layers.0", "model.layers.1"]
+    state = load_hf(_sharded(llama_dir, tmp_path / "good", [whole, layers])).state  # a true index: read
+    assert torch.equal(state["embed.weight"], load_hf(llama_dir).state["embed.weight"])
+    with pytest.raises(ConfigError, match=r"tensor 'model.norm.weight' is in two files, model-00001-of-00002."
+                                          r"safetensors and model-00002-of-00002.safetensors: which one is meant is "
+                                          r"unclear"):
+        load_hf(_sharded(llama_dir, tmp_path / "twice", [whole, layers + ["model.norm"]]))
+    lying = _sharded(llama_dir, tmp_path / "lying", [whole, layers])
+    index = json.loads((lying / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "model-00002-of-00002.safetensors"
+    (lying / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"model.safetensors.index.json places tensor 'model.norm.weight' in "
+                                          r"model-00002-of-00002.safetensors, but model-00001-of-00002.safetensors "
+                                          r"holds it"):
+        load_hf(lying)
+    both = _sharded(llama_dir, tmp_path / "both", [whole, layers])
+    (both / WEIGHTS_FILE).symlink_to(llama_dir / WEIGHTS_FILE)
+    with pytest.raises(ConfigError, match=r"holds both model.safetensors and model.safetensors.index.json"):
+        load_hf(both)
+    for name, text in (("model.safetensors.index.json", "{not json"), ("model.safetensors.index.json", "{}"),
+                       ("config.json", "{")):
+        broken = _sharded(llama_dir, tmp_path / f"broken-{len(list(tmp_path.iterdir()))}", [whole, layers])
+        (broken / name).write_text(text)
+        with pytest.raises(ConfigError, match=rf"{re.escape(str(broken / name))} is not a valid"):
+            load_hf(broken)
+
+
+def test_deepseek_n_shared_experts_null_means_none(tmp_path):
+    """DeepSeek's own modeling code reads a null `n_shared_experts` as no shared experts; before, a TypeError."""
+    _exported(with_moe(DEEPSEEK, num_shared_experts=0), tmp_path / "hf")
+    imported = load_hf(_edited(tmp_path / "hf", tmp_path / "null", dict(n_shared_experts=None)))
+    assert imported.cfg.moe.num_shared_experts == 0

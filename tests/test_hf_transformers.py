@@ -159,3 +159,59 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, record_prop
     assert dataclasses.replace(imported.cfg, **training_only) == cfg
     for name, t in model.state_dict().items():
         assert torch.equal(imported.state[name], t), name
+
+
+
+def _with_some_whole_tiles(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` 128 wide, its dense MLPs and one attention projection of each kind whole 128x128 tiles (GQA's query and
+    output projections, MLA's q_b), the other projections and the experts not."""
+    if cfg.attention.kind == "gqa":
+        attention = dataclasses.replace(cfg.attention, head_dim=32)
+    else:
+        attention = dataclasses.replace(cfg.attention, qk_nope_head_dim=24)
+    return dataclasses.replace(cfg, hidden_size=128, ffn_hidden_size=128, attention=attention)
+
+
+@pytest.mark.parametrize("case", list(EXPORTS))
+@pytest.mark.parametrize("dequantize", [False, True], ids=["fp8 layers", "dequantized"])
+def test_fp8_export_loads_in_transformers_with_its_bf16_layers_declared(tmp_path, monkeypatch, case, dequantize):
+    """transformers makes every nn.Linear of an FP8 checkpoint but those `modules_to_not_convert` names an FP8Linear
+    (E4M3 weight and `weight_scale_inv`; on a GPU), or dequantizes each weight by its scale grid (without one). The
+    export keeps projections that are not whole 128x128 tiles BF16, so it must declare them (experts by their layer's
+    `experts` module): an FP8Linear got a BF16 weight and an uninitialized scale, silently. Both paths are taken here
+    on the CPU by replacing transformers' environment check (it needs a GPU, or `accelerate` to dequantize), and the
+    weights compared (FP8Linear's kernels need a GPU; dequantized, transformers keeps BF16 experts in BF16 whatever
+    dtype it is asked for, so its FP32 logits differ)."""
+    from safetensors.torch import load_file
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    from megafp8.checkpoint.hf_tensors import HfTensors
+
+    cfg = _with_some_whole_tiles(EXPORTS[case])
+    model = _megafp8_model(cfg)
+    save_hf(model.state_dict(), cfg, SEQ, tmp_path, fp8=True)
+    file = HfTensors(load_file(str(tmp_path / "model.safetensors")))  # megafp8's dequantization of the file
+    assert any(t.dtype == torch.float8_e4m3fn for t in file.tensors.values())
+
+    def check_environment(self, *args, **kwargs) -> None:
+        self.quantization_config.dequantize = dequantize
+
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", check_environment)
+    hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                                        output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    if dequantize:  # every weight as the file holds it (transformers fuses the experts: they are not compared)
+        weights = {name: t for name, t in hf_model.state_dict().items() if name in file}
+        assert any(name.endswith("o_proj.weight") for name in weights)
+        for name, t in weights.items():
+            assert torch.equal(t.float(), file(name)), name
+        return
+    layers = {name: m for name, m in hf_model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert any(type(m).__name__ == "FP8Linear" for m in layers.values())
+    for name, layer in layers.items():
+        if type(layer).__name__ != "FP8Linear":
+            assert torch.equal(layer.weight, file(f"{name}.weight")), name
+            continue
+        rows, cols = layer.weight.shape
+        scale = layer.weight_scale_inv.detach().repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+        assert torch.equal(layer.weight.float() * scale, file(f"{name}.weight")), name

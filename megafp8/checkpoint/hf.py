@@ -9,9 +9,9 @@ gate/up weights are split into the separate projections on export and fused agai
 Import reads every tensor the model needs by name and then refuses any tensor of the file it did not read (a bias,
 a layer the config does not declare), so nothing is dropped silently. `fp8=True` on export stores every GEMM weight
 that is whole 128x128 tiles as E4M3 with block scales under `<name>_scale_inv` (the DeepSeek-V3 layout: the FP32
-multiplier that dequantizes each block) and declares it in `quantization_config`; embeddings, norms, the LM head and
-the routers stay BF16/FP32. Import dequantizes such weights (blocks at the edges may be partial, as DeepSeek ships
-its 576-row kv_a).
+multiplier that dequantizes each block) and declares it in `quantization_config`, with the linears it left BF16 under
+`modules_to_not_convert`; embeddings, norms, the LM head and the routers stay BF16/FP32. Import dequantizes such
+weights (blocks at the edges may be partial, as DeepSeek ships its 576-row kv_a).
 """
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ import torch
 
 from megafp8.checkpoint.hf_config import HfModel, export_layout, hf_config, model_from_hf
 from megafp8.checkpoint.hf_deepseek import check_mtp_copies, from_deepseek_tensors, mtp_note, to_deepseek_tensors
-from megafp8.checkpoint.hf_tensors import HfTensors, check_no_selection_bias, emitter
+from megafp8.checkpoint.hf_tensors import HfTensors, bf16_linears, check_no_selection_bias, emitter
 from megafp8.config import ConfigError, ModelConfig
 
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # of a checkpoint sharded into several safetensors files
 CONFIG_FILE = "config.json"
 _PLAIN = {  # ours -> Hugging Face Llama, per layer ({i}) or global
     "embed.weight": "model.embed_tokens.weight",
@@ -107,6 +108,7 @@ def from_hf_tensors(get: HfTensors, expected: dict[str, tuple[int, ...]],
             ours[name] = torch.zeros(shape)  # Mixtral routes without one
         else:
             raise ConfigError(f"tensor '{name}' has no Hugging Face Llama/Mixtral name")
+        get.check_shape(name, ours[name], shape)
     return ours
 
 
@@ -127,9 +129,12 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, 
     layout = export_layout(cfg)
     tensors = (to_hf_tensors(state, cfg, fp8) if layout in ("llama", "mixtral")
                else to_deepseek_tensors(state, cfg, fp8, layout))
+    config = hf_config(cfg, layout, max_seq_len, fp8)
+    if fp8:
+        config["quantization_config"]["modules_to_not_convert"] = bf16_linears(tensors)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(hf_config(cfg, layout, max_seq_len, fp8), indent=2))
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return layout
 
 
@@ -143,18 +148,47 @@ def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`, or one ConfigError saying that the file is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} is not a valid JSON file ({err})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} is not a valid JSON object")
+    return value
+
+
 def _read_tensors(in_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of `in_dir`'s model.safetensors or of the shards its index names. A tensor in two files, or not in
+    the file the index places it in, is refused: which copy transformers would read is then unclear."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    index = in_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS_FILE]
+    index = in_dir / INDEX_FILE
+    if index.is_file() and (in_dir / WEIGHTS_FILE).exists():
+        raise ConfigError(f"{in_dir} holds both {WEIGHTS_FILE} and {INDEX_FILE}: one is left from another export; "
+                          f"remove it (transformers reads {WEIGHTS_FILE})")
+    weight_map = _read_json(index).get("weight_map") if index.is_file() else None
+    if index.is_file() and not isinstance(weight_map, dict):
+        raise ConfigError(f"{index} is not a valid safetensors index: it has no weight_map")
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    holder: dict[str, str] = {}  # tensor -> the file it was read from
+    for file in sorted(set(weight_map.values())) if weight_map else [WEIGHTS_FILE]:
         try:
-            tensors.update(load_file(str(in_dir / file)))
+            loaded = load_file(str(in_dir / file))
         except (SafetensorError, OSError, ValueError) as err:
             raise ConfigError(f"{in_dir / file} is not a readable safetensors file ({err})") from None
+        for name in loaded:
+            if name in holder:
+                raise ConfigError(f"tensor '{name}' is in two files, {holder[name]} and {file}: which one is meant is "
+                                  "unclear")
+            holder[name] = file
+        tensors.update(loaded)
+    for name, file in (weight_map or {}).items():
+        if holder.get(name) != file:
+            raise ConfigError(f"{INDEX_FILE} places tensor '{name}' in {file}, but "
+                              f"{holder[name] + ' holds it' if name in holder else 'no file holds it'}")
     return tensors
 
 
@@ -177,7 +211,7 @@ def load_hf(in_dir: Path) -> Imported:
     config_path = in_dir / CONFIG_FILE
     if not config_path.is_file():
         raise ConfigError(f"{config_path} not found: expected a Hugging Face model directory")
-    raw_config = json.loads(config_path.read_text())
+    raw_config = _read_json(config_path)
     model: HfModel = model_from_hf(raw_config)
     get = HfTensors(_read_tensors(in_dir))
     cfg, notes = model.cfg, list(model.notes)

@@ -209,8 +209,8 @@ def _mla(keys: _Keys) -> dict[str, Any]:
         kind="mla", q_lora_rank=keys.get("q_lora_rank"), kv_lora_rank=keys.get("kv_lora_rank"),
         qk_nope_head_dim=keys.get("qk_nope_head_dim"), qk_rope_head_dim=keys.get("qk_rope_head_dim"),
         v_head_dim=keys.get("v_head_dim")), moe=dict(routed_scaling_factor=float(keys.get("routed_scaling_factor"))))
-    if moe:
-        fields["moe"].update(num_experts=experts, top_k=top_k, ffn_hidden_size=width, num_shared_experts=shared,
+    if moe:  # a null n_shared_experts: none, as DeepSeek's own modeling code reads it
+        fields["moe"].update(num_experts=experts, top_k=top_k, ffn_hidden_size=width, num_shared_experts=shared or 0,
                              first_dense_layers=dense)
     return fields
 

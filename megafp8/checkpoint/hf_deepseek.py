@@ -127,7 +127,8 @@ def _from_block(get: HfTensors, hf: str, key: str, shape: tuple[int, ...], cfg: 
     """Our block tensor `key` (within the block) from the DeepSeek tensors under `hf`."""
     if key in _ROTARY:
         w = get(f"{hf}.{_ATTN[key]}")
-        return _permute_rope(w, cfg, key, inverse=True) if interleaved else w
+        # One of another shape cannot be permuted: it is returned as it is, for the caller's shape check to refuse.
+        return _permute_rope(w, cfg, key, inverse=True) if interleaved and tuple(w.shape) == shape else w
     if key == _BIAS and layout == "deepseek_v2":
         return torch.zeros(shape)  # DeepSeek-V2 routes without one
     if key in _ATTN:
@@ -150,18 +151,18 @@ def from_deepseek_tensors(get: HfTensors, expected: dict[str, tuple[int, ...]], 
     for name, shape in expected.items():
         parts = name.split(".")
         if name in _TOP:
-            ours[name] = get(_TOP[name])
+            ours[name] = get.check_shape(name, get(_TOP[name]), shape)
             continue
         if parts[0] == "layers":
             hf, key = f"model.layers.{parts[1]}", ".".join(parts[2:])
         else:  # mtp.K.<...>
             hf, key = f"model.layers.{cfg.num_layers + int(parts[1])}", ".".join(parts[2:])
             if key in _MTP:
-                t = get(f"{hf}.{_MTP[key]}")
+                t = get.check_shape(name, get(f"{hf}.{_MTP[key]}"), shape)
                 ours[name] = _swap_halves(t) if key == "combine_proj.weight" else t
                 continue
             key = key.removeprefix("block.")
-        ours[name] = _from_block(get, hf, key, shape, cfg, layout, interleaved)
+        ours[name] = get.check_shape(name, _from_block(get, hf, key, shape, cfg, layout, interleaved), shape)
     return ours
 
 

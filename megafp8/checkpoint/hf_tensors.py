@@ -1,6 +1,7 @@
 """Reading and writing Hugging Face tensors: FP8 blocks, routers in FP32, and a reader that knows what it read."""
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import torch
@@ -9,7 +10,9 @@ from megafp8.config import ConfigError
 from megafp8.precision.formats import E4M3, TILE
 from megafp8.precision.quantize import quantize_128x128
 
-_GEMM_NAMES = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")  # what FP8 export may quantize
+# What FP8 export may quantize: the weights transformers holds in nn.Linear layers, lm_head aside (DeepSeek's kv_a is
+# `kv_a_proj_with_mqa`).
+_GEMM_NAMES = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight")
 _ROUTER_NAMES = ("gate.weight", "e_score_correction_bias")  # stay FP32, as DeepSeek ships them
 
 
@@ -33,12 +36,23 @@ def emitter(out: dict[str, torch.Tensor], fp8: bool) -> Callable[[str, torch.Ten
     return emit
 
 
+def bf16_linears(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The modules (Hugging Face names) of an FP8 export whose GEMM weights stayed BF16 (not whole 128x128 tiles),
+    plus `lm_head`: `quantization_config.modules_to_not_convert`. FP8 loaders (transformers, vLLM) make every other
+    linear an FP8 layer expecting an E4M3 weight and its `_scale_inv`; a BF16 weight there got an uninitialized scale.
+    Experts are named by their `experts` module, which transformers (5) holds all of a layer's experts in."""
+    kept = {re.sub(r"\.experts\.\d+\..*", ".experts", name.removesuffix(".weight")) for name, t in tensors.items()
+            if name.endswith(_GEMM_NAMES) and t.dtype != torch.float8_e4m3fn}
+    return ["lm_head"] + sorted(kept)
+
+
 class HfTensors:
     """A checkpoint's tensors by Hugging Face name, read in FP32 (E4M3 ones dequantized with their `_scale_inv`
     blocks). It remembers what was read, so that a tensor nothing read can be refused."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors, self.read = tensors, set()
+        self.recent: list[str] = []  # read since the last `check_shape`: the sources of the tensor it checks
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -47,6 +61,7 @@ class HfTensors:
         if name not in self.tensors:
             raise ConfigError(f"tensor '{name}' is missing from the Hugging Face checkpoint")
         self.read.add(name)
+        self.recent.append(name)
         value = self.tensors[name]
         if value.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             return value.float()
@@ -55,6 +70,18 @@ class HfTensors:
             raise ConfigError(f"FP8 tensor '{name}' has no '{name}_scale_inv' block scales")
         self.read.add(name + "_scale_inv")
         return _dequantize(name, value, scale.float())
+
+    def check_shape(self, ours: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """`tensor` (our tensor `ours`, made of the tensors read since the last call), refused unless it has the shape
+        the config describes: a config.json that does not match its weights would otherwise be imported, and the run
+        resuming from it fail."""
+        sources, self.recent = self.recent, []
+        if tuple(tensor.shape) != tuple(shape):
+            if len(sources) > 3:  # a layer's experts: hundreds
+                sources = sources[:2] + [f"{len(sources) - 2} more"]
+            raise ConfigError(f"tensor '{ours}' (from {', '.join(sources)}) has shape {tuple(tensor.shape)}, but "
+                              f"config.json describes {tuple(shape)}: the config does not match the weights")
+        return tensor
 
     def check_all_read(self) -> None:
         """Refuse tensors that no part of the model took: they would be dropped silently."""
