@@ -4,11 +4,12 @@ Documents are concatenated (each ends with the end-of-document token) and cut in
 `seq_len + 1` tokens that overlap by one, so sample i gives inputs stream[i*T : i*T+T] and
 targets shifted by one.
 
-The loader walks a seeded permutation of the samples, epoch after epoch. Optimizer step s
-uses global positions [s*G, (s+1)*G) (G = global batch); data-parallel rank r takes the r-th
-contiguous share and cuts it into micro-batches. So a run with D ranks and A accumulation
-steps sees, per optimizer step, exactly the samples of a run with 1 rank and D*A steps. The
-whole loader state is the number of samples consumed.
+The loader walks a seeded permutation of the samples (`megafp8.data.order`), epoch after epoch.
+Optimizer step s uses global positions [s*G, (s+1)*G) (G = global batch); data-parallel rank r
+takes the r-th contiguous share and cuts it into micro-batches. So a run with D ranks and A
+accumulation steps sees, per optimizer step, exactly the samples of a run with 1 rank and D*A
+steps. The loader's position is the number of samples consumed; its state adds what the position
+is valid for (the samples, seed and kind of order).
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ import torch
 
 from megafp8.config import ConfigError
 from megafp8.data.indexed import TokenStream
+from megafp8.data.order import (
+    ORDER_KINDS, PERMUTATION, PERMUTATION_LIMIT, feistel_order, order_kind, permutation,
+)
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), each (B, T) int64
 
@@ -27,9 +31,9 @@ class DataPositionError(ConfigError):
     """A saved data position that does not fit this run's samples or order (other data, seq_len or seed): a
     relaunch must not continue from it; a run started from a named checkpoint starts its data afresh."""
 
-    def __init__(self, mismatch: str) -> None:
-        super().__init__(f"{mismatch}: resume with the same data.path, data.seq_len and data order seed (data.seed, "
-                         "else training.seed)")
+    def __init__(self, mismatch: str, fix: str = "resume with the same data.path, data.seq_len and data order seed "
+                                                  "(data.seed, else training.seed)") -> None:
+        super().__init__(f"{mismatch}: {fix}")
         self.mismatch = mismatch
 
 
@@ -55,7 +59,10 @@ class PackedDataset:
 
 
 class DistributedLoader:
-    """Yields this rank's micro-batches of each optimizer step; seeded, shuffled, resumable."""
+    """Yields this rank's micro-batches of each optimizer step; seeded, shuffled, resumable.
+
+    `permutation_limit`: the largest split that a new run walks in numpy's permutation; larger ones use
+    feistel-v1 (`megafp8.data.order`). A resumed run keeps the kind of order its checkpoint records."""
 
     def __init__(
         self,
@@ -66,6 +73,7 @@ class DistributedLoader:
         dp_size: int,
         seed: int,
         shuffle: bool = True,
+        permutation_limit: int = PERMUTATION_LIMIT,
     ) -> None:
         if global_batch_size % (micro_batch_size * dp_size) != 0:
             raise ValueError("global_batch_size must be a multiple of micro_batch_size * dp_size")
@@ -73,21 +81,31 @@ class DistributedLoader:
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle = seed, shuffle
+        self.order_kind = order_kind(len(dataset), permutation_limit)
         self.consumed_samples = 0
-        self._epoch_order: tuple[int, np.ndarray] | None = None
+        self._epoch_order: tuple[int, np.ndarray] | None = None  # the permutation kind's latest epoch
 
-    def _order(self, epoch: int) -> np.ndarray:
+    def _permutation(self, epoch: int) -> np.ndarray:
         if self._epoch_order is None or self._epoch_order[0] != epoch:
-            n = len(self.dataset)
-            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-            self._epoch_order = (epoch, order)
+            self._epoch_order = None  # the old epoch's order is freed before the new one is built
+            self._epoch_order = (epoch, permutation(len(self.dataset), self.seed, epoch))
         return self._epoch_order[1]
 
     def _indices(self, first: int, count: int) -> np.ndarray:
         """Dataset indices at global positions [first, first + count)."""
         n = len(self.dataset)
-        positions = np.arange(first, first + count)
-        return np.array([self._order(int(p) // n)[int(p) % n] for p in positions], dtype=np.int64)
+        positions = np.arange(first, first + count, dtype=np.int64)
+        epochs, within = np.divmod(positions, n)
+        if not self.shuffle:
+            return within
+        indices = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs).tolist():  # a step spans one epoch, or two at an epoch's end
+            here = epochs == epoch
+            if self.order_kind == PERMUTATION:
+                indices[here] = self._permutation(epoch)[within[here]]
+            else:
+                indices[here] = feistel_order(within[here], n, self.seed, epoch)
+        return indices
 
     def next_step(self) -> list[Batch]:
         """This rank's micro-batches for the next optimizer step."""
@@ -99,14 +117,23 @@ class DistributedLoader:
         return [self.dataset.batch(indices[i : i + mbs]) for i in range(0, share, mbs)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "num_samples": len(self.dataset)}
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "num_samples": len(self.dataset),
+                "order": self.order_kind}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position. The saved kind of order is kept (a state without one, written before
+        feistel-v1 existed, walked the permutation), so a later change of the limit never reorders a run."""
         if state["num_samples"] != len(self.dataset) or state["seed"] != self.seed:
             raise DataPositionError(
                 f"the saved data-loader state is for {state['num_samples']} samples with seed {state['seed']}, but this "
                 f"run has {len(self.dataset)} samples with seed {self.seed}"
             )
+        kind = state.get("order", PERMUTATION)
+        if kind not in ORDER_KINDS:
+            raise DataPositionError(f"the saved data-loader state walks a sample order '{kind}' that this version "
+                                    f"does not know (it knows {', '.join(ORDER_KINDS)})",
+                                    fix="resume with the megafp8 version that wrote the checkpoint")
+        self.order_kind, self._epoch_order = kind, None
         self.consumed_samples = int(state["consumed_samples"])
 
 
