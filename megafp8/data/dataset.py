@@ -9,7 +9,7 @@ Optimizer step s uses global positions [s*G, (s+1)*G) (G = global batch); data-p
 takes the r-th contiguous share and cuts it into micro-batches. So a run with D ranks and A
 accumulation steps sees, per optimizer step, exactly the samples of a run with 1 rank and D*A
 steps. The loader's position is the number of samples consumed; its state adds what the position
-is valid for (the samples, seed and kind of order).
+is valid for (the number of samples, the seed, the kind of order and the data's fingerprint).
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ class DistributedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed, "num_samples": len(self.dataset),
-                "order": self.order_kind}
+                "order": self.order_kind, "fingerprint": self.dataset.stream.fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position. The saved kind of order is kept (a state without one, written before
@@ -128,6 +128,16 @@ class DistributedLoader:
                 f"the saved data-loader state is for {state['num_samples']} samples with seed {state['seed']}, but this "
                 f"run has {len(self.dataset)} samples with seed {self.seed}"
             )
+        # Data preprocessed again (other documents, another tokenizer) may have as many samples: its fingerprint
+        # tells. A state without one (written before fingerprints) is taken on trust.
+        stream = self.dataset.stream
+        difference = stream.fingerprint_difference(state["fingerprint"]) if state.get("fingerprint") else None
+        if difference is not None:
+            raise DataPositionError(
+                f"split '{stream.split}' of {stream.meta.root} is not the data the saved data-loader state was read "
+                f"from ({difference})",
+                fix="resume with the data the checkpoint was trained on, or name the checkpoint in "
+                    "checkpoint.resume=PATH to train this data from its first sample")
         kind = state.get("order", PERMUTATION)
         if kind not in ORDER_KINDS:
             raise DataPositionError(f"the saved data-loader state walks a sample order '{kind}' that this version "

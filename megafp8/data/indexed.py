@@ -8,13 +8,16 @@
 Shards are memory-mapped for reading; a split reads as one token stream across its shards. Opening a shard
 checks its size and that its largest token id is below the tokenizer's vocabulary size (recorded at
 preprocessing; data written before that is scanned once), so no id outside the vocabulary ever reaches
-the embedding.
+the embedding. A split's fingerprint (its tokenizer, and per shard the counts and a checksum of a few token
+windows) tells a resumed run whether its data is the data its checkpoint was trained on.
 """
 from __future__ import annotations
 
 import json
 import logging
+import zlib
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,9 @@ from megafp8.config import ConfigError
 FORMAT = "megafp8-tokens-v1"
 META_FILE = "meta.json"
 MAX_VOCAB_SIZE = 2**32  # token ids are stored as uint16 or uint32
+# A shard's checksum reads 16 evenly spaced windows of 64 tokens: a few pages a shard, cheap for terabytes of
+# data, and other documents or another tokenization change them (all but) surely.
+CHECKSUM_WINDOWS, CHECKSUM_WINDOW_TOKENS = 16, 64
 
 log = logging.getLogger("megafp8")
 
@@ -144,6 +150,17 @@ def _check_ids(path: Path, largest: int, meta: DatasetMeta) -> None:
             "tools/preprocess_data.py with the right --tokenizer")
 
 
+def shard_checksum(tokens: np.ndarray) -> int:
+    """CRC32 of the bytes of `CHECKSUM_WINDOWS` evenly spaced windows of `CHECKSUM_WINDOW_TOKENS` tokens (the whole
+    shard when it is shorter than one window)."""
+    length = min(CHECKSUM_WINDOW_TOKENS, len(tokens))
+    starts = np.linspace(0, len(tokens) - length, CHECKSUM_WINDOWS).astype(np.int64) if len(tokens) else []
+    crc = 0
+    for start in starts:
+        crc = zlib.crc32(np.ascontiguousarray(tokens[start : start + length]).tobytes(), crc)
+    return crc
+
+
 class TokenStream:
     """The tokens of one split as a single read-only sequence over memory-mapped shards."""
 
@@ -153,10 +170,36 @@ class TokenStream:
                 f"split '{split}' is not in {meta.root / META_FILE} (it has: {', '.join(meta.splits) or 'none'}); "
                 "set data.train_split / data.valid_split, or re-run preprocessing with --valid-fraction > 0"
             )
-        self.shards = [self._open(meta, shard) for shard in meta.splits[split]]
-        self.shards = [s for s in self.shards if len(s)]
+        self.meta, self.split = meta, split
+        self._all_shards = [self._open(meta, shard) for shard in meta.splits[split]]
+        self.shards = [s for s in self._all_shards if len(s)]
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])
         self.num_tokens = int(self.starts[-1])
+
+    @cached_property
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies this split's data, cheaply: the tokenizer and, per shard, [tokens, documents, checksum]
+        (`shard_checksum`). Data preprocessed again from other documents or with another tokenizer differs in it
+        even where the number of samples is the same."""
+        entries = self.meta.splits[self.split]
+        return {"tokenizer": self.meta.tokenizer, "vocab_size": self.meta.vocab_size,
+                "shards": [[int(entry["num_tokens"]), int(entry.get("num_docs", -1)), shard_checksum(tokens)]
+                           for entry, tokens in zip(entries, self._all_shards)]}
+
+    def fingerprint_difference(self, saved: dict[str, Any]) -> str | None:
+        """The first way in which this split differs from a saved `fingerprint`, or None where it does not."""
+        own = self.fingerprint
+        for key in ("tokenizer", "vocab_size"):
+            if saved.get(key) != own[key]:
+                return f"its {key} was {saved.get(key)}, this data's is {own[key]}"
+        saved_shards = [list(shard) for shard in saved.get("shards", [])]
+        if len(saved_shards) != len(own["shards"]):
+            return f"it had {len(saved_shards)} shards, this data has {len(own['shards'])}"
+        for entry, was, now in zip(self.meta.splits[self.split], saved_shards, own["shards"]):
+            for what, a, b in zip(("token count", "document count", "token checksum"), was, now):
+                if a != b:
+                    return f"shard {self.meta.root / entry['file']}'s {what} was {a}, is {b}"
+        return None
 
     @staticmethod
     def _open(meta: DatasetMeta, shard: dict[str, Any]) -> np.ndarray:

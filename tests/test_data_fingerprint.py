@@ -1,0 +1,94 @@
+"""The data fingerprint in the loader's state: a resume onto other data of the same number of samples is caught."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from megafp8.config import ConfigError
+from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta
+from megafp8.data.dataset import DataPositionError
+from megafp8.data.indexed import shard_checksum
+
+
+def make_loader(data, seed=3):
+    return DistributedLoader(PackedDataset(TokenStream(read_meta(data), "train"), 64), 8, 2, 0, 1, seed)
+
+
+def reverse_tokens_of(data, shard_number=1):
+    """The same counts (tokens, documents, samples, largest id), other content: the shard's tokens reversed."""
+    shard = data / read_meta(data).splits["train"][shard_number]["file"]
+    tokens = np.memmap(shard, dtype=np.uint16, mode="r+")
+    tokens[:] = tokens[::-1].copy()
+    tokens.flush()
+    return shard
+
+
+def test_shard_checksum_reads_windows_and_sees_their_tokens():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    changed = tokens.copy()
+    changed[-1] = 7  # the last window ends at the shard's end
+    assert shard_checksum(tokens) != shard_checksum(changed)
+    assert shard_checksum(tokens[:10]) != shard_checksum(tokens[1:11])  # shorter than a window: all of it
+    assert shard_checksum(tokens[:0]) == 0
+
+
+def test_unchanged_data_resumes_exactly_and_so_does_a_state_without_a_fingerprint(corpus_dir):
+    straight = make_loader(corpus_dir)
+    straight.next_step()
+    state = straight.state_dict()
+    assert [len(shard) for shard in state["fingerprint"]["shards"]] == [3] * len(read_meta(corpus_dir).splits["train"])
+    expected = straight.next_step()
+    for saved in (state, {k: v for k, v in state.items() if k != "fingerprint"}):  # the latter: older checkpoints
+        resumed = make_loader(corpus_dir)
+        resumed.load_state_dict(saved)
+        assert all(torch.equal(g[0], w[0]) for g, w in zip(resumed.next_step(), expected, strict=True))
+
+
+def test_other_data_of_as_many_samples_is_refused_naming_what_differs(corpus_dir, tmp_path):
+    state = make_loader(corpus_dir).state_dict()
+    data = shutil.copytree(corpus_dir, tmp_path / "data")
+    shard = reverse_tokens_of(data)
+    loader = make_loader(data)
+    assert len(loader.dataset) == state["num_samples"]
+    with pytest.raises(DataPositionError, match=re.escape(
+            f"split 'train' of {data} is not the data the saved data-loader state was read from (shard {shard}'s "
+            "token checksum was ") + r"\d+, is \d+\): resume with the data the checkpoint was trained on, or name the "
+            r"checkpoint in checkpoint.resume=PATH to train this data from its first sample$"):
+        loader.load_state_dict(state)
+    assert loader.consumed_samples == 0
+    meta = json.loads((data / "meta.json").read_text())
+    meta["tokenizer"] = "/elsewhere/tokenizer.json"
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataPositionError, match=r"\(its tokenizer was byte, this data's is /elsewhere/tokenizer.json\)"):
+        make_loader(data).load_state_dict(state)
+
+
+def test_a_relaunch_onto_changed_data_is_refused_and_a_named_resume_starts_its_data_afresh(tiny_overrides, corpus_dir,
+                                                                                          tmp_path, caplog):
+    """The data was preprocessed again between launches (same path, same number of samples, other content): the
+    relaunch resumed mid-order of a different dataset without a word."""
+    from megafp8.config import load_config
+    from megafp8.parallel import ParallelDims
+    from megafp8.train import Trainer
+
+    data = shutil.copytree(corpus_dir, tmp_path / "data")
+    common = tiny_overrides + [f"data.path={data}", "training.steps=2", "checkpoint.interval=2",
+                               "training.eval_interval=0"]
+    Trainer(load_config("tiny_dense", common), ParallelDims.single(), torch.device("cpu")).fit()
+    shard = reverse_tokens_of(data)
+    with pytest.raises(ConfigError, match=rf"shard {re.escape(str(shard))}'s token checksum was \d+, is \d+\): "
+                                          "resume with the data the checkpoint was trained on"):
+        Trainer(load_config("tiny_dense", common + ["training.steps=3"]), ParallelDims.single(), torch.device("cpu"))
+    path = tmp_path / "runs" / "t" / "checkpoints" / "step_00000002"
+    with caplog.at_level("WARNING", logger="megafp8"):
+        named = Trainer(load_config("tiny_dense", common + ["training.steps=3", f"checkpoint.resume={path}"]),
+                        ParallelDims.single(), torch.device("cpu"))
+    assert named.step == 2 and named.loader.consumed_samples == 0
+    assert re.search(r"data position of .*step_00000002 \(16 samples consumed\) does not fit this run's data: split "
+                     r"'train' of .* is not the data the saved data-loader state was read from \(shard .*00001.bin's "
+                     r"token checksum was \d+, is \d+\): this run reads its data from the first sample", caplog.text)
