@@ -13,7 +13,7 @@ from megafp8.data import (
     ByteTokenizer, DistributedLoader, PackedDataset, TokenStream, lockstep_validation_batches, read_meta,
     validation_batches,
 )
-from megafp8.data.preprocess import preprocess, train_tokenizer
+from megafp8.data.preprocess import preprocess, train_tokenizer, training_documents
 from megafp8.data.corpus import input_files, read_documents
 
 
@@ -247,6 +247,43 @@ def test_hf_tokenizer_train_and_preprocess(tmp_path):
     assert tok_path.read_bytes() == trained
     train_tokenizer([str(src)], tok_path, vocab_size=300, overwrite=True)
     assert tok_path.read_bytes() != trained
+
+
+def _split_texts(out):
+    """The documents of each split of a byte-tokenized directory, as texts."""
+    meta, texts = read_meta(out), {}
+    for split in meta.splits:
+        tokens = TokenStream(meta, split).read(0, TokenStream(meta, split).num_tokens)
+        documents = np.split(tokens, np.where(tokens == 256)[0] + 1)[:-1]
+        texts[split] = [ByteTokenizer().decode(doc.tolist()) for doc in documents]
+    return texts
+
+
+@pytest.mark.parametrize("num_docs, valid_fraction", [(60, 0.2), (6, 0.01), (1, 0.01), (5, 0.0)])
+def test_the_tokenizer_trains_on_the_documents_preprocessing_keeps_for_training(tmp_path, num_docs, valid_fraction):
+    """Outside the text-tree mode the tokenizer trained on every document, the ones preprocessing then held out for
+    validation among them. The cases: a seeded draw; a draw of none, which moves the last document to `valid`;
+    one document, copied into both splits; no held-out split."""
+    src = write_docs(tmp_path / "src", [f"document {i} " * (i % 7 + 1) for i in range(num_docs)])
+    if num_docs > 1:  # JSONL records are drawn one by one too
+        (src / "more.jsonl").write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(3)))
+    preprocess([str(src)], tmp_path / "out", valid_fraction=valid_fraction, seed=5)
+    splits = _split_texts(tmp_path / "out")
+    assert list(training_documents([str(src)], valid_fraction=valid_fraction, seed=5)) == splits["train"]
+    held_out = {(60, 0.2): 10, (6, 0.01): 1, (1, 0.01): 1, (5, 0.0): 0}[num_docs, valid_fraction]  # seed 5 draws 10
+    assert len(splits.get("valid", [])) == held_out
+    if num_docs > 1:
+        assert not set(splits.get("valid", [])) & set(splits["train"])
+
+
+def test_train_tokenizer_leaves_the_held_out_documents_out(tmp_path):
+    pytest.importorskip("tokenizers")
+    src = write_docs(tmp_path / "src", [f"def f_{i}(x):\n    return x + {i}\n" * (i % 5 + 1) for i in range(40)])
+    preprocess([str(src)], tmp_path / "out", valid_fraction=0.25, seed=9)
+    train = _split_texts(tmp_path / "out")["train"]
+    assert 0 < len(train) < 40
+    used = train_tokenizer([str(src)], tmp_path / "tok.json", 300, valid_fraction=0.25, seed=9)
+    assert used == (len(train), sum(len(doc.encode()) for doc in train))
 
 
 def test_preprocessing_records_each_shard_s_largest_token_id(tmp_path):

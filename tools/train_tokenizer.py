@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Train a byte-level BPE tokenizer.json locally (Hugging Face `tokenizers`), no download needed.
 
+It trains on the documents tools/preprocess_data.py puts in the training split: give both the same --input,
+--json-key (or --extensions), --valid-fraction and --seed, and the documents it holds out stay unseen.
+
 Examples:
     python tools/train_tokenizer.py --input stdlib --vocab-size 8192 --output data/tokenizer.json
     # on a 100 MB sample of a text tree's training files (same --extensions/--seed/--valid-fraction as
@@ -30,18 +33,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.json")
     parser.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size, special tokens included")
     parser.add_argument("--json-key", default="text", help="field holding the text in JSONL records")
-    add_text_tree_options(parser, "text-tree mode: the fraction of files tools/preprocess_data.py holds out with the "
-                                  "same --seed; they are left out of the tokenizer's training")
+    add_text_tree_options(parser, "the fraction of documents (text-tree mode: files) that tools/preprocess_data.py "
+                                  "holds out with the same --seed and inputs; they are left out of the tokenizer's "
+                                  "training")
     parser.add_argument("--sample-bytes", type=byte_count, default=0,
                         help="train on documents up to this many bytes (0: all); with --extensions a seeded random "
-                             "sample of the training split's files, otherwise the first documents")
+                             "sample of the training split's files, otherwise the first training documents")
     args = parser.parse_args(argv)
     try:
         tree = None
         if args.extensions is not None:
             tree = scan_text_tree(args.input, args.extensions, args.valid_fraction, args.seed, args.max_file_bytes)
         docs, size = train_tokenizer(args.input, args.output, args.vocab_size, args.json_key, tree,
-                                     args.sample_bytes, args.overwrite)
+                                     args.sample_bytes, args.overwrite, args.valid_fraction, args.seed)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

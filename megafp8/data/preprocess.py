@@ -2,12 +2,12 @@
 
 Two input modes. Files and JSONL records (the default): each document (a file, or a JSONL line) goes to the
 validation split with probability `valid_fraction`, decided by a seeded generator in document order, so the
-same inputs and seed give the same splits. A text tree (`extensions` given): every file under the input
-directories whose name ends with one of `extensions` is one document, duplicates dropped, and whole files are
-held out by a seeded hash of their content (`megafp8.data.text_tree`). Every shard
-records its largest token id, which must be below the tokenizer's vocabulary size. The
-output directory appears only when complete (written under a temporary name, locked against a second run into
-the same output, then renamed).
+same inputs and seed give the same splits (and `train_tokenizer` can leave the held-out documents out). A text
+tree (`extensions` given): every file under the input directories whose name ends with one of `extensions` is one
+document, duplicates dropped, and whole files are held out by a seeded hash of their content
+(`megafp8.data.text_tree`). Every shard records its largest token id, which must be below the tokenizer's
+vocabulary size. The output directory appears only when complete (written under a temporary name, locked against
+a second run into the same output, then renamed).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import IO, Iterable, Iterator
+from typing import IO, Iterable, Iterator, TypeVar
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from megafp8.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 LOCK_FILE = ".lock"  # in OUT.partial while a run writes it
+Document = TypeVar("Document")  # a document's text, or its tokens
 
 
 def _encode_all(tokenizer: Tokenizer, docs: Iterable[str], batch: int = 256) -> Iterator[np.ndarray]:
@@ -103,19 +104,16 @@ def _write_splits(tmp: Path, tokenizer: Tokenizer, files: list[Path], valid_frac
     """Tokenize every document into the shards of `tmp`; returns the split table, documents and tokens."""
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "valid")}
-    num_docs, num_tokens = 0, 0
-    held: np.ndarray | None = None  # the latest training document, written one behind (see `_place_last`)
-    for split, tokens in _split_documents(tokenizer, files, valid_fraction, seed, json_key, tree):
-        if split == "train":
-            if held is not None:
-                writers["train"].add(held)
-            held = tokens
-        else:
-            writers["valid"].add(tokens)
-        num_docs, num_tokens = num_docs + 1, num_tokens + len(tokens)
-    if held is not None:
-        _place_last(held, writers, valid_fraction, num_docs)
-    return {s: w.close() for s, w in writers.items() if w.shards}, num_docs, num_tokens
+    counts = [0, 0]  # documents, tokens
+
+    def counted() -> Iterator[tuple[str, np.ndarray]]:
+        for split, tokens in _split_documents(tokenizer, files, valid_fraction, seed, json_key, tree):
+            counts[0], counts[1] = counts[0] + 1, counts[1] + len(tokens)
+            yield split, tokens
+
+    for split, tokens in place_last_document(counted(), valid_fraction):
+        writers[split].add(tokens)
+    return {s: w.close() for s, w in writers.items() if w.shards}, counts[0], counts[1]
 
 
 def _claim(tmp: Path, out: Path) -> IO[str]:
@@ -178,21 +176,46 @@ def _is_token_directory(path: Path) -> bool:
     return isinstance(meta, dict) and str(meta.get("format", "")).startswith("megafp8-tokens")
 
 
-def _place_last(last: np.ndarray, writers: dict[str, ShardWriter], valid_fraction: float, num_docs: int) -> None:
-    """Write the last training document. Where the draw held out no document, it is moved to the held-out split
-    instead (as the text-tree mode moves a file), or, being the only document, copied there, with a warning that
-    validation then reads training data."""
-    if valid_fraction == 0 or writers["valid"].shards:
-        writers["train"].add(last)
-    elif writers["train"].shards:
-        writers["valid"].add(last)
+def place_last_document(labelled: Iterable[tuple[str, Document]], valid_fraction: float
+                        ) -> Iterator[tuple[str, Document]]:
+    """The (split, document) pairs as drawn, but for the last training document: where the draw held out no
+    document, it is moved to the held-out split instead (as the text-tree mode moves a file), or, being the only
+    document, also copied there, with a warning that validation then reads training data. The training documents
+    come one behind (the last is known only at the end); `train_tokenizer` applies the same rule."""
+    held: list[Document] = []  # the latest training document, not yet given
+    num_docs, some_valid, some_train = 0, False, False
+    for split, doc in labelled:
+        num_docs += 1
+        if split == "valid":
+            some_valid = True
+            yield split, doc
+            continue
+        if held:
+            some_train = True
+            yield "train", held.pop()
+        held.append(doc)
+    if not held:
+        return
+    last = held.pop()
+    if valid_fraction == 0 or some_valid:
+        yield "train", last
+    elif some_train:
         log.info("--valid-fraction %g drew none of the %d documents: the last one is held out instead",
                  valid_fraction, num_docs)
+        yield "valid", last
     else:
-        writers["train"].add(last)
-        writers["valid"].add(last)
         log.warning("one document only: the held-out split is a copy of it, so validation loss is measured "
                     "on training data (give more documents for a real held-out split)")
+        yield "train", last
+        yield "valid", last
+
+
+def split_by_draw(docs: Iterable[Document], valid_fraction: float, seed: int) -> Iterator[tuple[str, Document]]:
+    """The default mode's split, before `place_last_document`: each document to `valid` with probability
+    `valid_fraction`, by a draw of a generator seeded with `seed`, in document order."""
+    rng = np.random.default_rng(seed)
+    for doc in docs:
+        yield ("valid" if rng.random() < valid_fraction else "train"), doc
 
 
 def _split_documents(tokenizer: Tokenizer, files: list[Path], valid_fraction: float, seed: int, json_key: str,
@@ -203,35 +226,44 @@ def _split_documents(tokenizer: Tokenizer, files: list[Path], valid_fraction: fl
             for tokens in _encode_all(tokenizer, map(read_text, getattr(tree, split))):
                 yield split, tokens
         return
-    rng = np.random.default_rng(seed)
     docs = (doc for path in files for doc in read_documents(path, json_key))
-    for tokens in _encode_all(tokenizer, docs):
-        yield ("valid" if rng.random() < valid_fraction else "train"), tokens
+    yield from split_by_draw(_encode_all(tokenizer, docs), valid_fraction, seed)
+
+
+def training_documents(inputs: list[str], json_key: str = "text", valid_fraction: float = 0.01,
+                       seed: int = 1234) -> Iterator[str]:
+    """The texts of the documents that `preprocess` (default mode) writes to the training split with the same
+    inputs, `json_key`, `valid_fraction` and `seed`, in order: its held-out documents are left out."""
+    docs = (doc for path in input_files(inputs) for doc in read_documents(path, json_key))
+    return (doc for split, doc in place_last_document(split_by_draw(docs, valid_fraction, seed), valid_fraction)
+            if split == "train")
 
 
 def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json_key: str = "text",
-                    tree: TextTree | None = None, sample_bytes: int = 0, overwrite: bool = False) -> tuple[int, int]:
+                    tree: TextTree | None = None, sample_bytes: int = 0, overwrite: bool = False,
+                    valid_fraction: float = 0.01, seed: int = 1234) -> tuple[int, int]:
     """Train a byte-level BPE `tokenizer.json` on local files with Hugging Face `tokenizers`; returns the
     (documents, bytes) it was trained on. An existing `output` is replaced only with `overwrite` (data tokenized
     with it names it in its meta.json).
 
-    With `tree` (from `scan_text_tree`), the documents are its train split's files only (the held-out files stay
-    unseen), in its seeded order; `sample_bytes` > 0 stops after the document that reaches that many bytes (with a
-    tree a seeded random sample of files, otherwise the first documents)."""
+    The documents are those `preprocess` puts in the training split (its held-out documents stay unseen): with
+    `tree` (from `scan_text_tree`), the tree's train split's files, in its seeded order; otherwise the documents
+    of `inputs` that the seeded draw of `valid_fraction` and `seed` keeps (`training_documents`).
+    `sample_bytes` > 0 stops after the document that reaches that many bytes (with a tree a seeded random
+    sample of files, otherwise the first training documents)."""
     try:
         from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
     except ImportError:
         raise ConfigError("training a tokenizer needs `tokenizers`: pip install 'megafp8[hf]'") from None
     if vocab_size < 257:
         raise ConfigError(f"--vocab-size must be at least 257 (256 bytes + end-of-text), got {vocab_size}")
+    if not 0 <= valid_fraction < 1:
+        raise ConfigError(f"--valid-fraction must be in [0, 1), got {valid_fraction}")
     if Path(output).exists() and not overwrite:
         raise ConfigError(f"output '{output}' already exists (data tokenized with it would no longer match it): pass "
                           "--overwrite to replace it, or choose another --output")
-    if tree is not None:
-        docs: Iterable[str] = map(read_text, tree.train)
-    else:
-        files = input_files(inputs)
-        docs = (doc for path in files for doc in read_documents(path, json_key))
+    docs: Iterable[str] = (map(read_text, tree.train) if tree is not None
+                           else training_documents(inputs, json_key, valid_fraction, seed))
     used = [0, 0]  # documents, UTF-8 bytes
 
     def sample() -> Iterator[str]:
