@@ -64,7 +64,8 @@ def test_other_data_of_as_many_samples_is_refused_naming_what_differs(corpus_dir
     meta = json.loads((data / "meta.json").read_text())
     meta["tokenizer"] = "/elsewhere/tokenizer.json"
     (data / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DataPositionError, match=r"\(its tokenizer was byte, this data's is /elsewhere/tokenizer.json\)"):
+    with pytest.raises(DataPositionError,
+                       match=r"\(its tokenizer was byte, this data's is /elsewhere/tokenizer.json\)"):
         make_loader(data).load_state_dict(state)
 
 
