@@ -20,16 +20,15 @@ import torch
 
 from megafp8.config import ConfigError
 from megafp8.data.indexed import TokenStream
-from megafp8.data.order import (
-    ORDER_KINDS, PERMUTATION, PERMUTATION_LIMIT, feistel_order, order_kind, permutation,
-)
+from megafp8.data.order import ORDER_KINDS, PERMUTATION, PERMUTATION_LIMIT, feistel_order, order_kind, permutation
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, targets), each (B, T) int64
 
 
 class DataPositionError(ConfigError):
-    """A saved data position that does not fit this run's samples or order (other data, seq_len or seed): a
-    relaunch must not continue from it; a run started from a named checkpoint starts its data afresh."""
+    """A saved data position that does not fit this run's samples or order (other data, seq_len or seed, or data
+    of other content: its fingerprint): a relaunch must not continue from it; a run started from a named checkpoint
+    starts its data afresh."""
 
     def __init__(self, mismatch: str, fix: str = "resume with the same data.path, data.seq_len and data order seed "
                                                   "(data.seed, else training.seed)") -> None:
