@@ -62,11 +62,22 @@ def test_other_data_of_as_many_samples_is_refused_naming_what_differs(corpus_dir
         loader.load_state_dict(state)
     assert loader.consumed_samples == 0
     meta = json.loads((data / "meta.json").read_text())
+    meta["vocab_size"] += 1
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataPositionError, match=r"\(its vocab_size was \d+, this data's is \d+\)"):
+        make_loader(data).load_state_dict(state)
+
+
+def test_the_same_tokens_read_with_the_tokenizer_at_another_path_resume(corpus_dir, tmp_path):
+    """The tokenizer's spec is a path: the same tokenizer.json moved gives the same tokens, and resumes."""
+    state = make_loader(corpus_dir).state_dict()
+    data = shutil.copytree(corpus_dir, tmp_path / "data")
+    meta = json.loads((data / "meta.json").read_text())
     meta["tokenizer"] = "/elsewhere/tokenizer.json"
     (data / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(DataPositionError,
-                       match=r"\(its tokenizer was byte, this data's is /elsewhere/tokenizer.json\)"):
-        make_loader(data).load_state_dict(state)
+    loader = make_loader(data)
+    loader.load_state_dict(state)
+    assert loader.consumed_samples == state["consumed_samples"]
 
 
 def test_a_relaunch_onto_changed_data_is_refused_and_a_named_resume_starts_its_data_afresh(tiny_overrides, corpus_dir,
