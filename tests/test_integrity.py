@@ -117,6 +117,25 @@ def test_a_file_one_rank_cannot_read_fails_verification_on_every_rank(saved):
     spawn(2, _unreadable_on_rank_1_worker, saved["sharded"] / "step_00000002")
 
 
+def _run_directory_unreadable_on_rank_0_worker(rank, world, overrides):
+    from megafp8.train import run_history
+
+    def unreadable(run_dir, *args):
+        raise PermissionError(errno.EACCES, "Permission denied", str(run_dir))
+
+    if rank == 0:  # the rank that alone reads what an earlier launch left
+        run_history.read_earlier_run = unreadable
+    cfg = load_config("tiny_dense", overrides)
+    with pytest.raises(ConfigError, match="Permission denied"):
+        Trainer(cfg, ParallelDims.from_config(cfg.parallel), CPU)
+
+
+def test_a_run_directory_rank_0_cannot_read_is_one_error_on_every_rank(tiny_overrides, tmp_path):
+    """Rank 0 alone judges an earlier launch and lists the checkpoints to resume: an OSError there ended rank 0 with a
+    traceback and left its peers waiting in the broadcast of its verdict."""
+    spawn(2, _run_directory_unreadable_on_rank_0_worker, tiny_overrides + [f"logging.output_dir={tmp_path}"])
+
+
 def test_a_damaged_latest_pointer_falls_back_to_the_newest_complete_checkpoint(saved, tmp_path):
     ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
     assert (ckpt / "latest").read_text() == "step_00000002\n"
