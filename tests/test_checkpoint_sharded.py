@@ -4,6 +4,7 @@ Runs are FP32, so a checkpoint read back at another layout gives the same valida
 (layouts differ only in summation order)."""
 from __future__ import annotations
 
+import errno
 import math
 import os
 import pickle
@@ -95,6 +96,42 @@ def _saved(tiny_overrides, tmp_path):
     trainer.train_step()
     trainer.save()
     return find_latest(tmp_path / "ck"), tiny_overrides + [f"checkpoint.dir={tmp_path / 'ck'}"]
+
+
+def _rank0_cannot_write_worker(rank, world, overrides, failing):
+    from megafp8.train import checkpointing
+
+    cfg = load_config("tiny_dense", overrides)
+    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel), torch.device("cpu"))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if rank == 0:  # the rank that does a checkpoint's file work alone
+        monkeypatch = pytest.MonkeyPatch()
+        monkeypatch.setattr(checkpointing, failing, disk_full)
+    trainer.train_step()
+    with pytest.raises(checkpointing.CheckpointWriteError, match=r"checkpoint of step \d not saved: .*rank 0.*No "
+                                                                  "space left on device"):
+        trainer.save()
+        trainer.train_step()
+        trainer.save()  # a background write's error surfaces at the next save
+    if "checkpoint.async_save=true" in overrides:  # and the last step's, when training ends, on every rank
+        with pytest.raises(checkpointing.CheckpointWriteError, match="No space left on device"):
+            trainer.fit()
+
+
+@pytest.mark.parametrize("failing, settings", [
+    ("fresh_temporary", []), ("publish", []), ("publish", ["checkpoint.async_save=true"]),
+    ("save_checkpoint", ["checkpoint.format=full"])])
+def test_a_checkpoint_rank_0_cannot_write_fails_every_rank_in_one_error(tiny_overrides, tmp_path, failing, settings):
+    """Rank 0 alone creates a sharded checkpoint's directory and publishes it, and writes a full checkpoint: where it
+    failed (a full disk) its peers were left waiting in the next collective (the broadcast of the directory, the
+    barrier after the save), and under `checkpoint.async_save` they went on training while rank 0 stopped. Every
+    rank now raises the same CheckpointWriteError."""
+    spawn(2, _rank0_cannot_write_worker, tiny_overrides + settings + [
+        f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.resume=none", "checkpoint.interval=100",
+        "training.eval_interval=0"], failing)
 
 
 class _Payload:

@@ -3,6 +3,7 @@ falling back past damaged checkpoints, private temporary directories, safe pruni
 writer per run directory."""
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import shutil
@@ -20,6 +21,7 @@ from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
 from megafp8.train.run_lock import RunLock
 from tests.conftest import REPO, TINY_OVERRIDES, torchrun_env
+from tests.distributed import spawn
 
 CPU = torch.device("cpu")
 
@@ -91,6 +93,47 @@ def test_auto_never_restarts_a_damaged_run_from_step_0(saved, tiny_overrides, tm
     with pytest.raises(ConfigError, match=r"no checkpoint under .* can be resumed: checkpoint file .*step_00000002/"
                                           r"meta.pt is missing.*checkpoint.resume=none"):
         _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}"])
+
+
+def _unreadable_on_rank_1_worker(rank, world, checkpoint):
+    from megafp8.checkpoint import integrity
+    from megafp8.config import ParallelConfig
+    from megafp8.train.resume import first_problem
+
+    digest = integrity.file_digest
+
+    def failing_read(path):
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    # Rank 1 verifies every other file (`share_of`): one of them gives it an I/O error, as a bad disk sector would.
+    integrity.file_digest = failing_read if rank == 1 else digest
+    problem = first_problem(checkpoint, ParallelDims.from_config(ParallelConfig()))
+    assert problem is not None and "cannot be read" in problem and "Input/output error" in problem, problem
+
+
+def test_a_file_one_rank_cannot_read_fails_verification_on_every_rank(saved):
+    """Each rank hashes its share of the files: an OSError on one of them used to end that rank alone, its peers
+    left waiting in the gather of the verdicts. It is now one of the problems every rank sees."""
+    spawn(2, _unreadable_on_rank_1_worker, saved["sharded"] / "step_00000002")
+
+
+def _run_directory_unreadable_on_rank_0_worker(rank, world, overrides):
+    from megafp8.train import run_history
+
+    def unreadable(run_dir, *args):
+        raise PermissionError(errno.EACCES, "Permission denied", str(run_dir))
+
+    if rank == 0:  # the rank that alone reads what an earlier launch left
+        run_history.read_earlier_run = unreadable
+    cfg = load_config("tiny_dense", overrides)
+    with pytest.raises(ConfigError, match="Permission denied"):
+        Trainer(cfg, ParallelDims.from_config(cfg.parallel), CPU)
+
+
+def test_a_run_directory_rank_0_cannot_read_is_one_error_on_every_rank(tiny_overrides, tmp_path):
+    """Rank 0 alone judges an earlier launch and lists the checkpoints to resume: an OSError there ended rank 0 with a
+    traceback and left its peers waiting in the broadcast of its verdict."""
+    spawn(2, _run_directory_unreadable_on_rank_0_worker, tiny_overrides + [f"logging.output_dir={tmp_path}"])
 
 
 def test_a_damaged_latest_pointer_falls_back_to_the_newest_complete_checkpoint(saved, tmp_path):

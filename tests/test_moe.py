@@ -150,6 +150,33 @@ def test_fp8_dispatch_gives_the_same_output_bit_for_bit():
     spawn(2, _layer_worker, "fp8", True)
 
 
+def _no_rows_worker(rank, world, recipe_name, fp8_dispatch, observed):
+    recipe = PrecisionRecipe.from_name(recipe_name)
+    ep = ExpertParallel(dist.group.WORLD, world, rank)
+    moe = MoE(MOE.moe, MOE.hidden_size, recipe, TensorParallel.single(), ep, fp8_dispatch)
+    init_weights(moe, MOE, seed=3)
+    moe.experts.observed = observed  # FP8 health's sampled steps: the experts unfused
+    moe.router.expert_bias[8 // world:] = -100.0  # every token to rank 0's experts: the other ranks receive no rows
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(rank)).to(recipe.param_dtype)
+    x.requires_grad_(True)
+    for _ in range(2):  # the collectives of the second pass pair up only if the first's all did
+        y, aux = moe(x, batch=2, seq_len=20)
+        y.float().sum().add(aux).backward()
+    assert torch.isfinite(x.grad).all()
+    down = moe.experts.down_proj.weight
+    grad = down.grad if down.grad is not None else down.main_grad
+    assert (grad.abs().sum() > 0) == (rank == 0), grad.abs().sum()
+
+
+@pytest.mark.parametrize("recipe, fp8_dispatch, observed", [("bf16", False, False), ("fp8", False, False),
+                                                            ("fp8", True, False), ("fp8", False, True)])
+def test_an_ep_rank_that_receives_no_rows_takes_part_in_every_all_to_all(recipe, fp8_dispatch, observed):
+    """Routing that sends every token to one rank's experts: the others run their experts on zero rows (the FP8
+    experts then take the unfused path, `RoutedExperts._runs_fused`) and still call each all-to-all their peers
+    call, forward and backward."""
+    spawn(2, _no_rows_worker, recipe, fp8_dispatch, observed)
+
+
 # ------------------------------------------------------------------------------------ whole model
 
 MODEL = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.head_dim=128",

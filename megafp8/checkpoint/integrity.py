@@ -136,7 +136,7 @@ def write_manifest(directory: Path, records: dict[str, FileRecord]) -> None:
 
 def read_manifest(directory: Path) -> Optional[dict[str, FileRecord]]:
     """The recorded files of a checkpoint, or None if it has no manifest (written before checksums existed, or
-    never completed). A manifest that is damaged raises ConfigError naming it."""
+    never completed). A manifest that is damaged or cannot be read raises ConfigError naming it."""
     path = directory / MANIFEST_FILE
     try:
         manifest = json.loads(path.read_bytes())
@@ -145,6 +145,8 @@ def read_manifest(directory: Path) -> Optional[dict[str, FileRecord]]:
         files = {name: FileRecord(int(v["size"]), str(v[ALGORITHM])) for name, v in body["files"].items()}
     except FileNotFoundError:
         return None
+    except OSError as err:  # present but unreadable (an I/O error, permissions): this checkpoint cannot be trusted
+        raise ConfigError(f"checkpoint file {path} cannot be read ({err.strerror or err})") from None
     except (ValueError, KeyError, TypeError, AttributeError):
         intact = False
     if not intact:
@@ -180,7 +182,12 @@ def verify_files(directory: Path, files: dict[str, FileRecord]) -> Optional[str]
     if problem:
         return problem
     for name, record in sorted(files.items()):
-        found = file_digest(directory / name)
+        try:
+            found = file_digest(directory / name)
+        except OSError as err:
+            # A verdict, not an exception: under `megafp8.train.resume` each rank reads its share of the files, and
+            # a rank that raised here alone would leave its peers waiting in the gather of the verdicts.
+            return f"checkpoint file {directory / name} cannot be read ({err.strerror or err})"
         if found != record.digest:
             return (f"checkpoint file {directory / name} fails its checksum ({ALGORITHM} {found}, {record.digest} "
                     "was written): it is corrupt")

@@ -20,6 +20,11 @@ Before writing, every rank checks that what it would write is finite: no checkpo
 With `checkpoint.async_save`, the state is first copied to host memory, then written on a background
 thread (the sharded form's collectives run on a dedicated gloo group, so they never interleave with
 training's); the next save and the end of training wait for it and re-raise its error.
+
+Some of a save's work is one rank's (rank 0 creates a sharded checkpoint's directory and publishes it, and writes a
+full checkpoint), and a background write may fail on one rank only. Where any rank's part of a save fails, every
+rank raises the same `CheckpointWriteError` at the same point: a rank failing alone would leave its peers waiting in
+their next collective (on NCCL until `parallel.timeout_minutes`).
 """
 from __future__ import annotations
 
@@ -132,11 +137,25 @@ def schedule_change_warning(saved: dict[str, Any], current: dict[str, Any], step
             "a run, otherwise set them as the checkpoint has")
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written, raised on every rank alike (whichever rank's part failed)."""
+
+
+def _attempt(action: Callable[[], object]) -> Optional[Exception]:
+    """Run `action`; what it raised (an Exception), or None."""
+    try:
+        action()
+    except Exception as err:
+        return err
+    return None
+
+
 class _BackgroundWrite:
     """One checkpoint write on a thread; `wait()` joins it and re-raises what it raised."""
 
     def __init__(self, write: Callable[[], None], step: int) -> None:
         self.error: Optional[BaseException] = None
+        self.step = step
         self.thread = threading.Thread(target=self._run, args=(write,), name=f"checkpoint-step-{step}", daemon=True)
         self.thread.start()
 
@@ -222,22 +241,41 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------- save
     def save(self) -> None:
-        """Checkpoint the train state's step (a background write when `checkpoint.async_save`)."""
-        self.wait()  # one write at a time, in step order
+        """Checkpoint the train state's step (a background write when `checkpoint.async_save`). Where any rank's
+        part fails (or that of the background write before), every rank raises CheckpointWriteError."""
+        self.wait_agreed()  # one write at a time, in step order
         self._save_started = time.perf_counter()
         self._check_finite()
-        if self.sharded:
-            self._save_sharded()
-        else:
-            self._save_full()
-        if self.dims.is_distributed:
-            dist.barrier()
+        # The agreement also serves as the barrier: no rank goes on before the checkpoint is written (or, async,
+        # copied to host memory).
+        self._agree(_attempt(self._save_sharded if self.sharded else self._save_full), self.train_state.step)
 
     def wait(self) -> None:
-        """Block until a background checkpoint write is done; re-raises its error."""
+        """Block until a background checkpoint write is done; re-raises its error (this rank's only: where an
+        exception unwinds this rank alone, nothing collective may run)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending.wait()
+
+    def wait_agreed(self) -> None:
+        """`wait`, collectively: where the background write failed on any rank, CheckpointWriteError on every
+        rank. Every rank calls it at the same point."""
+        step = self.pending.step if self.pending is not None else self.train_state.step
+        self._agree(_attempt(self.wait), step)
+
+    def _agree(self, error: Optional[Exception], step: int) -> None:
+        """Raise CheckpointWriteError on every rank where `error` (this rank's failure in writing the checkpoint of
+        `step`, or None) or another rank's is not None (collective)."""
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        messages = [message]
+        if self.dims.is_distributed:
+            messages = [None] * self.dims.world_size
+            dist.all_gather_object(messages, message)
+        failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
+        if failed:
+            rank, first = failed[0]
+            raise CheckpointWriteError(f"checkpoint of step {step} not saved: rank {rank} failed writing it under "
+                                       f"{self.directory}: {first}") from error
 
     def _check_finite(self) -> None:
         """Raise FloatingPointError (on every rank) if any tensor this checkpoint would hold is inf or nan."""
@@ -274,10 +312,17 @@ class Checkpointer:
 
     def _save_sharded(self) -> None:
         root, step, rank0 = self.directory, self.train_state.step, self.dims.rank == 0
-        shared = [fresh_temporary(root, step) if rank0 else None]
+        shared: list[Any] = [None]
+        if rank0:
+            try:
+                shared = [fresh_temporary(root, step)]
+            except OSError as err:  # sent instead: every rank fails here, none waits in DCP's first collective
+                shared = [f"{type(err).__name__}: {err}"]
         if self.dims.is_distributed:
             dist.broadcast_object_list(shared, src=0)  # rank 0's private directory exists before anyone writes in it
         tmp = shared[0]
+        if isinstance(tmp, str):
+            raise OSError(f"rank 0 could not create the checkpoint's directory: {tmp}")
         placed, meta = self.placed_state(), (self._meta() if rank0 else None)
         if self.cfg.async_save:  # copy to host now; write later
             placed = {k: Placed(v.shape, [Piece(p.offsets, p.values.detach().to("cpu", copy=True)) for p in v.pieces])
@@ -413,4 +458,4 @@ class Checkpointer:
         return meta
 
 
-__all__ = ["Checkpointer", "ModelState"]
+__all__ = ["CheckpointWriteError", "Checkpointer", "ModelState"]

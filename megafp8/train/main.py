@@ -11,6 +11,7 @@ import torch
 
 from megafp8.config import Config, ConfigError, dump_config, load_config
 from megafp8.precision import check_backend_name
+from megafp8.train.checkpointing import CheckpointWriteError
 from megafp8.train.layouts import lighter_settings, render_layouts, search_layouts
 from megafp8.train.plan import GIB, dry_run, make_plan, with_vocab
 from megafp8.train.preemption import exit_status
@@ -184,6 +185,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _error(str(err))
     except FloatingPointError as err:  # the loss diverged: every rank sees the same reduced loss
+        _error(str(err))
+        return 1
+    except CheckpointWriteError as err:  # raised on every rank alike, whichever rank's write failed
         _error(str(err))
         return 1
     except torch.OutOfMemoryError as err:

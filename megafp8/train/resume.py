@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
@@ -27,15 +27,25 @@ from megafp8.config import ConfigError
 from megafp8.parallel import ParallelDims
 
 log = logging.getLogger("megafp8")
+T = TypeVar("T")
 
 
-def on_every_rank(value: object, dims: ParallelDims) -> object:
-    """Rank 0's `value` on every rank."""
-    if not dims.is_distributed:
-        return value
-    shared = [value]
-    dist.broadcast_object_list(shared, src=0)
-    return shared[0]
+def from_rank0(compute: Callable[[], T], dims: ParallelDims) -> T:
+    """`compute()`, run on rank 0 only, on every rank (collective). Where it raised a ConfigError or an OSError (a run
+    directory rank 0 cannot read), every rank raises the same ConfigError: rank 0 failing alone would leave its
+    peers waiting in the broadcast."""
+    result: list[Any] = [None]
+    if dims.rank == 0:
+        try:
+            result = [(compute(), None)]
+        except (ConfigError, OSError) as err:
+            result = [(None, str(err))]
+    if dims.is_distributed:
+        dist.broadcast_object_list(result, src=0)
+    value, error = result[0]
+    if error is not None:
+        raise ConfigError(error)
+    return value
 
 
 def first_problem(path: Path, dims: ParallelDims) -> Optional[str]:
@@ -64,7 +74,7 @@ def verified_resume_path(resume: str, checkpoint_dir: Path, dims: ParallelDims) 
         return None
     if resume == "auto":
         return _newest_good(checkpoint_dir, dims)
-    if on_every_rank(dims.rank == 0 and continues_from(resume, checkpoint_dir), dims):
+    if from_rank0(lambda: continues_from(resume, checkpoint_dir), dims):
         if dims.rank == 0:
             log.warning("checkpoint.resume=%s: this run started from it and has checkpoints of its own since: "
                         "continuing from the newest of them (to start over from %s, give this run another run_name "
@@ -115,7 +125,7 @@ def continues_from(resume: str, checkpoint_dir: Path) -> bool:
 def _newest_good(root: Path, dims: ParallelDims) -> Optional[Path]:
     """`auto`: the newest checkpoint under `root` that verifies, logging the ones passed over; a ConfigError if
     checkpoints exist but none verifies (a damaged run is never silently restarted from step 0)."""
-    candidates, passed_over = on_every_rank(resume_candidates(root) if dims.rank == 0 else None, dims)
+    candidates, passed_over = from_rank0(lambda: resume_candidates(root), dims)
     for path in candidates:
         problem = first_problem(path, dims)
         if problem is None:

@@ -23,7 +23,7 @@ from megafp8.checkpoint.local import LATEST_FILE, list_checkpoints
 from megafp8.config import CheckpointConfig, Config, ConfigError
 from megafp8.config.schema import upgrade_saved_model
 from megafp8.parallel import ParallelDims
-from megafp8.train.resume import on_every_rank, verified_resume_path
+from megafp8.train.resume import from_rank0, verified_resume_path
 
 log = logging.getLogger("megafp8")
 CONFIG_FILE = "config.yaml"
@@ -75,11 +75,8 @@ def choose_start(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, config
     """Judge what an earlier launch left in the run directory (a ConfigError refuses this launch on every rank),
     then find the verified checkpoint to resume from, if any (collective). Returns (whether the earlier run is to
     be replaced, that checkpoint). Writes nothing."""
-    verdict = None
-    if dims.rank == 0:
-        earlier = read_earlier_run(run_dir, checkpoint_dir, metrics_path)
-        verdict = judge(earlier, config, checkpoint.resume, checkpoint.overwrite, run_dir, checkpoint_dir)
-    verdict = on_every_rank(verdict, dims)
+    verdict = from_rank0(lambda: judge(read_earlier_run(run_dir, checkpoint_dir, metrics_path), config,
+                                       checkpoint.resume, checkpoint.overwrite, run_dir, checkpoint_dir), dims)
     if verdict.refusal is not None:
         raise ConfigError(verdict.refusal)
     resume = "none" if verdict.replace else checkpoint.resume

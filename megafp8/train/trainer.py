@@ -159,7 +159,11 @@ class Trainer:
                       self.pipeline, self.dims, self.num_micro_batches, self.step, self.run_dir)
         stop = self._stop_request()
         try:
-            return self._loop(stop)
+            records = self._loop(stop)
+            # Every rank is here: a last background write that failed on any rank fails every rank (in `finally`, an
+            # exception may be unwinding this rank alone, so the wait there is this rank's own).
+            self.checkpointer.wait_agreed()
+            return records
         finally:
             try:
                 if stop is not None:  # first: a signal during the last wait ends the process as it used to
