@@ -15,6 +15,7 @@ from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
 from megafp8.train import trainer as trainer_module
+from megafp8.train.checkpointing import CheckpointWriteError
 
 SINGLE = ParallelDims.single()
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -213,7 +214,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tiny_overrid
 
 def test_async_save_resumes_bit_identically_and_surfaces_write_errors(tiny_overrides, tmp_path, monkeypatch):
     """checkpoint.async_save: training continues while rank 0 writes; resume is as exact as with blocking saves,
-    and a write that fails stops the run at the next save (or the end) with that error."""
+    and a write that fails stops the run at the next save (or the end) with that error (as the cause of the
+    CheckpointWriteError that every rank raises alike)."""
     ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=3", "checkpoint.async_save=true"]
     straight = train_losses(make_trainer(tiny_overrides, ["checkpoint.resume=none"]).fit())
     first = make_trainer(tiny_overrides, ckpt)
@@ -233,6 +235,8 @@ def test_async_save_resumes_bit_identically_and_surfaces_write_errors(tiny_overr
     broken = make_trainer(tiny_overrides, [f"checkpoint.dir={tmp_path / 'other'}", "checkpoint.interval=3",
                                            "checkpoint.async_save=true", "checkpoint.resume=none",
                                            "run_name=broken"])  # another run, not a relaunch with checkpoint.dir moved
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointWriteError, match="checkpoint of step 3 not saved: rank 0 failed .*OSError: disk full"
+                       ) as failed:
         broken.fit()
+    assert isinstance(failed.value.__cause__, OSError)
     assert not (tmp_path / "other" / "latest").exists()

@@ -7,7 +7,7 @@
     DIR/latest                         the name of the newest complete checkpoint
 
 Tensors are stored by name at their full (unsharded) shapes: `model/<name>` (weights and buffers),
-`optim/master/<name>`, `optim/exp_avg/<name>`, `optim/exp_avg_sq/<name>`. A rank contributes boxes of
+`optim/masters/<name>`, `optim/exp_avg/<name>`, `optim/exp_avg_sq/<name>`. A rank contributes boxes of
 them (`megafp8.parallel.Placed`): its tensor-parallel shard (one box per fused part), its experts, and
 the ranges of the ZeRO-sharded optimizer state it owns. Identical boxes from replicas are written once.
 Loading asks for each rank's own boxes under its own layout, so a checkpoint written at one TP / PP /
