@@ -86,3 +86,16 @@ def test_the_sbatch_script_sources_megafp8_env_file_for_every_node(tmp_path):
     missing = _sbatch_script(tmp_path, MEGAFP8_ENV_FILE=str(tmp_path / "nope.env"))
     assert missing.returncode == 2 and "ARGS=" not in missing.stdout
     assert missing.stderr.count("\n") == 1 and "nope.env does not exist" in missing.stderr
+
+
+def test_a_config_file_named_relative_to_the_submit_directory_is_the_one_the_job_loads(tmp_path):
+    """The job runs in the repository root (submit.py calls sbatch there), so a config path relative to where
+    submit.py ran reaches the job absolute. It used to pass as given: the job then failed on a missing file after
+    waiting for its nodes, or, where configs/ has a file of that name, silently trained that one instead."""
+    (tmp_path / "tiny_dense.yaml").write_text((REPO / "configs/tiny_dense.yaml").read_text()
+                                              .replace("steps: 200", "steps: 70"))
+    result = subprocess.run([sys.executable, str(REPO / "launch/slurm/submit.py"), "--print-only", "--cpu",
+                             "--procs-per-node", "2", "--config", "tiny_dense.yaml"], cwd=tmp_path, env=torchrun_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"--config {tmp_path / 'tiny_dense.yaml'}" in result.stdout, result.stdout
