@@ -99,3 +99,12 @@ def test_a_config_file_named_relative_to_the_submit_directory_is_the_one_the_job
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"--config {tmp_path / 'tiny_dense.yaml'}" in result.stdout, result.stdout
+
+
+def test_the_sbatch_script_submitted_outside_the_checkout_stops_before_srun(tmp_path):
+    """The job runs `launch/pretrain.py` from the submit directory (SLURM runs a copy of the script, so the script
+    cannot find its checkout). Submitted from elsewhere it used to start srun on every node, where each torchrun's
+    workers failed with "can't open file"; it stops first, with one line that says where to submit from."""
+    done = _sbatch_script(tmp_path, SLURM_SUBMIT_DIR=str(tmp_path))
+    assert done.returncode == 2 and "ARGS=" not in done.stdout
+    assert done.stderr.count("\n") == 1 and "submit from the repository root" in done.stderr, done.stderr
