@@ -63,7 +63,7 @@ def _sbatch_script(tmp_path, **env):
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")
     (bin_dir / "srun").write_text('#!/bin/sh\necho "PYTHONPATH=$PYTHONPATH"\necho "LD_PRELOAD=$LD_PRELOAD"\n'
-                                  'echo "ARGS=$*"\n')
+                                  'echo "SIGNALS=$TORCHELASTIC_SIGNALS_TO_HANDLE"\necho "ARGS=$*"\n')
     for name in ("scontrol", "srun"):
         (bin_dir / name).chmod(0o755)
     base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "7",
@@ -108,3 +108,14 @@ def test_the_sbatch_script_submitted_outside_the_checkout_stops_before_srun(tmp_
     done = _sbatch_script(tmp_path, SLURM_SUBMIT_DIR=str(tmp_path))
     assert done.returncode == 2 and "ARGS=" not in done.stdout
     assert done.stderr.count("\n") == 1 and "submit from the repository root" in done.stderr, done.stderr
+
+
+def test_the_sbatch_script_has_torchrun_pass_sigusr1_on(tmp_path):
+    """`sbatch --signal=USR1@<s>` signals every process of the step: torchrun too, which by default does not handle
+    SIGUSR1 and died of it, and srun then ended the step, its workers with it, before their checkpoint. The script
+    has torchrun pass SIGUSR1 on as it does SIGTERM; a TORCHELASTIC_SIGNALS_TO_HANDLE of the user's own wins."""
+    done = _sbatch_script(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "SIGNALS=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1\n" in done.stdout
+    own = _sbatch_script(tmp_path, TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM")
+    assert "SIGNALS=SIGTERM\n" in own.stdout
