@@ -91,22 +91,85 @@ def test_a_step_just_saved_is_not_saved_twice(tiny_overrides, tmp_path, monkeypa
 
 
 def test_stop_request_records_the_first_signal_and_a_second_gets_the_earlier_action():
-    """The first signal is recorded; a second one gets the action installed before (here a recording stand-in for
-    the default action, which would end the test), and every handler is put back."""
+    """The first signal is recorded; a second one, past the repeat window, gets the action installed before (here a
+    recording stand-in for the default action, which would end the test), and every handler is put back."""
+    from megafp8.train import preemption
+    now = [1000.0]
     seen = []
     previous = {s: signal.signal(s, lambda signum, frame: seen.append(signum)) for s in (signal.SIGTERM,
                                                                                        signal.SIGUSR1)}
     try:
         before = {s: signal.getsignal(s) for s in previous}
-        stop = StopRequest()
+        stop = StopRequest(clock=lambda: now[0])
         assert stop.install() is None
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.received == "SIGUSR1" and seen == []
+        now[0] += preemption.REPEAT_WINDOW_S + 1
         os.kill(os.getpid(), signal.SIGTERM)  # the second: passed on, handlers restored
         assert stop.received == "SIGUSR1" and seen == [signal.SIGTERM]
         assert {s: signal.getsignal(s) for s in before} == before
         stop.restore()  # again: nothing left to restore
         assert {s: signal.getsignal(s) for s in before} == before
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _recording_handlers(seen: list) -> dict:
+    """Recording stand-ins for SIGTERM's and SIGUSR1's default action (which would end the test); the handlers they
+    replace, to put back."""
+    return {s: signal.signal(s, lambda signum, frame: seen.append(signum)) for s in (signal.SIGTERM, signal.SIGUSR1)}
+
+
+def test_the_same_stop_delivered_twice_is_one_request():
+    """SLURM signals every process of a job step (slurmstepd's proctrack), and torchrun passes on the SIGTERM it got:
+    each rank receives the one stop twice, milliseconds apart. A repeat within REPEAT_WINDOW_S of the first is that
+    same request; only a later one gets the earlier action."""
+    from megafp8.train import preemption
+    now = [1000.0]
+    seen = []
+    previous = _recording_handlers(seen)
+    try:
+        stop = StopRequest(clock=lambda: now[0])
+        assert stop.install() is None
+        os.kill(os.getpid(), signal.SIGTERM)  # from slurmstepd
+        now[0] += 0.01
+        os.kill(os.getpid(), signal.SIGTERM)  # the same, passed on by torchrun
+        now[0] += preemption.REPEAT_WINDOW_S - 1
+        os.kill(os.getpid(), signal.SIGTERM)  # SLURM's time limit or a second scancel: still within the window
+        assert stop.received == "SIGTERM" and seen == []
+        assert isinstance(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), StopRequest)
+        now[0] += 2
+        os.kill(os.getpid(), signal.SIGTERM)  # past the window: a sender that will not wait
+        assert seen == [signal.SIGTERM]
+        assert not isinstance(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), StopRequest)
+    finally:
+        stop.restore()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def test_a_run_signalled_twice_at_once_still_stops_with_a_checkpoint(tiny_overrides, tmp_path):
+    """The run that SLURM's SIGTERM and torchrun's copy of it reach together stops at the next logging step with a
+    checkpoint, as after one signal (it used to take the copy for a second signal and end at once, losing the work
+    since the last checkpoint)."""
+    cfg = _config(tiny_overrides, tmp_path, "checkpoint.interval=100")
+    seen = []
+    previous = _recording_handlers(seen)
+    try:
+        trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+        train_step = trainer.train_step
+
+        def stepping():
+            result = train_step()
+            if trainer.step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return result
+        trainer.train_step = stepping
+        trainer.fit()
+        assert seen == [] and trainer.stopped_on == "SIGTERM"
+        assert trainer.step == 4 and _steps(tmp_path / "ckpt") == ["step_00000004"]
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -63,7 +63,7 @@ def _sbatch_script(tmp_path, **env):
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")
     (bin_dir / "srun").write_text('#!/bin/sh\necho "PYTHONPATH=$PYTHONPATH"\necho "LD_PRELOAD=$LD_PRELOAD"\n'
-                                  'echo "ARGS=$*"\n')
+                                  'echo "SIGNALS=$TORCHELASTIC_SIGNALS_TO_HANDLE"\necho "ARGS=$*"\n')
     for name in ("scontrol", "srun"):
         (bin_dir / name).chmod(0o755)
     base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "7",
@@ -86,3 +86,36 @@ def test_the_sbatch_script_sources_megafp8_env_file_for_every_node(tmp_path):
     missing = _sbatch_script(tmp_path, MEGAFP8_ENV_FILE=str(tmp_path / "nope.env"))
     assert missing.returncode == 2 and "ARGS=" not in missing.stdout
     assert missing.stderr.count("\n") == 1 and "nope.env does not exist" in missing.stderr
+
+
+def test_a_config_file_named_relative_to_the_submit_directory_is_the_one_the_job_loads(tmp_path):
+    """The job runs in the repository root (submit.py calls sbatch there), so a config path relative to where
+    submit.py ran reaches the job absolute. It used to pass as given: the job then failed on a missing file after
+    waiting for its nodes, or, where configs/ has a file of that name, silently trained that one instead."""
+    (tmp_path / "tiny_dense.yaml").write_text((REPO / "configs/tiny_dense.yaml").read_text()
+                                              .replace("steps: 200", "steps: 70"))
+    result = subprocess.run([sys.executable, str(REPO / "launch/slurm/submit.py"), "--print-only", "--cpu",
+                             "--procs-per-node", "2", "--config", "tiny_dense.yaml"], cwd=tmp_path, env=torchrun_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"--config {tmp_path / 'tiny_dense.yaml'}" in result.stdout, result.stdout
+
+
+def test_the_sbatch_script_submitted_outside_the_checkout_stops_before_srun(tmp_path):
+    """The job runs `launch/pretrain.py` from the submit directory (SLURM runs a copy of the script, so the script
+    cannot find its checkout). Submitted from elsewhere it used to start srun on every node, where each torchrun's
+    workers failed with "can't open file"; it stops first, with one line that says where to submit from."""
+    done = _sbatch_script(tmp_path, SLURM_SUBMIT_DIR=str(tmp_path))
+    assert done.returncode == 2 and "ARGS=" not in done.stdout
+    assert done.stderr.count("\n") == 1 and "submit from the repository root" in done.stderr, done.stderr
+
+
+def test_the_sbatch_script_has_torchrun_pass_sigusr1_on(tmp_path):
+    """`sbatch --signal=USR1@<s>` signals every process of the step: torchrun too, which by default does not handle
+    SIGUSR1 and died of it, and srun then ended the step, its workers with it, before their checkpoint. The script
+    has torchrun pass SIGUSR1 on as it does SIGTERM; a TORCHELASTIC_SIGNALS_TO_HANDLE of the user's own wins."""
+    done = _sbatch_script(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "SIGNALS=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1\n" in done.stdout
+    own = _sbatch_script(tmp_path, TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM")
+    assert "SIGNALS=SIGTERM\n" in own.stdout

@@ -45,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"megafp8 job: {shape.nodes} node(s) x {shape.procs_per_node} process(es) = {shape.world_size} ranks"
           + (f" ({note})" if note else ""))
-    command = sbatch_command(args.config, args.overrides, shape, not args.cpu, args.sbatch,
+    # sbatch runs in the repository root, and so does the job: a config file named relative to this directory goes
+    # to it absolute (else the job looks for it there, and may load configs/' file of that name instead).
+    config = str(Path(args.config).resolve()) if Path(args.config).is_file() else args.config
+    command = sbatch_command(config, args.overrides, shape, not args.cpu, args.sbatch,
                              str(REPO / "launch/slurm/pretrain.sbatch"))
     print(shlex.join(command), flush=True)
     if args.print_only:

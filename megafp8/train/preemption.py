@@ -11,18 +11,26 @@ at different times, and all must stop at the same step), then save a checkpoint 
 launcher then exits with 128 + the signal's number, as a process the signal had ended would (a wrapper or
 Kubernetes sees an interrupted run, not a finished one). A relaunch resumes from the checkpoint. The wait is at
 most `logging.log_interval` steps, an evaluation falling on the stop step, and the save: choose the signal's lead
-time accordingly. A second signal gets the action it had before (by default: the process ends at once).
+time accordingly. A second signal gets the action it had before (by default: the process ends at once), unless it
+comes within `REPEAT_WINDOW_S` of the first: that is the same stop delivered twice. SLURM signals every process of a
+job step (slurmstepd's process tracking reaches torchrun's workers too), and torchrun passes the SIGTERM it received on
+to its workers, so each rank gets one stop twice, milliseconds apart.
 """
 from __future__ import annotations
 
 import signal
 import threading
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# A repeat of a stop this soon after the first is the same stop delivered again (SLURM's and torchrun's copies; a
+# rank's handler can run late, after a blocking collective). 30 s is what torchrun waits for its workers after passing a
+# signal on, before it kills them itself, so a sender that will not wait loses nothing by it.
+REPEAT_WINDOW_S = 30.0
 
 
 class StopRequest:
@@ -30,8 +38,10 @@ class StopRequest:
 
     Signal handlers belong to the main thread: elsewhere `install` installs nothing and says why."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.received: Optional[str] = None  # the first signal's name, once one arrived
+        self._received_at = 0.0  # `clock()` when it arrived
+        self._clock = clock
         self._previous: dict[int, object] = {}
 
     def install(self) -> Optional[str]:
@@ -45,7 +55,10 @@ class StopRequest:
     def _handle(self, signum: int, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
+            self._received_at = self._clock()
             return
+        if self._clock() - self._received_at < REPEAT_WINDOW_S:
+            return  # the first stop again, from another sender (module docstring)
         # A second signal: whoever sends it will not wait. It gets the action it had before (by default, the end).
         self.restore()
         signal.raise_signal(signum)
