@@ -119,3 +119,42 @@ def test_bf16_to_fp8_schedule_switches_at_the_configured_step(tiny_overrides):
     assert losses[3] != reference[3]  # step 3 is the first FP8 one
     assert losses[-1] < losses[0] - 1.0
     assert max(abs(a - b) / b for a, b in zip(losses, reference)) < 0.02
+
+
+def _overflowing_norm_worker(rank, world, overrides):
+    """Step 3's reduced gradients are finite FP16-scaled values whose squares overflow FP32 (on rank 1 only when
+    distributed): the scaler saw finite gradients, the norm is not finite."""
+    cfg = load_config("tiny_dense", overrides + [
+        "precision.recipe=fp16", "precision.loss_scale_initial=1024", "precision.loss_scale_hysteresis=1",
+        "precision.loss_scale_growth_interval=3", "precision.loss_scale_min=1", "training.max_consecutive_skips=1",
+        "training.eval_interval=0", "optimizer.overlap_grad_reduce=false"])  # the poison is reduced with the rest
+    trainer = Trainer(cfg, ParallelDims.build() if world > 1 else ParallelDims.single(), torch.device("cpu"))
+    grad = trainer.model.layers[0].mlp.down_proj.weight.main_grad
+    finish = trainer.grad_buckets.finish
+
+    def huge_finish():
+        if trainer.step + 1 == 3 and rank == world - 1:
+            grad.view(-1)[7] = 1e30 * trainer.loss_scaler.scale  # 1e30 unscaled: its square is inf in FP32
+        finish()
+    trainer.grad_buckets.finish = huge_finish
+    for _ in range(2):
+        trainer.train_step()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    loss, grad_norm = trainer.train_step()  # step 3: its good-step count would have grown the scale to 2048
+    assert not math.isfinite(grad_norm.item())
+    assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))  # skipped
+    assert trainer.loss_scaler.scale == 512.0  # an overflow for the scaler: backed off, growth count reset
+    assert trainer.loss_scaler.state_dict()["good_steps"] == 0
+    trainer.guard.check(trainer.step)  # the scale could still back off: not a skip toward the stop (limit 1)
+    trainer.train_step()
+    assert trainer.loss_scaler.scale == 512.0 and trainer.optimizer.step_count == 3
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fp16_a_gradient_norm_overflowing_fp32_backs_the_scale_off_and_is_not_a_stop_skip(tiny_overrides, world):
+    """The scaler counted such a step as good (it saw only finite gradients) and grew the scale, while the
+    non-finite guard skipped it and counted it toward training.max_consecutive_skips at any scale."""
+    if world == 1:
+        _overflowing_norm_worker(0, 1, tiny_overrides)
+    else:
+        spawn(2, _overflowing_norm_worker, tiny_overrides)
