@@ -9,8 +9,8 @@ backs the scale off), and its skips feed the same guard.
 The host learns of skipped steps at the loop's sync points (logging steps and checkpoints): `check` then
 takes them out of the optimizer's step count, logs them, and stops the run with `FloatingPointError` once
 `training.max_consecutive_skips` steps in a row were skipped, naming the first of them and the layers whose
-gradients were non-finite. Until a sync point, the learning-rate schedule and Adam's bias correction run one
-step ahead per skipped step. Under FP16 a skip counts toward the stop only once the loss scale is at its
+gradients were non-finite; the count of skips in a row is saved in checkpoints. Until a sync point, the
+learning-rate schedule and Adam's bias correction run one step ahead per skipped step. Under FP16 a skip counts toward the stop only once the loss scale is at its
 minimum: before that, skipping is the scaler doing its job. A step whose FP16 gradients are finite but whose norm
 is not (the squares overflow FP32) is an overflow for the scaler like any other (`unscale_or_skip`).
 """
@@ -65,6 +65,18 @@ class NonFiniteGuard:
                 f"gradients (training.max_consecutive_skips={self.limit}); at step {step} in "
                 f"{self._describe_layers()}. Weights, optimizer state and every checkpoint since are as before step "
                 f"{first}. Lower optimizer.lr, raise optimizer.warmup_steps, or look at the data of those steps")
+
+    def state_dict(self) -> dict[str, int]:
+        """The skips in a row so far and the step that began them (a checkpoint's `nonfinite`): part of the run's
+        state, so a run preempted 2 skips from its stop stops where the uninterrupted one would. Every save follows a
+        `check`, so no skip is left unlogged and the count is below the limit."""
+        _, in_a_row, first = self._counts.tolist()
+        return {"skips_in_a_row": in_a_row, "first_skipped_step": first, "checked_step": self._checked_step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume the count of skips in a row (a checkpoint without it, from before it was saved, resumes at 0)."""
+        self._counts.copy_(torch.tensor([0, int(state["skips_in_a_row"]), int(state["first_skipped_step"])]))
+        self._checked_step = int(state["checked_step"])
 
     def _describe_layers(self) -> str:
         """The layers whose latest gradients are non-finite on any rank, in words (collective)."""

@@ -71,7 +71,8 @@ class Trainer:
         self.state = TrainState()
         self.checkpointer = Checkpointer(
             ModelState(self.model, self.tp, self.ep, self.whole_model_meta), self.optimizer, self.state,
-            parts={"loader": self.loader, "loss_scaler": self.loss_scaler, "rng": RngState(device)},
+            parts={"loader": self.loader, "loss_scaler": self.loss_scaler, "rng": RngState(device),
+                   "nonfinite": self.guard},
             config=config_to_dict(self.cfg), cfg=self.cfg.checkpoint, directory=self.checkpoint_dir, dims=dims)
         training = self.cfg.training
         self.throughput = Throughput(training.global_batch_size * self.cfg.data.seq_len,
