@@ -158,3 +158,71 @@ def test_fp16_a_gradient_norm_overflowing_fp32_backs_the_scale_off_and_is_not_a_
         _overflowing_norm_worker(0, 1, tiny_overrides)
     else:
         spawn(2, _overflowing_norm_worker, tiny_overrides)
+
+
+def _fp16_trainer(overrides, extra, inf_steps=(), dims=None) -> Trainer:
+    """An FP16 run whose forward pass overflows (an inf loss) at the optimizer steps `inf_steps`."""
+    cfg = load_config("tiny_dense", overrides + [
+        "precision.recipe=fp16", "precision.loss_scale_initial=1024", "precision.loss_scale_growth_interval=2",
+        "precision.loss_scale_hysteresis=2", "training.eval_interval=0", "checkpoint.interval=100"] + extra)
+    trainer = Trainer(cfg, dims or ParallelDims.single(), torch.device("cpu"))
+    forward = trainer.model.forward
+
+    def overflowing_forward(tokens, targets=None):
+        loss = forward(tokens, targets)
+        return loss * math.inf if trainer.step + 1 in inf_steps else loss
+    trainer.model.forward = overflowing_forward
+    return trainer
+
+
+def _fp16_steps(trainer: Trainer, n: int) -> list[tuple[float, dict, list[torch.Tensor]]]:
+    """Each step's loss, the scaler's state after it, and the FP16 weights after it."""
+    out = []
+    for _ in range(n):
+        loss = trainer.train_step()[0].item()
+        out.append((loss, trainer.loss_scaler.state_dict(), [p.detach().clone() for p in trainer.model.parameters()]))
+    return out
+
+
+def _assert_same_steps(a, b):
+    for (loss_a, scaler_a, weights_a), (loss_b, scaler_b, weights_b) in zip(a, b, strict=True):
+        assert (loss_a, scaler_a) == (loss_b, scaler_b) or (math.isnan(loss_a) and math.isnan(loss_b)
+                                                            and scaler_a == scaler_b)
+        assert all(torch.equal(x, y) for x, y in zip(weights_a, weights_b, strict=True))
+
+
+def test_fp16_resume_is_bit_identical_through_overflows_backoff_and_growth(tiny_overrides, tmp_path):
+    """Coverage of the FP16 state a resume must carry: the scale, the good steps towards growth and the hysteresis
+    left (overflows at steps 2-3 spend it and back off, steps 4-5 grow it); the FP16 weights after a skipped step
+    and after the resume are the masters' cast, so every later loss and weight is the straight run's, bit for bit."""
+    inf = (2, 3)
+    straight = _fp16_steps(_fp16_trainer(tiny_overrides, ["checkpoint.resume=none", "run_name=a",
+                                                          f"checkpoint.dir={tmp_path / 'a'}"], inf), 6)
+    ckpt = ["run_name=b", f"checkpoint.dir={tmp_path / 'b'}"]
+    first = _fp16_trainer(tiny_overrides, ckpt + ["checkpoint.resume=none"], inf)
+    resumed_steps = _fp16_steps(first, 3)
+    first.save()
+    resumed = _fp16_trainer(tiny_overrides, ckpt, inf)
+    assert resumed.step == 3 and resumed.loss_scaler.state_dict() == straight[2][1]
+    masters = torch.cat([s.master for s in resumed.optimizer.shards])
+    weights = torch.cat([s.bucket.params_flat[s.start:s.end] for s in resumed.optimizer.shards])
+    assert torch.equal(weights.float(), masters.half().float())  # the FP16 weights are the masters' cast
+    resumed_steps += _fp16_steps(resumed, 3)
+    _assert_same_steps(straight, resumed_steps)
+    assert [s[1]["scale"] for s in straight] == [1024.0, 1024.0, 512.0, 512.0, 1024.0, 1024.0]
+
+
+@pytest.mark.parametrize("micro_batch_size", [8, 2])
+def test_fp16_gradients_are_scaled_and_unscaled_once(tiny_overrides, micro_batch_size):
+    """Coverage: the reported (unscaled) gradient norm does not depend on the loss scale, with one micro-batch or four
+    accumulated (a scale applied per micro-batch, or a loss divided twice, would move it by the scale or by 4)."""
+    def first_norm(scale: float) -> float:
+        trainer = _fp16_trainer(tiny_overrides, [f"precision.loss_scale_initial={scale}", "checkpoint.resume=none",
+                                                 f"training.micro_batch_size={micro_batch_size}",
+                                                 f"run_name=s{scale:g}"])
+        return trainer.train_step()[1].item()
+
+    reference = _fp16_trainer(tiny_overrides, ["precision.recipe=fp32", "checkpoint.resume=none", "run_name=fp32"])
+    fp32_norm = reference.train_step()[1].item()
+    for scale in (1.0, 1024.0, 65536.0):
+        assert first_norm(scale) == pytest.approx(fp32_norm, rel=0.02), scale
