@@ -136,6 +136,34 @@ def test_a_run_directory_rank_0_cannot_read_is_one_error_on_every_rank(tiny_over
     spawn(2, _run_directory_unreadable_on_rank_0_worker, tiny_overrides + [f"logging.output_dir={tmp_path}"])
 
 
+def _run_directory_unwritable_on_rank_0_worker(rank, world, overrides, where):
+    from megafp8.train import run_lock
+
+    def failing(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "runs/t/.lock")
+
+    if rank == 0:  # the rank that alone locks and prepares the run directories
+        if where == "claim":  # checking for a lock file (its stat)
+            run_lock._lock = failing
+        elif where == "open":  # naming the holder in the lock file it created
+            run_lock.RunLock.note_holder = failing
+        else:  # removing what interrupted saves left
+            run_lock.remove_leftovers = failing
+    cfg = load_config("tiny_dense", overrides)
+    with pytest.raises(ConfigError, match=r"rank 0 could not .* run directories .*No space left on device.*: point "
+                                          r"logging.output_dir \(or checkpoint.dir\) at a directory"):
+        Trainer(cfg, ParallelDims.from_config(cfg.parallel), CPU)
+
+
+@pytest.mark.parametrize("where", ["claim", "open", "leftovers"])
+def test_a_run_directory_rank_0_cannot_lock_or_prepare_is_one_error_on_every_rank(tiny_overrides, tmp_path, where):
+    """Rank 0 alone locks and prepares the run directories: an OSError there (not a ConfigError) ended rank 0 with a
+    traceback while its peers waited in the broadcast of its verdict (or, after it, in the next collective). Each
+    rank here checks that the error reached it: a rank left waiting fails the test at once, when its peer's
+    failure ends the spawn."""
+    spawn(2, _run_directory_unwritable_on_rank_0_worker, tiny_overrides + [f"logging.output_dir={tmp_path}"], where)
+
+
 def test_a_damaged_latest_pointer_falls_back_to_the_newest_complete_checkpoint(saved, tmp_path):
     ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
     assert (ckpt / "latest").read_text() == "step_00000002\n"

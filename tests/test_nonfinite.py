@@ -110,3 +110,35 @@ def test_a_checkpoint_of_non_finite_state_is_never_written(tiny_overrides, tmp_p
         trainer.save()
     assert find_latest(ckpt).name == "step_00000001"
     assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000001"]
+
+
+@pytest.mark.parametrize("form", ["full", "sharded"])
+def test_skips_in_a_row_carry_over_a_resume(tiny_overrides, tmp_path, form):
+    """A run 2 skips from its stop and preempted stops where the uninterrupted one does: the count of skips in a row
+    (and the step that began them) is saved with the run's state. A checkpoint without it (older) resumes at 0."""
+    settings = tiny_overrides + ["training.max_consecutive_skips=3", "training.steps=8", "training.eval_interval=0",
+                                 f"checkpoint.format={form}", "checkpoint.keep_last=1", "checkpoint.interval=100"]
+    stop = r"training stopped at step {}: 3 steps in a row from step {} had non-finite gradients"
+
+    def resumed_after_step_4(name: str, older: bool = False) -> Trainer:
+        run = [f"checkpoint.dir={tmp_path / name}", f"run_name={name}"]
+        first = _trainer(settings + run + ["checkpoint.resume=none"])
+        _poison_from(first, 3, "layers.1.mlp.down_proj.weight")
+        for _ in range(4):  # steps 3 and 4 skipped, then preempted after step 4's checkpoint
+            first.train_step()
+        if older:  # as a checkpoint written before the count was saved
+            first.checkpointer.parts.pop("nonfinite")
+        first.save()
+        resumed = _trainer(settings + run)
+        assert resumed.step == 4
+        _poison_from(resumed, 3, "layers.1.mlp.down_proj.weight")  # the same bad data from step 3 on
+        return resumed
+
+    straight = _trainer(settings + [f"checkpoint.dir={tmp_path / 'straight'}", "checkpoint.resume=none"])
+    _poison_from(straight, 3, "layers.1.mlp.down_proj.weight")
+    with pytest.raises(FloatingPointError, match=stop.format(5, 3)):
+        straight.fit()
+    with pytest.raises(FloatingPointError, match=stop.format(5, 3)):
+        resumed_after_step_4("resumed").fit()
+    with pytest.raises(FloatingPointError, match=stop.format(7, 5)):
+        resumed_after_step_4("older", older=True).fit()

@@ -119,3 +119,110 @@ def test_bf16_to_fp8_schedule_switches_at_the_configured_step(tiny_overrides):
     assert losses[3] != reference[3]  # step 3 is the first FP8 one
     assert losses[-1] < losses[0] - 1.0
     assert max(abs(a - b) / b for a, b in zip(losses, reference)) < 0.02
+
+
+def _overflowing_norm_worker(rank, world, overrides):
+    """Step 3's reduced gradients are finite FP16-scaled values whose squares overflow FP32 (on rank 1 only when
+    distributed): the scaler saw finite gradients, the norm is not finite."""
+    cfg = load_config("tiny_dense", overrides + [
+        "precision.recipe=fp16", "precision.loss_scale_initial=1024", "precision.loss_scale_hysteresis=1",
+        "precision.loss_scale_growth_interval=3", "precision.loss_scale_min=1", "training.max_consecutive_skips=1",
+        "training.eval_interval=0", "optimizer.overlap_grad_reduce=false"])  # the poison is reduced with the rest
+    trainer = Trainer(cfg, ParallelDims.build() if world > 1 else ParallelDims.single(), torch.device("cpu"))
+    grad = trainer.model.layers[0].mlp.down_proj.weight.main_grad
+    finish = trainer.grad_buckets.finish
+
+    def huge_finish():
+        if trainer.step + 1 == 3 and rank == world - 1:
+            grad.view(-1)[7] = 1e30 * trainer.loss_scaler.scale  # 1e30 unscaled: its square is inf in FP32
+        finish()
+    trainer.grad_buckets.finish = huge_finish
+    for _ in range(2):
+        trainer.train_step()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    loss, grad_norm = trainer.train_step()  # step 3: its good-step count would have grown the scale to 2048
+    assert not math.isfinite(grad_norm.item())
+    assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))  # skipped
+    assert trainer.loss_scaler.scale == 512.0  # an overflow for the scaler: backed off, growth count reset
+    assert trainer.loss_scaler.state_dict()["good_steps"] == 0
+    trainer.guard.check(trainer.step)  # the scale could still back off: not a skip toward the stop (limit 1)
+    trainer.train_step()
+    assert trainer.loss_scaler.scale == 512.0 and trainer.optimizer.step_count == 3
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fp16_a_gradient_norm_overflowing_fp32_backs_the_scale_off_and_is_not_a_stop_skip(tiny_overrides, world):
+    """The scaler counted such a step as good (it saw only finite gradients) and grew the scale, while the
+    non-finite guard skipped it and counted it toward training.max_consecutive_skips at any scale."""
+    if world == 1:
+        _overflowing_norm_worker(0, 1, tiny_overrides)
+    else:
+        spawn(2, _overflowing_norm_worker, tiny_overrides)
+
+
+def _fp16_trainer(overrides, extra, inf_steps=(), dims=None) -> Trainer:
+    """An FP16 run whose forward pass overflows (an inf loss) at the optimizer steps `inf_steps`."""
+    cfg = load_config("tiny_dense", overrides + [
+        "precision.recipe=fp16", "precision.loss_scale_initial=1024", "precision.loss_scale_growth_interval=2",
+        "precision.loss_scale_hysteresis=2", "training.eval_interval=0", "checkpoint.interval=100"] + extra)
+    trainer = Trainer(cfg, dims or ParallelDims.single(), torch.device("cpu"))
+    forward = trainer.model.forward
+
+    def overflowing_forward(tokens, targets=None):
+        loss = forward(tokens, targets)
+        return loss * math.inf if trainer.step + 1 in inf_steps else loss
+    trainer.model.forward = overflowing_forward
+    return trainer
+
+
+def _fp16_steps(trainer: Trainer, n: int) -> list[tuple[float, dict, list[torch.Tensor]]]:
+    """Each step's loss, the scaler's state after it, and the FP16 weights after it."""
+    out = []
+    for _ in range(n):
+        loss = trainer.train_step()[0].item()
+        out.append((loss, trainer.loss_scaler.state_dict(), [p.detach().clone() for p in trainer.model.parameters()]))
+    return out
+
+
+def _assert_same_steps(a, b):
+    for (loss_a, scaler_a, weights_a), (loss_b, scaler_b, weights_b) in zip(a, b, strict=True):
+        assert (loss_a, scaler_a) == (loss_b, scaler_b) or (math.isnan(loss_a) and math.isnan(loss_b)
+                                                            and scaler_a == scaler_b)
+        assert all(torch.equal(x, y) for x, y in zip(weights_a, weights_b, strict=True))
+
+
+def test_fp16_resume_is_bit_identical_through_overflows_backoff_and_growth(tiny_overrides, tmp_path):
+    """Coverage of the FP16 state a resume must carry: the scale, the good steps towards growth and the hysteresis
+    left (overflows at steps 2-3 spend it and back off, steps 4-5 grow it); the FP16 weights after a skipped step
+    and after the resume are the masters' cast, so every later loss and weight is the straight run's, bit for bit."""
+    inf = (2, 3)
+    straight = _fp16_steps(_fp16_trainer(tiny_overrides, ["checkpoint.resume=none", "run_name=a",
+                                                          f"checkpoint.dir={tmp_path / 'a'}"], inf), 6)
+    ckpt = ["run_name=b", f"checkpoint.dir={tmp_path / 'b'}"]
+    first = _fp16_trainer(tiny_overrides, ckpt + ["checkpoint.resume=none"], inf)
+    resumed_steps = _fp16_steps(first, 3)
+    first.save()
+    resumed = _fp16_trainer(tiny_overrides, ckpt, inf)
+    assert resumed.step == 3 and resumed.loss_scaler.state_dict() == straight[2][1]
+    masters = torch.cat([s.master for s in resumed.optimizer.shards])
+    weights = torch.cat([s.bucket.params_flat[s.start:s.end] for s in resumed.optimizer.shards])
+    assert torch.equal(weights.float(), masters.half().float())  # the FP16 weights are the masters' cast
+    resumed_steps += _fp16_steps(resumed, 3)
+    _assert_same_steps(straight, resumed_steps)
+    assert [s[1]["scale"] for s in straight] == [1024.0, 1024.0, 512.0, 512.0, 1024.0, 1024.0]
+
+
+@pytest.mark.parametrize("micro_batch_size", [8, 2])
+def test_fp16_gradients_are_scaled_and_unscaled_once(tiny_overrides, micro_batch_size):
+    """Coverage: the reported (unscaled) gradient norm does not depend on the loss scale, with one micro-batch or four
+    accumulated (a scale applied per micro-batch, or a loss divided twice, would move it by the scale or by 4)."""
+    def first_norm(scale: float) -> float:
+        trainer = _fp16_trainer(tiny_overrides, [f"precision.loss_scale_initial={scale}", "checkpoint.resume=none",
+                                                 f"training.micro_batch_size={micro_batch_size}",
+                                                 f"run_name=s{scale:g}"])
+        return trainer.train_step()[1].item()
+
+    reference = _fp16_trainer(tiny_overrides, ["precision.recipe=fp32", "checkpoint.resume=none", "run_name=fp32"])
+    fp32_norm = reference.train_step()[1].item()
+    for scale in (1.0, 1024.0, 65536.0):
+        assert first_norm(scale) == pytest.approx(fp32_norm, rel=0.02), scale

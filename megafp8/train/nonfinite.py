@@ -9,9 +9,10 @@ backs the scale off), and its skips feed the same guard.
 The host learns of skipped steps at the loop's sync points (logging steps and checkpoints): `check` then
 takes them out of the optimizer's step count, logs them, and stops the run with `FloatingPointError` once
 `training.max_consecutive_skips` steps in a row were skipped, naming the first of them and the layers whose
-gradients were non-finite. Until a sync point, the learning-rate schedule and Adam's bias correction run one
-step ahead per skipped step. Under FP16 a skip counts toward the stop only once the loss scale is at its
-minimum: before that, skipping is the scaler doing its job.
+gradients were non-finite; the count of skips in a row is saved in checkpoints. Until a sync point, the
+learning-rate schedule and Adam's bias correction run one step ahead per skipped step. Under FP16 a skip counts toward the stop only once the loss scale is at its
+minimum: before that, skipping is the scaler doing its job. A step whose FP16 gradients are finite but whose norm
+is not (the squares overflow FP32) is an overflow for the scaler like any other (`unscale_or_skip`).
 """
 from __future__ import annotations
 
@@ -65,6 +66,18 @@ class NonFiniteGuard:
                 f"{self._describe_layers()}. Weights, optimizer state and every checkpoint since are as before step "
                 f"{first}. Lower optimizer.lr, raise optimizer.warmup_steps, or look at the data of those steps")
 
+    def state_dict(self) -> dict[str, int]:
+        """The skips in a row so far and the step that began them (a checkpoint's `nonfinite`): part of the run's
+        state, so a run preempted 2 skips from its stop stops where the uninterrupted one would. Every save follows a
+        `check`, so no skip is left unlogged and the count is below the limit."""
+        _, in_a_row, first = self._counts.tolist()
+        return {"skips_in_a_row": in_a_row, "first_skipped_step": first, "checked_step": self._checked_step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume the count of skips in a row (a checkpoint without it, from before it was saved, resumes at 0)."""
+        self._counts.copy_(torch.tensor([0, int(state["skips_in_a_row"]), int(state["first_skipped_step"])]))
+        self._checked_step = int(state["checked_step"])
+
     def _describe_layers(self) -> str:
         """The layers whose latest gradients are non-finite on any rank, in words (collective)."""
         names = self.optimizer.nonfinite_params()
@@ -80,20 +93,28 @@ class NonFiniteGuard:
 
 
 def unscale_or_skip(optimizer: DistributedAdamW, scaler: DynamicLossScaler, loss_scale: float, step: int,
-                    dims: ParallelDims) -> bool:
-    """FP16: agree across every rank whether any gradient of step `step` (scaled by `loss_scale`) is inf/nan; move
-    the loss scale; unscale the gradients and return True if none is, else False (the step is to be skipped)."""
-    found = optimizer.found_nonfinite()
+                    dims: ParallelDims) -> Optional[torch.Tensor]:
+    """FP16: unscale the gradients of step `step` (scaled by `loss_scale`), take their global norm (clipping them),
+    agree across every rank whether any gradient or the norm is inf/nan, and move the loss scale. Returns the norm,
+    or None if the step is to be skipped.
+
+    A norm that is not finite while every gradient is (their squares overflow FP32) is an overflow for the scaler
+    too: the step is skipped either way, and counting it as good would grow the scale at the next
+    `growth_interval` and keep it out of the backoff that makes a skip count toward the stop."""
+    optimizer.scale_grads(1.0 / loss_scale)  # inf and nan stay what they are: the check below sees them
+    grad_norm = optimizer.clip_grad_norm()
+    found = torch.stack([optimizer.found_nonfinite(), torch.logical_not(torch.isfinite(grad_norm)).float()])
     if dims.is_distributed:
         dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank, so all skip or none does
-    skip = bool(found.item())
+    nonfinite_grads, nonfinite_norm = (bool(flag) for flag in found.tolist())
+    skip = nonfinite_grads or nonfinite_norm
     scaler.update(skip)
     if skip:
-        log.warning("step %d: inf/nan gradients on some rank; step skipped (weights, optimizer and LR schedule "
-                    "unchanged), loss scale %g -> %g", step, loss_scale, scaler.scale)
-        return False
-    optimizer.scale_grads(1.0 / loss_scale)
-    return True
+        why = "inf/nan gradients" if nonfinite_grads else "a gradient norm that overflows FP32"
+        log.warning("step %d: %s on some rank; step skipped (weights, optimizer and LR schedule unchanged), loss "
+                    "scale %g -> %g", step, why, loss_scale, scaler.scale)
+        return None
+    return grad_norm
 
 
 def window_loss(losses: list[torch.Tensor], grad_norms: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,13 +17,12 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import IO, Optional
-
-import torch.distributed as dist
+from typing import IO, Callable, Optional
 
 from megafp8.checkpoint.local import remove_leftovers
 from megafp8.config import ConfigError
 from megafp8.parallel import ParallelDims
+from megafp8.train.resume import from_rank0
 
 log = logging.getLogger("megafp8")
 LOCK_FILE = ".lock"
@@ -97,43 +96,41 @@ def _directories(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
     return [run_dir] + ([] if inside else [checkpoint_dir])
 
 
-def _same_error_everywhere(error: Optional[str], dims: ParallelDims) -> None:
-    """Raise rank 0's ConfigError (if any) on every rank (collective)."""
-    if dims.is_distributed:
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0)
-        error = shared[0]
-    if error is not None:
-        raise ConfigError(error)
+def _on_rank0(what: str, act: Callable[[], None], dims: ParallelDims) -> None:
+    """`act()` on rank 0 only (collective). A ConfigError or an OSError it raised there (a full disk, a directory
+    it may not stat) is the same ConfigError on every rank (`from_rank0`): rank 0 failing alone would leave its
+    peers waiting in the broadcast, or in the next collective."""
+    def act_or_explain() -> None:
+        try:
+            act()
+        except OSError as err:
+            raise ConfigError(f"rank 0 could not {what} ({err}): point logging.output_dir (or checkpoint.dir) at a "
+                              "directory this run may write") from None
+    from_rank0(act_or_explain, dims)
 
 
 def claim_run_directories(run_dir: Path, checkpoint_dir: Path, dims: ParallelDims) -> Optional[RunLock]:
     """Before anything is validated: rank 0 locks the run directory (and the checkpoint directory, if outside it)
     where a lock file exists already, writing nothing; every rank raises the same ConfigError if another run holds
-    one (collective). Returns rank 0's lock (None elsewhere); `open_run_directories` completes it."""
-    lock, error = None, None
-    if dims.rank == 0:
-        try:
-            lock = RunLock(_directories(run_dir, checkpoint_dir), create=False)
-        except ConfigError as err:
-            error = str(err)
-    _same_error_everywhere(error, dims)
-    return lock
+    one, or if rank 0 cannot look (collective). Returns rank 0's lock (None elsewhere); `open_run_directories`
+    completes it."""
+    claimed: list[RunLock] = []  # filled on rank 0 (a lock holds open files: it is not sent to the other ranks)
+    _on_rank0("check the locks of its run directories",
+              lambda: claimed.append(RunLock(_directories(run_dir, checkpoint_dir), create=False)), dims)
+    return claimed[0] if claimed else None
 
 
 def open_run_directories(lock: Optional[RunLock], run_dir: Path, checkpoint_dir: Path, dims: ParallelDims) -> None:
     """Once the run is validated: rank 0 creates and locks the directories `claim_run_directories` could not lock
     yet, names itself in the lock files and removes what interrupted saves left in the checkpoint directory
-    (collective; every rank raises the same ConfigError if another run took a directory meanwhile)."""
-    error = None
-    if lock is not None:
-        try:
-            lock.add(_directories(run_dir, checkpoint_dir))
-            lock.note_holder()
-        except ConfigError as err:
-            error = str(err)
-    _same_error_everywhere(error, dims)
-    if lock is not None:
+    (collective; every rank raises the same ConfigError if another run took a directory meanwhile, or if rank 0
+    cannot write there)."""
+    def prepare() -> None:
+        if lock is None:
+            return
+        lock.add(_directories(run_dir, checkpoint_dir))
+        lock.note_holder()
         removed = remove_leftovers(checkpoint_dir)
         if removed:
             log.warning("removed what interrupted checkpoint saves left in %s: %s", checkpoint_dir, ", ".join(removed))
+    _on_rank0("create, lock and prepare its run directories", prepare, dims)

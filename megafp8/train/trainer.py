@@ -71,7 +71,8 @@ class Trainer:
         self.state = TrainState()
         self.checkpointer = Checkpointer(
             ModelState(self.model, self.tp, self.ep, self.whole_model_meta), self.optimizer, self.state,
-            parts={"loader": self.loader, "loss_scaler": self.loss_scaler, "rng": RngState(device)},
+            parts={"loader": self.loader, "loss_scaler": self.loss_scaler, "rng": RngState(device),
+                   "nonfinite": self.guard},
             config=config_to_dict(self.cfg), cfg=self.cfg.checkpoint, directory=self.checkpoint_dir, dims=dims)
         training = self.cfg.training
         self.throughput = Throughput(training.global_batch_size * self.cfg.data.seq_len,
@@ -125,13 +126,15 @@ class Trainer:
     def _update(self, loss_scale: float) -> torch.Tensor:
         """The optimizer step, skipped on the device where the global grad norm is not finite; returns the norm
         (nan for an FP16 step its loss scaler skipped). The optimizer's post-step hooks run either way."""
-        if self.loss_scaler is not None and not unscale_or_skip(self.optimizer, self.loss_scaler, loss_scale,
-                                                                self.step, self.dims):
-            self.guard.record(self.step, torch.zeros((), dtype=torch.bool, device=self.device),
-                              counts=self.loss_scaler.scale <= self.loss_scaler.min_scale)
-            self.optimizer.skip_step()
-            return torch.full((), float("nan"), device=self.device)
-        grad_norm = self.optimizer.clip_grad_norm()
+        if self.loss_scaler is None:
+            grad_norm = self.optimizer.clip_grad_norm()
+        else:
+            grad_norm = unscale_or_skip(self.optimizer, self.loss_scaler, loss_scale, self.step, self.dims)
+            if grad_norm is None:
+                self.guard.record(self.step, torch.zeros((), dtype=torch.bool, device=self.device),
+                                  counts=self.loss_scaler.scale <= self.loss_scaler.min_scale)
+                self.optimizer.skip_step()
+                return torch.full((), float("nan"), device=self.device)
         applied = torch.isfinite(grad_norm)
         self.optimizer.step(lr_at(self.optimizer.step_count, self.cfg.optimizer, self.cfg.training.steps), applied)
         self.guard.record(self.step, applied)
