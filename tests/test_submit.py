@@ -1,8 +1,10 @@
 """SLURM job shapes from configs (launch/slurm/submit.py), without a cluster: `--print-only`."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -57,19 +59,56 @@ def test_a_missing_sbatch_is_one_line(tmp_path):
                              "see the command\n")
 
 
-def _sbatch_script(tmp_path, **env):
-    """launch/slurm/pretrain.sbatch with stand-ins for `scontrol` and `srun` (which prints what torchrun would get)."""
+SBATCH = ["bash", str(REPO / "launch/slurm/pretrain.sbatch"), "--config", "tiny_dense"]
+
+
+def _stand_ins(tmp_path, srun: str = "") -> dict[str, str]:
+    """Stand-ins for `scontrol`, `torchrun` and `srun` (by default one that prints what torchrun would get) in
+    tmp_path/bin; returns the job's environment."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")
-    (bin_dir / "srun").write_text('#!/bin/sh\necho "PYTHONPATH=$PYTHONPATH"\necho "LD_PRELOAD=$LD_PRELOAD"\n'
-                                  'echo "SIGNALS=$TORCHELASTIC_SIGNALS_TO_HANDLE"\necho "ARGS=$*"\n')
-    for name in ("scontrol", "srun"):
+    (bin_dir / "torchrun").write_text("#!/bin/sh\nexit 0\n")  # on PATH, as a virtualenv would put it
+    (bin_dir / "srun").write_text(srun or '#!/bin/sh\necho "PYTHONPATH=$PYTHONPATH"\necho "LD_PRELOAD=$LD_PRELOAD"\n'
+                                          'echo "SIGNALS=$TORCHELASTIC_SIGNALS_TO_HANDLE"\necho "ARGS=$*"\n')
+    for name in ("scontrol", "srun", "torchrun"):
         (bin_dir / name).chmod(0o755)
-    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "7",
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "7",
             "SLURM_JOB_NUM_NODES": "1", "SLURM_SUBMIT_DIR": str(REPO), "MEGAFP8_VENV": str(tmp_path / "no_venv")}
-    return subprocess.run(["bash", str(REPO / "launch/slurm/pretrain.sbatch"), "--config", "tiny_dense"],
-                          env={**base, **env}, capture_output=True, text=True, timeout=60)
+
+
+def _sbatch_script(tmp_path, **env):
+    """launch/slurm/pretrain.sbatch run with the stand-ins (`_stand_ins`)."""
+    return subprocess.run(SBATCH, env={**_stand_ins(tmp_path), **env}, capture_output=True, text=True, timeout=60)
+
+
+def test_the_sbatch_script_without_torchrun_stops_before_srun(tmp_path):
+    """No virtualenv and no torchrun on PATH: one line before srun, not execve's "No such file" from every node's
+    task after the allocation."""
+    env = _stand_ins(tmp_path)
+    (tmp_path / "bin" / "torchrun").unlink()
+    done = subprocess.run(SBATCH, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "ARGS=" not in done.stdout
+    assert done.stderr.count("\n") == 1 and "torchrun is not on PATH" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("signal_name", ["USR1", "TERM"])
+def test_a_signal_to_the_batch_shell_reaches_srun(tmp_path, signal_name):
+    """`sbatch --signal=B:USR1@<s>` signals the batch shell alone, which died of it (and SLURM then ended the step
+    before the ranks' checkpoint); the script hands it to srun, which passes it on to the ranks, waits for srun to
+    end and exits with its status."""
+    ready = tmp_path / "srun_started"
+    env = _stand_ins(tmp_path, f"#!/bin/bash\ntrap 'echo srun got USR1; exit 3' USR1\n"
+                               f"trap 'echo srun got TERM; exit 4' TERM\ntouch {ready}\n"
+                               "for i in $(seq 300); do sleep 0.1; done\necho srun was not signalled\n")
+    shell = subprocess.Popen(SBATCH, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shell.send_signal(getattr(signal, f"SIG{signal_name}"))
+    out, err = shell.communicate(timeout=30)
+    assert f"srun got {signal_name}" in out, (out, err)
+    assert shell.returncode == (3 if signal_name == "USR1" else 4)
 
 
 def test_the_sbatch_script_sources_megafp8_env_file_for_every_node(tmp_path):
