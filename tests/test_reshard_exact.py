@@ -163,13 +163,19 @@ def test_dense_state_reshards_exactly(tiny_overrides, tmp_path, model, saved_at,
     check_resharding("tiny_dense", tiny_overrides + model, saved_at, loaded_at, tmp_path)
 
 
-def test_fp16_scaler_and_skip_count_carry_across_layouts(tiny_overrides, tmp_path):
+def test_fp16_scaler_and_skip_count_carry_across_layouts(tiny_overrides, tmp_path, capsys):
     """The non-tensor state a layout change must carry: a loss scale stuck at its minimum where every step
-    overflows, so both steps are skipped and counted (`nonfinite`), the scaler's hysteresis spent."""
+    overflows, so both steps are skipped and counted (`nonfinite`), the scaler's hysteresis spent. `inspect` shows
+    the count (a run resumed from it is that much nearer `training.max_consecutive_skips`)."""
+    from tools.convert_checkpoint import main as convert
+
     fp16 = ["precision.recipe=fp16", "precision.loss_scale_initial=1e30", "precision.loss_scale_min=1e30"] + TP_HEADS
     check_resharding("tiny_dense", tiny_overrides + fp16, (2, ["parallel.tp=2"]), (1, []), tmp_path)
     state = load_checkpoint(find_latest(tmp_path / "b_sharded"))
     assert state["nonfinite"]["skips_in_a_row"] == 2 and state["loss_scaler"], state
+    assert convert(["inspect", str(find_latest(tmp_path / "b_sharded"))]) == 0
+    assert ("non-finite steps: 2 skipped in a row from step 1 (the run stops at training.max_consecutive_skips="
+            in capsys.readouterr().out)
 
 
 def test_converted_checkpoints_resume_to_the_identical_state(tiny_overrides, tmp_path, capsys):
