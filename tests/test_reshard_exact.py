@@ -248,3 +248,27 @@ def test_a_run_resumed_at_another_layout_continues_the_straight_run(tiny_overrid
     straight, resumed = torch.load(tmp_path / "s.pt"), torch.load(tmp_path / "r1.pt") + torch.load(tmp_path / "r2.pt")
     for step, (a, b) in enumerate(zip(straight, resumed), start=1):
         assert a == pytest.approx(b, rel=1e-5), (step, a, b)
+
+
+def _init_worker(rank: int, world: int, config: str, overrides: list[str], root: Path) -> None:
+    """Save the freshly initialized state (step 0) under `root`."""
+    _trainer(config, overrides + ["checkpoint.resume=none", f"checkpoint.dir={root}"], world).save()
+
+
+@pytest.mark.parametrize("config, model, world, layout", [
+    pytest.param("tiny_dense", TP_MLA_MTP, 2, ["parallel.tp=2"], id="tp2_mla_mtp"),
+    pytest.param("tiny_dense", PP_MODEL + ["model.mtp_depth=1"], 2, ["parallel.pp=2", "parallel.pp_schedule=zbv"],
+                 id="pp2_zbv_mtp"),
+    pytest.param("tiny_moe_fp8", MOE + TP_MOE, 4, ["parallel.tp=2", "parallel.ep=2"], id="tp2_ep2"),
+])
+def test_a_checkpoint_holds_the_unsharded_layout(tiny_overrides, tmp_path, config, model, world, layout):
+    """A round trip through one layout cannot tell a consistently wrong full tensor (a fused shard interleaved as
+    [q_0; q_1; k_0; ...] on save and read back the same way) from a right one. Initialization draws every
+    parameter at its full shape and keeps the layout's piece (`megafp8/model/init.py`), the piece the parity tests
+    check the layers compute with: so the step-0 checkpoint of any layout must be the one-rank model's, tensor for
+    tensor."""
+    _run(world, _init_worker, config, tiny_overrides + model + layout + ["run_name=a"], tmp_path / "a")
+    _run(1, _init_worker, config, tiny_overrides + model + ["run_name=b"], tmp_path / "b")
+    sharded, single = load_checkpoint(find_latest(tmp_path / "a")), load_checkpoint(find_latest(tmp_path / "b"))
+    for part in ("model", "optimizer"):  # the RNG is each process's own at step 0
+        _assert_equal(single[part], sharded[part], part)
