@@ -234,17 +234,21 @@ def test_a_resumed_run_is_the_straight_run(tiny_overrides, tmp_path, config, mod
                       "straight vs resumed")
 
 
-def test_a_run_resumed_at_another_layout_continues_the_straight_run(tiny_overrides, tmp_path):
-    """Two FP32 steps at DP=2 (ZeRO-sharded optimizer, half of each global batch per rank), then two on one rank:
-    the losses and gradient norms of an uninterrupted one-rank run to 1e-5 (the layouts differ only in summation
-    order). A data position or learning-rate step that did not carry across the change would move them by far more
-    (another batch: ~1e-2)."""
-    overrides = tiny_overrides + TP_HEADS + ["precision.recipe=fp32", "checkpoint.format=sharded"]
-    _run(1, _steps_worker, "tiny_dense", overrides + [f"checkpoint.dir={tmp_path / 's'}", "run_name=s"], 4,
+@pytest.mark.parametrize("config, model, layout", [
+    pytest.param("tiny_dense", TP_HEADS, [], id="dense_dp2"),
+    pytest.param("tiny_moe_fp8", MOE, ["parallel.ep=2"], id="moe_ep2"),
+])
+def test_a_run_resumed_at_another_layout_continues_the_straight_run(tiny_overrides, tmp_path, config, model, layout):
+    """Two FP32 steps on two ranks (DP=2: ZeRO-sharded optimizer, half of each global batch per rank; or EP=2: the
+    experts split), then two on one rank: the losses and gradient norms of an uninterrupted one-rank run to 1e-5 (the
+    layouts differ only in summation order). A data position, learning-rate step or selection bias that did not carry
+    across the change would move them by far more (another batch: ~1e-2)."""
+    overrides = tiny_overrides + model + ["precision.recipe=fp32", "checkpoint.format=sharded"]
+    _run(1, _steps_worker, config, overrides + [f"checkpoint.dir={tmp_path / 's'}", "run_name=s"], 4,
          tmp_path / "s.pt")
     broken = overrides + [f"checkpoint.dir={tmp_path / 'r'}", "run_name=r"]
-    _run(2, _steps_worker, "tiny_dense", broken, 2, tmp_path / "r1.pt")
-    _run(1, _steps_worker, "tiny_dense", broken, 2, tmp_path / "r2.pt")
+    _run(2, _steps_worker, config, broken + layout, 2, tmp_path / "r1.pt")
+    _run(1, _steps_worker, config, broken, 2, tmp_path / "r2.pt")
     straight, resumed = torch.load(tmp_path / "s.pt"), torch.load(tmp_path / "r1.pt") + torch.load(tmp_path / "r2.pt")
     for step, (a, b) in enumerate(zip(straight, resumed), start=1):
         assert a == pytest.approx(b, rel=1e-5), (step, a, b)
