@@ -115,6 +115,17 @@ def tensor_order(name: str) -> tuple[tuple[int, int | str], ...]:
     return tuple((0, int(part)) if part.isdigit() else (1, part) for part in name.split("."))
 
 
+def skipped_steps_line(state: dict[str, Any]) -> list[str]:
+    """The line on the steps with non-finite gradients skipped in a row when the checkpoint was saved (none where
+    there were none): a run resumed from it stops that many skips sooner."""
+    nonfinite = state.get("nonfinite") or {}
+    if not nonfinite.get("skips_in_a_row"):
+        return []
+    limit = state.get("config", {}).get("training", {}).get("max_consecutive_skips", "?")
+    return [f"non-finite steps: {nonfinite['skips_in_a_row']} skipped in a row from step "
+            f"{nonfinite.get('first_skipped_step')} (the run stops at training.max_consecutive_skips={limit})"]
+
+
 def describe(checkpoint: Path) -> str:
     state = load_checkpoint(checkpoint, advice=CONVERTING)
     config = state.get("config", {})
@@ -136,6 +147,7 @@ def describe(checkpoint: Path) -> str:
         lines.append(f"data position: {state['loader'].get('consumed_samples')} samples consumed")
     if state.get("loss_scaler"):
         lines.append(f"loss scale: {state['loss_scaler'].get('scale')}")
+    lines += skipped_steps_line(state)
     optimizer = state.get("optimizer", {})
     lines += ["", "| tensor | shape | dtype | FP32 master | AdamW moments |", "|---|---|---|---|---|"]
     total = 0
