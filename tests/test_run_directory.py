@@ -78,6 +78,18 @@ def test_a_longer_relaunch_continues_the_run(tiny_overrides):
     assert metric_steps(trainer.run_dir) == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_relaunch_may_retune_the_gradient_buckets(tiny_overrides):
+    """`optimizer.bucket_size_mb` and `optimizer.overlap_grad_reduce` group and schedule the same reductions: a
+    relaunch that changes them resumes (it was refused as another run); one that changes the moments' precision,
+    which rounds them, is still refused."""
+    make_trainer(tiny_overrides, SAVING).fit()
+    tuned = make_trainer(tiny_overrides, SAVING + ["training.steps=6", "optimizer.bucket_size_mb=1",
+                                                   "optimizer.overlap_grad_reduce=false"])
+    assert tuned.step == 4
+    with pytest.raises(ConfigError, match=r"holds another run \(optimizer.moment_dtype: fp32 there, bf16 here\)"):
+        make_trainer(tiny_overrides, SAVING + ["training.steps=6", "optimizer.moment_dtype=bf16"])
+
+
 def test_a_relaunch_of_a_run_started_from_a_checkpoint_continues_from_its_own(tiny_overrides, caplog):
     """A run started from another run's checkpoint (`checkpoint.resume=PATH`, as docs/checkpoints.md starts one from
     an imported checkpoint) and relaunched with the same config (a requeue) went back to PATH: it dropped its

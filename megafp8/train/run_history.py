@@ -28,10 +28,12 @@ from megafp8.train.resume import from_rank0, verified_resume_path
 log = logging.getLogger("megafp8")
 CONFIG_FILE = "config.yaml"
 RUN_INFO_FILE = "run_info.json"
-# Settings (dotted prefixes) that may differ between launches of one run.
+# Settings (dotted prefixes) that may differ between launches of one run. The optimizer's bucket size and overlap
+# only group and schedule the same per-element reductions.
 RELAUNCH_SETTINGS = ("training.steps", "training.device", "training.compile", "training.recompute",
                      "training.eval_interval", "training.eval_iters", "training.micro_batch_size", "parallel.",
-                     "checkpoint.", "logging.", "precision.fp8_backend")
+                     "checkpoint.", "logging.", "precision.fp8_backend", "optimizer.bucket_size_mb",
+                     "optimizer.overlap_grad_reduce")
 # What a run writes into its run directory besides the checkpoints and the metrics file (removed on overwrite).
 _RUN_FILES = (CONFIG_FILE, RUN_INFO_FILE, "tensorboard", "wandb")
 
