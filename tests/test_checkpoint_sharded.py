@@ -134,6 +134,25 @@ def test_a_checkpoint_rank_0_cannot_write_fails_every_rank_in_one_error(tiny_ove
         "training.eval_interval=0"], failing)
 
 
+def test_a_save_that_runs_out_of_memory_gathering_is_out_of_memory(tiny_overrides, tmp_path, monkeypatch):
+    """Only a save's rank-local file work is agreed on as a CheckpointWriteError: an exception in its collective part
+    (gathering the full model for the full form) propagates as itself, so an out-of-memory error keeps the launcher's
+    advice on memory, and a rank failing there alone does not enter the agreement while its peers still gather."""
+    from megafp8.train import checkpointing
+
+    overrides = tiny_overrides + [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.resume=none",
+                                  "checkpoint.format=full"]
+    trainer = Trainer(load_config("tiny_dense", overrides), ParallelDims.single(), torch.device("cpu"))
+    trainer.train_step()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(checkpointing.ModelState, "full_state", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.save()
+
+
 class _Payload:
     def __init__(self, marker):
         self.marker = marker

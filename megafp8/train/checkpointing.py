@@ -246,9 +246,10 @@ class Checkpointer:
         self.wait_agreed()  # one write at a time, in step order
         self._save_started = time.perf_counter()
         self._check_finite()
-        # The agreement also serves as the barrier: no rank goes on before the checkpoint is written (or, async,
-        # copied to host memory).
-        self._agree(_attempt(self._save_sharded if self.sharded else self._save_full), self.train_state.step)
+        # Only the file work is agreed on: an exception in the collective part before it (gathering, copying to the
+        # host) raises as itself, as it would anywhere in training. The agreement also serves as the barrier: no rank
+        # goes on before the checkpoint is written (or, async, copied to host memory).
+        self._agree(self._save_sharded() if self.sharded else self._save_full(), self.train_state.step)
 
     def wait(self) -> None:
         """Block until a background checkpoint write is done; re-raises its error (this rank's only: where an
@@ -298,19 +299,22 @@ class Checkpointer:
         return {**self.train_state.state_dict(), **parts, "config": self.config,
                 "optimizer_step": self.optimizer.step_count}
 
-    def _save_full(self) -> None:
+    def _save_full(self) -> Optional[Exception]:
+        """Gather the full state on rank 0 (collective), which writes it; returns what this rank's write raised."""
         meta = self._meta()
         del meta["optimizer_step"]  # the optimizer's state dict holds it
         model, optimizer = self._merge_stages(self.model.full_state(), self.optimizer.state_dict())
         if self.dims.rank != 0:
-            return
+            return None
         state, root, step = {"model": model, "optimizer": optimizer, **meta}, self.directory, self.train_state.step
 
         def write() -> Path:
             return save_checkpoint(root, step, state, self.cfg.keep_last)
-        self._run(write, step)
+        return self._run(write, step)
 
-    def _save_sharded(self) -> None:
+    def _save_sharded(self) -> Optional[Exception]:
+        """Every rank writes its pieces into rank 0's fresh directory (collective), which rank 0 then publishes;
+        returns what this rank's part of the write raised."""
         root, step, rank0 = self.directory, self.train_state.step, self.dims.rank == 0
         shared: list[Any] = [None]
         if rank0:
@@ -322,7 +326,7 @@ class Checkpointer:
             dist.broadcast_object_list(shared, src=0)  # rank 0's private directory exists before anyone writes in it
         tmp = shared[0]
         if isinstance(tmp, str):
-            raise OSError(f"rank 0 could not create the checkpoint's directory: {tmp}")
+            return OSError(f"rank 0 could not create the checkpoint's directory: {tmp}")
         placed, meta = self.placed_state(), (self._meta() if rank0 else None)
         if self.cfg.async_save:  # copy to host now; write later
             placed = {k: Placed(v.shape, [Piece(p.offsets, p.values.detach().to("cpu", copy=True)) for p in v.pieces])
@@ -332,11 +336,12 @@ class Checkpointer:
             write_sharded(tmp, placed, meta, self.write_group)
             # DCP's coordinator returns once every rank's files and the index are written
             return publish(root, tmp, step, self.cfg.keep_last) if rank0 else None
-        self._run(write, step)
+        return self._run(write, step)
 
-    def _run(self, write: Callable[[], Optional[Path]], step: int) -> None:
-        """Write now, or on a background thread under `checkpoint.async_save`; rank 0 (whose `write` returns the
-        checkpoint's path) reports it and how long it took."""
+    def _run(self, write: Callable[[], Optional[Path]], step: int) -> Optional[Exception]:
+        """Write now, returning what it raised (an Exception, or None), or on a background thread under
+        `checkpoint.async_save` (its error surfaces in `wait`); rank 0 (whose `write` returns the checkpoint's path)
+        reports it and how long it took."""
         def write_and_report() -> None:
             path = write()
             if path is not None:
@@ -344,8 +349,8 @@ class Checkpointer:
 
         if self.cfg.async_save:
             self.pending = _BackgroundWrite(write_and_report, step)
-        else:
-            write_and_report()
+            return None
+        return _attempt(write_and_report)
 
     def _report_save(self, path: Path, seconds: float) -> None:
         self.last_save_seconds = seconds
