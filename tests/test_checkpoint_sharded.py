@@ -153,6 +153,37 @@ def test_a_save_that_runs_out_of_memory_gathering_is_out_of_memory(tiny_override
         trainer.save()
 
 
+def _write_group_timeout_worker(rank, world, directory):
+    import time
+
+    import torch.distributed as dist
+
+    from megafp8.train.checkpointing import Checkpointer
+
+    cfg = load_config("tiny_dense", ["checkpoint.format=sharded", "checkpoint.async_save=true",
+                                     "parallel.timeout_minutes=0.02"])  # 1.2 s
+    dims = ParallelDims.from_config(cfg.parallel)
+    group = Checkpointer(None, None, None, {}, {}, cfg.checkpoint, directory, dims).write_group
+    late = 8.0  # rank 1 joins the background writes' group 8 s late: too late at 1.2 s
+    if rank == 0:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):  # (under torch's default, 30 minutes on gloo, it waited for the peer)
+            dist.all_reduce(torch.ones(1), group=group)
+        assert time.monotonic() - started < late
+    else:
+        time.sleep(late)
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+        except RuntimeError:
+            pass  # its peer has given up
+
+
+def test_parallel_timeout_applies_to_the_background_writes_group(tmp_path):
+    """`parallel.timeout_minutes` holds on the gloo group of `checkpoint.async_save`'s background writes too: it
+    took torch's 30-minute default, so a background write waiting on a dead peer outlived the run's timeout."""
+    spawn(2, _write_group_timeout_worker, tmp_path / "ck")
+
+
 class _Payload:
     def __init__(self, marker):
         self.marker = marker

@@ -109,6 +109,7 @@ class ParallelDims:
     ep_group: Optional[dist.ProcessGroup] = None
     edp_group: Optional[dist.ProcessGroup] = None
     sequence_parallel: bool = False
+    timeout: Optional[datetime.timedelta] = None  # of a collective on its groups, and on any group made later
 
     @classmethod
     def single(cls) -> "ParallelDims":
@@ -137,7 +138,7 @@ class ParallelDims:
                 if rank in ranks:
                     mine[kind] = group
         return cls(world_size, rank, tp, pp, dp, ep, mine["tp"], mine["dp"], mine["pp"], mine["ep"], mine["edp"],
-                   sequence_parallel)
+                   sequence_parallel, timeout)
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig) -> "ParallelDims":

@@ -236,8 +236,8 @@ class Checkpointer:
         self._warned_slow_save = False
         self.sharded = cfg.format == "sharded"
         # Background sharded writes run their collectives on a group of their own (gloo: host tensors).
-        self.write_group = (dist.new_group(backend="gloo") if self.sharded and cfg.async_save
-                            and dims.is_distributed else None)
+        self.write_group = (dist.new_group(backend="gloo", timeout=dims.timeout)
+                            if self.sharded and cfg.async_save and dims.is_distributed else None)
 
     # ------------------------------------------------------------------------------------- save
     def save(self) -> None:
