@@ -157,5 +157,6 @@ def describe(checkpoint: Path) -> str:
         has_moments = name in optimizer.get("exp_avg", {})
         lines.append(f"| {name} | {tuple(tensor.shape)} | {str(tensor.dtype).removeprefix('torch.')} | "
                      f"{'yes' if has_master else 'no'} | {'yes' if has_moments else 'no'} |")
-    lines.append(f"\n{len(state['model'])} tensors, {total / 1e6:.2f}M parameters, optimizer step {optimizer.get('step')}")
+    lines.append(f"\n{len(state['model'])} tensors, {total / 1e6:.2f}M parameters, "
+                 f"optimizer step {optimizer.get('step')}")
     return "\n".join(lines)

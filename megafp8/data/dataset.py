@@ -124,8 +124,8 @@ class DistributedLoader:
         feistel-v1 existed, walked the permutation), so a later change of the limit never reorders a run."""
         if state["num_samples"] != len(self.dataset) or state["seed"] != self.seed:
             raise DataPositionError(
-                f"the saved data-loader state is for {state['num_samples']} samples with seed {state['seed']}, but this "
-                f"run has {len(self.dataset)} samples with seed {self.seed}"
+                f"the saved data-loader state is for {state['num_samples']} samples with seed {state['seed']}, but "
+                f"this run has {len(self.dataset)} samples with seed {self.seed}"
             )
         # Data preprocessed again (other documents, another tokenizer) may have as many samples: its fingerprint
         # tells. A state without one (written before fingerprints) is taken on trust.
@@ -146,7 +146,8 @@ class DistributedLoader:
         self.consumed_samples = int(state["consumed_samples"])
 
 
-def validation_batches(dataset: PackedDataset, micro_batch_size: int, num_micro: int, dp_rank: int, dp_size: int) -> list[Batch]:
+def validation_batches(dataset: PackedDataset, micro_batch_size: int, num_micro: int, dp_rank: int,
+                       dp_size: int) -> list[Batch]:
     """This rank's part of the same `num_micro` held-out micro-batches (the first samples of the split, in
     order) at every evaluation: micro-batch m goes to rank m % dp_size, so the set is layout-independent."""
     batches = []

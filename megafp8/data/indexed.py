@@ -121,7 +121,8 @@ def read_meta(path: str | Path) -> DatasetMeta:
     try:
         meta = json.loads(meta_path.read_text())
         if meta.get("format") != FORMAT:
-            raise ConfigError(f"{meta_path}: format '{meta.get('format')}' is not {FORMAT}; re-run tools/preprocess_data.py")
+            raise ConfigError(f"{meta_path}: format '{meta.get('format')}' is not {FORMAT}; "
+                              "re-run tools/preprocess_data.py")
         vocab_size = int(meta["vocab_size"])
         parsed = DatasetMeta(root, meta["tokenizer"], vocab_size, int(meta["eos_id"]), np.dtype(meta["dtype"]),
                              meta["splits"])

@@ -61,6 +61,7 @@ def _mix64_array(z: np.ndarray) -> np.ndarray:
 
 
 def _round_keys(seed: int, epoch: int) -> list[np.uint64]:
+    """The `FEISTEL_ROUNDS` round keys of epoch `epoch`'s order under `seed`."""
     epoch_key = _mix64(_mix64(seed & _MASK64) ^ (epoch & _MASK64))
     return [np.uint64(_mix64(epoch_key ^ r)) for r in range(FEISTEL_ROUNDS)]
 
@@ -71,6 +72,7 @@ def _half_bits(num_samples: int) -> int:
 
 
 def _encrypt(x: np.ndarray, keys: list[np.uint64], half: np.uint64, mask: np.uint64) -> np.ndarray:
+    """One pass of the Feistel network over the values `x` of [0, 2**(2 * half)) (`mask`: the low half's bits)."""
     left, right = x >> half, x & mask
     for key in keys:
         left, right = right, left ^ (_mix64_array(right ^ key) & mask)

@@ -169,6 +169,7 @@ def _check_replaceable(out: Path, overwrite: bool) -> None:
 
 
 def _is_token_directory(path: Path) -> bool:
+    """Whether `path` holds a meta.json of this tool's token format."""
     try:
         meta = json.loads((path / META_FILE).read_text())
     except (OSError, ValueError):

@@ -11,8 +11,9 @@ takes them out of the optimizer's step count, logs them, and stops the run with 
 `training.max_consecutive_skips` steps in a row were skipped, naming the first of them and the layers whose
 gradients were non-finite; the count of skips in a row is saved in checkpoints. Until a sync point, the
 learning-rate schedule and Adam's bias correction run one step ahead per skipped step. Under FP16 a skip counts
-toward the stop only once the loss scale is at its minimum: before that, skipping is the scaler doing its job. A step whose FP16 gradients are finite but whose norm
-is not (the squares overflow FP32) is an overflow for the scaler like any other (`unscale_or_skip`).
+toward the stop only once the loss scale is at its minimum: before that, skipping is the scaler doing its job.
+A step whose FP16 gradients are finite but whose norm is not (the squares overflow FP32) is an overflow for the
+scaler like any other (`unscale_or_skip`).
 """
 from __future__ import annotations
 
