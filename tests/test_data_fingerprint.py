@@ -104,3 +104,18 @@ def test_a_relaunch_onto_changed_data_is_refused_and_a_named_resume_starts_its_d
     assert re.search(r"data position of .*step_00000002 \(16 samples consumed\) does not fit this run's data: split "
                      r"'train' of .* is not the data the saved data-loader state was read from \(shard .*00001.bin's "
                      r"token checksum was \d+, is \d+\): this run reads its data from the first sample", caplog.text)
+
+
+def test_a_document_count_recorded_on_one_side_only_is_not_a_difference(corpus_dir, tmp_path):
+    """Data preprocessed before meta.json counted documents (no num_docs: -1 in the fingerprint) against the same
+    data with the count: the same tokens, so the position holds."""
+    data = shutil.copytree(corpus_dir, tmp_path / "data")
+    meta = json.loads((data / "meta.json").read_text())
+    for shard in meta["splits"]["train"]:
+        del shard["num_docs"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    state = make_loader(data).state_dict()
+    assert all(shard[1] == -1 for shard in state["fingerprint"]["shards"])
+    loader = make_loader(corpus_dir)
+    loader.load_state_dict(state)
+    assert loader.consumed_samples == state["consumed_samples"]
