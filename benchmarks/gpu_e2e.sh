@@ -266,7 +266,7 @@ for part in $PARTS; do
       step torch_fused_adam_source python -c "import pathlib, torch; src = (pathlib.Path(torch.__file__).parent /
 'include/ATen/native/cuda/fused_adam_utils.cuh').read_text(); print(torch.__version__, 'FP32 + FMA moments:',
 'std::fma(beta1, exp_avg' in src, '| FP64 scalars:', 'const double& beta1' in src.split('adam_math')[1][:600])"
-      step gpu_tests_optim python -m pytest -q -m gpu tests/test_optim.py -p no:cacheprovider ;;
+      step gpu_tests_optim python -m pytest -q -m gpu tests/test_optim.py tests/test_fused_update.py -p no:cacheprovider ;;
     compiled_ro_unfused_update) step ours_compiled_cudagraphs_unfused_update python benchmarks/train_step.py \
            training.compile=true training.compile_mode=reduce-overhead optimizer.fused_update=false --model 1b \
            --recipes bf16 fp8 ;;
