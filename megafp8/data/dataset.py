@@ -164,6 +164,6 @@ def lockstep_validation_batches(dataset: PackedDataset, micro_batch_size: int, n
     with one micro-batch fewer left its peers waiting in a collective); a rank short of the most runs micro-batch 0
     again, not counted."""
     batches = validation_batches(dataset, micro_batch_size, num_micro, dp_rank, dp_size)
-    rounds = -(-num_micro // dp_size)
-    filler = validation_batches(dataset, micro_batch_size, 1, 0, 1)[0]
-    return batches + [filler] * (rounds - len(batches)), [True] * len(batches) + [False] * (rounds - len(batches))
+    short = -(-num_micro // dp_size) - len(batches)  # 0 or 1
+    fillers = validation_batches(dataset, micro_batch_size, 1, 0, 1) * short
+    return batches + fillers, [True] * len(batches) + [False] * short
