@@ -377,7 +377,7 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
         cublaslt_wgrad="$LOGS/clocks_cublaslt_wgrad.csv" dg_wgrad="$LOGS/clocks_dg_wgrad.csv"
       mkdir -p "$LOGS/deepgemm_kernels"
       find "$DG_JIT_CACHE_DIR" -name '*.cu' -exec cp --backup=numbered {} "$LOGS/deepgemm_kernels/" \; 2> /dev/null ;;
-    deepgemm_steps)  # the 8B-layer step under CUDA graphs: BF16 and FP8 (auto: hopper), then FP8 on the deepgemm
+    deepgemm_steps)  # the 8B-layer step under CUDA graphs: BF16 and FP8 on hopper, then FP8 on the deepgemm
                      # backend (DeepGEMM's dense fprop and dgrad), its kernels JIT-compiled first, in parallel
       install_deepgemm
       for nk in 12288,4096 4096,4096 28672,4096 4096,14336; do
@@ -386,7 +386,7 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
       done
       wait
       step ours_8b_cudagraphs python benchmarks/train_step.py training.compile=true \
-        training.compile_mode=reduce-overhead --model 8b-layers --recipes bf16 fp8
+        training.compile_mode=reduce-overhead precision.fp8_backend=hopper --model 8b-layers --recipes bf16 fp8
       step deepgemm_8b_cudagraphs python benchmarks/train_step.py training.compile=true \
         training.compile_mode=reduce-overhead precision.fp8_backend=deepgemm --model 8b-layers --recipes fp8
       STEP_TIMEOUT=150 step gpu_tests_deepgemm python -m pytest -q -m gpu tests/test_fp8_backends.py \
@@ -398,7 +398,7 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
                             # hopper and on deepgemm: its attention projections; the experts keep our grouped GEMMs)
       install_deepgemm
       step deepgemm_1b_hopper python benchmarks/train_step.py training.compile=true \
-        training.compile_mode=reduce-overhead --model 1b --recipes bf16 fp8
+        training.compile_mode=reduce-overhead precision.fp8_backend=hopper --model 1b --recipes bf16 fp8
       step deepgemm_1b python benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead \
         precision.fp8_backend=deepgemm --model 1b --recipes fp8
       warm=${MOE_WARMUP:-210}

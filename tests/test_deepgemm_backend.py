@@ -1,5 +1,5 @@
-"""The opt-in `deepgemm` backend (`megafp8.precision.backends.deepgemm_backend`) on the CPU, with a stand-in for
-DeepGEMM: the operands and scale layouts it hands `deep_gemm.fp8_gemm_nt`, that `auto` never picks it, and the
+"""The `deepgemm` backend (`megafp8.precision.backends.deepgemm_backend`) on the CPU, with a stand-in for
+DeepGEMM: the operands and scale layouts it hands `deep_gemm.fp8_gemm_nt`, that `auto` prefers it where it runs, and the
 reason it gives where it cannot run. Its GEMMs against the reference run with the GPU conformance tests
 (`tests/test_fp8_backends.py`, `deepgemm-cuda`) where DeepGEMM is installed."""
 from __future__ import annotations
@@ -13,8 +13,9 @@ import torch
 
 from megafp8.precision import E4M3
 from megafp8.precision import quantize as ref
-from megafp8.precision.backends import REGISTERED, Fp8Backend, select_backend
+from megafp8.precision.backends import REGISTERED, Fp8Backend, passed_over, select_backend
 from megafp8.precision.backends import deepgemm_backend
+from megafp8.precision.backends.cublas_backend import CublasBackend
 from megafp8.precision.backends.deepgemm_backend import DeepGemmBackend
 from megafp8.precision.backends.hopper_backend import HopperBackend
 from megafp8.precision.backends.triton_backend import TritonBackend
@@ -74,11 +75,23 @@ def test_deepgemm_backend_leaves_other_output_types_to_the_hopper_kernel(monkeyp
     assert calls == []
 
 
-def test_auto_never_picks_the_deepgemm_backend(monkeypatch):
+def test_auto_picks_the_deepgemm_backend_where_it_runs_and_says_why_not_where_it_does_not(monkeypatch):
+    """`auto` prefers `deepgemm` to `hopper` (its parity run passed, and it is faster); where DeepGEMM is missing or
+    fails its check, `auto` runs `hopper` and `passed_over` gives the reason the start-up log prints."""
     for cls in REGISTERED:
         monkeypatch.setattr(cls, "unavailable_reason", classmethod(lambda cls, device: None))
-    assert type(select_backend("auto", torch.device("cpu"))) is HopperBackend
-    assert type(select_backend("deepgemm", torch.device("cpu"))) is DeepGemmBackend
+    cpu = torch.device("cpu")
+    assert type(select_backend("auto", cpu)) is DeepGemmBackend
+    assert passed_over(select_backend("auto", cpu), cpu) == []
+    monkeypatch.setattr(DeepGemmBackend, "unavailable_reason", classmethod(lambda cls, device: "DeepGEMM crashed"))
+    chosen = select_backend("auto", cpu)
+    assert type(chosen) is HopperBackend
+    assert passed_over(chosen, cpu) == [("deepgemm", "DeepGEMM crashed")]
+    monkeypatch.setattr(HopperBackend, "unavailable_reason", classmethod(lambda cls, device: "no Gluon"))
+    chosen = select_backend("auto", cpu)  # deepgemm's reason is hopper's: only the nearest is told
+    assert type(chosen) is CublasBackend and passed_over(chosen, cpu) == [("hopper", "no Gluon")]
+    with pytest.raises(Exception, match="DeepGEMM crashed: set precision.fp8_backend=auto"):
+        select_backend("deepgemm", cpu)
 
 
 def test_deepgemm_backend_says_why_it_cannot_run():
@@ -119,7 +132,7 @@ def test_deepgemm_backend_runs_deepgemm_once_in_a_child_before_it_is_used(monkey
         assert says in reason, reason
         assert runtimes == []
     if returncode < 0:
-        assert "LD_PRELOAD=$(c++ -print-file-name=libstdc++.so.6)" in reason and "fp8_backend=auto" in reason
+        assert "LD_PRELOAD=$(c++ -print-file-name=libstdc++.so.6)" in reason and "fp8_backend=hopper" in reason
 
 
 def test_deepgemm_backend_makes_deepgemms_runtime_eagerly_on_its_gpu(monkeypatch):

@@ -205,7 +205,7 @@ def test_fp8_training_on_gpu_learns(tiny_overrides):
     trainer = Trainer(cfg, ParallelDims.single(), CUDA)
     assert trainer.model.layers[0].mlp.down_proj.fp8_backend is None  # resolved lazily, logged at build
     losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
-    assert trainer.model.layers[0].mlp.down_proj.fp8_backend.name in ("hopper", "cublas", "triton")
+    assert trainer.model.layers[0].mlp.down_proj.fp8_backend.name in ("deepgemm", "hopper", "cublas", "triton")
     assert losses[-1] < losses[0] - 1.0, losses
 
 
@@ -313,15 +313,19 @@ def test_cuda_graphs_add_the_weight_gradients_into_main_grad_like_eager(tiny_ove
         assert graphed["loss"] == pytest.approx(eager["loss"], rel=0.01), (eager, graphed)
 
 
-@pytest.mark.parametrize("backend", ["hopper", "deepgemm"])
+@pytest.mark.parametrize("backend", ["hopper", "deepgemm", "auto"])
 def test_a_run_under_cuda_graphs_resumes_in_a_new_process(tiny_overrides, backend):
     """A compiled FP8 run under CUDA graphs, checkpointed and launched again in a new process (as after a
     scheduler's stop), resumes and finishes. Each launch is a fresh process, so the new one's first GEMMs (for
     `deepgemm`, DeepGEMM's first call in that process) come inside the CUDA graph trees' warm-up runs (step 3 does
     not sample FP8 health, which would run the blocks uncompiled, as step 0 does): job GZ's resumed parity run
     stopped there ("Detected 1 tensor(s) in the cudagraph pool not tracked as outputs") until the backend made
-    DeepGEMM's runtime eagerly (`deepgemm_backend.create_runtime`)."""
-    reason = why_unavailable(backend, CUDA)
+    DeepGEMM's runtime eagerly (`deepgemm_backend.create_runtime`). `auto` picks `deepgemm` where DeepGEMM runs
+    (its check then comes at build, before anything is compiled), else `hopper`, and the log says which."""
+    picks = backend
+    if backend == "auto":
+        picks = "deepgemm" if why_unavailable("deepgemm", CUDA) is None else "hopper"
+    reason = why_unavailable(picks, CUDA)
     if reason is not None:
         pytest.skip(reason)
     args = [sys.executable, "launch/pretrain.py", "--config", "tiny_dense_fp8", *tiny_overrides,
@@ -333,6 +337,7 @@ def test_a_run_under_cuda_graphs_resumes_in_a_new_process(tiny_overrides, backen
         output = done.stdout + done.stderr
         assert done.returncode == 0, output[-3000:]
         assert says in output, output[-3000:]
+        assert f"fp8: backend {picks}{' (auto)' if backend == 'auto' else ''} |" in output, output[-3000:]
     assert "step 5/5" in output, output[-3000:]
 
 

@@ -38,7 +38,7 @@ from megafp8.parallel import (
     tp_shard_of,
 )
 from megafp8.parallel.pipeline import PipelineLayout, StageSpec
-from megafp8.precision import DynamicLossScaler, PrecisionRecipe, resolve_recipe, select_backend
+from megafp8.precision import DynamicLossScaler, PrecisionRecipe, passed_over, resolve_recipe, select_backend
 from megafp8.train.expert_balance import ExpertBalance
 from megafp8.train.fp8_health import Fp8HealthMonitor
 from megafp8.train.loggers import ExperimentLogger
@@ -146,6 +146,9 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
         backend = select_backend(recipe.fp8.backend, device)
         log.info("fp8: backend %s%s | %s%s", backend.name, " (auto)" if recipe.fp8.backend == "auto" else "",
                  plan.summary(), "" if fp8.runs_fp8_at(0) else f" | BF16 until step {fp8.start_step}")
+        if recipe.fp8.backend == "auto" and device.type == "cuda":  # on a CPU, only the reference runs
+            for name, reason in passed_over(backend, device):
+                log.info("fp8: auto did not pick the %s backend: %s", name, reason)
     return model
 
 

@@ -5,9 +5,9 @@
 - `cublas`: SM90; cuBLASLt's blockwise-scaled GEMMs (`F.scaled_mm`) fed by the Triton quantizers, and cuBLASLt
   called directly for weight gradients added into `main_grad` (`megafp8.precision.kernels.cublaslt`).
 - `hopper`: SM90 with Triton's Gluon; `cublas` with the experts' grouped GEMMs on the warp-specialized Gluon kernel
-  (what `auto` picks where it runs).
-- `deepgemm`: opt-in (never `auto`), where DeepSeek's DeepGEMM is installed; `hopper` with the dense fprop and dgrad
-  on DeepGEMM's 1x128 x 128x128 kernel.
+  (what `auto` picks where DeepGEMM is not installed).
+- `deepgemm`: where DeepSeek's DeepGEMM is installed and passes its check; `hopper` with the dense fprop and dgrad
+  on DeepGEMM's 1x128 x 128x128 kernel (what `auto` picks there).
 
 A backend is one class: its `name`, its `priority` (`auto` picks the available backend of highest priority) and
 `unavailable_reason(device)`. Adding one means writing the class, listing it in `REGISTERED`, and letting the
@@ -53,6 +53,16 @@ def why_unavailable(name: str, device: torch.device) -> Optional[str]:
     return _backend_class(name).unavailable_reason(device)
 
 
+def passed_over(chosen: Fp8Backend, device: torch.device) -> list[tuple[str, str]]:
+    """(name, reason) for each backend that `auto` would have preferred to `chosen` on `device` and that misses only
+    a need of its own (the backend it extends runs here): what the start-up log says, so that a run on an H200
+    which fell back to `hopper` says why `deepgemm` did not run (DeepGEMM not installed, or failing its check),
+    while one on an older GPU is not told of every SM90 backend."""
+    return [(cls.name, reason) for cls in REGISTERED
+            if cls.priority > chosen.priority and cls.__base__.unavailable_reason(device) is None
+            and (reason := cls.unavailable_reason(device)) is not None]
+
+
 def backend_by_name(name: str) -> Fp8Backend:
     """A new object of the registered backend `name`, unchecked: for code that runs a backend `select_backend`
     already chose (the traced FP8 ops carry its name, not the object)."""
@@ -76,4 +86,4 @@ def select_backend(name: str, device: torch.device) -> Fp8Backend:
 
 
 __all__ = ["REGISTERED", "Fp8Backend", "QuantizedWeight", "backend_by_name", "backend_names", "check_backend_name",
-           "select_backend", "why_unavailable"]
+           "passed_over", "select_backend", "why_unavailable"]
