@@ -32,8 +32,8 @@
 #        NAME: dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b (MoE's BF16 seed B, for MoE's
 #        seed-to-seed spread: `next` runs it after the others, and `compare` uses it once it has finished)
 #        dense_fp8blocks_a (FP8 seed A with the opt-in `precision.fp8_wgrad_input_blocks`: `next` runs it last,
-#        `compare` sets it against the two BF16 seeds once it has finished), dense_fp8deepgemm_a (FP8 seed A on the
-#        opt-in `precision.fp8_backend: deepgemm`, DeepGEMM built first by gpu_lib.sh's install_deepgemm from the
+#        `compare` sets it against the two BF16 seeds once it has finished), dense_fp8deepgemm_a (FP8 seed A on
+#        `precision.fp8_backend: deepgemm`, DeepGEMM built first by gpu_lib.sh's install_deepgemm from the
 #        source carried in .dg/DeepGEMM; likewise last, and set against the BF16 seeds)
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh next       # `run` on the first two unfinished runs in that order
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh status     # each run's last step, and the disk left
@@ -129,7 +129,8 @@ known_run() {  # known_run NAME: fails, saying which names exist, unless NAME is
 
 run_overrides() {  # run_overrides NAME: every override of run NAME: family_recipe[_seed]; recipe fp8blocks is FP8
   # with the opt-in `precision.fp8_wgrad_input_blocks` (the wgrads' x in 128x128 blocks), fp8deepgemm FP8 on the
-  # opt-in deepgemm backend (DeepGEMM's dense fprop and dgrad)
+  # deepgemm backend, named (DeepGEMM's dense fprop and dgrad); the other FP8 runs keep `auto`, which is `hopper` in
+  # their processes: DeepGEMM's environment is sourced only in the deepgemm run's own subshell (run_one)
   known_run "$1" || return 2
   local family=${1%%_*} rest=${1#*_} recipe seed interval blocks=""
   recipe=${rest%%_*}

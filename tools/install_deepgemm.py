@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Build DeepSeek's DeepGEMM for the opt-in `precision.fp8_backend: deepgemm`, check it on this GPU, and write the
-environment a run needs to use it.
+"""Build DeepSeek's DeepGEMM for the `deepgemm` FP8 backend (what `precision.fp8_backend: auto` picks where it
+runs), check it on this GPU, and write the environment a run needs to use it.
 
     python tools/install_deepgemm.py --prefix ~/deepgemm                  # clones DeepGEMM at the measured commit
     python tools/install_deepgemm.py --prefix ~/deepgemm --source DIR     # a clone with its submodules (no network)
-    source ~/deepgemm/deepgemm.env                                         # then: precision.fp8_backend=deepgemm
+    source ~/deepgemm/deepgemm.env                                         # then auto picks deepgemm
 
 DeepGEMM (github.com/deepseek-ai/DeepGEMM) is built from source against the installed torch with the CUDA toolkit's
 nvcc, which it also needs at run time (it JIT-compiles each GEMM shape at first use). Built as it comes, its first

@@ -239,9 +239,9 @@ class PrecisionConfig:
         "auto",
         "FP8 GEMM backend: `auto` (the fastest that runs here, logged), or one by name: `reference` (any device; "
         "FP8 casts, FP32 matmul), `triton` (CUDA), `cublas` (SM90, `F.scaled_mm` blockwise), `hopper` (SM90 with "
-        "Triton's Gluon, what `auto` picks there: `cublas` with warp-specialized grouped expert GEMMs and dense "
-        "fprop/dgrad); "
-        "`megafp8.precision.backends` lists them.",
+        "Triton's Gluon: `cublas` with warp-specialized grouped expert GEMMs and dense fprop/dgrad), `deepgemm` "
+        "(`hopper` with the dense fprop/dgrad on DeepSeek's DeepGEMM where it is installed: what `auto` picks "
+        "there, else `hopper`); `megafp8.precision.backends` lists them.",
     )
     fp8_grad_format: Fp8FormatName = setting(
         "e4m3", "Format of activation gradients in dgrad/wgrad: `e4m3` (DeepSeek-V3) or `e5m2` (more range)."
