@@ -136,6 +136,30 @@ def test_a_run_directory_rank_0_cannot_read_is_one_error_on_every_rank(tiny_over
     spawn(2, _run_directory_unreadable_on_rank_0_worker, tiny_overrides + [f"logging.output_dir={tmp_path}"])
 
 
+def _rank_0_fails_otherwise_worker(rank, world):
+    from megafp8.config import ParallelConfig
+    from megafp8.train.resume import from_rank0
+
+    def judge():
+        raise ValueError("metrics.jsonl line 7 is not JSON")
+
+    dims = ParallelDims.from_config(ParallelConfig())
+    if rank == 0:  # its own error, with its own traceback
+        with pytest.raises(ValueError, match="line 7 is not JSON"):
+            from_rank0(judge, dims)
+    else:  # told, not left waiting in the broadcast
+        with pytest.raises(RuntimeError, match="rank 0 failed.*ValueError: metrics.jsonl line 7 is not JSON"):
+            from_rank0(judge, dims)
+    assert from_rank0(lambda: ("fine", 3), dims) == ("fine", 3)  # and the ranks are still in step
+
+
+def test_any_other_failure_of_rank_0_alone_reaches_every_rank():
+    """What rank 0 alone computes for every rank may fail in ways that are neither a ConfigError nor an OSError (a
+    bug, a file it cannot parse): rank 0 raises it as it came, and its peers, instead of waiting in the broadcast
+    until the process group's timeout, raise an error that names it."""
+    spawn(2, _rank_0_fails_otherwise_worker)
+
+
 def _run_directory_unwritable_on_rank_0_worker(rank, world, overrides, where):
     from megafp8.train import run_lock
 

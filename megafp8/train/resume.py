@@ -31,20 +31,29 @@ T = TypeVar("T")
 
 
 def from_rank0(compute: Callable[[], T], dims: ParallelDims) -> T:
-    """`compute()`, run on rank 0 only, on every rank (collective). Where it raised a ConfigError or an OSError (a run
-    directory rank 0 cannot read), every rank raises the same ConfigError: rank 0 failing alone would leave its
-    peers waiting in the broadcast."""
+    """`compute()`, run on rank 0 only, on every rank (collective). Rank 0 failing alone would leave its peers
+    waiting in the broadcast, so every failure is broadcast: where it raised a ConfigError or an OSError (a run
+    directory rank 0 cannot read), every rank raises the same ConfigError; anything else, rank 0 raises as it came
+    (its traceback is the one to read) and the other ranks a RuntimeError that names it."""
     result: list[Any] = [None]
+    failure: Optional[BaseException] = None
     if dims.rank == 0:
         try:
-            result = [(compute(), None)]
+            result = [(compute(), None, True)]
         except (ConfigError, OSError) as err:
-            result = [(None, str(err))]
+            result = [(None, str(err), True)]
+        except Exception as err:  # noqa: BLE001 - told to every rank, then raised again below
+            failure = err
+            result = [(None, f"{type(err).__name__}: {err}", False)]
     if dims.is_distributed:
         dist.broadcast_object_list(result, src=0)
-    value, error = result[0]
+    value, error, is_config = result[0]
+    if failure is not None:
+        raise failure
     if error is not None:
-        raise ConfigError(error)
+        if is_config:
+            raise ConfigError(error)
+        raise RuntimeError(f"rank 0 failed while every rank waited for it (its own traceback says where): {error}")
     return value
 
 
