@@ -4,6 +4,7 @@ reason it gives where it cannot run. Its GEMMs against the reference run with th
 (`tests/test_fp8_backends.py`, `deepgemm-cuda`) where DeepGEMM is installed."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import types
@@ -154,3 +155,49 @@ def test_deepgemm_backend_makes_deepgemms_runtime_eagerly_on_its_gpu(monkeypatch
     monkeypatch.setattr(deepgemm_backend.torch.cuda, "device", Device)
     deepgemm_backend.create_runtime(3)
     assert events == [("device", 3), "runtime", "left"]
+
+
+def _ranks_choose_differently_worker(rank, world):
+    import logging
+
+    from megafp8.config import ParallelConfig
+    from megafp8.parallel import ParallelDims
+    from megafp8.precision import PrecisionRecipe
+    from megafp8.train import build
+
+    TritonBackend.__init__ = lambda self: None  # (the fixture's patch does not reach a forked rank)
+    # Rank 1's DeepGEMM failed its check; rank 0's passed.
+    crashed = "DeepGEMM crashed a test process (SIGSEGV)"
+    DeepGemmBackend.unavailable_reason = classmethod(lambda cls, device: crashed if rank == 1 else None)
+    for cls in (TritonBackend, CublasBackend, HopperBackend):
+        cls.unavailable_reason = classmethod(lambda cls, device: None)
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("megafp8").addHandler(handler)
+    dims = ParallelDims.from_config(ParallelConfig())
+    recipe = build.agree_on_fp8_backend(PrecisionRecipe.from_name("fp8"), torch.device("cpu"), dims)
+    assert recipe.fp8.backend == "hopper", recipe  # on both ranks: the best that both run
+    if rank == 0:
+        assert any("every rank runs hopper" in s and f"rank 1 runs hopper: deepgemm: {crashed}" in s
+                   for s in said), said
+    named = dataclasses.replace(PrecisionRecipe.from_name("fp8"), fp8=dataclasses.replace(
+        PrecisionRecipe.from_name("fp8").fp8, backend="cublas"))
+    assert build.agree_on_fp8_backend(named, torch.device("cpu"), dims) is named  # a named backend is left alone
+
+
+def test_auto_resolves_to_one_backend_that_every_rank_runs():
+    """`auto` asks each rank's machine: where DeepGEMM passes its check on one rank and not on another, every rank
+    runs `hopper` (not one rank alone on slower kernels, that every collective waits for), and rank 0 says which rank
+    fell short and why."""
+    from tests.distributed import spawn
+
+    spawn(2, _ranks_choose_differently_worker)
+
+
+def test_common_choice_is_the_lowest_of_the_ranks_choices():
+    from megafp8.precision.backends import common_choice
+
+    assert common_choice(["deepgemm", "hopper", "deepgemm"]) == "hopper"
+    assert common_choice(["deepgemm"]) == "deepgemm"
+    assert common_choice(["hopper", "reference"]) == "reference"

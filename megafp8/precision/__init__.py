@@ -1,6 +1,7 @@
 """Numerics: FP8 formats, per-tile quantizers, the FP8 layers, GEMM backends and the precision recipe."""
 from megafp8.precision.backends import (
-    Fp8Backend, QuantizedWeight, backend_names, check_backend_name, passed_over, select_backend, why_unavailable,
+    Fp8Backend, QuantizedWeight, backend_names, check_backend_name, common_choice, passed_over, select_backend,
+    why_unavailable,
 )
 from megafp8.precision.bf16_linear import MainGradSlot, linear
 from megafp8.precision.formats import E4M3, E4M3_MAX, E5M2, E5M2_MAX, FORMATS, TILE, Fp8Format
@@ -19,7 +20,7 @@ __all__ = [
     "DynamicLossScaler", "E4M3", "E4M3_MAX", "E5M2", "E5M2_MAX", "FORMATS", "Fp8Backend", "Fp8Format",
     "Fp8Projection", "Fp8Recipe", "Fp8WeightCache", "GemmLayer", "InputNorm", "LinearComm", "MainGradSlot",
     "MlpObserver", "PrecisionRecipe", "QuantizedWeight", "Rotary",
-    "TILE", "WeightGradQueue", "backend_names", "check_backend_name", "choose_recipe", "fp8_linear",
+    "TILE", "WeightGradQueue", "backend_names", "check_backend_name", "choose_recipe", "common_choice", "fp8_linear",
     "fp8_qkv_rope", "fp8_swiglu_mlp", "fuses_norm", "linear", "passed_over", "resolve_recipe", "select_backend",
     "why_unavailable",
 ]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from megafp8.config import Config, ModelConfig, describe_blocks, validate_config
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta
@@ -38,7 +39,9 @@ from megafp8.parallel import (
     tp_shard_of,
 )
 from megafp8.parallel.pipeline import PipelineLayout, StageSpec
-from megafp8.precision import DynamicLossScaler, PrecisionRecipe, passed_over, resolve_recipe, select_backend
+from megafp8.precision import (
+    DynamicLossScaler, PrecisionRecipe, common_choice, passed_over, resolve_recipe, select_backend,
+)
 from megafp8.train.expert_balance import ExpertBalance
 from megafp8.train.fp8_health import Fp8HealthMonitor
 from megafp8.train.loggers import ExperimentLogger
@@ -110,7 +113,28 @@ def resolve(cfg: Config, dims: ParallelDims, device: torch.device, layout: Optio
     log.info("precision: %s (%s)", name, reason)
     if cfg.model.vocab_size is None:
         check_memory(cfg, model_cfg, dims.world_size, device, layout)
-    return cfg, model_cfg, PrecisionRecipe.from_config(cfg.precision), meta
+    return cfg, model_cfg, agree_on_fp8_backend(PrecisionRecipe.from_config(cfg.precision), device, dims), meta
+
+
+def agree_on_fp8_backend(recipe: PrecisionRecipe, device: torch.device, dims: ParallelDims) -> PrecisionRecipe:
+    """The recipe with `precision.fp8_backend: auto` resolved to one backend that every rank runs. Each rank's
+    `auto` asks its own machine (DeepGEMM's check runs in each process), and a rank where a check failed would
+    otherwise run the next backend down alone: a slower rank that every collective waits for, said nowhere. Every
+    rank runs the choice of lowest priority, and rank 0 warns, naming the ranks that chose less and why."""
+    if recipe.fp8 is None or recipe.fp8.backend != "auto":
+        return recipe
+    mine = select_backend("auto", device)
+    agreed = mine.name
+    if dims.is_distributed:
+        choices: list[Any] = [None] * dims.world_size
+        dist.all_gather_object(choices, (mine.name, passed_over(mine, device)))
+        agreed = common_choice([name for name, _ in choices])
+        if len({name for name, _ in choices}) > 1 and dims.rank == 0:
+            short = [f"rank {rank} runs {name}: " + "; ".join(f"{other}: {why}" for other, why in reasons)
+                     for rank, (name, reasons) in enumerate(choices) if name == agreed]
+            log.warning("fp8: auto chose other backends on other ranks; every rank runs %s, the best all of them "
+                        "can: %s", agreed, " | ".join(short))
+    return dataclasses.replace(recipe, fp8=dataclasses.replace(recipe.fp8, backend=agreed))
 
 
 def check_memory(cfg: Config, model_cfg: ModelConfig, world_size: int, device: torch.device,
@@ -144,9 +168,10 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
         log.info("activation recomputation: %d blocks keep only their input for backward", recomputing)
     if recipe.fp8 is not None:
         backend = select_backend(recipe.fp8.backend, device)
-        log.info("fp8: backend %s%s | %s%s", backend.name, " (auto)" if recipe.fp8.backend == "auto" else "",
+        chosen_by_auto = cfg.precision.fp8_backend == "auto"  # the recipe's own is resolved (`resolve`)
+        log.info("fp8: backend %s%s | %s%s", backend.name, " (auto)" if chosen_by_auto else "",
                  plan.summary(), "" if fp8.runs_fp8_at(0) else f" | BF16 until step {fp8.start_step}")
-        if recipe.fp8.backend == "auto" and device.type == "cuda":  # on a CPU, only the reference runs
+        if chosen_by_auto and device.type == "cuda":  # on a CPU, only the reference runs
             for name, reason in passed_over(backend, device):
                 log.info("fp8: auto did not pick the %s backend: %s", name, reason)
     return model

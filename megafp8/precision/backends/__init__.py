@@ -63,6 +63,12 @@ def passed_over(chosen: Fp8Backend, device: torch.device) -> list[tuple[str, str
             and (reason := cls.unavailable_reason(device)) is not None]
 
 
+def common_choice(names: list[str]) -> str:
+    """The backend every rank can run, of the ones each rank's `auto` chose: the one of lowest priority (each
+    backend extends the one below it, so a rank that runs one runs every backend below it)."""
+    return min((_backend_class(name) for name in names), key=lambda cls: cls.priority).name
+
+
 def backend_by_name(name: str) -> Fp8Backend:
     """A new object of the registered backend `name`, unchecked: for code that runs a backend `select_backend`
     already chose (the traced FP8 ops carry its name, not the object)."""
@@ -86,4 +92,4 @@ def select_backend(name: str, device: torch.device) -> Fp8Backend:
 
 
 __all__ = ["REGISTERED", "Fp8Backend", "QuantizedWeight", "backend_by_name", "backend_names", "check_backend_name",
-           "passed_over", "select_backend", "why_unavailable"]
+           "common_choice", "passed_over", "select_backend", "why_unavailable"]
