@@ -104,6 +104,12 @@ def test_a_relaunch_onto_changed_data_is_refused_and_a_named_resume_starts_its_d
     assert re.search(r"data position of .*step_00000002 \(16 samples consumed\) does not fit this run's data: split "
                      r"'train' of .* is not the data the saved data-loader state was read from \(shard .*00001.bin's "
                      r"token checksum was \d+, is \d+\): this run reads its data from the first sample", caplog.text)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megafp8"):  # `--evaluate` reads no training data: nothing to say
+        evaluating = Trainer(load_config("tiny_dense", common + [f"checkpoint.resume={path}"]), ParallelDims.single(),
+                             torch.device("cpu"), evaluate_only=True)
+        evaluating.evaluate_checkpoint()
+    assert evaluating.step == 2 and "data position" not in caplog.text, caplog.text
 
 
 def test_a_document_count_recorded_on_one_side_only_is_not_a_difference(corpus_dir, tmp_path):

@@ -382,10 +382,12 @@ class Checkpointer:
         return merged_model, merged_opt
 
     # ------------------------------------------------------------------------------------- load
-    def load(self, path: Path, named: bool = False) -> None:
+    def load(self, path: Path, named: bool = False, evaluating: bool = False) -> None:
         """Resume every part from a checkpoint of either form, saved at any layout. A part whose saved state is
         empty keeps its own (checkpoints imported from other formats hold no data position). `named`: the
-        checkpoint is the one `checkpoint.resume` names, which may start a run of other settings."""
+        checkpoint is the one `checkpoint.resume` names, which may start a run of other settings; `evaluating`:
+        loaded only to be evaluated (`--evaluate`), so its data position, which an evaluation never reads, may not
+        fit this run's data."""
         meta = self._load_sharded(path) if is_sharded_checkpoint(path) else self._load_full(path)
         self._check_run_settings(path, meta.get("config"), named)
         self.train_state.load_state_dict(meta)
@@ -394,6 +396,8 @@ class Checkpointer:
                 try:
                     part.load_state_dict(meta[name])
                 except DataPositionError as err:
+                    if evaluating:
+                        continue
                     if not named:
                         raise
                     # A run of its own from this checkpoint (a new stage: other data, a longer context): its

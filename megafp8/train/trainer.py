@@ -260,10 +260,10 @@ class Trainer:
         """Block until a background checkpoint write is done; re-raises its error."""
         self.checkpointer.wait()
 
-    def load(self, path: Path, named: bool = False) -> None:
+    def load(self, path: Path, named: bool = False, evaluating: bool = False) -> None:
         """Resume from checkpoint `path`, already verified (`megafp8.train.resume.verified_resume_path`); `named`:
-        the one `checkpoint.resume` names."""
-        self.checkpointer.load(path, named)
+        the one `checkpoint.resume` names; `evaluating`: loaded to be evaluated only."""
+        self.checkpointer.load(path, named, evaluating)
         self.loaded_from = path
         self.fp8.convert(self.model, self.step)  # from precision.fp8_start_step on, the planned layers run FP8
 
@@ -285,7 +285,8 @@ class Trainer:
     def _open_for_evaluation(self) -> ExperimentLogger:
         """Load the checkpoint to evaluate; the run directory is neither judged nor written (no launch is recorded,
         no metric dropped) and the loggers are off."""
-        self.load(checkpoint_to_evaluate(self.cfg.checkpoint.resume, self.checkpoint_dir, self.dims), named=True)
+        self.load(checkpoint_to_evaluate(self.cfg.checkpoint.resume, self.checkpoint_dir, self.dims), named=True,
+                  evaluating=True)
         return ExperimentLogger([], self.run_dir, self.metrics_path, "", {}, "", enabled=False)
 
     def resolved_config(self) -> Config:
