@@ -338,6 +338,8 @@ def test_a_run_under_cuda_graphs_resumes_in_a_new_process(tiny_overrides, backen
         assert done.returncode == 0, output[-3000:]
         assert says in output, output[-3000:]
         assert f"fp8: backend {picks}{' (auto)' if backend == 'auto' else ''} |" in output, output[-3000:]
+        if backend == "auto" and picks == "hopper":  # and why not deepgemm
+            assert "fp8: auto did not pick the deepgemm backend: " in output, output[-3000:]
     assert "step 5/5" in output, output[-3000:]
 
 
