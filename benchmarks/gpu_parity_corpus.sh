@@ -21,7 +21,10 @@
 # (~350 s with the corpus: `bash $S corpus && bash $S run moe_bf16_b && bash $S compare moe`).
 #
 # Every command on the GPU machine may be limited to 10 minutes, so the work comes in sub-steps, each short, each
-# resumable (run them again until `status` says every run is finished):
+# resumable (run them again until `status` says every run is finished). DEADLINE (seconds since the epoch, e.g.
+# `DEADLINE=$(( $(date +%s) + 590 ))` first in a 600 s command) cuts each run's RUN_SECONDS so that its stop,
+# STOP_GRACE and the copying after it end before then, and starts no run with under a minute left: in job HC the
+# corpus and a fresh DeepGEMM install took 236 s, and the command's own limit killed the run instead of its stop.
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh measure    # the corpus before tokenizing (files, duplicates, bytes)
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh tokenizer  # BPE tokenizer.json on TOKENIZER_SAMPLE_BYTES of it
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh tokenize   # the token files (skipped once written)
@@ -205,11 +208,21 @@ run_one() {  # run_one NAME GPU [SECONDS]: train NAME on GPU for at most SECONDS
   overrides=$(run_overrides "$name") || return 2
   if finished "$name"; then echo "$name: finished already"; return 0; fi
   case $name in *deepgemm*) install_deepgemm ;; esac  # built once a machine (a second call reuses the build)
+  local seconds=${3:-${RUN_SECONDS:-450}} left
+  if [ -n "${DEADLINE:-}" ]; then  # what the command's deadline leaves, less the stop's grace and the copying
+    left=$(( DEADLINE - $(date +%s) - ${STOP_GRACE:-120} - 15 ))
+    if [ "$left" -lt 60 ]; then
+      echo "- $name (GPU $2): not started, DEADLINE leaves ${left} s of running" | tee -a "$OUT/summary.md"
+      return 0
+    fi
+    [ "$left" -lt "$seconds" ] && { echo "- $name: ${seconds} s cut to ${left} s by DEADLINE" >> "$OUT/summary.md"
+                                    seconds=$left; }
+  fi
   # At RUN_SECONDS timeout sends SIGTERM: the run stops at its next logging step with a checkpoint
   # (checkpoint.save_on_signal, where checkpoint.interval > 0), and is killed (137) if that takes over STOP_GRACE s.
   # The dense model's checkpoint (12.5 GiB) took ~30 s to write on the GPU machine: a 30 s grace killed the stop's
   # save in job BN, and the run went back to its previous checkpoint.
-  CUDA_VISIBLE_DEVICES=$2 timeout -k "${STOP_GRACE:-120}" "${3:-${RUN_SECONDS:-450}}" python launch/pretrain.py \
+  CUDA_VISIBLE_DEVICES=$2 timeout -k "${STOP_GRACE:-120}" "$seconds" python launch/pretrain.py \
     --config tiny_dense $overrides \
     >> "$RUNS/$name.log" 2>&1
   rc=$?

@@ -104,6 +104,25 @@ def test_a_run_cut_short_starts_again_and_a_finished_run_leaves_its_metrics(tmp_
     assert status.startswith("dense_bf16_a: step 3 of 3\ndense_fp8_a: step 0 of 3\n")
 
 
+def test_a_deadline_cuts_a_run_to_end_in_time_and_starts_none_it_cannot(tmp_path):
+    """DEADLINE (the device command's end): a run's RUN_SECONDS is cut so that its stop, STOP_GRACE and the copying
+    end before it, and with under a minute left no run starts (job HC: the command's limit killed a run whose own
+    stop came later)."""
+    import time
+
+    tree = scan_text_tree([str(REPO / "megafp8")], [".py"], valid_fraction=0.05, seed=0)
+    preprocess([str(REPO / "megafp8")], tmp_path / "work" / "corpus", valid_fraction=0.05, tree=tree)  # byte tokens
+    env = {"DENSE_STEPS": "2", "EXTRA_OVERRIDES": TINY, "STOP_GRACE": "5", "RUN_SECONDS": "450"}
+    late = script(tmp_path, "run", "dense_bf16_a", DEADLINE=str(int(time.time()) + 70), **env)
+    assert late.returncode == 0 and "- dense_bf16_a (GPU 0): not started, DEADLINE leaves" in late.stdout, \
+        late.stdout + late.stderr
+    assert not (tmp_path / "work" / "runs" / "dense_bf16_a" / "metrics.jsonl").exists()
+    cut = script(tmp_path, "run", "dense_bf16_a", DEADLINE=str(int(time.time()) + 5 + 15 + 90), **env)
+    assert "- dense_bf16_a (GPU 0): step 2 of 2, exit 0, finished\n" in cut.stdout, cut.stdout + cut.stderr
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "- dense_bf16_a: 450 s cut to 8" in summary or "- dense_bf16_a: 450 s cut to 9" in summary, summary
+
+
 def test_two_runs_share_one_gpu_when_asked(tmp_path):
     """`run NAME NAME2` puts NAME2 on GPU 1 unless GPU2 says otherwise: GPU2=0 runs both on GPU 0, side by side,
     each to its end."""
