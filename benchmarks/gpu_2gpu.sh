@@ -35,6 +35,9 @@
 # Every step is bounded by what is left of BUDGET_S (default 570 s, leaving the call's last 30 s for a killed
 # step's teardown and the summary) and by STEP_TIMEOUT (default 200 s); a step that would start with less than
 # its estimate left is skipped, and the summary says so and how to run it.
+# DEEPGEMM=1 first installs DeepGEMM (gpu_lib.sh's install_deepgemm, from .dg/DeepGEMM: carry it), so that FP8 runs
+# on `deepgemm`, what `precision.fp8_backend: auto` picks where it is installed; on a fresh machine that takes
+# ~100-150 s of BUDGET_S. Without it FP8 runs on `hopper`.
 # Usage: OUT=dir bash benchmarks/gpu_2gpu.sh [parts...]   (default: all of the above, in that order)
 # Tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
 source "$(dirname "$0")/gpu_lib.sh"
@@ -45,6 +48,9 @@ STEP_TIMEOUT=${STEP_TIMEOUT:-200}
 start_summary
 visible_gpus
 echo "GPUs visible: $GPUS; parts: $PARTS; budget ${BUDGET_S} s" | tee -a "$OUT/summary.md"
+if [ "${DEEPGEMM:-0}" = 1 ]; then
+  install_deepgemm  # its line in the summary says whether FP8 runs on deepgemm
+fi
 
 budgeted() {  # budgeted PART NAME ESTIMATE command...: `step` bounded by what is left of the budget, or skipped
   local part=$1 name=$2 estimate=$3 left=$((BUDGET_S - SECONDS))

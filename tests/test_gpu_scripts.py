@@ -76,7 +76,7 @@ FAKE_RANKS=$ranks exec {sys.executable} {fake} "$@"
     return bin_dir
 
 
-def gpu_2gpu(tmp_path, *parts, budget="1000"):
+def gpu_2gpu(tmp_path, *parts, budget="1000", **extra_env):
     """benchmarks/gpu_2gpu.sh with `python benchmarks/train_step.py` and `torchrun` replaced by the stand-in and
     two GPUs reported; returns (summary.md, the logged calls)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -87,7 +87,7 @@ def gpu_2gpu(tmp_path, *parts, budget="1000"):
     fake.write_text(FAKE_TRAIN_STEP)
     bin_dir = stand_in_tools(tmp_path, fake, gpus=2, scripts=("benchmarks/train_step.py",), keep_script_arg=False)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out), BUDGET_S=budget,
-               FAKE_HEADER=train_step.table([]).splitlines()[0], FAKE_CALLS=str(tmp_path / "calls.jsonl"))
+               FAKE_HEADER=train_step.table([]).splitlines()[0], FAKE_CALLS=str(tmp_path / "calls.jsonl"), **extra_env)
     result = subprocess.run(["bash", "benchmarks/gpu_2gpu.sh", *parts], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -129,6 +129,18 @@ def test_gpu_2gpu_script_runs_every_part_and_computes_efficiency_against_one_gpu
     assert rows[("pp2_1f1b_8b_16_layers", "bf16")][9] == "15.0% / 11.1%"
     assert rows[("pp2_dualpipev_1b", "fp8")][9] == "5.0% / 2.0%"
     assert rows[("recompute_1b", "bf16")][5] == "75.0%" and rows[("recompute_1b", "bf16")][9] == "-"
+
+
+def test_gpu_2gpu_script_installs_deepgemm_first_only_when_asked(tmp_path):
+    """DEEPGEMM=1: DeepGEMM's install comes before the parts (here its source is missing, and the summary says so,
+    the parts running on); without it, nothing is installed."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    summary, _ = gpu_2gpu(tmp_path / "a", "dp2_8b", DEEPGEMM="1", DEEPGEMM_SRC=str(tmp_path / "no_dg"))
+    assert f"no DeepGEMM source in {tmp_path / 'no_dg'}" in summary
+    assert summary.index("no DeepGEMM source") < summary.index("## dp2_8b")
+    summary, _ = gpu_2gpu(tmp_path / "b", "dp2_8b")
+    assert "DeepGEMM" not in summary
 
 
 def test_gpu_2gpu_script_tries_tensor_parallel_variants_only_when_asked(tmp_path):
