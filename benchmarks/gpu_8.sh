@@ -13,12 +13,17 @@
 # A part whose GPUs are not visible is skipped, and the summary says which and why.
 # The layout the planner recommends for eight GPUs (`tools/plan.py --layouts`) runs after the fixed layouts.
 # Usage: OUT=dir bash benchmarks/gpu_8.sh [parts...]   (default: one_gpu two_gpus eight_gpus loss_8gpu)
-# STEP_TIMEOUT (s) bounds each step; tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
+# STEP_TIMEOUT (s) bounds each step; tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz. DEEPGEMM=1 installs
+# DeepGEMM first (gpu_lib.sh's install_deepgemm, from .dg/DeepGEMM: carry it), so that FP8 runs on `deepgemm`, what
+# `precision.fp8_backend: auto` picks where it is installed (~100-150 s on a fresh machine); else on `hopper`.
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-one_gpu two_gpus eight_gpus loss_8gpu}
 start_summary
 visible_gpus
 echo "GPUs visible: $GPUS" | tee -a "$OUT/summary.md"
+if [ "${DEEPGEMM:-0}" = 1 ]; then
+  install_deepgemm  # its line in the summary says whether FP8 runs on deepgemm
+fi
 
 # The benchmark on 1, 2 and 8 GPUs (one process per GPU); words, so `step` can run them (not shell functions).
 ONE="python benchmarks/train_step.py"

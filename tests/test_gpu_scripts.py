@@ -190,7 +190,7 @@ print("| fake row |")
 '''
 
 
-def gpu_8(tmp_path, gpus: int, *parts):
+def gpu_8(tmp_path, gpus: int, *parts, **extra_env):
     """benchmarks/gpu_8.sh with `gpus` GPUs reported, the training scripts and torchrun replaced by the stand-in
     (the planner, tools/plan.py, is the real one); returns (summary.md, the logged calls)."""
     out = tmp_path / "out"
@@ -199,7 +199,7 @@ def gpu_8(tmp_path, gpus: int, *parts):
     bin_dir = stand_in_tools(tmp_path, fake, gpus, ("benchmarks/train_step.py", "launch/pretrain.py"),
                              keep_script_arg=True)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out),
-               FAKE_CALLS=str(tmp_path / "calls.jsonl"))
+               FAKE_CALLS=str(tmp_path / "calls.jsonl"), **extra_env)
     result = subprocess.run(["bash", "benchmarks/gpu_8.sh", *parts], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -223,6 +223,12 @@ def test_gpu_8_script_on_two_gpus_runs_the_one_and_two_gpu_parts_and_says_what_i
     by_name = dict(zip(sections, calls))
     assert {"parallel.tp=2", "parallel.sequence_parallel=true"} <= set(by_name["dense_tp2"]["args"])
     assert "parallel.pp=2" in by_name["dense_pp2"]["args"] and "parallel.ep=2" in by_name["moe_ep2"]["args"]
+
+
+def test_gpu_8_script_installs_deepgemm_first_only_when_asked(tmp_path):
+    summary, _ = gpu_8(tmp_path, 1, "one_gpu", DEEPGEMM="1", DEEPGEMM_SRC=str(tmp_path / "no_dg"))
+    assert f"no DeepGEMM source in {tmp_path / 'no_dg'}" in summary
+    assert summary.index("no DeepGEMM source") < summary.index("## dense_1gpu")
 
 
 def test_gpu_8_script_on_eight_gpus_also_runs_the_layout_the_planner_recommends(tmp_path):
