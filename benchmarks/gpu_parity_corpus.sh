@@ -210,6 +210,8 @@ run_one() {  # run_one NAME GPU [SECONDS]: train NAME on GPU for at most SECONDS
   case $name in *deepgemm*) install_deepgemm ;; esac  # built once a machine (a second call reuses the build)
   local seconds=${3:-${RUN_SECONDS:-450}} left
   if [ -n "${DEADLINE:-}" ]; then  # what the command's deadline leaves, less the stop's grace and the copying
+    [[ $DEADLINE =~ ^[0-9]+$ ]] || { echo "DEADLINE=$DEADLINE: give seconds since the epoch, e.g." \
+                                       "DEADLINE=\$(( \$(date +%s) + 590 ))" >&2; return 2; }
     left=$(( DEADLINE - $(date +%s) - ${STOP_GRACE:-120} - 15 ))
     if [ "$left" -lt 60 ]; then
       echo "- $name (GPU $2): not started, DEADLINE leaves ${left} s of running" | tee -a "$OUT/summary.md"

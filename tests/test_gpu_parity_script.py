@@ -113,6 +113,8 @@ def test_a_deadline_cuts_a_run_to_end_in_time_and_starts_none_it_cannot(tmp_path
     tree = scan_text_tree([str(REPO / "megafp8")], [".py"], valid_fraction=0.05, seed=0)
     preprocess([str(REPO / "megafp8")], tmp_path / "work" / "corpus", valid_fraction=0.05, tree=tree)  # byte tokens
     env = {"DENSE_STEPS": "2", "EXTRA_OVERRIDES": TINY, "STOP_GRACE": "5", "RUN_SECONDS": "450"}
+    bad = script(tmp_path, "run", "dense_bf16_a", DEADLINE="10 minutes", **env)
+    assert "DEADLINE=10 minutes: give seconds since the epoch" in bad.stderr, bad.stdout + bad.stderr
     late = script(tmp_path, "run", "dense_bf16_a", DEADLINE=str(int(time.time()) + 70), **env)
     assert late.returncode == 0 and "- dense_bf16_a (GPU 0): not started, DEADLINE leaves" in late.stdout, \
         late.stdout + late.stderr
