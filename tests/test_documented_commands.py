@@ -161,6 +161,7 @@ COMMANDS: dict[str, Run | Skip] = {
     # DeepGEMM (docs/precision.md): tests/test_install_deepgemm.py runs the tool with a stand-in DeepGEMM.
     "python tools/install_deepgemm.py --prefix ~/deepgemm": Skip("clones and builds DeepGEMM, checks it on a GPU"),
     "source ~/deepgemm/deepgemm.env": Skip("the file the install above writes"),
+    "python tools/check_env.py": Run(alongside=True),
     "torchrun --nproc_per_node=8 launch/pretrain.py --config 1b_dense_fp8.yaml": Skip(GPU),
 }
 
