@@ -78,6 +78,33 @@ def test_llama_names_and_fp8_blocks(tmp_path):
             assert torch.equal(restored, w), name
 
 
+def test_an_export_stopped_midway_leaves_the_earlier_export_as_it_was(tmp_path, monkeypatch):
+    """`to-hf --overwrite` over an earlier export, stopped while it writes the weights (a job's time limit): the
+    earlier model.safetensors and config.json are whole and still load; the next export replaces them and the
+    leftover `.partial` file."""
+    import safetensors.torch
+
+    model = tiny_model()
+    save_hf(model.state_dict(), CFG, 64, tmp_path / "hf", fp8=False)
+    before = {name: (tmp_path / "hf" / name).read_bytes() for name in (WEIGHTS_FILE, "config.json")}
+    real_save = safetensors.torch.save_file
+
+    def stopped(tensors, filename, metadata=None):
+        with open(filename, "wb") as half:
+            half.write(b"\x00" * 64)  # what a killed writer leaves
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        save_hf(tiny_model(seed=3).state_dict(), CFG, 128, tmp_path / "hf", fp8=True)
+    assert {name: (tmp_path / "hf" / name).read_bytes() for name in before} == before
+    assert load_hf(tmp_path / "hf").layout == "llama"
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    save_hf(tiny_model(seed=3).state_dict(), CFG, 128, tmp_path / "hf", fp8=True)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", WEIGHTS_FILE]
+    assert (tmp_path / "hf" / WEIGHTS_FILE).read_bytes() != before[WEIGHTS_FILE]
+
+
 def test_truncated_or_incomplete_files_give_clear_errors(tmp_path):
     model = tiny_model()
     save_hf(model.state_dict(), CFG, 64, tmp_path / "hf", fp8=False)

@@ -121,9 +121,14 @@ def untie_head(get: HfTensors, ours: dict[str, torch.Tensor]) -> None:
     ours["lm_head.weight"] = embed.clone()
 
 
+PARTIAL = ".partial"  # the suffix of a file being written: renamed to its own name once whole
+
+
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, out_dir: Path, fp8: bool) -> str:
     """Write config.json + model.safetensors in the layout `cfg` converts to (Llama, Mixtral, DeepSeek-V2 or -V3;
-    `state` includes the routers' `expert_bias` buffers). Returns the layout's model_type."""
+    `state` includes the routers' `expert_bias` buffers). Returns the layout's model_type. Each file is written
+    under a `.partial` name and renamed once both are whole, so an export stopped midway (a job's time limit over
+    hundreds of GB) leaves an earlier export in `out_dir` as it was, not half-overwritten."""
     from safetensors.torch import save_file
 
     layout = export_layout(cfg)
@@ -133,8 +138,11 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, 
     if fp8:
         config["quantization_config"]["modules_to_not_convert"] = bf16_linears(tensors)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    weights, config_file = out_dir / (WEIGHTS_FILE + PARTIAL), out_dir / (CONFIG_FILE + PARTIAL)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config_file.write_text(json.dumps(config, indent=2))
+    weights.replace(out_dir / WEIGHTS_FILE)  # the weights first: config.json last marks the export whole
+    config_file.replace(out_dir / CONFIG_FILE)
     return layout
 
 
