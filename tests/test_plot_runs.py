@@ -27,6 +27,24 @@ def test_read_series_keeps_the_last_value_of_a_step(tmp_path):
         read_series(tmp_path / "missing", "train", "loss")
 
 
+def test_a_line_cut_short_at_the_end_is_left_out_and_a_damaged_one_elsewhere_is_named(tmp_path):
+    """A run killed while it appended a record leaves half a line at the end of metrics.jsonl: plots and
+    comparisons read the rest (they raised a JSONDecodeError). A bad line anywhere else is an error naming it."""
+    write_run(tmp_path / "a", [5.0, 4.0])
+    path = tmp_path / "a" / "metrics.jsonl"
+    whole = path.read_text()
+    path.write_text(whole + '{"kind": "train", "step": 3, "lo')
+    assert read_series(tmp_path / "a", "train", "loss") == ([1, 2], [5.0, 4.0])
+    path.write_text(whole.replace('"step": 2, "loss": 4.0}', '"step": 2, "lo', 1))
+    with pytest.raises(ConfigError, match=r"metrics.jsonl line 3 is not a metrics record .*: the file is damaged"):
+        read_series(tmp_path / "a", "train", "loss")
+    write_run(tmp_path / "b", [5.0, 4.1])
+    result = subprocess.run([sys.executable, "tools/compare_runs.py", str(tmp_path / "a"), str(tmp_path / "b")],
+                            cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "line 3" in result.stderr, \
+        result.stderr
+
+
 def test_command_line_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     write_run(tmp_path / "bf16", [5.0, 4.0, 3.0])

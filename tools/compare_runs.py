@@ -19,7 +19,6 @@ SNR and by underflow.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError  # noqa: E402
-from megafp8.train.plots import metrics_path, read_series  # noqa: E402
+from megafp8.train.plots import read_records, read_series  # noqa: E402
 
 
 def _by_step(run: str, metric: str) -> dict[int, float]:
@@ -111,7 +110,7 @@ def verdict(values: list[float], tolerance: float) -> list[str]:
 def worst_fp8_layers(run: str, count: int) -> list[str]:
     """Two tables from the run's last fp8_health record: the `count` FP8 tensors with the lowest quantization SNR,
     and the `count` whose 1x128 tiles flush the largest share of their nonzero elements to zero (underflow)."""
-    records = [json.loads(line) for line in metrics_path(run).read_text().splitlines()]
+    records = read_records(run)
     health = [r for r in records if r.get("kind") == "fp8_health" and r.get("layers")]
     if not health:
         return []

@@ -17,12 +17,32 @@ def metrics_path(run: str | Path) -> Path:
     return path
 
 
+def read_records(run: str | Path) -> list[dict]:
+    """Every record of a run's metrics file, in order. A last line cut short (a run killed while writing it) is
+    left out; any other line that is not a JSON object is a ConfigError naming the file and line."""
+    path = metrics_path(run)
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif number < len(lines):
+            raise ConfigError(f"{path} line {number} is not a metrics record ({line[:60]!r}): the file is damaged; "
+                              "remove or mend that line")
+    return records
+
+
 def read_series(run: str | Path, kind: str, metric: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `metric` in the `kind` records of a run; a step logged twice (a resumed or repeated
     run writing to the same file) keeps its last value."""
     by_step: dict[int, float] = {}
-    for line in metrics_path(run).read_text().splitlines():
-        record = json.loads(line)
+    for record in read_records(run):
         if record.get("kind") == kind and isinstance(record.get(metric), (int, float)):
             by_step[int(record["step"])] = float(record[metric])
     steps = sorted(by_step)
@@ -33,8 +53,7 @@ def splice_warning(run: str | Path) -> Optional[str]:
     """One line if the train records of a run's metrics file go back to an earlier step (several runs, or launches
     of one run, appended to one file: its curve would be spliced), else None."""
     path, last = metrics_path(run), 0
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        record = json.loads(line)
+    for number, record in enumerate(read_records(run), 1):
         if record.get("kind") != "train" or not isinstance(record.get("step"), int):
             continue
         if record["step"] <= last:
