@@ -285,5 +285,7 @@ def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json
     )
     tok.train_from_iterator(sample(), trainer=trainer)
     Path(output).parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(output))
+    partial = Path(f"{output}.partial")  # renamed once whole: a kill while saving leaves an earlier file as it was
+    tok.save(str(partial))
+    partial.replace(output)
     return used[0], used[1]
