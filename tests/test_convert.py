@@ -105,6 +105,40 @@ def test_an_export_stopped_midway_leaves_the_earlier_export_as_it_was(tmp_path, 
     assert (tmp_path / "hf" / WEIGHTS_FILE).read_bytes() != before[WEIGHTS_FILE]
 
 
+def test_shards_hold_consecutive_tensors_of_at_most_the_size_and_a_larger_one_alone():
+    from megafp8.checkpoint.hf import shard_files
+
+    tensors = {name: torch.zeros(n, dtype=torch.bfloat16) for name, n in (("a", 100), ("b", 300), ("c", 700),
+                                                                        ("d", 50), ("e", 60))}
+    assert shard_files(tensors, 2420) == {WEIGHTS_FILE: ["a", "b", "c", "d", "e"]}  # 2,420 bytes in all
+    assert shard_files(tensors, 10_000) == {WEIGHTS_FILE: ["a", "b", "c", "d", "e"]}
+    assert shard_files(tensors, 1000) == {"model-00001-of-00003.safetensors": ["a", "b"],
+                                          "model-00002-of-00003.safetensors": ["c"],  # 1,400 bytes: alone
+                                          "model-00003-of-00003.safetensors": ["d", "e"]}
+
+
+def test_an_export_in_shards_reads_back_and_replaces_an_earlier_single_file_export(tmp_path):
+    """Shards with an index where the weights exceed shard_bytes; over an earlier export of the other form, the
+    files that form used go (a model.safetensors beside an index is what transformers would read instead)."""
+    model = tiny_model()
+    out = tmp_path / "hf"
+    save_hf(model.state_dict(), CFG, 64, out, fp8=False)
+    (out / "tokenizer.json").write_text("{}")  # the user's own file: kept
+    save_hf(model.state_dict(), CFG, 64, out, fp8=False, shard_bytes=2**20)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "model.safetensors.index.json", "tokenizer.json", *shards])
+    from safetensors.torch import load_file
+    saved = [t for shard in shards for t in load_file(str(out / shard)).values()]
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in saved)
+    state = load_hf(out).state
+    for name, t in model.state_dict().items():
+        assert torch.equal(state[name], t.float()), name
+    save_hf(model.state_dict(), CFG, 64, out, fp8=False)  # and back to one file: the shards and index go
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", WEIGHTS_FILE, "tokenizer.json"]
+
+
 def test_truncated_or_incomplete_files_give_clear_errors(tmp_path):
     model = tiny_model()
     save_hf(model.state_dict(), CFG, 64, tmp_path / "hf", fp8=False)
@@ -146,6 +180,8 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
         "from-hf": ("from-hf", tmp_path / "hf", "--out", tmp_path / "imported"),
         **{f"refused {command}": argv for command, argv in refusals.items()},
         "to-hf --overwrite": ("to-hf", step6, "--out", tmp_path / "hf", "--overwrite"),
+        "to-hf in shards": ("to-hf", step6, "--out", tmp_path / "hf_shards", "--shard-gib", "0.0005"),
+        "to-hf no size": ("to-hf", step6, "--out", tmp_path / "hf_none", "--shard-gib", "0"),
         "inspect missing": ("inspect", tmp_path / "nope"),
     }
     # One interpreter imports torch and megafp8 for all of them (tests/scripts.py): ~4 s of CPU each otherwise.
@@ -189,9 +225,17 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
         refused = results[f"refused {command}"]
         assert refused.returncode == 2 and refused.stderr == (
             f"error: --out {out} exists and is not empty: choose another --out, or pass --overwrite to write into it "
-            "(files of the same name are replaced)\n"), (command, refused.stderr)
+            "(files of the same name are replaced; to-hf also removes an earlier export's weight files)\n"), \
+            (command, refused.stderr)
         assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     output("to-hf --overwrite")
+    output("to-hf in shards")  # 0.0005 GiB, ~0.5 MiB: the tiny model's BF16 weights in more than one file
+    shards = sorted(p.name for p in (tmp_path / "hf_shards").glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                                          for i in range(1, len(shards) + 1)]
+    assert (tmp_path / "hf_shards" / "model.safetensors.index.json").is_file()
+    assert results["to-hf no size"].returncode == 2 and results["to-hf no size"].stderr == (
+        "error: --shard-gib 0: give the largest file size in GiB, above 0\n")
     bad = results["inspect missing"]
     assert bad.returncode == 2 and "not found" in bad.stderr
 

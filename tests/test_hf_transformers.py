@@ -162,6 +162,22 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, record_prop
 
 
 
+def test_an_export_in_shards_loads_in_transformers_with_the_same_logits(tmp_path, record_property):
+    """Over `shard_bytes` the weights go into model-0000i-of-0000n.safetensors files with an index, as
+    `save_pretrained` writes a large model: transformers loads them so (and our import reads them back)."""
+    case = "deepseek_v3, yarn, MTP"
+    cfg = EXPORTS[case]
+    model = _megafp8_model(cfg)
+    save_hf(model.state_dict(), cfg, SEQ, tmp_path, fp8=False, shard_bytes=64 * 2**10)
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (tmp_path / "model.safetensors").exists(), shards
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    _measure(hf_model, model, cfg.vocab_size, record_property, f"export {case}, in {len(shards)} shards")
+    imported = load_hf(tmp_path)
+    for name, t in model.state_dict().items():
+        assert torch.equal(imported.state[name], t), name
+
+
 def _with_some_whole_tiles(cfg: ModelConfig) -> ModelConfig:
     """`cfg` 128 wide, its dense MLPs and one attention projection of each kind whole 128x128 tiles (GQA's query and
     output projections, MLA's q_b), the other projections and the experts not."""

@@ -11,7 +11,8 @@ DeepSeek-V2 and -V3; docs/checkpoints.md lists what converts and what is refused
 
 `to-hf` writes config.json + model.safetensors as Llama (dense GQA), Mixtral (GQA + softmax MoE), DeepSeek-V2 (MLA +
 softmax MoE) or DeepSeek-V3 (MLA, sigmoid MoE, MTP) (BF16, or with --fp8 E4M3 projection weights with 128x128
-`weight_scale_inv` blocks). `from-hf` writes a step-0 megafp8 checkpoint (fresh optimizer), and prints the model
+`weight_scale_inv` blocks); weights over --shard-gib (5) go into model-0000i-of-0000n.safetensors shards with
+model.safetensors.index.json, as Hugging Face saves large models. `from-hf` writes a step-0 megafp8 checkpoint (fresh optimizer), and prints the model
 settings to train from it with `checkpoint.resume=<printed path>`. A config key or tensor with no exact megafp8
 equivalent is refused with one line naming it.
 `verify` re-reads every file of a checkpoint and checks it against the checksum recorded when it was written
@@ -36,7 +37,8 @@ def check_out(out: Path, overwrite: bool) -> None:
     """Refuse to write into an existing, non-empty --out unless --overwrite says to."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ConfigError(f"--out {out} exists and is not empty: choose another --out, or pass --overwrite to write "
-                          "into it (files of the same name are replaced)")
+                          "into it (files of the same name are replaced; to-hf also removes an earlier export's "
+                          "weight files)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     to_hf.add_argument("checkpoint", type=Path)
     to_hf.add_argument("--out", type=Path, required=True)
     to_hf.add_argument("--fp8", action="store_true", help="store projections as E4M3 with 128x128 block scales")
+    to_hf.add_argument("--shard-gib", type=float, default=5.0,
+                       help="largest safetensors file to write, GiB (default 5): above it, shards and an index")
     from_hf = commands.add_parser("from-hf", help="import a Hugging Face Llama, Mistral, Mixtral or DeepSeek-V2/V3 "
                                                  "directory")
     from_hf.add_argument("hf_dir", type=Path)
@@ -73,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             for checkpoint in args.checkpoints:
                 print(verify_checkpoint(checkpoint))
         elif args.command == "to-hf":
-            print(f"wrote {args.out} ({export_hf(args.checkpoint, args.out, args.fp8)})")
+            if not args.shard_gib > 0:
+                raise ConfigError(f"--shard-gib {args.shard_gib:g}: give the largest file size in GiB, above 0")
+            written = export_hf(args.checkpoint, args.out, args.fp8, int(args.shard_gib * 2**30))
+            print(f"wrote {args.out} ({written})")
         elif args.command == "from-hf":
             path, cfg, notes = import_hf(args.hf_dir, args.out)
             print("\n".join(notes + [f"wrote {path}", f"train from it with checkpoint.resume={path} and these model "

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import yaml
 
-from megafp8.checkpoint.hf import load_hf, save_hf
+from megafp8.checkpoint.hf import SHARD_BYTES, load_hf, save_hf
 from megafp8.checkpoint.local import CONVERTING, fresh_temporary, load_checkpoint, publish, save_checkpoint
 from megafp8.checkpoint.sharded import INDEX_FILE, is_sharded_checkpoint, write_sharded
 from megafp8.parallel.sharding import Piece, Placed
@@ -49,12 +49,12 @@ def max_positions_of(state: dict[str, Any]) -> tuple[int, str]:
     return DEFAULT_MAX_POSITIONS, "the checkpoint records no sequence length; a default"
 
 
-def export_hf(checkpoint: Path, out_dir: Path, fp8: bool) -> str:
-    """A megafp8 checkpoint -> a Hugging Face directory; returns the model_type it was written as and its
-    `max_position_embeddings` with where that came from."""
+def export_hf(checkpoint: Path, out_dir: Path, fp8: bool, shard_bytes: int = SHARD_BYTES) -> str:
+    """A megafp8 checkpoint -> a Hugging Face directory (safetensors files of at most `shard_bytes`); returns the
+    model_type it was written as and its `max_position_embeddings` with where that came from."""
     state = load_checkpoint(checkpoint, advice=CONVERTING)
     positions, source = max_positions_of(state)
-    model_type = save_hf(best_weights(state), model_config_of(state), positions, out_dir, fp8)
+    model_type = save_hf(best_weights(state), model_config_of(state), positions, out_dir, fp8, shard_bytes)
     return f"{model_type}; max_position_embeddings {positions}: {source}"
 
 

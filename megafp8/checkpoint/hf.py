@@ -122,13 +122,20 @@ def untie_head(get: HfTensors, ours: dict[str, torch.Tensor]) -> None:
 
 
 PARTIAL = ".partial"  # the suffix of a file being written: renamed to its own name once whole
+SHARD_BYTES = 5 * 2**30  # the largest safetensors file an export writes (DeepSeek ships ~4.3 GB shards)
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
-def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, out_dir: Path, fp8: bool) -> str:
-    """Write config.json + model.safetensors in the layout `cfg` converts to (Llama, Mixtral, DeepSeek-V2 or -V3;
-    `state` includes the routers' `expert_bias` buffers). Returns the layout's model_type. Each file is written
-    under a `.partial` name and renamed once both are whole, so an export stopped midway (a job's time limit over
-    hundreds of GB) leaves an earlier export in `out_dir` as it was, not half-overwritten."""
+def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, out_dir: Path, fp8: bool,
+            shard_bytes: int = SHARD_BYTES) -> str:
+    """Write config.json and the weights in the layout `cfg` converts to (Llama, Mixtral, DeepSeek-V2 or -V3;
+    `state` includes the routers' `expert_bias` buffers): one model.safetensors, or where the tensors exceed
+    `shard_bytes`, model-0000i-of-0000n.safetensors files of at most that size (a tensor larger alone gets a file of
+    its own) with model.safetensors.index.json, as Hugging Face saves them. Returns the layout's model_type.
+
+    Each file is written under a `.partial` name and renamed once all are whole, config.json last; then the weight
+    files an earlier export left in `out_dir` under other names go. So an export stopped midway (a job's time limit
+    over hundreds of GB) leaves an earlier export there as it was, not half-overwritten."""
     from safetensors.torch import save_file
 
     layout = export_layout(cfg)
@@ -138,12 +145,50 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, 
     if fp8:
         config["quantization_config"]["modules_to_not_convert"] = bf16_linears(tensors)
     out_dir.mkdir(parents=True, exist_ok=True)
-    weights, config_file = out_dir / (WEIGHTS_FILE + PARTIAL), out_dir / (CONFIG_FILE + PARTIAL)
-    save_file(tensors, str(weights), metadata={"format": "pt"})
-    config_file.write_text(json.dumps(config, indent=2))
-    weights.replace(out_dir / WEIGHTS_FILE)  # the weights first: config.json last marks the export whole
-    config_file.replace(out_dir / CONFIG_FILE)
+    for leftover in out_dir.glob("*" + PARTIAL):  # of an export stopped midway, by the names only ours have
+        if is_export_file(leftover.name[:-len(PARTIAL)]) or leftover.name == CONFIG_FILE + PARTIAL:
+            leftover.unlink()
+    files = shard_files(tensors, shard_bytes)
+    for file, names in files.items():
+        save_file({name: tensors[name] for name in names}, str(out_dir / (file + PARTIAL)), metadata={"format": "pt"})
+    written = dict.fromkeys(files)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {name: file for file, names in files.items() for name in names}}
+        (out_dir / (INDEX_FILE + PARTIAL)).write_text(json.dumps(index, indent=2))
+        written[INDEX_FILE] = None
+    (out_dir / (CONFIG_FILE + PARTIAL)).write_text(json.dumps(config, indent=2))
+    for file in files:
+        (out_dir / (file + PARTIAL)).replace(out_dir / file)
+    for stale in out_dir.iterdir():  # an earlier export's weights under names this one does not use
+        if is_export_file(stale.name) and stale.name not in written:
+            stale.unlink()
+    if INDEX_FILE in written:
+        (out_dir / (INDEX_FILE + PARTIAL)).replace(out_dir / INDEX_FILE)
+    (out_dir / (CONFIG_FILE + PARTIAL)).replace(out_dir / CONFIG_FILE)  # last: the export is whole
     return layout
+
+
+def is_export_file(name: str) -> bool:
+    """Whether `name` is one of the weight files (or their index) an export writes."""
+    return name in (WEIGHTS_FILE, INDEX_FILE) or SHARD_NAME.fullmatch(name) is not None
+
+
+def shard_files(tensors: dict[str, torch.Tensor], shard_bytes: int) -> dict[str, list[str]]:
+    """The file each tensor goes to, in order: all in model.safetensors where they fit in `shard_bytes`, else
+    consecutive runs of at most `shard_bytes` each (a larger tensor alone) named as Hugging Face names shards."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return {WEIGHTS_FILE: groups[0]}
+    return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": names for i, names in enumerate(groups, 1)}
 
 
 def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
