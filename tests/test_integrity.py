@@ -330,3 +330,31 @@ def test_a_second_run_in_a_locked_run_directory_is_refused(tiny_overrides, tmp_p
         holder.join(60)
     _trainer(tiny_overrides + ["training.steps=2", "training.eval_interval=0"]).fit()  # free again once the other run has ended
     assert (run_dir / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize("form", ["sharded", "full"])
+def test_a_tool_reads_only_the_tensors_it_needs(saved, form, monkeypatch):
+    """An export reads the model and the FP32 masters, not the AdamW moments (two thirds of the checkpoint); an
+    inspection reads no tensor at all (a 70B checkpoint's ~1 TB was read into memory to list its names)."""
+    from megafp8.checkpoint import sharded
+    from megafp8.checkpoint.convert import describe
+
+    path = saved[form] / "step_00000002"
+    everything = load_checkpoint(path)
+    weights = load_checkpoint(path, tensors="weights")
+    assert set(weights["optimizer"]) == {"step", "masters"} and weights["step"] == everything["step"]
+    for name, t in everything["optimizer"]["masters"].items():
+        assert torch.equal(weights["optimizer"]["masters"][name], t), name
+    for name, t in everything["model"].items():
+        assert torch.equal(weights["model"][name], t), name
+    shapes = load_checkpoint(path, tensors="shapes")
+    for part in ("model", "optimizer"):
+        flat = everything[part] if part == "model" else everything[part]["exp_avg"]
+        got = shapes[part] if part == "model" else shapes[part]["exp_avg"]
+        assert {n: (t.shape, t.dtype) for n, t in flat.items()} == {n: (t.shape, t.dtype) for n, t in got.items()}
+        assert all(t.device.type == "meta" for t in got.values())
+    if form == "sharded":  # listing it reads no shard data
+        monkeypatch.setattr(sharded, "_load", lambda *args, **kwargs: pytest.fail("read tensor data"))
+    assert "| embed.weight | (384, 128) | bfloat16 | yes | yes |" in describe(path)
+    with pytest.raises(ValueError, match="tensors='some'"):
+        load_checkpoint(path, tensors="some")

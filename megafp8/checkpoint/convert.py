@@ -52,7 +52,7 @@ def max_positions_of(state: dict[str, Any]) -> tuple[int, str]:
 def export_hf(checkpoint: Path, out_dir: Path, fp8: bool, shard_bytes: int = SHARD_BYTES) -> str:
     """A megafp8 checkpoint -> a Hugging Face directory (safetensors files of at most `shard_bytes`); returns the
     model_type it was written as and its `max_position_embeddings` with where that came from."""
-    state = load_checkpoint(checkpoint, advice=CONVERTING)
+    state = load_checkpoint(checkpoint, advice=CONVERTING, tensors="weights")
     positions, source = max_positions_of(state)
     model_type = save_hf(best_weights(state), model_config_of(state), positions, out_dir, fp8, shard_bytes)
     return f"{model_type}; max_position_embeddings {positions}: {source}"
@@ -127,7 +127,7 @@ def skipped_steps_line(state: dict[str, Any]) -> list[str]:
 
 
 def describe(checkpoint: Path) -> str:
-    state = load_checkpoint(checkpoint, advice=CONVERTING)
+    state = load_checkpoint(checkpoint, advice=CONVERTING, tensors="shapes")  # lists tensors, reads none
     config = state.get("config", {})
     if is_sharded_checkpoint(checkpoint):
         files = sorted(checkpoint.glob("*.distcp"))

@@ -284,10 +284,19 @@ CONVERTING = LoadAdvice(missing="check the checkpoint path given to the tool",
                         damaged="convert an earlier checkpoint")
 
 
-def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMING) -> dict[str, Any]:
+TENSORS = ("all", "weights", "shapes")  # what `load_checkpoint` reads of the tensors
+
+
+def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMING,
+                    tensors: str = "all") -> dict[str, Any]:
     """Read a checkpoint directory (or its state file) onto the CPU, tensors and plain values only, every tensor at
     its full shape (a sharded checkpoint is consolidated in this process). `verify`: check every file's checksum
-    first (a ConfigError naming the first bad file). `advice`: how errors end (training's by default)."""
+    first (a ConfigError naming the first bad file). `advice`: how errors end (training's by default). `tensors`:
+    "all"; "weights", the model and the FP32 masters without the AdamW moments (two thirds of an FP32-moment
+    checkpoint, which an export or an evaluation never reads); "shapes", every tensor as a meta tensor (names,
+    shapes, dtypes: what an inspection lists), so nothing of a large checkpoint is held in memory."""
+    if tensors not in TENSORS:
+        raise ValueError(f"tensors={tensors!r}: one of {TENSORS}")
     if not path.exists():
         raise ConfigError(f"checkpoint '{path}' not found; {advice.missing}")
     if path.is_dir() and (holder := not_a_checkpoint(path)) is not None:
@@ -297,37 +306,53 @@ def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMI
     if problem:
         raise ConfigError(f"{problem}; {advice.damaged}")
     if path.is_dir() and is_sharded_checkpoint(path):
-        return _consolidate(path, advice)
+        return _consolidate(path, advice, tensors)
     if path.is_file() and is_sharded_checkpoint(path.parent):
         raise ConfigError(f"{path} is one file of the sharded checkpoint {path.parent}: give that directory")
     file = path / STATE_FILE if path.is_dir() else path
     if not file.is_file():
         raise ConfigError(f"checkpoint '{path}' not found (expected {file}); {advice.missing}")
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        # Memory-mapped where only part is wanted: the tensors left out are then never read.
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=tensors != "all")
     except Exception as err:  # torch raises several types for truncated or foreign files
         raise ConfigError(f"checkpoint file {file} is corrupt or not a megafp8 checkpoint: {err}") from None
     missing = [k for k in ("model", "optimizer", "step", "loader") if k not in state]
     if missing:
         raise ConfigError(f"checkpoint file {file} lacks {', '.join(missing)}: not a megafp8 training checkpoint")
+    if tensors == "weights":
+        state["optimizer"] = {k: v for k, v in state["optimizer"].items() if k not in ("exp_avg", "exp_avg_sq")}
+    elif tensors == "shapes":  # the model's and optimizer's tensors (the small state beside them as it is)
+        state.update(model=_as_meta(state["model"]), optimizer=_as_meta(state["optimizer"]))
     return state
 
 
-def _consolidate(path: Path, advice: LoadAdvice) -> dict[str, Any]:
-    """A sharded checkpoint as the full-checkpoint dictionary."""
+def _as_meta(value: Any) -> Any:
+    """`value` with every tensor in it replaced by a meta tensor of its shape and dtype."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, dict):
+        return {k: _as_meta(v) for k, v in value.items()}
+    return value
+
+
+def _consolidate(path: Path, advice: LoadAdvice, tensors: str = "all") -> dict[str, Any]:
+    """A sharded checkpoint as the full-checkpoint dictionary (of the `tensors` `load_checkpoint` names)."""
     try:
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ConfigError(f"checkpoint {path} lacks {META_FILE}: not a complete megafp8 checkpoint") from None
     except Exception as err:
         raise ConfigError(f"checkpoint file {path / META_FILE} is corrupt: {err}") from None
-    tensors = read_full(path, advice.damaged)
+    kinds = ("masters",) if tensors == "weights" else ("masters", "exp_avg", "exp_avg_sq")
+    wanted = ("model/", *(f"optim/{kind}/" for kind in kinds))
+    read = read_full(path, advice.damaged, keep=lambda name: name.startswith(wanted), shapes_only=tensors == "shapes")
     state = {key: value for key, value in meta.items() if key != "optimizer_step"}
-    state["model"] = {name.removeprefix("model/"): t for name, t in tensors.items() if name.startswith("model/")}
+    state["model"] = {name.removeprefix("model/"): t for name, t in read.items() if name.startswith("model/")}
     state["optimizer"] = {"step": meta["optimizer_step"]}
-    for kind in ("masters", "exp_avg", "exp_avg_sq"):
+    for kind in kinds:
         prefix = f"optim/{kind}/"
-        state["optimizer"][kind] = {name.removeprefix(prefix): t for name, t in tensors.items()
+        state["optimizer"][kind] = {name.removeprefix(prefix): t for name, t in read.items()
                                     if name.startswith(prefix)}
     return state
 

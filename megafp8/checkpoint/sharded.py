@@ -26,7 +26,7 @@ import io
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -265,16 +265,22 @@ def _first_config_error(err: BaseException) -> Optional[str]:
     return next((str(e) for e in _failures(err) if isinstance(e, ConfigError)), None)
 
 
-def read_full(directory: Path, advice: str = RESUME_EARLIER) -> dict[str, torch.Tensor]:
-    """Every tensor of a sharded checkpoint at its full shape, by name (one process, no process group):
-    for conversion, inspection and consolidation. `advice` ends the error of a damaged checkpoint."""
+def read_full(directory: Path, advice: str = RESUME_EARLIER, keep: Callable[[str], bool] = lambda name: True,
+              shapes_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint whose name `keep` accepts, at its full shape, by name (one process, no
+    process group): for conversion, inspection and consolidation. `shapes_only`: meta tensors (names, shapes and
+    dtypes; nothing read). `advice` ends the error of a damaged checkpoint."""
     metadata = SafeReader(str(directory)).read_metadata()
+    short = short_file_problem(directory)  # a damaged file is named even where none of its tensors is read
+    if short:
+        raise ConfigError(f"{short}; {advice}")
     placed, full = {}, {}
     for fqn, md in metadata.state_dict_metadata.items():
-        if not hasattr(md, "size"):
+        if not hasattr(md, "size") or not keep(fqn):
             continue
-        full[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        full[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta" if shapes_only else "cpu")
         placed[fqn] = Placed(tuple(md.size), [Piece(tuple(0 for _ in md.size), full[fqn])])
-    _load(directory, placed, no_dist=True, advice=advice)
+    if not shapes_only:
+        _load(directory, placed, no_dist=True, advice=advice)
     return full
 

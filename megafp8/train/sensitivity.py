@@ -162,7 +162,8 @@ def model_and_batches(cfg, checkpoint: str | None, num_batches: int, device: tor
     model = build_model(bf16_cfg, model_cfg, PrecisionRecipe.from_name("bf16"), device)
     if checkpoint:
         state = load_checkpoint(Path(checkpoint), advice=LoadAdvice(missing="check --checkpoint",
-                                                                     damaged="measure an earlier checkpoint"))
+                                                                     damaged="measure an earlier checkpoint"),
+                                tensors="weights")
         check_tensors_match(state["model"], model.state_dict(), Path(checkpoint))
         model.load_state_dict(state["model"])
     split = cfg.data.valid_split if cfg.data.valid_split in meta.splits else cfg.data.train_split
