@@ -240,6 +240,41 @@ def test_tool_exports_a_training_checkpoint_and_imports_it_for_training(tiny_ove
     assert bad.returncode == 2 and "not found" in bad.stderr
 
 
+def test_an_imported_checkpoint_holds_no_moments_and_resumes_in_either_form(tiny_overrides, tmp_path):
+    """An import is a fresh optimizer: its checkpoint stores the model and the masters, not 8 bytes a parameter of
+    zero moments (a 70B import held and wrote ~560 GB of zeros). Resumed as it is and as a sharded checkpoint, the
+    moments start at zero; a checkpoint past step 0 without them is refused as incomplete."""
+    from megafp8.checkpoint.convert import import_hf, model_settings, shard
+    from megafp8.checkpoint.local import save_checkpoint
+
+    save_hf(tiny_model().state_dict(), CFG, 64, tmp_path / "hf", fp8=False)
+    imported, cfg, _ = import_hf(tmp_path / "hf", tmp_path / "ck")
+    assert set(load_checkpoint(imported)["optimizer"]) == {"step", "masters"}
+    (tmp_path / "run.yaml").write_text(model_settings(cfg))
+    not_model = [o for o in tiny_overrides if not o.startswith("model.")]
+
+    def resumed(path, name):
+        return Trainer(load_config(tmp_path / "run.yaml", not_model + [f"checkpoint.resume={path}", f"run_name={name}",
+                                                                        "training.steps=2"]),
+                       ParallelDims.single(), torch.device("cpu"))
+
+    sharded = shard(imported, tmp_path / "sharded")
+    for path, name in ((imported, "full"), (sharded, "sharded")):
+        trainer = resumed(path, name)
+        assert trainer.step == 0
+        assert all(not s.exp_avg.any() and not s.exp_avg_sq.any() for s in trainer.optimizer.shards)
+        losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
+        assert len(losses) == 2 and math.isfinite(losses[-1]), name
+    state = load_checkpoint(imported)
+    state["step"] = state["optimizer"]["step"] = 5
+    later = save_checkpoint(tmp_path / "later", 5, state, keep_last=0)
+    for path, says in ((later, "optimizer state lacks exp_avg"),
+                       (shard(later, tmp_path / "later_sharded"), "holds no AdamW moments but was saved at "
+                                                                  "optimizer step 5: it is incomplete")):
+        with pytest.raises(ConfigError, match=says):
+            resumed(path, f"refused_{path.parent.name}")
+
+
 DEEPSEEK = ModelConfig(vocab_size=384, hidden_size=256, num_layers=3, num_heads=4, ffn_hidden_size=512, mtp_depth=1,
                        norm_eps=1e-6, attention=MlaConfig(q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64,
                                                           qk_rope_head_dim=64, v_head_dim=64),

@@ -66,10 +66,11 @@ def import_hf(hf_dir: Path, out_root: Path) -> tuple[Path, ModelConfig, list[str
     cfg, weights = imported.cfg, imported.state
     buffers = {name for name in weights if name.endswith("router.expert_bias")}  # FP32 buffers, not parameters
     params = {name: t for name, t in weights.items() if name not in buffers}
-    zeros = {name: torch.zeros_like(t) for name, t in params.items()}
     state = {
         "model": {name: t if name in buffers else t.to(torch.bfloat16) for name, t in weights.items()},
-        "optimizer": {"step": 0, "masters": params, "exp_avg": zeros, "exp_avg_sq": dict(zeros)},
+        # A fresh optimizer: no moments stored (a step-0 state loads them as zeros), 8 bytes a parameter of zeros
+        # neither held here nor written.
+        "optimizer": {"step": 0, "masters": params},
         "step": 0,
         "loader": {},
         "loss_scaler": {},

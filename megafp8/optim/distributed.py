@@ -329,19 +329,26 @@ class DistributedAdamW:
 
     _STATE_KEYS = (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
 
-    def placed_state(self) -> dict[str, Placed]:
+    def placed_state(self, moments: bool = True) -> dict[str, Placed]:
         """This rank's pieces of every parameter's master weights and moments, at full shapes, as views of the
-        shard buffers (`optim/<kind>/<name>`): for sharded checkpoints, which write and read them in place."""
+        shard buffers (`optim/<kind>/<name>`): for sharded checkpoints, which write and read them in place.
+        `moments`: False leaves the moments out (a checkpoint of a fresh optimizer has none; `zero_moments`)."""
         placed: dict[str, Placed] = {}
         for shard in self.shards:
             for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
                 lo, hi = max(offset, shard.start), min(offset + p.numel(), shard.end)
                 if lo >= hi:
                     continue
-                for key, attr in self._STATE_KEYS:
+                for key, attr in self._STATE_KEYS if moments else self._STATE_KEYS[:1]:
                     flat = getattr(shard, attr)[lo - shard.start : hi - shard.start]
                     placed[f"optim/{key}/{self.names[p]}"] = placed_param(flat, p, self.tp, lo - offset, hi - offset)
         return placed
+
+    def zero_moments(self) -> None:
+        """Start both AdamW moments at zero, as a fresh optimizer's."""
+        for shard in self.shards:
+            shard.exp_avg.zero_()
+            shard.exp_avg_sq.zero_()
 
     def finish_placed_load(self, step_count: int) -> None:
         """After `placed_state()`'s views were read in place (a sharded checkpoint): take the saved step count and
@@ -349,10 +356,15 @@ class DistributedAdamW:
         self.step_count, self._skipped, self._clip_coef = step_count, None, None
         self._publish()
 
+    MOMENTS = ("exp_avg", "exp_avg_sq")
+
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load full tensors by name (a full checkpoint). A state of step 0 may leave out both moments (an imported
+        checkpoint: a fresh optimizer), which then start at zero."""
         expected = {self.names[p]: full_shape(p) for s in self.shards for p in s.bucket.params}
-        for key in ("masters", "exp_avg", "exp_avg_sq"):
+        fresh = int(state["step"]) == 0 and not any(key in state for key in self.MOMENTS)
+        for key in ("masters",) if fresh else ("masters", *self.MOMENTS):
             saved = state.get(key, {})
             missing = [n for n in expected if n not in saved]
             if missing:
@@ -363,7 +375,10 @@ class DistributedAdamW:
                                      f"the model has {shape}")
         self.step_count, self._skipped, self._clip_coef = int(state["step"]), None, None
         for shard in self.shards:
-            for key, attr in (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            for key, attr in self._STATE_KEYS:
+                if key not in state:  # a fresh optimizer's moments
+                    getattr(shard, attr).zero_()
+                    continue
                 full = torch.zeros(shard.bucket.numel, dtype=torch.float32)
                 for p, offset in zip(shard.bucket.params, shard.bucket.offsets):
                     mine = local_piece(state[key][self.names[p]], p, self.tp)

@@ -459,10 +459,17 @@ class Checkpointer:
         saved_model = {k.removeprefix("model/"): torch.empty(tuple(v.size), device="meta")
                        for k, v in stored.items() if k.startswith("model/")}
         check_tensors_match(saved_model, self.model.full_state(meta=True), path)
-        # Masters, moments and buffers are read in place; the BF16 weights are then cast from the masters.
-        placed = {**self.model.placed_buffers(), **self.optimizer.placed_state()}
+        # Masters, moments and buffers are read in place; the BF16 weights are then cast from the masters. An
+        # imported checkpoint (step 0, a fresh optimizer) may hold no moments: they start at zero.
+        moments = any(k.startswith("optim/exp_avg/") for k in stored)
+        placed = {**self.model.placed_buffers(), **self.optimizer.placed_state(moments)}
         with torch.no_grad():
             meta = read_sharded(path, placed)
+        if not moments:
+            if int(meta["optimizer_step"]) != 0:
+                raise ConfigError(f"checkpoint {path} holds no AdamW moments but was saved at optimizer step "
+                                  f"{meta['optimizer_step']}: it is incomplete; resume from another checkpoint")
+            self.optimizer.zero_moments()
         self.optimizer.finish_placed_load(int(meta["optimizer_step"]))
         return meta
 
