@@ -244,7 +244,7 @@ def test_an_imported_checkpoint_holds_no_moments_and_resumes_in_either_form(tiny
     """An import is a fresh optimizer: its checkpoint stores the model and the masters, not 8 bytes a parameter of
     zero moments (a 70B import held and wrote ~560 GB of zeros). Resumed as it is and as a sharded checkpoint, the
     moments start at zero; a checkpoint past step 0 without them is refused as incomplete."""
-    from megafp8.checkpoint.convert import import_hf, model_settings, shard
+    from megafp8.checkpoint.convert import consolidate, import_hf, model_settings, shard
     from megafp8.checkpoint.local import save_checkpoint
 
     save_hf(tiny_model().state_dict(), CFG, 64, tmp_path / "hf", fp8=False)
@@ -259,7 +259,9 @@ def test_an_imported_checkpoint_holds_no_moments_and_resumes_in_either_form(tiny
                        ParallelDims.single(), torch.device("cpu"))
 
     sharded = shard(imported, tmp_path / "sharded")
-    for path, name in ((imported, "full"), (sharded, "sharded")):
+    back = consolidate(sharded, tmp_path / "back")  # and back to one file: still no moments
+    assert set(load_checkpoint(back)["optimizer"]) == {"step", "masters"}
+    for path, name in ((imported, "full"), (sharded, "sharded"), (back, "consolidated")):
         trainer = resumed(path, name)
         assert trainer.step == 0
         assert all(not s.exp_avg.any() and not s.exp_avg_sq.any() for s in trainer.optimizer.shards)

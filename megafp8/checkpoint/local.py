@@ -352,8 +352,9 @@ def _consolidate(path: Path, advice: LoadAdvice, tensors: str = "all") -> dict[s
     state["optimizer"] = {"step": meta["optimizer_step"]}
     for kind in kinds:
         prefix = f"optim/{kind}/"
-        state["optimizer"][kind] = {name.removeprefix(prefix): t for name, t in read.items()
-                                    if name.startswith(prefix)}
+        found = {name.removeprefix(prefix): t for name, t in read.items() if name.startswith(prefix)}
+        if found or kind == "masters":  # an imported checkpoint's fresh optimizer stores no moments
+            state["optimizer"][kind] = found
     return state
 
 
