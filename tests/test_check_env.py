@@ -29,6 +29,7 @@ def test_on_this_cpu_it_says_the_reference_runs_and_why_each_gpu_backend_does_no
     assert "\n  reference  runs\n" in done.stdout
     assert "\n  hopper     no: the hopper backend needs a CUDA GPU, but this run is on cpu\n" in done.stdout
     assert "precision.fp8_backend auto -> reference\n" in done.stdout
+    assert "model.attention_backend auto -> torch's own order" in done.stdout
     facts = json.loads(subprocess.run([sys.executable, "tools/check_env.py", "--json"], cwd=REPO, text=True,
                                       capture_output=True, timeout=120).stdout)
     assert facts["torch"] == torch.__version__ and facts["devices"] == [] and facts["checked_on"] == "cpu"
@@ -41,6 +42,8 @@ def test_where_deepgemm_fails_its_check_it_says_auto_runs_hopper_and_why(monkeyp
     monkeypatch.setattr(TritonBackend, "__init__", lambda self: None)  # its kernels need Triton
     for cls in REGISTERED:
         monkeypatch.setattr(cls, "unavailable_reason", classmethod(lambda cls, device: None))
+    from megafp8.model.sdpa import _HOPPER_ORDER
+    monkeypatch.setattr(tool, "sdpa_backends_for", lambda choice, device: _HOPPER_ORDER)  # as on an H200
     crashed = "DeepGEMM crashed a test process (SIGSEGV) on its first GEMM"
     monkeypatch.setattr(DeepGemmBackend, "unavailable_reason", classmethod(lambda cls, device: crashed))
     facts = tool.report(torch.device("cpu"))
@@ -49,3 +52,5 @@ def test_where_deepgemm_fails_its_check_it_says_auto_runs_hopper_and_why(monkeyp
     text = tool.render(facts)
     assert f"  deepgemm   no: {crashed}\n" in text
     assert f"precision.fp8_backend auto -> hopper\n  (not deepgemm: {crashed})\n" in text
+    assert "model.attention_backend auto -> cudnn_attention, then flash_attention, then efficient_attention, then " \
+           "math (cuDNN" in text

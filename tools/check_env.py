@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megafp8.config import PrecisionConfig  # noqa: E402
+from megafp8.model.sdpa import sdpa_backends_for  # noqa: E402
 from megafp8.precision import backend_names, passed_over, resolve_recipe, select_backend, why_unavailable  # noqa: E402
 
 # Packages megafp8 can use beyond torch, and what for.
@@ -68,6 +69,7 @@ def report(device: torch.device) -> dict[str, Any]:
     backends = fp8_backends(device)
     chosen = select_backend("auto", device)
     nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+    attention = sdpa_backends_for("auto", device)
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -79,6 +81,8 @@ def report(device: torch.device) -> dict[str, Any]:
         "fp8_backends": backends,
         "fp8_backend_auto": {"backend": chosen.name,
                              "passed_over": {name: why for name, why in passed_over(chosen, device)}},
+        "attention_auto": ([b.name.lower() for b in attention] if attention else "torch's own order"),
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "packages": {name: package_version(name) for name in OPTIONAL},
     }
 
@@ -101,6 +105,9 @@ def render(facts: dict[str, Any]) -> str:
     picked = facts["fp8_backend_auto"]
     lines.append(f"precision.fp8_backend auto -> {picked['backend']}")
     lines += [f"  (not {name}: {why})" for name, why in picked["passed_over"].items()]
+    order = facts["attention_auto"]
+    lines.append(f"model.attention_backend auto -> {order if isinstance(order, str) else ', then '.join(order)} "
+                 f"(cuDNN {facts['cudnn'] or 'none'})")
     lines.append("packages:")
     lines += [f"  {name:<12} {version or 'not installed':<14} for {OPTIONAL[name]}"
               for name, version in facts["packages"].items()]
