@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""What this machine gives megafp8: torch, the GPUs, the precision `auto` picks, and which FP8 backends run here
-(and, for each that does not, why).
+"""What this machine gives megafp8: torch, the GPUs, the precision `auto` picks, which FP8 backends run here (and,
+for each that does not, why), and the attention kernels `model.attention_backend: auto` prefers.
 
     python tools/check_env.py            # a short report; exit status 0
     python tools/check_env.py --json     # the same, as JSON
