@@ -28,7 +28,8 @@
 # back (clocks_gemm: the fprop and the wgrad), DeepGEMM against ours on the same operands (deepgemm: its source
 # carried in .dg/DeepGEMM and built there; deepgemm_steps: the 8B-layer step on the deepgemm backend;
 # fp8_linear_deepgemm: the FP8 linear on cublas, hopper and deepgemm; deepgemm_steps_1b_moe: the ~1B and MoE steps
-# on it; tests_resume: a run under CUDA graphs resumed in a new process, hopper and deepgemm), clocks and
+# on it; tests_resume: a run under CUDA graphs resumed in a new process, hopper, deepgemm and auto; auto_deepgemm:
+# that test and the ~1B step on `auto` where DeepGEMM is installed, the backend it chose in the summary), clocks and
 # power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols; with
@@ -391,6 +392,14 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
         training.compile_mode=reduce-overhead precision.fp8_backend=deepgemm --model 8b-layers --recipes fp8
       STEP_TIMEOUT=150 step gpu_tests_deepgemm python -m pytest -q -m gpu tests/test_fp8_backends.py \
         -k "deepgemm and gemm" -p no:cacheprovider ;;
+    auto_deepgemm)  # `auto` where DeepGEMM is installed (fifty-first session): the resume test's three cases (hopper,
+                    # deepgemm, auto), then the ~1B step, BF16 and FP8 on `auto`; the backend it logged goes to the
+                    # summary (`fp8: backend deepgemm (auto)` expected)
+      install_deepgemm
+      step gpu_tests_resume python -m pytest -q -m gpu tests/test_fp8_gpu.py -k resumes -p no:cacheprovider
+      step auto_1b python benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead \
+        --model 1b --recipes bf16 fp8
+      grep -h "fp8: backend\|fp8: auto" "$LOGS/auto_1b.log" | sort -u >> "$OUT/summary.md" ;;
     tests_resume)  # a run under CUDA graphs resumed in a new process, on hopper and deepgemm (DeepGEMM built first)
       install_deepgemm
       step gpu_tests_resume python -m pytest -q -m gpu tests/test_fp8_gpu.py -k resumes -p no:cacheprovider ;;

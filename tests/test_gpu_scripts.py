@@ -482,3 +482,18 @@ def test_deepgemm_source_takes_what_the_build_reads_into_an_ignored_dg(tmp_path)
                           text=True).stdout == ""
     usage = subprocess.run(["bash", script], cwd=work, capture_output=True, text=True)
     assert usage.returncode == 2 and "usage:" in usage.stderr and "deepseek-ai/DeepGEMM" in usage.stderr
+
+
+def test_gpu_e2e_auto_deepgemm_part_puts_the_backend_auto_logged_in_the_summary(tmp_path):
+    """`gpu_e2e.sh auto_deepgemm` (the next GPU session's first call): DeepGEMM's install, the resume test's three
+    cases, the ~1B step on `auto`, and the backend `auto` chose as the step's log says it."""
+    said = ("echo 'fp8: backend deepgemm (auto) | 16 of 17 GEMM layers in FP8' >&2; "
+            "echo 'fp8: backend deepgemm (auto) | 16 of 17 GEMM layers in FP8' >&2; echo '| fake row |'")
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["auto_deepgemm"], said,
+                                    env={"DEEPGEMM_SRC": str(tmp_path / "no_dg"), "STEP_TIMEOUT": "50"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert f"no DeepGEMM source in {tmp_path / 'no_dg'}" in summary
+    assert summary.index("## gpu_tests_resume") < summary.index("## auto_1b")
+    assert summary.count("fp8: backend deepgemm (auto) | 16 of 17 GEMM layers in FP8") == 1
+    assert "| fake row |" in summary
