@@ -59,7 +59,9 @@ source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
 start_summary
 install_torchao
-for part in $PARTS; do
+# Each part runs in a subshell: what one part sources (install_deepgemm's environment, under which `auto` picks the
+# deepgemm backend) does not reach the parts after it, whose `auto` rows then stay on hopper.
+for part in $PARTS; do (
   case $part in
     tests) step gpu_tests python -m pytest -q -m gpu tests/ -x -p no:cacheprovider ;;
     tests_fp8) step gpu_tests_fp8 python -m pytest -q -m gpu tests/test_fp8_backends.py tests/test_fp8_gpu.py \
@@ -450,5 +452,5 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
     dense_2gpu) step dense_2gpu torchrun --nproc_per_node=2 benchmarks/train_step.py training.compile=true \
                --model 1b --global-batch 16 --recipes bf16 fp8 ;;
   esac
-done
+) done
 finish_summary

@@ -497,3 +497,32 @@ def test_gpu_e2e_auto_deepgemm_part_puts_the_backend_auto_logged_in_the_summary(
     assert summary.index("## gpu_tests_resume") < summary.index("## auto_1b")
     assert summary.count("fp8: backend deepgemm (auto) | 16 of 17 GEMM layers in FP8") == 1
     assert "| fake row |" in summary
+
+
+def test_gpu_e2e_a_part_that_installs_deepgemm_leaves_the_parts_after_it_on_their_own_backend(tmp_path):
+    """install_deepgemm sources DeepGEMM's environment, under which `auto` picks deepgemm: a later part's `auto` rows
+    (labelled ours/hopper) ran on DeepGEMM while the parts shared one shell. Each part now runs in a subshell."""
+    bin_dir, out, prefix = tmp_path / "bin", tmp_path / "out", tmp_path / "dg"
+    bin_dir.mkdir()
+    (tmp_path / "src").mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
+case "$1" in
+  tools/install_deepgemm.py) mkdir -p "{prefix}"
+    printf '# Made by a stand-in\\nexport DEEPGEMM_SOURCED=yes\\n' > "{prefix}/deepgemm.env"; exit 0 ;;
+  benchmarks/train_step.py) echo "| $2 | sourced=${{DEEPGEMM_SOURCED:-no}} |"; exit 0 ;;
+  -c) exit 0 ;;
+esac
+exec {sys.executable} "$@"
+""")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out),
+               DEEPGEMM_SRC=str(tmp_path / "src"), DEEPGEMM_PREFIX=str(prefix), STEP_TIMEOUT="50")
+    result = subprocess.run(["bash", "benchmarks/gpu_e2e.sh", "auto_deepgemm", "moe"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    assert "DeepGEMM ready in" in summary
+    assert "| training.compile=true | sourced=yes |" in summary  # auto_deepgemm's ~1B step
+    assert "| --model | sourced=no |" in summary  # the moe part after it
