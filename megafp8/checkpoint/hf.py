@@ -133,9 +133,10 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, 
     `shard_bytes`, model-0000i-of-0000n.safetensors files of at most that size (a tensor larger alone gets a file of
     its own) with model.safetensors.index.json, as Hugging Face saves them. Returns the layout's model_type.
 
-    Each file is written under a `.partial` name and renamed once all are whole, config.json last; then the weight
-    files an earlier export left in `out_dir` under other names go. So an export stopped midway (a job's time limit
-    over hundreds of GB) leaves an earlier export there as it was, not half-overwritten."""
+    Each file is written under a `.partial` name and renamed once all are whole, config.json last, after the
+    weight files an earlier export left in `out_dir` under other names are gone. So an export killed while it writes
+    (a job's time limit over hundreds of GB) leaves an earlier export there as it was, not half-overwritten (the
+    files are not flushed to disk first: a power loss is not covered)."""
     from safetensors.torch import save_file
 
     layout = export_layout(cfg)
@@ -158,13 +159,15 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, 
         (out_dir / (INDEX_FILE + PARTIAL)).write_text(json.dumps(index, indent=2))
         written[INDEX_FILE] = None
     (out_dir / (CONFIG_FILE + PARTIAL)).write_text(json.dumps(config, indent=2))
-    for file in files:
+    # The renames take milliseconds, against the minutes to hours of writing before them; a kill among them can
+    # still leave a mix (this export's first shards beside an earlier one's of the same names). Their order keeps
+    # the common cases whole: the weights and index first, then the earlier export's weights under other names go
+    # (a model.safetensors beside an index in between is refused by `_read_tensors`), then config.json.
+    for file in written:
         (out_dir / (file + PARTIAL)).replace(out_dir / file)
-    for stale in out_dir.iterdir():  # an earlier export's weights under names this one does not use
+    for stale in out_dir.iterdir():
         if is_export_file(stale.name) and stale.name not in written:
             stale.unlink()
-    if INDEX_FILE in written:
-        (out_dir / (INDEX_FILE + PARTIAL)).replace(out_dir / INDEX_FILE)
     (out_dir / (CONFIG_FILE + PARTIAL)).replace(out_dir / CONFIG_FILE)  # last: the export is whole
     return layout
 
