@@ -358,3 +358,15 @@ def test_a_tool_reads_only_the_tensors_it_needs(saved, form, monkeypatch):
     assert "| embed.weight | (384, 128) | bfloat16 | yes | yes |" in describe(path)
     with pytest.raises(ValueError, match="tensors='some'"):
         load_checkpoint(path, tensors="some")
+
+
+def test_a_state_file_in_torchs_old_format_still_loads_in_part(saved, tmp_path):
+    """`tensors="weights"` memory-maps the state file, which torch cannot do for its pre-zipfile format: such a file
+    is read whole instead of being called corrupt (resuming, which reads it whole, took it)."""
+    state = torch.load(saved["full"] / "step_00000002" / "state.pt", weights_only=True)
+    (tmp_path / "old").mkdir()
+    torch.save(state, tmp_path / "old" / "state.pt", _use_new_zipfile_serialization=False)
+    weights = load_checkpoint(tmp_path / "old" / "state.pt", verify=False, tensors="weights")
+    assert set(weights["optimizer"]) == {"step", "masters"}
+    for name, t in state["optimizer"]["masters"].items():
+        assert torch.equal(weights["optimizer"]["masters"][name], t), name

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             for checkpoint in args.checkpoints:
                 print(verify_checkpoint(checkpoint))
         elif args.command == "to-hf":
-            if not args.shard_gib > 0:
+            if not 0 < args.shard_gib < float("inf"):
                 raise ConfigError(f"--shard-gib {args.shard_gib:g}: give the largest file size in GiB, above 0")
             written = export_hf(args.checkpoint, args.out, args.fp8, int(args.shard_gib * 2**30))
             print(f"wrote {args.out} ({written})")

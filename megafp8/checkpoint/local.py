@@ -313,8 +313,7 @@ def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMI
     if not file.is_file():
         raise ConfigError(f"checkpoint '{path}' not found (expected {file}); {advice.missing}")
     try:
-        # Memory-mapped where only part is wanted: the tensors left out are then never read.
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=tensors != "all")
+        state = _torch_load(file, mmap=tensors != "all")
     except Exception as err:  # torch raises several types for truncated or foreign files
         raise ConfigError(f"checkpoint file {file} is corrupt or not a megafp8 checkpoint: {err}") from None
     missing = [k for k in ("model", "optimizer", "step", "loader") if k not in state]
@@ -325,6 +324,18 @@ def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMI
     elif tensors == "shapes":  # the model's and optimizer's tensors (the small state beside them as it is)
         state.update(model=_as_meta(state["model"]), optimizer=_as_meta(state["optimizer"]))
     return state
+
+
+def _torch_load(file: Path, mmap: bool) -> dict[str, Any]:
+    """`torch.load` of a state file, memory-mapped where `mmap` (only part is wanted: the tensors left out are then
+    never read); a file torch cannot map (the pre-zipfile format) is read whole instead."""
+    if mmap:
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):
+                raise
+    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def _as_meta(value: Any) -> Any:

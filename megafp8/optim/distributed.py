@@ -363,12 +363,14 @@ class DistributedAdamW:
         """Load full tensors by name (a full checkpoint). A state of step 0 may leave out both moments (an imported
         checkpoint: a fresh optimizer), which then start at zero."""
         expected = {self.names[p]: full_shape(p) for s in self.shards for p in s.bucket.params}
-        fresh = int(state["step"]) == 0 and not any(key in state for key in self.MOMENTS)
+        fresh = int(state["step"]) == 0 and not any(state.get(key) for key in self.MOMENTS)
         for key in ("masters",) if fresh else ("masters", *self.MOMENTS):
             saved = state.get(key, {})
             missing = [n for n in expected if n not in saved]
             if missing:
-                raise ValueError(f"optimizer state lacks {key} for {len(missing)} parameter(s), e.g. '{missing[0]}'")
+                raise ValueError(f"optimizer state lacks {key} for {len(missing)} parameter(s), e.g. '{missing[0]}'"
+                                 + (" (only a checkpoint of step 0 may leave out the moments)"
+                                    if key in self.MOMENTS and not saved else ""))
             for name, shape in expected.items():
                 if tuple(saved[name].shape) != shape:
                     raise ValueError(f"optimizer {key} of '{name}' has shape {tuple(saved[name].shape)}, "
@@ -376,7 +378,7 @@ class DistributedAdamW:
         self.step_count, self._skipped, self._clip_coef = int(state["step"]), None, None
         for shard in self.shards:
             for key, attr in self._STATE_KEYS:
-                if key not in state:  # a fresh optimizer's moments
+                if fresh and key in self.MOMENTS:  # a fresh optimizer's moments
                     getattr(shard, attr).zero_()
                     continue
                 full = torch.zeros(shard.bucket.numel, dtype=torch.float32)

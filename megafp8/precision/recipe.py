@@ -59,9 +59,9 @@ class Fp8Recipe:
         """Refuse a backend this recipe cannot run on (a `ConfigError` saying what to change)."""
         if self.wgrad_input_blocks and not backend.wgrad_input_blocks:
             raise ConfigError(f"precision.fp8_wgrad_input_blocks: the {backend.name} backend's weight-gradient GEMMs "
-                              "read x in 1x128 tiles only; use precision.fp8_backend=hopper (SM90 with Triton's "
-                              "Gluon; `auto` picks it there) or reference, or set precision.fp8_wgrad_input_blocks "
-                              "to false")
+                              "read x in 1x128 tiles only; use precision.fp8_backend=hopper or deepgemm (SM90 with "
+                              "Triton's Gluon; `auto` picks one of them there) or reference, or set "
+                              "precision.fp8_wgrad_input_blocks to false")
 
     @property
     def all_gemms(self) -> bool:

@@ -59,7 +59,8 @@ def passed_over(chosen: Fp8Backend, device: torch.device) -> list[tuple[str, str
     which fell back to `hopper` says why `deepgemm` did not run (DeepGEMM not installed, or failing its check),
     while one on an older GPU is not told of every SM90 backend."""
     return [(cls.name, reason) for cls in REGISTERED
-            if cls.priority > chosen.priority and cls.__base__.unavailable_reason(device) is None
+            if cls.priority > chosen.priority and issubclass(cls.__base__, Fp8Backend)
+            and cls.__base__.unavailable_reason(device) is None
             and (reason := cls.unavailable_reason(device)) is not None]
 
 
