@@ -292,8 +292,8 @@ def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMI
     """Read a checkpoint directory (or its state file) onto the CPU, tensors and plain values only, every tensor at
     its full shape (a sharded checkpoint is consolidated in this process). `verify`: check every file's checksum
     first (a ConfigError naming the first bad file). `advice`: how errors end (training's by default). `tensors`:
-    "all"; "weights", the model and the FP32 masters without the AdamW moments (two thirds of an FP32-moment
-    checkpoint, which an export or an evaluation never reads); "shapes", every tensor as a meta tensor (names,
+    "all"; "weights", the model and the FP32 masters without the AdamW moments (8 of the ~14 bytes a parameter
+    of a checkpoint with FP32 moments, which an export never reads); "shapes", every tensor as a meta tensor (names,
     shapes, dtypes: what an inspection lists), so nothing of a large checkpoint is held in memory."""
     if tensors not in TENSORS:
         raise ValueError(f"tensors={tensors!r}: one of {TENSORS}")
