@@ -1,0 +1,166 @@
+"""The files a Hugging Face export writes and an import reads: one model.safetensors or shards with an index,
+written so that a kill cannot leave an earlier export half-overwritten; and truncated, damaged or inconsistent files
+(a short safetensors file or checkpoint shard, an index that disagrees with its shards) refused in one line. The
+conversions themselves are in tests/test_convert.py."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from megafp8.config import ConfigError
+
+pytest.importorskip("safetensors")
+from megafp8.checkpoint.hf import WEIGHTS_FILE, load_hf, save_hf  # noqa: E402
+from tests.test_convert import CFG, llama_dir, tiny_model  # noqa: E402,F401  (llama_dir: a fixture)
+
+
+def test_an_export_stopped_midway_leaves_the_earlier_export_as_it_was(tmp_path, monkeypatch):
+    """`to-hf --overwrite` over an earlier export, stopped while it writes the weights (a job's time limit): the
+    earlier model.safetensors and config.json are whole and still load; the next export replaces them and the
+    leftover `.partial` file."""
+    import safetensors.torch
+
+    model = tiny_model()
+    save_hf(model.state_dict(), CFG, 64, tmp_path / "hf", fp8=False)
+    before = {name: (tmp_path / "hf" / name).read_bytes() for name in (WEIGHTS_FILE, "config.json")}
+    real_save = safetensors.torch.save_file
+
+    def stopped(tensors, filename, metadata=None):
+        with open(filename, "wb") as half:
+            half.write(b"\x00" * 64)  # what a killed writer leaves
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        save_hf(tiny_model(seed=3).state_dict(), CFG, 128, tmp_path / "hf", fp8=True)
+    assert {name: (tmp_path / "hf" / name).read_bytes() for name in before} == before
+    assert load_hf(tmp_path / "hf").layout == "llama"
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    save_hf(tiny_model(seed=3).state_dict(), CFG, 128, tmp_path / "hf", fp8=True)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", WEIGHTS_FILE]
+    assert (tmp_path / "hf" / WEIGHTS_FILE).read_bytes() != before[WEIGHTS_FILE]
+
+
+def test_shards_hold_consecutive_tensors_of_at_most_the_size_and_a_larger_one_alone():
+    from megafp8.checkpoint.hf import shard_files
+
+    tensors = {name: torch.zeros(n, dtype=torch.bfloat16) for name, n in (("a", 100), ("b", 300), ("c", 700),
+                                                                        ("d", 50), ("e", 60))}
+    assert shard_files(tensors, 2420) == {WEIGHTS_FILE: ["a", "b", "c", "d", "e"]}  # 2,420 bytes in all
+    assert shard_files(tensors, 10_000) == {WEIGHTS_FILE: ["a", "b", "c", "d", "e"]}
+    assert shard_files(tensors, 1000) == {"model-00001-of-00003.safetensors": ["a", "b"],
+                                          "model-00002-of-00003.safetensors": ["c"],  # 1,400 bytes: alone
+                                          "model-00003-of-00003.safetensors": ["d", "e"]}
+
+
+def test_an_export_in_shards_reads_back_and_replaces_an_earlier_single_file_export(tmp_path):
+    """Shards with an index where the weights exceed shard_bytes; over an earlier export of the other form, the
+    files that form used go (a model.safetensors beside an index is what transformers would read instead)."""
+    model = tiny_model()
+    out = tmp_path / "hf"
+    save_hf(model.state_dict(), CFG, 64, out, fp8=False)
+    (out / "tokenizer.json").write_text("{}")  # the user's own file: kept
+    save_hf(model.state_dict(), CFG, 64, out, fp8=False, shard_bytes=2**20)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "model.safetensors.index.json", "tokenizer.json", *shards])
+    from safetensors.torch import load_file
+    saved = [t for shard in shards for t in load_file(str(out / shard)).values()]
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in saved)
+    state = load_hf(out).state
+    for name, t in model.state_dict().items():
+        assert torch.equal(state[name], t.float()), name
+    save_hf(model.state_dict(), CFG, 64, out, fp8=False)  # and back to one file: the shards and index go
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", WEIGHTS_FILE, "tokenizer.json"]
+
+
+def test_truncated_or_incomplete_files_give_clear_errors(tmp_path):
+    model = tiny_model()
+    save_hf(model.state_dict(), CFG, 64, tmp_path / "hf", fp8=False)
+    path = tmp_path / "hf" / WEIGHTS_FILE
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match="model.safetensors is not a readable safetensors file"):
+        load_hf(tmp_path / "hf")
+    from safetensors.torch import load_file, save_file
+    path.write_bytes(data)
+    tensors = load_file(str(path))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(path))
+    with pytest.raises(ConfigError, match="'model.layers.1.mlp.up_proj.weight' is missing"):
+        load_hf(tmp_path / "hf")
+    with pytest.raises(ConfigError, match="config.json not found"):
+        load_hf(tmp_path)
+
+
+def test_conversion_errors_name_the_short_shard_and_give_conversion_advice(tmp_path):
+    from megafp8.checkpoint.convert import export_hf, import_hf, shard
+    from megafp8.checkpoint.integrity import MANIFEST_FILE
+
+    save_hf(tiny_model().state_dict(), CFG, 64, tmp_path / "hf", fp8=False)
+    path, _, _ = import_hf(tmp_path / "hf", tmp_path / "ck")
+    sharded = shard(path, tmp_path / "sharded")
+    shard_file = sorted(sharded.glob("*.distcp"))[0]
+    shard_file.write_bytes(shard_file.read_bytes()[: shard_file.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=rf"{shard_file.name} has \d+ bytes, \d+ were written: it is truncated or "
+                                          r"damaged; convert an earlier checkpoint$"):
+        export_hf(sharded, tmp_path / "out", fp8=False)
+    (sharded / MANIFEST_FILE).unlink()  # an unverified read: the index shows which file is short
+    with pytest.raises(ConfigError, match=rf"checkpoint file {re.escape(str(shard_file))} has \d+ bytes, its index "
+                                          r"places \d+: it is truncated; convert an earlier checkpoint$"):
+        export_hf(sharded, tmp_path / "out", fp8=False)
+    with pytest.raises(ConfigError, match=r"not found; check the checkpoint path given to the tool$"):
+        export_hf(tmp_path / "nowhere", tmp_path / "out", fp8=False)
+
+
+def _sharded(source, target, shards: list[list[str]], index: dict | None = None):
+    """`target`: `source`'s config.json and its tensors written as the shards named (a tensor may be in two), with
+    `index` (by default the true one) as model.safetensors.index.json."""
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir()
+    (target / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(str(source / WEIGHTS_FILE))
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        chosen = [n for n in names if any(n.startswith(prefix) for prefix in part)]
+        save_file({n: tensors[n] for n in chosen}, str(target / file))
+        weight_map.update({n: file for n in chosen})
+    index = {"metadata": {}, "weight_map": weight_map} if index is None else index
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    return target
+
+
+def test_sharded_safetensors_that_disagree_with_their_index_are_refused(tmp_path, llama_dir):
+    whole = ["lm_head", "model.embed_tokens", "model.norm"]
+    layers = ["model.layers.0", "model.layers.1"]
+    state = load_hf(_sharded(llama_dir, tmp_path / "good", [whole, layers])).state  # a true index: read
+    assert torch.equal(state["embed.weight"], load_hf(llama_dir).state["embed.weight"])
+    with pytest.raises(ConfigError, match=r"tensor 'model.norm.weight' is in two files, model-00001-of-00002."
+                                          r"safetensors and model-00002-of-00002.safetensors: which one is meant is "
+                                          r"unclear"):
+        load_hf(_sharded(llama_dir, tmp_path / "twice", [whole, layers + ["model.norm"]]))
+    lying = _sharded(llama_dir, tmp_path / "lying", [whole, layers])
+    index = json.loads((lying / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "model-00002-of-00002.safetensors"
+    (lying / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"model.safetensors.index.json places tensor 'model.norm.weight' in "
+                                          r"model-00002-of-00002.safetensors, but model-00001-of-00002.safetensors "
+                                          r"holds it"):
+        load_hf(lying)
+    both = _sharded(llama_dir, tmp_path / "both", [whole, layers])
+    (both / WEIGHTS_FILE).symlink_to(llama_dir / WEIGHTS_FILE)
+    with pytest.raises(ConfigError, match=r"holds both model.safetensors and model.safetensors.index.json"):
+        load_hf(both)
+    for name, text in (("model.safetensors.index.json", "{not json"), ("model.safetensors.index.json", "{}"),
+                       ("config.json", "{")):
+        broken = _sharded(llama_dir, tmp_path / f"broken-{len(list(tmp_path.iterdir()))}", [whole, layers])
+        (broken / name).write_text(text)
+        with pytest.raises(ConfigError, match=rf"{re.escape(str(broken / name))} is not a valid"):
+            load_hf(broken)
