@@ -328,6 +328,7 @@ class DistributedAdamW:
         return state
 
     _STATE_KEYS = (("masters", "master"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+    MOMENTS = tuple(key for key, _ in _STATE_KEYS[1:])  # what a step-0 (fresh) state may leave out
 
     def placed_state(self, moments: bool = True) -> dict[str, Placed]:
         """This rank's pieces of every parameter's master weights and moments, at full shapes, as views of the
@@ -355,8 +356,6 @@ class DistributedAdamW:
         write the master weights into the model weights."""
         self.step_count, self._skipped, self._clip_coef = step_count, None, None
         self._publish()
-
-    MOMENTS = ("exp_avg", "exp_avg_sq")
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
