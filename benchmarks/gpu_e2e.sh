@@ -54,7 +54,7 @@
 # two trees' steps interleaved, AB_REPEATS runs each, benchmarks/ab_steps.py: `git archive COMMIT | tar -x -C
 # DIR`, carried), the MoE step after the router has balanced (moe_balanced: MOE_WARMUP untimed steps, default 200),
 # and on two GPUs moe_ep2, moe_dp2, dense_2gpu). `profile` also lists the host's busiest operators.
-# STEP_TIMEOUT (s) bounds each part.
+# tests_all_deepgemm: the one-GPU tests with DeepGEMM installed. STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
 start_summary
@@ -112,6 +112,9 @@ for part in $PARTS; do (
            -p no:cacheprovider ;;
     tests_all_one_gpu) step gpu_tests_all_one_gpu python -m pytest -q -m gpu tests/ -k "not two_gpus" \
            -p no:cacheprovider ;;
+    tests_all_deepgemm)  # the same with DeepGEMM installed (what `auto` then runs), four workers, skip reasons listed
+      install_deepgemm
+      step gpu_tests_all_deepgemm python -m pytest -q -rs -m gpu tests/ -k "not two_gpus" -n 4 -p no:cacheprovider ;;
     tests_two_gpus) step gpu_tests_two_gpus python -m pytest -q -m gpu tests/test_gpu.py -k two_gpus \
            -p no:cacheprovider ;;
     tests_weights) step gpu_tests_weights python -m pytest -q -m gpu tests/test_fp8_backends.py tests/test_fp8_gpu.py \
