@@ -117,6 +117,31 @@ def test_a_yaml_syntax_error_is_one_line_naming_where(tmp_path):
                               "scanning a simple key)")  # was five lines, naming "<unicode string>"
 
 
+@pytest.mark.parametrize("text, line, key, first", [
+    ("model:\n  size: tiny\nmodel:\n  num_layers: 2\n", 3, "model", 1),  # PyYAML kept the second: size dropped
+    ("training:\n  steps: 3\n  lr_decay_steps: 3\n  steps: 4\n", 4, "steps", 2),
+])
+def test_a_key_given_twice_in_a_yaml_file_is_refused_not_overwritten(tmp_path, text, line, key, first):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value) == (f"{path}: not valid YAML: line {line}, column {1 if key == 'model' else 3}: '{key}' is "
+                              f"given twice (first on line {first}); merge the two into one")
+
+
+def test_a_config_that_is_not_utf8_or_is_a_directory_is_one_clear_error(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("# café\nmodel:\n  size: tiny\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as err:  # was UnicodeDecodeError's traceback
+        load_config(str(latin1))
+    assert str(err.value) == f"{latin1}: not UTF-8 text (byte 5 is 0xe9); a config is a YAML file saved as UTF-8"
+    (tmp_path / "a.yaml").write_text("model:\n  size: tiny\n")
+    with pytest.raises(ConfigError) as err:  # was "not found"
+        load_config(str(tmp_path))
+    assert str(err.value) == f"config '{tmp_path}' is a directory; give one of its files (a.yaml, latin1.yaml)"
+
+
 @pytest.mark.parametrize("override, problem", [
     ("optimizer.lr=[1",
      "line 1, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence)"),
@@ -201,6 +226,8 @@ def test_parse_overrides_nests():
     (["training.eval_iters=0"], "training.eval_iters=0: evaluation (training.eval_interval=50) needs at least 1"),
     (["logging.peak_tflops=-1"], "logging.peak_tflops must be positive (or null), got -1"),
     (["training.max_consecutive_skips=0"], "training.max_consecutive_skips must be at least 1, got 0"),
+    (["parallel.tp=0"], "parallel.tp must be positive, got 0"),  # was ZeroDivisionError padding a data vocabulary
+    (["parallel.ep=0"], "parallel.ep must be positive, got 0"),
     (["training.global_batch_size=12"], "training.global_batch_size=12 must be a multiple of micro_batch_size x "
                                         "data-parallel ranks = 4 x 2 = 8"),
 ])

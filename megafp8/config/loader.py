@@ -51,6 +51,10 @@ def resolve_config_path(name: str) -> Path:
     candidate = Path(name)
     if candidate.is_file():
         return candidate
+    if candidate.is_dir():
+        yamls = sorted(p.name for p in candidate.glob("*.yaml"))
+        raise ConfigError(f"config '{name}' is a directory; give one of its files"
+                          + (f" ({', '.join(yamls[:8])}{', ...' if len(yamls) > 8 else ''})" if yamls else ""))
     for d in config_search_dirs():
         for fname in (name, f"{name}.yaml"):
             if (d / fname).is_file():
@@ -307,6 +311,38 @@ def yaml_problem(err: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently, so a second
+    `model:` section would drop the first's settings)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"'{key}' is given twice (first on line {seen[key].line + 1}); merge the two into one",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
+def read_config_file(path: Path) -> Any:
+    """A config file's YAML, with one clear ConfigError for a file that is not UTF-8 text, not valid YAML or gives a
+    key twice."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x}); a config is "
+                          "a YAML file saved as UTF-8") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a directory; give a config file (e.g. {path}/NAME.yaml)") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(err)}") from None
+
+
 def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
     """Load, override, build and validate a config. `None` means the built-in defaults."""
     raw: dict[str, Any] = {}
@@ -314,10 +350,7 @@ def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | N
     if name_or_path is not None:
         path = resolve_config_path(str(name_or_path))
         source = str(path)
-        try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {yaml_problem(err)}") from None
+        loaded = read_config_file(path)
         raw = loaded if loaded is not None else {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")

@@ -38,6 +38,9 @@ def _check_positive(cfg: Config) -> None:
         "training.global_batch_size": cfg.training.global_batch_size,
         "training.micro_batch_size": cfg.training.micro_batch_size,
         "logging.log_interval": cfg.logging.log_interval,
+        "parallel.tp": cfg.parallel.tp,  # before anything divides by them (the vocabulary's padding, the layout)
+        "parallel.pp": cfg.parallel.pp,
+        "parallel.ep": cfg.parallel.ep,
     }
     for key, value in checks.items():
         if value <= 0:
