@@ -226,6 +226,8 @@ def test_parse_overrides_nests():
     (["training.eval_iters=0"], "training.eval_iters=0: evaluation (training.eval_interval=50) needs at least 1"),
     (["logging.peak_tflops=-1"], "logging.peak_tflops must be positive (or null), got -1"),
     (["training.max_consecutive_skips=0"], "training.max_consecutive_skips must be at least 1, got 0"),
+    (["run_name=../escaped"], "run_name='../escaped' must be a plain name, not a path"),  # was a run outside
+    (["run_name=.."], "run_name='..' must be a plain name"),                                  # output_dir
     (["parallel.tp=0"], "parallel.tp must be positive, got 0"),  # was ZeroDivisionError padding a data vocabulary
     (["parallel.ep=0"], "parallel.ep must be positive, got 0"),
     (["training.global_batch_size=12"], "training.global_batch_size=12 must be a multiple of micro_batch_size x "

@@ -164,3 +164,33 @@ def test_sharded_safetensors_that_disagree_with_their_index_are_refused(tmp_path
         (broken / name).write_text(text)
         with pytest.raises(ConfigError, match=rf"{re.escape(str(broken / name))} is not a valid"):
             load_hf(broken)
+
+
+def test_the_tool_answers_a_file_for_out_a_foreign_file_and_a_file_system_error_in_one_line(tmp_path, capsys,
+                                                                                           monkeypatch):
+    import tools.convert_checkpoint as tool
+
+    def one_line_error(argv: list[str]) -> str:
+        assert tool.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        return err[len("error: "):-1]
+
+    afile = tmp_path / "afile.txt"
+    afile.write_text("hello\n")
+    for command in ("consolidate", "shard", "to-hf", "from-hf"):  # with --overwrite: was FileExistsError
+        assert one_line_error([command, str(tmp_path), "--out", str(afile), "--overwrite"]) == (
+            f"--out {afile} is a file, not a directory: choose another --out")
+    torch.save(torch.ones(3), tmp_path / "tensor.pt")  # was RuntimeError from `"model" in tensor`
+    assert one_line_error(["inspect", str(tmp_path / "tensor.pt")]) == (
+        f"checkpoint file {tmp_path / 'tensor.pt'} holds a Tensor, not a megafp8 training checkpoint (a dict of model, "
+        "optimizer, step and loader)")
+    assert one_line_error(["inspect", str(afile)]).startswith(  # names torch's error type (the text alone was "101")
+        f"checkpoint file {afile} is corrupt or not a megafp8 checkpoint (torch.load: ")
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system", str(tmp_path / "ro" / "step_00000000"))
+
+    monkeypatch.setattr(tool, "consolidate", read_only)  # was OSError's traceback
+    assert one_line_error(["consolidate", str(tmp_path), "--out", str(tmp_path / "ro")]) == (
+        f"{tmp_path / 'ro' / 'step_00000000'}: Read-only file system")

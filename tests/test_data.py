@@ -83,6 +83,46 @@ def test_jsonl_input_and_bad_record(tmp_path):
     assert not (tmp_path / "out2").exists()
 
 
+def test_text_that_is_not_utf8_is_refused_naming_where_not_read_with_replacement_characters(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes("line one\ncafé au lait\n".encode("latin-1"))  # was read as "caf\ufffd au lait"
+    with pytest.raises(ConfigError) as err:
+        preprocess([str(src)], tmp_path / "out", valid_fraction=0.0)
+    assert str(err.value).startswith(f"{src / 'a.txt'}: not UTF-8 text (line 2, byte 12 is 0xe9): convert it to UTF-8")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes('{"text": "ok"}\n{"text": "café"}\n'.encode("latin-1"))  # was UnicodeDecodeError's traceback
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: not UTF-8 \(byte 13 of the line is 0xe9\)"):
+        preprocess([str(bad)], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_preprocessing_tool_answers_bad_arguments_and_file_system_errors_in_one_line(tmp_path, capsys,
+                                                                                       monkeypatch):
+    import tools.preprocess_data as tool
+
+    src = write_docs(tmp_path / "src", ["abc " * 50])
+    for args, expected in ((["--shard-tokens", "0"], "argument --shard-tokens: 0 must be at least 1"),  # was one shard
+                           (["--extensions", ".txt", "--max-bytes", "-5"],                          # per document
+                            "argument --max-bytes: -5 is negative: give 0 (no limit) or a number of bytes")):
+        with pytest.raises(SystemExit):
+            tool.main(["--input", str(src), "--output", str(tmp_path / "out"), *args])
+        assert expected in capsys.readouterr().err
+    (tmp_path / "tok.txt").write_text("not json")
+    for args, expected in ((["--tokenizer", str(tmp_path / "tok.txt")], "is not a Hugging Face tokenizer.json ("),
+                           (["--eos-token", "<eos>"], "--eos-token '<eos>' belongs to a tokenizer.json")):
+        assert tool.main(["--input", str(src), "--output", str(tmp_path / "out"), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and expected in err and err.count("\n") == 1, err
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system", str(tmp_path / "out"))
+
+    monkeypatch.setattr(tool, "preprocess", read_only)
+    assert tool.main(["--input", str(src), "--output", str(tmp_path / "out")]) == 2  # was OSError's traceback
+    assert capsys.readouterr().err == f"error: {tmp_path / 'out'}: Read-only file system\n"
+
+
 def test_existing_output_is_not_clobbered(tmp_path):
     src = write_docs(tmp_path / "src", ["abc " * 50])
     preprocess([str(src)], tmp_path / "out", valid_fraction=0.0)

@@ -30,11 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.checkpoint.convert import consolidate, describe, export_hf, import_hf, model_settings, shard  # noqa: E402
 from megafp8.checkpoint.local import verify_checkpoint  # noqa: E402
-from megafp8.config import ConfigError  # noqa: E402
+from megafp8.config import ConfigError, os_error_text  # noqa: E402
 
 
 def check_out(out: Path, overwrite: bool) -> None:
-    """Refuse to write into an existing, non-empty --out unless --overwrite says to."""
+    """Refuse to write into an existing, non-empty --out unless --overwrite says to, and into a file at all."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory: choose another --out")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ConfigError(f"--out {out} exists and is not empty: choose another --out, or pass --overwrite to write "
                           "into it (files of the same name are replaced; to-hf also removes an earlier export's "
@@ -89,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {(consolidate if args.command == 'consolidate' else shard)(args.checkpoint, args.out)}")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a file system's answer (read-only, full, no permission): its words and the path
+        print(f"error: {os_error_text(err)}", file=sys.stderr)
         return 2
     return 0
 

@@ -18,14 +18,31 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megafp8.config import ConfigError  # noqa: E402
+from megafp8.config import ConfigError, os_error_text  # noqa: E402
 from megafp8.data.preprocess import preprocess  # noqa: E402
 from megafp8.data.text_tree import scan_text_tree, summary_lines  # noqa: E402
 
 
 def byte_count(text: str) -> int:
-    """A byte count written as 1000000 or 1e6."""
-    return int(float(text))
+    """A byte count written as 1000000 or 1e6 (0 or more)."""
+    try:
+        count = int(float(text))
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes (e.g. 1000000 or 1e6)") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative: give 0 (no limit) or a number of bytes")
+    return count
+
+
+def positive_count(text: str) -> int:
+    """A count above 0, written as 100000000 or 1e8."""
+    try:
+        count = int(float(text))
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 100000000 or 1e8)") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return count
 
 
 def add_text_tree_options(parser: argparse.ArgumentParser, held_out: str = "fraction of documents (files) held out"
@@ -58,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="text-tree mode: scan and print the summary (files, duplicates, skipped, bytes per "
                              "split) without tokenizing or writing anything")
-    parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
+    parser.add_argument("--shard-tokens", type=positive_count, default=100_000_000, help="tokens per shard file")
     parser.add_argument("--json-key", default="text", help="field holding the text in JSONL records")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing output directory (one this tool wrote, or an empty one)")
@@ -78,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                             args.shard_tokens, args.json_key, args.eos_token, args.overwrite, tree)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # a file system's answer (read-only, full, no permission): its words and the path
+        print(f"error: {os_error_text(err)}", file=sys.stderr)
         return 2
     for split, shards in splits.items():
         print(f"{split}: {sum(s['num_docs'] for s in shards)} documents, "

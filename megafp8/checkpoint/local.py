@@ -315,7 +315,11 @@ def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMI
     try:
         state = _torch_load(file, mmap=tensors != "all")
     except Exception as err:  # torch raises several types for truncated or foreign files
-        raise ConfigError(f"checkpoint file {file} is corrupt or not a megafp8 checkpoint: {err}") from None
+        raise ConfigError(f"checkpoint file {file} is corrupt or not a megafp8 checkpoint "
+                          f"(torch.load: {type(err).__name__}: {err})") from None
+    if not isinstance(state, dict):
+        raise ConfigError(f"checkpoint file {file} holds a {type(state).__name__}, not a megafp8 training checkpoint "
+                          "(a dict of model, optimizer, step and loader)")
     missing = [k for k in ("model", "optimizer", "step", "loader") if k not in state]
     if missing:
         raise ConfigError(f"checkpoint file {file} lacks {', '.join(missing)}: not a megafp8 training checkpoint")

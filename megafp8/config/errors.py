@@ -10,3 +10,11 @@ def divisors_near(n: int, around: int) -> str:
     divs = [d for d in range(1, n + 1) if n % d == 0]
     near = sorted(sorted(divs, key=lambda d: abs(d - around))[:4])
     return ", ".join(map(str, near[:-1])) + (" or " if len(near) > 1 else "") + str(near[-1])
+
+
+def os_error_text(err: OSError) -> str:
+    """An OSError in one line for a command-line tool: the system's words and the path(s), e.g.
+    `out/a.pt: Read-only file system` where the exception's own text is `[Errno 30] Read-only file system: 'out/a.pt'`."""
+    paths = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None)
+    what = err.strerror or str(err)
+    return f"{paths}: {what}" if paths else what

@@ -39,7 +39,8 @@ def _section(name: str, value: Any, title: str = "") -> list[str]:
             type_text, default_text = "section", f"see `{name}.{f.name}`"
         else:
             type_text, default_text = type_name(hints[f.name]).replace("|", "\\|"), _default_text(default)
-        lines.append(f"| `{name}.{f.name}` | {type_text} | {default_text} | {field_doc(f).replace('|', '/')} |")
+        doc_text = field_doc(f).replace("|", "\\|")  # GFM shows an escaped pipe as "|", code spans too
+        lines.append(f"| `{name}.{f.name}` | {type_text} | {default_text} | {doc_text} |")
     for sub_name, sub_value, sub_title in nested:
         lines += _section(sub_name, sub_value, sub_title)
     return lines

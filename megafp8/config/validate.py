@@ -210,9 +210,18 @@ def validate_config(cfg: Config) -> None:
     if cfg.checkpoint.resume not in ("auto", "none") and not cfg.checkpoint.resume:
         raise ConfigError("checkpoint.resume must be 'auto', 'none' or a checkpoint path")
     _check_alloc_conf(cfg.training.cuda_alloc_conf)
+    _check_run_name(cfg.run_name)
     if cfg.training.compile_mode != "default" and not cfg.training.compile:
         raise ConfigError(f"training.compile_mode={cfg.training.compile_mode} needs training.compile=true (nothing is "
                           "compiled otherwise): set it, or drop compile_mode")
+
+
+def _check_run_name(name: str) -> None:
+    """The run's directory is `<logging.output_dir>/<run_name>`: a name with a path in it would put the run (and
+    an `overwrite` start's deletion) somewhere else."""
+    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ConfigError(f"run_name={name!r} must be a plain name, not a path (it names the directory "
+                          "<logging.output_dir>/<run_name>); to put runs elsewhere, set logging.output_dir")
 
 
 def data_parallel_size(world_size: int, tp: int, pp: int = 1, ep: int = 1) -> int:

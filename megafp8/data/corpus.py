@@ -63,10 +63,17 @@ def _nothing_to_read(inputs: list[str]) -> str:
 
 
 def read_documents(path: Path, json_key: str = "text") -> Iterator[str]:
-    """One document per JSONL line (its `json_key` field) or one per other file."""
+    """One document per JSONL line (its `json_key` field) or one per other file. Text must be UTF-8: a file that is
+    not is refused (ConfigError naming the file, the line and the byte), never read with replacement characters,
+    except the standard library's few sources in legacy encodings (PEP 263), which `stdlib` has always read so."""
     if path.suffix.lower() in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ConfigError(f"{path}:{line_no}: not UTF-8 (byte {err.start} of the line is "
+                                      f"0x{raw[err.start]:02x}); JSONL must be UTF-8: convert the file") from None
                 if not line.strip():
                     continue
                 try:
@@ -79,6 +86,23 @@ def read_documents(path: Path, json_key: str = "text") -> Iterator[str]:
                 if isinstance(text, str) and text:
                     yield text
     else:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = _read_text(path)
         if text:
             yield text
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if _in_stdlib(path):
+            return data.decode("utf-8", errors="replace")
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"{path}: not UTF-8 text (line {line}, byte {err.start} is 0x{data[err.start]:02x}): "
+                          "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or read the inputs as a text tree "
+                          "(--extensions), which skips files that are not UTF-8") from None
+
+
+def _in_stdlib(path: Path) -> bool:
+    return Path(sysconfig.get_paths()["stdlib"]).resolve() in path.resolve().parents

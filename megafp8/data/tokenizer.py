@@ -56,7 +56,11 @@ class HFTokenizer:
         if not Path(path).is_file():
             raise ConfigError(f"tokenizer file '{path}' does not exist; pass a tokenizer.json path or 'byte'")
         self.spec = str(Path(path).resolve())
-        self._tok = _HFTokenizer.from_file(self.spec)
+        try:
+            self._tok = _HFTokenizer.from_file(self.spec)
+        except Exception as err:  # the Rust library raises a bare Exception (e.g. "expected value at line 1 ...")
+            raise ConfigError(f"tokenizer file '{path}' is not a Hugging Face tokenizer.json ({err}); pass one "
+                              "(tools/train_tokenizer.py makes one) or 'byte'") from None
         # Ids need not be 0..n-1 (a tokenizer.json may leave gaps, e.g. special tokens placed high): the vocabulary
         # must hold the largest id, or its tokens would be stored in too narrow a dtype.
         ids = self._tok.get_vocab(with_added_tokens=True).values()
@@ -84,5 +88,8 @@ class HFTokenizer:
 def load_tokenizer(spec: str, eos_token: str | None = None) -> Tokenizer:
     """`byte` or a path to a tokenizer.json."""
     if spec == "byte":
+        if eos_token is not None:
+            raise ConfigError(f"--eos-token {eos_token!r} belongs to a tokenizer.json: the byte tokenizer's "
+                              "end-of-document token is its own (id 256); drop it, or pass --tokenizer FILE.json")
         return ByteTokenizer()
     return HFTokenizer(spec, eos_token)
