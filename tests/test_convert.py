@@ -319,6 +319,10 @@ REFUSED = [
     (dict(qk_layernorm=True), "config.json: qk_layernorm=True is a llama setting megafp8's converter does not know"),
     (dict(num_key_value_heads=3), "config.json describes a model megafp8 refuses: model.attention.num_kv_heads=3 "
                                             "must divide"),
+    (dict(hidden_size="256"), "config.json: hidden_size must be an integer, got '256' (str): write it as one"),  # was
+    (dict(hidden_size=256.0), "config.json: hidden_size must be an integer, got 256.0 (float): write it as 256"),  # a
+    (dict(num_hidden_layers=True), "config.json: num_hidden_layers must be a number, got True"),            # TypeError
+    (dict(rms_norm_eps="1e-5"), "config.json: rms_norm_eps must be a number, got '1e-5' (str)"),
 ]
 
 

@@ -211,6 +211,21 @@ def test_plan_tool_has_its_own_usage(capsys):
     assert usage.startswith("usage: plan.py") and "--dry-run" not in usage and "--print-config" not in usage
 
 
+@pytest.mark.parametrize("option, value, expected", [
+    ("--world-size", "-2", "argument --world-size: -2 must be at least 1"),  # printed "all -2 GPU(s)" and negative
+    ("--world-size", "0", "argument --world-size: 0 must be at least 1"),    # tokens/s; 0 was taken as 1
+    ("--mfu", "5", "argument --mfu: 5 must be at most 1 (a fraction: 0.4 is 40%)"),
+    ("--mfu", "-1", "argument --mfu: -1 must be a number above 0"),
+    ("--peak-tflops", "-100", "argument --peak-tflops: -100 must be a number above 0"),
+])
+def test_the_dry_run_refuses_impossible_planning_figures(capsys, option, value, expected):
+    from megafp8.train.main import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--config", "tiny_dense", "--dry-run", option, value, "model.vocab_size=384"])
+    assert exit.value.code == 2 and expected in capsys.readouterr().err
+
+
 def test_dry_run_labels_tokens_per_second_as_the_clusters_total():
     text = make_plan(load_config("tiny_dense", ["model.vocab_size=384"]), 8).render(peak_tflops=1000, mfu=0.4)
     line = next(line for line in text.splitlines() if line.startswith("tokens/s"))

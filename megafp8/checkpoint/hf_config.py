@@ -55,6 +55,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                     "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
                     "num_experts_per_tok": 8, "rope_interleave": True},
 }
+# Keys whose value is a count or a width: JSON integers only (a string or 256.0 is a broken config.json, refused by
+# name rather than failing later in arithmetic or a tensor's shape).
+_INTEGER_KEYS = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "num_key_value_heads",
+    "head_dim", "num_local_experts", "num_experts_per_tok", "first_k_dense_replace", "n_routed_experts",
+    "n_shared_experts", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group", "num_nextn_predict_layers", "num_mtp_layers",
+    "max_position_embeddings", "sliding_window",
+})
+_NUMBER_KEYS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor"})
 MLA_NORM_EPS = 1e-6  # DeepSeek's attention normalizes its compressed q and kv with this, whatever rms_norm_eps says
 _MISSING = object()
 
@@ -73,6 +83,7 @@ class _Keys:
         value = self.hf.get(key, default)
         if value is _MISSING or (value is None and default is _MISSING):
             raise ConfigError(f"config.json ({self.model_type}) has no '{key}'")
+        _check_type(key, value)
         return value
 
     def expect(self, key: str, allowed: tuple, why: str) -> Any:
@@ -88,6 +99,18 @@ class _Keys:
             raise ConfigError(f"config.json: {unknown[0]}={self.hf[unknown[0]]!r} is a {self.model_type} setting "
                               "megafp8's converter does not know; it stops rather than guess whether it changes "
                               "the model")
+
+
+def _check_type(key: str, value: Any) -> None:
+    if value is None or isinstance(value, bool):
+        if isinstance(value, bool) and (key in _INTEGER_KEYS or key in _NUMBER_KEYS):
+            raise ConfigError(f"config.json: {key} must be a number, got {value!r}")
+        return
+    if key in _INTEGER_KEYS and not isinstance(value, int):
+        raise ConfigError(f"config.json: {key} must be an integer, got {value!r} ({type(value).__name__}): "
+                          f"write it as {int(value) if isinstance(value, float) and value.is_integer() else 'one'}")
+    if key in _NUMBER_KEYS and not isinstance(value, (int, float)):
+        raise ConfigError(f"config.json: {key} must be a number, got {value!r} ({type(value).__name__})")
 
 
 @dataclass
