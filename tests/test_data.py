@@ -486,6 +486,32 @@ def test_a_named_checkpoint_starts_a_run_of_other_data_settings_from_its_first_s
     assert all(torch.equal(a[0], b[0]) for a, b in zip(longer.loader.next_step(), fresh.next_step()))
 
 
+def test_no_checkpoint_resumes_on_data_of_another_tokenizer_even_when_named(tiny_overrides, corpus_dir, tmp_path):
+    """The byte-tokenized run's checkpoint, named in checkpoint.resume over data that another tokenizer wrote (the
+    model's vocabulary holds both): its embedding's rows would mean other text. It trained on, with only a warning
+    that data.path differed."""
+    import shutil
+
+    from megafp8.config import load_config
+    from megafp8.parallel import ParallelDims
+    from megafp8.train import Trainer
+
+    common = tiny_overrides + ["training.steps=2", "checkpoint.interval=2", "training.eval_interval=0"]
+    Trainer(load_config("tiny_dense", common), ParallelDims.single(), torch.device("cpu")).fit()
+    other = tmp_path / "other"
+    shutil.copytree(corpus_dir, other)
+    meta = json.loads((other / "meta.json").read_text())
+    (other / "meta.json").write_text(json.dumps({**meta, "tokenizer": "/data/tok300.json", "vocab_size": 300}))
+    path = tmp_path / "runs" / "t" / "checkpoints" / "step_00000002"
+    with pytest.raises(ConfigError) as err:  # (auto-resume refuses any other data.path before this)
+        Trainer(load_config("tiny_dense", common + ["run_name=other", f"checkpoint.resume={path}",
+                                                    f"data.path={other}"]), ParallelDims.single(), torch.device("cpu"))
+    assert str(err.value) == (
+        f"the checkpoint's data was tokenized by byte (vocab 258), {other} by /data/tok300.json (vocab 300): the "
+        "model's token ids would mean other text; train on data preprocessed with the checkpoint's tokenizer "
+        "(tools/preprocess_data.py --tokenizer byte), or start without the checkpoint")
+
+
 def test_batches_larger_than_their_split_are_warned_about(tiny_overrides, tmp_path, caplog):
     """A global batch larger than the training samples holds some of them twice in every step, and validation of
     more samples than the held-out split has reads some twice: both happened without a word."""

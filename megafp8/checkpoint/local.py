@@ -389,8 +389,13 @@ def check_tensors_match(saved: dict[str, torch.Tensor], expected: dict[str, torc
     more = f" ({len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
     rows = {int(saved[k].shape[0]) for k in reshaped}
     if len(problems) == len(reshaped) and set(reshaped) <= set(_VOCAB_ROWS) and len(rows) == 1:
-        advice = (f"the checkpoint's vocabulary has {rows.pop()} rows (padded for the layout it was saved at): set "
+        saved_rows, model_rows = rows.pop(), int(expected[reshaped[0]].shape[0])
+        advice = (f"the checkpoint's vocabulary has {saved_rows} rows (padded for the layout it was saved at): set "
                   "model.vocab_size to that")
+        if saved_rows < model_rows:  # the model's rows may come from the data's tokenizer, which the setting cannot
+            advice += (f", unless this model's {model_rows} rows come from the data's tokenizer (model.vocab_size "
+                       "unset): then data.path was tokenized by another tokenizer than the checkpoint's, and needs "
+                       "preprocessing with the checkpoint's")
     else:
         advice = ("resume with the model settings it was saved with (`python tools/convert_checkpoint.py inspect "
                   f"{source}` lists them; the parallel layout may differ)")

@@ -122,6 +122,13 @@ class DistributedLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position. The saved kind of order is kept (a state without one, written before
         feistel-v1 existed, walked the permutation), so a later change of the limit never reorders a run."""
+        saved = state.get("fingerprint") or {}
+        tokenizer_change = self.dataset.stream.tokenizer_difference(saved)
+        if tokenizer_change is not None:  # never resumed past, even from a named checkpoint: the embedding's rows
+            raise ConfigError(                # would mean other text
+                f"{tokenizer_change}: the model's token ids would mean other text; train on data preprocessed with "
+                f"the checkpoint's tokenizer (tools/preprocess_data.py --tokenizer {saved['tokenizer']}), or start "
+                "without the checkpoint")
         if state["num_samples"] != len(self.dataset) or state["seed"] != self.seed:
             raise DataPositionError(
                 f"the saved data-loader state is for {state['num_samples']} samples with seed {state['seed']}, but "

@@ -187,6 +187,18 @@ class TokenStream:
                 "shards": [[int(entry["num_tokens"]), int(entry.get("num_docs", -1)), shard_checksum(tokens)]
                            for entry, tokens in zip(entries, self._all_shards)]}
 
+    def tokenizer_difference(self, saved: dict[str, Any]) -> str | None:
+        """How this split's tokenizer differs from the one of a saved `fingerprint`, where it surely does (another
+        vocabulary size, or the byte tokenizer against a tokenizer.json), else None. Two tokenizer.json paths of
+        one size may be the same file moved: the shards' checksums tell those apart (`fingerprint_difference`)."""
+        was, now = saved.get("tokenizer"), self.meta.tokenizer
+        if was is None or saved.get("vocab_size") is None:
+            return None
+        if saved["vocab_size"] != self.meta.vocab_size or (was == "byte") != (now == "byte"):
+            return (f"the checkpoint's data was tokenized by {was} (vocab {saved['vocab_size']}), {self.meta.root} by "
+                    f"{now} (vocab {self.meta.vocab_size})")
+        return None
+
     def fingerprint_difference(self, saved: dict[str, Any]) -> str | None:
         """The first way in which this split differs from a saved `fingerprint`, or None where it does not."""
         own = self.fingerprint
