@@ -286,6 +286,12 @@ def test_a_directory_of_checkpoints_given_as_a_checkpoint_names_its_newest(saved
     with pytest.raises(ConfigError) as err:  # was "... lacks model, optimizer: not a megafp8 training checkpoint"
         _trainer(tiny_overrides + [f"checkpoint.resume={newest / 'meta.pt'}"])
     assert str(err.value) == f"{newest / 'meta.pt'} is one file of the sharded checkpoint {newest}: give that directory"
+    stray = tmp_path / "notes.txt"
+    stray.write_text("hello\n")
+    with pytest.raises(ConfigError) as err:  # was "checkpoint <tmp_path> is incomplete (no checksums.json ...)"
+        _trainer(tiny_overrides + [f"checkpoint.resume={stray}"])
+    assert str(err.value) == (f"checkpoint.resume={stray} is a file, not a checkpoint: give a checkpoint's directory "
+                              "(step_NNNNNNNN) or a full checkpoint's state.pt")
     for name in ("checksums.json", "meta.pt"):  # a step_N whose save did not finish is still only incomplete
         (newest / name).unlink()
     assert "is incomplete (no checksums.json" in verification_problem(newest)

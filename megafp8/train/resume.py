@@ -20,9 +20,11 @@ from megafp8.checkpoint.local import (
     has_checksums,
     not_a_checkpoint,
     resume_candidates,
+    STATE_FILE,
     saved_config,
     verification_problem,
 )
+from megafp8.checkpoint.sharded import is_sharded_checkpoint
 from megafp8.config import ConfigError
 from megafp8.parallel import ParallelDims
 
@@ -97,6 +99,10 @@ def _verified_path(path: Path, dims: ParallelDims) -> Path:
     file."""
     if path.is_dir() and (holder := not_a_checkpoint(path)) is not None:
         raise ConfigError(f"checkpoint.resume: {holder}")
+    if path.is_file() and path.name != STATE_FILE and not is_sharded_checkpoint(path.parent):
+        # (judged as its folder, it was named in "checkpoint <folder> is incomplete")
+        raise ConfigError(f"checkpoint.resume={path} is a file, not a checkpoint: give a checkpoint's directory "
+                          f"(step_NNNNNNNN) or a full checkpoint's {STATE_FILE}")
     problem = first_problem(path.parent if path.is_file() else path, dims)  # a directory, or its state.pt
     if problem:
         raise ConfigError(f"{problem}. Resume from another checkpoint (checkpoint.resume=PATH), or set "
