@@ -95,6 +95,10 @@ def test_text_that_is_not_utf8_is_refused_naming_where_not_read_with_replacement
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: not UTF-8 \(byte 13 of the line is 0xe9\)"):
         preprocess([str(bad)], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    (src / "a.txt").write_bytes("line one\r\ncafé\rau lait\n".encode("utf-8"))  # line endings made "\n", as before
+    preprocess([str(src)], tmp_path / "out", valid_fraction=0.0)
+    train = TokenStream(read_meta(tmp_path / "out"), "train")
+    assert ByteTokenizer().decode(train.read(0, train.num_tokens).tolist()[:-1]) == "line one\ncafé\nau lait\n"
 
 
 def test_the_preprocessing_tool_answers_bad_arguments_and_file_system_errors_in_one_line(tmp_path, capsys,

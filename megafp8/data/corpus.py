@@ -92,16 +92,18 @@ def read_documents(path: Path, json_key: str = "text") -> Iterator[str]:
 
 
 def _read_text(path: Path) -> str:
+    """The file's UTF-8 text with its line endings made "\\n" (as `Path.read_text` reads them)."""
     data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        if _in_stdlib(path):
-            return data.decode("utf-8", errors="replace")
-        line = data.count(b"\n", 0, err.start) + 1
-        raise ConfigError(f"{path}: not UTF-8 text (line {line}, byte {err.start} is 0x{data[err.start]:02x}): "
-                          "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or read the inputs as a text tree "
-                          "(--extensions), which skips files that are not UTF-8") from None
+        if not _in_stdlib(path):
+            line = data.count(b"\n", 0, err.start) + 1
+            raise ConfigError(f"{path}: not UTF-8 text (line {line}, byte {err.start} is 0x{data[err.start]:02x}): "
+                              "convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or read the inputs as a text "
+                              "tree (--extensions), which skips files that are not UTF-8") from None
+        text = data.decode("utf-8", errors="replace")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _in_stdlib(path: Path) -> bool:
