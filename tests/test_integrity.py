@@ -19,7 +19,7 @@ from megafp8.checkpoint.local import (fresh_temporary, publish, remove_leftovers
 from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
-from megafp8.train.run_lock import RunLock
+from megafp8.train.run_lock import RunLock, _directories
 from tests.conftest import REPO, TINY_OVERRIDES, torchrun_env
 from tests.distributed import spawn
 
@@ -311,8 +311,8 @@ def test_verify_tool_checks_without_building_a_model(saved, tmp_path):
 
 # ------------------------------------------------------------------------------------- one writer
 
-def _hold_lock(directory, ready, release):
-    lock = RunLock([directory])
+def _hold_lock(directory, ready, release, checkpoint_dir=None):
+    lock = RunLock([directory] if checkpoint_dir is None else _directories(directory, checkpoint_dir))
     ready.set()
     release.wait(60)
     lock.release()
@@ -336,6 +336,27 @@ def test_a_second_run_in_a_locked_run_directory_is_refused(tiny_overrides, tmp_p
         holder.join(60)
     _trainer(tiny_overrides + ["training.steps=2", "training.eval_interval=0"]).fit()  # free again once the other run has ended
     assert (run_dir / "metrics.jsonl").is_file()
+
+
+def test_a_run_pointed_at_another_running_run_s_checkpoints_is_refused(tiny_overrides, tmp_path):
+    """Run B, its run directory its own, checkpoint.dir the running run A's checkpoints: it was not refused (only
+    A's run directory was locked), resumed from A's checkpoint and removed A's save in flight as a leftover."""
+    run_a = tmp_path / "runs" / "a"
+    context = multiprocessing.get_context("spawn")
+    ready, release = context.Event(), context.Event()
+    holder = context.Process(target=_hold_lock, args=(run_a, ready, release, run_a / "checkpoints"))
+    holder.start()
+    try:
+        assert ready.wait(60)
+        in_flight = run_a / "checkpoints" / "step_00000008.tmp-0123456789ab"
+        in_flight.mkdir()
+        with pytest.raises(ConfigError, match=rf"{run_a / 'checkpoints'} is in use by another run \(pid "
+                                              rf"{holder.pid} on .*\)"):
+            _trainer(tiny_overrides + ["run_name=b", f"checkpoint.dir={run_a / 'checkpoints'}"])
+        assert in_flight.is_dir() and not (tmp_path / "runs" / "b" / "metrics.jsonl").exists()
+    finally:
+        release.set()
+        holder.join(60)
 
 
 @pytest.mark.parametrize("form", ["sharded", "full"])

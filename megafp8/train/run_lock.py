@@ -1,4 +1,4 @@
-"""One writer per run directory: rank 0 holds a lock on the run (and checkpoint) directory for the run's life.
+"""One writer per run directory: rank 0 holds a lock on the run and the checkpoint directory for the run's life.
 
 The lock is a POSIX record lock (`fcntl.lockf`) on `<directory>/.lock`, which names its holder. The kernel
 drops it when the process ends, however it ends, so a killed run never leaves a stale lock; on NFS the lock
@@ -92,8 +92,11 @@ def _lock(directory: Path, create: bool) -> Optional[IO[str]]:
 
 
 def _directories(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
-    inside = checkpoint_dir.resolve().is_relative_to(run_dir.resolve())
-    return [run_dir] + ([] if inside else [checkpoint_dir])
+    """Both directories, each with a lock of its own, even where the checkpoints sit inside the run directory: a
+    second run pointed at this run's `checkpoints` (its own run directory elsewhere) finds their lock taken. With
+    the run directory's lock alone, it took them over and removed this run's save in flight as a leftover."""
+    same = checkpoint_dir.resolve() == run_dir.resolve()
+    return [run_dir] + ([] if same else [checkpoint_dir])
 
 
 def _on_rank0(what: str, act: Callable[[], None], dims: ParallelDims) -> None:
@@ -110,7 +113,7 @@ def _on_rank0(what: str, act: Callable[[], None], dims: ParallelDims) -> None:
 
 
 def claim_run_directories(run_dir: Path, checkpoint_dir: Path, dims: ParallelDims) -> Optional[RunLock]:
-    """Before anything is validated: rank 0 locks the run directory (and the checkpoint directory, if outside it)
+    """Before anything is validated: rank 0 locks the run directory and the checkpoint directory
     where a lock file exists already, writing nothing; every rank raises the same ConfigError if another run holds
     one, or if rank 0 cannot look (collective). Returns rank 0's lock (None elsewhere); `open_run_directories`
     completes it."""
