@@ -145,3 +145,29 @@ def test_divergence_stops_with_one_clear_error(tiny_overrides):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "2 steps in a row from step" in errors[0] and "Lower optimizer.lr" in errors[0], errors
     assert "Traceback" not in result.stderr
+
+
+def _ranks_launched_differently_worker(rank, world):
+    from megafp8.config import ConfigError
+    from megafp8.train.runtime import check_same_config
+
+    dims = ParallelDims.from_config(load_config("tiny_dense").parallel)
+    check_same_config(load_config("tiny_dense", ["optimizer.lr=1e-3"]), dims)  # the same on both ranks: passes
+    rank_lr = ["optimizer.lr=1e-3"] if rank == 0 else ["optimizer.lr=1e-2"]
+    try:
+        check_same_config(load_config("tiny_dense", rank_lr), dims)
+    except ConfigError as err:
+        assert str(err) == ("the ranks were launched with different settings: optimizer.lr is 0.001 on rank 0; 0.01 "
+                            "on rank 1. Launch every rank with the same config file and overrides"), str(err)
+    else:
+        raise AssertionError(f"rank {rank}: ranks of other learning rates were not refused")
+
+
+def test_ranks_launched_with_different_settings_are_refused_on_every_rank():
+    """A launcher that gave rank 1 another override trained rank 1's shard at another learning rate without a
+    word (or, for a setting that changes the collectives, aborted in gloo: "collective mismatch")."""
+    from megafp8.train.runtime import _ranks
+    from tests.distributed import spawn
+
+    spawn(2, _ranks_launched_differently_worker)
+    assert _ranks([0, 1, 2, 3, 5, 7, 8]) == "0-3, 5, 7-8"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.config import Config, ConfigError, validate_for_world
+from megafp8.config.loader import config_to_dict
 from megafp8.model.transformer import uses_cuda_graphs
 from megafp8.parallel import ParallelDims
 
@@ -157,8 +159,50 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
         log.info("initialized %s with %d ranks on %s", backend, world_size, device.type)
     dims = ParallelDims.from_config(cfg.parallel)
     if dims.is_distributed:
+        check_same_config(cfg, dims)
         log.info("layout: %s", dims.describe())
     return dims, device
+
+
+def _flat(node: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict):
+        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): node}
+
+
+def check_same_config(cfg: Config, dims: ParallelDims) -> None:
+    """Every rank must run the config rank 0 runs (collective): a rank launched with other overrides (a launcher
+    script that builds each rank's command line) would train its shard at another learning rate without a word,
+    or wait in a collective its peers never enter. Each rank's digest is gathered; where they differ, the whole
+    configs are, and every rank raises the same ConfigError naming the first setting that differs."""
+    mine = config_to_dict(cfg)
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True, default=str).encode()).hexdigest()
+    digests: list[object] = [None] * dims.world_size
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return
+    configs: list[object] = [None] * dims.world_size
+    dist.all_gather_object(configs, mine)
+    flat = [_flat(c) for c in configs]
+    key = next(k for k in sorted(set().union(*flat)) if len({repr(f.get(k)) for f in flat}) > 1)
+    values: dict[str, list[int]] = {}
+    for rank, f in enumerate(flat):
+        values.setdefault(repr(f.get(key)), []).append(rank)
+    shown = "; ".join(f"{value} on rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}"
+                      for value, ranks in values.items())
+    raise ConfigError(f"the ranks were launched with different settings: {key} is {shown}. Launch every rank with "
+                      "the same config file and overrides")
+
+
+def _ranks(ranks: list[int]) -> str:
+    """`0-3, 5` for [0, 1, 2, 3, 5]."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def shutdown(clean: bool) -> None:
