@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megafp8.checkpoint import find_latest, list_checkpoints, load_checkpoint
-from megafp8.checkpoint.local import (fresh_temporary, publish, remove_leftovers, verification_problem,
-                                      verify_checkpoint)
+from megafp8.checkpoint.local import (fresh_temporary, publish, remove_leftovers, resume_candidates,
+                                      verification_problem, verify_checkpoint)
 from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
@@ -193,6 +193,8 @@ def test_a_damaged_latest_pointer_falls_back_to_the_newest_complete_checkpoint(s
     assert (ckpt / "latest").read_text() == "step_00000002\n"
     (ckpt / "latest").write_text("step_0000000\x02\n")  # a flipped bit in the pointer itself
     assert find_latest(ckpt).name == "step_00000002"
+    (ckpt / "latest").write_bytes(b"garbage\x00\xff")  # not even text: was UnicodeDecodeError's traceback
+    assert find_latest(ckpt).name == "step_00000002"
 
 
 def test_newer_checkpoints_than_latest_are_never_resumed_or_pruned(saved, tmp_path):
@@ -206,6 +208,11 @@ def test_newer_checkpoints_than_latest_are_never_resumed_or_pruned(saved, tmp_pa
     assert publish(ckpt, tmp, 2, keep_last=1) == ckpt / "step_00000002"
     assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000002", "step_00000009"]
     assert find_latest(ckpt).name == "step_00000002" and state["step"] == 1
+    candidates, passed_over = resume_candidates(ckpt)  # the newer complete one is passed over, and said to be
+    assert [p.name for p in candidates] == ["step_00000002"]
+    assert passed_over == [f"{ckpt / 'step_00000009'} is complete but newer than step_00000002, which "
+                           f"{ckpt / 'latest'} names (a run that went back to an earlier step left it); to resume "
+                           f"from it, set checkpoint.resume={ckpt / 'step_00000009'}"]
 
 
 def test_a_step_saved_again_killed_while_replacing_keeps_a_complete_checkpoint_of_it(saved, tmp_path, monkeypatch):

@@ -243,20 +243,25 @@ def find_latest(root: Path) -> Optional[Path]:
 def resume_candidates(root: Path) -> tuple[list[Path], list[str]]:
     """The complete checkpoints to resume from, best first: the one `latest` names, then older ones, newest first
     (checkpoints newer than `latest` belong to a run that went back to an earlier step, and are passed over);
-    and one line for each `step_N` directory passed over because it is incomplete."""
+    and one line for each `step_N` directory passed over: incomplete, or (last) complete but newer than `latest`.
+    A `latest` that names no checkpoint (damaged, not even text) is ignored: the newest complete one is first."""
     pointer = root / LATEST_FILE
-    named = pointer.read_text().strip() if pointer.is_file() else ""
+    named = pointer.read_bytes().decode("utf-8", errors="replace").strip() if pointer.is_file() else ""
     bound = named if _STEP_DIR.match(named) and (root / named).is_dir() else None
-    candidates, skipped = [], []
+    candidates, skipped, newer = [], [], []
     for directory in reversed(_step_dirs(root)):
-        if bound is not None and directory.name > bound:
-            continue
         problem = checkpoint_problem(directory)
+        if bound is not None and directory.name > bound:
+            if problem is None:  # said, since this run's saves of those steps will replace them
+                newer.append(f"{directory} is complete but newer than {bound}, which {pointer} names (a run that "
+                             "went back to an earlier step left it); to resume from it, set "
+                             f"checkpoint.resume={directory}")
+            continue
         if problem is None:
             candidates.append(directory)
         else:
             skipped.append(problem)
-    return candidates, skipped
+    return candidates, skipped + newer
 
 
 def saved_config(directory: Path) -> Optional[dict[str, Any]]:
