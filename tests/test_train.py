@@ -240,3 +240,25 @@ def test_async_save_resumes_bit_identically_and_surfaces_write_errors(tiny_overr
         broken.fit()
     assert isinstance(failed.value.__cause__, OSError)
     assert not (tmp_path / "other" / "latest").exists()
+
+
+def test_a_checkpoint_write_failing_on_a_full_disk_says_so(tmp_path, monkeypatch):
+    """torch's zip writer reports a full disk as "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs
+    598" (seen with a 60 MiB tmpfs as checkpoint.dir): the message now says how full the file system is."""
+    import collections
+    import errno
+
+    from megafp8.train import checkpointing
+
+    usage = collections.namedtuple("usage", "total used free")
+    enforce = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda path: usage(60 * 2**20, 60 * 2**20 - 4096, 4096))
+    assert checkpointing.write_failure_text(enforce, tmp_path) == (
+        f"RuntimeError: {enforce} (the file system of {tmp_path} has 0 MiB free of 0.1 GiB: it is full, or nearly; "
+        "free space, or point checkpoint.dir elsewhere)")
+    roomy = usage(2**40, 2**39, 2**39)
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda path: roomy)
+    assert checkpointing.write_failure_text(enforce, tmp_path) == f"RuntimeError: {enforce}"  # not the cause there
+    quota = OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert checkpointing.write_failure_text(quota, tmp_path).endswith("it is full, or nearly; free space, or point "
+                                                                      "checkpoint.dir elsewhere)")

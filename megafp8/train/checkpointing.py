@@ -29,8 +29,10 @@ their next collective (on NCCL until `parallel.timeout_minutes`).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import math
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -139,6 +141,26 @@ def schedule_change_warning(saved: dict[str, Any], current: dict[str, Any], step
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint that could not be written, raised on every rank alike (whichever rank's part failed)."""
+
+
+def write_failure_text(error: BaseException, directory: Path) -> str:
+    """A failed checkpoint write in one line, with the file system's fill where that is the likely cause: torch's
+    writers report a full disk as "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"."""
+    text = f"{type(error).__name__}: {error}"
+    try:
+        usage = shutil.disk_usage(directory if directory.exists() else directory.parent)
+    except OSError:
+        return text
+    chain, cause = [], error
+    while cause is not None and len(chain) < 8:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain)
+    if full or usage.free < max(usage.total // 100, 64 * 2**20):
+        text += (f" (the file system of {directory} has {usage.free / 2**20:.0f} MiB free of "
+                 f"{usage.total / 2**30:.1f} GiB: it is full, or nearly; free space, or point checkpoint.dir "
+                 "elsewhere)")
+    return text
 
 
 def _attempt(action: Callable[[], object]) -> Optional[Exception]:
@@ -267,7 +289,7 @@ class Checkpointer:
     def _agree(self, error: Optional[Exception], step: int) -> None:
         """Raise CheckpointWriteError on every rank where `error` (this rank's failure in writing the checkpoint of
         `step`, or None) or another rank's is not None (collective)."""
-        message = None if error is None else f"{type(error).__name__}: {error}"
+        message = None if error is None else write_failure_text(error, self.directory)
         messages = [message]
         if self.dims.is_distributed:
             messages = [None] * self.dims.world_size
