@@ -194,6 +194,22 @@ def test_a_stopped_run_exits_with_the_signals_status(tiny_overrides, tmp_path, m
     assert _steps(tmp_path / "ckpt") == ["step_00000004"]
 
 
+def test_an_interrupt_saves_nothing_and_says_where_a_relaunch_resumes(tiny_overrides, tmp_path, monkeypatch, capsys):
+    """Ctrl-C (SIGINT) stops at once without a checkpoint, as documented; it printed only "interrupted"."""
+    from megafp8.train import main as main_module
+    real_fit = Trainer.fit
+
+    def fit_interrupted(self):
+        real_fit(self)  # to the end, its last checkpoint at step 2
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Trainer, "fit", fit_interrupted)
+    args = tiny_overrides + ["training.steps=2", "training.eval_interval=0", "optimizer.warmup_steps=1",
+                             f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=2", "training.device=cpu"]
+    assert main_module.main(["--config", "tiny_dense", *args]) == 130
+    assert ("interrupted (SIGINT: nothing saved; SIGTERM or SIGUSR1 stop with a checkpoint): a relaunch resumes from "
+            f"{tmp_path / 'ckpt' / 'step_00000002'}") in capsys.readouterr().err
+
+
 def _one_rank_signalled(rank, world_size, overrides, ckpt_dir):
     cfg = load_config("tiny_dense", overrides + [
         "training.steps=12", "training.eval_interval=0", "logging.log_interval=2", "optimizer.warmup_steps=1",

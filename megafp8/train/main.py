@@ -5,10 +5,11 @@ import argparse
 import json
 import logging
 import re
-from typing import NoReturn
+from typing import NoReturn, Optional
 
 import torch
 
+from megafp8.checkpoint.local import find_latest
 from megafp8.config import Config, ConfigError, dump_config, load_config
 from megafp8.precision import check_backend_name
 from megafp8.train.checkpointing import CheckpointWriteError
@@ -174,6 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     return run(parse_args(argv))
 
 
+def _where_a_relaunch_resumes(trainer: Optional[Trainer]) -> str:
+    if trainer is None:
+        return "stopped before training"
+    try:
+        latest = find_latest(trainer.checkpointer.directory)
+    except OSError:
+        latest = None
+    return f"a relaunch resumes from {latest}" if latest is not None else "this run has saved no checkpoint yet"
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the config, plan, or train, as `args` asks; the exit status."""
     try:
@@ -224,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
         _error(out_of_memory_message(cfg, err, trainer.step if trainer is not None else None, env_rank()[2]))
         return 1
     except KeyboardInterrupt:
-        log.warning("interrupted")
+        log.warning("interrupted (SIGINT: nothing saved; SIGTERM or SIGUSR1 stop with a checkpoint): %s",
+                    _where_a_relaunch_resumes(trainer))
         return 130
     finally:
         shutdown(clean)
