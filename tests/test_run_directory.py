@@ -214,7 +214,8 @@ def test_overwrite_replaces_the_earlier_run(tiny_overrides, change):
     assert trainer.step == 0 and not stale.exists()
     trainer.fit()
     assert metric_steps(trainer.run_dir) == [1, 2, 3, 4]
-    assert sorted(p.name for p in trainer.checkpoint_dir.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+    assert sorted(p.name for p in trainer.checkpoint_dir.iterdir()) == [".lock", "latest", "step_00000002",
+                                                                        "step_00000004"]  # (its own lock)
 
 
 def test_a_corrupt_checkpoint_resume_leaves_the_directory_byte_identical(tiny_overrides):

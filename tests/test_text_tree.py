@@ -3,6 +3,7 @@ each, identical files once, whole files held out by a seeded content hash, binar
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -103,8 +104,12 @@ def test_size_limits_and_a_tree_without_matching_files(tmp_path):
 
 def test_directories_keep_their_default_search_without_extensions(tmp_path):
     src = make_tree(tmp_path / "src")
+    latin1 = next(src.rglob("latin1.txt"))
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(latin1))}: not UTF-8 text"):  # was decoded with U+FFFD
+        preprocess([str(src)], tmp_path / "out", valid_fraction=0.0)
+    latin1.unlink()
     splits = preprocess([str(src)], tmp_path / "out", valid_fraction=0.0)  # .txt/.jsonl/.json only, as before
-    assert sum(s["num_docs"] for s in splits["train"]) == 2  # latin1.txt (decoded with replacement), data.json
+    assert sum(s["num_docs"] for s in splits["train"]) == 1  # data.json
     assert "corpus" not in json.loads((tmp_path / "out" / "meta.json").read_text())
 
 

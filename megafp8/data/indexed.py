@@ -188,24 +188,19 @@ class TokenStream:
                            for entry, tokens in zip(entries, self._all_shards)]}
 
     def tokenizer_difference(self, saved: dict[str, Any]) -> str | None:
-        """How this split's tokenizer differs from the one of a saved `fingerprint`, where it surely does (another
-        vocabulary size, or the byte tokenizer against a tokenizer.json), else None. Two tokenizer.json paths of
-        one size may be the same file moved: the shards' checksums tell those apart (`fingerprint_difference`)."""
-        was, now = saved.get("tokenizer"), self.meta.tokenizer
-        if was is None or saved.get("vocab_size") is None:
+        """How this split's tokenizer differs from the one of a saved `fingerprint` where it surely does (another
+        vocabulary size), else None. A tokenizer's spec is a path (or `byte`), and the same tokens may come from a
+        tokenizer.json moved: the shards' checksums tell data of other tokens apart (`fingerprint_difference`)."""
+        if saved.get("vocab_size") is None or saved["vocab_size"] == self.meta.vocab_size:
             return None
-        if saved["vocab_size"] != self.meta.vocab_size or (was == "byte") != (now == "byte"):
-            return (f"the checkpoint's data was tokenized by {was} (vocab {saved['vocab_size']}), {self.meta.root} by "
-                    f"{now} (vocab {self.meta.vocab_size})")
-        return None
+        return (f"the checkpoint's data was tokenized by {saved.get('tokenizer')} (vocab {saved['vocab_size']}), "
+                f"{self.meta.root} by {self.meta.tokenizer} (vocab {self.meta.vocab_size})")
 
     def fingerprint_difference(self, saved: dict[str, Any]) -> str | None:
         """The first way in which this split differs from a saved `fingerprint`, or None where it does not."""
         own = self.fingerprint
         # The tokenizer's spec (a path) is recorded, not compared: the same tokenizer.json at another path gives the
-        # same tokens, and another tokenizer changes the checksums.
-        if saved.get("vocab_size") != own["vocab_size"]:
-            return f"its vocab_size was {saved.get('vocab_size')}, this data's is {own['vocab_size']}"
+        # same tokens, and another tokenizer changes the checksums (another vocabulary size: `tokenizer_difference`).
         saved_shards = [list(shard) for shard in saved.get("shards", [])]
         if len(saved_shards) != len(own["shards"]):
             return f"it had {len(saved_shards)} shards, this data has {len(own['shards'])}"

@@ -221,6 +221,7 @@ class Trainer:
         """Checkpoint this step (unless just done) before the loop stops on a signal; `stopped_on` says which."""
         if not saved:
             self.save()
+        self.checkpointer.wait_agreed()  # (collective: every rank stops here) a background write done before "saved"
         self.stopped_on = received or "SIGTERM"
         if self.dims.rank == 0:
             log.warning("step %d of %d: stopping on %s, checkpoint saved; launch again to resume", self.step,
