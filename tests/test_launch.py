@@ -171,3 +171,30 @@ def test_ranks_launched_with_different_settings_are_refused_on_every_rank():
 
     spawn(2, _ranks_launched_differently_worker)
     assert _ranks([0, 1, 2, 3, 5, 7, 8]) == "0-3, 5, 7-8"
+
+
+def test_a_collective_that_lost_a_rank_is_one_line_not_a_traceback(tmp_path):
+    """kill -9 of one rank left each survivor printing gloo's traceback ("Connection reset by peer ... GLHF")."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megafp8.train.main import lost_peer_message
+
+    reset = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:29500: "
+                         "Connection reset by peer\nmore lines")
+    assert lost_peer_message(reset, 30) is None  # no process group: not a collective's failure
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        assert lost_peer_message(reset, 30) == (
+            "rank 0 lost another rank mid-collective: it ended or failed first (torchrun's summary names it, and its "
+            "own error comes first in the log) [[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+            "[127.0.0.1]:29500: Connection reset by peer]")
+        waited = dist.DistBackendError("[gloo] Timed out waiting 60000ms for recv operation to complete")
+        assert lost_peer_message(waited, 1) == (
+            "rank 0 waited parallel.timeout_minutes=1 in a collective for a rank that never came (stopped, hung or "
+            "far slower) [[gloo] Timed out waiting 60000ms for recv operation to complete]")
+        assert lost_peer_message(RuntimeError("shape mismatch"), 30) is None  # anything else stays a traceback
+    finally:
+        dist.destroy_process_group()

@@ -8,6 +8,7 @@ import re
 from typing import NoReturn, Optional
 
 import torch
+import torch.distributed as dist
 
 from megafp8.checkpoint.local import find_latest
 from megafp8.config import Config, ConfigError, dump_config, load_config
@@ -175,6 +176,26 @@ def main(argv: list[str] | None = None) -> int:
     return run(parse_args(argv))
 
 
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted|"
+                        r"ProcessGroup\w* .*(aborted|shut ?down)")
+_TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
+
+
+def lost_peer_message(err: RuntimeError, timeout_minutes: float) -> Optional[str]:
+    """One line for a collective that failed because another rank went away (killed, or failed first) or never
+    came, in place of gloo's or NCCL's traceback on every surviving rank; None for any other RuntimeError."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if _PEER_LOST.search(str(err)):
+        return (f"rank {dist.get_rank()} lost another rank mid-collective: it ended or failed first (torchrun's "
+                f"summary names it, and its own error comes first in the log) [{text}]")
+    if _TIMED_OUT.search(str(err)) and (isinstance(err, dist.DistError) or re.search(r"gloo|NCCL", str(err))):
+        return (f"rank {dist.get_rank()} waited parallel.timeout_minutes={timeout_minutes:g} in a collective for a "
+                f"rank that never came (stopped, hung or far slower) [{text}]")
+    return None
+
+
 def _where_a_relaunch_resumes(trainer: Optional[Trainer]) -> str:
     if trainer is None:
         return "stopped before training"
@@ -233,6 +254,13 @@ def run(args: argparse.Namespace) -> int:
     except torch.OutOfMemoryError as err:
         log.debug("out of memory", exc_info=True)
         _error(out_of_memory_message(cfg, err, trainer.step if trainer is not None else None, env_rank()[2]))
+        return 1
+    except RuntimeError as err:  # after CheckpointWriteError and OutOfMemoryError, which are RuntimeErrors too
+        lost = lost_peer_message(err, cfg.parallel.timeout_minutes)
+        if lost is None:
+            raise
+        log.debug("lost a peer", exc_info=True)
+        _error(lost)
         return 1
     except KeyboardInterrupt:
         log.warning("interrupted (SIGINT: nothing saved; SIGTERM or SIGUSR1 stop with a checkpoint): %s",
