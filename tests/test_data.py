@@ -108,7 +108,7 @@ def test_the_preprocessing_tool_answers_bad_arguments_and_file_system_errors_in_
     src = write_docs(tmp_path / "src", ["abc " * 50])
     for args, expected in ((["--shard-tokens", "0"], "argument --shard-tokens: 0 must be at least 1"),  # was one shard
                            (["--extensions", ".txt", "--max-bytes", "-5"],                          # per document
-                            "argument --max-bytes: -5 is negative: give 0 (no limit) or a number of bytes")):
+                            "argument --max-bytes: -5 must be at least 0 (0: no limit)")):
         with pytest.raises(SystemExit):
             tool.main(["--input", str(src), "--output", str(tmp_path / "out"), *args])
         assert expected in capsys.readouterr().err

@@ -19,30 +19,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError, os_error_text  # noqa: E402
+from megafp8.config.arguments import whole_number  # noqa: E402
 from megafp8.data.preprocess import preprocess  # noqa: E402
 from megafp8.data.text_tree import scan_text_tree, summary_lines  # noqa: E402
 
 
-def byte_count(text: str) -> int:
-    """A byte count written as 1000000 or 1e6 (0 or more)."""
-    try:
-        count = int(float(text))
-    except (ValueError, OverflowError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes (e.g. 1000000 or 1e6)") from None
-    if count < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative: give 0 (no limit) or a number of bytes")
-    return count
-
-
-def positive_count(text: str) -> int:
-    """A count above 0, written as 100000000 or 1e8."""
-    try:
-        count = int(float(text))
-    except (ValueError, OverflowError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 100000000 or 1e8)") from None
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return count
+byte_count = whole_number(0, " (0: no limit)")  # 1000000 or 1e6
 
 
 def add_text_tree_options(parser: argparse.ArgumentParser, held_out: str = "fraction of documents (files) held out"
@@ -75,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="text-tree mode: scan and print the summary (files, duplicates, skipped, bytes per "
                              "split) without tokenizing or writing anything")
-    parser.add_argument("--shard-tokens", type=positive_count, default=100_000_000, help="tokens per shard file")
+    parser.add_argument("--shard-tokens", type=whole_number(1), default=100_000_000, help="tokens per shard file")
     parser.add_argument("--json-key", default="text", help="field holding the text in JSONL records")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing output directory (one this tool wrote, or an empty one)")

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megafp8.checkpoint.local import find_latest
 from megafp8.config import Config, ConfigError, dump_config, load_config
+from megafp8.config.arguments import positive_number, whole_number
 from megafp8.precision import check_backend_name
 from megafp8.train.checkpointing import CheckpointWriteError
 from megafp8.train.layouts import lighter_settings, render_layouts, search_layouts
@@ -67,11 +68,11 @@ def build_parser(prog: str, description: str, plan_only: bool = False) -> argpar
                             help="evaluate the checkpoint checkpoint.resume names (auto: the run's newest that "
                                  "verifies) on training.eval_iters held-out micro-batches, print its record as JSON "
                                  "and exit; writes nothing")
-    parser.add_argument("--world-size", type=_positive_int, default=None,
+    parser.add_argument("--world-size", type=whole_number(1), default=None,
                         help="ranks to plan the dry run for (default: torchrun's WORLD_SIZE, else 1)")
-    parser.add_argument("--peak-tflops", type=_positive_float, default=989.4,
+    parser.add_argument("--peak-tflops", type=positive_number(), default=989.4,
                         help="dry run: peak TFLOP/s per GPU (H100/H200)")
-    parser.add_argument("--mfu", type=_fraction, default=0.4,
+    parser.add_argument("--mfu", type=positive_number(1, " (a fraction: 0.4 is 40%)"), default=0.4,
                         help="dry run: model FLOPs utilization to assume (above 0, at most 1)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="dotted overrides, e.g. model.num_layers=2 optimizer.lr=1e-3")
@@ -86,33 +87,6 @@ def build_parser(prog: str, description: str, plan_only: bool = False) -> argpar
                             help="--layouts: the largest tensor-parallel size to consider (GPUs of one node)")
         parser.set_defaults(print_config=False, dry_run=True, evaluate=False)
     return parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a number above 0")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at most 1 (a fraction: 0.4 is 40%)")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

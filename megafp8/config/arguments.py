@@ -1,0 +1,36 @@
+"""Number types for command-line options (argparse `type=`): a bad value is one usage error naming the option."""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable, Optional
+
+
+def whole_number(at_least: int, hint: str = "") -> Callable[[str], int]:
+    """A whole number of at least `at_least`, written as 100000000 or 1e8; `hint` follows a refusal."""
+    def parse(text: str) -> int:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 100000000 or 1e8)") from None
+        if not math.isfinite(value) or not value.is_integer():
+            raise argparse.ArgumentTypeError(f"{text} is not a whole number")
+        if value < at_least:
+            raise argparse.ArgumentTypeError(f"{text} must be at least {at_least}{hint}")
+        return int(value)
+    return parse
+
+
+def positive_number(at_most: Optional[float] = None, hint: str = "") -> Callable[[str], float]:
+    """A finite number above 0 (and at most `at_most`); `hint` follows a refusal of a value above it."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"{text} must be a number above 0")
+        if at_most is not None and value > at_most:
+            raise argparse.ArgumentTypeError(f"{text} must be at most {at_most:g}{hint}")
+        return value
+    return parse
