@@ -130,6 +130,15 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused_not_overwritten(tmp_path, t
                               f"given twice (first on line {first}); merge the two into one")
 
 
+def test_yaml_merge_keys_still_let_a_section_override_what_it_merges(tmp_path):
+    path = tmp_path / "merged.yaml"
+    path.write_text("model: &m\n  size: tiny\n  num_layers: 2\nmodel_again_for_yaml_only: &o\n  <<: *m\n"
+                    "  num_layers: 3\n")
+    from megafp8.config.loader import read_config_file
+
+    assert read_config_file(path)["model_again_for_yaml_only"] == {"size": "tiny", "num_layers": 3}
+
+
 def test_a_config_that_is_not_utf8_or_is_a_directory_is_one_clear_error(tmp_path):
     latin1 = tmp_path / "latin1.yaml"
     latin1.write_bytes("# café\nmodel:\n  size: tiny\n".encode("latin-1"))

@@ -127,7 +127,7 @@ class DistributedLoader:
         if tokenizer_change is not None:  # never resumed past, even from a named checkpoint: the embedding's rows
             raise ConfigError(                # would mean other text
                 f"{tokenizer_change}: the model's token ids would mean other text; train on data preprocessed with "
-                f"the checkpoint's tokenizer (tools/preprocess_data.py --tokenizer {saved['tokenizer']}), or start "
+                f"the checkpoint's tokenizer (tools/preprocess_data.py --tokenizer {saved.get('tokenizer')}), or start "
                 "without the checkpoint")
         if state["num_samples"] != len(self.dataset) or state["seed"] != self.seed:
             raise DataPositionError(
