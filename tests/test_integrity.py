@@ -215,6 +215,21 @@ def test_newer_checkpoints_than_latest_are_never_resumed_or_pruned(saved, tmp_pa
                            f"from it, set checkpoint.resume={ckpt / 'step_00000009'}"]
 
 
+@pytest.mark.parametrize("form", ["sharded", "full"])
+def test_a_step_converted_into_a_run_s_own_directory_leaves_latest_at_the_newer_one(saved, tmp_path, form):
+    """`consolidate ckpt/step_1 --out ckpt --overwrite` pointed `latest` back at step 1: the next relaunch resumed
+    from there, and its saves replaced the newer checkpoints."""
+    from megafp8.checkpoint.convert import consolidate, shard
+
+    ckpt = shutil.copytree(saved[form], tmp_path / "ck")
+    (consolidate if form == "sharded" else shard)(ckpt / "step_00000001", ckpt)  # the other form, in place
+    assert (ckpt / "latest").read_text() == "step_00000002\n" and find_latest(ckpt).name == "step_00000002"
+    assert verify_checkpoint(ckpt / "step_00000001")
+    fresh = tmp_path / "fresh"
+    consolidate(ckpt / "step_00000001", fresh)  # a directory of its own: latest names what was written
+    assert (fresh / "latest").read_text() == "step_00000001\n"
+
+
 def test_a_step_saved_again_killed_while_replacing_keeps_a_complete_checkpoint_of_it(saved, tmp_path, monkeypatch):
     """Saving a step that exists already (after going back to an earlier one) replaces its directory. The old one
     used to be deleted first, the new one still under its temporary name: killed during that deletion (long for a

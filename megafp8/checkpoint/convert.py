@@ -79,7 +79,7 @@ def import_hf(hf_dir: Path, out_root: Path) -> tuple[Path, ModelConfig, list[str
     }
     if imported.max_position_embeddings:
         state[HF_SOURCE] = {"max_position_embeddings": imported.max_position_embeddings}
-    return save_checkpoint(out_root, 0, state, keep_last=0), cfg, imported.notes
+    return save_checkpoint(out_root, 0, state, keep_last=0, latest_back=False), cfg, imported.notes
 
 
 def model_settings(cfg: ModelConfig) -> str:
@@ -90,7 +90,7 @@ def model_settings(cfg: ModelConfig) -> str:
 def consolidate(checkpoint: Path, out_root: Path) -> Path:
     """Any checkpoint -> a one-file (`full`) checkpoint at the same step under `out_root`."""
     state = load_checkpoint(checkpoint, advice=CONVERTING)
-    return save_checkpoint(out_root, int(state["step"]), state, keep_last=0)
+    return save_checkpoint(out_root, int(state["step"]), state, keep_last=0, latest_back=False)
 
 
 def shard(checkpoint: Path, out_root: Path) -> Path:
@@ -107,7 +107,7 @@ def shard(checkpoint: Path, out_root: Path) -> Path:
     meta["optimizer_step"] = int(state["optimizer"].get("step", 0))
     tmp = fresh_temporary(out_root, step)
     write_sharded(tmp, placed, meta)
-    return publish(out_root, tmp, step, keep_last=0)
+    return publish(out_root, tmp, step, keep_last=0, latest_back=False)
 
 
 def tensor_order(name: str) -> tuple[tuple[int, int | str], ...]:

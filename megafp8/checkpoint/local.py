@@ -20,6 +20,7 @@ checksum first and uses `torch.load(weights_only=True)`: nothing in a file can e
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -44,6 +45,8 @@ from megafp8.checkpoint.integrity import (
 from megafp8.checkpoint.sharded import META_FILE, RESUME_EARLIER, is_sharded_checkpoint, read_full
 from megafp8.config import ConfigError
 
+log = logging.getLogger("megafp8")
+
 STATE_FILE = "state.pt"
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -55,14 +58,15 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
-    """Write `state` as checkpoint `step` under `root` (call on one rank only); returns its directory."""
+def save_checkpoint(root: Path, step: int, state: dict[str, Any], keep_last: int, latest_back: bool = True) -> Path:
+    """Write `state` as checkpoint `step` under `root` (call on one rank only); returns its directory
+    (`latest_back`: see `publish`)."""
     tmp = fresh_temporary(root, step)
     records: dict[str, FileRecord] = {}
     with hashed_file(tmp / STATE_FILE, records) as f:
         torch.save(state, f)
     write_manifest(tmp, records)
-    return publish(root, tmp, step, keep_last)
+    return publish(root, tmp, step, keep_last, latest_back)
 
 
 def fresh_temporary(root: Path, step: int) -> Path:
@@ -105,10 +109,14 @@ def _point_latest_at(root: Path, name: str) -> None:
     _fsync_dir(root)
 
 
-def publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
+def publish(root: Path, tmp: Path, step: int, keep_last: int, latest_back: bool = True) -> Path:
     """Make the complete directory `tmp` checkpoint `step`: rename it, then point `latest` at it (atomically,
-    both fsynced), then prune to the newest `keep_last` (call on one rank, after every rank has written)."""
+    both fsynced), then prune to the newest `keep_last` (call on one rank, after every rank has written).
+    `latest_back=False` (the conversion tools) leaves a `latest` that names a newer complete checkpoint as it is: a
+    step converted into a run's own directory would otherwise send its next relaunch back to that step, and its
+    saves from there would replace the newer checkpoints."""
     final = root / step_dir_name(step)
+    newer = None if latest_back else _newer_latest(root, final.name)
     _fsync_dir(tmp)  # the names of its files: without this, `latest` could outlive them in a power loss
     # The same step saved again (after resuming from an earlier one): its old directory is only set aside here and
     # deleted once the new one has its name. An interruption during that deletion (long, for a large checkpoint)
@@ -116,11 +124,23 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int) -> Path:
     replaced = _set_aside(final) if final.exists() else None
     tmp.rename(final)
     _fsync_dir(root)
-    _point_latest_at(root, final.name)
+    if newer is None:
+        _point_latest_at(root, final.name)
+    else:
+        log.warning("%s: %s stays at %s, newer than this step", final, root / LATEST_FILE, newer)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     prune(root, final, keep_last)
     return final
+
+
+def _newer_latest(root: Path, name: str) -> Optional[str]:
+    """The checkpoint `latest` names in `root`, where it is complete and newer than checkpoint `name`; else None."""
+    pointer = root / LATEST_FILE
+    named = pointer.read_bytes().decode("utf-8", errors="replace").strip() if pointer.is_file() else ""
+    if _STEP_DIR.match(named) and named > name and checkpoint_problem(root / named) is None:
+        return named
+    return None
 
 
 def prune(root: Path, newest: Path, keep_last: int) -> None:
