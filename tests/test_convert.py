@@ -314,6 +314,8 @@ REFUSED = [
      "config.json: rope_parameters.mscale=1.0 is not a llama3 RoPE setting megafp8 has"),
     (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "config.json: rope_scaling={'rope_type': 'yarn', "
                                                             "'factor': 4.0} and rope_parameters="),
+    (dict(rope_theta=20000.0, rope_parameters=dict(rope_type="default", rope_theta=1e4)),  # was 1e4 without a word
+     "config.json: rope_theta=20000.0 and rope_parameters.rope_theta=10000.0 disagree; keep one"),
     (dict(partial_rotary_factor=0.5), "config.json: partial_rotary_factor != 1 is not supported"),
     (dict(quantization_config=dict(quant_method="bitsandbytes")), "quantization_config (quant_method='bitsandbytes'"),
     (dict(qk_layernorm=True), "config.json: qk_layernorm=True is a llama setting megafp8's converter does not know"),
@@ -332,6 +334,15 @@ def test_a_config_value_megafp8_cannot_represent_is_refused_in_one_line(tmp_path
     with pytest.raises(ConfigError) as err:
         load_hf(_edited(llama_dir, tmp_path / "hf", change))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_rope_scaling_in_its_older_spelling_beside_the_same_rope_parameters_imports(tmp_path, llama_dir):
+    """`rope_scaling: {type: llama3, ...}` beside the same `rope_parameters: {rope_type: llama3, ...}` (transformers
+    reads `type` as `rope_type`) was refused as a disagreement."""
+    llama3 = dict(factor=2.0, original_max_position_embeddings=64, low_freq_factor=1.0, high_freq_factor=4.0)
+    loaded = load_hf(_edited(llama_dir, tmp_path / "hf", dict(
+        rope_scaling=dict(type="llama3", **llama3), rope_parameters=dict(rope_type="llama3", rope_theta=1e4, **llama3))))
+    assert loaded.cfg.rope_scaling.type == "llama3" and loaded.cfg.rope_scaling.factor == 2.0
 
 
 V2 = with_moe(dataclasses.replace(DEEPSEEK, mtp_depth=0), score_func="softmax", norm_topk_prob=False, n_group=1,

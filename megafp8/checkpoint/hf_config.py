@@ -133,10 +133,16 @@ _ROPE_KEYS = {"default": set(), "yarn": {"factor", "original_max_position_embedd
 def _rope_parameters(keys: _Keys) -> dict[str, Any]:
     """The RoPE dict transformers 5 would use: `rope_scaling` (older files) if set, else `rope_parameters`."""
     old, new = keys.get("rope_scaling", None), keys.get("rope_parameters", None)
+    if old and "type" in old and "rope_type" not in old:  # the older spelling of rope_type (transformers reads both)
+        old = {("rope_type" if k == "type" else k): v for k, v in old.items()}
     if old and new and any(new.get(k) != v for k, v in old.items()):
         raise ConfigError(f"config.json: rope_scaling={old} and rope_parameters={new} disagree; keep one")
     params = dict(old or new or {})
-    params.setdefault("rope_theta", keys.get("rope_theta"))
+    theta = keys.get("rope_theta")
+    if "rope_theta" in keys.hf and params.get("rope_theta", theta) != theta:  # transformers 4 and 5 read other ones
+        raise ConfigError(f"config.json: rope_theta={theta} and {'rope_scaling' if old else 'rope_parameters'}."
+                          f"rope_theta={params['rope_theta']} disagree; keep one")
+    params.setdefault("rope_theta", theta)
     if keys.get("partial_rotary_factor", params.pop("partial_rotary_factor", 1.0)) != 1.0:
         raise ConfigError("config.json: partial_rotary_factor != 1 is not supported (megafp8 rotates whole heads)")
     return params
