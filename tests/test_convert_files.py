@@ -188,6 +188,17 @@ def test_the_tool_answers_a_file_for_out_a_foreign_file_and_a_file_system_error_
     assert one_line_error(["inspect", str(afile)]).startswith(  # names torch's error type (the text alone was "101")
         f"checkpoint file {afile} is corrupt or not a megafp8 checkpoint (torch.load: ")
 
+    hf = tmp_path / "hf"
+    save_hf(tiny_model().state_dict(), CFG, 64, hf, fp8=False)
+    for command in (["inspect", str(hf)], ["to-hf", str(hf), "--out", str(tmp_path / "x")]):  # was "incomplete (no
+        assert one_line_error(command) == (                                                     # checksums.json ...)"
+            f"{hf} is a Hugging Face model directory, not a megafp8 checkpoint: import it first "
+            f"(tools/convert_checkpoint.py from-hf {hf} --out DIR)")
+    (tmp_path / "latest").write_text("step_00000008\n")  # was "corrupt ... IndexError: pop from empty list"
+    assert one_line_error(["inspect", str(tmp_path / "latest")]) == (
+        f"{tmp_path / 'latest'} is the pointer to the newest checkpoint (it names 'step_00000008'): give that "
+        f"checkpoint, {tmp_path / 'step_00000008'}")
+
     def read_only(*args, **kwargs):
         raise OSError(30, "Read-only file system", str(tmp_path / "ro" / "step_00000000"))
 

@@ -196,6 +196,9 @@ def not_a_checkpoint(directory: Path) -> Optional[str]:
         if steps:
             newest = find_latest(root) or steps[-1]
             return f"{directory} holds checkpoints but is not one: give one of them, e.g. {newest}"
+    if (directory / "config.json").is_file() and any(directory.glob("*.safetensors")):
+        return (f"{directory} is a Hugging Face model directory, not a megafp8 checkpoint: import it first "
+                f"(tools/convert_checkpoint.py from-hf {directory} --out DIR)")
     return None
 
 
@@ -335,6 +338,10 @@ def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMI
     if path.is_file() and is_sharded_checkpoint(path.parent):
         raise ConfigError(f"{path} is one file of the sharded checkpoint {path.parent}: give that directory")
     file = path / STATE_FILE if path.is_dir() else path
+    if path.name == LATEST_FILE and path.is_file():
+        named = path.read_bytes().decode("utf-8", errors="replace").strip()
+        raise ConfigError(f"{path} is the pointer to the newest checkpoint (it names {named!r}): give that "
+                          f"checkpoint, {path.parent / named}")
     if not file.is_file():
         raise ConfigError(f"checkpoint '{path}' not found (expected {file}); {advice.missing}")
     try:
