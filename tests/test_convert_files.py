@@ -44,6 +44,19 @@ def test_an_export_stopped_midway_leaves_the_earlier_export_as_it_was(tmp_path, 
     assert (tmp_path / "hf" / WEIGHTS_FILE).read_bytes() != before[WEIGHTS_FILE]
 
 
+def test_exported_files_get_the_mode_other_new_files_get(tmp_path):
+    """safetensors wrote model.safetensors 0600 beside a 0644 config.json: others could not read a shared export."""
+    import os
+
+    mask = os.umask(0o022)
+    try:
+        save_hf(tiny_model().state_dict(), CFG, 64, tmp_path / "hf", fp8=False, shard_bytes=2**20)
+    finally:
+        os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert len(modes) > 3 and set(modes.values()) == {0o644}, modes
+
+
 def test_shards_hold_consecutive_tensors_of_at_most_the_size_and_a_larger_one_alone():
     from megafp8.checkpoint.hf import shard_files
 

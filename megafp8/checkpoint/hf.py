@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 from typing import Optional
@@ -150,8 +151,10 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, 
         if is_export_file(leftover.name[:-len(PARTIAL)]) or leftover.name == CONFIG_FILE + PARTIAL:
             leftover.unlink()
     files = shard_files(tensors, shard_bytes)
+    mode = _new_file_mode()
     for file, names in files.items():
         save_file({name: tensors[name] for name in names}, str(out_dir / (file + PARTIAL)), metadata={"format": "pt"})
+        os.chmod(out_dir / (file + PARTIAL), mode)  # safetensors writes 0600: others sharing the export could not read
     written = dict.fromkeys(files)
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
@@ -170,6 +173,13 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, 
             stale.unlink()
     (out_dir / (CONFIG_FILE + PARTIAL)).replace(out_dir / CONFIG_FILE)  # last: the export is whole
     return layout
+
+
+def _new_file_mode() -> int:
+    """The mode `open` gives a new file here (0666 less the umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def is_export_file(name: str) -> bool:
