@@ -521,6 +521,27 @@ def test_hf_round_trip_keeps_max_position_embeddings(tmp_path):
     assert written == "llama; max_position_embeddings 256: kept from the imported Hugging Face config"
 
 
+def test_an_imported_model_fine_tuned_at_a_shorter_context_exports_the_imported_positions(tiny_overrides, tmp_path):
+    """Imported with max_position_embeddings 256, trained 2 steps at data.seq_len 64: the export said 64 (the run's
+    checkpoints did not carry what the import kept), serving a long-context model as a short one. A run at a longer
+    context than the import's writes its own."""
+    from megafp8.checkpoint.convert import export_hf, import_hf, model_settings
+
+    save_hf(tiny_model().state_dict(), CFG, 256, tmp_path / "hf", fp8=False)
+    path, cfg, _ = import_hf(tmp_path / "hf", tmp_path / "ck")
+    (tmp_path / "run.yaml").write_text(model_settings(cfg))
+    not_model = [o for o in tiny_overrides if not o.startswith("model.")]
+    for seq_len, expected in ((64, "256: kept from the imported Hugging Face config"),
+                              (512, "512: the run's data.seq_len, above the imported config's 256")):
+        run = f"ft{seq_len}"
+        Trainer(load_config(tmp_path / "run.yaml", not_model + [
+            f"checkpoint.resume={path}", f"run_name={run}", f"data.seq_len={seq_len}", "training.steps=2",
+            "training.eval_interval=0", "checkpoint.interval=2", "training.global_batch_size=2",
+            "training.micro_batch_size=1"]), ParallelDims.single(), torch.device("cpu")).fit()
+        step2 = tmp_path / "runs" / run / "checkpoints" / "step_00000002"
+        assert export_hf(step2, tmp_path / f"hf_{run}", fp8=False) == f"llama; max_position_embeddings {expected}"
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(num_key_value_heads=4), "tensor 'layers.0.attn.qkv_proj.weight' (from model.layers.0.self_attn.q_proj."
                                   "weight, model.layers.0.self_attn.k_proj.weight, model.layers.0.self_attn.v_proj."

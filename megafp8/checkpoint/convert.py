@@ -9,7 +9,8 @@ import torch
 import yaml
 
 from megafp8.checkpoint.hf import SHARD_BYTES, load_hf, save_hf
-from megafp8.checkpoint.local import CONVERTING, fresh_temporary, load_checkpoint, publish, save_checkpoint
+from megafp8.checkpoint.local import (CONVERTING, HF_SOURCE, fresh_temporary, load_checkpoint, publish,
+                                      save_checkpoint)
 from megafp8.checkpoint.sharded import INDEX_FILE, is_sharded_checkpoint, write_sharded
 from megafp8.parallel.sharding import Piece, Placed
 from megafp8.config import ConfigError, ModelConfig, describe_blocks
@@ -34,18 +35,17 @@ def best_weights(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {**{k: v for k, v in state["model"].items() if k not in masters}, **masters}
 
 
-HF_SOURCE = "hf_source"  # checkpoint key: what `import_hf` keeps of config.json that no model setting holds
 DEFAULT_MAX_POSITIONS = 4096
 
 
 def max_positions_of(state: dict[str, Any]) -> tuple[int, str]:
     """config.json's `max_position_embeddings` for `state`, and where it came from."""
     imported = state.get(HF_SOURCE, {}).get("max_position_embeddings")
-    if imported:
-        return int(imported), "kept from the imported Hugging Face config"
     seq_len = state.get("config", {}).get("data", {}).get("seq_len")
+    if imported and (not seq_len or int(imported) >= int(seq_len)):  # (a fine-tune at a shorter context keeps it)
+        return int(imported), "kept from the imported Hugging Face config"
     if seq_len:
-        return int(seq_len), "the run's data.seq_len"
+        return int(seq_len), "the run's data.seq_len" + (f", above the imported config's {imported}" if imported else "")
     return DEFAULT_MAX_POSITIONS, "the checkpoint records no sequence length; a default"
 
 

@@ -48,6 +48,8 @@ from megafp8.config import ConfigError
 log = logging.getLogger("megafp8")
 
 STATE_FILE = "state.pt"
+HF_SOURCE = "hf_source"  # checkpoint key: what `import_hf` keeps of config.json that no model setting holds
+CARRIED_KEYS = (HF_SOURCE,)  # checkpoint keys a run resumed from a checkpoint passes on into its own checkpoints
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 # What an interrupted save, prune or pointer update leaves behind (removed by `remove_leftovers`).

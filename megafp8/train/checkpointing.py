@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from megafp8.checkpoint import check_tensors_match, load_checkpoint, save_checkpoint
-from megafp8.checkpoint.local import fresh_temporary, publish
+from megafp8.checkpoint.local import CARRIED_KEYS, fresh_temporary, publish
 from megafp8.checkpoint.sharded import SafeReader, is_sharded_checkpoint, read_sharded, write_sharded
 from megafp8.config import CheckpointConfig, ConfigError, OptimizerConfig
 from megafp8.config.schema import upgrade_saved_model
@@ -252,6 +252,7 @@ class Checkpointer:
                  directory: Path, dims: ParallelDims) -> None:
         self.model, self.optimizer, self.train_state, self.parts = model, optimizer, train_state, parts
         self.config, self.cfg, self.directory, self.dims = config, cfg, directory, dims
+        self.carried: dict[str, Any] = {}  # checkpoint keys kept from the checkpoint resumed (CARRIED_KEYS)
         self.pending: Optional[_BackgroundWrite] = None
         self.last_save_seconds: Optional[float] = None  # rank 0: the newest checkpoint's, from save() to written
         self._save_started = 0.0
@@ -319,7 +320,7 @@ class Checkpointer:
         sharded form, whose tensors carry no step) the optimizer's step count."""
         parts = {name: part.state_dict() if part is not None else {} for name, part in self.parts.items()}
         return {**self.train_state.state_dict(), **parts, "config": self.config,
-                "optimizer_step": self.optimizer.step_count}
+                "optimizer_step": self.optimizer.step_count, **self.carried}
 
     def _save_full(self) -> Optional[Exception]:
         """Gather the full state on rank 0 (collective), which writes it; returns what this rank's write raised."""
@@ -411,6 +412,9 @@ class Checkpointer:
         loaded only to be evaluated (`--evaluate`), so its data position, which an evaluation never reads, may not
         fit this run's data."""
         meta = self._load_sharded(path) if is_sharded_checkpoint(path) else self._load_full(path)
+        # What an import kept of its source (config.json's max_position_embeddings) goes on into this run's
+        # checkpoints, so that their export still says what the imported model was built for.
+        self.carried = {key: meta[key] for key in CARRIED_KEYS if meta.get(key)}
         self._check_run_settings(path, meta.get("config"), named)
         self.train_state.load_state_dict(meta)
         for name, part in self.parts.items():
