@@ -102,14 +102,14 @@ class _Keys:
 
 
 def _check_type(key: str, value: Any) -> None:
-    if value is None or isinstance(value, bool):
-        if isinstance(value, bool) and (key in _INTEGER_KEYS or key in _NUMBER_KEYS):
-            raise ConfigError(f"config.json: {key} must be a number, got {value!r}")
+    if value is None or (key not in _INTEGER_KEYS and key not in _NUMBER_KEYS):
         return
+    if isinstance(value, bool):  # JSON true is a Python int
+        raise ConfigError(f"config.json: {key} must be a number, got {value!r}")
     if key in _INTEGER_KEYS and not isinstance(value, int):
         raise ConfigError(f"config.json: {key} must be an integer, got {value!r} ({type(value).__name__}): "
                           f"write it as {int(value) if isinstance(value, float) and value.is_integer() else 'one'}")
-    if key in _NUMBER_KEYS and not isinstance(value, (int, float)):
+    if not isinstance(value, (int, float)):
         raise ConfigError(f"config.json: {key} must be a number, got {value!r} ({type(value).__name__})")
 
 

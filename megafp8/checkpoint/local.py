@@ -136,10 +136,15 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int, latest_back: bool 
     return final
 
 
+def read_pointer(pointer: Path) -> str:
+    """What a `latest` file names ("" where there is none); damaged bytes, even ones that are not text, are read as
+    a name no checkpoint has, never an error."""
+    return pointer.read_bytes().decode("utf-8", errors="replace").strip() if pointer.is_file() else ""
+
+
 def _newer_latest(root: Path, name: str) -> Optional[str]:
     """The checkpoint `latest` names in `root`, where it is complete and newer than checkpoint `name`; else None."""
-    pointer = root / LATEST_FILE
-    named = pointer.read_bytes().decode("utf-8", errors="replace").strip() if pointer.is_file() else ""
+    named = read_pointer(root / LATEST_FILE)
     if _STEP_DIR.match(named) and named > name and checkpoint_problem(root / named) is None:
         return named
     return None
@@ -271,7 +276,7 @@ def resume_candidates(root: Path) -> tuple[list[Path], list[str]]:
     and one line for each `step_N` directory passed over: incomplete, or (last) complete but newer than `latest`.
     A `latest` that names no checkpoint (damaged, not even text) is ignored: the newest complete one is first."""
     pointer = root / LATEST_FILE
-    named = pointer.read_bytes().decode("utf-8", errors="replace").strip() if pointer.is_file() else ""
+    named = read_pointer(pointer)
     bound = named if _STEP_DIR.match(named) and (root / named).is_dir() else None
     candidates, skipped, newer = [], [], []
     for directory in reversed(_step_dirs(root)):
@@ -341,7 +346,7 @@ def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMI
         raise ConfigError(f"{path} is one file of the sharded checkpoint {path.parent}: give that directory")
     file = path / STATE_FILE if path.is_dir() else path
     if path.name == LATEST_FILE and path.is_file():
-        named = path.read_bytes().decode("utf-8", errors="replace").strip()
+        named = read_pointer(path)
         raise ConfigError(f"{path} is the pointer to the newest checkpoint (it names {named!r}): give that "
                           f"checkpoint, {path.parent / named}")
     if not file.is_file():

@@ -368,6 +368,17 @@ def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | N
     return cfg
 
 
+def flat_settings(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as `{"section.key": value}` (for comparing two configs setting by setting)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat_settings(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def config_to_dict(cfg: Any) -> dict[str, Any]:
     """Plain nested dict of a config (for saving next to a run or a checkpoint)."""
     return dataclasses.asdict(cfg)

@@ -21,6 +21,7 @@ import yaml
 
 from megafp8.checkpoint.local import LATEST_FILE, list_checkpoints
 from megafp8.config import CheckpointConfig, Config, ConfigError
+from megafp8.config.loader import flat_settings
 from megafp8.config.schema import upgrade_saved_model
 from megafp8.parallel import ParallelDims
 from megafp8.train.resume import from_rank0, verified_resume_path
@@ -134,20 +135,10 @@ def checkpoints_left_behind(config: dict[str, Any], run_dir: Path, checkpoint_di
     return (earlier_dir, found[-1].name) if found else None
 
 
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_changes(saved: dict[str, Any], current: dict[str, Any], shared_only: bool = False) -> list[str]:
     """`key: <saved> there, <current> here` for each setting that makes `current` another run than `saved`.
     `shared_only`: only the settings both hold (a checkpoint's config from another version of megafp8)."""
-    old, new = _flat(saved), _flat(current)
+    old, new = flat_settings(saved), flat_settings(current)
     keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RELAUNCH_SETTINGS)
             and (not shared_only or (k in old and k in new))]
     return [f"{k}: {old.get(k)} there, {new.get(k)} here" for k in keys if old.get(k) != new.get(k)]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.config import Config, ConfigError, validate_for_world
-from megafp8.config.loader import config_to_dict
+from megafp8.config.loader import config_to_dict, flat_settings
 from megafp8.model.transformer import uses_cuda_graphs
 from megafp8.parallel import ParallelDims
 
@@ -164,12 +164,6 @@ def init_distributed(cfg: Config) -> tuple[ParallelDims, torch.device]:
     return dims, device
 
 
-def _flat(node: object, prefix: str = "") -> dict[str, object]:
-    if isinstance(node, dict):
-        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
-    return {prefix.rstrip("."): node}
-
-
 def check_same_config(cfg: Config, dims: ParallelDims) -> None:
     """Every rank must run the config rank 0 runs (collective): a rank launched with other overrides (a launcher
     script that builds each rank's command line) would train its shard at another learning rate without a word,
@@ -183,7 +177,7 @@ def check_same_config(cfg: Config, dims: ParallelDims) -> None:
         return
     configs: list[object] = [None] * dims.world_size
     dist.all_gather_object(configs, mine)
-    flat = [_flat(c) for c in configs]
+    flat = [flat_settings(c) for c in configs]
     key = next(k for k in sorted(set().union(*flat)) if len({repr(f.get(k)) for f in flat}) > 1)
     values: dict[str, list[int]] = {}
     for rank, f in enumerate(flat):
