@@ -124,3 +124,25 @@ def test_the_cycle_checker_finds_a_function_level_cycle(tmp_path):
     # a type-checking-only import and a function-level relative import each count
     assert imports["pkg.saving"] == {"pkg.loop"} and imports["pkg.tools"] == {"pkg.loop"}
     assert _cycles(imports) == [frozenset({"pkg.loop", "pkg.saving"})]
+
+
+def test_the_tools_that_read_files_load_without_torch():
+    """Preprocessing and the tools that compare and plot runs' metrics start in a fraction of a second: nothing they
+    import pulls in torch (megafp8.data and megafp8.train import their torch-bound names on first use)."""
+    import subprocess
+    import sys
+
+    modules = ["megafp8.data.preprocess", "megafp8.train.plots", "megafp8.data"]
+    probe = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=PACKAGE.parent, capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False", result.stdout + result.stderr
+
+
+def test_the_lazily_imported_names_resolve():
+    import megafp8.data
+    import megafp8.train
+
+    for package in (megafp8.data, megafp8.train):
+        for name in package.__all__:
+            assert callable(getattr(package, name)), f"{package.__name__}.{name}"
