@@ -168,3 +168,33 @@ def test_tool_docstrings_keep_their_line_continuations():
         if not source.lstrip("bBuU").startswith(("r", "R")) and re.search(r"(?<!\\)(?:\\\\)*\\\n", source):
             joined.append(str(tool.relative_to(REPO)))
     assert not joined, f"docstrings whose `\\` + newline joins lines (write `\\\\`): {joined}"
+
+
+REPO_PATH = re.compile(r"(?<![\w/.])((?:megafp8|tools|launch|benchmarks|tests|configs|docs|\.ci)/[\w/.\-]*\w)")
+
+
+def test_every_repository_path_the_docs_name_exists():
+    missing = [f"{page.relative_to(REPO)}: {path}" for page in USER_DOCS for path in REPO_PATH.findall(page.read_text())
+               if not (REPO / path).exists() and not re.search(r"/[A-Z]+(\.\w+)?$", path)]  # configs/NAME: a placeholder
+    assert not missing, "paths named in the docs that the repository lacks:\n" + "\n".join(missing)
+
+
+# Names from other projects that the docs name as such.
+FOREIGN_NAMES = {"context_parallel_degree"}
+
+
+def test_every_code_name_the_docs_give_exists():
+    """A code span naming a function, class, constant or module attribute (`Fp8Converter`, `REPEAT_WINDOW_S`,
+    `rows_cols_gluon.GATHER_ROWS_FIRST`, `quantize_rows_cols(cols_in_blocks=True)`) names something the code has."""
+    sources = [REPO / "Makefile", REPO / "setup.py"] + [p for folder in ("megafp8", "tools", "launch", "benchmarks", "tests")
+                                                        for p in (REPO / folder).rglob("*")
+                                                        if p.suffix in (".py", ".sh", ".sbatch")]
+    words = set(re.findall(r"\w+", "\n".join(p.read_text() for p in sources)))
+    missing = []
+    for page in USER_DOCS:
+        for name in re.findall(r"`([A-Za-z_][\w.]*)(?:\([^`]*\))?`", page.read_text()):
+            for part in name.split("."):
+                looks_like_code = "_" in part or re.search(r"[a-z][A-Z]", part)
+                if looks_like_code and not part.startswith("_") and part not in words and part not in FOREIGN_NAMES:
+                    missing.append(f"{page.relative_to(REPO)}: {part} (in `{name}`)")
+    assert not missing, "names in the docs' code spans that no source file has:\n" + "\n".join(missing)
