@@ -96,7 +96,8 @@ COMMANDS: dict[str, Run | Skip] = {
             "path/to/my.yaml is a copy of tiny_dense.yaml; it prints the config instead of a 200-step run", alongside=True),
     "python launch/pretrain.py --config tiny_dense.yaml --dry-run --world-size 8 model.size=1b "
     "model.vocab_size=32768 training.global_batch_size=32": Run(alongside=True),
-    "python launch/pretrain.py --config tiny_dense.yaml --dry-run --world-size 8 model.size=1b parallel.tp=2": Run(alongside=True),
+    "python launch/pretrain.py --config tiny_dense.yaml --dry-run --world-size 8 model.size=1b parallel.tp=2 "
+    "model.vocab_size=32768": Run(alongside=True),
     "python launch/slurm/submit.py --config 671b_fp8.yaml --print-only": Run(alongside=True),
     "python tools/plan.py --config 16b_moe_fp8 --world-size 8 --layouts": Run(alongside=True),
     # Training: the demo runs, shortened.

@@ -8,7 +8,7 @@ A metric is a field of the train records (`loss`, `grad_norm`, `lr`, `tokens_per
 records when it starts with `val_`, or any `kind:field`.
 
 FP8-vs-BF16 parity (issue 22): three curves, and under them each run's relative gap to the first in %:
-    python tools/plot_runs.py runs/bf16_a runs/fp8_a runs/bf16_b --labels "BF16 seed A" "FP8 seed A" \
+    python tools/plot_runs.py runs/bf16_a runs/fp8_a runs/bf16_b --labels "BF16 seed A" "FP8 seed A" \\
         "BF16 seed B" --metrics loss val_loss --gaps --smooth 10 --from-step 100 --out parity.png
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Submit a megafp8 run to SLURM with the nodes and processes its parallel layout needs.
 
-    python launch/slurm/submit.py --config 671b_fp8.yaml --nodes 256            # 2048 H200s, as the paper
+    python launch/slurm/submit.py --config 671b_fp8.yaml --nodes 256            # 2048 GPUs, as the paper (H800s)
     python launch/slurm/submit.py --config 1b_dense_fp8.yaml                    # fills one 8-GPU node
     python launch/slurm/submit.py --config tiny_dense --cpu --procs-per-node 2 --sbatch=--wait
     python launch/slurm/submit.py --config 671b_fp8.yaml --print-only           # just print the sbatch line
