@@ -1,8 +1,15 @@
 """The documentation stays in step with the code."""
 from __future__ import annotations
 
+import argparse
+import ast
+import dataclasses
+import re
+import runpy
 import subprocess
 import sys
+import typing
+from functools import lru_cache
 
 from tests.conftest import REPO
 
@@ -21,13 +28,6 @@ def test_readme_opens_with_the_two_commands_and_ci_calls_the_test_one():
 
 # --- What the docs name exists in the code: config keys, tools' options, and the tools' own --help text. ---
 
-import argparse  # noqa: E402
-import ast  # noqa: E402
-import dataclasses  # noqa: E402
-import re  # noqa: E402
-import runpy  # noqa: E402
-import typing  # noqa: E402
-from functools import lru_cache  # noqa: E402
 
 # The user-facing pages. docs/benchmarks.md and docs/performance.md are measurement records: their commands and
 # settings are those of the session that measured, so they are not held to today's code.
