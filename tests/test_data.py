@@ -541,3 +541,33 @@ def test_a_file_named_twice_in_the_inputs_is_read_once(tmp_path, caplog):
         files = input_files([str(src), str(src / "001.txt"), str(tmp_path / "src" / ".." / "src" / "000.txt")])
     assert [p.name for p in files] == ["000.txt", "001.txt"]
     assert "2 input file(s) named more than once are read once" in caplog.text
+
+
+def test_a_held_out_file_of_one_s_own_is_the_validation_split(tmp_path, capsys):
+    """A Megatron user brings a validation file of their own: there was no way to make it the `valid` split (only a
+    seeded draw from the training inputs), short of editing meta.json by hand."""
+    import tools.preprocess_data as tool
+
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.jsonl").write_text("".join(json.dumps({"text": f"train doc {i} " * 5}) + "\n" for i in range(30)))
+    held = tmp_path / "heldout.jsonl"
+    held.write_text("".join(json.dumps({"text": f"held doc {i} " * 5}) + "\n" for i in range(4)))
+    assert tool.main(["--input", str(src), "--valid-input", str(held), "--output", str(tmp_path / "out")]) == 0
+    meta = read_meta(tmp_path / "out")
+    assert [s["num_docs"] for s in meta.splits["train"]] == [30]  # nothing of the training inputs drawn out
+    valid = TokenStream(meta, "valid")
+    pieces = np.split(valid.read(0, valid.num_tokens), np.where(valid.read(0, valid.num_tokens) == 256)[0] + 1)[:-1]
+    assert [ByteTokenizer().decode(p.tolist()) for p in pieces] == [f"held doc {i} " * 5 for i in range(4)]
+    for args, expected in ((["--input", str(src), "--valid-input", str(src / "a.jsonl")],
+                            "a.jsonl is in both --input and --valid-input: validation would read training data"),
+                           (["--input", str(src), "--valid-input", str(held), "--valid-fraction", "0.1"],
+                            "--valid-input is the held-out split, so --valid-fraction 0.1 would hold out training "
+                            "documents as well")):
+        assert tool.main([*args, "--output", str(tmp_path / "out2")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and expected in err and err.count("\n") == 1, err
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ConfigError, match=r"no documents in --valid-input .*empty.jsonl"):
+        preprocess([str(src)], tmp_path / "out3", valid_fraction=0.0, valid_inputs=[str(tmp_path / "empty.jsonl")])
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()

@@ -5,6 +5,8 @@ Examples:
     python tools/preprocess_data.py --input stdlib --output data/pystdlib
     python tools/preprocess_data.py --input corpus/ --output data/mycorpus --tokenizer tokenizer.json
     python tools/preprocess_data.py --input a.jsonl b.jsonl --json-key content --output data/ab
+    # your own held-out file as the validation split (every --input document is trained on)
+    python tools/preprocess_data.py --input corpus/ --valid-input heldout.jsonl --output data/mycorpus
     # every .py/.md/.rst/.txt file under a tree, de-duplicated, held out by file; --dry-run only measures it
     python tools/preprocess_data.py --input /usr/lib/python3/dist-packages --extensions .py .md .rst .txt \\
         --output data/pkgs --dry-run
@@ -27,16 +29,17 @@ from megafp8.data.text_tree import scan_text_tree, summary_lines  # noqa: E402
 byte_count = whole_number(0, " (0: no limit)")  # 1000000 or 1e6
 
 
-def add_text_tree_options(parser: argparse.ArgumentParser, held_out: str = "fraction of documents (files) held out"
-                          ) -> None:
-    """The options of the text-tree input mode (shared with tools/train_tokenizer.py)."""
+def add_text_tree_options(parser: argparse.ArgumentParser, held_out: str = "fraction of documents (files) held out",
+                          fraction_default: float | None = 0.01) -> None:
+    """The options of the text-tree input mode (shared with tools/train_tokenizer.py). `fraction_default` None:
+    the caller decides `--valid-fraction`'s default (preprocess_data.py's depends on --valid-input)."""
     parser.add_argument("--extensions", nargs="+", default=None, metavar="EXT",
                         help="text-tree mode: every file under the input directories whose name ends with one of "
                              "these (e.g. .py .md .rst .txt) is one document; identical files are kept once, whole "
                              "files are held out (chosen by a seeded hash of their content), binary, non-UTF-8 and "
                              "empty files are skipped. Without it: directories are searched for .txt/.jsonl/.json "
                              "and each document is held out by a seeded draw")
-    parser.add_argument("--valid-fraction", type=float, default=0.01, help=held_out)
+    parser.add_argument("--valid-fraction", type=float, default=fraction_default, help=f"{held_out} (default 0.01)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the held-out split (and text-tree order)")
     parser.add_argument("--max-file-bytes", type=byte_count, default=0,
                         help="text-tree mode: skip files larger than this (0: no limit)")
@@ -48,9 +51,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="text/JSONL files, directories (searched for .txt/.jsonl/.json, or for --extensions), "
                              "or 'stdlib' (the Python standard library's sources: a corpus on any machine)")
     parser.add_argument("--output", required=True, help="output directory (must not exist unless --overwrite)")
+    parser.add_argument("--valid-input", nargs="+", default=None,
+                        help="text/JSONL files or directories whose documents are the validation split (your own "
+                             "held-out set); every --input document is then trained on (no --valid-fraction)")
     parser.add_argument("--tokenizer", default="byte", help="'byte' (default) or a tokenizer.json path")
     parser.add_argument("--eos-token", default=None, help="end-of-document token of a tokenizer.json")
-    add_text_tree_options(parser)
+    add_text_tree_options(parser, "fraction of documents (files) held out; 0 with --valid-input",
+                          fraction_default=None)
     parser.add_argument("--max-bytes", type=byte_count, default=0,
                         help="text-tree mode: keep a seeded random sample of the unique files up to this many bytes "
                              "(0: all)")
@@ -64,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.extensions is None and (args.dry_run or args.max_bytes or args.max_file_bytes):
         parser.error("--dry-run, --max-bytes and --max-file-bytes belong to the text-tree mode: add --extensions")
+    if args.extensions is not None and args.valid_input:
+        parser.error("--valid-input belongs to the default mode: drop --extensions, or hold files out with "
+                     "--valid-fraction")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.valid_fraction is None:  # nothing drawn beside a held-out file of one's own
+        args.valid_fraction = 0.0 if args.valid_input else 0.01
     try:
         tree = None
         if args.extensions is not None:
@@ -74,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                 print("\n".join(summary_lines(tree)))
                 return 0
         splits = preprocess(args.input, args.output, args.tokenizer, args.valid_fraction, args.seed,
-                            args.shard_tokens, args.json_key, args.eos_token, args.overwrite, tree)
+                            args.shard_tokens, args.json_key, args.eos_token, args.overwrite, tree,
+                            args.valid_input)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

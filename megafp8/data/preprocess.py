@@ -2,7 +2,9 @@
 
 Two input modes. Files and JSONL records (the default): each document (a file, or a JSONL line) goes to the
 validation split with probability `valid_fraction`, decided by a seeded generator in document order, so the
-same inputs and seed give the same splits (and `train_tokenizer` can leave the held-out documents out). A text
+same inputs and seed give the same splits (and `train_tokenizer` can leave the held-out documents out); or, with
+`valid_inputs` (a held-out file of one's own), those files' documents are the validation split and every document
+of `inputs` is trained on. A text
 tree (`extensions` given): every file under the input directories whose name ends with one of `extensions` is one
 document, duplicates dropped, and whole files are held out by a seeded hash of their content
 (`megafp8.data.text_tree`). Every shard records its largest token id, which must be below the tokenizer's
@@ -64,30 +66,38 @@ def preprocess(
     eos_token: str | None = None,
     overwrite: bool = False,
     tree: TextTree | None = None,
+    valid_inputs: list[str] | None = None,
 ) -> dict[str, list]:
     """Write `output/` and return its split table. See `tools/preprocess_data.py` for the command line.
 
     With `tree` (from `scan_text_tree(inputs, ...)`), its files are the documents, split by file as the scan
-    decided (`valid_fraction` and `seed` are then the scan's); its figures go into meta.json under `corpus`."""
+    decided (`valid_fraction` and `seed` are then the scan's); its figures go into meta.json under `corpus`.
+    With `valid_inputs` (files or directories, as `inputs`), their documents make the validation split and those of
+    `inputs` all go to training (`valid_fraction` must then be 0: nothing else is held out)."""
     if not 0 <= valid_fraction < 1:
         raise ConfigError(f"--valid-fraction must be in [0, 1), got {valid_fraction}")
     out = Path(output)
     _check_replaceable(out, overwrite)
     tokenizer = load_tokenizer(tokenizer_spec, eos_token)
     files = input_files(inputs) if tree is None else []
+    valid_files = _valid_files(valid_inputs, files, valid_fraction, tree) if valid_inputs else []
     started = time.time()
     tmp = out.with_name(out.name + ".partial")
     lock = _claim(tmp, out)
     try:
         splits, num_docs, num_tokens = _write_splits(tmp, tokenizer, files, valid_fraction, seed, shard_tokens,
-                                                     json_key, tree)
+                                                     json_key, tree, valid_files)
         if "train" not in splits:
             raise ConfigError(f"no training documents in {inputs} (all inputs empty, or --valid-fraction too high)")
+        if valid_files and "valid" not in splits:
+            raise ConfigError(f"no documents in --valid-input {' '.join(valid_inputs or [])} (empty files, or JSONL "
+                              f"records without a '{json_key}' string): give it the held-out documents")
         largest = max(shard["max_token_id"] for shards in splits.values() for shard in shards)
         if largest >= tokenizer.vocab_size:
             raise ConfigError(f"tokenizer {tokenizer.spec} produced token id {largest} but reports a vocabulary of "
                               f"{tokenizer.vocab_size}: use a tokenizer whose ids fit its vocabulary size")
-        write_meta(tmp, tokenizer.spec, tokenizer.vocab_size, tokenizer.eos_id, splits, source=" ".join(inputs),
+        source = " ".join(inputs) + (f" (valid: {' '.join(valid_inputs or [])})" if valid_files else "")
+        write_meta(tmp, tokenizer.spec, tokenizer.vocab_size, tokenizer.eos_id, splits, source=source,
                    corpus=tree.summary() if tree is not None else None)
         _publish(tmp, out, overwrite)
     except BaseException:
@@ -99,8 +109,28 @@ def preprocess(
     return splits
 
 
+def _valid_files(valid_inputs: list[str], files: list[Path], valid_fraction: float, tree: TextTree | None
+                 ) -> list[Path]:
+    """The files of `valid_inputs`, refused where they cannot be a held-out split of their own: in the text-tree
+    mode, beside a `valid_fraction` that would hold out more, or where a file is also among the training inputs."""
+    if tree is not None:
+        raise ConfigError("--valid-input belongs to the default mode: drop --extensions, or hold files out with "
+                          "--valid-fraction")
+    if valid_fraction != 0:
+        raise ConfigError(f"--valid-input is the held-out split, so --valid-fraction {valid_fraction:g} would hold "
+                          "out training documents as well: drop --valid-fraction (or set it to 0)")
+    valid_files = input_files(valid_inputs)
+    training = {path.resolve() for path in files}
+    for path in valid_files:
+        if path.resolve() in training:
+            raise ConfigError(f"{path} is in both --input and --valid-input: validation would read training data; "
+                              "move it out of the training inputs")
+    return valid_files
+
+
 def _write_splits(tmp: Path, tokenizer: Tokenizer, files: list[Path], valid_fraction: float, seed: int,
-                  shard_tokens: int, json_key: str, tree: TextTree | None) -> tuple[dict[str, list], int, int]:
+                  shard_tokens: int, json_key: str, tree: TextTree | None, valid_files: list[Path]
+                  ) -> tuple[dict[str, list], int, int]:
     """Tokenize every document into the shards of `tmp`; returns the split table, documents and tokens."""
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "valid")}
@@ -113,6 +143,10 @@ def _write_splits(tmp: Path, tokenizer: Tokenizer, files: list[Path], valid_frac
 
     for split, tokens in place_last_document(counted(), valid_fraction):
         writers[split].add(tokens)
+    valid_docs = (doc for path in valid_files for doc in read_documents(path, json_key))
+    for tokens in _encode_all(tokenizer, valid_docs):
+        counts[0], counts[1] = counts[0] + 1, counts[1] + len(tokens)
+        writers["valid"].add(tokens)
     return {s: w.close() for s, w in writers.items() if w.shards}, counts[0], counts[1]
 
 
