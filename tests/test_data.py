@@ -571,3 +571,28 @@ def test_a_held_out_file_of_one_s_own_is_the_validation_split(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"no documents in --valid-input .*empty.jsonl"):
         preprocess([str(src)], tmp_path / "out3", valid_fraction=0.0, valid_inputs=[str(tmp_path / "empty.jsonl")])
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
+
+
+def test_a_named_checkpoint_s_warnings_are_said_once_not_by_every_rank(tiny_overrides, tmp_path, caplog):
+    """A second stage (checkpoint.resume=PATH, a longer data.seq_len) under torchrun printed each of its warnings
+    (settings changed, data position dropped, model settings changed) once per rank: they are the same everywhere,
+    and ranks above 0 log warnings."""
+    import dataclasses
+
+    from megafp8.config import load_config
+    from megafp8.parallel import ParallelDims
+    from megafp8.train import Trainer
+
+    common = tiny_overrides + ["training.steps=2", "checkpoint.interval=2", "training.eval_interval=0"]
+    Trainer(load_config("tiny_dense", common), ParallelDims.single(), torch.device("cpu")).fit()
+    path = tmp_path / "runs" / "t" / "checkpoints" / "step_00000002"
+    stage = Trainer(load_config("tiny_dense", common + ["run_name=long", f"checkpoint.resume={path}",
+                                                       "data.seq_len=128", "model.rope_theta=20000",
+                                                       "training.steps=3"]),
+                    ParallelDims.single(), torch.device("cpu"))
+    for rank, said in ((0, 3), (1, 0)):
+        stage.checkpointer.dims = dataclasses.replace(stage.checkpointer.dims, rank=rank)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="megafp8"):
+            stage.checkpointer.load(path, named=True)
+        assert len(caplog.records) == said, (rank, caplog.text)

@@ -427,12 +427,13 @@ class Checkpointer:
                     if not named:
                         raise
                     # A run of its own from this checkpoint (a new stage: other data, a longer context): its
-                    # position in another sample order means nothing here.
-                    log.warning("the data position of %s (%s samples consumed) does not fit this run's data: %s: "
-                                "this run reads its data from the first sample of its own order", path,
-                                meta[name].get("consumed_samples"), err.mismatch)
+                    # position in another sample order means nothing here. Said once, by rank 0 (every rank has it).
+                    if self.dims.rank == 0:
+                        log.warning("the data position of %s (%s samples consumed) does not fit this run's data: "
+                                    "%s: this run reads its data from the first sample of its own order", path,
+                                    meta[name].get("consumed_samples"), err.mismatch)
         changes = model_setting_changes(meta.get("config", {}).get("model", {}), self.config["model"])
-        if changes:
+        if changes and self.dims.rank == 0:  # the same on every rank: said once
             log.warning("resuming %s with model settings other than its own (%s): the weights now compute another "
                         "function; set them as the checkpoint has unless this is meant (e.g. a context-extension "
                         "stage)", path, "; ".join(changes))
@@ -462,8 +463,10 @@ class Checkpointer:
         if not changes:
             return
         if named:
-            log.warning("resuming %s under settings other than it was saved with (%s): this run continues its "
-                        "weights and data position under them", path, "; ".join(changes))
+            if self.dims.rank == 0:  # the same on every rank: said once
+                log.warning("resuming %s under settings other than it was saved with (%s): this run continues its "
+                            "weights (and its data position, where its data is the same) under them", path,
+                            "; ".join(changes))
             return
         more = f" and {len(changes) - 1} more setting(s)" if len(changes) > 1 else ""
         raise ConfigError(f"checkpoint {path} was saved under other settings than this run's ({changes[0]}{more}): "
