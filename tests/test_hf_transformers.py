@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ pytest.importorskip("safetensors")
 transformers = pytest.importorskip("transformers", reason="needs the test extra: pip install -e '.[test]'")
 
 from megafp8.checkpoint.hf import load_hf, save_hf  # noqa: E402
+from megafp8.data import load_tokenizer  # noqa: E402
 from megafp8.config import GqaConfig, MlaConfig, ModelConfig, MoeConfig, RopeScalingConfig  # noqa: E402
 from megafp8.model import Transformer, init_weights  # noqa: E402
 from megafp8.precision import PrecisionRecipe  # noqa: E402
@@ -231,3 +233,45 @@ def test_fp8_export_loads_in_transformers_with_its_bf16_layers_declared(tmp_path
         rows, cols = layer.weight.shape
         scale = layer.weight_scale_inv.detach().repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
         assert torch.equal(layer.weight.float() * scale, file(f"{name}.weight")), name
+
+
+def test_an_export_with_its_tokenizer_loads_in_auto_tokenizer_and_says_its_end_of_text_id(tiny_overrides, tmp_path,
+                                                                                        capsys):
+    """A run on data of its own tokenizer.json, exported: config.json named no token ids, so transformers took
+    Llama's defaults (bos 1, eos 2: ordinary tokens of this tokenizer, where generation then stopped), and the
+    directory held no tokenizer for AutoTokenizer. `--tokenizer` puts it there with its end-of-text id; without it
+    the ids are null, and the tool says which tokenizer the run's data was made with."""
+    pytest.importorskip("tokenizers")
+    import tools.convert_checkpoint as tool
+    from megafp8.config import load_config
+    from megafp8.data.preprocess import preprocess, train_tokenizer
+    from megafp8.parallel import ParallelDims
+    from megafp8.train import Trainer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"{i:03d}.txt").write_text(f"def function_{i}(x):\n    return x * {i} + 'text'\n" * 20)
+    tok, other = tmp_path / "tok.json", tmp_path / "other.json"
+    train_tokenizer([str(src)], tok, vocab_size=400)
+    train_tokenizer([str(src)], other, vocab_size=300)
+    preprocess([str(src)], tmp_path / "data", tokenizer_spec=str(tok), valid_fraction=0.1)
+    Trainer(load_config("tiny_dense", tiny_overrides + [f"data.path={tmp_path / 'data'}", "training.steps=2",
+                                                        "training.eval_interval=0", "checkpoint.interval=2"]),
+            ParallelDims.single(), torch.device("cpu")).fit()
+    step2 = tmp_path / "runs" / "t" / "checkpoints" / "step_00000002"
+    assert tool.main(["to-hf", str(step2), "--out", str(tmp_path / "bare")]) == 0
+    assert f"add --tokenizer FILE.json (the run's data was tokenized with {tok})" in capsys.readouterr().out
+    bare = transformers.AutoConfig.from_pretrained(tmp_path / "bare")
+    assert bare.eos_token_id is None and bare.bos_token_id is None  # were 2 and 1
+    assert tool.main(["to-hf", str(step2), "--out", str(tmp_path / "hf"), "--tokenizer", str(tok)]) == 0
+    assert "eos_token '<|endoftext|>' (id 0)" in capsys.readouterr().out
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == config.eos_token_id == 0
+    assert loaded("def function_3(x):").input_ids == load_tokenizer(str(tok)).encode("def function_3(x):")
+    assert tool.main(["to-hf", str(step2), "--out", str(tmp_path / "wrong"), "--tokenizer", str(other)]) == 2
+    assert re.search(rf"--tokenizer {re.escape(str(other))} has \d+ ids, but the run's data was tokenized with "
+                     rf"{re.escape(str(tok))} of {load_tokenizer(str(tok)).vocab_size}: give the tokenizer.json",
+                     capsys.readouterr().err)
+    assert not (tmp_path / "wrong").exists()

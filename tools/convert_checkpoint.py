@@ -5,6 +5,7 @@ DeepSeek-V2 and -V3; docs/checkpoints.md lists what converts and what is refused
     python tools/convert_checkpoint.py inspect runs/tiny_dense/checkpoints/step_00000200
     python tools/convert_checkpoint.py verify runs/tiny_dense/checkpoints/step_00000200
     python tools/convert_checkpoint.py to-hf runs/tiny_dense/checkpoints/step_00000200 --out hf/tiny [--fp8]
+    python tools/convert_checkpoint.py to-hf runs/mine/checkpoints/step_00001000 --out hf/mine --tokenizer tok.json
     python tools/convert_checkpoint.py from-hf hf/tiny --out runs/from_hf/checkpoints
     python tools/convert_checkpoint.py consolidate runs/big/checkpoints/step_00001000 --out one_file/
     python tools/convert_checkpoint.py shard one_file/step_00001000 --out sharded/
@@ -28,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megafp8.checkpoint.convert import consolidate, describe, export_hf, import_hf, model_settings, shard  # noqa: E402
+from megafp8.checkpoint.convert import (consolidate, describe, export_hf, import_hf, missing_tokenizer_note,  # noqa: E402
+                                        model_settings, shard)
 from megafp8.checkpoint.local import verify_checkpoint  # noqa: E402
 from megafp8.config import ConfigError, os_error_text  # noqa: E402
 
@@ -54,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     to_hf.add_argument("checkpoint", type=Path)
     to_hf.add_argument("--out", type=Path, required=True)
     to_hf.add_argument("--fp8", action="store_true", help="store projections as E4M3 with 128x128 block scales")
+    to_hf.add_argument("--tokenizer", type=Path, default=None,
+                       help="the tokenizer.json the run's data was made with: copied into --out with a "
+                            "tokenizer_config.json (AutoTokenizer loads the directory), its end-of-text id into "
+                            "config.json's eos_token_id (else null)")
+    to_hf.add_argument("--eos-token", default=None,
+                       help="with --tokenizer: its end-of-text token, as tools/preprocess_data.py was given it")
     to_hf.add_argument("--shard-gib", type=float, default=5.0,
                        help="largest safetensors file to write, GiB (default 5): above it, shards and an index")
     from_hf = commands.add_parser("from-hf", help="import a Hugging Face Llama, Mistral, Mixtral or DeepSeek-V2/V3 "
@@ -81,8 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "to-hf":
             if not 0 < args.shard_gib < float("inf"):
                 raise ConfigError(f"--shard-gib {args.shard_gib:g}: give the largest file size in GiB, above 0")
-            written = export_hf(args.checkpoint, args.out, args.fp8, int(args.shard_gib * 2**30))
+            if args.eos_token is not None and args.tokenizer is None:
+                raise ConfigError("--eos-token belongs to --tokenizer: add --tokenizer FILE.json")
+            written = export_hf(args.checkpoint, args.out, args.fp8, int(args.shard_gib * 2**30), args.tokenizer,
+                                args.eos_token)
             print(f"wrote {args.out} ({written})")
+            if args.tokenizer is None:
+                print(missing_tokenizer_note(args.checkpoint))
         elif args.command == "from-hf":
             path, cfg, notes = import_hf(args.hf_dir, args.out)
             print("\n".join(notes + [f"wrote {path}", f"train from it with checkpoint.resume={path} and these model "

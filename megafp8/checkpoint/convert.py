@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from megafp8.checkpoint.sharded import INDEX_FILE, is_sharded_checkpoint, write_
 from megafp8.parallel.sharding import Piece, Placed
 from megafp8.config import ConfigError, ModelConfig, describe_blocks
 from megafp8.config.loader import config_to_dict, model_config_from_saved
+from megafp8.data.tokenizer import HFTokenizer
 
 
 def model_config_of(state: dict[str, Any]) -> ModelConfig:
@@ -49,13 +51,61 @@ def max_positions_of(state: dict[str, Any]) -> tuple[int, str]:
     return DEFAULT_MAX_POSITIONS, "the checkpoint records no sequence length; a default"
 
 
-def export_hf(checkpoint: Path, out_dir: Path, fp8: bool, shard_bytes: int = SHARD_BYTES) -> str:
+def export_hf(checkpoint: Path, out_dir: Path, fp8: bool, shard_bytes: int = SHARD_BYTES,
+              tokenizer: Path | None = None, eos_token: str | None = None) -> str:
     """A megafp8 checkpoint -> a Hugging Face directory (safetensors files of at most `shard_bytes`); returns the
-    model_type it was written as and its `max_position_embeddings` with where that came from."""
+    model_type it was written as and its `max_position_embeddings` with where that came from, and what it says of
+    the tokenizer. With `tokenizer` (the tokenizer.json the run's data was made with; `eos_token` as
+    tools/preprocess_data.py takes it), the export holds it (tokenizer.json, tokenizer_config.json) and config.json
+    its end-of-text id, so that `AutoTokenizer` loads from the directory and generation stops where training's
+    documents ended; a tokenizer of another vocabulary size than the run's data is refused."""
     state = load_checkpoint(checkpoint, advice=CONVERTING, tensors="weights")
     positions, source = max_positions_of(state)
-    model_type = save_hf(best_weights(state), model_config_of(state), positions, out_dir, fp8, shard_bytes)
-    return f"{model_type}; max_position_embeddings {positions}: {source}"
+    cfg = model_config_of(state)
+    hf_tokenizer = None if tokenizer is None else _export_tokenizer(tokenizer, eos_token, state, cfg)
+    model_type = save_hf(best_weights(state), cfg, positions, out_dir, fp8, shard_bytes,
+                         None if hf_tokenizer is None else hf_tokenizer.eos_id)
+    said = f"{model_type}; max_position_embeddings {positions}: {source}"
+    if hf_tokenizer is None:
+        return said
+    tokenizer_files = {TOKENIZER_FILE: Path(hf_tokenizer.spec).read_text(encoding="utf-8"),
+                       TOKENIZER_CONFIG_FILE: json.dumps(
+                           {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": hf_tokenizer.eos_token,
+                            "model_max_length": positions, "clean_up_tokenization_spaces": False}, indent=2)}
+    for name, text in tokenizer_files.items():
+        (out_dir / name).write_text(text, encoding="utf-8")
+    return f"{said}; tokenizer {tokenizer}, eos_token {hf_tokenizer.eos_token!r} (id {hf_tokenizer.eos_id})"
+
+
+TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
+
+
+def missing_tokenizer_note(checkpoint: Path) -> str:
+    """What an export without `--tokenizer` lacks, and the tokenizer.json the checkpoint's data was made with (its
+    metadata only is read)."""
+    state = load_checkpoint(checkpoint, verify=False, advice=CONVERTING, tensors="shapes")
+    trained_with = state.get("loader", {}).get("fingerprint", {}).get("tokenizer")
+    hint = f" (the run's data was tokenized with {trained_with})" if trained_with not in (None, "byte") else ""
+    return (f"no tokenizer written and config.json's eos_token_id is null: add --tokenizer FILE.json{hint} for "
+            "AutoTokenizer to load the directory and generation to stop at the end of a document")
+
+
+def _export_tokenizer(path: Path, eos_token: str | None, state: dict[str, Any], cfg: ModelConfig) -> HFTokenizer:
+    """The tokenizer.json to export beside the checkpoint's weights, refused where it cannot be the one its run's
+    data was made with (another vocabulary size than recorded) or holds ids beyond the model's vocabulary."""
+    if path.suffix.lower() != ".json":
+        raise ConfigError(f"--tokenizer {path}: give a Hugging Face tokenizer.json (the byte tokenizer has no "
+                          "Hugging Face form)")
+    tok = HFTokenizer(str(path), eos_token)
+    recorded = state.get("loader", {}).get("fingerprint", {})
+    if recorded.get("vocab_size") not in (None, tok.vocab_size):
+        raise ConfigError(f"--tokenizer {path} has {tok.vocab_size} ids, but the run's data was tokenized with "
+                          f"{recorded.get('tokenizer')} of {recorded['vocab_size']}: give the tokenizer.json the "
+                          "data was made with")
+    if tok.vocab_size > cfg.vocab_size:
+        raise ConfigError(f"--tokenizer {path} has {tok.vocab_size} ids, more than the model's {cfg.vocab_size} "
+                          "embedding rows: give the tokenizer.json the run's data was made with")
+    return tok
 
 
 def import_hf(hf_dir: Path, out_root: Path) -> tuple[Path, ModelConfig, list[str]]:

@@ -128,11 +128,12 @@ SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, out_dir: Path, fp8: bool,
-            shard_bytes: int = SHARD_BYTES) -> str:
+            shard_bytes: int = SHARD_BYTES, eos_token_id: int | None = None) -> str:
     """Write config.json and the weights in the layout `cfg` converts to (Llama, Mixtral, DeepSeek-V2 or -V3;
     `state` includes the routers' `expert_bias` buffers): one model.safetensors, or where the tensors exceed
     `shard_bytes`, model-0000i-of-0000n.safetensors files of at most that size (a tensor larger alone gets a file of
-    its own) with model.safetensors.index.json, as Hugging Face saves them. Returns the layout's model_type.
+    its own) with model.safetensors.index.json, as Hugging Face saves them. `eos_token_id`: config.json's (`null`
+where not given). Returns the layout's model_type.
 
     Each file is written under a `.partial` name and renamed once all are whole, config.json last, after the
     weight files an earlier export left in `out_dir` under other names are gone. So an export killed while it writes
@@ -143,7 +144,7 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, 
     layout = export_layout(cfg)
     tensors = (to_hf_tensors(state, cfg, fp8) if layout in ("llama", "mixtral")
                else to_deepseek_tensors(state, cfg, fp8, layout))
-    config = hf_config(cfg, layout, max_seq_len, fp8)
+    config = hf_config(cfg, layout, max_seq_len, fp8, eos_token_id)
     if fp8:
         config["quantization_config"]["modules_to_not_convert"] = bf16_linears(tensors)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -379,8 +379,11 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
-def hf_config(cfg: ModelConfig, layout: HfLayout, max_seq_len: int, fp8: bool) -> dict[str, Any]:
-    """The config.json of `cfg` in `layout` (from `export_layout`)."""
+def hf_config(cfg: ModelConfig, layout: HfLayout, max_seq_len: int, fp8: bool, eos_token_id: int | None = None
+              ) -> dict[str, Any]:
+    """The config.json of `cfg` in `layout` (from `export_layout`). The token ids are always written, `null` where
+    unknown: left out, transformers assumes its model type's defaults (Llama's bos 1 and eos 2, DeepSeek's 0 and 1),
+    ids that are ordinary tokens of another tokenizer, and generation stops at them."""
     specific = (_mixtral_config(cfg) if layout == "mixtral" else _gqa_config(cfg) if layout in ("llama", "mistral")
                 else _deepseek_config(cfg, layout))
     out = {"architectures": [_ARCHITECTURES[layout]], "model_type": layout, "vocab_size": cfg.vocab_size,
@@ -388,7 +391,7 @@ def hf_config(cfg: ModelConfig, layout: HfLayout, max_seq_len: int, fp8: bool) -
            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads, "rms_norm_eps": cfg.norm_eps,
            "max_position_embeddings": max_seq_len, "hidden_act": "silu", "attention_bias": False,
            "tie_word_embeddings": False, "torch_dtype": "bfloat16", **rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
-           **specific}
+           "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": None, **specific}
     if fp8:
         out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": [128, 128]}

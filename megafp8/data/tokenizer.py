@@ -65,13 +65,14 @@ class HFTokenizer:
         # must hold the largest id, or its tokens would be stored in too narrow a dtype.
         ids = self._tok.get_vocab(with_added_tokens=True).values()
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
-        self.eos_id = self._find_eos(eos_token)
+        self.eos_token, self.eos_id = self._find_eos(eos_token)
 
-    def _find_eos(self, eos_token: str | None) -> int:
+    def _find_eos(self, eos_token: str | None) -> tuple[str, int]:
+        """The end-of-document token and its id."""
         for token in ([eos_token] if eos_token else list(_EOS_CANDIDATES)):
             token_id = self._tok.token_to_id(token)
             if token_id is not None:
-                return token_id
+                return token, token_id
         wanted = f"'{eos_token}'" if eos_token else f"any of {', '.join(_EOS_CANDIDATES)}"
         raise ConfigError(f"tokenizer {self.spec} has no end-of-document token ({wanted}); pass --eos-token")
 
