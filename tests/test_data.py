@@ -596,3 +596,21 @@ def test_a_named_checkpoint_s_warnings_are_said_once_not_by_every_rank(tiny_over
         with caplog.at_level("WARNING", logger="megafp8"):
             stage.checkpointer.load(path, named=True)
         assert len(caplog.records) == said, (rank, caplog.text)
+
+
+def test_documents_holding_the_end_of_document_token_s_text_are_counted_in_a_warning(tmp_path, caplog):
+    """A tokenizer.json reads its special tokens' text wherever it occurs: a document that quotes
+    '<|endoftext|>' (a corpus of code or docs about language models) was silently split in two."""
+    pytest.importorskip("tokenizers")
+    src = write_docs(tmp_path / "src", [f"def f_{i}(x):\n    return x + {i}\n" * 10 for i in range(20)])
+    tok_path = tmp_path / "tokenizer.json"
+    train_tokenizer([str(src)], tok_path, vocab_size=400)
+    (src / "100.txt").write_text("a model ends documents with <|endoftext|> and goes on\n")
+    with caplog.at_level("WARNING"):
+        preprocess([str(src)], tmp_path / "out", tokenizer_spec=str(tok_path), valid_fraction=0.0)
+    assert ("1 of 21 documents hold the text '<|endoftext|>', which the tokenizer reads as its end-of-document "
+            "token: training sees each of them as several documents") in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        preprocess([str(src)], tmp_path / "out2", valid_fraction=0.0)  # bytes: no text is a token of its own
+    assert "end-of-document token" not in caplog.text

@@ -134,19 +134,27 @@ def _write_splits(tmp: Path, tokenizer: Tokenizer, files: list[Path], valid_frac
     """Tokenize every document into the shards of `tmp`; returns the split table, documents and tokens."""
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "valid")}
-    counts = [0, 0]  # documents, tokens
+    counts = [0, 0, 0]  # documents, tokens, documents holding the end-of-document token's text
+
+    def count(tokens: np.ndarray) -> np.ndarray:
+        counts[0], counts[1] = counts[0] + 1, counts[1] + len(tokens)
+        counts[2] += bool((tokens[:-1] == tokenizer.eos_id).any())
+        return tokens
 
     def counted() -> Iterator[tuple[str, np.ndarray]]:
         for split, tokens in _split_documents(tokenizer, files, valid_fraction, seed, json_key, tree):
-            counts[0], counts[1] = counts[0] + 1, counts[1] + len(tokens)
-            yield split, tokens
+            yield split, count(tokens)
 
     for split, tokens in place_last_document(counted(), valid_fraction):
         writers[split].add(tokens)
     valid_docs = (doc for path in valid_files for doc in read_documents(path, json_key))
     for tokens in _encode_all(tokenizer, valid_docs):
-        counts[0], counts[1] = counts[0] + 1, counts[1] + len(tokens)
-        writers["valid"].add(tokens)
+        writers["valid"].add(count(tokens))
+    if counts[2]:
+        eos = getattr(tokenizer, "eos_token", tokenizer.eos_id)
+        log.warning("%d of %d documents hold the text %r, which the tokenizer reads as its end-of-document token: "
+                    "training sees each of them as several documents (remove that text from the corpus, or give "
+                    "--eos-token another token)", counts[2], counts[0], eos)
     return {s: w.close() for s, w in writers.items() if w.shards}, counts[0], counts[1]
 
 
