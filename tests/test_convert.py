@@ -422,6 +422,12 @@ MLA_CFG = dataclasses.replace(CFG, attention=MlaConfig())
     (with_moe(CFG, num_experts=4, num_shared_experts=0, first_dense_layers=0),
      "model.moe.score_func='sigmoid' has no place in the Mixtral layout"),
     (dataclasses.replace(CFG, mtp_depth=1), "model.mtp_depth=1: only the DeepSeek-V3 layout"),
+    # model.moe's defaults (DeepSeek-V3's routing) on GQA: every setting at once, not one per retraining
+    (with_moe(CFG, num_experts=4),
+     "model.moe.score_func='sigmoid', model.moe.num_shared_experts=1 and model.moe.first_dense_layers=1 have no place "
+     "in the Mixtral layout this model converts to (it needs 'softmax', 0 and 0): train it with "
+     "model.moe.score_func=softmax model.moe.num_shared_experts=0 model.moe.first_dense_layers=0 "
+     "model.moe.bias_update_rate=0 (Mixtral has no selection bias)"),
     (dataclasses.replace(MLA_CFG, norm_eps=1e-5), "model.norm_eps=1e-05: DeepSeek's layout normalizes MLA's q and kv "
                                                   "with eps 1e-6"),
     (with_moe(dataclasses.replace(MLA_CFG, norm_eps=1e-6), num_experts=4, score_func="softmax"),

@@ -320,13 +320,28 @@ _V2_NEEDS = {"moe.norm_topk_prob": False, "moe.n_group": 1, "mtp_depth": 0}
 
 
 def _require(cfg: ModelConfig, needs: dict[str, Any], layout: str) -> None:
+    """A ConfigError naming every setting of `cfg` that `layout` cannot hold (all at once: one at a time, a model
+    trained with model.moe's defaults took a retraining per setting to learn what Mixtral needs), with the
+    settings to train with."""
+    wrong: dict[str, tuple[Any, Any]] = {}
     for key, value in needs.items():
         setting = cfg
         for part in key.split("."):
             setting = getattr(setting, part)
         if setting != value:
-            raise ConfigError(f"model.{key}={setting!r} has no place in the {layout} layout this model converts to "
-                              f"(it needs {value!r})")
+            wrong[f"model.{key}"] = (setting, value)
+    if not wrong:
+        return
+    def listed(items: list[str]) -> str:
+        return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+    has = listed([f"{key}={setting!r}" for key, (setting, _) in wrong.items()])
+    verb = "has" if len(wrong) == 1 else "have"
+    fix = " ".join(f"{key}={value}" for key, (_, value) in wrong.items())
+    if layout == "Mixtral" and cfg.moe.bias_update_rate > 0:
+        fix += " model.moe.bias_update_rate=0 (Mixtral has no selection bias)"
+    raise ConfigError(f"{has} {verb} no place in the {layout} layout this model converts to (it needs "
+                      f"{listed([repr(value) for _, value in wrong.values()])}): train it with {fix}")
 
 
 def export_layout(cfg: ModelConfig) -> HfLayout:
