@@ -614,3 +614,20 @@ def test_documents_holding_the_end_of_document_token_s_text_are_counted_in_a_war
     with caplog.at_level("WARNING"):
         preprocess([str(src)], tmp_path / "out2", valid_fraction=0.0)  # bytes: no text is a token of its own
     assert "end-of-document token" not in caplog.text
+
+
+def test_a_configured_vocabulary_far_above_the_tokenizer_s_is_warned_about(tiny_overrides, caplog):
+    """from-hf prints `vocab_size` (3072 for a model of a 3000-id tokenizer); that model section over data of another
+    tokenizer (bytes: 258 ids) trained without a word, every embedding row meaning other text than it learned."""
+    from megafp8.config import load_config
+    from megafp8.parallel import ParallelDims
+    from megafp8.train import Trainer
+
+    for vocab, warned in ((3072, True), (384, False), (None, False)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="megafp8"):
+            Trainer(load_config("tiny_dense", tiny_overrides + [f"model.vocab_size={vocab}" if vocab else
+                                                                "model.vocab_size=null", f"run_name=v{vocab}"]),
+                    ParallelDims.single(), torch.device("cpu"))
+        assert ("model.vocab_size=3072 is above the 384 rows the data's tokenizer (byte, 258 ids) needs: 2814 rows "
+                "are never a target" in caplog.text) == warned, (vocab, caplog.text)

@@ -315,6 +315,22 @@ def _compile_settings(mode: str, comm_overlap: bool) -> dict:
     return {"options": options}
 
 
+def unused_vocab_warning(cfg: ModelConfig, tokenizer_vocab: int, tokenizer: str, tp_size: int = 1) -> Optional[str]:
+    """What to say where a configured `vocab_size` is above the tokenizer's vocabulary padded as `null` would pad
+    it: rows that are never a target, and, where the weights come from elsewhere (an import prints its
+    `vocab_size`), most likely another tokenizer's, whose ids mean other text. None where it is not."""
+    if cfg.vocab_size is None:
+        return None
+    multiple = math.lcm(cfg.pad_vocab_to_multiple_of, tp_size)
+    padded = math.ceil(tokenizer_vocab / multiple) * multiple
+    if cfg.vocab_size <= padded:
+        return None
+    return (f"model.vocab_size={cfg.vocab_size} is above the {padded} rows the data's tokenizer ({tokenizer}, "
+            f"{tokenizer_vocab} ids) needs: {cfg.vocab_size - tokenizer_vocab} rows are never a target. If the "
+            "weights come from a checkpoint or an import, its tokenizer must be the one the data was made with "
+            "(tokenize the data with the model's tokenizer.json); otherwise set model.vocab_size=null")
+
+
 def resolve_vocab_size(cfg: ModelConfig, tokenizer_vocab: int, tp_size: int = 1) -> ModelConfig:
     """The model config with `vocab_size` set: the tokenizer's, padded, unless configured (and large enough).
 

@@ -27,6 +27,7 @@ from megafp8.model import (
     describe_rope,
     init_weights,
     resolve_vocab_size,
+    unused_vocab_warning,
 )
 from megafp8.optim import DistributedAdamW
 from megafp8.parallel import (
@@ -109,6 +110,9 @@ def resolve(cfg: Config, dims: ParallelDims, device: torch.device, layout: Optio
         check_memory(cfg, cfg.model, dims.world_size, device, layout)
     meta = read_meta(cfg.data.path)
     model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size, dims.tensor_parallel.size)
+    unused = unused_vocab_warning(cfg.model, meta.vocab_size, meta.tokenizer, dims.tensor_parallel.size)
+    if unused is not None and dims.rank == 0:
+        log.warning(unused)
     validate_config(cfg)  # under the resolved recipe
     log.info("precision: %s (%s)", name, reason)
     if cfg.model.vocab_size is None:
