@@ -631,3 +631,23 @@ def test_a_configured_vocabulary_far_above_the_tokenizer_s_is_warned_about(tiny_
                     ParallelDims.single(), torch.device("cpu"))
         assert ("model.vocab_size=3072 is above the 384 rows the data's tokenizer (byte, 258 ids) needs: 2814 rows "
                 "are never a target" in caplog.text) == warned, (vocab, caplog.text)
+
+
+def test_the_start_up_line_says_how_many_epochs_the_run_reads_and_when_samples_repeat(tiny_overrides, caplog):
+    """A run longer than its data walked into a second epoch without a word: the start-up line said the samples per
+    step and the steps, not that the last steps re-read the data."""
+    from megafp8.config import load_config
+    from megafp8.parallel import ParallelDims
+    from megafp8.train import Trainer
+    from megafp8.train.build import epochs_read
+
+    with caplog.at_level("INFO", logger="megafp8"):
+        trainer = Trainer(load_config("tiny_dense", tiny_overrides + ["training.eval_interval=0"]),
+                          ParallelDims.single(), torch.device("cpu"))
+        trainer.fit()
+    samples = len(trainer.loader.dataset)
+    steps = -(-samples // 8) + 2  # two steps into the second epoch
+    assert f"6 steps from step 0, {6 * 8 / samples:.3g} epoch(s) of the data by the last step" in caplog.text
+    assert epochs_read(0, steps, 8, samples) == (f"{steps * 8 / samples:.3g} epochs of the data by the last step: "
+                                                 f"samples repeat from {steps - 2} step(s) on (the next epoch's order)")
+    assert epochs_read(samples - 3, 1, 8, samples).endswith("samples repeat from 1 step(s) on (the next epoch's order)")

@@ -232,6 +232,17 @@ def _warn_of_repeated_samples(cfg: Config, train_set: PackedDataset, valid_set: 
                     num_valid, len(valid_set), data.valid_split)
 
 
+def epochs_read(consumed: int, steps_left: int, global_batch_size: int, num_samples: int) -> str:
+    """How far through the training split the run's last step reads, in epochs (past 1, samples repeat: the next
+    epoch's order follows the last), from the loader's position `consumed` with `steps_left` steps to run."""
+    end = (consumed + steps_left * global_batch_size) / num_samples
+    if end <= 1:
+        return f"{end:.3g} epoch(s) of the data by the last step"
+    first = max(0, -(-(num_samples - consumed) // global_batch_size))  # steps from here until the data runs out
+    return (f"{end:.3g} epochs of the data by the last step: samples repeat from {first} step(s) on (the next "
+            "epoch's order)")
+
+
 def build_logger(cfg: Config, config: dict[str, Any], run_dir: Path, metrics_path: Path,
                  dims: ParallelDims) -> ExperimentLogger:
     """The experiment loggers of `logging.backends` on rank 0 (a no-op elsewhere), recording the resolved `config`."""
@@ -262,9 +273,11 @@ def log_run_start(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, 
     )
     log.info(
         "data: %d training samples of %d tokens | %d rank(s) x %d micro-batch(es) x %d samples = %d per step "
-        "(%d tokens) | %d steps from step %d | run dir %s",
+        "(%d tokens) | %d steps from step %d, %s | run dir %s",
         len(loader.dataset), cfg.data.seq_len, dims.dp_size, num_micro_batches, training.micro_batch_size,
-        training.global_batch_size, training.global_batch_size * cfg.data.seq_len, training.steps, step, run_dir,
+        training.global_batch_size, training.global_batch_size * cfg.data.seq_len, training.steps, step,
+        epochs_read(loader.consumed_samples, training.steps - step, training.global_batch_size, len(loader.dataset)),
+        run_dir,
     )
     if pipeline is not None:
         log.info("pipeline: %s over %d ranks, %d micro-batches, bubble %.1f%% of step time (from the schedule's "
