@@ -72,6 +72,13 @@ COMMANDS: dict[str, Run | Skip] = {
     "python tools/preprocess_data.py --input crawl-*.jsonl --json-key content --output data/crawl "
     "--valid-fraction 0.001": Run(alongside=True),
     "python tools/preprocess_data.py --input my_corpus/ --output data/mine": Run(alongside=True),
+    "python tools/train_tokenizer.py --input my_corpus/ --valid-fraction 0 --vocab-size 32000 "
+    "--output data/my-tok.json":
+        Run((("--vocab-size 32000", "--vocab-size 300"),), "a tiny vocabulary for the tiny corpus", alongside=True),
+    "python tools/preprocess_data.py --input my_corpus/ --valid-input heldout.jsonl --tokenizer data/my-tok.json "
+    "--output data/mine":
+        Run((("--output data/mine", "--output data/mine-heldout"),),
+            "data/mine is the byte-tokenized corpus of the entry above", alongside=True),
     "python tools/train_tokenizer.py --input stdlib --vocab-size 8192 --output data/tokenizer.json":
         Run((("--input stdlib --vocab-size 8192", "--input books/ --vocab-size 300"),),
             "a tiny corpus and vocabulary stand in for the standard library's", alongside=True),
@@ -122,6 +129,10 @@ COMMANDS: dict[str, Run | Skip] = {
         Run((("step_00000200", TINY_STEP),), "the 2-step run's checkpoint"),
     "python tools/convert_checkpoint.py to-hf runs/tiny_dense/checkpoints/step_00000200 --out hf/tiny-fp8 --fp8":
         Run((("step_00000200", TINY_STEP),), "the 2-step run's checkpoint"),
+    "python tools/convert_checkpoint.py to-hf runs/mine/checkpoints/step_00001000 --out hf/mine "
+    "--tokenizer data/my-tok.json":
+        Skip("needs a run on data of data/my-tok.json; tests/test_hf_transformers.py::"
+             "test_an_export_with_its_tokenizer_loads_in_auto_tokenizer_and_says_its_end_of_text_id runs one"),
     "python tools/convert_checkpoint.py from-hf hf/tiny --out runs/from_hf/checkpoints": Run(),
     "python launch/pretrain.py --config my_run.yaml checkpoint.resume=runs/from_hf/checkpoints/step_00000000":
         Run((("step_00000000", f"step_00000000 {TINY_TRAINING}"),),
@@ -213,7 +224,8 @@ def test_command_extraction_joins_continuations_and_drops_comments():
 
 
 def write_tiny_corpora(root: Path) -> None:
-    """books/ and my_corpus/ (plain text) and crawl-*.jsonl: the package's own sources, ~1 MB of text."""
+    """books/ and my_corpus/ (plain text) and crawl-*.jsonl: the package's own sources, ~1 MB of text;
+    heldout.jsonl: the tools' sources."""
     import json
 
     sources = sorted((REPO / "megafp8").rglob("*.py"))
@@ -225,6 +237,9 @@ def write_tiny_corpora(root: Path) -> None:
         with open(root / f"crawl-{part}.jsonl", "w") as handle:
             for source in sources[part::2]:
                 handle.write(json.dumps({"content": source.read_text()}) + "\n")
+    with open(root / "heldout.jsonl", "w") as handle:  # docs/data.md's validation set of one's own
+        for source in (REPO / "tools").glob("*.py"):
+            handle.write(json.dumps({"text": source.read_text()}) + "\n")
 
 
 def make_scratch_clone(root: Path) -> None:
