@@ -623,14 +623,14 @@ def test_a_configured_vocabulary_far_above_the_tokenizer_s_is_warned_about(tiny_
     from megafp8.parallel import ParallelDims
     from megafp8.train import Trainer
 
-    for vocab, warned in ((3072, True), (384, False), (None, False)):
+    for vocab, warned in ((3072, True), (768, True), (640, False), (384, False), (None, False)):
         caplog.clear()
         with caplog.at_level("WARNING", logger="megafp8"):
             Trainer(load_config("tiny_dense", tiny_overrides + [f"model.vocab_size={vocab}" if vocab else
                                                                 "model.vocab_size=null", f"run_name=v{vocab}"]),
                     ParallelDims.single(), torch.device("cpu"))
-        assert ("model.vocab_size=3072 is above the 384 rows the data's tokenizer (byte, 258 ids) needs: 2814 rows "
-                "are never a target" in caplog.text) == warned, (vocab, caplog.text)
+        assert (f"model.vocab_size={vocab} is far above the 384 rows the data's tokenizer (byte, 258 ids) needs: "
+                f"{(vocab or 0) - 258} rows are never a target" in caplog.text) == warned, (vocab, caplog.text)
 
 
 def test_the_start_up_line_says_how_many_epochs_the_run_reads_and_when_samples_repeat(tiny_overrides, caplog):

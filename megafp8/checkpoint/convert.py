@@ -58,13 +58,16 @@ def export_hf(checkpoint: Path, out_dir: Path, fp8: bool, shard_bytes: int = SHA
     the tokenizer. With `tokenizer` (the tokenizer.json the run's data was made with; `eos_token` as
     tools/preprocess_data.py takes it), the export holds it (tokenizer.json, tokenizer_config.json) and config.json
     its end-of-text id, so that `AutoTokenizer` loads from the directory and generation stops where training's
-    documents ended; a tokenizer of another vocabulary size than the run's data is refused."""
+    documents ended; a tokenizer of another vocabulary size than the run's data is refused. Token ids an imported
+    model's config.json had are written back (the tokenizer's end-of-text id replaces its `eos_token_id`)."""
     state = load_checkpoint(checkpoint, advice=CONVERTING, tensors="weights")
     positions, source = max_positions_of(state)
     cfg = model_config_of(state)
     hf_tokenizer = None if tokenizer is None else _export_tokenizer(tokenizer, eos_token, state, cfg)
-    model_type = save_hf(best_weights(state), cfg, positions, out_dir, fp8, shard_bytes,
-                         None if hf_tokenizer is None else hf_tokenizer.eos_id)
+    token_ids = dict(imported_token_ids(state))
+    if hf_tokenizer is not None:
+        token_ids["eos_token_id"] = hf_tokenizer.eos_id
+    model_type = save_hf(best_weights(state), cfg, positions, out_dir, fp8, shard_bytes, token_ids)
     said = f"{model_type}; max_position_embeddings {positions}: {source}"
     if hf_tokenizer is None:
         return said
@@ -80,14 +83,22 @@ def export_hf(checkpoint: Path, out_dir: Path, fp8: bool, shard_bytes: int = SHA
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 
 
+def imported_token_ids(state: dict[str, Any]) -> dict[str, Any]:
+    """The token ids of the config.json a checkpoint was imported from (`import_hf`), carried with it."""
+    return state.get(HF_SOURCE, {}).get("token_ids", {})
+
+
 def missing_tokenizer_note(checkpoint: Path) -> str:
     """What an export without `--tokenizer` lacks, and the tokenizer.json the checkpoint's data was made with (its
     metadata only is read)."""
     state = load_checkpoint(checkpoint, verify=False, advice=CONVERTING, tensors="shapes")
     trained_with = state.get("loader", {}).get("fingerprint", {}).get("tokenizer")
     hint = f" (the run's data was tokenized with {trained_with})" if trained_with not in (None, "byte") else ""
-    return (f"no tokenizer written and config.json's eos_token_id is null: add --tokenizer FILE.json{hint} for "
-            "AutoTokenizer to load the directory and generation to stop at the end of a document")
+    eos = imported_token_ids(state).get("eos_token_id")
+    ids = ("config.json's eos_token_id is null" if eos is None else
+           f"config.json's eos_token_id is the imported model's ({eos})")
+    return (f"no tokenizer written and {ids}: add --tokenizer FILE.json{hint} for AutoTokenizer to load the "
+            "directory and generation to stop at the end of a document")
 
 
 def _export_tokenizer(path: Path, eos_token: str | None, state: dict[str, Any], cfg: ModelConfig) -> HFTokenizer:
@@ -127,8 +138,9 @@ def import_hf(hf_dir: Path, out_root: Path) -> tuple[Path, ModelConfig, list[str
         "rng": {"torch": torch.get_rng_state()},
         "config": {"model": dataclasses.asdict(cfg)},
     }
-    if imported.max_position_embeddings:
-        state[HF_SOURCE] = {"max_position_embeddings": imported.max_position_embeddings}
+    source = {"max_position_embeddings": imported.max_position_embeddings, "token_ids": imported.token_ids}
+    if any(source.values()):
+        state[HF_SOURCE] = {key: value for key, value in source.items() if value}
     return save_checkpoint(out_root, 0, state, keep_last=0, latest_back=False), cfg, imported.notes
 
 

@@ -20,7 +20,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -128,12 +128,12 @@ SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, out_dir: Path, fp8: bool,
-            shard_bytes: int = SHARD_BYTES, eos_token_id: int | None = None) -> str:
+            shard_bytes: int = SHARD_BYTES, token_ids: Optional[dict[str, Any]] = None) -> str:
     """Write config.json and the weights in the layout `cfg` converts to (Llama, Mixtral, DeepSeek-V2 or -V3;
     `state` includes the routers' `expert_bias` buffers): one model.safetensors, or where the tensors exceed
     `shard_bytes`, model-0000i-of-0000n.safetensors files of at most that size (a tensor larger alone gets a file of
-    its own) with model.safetensors.index.json, as Hugging Face saves them. `eos_token_id`: config.json's (`null`
-where not given). Returns the layout's model_type.
+    its own) with model.safetensors.index.json, as Hugging Face saves them. `token_ids`: config.json's
+    `bos_token_id`, `eos_token_id` and `pad_token_id` (each `null` where not given). Returns the layout's model_type.
 
     Each file is written under a `.partial` name and renamed once all are whole, config.json last, after the
     weight files an earlier export left in `out_dir` under other names are gone. So an export killed while it writes
@@ -144,7 +144,7 @@ where not given). Returns the layout's model_type.
     layout = export_layout(cfg)
     tensors = (to_hf_tensors(state, cfg, fp8) if layout in ("llama", "mixtral")
                else to_deepseek_tensors(state, cfg, fp8, layout))
-    config = hf_config(cfg, layout, max_seq_len, fp8, eos_token_id)
+    config = hf_config(cfg, layout, max_seq_len, fp8, token_ids)
     if fp8:
         config["quantization_config"]["modules_to_not_convert"] = bf16_linears(tensors)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -263,13 +263,15 @@ def _read_tensors(in_dir: Path) -> dict[str, torch.Tensor]:
 class Imported:
     """A Hugging Face checkpoint in our terms: the model config, the state in FP32 (the routers' `expert_bias`
     buffers included), one line per thing the user should know (e.g. MTP weights absent), and config.json's
-    `max_position_embeddings` (no model setting holds it; the converter carries it to a later export)."""
+    `max_position_embeddings` and token ids (`bos_token_id`, `eos_token_id`, `pad_token_id` where it gives them: no
+    model setting holds these; the converter carries them to a later export)."""
 
     cfg: ModelConfig
     state: dict[str, torch.Tensor]
     layout: str
     notes: list[str]
     max_position_embeddings: Optional[int] = None
+    token_ids: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def load_hf(in_dir: Path) -> Imported:
@@ -299,4 +301,16 @@ def load_hf(in_dir: Path) -> Imported:
         check_mtp_copies(get, state, cfg)
     get.check_all_read()
     positions = raw_config.get("max_position_embeddings")
-    return Imported(cfg, state, model.layout, notes, int(positions) if positions else None)
+    return Imported(cfg, state, model.layout, notes, int(positions) if positions else None, token_ids(raw_config))
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def token_ids(raw_config: dict[str, Any]) -> dict[str, Any]:
+    """config.json's token ids that are ids (an int, or for `eos_token_id` a list of ints, as Llama 3.1 has)."""
+    def is_id(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    return {key: value for key, value in raw_config.items() if key in TOKEN_ID_KEYS
+            and (is_id(value) or isinstance(value, list) and value and all(is_id(v) for v in value))}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import typing
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Optional
 
 from megafp8.config import (
     AttentionConfig, Config, ConfigError, ModelConfig, MoeConfig, RopeScalingConfig, validate_config,
@@ -332,6 +332,7 @@ def _require(cfg: ModelConfig, needs: dict[str, Any], layout: str) -> None:
             wrong[f"model.{key}"] = (setting, value)
     if not wrong:
         return
+
     def listed(items: list[str]) -> str:
         return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
@@ -394,11 +395,12 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
-def hf_config(cfg: ModelConfig, layout: HfLayout, max_seq_len: int, fp8: bool, eos_token_id: int | None = None
-              ) -> dict[str, Any]:
-    """The config.json of `cfg` in `layout` (from `export_layout`). The token ids are always written, `null` where
-    unknown: left out, transformers assumes its model type's defaults (Llama's bos 1 and eos 2, DeepSeek's 0 and 1),
-    ids that are ordinary tokens of another tokenizer, and generation stops at them."""
+def hf_config(cfg: ModelConfig, layout: HfLayout, max_seq_len: int, fp8: bool,
+              token_ids: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The config.json of `cfg` in `layout` (from `export_layout`). The token ids are always written, from
+    `token_ids`, `null` where it lacks one: left out, transformers assumes its model type's defaults (Llama's bos 1
+    and eos 2, DeepSeek's 0 and 1), ids that are ordinary tokens of another tokenizer, and generation stops at
+    them."""
     specific = (_mixtral_config(cfg) if layout == "mixtral" else _gqa_config(cfg) if layout in ("llama", "mistral")
                 else _deepseek_config(cfg, layout))
     out = {"architectures": [_ARCHITECTURES[layout]], "model_type": layout, "vocab_size": cfg.vocab_size,
@@ -406,7 +408,7 @@ def hf_config(cfg: ModelConfig, layout: HfLayout, max_seq_len: int, fp8: bool, e
            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads, "rms_norm_eps": cfg.norm_eps,
            "max_position_embeddings": max_seq_len, "hidden_act": "silu", "attention_bias": False,
            "tie_word_embeddings": False, "torch_dtype": "bfloat16", **rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
-           "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": None, **specific}
+           "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(token_ids or {}), **specific}
     if fp8:
         out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": [128, 128]}

@@ -316,16 +316,17 @@ def _compile_settings(mode: str, comm_overlap: bool) -> dict:
 
 
 def unused_vocab_warning(cfg: ModelConfig, tokenizer_vocab: int, tokenizer: str, tp_size: int = 1) -> Optional[str]:
-    """What to say where a configured `vocab_size` is above the tokenizer's vocabulary padded as `null` would pad
-    it: rows that are never a target, and, where the weights come from elsewhere (an import prints its
-    `vocab_size`), most likely another tokenizer's, whose ids mean other text. None where it is not."""
+    """What to say where a configured `vocab_size` is at least twice the tokenizer's vocabulary padded as `null`
+    would pad it: rows that are never a target, and, where the weights come from elsewhere (an import prints its
+    `vocab_size`), most likely another tokenizer's, whose ids mean other text. None where it is not: a model's
+    vocabulary a little above its tokenizer's is common (DeepSeek-V3: 129,280 rows for 128,815 ids)."""
     if cfg.vocab_size is None:
         return None
     multiple = math.lcm(cfg.pad_vocab_to_multiple_of, tp_size)
     padded = math.ceil(tokenizer_vocab / multiple) * multiple
-    if cfg.vocab_size <= padded:
+    if cfg.vocab_size < 2 * padded:
         return None
-    return (f"model.vocab_size={cfg.vocab_size} is above the {padded} rows the data's tokenizer ({tokenizer}, "
+    return (f"model.vocab_size={cfg.vocab_size} is far above the {padded} rows the data's tokenizer ({tokenizer}, "
             f"{tokenizer_vocab} ids) needs: {cfg.vocab_size - tokenizer_vocab} rows are never a target. If the "
             "weights come from a checkpoint or an import, its tokenizer must be the one the data was made with "
             "(tokenize the data with the model's tokenizer.json); otherwise set model.vocab_size=null")
