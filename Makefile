@@ -11,12 +11,18 @@ DATA ?= data/pystdlib
 PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: setup train data test test-all clean
+.PHONY: setup setup-test train data test test-all clean
+# setup: torch and megafp8, what `make train` needs; setup-test adds the test extra (pytest, transformers, ...).
 setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 
@@ -28,10 +34,10 @@ $(DATA)/meta.json: | $(VENV)/.installed
 train: setup data
 	$(BIN)/torchrun --nproc_per_node=$(NPROC) launch/pretrain.py --config $(CONFIG) data.path=$(DATA)
 
-test: setup
+test: setup-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-all: setup
+test-all: setup-test
 	$(BIN)/python -m pytest -q -m "" $(PYTEST_ARGS)
 
 clean:
