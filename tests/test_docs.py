@@ -198,3 +198,17 @@ def test_every_code_name_the_docs_give_exists():
                 if looks_like_code and not part.startswith("_") and part not in words and part not in FOREIGN_NAMES:
                     missing.append(f"{page.relative_to(REPO)}: {part} (in `{name}`)")
     assert not missing, "names in the docs' code spans that no source file has:\n" + "\n".join(missing)
+
+
+def test_a_tool_whose_reader_stops_early_ends_quietly():
+    """`tool | head -1`: the output stops quietly, as a Unix tool's does (tools/convert_checkpoint.py inspect | head
+    ended with "error: Broken pipe"; others with a traceback). Every tool enters through `run_tool`, and a probe
+    through it writes far more than a pipe holds, so its reader surely stops first."""
+    tools = [tool for tool in TOOLS if tool.name != "pretrain.py"]  # training: its own exit (exit_process)
+    bare = [str(tool.relative_to(REPO)) for tool in tools if "sys.exit(run_tool(" not in tool.read_text()]
+    assert not bare, f"tools whose __main__ does not go through megafp8.config.arguments.run_tool: {bare}"
+    probe = ("import sys; sys.path.insert(0, '.'); from megafp8.config.arguments import run_tool; "
+             "sys.exit(run_tool(lambda: [print('x' * 100) for _ in range(200_000)] and 0))")
+    result = subprocess.run(["bash", "-c", f"{sys.executable} -c \"{probe}\" | head -1"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.stderr == "" and result.stdout == "x" * 100 + "\n", result.stderr

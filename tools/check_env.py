@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from megafp8.config import PrecisionConfig  # noqa: E402
 from megafp8.model.sdpa import sdpa_backends_for  # noqa: E402
 from megafp8.precision import backend_names, passed_over, resolve_recipe, select_backend, why_unavailable  # noqa: E402
+from megafp8.config.arguments import run_tool  # noqa: E402
 
 # Packages megafp8 can use beyond torch, and what for.
 OPTIONAL = {
@@ -126,4 +127,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

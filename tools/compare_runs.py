@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError  # noqa: E402
 from megafp8.train.plots import read_records, read_series  # noqa: E402
+from megafp8.config.arguments import run_tool  # noqa: E402
 
 
 def _by_step(run: str, metric: str) -> dict[int, float]:
@@ -183,4 +184,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -33,6 +33,7 @@ from megafp8.checkpoint.convert import (consolidate, describe, export_hf, import
                                         model_settings, shard)
 from megafp8.checkpoint.local import verify_checkpoint  # noqa: E402
 from megafp8.config import ConfigError, os_error_text  # noqa: E402
+from megafp8.config.arguments import run_tool  # noqa: E402
 
 
 def check_out(out: Path, overwrite: bool) -> None:
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of the output stopped early: run_tool ends quietly
+        raise
     except OSError as err:  # a file system's answer (read-only, full, no permission): its words and the path
         print(f"error: {os_error_text(err)}", file=sys.stderr)
         return 2
@@ -112,4 +115,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

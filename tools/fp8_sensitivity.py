@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError, load_config  # noqa: E402
 from megafp8.train.sensitivity import analyze, format_table, model_and_batches, plot  # noqa: E402
+from megafp8.config.arguments import run_tool  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,4 +61,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

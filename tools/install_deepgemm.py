@@ -33,6 +33,8 @@ from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megafp8.config.arguments import run_tool  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEEPGEMM_URL = "https://github.com/deepseek-ai/DeepGEMM"
 DEEPGEMM_COMMIT = "54e2261"  # 2.6.1: the build measured in docs/benchmarks.md (jobs GS-GZ)
@@ -354,4 +356,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_tool(lambda: main(sys.argv[1:])))

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError  # noqa: E402
 from megafp8.train.plots import plot_runs  # noqa: E402
+from megafp8.config.arguments import run_tool  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,4 +54,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

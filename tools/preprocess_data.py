@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError, os_error_text  # noqa: E402
-from megafp8.config.arguments import whole_number  # noqa: E402
+from megafp8.config.arguments import run_tool, whole_number  # noqa: E402
 from megafp8.data.preprocess import preprocess  # noqa: E402
 from megafp8.data.text_tree import scan_text_tree, summary_lines  # noqa: E402
 
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of the output stopped early: run_tool ends quietly
+        raise
     except OSError as err:  # a file system's answer (read-only, full, no permission): its words and the path
         print(f"error: {os_error_text(err)}", file=sys.stderr)
         return 2
@@ -104,4 +106,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

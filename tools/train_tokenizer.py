@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megafp8.config import ConfigError  # noqa: E402
 from megafp8.data.preprocess import train_tokenizer  # noqa: E402
 from megafp8.data.text_tree import scan_text_tree  # noqa: E402
+from megafp8.config.arguments import run_tool  # noqa: E402
 from tools.preprocess_data import add_text_tree_options, byte_count  # noqa: E402
 
 
@@ -54,4 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from megafp8.config import ConfigError, load_config  # noqa: E402
 from megafp8.train.submit import check_memory, job_shape, sbatch_command  # noqa: E402
+from megafp8.config.arguments import run_tool  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,4 +62,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -1,8 +1,11 @@
-"""Number types for command-line options (argparse `type=`): a bad value is one usage error naming the option."""
+"""Command-line helpers: number types for options (argparse `type=`: a bad value is one usage error naming the
+option), and `run_tool`, the tools' entry."""
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 from typing import Callable, Optional
 
 
@@ -34,3 +37,17 @@ def positive_number(at_most: Optional[float] = None, hint: str = "") -> Callable
             raise argparse.ArgumentTypeError(f"{text} must be at most {at_most:g}{hint}")
         return value
     return parse
+
+
+def run_tool(main: Callable[[], Optional[int]]) -> int:
+    """`main()`'s exit status; where its reader stops early (`tool | head`) the output ends quietly, as a Unix tool's
+    does, not with "error: Broken pipe" or a traceback. Python's documented recipe: stdout goes to /dev/null so the
+    interpreter's last flush at exit fails no more (SIGPIPE left as Python sets it: torch's sockets need that)."""
+    try:
+        status = main()
+        sys.stdout.flush()  # here, not at exit, where a broken pipe could no longer be caught
+        return status or 0
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
