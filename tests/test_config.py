@@ -376,3 +376,19 @@ def test_the_blocks_describe_themselves_in_one_line():
     assert describe_blocks(load_config("tiny_dense").model) == "4 layers, hidden 256, 4 heads / 2 kv, ffn 768"
     assert describe_blocks(load_config("671b_fp8").model) == ("61 layers, hidden 7168, 128 heads MLA (q/kv ranks "
                                                               "1536/512), ffn 18432, 256 experts top-8 (ffn 2048)")
+
+
+@pytest.mark.parametrize("overrides, asked, suggested", [
+    # 6 heads / 2 kv heads of 128 at tp=4: whole heads fail; tp=2 splits heads but leaves 128 kv features per rank
+    (["model.num_heads=6", "model.hidden_size=768", "model.attention.num_kv_heads=2"], 4, "1 or 2"),
+    (["model.num_heads=6", "model.hidden_size=384", "model.attention.num_kv_heads=2"], 4, "1"),
+    (["model.num_heads=16", "model.hidden_size=4096", "model.attention.num_kv_heads=8",
+      "model.ffn_hidden_size=1024"], 3, "1, 2, 4 or 8"),
+])
+def test_a_tensor_parallel_size_that_does_not_split_the_model_suggests_only_sizes_that_do(overrides, asked,
+                                                                                          suggested):
+    """The suggestion used to list the head count's divisors (tp=2 for 6 heads of 64 wide), which then failed the
+    128-wide shard check: it lists only sizes that pass every check."""
+    cfg = load_config("tiny_dense", overrides + ["model.vocab_size=512", f"parallel.tp={asked}"])
+    with pytest.raises(ConfigError, match=rf"set parallel.tp to one that splits this model: {suggested}$"):
+        validate_for_world(cfg, world_size=asked * 2)

@@ -5,11 +5,15 @@ class ConfigError(ValueError):
     """A setting, a file or a combination of them that cannot work; the message names the fix."""
 
 
+def nearest(values: list[int], around: int) -> str:
+    """Up to four of `values` (at least one) nearest to `around`, in order, as text for a suggestion."""
+    near = sorted(sorted(values, key=lambda v: abs(v - around))[:4])
+    return ", ".join(map(str, near[:-1])) + (" or " if len(near) > 1 else "") + str(near[-1])
+
+
 def divisors_near(n: int, around: int) -> str:
     """Up to four divisors of n nearest to `around`, as text for a suggestion."""
-    divs = [d for d in range(1, n + 1) if n % d == 0]
-    near = sorted(sorted(divs, key=lambda d: abs(d - around))[:4])
-    return ", ".join(map(str, near[:-1])) + (" or " if len(near) > 1 else "") + str(near[-1])
+    return nearest([d for d in range(1, n + 1) if n % d == 0], around)
 
 
 def os_error_text(err: OSError) -> str:

@@ -8,11 +8,12 @@ taking minutes to plan. (Every float is finite: the loader refuses inf and nan.)
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from megafp8.config.architecture import approximate_parameters
-from megafp8.config.errors import ConfigError, divisors_near
+from megafp8.config.errors import ConfigError, divisors_near, nearest
 from megafp8.config.layout import V_SHAPED, layer_counts, micro_batch_problem
-from megafp8.config.schema import Config, RopeScalingConfig
+from megafp8.config.schema import Config, ModelConfig, RopeScalingConfig
 
 # The model.rope_scaling fields each scaling type reads (factor and original_max_position_embeddings: all).
 _ROPE_SCALING_FIELDS = {"none": (), "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
@@ -244,27 +245,44 @@ def data_parallel_size(world_size: int, tp: int, pp: int = 1, ep: int = 1) -> in
     return dp
 
 
+def _tp_problem(m: ModelConfig, tp: int) -> Optional[tuple[str, str]]:
+    """What parallel.tp=`tp` cannot split in model `m`, and the setting to change; None where it splits it all:
+    whole heads on every rank, and every split width whole 128-wide tiles on every rank."""
+    for key, heads in m.attention.split_heads(m.num_heads):
+        if heads % tp != 0:
+            return f"{key}={heads} is not divisible by parallel.tp={tp}: every tensor-parallel rank needs whole heads", key
+    if tp == 1:
+        return None
+    shards = {**m.attention.tp_widths(m.hidden_size, m.num_heads),
+              "model.ffn_hidden_size": (m.ffn_hidden_size, "model.ffn_hidden_size"), **m.moe.tp_widths()}
+    for what, (size, key) in shards.items():
+        if size % (128 * tp) != 0:
+            # The rule holds in BF16 too (DESIGN.md, section 3: every shard boundary on a tile edge), so that a run
+            # changes recipe, or resumes another's checkpoint, at the same layout.
+            return (f"{what} = {size} splits into {size / tp:g} per rank at parallel.tp={tp}, not a multiple of 128 "
+                    f"(tensor-parallel shards hold whole 128-wide FP8 tiles, in every recipe): make it a multiple of "
+                    f"{128 * tp}", key)
+    return None
+
+
+def _fitting_tps(m: ModelConfig, near: int) -> str:
+    """The parallel.tp values nearest `near` that split model `m` (see `_tp_problem`), as text for a suggestion."""
+    return nearest([t for t in range(1, m.num_heads + 1) if _tp_problem(m, t) is None], near)
+
+
 def _check_tensor_parallel(cfg: Config, tp: int) -> None:
     """Heads and widths split evenly, each shard a whole number of 128-element FP8 tiles."""
     m = cfg.model
-    for key, heads in m.attention.split_heads(m.num_heads):
-        if heads % tp != 0:
-            raise ConfigError(f"{key}={heads} is not divisible by parallel.tp={tp}: every tensor-parallel rank needs "
-                              f"whole heads; set parallel.tp to one of {divisors_near(heads, tp)} or change {key}")
+    problem = _tp_problem(m, tp)
+    if problem is not None:
+        what, key = problem
+        raise ConfigError(f"{what} (change {key}), or set parallel.tp to one that splits this model: "
+                          f"{_fitting_tps(m, tp)}")
     if tp == 1:
         return
-    shards = {**m.attention.tp_widths(m.hidden_size, m.num_heads),
-              "model.ffn_hidden_size": (m.ffn_hidden_size, "model.ffn_hidden_size"), **m.moe.tp_widths()}
     if m.vocab_size is not None and m.vocab_size % tp != 0:  # BF16 embedding and LM head: no FP8 tiles to keep
         raise ConfigError(f"model.vocab_size={m.vocab_size} does not split evenly over parallel.tp={tp}: make it a "
                           f"multiple of {tp}, or null to pad the tokenizer's vocabulary automatically")
-    for what, (size, key) in shards.items():
-        if size % (128 * tp) != 0:
-            raise ConfigError(
-                f"{what} = {size} splits into {size / tp:g} per rank at parallel.tp={tp}, not a multiple of 128 "
-                f"(tensor-parallel shards must hold whole FP8 tiles): make it a multiple of {128 * tp} (change {key}) "
-                "or lower parallel.tp"
-            )
     if cfg.parallel.sequence_parallel and (cfg.training.micro_batch_size * cfg.data.seq_len) % tp != 0:
         raise ConfigError(
             f"parallel.sequence_parallel splits each micro-batch's {cfg.training.micro_batch_size} x "
