@@ -233,6 +233,7 @@ def test_parse_overrides_nests():
     (["optimizer.grad_clip=.nan"], "optimizer.grad_clip: expected a finite number"),
     (["precision.recipe=fp16", "precision.loss_scale_initial=inf"], "precision.loss_scale_initial: expected a finite"),
     (["training.eval_iters=0"], "training.eval_iters=0: evaluation (training.eval_interval=50) needs at least 1"),
+    (["training.eval_iters=-2"], "training.eval_iters must be >= 0, or -1 for the whole validation split, got -2"),
     (["logging.peak_tflops=-1"], "logging.peak_tflops must be positive (or null), got -1"),
     (["training.max_consecutive_skips=0"], "training.max_consecutive_skips must be at least 1, got 0"),
     (["run_name=../escaped"], "run_name='../escaped' must be a plain name, not a path"),  # was a run outside

@@ -269,6 +269,30 @@ def test_every_rank_runs_as_many_validation_micro_batches_and_the_counted_ones_a
     assert all(torch.equal(counted[m], whole[m][0]) for m in range(num_micro))
 
 
+def test_eval_iters_minus_one_evaluates_every_whole_micro_batch_of_the_split(tiny_overrides):
+    """Validation read the first eval_iters x micro_batch_size samples only (a 366-sample held-out file was scored
+    on 8), with no way to ask for all of it: -1 reads every whole micro-batch of the split, the same loss as giving
+    that count."""
+    from megafp8.config import load_config
+    from megafp8.data import validation_micro_batches
+    from megafp8.parallel import ParallelDims
+    from megafp8.train import Trainer
+
+    assert [validation_micro_batches(-1, 4, n) for n in (3, 4, 11, 12)] == [1, 1, 2, 3]
+    assert validation_micro_batches(5, 4, 11) == 5
+
+    def validation_loss(eval_iters: int) -> float:
+        cfg = load_config("tiny_dense", tiny_overrides + [f"training.eval_iters={eval_iters}",
+                                                          f"run_name=eval{eval_iters}"])
+        trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+        return trainer.evaluate(), len(trainer.valid_set)
+
+    whole, samples = validation_loss(-1)
+    micro = samples // 2  # tiny_overrides: micro_batch_size=2
+    assert micro > 4  # more than the default pass reads
+    assert whole == validation_loss(micro)[0] != validation_loss(micro - 1)[0]
+
+
 def test_hf_tokenizer_train_and_preprocess(tmp_path):
     pytest.importorskip("tokenizers")
     src = write_docs(tmp_path / "src", [f"def function_{i}(x):\n    return x * {i}\n" * 10 for i in range(50)])

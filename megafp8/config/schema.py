@@ -351,7 +351,8 @@ class TrainingConfig:
     micro_batch_size: int = setting(4, "Samples per forward/backward pass on one rank.")
     eval_interval: int = setting(50, "Evaluate validation loss every this many steps (and at the end); 0 disables.")
     eval_iters: int = setting(
-        4, "Micro-batches in one validation pass, split across data-parallel ranks (the same set for any layout)."
+        4, "Micro-batches in one validation pass, split across data-parallel ranks (the same set for any layout); "
+        "-1: every whole micro-batch of the validation split (its last samples short of one left out)."
     )
     seed: int = setting(
         1234, "Seed of weight init and (unless `data.seed` is set) data shuffling; the same seed gives the same run."

@@ -46,10 +46,13 @@ def _check_positive(cfg: Config) -> None:
     for key, value in checks.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
-    if cfg.training.eval_interval > 0 and cfg.training.eval_iters < 1:
+    if cfg.training.eval_iters < -1:
+        raise ConfigError(f"training.eval_iters must be >= 0, or -1 for the whole validation split, got "
+                          f"{cfg.training.eval_iters}")
+    if cfg.training.eval_interval > 0 and cfg.training.eval_iters == 0:
         raise ConfigError(f"training.eval_iters={cfg.training.eval_iters}: evaluation (training.eval_interval="
-                          f"{cfg.training.eval_interval}) needs at least 1 micro-batch; raise it, or set "
-                          "training.eval_interval=0 to turn evaluation off")
+                          f"{cfg.training.eval_interval}) needs at least 1 micro-batch; raise it, set it to -1 for "
+                          "the whole validation split, or set training.eval_interval=0 to turn evaluation off")
     if cfg.training.max_consecutive_skips < 1:
         raise ConfigError(f"training.max_consecutive_skips must be at least 1, got {cfg.training.max_consecutive_skips}")
     if not 0 < cfg.parallel.timeout_minutes <= MAX_TIMEOUT_MINUTES:
@@ -59,7 +62,6 @@ def _check_positive(cfg: Config) -> None:
         raise ConfigError(f"logging.peak_tflops must be positive (or null), got {cfg.logging.peak_tflops:g}")
     for key, value in {
         "training.eval_interval": cfg.training.eval_interval,
-        "training.eval_iters": cfg.training.eval_iters,
         "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
         "checkpoint.interval": cfg.checkpoint.interval,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,

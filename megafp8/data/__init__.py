@@ -9,11 +9,13 @@ from typing import Any
 from megafp8.data.indexed import ShardWriter, TokenStream, read_meta, token_dtype, write_meta
 from megafp8.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
-_DATASET_NAMES = ("DistributedLoader", "PackedDataset", "lockstep_validation_batches", "validation_batches")
+_DATASET_NAMES = ("DistributedLoader", "PackedDataset", "lockstep_validation_batches", "validation_batches",
+                  "validation_micro_batches")
 
 __all__ = [
     "ByteTokenizer", "DistributedLoader", "HFTokenizer", "PackedDataset", "ShardWriter", "TokenStream",
-    "load_tokenizer", "lockstep_validation_batches", "read_meta", "token_dtype", "validation_batches", "write_meta",
+    "load_tokenizer", "lockstep_validation_batches", "read_meta", "token_dtype", "validation_batches",
+    "validation_micro_batches", "write_meta",
 ]
 
 

@@ -153,6 +153,18 @@ class DistributedLoader:
         self.consumed_samples = int(state["consumed_samples"])
 
 
+WHOLE_SPLIT = -1  # training.eval_iters: every whole micro-batch of the validation split
+
+
+def validation_micro_batches(eval_iters: int, micro_batch_size: int, num_samples: int) -> int:
+    """How many micro-batches a validation pass reads: `eval_iters`, or for `WHOLE_SPLIT` every whole micro-batch
+    of a split of `num_samples` (the last samples short of one left out; one, wrapping around, for a split smaller
+    than a micro-batch)."""
+    if eval_iters != WHOLE_SPLIT:
+        return eval_iters
+    return max(1, num_samples // micro_batch_size)
+
+
 def validation_batches(dataset: PackedDataset, micro_batch_size: int, num_micro: int, dp_rank: int,
                        dp_size: int) -> list[Batch]:
     """This rank's part of the same `num_micro` held-out micro-batches (the first samples of the split, in

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.config import Config, ModelConfig, describe_blocks, validate_config
-from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta
+from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_micro_batches
 from megafp8.data.indexed import DatasetMeta
 from megafp8.model import (
     Fp8Converter,
@@ -225,8 +225,11 @@ def _warn_of_repeated_samples(cfg: Config, train_set: PackedDataset, valid_set: 
         log.warning("training.global_batch_size=%d is more than the %d samples of split '%s': every step holds some "
                     "samples more than once (add data, or lower training.global_batch_size or data.seq_len)",
                     training.global_batch_size, len(train_set), data.train_split)
-    num_valid = training.eval_iters * training.micro_batch_size
-    if valid_set is not None and num_valid > len(valid_set):
+    if valid_set is None:
+        return
+    num_valid = validation_micro_batches(training.eval_iters, training.micro_batch_size,
+                                         len(valid_set)) * training.micro_batch_size
+    if num_valid > len(valid_set):
         log.warning("validation reads training.eval_iters x training.micro_batch_size = %d samples, more than the %d "
                     "of split '%s': it reads some more than once (add held-out data, or lower training.eval_iters)",
                     num_valid, len(valid_set), data.valid_split)

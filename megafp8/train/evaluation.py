@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.config import TrainingConfig
-from megafp8.data import PackedDataset, lockstep_validation_batches
+from megafp8.data import PackedDataset, lockstep_validation_batches, validation_micro_batches
 from megafp8.model import Transformer
 from megafp8.parallel import ParallelDims
 from megafp8.train.pipelined import PipelineRunner
@@ -22,10 +22,12 @@ from megafp8.train.runtime import host_to_device
 @torch.no_grad()
 def evaluate(model: Transformer, pipeline: Optional[PipelineRunner], valid_set: PackedDataset,
              training: TrainingConfig, dims: ParallelDims, device: torch.device) -> float:
-    """Mean loss over the fixed held-out micro-batches (`training.eval_iters` of them, split across ranks)."""
+    """Mean loss over the fixed held-out micro-batches (`training.eval_iters` of them, or the whole split, split
+    across ranks)."""
     model.eval()
-    batches, counted = lockstep_validation_batches(valid_set, training.micro_batch_size, training.eval_iters,
-                                                   dims.dp_rank, dims.dp_size)
+    num_micro = validation_micro_batches(training.eval_iters, training.micro_batch_size, len(valid_set))
+    batches, counted = lockstep_validation_batches(valid_set, training.micro_batch_size, num_micro, dims.dp_rank,
+                                                   dims.dp_size)
     if pipeline is not None:
         total = pipeline.evaluate(batches, counted)
         dist.all_reduce(total, group=dims.pp_group)  # only the last stage's rank holds the loss
