@@ -535,6 +535,19 @@ def test_hf_round_trip_keeps_max_position_embeddings_and_token_ids(tmp_path):
     assert "config.json's eos_token_id is the imported model's ([2, 5])" in missing_tokenizer_note(path)
 
 
+def test_an_import_names_the_tokenizer_its_directory_holds(tmp_path):
+    """The model's ids mean its own tokenizer's text: an import said nothing of the tokenizer.json beside it, and a
+    run over data of another tokenizer trained without a word."""
+    from megafp8.checkpoint.convert import import_hf
+
+    save_hf(tiny_model().state_dict(), CFG, 256, tmp_path / "hf", fp8=False)
+    assert import_hf(tmp_path / "hf", tmp_path / "ck")[2] == []
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    notes = import_hf(tmp_path / "hf", tmp_path / "ck2")[2]
+    assert notes == [f"{tmp_path}/hf/tokenizer.json is the model's tokenizer: tokenize the data it trains on with it "
+                     f"(tools/preprocess_data.py --tokenizer {tmp_path}/hf/tokenizer.json)"]
+
+
 def test_an_imported_model_fine_tuned_at_a_shorter_context_exports_the_imported_positions(tiny_overrides, tmp_path):
     """Imported with max_position_embeddings 256, trained 2 steps at data.seq_len 64: the export said 64 (the run's
     checkpoints did not carry what the import kept), serving a long-context model as a short one. A run at a longer

@@ -141,7 +141,11 @@ def import_hf(hf_dir: Path, out_root: Path) -> tuple[Path, ModelConfig, list[str
     source = {"max_position_embeddings": imported.max_position_embeddings, "token_ids": imported.token_ids}
     if any(source.values()):
         state[HF_SOURCE] = {key: value for key, value in source.items() if value}
-    return save_checkpoint(out_root, 0, state, keep_last=0, latest_back=False), cfg, imported.notes
+    notes = list(imported.notes)
+    if (hf_dir / TOKENIZER_FILE).is_file():  # the model's ids mean this tokenizer's text: the data must use it
+        notes.append(f"{hf_dir / TOKENIZER_FILE} is the model's tokenizer: tokenize the data it trains on with it "
+                     f"(tools/preprocess_data.py --tokenizer {hf_dir / TOKENIZER_FILE})")
+    return save_checkpoint(out_root, 0, state, keep_last=0, latest_back=False), cfg, notes
 
 
 def model_settings(cfg: ModelConfig) -> str:
