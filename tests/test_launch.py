@@ -82,6 +82,22 @@ def test_print_config_shows_resolved_values():
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=torchrun_env(), cwd=REPO)
     assert result.returncode == 0
     assert "num_layers: 3" in result.stdout and "hidden_size: 256" in result.stdout
+    # vocab_size: null is resolved at start-up; the printed config says to what (it read "null" and nothing more)
+    assert "vocab_size: null" in result.stdout and "# model.vocab_size: null is " in result.stdout
+    with_data = subprocess.run(cmd + ["data.path=/nonexistent"], capture_output=True, text=True, timeout=60,
+                               env=torchrun_env(), cwd=REPO)
+    assert with_data.stdout.endswith("# model.vocab_size: null is set at start-up from the tokenizer of the data at "
+                                     "/nonexistent\n"), with_data.stdout[-300:]
+
+
+def test_print_config_says_what_a_null_vocabulary_resolves_to(corpus_dir):
+    from megafp8.config import load_config
+    from megafp8.train.plan import vocab_note
+
+    note = vocab_note(load_config("tiny_dense", [f"data.path={corpus_dir}", "model.vocab_size=null"]))
+    assert note == (f"# model.vocab_size: null is 384 at start-up: the 258 ids of {corpus_dir}'s tokenizer (byte), "
+                    "padded (model.pad_vocab_to_multiple_of)\n")
+    assert vocab_note(load_config("tiny_dense", ["model.vocab_size=512"])) is None
 
 
 def test_two_rank_fp8_run_tracks_bf16(tiny_overrides, tmp_path):

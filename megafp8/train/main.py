@@ -16,7 +16,7 @@ from megafp8.config.arguments import positive_number, whole_number
 from megafp8.precision import check_backend_name
 from megafp8.train.checkpointing import CheckpointWriteError
 from megafp8.train.layouts import lighter_settings, render_layouts, search_layouts
-from megafp8.train.plan import GIB, dry_run, make_plan, with_vocab
+from megafp8.train.plan import GIB, dry_run, make_plan, vocab_note, with_vocab
 from megafp8.train.preemption import exit_status
 from megafp8.train.runtime import env_rank, init_distributed, report_error, seed_everything, shutdown
 from megafp8.train.trainer import Trainer
@@ -189,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(err))
     if args.print_config:
         print(dump_config(cfg), end="")
+        print(vocab_note(cfg) or "", end="")
         return 0
     if getattr(args, "layouts", False):
         try:

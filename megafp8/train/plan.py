@@ -275,6 +275,20 @@ def with_vocab(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=resolve_vocab_size(cfg.model, vocab, cfg.parallel.tp))
 
 
+def vocab_note(cfg: Config) -> Optional[str]:
+    """A YAML comment line for a printed config whose model.vocab_size is null: what start-up resolves it to from
+    the data at data.path (or that it will, where there is no data there yet); None where it is set."""
+    if cfg.model.vocab_size is not None:
+        return None
+    try:
+        meta = read_meta(cfg.data.path)
+    except ConfigError:
+        return f"# model.vocab_size: null is set at start-up from the tokenizer of the data at {cfg.data.path}\n"
+    padded = resolve_vocab_size(cfg.model, meta.vocab_size, cfg.parallel.tp).vocab_size
+    return (f"# model.vocab_size: null is {padded} at start-up: the {meta.vocab_size} ids of {cfg.data.path}'s "
+            f"tokenizer ({meta.tokenizer}), padded (model.pad_vocab_to_multiple_of)\n")
+
+
 def dry_run(cfg: Config, world_size: int, peak_tflops: float, mfu: float) -> str:
     """The plan of `cfg` on `world_size` ranks as text (nothing is allocated, no process group is needed)."""
     cfg = with_vocab(cfg)
