@@ -550,7 +550,7 @@ def test_batches_larger_than_their_split_are_warned_about(tiny_overrides, tmp_pa
     preprocess([str(write_docs(tmp_path / "src", ["x" * 300, "y" * 200]))], tmp_path / "small", valid_fraction=0.5)
     cfg = load_config("tiny_dense", tiny_overrides + [f"data.path={tmp_path / 'small'}", "training.eval_iters=3"])
     with caplog.at_level("WARNING", logger="megafp8"):
-        loader, valid = build_data(cfg, read_meta(tmp_path / "small"), ParallelDims.single())
+        loader, valid = build_data(cfg, [read_meta(tmp_path / "small")], ParallelDims.single())
     assert (len(loader.dataset), len(valid)) == (4, 3)  # 301 and 201 tokens: samples of 64 + 1
     assert ("training.global_batch_size=8 is more than the 4 samples of split 'train': every step holds some samples "
             "more than once (add data, or lower training.global_batch_size or data.seq_len)") in caplog.text

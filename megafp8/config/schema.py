@@ -327,6 +327,18 @@ class DataConfig:
     path: str = setting(
         "data/pystdlib", "Directory written by `tools/preprocess_data.py` (holds `meta.json` and the splits)."
     )
+    paths: list[str] = setting(
+        [],
+        "Several directories written by `tools/preprocess_data.py`, trained on as one mixture; given, it replaces "
+        "`data.path`. Their tokenizers must agree. Validation reads every held-out sample of each, interleaved by "
+        "weight (`docs/data.md`).",
+    )
+    weights: list[float] = setting(
+        [],
+        "With `data.paths`: each one's share of the training samples, in their order (any positive numbers; "
+        "normalized). A dataset weighted above its share of the tokens is read several times an epoch. Empty: "
+        "shares by size, as one corpus of them all.",
+    )
     seq_len: int = setting(256, "Tokens per training sample (the model's context length).")
     train_split: str = setting("train", "Name of the split trained on.")
     valid_split: str = setting("valid", "Name of the held-out split used for validation loss.")
@@ -335,6 +347,11 @@ class DataConfig:
         "Seed of the sample order (the loader's shuffle). `null`: `training.seed`. Set it to give runs that differ "
         "only in `training.seed` (their weight init) the same data in the same order.",
     )
+
+    @property
+    def directories(self) -> list[str]:
+        """The tokenized directories a run reads: `paths`, else `path`."""
+        return list(self.paths) or [self.path]
 
 
 @dataclass

@@ -8,12 +8,13 @@ taking minutes to plan. (Every float is finite: the loader refuses inf and nan.)
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from megafp8.config.architecture import approximate_parameters
 from megafp8.config.errors import ConfigError, divisors_near, nearest
 from megafp8.config.layout import V_SHAPED, layer_counts, micro_batch_problem
-from megafp8.config.schema import Config, ModelConfig, RopeScalingConfig
+from megafp8.config.schema import Config, DataConfig, ModelConfig, RopeScalingConfig
 
 # The model.rope_scaling fields each scaling type reads (factor and original_max_position_embeddings: all).
 _ROPE_SCALING_FIELDS = {"none": (), "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
@@ -196,9 +197,27 @@ def _check_alloc_conf(conf: str) -> None:
                               f"reads no other spelling), got {value!r}")
 
 
+def _check_mixture(data: DataConfig) -> None:
+    """`data.weights` go with `data.paths`, one positive finite number each; no directory twice."""
+    if data.weights and not data.paths:
+        raise ConfigError("data.weights weighs the directories of data.paths, which is empty: give data.paths too "
+                          "(or drop data.weights)")
+    if data.weights and len(data.weights) != len(data.paths):
+        raise ConfigError(f"data.weights has {len(data.weights)} weights for the {len(data.paths)} directories of "
+                          "data.paths: give one weight per directory, in their order (or none: shares by size)")
+    bad = [w for w in data.weights if not (math.isfinite(w) and w > 0)]
+    if bad:
+        raise ConfigError(f"data.weights must be positive finite numbers, got {bad[0]:g}")
+    repeated = sorted({p for p in data.paths if data.paths.count(p) > 1})
+    if repeated:
+        raise ConfigError(f"data.paths names {repeated[0]} more than once: give each directory once, and weigh it "
+                          "up with data.weights")
+
+
 def validate_config(cfg: Config) -> None:
     """Checks that need only the config."""
     _check_positive(cfg)
+    _check_mixture(cfg.data)
     _check_sizes(cfg)
     _check_model(cfg)
     _check_optimizer(cfg)

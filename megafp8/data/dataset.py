@@ -13,7 +13,7 @@ is valid for (the number of samples, the seed, the kind of order and the data's 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -53,8 +53,51 @@ class PackedDataset:
         return self.stream.read(index * self.seq_len, self.seq_len + 1)
 
     def batch(self, indices: np.ndarray) -> Batch:
-        rows = torch.from_numpy(np.stack([self.sample(int(i)) for i in indices]))
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        return stack_batch([self.sample(int(i)) for i in indices])
+
+    def where(self) -> str:
+        return f"split '{self.stream.split}' of {self.stream.meta.root}"
+
+    # What the loader's state records of the data, and how a saved record differs (`megafp8.data.indexed`).
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return self.stream.fingerprint
+
+    def tokenizer_difference(self, saved: dict[str, Any]) -> str | None:
+        return self.stream.tokenizer_difference(saved["mixture"][0] if saved.get("mixture") else saved)  # one for all
+
+    def fingerprint_difference(self, saved: dict[str, Any]) -> str | None:
+        if "mixture" in saved:
+            return f"it was read from a mixture of {len(saved['mixture'])} datasets (data.paths), this run reads one"
+        return self.stream.fingerprint_difference(saved)
+
+
+def stack_batch(samples: list[np.ndarray]) -> Batch:
+    """(tokens, targets) of samples of seq_len + 1 tokens each."""
+    rows = torch.from_numpy(np.stack(samples))
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def recorded_tokenizer(saved: dict[str, Any]) -> Any:
+    """The tokenizer spec a saved fingerprint records (a mixture's: its first directory's, one for all)."""
+    return (saved["mixture"][0] if saved.get("mixture") else saved).get("tokenizer")
+
+
+class Samples(Protocol):
+    """What the loader reads: a `PackedDataset`, or a mixture of them (`megafp8.data.blend.TrainingMixture`)."""
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: np.ndarray) -> Batch: ...
+
+    def where(self) -> str: ...
+
+    @property
+    def fingerprint(self) -> dict[str, Any]: ...
+
+    def tokenizer_difference(self, saved: dict[str, Any]) -> str | None: ...
+
+    def fingerprint_difference(self, saved: dict[str, Any]) -> str | None: ...
 
 
 class DistributedLoader:
@@ -65,7 +108,7 @@ class DistributedLoader:
 
     def __init__(
         self,
-        dataset: PackedDataset,
+        dataset: Samples,
         global_batch_size: int,
         micro_batch_size: int,
         dp_rank: int,
@@ -117,18 +160,18 @@ class DistributedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed, "num_samples": len(self.dataset),
-                "order": self.order_kind, "fingerprint": self.dataset.stream.fingerprint}
+                "order": self.order_kind, "fingerprint": self.dataset.fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position. The saved kind of order is kept (a state without one, written before
         feistel-v1 existed, walked the permutation), so a later change of the limit never reorders a run."""
         saved = state.get("fingerprint") or {}
-        tokenizer_change = self.dataset.stream.tokenizer_difference(saved)
+        tokenizer_change = self.dataset.tokenizer_difference(saved)
         if tokenizer_change is not None:  # never resumed past, even from a named checkpoint: the embedding's rows
             raise ConfigError(                # would mean other text
                 f"{tokenizer_change}: the model's token ids would mean other text; train on data preprocessed with "
-                f"the checkpoint's tokenizer (tools/preprocess_data.py --tokenizer {saved.get('tokenizer')}), or start "
-                "without the checkpoint")
+                f"the checkpoint's tokenizer (tools/preprocess_data.py --tokenizer {recorded_tokenizer(saved)}), or "
+                "start without the checkpoint")
         if state["num_samples"] != len(self.dataset) or state["seed"] != self.seed:
             raise DataPositionError(
                 f"the saved data-loader state is for {state['num_samples']} samples with seed {state['seed']}, but "
@@ -136,12 +179,10 @@ class DistributedLoader:
             )
         # Data preprocessed again (other documents, another tokenizer) may have as many samples: its fingerprint
         # tells. A state without one (written before fingerprints) is taken on trust.
-        stream = self.dataset.stream
-        difference = stream.fingerprint_difference(state["fingerprint"]) if state.get("fingerprint") else None
+        difference = self.dataset.fingerprint_difference(saved) if saved else None
         if difference is not None:
             raise DataPositionError(
-                f"split '{stream.split}' of {stream.meta.root} is not the data the saved data-loader state was read "
-                f"from ({difference})",
+                f"{self.dataset.where()} is not the data the saved data-loader state was read from ({difference})",
                 fix="resume with the data the checkpoint was trained on, or name the checkpoint in "
                     "checkpoint.resume=PATH to train this data from its first sample")
         kind = state.get("order", PERMUTATION)

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megafp8.config import Config, ModelConfig, describe_blocks, validate_config
-from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta, validation_micro_batches
+from megafp8.data import DistributedLoader, PackedDataset, TokenStream, validation_micro_batches
+from megafp8.data.blend import TrainingMixture, ValidationMixture, read_metas
 from megafp8.data.indexed import DatasetMeta
 from megafp8.model import (
     Fp8Converter,
@@ -78,14 +79,14 @@ def build_parts(cfg: Config, dims: ParallelDims, device: torch.device, num_micro
     """Every part of a run on this rank, built in a fixed order (every rank runs the same collectives);
     `evaluating`: the held-out set even where the run does not evaluate (`launch/pretrain.py --evaluate`)."""
     layout = pipeline_layout(cfg)  # built once: the memory check, the model and the pipeline runner read it
-    cfg, model_cfg, recipe, meta = resolve(cfg, dims, device, layout)
+    cfg, model_cfg, recipe, metas = resolve(cfg, dims, device, layout)
     tp, ep = dims.tensor_parallel, dims.expert_parallel
     fp8 = Fp8Converter(cfg.precision, recipe, model_cfg.num_layers)
     model = build_model(cfg, model_cfg, recipe, device, tp=tp, ep=ep,
                         stages=layout.local_stages(dims.pp_rank) if layout else None, fp8=fp8)
     loss_scaler = DynamicLossScaler.from_config(cfg.precision) if recipe.name == "fp16" else None
     optimizer = build_optimizer(model, cfg, dims)
-    loader, valid_set = build_data(cfg, meta, dims, evaluating)
+    loader, valid_set = build_data(cfg, metas, dims, evaluating)
     training = cfg.training
     pipeline = (PipelineRunner(model, layout, dims, num_micro_batches, training.micro_batch_size, cfg.data.seq_len,
                                device) if layout else None)
@@ -100,15 +101,16 @@ def build_parts(cfg: Config, dims: ParallelDims, device: torch.device, num_micro
 
 
 def resolve(cfg: Config, dims: ParallelDims, device: torch.device, layout: Optional[PipelineLayout]
-            ) -> tuple[Config, ModelConfig, PrecisionRecipe, DatasetMeta]:
+            ) -> tuple[Config, ModelConfig, PrecisionRecipe, list[DatasetMeta]]:
     """The config with `precision.recipe: auto` resolved for `device` (re-validated, and logged), the model config
-    with the data's vocabulary, the recipe and the data's metadata. Fails fast where the run cannot fit in memory:
+    with the data's vocabulary, the recipe and the metadata of each directory of the data (one tokenizer). Fails fast where the run cannot fit in memory:
     one check, as early as it can run (before even the data is read where the vocabulary is configured)."""
     name, reason = resolve_recipe(cfg.precision.recipe, device, cfg.precision.auto_cpu_recipe)
     cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, recipe=name))
     if cfg.model.vocab_size is not None:
         check_memory(cfg, cfg.model, dims.world_size, device, layout)
-    meta = read_meta(cfg.data.path)
+    metas = read_metas(cfg.data.directories)
+    meta = metas[0]  # one tokenizer for them all (`read_metas`)
     model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size, dims.tensor_parallel.size)
     unused = unused_vocab_warning(cfg.model, meta.vocab_size, meta.tokenizer, dims.tensor_parallel.size)
     if unused is not None and dims.rank == 0:
@@ -117,7 +119,7 @@ def resolve(cfg: Config, dims: ParallelDims, device: torch.device, layout: Optio
     log.info("precision: %s (%s)", name, reason)
     if cfg.model.vocab_size is None:
         check_memory(cfg, model_cfg, dims.world_size, device, layout)
-    return cfg, model_cfg, agree_on_fp8_backend(PrecisionRecipe.from_config(cfg.precision), device, dims), meta
+    return cfg, model_cfg, agree_on_fp8_backend(PrecisionRecipe.from_config(cfg.precision), device, dims), metas
 
 
 def agree_on_fp8_backend(recipe: PrecisionRecipe, device: torch.device, dims: ParallelDims) -> PrecisionRecipe:
@@ -202,16 +204,23 @@ def build_optimizer(model: Transformer, cfg: Config, dims: ParallelDims) -> Dist
     return DistributedAdamW(buckets, names, opt, tp, dims.expert_parallel, dims.pp_group)
 
 
-def build_data(cfg: Config, meta: DatasetMeta, dims: ParallelDims,
+def build_data(cfg: Config, metas: list[DatasetMeta], dims: ParallelDims,
                evaluating: bool = False) -> tuple[DistributedLoader, Optional[PackedDataset]]:
-    """This rank's training loader and, when the run evaluates (or only `evaluating`), the held-out set."""
+    """This rank's training loader and, when the run evaluates (or only `evaluating`), the held-out set: of one
+    directory, or of the mixture of several (`data.paths`, `megafp8.data.blend`)."""
     data, training = cfg.data, cfg.training
-    train_set = PackedDataset(TokenStream(meta, data.train_split), data.seq_len, data.train_split)
+
+    def split(name: str) -> list[PackedDataset]:
+        return [PackedDataset(TokenStream(meta, name), data.seq_len, name) for meta in metas]
+
+    train_sets = split(data.train_split)
+    train_set = train_sets[0] if len(metas) == 1 else TrainingMixture(train_sets, data.weights)
     loader = DistributedLoader(train_set, training.global_batch_size, training.micro_batch_size, dims.dp_rank,
                                dims.dp_size, training.seed if data.seed is None else data.seed)
     valid_set = None
     if training.eval_interval > 0 or evaluating:
-        valid_set = PackedDataset(TokenStream(meta, data.valid_split), data.seq_len, data.valid_split)
+        valid_sets = split(data.valid_split)
+        valid_set = valid_sets[0] if len(metas) == 1 else ValidationMixture(valid_sets, data.weights)
     if dims.rank == 0:
         _warn_of_repeated_samples(cfg, train_set, valid_set)
     return loader, valid_set
@@ -244,6 +253,13 @@ def epochs_read(consumed: int, steps_left: int, global_batch_size: int, num_samp
     first = max(0, -(-(num_samples - consumed) // global_batch_size))  # steps from here until the data runs out
     return (f"{end:.3g} epochs of the data by the last step: samples repeat from {first} step(s) on (the next "
             "epoch's order)")
+
+
+def describe_mixture(mixture: TrainingMixture) -> str:
+    """Each directory of a mixture with its share of the samples, its samples and how often an epoch of the
+    mixture reads them."""
+    return " | ".join(f"{d.stream.meta.root}: {share:.1%} of the samples, {len(d)} samples, read {reads:.2f}x an "
+                      "epoch" for d, share, reads in zip(mixture.datasets, mixture.shares, mixture.reads_per_epoch()))
 
 
 def build_logger(cfg: Config, config: dict[str, Any], run_dir: Path, metrics_path: Path,
@@ -282,6 +298,8 @@ def log_run_start(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, 
         epochs_read(loader.consumed_samples, training.steps - step, training.global_batch_size, len(loader.dataset)),
         run_dir,
     )
+    if isinstance(loader.dataset, TrainingMixture):
+        log.info("data mixture: %s", describe_mixture(loader.dataset))
     if pipeline is not None:
         log.info("pipeline: %s over %d ranks, %d micro-batches, bubble %.1f%% of step time (from the schedule's "
                  "actions, forward = input-gradient = weight-gradient time) | %s", pipeline.layout.schedule,

@@ -268,9 +268,9 @@ def with_vocab(cfg: Config) -> Config:
         return cfg
 
     try:
-        vocab = read_meta(cfg.data.path).vocab_size
+        vocab = read_meta(cfg.data.directories[0]).vocab_size
     except ConfigError:
-        raise ConfigError(f"a dry run needs model.vocab_size or the data at data.path ({cfg.data.path}): "
+        raise ConfigError(f"a dry run needs model.vocab_size or the data at data.path ({cfg.data.directories[0]}): "
                           "set model.vocab_size=N") from None
     return dataclasses.replace(cfg, model=resolve_vocab_size(cfg.model, vocab, cfg.parallel.tp))
 
@@ -280,12 +280,13 @@ def vocab_note(cfg: Config) -> Optional[str]:
     the data at data.path (or that it will, where there is no data there yet); None where it is set."""
     if cfg.model.vocab_size is not None:
         return None
+    where = cfg.data.directories[0]
     try:
-        meta = read_meta(cfg.data.path)
+        meta = read_meta(where)
     except ConfigError:
-        return f"# model.vocab_size: null is set at start-up from the tokenizer of the data at {cfg.data.path}\n"
+        return f"# model.vocab_size: null is set at start-up from the tokenizer of the data at {where}\n"
     padded = resolve_vocab_size(cfg.model, meta.vocab_size, cfg.parallel.tp).vocab_size
-    return (f"# model.vocab_size: null is {padded} at start-up: the {meta.vocab_size} ids of {cfg.data.path}'s "
+    return (f"# model.vocab_size: null is {padded} at start-up: the {meta.vocab_size} ids of {where}'s "
             f"tokenizer ({meta.tokenizer}), padded (model.pad_vocab_to_multiple_of)\n")
 
 

@@ -156,7 +156,7 @@ def model_and_batches(cfg, checkpoint: str | None, num_batches: int, device: tor
                       ) -> tuple[nn.Module, list[Batch]]:
     """The config's model in BF16 (weights from `checkpoint` if given, else its seeded init) and the first
     `num_batches` micro-batches of the held-out split (the training split if there is none)."""
-    meta = read_meta(cfg.data.path)
+    meta = read_meta(cfg.data.directories[0])  # of a mixture (data.paths), its first directory
     model_cfg = resolve_vocab_size(cfg.model, meta.vocab_size)
     bf16_cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, recipe="bf16"))
     model = build_model(bf16_cfg, model_cfg, PrecisionRecipe.from_name("bf16"), device)

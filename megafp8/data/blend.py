@@ -1,0 +1,136 @@
+"""A weighted mixture of several tokenized directories (`data.paths`, `data.weights`), read as one dataset.
+
+Training: the mixture is one index space of N samples that the loader shuffles, epoch after epoch, exactly as it
+shuffles one dataset's (`megafp8.data.dataset.DistributedLoader`). Dataset k owns a block of n_k = ceil(w_k x N)
+indices, its weight's share, and index o of its block reads its sample o mod L_k (L_k: its samples). N is the
+smallest size at which no block is shorter than its dataset (N = max_k ceil(L_k / w_k)), so every epoch of the
+mixture reads every sample of every dataset at least once, and a dataset weighted above its share of the tokens
+is read several times an epoch (n_k / L_k). A step's samples are a uniform draw from the shuffled blocks, so each
+dataset's share of them is its weight, up to the draw's noise. No weights: each dataset's share is its size, as
+one corpus of them all.
+
+Validation: every sample of every dataset's held-out split once, interleaved by weight (dataset k's o-th sample
+at (o + 1/2) / w_k in a merged order), in order, so that the fixed first samples a validation pass reads hold
+each dataset in proportion to its weight, the same set for any layout.
+
+The loader's state records each dataset's fingerprint and the blocks, so a relaunch over other data or weights is
+refused (`DataPositionError`) as for one dataset.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from megafp8.config import ConfigError
+from megafp8.data.dataset import Batch, PackedDataset, stack_batch
+from megafp8.data.indexed import META_FILE, DatasetMeta, read_meta
+
+
+def read_metas(paths: list[str]) -> list[DatasetMeta]:
+    """The metadata of each directory of a mixture; refused where their tokenizers cannot be one (another
+    vocabulary size or end-of-document id: a token id would mean other text in one of them)."""
+    metas = [read_meta(path) for path in paths]
+    first = metas[0]
+    for meta in metas[1:]:
+        if (meta.vocab_size, meta.eos_id) != (first.vocab_size, first.eos_id):
+            raise ConfigError(
+                f"data.paths mixes data of other tokenizers: {first.root / META_FILE} has {first.tokenizer} (vocab "
+                f"{first.vocab_size}, end of document {first.eos_id}), {meta.root / META_FILE} has {meta.tokenizer} "
+                f"(vocab {meta.vocab_size}, end of document {meta.eos_id}): tokenize every directory of the mixture "
+                "with one tokenizer (tools/preprocess_data.py --tokenizer)")
+    return metas
+
+
+def normalized(weights: list[float], sizes: list[int]) -> list[float]:
+    """The datasets' shares: `weights` over their sum, or with none, `sizes` over theirs."""
+    shares = weights or [float(size) for size in sizes]
+    total = math.fsum(shares)
+    return [share / total for share in shares]
+
+
+class _Mixture:
+    """Several packed datasets as one index space; a subclass says where index i lives (`_locate`)."""
+
+    def __init__(self, datasets: list[PackedDataset], shares: list[float]) -> None:
+        self.datasets, self.shares = datasets, shares
+        self.seq_len = datasets[0].seq_len
+        self.num_samples = 0
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset, sample within it) of each index."""
+        raise NotImplementedError
+
+    def batch(self, indices: np.ndarray) -> Batch:
+        which, within = self._locate(np.asarray(indices, dtype=np.int64))
+        return stack_batch([self.datasets[k].sample(int(j)) for k, j in zip(which.tolist(), within.tolist())])
+
+    def where(self) -> str:
+        return "the mixture of " + ", ".join(d.where() for d in self.datasets)
+
+
+class TrainingMixture(_Mixture):
+    """The training splits of a mixture, in blocks (module docstring); what the loader shuffles."""
+
+    def __init__(self, datasets: list[PackedDataset], weights: list[float]) -> None:
+        lengths = [len(d) for d in datasets]
+        super().__init__(datasets, normalized(weights, lengths))
+        size = max(math.ceil(length / share) for length, share in zip(lengths, self.shares))
+        # Each block at least its dataset (rounding could leave a block one short of L_k / w_k x w_k).
+        self.blocks = [max(length, math.ceil(share * size)) for length, share in zip(lengths, self.shares)]
+        self.block_starts = np.cumsum([0] + self.blocks)
+        self.num_samples = int(self.block_starts[-1])
+
+    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        which = np.searchsorted(self.block_starts, indices, side="right") - 1
+        lengths = np.array([len(d) for d in self.datasets], dtype=np.int64)
+        return which, (indices - self.block_starts[which]) % lengths[which]
+
+    def reads_per_epoch(self) -> list[float]:
+        """How many times an epoch of the mixture reads each dataset (its block over its samples)."""
+        return [block / len(d) for block, d in zip(self.blocks, self.datasets)]
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return {"mixture": [d.fingerprint for d in self.datasets], "blocks": list(self.blocks)}
+
+    def tokenizer_difference(self, saved: dict[str, Any]) -> Optional[str]:
+        # One tokenizer for the whole mixture (`read_metas`): the first dataset speaks for it.
+        first = saved["mixture"][0] if saved.get("mixture") else saved
+        return self.datasets[0].tokenizer_difference(first)
+
+    def fingerprint_difference(self, saved: dict[str, Any]) -> Optional[str]:
+        mixture = saved.get("mixture")
+        if mixture is None:
+            return f"it was read from one dataset, this run reads {self.where()}"
+        if len(mixture) != len(self.datasets):
+            return f"it mixed {len(mixture)} datasets, this run mixes {len(self.datasets)}"
+        for dataset, was in zip(self.datasets, mixture):
+            difference = dataset.fingerprint_difference(was)
+            if difference is not None:
+                return f"{dataset.where()}: {difference}"
+        if list(saved.get("blocks", [])) != self.blocks:
+            return (f"the mixture's blocks were {list(saved.get('blocks', []))} samples, are {self.blocks} "
+                    "(other data.weights)")
+        return None
+
+
+class ValidationMixture(_Mixture):
+    """The held-out splits of a mixture, every sample once, interleaved by weight (module docstring)."""
+
+    def __init__(self, datasets: list[PackedDataset], weights: list[float]) -> None:
+        lengths = [len(d) for d in datasets]
+        super().__init__(datasets, normalized(weights, lengths))
+        which = np.concatenate([np.full(length, k, dtype=np.int64) for k, length in enumerate(lengths)])
+        within = np.concatenate([np.arange(length, dtype=np.int64) for length in lengths])
+        shares = np.array(self.shares)
+        order = np.lexsort((which, (within + 0.5) / shares[which]))  # by merged position, ties by dataset
+        self._which, self._within = which[order], within[order]
+        self.num_samples = len(order)
+
+    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._which[indices], self._within[indices]

@@ -1,0 +1,151 @@
+"""Training on a weighted mixture of tokenized directories (`data.paths`, `data.weights`; `megafp8.data.blend`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megafp8.config import ConfigError, load_config
+from megafp8.data import DistributedLoader, PackedDataset, TokenStream, read_meta
+from megafp8.data.blend import TrainingMixture, ValidationMixture, read_metas
+from megafp8.data.dataset import DataPositionError
+from megafp8.data.preprocess import preprocess
+from megafp8.parallel import ParallelDims
+from megafp8.train import Trainer
+
+SEQ_LEN = 16
+
+
+@pytest.fixture(scope="module")
+def two_corpora(tmp_path_factory) -> tuple[Path, Path]:
+    """Two byte-tokenized directories of distinguishable text: 'a' documents (small) and 'b' documents (4x)."""
+    root = tmp_path_factory.mktemp("mixture")
+    dirs = []
+    for name, docs, size in (("a", 10, 400), ("b", 40, 400)):
+        src = root / f"src_{name}"
+        src.mkdir()
+        for i in range(docs):
+            (src / f"{i:03d}.txt").write_text(name * size, encoding="utf-8")
+        out = root / name
+        preprocess([str(src)], out, valid_fraction=0.2, seed=0)
+        dirs.append(out)
+    return dirs[0], dirs[1]
+
+
+def splits(dirs: tuple[Path, ...], split: str = "train") -> list[PackedDataset]:
+    return [PackedDataset(TokenStream(read_meta(d), split), SEQ_LEN, split) for d in dirs]
+
+
+def source_of(tokens: torch.Tensor) -> str:
+    """Which corpus a sample came from: its most common byte ('a' = 97, 'b' = 98)."""
+    return chr(int(torch.mode(tokens.flatten()).values))
+
+
+def test_blocks_give_each_dataset_its_weight_and_every_sample_an_epoch(two_corpora):
+    a, b = splits(two_corpora)
+    even = TrainingMixture([a, b], [1.0, 1.0])
+    assert even.shares == [0.5, 0.5] and even.blocks == [len(b), len(b)]  # a is read len(b) / len(a) times
+    assert even.reads_per_epoch() == [len(b) / len(a), 1.0]
+    by_size = TrainingMixture([a, b], [])
+    assert by_size.blocks == [len(a), len(b)] and by_size.reads_per_epoch() == [1.0, 1.0]
+    # An epoch of the loader reads each dataset exactly its block's worth of samples, all of them at least once.
+    loader = DistributedLoader(even, global_batch_size=2, micro_batch_size=1, dp_rank=0, dp_size=1, seed=3)
+    which, within = even._locate(loader._indices(0, len(even)))  # the whole first epoch
+    assert np.bincount(which).tolist() == even.blocks
+    assert set(within[which == 0].tolist()) == set(range(len(a)))
+    assert set(within[which == 1].tolist()) == set(range(len(b)))
+
+
+def test_a_step_holds_each_dataset_about_its_weight_and_samples_are_theirs(two_corpora):
+    mixture = TrainingMixture(splits(two_corpora), [3.0, 1.0])
+    loader = DistributedLoader(mixture, global_batch_size=64, micro_batch_size=8, dp_rank=0, dp_size=1, seed=1)
+    sources = [source_of(tokens[i]) for _ in range(4) for tokens, _ in loader.next_step() for i in range(len(tokens))]
+    share_a = sources.count("a") / len(sources)
+    assert 0.65 < share_a < 0.85, share_a  # 0.75 asked; 256 samples drawn
+
+
+def test_validation_interleaves_by_weight_and_reads_every_sample_once(two_corpora):
+    a, b = splits(two_corpora, "valid")
+    mixture = ValidationMixture([a, b], [1.0, 3.0])
+    assert len(mixture) == len(a) + len(b)
+    which, within = mixture._locate(np.arange(len(mixture)))
+    assert sorted(zip(which.tolist(), within.tolist())) == [(0, j) for j in range(len(a))] + \
+        [(1, j) for j in range(len(b))]
+    assert which[:8].tolist().count(0) == 2  # the first samples hold a at its weight, 1 in 4
+    tokens, _ = mixture.batch(np.arange(4))
+    assert [source_of(t) for t in tokens] == [chr(97 + k) for k in which[:4].tolist()]
+
+
+def test_a_saved_position_over_other_weights_or_data_is_refused(two_corpora):
+    a, b = splits(two_corpora)
+
+    def loader(dataset) -> DistributedLoader:
+        return DistributedLoader(dataset, 8, 2, 0, 1, seed=1)
+
+    saved = loader(TrainingMixture([a, b], [1.0, 1.0]))
+    saved.next_step()
+    state = saved.state_dict()
+    resumed = loader(TrainingMixture([a, b], [1.0, 1.0]))
+    resumed.load_state_dict(state)
+    assert resumed.consumed_samples == 8
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(resumed.next_step(), saved.next_step()))
+    by_size = TrainingMixture([a, b], [])
+    reweighted = state | {"num_samples": len(by_size)}  # the same size, to reach the fingerprint's check
+    with pytest.raises(DataPositionError, match=r"the mixture's blocks were \[\d+, \d+\] samples, are .*other "
+                                                r"data.weights"):
+        loader(by_size).load_state_dict(reweighted)
+    with pytest.raises(DataPositionError, match="it was read from a mixture of 2 datasets"):
+        loader(a).load_state_dict(state | {"num_samples": len(a)})
+    with pytest.raises(DataPositionError, match="it was read from one dataset, this run reads the mixture"):
+        one = loader(a)
+        one.next_step()
+        loader(TrainingMixture([a, b], [1.0, 1.0])).load_state_dict(one.state_dict() | {"num_samples": len(saved.dataset)})
+
+
+def test_directories_of_other_tokenizers_do_not_mix(two_corpora, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    model = tokenizers.models.WordLevel({"a": 0, "b": 1, "<|endoftext|>": 2, "[UNK]": 3}, unk_token="[UNK]")
+    tok = tokenizers.Tokenizer(model)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x.txt").write_text("a b a b " * 50)
+    preprocess([str(src)], tmp_path / "other", tokenizer_spec=str(tmp_path / "tok.json"), valid_fraction=0.0)
+    with pytest.raises(ConfigError, match=r"data.paths mixes data of other tokenizers: .* \(vocab 258, end of document "
+                                          r"256\), .* \(vocab 4, end of document 2\): tokenize every directory"):
+        read_metas([str(two_corpora[0]), str(tmp_path / "other")])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.weights=[1.0]"], "data.weights weighs the directories of data.paths, which is empty"),
+    (["data.paths=[x, y]", "data.weights=[1.0]"], "data.weights has 1 weights for the 2 directories"),
+    (["data.paths=[x, y]", "data.weights=[1.0, 0]"], "data.weights must be positive finite numbers, got 0"),
+    (["data.paths=[x, x]"], "data.paths names x more than once"),
+])
+def test_bad_mixture_settings_are_one_clear_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny_dense", overrides)
+
+
+def test_a_run_on_a_mixture_trains_evaluates_and_resumes_bit_identically(two_corpora, tiny_overrides, tmp_path):
+    mixture = [f"data.paths=[{two_corpora[0]}, {two_corpora[1]}]", "data.weights=[1, 3]", "data.seq_len=16"]
+    ckpt = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=3"]
+
+    def trainer(extra: list[str]) -> Trainer:
+        return Trainer(load_config("tiny_dense", tiny_overrides + mixture + extra), ParallelDims.single(),
+                       torch.device("cpu"))
+
+    straight = trainer(["checkpoint.resume=none", "run_name=straight"])
+    assert isinstance(straight.loader.dataset, TrainingMixture)
+    assert isinstance(straight.valid_set, ValidationMixture)
+    straight_losses = [r["loss"] for r in straight.fit() if r["kind"] == "train"]
+    first = trainer(ckpt)
+    for _ in range(3):
+        first.train_step()
+    first.save()
+    resumed = trainer(ckpt)
+    assert resumed.step == 3
+    assert [r["loss"] for r in resumed.fit() if r["kind"] == "train"] == straight_losses[3:]
