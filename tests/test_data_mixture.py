@@ -76,6 +76,10 @@ def test_validation_interleaves_by_weight_and_reads_every_sample_once(two_corpor
     assert which[:8].tolist().count(0) == 2  # the first samples hold a at its weight, 1 in 4
     tokens, _ = mixture.batch(np.arange(4))
     assert [source_of(t) for t in tokens] == [chr(97 + k) for k in which[:4].tolist()]
+    fresh = ValidationMixture([a, b], [1.0, 3.0])  # its order built for the first samples only: the same ones
+    fresh.min_prefix = 2
+    assert [k.tolist() for k in fresh._locate(np.arange(5))] == [which[:5].tolist(), within[:5].tolist()]
+    assert len(fresh._which) < len(mixture)
 
 
 def test_a_saved_position_over_other_weights_or_data_is_refused(two_corpora):

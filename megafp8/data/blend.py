@@ -120,17 +120,30 @@ class TrainingMixture(_Mixture):
 
 
 class ValidationMixture(_Mixture):
-    """The held-out splits of a mixture, every sample once, interleaved by weight (module docstring)."""
+    """The held-out splits of a mixture, every sample once, interleaved by weight (module docstring). The merged
+    order is built for the prefix a validation pass reads, on first use: a held-out split of millions of samples
+    costs nothing beyond the few a pass reads."""
+
+    min_prefix = 1024  # the fewest entries built at a time
 
     def __init__(self, datasets: list[PackedDataset], weights: list[float]) -> None:
         lengths = [len(d) for d in datasets]
         super().__init__(datasets, normalized(weights, lengths))
-        which = np.concatenate([np.full(length, k, dtype=np.int64) for k, length in enumerate(lengths)])
-        within = np.concatenate([np.arange(length, dtype=np.int64) for length in lengths])
+        self.num_samples = sum(lengths)
+        self._which = self._within = np.empty(0, dtype=np.int64)
+
+    def _prefix(self, count: int) -> None:
+        """The first `count` entries of the merged order. Dataset k's o-th sample sorts after its first o, so the
+        first `count` entries come from the first min(count, L_k) samples of each."""
+        heads = [min(count, len(d)) for d in self.datasets]
+        which = np.concatenate([np.full(n, k, dtype=np.int64) for k, n in enumerate(heads)])
+        within = np.concatenate([np.arange(n, dtype=np.int64) for n in heads])
         shares = np.array(self.shares)
-        order = np.lexsort((which, (within + 0.5) / shares[which]))  # by merged position, ties by dataset
+        order = np.lexsort((which, (within + 0.5) / shares[which]))[:count]  # by merged position, ties by dataset
         self._which, self._within = which[order], within[order]
-        self.num_samples = len(order)
 
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        needed = int(indices.max()) + 1 if len(indices) else 0
+        if needed > len(self._which):  # grown geometrically: a pass over the whole split builds it a few times
+            self._prefix(min(self.num_samples, max(needed, 2 * len(self._which), self.min_prefix)))
         return self._which[indices], self._within[indices]
