@@ -153,3 +153,20 @@ def test_a_run_on_a_mixture_trains_evaluates_and_resumes_bit_identically(two_cor
     resumed = trainer(ckpt)
     assert resumed.step == 3
     assert [r["loss"] for r in resumed.fit() if r["kind"] == "train"] == straight_losses[3:]
+
+
+def test_an_export_of_a_mixture_run_checks_its_tokenizer_as_one_directory_s(two_corpora, tiny_overrides, tmp_path):
+    """The run's data fingerprint of a mixture holds each directory's; the export's tokenizer check read the
+    single-directory form and found no recorded vocabulary, so it checked nothing."""
+    from megafp8.checkpoint.convert import export_hf
+
+    tokenizers = pytest.importorskip("tokenizers")
+    model = tokenizers.models.WordLevel({"a": 0, "b": 1, "<|endoftext|>": 2, "[UNK]": 3}, unk_token="[UNK]")
+    tokenizers.Tokenizer(model).save(str(tmp_path / "other.json"))
+    mixture = [f"data.paths=[{two_corpora[0]}, {two_corpora[1]}]", "data.seq_len=16", "training.steps=1",
+               "optimizer.warmup_steps=0",
+               "training.eval_interval=0", f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=1"]
+    Trainer(load_config("tiny_dense", tiny_overrides + mixture), ParallelDims.single(), torch.device("cpu")).fit()
+    with pytest.raises(ConfigError, match=r"has 4 ids, but the run's data was tokenized with byte of 258"):
+        export_hf(tmp_path / "ckpt" / "step_00000001", tmp_path / "hf", fp8=False, tokenizer=tmp_path / "other.json",
+                  eos_token="<|endoftext|>")

@@ -16,6 +16,7 @@ from megafp8.checkpoint.sharded import INDEX_FILE, is_sharded_checkpoint, write_
 from megafp8.parallel.sharding import Piece, Placed
 from megafp8.config import ConfigError, ModelConfig, describe_blocks
 from megafp8.config.loader import config_to_dict, model_config_from_saved
+from megafp8.data.dataset import tokenizer_record
 from megafp8.data.tokenizer import HFTokenizer
 
 
@@ -92,7 +93,7 @@ def missing_tokenizer_note(checkpoint: Path) -> str:
     """What an export without `--tokenizer` lacks, and the tokenizer.json the checkpoint's data was made with (its
     metadata only is read)."""
     state = load_checkpoint(checkpoint, verify=False, advice=CONVERTING, tensors="shapes")
-    trained_with = state.get("loader", {}).get("fingerprint", {}).get("tokenizer")
+    trained_with = tokenizer_record(state.get("loader", {}).get("fingerprint", {})).get("tokenizer")
     hint = f" (the run's data was tokenized with {trained_with})" if trained_with not in (None, "byte") else ""
     eos = imported_token_ids(state).get("eos_token_id")
     ids = ("config.json's eos_token_id is null" if eos is None else
@@ -108,7 +109,7 @@ def _export_tokenizer(path: Path, eos_token: str | None, state: dict[str, Any], 
         raise ConfigError(f"--tokenizer {path}: give a Hugging Face tokenizer.json (the byte tokenizer has no "
                           "Hugging Face form)")
     tok = HFTokenizer(str(path), eos_token)
-    recorded = state.get("loader", {}).get("fingerprint", {})
+    recorded = tokenizer_record(state.get("loader", {}).get("fingerprint", {}))
     if recorded.get("vocab_size") not in (None, tok.vocab_size):
         raise ConfigError(f"--tokenizer {path} has {tok.vocab_size} ids, but the run's data was tokenized with "
                           f"{recorded.get('tokenizer')} of {recorded['vocab_size']}: give the tokenizer.json the "

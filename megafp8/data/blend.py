@@ -100,8 +100,7 @@ class TrainingMixture(_Mixture):
 
     def tokenizer_difference(self, saved: dict[str, Any]) -> Optional[str]:
         # One tokenizer for the whole mixture (`read_metas`): the first dataset speaks for it.
-        first = saved["mixture"][0] if saved.get("mixture") else saved
-        return self.datasets[0].tokenizer_difference(first)
+        return self.datasets[0].tokenizer_difference(saved)
 
     def fingerprint_difference(self, saved: dict[str, Any]) -> Optional[str]:
         mixture = saved.get("mixture")

@@ -64,7 +64,7 @@ class PackedDataset:
         return self.stream.fingerprint
 
     def tokenizer_difference(self, saved: dict[str, Any]) -> str | None:
-        return self.stream.tokenizer_difference(saved["mixture"][0] if saved.get("mixture") else saved)  # one for all
+        return self.stream.tokenizer_difference(tokenizer_record(saved))
 
     def fingerprint_difference(self, saved: dict[str, Any]) -> str | None:
         if "mixture" in saved:
@@ -78,9 +78,10 @@ def stack_batch(samples: list[np.ndarray]) -> Batch:
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def recorded_tokenizer(saved: dict[str, Any]) -> Any:
-    """The tokenizer spec a saved fingerprint records (a mixture's: its first directory's, one for all)."""
-    return (saved["mixture"][0] if saved.get("mixture") else saved).get("tokenizer")
+def tokenizer_record(saved: dict[str, Any]) -> dict[str, Any]:
+    """The part of a saved data fingerprint that names its tokenizer (`tokenizer`, `vocab_size`): a mixture's first
+    directory's, one tokenizer for them all (`megafp8.data.blend.read_metas`)."""
+    return saved["mixture"][0] if saved.get("mixture") else saved
 
 
 class Samples(Protocol):
@@ -168,10 +169,11 @@ class DistributedLoader:
         saved = state.get("fingerprint") or {}
         tokenizer_change = self.dataset.tokenizer_difference(saved)
         if tokenizer_change is not None:  # never resumed past, even from a named checkpoint: the embedding's rows
-            raise ConfigError(                # would mean other text
+            spec = tokenizer_record(saved).get("tokenizer")  # would mean other text
+            raise ConfigError(
                 f"{tokenizer_change}: the model's token ids would mean other text; train on data preprocessed with "
-                f"the checkpoint's tokenizer (tools/preprocess_data.py --tokenizer {recorded_tokenizer(saved)}), or "
-                "start without the checkpoint")
+                f"the checkpoint's tokenizer (tools/preprocess_data.py --tokenizer {spec}), or start without the "
+                "checkpoint")
         if state["num_samples"] != len(self.dataset) or state["seed"] != self.seed:
             raise DataPositionError(
                 f"the saved data-loader state is for {state['num_samples']} samples with seed {state['seed']}, but "
