@@ -125,6 +125,8 @@ COMMANDS: dict[str, Run | Skip] = {
         Run((("step_00000100", f"{TINY_STEP} training.eval_iters=1"),), "the 2-step run's checkpoint, one batch"),
     "python tools/convert_checkpoint.py inspect runs/tiny_dense/checkpoints/step_00000200":
         Run((("step_00000200", TINY_STEP),), "the 2-step run's checkpoint"),
+    'python tools/generate.py runs/tiny_dense/checkpoints/step_00000200 --prompt "def main():" --tokens 40':
+        Run((("step_00000200", TINY_STEP), ("--tokens 40", "--tokens 4")), "the 2-step run's checkpoint, 4 tokens"),
     "python tools/convert_checkpoint.py to-hf runs/tiny_dense/checkpoints/step_00000200 --out hf/tiny":
         Run((("step_00000200", TINY_STEP),), "the 2-step run's checkpoint"),
     "python tools/convert_checkpoint.py to-hf runs/tiny_dense/checkpoints/step_00000200 --out hf/tiny-fp8 --fp8":

@@ -206,6 +206,9 @@ def not_a_checkpoint(directory: Path) -> Optional[str]:
     if (directory / "config.json").is_file() and any(directory.glob("*.safetensors")):
         return (f"{directory} is a Hugging Face model directory, not a megafp8 checkpoint: import it first "
                 f"(tools/convert_checkpoint.py from-hf {directory} --out DIR)")
+    if directory.is_dir() and not any(p for p in directory.iterdir() if not p.name.startswith(".")):  # a run's
+        # `.lock` aside, nothing: not a save cut short (those leave step_N.tmp-* and never a bare directory)
+        return f"{directory} holds no checkpoint (a run saves one every checkpoint.interval steps)"
     return None
 
 

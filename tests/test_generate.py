@@ -1,0 +1,76 @@
+"""Text from a checkpoint (`tools/generate.py`, `megafp8.train.generate`)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megafp8.config import ConfigError, load_config
+from megafp8.parallel import ParallelDims
+from megafp8.train import Trainer
+from megafp8.train.generate import _choose, load_generator
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def checkpoint(corpus_dir, tmp_path_factory):
+    """A tiny model trained 3 steps on the byte-tokenized corpus, checkpointed at step 3."""
+    from tests.conftest import TINY_OVERRIDES
+
+    root = tmp_path_factory.mktemp("gen")
+    cfg = load_config("tiny_dense", TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={root}",
+                                                      "run_name=g", "training.steps=3", "training.eval_interval=0",
+                                                      "checkpoint.interval=3"])
+    Trainer(cfg, ParallelDims.single(), torch.device("cpu")).fit()
+    return root / "g" / "checkpoints" / "step_00000003"
+
+
+def test_greedy_continuation_is_the_model_s_argmax_over_its_window(checkpoint):
+    gen = load_generator(checkpoint, torch.device("cpu"))
+    assert gen.window == 64 and gen.tokenizer.vocab_size == 258  # the run's data.seq_len and byte tokenizer
+    prompt = gen.tokenizer.encode("def main():\n    return ")
+    ids = gen.continue_ids(prompt, 5, stop_at_eos=False)
+    assert ids == gen.continue_ids(prompt, 5, stop_at_eos=False) and len(ids) == 5
+    context = prompt + ids[:2]  # the third new token, by hand: the model over the padded window
+    tokens = torch.full((1, 64), gen.tokenizer.eos_id)
+    tokens[0, :len(context)] = torch.tensor(context)
+    with torch.no_grad():
+        logits = gen.model(tokens)[0, len(context) - 1, :258]
+    assert ids[2] == int(logits.argmax())
+    long_prompt = gen.tokenizer.encode("x" * 100)  # longer than the window: its last 64 tokens are read
+    assert len(gen.continue_ids(long_prompt, 2, stop_at_eos=False)) == 2
+
+
+def test_sampling_draws_among_the_top_k_and_is_seeded():
+    logits = torch.tensor([0.0, 5.0, 4.0, -1.0])
+    draw = torch.Generator().manual_seed(0)
+    assert _choose(logits, 0.0, 0, draw) == 1
+    assert {_choose(logits, 1.0, 1, draw) for _ in range(20)} == {1}  # top-1 at any temperature: the argmax
+    picks = {_choose(logits, 2.0, 2, draw) for _ in range(50)}
+    assert picks == {1, 2}
+    first = [_choose(logits, 1.0, 0, torch.Generator().manual_seed(7)) for _ in range(3)]
+    assert len(set(first)) == 1  # the same seed, the same draw
+
+
+def test_the_command_line_continues_a_prompt_and_refuses_a_moved_tokenizer_in_one_line(checkpoint, tmp_path):
+    command = [sys.executable, "tools/generate.py", str(checkpoint), "--prompt", "import ", "--tokens", "8",
+               "--temperature", "0.8", "--top-k", "5", "--samples", "2"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("--- sample") == 2 and result.stdout.count("\nimport ") == 2
+    missing = subprocess.run(command[:3] + ["--prompt", "a", "--tokenizer", str(tmp_path / "gone.json")], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
+
+
+def test_a_checkpoints_directory_without_one_says_so(tmp_path):
+    """`runs/NAME/checkpoints` of a run that saved none (its `.lock` only) was called an incomplete checkpoint whose
+    save did not finish."""
+    empty = tmp_path / "checkpoints"
+    empty.mkdir()
+    (empty / ".lock").touch()
+    with pytest.raises(ConfigError, match=r"checkpoints holds no checkpoint \(a run saves one every "
+                                          r"checkpoint.interval steps\)"):
+        load_generator(empty, torch.device("cpu"))
