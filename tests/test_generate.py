@@ -74,3 +74,14 @@ def test_a_checkpoints_directory_without_one_says_so(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoints holds no checkpoint \(a run saves one every "
                                           r"checkpoint.interval steps\)"):
         load_generator(empty, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("config", ["tiny_moe_fp8", "tiny_mla_moe_mtp_fp8"])
+def test_a_moe_or_mla_checkpoint_trained_in_fp8_continues_text(config, corpus_dir, tmp_path):
+    """Layouts no Hugging Face export holds (a MoE with a selection bias, MLA with MTP) continue text too."""
+    cfg = load_config(config, [f"data.path={corpus_dir}", f"logging.output_dir={tmp_path}", "run_name=m",
+                               "training.steps=1", "optimizer.warmup_steps=0", "training.eval_interval=0",
+                               "checkpoint.interval=1"])
+    Trainer(cfg, ParallelDims.single(), torch.device("cpu")).fit()
+    gen = load_generator(tmp_path / "m" / "checkpoints" / "step_00000001", torch.device("cpu"))
+    assert len(gen.continue_ids(gen.tokenizer.encode("def "), 3, stop_at_eos=False)) == 3
