@@ -183,6 +183,11 @@ def test_another_config_is_refused_and_leaves_the_directory_as_it_was(tiny_overr
         make_trainer(tiny_overrides, SAVING + ["model.num_layers=1"])
     assert str(err.value).endswith("(model.num_layers: 2 there, 1 here): give this run another run_name, or set "
                                    "checkpoint.overwrite=true to replace that run")
+    named = first.checkpoint_dir / "step_00000004"  # a launch naming that checkpoint already: told only what it lacks
+    with pytest.raises(ConfigError) as err:
+        make_trainer(tiny_overrides, SAVING + ["training.seed=99", f"checkpoint.resume={named}"])
+    assert str(err.value).endswith("(training.seed: 1234 there, 99 here): give this run another run_name, or set "
+                                   "checkpoint.overwrite=true to replace that run")
     assert snapshot(first.run_dir) == before
 
 

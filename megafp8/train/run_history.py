@@ -155,7 +155,7 @@ def judge(earlier: Optional[EarlierRun], current: dict[str, Any], resume: str, o
             return Verdict(replace=True)
         more = f" and {len(changes) - 1} more setting(s)" if len(changes) > 1 else ""
         return Verdict(refusal=f"{run_dir} holds another run ({changes[0]}{more}): give this run another run_name"
-                               f"{_start_from(earlier, changes, checkpoint_dir)}, or set checkpoint.overwrite=true "
+                               f"{_start_from(earlier, changes, checkpoint_dir, resume)}, or set checkpoint.overwrite=true "
                                "to replace that run")
     if resume == "none" and earlier.checkpoints:
         if overwrite:
@@ -175,10 +175,12 @@ def judge(earlier: Optional[EarlierRun], current: dict[str, Any], resume: str, o
     return Verdict()
 
 
-def _start_from(earlier: EarlierRun, changes: list[str], checkpoint_dir: Path) -> str:
+def _start_from(earlier: EarlierRun, changes: list[str], checkpoint_dir: Path, resume: str) -> str:
     """How a new run starts from the earlier run's newest checkpoint, as a clause of the refusal; empty where there
-    is none, or where the model changed (its tensors would not fit)."""
-    if not earlier.checkpoints or any(change.startswith("model.") for change in changes):
+    is none, where the model changed (its tensors would not fit), or where this launch names a checkpoint already
+    (`resume`: it only needs its own run_name)."""
+    named = resume not in ("auto", "none")
+    if named or not earlier.checkpoints or any(change.startswith("model.") for change in changes):
         return ""
     newest = checkpoint_dir / earlier.checkpoints[-1]
     return f" (to continue from that run's newest checkpoint: checkpoint.resume={newest})"
