@@ -68,6 +68,8 @@ def test_a_finished_run_relaunched_says_so(tiny_overrides, caplog):
     with caplog.at_level(logging.INFO, logger="megafp8"):
         trainer.fit()
     assert "finished at step 4 already: nothing to train (raise training.steps to train further)" in caplog.text
+    assert caplog.messages[-1].endswith("nothing to train (raise training.steps to train further)")  # after the
+    # start-up lines, where it is read (it came before the model's)
 
 
 def test_a_longer_relaunch_continues_the_run(tiny_overrides):

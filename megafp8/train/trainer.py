@@ -155,11 +155,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------ loop
     def fit(self) -> list[dict[str, Any]]:
         """Train to `training.steps`; returns the metrics records (also written to the metrics file)."""
-        if self.step >= self.cfg.training.steps:
-            log.info("%s finished at step %d already: nothing to train (raise training.steps to train further)",
-                     self.run_dir, self.step)
         log_run_start(self.cfg, self.model_cfg, self.recipe, self.whole_model_meta(), self.optimizer, self.loader,
                       self.pipeline, self.dims, self.num_micro_batches, self.step, self.run_dir)
+        if self.step >= self.cfg.training.steps:  # said last, where it is read
+            log.info("%s finished at step %d already: nothing to train (raise training.steps to train further)",
+                     self.run_dir, self.step)
         stop = self._stop_request()
         try:
             records = self._loop(stop)
