@@ -393,3 +393,12 @@ def test_a_tensor_parallel_size_that_does_not_split_the_model_suggests_only_size
     cfg = load_config("tiny_dense", overrides + ["model.vocab_size=512", f"parallel.tp={asked}"])
     with pytest.raises(ConfigError, match=rf"set parallel.tp to one that splits this model: {suggested}$"):
         validate_for_world(cfg, world_size=asked * 2)
+
+
+def test_the_tensor_parallel_suggestion_leaves_out_sizes_the_vocabulary_does_not_split():
+    """A configured model.vocab_size splits evenly over parallel.tp, or the run is refused: the suggestion for 16
+    heads at tp=3 listed 4 and 8, which a vocabulary of 50,258 rows then refused."""
+    cfg = load_config("tiny_dense", ["model.num_heads=16", "model.hidden_size=4096", "model.attention.num_kv_heads=8",
+                                     "model.ffn_hidden_size=1024", "model.vocab_size=50258", "parallel.tp=3"])
+    with pytest.raises(ConfigError, match=r"set parallel.tp to one that splits this model: 1 or 2$"):
+        validate_for_world(cfg, world_size=6)

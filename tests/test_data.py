@@ -269,6 +269,20 @@ def test_every_rank_runs_as_many_validation_micro_batches_and_the_counted_ones_a
     assert all(torch.equal(counted[m], whole[m][0]) for m in range(num_micro))
 
 
+def test_validation_micro_batches_are_read_as_they_are_used(corpus_dir):
+    """training.eval_iters=-1 scores a whole held-out split: its micro-batches were all read into one list first
+    (seq_len x 16 bytes a sample, gigabytes on every rank for a split of millions of samples); one at a time now."""
+    ds = PackedDataset(TokenStream(read_meta(corpus_dir), "valid"), 64)
+    reads = []
+    original = ds.batch
+    ds.batch = lambda indices: reads.append(indices.tolist()) or original(indices)  # type: ignore[method-assign]
+    batches, counted = lockstep_validation_batches(ds, 2, 10**5, 1, 3)  # 100k micro-batches: none read yet
+    assert reads == [] and len(batches) == len(counted) == 33334 and counted[-1] is False
+    first = next(iter(batches))
+    assert reads == [[2, 3]] and torch.equal(first[0], original(np.array([2, 3]))[0])  # micro-batch 1: rank 1's first
+    assert torch.equal(batches[-1][0], original(np.array([0, 1]))[0])  # the filler: micro-batch 0, not counted
+
+
 def test_eval_iters_minus_one_evaluates_every_whole_micro_batch_of_the_split(tiny_overrides):
     """Validation read the first eval_iters x micro_batch_size samples only (a 366-sample held-out file was scored
     on 8), with no way to ask for all of it: -1 reads every whole micro-batch of the split, the same loss as giving

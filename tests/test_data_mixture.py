@@ -170,3 +170,37 @@ def test_an_export_of_a_mixture_run_checks_its_tokenizer_as_one_directory_s(two_
     with pytest.raises(ConfigError, match=r"has 4 ids, but the run's data was tokenized with byte of 258"):
         export_hf(tmp_path / "ckpt" / "step_00000001", tmp_path / "hf", fp8=False, tokenizer=tmp_path / "other.json",
                   eos_token="<|endoftext|>")
+
+
+class _Sized:
+    """A stand-in for a dataset of `n` samples: the blocks read only its length."""
+
+    seq_len = SEQ_LEN
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def where(self) -> str:
+        return f"a split of {self.n} samples"
+
+
+@pytest.mark.parametrize("lengths", [[481003666, 11, 917596], [3, 7, 10**9 + 7], [1, 2, 3, 4, 5]])
+def test_shares_by_size_read_every_sample_once_an_epoch(lengths):
+    """No weights: one corpus of them all. In floats, shares L_k / sum(L) made blocks of L_k + 1 for about a fifth of
+    size combinations (a sample read twice an epoch)."""
+    mixture = TrainingMixture([_Sized(n) for n in lengths], [])
+    assert mixture.blocks == lengths and mixture.reads_per_epoch() == [1.0] * len(lengths)
+
+
+def test_weights_too_lopsided_to_index_are_one_clear_error():
+    with pytest.raises(ConfigError, match=r"data.weights make an epoch of the mixture 5e\+22 samples \(every sample of "
+                                          r"a split of 5000000 samples, weighted 1e-16, read once\), more than the "
+                                          r"4.61e\+18 its sample order can index: raise that directory's weight"):
+        TrainingMixture([_Sized(3 * 10**9), _Sized(5 * 10**6)], [1.0, 1e-16])
+    huge = TrainingMixture([_Sized(3 * 10**9), _Sized(5 * 10**6)], [1.0, 1e-11])  # 5e17 samples: indexed
+    loader = DistributedLoader(huge, global_batch_size=8, micro_batch_size=1, dp_rank=0, dp_size=1, seed=1)
+    which, within = huge._locate(loader._indices(len(huge) - 4, 8))  # an epoch's end: no O(N) memory, no overflow
+    assert ((within >= 0) & (within < np.array([3 * 10**9, 5 * 10**6])[which])).all()

@@ -287,8 +287,10 @@ def _tp_problem(m: ModelConfig, tp: int) -> Optional[tuple[str, str]]:
 
 
 def _fitting_tps(m: ModelConfig, near: int) -> str:
-    """The parallel.tp values nearest `near` that split model `m` (see `_tp_problem`), as text for a suggestion."""
-    return nearest([t for t in range(1, m.num_heads + 1) if _tp_problem(m, t) is None], near)
+    """The parallel.tp values nearest `near` that split model `m` (see `_tp_problem`) and its configured
+    vocabulary (`_check_tensor_parallel`), as text for a suggestion."""
+    return nearest([t for t in range(1, m.num_heads + 1) if _tp_problem(m, t) is None
+                    and (m.vocab_size is None or m.vocab_size % t == 0)], near)
 
 
 def _check_tensor_parallel(cfg: Config, tp: int) -> None:

@@ -19,6 +19,7 @@ refused (`DataPositionError`) as for one dataset.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any, Optional
 
 import numpy as np
@@ -50,6 +51,20 @@ def normalized(weights: list[float], sizes: list[int]) -> list[float]:
     return [share / total for share in shares]
 
 
+MAX_SAMPLES = 2**62  # the most samples an epoch of a mixture may hold: its positions and orders are int64
+
+
+def mixture_blocks(lengths: list[int], weights: list[float]) -> list[int]:
+    """Each dataset's block n_k = ceil(w_k x N), N = max_k ceil(L_k / w_k) (module docstring), in exact rational
+    arithmetic: in floats, w_k = L_k / sum(L) often gave blocks one longer than their datasets (a sample read twice
+    an epoch, where no weights mean one corpus of them all)."""
+    exact = [Fraction(w) for w in weights] or [Fraction(length) for length in lengths]  # a float's value, exactly
+    total = sum(exact)
+    shares = [w / total for w in exact]
+    size = max(math.ceil(length / share) for length, share in zip(lengths, shares))
+    return [math.ceil(share * size) for share in shares]  # each at least its dataset: w_k x N >= L_k
+
+
 class _Mixture:
     """Several packed datasets as one index space; a subclass says where index i lives (`_locate`)."""
 
@@ -79,9 +94,13 @@ class TrainingMixture(_Mixture):
     def __init__(self, datasets: list[PackedDataset], weights: list[float]) -> None:
         lengths = [len(d) for d in datasets]
         super().__init__(datasets, normalized(weights, lengths))
-        size = max(math.ceil(length / share) for length, share in zip(lengths, self.shares))
-        # Each block at least its dataset (rounding could leave a block one short of L_k / w_k x w_k).
-        self.blocks = [max(length, math.ceil(share * size)) for length, share in zip(lengths, self.shares)]
+        self.blocks = mixture_blocks(lengths, weights)
+        if sum(self.blocks) > MAX_SAMPLES:
+            smallest = min(range(len(datasets)), key=lambda k: self.shares[k] / lengths[k])
+            raise ConfigError(
+                f"data.weights make an epoch of the mixture {sum(self.blocks):.3g} samples (every sample of "
+                f"{datasets[smallest].where()}, weighted {self.shares[smallest]:.3g}, read once), more than the "
+                f"{MAX_SAMPLES:.3g} its sample order can index: raise that directory's weight")
         self.block_starts = np.cumsum([0] + self.blocks)
         self.num_samples = int(self.block_starts[-1])
 

@@ -13,6 +13,7 @@ is valid for (the number of samples, the seed, the kind of order and the data's 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -208,24 +209,36 @@ def validation_micro_batches(eval_iters: int, micro_batch_size: int, num_samples
     return max(1, num_samples // micro_batch_size)
 
 
-def validation_batches(dataset: PackedDataset, micro_batch_size: int, num_micro: int, dp_rank: int,
-                       dp_size: int) -> list[Batch]:
+class MicroBatches(Sequence[Batch]):
+    """Held-out micro-batches read from `dataset` as they are used: micro-batch m of the split holds its samples
+    [m x B, (m + 1) x B) (wrapping around), for m in `micro_ids`. One at a time in memory: a pass over a whole split
+    (`training.eval_iters: -1`) of millions of samples never holds them all (seq_len x 16 bytes each)."""
+
+    def __init__(self, dataset: Samples, micro_batch_size: int, micro_ids: Sequence[int]) -> None:
+        self.dataset, self.micro_batch_size, self.micro_ids = dataset, micro_batch_size, micro_ids
+
+    def __len__(self) -> int:
+        return len(self.micro_ids)
+
+    def __getitem__(self, i: int) -> Batch:  # type: ignore[override]  (no slices)
+        m, size = self.micro_ids[i], self.micro_batch_size
+        return self.dataset.batch(np.arange(m * size, (m + 1) * size) % len(self.dataset))
+
+
+def validation_batches(dataset: Samples, micro_batch_size: int, num_micro: int, dp_rank: int,
+                       dp_size: int) -> MicroBatches:
     """This rank's part of the same `num_micro` held-out micro-batches (the first samples of the split, in
     order) at every evaluation: micro-batch m goes to rank m % dp_size, so the set is layout-independent."""
-    batches = []
-    for m in range(dp_rank, num_micro, dp_size):
-        indices = np.arange(m * micro_batch_size, (m + 1) * micro_batch_size) % len(dataset)
-        batches.append(dataset.batch(indices))
-    return batches
+    return MicroBatches(dataset, micro_batch_size, range(dp_rank, num_micro, dp_size))
 
 
-def lockstep_validation_batches(dataset: PackedDataset, micro_batch_size: int, num_micro: int, dp_rank: int,
-                                dp_size: int) -> tuple[list[Batch], list[bool]]:
+def lockstep_validation_batches(dataset: Samples, micro_batch_size: int, num_micro: int, dp_rank: int,
+                                dp_size: int) -> tuple[MicroBatches, list[bool]]:
     """`validation_batches`, run in lockstep: every rank gets ceil(num_micro / dp_size) micro-batches, and whether
     each counts. Under expert parallelism each forward pass's all-to-alls pair with the other EP ranks' (a rank
     with one micro-batch fewer left its peers waiting in a collective); a rank short of the most runs micro-batch 0
     again, not counted."""
-    batches = validation_batches(dataset, micro_batch_size, num_micro, dp_rank, dp_size)
-    short = -(-num_micro // dp_size) - len(batches)  # 0 or 1
-    fillers = validation_batches(dataset, micro_batch_size, 1, 0, 1) * short
-    return batches + fillers, [True] * len(batches) + [False] * short
+    own = range(dp_rank, num_micro, dp_size)
+    short = -(-num_micro // dp_size) - len(own)  # 0 or 1
+    return (MicroBatches(dataset, micro_batch_size, [*own] + [0] * short),
+            [True] * len(own) + [False] * short)
