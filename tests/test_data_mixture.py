@@ -1,6 +1,7 @@
 """Training on a weighted mixture of tokenized directories (`data.paths`, `data.weights`; `megafp8.data.blend`)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -204,3 +205,30 @@ def test_weights_too_lopsided_to_index_are_one_clear_error():
     loader = DistributedLoader(huge, global_batch_size=8, micro_batch_size=1, dp_rank=0, dp_size=1, seed=1)
     which, within = huge._locate(loader._indices(len(huge) - 4, 8))  # an epoch's end: no O(N) memory, no overflow
     assert ((within >= 0) & (within < np.array([3 * 10**9, 5 * 10**6])[which])).all()
+
+
+def test_a_partial_pass_reads_other_samples_each_epoch_and_all_alike_over_epochs(two_corpora):
+    """Where a block is not whole passes over its dataset, its extra reads went to the same first samples every
+    epoch (position o read sample o mod L): each epoch now continues the dataset's cycle where the last stopped."""
+    a, b = splits(two_corpora)
+    mixture = TrainingMixture([a, b], [3.0, 1.0])
+    block, length = mixture.blocks[0], len(a)
+    assert block % length  # a partial pass over a, so some of its samples are read once more an epoch
+    positions = np.arange(mixture.block_starts[0], mixture.block_starts[1])
+
+    def reads(epoch: int) -> np.ndarray:
+        which, within = mixture._locate(positions, np.full(len(positions), epoch))
+        assert (which == 0).all()
+        return np.bincount(within, minlength=length)
+
+    assert (reads(0) == np.bincount(positions % length, minlength=length)).all()  # epoch 0 as before
+    assert not (reads(0) == reads(1)).all()
+    epochs = length // math.gcd(block, length)  # the cycle's period in epochs: every sample read alike
+    assert len(set((sum(reads(e) for e in range(epochs))).tolist())) == 1
+    # The loader passes each sample's epoch: a step straddling an epoch's end reads both epochs' cycles.
+    loader = DistributedLoader(mixture, global_batch_size=8, micro_batch_size=8, dp_rank=0, dp_size=1, seed=0)
+    loader.consumed_samples = len(mixture) - 4
+    (tokens, _), = loader.next_step()
+    indices = loader._indices(len(mixture) - 4, 8)
+    expected, _ = mixture.batch(indices, np.array([0] * 4 + [1] * 4))
+    assert torch.equal(tokens, expected)

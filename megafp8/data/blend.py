@@ -2,7 +2,10 @@
 
 Training: the mixture is one index space of N samples that the loader shuffles, epoch after epoch, exactly as it
 shuffles one dataset's (`megafp8.data.dataset.DistributedLoader`). Dataset k owns a block of n_k = ceil(w_k x N)
-indices, its weight's share, and index o of its block reads its sample o mod L_k (L_k: its samples). N is the
+indices, its weight's share, and in epoch e index o of its block reads its sample (e x n_k + o) mod L_k (L_k: its
+samples): the dataset is read as one cycle that each epoch continues, so where a block is not whole passes over its
+dataset, the samples read once more differ from epoch to epoch and every sample is read as often as the next over
+the epochs (a fixed o mod L_k read the same first samples more, every epoch). N is the
 smallest size at which no block is shorter than its dataset (N = max_k ceil(L_k / w_k)), so every epoch of the
 mixture reads every sample of every dataset at least once, and a dataset weighted above its share of the tokens
 is read several times an epoch (n_k / L_k). A step's samples are a uniform draw from the shuffled blocks, so each
@@ -76,12 +79,12 @@ class _Mixture:
     def __len__(self) -> int:
         return self.num_samples
 
-    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(dataset, sample within it) of each index."""
+    def _locate(self, indices: np.ndarray, epochs: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset, sample within it) of each index (read in epoch `epochs`, where that matters)."""
         raise NotImplementedError
 
-    def batch(self, indices: np.ndarray) -> Batch:
-        which, within = self._locate(np.asarray(indices, dtype=np.int64))
+    def batch(self, indices: np.ndarray, epochs: Optional[np.ndarray] = None) -> Batch:
+        which, within = self._locate(np.asarray(indices, dtype=np.int64), epochs)
         return stack_batch([self.datasets[k].sample(int(j)) for k, j in zip(which.tolist(), within.tolist())])
 
     def where(self) -> str:
@@ -104,10 +107,20 @@ class TrainingMixture(_Mixture):
         self.block_starts = np.cumsum([0] + self.blocks)
         self.num_samples = int(self.block_starts[-1])
 
-    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _locate(self, indices: np.ndarray, epochs: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         which = np.searchsorted(self.block_starts, indices, side="right") - 1
         lengths = np.array([len(d) for d in self.datasets], dtype=np.int64)
-        return which, (indices - self.block_starts[which]) % lengths[which]
+        within = (indices - self.block_starts[which]) % lengths[which]
+        if epochs is None:
+            return which, within
+        for epoch in np.unique(epochs).tolist():  # a step spans one epoch, or two at an epoch's end
+            # Where epoch e's cycle starts in each dataset, (e x n_k) mod L_k, in Python's integers (no overflow);
+            # then within + start < 2 L_k fits int64.
+            starts = np.array([epoch * block % len(d) for block, d in zip(self.blocks, self.datasets)],
+                              dtype=np.int64)
+            here = epochs == epoch
+            within[here] = (within[here] + starts[which[here]]) % lengths[which[here]]
+        return which, within
 
     def reads_per_epoch(self) -> list[float]:
         """How many times an epoch of the mixture reads each dataset (its block over its samples)."""
@@ -160,7 +173,7 @@ class ValidationMixture(_Mixture):
         order = np.lexsort((which, (within + 0.5) / shares[which]))[:count]  # by merged position, ties by dataset
         self._which, self._within = which[order], within[order]
 
-    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _locate(self, indices: np.ndarray, epochs: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         needed = int(indices.max()) + 1 if len(indices) else 0
         if needed > len(self._which):  # grown geometrically: a pass over the whole split builds it a few times
             self._prefix(min(self.num_samples, max(needed, 2 * len(self._which), self.min_prefix)))

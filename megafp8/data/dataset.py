@@ -53,7 +53,9 @@ class PackedDataset:
     def sample(self, index: int) -> np.ndarray:
         return self.stream.read(index * self.seq_len, self.seq_len + 1)
 
-    def batch(self, indices: np.ndarray) -> Batch:
+    def batch(self, indices: np.ndarray, epochs: np.ndarray | None = None) -> Batch:
+        """The samples `indices` (`epochs`: the epoch each is read in, which one dataset's samples do not depend
+        on; a mixture's do, `megafp8.data.blend`)."""
         return stack_batch([self.sample(int(i)) for i in indices])
 
     def where(self) -> str:
@@ -90,7 +92,7 @@ class Samples(Protocol):
 
     def __len__(self) -> int: ...
 
-    def batch(self, indices: np.ndarray) -> Batch: ...
+    def batch(self, indices: np.ndarray, epochs: np.ndarray | None = None) -> Batch: ...
 
     def where(self) -> str: ...
 
@@ -156,9 +158,10 @@ class DistributedLoader:
         share = self.global_batch_size // self.dp_size
         start = self.consumed_samples + self.dp_rank * share
         indices = self._indices(start, share)
+        epochs = np.arange(start, start + share, dtype=np.int64) // len(self.dataset)
         self.consumed_samples += self.global_batch_size
         mbs = self.micro_batch_size
-        return [self.dataset.batch(indices[i : i + mbs]) for i in range(0, share, mbs)]
+        return [self.dataset.batch(indices[i : i + mbs], epochs[i : i + mbs]) for i in range(0, share, mbs)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed, "num_samples": len(self.dataset),
