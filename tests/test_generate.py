@@ -1,6 +1,7 @@
 """Text from a checkpoint (`tools/generate.py`, `megafp8.train.generate`)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -85,3 +86,35 @@ def test_a_moe_or_mla_checkpoint_trained_in_fp8_continues_text(config, corpus_di
     Trainer(cfg, ParallelDims.single(), torch.device("cpu")).fit()
     gen = load_generator(tmp_path / "m" / "checkpoints" / "step_00000001", torch.device("cpu"))
     assert len(gen.continue_ids(gen.tokenizer.encode("def "), 3, stop_at_eos=False)) == 3
+
+
+def test_the_end_of_document_token_the_data_was_made_with_is_the_one_read_back(tmp_path):
+    """Data preprocessed with --eos-token: its id is recorded with the data, and text generation and an export's
+    tokenizer use it (both fell back to the tokenizer's default token, one that ends no document of the data)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from megafp8.checkpoint.convert import export_hf
+    from megafp8.data.preprocess import preprocess
+    from tests.conftest import TINY_OVERRIDES
+
+    words = ["the", "cat", "sat", "on", "mat", "a", "dog"]
+    vocab = {w: i for i, w in enumerate(words + ["<|endoftext|>", "</s>", "[UNK]"])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"{i}.txt").write_text(" ".join(words[(i + j) % len(words)] for j in range(90)))
+    preprocess([str(src)], tmp_path / "data", tokenizer_spec=str(tmp_path / "tok.json"), valid_fraction=0.0,
+               eos_token="</s>")
+    cfg = load_config("tiny_dense", TINY_OVERRIDES + [f"data.path={tmp_path / 'data'}", f"logging.output_dir={tmp_path}",
+                                                      "run_name=e", "data.seq_len=16", "training.steps=1",
+                                                      "optimizer.warmup_steps=0", "training.eval_interval=0",
+                                                      "checkpoint.interval=1"])
+    Trainer(cfg, ParallelDims.single(), torch.device("cpu")).fit()
+    step = tmp_path / "e" / "checkpoints" / "step_00000001"
+    assert load_generator(step, torch.device("cpu")).tokenizer.eos_id == vocab["</s>"]  # not <|endoftext|>'s 7
+    export_hf(step, tmp_path / "hf", fp8=False, tokenizer=tmp_path / "tok.json")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == vocab["</s>"]
+    with pytest.raises(ConfigError, match=r"the data was made with end-of-document id 8, but '<\|endoftext\|>' is id 7"):
+        load_generator(step, torch.device("cpu"), eos_token="<|endoftext|>", tokenizer=str(tmp_path / "tok.json"))

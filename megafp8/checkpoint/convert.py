@@ -108,12 +108,20 @@ def _export_tokenizer(path: Path, eos_token: str | None, state: dict[str, Any], 
     if path.suffix.lower() != ".json":
         raise ConfigError(f"--tokenizer {path}: give a Hugging Face tokenizer.json (the byte tokenizer has no "
                           "Hugging Face form)")
-    tok = HFTokenizer(str(path), eos_token)
     recorded = tokenizer_record(state.get("loader", {}).get("fingerprint", {}))
-    if recorded.get("vocab_size") not in (None, tok.vocab_size):
-        raise ConfigError(f"--tokenizer {path} has {tok.vocab_size} ids, but the run's data was tokenized with "
-                          f"{recorded.get('tokenizer')} of {recorded['vocab_size']}: give the tokenizer.json the "
-                          "data was made with")
+
+    def check_vocabulary(tok: HFTokenizer) -> None:  # first: another tokenizer's end-of-document id says less
+        if recorded.get("vocab_size") not in (None, tok.vocab_size):
+            raise ConfigError(f"--tokenizer {path} has {tok.vocab_size} ids, but the run's data was tokenized with "
+                              f"{recorded.get('tokenizer')} of {recorded['vocab_size']}: give the tokenizer.json the "
+                              "data was made with")
+
+    try:  # with the end-of-document token the data was made with (its id recorded; `tokenizer_of_data`)
+        tok = HFTokenizer(str(path), eos_token, recorded.get("eos_id"))
+    except ConfigError:
+        check_vocabulary(HFTokenizer(str(path), eos_token))
+        raise
+    check_vocabulary(tok)
     if tok.vocab_size > cfg.vocab_size:
         raise ConfigError(f"--tokenizer {path} has {tok.vocab_size} ids, more than the model's {cfg.vocab_size} "
                           "embedding rows: give the tokenizer.json the run's data was made with")

@@ -183,7 +183,7 @@ class TokenStream:
         (`shard_checksum`). Data preprocessed again from other documents or with another tokenizer differs in it
         even where the number of samples is the same."""
         entries = self.meta.splits[self.split]
-        return {"tokenizer": self.meta.tokenizer, "vocab_size": self.meta.vocab_size,
+        return {"tokenizer": self.meta.tokenizer, "vocab_size": self.meta.vocab_size, "eos_id": self.meta.eos_id,
                 "shards": [[int(entry["num_tokens"]), int(entry.get("num_docs", -1)), shard_checksum(tokens)]
                            for entry, tokens in zip(entries, self._all_shards)]}
 

@@ -46,7 +46,7 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer loaded from a local `tokenizer.json` (no network)."""
 
-    def __init__(self, path: str, eos_token: str | None = None) -> None:
+    def __init__(self, path: str, eos_token: str | None = None, eos_id: int | None = None) -> None:
         try:
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError:
@@ -65,13 +65,23 @@ class HFTokenizer:
         # must hold the largest id, or its tokens would be stored in too narrow a dtype.
         ids = self._tok.get_vocab(with_added_tokens=True).values()
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
-        self.eos_token, self.eos_id = self._find_eos(eos_token)
+        self.eos_token, self.eos_id = self._find_eos(eos_token, eos_id)
 
-    def _find_eos(self, eos_token: str | None) -> tuple[str, int]:
-        """The end-of-document token and its id."""
+    def _find_eos(self, eos_token: str | None, eos_id: int | None) -> tuple[str, int]:
+        """The end-of-document token and its id: `eos_token`, else the token of `eos_id` (the id a corpus was made
+        with), else the first of the usual ones the tokenizer has; where both are given, they must agree."""
+        if eos_token is None and eos_id is not None:
+            token = self._tok.id_to_token(eos_id)
+            if token is None:
+                raise ConfigError(f"the data was made with end-of-document id {eos_id}, which tokenizer {self.spec} "
+                                  "has no token for: give the tokenizer.json it was preprocessed with")
+            return token, eos_id
         for token in ([eos_token] if eos_token else list(_EOS_CANDIDATES)):
             token_id = self._tok.token_to_id(token)
             if token_id is not None:
+                if eos_id not in (None, token_id):
+                    raise ConfigError(f"the data was made with end-of-document id {eos_id}, but {token!r} is id "
+                                      f"{token_id} in {self.spec}: give the --eos-token it was preprocessed with")
                 return token, token_id
         wanted = f"'{eos_token}'" if eos_token else f"any of {', '.join(_EOS_CANDIDATES)}"
         raise ConfigError(f"tokenizer {self.spec} has no end-of-document token ({wanted}); pass --eos-token")
@@ -84,6 +94,22 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
+
+
+
+def tokenizer_of_data(spec: str, eos_token: str | None, eos_id: int | None) -> Tokenizer:
+    """The tokenizer `spec` with the end-of-document token a corpus was made with, whose id `eos_id` the data's
+    fingerprint records (None: written before it did): `eos_token` where given (refused where it is another id),
+    else the token of that id, else the tokenizer's default. Without it, data made with `--eos-token` would be read
+    back with the default, a token that ends no document of it (generation not stopping, an export's
+    eos_token_id wrong)."""
+    if spec != "byte":
+        return HFTokenizer(spec, eos_token, eos_id)
+    tok = load_tokenizer(spec, eos_token)
+    if eos_id not in (None, tok.eos_id):
+        raise ConfigError(f"the data was made with end-of-document id {eos_id}, not the byte tokenizer's "
+                          f"{tok.eos_id}: give the tokenizer.json it was preprocessed with")
+    return tok
 
 
 def load_tokenizer(spec: str, eos_token: str | None = None) -> Tokenizer:

@@ -18,7 +18,7 @@ from megafp8.checkpoint.convert import best_weights, model_config_of
 from megafp8.checkpoint.local import CONVERTING, load_checkpoint
 from megafp8.config import ConfigError
 from megafp8.data.dataset import tokenizer_record
-from megafp8.data.tokenizer import Tokenizer, load_tokenizer
+from megafp8.data.tokenizer import Tokenizer, tokenizer_of_data
 from megafp8.model import Transformer
 from megafp8.precision import PrecisionRecipe
 
@@ -74,7 +74,8 @@ def load_generator(checkpoint: Path, device: torch.device, tokenizer: Optional[s
     reads; by default the run's data.seq_len (`DEFAULT_WINDOW` for an import, which records none)."""
     state = load_checkpoint(checkpoint, advice=CONVERTING, tensors="weights")
     cfg = model_config_of(state)
-    recorded = tokenizer_record(state.get("loader", {}).get("fingerprint", {})).get("tokenizer")
+    record = tokenizer_record(state.get("loader", {}).get("fingerprint", {}))
+    recorded = record.get("tokenizer")
     spec = tokenizer or recorded
     if spec is None:
         raise ConfigError(f"{checkpoint} records no tokenizer (an imported model, or a checkpoint written before "
@@ -82,7 +83,7 @@ def load_generator(checkpoint: Path, device: torch.device, tokenizer: Optional[s
     if tokenizer is None and spec != "byte" and not Path(spec).is_file():
         raise ConfigError(f"{checkpoint}'s data was tokenized with {spec}, which is not there now: give "
                           "--tokenizer FILE.json (that tokenizer, moved)")
-    tok = load_tokenizer(spec, eos_token)
+    tok = tokenizer_of_data(spec, eos_token, record.get("eos_id"))
     if tok.vocab_size > cfg.vocab_size:
         raise ConfigError(f"tokenizer {spec} has {tok.vocab_size} ids, more than the model's {cfg.vocab_size} "
                           "embedding rows: give the tokenizer the run's data was made with")
