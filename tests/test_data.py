@@ -234,7 +234,7 @@ def test_loader_resumes_exactly(corpus_dir):
         got = resumed.next_step()
         assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, want))
     other = make_loader(corpus_dir, seed=9)
-    with pytest.raises(ConfigError, match="resume with the same data.path"):
+    with pytest.raises(ConfigError, match="resume with the same data \\(data.path, or data.paths and data.weights\\)"):
         other.load_state_dict(first.state_dict())
 
 

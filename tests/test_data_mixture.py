@@ -232,3 +232,16 @@ def test_a_partial_pass_reads_other_samples_each_epoch_and_all_alike_over_epochs
     indices = loader._indices(len(mixture) - 4, 8)
     expected, _ = mixture.batch(indices, np.array([0] * 4 + [1] * 4))
     assert torch.equal(tokens, expected)
+
+
+def test_a_mixture_run_relaunched_with_another_unread_data_path_is_the_same_run():
+    """data.path is not read where data.paths is given: a relaunch changing it was refused as another run."""
+    from megafp8.config.loader import config_to_dict
+    from megafp8.train.run_history import config_changes
+
+    def flat(*overrides: str) -> dict:
+        return config_to_dict(load_config("tiny_dense", list(overrides)))
+
+    assert config_changes(flat("data.paths=[x, y]"), flat("data.paths=[x, y]", "data.path=elsewhere")) == []
+    assert config_changes(flat("data.paths=[x, y]"), flat("data.paths=[x, z]")) != []
+    assert config_changes(flat(), flat("data.path=elsewhere")) != []  # one directory: its path is the data

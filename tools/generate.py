@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.temperature < 0 or args.temperature != args.temperature:
         parser.error(f"--temperature {args.temperature}: give 0 (greedy) or a positive number")
+    if args.top_k and not args.temperature:
+        parser.error("--top-k samples among the likeliest tokens: give --temperature above 0 too (0 is greedy)")
     try:
         import torch  # after the arguments: --help and usage errors need no torch
 

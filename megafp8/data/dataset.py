@@ -31,8 +31,9 @@ class DataPositionError(ConfigError):
     of other content: its fingerprint): a relaunch must not continue from it; a run started from a named checkpoint
     starts its data afresh."""
 
-    def __init__(self, mismatch: str, fix: str = "resume with the same data.path, data.seq_len and data order seed "
-                                                  "(data.seed, else training.seed)") -> None:
+    def __init__(self, mismatch: str, fix: str = "resume with the same data (data.path, or data.paths and "
+                                                  "data.weights), data.seq_len and data order seed (data.seed, else "
+                                                  "training.seed)") -> None:
         super().__init__(f"{mismatch}: {fix}")
         self.mismatch = mismatch
 
@@ -43,7 +44,8 @@ class PackedDataset:
         self.num_samples = (stream.num_tokens - 1) // seq_len
         if self.num_samples <= 0:
             raise ConfigError(
-                f"split '{split}' has {stream.num_tokens} tokens, fewer than data.seq_len + 1 = {seq_len + 1}: "
+                f"split '{split}' of {stream.meta.root} has {stream.num_tokens} tokens, fewer than data.seq_len + 1 = "
+                f"{seq_len + 1}: "
                 "lower data.seq_len or add data"
             )
 

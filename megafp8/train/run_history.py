@@ -139,7 +139,8 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any], shared_only: 
     """`key: <saved> there, <current> here` for each setting that makes `current` another run than `saved`.
     `shared_only`: only the settings both hold (a checkpoint's config from another version of megafp8)."""
     old, new = flat_settings(saved), flat_settings(current)
-    keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RELAUNCH_SETTINGS)
+    unread = {"data.path"} if old.get("data.paths") and new.get("data.paths") else set()  # a mixture's runs
+    keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RELAUNCH_SETTINGS) and k not in unread
             and (not shared_only or (k in old and k in new))]
     return [f"{k}: {old.get(k)} there, {new.get(k)} here" for k in keys if old.get(k) != new.get(k)]
 
