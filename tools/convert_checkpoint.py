@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megafp8.checkpoint.convert import (consolidate, describe, export_hf, import_hf, missing_tokenizer_note,  # noqa: E402
                                         model_settings, shard)
 from megafp8.checkpoint.local import verify_checkpoint  # noqa: E402
-from megafp8.config import ConfigError, os_error_text  # noqa: E402
-from megafp8.config.arguments import run_tool  # noqa: E402
+from megafp8.config import ConfigError  # noqa: E402
+from megafp8.config.arguments import reported, run_tool  # noqa: E402
 
 
 def check_out(out: Path, overwrite: bool) -> None:
@@ -79,38 +79,34 @@ def main(argv: list[str] | None = None) -> int:
     for command in (to_hf, from_hf, *converts):
         command.add_argument("--overwrite", action="store_true", help="write into an existing, non-empty --out")
     args = parser.parse_args(argv)
-    try:
-        if getattr(args, "out", None) is not None:
-            check_out(args.out, args.overwrite)
-        if args.command == "inspect":
-            print(describe(args.checkpoint))
-        elif args.command == "verify":
-            for checkpoint in args.checkpoints:
-                print(verify_checkpoint(checkpoint))
-        elif args.command == "to-hf":
-            if not 0 < args.shard_gib < float("inf"):
-                raise ConfigError(f"--shard-gib {args.shard_gib:g}: give the largest file size in GiB, above 0")
-            if args.eos_token is not None and args.tokenizer is None:
-                raise ConfigError("--eos-token belongs to --tokenizer: add --tokenizer FILE.json")
-            written = export_hf(args.checkpoint, args.out, args.fp8, int(args.shard_gib * 2**30), args.tokenizer,
-                                args.eos_token)
-            print(f"wrote {args.out} ({written})")
-            if args.tokenizer is None:
-                print(missing_tokenizer_note(args.checkpoint))
-        elif args.command == "from-hf":
-            path, cfg, notes = import_hf(args.hf_dir, args.out)
-            print("\n".join(notes + [f"wrote {path}", f"train from it with checkpoint.resume={path} and these model "
-                                     "settings:", model_settings(cfg)]))
-        else:
-            print(f"wrote {(consolidate if args.command == 'consolidate' else shard)(args.checkpoint, args.out)}")
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # the reader of the output stopped early: run_tool ends quietly
-        raise
-    except OSError as err:  # a file system's answer (read-only, full, no permission): its words and the path
-        print(f"error: {os_error_text(err)}", file=sys.stderr)
-        return 2
+    return reported(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command `args` names; 0, or a ConfigError or OSError (`reported`)."""
+    if getattr(args, "out", None) is not None:
+        check_out(args.out, args.overwrite)
+    if args.command == "inspect":
+        print(describe(args.checkpoint))
+    elif args.command == "verify":
+        for checkpoint in args.checkpoints:
+            print(verify_checkpoint(checkpoint))
+    elif args.command == "to-hf":
+        if not 0 < args.shard_gib < float("inf"):
+            raise ConfigError(f"--shard-gib {args.shard_gib:g}: give the largest file size in GiB, above 0")
+        if args.eos_token is not None and args.tokenizer is None:
+            raise ConfigError("--eos-token belongs to --tokenizer: add --tokenizer FILE.json")
+        written = export_hf(args.checkpoint, args.out, args.fp8, int(args.shard_gib * 2**30), args.tokenizer,
+                            args.eos_token)
+        print(f"wrote {args.out} ({written})")
+        if args.tokenizer is None:
+            print(missing_tokenizer_note(args.checkpoint))
+    elif args.command == "from-hf":
+        path, cfg, notes = import_hf(args.hf_dir, args.out)
+        print("\n".join(notes + [f"wrote {path}", f"train from it with checkpoint.resume={path} and these model "
+                                 "settings:", model_settings(cfg)]))
+    else:
+        print(f"wrote {(consolidate if args.command == 'consolidate' else shard)(args.checkpoint, args.out)}")
     return 0
 
 

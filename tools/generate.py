@@ -18,8 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megafp8.config import ConfigError, os_error_text  # noqa: E402
-from megafp8.config.arguments import run_tool, whole_number  # noqa: E402
+from megafp8.config.arguments import reported, run_tool, whole_number  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,26 +44,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--temperature {args.temperature}: give 0 (greedy) or a positive number")
     if args.top_k and not args.temperature:
         parser.error("--top-k samples among the likeliest tokens: give --temperature above 0 too (0 is greedy)")
-    try:
-        import torch  # after the arguments: --help and usage errors need no torch
+    return reported(lambda: _run(args))
 
-        from megafp8.train.generate import load_generator
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        generator = load_generator(args.checkpoint, device, args.tokenizer, args.eos_token, args.window)
-        prompt = generator.tokenizer.encode(args.prompt)
-        for sample in range(args.samples):
-            ids = generator.continue_ids(prompt, args.tokens, args.temperature, args.top_k, args.seed + sample)
-            if args.samples > 1:
-                print(f"--- sample {sample + 1} (seed {args.seed + sample})")
-            print(args.prompt + generator.tokenizer.decode(ids))
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # the reader of the output stopped early: run_tool ends quietly
-        raise
-    except OSError as err:
-        print(f"error: {os_error_text(err)}", file=sys.stderr)
-        return 2
+
+def _run(args: argparse.Namespace) -> int:
+    """Print the continuations `args` ask for; 0, or a ConfigError or OSError (`reported`)."""
+    import torch  # after the arguments: --help and usage errors need no torch
+
+    from megafp8.train.generate import load_generator
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    generator = load_generator(args.checkpoint, device, args.tokenizer, args.eos_token, args.window)
+    prompt = generator.tokenizer.encode(args.prompt)
+    for sample in range(args.samples):
+        ids = generator.continue_ids(prompt, args.tokens, args.temperature, args.top_k, args.seed + sample)
+        if args.samples > 1:
+            print(f"--- sample {sample + 1} (seed {args.seed + sample})")
+        print(args.prompt + generator.tokenizer.decode(ids))
     return 0
 
 

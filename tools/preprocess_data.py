@@ -20,8 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megafp8.config import ConfigError, os_error_text  # noqa: E402
-from megafp8.config.arguments import run_tool, whole_number  # noqa: E402
+from megafp8.config.arguments import reported, run_tool, whole_number  # noqa: E402
 from megafp8.data.preprocess import preprocess  # noqa: E402
 from megafp8.data.text_tree import scan_text_tree, summary_lines  # noqa: E402
 
@@ -77,25 +76,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.valid_fraction is None:  # nothing drawn beside a held-out file of one's own
         args.valid_fraction = 0.0 if args.valid_input else 0.01
-    try:
-        tree = None
-        if args.extensions is not None:
-            tree = scan_text_tree(args.input, args.extensions, args.valid_fraction, args.seed, args.max_file_bytes,
-                                  args.max_bytes)
-            if args.dry_run:
-                print("\n".join(summary_lines(tree)))
-                return 0
-        splits = preprocess(args.input, args.output, args.tokenizer, args.valid_fraction, args.seed,
-                            args.shard_tokens, args.json_key, args.eos_token, args.overwrite, tree,
-                            args.valid_input)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # the reader of the output stopped early: run_tool ends quietly
-        raise
-    except OSError as err:  # a file system's answer (read-only, full, no permission): its words and the path
-        print(f"error: {os_error_text(err)}", file=sys.stderr)
-        return 2
+    return reported(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Measure (`--dry-run`) or tokenize what `args` name; 0, or a ConfigError or OSError (`reported`)."""
+    tree = None
+    if args.extensions is not None:
+        tree = scan_text_tree(args.input, args.extensions, args.valid_fraction, args.seed, args.max_file_bytes,
+                              args.max_bytes)
+        if args.dry_run:
+            print("\n".join(summary_lines(tree)))
+            return 0
+    splits = preprocess(args.input, args.output, args.tokenizer, args.valid_fraction, args.seed,
+                        args.shard_tokens, args.json_key, args.eos_token, args.overwrite, tree, args.valid_input)
     for split, shards in splits.items():
         print(f"{split}: {sum(s['num_docs'] for s in shards)} documents, "
               f"{sum(s['num_tokens'] for s in shards):,} tokens in {len(shards)} shard(s)")

@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Callable, Optional
 
+from megafp8.config.errors import ConfigError, os_error_text
+
 
 def whole_number(at_least: int, hint: str = "") -> Callable[[str], int]:
     """A whole number of at least `at_least`, written as 100000000 or 1e8; `hint` follows a refusal."""
@@ -37,6 +39,21 @@ def positive_number(at_most: Optional[float] = None, hint: str = "") -> Callable
             raise argparse.ArgumentTypeError(f"{text} must be at most {at_most:g}{hint}")
         return value
     return parse
+
+
+def reported(body: Callable[[], int]) -> int:
+    """`body()`'s exit status; a ConfigError, or a file system's OSError (read-only, full, no permission: its words
+    and the path), printed as one `error:` line with exit status 2, not a traceback. A broken pipe goes on up to
+    `run_tool`."""
+    try:
+        return body()
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+    except BrokenPipeError:
+        raise
+    except OSError as err:
+        print(f"error: {os_error_text(err)}", file=sys.stderr)
+    return 2
 
 
 def run_tool(main: Callable[[], Optional[int]]) -> int:
