@@ -21,6 +21,7 @@ refused (`DataPositionError`) as for one dataset.
 """
 from __future__ import annotations
 
+import abc
 import math
 from fractions import Fraction
 from typing import Any, Optional
@@ -47,11 +48,12 @@ def read_metas(paths: list[str]) -> list[DatasetMeta]:
     return metas
 
 
-def normalized(weights: list[float], sizes: list[int]) -> list[float]:
-    """The datasets' shares: `weights` over their sum, or with none, `sizes` over theirs."""
-    shares = weights or [float(size) for size in sizes]
-    total = math.fsum(shares)
-    return [share / total for share in shares]
+def exact_shares(weights: list[float], sizes: list[int]) -> list[Fraction]:
+    """The datasets' shares, exactly: `weights` (each float's value) over their sum, or with none, `sizes` over
+    theirs."""
+    exact = [Fraction(w) for w in weights] or [Fraction(size) for size in sizes]
+    total = sum(exact)
+    return [w / total for w in exact]
 
 
 MAX_SAMPLES = 2**62  # the most samples an epoch of a mixture may hold: its positions and orders are int64
@@ -61,14 +63,12 @@ def mixture_blocks(lengths: list[int], weights: list[float]) -> list[int]:
     """Each dataset's block n_k = ceil(w_k x N), N = max_k ceil(L_k / w_k) (module docstring), in exact rational
     arithmetic: in floats, w_k = L_k / sum(L) often gave blocks one longer than their datasets (a sample read twice
     an epoch, where no weights mean one corpus of them all)."""
-    exact = [Fraction(w) for w in weights] or [Fraction(length) for length in lengths]  # a float's value, exactly
-    total = sum(exact)
-    shares = [w / total for w in exact]
+    shares = exact_shares(weights, lengths)
     size = max(math.ceil(length / share) for length, share in zip(lengths, shares))
     return [math.ceil(share * size) for share in shares]  # each at least its dataset: w_k x N >= L_k
 
 
-class _Mixture:
+class _Mixture(abc.ABC):
     """Several packed datasets as one index space; a subclass says where index i lives (`_locate`)."""
 
     def __init__(self, datasets: list[PackedDataset], shares: list[float]) -> None:
@@ -79,9 +79,9 @@ class _Mixture:
     def __len__(self) -> int:
         return self.num_samples
 
+    @abc.abstractmethod
     def _locate(self, indices: np.ndarray, epochs: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         """(dataset, sample within it) of each index (read in epoch `epochs`, where that matters)."""
-        raise NotImplementedError
 
     def batch(self, indices: np.ndarray, epochs: Optional[np.ndarray] = None) -> Batch:
         which, within = self._locate(np.asarray(indices, dtype=np.int64), epochs)
@@ -96,8 +96,9 @@ class TrainingMixture(_Mixture):
 
     def __init__(self, datasets: list[PackedDataset], weights: list[float]) -> None:
         lengths = [len(d) for d in datasets]
-        super().__init__(datasets, normalized(weights, lengths))
+        super().__init__(datasets, [float(share) for share in exact_shares(weights, lengths)])
         self.blocks = mixture_blocks(lengths, weights)
+        self.lengths = np.array(lengths, dtype=np.int64)
         if sum(self.blocks) > MAX_SAMPLES:
             smallest = min(range(len(datasets)), key=lambda k: self.shares[k] / lengths[k])
             raise ConfigError(
@@ -109,17 +110,17 @@ class TrainingMixture(_Mixture):
 
     def _locate(self, indices: np.ndarray, epochs: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         which = np.searchsorted(self.block_starts, indices, side="right") - 1
-        lengths = np.array([len(d) for d in self.datasets], dtype=np.int64)
-        within = (indices - self.block_starts[which]) % lengths[which]
+        lengths = self.lengths[which]
+        within = (indices - self.block_starts[which]) % lengths
         if epochs is None:
             return which, within
         for epoch in np.unique(epochs).tolist():  # a step spans one epoch, or two at an epoch's end
             # Where epoch e's cycle starts in each dataset, (e x n_k) mod L_k, in Python's integers (no overflow);
             # then within + start < 2 L_k fits int64.
-            starts = np.array([epoch * block % len(d) for block, d in zip(self.blocks, self.datasets)],
+            starts = np.array([epoch * block % length for block, length in zip(self.blocks, self.lengths.tolist())],
                               dtype=np.int64)
             here = epochs == epoch
-            within[here] = (within[here] + starts[which[here]]) % lengths[which[here]]
+            within[here] = (within[here] + starts[which[here]]) % lengths[here]
         return which, within
 
     def reads_per_epoch(self) -> list[float]:
@@ -159,7 +160,7 @@ class ValidationMixture(_Mixture):
 
     def __init__(self, datasets: list[PackedDataset], weights: list[float]) -> None:
         lengths = [len(d) for d in datasets]
-        super().__init__(datasets, normalized(weights, lengths))
+        super().__init__(datasets, [float(share) for share in exact_shares(weights, lengths)])
         self.num_samples = sum(lengths)
         self._which = self._within = np.empty(0, dtype=np.int64)
 
