@@ -29,7 +29,8 @@
 # carried in .dg/DeepGEMM and built there; deepgemm_steps: the 8B-layer step on the deepgemm backend;
 # fp8_linear_deepgemm: the FP8 linear on cublas, hopper and deepgemm; deepgemm_steps_1b_moe: the ~1B and MoE steps
 # on it; tests_resume: a run under CUDA graphs resumed in a new process, hopper, deepgemm and auto; auto_deepgemm:
-# that test and the ~1B step on `auto` where DeepGEMM is installed, the backend it chose in the summary), clocks and
+# that test and the ~1B step on `auto` where DeepGEMM is installed, the backend it chose in the summary; auto_steps: the
+# ~1B, 8B-layer and MoE steps on it), clocks and
 # power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols; with
@@ -405,6 +406,15 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
       step auto_1b python benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead \
         --model 1b --recipes bf16 fp8
       grep -h "fp8: backend\|fp8: auto" "$LOGS/auto_1b.log" | sort -u >> "$OUT/summary.md" ;;
+    auto_steps)  # the three steps of issues 18 and 19 on `auto` where DeepGEMM is installed, under CUDA graphs, in one
+                 # call (~530 s on an H100 with DeepGEMM's install, jobs HE-HH): the ~1B, the 8B-layer shape and the
+                 # MoE model, BF16 and FP8; the backends they logged go to the summary
+      install_deepgemm
+      for model in 1b 8b-layers moe; do
+        step auto_$model python benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead \
+          --model $model --recipes bf16 fp8
+        grep -h "fp8: backend\|fp8: auto" "$LOGS/auto_$model.log" | sort -u >> "$OUT/summary.md"
+      done ;;
     tests_resume)  # a run under CUDA graphs resumed in a new process, on hopper and deepgemm (DeepGEMM built first)
       install_deepgemm
       step gpu_tests_resume python -m pytest -q -m gpu tests/test_fp8_gpu.py -k resumes -p no:cacheprovider ;;
