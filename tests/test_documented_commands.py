@@ -79,6 +79,10 @@ COMMANDS: dict[str, Run | Skip] = {
     "--output data/mine":
         Run((("--output data/mine", "--output data/mine-heldout"),),
             "data/mine is the byte-tokenized corpus of the entry above", alongside=True),
+    "python tools/preprocess_data.py --input my_corpus/ --output data/llama --tokenizer llama3/tokenizer.json "
+    "--bos-token '<|begin_of_text|>'":
+        Skip("needs Llama 3's tokenizer.json (not shipped); tests/test_data_bos.py runs --bos-token on a tokenizer "
+             "with a template of its own"),
     "python tools/train_tokenizer.py --input stdlib --vocab-size 8192 --output data/tokenizer.json":
         Run((("--input stdlib --vocab-size 8192", "--input books/ --vocab-size 300"),),
             "a tiny corpus and vocabulary stand in for the standard library's", alongside=True),

@@ -54,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
     from megafp8.train.generate import load_generator
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     generator = load_generator(args.checkpoint, device, args.tokenizer, args.eos_token, args.window)
-    prompt = generator.tokenizer.encode(args.prompt)
+    prompt = generator.tokenizer.document(args.prompt)  # with the beginning-of-document token its data had
     for sample in range(args.samples):
         ids = generator.continue_ids(prompt, args.tokens, args.temperature, args.top_k, args.seed + sample)
         if args.samples > 1:

@@ -5,6 +5,9 @@ Examples:
     python tools/preprocess_data.py --input stdlib --output data/pystdlib
     python tools/preprocess_data.py --input corpus/ --output data/mycorpus --tokenizer tokenizer.json
     python tools/preprocess_data.py --input a.jsonl b.jsonl --json-key content --output data/ab
+    # documents begun as Llama 3 was trained (to continue an imported Llama 3 model)
+    python tools/preprocess_data.py --input corpus/ --output data/llama --tokenizer llama3/tokenizer.json \\
+        --bos-token '<|begin_of_text|>'
     # your own held-out file as the validation split (every --input document is trained on)
     python tools/preprocess_data.py --input corpus/ --valid-input heldout.jsonl --output data/mycorpus
     # every .py/.md/.rst/.txt file under a tree, de-duplicated, held out by file; --dry-run only measures it
@@ -55,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                              "held-out set); every --input document is then trained on (no --valid-fraction)")
     parser.add_argument("--tokenizer", default="byte", help="'byte' (default) or a tokenizer.json path")
     parser.add_argument("--eos-token", default=None, help="end-of-document token of a tokenizer.json")
+    parser.add_argument("--bos-token", default=None,
+                        help="a tokenizer.json's token to begin every document with (e.g. '<|begin_of_text|>' to "
+                             "continue a Llama 3 model, which was trained so); default: none")
     add_text_tree_options(parser, "fraction of documents (files) held out; 0 with --valid-input",
                           fraction_default=None)
     parser.add_argument("--max-bytes", type=byte_count, default=0,
@@ -89,7 +95,8 @@ def _run(args: argparse.Namespace) -> int:
             print("\n".join(summary_lines(tree)))
             return 0
     splits = preprocess(args.input, args.output, args.tokenizer, args.valid_fraction, args.seed,
-                        args.shard_tokens, args.json_key, args.eos_token, args.overwrite, tree, args.valid_input)
+                        args.shard_tokens, args.json_key, args.eos_token, args.overwrite, tree, args.valid_input,
+                        args.bos_token)
     for split, shards in splits.items():
         print(f"{split}: {sum(s['num_docs'] for s in shards)} documents, "
               f"{sum(s['num_tokens'] for s in shards):,} tokens in {len(shards)} shard(s)")

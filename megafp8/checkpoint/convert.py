@@ -68,17 +68,36 @@ def export_hf(checkpoint: Path, out_dir: Path, fp8: bool, shard_bytes: int = SHA
     token_ids = dict(imported_token_ids(state))
     if hf_tokenizer is not None:
         token_ids["eos_token_id"] = hf_tokenizer.eos_id
+        if hf_tokenizer.bos_id is not None:  # the run's documents began with it
+            token_ids["bos_token_id"] = hf_tokenizer.bos_id
     model_type = save_hf(best_weights(state), cfg, positions, out_dir, fp8, shard_bytes, token_ids)
     said = f"{model_type}; max_position_embeddings {positions}: {source}"
     if hf_tokenizer is None:
         return said
+    bos = {} if hf_tokenizer.bos_token is None else {"bos_token": hf_tokenizer.bos_token}
     tokenizer_files = {TOKENIZER_FILE: Path(hf_tokenizer.spec).read_text(encoding="utf-8"),
                        TOKENIZER_CONFIG_FILE: json.dumps(
-                           {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": hf_tokenizer.eos_token,
+                           {"tokenizer_class": "PreTrainedTokenizerFast", **bos, "eos_token": hf_tokenizer.eos_token,
                             "model_max_length": positions, "clean_up_tokenization_spaces": False}, indent=2)}
     for name, text in tokenizer_files.items():
         (out_dir / name).write_text(text, encoding="utf-8")
-    return f"{said}; tokenizer {tokenizer}, eos_token {hf_tokenizer.eos_token!r} (id {hf_tokenizer.eos_id})"
+    return f"{said}; tokenizer {tokenizer}, {_token_ids_said(hf_tokenizer)}"
+
+
+def _token_ids_said(tok: HFTokenizer) -> str:
+    """The exported tokenizer's special tokens, and whether `AutoTokenizer` begins a text as training's documents
+    began (its tokenizer.json's template adds the beginning-of-document token, or none where the data had none)."""
+    said = f"eos_token {tok.eos_token!r} (id {tok.eos_id})"
+    prefix = tok.template_prefix()
+    if tok.bos_token is not None:
+        said += f", bos_token {tok.bos_token!r} (id {tok.bos_id})"
+        if prefix[:1] != [tok.bos_token]:
+            said += (f"; the run's documents began with {tok.bos_token!r}, which the tokenizer.json's template does "
+                     "not add: prepend it to a prompt when encoding")
+    elif prefix:
+        said += (f"; the tokenizer.json's template begins a text with {' '.join(prefix)}, which the run's documents "
+                 "did not begin with: encode prompts with add_special_tokens=False")
+    return said
 
 
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
@@ -117,7 +136,7 @@ def _export_tokenizer(path: Path, eos_token: str | None, state: dict[str, Any], 
                               "data was made with")
 
     try:  # with the end-of-document token the data was made with (its id recorded; `tokenizer_of_data`)
-        tok = HFTokenizer(str(path), eos_token, recorded.get("eos_id"))
+        tok = HFTokenizer(str(path), eos_token, recorded.get("eos_id"), bos_id=recorded.get("bos_id"))
     except ConfigError:
         check_vocabulary(HFTokenizer(str(path), eos_token))
         raise
@@ -153,8 +172,19 @@ def import_hf(hf_dir: Path, out_root: Path) -> tuple[Path, ModelConfig, list[str
     notes = list(imported.notes)
     if (hf_dir / TOKENIZER_FILE).is_file():  # the model's ids mean this tokenizer's text: the data must use it
         notes.append(f"{hf_dir / TOKENIZER_FILE} is the model's tokenizer: tokenize the data it trains on with it "
-                     f"(tools/preprocess_data.py --tokenizer {hf_dir / TOKENIZER_FILE})")
+                     f"(tools/preprocess_data.py --tokenizer {hf_dir / TOKENIZER_FILE}{_bos_option(hf_dir)})")
     return save_checkpoint(out_root, 0, state, keep_last=0, latest_back=False), cfg, notes
+
+
+def _bos_option(hf_dir: Path) -> str:
+    """` --bos-token T` where the directory's tokenizer.json begins a text with T (its template): the documents the
+    model was trained on began so. Empty where it adds none, or where the file cannot be read as a tokenizer."""
+    try:
+        tok = HFTokenizer(str(hf_dir / TOKENIZER_FILE))
+    except ConfigError:  # no end-of-document token of the usual names, or not a tokenizer.json: said elsewhere
+        return ""
+    prefix = tok.template_prefix()
+    return f" --bos-token '{prefix[0]}'" if prefix and prefix[0] != tok.eos_token else ""
 
 
 def model_settings(cfg: ModelConfig) -> str:

@@ -35,7 +35,8 @@ from megafp8.data.indexed import META_FILE, DatasetMeta, read_meta
 
 def read_metas(paths: list[str]) -> list[DatasetMeta]:
     """The metadata of each directory of a mixture; refused where their tokenizers cannot be one (another
-    vocabulary size or end-of-document id: a token id would mean other text in one of them)."""
+    vocabulary size or end-of-document id: a token id would mean other text in one of them) or their documents
+    begin otherwise (one with a beginning-of-document token, one without or with another)."""
     metas = [read_meta(path) for path in paths]
     first = metas[0]
     for meta in metas[1:]:
@@ -45,7 +46,16 @@ def read_metas(paths: list[str]) -> list[DatasetMeta]:
                 f"{first.vocab_size}, end of document {first.eos_id}), {meta.root / META_FILE} has {meta.tokenizer} "
                 f"(vocab {meta.vocab_size}, end of document {meta.eos_id}): tokenize every directory of the mixture "
                 "with one tokenizer (tools/preprocess_data.py --tokenizer)")
+        if meta.bos_id != first.bos_id:
+            raise ConfigError(
+                f"data.paths mixes documents that begin otherwise: {first.root / META_FILE} has {_beginning(first)}, "
+                f"{meta.root / META_FILE} has {_beginning(meta)}: preprocess every directory of the mixture with the "
+                "same --bos-token (or none)")
     return metas
+
+
+def _beginning(meta: DatasetMeta) -> str:
+    return "no beginning-of-document token" if meta.bos_id is None else f"beginning-of-document id {meta.bos_id}"
 
 
 def exact_shares(weights: list[float], sizes: list[int]) -> list[Fraction]:

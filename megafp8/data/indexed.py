@@ -1,8 +1,9 @@
 """On-disk token format: a directory with `meta.json` and, per split, shards of raw tokens.
 
-    DIR/meta.json          format, tokenizer spec, vocab size, eos id, dtype, and per split the shard list (each
-                           shard with its token count, document count and largest token id)
-    DIR/SPLIT/NNNNN.bin    the tokens of whole documents, each followed by the end-of-document token
+    DIR/meta.json          format, tokenizer spec, vocab size, eos id, bos id (or null), dtype, and per split the
+                           shard list (each shard with its token count, document count and largest token id)
+    DIR/SPLIT/NNNNN.bin    the tokens of whole documents, each followed by the end-of-document token (and begun by
+                           the beginning-of-document token where meta.json names one)
     DIR/SPLIT/NNNNN.idx    int64 end offsets of the documents in that shard (the index)
 
 Shards are memory-mapped for reading; a split reads as one token stream across its shards. Opening a shard
@@ -80,13 +81,15 @@ class ShardWriter:
 
 
 def write_meta(root: Path, tokenizer_spec: str, vocab_size: int, eos_id: int, splits: dict[str, list], source: str,
-               corpus: dict[str, Any] | None = None) -> None:
-    """`corpus`: how the documents were found (a text tree's scan figures), kept for the record only."""
+               corpus: dict[str, Any] | None = None, bos_id: int | None = None) -> None:
+    """`corpus`: how the documents were found (a text tree's scan figures), kept for the record only. `bos_id`: the
+    token every document begins with (None: documents begin with their text)."""
     meta = {
         "format": FORMAT,
         "tokenizer": tokenizer_spec,
         "vocab_size": vocab_size,
         "eos_id": eos_id,
+        "bos_id": bos_id,
         "dtype": token_dtype(vocab_size).name,
         "source": source,
         "splits": splits,
@@ -105,6 +108,7 @@ class DatasetMeta:
     eos_id: int
     dtype: np.dtype
     splits: dict[str, list[dict[str, Any]]]
+    bos_id: int | None = None  # the token every document begins with (None: none, or data written before it)
 
 
 def read_meta(path: str | Path) -> DatasetMeta:
@@ -124,8 +128,9 @@ def read_meta(path: str | Path) -> DatasetMeta:
             raise ConfigError(f"{meta_path}: format '{meta.get('format')}' is not {FORMAT}; "
                               "re-run tools/preprocess_data.py")
         vocab_size = int(meta["vocab_size"])
+        bos_id = meta.get("bos_id")
         parsed = DatasetMeta(root, meta["tokenizer"], vocab_size, int(meta["eos_id"]), np.dtype(meta["dtype"]),
-                             meta["splits"])
+                             meta["splits"], None if bos_id is None else int(bos_id))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"{meta_path} is corrupt ({err!r}); re-run tools/preprocess_data.py") from None
     if not 0 < vocab_size <= MAX_VOCAB_SIZE:
@@ -184,6 +189,7 @@ class TokenStream:
         even where the number of samples is the same."""
         entries = self.meta.splits[self.split]
         return {"tokenizer": self.meta.tokenizer, "vocab_size": self.meta.vocab_size, "eos_id": self.meta.eos_id,
+                "bos_id": self.meta.bos_id,
                 "shards": [[int(entry["num_tokens"]), int(entry.get("num_docs", -1)), shard_checksum(tokens)]
                            for entry, tokens in zip(entries, self._all_shards)]}
 

@@ -30,7 +30,7 @@ from megafp8.config import ConfigError
 from megafp8.data.corpus import input_files, read_documents
 from megafp8.data.indexed import META_FILE, ShardWriter, token_dtype, write_meta
 from megafp8.data.text_tree import TextTree, read_text
-from megafp8.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from megafp8.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 LOCK_FILE = ".lock"  # in OUT.partial while a run writes it
@@ -38,21 +38,27 @@ Document = TypeVar("Document")  # a document's text, or its tokens
 
 
 def _encode_all(tokenizer: Tokenizer, docs: Iterable[str], batch: int = 256) -> Iterator[np.ndarray]:
-    """Token arrays (end-of-document token appended), in document order."""
+    """Token arrays (the beginning-of-document token first where the tokenizer has one, the end-of-document token
+    appended), in document order."""
     dtype = token_dtype(tokenizer.vocab_size)
     eos = np.array([tokenizer.eos_id], dtype=dtype)
     if isinstance(tokenizer, ByteTokenizer):
         for doc in docs:
             yield np.concatenate([np.frombuffer(tokenizer.encode_bytes(doc), dtype=np.uint8).astype(dtype), eos])
         return
+    bos = np.array([] if tokenizer.bos_id is None else [tokenizer.bos_id], dtype=dtype)
+
+    def framed(texts: list[str]) -> Iterator[np.ndarray]:
+        return (np.concatenate([bos, np.asarray(ids, dtype=dtype), eos]) for ids in tokenizer.encode_batch(texts))
+
     pending: list[str] = []
     for doc in docs:
         pending.append(doc)
         if len(pending) == batch:
-            yield from (np.concatenate([np.asarray(ids, dtype=dtype), eos]) for ids in tokenizer.encode_batch(pending))
+            yield from framed(pending)
             pending = []
     if pending:
-        yield from (np.concatenate([np.asarray(ids, dtype=dtype), eos]) for ids in tokenizer.encode_batch(pending))
+        yield from framed(pending)
 
 
 def preprocess(
@@ -67,18 +73,21 @@ def preprocess(
     overwrite: bool = False,
     tree: TextTree | None = None,
     valid_inputs: list[str] | None = None,
+    bos_token: str | None = None,
 ) -> dict[str, list]:
     """Write `output/` and return its split table. See `tools/preprocess_data.py` for the command line.
 
     With `tree` (from `scan_text_tree(inputs, ...)`), its files are the documents, split by file as the scan
     decided (`valid_fraction` and `seed` are then the scan's); its figures go into meta.json under `corpus`.
     With `valid_inputs` (files or directories, as `inputs`), their documents make the validation split and those of
-    `inputs` all go to training (`valid_fraction` must then be 0: nothing else is held out)."""
+    `inputs` all go to training (`valid_fraction` must then be 0: nothing else is held out). With `bos_token`,
+    every document begins with that token (a tokenizer.json's)."""
     if not 0 <= valid_fraction < 1:
         raise ConfigError(f"--valid-fraction must be in [0, 1), got {valid_fraction}")
     out = Path(output)
     _check_replaceable(out, overwrite)
-    tokenizer = load_tokenizer(tokenizer_spec, eos_token)
+    tokenizer = load_tokenizer(tokenizer_spec, eos_token, bos_token)
+    _note_template(tokenizer)
     files = input_files(inputs) if tree is None else []
     valid_files = _valid_files(valid_inputs, files, valid_fraction, tree) if valid_inputs else []
     started = time.time()
@@ -98,7 +107,7 @@ def preprocess(
                               f"{tokenizer.vocab_size}: use a tokenizer whose ids fit its vocabulary size")
         source = " ".join(inputs) + (f" (valid: {' '.join(valid_inputs or [])})" if valid_files else "")
         write_meta(tmp, tokenizer.spec, tokenizer.vocab_size, tokenizer.eos_id, splits, source=source,
-                   corpus=tree.summary() if tree is not None else None)
+                   corpus=tree.summary() if tree is not None else None, bos_id=tokenizer.bos_id)
         _publish(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # ours: the lock says no one else writes there
@@ -107,6 +116,19 @@ def preprocess(
         lock.close()  # drops the lock
     log.info("%d documents, %d tokens -> %s in %.1fs", num_docs, num_tokens, out, time.time() - started)
     return splits
+
+
+def _note_template(tokenizer: Tokenizer) -> None:
+    """Say where a tokenizer.json's template begins texts with a token that the data's documents will not begin with
+    (no --bos-token): a model trained so (Llama's, DeepSeek's), continued on this data, sees its documents start
+    otherwise than it was trained."""
+    if not isinstance(tokenizer, HFTokenizer) or tokenizer.bos_id is not None:
+        return
+    prefix = tokenizer.template_prefix()
+    if prefix:
+        log.warning("tokenizer %s begins each text with %s (its template), which these documents will not begin "
+                    "with: to continue a model trained so (Llama, DeepSeek) add --bos-token %s", tokenizer.spec,
+                    " ".join(prefix), prefix[0])
 
 
 def _valid_files(valid_inputs: list[str], files: list[Path], valid_fraction: float, tree: TextTree | None

@@ -4,7 +4,10 @@ The model is built on one device from the checkpoint's weights (the FP32 masters
 layout wrote it, and runs in FP32 (CPU) or BF16 (GPU): a sanity check of a pretraining run, not a server. Each new
 token costs one forward pass over a fixed window of the run's `data.seq_len` tokens (the prompt and what follows,
 the last `seq_len` of them; the rest padded on the right, which a causal model never reads at earlier positions),
-so the model sees every length it was trained on and nothing longer.
+so the model sees every length it was trained on and nothing longer. A prompt begins as the run's documents
+began: with the beginning-of-document token where its data had one (`--bos-token` at preprocessing), and for an
+imported model never trained here, with the token its tokenizer.json's template begins a text with (as
+`AutoTokenizer` encodes it: Llama's `<|begin_of_text|>`).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from megafp8.checkpoint.convert import best_weights, model_config_of
 from megafp8.checkpoint.local import CONVERTING, load_checkpoint
 from megafp8.config import ConfigError
 from megafp8.data.dataset import tokenizer_record
-from megafp8.data.tokenizer import Tokenizer, tokenizer_of_data
+from megafp8.data.tokenizer import HFTokenizer, Tokenizer, tokenizer_of_data
 from megafp8.model import Transformer
 from megafp8.precision import PrecisionRecipe
 
@@ -83,7 +86,10 @@ def load_generator(checkpoint: Path, device: torch.device, tokenizer: Optional[s
     if tokenizer is None and spec != "byte" and not Path(spec).is_file():
         raise ConfigError(f"{checkpoint}'s data was tokenized with {spec}, which is not there now: give "
                           "--tokenizer FILE.json (that tokenizer, moved)")
-    tok = tokenizer_of_data(spec, eos_token, record.get("eos_id"))
+    tok = tokenizer_of_data(spec, eos_token, record.get("eos_id"), record.get("bos_id"))
+    prefix = tok.template_prefix() if recorded is None and isinstance(tok, HFTokenizer) else []
+    if prefix and prefix[0] != tok.eos_token:  # an import: its text encoded as its authors did (`AutoTokenizer`)
+        tok = HFTokenizer(spec, eos_token, bos_token=prefix[0])
     if tok.vocab_size > cfg.vocab_size:
         raise ConfigError(f"tokenizer {spec} has {tok.vocab_size} ids, more than the model's {cfg.vocab_size} "
                           "embedding rows: give the tokenizer the run's data was made with")
