@@ -304,7 +304,13 @@ REFUSED = [
     (dict(model_type="mistral"), "config.json: sliding_window=4096 is not supported"),  # transformers' default
     (dict(model_type="qwen2"), "config.json: model_type='qwen2' is not supported: its q/k/v projections have biases"),
     (dict(model_type="gemma"), "config.json: model_type='gemma' is not supported (megafp8 imports llama, mistral, "
-                               "mixtral, deepseek_v2, deepseek_v3)"),
+                               "qwen3, mixtral, deepseek_v2, deepseek_v3)"),
+    (dict(model_type="qwen3_moe"), "config.json: model_type='qwen3_moe' is not supported: megafp8 converts Qwen3's "
+                                   "dense models (qwen3); the experts and router of its MoE layout are not converted"),
+    (dict(use_sliding_window=True, model_type="qwen3"),
+     "config.json: use_sliding_window=True is not supported (megafp8 attends to the whole causal context)"),
+    (dict(layer_types=["sliding_attention", "full_attention"], model_type="qwen3"),
+     "config.json: layer_types holds 'sliding_attention': megafp8's layers all attend to the whole causal context"),
     (dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
      "config.json: rope_type='dynamic' is not supported (megafp8 has default, yarn and llama3)"),
     (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=2.0, attention_factor=0.9)),

@@ -47,6 +47,13 @@ IMPORTS = {
     "llama, tied embeddings (Llama-3.2)": ("Llama", dict(num_key_value_heads=1, tie_word_embeddings=True)),
     "mistral, no sliding window": ("Mistral", dict(num_key_value_heads=2, sliding_window=None, rope_theta=1e6)),
     "mixtral, top-2 of 4 experts": ("Mixtral", dict(num_key_value_heads=2, num_local_experts=4)),
+    "qwen3, head_dim 32 (not hidden / heads), tied (Qwen3-0.6B-like)": ("Qwen3", dict(
+        num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3, llama3 scaling, window off": ("Qwen3", dict(
+        num_key_value_heads=4, head_dim=16, use_sliding_window=False, sliding_window=4096, max_window_layers=1,
+        rope_parameters=dict(
+        rope_type="llama3", rope_theta=1e6, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))),
     "deepseek_v2, V2-Lite-like (yarn)": ("DeepseekV2", dict(DEEPSEEK, q_lora_rank=None, n_shared_experts=2,
                                                               num_experts_per_tok=3, rope_parameters=dict(
         YARN_V3, rope_theta=10000.0, mscale=0.707, mscale_all_dim=0.707))),
@@ -120,6 +127,8 @@ LLAMA3 = RopeScalingConfig(type="llama3", factor=8.0, original_max_position_embe
 YARN = RopeScalingConfig(type="yarn", factor=40.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.5)
 EXPORTS = {
     "llama, llama3 scaling": dataclasses.replace(GQA, rope_theta=500000.0, rope_scaling=LLAMA3),
+    "qwen3, head_dim 32": dataclasses.replace(GQA, attention=GqaConfig(num_kv_heads=2, head_dim=32, qk_norm=True),
+                                              rope_theta=1e6),
     "mixtral, yarn": dataclasses.replace(GQA, ffn_hidden_size=48, rope_scaling=YARN, moe=MoeConfig(
         num_experts=4, top_k=2, ffn_hidden_size=48, num_shared_experts=0, first_dense_layers=0, score_func="softmax")),
     "deepseek_v2, yarn": dataclasses.replace(

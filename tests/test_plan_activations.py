@@ -38,6 +38,7 @@ SHAPE = ["model.vocab_size=512", f"data.seq_len={SEQ}", f"training.micro_batch_s
 DENSE = ["model.num_layers=2", "model.attention.num_kv_heads=2"]  # grouped-query attention
 MOE = ["model.num_layers=2", "model.moe.ffn_hidden_size=256"]  # block 0 dense, block 1 MoE
 MLA = ["model.num_layers=2", "model.num_heads=2"]  # MLA, block 1 MoE, one MTP depth
+QK_NORM = ["model.attention.qk_norm=true"]  # Qwen3's query/key norms
 
 
 class _CudaLikeRmsNorm(torch.autograd.Function):
@@ -174,7 +175,9 @@ def _assert_close(rows: list[tuple[str, float, float]]) -> None:
     ("tiny_moe_fp8", MOE + ["precision.recipe=fp8"]),
     ("tiny_mla_moe_mtp_fp8", MLA + ["precision.recipe=bf16"]),
     ("tiny_mla_moe_mtp_fp8", MLA + ["precision.recipe=fp8"]),
-], ids=["dense-bf16", "dense-fp8", "moe-bf16", "moe-fp8", "mla-mtp-bf16", "mla-mtp-fp8"])
+    ("tiny_dense", DENSE + QK_NORM + ["precision.recipe=bf16"]),
+    ("tiny_dense", DENSE + QK_NORM + ["precision.recipe=fp8"]),
+], ids=["dense-bf16", "dense-fp8", "moe-bf16", "moe-fp8", "mla-mtp-bf16", "mla-mtp-fp8", "qk-norm-bf16", "qk-norm-fp8"])
 def test_planned_activations_are_what_the_blocks_keep(request, cuda_like_norms, config, overrides):
     """Each block's and the head's kept bytes within 1% of the planner's count; the plan's activation lines are
     those counts."""
@@ -228,7 +231,8 @@ def test_swiglu_intermediates_are_most_of_a_bf16_block():
     ("tiny_moe_fp8", MOE + ["precision.recipe=bf16"]),
     ("tiny_moe_fp8", MOE + ["precision.recipe=fp8"]),
     ("tiny_mla_moe_mtp_fp8", MLA + ["precision.recipe=fp8"]),
-], ids=["dense-bf16", "moe-bf16", "moe-fp8", "mla-mtp-fp8"])
+    ("tiny_dense", DENSE + QK_NORM + ["precision.recipe=fp8"]),
+], ids=["dense-bf16", "moe-bf16", "moe-fp8", "mla-mtp-fp8", "qk-norm-fp8"])
 def test_planned_activations_of_compiled_blocks(request, config, overrides):
     """`training.compile`: Inductor recomputes the norms' FP32 casts and silu(gate) in backward; the count follows
     (a BF16 block keeps about a fifth less), and FP8's custom ops keep what they keep eagerly. The blocks' norms are

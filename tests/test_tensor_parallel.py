@@ -299,6 +299,22 @@ def test_every_gradient_and_the_grad_norm_match_tp1(parity, layout, world):
                  FP32_TOL)
 
 
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
+def test_query_key_norm_gradients_are_summed_over_tp(parity, layout):
+    """`model.attention.qk_norm` (Qwen3): one norm weight all heads share, each TP rank's gradient of it from its own
+    heads only, with or without SP: summed over TP, it equals TP=1's (FP32, one step, every gradient)."""
+    one_step = ["training.steps=1", "optimizer.warmup_steps=1"]
+    parity.check(TP_MODEL + ["model.attention.qk_norm=true", "precision.recipe=fp32", "optimizer.grad_clip=0"]
+                 + one_step, LAYOUTS[layout], 2, FP32_TOL)
+
+
+def test_fp8_tp2_with_query_key_norms_matches_tp1(parity):
+    """Under FP8 the QKV projection's quantizer does not fuse RoPE's backward when the query/key norms lie between
+    them: the unfused path trains at TP=2 + SP as at TP=1."""
+    parity.check(TP_MODEL + ["model.attention.qk_norm=true", "precision.recipe=fp8"], LAYOUTS["tp2_sp"], 2,
+                 LOW_PRECISION_TOL)
+
+
 def _save_worker(rank, world, overrides):
     cfg = load_config("tiny_dense", overrides)
     dims = ParallelDims.build(tp=cfg.parallel.tp, ep=cfg.parallel.ep, sequence_parallel=cfg.parallel.sequence_parallel)

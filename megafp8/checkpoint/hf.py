@@ -1,8 +1,8 @@
 """Conversion between megafp8 model weights and Hugging Face safetensors directories.
 
 `hf_config.py` maps config.json to our ModelConfig and back (and refuses what has no exact equivalent); this module
-moves the tensors: the Llama names of GQA models (Llama, Mistral; Mixtral's experts and router under
-`block_sparse_moe`), here, and the DeepSeek-V2/V3 names of MLA models in `hf_deepseek.py`. Our fused QKV and
+moves the tensors: the Llama names of GQA models (Llama, Mistral; Qwen3's query/key norms; Mixtral's experts and
+router under `block_sparse_moe`), here, and the DeepSeek-V2/V3 names of MLA models in `hf_deepseek.py`. Our fused QKV and
 gate/up weights are split into the separate projections on export and fused again on import; RoPE uses the same
 "rotate half" layout as Hugging Face Llama, so no permutation is needed there.
 
@@ -39,6 +39,8 @@ _PLAIN = {  # ours -> Hugging Face Llama, per layer ({i}) or global
     "layers.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
     "layers.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "layers.{i}.attn.out_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",  # Qwen3
+    "layers.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "layers.{i}.mlp.down_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
     "layers.{i}.mlp.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",  # Mixtral
 }
@@ -129,7 +131,7 @@ SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, out_dir: Path, fp8: bool,
             shard_bytes: int = SHARD_BYTES, token_ids: Optional[dict[str, Any]] = None) -> str:
-    """Write config.json and the weights in the layout `cfg` converts to (Llama, Mixtral, DeepSeek-V2 or -V3;
+    """Write config.json and the weights in the layout `cfg` converts to (Llama, Qwen3, Mixtral, DeepSeek-V2 or -V3;
     `state` includes the routers' `expert_bias` buffers): one model.safetensors, or where the tensors exceed
     `shard_bytes`, model-0000i-of-0000n.safetensors files of at most that size (a tensor larger alone gets a file of
     its own) with model.safetensors.index.json, as Hugging Face saves them. `token_ids`: config.json's
@@ -142,7 +144,7 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, 
     from safetensors.torch import save_file
 
     layout = export_layout(cfg)
-    tensors = (to_hf_tensors(state, cfg, fp8) if layout in ("llama", "mixtral")
+    tensors = (to_hf_tensors(state, cfg, fp8) if layout in ("llama", "qwen3", "mixtral")
                else to_deepseek_tensors(state, cfg, fp8, layout))
     config = hf_config(cfg, layout, max_seq_len, fp8, token_ids)
     if fp8:

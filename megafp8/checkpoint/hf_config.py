@@ -8,6 +8,7 @@ activation, another routing rule), is refused with one line naming the key and i
 | model_type | megafp8 model |
 |---|---|
 | llama, mistral | GQA, dense SwiGLU |
+| qwen3 | GQA with per-head query/key RMSNorm (`model.attention.qk_norm`), dense SwiGLU |
 | mixtral | GQA, MoE: softmax top-k over all experts, renormalized, no shared expert |
 | deepseek_v2 | MLA, MoE: softmax greedy top-k, weights not renormalized, shared experts |
 | deepseek_v3 | MLA, MoE: sigmoid, group-limited top-k with selection bias, shared experts, MTP |
@@ -25,12 +26,12 @@ from megafp8.config import (
     AttentionConfig, Config, ConfigError, ModelConfig, MoeConfig, RopeScalingConfig, validate_config,
 )
 
-HfLayout = Literal["llama", "mistral", "mixtral", "deepseek_v2", "deepseek_v3"]
+HfLayout = Literal["llama", "mistral", "qwen3", "mixtral", "deepseek_v2", "deepseek_v3"]
 _REFUSED_TYPES = {
     "qwen2": "its q/k/v projections have biases, which megafp8's attention does not",
     "qwen2_moe": "its q/k/v projections have biases, which megafp8's attention does not",
-    "qwen3": "it normalizes queries and keys per head (q_norm/k_norm), which megafp8's attention does not",
-    "qwen3_moe": "it normalizes queries and keys per head (q_norm/k_norm), which megafp8's attention does not",
+    "qwen3_moe": "megafp8 converts Qwen3's dense models (qwen3); the experts and router of its MoE layout are not "
+                 "converted yet",
 }
 # Keys that do not change the function a model computes (or only its training, whose settings megafp8's config owns).
 _INERT = frozenset({
@@ -43,6 +44,7 @@ _INERT = frozenset({
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
     "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 32, "head_dim": 128},
     "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8, "num_experts_per_tok": 2,
                 "num_local_experts": 8},
     "deepseek_v2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "q_lora_rank": 1536, "kv_lora_rank": 512,
@@ -209,11 +211,28 @@ def _common(keys: _Keys) -> dict[str, Any]:
                 rope_theta=theta, rope_scaling=scaling)
 
 
-def _gqa(keys: _Keys) -> dict[str, Any]:
-    """Llama / Mistral / Mixtral attention."""
-    keys.expect("sliding_window", (None,), "megafp8 attends to the whole causal context")
+def _gqa(keys: _Keys, window_off: bool = False) -> dict[str, Any]:
+    """Llama / Mistral / Mixtral / Qwen3 attention. `window_off`: the layout turns its sliding window off by a key
+    of its own (Qwen3's `use_sliding_window`), so `sliding_window` says nothing."""
+    if not window_off:
+        keys.expect("sliding_window", (None,), "megafp8 attends to the whole causal context")
     return dict(_common(keys), attention=dict(kind="gqa", num_kv_heads=keys.get("num_key_value_heads", None),
                                               head_dim=keys.get("head_dim", None)))
+
+
+def _qwen3(keys: _Keys) -> dict[str, Any]:
+    """Qwen3 dense: Llama's attention with RMSNorm over each query and key head, a sliding window off (its window
+    settings then unread by transformers too)."""
+    keys.expect("use_sliding_window", (False, None), "megafp8 attends to the whole causal context")
+    for inert in ("sliding_window", "max_window_layers"):  # unread by transformers with the window off
+        keys.get(inert, None)
+    kinds = keys.get("layer_types", None)
+    if kinds is not None and any(kind != "full_attention" for kind in kinds):
+        raise ConfigError(f"config.json: layer_types holds {sorted(set(kinds) - {'full_attention'})[0]!r}: megafp8's "
+                          "layers all attend to the whole causal context (full_attention)")
+    fields = _gqa(keys, window_off=True)
+    fields["attention"]["qk_norm"] = True
+    return fields
 
 
 def _mixtral(keys: _Keys) -> dict[str, Any]:
@@ -273,7 +292,8 @@ def _deepseek_v3(keys: _Keys) -> dict[str, Any]:
 
 
 _READERS: dict[str, Callable[[_Keys], dict[str, Any]]] = {
-    "llama": _gqa, "mistral": _gqa, "mixtral": _mixtral, "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3}
+    "llama": _gqa, "mistral": _gqa, "qwen3": _qwen3, "mixtral": _mixtral, "deepseek_v2": _deepseek_v2,
+    "deepseek_v3": _deepseek_v3}
 
 
 def _check_quantization(keys: _Keys) -> None:
@@ -351,6 +371,11 @@ def export_layout(cfg: ModelConfig) -> HfLayout:
         if cfg.mtp_depth:
             raise ConfigError(f"model.mtp_depth={cfg.mtp_depth}: only the DeepSeek-V3 layout "
                               "(model.attention.kind=mla) holds MTP modules")
+        if cfg.attention.qk_norm:
+            if cfg.moe.enabled:
+                raise ConfigError("model.attention.qk_norm=true with model.moe: the Qwen3-MoE layout such a model "
+                                  "converts to is not written yet (a dense qk-norm model exports as qwen3)")
+            return "qwen3"
         if not cfg.moe.enabled:
             return "llama"
         _require(cfg, _MIXTRAL_NEEDS, "Mixtral")
@@ -368,6 +393,11 @@ def _gqa_config(cfg: ModelConfig) -> dict[str, Any]:
     gqa = cfg.attention
     return {"num_key_value_heads": gqa.kv_heads_for(cfg.num_heads),
             "head_dim": gqa.head_dim_for(cfg.hidden_size, cfg.num_heads), "mlp_bias": False}
+
+
+def _qwen3_config(cfg: ModelConfig) -> dict[str, Any]:
+    return {**_gqa_config(cfg), "use_sliding_window": False, "sliding_window": None,
+            "layer_types": ["full_attention"] * cfg.num_layers}
 
 
 def _mixtral_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -391,7 +421,8 @@ def _deepseek_config(cfg: ModelConfig, layout: HfLayout) -> dict[str, Any]:
             "rope_interleave": True}
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM",
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
@@ -402,7 +433,7 @@ def hf_config(cfg: ModelConfig, layout: HfLayout, max_seq_len: int, fp8: bool,
     and eos 2, DeepSeek's 0 and 1), ids that are ordinary tokens of another tokenizer, and generation stops at
     them."""
     specific = (_mixtral_config(cfg) if layout == "mixtral" else _gqa_config(cfg) if layout in ("llama", "mistral")
-                else _deepseek_config(cfg, layout))
+                else _qwen3_config(cfg) if layout == "qwen3" else _deepseek_config(cfg, layout))
     out = {"architectures": [_ARCHITECTURES[layout]], "model_type": layout, "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads, "rms_norm_eps": cfg.norm_eps,

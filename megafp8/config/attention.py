@@ -76,6 +76,13 @@ class GqaConfig(AttentionConfig):
     head_dim: Optional[int] = setting(
         None, "Per-head width. `null`: `model.hidden_size / model.num_heads` (which must then divide evenly)."
     )
+    qk_norm: bool = setting(
+        False, "RMSNorm over each query head and each key head (one weight of `head_dim` shared by the query heads, "
+        "one by the key heads), before RoPE: Qwen3's attention (OLMo 2 and Gemma 3 normalize queries and keys too). "
+        "It bounds the attention logits' scale, a known cure for their growth in long runs. The norms are BF16/FP32 "
+        "islands; under FP8 the QKV projection's quantizer then does not fuse RoPE's backward (the norms' backward "
+        "lies between them).",
+    )
 
     def head_dim_for(self, hidden_size: int, num_heads: int) -> int:
         return self.head_dim if self.head_dim is not None else hidden_size // num_heads
@@ -124,7 +131,7 @@ class GqaConfig(AttentionConfig):
                 "(num_heads + 2 x num_kv_heads) x head_dim (QKV width)": (qkv, _KV_SETTINGS)}
 
     def describe(self, num_heads: int) -> str:
-        return f"{num_heads} heads / {self.kv_heads_for(num_heads)} kv"
+        return f"{num_heads} heads / {self.kv_heads_for(num_heads)} kv" + (", qk-norm" if self.qk_norm else "")
 
 
 @dataclass

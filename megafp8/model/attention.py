@@ -11,7 +11,7 @@ from megafp8.config import ModelConfig
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.model.sdpa import attention_kernels, sdpa_backends_for
-from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, mark_tp_partial
 from megafp8.precision import PrecisionRecipe, Rotary
 
 
@@ -34,6 +34,15 @@ class Attention(nn.Module):
                                              parts=(q_features, kv_features, kv_features), device=device)
         self.out_proj = RowParallelLinear(q_features, cfg.hidden_size, recipe, tp, device=device)
         self.sdpa_backends = sdpa_backends_for(cfg.attention_backend, device)
+        # Qwen3's query/key norms: one weight per head width that every head shares, so each TP rank's gradient of
+        # it comes from its own heads only (summed over the TP group, `mark_tp_partial`).
+        self.q_norm = self.k_norm = None
+        if gqa.qk_norm:
+            dtype = recipe.param_dtype
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype, device)
+            for norm in (self.q_norm, self.k_norm):
+                mark_tp_partial(norm.weight)
         self.widths = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim)
         # Set while FP8 health is sampled: the projection then runs as a layer of its own, whose hooks see its input
         # and its output's gradient (fused with RoPE, the BF16 output gradient is never made).
@@ -44,12 +53,15 @@ class Attention(nn.Module):
         """x: (tokens, hidden) token-major, all B*T tokens or this rank's share under sequence parallelism. `norm`
         is applied to x first (under FP8, fused into the QKV projection's quantizer)."""
         rotary = Rotary(self.widths, self.head_dim, batch, seq_len)
-        if norm is not None and not self.observed and self.qkv_proj.fuses_rope(x.numel() // x.shape[-1], rotary):
+        fused = self.q_norm is None and not self.observed  # the query/key norms lie between projection and RoPE
+        if norm is not None and fused and self.qkv_proj.fuses_rope(x.numel() // x.shape[-1], rotary):
             # FP8: RoPE's backward quantizes the projection's output gradient itself (`megafp8.precision.fp8_qkv`)
             q, k, v = self.qkv_proj.rotated(x, norm, rotary, *rope.tables(seq_len))
         else:
             qkv = self.qkv_proj(x, norm)  # (B*T, (n_heads + 2 * n_kv_heads) * head_dim), this rank's heads
             q, k, v = (t.view(batch, seq_len, -1, self.head_dim) for t in qkv.split(self.widths, dim=-1))
+            if self.q_norm is not None:  # per head, before RoPE (Qwen3)
+                q, k = self.q_norm(q), self.k_norm(k)
             # RoPE makes q and k anew, and v gets its own storage too: kept for backward as a view, it would keep
             # the whole projection output alive (its q and k parts dead weight: 2/3 of it with MHA). The copy is a
             # kernel of its own, compiled too (it reads nothing RoPE's kernel reads, so Inductor does not fuse them).

@@ -18,14 +18,16 @@ from megafp8.parallel.sharding import (
     gather_full,
     gather_param,
     is_expert,
+    is_tp_partial,
     local_experts_of,
     local_piece,
+    mark_tp_partial,
     shard_of,
     tp_shard_of,
 )
 
 __all__ = [
     "IGNORE_INDEX", "ColumnParallelLinear", "ExpertLinear", "ExpertParallel", "gather_experts", "local_experts_of", "GradBuckets", "ParallelDims", "ParallelLinear", "RowParallelLinear", "TensorParallel",
-    "TpShard", "VocabParallelEmbedding", "full_shape", "gather_from_tp_last", "gather_full", "gather_param", "is_expert", "local_piece",
+    "TpShard", "VocabParallelEmbedding", "full_shape", "gather_from_tp_last", "gather_full", "gather_param", "is_expert", "is_tp_partial", "local_piece", "mark_tp_partial",
     "rank_groups", "reduce_from_tp", "shard_of", "swiglu_mlp", "to_tp_region", "tp_shard_of", "vocab_parallel_cross_entropy",
 ]

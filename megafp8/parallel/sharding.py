@@ -37,6 +37,16 @@ def mark_sharded(param: torch.nn.Parameter, spec: TpShard) -> None:
     param.tp_shard = spec
 
 
+def mark_tp_partial(param: torch.nn.Parameter) -> None:
+    """`param` is replicated over the tensor-parallel ranks, but each rank's gradient of it comes from its own heads
+    only (a weight every head shares, as the query/key norms'): the gradients are summed over the TP group."""
+    param.tp_partial = True
+
+
+def is_tp_partial(param: torch.Tensor) -> bool:
+    return getattr(param, "tp_partial", False)
+
+
 def full_shape(local: torch.Tensor) -> tuple[int, ...]:
     """The unsharded shape of a (possibly sharded) parameter: TP shards joined, and for stacked routed-expert
     weights every expert (not only this expert-parallel rank's)."""

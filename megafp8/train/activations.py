@@ -160,6 +160,10 @@ def _gqa(saved: Saved, attn: Attention, norm: RMSNorm, mb: MicroBatch) -> None:
     act, n = _act_bytes(norm), mb.tokens
     _normed_input(saved, "attn", attn.qkv_proj, norm, mb)
     q_width, kv_width = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
+    if attn.q_norm is not None:  # per head, on views of the QKV projection's output (compiled: that output itself)
+        qkv_bytes = n * (q_width + 2 * kv_width) * act
+        _norm(saved, "attn.q_norm", n * attn.n_heads, attn.head_dim, act, mb, "attn.qkv_out", qkv_bytes)
+        _norm(saved, "attn.k_norm", n * attn.n_kv_heads, attn.head_dim, act, mb, "attn.qkv_out", qkv_bytes)
     saved.keep("attn.q_rotated", n * q_width * act)
     saved.keep("attn.k_rotated", n * kv_width * act)
     saved.keep("attn.v", n * kv_width * act)  # its own copy: the QKV output itself is not kept

@@ -38,6 +38,7 @@ from megafp8.parallel import (
     TensorParallel,
     full_shape,
     is_expert,
+    is_tp_partial,
     tp_shard_of,
 )
 from megafp8.parallel.pipeline import PipelineLayout, StageSpec
@@ -194,8 +195,10 @@ def build_optimizer(model: Transformer, cfg: Config, dims: ParallelDims) -> Dist
     """FP32-master AdamW over gradient buckets of the model's trainable parameters (`optimizer.buckets`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt, tp = cfg.optimizer, dims.tensor_parallel
-    # Under sequence parallelism every TP-replicated weight (the norms) sees only this rank's tokens.
-    partial = {p: tp.group for p in params if tp_shard_of(p) is None} if tp.sp else {}
+    # Under sequence parallelism every TP-replicated weight (the norms) sees only this rank's tokens; a weight all
+    # heads share (the query/key norms) sees only this rank's heads, with or without it.
+    partial = ({p: tp.group for p in params if tp_shard_of(p) is None and (tp.sp or is_tp_partial(p))}
+               if tp.enabled else {})
     # Routed experts are reduced over their expert-data-parallel replicas, dense weights over all replicas.
     group_of = {p: dims.edp_group if is_expert(p) else dims.dp_group for p in params}
     buckets = GradBuckets(params, group_of, bucket_numel=int(opt.bucket_size_mb * 2**20 / 4), sharded=opt.sharded,
