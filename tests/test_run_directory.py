@@ -252,11 +252,14 @@ def _flat_model(model: dict) -> dict:
     attention kind's at their defaults."""
     from megafp8.config import MlaConfig
 
+    from megafp8.config import ModelConfig
+
     attention, moe = model["attention"], model["moe"]
     flat = {k: v for k, v in model.items() if k not in ("attention", "moe")}
-    other = {k: v for k, v in dataclasses.asdict(MlaConfig()).items() if k != "kind"}
-    return {**flat, **other, **{k: v for k, v in attention.items() if k != "kind"}, "attention": attention["kind"],
-            **{f"moe_{k}": v for k, v in moe.items()}}
+    then = set(ModelConfig.moved)  # the flat keys of that layout (settings added since were in no flat config)
+    other = {k: v for k, v in dataclasses.asdict(MlaConfig()).items() if k != "kind" and k in then}
+    return {**flat, **other, **{k: v for k, v in attention.items() if k != "kind" and k in then},
+            "attention": attention["kind"], **{f"moe_{k}": v for k, v in moe.items() if f"moe_{k}" in then}}
 
 
 def test_a_run_saved_before_the_model_sections_relaunches_and_resumes(tiny_overrides, caplog):
@@ -286,6 +289,20 @@ def test_a_run_saved_before_the_model_sections_relaunches_and_resumes(tiny_overr
     current = {**config["model"], "moe": {**config["model"]["moe"], "top_k": 4}}
     assert model_setting_changes(state["config"]["model"], current) == [
         "model.moe.top_k: 2 in the checkpoint, 4 in this run"]
+
+
+def test_a_run_of_a_version_before_a_new_setting_relaunches_as_the_same_run(tiny_overrides):
+    """A setting added since a run was launched is absent from its config.yaml; it counts as its default (the
+    behaviour that version had). Compared as `None there`, every run directory of the earlier version was
+    "another run" after an upgrade (model.attention.qk_norm: None there, False here)."""
+    first = make_trainer(tiny_overrides, SAVING)
+    first.fit()
+    config = yaml.safe_load((first.run_dir / "config.yaml").read_text())
+    del config["model"]["attention"]["qk_norm"]
+    (first.run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    assert make_trainer(tiny_overrides, SAVING + ["training.steps=6"]).step == 4
+    with pytest.raises(ConfigError, match=r"holds another run \(model.attention.qk_norm: False there, True here\)"):
+        make_trainer(tiny_overrides, SAVING + ["model.attention.qk_norm=true"])
 
 
 def test_a_relaunch_whose_checkpoint_dir_moved_without_its_checkpoints_is_refused(tiny_overrides, tmp_path):

@@ -21,7 +21,7 @@ import yaml
 
 from megafp8.checkpoint.local import LATEST_FILE, list_checkpoints
 from megafp8.config import CheckpointConfig, Config, ConfigError
-from megafp8.config.loader import flat_settings
+from megafp8.config.loader import build_dataclass, config_to_dict, flat_settings
 from megafp8.config.schema import upgrade_saved_model
 from megafp8.parallel import ParallelDims
 from megafp8.train.resume import from_rank0, verified_resume_path
@@ -136,13 +136,33 @@ def checkpoints_left_behind(config: dict[str, Any], run_dir: Path, checkpoint_di
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any], shared_only: bool = False) -> list[str]:
-    """`key: <saved> there, <current> here` for each setting that makes `current` another run than `saved`.
-    `shared_only`: only the settings both hold (a checkpoint's config from another version of megafp8)."""
+    """`key: <saved> there, <current> here` for each setting that makes `current` another run than `saved`. A
+    setting `saved` lacks (written before the setting existed) counts as its default, the behaviour of the version
+    that wrote it. `shared_only`: only the settings both hold (a checkpoint's config from another version)."""
     old, new = flat_settings(saved), flat_settings(current)
+    defaults = _defaults_like(current)
+    old.update({k: defaults[k] for k in new if k not in old and k in defaults})
     unread = {"data.path"} if old.get("data.paths") and new.get("data.paths") else set()  # a mixture's runs
     keys = [k for k in dict.fromkeys([*new, *old]) if not k.startswith(RELAUNCH_SETTINGS) and k not in unread
             and (not shared_only or (k in old and k in new))]
     return [f"{k}: {old.get(k)} there, {new.get(k)} here" for k in keys if old.get(k) != new.get(k)]
+
+
+def _defaults_like(current: dict[str, Any]) -> dict[str, Any]:
+    """Every setting's default, flat, for the kinds `current` chose (`model.attention.kind`): a section's settings
+    depend on its kind."""
+    skeleton: dict[str, Any] = {}
+    for key, kind in flat_settings(current).items():
+        if key.endswith(".kind"):
+            *sections, leaf = key.split(".")
+            node = skeleton
+            for section in sections:
+                node = node.setdefault(section, {})
+            node[leaf] = kind
+    try:
+        return flat_settings(config_to_dict(build_dataclass(Config, skeleton)))
+    except ConfigError:  # a kind this version does not know: no defaults, every missing setting differs
+        return {}
 
 
 def judge(earlier: Optional[EarlierRun], current: dict[str, Any], resume: str, overwrite: bool, run_dir: Path,
