@@ -304,9 +304,12 @@ REFUSED = [
     (dict(model_type="mistral"), "config.json: sliding_window=4096 is not supported"),  # transformers' default
     (dict(model_type="qwen2"), "config.json: model_type='qwen2' is not supported: its q/k/v projections have biases"),
     (dict(model_type="gemma"), "config.json: model_type='gemma' is not supported (megafp8 imports llama, mistral, "
-                               "qwen3, mixtral, deepseek_v2, deepseek_v3)"),
-    (dict(model_type="qwen3_moe"), "config.json: model_type='qwen3_moe' is not supported: megafp8 converts Qwen3's "
-                                   "dense models (qwen3); the experts and router of its MoE layout are not converted"),
+                               "qwen3, qwen3_moe, mixtral, deepseek_v2, deepseek_v3)"),
+    (dict(mlp_only_layers=[1], model_type="qwen3_moe"), "config.json: mlp_only_layers=[1] is not supported "
+                                                        "(megafp8's dense layers are the first ones: [0, 1, ..., k-1])"),
+    (dict(decoder_sparse_step=2, model_type="qwen3_moe"), "config.json: decoder_sparse_step=2 is not supported"),
+    (dict(num_experts=8, num_local_experts=4, model_type="qwen3_moe"),
+     "config.json: num_experts=8 and num_local_experts=4 disagree; keep one"),
     (dict(use_sliding_window=True, model_type="qwen3"),
      "config.json: use_sliding_window=True is not supported (megafp8 attends to the whole causal context)"),
     (dict(layer_types=["sliding_attention", "full_attention"], model_type="qwen3"),
@@ -438,6 +441,11 @@ MLA_CFG = dataclasses.replace(CFG, attention=MlaConfig())
                                                   "with eps 1e-6"),
     (with_moe(dataclasses.replace(MLA_CFG, norm_eps=1e-6), num_experts=4, score_func="softmax"),
      "model.moe.norm_topk_prob=True has no place in the DeepSeek-V2 layout"),
+    # model.moe's defaults on Qwen3's attention: its dense layers may lead, its routing is softmax without sharing
+    (with_moe(dataclasses.replace(CFG, attention=dataclasses.replace(CFG.attention, qk_norm=True)), num_experts=4),
+     "model.moe.score_func='sigmoid' and model.moe.num_shared_experts=1 have no place in the Qwen3-MoE layout this "
+     "model converts to (it needs 'softmax' and 0): train it with model.moe.score_func=softmax "
+     "model.moe.num_shared_experts=0 model.moe.bias_update_rate=0 (Qwen3-MoE has no selection bias)"),
 ])
 def test_a_model_without_an_exact_layout_is_not_exported(tmp_path, cfg, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -478,6 +486,31 @@ def test_a_v2_lite_shaped_import_trains_in_fp8_keeping_untiled_layers_bf16(tiny_
     assert trainer.model.layers[1].mlp.experts.gate_up_proj.runs_fp8 and trainer.model.layers[0].attn.q_proj.runs_fp8
     losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+def test_a_qwen3_moe_import_trains_in_fp8_with_its_query_key_norms(tiny_overrides, tmp_path):
+    """A Qwen3-MoE-shaped model (query/key norms, a dense first layer, softmax routing), exported and imported, trains
+    in FP8: every projection and expert FP8 (the QKV one without RoPE's fused backward), the norms learning."""
+    from megafp8.checkpoint.convert import import_hf, model_settings
+
+    cfg = with_moe(dataclasses.replace(CFG, hidden_size=128, num_heads=2, ffn_hidden_size=256, attention=GqaConfig(
+        num_kv_heads=1, head_dim=128, qk_norm=True)), num_experts=4, ffn_hidden_size=128, num_shared_experts=0,
+                   score_func="softmax", norm_topk_prob=False)
+    _exported(cfg, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "qwen3_moe"
+    path, imported, _ = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    assert imported.attention.qk_norm and imported.moe.first_dense_layers == 1
+    (tmp_path / "run.yaml").write_text(model_settings(imported))
+    not_model = [o for o in tiny_overrides if not o.startswith("model.")]
+    run = load_config(tmp_path / "run.yaml", not_model + [f"checkpoint.resume={path}", "precision.recipe=fp8",
+                                                          "training.steps=2", "training.eval_interval=0"])
+    trainer = Trainer(run, ParallelDims.single(), torch.device("cpu"))
+    attn = trainer.model.layers[1].attn
+    assert attn.qkv_proj.runs_fp8 and trainer.model.layers[1].mlp.experts.gate_up_proj.runs_fp8
+    before = attn.q_norm.weight.detach().clone()
+    losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert not torch.equal(attn.q_norm.weight.detach(), before)
 
 
 def test_resuming_an_import_under_other_rope_settings_says_so(tiny_overrides, tmp_path, caplog):

@@ -54,6 +54,11 @@ IMPORTS = {
         rope_parameters=dict(
         rope_type="llama3", rope_theta=1e6, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=32))),
+    "qwen3_moe, top-2 of 4, renormalized, layer 0 dense": ("Qwen3Moe", dict(
+        num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, mlp_only_layers=[0])),
+    "qwen3_moe, top-3 of 4, not renormalized (Qwen3-30B-A3B's default)": ("Qwen3Moe", dict(
+        num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=3, moe_intermediate_size=32)),
     "deepseek_v2, V2-Lite-like (yarn)": ("DeepseekV2", dict(DEEPSEEK, q_lora_rank=None, n_shared_experts=2,
                                                               num_experts_per_tok=3, rope_parameters=dict(
         YARN_V3, rope_theta=10000.0, mscale=0.707, mscale_all_dim=0.707))),
@@ -129,6 +134,10 @@ EXPORTS = {
     "llama, llama3 scaling": dataclasses.replace(GQA, rope_theta=500000.0, rope_scaling=LLAMA3),
     "qwen3, head_dim 32": dataclasses.replace(GQA, attention=GqaConfig(num_kv_heads=2, head_dim=32, qk_norm=True),
                                               rope_theta=1e6),
+    "qwen3_moe, layer 0 dense, not renormalized": dataclasses.replace(
+        GQA, attention=GqaConfig(num_kv_heads=2, head_dim=16, qk_norm=True), moe=MoeConfig(
+            num_experts=4, top_k=2, ffn_hidden_size=48, num_shared_experts=0, first_dense_layers=1,
+            score_func="softmax", norm_topk_prob=False)),
     "mixtral, yarn": dataclasses.replace(GQA, ffn_hidden_size=48, rope_scaling=YARN, moe=MoeConfig(
         num_experts=4, top_k=2, ffn_hidden_size=48, num_shared_experts=0, first_dense_layers=0, score_func="softmax")),
     "deepseek_v2, yarn": dataclasses.replace(

@@ -2,7 +2,7 @@
 
 `hf_config.py` maps config.json to our ModelConfig and back (and refuses what has no exact equivalent); this module
 moves the tensors: the Llama names of GQA models (Llama, Mistral; Qwen3's query/key norms; Mixtral's experts and
-router under `block_sparse_moe`), here, and the DeepSeek-V2/V3 names of MLA models in `hf_deepseek.py`. Our fused QKV and
+router under `block_sparse_moe`, Qwen3-MoE's under `mlp`), here, and the DeepSeek-V2/V3 names of MLA models in `hf_deepseek.py`. Our fused QKV and
 gate/up weights are split into the separate projections on export and fused again on import; RoPE uses the same
 "rotate half" layout as Hugging Face Llama, so no permutation is needed there.
 
@@ -42,7 +42,6 @@ _PLAIN = {  # ours -> Hugging Face Llama, per layer ({i}) or global
     "layers.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",  # Qwen3
     "layers.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "layers.{i}.mlp.down_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
-    "layers.{i}.mlp.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",  # Mixtral
 }
 _FUSED = {  # ours -> the Llama tensors it is the row-wise concatenation of
     "layers.{i}.attn.qkv_proj.weight": ("model.layers.{i}.self_attn.q_proj.weight",
@@ -51,11 +50,31 @@ _FUSED = {  # ours -> the Llama tensors it is the row-wise concatenation of
     "layers.{i}.mlp.gate_up_proj.weight": ("model.layers.{i}.mlp.gate_proj.weight",
                                            "model.layers.{i}.mlp.up_proj.weight"),
 }
-# Mixtral's stacked experts: ours (experts, [gate; up] or down rows, in) -> one tensor per expert (w1 gate, w3 up).
-_EXPERTS = {"layers.{i}.mlp.experts.gate_up_proj.weight": ("w1", "w3"),
-            "layers.{i}.mlp.experts.down_proj.weight": ("w2",)}
-_MIXTRAL_EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
+_ROUTER = "layers.{i}.mlp.router.weight"
 _SELECTION_BIAS = "layers.{i}.mlp.router.expert_bias"
+
+
+@dataclasses.dataclass(frozen=True)
+class _MoeNames:
+    """A GQA layout's names of a MoE layer: its router, and one tensor per expert for our stacked experts (experts,
+    [gate; up] or down rows, in), by part."""
+
+    router: str
+    expert: str  # with {i}, {e} and {w}
+    gate_up: tuple[str, str]
+    down: tuple[str]
+
+    def parts(self, template: str) -> tuple[str, ...]:
+        return self.gate_up if template == _EXPERTS[0] else self.down
+
+
+_EXPERTS = ("layers.{i}.mlp.experts.gate_up_proj.weight", "layers.{i}.mlp.experts.down_proj.weight")
+_MOE_NAMES = {
+    "mixtral": _MoeNames("model.layers.{i}.block_sparse_moe.gate.weight",
+                         "model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight", ("w1", "w3"), ("w2",)),
+    "qwen3_moe": _MoeNames("model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.experts.{e}.{w}.weight",
+                           ("gate_proj", "up_proj"), ("down_proj",)),
+}
 
 
 def _split_sizes(cfg: ModelConfig, ours: str) -> list[int]:
@@ -71,10 +90,12 @@ def _templates(name: str) -> tuple[str, str | None]:
     return (f"layers.{{i}}.{match.group(2)}", match.group(1)) if match else (name, None)
 
 
-def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, fp8: bool) -> dict[str, torch.Tensor]:
-    """Our state dict (by our names) of a GQA model -> Llama / Mixtral-named tensors."""
+def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, fp8: bool,
+                  layout: str = "llama") -> dict[str, torch.Tensor]:
+    """Our state dict (by our names) of a GQA model -> Llama / Qwen3 / Mixtral / Qwen3-MoE-named tensors."""
     out: dict[str, torch.Tensor] = {}
     emit = emitter(out, fp8)
+    moe = _MOE_NAMES.get(layout)
     for name, tensor in state.items():
         template, layer = _templates(name)
         if template in _PLAIN:
@@ -82,35 +103,41 @@ def to_hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, fp8: bool) -
         elif template in _FUSED:
             for hf_template, piece in zip(_FUSED[template], torch.split(tensor, _split_sizes(cfg, template), dim=0)):
                 emit(hf_template.format(i=layer), piece)
-        elif template in _EXPERTS:
+        elif moe is not None and template == _ROUTER:
+            emit(moe.router.format(i=layer), tensor)
+        elif moe is not None and template in _EXPERTS:
+            parts = moe.parts(template)
             for e, w in enumerate(tensor):
-                for part, piece in zip(_EXPERTS[template], w.chunk(len(_EXPERTS[template]), dim=0)):
-                    emit(_MIXTRAL_EXPERT.format(i=layer, e=e, w=part), piece)
-        elif template == _SELECTION_BIAS:
-            check_no_selection_bias(name, tensor, "Mixtral")
+                for part, piece in zip(parts, w.chunk(len(parts), dim=0)):
+                    emit(moe.expert.format(i=layer, e=e, w=part), piece)
+        elif moe is not None and template == _SELECTION_BIAS:
+            check_no_selection_bias(name, tensor, "Mixtral" if layout == "mixtral" else "Qwen3-MoE")
         else:
-            raise ConfigError(f"tensor '{name}' has no Hugging Face Llama/Mixtral name")
+            raise ConfigError(f"tensor '{name}' has no Hugging Face {layout} name")
     return out
 
 
-def from_hf_tensors(get: HfTensors, expected: dict[str, tuple[int, ...]],
-                    cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Llama / Mixtral-named tensors -> our state dict in FP32, for every name in `expected` (our names and
-    shapes)."""
+def from_hf_tensors(get: HfTensors, expected: dict[str, tuple[int, ...]], cfg: ModelConfig,
+                    layout: str = "llama") -> dict[str, torch.Tensor]:
+    """Llama / Qwen3 / Mixtral / Qwen3-MoE-named tensors -> our state dict in FP32, for every name in `expected`
+    (our names and shapes)."""
     ours: dict[str, torch.Tensor] = {}
+    moe = _MOE_NAMES.get(layout)
     for name, shape in expected.items():
         template, layer = _templates(name)
         if template in _PLAIN:
             ours[name] = get(_PLAIN[template].format(i=layer))
         elif template in _FUSED:
             ours[name] = torch.cat([get(t.format(i=layer)) for t in _FUSED[template]], dim=0)
-        elif template in _EXPERTS:
-            ours[name] = torch.stack([torch.cat([get(_MIXTRAL_EXPERT.format(i=layer, e=e, w=w))
-                                                 for w in _EXPERTS[template]]) for e in range(cfg.moe.num_experts)])
-        elif template == _SELECTION_BIAS:
-            ours[name] = torch.zeros(shape)  # Mixtral routes without one
+        elif moe is not None and template == _ROUTER:
+            ours[name] = get(moe.router.format(i=layer))
+        elif moe is not None and template in _EXPERTS:
+            ours[name] = torch.stack([torch.cat([get(moe.expert.format(i=layer, e=e, w=w))
+                                                 for w in moe.parts(template)]) for e in range(cfg.moe.num_experts)])
+        elif moe is not None and template == _SELECTION_BIAS:
+            ours[name] = torch.zeros(shape)  # Mixtral and Qwen3-MoE route without one
         else:
-            raise ConfigError(f"tensor '{name}' has no Hugging Face Llama/Mixtral name")
+            raise ConfigError(f"tensor '{name}' has no Hugging Face {layout} name")
         get.check_shape(name, ours[name], shape)
     return ours
 
@@ -131,11 +158,12 @@ SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, out_dir: Path, fp8: bool,
             shard_bytes: int = SHARD_BYTES, token_ids: Optional[dict[str, Any]] = None) -> str:
-    """Write config.json and the weights in the layout `cfg` converts to (Llama, Qwen3, Mixtral, DeepSeek-V2 or -V3;
-    `state` includes the routers' `expert_bias` buffers): one model.safetensors, or where the tensors exceed
-    `shard_bytes`, model-0000i-of-0000n.safetensors files of at most that size (a tensor larger alone gets a file of
-    its own) with model.safetensors.index.json, as Hugging Face saves them. `token_ids`: config.json's
-    `bos_token_id`, `eos_token_id` and `pad_token_id` (each `null` where not given). Returns the layout's model_type.
+    """Write config.json and the weights in the layout `cfg` converts to (Llama, Qwen3, Mixtral, Qwen3-MoE,
+    DeepSeek-V2 or -V3; `state` includes the routers' `expert_bias` buffers): one model.safetensors, or where the
+    tensors exceed `shard_bytes`, model-0000i-of-0000n.safetensors files of at most that size (a tensor larger alone
+    gets a file of its own) with model.safetensors.index.json, as Hugging Face saves them. `token_ids`:
+    config.json's `bos_token_id`, `eos_token_id` and `pad_token_id` (each `null` where not given). Returns the
+    layout's model_type.
 
     Each file is written under a `.partial` name and renamed once all are whole, config.json last, after the
     weight files an earlier export left in `out_dir` under other names are gone. So an export killed while it writes
@@ -144,7 +172,7 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, 
     from safetensors.torch import save_file
 
     layout = export_layout(cfg)
-    tensors = (to_hf_tensors(state, cfg, fp8) if layout in ("llama", "qwen3", "mixtral")
+    tensors = (to_hf_tensors(state, cfg, fp8, layout) if layout in ("llama", "qwen3", "mixtral", "qwen3_moe")
                else to_deepseek_tensors(state, cfg, fp8, layout))
     config = hf_config(cfg, layout, max_seq_len, fp8, token_ids)
     if fp8:
@@ -296,7 +324,7 @@ def load_hf(in_dir: Path) -> Imported:
     if model.layout.startswith("deepseek"):
         state = from_deepseek_tensors(get, shapes, cfg, model.layout, model.rope_interleave)
     else:
-        state = from_hf_tensors(get, shapes, cfg)
+        state = from_hf_tensors(get, shapes, cfg, model.layout)
     if model.tied:
         untie_head(get, state)
     if model.layout == "deepseek_v3":

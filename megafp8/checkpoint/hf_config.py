@@ -9,6 +9,7 @@ activation, another routing rule), is refused with one line naming the key and i
 |---|---|
 | llama, mistral | GQA, dense SwiGLU |
 | qwen3 | GQA with per-head query/key RMSNorm (`model.attention.qk_norm`), dense SwiGLU |
+| qwen3_moe | Qwen3's attention, MoE: softmax top-k over all experts (renormalized or not), no shared expert, leading dense layers |
 | mixtral | GQA, MoE: softmax top-k over all experts, renormalized, no shared expert |
 | deepseek_v2 | MLA, MoE: softmax greedy top-k, weights not renormalized, shared experts |
 | deepseek_v3 | MLA, MoE: sigmoid, group-limited top-k with selection bias, shared experts, MTP |
@@ -26,12 +27,10 @@ from megafp8.config import (
     AttentionConfig, Config, ConfigError, ModelConfig, MoeConfig, RopeScalingConfig, validate_config,
 )
 
-HfLayout = Literal["llama", "mistral", "qwen3", "mixtral", "deepseek_v2", "deepseek_v3"]
+HfLayout = Literal["llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
 _REFUSED_TYPES = {
     "qwen2": "its q/k/v projections have biases, which megafp8's attention does not",
     "qwen2_moe": "its q/k/v projections have biases, which megafp8's attention does not",
-    "qwen3_moe": "megafp8 converts Qwen3's dense models (qwen3); the experts and router of its MoE layout are not "
-                 "converted yet",
 }
 # Keys that do not change the function a model computes (or only its training, whose settings megafp8's config owns).
 _INERT = frozenset({
@@ -45,6 +44,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
     "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 8, "sliding_window": 4096},
     "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 32, "head_dim": 128},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 4, "head_dim": 128,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1},
     "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8, "num_experts_per_tok": 2,
                 "num_local_experts": 8},
     "deepseek_v2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "q_lora_rank": 1536, "kv_lora_rank": 512,
@@ -61,10 +63,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 # name rather than failing later in arithmetic or a tensor's shape).
 _INTEGER_KEYS = frozenset({
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "num_key_value_heads",
-    "head_dim", "num_local_experts", "num_experts_per_tok", "first_k_dense_replace", "n_routed_experts",
-    "n_shared_experts", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group", "num_nextn_predict_layers", "num_mtp_layers",
-    "max_position_embeddings", "sliding_window",
+    "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok", "decoder_sparse_step",
+    "first_k_dense_replace", "n_routed_experts", "n_shared_experts", "moe_intermediate_size", "q_lora_rank",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+    "num_nextn_predict_layers", "num_mtp_layers", "max_position_embeddings", "sliding_window",
 })
 _NUMBER_KEYS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor"})
 MLA_NORM_EPS = 1e-6  # DeepSeek's attention normalizes its compressed q and kv with this, whatever rms_norm_eps says
@@ -235,6 +237,27 @@ def _qwen3(keys: _Keys) -> dict[str, Any]:
     return fields
 
 
+def _qwen3_moe(keys: _Keys) -> dict[str, Any]:
+    """Qwen3-MoE: Qwen3's attention; softmax over every expert, top-k, renormalized where `norm_topk_prob`; no shared
+    expert; the layers `mlp_only_layers` names dense (`intermediate_size` wide), which must be the first ones."""
+    keys.expect("decoder_sparse_step", (1,), "megafp8's MoE layers are every layer after the leading dense ones")
+    fields = _qwen3(keys)
+    dense = keys.get("mlp_only_layers", None) or []
+    if sorted(dense) != list(range(len(dense))):
+        raise ConfigError(f"config.json: mlp_only_layers={dense} is not supported (megafp8's dense layers are the "
+                          "first ones: [0, 1, ..., k-1])")
+    named = {key: keys.get(key, None) for key in ("num_experts", "num_local_experts")}  # transformers reads both
+    given = {value for value in named.values() if value is not None}
+    if len(given) > 1:
+        raise ConfigError(f"config.json: num_experts={named['num_experts']} and num_local_experts="
+                          f"{named['num_local_experts']} disagree; keep one")
+    fields["moe"] = dict(num_experts=given.pop() if given else 128, top_k=keys.get("num_experts_per_tok"),
+                         ffn_hidden_size=keys.get("moe_intermediate_size"), num_shared_experts=0,
+                         first_dense_layers=len(dense), score_func="softmax",
+                         norm_topk_prob=bool(keys.get("norm_topk_prob")), bias_update_rate=0.0)
+    return fields
+
+
 def _mixtral(keys: _Keys) -> dict[str, Any]:
     return dict(_gqa(keys), moe=dict(num_experts=keys.get("num_local_experts"), top_k=keys.get("num_experts_per_tok"),
                                      ffn_hidden_size=keys.get("intermediate_size"), num_shared_experts=0,
@@ -292,7 +315,8 @@ def _deepseek_v3(keys: _Keys) -> dict[str, Any]:
 
 
 _READERS: dict[str, Callable[[_Keys], dict[str, Any]]] = {
-    "llama": _gqa, "mistral": _gqa, "qwen3": _qwen3, "mixtral": _mixtral, "deepseek_v2": _deepseek_v2,
+    "llama": _gqa, "mistral": _gqa, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral,
+    "deepseek_v2": _deepseek_v2,
     "deepseek_v3": _deepseek_v3}
 
 
@@ -337,6 +361,8 @@ def model_from_hf(hf: dict[str, Any]) -> HfModel:
 _MIXTRAL_NEEDS = {"moe.score_func": "softmax", "moe.norm_topk_prob": True, "moe.num_shared_experts": 0,
                   "moe.first_dense_layers": 0, "moe.n_group": 1, "moe.routed_scaling_factor": 1.0}
 _V2_NEEDS = {"moe.norm_topk_prob": False, "moe.n_group": 1, "mtp_depth": 0}
+_QWEN3_MOE_NEEDS = {"moe.score_func": "softmax", "moe.num_shared_experts": 0, "moe.n_group": 1,
+                    "moe.routed_scaling_factor": 1.0}
 
 
 def _require(cfg: ModelConfig, needs: dict[str, Any], layout: str) -> None:
@@ -359,8 +385,8 @@ def _require(cfg: ModelConfig, needs: dict[str, Any], layout: str) -> None:
     has = listed([f"{key}={setting!r}" for key, (setting, _) in wrong.items()])
     verb = "has" if len(wrong) == 1 else "have"
     fix = " ".join(f"{key}={value}" for key, (_, value) in wrong.items())
-    if layout == "Mixtral" and cfg.moe.bias_update_rate > 0:
-        fix += " model.moe.bias_update_rate=0 (Mixtral has no selection bias)"
+    if layout in ("Mixtral", "Qwen3-MoE") and cfg.moe.bias_update_rate > 0:
+        fix += f" model.moe.bias_update_rate=0 ({layout} has no selection bias)"
     raise ConfigError(f"{has} {verb} no place in the {layout} layout this model converts to (it needs "
                       f"{listed([repr(value) for _, value in wrong.values()])}): train it with {fix}")
 
@@ -372,10 +398,10 @@ def export_layout(cfg: ModelConfig) -> HfLayout:
             raise ConfigError(f"model.mtp_depth={cfg.mtp_depth}: only the DeepSeek-V3 layout "
                               "(model.attention.kind=mla) holds MTP modules")
         if cfg.attention.qk_norm:
-            if cfg.moe.enabled:
-                raise ConfigError("model.attention.qk_norm=true with model.moe: the Qwen3-MoE layout such a model "
-                                  "converts to is not written yet (a dense qk-norm model exports as qwen3)")
-            return "qwen3"
+            if not cfg.moe.enabled:
+                return "qwen3"
+            _require(cfg, _QWEN3_MOE_NEEDS, "Qwen3-MoE")
+            return "qwen3_moe"
         if not cfg.moe.enabled:
             return "llama"
         _require(cfg, _MIXTRAL_NEEDS, "Mixtral")
@@ -400,6 +426,13 @@ def _qwen3_config(cfg: ModelConfig) -> dict[str, Any]:
             "layer_types": ["full_attention"] * cfg.num_layers}
 
 
+def _qwen3_moe_config(cfg: ModelConfig) -> dict[str, Any]:
+    moe = cfg.moe
+    return {**_qwen3_config(cfg), "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+            "moe_intermediate_size": moe.ffn_hidden_size, "norm_topk_prob": moe.norm_topk_prob,
+            "decoder_sparse_step": 1, "mlp_only_layers": list(range(moe.first_dense_layers))}
+
+
 def _mixtral_config(cfg: ModelConfig) -> dict[str, Any]:
     return {**_gqa_config(cfg), "intermediate_size": cfg.moe.ffn_hidden_size, "num_local_experts": cfg.moe.num_experts,
             "num_experts_per_tok": cfg.moe.top_k, "sliding_window": None}
@@ -422,7 +455,7 @@ def _deepseek_config(cfg: ModelConfig, layout: HfLayout) -> dict[str, Any]:
 
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "mixtral": "MixtralForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
@@ -433,7 +466,8 @@ def hf_config(cfg: ModelConfig, layout: HfLayout, max_seq_len: int, fp8: bool,
     and eos 2, DeepSeek's 0 and 1), ids that are ordinary tokens of another tokenizer, and generation stops at
     them."""
     specific = (_mixtral_config(cfg) if layout == "mixtral" else _gqa_config(cfg) if layout in ("llama", "mistral")
-                else _qwen3_config(cfg) if layout == "qwen3" else _deepseek_config(cfg, layout))
+                else _qwen3_config(cfg) if layout == "qwen3" else _qwen3_moe_config(cfg) if layout == "qwen3_moe"
+                else _deepseek_config(cfg, layout))
     out = {"architectures": [_ARCHITECTURES[layout]], "model_type": layout, "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads, "rms_norm_eps": cfg.norm_eps,
