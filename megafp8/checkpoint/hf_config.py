@@ -9,7 +9,7 @@ activation, another routing rule), is refused with one line naming the key and i
 |---|---|
 | llama, mistral | GQA, dense SwiGLU |
 | qwen3 | GQA with per-head query/key RMSNorm (`model.attention.qk_norm`), dense SwiGLU |
-| qwen3_moe | Qwen3's attention, MoE: softmax top-k over all experts (renormalized or not), no shared expert, leading dense layers |
+| qwen3_moe | Qwen3's attention, MoE: softmax top-k over all experts (renormalized or not), no shared expert |
 | mixtral | GQA, MoE: softmax top-k over all experts, renormalized, no shared expert |
 | deepseek_v2 | MLA, MoE: softmax greedy top-k, weights not renormalized, shared experts |
 | deepseek_v3 | MLA, MoE: sigmoid, group-limited top-k with selection bias, shared experts, MTP |
@@ -69,6 +69,7 @@ _INTEGER_KEYS = frozenset({
     "num_nextn_predict_layers", "num_mtp_layers", "max_position_embeddings", "sliding_window",
 })
 _NUMBER_KEYS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor"})
+QWEN3_MOE_EXPERTS = 128  # Qwen3-MoE's expert count where config.json names none (its two names are read apart)
 MLA_NORM_EPS = 1e-6  # DeepSeek's attention normalizes its compressed q and kv with this, whatever rms_norm_eps says
 _MISSING = object()
 
@@ -251,7 +252,8 @@ def _qwen3_moe(keys: _Keys) -> dict[str, Any]:
     if len(given) > 1:
         raise ConfigError(f"config.json: num_experts={named['num_experts']} and num_local_experts="
                           f"{named['num_local_experts']} disagree; keep one")
-    fields["moe"] = dict(num_experts=given.pop() if given else 128, top_k=keys.get("num_experts_per_tok"),
+    experts = given.pop() if given else QWEN3_MOE_EXPERTS  # transformers' default for neither
+    fields["moe"] = dict(num_experts=experts, top_k=keys.get("num_experts_per_tok"),
                          ffn_hidden_size=keys.get("moe_intermediate_size"), num_shared_experts=0,
                          first_dense_layers=len(dense), score_func="softmax",
                          norm_topk_prob=bool(keys.get("norm_topk_prob")), bias_update_rate=0.0)
@@ -316,8 +318,7 @@ def _deepseek_v3(keys: _Keys) -> dict[str, Any]:
 
 _READERS: dict[str, Callable[[_Keys], dict[str, Any]]] = {
     "llama": _gqa, "mistral": _gqa, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral,
-    "deepseek_v2": _deepseek_v2,
-    "deepseek_v3": _deepseek_v3}
+    "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3}
 
 
 def _check_quantization(keys: _Keys) -> None:

@@ -42,7 +42,7 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def document(self, text: str) -> list[int]:
-        """The ids a document's text begins with in training data (no beginning-of-document token here)."""
+        """A text's ids as a document of the training data begins (the byte tokenizer has no beginning token)."""
         return self.encode(text)
 
     def encode_bytes(self, text: str) -> bytes:
@@ -136,8 +136,8 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def document(self, text: str) -> list[int]:
-        """The ids a document's text begins with in training data: its beginning-of-document token, if the data
-        has one, then the text's."""
+        """A text's ids as a document of the training data begins: the beginning-of-document token, where the data
+        has one, then the text's ids."""
         return ([] if self.bos_id is None else [self.bos_id]) + self.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
