@@ -143,6 +143,19 @@ COMMANDS: dict[str, Run | Skip] = {
     "python launch/pretrain.py --config my_run.yaml checkpoint.resume=runs/from_hf/checkpoints/step_00000000":
         Run((("step_00000000", f"step_00000000 {TINY_TRAINING}"),),
             "my_run.yaml is tiny_dense.yaml with from-hf's model: section (the same model); 2 steps"),
+    # Continuing a Hugging Face model (docs/checkpoints.md): a downloaded directory, hf/base, is not shipped.
+    "python tools/convert_checkpoint.py from-hf hf/base --out runs/base/checkpoints":
+        Skip("a downloaded Hugging Face directory; `from-hf hf/tiny` above runs the command on an export, and "
+             "tests/test_hf_transformers.py imports Llama and Qwen3 models that transformers made"),
+    "python tools/preprocess_data.py --input my_corpus/ --output data/mine-base --tokenizer hf/base/tokenizer.json":
+        Skip("the base model's tokenizer.json; tests/test_data_bos.py preprocesses with a tokenizer.json whose "
+             "template begins texts with a token"),
+    ".venv/bin/torchrun --nproc_per_node=8 launch/pretrain.py --config my_run.yaml "
+    "checkpoint.resume=runs/base/checkpoints/step_00000000": Skip(GPU),
+    "python tools/convert_checkpoint.py to-hf runs/my_run/checkpoints/step_00001000 --out hf/mine "
+    "--tokenizer hf/base/tokenizer.json":
+        Skip("a run continued from an import; tests/test_data_bos.py exports a run with its tokenizer.json and "
+             "imports the export back"),
     "python tools/convert_checkpoint.py consolidate runs/big/checkpoints/step_00001000 --out one_file/":
         Run((("runs/big/checkpoints/step_00001000", f"runs/tiny_dense/checkpoints/{TINY_STEP}"),),
             "the 2-step run's checkpoint stands in for a big run's"),
