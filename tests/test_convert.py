@@ -302,9 +302,10 @@ REFUSED = [
     (dict(model_type="mistral", sliding_window=32),
      "config.json: sliding_window=32 is not supported (megafp8 attends to the whole causal context)"),
     (dict(model_type="mistral"), "config.json: sliding_window=4096 is not supported"),  # transformers' default
-    (dict(model_type="qwen2"), "config.json: model_type='qwen2' is not supported: its q/k/v projections have biases"),
+    (dict(model_type="qwen2_moe"), "config.json: model_type='qwen2_moe' is not supported: its shared expert is "
+                                   "gated (shared_expert_gate)"),
     (dict(model_type="gemma"), "config.json: model_type='gemma' is not supported (megafp8 imports llama, mistral, "
-                               "qwen3, qwen3_moe, mixtral, deepseek_v2, deepseek_v3)"),
+                               "qwen2, qwen3, qwen3_moe, mixtral, deepseek_v2, deepseek_v3)"),
     (dict(mlp_only_layers=[1], model_type="qwen3_moe"), "config.json: mlp_only_layers=[1] is not supported "
                                                         "(megafp8's dense layers are the first ones: [0, 1, ..., k-1])"),
     (dict(decoder_sparse_step=2, model_type="qwen3_moe"), "config.json: decoder_sparse_step=2 is not supported"),
@@ -441,6 +442,8 @@ MLA_CFG = dataclasses.replace(CFG, attention=MlaConfig())
                                                   "with eps 1e-6"),
     (with_moe(dataclasses.replace(MLA_CFG, norm_eps=1e-6), num_experts=4, score_func="softmax"),
      "model.moe.norm_topk_prob=True has no place in the DeepSeek-V2 layout"),
+    (dataclasses.replace(CFG, attention=dataclasses.replace(CFG.attention, qkv_bias=True, qk_norm=True)),
+     "model.attention.qkv_bias=true exports as Qwen2, a dense layout without query/key norms"),
     # model.moe's defaults on Qwen3's attention: its dense layers may lead, its routing is softmax without sharing
     (with_moe(dataclasses.replace(CFG, attention=dataclasses.replace(CFG.attention, qk_norm=True)), num_experts=4),
      "model.moe.score_func='sigmoid' and model.moe.num_shared_experts=1 have no place in the Qwen3-MoE layout this "

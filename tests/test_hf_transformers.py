@@ -47,6 +47,8 @@ IMPORTS = {
     "llama, tied embeddings (Llama-3.2)": ("Llama", dict(num_key_value_heads=1, tie_word_embeddings=True)),
     "mistral, no sliding window": ("Mistral", dict(num_key_value_heads=2, sliding_window=None, rope_theta=1e6)),
     "mixtral, top-2 of 4 experts": ("Mixtral", dict(num_key_value_heads=2, num_local_experts=4)),
+    "qwen2, q/k/v biases, tied (Qwen2.5-0.5B-like)": ("Qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True,
+                                                                    rope_theta=1e6)),
     "qwen3, head_dim 32 (not hidden / heads), tied (Qwen3-0.6B-like)": ("Qwen3", dict(
         num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
     "qwen3, llama3 scaling, window off": ("Qwen3", dict(
@@ -78,6 +80,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 t.copy_(1 + 0.2 * torch.randn(t.shape, generator=g))
             elif name.endswith(("e_score_correction_bias", "expert_bias")):
                 t.copy_(0.1 * torch.randn(t.shape, generator=g))
+            elif name.endswith(("qkv_bias", "proj.bias")):  # Qwen2's q/k/v biases, away from their zero init
+                t.copy_(0.5 * torch.randn(t.shape, generator=g))
 
 
 def _hf_model(kind: str, settings: dict, seed: int = 0):
@@ -132,6 +136,7 @@ LLAMA3 = RopeScalingConfig(type="llama3", factor=8.0, original_max_position_embe
 YARN = RopeScalingConfig(type="yarn", factor=40.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.5)
 EXPORTS = {
     "llama, llama3 scaling": dataclasses.replace(GQA, rope_theta=500000.0, rope_scaling=LLAMA3),
+    "qwen2, q/k/v biases": dataclasses.replace(GQA, attention=GqaConfig(num_kv_heads=2, head_dim=16, qkv_bias=True)),
     "qwen3, head_dim 32": dataclasses.replace(GQA, attention=GqaConfig(num_kv_heads=2, head_dim=32, qk_norm=True),
                                               rope_theta=1e6),
     "qwen3_moe, layer 0 dense, not renormalized": dataclasses.replace(

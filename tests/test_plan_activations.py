@@ -177,7 +177,10 @@ def _assert_close(rows: list[tuple[str, float, float]]) -> None:
     ("tiny_mla_moe_mtp_fp8", MLA + ["precision.recipe=fp8"]),
     ("tiny_dense", DENSE + QK_NORM + ["precision.recipe=bf16"]),
     ("tiny_dense", DENSE + QK_NORM + ["precision.recipe=fp8"]),
-], ids=["dense-bf16", "dense-fp8", "moe-bf16", "moe-fp8", "mla-mtp-bf16", "mla-mtp-fp8", "qk-norm-bf16", "qk-norm-fp8"])
+    ("tiny_dense", DENSE + ["model.attention.qkv_bias=true", "precision.recipe=bf16"]),
+    ("tiny_dense", DENSE + ["model.attention.qkv_bias=true", "precision.recipe=fp8"]),
+], ids=["dense-bf16", "dense-fp8", "moe-bf16", "moe-fp8", "mla-mtp-bf16", "mla-mtp-fp8", "qk-norm-bf16", "qk-norm-fp8",
+        "qkv-bias-bf16", "qkv-bias-fp8"])
 def test_planned_activations_are_what_the_blocks_keep(request, cuda_like_norms, config, overrides):
     """Each block's and the head's kept bytes within 1% of the planner's count; the plan's activation lines are
     those counts."""

@@ -308,6 +308,15 @@ def test_query_key_norm_gradients_are_summed_over_tp(parity, layout):
                  + one_step, LAYOUTS[layout], 2, FP32_TOL)
 
 
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
+def test_qkv_bias_gradients_match_tp1(parity, layout):
+    """`model.attention.qkv_bias` (Qwen2): the bias split over TP as the projection's rows (whole heads), its
+    gradient each rank's own: every gradient equals TP=1's (FP32, one step)."""
+    one_step = ["training.steps=1", "optimizer.warmup_steps=1"]
+    parity.check(TP_MODEL + ["model.attention.qkv_bias=true", "precision.recipe=fp32", "optimizer.grad_clip=0"]
+                 + one_step, LAYOUTS[layout], 2, FP32_TOL)
+
+
 def test_fp8_tp2_with_query_key_norms_matches_tp1(parity):
     """Under FP8 the QKV projection's quantizer does not fuse RoPE's backward when the query/key norms lie between
     them: the unfused path trains at TP=2 + SP as at TP=1."""

@@ -1,9 +1,9 @@
 """Conversion between megafp8 model weights and Hugging Face safetensors directories.
 
 `hf_config.py` maps config.json to our ModelConfig and back (and refuses what has no exact equivalent); this module
-moves the tensors: the Llama names of GQA models (Llama, Mistral; Qwen3's query/key norms; Mixtral's experts and
-router under `block_sparse_moe`, Qwen3-MoE's under `mlp`), here, and the DeepSeek-V2/V3 names of MLA models in
-`hf_deepseek.py`. Our fused QKV and gate/up weights are split into the separate projections on export and fused
+moves the tensors: the Llama names of GQA models (Llama, Mistral; Qwen2's q/k/v biases, Qwen3's query/key norms;
+Mixtral's experts and router under `block_sparse_moe`, Qwen3-MoE's under `mlp`), here, and the DeepSeek-V2/V3 names
+of MLA models in `hf_deepseek.py`. Our fused QKV and gate/up weights are split into the separate projections on export and fused
 again on import; RoPE uses the same "rotate half" layout as Hugging Face Llama, so no permutation is needed there.
 
 Import reads every tensor the model needs by name and then refuses any tensor of the file it did not read (a bias,
@@ -47,6 +47,9 @@ _FUSED = {  # ours -> the Llama tensors it is the row-wise concatenation of
     "layers.{i}.attn.qkv_proj.weight": ("model.layers.{i}.self_attn.q_proj.weight",
                                         "model.layers.{i}.self_attn.k_proj.weight",
                                         "model.layers.{i}.self_attn.v_proj.weight"),
+    "layers.{i}.attn.qkv_bias": ("model.layers.{i}.self_attn.q_proj.bias",  # Qwen2
+                                 "model.layers.{i}.self_attn.k_proj.bias",
+                                 "model.layers.{i}.self_attn.v_proj.bias"),
     "layers.{i}.mlp.gate_up_proj.weight": ("model.layers.{i}.mlp.gate_proj.weight",
                                            "model.layers.{i}.mlp.up_proj.weight"),
 }
@@ -79,7 +82,7 @@ _MOE_NAMES = {
 
 def _split_sizes(cfg: ModelConfig, ours: str) -> list[int]:
     head_dim, kv = cfg.attention.head_dim_for(cfg.hidden_size, cfg.num_heads), cfg.attention.kv_heads_for(cfg.num_heads)
-    if "qkv_proj" in ours:
+    if "qkv" in ours:
         return [cfg.num_heads * head_dim, kv * head_dim, kv * head_dim]
     return [cfg.ffn_hidden_size, cfg.ffn_hidden_size]
 
@@ -158,7 +161,7 @@ SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, out_dir: Path, fp8: bool,
             shard_bytes: int = SHARD_BYTES, token_ids: Optional[dict[str, Any]] = None) -> str:
-    """Write config.json and the weights in the layout `cfg` converts to (Llama, Qwen3, Mixtral, Qwen3-MoE,
+    """Write config.json and the weights in the layout `cfg` converts to (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE,
     DeepSeek-V2 or -V3; `state` includes the routers' `expert_bias` buffers): one model.safetensors, or where the
     tensors exceed `shard_bytes`, model-0000i-of-0000n.safetensors files of at most that size (a tensor larger alone
     gets a file of its own) with model.safetensors.index.json, as Hugging Face saves them. `token_ids`:
@@ -172,8 +175,8 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int, 
     from safetensors.torch import save_file
 
     layout = export_layout(cfg)
-    tensors = (to_hf_tensors(state, cfg, fp8, layout) if layout in ("llama", "qwen3", "mixtral", "qwen3_moe")
-               else to_deepseek_tensors(state, cfg, fp8, layout))
+    tensors = (to_deepseek_tensors(state, cfg, fp8, layout) if layout.startswith("deepseek")
+               else to_hf_tensors(state, cfg, fp8, layout))
     config = hf_config(cfg, layout, max_seq_len, fp8, token_ids)
     if fp8:
         config["quantization_config"]["modules_to_not_convert"] = bf16_linears(tensors)

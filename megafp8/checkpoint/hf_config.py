@@ -8,6 +8,7 @@ activation, another routing rule), is refused with one line naming the key and i
 | model_type | megafp8 model |
 |---|---|
 | llama, mistral | GQA, dense SwiGLU |
+| qwen2 | GQA with a bias on the query, key and value projections (`model.attention.qkv_bias`), dense SwiGLU |
 | qwen3 | GQA with per-head query/key RMSNorm (`model.attention.qk_norm`), dense SwiGLU |
 | qwen3_moe | Qwen3's attention, MoE: softmax top-k over all experts (renormalized or not), no shared expert |
 | mixtral | GQA, MoE: softmax top-k over all experts, renormalized, no shared expert |
@@ -27,10 +28,9 @@ from megafp8.config import (
     AttentionConfig, Config, ConfigError, ModelConfig, MoeConfig, RopeScalingConfig, validate_config,
 )
 
-HfLayout = Literal["llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
+HfLayout = Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"]
 _REFUSED_TYPES = {
-    "qwen2": "its q/k/v projections have biases, which megafp8's attention does not",
-    "qwen2_moe": "its q/k/v projections have biases, which megafp8's attention does not",
+    "qwen2_moe": "its shared expert is gated (shared_expert_gate), which megafp8's shared experts are not",
 }
 # Keys that do not change the function a model computes (or only its training, whose settings megafp8's config owns).
 _INERT = frozenset({
@@ -43,6 +43,7 @@ _INERT = frozenset({
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
     "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 32},
     "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 32, "head_dim": 128},
     "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 4, "head_dim": 128,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
@@ -223,9 +224,8 @@ def _gqa(keys: _Keys, window_off: bool = False) -> dict[str, Any]:
                                               head_dim=keys.get("head_dim", None)))
 
 
-def _qwen3(keys: _Keys) -> dict[str, Any]:
-    """Qwen3 dense: Llama's attention with RMSNorm over each query and key head, a sliding window off (its window
-    settings then unread by transformers too)."""
+def _qwen_window_off(keys: _Keys) -> None:
+    """Qwen2's and Qwen3's sliding window, which must be off (its settings then unread by transformers too)."""
     keys.expect("use_sliding_window", (False, None), "megafp8 attends to the whole causal context")
     for inert in ("sliding_window", "max_window_layers"):  # unread by transformers with the window off
         keys.get(inert, None)
@@ -233,6 +233,19 @@ def _qwen3(keys: _Keys) -> dict[str, Any]:
     if kinds is not None and any(kind != "full_attention" for kind in kinds):
         raise ConfigError(f"config.json: layer_types holds {sorted(set(kinds) - {'full_attention'})[0]!r}: megafp8's "
                           "layers all attend to the whole causal context (full_attention)")
+
+
+def _qwen2(keys: _Keys) -> dict[str, Any]:
+    """Qwen2 / Qwen2.5 dense: Llama's attention with a bias on the q, k and v projections, the window off."""
+    _qwen_window_off(keys)
+    fields = _gqa(keys, window_off=True)
+    fields["attention"]["qkv_bias"] = True
+    return fields
+
+
+def _qwen3(keys: _Keys) -> dict[str, Any]:
+    """Qwen3 dense: Llama's attention with RMSNorm over each query and key head, the window off."""
+    _qwen_window_off(keys)
     fields = _gqa(keys, window_off=True)
     fields["attention"]["qk_norm"] = True
     return fields
@@ -317,7 +330,7 @@ def _deepseek_v3(keys: _Keys) -> dict[str, Any]:
 
 
 _READERS: dict[str, Callable[[_Keys], dict[str, Any]]] = {
-    "llama": _gqa, "mistral": _gqa, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral,
+    "llama": _gqa, "mistral": _gqa, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral,
     "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3}
 
 
@@ -398,6 +411,11 @@ def export_layout(cfg: ModelConfig) -> HfLayout:
         if cfg.mtp_depth:
             raise ConfigError(f"model.mtp_depth={cfg.mtp_depth}: only the DeepSeek-V3 layout "
                               "(model.attention.kind=mla) holds MTP modules")
+        if cfg.attention.qkv_bias:
+            if cfg.attention.qk_norm or cfg.moe.enabled:
+                raise ConfigError("model.attention.qkv_bias=true exports as Qwen2, a dense layout without query/key "
+                                  "norms: train such a model without model.attention.qk_norm and model.moe")
+            return "qwen2"
         if cfg.attention.qk_norm:
             if not cfg.moe.enabled:
                 return "qwen3"
@@ -423,6 +441,7 @@ def _gqa_config(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _qwen3_config(cfg: ModelConfig) -> dict[str, Any]:
+    """Qwen2's and Qwen3's config.json keys beyond Llama's: the sliding window off."""
     return {**_gqa_config(cfg), "use_sliding_window": False, "sliding_window": None,
             "layer_types": ["full_attention"] * cfg.num_layers}
 
@@ -455,7 +474,8 @@ def _deepseek_config(cfg: ModelConfig, layout: HfLayout) -> dict[str, Any]:
             "rope_interleave": True}
 
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
@@ -467,7 +487,7 @@ def hf_config(cfg: ModelConfig, layout: HfLayout, max_seq_len: int, fp8: bool,
     and eos 2, DeepSeek's 0 and 1), ids that are ordinary tokens of another tokenizer, and generation stops at
     them."""
     specific = (_mixtral_config(cfg) if layout == "mixtral" else _gqa_config(cfg) if layout in ("llama", "mistral")
-                else _qwen3_config(cfg) if layout == "qwen3" else _qwen3_moe_config(cfg) if layout == "qwen3_moe"
+                else _qwen3_config(cfg) if layout in ("qwen2", "qwen3") else _qwen3_moe_config(cfg) if layout == "qwen3_moe"
                 else _deepseek_config(cfg, layout))
     out = {"architectures": [_ARCHITECTURES[layout]], "model_type": layout, "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,

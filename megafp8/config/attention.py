@@ -84,6 +84,12 @@ class GqaConfig(AttentionConfig):
         "lies between them).",
     )
 
+    qkv_bias: bool = setting(
+        False, "A bias on the query, key and value projections (not the output projection's): Qwen2's and Qwen2.5's "
+        "attention. Added to the QKV projection's output in the activations' dtype; under FP8 the QKV projection's "
+        "quantizer then does not fuse RoPE's backward (the bias lies between them).",
+    )
+
     def head_dim_for(self, hidden_size: int, num_heads: int) -> int:
         return self.head_dim if self.head_dim is not None else hidden_size // num_heads
 
@@ -131,7 +137,8 @@ class GqaConfig(AttentionConfig):
                 "(num_heads + 2 x num_kv_heads) x head_dim (QKV width)": (qkv, _KV_SETTINGS)}
 
     def describe(self, num_heads: int) -> str:
-        return f"{num_heads} heads / {self.kv_heads_for(num_heads)} kv" + (", qk-norm" if self.qk_norm else "")
+        extras = [name for name, on in (("qk-norm", self.qk_norm), ("qkv bias", self.qkv_bias)) if on]
+        return f"{num_heads} heads / {self.kv_heads_for(num_heads)} kv" + "".join(f", {e}" for e in extras)
 
 
 @dataclass

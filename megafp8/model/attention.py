@@ -11,7 +11,8 @@ from megafp8.config import ModelConfig
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.model.sdpa import attention_kernels, sdpa_backends_for
-from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, mark_tp_partial
+from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, TpShard, mark_tp_partial
+from megafp8.parallel.sharding import mark_sharded
 from megafp8.precision import PrecisionRecipe, Rotary
 
 
@@ -36,7 +37,12 @@ class Attention(nn.Module):
         self.sdpa_backends = sdpa_backends_for(cfg.attention_backend, device)
         # Qwen3's query/key norms: one weight per head width that every head shares, so each TP rank's gradient of
         # it comes from its own heads only (summed over the TP group, `mark_tp_partial`).
-        self.q_norm = self.k_norm = None
+        self.q_norm = self.k_norm = self.qkv_bias = None
+        if gqa.qkv_bias:  # Qwen2's: split over TP as the projection's rows are, every rank's own heads
+            local = (q_features + 2 * kv_features) // tp.size
+            self.qkv_bias = nn.Parameter(torch.zeros(local, dtype=recipe.param_dtype, device=device))
+            if tp.enabled:
+                mark_sharded(self.qkv_bias, TpShard(0, (q_features, kv_features, kv_features)))
         if gqa.qk_norm:
             dtype = recipe.param_dtype
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype, device)
@@ -53,12 +59,15 @@ class Attention(nn.Module):
         """x: (tokens, hidden) token-major, all B*T tokens or this rank's share under sequence parallelism. `norm`
         is applied to x first (under FP8, fused into the QKV projection's quantizer)."""
         rotary = Rotary(self.widths, self.head_dim, batch, seq_len)
-        fused = self.q_norm is None and not self.observed  # the query/key norms lie between projection and RoPE
+        # The query/key norms or the bias lie between the projection and RoPE: RoPE's backward is not fusable then.
+        fused = self.q_norm is None and self.qkv_bias is None and not self.observed
         if norm is not None and fused and self.qkv_proj.fuses_rope(x.numel() // x.shape[-1], rotary):
             # FP8: RoPE's backward quantizes the projection's output gradient itself (`megafp8.precision.fp8_qkv`)
             q, k, v = self.qkv_proj.rotated(x, norm, rotary, *rope.tables(seq_len))
         else:
             qkv = self.qkv_proj(x, norm)  # (B*T, (n_heads + 2 * n_kv_heads) * head_dim), this rank's heads
+            if self.qkv_bias is not None:
+                qkv = qkv + self.qkv_bias
             q, k, v = (t.view(batch, seq_len, -1, self.head_dim) for t in qkv.split(self.widths, dim=-1))
             if self.q_norm is not None:  # per head, before RoPE (Qwen3)
                 q, k = self.q_norm(q), self.k_norm(k)

@@ -30,6 +30,9 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, tp: Optional[Ten
         if name.endswith("norm.weight"):
             param.fill_(1.0)
             continue
+        if name.endswith("_bias"):  # the attention's QKV bias starts at zero (Qwen2's does)
+            param.zero_()
+            continue
         std = residual_std if name.endswith(_RESIDUAL_OUTPUTS) else cfg.init_std
         # The CPU generator keeps 32 bits of its seed: hash the run seed and the name together into them.
         draw_from = torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
