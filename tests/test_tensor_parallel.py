@@ -330,12 +330,19 @@ def _save_worker(rank, world, overrides):
     Trainer(cfg, dims, torch.device("cpu")).fit()
 
 
-def test_tp2_checkpoint_resumes_at_tp1(tiny_overrides, tmp_path):
-    """Checkpoints hold full tensors by name: a TP=2 run's checkpoint resumes at TP=1 with the same weights."""
-    base = tiny_overrides + TP_MODEL + ["training.steps=3", "checkpoint.interval=3", f"checkpoint.dir={tmp_path}/ck"]
+@pytest.mark.parametrize("attention", [[], ["model.attention.qkv_bias=true", "model.attention.qk_norm=true"]],
+                         ids=["plain", "qkv_bias_qk_norm"])
+def test_tp2_checkpoint_resumes_at_tp1(tiny_overrides, tmp_path, attention):
+    """Checkpoints hold full tensors by name: a TP=2 run's checkpoint resumes at TP=1 with the same weights (Qwen2's
+    QKV bias gathered part by part as the projection's rows, Qwen3's shared query/key norms once)."""
+    base = tiny_overrides + TP_MODEL + attention + ["training.steps=3", "checkpoint.interval=3",
+                                                   f"checkpoint.dir={tmp_path}/ck"]
     spawn(2, _save_worker, base + ["parallel.tp=2", "parallel.sequence_parallel=true"])
     saved = load_checkpoint(find_latest(tmp_path / "ck"))
     assert saved["model"]["layers.0.attn.qkv_proj.weight"].shape == (3 * 256, 128)  # full, not a shard
+    if attention:
+        assert saved["model"]["layers.0.attn.qkv_bias"].shape == (3 * 256,)
+        assert saved["model"]["layers.0.attn.q_norm.weight"].shape == (128,)
     resumed = Trainer(load_config("tiny_dense", base + ["training.steps=4"]), ParallelDims.single(),
                       torch.device("cpu"))
     assert resumed.step == 3
