@@ -12,7 +12,7 @@ from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.model.sdpa import attention_kernels, sdpa_backends_for
 from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, TpShard, mark_tp_partial
-from megafp8.parallel.sharding import mark_sharded
+from megafp8.parallel.sharding import mark_sharded  # (a layer's own helper, not re-exported by megafp8.parallel)
 from megafp8.precision import PrecisionRecipe, Rotary
 
 
@@ -35,14 +35,14 @@ class Attention(nn.Module):
                                              parts=(q_features, kv_features, kv_features), device=device)
         self.out_proj = RowParallelLinear(q_features, cfg.hidden_size, recipe, tp, device=device)
         self.sdpa_backends = sdpa_backends_for(cfg.attention_backend, device)
-        # Qwen3's query/key norms: one weight per head width that every head shares, so each TP rank's gradient of
-        # it comes from its own heads only (summed over the TP group, `mark_tp_partial`).
         self.q_norm = self.k_norm = self.qkv_bias = None
         if gqa.qkv_bias:  # Qwen2's: split over TP as the projection's rows are, every rank's own heads
             local = (q_features + 2 * kv_features) // tp.size
             self.qkv_bias = nn.Parameter(torch.zeros(local, dtype=recipe.param_dtype, device=device))
             if tp.enabled:
                 mark_sharded(self.qkv_bias, TpShard(0, (q_features, kv_features, kv_features)))
+        # Qwen3's query/key norms: one weight per head width that every head shares, so each TP rank's gradient of
+        # it comes from its own heads only (summed over the TP group, `mark_tp_partial`).
         if gqa.qk_norm:
             dtype = recipe.param_dtype
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, dtype, device)
