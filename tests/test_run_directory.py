@@ -250,9 +250,7 @@ def test_a_failed_start_in_a_new_run_directory_leaves_nothing(tiny_overrides, tm
 def _flat_model(model: dict) -> dict:
     """A model section as megafp8 saved it before `attention` and `moe` were sections: every key flat, the other
     attention kind's at their defaults."""
-    from megafp8.config import MlaConfig
-
-    from megafp8.config import ModelConfig
+    from megafp8.config import MlaConfig, ModelConfig
 
     attention, moe = model["attention"], model["moe"]
     flat = {k: v for k, v in model.items() if k not in ("attention", "moe")}
