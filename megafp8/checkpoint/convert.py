@@ -183,8 +183,8 @@ def _bos_option(hf_dir: Path) -> str:
         tok = HFTokenizer(str(hf_dir / TOKENIZER_FILE))
     except ConfigError:  # no end-of-document token of the usual names, or not a tokenizer.json: said elsewhere
         return ""
-    prefix = tok.template_prefix()
-    return f" --bos-token '{prefix[0]}'" if prefix and prefix[0] != tok.eos_token else ""
+    bos = tok.template_bos()
+    return "" if bos is None else f" --bos-token '{bos}'"
 
 
 def model_settings(cfg: ModelConfig) -> str:

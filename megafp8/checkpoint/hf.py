@@ -3,8 +3,9 @@
 `hf_config.py` maps config.json to our ModelConfig and back (and refuses what has no exact equivalent); this module
 moves the tensors: the Llama names of GQA models (Llama, Mistral; Qwen2's q/k/v biases, Qwen3's query/key norms;
 Mixtral's experts and router under `block_sparse_moe`, Qwen3-MoE's under `mlp`), here, and the DeepSeek-V2/V3 names
-of MLA models in `hf_deepseek.py`. Our fused QKV and gate/up weights are split into the separate projections on export and fused
-again on import; RoPE uses the same "rotate half" layout as Hugging Face Llama, so no permutation is needed there.
+of MLA models in `hf_deepseek.py`. Our fused QKV and gate/up weights (and Qwen2's fused QKV bias) are split into the
+separate projections on export and fused again on import; RoPE uses the same "rotate half" layout as Hugging Face
+Llama, so no permutation is needed there.
 
 Import reads every tensor the model needs by name and then refuses any tensor of the file it did not read (a bias,
 a layer the config does not declare), so nothing is dropped silently. `fp8=True` on export stores every GEMM weight

@@ -440,7 +440,7 @@ def _gqa_config(cfg: ModelConfig) -> dict[str, Any]:
             "head_dim": gqa.head_dim_for(cfg.hidden_size, cfg.num_heads), "mlp_bias": False}
 
 
-def _qwen3_config(cfg: ModelConfig) -> dict[str, Any]:
+def _qwen_config(cfg: ModelConfig) -> dict[str, Any]:
     """Qwen2's and Qwen3's config.json keys beyond Llama's: the sliding window off."""
     return {**_gqa_config(cfg), "use_sliding_window": False, "sliding_window": None,
             "layer_types": ["full_attention"] * cfg.num_layers}
@@ -448,7 +448,7 @@ def _qwen3_config(cfg: ModelConfig) -> dict[str, Any]:
 
 def _qwen3_moe_config(cfg: ModelConfig) -> dict[str, Any]:
     moe = cfg.moe
-    return {**_qwen3_config(cfg), "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+    return {**_qwen_config(cfg), "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "moe_intermediate_size": moe.ffn_hidden_size, "norm_topk_prob": moe.norm_topk_prob,
             "decoder_sparse_step": 1, "mlp_only_layers": list(range(moe.first_dense_layers))}
 
@@ -474,6 +474,9 @@ def _deepseek_config(cfg: ModelConfig, layout: HfLayout) -> dict[str, Any]:
             "rope_interleave": True}
 
 
+_GQA_CONFIGS: dict[str, Callable[[ModelConfig], dict[str, Any]]] = {  # config.json keys beyond the common ones
+    "llama": _gqa_config, "mistral": _gqa_config, "qwen2": _qwen_config, "qwen3": _qwen_config,
+    "qwen3_moe": _qwen3_moe_config, "mixtral": _mixtral_config}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -486,9 +489,7 @@ def hf_config(cfg: ModelConfig, layout: HfLayout, max_seq_len: int, fp8: bool,
     `token_ids`, `null` where it lacks one: left out, transformers assumes its model type's defaults (Llama's bos 1
     and eos 2, DeepSeek's 0 and 1), ids that are ordinary tokens of another tokenizer, and generation stops at
     them."""
-    specific = (_mixtral_config(cfg) if layout == "mixtral" else _gqa_config(cfg) if layout in ("llama", "mistral")
-                else _qwen3_config(cfg) if layout in ("qwen2", "qwen3") else _qwen3_moe_config(cfg) if layout == "qwen3_moe"
-                else _deepseek_config(cfg, layout))
+    specific = (_GQA_CONFIGS[layout](cfg) if layout in _GQA_CONFIGS else _deepseek_config(cfg, layout))
     out = {"architectures": [_ARCHITECTURES[layout]], "model_type": layout, "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads, "rms_norm_eps": cfg.norm_eps,

@@ -124,11 +124,11 @@ def _note_template(tokenizer: Tokenizer) -> None:
     otherwise than it was trained."""
     if not isinstance(tokenizer, HFTokenizer) or tokenizer.bos_id is not None:
         return
-    prefix = tokenizer.template_prefix()
-    if prefix:
+    bos = tokenizer.template_bos()
+    if bos is not None:
         log.warning("tokenizer %s begins each text with %s (its template), which these documents will not begin "
                     "with: to continue a model trained so (Llama, DeepSeek) add --bos-token %s", tokenizer.spec,
-                    " ".join(prefix), prefix[0])
+                    " ".join(tokenizer.template_prefix()), bos)
 
 
 def _valid_files(valid_inputs: list[str], files: list[Path], valid_fraction: float, tree: TextTree | None

@@ -132,6 +132,12 @@ class HFTokenizer:
                 return [self._tok.id_to_token(i) for i in framed[:start]]
         return []
 
+    def template_bos(self) -> str | None:
+        """The token this tokenizer.json's template begins a text with, where that is a beginning-of-document token
+        (not its end-of-document one): the token `--bos-token` should name for data a model of it continues on."""
+        prefix = self.template_prefix()
+        return prefix[0] if prefix and prefix[0] != self.eos_token else None
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

@@ -87,9 +87,9 @@ def load_generator(checkpoint: Path, device: torch.device, tokenizer: Optional[s
         raise ConfigError(f"{checkpoint}'s data was tokenized with {spec}, which is not there now: give "
                           "--tokenizer FILE.json (that tokenizer, moved)")
     tok = tokenizer_of_data(spec, eos_token, record.get("eos_id"), record.get("bos_id"))
-    prefix = tok.template_prefix() if recorded is None and isinstance(tok, HFTokenizer) else []
-    if prefix and prefix[0] != tok.eos_token:  # an import: its text encoded as its authors did (`AutoTokenizer`)
-        tok = HFTokenizer(spec, eos_token, bos_token=prefix[0])
+    bos = tok.template_bos() if recorded is None and isinstance(tok, HFTokenizer) else None
+    if bos is not None:  # an import: its text encoded as its authors did (`AutoTokenizer`)
+        tok = HFTokenizer(spec, eos_token, bos_token=bos)
     if tok.vocab_size > cfg.vocab_size:
         raise ConfigError(f"tokenizer {spec} has {tok.vocab_size} ids, more than the model's {cfg.vocab_size} "
                           "embedding rows: give the tokenizer the run's data was made with")
