@@ -30,7 +30,7 @@
 # fp8_linear_deepgemm: the FP8 linear on cublas, hopper and deepgemm; deepgemm_steps_1b_moe: the ~1B and MoE steps
 # on it; tests_resume: a run under CUDA graphs resumed in a new process, hopper, deepgemm and auto; auto_deepgemm:
 # that test and the ~1B step on `auto` where DeepGEMM is installed, the backend it chose in the summary; auto_steps: the
-# ~1B, 8B-layer and MoE steps on it), clocks and
+# ~1B, 8B-layer and MoE steps on it; qk_norm_steps: the ~1B with Qwen's query/key norms and q/k/v bias), clocks and
 # power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols; with
@@ -415,6 +415,20 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
           --model $model --recipes bf16 fp8
         grep -h "fp8: backend\|fp8: auto" "$LOGS/auto_$model.log" | sort -u >> "$OUT/summary.md"
       done ;;
+    qk_norm_steps)  # the ~1B step under CUDA graphs with Qwen3's query/key norms, with Qwen2's q/k/v bias, and with
+                    # neither, BF16 and FP8 (each FP8 row with either setting on leaves the QKV projection's RoPE
+                    # unfused), then the GPU test of that path under CUDA graphs; on `auto` (DeepGEMM if carried)
+      install_deepgemm
+      for attention in plain qk_norm qkv_bias; do
+        case $attention in
+          plain) flags="" ;;
+          *) flags="model.attention.$attention=true" ;;
+        esac
+        step attention_$attention python benchmarks/train_step.py training.compile=true \
+             training.compile_mode=reduce-overhead $flags --model 1b --recipes bf16 fp8
+      done
+      step gpu_tests_qk_norm python -m pytest -q -m gpu tests/test_fp8_gpu.py -k "like_eager and qk_norm" \
+           -p no:cacheprovider ;;
     tests_resume)  # a run under CUDA graphs resumed in a new process, on hopper and deepgemm (DeepGEMM built first)
       install_deepgemm
       step gpu_tests_resume python -m pytest -q -m gpu tests/test_fp8_gpu.py -k resumes -p no:cacheprovider ;;
