@@ -65,5 +65,8 @@ def test_layouts_command_line(capsys):
     assert plan_main(args + light + ["--gpu-gib", "0.001"]) == 0
     assert "no layout fits: raise the GPU count, set optimizer.sharded=true, or use a smaller model" in \
         capsys.readouterr().out  # 671b_fp8.yaml on 8 GPUs was told to set what it sets already
+    assert plan_main(args + light + ["optimizer.sharded=true", "training.recompute_layers=1", "--gpu-gib", "0.001"]) == 0
+    assert ("no layout fits: raise the GPU count, raise training.recompute_layers (now 1; null recomputes every "
+            "block), or use a smaller model") in capsys.readouterr().out
     assert plan_main(args + ["--gpu-gib", "-1"]) == 2
     assert "--gpu-gib above 0" in capsys.readouterr().err

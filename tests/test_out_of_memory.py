@@ -44,6 +44,10 @@ def test_out_of_memory_while_setting_up_says_so_and_leaves_out_what_is_already_s
     assert line.startswith("error: out of memory while setting up; planned ")
     assert "To fit: spread the model over more GPUs" in line and "recompute" not in line
     assert "micro_batch_size" not in line
+    assert _run([*tiny_overrides, "training.recompute=full", "training.recompute_layers=1",
+                 "training.micro_batch_size=1"]) == 1
+    line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
+    assert "To fit: raise training.recompute_layers (now 1; null recomputes every block), or spread" in line
 
 
 @pytest.mark.parametrize("error", [FloatingPointError("loss is nan"), torch.OutOfMemoryError("x")])

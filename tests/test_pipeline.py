@@ -113,9 +113,13 @@ def test_recomputation_inside_pipeline_stages_matches_pp1(parity):
                                 "training.recompute=full"], 4, MOE_FP32, "tiny_moe_fp8")
 
 
-def test_mtp_on_the_last_stage_of_a_v_schedule_matches_pp1(parity):
-    """V schedules put the first and last stage on rank 0, so the MTP module shares the embedding there."""
-    _check(parity, FP32 + ["model.mtp_depth=1"], ["parallel.pp=2", "parallel.pp_schedule=zbv"], 2)
+@pytest.mark.parametrize("recompute", [[], ["training.recompute=full", "training.recompute_layers=2"]],
+                         ids=["plain", "first_two_blocks_recomputed"])
+def test_mtp_on_the_last_stage_of_a_v_schedule_matches_pp1(parity, recompute):
+    """V schedules put the first and last stage on rank 0, so the MTP module shares the embedding there. With
+    `recompute_layers=2` rank 0 recomputes its two layers (stages 0 and 3) and not its MTP block, rank 1 both of its
+    layers."""
+    _check(parity, FP32 + ["model.mtp_depth=1"], ["parallel.pp=2", "parallel.pp_schedule=zbv", *recompute], 2)
 
 
 def _save_worker(rank, world, overrides):

@@ -27,6 +27,7 @@ def test_recomputation_gives_the_same_losses_gradients_and_expert_loads(parity, 
     balance statistics and selection biases match)."""
     base = extra + ["precision.recipe=fp32", "training.steps=4", "training.eval_interval=0"]
     plain, again = parity.check(base, ["training.recompute=full"], 1, EXACT_TOL, config)
+    parity.check(base, ["training.recompute=full", "training.recompute_layers=1"], 1, EXACT_TOL, config)
     if config == "tiny_moe_fp8":
         for a, b in zip(plain.train, again.train):
             assert a["moe_load_cv"] == b["moe_load_cv"] and a["moe_bias_abs_max"] == b["moe_bias_abs_max"]
@@ -64,6 +65,53 @@ def test_recomputation_keeps_far_less_for_backward(tiny_overrides):
     plain = make_plan(load_config("tiny_dense", base), 8).bytes_per_rank["activations"]
     full = make_plan(load_config("tiny_dense", base + ["training.recompute=full"]), 8).bytes_per_rank["activations"]
     assert full < 0.3 * plain and math.isfinite(full)
+
+
+def test_recompute_layers_recomputes_each_ranks_first_blocks_and_the_planner_counts_what_they_keep(tiny_overrides):
+    """`training.recompute_layers`: the first N blocks in forward order recompute, the rest keep their activations.
+    The activations autograd keeps (CUDA-like norms) fall by the same amount for each recomputed block, from none to full, and
+    the planner's activations fall by that amount too (within 1%); N = every block plans as `recompute_layers: null`."""
+    from tests.test_plan_activations import cuda_like_norms_here, saved_bytes
+
+    batch, seq, layers = 2, 128, 4
+    overrides = tiny_overrides + [f"model.num_layers={layers}", "model.vocab_size=512", f"data.seq_len={seq}",
+                                  f"training.micro_batch_size={batch}"]
+    cfg = load_config("tiny_dense", overrides).model
+    model = Transformer(cfg, PrecisionRecipe.from_name("bf16"), seq)
+    init_weights(model, cfg, 0)
+    tokens = torch.randint(0, 512, (batch, seq))
+    measured, planned = [], []
+    for n in range(layers + 1):
+        assert apply_recompute(model, "full", n) == n if n else apply_recompute(model, "none") == 0
+        assert [model.layers[str(i)].recompute for i in range(layers)] == [i < n for i in range(layers)]
+        with cuda_like_norms_here():  # distinct activation storages, as the planner counts them
+            measured.append(saved_bytes(model, lambda: model(tokens, tokens))[0])
+        recompute = ["training.recompute=full", f"training.recompute_layers={n}"] if n else []
+        planned.append(make_plan(load_config("tiny_dense", overrides + recompute), 1).bytes_per_rank["activations"])
+    per_block = measured[0] - measured[1]
+    assert per_block > 0.5 * measured[0] / layers, measured  # a recomputed block keeps its input only
+    assert [measured[n] - measured[n + 1] for n in range(layers)] == [per_block] * layers, measured
+    for n in range(1, layers):
+        assert planned[n] - planned[n + 1] == pytest.approx(planned[0] - planned[1])
+    assert planned[0] - planned[1] == pytest.approx(per_block, rel=0.01), (planned, measured)
+    full = make_plan(load_config("tiny_dense", overrides + ["training.recompute=full"]), 1).bytes_per_rank
+    assert planned[layers] == full["activations"]
+    assert apply_recompute(model, "full") == layers and apply_recompute(model, "full", layers + 3) == layers
+
+
+def test_recompute_layers_needs_full_recomputation_and_a_count_the_model_has(tiny_overrides):
+    """One error each, naming what to change: recompute_layers without `recompute: full`, and a count outside 1 to the
+    model's blocks (layers plus MTP blocks)."""
+    from megafp8.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"training.recompute_layers=2 picks which blocks recompute, and "
+                                          r"training.recompute=none recomputes none: set training.recompute=full"):
+        load_config("tiny_dense", tiny_overrides + ["training.recompute_layers=2"])
+    for n in (0, 6):
+        with pytest.raises(ConfigError, match=rf"training.recompute_layers={n}: give 1 to 5 \(the model's 4 layers "
+                                              r"and 1 MTP blocks\), or null for every block"):
+            load_config("tiny_dense", tiny_overrides + ["model.num_layers=4", "model.mtp_depth=1",
+                                                        "training.recompute=full", f"training.recompute_layers={n}"])
 
 
 @pytest.mark.parametrize("config, recipe", [("tiny_dense", "bf16"), ("tiny_dense", "fp8"), ("tiny_moe_fp8", "fp8")])

@@ -412,7 +412,14 @@ class TrainingConfig:
         "none",
         "Activation recomputation. `full`: every transformer block keeps only its input for backward and runs its "
         "forward again there (about a third more compute; activation memory falls to one block's working set plus "
-        "the blocks' inputs). `none`: keep every activation.",
+        "the blocks' inputs). `none`: keep every activation. `training.recompute_layers` recomputes only some blocks.",
+    )
+    recompute_layers: Optional[int] = setting(
+        None,
+        "With `recompute: full`, how many transformer blocks on each pipeline rank recompute: the rank's first ones "
+        "in forward order (MTP blocks last); the others keep their activations. `null`: every block. A dial between "
+        "`none` and `full`: each recomputed block trades its kept activations for its forward run again (Megatron-LM's "
+        "`--recompute-method block --recompute-num-layers`). `--dry-run` and `tools/plan.py` count it.",
     )
     device: DeviceName = setting("auto", "`auto`: CUDA when available (one GPU per local rank), else CPU.")
     cuda_alloc_conf: str = setting(

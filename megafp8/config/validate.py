@@ -232,10 +232,24 @@ def validate_config(cfg: Config) -> None:
     if cfg.checkpoint.resume not in ("auto", "none") and not cfg.checkpoint.resume:
         raise ConfigError("checkpoint.resume must be 'auto', 'none' or a checkpoint path")
     _check_alloc_conf(cfg.training.cuda_alloc_conf)
+    _check_recompute_layers(cfg)
     _check_run_name(cfg.run_name)
     if cfg.training.compile_mode != "default" and not cfg.training.compile:
         raise ConfigError(f"training.compile_mode={cfg.training.compile_mode} needs training.compile=true (nothing is "
                           "compiled otherwise): set it, or drop compile_mode")
+
+
+def _check_recompute_layers(cfg: Config) -> None:
+    n, t = cfg.training.recompute_layers, cfg.training
+    if n is None:
+        return
+    if t.recompute != "full":
+        raise ConfigError(f"training.recompute_layers={n} picks which blocks recompute, and training.recompute="
+                          f"{t.recompute} recomputes none: set training.recompute=full, or drop recompute_layers")
+    blocks = cfg.model.num_layers + cfg.model.mtp_depth  # transformer layers and MTP blocks
+    if not 1 <= n <= blocks:
+        raise ConfigError(f"training.recompute_layers={n}: give 1 to {blocks} (the model's {cfg.model.num_layers} "
+                          f"layers and {cfg.model.mtp_depth} MTP blocks), or null for every block")
 
 
 def _check_run_name(name: str) -> None:

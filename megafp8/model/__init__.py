@@ -4,7 +4,7 @@ from megafp8.model.fp8_converter import Fp8Converter, Fp8Plan
 from megafp8.model.init import init_weights
 from megafp8.model.rope import describe_rope
 from megafp8.model.transformer import (Block, PipelineChunk, Transformer, apply_compile, apply_recompute,
-                                       resolve_vocab_size, unused_vocab_warning)
+                                       recomputed_blocks, resolve_vocab_size, unused_vocab_warning)
 
 __all__ = ["Block", "Fp8Converter", "Fp8Plan", "PipelineChunk", "Transformer", "apply_compile", "apply_recompute",
-           "describe_rope", "init_weights", "resolve_vocab_size", "training_flops_per_token", "unused_vocab_warning"]
+           "describe_rope", "init_weights", "recomputed_blocks", "resolve_vocab_size", "training_flops_per_token", "unused_vocab_warning"]

@@ -258,13 +258,23 @@ class PipelineChunk(nn.Module):
         return self._run_layers(x, self.layer_ids, batch, seq_len)
 
 
-def apply_recompute(model: nn.Module, mode: str) -> int:
-    """Activation recomputation: `full` makes every transformer block (MTP blocks included) keep only its input for
-    backward and run its forward again there; `none` leaves them. Returns how many blocks recompute."""
+def apply_recompute(model: nn.Module, mode: str, layers: Optional[int] = None) -> int:
+    """Activation recomputation: `full` makes the transformer blocks (MTP blocks included) keep only their input for
+    backward and run their forward again there, every block or, with `layers`, the first `layers` of `model`'s in
+    forward order (its layers by index, then its MTP blocks); `none` leaves them. Returns how many blocks recompute."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
-    for block in blocks:
-        block.recompute = mode == "full"
-    return len(blocks) if mode == "full" else 0
+    count = recomputed_blocks(mode, layers, len(blocks))
+    for i, block in enumerate(blocks):
+        block.recompute = i < count
+    return count
+
+
+def recomputed_blocks(mode: str, layers: Optional[int], blocks: int) -> int:
+    """How many of a rank's `blocks` recompute under `training.recompute` = `mode` and `training.recompute_layers` =
+    `layers` (the first ones, in forward order)."""
+    if mode != "full":
+        return 0
+    return blocks if layers is None else min(layers, blocks)
 
 
 def apply_compile(model: nn.Module, mode: str = "default", backend: str = "inductor",

@@ -339,22 +339,24 @@ def head_bytes(model: Transformer, mb: MicroBatch) -> HeadBytes:
     return HeadBytes(saved.total, float(mb.tokens * vocab * act))
 
 
-def rank_activations(model: Transformer, mb: MicroBatch, recompute: bool, in_flight: float) -> dict[str, float]:
+def rank_activations(model: Transformer, mb: MicroBatch, recompute: int, in_flight: float) -> dict[str, float]:
     """Activation bytes of one pipeline rank's `model` (its layers, and the MTP modules and head where it holds the
     last stage) with `in_flight` micro-batches held at once: the blocks' kept tensors, the head's, and the largest
-    transient on top, counted once. With `recompute` the blocks keep only their inputs; a block's working set exists
-    while it is recomputed in backward, after the head's backward has freed what the head kept, so it counts where
-    it is larger than the head's peak."""
+    transient on top, counted once. The first `recompute` blocks in forward order (layers, then MTP blocks:
+    `apply_recompute`'s) keep only their inputs; such a block's working set exists while it is recomputed in
+    backward, after the head's backward has freed what the head kept, so it counts where it is larger than the head's
+    peak."""
     mtp = list(model.mtp) if model.has_head else []
     blocks = list(model.layers.values()) + [module.block for module in mtp]
     kept = [block_saved(block, mb).total for block in model.layers.values()] + [mtp_saved(m, mb).total for m in mtp]
     gradients = max((block_backward_bytes(block, mb) for block in blocks), default=0.0)
     head = head_bytes(model, mb)
-    if recompute:
-        inputs = sum(mb.local * b.attn_norm.weight.shape[0] * _act_bytes(b.attn_norm) for b in blocks)
-        stored = inputs * in_flight
-        transient = max(head.transient, max(kept, default=0.0) + gradients - head.saved)
-    else:
-        stored = sum(kept) * in_flight
-        transient = max(head.transient, gradients)
+    recomputed, keeping = kept[:recompute], kept[recompute:]
+    inputs = sum(mb.local * b.attn_norm.weight.shape[0] * _act_bytes(b.attn_norm) for b in blocks[:recompute])
+    stored = (inputs + sum(keeping)) * in_flight
+    transient = head.transient
+    if recomputed:
+        transient = max(transient, max(recomputed) + gradients - head.saved)
+    if keeping:
+        transient = max(transient, gradients)
     return {"activations": stored, "logits_and_loss": head.saved, "transient_peak": transient}

@@ -21,6 +21,7 @@ from megafp8.data import DistributedLoader, PackedDataset, TokenStream, validati
 from megafp8.data.blend import TrainingMixture, ValidationMixture, read_metas
 from megafp8.data.indexed import DatasetMeta
 from megafp8.model import (
+    Block,
     Fp8Converter,
     Transformer,
     apply_compile,
@@ -170,9 +171,11 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
     if cfg.training.compile:
         log.info("torch.compile (mode %s): %d blocks", cfg.training.compile_mode,
                  apply_compile(model, cfg.training.compile_mode, comm_overlap=cfg.training.compile_comm_overlap))
-    recomputing = apply_recompute(model, cfg.training.recompute)
+    recomputing = apply_recompute(model, cfg.training.recompute, cfg.training.recompute_layers)
     if recomputing:
-        log.info("activation recomputation: %d blocks keep only their input for backward", recomputing)
+        blocks = sum(isinstance(m, Block) for m in model.modules())
+        log.info("activation recomputation: %d of this rank's %d blocks keep only their input for backward",
+                 recomputing, blocks)
     if recipe.fp8 is not None:
         backend = select_backend(recipe.fp8.backend, device)
         chosen_by_auto = cfg.precision.fp8_backend == "auto"  # the recipe's own is resolved (`resolve`)

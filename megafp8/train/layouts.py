@@ -110,6 +110,9 @@ def lighter_settings(cfg: Config) -> list[str]:
         advice.append("set optimizer.sharded=true")
     if cfg.training.recompute != "full":
         advice.append("set training.recompute=full")
+    elif cfg.training.recompute_layers is not None:
+        advice.append(f"raise training.recompute_layers (now {cfg.training.recompute_layers}; null recomputes every "
+                      "block)")
     return advice
 
 

@@ -122,6 +122,8 @@ def out_of_memory_message(cfg: Config, err: BaseException, step: int | None, wor
                      f"{t.global_batch_size} stays, with more accumulation steps)")
     if t.recompute == "none":
         fixes.append("set training.recompute=full")
+    elif t.recompute_layers is not None:
+        fixes.append(f"raise training.recompute_layers (now {t.recompute_layers}; null recomputes every block)")
     fixes.append("spread the model over more GPUs (parallel.tp, parallel.pp, parallel.ep)")
     return ("; ".join(parts) + ". To fit: " + ", or ".join(fixes) + f". `python tools/plan.py --config ... "
             f"--world-size {world_size}` shows the memory per rank")

@@ -16,7 +16,8 @@ activations are those of the larger phase (BF16 before the switch). The predicti
 the allocator's steady peak (`benchmarks/train_step.py` prints both).
 
 With `training.recompute: full` a block keeps only its input for every micro-batch in flight, plus one block's full
-working set while it is recomputed.
+working set while it is recomputed; `training.recompute_layers` limits that to each rank's first blocks, the others
+counted as without recomputation.
 
 Under pipeline parallelism every pipeline rank is planned (its stages' weights; activations of its layers for the
 micro-batches in flight at once, at most the step's micro-batches: pp - rank under 1F1B, pp under ZB-V,
@@ -36,7 +37,8 @@ import torch
 from megafp8.config import Config, ConfigError, describe_blocks
 from megafp8.data import read_meta
 from megafp8.config.validate import data_parallel_size, validate_for_world
-from megafp8.model import Fp8Converter, Transformer, describe_rope, resolve_vocab_size, training_flops_per_token
+from megafp8.model import (Fp8Converter, Transformer, describe_rope, recomputed_blocks, resolve_vocab_size,
+                           training_flops_per_token)
 from megafp8.parallel import ExpertParallel, TensorParallel, full_shape, is_expert
 from megafp8.parallel.pipeline import PipelineLayout, StageSpec, build_layout
 from megafp8.precision import PrecisionRecipe
@@ -156,8 +158,8 @@ def make_plan(cfg: Config, world_size: int, layout: Optional[PipelineLayout] = N
         n_expert = sum(p.numel() for p in rank_params if is_expert(p))
         weight_bytes = sum(p.numel() * p.element_size() for p in rank_params)  # the recipe's dtype; routers FP32
         memory = _static_bytes(cfg, n, n_expert, *_fp8_weight_numel(model, fp8), dp, weight_bytes)
-        memory.update(_largest_phase(model, fp8, micro_batch, cfg.training.recompute == "full",
-                                     _in_flight(cfg, rank, micro_batches)))
+        recompute = recomputed_blocks(cfg.training.recompute, cfg.training.recompute_layers, _blocks(model))
+        memory.update(_largest_phase(model, fp8, micro_batch, recompute, _in_flight(cfg, rank, micro_batches)))
         per_rank.append(memory)
         if stages is not None:
             pipeline.append((rank, _describe_stages(stages), len(model.layers), n, sum(memory.values())))
@@ -173,7 +175,12 @@ def make_plan(cfg: Config, world_size: int, layout: Optional[PipelineLayout] = N
                 activated, pipeline, busiest, _activations_note(cfg, _in_flight(cfg, busiest, micro_batches)))
 
 
-def _largest_phase(model: Transformer, fp8: Fp8Converter, micro_batch: MicroBatch, recompute: bool,
+def _blocks(model: Transformer) -> int:
+    """The transformer blocks of a rank's model: its layers, and the MTP modules' where it holds the head."""
+    return len(model.layers) + (len(model.mtp) if model.has_head else 0)
+
+
+def _largest_phase(model: Transformer, fp8: Fp8Converter, micro_batch: MicroBatch, recompute: int,
                    in_flight: float) -> dict[str, float]:
     """Activation bytes of `model` (a meta copy) with its GEMM layers as the FP8 plan runs them; under
     `precision.fp8_start_step`, of the phase that needs more (before it every layer runs BF16)."""
@@ -239,8 +246,14 @@ def _describe_stages(stages: list[StageSpec]) -> str:
 def _activations_note(cfg: Config, in_flight: float) -> str:
     """What the activation lines of the memory table count, in one line."""
     training = cfg.training
-    kept = "each block's input (recomputed in backward)" if training.recompute == "full" else (
-        "what each block keeps for backward" + (" (compiled)" if training.compile else ""))
+    keeps = "what each block keeps for backward" + (" (compiled)" if training.compile else "")
+    if training.recompute != "full":
+        kept = keeps
+    elif training.recompute_layers is None:
+        kept = "each block's input (recomputed in backward)"
+    else:
+        kept = (f"the input of each rank's first {training.recompute_layers} block(s) (recomputed in backward), "
+                f"{keeps} of the others")
     return (f"activations: {kept}, {in_flight:g} micro-batch(es) in flight; logits and loss: the head's kept logits, "
             "LM head input and norm, per loss; transient peak: the largest temporary on top, counted once "
             "(megafp8/train/activations.py)")
