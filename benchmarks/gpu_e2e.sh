@@ -30,7 +30,8 @@
 # fp8_linear_deepgemm: the FP8 linear on cublas, hopper and deepgemm; deepgemm_steps_1b_moe: the ~1B and MoE steps
 # on it; tests_resume: a run under CUDA graphs resumed in a new process, hopper, deepgemm and auto; auto_deepgemm:
 # that test and the ~1B step on `auto` where DeepGEMM is installed, the backend it chose in the summary; auto_steps: the
-# ~1B, 8B-layer and MoE steps on it; qk_norm_steps: the ~1B with Qwen's query/key norms and q/k/v bias), clocks and
+# ~1B, 8B-layer and MoE steps on it; qk_norm_steps: the ~1B with Qwen's query/key norms and q/k/v bias;
+# recompute_layers_steps: the ~1B with all, half and none of its blocks recomputed), clocks and
 # power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols; with
@@ -414,6 +415,14 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
         step auto_$model python benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead \
           --model $model --recipes bf16 fp8
         grep -h "fp8: backend\|fp8: auto" "$LOGS/auto_$model.log" | sort -u >> "$OUT/summary.md"
+      done ;;
+    recompute_layers_steps)  # the ~1B step compiled (default mode) with every block recomputed, with the first 8 of
+                             # its 16 recomputed (`training.recompute_layers`), and with none: tokens/s, the peak
+                             # against the planner's figure (train_step.py prints both), BF16 and FP8
+      for flags in "training.recompute=full" "training.recompute=full training.recompute_layers=8" ""; do
+        name=$(echo "${flags:-none}" | tr ' =.' '___')
+        step "recompute_$name" python benchmarks/train_step.py training.compile=true $flags --model 1b \
+             --recipes bf16 fp8
       done ;;
     qk_norm_steps)  # the ~1B step under CUDA graphs with Qwen3's query/key norms, with Qwen2's q/k/v bias, and with
                     # neither, BF16 and FP8 (each FP8 row with either setting on leaves the QKV projection's RoPE
