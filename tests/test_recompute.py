@@ -267,15 +267,18 @@ def test_compiled_blocks_prepare_layers_that_switch_to_fp8_later(tiny_overrides)
 def test_every_compiled_fp8_block_runs_one_shared_graph_across_steps(tiny_overrides):
     """Nine compiled FP8 blocks, each reading its own weight caches, over steps that re-quantize every weight: one
     Dynamo graph for all of them and no recompilation (guards on each cache's address would need one graph per
-    block and pass the limit of 8)."""
+    block and pass the limit of 8). The first four recompute (`training.recompute_layers`): recomputation wraps the
+    compiled code, so they share the graph too."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     trainer = Trainer(load_config("tiny_dense", tiny_overrides + [
         "precision.recipe=fp8", "training.compile=true", "model.num_layers=9", "training.steps=3",
-        "training.eval_interval=0", "logging.fp8_health_interval=0"]), ParallelDims.single(), torch.device("cpu"))
+        "training.eval_interval=0", "logging.fp8_health_interval=0", "training.recompute=full",
+        "training.recompute_layers=4"]), ParallelDims.single(), torch.device("cpu"))
     assert len(trainer.model.layers) > torch._dynamo.config.recompile_limit
+    assert [block.recompute for block in trainer.model.layers.values()] == [True] * 4 + [False] * 5
     with _fail_on_recompile_limit():
         trainer.fit()
     assert counters["stats"]["unique_graphs"] == 1
