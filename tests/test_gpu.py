@@ -26,6 +26,28 @@ def test_training_on_cuda_learns(tiny_overrides):
     assert losses[-1] < losses[0] - 1.0, losses
 
 
+def test_a_profiled_cuda_run_traces_kernels_and_writes_the_allocator_history(tiny_overrides):
+    """`logging.profile_steps` on CUDA: the trace holds the steps' kernels and the own-time table is by device time;
+    `logging.memory_snapshot_steps`: the allocator's history of the first steps, a snapshot memory_viz reads (its
+    segments and the allocations' trace, with Python frames)."""
+    import gzip
+    import pickle
+
+    cfg = load_config("tiny_dense", tiny_overrides + ["training.steps=4", "training.eval_interval=0",
+                                                      "logging.profile_steps=[3,4]", "logging.memory_snapshot_steps=2"])
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cuda", 0))
+    trainer.fit()
+    traced = trainer.run_dir / "profiles" / "steps_3-4"
+    events = json.load(gzip.open(traced / "rank0.trace.json.gz"))["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)
+    assert {e["name"] for e in events if e.get("name", "").startswith("megafp8 step")} == {"megafp8 step 3",
+                                                                                          "megafp8 step 4"}
+    assert "Self CUDA" in (traced / "rank0.top.txt").read_text()
+    snapshot = pickle.loads((trainer.run_dir / "profiles" / "memory_rank0.pickle").read_bytes())
+    assert snapshot["segments"] and snapshot["device_traces"][0]
+    assert any(entry.get("frames") for entry in snapshot["device_traces"][0])
+
+
 @pytest.mark.parametrize("worker_thread", [False, True])
 def test_backward_runs_on_the_training_loops_thread_unless_configured(tiny_overrides, worker_thread):
     """On CUDA, autograd runs backward on its device worker thread unless told otherwise: the training step tells it

@@ -509,6 +509,20 @@ class LoggingConfig:
         "Peak dense BF16 TFLOP/s of one device, for the MFU estimate. `null`: looked up for known GPUs; "
         "MFU is shown as n/a when unknown (e.g. on CPU).",
     )
+    profile_steps: list[int] = setting(
+        [],
+        "`[first, last]`: trace training steps first to last (as the step lines number them) with `torch.profiler` "
+        "(host and device activity), one trace per rank in `<run dir>/profiles/steps_<first>-<last>/` "
+        "(`rank<r>.trace.json.gz`, for ui.perfetto.dev or chrome://tracing; `rank<r>.top.txt`, the operators and "
+        "kernels by their own time). Those steps run slower while traced. `[]`: none.",
+    )
+    memory_snapshot_steps: int = setting(
+        0,
+        "Record the CUDA allocator's history (every allocation and free, with its Python stack) over this launch's "
+        "first N training steps and write it to `<run dir>/profiles/memory_rank<r>.pickle` after them, or as soon "
+        "as the device runs out of memory within them (view at pytorch.org/memory_viz). Costs host time per "
+        "allocation while recording. 0: off. CUDA only (a CPU run logs that it records nothing).",
+    )
 
 
 @dataclass

@@ -233,6 +233,7 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("checkpoint.resume must be 'auto', 'none' or a checkpoint path")
     _check_alloc_conf(cfg.training.cuda_alloc_conf)
     _check_recompute_layers(cfg)
+    _check_profiling(cfg)
     _check_run_name(cfg.run_name)
     if cfg.training.compile_mode != "default" and not cfg.training.compile:
         raise ConfigError(f"training.compile_mode={cfg.training.compile_mode} needs training.compile=true (nothing is "
@@ -250,6 +251,16 @@ def _check_recompute_layers(cfg: Config) -> None:
     if not 1 <= n <= blocks:
         raise ConfigError(f"training.recompute_layers={n}: give 1 to {blocks} (the model's {cfg.model.num_layers} "
                           f"layers and {cfg.model.mtp_depth} MTP blocks), or null for every block")
+
+
+def _check_profiling(cfg: Config) -> None:
+    steps, last = cfg.logging.profile_steps, cfg.training.steps
+    if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1] <= last):
+        raise ConfigError(f"logging.profile_steps={steps}: give [first, last] with 1 <= first <= last <= "
+                          f"training.steps={last} (e.g. [{min(5, last)}, {min(6, last)}]), or [] to trace nothing")
+    if cfg.logging.memory_snapshot_steps < 0:
+        raise ConfigError(f"logging.memory_snapshot_steps={cfg.logging.memory_snapshot_steps}: give the number of "
+                          "steps to record (0: off)")
 
 
 def _check_run_name(name: str) -> None:

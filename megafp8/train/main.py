@@ -125,8 +125,12 @@ def out_of_memory_message(cfg: Config, err: BaseException, step: int | None, wor
     elif t.recompute_layers is not None:
         fixes.append(f"raise training.recompute_layers (now {t.recompute_layers}; null recomputes every block)")
     fixes.append("spread the model over more GPUs (parallel.tp, parallel.pp, parallel.ep)")
+    seen = ""
+    if step is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        seen = (f"; relaunched with logging.memory_snapshot_steps={step + 1}, the run writes what held the memory "
+                "until then")
     return ("; ".join(parts) + ". To fit: " + ", or ".join(fixes) + f". `python tools/plan.py --config ... "
-            f"--world-size {world_size}` shows the memory per rank")
+            f"--world-size {world_size}` shows the memory per rank" + seen)
 
 
 def layouts_main(cfg: Config, world_size: int, gpu_gib: float | None, max_tp: int) -> str:

@@ -38,6 +38,7 @@ from megafp8.train.metrics import (
 )
 from megafp8.train.nonfinite import NonFiniteGuard, unscale_or_skip, window_loss
 from megafp8.train.preemption import StopRequest, stop_agreed
+from megafp8.train.profiling import StepProfiler
 from megafp8.train.resume import checkpoint_to_evaluate
 from megafp8.train.run_history import choose_start, record_launch, run_paths
 from megafp8.train.run_lock import claim_run_directories, open_run_directories
@@ -161,8 +162,11 @@ class Trainer:
             log.info("%s finished at step %d already: nothing to train (raise training.steps to train further)",
                      self.run_dir, self.step)
         stop = self._stop_request()
+        logging_cfg = self.cfg.logging
+        profiler = StepProfiler(logging_cfg.profile_steps, logging_cfg.memory_snapshot_steps, self.run_dir,
+                                self.dims.rank, self.device, self.step)
         try:
-            records = self._loop(stop)
+            records = self._loop(profiler, stop)
             # Every rank is here: a last background write that failed on any rank fails every rank (in `finally`, an
             # exception may be unwinding this rank alone, so the wait there is this rank's own).
             self.checkpointer.wait_agreed()
@@ -173,6 +177,7 @@ class Trainer:
                     stop.restore()
             finally:
                 try:
+                    profiler.close(self.step)
                     self.wait_for_save()
                 finally:
                     self.metrics.close()
@@ -191,14 +196,21 @@ class Trainer:
             log.warning("checkpoint.save_on_signal: %s; SIGTERM and SIGUSR1 keep their default action here", why_not)
         return stop
 
-    def _loop(self, stop: StopRequest | None = None) -> list[dict[str, Any]]:
+    def _loop(self, profiler: StepProfiler, stop: StopRequest | None = None) -> list[dict[str, Any]]:
         training, log_interval, save_interval = (self.cfg.training, self.cfg.logging.log_interval,
                                                  self.cfg.checkpoint.interval)
         records: list[dict[str, Any]] = []
         window: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, grad norm) of each step since the last log
         clock = StepClock(self.step, training.steps)
         while self.step < training.steps:
-            window.append(self.train_step())
+            profiler.before_step(self.step + 1)
+            try:
+                window.append(self.train_step())
+            except torch.OutOfMemoryError:
+                profiler.on_out_of_memory()
+                raise
+            with clock.paused():
+                profiler.after_step(self.step)
             last = self.step == training.steps
             logged = self.step % log_interval == 0 or last
             if logged:
