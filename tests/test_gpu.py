@@ -130,6 +130,15 @@ def test_pipeline_on_two_gpus_matches_one_gpu(tiny_overrides, tmp_path, schedule
                         ["parallel.pp=2", f"parallel.pp_schedule={schedule}"], tmp_path, "pipeline: " + schedule)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("recipe, compiled", [("bf16", False), ("fp8", True)], ids=["bf16", "fp8_compiled"])
+def test_context_parallel_on_two_gpus_matches_one_gpu(tiny_overrides, tmp_path, recipe, compiled):
+    """CP=2 over NCCL: each GPU half of each sequence, the keys and values gathered, FlashAttention-2 from the
+    bottom right (compiled: the gather and the kernels inside the blocks' graphs) against one GPU."""
+    _two_gpus_match_one("tiny_dense", tiny_overrides, WIDE_HEADS + [f"precision.recipe={recipe}"],
+                        ["parallel.cp=2"] + (["training.compile=true"] if compiled else []), tmp_path, "cp 2")
+
+
 def test_moe_layer_on_cuda_matches_the_cpu_reference():
     """FP8 MoE layer (cuBLAS expert GEMMs, Triton quantizers) against the same layer on CPU (reference backend)."""
     from megafp8.config import ModelConfig, MoeConfig

@@ -331,10 +331,12 @@ def _check_tensor_parallel(cfg: Config, tp: int) -> None:
     if m.vocab_size is not None and m.vocab_size % tp != 0:  # BF16 embedding and LM head: no FP8 tiles to keep
         raise ConfigError(f"model.vocab_size={m.vocab_size} does not split evenly over parallel.tp={tp}: make it a "
                           f"multiple of {tp}, or null to pad the tokenizer's vocabulary automatically")
-    if cfg.parallel.sequence_parallel and (cfg.training.micro_batch_size * cfg.data.seq_len) % tp != 0:
+    local = cfg.data.seq_len // cfg.parallel.cp  # each context-parallel rank's share of a sequence
+    if cfg.parallel.sequence_parallel and (cfg.training.micro_batch_size * local) % tp != 0:
+        shares = f" / parallel.cp {cfg.parallel.cp}" if cfg.parallel.cp > 1 else ""
         raise ConfigError(
             f"parallel.sequence_parallel splits each micro-batch's {cfg.training.micro_batch_size} x "
-            f"{cfg.data.seq_len} tokens over tp={tp} ranks, which does not divide: change data.seq_len"
+            f"{cfg.data.seq_len}{shares} tokens over tp={tp} ranks, which does not divide: change data.seq_len"
         )
 
 
@@ -355,9 +357,34 @@ def validate_layout(cfg: Config, world_size: int) -> int:
             f"parallel.dp={cfg.parallel.dp} but {world_size} rank(s) at parallel.tp={tp} x pp={pp} give {dp} "
             f"data-parallel replicas: set parallel.dp to {dp} or null, or launch {cfg.parallel.dp * tp * pp} ranks"
         )
+    _check_context_parallel(cfg, dp)
     _check_tensor_parallel(cfg, tp)
     _check_pipeline_layout(cfg)
     return dp
+
+
+def _check_context_parallel(cfg: Config, dp: int) -> None:
+    """The context-parallel group within the data-parallel ranks, and sequences that split into its 2 x cp chunks."""
+    cp, seq_len = cfg.parallel.cp, cfg.data.seq_len
+    if cp < 1:
+        raise ConfigError(f"parallel.cp must be at least 1, got {cp}")
+    if cp == 1:
+        return
+    if dp % cp != 0:
+        raise ConfigError(f"parallel.cp={cp} must divide the data-parallel ranks ({dp}): context-parallel groups are "
+                          f"made of data-parallel ranks; set parallel.cp to one of {divisors_near(dp, cp)}, or launch "
+                          f"a multiple of {cp * cfg.parallel.tp * cfg.parallel.pp} ranks")
+    if seq_len % (2 * cp) != 0:
+        raise ConfigError(f"data.seq_len={seq_len} does not split into 2 x parallel.cp = {2 * cp} equal chunks: make "
+                          f"it a multiple of {2 * cp}, or change parallel.cp")
+    if cfg.model.attention_backend not in ("auto", "torch"):
+        raise ConfigError(f"model.attention_backend={cfg.model.attention_backend} with parallel.cp={cp}: context "
+                          "parallelism runs its own attention kernels (FlashAttention-2, or the memory-efficient "
+                          "kernel where key and value widths differ): set model.attention_backend=auto")
+    if cfg.model.mtp_depth > 0:
+        raise ConfigError(f"model.mtp_depth={cfg.model.mtp_depth} with parallel.cp={cp}: multi-token prediction's "
+                          "shifted tokens cross the context-parallel chunks, which megafp8 does not support yet; set "
+                          "model.mtp_depth=0 for this stage, or parallel.cp=1")
 
 
 def _check_pipeline_layout(cfg: Config) -> None:
@@ -380,19 +407,22 @@ def _check_pipeline_layout(cfg: Config) -> None:
 def validate_for_world(cfg: Config, world_size: int) -> int:
     """Checks that need the number of ranks; returns the gradient-accumulation micro-batch count."""
     dp = validate_layout(cfg, world_size)
-    per_step = cfg.training.micro_batch_size * dp
+    replicas = dp // cfg.parallel.cp  # a context-parallel group reads one replica's sequences
+    ranks = f"{replicas} data-parallel replicas" if cfg.parallel.cp > 1 else f"{dp} data-parallel ranks"
+    per_step = cfg.training.micro_batch_size * replicas
     if cfg.training.global_batch_size % per_step != 0:
         lower = max(per_step, cfg.training.global_batch_size // per_step * per_step)
         raise ConfigError(
             f"training.global_batch_size={cfg.training.global_batch_size} must be a multiple of "
-            f"micro_batch_size x data-parallel ranks = {cfg.training.micro_batch_size} x {dp} = {per_step}: "
-            f"set global_batch_size to e.g. {lower} or {lower + per_step}, or change training.micro_batch_size"
+            f"micro_batch_size x {ranks.split(' ', 1)[1]} = {cfg.training.micro_batch_size} x {replicas} = "
+            f"{per_step}: set global_batch_size to e.g. {lower} or {lower + per_step}, or change "
+            "training.micro_batch_size"
         )
     n_micro = cfg.training.global_batch_size // per_step
     problem = micro_batch_problem(cfg.parallel.pp_schedule, cfg.parallel.pp, n_micro) if cfg.parallel.pp > 1 else None
     if problem:
         raise ConfigError(
             f"{problem}, but training.global_batch_size={cfg.training.global_batch_size} / (micro_batch_size "
-            f"{cfg.training.micro_batch_size} x {dp} data-parallel ranks) = {n_micro}: raise "
+            f"{cfg.training.micro_batch_size} x {ranks}) = {n_micro}: raise "
             "training.global_batch_size or lower training.micro_batch_size")
     return n_micro

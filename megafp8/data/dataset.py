@@ -106,6 +106,35 @@ class Samples(Protocol):
     def fingerprint_difference(self, saved: dict[str, Any]) -> str | None: ...
 
 
+class SequenceShare:
+    """The samples of `dataset` cut to the token `positions` of each sequence a context-parallel rank holds
+    (`megafp8.parallel.context`): its tokens and their targets, in the rank's order. The order, positions in the
+    data and the data's record are the dataset's own, so a loader's state does not depend on the layout."""
+
+    def __init__(self, dataset: Samples, positions: torch.Tensor) -> None:
+        self.dataset, self.positions = dataset, positions
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def batch(self, indices: np.ndarray, epochs: np.ndarray | None = None) -> Batch:
+        tokens, targets = self.dataset.batch(indices, epochs)
+        return tokens[:, self.positions].contiguous(), targets[:, self.positions].contiguous()
+
+    def where(self) -> str:
+        return self.dataset.where()
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return self.dataset.fingerprint
+
+    def tokenizer_difference(self, saved: dict[str, Any]) -> str | None:
+        return self.dataset.tokenizer_difference(saved)
+
+    def fingerprint_difference(self, saved: dict[str, Any]) -> str | None:
+        return self.dataset.fingerprint_difference(saved)
+
+
 class DistributedLoader:
     """Yields this rank's micro-batches of each optimizer step; seeded, shuffled, resumable.
 

@@ -11,7 +11,8 @@ from megafp8.config import ModelConfig
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.model.sdpa import attention_kernels, sdpa_backends_for
-from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, TpShard, mark_tp_partial
+from megafp8.parallel import (ColumnParallelLinear, ContextParallel, RowParallelLinear, TensorParallel, TpShard,
+                              context_attention, mark_tp_partial)
 from megafp8.parallel.sharding import mark_sharded  # (a layer's own helper, not re-exported by megafp8.parallel)
 from megafp8.precision import PrecisionRecipe, Rotary
 
@@ -20,8 +21,10 @@ class Attention(nn.Module):
     """Grouped-query attention (`model.attention.kind: gqa`). Heads are split across tensor-parallel ranks: each rank
     projects, attends and outputs its own heads."""
 
-    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, device=None,
+                 cp: Optional[ContextParallel] = None) -> None:
         super().__init__()
+        self.cp = cp or ContextParallel.single()
         gqa = cfg.attention
         for what, heads in gqa.split_heads(cfg.num_heads):
             if heads % tp.size != 0:
@@ -77,11 +80,13 @@ class Attention(nn.Module):
             q, k = rope(q, k)
             if torch.is_grad_enabled():  # nothing keeps v without a backward to follow
                 v = v.contiguous()
-        # SDPA wants (B, heads, T, head_dim); it computes softmax in FP32 internally.
-        with attention_kernels(self.sdpa_backends):
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
-            )
-        out = out.transpose(1, 2).reshape(batch * seq_len, self.n_heads * self.head_dim)
+        if self.cp.enabled:  # this rank's chunks of each sequence against the group's keys and values
+            out = context_attention(q, k, v, self.cp)
+        else:  # SDPA wants (B, heads, T, head_dim); it computes softmax in FP32 internally.
+            with attention_kernels(self.sdpa_backends):
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                    is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
+                ).transpose(1, 2)
+        out = out.reshape(batch * seq_len, self.n_heads * self.head_dim)
         return self.out_proj(out)

@@ -26,15 +26,18 @@ from megafp8.config import ModelConfig
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding, softmax_mscale
 from megafp8.model.sdpa import attention_kernels, sdpa_backends_for
-from megafp8.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, to_tp_region
+from megafp8.parallel import (ColumnParallelLinear, ContextParallel, RowParallelLinear, TensorParallel,
+                              context_attention, to_tp_region)
 from megafp8.precision import PrecisionRecipe
 
 
 class MultiHeadLatentAttention(nn.Module):
     """`model.attention.kind: mla`."""
 
-    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, device=None) -> None:
+    def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, tp: TensorParallel, device=None,
+                 cp: Optional[ContextParallel] = None) -> None:
         super().__init__()
+        self.cp = cp or ContextParallel.single()
         if cfg.num_heads % tp.size != 0:
             raise ValueError(f"model.num_heads={cfg.num_heads} is not divisible by the tensor-parallel size {tp.size}")
         mla = cfg.attention
@@ -84,7 +87,10 @@ class MultiHeadLatentAttention(nn.Module):
         q_rope, k_rope = rope(q_rope, k_rope.reshape(batch, seq_len, 1, self.rope_dim))
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, h, -1)], dim=-1)
-        with attention_kernels(self.sdpa_backends):
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True, scale=self.scale)  # (B, heads, T, v_head_dim)
-        return self.out_proj(out.transpose(1, 2).reshape(batch * seq_len, h * self.v_dim))
+        if self.cp.enabled:  # this rank's chunks of each sequence against the group's keys and values
+            out = context_attention(q, k, v, self.cp, scale=self.scale)  # (B, T / cp, heads, v_head_dim)
+        else:
+            with attention_kernels(self.sdpa_backends):
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     is_causal=True, scale=self.scale).transpose(1, 2)
+        return self.out_proj(out.reshape(batch * seq_len, h * self.v_dim))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from megafp8.config import MoeConfig
 from megafp8.model.mlp import SwiGLU
-from megafp8.parallel import ExpertParallel, TensorParallel, reduce_from_tp
+from megafp8.parallel import ContextParallel, ExpertParallel, TensorParallel, reduce_from_tp, sum_over_context
 from megafp8.parallel.experts import ExpertLinear, combine, count_per_expert, dispatch
 from megafp8.parallel.permute import (
     RowSource, combine_rows, combine_weights_grad, eager_gather_rows, gather_rows, gather_sum,
@@ -80,13 +80,15 @@ class Router(nn.Module):
 
 
 def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, batch: int, seq_len: int, first_token: int,
-                          tp: TensorParallel) -> torch.Tensor:
+                          tp: TensorParallel, cp: Optional[ContextParallel] = None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, sum_i f_i P_i averaged over sequences (before its weight).
 
     f_i = E / (k T) x (tokens of the sequence routed to i), P_i = mean over the sequence of the
     normalized scores. This rank holds tokens [first_token, first_token + N) of the flattened
-    micro-batch (a slice of it under sequence parallelism, whose per-sequence sums are then
-    added over TP)."""
+    micro-batch of `seq_len` tokens a sequence (a slice of it under sequence parallelism, whose per-sequence sums
+    are then added over TP). Under context parallelism those are the rank's share of each sequence: the sums are
+    added over the group too (every rank's loss holds the whole term), and T is the whole sequence's length."""
+    cp = cp or ContextParallel.single()
     n, num_experts = scores.shape
     k = chosen.shape[1]
     seq = (torch.arange(n, device=scores.device) + first_token) // seq_len  # (N,)
@@ -97,8 +99,10 @@ def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, batch: int
     if tp.sp:
         prob_sum = reduce_from_tp(prob_sum, tp)
         counts = reduce_from_tp(counts, tp)
-    f = counts * num_experts / (k * seq_len)
-    return (f * prob_sum / seq_len).sum(dim=-1).mean()
+    prob_sum, counts = sum_over_context(prob_sum, cp), sum_over_context(counts, cp)
+    whole = seq_len * cp.size
+    f = counts * num_experts / (k * whole)
+    return (f * prob_sum / whole).sum(dim=-1).mean()
 
 
 class RoutedExperts(nn.Module):
@@ -180,9 +184,11 @@ class MoE(nn.Module):
     """Routed experts (split over the expert-parallel group) plus shared experts."""
 
     def __init__(self, moe: MoeConfig, hidden_size: int, recipe: PrecisionRecipe, tp: TensorParallel,
-                 ep: ExpertParallel, fp8_dispatch: bool = False, device=None) -> None:
+                 ep: ExpertParallel, fp8_dispatch: bool = False, device=None,
+                 cp: Optional[ContextParallel] = None) -> None:
         super().__init__()
         self.num_experts, self.tp, self.ep = moe.num_experts, tp, ep
+        self.cp = cp or ContextParallel.single()  # the balance loss's sequences are shared over it
         self.aux_coeff = moe.aux_loss_coeff
         self.fp8_dispatch = fp8_dispatch
         self.router = Router(moe, hidden_size, device)
@@ -213,7 +219,7 @@ class MoE(nn.Module):
         aux = x.new_zeros((), dtype=torch.float32)
         if self.aux_coeff > 0 and self.training:
             first = self.tp.rank * x.shape[0] if self.tp.sp else 0
-            aux = self.aux_coeff * sequence_balance_loss(scores, chosen, batch, seq_len, first, self.tp)
+            aux = self.aux_coeff * sequence_balance_loss(scores, chosen, batch, seq_len, first, self.tp, self.cp)
         return y, aux
 
 

@@ -85,14 +85,19 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScali
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds cos/sin tables of shape (max_seq_len, head_dim) as FP32 non-persistent buffers."""
+    """Holds cos/sin tables of shape (max_seq_len, head_dim) as FP32 non-persistent buffers: of positions 0, 1, ...
+    of the sequence, or of the given `positions` (a context-parallel rank's tokens, in its order), whose table
+    rows then stand for the rank's local tokens 0, 1, ..."""
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float, device=None,
-                 scaling: Optional[RopeScalingConfig] = None) -> None:
+                 scaling: Optional[RopeScalingConfig] = None, positions: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
         self.scaling = scaling or RopeScalingConfig()
         cos, sin = self._tables(device)
+        if positions is not None:
+            cos, sin = cos[positions.to(cos.device)], sin[positions.to(sin.device)]
+            self.max_seq_len = len(positions)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

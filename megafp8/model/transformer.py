@@ -23,6 +23,7 @@ from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.parallel import (
     ColumnParallelLinear,
+    ContextParallel,
     ExpertParallel,
     TensorParallel,
     VocabParallelEmbedding,
@@ -43,13 +44,13 @@ class Block(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(x)); the MLP is a SwiGLU or, in MoE layers, a mixture of experts."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, recipe: PrecisionRecipe, tp: TensorParallel,
-                 ep: ExpertParallel, fp8_dispatch: bool, device=None) -> None:
+                 ep: ExpertParallel, fp8_dispatch: bool, device=None, cp: Optional[ContextParallel] = None) -> None:
         super().__init__()
         dtype = recipe.param_dtype
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
-        self.attn = ATTENTION_MODULES[spec.attention.kind](cfg, recipe, tp, device)
+        self.attn = ATTENTION_MODULES[spec.attention.kind](cfg, recipe, tp, device, cp=cp)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
-        self.mlp = (MoE(spec.mlp, cfg.hidden_size, recipe, tp, ep, fp8_dispatch, device) if spec.is_moe
+        self.mlp = (MoE(spec.mlp, cfg.hidden_size, recipe, tp, ep, fp8_dispatch, device, cp=cp) if spec.is_moe
                     else SwiGLU(cfg.hidden_size, spec.mlp.ffn_hidden_size, recipe, tp, device))
         self.recompute = False  # set by `apply_recompute`
         self.prepared_linears: list[GemmLayer] = []  # set by `apply_compile`: the GEMM layers to prepare eagerly
@@ -150,11 +151,16 @@ class Transformer(nn.Module):
 
     Under pipeline parallelism a rank builds only the parts of its `stages`: their layers (parameter names stay
     those of the whole model, e.g. `layers.7.attn.qkv_proj.weight`), the embedding if it holds the first stage,
-    the final norm, LM head and MTP modules if it holds the last."""
+    the final norm, LM head and MTP modules if it holds the last.
+
+    Under context parallelism (`cp`) a rank holds 1/cp of each sequence's tokens (`megafp8.parallel.context`):
+    its micro-batches are (B, max_seq_len / cp), RoPE gives them their positions in the sequence, and attention
+    gathers the group's keys and values."""
 
     def __init__(self, cfg: ModelConfig, recipe: PrecisionRecipe, max_seq_len: int,
                  tp: Optional[TensorParallel] = None, device=None, ep: Optional[ExpertParallel] = None,
-                 fp8_dispatch: bool = False, stages: Optional[Sequence[StageSpec]] = None) -> None:
+                 fp8_dispatch: bool = False, stages: Optional[Sequence[StageSpec]] = None,
+                 cp: Optional[ContextParallel] = None) -> None:
         super().__init__()
         layer_ids = range(cfg.num_layers) if stages is None else [i for s in stages for i in s.layers]
         embedding = stages is None or any(s.first for s in stages)
@@ -165,16 +171,18 @@ class Transformer(nn.Module):
             raise ValueError("the MTP modules use the embedding: the rank holding the head must hold it too")
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel.single()
-        self.max_seq_len = max_seq_len
+        self.cp = cp = cp or ContextParallel.single()
+        self.max_seq_len = max_seq_len // cp.size  # the tokens of a sequence this rank holds
         # Gradient that backward gives each MoE balance loss: the factor applied to the returned loss before
         # backward (1 / micro-batches x loss scale). The trainer sets it every step.
         self.balance_grad_scale = 1.0
         dtype = recipe.param_dtype
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp, device) if embedding else None
         rope_dim = cfg.attention.rope_dim(cfg.hidden_size, cfg.num_heads)
-        self.rope = RotaryEmbedding(rope_dim, max_seq_len, cfg.rope_theta, device, cfg.rope_scaling)
+        positions = cp.positions(max_seq_len) if cp.enabled else None
+        self.rope = RotaryEmbedding(rope_dim, max_seq_len, cfg.rope_theta, device, cfg.rope_scaling, positions)
         ep = ep or ExpertParallel.single()
-        self.layers = LayerDict({str(i): Block(cfg, layer_spec(cfg, i), recipe, tp, ep, fp8_dispatch, device)
+        self.layers = LayerDict({str(i): Block(cfg, layer_spec(cfg, i), recipe, tp, ep, fp8_dispatch, device, cp)
                                  for i in layer_ids})
         self.has_head = head
         if head:

@@ -29,6 +29,10 @@ whole tiles (all n of them: under SP the FP8 bytes are all-gathered).
   the LM head's BF16 input, and the loss's logits (n x vocab / tp, BF16, which `parallel.cross_entropy` reads again
   in backward) with 13 bytes per token. Its transient: the logits' gradient in their dtype.
 
+Context parallelism (`parallel.cp`): the rows are the rank's share of each sequence (n = B x T / cp), and
+attention keeps the keys and values gathered from the group (the whole sequences': n x cp rows) and, beside its
+two chunks' outputs, their join (the output projection's input).
+
 `training.compile`: Inductor's partitioner recomputes pointwise ops in backward instead of keeping their results,
 and two such differences are modelled (measured on CPU, where they match the compiled blocks on an H200): a norm
 keeps its input in the activation dtype, not the FP32 copy, and an unfused SwiGLU does not keep silu(gate). The FP8
@@ -66,15 +70,17 @@ FP8_TILED_BYTES = 1 + FP32_BYTES / TILE  # an FP8 byte per element plus one FP32
 class MicroBatch:
     """The rows one micro-batch puts through a block on this rank, and how the blocks run."""
 
-    tokens: int  # n: B x T, the rows inside tensor-parallel regions (all-gathered under SP)
+    tokens: int  # n: B x T / cp, the rows inside tensor-parallel regions (all-gathered under SP)
     local: int  # m: the residual stream's rows on this rank (tokens / tp under SP)
     compiled: bool  # `training.compile`: pointwise results are recomputed in backward
+    cp: int = 1  # context-parallel ranks sharing each sequence (attention keeps the gathered keys and values)
 
     @classmethod
     def of(cls, cfg: Config) -> "MicroBatch":
-        tokens = cfg.training.micro_batch_size * cfg.data.seq_len
+        cp = cfg.parallel.cp
+        tokens = cfg.training.micro_batch_size * cfg.data.seq_len // cp
         sp = cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
-        return cls(tokens, tokens // cfg.parallel.tp if sp else tokens, cfg.training.compile)
+        return cls(tokens, tokens // cfg.parallel.tp if sp else tokens, cfg.training.compile, cp)
 
 
 @dataclass
@@ -150,9 +156,12 @@ def _normed_input(saved: Saved, prefix: str, layer: ParallelLinear, norm: RMSNor
 
 def _attention_output(saved: Saved, prefix: str, out_proj: ParallelLinear, heads: int, width: int, act: int,
                       mb: MicroBatch) -> None:
-    """SDPA's output (n, width) and FP32 logsumexp, and the output projection's input (a view of that output)."""
+    """SDPA's output (n, width) and FP32 logsumexp, and the output projection's input (a view of that output;
+    under context parallelism the two chunks' outputs joined, a copy)."""
     saved.keep(f"{prefix}.attention_out", mb.tokens * width * act)
     saved.keep(f"{prefix}.logsumexp", mb.tokens * heads * FP32_BYTES)
+    if mb.cp > 1:
+        saved.keep(f"{prefix}.attention_out_chunks", mb.tokens * width * act)
     _linear_input(saved, out_proj, f"{prefix}.out_proj", f"{prefix}.attention_out", mb.tokens, width, act, mb)
 
 
@@ -165,8 +174,9 @@ def _gqa(saved: Saved, attn: Attention, norm: RMSNorm, mb: MicroBatch) -> None:
         _norm(saved, "attn.q_norm", n * attn.n_heads, attn.head_dim, act, mb, "attn.qkv_out", qkv_bytes)
         _norm(saved, "attn.k_norm", n * attn.n_kv_heads, attn.head_dim, act, mb, "attn.qkv_out", qkv_bytes)
     saved.keep("attn.q_rotated", n * q_width * act)
-    saved.keep("attn.k_rotated", n * kv_width * act)
-    saved.keep("attn.v", n * kv_width * act)  # its own copy: the QKV output itself is not kept
+    # Under context parallelism the keys and values gathered from the group: the whole sequences' (n x cp).
+    saved.keep("attn.k_rotated", n * mb.cp * kv_width * act)
+    saved.keep("attn.v", n * mb.cp * kv_width * act)  # its own copy: the QKV output itself is not kept
     _attention_output(saved, "attn", attn.out_proj, attn.n_heads, q_width, act, mb)
 
 
@@ -186,9 +196,9 @@ def _mla(saved: Saved, attn: MultiHeadLatentAttention, norm: RMSNorm, mb: MicroB
     _norm(saved, "attn.kv_a_norm", m, attn.kv_rank, act, mb, "attn.kv_a_out", m * (attn.kv_rank + attn.rope_dim) * act)
     _linear_input(saved, attn.kv_b_proj, "attn.kv_b", "attn.kv_normed", m, attn.kv_rank, act, mb)
     qk_width = heads * (attn.nope + attn.rope_dim)
-    saved.keep("attn.v", n * heads * attn.v_dim * act)  # its own copy: kv_b's output itself is not kept
+    saved.keep("attn.v", n * mb.cp * heads * attn.v_dim * act)  # its own copy: kv_b's output itself is not kept
     saved.keep("attn.q", n * qk_width * act)
-    saved.keep("attn.k", n * qk_width * act)
+    saved.keep("attn.k", n * mb.cp * qk_width * act)  # under context parallelism, gathered (the whole sequences')
     _attention_output(saved, "attn", attn.out_proj, heads, heads * attn.v_dim, act, mb)
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megafp8.config import Config, ModelConfig, describe_blocks, validate_config
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, validation_micro_batches
+from megafp8.data.dataset import SequenceShare
 from megafp8.data.blend import TrainingMixture, ValidationMixture, read_metas
 from megafp8.data.indexed import DatasetMeta
 from megafp8.model import (
@@ -33,6 +34,7 @@ from megafp8.model import (
 )
 from megafp8.optim import DistributedAdamW
 from megafp8.parallel import (
+    ContextParallel,
     ExpertParallel,
     GradBuckets,
     ParallelDims,
@@ -85,13 +87,14 @@ def build_parts(cfg: Config, dims: ParallelDims, device: torch.device, num_micro
     tp, ep = dims.tensor_parallel, dims.expert_parallel
     fp8 = Fp8Converter(cfg.precision, recipe, model_cfg.num_layers)
     model = build_model(cfg, model_cfg, recipe, device, tp=tp, ep=ep,
-                        stages=layout.local_stages(dims.pp_rank) if layout else None, fp8=fp8)
+                        stages=layout.local_stages(dims.pp_rank) if layout else None, fp8=fp8,
+                        cp=dims.context_parallel)
     loss_scaler = DynamicLossScaler.from_config(cfg.precision) if recipe.name == "fp16" else None
     optimizer = build_optimizer(model, cfg, dims)
     loader, valid_set = build_data(cfg, metas, dims, evaluating)
     training = cfg.training
-    pipeline = (PipelineRunner(model, layout, dims, num_micro_batches, training.micro_batch_size, cfg.data.seq_len,
-                               device) if layout else None)
+    pipeline = (PipelineRunner(model, layout, dims, num_micro_batches, training.micro_batch_size, model.max_seq_len,
+                               device) if layout else None)  # a context-parallel rank's share of each sequence
     logs = cfg.logging
     health = Fp8HealthMonitor(model, logs.fp8_health_interval, logs.fp8_underflow_warn, logs.fp8_at_max_warn)
     expert_balance = ExpertBalance.attach(model, optimizer, model_cfg.moe, dims) if model_cfg.moe.enabled else None
@@ -156,7 +159,8 @@ def check_memory(cfg: Config, model_cfg: ModelConfig, world_size: int, device: t
 
 def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, device: torch.device,
                 tp: Optional[TensorParallel] = None, ep: Optional[ExpertParallel] = None,
-                stages: Optional[list[StageSpec]] = None, fp8: Optional[Fp8Converter] = None) -> Transformer:
+                stages: Optional[list[StageSpec]] = None, fp8: Optional[Fp8Converter] = None,
+                cp: Optional[ContextParallel] = None) -> Transformer:
     """The decoder (this rank's tensor-parallel shard, experts and pipeline `stages`), initialized from the seed,
     with the FP8 layer plan of `fp8` (default: the config's) checked, applied for step 0 and logged: under
     `precision.fp8_start_step` every layer starts in BF16."""
@@ -165,7 +169,7 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
     # this rank builds its part.
     plan = fp8.check(full_meta_model(cfg, model_cfg, recipe, tp, ep))
     model = Transformer(model_cfg, recipe, cfg.data.seq_len, tp, device=device, ep=ep,
-                        fp8_dispatch=cfg.parallel.ep_dispatch_fp8, stages=stages)
+                        fp8_dispatch=cfg.parallel.ep_dispatch_fp8, stages=stages, cp=cp)
     init_weights(model, model_cfg, cfg.training.seed, tp)
     fp8.convert(model)
     if cfg.training.compile:
@@ -221,14 +225,19 @@ def build_data(cfg: Config, metas: list[DatasetMeta], dims: ParallelDims,
 
     train_sets = split(data.train_split)
     train_set = train_sets[0] if len(metas) == 1 else TrainingMixture(train_sets, data.weights)
-    loader = DistributedLoader(train_set, training.global_batch_size, training.micro_batch_size, dims.dp_rank,
-                               dims.dp_size, training.seed if data.seed is None else data.seed)
     valid_set = None
     if training.eval_interval > 0 or evaluating:
         valid_sets = split(data.valid_split)
         valid_set = valid_sets[0] if len(metas) == 1 else ValidationMixture(valid_sets, data.weights)
     if dims.rank == 0:
         _warn_of_repeated_samples(cfg, train_set, valid_set)
+    cp = dims.context_parallel
+    if cp.enabled:  # a context-parallel group reads one replica's samples, each rank its tokens of them
+        positions = cp.positions(data.seq_len)
+        train_set = SequenceShare(train_set, positions)
+        valid_set = SequenceShare(valid_set, positions) if valid_set is not None else None
+    loader = DistributedLoader(train_set, training.global_batch_size, training.micro_batch_size, dims.replica_rank,
+                               dims.replicas, training.seed if data.seed is None else data.seed)
     return loader, valid_set
 
 
@@ -297,15 +306,18 @@ def log_run_start(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, 
         "sharded" if cfg.optimizer.sharded else "replicated", dims.dp_size, cfg.optimizer.moment_dtype,
     )
     log.info(
-        "data: %d training samples of %d tokens | %d rank(s) x %d micro-batch(es) x %d samples = %d per step "
+        "data: %d training samples of %d tokens | %d %s x %d micro-batch(es) x %d samples = %d per step "
         "(%d tokens) | %d steps from step %d, %s | run dir %s",
-        len(loader.dataset), cfg.data.seq_len, dims.dp_size, num_micro_batches, training.micro_batch_size,
+        len(loader.dataset), cfg.data.seq_len, dims.replicas,
+        f"context-parallel group(s) of {dims.cp} rank(s)" if dims.cp > 1 else "rank(s)", num_micro_batches,
+        training.micro_batch_size,
         training.global_batch_size, training.global_batch_size * cfg.data.seq_len, training.steps, step,
         epochs_read(loader.consumed_samples, training.steps - step, training.global_batch_size, len(loader.dataset)),
         run_dir,
     )
-    if isinstance(loader.dataset, TrainingMixture):
-        log.info("data mixture: %s", describe_mixture(loader.dataset))
+    dataset = loader.dataset.dataset if isinstance(loader.dataset, SequenceShare) else loader.dataset
+    if isinstance(dataset, TrainingMixture):
+        log.info("data mixture: %s", describe_mixture(dataset))
     if pipeline is not None:
         log.info("pipeline: %s over %d ranks, %d micro-batches, bubble %.1f%% of step time (from the schedule's "
                  "actions, forward = input-gradient = weight-gradient time) | %s", pipeline.layout.schedule,

@@ -26,8 +26,9 @@ def evaluate(model: Transformer, pipeline: Optional[PipelineRunner], valid_set: 
     across ranks)."""
     model.eval()
     num_micro = validation_micro_batches(training.eval_iters, training.micro_batch_size, len(valid_set))
-    batches, counted = lockstep_validation_batches(valid_set, training.micro_batch_size, num_micro, dims.dp_rank,
-                                                   dims.dp_size)
+    # A context-parallel group evaluates one replica's micro-batches, each rank its tokens of them.
+    batches, counted = lockstep_validation_batches(valid_set, training.micro_batch_size, num_micro, dims.replica_rank,
+                                                   dims.replicas)
     if pipeline is not None:
         total = pipeline.evaluate(batches, counted)
         dist.all_reduce(total, group=dims.pp_group)  # only the last stage's rank holds the loss

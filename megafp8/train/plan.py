@@ -39,7 +39,7 @@ from megafp8.data import read_meta
 from megafp8.config.validate import data_parallel_size, validate_for_world
 from megafp8.model import (Fp8Converter, Transformer, describe_rope, recomputed_blocks, resolve_vocab_size,
                            training_flops_per_token)
-from megafp8.parallel import ExpertParallel, TensorParallel, full_shape, is_expert
+from megafp8.parallel import ContextParallel, ExpertParallel, TensorParallel, full_shape, is_expert
 from megafp8.parallel.pipeline import PipelineLayout, StageSpec, build_layout
 from megafp8.precision import PrecisionRecipe
 from megafp8.train.activations import MicroBatch, rank_activations
@@ -140,7 +140,7 @@ def make_plan(cfg: Config, world_size: int, layout: Optional[PipelineLayout] = N
 
     def meta_model(stages: Optional[list[StageSpec]] = None) -> Transformer:
         return Transformer(cfg.model, recipe, cfg.data.seq_len, shard_layout, device="meta",
-                           ep=ExpertParallel(None, ep, 0), stages=stages)
+                           ep=ExpertParallel(None, ep, 0), stages=stages, cp=ContextParallel(None, cfg.parallel.cp, 0))
 
     whole = meta_model()
     params: dict[str, int] = {p: 0 for p in ("embedding", "attention", "mlp", "experts", "norms", "lm_head", "mtp")}
@@ -150,7 +150,8 @@ def make_plan(cfg: Config, world_size: int, layout: Optional[PipelineLayout] = N
     ranks = [(whole, None)] if layout is None else [(meta_model(stages), stages) for stages in
                                                     (layout.local_stages(r) for r in range(pp))]
     micro_batch = MicroBatch.of(cfg)
-    micro_batches = max(1, cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp))
+    replicas = dp // cfg.parallel.cp  # a context-parallel group reads one replica's micro-batches
+    micro_batches = max(1, cfg.training.global_batch_size // (cfg.training.micro_batch_size * replicas))
     pipeline, per_rank = [], []
     for rank, (model, stages) in enumerate(ranks):
         rank_params = list(model.parameters())
@@ -314,6 +315,7 @@ def dry_run(cfg: Config, world_size: int, peak_tflops: float, mfu: float) -> str
               f"{cfg.data.seq_len}, micro-batch {cfg.training.micro_batch_size}, precision {cfg.precision.recipe}, "
               f"tp {cfg.parallel.tp}{' with sequence parallelism' if cfg.parallel.sequence_parallel else ''}"
               f"{f', ep {cfg.parallel.ep}' if cfg.parallel.ep > 1 else ''}"
+              f"{f', cp {cfg.parallel.cp} (each rank 1/{cfg.parallel.cp} of a sequence)' if cfg.parallel.cp > 1 else ''}"
               f"{f', pp {cfg.parallel.pp} ({cfg.parallel.pp_schedule})' if cfg.parallel.pp > 1 else ''}, "
               f"optimizer {'sharded' if cfg.optimizer.sharded else 'replicated'} over "
               f"{data_parallel_size(world_size, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)} data-parallel "
