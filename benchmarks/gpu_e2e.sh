@@ -31,7 +31,8 @@
 # on it; tests_resume: a run under CUDA graphs resumed in a new process, hopper, deepgemm and auto; auto_deepgemm:
 # that test and the ~1B step on `auto` where DeepGEMM is installed, the backend it chose in the summary; auto_steps: the
 # ~1B, 8B-layer and MoE steps on it; qk_norm_steps: the ~1B with Qwen's query/key norms and q/k/v bias;
-# recompute_layers_steps: the ~1B with all, half and none of its blocks recomputed), clocks and
+# recompute_layers_steps: the ~1B with all, half and none of its blocks recomputed; tests_session55: the GPU tests of
+# context parallelism's kernels, profiling and the unfused QKV path), clocks and
 # power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
 # kernel against the Gluon variant (swiglu_cols), the row + column quantizer against its Gluon twin (rows_cols; with
@@ -416,6 +417,11 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
           --model $model --recipes bf16 fp8
         grep -h "fp8: backend\|fp8: auto" "$LOGS/auto_$model.log" | sort -u >> "$OUT/summary.md"
       done ;;
+    tests_session55)  # the fifty-fifth session's GPU tests: context parallelism's kernels against their twin (eager
+                      # and compiled), a profiled run's trace and allocator history, the unfused FP8 QKV + RoPE
+                      # path (Qwen's query/key norms and q/k/v bias) under CUDA graphs
+      step gpu_tests_session55 python -m pytest -q -m gpu tests/test_context_parallel.py tests/test_gpu.py \
+           tests/test_fp8_gpu.py -k "cuda_kernels or profiled or (like_eager and qk_norm)" -p no:cacheprovider ;;
     recompute_layers_steps)  # the ~1B step compiled (default mode) with every block recomputed, with the first 8 of
                              # its 16 recomputed (`training.recompute_layers`), and with none: tokens/s, the peak
                              # against the planner's figure (train_step.py prints both), BF16 and FP8

@@ -52,6 +52,7 @@ GRAPHS = ["training.compile=true", "training.compile_mode=reduce-overhead"]
     ("tiny_dense", ["parallel.tp=2", "training.compile=true"], EXPANDABLE_SEGMENTS),  # compiled, no graphs
     ("tiny_dense", GRAPHS + ["parallel.tp=2"], ""),  # TP's collectives are captured: torch's allocator
     ("tiny_moe_fp8", GRAPHS + ["parallel.ep=2"], ""),
+    ("tiny_dense", GRAPHS + ["parallel.cp=2"], ""),  # the keys' and values' all-gather inside the graphs
     ("tiny_dense", ["training.compile=true", "training.compile_mode=max-autotune", "parallel.tp=2"], ""),  # graphs too
     ("tiny_dense", ["training.compile=true", "training.compile_mode=max-autotune-no-cudagraphs", "parallel.tp=2"],
      EXPANDABLE_SEGMENTS),

@@ -35,11 +35,11 @@ EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 
 def graphs_capture_collectives(cfg: Config) -> bool:
-    """Whether CUDA graphs record this layout's NCCL collectives: tensor- and expert-parallel ones run inside the
-    compiled blocks, which `reduce-overhead` and `max-autotune` put in graphs. Data- and pipeline-parallel traffic
-    runs outside them."""
+    """Whether CUDA graphs record this layout's NCCL collectives: tensor-, expert- and context-parallel ones run
+    inside the compiled blocks, which `reduce-overhead` and `max-autotune` put in graphs. Data- and
+    pipeline-parallel traffic runs outside them."""
     return (cfg.training.compile and uses_cuda_graphs(cfg.training.compile_mode)
-            and (cfg.parallel.tp > 1 or cfg.parallel.ep > 1))
+            and (cfg.parallel.tp > 1 or cfg.parallel.ep > 1 or cfg.parallel.cp > 1))
 
 
 def cuda_alloc_conf(cfg: Config) -> str:
