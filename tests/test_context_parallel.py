@@ -30,7 +30,7 @@ def test_each_rank_holds_two_chunks_whose_work_balances():
         assert sorted(torch.cat(held).tolist()) == list(range(seq))
         assert len({int((p + 1).sum()) for p in held}) == 1  # keys seen per rank: sum over its positions of (p + 1)
         gathered = torch.cat(held)
-        chunks = gathered.view(2 * cp, -1)[natural_order(cp)]
+        chunks = gathered.view(2 * cp, -1)[torch.tensor(natural_order(cp))]
         assert chunks.flatten().tolist() == list(range(seq))
 
 

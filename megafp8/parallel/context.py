@@ -29,14 +29,14 @@ from megafp8.parallel.collectives import gather_from_sp
 from megafp8.parallel.dims import ContextParallel
 
 
-def natural_order(cp: int) -> torch.Tensor:
+def natural_order(cp: int) -> list[int]:
     """For the chunks gathered rank by rank (rank 0's two, then rank 1's, ...), where each sequence chunk lies:
     entry j is the gathered index of chunk j."""
     where = [0] * (2 * cp)
     for rank in range(cp):
         first, second = rank, 2 * cp - 1 - rank
         where[first], where[second] = 2 * rank, 2 * rank + 1
-    return torch.tensor(where)
+    return where
 
 
 def gather_sequence(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
@@ -48,9 +48,10 @@ def gather_sequence(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     rest = x.shape[2:]
     rows = x.transpose(0, 1).reshape(local, -1)  # tokens first: the gather is one contiguous all-gather
     gathered = gather_from_sp(rows, cp.collective_group())  # (cp x local, B x rest), rank by rank
-    chunk = local // 2
-    chunks = gathered.view(2 * cp.size, chunk, -1).index_select(0, natural_order(cp.size).to(x.device))
-    return chunks.view(2 * cp.size * chunk, batch, *rest).transpose(0, 1)
+    chunks = gathered.view(2 * cp.size, local // 2, -1)
+    # In sequence order: one copy, its chunks picked by host-side indices (no index tensor to move to the device)
+    ordered = torch.cat([chunks[i] for i in natural_order(cp.size)])
+    return ordered.view(cp.size * local, batch, *rest).transpose(0, 1)
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
