@@ -56,7 +56,7 @@
 # old_profile_compiled, old_moe, old_moe_compiled, old_wgrad_gemm, old_grouped_gemm; ab_ro, ab_ro_8b, ab_ro_moe: the
 # two trees' steps interleaved, AB_REPEATS runs each, benchmarks/ab_steps.py: `git archive COMMIT | tar -x -C
 # DIR`, carried), the MoE step after the router has balanced (moe_balanced: MOE_WARMUP untimed steps, default 200),
-# and on two GPUs moe_ep2, moe_dp2, dense_2gpu). `profile` also lists the host's busiest operators.
+# and on two GPUs moe_ep2, moe_dp2, dense_2gpu, cp_2gpu: the ~1B at 32K tokens, one GPU against CP=2). `profile` also lists the host's busiest operators.
 # tests_all_deepgemm: the one-GPU tests with DeepGEMM installed. STEP_TIMEOUT (s) bounds each part.
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
@@ -493,6 +493,12 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
                --global-batch 16 --recipes bf16 fp8 ;;
     dense_2gpu) step dense_2gpu torchrun --nproc_per_node=2 benchmarks/train_step.py training.compile=true \
                --model 1b --global-batch 16 --recipes bf16 fp8 ;;
+    cp_2gpu)  # context parallelism: the ~1B at 32K tokens a sequence on one GPU, then each sequence over two (CP=2),
+              # compiled, BF16 and FP8: tokens/s per GPU (the efficiency), peak memory against the plan
+      step cp_one_gpu python benchmarks/train_step.py training.compile=true --model 1b-32k --global-batch 4 \
+           --recipes bf16 fp8
+      step cp_2gpu torchrun --nproc_per_node=2 benchmarks/train_step.py training.compile=true parallel.cp=2 \
+           --model 1b-32k --global-batch 4 --recipes bf16 fp8 ;;
   esac
 ) done
 finish_summary

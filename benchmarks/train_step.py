@@ -83,6 +83,7 @@ MODELS = {
             "model.attention.qk_nope_head_dim=128", "model.attention.qk_rope_head_dim=64",
             "model.attention.v_head_dim=128", "model.vocab_size=32768", "data.seq_len=2048",
             "training.micro_batch_size=8"],
+    "1b-32k": ["model.size=1b", "model.vocab_size=32768", "data.seq_len=32768", "training.micro_batch_size=1"],
     "config": [],
     "tiny": ["model.vocab_size=384", "data.seq_len=64", "training.micro_batch_size=2", "model.hidden_size=128",
              "model.num_layers=2", "model.num_heads=2", "model.attention.num_kv_heads=1", "model.ffn_hidden_size=256",

@@ -41,6 +41,19 @@ def test_train_step_benchmark_prints_the_pipeline_schedules_bubble(corpus_dir, t
     assert logged and row.split("|")[-2].strip() == f"{logged.group(1)}%", (logged, row)
 
 
+def test_train_step_benchmark_runs_context_parallel_ranks(corpus_dir, tmp_path):
+    """Two gloo ranks sharing each sequence (`parallel.cp=2`, `gpu_e2e.sh cp_2gpu`'s layout): the table's row, with
+    the planner's memory for a rank's share."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           "benchmarks/train_step.py", "training.device=cpu", "parallel.cp=2", "--model", "tiny", "--steps", "3",
+           "--warmup", "1", "--log-interval", "1", "--global-batch", "4", "--data", str(corpus_dir), "--out",
+           str(tmp_path), "--recipes", "bf16"]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cp 2" in result.stderr
+    assert any(line.startswith("| tiny |") for line in result.stdout.splitlines()), result.stdout
+
+
 def test_train_step_profile_lists_host_operators(corpus_dir, tmp_path):
     cmd = [sys.executable, "benchmarks/train_step.py", "training.device=cpu", "--model", "tiny", "--steps", "4",
            "--warmup", "1", "--profile", "2", "--data", str(corpus_dir), "--out", str(tmp_path), "--recipes", "fp8"]
