@@ -1,6 +1,7 @@
 """Context parallelism (`parallel.cp`, `megafp8.parallel.context`): each rank's zig-zag chunks attend to the
 gathered sequence as causal attention over the whole sequence would, and training at cp=2 (with data, tensor and
-pipeline parallelism, MoE and its sequence-wise balance loss, MLA) gives the one-rank run's losses and gradients."""
+pipeline parallelism, MoE and its sequence-wise balance loss, MLA, multi-token prediction) gives the one-rank run's
+losses and gradients."""
 from __future__ import annotations
 
 import pytest
@@ -78,7 +79,10 @@ def test_context_parallel_groups_are_consecutive_data_parallel_ranks():
     ("tiny_dense", ["parallel.cp=2", "optimizer.sharded=true"], 4, []),
     ("tiny_moe_fp8", ["parallel.cp=2"], 2, ["model.moe.aux_loss_coeff=0.01"]),
     ("tiny_dense", ["parallel.cp=2"], 2, MLA),
-], ids=["cp2", "cp2_tp2_sp", "cp2_pp2", "cp2_dp2_sharded", "moe_balance_loss", "mla"])
+    ("tiny_dense", ["parallel.cp=2"], 2, ["model.mtp_depth=2"]),
+    ("tiny_dense", ["parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=zbv"], 4,
+     ["model.num_layers=4", "model.mtp_depth=1"]),
+], ids=["cp2", "cp2_tp2_sp", "cp2_pp2", "cp2_dp2_sharded", "moe_balance_loss", "mla", "mtp_depth2", "mtp_pp2_zbv"])
 def test_cp2_training_matches_one_rank(parity, config, layout, world, extra):
     parity.check(FP32 + extra, layout, world, FP32_TOL, config, evals=2)
 
@@ -94,7 +98,6 @@ def test_fp8_cp2_training_matches_one_rank(parity):
     (["parallel.cp=3"], 4, r"parallel.cp=3 must divide the data-parallel ranks \(4\)"),
     (["parallel.cp=2", "data.seq_len=66"], 2, r"data.seq_len=66 does not split into 2 x parallel.cp = 4 equal "
                                                 r"chunks"),
-    (["parallel.cp=2", "model.mtp_depth=1"], 2, r"model.mtp_depth=1 with parallel.cp=2"),
     (["parallel.cp=0"], 1, r"parallel.cp must be at least 1"),
     (["parallel.cp=2", "model.attention_backend=cudnn"], 2, r"model.attention_backend=cudnn with parallel.cp=2"),
     (["parallel.cp=2", "training.global_batch_size=4", "training.micro_batch_size=4"], 4,

@@ -175,9 +175,8 @@ class ParallelConfig:
         "Context-parallel ranks: each sequence's tokens are split over them (2 x cp chunks, rank r holding chunks r "
         "and 2cp-1-r, so causal attention's work is even), and attention gathers the keys and values of the whole "
         "sequence from the group. Carved out of the data-parallel ranks (it must divide them): the group shares its "
-        "sequences, so a step's sequences per rank are global_batch_size / (dp / cp). For sequences whose "
-        "activations do not fit one rank (long-context stages). Needs data.seq_len divisible by 2 x cp; not with "
-        "model.mtp_depth > 0.",
+        "sequences, so a step's global_batch_size sequences are split over dp / cp groups. For sequences whose "
+        "activations do not fit one rank (long-context stages). Needs data.seq_len divisible by 2 x cp.",
     )
     pp: int = setting(
         1,

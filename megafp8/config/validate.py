@@ -381,10 +381,6 @@ def _check_context_parallel(cfg: Config, dp: int) -> None:
         raise ConfigError(f"model.attention_backend={cfg.model.attention_backend} with parallel.cp={cp}: context "
                           "parallelism runs its own attention kernels (FlashAttention-2, or the memory-efficient "
                           "kernel where key and value widths differ): set model.attention_backend=auto")
-    if cfg.model.mtp_depth > 0:
-        raise ConfigError(f"model.mtp_depth={cfg.model.mtp_depth} with parallel.cp={cp}: multi-token prediction's "
-                          "shifted tokens cross the context-parallel chunks, which megafp8 does not support yet; set "
-                          "model.mtp_depth=0 for this stage, or parallel.cp=1")
 
 
 def _check_pipeline_layout(cfg: Config) -> None:

@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
@@ -22,12 +23,14 @@ from megafp8.model.mtp import MtpModule, shifted_inputs
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.parallel import (
+    IGNORE_INDEX,
     ColumnParallelLinear,
     ContextParallel,
     ExpertParallel,
     TensorParallel,
     VocabParallelEmbedding,
     gather_from_tp_last,
+    gather_sequence,
     vocab_parallel_cross_entropy,
 )
 from megafp8.precision import GemmLayer, PrecisionRecipe
@@ -181,13 +184,16 @@ class Transformer(nn.Module):
         rope_dim = cfg.attention.rope_dim(cfg.hidden_size, cfg.num_heads)
         positions = cp.positions(max_seq_len) if cp.enabled else None
         self.rope = RotaryEmbedding(rope_dim, max_seq_len, cfg.rope_theta, device, cfg.rope_scaling, positions)
+        if positions is not None:  # this rank's tokens in the sequence, for the MTP depths' shifted targets
+            self.register_buffer("cp_positions", positions.to(device), persistent=False)
         ep = ep or ExpertParallel.single()
         self.layers = LayerDict({str(i): Block(cfg, layer_spec(cfg, i), recipe, tp, ep, fp8_dispatch, device, cp)
                                  for i in layer_ids})
         self.has_head = head
         if head:
             self.mtp = nn.ModuleList(
-                MtpModule(cfg, recipe, Block(cfg, mtp_layer_spec(cfg), recipe, tp, ep, fp8_dispatch, device), device)
+                MtpModule(cfg, recipe, Block(cfg, mtp_layer_spec(cfg), recipe, tp, ep, fp8_dispatch, device, cp),
+                          device)
                 for _ in range(cfg.mtp_depth))
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
             # The LM head is a precision island: never FP8, whatever the recipe.
@@ -232,13 +238,31 @@ class Transformer(nn.Module):
     def _mtp_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the MTP depths (each predicting one more token ahead)."""
         batch, seq_len = targets.shape
+        # Under context parallelism a depth's tokens ahead may lie in another rank's chunk: the shifts are taken on
+        # the whole sequences' targets (gathered: B x T integers), then this rank's positions picked.
+        whole = gather_sequence(targets, self.cp)
         total = torch.zeros((), device=hidden.device)
         for k, module in enumerate(self.mtp, start=1):
-            inputs, ahead = shifted_inputs(targets, k)
+            inputs, ahead = shifted_inputs(whole, k)
+            if self.cp.enabled:
+                inputs, ahead = inputs[:, self.cp_positions], ahead[:, self.cp_positions]
             hidden, aux = module(hidden, self.embed(inputs), self.rope, batch, seq_len)
             hidden = self._attach_balance_loss(hidden, aux if aux.requires_grad else None)
-            total = total + vocab_parallel_cross_entropy(self.lm_head(module.out_norm(hidden)), ahead, self.tp)
+            total = total + self._shared_sequence_loss(self.lm_head(module.out_norm(hidden)), ahead)
         return total / len(self.mtp)
+
+    def _shared_sequence_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the valid targets. Under context parallelism the ranks' shares of a sequence may
+        hold different numbers of them (the last chunk's ignored tail): each rank's mean is weighted by its share of
+        the group's valid targets, times the group's size, so that the ranks' losses average to the whole
+        sequences' mean."""
+        loss = vocab_parallel_cross_entropy(logits, targets, self.tp)
+        if not self.cp.enabled:
+            return loss
+        valid = (targets != IGNORE_INDEX).sum().float()
+        group_valid = valid.clone()
+        dist.all_reduce(group_valid, group=self.cp.group)
+        return loss * valid * self.cp.size / group_valid.clamp(min=1)
 
 
 class PipelineChunk(nn.Module):
