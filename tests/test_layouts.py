@@ -50,6 +50,33 @@ def test_a_moe_model_is_also_offered_expert_parallelism():
     assert "parallel.ep=2" in by[1, 1, 2].overrides
 
 
+def test_long_sequences_are_offered_context_parallelism_when_asked(capsys):
+    """`--max-cp`: each layout also with context parallelism up to that size; at 8K tokens a sequence on a GPU too
+    small for plain data parallelism, CP=2 (the same degree as TP=2, preferred) fits and is recommended, the
+    table grows a cp column, and the overrides say parallel.cp=2. Without it no cp column, no CP layout."""
+    long = WIDE + ["data.seq_len=8192", "training.micro_batch_size=1", "training.global_batch_size=4"]
+    cfg = load_config("tiny_dense", long)
+    options = search_layouts(cfg, 4, 80 * GIB, max_cp=4)
+    by = {(o.tp, o.pp, o.ep, o.cp): o for o in options}
+    assert {cp for (tp, pp, ep, cp) in by if (tp, pp) == (1, 1)} == {1, 2, 4}
+    plain, halves = by[1, 1, 1, 1], by[1, 1, 1, 2]
+    assert halves.planned_gib < plain.planned_gib
+    gpu = (plain.planned_gib + halves.planned_gib) / 2 / 0.9 * GIB
+    tight = search_layouts(cfg, 4, gpu, max_cp=4)
+    assert (tight[0].tp, tight[0].pp, tight[0].cp) == (1, 1, 2), [(o.tp, o.pp, o.cp, o.fits) for o in tight]
+    assert "parallel.cp=2" in tight[0].overrides
+    validate_for_world(load_config("tiny_dense", long + tight[0].overrides), 4)
+    args = ["--config", "tiny_dense", "--world-size", "4", "--layouts", *long, "--gpu-gib", f"{gpu / GIB}"]
+    assert plan_main(args + ["--max-cp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "| | tp | pp | ep | cp | dp |" in out and "parallel.cp=2" in out
+    assert plan_main(args) == 0
+    out = capsys.readouterr().out
+    assert "| cp |" not in out and "parallel.cp" not in out
+    assert plan_main(args[:-1] + ["0.001"]) == 0
+    assert "set training.recompute=full, try context parallelism (--max-cp 8), or use" in capsys.readouterr().out
+
+
 def test_layouts_command_line(capsys):
     cmd = [sys.executable, "tools/plan.py", "--config", "tiny_dense", "--world-size", "4", "--layouts",
            "--gpu-gib", "80", *WIDE]

@@ -7,6 +7,12 @@ divisible, the global batch a whole number of micro-batches per rank) and planne
 memory). A layout fits when its plan leaves `headroom` of the GPU free: the planner is tested to within 10% of
 measured peaks (`benchmarks/train_step.py`), and the allocator needs some slack.
 
+With `max_cp` above 1 (`tools/plan.py --layouts --max-cp N`, for long sequences) each layout is also tried with
+context parallelism up to that size (`parallel.cp`, out of the data-parallel ranks); it counts toward the
+model-parallel degree, preferred after expert and before tensor parallelism at the same degree (not measured
+against each other: its per-layer all-gather of keys and values moves less than tensor parallelism's
+collectives).
+
 The recommendation is the fitting layout with the least model parallelism, preferring, at the same degree, expert
 over tensor over pipeline parallelism: data parallelism with a sharded optimizer kept 96-97% of one GPU's
 throughput per GPU on two H200s every time, TP=2 anywhere from 43% (FP8, before its layers were traced) to 117%
@@ -38,22 +44,24 @@ class LayoutOption:
     overrides: list[str]
     planned_gib: Optional[float] = None  # the busiest rank's plan; None where the layout is refused
     problem: Optional[str] = None  # why it cannot run here (the launch's error, or the memory it lacks)
+    cp: int = 1  # context-parallel ranks (out of the dp ones)
 
     @property
     def fits(self) -> bool:
         return self.problem is None
 
-    def cost(self) -> tuple[int, int, int, int]:
-        """Order of preference (smaller first): model-parallel degree, then expert, tensor, pipeline parallelism."""
-        return (self.tp * self.pp * self.ep, self.pp, self.tp, self.ep)
+    def cost(self) -> tuple[int, int, int, int, int]:
+        """Order of preference (smaller first): model-parallel degree, then expert, context, tensor, pipeline
+        parallelism."""
+        return (self.tp * self.pp * self.ep * self.cp, self.pp, self.tp, self.cp, self.ep)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _layout_config(cfg: Config, tp: int, pp: int, ep: int) -> tuple[Config, list[str]]:
-    """`cfg` at tp x pp x ep (sequence parallelism with TP; the configured pipeline schedule, else 1F1B, or
+def _layout_config(cfg: Config, tp: int, pp: int, ep: int, cp: int = 1) -> tuple[Config, list[str]]:
+    """`cfg` at tp x pp x ep x cp (sequence parallelism with TP; the configured pipeline schedule, else 1F1B, or
     DualPipeV where MTP needs a V-shaped one), and the overrides that say so on a command line."""
     par = cfg.parallel
     schedule = par.pp_schedule if par.pp > 1 else ("dualpipev" if cfg.model.mtp_depth > 0 else "1f1b")
@@ -62,18 +70,22 @@ def _layout_config(cfg: Config, tp: int, pp: int, ep: int) -> tuple[Config, list
     same_pp = pp == par.pp
     parallel = dataclasses.replace(
         par, tp=tp, pp=pp, ep=ep, dp=None, sequence_parallel=tp > 1, pp_schedule=schedule,
-        pp_virtual_stages=par.pp_virtual_stages if same_pp else 1, pp_layout=par.pp_layout if same_pp else None)
+        pp_virtual_stages=par.pp_virtual_stages if same_pp else 1, pp_layout=par.pp_layout if same_pp else None,
+        cp=cp)
     overrides = [f"parallel.tp={tp}", f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
                  f"parallel.pp={pp}", f"parallel.ep={ep}"]
+    if cp > 1 or par.cp > 1:
+        overrides.append(f"parallel.cp={cp}")
     if pp > 1:
         overrides.append(f"parallel.pp_schedule={schedule}")
     return dataclasses.replace(cfg, parallel=parallel), overrides
 
 
 def search_layouts(cfg: Config, world_size: int, gpu_bytes: float, max_tp: int = 8,
-                   headroom: float = 0.1) -> list[LayoutOption]:
-    """Every layout of `cfg` (model.vocab_size set) on `world_size` GPUs of `gpu_bytes` each, TP at most `max_tp`,
-    fitting ones first in order of preference (`LayoutOption.cost`), then the others by planned memory."""
+                   headroom: float = 0.1, max_cp: int = 1) -> list[LayoutOption]:
+    """Every layout of `cfg` (model.vocab_size set) on `world_size` GPUs of `gpu_bytes` each, TP at most `max_tp`
+    and CP at most `max_cp`, fitting ones first in order of preference (`LayoutOption.cost`), then the others by
+    planned memory."""
     if cfg.model.vocab_size is None:
         raise ConfigError("the layout search needs model.vocab_size (or the data at data.path): set it")
     moe = cfg.model.moe.num_experts > 0
@@ -81,9 +93,10 @@ def search_layouts(cfg: Config, world_size: int, gpu_bytes: float, max_tp: int =
     for tp in (d for d in _divisors(world_size) if d <= max_tp):
         for pp in (d for d in _divisors(world_size // tp) if d <= cfg.model.num_layers):
             dp = world_size // (tp * pp)
-            for ep in (_divisors(dp) if moe else [1]):
-                layout_cfg, overrides = _layout_config(cfg, tp, pp, ep)
-                option = LayoutOption(tp, pp, ep, dp, overrides)
+            for ep, cp in ((e, c) for e in (_divisors(dp) if moe else [1])
+                           for c in _divisors(dp) if c <= max_cp):
+                layout_cfg, overrides = _layout_config(cfg, tp, pp, ep, cp)
+                option = LayoutOption(tp, pp, ep, dp, overrides, cp=cp)
                 try:
                     validate_for_world(layout_cfg, world_size)
                     option.planned_gib = make_plan(layout_cfg, world_size).total_bytes / GIB
@@ -119,13 +132,17 @@ def lighter_settings(cfg: Config) -> list[str]:
 def render_layouts(options: list[LayoutOption], world_size: int, gpu_bytes: float,
                    lighter: Sequence[str] = ()) -> str:
     """The search as a table, the recommendation first (or why nothing fits: more GPUs, the `lighter` settings
-    (`lighter_settings`), a smaller model)."""
+    (`lighter_settings`), a smaller model). A cp column where the search tried context parallelism."""
+    with_cp = any(o.cp > 1 for o in options)
+    cp_head, cp_rule = (" cp |", "---|") if with_cp else ("", "")
     lines = [f"layouts on {world_size} GPU(s) of {gpu_bytes / GIB:,.1f} GiB", "",
-             "| | tp | pp | ep | dp | planned GiB per GPU (busiest rank) | why not |", "|---|---|---|---|---|---|---|"]
+             f"| | tp | pp | ep |{cp_head} dp | planned GiB per GPU (busiest rank) | why not |",
+             f"|---|---|---|---|{cp_rule}---|---|---|"]
     for i, o in enumerate(options):
         mark = "recommended" if i == 0 and o.fits else ("fits" if o.fits else "")
         planned = f"{o.planned_gib:,.1f}" if o.planned_gib is not None else "-"
-        lines.append(f"| {mark} | {o.tp} | {o.pp} | {o.ep} | {o.dp} | {planned} | "
+        cp = f" {o.cp} |" if with_cp else ""
+        lines.append(f"| {mark} | {o.tp} | {o.pp} | {o.ep} |{cp} {o.dp} | {planned} | "
                      f"{(o.problem or '').replace('|', '/')} |")
     if options and options[0].fits:
         lines += ["", "recommended overrides: " + " ".join(options[0].overrides),

@@ -85,6 +85,9 @@ def build_parser(prog: str, description: str, plan_only: bool = False) -> argpar
                                  f"{H200_GIB:g})")
         parser.add_argument("--max-tp", type=int, default=8,
                             help="--layouts: the largest tensor-parallel size to consider (GPUs of one node)")
+        parser.add_argument("--max-cp", type=int, default=None,
+                            help="--layouts: also try context parallelism up to this size (long sequences; default: "
+                                 "the config's parallel.cp)")
         parser.set_defaults(print_config=False, dry_run=True, evaluate=False)
     return parser
 
@@ -133,17 +136,25 @@ def out_of_memory_message(cfg: Config, err: BaseException, step: int | None, wor
             f"--world-size {world_size}` shows the memory per rank" + seen)
 
 
-def layouts_main(cfg: Config, world_size: int, gpu_gib: float | None, max_tp: int) -> str:
+LONG_SEQUENCE = 8192  # tokens a sequence from which the layout search's advice names context parallelism
+
+
+def layouts_main(cfg: Config, world_size: int, gpu_gib: float | None, max_tp: int,
+                 max_cp: int | None = None) -> str:
     """`tools/plan.py --layouts`: the layout search's table for `cfg` on `world_size` GPUs."""
-    if world_size < 1 or max_tp < 1 or (gpu_gib is not None and not gpu_gib > 0):
-        raise ConfigError(f"--layouts needs --world-size, --max-tp and --gpu-gib above 0 (got {world_size}, {max_tp}, "
-                          f"{gpu_gib})")
+    max_cp = cfg.parallel.cp if max_cp is None else max_cp
+    if world_size < 1 or max_tp < 1 or max_cp < 1 or (gpu_gib is not None and not gpu_gib > 0):
+        raise ConfigError(f"--layouts needs --world-size, --max-tp, --max-cp and --gpu-gib above 0 (got {world_size}, "
+                          f"{max_tp}, {max_cp}, {gpu_gib})")
     if gpu_gib is None:
         gpu_gib = (torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available()
                    else H200_GIB)
     gpu_bytes = gpu_gib * GIB
-    return render_layouts(search_layouts(with_vocab(cfg), world_size, gpu_bytes, max_tp), world_size, gpu_bytes,
-                          lighter_settings(cfg))
+    lighter = lighter_settings(cfg)
+    if max_cp == 1 and cfg.data.seq_len >= LONG_SEQUENCE:  # activations per sequence: context parallelism splits them
+        lighter.append("try context parallelism (--max-cp 8)")
+    return render_layouts(search_layouts(with_vocab(cfg), world_size, gpu_bytes, max_tp, max_cp=max_cp), world_size,
+                          gpu_bytes, lighter)
 
 
 def plan_main(argv: list[str] | None = None) -> int:
@@ -199,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if getattr(args, "layouts", False):
         try:
-            print(layouts_main(cfg, args.world_size or env_rank()[2], args.gpu_gib, args.max_tp))
+            print(layouts_main(cfg, args.world_size or env_rank()[2], args.gpu_gib, args.max_tp, args.max_cp))
         except ConfigError as err:
             return _error(str(err))
         return 0
