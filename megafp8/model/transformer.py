@@ -10,7 +10,6 @@ import math
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
@@ -31,6 +30,7 @@ from megafp8.parallel import (
     VocabParallelEmbedding,
     gather_from_tp_last,
     gather_sequence,
+    share_of_group,
     vocab_parallel_cross_entropy,
 )
 from megafp8.precision import GemmLayer, PrecisionRecipe
@@ -259,10 +259,7 @@ class Transformer(nn.Module):
         loss = vocab_parallel_cross_entropy(logits, targets, self.tp)
         if not self.cp.enabled:
             return loss
-        valid = (targets != IGNORE_INDEX).sum().float()
-        group_valid = valid.clone()
-        dist.all_reduce(group_valid, group=self.cp.group)
-        return loss * valid * self.cp.size / group_valid.clamp(min=1)
+        return loss * share_of_group((targets != IGNORE_INDEX).sum().float(), self.cp)  # a collective: every rank
 
 
 class PipelineChunk(nn.Module):

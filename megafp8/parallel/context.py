@@ -125,3 +125,13 @@ class _AllReduceBoth(torch.autograd.Function):
 def sum_over_context(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """Per-sequence partial sums (e.g. the MoE balance loss's) summed over the ranks sharing the sequences."""
     return _AllReduceBoth.apply(x, cp) if cp.enabled else x
+
+
+def share_of_group(count: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """cp x this rank's `count` / the group's total (a float scalar; no gradient): the weight that turns each rank's
+    mean over its own items into its part of the group's mean over all of them, the ranks' results averaged."""
+    if not cp.enabled:
+        return torch.ones_like(count, dtype=torch.float32)
+    total = count.detach().clone()
+    dist.all_reduce(total, group=cp.group)
+    return count.detach() * cp.size / total.clamp(min=1)
