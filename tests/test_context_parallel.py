@@ -87,6 +87,19 @@ def test_cp2_training_matches_one_rank(parity, config, layout, world, extra):
     parity.check(FP32 + extra, layout, world, FP32_TOL, config, evals=2)
 
 
+@pytest.mark.parametrize("config, extra", [
+    # The fused FP8 QKV + RoPE compiled at CP=2: slow (~30 s compiling on two cores); the eager FP8 test above and
+    # the compiled MoE case below cover its parts.
+    pytest.param("tiny_dense", ["precision.recipe=fp8", *TP_HEADS], marks=pytest.mark.slow),
+    ("tiny_moe_fp8", ["precision.recipe=bf16", "model.moe.aux_loss_coeff=0.01"]),
+], ids=["dense_fp8", "moe_bf16_balance_loss"])
+def test_compiled_cp2_training_matches_one_rank(parity, config, extra):
+    """Compiled blocks at CP=2: the keys' and values' gather, the chunks' attention and the balance loss's sums
+    over the group traced into the graphs, training as the eager one-rank run does."""
+    short = ["training.steps=3", "training.eval_interval=0", "optimizer.warmup_steps=1"]  # compiling takes the time
+    parity.check(extra + short, ["parallel.cp=2", "training.compile=true"], 2, LOW_PRECISION_TOL, config)
+
+
 def test_fp8_cp2_training_matches_one_rank(parity):
     """FP8 (the reference backend on CPU), heads of 128: the fused QKV projection + RoPE reads the rank's own rows of
     the RoPE tables; each rank quantizes its own tokens' tiles; the same training within low-precision noise."""
