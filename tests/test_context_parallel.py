@@ -88,11 +88,12 @@ def test_cp2_training_matches_one_rank(parity, config, layout, world, extra):
 
 
 @pytest.mark.parametrize("config, extra", [
-    # Compiling takes a while on two cores (cold: ~30 s the dense FP8 case, ~50 s the MoE one). The MoE case (the
-    # gather, the chunks' attention and the balance loss's sums traced) runs by default; the dense FP8 one, whose
-    # fused QKV + RoPE the eager FP8 test above covers, is a slow test.
+    # Slow tests (cold, ~30 s the dense FP8 case and ~50 s the MoE one compiling on two cores; the suite neared 13
+    # minutes of CI's 15 with them): the eager CP tests above cover what they compute, the compiled TP + SP tests
+    # (tests/test_tensor_parallel.py) the same collectives' autograd functions traced, and the GPU test below the
+    # chunks' attention compiled (fullgraph).
     pytest.param("tiny_dense", ["precision.recipe=fp8", *TP_HEADS], marks=pytest.mark.slow),
-    ("tiny_moe_fp8", ["precision.recipe=bf16", "model.moe.aux_loss_coeff=0.01"]),
+    pytest.param("tiny_moe_fp8", ["precision.recipe=bf16", "model.moe.aux_loss_coeff=0.01"], marks=pytest.mark.slow),
 ], ids=["dense_fp8", "moe_bf16_balance_loss"])
 def test_compiled_cp2_training_matches_one_rank(parity, config, extra):
     """Compiled blocks at CP=2: the keys' and values' gather, the chunks' attention and the balance loss's sums
