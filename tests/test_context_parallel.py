@@ -158,7 +158,8 @@ def test_the_planner_counts_a_ranks_share_of_each_sequence_and_the_gathered_keys
 def test_the_cuda_kernels_attend_the_chunks_as_the_reference_does(heads, kv_heads, dim, v_dim, compiled):
     """BF16 on CUDA: FlashAttention-2 (grouped-query heads as they are) and the memory-efficient kernel (MLA's
     narrower values), both causal from the bottom right, give the FP32 reference's outputs and gradients to BF16
-    rounding, and whole-sequence causal SDPA's once the ranks' chunks are put back in order; compiled too."""
+    rounding, and whole-sequence causal SDPA's once the ranks' chunks are put back in order; compiled too. The keys
+    and values come strided, as `context_attention` gathers them."""
     torch.manual_seed(0)
     cp, batch, seq = 2, 2, 1024
     device = torch.device("cuda", 0)
@@ -167,6 +168,10 @@ def test_the_cuda_kernels_attend_the_chunks_as_the_reference_does(heads, kv_head
     v = torch.randn(batch, seq, kv_heads, v_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad_out = torch.randn(batch, seq, heads, v_dim, device=device, dtype=torch.bfloat16)
     attend = torch.compile(attend_chunks, fullgraph=True) if compiled else attend_chunks
+    # The layout `context_attention` hands the kernels: the gathered keys and values one tokens-first tensor,
+    # seen batch-first and split along the last dim (strided, not contiguous).
+    kv = torch.cat([k.transpose(0, 1), v.transpose(0, 1)], dim=-1).transpose(0, 1)
+    k_all, v_all = kv[..., :dim], kv[..., dim:]
 
     def run(fn):
         out = torch.empty(batch, seq, heads, v_dim, device=device, dtype=torch.float32)
@@ -174,7 +179,7 @@ def test_the_cuda_kernels_attend_the_chunks_as_the_reference_does(heads, kv_head
         for rank in range(cp):
             group = ContextParallel(None, cp, rank)
             where = group.positions(seq).to(device)
-            got = fn(q[:, where], k, v, group)
+            got = fn(q[:, where], k_all, v_all, group)
             out[:, where] = got.detach().float()
             loss = loss + (got.float() * grad_out[:, where].float()).sum()
         return [out, *torch.autograd.grad(loss, (q, k, v))]

@@ -119,7 +119,7 @@ class SequenceShare:
 
     def batch(self, indices: np.ndarray, epochs: np.ndarray | None = None) -> Batch:
         tokens, targets = self.dataset.batch(indices, epochs)
-        return tokens[:, self.positions].contiguous(), targets[:, self.positions].contiguous()
+        return tokens[:, self.positions], targets[:, self.positions]  # (indexing copies: contiguous already)
 
     def where(self) -> str:
         return self.dataset.where()

@@ -46,7 +46,7 @@ def gather_sequence(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
         return x
     batch, local = x.shape[:2]
     rest = x.shape[2:]
-    rows = x.transpose(0, 1).reshape(local, -1)  # tokens first: the gather is one contiguous all-gather
+    rows = x.transpose(0, 1).reshape(local, -1)  # tokens first (a view where x is one already): one all-gather
     gathered = gather_from_sp(rows, cp.collective_group())  # (cp x local, B x rest), rank by rank
     chunks = gathered.view(2 * cp.size, local // 2, -1)
     # In sequence order: one copy, its chunks picked by host-side indices (no index tensor to move to the device)
@@ -59,7 +59,9 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Con
     """Causal attention of this rank's queries (B, T / cp, heads, dim), in its local chunk order, to the whole
     sequences' keys and values, given as this rank's (B, T / cp, kv heads, dim). Returns (B, T / cp, heads, v dim)."""
     kv_width = k.shape[-1]
-    kv = gather_sequence(torch.cat([k, v], dim=-1), cp)  # one gather for both
+    # One copy, tokens first, for one gather of both: `gather_sequence` then sends it without another copy.
+    kv = torch.cat([k.transpose(0, 1), v.transpose(0, 1)], dim=-1).transpose(0, 1)
+    kv = gather_sequence(kv, cp)  # (B, T, kv heads, dim + v dim): a view of the gathered tokens-first rows
     return attend_chunks(q, kv[..., :kv_width], kv[..., kv_width:], cp, scale)
 
 
