@@ -89,6 +89,8 @@ def lower_right_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     groups = q.shape[2] // k.shape[2]  # the memory-efficient kernel (MLA's narrower values) takes equal heads
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+    else:  # contiguous: compiled, torch's shape rule for its backward gives the key's gradient the key's strides,
+        k, v = k.contiguous(), v.contiguous()  # which the kernel does not write (H100, torch 2.11)
     return torch.ops.aten._efficient_attention_forward(
         q, k, v, None, None, None, lq, lk, 0.0, 2, torch.is_grad_enabled(), scale=scale)[0]  # 2: bottom-right causal
 
