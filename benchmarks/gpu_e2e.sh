@@ -31,7 +31,9 @@
 # on it; tests_resume: a run under CUDA graphs resumed in a new process, hopper, deepgemm and auto; auto_deepgemm:
 # that test and the ~1B step on `auto` where DeepGEMM is installed, the backend it chose in the summary; auto_steps: the
 # ~1B, 8B-layer and MoE steps on it; qk_norm_steps: the ~1B with Qwen's query/key norms and q/k/v bias;
-# recompute_layers_steps: the ~1B with all, half and none of its blocks recomputed; tests_session55: the GPU tests of
+# recompute_layers_steps: the ~1B with all, half and none of its blocks recomputed; moe_auto: the MoE step on it
+# MOE_REPEATS times (default 2) as train_step.py runs it, then once with the router balanced (as moe_balanced);
+# tests_session55: the GPU tests of
 # context parallelism's kernels, profiling and the unfused QKV path), clocks and
 # power sampled during
 # the 8B-layer steps (clocks_8b), SwiGLU backward's column
@@ -417,6 +419,21 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
           --model $model --recipes bf16 fp8
         grep -h "fp8: backend\|fp8: auto" "$LOGS/auto_$model.log" | sort -u >> "$OUT/summary.md"
       done ;;
+    moe_auto)  # issue 19's MoE step on `auto` where DeepGEMM is installed: MOE_REPEATS pairs (BF16, FP8) as
+               # train_step.py runs it (the router not balanced), then one pair after MOE_WARMUP steps with the
+               # balancing bias moving MOE_BIAS_RATE a step (moe_balanced's settings); the logged backends to the summary
+      install_deepgemm
+      for i in $(seq "${MOE_REPEATS:-2}"); do
+        step moe_auto_$i python benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead \
+          --model moe --recipes bf16 fp8
+      done
+      if [ "${MOE_BALANCED:-1}" = 1 ]; then
+        warm=${MOE_WARMUP:-210}
+        step moe_auto_balanced python benchmarks/train_step.py --model moe --warmup "$warm" --steps $((warm + 30)) \
+          training.compile=true training.compile_mode=reduce-overhead \
+          model.moe.bias_update_rate="${MOE_BIAS_RATE:-0.01}" --recipes bf16 fp8
+      fi
+      grep -h "fp8: backend\|fp8: auto" "$LOGS"/moe_auto_*.log | sort -u >> "$OUT/summary.md" ;;
     tests_session55)  # the fifty-fifth session's GPU tests: context parallelism's kernels against their twin (eager
                       # and compiled), a profiled run's trace and allocator history, the unfused FP8 QKV + RoPE
                       # path (Qwen's query/key norms and q/k/v bias) under CUDA graphs
