@@ -279,19 +279,26 @@ def test_the_hopper_backend_runs_dense_fprop_and_dgrad_on_the_warp_specialized_k
 
 
 QWEN_ATTENTION = ["model.attention.qk_norm=true", "model.attention.qkv_bias=true"]  # the unfused FP8 QKV + RoPE
+RECOMPUTE = ["training.recompute=full"]
 
 
-@pytest.mark.parametrize("config, attention", [("tiny_dense_fp8", []), ("tiny_dense", []), ("tiny_moe_fp8", []),
-                                               ("tiny_moe_fp8:bf16", []), ("tiny_dense_fp8", QWEN_ATTENTION)],
-                         ids=["dense_fp8", "dense_bf16", "moe_fp8", "moe_bf16", "dense_fp8_qk_norm_qkv_bias"])
-def test_cuda_graphs_add_the_weight_gradients_into_main_grad_like_eager(tiny_overrides, config, attention):
+@pytest.mark.parametrize("config, extra", [
+    ("tiny_dense_fp8", []), ("tiny_dense", []), ("tiny_moe_fp8", []), ("tiny_moe_fp8:bf16", []),
+    ("tiny_dense_fp8", QWEN_ATTENTION), ("tiny_dense_fp8", RECOMPUTE), ("tiny_dense", RECOMPUTE),
+    ("tiny_moe_fp8", RECOMPUTE), ("tiny_dense_fp8", RECOMPUTE + ["training.recompute_layers=1"])],
+    ids=["dense_fp8", "dense_bf16", "moe_fp8", "moe_bf16", "dense_fp8_qk_norm_qkv_bias", "dense_fp8_recompute",
+         "dense_bf16_recompute", "moe_fp8_recompute", "dense_fp8_recompute_one_block"])
+def test_cuda_graphs_add_the_weight_gradients_into_main_grad_like_eager(tiny_overrides, config, extra):
     """Compiled blocks under CUDA graphs (`compile_mode: reduce-overhead`) add their weight gradients, FP8 and BF16,
     dense and MoE (the experts' grouped GEMMs inside the graphs), into main_grad inside the graphs, four micro-batches
     a step: the same gradient norms and losses as eager steps (a gradient added into a graph-owned copy instead would
     show as a different norm), and Inductor skipped CUDA graphs for none of the blocks (a skip would run them
     compiled without graphs and pass the comparison). Evaluation runs in between (no grad: other graphs) and gives
     the eager validation losses. With Qwen's query/key norms and q/k/v bias, FP8's QKV projection and RoPE run
-    unfused (their own quantizers and RoPE's autograd backward) under the same check."""
+    unfused (their own quantizers and RoPE's autograd backward) under the same check. With activation recomputation
+    (every block, or the first only) the recomputed blocks' compiled backward recomputes them inside the graphs;
+    checkpointing around the compiled blocks instead replayed their graphs inside backward and overwrote the other
+    blocks' outputs (every such run stopped at its first step, job HQ)."""
     from torch._dynamo.utils import counters
 
     from megafp8.config import load_config
@@ -301,10 +308,10 @@ def test_cuda_graphs_add_the_weight_gradients_into_main_grad_like_eager(tiny_ove
     runs, evals = {}, {}
     config, _, recipe = config.partition(":")
     for mode in ("eager", "reduce-overhead"):
-        extra = [] if mode == "eager" else ["training.compile=true", f"training.compile_mode={mode}"]
-        extra += ([f"precision.recipe={recipe}"] if recipe else []) + attention
+        mode_extra = [] if mode == "eager" else ["training.compile=true", f"training.compile_mode={mode}"]
+        mode_extra += ([f"precision.recipe={recipe}"] if recipe else []) + extra
         cfg = load_config(config, tiny_overrides + ["training.steps=6", "training.eval_interval=3",
-                                                     "logging.log_interval=1"] + extra)
+                                                     "logging.log_interval=1"] + mode_extra)
         torch._dynamo.reset()
         counters.clear()
         records = Trainer(cfg, ParallelDims.single(), CUDA).fit()

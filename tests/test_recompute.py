@@ -21,6 +21,13 @@ MOE = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.h
        "model.vocab_size=512", "model.moe.ffn_hidden_size=128", "model.moe.aux_loss_coeff=0.01"]
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from scratch: Dynamo's cache of a function (eight entries) lasts the whole process, and the
+    blocks' compiled functions are one code object for every model; earlier tests' models would fill it."""
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("config, extra", [("tiny_dense", []), ("tiny_moe_fp8", MOE)], ids=["dense", "moe"])
 def test_recomputation_gives_the_same_losses_gradients_and_expert_loads(parity, config, extra):
     """FP32: recomputed blocks give bit-identical gradients and losses; the routers count each token once (the
@@ -34,8 +41,9 @@ def test_recomputation_gives_the_same_losses_gradients_and_expert_loads(parity, 
             assert b["moe_dropped_tokens"] == 0  # counted once: a double count would show as negative drops
 
 
-def kept_for_backward(model, tokens) -> tuple[int, torch.Tensor]:
-    """(bytes autograd keeps for backward during the forward of `model` on `tokens`, the loss)."""
+def kept_for_backward(model, tokens=None) -> tuple[int, torch.Tensor]:
+    """(bytes autograd keeps for backward during the forward of `model` on `tokens`, the loss); with `tokens` None,
+    `model` is a function of nothing and its result is returned."""
     total = 0
 
     def pack(t):
@@ -43,7 +51,7 @@ def kept_for_backward(model, tokens) -> tuple[int, torch.Tensor]:
         total += t.numel() * t.element_size()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(tokens, tokens)
+        loss = model() if tokens is None else model(tokens, tokens)
     return total, loss
 
 
@@ -114,6 +122,122 @@ def test_recompute_layers_needs_full_recomputation_and_a_count_the_model_has(tin
                                                         "training.recompute=full", f"training.recompute_layers={n}"])
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_a_compiled_recomputed_block_keeps_only_its_input(tiny_overrides, recipe):
+    """Compiled with recomputation, a block is one compiled function under checkpointing: what it keeps for backward
+    per token is its input, as eager checkpointing keeps (measured as what doubling the batch adds: the parameters,
+    FP8 weight caches and the RNG state the compiled checkpoint also references do not grow with it); its output and
+    input gradient are eager's."""
+    from megafp8.model import Fp8Converter
+
+    full = load_config("tiny_dense", tiny_overrides + ["model.num_layers=1", "model.vocab_size=512",
+                                                       f"precision.recipe={recipe}"])
+    cfg, recipe_ = full.model, PrecisionRecipe.from_config(full.precision)
+    model = Transformer(cfg, recipe_, 64)
+    init_weights(model, cfg, 0)
+    Fp8Converter(full.precision, recipe_, cfg.num_layers).convert(model)
+    block = model.layers[0]
+    assert any(getattr(m, "runs_fp8", False) for m in block.modules()) == (recipe == "fp8")
+    inputs = {batch: torch.randn(batch * 64, cfg.hidden_size, dtype=torch.bfloat16) for batch in (2, 4)}
+
+    def run(batch: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        leaf = inputs[batch].clone().requires_grad_(True)
+        kept, (out, _) = kept_for_backward(lambda: block(leaf, model.rope, batch, 64))
+        out.float().square().mean().backward()
+        return kept, out.detach(), leaf.grad
+
+    def per_two_sequences() -> tuple[int, torch.Tensor, torch.Tensor]:
+        (small, _, _), (large, out, grad) = run(2), run(4)
+        return large - small, out, grad
+
+    kept_eager, out_eager, grad_eager = per_two_sequences()
+    apply_recompute(model, "full")
+    kept_recomputed, _, grad_recomputed = per_two_sequences()
+    apply_compile(model, backend="aot_eager", recompute_in_graph=True)
+    assert model.layers[0].compiled_recomputation is not None
+    kept_compiled, out_compiled, grad_compiled = per_two_sequences()
+    input_bytes = inputs[2].numel() * inputs[2].element_size()
+    assert kept_recomputed == kept_compiled == input_bytes < 0.1 * kept_eager, (kept_eager, kept_compiled)
+    assert torch.equal(out_compiled, out_eager) and torch.equal(grad_compiled, grad_recomputed)
+
+
+def test_compiled_recomputation_counts_each_token_once_and_changes_no_number(parity):
+    """Compiled MoE blocks with recomputation: the routers count each token once (the forward graph's buffer update;
+    the recomputation inside the compiled backward does not repeat it), and the losses, gradients and balance
+    statistics are those of the same compiled run without recomputation (FP8 on the reference backend: compiled
+    MoE blocks need BF16 operands for `torch._grouped_mm`, so no FP32 run)."""
+    base = MOE + ["training.steps=3", "training.eval_interval=0", "model.num_layers=2", "training.compile=true",
+                  "logging.fp8_health_interval=0"]
+    plain, again = parity.check(base, ["training.recompute=full", "training.recompute_compiled=in_graph"], 1,
+                                EXACT_TOL, "tiny_moe_fp8")
+    for a, b in zip(plain.train, again.train):
+        assert a["moe_load_cv"] == b["moe_load_cv"] and a["moe_bias_abs_max"] == b["moe_bias_abs_max"]
+        assert b["moe_dropped_tokens"] == 0  # counted once: a double count would show as negative drops
+
+
+def test_recompute_under_cuda_graphs_needs_blocks_that_compile_whole(tiny_overrides):
+    """Recomputed blocks under CUDA graphs are recomputed inside their compiled backward, which needs the block in one
+    graph: layouts whose layers run eagerly inside the blocks (expert parallelism's experts, a zero-bubble
+    schedule's deferred weight gradients) are refused in one line that says what to change, and so is asking for
+    the recomputation around the compiled code; without CUDA graphs, or without those layouts, the same settings
+    load."""
+    from megafp8.config import ConfigError
+
+    graphed = ["training.compile=true", "training.compile_mode=reduce-overhead", "training.recompute=full"]
+    refusals = {"parallel.ep=2": r"parallel.ep=2 runs the experts eagerly inside them",
+                "parallel.pp=2 parallel.pp_schedule=dualpipev": r"parallel.pp_schedule=dualpipev defers weight "
+                                                                 r"gradients, whose layers run eagerly inside them"}
+    for layout, why in refusals.items():
+        with pytest.raises(ConfigError, match=r"training.recompute=full under CUDA graphs \(training.compile_mode="
+                                              rf"reduce-overhead\) needs blocks that compile into one graph, and {why}: "
+                                              r"set training.compile_mode=default, or training.recompute=none"):
+            load_config("tiny_moe_fp8", tiny_overrides + graphed + layout.split())
+        load_config("tiny_moe_fp8", tiny_overrides + graphed[:1] + graphed[2:] + layout.split())  # no graphs
+    for layout in ("parallel.pp=2", "parallel.pp=2 parallel.pp_schedule=1f1b", "parallel.tp=2"):
+        load_config("tiny_moe_fp8", tiny_overrides + graphed + layout.split())
+    with pytest.raises(ConfigError, match=r"training.recompute_compiled=around replays the compiled blocks inside "
+                                          r"backward, which CUDA graphs \(training.compile_mode=reduce-overhead\) "
+                                          r"cannot: the replay overwrites the other blocks' outputs. Set "
+                                          r"training.recompute_compiled=auto, or training.compile_mode=default"):
+        load_config("tiny_moe_fp8", tiny_overrides + graphed + ["training.recompute_compiled=around"])
+
+
+def test_a_block_that_breaks_its_graph_recomputes_around_its_compiled_code(tiny_overrides):
+    """A compiled block whose code breaks its graph under checkpointing (here: its attention made eager) cannot be
+    traced whole: it recomputes by checkpointing around its compiled code, as eager code does (the same losses as
+    the eager run's recomputation), and says nothing; under CUDA graphs the same block is refused in one line."""
+    from megafp8.config import ConfigError
+
+    cfg = load_config("tiny_dense", tiny_overrides + ["model.num_layers=1", "model.vocab_size=512"]).model
+    x = torch.randn(2 * 64, cfg.hidden_size, dtype=torch.bfloat16)
+
+    def block_breaking_its_graph(compiled: bool):
+        model = Transformer(cfg, PrecisionRecipe.from_name("bf16"), 64)
+        init_weights(model, cfg, 0)
+        model.layers[0].attn.forward = torch.compiler.disable(model.layers[0].attn.forward)
+        apply_recompute(model, "full")
+        if compiled:
+            apply_compile(model, backend="aot_eager", recompute_in_graph=True)
+        return model.layers[0], model.rope
+
+    def grad(block, rope) -> torch.Tensor:
+        leaf = x.clone().requires_grad_(True)
+        block(leaf, rope, 2, 64)[0].float().square().mean().backward()
+        return leaf.grad
+
+    eager = grad(*block_breaking_its_graph(compiled=False))
+    block, rope = block_breaking_its_graph(compiled=True)
+    assert block.compiled_recomputation is not None
+    assert torch.equal(grad(block, rope), eager) and block.compiled_recomputation is None  # fell back for good
+    assert torch.equal(grad(block, rope), eager)
+    block, rope = block_breaking_its_graph(compiled=True)
+    block.under_cuda_graphs = True
+    with pytest.raises(ConfigError, match=r"training.recompute under CUDA graphs .* needs blocks that compile into "
+                                          r"one graph, and this block cannot be traced whole \(.*\): set "
+                                          r"training.compile_mode=default, or training.recompute=none"):
+        grad(block, rope)
+
+
 @pytest.mark.parametrize("config, recipe", [("tiny_dense", "bf16"), ("tiny_dense", "fp8"), ("tiny_moe_fp8", "fp8")])
 def test_compiled_blocks_train_like_eager_blocks(parity, config, recipe):
     """training.compile: the blocks run through torch.compile (FP8 linears as custom ops inside; a MoE block whole,
@@ -141,12 +265,12 @@ def test_a_dense_fp8_block_compiles_into_one_graph(tiny_overrides):
 
 
 def test_compile_mode_reaches_torch_compile(tiny_overrides, monkeypatch):
-    """`training.compile_mode` is the mode every block is compiled with (`default` passes none), by Inductor. With
-    `training.compile_comm_overlap` the mode's options are spelled out (torch.compile takes a mode or options, not
-    both) with Inductor's comm/compute reordering added."""
+    """`training.compile_mode` is the mode every block is compiled with (`default` passes none), by Inductor, its
+    recomputed form too. With `training.compile_comm_overlap` the mode's options are spelled out (torch.compile takes
+    a mode or options, not both) with Inductor's comm/compute reordering added."""
     calls = []
 
-    def recording_compile(fn, mode=None, options=None, backend="inductor"):
+    def recording_compile(fn, mode=None, options=None, backend="inductor", fullgraph=False):
         calls.append((mode, options) if backend == "inductor" else backend)
         return fn
 
@@ -264,11 +388,13 @@ def test_compiled_blocks_prepare_layers_that_switch_to_fp8_later(tiny_overrides)
     assert caches and all(c.prepared and c.quantize_count == 2 for c in caches)
 
 
-def test_every_compiled_fp8_block_runs_one_shared_graph_across_steps(tiny_overrides):
+@pytest.mark.parametrize("recompute_compiled", ["around", "in_graph"])
+def test_every_compiled_fp8_block_runs_one_shared_graph_across_steps(tiny_overrides, recompute_compiled):
     """Nine compiled FP8 blocks, each reading its own weight caches, over steps that re-quantize every weight: one
     Dynamo graph for all of them and no recompilation (guards on each cache's address would need one graph per
-    block and pass the limit of 8). The first four recompute (`training.recompute_layers`): recomputation wraps the
-    compiled code, so they share the graph too."""
+    block and pass the limit of 8). The first four recompute (`training.recompute_layers`): around the compiled
+    code they share its graph; in the compiled backward they share one more function, their forward under
+    checkpointing."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -276,19 +402,23 @@ def test_every_compiled_fp8_block_runs_one_shared_graph_across_steps(tiny_overri
     trainer = Trainer(load_config("tiny_dense", tiny_overrides + [
         "precision.recipe=fp8", "training.compile=true", "model.num_layers=9", "training.steps=3",
         "training.eval_interval=0", "logging.fp8_health_interval=0", "training.recompute=full",
-        "training.recompute_layers=4"]), ParallelDims.single(), torch.device("cpu"))
+        "training.recompute_layers=4", f"training.recompute_compiled={recompute_compiled}"]),
+        ParallelDims.single(), torch.device("cpu"))
     assert len(trainer.model.layers) > torch._dynamo.config.recompile_limit
     assert [block.recompute for block in trainer.model.layers.values()] == [True] * 4 + [False] * 5
+    in_graph = recompute_compiled == "in_graph"
     with _fail_on_recompile_limit():
         trainer.fit()
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == 1 + in_graph
+    assert all((block.compiled_recomputation is not None) == in_graph for block in trainer.model.layers.values())
     assert all(m.fp8_cache.quantize_count == 3 for m in trainer.model.modules() if getattr(m, "runs_fp8", False))
 
 
 def test_blocks_know_when_their_compile_mode_uses_cuda_graphs(tiny_overrides, monkeypatch):
     """Every mode whose Inductor options turn CUDA graphs on (`reduce-overhead`, `max-autotune`) marks the compiled
     blocks, which then copy their outputs out of the graph pool in evaluation (`Block._outside_the_graph_pool`; the
-    copy itself runs on CUDA only: `tests/test_fp8_gpu.py` evaluates under CUDA graphs)."""
+    copy itself runs on CUDA only: `tests/test_fp8_gpu.py` evaluates under CUDA graphs), and makes `auto`
+    recompute them inside their compiled backward."""
     from megafp8.model.transformer import Block, uses_cuda_graphs
 
     assert [uses_cuda_graphs(m) for m in ("default", "reduce-overhead", "max-autotune",
@@ -300,3 +430,10 @@ def test_blocks_know_when_their_compile_mode_uses_cuda_graphs(tiny_overrides, mo
                           ParallelDims.single(), torch.device("cpu"))
         blocks = [m for m in trainer.model.modules() if isinstance(m, Block)]
         assert blocks and all(b.under_cuda_graphs == graphs for b in blocks), mode
+        # `training.recompute_compiled`: `auto` recomputes inside the compiled backward under CUDA graphs only
+        for how in ("auto", "in_graph") + (("around",) if not graphs else ()):
+            trainer = Trainer(load_config("tiny_dense", tiny_overrides + [
+                "training.compile=true", f"training.compile_mode={mode}", "training.recompute=full",
+                f"training.recompute_compiled={how}"]), ParallelDims.single(), torch.device("cpu"))
+            in_graph = how == "in_graph" or (how == "auto" and graphs)
+            assert all((b.compiled_recomputation is not None) == in_graph for b in trainer.model.layers.values())

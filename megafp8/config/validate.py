@@ -233,11 +233,40 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("checkpoint.resume must be 'auto', 'none' or a checkpoint path")
     _check_alloc_conf(cfg.training.cuda_alloc_conf)
     _check_recompute_layers(cfg)
+    _check_recompute_under_graphs(cfg)
     _check_profiling(cfg)
     _check_run_name(cfg.run_name)
     if cfg.training.compile_mode != "default" and not cfg.training.compile:
         raise ConfigError(f"training.compile_mode={cfg.training.compile_mode} needs training.compile=true (nothing is "
                           "compiled otherwise): set it, or drop compile_mode")
+
+
+# The compile modes whose Inductor options put CUDA graphs around compiled code (`megafp8.model.uses_cuda_graphs` asks
+# torch itself; the config package does not import it), and the pipeline schedules whose layers defer their weight
+# gradients (`megafp8.parallel.pipeline.ZERO_BUBBLE`).
+_GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")
+_DEFERRING_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
+
+
+def _check_recompute_under_graphs(cfg: Config) -> None:
+    """Recomputed compiled blocks run under CUDA graphs only where they compile into one graph (their recomputation
+    is then part of the compiled backward); layers that run eagerly inside a block break its graph."""
+    t, par = cfg.training, cfg.parallel
+    if not (t.compile and t.compile_mode in _GRAPHED_COMPILE_MODES and t.recompute == "full"):
+        return
+    if t.recompute_compiled == "around":
+        raise ConfigError(f"training.recompute_compiled=around replays the compiled blocks inside backward, which CUDA "
+                          f"graphs (training.compile_mode={t.compile_mode}) cannot: the replay overwrites the other "
+                          f"blocks' outputs. Set training.recompute_compiled=auto, or training.compile_mode=default")
+    if par.ep > 1:
+        why = f"parallel.ep={par.ep} runs the experts eagerly inside them"
+    elif par.pp > 1 and par.pp_schedule in _DEFERRING_SCHEDULES:
+        why = f"parallel.pp_schedule={par.pp_schedule} defers weight gradients, whose layers run eagerly inside them"
+    else:
+        return
+    raise ConfigError(f"training.recompute=full under CUDA graphs (training.compile_mode={t.compile_mode}) needs "
+                      f"blocks that compile into one graph, and {why}: set training.compile_mode=default, or "
+                      f"training.recompute=none")
 
 
 def _check_recompute_layers(cfg: Config) -> None:

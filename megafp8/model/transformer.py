@@ -58,6 +58,9 @@ class Block(nn.Module):
         self.recompute = False  # set by `apply_recompute`
         self.prepared_linears: list[GemmLayer] = []  # set by `apply_compile`: the GEMM layers to prepare eagerly
         self.uncompiled_forward = None  # set by `apply_compile`: `_forward` as written, for observed steps
+        # Set by `apply_compile`: `_forward` under activation checkpointing, compiled as one function, so that the
+        # recomputation is part of the compiled backward (see `apply_compile`).
+        self.compiled_recomputation = None
         # Set by `apply_compile` in modes with CUDA graphs (`reduce-overhead`, `max-autotune`): see
         # `_outside_the_graph_pool`.
         self.under_cuda_graphs = False
@@ -80,10 +83,38 @@ class Block(nn.Module):
             layer.prepare_for_compiled()
         observed_uncompiled = self.observed and self.uncompiled_forward is not None
         run = self.uncompiled_forward if observed_uncompiled else self._forward
+        if self.recompute and torch.is_grad_enabled() and self.compiled_recomputation is not None \
+                and not observed_uncompiled:
+            try:
+                return self.compiled_recomputation(x, rope, batch, seq_len)
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.FailOnRecompileLimitHit) as untraceable:
+                self._recompute_around_the_compiled_code(untraceable)  # raised while tracing: nothing ran
         if (self.recompute or observed_uncompiled) and torch.is_grad_enabled():
             return checkpoint(run, x, rope, batch, seq_len, use_reentrant=False, context_fn=self._recompute_contexts)
         out, aux = run(x, rope, batch, seq_len)
         return self._outside_the_graph_pool(out), aux
+
+    def checkpointed_forward(self, x: torch.Tensor, rope: RotaryEmbedding, batch: int,
+                             seq_len: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`_forward` as written (the class's, not the compiled one `apply_compile` puts on the block) under
+        non-reentrant activation checkpointing: what `apply_compile` compiles for a recomputed block. Traced,
+        checkpointing becomes torch's checkpoint operator, and AOTAutograd keeps the input and recomputes the rest
+        inside the compiled backward."""
+        return checkpoint(type(self)._forward, self, x, rope, batch, seq_len, use_reentrant=False)
+
+    def _recompute_around_the_compiled_code(self, untraceable: Exception) -> None:
+        """A block whose compiled code breaks its graph (layers that run eagerly inside it: expert parallelism's
+        experts, weight gradients deferred by a zero-bubble schedule), or whose function ran out of Dynamo's
+        recompilations, cannot be traced under checkpointing: it recomputes by checkpointing around its compiled
+        code from now on, as eager code does. Under CUDA graphs that replays its graphs inside backward, which
+        overwrites the other blocks' outputs: refused in one line."""
+        self.compiled_recomputation = None
+        if self.under_cuda_graphs:
+            reason = str(untraceable).strip().splitlines()[0]
+            raise ConfigError(
+                f"training.recompute under CUDA graphs (training.compile_mode with graphs) needs blocks that compile "
+                f"into one graph, and this block cannot be traced whole ({reason}): set "
+                f"training.compile_mode=default, or training.recompute=none") from untraceable
 
     def _outside_the_graph_pool(self, out: torch.Tensor) -> torch.Tensor:
         """The block's output, copied out of the CUDA graphs' memory pool where no backward will follow (evaluation,
@@ -307,18 +338,32 @@ def recomputed_blocks(mode: str, layers: Optional[int], blocks: int) -> int:
 
 
 def apply_compile(model: nn.Module, mode: str = "default", backend: str = "inductor",
-                  comm_overlap: bool = False) -> int:
+                  comm_overlap: bool = False, recompute_in_graph: Optional[bool] = None) -> int:
     """`torch.compile` each transformer block's computation in `mode` with `backend` (MTP blocks included; parameter
     names unchanged). An FP8 linear enters the graph as custom ops (see `megafp8.precision.fp8_linear`), with its
     tensor-parallel collectives, reading the weight the block quantized eagerly before running (one that defers
-    its weight gradient runs eagerly inside the graph); activation recomputation wraps the compiled code.
+    its weight gradient runs eagerly inside the graph).
     `comm_overlap`: Inductor moves the graph's collectives and their waits to overlap computation (its
     `reorder_for_compute_comm_overlap` passes; traced, every collective is otherwise waited for at once).
+    `recompute_in_graph` (`training.recompute_compiled`): a block that recomputes compiles its forward under
+    checkpointing as one function, recomputed inside the compiled backward, instead of checkpointing around its
+    compiled code; None: where `mode` uses CUDA graphs (there the other way cannot run).
     Returns how many blocks were compiled."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
+    settings = _compile_settings(mode, comm_overlap)
+    in_graph = uses_cuda_graphs(mode) if recompute_in_graph is None else recompute_in_graph
     for block in blocks:
         block.uncompiled_forward = block._forward
-        block._forward = torch.compile(block._forward, backend=backend, **_compile_settings(mode, comm_overlap))
+        block._forward = torch.compile(block._forward, backend=backend, **settings)
+        # A recomputed block compiles its forward under activation checkpointing as one function (compiled at its
+        # first call, so only by blocks that recompute): AOTAutograd keeps the block's input and puts the
+        # recomputed forward into the compiled backward. Checkpointing around the compiled code instead runs the
+        # compiled forward a second time from Python inside backward: under CUDA graphs that replay overwrote the
+        # other blocks' outputs still waiting for their backward (every run with `recompute: full` and
+        # `reduce-overhead` stopped at its first step, job HQ), and without them its launches are host time (the
+        # ~1B FP8 step recomputed: GPU 56% busy). On the GPU the compiled form keeps more (`docs/performance.md`).
+        block.compiled_recomputation = (_compiled_recomputation(block.checkpointed_forward, backend, settings)
+                                        if in_graph else None)
         block.under_cuda_graphs = uses_cuda_graphs(mode)
         # Each forward first quantizes the block's changed FP8 weights, eagerly: once per weight version, not once
         # per micro-batch inside the graph; every linear gets a fresh alias of its FP32 main_grad to add its weight
@@ -326,6 +371,20 @@ def apply_compile(model: nn.Module, mode: str = "default", backend: str = "induc
         # recipe now: one may switch to FP8 later (`precision.fp8_start_step`).
         block.prepared_linears = [m for m in block.modules() if isinstance(m, GemmLayer)]
     return len(blocks)
+
+
+def _compiled_recomputation(checkpointed_forward, backend: str, settings: dict):
+    """A block's `checkpointed_forward`, compiled as one function: one code object for every block, as `_forward`
+    (a function of each block's own, say a `functools.partial` of its `_forward`, would recompile for each block).
+    Dynamo traces the forward's side effects (the MoE routers' token counts and statistics) once, in the forward
+    graph; by default it refuses to trace them under checkpointing (a graph break), since eager checkpointing
+    replays them when it recomputes. Here replaying them would be wrong (eager code switches the routers' counting
+    off while recomputing: `Block._recompute_contexts`), so the compiled function is traced and run with that
+    refusal off (`skip_fwd_side_effects_in_bwd_under_checkpoint`, which torchtitan sets for all its compiled code).
+    `fullgraph`: a graph break inside (which would run the checkpoint eagerly, replaying those side effects) raises
+    while tracing instead, before anything ran; `Block.forward` then recomputes around the compiled code."""
+    compiled = torch.compile(checkpointed_forward, backend=backend, fullgraph=True, **settings)
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(compiled)
 
 
 def uses_cuda_graphs(mode: str) -> bool:

@@ -173,8 +173,10 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
     init_weights(model, model_cfg, cfg.training.seed, tp)
     fp8.convert(model)
     if cfg.training.compile:
+        in_graph = {"auto": None, "in_graph": True, "around": False}[cfg.training.recompute_compiled]
         log.info("torch.compile (mode %s): %d blocks", cfg.training.compile_mode,
-                 apply_compile(model, cfg.training.compile_mode, comm_overlap=cfg.training.compile_comm_overlap))
+                 apply_compile(model, cfg.training.compile_mode, comm_overlap=cfg.training.compile_comm_overlap,
+                               recompute_in_graph=in_graph))
     recomputing = apply_recompute(model, cfg.training.recompute, cfg.training.recompute_layers)
     if recomputing:
         blocks = sum(isinstance(m, Block) for m in model.modules())
