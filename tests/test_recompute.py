@@ -202,6 +202,18 @@ def test_recompute_under_cuda_graphs_needs_blocks_that_compile_whole(tiny_overri
         load_config("tiny_moe_fp8", tiny_overrides + graphed + ["training.recompute_compiled=around"])
 
 
+def test_the_plan_says_where_the_compiled_recomputation_keeps_more_than_it_counts(tiny_overrides):
+    """The dry run's note on activations says so where blocks recompute inside their compiled backward (which kept
+    more on the GPU than the plan counts): under CUDA graphs with `auto`, or asked for; not otherwise."""
+    base = tiny_overrides + ["model.vocab_size=512", "training.compile=true", "training.recompute=full"]
+    cases = {(): False, ("training.compile_mode=reduce-overhead",): True, ("training.recompute_compiled=in_graph",): True,
+             ("training.compile_mode=max-autotune-no-cudagraphs",): False,
+             ("training.compile_mode=reduce-overhead", "training.recompute=none"): False}
+    for extra, said in cases.items():
+        note = make_plan(load_config("tiny_dense", base + list(extra)), 1).activations_note
+        assert ("recomputed inside the compiled backward" in note) == said, (extra, note)
+
+
 def test_a_block_that_breaks_its_graph_recomputes_around_its_compiled_code(tiny_overrides):
     """A compiled block whose code breaks its graph under checkpointing (here: its attention made eager) cannot be
     traced whole: it recomputes by checkpointing around its compiled code, as eager code does (the same losses as

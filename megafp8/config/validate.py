@@ -248,6 +248,16 @@ _GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 _DEFERRING_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
 
 
+def recomputes_in_compiled_graph(cfg: Config) -> bool:
+    """Whether recomputed blocks recompute inside their compiled backward (`training.recompute_compiled`, `auto`
+    resolved as `megafp8.model.apply_compile` resolves it: under CUDA graphs)."""
+    t = cfg.training
+    if not (t.compile and t.recompute == "full"):
+        return False
+    return t.recompute_compiled == "in_graph" or (t.recompute_compiled == "auto"
+                                                  and t.compile_mode in _GRAPHED_COMPILE_MODES)
+
+
 def _check_recompute_under_graphs(cfg: Config) -> None:
     """Recomputed compiled blocks run under CUDA graphs only where they compile into one graph (their recomputation
     is then part of the compiled backward); layers that run eagerly inside a block break its graph."""
