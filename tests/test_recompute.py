@@ -179,8 +179,8 @@ def test_recompute_under_cuda_graphs_needs_blocks_that_compile_whole(tiny_overri
     """Recomputed blocks under CUDA graphs are recomputed inside their compiled backward, which needs the block in one
     graph: layouts whose layers run eagerly inside the blocks (expert parallelism's experts, a zero-bubble
     schedule's deferred weight gradients) are refused in one line that says what to change, and so is asking for
-    the recomputation around the compiled code; without CUDA graphs, or without those layouts, the same settings
-    load."""
+    the recomputation around the compiled code (or choosing how to recompute where nothing compiled recomputes);
+    without CUDA graphs, or without those layouts, the same settings load."""
     from megafp8.config import ConfigError
 
     graphed = ["training.compile=true", "training.compile_mode=reduce-overhead", "training.recompute=full"]
@@ -195,6 +195,13 @@ def test_recompute_under_cuda_graphs_needs_blocks_that_compile_whole(tiny_overri
         load_config("tiny_moe_fp8", tiny_overrides + graphed[:1] + graphed[2:] + layout.split())  # no graphs
     for layout in ("parallel.pp=2", "parallel.pp=2 parallel.pp_schedule=1f1b", "parallel.tp=2"):
         load_config("tiny_moe_fp8", tiny_overrides + graphed + layout.split())
+    for setting, missing in ((["training.recompute=full"], "training.compile=true"),
+                             (["training.compile=true"], "training.recompute=full"),
+                             ([], "training.compile=true and training.recompute=full")):
+        with pytest.raises(ConfigError, match=rf"training.recompute_compiled=in_graph says how compiled blocks "
+                                              rf"recompute, and this run has none: set {missing}, or drop "
+                                              r"recompute_compiled"):
+            load_config("tiny_dense", tiny_overrides + setting + ["training.recompute_compiled=in_graph"])
     with pytest.raises(ConfigError, match=r"training.recompute_compiled=around replays the compiled blocks inside "
                                           r"backward, which CUDA graphs \(training.compile_mode=reduce-overhead\) "
                                           r"cannot: the replay overwrites the other blocks' outputs. Set "

@@ -262,6 +262,11 @@ def _check_recompute_under_graphs(cfg: Config) -> None:
     """Recomputed compiled blocks run under CUDA graphs only where they compile into one graph (their recomputation
     is then part of the compiled backward); layers that run eagerly inside a block break its graph."""
     t, par = cfg.training, cfg.parallel
+    if t.recompute_compiled != "auto" and not (t.compile and t.recompute == "full"):
+        missing = " and ".join(f"training.{key}={want}" for key, want, have in (
+            ("compile", "true", t.compile), ("recompute", "full", t.recompute == "full")) if not have)
+        raise ConfigError(f"training.recompute_compiled={t.recompute_compiled} says how compiled blocks recompute, and "
+                          f"this run has none: set {missing}, or drop recompute_compiled")
     if not (t.compile and t.compile_mode in _GRAPHED_COMPILE_MODES and t.recompute == "full"):
         return
     if t.recompute_compiled == "around":
