@@ -50,6 +50,17 @@ def test_a_moe_model_is_also_offered_expert_parallelism():
     assert "parallel.ep=2" in by[1, 1, 2].overrides
 
 
+def test_layouts_that_recomputation_under_cuda_graphs_cannot_run_are_not_offered():
+    """Recomputed blocks under CUDA graphs need blocks that compile whole: the search keeps expert parallelism's
+    layouts (the experts run eagerly inside the blocks) out of the fitting ones, each with the launch's reason."""
+    graphed = ["training.compile=true", "training.compile_mode=reduce-overhead", "training.recompute=full"]
+    by = _by_sizes(search_layouts(load_config("tiny_moe_fp8", ["model.vocab_size=512"] + graphed), 4, 80 * GIB))
+    assert by[1, 1, 1].fits and {ep for (tp, pp, ep) in by if (tp, pp) == (1, 1)} == {1, 2, 4}
+    for (tp, pp, ep), option in by.items():
+        if ep > 1:
+            assert not option.fits and "runs the experts eagerly inside them" in option.problem, option
+
+
 def test_long_sequences_are_offered_context_parallelism_when_asked(capsys):
     """`--max-cp`: each layout also with context parallelism up to that size; at 8K tokens a sequence on a GPU too
     small for plain data parallelism, CP=2 (the same degree as TP=2, preferred) fits and is recommended, the

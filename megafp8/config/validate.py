@@ -388,6 +388,7 @@ def validate_layout(cfg: Config, world_size: int) -> int:
     """The parallel layout's checks (sizes multiply out, shards on tile edges); returns the data-parallel size."""
     tp, ep, pp = cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.pp
     dp = data_parallel_size(world_size, tp, pp, ep)
+    _check_recompute_under_graphs(cfg)  # layout-dependent too: the layout search tries other EP sizes and schedules
     experts = cfg.model.moe.num_experts
     if ep > 1 and experts == 0:
         raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model: set model.moe.num_experts or "
