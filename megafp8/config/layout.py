@@ -10,6 +10,7 @@ import re
 from megafp8.config.errors import ConfigError
 
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, placed in a V
+ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")  # schedules with a separate weight-gradient pass
 _LAYERS = re.compile(r"t(?:\*(\d+))?")
 
 

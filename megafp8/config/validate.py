@@ -13,7 +13,7 @@ from typing import Optional
 
 from megafp8.config.architecture import approximate_parameters
 from megafp8.config.errors import ConfigError, divisors_near, nearest
-from megafp8.config.layout import V_SHAPED, layer_counts, micro_batch_problem
+from megafp8.config.layout import V_SHAPED, ZERO_BUBBLE, layer_counts, micro_batch_problem
 from megafp8.config.schema import Config, DataConfig, ModelConfig, RopeScalingConfig
 
 # The model.rope_scaling fields each scaling type reads (factor and original_max_position_embeddings: all).
@@ -242,15 +242,13 @@ def validate_config(cfg: Config) -> None:
 
 
 # The compile modes whose Inductor options put CUDA graphs around compiled code (`megafp8.model.uses_cuda_graphs` asks
-# torch itself; the config package does not import it), and the pipeline schedules whose layers defer their weight
-# gradients (`megafp8.parallel.pipeline.ZERO_BUBBLE`).
+# torch itself; the config package does not import it).
 _GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")
-_DEFERRING_SCHEDULES = ("interleaved_zb", "zbv", "dualpipev")
 
 
 def recomputes_in_compiled_graph(cfg: Config) -> bool:
     """Whether recomputed blocks recompute inside their compiled backward (`training.recompute_compiled`, `auto`
-    resolved as `megafp8.model.apply_compile` resolves it: under CUDA graphs)."""
+    resolved: under CUDA graphs); what the build hands `megafp8.model.apply_compile`."""
     t = cfg.training
     if not (t.compile and t.recompute == "full"):
         return False
@@ -275,7 +273,7 @@ def _check_recompute_under_graphs(cfg: Config) -> None:
                           f"blocks' outputs. Set training.recompute_compiled=auto, or training.compile_mode=default")
     if par.ep > 1:
         why = f"parallel.ep={par.ep} runs the experts eagerly inside them"
-    elif par.pp > 1 and par.pp_schedule in _DEFERRING_SCHEDULES:
+    elif par.pp > 1 and par.pp_schedule in ZERO_BUBBLE:
         why = f"parallel.pp_schedule={par.pp_schedule} defers weight gradients, whose layers run eagerly inside them"
     else:
         return

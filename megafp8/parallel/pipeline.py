@@ -30,7 +30,6 @@ from megafp8.config import ConfigError
 from megafp8.config.layout import V_SHAPED, layer_counts
 from megafp8.precision import GemmLayer, WeightGradQueue
 
-ZERO_BUBBLE = ("interleaved_zb", "zbv", "dualpipev")  # schedules with a separate weight-gradient pass
 
 
 @dataclass(frozen=True)

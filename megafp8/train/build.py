@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.config import Config, ModelConfig, describe_blocks, validate_config
+from megafp8.config.validate import recomputes_in_compiled_graph
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, validation_micro_batches
 from megafp8.data.dataset import SequenceShare
 from megafp8.data.blend import TrainingMixture, ValidationMixture, read_metas
@@ -173,10 +174,9 @@ def build_model(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, de
     init_weights(model, model_cfg, cfg.training.seed, tp)
     fp8.convert(model)
     if cfg.training.compile:
-        in_graph = {"auto": None, "in_graph": True, "around": False}[cfg.training.recompute_compiled]
         log.info("torch.compile (mode %s): %d blocks", cfg.training.compile_mode,
                  apply_compile(model, cfg.training.compile_mode, comm_overlap=cfg.training.compile_comm_overlap,
-                               recompute_in_graph=in_graph))
+                               recompute_in_graph=recomputes_in_compiled_graph(cfg)))
     recomputing = apply_recompute(model, cfg.training.recompute, cfg.training.recompute_layers)
     if recomputing:
         blocks = sum(isinstance(m, Block) for m in model.modules())

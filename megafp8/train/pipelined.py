@@ -12,10 +12,10 @@ from typing import Sequence
 
 import torch
 
+from megafp8.config.layout import ZERO_BUBBLE
 from megafp8.model import PipelineChunk, Transformer
 from megafp8.parallel import ParallelDims
 from megafp8.parallel.pipeline import (
-    ZERO_BUBBLE,
     PipelineLayout,
     attach_wgrad_queue,
     bubble_fraction,
