@@ -31,7 +31,7 @@ from pathlib import Path
 
 
 MEMORY_COLUMNS = ("peak GiB, with warm-up", "held GiB, steady")  # train_step.py's, compared where it prints them
-LOAD_COLUMN = "expert load: cv, busiest / mean"  # train_step.py's, for MoE models: shown with each run's figures
+LOAD_COLUMN = "expert load: cv, busiest / mean, idle"  # train_step.py's, for MoE models: shown with each run's figures
 
 
 def parse_column(table: str, column: str) -> dict[str, float]:

@@ -198,7 +198,8 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
             "graph_breaks": sum(counters["graph_break"].values()), "planned_gib": plan.total_bytes / 2**30,
             "per_rank": [(steady, planned) for steady, _, planned, _ in per_rank], "bubble": bubble, "held_gib": held,
             "expert_load": ((statistics.median(r["moe_load_cv"] for r in records),
-                             statistics.median(r["moe_load_max_over_mean"] for r in records))
+                             statistics.median(r["moe_load_max_over_mean"] for r in records),
+                             statistics.median(r["moe_idle_experts"] for r in records))
                             if "moe_load_cv" in records[0] else None)}
 
 
@@ -247,7 +248,7 @@ def table(rows: list[dict]) -> str:
     best_bf16 = max((r["tokens_per_s"] for r in rows if r["recipe"] == "bf16"), default=None)
     lines = ["| model | recipe | ranks | step (s) | tokens/s | vs BF16 | TFLOP/s per device | MFU | peak GiB, steady | "
              "peak GiB, with warm-up | final loss | graph breaks | planned GiB | steady / planned | "
-             "per rank: steady / planned GiB | held GiB, steady | tokens/s per GPU | expert load: cv, busiest / mean | "
+             "per rank: steady / planned GiB | held GiB, steady | tokens/s per GPU | expert load: cv, busiest / mean, idle | "
              "bubble, theoretical |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -256,7 +257,8 @@ def table(rows: list[dict]) -> str:
         measured = f"{r['peak_gib'] / r['planned_gib']:.2f}" if r["peak_gib"] else "n/a"
         ranks = ", ".join(f"{steady:.2f} / {planned:.2f}" for steady, planned in r["per_rank"])
         bubble = f"{100 * r['bubble']:.1f}%" if r["bubble"] is not None else "-"
-        load = f"{r['expert_load'][0]:.2f}, {r['expert_load'][1]:.2f}x" if r.get("expert_load") else "-"
+        load = (f"{r['expert_load'][0]:.2f}, {r['expert_load'][1]:.2f}x, {100 * r['expert_load'][2]:.0f}%"
+                if r.get("expert_load") else "-")
         lines.append(f"| {r['model']} | {r['recipe']} | {r['ranks']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
                      f"{ratio} | {r['tflops']:.1f} | {mfu} | {r['peak_gib']:.2f} | {r['warmup_peak_gib']:.2f} | "
                      f"{r['loss']:.4f} | {r['graph_breaks']} | {r['planned_gib']:.2f} | {measured} | {ranks} | "

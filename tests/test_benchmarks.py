@@ -475,14 +475,14 @@ def test_ab_steps_shows_each_moe_runs_expert_load_beside_its_figure():
     import train_step
     row = dict(model="moe", ranks=1, step_s=0.15, tflops=600.0, mfu=0.6, peak_gib=20.0, warmup_peak_gib=30.0,
                loss=3.1, graph_breaks=0, planned_gib=21.0, per_rank=[(20.0, 21.0)], held_gib=40.0, bubble=None)
-    table = train_step.table([dict(row, recipe="bf16", tokens_per_s=95482.0, expert_load=(1.16, 7.97)),
+    table = train_step.table([dict(row, recipe="bf16", tokens_per_s=95482.0, expert_load=(1.16, 7.97, 0.625)),
                               dict(row, recipe="fp8", tokens_per_s=122413.0, expert_load=None)])
-    assert ab_steps.parse_cells(table, ab_steps.LOAD_COLUMN) == {"bf16": "1.16, 7.97x", "fp8": "-"}
+    assert ab_steps.parse_cells(table, ab_steps.LOAD_COLUMN) == {"bf16": "1.16, 7.97x, 62%", "fp8": "-"}
     assert ab_steps.parse_column(table, "held GiB, steady") == {"bf16": 40.0, "fp8": 40.0}
 
 
 def test_ab_steps_prints_a_moe_runs_expert_load_with_its_tokens_per_s(tmp_path):
-    stand_in = '''print("| model | recipe | ranks | tokens/s | expert load: cv, busiest / mean |")
+    stand_in = '''print("| model | recipe | ranks | tokens/s | expert load: cv, busiest / mean, idle |")
 print("|---|---|---|---|---|")
 print("| moe | bf16 | 1 | 95,000 | 1.16, 7.97x |")
 print("| moe | fp8 | 1 | 120,000 | 0.20, 1.40x |")

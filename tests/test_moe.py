@@ -308,3 +308,18 @@ def _tokens_as_rows(tokens: int, k: int, hidden: int) -> RowSource:
     row_to_source = torch.randperm(tokens * k, generator=g) // k
     source_to_rows = torch.argsort(row_to_source, stable=True).view(tokens, k)
     return RowSource(source, row_to_source, source_to_rows)
+
+
+def test_expert_load_stats_give_the_spread_the_busiest_and_the_idle_share():
+    """The balance figures the log and `train_step.py` print, on two layers of four experts (mean 4 each)."""
+    from megafp8.model.moe import expert_load_stats
+    from megafp8.train.metrics import format_step_line
+    stats = expert_load_stats(torch.tensor([[4.0, 4.0, 4.0, 4.0], [16.0, 0.0, 0.0, 0.0]]))
+    assert stats["moe_load_max_over_mean"] == 4.0 and stats["moe_load_min_over_mean"] == 0.0
+    assert stats["moe_idle_experts"] == 3 / 8
+    assert abs(stats["moe_load_cv"] - (0 + 3 ** 0.5) / 2) < 1e-6
+    assert stats == expert_load_stats(torch.tensor([[4.0, 4.0, 4.0, 4.0], [0.0, 0.0, 16.0, 0.0]]))
+    assert expert_load_stats(torch.ones(2, 4))["moe_idle_experts"] == 0.0
+    record = dict(step=3, loss=2.0, lr=1e-4, grad_norm=1.0, tokens_per_s=1e3, mfu=None, elapsed_s=1, remaining_s=1,
+                  **stats)
+    assert "| expert load cv 0.87 max 4.00x idle 38% |" in format_step_line(record, 10)

@@ -390,3 +390,78 @@ def test_the_hopper_backends_grouped_fprop_and_dgrad_reach_the_kernel_with_its_f
     backend.grouped_gemm_1x128_128x128(a, a_scale, w, False, expert_rows([128, 128], torch.device("cpu")),
                                        torch.bfloat16)
     assert len(calls) == 1 and calls[0]["interleave_ffma"] is interleave and calls[0]["b_blockwise"]
+
+
+# The weight transpose's kernel with experts left out, run by Triton's CPU interpreter (a subprocess: the
+# interpreter is chosen at import).
+INTERPRETED_TRANSPOSE = r'''
+import torch
+from megafp8.precision.kernels import quantize
+g = torch.Generator().manual_seed(0)
+e, n, k = 4, 256, 384
+q = (torch.randn(e, n, k, generator=g) * 50).to(torch.float8_e4m3fn)
+s = torch.rand(e, n // 128, k // 128, generator=g)
+qt = torch.full((e, k, n), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN bytes
+st = torch.full((e, k // 128, n // 128), float("nan"))
+quantize.transpose_blocks(q, s, qt, st, torch.tensor([2, 0, 5, 0], dtype=torch.int32))
+for i, used in enumerate((True, False, True, False)):
+    if used:
+        assert torch.equal(qt[i].view(torch.uint8), q[i].t().contiguous().view(torch.uint8)), i
+        assert torch.equal(st[i], s[i].t()), i
+    else:  # left exactly as it was
+        assert bool((qt[i].view(torch.uint8) == 0x7F).all()) and bool(st[i].isnan().all()), i
+quantize.transpose_blocks(q, s, qt, st)  # without the counts: every expert
+assert torch.equal(qt.view(torch.uint8), q.transpose(1, 2).contiguous().view(torch.uint8))
+assert torch.equal(st, s.transpose(1, 2))
+try:
+    quantize.transpose_blocks(q, s, qt, st, torch.ones(3, dtype=torch.int32))
+except ValueError as error:
+    assert "one entry per expert (4)" in str(error), error
+else:
+    raise AssertionError("a count per expert was not checked")
+print("ok")
+'''
+
+
+def test_the_weight_transpose_skips_experts_without_rows_in_the_interpreter(tmp_path):
+    """dgrad's w^T, made in each expert projection's backward, transposes only the experts with rows: the others'
+    bytes and scales are left as they were (no grouped GEMM reads them), the used ones are w's exact bytes
+    transposed, and without counts every expert is transposed. Triton's CPU interpreter runs the kernel."""
+    import os
+    import subprocess
+    import sys
+    triton = pytest.importorskip("triton")
+    from tests.conftest import REPO
+    script = tmp_path / "interpreted_transpose.py"
+    script.write_text(INTERPRETED_TRANSPOSE)
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.path.dirname(os.path.dirname(triton.__file__))]))
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced ops"])
+def test_the_grouped_dgrad_transposes_only_the_experts_with_rows(monkeypatch, traced):
+    """The grouped dgrad hands the layout's tiles per expert to the weight's transpose, eagerly and through the
+    traced custom ops (what compiled MoE blocks call), so a backend can skip idle experts (`transpose_blocks`)."""
+    from megafp8.precision.backends.reference import Fp8Backend
+    from megafp8.precision.expert_layout import expert_rows
+    from megafp8.precision.formats import E4M3
+    from megafp8.precision import fp8_ops, quantize as ref
+
+    seen = []
+    original = Fp8Backend._transpose_into
+
+    def recording(self, w, out, experts_used=None):
+        seen.append(None if experts_used is None else experts_used.tolist())
+        original(self, w, out, experts_used)
+    monkeypatch.setattr(Fp8Backend, "_transpose_into", recording)
+    backend = Fp8Backend()
+    rows = expert_rows([130, 0, 5], torch.device("cpu"))
+    w_host = torch.randn(3, 256, 128)
+    w = backend.empty_weight(w_host.shape, E4M3, torch.device("cpu"), transpose=False)
+    backend.quantize_weight_(w_host, w, E4M3, False)
+    dy, dy_scale = ref.quantize_1x128(torch.randn(rows.total, 256), E4M3)
+    k = fp8_ops.kernels("reference" if traced else backend, traced)
+    dx = k.grouped_gemm_1x128_128x128(dy, dy_scale, w, True, rows, torch.float32)
+    assert seen == [[2, 0, 1]] and dx.shape == (rows.total, 128)

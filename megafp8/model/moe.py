@@ -229,10 +229,12 @@ def routers(model: nn.Module) -> list[tuple[str, Router]]:
 
 
 def expert_load_stats(loads: torch.Tensor) -> dict[str, float]:
-    """(layers, experts) global assignment counts -> balance figures for the log."""
+    """(layers, experts) global assignment counts -> balance figures for the log (`moe_idle_experts`: the share of
+    (layer, expert) pairs that got no token)."""
     mean = loads.mean(dim=1)
     cv = loads.std(dim=1, unbiased=False) / mean.clamp(min=1e-9)
     return {"moe_load_cv": cv.mean().item(), "moe_load_max_over_mean": (loads.max(dim=1).values / mean).max().item(),
-            "moe_load_min_over_mean": (loads.min(dim=1).values / mean).min().item()}
+            "moe_load_min_over_mean": (loads.min(dim=1).values / mean).min().item(),
+            "moe_idle_experts": (loads == 0).float().mean().item()}
 
 

@@ -134,12 +134,13 @@ def _(weight, fmt, pow2, backend):
 
 
 @torch.library.custom_op("megafp8::transpose_weight", mutates_args=())
-def transpose_weight(w_fp8: torch.Tensor, w_scale: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backend(backend).transpose_weight(w_fp8, w_scale)
+def transpose_weight(w_fp8: torch.Tensor, w_scale: torch.Tensor, backend: str,
+                     experts_used: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backend(backend).transpose_weight(w_fp8, w_scale, experts_used)
 
 
 @transpose_weight.register_fake
-def _(w_fp8, w_scale, backend):
+def _(w_fp8, w_scale, backend, experts_used=None):
     *lead, n, k = w_fp8.shape
     fmt = next(f for f in FORMATS.values() if f.dtype == w_fp8.dtype)
     out = _backend(backend).empty_weight(torch.Size((*lead, k, n)), fmt, w_fp8.device, transpose=False)
@@ -278,8 +279,9 @@ class TracedKernels:
                                sin: torch.Tensor, seq_len: int, head_dim: int, fmt: Fp8Format, pow2: bool):
         return rope_backward_quantize(dq, dk, dv, cos, sin, seq_len, head_dim, fmt.name, pow2, self.backend)
 
-    def transpose_weight(self, w_fp8: torch.Tensor, w_scale: torch.Tensor):
-        return transpose_weight(w_fp8, w_scale, self.backend)
+    def transpose_weight(self, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                         experts_used: Optional[torch.Tensor] = None):
+        return transpose_weight(w_fp8, w_scale, self.backend, experts_used)
 
     def gemm_1x128_128x128(self, a, a_scale, b, b_scale, out_dtype: torch.dtype):
         return gemm_1x128_128x128(a, a_scale, b, b_scale, out_dtype, self.backend)
@@ -305,7 +307,7 @@ class TracedKernels:
         elif w.wt_fp8 is not None:
             b, b_scale = w.wt_fp8, w.wt_scale
         else:
-            b, b_scale = self.transpose_weight(w.w_fp8, w.w_scale)
+            b, b_scale = self.transpose_weight(w.w_fp8, w.w_scale, rows.tile_count)
         return grouped_gemm_1x128_128x128(a, a_scale, b, b_scale, rows.tile_expert, rows.tile_start, rows.tile_count,
                                           out_dtype, self.backend)
 

@@ -127,8 +127,9 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
     ]
     if record.get("skipped_steps"):  # non-finite gradients: the loss is that of the other steps
         parts.insert(2, f"{record['skipped_steps']} step(s) skipped")
-    if "moe_load_cv" in record:  # expert balance: spread of tokens per expert, and the busiest expert
-        parts.insert(4, f"expert load cv {record['moe_load_cv']:.2f} max {record['moe_load_max_over_mean']:.2f}x")
+    if "moe_load_cv" in record:  # expert balance: spread of tokens per expert, the busiest, the share without any
+        idle = f" idle {100 * record['moe_idle_experts']:.0f}%" if record.get("moe_idle_experts") else ""
+        parts.insert(4, f"expert load cv {record['moe_load_cv']:.2f} max {record['moe_load_max_over_mean']:.2f}x{idle}")
     return " | ".join(parts)
 
 

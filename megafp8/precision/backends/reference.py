@@ -157,23 +157,32 @@ class Fp8Backend:
                 out.wt_fp8.view(torch.uint8).copy_(_transposed_fp8(q).view(torch.uint8))
                 self.block_scales_nk(out.wt_scale).copy_(s.transpose(-2, -1))
 
-    def weight_transposed(self, w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    def weight_transposed(self, w: QuantizedWeight, experts_used: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """(w^T FP8, its block scales in the GEMM's layout): the kept transpose, or one made now from w's FP8
-        values (the same bits: 128x128 blocks are transpose-invariant) for the caller's GEMM only."""
+        values (the same bits: 128x128 blocks are transpose-invariant) for the caller's GEMM only.
+
+        `experts_used` (E,) on the device, for stacked expert weights made now: a backend may leave the part of an
+        expert whose entry is 0 unwritten (a grouped GEMM reads no expert without rows); the MoE benchmark's
+        collapsed routing leaves most experts without rows."""
         if w.wt_fp8 is not None:
             return w.wt_fp8, w.wt_scale
         *lead, n, k = w.w_fp8.shape
         out = self.empty_weight(torch.Size((*lead, k, n)), _format_of(w.w_fp8), w.w_fp8.device, transpose=False)
-        self._transpose_into(w, out)
+        self._transpose_into(w, out, experts_used)
         return out.w_fp8, out.w_scale
 
-    def transpose_weight(self, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def transpose_weight(self, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                         experts_used: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(w^T FP8, its block scales in the GEMM's layout), made now from w's FP8 values and block scales: what a
-        layer that keeps no transpose (`Fp8Recipe.keep_weight_transpose` false) hands its dgrad GEMM."""
-        return self.weight_transposed(QuantizedWeight(w_fp8, w_scale, None, None))
+        layer that keeps no transpose (`Fp8Recipe.keep_weight_transpose` false) hands its dgrad GEMM
+        (`experts_used` as in `weight_transposed`)."""
+        return self.weight_transposed(QuantizedWeight(w_fp8, w_scale, None, None), experts_used)
 
-    def _transpose_into(self, w: QuantizedWeight, out: QuantizedWeight) -> None:
-        """out.w_fp8, out.w_scale = w's FP8 values and block scales, transposed."""
+    def _transpose_into(self, w: QuantizedWeight, out: QuantizedWeight,
+                        experts_used: Optional[torch.Tensor] = None) -> None:
+        """out.w_fp8, out.w_scale = w's FP8 values and block scales, transposed (the definition transposes every
+        expert, whatever `experts_used` says)."""
         with torch.no_grad():
             out.w_fp8.view(torch.uint8).copy_(_transposed_fp8(w.w_fp8).view(torch.uint8))
             self.block_scales_nk(out.w_scale).copy_(self.block_scales_nk(w.w_scale).transpose(-2, -1))
@@ -202,7 +211,7 @@ class Fp8Backend:
                                    rows, out_dtype: torch.dtype) -> torch.Tensor:
         """Per expert e: A[rows of e] @ B[e]^T, with B = w (E, N, K) or, `transposed`, w^T (E, K, N). A in 1x128
         tiles, rows laid out by `rows` (`megafp8.precision.expert_layout.ExpertRows`)."""
-        b, b_scale = self.weight_transposed(w) if transposed else (w.w_fp8, w.w_scale)
+        b, b_scale = self.weight_transposed(w, rows.tile_count) if transposed else (w.w_fp8, w.w_scale)
         out = torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
         # The reference GEMMs by name: expert weights keep plain (E, N/128, K/128) scales on every backend, which a
         # subclass's own dense GEMM may not read.

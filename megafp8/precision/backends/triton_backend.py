@@ -78,9 +78,10 @@ class TritonBackend(Fp8Backend):
         self.quantizers.quantize_weight_(w, out.w_fp8, self.block_scales_nk(out.w_scale), out.wt_fp8 if kept else None,
                                          self.block_scales_nk(out.wt_scale) if kept else None, fmt, power_of_two)
 
-    def _transpose_into(self, w: QuantizedWeight, out: QuantizedWeight) -> None:
+    def _transpose_into(self, w: QuantizedWeight, out: QuantizedWeight,
+                        experts_used: Optional[torch.Tensor] = None) -> None:
         self.quantizers.transpose_blocks(w.w_fp8, self.block_scales_nk(w.w_scale), out.w_fp8,
-                                         self.block_scales_nk(out.w_scale))
+                                         self.block_scales_nk(out.w_scale), experts_used)
 
     def gemm_1x128_128x128(self, a, a_scale, b, b_scale, out_dtype):
         return self.gemms.gemm(a, a_scale, b, b_scale, True, out_dtype)
@@ -99,7 +100,7 @@ class TritonBackend(Fp8Backend):
         return blocks
 
     def grouped_gemm_1x128_128x128(self, a, a_scale, w, transposed, rows, out_dtype):
-        b, b_scale = self.weight_transposed(w) if transposed else (w.w_fp8, w.w_scale)
+        b, b_scale = self.weight_transposed(w, rows.tile_count) if transposed else (w.w_fp8, w.w_scale)
         if a.shape[0] == 0:
             return torch.zeros(0, b.shape[1], dtype=out_dtype, device=a.device)
         return self.gemms.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, out_dtype, kernel=self.grouped_kernel,

@@ -115,19 +115,25 @@ def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks,
 
 
 @triton.jit
-def _transpose_blocks_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks, stride_qe, stride_qn, stride_qte, stride_qtk,
-                             stride_se, stride_sn, stride_sk, stride_ste, stride_stn, stride_stk):
+def _transpose_blocks_kernel(q_ptr, s_ptr, qt_ptr, st_ptr, used_ptr, n_blocks, stride_qe, stride_qn, stride_qte,
+                             stride_qtk, stride_se, stride_sn, stride_sk, stride_ste, stride_stn, stride_stk,
+                             ONLY_USED: tl.constexpr):
     """One 128x128 block of an FP8 weight q[e] (N, K) and its scale, stored transposed into qt[e] (K, N), st
-    (the expert index in int64, as in `_quantize_weight_kernel`)."""
+    (the expert index in int64, as in `_quantize_weight_kernel`). With ONLY_USED, an expert whose count at
+    used_ptr[e] is 0 is left alone (no GEMM reads its transpose)."""
     e = (tl.program_id(1) // n_blocks).to(tl.int64)
     nb = tl.program_id(1) % n_blocks
     kb = tl.program_id(0)
-    n = nb * 128 + tl.arange(0, 128)
-    k = kb * 128 + tl.arange(0, 128)
-    q = tl.load(q_ptr + e * stride_qe + n[:, None] * stride_qn + k[None, :])
-    tl.store(qt_ptr + e * stride_qte + k[:, None] * stride_qtk + n[None, :], tl.trans(q))
-    scale = tl.load(s_ptr + e * stride_se + nb * stride_sn + kb * stride_sk)
-    tl.store(st_ptr + e * stride_ste + kb * stride_stn + nb * stride_stk, scale)
+    used = True
+    if ONLY_USED:
+        used = tl.load(used_ptr + e) != 0
+    if used:
+        n = nb * 128 + tl.arange(0, 128)
+        k = kb * 128 + tl.arange(0, 128)
+        q = tl.load(q_ptr + e * stride_qe + n[:, None] * stride_qn + k[None, :])
+        tl.store(qt_ptr + e * stride_qte + k[:, None] * stride_qtk + n[None, :], tl.trans(q))
+        scale = tl.load(s_ptr + e * stride_se + nb * stride_sn + kb * stride_sk)
+        tl.store(st_ptr + e * stride_ste + kb * stride_stn + nb * stride_stk, scale)
 
 
 # The weight kernels by Triton's JIT once per static signature, then compiled (`launch.FastLaunch`): the transpose
@@ -251,13 +257,19 @@ def quantize_weight_(w: torch.Tensor, q: torch.Tensor, s_nk: torch.Tensor, qt: O
                             dict(**tiles.format_constants(fmt), POW2=power_of_two, TRANSPOSE=transpose, num_warps=8))
 
 
-def transpose_blocks(q: torch.Tensor, s_nk: torch.Tensor, qt: torch.Tensor, st_nk: torch.Tensor) -> None:
+def transpose_blocks(q: torch.Tensor, s_nk: torch.Tensor, qt: torch.Tensor, st_nk: torch.Tensor,
+                     experts_used: Optional[torch.Tensor] = None) -> None:
     """An FP8 weight q (N, K) or (E, N, K) in 128x128 blocks -> qt (its transpose per expert) and the block
-    scales `s_nk` -> `st_nk` (views as in `quantize_weight_`), in place: one read of q, no arithmetic."""
+    scales `s_nk` -> `st_nk` (views as in `quantize_weight_`), in place: one read of q, no arithmetic.
+    `experts_used` (E,) integers on the device: only experts with a nonzero entry are transposed (the others'
+    part of qt and st_nk is left as it was)."""
     assert q.is_contiguous() and qt.is_contiguous(), "transpose_blocks needs row-major tensors"
     q3, qt3, s3, st3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (q, qt, s_nk, st_nk))
     experts, n, k = q3.shape
+    if experts_used is not None and experts_used.shape != (experts,):
+        raise ValueError(f"experts_used has shape {tuple(experts_used.shape)}; one entry per expert ({experts}) needed")
     check_offsets("transpose_blocks", q3[:1], qt3[:1])
     _TRANSPOSE_BLOCKS.launch((k // TILE, experts * (n // TILE)),
-                             (q3, s3, qt3, st3, n // TILE, q3.stride(0), q3.stride(1), qt3.stride(0), qt3.stride(1),
-                              *s3.stride(), *st3.stride()), dict(num_warps=8))
+                             (q3, s3, qt3, st3, s3 if experts_used is None else experts_used, n // TILE,
+                              q3.stride(0), q3.stride(1), qt3.stride(0), qt3.stride(1), *s3.stride(), *st3.stride()),
+                             dict(ONLY_USED=experts_used is not None, num_warps=8))
