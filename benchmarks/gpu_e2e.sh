@@ -33,8 +33,9 @@
 # ~1B, 8B-layer and MoE steps on it; qk_norm_steps: the ~1B with Qwen's query/key norms and q/k/v bias;
 # recompute_layers_steps: the ~1B with all, half and none of its blocks recomputed; moe_auto: the MoE step on it
 # MOE_REPEATS times (default 2) as train_step.py runs it, then once with the router balanced (as moe_balanced);
-# recompute_in_graph_memory: what the recomputation inside the compiled backward keeps (the ~1B, BF16, allocator
-# history of its first steps and the partitioner's graphs, in $OUT);
+# ab_moe_auto: $OLD against this tree on that step; recompute_in_graph_memory: what the recomputation inside the
+# compiled backward keeps (the ~1B, BF16, allocator history of its first steps and the partitioner's graphs, in $OUT);
+# recompute_in_graph_steps: its GPU test, then its ~1B steps compiled with and without CUDA graphs;
 # tests_session55: the GPU tests of
 # context parallelism's kernels, profiling and the unfused QKV path), clocks and
 # power sampled during
@@ -436,6 +437,12 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
           model.moe.bias_update_rate="${MOE_BIAS_RATE:-0.01}" --recipes bf16 fp8
       fi
       grep -h "fp8: backend\|fp8: auto" "$LOGS"/moe_auto_*.log | sort -u >> "$OUT/summary.md" ;;
+    ab_moe_auto)  # $OLD against this tree on `auto` where DeepGEMM is installed: the MoE step as train_step.py runs
+                  # it (CUDA graphs, BF16 and FP8 in each run), interleaved (ABBA), AB_REPEATS runs each
+      install_deepgemm
+      step ab_moe_auto python benchmarks/ab_steps.py --old "$OLD" --repeats "${AB_REPEATS:-1}" \
+        --timeout "${AB_RUN_TIMEOUT:-240}" -- --model moe training.compile=true training.compile_mode=reduce-overhead \
+        --recipes bf16 fp8 ;;
     recompute_in_graph_memory)  # the ~1B, BF16, every block recomputed inside its compiled backward
                                 # (`training.recompute_compiled=in_graph`, compiled without graphs): the allocator's
                                 # history of its first 3 steps (pytorch.org/memory_viz) and AOTAutograd's forward and
@@ -443,6 +450,16 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
       step recompute_in_graph_memory env TORCH_LOGS=aot_graphs python benchmarks/train_step.py training.compile=true \
         training.recompute=full training.recompute_compiled=in_graph logging.memory_snapshot_steps=3 \
         --model 1b --recipes bf16 --warmup 2 --steps 6 --out "$OUT/recompute_in_graph_runs" ;;
+    recompute_in_graph_steps)  # the ~1B, every block recomputed inside its compiled backward, compiled without
+                               # and with CUDA graphs, BF16 and FP8: tokens/s, peaks and held memory (the test of
+                               # the CUDA-graph cases first)
+      step tests_recompute_graphs python -m pytest -q -m gpu tests/test_fp8_gpu.py -k "like_eager and recompute" \
+        -p no:cacheprovider
+      for mode in default reduce-overhead; do
+        step "recompute_in_graph_$mode" python benchmarks/train_step.py training.compile=true \
+          training.compile_mode=$mode training.recompute=full training.recompute_compiled=in_graph --model 1b \
+          --recipes bf16 fp8
+      done ;;
     tests_session55)  # the fifty-fifth session's GPU tests: context parallelism's kernels against their twin (eager
                       # and compiled), a profiled run's trace and allocator history, the unfused FP8 QKV + RoPE
                       # path (Qwen's query/key norms and q/k/v bias) under CUDA graphs

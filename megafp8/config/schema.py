@@ -427,12 +427,12 @@ class TrainingConfig:
     recompute_compiled: RecomputeCompiled = setting(
         "auto",
         "With `compile: true` and `recompute: full`, where a compiled block's recomputation runs. `in_graph`: the "
-        "block's forward is compiled under checkpointing as one function and recomputed inside its compiled backward "
-        "(on one H100 the ~1B step ran 20-22% faster than `around`, but kept ~10 GiB more: 28.8 against 19.3 GiB "
-        "BF16, 31.1 against 20.4 FP8, `docs/performance.md`). `around`: checkpointing wraps the compiled code and "
-        "backward runs it again from Python (what eager code does; the planner's figures). `auto`: `in_graph` under "
-        "CUDA graphs (`compile_mode: reduce-overhead` or `max-autotune`), where `around` cannot run, else `around`. "
-        "A block whose layers run eagerly inside it (`parallel.ep` > 1, zero-bubble schedules) recomputes `around`.",
+        "block's forward is compiled under checkpointing as one function and recomputed inside its compiled backward, "
+        "keeping the block's input only (on one H100 the ~1B FP8 step ran 15% faster than `around` at the same "
+        "memory, BF16 3%, `docs/performance.md`). `around`: checkpointing wraps the compiled code and backward runs "
+        "it again from Python (what eager code does; not under CUDA graphs). `auto`: `in_graph` where the blocks "
+        "compile into one graph, `around` where layers run eagerly inside them (`parallel.ep` > 1, zero-bubble "
+        "schedules; refused under CUDA graphs). A block that cannot be traced whole recomputes `around`.",
     )
     recompute_layers: Optional[int] = setting(
         None,

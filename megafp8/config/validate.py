@@ -248,18 +248,30 @@ _GRAPHED_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
 def recomputes_in_compiled_graph(cfg: Config) -> bool:
     """Whether recomputed blocks recompute inside their compiled backward (`training.recompute_compiled`, `auto`
-    resolved: under CUDA graphs); what the build hands `megafp8.model.apply_compile`."""
+    resolved: wherever the blocks compile into one graph); what the build hands `megafp8.model.apply_compile`."""
     t = cfg.training
     if not (t.compile and t.recompute == "full"):
         return False
-    return t.recompute_compiled == "in_graph" or (t.recompute_compiled == "auto"
-                                                  and t.compile_mode in _GRAPHED_COMPILE_MODES)
+    if t.recompute_compiled != "auto":
+        return t.recompute_compiled == "in_graph"
+    return _layers_run_eagerly_in_blocks(cfg) is None
+
+
+def _layers_run_eagerly_in_blocks(cfg: Config) -> Optional[str]:
+    """Why the layout makes layers run eagerly inside the compiled blocks (so a block cannot compile into one
+    graph), or None."""
+    par = cfg.parallel
+    if par.ep > 1:
+        return f"parallel.ep={par.ep} runs the experts eagerly inside them"
+    if par.pp > 1 and par.pp_schedule in ZERO_BUBBLE:
+        return f"parallel.pp_schedule={par.pp_schedule} defers weight gradients, whose layers run eagerly inside them"
+    return None
 
 
 def _check_recompute_under_graphs(cfg: Config) -> None:
     """Recomputed compiled blocks run under CUDA graphs only where they compile into one graph (their recomputation
     is then part of the compiled backward); layers that run eagerly inside a block break its graph."""
-    t, par = cfg.training, cfg.parallel
+    t = cfg.training
     if t.recompute_compiled != "auto" and not (t.compile and t.recompute == "full"):
         missing = " and ".join(f"training.{key}={want}" for key, want, have in (
             ("compile", "true", t.compile), ("recompute", "full", t.recompute == "full")) if not have)
@@ -271,11 +283,8 @@ def _check_recompute_under_graphs(cfg: Config) -> None:
         raise ConfigError(f"training.recompute_compiled=around replays the compiled blocks inside backward, which CUDA "
                           f"graphs (training.compile_mode={t.compile_mode}) cannot: the replay overwrites the other "
                           f"blocks' outputs. Set training.recompute_compiled=auto, or training.compile_mode=default")
-    if par.ep > 1:
-        why = f"parallel.ep={par.ep} runs the experts eagerly inside them"
-    elif par.pp > 1 and par.pp_schedule in ZERO_BUBBLE:
-        why = f"parallel.pp_schedule={par.pp_schedule} defers weight gradients, whose layers run eagerly inside them"
-    else:
+    why = _layers_run_eagerly_in_blocks(cfg)
+    if why is None:
         return
     raise ConfigError(f"training.recompute=full under CUDA graphs (training.compile_mode={t.compile_mode}) needs "
                       f"blocks that compile into one graph, and {why}: set training.compile_mode=default, or "

@@ -346,12 +346,12 @@ def apply_compile(model: nn.Module, mode: str = "default", backend: str = "induc
     `comm_overlap`: Inductor moves the graph's collectives and their waits to overlap computation (its
     `reorder_for_compute_comm_overlap` passes; traced, every collective is otherwise waited for at once).
     `recompute_in_graph` (`training.recompute_compiled`): a block that recomputes compiles its forward under
-    checkpointing as one function, recomputed inside the compiled backward, instead of checkpointing around its
-    compiled code; None: where `mode` uses CUDA graphs (there the other way cannot run).
+    checkpointing as one function, recomputed inside the compiled backward (None: so), instead of checkpointing
+    around its compiled code (False), which a block that cannot be traced whole falls back to anyway.
     Returns how many blocks were compiled."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     settings = _compile_settings(mode, comm_overlap)
-    in_graph = uses_cuda_graphs(mode) if recompute_in_graph is None else recompute_in_graph
+    in_graph = True if recompute_in_graph is None else recompute_in_graph
     for block in blocks:
         block.uncompiled_forward = block._forward
         block._forward = torch.compile(block._forward, backend=backend, **settings)
@@ -361,7 +361,7 @@ def apply_compile(model: nn.Module, mode: str = "default", backend: str = "induc
         # compiled forward a second time from Python inside backward: under CUDA graphs that replay overwrote the
         # other blocks' outputs still waiting for their backward (every run with `recompute: full` and
         # `reduce-overhead` stopped at its first step, job HQ), and without them its launches are host time (the
-        # ~1B FP8 step recomputed: GPU 56% busy). On the GPU the compiled form keeps more (`docs/performance.md`).
+        # ~1B FP8 step recomputed: GPU 56% busy, job HQ; compiled, FP8 ran 15% faster in the graph, job HS).
         block.compiled_recomputation = (_compiled_recomputation(block.checkpointed_forward, backend, settings)
                                         if in_graph else None)
         block.under_cuda_graphs = uses_cuda_graphs(mode)
@@ -382,9 +382,14 @@ def _compiled_recomputation(checkpointed_forward, backend: str, settings: dict):
     off while recomputing: `Block._recompute_contexts`), so the compiled function is traced and run with that
     refusal off (`skip_fwd_side_effects_in_bwd_under_checkpoint`, which torchtitan sets for all its compiled code).
     `fullgraph`: a graph break inside (which would run the checkpoint eagerly, replaying those side effects) raises
-    while tracing instead, before anything ran; `Block.forward` then recomputes around the compiled code."""
+    while tracing instead, before anything ran; `Block.forward` then recomputes around the compiled code.
+    Inductor partitions the joint graph within the first call, after `RecomputeTheWholeForward` has marked what
+    torch 2.11 leaves unmarked (the linears' forwards), so the block keeps its input only on every torch release."""
+    from megafp8.model.recompute_pass import RecomputeTheWholeForward  # imports Inductor: only where compiling
+
     compiled = torch.compile(checkpointed_forward, backend=backend, fullgraph=True, **settings)
-    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(compiled)
+    compiled = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(compiled)
+    return torch._inductor.config.patch(joint_custom_pre_pass=RecomputeTheWholeForward())(compiled)
 
 
 def uses_cuda_graphs(mode: str) -> bool:

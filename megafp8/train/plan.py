@@ -36,7 +36,7 @@ import torch
 
 from megafp8.config import Config, ConfigError, describe_blocks
 from megafp8.data import read_meta
-from megafp8.config.validate import data_parallel_size, recomputes_in_compiled_graph, validate_for_world
+from megafp8.config.validate import data_parallel_size, validate_for_world
 from megafp8.model import (Fp8Converter, Transformer, describe_rope, recomputed_blocks, resolve_vocab_size,
                            training_flops_per_token)
 from megafp8.parallel import ContextParallel, ExpertParallel, TensorParallel, full_shape, is_expert
@@ -255,9 +255,6 @@ def _activations_note(cfg: Config, in_flight: float) -> str:
     else:
         kept = (f"the input of each rank's first {training.recompute_layers} block(s) (recomputed in backward), "
                 f"{keeps} of the others")
-    if recomputes_in_compiled_graph(cfg):
-        kept += (" (recomputed inside the compiled backward, `training.recompute_compiled`: on the GPU that kept "
-                 "~0.6 GiB more a ~1B block than counted here, docs/performance.md)")
     return (f"activations: {kept}, {in_flight:g} micro-batch(es) in flight; logits and loss: the head's kept logits, "
             "LM head input and norm, per loss; transient peak: the largest temporary on top, counted once "
             "(megafp8/train/activations.py)")
