@@ -522,3 +522,37 @@ def test_blocks_know_when_their_compile_mode_uses_cuda_graphs(tiny_overrides, mo
                 f"training.recompute_compiled={how}"]), ParallelDims.single(), torch.device("cpu"))
             in_graph = how != "around"
             assert all((b.compiled_recomputation is not None) == in_graph for b in trainer.model.layers.values())
+
+
+def test_compiled_blocks_key_torchs_caches_to_megafp8s_sources(tiny_overrides, monkeypatch, tmp_path):
+    """Every compiled block (and compiled recomputation) compiles with a hash of megafp8's sources in torch's cache
+    key tag, after the user's own tag: another tree's or version's cached code is never served (job HV). The hash
+    follows every source file's path and contents."""
+    from pathlib import Path
+    from megafp8.model import compile_cache
+
+    seen = []
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: lambda *a, **k: (
+        seen.append(torch.compiler.config.cache_key_tag), fn(*a, **k))[1])
+    cfg = load_config("tiny_dense", tiny_overrides + ["model.num_layers=2", "model.vocab_size=512"]).model
+    model = Transformer(cfg, PrecisionRecipe.from_name("bf16"), 64)
+    init_weights(model, cfg, 0)
+    apply_recompute(model, "full")
+    apply_compile(model, backend="aot_eager")
+    tokens = torch.randint(0, 512, (2, 64))
+    model(tokens, tokens)
+    fingerprint = compile_cache.code_fingerprint()
+    assert len(seen) == 2 and set(seen) == {f"mine|megafp8:{fingerprint}"}, seen
+    assert torch.compiler.config.cache_key_tag == "mine"  # only while compiled code runs
+    assert fingerprint == compile_cache.source_fingerprint(Path(compile_cache.__file__).resolve().parent.parent)
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "b.py").write_text("y = 2\n")
+    first = compile_cache.source_fingerprint(tmp_path / "pkg")
+    assert compile_cache.source_fingerprint(tmp_path / "pkg") == first
+    (tmp_path / "pkg" / "b.py").write_text("y = 3\n")
+    changed = compile_cache.source_fingerprint(tmp_path / "pkg")
+    (tmp_path / "pkg" / "b.py").rename(tmp_path / "pkg" / "c.py")
+    assert len({first, changed, compile_cache.source_fingerprint(tmp_path / "pkg")}) == 3

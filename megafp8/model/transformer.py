@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megafp8.config import ConfigError, LayerSpec, ModelConfig, layer_spec, mtp_layer_spec
 from megafp8.model.attention import Attention
+from megafp8.model.compile_cache import keyed_to_this_code
 from megafp8.model.mla import MultiHeadLatentAttention
 from megafp8.model.mlp import SwiGLU
 from megafp8.model.moe import MoE
@@ -354,7 +355,7 @@ def apply_compile(model: nn.Module, mode: str = "default", backend: str = "induc
     in_graph = True if recompute_in_graph is None else recompute_in_graph
     for block in blocks:
         block.uncompiled_forward = block._forward
-        block._forward = torch.compile(block._forward, backend=backend, **settings)
+        block._forward = keyed_to_this_code(torch.compile(block._forward, backend=backend, **settings))
         # A recomputed block compiles its forward under activation checkpointing as one function (compiled at its
         # first call, so only by blocks that recompute): AOTAutograd keeps the block's input and puts the
         # recomputed forward into the compiled backward. Checkpointing around the compiled code instead runs the
@@ -387,7 +388,7 @@ def _compiled_recomputation(checkpointed_forward, backend: str, settings: dict):
     torch 2.11 leaves unmarked (the linears' forwards), so the block keeps its input only on every torch release."""
     from megafp8.model.recompute_pass import RecomputeTheWholeForward  # imports Inductor: only where compiling
 
-    compiled = torch.compile(checkpointed_forward, backend=backend, fullgraph=True, **settings)
+    compiled = keyed_to_this_code(torch.compile(checkpointed_forward, backend=backend, fullgraph=True, **settings))
     compiled = torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(compiled)
     return torch._inductor.config.patch(joint_custom_pre_pass=RecomputeTheWholeForward())(compiled)
 
