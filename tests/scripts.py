@@ -67,3 +67,21 @@ def run_scripts(invocations: Sequence[Sequence[Union[str, Path]]],
     assert driver.returncode == 0 and driver.stderr == "", f"the script driver failed:\n{driver.stderr}"
     return [subprocess.CompletedProcess([sys.executable, *argv], **result)
             for argv, result in zip(argvs, json.loads(driver.stdout))]
+
+
+def run_in_triton_interpreter(tmp_path: Path, source: str, *args: str) -> None:
+    """Run `source` (a script that prints "ok" when its checks pass) in a fresh interpreter with Triton's CPU
+    interpreter on (`TRITON_INTERPRET=1`: chosen at import, hence the subprocess), with the repository and Triton
+    importable; fails with the end of its error output otherwise. Skips where Triton is not installed."""
+    import os
+
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    script = tmp_path / "interpreted.py"
+    script.write_text(source)
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.path.dirname(os.path.dirname(triton.__file__))]))
+    result = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -3,9 +3,6 @@ CPU (its pure-torch twins), its Triton kernels in Triton's CPU interpreter and o
 against TP=1: `tests/test_tensor_parallel.py::test_vocab_parallel_embedding_and_loss_match_unsharded`."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ import torch.nn.functional as F
 
 from megafp8.parallel import IGNORE_INDEX, vocab_parallel_cross_entropy
 from megafp8.parallel.cross_entropy import logits_grad_reference, row_stats_reference
+from tests.scripts import run_in_triton_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -138,13 +136,7 @@ print("ok")
 def test_the_kernels_give_their_twins_results_in_the_interpreter(tmp_path):
     """Both Triton kernels, run by Triton's CPU interpreter, against their pure-torch twins: a row longer than one
     chunk with a masked tail, a chunk of -inf only, targets outside the rank's columns, per-token loss gradients."""
-    triton = pytest.importorskip("triton")
-    script = tmp_path / "interpreted_ce.py"
-    script.write_text(INTERPRETED)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.path.dirname(os.path.dirname(triton.__file__))]))
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    run_in_triton_interpreter(tmp_path, INTERPRETED)
 
 
 @pytest.mark.gpu

@@ -3,15 +3,11 @@
 passes."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from megafp8.config import OptimizerConfig
-from tests.conftest import REPO
+from tests.scripts import run_in_triton_interpreter
 from tests.test_optim import make_optimizer, small_net
 
 
@@ -70,15 +66,7 @@ def test_the_fused_update_kernel_computes_torchs_cuda_adamw_operations_in_the_in
     nothing. The interpreter's BF16 conversion truncates, its FMA rounds twice and its division is exact, so this
     checks the operations and their order; BF16 rounding, FMA placement and correctly rounded division are checked
     against torch on the GPU (the next tests)."""
-    pytest.importorskip("triton")
-    script = tmp_path / "interpreted_update.py"
-    script.write_text(INTERPRETED_UPDATE)
-    import triton
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.path.dirname(os.path.dirname(triton.__file__))]))
-    result = subprocess.run([sys.executable, str(script), moments], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    run_in_triton_interpreter(tmp_path, INTERPRETED_UPDATE, moments)
 
 
 def test_bias_corrections_are_one_minus_each_beta_to_the_step():

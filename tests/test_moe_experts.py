@@ -427,17 +427,8 @@ def test_the_weight_transpose_skips_experts_without_rows_in_the_interpreter(tmp_
     """dgrad's w^T, made in each expert projection's backward, transposes only the experts with rows: the others'
     bytes and scales are left as they were (no grouped GEMM reads them), the used ones are w's exact bytes
     transposed, and without counts every expert is transposed. Triton's CPU interpreter runs the kernel."""
-    import os
-    import subprocess
-    import sys
-    triton = pytest.importorskip("triton")
-    from tests.conftest import REPO
-    script = tmp_path / "interpreted_transpose.py"
-    script.write_text(INTERPRETED_TRANSPOSE)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.path.dirname(os.path.dirname(triton.__file__))]))
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    from tests.scripts import run_in_triton_interpreter
+    run_in_triton_interpreter(tmp_path, INTERPRETED_TRANSPOSE)
 
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced ops"])

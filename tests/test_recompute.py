@@ -122,12 +122,8 @@ def test_recompute_layers_needs_full_recomputation_and_a_count_the_model_has(tin
                                                         "training.recompute=full", f"training.recompute_layers={n}"])
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
-def test_a_compiled_recomputed_block_keeps_only_its_input(tiny_overrides, recipe):
-    """Compiled with recomputation, a block is one compiled function under checkpointing: what it keeps for backward
-    per token is its input, as eager checkpointing keeps (measured as what doubling the batch adds: the parameters,
-    FP8 weight caches and the RNG state the compiled checkpoint also references do not grow with it); its output and
-    input gradient are eager's."""
+def _one_block_model(tiny_overrides, recipe: str):
+    """(the tiny dense model with one block in `recipe`, FP8 layers converted; its model config), sequences of 64."""
     from megafp8.model import Fp8Converter
 
     full = load_config("tiny_dense", tiny_overrides + ["model.num_layers=1", "model.vocab_size=512",
@@ -136,6 +132,16 @@ def test_a_compiled_recomputed_block_keeps_only_its_input(tiny_overrides, recipe
     model = Transformer(cfg, recipe_, 64)
     init_weights(model, cfg, 0)
     Fp8Converter(full.precision, recipe_, cfg.num_layers).convert(model)
+    return model, cfg
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_a_compiled_recomputed_block_keeps_only_its_input(tiny_overrides, recipe):
+    """Compiled with recomputation, a block is one compiled function under checkpointing: what it keeps for backward
+    per token is its input, as eager checkpointing keeps (measured as what doubling the batch adds: the parameters,
+    FP8 weight caches and the RNG state the compiled checkpoint also references do not grow with it); its output and
+    input gradient are eager's."""
+    model, cfg = _one_block_model(tiny_overrides, recipe)
     block = model.layers[0]
     assert any(getattr(m, "runs_fp8", False) for m in block.modules()) == (recipe == "fp8")
     inputs = {batch: torch.randn(batch * 64, cfg.hidden_size, dtype=torch.bfloat16) for batch in (2, 4)}
@@ -171,15 +177,9 @@ def test_inductor_recomputes_the_linears_that_torch_2_11_leaves_unmarked(tiny_ov
     caches off)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
-    from megafp8.model import Fp8Converter
     from megafp8.model import recompute_pass
 
-    full = load_config("tiny_dense", tiny_overrides + ["model.num_layers=1", "model.vocab_size=512",
-                                                       f"precision.recipe={recipe}"])
-    cfg, recipe_ = full.model, PrecisionRecipe.from_config(full.precision)
-    model = Transformer(cfg, recipe_, 64)
-    init_weights(model, cfg, 0)
-    Fp8Converter(full.precision, recipe_, cfg.num_layers).convert(model)
+    model, cfg = _one_block_model(tiny_overrides, recipe)
     for p in model.parameters():  # the linears add their weight gradients into main_grad: their autograd.Function
         p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
     block = model.layers[0]

@@ -3,15 +3,13 @@ interpreter and on the GPU, against its pure-torch twin; the twin against a plai
 kernel runs. The router's use of it: `tests/test_moe.py`."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from megafp8.parallel.routing import group_limited_topk, group_limited_topk_reference, kernel_fits
+from tests.scripts import run_in_triton_interpreter
 
 REPO = Path(__file__).resolve().parents[1]
 # (experts, n_group, topk_group, top_k): the MoE benchmark's, DeepSeek-V3's, the tiny configs', ungrouped, and
@@ -121,13 +119,7 @@ def test_the_kernel_chooses_as_its_twin_in_the_interpreter(tmp_path):
     """The Triton kernel, run by Triton's CPU interpreter, against the twin on every case (whole and partial blocks
     of tokens, a row stride past the experts), and its own rules where the twin leaves them open: ties to the lower
     index, nan first, distinct experts from rows of -inf."""
-    triton = pytest.importorskip("triton")
-    script = tmp_path / "interpreted_routing.py"
-    script.write_text(INTERPRETED % (CASES,))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.path.dirname(os.path.dirname(triton.__file__))]))
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    run_in_triton_interpreter(tmp_path, INTERPRETED % (CASES,))
 
 
 @pytest.mark.gpu

@@ -347,12 +347,13 @@ def apply_compile(model: nn.Module, mode: str = "default", backend: str = "induc
     `comm_overlap`: Inductor moves the graph's collectives and their waits to overlap computation (its
     `reorder_for_compute_comm_overlap` passes; traced, every collective is otherwise waited for at once).
     `recompute_in_graph` (`training.recompute_compiled`): a block that recomputes compiles its forward under
-    checkpointing as one function, recomputed inside the compiled backward (None: so), instead of checkpointing
-    around its compiled code (False), which a block that cannot be traced whole falls back to anyway.
+    checkpointing as one function, recomputed inside the compiled backward, instead of checkpointing around its
+    compiled code (False), which a block that cannot be traced whole falls back to anyway; None: inside, with every
+    backend but Dynamo's `eager`, which has no AOTAutograd to partition the graph (it would keep more, not less).
     Returns how many blocks were compiled."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     settings = _compile_settings(mode, comm_overlap)
-    in_graph = True if recompute_in_graph is None else recompute_in_graph
+    in_graph = backend != "eager" if recompute_in_graph is None else recompute_in_graph
     for block in blocks:
         block.uncompiled_forward = block._forward
         block._forward = keyed_to_this_code(torch.compile(block._forward, backend=backend, **settings))
