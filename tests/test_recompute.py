@@ -171,7 +171,7 @@ def test_a_compiled_recomputed_block_keeps_only_its_input(tiny_overrides, recipe
 def test_inductor_recomputes_the_linears_that_torch_2_11_leaves_unmarked(tiny_overrides, monkeypatch, recipe):
     """torch 2.11 traces the operations inside an `autograd.Function`'s forward (every linear's, routing its weight
     gradient into `main_grad`) without the checkpointed region's recompute marks, and Inductor's partitioner then
-    saves the GEMMs' outputs (job HS: ~0.6 GiB a ~1B block on the GPU). torch 2.13 marks them; the marks are taken off
+    saves the GEMMs' outputs (job HU: ~0.6 GiB a ~1B block on the GPU). torch 2.13 marks them; the marks are taken off
     here as 2.11 leaves them, before `RecomputeTheWholeForward` runs. Without the pass the block keeps more than its
     input; with it, its input only, and the same output and input gradient to BF16 rounding (Inductor on the CPU,
     caches off)."""
@@ -272,7 +272,7 @@ def test_auto_recomputes_inside_the_compiled_graph_wherever_blocks_compile_whole
     """`training.recompute_compiled: auto` resolves to the compiled backward with and without CUDA graphs, and to
     recomputing around the compiled code where layers run eagerly inside the blocks (expert parallelism, zero-bubble
     schedules: without CUDA graphs, which refuse those layouts); nothing compiled recomputes without both settings.
-    The dry run's note counts each block's input either way (what the GPU measured since job HS)."""
+    The dry run's note counts each block's input either way (what the GPU measured since job HV)."""
     from megafp8.config.validate import recomputes_in_compiled_graph
     base = tiny_overrides + ["model.vocab_size=512", "training.compile=true", "training.recompute=full"]
     cases = {(): True, ("training.compile_mode=reduce-overhead",): True,

@@ -6,7 +6,7 @@ AOTAutograd's min-cut partitioner then keeps only the block's input for backward
 inside an `autograd.Function`'s forward unmarked (every linear's, BF16 and FP8: they route weight gradients into
 `main_grad`), and the partitioner, free to choose for those, saves the GEMMs' outputs: on the GPU a ~1B block kept
 ~0.6 GiB more than its input (the QKV, output and gate/up projections' outputs; `docs/benchmarks.md`, jobs HR and
-HS). torch 2.13 marks them. This pass, run on the joint graph before Inductor partitions it, marks every forward
+HU). torch 2.13 marks them. This pass, run on the joint graph before Inductor partitions it, marks every forward
 operation that has no mark with the region's, so the partitioner recomputes the whole forward on either release.
 """
 from __future__ import annotations

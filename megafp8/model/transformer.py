@@ -363,7 +363,7 @@ def apply_compile(model: nn.Module, mode: str = "default", backend: str = "induc
         # compiled forward a second time from Python inside backward: under CUDA graphs that replay overwrote the
         # other blocks' outputs still waiting for their backward (every run with `recompute: full` and
         # `reduce-overhead` stopped at its first step, job HQ), and without them its launches are host time (the
-        # ~1B FP8 step recomputed: GPU 56% busy, job HQ; compiled, FP8 ran 15% faster in the graph, job HS).
+        # ~1B FP8 step recomputed: GPU 56% busy, job HQ; compiled, FP8 ran 15% faster in the graph, job HV).
         block.compiled_recomputation = (_compiled_recomputation(block.checkpointed_forward, backend, settings)
                                         if in_graph else None)
         block.under_cuda_graphs = uses_cuda_graphs(mode)
