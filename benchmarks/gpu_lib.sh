@@ -12,9 +12,10 @@ stdlib_corpus() {  # the GPU machine's Python standard library, byte-tokenized i
   python tools/preprocess_data.py --input stdlib --output /tmp/pystdlib --overwrite > /dev/null
 }
 
-start_summary() {  # tables go to $OUT/summary.md (headed by the GPUs), each step's stderr to $LOGS
+start_summary() {  # tables go to $OUT/summary.md (headed by the GPUs), each step's stderr to $LOGS; a second
+  # script in the same $OUT adds to the summary (job HU lost a table to one that replaced it)
   LOGS=$(mktemp -d)
-  nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/summary.md"
+  nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/summary.md"
 }
 
 install_torchao() {  # torchao's wheel, carried in wheels/ (the GPU machine has no network)
@@ -83,8 +84,14 @@ sampled_step() {  # sampled_step LABEL NAME command...: `step NAME command...` w
   wait $sampler 2> /dev/null
 }
 
-finish_summary() {  # the logs, as one file that comes back from the GPU machine
-  tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
+finish_summary() {  # the logs, as one file that comes back from the GPU machine (logs_2.tar.gz and on for the
+  # second script and on in the same $OUT)
+  local name=logs.tar.gz i=2
+  while [ -e "$OUT/$name" ]; do
+    name=logs_$i.tar.gz
+    i=$((i + 1))
+  done
+  tar -czf "$OUT/$name" -C "$LOGS" .
 }
 
 visible_gpus() {  # sets GPUS: how many GPUs this machine shows (0 without CUDA), asked once

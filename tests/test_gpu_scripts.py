@@ -526,3 +526,19 @@ exec {sys.executable} "$@"
     assert "DeepGEMM ready in" in summary
     assert "| training.compile=true | sourced=yes |" in summary  # auto_deepgemm's ~1B step
     assert "| --model | sourced=no |" in summary  # the moe part after it
+
+
+def test_a_second_script_in_the_same_out_adds_to_the_summary_and_keeps_the_first_logs(tmp_path):
+    """Two `gpu_e2e.sh` invocations in one GPU call (one $OUT): the second's tables follow the first's in
+    summary.md, and each keeps its logs (logs.tar.gz, logs_2.tar.gz). Job HU lost a table to a second invocation
+    that replaced summary.md."""
+    first = _gpu_e2e_with_fake_gpu(tmp_path, ["recompute_in_graph_memory"], "echo '| first table |'")
+    assert first.returncode == 0, first.stderr[-3000:]
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"))
+    second = subprocess.run(["bash", "benchmarks/gpu_e2e.sh", "recompute_in_graph_memory"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert summary.count("## recompute_in_graph_memory") == 2 and summary.count("| first table |") == 2
+    assert summary.index("## recompute_in_graph_memory") > summary.index("memory.total")
+    assert sorted(p.name for p in (tmp_path / "out").glob("logs*.tar.gz")) == ["logs.tar.gz", "logs_2.tar.gz"]
