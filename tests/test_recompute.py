@@ -533,19 +533,19 @@ def test_compiled_blocks_key_torchs_caches_to_megafp8s_sources(tiny_overrides, m
     from megafp8.model import compile_cache
 
     seen = []
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: lambda *a, **k: (
         seen.append(torch.compiler.config.cache_key_tag), fn(*a, **k))[1])
     cfg = load_config("tiny_dense", tiny_overrides + ["model.num_layers=2", "model.vocab_size=512"]).model
     model = Transformer(cfg, PrecisionRecipe.from_name("bf16"), 64)
     init_weights(model, cfg, 0)
     apply_recompute(model, "full")
-    apply_compile(model, backend="aot_eager")
-    tokens = torch.randint(0, 512, (2, 64))
-    model(tokens, tokens)
+    with torch.compiler.config.patch(cache_key_tag="mine"):  # (a config patch: monkeypatch's undo deletes it)
+        apply_compile(model, backend="aot_eager")
+        tokens = torch.randint(0, 512, (2, 64))
+        model(tokens, tokens)
+        assert torch.compiler.config.cache_key_tag == "mine"  # only while compiled code runs
     fingerprint = compile_cache.code_fingerprint()
     assert len(seen) == 2 and set(seen) == {f"mine|megafp8:{fingerprint}"}, seen
-    assert torch.compiler.config.cache_key_tag == "mine"  # only while compiled code runs
     assert fingerprint == compile_cache.source_fingerprint(Path(compile_cache.__file__).resolve().parent.parent)
 
     (tmp_path / "pkg").mkdir()
