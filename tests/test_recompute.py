@@ -167,7 +167,8 @@ def test_a_compiled_recomputed_block_keeps_only_its_input(tiny_overrides, recipe
     assert torch.equal(out_compiled, out_eager) and torch.equal(grad_compiled, grad_recomputed)
 
 
-# (BF16 is slow-marked: FP8 exercises the same pass over autograd.Functions, custom ops inside; ~25 s each on this 2-core machine)
+# (BF16 is slow-marked: FP8 exercises the same pass over autograd.Functions, custom ops inside; ~25 s each on the
+# 2-core CPU machine)
 @pytest.mark.parametrize("recipe", [pytest.param("bf16", marks=pytest.mark.slow), "fp8"])
 def test_inductor_recomputes_the_linears_that_torch_2_11_leaves_unmarked(tiny_overrides, monkeypatch, recipe):
     """torch 2.11 traces the operations inside an `autograd.Function`'s forward (every linear's, routing its weight
@@ -527,7 +528,7 @@ def test_blocks_know_when_their_compile_mode_uses_cuda_graphs(tiny_overrides, mo
 
 def test_compiled_blocks_key_torchs_caches_to_megafp8s_sources(tiny_overrides, monkeypatch, tmp_path):
     """Every compiled block (and compiled recomputation) compiles with a hash of megafp8's sources in torch's cache
-    key tag, after the user's own tag: another tree's or version's cached code is never served (job HV). The hash
+    key tag, after the user's own tag: another tree's or version's cached code is never served (job HW). The hash
     follows every source file's path and contents."""
     from pathlib import Path
     from megafp8.model import compile_cache

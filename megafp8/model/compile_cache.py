@@ -1,7 +1,7 @@
 """torch.compile's on-disk caches keyed to this megafp8's code.
 
 torch keys its compile caches (Inductor's and AOTAutograd's) on the traced graph and its own configuration, not on
-every source file the compiled code came from. In job HV a process running one source tree was served compiled code
+every source file the compiled code came from. In job HW a process running one source tree was served compiled code
 that another tree's process had cached on the same machine: a backward calling the weight transpose with the four
 arguments of the newer tree, against the three the older tree's op takes, which stopped the run; a change that kept
 the arguments would have run the other tree's code silently. Each compiled block's compilation therefore adds a
