@@ -26,7 +26,7 @@
 #   tp2_8b      ~80 s  8B-layer shape, TP=2 + SP, one micro-batch of 4 x 4096
 #   pp2_8b     ~180 s  16 layers of the 8B-layer shape, PP=2, 8 micro-batches of 2 x 4096, 1F1B then DualPipeV
 #   dp2_1b      ~60 s  ~1B, DP=2, 8 samples per rank
-#   recompute   ~80 s  full recomputation on one GPU, the 8B-layer shape on GPU 0, ~1B on GPU 1
+#   recompute   ~80 s  full recomputation on one GPU under CUDA graphs, the 8B-layer shape on GPU 0, ~1B on GPU 1
 #   tp2_1b      ~70 s  ~1B, TP=2 + SP (likely past the budget: a second call)
 #   pp2_1b     ~140 s  ~1B, PP=2, 8 micro-batches of 8 x 2048, 1F1B then DualPipeV (likely a second call)
 #   tp2_cuda_graphs ~150 s  TP=2 + SP under CUDA graphs, the 8B-layer shape then ~1B (not in the default list)
@@ -112,9 +112,9 @@ for part in $PARTS; do
       done ;;
     dp2_1b) gpus_for 2 dp2_1b || continue
       budgeted dp2_1b dp2_1b 60 $TWO $CUDA_GRAPHS $DP --model 1b --global-batch 16 $TIMED ;;
-    recompute) gpus_for 1 recompute || continue
-      one_gpu_pair recompute "recompute_8b 80 $ONE $COMPILED $RECOMPUTE --model 8b-layers $DATA0 $TIMED" \
-        "recompute_1b 70 $ONE $COMPILED $RECOMPUTE --model 1b $DATA1 $TIMED" ;;
+    recompute) gpus_for 1 recompute || continue  # under CUDA graphs, as one_gpu (recomputed in the compiled backward)
+      one_gpu_pair recompute "recompute_8b 80 $ONE $CUDA_GRAPHS $RECOMPUTE --model 8b-layers $DATA0 $TIMED" \
+        "recompute_1b 70 $ONE $CUDA_GRAPHS $RECOMPUTE --model 1b $DATA1 $TIMED" ;;
     tp2_1b) gpus_for 2 tp2_1b || continue
       budgeted tp2_1b tp2_sp_1b 70 $TWO $COMPILED $SP --model 1b --global-batch 8 $TIMED ;;
     tp2_cuda_graphs) gpus_for 2 tp2_cuda_graphs || continue
