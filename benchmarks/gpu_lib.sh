@@ -33,12 +33,22 @@ install_deepgemm() {  # DeepGEMM (the `deepgemm` backend; a peer column of dense
   # shell then sources the environment it wrote. Builds and that file in /tmp, left by an earlier call on the same
   # machine, are reused. The JIT cache (the generated kernels, which `gpu_e2e.sh deepgemm` copies to the logs) goes
   # to $DG_JIT_CACHE_DIR, shared by every part and run of the machine.
+  # What a fresh machine spends on DeepGEMM (~170 s of building, then a JIT compile of each kernel at first use) can
+  # be skipped: where no archive of builds is carried ($DEEPGEMM_PREBUILT, default .dg/deepgemm_builds.tar.gz), the
+  # builds come back in $OUT/deepgemm_builds.tar.gz, and the JIT cache in $OUT/deepgemm_jit_cache.tar.gz
+  # (finish_summary); copied into .dg/ here, the next call places them instead (builds checked as any build: one
+  # that fails the check is built again).
   export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm_cache}
   local src=${DEEPGEMM_SRC:-.dg/DeepGEMM} prefix=${DEEPGEMM_PREFIX:-/tmp/deepgemm} t0=$SECONDS
-  local log="$LOGS/deepgemm_build.log"
+  local log="$LOGS/deepgemm_build.log" prebuilt=${DEEPGEMM_PREBUILT:-.dg/deepgemm_builds.tar.gz}
+  local jit_cache=${DEEPGEMM_JIT_CACHE:-.dg/deepgemm_jit_cache.tar.gz}
   if [ ! -d "$src" ]; then
     echo "no DeepGEMM source in $src: its columns say why they cannot run" >> "$OUT/summary.md"
     return
+  fi
+  if [ -f "$jit_cache" ] && [ ! -d "$DG_JIT_CACHE_DIR/cache" ]; then
+    mkdir -p "$DG_JIT_CACHE_DIR" && tar -xzf "$jit_cache" -C "$DG_JIT_CACHE_DIR" \
+      || echo "DeepGEMM's carried JIT cache $jit_cache not unpacked: its kernels compile at first use" >> "$OUT/summary.md"
   fi
   local cxx=${CXX:-$(command -v c++ || command -v g++)}
   { echo "compiler $cxx: $($cxx --version | head -n 1); its libstdc++ $($cxx -print-file-name=libstdc++.so.6)"
@@ -46,7 +56,19 @@ install_deepgemm() {  # DeepGEMM (the `deepgemm` backend; a peer column of dense
       sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l}))"
     "${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")}/bin/nvcc" --version \
       | tail -n 2; } >> "$log" 2>&1
-  if python tools/install_deepgemm.py --prefix "$prefix" --source "$src" >> "$log" 2>&1; then
+  local tool=(python tools/install_deepgemm.py --prefix "$prefix" --source "$src") ok=0 again=()
+  if [ -f "$prebuilt" ]; then
+    if "${tool[@]}" --prebuilt "$prebuilt" >> "$log" 2>&1; then
+      ok=1
+    else
+      echo "DeepGEMM's carried builds $prebuilt failed here: building" >> "$OUT/summary.md"
+      again=(--rebuild)
+    fi
+  fi
+  if [ $ok = 0 ]; then
+    "${tool[@]}" "${again[@]}" --export-builds "$OUT/deepgemm_builds.tar.gz" >> "$log" 2>&1 && ok=1
+  fi
+  if [ $ok = 1 ]; then
     # shellcheck disable=SC1091
     source "$prefix/deepgemm.env"
     echo "DeepGEMM ready in $((SECONDS - t0)) s: $(head -n 1 "$prefix/deepgemm.env" | cut -c 3-)" >> "$OUT/summary.md"
@@ -92,6 +114,9 @@ finish_summary() {  # the logs, as one file that comes back from the GPU machine
     i=$((i + 1))
   done
   tar -czf "$OUT/$name" -C "$LOGS" .
+  if [ -d "${DG_JIT_CACHE_DIR:-/tmp/deepgemm_cache}/cache" ]; then  # DeepGEMM's compiled kernels, for the next call
+    tar -czf "$OUT/deepgemm_jit_cache.tar.gz" -C "${DG_JIT_CACHE_DIR:-/tmp/deepgemm_cache}" cache
+  fi
 }
 
 visible_gpus() {  # sets GPUS: how many GPUs this machine shows (0 without CUDA), asked once

@@ -4,6 +4,7 @@ both builds made side by side, the candidates checked least intrusive first, the
 file a shell sources, and each way it can fail said once, with what to do."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -167,15 +168,18 @@ def test_bad_input_gets_one_line_that_says_what_to_do(tmp_path, capsys, monkeypa
         base["CUDA_HOME"])  # found through nvcc on PATH
 
 
-def _gpu_lib_install(tmp_path, src, prefix, base):
-    """benchmarks/gpu_lib.sh's `install_deepgemm` in a shell; returns that shell's PYTHONPATH and LD_PRELOAD after it,
-    and the summary it wrote."""
+def _gpu_lib_install(tmp_path, src, prefix, base, carried: Path = Path("/nonexistent")):
+    """benchmarks/gpu_lib.sh's `install_deepgemm` in a shell (what is carried in `carried`: the builds'
+    and JIT cache's archives); returns that shell's PYTHONPATH and LD_PRELOAD after it, and the summary it wrote."""
     (tmp_path / "out").mkdir(exist_ok=True)
     (tmp_path / "logs").mkdir(exist_ok=True)
     script = (f"OUT={tmp_path / 'out'}; source benchmarks/gpu_lib.sh; LOGS={tmp_path / 'logs'}; install_deepgemm; "
               'echo "$PYTHONPATH"; echo "${LD_PRELOAD:-}"')
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DEEPGEMM_SRC": str(src),
-           "DEEPGEMM_PREFIX": str(prefix), "CUDA_HOME": base["CUDA_HOME"], "CXX": base["CXX"], "HOME": str(tmp_path)}
+           "DEEPGEMM_PREFIX": str(prefix), "CUDA_HOME": base["CUDA_HOME"], "CXX": base["CXX"], "HOME": str(tmp_path),
+           "DEEPGEMM_PREBUILT": str(carried / "deepgemm_builds.tar.gz"),
+           "DEEPGEMM_JIT_CACHE": str(carried / "deepgemm_jit_cache.tar.gz"),
+           "DG_JIT_CACHE_DIR": str(tmp_path / "jit")}
     done = subprocess.run(["bash", "-c", script], cwd=tool.REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
@@ -197,6 +201,101 @@ def test_the_gpu_scripts_use_the_tool_and_source_what_it_wrote(tmp_path, checks,
     (pythonpath, preload), summary = _gpu_lib_install(tmp_path, src, prefix, base)
     assert pythonpath == f"{prefix / 'plain'}:." and preload == libstdcxx
     assert "DeepGEMM ready in" in summary and "DeepGEMM 2.6.1, build 'plain, with" in summary, summary
+
+
+def test_builds_exported_on_one_machine_are_placed_on_the_next_without_compiling_and_checked(tmp_path, checks,
+                                                                                               capsys):
+    """`--export-builds` after a passing check writes both extensions; `--prebuilt` on a fresh prefix places them
+    (no setup.py runs: the stand-in fails if it does) and checks them as any build. Builds that fail the check here
+    (another torch) say so, leave no env file, and `--rebuild` compiles."""
+    src, base = _source(tmp_path), _toolchain(tmp_path)
+    archive = tmp_path / "builds.tar.gz"
+    rc, out = _install(["--prefix", str(tmp_path / "one"), "--source", str(src), "--export-builds", str(archive)],
+                       base, capsys)
+    assert rc == 0 and f"builds written to {archive}: plain, static" in out, out
+    (src / "setup.py").write_text("import sys\nsys.exit('compiled, though prebuilt')\n")
+    checks.seen.clear()
+    fresh = tmp_path / "two"
+    rc, out = _install(["--prefix", str(fresh), "--source", str(src), "--prebuilt", str(archive)], base, capsys)
+    assert rc == 0 and "prebuilt from" in out and "plain, static" in out and "building" not in out, out
+    for variant in tool.VARIANTS:
+        (so,) = (fresh / variant / "deep_gemm").glob("_C*.so")
+        assert so.read_text() == (tmp_path / "one" / variant / "deep_gemm" / so.name).read_text()
+        assert (fresh / variant / "deep_gemm/include/cute").resolve() == (
+            fresh / variant / "third-party/cutlass/include/cute")
+    assert (fresh / "deepgemm.env").exists() and len(checks.seen) == 1
+
+    checks.answer = lambda env: (1, "ImportError: undefined symbol")
+    other = tmp_path / "three"
+    with pytest.raises(tool.InstallError, match="no DeepGEMM build passed"):
+        _install(["--prefix", str(other), "--source", str(src), "--prebuilt", str(archive)], base, capsys)
+    assert not (other / "deepgemm.env").exists()
+    with pytest.raises(tool.InstallError, match="no such file"):
+        _install(["--prefix", str(other), "--source", str(src), "--prebuilt", str(tmp_path / "none.tar.gz")], base,
+                 capsys)
+
+
+def test_the_gpu_scripts_bring_deepgemm_back_and_a_carried_copy_replaces_the_build(tmp_path):
+    """The shell's side (the tool's is the test above; its check needs a GPU, so a stand-in tool answers here, as
+    told by PREBUILT_PASSES): a first call asks the tool to export its builds to $OUT and finish_summary packs the
+    JIT cache; carried to the next call, the builds go to the tool as --prebuilt (no export asked) and the JIT cache
+    is unpacked where DeepGEMM reads it; carried builds that fail there are built again (--rebuild), and the summary
+    says so."""
+    bin_dir, out, carried, jit = tmp_path / "bin", tmp_path / "out", tmp_path / "carried", tmp_path / "jit"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "python").write_text(f"""#!/usr/bin/env bash
+if [ "$1" = tools/install_deepgemm.py ]; then
+  echo "${{*:2}}" >> {calls}
+  case " $* " in *" --prebuilt "*) [ "$PREBUILT_PASSES" = 1 ] || exit 1 ;; esac
+  prefix=$3; mkdir -p "$prefix"; echo '# Made by a stand-in' > "$prefix/deepgemm.env"
+  case " $* " in *" --export-builds "*) echo builds > "${{@: -1}}" ;; esac
+  exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    (bin_dir / "python").chmod(0o755)
+
+    def call(prebuilt_passes: str) -> str:
+        out.mkdir(exist_ok=True)
+        logs = tmp_path / "logs"
+        logs.mkdir(exist_ok=True)
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out), "DEEPGEMM_SRC": str(tmp_path),
+               "DEEPGEMM_PREFIX": str(tmp_path / "dg"), "DEEPGEMM_PREBUILT": str(carried / "deepgemm_builds.tar.gz"),
+               "DEEPGEMM_JIT_CACHE": str(carried / "deepgemm_jit_cache.tar.gz"), "DG_JIT_CACHE_DIR": str(jit),
+               "PREBUILT_PASSES": prebuilt_passes}
+        done = subprocess.run(["bash", "-c", f"source benchmarks/gpu_lib.sh; LOGS={logs}; install_deepgemm; "
+                               "finish_summary"], cwd=tool.REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        return (out / "summary.md").read_text()
+
+    assert "DeepGEMM ready in" in call("1")
+    assert calls.read_text().split()[-2:] == ["--export-builds", str(out / "deepgemm_builds.tar.gz")]
+    assert not (out / "deepgemm_jit_cache.tar.gz").exists()  # no kernel compiled: nothing to bring back
+    (jit / "cache" / "kernel.x.1").mkdir(parents=True)
+    (jit / "cache" / "kernel.x.1" / "kernel.cubin").write_text("sass")
+    call("1")
+    carried.mkdir()
+    for name in ("deepgemm_builds.tar.gz", "deepgemm_jit_cache.tar.gz"):
+        shutil.move(out / name, carried / name)
+    shutil.rmtree(jit)
+    shutil.rmtree(out)
+    calls.unlink()
+
+    summary = call("1")  # the next machine
+    assert calls.read_text().splitlines() == [f"--prefix {tmp_path / 'dg'} --source {tmp_path} --prebuilt "
+                                              f"{carried / 'deepgemm_builds.tar.gz'}"]
+    assert "DeepGEMM ready in" in summary and "failed here" not in summary
+    assert (jit / "cache" / "kernel.x.1" / "kernel.cubin").read_text() == "sass"
+    assert not (out / "deepgemm_builds.tar.gz").exists()
+
+    calls.unlink()
+    summary = call("0")  # carried builds that do not run there
+    assert [line.split()[4:] for line in calls.read_text().splitlines()] == [
+        ["--prebuilt", str(carried / "deepgemm_builds.tar.gz")],
+        ["--rebuild", "--export-builds", str(out / "deepgemm_builds.tar.gz")]]
+    assert "deepgemm_builds.tar.gz failed here: building" in summary and summary.count("DeepGEMM ready in") == 2
 
 
 def test_a_build_past_its_time_is_stopped_with_its_compilers_and_said(tmp_path, capsys, monkeypatch):

@@ -16,6 +16,8 @@ comes, static, and as it comes with the compiler's libstdc++ preloaded. The firs
 PREFIX/deepgemm.env (PYTHONPATH, and LD_PRELOAD where it needs it); source that file before `torchrun` (or in the
 SLURM script). Building needs no GPU (`--build-only`, e.g. on a login node); checking does, and reuses the builds.
 Running it again after a successful install only says so (`--recheck` checks again, `--rebuild` builds again).
+`--export-builds FILE` writes the built extensions to an archive that `--prebuilt FILE` places on another machine
+with the same torch, CUDA and source instead of compiling (a few minutes saved; they are checked as any build).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -160,10 +163,8 @@ def is_built(dest: Path, source: Path) -> bool:
     return stamp.exists() and stamp.read_text() == source_id(source) and any((dest / "deep_gemm").glob("_C*.so"))
 
 
-def start_build(source: Path, dest: Path, variant: str, toolchain: Toolchain, log: Path,
-                base: dict[str, str]) -> subprocess.Popen:
-    """Copy `source` to `dest` and start DeepGEMM's in-place build there (its develop.sh, as a process): the
-    extension built by `setup.py build`, linked into the package, cutlass's headers linked where its JIT reads them."""
+def _copy_source(source: Path, dest: Path) -> None:
+    """`source` copied to `dest` (no build outputs), cutlass's headers linked where DeepGEMM's JIT reads them."""
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(source, dest, symlinks=True, ignore=shutil.ignore_patterns(".git", "build", "*.so"))
@@ -173,6 +174,13 @@ def start_build(source: Path, dest: Path, variant: str, toolchain: Toolchain, lo
         if link.is_symlink() or link.exists():
             link.unlink() if link.is_symlink() else shutil.rmtree(link)
         link.symlink_to(dest / "third-party" / "cutlass" / "include" / name)
+
+
+def start_build(source: Path, dest: Path, variant: str, toolchain: Toolchain, log: Path,
+                base: dict[str, str]) -> subprocess.Popen:
+    """Copy `source` to `dest` and start DeepGEMM's in-place build there (its develop.sh, as a process): the
+    extension built by `setup.py build`, linked into the package."""
+    _copy_source(source, dest)
     script = ('set -e; "$PYTHON" setup.py build; so=$(find build -name "_C*.so" | head -n 1); '
               '[ -n "$so" ] || { echo "setup.py build made no _C*.so" >&2; exit 1; }; ln -sf "$PWD/$so" deep_gemm/')
     env = {**build_env(toolchain, variant, base), "PYTHON": sys.executable}  # built against this torch
@@ -213,6 +221,44 @@ def build_all(source: Path, prefix: Path, toolchain: Toolchain, rebuild: bool, b
         raise InstallError(f"no DeepGEMM build succeeded: {'; '.join(failed)}")
     for what in failed:
         say(f"build failed, skipped: {what}")
+
+
+def export_builds(prefix: Path, source: Path, archive: Path) -> list[str]:
+    """The built extensions (`VARIANT/_C*.so`, the links followed) written to the tar archive `archive`, for
+    `--prebuilt` on another machine with the same torch, CUDA and source; returns the variants written."""
+    written = []
+    with tarfile.open(archive, "w:gz") as tar:
+        for variant in VARIANTS:
+            if is_built(prefix / variant, source):
+                for so in (prefix / variant / "deep_gemm").glob("_C*.so"):
+                    tar.add(so.resolve(), arcname=f"{variant}/{so.name}")
+                written.append(variant)
+    return written
+
+
+def place_prebuilt(archive: Path, source: Path, prefix: Path, say: Callable[[str], None] = print) -> list[str]:
+    """Each variant of the archive written by `export_builds` that is not built here placed as built: `source`
+    copied, the archive's extension linked into its package, stamped with `source`. The check that follows decides
+    whether it runs here (a build for another torch fails it: build again with --rebuild). Returns those placed."""
+    placed = []
+    with tarfile.open(archive, "r:*") as tar:
+        members = {m.name: m for m in tar.getmembers() if m.isfile()}
+        for variant in VARIANTS:
+            names = [n for n in members if n.startswith(f"{variant}/_C") and n.endswith(".so") and n.count("/") == 1]
+            dest = prefix / variant
+            if not names or is_built(dest, source):
+                continue
+            _copy_source(source, dest)
+            target = dest / "build" / "prebuilt"
+            target.mkdir(parents=True)
+            so = target / Path(names[0]).name
+            with tar.extractfile(members[names[0]]) as data, so.open("wb") as out:
+                shutil.copyfileobj(data, out)
+            (dest / "deep_gemm" / so.name).symlink_to(so)
+            (dest / STAMP).write_text(source_id(source))
+            placed.append(variant)
+    say(f"prebuilt from {archive}: {', '.join(placed) or 'nothing placed (already built, or none in it)'}")
+    return placed
 
 
 def candidates(prefix: Path, source: Path, cxx: str) -> list[Candidate]:
@@ -296,8 +342,13 @@ def install(args: argparse.Namespace, base: dict[str, str], say: Callable[[str],
     if build is not None and is_built(build, source) and not (args.recheck or args.rebuild or args.build_only):
         say(f"already installed and checked: {env_file.read_text().splitlines()[0].lstrip('# ')}\n"
             f"source {env_file}   (--recheck to check it again, --rebuild to build again)")
+        _export_if_asked(args, prefix, source, say)
         return 0
     toolchain = find_toolchain(base)
+    if args.prebuilt and not args.rebuild:
+        if not args.prebuilt.is_file():
+            raise InstallError(f"--prebuilt {args.prebuilt}: no such file (an archive written by --export-builds)")
+        place_prebuilt(args.prebuilt, source, prefix, say)
     if args.rebuild or not all(is_built(prefix / v, source) for v in VARIANTS):
         env_file.unlink(missing_ok=True)  # it vouches for the builds it was checked with, not for new ones
     t0 = time.monotonic()
@@ -320,9 +371,15 @@ def install(args: argparse.Namespace, base: dict[str, str], say: Callable[[str],
             path = write_env(prefix, candidate, name, deepgemm_version(candidate.path), source, toolchain.cuda_home)
             say(f"DeepGEMM works here as '{candidate.describe()}'.\nsource {path}\n"
                 "then run with precision.fp8_backend=deepgemm")
+            _export_if_asked(args, prefix, source, say)
             return 0
         reasons.append(f"{candidate.describe()}: {reason}")
     raise InstallError("no DeepGEMM build passed the backend's check on " + name + ":\n  " + "\n  ".join(reasons))
+
+
+def _export_if_asked(args: argparse.Namespace, prefix: Path, source: Path, say: Callable[[str], None]) -> None:
+    if args.export_builds:
+        say(f"builds written to {args.export_builds}: {', '.join(export_builds(prefix, source, args.export_builds))}")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -337,6 +394,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--build-only", action="store_true", help="build, do not check (no GPU needed)")
     parser.add_argument("--rebuild", action="store_true", help="build again even where a build is there")
     parser.add_argument("--recheck", action="store_true", help="check again after a successful install")
+    parser.add_argument("--export-builds", type=Path, metavar="ARCHIVE",
+                        help="after a passing check, write the built extensions to this .tar.gz (for --prebuilt)")
+    parser.add_argument("--prebuilt", type=Path, metavar="ARCHIVE",
+                        help="take the builds from an --export-builds archive (same torch, CUDA and source) instead "
+                             "of compiling; they are checked as any build")
     return parser.parse_args(argv)
 
 
