@@ -11,6 +11,7 @@ operation that has no mark with the region's, so the partitioner recomputes the 
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 import torch
@@ -33,11 +34,19 @@ def mark_the_forward_for_recomputation(graph: torch.fx.Graph) -> int:
             backward.add(node)
     marked = 0
     for node in graph.nodes:
-        if node.op == "call_function" and node not in backward and "recompute" not in node.meta:
+        if node.op == "call_function" and node not in backward and "recompute" not in node.meta and not (
+                _mutates(node) or (node.target is operator.getitem and _mutates(node.args[0]))):
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
             node.meta["ac_graph_id"] = region
             marked += 1
     return marked
+
+
+def _mutates(node) -> bool:
+    """Whether `node` is a functionalized mutation (a custom op writing into a tensor, such as the expert weights'
+    cache: `megafp8.precision.fp8_ops.quantize_stale_experts_`), which runs once, in the forward, not again."""
+    target = getattr(node, "target", None)
+    return isinstance(target, torch._ops.HigherOrderOperator) and target.name().startswith("auto_functionalized")
 
 
 class RecomputeTheWholeForward(CustomGraphPass):

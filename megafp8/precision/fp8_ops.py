@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from megafp8.precision.backends import Fp8Backend, QuantizedWeight, backend_by_name
+from megafp8.precision.backends import Fp8Backend, QuantizedWeight, StaleExperts, backend_by_name
 from megafp8.precision.expert_layout import ExpertRows
 from megafp8.precision.formats import FORMATS, TILE, Fp8Format
 
@@ -131,6 +131,21 @@ def quantize_weight(weight: torch.Tensor, fmt: str, pow2: bool, backend: str
 @quantize_weight.register_fake
 def _(weight, fmt, pow2, backend):
     return _backend(backend).empty_weight(weight.shape, FORMATS[fmt], weight.device).tensors()
+
+
+@torch.library.custom_op("megafp8::quantize_stale_experts_", mutates_args=("w_fp8", "w_scale", "version"))
+def quantize_stale_experts_(weight: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, version: torch.Tensor,
+                            current: torch.Tensor, used: torch.Tensor, fmt: str, pow2: bool, backend: str) -> None:
+    """The stacked experts with rows (`used` (E,) nonzero) whose FP8 weight is older than `current` quantized into
+    the cache's tensors, and their `version` set to current (`megafp8.precision.weight_cache.Fp8WeightCache`,
+    `per_expert`)."""
+    _backend(backend).quantize_weight_(weight, QuantizedWeight(w_fp8, w_scale, None, None), FORMATS[fmt], pow2,
+                                       StaleExperts(version, current, used))
+
+
+@quantize_stale_experts_.register_fake
+def _(weight, w_fp8, w_scale, version, current, used, fmt, pow2, backend) -> None:
+    return None
 
 
 @torch.library.custom_op("megafp8::transpose_weight", mutates_args=())
@@ -278,6 +293,11 @@ class TracedKernels:
     def rope_backward_quantize(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
                                sin: torch.Tensor, seq_len: int, head_dim: int, fmt: Fp8Format, pow2: bool):
         return rope_backward_quantize(dq, dk, dv, cos, sin, seq_len, head_dim, fmt.name, pow2, self.backend)
+
+    def quantize_stale_experts_(self, weight: torch.Tensor, entry: QuantizedWeight, stale: StaleExperts,
+                                used: torch.Tensor, fmt: Fp8Format, pow2: bool) -> None:
+        quantize_stale_experts_(weight, entry.w_fp8, entry.w_scale, stale.version, stale.current, used, fmt.name, pow2,
+                                self.backend)
 
     def transpose_weight(self, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                          experts_used: Optional[torch.Tensor] = None):
