@@ -354,7 +354,8 @@ def test_a_moe_layer_compiles_into_one_graph_with_eager_bits(recipe):
     assert "megafp8.weighted_combine" in code
     if recipe == "fp8":
         assert "megafp8.grouped_gemm_1x128_128x128" in code and "megafp8.gather_quantize_rows_cols" in code
-        assert "megafp8.quantize_weight" not in code
+        assert "megafp8.quantize_weight" not in code  # experts with rows: the cache's own op, after routing
+        assert code.count("megafp8.quantize_stale_experts_") == 2
     else:
         assert "torch._grouped_mm" in code
     torch._dynamo.reset()
@@ -456,3 +457,125 @@ def test_the_grouped_dgrad_transposes_only_the_experts_with_rows(monkeypatch, tr
     k = fp8_ops.kernels("reference" if traced else backend, traced)
     dx = k.grouped_gemm_1x128_128x128(dy, dy_scale, w, True, rows, torch.float32)
     assert seen == [[2, 0, 1]] and dx.shape == (rows.total, 128)
+
+
+INTERPRETED_STALE = r'''
+import torch
+from megafp8.precision import E4M3
+from megafp8.precision.kernels import quantize
+g = torch.Generator().manual_seed(0)
+e, n, k = 4, 256, 128
+w = torch.randn(e, n, k, generator=g).to(torch.bfloat16)
+full_q, full_s = torch.empty(e, n, k, dtype=torch.float8_e4m3fn), torch.empty(e, n // 128, k // 128)
+quantize.quantize_weight_(w, full_q, full_s, None, None, E4M3, False)
+q = torch.full((e, n, k), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+s = torch.full((e, n // 128, k // 128), float("nan"))
+version, current = torch.tensor([-1, 3, -1, -1]), torch.tensor([3])
+quantize.quantize_weight_(w, q, s, None, None, E4M3, False, (version, current, torch.tensor([1, 1, 0, 2],
+                                                                                            dtype=torch.int32)))
+for i, chosen in enumerate((True, False, False, True)):  # expert 1 current already, expert 2 without rows
+    same = torch.equal(q[i].view(torch.uint8), full_q[i].view(torch.uint8)) and torch.equal(s[i], full_s[i])
+    assert same == chosen and (chosen or bool((q[i].view(torch.uint8) == 0x7F).all())), i
+assert version.tolist() == [3, 3, -1, 3], version
+quantize.quantize_weight_(w, q, s, None, None, E4M3, False, (version, current, None))  # the stale rest
+assert torch.equal(q[2].view(torch.uint8), full_q[2].view(torch.uint8)) and version.tolist() == [3] * 4
+assert bool((q[1].view(torch.uint8) == 0x7F).all())  # current: left alone, whatever its bytes
+print("ok")
+'''
+
+
+def test_the_weight_quantizer_quantizes_only_stale_experts_with_rows_in_the_interpreter(tmp_path):
+    """The weight kernel with per-expert versions (`Fp8WeightCache.per_expert`): an expert is quantized only where
+    its version is not current and, with the layout's tiles, where it has rows; those get the full quantizer's
+    exact bytes and scales and are marked current, the others keep theirs. Triton's interpreter runs it."""
+    from tests.scripts import run_in_triton_interpreter
+    run_in_triton_interpreter(tmp_path, INTERPRETED_STALE)
+
+
+def test_a_per_expert_cache_quantizes_experts_when_they_get_rows_once_per_version():
+    """`Fp8WeightCache(per_expert=True)` on the reference backend: `prepare` quantizes nothing; `get_for_rows`
+    quantizes the experts with rows, bit for bit as the whole weight's quantization, and leaves the others; a second
+    micro-batch quantizes only its newly busy experts; `get` brings every expert up to date; a new weight version
+    makes every expert stale again."""
+    from megafp8.precision import E4M3
+    from megafp8.precision.backends.reference import Fp8Backend
+    from megafp8.precision.weight_cache import Fp8WeightCache
+
+    backend = Fp8Backend()
+    calls = []
+    quantize = backend.quantize_weight_
+    backend.quantize_weight_ = lambda w, out, fmt, pow2, stale=None: (
+        calls.append(None if stale is None or stale.used is None else stale.chosen().tolist()),
+        quantize(w, out, fmt, pow2, stale))
+    weight = torch.randn(4, 256, 128).to(torch.bfloat16)
+
+    def full(w):
+        out = backend.empty_weight(w.shape, E4M3, torch.device("cpu"), transpose=False)
+        Fp8Backend().quantize_weight_(w, out, E4M3, False)
+        return out
+
+    want = full(weight)
+    cache = Fp8WeightCache(keep_transpose=False, per_expert=True)
+    cache.prepare(weight, backend, E4M3, False)
+    assert calls == [] and cache.quantize_count == 1 and cache.traced_entry() is cache.entry
+    entry = cache.get_for_rows(weight, backend, E4M3, False, torch.tensor([2, 0, 1, 0], dtype=torch.int32))
+    assert calls == [[True, False, True, False]]
+    for e in (0, 2):
+        assert torch.equal(entry.w_fp8[e].view(torch.uint8), want.w_fp8[e].view(torch.uint8))
+        assert torch.equal(entry.w_scale[e], want.w_scale[e])
+    cache.get_for_rows(weight, backend, E4M3, False, torch.tensor([1, 1, 0, 0], dtype=torch.int32))
+    assert calls[-1] == [False, True, False, False]  # expert 0 is current already
+    cache.get(weight, backend, E4M3, False)
+    assert torch.equal(entry.w_fp8.view(torch.uint8), want.w_fp8.view(torch.uint8)) and cache.stale.version.tolist() \
+        == [1] * 4 and len(calls) == 3
+    cache.get(weight, backend, E4M3, False)  # all current: nothing to launch
+    assert len(calls) == 3 and cache.quantize_count == 1
+    with torch.no_grad():
+        weight.mul_(-1.0)  # an optimizer step
+    cache.prepare(weight, backend, E4M3, False)
+    assert cache.quantize_count == 2 and len(calls) == 3
+    cache.get_for_rows(weight, backend, E4M3, False, torch.tensor([0, 0, 0, 5], dtype=torch.int32))
+    assert calls[-1] == [False, False, False, True]
+    assert torch.equal(entry.w_fp8[3].view(torch.uint8), full(weight).w_fp8[3].view(torch.uint8))
+
+
+def test_a_recomputed_compiled_moe_block_quantizes_its_experts_once_in_the_forward(tiny_overrides, monkeypatch):
+    """Inductor, every block recomputed inside its compiled backward: the experts' weights are quantized by the
+    graph's forward (the cache-mutating op left out of the recomputation), once per projection and micro-batch, and
+    the losses are the uncompiled run's to BF16 rounding."""
+    from megafp8.model import Fp8Converter, Transformer, apply_compile, apply_recompute
+    from megafp8.precision.backends.reference import Fp8Backend
+
+    calls = []
+    quantize = Fp8Backend.quantize_weight_
+
+    def counting(self, w, out, fmt, pow2, stale=None):
+        calls.append(stale is not None and stale.used is not None)
+        quantize(self, w, out, fmt, pow2, stale)
+    monkeypatch.setattr(Fp8Backend, "quantize_weight_", counting)
+    full = load_config("tiny_moe_fp8", tiny_overrides + ["model.num_layers=2", "model.moe.first_dense_layers=1",
+                                                         "model.vocab_size=512", "precision.fp8_backend=reference"])
+    cfg, recipe = full.model, PrecisionRecipe.from_config(full.precision)
+    tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def losses(compiled: bool) -> list[float]:
+        torch._dynamo.reset()
+        model = Transformer(cfg, recipe, 64)
+        init_weights(model, cfg, 0)
+        Fp8Converter(full.precision, recipe, cfg.num_layers).convert(model)
+        apply_recompute(model, "full")
+        if compiled:
+            apply_compile(model, backend="inductor")
+        out = []
+        for _ in range(2):  # two micro-batches of one weight version
+            loss = model(tokens, tokens)
+            loss = loss[0] if isinstance(loss, tuple) else loss
+            loss.backward()
+            out.append(loss.item())
+        return out
+
+    eager = losses(compiled=False)
+    calls.clear()
+    compiled = losses(compiled=True)
+    assert calls.count(True) == 2 * 2, calls  # gate/up and down, each micro-batch, in the forward only
+    assert compiled == pytest.approx(eager, rel=5e-3)

@@ -21,8 +21,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 def mark_the_forward_for_recomputation(graph: torch.fx.Graph) -> int:
     """Mark each unmarked operation of `graph`'s forward (the nodes that do not depend on a `tangents_*` input) as
-    recomputed in the checkpointed region's name, where the graph holds exactly one region; returns how many were
-    marked (0 where the graph has no region or several, which this pass leaves to the partitioner)."""
+    recomputed in the checkpointed region's name, where the graph holds exactly one region, and each functionalized
+    write into a tensor (with its results) as saved, whatever Dynamo marked it: it runs once, in the forward.
+    Returns how many were marked for recomputation (0 where the graph has no region or several, which this pass
+    leaves to the partitioner)."""
     regions = {node.meta["ac_graph_id"] for node in graph.nodes if "ac_graph_id" in node.meta}
     if len(regions) != 1:
         return 0
@@ -34,8 +36,13 @@ def mark_the_forward_for_recomputation(graph: torch.fx.Graph) -> int:
             backward.add(node)
     marked = 0
     for node in graph.nodes:
-        if node.op == "call_function" and node not in backward and "recompute" not in node.meta and not (
-                _mutates(node) or (node.target is operator.getitem and _mutates(node.args[0]))):
+        if node.op != "call_function" or node in backward:
+            continue
+        if _mutates(node) or (node.target is operator.getitem and _mutates(node.args[0])):
+            # a write into a tensor (the expert weights' cache) runs once: its results are kept, not recomputed
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            node.meta["ac_graph_id"] = region
+        elif "recompute" not in node.meta:
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
             node.meta["ac_graph_id"] = region
             marked += 1
