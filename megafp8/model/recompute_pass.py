@@ -38,7 +38,7 @@ def mark_the_forward_for_recomputation(graph: torch.fx.Graph) -> int:
     for node in graph.nodes:
         if node.op != "call_function" or node in backward:
             continue
-        if _mutates(node) or (node.target is operator.getitem and _mutates(node.args[0])):
+        if _runs_once(node) or (node.target is operator.getitem and _runs_once(node.args[0])):
             # a write into a tensor (the expert weights' cache) runs once: its results are kept, not recomputed
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             node.meta["ac_graph_id"] = region
@@ -49,11 +49,17 @@ def mark_the_forward_for_recomputation(graph: torch.fx.Graph) -> int:
     return marked
 
 
-def _mutates(node) -> bool:
-    """Whether `node` is a functionalized mutation (a custom op writing into a tensor, such as the expert weights'
-    cache: `megafp8.precision.fp8_ops.quantize_stale_experts_`), which runs once, in the forward, not again."""
+RUNS_ONCE = ("megafp8::quantize_stale_experts",)  # ops writing a cache in place, undeclared (their docstrings)
+
+
+def _runs_once(node) -> bool:
+    """Whether `node` writes into a tensor and so runs once, in the forward, not again: a functionalized mutation
+    (a custom op declaring its writes) or one of `RUNS_ONCE` (the expert weights' cache:
+    `megafp8.precision.fp8_ops.quantize_stale_experts`, whose small result is kept)."""
     target = getattr(node, "target", None)
-    return isinstance(target, torch._ops.HigherOrderOperator) and target.name().startswith("auto_functionalized")
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return target.name().startswith("auto_functionalized")
+    return isinstance(target, torch._ops.OpOverload) and target._schema.name in RUNS_ONCE
 
 
 class RecomputeTheWholeForward(CustomGraphPass):
@@ -64,4 +70,4 @@ class RecomputeTheWholeForward(CustomGraphPass):
         mark_the_forward_for_recomputation(graph)
 
     def uuid(self) -> Optional[Any]:
-        return "megafp8.recompute_the_whole_forward.v1"
+        return "megafp8.recompute_the_whole_forward.v2"

@@ -490,9 +490,8 @@ def _experts_weight(projection: ExpertProjection, layout: ExpertRows, recipe: Fp
     entry = cache.traced_entry()
     if entry is None:
         return current_weight(cache, weight, recipe, backend, traced)
-    kernels(backend.name, True).quantize_stale_experts_(weight.detach(), entry, cache.stale, layout.tile_count, fmt,
-                                                        pow2)
-    return entry
+    return kernels(backend.name, True).quantize_stale_experts(weight.detach(), entry, cache.stale, layout.tile_count,
+                                                              fmt, pow2)
 
 
 @torch.compiler.disable  # deferred weight gradients run eagerly inside compiled code

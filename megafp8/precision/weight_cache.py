@@ -29,7 +29,7 @@ class Fp8WeightCache:
     `per_expert` (stacked expert weights): each expert is quantized when a micro-batch first gives it rows, not when
     the weight changes. The cache keeps each expert's version on the device (`stale`), `prepare` only moves the
     current version on, and the experts' MLP quantizes the experts of its layout that are stale
-    (`get_for_rows`, or traced, `megafp8.precision.fp8_ops.quantize_stale_experts_`); `get` brings every expert
+    (`get_for_rows`, or traced, `megafp8.precision.fp8_ops.quantize_stale_experts`); `get` brings every expert
     up to date. An expert without rows keeps old bytes that no GEMM reads; every expert a GEMM reads has the
     quantization of the current weight, as without `per_expert`."""
 
