@@ -539,6 +539,12 @@ def test_a_per_expert_cache_quantizes_experts_when_they_get_rows_once_per_versio
     assert calls[-1] == [False, False, False, True]
     assert torch.equal(entry.w_fp8[3].view(torch.uint8), full(weight).w_fp8[3].view(torch.uint8))
 
+    # A graph reading the prepared cache other than through the experts' MLP would read stale experts: refused.
+    from megafp8.precision.fp8_linear import current_weight
+    recipe = PrecisionRecipe.from_config(load_config("tiny_moe_fp8").precision).fp8
+    with pytest.raises(RuntimeError, match="stale experts"):
+        current_weight(cache, weight, recipe, backend, traced=True)
+
 
 def test_a_recomputed_compiled_moe_block_quantizes_its_experts_once_in_the_forward(tiny_overrides, monkeypatch):
     """Inductor, every block recomputed inside its compiled backward: the experts' weights are quantized by the

@@ -481,14 +481,14 @@ def _experts_weight(projection: ExpertProjection, layout: ExpertRows, recipe: Fp
                     traced: bool) -> QuantizedWeight:
     """The projection's FP8 weight, current for every expert with rows in `layout` (a cache quantizing its experts
     lazily, `Fp8WeightCache.per_expert`, quantizes those that are stale now: eagerly, or in the graph by the custom
-    op that mutates the cache)."""
+    op that writes the cache, `megafp8.precision.fp8_ops.quantize_stale_experts`)."""
     cache, weight, fmt, pow2 = projection.cache, projection.weight, recipe.fmt, recipe.power_of_two_scales
     if not cache.per_expert:
         return current_weight(cache, weight, recipe, backend, traced)
     if not traced:
         return cache.get_for_rows(weight, backend, fmt, pow2, layout.tile_count)
     entry = cache.traced_entry()
-    if entry is None:
+    if entry is None:  # not prepared: the graph quantizes the whole weight itself
         return current_weight(cache, weight, recipe, backend, traced)
     return kernels(backend.name, True).quantize_stale_experts(weight.detach(), entry, cache.stale, layout.tile_count,
                                                               fmt, pow2)
