@@ -233,6 +233,13 @@ def test_builds_exported_on_one_machine_are_placed_on_the_next_without_compiling
     with pytest.raises(tool.InstallError, match="no such file"):
         _install(["--prefix", str(other), "--source", str(src), "--prebuilt", str(tmp_path / "none.tar.gz")], base,
                  capsys)
+    for keep in (100, len(archive.read_bytes()) - 200):  # a transfer cut short, early or late
+        cut = tmp_path / f"cut{keep}.tar.gz"
+        cut.write_bytes(archive.read_bytes()[:keep])
+        where = tmp_path / f"four{keep}"
+        with pytest.raises(tool.InstallError, match="not a readable archive"):
+            _install(["--prefix", str(where), "--source", str(src), "--prebuilt", str(cut)], base, capsys)
+        assert not any(tool.is_built(where / v, src.resolve()) for v in tool.VARIANTS)
 
 
 def test_the_gpu_scripts_bring_deepgemm_back_and_a_carried_copy_replaces_the_build(tmp_path):
