@@ -37,7 +37,7 @@ install_deepgemm() {  # DeepGEMM (the `deepgemm` backend; a peer column of dense
   # be skipped: where no archive of builds is carried ($DEEPGEMM_PREBUILT, default .dg/deepgemm_builds.tar.gz), the
   # builds come back in $OUT/deepgemm_builds.tar.gz, and the JIT cache in $OUT/deepgemm_jit_cache.tar.gz
   # (finish_summary); copied into .dg/ here, the next call places them instead (builds checked as any build: one
-  # that fails the check is built again).
+  # that fails the check is built again). DEEPGEMM_EXPORT=0 brings neither back (a script short of $OUT's room).
   export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/deepgemm_cache}
   local src=${DEEPGEMM_SRC:-.dg/DeepGEMM} prefix=${DEEPGEMM_PREFIX:-/tmp/deepgemm} t0=$SECONDS
   local log="$LOGS/deepgemm_build.log" prebuilt=${DEEPGEMM_PREBUILT:-.dg/deepgemm_builds.tar.gz}
@@ -66,7 +66,8 @@ install_deepgemm() {  # DeepGEMM (the `deepgemm` backend; a peer column of dense
     fi
   fi
   if [ $ok = 0 ]; then
-    "${tool[@]}" "${again[@]}" --export-builds "$OUT/deepgemm_builds.tar.gz" >> "$log" 2>&1 && ok=1
+    [ "${DEEPGEMM_EXPORT:-1}" = 0 ] || again+=(--export-builds "$OUT/deepgemm_builds.tar.gz")
+    "${tool[@]}" "${again[@]}" >> "$log" 2>&1 && ok=1
   fi
   if [ $ok = 1 ]; then
     # shellcheck disable=SC1091
@@ -114,7 +115,8 @@ finish_summary() {  # the logs, as one file that comes back from the GPU machine
     i=$((i + 1))
   done
   tar -czf "$OUT/$name" -C "$LOGS" .
-  if [ -d "${DG_JIT_CACHE_DIR:-/tmp/deepgemm_cache}/cache" ]; then  # DeepGEMM's compiled kernels, for the next call
+  if [ "${DEEPGEMM_EXPORT:-1}" != 0 ] && [ -d "${DG_JIT_CACHE_DIR:-/tmp/deepgemm_cache}/cache" ]; then
+    # DeepGEMM's compiled kernels, for the next call
     tar -czf "$OUT/deepgemm_jit_cache.tar.gz" -C "${DG_JIT_CACHE_DIR:-/tmp/deepgemm_cache}" cache
   fi
 }

@@ -233,6 +233,13 @@ def test_builds_exported_on_one_machine_are_placed_on_the_next_without_compiling
     with pytest.raises(tool.InstallError, match="no such file"):
         _install(["--prefix", str(other), "--source", str(src), "--prebuilt", str(tmp_path / "none.tar.gz")], base,
                  capsys)
+    for keep in (100, len(archive.read_bytes()) - 200):  # a transfer cut short, early or late
+        cut = tmp_path / f"cut{keep}.tar.gz"
+        cut.write_bytes(archive.read_bytes()[:keep])
+        where = tmp_path / f"four{keep}"
+        with pytest.raises(tool.InstallError, match="not a readable archive"):
+            _install(["--prefix", str(where), "--source", str(src), "--prebuilt", str(cut)], base, capsys)
+        assert not any(tool.is_built(where / v, src.resolve()) for v in tool.VARIANTS)
 
 
 def test_the_gpu_scripts_bring_deepgemm_back_and_a_carried_copy_replaces_the_build(tmp_path):
@@ -240,7 +247,7 @@ def test_the_gpu_scripts_bring_deepgemm_back_and_a_carried_copy_replaces_the_bui
     told by PREBUILT_PASSES): a first call asks the tool to export its builds to $OUT and finish_summary packs the
     JIT cache; carried to the next call, the builds go to the tool as --prebuilt (no export asked) and the JIT cache
     is unpacked where DeepGEMM reads it; carried builds that fail there are built again (--rebuild), and the summary
-    says so."""
+    says so. DEEPGEMM_EXPORT=0 brings nothing back."""
     bin_dir, out, carried, jit = tmp_path / "bin", tmp_path / "out", tmp_path / "carried", tmp_path / "jit"
     bin_dir.mkdir()
     calls = tmp_path / "calls"
@@ -256,14 +263,14 @@ exec {sys.executable} "$@"
 """)
     (bin_dir / "python").chmod(0o755)
 
-    def call(prebuilt_passes: str) -> str:
+    def call(prebuilt_passes: str, export: str = "1") -> str:
         out.mkdir(exist_ok=True)
         logs = tmp_path / "logs"
         logs.mkdir(exist_ok=True)
         env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out), "DEEPGEMM_SRC": str(tmp_path),
                "DEEPGEMM_PREFIX": str(tmp_path / "dg"), "DEEPGEMM_PREBUILT": str(carried / "deepgemm_builds.tar.gz"),
                "DEEPGEMM_JIT_CACHE": str(carried / "deepgemm_jit_cache.tar.gz"), "DG_JIT_CACHE_DIR": str(jit),
-               "PREBUILT_PASSES": prebuilt_passes}
+               "PREBUILT_PASSES": prebuilt_passes, "DEEPGEMM_EXPORT": export}
         done = subprocess.run(["bash", "-c", f"source benchmarks/gpu_lib.sh; LOGS={logs}; install_deepgemm; "
                                "finish_summary"], cwd=tool.REPO_ROOT, env=env, capture_output=True, text=True,
                               timeout=120)
@@ -296,6 +303,14 @@ exec {sys.executable} "$@"
         ["--prebuilt", str(carried / "deepgemm_builds.tar.gz")],
         ["--rebuild", "--export-builds", str(out / "deepgemm_builds.tar.gz")]]
     assert "deepgemm_builds.tar.gz failed here: building" in summary and summary.count("DeepGEMM ready in") == 2
+
+    shutil.rmtree(out)  # DEEPGEMM_EXPORT=0: built, nothing brought back
+    calls.unlink()
+    carried_builds = carried / "deepgemm_builds.tar.gz"
+    carried_builds.unlink()
+    assert "DeepGEMM ready in" in call("1", export="0")
+    assert calls.read_text().split()[4:] == [] and sorted(p.name for p in out.iterdir()) == ["logs.tar.gz",
+                                                                                         "summary.md"]
 
 
 def test_a_build_past_its_time_is_stopped_with_its_compilers_and_said(tmp_path, capsys, monkeypatch):

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import zlib
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -238,25 +239,31 @@ def export_builds(prefix: Path, source: Path, archive: Path) -> list[str]:
 
 def place_prebuilt(archive: Path, source: Path, prefix: Path, say: Callable[[str], None] = print) -> list[str]:
     """Each variant of the archive written by `export_builds` that is not built here placed as built: `source`
-    copied, the archive's extension linked into its package, stamped with `source`. The check that follows decides
-    whether it runs here (a build for another torch fails it: build again with --rebuild). Returns those placed."""
+    copied, the archive's extension linked into its package, stamped with `source` (last: a variant cut short is
+    not taken for built). The check that follows decides whether it runs here (a build for another torch fails it:
+    build again with --rebuild). Returns those placed."""
     placed = []
-    with tarfile.open(archive, "r:*") as tar:
-        members = {m.name: m for m in tar.getmembers() if m.isfile()}
-        for variant in VARIANTS:
-            names = [n for n in members if n.startswith(f"{variant}/_C") and n.endswith(".so") and n.count("/") == 1]
-            dest = prefix / variant
-            if not names or is_built(dest, source):
-                continue
-            _copy_source(source, dest)
-            target = dest / "build" / "prebuilt"
-            target.mkdir(parents=True)
-            so = target / Path(names[0]).name
-            with tar.extractfile(members[names[0]]) as data, so.open("wb") as out:
-                shutil.copyfileobj(data, out)
-            (dest / "deep_gemm" / so.name).symlink_to(so)
-            (dest / STAMP).write_text(source_id(source))
-            placed.append(variant)
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            members = {m.name: m for m in tar.getmembers() if m.isfile()}
+            for variant in VARIANTS:
+                names = [n for n in members if n.startswith(f"{variant}/_C") and n.endswith(".so")
+                         and n.count("/") == 1]
+                dest = prefix / variant
+                if not names or is_built(dest, source):
+                    continue
+                _copy_source(source, dest)
+                target = dest / "build" / "prebuilt"
+                target.mkdir(parents=True)
+                so = target / Path(names[0]).name
+                with tar.extractfile(members[names[0]]) as data, so.open("wb") as out:
+                    shutil.copyfileobj(data, out)
+                (dest / "deep_gemm" / so.name).symlink_to(so)
+                (dest / STAMP).write_text(source_id(source))
+                placed.append(variant)
+    except (tarfile.TarError, EOFError, zlib.error) as exc:
+        raise InstallError(f"--prebuilt {archive} is not a readable archive ({exc}): pass one written by "
+                           "--export-builds, or leave --prebuilt out to build") from exc
     say(f"prebuilt from {archive}: {', '.join(placed) or 'nothing placed (already built, or none in it)'}")
     return placed
 
