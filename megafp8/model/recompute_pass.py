@@ -21,8 +21,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 def mark_the_forward_for_recomputation(graph: torch.fx.Graph) -> int:
     """Mark each unmarked operation of `graph`'s forward (the nodes that do not depend on a `tangents_*` input) as
-    recomputed in the checkpointed region's name, where the graph holds exactly one region, and each functionalized
-    write into a tensor (with its results) as saved, whatever Dynamo marked it: it runs once, in the forward.
+    recomputed in the checkpointed region's name, where the graph holds exactly one region, and each write into a
+    tensor (`_runs_once`) with its results as saved, whatever Dynamo marked it: it runs once, in the forward.
     Returns how many were marked for recomputation (0 where the graph has no region or several, which this pass
     leaves to the partitioner)."""
     regions = {node.meta["ac_graph_id"] for node in graph.nodes if "ac_graph_id" in node.meta}
