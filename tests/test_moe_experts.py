@@ -615,7 +615,7 @@ def test_a_compiled_fp8_moe_block_holds_no_weight_copy_from_its_forward_to_its_b
     kept) is transposed in the backward from the cache itself. The in-graph quantization of the experts with rows
     declared its write into the cache at first; every later reader then read its functional result, a forward
     value, and the partitioner made the experts' w^T in the forward and saved them, every MoE layer's at once
-    (2.2 GiB more on the GPU, job HX)."""
+    (2.5 GiB more held on the GPU, job HX)."""
     from megafp8.model import Fp8Converter, Transformer, apply_compile
     seen = _GraphsSeen()
     full = load_config("tiny_moe_fp8", tiny_overrides + [

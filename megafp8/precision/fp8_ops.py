@@ -144,7 +144,7 @@ def quantize_stale_experts(weight: torch.Tensor, w_fp8: torch.Tensor, w_scale: t
     It writes `w_fp8`, `w_scale` and `version` in place without declaring it. Declared, functionalization gives
     every later reader of `w_fp8` the op's functional result instead of the cache itself, a forward value: the
     dgrad's w^T, made from it in the backward, then had to be saved from the forward (the partitioner made the
-    transposes there), every MoE layer's at once: on the GPU the FP8 MoE step held 2.2 GiB more (`docs/benchmarks.md`,
+    transposes there), every MoE layer's at once: on the GPU the FP8 MoE step held 2.5 GiB more (`docs/benchmarks.md`,
     job HX). Undeclared, later readers read the cache itself (a graph input), as without lazy quantization; they
     are ordered after the write by the returned scales, which every GEMM of these weights reads (the cache's
     tensors are static inputs, never reused by Inductor's memory planning; the write is idempotent, so a second run
