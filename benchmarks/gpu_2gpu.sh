@@ -7,12 +7,13 @@
 # GPU, efficiency against the one-GPU row (TFLOP/s per device, same model and recipe), FP8 / BF16, MFU, steady peak
 # memory, and under PP the measured bubble (1 - efficiency) beside the schedule's theoretical one.
 #
-# CUDA graphs (`compile_mode: reduce-overhead`) where the layout allows: one GPU and DP=2. The others compile in the
-# default mode, as CUDA graphs there are untried and a failure would lose the row: under DualPipeV, FP8 linears with
-# deferred weight gradients run eagerly inside the compiled blocks (graph breaks); PP keeps several micro-batches in
-# flight through each block; and CUDA graph trees fail under non-reentrant activation checkpointing, i.e.
-# recomputation (pytorch/pytorch#154306, reported still failing with torch 2.11). So efficiency is against the best
-# one-GPU figure: on one H200 CUDA graphs gave ~1.5% over the default mode on the ~1B model (docs/performance.md).
+# CUDA graphs (`compile_mode: reduce-overhead`) where the layout allows: one GPU, DP=2 and full recomputation on one
+# GPU (recomputed inside the compiled backward since the fifty-seventh session; CUDA graph trees fail under
+# checkpointing around compiled code, pytorch/pytorch#154306). The others compile in the default mode, as CUDA graphs
+# there are untried and a failure would lose the row: under DualPipeV, FP8 linears with deferred weight gradients run
+# eagerly inside the compiled blocks (graph breaks); PP keeps several micro-batches in flight through each block. So
+# efficiency is against the best one-GPU figure: on one H200 CUDA graphs gave ~1.5% over the default mode on the ~1B
+# model (docs/performance.md).
 # TP's compiled blocks hold no graph break since `0732281` (FP8 included), so `tp2_cuda_graphs` tries CUDA graphs
 # around their collectives (functional collectives captured in the graphs); a failure there loses only that part.
 #
@@ -37,7 +38,8 @@
 # its estimate left is skipped, and the summary says so and how to run it.
 # DEEPGEMM=1 first installs DeepGEMM (gpu_lib.sh's install_deepgemm, from .dg/DeepGEMM: carry it), so that FP8 runs
 # on `deepgemm`, what `precision.fp8_backend: auto` picks where it is installed; on a fresh machine that takes
-# ~100-150 s of BUDGET_S. Without it FP8 runs on `hopper`.
+# ~100-150 s of BUDGET_S, less where .dg carries the builds an earlier call brought back (gpu_lib.sh). Without it
+# FP8 runs on `hopper`.
 # Usage: OUT=dir bash benchmarks/gpu_2gpu.sh [parts...]   (default: all of the above, in that order)
 # Tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
 source "$(dirname "$0")/gpu_lib.sh"
