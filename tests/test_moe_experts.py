@@ -652,3 +652,50 @@ def test_a_compiled_fp8_moe_block_holds_no_weight_copy_from_its_forward_to_its_b
     transposed = sum(_ops_called(g, "transpose_weight") for g in backwards)
     experts = sum(w.dim() == 3 for w in weights)  # the experts' weights keep no transpose in any case
     assert experts == 2 and transposed == (experts if keep_transpose else len(weights)), transposed
+
+
+def in_flight_gradients(overrides: list[str], backend: str, device: torch.device, compiled: bool,
+                        in_flight: bool) -> list[torch.Tensor]:
+    """Every parameter's gradient (FP32 `main_grad` where the layer adds into it) after two micro-batches of the
+    tiny FP8 MoE model: forward-backward twice, or (`in_flight`) both forwards and then both backwards, as a
+    pipeline stage holds micro-batches in flight."""
+    from megafp8.model import Fp8Converter, Transformer, apply_compile
+    full = load_config("tiny_moe_fp8", overrides + ["model.num_layers=2", "model.moe.first_dense_layers=1",
+                                                    "model.vocab_size=512", f"precision.fp8_backend={backend}"])
+    cfg, recipe = full.model, PrecisionRecipe.from_config(full.precision)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 512, (2, 64), generator=g).to(device) for _ in range(2)]
+    torch._dynamo.reset()
+    model = Transformer(cfg, recipe, 64, device=device)
+    init_weights(model, cfg, 0)
+    Fp8Converter(full.precision, recipe, cfg.num_layers).convert(model)
+    if compiled:
+        apply_compile(model, backend="inductor")
+
+    def loss_of(tokens):
+        loss = model(tokens, tokens)
+        return loss[0] if isinstance(loss, tuple) else loss
+    if in_flight:
+        for loss in [loss_of(t) for t in batches]:
+            loss.backward()
+    else:
+        for t in batches:
+            loss_of(t).backward()
+    grads = [(getattr(p, "main_grad", None) if p.grad is None else p.grad).clone() for p in model.parameters()]
+    torch._dynamo.reset()
+    return grads
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_micro_batches_in_flight_get_the_gradients_of_one_after_another(tiny_overrides, compiled):
+    """A pipeline stage holds several micro-batches' forwards before their backwards (1F1B's warm-up, DualPipeV).
+    A later forward quantizes the experts its rows reach into the cache that an earlier micro-batch's backward
+    saved: two forwards then two backwards give the gradients of forward-backward twice, and no backward is
+    refused for a cache written in between (it reads only its own experts, current already). (On the GPU:
+    `tests/test_moe_gpu.py`.)"""
+    cpu = torch.device("cpu")
+    one_after_another = in_flight_gradients(tiny_overrides, "reference", cpu, compiled, in_flight=False)
+    in_flight = in_flight_gradients(tiny_overrides, "reference", cpu, compiled, in_flight=True)
+    assert len(in_flight) == len(one_after_another) > 0
+    for a, b in zip(in_flight, one_after_another):
+        assert torch.equal(a, b)

@@ -280,6 +280,20 @@ def test_the_weight_quantizer_on_the_gpu_quantizes_only_stale_experts_with_rows(
     assert bool((version == 6).all())
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_micro_batches_in_flight_on_the_gpu_get_the_gradients_of_one_after_another(tiny_overrides, compiled):
+    """As `tests/test_moe_experts.py`'s CPU test, with the Triton kernels writing the experts' cache: two forwards
+    in flight then their backwards give the gradients of forward-backward twice (to the last bits that atomic
+    additions on the GPU may order differently; an expert read stale would be off by far more)."""
+    pytest.importorskip("triton")
+    from tests.test_moe_experts import in_flight_gradients
+    one_after_another = in_flight_gradients(tiny_overrides, "triton", CUDA, compiled, in_flight=False)
+    in_flight = in_flight_gradients(tiny_overrides, "triton", CUDA, compiled, in_flight=True)
+    assert len(in_flight) == len(one_after_another) > 0
+    for a, b in zip(in_flight, one_after_another):
+        assert (a.float() - b.float()).norm() <= 1e-5 * b.float().norm()
+
+
 def test_the_warp_specialized_gemms_tma_epilogue_writes_the_register_epilogues_bits():
     """Output tiles leave the warp-specialized kernel through shared memory by TMA (`ws_gemm.tma_store_fits`),
     stored or added into FP32 main_grad by TMA's reduction: the same bits as the register epilogue (load, add,

@@ -177,6 +177,11 @@ class Fp8Backend:
         q, s = ref.quantize_128x128(w.reshape(-1, k), fmt, power_of_two)
         q, s = q.view(*lead, n, k), s.view(*lead, n // TILE, k // TILE)
         pick = (lambda new, old: new) if stale is None else stale.pick  # noqa: E731
+        if stale is not None:
+            # Written as the GPU kernels write (autograd's version counters untouched): a backward still pending
+            # (a pipeline's micro-batches in flight) saved this cache and reads only experts that are current
+            # already, which stay as they are; a version bump would refuse that backward.
+            out = QuantizedWeight(*(t.data if t is not None else None for t in out.tensors()))
         with torch.no_grad():
             out.w_fp8.view(torch.uint8).copy_(pick(q.view(torch.uint8), out.w_fp8.view(torch.uint8)))
             self.block_scales_nk(out.w_scale).copy_(pick(s, self.block_scales_nk(out.w_scale)))
