@@ -56,18 +56,18 @@ install_deepgemm() {  # DeepGEMM (the `deepgemm` backend; a peer column of dense
       sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l}))"
     "${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")}/bin/nvcc" --version \
       | tail -n 2; } >> "$log" 2>&1
-  local tool=(python tools/install_deepgemm.py --prefix "$prefix" --source "$src") ok=0 again=()
+  local tool=(python tools/install_deepgemm.py --prefix "$prefix" --source "$src") ok=0 build=()
   if [ -f "$prebuilt" ]; then
     if "${tool[@]}" --prebuilt "$prebuilt" >> "$log" 2>&1; then
       ok=1
     else
       echo "DeepGEMM's carried builds $prebuilt failed here: building" >> "$OUT/summary.md"
-      again=(--rebuild)
+      build=(--rebuild)
     fi
   fi
   if [ $ok = 0 ]; then
-    [ "${DEEPGEMM_EXPORT:-1}" = 0 ] || again+=(--export-builds "$OUT/deepgemm_builds.tar.gz")
-    "${tool[@]}" "${again[@]}" >> "$log" 2>&1 && ok=1
+    [ "${DEEPGEMM_EXPORT:-1}" = 0 ] || build+=(--export-builds "$OUT/deepgemm_builds.tar.gz")
+    "${tool[@]}" "${build[@]}" >> "$log" 2>&1 && ok=1
   fi
   if [ $ok = 1 ]; then
     # shellcheck disable=SC1091

@@ -168,17 +168,16 @@ def test_bad_input_gets_one_line_that_says_what_to_do(tmp_path, capsys, monkeypa
         base["CUDA_HOME"])  # found through nvcc on PATH
 
 
-def _gpu_lib_install(tmp_path, src, prefix, base, carried: Path = Path("/nonexistent")):
-    """benchmarks/gpu_lib.sh's `install_deepgemm` in a shell (what is carried in `carried`: the builds'
-    and JIT cache's archives); returns that shell's PYTHONPATH and LD_PRELOAD after it, and the summary it wrote."""
+def _gpu_lib_install(tmp_path, src, prefix, base):
+    """benchmarks/gpu_lib.sh's `install_deepgemm` in a shell, nothing carried (the checkout's own .dg archives
+    kept out); returns that shell's PYTHONPATH and LD_PRELOAD after it, and the summary it wrote."""
     (tmp_path / "out").mkdir(exist_ok=True)
     (tmp_path / "logs").mkdir(exist_ok=True)
     script = (f"OUT={tmp_path / 'out'}; source benchmarks/gpu_lib.sh; LOGS={tmp_path / 'logs'}; install_deepgemm; "
               'echo "$PYTHONPATH"; echo "${LD_PRELOAD:-}"')
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DEEPGEMM_SRC": str(src),
            "DEEPGEMM_PREFIX": str(prefix), "CUDA_HOME": base["CUDA_HOME"], "CXX": base["CXX"], "HOME": str(tmp_path),
-           "DEEPGEMM_PREBUILT": str(carried / "deepgemm_builds.tar.gz"),
-           "DEEPGEMM_JIT_CACHE": str(carried / "deepgemm_jit_cache.tar.gz"),
+           "DEEPGEMM_PREBUILT": str(tmp_path / "none.tar.gz"), "DEEPGEMM_JIT_CACHE": str(tmp_path / "none.tar.gz"),
            "DG_JIT_CACHE_DIR": str(tmp_path / "jit")}
     done = subprocess.run(["bash", "-c", script], cwd=tool.REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=300)

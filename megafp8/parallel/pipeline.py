@@ -31,7 +31,6 @@ from megafp8.config.layout import V_SHAPED, layer_counts
 from megafp8.precision import GemmLayer, WeightGradQueue
 
 
-
 @dataclass(frozen=True)
 class StageSpec:
     """One pipeline stage: its place in pipeline order and the global indices of its transformer layers."""
