@@ -11,7 +11,6 @@ operation that has no mark with the region's, so the partitioner recomputes the 
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Optional
 
 import torch
@@ -38,8 +37,7 @@ def mark_the_forward_for_recomputation(graph: torch.fx.Graph) -> int:
     for node in graph.nodes:
         if node.op != "call_function" or node in backward:
             continue
-        if _runs_once(node) or (node.target is operator.getitem and _runs_once(node.args[0])):
-            # a write into a tensor (the expert weights' cache) runs once: its results are kept, not recomputed
+        if _runs_once(node):  # a write into the expert weights' cache: its result is kept, not recomputed
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             node.meta["ac_graph_id"] = region
         elif "recompute" not in node.meta:
@@ -53,12 +51,9 @@ RUNS_ONCE = ("megafp8::quantize_stale_experts",)  # ops writing a cache in place
 
 
 def _runs_once(node) -> bool:
-    """Whether `node` writes into a tensor and so runs once, in the forward, not again: a functionalized mutation
-    (a custom op declaring its writes) or one of `RUNS_ONCE` (the expert weights' cache:
+    """Whether `node` is an op of `RUNS_ONCE`, which runs once, in the forward, not again (the expert weights' cache:
     `megafp8.precision.fp8_ops.quantize_stale_experts`, whose small result is kept)."""
     target = getattr(node, "target", None)
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return target.name().startswith("auto_functionalized")
     return isinstance(target, torch._ops.OpOverload) and target._schema.name in RUNS_ONCE
 
 
