@@ -20,8 +20,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 def mark_the_forward_for_recomputation(graph: torch.fx.Graph) -> int:
     """Mark each unmarked operation of `graph`'s forward (the nodes that do not depend on a `tangents_*` input) as
-    recomputed in the checkpointed region's name, where the graph holds exactly one region; returns how many were
-    marked (0 where the graph has no region or several, which this pass leaves to the partitioner)."""
+    recomputed in the checkpointed region's name, where the graph holds exactly one region, and each write into a
+    tensor (`_runs_once`) with its results as saved, whatever Dynamo marked it: it runs once, in the forward.
+    Returns how many were marked for recomputation (0 where the graph has no region or several, which this pass
+    leaves to the partitioner)."""
     regions = {node.meta["ac_graph_id"] for node in graph.nodes if "ac_graph_id" in node.meta}
     if len(regions) != 1:
         return 0
@@ -33,11 +35,26 @@ def mark_the_forward_for_recomputation(graph: torch.fx.Graph) -> int:
             backward.add(node)
     marked = 0
     for node in graph.nodes:
-        if node.op == "call_function" and node not in backward and "recompute" not in node.meta:
+        if node.op != "call_function" or node in backward:
+            continue
+        if _runs_once(node):  # a write into the expert weights' cache: its result is kept, not recomputed
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            node.meta["ac_graph_id"] = region
+        elif "recompute" not in node.meta:
             node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
             node.meta["ac_graph_id"] = region
             marked += 1
     return marked
+
+
+RUNS_ONCE = ("megafp8::quantize_stale_experts",)  # ops writing a cache in place, undeclared (their docstrings)
+
+
+def _runs_once(node) -> bool:
+    """Whether `node` is an op of `RUNS_ONCE`, which runs once, in the forward, not again (the expert weights' cache:
+    `megafp8.precision.fp8_ops.quantize_stale_experts`, whose small result is kept)."""
+    target = getattr(node, "target", None)
+    return isinstance(target, torch._ops.OpOverload) and target._schema.name in RUNS_ONCE
 
 
 class RecomputeTheWholeForward(CustomGraphPass):
@@ -48,4 +65,4 @@ class RecomputeTheWholeForward(CustomGraphPass):
         mark_the_forward_for_recomputation(graph)
 
     def uuid(self) -> Optional[Any]:
-        return "megafp8.recompute_the_whole_forward.v1"
+        return "megafp8.recompute_the_whole_forward.v2"

@@ -72,6 +72,9 @@ class ExpertLinear(GemmLayer):
     # The transposed FP8 copy (dgrad's operand) is made per backward, not kept: the experts hold most weights of a
     # MoE model, and keeping both copies held FP8's peak memory above BF16's (docs/moe.md).
     keeps_fp8_transpose = False
+    # Each expert is quantized when a micro-batch first gives it rows (once per weight version still): a young
+    # router leaves most experts idle (the MoE benchmark's: 33-52 of 64, job FS).
+    quantizes_experts_lazily = True
 
     def why_unsupported(self, fp8: Fp8Recipe) -> Optional[str]:
         """Grouped expert linears run all three GEMMs in FP8 or none."""

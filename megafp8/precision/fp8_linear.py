@@ -209,6 +209,10 @@ def current_weight(cache: Fp8WeightCache, weight: torch.Tensor, recipe: Fp8Recip
     if not traced:
         return cache.get(weight, backend, recipe.fmt, recipe.power_of_two_scales)
     entry = cache.traced_entry()
+    if entry is not None and cache.per_expert:  # its idle experts may hold an older version's bytes
+        raise RuntimeError("a per-expert weight cache is read in a graph through the experts' MLP "
+                           "(megafp8.precision.grouped._experts_weight), which brings its experts with rows up to "
+                           "date first; this caller would read stale experts")
     return entry if entry is not None else quantized_weight_in_graph(weight, recipe.fmt, recipe.power_of_two_scales,
                                                                      backend.name)
 

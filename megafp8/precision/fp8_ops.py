@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from megafp8.precision.backends import Fp8Backend, QuantizedWeight, backend_by_name
+from megafp8.precision.backends import Fp8Backend, QuantizedWeight, StaleExperts, backend_by_name
 from megafp8.precision.expert_layout import ExpertRows
 from megafp8.precision.formats import FORMATS, TILE, Fp8Format
 
@@ -131,6 +131,32 @@ def quantize_weight(weight: torch.Tensor, fmt: str, pow2: bool, backend: str
 @quantize_weight.register_fake
 def _(weight, fmt, pow2, backend):
     return _backend(backend).empty_weight(weight.shape, FORMATS[fmt], weight.device).tensors()
+
+
+@torch.library.custom_op("megafp8::quantize_stale_experts", mutates_args=())
+def quantize_stale_experts(weight: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, version: torch.Tensor,
+                           current: torch.Tensor, used: torch.Tensor, fmt: str, pow2: bool, backend: str
+                           ) -> torch.Tensor:
+    """The stacked experts with rows (`used` (E,) nonzero) whose FP8 weight is older than `current` quantized into
+    the cache's tensors, and their `version` set to current (`megafp8.precision.weight_cache.Fp8WeightCache`,
+    `per_expert`). Returns the block scales after it (a copy of `w_scale`, its layout): the GEMMs read those.
+
+    It writes `w_fp8`, `w_scale` and `version` in place without declaring it. Declared, functionalization gives
+    every later reader of `w_fp8` the op's functional result instead of the cache itself, a forward value: the
+    dgrad's w^T, made from it in the backward, then had to be saved from the forward (the partitioner made the
+    transposes there), every MoE layer's at once: on the GPU the FP8 MoE step held 2.5 GiB more (`docs/benchmarks.md`,
+    job HX). Undeclared, later readers read the cache itself (a graph input), as without lazy quantization; they
+    are ordered after the write by the returned scales, which every GEMM of these weights reads (the cache's
+    tensors are static inputs, never reused by Inductor's memory planning; the write is idempotent, so a second run
+    of it changes nothing)."""
+    _backend(backend).quantize_weight_(weight, QuantizedWeight(w_fp8, w_scale, None, None), FORMATS[fmt], pow2,
+                                       StaleExperts(version, current, used))
+    return w_scale.clone()
+
+
+@quantize_stale_experts.register_fake
+def _(weight, w_fp8, w_scale, version, current, used, fmt, pow2, backend) -> torch.Tensor:
+    return torch.empty_like(w_scale)
 
 
 @torch.library.custom_op("megafp8::transpose_weight", mutates_args=())
@@ -278,6 +304,13 @@ class TracedKernels:
     def rope_backward_quantize(self, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
                                sin: torch.Tensor, seq_len: int, head_dim: int, fmt: Fp8Format, pow2: bool):
         return rope_backward_quantize(dq, dk, dv, cos, sin, seq_len, head_dim, fmt.name, pow2, self.backend)
+
+    def quantize_stale_experts(self, weight: torch.Tensor, entry: QuantizedWeight, stale: StaleExperts,
+                               used: torch.Tensor, fmt: Fp8Format, pow2: bool) -> QuantizedWeight:
+        """`entry` with the experts with rows brought up to date, the block scales those of after the write."""
+        scale = quantize_stale_experts(weight, entry.w_fp8, entry.w_scale, stale.version, stale.current, used,
+                                       fmt.name, pow2, self.backend)
+        return QuantizedWeight(entry.w_fp8, scale, None, None)
 
     def transpose_weight(self, w_fp8: torch.Tensor, w_scale: torch.Tensor,
                          experts_used: Optional[torch.Tensor] = None):

@@ -26,6 +26,8 @@ class GemmLayer(nn.Module):
 
     weight: nn.Parameter
     keeps_fp8_transpose: ClassVar[bool] = True  # the FP8 weight cache keeps w^T for dgrad (else made per backward)
+    # stacked experts, quantized when a micro-batch gives them rows (`Fp8WeightCache.per_expert`)
+    quantizes_experts_lazily: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,7 +44,8 @@ class GemmLayer(nn.Module):
                     raise ValueError(f"an FP8 {type(self).__name__} needs {what} to be a multiple of {TILE}, "
                                      f"got {size}")
         self.recipe = recipe
-        self.fp8_cache = (Fp8WeightCache(self.keeps_fp8_transpose and recipe.fp8.keep_weight_transpose)
+        self.fp8_cache = (Fp8WeightCache(self.keeps_fp8_transpose and recipe.fp8.keep_weight_transpose,
+                                         per_expert=self.quantizes_experts_lazily)
                           if recipe.fp8 is not None else None)
         self._fp8_backend = fp8_backend
 

@@ -466,8 +466,8 @@ def grouped_fp8_swiglu_mlp(x: GatheredInput, layout: ExpertRows, gate_up: Expert
     traced = torch.compiler.is_compiling()
     if traced and (gate_up.queue is not None or down.queue is not None):
         return _eager_grouped_fp8_swiglu_mlp(x, layout, gate_up, down, recipe, backend, combined)
-    gate_up_entry = current_weight(gate_up.cache, gate_up.weight, recipe, backend, traced)
-    down_entry = current_weight(down.cache, down.weight, recipe, backend, traced)
+    gate_up_entry = _experts_weight(gate_up, layout, recipe, backend, traced)
+    down_entry = _experts_weight(down, layout, recipe, backend, traced)
     return _GroupedFp8SwiGLUFn.apply(
         x.source, gate_up.weight, down.weight, gate_up_entry.w_fp8, gate_up_entry.w_scale, down_entry.w_fp8,
         down_entry.w_scale, x.index, layout.tile_expert, layout.tile_start, layout.tile_count, x.grad_index,
@@ -475,6 +475,23 @@ def grouped_fp8_swiglu_mlp(x: GatheredInput, layout: ExpertRows, gate_up: Expert
         *((combined.pos, combined.weights) if combined is not None else (None, None)), x.source_grad,
         (combined.combine, combined.weights_grad) if combined is not None else None, recipe,
         backend_arg(backend, traced), traced, (gate_up.queue, down.queue))
+
+
+def _experts_weight(projection: ExpertProjection, layout: ExpertRows, recipe: Fp8Recipe, backend: Fp8Backend,
+                    traced: bool) -> QuantizedWeight:
+    """The projection's FP8 weight, current for every expert with rows in `layout` (a cache quantizing its experts
+    lazily, `Fp8WeightCache.per_expert`, quantizes those that are stale now: eagerly, or in the graph by the custom
+    op that writes the cache, `megafp8.precision.fp8_ops.quantize_stale_experts`)."""
+    cache, weight, fmt, pow2 = projection.cache, projection.weight, recipe.fmt, recipe.power_of_two_scales
+    if not cache.per_expert:
+        return current_weight(cache, weight, recipe, backend, traced)
+    if not traced:
+        return cache.get_for_rows(weight, backend, fmt, pow2, layout.tile_count)
+    entry = cache.traced_entry()
+    if entry is None:  # not prepared: the graph quantizes the whole weight itself
+        return current_weight(cache, weight, recipe, backend, traced)
+    return kernels(backend.name, True).quantize_stale_experts(weight.detach(), entry, cache.stale, layout.tile_count,
+                                                              fmt, pow2)
 
 
 @torch.compiler.disable  # deferred weight gradients run eagerly inside compiled code

@@ -23,7 +23,7 @@ from megafp8.config import ConfigError
 from megafp8.precision.backends.cublas_backend import CublasBackend
 from megafp8.precision.backends.deepgemm_backend import DeepGemmBackend
 from megafp8.precision.backends.hopper_backend import HopperBackend
-from megafp8.precision.backends.reference import Fp8Backend, QuantizedWeight
+from megafp8.precision.backends.reference import Fp8Backend, QuantizedWeight, StaleExperts
 from megafp8.precision.backends.triton_backend import TritonBackend
 
 REGISTERED: tuple[type[Fp8Backend], ...] = (Fp8Backend, TritonBackend, CublasBackend, HopperBackend, DeepGemmBackend)
@@ -92,5 +92,5 @@ def select_backend(name: str, device: torch.device) -> Fp8Backend:
     return cls()
 
 
-__all__ = ["REGISTERED", "Fp8Backend", "QuantizedWeight", "backend_by_name", "backend_names", "check_backend_name",
-           "common_choice", "passed_over", "select_backend", "why_unavailable"]
+__all__ = ["REGISTERED", "Fp8Backend", "QuantizedWeight", "StaleExperts", "backend_by_name", "backend_names",
+           "check_backend_name", "common_choice", "passed_over", "select_backend", "why_unavailable"]

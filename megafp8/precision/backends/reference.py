@@ -44,6 +44,30 @@ class QuantizedWeight:
         return self.w_fp8, self.w_scale, self.wt_fp8, self.wt_scale
 
 
+@dataclass
+class StaleExperts:
+    """Which stacked experts' FP8 weights to (re)quantize, decided on the device: those whose `version` (E,) int64
+    is not `current` (1,) int64 and, where `used` (E,) is given, whose entry there is nonzero (an expert with rows
+    in this micro-batch's layout). The rest keep their bytes: no GEMM of this micro-batch reads them."""
+
+    version: torch.Tensor
+    current: torch.Tensor
+    used: Optional[torch.Tensor] = None
+
+    def chosen(self) -> torch.Tensor:
+        """(E,) bool: the experts to quantize."""
+        stale = self.version != self.current
+        return stale if self.used is None else stale & (self.used != 0)
+
+    def pick(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """`new` for the chosen experts (the leading dimension), `old` for the others."""
+        return torch.where(self.chosen().view(-1, *([1] * (new.dim() - 1))), new, old)
+
+    def mark_current(self) -> None:
+        """The chosen experts' versions set to current (after their quantization, in stream order)."""
+        self.version.copy_(torch.where(self.chosen(), self.current, self.version))
+
+
 def _format_of(t: torch.Tensor) -> Fp8Format:
     """The FP8 format whose dtype `t` has."""
     return next(fmt for fmt in FORMATS.values() if fmt.dtype == t.dtype)
@@ -145,17 +169,29 @@ class Fp8Backend:
         through it fills the GEMM's layout)."""
         return scale
 
-    def quantize_weight_(self, w: torch.Tensor, out: QuantizedWeight, fmt: Fp8Format, power_of_two: bool) -> None:
-        """Quantize w (N, K) or (E, N, K) in 128x128 blocks into `out` (from `empty_weight`), in place."""
+    def quantize_weight_(self, w: torch.Tensor, out: QuantizedWeight, fmt: Fp8Format, power_of_two: bool,
+                         stale: Optional[StaleExperts] = None) -> None:
+        """Quantize w (N, K) or (E, N, K) in 128x128 blocks into `out` (from `empty_weight`), in place. With `stale`
+        (stacked experts), only the experts it names are quantized, on the device, and marked current."""
         *lead, n, k = w.shape
         q, s = ref.quantize_128x128(w.reshape(-1, k), fmt, power_of_two)
         q, s = q.view(*lead, n, k), s.view(*lead, n // TILE, k // TILE)
+        pick = (lambda new, old: new) if stale is None else stale.pick  # noqa: E731
+        if stale is not None:
+            # Written as the GPU kernels write (autograd's version counters untouched): a backward still pending
+            # (a pipeline's micro-batches in flight) saved this cache and reads only experts that are current
+            # already, which stay as they are; a version bump would refuse that backward.
+            out = QuantizedWeight(*(t.data if t is not None else None for t in out.tensors()))
         with torch.no_grad():
-            out.w_fp8.view(torch.uint8).copy_(q.view(torch.uint8))
-            self.block_scales_nk(out.w_scale).copy_(s)
+            out.w_fp8.view(torch.uint8).copy_(pick(q.view(torch.uint8), out.w_fp8.view(torch.uint8)))
+            self.block_scales_nk(out.w_scale).copy_(pick(s, self.block_scales_nk(out.w_scale)))
             if out.wt_fp8 is not None:
-                out.wt_fp8.view(torch.uint8).copy_(_transposed_fp8(q).view(torch.uint8))
-                self.block_scales_nk(out.wt_scale).copy_(s.transpose(-2, -1))
+                out.wt_fp8.view(torch.uint8).copy_(pick(_transposed_fp8(q).view(torch.uint8),
+                                                        out.wt_fp8.view(torch.uint8)))
+                self.block_scales_nk(out.wt_scale).copy_(pick(s.transpose(-2, -1),
+                                                              self.block_scales_nk(out.wt_scale)))
+            if stale is not None:
+                stale.mark_current()
 
     def weight_transposed(self, w: QuantizedWeight, experts_used: Optional[torch.Tensor] = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:

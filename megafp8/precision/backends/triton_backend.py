@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from megafp8.precision import quantize as ref
-from megafp8.precision.backends.reference import Fp8Backend, QuantizedWeight
+from megafp8.precision.backends.reference import Fp8Backend, QuantizedWeight, StaleExperts
 from megafp8.precision.formats import Fp8Format
 from megafp8.precision.producers import rope_backward_fusable
 
@@ -73,10 +73,12 @@ class TritonBackend(Fp8Backend):
         dq, dk, dv = (t if t.stride(1) == 1 else t.contiguous() for t in (dq, dk, dv))
         return self.producers.rope_backward_quantize(dq, dk, dv, cos, sin, seq_len, head_dim, fmt, power_of_two)
 
-    def quantize_weight_(self, w: torch.Tensor, out: QuantizedWeight, fmt: Fp8Format, power_of_two: bool) -> None:
+    def quantize_weight_(self, w: torch.Tensor, out: QuantizedWeight, fmt: Fp8Format, power_of_two: bool,
+                         stale: Optional[StaleExperts] = None) -> None:
         kept = out.wt_fp8 is not None
         self.quantizers.quantize_weight_(w, out.w_fp8, self.block_scales_nk(out.w_scale), out.wt_fp8 if kept else None,
-                                         self.block_scales_nk(out.wt_scale) if kept else None, fmt, power_of_two)
+                                         self.block_scales_nk(out.wt_scale) if kept else None, fmt, power_of_two,
+                                         None if stale is None else (stale.version, stale.current, stale.used))
 
     def _transpose_into(self, w: QuantizedWeight, out: QuantizedWeight,
                         experts_used: Optional[torch.Tensor] = None) -> None:

@@ -91,14 +91,32 @@ def _rmsnorm_quantize_kernel(h_ptr, rstd_ptr, w_ptr, q_ptr, s_ptr, qt_ptr, st_pt
 
 
 @triton.jit
-def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, n_blocks,
+def _quantize_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, used_ptr, version_ptr, current_ptr, n_blocks,
                             stride_we, stride_wn, stride_qe, stride_qn, stride_qte, stride_qtk,
                             stride_se, stride_sn, stride_sk, stride_ste, stride_stn, stride_stk,
-                            FP8_MAX: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr):
+                            FP8_MAX: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr,
+                            STALE_ONLY: tl.constexpr, USED_ONLY: tl.constexpr):
     """One 128x128 block of w[e] (N, K): its values at q[e] and (with TRANSPOSE), transposed, at qt[e] (K, N);
     its scale at s[e, nb, kb] and st[e, kb, nb] (strides given as [e, n block, k block] of each). The expert index
-    is int64: a layer's stacked experts may span more than 2^31 elements, one expert may not."""
+    is int64: a layer's stacked experts may span more than 2^31 elements, one expert may not. With STALE_ONLY, an
+    expert whose version_ptr[e] equals current_ptr[0] is left alone, and with USED_ONLY too one whose used_ptr[e]
+    is 0."""
     e = (tl.program_id(1) // n_blocks).to(tl.int64)
+    go = True
+    if STALE_ONLY:
+        go = tl.load(version_ptr + e) != tl.load(current_ptr)
+        if USED_ONLY:
+            go = go & (tl.load(used_ptr + e) != 0)
+    if go:
+        _quantize_weight_block(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, e, n_blocks, stride_we, stride_wn, stride_qe,
+                               stride_qn, stride_qte, stride_qtk, stride_se, stride_sn, stride_sk, stride_ste,
+                               stride_stn, stride_stk, FP8_MAX, POW2, TRANSPOSE)
+
+
+@triton.jit
+def _quantize_weight_block(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, e, n_blocks, stride_we, stride_wn, stride_qe,
+                           stride_qn, stride_qte, stride_qtk, stride_se, stride_sn, stride_sk, stride_ste, stride_stn,
+                           stride_stk, FP8_MAX: tl.constexpr, POW2: tl.constexpr, TRANSPOSE: tl.constexpr):
     nb = tl.program_id(1) % n_blocks
     kb = tl.program_id(0)
     n = nb * 128 + tl.arange(0, 128)
@@ -241,20 +259,31 @@ def gather_scale_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, f
 
 
 def quantize_weight_(w: torch.Tensor, q: torch.Tensor, s_nk: torch.Tensor, qt: Optional[torch.Tensor],
-                     st_nk: Optional[torch.Tensor], fmt: Fp8Format, power_of_two: bool) -> None:
+                     st_nk: Optional[torch.Tensor], fmt: Fp8Format, power_of_two: bool,
+                     stale: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None) -> None:
     """w (N, K) or (E, N, K) -> q (same shape), qt (w^T per expert; None: not written), in place; block scales
     written through `s_nk` ([E,] N/128, K/128) and `st_nk` ([E,] K/128, N/128), views of any layout (see
-    `Fp8Backend.block_scales_nk`)."""
+    `Fp8Backend.block_scales_nk`). `stale` (version (E,) int64, current (1,) int64, used (E,) or None), all on the
+    device: only the experts whose version is not current (and, with `used`, whose entry there is nonzero) are
+    quantized, and their versions then set to current."""
     transpose = qt is not None
     qt, st_nk = (qt, st_nk) if transpose else (q, s_nk)  # unused pointers when not transposing
     assert w.stride(-1) == 1 and q.is_contiguous() and qt.is_contiguous(), "quantize_weight_ needs row-major tensors"
     w3, q3, qt3, s3, st3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (w, q, qt, s_nk, st_nk))
     experts, n, k = w3.shape
     check_offsets("quantize_weight_", w3[:1], q3[:1], qt3[:1])  # one expert: experts are indexed in int64
+    version, current, used = stale if stale is not None else (s3, s3, None)
+    if stale is not None and (version.shape != (experts,) or (used is not None and used.shape != (experts,))):
+        raise ValueError(f"versions {tuple(version.shape)} and used {None if used is None else tuple(used.shape)} "
+                         f"for {experts} experts: one entry per expert needed")
     _QUANTIZE_WEIGHT.launch((k // TILE, experts * (n // TILE)),
-                            (w3, q3, s3, qt3, st3, n // TILE, w3.stride(0), w3.stride(1), q3.stride(0), q3.stride(1),
-                             qt3.stride(0), qt3.stride(1), *s3.stride(), *st3.stride()),
-                            dict(**tiles.format_constants(fmt), POW2=power_of_two, TRANSPOSE=transpose, num_warps=8))
+                            (w3, q3, s3, qt3, st3, s3 if used is None else used, version, current, n // TILE,
+                             w3.stride(0), w3.stride(1), q3.stride(0), q3.stride(1), qt3.stride(0), qt3.stride(1),
+                             *s3.stride(), *st3.stride()),
+                            dict(**tiles.format_constants(fmt), POW2=power_of_two, TRANSPOSE=transpose,
+                                 STALE_ONLY=stale is not None, USED_ONLY=used is not None, num_warps=8))
+    if stale is not None:  # after the kernel read them (stream order)
+        version.copy_(current.expand(experts) if used is None else torch.where(used != 0, current, version))
 
 
 def transpose_blocks(q: torch.Tensor, s_nk: torch.Tensor, qt: torch.Tensor, st_nk: torch.Tensor,
