@@ -62,7 +62,8 @@
 # two trees' steps interleaved, AB_REPEATS runs each, benchmarks/ab_steps.py: `git archive COMMIT | tar -x -C
 # DIR`, carried), the MoE step after the router has balanced (moe_balanced: MOE_WARMUP untimed steps, default 200),
 # and on two GPUs moe_ep2, moe_dp2, dense_2gpu, cp_2gpu: the ~1B at 32K tokens, one GPU against CP=2). `profile` also lists the host's busiest operators.
-# tests_all_deepgemm: the one-GPU tests with DeepGEMM installed. STEP_TIMEOUT (s) bounds each part.
+# tests_all_deepgemm: the one-GPU tests with DeepGEMM installed. STEP_TIMEOUT (s) bounds each part. REQUIRE_CARD=NAME
+# (e.g. H200): run nothing unless every GPU's name has NAME in it (gpu_lib.sh's start_summary, every script).
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
 start_summary

@@ -14,8 +14,16 @@ stdlib_corpus() {  # the GPU machine's Python standard library, byte-tokenized i
 
 start_summary() {  # tables go to $OUT/summary.md (headed by the GPUs), each step's stderr to $LOGS; a second
   # script in the same $OUT adds to the summary (job HU lost a table to one that replaced it)
+  # REQUIRE_CARD=H200: on a machine whose GPUs are not all of that name, say so and run nothing (a figure of record
+  # that only counts on one card: an H100 in its place costs a start, not the call; job IA)
   LOGS=$(mktemp -d)
-  nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/summary.md"
+  local cards
+  cards=$(nvidia-smi --query-gpu=name,memory.total --format=csv)
+  echo "$cards" >> "$OUT/summary.md"
+  if [ -n "${REQUIRE_CARD:-}" ] && tail -n +2 <<< "$cards" | grep -qv -- "$REQUIRE_CARD"; then
+    echo "REQUIRE_CARD=$REQUIRE_CARD, and this machine has other cards: nothing run" | tee -a "$OUT/summary.md"
+    exit 0
+  fi
 }
 
 install_torchao() {  # torchao's wheel, carried in wheels/ (the GPU machine has no network)

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -526,6 +528,19 @@ exec {sys.executable} "$@"
     assert "DeepGEMM ready in" in summary
     assert "| training.compile=true | sourced=yes |" in summary  # auto_deepgemm's ~1B step
     assert "| --model | sourced=no |" in summary  # the moe part after it
+
+
+@pytest.mark.parametrize("card, runs", [("H200", False), ("Fake GPU", True)])
+def test_gpu_e2e_with_a_required_card_runs_nothing_on_another(tmp_path, card, runs):
+    """`REQUIRE_CARD=NAME`: on a machine whose GPUs are not all NAME the script says so in the summary and runs no
+    part (a step of record that counts on one card only); on NAME's machine it runs as without it."""
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["moe_auto"], "touch ran_train_step",
+                                    env={"REQUIRE_CARD": card, "MOE_REPEATS": "1", "MOE_BALANCED": "0",
+                                         "DEEPGEMM_SRC": str(tmp_path / "no_source")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert (tmp_path / "out" / "ran_train_step").exists() == runs
+    assert ("nothing run" in summary) != runs
 
 
 def test_a_second_script_in_the_same_out_adds_to_the_summary_and_keeps_the_first_logs(tmp_path):
