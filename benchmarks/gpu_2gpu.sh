@@ -38,7 +38,8 @@
 # its estimate left is skipped, and the summary says so and how to run it.
 # DEEPGEMM=1 first installs DeepGEMM (gpu_lib.sh's install_deepgemm, from .dg/DeepGEMM: carry it), so that FP8 runs
 # on `deepgemm`, what `precision.fp8_backend: auto` picks where it is installed; on a fresh machine that takes
-# ~100-150 s of BUDGET_S, less where .dg carries the builds an earlier call brought back (gpu_lib.sh). Without it
+# ~100-170 s of BUDGET_S to build, 34-46 s where .dg carries the builds an earlier call brought back (gpu_lib.sh;
+# jobs HY-IB, one GPU). REQUIRE_CARD=H200 runs nothing on other cards (gpu_lib.sh's start_summary). Without it
 # FP8 runs on `hopper`.
 # Usage: OUT=dir bash benchmarks/gpu_2gpu.sh [parts...]   (default: all of the above, in that order)
 # Tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.

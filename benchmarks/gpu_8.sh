@@ -15,7 +15,8 @@
 # Usage: OUT=dir bash benchmarks/gpu_8.sh [parts...]   (default: one_gpu two_gpus eight_gpus loss_8gpu)
 # STEP_TIMEOUT (s) bounds each step; tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz. DEEPGEMM=1 installs
 # DeepGEMM first (gpu_lib.sh's install_deepgemm, from .dg/DeepGEMM: carry it), so that FP8 runs on `deepgemm`, what
-# `precision.fp8_backend: auto` picks where it is installed (~100-150 s on a fresh machine); else on `hopper`.
+# `precision.fp8_backend: auto` picks where it is installed (~100-170 s on a fresh machine, 34-46 s from
+# builds carried in .dg); else on `hopper`. REQUIRE_CARD=H200 runs nothing on other cards.
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-one_gpu two_gpus eight_gpus loss_8gpu}
 start_summary
