@@ -18,9 +18,9 @@ over tensor over pipeline parallelism: data parallelism with a sharded optimizer
 throughput per GPU on two H200s every time, TP=2 anywhere from 43% (FP8, before its layers were traced) to 117%
 (BF16), PP=2 89-96% with its bubble (`docs/benchmarks.md`, issue 26's tables); the MoE model at DP=2 ran 1.21x
 (FP8) and 1.23x (BF16) its EP=2 throughput, EP adding two all-to-alls a MoE layer (job R), so EP is recommended only
-where the experts do not fit replicated; and a smaller model-parallel degree leaves every GEMM larger. It is a starting point to measure
-(`benchmarks/train_step.py` at that layout), not a performance model: communication cost across nodes is not
-modelled (keep TP inside a node: `max_tp`).
+where the experts do not fit replicated; and a smaller model-parallel degree leaves every GEMM larger. It is a
+starting point to measure (`benchmarks/train_step.py` at that layout), not a performance model: communication cost
+across nodes is not modelled (keep TP inside a node: `max_tp`).
 """
 from __future__ import annotations
 
