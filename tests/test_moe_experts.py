@@ -433,6 +433,53 @@ def test_the_weight_transpose_skips_experts_without_rows_in_the_interpreter(tmp_
     run_in_triton_interpreter(tmp_path, INTERPRETED_TRANSPOSE)
 
 
+# The BF16 experts' weight-gradient add with idle experts left out, run by Triton's CPU interpreter.
+INTERPRETED_EXPERTS_ADD = r'''
+import torch
+from megafp8.precision.kernels import experts_add
+g = torch.Generator().manual_seed(0)
+e, n, k = 4, 96, 100  # 9,600 elements an expert: a block and a part of one
+out = torch.randn(e, n, k, generator=g)
+x = torch.randn(e, n, k, generator=g).to(torch.bfloat16)
+x[1] = float("nan")  # an expert without rows: its bytes must never be read
+x[3] = float("nan")
+before = out.clone()
+offs = torch.tensor([7, 7, 300, 300], dtype=torch.int32)  # rows 7, 0, 293, 0
+experts_add.add_experts_with_rows_(out, x, offs)
+want = before.clone()
+want[[0, 2]] += x[[0, 2]]  # torch's add of BF16 into FP32: the bits the kernel must give
+assert torch.equal(out[[0, 2]], want[[0, 2]])
+assert torch.equal(out[[1, 3]], before[[1, 3]])  # left exactly as they were
+for bad in ((out.double(), x, offs), (out, x[:3], offs), (out, x, offs[:3]), (out.transpose(1, 2), x, offs)):
+    try:
+        experts_add.add_experts_with_rows_(*bad)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("bad operands were not refused")
+print("ok")
+'''
+
+
+def test_the_bf16_experts_weight_gradient_add_skips_experts_without_rows_in_the_interpreter(tmp_path):
+    """BF16 experts add their stacked weight gradient into FP32 `main_grad` in a pass of its own; on CUDA a Triton
+    kernel adds only the experts with rows (an idle expert's gradient is zero: adding it moved 10 bytes a
+    parameter for nothing). The experts with rows get `main_grad.add_(dw)`'s exact bits, the others are left
+    untouched even where their gradient holds NaN (never read), and bad operands are refused. Triton's CPU
+    interpreter runs the kernel."""
+    from tests.scripts import run_in_triton_interpreter
+    run_in_triton_interpreter(tmp_path, INTERPRETED_EXPERTS_ADD)
+
+
+def test_the_bf16_experts_weight_gradient_add_on_the_cpu_is_the_whole_add():
+    """Off CUDA the op adds everything (an idle expert's gradient is exact zeros there too)."""
+    from megafp8.precision.grouped import add_experts_with_rows_into_
+    out, x = torch.randn(3, 16, 8), torch.randn(3, 16, 8).bfloat16()
+    want = out + x.float()
+    add_experts_with_rows_into_(out, x, torch.tensor([2, 2, 9], dtype=torch.int32))
+    assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced ops"])
 def test_the_grouped_dgrad_transposes_only_the_experts_with_rows(monkeypatch, traced):
     """The grouped dgrad hands the layout's tiles per expert to the weight's transpose, eagerly and through the
