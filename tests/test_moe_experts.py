@@ -207,6 +207,45 @@ def test_fp8_expert_weight_gradients_are_added_into_main_grad_in_fp32_now_or_whe
             del w.main_grad
 
 
+def test_compiled_bf16_grouped_linear_adds_into_main_grad_through_the_op_that_skips_idle_experts():
+    """Traced, the BF16 grouped linear's backward graph adds its weight gradient into the main_grad slot's alias
+    through `megafp8::add_experts_with_rows_into_` (which on CUDA leaves the experts without rows out), with the
+    `_grouped_mm` offsets; main_grad ends as the eager run's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from megafp8.precision import MainGradSlot
+    from megafp8.precision.grouped import grouped_linear
+
+    counts = torch.tensor([40, 0, 24])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 128, generator=g).bfloat16()
+    w0 = (0.05 * torch.randn(3, 256, 128, generator=g)).bfloat16()
+    dy = torch.randn(64, 256, generator=g).bfloat16()
+    targets = []
+
+    def record(gm, _):  # a declared mutation is functionalized: the op is the wrapper's first argument
+        targets.extend(str(node.args[0] if "auto_functionalized" in str(node.target) else node.target)
+                       for node in gm.graph.nodes if node.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    main_grads = []
+    for compiled in (False, True):
+        w = torch.nn.Parameter(w0.clone())
+        w.main_grad = torch.ones(w.shape)
+        slot = MainGradSlot()
+        slot.refresh(w)
+        fn = lambda inp: grouped_linear(inp, w, counts, None, None, None, main_grad_slot=slot)  # noqa: E731
+        if compiled:
+            torch._dynamo.reset()
+            fn = torch.compile(fn, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
+        fn(x.clone().requires_grad_(True)).backward(dy)
+        assert w.grad is None
+        main_grads.append(w.main_grad)
+    torch._dynamo.reset()
+    assert "megafp8.add_experts_with_rows_into_.default" in targets, " ".join(sorted(set(targets)))
+    assert torch.equal(main_grads[0], main_grads[1]) and bool((main_grads[1][1] == 1).all())
+
+
 def test_bf16_grouped_linear_falls_back_to_the_loop_where_grouped_mm_cannot_run(monkeypatch):
     """Features that are not 16-byte multiples, and no rows at all: the per-expert loop, no `_grouped_mm`."""
     g = torch.Generator().manual_seed(2)
