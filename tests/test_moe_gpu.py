@@ -287,7 +287,7 @@ def _relative_differences(got: list[torch.Tensor], want: list[torch.Tensor]) -> 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_micro_batches_in_flight_on_the_gpu_get_the_gradients_of_one_after_another(tiny_overrides, compiled):
-    """As `tests/test_moe_experts.py`'s CPU test, with the Triton kernels writing the experts' cache: two forwards
+    """As `tests/test_moe_idle_experts.py`'s CPU test, with the Triton kernels writing the experts' cache: two forwards
     in flight then their backwards give the gradients of forward-backward twice, and no backward is refused.
 
     Compiled, not to the bit: in job HY, after other GPU tests in the same process, one BF16 gradient of the
@@ -298,7 +298,7 @@ def test_micro_batches_in_flight_on_the_gpu_get_the_gradients_of_one_after_anoth
     upstream of it. Hence 2% compiled; eager, the same bits within 1e-5. An expert read before it was quantized
     (unwritten bytes) would be off by far more."""
     pytest.importorskip("triton")
-    from tests.test_moe_experts import in_flight_gradients
+    from tests.test_moe_idle_experts import in_flight_gradients
     one_after_another = in_flight_gradients(tiny_overrides, "triton", CUDA, compiled, in_flight=False)
     again = in_flight_gradients(tiny_overrides, "triton", CUDA, compiled, in_flight=False)
     in_flight = in_flight_gradients(tiny_overrides, "triton", CUDA, compiled, in_flight=True)
