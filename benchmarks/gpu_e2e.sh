@@ -4,6 +4,7 @@
 # same shape in the same job (benchmarks/reference_model.py; torchao's wheel carried in wheels/), and kernel-time
 # profiles of the steps. Tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz.
 # Usage: OUT=dir bash benchmarks/gpu_e2e.sh [parts...]   (parts, default: ours ref compiled profile moe; also ref_eager,
+# ref_moe (the MoE yardstick, BF16 and torchao's rowwise FP8 experts),
 # moe_compiled, compiled_ro (CUDA graphs), compiled_fp8 (FP8 only), tests (the gpu-marked tests), fused_quantize (our
 # quantizers' bandwidth, fused producers against eager and Inductor), profile_compiled (FP8 only), grouped_gemm (MoE
 # grouped GEMMs against BF16 and torch's FP8 ones; grouped_moe: the MoE model's shapes, our epilogues), tests_fp8 (the FP8 kernels' and layers' gpu tests), tests_one_gpu
@@ -521,6 +522,11 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
            --recipes bf16 torchao-tensorwise torchao-rowwise torchao-blockwise
          ;;
     ref_eager) step reference_eager python benchmarks/reference_model.py --recipes bf16 torchao-blockwise ;;
+    ref_moe)  # the MoE yardstick (torchtitan's DeepSeek-V3 MoE in plain PyTorch) at `train_step.py --model moe`'s
+              # shape, compiled blocks, BF16 and torchao's rowwise FP8 (linears and experts): set beside moe_auto
+      step reference_moe python benchmarks/reference_model.py --compile --layers 8 --experts 64 --top-k 8 \
+           --expert-ffn 1024 --shared-experts 1 --first-dense 1 --groups 8 --topk-groups 4 \
+           --recipes bf16 torchao-rowwise ;;
     compiled) step ours_compiled python benchmarks/train_step.py training.compile=true --model 1b --recipes bf16 fp8 ;;
     compiled_ro) step ours_compiled_cudagraphs python benchmarks/train_step.py training.compile=true \
            training.compile_mode=reduce-overhead --model 1b --recipes bf16 fp8 ;;

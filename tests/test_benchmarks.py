@@ -566,3 +566,40 @@ def test_the_gemm_l2_model_walks_every_tile_once_and_reads_operands_once_when_th
     small = 8 * 256 * k
     assert model.gemm_bytes_from_hbm(m, n, k, 16, small, programs=8) < model.gemm_bytes_from_hbm(m, n, k, 2, small,
                                                                                                  programs=8)
+
+
+def test_reference_moe_matches_each_token_through_its_chosen_experts():
+    """The MoE yardstick's permutation into padded expert groups, grouped GEMMs and weighted combine equal a loop
+    over each token's chosen experts; its group-limited routing picks experts of the best groups only."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import reference_model as rm
+    finally:
+        sys.path.pop(0)
+    torch.manual_seed(0)
+    moe = rm.MoE(hidden=32, experts=8, top_k=2, ffn=16, shared=1, groups=4, topk_groups=2)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    moe.align = 8
+    y = torch.randn(3, 5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as the benchmark runs it (the shared expert's linears)
+        out = moe(y).float()
+        shared = moe.shared(y.reshape(-1, 32).to(torch.bfloat16)).float()
+    x = y.reshape(-1, 32).to(torch.bfloat16)
+    chosen, weights = moe.route(x)
+    e = moe.experts
+    expected = torch.zeros(15, 32)
+    for t in range(15):
+        for j in range(2):
+            i = int(chosen[t, j])
+            w1, w3, w2 = (w[i].to(torch.bfloat16) for w in (e.w1, e.w3, e.w2))
+            h = torch.nn.functional.silu(x[t] @ w1.T) * (x[t] @ w3.T)
+            expected[t] += (h @ w2.T).float() * float(weights[t, j].to(torch.bfloat16))
+    expected += shared
+    error = (out.reshape(15, 32) - expected).abs().max()
+    assert error < 0.05 * expected.abs().max(), error
+    groups = chosen // 2  # 4 groups of 2 experts: a token's two experts come from at most 2 groups
+    assert all(len(set(g.tolist())) <= 2 for g in groups)
+    assert int(moe.load.sum()) == 30 and moe.load.shape == (8,)
