@@ -397,7 +397,7 @@ def _grouped_op_cases() -> list[tuple]:
     experts, one without rows."""
     from megafp8.parallel import permute
     from megafp8.precision import fp8_ops
-    from megafp8.precision.grouped import _add_into_, expert_rows, padded_source_index
+    from megafp8.precision.grouped import add_experts_with_rows_into_, expert_rows, padded_source_index
 
     counts = [5, 0, 199]
     rows = expert_rows(counts, torch.device("cpu"))
@@ -419,7 +419,8 @@ def _grouped_op_cases() -> list[tuple]:
         (fp8_ops.grouped_gemm_1x128_1x128, (dyt, dyt_scale, xt, xt_scale, *tiles[1:], torch.float32, "reference")),
         (fp8_ops.grouped_gemm_1x128_1x128_accumulate_, (torch.zeros(3, 384, 256), dyt, dyt_scale, xt, xt_scale,
                                                         *tiles[1:], "reference")),
-        (_add_into_, (torch.zeros(3, 384, 256), torch.randn(3, 384, 256).bfloat16())),
+        (add_experts_with_rows_into_, (torch.zeros(3, 384, 256), torch.randn(3, 384, 256).bfloat16(),
+                                       torch.tensor([5, 5, 204], dtype=torch.int32))),
         (permute._gather_sum_op, (y, pos)),
         (permute._combine_op, (y, pos, weights)),
         (permute._combine_backward_op, (outlier_tensor(50, 256, seed=8), y, pos, weights)),

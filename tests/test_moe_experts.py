@@ -207,6 +207,92 @@ def test_fp8_expert_weight_gradients_are_added_into_main_grad_in_fp32_now_or_whe
             del w.main_grad
 
 
+def test_compiled_bf16_grouped_linear_adds_into_main_grad_through_the_op_that_skips_idle_experts():
+    """Traced, the BF16 grouped linear's backward graph adds its weight gradient into the main_grad slot's alias
+    through `megafp8::add_experts_with_rows_into_` (which on CUDA leaves the experts without rows out), with the
+    `_grouped_mm` offsets; main_grad ends as the eager run's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from megafp8.precision import MainGradSlot
+    from megafp8.precision.grouped import grouped_linear
+
+    counts = torch.tensor([40, 0, 24])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 128, generator=g).bfloat16()
+    w0 = (0.05 * torch.randn(3, 256, 128, generator=g)).bfloat16()
+    dy = torch.randn(64, 256, generator=g).bfloat16()
+    targets = []
+
+    def record(gm, _):  # a declared mutation is functionalized: the op is the wrapper's first argument
+        targets.extend(str(node.args[0] if "auto_functionalized" in str(node.target) else node.target)
+                       for node in gm.graph.nodes if node.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    main_grads = []
+    for compiled in (False, True):
+        w = torch.nn.Parameter(w0.clone())
+        w.main_grad = torch.ones(w.shape)
+        slot = MainGradSlot()
+        slot.refresh(w)
+        fn = lambda inp: grouped_linear(inp, w, counts, None, None, None, main_grad_slot=slot)  # noqa: E731
+        if compiled:
+            torch._dynamo.reset()
+            fn = torch.compile(fn, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
+        fn(x.clone().requires_grad_(True)).backward(dy)
+        assert w.grad is None
+        main_grads.append(w.main_grad)
+    torch._dynamo.reset()
+    assert "megafp8.add_experts_with_rows_into_.default" in targets, " ".join(sorted(set(targets)))
+    assert torch.equal(main_grads[0], main_grads[1]) and bool((main_grads[1][1] == 1).all())
+
+
+# The BF16 experts' weight-gradient add with idle experts left out, run by Triton's CPU interpreter.
+INTERPRETED_EXPERTS_ADD = r'''
+import torch
+from megafp8.precision.kernels import experts_add
+g = torch.Generator().manual_seed(0)
+e, n, k = 4, 96, 100  # 9,600 elements an expert: a block and a part of one
+out = torch.randn(e, n, k, generator=g)
+x = torch.randn(e, n, k, generator=g).to(torch.bfloat16)
+x[1] = float("nan")  # an expert without rows: its bytes must never be read
+x[3] = float("nan")
+before = out.clone()
+offs = torch.tensor([7, 7, 300, 300], dtype=torch.int32)  # rows 7, 0, 293, 0
+experts_add.add_experts_with_rows_(out, x, offs)
+want = before.clone()
+want[[0, 2]] += x[[0, 2]]  # torch's add of BF16 into FP32: the bits the kernel must give
+assert torch.equal(out[[0, 2]], want[[0, 2]])
+assert torch.equal(out[[1, 3]], before[[1, 3]])  # left exactly as they were
+for bad in ((out.double(), x, offs), (out, x[:3], offs), (out, x, offs[:3]), (out.transpose(1, 2), x, offs)):
+    try:
+        experts_add.add_experts_with_rows_(*bad)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("bad operands were not refused")
+print("ok")
+'''
+
+
+def test_the_bf16_experts_weight_gradient_add_skips_experts_without_rows_in_the_interpreter(tmp_path):
+    """BF16 experts add their stacked weight gradient into FP32 `main_grad` in a pass of its own; on CUDA a Triton
+    kernel adds only the experts with rows (an idle expert's gradient is zero: adding it moved 10 bytes a
+    parameter for nothing). The experts with rows get `main_grad.add_(dw)`'s exact bits, the others are left
+    untouched even where their gradient holds NaN (never read), and bad operands are refused. Triton's CPU
+    interpreter runs the kernel."""
+    from tests.scripts import run_in_triton_interpreter
+    run_in_triton_interpreter(tmp_path, INTERPRETED_EXPERTS_ADD)
+
+
+def test_the_bf16_experts_weight_gradient_add_on_the_cpu_is_the_whole_add():
+    """Off CUDA the op adds everything (an idle expert's gradient is exact zeros there too)."""
+    from megafp8.precision.grouped import add_experts_with_rows_into_
+    out, x = torch.randn(3, 16, 8), torch.randn(3, 16, 8).bfloat16()
+    want = out + x.float()
+    add_experts_with_rows_into_(out, x, torch.tensor([2, 2, 9], dtype=torch.int32))
+    assert torch.equal(out, want)
+
+
 def test_bf16_grouped_linear_falls_back_to_the_loop_where_grouped_mm_cannot_run(monkeypatch):
     """Features that are not 16-byte multiples, and no rows at all: the per-expert loop, no `_grouped_mm`."""
     g = torch.Generator().manual_seed(2)

@@ -434,6 +434,33 @@ def test_bf16_grouped_wgrad_gives_an_expert_without_rows_exact_zeros_without_a_h
     torch.testing.assert_close(w.grad[0].float(), want, rtol=1e-2, atol=1e-2)
 
 
+def test_the_bf16_experts_weight_gradient_add_on_the_gpu_adds_only_the_experts_with_rows():
+    """The Triton add of the BF16 experts' weight gradient into FP32 `main_grad` at the MoE benchmark's expert
+    shape: the experts with rows get `add_`'s exact bits, the others are never read (NaN there stays out) nor
+    written; then through the BF16 grouped linear, eagerly, `main_grad` gains what `w.grad` gets without one."""
+    pytest.importorskip("triton")
+    from megafp8.precision.grouped import add_experts_with_rows_into_, grouped_linear
+    e, n, k = 16, 2816, 2048
+    out = torch.randn(e, n, k, device=CUDA)
+    x = torch.randn(e, n, k, device=CUDA).to(torch.bfloat16)
+    counts = torch.tensor([3, 0, 0, 130] * 4, device=CUDA)
+    idle = counts == 0
+    x[idle] = float("nan")
+    want = out + x.float()
+    before = out.clone()
+    add_experts_with_rows_into_(out, x, torch.cumsum(counts, 0).to(torch.int32))
+    assert torch.equal(out[~idle], want[~idle]) and torch.equal(out[idle], before[idle])
+
+    counts = torch.tensor([40, 0, 88, 0], device=CUDA)
+    w = (0.05 * torch.randn(4, 256, 128, device=CUDA)).to(torch.bfloat16).requires_grad_(True)
+    x = torch.randn(128, 128, device=CUDA, dtype=torch.bfloat16)
+    grouped_linear(x, w, counts, None, None, None).square().sum().backward()
+    plain, w.grad = w.grad.clone(), None
+    w.main_grad = torch.full(w.shape, 0.5, device=CUDA)
+    grouped_linear(x, w, counts, None, None, None).square().sum().backward()
+    assert w.grad is None and torch.equal(w.main_grad, 0.5 + plain.float())
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "fp8"])
 def test_a_moe_training_step_never_makes_the_host_wait(tiny_overrides, recipe):
     """With one EP rank a MoE step waits for the GPU nowhere: the routing counts stay on the device, the FP8

@@ -27,6 +27,7 @@ sampling) and the per-expert loop run eagerly inside the graph.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -207,6 +208,9 @@ class _GroupedLinearFn(torch.autograd.Function):
                     if offsets.empty is not None:  # experts without rows get exactly zero
                         dw.index_put_((offsets.empty,), dw.new_zeros(()))
                     return dw
+
+                def plain_wgrad_into(main_grad: torch.Tensor) -> None:  # the experts with rows only, on CUDA
+                    add_experts_with_rows_into_(main_grad, plain_wgrad(), offsets.offs)
             else:
                 segments = _segments(ctx.counts)
                 dx = torch.zeros(dy.shape[0], weight.shape[2], dtype=dy.dtype, device=dy.device)
@@ -218,7 +222,9 @@ class _GroupedLinearFn(torch.autograd.Function):
                     for e, lo, hi in segments:
                         dw[e] = dy[lo:hi].t() @ x[lo:hi]
                     return dw
-            return dx, weight_grad_or_defer(weight, plain_wgrad, ctx.queue), None, None, None, None, None
+                plain_wgrad_into = None  # the plain add of weight_grad_or_defer
+            return (dx, weight_grad_or_defer(weight, plain_wgrad, ctx.queue, plain_wgrad_into), None, None, None,
+                    None, None)
         xt_fp8, xt_scale = saved
         rows, entry = ctx.rows, ctx.entry
         dy_fp8, dy_scale, dyt_fp8, dyt_scale = backend.quantize_rows_cols(
@@ -233,15 +239,28 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, weight_grad_or_defer(weight, fp8_wgrad, ctx.queue, fp8_wgrad), None, None, None, None, None
 
 
-@torch.library.custom_op("megafp8::add_into_", mutates_args=("out",))
-def _add_into_(out: torch.Tensor, x: torch.Tensor) -> None:
-    """out += x: a BF16 weight gradient added into (an alias of) the weight's FP32 `main_grad` in a compiled graph
-    (declared as a mutation, so the graph keeps it, in order)."""
-    out.add_(x)
+@functools.lru_cache(maxsize=None)
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
-@_add_into_.register_fake
-def _(out, x) -> None:
+@torch.library.custom_op("megafp8::add_experts_with_rows_into_", mutates_args=("out",))
+def add_experts_with_rows_into_(out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> None:
+    """out += x: the BF16 experts' stacked weight gradient added into (an alias of) the weight's FP32 `main_grad`
+    (declared as a mutation, so a compiled graph keeps it, in order). x is exactly zero for an expert without rows
+    (offs: `_grouped_mm`'s cumulative row counts), so on CUDA a Triton kernel adds only the experts with rows
+    (`megafp8.precision.kernels.experts_add`: the others' 10 bytes a parameter are never moved; the same bits);
+    elsewhere, or where Triton is missing, the whole add."""
+    if out.is_cuda and _has_triton() and out.dtype == torch.float32 and x.shape == out.shape \
+            and out.is_contiguous() and x.is_contiguous():
+        from megafp8.precision.kernels.experts_add import add_experts_with_rows_
+        add_experts_with_rows_(out, x, offs)
+    else:
+        out.add_(x)
+
+
+@add_experts_with_rows_into_.register_fake
+def _(out, x, offs) -> None:
     return None
 
 
@@ -264,7 +283,7 @@ class _TracedGroupedMmFn(torch.autograd.Function):
             dw = torch.where(empty[:, None, None], torch.zeros((), dtype=dw.dtype, device=dw.device), dw)
         if main_grad is None:
             return dx, dw, None, None, None
-        _add_into_(main_grad, dw)
+        add_experts_with_rows_into_(main_grad, dw, offs)
         return dx, None, None, None, None
 
 

@@ -1,4 +1,5 @@
-"""GPU kernels of the FP8 path, imported only by the CUDA backends (CPU-only installs never need Triton).
+"""GPU kernels of the FP8 path (and one of the BF16 experts'), imported only on CUDA, by the CUDA backends and the
+BF16 experts' weight-gradient add (CPU-only installs never need Triton).
 
 - `tiles`: the building blocks every quantizing kernel shares (tile scales, the FP8 cast, a tile quantized along
   its rows and its columns and stored in the GEMMs' layouts).
@@ -12,4 +13,6 @@
 - `limits`: what the host checks before a launch (tensors the kernels' int32 offsets can address).
 - `health`: the FP8 health monitor's statistics of a tensor in one pass (its pure-torch twin is
   `megafp8.precision.health.chunk_sums`).
+- `experts_add`: the BF16 experts' weight gradient added into FP32 `main_grad` for the experts with rows only (not
+  an FP8 kernel: the BF16 grouped path calls it; its twin is the whole add).
 """
