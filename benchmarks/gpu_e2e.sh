@@ -33,7 +33,8 @@
 # that test and the ~1B step on `auto` where DeepGEMM is installed, the backend it chose in the summary; auto_steps: the
 # ~1B, 8B-layer and MoE steps on it; qk_norm_steps: the ~1B with Qwen's query/key norms and q/k/v bias;
 # recompute_layers_steps: the ~1B with all, half and none of its blocks recomputed; moe_auto: the MoE step on it
-# MOE_REPEATS times (default 2) as train_step.py runs it, then once with the router balanced (as moe_balanced);
+# MOE_REPEATS times (default 2) as train_step.py runs it, then once with the router balanced (as moe_balanced;
+# MOE_BALANCED=0 skips it), and with MOE_ACCUM=1 once at four micro-batches per optimizer step;
 # ab_moe_auto: $OLD against this tree on that step; recompute_in_graph_memory: what the recomputation inside the
 # compiled backward keeps (the ~1B, BF16, allocator history of its first steps and the partitioner's graphs, in $OUT);
 # recompute_in_graph_steps: its GPU test, then its ~1B steps compiled with and without CUDA graphs;
@@ -437,6 +438,11 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
         step moe_auto_balanced python benchmarks/train_step.py --model moe --warmup "$warm" --steps $((warm + 30)) \
           training.compile=true training.compile_mode=reduce-overhead \
           model.moe.bias_update_rate="${MOE_BIAS_RATE:-0.01}" --recipes bf16 fp8
+      fi
+      if [ "${MOE_ACCUM:-0}" = 1 ]; then  # also one pair with four micro-batches per optimizer step (AdamW and
+                                          # the gradient norm once per 64k tokens, as in pretraining)
+        step moe_auto_accum python benchmarks/train_step.py training.compile=true \
+          training.compile_mode=reduce-overhead --model moe --global-batch 32 --recipes bf16 fp8
       fi
       grep -h "fp8: backend\|fp8: auto" "$LOGS"/moe_auto_*.log | sort -u >> "$OUT/summary.md" ;;
     ab_moe_auto)  # $OLD against this tree on `auto` where DeepGEMM is installed: the MoE step as train_step.py runs

@@ -557,3 +557,18 @@ def test_a_second_script_in_the_same_out_adds_to_the_summary_and_keeps_the_first
     assert summary.count("## recompute_in_graph_memory") == 2 and summary.count("| first table |") == 2
     assert summary.index("## recompute_in_graph_memory") > summary.index("memory.total")
     assert sorted(p.name for p in (tmp_path / "out").glob("logs*.tar.gz")) == ["logs.tar.gz", "logs_2.tar.gz"]
+
+
+@pytest.mark.parametrize("accum", ["0", "1"])
+def test_gpu_e2e_moe_auto_adds_a_pair_at_four_micro_batches_only_when_asked(tmp_path, accum):
+    """`MOE_ACCUM=1 gpu_e2e.sh moe_auto` runs the MoE step once more with `--global-batch 32` (four micro-batches of
+    8 per optimizer step, AdamW amortized as in pretraining); without it, only the MOE_REPEATS pairs run."""
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["moe_auto"], 'echo "$*" >> ../train_step_args.txt',
+                                    env={"MOE_REPEATS": "1", "MOE_BALANCED": "0", "MOE_ACCUM": accum,
+                                         "DEEPGEMM_SRC": str(tmp_path / "no_source")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert ("## moe_auto_accum" in summary) == (accum == "1")
+    runs = (tmp_path / "train_step_args.txt").read_text().splitlines()
+    assert len(runs) == 1 + int(accum)
+    assert ["--global-batch 32" in r for r in runs] == [False] + [True] * int(accum)
