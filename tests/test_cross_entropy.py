@@ -97,7 +97,7 @@ def test_the_kernels_run_only_where_triton_supports_the_gpu(monkeypatch):
     """Compute capability 8.0 and up with Triton installed: the kernels; the FP16 recipe's V100s and T4s, ROCm, or
     no Triton: the twins."""
     import importlib.util
-    from megafp8.parallel import triton_support
+    from megafp8.precision import triton_support
     cuda = torch.device("cuda", 0)
     cases = [((9, 0), None, True, True), ((8, 0), None, True, True), ((7, 5), None, True, False),
              ((7, 0), None, True, False), ((9, 0), "6.2", True, False), ((9, 0), None, False, False)]

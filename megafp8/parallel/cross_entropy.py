@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.parallel.dims import TensorParallel
-from megafp8.parallel.triton_support import triton_runs_on
+from megafp8.precision.triton_support import triton_runs_on
 
 IGNORE_INDEX = -100  # a target that contributes no loss (e.g. beyond the end of a sample for MTP)
 _TWIN_ROWS = 1024  # rows per chunk of the pure-torch twins (bounds their FP32 temporaries)

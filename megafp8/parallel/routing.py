@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megafp8.parallel.triton_support import triton_runs_on
+from megafp8.precision.triton_support import triton_runs_on
 
 MAX_KERNEL_EXPERTS = 1024  # the kernel holds a token's scores in registers
 

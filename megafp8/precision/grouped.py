@@ -27,7 +27,6 @@ sampling) and the per-expert loop run eagerly inside the graph.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -40,6 +39,7 @@ from megafp8.precision.expert_layout import ExpertRows, counts_on, expert_rows
 from megafp8.precision.fp8_linear import current_weight, route_weight_gradient, traced_main_grad
 from megafp8.precision.fp8_ops import backend_arg, kernels
 from megafp8.precision.recipe import Fp8Recipe
+from megafp8.precision.triton_support import triton_runs_on
 from megafp8.precision.weight_cache import Fp8WeightCache
 from megafp8.precision.wgrad import WeightGradQueue, weight_grad_or_defer
 
@@ -239,19 +239,14 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, weight_grad_or_defer(weight, fp8_wgrad, ctx.queue, fp8_wgrad), None, None, None, None, None
 
 
-@functools.lru_cache(maxsize=None)
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 @torch.library.custom_op("megafp8::add_experts_with_rows_into_", mutates_args=("out",))
 def add_experts_with_rows_into_(out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> None:
     """out += x: the BF16 experts' stacked weight gradient added into (an alias of) the weight's FP32 `main_grad`
     (declared as a mutation, so a compiled graph keeps it, in order). x is exactly zero for an expert without rows
     (offs: `_grouped_mm`'s cumulative row counts), so on CUDA a Triton kernel adds only the experts with rows
     (`megafp8.precision.kernels.experts_add`: the others' 10 bytes a parameter are never moved; the same bits);
-    elsewhere, or where Triton is missing, the whole add."""
-    if out.is_cuda and _has_triton() and out.dtype == torch.float32 and x.shape == out.shape \
+    elsewhere (where `triton_runs_on` says no), the whole add."""
+    if out.is_cuda and triton_runs_on(out.device) and out.dtype == torch.float32 and x.shape == out.shape \
             and out.is_contiguous() and x.is_contiguous():
         from megafp8.precision.kernels.experts_add import add_experts_with_rows_
         add_experts_with_rows_(out, x, offs)
