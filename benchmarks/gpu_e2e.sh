@@ -64,7 +64,8 @@
 # two trees' steps interleaved, AB_REPEATS runs each, benchmarks/ab_steps.py: `git archive COMMIT | tar -x -C
 # DIR`, carried), the MoE step after the router has balanced (moe_balanced: MOE_WARMUP untimed steps, default 200),
 # and on two GPUs moe_ep2, moe_dp2, dense_2gpu, cp_2gpu: the ~1B at 32K tokens, one GPU against CP=2). `profile` also lists the host's busiest operators.
-# tests_all_deepgemm: the one-GPU tests with DeepGEMM installed. STEP_TIMEOUT (s) bounds each part. REQUIRE_CARD=NAME
+# tests_all_deepgemm: the one-GPU tests with DeepGEMM installed. STEP_TIMEOUT (s) bounds each part; PROFILE_TOP the
+# rows of profile_moe_compiled's tables (default 15). REQUIRE_CARD=NAME
 # (e.g. H200): run nothing unless every GPU's name has NAME in it (gpu_lib.sh's start_summary, every script).
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
@@ -116,7 +117,7 @@ for part in $PARTS; do (
     profile_pair_8b) step profile_compiled_pair_8b python benchmarks/train_step.py training.compile=true \
            --model 8b-layers --recipes bf16 fp8 --profile 3 --profile-top 40 ;;
     profile_moe_compiled) step profile_moe_compiled python benchmarks/train_step.py training.compile=true \
-           --model moe --recipes bf16 fp8 --profile 3 ;;
+           --model moe --recipes bf16 fp8 --profile 3 --profile-top "${PROFILE_TOP:-15}" ;;
     tests_moe) step gpu_tests_moe python -m pytest -q -m gpu tests/test_fp8_gpu.py \
            tests/test_moe_gpu.py tests/test_gpu.py \
            tests/test_fp8_backends.py -k "moe or grouped or gathering or permutation or expert_rows or every_autotuned" \
