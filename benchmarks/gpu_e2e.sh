@@ -116,7 +116,9 @@ for part in $PARTS; do (
            training.compile_mode=reduce-overhead --model 1b --recipes bf16 fp8 --profile 3 --profile-top 30 ;;
     profile_pair_8b) step profile_compiled_pair_8b python benchmarks/train_step.py training.compile=true \
            --model 8b-layers --recipes bf16 fp8 --profile 3 --profile-top 40 ;;
-    profile_moe_compiled) step profile_moe_compiled python benchmarks/train_step.py training.compile=true \
+    profile_moe_compiled)  # on `auto` as moe_auto times it: DeepGEMM installed here too (each part is a subshell)
+      install_deepgemm
+      step profile_moe_compiled python benchmarks/train_step.py training.compile=true \
            --model moe --recipes bf16 fp8 --profile 3 --profile-top "${PROFILE_TOP:-15}" ;;
     tests_moe) step gpu_tests_moe python -m pytest -q -m gpu tests/test_fp8_gpu.py \
            tests/test_moe_gpu.py tests/test_gpu.py \
