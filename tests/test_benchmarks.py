@@ -410,6 +410,27 @@ def test_the_gemm_l2_model_walks_every_tile_once_and_reads_operands_once_when_th
                                                                                                  programs=8)
 
 
+def test_the_grouped_wgrad_walk_model_deals_every_busy_tile_once_and_evens_out_a_collapsed_router():
+    """benchmarks/grouped_wgrad_walk.py's model of the grouped wgrad's persistent programs: both walks give the
+    programs every busy expert's K steps once; with every expert busy they are the same walk; with 13 of 64 busy
+    (the MoE step's collapsed router) and 64 tiles an expert, expert order leaves the busiest program well above the
+    mean and the compact walk nearly even; and the routing it draws has the step's rows, busy experts and heaviest
+    expert."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import grouped_wgrad_walk as walk
+    counts = walk.collapsed_counts(13, seed=3)
+    assert int(counts.sum()) == walk.ROWS and int((counts > 0).sum()) == 13 and int(counts.max()) == walk.HEAVY_ROWS
+    steps = sum(-(-int(c) // 128) for c in counts)
+    for compact in (False, True):
+        assert sum(walk.program_steps(counts, 64, 132, compact)) == 64 * steps
+    even = walk.torch.full((64,), 2048, dtype=walk.torch.long)
+    assert walk.program_steps(even, 64, 132, True) == walk.program_steps(even, 64, 132, False)
+    spread = walk.imbalance(walk.program_steps(counts, 64, 132, False))
+    compact = walk.imbalance(walk.program_steps(counts, 64, 132, True))
+    assert spread > 1.15 and compact < 1.17 and compact < spread, (spread, compact)
+    walk.main(["--model-only"])  # the table prints without a GPU
+
+
 def test_reference_moe_matches_each_token_through_its_chosen_experts():
     """The MoE yardstick's permutation into padded expert groups, grouped GEMMs and weighted combine equal a loop
     over each token's chosen experts; its group-limited routing picks experts of the best groups only."""

@@ -213,7 +213,9 @@ def test_experts_without_rows_leave_their_main_grad_untouched(tma_store):
     """The warp-specialized grouped wgrad into main_grad with most experts idle (as a young router leaves them: in
     the MoE benchmark's first steps 33-52 of 64 experts got no rows, job FS): an idle expert's main_grad keeps its
     exact bits, -0.0 and NaN included (its tiles add nothing, not even a zero, and skip their epilogue); the busy
-    experts' sums are the pointer kernel's to FP32 rounding, the TMA reduction's and the registers' alike."""
+    experts' sums are the pointer kernel's to FP32 rounding, the TMA reduction's and the registers' alike. The
+    programs share out only the busy experts' tiles (the compact walk, busy experts between idle ones and at both
+    ends): the same bits as walking every expert's tiles."""
     pytest.importorskip("triton")
     from megafp8.precision import E4M3, quantize as ref
     from megafp8.precision.grouped import expert_rows
@@ -221,8 +223,9 @@ def test_experts_without_rows_leave_their_main_grad_untouched(tma_store):
     from tests.fp8_checks import outlier_tensor
     if gemm.warp_specialized_unavailable(CUDA) is not None:
         pytest.skip(gemm.warp_specialized_unavailable(CUDA))
+    from megafp8.precision.kernels.ws_gemm import ws_gemm
     counts = torch.zeros(24, dtype=torch.long)
-    counts[[2, 3, 11, 20]] = torch.tensor([700, 130, 1, 256])
+    counts[[0, 2, 3, 11, 20, 23]] = torch.tensor([129, 700, 130, 1, 256, 384])
     rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))
     n, k = 384, 512
     at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=3), E4M3))
@@ -240,6 +243,10 @@ def test_experts_without_rows_leave_their_main_grad_untouched(tma_store):
         busy = ~idle
         err = float((main_grad[busy] - base[busy] - want[busy]).norm() / want[busy].norm())
         assert err < 1e-5, f"block_n={block_n}: relative error {err}"
+        every_group = base.clone()
+        ws_gemm(at, at_s, bt, bt_s, every_group, b_blockwise=False, accumulate=True, k_start=rows.tile_start,
+                k_count=rows.tile_count, block_n=block_n, tma_store=tma_store, compact_groups=False)
+        assert torch.equal(main_grad.view(torch.int32), every_group.view(torch.int32)), f"block_n={block_n}"
 
 
 def test_the_weight_quantizer_on_the_gpu_quantizes_only_stale_experts_with_rows():

@@ -33,6 +33,9 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
                                           TMA_STORE=True), "*fp32"),
     "grouped wgrad into main_grad, from registers": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False,
                                                           ACCUMULATE=True, TMA_STORE=False), "*fp32"),
+    "grouped wgrad into main_grad, every group's tiles": (dict(GROUPED_ROWS=False, GROUPED_K=True, COMPACT=False,
+                                                                B_BLOCKWISE=False, ACCUMULATE=True, TMA_STORE=True),
+                                                           "*fp32"),
     "grouped wgrad": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False, ACCUMULATE=False, TMA_STORE=True),
                       "*bf16"),
     "dense wgrad": (dict(GROUPED_ROWS=False, GROUPED_K=False, B_BLOCKWISE=False, ACCUMULATE=False, TMA_STORE=True),
@@ -67,7 +70,9 @@ def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = Fal
     signature.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "num_groups", "stride_ce", "stride_cm",
                                                "stride_bs_e", "stride_bs_n", "stride_bs_k")})
     buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
-    constants = dict(flags, C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, INTERLEAVE=interleave_ffma,
+    # The launcher walks only busy groups' tiles wherever it accumulates K-grouped products (`ws_gemm`)
+    constants = dict(dict(COMPACT=flags["GROUPED_K"] and flags["ACCUMULATE"]), **flags)
+    constants.update(C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, INTERLEAVE=interleave_ffma,
                      STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
     signature.update({name: "constexpr" for name in constants})
     with ffma_interleave.patching_ffma(ws_gemm.INTERLEAVE_MARKER):  # (patches only the kernel carrying it)

@@ -79,17 +79,46 @@ _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5
 
 
 @gluon.jit
-def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr,
-                 GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, BLOCK_N: gl.constexpr,
+def _busy_group(tile, cursor, base, k_count_ptr, num_groups, per_group):
+    """(cursor, base) moved on to the group that holds `tile` in the compact walk, where only groups with K blocks
+    have tiles (each its `per_group` of them, in group order) and a group without any has none: `cursor` is that
+    group (`num_groups` once `tile` lies past the last busy group's tiles) and `base` its first tile. A program's
+    tiles only increase, so the walk reads each group's count once, between tiles."""
+    steps = gl.load(k_count_ptr + gl.minimum(cursor, num_groups - 1))
+    span = gl.where((cursor < num_groups) & (steps > 0), per_group, 0)
+    while (cursor < num_groups) & (base + span <= tile):
+        base = base + span
+        cursor = cursor + 1
+        steps = gl.load(k_count_ptr + gl.minimum(cursor, num_groups - 1))
+        span = gl.where((cursor < num_groups) & (steps > 0), per_group, 0)
+    return cursor, base
+
+
+@gluon.jit
+def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, cursor, base,
+                 GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, COMPACT: gl.constexpr, BLOCK_N: gl.constexpr,
                  GROUP_M: gl.constexpr):
-    """(off_m, off_n, b_row, group, k_first, k_steps) of output tile `tile`: its first row and column, the first
-    row of B it reads, its expert (0 for dense), and its K blocks [k_first, k_first + k_steps)."""
+    """(off_m, off_n, b_row, group, k_first, k_steps, cursor, base) of output tile `tile`: its first row and
+    column, the first row of B it reads, its expert (0 for dense), and its K blocks [k_first, k_first + k_steps);
+    (cursor, base) carry the compact walk (`_busy_group`) from a program's tile to its next.
+
+    K grouped, the tiles are group by group: tile // (tiles a group) is the group, or, with COMPACT, only the
+    groups with K blocks have tiles, so the busy groups' tiles are dealt out over the programs as if no group were
+    idle. In group order, a group's tiles go to consecutive programs; with most groups idle (a collapsed router),
+    each busy group's tiles would fall on the same stripe of programs, those covered by more stripes doing several
+    times the mean's work (docs/benchmarks.md, job IE)."""
     num_m = gl.cdiv(M, TILE)
     num_n = gl.cdiv(N, BLOCK_N)
+    per_group = num_m * num_n
     group = tile * 0  # dense: one group
+    t = tile % per_group
     if GROUPED_K:
-        group = tile // (num_m * num_n)
-    t = tile % (num_m * num_n)
+        if COMPACT:
+            cursor, base = _busy_group(tile, cursor, base, k_count_ptr, num_groups, per_group)
+            group = gl.minimum(cursor, num_groups - 1)
+            t = gl.minimum(tile - base, per_group - 1)  # (past the busy groups' tiles: no K steps, below)
+        else:
+            group = tile // per_group
     in_group = GROUP_M * num_n
     first_m = (t // in_group) * GROUP_M
     size_m = gl.minimum(num_m - first_m, GROUP_M)
@@ -108,14 +137,16 @@ def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr
     if GROUPED_K:
         k_first = gl.load(k_start_ptr + group)
         k_steps = gl.load(k_count_ptr + group)
-    return off_m, off_n, b_row, group, k_first, k_steps
+        if COMPACT:
+            k_steps = gl.where(cursor < num_groups, k_steps, 0)
+    return off_m, off_n, b_row, group, k_first, k_steps, cursor, base
 
 
 @gluon.jit
 def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N, K_BLOCKS,
-              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr,
-              GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups,
+              GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, COMPACT: gl.constexpr, B_BLOCKWISE: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """One warp: TMA loads of every tile's A (two 64-row halves) and B (BLOCK_N/128 slices) per K step into the
     stage ring, with their scales for that K step (A's rows'; B's rows' where B is in 1x128 tiles), on the same
     barrier; a stage is refilled once both consumers have released it."""
@@ -124,10 +155,12 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
                                  + 2 * as_desc.block_type.nbytes
                                  + (0 if B_BLOCKWISE else NB * bs_desc.block_type.nbytes))
     counter = 0
+    cursor = 0
+    base = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
-            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_N,
-            GROUP_M)
+        off_m, off_n, b_row, group, k_first, k_steps, cursor, base = _tile_coords(
+            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, cursor, base, GROUPED_ROWS,
+            GROUPED_K, COMPACT, BLOCK_N, GROUP_M)
         for kb in range(k_steps):
             s = counter % STAGES
             mbarrier.wait(empty.index(s), ((counter // STAGES) & 1) ^ 1)
@@ -270,10 +303,11 @@ NVMMA_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_
 
 @gluon.jit
 def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
-              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
-              stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
-              B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
+              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm, stride_bs_e,
+              stride_bs_n, stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
+              COMPACT: gl.constexpr, B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr,
+              C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+              INTERLEAVE: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile (`_tile_product`), then its epilogue."""
     NB: gl.constexpr = BLOCK_N // TILE
     layout: gl.constexpr = NVMMA_LAYOUT
@@ -281,10 +315,12 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
     col_layout: gl.constexpr = gl.SliceLayout(0, layout)
     t = gl.zeros([HALF_M, TILE], gl.float32, layout)
     counter = 0
+    cursor = 0
+    base = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
-            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K, BLOCK_N,
-            GROUP_M)
+        off_m, off_n, b_row, group, k_first, k_steps, cursor, base = _tile_coords(
+            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, cursor, base, GROUPED_ROWS,
+            GROUPED_K, COMPACT, BLOCK_N, GROUP_M)
         # Index vectors are made where they are used, not kept across the K loop: a 128-wide column vector takes 32
         # registers a thread in this layout, which the accumulators need.
         acc0, acc1, t, counter = _tile_product(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, t, counter, bs_ptr,
@@ -307,9 +343,10 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
 @gluon.jit
 def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, tile_expert_ptr, k_start_ptr,
                     k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
-                    stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, B_BLOCKWISE: gl.constexpr,
-                    ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr):
+                    stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, COMPACT: gl.constexpr,
+                    B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr,
+                    C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                    INTERLEAVE: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
@@ -331,16 +368,16 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
     # (No starred arguments in Gluon: every partition's arguments are spelled out.)
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
-                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
-                     stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
+                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm,
+                     stride_bs_e, stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, COMPACT, B_BLOCKWISE,
+                     ACCUMULATE, TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
-                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, stride_ce, stride_cm, stride_bs_e,
-                     stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS,
-                     BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
+                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm,
+                     stride_bs_e, stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, COMPACT, B_BLOCKWISE,
+                     ACCUMULATE, TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
-                     K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, GROUPED_ROWS, GROUPED_K,
-                     B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
+                     K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, GROUPED_ROWS,
+                     GROUPED_K, COMPACT, B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -426,7 +463,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
             block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None,
-            interleave_ffma: bool = False) -> torch.Tensor:
+            interleave_ffma: bool = False, compact_groups: bool = True) -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
@@ -438,7 +475,10 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     overlapping the next tile's MMAs (None: wherever `tma_store_fits`), or from the consumers' registers (loaded,
     added and stored there).
     `interleave_ffma` (256-wide tiles): the promotion's FFMA runs interleaved in the cubin, so the warp scheduler
-    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits)."""
+    may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits).
+    `compact_groups` (K grouped, accumulating): the programs share out only the tiles of groups with K blocks
+    (`_tile_coords`; the same bits, each tile computed as before); without accumulation every group's tiles are
+    walked, since an idle expert's output must be written (zeros)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
@@ -472,7 +512,8 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
             tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
             k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
             c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k)
-    options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, B_BLOCKWISE=b_blockwise,
+    options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k,
+                   COMPACT=grouped_k and accumulate and compact_groups, B_BLOCKWISE=b_blockwise,
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
                    INTERLEAVE=interleave_ffma, num_warps=4, maxnreg=_MAXNREG)
