@@ -111,7 +111,7 @@ def gpu_table(busy: int, iters: int, seed: int) -> str:
             same = torch.equal(outputs[0].view(torch.int32), outputs[1].view(torch.int32))
             lines.append(f"| {label} | {name} | " + " | ".join(f"{ms:.3f} ({tf:,.0f})" for ms, tf in cells)
                          + f" | {cells[1][0] / cells[0][0]:.3f} | {'equal' if same else 'DIFFERENT'} |")
-            del outputs, at, at_s, bt, bt_s
+            del outputs
     return "\n".join(lines)
 
 

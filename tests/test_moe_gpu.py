@@ -232,7 +232,7 @@ def test_experts_without_rows_leave_their_main_grad_untouched(tma_store):
     bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=4), E4M3))
     want = gemm.grouped_wgrad(at, at_s, bt, bt_s, rows.tile_start, rows.tile_count, torch.float32, kernel="pointer")
     base = torch.randn(24, n, k, device=CUDA)
-    base[0, 0, :5] = torch.tensor([-0.0, float("nan"), float("-inf"), -0.0, 1e-40])
+    base[1, 0, :5] = torch.tensor([-0.0, float("nan"), float("-inf"), -0.0, 1e-40])  # (experts 1 and 7 are idle)
     base[7].fill_(-0.0)
     idle = counts == 0
     for block_n in (128, 256):
@@ -247,6 +247,18 @@ def test_experts_without_rows_leave_their_main_grad_untouched(tma_store):
         ws_gemm(at, at_s, bt, bt_s, every_group, b_blockwise=False, accumulate=True, k_start=rows.tile_start,
                 k_count=rows.tile_count, block_n=block_n, tma_store=tma_store, compact_groups=False)
         assert torch.equal(main_grad.view(torch.int32), every_group.view(torch.int32)), f"block_n={block_n}"
+    # More experts than a consumer warpgroup's threads (the walk's ranks over 256 lanes), three of 200 busy
+    many = torch.zeros(200, dtype=torch.long)
+    many[[5, 130, 199]] = torch.tensor([300, 128, 1])
+    rows = expert_rows(many.to(CUDA), CUDA, rows=int(many.sum()))
+    at, at_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(n, rows.total, seed=5), E4M3))
+    bt, bt_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(k, rows.total, seed=6), E4M3))
+    outputs = [torch.zeros(200, n, k, device=CUDA) for _ in range(2)]
+    for compact, out in zip((True, False), outputs):
+        ws_gemm(at, at_s, bt, bt_s, out, b_blockwise=False, accumulate=True, k_start=rows.tile_start,
+                k_count=rows.tile_count, tma_store=tma_store, compact_groups=compact)
+    assert torch.equal(outputs[0].view(torch.int32), outputs[1].view(torch.int32))
+    assert outputs[0][[5, 130, 199]].flatten(1).abs().amax(1).gt(0).all() and not outputs[0][many == 0].any()
 
 
 def test_the_weight_quantizer_on_the_gpu_quantizes_only_stale_experts_with_rows():

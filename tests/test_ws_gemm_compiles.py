@@ -33,6 +33,8 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
                                           TMA_STORE=True), "*fp32"),
     "grouped wgrad into main_grad, from registers": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False,
                                                           ACCUMULATE=True, TMA_STORE=False), "*fp32"),
+    "grouped wgrad into main_grad, 256 experts": (dict(GROUPED_ROWS=False, GROUPED_K=True, B_BLOCKWISE=False,
+                                                       ACCUMULATE=True, TMA_STORE=True, BLOCK_E=256), "*fp32"),
     "grouped wgrad into main_grad, every group's tiles": (dict(GROUPED_ROWS=False, GROUPED_K=True, COMPACT=False,
                                                                 B_BLOCKWISE=False, ACCUMULATE=True, TMA_STORE=True),
                                                            "*fp32"),
@@ -72,6 +74,7 @@ def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = Fal
     buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
     # The launcher walks only busy groups' tiles wherever it accumulates K-grouped products (`ws_gemm`)
     constants = dict(dict(COMPACT=flags["GROUPED_K"] and flags["ACCUMULATE"]), **flags)
+    constants.setdefault("BLOCK_E", ws_gemm._walk_lanes(64))
     constants.update(C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, INTERLEAVE=interleave_ffma,
                      STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
     signature.update({name: "constexpr" for name in constants})

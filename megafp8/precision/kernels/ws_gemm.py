@@ -79,34 +79,56 @@ _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5
 
 
 @gluon.jit
-def _busy_group(tile, cursor, base, k_count_ptr, num_groups, per_group):
-    """(cursor, base) moved on to the group that holds `tile` in the compact walk, where only groups with K blocks
-    have tiles (each its `per_group` of them, in group order) and a group without any has none: `cursor` is that
-    group (`num_groups` once `tile` lies past the last busy group's tiles) and `base` its first tile. A program's
-    tiles only increase, so the walk reads each group's count once, between tiles."""
-    steps = gl.load(k_count_ptr + gl.minimum(cursor, num_groups - 1))
-    span = gl.where((cursor < num_groups) & (steps > 0), per_group, 0)
-    while (cursor < num_groups) & (base + span <= tile):
-        base = base + span
-        cursor = cursor + 1
-        steps = gl.load(k_count_ptr + gl.minimum(cursor, num_groups - 1))
-        span = gl.where((cursor < num_groups) & (steps > 0), per_group, 0)
-    return cursor, base
+def _add(a, b):
+    return a + b
 
 
 @gluon.jit
-def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, cursor, base,
-                 GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, COMPACT: gl.constexpr, BLOCK_N: gl.constexpr,
-                 GROUP_M: gl.constexpr):
-    """(off_m, off_n, b_row, group, k_first, k_steps, cursor, base) of output tile `tile`: its first row and
-    column, the first row of B it reads, its expert (0 for dense), and its K blocks [k_first, k_first + k_steps);
-    (cursor, base) carry the compact walk (`_busy_group`) from a program's tile to its next.
+def _busy_ranks(k_count_ptr, num_groups, BLOCK_E: gl.constexpr, layout: gl.constexpr):
+    """(ranks, busy groups) of the compact walk: each group's place among the groups with K blocks (-1 for a group
+    without any), over BLOCK_E >= num_groups lanes of `layout`, and how many groups have K blocks. Read once, at a
+    program's start: a tile's group is then found in registers (`_busy_group`), with no load between tiles."""
+    e = gl.arange(0, BLOCK_E, layout=layout)
+    busy = (gl.load(k_count_ptr + e, mask=e < num_groups, other=0) > 0).to(gl.int32)
+    rank = gl.associative_scan(busy, 0, _add) - busy
+    return gl.where(busy > 0, rank, -1), gl.sum(busy, 0)
 
-    K grouped, the tiles are group by group: tile // (tiles a group) is the group, or, with COMPACT, only the
-    groups with K blocks have tiles, so the busy groups' tiles are dealt out over the programs as if no group were
-    idle. In group order, a group's tiles go to consecutive programs; with most groups idle (a collapsed router),
-    each busy group's tiles would fall on the same stripe of programs, those covered by more stripes doing several
-    times the mean's work (docs/benchmarks.md, job IE)."""
+
+@gluon.jit
+def _busy_group(place, ranks, BLOCK_E: gl.constexpr, layout: gl.constexpr):
+    """The group whose rank is `place` (one that exists: the walk's tiles stop at the busy groups' last)."""
+    e = gl.arange(0, BLOCK_E, layout=layout)
+    return gl.max(gl.where(ranks == place, e, -1), 0)
+
+
+@gluon.jit
+def _walked_tiles(M, N, num_groups, k_count_ptr, BLOCK_N: gl.constexpr, GROUPED_K: gl.constexpr,
+                  COMPACT: gl.constexpr, BLOCK_E: gl.constexpr, layout: gl.constexpr):
+    """(tiles, ranks): how many output tiles the programs share out, and the compact walk's ranks (0 without it).
+    With COMPACT only the groups with K blocks have tiles (`_tile_coords`)."""
+    tiles = gl.cdiv(M, TILE) * gl.cdiv(N, BLOCK_N)
+    ranks = 0
+    if GROUPED_K:
+        if COMPACT:
+            ranks, busy = _busy_ranks(k_count_ptr, num_groups, BLOCK_E, layout)
+            tiles = tiles * busy
+        else:
+            tiles = tiles * num_groups
+    return tiles, ranks
+
+
+@gluon.jit
+def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, ranks,
+                 GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, COMPACT: gl.constexpr, BLOCK_N: gl.constexpr,
+                 GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr, layout: gl.constexpr):
+    """(off_m, off_n, b_row, group, k_first, k_steps) of output tile `tile`: its first row and column, the first
+    row of B it reads, its expert (0 for dense), and its K blocks [k_first, k_first + k_steps).
+
+    K grouped, the tiles are group by group: tile // (tiles a group) is the group, or, with COMPACT, the busy
+    group of that rank (`_busy_ranks`): only the groups with K blocks have tiles, dealt out over the programs as if
+    no group were idle. In group order, a group's tiles go to consecutive programs; with most groups idle (a
+    collapsed router), each busy group's tiles fall on one stripe of programs, and those under more stripes do
+    several times the mean's work (`benchmarks/grouped_wgrad_walk.py`; docs/benchmarks.md, jobs IE-IF)."""
     num_m = gl.cdiv(M, TILE)
     num_n = gl.cdiv(N, BLOCK_N)
     per_group = num_m * num_n
@@ -114,9 +136,7 @@ def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr
     t = tile % per_group
     if GROUPED_K:
         if COMPACT:
-            cursor, base = _busy_group(tile, cursor, base, k_count_ptr, num_groups, per_group)
-            group = gl.minimum(cursor, num_groups - 1)
-            t = gl.minimum(tile - base, per_group - 1)  # (past the busy groups' tiles: no K steps, below)
+            group = _busy_group(tile // per_group, ranks, BLOCK_E, layout)
         else:
             group = tile // per_group
     in_group = GROUP_M * num_n
@@ -137,16 +157,14 @@ def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr
     if GROUPED_K:
         k_first = gl.load(k_start_ptr + group)
         k_steps = gl.load(k_count_ptr + group)
-        if COMPACT:
-            k_steps = gl.where(cursor < num_groups, k_steps, 0)
-    return off_m, off_n, b_row, group, k_first, k_steps, cursor, base
+    return off_m, off_n, b_row, group, k_first, k_steps
 
 
 @gluon.jit
 def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N, K_BLOCKS,
-              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups,
+              tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups,
               GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, COMPACT: gl.constexpr, B_BLOCKWISE: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr):
     """One warp: TMA loads of every tile's A (two 64-row halves) and B (BLOCK_N/128 slices) per K step into the
     stage ring, with their scales for that K step (A's rows'; B's rows' where B is in 1x128 tiles), on the same
     barrier; a stage is refilled once both consumers have released it."""
@@ -154,13 +172,13 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
     stage_bytes: gl.constexpr = (2 * a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes
                                  + 2 * as_desc.block_type.nbytes
                                  + (0 if B_BLOCKWISE else NB * bs_desc.block_type.nbytes))
+    walk: gl.constexpr = gl.BlockedLayout([BLOCK_E // 32], [32], [1], [0])  # this partition's one warp
+    num_tiles, ranks = _walked_tiles(M, N, num_groups, k_count_ptr, BLOCK_N, GROUPED_K, COMPACT, BLOCK_E, walk)
     counter = 0
-    cursor = 0
-    base = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n, b_row, group, k_first, k_steps, cursor, base = _tile_coords(
-            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, cursor, base, GROUPED_ROWS,
-            GROUPED_K, COMPACT, BLOCK_N, GROUP_M)
+        off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
+            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, ranks, GROUPED_ROWS, GROUPED_K,
+            COMPACT, BLOCK_N, GROUP_M, BLOCK_E, walk)
         for kb in range(k_steps):
             s = counter % STAGES
             mbarrier.wait(empty.index(s), ((counter // STAGES) & 1) ^ 1)
@@ -303,24 +321,24 @@ NVMMA_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_
 
 @gluon.jit
 def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
-              num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm, stride_bs_e,
+              tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm, stride_bs_e,
               stride_bs_n, stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
               COMPACT: gl.constexpr, B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr,
               C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-              INTERLEAVE: gl.constexpr):
+              INTERLEAVE: gl.constexpr, BLOCK_E: gl.constexpr):
     """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile (`_tile_product`), then its epilogue."""
     NB: gl.constexpr = BLOCK_N // TILE
     layout: gl.constexpr = NVMMA_LAYOUT
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, layout)
     t = gl.zeros([HALF_M, TILE], gl.float32, layout)
+    walk: gl.constexpr = gl.BlockedLayout([BLOCK_E // 128], [32], [4], [0])  # this partition's four warps
+    num_tiles, ranks = _walked_tiles(M, N, num_groups, k_count_ptr, BLOCK_N, GROUPED_K, COMPACT, BLOCK_E, walk)
     counter = 0
-    cursor = 0
-    base = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n, b_row, group, k_first, k_steps, cursor, base = _tile_coords(
-            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, cursor, base, GROUPED_ROWS,
-            GROUPED_K, COMPACT, BLOCK_N, GROUP_M)
+        off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
+            tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, ranks, GROUPED_ROWS, GROUPED_K,
+            COMPACT, BLOCK_N, GROUP_M, BLOCK_E, walk)
         # Index vectors are made where they are used, not kept across the K loop: a 128-wide column vector takes 32
         # registers a thread in this layout, which the accumulators need.
         acc0, acc1, t, counter = _tile_product(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, t, counter, bs_ptr,
@@ -346,7 +364,7 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
                     stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, COMPACT: gl.constexpr,
                     B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr,
                     C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                    INTERLEAVE: gl.constexpr):
+                    INTERLEAVE: gl.constexpr, BLOCK_E: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
@@ -362,22 +380,19 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, til
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
-    num_tiles = gl.cdiv(M, TILE) * gl.cdiv(N, BLOCK_N)
-    if GROUPED_K:
-        num_tiles = num_tiles * num_groups
     # (No starred arguments in Gluon: every partition's arguments are spelled out.)
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
-                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm,
-                     stride_bs_e, stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, COMPACT, B_BLOCKWISE,
-                     ACCUMULATE, TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
+                     tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm, stride_bs_e,
+                     stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, COMPACT, B_BLOCKWISE, ACCUMULATE,
+                     TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE, BLOCK_E)),
         (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
-                     num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm,
-                     stride_bs_e, stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, COMPACT, B_BLOCKWISE,
-                     ACCUMULATE, TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE)),
+                     tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm, stride_bs_e,
+                     stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, COMPACT, B_BLOCKWISE, ACCUMULATE,
+                     TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE, BLOCK_E)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
-                     K_BLOCKS, num_tiles, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, GROUPED_ROWS,
-                     GROUPED_K, COMPACT, B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M)),
+                     K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, GROUPED_ROWS, GROUPED_K,
+                     COMPACT, B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M, BLOCK_E)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -459,6 +474,12 @@ def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int, accumulate: bool
     return c.dim() == 2
 
 
+def _walk_lanes(groups: int) -> int:
+    """The compact walk's lanes (`_busy_ranks`): a power of two, at least the groups and a lane for each thread of a
+    consumer warpgroup."""
+    return max(128, 1 << (groups - 1).bit_length())
+
+
 def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, c: torch.Tensor, *,
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
@@ -516,7 +537,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
                    COMPACT=grouped_k and accumulate and compact_groups, B_BLOCKWISE=b_blockwise,
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
-                   INTERLEAVE=interleave_ffma, num_warps=4, maxnreg=_MAXNREG)
+                   INTERLEAVE=interleave_ffma, BLOCK_E=_walk_lanes(num_groups), num_warps=4, maxnreg=_MAXNREG)
     # (the interleaved variant is compiled, the first time, with the cubin pass installed)
     _LAUNCH.launch(grid, args, options, compiling=functools.partial(patching_ffma, INTERLEAVE_MARKER)
                    if interleave_ffma else None)
