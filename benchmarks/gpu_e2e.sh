@@ -35,8 +35,8 @@
 # recompute_layers_steps: the ~1B with all, half and none of its blocks recomputed; moe_auto: the MoE step on it
 # MOE_REPEATS times (default 2) as train_step.py runs it, then once with the router balanced (as moe_balanced;
 # MOE_BALANCED=0 skips it), and with MOE_ACCUM=1 once at four micro-batches per optimizer step;
-# ab_moe_auto: $OLD against this tree on that step; recompute_in_graph_memory: what the recomputation inside the
-# compiled backward keeps (the ~1B, BF16, allocator history of its first steps and the partitioner's graphs, in $OUT);
+# ab_moe_auto: $OLD against this tree on that step (ab_moe_balanced: after the router has balanced);
+# recompute_in_graph_memory: what the recomputation inside the compiled backward keeps (the ~1B, BF16, allocator history of its first steps and the partitioner's graphs, in $OUT);
 # recompute_in_graph_steps: its GPU test, then its ~1B steps compiled with and without CUDA graphs;
 # tests_session55: the GPU tests of
 # context parallelism's kernels, profiling and the unfused QKV path), clocks and
@@ -453,6 +453,14 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
       install_deepgemm
       step ab_moe_auto python benchmarks/ab_steps.py --old "$OLD" --repeats "${AB_REPEATS:-1}" \
         --timeout "${AB_RUN_TIMEOUT:-240}" -- --model moe training.compile=true training.compile_mode=reduce-overhead \
+        --recipes bf16 fp8 ;;
+    ab_moe_balanced)  # ab_moe_auto after the router has balanced: MOE_WARMUP untimed steps with the balancing bias
+                      # moving MOE_BIAS_RATE a step (moe_auto's balanced pair's settings), then 30 timed steps
+      install_deepgemm
+      warm=${MOE_WARMUP:-210}
+      step ab_moe_balanced python benchmarks/ab_steps.py --old "$OLD" --repeats "${AB_REPEATS:-1}" \
+        --timeout "${AB_RUN_TIMEOUT:-300}" -- --model moe --warmup "$warm" --steps $((warm + 30)) \
+        training.compile=true training.compile_mode=reduce-overhead model.moe.bias_update_rate="${MOE_BIAS_RATE:-0.01}" \
         --recipes bf16 fp8 ;;
     recompute_in_graph_memory)  # the ~1B, BF16, every block recomputed inside its compiled backward
                                 # (`training.recompute_compiled=in_graph`, compiled without graphs): the allocator's
