@@ -36,7 +36,8 @@
 # MOE_REPEATS times (default 2) as train_step.py runs it, then once with the router balanced (as moe_balanced;
 # MOE_BALANCED=0 skips it), and with MOE_ACCUM=1 once at four micro-batches per optimizer step;
 # ab_moe_auto: $OLD against this tree on that step (ab_moe_balanced: after the router has balanced);
-# recompute_in_graph_memory: what the recomputation inside the compiled backward keeps (the ~1B, BF16, allocator history of its first steps and the partitioner's graphs, in $OUT);
+# recompute_in_graph_memory: what the recomputation inside the compiled backward keeps (the ~1B, BF16, allocator
+# history of its first steps and the partitioner's graphs, in $OUT);
 # recompute_in_graph_steps: its GPU test, then its ~1B steps compiled with and without CUDA graphs;
 # tests_session55: the GPU tests of
 # context parallelism's kernels, profiling and the unfused QKV path), clocks and
