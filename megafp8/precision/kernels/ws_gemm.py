@@ -133,7 +133,7 @@ def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr
     group of that rank (`_busy_ranks`): only the groups with K blocks have tiles, dealt out over the programs as if
     no group were idle. In group order, a group's tiles go to consecutive programs; with most groups idle (a
     collapsed router), each busy group's tiles fall on one stripe of programs, and those under more stripes do
-    several times the mean's work (`benchmarks/grouped_wgrad_walk.py`; docs/benchmarks.md, jobs IE-IF)."""
+    several times the mean's work (`benchmarks/grouped_wgrad_walk.py`; docs/benchmarks.md, jobs IE-IG)."""
     num_m = gl.cdiv(M, TILE)
     num_n = gl.cdiv(N, BLOCK_N)
     per_group = num_m * num_n
@@ -538,11 +538,12 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
             tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
             k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
             c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k)
-    options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k,
-                   COMPACT=grouped_k and accumulate and compact_groups, B_BLOCKWISE=b_blockwise,
+    compact = grouped_k and accumulate and compact_groups
+    options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, COMPACT=compact, B_BLOCKWISE=b_blockwise,
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
-                   INTERLEAVE=interleave_ffma, BLOCK_E=_walk_lanes(num_groups), num_warps=4, maxnreg=_MAXNREG)
+                   INTERLEAVE=interleave_ffma, BLOCK_E=_walk_lanes(num_groups if compact else 1), num_warps=4,
+                   maxnreg=_MAXNREG)
     # (the interleaved variant is compiled, the first time, with the cubin pass installed)
     _LAUNCH.launch(grid, args, options, compiling=functools.partial(patching_ffma, INTERLEAVE_MARKER)
                    if interleave_ffma else None)
