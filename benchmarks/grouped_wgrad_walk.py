@@ -2,7 +2,7 @@
 """The experts' grouped wgrad into main_grad with most experts idle: the warp-specialized kernel walking every
 expert's tiles against walking only the busy experts' (`ws_gemm(compact_groups=...)`), and a model of why.
 
-    PYTHONPATH=. python benchmarks/grouped_wgrad_walk.py [--busy 13] [--iters 20]
+    PYTHONPATH=. python benchmarks/grouped_wgrad_walk.py [--busy 13] [--iters 20] [--repeats 4]
     PYTHONPATH=. python benchmarks/grouped_wgrad_walk.py --model-only     # the model alone (no GPU)
 
 The routing is the MoE step's collapsed one (`train_step.py --model moe`, jobs FS and IE): 64 experts, 131,072
@@ -15,11 +15,13 @@ The model: the kernel's programs (one per SM) take tiles tile = program, program
 expert's tiles are consecutive, so with few busy experts each busy expert's tiles land on one stripe of programs,
 and programs under several stripes do several times the mean's work. The compact walk deals out only the busy
 experts' tiles. The model's figure is the busiest program's K steps against the mean program's (1.00 is even).
-The GPU table gives each walk's device time (CUDA-graph replays, median of five) and checks their bits are equal.
+The GPU table gives each walk's device time (CUDA-graph replays, median of five; with `--repeats`, the median over
+rounds that take the two walks in turn, in alternating order) and checks their bits are equal.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 from typing import Optional
@@ -75,7 +77,7 @@ def model_table(busy: int, programs: int, seeds: int = 20) -> str:
     return "\n".join(lines)
 
 
-def gpu_table(busy: int, iters: int, seed: int) -> str:
+def gpu_table(busy: int, iters: int, seed: int, repeats: int) -> str:
     from benchmarks.grouped_gemm import graphed_ms
     from megafp8.precision import E4M3
     from megafp8.precision.backends import select_backend
@@ -96,17 +98,23 @@ def gpu_table(busy: int, iters: int, seed: int) -> str:
             at, at_s = impl.quantize_rows_cols(dy, E4M3, False)[2:]
             bt, bt_s = impl.quantize_rows_cols(x, E4M3, False)[2:]
             del dy, x
-            outputs, cells = [], []
+            outputs = []
             for compact in (False, True):
-                main_grad = torch.zeros(EXPERTS, n, k, dtype=torch.float32, device=device)
-                run = lambda: ws_gemm(at, at_s, bt, bt_s, main_grad, b_blockwise=False, accumulate=True,  # noqa: E731
-                                      k_start=rows.tile_start, k_count=rows.tile_count, block_n=BLOCK_N,
-                                      compact_groups=compact)
-                first = torch.zeros_like(main_grad)
+                first = torch.zeros(EXPERTS, n, k, dtype=torch.float32, device=device)
                 ws_gemm(at, at_s, bt, bt_s, first, b_blockwise=False, accumulate=True, k_start=rows.tile_start,
                         k_count=rows.tile_count, block_n=BLOCK_N, compact_groups=compact)
                 outputs.append(first)
-                ms = graphed_ms(run, iters)
+            times = {False: [], True: []}
+            for r in range(repeats):  # the two walks in turn, the order reversed every other round (ABBA...)
+                for compact in ((False, True) if r % 2 == 0 else (True, False)):
+                    main_grad = torch.zeros(EXPERTS, n, k, dtype=torch.float32, device=device)
+                    times[compact].append(graphed_ms(
+                        lambda: ws_gemm(at, at_s, bt, bt_s, main_grad, b_blockwise=False,  # noqa: B023
+                                        accumulate=True, k_start=rows.tile_start, k_count=rows.tile_count,
+                                        block_n=BLOCK_N, compact_groups=compact), iters))
+            cells = []
+            for compact in (False, True):
+                ms = statistics.median(times[compact])
                 cells.append((ms, 2.0 * ROWS * n * k / ms / 1e9))
             same = torch.equal(outputs[0].view(torch.int32), outputs[1].view(torch.int32))
             lines.append(f"| {label} | {name} | " + " | ".join(f"{ms:.3f} ({tf:,.0f})" for ms, tf in cells)
@@ -120,19 +128,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--busy", type=int, default=13, help="experts with rows (IE's step: 13 of 64, 80%% idle)")
     parser.add_argument("--iters", type=int, default=20, help="calls per CUDA graph replay")
     parser.add_argument("--seed", type=int, default=0, help="the draw of the busy experts (GPU table)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the two walks, in turn, the order reversed "
+                        "every other round; each cell is the median of its rounds (GPU table)")
     parser.add_argument("--programs", type=int, default=None, help="the model's programs (default: this GPU's SMs, "
                         "else an H100's 132)")
     parser.add_argument("--model-only", action="store_true", help="print the model only (no GPU needed)")
     args = parser.parse_args(argv)
     if not 1 <= args.busy <= EXPERTS:
         parser.error(f"--busy {args.busy}: give 1 to {EXPERTS}")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give at least 1")
     gpu = torch.cuda.is_available() and not args.model_only
     programs = args.programs or (torch.cuda.get_device_properties(0).multi_processor_count if gpu else 132)
     print(f"Model: {programs} programs, {args.busy} of {EXPERTS} experts busy (20 draws: mean (range))\n")
     print(model_table(args.busy, programs))
     if gpu:
         print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.iters} calls a replay\n")
-        print(gpu_table(args.busy, args.iters, args.seed))
+        print(gpu_table(args.busy, args.iters, args.seed, args.repeats))
     elif not args.model_only:
         print("\n(no CUDA GPU here: the GPU table needs one)")
 
