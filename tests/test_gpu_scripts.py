@@ -559,7 +559,6 @@ def test_a_second_script_in_the_same_out_adds_to_the_summary_and_keeps_the_first
     assert sorted(p.name for p in (tmp_path / "out").glob("logs*.tar.gz")) == ["logs.tar.gz", "logs_2.tar.gz"]
 
 
-
 def test_gpu_e2e_ab_moe_balanced_times_both_trees_after_the_router_has_balanced(tmp_path):
     """`gpu_e2e.sh ab_moe_balanced` hands ab_steps.py the old tree and the MoE step's balanced settings: 210
     untimed steps with the bias moving 0.01 a step, 30 timed, both recipes, CUDA graphs."""
@@ -573,6 +572,7 @@ def test_gpu_e2e_ab_moe_balanced_times_both_trees_after_the_router_has_balanced(
     assert step[step.index("--warmup") + 1] == "210" and step[step.index("--steps") + 1] == "240"
     assert "model.moe.bias_update_rate=0.01" in step and "training.compile_mode=reduce-overhead" in step
     assert step[step.index("--model") + 1] == "moe" and step[-2:] == ["bf16", "fp8"]
+
 
 @pytest.mark.parametrize("accum", ["0", "1"])
 def test_gpu_e2e_moe_auto_adds_a_pair_at_four_micro_batches_only_when_asked(tmp_path, accum):
