@@ -72,6 +72,11 @@ source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
 start_summary
 install_torchao
+# The MoE step after the router has balanced: MOE_WARMUP untimed steps with the balancing bias moving MOE_BIAS_RATE a
+# step, then 30 timed (moe_balanced says why 210), under CUDA graphs; every part that times it passes these.
+warm=${MOE_WARMUP:-210}
+MOE_BALANCED_STEP=(--model moe --warmup "$warm" --steps $((warm + 30)) training.compile=true
+                   training.compile_mode=reduce-overhead model.moe.bias_update_rate="${MOE_BIAS_RATE:-0.01}")
 # Each part runs in a subshell: what one part sources (install_deepgemm's environment, under which `auto` picks the
 # deepgemm backend) does not reach the parts after it, whose `auto` rows then stay on hopper.
 for part in $PARTS; do (
@@ -173,10 +178,7 @@ for part in $PARTS; do (
                    # the timed steps were. 210, not 200: FP8's health-sampled step (every 100th, eager) then falls
                    # before the warm-up's last step, which empties the allocator's cache, and not among the timed
                    # steps, whose memory columns it set in jobs FV-FW
-      warm=${MOE_WARMUP:-210}
-      step moe_balanced python benchmarks/train_step.py --model moe --warmup "$warm" --steps $((warm + 30)) \
-        training.compile=true training.compile_mode=reduce-overhead \
-        model.moe.bias_update_rate="${MOE_BIAS_RATE:-0.01}" --recipes bf16 fp8 ;;
+      step moe_balanced python benchmarks/train_step.py "${MOE_BALANCED_STEP[@]}" --recipes bf16 fp8 ;;
     old_fused_quantize) step old_fused_quantize bash -c "cd \"$OLD\" && python benchmarks/fused_quantize.py" ;;
     swiglu_cols) step swiglu_cols_variants python benchmarks/swiglu_cols_variants.py ;;
     rows_cols) step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
@@ -438,10 +440,7 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
           --model moe --recipes bf16 fp8
       done
       if [ "${MOE_BALANCED:-1}" = 1 ]; then
-        warm=${MOE_WARMUP:-210}
-        step moe_auto_balanced python benchmarks/train_step.py --model moe --warmup "$warm" --steps $((warm + 30)) \
-          training.compile=true training.compile_mode=reduce-overhead \
-          model.moe.bias_update_rate="${MOE_BIAS_RATE:-0.01}" --recipes bf16 fp8
+        step moe_auto_balanced python benchmarks/train_step.py "${MOE_BALANCED_STEP[@]}" --recipes bf16 fp8
       fi
       if [ "${MOE_ACCUM:-0}" = 1 ]; then  # also one pair with four micro-batches per optimizer step (AdamW and
                                           # the gradient norm once per 64k tokens, as in pretraining)
@@ -455,14 +454,10 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
       step ab_moe_auto python benchmarks/ab_steps.py --old "$OLD" --repeats "${AB_REPEATS:-1}" \
         --timeout "${AB_RUN_TIMEOUT:-240}" -- --model moe training.compile=true training.compile_mode=reduce-overhead \
         --recipes bf16 fp8 ;;
-    ab_moe_balanced)  # ab_moe_auto after the router has balanced: MOE_WARMUP untimed steps with the balancing bias
-                      # moving MOE_BIAS_RATE a step (moe_auto's balanced pair's settings), then 30 timed steps
+    ab_moe_balanced)  # ab_moe_auto after the router has balanced (MOE_BALANCED_STEP)
       install_deepgemm
-      warm=${MOE_WARMUP:-210}
       step ab_moe_balanced python benchmarks/ab_steps.py --old "$OLD" --repeats "${AB_REPEATS:-1}" \
-        --timeout "${AB_RUN_TIMEOUT:-300}" -- --model moe --warmup "$warm" --steps $((warm + 30)) \
-        training.compile=true training.compile_mode=reduce-overhead model.moe.bias_update_rate="${MOE_BIAS_RATE:-0.01}" \
-        --recipes bf16 fp8 ;;
+        --timeout "${AB_RUN_TIMEOUT:-300}" -- "${MOE_BALANCED_STEP[@]}" --recipes bf16 fp8 ;;
     recompute_in_graph_memory)  # the ~1B, BF16, every block recomputed inside its compiled backward
                                 # (`training.recompute_compiled=in_graph`, compiled without graphs): the allocator's
                                 # history of its first 3 steps (pytorch.org/memory_viz) and AOTAutograd's forward and
@@ -517,12 +512,10 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
         training.compile_mode=reduce-overhead precision.fp8_backend=hopper --model 1b --recipes bf16 fp8
       step deepgemm_1b python benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead \
         precision.fp8_backend=deepgemm --model 1b --recipes fp8
-      warm=${MOE_WARMUP:-210}
       for run in "hopper bf16 fp8" "deepgemm fp8"; do
         read -r backend recipes <<< "$run"
-        step "deepgemm_moe_$backend" python benchmarks/train_step.py --model moe --warmup "$warm" \
-          --steps $((warm + 30)) training.compile=true training.compile_mode=reduce-overhead \
-          model.moe.bias_update_rate="${MOE_BIAS_RATE:-0.01}" precision.fp8_backend=$backend --recipes $recipes
+        step "deepgemm_moe_$backend" python benchmarks/train_step.py "${MOE_BALANCED_STEP[@]}" \
+          precision.fp8_backend=$backend --recipes $recipes
       done ;;
     tests_cublaslt) step gpu_tests_cublaslt python -m pytest -q -m gpu tests/test_fp8_gpu.py \
            tests/test_moe_gpu.py tests/test_gpu.py \
