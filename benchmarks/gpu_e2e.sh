@@ -35,7 +35,8 @@
 # recompute_layers_steps: the ~1B with all, half and none of its blocks recomputed; moe_auto: the MoE step on it
 # MOE_REPEATS times (default 2) as train_step.py runs it, then once with the router balanced (as moe_balanced;
 # MOE_BALANCED=0 skips it), and with MOE_ACCUM=1 once at four micro-batches per optimizer step;
-# ab_moe_auto: $OLD against this tree on that step (ab_moe_balanced: after the router has balanced);
+# ab_moe_auto: $OLD against this tree on that step (ab_moe_balanced: after the router has balanced; AB_RECIPES=fp8
+# times FP8 alone, where the change leaves BF16's code as it was);
 # recompute_in_graph_memory: what the recomputation inside the compiled backward keeps (the ~1B, BF16, allocator
 # history of its first steps and the partitioner's graphs, in $OUT);
 # recompute_in_graph_steps: its GPU test, then its ~1B steps compiled with and without CUDA graphs;
@@ -66,7 +67,7 @@
 # DIR`, carried), the MoE step after the router has balanced (moe_balanced: MOE_WARMUP untimed steps, default 200),
 # and on two GPUs moe_ep2, moe_dp2, dense_2gpu, cp_2gpu: the ~1B at 32K tokens, one GPU against CP=2). `profile` also lists the host's busiest operators.
 # tests_all_deepgemm: the one-GPU tests with DeepGEMM installed. STEP_TIMEOUT (s) bounds each part; PROFILE_TOP the
-# rows of profile_moe_compiled's tables (default 15). REQUIRE_CARD=NAME
+# rows of profile_moe_compiled's tables (default 15), PROFILE_RECIPES its recipes (default both). REQUIRE_CARD=NAME
 # (e.g. H200): run nothing unless every GPU's name has NAME in it (gpu_lib.sh's start_summary, every script).
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
@@ -125,7 +126,7 @@ for part in $PARTS; do (
     profile_moe_compiled)  # on `auto` as moe_auto times it: DeepGEMM installed here too (each part is a subshell)
       install_deepgemm
       step profile_moe_compiled python benchmarks/train_step.py training.compile=true \
-           --model moe --recipes bf16 fp8 --profile 3 --profile-top "${PROFILE_TOP:-15}" ;;
+           --model moe --recipes ${PROFILE_RECIPES:-bf16 fp8} --profile 3 --profile-top "${PROFILE_TOP:-15}" ;;
     tests_moe) step gpu_tests_moe python -m pytest -q -m gpu tests/test_fp8_gpu.py \
            tests/test_moe_gpu.py tests/test_gpu.py \
            tests/test_fp8_backends.py -k "moe or grouped or gathering or permutation or expert_rows or every_autotuned" \
@@ -453,11 +454,11 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
       install_deepgemm
       step ab_moe_auto python benchmarks/ab_steps.py --old "$OLD" --repeats "${AB_REPEATS:-1}" \
         --timeout "${AB_RUN_TIMEOUT:-240}" -- --model moe training.compile=true training.compile_mode=reduce-overhead \
-        --recipes bf16 fp8 ;;
+        --recipes ${AB_RECIPES:-bf16 fp8} ;;
     ab_moe_balanced)  # ab_moe_auto after the router has balanced (MOE_BALANCED_STEP)
       install_deepgemm
       step ab_moe_balanced python benchmarks/ab_steps.py --old "$OLD" --repeats "${AB_REPEATS:-1}" \
-        --timeout "${AB_RUN_TIMEOUT:-300}" -- "${MOE_BALANCED_STEP[@]}" --recipes bf16 fp8 ;;
+        --timeout "${AB_RUN_TIMEOUT:-300}" -- "${MOE_BALANCED_STEP[@]}" --recipes ${AB_RECIPES:-bf16 fp8} ;;
     recompute_in_graph_memory)  # the ~1B, BF16, every block recomputed inside its compiled backward
                                 # (`training.recompute_compiled=in_graph`, compiled without graphs): the allocator's
                                 # history of its first 3 steps (pytorch.org/memory_viz) and AOTAutograd's forward and

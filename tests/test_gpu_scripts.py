@@ -574,6 +574,17 @@ def test_gpu_e2e_ab_moe_balanced_times_both_trees_after_the_router_has_balanced(
     assert step[step.index("--model") + 1] == "moe" and step[-2:] == ["bf16", "fp8"]
 
 
+def test_gpu_e2e_ab_moe_balanced_times_fp8_alone_when_asked(tmp_path):
+    """AB_RECIPES=fp8 times only FP8 in both trees (a change that leaves BF16's code as it was halves the job)."""
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["ab_moe_balanced"], 'echo "$*" >> ../ab_args.txt',
+                                    script="benchmarks/ab_steps.py",
+                                    env={"OLD": "old_tree", "AB_RECIPES": "fp8",
+                                         "DEEPGEMM_SRC": str(tmp_path / "no_source")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    step = (tmp_path / "ab_args.txt").read_text().split()
+    assert step[step.index("--recipes") + 1:] == ["fp8"]
+
+
 @pytest.mark.parametrize("accum", ["0", "1"])
 def test_gpu_e2e_moe_auto_adds_a_pair_at_four_micro_batches_only_when_asked(tmp_path, accum):
     """`MOE_ACCUM=1 gpu_e2e.sh moe_auto` runs the MoE step once more with `--global-batch 32` (four micro-batches of
