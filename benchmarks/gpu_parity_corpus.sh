@@ -173,6 +173,12 @@ prior_finished() {  # prior_finished NAME: PRIOR_RUNS holds NAME trained to its 
     && [ "$(metrics_last_step "$PRIOR_RUNS/$1/metrics.jsonl")" -ge "$(steps_of "$1")" ]
 }
 
+only_in() {  # only_in ID OTHER: the settings of run id ID that OTHER lacks, space-separated ("nothing" if none)
+  local found
+  found=$(comm -23 <(tr -s ' ' '\n' <<< "$1" | sort -u) <(tr -s ' ' '\n' <<< "$2" | sort -u) | tr '\n' ' ')
+  echo "${found% }" | sed 's/^$/nothing/'
+}
+
 check_prior() {  # every finished run of PRIOR_RUNS must be what this session would run (else both ids, and exit 2);
   # those that are get copied into $OUT/runs, to be carried forward
   [ -n "${PRIOR_RUNS:-}" ] || return 0
@@ -184,7 +190,9 @@ check_prior() {  # every finished run of PRIOR_RUNS must be what this session wo
     here=$(run_id "$name")
     there=$(cat "$PRIOR_RUNS/$name/run_id.txt" 2>/dev/null || echo "none recorded")
     if [ "$here" != "$there" ]; then
-      echo "PRIOR_RUNS/$name was made another way: '$there'; this session would run '$here'" >&2
+      echo "PRIOR_RUNS/$name was made another way. Only its settings have: $(only_in "$there" "$here");" \
+           "only this session's: $(only_in "$here" "$there") (give this session the prior runs' settings, e.g." \
+           "DENSE_CHECKPOINT_INTERVAL=1000 for docs/parity_runs). Whole ids: '$there'; this session's '$here'" >&2
       bad=1
       continue
     fi

@@ -180,6 +180,9 @@ def test_runs_of_an_earlier_session_count_where_they_are_what_this_one_would_run
                             EXTRA_OVERRIDES=TINY + " optimizer.lr=1e-3")
     assert other_settings.returncode == 2 and "was made another way" in other_settings.stderr
     assert run_id in other_settings.stderr
+    # the settings that differ, first (the override added to the defaults)
+    assert "made another way. Only its settings have: nothing; only this session's: optimizer.lr=1e-3 (" in (
+        other_settings.stderr), other_settings.stderr
 
     other = tmp_path / "other"  # another corpus: fewer files
     config_tree = scan_text_tree([str(REPO / "megafp8" / "config")], [".py"], valid_fraction=0.05, seed=0)
