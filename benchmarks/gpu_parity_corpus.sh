@@ -17,8 +17,9 @@
 # BO): dense_bf16_a finished in two commands at 85-86k tokens/s, each checkpoint taking ~30 s. Twentieth session
 # (jobs CA-CE, one after the other on one GPU): dense_fp8_a (~110k tokens/s) and dense_bf16_b (~90k), two commands
 # each. Twenty-first session (jobs CF, CG): moe_bf16 (~91k tokens/s) and moe_fp8 (~98k), one command each, the
-# corpus made first in CF. All five are in docs/parity_runs (PRIOR_RUNS=docs/parity_runs). Optional: moe_bf16_b
-# (~350 s with the corpus: `bash $S corpus && bash $S run moe_bf16_b && bash $S compare moe`).
+# corpus made first in CF. All five are in docs/parity_runs (PRIOR_RUNS=docs/parity_runs), and moe_bf16_b since the
+# sixty-third session (job IJ: 329 s with the corpus, `bash $S corpus && bash $S run moe_bf16_b; bash $S compare
+# moe`). Optional: moe_fp8_b, the same way.
 #
 # Every command on the GPU machine may be limited to 10 minutes, so the work comes in sub-steps, each short, each
 # resumable (run them again until `status` says every run is finished). DEADLINE (seconds since the epoch, e.g.
@@ -33,7 +34,9 @@
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh run NAME [NAME2]  # NAME on GPU 0 (and NAME2 on GPU 1), each for at
 #        most RUN_SECONDS (450) plus STOP_GRACE (120) to stop, resuming from its newest checkpoint;
 #        NAME: dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b (MoE's BF16 seed B, for MoE's
-#        seed-to-seed spread: `next` runs it after the others, and `compare` uses it once it has finished)
+#        seed-to-seed spread: `next` runs it after the others, and `compare` uses it once it has finished),
+#        moe_fp8_b (MoE's FP8 seed B: `compare` sets it against BF16 seed B, seed A's spread beside it, once it
+#        and moe_bf16_b have finished)
 #        dense_fp8blocks_a (FP8 seed A with the opt-in `precision.fp8_wgrad_input_blocks`: `next` runs it last,
 #        `compare` sets it against the two BF16 seeds once it has finished), dense_fp8deepgemm_a (FP8 seed A on
 #        `precision.fp8_backend: deepgemm`, DeepGEMM built first by gpu_lib.sh's install_deepgemm from the
@@ -85,7 +88,8 @@ TOKENIZER_SAMPLE_BYTES=${TOKENIZER_SAMPLE_BYTES:-1e8}
 VOCAB_SIZE=32768
 SEQ_LEN=2048
 MICRO_BATCH=8
-ALL_RUNS="dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b dense_fp8blocks_a dense_fp8deepgemm_a"
+ALL_RUNS="dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b moe_fp8_b"
+ALL_RUNS+=" dense_fp8blocks_a dense_fp8deepgemm_a"
 mkdir -p "$WORK" "$RUNS" "$OUT/runs"
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
@@ -311,6 +315,12 @@ compare() {
   fi
   if [ "$1" != dense ]; then
     step parity_moe python tools/compare_runs.py --parity $moe --window 250
+    if finished moe_bf16_b && finished moe_fp8_b; then  # the second seed pair: FP8 B against BF16 B
+      step parity_moe_seed_b python tools/compare_runs.py --parity $(run_dir moe_bf16_b) $(run_dir moe_fp8_b) \
+        $(run_dir moe_bf16) --window 250
+      moe="$moe $(run_dir moe_fp8_b)"
+      moe_labels+=("FP8 seed B")
+    fi
     step plot_moe python tools/plot_runs.py $moe --labels "${moe_labels[@]}" --metrics loss val_loss --gaps \
       --smooth 10 --from-step 100 --out "$OUT/parity_moe.png"
   fi

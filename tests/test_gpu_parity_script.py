@@ -251,6 +251,17 @@ def test_compare_takes_moe_bf16_seed_b_once_it_has_finished(tmp_path):
     assert "BF16 seed-to-seed spread |BF16 B - BF16 A|: 2.000%; |FP8 - BF16 A| = 1.000%: inside the spread" \
         in moe_section(), moe_section()
 
+    # MoE's FP8 seed B: seed B's training.seed, judged against BF16 seed B once finished
+    cfg = run_configs(tmp_path, "moe_fp8_b")["moe_fp8_b"]
+    assert (cfg["precision"]["recipe"], cfg["training"]["seed"]) == ("fp8", 2)
+    assert "parity_moe_seed_b" not in script(tmp_path, "compare", "moe", **env).stdout
+    _finished_run(runs, "moe_fp8_b", [4.0, 2.97])
+    seed_b = script(tmp_path, "compare", "moe", **env).stdout
+    assert "== parity_moe_seed_b done" in seed_b, seed_b
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    section = summary.rsplit("## parity_moe_seed_b\n", 1)[1].split("\n## ", 1)[0]
+    assert "|FP8 - BF16 A| = 1.020%" in section, section  # FP8 B against BF16 B (2.97 / 2.94), A's spread beside
+
 
 @pytest.mark.parametrize("opt_in, option, on, off, final, gap", [
     ("fp8blocks", "fp8_wgrad_input_blocks", True, False, 3.02, "0.667%"),
