@@ -30,7 +30,6 @@ from megafp8.parallel.experts import ExpertLinear, combine, count_per_expert, di
 from megafp8.parallel.permute import (
     RowSource, combine_rows, combine_weights_grad, eager_gather_rows, gather_rows, gather_sum,
 )
-from megafp8.parallel.router_gemm import router_logits
 from megafp8.parallel.routing import group_limited_topk
 from megafp8.precision import PrecisionRecipe
 from megafp8.precision.grouped import (
@@ -54,7 +53,7 @@ class Router(nn.Module):
         self.counting = True  # off while activation recomputation re-runs the forward
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        logits = router_logits(x, self.weight)  # (N, E), FP32: F.linear(x.float(), W), on CUDA without the copy
+        logits = F.linear(x.float(), self.weight)  # (N, E), FP32
         return logits.sigmoid() if self.score_func == "sigmoid" else logits.softmax(dim=-1)
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
