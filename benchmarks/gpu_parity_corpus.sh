@@ -317,7 +317,7 @@ compare() {
     step parity_moe python tools/compare_runs.py --parity $moe --window 250
     if finished moe_bf16_b && finished moe_fp8_b; then  # the second seed pair: FP8 B against BF16 B
       step parity_moe_seed_b python tools/compare_runs.py --parity $(run_dir moe_bf16_b) $(run_dir moe_fp8_b) \
-        $(run_dir moe_bf16) --window 250
+        $(run_dir moe_bf16) --window 250 --seeds B A
       moe="$moe $(run_dir moe_fp8_b)"
       moe_labels+=("FP8 seed B")
     fi

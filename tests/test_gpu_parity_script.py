@@ -260,7 +260,10 @@ def test_compare_takes_moe_bf16_seed_b_once_it_has_finished(tmp_path):
     assert "== parity_moe_seed_b done" in seed_b, seed_b
     summary = (tmp_path / "out" / "summary.md").read_text()
     section = summary.rsplit("## parity_moe_seed_b\n", 1)[1].split("\n## ", 1)[0]
-    assert "|FP8 - BF16 A| = 1.020%" in section, section  # FP8 B against BF16 B (2.97 / 2.94), A's spread beside
+    # FP8 B against BF16 B (2.97 / 2.94), A's spread beside, each run named by its seed
+    assert "- FP8 vs BF16 B: +1.020%" in section, section
+    assert "|BF16 A - BF16 B|: 2.041%; |FP8 - BF16 B| = 1.020%: inside the spread" in section, section
+    assert "| step | BF16 B | FP8 B | BF16 A | FP8 vs BF16 B | BF16 A vs BF16 B (seed spread) |" in section, section
 
 
 @pytest.mark.parametrize("opt_in, option, on, off, final, gap", [

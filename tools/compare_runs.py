@@ -14,7 +14,7 @@ window of steps: each run's mean training loss, FP8's relative gap to BF16 A and
 gap); the same at each evaluation for the validation loss; then the verdict at the last evaluation: FP8 within
 `--tolerance` (0.25%) of BF16 A, and |FP8 - BF16 A| <= |BF16 B - BF16 A| (FP8's gap to the two seeds' mean is
 printed beside them, not judged); and the FP8 run's worst tensors in its last FP8 health record, by quantization
-SNR and by underflow.
+SNR and by underflow. `--seeds B A` names the runs for a second pair (BF16 seed B, FP8 seed B, BF16 seed A).
 """
 from __future__ import annotations
 
@@ -53,7 +53,10 @@ def compare(runs: list[str], skip: int) -> str:
     return "\n".join(lines)
 
 
-ROLES = ("BF16 A", "FP8 A", "BF16 B")
+def roles_of(seeds: tuple[str, str] = ("A", "B")) -> tuple[str, str, str]:
+    """The three runs' names: BF16 and FP8 at the reference seed, BF16 at the other (`--seeds`)."""
+    ref, other = seeds
+    return f"BF16 {ref}", f"FP8 {ref}", f"BF16 {other}"
 
 
 def _gap(value: float, ref: float) -> float:
@@ -71,7 +74,7 @@ def _windows(series: list[dict[int, float]], window: int) -> list[tuple[str, lis
 
 
 def _table(first_column: str, rows: list[tuple[str, list[float]]], roles: tuple[str, ...]) -> list[str]:
-    gaps = ["FP8 vs BF16 A"] + (["BF16 B vs BF16 A (seed spread)"] if len(roles) == 3 else [])
+    gaps = [f"FP8 vs {roles[0]}"] + ([f"{roles[2]} vs {roles[0]} (seed spread)"] if len(roles) == 3 else [])
     lines = [f"| {first_column} | {' | '.join(roles)} | {' | '.join(gaps)} |",
              "|---" * (1 + len(roles) + len(gaps)) + "|"]
     for label, values in rows:
@@ -80,29 +83,31 @@ def _table(first_column: str, rows: list[tuple[str, list[float]]], roles: tuple[
     return lines
 
 
-def verdict(values: list[float], tolerance: float) -> list[str]:
+def verdict(values: list[float], tolerance: float, seeds: tuple[str, str] = ("A", "B")) -> list[str]:
     """The end verdict from the final losses of BF16 A, FP8 A (and BF16 B): FP8 within `tolerance` of BF16 A,
-    and |FP8 - BF16 A| no larger than |BF16 B - BF16 A| (BF16's own seed-to-seed spread)."""
+    and |FP8 - BF16 A| no larger than |BF16 B - BF16 A| (BF16's own seed-to-seed spread). `seeds` names the
+    reference seed and the other (A and B, or B and A for the second pair)."""
+    ref, other = seeds
     fp8_gap = _gap(values[1], values[0])
     close = abs(fp8_gap) <= tolerance
-    lines = [f"- FP8 vs BF16 A: {fp8_gap:+.3%}, within {tolerance:.2%}: {'yes' if close else 'NO'}"]
+    lines = [f"- FP8 vs BF16 {ref}: {fp8_gap:+.3%}, within {tolerance:.2%}: {'yes' if close else 'NO'}"]
     if len(values) < 3:
-        lines += ["- BF16 seed-to-seed spread: not measured (no BF16 seed B run)",
+        lines += [f"- BF16 seed-to-seed spread: not measured (no BF16 seed {other} run)",
                   f"- **{'PASS' if close else 'FAIL'}** on the {tolerance:.2%} criterion alone (one seed each: FP8's "
                   "gap cannot be told from seed noise)"]
         return lines
     spread = abs(_gap(values[2], values[0]))
     inside = abs(fp8_gap) <= spread
-    lines.append(f"- BF16 seed-to-seed spread |BF16 B - BF16 A|: {spread:.3%}; |FP8 - BF16 A| = {abs(fp8_gap):.3%}: "
-                 f"{'inside' if inside else 'OUTSIDE'} the spread")
+    lines.append(f"- BF16 seed-to-seed spread |BF16 {other} - BF16 {ref}|: {spread:.3%}; |FP8 - BF16 {ref}| = "
+                 f"{abs(fp8_gap):.3%}: {'inside' if inside else 'OUTSIDE'} the spread")
     # Not a criterion: with two BF16 seeds far apart, where FP8 sits between them says more than its gap to one.
     lines.append(f"- FP8 vs the mean of the two BF16 seeds: {_gap(values[1], (values[0] + values[2]) / 2):+.3%} "
                  "(for reference, not a criterion)")
     if close and inside:
-        lines.append(f"- **PASS**: FP8 is within {tolerance:.2%} of BF16 seed A and inside the BF16 seed-to-seed "
+        lines.append(f"- **PASS**: FP8 is within {tolerance:.2%} of BF16 seed {ref} and inside the BF16 seed-to-seed "
                      "spread")
     else:
-        failed = [what for what, ok in ((f"not within {tolerance:.2%} of BF16 seed A", close),
+        failed = [what for what, ok in ((f"not within {tolerance:.2%} of BF16 seed {ref}", close),
                                         ("outside the BF16 seed-to-seed spread", inside)) if not ok]
         lines.append(f"- **FAIL**: FP8 is {' and '.join(failed)}")
     return lines
@@ -131,12 +136,13 @@ def _health_table(title: str, rows: list[tuple[str, str, dict]]) -> list[str]:
                     f"{stats['at_max']:.2%} | {stats['amax']:.3g} |" for layer, tensor, stats in rows]
 
 
-def parity(runs: list[str], window: int, tolerance: float, worst: int) -> str:
+def parity(runs: list[str], window: int, tolerance: float, worst: int, seeds: tuple[str, str] = ("A", "B")) -> str:
     """FP8-vs-BF16 parity of `runs` = [BF16 seed A, FP8 seed A, (BF16 seed B)] as Markdown: training loss per
-    window of steps, validation loss at each evaluation, the end verdict, the FP8 run's worst layers."""
+    window of steps, validation loss at each evaluation, the end verdict, the FP8 run's worst layers. `seeds`
+    names the runs' seeds (("B", "A"): BF16 B, FP8 B, BF16 A)."""
     if len(runs) not in (2, 3):
         raise ConfigError(f"--parity takes 2 or 3 runs (BF16 seed A, FP8 seed A, [BF16 seed B]), got {len(runs)}")
-    roles = ROLES[: len(runs)]
+    roles = roles_of(seeds)[: len(runs)]
     lines = [f"- {role}: {run}" for role, run in zip(roles, runs)] + [""]
     train = [_by_step(run, "loss") for run in runs]
     if not set.intersection(*(set(s) for s in train)):
@@ -153,7 +159,7 @@ def parity(runs: list[str], window: int, tolerance: float, worst: int) -> str:
     else:
         end, values = f"training loss of the last window (steps {windows[-1][0]}; no validation loss logged)", \
             windows[-1][1]
-    lines += ["", f"Verdict ({end}):", ""] + verdict(values, tolerance)
+    lines += ["", f"Verdict ({end}):", ""] + verdict(values, tolerance, seeds)
     health = worst_fp8_layers(runs[1], worst)
     return "\n".join(lines + ([""] + health if health else []))
 
@@ -167,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=500, help="--parity: steps per training-loss window")
     parser.add_argument("--tolerance", type=float, default=0.0025,
                         help="--parity: largest relative gap of FP8 to BF16 seed A that passes (0.0025 = 0.25%%)")
+    parser.add_argument("--seeds", nargs=2, default=["A", "B"], metavar=("REF", "OTHER"),
+                        help="--parity: the names of the runs' seeds, the reference's (BF16 and FP8) then the other "
+                        "BF16 run's (e.g. B A for a second FP8 seed judged against BF16 seed B)")
     parser.add_argument("--worst", type=int, default=5,
                         help="--parity: FP8 tensors listed by lowest SNR and by most underflow")
     args = parser.parse_args(argv)
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--window must be at least 1")
     try:
         if args.parity:
-            print(parity(args.runs, args.window, args.tolerance, args.worst))
+            print(parity(args.runs, args.window, args.tolerance, args.worst, tuple(args.seeds)))
         else:
             print(compare(args.runs, args.skip))
     except ConfigError as err:
