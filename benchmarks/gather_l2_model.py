@@ -15,7 +15,7 @@ within that window), ignores L2's sets and partitions and assumes every write al
 
 `--gemms` models the warp-specialized GEMM's operand reads instead, at tile granularity: the 8B-layer linears'
 fprop and dgrad at 16,384 tokens, its output tiles (128 x 256) in the kernel's order for groups of GROUP_M row
-tiles (`ws_gemm._tile_coords`), 132 at a time (one program an SM), each touching its A row block (128 x K FP8) and
+tiles (`ws_tiles.tile_coords`), 132 at a time (one program an SM), each touching its A row block (128 x K FP8) and
 B column block (256 x K), and the HBM bytes those reads miss in L2 per GROUP_M.
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ GEMMS = {"qkv fprop": (16384, 12288, 4096), "out fprop": (16384, 4096, 4096), "g
 
 
 def gemm_tile_order(num_m: int, num_n: int, group_m: int) -> Iterator[tuple[int, int]]:
-    """The output tiles (row tile, column tile) in `ws_gemm._tile_coords`'s order: groups of `group_m` row tiles,
+    """The output tiles (row tile, column tile) in `ws_tiles.tile_coords`'s order: groups of `group_m` row tiles,
     the row tiles varying fastest within a group."""
     in_group = group_m * num_n
     for t in range(num_m * num_n):

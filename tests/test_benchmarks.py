@@ -394,7 +394,7 @@ def test_the_gather_l2_model_reads_the_source_once_walking_token_blocks_first():
 
 
 def test_the_gemm_l2_model_walks_every_tile_once_and_reads_operands_once_when_they_fit():
-    """`gather_l2_model.py --gemms`: the tile order of `ws_gemm._tile_coords` (groups of GROUP_M row tiles, a
+    """`gather_l2_model.py --gemms`: the tile order of `ws_tiles.tile_coords` (groups of GROUP_M row tiles, a
     partial last group) visits every output tile once; with L2 holding both operands each is read from HBM once,
     and with a small L2 larger groups reread the wide operand less."""
     sys.path.insert(0, str(REPO / "benchmarks"))

@@ -60,6 +60,7 @@ def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = Fal
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
     from megafp8.precision.kernels import ffma_interleave, ws_gemm
+    from megafp8.precision.kernels.ws_tiles import walk_lanes
 
     fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
     scales = torch.empty(2, 256).t()  # (rows, K/128), stored rows-first as the quantizers write them
@@ -78,7 +79,7 @@ def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = Fal
     buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
     # The launcher walks only busy groups' tiles wherever it accumulates K-grouped products (`ws_gemm`)
     constants = dict(dict(COMPACT=flags["GROUPED_K"] and flags["ACCUMULATE"]), **flags)
-    constants.setdefault("BLOCK_E", ws_gemm._walk_lanes(64))
+    constants.setdefault("BLOCK_E", walk_lanes(64))
     constants.setdefault("SWIGLU", False)
     constants.update(FP8_MAX=448.0, POW2=False)
     constants.update(C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, INTERLEAVE=interleave_ffma,

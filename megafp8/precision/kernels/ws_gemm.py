@@ -36,7 +36,7 @@ rounded to BF16, quantize it along the features (a row's 128 features lie in one
 its scales from registers: the bits `producers.swiglu_quantize` would make from C, without reading C back.
 
 The K-grouped wgrad into `main_grad` deals out only the tiles of experts with rows (the compact walk,
-`_tile_coords`): each program reads the experts' row counts once, ranks the busy ones by a scan in registers, and
+`ws_tiles.tile_coords`): each program reads the experts' row counts once, ranks the busy ones by a scan in registers, and
 finds each of its tiles' expert there. Walked expert by expert, with most experts idle (a collapsed router), each
 busy expert's tiles would fall on one stripe of programs, and the programs under more stripes set the time.
 
@@ -77,9 +77,9 @@ from megafp8.precision.kernels.ffma_interleave import patching_ffma
 from megafp8.precision.kernels.gluon_tiles import nan_max, tile_scale
 from megafp8.precision.kernels.launch import Descriptor, FastLaunch
 from megafp8.precision.kernels.swiglu_cols_gluon import exp_neg
+from megafp8.precision.kernels.ws_tiles import TILE, slice_step, tile_coords, walk_lanes, walked_tiles
 
 # Kernel constants are constexprs (the only globals a Gluon kernel may read).
-TILE = gl.constexpr(128)
 HALF_M = gl.constexpr(64)  # rows of the output tile one consumer warpgroup owns
 _CONSUMER_REGS = gl.constexpr(240)  # registers per thread of a consumer warpgroup: two accumulators, one product
 _PRODUCER_REGS = gl.constexpr(24)
@@ -90,99 +90,6 @@ _MARKED_MOVE = gl.constexpr("mov.b32 $0, $1; // " + INTERLEAVE_MARKER)  # (`_set
 _MAXNREG = 168  # 12 warps (3 warpgroups) x 32 threads x 168 <= the SM's 64K registers
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5, torch.bfloat16: gl.bfloat16,
               torch.float32: gl.float32}
-
-
-@gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _busy_ranks(k_count_ptr, num_groups, BLOCK_E: gl.constexpr, layout: gl.constexpr):
-    """(ranks, busy groups) of the compact walk: each group's place among the groups with K blocks (-1 for a group
-    without any), over BLOCK_E >= num_groups lanes of `layout`, and how many groups have K blocks. Read once, at a
-    program's start: a tile's group is then found in registers (`_busy_group`), with no load between tiles."""
-    e = gl.arange(0, BLOCK_E, layout=layout)
-    busy = (gl.load(k_count_ptr + e, mask=e < num_groups, other=0) > 0).to(gl.int32)
-    rank = gl.associative_scan(busy, 0, _add) - busy
-    return gl.where(busy > 0, rank, -1), gl.sum(busy, 0)
-
-
-@gluon.jit
-def _busy_group(place, ranks, BLOCK_E: gl.constexpr, layout: gl.constexpr):
-    """The group whose rank is `place` (one that exists: the walk's tiles stop at the busy groups' last)."""
-    e = gl.arange(0, BLOCK_E, layout=layout)
-    return gl.max(gl.where(ranks == place, e, -1), 0)
-
-
-@gluon.jit
-def _walked_tiles(M, N, num_groups, k_count_ptr, BLOCK_N: gl.constexpr, GROUPED_K: gl.constexpr,
-                  COMPACT: gl.constexpr, BLOCK_E: gl.constexpr, layout: gl.constexpr):
-    """(tiles, ranks): how many output tiles the programs share out, and the compact walk's ranks (0 without it).
-    With COMPACT only the groups with K blocks have tiles (`_tile_coords`)."""
-    tiles = gl.cdiv(M, TILE) * gl.cdiv(N, BLOCK_N)
-    ranks = 0
-    if GROUPED_K:
-        if COMPACT:
-            ranks, busy = _busy_ranks(k_count_ptr, num_groups, BLOCK_E, layout)
-            tiles = tiles * busy
-        else:
-            tiles = tiles * num_groups
-    return tiles, ranks
-
-
-@gluon.jit
-def _tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, ranks,
-                 GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, COMPACT: gl.constexpr, BLOCK_N: gl.constexpr,
-                 GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr, layout: gl.constexpr, SWIGLU: gl.constexpr):
-    """(off_m, off_n, b_row, group, k_first, k_steps) of output tile `tile`: its first row and column (of its
-    first 128-column slice: with SWIGLU the tiles are 128 columns apart, each a gate slice whose up slice lies N / 2
-    further on, `_slice_step`), the first row of B it reads, its expert (0 for dense), and its K blocks
-    [k_first, k_first + k_steps).
-
-    K grouped, the tiles are group by group: tile // (tiles a group) is the group, or, with COMPACT, the busy
-    group of that rank (`_busy_ranks`): only the groups with K blocks have tiles, dealt out over the programs as if
-    no group were idle. In group order, a group's tiles go to consecutive programs; with most groups idle (a
-    collapsed router), each busy group's tiles fall on one stripe of programs, and those under more stripes do
-    several times the mean's work (`benchmarks/grouped_wgrad_walk.py`; docs/benchmarks.md, jobs IE-IG)."""
-    num_m = gl.cdiv(M, TILE)
-    num_n = gl.cdiv(N, BLOCK_N)
-    per_group = num_m * num_n
-    group = tile * 0  # dense: one group
-    t = tile % per_group
-    if GROUPED_K:
-        if COMPACT:
-            group = _busy_group(tile // per_group, ranks, BLOCK_E, layout)
-        else:
-            group = tile // per_group
-    in_group = GROUP_M * num_n
-    first_m = (t // in_group) * GROUP_M
-    size_m = gl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (t % in_group) % size_m
-    pid_n = (t % in_group) // size_m
-    off_m = pid_m * TILE
-    off_n = pid_n * (TILE if SWIGLU else BLOCK_N)
-    b_row = off_n
-    k_first = 0
-    k_steps = K_BLOCKS
-    if GROUPED_ROWS:  # a padding tile past the last expert's rows (expert -1) gets zeros: no K steps
-        expert = gl.load(tile_expert_ptr + pid_m)
-        k_steps = gl.where(expert >= 0, K_BLOCKS, 0)
-        group = gl.maximum(expert, 0)
-        b_row = group * N + off_n
-    if GROUPED_K:
-        k_first = gl.load(k_start_ptr + group)
-        k_steps = gl.load(k_count_ptr + group)
-    return off_m, off_n, b_row, group, k_first, k_steps
-
-
-@gluon.jit
-def _slice_step(N, SWIGLU: gl.constexpr):
-    """Columns from a tile's first 128-column slice to its second: the next 128, or with SWIGLU (C = [gate | up],
-    N = 2F) the up columns that go with the gate slice, F further on."""
-    if SWIGLU:
-        return N // 2
-    return TILE
 
 
 @gluon.jit
@@ -199,11 +106,11 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
                                  + 2 * as_desc.block_type.nbytes
                                  + (0 if B_BLOCKWISE else NB * bs_desc.block_type.nbytes))
     walk: gl.constexpr = gl.BlockedLayout([BLOCK_E // 32], [32], [1], [0])  # this partition's one warp
-    num_tiles, ranks = _walked_tiles(M, N, num_groups, k_count_ptr, BLOCK_N, GROUPED_K, COMPACT, BLOCK_E, walk)
-    step = _slice_step(N, SWIGLU)
+    num_tiles, ranks = walked_tiles(M, N, num_groups, k_count_ptr, BLOCK_N, GROUPED_K, COMPACT, BLOCK_E, walk)
+    step = slice_step(N, SWIGLU)
     counter = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
+        off_m, off_n, b_row, group, k_first, k_steps = tile_coords(
             tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, ranks, GROUPED_ROWS, GROUPED_K,
             COMPACT, BLOCK_N, GROUP_M, BLOCK_E, walk, SWIGLU)
         for kb in range(k_steps):
@@ -383,11 +290,11 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
     col_layout: gl.constexpr = gl.SliceLayout(0, layout)
     t = gl.zeros([HALF_M, TILE], gl.float32, layout)
     walk: gl.constexpr = gl.BlockedLayout([BLOCK_E // 128], [32], [4], [0])  # this partition's four warps
-    num_tiles, ranks = _walked_tiles(M, N, num_groups, k_count_ptr, BLOCK_N, GROUPED_K, COMPACT, BLOCK_E, walk)
-    step = _slice_step(N, SWIGLU)
+    num_tiles, ranks = walked_tiles(M, N, num_groups, k_count_ptr, BLOCK_N, GROUPED_K, COMPACT, BLOCK_E, walk)
+    step = slice_step(N, SWIGLU)
     counter = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n, b_row, group, k_first, k_steps = _tile_coords(
+        off_m, off_n, b_row, group, k_first, k_steps = tile_coords(
             tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, ranks, GROUPED_ROWS, GROUPED_K,
             COMPACT, BLOCK_N, GROUP_M, BLOCK_E, walk, SWIGLU)
         # Index vectors are made where they are used, not kept across the K loop: a 128-wide column vector takes 32
@@ -553,12 +460,6 @@ def _check_swiglu(out: SwigluOutput, c: torch.Tensor, m: int, n: int, block_n: i
     assert out.scales.shape == (m, f // _T) and out.scales.stride(0) == 1 and out.scales.dtype == torch.float32
 
 
-def _walk_lanes(groups: int) -> int:
-    """The compact walk's lanes (`_busy_ranks`): a power of two, at least the groups and a lane for each thread of a
-    consumer warpgroup."""
-    return max(128, 1 << (groups - 1).bit_length())
-
-
 def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, c: torch.Tensor, *,
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
@@ -578,7 +479,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     `interleave_ffma` (256-wide tiles): the promotion's FFMA runs interleaved in the cubin, so the warp scheduler
     may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits).
     `compact_groups` (K grouped, accumulating): the programs share out only the tiles of groups with K blocks
-    (`_tile_coords`; the same bits, each tile computed as before); without accumulation every group's tiles are
+    (`ws_tiles.tile_coords`; the same bits, each tile computed as before); without accumulation every group's tiles are
     walked, since an idle expert's output must be written (zeros).
     `swiglu` (rows grouped, 256-wide tiles, C (Mp, 2F) BF16 = [gate | up]): each tile pairs 128 gate columns with
     their 128 up columns, and after storing them the consumers write SwiGLU's output quantized along the features
@@ -623,7 +524,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, COMPACT=compact, B_BLOCKWISE=b_blockwise,
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
-                   INTERLEAVE=interleave_ffma, BLOCK_E=_walk_lanes(num_groups if compact else 1),
+                   INTERLEAVE=interleave_ffma, BLOCK_E=walk_lanes(num_groups if compact else 1),
                    SWIGLU=swiglu is not None, FP8_MAX=_fp8_max(swiglu.q.dtype) if swiglu is not None else 0.0,
                    POW2=swiglu is not None and swiglu.power_of_two, num_warps=4, maxnreg=_MAXNREG)
     # (the interleaved variant is compiled, the first time, with the cubin pass installed)
