@@ -353,7 +353,7 @@ def grouped_gemm_swiglu(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
     q = torch.empty(mp, n // 2, dtype=fmt.dtype, device=a.device)
     scales = tiles.mn_major_scales(mp, n // 2 // 128, a.device)
     ws_gemm(a, a_scale, b.reshape(-1, k), b_scale, gu, b_blockwise=True, tile_expert=tile_expert, block_n=256,
-            swiglu=SwigluOutput(q, scales, power_of_two))
+            swiglu=SwigluOutput(q, scales, fmt, power_of_two))
     return gu, q, scales
 
 

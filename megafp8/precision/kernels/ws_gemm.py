@@ -72,7 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.language._core import builtin
 from triton._C.libtriton import gluon_ir, ir
 
-from megafp8.precision.formats import E4M3_MAX, E5M2_MAX
+from megafp8.precision.formats import Fp8Format
 from megafp8.precision.kernels.ffma_interleave import patching_ffma
 from megafp8.precision.kernels.gluon_tiles import nan_max, tile_scale
 from megafp8.precision.kernels.launch import Descriptor, FastLaunch
@@ -439,15 +439,12 @@ def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int, accumulate: bool
 
 
 class SwigluOutput(NamedTuple):
-    """Where `ws_gemm(swiglu=...)` writes SwiGLU's quantized output: q (Mp, F) FP8, scales (Mp, F/128) FP32 stored
-    rows-first (`tiles.mn_major_scales`), power-of-two scales or not."""
+    """Where `ws_gemm(swiglu=...)` writes SwiGLU's quantized output: q (Mp, F) in `fmt`, scales (Mp, F/128) FP32
+    stored rows-first (`tiles.mn_major_scales`), power-of-two scales or not."""
     q: torch.Tensor
     scales: torch.Tensor
+    fmt: Fp8Format
     power_of_two: bool
-
-
-def _fp8_max(dtype: torch.dtype) -> float:
-    return {torch.float8_e4m3fn: E4M3_MAX, torch.float8_e5m2: E5M2_MAX}[dtype]
 
 
 def _check_swiglu(out: SwigluOutput, c: torch.Tensor, m: int, n: int, block_n: int, accumulate: bool,
@@ -456,7 +453,7 @@ def _check_swiglu(out: SwigluOutput, c: torch.Tensor, m: int, n: int, block_n: i
     assert tile_expert is not None and block_n == 256 and not accumulate and c.dtype == torch.bfloat16, \
         "the SwiGLU epilogue is the experts' gate/up fprop's: rows grouped, 256-wide tiles, C in BF16"
     assert n % 256 == 0, f"C's {n} columns are not [gate | up] of whole 128-feature tiles"
-    assert out.q.shape == (m, f) and out.q.stride(1) == 1 and out.q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert out.q.shape == (m, f) and out.q.stride(1) == 1 and out.q.dtype == out.fmt.dtype
     assert out.scales.shape == (m, f // _T) and out.scales.stride(0) == 1 and out.scales.dtype == torch.float32
 
 
@@ -525,7 +522,7 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
                    INTERLEAVE=interleave_ffma, BLOCK_E=walk_lanes(num_groups if compact else 1),
-                   SWIGLU=swiglu is not None, FP8_MAX=_fp8_max(swiglu.q.dtype) if swiglu is not None else 0.0,
+                   SWIGLU=swiglu is not None, FP8_MAX=swiglu.fmt.max if swiglu is not None else 0.0,
                    POW2=swiglu is not None and swiglu.power_of_two, num_warps=4, maxnreg=_MAXNREG)
     # (the interleaved variant is compiled, the first time, with the cubin pass installed)
     _LAUNCH.launch(grid, args, options, compiling=functools.partial(patching_ffma, INTERLEAVE_MARKER)
