@@ -293,3 +293,32 @@ def test_an_opt_in_run_is_fp8_seed_a_with_its_one_option_and_compare_sets_it_aga
     assert f"== parity_dense_{opt_in} done" in script(tmp_path, "compare", "dense", **env).stdout
     section = (tmp_path / "out" / "summary.md").read_text().rsplit(f"## parity_dense_{opt_in}\n", 1)[1]
     assert f"|FP8 - BF16 A| = {gap}: inside the spread" in section, section
+
+
+@pytest.mark.parametrize("ablation, option, value", [
+    ("fp8bf16experts", "bf16_layers", ["*.experts.*"]),
+    ("fp8expertsonly", "fp8_layers", ["*.experts.*"])])
+def test_moe_s_ablations_are_fp8_seed_b_with_one_layer_glob_and_compare_sets_them_against_bf16_seed_b(
+        tmp_path, ablation, option, value):
+    """`moe_fp8bf16experts_b` (the routed experts in BF16) and `moe_fp8expertsonly_b` (only they in FP8) are FP8
+    seed B with one layer glob changed, which reaches the config as a one-element list (quoted for YAML, left alone
+    by the shell); `compare moe` sets each against BF16 seed B, seed A's spread beside, once it has finished."""
+    name = f"moe_{ablation}_b"
+    fake_corpus(tmp_path, 40_000_000, 900_000)
+    configs = run_configs(tmp_path, "moe_fp8_b", name)
+    run, plain = configs[name], configs["moe_fp8_b"]
+    assert (run["precision"]["recipe"], run["training"]["seed"]) == ("fp8", 2)
+    assert run["precision"][option] == value and plain["precision"][option] != value
+    run["precision"][option] = plain["precision"][option]
+    run["run_name"] = plain["run_name"]
+    assert run == plain
+    runs, env = tmp_path / "work" / "runs", {"DENSE_STEPS": "2", "MOE_STEPS": "2"}
+    _finished_run(runs, "moe_bf16", [4.0, 3.0])
+    _finished_run(runs, "moe_fp8", [4.0, 3.03])
+    _finished_run(runs, "moe_bf16_b", [4.0, 2.94])
+    _finished_run(runs, name, [4.0])  # not finished
+    assert f"parity_moe_{ablation}" not in script(tmp_path, "compare", "moe", **env).stdout
+    _finished_run(runs, name, [4.0, 2.97])
+    assert f"== parity_moe_{ablation} done" in script(tmp_path, "compare", "moe", **env).stdout
+    section = (tmp_path / "out" / "summary.md").read_text().rsplit(f"## parity_moe_{ablation}\n", 1)[1]
+    assert "- FP8 vs BF16 B: +1.020%" in section, section
