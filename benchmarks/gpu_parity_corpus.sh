@@ -38,7 +38,8 @@
 #        moe_fp8_b (MoE's FP8 seed B: `compare` sets it against BF16 seed B, seed A's spread beside it, once it
 #        and moe_bf16_b have finished), moe_fp8bf16experts_b, moe_fp8expertsonly_b and moe_fp8bf16attn_b (MoE's
 #        ablations, seed B: the routed experts in BF16 and all else FP8, the routed experts alone in FP8, the
-#        attention projections in BF16; `compare` sets each against BF16 seed B once it has finished)
+#        attention projections in BF16), moe_fp8allbf16_b (the control: the FP8 recipe, every GEMM layer in BF16);
+#        `compare` sets each against BF16 seed B once it has finished
 #        dense_fp8blocks_a (FP8 seed A with the opt-in `precision.fp8_wgrad_input_blocks`: `next` runs it last,
 #        `compare` sets it against the two BF16 seeds once it has finished), dense_fp8deepgemm_a (FP8 seed A on
 #        `precision.fp8_backend: deepgemm`, DeepGEMM built first by gpu_lib.sh's install_deepgemm from the
@@ -92,6 +93,7 @@ SEQ_LEN=2048
 MICRO_BATCH=8
 ALL_RUNS="dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b moe_fp8_b"
 ALL_RUNS+=" dense_fp8blocks_a dense_fp8deepgemm_a moe_fp8bf16experts_b moe_fp8expertsonly_b moe_fp8bf16attn_b"
+ALL_RUNS+=" moe_fp8allbf16_b"
 mkdir -p "$WORK" "$RUNS" "$OUT/runs"
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
@@ -146,12 +148,14 @@ run_overrides() {  # run_overrides NAME: every override of run NAME: family_reci
   if [ "$recipe" = fp8blocks ]; then recipe=fp8; blocks="precision.fp8_wgrad_input_blocks=true"; fi
   if [ "$recipe" = fp8deepgemm ]; then recipe=fp8; blocks="precision.fp8_backend=deepgemm"; fi
   # MoE's ablations (where FP8's loss gap comes from): the routed experts in BF16, everything else FP8; the routed
-  # experts alone in FP8; the attention projections in BF16. The glob is quoted for YAML (a bare * starts an
+  # experts alone in FP8; the attention projections in BF16; and the control, the FP8 recipe with every GEMM layer
+  # in BF16 (what the recipe changes besides the GEMMs). The glob is quoted for YAML (a bare * starts an
   # alias); no file matches it as a shell pattern, so the word splitting of the overrides leaves it as it is.
   case $recipe in
     fp8bf16experts) recipe=fp8; blocks='precision.bf16_layers="*.experts.*"' ;;
     fp8expertsonly) recipe=fp8; blocks='precision.fp8_layers="*.experts.*"' ;;
     fp8bf16attn) recipe=fp8; blocks='precision.bf16_layers="*.attn.*"' ;;
+    fp8allbf16) recipe=fp8; blocks='precision.bf16_layers="*"' ;;  # the control: no GEMM in FP8
   esac
   seed=$([ "${rest#*_}" = b ] && echo "${SEED_B:-2}" || echo "${SEED_A:-1}")
   interval=$([ "$family" = moe ] && echo "${MOE_CHECKPOINT_INTERVAL:-0}" || echo "${DENSE_CHECKPOINT_INTERVAL:-500}")
@@ -332,7 +336,7 @@ compare() {
       moe_labels+=("FP8 seed B")
     fi
     local ablation
-    for ablation in fp8bf16experts fp8expertsonly fp8bf16attn; do  # each against BF16 seed B, seed A's spread beside
+    for ablation in fp8bf16experts fp8expertsonly fp8bf16attn fp8allbf16; do  # each against BF16 seed B, seed A's spread beside
       if finished moe_bf16_b && finished "moe_${ablation}_b"; then
         step "parity_moe_$ablation" python tools/compare_runs.py --parity $(run_dir moe_bf16_b) \
           $(run_dir "moe_${ablation}_b") $(run_dir moe_bf16) --window 250 --seeds B A

@@ -298,11 +298,13 @@ def test_an_opt_in_run_is_fp8_seed_a_with_its_one_option_and_compare_sets_it_aga
 @pytest.mark.parametrize("ablation, option, value", [
     ("fp8bf16experts", "bf16_layers", ["*.experts.*"]),
     ("fp8expertsonly", "fp8_layers", ["*.experts.*"]),
-    ("fp8bf16attn", "bf16_layers", ["*.attn.*"])])
+    ("fp8bf16attn", "bf16_layers", ["*.attn.*"]),
+    ("fp8allbf16", "bf16_layers", ["*"])])
 def test_moe_s_ablations_are_fp8_seed_b_with_one_layer_glob_and_compare_sets_them_against_bf16_seed_b(
         tmp_path, ablation, option, value):
     """`moe_fp8bf16experts_b` (the routed experts in BF16), `moe_fp8expertsonly_b` (only they in FP8) and
-    `moe_fp8bf16attn_b` (the attention projections in BF16) are FP8 seed B with one layer glob changed, which reaches the config as a one-element list (quoted for YAML, left alone
+    `moe_fp8bf16attn_b` (the attention projections in BF16) and the control `moe_fp8allbf16_b` (no GEMM in FP8) are
+    FP8 seed B with one layer glob changed, which reaches the config as a one-element list (quoted for YAML, left alone
     by the shell); `compare moe` sets each against BF16 seed B, seed A's spread beside, once it has finished."""
     name = f"moe_{ablation}_b"
     fake_corpus(tmp_path, 40_000_000, 900_000)
