@@ -32,8 +32,8 @@ class TritonBackend(Fp8Backend):
     grouped_kernel: Optional[str] = None  # the grouped GEMMs' kernel (`megafp8.precision.kernels.gemm`); None: default
     grouped_interleave_ffma = False  # the warp-specialized grouped fprop and dgrad's FFMAs interleaved (`ws_gemm`)
     # The experts' gate/up fprop writing SwiGLU's quantized output from its epilogue (`ws_gemm(swiglu=...)`; the same
-    # bits as the GEMM then `swiglu_quantize`), on the warp-specialized kernel only. Off until its GPU test and the
-    # MoE step's A/B have run (docs/benchmarks.md, the next GPU list): compiled for SM90 on the CPU only so far.
+    # bits as the GEMM then `swiglu_quantize`), on the warp-specialized kernel only. Off: bit-exact on the GPU but no
+    # faster (its epilogue, with the tensor cores idle, costs what the separate pass did; docs/performance.md).
     grouped_swiglu_epilogue = False
     wgrad_input_blocks = False  # its wgrad GEMMs read x^T in 1x128 tiles only (the hopper backend: blocks too)
 
