@@ -48,6 +48,11 @@
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh status     # each run's last step, and the disk left
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh compare [dense|moe]  # compare_runs --parity and plot_runs, dense
 #        and MoE (or one of them)
+#   OUT=dir bash benchmarks/gpu_parity_corpus.sh cross_eval NAME  # NAME's newest checkpoint evaluated in BF16 and
+#        in FP8 (`launch/pretrain.py --evaluate`): how much of an FP8 run's gap is the FP8 evaluation itself and how
+#        much is in its weights. NAME must have run in this session with KEEP_CHECKPOINTS=1 and a checkpoint interval
+#        (MOE_CHECKPOINT_INTERVAL=1000 keeps an MoE run's last step, ~45 GB), without PRIOR_RUNS: a checkpoint
+#        interval is part of a run's id, so such a run is a repeat, not the run of docs/parity_runs
 #   OUT=dir bash benchmarks/gpu_parity_corpus.sh config NAME  # NAME's resolved config (checks every key), no run
 # Tables go to $OUT/summary.md, plots to $OUT/parity_{dense,moe}.png, each run's metrics, log and run_id.txt (the
 # corpus's token counts, the tokenizer's sha256 and the run's overrides) to $OUT/runs/; the corpus, tokenizer and
@@ -347,6 +352,41 @@ compare() {
   fi
 }
 
+cross_eval() {  # cross_eval NAME: NAME's newest checkpoint (a run of this session, trained with KEEP_CHECKPOINTS=1
+  # and a checkpoint interval, so that its last step is kept) evaluated on the held-out split under both recipes:
+  # an FP8 run's gap to BF16 splits into what FP8 costs the evaluation itself (its weights evaluated in BF16) and
+  # what stays in its trained weights; a BF16 run evaluated in FP8 gives FP8's cost to a BF16-trained model
+  local name=$1 overrides recipe record
+  overrides=$(run_overrides "$name") || return 2
+  if ! ls -d "$RUNS/$name"/checkpoints/step_* > /dev/null 2>&1; then
+    echo "cross_eval $name: no checkpoint in $RUNS/$name/checkpoints: run it in this session with KEEP_CHECKPOINTS=1" \
+         "and MOE_CHECKPOINT_INTERVAL (or DENSE_CHECKPOINT_INTERVAL) set, without PRIOR_RUNS holding it" >&2
+    return 2
+  fi
+  mkdir -p "$OUT/runs/$name"
+  for recipe in bf16 fp8; do
+    record=$(python launch/pretrain.py --config tiny_dense $overrides precision.recipe=$recipe --evaluate \
+               2>> "$LOGS/cross_eval_$name.log" | grep '^{') || { echo "cross_eval $name: the $recipe evaluation" \
+               "failed: $(tail -n 2 "$LOGS/cross_eval_$name.log")" >&2; return 1; }
+    echo "$record" > "$OUT/runs/$name/eval_$recipe.json"
+  done
+  {
+    echo "## cross_eval $name"
+    python - "$RUNS/$name/metrics.jsonl" "$OUT/runs/$name/eval_bf16.json" "$OUT/runs/$name/eval_fp8.json" <<'PY'
+import json, sys
+evals = [json.loads(line) for line in open(sys.argv[1]) if '"eval"' in line]
+own = evals[-1] if evals else None
+bf16, fp8 = (json.load(open(path)) for path in sys.argv[2:4])
+print(f"| step | the run's own evaluation | its weights evaluated in BF16 | in FP8 | FP8 / BF16 evaluation |")
+print("|---|---|---|---|---|")
+own_text = f"{own['val_loss']:.4f} (step {own['step']})" if own else "-"
+print(f"| {bf16['step']} | {own_text} | {bf16['val_loss']:.4f} | {fp8['val_loss']:.4f} | "
+      f"{100 * (fp8['val_loss'] / bf16['val_loss'] - 1):+.3f}% |")
+PY
+    echo
+  } | tee -a "$OUT/summary.md"
+}
+
 pack_out() {  # PACK_OUT=1: $OUT/runs and $OUT/logs go into $OUT/parity_files.tar.gz, merged with what earlier
   # sub-steps packed there, and leave $OUT. For machines that bring back only a few files from $OUT (this project's
   # GPU machine: at most 8, so in job CD of the twentieth session a finished run's metrics.jsonl stayed behind).
@@ -387,11 +427,14 @@ case ${1:-} in
           df -h "$WORK" | tail -n 1 ;;
   compare) case ${2:-all} in all|dense|moe) compare "${2:-all}" ;;
              *) echo "usage: $0 compare [dense|moe]" >&2; exit 2 ;; esac ;;
+  cross_eval) known_run "${2:-}" || exit 2
+              [ -f "$DATA/meta.json" ] || { echo "no corpus in $DATA: run the corpus sub-steps first" >&2; exit 2; }
+              cross_eval "$2" ;;
   config) known_run "${2:-}" || exit 2
           [ -f "$DATA/meta.json" ] || { echo "no corpus in $DATA: run the corpus sub-steps first" >&2; exit 2; }
           overrides=$(run_overrides "${2:-}") || exit 2
           python launch/pretrain.py --config tiny_dense $overrides --print-config ;;
   *) echo "usage: OUT=dir bash $0 measure|tokenizer|tokenize|plan|corpus|run NAME [NAME2]|next|status|compare|" \
-          "config NAME" >&2
+          "cross_eval NAME|config NAME" >&2
      exit 2 ;;
 esac

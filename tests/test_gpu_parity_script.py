@@ -325,3 +325,27 @@ def test_moe_s_ablations_are_fp8_seed_b_with_one_layer_glob_and_compare_sets_the
     assert f"== parity_moe_{ablation} done" in script(tmp_path, "compare", "moe", **env).stdout
     section = (tmp_path / "out" / "summary.md").read_text().rsplit(f"## parity_moe_{ablation}\n", 1)[1]
     assert "- FP8 vs BF16 B: +1.020%" in section, section
+
+
+def test_cross_eval_evaluates_a_kept_checkpoint_in_both_recipes_and_refuses_a_run_without_one(tmp_path):
+    """`cross_eval NAME`: the run's newest checkpoint evaluated in BF16 and in FP8 (`launch/pretrain.py
+    --evaluate`); evaluated in its own recipe it gives the run's own last validation loss. A run that kept no
+    checkpoint is refused, saying how to keep one."""
+    tree = scan_text_tree([str(REPO / "megafp8")], [".py"], valid_fraction=0.05, seed=0)
+    preprocess([str(REPO / "megafp8")], tmp_path / "work" / "corpus", valid_fraction=0.05, tree=tree)  # byte tokens
+    env = {"DENSE_STEPS": "2", "EXTRA_OVERRIDES": TINY + " training.eval_iters=2"}
+    done = script(tmp_path, "run", "dense_fp8_a", KEEP_CHECKPOINTS="1", DENSE_CHECKPOINT_INTERVAL="2", **env)
+    assert "- dense_fp8_a (GPU 0): step 2 of 2, exit 0, finished\n" in done.stdout, done.stdout + done.stderr
+    result = script(tmp_path, "cross_eval", "dense_fp8_a", DENSE_CHECKPOINT_INTERVAL="2", **env)
+    assert result.returncode == 0, result.stderr
+    runs = tmp_path / "out" / "runs" / "dense_fp8_a"
+    bf16, fp8 = (json.loads((runs / f"eval_{r}.json").read_text()) for r in ("bf16", "fp8"))
+    own = [json.loads(line) for line in (tmp_path / "work" / "runs" / "dense_fp8_a" / "metrics.jsonl").open()
+           if '"eval"' in line][-1]
+    assert bf16["step"] == fp8["step"] == own["step"] == 2
+    assert fp8["val_loss"] == pytest.approx(own["val_loss"], rel=1e-6) and bf16["val_loss"] != fp8["val_loss"]
+    gap = 100 * (fp8["val_loss"] / bf16["val_loss"] - 1)
+    assert f"| 2 | {own['val_loss']:.4f} (step 2) | {bf16['val_loss']:.4f} | {fp8['val_loss']:.4f} | {gap:+.3f}% |" \
+        in result.stdout, result.stdout
+    refused = script(tmp_path, "cross_eval", "dense_bf16_a", **env)
+    assert refused.returncode == 2 and "KEEP_CHECKPOINTS=1" in refused.stderr, refused.stderr
