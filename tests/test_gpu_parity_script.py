@@ -225,6 +225,25 @@ def _finished_run(runs_dir: Path, name: str, losses: list[float]) -> None:
     (runs_dir / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+def _differs_only_in(run: dict, plain: dict, option: str) -> None:
+    """`run`'s resolved config is `plain`'s but for `precision.<option>` (and its run name)."""
+    assert {**run, "precision": {**run["precision"], option: plain["precision"][option]},
+            "run_name": plain["run_name"]} == plain
+
+
+def _judged_once_finished(tmp_path, family: str, name: str, finished: dict, final: float, section: str) -> str:
+    """With the runs of `finished` (name -> losses) done and `name` one step short, `compare family` leaves
+    `section` out; with `name` finished at `final`, it writes it: its text is returned."""
+    runs, env = tmp_path / "work" / "runs", {"DENSE_STEPS": "2", "MOE_STEPS": "2"}
+    for done, losses in finished.items():
+        _finished_run(runs, done, losses)
+    _finished_run(runs, name, [4.0])  # not finished
+    assert section not in script(tmp_path, "compare", family, **env).stdout
+    _finished_run(runs, name, [4.0, final])
+    assert f"== {section} done" in script(tmp_path, "compare", family, **env).stdout
+    return (tmp_path / "out" / "summary.md").read_text().rsplit(f"## {section}\n", 1)[1]
+
+
 def test_compare_takes_moe_bf16_seed_b_once_it_has_finished(tmp_path):
     """`moe_bf16_b` (MoE's BF16 seed B, optional) is a run like the others (seed B's training.seed), and `compare`
     judges MoE against its seed-to-seed spread once it has finished; before that, against BF16 seed A alone.
@@ -280,18 +299,10 @@ def test_an_opt_in_run_is_fp8_seed_a_with_its_one_option_and_compare_sets_it_aga
     run, plain = configs[name], configs["dense_fp8_a"]
     assert (run["precision"]["recipe"], run["training"]["seed"]) == ("fp8", 1)
     assert (run["precision"][option], plain["precision"][option]) == (on, off)
-    run["precision"][option] = off
-    run["run_name"] = plain["run_name"]
-    assert run == plain
-    runs, env = tmp_path / "work" / "runs", {"DENSE_STEPS": "2", "MOE_STEPS": "2"}
-    _finished_run(runs, "dense_bf16_a", [4.0, 3.0])
-    _finished_run(runs, "dense_fp8_a", [4.0, 3.01])
-    _finished_run(runs, "dense_bf16_b", [4.0, 2.94])
-    _finished_run(runs, name, [4.0])  # not finished
-    assert f"parity_dense_{opt_in}" not in script(tmp_path, "compare", "dense", **env).stdout
-    _finished_run(runs, name, [4.0, final])
-    assert f"== parity_dense_{opt_in} done" in script(tmp_path, "compare", "dense", **env).stdout
-    section = (tmp_path / "out" / "summary.md").read_text().rsplit(f"## parity_dense_{opt_in}\n", 1)[1]
+    _differs_only_in(run, plain, option)
+    section = _judged_once_finished(
+        tmp_path, "dense", name, {"dense_bf16_a": [4.0, 3.0], "dense_fp8_a": [4.0, 3.01], "dense_bf16_b": [4.0, 2.94]},
+        final, f"parity_dense_{opt_in}")
     assert f"|FP8 - BF16 A| = {gap}: inside the spread" in section, section
 
 
@@ -312,18 +323,10 @@ def test_moe_s_ablations_are_fp8_seed_b_with_one_layer_glob_and_compare_sets_the
     run, plain = configs[name], configs["moe_fp8_b"]
     assert (run["precision"]["recipe"], run["training"]["seed"]) == ("fp8", 2)
     assert run["precision"][option] == value and plain["precision"][option] != value
-    run["precision"][option] = plain["precision"][option]
-    run["run_name"] = plain["run_name"]
-    assert run == plain
-    runs, env = tmp_path / "work" / "runs", {"DENSE_STEPS": "2", "MOE_STEPS": "2"}
-    _finished_run(runs, "moe_bf16", [4.0, 3.0])
-    _finished_run(runs, "moe_fp8", [4.0, 3.03])
-    _finished_run(runs, "moe_bf16_b", [4.0, 2.94])
-    _finished_run(runs, name, [4.0])  # not finished
-    assert f"parity_moe_{ablation}" not in script(tmp_path, "compare", "moe", **env).stdout
-    _finished_run(runs, name, [4.0, 2.97])
-    assert f"== parity_moe_{ablation} done" in script(tmp_path, "compare", "moe", **env).stdout
-    section = (tmp_path / "out" / "summary.md").read_text().rsplit(f"## parity_moe_{ablation}\n", 1)[1]
+    _differs_only_in(run, plain, option)
+    section = _judged_once_finished(
+        tmp_path, "moe", name, {"moe_bf16": [4.0, 3.0], "moe_fp8": [4.0, 3.03], "moe_bf16_b": [4.0, 2.94]}, 2.97,
+        f"parity_moe_{ablation}")
     assert "- FP8 vs BF16 B: +1.020%" in section, section
 
 
