@@ -341,7 +341,7 @@ compare() {
       moe_labels+=("FP8 seed B")
     fi
     local ablation
-    for ablation in fp8bf16experts fp8expertsonly fp8bf16attn fp8allbf16; do  # each against BF16 seed B, seed A's spread beside
+    for ablation in fp8bf16experts fp8expertsonly fp8bf16attn fp8allbf16; do  # against BF16 seed B, A's spread beside
       if finished moe_bf16_b && finished "moe_${ablation}_b"; then
         step "parity_moe_$ablation" python tools/compare_runs.py --parity $(run_dir moe_bf16_b) \
           $(run_dir "moe_${ablation}_b") $(run_dir moe_bf16) --window 250 --seeds B A
@@ -377,7 +377,7 @@ import json, sys
 evals = [json.loads(line) for line in open(sys.argv[1]) if '"eval"' in line]
 own = evals[-1] if evals else None
 bf16, fp8 = (json.load(open(path)) for path in sys.argv[2:4])
-print(f"| step | the run's own evaluation | its weights evaluated in BF16 | in FP8 | FP8 / BF16 evaluation |")
+print("| step | the run's own evaluation | its weights evaluated in BF16 | in FP8 | FP8 / BF16 evaluation |")
 print("|---|---|---|---|---|")
 own_text = f"{own['val_loss']:.4f} (step {own['step']})" if own else "-"
 print(f"| {bf16['step']} | {own_text} | {bf16['val_loss']:.4f} | {fp8['val_loss']:.4f} | "
