@@ -39,7 +39,8 @@
 #        and moe_bf16_b have finished), moe_fp8bf16experts_b, moe_fp8expertsonly_b and moe_fp8bf16attn_b (MoE's
 #        ablations, seed B: the routed experts in BF16 and all else FP8, the routed experts alone in FP8, the
 #        attention projections in BF16), moe_fp8allbf16_b (the control: the FP8 recipe, every GEMM layer in BF16);
-#        `compare` sets each against BF16 seed B once it has finished
+#        `compare` sets each against BF16 seed B once it has finished, and all of them in one table
+#        (`compare_runs.py --gaps`, beside FP8 seed B and BF16 seed A)
 #        dense_fp8blocks_a (FP8 seed A with the opt-in `precision.fp8_wgrad_input_blocks`: `next` runs it last,
 #        `compare` sets it against the two BF16 seeds once it has finished), dense_fp8deepgemm_a (FP8 seed A on
 #        `precision.fp8_backend: deepgemm`, DeepGEMM built first by gpu_lib.sh's install_deepgemm from the
@@ -340,13 +341,25 @@ compare() {
       moe="$moe $(run_dir moe_fp8_b)"
       moe_labels+=("FP8 seed B")
     fi
-    local ablation
+    local ablation gap_runs=() gap_labels=()
     for ablation in fp8bf16experts fp8expertsonly fp8bf16attn fp8allbf16; do  # against BF16 seed B, A's spread beside
       if finished moe_bf16_b && finished "moe_${ablation}_b"; then
         step "parity_moe_$ablation" python tools/compare_runs.py --parity $(run_dir moe_bf16_b) \
           $(run_dir "moe_${ablation}_b") $(run_dir moe_bf16) --window 250 --seeds B A
+        gap_runs+=("$(run_dir "moe_${ablation}_b")")
+        gap_labels+=("$ablation")
       fi
     done
+    if [ ${#gap_runs[@]} -gt 0 ] && finished moe_fp8_b; then  # all of them in one table, FP8 B and BF16 A beside
+      local steps first windows=()
+      steps=$(steps_of moe_bf16_b)
+      for (( first = 1; first <= steps; first += 250 )); do
+        windows+=("$first-$(( first + 249 < steps ? first + 249 : steps ))")
+      done
+      step moe_ablations python tools/compare_runs.py --gaps $(run_dir moe_bf16_b) $(run_dir moe_bf16) \
+        $(run_dir moe_fp8_b) "${gap_runs[@]}" --windows "${windows[@]}" \
+        --labels "BF16 seed B" "BF16 seed A" "FP8 seed B" "${gap_labels[@]}"
+    fi
     step plot_moe python tools/plot_runs.py $moe --labels "${moe_labels[@]}" --metrics loss val_loss --gaps \
       --smooth 10 --from-step 100 --out "$OUT/parity_moe.png"
   fi

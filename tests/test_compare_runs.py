@@ -9,7 +9,7 @@ import pytest
 
 from megafp8.config import ConfigError
 from tests.conftest import REPO, torchrun_env
-from tools.compare_runs import compare, parity
+from tools.compare_runs import compare, gaps, parity
 
 
 def _write(path, losses, norms, times):
@@ -111,3 +111,36 @@ def test_parity_command_line_and_the_default_mode_unchanged(tmp_path):
     plain = subprocess.run([sys.executable, "tools/compare_runs.py", *runs], cwd=REPO, env=torchrun_env(),
                            capture_output=True, text=True, timeout=120)
     assert plain.returncode == 0 and plain.stdout.splitlines()[0].startswith("| run | steps compared |")
+
+
+def test_gaps_put_every_run_against_the_first_and_mark_where_a_cut_run_did_not_reach(tmp_path):
+    """`--gaps`: the reference's own values, then each run's relative gap per window (mean training loss) and per
+    evaluation; a run cut at step 840 gets "-" for a window past its end and for the evaluation it did not reach."""
+    ref = _write_run(tmp_path / "ref", lambda s: 4.0 - s / 1000, lambda s: 2.0)
+    worse = _write_run(tmp_path / "worse", lambda s: (4.0 - s / 1000) * 1.02, lambda s: 2.01)
+    cut = _write_run(tmp_path / "cut", lambda s: (4.0 - s / 1000) * 0.99, lambda s: 1.98, steps=840)
+    lines = gaps([ref, worse, cut], ["BF16", "FP8", "FP8, cut"], [(501, 750), (751, 840), (751, 1000)]).splitlines()
+    assert lines[0] == ("| run | train loss, 501-750 | train loss, 751-840 | train loss, 751-1000 | "
+                        "validation loss, step 500 | validation loss, step 1000 |")
+    assert lines[2] == "| BF16 | 3.3700 | 3.2000 | 3.1200 | 2.0000 | 2.0000 |"  # steps logged every 10
+    assert lines[3] == "| FP8 | +2.00% | +2.00% | +2.00% | +0.500% | +0.500% |"
+    assert lines[4] == "| FP8, cut | -1.00% | -1.00% | - | -1.000% | - |"
+    with pytest.raises(ConfigError, match="logged no training step in train loss, 2001-2100"):
+        gaps([ref, worse], ["a", "b"], [(2001, 2100)])
+
+
+def test_gaps_command_line_refuses_what_it_cannot_draw(tmp_path):
+    ref = _write_run(tmp_path / "ref", lambda s: 4.0 - s / 1000, lambda s: 2.0)
+    other = _write_run(tmp_path / "other", lambda s: 4.1 - s / 1000, lambda s: 2.1)
+
+    def run(*args):
+        return subprocess.run([sys.executable, "tools/compare_runs.py", *args], cwd=REPO, env=torchrun_env(),
+                              capture_output=True, text=True, timeout=120)
+    ok = run("--gaps", ref, other, "--windows", "1-500", "501-1000")
+    assert ok.returncode == 0 and ok.stdout.splitlines()[3].startswith("| other | +"), ok.stdout + ok.stderr
+    for args, message in ((["--gaps", ref, other], "--gaps needs --windows"),
+                          (["--gaps", ref, other, "--windows", "500-1"], "is not a window of steps"),
+                          (["--gaps", ref, other, "--windows", "1-10", "--labels", "x"], "--labels names 1 runs"),
+                          (["--gaps", "--parity", ref, other, "--windows", "1-10"], "two different tables")):
+        result = run(*args)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)

@@ -328,6 +328,11 @@ def test_moe_s_ablations_are_fp8_seed_b_with_one_layer_glob_and_compare_sets_the
         tmp_path, "moe", name, {"moe_bf16": [4.0, 3.0], "moe_fp8": [4.0, 3.03], "moe_bf16_b": [4.0, 2.94]}, 2.97,
         f"parity_moe_{ablation}")
     assert "- FP8 vs BF16 B: +1.020%" in section, section
+    _finished_run(tmp_path / "work" / "runs", "moe_fp8_b", [4.0, 2.99])  # then one table of them all
+    script(tmp_path, "compare", "moe", DENSE_STEPS="2", MOE_STEPS="2")
+    table = (tmp_path / "out" / "summary.md").read_text().rsplit("## moe_ablations\n", 1)[1]
+    assert "| run | train loss, 1-2 | validation loss, step 2 |" in table, table  # windows of 250, cut to the run
+    assert f"| {ablation} | +0.43% | +1.020% |" in table, table  # (4 + 2.97) / (4 + 2.94)
 
 
 def test_cross_eval_evaluates_a_kept_checkpoint_in_both_recipes_and_refuses_a_run_without_one(tmp_path):

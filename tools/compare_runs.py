@@ -15,6 +15,13 @@ gap); the same at each evaluation for the validation loss; then the verdict at t
 `--tolerance` (0.25%) of BF16 A, and |FP8 - BF16 A| <= |BF16 B - BF16 A| (FP8's gap to the two seeds' mean is
 printed beside them, not judged); and the FP8 run's worst tensors in its last FP8 health record, by quantization
 SNR and by underflow. `--seeds B A` names the runs for a second pair (BF16 seed B, FP8 seed B, BF16 seed A).
+
+Gaps mode (many runs against one, e.g. ablations against BF16; a run cut short shows where it got to):
+    python tools/compare_runs.py --gaps runs/bf16_b runs/fp8_b runs/fp8_attn_bf16_b --windows 501-750 751-1000 \
+        --labels "BF16 B" "FP8 B" "FP8 B, attention BF16"
+Per run, its mean training loss over each window of steps (inclusive) and its validation loss at each of the
+reference's evaluations, as its relative gap to the first run's; the reference's own row gives its values. A run
+that did not log every step of a window that the reference logged gets "-" there.
 """
 from __future__ import annotations
 
@@ -164,6 +171,38 @@ def parity(runs: list[str], window: int, tolerance: float, worst: int, seeds: tu
     return "\n".join(lines + ([""] + health if health else []))
 
 
+def parse_window(text: str) -> tuple[int, int]:
+    """'501-750' -> (501, 750): a window of training steps, both ends included."""
+    start, sep, end = text.partition("-")
+    if not (sep and start.isdigit() and end.isdigit() and 1 <= int(start) <= int(end)):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a window of steps FIRST-LAST (e.g. 501-750)")
+    return int(start), int(end)
+
+
+def gaps(runs: list[str], labels: list[str], windows: list[tuple[int, int]]) -> str:
+    """Each run's training loss (mean over each window) and validation loss (at each of the reference's
+    evaluations) as its relative gap to the first run's, as a Markdown table (see the module's docstring)."""
+    train = [_by_step(run, "loss") for run in runs]
+    valid = [dict(zip(*read_series(run, "eval", "val_loss"))) for run in runs]
+    columns = [(f"train loss, {a}-{b}", [s for s in sorted(train[0]) if a <= s <= b]) for a, b in windows]
+    empty = [name for name, steps in columns if not steps]
+    if empty:
+        raise ConfigError(f"the reference {runs[0]} logged no training step in {', '.join(empty)}")
+    lines = [f"| run | {' | '.join(name for name, _ in columns)} | "
+             + " | ".join(f"validation loss, step {s}" for s in sorted(valid[0])) + " |",
+             "|---" * (1 + len(columns) + len(valid[0])) + "|"]
+    for i, (label, loss, val) in enumerate(zip(labels, train, valid)):
+        cells = []
+        for _, steps in columns:
+            mean = statistics.fmean(loss[s] for s in steps) if all(s in loss for s in steps) else None
+            ref = statistics.fmean(train[0][s] for s in steps)
+            cells.append("-" if mean is None else f"{mean:.4f}" if i == 0 else f"{_gap(mean, ref):+.2%}")
+        for step, ref in sorted(valid[0].items()):
+            cells.append("-" if step not in val else f"{val[step]:.4f}" if i == 0 else f"{_gap(val[step], ref):+.3%}")
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories or metrics.jsonl files; the first is the reference "
@@ -178,11 +217,25 @@ def main(argv: list[str] | None = None) -> int:
                         "BF16 run's (e.g. B A for a second FP8 seed judged against BF16 seed B)")
     parser.add_argument("--worst", type=int, default=5,
                         help="--parity: FP8 tensors listed by lowest SNR and by most underflow")
+    parser.add_argument("--gaps", action="store_true", help="every run's gap to the first, per window and "
+                        "evaluation (see above)")
+    parser.add_argument("--windows", nargs="+", type=parse_window, default=None, metavar="FIRST-LAST",
+                        help="--gaps: the windows of training steps (e.g. 501-750 751-1000)")
+    parser.add_argument("--labels", nargs="+", default=None, help="--gaps: the runs' names in the table (default: "
+                        "their directories' names)")
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error("--window must be at least 1")
+    if args.gaps and args.parity:
+        parser.error("--gaps and --parity are two different tables: give one")
+    if args.gaps and not args.windows:
+        parser.error("--gaps needs --windows (e.g. --windows 501-750 751-1000)")
+    if args.labels is not None and len(args.labels) != len(args.runs):
+        parser.error(f"--labels names {len(args.labels)} runs, but {len(args.runs)} are given")
     try:
-        if args.parity:
+        if args.gaps:
+            print(gaps(args.runs, args.labels or [Path(run).name for run in args.runs], args.windows))
+        elif args.parity:
             print(parity(args.runs, args.window, args.tolerance, args.worst, tuple(args.seeds)))
         else:
             print(compare(args.runs, args.skip))
