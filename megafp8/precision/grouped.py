@@ -204,7 +204,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                 dx = torch._grouped_mm(dy, weight, offs=offsets.offs)  # (M, N) @ (E, N, K) -> (M, K)
 
                 def grouped_wgrad() -> torch.Tensor:  # (N, M) @ (M, K), groups along the tokens -> (E, N, K)
-                    return torch._grouped_mm(dy.t(), x, offs=offsets.offs)  # an expert without rows: not written
+                    return torch._grouped_mm(dy.t(), x, offs=offsets.offs)  # an expert without rows: maybe left unwritten
 
                 def plain_wgrad() -> torch.Tensor:
                     dw = grouped_wgrad()
@@ -279,7 +279,7 @@ class _TracedGroupedMmFn(torch.autograd.Function):
         x, weight, offs, empty, main_grad = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch._grouped_mm(dy, weight, offs=offs)
-        dw = torch._grouped_mm(dy.t(), x, offs=offs)  # an expert without rows: not written
+        dw = torch._grouped_mm(dy.t(), x, offs=offs)  # an expert without rows: maybe left unwritten
         if main_grad is not None:  # the add reads the experts with rows only: no pass zeroing the others first
             add_experts_with_rows_into_(main_grad, dw, offs)
             return dx, None, None, None, None
