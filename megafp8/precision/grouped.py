@@ -203,8 +203,8 @@ class _GroupedLinearFn(torch.autograd.Function):
             if offsets is not None:
                 dx = torch._grouped_mm(dy, weight, offs=offsets.offs)  # (M, N) @ (E, N, K) -> (M, K)
 
-                def grouped_wgrad() -> torch.Tensor:  # (N, M) @ (M, K), groups along the tokens -> (E, N, K)
-                    return torch._grouped_mm(dy.t(), x, offs=offsets.offs)  # an expert without rows: maybe left unwritten
+                def grouped_wgrad() -> torch.Tensor:  # (N, M) @ (M, K), groups along the tokens -> (E, N, K); an
+                    return torch._grouped_mm(dy.t(), x, offs=offsets.offs)  # expert without rows: maybe unwritten
 
                 def plain_wgrad() -> torch.Tensor:
                     dw = grouped_wgrad()
