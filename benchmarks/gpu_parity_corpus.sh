@@ -155,8 +155,8 @@ run_overrides() {  # run_overrides NAME: every override of run NAME: family_reci
   if [ "$recipe" = fp8deepgemm ]; then recipe=fp8; blocks="precision.fp8_backend=deepgemm"; fi
   # MoE's ablations (where FP8's loss gap comes from): the routed experts in BF16, everything else FP8; the routed
   # experts alone in FP8; the attention projections in BF16; and the control, the FP8 recipe with every GEMM layer
-  # in BF16 (what the recipe changes besides the GEMMs). The glob is quoted for YAML (a bare * starts an
-  # alias); no file matches it as a shell pattern, so the word splitting of the overrides leaves it as it is.
+  # in BF16 (what the recipe changes besides the GEMMs). The glob is quoted for YAML (a bare * starts an alias);
+  # where the overrides are split into words, globbing is off.
   case $recipe in
     fp8bf16experts) recipe=fp8; blocks='precision.bf16_layers="*.experts.*"' ;;
     fp8expertsonly) recipe=fp8; blocks='precision.fp8_layers="*.experts.*"' ;;
@@ -256,10 +256,12 @@ run_one() {  # run_one NAME GPU [SECONDS]: train NAME on GPU for at most SECONDS
   # (checkpoint.save_on_signal, where checkpoint.interval > 0), and is killed (137) if that takes over STOP_GRACE s.
   # The dense model's checkpoint (12.5 GiB) took ~30 s to write on the GPU machine: a 30 s grace killed the stop's
   # save in job BN, and the run went back to its previous checkpoint.
+  set -f  # the overrides are split into words but never globbed: a layer glob (`*.attn.*`) is the config's
   CUDA_VISIBLE_DEVICES=$2 timeout -k "${STOP_GRACE:-120}" "$seconds" python launch/pretrain.py \
     --config tiny_dense $overrides \
     >> "$RUNS/$name.log" 2>&1
   rc=$?
+  set +f
   mkdir -p "$OUT/runs/$name"
   cp "$RUNS/$name/metrics.jsonl" "$OUT/runs/$name/" 2>/dev/null
   run_id "$name" > "$OUT/runs/$name/run_id.txt"
@@ -343,7 +345,7 @@ compare() {
     fi
     local ablation gap_runs=() gap_labels=()
     for ablation in fp8bf16experts fp8expertsonly fp8bf16attn fp8allbf16; do  # against BF16 seed B, A's spread beside
-      if finished moe_bf16_b && finished "moe_${ablation}_b"; then
+      if finished moe_bf16 && finished moe_bf16_b && finished "moe_${ablation}_b"; then
         step "parity_moe_$ablation" python tools/compare_runs.py --parity $(run_dir moe_bf16_b) \
           $(run_dir "moe_${ablation}_b") $(run_dir moe_bf16) --window 250 --seeds B A
         gap_runs+=("$(run_dir "moe_${ablation}_b")")
@@ -369,7 +371,7 @@ cross_eval() {  # cross_eval NAME: NAME's newest checkpoint (a run of this sessi
   # and a checkpoint interval, so that its last step is kept) evaluated on the held-out split under both recipes:
   # an FP8 run's gap to BF16 splits into what FP8 costs the evaluation itself (its weights evaluated in BF16) and
   # what stays in its trained weights; a BF16 run evaluated in FP8 gives FP8's cost to a BF16-trained model
-  local name=$1 overrides recipe record
+  local name=$1 overrides recipe record rc
   overrides=$(run_overrides "$name") || return 2
   if ! ls -d "$RUNS/$name"/checkpoints/step_* > /dev/null 2>&1; then
     echo "cross_eval $name: no checkpoint in $RUNS/$name/checkpoints: run it in this session with KEEP_CHECKPOINTS=1" \
@@ -378,16 +380,20 @@ cross_eval() {  # cross_eval NAME: NAME's newest checkpoint (a run of this sessi
   fi
   mkdir -p "$OUT/runs/$name"
   for recipe in bf16 fp8; do
+    set -f  # (as in run_one: the overrides are never globbed)
     record=$(python launch/pretrain.py --config tiny_dense $overrides precision.recipe=$recipe --evaluate \
-               2>> "$LOGS/cross_eval_$name.log" | grep '^{') || { echo "cross_eval $name: the $recipe evaluation" \
-               "failed: $(tail -n 2 "$LOGS/cross_eval_$name.log")" >&2; return 1; }
+               2>> "$LOGS/cross_eval_$name.log" | grep '^{')
+    rc=$?
+    set +f
+    [ $rc = 0 ] || { echo "cross_eval $name: the $recipe evaluation failed: $(tail -n 2 "$LOGS/cross_eval_$name.log")" \
+                       >&2; return 1; }
     echo "$record" > "$OUT/runs/$name/eval_$recipe.json"
   done
   {
     echo "## cross_eval $name"
     python - "$RUNS/$name/metrics.jsonl" "$OUT/runs/$name/eval_bf16.json" "$OUT/runs/$name/eval_fp8.json" <<'PY'
 import json, sys
-evals = [json.loads(line) for line in open(sys.argv[1]) if '"eval"' in line]
+evals = [r for r in map(json.loads, open(sys.argv[1])) if r.get("kind") == "eval"]
 own = evals[-1] if evals else None
 bf16, fp8 = (json.load(open(path)) for path in sys.argv[2:4])
 print("| step | the run's own evaluation | its weights evaluated in BF16 | in FP8 | FP8 / BF16 evaluation |")
@@ -446,6 +452,7 @@ case ${1:-} in
   config) known_run "${2:-}" || exit 2
           [ -f "$DATA/meta.json" ] || { echo "no corpus in $DATA: run the corpus sub-steps first" >&2; exit 2; }
           overrides=$(run_overrides "${2:-}") || exit 2
+          set -f  # (as in run_one: the overrides are never globbed)
           python launch/pretrain.py --config tiny_dense $overrides --print-config ;;
   *) echo "usage: OUT=dir bash $0 measure|tokenizer|tokenize|plan|corpus|run NAME [NAME2]|next|status|compare|" \
           "cross_eval NAME|config NAME" >&2

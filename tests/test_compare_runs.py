@@ -125,8 +125,24 @@ def test_gaps_put_every_run_against_the_first_and_mark_where_a_cut_run_did_not_r
     assert lines[2] == "| BF16 | 3.3700 | 3.2000 | 3.1200 | 2.0000 | 2.0000 |"  # steps logged every 10
     assert lines[3] == "| FP8 | +2.00% | +2.00% | +2.00% | +0.500% | +0.500% |"
     assert lines[4] == "| FP8, cut | -1.00% | -1.00% | - | -1.000% | - |"
-    with pytest.raises(ConfigError, match="logged no training step in train loss, 2001-2100"):
+    with pytest.raises(ConfigError, match="logged no training step in 2001-2100"):
         gaps([ref, worse], ["a", "b"], [(2001, 2100)])
+    with pytest.raises(ConfigError, match="1 labels for 2 runs"):
+        gaps([ref, worse], ["a"], [(1, 100)])
+
+
+def test_gaps_compare_a_sparser_log_on_the_steps_both_logged_and_name_a_window_by_the_reference_s_end(tmp_path):
+    """A finished run logging every 20 steps is compared over the steps both runs logged (not marked "-" as a run
+    cut short is); a reference that ends inside a window names the window by its last step."""
+    ref = _write_run(tmp_path / "ref", lambda s: 4.0 - s / 1000, lambda s: 2.0, steps=900)
+    sparse = tmp_path / "sparse"
+    sparse.mkdir()
+    records = [{"kind": "train", "step": s, "loss": (4.0 - s / 1000) * 1.01, "grad_norm": 1.0, "step_time_s": 0.2,
+                "tokens_per_s": 1.0} for s in range(20, 1001, 20)]
+    (sparse / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    lines = gaps([ref, str(sparse)], ["ref", "sparse"], [(1, 500), (501, 1000)]).splitlines()
+    assert lines[0] == "| run | train loss, 1-500 | train loss, 501-900 | validation loss, step 500 |"
+    assert lines[3] == "| sparse | +1.00% | +1.00% | - |"
 
 
 def test_gaps_command_line_refuses_what_it_cannot_draw(tmp_path):

@@ -328,6 +328,7 @@ def test_moe_s_ablations_are_fp8_seed_b_with_one_layer_glob_and_compare_sets_the
         tmp_path, "moe", name, {"moe_bf16": [4.0, 3.0], "moe_fp8": [4.0, 3.03], "moe_bf16_b": [4.0, 2.94]}, 2.97,
         f"parity_moe_{ablation}")
     assert "- FP8 vs BF16 B: +1.020%" in section, section
+    assert "## moe_ablations" not in (tmp_path / "out" / "summary.md").read_text()  # not before FP8 seed B is done
     _finished_run(tmp_path / "work" / "runs", "moe_fp8_b", [4.0, 2.99])  # then one table of them all
     script(tmp_path, "compare", "moe", DENSE_STEPS="2", MOE_STEPS="2")
     table = (tmp_path / "out" / "summary.md").read_text().rsplit("## moe_ablations\n", 1)[1]
@@ -342,18 +343,20 @@ def test_cross_eval_evaluates_a_kept_checkpoint_in_both_recipes_and_refuses_a_ru
     tree = scan_text_tree([str(REPO / "megafp8")], [".py"], valid_fraction=0.05, seed=0)
     preprocess([str(REPO / "megafp8")], tmp_path / "work" / "corpus", valid_fraction=0.05, tree=tree)  # byte tokens
     env = {"DENSE_STEPS": "2", "EXTRA_OVERRIDES": TINY + " training.eval_iters=2"}
-    done = script(tmp_path, "run", "dense_fp8_a", KEEP_CHECKPOINTS="1", DENSE_CHECKPOINT_INTERVAL="2", **env)
-    assert "- dense_fp8_a (GPU 0): step 2 of 2, exit 0, finished\n" in done.stdout, done.stdout + done.stderr
-    result = script(tmp_path, "cross_eval", "dense_fp8_a", DENSE_CHECKPOINT_INTERVAL="2", **env)
-    assert result.returncode == 0, result.stderr
-    runs = tmp_path / "out" / "runs" / "dense_fp8_a"
-    bf16, fp8 = (json.loads((runs / f"eval_{r}.json").read_text()) for r in ("bf16", "fp8"))
-    own = [json.loads(line) for line in (tmp_path / "work" / "runs" / "dense_fp8_a" / "metrics.jsonl").open()
-           if '"eval"' in line][-1]
-    assert bf16["step"] == fp8["step"] == own["step"] == 2
-    assert fp8["val_loss"] == pytest.approx(own["val_loss"], rel=1e-6) and bf16["val_loss"] != fp8["val_loss"]
-    gap = 100 * (fp8["val_loss"] / bf16["val_loss"] - 1)
-    assert f"| 2 | {own['val_loss']:.4f} (step 2) | {bf16['val_loss']:.4f} | {fp8['val_loss']:.4f} | {gap:+.3f}% |" \
-        in result.stdout, result.stdout
     refused = script(tmp_path, "cross_eval", "dense_bf16_a", **env)
     assert refused.returncode == 2 and "KEEP_CHECKPOINTS=1" in refused.stderr, refused.stderr
+    for name, own_recipe in (("dense_fp8_a", "fp8"), ("dense_bf16_a", "bf16")):  # FP8's weights in BF16, and back
+        done = script(tmp_path, "run", name, KEEP_CHECKPOINTS="1", DENSE_CHECKPOINT_INTERVAL="2", **env)
+        assert f"- {name} (GPU 0): step 2 of 2, exit 0, finished\n" in done.stdout, done.stdout + done.stderr
+        result = script(tmp_path, "cross_eval", name, DENSE_CHECKPOINT_INTERVAL="2", **env)
+        assert result.returncode == 0, result.stderr
+        runs = tmp_path / "out" / "runs" / name
+        evals = {r: json.loads((runs / f"eval_{r}.json").read_text()) for r in ("bf16", "fp8")}
+        own = [r for r in map(json.loads, (tmp_path / "work" / "runs" / name / "metrics.jsonl").open())
+               if r["kind"] == "eval"][-1]
+        assert evals["bf16"]["step"] == evals["fp8"]["step"] == own["step"] == 2
+        assert evals[own_recipe]["val_loss"] == pytest.approx(own["val_loss"], rel=1e-6), name
+        bf16, fp8 = evals["bf16"]["val_loss"], evals["fp8"]["val_loss"]
+        assert bf16 != fp8
+        assert f"| 2 | {own['val_loss']:.4f} (step 2) | {bf16:.4f} | {fp8:.4f} | {100 * (fp8 / bf16 - 1):+.3f}% |" \
+            in result.stdout, result.stdout

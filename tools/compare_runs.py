@@ -20,8 +20,8 @@ Gaps mode (many runs against one, e.g. ablations against BF16; a run cut short s
     python tools/compare_runs.py --gaps runs/bf16_b runs/fp8_b runs/fp8_attn_bf16_b --windows 501-750 751-1000 \
         --labels "BF16 B" "FP8 B" "FP8 B, attention BF16"
 Per run, its mean training loss over each window of steps (inclusive) and its validation loss at each of the
-reference's evaluations, as its relative gap to the first run's; the reference's own row gives its values. A run
-that did not log every step of a window that the reference logged gets "-" there.
+reference's evaluations, as its relative gap to the first run's (over the steps both logged); the reference's own
+row gives its values. A run that stopped before the reference's last step of a window gets "-" there.
 """
 from __future__ import annotations
 
@@ -181,25 +181,38 @@ def parse_window(text: str) -> tuple[int, int]:
 
 def gaps(runs: list[str], labels: list[str], windows: list[tuple[int, int]]) -> str:
     """Each run's training loss (mean over each window) and validation loss (at each of the reference's
-    evaluations) as its relative gap to the first run's, as a Markdown table (see the module's docstring)."""
+    evaluations) as its relative gap to the first run's, as a Markdown table (see the module's docstring). A
+    window's gap compares the two runs over the steps both logged in it; a run that stops before the reference's
+    last step of the window gets "-"."""
+    if len(labels) != len(runs):
+        raise ConfigError(f"{len(labels)} labels for {len(runs)} runs")
     train = [_by_step(run, "loss") for run in runs]
     valid = [dict(zip(*read_series(run, "eval", "val_loss"))) for run in runs]
-    columns = [(f"train loss, {a}-{b}", [s for s in sorted(train[0]) if a <= s <= b]) for a, b in windows]
-    empty = [name for name, steps in columns if not steps]
-    if empty:
-        raise ConfigError(f"the reference {runs[0]} logged no training step in {', '.join(empty)}")
+    columns = []
+    for a, b in windows:
+        steps = [s for s in sorted(train[0]) if a <= s <= b]
+        if not steps:
+            raise ConfigError(f"the reference {runs[0]} logged no training step in {a}-{b}")
+        columns.append((f"train loss, {a}-{min(b, steps[-1])}", steps))  # named by what the reference logged
     lines = [f"| run | {' | '.join(name for name, _ in columns)} | "
              + " | ".join(f"validation loss, step {s}" for s in sorted(valid[0])) + " |",
              "|---" * (1 + len(columns) + len(valid[0])) + "|"]
     for i, (label, loss, val) in enumerate(zip(labels, train, valid)):
         cells = []
         for _, steps in columns:
-            mean = statistics.fmean(loss[s] for s in steps) if all(s in loss for s in steps) else None
-            ref = statistics.fmean(train[0][s] for s in steps)
-            cells.append("-" if mean is None else f"{mean:.4f}" if i == 0 else f"{_gap(mean, ref):+.2%}")
+            both = [s for s in steps if s in loss]
+            if i == 0:
+                cells.append(f"{statistics.fmean(loss[s] for s in steps):.4f}")
+            elif not both or max(loss) < steps[-1]:
+                cells.append("-")
+            else:
+                mean, ref = (statistics.fmean(series[s] for s in both) for series in (loss, train[0]))
+                cells.append(f"{_gap(mean, ref):+.2%}")
         for step, ref in sorted(valid[0].items()):
             cells.append("-" if step not in val else f"{val[step]:.4f}" if i == 0 else f"{_gap(val[step], ref):+.3%}")
         lines.append(f"| {label} | {' | '.join(cells)} |")
+    if not valid[0]:
+        lines.append(f"\n(the reference {runs[0]} logged no validation loss)")
     return "\n".join(lines)
 
 
