@@ -17,7 +17,7 @@ printed beside them, not judged); and the FP8 run's worst tensors in its last FP
 SNR and by underflow. `--seeds B A` names the runs for a second pair (BF16 seed B, FP8 seed B, BF16 seed A).
 
 Gaps mode (many runs against one, e.g. ablations against BF16; a run cut short shows where it got to):
-    python tools/compare_runs.py --gaps runs/bf16_b runs/fp8_b runs/fp8_attn_bf16_b --windows 501-750 751-1000 \
+    python tools/compare_runs.py --gaps runs/bf16_b runs/fp8_b runs/fp8_attn_bf16_b --windows 501-750 751-1000 \\
         --labels "BF16 B" "FP8 B" "FP8 B, attention BF16"
 Per run, its mean training loss over each window of steps (inclusive) and its validation loss at each of the
 reference's evaluations, as its relative gap to the first run's (over the steps both logged); the reference's own
