@@ -431,23 +431,6 @@ def test_the_grouped_wgrad_walk_model_deals_every_busy_tile_once_and_evens_out_a
     walk.main(["--model-only"])  # the table prints without a GPU
 
 
-def test_the_swiglu_epilogue_benchmark_measures_the_moe_step_s_routings_and_needs_a_gpu(capsys):
-    """benchmarks/swiglu_epilogue.py: both routings hold the MoE step's 131,072 rows over 64 experts (every expert
-    busy alike; the collapsed router's `--busy` experts, one with every token), and without a GPU it says so
-    instead of failing; bad arguments are refused."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import swiglu_epilogue as bench
-    even, collapsed = bench.routings(13, seed=0).values()
-    for counts in (even, collapsed):
-        assert counts.shape == (bench.EXPERTS,) and int(counts.sum()) == bench.ROWS
-    assert int((even > 0).sum()) == 64 and int((collapsed > 0).sum()) == 13
-    if not bench.torch.cuda.is_available():
-        bench.main([])
-        assert "needs an SM90 GPU" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        bench.main(["--busy", "65"])
-
-
 def test_reference_moe_matches_each_token_through_its_chosen_experts():
     """The MoE yardstick's permutation into padded expert groups, grouped GEMMs and weighted combine equal a loop
     over each token's chosen experts; its group-limited routing picks experts of the best groups only."""

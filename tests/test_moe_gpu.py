@@ -376,46 +376,6 @@ def test_the_warp_specialized_gemms_tma_epilogue_writes_the_register_epilogues_b
             assert not outputs[0].isnan().any() and torch.equal(plain, by_tma), f"{name}, block_n={block_n}"
 
 
-@pytest.mark.parametrize("pow2", [False, True], ids=["scales", "power_of_two_scales"])
-def test_the_gate_up_fprop_writes_swiglu_s_output_as_the_gemm_then_swiglu_quantize_would(pow2):
-    """`ws_gemm(swiglu=...)` (the hopper backend's `grouped_gemm_swiglu_1x128_128x128`): each tile pairs 128 gate
-    columns with their up columns, and SwiGLU's output leaves the epilogue quantized along the features. Against
-    the same kernel's gu followed by the Triton `swiglu_quantize` (the backends' composition): gu, a_fp8 and its
-    scales bit for bit, over busy experts, an expert without rows, padding tiles past the last expert (zeros) and
-    outliers, F = 384 (three tile pairs), in both scale forms. Outputs land where nan-filled tensors were freed."""
-    pytest.importorskip("triton")
-    from megafp8.precision import E4M3, quantize as ref
-    from megafp8.precision.backends import QuantizedWeight, select_backend
-    from megafp8.precision.backends.reference import Fp8Backend
-    from megafp8.precision.grouped import expert_rows
-    from megafp8.precision.kernels import gemm
-    from tests.fp8_checks import outlier_tensor
-    if gemm.warp_specialized_unavailable(CUDA) is not None:
-        pytest.skip(gemm.warp_specialized_unavailable(CUDA))
-    hopper = select_backend("hopper", CUDA)
-    hopper.grouped_swiglu_epilogue = True  # (this instance: the test's own backend)
-    assert hopper.grouped_kernel == "ws"
-    counts = torch.tensor([130, 0, 256, 5, 300])
-    rows = expert_rows(counts.to(CUDA), CUDA, rows=int(counts.sum()))  # sized by its bound: padding tiles at its end
-    f, k = 384, 256
-    a, a_s = (t.to(CUDA) for t in ref.quantize_1x128(outlier_tensor(rows.total, k), E4M3))
-    pairs = [ref.quantize_128x128(outlier_tensor(2 * f, k, seed=20 + e) * 0.05, E4M3) for e in range(len(counts))]
-    w = QuantizedWeight(*(torch.stack([pair[i] for pair in pairs]).to(CUDA) for i in (0, 1)), None, None)
-    results = []
-    for run in (lambda: hopper.grouped_gemm_swiglu_1x128_128x128(a, a_s, w, rows, torch.bfloat16, E4M3, pow2),
-                lambda: Fp8Backend.grouped_gemm_swiglu_1x128_128x128(hopper, a, a_s, w, rows, torch.bfloat16, E4M3,
-                                                                     pow2)):
-        torch.full((rows.total, 3 * f), float("nan"), device=CUDA)  # freed at once: an unwritten element shows
-        results.append(run())
-    (gu, q, s), (gu_want, q_want, s_want) = results
-    assert gu.shape == (rows.total, 2 * f) and q.shape == (rows.total, f) and s.shape == (rows.total, f // 128)
-    assert torch.equal(gu.view(torch.int16), gu_want.view(torch.int16))
-    assert torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
-    assert torch.equal(s.view(torch.int32), s_want.view(torch.int32))
-    tail = int(rows.tile_expert.lt(0).nonzero()[0]) * 128  # the first padding tile past the last expert
-    assert not q[tail:].view(torch.uint8).any() and bool((s[tail:] == 1).all())
-
-
 def test_interleaved_ffmas_write_the_same_bits():
     """`ws_gemm(interleave_ffma=True)` changes only scheduling flags of the promotion's FFMAs (`ffma_interleave`):
     the grouped fprop (an expert without rows, padding tiles) stored by TMA and from registers, and a dense fprop

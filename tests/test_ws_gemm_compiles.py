@@ -46,8 +46,6 @@ CONFIGS = {  # name -> (constexpr flags, C's element type)
                                         TMA_STORE=True), "*fp32"),
     "dense fprop/dgrad": (dict(GROUPED_ROWS=False, GROUPED_K=False, B_BLOCKWISE=True, ACCUMULATE=False,
                                TMA_STORE=True), "*bf16"),
-    "grouped gate/up fprop with SwiGLU's output": (dict(GROUPED_ROWS=True, GROUPED_K=False, B_BLOCKWISE=True,
-                                                        ACCUMULATE=False, TMA_STORE=True, SWIGLU=True), "*bf16"),
 }
 # Spill bytes ptxas may report: the per-row-scale kernels keep a few tile coordinates on the stack outside the K
 # loop (measured 16-48 bytes); the accumulators alone are 256 bytes a thread per 128-column slice.
@@ -71,25 +69,18 @@ def _compile(flags: dict, c_type: str, block_n: int, interleave_ffma: bool = Fal
                  "bs_desc": mangle_type(ws_gemm._scale_descriptor(scales, 128).checked()),
                  "c_desc": mangle_type(ws_gemm._descriptor(c if flags["TMA_STORE"] else fp8, (64, 128)).checked()),
                  "c_ptr": c_type,
-                 "bs_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "tile_expert_ptr": "*i32",
-                 "k_start_ptr": "*i32", "k_count_ptr": "*i32"}
+                 "bs_ptr": "*fp32", "tile_expert_ptr": "*i32", "k_start_ptr": "*i32", "k_count_ptr": "*i32"}
     signature.update({name: "i32" for name in ("M", "N", "K_BLOCKS", "num_groups", "stride_ce", "stride_cm",
-                                               "stride_bs_e", "stride_bs_n", "stride_bs_k", "stride_qm",
-                                               "stride_qs_k")})
+                                               "stride_bs_e", "stride_bs_n", "stride_bs_k")})
     buffers = ws_gemm.epilogue_buffers(c, block_n) if flags["TMA_STORE"] else 0
     # The launcher walks only busy groups' tiles wherever it accumulates K-grouped products (`ws_gemm`)
     constants = dict(dict(COMPACT=flags["GROUPED_K"] and flags["ACCUMULATE"]), **flags)
     constants.setdefault("BLOCK_E", walk_lanes(64))
-    constants.setdefault("SWIGLU", False)
-    constants.update(FP8_MAX=448.0, POW2=False)
     constants.update(C_BUFS=max(buffers, 1), BLOCK_N=block_n, GROUP_M=8, INTERLEAVE=interleave_ffma,
                      STAGES=ws_gemm._stages(block_n, 2 * buffers * 64 * 128 * c.element_size()))
     signature.update({name: "constexpr" for name in constants})
-    names = list(signature)
-    # SwiGLU's output and its scales as the launch specializes them (F and Mp multiples of 128)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("q_ptr", "qs_ptr", "stride_qm", "stride_qs_k")}
     with ffma_interleave.patching_ffma(ws_gemm.INTERLEAVE_MARKER):  # (patches only the kernel carrying it)
-        return triton.compile(GluonASTSource(ws_gemm._ws_gemm_kernel, signature, constexprs=constants, attrs=attrs),
+        return triton.compile(GluonASTSource(ws_gemm._ws_gemm_kernel, signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "maxnreg": ws_gemm._MAXNREG})
 
@@ -107,21 +98,13 @@ def _ptxas_report(compiled) -> str:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_warp_specialized_gemm_compiles_for_sm90_without_serialized_mmas_or_spilled_accumulators(name, block_n):
     flags, c_type = CONFIGS[name]
-    if flags.get("SWIGLU") and block_n != 256:
-        pytest.skip("the SwiGLU epilogue pairs a tile's two 128-column slices: 256-wide tiles only")
     compiled = _compile(flags, c_type, block_n)
     assert compiled.metadata.shared <= 232448, compiled.metadata.shared  # SM90's shared memory per block
     ptx = compiled.asm["ptx"]
     if flags["TMA_STORE"]:  # the epilogue by TMA: stored, or added into main_grad by the TMA unit's reduction
         op = "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" if flags["ACCUMULATE"] else \
             "cp.async.bulk.tensor.2d.global.shared::cta"
-        stores = re.findall(r"^\s*(?:@%p\d+\s+)?st\.global\S*", ptx, re.M)
-        assert op in ptx
-        if flags.get("SWIGLU"):  # C by TMA; SwiGLU's FP8 output (pairs of bytes) and its scales from registers
-            assert stores and {st.split()[-1] for st in stores} <= {"st.global.b16", "st.global.b32",
-                                                                     "st.global.v2.b8"}, set(stores)
-        else:
-            assert not stores  # no store from registers
+        assert op in ptx and not re.search(r"^\s*(@%p\d+\s+)?st\.global", ptx, re.M)  # no store from registers
     report = _ptxas_report(compiled)
     assert "C7511" not in report and "C7514" not in report, report  # "wgmma ... serialized"
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]

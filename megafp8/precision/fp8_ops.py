@@ -248,22 +248,6 @@ def _(a, a_scale, b, b_scale, tile_expert, tile_start, tile_count, out_dtype, ba
     return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
 
-@torch.library.custom_op("megafp8::grouped_gemm_swiglu_1x128_128x128", mutates_args=())
-def grouped_gemm_swiglu_1x128_128x128(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                                      tile_expert: torch.Tensor, tile_start: torch.Tensor, tile_count: torch.Tensor,
-                                      out_dtype: torch.dtype, fmt: str, pow2: bool, backend: str
-                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = _expert_tiles(a.shape[0], tile_expert, tile_start, tile_count)
-    return _backend(backend).grouped_gemm_swiglu_1x128_128x128(a, a_scale, QuantizedWeight(b, b_scale, None, None),
-                                                                rows, out_dtype, FORMATS[fmt], pow2)
-
-
-@grouped_gemm_swiglu_1x128_128x128.register_fake
-def _(a, a_scale, b, b_scale, tile_expert, tile_start, tile_count, out_dtype, fmt, pow2, backend):
-    gu = a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
-    return (gu, *_fake_rows_cols(a.shape[0], b.shape[1] // 2, fmt, gu)[:2])
-
-
 @torch.library.custom_op("megafp8::grouped_gemm_1x128_1x128", mutates_args=())
 def grouped_gemm_1x128_1x128(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                              tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype,
@@ -359,11 +343,6 @@ class TracedKernels:
             b, b_scale = self.transpose_weight(w.w_fp8, w.w_scale, rows.tile_count)
         return grouped_gemm_1x128_128x128(a, a_scale, b, b_scale, rows.tile_expert, rows.tile_start, rows.tile_count,
                                           out_dtype, self.backend)
-
-    def grouped_gemm_swiglu_1x128_128x128(self, a, a_scale, w: QuantizedWeight, rows, out_dtype: torch.dtype,
-                                          fmt: Fp8Format, pow2: bool):
-        return grouped_gemm_swiglu_1x128_128x128(a, a_scale, w.w_fp8, w.w_scale, rows.tile_expert, rows.tile_start,
-                                                 rows.tile_count, out_dtype, fmt.name, pow2, self.backend)
 
     def grouped_gemm_1x128_1x128(self, a, a_scale, b, b_scale, rows, num_experts: int, out_dtype: torch.dtype,
                                  accumulate: Optional[torch.Tensor] = None):

@@ -403,12 +403,10 @@ class _GroupedFp8SwiGLUFn(torch.autograd.Function):
         down = QuantizedWeight(down_fp8, down_scale, None, None)
         x_fp8, x_scale, xt_fp8, xt_scale = k.gather_quantize_rows_cols(source, index, fmt, pow2,
                                                                        recipe.wgrad_input_blocks)
-        # The gate/up GEMM, then SwiGLU quantized along the features: on the warp-specialized kernel from the GEMM's
-        # epilogue (the same bits). a^T (the down projections' wgrad input) keeps its tiles under
-        # `recipe.wgrad_input_blocks`, unlike the dense MLP's: in blocks the MoE step did not get faster (0.99x,
-        # docs/benchmarks.md jobs EU and EW).
-        gu, a_fp8, a_scale = k.grouped_gemm_swiglu_1x128_128x128(x_fp8, x_scale, gate_up, layout, source.dtype, fmt,
-                                                                 pow2)
+        gu = k.grouped_gemm_1x128_128x128(x_fp8, x_scale, gate_up, False, layout, source.dtype)
+        # a^T (the down projections' wgrad input) keeps its tiles under `recipe.wgrad_input_blocks`, unlike the
+        # dense MLP's: in blocks the MoE step did not get faster (0.99x, docs/benchmarks.md jobs EU and EW).
+        a_fp8, a_scale = k.swiglu_quantize(gu, fmt, pow2)
         y = k.grouped_gemm_1x128_128x128(a_fp8, a_scale, down, False, layout, source.dtype)
         ctx.recipe, ctx.backend, ctx.traced, ctx.queues, ctx.source_grad = recipe, backend, traced, queues, source_grad
         ctx.combine_fns = combine_fns

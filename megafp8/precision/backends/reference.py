@@ -255,15 +255,6 @@ class Fp8Backend:
             out[lo:hi] = Fp8Backend.gemm_1x128_128x128(self, a[lo:hi], a_scale[lo:hi], b[e], b_scale[e], out_dtype)
         return out
 
-    def grouped_gemm_swiglu_1x128_128x128(self, a: torch.Tensor, a_scale: torch.Tensor, w: QuantizedWeight, rows,
-                                          out_dtype: torch.dtype, fmt: Fp8Format,
-                                          power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The experts' gate/up fprop and SwiGLU after it: (gu = [gate | up] (Mp, 2F) in `out_dtype`, a_fp8 (Mp, F),
-        a's scales) as `grouped_gemm_1x128_128x128` then `swiglu_quantize` (on gu as stored) make them: the
-        definition a backend fusing the two (SwiGLU in the GEMM's epilogue) is held to, bit for bit."""
-        gu = self.grouped_gemm_1x128_128x128(a, a_scale, w, False, rows, out_dtype)
-        return (gu, *self.swiglu_quantize(gu, fmt, power_of_two))
-
     def grouped_gemm_1x128_1x128(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
                                  b_scale: torch.Tensor, rows, num_experts: int, out_dtype: torch.dtype,
                                  accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:

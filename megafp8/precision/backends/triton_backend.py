@@ -31,10 +31,6 @@ class TritonBackend(Fp8Backend):
     priority = 1
     grouped_kernel: Optional[str] = None  # the grouped GEMMs' kernel (`megafp8.precision.kernels.gemm`); None: default
     grouped_interleave_ffma = False  # the warp-specialized grouped fprop and dgrad's FFMAs interleaved (`ws_gemm`)
-    # The experts' gate/up fprop writing SwiGLU's quantized output from its epilogue (`ws_gemm(swiglu=...)`; the same
-    # bits as the GEMM then `swiglu_quantize`), on the warp-specialized kernel only. Off: bit-exact on the GPU but no
-    # faster (its epilogue, with the tensor cores idle, costs what the separate pass did; docs/performance.md).
-    grouped_swiglu_epilogue = False
     wgrad_input_blocks = False  # its wgrad GEMMs read x^T in 1x128 tiles only (the hopper backend: blocks too)
 
     @classmethod
@@ -111,13 +107,6 @@ class TritonBackend(Fp8Backend):
             return torch.zeros(0, b.shape[1], dtype=out_dtype, device=a.device)
         return self.gemms.grouped_gemm(a, a_scale, b, b_scale, rows.tile_expert, out_dtype, kernel=self.grouped_kernel,
                                        interleave_ffma=self.grouped_interleave_ffma)
-
-    def grouped_gemm_swiglu_1x128_128x128(self, a, a_scale, w, rows, out_dtype, fmt, power_of_two):
-        n = w.w_fp8.shape[1]
-        if not (self.grouped_swiglu_epilogue and self.grouped_kernel == "ws" and out_dtype == torch.bfloat16
-                and n % 256 == 0 and a.shape[0]):
-            return super().grouped_gemm_swiglu_1x128_128x128(a, a_scale, w, rows, out_dtype, fmt, power_of_two)
-        return self.gemms.grouped_gemm_swiglu(a, a_scale, w.w_fp8, w.w_scale, rows.tile_expert, fmt, power_of_two)
 
     def grouped_gemm_1x128_1x128(self, a, a_scale, b, b_scale, rows, num_experts, out_dtype, accumulate=None):
         b_blocks = self._x_in_blocks(b, b_scale)

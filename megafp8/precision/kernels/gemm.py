@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from megafp8.precision.formats import Fp8Format
-from megafp8.precision.kernels import tiles
 from megafp8.precision.kernels.limits import check_offsets
 
 
@@ -337,24 +335,6 @@ def grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
         a, b, c, a_scale, b_scale, tile_expert, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2))
     return c
-
-
-def grouped_gemm_swiglu(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                        tile_expert: torch.Tensor, fmt: Fp8Format,
-                        power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The experts' gate/up fprop on the warp-specialized kernel with SwiGLU in its epilogue: a (Mp, K) FP8 rows,
-    b (E, 2F, K) = [gate | up] blocks -> (gu (Mp, 2F) BF16, a_fp8 (Mp, F) in `fmt`, a's scales (Mp, F/128)
-    rows-first), the bits `grouped_gemm` then `producers.swiglu_quantize` give (`ws_gemm(swiglu=...)`)."""
-    from megafp8.precision.kernels.ws_gemm import SwigluOutput, ws_gemm
-    mp, k = a.shape
-    n = b.shape[1]
-    assert mp % 128 == 0 and k % 128 == 0 and n % 256 == 0 and a.stride(1) == 1 and b.stride(2) == 1
-    gu = torch.empty(mp, n, dtype=torch.bfloat16, device=a.device)
-    q = torch.empty(mp, n // 2, dtype=fmt.dtype, device=a.device)
-    scales = tiles.mn_major_scales(mp, n // 2 // 128, a.device)
-    ws_gemm(a, a_scale, b.reshape(-1, k), b_scale, gu, b_blockwise=True, tile_expert=tile_expert, block_n=256,
-            swiglu=SwigluOutput(q, scales, fmt, power_of_two))
-    return gu, q, scales
 
 
 def grouped_wgrad(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,

@@ -29,12 +29,6 @@ MMAs; it waits for that buffer one tile later. Stored from registers, both consu
 their epilogue together with the tensor cores idle. The buffers cost a pipeline stage (3 instead of 4 at 256
 columns). Outputs TMA cannot write as the registers would (`tma_store_fits`) keep the register epilogue.
 
-The experts' gate/up fprop can write SwiGLU's output too (`ws_gemm(swiglu=...)`): each tile pairs 128 gate columns
-with the 128 up columns that go with them (its second B slice read N / 2 rows further on), so a gate value and its
-up value sit in the same thread, and after C's slices leave, the consumers compute silu(gate) * up from them as
-rounded to BF16, quantize it along the features (a row's 128 features lie in one quad of lanes) and store it with
-its scales from registers: the bits `producers.swiglu_quantize` would make from C, without reading C back.
-
 The K-grouped wgrad into `main_grad` deals out only the tiles of experts with rows (the compact walk,
 `ws_tiles.tile_coords`): each program reads the experts' row counts once, ranks the busy ones by a scan in registers, and
 finds each of its tiles' expert there. Walked expert by expert, with most experts idle (a collapsed router), each
@@ -62,7 +56,7 @@ from __future__ import annotations
 
 import functools
 from types import MappingProxyType
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from triton.experimental import gluon
@@ -72,12 +66,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.language._core import builtin
 from triton._C.libtriton import gluon_ir, ir
 
-from megafp8.precision.formats import Fp8Format
 from megafp8.precision.kernels.ffma_interleave import patching_ffma
-from megafp8.precision.kernels.gluon_tiles import nan_max, tile_scale
 from megafp8.precision.kernels.launch import Descriptor, FastLaunch
-from megafp8.precision.kernels.swiglu_cols_gluon import exp_neg
-from megafp8.precision.kernels.ws_tiles import TILE, slice_step, tile_coords, walk_lanes, walked_tiles
+from megafp8.precision.kernels.ws_tiles import TILE, tile_coords, walk_lanes, walked_tiles
 
 # Kernel constants are constexprs (the only globals a Gluon kernel may read).
 HALF_M = gl.constexpr(64)  # rows of the output tile one consumer warpgroup owns
@@ -96,8 +87,7 @@ _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5
 def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N, K_BLOCKS,
               tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups,
               GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, COMPACT: gl.constexpr, B_BLOCKWISE: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr,
-              SWIGLU: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr):
     """One warp: TMA loads of every tile's A (two 64-row halves) and B (BLOCK_N/128 slices) per K step into the
     stage ring, with their scales for that K step (A's rows'; B's rows' where B is in 1x128 tiles), on the same
     barrier; a stage is refilled once both consumers have released it."""
@@ -107,12 +97,11 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
                                  + (0 if B_BLOCKWISE else NB * bs_desc.block_type.nbytes))
     walk: gl.constexpr = gl.BlockedLayout([BLOCK_E // 32], [32], [1], [0])  # this partition's one warp
     num_tiles, ranks = walked_tiles(M, N, num_groups, k_count_ptr, BLOCK_N, GROUPED_K, COMPACT, BLOCK_E, walk)
-    step = slice_step(N, SWIGLU)
     counter = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = tile_coords(
             tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, ranks, GROUPED_ROWS, GROUPED_K,
-            COMPACT, BLOCK_N, GROUP_M, BLOCK_E, walk, SWIGLU)
+            COMPACT, BLOCK_N, GROUP_M, BLOCK_E, walk)
         for kb in range(k_steps):
             s = counter % STAGES
             mbarrier.wait(empty.index(s), ((counter // STAGES) & 1) ^ 1)
@@ -125,9 +114,9 @@ def _producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs
             tma.async_copy_global_to_shared(as_desc, [kblk, off_m], bar, as_bufs.index(2 * s))
             tma.async_copy_global_to_shared(as_desc, [kblk, off_m + HALF_M], bar, as_bufs.index(2 * s + 1))
             for h in gl.static_range(NB):
-                tma.async_copy_global_to_shared(b_desc, [b_row + h * step, k], bar, b_bufs.index(NB * s + h))
+                tma.async_copy_global_to_shared(b_desc, [b_row + h * TILE, k], bar, b_bufs.index(NB * s + h))
                 if not B_BLOCKWISE:
-                    tma.async_copy_global_to_shared(bs_desc, [kblk, b_row + h * step], bar, bs_bufs.index(NB * s + h))
+                    tma.async_copy_global_to_shared(bs_desc, [kblk, b_row + h * TILE], bar, bs_bufs.index(NB * s + h))
             counter += 1
 
 
@@ -193,11 +182,11 @@ def _write_by_tma(c_desc, c_buf, acc, row, col, ADD: gl.constexpr):
 
 
 @gluon.jit
-def _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, step, M, N, stride_ce, stride_cm,
+def _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, M, N, stride_ce, stride_cm,
               HALF: gl.constexpr, GROUPED_K: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr,
               C_BUFS: gl.constexpr, NB: gl.constexpr, row_layout: gl.constexpr, col_layout: gl.constexpr):
     """A consumer's rows of the output tile leave: by TMA through its shared-memory buffers, or from registers
-    (`acc1`, the second 128-column slice, where the tile is 256 wide, `step` columns after the first)."""
+    (`acc1`, the second 128-column slice, where the tile is 256 wide)."""
     if TMA_STORE:  # this consumer's buffers were last handed to TMA a whole tile ago
         row = group * M + off_m + HALF * HALF_M if GROUPED_K else off_m + HALF * HALF_M  # C as (E * M, N)
         tma.store_wait(pendings=0)
@@ -205,38 +194,17 @@ def _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, step, M, N
         if NB == 2:
             if C_BUFS == 1:  # one buffer a consumer (FP32 slices): the first slice must have left it
                 tma.store_wait(pendings=0)
-            _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF + C_BUFS - 1), acc1, row, off_n + step, ACCUMULATE)
+            _write_by_tma(c_desc, c_bufs.index(C_BUFS * HALF + C_BUFS - 1), acc1, row, off_n + TILE, ACCUMULATE)
     else:
         rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
         cols = off_n + gl.arange(0, TILE, layout=col_layout)
         _write(c_ptr, acc0, rows, cols, M, N, group, stride_ce, stride_cm, ACCUMULATE)
         if NB == 2:
-            _write(c_ptr, acc1, rows, cols + step, M, N, group, stride_ce, stride_cm, ACCUMULATE)
+            _write(c_ptr, acc1, rows, cols + TILE, M, N, group, stride_ce, stride_cm, ACCUMULATE)
 
 
 @gluon.jit
-def _swiglu_rows(acc0, acc1, q_ptr, qs_ptr, off_m, off_n, M, stride_qm, stride_qs_k, HALF: gl.constexpr,
-                 FP8_MAX: gl.constexpr, POW2: gl.constexpr, row_layout: gl.constexpr, col_layout: gl.constexpr):
-    """SwiGLU's output a = silu(gate) * up of a consumer's 64 rows x 128 features, from the gate slice `acc0` and
-    its up slice `acc1` as C holds them (rounded to BF16), quantized along the features and stored at q[rows,
-    off_n:off_n + 128] with its scales at qs[rows, off_n / 128]: the bits `producers.swiglu_quantize` makes from C,
-    op for op (`producers._silu_parts`, `tiles.store_rows`), without C read back. A gate and its up value sit in the
-    same thread (the slices share the accumulator layout), and a row's 128 features in the 4 lanes of a quad."""
-    gate = acc0.to(gl.bfloat16).to(gl.float32)
-    up = acc1.to(gl.bfloat16).to(gl.float32)
-    s = 1.0 / (1.0 + exp_neg(gate))
-    a = gate * s * up
-    scale, inv = tile_scale(gl.reduce(gl.abs(a), 1, nan_max), FP8_MAX, POW2)
-    q = (a * gl.expand_dims(inv, 1)).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    rows = off_m + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
-    cols = off_n + gl.arange(0, TILE, layout=col_layout)
-    in_rows = rows < M
-    gl.store(q_ptr + rows.to(gl.int64)[:, None] * stride_qm + cols[None, :], q, mask=in_rows[:, None])
-    gl.store(qs_ptr + rows + (off_n // TILE) * stride_qs_k, scale, mask=in_rows)
-
-
-@gluon.jit
-def _tile_product(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, t, counter, bs_ptr, group, off_n, step, N, k_first,
+def _tile_product(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, t, counter, bs_ptr, group, off_n, N, k_first,
                   k_steps, stride_bs_e, stride_bs_n, stride_bs_k, HALF: gl.constexpr, B_BLOCKWISE: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, INTERLEAVE: gl.constexpr, layout: gl.constexpr):
     """(acc0, acc1, t, counter): one consumer's rows of one output tile, each 128-column slice's FP32 accumulator
@@ -260,7 +228,7 @@ def _tile_product(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, t, counter, bs
         if NB == 2:
             acc0 = _settled(acc0 + scaled, INTERLEAVE)
             t, scaled = _scaled_product(a_smem, b_bufs.index(NB * s + 1), t, a_s, bs_bufs.index(NB * s + 1),
-                                        bs_ptr, group, (off_n + step) // TILE, N, kblk, stride_bs_e, stride_bs_n,
+                                        bs_ptr, group, off_n // TILE + 1, N, kblk, stride_bs_e, stride_bs_n,
                                         stride_bs_k, B_BLOCKWISE, col_layout)
             mbarrier.arrive(empty.index(s), count=1)
             acc1 = acc1 + scaled
@@ -275,15 +243,13 @@ NVMMA_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, q_ptr, qs_ptr, M, N,
-              K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm, stride_bs_e,
-              stride_bs_n, stride_bs_k, stride_qm, stride_qs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr,
-              GROUPED_K: gl.constexpr, COMPACT: gl.constexpr, B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr,
-              TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr, BLOCK_E: gl.constexpr, SWIGLU: gl.constexpr,
-              FP8_MAX: gl.constexpr, POW2: gl.constexpr):
-    """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile (`_tile_product`), then its epilogue
-    (with SWIGLU, then SwiGLU's output of those rows, quantized: `_swiglu_rows`)."""
+def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+              tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm, stride_bs_e,
+              stride_bs_n, stride_bs_k, HALF: gl.constexpr, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr,
+              COMPACT: gl.constexpr, B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr,
+              C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+              INTERLEAVE: gl.constexpr, BLOCK_E: gl.constexpr):
+    """One warpgroup: rows [HALF * 64, HALF * 64 + 64) of every output tile (`_tile_product`), then its epilogue."""
     NB: gl.constexpr = BLOCK_N // TILE
     layout: gl.constexpr = NVMMA_LAYOUT
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
@@ -291,42 +257,37 @@ def _consumer(a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_
     t = gl.zeros([HALF_M, TILE], gl.float32, layout)
     walk: gl.constexpr = gl.BlockedLayout([BLOCK_E // 128], [32], [4], [0])  # this partition's four warps
     num_tiles, ranks = walked_tiles(M, N, num_groups, k_count_ptr, BLOCK_N, GROUPED_K, COMPACT, BLOCK_E, walk)
-    step = slice_step(N, SWIGLU)
     counter = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n, b_row, group, k_first, k_steps = tile_coords(
             tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, ranks, GROUPED_ROWS, GROUPED_K,
-            COMPACT, BLOCK_N, GROUP_M, BLOCK_E, walk, SWIGLU)
+            COMPACT, BLOCK_N, GROUP_M, BLOCK_E, walk)
         # Index vectors are made where they are used, not kept across the K loop: a 128-wide column vector takes 32
         # registers a thread in this layout, which the accumulators need.
         acc0, acc1, t, counter = _tile_product(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, t, counter, bs_ptr,
-                                               group, off_n, step, N, k_first, k_steps, stride_bs_e, stride_bs_n,
+                                               group, off_n, N, k_first, k_steps, stride_bs_e, stride_bs_n,
                                                stride_bs_k, HALF, B_BLOCKWISE, BLOCK_N, STAGES, INTERLEAVE, layout)
         if ACCUMULATE:
             # A tile without K steps (an expert the router gave no rows) would add zeros: main_grad is left as it
             # is, rather than read and written back (with 33-52 of 64 experts idle: 14-24% of a grouped wgrad's
             # time in the MoE step, docs/benchmarks.md jobs FS-FT).
             if k_steps > 0:
-                _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, step, M, N, stride_ce, stride_cm,
-                          HALF, GROUPED_K, ACCUMULATE, TMA_STORE, C_BUFS, NB, row_layout, col_layout)
+                _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, M, N, stride_ce, stride_cm, HALF,
+                          GROUPED_K, ACCUMULATE, TMA_STORE, C_BUFS, NB, row_layout, col_layout)
         else:
-            _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, step, M, N, stride_ce, stride_cm, HALF,
+            _epilogue(c_desc, c_bufs, c_ptr, acc0, acc1, group, off_m, off_n, M, N, stride_ce, stride_cm, HALF,
                       GROUPED_K, ACCUMULATE, TMA_STORE, C_BUFS, NB, row_layout, col_layout)
-            if SWIGLU:
-                _swiglu_rows(acc0, acc1, q_ptr, qs_ptr, off_m, off_n, M, stride_qm, stride_qs_k, HALF, FP8_MAX, POW2,
-                             row_layout, col_layout)
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, q_ptr, qs_ptr, tile_expert_ptr,
-                    k_start_ptr, k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e,
-                    stride_bs_n, stride_bs_k, stride_qm, stride_qs_k, GROUPED_ROWS: gl.constexpr,
-                    GROUPED_K: gl.constexpr, COMPACT: gl.constexpr, B_BLOCKWISE: gl.constexpr,
-                    ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr, C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, GROUP_M: gl.constexpr, INTERLEAVE: gl.constexpr, BLOCK_E: gl.constexpr,
-                    SWIGLU: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.constexpr):
+def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, tile_expert_ptr, k_start_ptr,
+                    k_count_ptr, M, N, K_BLOCKS, num_groups, stride_ce, stride_cm, stride_bs_e, stride_bs_n,
+                    stride_bs_k, GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, COMPACT: gl.constexpr,
+                    B_BLOCKWISE: gl.constexpr, ACCUMULATE: gl.constexpr, TMA_STORE: gl.constexpr,
+                    C_BUFS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                    INTERLEAVE: gl.constexpr, BLOCK_E: gl.constexpr):
     NB: gl.constexpr = BLOCK_N // TILE
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF_M, TILE], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, TILE, TILE], b_desc.layout)
@@ -344,19 +305,17 @@ def _ws_gemm_kernel(a_desc, b_desc, as_desc, bs_desc, c_desc, c_ptr, bs_ptr, q_p
         mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
     # (No starred arguments in Gluon: every partition's arguments are spelled out.)
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, q_ptr, qs_ptr, M,
-                     N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm,
-                     stride_bs_e, stride_bs_n, stride_bs_k, stride_qm, stride_qs_k, 0, GROUPED_ROWS, GROUPED_K,
-                     COMPACT, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE,
-                     BLOCK_E, SWIGLU, FP8_MAX, POW2)),
-        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, q_ptr, qs_ptr, M,
-                     N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm,
-                     stride_bs_e, stride_bs_n, stride_bs_k, stride_qm, stride_qs_k, 1, GROUPED_ROWS, GROUPED_K,
-                     COMPACT, B_BLOCKWISE, ACCUMULATE, TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE,
-                     BLOCK_E, SWIGLU, FP8_MAX, POW2)),
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+                     tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm, stride_bs_e,
+                     stride_bs_n, stride_bs_k, 0, GROUPED_ROWS, GROUPED_K, COMPACT, B_BLOCKWISE, ACCUMULATE,
+                     TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE, BLOCK_E)),
+        (_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, c_bufs, ready, empty, c_desc, c_ptr, bs_ptr, M, N, K_BLOCKS,
+                     tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, stride_ce, stride_cm, stride_bs_e,
+                     stride_bs_n, stride_bs_k, 1, GROUPED_ROWS, GROUPED_K, COMPACT, B_BLOCKWISE, ACCUMULATE,
+                     TMA_STORE, C_BUFS, BLOCK_N, STAGES, GROUP_M, INTERLEAVE, BLOCK_E)),
         (_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, M, N,
                      K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, num_groups, GROUPED_ROWS, GROUPED_K,
-                     COMPACT, B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M, BLOCK_E, SWIGLU)),
+                     COMPACT, B_BLOCKWISE, BLOCK_N, STAGES, GROUP_M, BLOCK_E)),
     ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -438,31 +397,11 @@ def tma_store_fits(c: torch.Tensor, grouped_k: bool, rows: int, accumulate: bool
     return c.dim() == 2
 
 
-class SwigluOutput(NamedTuple):
-    """Where `ws_gemm(swiglu=...)` writes SwiGLU's quantized output: q (Mp, F) in `fmt`, scales (Mp, F/128) FP32
-    stored rows-first (`tiles.mn_major_scales`), power-of-two scales or not."""
-    q: torch.Tensor
-    scales: torch.Tensor
-    fmt: Fp8Format
-    power_of_two: bool
-
-
-def _check_swiglu(out: SwigluOutput, c: torch.Tensor, m: int, n: int, block_n: int, accumulate: bool,
-                  tile_expert: Optional[torch.Tensor]) -> None:
-    f = n // 2
-    assert tile_expert is not None and block_n == 256 and not accumulate and c.dtype == torch.bfloat16, \
-        "the SwiGLU epilogue is the experts' gate/up fprop's: rows grouped, 256-wide tiles, C in BF16"
-    assert n % 256 == 0, f"C's {n} columns are not [gate | up] of whole 128-feature tiles"
-    assert out.q.shape == (m, f) and out.q.stride(1) == 1 and out.q.dtype == out.fmt.dtype
-    assert out.scales.shape == (m, f // _T) and out.scales.stride(0) == 1 and out.scales.dtype == torch.float32
-
-
 def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, c: torch.Tensor, *,
             b_blockwise: bool, accumulate: bool = False, tile_expert: Optional[torch.Tensor] = None,
             k_start: Optional[torch.Tensor] = None, k_count: Optional[torch.Tensor] = None,
             block_n: int = 256, group_m: int = 8, tma_store: Optional[bool] = None,
-            interleave_ffma: bool = False, compact_groups: bool = True,
-            swiglu: Optional[SwigluOutput] = None) -> torch.Tensor:
+            interleave_ffma: bool = False, compact_groups: bool = True) -> torch.Tensor:
     """C = A @ B^T by the warp-specialized kernel (module docstring), into `c`; returns c.
 
     a (M, K) and b (rows, K) FP8, K-contiguous; a_scale (M, K/128); b_scale (N/128, K/128) blocks, (E, N/128,
@@ -477,16 +416,11 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     may switch warps inside them (`megafp8.precision.kernels.ffma_interleave`; the same bits).
     `compact_groups` (K grouped, accumulating): the programs share out only the tiles of groups with K blocks
     (`ws_tiles.tile_coords`; the same bits, each tile computed as before); without accumulation every group's tiles are
-    walked, since an idle expert's output must be written (zeros).
-    `swiglu` (rows grouped, 256-wide tiles, C (Mp, 2F) BF16 = [gate | up]): each tile pairs 128 gate columns with
-    their 128 up columns, and after storing them the consumers write SwiGLU's output quantized along the features
-    into `swiglu.q` (Mp, F) with scales `swiglu.scales` (Mp, F/128), as `producers.swiglu_quantize` would from C."""
+    walked, since an idle expert's output must be written (zeros)."""
     m, k = a.shape
     n = c.shape[-1]
     grouped_k = k_start is not None
     assert a.stride(1) == 1 and b.stride(1) == 1 and c.stride(-1) == 1 and k % 8 == 0
-    if swiglu is not None:
-        _check_swiglu(swiglu, c, m, n, block_n, accumulate, tile_expert)
     assert block_n in (128, 256) and (not accumulate or c.dtype == torch.float32)
     assert block_n == 256 or not interleave_ffma, "the interleaved FFMAs are the 256-wide tiles' (`_settled`)"
     if tile_expert is not None:
@@ -512,18 +446,16 @@ def ws_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: to
     c_rows = c.shape[0] if c.dim() == 2 else c.shape[0] * m
     c_desc = _descriptor(c.as_strided((c_rows, n), (c.stride(-2), 1)), (_H, _T)) if tma_store else a_desc
     c_bufs = epilogue_buffers(c, block_n) if tma_store else 0  # per consumer, each 64 x 128 elements of C
-    q, qs = (swiglu.q, swiglu.scales) if swiglu is not None else (dummy, dummy)
-    args = (a_desc, _descriptor(b, (_T, _T)), as_desc, bs_desc, c_desc, c, b_scale, q, qs,
+    args = (a_desc, _descriptor(b, (_T, _T)), as_desc, bs_desc, c_desc, c, b_scale,
             tile_expert if tile_expert is not None else dummy, k_start if grouped_k else dummy,
             k_count if grouped_k else dummy, m, n, -(-k // _T), num_groups,
-            c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k, q.stride(0), qs.stride(1))
+            c.stride(0) if grouped_k else 0, c.stride(-2), bs_e, bs_n, bs_k)
     compact = grouped_k and accumulate and compact_groups
     options = dict(GROUPED_ROWS=tile_expert is not None, GROUPED_K=grouped_k, COMPACT=compact, B_BLOCKWISE=b_blockwise,
                    ACCUMULATE=accumulate, TMA_STORE=tma_store, C_BUFS=max(c_bufs, 1), BLOCK_N=block_n,
                    STAGES=_stages(block_n, 2 * c_bufs * _H * _T * c.element_size()), GROUP_M=group_m,
-                   INTERLEAVE=interleave_ffma, BLOCK_E=walk_lanes(num_groups if compact else 1),
-                   SWIGLU=swiglu is not None, FP8_MAX=swiglu.fmt.max if swiglu is not None else 0.0,
-                   POW2=swiglu is not None and swiglu.power_of_two, num_warps=4, maxnreg=_MAXNREG)
+                   INTERLEAVE=interleave_ffma, BLOCK_E=walk_lanes(num_groups if compact else 1), num_warps=4,
+                   maxnreg=_MAXNREG)
     # (the interleaved variant is compiled, the first time, with the cubin pass installed)
     _LAUNCH.launch(grid, args, options, compiling=functools.partial(patching_ffma, INTERLEAVE_MARKER)
                    if interleave_ffma else None)

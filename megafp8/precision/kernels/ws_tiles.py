@@ -4,8 +4,7 @@ them).
 
 Programs are persistent (one an SM) and take tiles program, program + programs, ...; tiles go along M in groups
 of GROUP_M row tiles. K grouped (the experts' wgrads), the tiles go group by group, and where the product is added
-into `main_grad` only the groups with K blocks are walked (the compact walk: `busy_ranks`, `busy_group`). With
-SWIGLU each tile pairs a 128-column gate slice with its up slice, N / 2 columns further on (`slice_step`).
+into `main_grad` only the groups with K blocks are walked (the compact walk: `busy_ranks`, `busy_group`).
 """
 from __future__ import annotations
 
@@ -56,12 +55,10 @@ def walked_tiles(M, N, num_groups, k_count_ptr, BLOCK_N: gl.constexpr, GROUPED_K
 
 @gluon.jit
 def tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr, ranks,
-                 GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, COMPACT: gl.constexpr, BLOCK_N: gl.constexpr,
-                 GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr, layout: gl.constexpr, SWIGLU: gl.constexpr):
-    """(off_m, off_n, b_row, group, k_first, k_steps) of output tile `tile`: its first row and column (of its
-    first 128-column slice: with SWIGLU the tiles are 128 columns apart, each a gate slice whose up slice lies N / 2
-    further on, `slice_step`), the first row of B it reads, its expert (0 for dense), and its K blocks
-    [k_first, k_first + k_steps).
+                GROUPED_ROWS: gl.constexpr, GROUPED_K: gl.constexpr, COMPACT: gl.constexpr, BLOCK_N: gl.constexpr,
+                GROUP_M: gl.constexpr, BLOCK_E: gl.constexpr, layout: gl.constexpr):
+    """(off_m, off_n, b_row, group, k_first, k_steps) of output tile `tile`: its first row and column, the first
+    row of B it reads, its expert (0 for dense), and its K blocks [k_first, k_first + k_steps).
 
     K grouped, the tiles are group by group: tile // (tiles a group) is the group, or, with COMPACT, the busy
     group of that rank (`busy_ranks`): only the groups with K blocks have tiles, dealt out over the programs as if
@@ -84,7 +81,7 @@ def tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr,
     pid_m = first_m + (t % in_group) % size_m
     pid_n = (t % in_group) // size_m
     off_m = pid_m * TILE
-    off_n = pid_n * (TILE if SWIGLU else BLOCK_N)
+    off_n = pid_n * BLOCK_N
     b_row = off_n
     k_first = 0
     k_steps = K_BLOCKS
@@ -97,15 +94,6 @@ def tile_coords(tile, M, N, K_BLOCKS, tile_expert_ptr, k_start_ptr, k_count_ptr,
         k_first = gl.load(k_start_ptr + group)
         k_steps = gl.load(k_count_ptr + group)
     return off_m, off_n, b_row, group, k_first, k_steps
-
-
-@gluon.jit
-def slice_step(N, SWIGLU: gl.constexpr):
-    """Columns from a tile's first 128-column slice to its second: the next 128, or with SWIGLU (C = [gate | up],
-    N = 2F) the up columns that go with the gate slice, F further on."""
-    if SWIGLU:
-        return N // 2
-    return TILE
 
 
 def walk_lanes(groups: int) -> int:
