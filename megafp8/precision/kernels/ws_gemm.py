@@ -30,8 +30,8 @@ their epilogue together with the tensor cores idle. The buffers cost a pipeline 
 columns). Outputs TMA cannot write as the registers would (`tma_store_fits`) keep the register epilogue.
 
 The K-grouped wgrad into `main_grad` deals out only the tiles of experts with rows (the compact walk,
-`ws_tiles.tile_coords`): each program reads the experts' row counts once, ranks the busy ones by a scan in registers, and
-finds each of its tiles' expert there. Walked expert by expert, with most experts idle (a collapsed router), each
+`ws_tiles.tile_coords`): each program reads the experts' row counts once, ranks the busy ones by a scan in
+registers, and finds each of its tiles' expert there. Walked expert by expert, with most experts idle (a collapsed router), each
 busy expert's tiles would fall on one stripe of programs, and the programs under more stripes set the time.
 
 Scales: each K step's scales (A's rows', and B's rows' where B is in 1x128 tiles) arrive by TMA with the
