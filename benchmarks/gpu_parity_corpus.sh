@@ -40,7 +40,11 @@
 #        ablations, seed B: the routed experts in BF16 and all else FP8, the routed experts alone in FP8, the
 #        attention projections in BF16), moe_fp8allbf16_b (the control: the FP8 recipe, every GEMM layer in BF16);
 #        `compare` sets each against BF16 seed B once it has finished, and all of them in one table
-#        (`compare_runs.py --gaps`, beside FP8 seed B and BF16 seed A)
+#        (`compare_runs.py --gaps`, beside FP8 seed B and BF16 seed A);
+#        moe_bf16_b_r2, moe_bf16_b_r3, moe_fp8_b_r2, moe_fp8_b_r3 (repeats of seed B's pair: the same settings, so
+#        the same seed and data order; the GPU's kernels are not deterministic, and on an H100 three BF16 repeats
+#        ended 0.85% apart, sixty-fifth session): `compare` sets FP8's mean against BF16's, with BF16's
+#        run-to-run range (`compare_runs.py --pooled`), once two BF16 runs and one FP8 run have finished
 #        dense_fp8blocks_a (FP8 seed A with the opt-in `precision.fp8_wgrad_input_blocks`: `next` runs it last,
 #        `compare` sets it against the two BF16 seeds once it has finished), dense_fp8deepgemm_a (FP8 seed A on
 #        `precision.fp8_backend: deepgemm`, DeepGEMM built first by gpu_lib.sh's install_deepgemm from the
@@ -99,7 +103,7 @@ SEQ_LEN=2048
 MICRO_BATCH=8
 ALL_RUNS="dense_bf16_a dense_fp8_a dense_bf16_b moe_bf16 moe_fp8 moe_bf16_b moe_fp8_b"
 ALL_RUNS+=" dense_fp8blocks_a dense_fp8deepgemm_a moe_fp8bf16experts_b moe_fp8expertsonly_b moe_fp8bf16attn_b"
-ALL_RUNS+=" moe_fp8allbf16_b"
+ALL_RUNS+=" moe_fp8allbf16_b moe_bf16_b_r2 moe_fp8_b_r2 moe_bf16_b_r3 moe_fp8_b_r3"
 mkdir -p "$WORK" "$RUNS" "$OUT/runs"
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
@@ -149,7 +153,8 @@ run_overrides() {  # run_overrides NAME: every override of run NAME: family_reci
   # deepgemm backend, named (DeepGEMM's dense fprop and dgrad); the other FP8 runs keep `auto`, which is `hopper` in
   # their processes: DeepGEMM's environment is sourced only in the deepgemm run's own subshell (run_one)
   known_run "$1" || return 2
-  local family=${1%%_*} rest=${1#*_} recipe seed interval blocks=""
+  local base=${1%_r[0-9]}  # a repeat (NAME_rN) runs NAME's settings under its own name
+  local family=${base%%_*} rest=${base#*_} recipe seed interval blocks=""
   recipe=${rest%%_*}
   if [ "$recipe" = fp8blocks ]; then recipe=fp8; blocks="precision.fp8_wgrad_input_blocks=true"; fi
   if [ "$recipe" = fp8deepgemm ]; then recipe=fp8; blocks="precision.fp8_backend=deepgemm"; fi
@@ -364,7 +369,28 @@ compare() {
     fi
     step plot_moe python tools/plot_runs.py $moe --labels "${moe_labels[@]}" --metrics loss val_loss --gaps \
       --smooth 10 --from-step 100 --out "$OUT/parity_moe.png"
+    seed_b_repeats
   fi
+}
+
+seed_b_repeats() {  # MoE's seed-B pair repeated (NAME_r2, NAME_r3: the same settings, so the same seed and data
+  # order): what the GPU's non-deterministic kernels alone spread one configuration over, and FP8's mean against
+  # BF16's (`compare_runs.py --pooled`), once two BF16 runs and one FP8 run have finished; plotted against the first
+  local name repeat bf16=() fp8=() labels=()
+  for name in moe_bf16_b moe_bf16_b_r2 moe_bf16_b_r3 moe_fp8_b moe_fp8_b_r2 moe_fp8_b_r3; do
+    finished "$name" || continue
+    repeat=${name##*_r}
+    [ "$repeat" = "$name" ] && repeat="" || repeat=" repeat $repeat"
+    case $name in
+      moe_bf16_*) bf16+=("$(run_dir "$name")"); labels+=("BF16 B$repeat") ;;
+      *) fp8+=("$(run_dir "$name")"); labels+=("FP8 B$repeat") ;;
+    esac
+  done
+  [ ${#bf16[@]} -ge 2 ] && [ ${#fp8[@]} -ge 1 ] || return 0
+  step moe_seed_b_repeats python tools/compare_runs.py --pooled "${bf16[@]}" --against "${fp8[@]}" \
+    --labels "BF16 seed B" "FP8 seed B" --window 250
+  step plot_moe_repeats python tools/plot_runs.py "${bf16[@]}" "${fp8[@]}" --labels "${labels[@]}" \
+    --metrics loss val_loss --gaps --smooth 10 --from-step 100 --out "$OUT/parity_moe_repeats.png"
 }
 
 cross_eval() {  # cross_eval NAME: NAME's newest checkpoint (a run of this session, trained with KEEP_CHECKPOINTS=1

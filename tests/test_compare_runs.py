@@ -9,7 +9,7 @@ import pytest
 
 from megafp8.config import ConfigError
 from tests.conftest import REPO, torchrun_env
-from tools.compare_runs import compare, gaps, parity
+from tools.compare_runs import compare, gaps, parity, pooled
 
 
 def _write(path, losses, norms, times):
@@ -157,6 +157,51 @@ def test_gaps_command_line_refuses_what_it_cannot_draw(tmp_path):
     for args, message in ((["--gaps", ref, other], "--gaps needs --windows"),
                           (["--gaps", ref, other, "--windows", "500-1"], "is not a window of steps"),
                           (["--gaps", ref, other, "--windows", "1-10", "--labels", "x"], "--labels names 1 runs"),
-                          (["--gaps", "--parity", ref, other, "--windows", "1-10"], "two different tables")):
+                          (["--gaps", "--parity", ref, other, "--windows", "1-10"], "different tables")):
+        result = run(*args)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+
+
+def _repeats(tmp_path, name, finals, steps=(1000,) * 3):
+    """Runs of one configuration whose validation loss ends at each of `finals` (training loss likewise)."""
+    return [_write_run(tmp_path / f"{name}_{i}", lambda s, f=final: f + (1000 - s) / 1000, lambda s, f=final: f,
+                       steps=last) for i, (final, last) in enumerate(zip(finals, steps))]
+
+
+def test_pooled_compares_the_arms_means_against_the_reference_arm_s_own_range(tmp_path):
+    """`--pooled`: each arm's runs and mean per window and evaluation, the reference's range, the other's gap;
+    the verdict says inside or outside the reference's repeats' range, the standard error of the difference, and
+    how many runs an arm would resolve the tolerance. A run cut at step 600 counts where it got to."""
+    bf16 = _repeats(tmp_path, "bf16", [3.00, 3.03, 3.015])
+    fp8 = _repeats(tmp_path, "fp8", [3.02, 3.03, 3.5], steps=(1000, 1000, 600))
+    report = pooled(bf16, fp8, ("BF16 B", "FP8 B"), window=500, tolerance=0.0025)
+    assert "| 501-1000 | 3.2450, 3.2750, 3.2600 | 3.2600 | 0.920% | 3.2650, 3.2750 | 3.2700 | +0.307% |" in report
+    assert "| 500 | 3.0000, 3.0300, 3.0150 | 3.0150 | 0.995% | 3.0200, 3.0300, 3.5000 | 3.1833 | +5.583% |" \
+        in report, report  # the cut run's evaluation at step 500 counts
+    assert "| 1000 | 3.0000, 3.0300, 3.0150 | 3.0150 | 0.995% | 3.0200, 3.0300 | 3.0250 | +0.332% |" in report
+    assert "- BF16 B's run-to-run range at one seed (3 runs): 0.995% of their mean; sample deviation 0.498%" in report
+    assert "- FP8 B's mean (2 runs) vs BF16 B's: +0.332%, standard error 0.332%: inside BF16 B's range" in report
+    assert "cannot resolve 0.25% (two standard errors are 0.663%): at this deviation that takes ~32 runs an arm" \
+        in report, report
+    assert "**INSIDE the run-to-run noise**" in report
+    far = pooled(bf16, _repeats(tmp_path, "far", [3.1, 3.1]), ("BF16", "FP8"), window=500, tolerance=0.05)
+    assert "**OUTSIDE the run-to-run noise**" in far and "These runs resolve 5.00%" in far, far
+
+
+def test_pooled_refuses_an_arm_without_a_spread_and_its_command_line_checks_its_arguments(tmp_path):
+    one = _repeats(tmp_path, "one", [3.0])
+    with pytest.raises(ConfigError, match="no evaluation that two BF16 runs and one FP8 run all reached"):
+        pooled(one, _repeats(tmp_path, "other", [3.0]), ("BF16", "FP8"), window=500, tolerance=0.0025)
+    bf16, fp8 = _repeats(tmp_path, "bf16", [3.0, 3.01]), _repeats(tmp_path, "fp8", [3.0])
+
+    def run(*args):
+        return subprocess.run([sys.executable, "tools/compare_runs.py", *args], cwd=REPO, env=torchrun_env(),
+                              capture_output=True, text=True, timeout=120)
+    ok = run("--pooled", *bf16, "--against", *fp8, "--labels", "BF16 B", "FP8 B")
+    assert ok.returncode == 0 and "FP8 B's mean (1 run) vs BF16 B's" in ok.stdout, ok.stdout + ok.stderr
+    for args, message in ((["--pooled", *bf16], "--pooled needs --against"),
+                          ([*bf16, "--against", *fp8], "--against belongs to --pooled"),
+                          (["--pooled", *bf16, "--against", *fp8, "--labels", "x"], "two --labels"),
+                          (["--pooled", "--gaps", *bf16, "--against", *fp8], "different tables")):
         result = run(*args)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)

@@ -360,3 +360,28 @@ def test_cross_eval_evaluates_a_kept_checkpoint_in_both_recipes_and_refuses_a_ru
         assert bf16 != fp8
         assert f"| 2 | {own['val_loss']:.4f} (step 2) | {bf16:.4f} | {fp8:.4f} | {100 * (fp8 / bf16 - 1):+.3f}% |" \
             in result.stdout, result.stdout
+
+
+def test_seed_b_repeats_run_seed_b_s_settings_and_compare_pools_them_once_two_bf16_runs_have_finished(tmp_path):
+    """`moe_bf16_b_r2` and `moe_fp8_b_r3` (repeats) resolve to their base run's config but for the run name (the same
+    seed, data order and recipe); `compare moe` pools the seed-B repeats (`compare_runs.py --pooled`) only once two
+    BF16 runs and one FP8 run have finished, counts a repeat still running nowhere, and plots them."""
+    fake_corpus(tmp_path, 40_000_000, 900_000)
+    configs = run_configs(tmp_path, "moe_bf16_b", "moe_bf16_b_r2", "moe_fp8_b", "moe_fp8_b_r3")
+    for repeat, base in (("moe_bf16_b_r2", "moe_bf16_b"), ("moe_fp8_b_r3", "moe_fp8_b")):
+        assert configs[repeat]["run_name"] == repeat
+        assert {**configs[repeat], "run_name": base} == configs[base]
+    assert "unknown run 'moe_fp8_b_r4'" in script(tmp_path, "config", "moe_fp8_b_r4").stderr
+    runs, env = tmp_path / "work" / "runs", {"MOE_STEPS": "2", "DENSE_STEPS": "2"}
+    for name, losses in (("moe_bf16", [4.0, 3.0]), ("moe_fp8", [4.0, 3.03]), ("moe_bf16_b", [4.0, 3.0]),
+                         ("moe_fp8_b", [4.0, 3.06]), ("moe_bf16_b_r3", [4.0])):  # r3 one step short
+        _finished_run(runs, name, losses)
+    assert "moe_seed_b_repeats" not in script(tmp_path, "compare", "moe", **env).stdout
+    _finished_run(runs, "moe_bf16_b_r2", [4.0, 3.06])
+    out = script(tmp_path, "compare", "moe", **env).stdout
+    assert "== moe_seed_b_repeats done" in out and "== plot_moe_repeats done" in out, out
+    assert (tmp_path / "out" / "parity_moe_repeats.png").stat().st_size > 0
+    section = (tmp_path / "out" / "summary.md").read_text().rsplit("## moe_seed_b_repeats\n", 1)[1]
+    assert "| 2 | 3.0000, 3.0600 | 3.0300 | 1.980% | 3.0600 | 3.0600 | +0.990% |" in section, section
+    assert "moe_bf16_b_r3" not in section.split("\n## ", 1)[0]
+    assert "**INSIDE the run-to-run noise**" in section, section

@@ -22,10 +22,21 @@ Gaps mode (many runs against one, e.g. ablations against BF16; a run cut short s
 Per run, its mean training loss over each window of steps (inclusive) and its validation loss at each of the
 reference's evaluations, as its relative gap to the first run's (over the steps both logged); the reference's own
 row gives its values. A run that stopped before the reference's last step of a window gets "-" there.
+
+Pooled mode (repeats of one configuration: the same seed, data and settings, run again; on a GPU whose kernels are
+not deterministic, each repeat follows its own path):
+    python tools/compare_runs.py --pooled runs/bf16_b runs/bf16_b_r2 runs/bf16_b_r3 \\
+        --against runs/fp8_b runs/fp8_b_r2 --labels "BF16 B" "FP8 B" --window 250
+Per window and evaluation: each arm's runs, their mean, the reference arm's range (max - min over its mean: its
+run-to-run spread at one seed), and the other arm's mean as its gap to the reference's; a run is counted where it
+got to. Then the verdict at the last evaluation both arms reached: the other arm's mean inside the reference's
+range or not, the standard error of the two means' difference, and whether the runs can resolve `--tolerance` at
+all (two standard errors below it), with the runs an arm that would take.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -216,15 +227,101 @@ def gaps(runs: list[str], labels: list[str], windows: list[tuple[int, int]]) -> 
     return "\n".join(lines)
 
 
+def _arm_cells(values: list[float]) -> list[str]:
+    """A pooled arm's cells: its runs' values and their mean."""
+    return [", ".join(f"{v:.4f}" for v in values), f"{statistics.fmean(values):.4f}"]
+
+
+def _pooled_row(label: str, ref: list[float], other: list[float]) -> str:
+    ref_mean, other_mean = statistics.fmean(ref), statistics.fmean(other)
+    spread = f"{(max(ref) - min(ref)) / ref_mean:.3%}" if len(ref) > 1 else "-"
+    return (f"| {label} | {' | '.join(_arm_cells(ref))} | {spread} | {' | '.join(_arm_cells(other))} | "
+            f"{_gap(other_mean, ref_mean):+.3%} |")
+
+
+def pooled_verdict(ref: list[float], other: list[float], tolerance: float, labels: tuple[str, str]) -> list[str]:
+    """The end verdict of two arms of repeats (final losses): the other arm's mean inside the reference arm's range
+    (its run-to-run spread at one seed) or not; the standard error of the difference of the means (the reference's
+    sample deviation stands in for an arm of one run); and whether these runs resolve `tolerance` (two standard
+    errors at most), else about how many runs an arm would (n >= 8 s^2 / tolerance^2 for two arms of n runs)."""
+    if len(ref) < 2:
+        raise ConfigError(f"the {labels[0]} arm needs two runs or more to measure its run-to-run spread")
+    ref_mean, other_mean = statistics.fmean(ref), statistics.fmean(other)
+    gap = _gap(other_mean, ref_mean)
+    spread = (max(ref) - min(ref)) / ref_mean
+    deviation = statistics.stdev(ref) / ref_mean
+    other_deviation = statistics.stdev(other) / ref_mean if len(other) > 1 else deviation
+    error = math.sqrt(deviation ** 2 / len(ref) + other_deviation ** 2 / len(other))
+    inside = abs(gap) <= spread
+    lines = [f"- {labels[0]}'s run-to-run range at one seed ({len(ref)} runs): {spread:.3%} of their mean; "
+             f"sample deviation {deviation:.3%}",
+             f"- {labels[1]}'s mean ({len(other)} run{'s' if len(other) > 1 else ''}) vs {labels[0]}'s: {gap:+.3%}, "
+             f"standard error {error:.3%}: {'inside' if inside else 'OUTSIDE'} {labels[0]}'s range"]
+    if 2 * error <= tolerance:
+        lines.append(f"- These runs resolve {tolerance:.2%}: two standard errors are {2 * error:.3%}")
+    else:
+        needed = math.ceil(8 * max(deviation, other_deviation) ** 2 / tolerance ** 2)
+        lines.append(f"- These runs cannot resolve {tolerance:.2%} (two standard errors are {2 * error:.3%}): at this "
+                     f"deviation that takes ~{needed} runs an arm")
+    lines.append(f"- **{'INSIDE' if inside else 'OUTSIDE'} the run-to-run noise**: {labels[1]}'s mean is "
+                 f"{'inside' if inside else 'outside'} the range of {labels[0]}'s repeats")
+    return lines
+
+
+def pooled(ref_runs: list[str], other_runs: list[str], labels: tuple[str, str], window: int,
+           tolerance: float) -> str:
+    """Two arms of repeated runs compared by their means, against the reference arm's own run-to-run spread (see the
+    module's docstring), as Markdown: training loss per window, validation loss per evaluation, the verdict."""
+    runs = ref_runs + other_runs
+    lines = [f"- {labels[0]}: {', '.join(ref_runs)}", f"- {labels[1]}: {', '.join(other_runs)}", ""]
+    train = [_by_step(run, "loss") for run in runs]
+    last = [max(series, default=0) for series in train]
+    steps = sorted(set.union(*(set(s) for s in train)))
+    head = (f"{labels[0]} runs | {labels[0]} mean | {labels[0]} range | {labels[1]} runs | {labels[1]} mean | "
+            f"{labels[1]} vs {labels[0]} |")
+    rows = []
+    for w in range((steps[-1] - 1) // window + 1 if steps else 0):
+        first, end = w * window + 1, (w + 1) * window
+        # each run's mean over the window's steps, counted only where the run logged the window to its end
+        means = [statistics.fmean(v for s, v in series.items() if first <= s <= end)
+                 if stop >= min(end, steps[-1]) and any(first <= s <= end for s in series) else None
+                 for series, stop in zip(train, last)]
+        ref, other = ([m for m in means[a:b] if m is not None] for a, b in ((0, len(ref_runs)), (len(ref_runs), None)))
+        if ref and other:
+            rows.append(_pooled_row(f"{first}-{min(end, steps[-1])}", ref, other))
+    if rows:
+        lines += [f"Training loss, mean over each window of {window} steps (each run where it logged the whole "
+                  "window):", "", f"| steps | {head}", "|---" * 7 + "|"] + rows
+    valid = [dict(zip(*read_series(run, "eval", "val_loss"))) for run in runs]
+    end_values = None
+    rows = []
+    for step in sorted(set.union(*(set(v) for v in valid))):
+        ref = [v[step] for v in valid[: len(ref_runs)] if step in v]
+        other = [v[step] for v in valid[len(ref_runs):] if step in v]
+        if ref and other:
+            rows.append(_pooled_row(str(step), ref, other))
+            if len(ref) > 1:
+                end_values = (step, ref, other)
+    if rows:
+        lines += ["", "Validation loss (held-out split) at each evaluation:", "", f"| step | {head}",
+                  "|---" * 7 + "|"] + rows
+    if end_values is None:
+        raise ConfigError(f"no evaluation that two {labels[0]} runs and one {labels[1]} run all reached")
+    step, ref, other = end_values
+    return "\n".join(lines + ["", f"Verdict (validation loss at step {step}):", ""]
+                     + pooled_verdict(ref, other, tolerance, labels))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories or metrics.jsonl files; the first is the reference "
                         "(with --parity: BF16 seed A, FP8 seed A, then optionally BF16 seed B)")
     parser.add_argument("--skip", type=int, default=0, help="leave steps up to this one out of the timing")
     parser.add_argument("--parity", action="store_true", help="FP8-vs-BF16 parity tables and verdict (see above)")
-    parser.add_argument("--window", type=int, default=500, help="--parity: steps per training-loss window")
+    parser.add_argument("--window", type=int, default=500, help="--parity, --pooled: steps per training-loss window")
     parser.add_argument("--tolerance", type=float, default=0.0025,
-                        help="--parity: largest relative gap of FP8 to BF16 seed A that passes (0.0025 = 0.25%%)")
+                        help="--parity: largest relative gap of FP8 to BF16 seed A that passes (0.0025 = 0.25%%); "
+                        "--pooled: the gap the runs should resolve")
     parser.add_argument("--seeds", nargs=2, default=["A", "B"], metavar=("REF", "OTHER"),
                         help="--parity: the names of the runs' seeds, the reference's (BF16 and FP8) then the other "
                         "BF16 run's (e.g. B A for a second FP8 seed judged against BF16 seed B)")
@@ -235,18 +332,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", nargs="+", type=parse_window, default=None, metavar="FIRST-LAST",
                         help="--gaps: the windows of training steps (e.g. 501-750 751-1000)")
     parser.add_argument("--labels", nargs="+", default=None, help="--gaps: the runs' names in the table (default: "
-                        "their directories' names)")
+                        "their directories' names); --pooled: the two arms' names (default: BF16 FP8)")
+    parser.add_argument("--pooled", action="store_true", help="the runs given are repeats of one configuration, "
+                        "compared by their mean with --against's (see above)")
+    parser.add_argument("--against", nargs="+", default=None, metavar="RUN",
+                        help="--pooled: the other arm's runs (e.g. FP8's repeats)")
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error("--window must be at least 1")
-    if args.gaps and args.parity:
-        parser.error("--gaps and --parity are two different tables: give one")
+    if sum((args.gaps, args.parity, args.pooled)) > 1:
+        parser.error("--gaps, --parity and --pooled are different tables: give one")
+    if args.pooled and not args.against:
+        parser.error("--pooled needs --against RUN... (the other arm's runs)")
+    if args.against and not args.pooled:
+        parser.error("--against belongs to --pooled")
+    if args.pooled and args.labels is not None and len(args.labels) != 2:
+        parser.error(f"--pooled takes two --labels (the arms' names), got {len(args.labels)}")
     if args.gaps and not args.windows:
         parser.error("--gaps needs --windows (e.g. --windows 501-750 751-1000)")
-    if args.labels is not None and len(args.labels) != len(args.runs):
+    if not args.pooled and args.labels is not None and len(args.labels) != len(args.runs):
         parser.error(f"--labels names {len(args.labels)} runs, but {len(args.runs)} are given")
     try:
-        if args.gaps:
+        if args.pooled:
+            print(pooled(args.runs, args.against, tuple(args.labels or ("BF16", "FP8")), args.window,
+                         args.tolerance))
+        elif args.gaps:
             print(gaps(args.runs, args.labels or [Path(run).name for run in args.runs], args.windows))
         elif args.parity:
             print(parity(args.runs, args.window, args.tolerance, args.worst, tuple(args.seeds)))
