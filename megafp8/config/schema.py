@@ -383,6 +383,15 @@ class TrainingConfig:
     seed: int = setting(
         1234, "Seed of weight init and (unless `data.seed` is set) data shuffling; the same seed gives the same run."
     )
+    deterministic: bool = setting(
+        False,
+        "Make a run repeatable bit for bit on the same GPUs, software and layout: torch's deterministic algorithms "
+        "(an op without one stops the run naming it), cuBLAS's fixed workspace (`CUBLAS_WORKSPACE_CONFIG=:4096:8` "
+        "unless set), cuDNN deterministic and not benchmarking, Inductor without on-device timing. Without it GPU runs "
+        "of one seed drift apart (kernels whose sums or atomic adds take another order each run): three BF16 runs of "
+        "the MoE parity model ended 0.85% apart (`docs/precision.md`). For debugging, bisecting and exact resumes; "
+        "its cost in speed is not yet measured.",
+    )
     max_consecutive_skips: int = setting(
         3,
         "A step whose global gradient norm is inf or nan (on any rank) is skipped on every rank: weights and optimizer "

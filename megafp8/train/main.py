@@ -18,7 +18,8 @@ from megafp8.train.checkpointing import CheckpointWriteError
 from megafp8.train.layouts import lighter_settings, render_layouts, search_layouts
 from megafp8.train.plan import GIB, dry_run, make_plan, vocab_note, with_vocab
 from megafp8.train.preemption import exit_status
-from megafp8.train.runtime import env_rank, init_distributed, report_error, seed_everything, shutdown
+from megafp8.train.runtime import (env_rank, init_distributed, report_error, seed_everything, set_determinism,
+                                   shutdown)
 from megafp8.train.trainer import Trainer
 
 log = logging.getLogger("megafp8")
@@ -223,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
     clean, trainer = False, None
     try:
         dims, device = init_distributed(cfg)
+        set_determinism(cfg.training.deterministic)
         seed_everything(cfg.training.seed)
         trainer = Trainer(cfg, dims, device, evaluate_only=args.evaluate)
         if args.evaluate:

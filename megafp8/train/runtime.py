@@ -217,6 +217,31 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
+# cuBLAS gives the same bits run to run only with a fixed workspace per handle (its docs, "Results reproducibility");
+# under deterministic algorithms torch refuses cuBLAS matmuls without one of these.
+CUBLAS_FIXED_WORKSPACES = (":4096:8", ":16:8")
+
+
+def set_determinism(on: bool) -> None:
+    """`training.deterministic`: torch's deterministic algorithms (ops without one raise, naming themselves), a fixed
+    cuBLAS workspace, cuDNN without benchmarking, Inductor without on-device timing. Call before the first CUDA
+    matmul; a `CUBLAS_WORKSPACE_CONFIG` already in the environment is kept if it is one of the fixed ones."""
+    if not on:
+        return
+    workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_FIXED_WORKSPACES[0])
+    if workspace not in CUBLAS_FIXED_WORKSPACES:
+        raise ConfigError(f"training.deterministic=true needs a fixed cuBLAS workspace, but the environment sets "
+                          f"CUBLAS_WORKSPACE_CONFIG={workspace}: unset it (megafp8 then sets "
+                          f"{CUBLAS_FIXED_WORKSPACES[0]}) or set one of {', '.join(CUBLAS_FIXED_WORKSPACES)}")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    import torch._inductor.config as inductor_config  # (imported here: only deterministic runs touch it)
+    if hasattr(inductor_config, "deterministic"):
+        inductor_config.deterministic = True
+    log.info("deterministic: torch's deterministic algorithms, CUBLAS_WORKSPACE_CONFIG=%s", workspace)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

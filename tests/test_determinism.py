@@ -1,0 +1,54 @@
+"""`training.deterministic`: repeatable runs. On the CPU a deterministic run trains exactly as a plain one (the CPU is
+deterministic already, so this shows the mode changes no numerics and that nothing reads memory it did not write:
+the mode fills fresh tensors with NaN); on a GPU two deterministic runs log the same losses bit for bit."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megafp8.config import ConfigError
+from megafp8.train.runtime import set_determinism
+from tests.conftest import REPO, torchrun_env
+
+PRETRAIN = str(REPO / "launch" / "pretrain.py")
+
+
+def _losses(tiny_overrides, tmp_path, name: str, *extra: str) -> tuple[list[tuple[str, int, float]], str]:
+    """(kind, step, loss or validation loss) of a tiny FP8 MoE run in its own process, and its log."""
+    cmd = [sys.executable, PRETRAIN, "--config", "tiny_moe_fp8", *tiny_overrides, f"run_name={name}",
+           "training.steps=4", "training.eval_interval=4", *extra]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=torchrun_env(), cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    losses = [(r["kind"], r["step"], r.get("loss", r.get("val_loss"))) for r in records
+              if r["kind"] in ("train", "eval")]
+    return losses, result.stdout + result.stderr
+
+
+def test_a_deterministic_run_trains_exactly_as_a_plain_one_on_the_cpu(tiny_overrides, tmp_path):
+    plain, _ = _losses(tiny_overrides, tmp_path, "plain")
+    deterministic, log = _losses(tiny_overrides, tmp_path, "deterministic", "training.deterministic=true")
+    assert "deterministic: torch's deterministic algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8" in log, log[-2000:]
+    assert len(plain) == 5 and deterministic == plain  # four steps and the evaluation, to the bit
+
+
+def test_a_cublas_workspace_that_is_not_fixed_is_refused_before_anything_changes(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    with pytest.raises(ConfigError, match="CUBLAS_WORKSPACE_CONFIG=:0:0: unset it"):
+        set_determinism(True)
+    assert not torch.are_deterministic_algorithms_enabled()
+    set_determinism(False)  # off: nothing is read or set
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", ["false", "true"], ids=["eager", "compiled"])
+def test_two_deterministic_gpu_runs_log_the_same_losses(tiny_overrides, tmp_path, compiled):
+    """At a sequence long enough for attention's backward to split its keys (512)."""
+    runs = [_losses(tiny_overrides, tmp_path, f"gpu_{compiled}_{i}", "training.deterministic=true",
+                    "data.seq_len=512", f"training.compile={compiled}")[0] for i in range(2)]
+    assert runs[0] == runs[1], runs
