@@ -92,6 +92,13 @@ def test_a_relaunch_may_retune_the_gradient_buckets(tiny_overrides):
         make_trainer(tiny_overrides, SAVING + ["training.steps=6", "optimizer.moment_dtype=bf16"])
 
 
+def test_a_relaunch_may_turn_determinism_on(tiny_overrides):
+    """`training.deterministic` fixes the order of sums that otherwise varies run to run (the same arithmetic): a run
+    whose later steps need repeating can continue under it."""
+    make_trainer(tiny_overrides, SAVING).fit()
+    assert make_trainer(tiny_overrides, SAVING + ["training.steps=6", "training.deterministic=true"]).step == 4
+
+
 def test_a_relaunch_of_a_run_started_from_a_checkpoint_continues_from_its_own(tiny_overrides, caplog):
     """A run started from another run's checkpoint (`checkpoint.resume=PATH`, as docs/checkpoints.md starts one from
     an imported checkpoint) and relaunched with the same config (a requeue) went back to PATH: it dropped its

@@ -30,8 +30,10 @@ log = logging.getLogger("megafp8")
 CONFIG_FILE = "config.yaml"
 RUN_INFO_FILE = "run_info.json"
 # Settings (dotted prefixes) that may differ between launches of one run. The optimizer's bucket size and overlap
-# only group and schedule the same per-element reductions.
+# only group and schedule the same per-element reductions; `training.deterministic` fixes the order of sums that
+# otherwise varies run to run.
 RELAUNCH_SETTINGS = ("training.steps", "training.device", "training.compile", "training.recompute",
+                     "training.deterministic",
                      "training.eval_interval", "training.eval_iters", "training.micro_batch_size", "parallel.",
                      "checkpoint.", "logging.", "precision.fp8_backend", "optimizer.bucket_size_mb",
                      "optimizer.overlap_grad_reduce")
