@@ -52,3 +52,34 @@ def test_two_deterministic_gpu_runs_log_the_same_losses(tiny_overrides, tmp_path
     runs = [_losses(tiny_overrides, tmp_path, f"gpu_{compiled}_{i}", "training.deterministic=true",
                     "data.seq_len=512", f"training.compile={compiled}")[0] for i in range(2)]
     assert runs[0] == runs[1], runs
+
+
+def test_the_probe_compares_first_gradients_bit_for_bit_by_parameter_group():
+    """benchmarks/determinism.py's comparison: a parameter whose gradient differs in one bit counts (0.0 against
+    -0.0 too), layer indices fold into groups, differing groups come first; NaNs of the same bits are equal."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from determinism import compare_gradients, first_difference, group_of
+
+    assert group_of("layers.12.mlp.experts.gate_up_proj") == "layers.*.mlp.experts.gate_up_proj"
+    a = {"embed.weight": torch.tensor([1.0, float("nan")]), "layers.0.attn.w": torch.tensor([2.0, 0.0]),
+         "layers.1.attn.w": torch.tensor([4.0, 1.0])}
+    b = {"embed.weight": torch.tensor([1.0, float("nan")]), "layers.0.attn.w": torch.tensor([2.0, -0.0]),
+         "layers.1.attn.w": torch.tensor([4.0, torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()])}
+    rows = compare_gradients(a, b)
+    assert [row[:3] for row in rows] == [("layers.*.attn.w", 2, 2), ("embed.weight", 1, 0)]
+    assert rows[0][3] == pytest.approx(2.0 ** -23 / 4.0)
+    with pytest.raises(ValueError, match="other parameters"):
+        compare_gradients(a, {"embed.weight": a["embed.weight"]})
+    assert first_difference([3.0, 2.0, 1.0], [3.0, 2.5, 1.0]) == 2 and first_difference([1.0], [1.0]) is None
+
+
+def test_the_probe_runs_twice_and_reports_on_the_cpu(tmp_path):
+    """On the CPU (deterministic) the two runs agree everywhere, with and without `--deterministic`."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "determinism.py"), "--model", "tiny", "--steps", "2",
+           "--data", str(tmp_path / "data"), "training.device=cpu", "--recipes", "fp8", "--deterministic"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env(), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "### fp8, training.deterministic" in result.stdout
+    assert "- first step's gradients: 0 of 15 parameters differ between the two runs" in result.stdout, result.stdout
+    assert "- losses: the same at every one of 2 steps" in result.stdout
+    assert "| `layers.*.attn.qkv_proj.weight` | 2 | 0 | 0.00e+00 |" in result.stdout
