@@ -3,7 +3,7 @@
 seed (so the same weights and batches), its first step's gradients compared parameter by parameter, bit for bit,
 then every step's loss.
 
-    PYTHONPATH=. python benchmarks/determinism.py --model moe --steps 10 training.compile=true \
+    PYTHONPATH=. python benchmarks/determinism.py --model moe --steps 10 training.compile=true \\
         training.compile_mode=reduce-overhead --recipes bf16 fp8
     PYTHONPATH=. python benchmarks/determinism.py --model moe --steps 10 --deterministic ...   # the same, under
         # `training.deterministic` (its settings hold for the whole process)
