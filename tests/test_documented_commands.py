@@ -171,6 +171,11 @@ COMMANDS: dict[str, Run | Skip] = {
     "python tools/plot_runs.py runs/bf16_a runs/fp8_a runs/bf16_b --labels \"BF16 seed A\" \"FP8 seed A\" "
     "\"BF16 seed B\" --metrics loss val_loss --gaps --smooth 10 --from-step 100 --out parity.png":
         Run(((PARITY_RUNS, TINY_RUNS), ("--from-step 100", "--from-step 0")), "the 2-step run three times"),
+    "python tools/compare_runs.py --pooled runs/bf16_b runs/bf16_b_r2 runs/bf16_b_r3 --against runs/fp8_b "
+    "runs/fp8_b_r2 --labels \"BF16 B\" \"FP8 B\" --window 250":
+        Run((("runs/bf16_b runs/bf16_b_r2 runs/bf16_b_r3", "runs/tiny_dense runs/tiny_dense runs/tiny_dense"),
+             ("runs/fp8_b runs/fp8_b_r2", "runs/tiny_dense runs/tiny_dense")),
+            "the 2-step run as every repeat: both arms the same"),
     "OUT=results bash benchmarks/gpu_parity_corpus.sh corpus": Skip(GPU_SESSION),
     "OUT=results bash benchmarks/gpu_parity_corpus.sh next": Skip(GPU_SESSION),
     "OUT=results bash benchmarks/gpu_parity_corpus.sh status": Skip(GPU_SESSION),
