@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,13 +33,13 @@ def script(tmp_path, *args, **env):
 
 
 def run_configs(tmp_path, *names) -> dict:
-    """Each run's resolved config, as the script's `config` sub-step prints it (every key checked)."""
-    configs = {}
-    for name in names:
-        result = script(tmp_path, "config", name)
+    """Each run's resolved config, as the script's `config` sub-step prints it (every key checked); the sub-steps
+    run side by side (each a Python start-up: `config` reads nothing the others write)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(names, pool.map(lambda name: script(tmp_path, "config", name), names)))
+    for result in results.values():
         assert result.returncode == 0, result.stderr
-        configs[name] = yaml.safe_load(result.stdout)
-    return configs
+    return {name: yaml.safe_load(result.stdout) for name, result in results.items()}
 
 
 def fake_corpus(tmp_path, train_tokens, valid_tokens):
