@@ -48,6 +48,7 @@ def one_run(cfg, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     run directory of its own)."""
     dims, device = init_distributed(cfg)
     seed_everything(cfg.training.seed)
+    torch._dynamo.reset()  # each run compiles as the first did (as train_step.py's runs do)
     trainer = Trainer(cfg, dims, device)
     grads: dict[str, torch.Tensor] = {}
     losses = []
