@@ -74,7 +74,8 @@ def test_the_probe_compares_first_gradients_bit_for_bit_by_parameter_group():
 
 
 def test_the_probe_runs_twice_and_reports_on_the_cpu(tmp_path):
-    """On the CPU (deterministic) the two runs agree everywhere, with and without `--deterministic`."""
+    """On the CPU (deterministic already) the two runs agree everywhere; here under `--deterministic`, the mode's
+    path through the probe (set for the whole process before anything runs)."""
     cmd = [sys.executable, str(REPO / "benchmarks" / "determinism.py"), "--model", "tiny", "--steps", "2",
            "--data", str(tmp_path / "data"), "training.device=cpu", "--recipes", "fp8", "--deterministic"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env(), cwd=tmp_path)
