@@ -284,15 +284,12 @@ def test_the_bf16_experts_weight_gradient_add_skips_experts_without_rows_in_the_
     run_in_triton_interpreter(tmp_path, INTERPRETED_EXPERTS_ADD)
 
 
-def test_the_bf16_experts_weight_gradient_add_on_the_cpu_is_the_whole_add_with_idle_experts_as_zero():
-    """Off CUDA the op adds everything, an idle expert's part of the gradient taken as zero whatever it holds
-    (`torch._grouped_mm` need not write it, and the BF16 backward no longer zeroes it before the add)."""
+def test_the_bf16_experts_weight_gradient_add_on_the_cpu_is_the_whole_add():
+    """Off CUDA the op adds everything (an idle expert's gradient is exact zeros there too)."""
     from megafp8.precision.grouped import add_experts_with_rows_into_
-    out, x = torch.randn(4, 16, 8), torch.randn(4, 16, 8).bfloat16()
-    x[1], x[3] = float("nan"), 7.0  # experts 1 and 3 have no rows
+    out, x = torch.randn(3, 16, 8), torch.randn(3, 16, 8).bfloat16()
     want = out + x.float()
-    want[1], want[3] = out[1], out[3]
-    add_experts_with_rows_into_(out, x, torch.tensor([2, 2, 9, 9], dtype=torch.int32))
+    add_experts_with_rows_into_(out, x, torch.tensor([2, 2, 9], dtype=torch.int32))
     assert torch.equal(out, want)
 
 

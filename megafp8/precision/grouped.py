@@ -203,17 +203,14 @@ class _GroupedLinearFn(torch.autograd.Function):
             if offsets is not None:
                 dx = torch._grouped_mm(dy, weight, offs=offsets.offs)  # (M, N) @ (E, N, K) -> (M, K)
 
-                def grouped_wgrad() -> torch.Tensor:  # (N, M) @ (M, K), groups along the tokens -> (E, N, K); an
-                    return torch._grouped_mm(dy.t(), x, offs=offsets.offs)  # expert without rows: maybe unwritten
-
-                def plain_wgrad() -> torch.Tensor:
-                    dw = grouped_wgrad()
+                def plain_wgrad() -> torch.Tensor:  # (N, M) @ (M, K), groups along the tokens -> (E, N, K)
+                    dw = torch._grouped_mm(dy.t(), x, offs=offsets.offs)
                     if offsets.empty is not None:  # experts without rows get exactly zero
                         dw.index_put_((offsets.empty,), dw.new_zeros(()))
                     return dw
 
-                def plain_wgrad_into(main_grad: torch.Tensor) -> None:  # the add reads the experts with rows only
-                    add_experts_with_rows_into_(main_grad, grouped_wgrad(), offsets.offs)
+                def plain_wgrad_into(main_grad: torch.Tensor) -> None:  # the experts with rows only, on CUDA
+                    add_experts_with_rows_into_(main_grad, plain_wgrad(), offsets.offs)
             else:
                 segments = _segments(ctx.counts)
                 dx = torch.zeros(dy.shape[0], weight.shape[2], dtype=dy.dtype, device=dy.device)
@@ -245,19 +242,16 @@ class _GroupedLinearFn(torch.autograd.Function):
 @torch.library.custom_op("megafp8::add_experts_with_rows_into_", mutates_args=("out",))
 def add_experts_with_rows_into_(out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> None:
     """out += x: the BF16 experts' stacked weight gradient added into (an alias of) the weight's FP32 `main_grad`
-    (declared as a mutation, so a compiled graph keeps it, in order), for the experts with rows only (offs:
-    `_grouped_mm`'s cumulative row counts). An expert without rows has a zero gradient, so its part of x is never
-    read and may hold anything: `torch._grouped_mm` need not write it, and nothing zeroes it first (a pass over all
-    of dw). On CUDA a Triton kernel adds the experts with rows (`megafp8.precision.kernels.experts_add`: the
-    others' 10 bytes a parameter are never moved; the same bits); elsewhere (where `triton_runs_on` says no), the
-    whole add with those experts' part taken as zero."""
+    (declared as a mutation, so a compiled graph keeps it, in order). x is exactly zero for an expert without rows
+    (offs: `_grouped_mm`'s cumulative row counts), so on CUDA a Triton kernel adds only the experts with rows
+    (`megafp8.precision.kernels.experts_add`: the others' 10 bytes a parameter are never moved; the same bits);
+    elsewhere (where `triton_runs_on` says no), the whole add."""
     if out.is_cuda and triton_runs_on(out.device) and out.dtype == torch.float32 and x.shape == out.shape \
             and out.is_contiguous() and x.is_contiguous():
         from megafp8.precision.kernels.experts_add import add_experts_with_rows_
         add_experts_with_rows_(out, x, offs)
     else:
-        idle = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
-        out.add_(torch.where(idle[:, None, None], torch.zeros((), dtype=x.dtype, device=x.device), x))
+        out.add_(x)
 
 
 @add_experts_with_rows_into_.register_fake
@@ -279,13 +273,13 @@ class _TracedGroupedMmFn(torch.autograd.Function):
         x, weight, offs, empty, main_grad = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch._grouped_mm(dy, weight, offs=offs)
-        dw = torch._grouped_mm(dy.t(), x, offs=offs)  # an expert without rows: maybe left unwritten
-        if main_grad is not None:  # the add reads the experts with rows only: no pass zeroing the others first
-            add_experts_with_rows_into_(main_grad, dw, offs)
-            return dx, None, None, None, None
+        dw = torch._grouped_mm(dy.t(), x, offs=offs)
         if empty is not None:  # experts without rows get exactly zero, found on the device
             dw = torch.where(empty[:, None, None], torch.zeros((), dtype=dw.dtype, device=dw.device), dw)
-        return dx, dw, None, None, None
+        if main_grad is None:
+            return dx, dw, None, None, None
+        add_experts_with_rows_into_(main_grad, dw, offs)
+        return dx, None, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts, cache: Optional[Fp8WeightCache],
