@@ -389,8 +389,9 @@ class TrainingConfig:
         "(an op without one stops the run naming it), cuBLAS's fixed workspace (`CUBLAS_WORKSPACE_CONFIG=:4096:8` "
         "unless set), cuDNN deterministic and not benchmarking, Inductor without on-device timing. Without it GPU runs "
         "of one seed drift apart (kernels whose sums or atomic adds take another order each run): three BF16 runs of "
-        "the MoE parity model ended 0.85% apart (`docs/precision.md`). For debugging, bisecting and exact resumes; "
-        "its cost in speed is not yet measured.",
+        "the MoE parity model ended 0.85% apart (`docs/precision.md`). For debugging, bisecting and exact resumes. "
+        "Shown so far on the CPU and on a small model on one GPU (eager); on large models, compiled, and its cost in "
+        "speed, not yet measured.",
     )
     max_consecutive_skips: int = setting(
         3,
