@@ -183,9 +183,15 @@ def test_pooled_compares_the_arms_means_against_the_reference_arm_s_own_range(tm
     assert "- FP8 B's mean (2 runs) vs BF16 B's: +0.332%, standard error 0.332%: inside BF16 B's range" in report
     assert "cannot resolve 0.25% (two standard errors are 0.663%): at this deviation that takes ~32 runs an arm" \
         in report, report
-    assert "**INSIDE the run-to-run noise**" in report
+    assert "**INSIDE the run-to-run noise**: the difference of the means is 1.00 standard errors" in report
     far = pooled(bf16, _repeats(tmp_path, "far", [3.1, 3.1]), ("BF16", "FP8"), window=500, tolerance=0.05)
     assert "**OUTSIDE the run-to-run noise**" in far and "These runs resolve 5.00%" in far, far
+    # A range only widens with more runs: a mean inside it but three standard errors away is outside the noise.
+    wide = _repeats(tmp_path, "wide", [3.00, 3.01, 3.00, 3.01, 3.00, 3.06], steps=(1000,) * 6)
+    shifted = pooled(wide, _repeats(tmp_path, "shifted", [3.04, 3.04, 3.04]), ("BF16", "FP8"), window=500,
+                     tolerance=0.0025)
+    assert "+0.885%, standard error 0.317%: inside BF16's range" in shifted, shifted
+    assert "**OUTSIDE the run-to-run noise**: the difference of the means is 2.79 standard errors" in shifted
 
 
 def test_pooled_refuses_an_arm_without_a_spread_and_its_command_line_checks_its_arguments(tmp_path):

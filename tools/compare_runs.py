@@ -31,7 +31,9 @@ Per window and evaluation: each arm's runs, their mean, the reference arm's rang
 run-to-run spread at one seed), and the other arm's mean as its gap to the reference's; a run is counted where it
 got to. Then the verdict at the last evaluation both arms reached: the other arm's mean inside the reference's
 range or not, the standard error of the two means' difference, and whether the runs can resolve `--tolerance` at
-all (two standard errors below it), with the runs an arm that would take.
+all (two standard errors below it), with the runs an arm that would take. The bold verdict is the difference against
+two standard errors (about a 95% two-sided test), not the range: a range only widens as runs are added, so a mean
+inside it says less and less.
 """
 from __future__ import annotations
 
@@ -243,7 +245,8 @@ def pooled_verdict(ref: list[float], other: list[float], tolerance: float, label
     """The end verdict of two arms of repeats (final losses): the other arm's mean inside the reference arm's range
     (its run-to-run spread at one seed) or not; the standard error of the difference of the means (the reference's
     sample deviation stands in for an arm of one run); and whether these runs resolve `tolerance` (two standard
-    errors at most), else about how many runs an arm would (n >= 8 s^2 / tolerance^2 for two arms of n runs)."""
+    errors at most), else about how many runs an arm would (n >= 8 s^2 / tolerance^2 for two arms of n runs).
+    INSIDE or OUTSIDE the noise is the difference within two standard errors of zero or not."""
     if len(ref) < 2:
         raise ConfigError(f"the {labels[0]} arm needs two runs or more to measure its run-to-run spread")
     ref_mean, other_mean = statistics.fmean(ref), statistics.fmean(other)
@@ -263,8 +266,10 @@ def pooled_verdict(ref: list[float], other: list[float], tolerance: float, label
         needed = math.ceil(8 * max(deviation, other_deviation) ** 2 / tolerance ** 2)
         lines.append(f"- These runs cannot resolve {tolerance:.2%} (two standard errors are {2 * error:.3%}): at this "
                      f"deviation that takes ~{needed} runs an arm")
-    lines.append(f"- **{'INSIDE' if inside else 'OUTSIDE'} the run-to-run noise**: {labels[1]}'s mean is "
-                 f"{'inside' if inside else 'outside'} the range of {labels[0]}'s repeats")
+    errors = abs(gap) / error if error > 0 else math.inf
+    within = errors <= 2
+    lines.append(f"- **{'INSIDE' if within else 'OUTSIDE'} the run-to-run noise**: the difference of the means is "
+                 f"{errors:.2f} standard errors from zero ({'at most' if within else 'more than'} two)")
     return lines
 
 
