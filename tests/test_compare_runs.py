@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 
 from megafp8.config import ConfigError
 from tests.conftest import REPO, torchrun_env
-from tools.compare_runs import compare, gaps, parity, pooled
+from tools.compare_runs import compare, gaps, parity, pooled, t_critical, welch
 
 
 def _write(path, losses, norms, times):
@@ -181,9 +182,11 @@ def test_pooled_compares_the_arms_means_against_the_reference_arm_s_own_range(tm
     assert "| 1000 | 3.0000, 3.0300, 3.0150 | 3.0150 | 0.995% | 3.0200, 3.0300 | 3.0250 | +0.332% |" in report
     assert "- BF16 B's run-to-run range at one seed (3 runs): 0.995% of their mean; sample deviation 0.498%" in report
     assert "- FP8 B's mean (2 runs) vs BF16 B's: +0.332%, standard error 0.332%: inside BF16 B's range" in report
-    assert "cannot resolve 0.25% (two standard errors are 0.663%): at this deviation that takes ~32 runs an arm" \
+    assert "cannot resolve 0.25% (the 95% bound is 1.427%): at this deviation that takes ~32 runs an arm" \
         in report, report
-    assert "**INSIDE the run-to-run noise**: the difference of the means is 1.00 standard errors" in report
+    # Welch's t test at 2.9 degrees of freedom (rounded down to 2: t = 4.30), not the normal distribution's 1.96
+    assert ("**INSIDE the run-to-run noise** (Welch's t test, 95%): the difference of the means is 1.00 standard "
+            "errors from zero, against 4.30 at 2.9 degrees of freedom; 95% interval -1.096% to +1.759%") in report
     far = pooled(bf16, _repeats(tmp_path, "far", [3.1, 3.1]), ("BF16", "FP8"), window=500, tolerance=0.05)
     assert "**OUTSIDE the run-to-run noise**" in far and "These runs resolve 5.00%" in far, far
     # A range only widens with more runs: a mean inside it but three standard errors away is outside the noise.
@@ -191,7 +194,19 @@ def test_pooled_compares_the_arms_means_against_the_reference_arm_s_own_range(tm
     shifted = pooled(wide, _repeats(tmp_path, "shifted", [3.04, 3.04, 3.04]), ("BF16", "FP8"), window=500,
                      tolerance=0.0025)
     assert "+0.885%, standard error 0.317%: inside BF16's range" in shifted, shifted
-    assert "**OUTSIDE the run-to-run noise**: the difference of the means is 2.79 standard errors" in shifted
+    assert ("**OUTSIDE the run-to-run noise** (Welch's t test, 95%): the difference of the means is 2.79 standard "
+            "errors from zero, against 2.57 at 5.0 degrees of freedom") in shifted, shifted
+
+
+def test_welch_s_degrees_of_freedom_and_student_s_critical_values():
+    """The standard error and Welch-Satterthwaite degrees of freedom of two arms (an arm of one run borrows the
+    reference's variance and its degrees of freedom); t's 97.5% point rounded down to whole degrees of freedom."""
+    error, dof = welch([1.0, 2.0, 3.0], [2.0, 4.0])  # variances 1 and 2: 1/3 + 2/2
+    assert error == pytest.approx(math.sqrt(4 / 3)) and dof == pytest.approx((4 / 3) ** 2 / ((1 / 3) ** 2 / 2 + 1))
+    assert welch([1.0, 2.0, 3.0], [5.0]) == (pytest.approx(math.sqrt(1 / 3 + 1)), 2.0)
+    assert welch([1.0, 1.0], [1.0, 1.0]) == (0.0, 2.0)
+    assert t_critical(1) == 12.706 and t_critical(3.77) == 3.182 and t_critical(30) == 2.042
+    assert t_critical(31) == 1.96 and t_critical(0.4) == 12.706
 
 
 def test_pooled_refuses_an_arm_without_a_spread_and_its_command_line_checks_its_arguments(tmp_path):

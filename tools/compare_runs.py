@@ -31,9 +31,9 @@ Per window and evaluation: each arm's runs, their mean, the reference arm's rang
 run-to-run spread at one seed), and the other arm's mean as its gap to the reference's; a run is counted where it
 got to. Then the verdict at the last evaluation both arms reached: the other arm's mean inside the reference's
 range or not, the standard error of the two means' difference, and whether the runs can resolve `--tolerance` at
-all (two standard errors below it), with the runs an arm that would take. The bold verdict is the difference against
-two standard errors (about a 95% two-sided test), not the range: a range only widens as runs are added, so a mean
-inside it says less and less.
+all, with the runs an arm that would take. The bold verdict is Welch's t test of the difference (95%, two-sided,
+Student's t at the Welch-Satterthwaite degrees of freedom, since an arm has a handful of runs), not the range: a
+range only widens as runs are added, so a mean inside it says less and less.
 """
 from __future__ import annotations
 
@@ -241,12 +241,39 @@ def _pooled_row(label: str, ref: list[float], other: list[float]) -> str:
             f"{_gap(other_mean, ref_mean):+.3%} |")
 
 
+# Student's t at 97.5% (a two-sided 95% test) for 1 to 30 degrees of freedom: with three or four runs an arm the
+# normal distribution's 1.96 would pass differences that are not resolved.
+_T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_critical(dof: float) -> float:
+    """The two-sided 95% critical value of Student's t at `dof` degrees of freedom, rounded down to a whole number
+    (the conservative side); 1.96 beyond 30."""
+    whole = max(1, math.floor(dof))
+    return _T_975[whole - 1] if whole <= len(_T_975) else 1.96
+
+
+def welch(ref: list[float], other: list[float]) -> tuple[float, float]:
+    """(the standard error of the difference of the two arms' means, its Welch-Satterthwaite degrees of freedom),
+    in the values' own units. An arm of one run borrows the reference's sample variance, and the degrees of freedom
+    are then the reference's alone."""
+    ref_var = statistics.variance(ref)
+    other_var = statistics.variance(other) if len(other) > 1 else ref_var
+    a, b = ref_var / len(ref), other_var / len(other)
+    if len(other) == 1:
+        return math.sqrt(a + b), float(len(ref) - 1)
+    if a + b == 0:
+        return 0.0, float(len(ref) + len(other) - 2)
+    return math.sqrt(a + b), (a + b) ** 2 / (a ** 2 / (len(ref) - 1) + b ** 2 / (len(other) - 1))
+
+
 def pooled_verdict(ref: list[float], other: list[float], tolerance: float, labels: tuple[str, str]) -> list[str]:
     """The end verdict of two arms of repeats (final losses): the other arm's mean inside the reference arm's range
-    (its run-to-run spread at one seed) or not; the standard error of the difference of the means (the reference's
-    sample deviation stands in for an arm of one run); and whether these runs resolve `tolerance` (two standard
-    errors at most), else about how many runs an arm would (n >= 8 s^2 / tolerance^2 for two arms of n runs).
-    INSIDE or OUTSIDE the noise is the difference within two standard errors of zero or not."""
+    (its run-to-run spread at one seed) or not; the standard error of the difference of the means and Welch's t
+    test of it (95%, two-sided: INSIDE the noise where the difference is at most the critical t times the standard
+    error); and whether these runs resolve `tolerance` (the critical t times the standard error at most), else
+    about how many runs an arm would (n >= 8 s^2 / tolerance^2 for two arms of n runs, the large-sample rule)."""
     if len(ref) < 2:
         raise ConfigError(f"the {labels[0]} arm needs two runs or more to measure its run-to-run spread")
     ref_mean, other_mean = statistics.fmean(ref), statistics.fmean(other)
@@ -254,22 +281,26 @@ def pooled_verdict(ref: list[float], other: list[float], tolerance: float, label
     spread = (max(ref) - min(ref)) / ref_mean
     deviation = statistics.stdev(ref) / ref_mean
     other_deviation = statistics.stdev(other) / ref_mean if len(other) > 1 else deviation
-    error = math.sqrt(deviation ** 2 / len(ref) + other_deviation ** 2 / len(other))
+    error, dof = welch(ref, other)
+    error /= ref_mean
+    critical = t_critical(dof)
     inside = abs(gap) <= spread
     lines = [f"- {labels[0]}'s run-to-run range at one seed ({len(ref)} runs): {spread:.3%} of their mean; "
              f"sample deviation {deviation:.3%}",
              f"- {labels[1]}'s mean ({len(other)} run{'s' if len(other) > 1 else ''}) vs {labels[0]}'s: {gap:+.3%}, "
              f"standard error {error:.3%}: {'inside' if inside else 'OUTSIDE'} {labels[0]}'s range"]
-    if 2 * error <= tolerance:
-        lines.append(f"- These runs resolve {tolerance:.2%}: two standard errors are {2 * error:.3%}")
+    if critical * error <= tolerance:
+        lines.append(f"- These runs resolve {tolerance:.2%}: the 95% bound is {critical * error:.3%}")
     else:
         needed = math.ceil(8 * max(deviation, other_deviation) ** 2 / tolerance ** 2)
-        lines.append(f"- These runs cannot resolve {tolerance:.2%} (two standard errors are {2 * error:.3%}): at this "
-                     f"deviation that takes ~{needed} runs an arm")
-    errors = abs(gap) / error if error > 0 else math.inf
-    within = errors <= 2
-    lines.append(f"- **{'INSIDE' if within else 'OUTSIDE'} the run-to-run noise**: the difference of the means is "
-                 f"{errors:.2f} standard errors from zero ({'at most' if within else 'more than'} two)")
+        lines.append(f"- These runs cannot resolve {tolerance:.2%} (the 95% bound is {critical * error:.3%}): at "
+                     f"this deviation that takes ~{needed} runs an arm")
+    ratio = abs(gap) / error if error > 0 else (0.0 if gap == 0 else math.inf)
+    within = ratio <= critical
+    lines.append(f"- **{'INSIDE' if within else 'OUTSIDE'} the run-to-run noise** (Welch's t test, 95%): the "
+                 f"difference of the means is {ratio:.2f} standard errors from zero, against {critical:.2f} at "
+                 f"{dof:.1f} degrees of freedom; 95% interval {gap - critical * error:+.3%} to "
+                 f"{gap + critical * error:+.3%}")
     return lines
 
 
