@@ -35,6 +35,7 @@
 # recompute_layers_steps: the ~1B with all, half and none of its blocks recomputed; moe_auto: the MoE step on it
 # MOE_REPEATS times (default 2) as train_step.py runs it, then once with the router balanced (as moe_balanced;
 # MOE_BALANCED=0 skips it), and with MOE_ACCUM=1 once at four micro-batches per optimizer step;
+# deterministic_cost: each of DET_MODELS (default "1b 8b-layers moe") plain and under `training.deterministic`;
 # ab_moe_auto: $OLD against this tree on that step (ab_moe_balanced: after the router has balanced; AB_RECIPES=fp8
 # times FP8 alone, where the change leaves BF16's code as it was);
 # recompute_in_graph_memory: what the recomputation inside the compiled backward keeps (the ~1B, BF16, allocator
@@ -449,6 +450,16 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
           training.compile_mode=reduce-overhead --model moe --global-batch 32 --recipes bf16 fp8
       fi
       grep -h "fp8: backend\|fp8: auto" "$LOGS"/moe_auto_*.log | sort -u >> "$OUT/summary.md" ;;
+    deterministic_cost)  # what `training.deterministic` costs: each of DET_MODELS (default "1b 8b-layers moe") as
+                         # train_step.py runs it under CUDA graphs on `auto` (DeepGEMM installed), plain and then
+                         # deterministic, each in its own process (the mode's settings hold for a whole process)
+      install_deepgemm
+      for model in ${DET_MODELS:-1b 8b-layers moe}; do
+        for mode in false true; do
+          step "deterministic_${model}_$mode" python benchmarks/train_step.py training.compile=true \
+            training.compile_mode=reduce-overhead training.deterministic=$mode --model "$model" --recipes bf16 fp8
+        done
+      done ;;
     ab_moe_auto)  # $OLD against this tree on `auto` where DeepGEMM is installed: the MoE step as train_step.py runs
                   # it (CUDA graphs, BF16 and FP8 in each run), interleaved (ABBA), AB_REPEATS runs each
       install_deepgemm

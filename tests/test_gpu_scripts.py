@@ -598,3 +598,18 @@ def test_gpu_e2e_moe_auto_adds_a_pair_at_four_micro_batches_only_when_asked(tmp_
     runs = (tmp_path / "train_step_args.txt").read_text().splitlines()
     assert len(runs) == 1 + int(accum)
     assert ["--global-batch 32" in r for r in runs] == [False] + [True] * int(accum)
+
+
+def test_gpu_e2e_deterministic_cost_runs_each_model_plain_then_deterministic(tmp_path):
+    """`gpu_e2e.sh deterministic_cost`: each of DET_MODELS in a process of its own, plain then under
+    `training.deterministic`, both recipes, under CUDA graphs; one table each in the summary."""
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["deterministic_cost"], 'echo "$*" >> ../train_step_args.txt',
+                                    env={"DET_MODELS": "1b moe", "DEEPGEMM_SRC": str(tmp_path / "no_source")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [r.split() for r in (tmp_path / "train_step_args.txt").read_text().splitlines()]
+    assert [(r[r.index("--model") + 1], next(a for a in r if a.startswith("training.deterministic="))) for r in runs] \
+        == [("1b", "training.deterministic=false"), ("1b", "training.deterministic=true"),
+            ("moe", "training.deterministic=false"), ("moe", "training.deterministic=true")]
+    assert all("training.compile_mode=reduce-overhead" in r and r[-2:] == ["bf16", "fp8"] for r in runs)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert all(f"## deterministic_{m}_{d}" in summary for m in ("1b", "moe") for d in ("false", "true")), summary
