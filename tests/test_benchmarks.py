@@ -1,6 +1,7 @@
 """The benchmarks run end to end on CPU as smoke tests (the GPU figures live in docs/benchmarks.md): the training
 step and its profile's kernel categories, the plain-PyTorch yardstick, the GEMM tables and the integrity costs. The
-interleaved A/B of two trees is tested in test_ab_steps.py, the GPU shell scripts in test_gpu_scripts.py."""
+interleaved A/B of two trees is tested in test_ab_steps.py, the GPU shell scripts in test_gpu_scripts.py and
+test_gpu_e2e_script.py."""
 from __future__ import annotations
 
 import re
