@@ -128,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         data = train_step.corpus(args.data)
         for recipe in args.recipes:
             runs = []
-            for _ in range(2):  # the same settings, each run in a directory of its own
-                args.out = Path(tempfile.mkdtemp(prefix="megafp8-determinism-"))
-                runs.append(one_run(train_step.run_config(args.model, recipe, args, data), args.steps))
+            for _ in range(2):  # the same settings, each run in a directory of its own, removed after it
+                with tempfile.TemporaryDirectory(prefix="megafp8-determinism-") as out:
+                    args.out = Path(out)
+                    runs.append(one_run(train_step.run_config(args.model, recipe, args, data), args.steps))
             (grads_a, losses_a), (grads_b, losses_b) = runs
             sections.append(report(recipe, compare_gradients(grads_a, grads_b), (losses_a, losses_b),
                                    args.deterministic))
