@@ -34,7 +34,8 @@
 # ~1B, 8B-layer and MoE steps on it; qk_norm_steps: the ~1B with Qwen's query/key norms and q/k/v bias;
 # recompute_layers_steps: the ~1B with all, half and none of its blocks recomputed; moe_auto: the MoE step on it
 # MOE_REPEATS times (default 2) as train_step.py runs it, then once with the router balanced (as moe_balanced;
-# MOE_BALANCED=0 skips it), and with MOE_ACCUM=1 once at four micro-batches per optimizer step;
+# MOE_BALANCED=0 skips it), and with MOE_ACCUM=1 once at four micro-batches per optimizer step; MOE_OVERRIDES: config
+# overrides for all of its runs;
 # deterministic_cost: each of DET_MODELS (default "1b 8b-layers moe") plain and under `training.deterministic`;
 # ab_moe_auto: $OLD against this tree on that step (ab_moe_balanced: after the router has balanced; AB_RECIPES=fp8
 # times FP8 alone, where the change leaves BF16's code as it was);
@@ -436,18 +437,22 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
     moe_auto)  # issue 19's MoE step on `auto` where DeepGEMM is installed: MOE_REPEATS pairs (BF16, FP8) as
                # train_step.py runs it (the router not balanced), then one pair after MOE_WARMUP steps with the
                # balancing bias moving MOE_BIAS_RATE a step (moe_balanced's settings); the logged backends to the summary
+      # MOE_OVERRIDES: config overrides for every run of the part (e.g. optimizer.moment_dtype=bf16, as
+      # configs/671b_fp8.yaml keeps AdamW's moments), both recipes alike
       install_deepgemm
+      read -r -a moe_overrides <<< "${MOE_OVERRIDES:-}"
       for i in $(seq "${MOE_REPEATS:-2}"); do
         step moe_auto_$i python benchmarks/train_step.py training.compile=true training.compile_mode=reduce-overhead \
-          --model moe --recipes bf16 fp8
+          "${moe_overrides[@]}" --model moe --recipes bf16 fp8
       done
       if [ "${MOE_BALANCED:-1}" = 1 ]; then
-        step moe_auto_balanced python benchmarks/train_step.py "${MOE_BALANCED_STEP[@]}" --recipes bf16 fp8
+        step moe_auto_balanced python benchmarks/train_step.py "${MOE_BALANCED_STEP[@]}" "${moe_overrides[@]}" \
+          --recipes bf16 fp8
       fi
       if [ "${MOE_ACCUM:-0}" = 1 ]; then  # also one pair with four micro-batches per optimizer step (AdamW and
                                           # the gradient norm once per 64k tokens, as in pretraining)
         step moe_auto_accum python benchmarks/train_step.py training.compile=true \
-          training.compile_mode=reduce-overhead --model moe --global-batch 32 --recipes bf16 fp8
+          training.compile_mode=reduce-overhead "${moe_overrides[@]}" --model moe --global-batch 32 --recipes bf16 fp8
       fi
       grep -h "fp8: backend\|fp8: auto" "$LOGS"/moe_auto_*.log | sort -u >> "$OUT/summary.md" ;;
     deterministic_cost)  # what `training.deterministic` costs: each of DET_MODELS (default "1b 8b-layers moe") as

@@ -367,6 +367,29 @@ def test_gpu_e2e_moe_auto_adds_a_pair_at_four_micro_batches_only_when_asked(tmp_
     assert ["--global-batch 32" in r for r in runs] == [False] + [True] * int(accum)
 
 
+def test_gpu_e2e_moe_auto_hands_its_overrides_to_every_run(tmp_path):
+    """`MOE_OVERRIDES="a=1 b=2" gpu_e2e.sh moe_auto` (e.g. the AdamW moments in BF16, as the 671B config keeps them)
+    passes both overrides to each of its runs, the balanced and the four-micro-batch one included; without it the
+    runs get none."""
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["moe_auto"], 'echo "$*" >> ../train_step_args.txt',
+                                    env={"MOE_REPEATS": "2", "MOE_ACCUM": "1", "MOE_WARMUP": "4",
+                                         "MOE_OVERRIDES": "optimizer.moment_dtype=bf16 training.seed=3",
+                                         "DEEPGEMM_SRC": str(tmp_path / "no_source")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [r.split() for r in (tmp_path / "train_step_args.txt").read_text().splitlines()]
+    assert len(runs) == 4  # two pairs, the balanced one, the four-micro-batch one
+    assert all("optimizer.moment_dtype=bf16" in r and "training.seed=3" in r for r in runs)
+    assert all(r[r.index("--recipes") + 1:] == ["bf16", "fp8"] for r in runs)
+    (tmp_path / "plain").mkdir()
+    plain = _gpu_e2e_with_fake_gpu(tmp_path / "plain", ["moe_auto"], 'echo "$*" >> ../train_step_args.txt',
+                                   env={"MOE_REPEATS": "1", "MOE_BALANCED": "0",
+                                        "DEEPGEMM_SRC": str(tmp_path / "no_source")})
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert (tmp_path / "plain" / "train_step_args.txt").read_text().split() == [
+        "benchmarks/train_step.py", "training.compile=true", "training.compile_mode=reduce-overhead", "--model", "moe",
+        "--recipes", "bf16", "fp8"]
+
+
 def test_gpu_e2e_deterministic_cost_runs_each_model_plain_then_deterministic(tmp_path):
     """`gpu_e2e.sh deterministic_cost`: each of DET_MODELS in a process of its own, plain then under
     `training.deterministic`, both recipes, under CUDA graphs; one table each in the summary."""
