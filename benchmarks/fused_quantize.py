@@ -67,11 +67,15 @@ def graphed_ms(fn, *args, iters: int = 30) -> float:
     return start.elapsed_time(end) / (3 * iters)
 
 
-def variant_benchmark_args(doc: str, argv=None) -> tuple[argparse.Namespace, torch.device]:
-    """The variant benchmarks' command line (`--tokens`, `--iters`) and their GPU (an error without one)."""
+def variant_benchmark_args(doc: str, argv=None, moe_tokens: bool = False) -> tuple[argparse.Namespace, torch.device]:
+    """The variant benchmarks' command line (`--tokens`, `--iters`; with `moe_tokens`, `--moe-tokens`: the MoE
+    experts' padded rows, 131,072 routed and up to 127 a busy expert's padding) and their GPU (an error without
+    one)."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--iters", type=int, default=30)
+    if moe_tokens:
+        parser.add_argument("--moe-tokens", type=int, default=132_736)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (SM90 for the Gluon kernel)")

@@ -93,7 +93,7 @@ def recording(monkeypatch):
                    rows_cols_gluon._rope_backward_quantize_gluon_kernel, quantize._transpose_blocks_kernel,
                    quantize._quantize_weight_kernel, producers._rms_inverse_kernel,
                    swiglu_cols_gluon._swiglu_backward_cols_kernel, swiglu_cols_gluon._swiglu_backward_cols_tma_kernel,
-                   *_one_token_twins(), *_permutation_kernels(),
+                   swiglu_cols_gluon._swiglu_backward_rows_cols_kernel, *_one_token_twins(), *_permutation_kernels(),
                    *_loss_kernels(), _routing_kernel()):
         monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
     return fake
@@ -344,6 +344,49 @@ def test_the_fast_path_launches_swiglu_backwards_column_kernel_as_the_jit_path_d
         swiglu_cols_gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, E5M2, False, use_tma=use_tma)
     fast, jit = _fast_and_jit(recording, *_attribute(swiglu_cols_gluon, name), call)
     assert len(fast) == 1 and fast == jit
+
+
+def test_the_fast_path_launches_swiglu_backwards_rows_and_columns_in_one_launch_as_the_jit_path_does(recording,
+                                                                                                   monkeypatch):
+    """The row and column programs in one launch (`swiglu_backward_rows_cols`): both TMA descriptors, the row
+    programs' plain pointers, and one program per column chunk and per 32-token row slice of each 128-token block
+    and 128 features (2 blocks x 2 units x (4 + 4) programs for 200 tokens, F = 256)."""
+    from megafp8.precision import E4M3, E5M2
+    from megafp8.precision.kernels import swiglu_cols_gluon, tiles
+    monkeypatch.setattr(swiglu_cols_gluon, "_ROWS_COLS_LAUNCH", swiglu_cols_gluon._ROWS_COLS_LAUNCH)
+
+    def call(seed):
+        gu, da = _operands(seed, ((200, 512), torch.bfloat16), ((200, 256), torch.bfloat16))
+        q, s, qt, st = _kept(seed, "d(gu)", lambda: tiles.rows_cols_outputs(200, 512, E5M2, gu.device))
+        at, ats = _kept(seed, "a^T", lambda: tiles.rows_cols_outputs(200, 256, E4M3, gu.device)[2:])
+        swiglu_cols_gluon.swiglu_backward_rows_cols(gu, da, q, s, qt, st, at, ats, E4M3, E5M2, False)
+    fast, jit = _fast_and_jit(recording, *_attribute(swiglu_cols_gluon, "_ROWS_COLS_LAUNCH"), call)
+    assert len(fast) == 1 and fast == jit
+    assert fast[0][:3] == (2 * 2 * 8, 1, 1)
+
+
+def test_swiglu_backward_quantize_takes_the_one_launch_where_tma_reads_its_inputs_and_two_kernels_elsewhere(
+        recording, monkeypatch):
+    """`producers.swiglu_backward_quantize` on SM90: one launch of `_swiglu_backward_rows_cols_kernel` where TMA can
+    read gu and da, the Triton row kernel then the column kernel's thread loads where it cannot (an FP32 da), and
+    the two kernels again with the switch off (`ROWS_COLS_ONE_LAUNCH`)."""
+    from megafp8.precision import E4M3
+    from megafp8.precision.kernels import producers, swiglu_cols_gluon, tiles
+
+    # The Triton row kernel autotunes (which the recording driver cannot time): its launches are noted, not made.
+    monkeypatch.setattr(producers, "swiglu_backward_rows",
+                        lambda *args: recording.launches.append((("function", "_swiglu_backward_rows_kernel"),)))
+    monkeypatch.setattr(tiles, "hopper_gluon", lambda device, module: swiglu_cols_gluon)
+
+    def kernels(da_dtype=torch.bfloat16, one_launch=True):
+        monkeypatch.setattr(swiglu_cols_gluon, "ROWS_COLS_ONE_LAUNCH", one_launch)
+        gu, da = _operands(0, ((256, 512), torch.bfloat16), ((256, 256), da_dtype))
+        recording.launches.clear()
+        producers.swiglu_backward_quantize(gu, da, E4M3, E4M3, False)
+        return [a[1] for launch in recording.launches for a in launch if isinstance(a, tuple) and a[:1] == ("function",)]
+    assert kernels() == ["_swiglu_backward_rows_cols_kernel"]
+    assert kernels(torch.float32) == ["_swiglu_backward_rows_kernel", "_swiglu_backward_cols_kernel"]
+    assert kernels(one_launch=False) == ["_swiglu_backward_rows_kernel", "_swiglu_backward_cols_tma_kernel"]
 
 
 def test_an_fp32_da_takes_swiglu_backwards_loads_and_a_descriptor_of_the_wrong_width_is_refused(recording,

@@ -509,6 +509,48 @@ def test_the_swiglu_column_kernel_reading_by_tma_gives_the_pointer_kernels_bits(
         assert_same_quantization(got_a, want_a, f"a^T, pow2={pow2}")
 
 
+@pytest.mark.parametrize("m, f", [(328, 384), (256, 128), (8, 256), (136, 1024)])
+@pytest.mark.parametrize("a_blocks", [False, True], ids=["a_in_tiles", "a_in_blocks"])
+def test_swiglu_backward_rows_and_columns_in_one_launch_give_the_two_kernels_bits(m, f, a_blocks):
+    """`swiglu_cols_gluon.swiglu_backward_rows_cols` (row and column programs in one launch) writes what the Triton
+    row kernel and the TMA column kernel write, every byte: d(gu) along the features and its scales, d(gu)^T, a^T
+    in tiles and in 128x128 blocks, partial and whole token blocks, one to eight units of 128 features, E5M2 and
+    power-of-two scales, outliers, a nan, and gu a view whose rows lie further apart than its width. Bytes left
+    unwritten show (the outputs start as 0x55)."""
+    gluon = pytest.importorskip("megafp8.precision.kernels.swiglu_cols_gluon")
+    if torch.cuda.get_device_capability(CUDA) != (9, 0):
+        pytest.skip("the Gluon kernels run on SM90 only")
+    from megafp8.precision import E4M3, E5M2
+    from megafp8.precision.kernels import producers, tiles
+    torch.manual_seed(0)
+    wide = (torch.randn(m, 2 * f + 64, device=CUDA) * torch.logspace(-3, 3, 2 * f + 64, device=CUDA)).bfloat16()
+    gu = wide[:, 32:32 + 2 * f]  # rows 2F + 64 apart, starting 64 bytes in
+    da = torch.randn(m, f, device=CUDA, dtype=torch.bfloat16)
+    gu[17 % m, 3] = float("nan")
+    da[5 % m, f - 1] = 3e4  # an outlier in the last feature of d(up)'s source
+    assert gluon.tma_fits(gu, da)
+    a_amax = producers.swiglu_quantize(gu, E4M3, False, row_amax=True)[2] if a_blocks else None
+    for grad_fmt, pow2 in ((E4M3, False), (E5M2, True)):
+        outputs = []
+        for one_launch in (False, True):
+            q, s, qt, st = tiles.rows_cols_outputs(m, 2 * f, grad_fmt, CUDA)
+            at, ats = tiles.rows_cols_outputs(m, f, E4M3, CUDA, cols_in_blocks=a_blocks)[2:]
+            for t in (q, qt, at):
+                t.view(torch.uint8).fill_(0x55)
+            for t in (s, st, ats):
+                t.fill_(-1.0)
+            if one_launch:
+                gluon.swiglu_backward_rows_cols(gu, da, q, s, qt, st, at, ats, E4M3, grad_fmt, pow2, a_amax=a_amax)
+            else:
+                producers.swiglu_backward_rows(gu, da, q, s, grad_fmt, pow2)
+                gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, E4M3, grad_fmt, pow2, a_amax=a_amax)
+            outputs.append(((q, s), (qt, st), (at, ats)))
+        (want_rows, want_d, want_a), (got_rows, got_d, got_a) = outputs
+        assert_same_quantization(got_rows, want_rows, f"d(gu), {grad_fmt}, pow2={pow2}")
+        assert_same_quantization(got_d, want_d, f"d(gu)^T, {grad_fmt}, pow2={pow2}")
+        assert_same_quantization(got_a, want_a, f"a^T, pow2={pow2}")
+
+
 @pytest.mark.parametrize("norm, gather", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("spread_rows, spread_cols, m", [(True, True, 328), (False, True, 328), (False, False, 328),
                                                          (True, True, 256), (True, True, 1), (True, True, 2)])

@@ -319,6 +319,64 @@ def test_the_swiglu_column_kernel_reading_by_tma_compiles_for_sm90_without_threa
     assert 30 < per_element <= 48, f"{per_element:.1f} SASS instructions per element"
 
 
+def _rows_cols_one_launch_compiled(a_blocks: bool):
+    """`swiglu_cols_gluon._swiglu_backward_rows_cols_kernel` compiled for SM90 as its launcher specializes it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    from megafp8.precision.kernels import gluon_tiles as gt, swiglu_cols_gluon as g
+
+    warps = 4
+    block_n, load, store = gt.block_layouts(g.TOKENS_PER_THREAD, g.FEATURES_PER_THREAD, warps)
+    shared, box = g.slab_shared_layout(block_n), (8, 16, block_n)
+    gu, da = torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(256, 256, dtype=torch.bfloat16)
+    signature = {"gu_desc": mangle_type(g.Descriptor(g._slab_view(gu, 512), box, shared).checked()),
+                 "da_desc": mangle_type(g.Descriptor(g._slab_view(da, 256), box, shared).checked()),
+                 "gu_ptr": "*bf16", "da_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "qt_ptr": "*fp8e4nv",
+                 "st_ptr": "*fp32", "at_ptr": "*fp8e4nv", "ats_ptr": "*fp32", "amax_ptr": "*fp32"}
+    ints = ["M", "F", "stride_gm", "stride_dm", "stride_qm", "stride_sm", "stride_sk", "stride_qt", "stride_st_k",
+            "stride_st_m", "stride_at", "stride_ats_k", "stride_ats_m", "stride_ab"]
+    signature.update({name: "i32" for name in ints})
+    constants = dict(GRAD_MAX=448.0, FP8_MAX=448.0, POW2=False, A_BLOCKS=a_blocks, BLOCK_N=block_n, LOAD=load,
+                     STORE=store, SPREAD=gt.spread_layout(block_n // warps, warps), SLABS=g.slab_layout(load),
+                     ROWS=g.row_layout(warps), ROW_M=g.ROW_M, stride_sm=1, stride_st_k=1, stride_ats_k=1)
+    signature.update({name: "constexpr" for name in constants})
+    names = list(signature)
+    aligned = [names.index(n) for n in ("gu_ptr", "da_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "at_ptr",
+                                        "ats_ptr", "amax_ptr", "M", "F", "stride_gm", "stride_dm", "stride_qm",
+                                        "stride_sk", "stride_qt", "stride_at", "stride_st_m", "stride_ats_m",
+                                        "stride_ab")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}  # as the launch specializes them
+    return triton.compile(GluonASTSource(g._swiglu_backward_rows_cols_kernel, signature, constexprs=constants,
+                                         attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+@pytest.mark.parametrize("a_blocks", [False, True], ids=["a_in_tiles", "a_in_blocks"])
+def test_swiglu_backward_rows_and_columns_in_one_launch_compile_for_sm90_as_lean_as_their_kernels(a_blocks):
+    """The one-launch form (`_swiglu_backward_rows_cols_kernel`) exists to move fewer HBM bytes than the Triton row
+    kernel and the TMA column kernel (the second reader of a unit's gu and da finds them in L2), not to cost more
+    per program: its column programs keep the TMA column kernel's loads, shared memory, stores and spills, and its
+    row programs read 16-byte row segments (8 BF16, a thread's 4 tokens of gate, up and da) and write 8-byte FP8
+    runs, with no shared memory of their own beyond the row maxima's reduction."""
+    from megafp8.precision.kernels import gluon_tiles as gt, swiglu_cols_gluon as g
+
+    block_n = gt.block_layouts(g.TOKENS_PER_THREAD, g.FEATURES_PER_THREAD, 4)[0]
+    compiled = _rows_cols_one_launch_compiled(a_blocks)
+    assert compiled.metadata.shared <= 3 * 2 * 128 * block_n + 64 * 4 + 64  # the column programs' blocks
+    report, sass = _ptxas_and_sass(compiled.asm["ptx"])
+    tokens_a_thread = g.ROW_M // (2 * 4)  # 2 tokens a warp, 4 warps
+    # the row programs: gate, up and da as 16-byte loads, 4 tokens a thread; with a^T in blocks, the column programs'
+    # block maxima too (a thread's 8 tokens, two 16-byte loads); no other global load
+    loads = 3 * tokens_a_thread + (2 if a_blocks else 0)
+    assert len(re.findall(r"\bLDG\.E\.128\b", sass)) == len(re.findall(r"\bLDG\b", sass)) == loads
+    assert len(re.findall(r"\bUTMALDG\.3D\b", sass)) == 3
+    assert len(re.findall(r"\bLDS\.64\b", sass)) == 3 * g.TOKENS_PER_THREAD
+    assert len(re.findall(r"\bSTG\.E\.64\b", sass)) == 3 * g.FEATURES_PER_THREAD + 2 * tokens_a_thread
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) <= 16, report
+
+
 @pytest.mark.parametrize("norm, gather, masked, col_blocks",
                          [(False, False, True, False), (True, False, True, False), (False, True, True, False),
                           (True, False, False, False), (True, False, False, True), (False, True, True, True)],

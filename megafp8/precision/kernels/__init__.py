@@ -9,7 +9,8 @@ BF16 experts' weight-gradient add (CPU-only installs never need Triton).
   are `megafp8.precision.producers`).
 - `gemm`: our blockwise-scaled GEMMs, dense and grouped by expert (`ws_gemm`: the warp-specialized Gluon one).
 - `cublaslt`: cuBLASLt's blockwise-scaled GEMM called directly (ctypes), adding its product into an FP32 tensor.
-- `swiglu_cols_gluon`, `gluon_tiles`: SwiGLU backward's column outputs in Gluon, what SM90 runs.
+- `swiglu_cols_gluon`, `gluon_tiles`: SwiGLU backward's column outputs in Gluon, what SM90 runs (and its row
+  outputs beside them in one launch).
 - `limits`: what the host checks before a launch (tensors the kernels' int32 offsets can address).
 - `health`: the FP8 health monitor's statistics of a tensor in one pass (its pure-torch twin is
   `megafp8.precision.health.chunk_sums`).

@@ -169,10 +169,12 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format,
     """gu (M, 2F), da (M, F) -> (dgu_fp8 (M, 2F), scales, dgut_fp8 (2F, M_pad), scales_t) in `grad_fmt`, and
     (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`, in 128x128 blocks given the forward's tile
     maxima `a_amax` (M, F/128) (`producers.swiglu_backward_quantize`; the Gluon column kernel only). Two kernels:
-    the rows, then the columns (on SM90 the Gluon column kernel, the same bytes in fewer instructions). One kernel
-    reading gu and da once was slower, in Triton (`docs/benchmarks.md`, twenty-third session: 1.035 against 0.730
-    ms at the MoE experts' shape) and in Gluon (job EK: 1.605 against 1.169 ms at the 8B-layer shape; 255 registers
-    a thread, one program an SM)."""
+    the rows, then the columns (on SM90 the Gluon column kernel, the same bytes in fewer instructions); on SM90,
+    where TMA can read gu and da, both in one launch (`swiglu_cols_gluon.swiglu_backward_rows_cols`: the same
+    bytes and programs, gu and da read from HBM about once). One kernel holding whole tiles of all three results
+    was slower, in Triton (`docs/benchmarks.md`, twenty-third session: 1.035 against 0.730 ms at the MoE experts'
+    shape) and in Gluon (job EK: 1.605 against 1.169 ms at the 8B-layer shape; 255 registers a thread, one program
+    an SM; job FH: 2.136 against 1.016 ms)."""
     assert gu.stride(1) == 1 and da.stride(1) == 1, "swiglu_backward_quantize needs row-major inputs"
     m, f = da.shape
     blocks = a_amax is not None
@@ -185,7 +187,9 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format,
         if gluon is None:
             raise ValueError("SwiGLU's a^T in 128x128 blocks (precision.fp8_wgrad_input_blocks) is quantized by the "
                              "Gluon column kernel, on SM90: use the hopper backend there, or the reference one")
-    if m:
+    if m and gluon and gluon.ROWS_COLS_ONE_LAUNCH and gluon.tma_fits(gu, da):  # both kernels' work, one launch
+        gluon.swiglu_backward_rows_cols(gu, da, q, s, qt, st, at, ats, fmt, grad_fmt, power_of_two, a_amax=a_amax)
+    elif m:
         swiglu_backward_rows(gu, da, q, s, grad_fmt, power_of_two)
         if gluon:
             gluon.swiglu_backward_cols(gu, da, qt, st, at, ats, fmt, grad_fmt, power_of_two, a_amax=a_amax)

@@ -24,6 +24,12 @@ at 4 warps, 46 reading by TMA, against 143 in the Triton kernel;
   each paired conversion packs two consecutive tokens (54 -> 47 per element; the column kernel 15% faster:
   docs/benchmarks.md, thirty-first session).
 
+`swiglu_backward_rows_cols` launches the Triton row kernel's work beside the TMA column kernel's in one grid
+(`_swiglu_backward_rows_cols_kernel`): each program does one kernel's work for one 128-token block, the row and
+column programs of the same 128 features numbered side by side, so that whichever reads a block's gu and da second
+finds them in L2 (17 bytes moved a (token, feature) from HBM by the two kernels, ~11 by one launch, if the L2 holds).
+It is not yet measured on a GPU (`docs/benchmarks.md`, the next GPU list).
+
 Numerics are the Triton kernels' (`megafp8.precision.kernels.tiles`, `producers`), op for op, so the two give the
 same bits.
 """
@@ -63,27 +69,29 @@ def _swiglu_backward_cols_kernel(gu_ptr, da_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr
     store: gl.constexpr = STORE
     block_n: gl.constexpr = BLOCK_N
     mb = gl.program_id(1)
+    c = gl.program_id(0) * block_n
     rows = mb * gluon_tiles.TOKENS + gl.arange(0, gluon_tiles.TOKENS, layout=gl.SliceLayout(1, load))
-    cols = gl.program_id(0) * block_n + gl.arange(0, block_n, layout=gl.SliceLayout(0, load))
+    cols = c + gl.arange(0, block_n, layout=gl.SliceLayout(0, load))
     in_rows = gl.expand_dims(rows < M, 1)
     gate_ptrs = gu_ptr + gl.expand_dims(rows, 1) * stride_gm + gl.expand_dims(cols, 0)
     gate = gl.load(gate_ptrs, mask=in_rows, other=0.0).to(gl.float32)
     up = gl.load(gate_ptrs + F, mask=in_rows, other=0.0).to(gl.float32)
     s = 1.0 / (1.0 + exp_neg(gate))
-    _store_a(gate, up, s, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m, stride_ab,
-             FP8_MAX, POW2, A_BLOCKS, BLOCK_N, load, store, SPREAD)
+    _store_a(gate, up, s, c, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m,
+             stride_ab, FP8_MAX, POW2, A_BLOCKS, load, store, SPREAD)
     da = gl.load(da_ptr + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0), mask=in_rows, other=0.0)
     _store_grads(da, gate, up, s, cols, mb, F, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, GRAD_MAX, POW2,
                  store, SPREAD)
 
 
 @gluon.jit
-def _store_a(gate, up, s, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m, stride_ab,
-             FP8_MAX: gl.constexpr, POW2: gl.constexpr, A_BLOCKS: gl.constexpr, BLOCK_N: gl.constexpr,
-             LOAD: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr):
-    """a^T = (silu(gate) * up)^T of the block (s: the gate's sigmoid), in tiles or in 128x128 blocks."""
+def _store_a(gate, up, s, c, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m,
+             stride_ab, FP8_MAX: gl.constexpr, POW2: gl.constexpr, A_BLOCKS: gl.constexpr, LOAD: gl.constexpr,
+             STORE: gl.constexpr, SPREAD: gl.constexpr):
+    """a^T = (silu(gate) * up)^T of the block whose first feature is c (s: the gate's sigmoid), in tiles or in
+    128x128 blocks."""
     if A_BLOCKS:
-        block = gl.program_id(0) * BLOCK_N // gluon_tiles.TOKENS  # the 128 features this program's lie in
+        block = c // gluon_tiles.TOKENS  # the 128 features this program's lie in
         gluon_tiles.store_block_cols(gate * s * up, amax_ptr, stride_ab, M, block, cols, mb, at_ptr, stride_at,
                                      ats_ptr, stride_ats_k, stride_ats_m, FP8_MAX, POW2, LOAD, STORE, SPREAD)
     else:
@@ -124,8 +132,18 @@ def _swiglu_backward_cols_tma_kernel(gu_desc, da_desc, qt_ptr, st_ptr, at_ptr, a
     all 32 banks (0.6 M conflicts in 32 M shared wavefronts, job FF).
     `SLABS` reads the slabs into the column layout, which `_in_token_order` renames to the tokens' order (the same
     registers)."""
-    mb = gl.program_id(1)
-    c = gl.program_id(0) * BLOCK_N
+    _cols_tma_block(gu_desc, da_desc, gl.program_id(1), gl.program_id(0) * BLOCK_N, qt_ptr, st_ptr, at_ptr, ats_ptr,
+                    amax_ptr, M, F, stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k, stride_ats_m,
+                    stride_ab, GRAD_MAX, FP8_MAX, POW2, A_BLOCKS, BLOCK_N, LOAD, STORE, SPREAD, SLABS)
+
+
+@gluon.jit
+def _cols_tma_block(gu_desc, da_desc, mb, c, qt_ptr, st_ptr, at_ptr, ats_ptr, amax_ptr, M, F, stride_qt, stride_st_k,
+                    stride_st_m, stride_at, stride_ats_k, stride_ats_m, stride_ab, GRAD_MAX: gl.constexpr,
+                    FP8_MAX: gl.constexpr, POW2: gl.constexpr, A_BLOCKS: gl.constexpr, BLOCK_N: gl.constexpr,
+                    LOAD: gl.constexpr, STORE: gl.constexpr, SPREAD: gl.constexpr, SLABS: gl.constexpr):
+    """The TMA column kernel's work for token block mb and the BLOCK_N features from c (`_swiglu_backward_cols_tma_
+    kernel`, and the column programs of `_swiglu_backward_rows_cols_kernel`)."""
     ROWS: gl.constexpr = gluon_tiles.TOKENS // SLAB_TOKENS  # view rows a slab: tokens 8 apart
     shape: gl.constexpr = [SLAB_TOKENS, ROWS, BLOCK_N]  # one box a tensor: 8 slabs of 16 view rows
     gate_s = gl.allocate_shared_memory(gu_desc.dtype, shape, gu_desc.layout)
@@ -150,14 +168,81 @@ def _swiglu_backward_cols_tma_kernel(gu_desc, da_desc, qt_ptr, st_ptr, at_ptr, a
     gate = _in_token_order(gate_s.load(SLABS), LOAD).to(gl.float32)
     up = _in_token_order(up_s.load(SLABS), LOAD).to(gl.float32)
     s = 1.0 / (1.0 + exp_neg(gate))
-    _store_a(gate, up, s, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m, stride_ab,
-             FP8_MAX, POW2, A_BLOCKS, BLOCK_N, LOAD, STORE, SPREAD)
+    _store_a(gate, up, s, c, cols, mb, M, at_ptr, ats_ptr, amax_ptr, stride_at, stride_ats_k, stride_ats_m,
+             stride_ab, FP8_MAX, POW2, A_BLOCKS, LOAD, STORE, SPREAD)
     mbarrier.wait(bars.index(1), 0)
     da = _in_token_order(da_s.load(SLABS), LOAD)
     _store_grads(da, gate, up, s, cols, mb, F, qt_ptr, st_ptr, stride_qt, stride_st_k, stride_st_m, GRAD_MAX, POW2,
                  STORE, SPREAD)
     mbarrier.invalidate(bars.index(0))
     mbarrier.invalidate(bars.index(1))
+
+
+@gluon.jit
+def _swiglu_backward_rows_cols_kernel(gu_desc, da_desc, gu_ptr, da_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, at_ptr, ats_ptr,
+                                      amax_ptr, M, F, stride_gm, stride_dm, stride_qm, stride_sm, stride_sk,
+                                      stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k, stride_ats_m,
+                                      stride_ab, GRAD_MAX: gl.constexpr, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
+                                      A_BLOCKS: gl.constexpr, BLOCK_N: gl.constexpr, LOAD: gl.constexpr,
+                                      STORE: gl.constexpr, SPREAD: gl.constexpr, SLABS: gl.constexpr,
+                                      ROWS: gl.constexpr, ROW_M: gl.constexpr):
+    """SwiGLU backward's row and column outputs in one launch, each program doing one kernel's work: for each
+    128-token block and 128 features of it (a unit), 128 / BLOCK_N column programs (`_cols_tma_block`) and
+    128 / ROW_M row programs (`_rows_block`: d(gate) and d(up) of ROW_M tokens, quantized along the features, as
+    the Triton row kernel stores them), numbered next to each other. Why: the two kernels each read gu and da
+    from HBM (17 bytes moved a (token, feature), job FH); here a unit's programs start together and the second
+    reader of its 96 KB finds them in L2, so HBM moves ~11, while each program stays as lean as its own kernel's
+    (FH's single kernel holding a whole 128x128 tile ran at 1.2 TB/s: too few programs an SM to hide anything)."""
+    COL_PROGRAMS: gl.constexpr = gluon_tiles.TOKENS // BLOCK_N
+    UNIT: gl.constexpr = COL_PROGRAMS + gluon_tiles.TOKENS // ROW_M
+    pid = gl.program_id(0)
+    units = F // gluon_tiles.TOKENS  # units a token block
+    mb = pid // (UNIT * units)
+    g = (pid // UNIT) % units
+    role = pid % UNIT
+    if role < COL_PROGRAMS:
+        _cols_tma_block(gu_desc, da_desc, mb, g * gluon_tiles.TOKENS + role * BLOCK_N, qt_ptr, st_ptr, at_ptr,
+                        ats_ptr, amax_ptr, M, F, stride_qt, stride_st_k, stride_st_m, stride_at, stride_ats_k,
+                        stride_ats_m, stride_ab, GRAD_MAX, FP8_MAX, POW2, A_BLOCKS, BLOCK_N, LOAD, STORE, SPREAD,
+                        SLABS)
+    else:
+        first = mb * gluon_tiles.TOKENS + (role - COL_PROGRAMS) * ROW_M
+        _rows_block(gu_ptr, da_ptr, q_ptr, s_ptr, first, g, M, F, stride_gm, stride_dm, stride_qm, stride_sm,
+                    stride_sk, GRAD_MAX, POW2, ROWS, ROW_M)
+
+
+@gluon.jit
+def _rows_block(gu_ptr, da_ptr, q_ptr, s_ptr, first, g, M, F, stride_gm, stride_dm, stride_qm, stride_sm, stride_sk,
+                GRAD_MAX: gl.constexpr, POW2: gl.constexpr, ROWS: gl.constexpr, ROW_M: gl.constexpr):
+    """d(gate) and d(up) of tokens first .. first + ROW_M and features 128 g .. 128 g + 128, quantized along the
+    features into q (M, 2F) and their scales into s[token, g] and s[token, g + F/128]: the Triton row kernel's
+    bytes (`producers._swiglu_backward_rows_kernel`), op for op as the column programs compute the same values."""
+    rows = first + gl.arange(0, ROW_M, layout=gl.SliceLayout(1, ROWS))
+    cols = g * gluon_tiles.TOKENS + gl.arange(0, gluon_tiles.TOKENS, layout=gl.SliceLayout(0, ROWS))
+    r, k = gl.expand_dims(rows, 1), gl.expand_dims(cols, 0)
+    in_rows = (r < M) & (k >= 0)  # the tile's shape
+    gate_ptrs = gu_ptr + r * stride_gm + k
+    gate = gl.load(gate_ptrs, mask=in_rows, other=0.0).to(gl.float32)
+    up = gl.load(gate_ptrs + F, mask=in_rows, other=0.0).to(gl.float32)
+    da = gl.load(da_ptr + r * stride_dm + k, mask=in_rows, other=0.0)
+    s = 1.0 / (1.0 + exp_neg(gate))
+    da_s = da.to(gl.float32) * s
+    _store_row_tiles(da_s * up * (1.0 + gate * (1.0 - s)), rows, cols, in_rows, g, q_ptr, stride_qm, s_ptr,
+                     stride_sm, stride_sk, GRAD_MAX, POW2, M)
+    _store_row_tiles(da_s * gate, rows, cols + F, in_rows, g + F // gluon_tiles.TOKENS, q_ptr, stride_qm, s_ptr,
+                     stride_sm, stride_sk, GRAD_MAX, POW2, M)
+
+
+@gluon.jit
+def _store_row_tiles(x, rows, cols, in_rows, kb, q_ptr, stride_qm, s_ptr, stride_sm, stride_sk, FP8_MAX: gl.constexpr,
+                     POW2: gl.constexpr, M):
+    """x (rows, 128 features) FP32 quantized along the features (`tiles.store_rows`): values at q[rows, cols],
+    scales at s[rows, kb], the rows below M."""
+    amax = gl.reduce(gl.abs(x), 1, gluon_tiles.nan_max)
+    scale, inv = gluon_tiles.tile_scale(amax, FP8_MAX, POW2)
+    q = (x * gl.expand_dims(inv, 1)).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    gl.store(q_ptr + gl.expand_dims(rows, 1) * stride_qm + gl.expand_dims(cols, 0), q, mask=in_rows)
+    gl.store(s_ptr + rows * stride_sm + kb * stride_sk, scale, mask=rows < M)
 
 
 @gluon.jit
@@ -183,6 +268,7 @@ def exp_neg(x):
 _LAUNCH = gluon_tiles.TokenCountLaunch(_swiglu_backward_cols_kernel)
 # The TMA kernel needs M a multiple of 8 (`_slab_view`): M is never 1 there, so no twin.
 _TMA_LAUNCH = FastLaunch(_swiglu_backward_cols_tma_kernel)
+_ROWS_COLS_LAUNCH = FastLaunch(_swiglu_backward_rows_cols_kernel)
 
 
 def _slab_position(token: int) -> int:
@@ -222,6 +308,45 @@ def tma_fits(gu: torch.Tensor, da: torch.Tensor) -> bool:
     bf16 = gu.dtype == da.dtype == torch.bfloat16
     aligned = all(t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (gu, da))
     return bf16 and da.shape[0] > 0 and da.shape[0] % _SLAB == 0 and aligned
+
+
+# `producers.swiglu_backward_quantize` runs the rows and columns in one launch wherever TMA can read gu and da
+# (`swiglu_backward_rows_cols`); False: the Triton row kernel, then the column kernel.
+ROWS_COLS_ONE_LAUNCH = True
+ROW_M = 32  # tokens a row program: 4 warps of 2 tokens x 16 lanes of 8 features, four times
+
+
+@functools.cache
+def row_layout(num_warps: int) -> gl.BlockedLayout:
+    """The row programs' layout: each thread 8 consecutive features (one 16-byte load of BF16), 16 lanes a token's
+    128, the warps one above the other."""
+    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[num_warps, 1],
+                            order=[1, 0])
+
+
+def swiglu_backward_rows_cols(gu: torch.Tensor, da: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor,
+                              st: torch.Tensor, at: torch.Tensor, ats: torch.Tensor, fmt: Fp8Format,
+                              grad_fmt: Fp8Format, power_of_two: bool, a_amax: Optional[torch.Tensor] = None,
+                              num_warps: int = 4) -> None:
+    """`producers.swiglu_backward_rows` and `swiglu_backward_cols` in one launch (`_swiglu_backward_rows_cols_kernel`):
+    q/s (d(gu) along the features), qt/st and at/ats as those two write them, from gu (M, 2F) and da (M, F) that
+    the TMA column kernel can read (`tma_fits`) and F a multiple of 128."""
+    m, f = da.shape
+    block_n, load, store = gluon_tiles.block_layouts(TOKENS_PER_THREAD, FEATURES_PER_THREAD, num_warps)
+    assert 2 * block_n == 64 and tma_fits(gu, da), "the rows and columns in one launch read gu and da by TMA"
+    assert f % 128 == 0, f"F={f} must be a multiple of 128"
+    blocks = a_amax is not None
+    amax = a_amax if blocks else ats  # an unused pointer without blocks
+    programs = f // 128 * (128 // block_n + 128 // ROW_M)  # a 128-token block's
+    shared, box = slab_shared_layout(block_n), (_SLAB, 128 // _SLAB, block_n)
+    boxes = (Descriptor(_slab_view(gu, 2 * f), box, shared), Descriptor(_slab_view(da, f), box, shared))
+    args = boxes + (gu, da, q, s, qt, st, at, ats, amax, m, f, gu.stride(0), da.stride(0), q.stride(0), s.stride(0),
+                    s.stride(1), qt.stride(0), st.stride(0), st.stride(1), at.stride(0), ats.stride(0),
+                    ats.stride(1), amax.stride(1))
+    constexprs = dict(GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, A_BLOCKS=blocks, BLOCK_N=block_n,
+                      LOAD=load, STORE=store, SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps),
+                      SLABS=slab_layout(load), ROWS=row_layout(num_warps), ROW_M=ROW_M, num_warps=num_warps)
+    _ROWS_COLS_LAUNCH.launch((-(-m // 128) * programs,), args, constexprs)
 
 
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
