@@ -277,35 +277,11 @@ def test_the_swiglu_column_kernel_reading_by_tma_compiles_for_sm90_without_threa
     read each thread's row segments from shared memory as 8-byte vectors (3 x 8 of them, as the pointer kernel
     loads them), rename the slabs into token order for free (`_in_token_order` asserts it), keep the 8-byte
     transposed stores, and cost no more instructions per element than the pointer kernel's bound."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
     from megafp8.precision.kernels import gluon_tiles as gt, swiglu_cols_gluon as g
 
     warps = 4
-    block_n, load, store = gt.block_layouts(g.TOKENS_PER_THREAD, g.FEATURES_PER_THREAD, warps)
-    shared, box = g.slab_shared_layout(block_n), (8, 16, block_n)
-    gu, da = torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(256, 256, dtype=torch.bfloat16)
-    signature = {"gu_desc": mangle_type(g.Descriptor(g._slab_view(gu, 512), box, shared).checked()),
-                 "da_desc": mangle_type(g.Descriptor(g._slab_view(da, 256), box, shared).checked()),
-                 "qt_ptr": "*fp8e4nv", "st_ptr": "*fp32", "at_ptr": "*fp8e4nv", "ats_ptr": "*fp32",
-                 "amax_ptr": "*fp32"}
-    ints = ["M", "F", "stride_gm", "stride_dm", "stride_qt", "stride_st_k", "stride_st_m", "stride_at",
-            "stride_ats_k", "stride_ats_m", "stride_ab"]
-    signature.update({name: "i32" for name in ints})
-    constants = dict(GRAD_MAX=448.0, FP8_MAX=448.0, POW2=False, A_BLOCKS=a_blocks, BLOCK_N=block_n, LOAD=load,
-                     STORE=store, SPREAD=gt.spread_layout(block_n // warps, warps), SLABS=g.slab_layout(load),
-                     stride_st_k=1, stride_ats_k=1)
-    signature.update({name: "constexpr" for name in constants})
-    names = list(signature)
-    aligned = [names.index(n) for n in ("qt_ptr", "st_ptr", "at_ptr", "ats_ptr", "amax_ptr", "M", "F", "stride_gm",
-                                        "stride_dm", "stride_qt", "stride_at", "stride_st_m", "stride_ats_m",
-                                        "stride_ab")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}  # as the launch specializes them
-    compiled = triton.compile(GluonASTSource(g._swiglu_backward_cols_tma_kernel, signature, constexprs=constants,
-                                             attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps})
+    block_n = gt.block_layouts(g.TOKENS_PER_THREAD, g.FEATURES_PER_THREAD, warps)[0]
+    compiled = _swiglu_tma_compiled(g._swiglu_backward_cols_tma_kernel, a_blocks, rows=False)
     assert compiled.metadata.shared <= 3 * 2 * 128 * block_n + 64 * warps + 64  # the three blocks, a few scales
     report, sass = _ptxas_and_sass(compiled.asm["ptx"])
     # global loads only of a's tile maxima, with a^T in blocks (a thread's 8 tokens' of its block)
@@ -319,8 +295,9 @@ def test_the_swiglu_column_kernel_reading_by_tma_compiles_for_sm90_without_threa
     assert 30 < per_element <= 48, f"{per_element:.1f} SASS instructions per element"
 
 
-def _rows_cols_one_launch_compiled(a_blocks: bool):
-    """`swiglu_cols_gluon._swiglu_backward_rows_cols_kernel` compiled for SM90 as its launcher specializes it."""
+def _swiglu_tma_compiled(kernel, a_blocks: bool, rows: bool):
+    """A SwiGLU backward kernel reading gu and da by TMA (`swiglu_cols_gluon`: the column kernel, or with `rows` the
+    rows and columns in one launch) compiled for SM90 at 4 warps, as its launcher specializes it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -332,24 +309,28 @@ def _rows_cols_one_launch_compiled(a_blocks: bool):
     shared, box = g.slab_shared_layout(block_n), (8, 16, block_n)
     gu, da = torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(256, 256, dtype=torch.bfloat16)
     signature = {"gu_desc": mangle_type(g.Descriptor(g._slab_view(gu, 512), box, shared).checked()),
-                 "da_desc": mangle_type(g.Descriptor(g._slab_view(da, 256), box, shared).checked()),
-                 "gu_ptr": "*bf16", "da_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "qt_ptr": "*fp8e4nv",
-                 "st_ptr": "*fp32", "at_ptr": "*fp8e4nv", "ats_ptr": "*fp32", "amax_ptr": "*fp32"}
-    ints = ["M", "F", "stride_gm", "stride_dm", "stride_qm", "stride_sm", "stride_sk", "stride_qt", "stride_st_k",
-            "stride_st_m", "stride_at", "stride_ats_k", "stride_ats_m", "stride_ab"]
+                 "da_desc": mangle_type(g.Descriptor(g._slab_view(da, 256), box, shared).checked())}
+    row_ptrs = ["gu_ptr", "da_ptr", "q_ptr", "s_ptr"] if rows else []
+    signature.update({name: "*bf16" if name in ("gu_ptr", "da_ptr") else "*fp32" if name == "s_ptr" else "*fp8e4nv"
+                      for name in row_ptrs})
+    signature.update({"qt_ptr": "*fp8e4nv", "st_ptr": "*fp32", "at_ptr": "*fp8e4nv", "ats_ptr": "*fp32",
+                      "amax_ptr": "*fp32"})
+    ints = ["M", "F", "stride_gm", "stride_dm"] + (["stride_qm", "stride_sm", "stride_sk"] if rows else []) + [
+        "stride_qt", "stride_st_k", "stride_st_m", "stride_at", "stride_ats_k", "stride_ats_m", "stride_ab"]
     signature.update({name: "i32" for name in ints})
     constants = dict(GRAD_MAX=448.0, FP8_MAX=448.0, POW2=False, A_BLOCKS=a_blocks, BLOCK_N=block_n, LOAD=load,
                      STORE=store, SPREAD=gt.spread_layout(block_n // warps, warps), SLABS=g.slab_layout(load),
-                     ROWS=g.row_layout(warps), ROW_M=g.ROW_M, stride_sm=1, stride_st_k=1, stride_ats_k=1)
+                     stride_st_k=1, stride_ats_k=1)
+    if rows:
+        constants.update(ROWS=g.row_layout(warps), ROW_M=g.ROW_M, stride_sm=1)
     signature.update({name: "constexpr" for name in constants})
     names = list(signature)
-    aligned = [names.index(n) for n in ("gu_ptr", "da_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "at_ptr",
-                                        "ats_ptr", "amax_ptr", "M", "F", "stride_gm", "stride_dm", "stride_qm",
-                                        "stride_sk", "stride_qt", "stride_at", "stride_st_m", "stride_ats_m",
-                                        "stride_ab")]
+    aligned = [names.index(n) for n in (*row_ptrs, "qt_ptr", "st_ptr", "at_ptr", "ats_ptr", "amax_ptr", "M", "F",
+                                        "stride_gm", "stride_dm", *(["stride_qm", "stride_sk"] if rows else []),
+                                        "stride_qt", "stride_at", "stride_st_m", "stride_ats_m", "stride_ab")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}  # as the launch specializes them
-    return triton.compile(GluonASTSource(g._swiglu_backward_rows_cols_kernel, signature, constexprs=constants,
-                                         attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(GluonASTSource(kernel, signature, constexprs=constants, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
 @pytest.mark.parametrize("a_blocks", [False, True], ids=["a_in_tiles", "a_in_blocks"])
@@ -362,7 +343,7 @@ def test_swiglu_backward_rows_and_columns_in_one_launch_compile_for_sm90_as_lean
     from megafp8.precision.kernels import gluon_tiles as gt, swiglu_cols_gluon as g
 
     block_n = gt.block_layouts(g.TOKENS_PER_THREAD, g.FEATURES_PER_THREAD, 4)[0]
-    compiled = _rows_cols_one_launch_compiled(a_blocks)
+    compiled = _swiglu_tma_compiled(g._swiglu_backward_rows_cols_kernel, a_blocks, rows=True)
     assert compiled.metadata.shared <= 3 * 2 * 128 * block_n + 64 * 4 + 64  # the column programs' blocks
     report, sass = _ptxas_and_sass(compiled.asm["ptx"])
     tokens_a_thread = g.ROW_M // (2 * 4)  # 2 tokens a warp, 4 warps
