@@ -28,7 +28,7 @@ at 4 warps, 46 reading by TMA, against 143 in the Triton kernel;
 (`_swiglu_backward_rows_cols_kernel`): each program does one kernel's work for one 128-token block, the row and
 column programs of the same 128 features numbered side by side, so that whichever reads a block's gu and da second
 finds them in L2 (17 bytes moved a (token, feature) from HBM by the two kernels, ~11 by one launch, if the L2 holds).
-It is not yet measured on a GPU (`docs/benchmarks.md`, the next GPU list).
+Off by default (`ROWS_COLS_ONE_LAUNCH`) until a GPU has run it (`docs/benchmarks.md`, the next GPU list).
 
 Numerics are the Triton kernels' (`megafp8.precision.kernels.tiles`, `producers`), op for op, so the two give the
 same bits.
@@ -310,9 +310,10 @@ def tma_fits(gu: torch.Tensor, da: torch.Tensor) -> bool:
     return bf16 and da.shape[0] > 0 and da.shape[0] % _SLAB == 0 and aligned
 
 
-# `producers.swiglu_backward_quantize` runs the rows and columns in one launch wherever TMA can read gu and da
-# (`swiglu_backward_rows_cols`); False: the Triton row kernel, then the column kernel.
-ROWS_COLS_ONE_LAUNCH = True
+# True: `producers.swiglu_backward_quantize` runs the rows and columns in one launch wherever TMA can read gu and
+# da (`swiglu_backward_rows_cols`). Off until a GPU has run it (its GPU test, then the MoE step against it off:
+# docs/benchmarks.md, the next GPU list); off, the Triton row kernel then the column kernel run, as before.
+ROWS_COLS_ONE_LAUNCH = False
 ROW_M = 32  # tokens a row program: 4 warps of 2 tokens x 16 lanes of 8 features, four times
 
 
