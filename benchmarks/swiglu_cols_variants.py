@@ -57,6 +57,15 @@ def variants() -> dict:
     return out
 
 
+def inputs(m: int, f: int, g: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """gu (M, 2F) with features over four decades, and da (M, F), BF16; the 200-token check case holds a nan."""
+    gu = (torch.randn(m, 2 * f, generator=g) * torch.logspace(-2, 2, 2 * f)).bfloat16().to(device)
+    da = torch.randn(m, f, generator=g).bfloat16().to(device)
+    if m == 200:
+        gu[17, 3] = float("nan")
+    return gu, da
+
+
 def rows_cols_outputs(m: int, f: int, grad_fmt, device):
     """Poisoned outputs of SwiGLU's whole backward quantization: d(gu) both ways, then a^T."""
     from megafp8.precision.kernels import tiles
@@ -84,10 +93,7 @@ def rows_cols_table(tokens: int, moe_tokens: int, iters: int, device) -> None:
     cases.append(("MoE experts", moe_tokens, MOE_F, E4M3))
     print("\n| shape | " + " | ".join(runs) + " | one / two |\n|---|" + "---|" * (len(runs) + 1))
     for name, m, f, grad_fmt in cases:
-        gu = (torch.randn(m, 2 * f, generator=g) * torch.logspace(-2, 2, 2 * f)).bfloat16().to(device)
-        da = torch.randn(m, f, generator=g).bfloat16().to(device)
-        if m == 200:
-            gu[17, 3] = float("nan")
+        gu, da = inputs(m, f, g, device)
         want = rows_cols_outputs(m, f, grad_fmt, device)
         two_kernels(gu, da, *want, grad_fmt)
         cells, times = [], []
@@ -117,10 +123,7 @@ def main(argv=None) -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print("| shape | " + " | ".join(runs) + " |\n|---|" + "---|" * len(runs))
     for name, m, f, grad_fmt in cases:
-        gu = (torch.randn(m, 2 * f, generator=g) * torch.logspace(-2, 2, 2 * f)).bfloat16().to(device)
-        da = torch.randn(m, f, generator=g).bfloat16().to(device)
-        if m == 200:
-            gu[17, 3] = float("nan")
+        gu, da = inputs(m, f, g, device)
         want = outputs(m, f, grad_fmt, device)
         runs["triton (backends')"](gu, da, *want, E4M3, grad_fmt, False)
         cells = []
