@@ -86,7 +86,7 @@ for part in $PARTS; do (
   case $part in
     tests) step gpu_tests python -m pytest -q -m gpu tests/ -x -p no:cacheprovider ;;
     tests_fp8) step gpu_tests_fp8 python -m pytest -q -m gpu tests/test_fp8_backends.py tests/test_fp8_gpu.py \
-           tests/test_moe_gpu.py \
+           tests/test_gluon_kernels_gpu.py tests/test_moe_gpu.py \
            -p no:cacheprovider ;;
     tests_one_gpu) step gpu_tests_one_gpu python -m pytest -q -m gpu tests/test_gpu.py tests/test_fp8_gpu.py \
            tests/test_moe_gpu.py \
@@ -188,7 +188,7 @@ for part in $PARTS; do (
     gathers_walk)  # the MoE gathers walking their token blocks first (FP8: rows_cols_gluon.GATHER_ROWS_FIRST; BF16:
                    # permute.GATHER_ROWS_BY_BLOCKS): their GPU tests (the same bytes either walk), then the row +
                    # column quantizer's variants, whose MoE expert-layout row and BF16 dispatch table time both walks
-      step gathers_walk_tests python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_moe_gpu.py -n 4 \
+      step gathers_walk_tests python -m pytest -q -m gpu tests/test_gluon_kernels_gpu.py tests/test_moe_gpu.py -n 4 \
         -k "gluon_rows_cols or permutation_kernels" -p no:cacheprovider
       step rows_cols_variants python benchmarks/rows_cols_variants.py ;;
     group_m)  # the dense fprop and dgrad walking their output tiles in groups of 8 (the default), 16 and 32 row tiles
@@ -199,7 +199,9 @@ for part in $PARTS; do (
     column_experiment)  # job EF's GPU test selection in this tree and in $EXP (a tree with the column-quantizer
                         # experiment, e.g. `git worktree add -f --detach old_tree d70d2de`, carried), failures listed
                         # whole; then SwiGLU backward's and the row + column quantizer's variants timed in both trees
-      selection="tests/test_fp8_gpu.py tests/test_fp8_backends.py tests/test_fp8_qkv.py -m gpu -n 4 -rf"
+      # (the Gluon kernels' tests have their own file since the sixty-seventh session; an older $EXP lacks it)
+      selection='tests/test_fp8_gpu.py $(ls tests/test_gluon_kernels_gpu.py 2>/dev/null) tests/test_fp8_backends.py'
+      selection="$selection tests/test_fp8_qkv.py -m gpu -n 4 -rf"
       selection="$selection -p no:cacheprovider -k 'gluon or quantiz or producer or rope'"
       variants="python benchmarks/swiglu_cols_variants.py && python benchmarks/rows_cols_variants.py"
       step column_tests_here bash -c "python -m pytest -q $selection"
@@ -243,7 +245,7 @@ for part in $PARTS; do (
     wgrad_bf16) step wgrad_bf16 python benchmarks/wgrad_gemm.py --bf16-only ;;
     attention) step attention python benchmarks/attention.py ;;
     tests_rope) step gpu_tests_rope python -m pytest -q -m gpu tests/test_fp8_backends.py tests/test_fp8_gpu.py \
-           tests/test_moe_gpu.py \
+           tests/test_gluon_kernels_gpu.py tests/test_moe_gpu.py \
            tests/test_fp8_qkv.py -k "rope or autotuned or custom_op or fused_projection" -p no:cacheprovider ;;
     tests_attention) step gpu_tests_attention python -m pytest -q -m gpu tests/test_sdpa.py -p no:cacheprovider ;;
     attn_1b|attn_8b|attn_eager|attn_mla)  # whole steps with the attention core by torch's order, then by

@@ -7,7 +7,7 @@ source "$(dirname "$0")/gpu_lib.sh"
 start_summary
 install_torchao
 STEPS="--steps 25 --warmup 10"
-step gpu_tests python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_moe_gpu.py -x
+step gpu_tests python -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_gluon_kernels_gpu.py tests/test_moe_gpu.py -x
 step ours_eager python benchmarks/train_step.py $STEPS --model 1b --recipes bf16 fp8
 step ours_compiled python benchmarks/train_step.py training.compile=true $STEPS --model 1b --recipes bf16 fp8
 step moe_eager python benchmarks/train_step.py $STEPS --model moe --recipes bf16 fp8

@@ -1,7 +1,7 @@
 """`precision.fp8_wgrad_input_blocks` on the CPU (the reference backend): the weight gradient's input x quantized
 in 128x128 blocks instead of 1x128 tiles along the tokens, from the quantizer through the GEMMs, eager and
 compiled, and the backends that refuse it. (The Gluon quantizer and the warp-specialized GEMMs that run it on SM90
-are checked against these definitions by `tests/test_fp8_gpu.py`.)"""
+are checked against these definitions by `tests/test_fp8_gpu.py` and `tests/test_gluon_kernels_gpu.py`.)"""
 from __future__ import annotations
 
 import logging
