@@ -170,11 +170,12 @@ def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: Fp8Format,
     (at_fp8 (F, M_pad), scales): silu(gate) * up's transpose in `fmt`, in 128x128 blocks given the forward's tile
     maxima `a_amax` (M, F/128) (`producers.swiglu_backward_quantize`; the Gluon column kernel only). Two kernels:
     the rows, then the columns (on SM90 the Gluon column kernel, the same bytes in fewer instructions); on SM90,
-    where TMA can read gu and da and `swiglu_cols_gluon.ROWS_COLS_ONE_LAUNCH` is on (not yet by default), both in
-    one launch (`swiglu_cols_gluon.swiglu_backward_rows_cols`: the same bytes and programs, gu and da read from HBM
-    about once). One kernel holding whole tiles of all three results was slower, in Triton (`docs/benchmarks.md`,
-    twenty-third session: 1.035 against 0.730 ms at the MoE experts' shape) and in Gluon (job EK: 1.605 against
-    1.169 ms at the 8B-layer shape; 255 registers a thread, one program an SM; job FH: 2.136 against 1.016 ms)."""
+    where TMA can read gu and da (every training step's BF16 inputs), both in one launch
+    (`swiglu_cols_gluon.swiglu_backward_rows_cols`, switched by `ROWS_COLS_ONE_LAUNCH`, on: the same bytes and
+    programs, gu and da read from HBM about once; 15% faster than the two at the MoE experts' shape, job IZ).
+    One kernel holding whole tiles of all three results was slower, in Triton (`docs/benchmarks.md`, twenty-third
+    session: 1.035 against 0.730 ms at the MoE experts' shape) and in Gluon (job EK: 1.605 against 1.169 ms at the
+    8B-layer shape; 255 registers a thread, one program an SM; job FH: 2.136 against 1.016 ms)."""
     assert gu.stride(1) == 1 and da.stride(1) == 1, "swiglu_backward_quantize needs row-major inputs"
     m, f = da.shape
     blocks = a_amax is not None
