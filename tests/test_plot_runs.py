@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megafp8.config import ConfigError
-from megafp8.train.plots import read_series, relative_gaps, splice_warning
+from megafp8.train.plots import read_series, relative_gaps, run_styles, splice_warning
 from tests.conftest import REPO, torchrun_env
 
 
@@ -88,3 +88,14 @@ def test_three_runs_with_their_gaps_to_the_first(tmp_path):
                             cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_run_gets_its_own_colour_and_line_style_past_ten_runs():
+    """The MoE repeats' plot drew twelve runs; matplotlib's default colours wrap after ten, so the eleventh and
+    twelfth took the first two runs' colours."""
+    assert run_styles(3) == [("C0", "-"), ("C1", "-"), ("C2", "-")]
+    pytest.importorskip("matplotlib")
+    for count in (11, 12, 20, 45):
+        styles = run_styles(count)
+        assert len(styles) == count and len(set(styles)) == count, count
+    assert run_styles(21)[20] == (run_styles(21)[0][0], "--")

@@ -392,8 +392,9 @@ class TrainingConfig:
         "the MoE parity model ended 0.85% apart (`docs/precision.md`). For debugging, bisecting and exact resumes. "
         "Shown on the CPU, on a small model on one GPU (eager and compiled), and on the 3.2B MoE step under CUDA "
         "graphs (H100: the same first gradients and losses twice in BF16 and FP8, where plain runs differed; no "
-        "measurable cost, `docs/benchmarks.md` jobs IT-IU); no measurable cost on the ~1B and 8B-layer steps either "
-        "(job IY), whose repeatability under it is not yet checked on a GPU; not yet on several GPUs.",
+        "measurable cost, `docs/benchmarks.md` jobs IT-IU) and on the ~1B dense step (job JB: plain BF16 runs "
+        "differed in 91 of 99 first gradients); no measurable cost on the ~1B and 8B-layer steps (job IY); the "
+        "8B-layer's repeatability and several GPUs not yet checked.",
     )
     max_consecutive_skips: int = setting(
         3,

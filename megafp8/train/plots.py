@@ -69,6 +69,19 @@ def _smoothed(values: list[float], points: int) -> list[float]:
             for i in range(len(values))]
 
 
+def run_styles(count: int) -> list[tuple[str, str]]:
+    """(colour, line style) for each of `count` runs, no two alike: matplotlib's ten default colours while they
+    suffice; past ten, `tab20`'s twenty (its dark and light pairs), then those again dashed, dotted and dash-dotted
+    (the default cycle wraps after ten, so an eleventh run was drawn in the first run's colour)."""
+    if count <= 10:
+        return [(f"C{i}", "-") for i in range(count)]
+    import matplotlib
+
+    palette = [matplotlib.colors.to_hex(c) for c in matplotlib.colormaps["tab20"].colors]
+    dashes = ["-", "--", ":", "-."]
+    return [(palette[i % 20], dashes[(i // 20) % 4]) for i in range(count)]
+
+
 def relative_gaps(reference: tuple[list[int], list[float]], other: tuple[list[int], list[float]]
                   ) -> tuple[list[int], list[float]]:
     """(steps, 100 * (other - reference) / reference) at the steps both runs logged."""
@@ -103,22 +116,22 @@ def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, 
             kept = [i for i, s in enumerate(steps) if s >= from_step]
             series.append(([steps[i] for i in kept], [values[i] for i in kept]))
         points = smooth if kind == "train" else 1
-        colours = [f"C{i}" for i in range(len(runs))]
+        colours = run_styles(len(runs))
         panels = [(axes[0][column], field, list(zip(series, labels, colours)))]
         if rows == 2:
             gap_series = [relative_gaps(series[0], other) for other in series[1:]]
             panels.append((axes[1][column], f"{field}: % vs {labels[0]}",
                            list(zip(gap_series, labels[1:], colours[1:]))))
-            axes[1][column].axhline(0.0, color=colours[0], linewidth=0.8)
+            axes[1][column].axhline(0.0, color=colours[0][0], linewidth=0.8)
         for ax, title, lines in panels:
-            for (steps, values), label, colour in lines:
-                ax.plot(steps, _smoothed(values, points), label=label, color=colour,
+            for (steps, values), label, (colour, dash) in lines:
+                ax.plot(steps, _smoothed(values, points), label=label, color=colour, linestyle=dash,
                         marker="o" if len(steps) < 30 else None, markersize=3)
             ax.set_xlabel("step")
             ax.set_ylabel(title)
             ax.set_title(title)
             ax.grid(alpha=0.3)
-            ax.legend()
+            ax.legend(fontsize="small" if len(lines) > 10 else None)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
