@@ -42,8 +42,8 @@
 #        `compare` sets each against BF16 seed B once it has finished, and all of them in one table
 #        (`compare_runs.py --gaps`, beside FP8 seed B and BF16 seed A);
 #        moe_bf16_b_rN, moe_fp8_b_rN for N from 2 to SEED_B_REPEATS (6; at most 9) (repeats of seed B's pair: the
-#        same settings, so the same seed and data order; GPU runs are not bit-reproducible, and on an H100 five
-#        BF16 runs of seed B ended 0.85% apart, jobs IP-IR, IV and IX): `compare` sets FP8's mean against BF16's,
+#        same settings, so the same seed and data order; GPU runs are not bit-reproducible, and on an H100 six
+#        BF16 runs of seed B ended 0.85% apart, jobs IP-IR, IV, IX and JD): `compare` sets FP8's mean against BF16's,
 #        with BF16's run-to-run range (`compare_runs.py --pooled`), once two BF16 runs and one FP8 run have
 #        finished
 #        dense_fp8blocks_a (FP8 seed A with the opt-in `precision.fp8_wgrad_input_blocks`: `next` runs it last,

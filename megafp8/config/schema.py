@@ -388,7 +388,7 @@ class TrainingConfig:
         "Make a run repeatable bit for bit on the same GPUs, software and layout: torch's deterministic algorithms "
         "(an op without one stops the run naming it), cuBLAS's fixed workspace (`CUBLAS_WORKSPACE_CONFIG=:4096:8` "
         "unless set), cuDNN deterministic and not benchmarking, Inductor without on-device timing. Without it GPU runs "
-        "of one seed drift apart (kernels whose sums or atomic adds take another order each run): five BF16 runs of "
+        "of one seed drift apart (kernels whose sums or atomic adds take another order each run): six BF16 runs of "
         "the MoE parity model ended 0.85% apart (`docs/precision.md`). For debugging, bisecting and exact resumes. "
         "Shown on the CPU, on a small model on one GPU (eager and compiled), and on the 3.2B MoE step under CUDA "
         "graphs (H100: the same first gradients and losses twice in BF16 and FP8, where plain runs differed; no "
