@@ -341,15 +341,28 @@ def swiglu_backward_rows_cols(gu: torch.Tensor, da: torch.Tensor, q: torch.Tenso
     blocks = a_amax is not None
     amax = a_amax if blocks else ats  # an unused pointer without blocks
     programs = f // 128 * (128 // block_n + 128 // ROW_M)  # a 128-token block's
-    shared, box = slab_shared_layout(block_n), (_SLAB, 128 // _SLAB, block_n)
-    boxes = (Descriptor(_slab_view(gu, 2 * f), box, shared), Descriptor(_slab_view(da, f), box, shared))
-    args = boxes + (gu, da, q, s, qt, st, at, ats, amax, m, f, gu.stride(0), da.stride(0), q.stride(0), s.stride(0),
-                    s.stride(1), qt.stride(0), st.stride(0), st.stride(1), at.stride(0), ats.stride(0),
-                    ats.stride(1), amax.stride(1))
-    constexprs = dict(GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, A_BLOCKS=blocks, BLOCK_N=block_n,
-                      LOAD=load, STORE=store, SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps),
-                      SLABS=slab_layout(load), ROWS=row_layout(num_warps), ROW_M=ROW_M, num_warps=num_warps)
+    args = _slab_descriptors(gu, da, block_n) + (
+        gu, da, q, s, qt, st, at, ats, amax, m, f, gu.stride(0), da.stride(0), q.stride(0), s.stride(0), s.stride(1),
+        qt.stride(0), st.stride(0), st.stride(1), at.stride(0), ats.stride(0), ats.stride(1), amax.stride(1))
+    constexprs = dict(_column_constexprs(fmt, grad_fmt, power_of_two, blocks, block_n, load, store, num_warps),
+                      SLABS=slab_layout(load), ROWS=row_layout(num_warps), ROW_M=ROW_M)
     _ROWS_COLS_LAUNCH.launch((-(-m // 128) * programs,), args, constexprs)
+
+
+def _slab_descriptors(gu: torch.Tensor, da: torch.Tensor, block_n: int) -> tuple[Descriptor, Descriptor]:
+    """The TMA descriptors through which the kernels read gu (M, 2F) and da (M, F): each as 8 slabs (`_slab_view`)
+    in boxes of 16 rows of `block_n` features, a 128-token block a box."""
+    f = da.shape[1]
+    shared, box = slab_shared_layout(block_n), (_SLAB, 128 // _SLAB, block_n)
+    return Descriptor(_slab_view(gu, 2 * f), box, shared), Descriptor(_slab_view(da, f), box, shared)
+
+
+def _column_constexprs(fmt: Fp8Format, grad_fmt: Fp8Format, power_of_two: bool, blocks: bool, block_n: int, load,
+                       store, num_warps: int) -> dict:
+    """The constexprs (and `num_warps`) that every form of the column kernel takes."""
+    return dict(GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, A_BLOCKS=blocks, BLOCK_N=block_n,
+                LOAD=load, STORE=store, SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps),
+                num_warps=num_warps)
 
 
 def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, st: torch.Tensor, at: torch.Tensor,
@@ -373,12 +386,9 @@ def swiglu_backward_cols(gu: torch.Tensor, da: torch.Tensor, qt: torch.Tensor, s
     grid = (f // block_n, -(-m // 128))
     outputs = (qt, st, at, ats, amax, m, f, gu.stride(0), da.stride(0), qt.stride(0), st.stride(0), st.stride(1),
                at.stride(0), ats.stride(0), ats.stride(1), amax.stride(1))
-    constexprs = dict(GRAD_MAX=grad_fmt.max, FP8_MAX=fmt.max, POW2=power_of_two, A_BLOCKS=blocks, BLOCK_N=block_n,
-                      LOAD=load, STORE=store, SPREAD=gluon_tiles.spread_layout(block_n // num_warps, num_warps),
-                      num_warps=num_warps)
+    constexprs = _column_constexprs(fmt, grad_fmt, power_of_two, blocks, block_n, load, store, num_warps)
     if use_tma:
-        shared, box = slab_shared_layout(block_n), (_SLAB, 128 // _SLAB, block_n)  # 8 slabs of 16 rows
-        boxes = (Descriptor(_slab_view(gu, 2 * f), box, shared), Descriptor(_slab_view(da, f), box, shared))
+        boxes = _slab_descriptors(gu, da, block_n)
         _TMA_LAUNCH.launch(grid, boxes + outputs, dict(constexprs, SLABS=slab_layout(load)))
     else:
         _LAUNCH.launch(grid, (gu, da) + outputs, constexprs)
