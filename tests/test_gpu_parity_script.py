@@ -364,7 +364,7 @@ def test_cross_eval_evaluates_a_kept_checkpoint_in_both_recipes_and_refuses_a_ru
 
 
 def test_seed_b_repeats_run_seed_b_s_settings_and_compare_pools_them_once_two_bf16_runs_have_finished(tmp_path):
-    """`moe_bf16_b_r2` and `moe_fp8_b_r3` (repeats; up to SEED_B_REPEATS, 6 unless set) resolve to their base run's
+    """`moe_bf16_b_r2` and `moe_fp8_b_r3` (repeats; up to SEED_B_REPEATS, 7 unless set) resolve to their base run's
     config but for the run name (the same seed, data order and recipe); `compare moe` pools the seed-B repeats (`compare_runs.py --pooled`) only once two
     BF16 runs and one FP8 run have finished, counts a repeat still running nowhere, and plots them."""
     fake_corpus(tmp_path, 40_000_000, 900_000)
@@ -372,9 +372,9 @@ def test_seed_b_repeats_run_seed_b_s_settings_and_compare_pools_them_once_two_bf
     for repeat, base in (("moe_bf16_b_r2", "moe_bf16_b"), ("moe_fp8_b_r3", "moe_fp8_b")):
         assert configs[repeat]["run_name"] == repeat
         assert {**configs[repeat], "run_name": base} == configs[base]
-    assert "unknown run 'moe_fp8_b_r7'" in script(tmp_path, "config", "moe_fp8_b_r7").stderr  # SEED_B_REPEATS=6
-    more = script(tmp_path, "config", "moe_fp8_b_r7", SEED_B_REPEATS="7")
-    assert more.returncode == 0 and "run_name: moe_fp8_b_r7" in more.stdout, more.stderr
+    assert "unknown run 'moe_fp8_b_r8'" in script(tmp_path, "config", "moe_fp8_b_r8").stderr  # SEED_B_REPEATS=7
+    more = script(tmp_path, "config", "moe_fp8_b_r8", SEED_B_REPEATS="8")
+    assert more.returncode == 0 and "run_name: moe_fp8_b_r8" in more.stdout, more.stderr
     assert "SEED_B_REPEATS=12: give 1 to 9" in script(tmp_path, "status", SEED_B_REPEATS="12").stderr
     runs, env = tmp_path / "work" / "runs", {"MOE_STEPS": "2", "DENSE_STEPS": "2"}
     for name, losses in (("moe_bf16", [4.0, 3.0]), ("moe_fp8", [4.0, 3.03]), ("moe_bf16_b", [4.0, 3.0]),

@@ -388,13 +388,13 @@ class TrainingConfig:
         "Make a run repeatable bit for bit on the same GPUs, software and layout: torch's deterministic algorithms "
         "(an op without one stops the run naming it), cuBLAS's fixed workspace (`CUBLAS_WORKSPACE_CONFIG=:4096:8` "
         "unless set), cuDNN deterministic and not benchmarking, Inductor without on-device timing. Without it GPU runs "
-        "of one seed drift apart (kernels whose sums or atomic adds take another order each run): six BF16 runs of "
-        "the MoE parity model ended 0.85% apart (`docs/precision.md`). For debugging, bisecting and exact resumes. "
+        "of one seed drift apart (kernels whose sums or atomic adds take another order each run): seven BF16 runs of "
+        "the MoE parity model ended 2.0% apart (`docs/precision.md`). For debugging, bisecting and exact resumes. "
         "Shown on the CPU, on a small model on one GPU (eager and compiled), and on the 3.2B MoE step under CUDA "
         "graphs (H100: the same first gradients and losses twice in BF16 and FP8, where plain runs differed; no "
         "measurable cost, `docs/benchmarks.md` jobs IT-IU) and on the ~1B dense step (job JB: plain BF16 runs "
-        "differed in 91 of 99 first gradients); no measurable cost on the ~1B and 8B-layer steps (job IY); the "
-        "8B-layer's repeatability and several GPUs not yet checked.",
+        "differed in 91 of 99 first gradients) and the 8B-layer step (job JH: 43 of 51); no measurable cost on the "
+        "~1B and 8B-layer steps (job IY); several GPUs not yet checked.",
     )
     max_consecutive_skips: int = setting(
         3,
