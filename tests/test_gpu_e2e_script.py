@@ -403,3 +403,25 @@ def test_gpu_e2e_deterministic_cost_runs_each_model_plain_then_deterministic(tmp
     assert all("training.compile_mode=reduce-overhead" in r and r[-2:] == ["bf16", "fp8"] for r in runs)
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert all(f"## deterministic_{m}_{d}" in summary for m in ("1b", "moe") for d in ("false", "true")), summary
+
+
+def test_gpu_e2e_determinism_compares_each_model_plain_then_deterministic_with_deepgemm_placed(tmp_path):
+    """`gpu_e2e.sh determinism`: `determinism.py` on each of REPEAT_MODELS, plain and then with `--deterministic`,
+    both recipes under CUDA graphs, after DeepGEMM is placed (here its missing source is said in the summary); each
+    run's tables in the summary under its own heading."""
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["determinism"], 'echo "$*" >> ../determinism_args.txt; echo "| table |"',
+                                    script="benchmarks/determinism.py",
+                                    env={"REPEAT_MODELS": "1b 8b-layers", "REPEAT_STEPS": "3",
+                                         "DEEPGEMM_SRC": str(tmp_path / "no_source")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [r.split() for r in (tmp_path / "determinism_args.txt").read_text().splitlines()]
+    assert [(r[r.index("--model") + 1], "--deterministic" in r) for r in runs] \
+        == [("1b", False), ("1b", True), ("8b-layers", False), ("8b-layers", True)]
+    assert all(r[r.index("--steps") + 1] == "3" and "training.compile_mode=reduce-overhead" in r
+               and r[r.index("--recipes") + 1:r.index("--recipes") + 3] == ["bf16", "fp8"] for r in runs)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "no DeepGEMM source" in summary
+    for model in ("1b", "8b-layers"):
+        for mode in ("plain", "deterministic"):
+            heading = f"## determinism_{model}_{mode}"
+            assert heading in summary and "| table |" in summary.split(heading)[1].split("##")[0], summary
