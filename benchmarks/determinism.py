@@ -68,23 +68,45 @@ def one_run(cfg, steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 
 def compare_gradients(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> list[tuple[str, int, int,
-                                                                                                      float]]:
+                                                                                                      float, str]]:
     """Per parameter group: (group, parameters, how many differ bit for bit, the largest difference over the largest
-    magnitude among those that differ), groups with a difference first, then by name."""
+    magnitude among those that differ, which of them differ by their indices: `index_spans`), groups with a
+    difference first, then by name. Which layers differ says where a difference entered the backward: it reaches
+    every layer below the one it entered."""
     if first.keys() != second.keys():
         raise ValueError(f"the runs have other parameters: {sorted(first.keys() ^ second.keys())[:5]}")
-    groups: dict[str, list[int | float]] = {}
+    groups: dict[str, list] = {}
     for name, a in first.items():
         b = second[name]
-        entry = groups.setdefault(group_of(name), [0, 0, 0.0])
+        entry = groups.setdefault(group_of(name), [0, 0, 0.0, []])
         entry[0] += 1
         if not torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
                            b.view(torch.int32) if b.dtype == torch.float32 else b):  # bits, NaN included
             entry[1] += 1
             scale = max(a.abs().max().item(), b.abs().max().item()) or 1.0
             entry[2] = max(entry[2], (a - b).abs().max().item() / scale)
-    rows = [(group, int(n), int(differ), float(rel)) for group, (n, differ, rel) in groups.items()]
+            entry[3].append(".".join(re.findall(r"\.(\d+)(?=\.)", name)))
+    rows = [(group, int(n), int(differ), float(rel), index_spans(which))
+            for group, (n, differ, rel, which) in groups.items()]
     return sorted(rows, key=lambda row: (row[2] == 0, row[0]))
+
+
+def index_spans(indices: list[str], most: int = 16) -> str:
+    """Differing members' indices, compact: single integers as sorted runs (`0-3, 6`), others (`layer.expert`) as
+    they are, at most `most` of them; `-` for none or a group without indices."""
+    if not any(indices):
+        return "-"
+    if all(i.isdigit() for i in indices):
+        values, runs = sorted(int(i) for i in indices), []
+        for value in values:
+            if runs and value == runs[-1][1] + 1:
+                runs[-1][1] = value
+            else:
+                runs.append([value, value])
+        parts = [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs]
+    else:
+        parts = indices
+    return ", ".join(parts[:most]) + (f", ... ({len(parts) - most} more)" if len(parts) > most else "")
 
 
 def first_difference(first: list[float], second: list[float]) -> int | None:
@@ -92,7 +114,7 @@ def first_difference(first: list[float], second: list[float]) -> int | None:
     return next((i + 1 for i, (a, b) in enumerate(zip(first, second)) if a != b), None)
 
 
-def report(recipe: str, rows: list[tuple[str, int, int, float]], losses: tuple[list[float], list[float]],
+def report(recipe: str, rows: list[tuple[str, int, int, float, str]], losses: tuple[list[float], list[float]],
            deterministic: bool) -> str:
     differ = sum(row[2] for row in rows)
     total = sum(row[1] for row in rows)
@@ -101,8 +123,9 @@ def report(recipe: str, rows: list[tuple[str, int, int, float]], losses: tuple[l
              f"- first step's gradients: {differ} of {total} parameters differ between the two runs",
              f"- losses: {'the same at every one of' if step is None else f'first differ at step {step} of'} "
              f"{len(losses[0])} steps ({losses[0][-1]!r} and {losses[1][-1]!r} at the last)", "",
-             "| parameters | count | differ | largest difference / largest magnitude |", "|---|---|---|---|"]
-    lines += [f"| `{group}` | {n} | {d} | {rel:.2e} |" for group, n, d, rel in rows]
+             "| parameters | count | differ | largest difference / largest magnitude | which differ |",
+             "|---|---|---|---|---|"]
+    lines += [f"| `{group}` | {n} | {d} | {rel:.2e} | {which} |" for group, n, d, rel, which in rows]
     return "\n".join(lines)
 
 

@@ -58,7 +58,7 @@ def test_the_probe_compares_first_gradients_bit_for_bit_by_parameter_group():
     """benchmarks/determinism.py's comparison: a parameter whose gradient differs in one bit counts (0.0 against
     -0.0 too), layer indices fold into groups, differing groups come first; NaNs of the same bits are equal."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from determinism import compare_gradients, first_difference, group_of
+    from determinism import compare_gradients, first_difference, group_of, index_spans
 
     assert group_of("layers.12.mlp.experts.gate_up_proj") == "layers.*.mlp.experts.gate_up_proj"
     a = {"embed.weight": torch.tensor([1.0, float("nan")]), "layers.0.attn.w": torch.tensor([2.0, 0.0]),
@@ -67,10 +67,14 @@ def test_the_probe_compares_first_gradients_bit_for_bit_by_parameter_group():
          "layers.1.attn.w": torch.tensor([4.0, torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()])}
     rows = compare_gradients(a, b)
     assert [row[:3] for row in rows] == [("layers.*.attn.w", 2, 2), ("embed.weight", 1, 0)]
+    assert [row[4] for row in rows] == ["0-1", "-"]
     assert rows[0][3] == pytest.approx(2.0 ** -23 / 4.0)
     with pytest.raises(ValueError, match="other parameters"):
         compare_gradients(a, {"embed.weight": a["embed.weight"]})
     assert first_difference([3.0, 2.0, 1.0], [3.0, 2.5, 1.0]) == 2 and first_difference([1.0], [1.0]) is None
+    assert index_spans(["7", "0", "1", "2", "5"]) == "0-2, 5, 7" and index_spans([]) == "-"
+    assert index_spans(["3.12", "3.40"]) == "3.12, 3.40"
+    assert index_spans([str(i) for i in range(0, 40, 2)], most=3) == "0, 2, 4, ... (17 more)"
 
 
 def test_the_probe_runs_twice_and_reports_on_the_cpu(tmp_path):
@@ -83,4 +87,4 @@ def test_the_probe_runs_twice_and_reports_on_the_cpu(tmp_path):
     assert "### fp8, training.deterministic" in result.stdout
     assert "- first step's gradients: 0 of 15 parameters differ between the two runs" in result.stdout, result.stdout
     assert "- losses: the same at every one of 2 steps" in result.stdout
-    assert "| `layers.*.attn.qkv_proj.weight` | 2 | 0 | 0.00e+00 |" in result.stdout
+    assert "| `layers.*.attn.qkv_proj.weight` | 2 | 0 | 0.00e+00 | - |" in result.stdout
