@@ -10,7 +10,7 @@ import pytest
 
 from megafp8.config import ConfigError
 from tests.conftest import REPO, torchrun_env
-from tools.compare_runs import compare, gaps, parity, pooled, t_critical, welch
+from tools.compare_runs import compare, gaps, mann_whitney, parity, pooled, rank_check, t_critical, welch
 
 
 def _write(path, losses, norms, times):
@@ -226,3 +226,24 @@ def test_pooled_refuses_an_arm_without_a_spread_and_its_command_line_checks_its_
                           (["--pooled", "--gaps", *bf16, "--against", *fp8], "different tables")):
         result = run(*args)
         assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+
+
+def test_the_rank_check_matches_the_mann_whitney_test_exact_and_approximate():
+    """`mann_whitney`: U counts the pairs in which the other arm's run ends higher (ties half) and the two-sided
+    p-value is exact for small arms, the normal approximation with continuity correction past the limit. The
+    expected p-values are scipy 1.17's `mannwhitneyu` on the same values (exact, and asymptotic for 12 runs a side);
+    the first case is MoE seed B's seven BF16 and six FP8 validation losses (job JF)."""
+    bf16 = [3.4141, 3.4433, 3.4302, 3.4229, 3.4368, 3.4350, 3.4824]
+    fp8 = [3.4443, 3.4344, 3.4650, 3.4097, 3.4515, 3.4383]
+    u, p, exact = mann_whitney(bf16, fp8)
+    assert (u, exact) == (26.0, True) and p == pytest.approx(0.5337995337995338)
+    assert mann_whitney([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]) == (9.0, pytest.approx(0.1), True)
+    assert mann_whitney([4.0, 5.0, 6.0], [1.0, 2.0, 3.0])[:2] == (0.0, pytest.approx(0.1))  # two-sided
+    assert mann_whitney([1.0, 1.0], [1.0, 1.0]) == (2.0, 1.0, True)  # all tied: U at its mean
+    u, p, exact = mann_whitney([float(i) for i in range(12)], [i + 100.0 for i in range(12)])
+    assert (u, exact) == (144.0, False) and p == pytest.approx(3.6584553538971e-05, rel=1e-6)
+    # one run far off moves U by its rank alone: pushing BF16's highest run ten times farther changes nothing
+    assert mann_whitney(bf16[:-1] + [3.9], fp8) == mann_whitney(bf16, fp8)
+    line = rank_check(bf16, fp8, ("BF16 B", "FP8 B"))
+    assert line == ("- Rank check (Mann-Whitney, exact): FP8 B's runs end higher in 26 of 42 pairs with BF16 B's, "
+                    "two-sided p = 0.53 (not below 0.05); median pairwise difference +0.227%"), line

@@ -33,11 +33,14 @@ got to. Then the verdict at the last evaluation both arms reached: the other arm
 range or not, the standard error of the two means' difference, and whether the runs can resolve `--tolerance` at
 all, with the runs an arm that would take. The bold verdict is Welch's t test of the difference (95%, two-sided,
 Student's t at the Welch-Satterthwaite degrees of freedom, since an arm has a handful of runs), not the range: a
-range only widens as runs are added, so a mean inside it says less and less.
+range only widens as runs are added, so a mean inside it says less and less. Beside it, a rank check that one
+outlying run cannot sway: the Mann-Whitney rank-sum test (exact for arms of a few runs) and the median of the
+pairwise differences of runs (Hodges-Lehmann).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -268,6 +271,45 @@ def welch(ref: list[float], other: list[float]) -> tuple[float, float]:
     return math.sqrt(a + b), (a + b) ** 2 / (a ** 2 / (len(ref) - 1) + b ** 2 / (len(other) - 1))
 
 
+EXACT_RANK_LIMIT = 50_000  # arms whose ways of splitting the pooled runs number more than this get the normal form
+
+
+def mann_whitney(ref: list[float], other: list[float]) -> tuple[float, float, bool]:
+    """The rank-sum test of two arms (Mann-Whitney): (U, the pairs (other run, reference run) in which the other run
+    is higher, a tie counting half; its two-sided p-value; whether that is exact). Exact: the share of all ways of
+    splitting the pooled runs into arms of these sizes whose U lies at least as far from its mean (n m / 2) as this
+    one; past `EXACT_RANK_LIMIT` ways, the normal approximation with continuity correction (no tie correction). It
+    asks only which runs end higher, so one run far from the others moves it by one rank, not by its distance."""
+    n, m = len(ref), len(other)
+    center = n * m / 2
+
+    def u_of(higher: list[float], lower: list[float]) -> float:
+        return sum((h > l) + 0.5 * (h == l) for h in higher for l in lower)
+
+    u = u_of(other, ref)
+    if math.comb(n + m, m) > EXACT_RANK_LIMIT:
+        z = max(abs(u - center) - 0.5, 0.0) / math.sqrt(n * m * (n + m + 1) / 12)
+        return u, math.erfc(z / math.sqrt(2)), False
+    pooled_runs, extreme, ways = ref + other, 0, 0
+    for chosen in itertools.combinations(range(n + m), m):
+        picked = set(chosen)
+        split_u = u_of([pooled_runs[i] for i in chosen], [v for i, v in enumerate(pooled_runs) if i not in picked])
+        extreme += abs(split_u - center) >= abs(u - center) - 1e-9
+        ways += 1
+    return u, extreme / ways, True
+
+
+def rank_check(ref: list[float], other: list[float], labels: tuple[str, str]) -> str:
+    """One line beside Welch's t test that an outlying run cannot sway: the rank-sum test (`mann_whitney`) and the
+    Hodges-Lehmann shift (the median of every other-minus-reference difference of runs, relative to the reference's
+    mean)."""
+    u, p, exact = mann_whitney(ref, other)
+    shift = statistics.median(o - r for o in other for r in ref) / statistics.fmean(ref)
+    return (f"- Rank check (Mann-Whitney, {'exact' if exact else 'normal approximation'}): {labels[1]}'s runs end "
+            f"higher in {u:g} of {len(ref) * len(other)} pairs with {labels[0]}'s, two-sided p = {p:.2f} "
+            f"({'below' if p < 0.05 else 'not below'} 0.05); median pairwise difference {shift:+.3%}")
+
+
 def pooled_verdict(ref: list[float], other: list[float], tolerance: float, labels: tuple[str, str]) -> list[str]:
     """The end verdict of two arms of repeats (final losses): the other arm's mean inside the reference arm's range
     (its run-to-run spread at one seed) or not; the standard error of the difference of the means and Welch's t
@@ -301,6 +343,8 @@ def pooled_verdict(ref: list[float], other: list[float], tolerance: float, label
                  f"difference of the means is {ratio:.2f} standard errors from zero, against {critical:.2f} at "
                  f"{dof:.1f} degrees of freedom; 95% interval {gap - critical * error:+.3%} to "
                  f"{gap + critical * error:+.3%}")
+    if len(other) > 1:
+        lines.append(rank_check(ref, other, labels))
     return lines
 
 
