@@ -247,3 +247,5 @@ def test_the_rank_check_matches_the_mann_whitney_test_exact_and_approximate():
     line = rank_check(bf16, fp8, ("BF16 B", "FP8 B"))
     assert line == ("- Rank check (Mann-Whitney, exact): FP8 B's runs end higher in 26 of 42 pairs with BF16 B's, "
                     "two-sided p = 0.53 (not below 0.05); median pairwise difference +0.227%"), line
+    far = rank_check([float(i) for i in range(12)], [i + 100.0 for i in range(12)], ("A", "B"))
+    assert "(Mann-Whitney, normal approximation)" in far and "p = 3.7e-05 (below 0.05)" in far, far

@@ -306,7 +306,7 @@ def rank_check(ref: list[float], other: list[float], labels: tuple[str, str]) ->
     u, p, exact = mann_whitney(ref, other)
     shift = statistics.median(o - r for o in other for r in ref) / statistics.fmean(ref)
     return (f"- Rank check (Mann-Whitney, {'exact' if exact else 'normal approximation'}): {labels[1]}'s runs end "
-            f"higher in {u:g} of {len(ref) * len(other)} pairs with {labels[0]}'s, two-sided p = {p:.2f} "
+            f"higher in {u:g} of {len(ref) * len(other)} pairs with {labels[0]}'s, two-sided p = {p:.2g} "
             f"({'below' if p < 0.05 else 'not below'} 0.05); median pairwise difference {shift:+.3%}")
 
 
