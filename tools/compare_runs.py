@@ -282,21 +282,31 @@ def mann_whitney(ref: list[float], other: list[float]) -> tuple[float, float, bo
     asks only which runs end higher, so one run far from the others moves it by one rank, not by its distance."""
     n, m = len(ref), len(other)
     center = n * m / 2
-
-    def u_of(higher: list[float], lower: list[float]) -> float:
-        return sum((h > l) + 0.5 * (h == l) for h in higher for l in lower)
-
-    u = u_of(other, ref)
+    ranks = _midranks(ref + other)  # U of a split: its runs' rank sum less the least it could be, m (m + 1) / 2
+    u = sum(ranks[n:]) - m * (m + 1) / 2
     if math.comb(n + m, m) > EXACT_RANK_LIMIT:
         z = max(abs(u - center) - 0.5, 0.0) / math.sqrt(n * m * (n + m + 1) / 12)
         return u, math.erfc(z / math.sqrt(2)), False
-    pooled_runs, extreme, ways = ref + other, 0, 0
-    for chosen in itertools.combinations(range(n + m), m):
-        picked = set(chosen)
-        split_u = u_of([pooled_runs[i] for i in chosen], [v for i, v in enumerate(pooled_runs) if i not in picked])
-        extreme += abs(split_u - center) >= abs(u - center) - 1e-9
+    extreme = ways = 0
+    for chosen in itertools.combinations(ranks, m):
+        extreme += abs(sum(chosen) - m * (m + 1) / 2 - center) >= abs(u - center) - 1e-9
         ways += 1
     return u, extreme / ways, True
+
+
+def _midranks(values: list[float]) -> list[float]:
+    """Each value's rank (1-based) among `values`, tied values sharing the mean of their ranks."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for i in order[start:end + 1]:
+            ranks[i] = (start + end) / 2 + 1
+        start = end + 1
+    return ranks
 
 
 def rank_check(ref: list[float], other: list[float], labels: tuple[str, str]) -> str:

@@ -116,13 +116,13 @@ def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, 
             kept = [i for i, s in enumerate(steps) if s >= from_step]
             series.append(([steps[i] for i in kept], [values[i] for i in kept]))
         points = smooth if kind == "train" else 1
-        colours = run_styles(len(runs))
-        panels = [(axes[0][column], field, list(zip(series, labels, colours)))]
+        styles = run_styles(len(runs))
+        panels = [(axes[0][column], field, list(zip(series, labels, styles)))]
         if rows == 2:
             gap_series = [relative_gaps(series[0], other) for other in series[1:]]
             panels.append((axes[1][column], f"{field}: % vs {labels[0]}",
-                           list(zip(gap_series, labels[1:], colours[1:]))))
-            axes[1][column].axhline(0.0, color=colours[0][0], linewidth=0.8)
+                           list(zip(gap_series, labels[1:], styles[1:]))))
+            axes[1][column].axhline(0.0, color=styles[0][0], linewidth=0.8)
         for ax, title, lines in panels:
             for (steps, values), label, (colour, dash) in lines:
                 ax.plot(steps, _smoothed(values, points), label=label, color=colour, linestyle=dash,
