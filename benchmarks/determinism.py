@@ -7,6 +7,8 @@ then every step's loss.
         training.compile_mode=reduce-overhead --recipes bf16 fp8
     PYTHONPATH=. python benchmarks/determinism.py --model moe --steps 10 --deterministic ...   # the same, under
         # `training.deterministic` (its settings hold for the whole process)
+    PYTHONPATH=. python benchmarks/determinism.py --model 8b-layers --steps 6 --only inductor --recipes fp8 ...
+        # one part of the mode alone (`megafp8.train.runtime.DETERMINISM_PARTS`): which one the run needs to repeat
     PYTHONPATH=. python benchmarks/determinism.py --model tiny --steps 3 training.device=cpu   # a smoke test
 
 On the GPU two runs of one seed drift apart (the MoE parity model's first logged losses already differed; its
@@ -33,7 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from megafp8.train.runtime import init_distributed, seed_everything, set_determinism, shutdown  # noqa: E402
+from megafp8.train.runtime import (  # noqa: E402
+    DETERMINISM_PARTS, init_distributed, seed_everything, set_determinism, shutdown)
 from megafp8.train.trainer import Trainer  # noqa: E402
 
 import train_step  # noqa: E402  (benchmarks/, beside this file: its models, data and run settings)
@@ -115,11 +118,13 @@ def first_difference(first: list[float], second: list[float]) -> int | None:
 
 
 def report(recipe: str, rows: list[tuple[str, int, int, float, str]], losses: tuple[list[float], list[float]],
-           deterministic: bool) -> str:
+           mode: str = "") -> str:
+    """One recipe's Markdown section; `mode` ("training.deterministic", "deterministic parts: inductor", or "" for
+    plain) goes into its heading."""
     differ = sum(row[2] for row in rows)
     total = sum(row[1] for row in rows)
     step = first_difference(*losses)
-    lines = [f"### {recipe}{', training.deterministic' if deterministic else ''}", "",
+    lines = [f"### {recipe}{', ' + mode if mode else ''}", "",
              f"- first step's gradients: {differ} of {total} parameters differ between the two runs",
              f"- losses: {'the same at every one of' if step is None else f'first differ at step {step} of'} "
              f"{len(losses[0])} steps ({losses[0][-1]!r} and {losses[1][-1]!r} at the last)", "",
@@ -136,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                         help="(put `section.key=value` overrides before this option)")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--deterministic", action="store_true", help="run both under `training.deterministic`")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--deterministic", action="store_true", help="run both under `training.deterministic`")
+    modes.add_argument("--only", nargs="+", choices=DETERMINISM_PARTS, metavar="PART",
+                       help="run both under these parts of `training.deterministic` alone (`algorithms` brings "
+                            "`cublas`), for the whole process (put overrides before this option)")
     parser.add_argument("--data", type=Path, default=Path("/tmp/megafp8-bench-data"))
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
@@ -145,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     # train_step.run_config's settings: the same runs as the step benchmark, logged every step
     args.log_interval, args.global_batch = 1, None
     args.overrides = args.overrides + [f"training.deterministic={str(args.deterministic).lower()}"]
-    set_determinism(args.deterministic)  # before the first CUDA matmul, for the whole process
+    # before the first CUDA matmul, for the whole process
+    set_determinism(args.deterministic or bool(args.only), args.only or DETERMINISM_PARTS)
+    mode = ("training.deterministic" if args.deterministic
+            else f"deterministic parts: {', '.join(args.only)}" if args.only else "")
     sections, clean = [], False
     try:
         data = train_step.corpus(args.data)
@@ -156,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.out = Path(out)
                     runs.append(one_run(train_step.run_config(args.model, recipe, args, data), args.steps))
             (grads_a, losses_a), (grads_b, losses_b) = runs
-            sections.append(report(recipe, compare_gradients(grads_a, grads_b), (losses_a, losses_b),
-                                   args.deterministic))
+            sections.append(report(recipe, compare_gradients(grads_a, grads_b), (losses_a, losses_b), mode))
         clean = True
     finally:
         shutdown(clean)

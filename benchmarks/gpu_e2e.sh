@@ -37,8 +37,8 @@
 # MOE_BALANCED=0 skips it), and with MOE_ACCUM=1 once at four micro-batches per optimizer step; MOE_OVERRIDES: config
 # overrides for all of its runs;
 # deterministic_cost: each of DET_MODELS (default "1b 8b-layers moe") plain and under `training.deterministic`;
-# determinism: whether each of REPEAT_MODELS (default 8b-layers) repeats to the bit, plain and under the mode, on
-# DeepGEMM (benchmarks/determinism.py);
+# determinism: whether each of REPEAT_MODELS (default 8b-layers) repeats to the bit, plain and under the mode (or in
+# each of REPEAT_MODES: plain, deterministic, or one part of the mode alone), on DeepGEMM (benchmarks/determinism.py);
 # ab_moe_auto: $OLD against this tree on that step (ab_moe_balanced: after the router has balanced; AB_RECIPES=fp8
 # times FP8 alone, where the change leaves BF16's code as it was);
 # recompute_in_graph_memory: what the recomputation inside the compiled backward keeps (the ~1B, BF16, allocator
@@ -472,13 +472,20 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
     determinism)  # whether a step repeats to the bit: benchmarks/determinism.py (two runs of one seed in one process,
                   # the first step's gradients and every loss compared) on each of REPEAT_MODELS (default 8b-layers)
                   # for REPEAT_STEPS steps (default 6), compiled under CUDA graphs on `auto` with DeepGEMM installed
-                  # (the backend the steps of record run), BF16 and FP8, plain and then under training.deterministic
+                  # (the backend the steps of record run), REPEAT_RECIPES (default "bf16 fp8"), in each of
+                  # REPEAT_MODES (default "plain deterministic"; a part of the mode, e.g. inductor, runs it alone:
+                  # determinism.py --only), each mode in a process of its own
       install_deepgemm
       for model in ${REPEAT_MODELS:-8b-layers}; do
-        for mode in plain deterministic; do
+        for mode in ${REPEAT_MODES:-plain deterministic}; do
+          case $mode in
+            plain) mode_args=() ;;
+            deterministic) mode_args=(--deterministic) ;;
+            *) mode_args=(--only "$mode") ;;
+          esac
           step "determinism_${model}_$mode" python benchmarks/determinism.py --model "$model" \
             --steps "${REPEAT_STEPS:-6}" training.compile=true training.compile_mode=reduce-overhead \
-            --recipes bf16 fp8 $([ $mode = deterministic ] && echo --deterministic)
+            --recipes ${REPEAT_RECIPES:-bf16 fp8} "${mode_args[@]}"
         done
       done
       grep -h "fp8: backend" "$LOGS"/determinism_*.log | sort -u >> "$OUT/summary.md" ;;

@@ -4,6 +4,7 @@ the mode fills fresh tensors with NaN); on a GPU two deterministic runs log the 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from megafp8.config import ConfigError
-from megafp8.train.runtime import set_determinism
+from megafp8.train.runtime import DETERMINISM_PARTS, set_determinism
 from tests.conftest import REPO, torchrun_env
 
 PRETRAIN = str(REPO / "launch" / "pretrain.py")
@@ -43,6 +44,29 @@ def test_a_cublas_workspace_that_is_not_fixed_is_refused_before_anything_changes
     assert not torch.are_deterministic_algorithms_enabled()
     set_determinism(False)  # off: nothing is read or set
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize("part", DETERMINISM_PARTS)
+def test_each_part_of_the_mode_sets_its_own_settings_and_no_other(monkeypatch, part):
+    """`set_determinism`'s parts (what `determinism.py --only` runs alone to find which one a run needs): each sets
+    its own settings and leaves the others as they were; `algorithms` brings the fixed cuBLAS workspace (torch
+    refuses cuBLAS matmuls under deterministic algorithms without one)."""
+    import torch._inductor.config as inductor_config
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    with inductor_config.patch(deterministic=False):  # (a config module: restored on leaving)
+        try:
+            set_determinism(True, (part,))
+            state = {"cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8",
+                     "cudnn": torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark,
+                     "inductor": inductor_config.deterministic,
+                     "algorithms": torch.are_deterministic_algorithms_enabled()}
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert {name for name, on in state.items() if on} == {part} | ({"cublas"} if part == "algorithms" else set())
+    with pytest.raises(ValueError, match="determinism parts \\['cuda'\\]: choose among cublas, cudnn"):
+        set_determinism(True, ("cuda",))
 
 
 @pytest.mark.gpu
@@ -77,14 +101,17 @@ def test_the_probe_compares_first_gradients_bit_for_bit_by_parameter_group():
     assert index_spans([str(i) for i in range(0, 40, 2)], most=3) == "0, 2, 4, ... (17 more)"
 
 
-def test_the_probe_runs_twice_and_reports_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("mode, heading", [(["--deterministic"], "### fp8, training.deterministic"),
+                                           (["--only", "cudnn", "inductor"],
+                                            "### fp8, deterministic parts: cudnn, inductor")], ids=["mode", "parts"])
+def test_the_probe_runs_twice_and_reports_on_the_cpu(tmp_path, mode, heading):
     """On the CPU (deterministic already) the two runs agree everywhere; here under `--deterministic`, the mode's
-    path through the probe (set for the whole process before anything runs)."""
+    path through the probe (set for the whole process before anything runs), and under two of its parts alone."""
     cmd = [sys.executable, str(REPO / "benchmarks" / "determinism.py"), "--model", "tiny", "--steps", "2",
-           "--data", str(tmp_path / "data"), "training.device=cpu", "--recipes", "fp8", "--deterministic"]
+           "--data", str(tmp_path / "data"), "training.device=cpu", "--recipes", "fp8", *mode]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env(), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "### fp8, training.deterministic" in result.stdout
+    assert heading in result.stdout
     assert "- first step's gradients: 0 of 15 parameters differ between the two runs" in result.stdout, result.stdout
     assert "- losses: the same at every one of 2 steps" in result.stdout
     assert "| `layers.*.attn.qkv_proj.weight` | 2 | 0 | 0.00e+00 | - |" in result.stdout

@@ -425,3 +425,19 @@ def test_gpu_e2e_determinism_compares_each_model_plain_then_deterministic_with_d
         for mode in ("plain", "deterministic"):
             heading = f"## determinism_{model}_{mode}"
             assert heading in summary and "| table |" in summary.split(heading)[1].split("##")[0], summary
+
+
+def test_gpu_e2e_determinism_runs_each_part_of_the_mode_alone_when_asked(tmp_path):
+    """REPEAT_MODES names the modes, a part of `training.deterministic` running alone (`--only PART`), each in a
+    process of its own; REPEAT_RECIPES the recipes."""
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["determinism"], 'echo "$*" >> ../determinism_args.txt; echo "| table |"',
+                                    script="benchmarks/determinism.py",
+                                    env={"REPEAT_MODES": "plain inductor algorithms", "REPEAT_RECIPES": "fp8",
+                                         "DEEPGEMM_SRC": str(tmp_path / "no_source")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [r.split() for r in (tmp_path / "determinism_args.txt").read_text().splitlines()]
+    assert [r[r.index("--recipes") + 1:] for r in runs] == [["fp8"], ["fp8", "--only", "inductor"],
+                                                            ["fp8", "--only", "algorithms"]]
+    assert all(r[r.index("--model") + 1] == "8b-layers" and "--deterministic" not in r for r in runs)
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert all(f"## determinism_8b-layers_{mode}" in summary for mode in ("plain", "inductor", "algorithms"))

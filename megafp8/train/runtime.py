@@ -9,6 +9,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -222,24 +223,46 @@ def exit_process(code: int) -> None:
 CUBLAS_FIXED_WORKSPACES = (":4096:8", ":16:8")
 
 
-def set_determinism(on: bool) -> None:
+# What `training.deterministic` sets, by part (`set_determinism`'s `parts`): `cublas` a fixed workspace, `cudnn` cuDNN
+# without benchmarking and with its deterministic algorithms, `inductor` Inductor without on-device timing (its
+# autotuned kernels' choice), `algorithms` torch's deterministic algorithms (which bring `cublas` with them).
+DETERMINISM_PARTS = ("cublas", "cudnn", "inductor", "algorithms")
+
+
+def set_determinism(on: bool, parts: Collection[str] = DETERMINISM_PARTS) -> None:
     """`training.deterministic`: torch's deterministic algorithms (ops without one raise, naming themselves), a fixed
     cuBLAS workspace, cuDNN without benchmarking, Inductor without on-device timing. Call before the first CUDA
-    matmul; a `CUBLAS_WORKSPACE_CONFIG` already in the environment is kept if it is one of the fixed ones."""
+    matmul; a `CUBLAS_WORKSPACE_CONFIG` already in the environment is kept if it is one of the fixed ones. `parts`
+    (a subset of `DETERMINISM_PARTS`) sets only some, to find which one a run needs to repeat
+    (`benchmarks/determinism.py --only`); `algorithms` sets `cublas` too, since torch refuses cuBLAS matmuls under
+    deterministic algorithms without a fixed workspace."""
     if not on:
         return
-    workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_FIXED_WORKSPACES[0])
-    if workspace not in CUBLAS_FIXED_WORKSPACES:
-        raise ConfigError(f"training.deterministic=true needs a fixed cuBLAS workspace, but the environment sets "
-                          f"CUBLAS_WORKSPACE_CONFIG={workspace}: unset it (megafp8 then sets "
-                          f"{CUBLAS_FIXED_WORKSPACES[0]}) or set one of {', '.join(CUBLAS_FIXED_WORKSPACES)}")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
+    unknown = sorted(set(parts) - set(DETERMINISM_PARTS))
+    if unknown or not parts:
+        raise ValueError(f"determinism parts {unknown or '(none)'}: choose among {', '.join(DETERMINISM_PARTS)}")
+    chosen = set(parts) | ({"cublas"} if "algorithms" in parts else set())
+    workspace = None
+    if "cublas" in chosen:
+        workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_FIXED_WORKSPACES[0])
+        if workspace not in CUBLAS_FIXED_WORKSPACES:
+            raise ConfigError(f"training.deterministic=true needs a fixed cuBLAS workspace, but the environment sets "
+                              f"CUBLAS_WORKSPACE_CONFIG={workspace}: unset it (megafp8 then sets "
+                              f"{CUBLAS_FIXED_WORKSPACES[0]}) or set one of {', '.join(CUBLAS_FIXED_WORKSPACES)}")
     import torch._inductor.config as inductor_config  # (imported here: only deterministic runs touch it)
-    if hasattr(inductor_config, "deterministic"):
-        inductor_config.deterministic = True
-    log.info("deterministic: torch's deterministic algorithms, CUBLAS_WORKSPACE_CONFIG=%s", workspace)
+    inductor_was = getattr(inductor_config, "deterministic", None)
+    if "algorithms" in chosen:
+        torch.use_deterministic_algorithms(True)  # (in torch 2.13 this sets Inductor's mode too)
+    if "cudnn" in chosen:
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    if inductor_was is not None:  # `algorithms` alone leaves Inductor's mode as it was
+        inductor_config.deterministic = True if "inductor" in chosen else inductor_was
+    if chosen == set(DETERMINISM_PARTS):
+        log.info("deterministic: torch's deterministic algorithms, CUBLAS_WORKSPACE_CONFIG=%s", workspace)
+    else:
+        log.info("deterministic in part: %s%s", ", ".join(p for p in DETERMINISM_PARTS if p in chosen),
+                 f" (CUBLAS_WORKSPACE_CONFIG={workspace})" if workspace else "")
 
 
 def seed_everything(seed: int) -> None:
