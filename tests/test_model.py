@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from megafp8.model import Transformer, init_weights, training_flops_per_token
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.parallel import ColumnParallelLinear, RowParallelLinear
 from megafp8.precision import PrecisionRecipe
+from tests.conftest import REPO
 
 CFG = ModelConfig(vocab_size=384, hidden_size=128, num_layers=2, num_heads=4, attention=GqaConfig(num_kv_heads=2),
                   ffn_hidden_size=256)
@@ -157,3 +162,36 @@ def test_overfits_a_repeated_batch(recipe):
         first = first if first is not None else loss.item()
     assert first > 5.5  # ln(384) = 5.95 at init
     assert loss.item() < 0.5, f"{recipe}: loss {first:.3f} -> {loss.item():.3f}"
+
+
+# Frames that put a call inside an OpenMP parallel region (libgomp's worker start, its fork, an outlined body)
+OPENMP_FRAMES = ("gomp_thread_start", "GOMP_parallel", "._omp_fn")
+ROPE_LIKE_TABLE = "import torch; torch.outer(torch.arange(64.0), torch.rand(64)).cos()"
+
+
+def _first_vector_math_dispatch(code: str) -> str:
+    """The backtrace where MKL's vector math first picks its kernels (`mkl_vml_serv_cpu_detect`) in `python -c
+    code` with two OpenMP threads, under gdb."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        pytest.skip("gdb is not installed")
+    cmd = [gdb, "-batch", "-nx", "-ex", "set breakpoint pending on", "-ex", "break mkl_vml_serv_cpu_detect",
+           "-ex", "run", "-ex", "bt 60", "-ex", "kill", "--args", sys.executable, "-c", code]
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    out = result.stdout + result.stderr
+    if "hit Breakpoint 1" not in out:
+        pytest.skip(f"no MKL vector-math dispatch seen (another BLAS, or gdb cannot trace here): {out[-300:]}")
+    return out.split("hit Breakpoint 1", 1)[1]
+
+
+def test_mkl_vector_math_picks_its_kernels_on_one_thread_once_rope_is_imported():
+    """MKL fills its kernel choice in on the first call with two unsynchronised stores; a second thread reading it
+    between them computes its part of the tensor at ~11-bit accuracy (`settle_cpu_vector_math`). Alone, a RoPE-sized
+    table's cos makes that first call inside an OpenMP region (the check sees it); after importing the RoPE module
+    the first call is its one-element cos, on one thread."""
+    alone = _first_vector_math_dispatch(ROPE_LIKE_TABLE)
+    assert any(frame in alone for frame in OPENMP_FRAMES), alone[:3000]
+    settled = _first_vector_math_dispatch("import megafp8.model.rope; " + ROPE_LIKE_TABLE)
+    assert not any(frame in settled for frame in OPENMP_FRAMES), settled[:3000]
+    assert "wrapper_CPU_cos" in settled, settled[:3000]  # the one-element cos

@@ -17,6 +17,23 @@ from megafp8.config import RopeScalingConfig
 from megafp8.precision.producers import rotate
 
 
+def settle_cpu_vector_math() -> None:
+    """Make MKL's vector-math library (what torch's CPU build runs for cos, sin, exp, erf, ... of contiguous FP32
+    and FP64 tensors) pick its CPU-specific kernels on one thread, before any multi-threaded call.
+
+    MKL fills that choice in lazily, on its first call in the process, with two unsynchronised stores to one static
+    (the CPU's raw code, then its remapped index). An OpenMP thread that reads it between them runs a kernel of
+    ~11-bit accuracy for its part of the tensor. In torch 2.13's CPU build (MKL BLAS, two threads) the first such call
+    of a training process was the RoPE table's `cos`, so now and then the first model built in a process had rows
+    32-63 of its 64-row cos table wrong by up to 1.5e-4 and the run did not repeat to the bit (a paused thread in
+    gdb reproduces it every time; `tests/test_rope.py` checks that this call comes first). One call on one element
+    runs on the calling thread alone and settles the choice for the whole process; it costs microseconds."""
+    torch.ones(1).cos()
+
+
+settle_cpu_vector_math()  # on import: before this module's tables, or anything after it, calls MKL in parallel
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 when not extending)."""
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
