@@ -474,16 +474,21 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
                   # for REPEAT_STEPS steps (default 6), compiled under CUDA graphs on `auto` with DeepGEMM installed
                   # (the backend the steps of record run), REPEAT_RECIPES (default "bf16 fp8"), in each of
                   # REPEAT_MODES (default "plain deterministic"; a part of the mode, e.g. inductor, runs it alone:
-                  # determinism.py --only), each mode in a process of its own
+                  # determinism.py --only), each mode in a process of its own; a mode named again is another
+                  # draw, its step numbered (determinism_MODEL_MODE_2)
       install_deepgemm
       for model in ${REPEAT_MODELS:-8b-layers}; do
+        unset draws; declare -A draws=()
         for mode in ${REPEAT_MODES:-plain deterministic}; do
           case $mode in
             plain) mode_args=() ;;
             deterministic) mode_args=(--deterministic) ;;
             *) mode_args=(--only "$mode") ;;
           esac
-          step "determinism_${model}_$mode" python benchmarks/determinism.py --model "$model" \
+          draws[$mode]=$(( ${draws[$mode]:-0} + 1 ))
+          draw_name="determinism_${model}_$mode"
+          [ "${draws[$mode]}" -gt 1 ] && draw_name+="_${draws[$mode]}"
+          step "$draw_name" python benchmarks/determinism.py --model "$model" \
             --steps "${REPEAT_STEPS:-6}" training.compile=true training.compile_mode=reduce-overhead \
             --recipes ${REPEAT_RECIPES:-bf16 fp8} "${mode_args[@]}"
         done

@@ -429,15 +429,18 @@ def test_gpu_e2e_determinism_compares_each_model_plain_then_deterministic_with_d
 
 def test_gpu_e2e_determinism_runs_each_part_of_the_mode_alone_when_asked(tmp_path):
     """REPEAT_MODES names the modes, a part of `training.deterministic` running alone (`--only PART`), each in a
-    process of its own; REPEAT_RECIPES the recipes."""
+    process of its own, a mode named again as another numbered draw; REPEAT_RECIPES the recipes."""
     result = _gpu_e2e_with_fake_gpu(tmp_path, ["determinism"], 'echo "$*" >> ../determinism_args.txt; echo "| table |"',
                                     script="benchmarks/determinism.py",
-                                    env={"REPEAT_MODES": "plain inductor algorithms", "REPEAT_RECIPES": "fp8",
-                                         "DEEPGEMM_SRC": str(tmp_path / "no_source")})
+                                    env={"REPEAT_MODES": "plain inductor algorithms algorithms",
+                                         "REPEAT_RECIPES": "fp8", "DEEPGEMM_SRC": str(tmp_path / "no_source")})
     assert result.returncode == 0, result.stderr[-3000:]
     runs = [r.split() for r in (tmp_path / "determinism_args.txt").read_text().splitlines()]
     assert [r[r.index("--recipes") + 1:] for r in runs] == [["fp8"], ["fp8", "--only", "inductor"],
+                                                            ["fp8", "--only", "algorithms"],
                                                             ["fp8", "--only", "algorithms"]]
     assert all(r[r.index("--model") + 1] == "8b-layers" and "--deterministic" not in r for r in runs)
     summary = (tmp_path / "out" / "summary.md").read_text()
-    assert all(f"## determinism_8b-layers_{mode}" in summary for mode in ("plain", "inductor", "algorithms"))
+    headings = [line for line in summary.splitlines() if line.startswith("## determinism_")]
+    assert headings == [f"## determinism_8b-layers_{mode}"
+                        for mode in ("plain", "inductor", "algorithms", "algorithms_2")], summary

@@ -394,7 +394,10 @@ class TrainingConfig:
         "graphs (H100: the same first gradients and losses twice in BF16 and FP8, where plain runs differed; no "
         "measurable cost, `docs/benchmarks.md` jobs IT-IU) and on the ~1B dense step (job JB: plain BF16 runs "
         "differed in 91 of 99 first gradients) and the 8B-layer step (job JH: 43 of 51); no measurable cost on the "
-        "~1B and 8B-layer steps (job IY); several GPUs not yet checked.",
+        "~1B and 8B-layer steps (job IY); several GPUs not yet checked. Its parts alone (`benchmarks/determinism.py "
+        "--only`, job JM, one draw each, the 8B-layer FP8 step): the cuBLAS workspace, cuDNN's or Inductor's setting "
+        "left 43, 26 and 3 of 51 gradients differing; torch's deterministic algorithms alone repeated every gradient "
+        "and loss.",
     )
     max_consecutive_skips: int = setting(
         3,
