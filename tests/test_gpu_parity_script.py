@@ -307,34 +307,52 @@ def test_an_opt_in_run_is_fp8_seed_a_with_its_one_option_and_compare_sets_it_aga
     assert f"|FP8 - BF16 A| = {gap}: inside the spread" in section, section
 
 
-@pytest.mark.parametrize("ablation, option, value", [
-    ("fp8bf16experts", "bf16_layers", ["*.experts.*"]),
-    ("fp8expertsonly", "fp8_layers", ["*.experts.*"]),
-    ("fp8bf16attn", "bf16_layers", ["*.attn.*"]),
-    ("fp8allbf16", "bf16_layers", ["*"])])
-def test_moe_s_ablations_are_fp8_seed_b_with_one_layer_glob_and_compare_sets_them_against_bf16_seed_b(
-        tmp_path, ablation, option, value):
+ABLATIONS = {  # name: (the one layer option it changes, its value, the final validation loss its fake run ends at)
+    "fp8bf16experts": ("bf16_layers", ["*.experts.*"], 2.97),
+    "fp8expertsonly": ("fp8_layers", ["*.experts.*"], 2.955),
+    "fp8bf16attn": ("bf16_layers", ["*.attn.*"], 2.9694),
+    "fp8allbf16": ("bf16_layers", ["*"], 2.9547)}
+
+
+def test_moe_s_ablations_are_fp8_seed_b_with_one_layer_glob_and_compare_sets_them_against_bf16_seed_b(tmp_path):
     """`moe_fp8bf16experts_b` (the routed experts in BF16), `moe_fp8expertsonly_b` (only they in FP8) and
     `moe_fp8bf16attn_b` (the attention projections in BF16) and the control `moe_fp8allbf16_b` (no GEMM in FP8) are
     FP8 seed B with one layer glob changed, which reaches the config as a one-element list (quoted for YAML, left alone
-    by the shell); `compare moe` sets each against BF16 seed B, seed A's spread beside, once it has finished."""
-    name = f"moe_{ablation}_b"
+    by the shell); `compare moe` sets each against BF16 seed B, seed A's spread beside, once it has finished, and
+    all of them in one table once FP8 seed B has finished too. (All four in one test: each `compare` is a handful of
+    Python start-ups.)"""
     fake_corpus(tmp_path, 40_000_000, 900_000)
-    configs = run_configs(tmp_path, "moe_fp8_b", name)
-    run, plain = configs[name], configs["moe_fp8_b"]
-    assert (run["precision"]["recipe"], run["training"]["seed"]) == ("fp8", 2)
-    assert run["precision"][option] == value and plain["precision"][option] != value
-    _differs_only_in(run, plain, option)
-    section = _judged_once_finished(
-        tmp_path, "moe", name, {"moe_bf16": [4.0, 3.0], "moe_fp8": [4.0, 3.03], "moe_bf16_b": [4.0, 2.94]}, 2.97,
-        f"parity_moe_{ablation}")
-    assert "- FP8 vs BF16 B: +1.020%" in section, section
-    assert "## moe_ablations" not in (tmp_path / "out" / "summary.md").read_text()  # not before FP8 seed B is done
-    _finished_run(tmp_path / "work" / "runs", "moe_fp8_b", [4.0, 2.99])  # then one table of them all
-    script(tmp_path, "compare", "moe", DENSE_STEPS="2", MOE_STEPS="2")
+    configs = run_configs(tmp_path, "moe_fp8_b", *(f"moe_{ablation}_b" for ablation in ABLATIONS))
+    plain = configs["moe_fp8_b"]
+    for ablation, (option, value, _) in ABLATIONS.items():
+        run = configs[f"moe_{ablation}_b"]
+        assert (run["precision"]["recipe"], run["training"]["seed"]) == ("fp8", 2)
+        assert run["precision"][option] == value and plain["precision"][option] != value, ablation
+        _differs_only_in(run, plain, option)
+
+    runs, env = tmp_path / "work" / "runs", {"DENSE_STEPS": "2", "MOE_STEPS": "2"}
+    for done, losses in {"moe_bf16": [4.0, 3.0], "moe_fp8": [4.0, 3.03], "moe_bf16_b": [4.0, 2.94]}.items():
+        _finished_run(runs, done, losses)
+    for ablation in ABLATIONS:
+        _finished_run(runs, f"moe_{ablation}_b", [4.0])  # one step of MOE_STEPS=2: not finished
+    unfinished = script(tmp_path, "compare", "moe", **env).stdout
+    assert not any(f"parity_moe_{ablation}" in unfinished for ablation in ABLATIONS), unfinished
+    for ablation, (_, _, final) in ABLATIONS.items():
+        _finished_run(runs, f"moe_{ablation}_b", [4.0, final])
+    finished = script(tmp_path, "compare", "moe", **env).stdout
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    for ablation, (_, _, final) in ABLATIONS.items():
+        assert f"== parity_moe_{ablation} done" in finished, finished
+        section = summary.rsplit(f"## parity_moe_{ablation}\n", 1)[1].split("\n## ", 1)[0]
+        assert f"- FP8 vs BF16 B: {(final / 2.94 - 1) * 100:+.3f}%" in section, section
+    assert "## moe_ablations" not in summary  # not before FP8 seed B is done
+    _finished_run(runs, "moe_fp8_b", [4.0, 2.99])  # then one table of them all
+    script(tmp_path, "compare", "moe", **env)
     table = (tmp_path / "out" / "summary.md").read_text().rsplit("## moe_ablations\n", 1)[1]
     assert "| run | train loss, 1-2 | validation loss, step 2 |" in table, table  # windows of 250, cut to the run
-    assert f"| {ablation} | +0.43% | +1.020% |" in table, table  # (4 + 2.97) / (4 + 2.94)
+    for ablation, (_, _, final) in ABLATIONS.items():  # train loss: the mean of (4, final) against (4, 2.94)
+        row = f"| {ablation} | {((4 + final) / 6.94 - 1) * 100:+.2f}% | {(final / 2.94 - 1) * 100:+.3f}% |"
+        assert row in table, (row, table)
 
 
 def test_cross_eval_evaluates_a_kept_checkpoint_in_both_recipes_and_refuses_a_run_without_one(tmp_path):
