@@ -129,8 +129,11 @@ def test_directories_of_other_tokenizers_do_not_mix(two_corpora, tmp_path):
     (["data.paths=[x, y]", "data.weights=[1.0]"], "data.weights has 1 weights for the 2 directories"),
     (["data.paths=[x, y]", "data.weights=[1.0, 0]"], "data.weights must be positive finite numbers, got 0"),
     (["data.paths=[x, x]"], "data.paths names x more than once"),
+    (["data.paths=[x, ./x/]"], r"data.paths names x more than once \(as x and as ./x/\)"),  # was read twice an epoch
+    (["data.seed=-1"], r"data.seed=-1 is not between 0 and 2\^32 - 1"),  # numpy's tracebacks at the first step
+    (["training.seed=4294967296"], r"training.seed=4294967296 is not between 0 and 2\^32 - 1 \(4294967295\)"),
 ])
-def test_bad_mixture_settings_are_one_clear_error(overrides, message):
+def test_bad_mixture_and_seed_settings_are_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("tiny_dense", overrides)
 

@@ -354,7 +354,7 @@ class DataConfig:
     seed: Optional[int] = setting(
         None,
         "Seed of the sample order (the loader's shuffle). `null`: `training.seed`. Set it to give runs that differ "
-        "only in `training.seed` (their weight init) the same data in the same order.",
+        "only in `training.seed` (their weight init) the same data in the same order. 0 to 2^32 - 1.",
     )
 
     @property
@@ -381,7 +381,8 @@ class TrainingConfig:
         "-1: every whole micro-batch of the validation split (its last samples short of one left out)."
     )
     seed: int = setting(
-        1234, "Seed of weight init and (unless `data.seed` is set) data shuffling; the same seed gives the same run."
+        1234, "Seed of weight init and (unless `data.seed` is set) data shuffling; the same seed gives the same run. "
+        "0 to 2^32 - 1."
     )
     deterministic: bool = setting(
         False,

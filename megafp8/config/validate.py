@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Optional
 
 from megafp8.config.architecture import approximate_parameters
@@ -197,6 +198,17 @@ def _check_alloc_conf(conf: str) -> None:
                               f"reads no other spelling), got {value!r}")
 
 
+SEED_LIMIT = 2**32  # numpy's global seed takes [0, 2^32); the sample order's generator no negative seed
+
+
+def _check_seeds(cfg: Config) -> None:
+    """Both seeds in [0, 2^32), before a model is built (numpy refused them at the first step, in a traceback)."""
+    for key, seed in (("training.seed", cfg.training.seed), ("data.seed", cfg.data.seed)):
+        if seed is not None and not 0 <= seed < SEED_LIMIT:
+            raise ConfigError(f"{key}={seed} is not between 0 and 2^32 - 1 ({SEED_LIMIT - 1}): give a seed in that "
+                              "range")
+
+
 def _check_mixture(data: DataConfig) -> None:
     """`data.weights` go with `data.paths`, one positive finite number each; no directory twice."""
     if data.weights and not data.paths:
@@ -208,15 +220,21 @@ def _check_mixture(data: DataConfig) -> None:
     bad = [w for w in data.weights if not (math.isfinite(w) and w > 0)]
     if bad:
         raise ConfigError(f"data.weights must be positive finite numbers, got {bad[0]:g}")
-    repeated = sorted({p for p in data.paths if data.paths.count(p) > 1})
-    if repeated:
-        raise ConfigError(f"data.paths names {repeated[0]} more than once: give each directory once, and weigh it "
-                          "up with data.weights")
+    seen: dict[Path, str] = {}
+    for path in data.paths:  # compared resolved: "d", "d/", "./d" and a link to d are one directory
+        resolved = Path(path).resolve()
+        if resolved in seen:
+            first = seen[resolved]
+            also = "" if first == path else f" (as {first} and as {path})"
+            raise ConfigError(f"data.paths names {first} more than once{also}: give each directory once, and weigh "
+                              "it up with data.weights")
+        seen[resolved] = path
 
 
 def validate_config(cfg: Config) -> None:
     """Checks that need only the config."""
     _check_positive(cfg)
+    _check_seeds(cfg)
     _check_mixture(cfg.data)
     _check_sizes(cfg)
     _check_model(cfg)

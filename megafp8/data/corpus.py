@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sysconfig
 from collections import Counter
 from pathlib import Path
@@ -65,30 +66,69 @@ def _nothing_to_read(inputs: list[str]) -> str:
 def read_documents(path: Path, json_key: str = "text") -> Iterator[str]:
     """One document per JSONL line (its `json_key` field) or one per other file. Text must be UTF-8: a file that is
     not is refused (ConfigError naming the file, the line and the byte), never read with replacement characters,
-    except the standard library's few sources in legacy encodings (PEP 263), which `stdlib` has always read so."""
+    except the standard library's few sources in legacy encodings (PEP 263), which `stdlib` has always read so.
+    A JSONL record whose text is empty or null is skipped, and the file's count of them logged; a line that is not
+    JSON, not an object, has no such key, or whose value is another type (a number, an array, an object: a wrong
+    key or schema) or not valid Unicode is refused, naming the line: a dataset loses no record unsaid."""
     if path.suffix.lower() in (".jsonl", ".json"):
+        skipped = 0
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, 1):
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a leading byte-order mark is read
                 except UnicodeDecodeError as err:
                     raise ConfigError(f"{path}:{line_no}: not UTF-8 (byte {err.start} of the line is "
                                       f"0x{raw[err.start]:02x}); JSONL must be UTF-8: convert the file") from None
                 if not line.strip():
                     continue
-                try:
-                    record = json.loads(line)
-                    text = record[json_key]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ConfigError(
-                        f"{path}:{line_no}: not a JSON object with a '{json_key}' string (set --json-key)"
-                    ) from None
-                if isinstance(text, str) and text:
+                text = _record_text(line, json_key, f"{path}:{line_no}", path.suffix.lower() == ".json")
+                if text:
                     yield text
+                else:
+                    skipped += 1
+        if skipped:
+            log.warning("%s: %d record(s) with an empty or null '%s' skipped", path, skipped, json_key)
     else:
         text = _read_text(path)
         if text:
             yield text
+
+
+def _json_kind(value: object) -> str:
+    """What a decoded JSON value was written as: "null", "a number", "an array", ..."""
+    if value is None:
+        return "null"
+    kinds = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
+    return kinds.get(type(value), f"a {type(value).__name__}")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _record_text(line: str, json_key: str, where: str, dot_json: bool) -> str:
+    """The `json_key` string of one JSONL line, or a ConfigError at `where` that says what is wrong with it."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        hint = (" (.json files are read as JSON lines, one object per line: write the records so, or convert an "
+                "array with e.g. jq -c '.[]')") if dot_json else ""
+        raise ConfigError(f"{where}: not valid JSON ({err.msg}, column {err.colno}){hint}") from None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: {_json_kind(record)}, not a JSON object with a '{json_key}' string")
+    if json_key not in record:
+        keys = ", ".join(repr(k) for k in list(record)[:8]) or "none"
+        raise ConfigError(f"{where}: no '{json_key}' key (its keys: {keys}): set --json-key to the text's key")
+    text = record[json_key]
+    if text is None:
+        return ""
+    if not isinstance(text, str):
+        raise ConfigError(f"{where}: '{json_key}' is {_json_kind(text)}, not a string: fix or drop the record "
+                          "(only an empty string or null is skipped)")
+    bad = _SURROGATE.search(text)
+    if bad:  # JSON's \ud800 escapes decode to lone surrogates, which no UTF-8 tokenizer can encode
+        raise ConfigError(f"{where}: '{json_key}' is not valid Unicode text (a lone surrogate "
+                          f"\\u{ord(bad.group()):04x} at character {bad.start()}): fix or drop the record")
+    return text
 
 
 def _read_text(path: Path) -> str:

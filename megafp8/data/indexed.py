@@ -124,19 +124,52 @@ def read_meta(path: str | Path) -> DatasetMeta:
         )
     try:
         meta = json.loads(meta_path.read_text())
+        if not isinstance(meta, dict):
+            raise TypeError(f"a JSON {type(meta).__name__}, not an object")
         if meta.get("format") != FORMAT:
             raise ConfigError(f"{meta_path}: format '{meta.get('format')}' is not {FORMAT}; "
                               "re-run tools/preprocess_data.py")
         vocab_size = int(meta["vocab_size"])
         bos_id = meta.get("bos_id")
         parsed = DatasetMeta(root, meta["tokenizer"], vocab_size, int(meta["eos_id"]), np.dtype(meta["dtype"]),
-                             meta["splits"], None if bos_id is None else int(bos_id))
+                             _checked_splits(meta["splits"]), None if bos_id is None else int(bos_id))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"{meta_path} is corrupt ({err!r}); re-run tools/preprocess_data.py") from None
     if not 0 < vocab_size <= MAX_VOCAB_SIZE:
         raise ConfigError(f"{meta_path}: vocab_size {vocab_size} is not between 1 and 2^32; re-run "
                           "tools/preprocess_data.py")
+    if parsed.dtype not in TOKEN_DTYPES or np.iinfo(parsed.dtype).max < vocab_size - 1:
+        # Read as another type, the shards' bytes would become other ids (signed, or float) and pass every size check.
+        raise ConfigError(f"{meta_path}: dtype '{parsed.dtype.name}' cannot hold token ids of a {vocab_size}-id "
+                          f"vocabulary (tools/preprocess_data.py writes {token_dtype(vocab_size).name}); the file was "
+                          "edited or written by another tool: re-run tools/preprocess_data.py")
     return parsed
+
+
+TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))
+
+
+def _checked_splits(splits: Any) -> dict[str, list[dict[str, Any]]]:
+    """meta.json's splits, each a list of shard entries with a file name and a token count (TypeError/ValueError
+    saying which is not, for read_meta's one "is corrupt" error)."""
+    if not isinstance(splits, dict):
+        raise TypeError(f"'splits' is a JSON {type(splits).__name__}, not an object of split names")
+    for name, shards in splits.items():
+        if not isinstance(shards, list):
+            raise TypeError(f"split '{name}' is a JSON {type(shards).__name__}, not a list of shards")
+        for i, shard in enumerate(shards):
+            if not isinstance(shard, dict) or not isinstance(shard.get("file"), str):
+                raise TypeError(f"shard {i} of split '{name}' is not an object with a 'file' name")
+            count, largest = shard.get("num_tokens"), shard.get("max_token_id", 0)  # older data has no largest id
+            if not _is_int(count) or count < 0:
+                raise ValueError(f"shard {i} of split '{name}': 'num_tokens' is {count!r}, not a count")
+            if not _is_int(largest):
+                raise ValueError(f"shard {i} of split '{name}': 'max_token_id' is {largest!r}, not a token id")
+    return splits
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _largest_id(path: Path, shard: dict[str, Any], tokens: np.ndarray) -> int:

@@ -100,7 +100,7 @@ def preprocess(
             raise ConfigError(f"no training documents in {inputs} (all inputs empty, or --valid-fraction too high)")
         if valid_files and "valid" not in splits:
             raise ConfigError(f"no documents in --valid-input {' '.join(valid_inputs or [])} (empty files, or JSONL "
-                              f"records without a '{json_key}' string): give it the held-out documents")
+                              f"records whose '{json_key}' is empty): give it the held-out documents")
         largest = max(shard["max_token_id"] for shards in splits.values() for shard in shards)
         if largest >= tokenizer.vocab_size:
             raise ConfigError(f"tokenizer {tokenizer.spec} produced token id {largest} but reports a vocabulary of "
