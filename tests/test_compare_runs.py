@@ -249,3 +249,25 @@ def test_the_rank_check_matches_the_mann_whitney_test_exact_and_approximate():
                     "two-sided p = 0.53 (not below 0.05); median pairwise difference +0.227%"), line
     far = rank_check([float(i) for i in range(12)], [i + 100.0 for i in range(12)], ("A", "B"))
     assert "(Mann-Whitney, normal approximation)" in far and "p = 3.7e-05 (below 0.05)" in far, far
+
+
+def test_the_default_table_reads_runs_without_norms_or_timings_and_refuses_one_without_losses(tmp_path, capsys):
+    """Runs that logged no grad_norm, step_time_s or tokens_per_s (or a reference norm of 0) gave max()'s,
+    statistics' and ZeroDivisionError's tracebacks; a run with no train records too. Now the table says "nan" or
+    "-" where there is nothing to show, a run without losses is one error, and --tolerance takes a fraction in
+    (0, 1] only (0 divided by zero, a negative one printed nonsense verdicts)."""
+    from tools.compare_runs import main
+
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 4.0 - s, "grad_norm": 0.0}) + "\n"
+                            for s in (1, 2)))
+    assert compare([str(bare), str(bare)], 0).splitlines()[2] == "| bare.jsonl | 2 | 0.0000 | nan% | 2.0000 | - | - |"
+    evals = tmp_path / "evals.jsonl"
+    evals.write_text(json.dumps({"kind": "eval", "step": 2, "val_loss": 3.0}) + "\n")
+    with pytest.raises(ConfigError, match=r"evals.jsonl has no train records with a loss"):
+        compare([str(bare), str(evals)], 0)
+    for value, message in (("0", "0 must be a number above 0"), ("-1", "-1 must be a number above 0"),
+                           ("5", "5 must be at most 1 (a fraction: 0.0025 = 0.25%)")):
+        with pytest.raises(SystemExit):
+            main([str(bare), str(bare), "--parity", "--tolerance", value])
+        assert message in capsys.readouterr().err

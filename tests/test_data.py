@@ -639,3 +639,15 @@ def test_a_meta_json_of_the_wrong_shape_or_token_type_is_one_clear_error(tmp_pat
     assert read_meta(out).dtype == np.uint32
     with pytest.raises(ConfigError, match=r"00000.bin has \d+ bytes, but meta.json says \d+ uint32 tokens"):
         TokenStream(read_meta(out), "train")  # and the shards' sizes say they were not
+
+
+def test_a_tokenizer_path_that_is_a_directory_says_so(tmp_path):
+    """A directory given as --tokenizer was reported as a file that "does not exist"."""
+    pytest.importorskip("tokenizers")
+    from megafp8.data.tokenizer import load_tokenizer
+
+    with pytest.raises(ConfigError, match=r"tokenizer '.*' is a directory; pass its tokenizer.json path or 'byte'"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"is a directory \(it holds one: pass that file\)"):
+        load_tokenizer(str(tmp_path))

@@ -99,3 +99,35 @@ def test_every_run_gets_its_own_colour_and_line_style_past_ten_runs():
         styles = run_styles(count)
         assert len(styles) == count and len(set(styles)) == count, count
     assert run_styles(21)[20] == (run_styles(21)[0][0], "--")
+
+
+def test_a_bad_metrics_file_or_output_is_one_error_before_any_work(tmp_path):
+    """A metrics file that is not UTF-8 (UnicodeDecodeError's traceback), a step that is not a whole number
+    (ValueError's), an --out in a missing directory or with an ending matplotlib does not write (an error after
+    the plotting, or "wrote x" for a file saved as x.png), and a --from-step past every point (an empty figure):
+    each is one error, and nothing is written."""
+    pytest.importorskip("matplotlib")
+    from megafp8.train.plots import plot_runs
+
+    write_run(tmp_path / "a", [5.0, 4.0])
+    (tmp_path / "latin.jsonl").write_bytes(b'{"kind": "train", "step": 1, "loss": 1.0, "note": "caf\xe9"}\n')
+    with pytest.raises(ConfigError, match=r"latin.jsonl is not UTF-8 text \(byte 54 is 0xe9\)"):
+        read_series(tmp_path / "latin.jsonl", "train", "loss")
+    (tmp_path / "step.jsonl").write_text('{"kind": "train", "step": "x", "loss": 1.0}\n'
+                                         '{"kind": "train", "step": 2, "loss": 1.0}\n')
+    with pytest.raises(ConfigError, match=r"step.jsonl line 1: step 'x' is not a whole number"):
+        read_series(tmp_path / "step.jsonl", "train", "loss")
+    run = [str(tmp_path / "a")]
+    for out, message in ((tmp_path / "no" / "x.png", r"the directory .*no does not exist: create it"),
+                         (tmp_path / "x.xyz", "give a file ending matplotlib writes"),
+                         (tmp_path / "noext", r"give a file ending matplotlib writes \(.*png.*\), e.g. .png")):
+        with pytest.raises(ConfigError, match=message):
+            plot_runs(run, ["a"], ["loss"], str(out))
+    with pytest.raises(ConfigError, match=r"--from-step 100 leaves no point of any run to draw: lower it"):
+        plot_runs(run, ["a"], ["loss", "val_loss"], str(tmp_path / "late.png"), from_step=100)
+    write_run(tmp_path / "b", [5.0, 4.0, 3.0])  # losses to step 3, one evaluation at step 2: one panel left empty
+    warnings = plot_runs([str(tmp_path / "b")], ["b"], ["loss", "val_loss"], str(tmp_path / "b.png"), from_step=3)
+    assert warnings == [f"run {tmp_path / 'b'} logged 'val_loss' up to step 2 only: --from-step 3 leaves none of it "
+                        "to draw"], warnings
+    (tmp_path / "b.png").unlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "latin.jsonl", "step.jsonl"]

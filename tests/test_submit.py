@@ -158,3 +158,17 @@ def test_the_sbatch_script_has_torchrun_pass_sigusr1_on(tmp_path):
     assert "SIGNALS=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1\n" in done.stdout
     own = _sbatch_script(tmp_path, TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM")
     assert "SIGNALS=SIGTERM\n" in own.stdout
+
+
+@pytest.mark.parametrize("value, message", [("nan", "nan must be a number above 0"),  # was ValueError's traceback
+                                            ("inf", "inf must be a number above 0"),  # OverflowError's
+                                            ("-5", "-5 must be a number above 0")])   # "the GPU has -5.0 GiB"
+def test_a_gpu_memory_that_is_not_a_positive_size_is_refused_by_the_parser(capsys, value, message):
+    sys.path.insert(0, str(REPO / "launch" / "slurm"))
+    try:
+        from submit import main
+    finally:
+        sys.path.remove(str(REPO / "launch" / "slurm"))
+    with pytest.raises(SystemExit):
+        main(["--gpu-memory-gib", value, "--config", "tiny_dense"])
+    assert f"argument --gpu-memory-gib: {message}" in capsys.readouterr().err

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError  # noqa: E402
 from megafp8.train.plots import read_records, read_series  # noqa: E402
-from megafp8.config.arguments import run_tool  # noqa: E402
+from megafp8.config.arguments import positive_number, run_tool  # noqa: E402
 
 
 def _by_step(run: str, metric: str) -> dict[int, float]:
@@ -64,16 +64,24 @@ def compare(runs: list[str], skip: int) -> str:
              "tokens/s |", "|---|---|---|---|---|---|---|"]
     for run in runs:
         loss, norm = _by_step(run, "loss"), _by_step(run, "grad_norm")
+        if not loss:
+            raise ConfigError(f"run {run} has no train records with a loss (a run stopped before its first log, or "
+                              "not a training run's metrics): leave it out")
         times, tokens = _by_step(run, "step_time_s"), _by_step(run, "tokens_per_s")
         common = sorted(set(loss) & set(ref_loss))
-        loss_diff = max(abs(loss[s] - ref_loss[s]) for s in common) if common else float("nan")
-        norm_diff = max(abs(norm[s] - ref_norm[s]) / ref_norm[s] for s in common if s in norm and s in ref_norm) \
-            if common else float("nan")
-        late = [s for s in sorted(times) if s > skip] or sorted(times)
+        loss_diff = max((abs(loss[s] - ref_loss[s]) for s in common), default=math.nan)
+        norm_diff = max((abs(norm[s] - ref_norm[s]) / ref_norm[s] for s in common
+                         if s in norm and ref_norm.get(s)), default=math.nan)  # a norm of 0 is no scale
         lines.append(f"| {Path(run).name} | {len(common)} | {loss_diff:.4f} | {norm_diff:.2%} | "
-                     f"{loss[max(loss)]:.4f} | {statistics.median(times[s] for s in late):.4f} | "
-                     f"{statistics.median(tokens[s] for s in late):,.0f} |")
+                     f"{loss[max(loss)]:.4f} | {_late_median(times, skip, '.4f')} | "
+                     f"{_late_median(tokens, skip, ',.0f')} |")
     return "\n".join(lines)
+
+
+def _late_median(series: dict[int, float], skip: int, spec: str) -> str:
+    """The median of the values logged after step `skip` (all of them where none is), or "-" where none was."""
+    late = [series[s] for s in sorted(series) if s > skip] or list(series.values())
+    return format(statistics.median(late), spec) if late else "-"
 
 
 def roles_of(seeds: tuple[str, str] = ("A", "B")) -> tuple[str, str, str]:
@@ -409,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", type=int, default=0, help="leave steps up to this one out of the timing")
     parser.add_argument("--parity", action="store_true", help="FP8-vs-BF16 parity tables and verdict (see above)")
     parser.add_argument("--window", type=int, default=500, help="--parity, --pooled: steps per training-loss window")
-    parser.add_argument("--tolerance", type=float, default=0.0025,
+    parser.add_argument("--tolerance", type=positive_number(at_most=1.0, hint=" (a fraction: 0.0025 = 0.25%)"),
+                        default=0.0025,
                         help="--parity: largest relative gap of FP8 to BF16 seed A that passes (0.0025 = 0.25%%); "
                         "--pooled: the gap the runs should resolve")
     parser.add_argument("--seeds", nargs=2, default=["A", "B"], metavar=("REF", "OTHER"),

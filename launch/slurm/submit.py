@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from megafp8.config import ConfigError, load_config  # noqa: E402
 from megafp8.train.submit import check_memory, job_shape, sbatch_command  # noqa: E402
-from megafp8.config.arguments import run_tool  # noqa: E402
+from megafp8.config.arguments import positive_number, run_tool  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=None, help="default: the fewest whole nodes the layout needs")
     parser.add_argument("--procs-per-node", "--gpus-per-node", type=int, default=8, dest="procs_per_node")
     parser.add_argument("--cpu", action="store_true", help="a CPU job: no --gpus-per-node, processes via GPUS_PER_NODE")
-    parser.add_argument("--gpu-memory-gib", type=float, default=139.0, help="memory of one GPU (H200: ~139 GiB)")
+    parser.add_argument("--gpu-memory-gib", type=positive_number(), default=139.0,
+                        help="memory of one GPU (H200: ~139 GiB)")
     parser.add_argument("--sbatch", action="append", default=[], help="an extra sbatch argument (repeatable)")
     parser.add_argument("--print-only", action="store_true", help="print the sbatch command instead of running it")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")

@@ -64,6 +64,9 @@ class HFTokenizer:
             raise ConfigError(
                 "a tokenizer.json needs the `tokenizers` package: pip install 'megafp8[hf]' (or pip install tokenizers)"
             ) from None
+        if Path(path).is_dir():
+            inside = " (it holds one: pass that file)" if (Path(path) / "tokenizer.json").is_file() else ""
+            raise ConfigError(f"tokenizer '{path}' is a directory{inside}; pass its tokenizer.json path or 'byte'")
         if not Path(path).is_file():
             raise ConfigError(f"tokenizer file '{path}' does not exist; pass a tokenizer.json path or 'byte'")
         self.spec = str(Path(path).resolve())

@@ -21,7 +21,11 @@ def read_records(run: str | Path) -> list[dict]:
     """Every record of a run's metrics file, in order. A last line cut short (a run killed while writing it) is
     left out; any other line that is not a JSON object is a ConfigError naming the file and line."""
     path = metrics_path(run)
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {err.start} is 0x{err.object[err.start]:02x}): it is not a "
+                          "metrics file megafp8 wrote; pass the run's metrics.jsonl") from None
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -30,6 +34,9 @@ def read_records(run: str | Path) -> list[dict]:
             record = json.loads(line)
         except json.JSONDecodeError:
             record = None
+        if isinstance(record, dict) and "step" in record and not _is_step(record["step"]):
+            raise ConfigError(f"{path} line {number}: step {record['step']!r} is not a whole number: the file is "
+                              "damaged; remove or mend that line")
         if isinstance(record, dict):
             records.append(record)
         elif number < len(lines):
@@ -38,13 +45,17 @@ def read_records(run: str | Path) -> list[dict]:
     return records
 
 
+def _is_step(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_series(run: str | Path, kind: str, metric: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `metric` in the `kind` records of a run; a step logged twice (a resumed or repeated
     run writing to the same file) keeps its last value."""
     by_step: dict[int, float] = {}
-    for record in read_records(run):
-        if record.get("kind") == kind and isinstance(record.get(metric), (int, float)):
-            by_step[int(record["step"])] = float(record[metric])
+    for record in read_records(run):  # a record without a step (none megafp8 writes) has no place on a curve
+        if record.get("kind") == kind and "step" in record and isinstance(record.get(metric), (int, float)):
+            by_step[record["step"]] = float(record[metric])
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
 
@@ -90,6 +101,18 @@ def relative_gaps(reference: tuple[list[int], list[float]], other: tuple[list[in
     return [s for s, _ in pairs], [100 * (v - ref[s]) / ref[s] for s, v in pairs]
 
 
+def _check_out(out: str, supported: dict[str, str]) -> None:
+    """Refuse an output path the figure cannot be written to, before any work (matplotlib would fail after it, or
+    add ".png" to a name without an ending)."""
+    path = Path(out)
+    if not path.parent.is_dir():
+        raise ConfigError(f"--out {out}: the directory {path.parent} does not exist: create it, or write elsewhere")
+    ending = path.suffix.lower().lstrip(".")
+    if ending not in supported:
+        raise ConfigError(f"--out {out}: give a file ending matplotlib writes ({', '.join(sorted(supported))}), "
+                          "e.g. .png")
+
+
 def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, gaps: bool = False,
               smooth: int = 1, from_step: int = 0) -> list[str]:
     """One panel per metric (`loss`, `val_loss`, `grad_norm`, ... or `kind:field`), one line per run; with `gaps`,
@@ -97,14 +120,18 @@ def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, 
     draws trailing means of train metrics over that many logged points (evaluations are drawn as logged); steps
     before `from_step` are left out. Returns one warning line per run whose
     metrics file holds spliced runs (`splice_warning`)."""
-    warnings = [w for w in map(splice_warning, runs) if w]
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    _check_out(out, FigureCanvasBase.get_supported_filetypes())
+    warnings = [w for w in map(splice_warning, runs) if w]
 
     rows = 2 if gaps and len(runs) > 1 else 1
     fig, axes = plt.subplots(rows, len(metrics), figsize=(5.5 * len(metrics), 4 * rows), squeeze=False)
+    drawn = 0
     for column, metric in enumerate(metrics):
         kind, _, field = metric.rpartition(":")
         kind = kind or ("eval" if field.startswith("val_") else "train")
@@ -114,7 +141,11 @@ def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, 
             if not steps:
                 raise ConfigError(f"run {run} has no '{field}' in its '{kind}' records")
             kept = [i for i, s in enumerate(steps) if s >= from_step]
+            if not kept:
+                warnings.append(f"run {run} logged '{field}' up to step {steps[-1]} only: --from-step {from_step} "
+                                "leaves none of it to draw")
             series.append(([steps[i] for i in kept], [values[i] for i in kept]))
+            drawn += len(kept)
         points = smooth if kind == "train" else 1
         styles = run_styles(len(runs))
         panels = [(axes[0][column], field, list(zip(series, labels, styles)))]
@@ -132,6 +163,9 @@ def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, 
             ax.set_title(title)
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small" if len(lines) > 10 else None)
+    if not drawn:
+        plt.close(fig)
+        raise ConfigError(f"--from-step {from_step} leaves no point of any run to draw: lower it")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
