@@ -149,6 +149,8 @@ def test_a_config_that_is_not_utf8_or_is_a_directory_is_one_clear_error(tmp_path
     with pytest.raises(ConfigError) as err:  # was "not found"
         load_config(str(tmp_path))
     assert str(err.value) == f"config '{tmp_path}' is a directory; give one of its files (a.yaml, latin1.yaml)"
+    with pytest.raises(ConfigError, match=r"^the config name is empty: give a file or one of .*tiny_dense.yaml"):
+        load_config("")  # was "config '' is a directory" (the working directory's files)
 
 
 @pytest.mark.parametrize("override, problem", [

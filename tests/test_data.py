@@ -651,3 +651,16 @@ def test_a_tokenizer_path_that_is_a_directory_says_so(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"is a directory \(it holds one: pass that file\)"):
         load_tokenizer(str(tmp_path))
+
+
+def test_a_tokenizer_output_that_is_a_directory_or_in_a_missing_one_is_refused_before_training(tmp_path):
+    """--output DIR --overwrite trained, then failed with IsADirectoryError's traceback and left DIR.partial."""
+    pytest.importorskip("tokenizers")
+    src = write_docs(tmp_path / "src", ["abc " * 50])
+    (tmp_path / "tok").mkdir()
+    with pytest.raises(ConfigError, match=r"output '.*tok' is a directory: give the tokenizer.json file to write, "
+                                          r"e.g. --output .*tok/tokenizer.json"):
+        train_tokenizer([str(src)], tmp_path / "tok", 300, overwrite=True)
+    with pytest.raises(ConfigError, match=r"the directory .*missing does not exist: create it first"):
+        train_tokenizer([str(src)], tmp_path / "missing" / "tok.json", 300)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "tok"]

@@ -118,3 +118,18 @@ def test_the_end_of_document_token_the_data_was_made_with_is_the_one_read_back(t
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == vocab["</s>"]
     with pytest.raises(ConfigError, match=r"the data was made with end-of-document id 8, but '<\|endoftext\|>' is id 7"):
         load_generator(step, torch.device("cpu"), eos_token="<|endoftext|>", tokenizer=str(tmp_path / "tok.json"))
+
+
+@pytest.mark.parametrize("device, message", [("gpu", "--device gpu: give cpu, cuda or cuda:N"),  # RuntimeError's
+                                             ("mps", "--device mps: give cpu, cuda or cuda:N")])  # traceback
+def test_a_device_it_cannot_run_on_is_one_error_line(tmp_path, capsys, device, message):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from generate import main
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    assert main([str(tmp_path / "none"), "--prompt", "x", "--device", device]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+    if not torch.cuda.is_available():  # was torch's AssertionError "Torch not compiled with CUDA enabled"
+        assert main([str(tmp_path / "none"), "--prompt", "x", "--device", "cuda"]) == 2
+        assert "--device cuda: this torch sees no CUDA GPU" in capsys.readouterr().err

@@ -51,8 +51,17 @@ def _run(args: argparse.Namespace) -> int:
     """Print the continuations `args` ask for; 0, or a ConfigError or OSError (`reported`)."""
     import torch  # after the arguments: --help and usage errors need no torch
 
+    from megafp8.config import ConfigError
     from megafp8.train.generate import load_generator
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise ConfigError(f"--device {args.device}: give cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: this torch sees no CUDA GPU ({torch.__version__}): use --device "
+                          "cpu, or leave --device out")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {args.device}: give cpu, cuda or cuda:N")
     generator = load_generator(args.checkpoint, device, args.tokenizer, args.eos_token, args.window)
     prompt = generator.tokenizer.document(args.prompt)  # with the beginning-of-document token its data had
     for sample in range(args.samples):

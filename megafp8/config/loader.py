@@ -48,6 +48,8 @@ def available_configs() -> list[str]:
 
 def resolve_config_path(name: str) -> Path:
     """A path as given, else `configs/NAME` or `configs/NAME.yaml` in the search directories."""
+    if not name.strip():  # Path("") is the working directory, which the check below would call a directory given
+        raise ConfigError(f"the config name is empty: give a file or one of {', '.join(available_configs())}")
     candidate = Path(name)
     if candidate.is_file():
         return candidate

@@ -324,6 +324,11 @@ def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json
         raise ConfigError(f"--vocab-size must be at least 257 (256 bytes + end-of-text), got {vocab_size}")
     if not 0 <= valid_fraction < 1:
         raise ConfigError(f"--valid-fraction must be in [0, 1), got {valid_fraction}")
+    if Path(output).is_dir():  # checked before training: saving over it failed after all the work
+        raise ConfigError(f"output '{output}' is a directory: give the tokenizer.json file to write, e.g. "
+                          f"--output {Path(output) / 'tokenizer.json'}")
+    if not Path(output).parent.is_dir():
+        raise ConfigError(f"output '{output}': the directory {Path(output).parent} does not exist: create it first")
     if Path(output).exists() and not overwrite:
         raise ConfigError(f"output '{output}' already exists (data tokenized with it would no longer match it): pass "
                           "--overwrite to replace it, or choose another --output")
