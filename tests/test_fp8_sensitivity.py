@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megafp8.config import load_config
@@ -39,3 +40,19 @@ def test_command_line_writes_table_json_and_plot(tiny_overrides, tmp_path):
     rows = json.loads((tmp_path / "s.json").read_text())
     assert len(rows) == 8 and {r["verdict"] for r in rows} <= {"FP8", "keep BF16"}
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batches", "0"], "argument --batches: 0 must be at least 1"),  # was IndexError's traceback
+    (["--json", "{missing}/x.json"], "--json {missing}/x.json: the directory {missing} does not exist"),  # failed
+    (["--plot", "{missing}/x.png"], "--plot {missing}/x.png: the directory {missing} does not exist")])  # after it
+def test_bad_arguments_are_refused_before_the_analysis(tmp_path, capsys, args, message):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from fp8_sensitivity import main
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    missing = tmp_path / "missing"
+    with pytest.raises(SystemExit):
+        main(["--config", "tiny_dense", *(a.format(missing=missing) for a in args)])
+    assert message.format(missing=missing) in capsys.readouterr().err

@@ -24,20 +24,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError, load_config  # noqa: E402
 from megafp8.train.sensitivity import analyze, format_table, model_and_batches, plot  # noqa: E402
-from megafp8.config.arguments import run_tool  # noqa: E402
+from megafp8.config.arguments import run_tool, whole_number  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a config name or path (its model and data are used)")
     parser.add_argument("--checkpoint", default=None, help="checkpoint directory to take the weights from")
-    parser.add_argument("--batches", type=int, default=4, help="held-out micro-batches to measure on")
+    parser.add_argument("--batches", type=whole_number(1), default=4, help="held-out micro-batches to measure on")
     parser.add_argument("--min-snr-db", type=float, default=25.0, help="SNR a layer needs to run FP8")
     parser.add_argument("--max-loss-change", type=float, default=0.005, help="relative loss change allowed")
     parser.add_argument("--json", default=None, help="also write the results as JSON here")
     parser.add_argument("--plot", default=None, help="also draw the SNRs into this PNG (needs matplotlib)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
+    for option, out in (("--json", args.json), ("--plot", args.plot)):  # before the analysis, not after it
+        if out and not Path(out).parent.is_dir():
+            parser.error(f"{option} {out}: the directory {Path(out).parent} does not exist: create it first")
     try:
         cfg = load_config(args.config, args.overrides)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
