@@ -163,9 +163,8 @@ def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, 
             ax.set_title(title)
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small" if len(lines) > 10 else None)
-    if not drawn:
-        plt.close(fig)
-        raise ConfigError(f"--from-step {from_step} leaves no point of any run to draw: lower it")
+    if not drawn:  # written all the same (a script's plot step stays whole), but never without a word
+        warnings.append(f"--from-step {from_step} leaves no point of any run to draw: the figure is empty")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
