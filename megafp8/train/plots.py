@@ -118,8 +118,9 @@ def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, 
     """One panel per metric (`loss`, `val_loss`, `grad_norm`, ... or `kind:field`), one line per run; with `gaps`,
     a second row: each other run's relative gap (%) to the first run, per metric, in that run's colour. `smooth` > 1
     draws trailing means of train metrics over that many logged points (evaluations are drawn as logged); steps
-    before `from_step` are left out. Returns one warning line per run whose
-    metrics file holds spliced runs (`splice_warning`)."""
+    before `from_step` are left out. Returns warning lines: one per run whose metrics file holds spliced runs
+    (`splice_warning`), one per run and metric that `from_step` leaves without points, one if the figure is empty.
+    An `out` it cannot write (no such directory, an ending matplotlib does not write) is refused first."""
     import matplotlib
 
     matplotlib.use("Agg")
