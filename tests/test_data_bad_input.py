@@ -1,0 +1,99 @@
+"""Bad input to preprocessing and to the data reader: each a single error naming where and what to change, with
+nothing written and no record dropped unsaid (JSONL records, meta.json, tokenizer paths)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from megafp8.config import ConfigError
+from megafp8.data import TokenStream, read_meta
+from megafp8.data.corpus import read_documents
+from megafp8.data.preprocess import preprocess, train_tokenizer
+from tests.test_data import write_docs
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("number.jsonl", '{"text": "ok"}\n{"text": 12345}\n', ":2: 'text' is a number, not a string"),  # was dropped
+    ("list.jsonl", '{"text": ["a", "b"]}\n', ":1: 'text' is an array, not a string"),                 # unsaid
+    ("object.jsonl", '{"text": "ok"}\n{"text": {"en": "x"}}\n', ":2: 'text' is an object, not a string"),
+    ("key.jsonl", '{"content": "x", "id": 3}\n', ":1: no 'text' key (its keys: 'content', 'id'): set --json-key"),
+    ("array.jsonl", '[1, 2]\n', ":1: an array, not a JSON object with a 'text' string"),
+    ("cut.jsonl", '{"text": "ok"}\n{"text": "doc tw', ":2: not valid JSON (Unterminated string starting at, column 10)"),
+    ("pretty.json", '[{"text": "a"},\n {"text": "b"}]\n', ".json files are read as JSON lines, one object per line"),
+    ("surrogate.jsonl", '{"text": "bad \\ud800 x"}\n',  # json accepts it; the tokenizers raised tracebacks
+     ":1: 'text' is not valid Unicode text (a lone surrogate \\ud800 at character 4)")])
+def test_a_jsonl_record_without_text_is_refused_naming_its_line_and_what_is_wrong(tmp_path, caplog, name, content,
+                                                                                  expected):
+    """Records whose text is a number, an array or an object (a wrong key or schema) were skipped without a word;
+    bad JSON was blamed on --json-key; a lone surrogate reached the tokenizer. Each is now one error naming the file,
+    the line and the fault, and nothing is written. Empty and null texts are skipped and counted in a warning, and a
+    leading byte-order mark is read."""
+    bad = tmp_path / name
+    bad.write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigError) as err:
+        preprocess([str(bad)], tmp_path / "out", valid_fraction=0.0)
+    assert str(err.value).startswith(str(bad)) and expected in str(err.value), str(err.value)
+    assert not (tmp_path / "out").exists()
+    bom = tmp_path / "bom.jsonl"
+    bom.write_text('\ufeff{"text": "first"}\n{"text": ""}\n{"text": null}\n{"text": "fourth"}\n', encoding="utf-8")
+    with caplog.at_level("WARNING"):
+        assert list(read_documents(bom)) == ["first", "fourth"]
+    assert "bom.jsonl: 2 record(s) with an empty or null 'text' skipped" in caplog.text
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda meta: [meta], "is corrupt (TypeError('a JSON list, not an object'))"),  # was AttributeError's traceback
+    (lambda meta: {**meta, "splits": list(meta["splits"])}, "'splits' is a JSON list, not an object of split names"),
+    (lambda meta: {**meta, "splits": {"train": ["train/00000.bin"]}}, "shard 0 of split 'train' is not an object"),
+    (lambda meta: {**meta, "splits": {"train": [{"file": "train/00000.bin"}]}},  # was KeyError at the first batch
+     "shard 0 of split 'train': 'num_tokens' is None, not a count"),
+    (lambda meta: {**meta, "splits": {"train": [{**meta["splits"]["train"][0], "max_token_id": None}]}},
+     "'max_token_id' is None, not a token id"),
+    (lambda meta: {**meta, "dtype": "int16"}, "dtype 'int16' cannot hold token ids of a 258-id vocabulary"),
+    (lambda meta: {**meta, "dtype": "float16"}, "dtype 'float16' cannot hold token ids"),
+])
+def test_a_meta_json_of_the_wrong_shape_or_token_type_is_one_clear_error(tmp_path, edit, expected):
+    """meta.json edited by hand or written by another tool: a wrong structure was a KeyError/TypeError traceback at
+    the first batch, and a signed or float dtype read the shards' bytes as other ids (negative, or garbage) past
+    every size check. Each is refused when the data is opened, naming the file and what to re-run."""
+    out = tmp_path / "out"
+    preprocess([str(write_docs(tmp_path / "src", ["abc " * 50, "def " * 50]))], out, valid_fraction=0.0)
+    meta_path = out / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["dtype"] == "uint16" and read_meta(out).dtype == np.uint16
+    meta_path.write_text(json.dumps(edit(meta)))
+    with pytest.raises(ConfigError) as err:
+        read_meta(out)
+    assert str(err.value).startswith(str(meta_path)) and expected in str(err.value), str(err.value)
+    assert "re-run tools/preprocess_data.py" in str(err.value)
+    meta_path.write_text(json.dumps({**meta, "dtype": "uint32"}))  # a width tokens may be written in, not these
+    assert read_meta(out).dtype == np.uint32
+    with pytest.raises(ConfigError, match=r"00000.bin has \d+ bytes, but meta.json says \d+ uint32 tokens"):
+        TokenStream(read_meta(out), "train")  # and the shards' sizes say they were not
+
+
+def test_a_tokenizer_path_that_is_a_directory_says_so(tmp_path):
+    """A directory given as --tokenizer was reported as a file that "does not exist"."""
+    pytest.importorskip("tokenizers")
+    from megafp8.data.tokenizer import load_tokenizer
+
+    with pytest.raises(ConfigError, match=r"tokenizer '.*' is a directory; pass its tokenizer.json path or 'byte'"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"is a directory \(it holds one: pass that file\)"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_a_tokenizer_output_that_is_a_directory_or_in_a_missing_one_is_refused_before_training(tmp_path):
+    """--output DIR --overwrite trained, then failed with IsADirectoryError's traceback and left DIR.partial."""
+    pytest.importorskip("tokenizers")
+    src = write_docs(tmp_path / "src", ["abc " * 50])
+    (tmp_path / "tok").mkdir()
+    with pytest.raises(ConfigError, match=r"output '.*tok' is a directory: give the tokenizer.json file to write, "
+                                          r"e.g. --output .*tok/tokenizer.json"):
+        train_tokenizer([str(src)], tmp_path / "tok", 300, overwrite=True)
+    with pytest.raises(ConfigError, match=r"the directory .*missing does not exist: create it first"):
+        train_tokenizer([str(src)], tmp_path / "missing" / "tok.json", 300)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "tok"]
