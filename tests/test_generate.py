@@ -133,3 +133,9 @@ def test_a_device_it_cannot_run_on_is_one_error_line(tmp_path, capsys, device, m
     if not torch.cuda.is_available():  # was torch's AssertionError "Torch not compiled with CUDA enabled"
         assert main([str(tmp_path / "none"), "--prompt", "x", "--device", "cuda"]) == 2
         assert "--device cuda: this torch sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_window_longer_than_the_run_trained_on_is_refused_and_a_shorter_one_is_read(checkpoint):
+    with pytest.raises(ConfigError, match=r"--window 65: .* windows of 64 tokens .* give --window 64 or less"):
+        load_generator(checkpoint, torch.device("cpu"), window=65)
+    assert load_generator(checkpoint, torch.device("cpu"), window=16).window == 16

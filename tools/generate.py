@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a tokenizer.json (or 'byte'), where the one the data was made with moved")
     parser.add_argument("--eos-token", default=None, help="with --tokenizer: its end-of-document token")
     parser.add_argument("--window", type=whole_number(1), default=None,
-                        help="tokens a forward pass reads (default: the run's data.seq_len)")
+                        help="tokens a forward pass reads, at most the run's data.seq_len (the default)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
     args = parser.parse_args(argv)
     if args.temperature < 0 or args.temperature != args.temperature:

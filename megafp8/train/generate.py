@@ -93,8 +93,21 @@ def load_generator(checkpoint: Path, device: torch.device, tokenizer: Optional[s
     if tok.vocab_size > cfg.vocab_size:
         raise ConfigError(f"tokenizer {spec} has {tok.vocab_size} ids, more than the model's {cfg.vocab_size} "
                           "embedding rows: give the tokenizer the run's data was made with")
-    window = window or int(state.get("config", {}).get("data", {}).get("seq_len") or DEFAULT_WINDOW)
+    window = _window(checkpoint, window, state.get("config", {}).get("data", {}).get("seq_len"))
     recipe = PrecisionRecipe.from_name("bf16" if device.type == "cuda" else "fp32")
     model = Transformer(cfg, recipe, window, device=device)
     model.load_state_dict(best_weights(state))
     return Generator(model.eval(), tok, window, device)
+
+
+def _window(checkpoint: Path, asked: Optional[int], seq_len: Optional[int]) -> int:
+    """The tokens a forward pass reads: `asked` (--window), at most the run's `seq_len` (the longest the model was
+    trained on: RoPE positions past it were never seen, and the continuation would say nothing about the run);
+    by default `seq_len`, or `DEFAULT_WINDOW` for an import, which records none."""
+    if asked is None:
+        return int(seq_len or DEFAULT_WINDOW)
+    if seq_len and asked > int(seq_len):
+        raise ConfigError(f"--window {asked}: {checkpoint} was trained on windows of {int(seq_len)} tokens "
+                          f"(data.seq_len), and a longer one reads positions it never saw: give --window "
+                          f"{int(seq_len)} or less, or leave it out")
+    return asked
