@@ -43,7 +43,7 @@ from megafp8.checkpoint.integrity import (
     verify_files,
     write_manifest,
 )
-from megafp8.checkpoint.sharded import META_FILE, RESUME_EARLIER, is_sharded_checkpoint, read_full
+from megafp8.checkpoint.sharded import INDEX_FILE, META_FILE, RESUME_EARLIER, is_sharded_checkpoint, read_full
 from megafp8.config import ConfigError
 
 log = logging.getLogger("megafp8")
@@ -210,7 +210,22 @@ def not_a_checkpoint(directory: Path) -> Optional[str]:
     if directory.is_dir() and not any(p for p in directory.iterdir() if not p.name.startswith(".")):  # a run's
         # `.lock` aside, nothing: not a save cut short (those leave step_N.tmp-* and never a bare directory)
         return f"{directory} holds no checkpoint (a run saves one every checkpoint.interval steps)"
+    if directory.is_dir() and not _partly_a_checkpoint(directory):
+        return (f"{directory} is not a checkpoint of any format megafp8 knows: it holds no {MANIFEST_FILE} or "
+                f"{STATE_FILE} (a full checkpoint), no {INDEX_FILE}, {META_FILE} or *.distcp (a sharded one), no "
+                "step_NNNNNNNN directories (a run's checkpoints) and no config.json with *.safetensors (a Hugging Face "
+                "model): give a checkpoint's directory, step_NNNNNNNN")
     return None
+
+
+# A file of either form of checkpoint: a directory that holds one but is no complete checkpoint is one cut short.
+_CHECKPOINT_FILES = (MANIFEST_FILE, STATE_FILE, META_FILE, INDEX_FILE, "*.distcp")
+
+
+def _partly_a_checkpoint(directory: Path) -> bool:
+    """Whether `directory` has a checkpoint's name (step_N, or a save's step_N.tmp-*) or any checkpoint file."""
+    return (re.match(r"step_\d{8}", directory.name) is not None
+            or any(any(directory.glob(pattern)) for pattern in _CHECKPOINT_FILES))
 
 
 def checkpoint_problem(directory: Path) -> Optional[str]:
