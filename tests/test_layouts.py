@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from megafp8.config import load_config
 from megafp8.config.validate import validate_for_world
 from megafp8.train import layouts
@@ -112,8 +113,18 @@ def test_layouts_command_line(capsys):
     assert plan_main(args + light + ["optimizer.sharded=true", "training.recompute_layers=1", "--gpu-gib", "0.001"]) == 0
     assert ("to fit, raise the GPU count, raise training.recompute_layers (now 1; null recomputes every "
             "block), or use a smaller model") in capsys.readouterr().out
-    assert plan_main(args + ["--gpu-gib", "-1"]) == 2
-    assert "--gpu-gib above 0" in capsys.readouterr().err
+    assert plan_main(args + ["--max-tp", "0"]) == 2
+    assert "--layouts needs --world-size, --max-tp and --max-cp above 0 (got 4, 0, 1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "1e400"])
+def test_layouts_refuse_a_gpu_size_that_is_no_positive_finite_number(capsys, value):
+    """--gpu-gib inf was taken: "layouts on 4 GPU(s) of inf GiB", every layout fitting."""
+    with pytest.raises(SystemExit) as exit:
+        plan_main(["--config", "tiny_dense", "--world-size", "4", "--layouts", "--gpu-gib", value, *WIDE])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"plan.py: error: argument --gpu-gib: {value} must be a "
+                                                        "number above 0")
 
 
 def test_when_no_layout_fits_the_reasons_are_given_not_memory(capsys, monkeypatch):
