@@ -218,3 +218,31 @@ def test_the_tool_answers_a_file_for_out_a_foreign_file_and_a_file_system_error_
     monkeypatch.setattr(tool, "consolidate", read_only)  # was OSError's traceback
     assert one_line_error(["consolidate", str(tmp_path), "--out", str(tmp_path / "ro")]) == (
         f"{tmp_path / 'ro' / 'step_00000000'}: Read-only file system")
+
+
+def test_inspect_tells_a_directory_that_is_no_checkpoint_from_one_cut_short(tmp_path, capsys):
+    """A directory that is no checkpoint at all was 'incomplete (no checksums.json: its save did not finish)', as if
+    a save had been cut off; checkpoints that are cut short keep that message."""
+    import tools.convert_checkpoint as tool
+
+    def error_of(directory) -> str:
+        assert tool.main(["inspect", str(directory)]) == 2
+        return capsys.readouterr().err
+
+    plain = tmp_path / "notes"
+    plain.mkdir()
+    (plain / "notes.txt").write_text("hello\n")
+    assert error_of(plain) == (
+        f"error: {plain} is not a checkpoint of any format megafp8 knows: it holds no checksums.json or state.pt (a "
+        "full checkpoint), no .metadata, meta.pt or *.distcp (a sharded one), no step_NNNNNNNN directories (a run's "
+        "checkpoints) and no config.json with *.safetensors (a Hugging Face model): give a checkpoint's directory, "
+        "step_NNNNNNNN\n")
+    shards_only = tmp_path / "copied"  # a sharded save stopped after its ranks' files, before its index
+    shards_only.mkdir()
+    (shards_only / "__0_0.distcp").write_bytes(b"\0" * 64)
+    stray = tmp_path / "step_00000004"  # a checkpoint by its name, whatever is left in it
+    stray.mkdir()
+    (stray / "notes.txt").write_text("hello\n")
+    for cut in (shards_only, stray):
+        assert error_of(cut) == (f"error: checkpoint {cut} is incomplete (no checksums.json: its save did not "
+                                 "finish); convert an earlier checkpoint\n")

@@ -327,8 +327,34 @@ def test_verify_tool_checks_without_building_a_model(saved, tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=torchrun_env(), timeout=120)
     assert result.returncode == 2
     assert "step_00000001: 3 files" in result.stdout and "every checksum matches" in result.stdout
-    assert result.stderr.startswith(f"error: checkpoint file {damaged / 'meta.pt'} fails its checksum (xxh3_64 ")
-    assert result.stderr.count("\n") == 1
+    assert f"{damaged}: 1 problem:\n  checkpoint file {damaged / 'meta.pt'} fails its checksum (xxh3_64 " in \
+        result.stdout
+    assert result.stderr == f"error: 1 of 2 checkpoints failed verification, with 1 problem (listed above): {damaged}\n"
+
+
+def test_verify_lists_every_problem_of_every_checkpoint(saved, tmp_path, capsys, monkeypatch):
+    """verify stopped at the first bad file of the first bad checkpoint: the files and checkpoints after it went
+    unchecked, and a user repairing from backups learned of one file at a time."""
+    import tools.convert_checkpoint as tool
+
+    damaged = shutil.copytree(saved["sharded"] / "step_00000002", tmp_path / "step_00000002")
+    for name in (".metadata", "meta.pt"):
+        _flip(damaged / name, 100)
+    (damaged / "__0_0.distcp").unlink()
+    absent, good = tmp_path / "step_00000009", saved["full"] / "step_00000001"
+    assert tool.main(["verify", str(damaged), str(absent), str(good)]) == 2
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[:2] == [f"{damaged}: 3 problems:", f"  checkpoint file {damaged / '__0_0.distcp'} is missing"]
+    for line, name in zip(lines[2:4], (".metadata", "meta.pt")):
+        assert line.startswith(f"  checkpoint file {damaged / name} fails its checksum (xxh3_64 "), line
+    assert lines[4:6] == [f"{absent}: 1 problem:", f"  checkpoint '{absent}' not found"]
+    assert lines[6].startswith(f"{good}: 1 files, ") and lines[6].endswith(" s)") and len(lines) == 7
+    assert err == (f"error: 2 of 3 checkpoints failed verification, with 4 problems (listed above): {damaged}, "
+                   f"{absent}\n")
+    monkeypatch.setattr(tool, "MAX_LISTED", 1)  # the listing is bounded, the rest counted
+    assert tool.main(["verify", str(damaged)]) == 2
+    assert capsys.readouterr().out.splitlines()[2:] == ["  ... and 2 more"]
 
 
 # ------------------------------------------------------------------------------------- one writer

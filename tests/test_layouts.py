@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from megafp8.config import load_config
 from megafp8.config.validate import validate_for_world
+from megafp8.train import layouts
 from megafp8.train.layouts import search_layouts
 from megafp8.train.main import plan_main
 from megafp8.train.plan import GIB
@@ -101,14 +103,48 @@ def test_layouts_command_line(capsys):
     assert "recommended overrides: parallel.tp=1 parallel.sequence_parallel=false parallel.pp=1" in result.stdout
     args = ["--config", "tiny_dense", "--world-size", "4", "--layouts", *WIDE]
     assert plan_main(args + ["--gpu-gib", "0.001"]) == 0
-    assert ("no layout fits: raise the GPU count, lower training.micro_batch_size, set training.recompute=full, or "
-            "use a smaller model") in capsys.readouterr().out  # optimizer.sharded is on already
+    assert ("- 5 layouts: too large for the GPU, the leanest needs 0.0 GiB per GPU, more than 0.0 (90% of the GPU's "
+            "0.0); to fit, raise the GPU count, lower training.micro_batch_size, set training.recompute=full, or use a "
+            "smaller model") in capsys.readouterr().out  # optimizer.sharded is on already
     light = ["training.micro_batch_size=1", "training.recompute=full", "optimizer.sharded=false"]
     assert plan_main(args + light + ["--gpu-gib", "0.001"]) == 0
-    assert "no layout fits: raise the GPU count, set optimizer.sharded=true, or use a smaller model" in \
+    assert "to fit, raise the GPU count, set optimizer.sharded=true, or use a smaller model" in \
         capsys.readouterr().out  # 671b_fp8.yaml on 8 GPUs was told to set what it sets already
     assert plan_main(args + light + ["optimizer.sharded=true", "training.recompute_layers=1", "--gpu-gib", "0.001"]) == 0
-    assert ("no layout fits: raise the GPU count, raise training.recompute_layers (now 1; null recomputes every "
+    assert ("to fit, raise the GPU count, raise training.recompute_layers (now 1; null recomputes every "
             "block), or use a smaller model") in capsys.readouterr().out
-    assert plan_main(args + ["--gpu-gib", "-1"]) == 2
-    assert "--gpu-gib above 0" in capsys.readouterr().err
+    assert plan_main(args + ["--max-tp", "0"]) == 2
+    assert "--layouts needs --world-size, --max-tp and --max-cp above 0 (got 4, 0, 1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "1e400"])
+def test_layouts_refuse_a_gpu_size_that_is_no_positive_finite_number(capsys, value):
+    """--gpu-gib inf was taken: "layouts on 4 GPU(s) of inf GiB", every layout fitting."""
+    with pytest.raises(SystemExit) as exit:
+        plan_main(["--config", "tiny_dense", "--world-size", "4", "--layouts", "--gpu-gib", value, *WIDE])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"plan.py: error: argument --gpu-gib: {value} must be a "
+                                                        "number above 0")
+
+
+def test_when_no_layout_fits_the_reasons_are_given_not_memory(capsys, monkeypatch):
+    """Every layout refused by the launch's checks (heads, the global batch) was summed up as "no layout fits: raise
+    the GPU count, ... or use a smaller model", advice about memory where memory was not the matter. Each reason is
+    given once with its count of layouts, the commonest first, and only so many of them."""
+    args = ["--config", "tiny_dense", "--world-size", "12", "--layouts", "--gpu-gib", "80", "model.vocab_size=512",
+            "model.num_layers=2", "training.global_batch_size=7", "training.micro_batch_size=1"]
+    assert plan_main(args) == 0
+    out = capsys.readouterr().out
+    header = "no layout fits, for these reasons (each layout's in the why not column):\n"
+    assert header in out, out[-600:]
+    table, summary = out.split(header)
+    lines = summary.splitlines()
+    assert [line.split(": ")[0] for line in lines] == ["- 2 layouts"] * 3 + ["- 1 layout"] * 3
+    assert ("- 2 layouts: model.num_heads=4 is not divisible by parallel.tp=3: every tensor-parallel rank needs whole "
+            "heads (change model.num_heads), or set parallel.tp to one that splits this model: 1") in lines
+    why_not = {row.split(" | ")[-1].removesuffix(" |") for row in table.splitlines() if row.startswith("|  |")}
+    assert {line.split(": ", 1)[1] for line in lines} == why_not and len(why_not) == 6
+    assert "GPU count" not in summary and "smaller model" not in summary
+    monkeypatch.setattr(layouts, "MAX_REASONS", 4)
+    assert plan_main(args) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "- and 2 more reasons, for 2 layouts"

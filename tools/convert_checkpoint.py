@@ -16,8 +16,9 @@ softmax MoE) or DeepSeek-V3 (MLA, sigmoid MoE, MTP) (BF16, or with --fp8 E4M3 pr
 model.safetensors.index.json, as Hugging Face saves large models. `from-hf` writes a step-0 megafp8 checkpoint (fresh optimizer), and prints the model
 settings to train from it with `checkpoint.resume=<printed path>`. A config key or tensor with no exact megafp8
 equivalent is refused with one line naming it.
-`verify` re-reads every file of a checkpoint and checks it against the checksum recorded when it was written
-(one line per checkpoint; exit status 2 if any fails); it builds no model.
+`verify` re-reads every file of each checkpoint given and checks it against the checksum recorded when it was written
+(one line per checkpoint that passes; under one that fails, each of its problems, the first 10 listed; every checkpoint
+is checked, then one error line counts the failures, exit status 2); it builds no model.
 `consolidate` turns a sharded checkpoint (every rank's pieces) into one `state.pt`; `shard` does the reverse.
 Neither needs a layout: both forms hold full tensors by name, and a run at any TP/PP/EP/DP layout loads either.
 """
@@ -25,15 +26,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.checkpoint.convert import (consolidate, describe, export_hf, import_hf, missing_tokenizer_note,  # noqa: E402
                                         model_settings, shard)
-from megafp8.checkpoint.local import verify_checkpoint  # noqa: E402
+from megafp8.checkpoint.local import verification_problems, verified_summary  # noqa: E402
 from megafp8.config import ConfigError  # noqa: E402
 from megafp8.config.arguments import reported, run_tool  # noqa: E402
+from megafp8.config.errors import os_error_text  # noqa: E402
 
 
 def check_out(out: Path, overwrite: bool) -> None:
@@ -44,6 +47,38 @@ def check_out(out: Path, overwrite: bool) -> None:
         raise ConfigError(f"--out {out} exists and is not empty: choose another --out, or pass --overwrite to write "
                           "into it (files of the same name are replaced; to-hf also removes an earlier export's "
                           "weight files)")
+
+
+MAX_LISTED = 10  # problems listed under one checkpoint, the rest counted: a damaged disk can fail thousands of shards
+
+
+def verify_all(checkpoints: list[Path]) -> int:
+    """Verify every checkpoint in `checkpoints`, printing its summary line, or its problems (the first MAX_LISTED);
+    0, or once all are checked a ConfigError that counts the failures."""
+    failed: list[tuple[Path, int]] = []  # each failed checkpoint and its count of problems
+    for checkpoint in checkpoints:
+        started = time.perf_counter()
+        try:
+            problems = verification_problems(checkpoint)
+        except OSError as err:  # a directory that cannot be listed: said, and the next checkpoint still checked
+            problems = [os_error_text(err)]
+        if not problems:
+            print(verified_summary(checkpoint, time.perf_counter() - started))
+            continue
+        failed.append((checkpoint, len(problems)))
+        print(f"{checkpoint}: {_count(len(problems), 'problem')}:")
+        print("\n".join(f"  {problem}" for problem in problems[:MAX_LISTED]))
+        if len(problems) > MAX_LISTED:
+            print(f"  ... and {len(problems) - MAX_LISTED} more")
+    if failed:
+        names = ", ".join(str(c) for c, _ in failed[:MAX_LISTED]) + (" ..." if len(failed) > MAX_LISTED else "")
+        raise ConfigError(f"{len(failed)} of {_count(len(checkpoints), 'checkpoint')} failed verification, with "
+                          f"{_count(sum(n for _, n in failed), 'problem')} (listed above): {names}")
+    return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,8 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         print(describe(args.checkpoint))
     elif args.command == "verify":
-        for checkpoint in args.checkpoints:
-            print(verify_checkpoint(checkpoint))
+        return verify_all(args.checkpoints)
     elif args.command == "to-hf":
         if not 0 < args.shard_gib < float("inf"):
             raise ConfigError(f"--shard-gib {args.shard_gib:g}: give the largest file size in GiB, above 0")

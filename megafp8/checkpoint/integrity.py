@@ -11,7 +11,7 @@ docs/checkpoints.md). Once every file of a checkpoint is complete, its writer ad
 The manifest's own digest makes a damaged manifest detectable too. Two checks read it:
 `quick_problem` (the manifest is intact and every file it lists exists at its recorded size: cheap,
 for listing checkpoints) and `verify_files` (every listed file re-read and hashed: before loading).
-Both return a one-line reason naming the file, or None.
+Both return a one-line reason naming the file, or None; `file_problems` yields every such reason (the verify tool).
 """
 from __future__ import annotations
 
@@ -154,16 +154,50 @@ def read_manifest(directory: Path) -> Optional[dict[str, FileRecord]]:
     return files
 
 
+def _size_problem(path: Path, record: FileRecord) -> Optional[str]:
+    """Why `path` is not there at its recorded size (None if it is)."""
+    if not path.is_file():
+        return f"checkpoint file {path} is missing"
+    size = path.stat().st_size
+    if size != record.size:
+        return f"checkpoint file {path} has {size} bytes, {record.size} were written: it is truncated or damaged"
+    return None
+
+
+def _digest_problem(path: Path, record: FileRecord) -> Optional[str]:
+    """Why `path`'s bytes are not the ones recorded (None if they are): the file is read whole."""
+    try:
+        found = file_digest(path)
+    except OSError as err:
+        # A verdict, not an exception: under `megafp8.train.resume` each rank reads its share of the files, and
+        # a rank that raised here alone would leave its peers waiting in the gather of the verdicts.
+        return f"checkpoint file {path} cannot be read ({err.strerror or err})"
+    if found != record.digest:
+        return (f"checkpoint file {path} fails its checksum ({ALGORITHM} {found}, {record.digest} was written): "
+                "it is corrupt")
+    return None
+
+
 def quick_problem(directory: Path, files: dict[str, FileRecord]) -> Optional[str]:
     """Why the files a manifest lists are not all there at their recorded sizes (None if they are)."""
+    return next((p for name, r in sorted(files.items()) if (p := _size_problem(directory / name, r))), None)
+
+
+def file_problems(directory: Path, files: dict[str, FileRecord]) -> Iterator[str]:
+    """Every way `files` (names in `directory`) differ from their records, one line each, as they are found: first
+    each file missing or of another size (cheap), then each checksum mismatch among the rest (every one read).
+    Lazy, so that a caller that needs only the first problem stops reading there."""
+    whole = {}
     for name, record in sorted(files.items()):
-        path = directory / name
-        if not path.is_file():
-            return f"checkpoint file {path} is missing"
-        size = path.stat().st_size
-        if size != record.size:
-            return f"checkpoint file {path} has {size} bytes, {record.size} were written: it is truncated or damaged"
-    return None
+        problem = _size_problem(directory / name, record)
+        if problem:
+            yield problem
+        else:
+            whole[name] = record
+    for name, record in whole.items():
+        problem = _digest_problem(directory / name, record)
+        if problem:
+            yield problem
 
 
 def file_digest(path: Path) -> str:
@@ -177,21 +211,8 @@ def file_digest(path: Path) -> str:
 
 
 def verify_files(directory: Path, files: dict[str, FileRecord]) -> Optional[str]:
-    """Re-read and hash each of `files` (names in `directory`): the first mismatch as one line, or None."""
-    problem = quick_problem(directory, files)
-    if problem:
-        return problem
-    for name, record in sorted(files.items()):
-        try:
-            found = file_digest(directory / name)
-        except OSError as err:
-            # A verdict, not an exception: under `megafp8.train.resume` each rank reads its share of the files, and
-            # a rank that raised here alone would leave its peers waiting in the gather of the verdicts.
-            return f"checkpoint file {directory / name} cannot be read ({err.strerror or err})"
-        if found != record.digest:
-            return (f"checkpoint file {directory / name} fails its checksum ({ALGORITHM} {found}, {record.digest} "
-                    "was written): it is corrupt")
-    return None
+    """Re-read and hash each of `files` (names in `directory`): the first problem as one line, or None."""
+    return next(file_problems(directory, files), None)
 
 
 def share_of(files: dict[str, FileRecord], rank: int, world_size: int) -> dict[str, FileRecord]:

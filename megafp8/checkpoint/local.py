@@ -36,13 +36,14 @@ from megafp8.checkpoint.integrity import (
     MANIFEST_FILE,
     FileRecord,
     hashed_file,
+    file_problems,
     quick_problem,
     read_manifest,
     share_of,
     verify_files,
     write_manifest,
 )
-from megafp8.checkpoint.sharded import META_FILE, RESUME_EARLIER, is_sharded_checkpoint, read_full
+from megafp8.checkpoint.sharded import INDEX_FILE, META_FILE, RESUME_EARLIER, is_sharded_checkpoint, read_full
 from megafp8.config import ConfigError
 
 log = logging.getLogger("megafp8")
@@ -209,7 +210,22 @@ def not_a_checkpoint(directory: Path) -> Optional[str]:
     if directory.is_dir() and not any(p for p in directory.iterdir() if not p.name.startswith(".")):  # a run's
         # `.lock` aside, nothing: not a save cut short (those leave step_N.tmp-* and never a bare directory)
         return f"{directory} holds no checkpoint (a run saves one every checkpoint.interval steps)"
+    if directory.is_dir() and not _partly_a_checkpoint(directory):
+        return (f"{directory} is not a checkpoint of any format megafp8 knows: it holds no {MANIFEST_FILE} or "
+                f"{STATE_FILE} (a full checkpoint), no {INDEX_FILE}, {META_FILE} or *.distcp (a sharded one), no "
+                "step_NNNNNNNN directories (a run's checkpoints) and no config.json with *.safetensors (a Hugging Face "
+                "model): give a checkpoint's directory, step_NNNNNNNN")
     return None
+
+
+# A file of either form of checkpoint: a directory that holds one but is no complete checkpoint is one cut short.
+_CHECKPOINT_FILES = (MANIFEST_FILE, STATE_FILE, META_FILE, INDEX_FILE, "*.distcp")
+
+
+def _partly_a_checkpoint(directory: Path) -> bool:
+    """Whether `directory` has a checkpoint's name (step_N, or a save's step_N.tmp-*) or any checkpoint file."""
+    return (re.match(r"step_\d{8}", directory.name) is not None
+            or any(any(directory.glob(pattern)) for pattern in _CHECKPOINT_FILES))
 
 
 def checkpoint_problem(directory: Path) -> Optional[str]:
@@ -241,20 +257,38 @@ def verification_problem(directory: Path, rank: int = 0, world_size: int = 1) ->
     return None if files is None else verify_files(directory, share_of(files, rank, world_size))
 
 
+def verification_problems(directory: Path) -> list[str]:
+    """Every reason checkpoint `directory` fails verification, one line each ([] if none). Where it is not a
+    checkpoint with an intact manifest (not found, not a checkpoint, incomplete, written before checksums), that
+    one reason: nothing in it can be checked. Else every file the manifest lists that is missing, of another size,
+    unreadable or failing its checksum (each file read, in this one process)."""
+    if directory.is_dir() and has_checksums(directory):
+        try:
+            files = read_manifest(directory)
+        except ConfigError as err:
+            return [str(err)]
+        return list(file_problems(directory, files))
+    return [checkpoint_problem(directory)
+            or f"checkpoint {directory} has no {MANIFEST_FILE} (written before megafp8 recorded checksums): its "
+               "files cannot be verified"]
+
+
+def verified_summary(directory: Path, seconds: float) -> str:
+    """The line for checkpoint `directory` once every file of it matched its checksum, in `seconds`."""
+    files = read_manifest(directory) or {}
+    size = sum(r.size for r in files.values())
+    return f"{directory}: {len(files)} files, {size / 2**30:.3f} GiB, every checksum matches ({seconds:.1f} s)"
+
+
 def verify_checkpoint(directory: Path) -> str:
     """Check every file of checkpoint `directory` against the checksum recorded when it was written, in this one
-    process (nothing is loaded); a summary line, or a ConfigError naming the first bad file."""
+    process (nothing is loaded); a summary line, or a ConfigError naming the first problem
+    (`verification_problems` lists them all)."""
     started = time.perf_counter()
-    problem = verification_problem(directory)
-    if problem:
-        raise ConfigError(problem)
-    files = read_manifest(directory)
-    if files is None:
-        raise ConfigError(f"checkpoint {directory} has no {MANIFEST_FILE} (written before megafp8 recorded checksums): "
-                          "its files cannot be verified")
-    size = sum(r.size for r in files.values())
-    return (f"{directory}: {len(files)} files, {size / 2**30:.3f} GiB, every checksum matches "
-            f"({time.perf_counter() - started:.1f} s)")
+    problems = verification_problems(directory)
+    if problems:
+        raise ConfigError(problems[0])
+    return verified_summary(directory, time.perf_counter() - started)
 
 
 def has_checksums(directory: Path) -> bool:

@@ -25,6 +25,7 @@ across nodes is not modelled (keep TP inside a node: `max_tp`).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -50,6 +51,11 @@ class LayoutOption:
     @property
     def fits(self) -> bool:
         return self.problem is None
+
+    @property
+    def short_of_memory(self) -> bool:
+        """Refused for its memory alone: the launch accepts it and it was planned, over the GPU's budget."""
+        return self.problem is not None and self.planned_gib is not None
 
     def cost(self) -> tuple[int, int, int, int, int]:
         """Order of preference (smaller first): model-parallel degree, then expert, context, tensor, pipeline
@@ -132,8 +138,8 @@ def lighter_settings(cfg: Config) -> list[str]:
 
 def render_layouts(options: list[LayoutOption], world_size: int, gpu_bytes: float,
                    lighter: Sequence[str] = ()) -> str:
-    """The search as a table, the recommendation first (or why nothing fits: more GPUs, the `lighter` settings
-    (`lighter_settings`), a smaller model). A cp column where the search tried context parallelism."""
+    """The search as a table, the recommendation first (or why nothing fits, `why_none_fits`, with the `lighter`
+    settings of `lighter_settings`). A cp column where the search tried context parallelism."""
     with_cp = any(o.cp > 1 for o in options)
     cp_head, cp_rule = (" cp |", "---|") if with_cp else ("", "")
     lines = [f"layouts on {world_size} GPU(s) of {gpu_bytes / GIB:,.1f} GiB", "",
@@ -149,5 +155,32 @@ def render_layouts(options: list[LayoutOption], world_size: int, gpu_bytes: floa
         lines += ["", "recommended overrides: " + " ".join(options[0].overrides),
                   "(the least model parallelism that fits; measure it: benchmarks/train_step.py at these settings)"]
     else:
-        lines += ["", "no layout fits: " + ", ".join(["raise the GPU count", *lighter]) + ", or use a smaller model"]
+        lines += ["", "no layout fits, for these reasons (each layout's in the why not column):",
+                  *why_none_fits(options, lighter)]
     return "\n".join(lines)
+
+
+MAX_REASONS = 8  # reasons listed under "no layout fits", the rest counted: the table has every layout's
+
+
+def why_none_fits(options: list[LayoutOption], lighter: Sequence[str] = ()) -> list[str]:
+    """One line per reason the layouts were refused, commonest first: each error of the launch with the count of
+    layouts it refused (a config that no layout can run is not a matter of memory, and advice to save memory
+    misled there), and the layouts short of memory as one group, with the leanest one's figures and what lowers
+    memory (more GPUs, the `lighter` settings, a smaller model)."""
+    short = [o for o in options if o.short_of_memory]
+    reasons = Counter(o.problem for o in options if not o.short_of_memory)
+    if short:
+        leanest = min(short, key=lambda o: o.planned_gib)
+        reasons[f"too large for the GPU, the leanest {leanest.problem}; to fit, " + ", ".join(["raise the GPU count",
+                *lighter]) + ", or use a smaller model"] = len(short)
+    ranked = reasons.most_common()
+    lines = [f"- {_layouts(count)}: {reason}" for reason, count in ranked[:MAX_REASONS]]
+    if len(ranked) > MAX_REASONS:
+        rest = ranked[MAX_REASONS:]
+        lines.append(f"- and {len(rest)} more reasons, for {_layouts(sum(count for _, count in rest))}")
+    return lines
+
+
+def _layouts(count: int) -> str:
+    return f"{count} layout{'' if count == 1 else 's'}"

@@ -81,7 +81,7 @@ def build_parser(prog: str, description: str, plan_only: bool = False) -> argpar
         parser.add_argument("--layouts", action="store_true",
                             help="list every parallel layout on --world-size GPUs with its planned memory, and "
                                  "recommend the one with the least model parallelism that fits")
-        parser.add_argument("--gpu-gib", type=float, default=None,
+        parser.add_argument("--gpu-gib", type=positive_number(), default=None,
                             help="--layouts: memory per GPU in GiB (default: this machine's GPU, else an H200's "
                                  f"{H200_GIB:g})")
         parser.add_argument("--max-tp", type=int, default=8,
@@ -144,9 +144,9 @@ def layouts_main(cfg: Config, world_size: int, gpu_gib: float | None, max_tp: in
                  max_cp: int | None = None) -> str:
     """`tools/plan.py --layouts`: the layout search's table for `cfg` on `world_size` GPUs."""
     max_cp = cfg.parallel.cp if max_cp is None else max_cp
-    if world_size < 1 or max_tp < 1 or max_cp < 1 or (gpu_gib is not None and not gpu_gib > 0):
-        raise ConfigError(f"--layouts needs --world-size, --max-tp, --max-cp and --gpu-gib above 0 (got {world_size}, "
-                          f"{max_tp}, {max_cp}, {gpu_gib})")
+    if world_size < 1 or max_tp < 1 or max_cp < 1:  # --gpu-gib is checked as it is parsed (`positive_number`)
+        raise ConfigError(f"--layouts needs --world-size, --max-tp and --max-cp above 0 (got {world_size}, {max_tp}, "
+                          f"{max_cp})")
     if gpu_gib is None:
         gpu_gib = (torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available()
                    else H200_GIB)
