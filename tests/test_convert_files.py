@@ -200,6 +200,15 @@ def test_the_tool_answers_a_file_for_out_a_foreign_file_and_a_file_system_error_
         "optimizer, step and loader)")
     assert one_line_error(["inspect", str(afile)]).startswith(  # names torch's error type (the text alone was "101")
         f"checkpoint file {afile} is corrupt or not a megafp8 checkpoint (torch.load: ")
+    for name, extra in (("state.pt", None), ("meta.pt", ".metadata")):  # torch's weights-only refusal: a page that
+        damaged = tmp_path / f"damaged_{name}"                           # advised weights_only=False
+        damaged.mkdir()
+        (damaged / name).write_bytes(b"garbage\n")
+        if extra:
+            (damaged / extra).write_bytes(b"x")
+        assert one_line_error(["inspect", str(damaged)]) == (
+            f"checkpoint file {damaged / name} is corrupt or not a megafp8 checkpoint (torch.load: WeightsUnpickler "
+            "error: Unsupported operand 103)")
 
     hf = tmp_path / "hf"
     save_hf(tiny_model().state_dict(), CFG, 64, hf, fp8=False)

@@ -45,6 +45,7 @@ from megafp8.checkpoint.integrity import (
 )
 from megafp8.checkpoint.sharded import INDEX_FILE, META_FILE, RESUME_EARLIER, is_sharded_checkpoint, read_full
 from megafp8.config import ConfigError
+from megafp8.config.errors import torch_load_text
 
 log = logging.getLogger("megafp8")
 
@@ -392,7 +393,7 @@ def load_checkpoint(path: Path, verify: bool = True, advice: LoadAdvice = RESUMI
         state = _torch_load(file, mmap=tensors != "all")
     except Exception as err:  # torch raises several types for truncated or foreign files
         raise ConfigError(f"checkpoint file {file} is corrupt or not a megafp8 checkpoint "
-                          f"(torch.load: {type(err).__name__}: {err})") from None
+                          f"({torch_load_text(err)})") from None
     if not isinstance(state, dict):
         raise ConfigError(f"checkpoint file {file} holds a {type(state).__name__}, not a megafp8 training checkpoint "
                           "(a dict of model, optimizer, step and loader)")
@@ -434,7 +435,8 @@ def _consolidate(path: Path, advice: LoadAdvice, tensors: str = "all") -> dict[s
     except FileNotFoundError:
         raise ConfigError(f"checkpoint {path} lacks {META_FILE}: not a complete megafp8 checkpoint") from None
     except Exception as err:
-        raise ConfigError(f"checkpoint file {path / META_FILE} is corrupt: {err}") from None
+        raise ConfigError(f"checkpoint file {path / META_FILE} is corrupt or not a megafp8 checkpoint "
+                          f"({torch_load_text(err)})") from None
     kinds = ("masters",) if tensors == "weights" else ("masters", "exp_avg", "exp_avg_sq")
     wanted = ("model/", *(f"optim/{kind}/" for kind in kinds))
     read = read_full(path, advice.damaged, keep=lambda name: name.startswith(wanted), shapes_only=tensors == "shapes")

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megafp8.checkpoint.integrity import FileRecord, HashingFileSystem, hashed_file, write_manifest
 from megafp8.config import ConfigError
+from megafp8.config.errors import torch_load_text
 from megafp8.parallel.sharding import Piece, Placed
 
 INDEX_FILE = ".metadata"
@@ -195,7 +196,8 @@ def read_sharded(directory: Path, placed: dict[str, Placed]) -> dict[str, Any]:
     try:
         meta = torch.load(meta_file, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated or foreign files
-        raise ConfigError(f"checkpoint file {meta_file} is corrupt or not a megafp8 checkpoint: {err}") from None
+        raise ConfigError(f"checkpoint file {meta_file} is corrupt or not a megafp8 checkpoint "
+                          f"({torch_load_text(err)})") from None
     _load(directory, placed, no_dist=not _distributed())
     return meta
 

@@ -22,3 +22,18 @@ def os_error_text(err: OSError) -> str:
     paths = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None)
     what = err.strerror or str(err)
     return f"{paths}: {what}" if paths else what
+
+
+_TORCH_LOAD_DETAIL = "WeightsUnpickler error:"  # where torch's weights-only refusal names what it could not read
+
+
+def torch_load_text(err: Exception) -> str:
+    """Why `torch.load` could not read a file, in one line: its exception's type and first sentence, or for a
+    weights-only refusal only the detail (its own text is a page that advises `weights_only=False`, which would let
+    a corrupt or foreign file run code: never the advice for a checkpoint)."""
+    text = str(err)
+    if _TORCH_LOAD_DETAIL in text:
+        detail = " ".join(text.split(_TORCH_LOAD_DETAIL, 1)[1].split("\n\n", 2)[:2]).split()
+        return f"torch.load: {_TORCH_LOAD_DETAIL} {' '.join(detail)}"[:300]
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "").split(". ")[0]
+    return f"torch.load: {type(err).__name__}" + (f": {first}"[:300] if first else "")
