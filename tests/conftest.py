@@ -60,6 +60,14 @@ def corpus_dir(tmp_path_factory) -> Path:
     return out
 
 
+def layered(*lists: list[str]) -> list[str]:
+    """`lists` of overrides as one command line: a key given again keeps only its last value, at its last place
+    (what `load_config`, which layers, makes of the lists joined; the launcher refuses a key given twice)."""
+    items = [item for overrides in lists for item in overrides]
+    last = {item.partition("=")[0]: i for i, item in enumerate(items)}
+    return [item for i, item in enumerate(items) if last[item.partition("=")[0]] == i]
+
+
 @pytest.fixture
 def tiny_overrides(corpus_dir, tmp_path) -> list[str]:
     return TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={tmp_path / 'runs'}", "run_name=t"]

@@ -11,6 +11,7 @@ from megafp8.config import (
 )
 from megafp8.config.loader import REPO_CONFIG_DIR, available_configs, model_config_from_saved, resolve_config_path
 from megafp8.config.schema import field_doc
+from tests.conftest import layered
 
 
 def test_every_shipped_config_loads():
@@ -220,6 +221,23 @@ def test_parse_overrides_nests():
     assert parse_overrides(["a.b=1", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 1, "c": "x"}, "d": [1, 2]}
 
 
+def test_a_key_given_twice_on_the_command_line_is_one_error_naming_both_values(capsys):
+    """`optimizer.lr=1e-3 ... optimizer.lr=2e-3` took the last value without a word. `load_config` still layers (a
+    benchmark's defaults, then its user's overrides): a later value there replaces an earlier one."""
+    from megafp8.train.main import main, plan_main
+
+    twice = ["optimizer.lr=1e-3", "model.num_layers=2", "optimizer.lr=2e-3"]
+    for entry, options in ((main, ["--print-config"]), (plan_main, [])):
+        assert entry(["--config", "tiny_dense", *options, *twice]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == ("error: override optimizer.lr is given twice (optimizer.lr=1e-3, then "
+                                     "optimizer.lr=2e-3): give it once, with the value you mean\n"), err
+    with pytest.raises(ConfigError, match=r"^override a.b is given twice \(a.b=1, then a.b=2\)"):
+        parse_overrides(["a.b=1", "a.c=x", "a.b=2"])
+    assert load_config("tiny_dense", twice).optimizer.lr == 2e-3
+    assert main(["--config", "tiny_dense", "--print-config", "optimizer.lr=2e-3", "model.num_layers=2"]) == 0
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["model.hidden_size=1099511627776"], "this model would have about 1.5e+25 parameters, more than 1e+15"),
     (["model.vocab_size=4611686018427387904"], "this model would have about 2.4e+21 parameters"),
@@ -250,7 +268,8 @@ def test_the_dry_run_refuses_what_the_launch_refuses_in_one_line(capsys, overrid
     or never finished planning."""
     from megafp8.train.main import main
 
-    assert main(["--config", "tiny_dense", "--dry-run", "--world-size", "2", "model.vocab_size=384", *overrides]) == 2
+    assert main(["--config", "tiny_dense", "--dry-run", "--world-size", "2",
+                 *layered(["model.vocab_size=384"], overrides)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
 

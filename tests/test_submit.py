@@ -172,3 +172,17 @@ def test_a_gpu_memory_that_is_not_a_positive_size_is_refused_by_the_parser(capsy
     with pytest.raises(SystemExit):
         main(["--gpu-memory-gib", value, "--config", "tiny_dense"])
     assert f"argument --gpu-memory-gib: {message}" in capsys.readouterr().err
+
+
+def test_a_key_given_twice_is_refused_before_anything_is_submitted(capsys):
+    """The job's launcher refuses a key given twice; submit.py says so at once, not after the job waited in the
+    queue, and prints no sbatch command."""
+    sys.path.insert(0, str(REPO / "launch" / "slurm"))
+    try:
+        from submit import main
+    finally:
+        sys.path.remove(str(REPO / "launch" / "slurm"))
+    assert main(["--config", "tiny_dense", "--print-only", "training.steps=10", "training.steps=20"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("error: override training.steps is given twice (training.steps=10, then "
+                                 "training.steps=20): give it once, with the value you mean\n")

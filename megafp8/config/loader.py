@@ -2,7 +2,8 @@
 
 Loading order: YAML file -> dotted overrides merged on top, one after another -> `model.size` expanded under the
 explicit model keys -> dataclasses built strictly (unknown keys, keys that moved and wrong types are errors)
--> cross-field validation.
+-> cross-field validation. `load_config` lets a later override replace an earlier one of the same key (a caller's
+defaults, then the user's overrides); a command line gives each key once (`refuse_repeated_overrides`).
 
 A section of several kinds (`model.attention`) is built as the dataclass its `kind` names. When a later layer
 (an override over the file or over an earlier override, the file or an override over the named size) gives it
@@ -70,8 +71,26 @@ def resolve_config_path(name: str) -> Path:
     )
 
 
+def refuse_repeated_overrides(overrides: list[str]) -> None:
+    """One ConfigError for a key that a user's list of overrides gives twice (`optimizer.lr=1e-3 ...
+    optimizer.lr=2e-3`): which value was meant is not for the loader to guess, and taking the last hid the slip.
+    `load_config` itself layers its list, later values winning, for callers that put their own defaults under the
+    user's overrides; a command line calls this on the user's list before it loads."""
+    first: dict[str, str] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            continue  # not an override at all: `parse_overrides` says what one looks like
+        if key in first:
+            raise ConfigError(f"override {key} is given twice ({key}={first[key]}, then {key}={value}): give it once, "
+                              "with the value you mean")
+        first[key] = value
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """`["model.num_layers=4", "optimizer.lr=1e-3"]` -> a nested dict; values parsed as YAML scalars."""
+    """`["model.num_layers=4", "optimizer.lr=1e-3"]` -> a nested dict; values parsed as YAML scalars. A key given
+    twice is a ConfigError (`refuse_repeated_overrides`)."""
+    refuse_repeated_overrides(overrides)
     nested: dict[str, Any] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
