@@ -238,6 +238,24 @@ def test_a_key_given_twice_on_the_command_line_is_one_error_naming_both_values(c
     assert main(["--config", "tiny_dense", "--print-config", "optimizer.lr=2e-3", "model.num_layers=2"]) == 0
 
 
+def test_an_empty_run_name_is_refused_not_run_in_a_directory_called_run(tmp_path, capsys):
+    """`run_name=` printed '' as the run's name while the run wrote into `<logging.output_dir>/run`; only a
+    run_name left out takes the config file's name."""
+    from megafp8.train.main import main
+
+    assert main(["--config", "tiny_dense", "--print-config", "run_name="]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith(
+        "error: run_name='' is empty: give the run a name (run_name=NAME), or leave run_name out to name the run "
+        "after its config file (tiny_dense) [config: "), err
+    path = tmp_path / "named.yaml"
+    path.write_text('run_name: " "\n')
+    with pytest.raises(ConfigError, match=r"^run_name=' ' is empty: .* after its config file \(named\)"):
+        load_config(str(path))
+    assert load_config(str(path), ["run_name=mine"]).run_name == "mine"
+    assert load_config("tiny_dense").run_name == "tiny_dense"
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["model.hidden_size=1099511627776"], "this model would have about 1.5e+25 parameters, more than 1e+15"),
     (["model.vocab_size=4611686018427387904"], "this model would have about 2.4e+21 parameters"),

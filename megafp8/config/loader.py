@@ -369,7 +369,7 @@ def read_config_file(path: Path) -> Any:
 def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
     """Load, override, build and validate a config. `None` means the built-in defaults."""
     raw: dict[str, Any] = {}
-    source = "defaults"
+    source, file_stem = "defaults", None
     if name_or_path is not None:
         path = resolve_config_path(str(name_or_path))
         source = str(path)
@@ -377,16 +377,27 @@ def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | N
         raw = loaded if loaded is not None else {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
-        raw.setdefault("run_name", path.stem)
+        file_stem = path.stem
+        raw.setdefault("run_name", file_stem)
     for item in overrides or []:  # one layer each: a later override may change a section's kind
         raw = merge(raw, parse_overrides([item]), Config)
     raw = expand_model_size(raw)
     try:
+        _refuse_empty_run_name(raw.get("run_name"), file_stem)
         cfg = build_dataclass(Config, raw)
         validate_config(cfg)
     except ConfigError as err:
         raise ConfigError(f"{err} [config: {source}{' + command-line overrides' if overrides else ''}]") from None
     return cfg
+
+
+def _refuse_empty_run_name(name: Any, file_stem: str | None) -> None:
+    """A run_name given empty (`run_name=` on the command line, `run_name: ""` in the file): the printed config said
+    '' while the run wrote into `<logging.output_dir>/run`. Only a run_name left out takes the file's name."""
+    if isinstance(name, str) and not name.strip():
+        fallback = f" to name the run after its config file ({file_stem})" if file_stem else ""
+        raise ConfigError(f"run_name={name!r} is empty: give the run a name (run_name=NAME), or leave run_name "
+                          f"out{fallback}")
 
 
 def flat_settings(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
