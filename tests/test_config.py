@@ -168,6 +168,24 @@ def test_an_override_value_that_is_not_yaml_is_one_line_not_a_traceback(override
     assert load_config("tiny_dense", ["run_name=\"*exp\""]).run_name == "*exp"
 
 
+@pytest.mark.parametrize("override, problem", [
+    ("data.paths=[a,b",
+     "line 1, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence)"),
+    ("precision.bf16_layers=[*.attn.*]",
+     "line 1, column 2: expected alphabetic or numeric character, but found '.' (while scanning an alias)"),
+])
+def test_a_list_written_wrong_is_told_how_to_write_a_list_not_to_quote_it(override, problem):
+    """`data.paths=[a,b` was told to quote its value ('data.paths="[a,b"'): a one-item list of the text "[a,b"."""
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_dense", [override])
+    assert str(err.value) == (f"override '{override}': {key} is a list, and this value is not a valid YAML list "
+                              f"({problem}): write it as '{key}=[a, b]', its items between [ and ] separated by "
+                              "commas, an item holding YAML's special characters (e.g. * : # ,) in double quotes")
+    written = load_config("tiny_dense", ['precision.bf16_layers=["*.attn.*", x]'])  # as the message says
+    assert written.precision.bf16_layers == ["*.attn.*", "x"]
+
+
 def test_missing_config_name_suggests_the_closest(tmp_path):
     with pytest.raises(ConfigError, match=r"config 'tiny_dens' not found.*Did you mean 'tiny_dense.yaml'"):
         load_config("tiny_dens")

@@ -99,9 +99,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         try:
             value = yaml.safe_load(text) if text != "" else ""
         except yaml.YAMLError as err:
-            raise ConfigError(f"override '{item}': its value is not valid YAML ({yaml_problem(err)}); a string "
-                              f"with YAML's special characters goes in quotes inside the shell's: '{key}=\"{text}\"'"
-                              ) from None
+            raise ConfigError(_unreadable_value(item, key, text, err)) from None
         node = nested
         parts = key.split(".")
         for part in parts[:-1]:
@@ -110,6 +108,35 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
                 raise ConfigError(f"override '{item}' sets a key below '{part}', which is a value, not a section")
         node[parts[-1]] = value
     return nested
+
+
+def _unreadable_value(item: str, key: str, text: str, err: yaml.YAMLError) -> str:
+    """What is wrong with override `item`, whose value is not YAML, and how to write it. A list setting given a value
+    that opens a list (`data.paths=[a,b`) is a list written wrong: quotes, the advice for a string, would make it a
+    one-item list of that text."""
+    if text.lstrip().startswith("[") and _is_list_setting(key):
+        return (f"override '{item}': {key} is a list, and this value is not a valid YAML list ({yaml_problem(err)}): "
+                f"write it as '{key}=[a, b]', its items between [ and ] separated by commas, an item holding YAML's "
+                "special characters (e.g. * : # ,) in double quotes")
+    return (f"override '{item}': its value is not valid YAML ({yaml_problem(err)}); a string with YAML's special "
+            f"characters goes in quotes inside the shell's: '{key}=\"{text}\"'")
+
+
+def _setting_type(cls: Any, parts: list[str]) -> Any:
+    """The annotated type of the setting at dotted `parts` below config dataclass `cls` (in any kind of a section of
+    several kinds), or None where there is none."""
+    if _is_kinded(cls):
+        found = (_setting_type(kind, parts) for kind in cls.kinds().values())
+        return next((tp for tp in found if tp is not None), None)
+    tp = _hints(cls).get(parts[0]) if dataclasses.is_dataclass(cls) else None
+    return tp if tp is None or len(parts) == 1 else _setting_type(tp, parts[1:])
+
+
+def _is_list_setting(key: str) -> bool:
+    """Whether dotted `key` names a setting whose value is a list (or may be one: `list[str] | None`)."""
+    tp = _setting_type(Config, key.split("."))
+    options = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+    return any(typing.get_origin(option) is list for option in options)
 
 
 def _is_kinded(tp: Any) -> bool:
