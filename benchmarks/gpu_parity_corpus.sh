@@ -80,13 +80,13 @@
 # DENSE_CHECKPOINT_INTERVAL (500) steps; MoE runs save never by default (MOE_CHECKPOINT_INTERVAL=0): at the eager
 # step times of docs/benchmarks.md on one H200 (0.27 s BF16, 0.37 s FP8) 1000 steps take ~270 s and ~370 s, inside
 # one command; an MoE run cut short starts over. MOE_CHECKPOINT_INTERVAL=500 makes it resumable (then do not run
-# the two MoE runs side by side: up to 180 GB of checkpoints). EXTRA_OVERRIDES is appended to every run's overrides
-# (e.g. training.compile=true; a key it gives replaces the run's own); GPU picks the GPU of a single `run NAME`
-# (default 0), GPU2 the second run's of `run NAME NAME2` (default 1). GPU2=0 runs both on one GPU, side by side (the
-# dense runs hold ~41-43 GiB each under CUDA graphs on an H200): the GPU's time is shared, so each logs about half its
-# usual tokens/s, but one run's compilation, evaluation and checkpoints overlap the other's steps. There the first run
-# stops STOP_STAGGER (60) s before the second, so that the two do not write their stop-time checkpoints at once (each
-# run holds two while it writes one: four, ~50 GB of the machine's 64 GiB disk, had both written together).
+# the two MoE runs side by side: up to 180 GB of checkpoints). EXTRA_OVERRIDES is appended to every run's
+# overrides (e.g. training.compile=true); GPU picks the GPU of a single `run NAME` (default 0), GPU2 the second run's
+# of `run NAME NAME2` (default 1). GPU2=0 runs both on one GPU, side by side (the dense runs hold ~41-43 GiB each
+# under CUDA graphs on an H200): the GPU's time is shared, so each logs about half its usual tokens/s, but one
+# run's compilation, evaluation and checkpoints overlap the other's steps. There the first run stops STOP_STAGGER
+# (60) s before the second, so that the two do not write their stop-time checkpoints at once (each run holds two
+# while it writes one: four, ~50 GB of the machine's 64 GiB disk, had both written together).
 # Estimated, not yet tried: the two dense runs left (~1,040 s of steps together) and the corpus then take ~1,350 s
 # of device time in three commands, against ~1,600 s one after the other.
 source "$(dirname "$0")/gpu_lib.sh"
@@ -183,20 +183,6 @@ run_overrides() {  # run_overrides NAME: every override of run NAME: family_reci
     checkpoint.interval=$interval checkpoint.keep_last=1 checkpoint.resume=auto $blocks ${EXTRA_OVERRIDES:-}"
 }
 
-one_per_key() {  # stdin's overrides on one line, a key given again keeping only its last value, at its last place:
-  # what the launcher's layering made of them (launch/pretrain.py refuses a key given twice)
-  tr -s ' \t\n' '\n' | awk 'NF { word[++n] = $0; key = $0; sub(/=.*/, "", key); keys[n] = key; last[key] = n }
-    END { for (i = 1; i <= n; i++) if (last[keys[i]] == i) printf "%s%s", (shown++ ? " " : ""), word[i]; print "" }'
-}
-
-launch_overrides() {  # launch_overrides NAME: run NAME's overrides as its launch gives them, each key once: the
-  # training shape's model.vocab_size gives way to the corpus's, the run's own settings to EXTRA_OVERRIDES'. run_id
-  # keeps them as given: earlier sessions' ids (docs/parity_runs) hold both
-  local overrides
-  overrides=$(run_overrides "$1") || return 2
-  one_per_key <<< "$overrides"
-}
-
 run_id() {  # run_id NAME: what NAME's result depends on: the corpus's token counts, its tokenizer's sha256 (byte
   # tokens: none) and the run's overrides (less the paths, which differ between machines), one line
   local tokenizer=none
@@ -260,7 +246,7 @@ finished() { [ -f "$DATA/meta.json" ] && [ "$(last_step "$1")" -ge "$(steps_of "
 run_one() {  # run_one NAME GPU [SECONDS]: train NAME on GPU for at most SECONDS (RUN_SECONDS), then report and keep
   # what comes back
   local name=$1 overrides rc
-  overrides=$(launch_overrides "$name") || return 2
+  overrides=$(run_overrides "$name") || return 2
   if finished "$name"; then echo "$name: finished already"; return 0; fi
   case $name in *deepgemm*) install_deepgemm ;; esac  # built once a machine (a second call reuses the build)
   local seconds=${3:-${RUN_SECONDS:-450}} left
@@ -425,8 +411,7 @@ cross_eval() {  # cross_eval NAME: NAME's newest checkpoint (a run of this sessi
   mkdir -p "$OUT/runs/$name"
   for recipe in bf16 fp8; do
     set -f  # (as in run_one: the overrides are never globbed)
-    record=$(python launch/pretrain.py --config tiny_dense $(one_per_key <<< "$overrides precision.recipe=$recipe") \
-               --evaluate \
+    record=$(python launch/pretrain.py --config tiny_dense $overrides precision.recipe=$recipe --evaluate \
                2>> "$LOGS/cross_eval_$name.log" | grep '^{')
     rc=$?
     set +f
@@ -496,7 +481,7 @@ case ${1:-} in
               cross_eval "$2" ;;
   config) known_run "${2:-}" || exit 2
           [ -f "$DATA/meta.json" ] || { echo "no corpus in $DATA: run the corpus sub-steps first" >&2; exit 2; }
-          overrides=$(launch_overrides "${2:-}") || exit 2
+          overrides=$(run_overrides "${2:-}") || exit 2
           set -f  # (as in run_one: the overrides are never globbed)
           python launch/pretrain.py --config tiny_dense $overrides --print-config ;;
   *) echo "usage: OUT=dir bash $0 measure|tokenizer|tokenize|plan|corpus|run NAME [NAME2]|next|status|compare|" \

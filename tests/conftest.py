@@ -60,12 +60,10 @@ def corpus_dir(tmp_path_factory) -> Path:
     return out
 
 
-def layered(*lists: list[str]) -> list[str]:
-    """`lists` of overrides as one command line: a key given again keeps only its last value, at its last place
-    (what `load_config`, which layers, makes of the lists joined; the launcher refuses a key given twice)."""
-    items = [item for overrides in lists for item in overrides]
-    last = {item.partition("=")[0]: i for i, item in enumerate(items)}
-    return [item for i, item in enumerate(items) if last[item.partition("=")[0]] == i]
+def one_per_key(*lists: list[str]) -> list[str]:
+    """`lists` of overrides joined, each key once with its last value (what the launcher makes of them, less its
+    warning about a key given twice): for tests that check a command's whole output."""
+    return list({item.partition("=")[0]: item for overrides in lists for item in overrides}.values())
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from megafp8.config import (
     AttentionConfig, Config, ConfigError, GqaConfig, MlaConfig, ModelConfig, MoeConfig, load_config, parse_overrides,
     validate_for_world,
 )
-from megafp8.config.loader import REPO_CONFIG_DIR, available_configs, model_config_from_saved, resolve_config_path
+from megafp8.config.loader import (REPO_CONFIG_DIR, available_configs, model_config_from_saved, repeated_overrides,
+                                   resolve_config_path)
 from megafp8.config.schema import field_doc
-from tests.conftest import layered
 
 
 def test_every_shipped_config_loads():
@@ -239,21 +239,24 @@ def test_parse_overrides_nests():
     assert parse_overrides(["a.b=1", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 1, "c": "x"}, "d": [1, 2]}
 
 
-def test_a_key_given_twice_on_the_command_line_is_one_error_naming_both_values(capsys):
-    """`optimizer.lr=1e-3 ... optimizer.lr=2e-3` took the last value without a word. `load_config` still layers (a
-    benchmark's defaults, then its user's overrides): a later value there replaces an earlier one."""
+def test_a_key_given_twice_on_the_command_line_is_warned_of_with_the_value_used(capsys):
+    """`optimizer.lr=1e-3 ... optimizer.lr=2e-3` took the last value without a word. It still does (a wrapper
+    script's defaults, then its user's overrides, is how commands are layered), but now says so, once per key."""
     from megafp8.train.main import main, plan_main
 
-    twice = ["optimizer.lr=1e-3", "model.num_layers=2", "optimizer.lr=2e-3"]
+    twice = ["optimizer.lr=1e-3", "model.num_layers=2", "optimizer.lr=2e-3", "model.num_layers=3", "optimizer.lr=3",
+             "model.vocab_size=384"]
     for entry, options in ((main, ["--print-config"]), (plan_main, [])):
-        assert entry(["--config", "tiny_dense", *options, *twice]) == 2
+        assert entry(["--config", "tiny_dense", *options, *twice]) == 0
         out, err = capsys.readouterr()
-        assert out == "" and err == ("error: override optimizer.lr is given twice (optimizer.lr=1e-3, then "
-                                     "optimizer.lr=2e-3): give it once, with the value you mean\n"), err
-    with pytest.raises(ConfigError, match=r"^override a.b is given twice \(a.b=1, then a.b=2\)"):
-        parse_overrides(["a.b=1", "a.c=x", "a.b=2"])
-    assert load_config("tiny_dense", twice).optimizer.lr == 2e-3
+        assert err == ("warning: override optimizer.lr is given 3 times (optimizer.lr=1e-3, optimizer.lr=2e-3, "
+                       "optimizer.lr=3): optimizer.lr=3 is used\n"
+                       "warning: override model.num_layers is given 2 times (model.num_layers=2, model.num_layers=3): "
+                       "model.num_layers=3 is used\n"), err
+    assert repeated_overrides(["a.b=1", "a.c=x"]) == []
+    assert load_config("tiny_dense", twice).optimizer.lr == 3
     assert main(["--config", "tiny_dense", "--print-config", "optimizer.lr=2e-3", "model.num_layers=2"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_an_empty_run_name_is_refused_not_run_in_a_directory_called_run(tmp_path, capsys):
@@ -304,8 +307,8 @@ def test_the_dry_run_refuses_what_the_launch_refuses_in_one_line(capsys, overrid
     or never finished planning."""
     from megafp8.train.main import main
 
-    assert main(["--config", "tiny_dense", "--dry-run", "--world-size", "2",
-                 *layered(["model.vocab_size=384"], overrides)]) == 2
+    vocab = [] if any(o.startswith("model.vocab_size=") for o in overrides) else ["model.vocab_size=384"]
+    assert main(["--config", "tiny_dense", "--dry-run", "--world-size", "2", *vocab, *overrides]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
 

@@ -13,15 +13,15 @@ import torch
 
 from megafp8.config import ConfigError
 from megafp8.train.runtime import DETERMINISM_PARTS, set_determinism
-from tests.conftest import REPO, layered, torchrun_env
+from tests.conftest import REPO, torchrun_env
 
 PRETRAIN = str(REPO / "launch" / "pretrain.py")
 
 
 def _losses(tiny_overrides, tmp_path, name: str, *extra: str) -> tuple[list[tuple[str, int, float]], str]:
     """(kind, step, loss or validation loss) of a tiny FP8 MoE run in its own process, and its log."""
-    cmd = [sys.executable, PRETRAIN, "--config", "tiny_moe_fp8",
-           *layered(tiny_overrides, [f"run_name={name}", "training.steps=4", "training.eval_interval=4", *extra])]
+    cmd = [sys.executable, PRETRAIN, "--config", "tiny_moe_fp8", *tiny_overrides, f"run_name={name}",
+           "training.steps=4", "training.eval_interval=4", *extra]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=torchrun_env(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megafp8.precision import Fp8Recipe, PrecisionRecipe, select_backend, why_unavailable
-from tests.conftest import REPO, layered, torchrun_env
+from tests.conftest import REPO, torchrun_env
 from tests.fp8_checks import assert_same_quantization, run_with_grads, swiglu_mlp_layers
 
 pytestmark = pytest.mark.gpu
@@ -341,13 +341,12 @@ def test_a_run_under_cuda_graphs_resumes_in_a_new_process(tiny_overrides, backen
     reason = why_unavailable(picks, CUDA)
     if reason is not None:
         pytest.skip(reason)
-    overrides = [*tiny_overrides, "training.compile=true", "training.compile_mode=reduce-overhead",
-                 f"precision.fp8_backend={backend}", "training.eval_interval=0", "checkpoint.interval=3",
-                 "checkpoint.resume=auto"]
+    args = [sys.executable, "launch/pretrain.py", "--config", "tiny_dense_fp8", *tiny_overrides,
+            "training.compile=true", "training.compile_mode=reduce-overhead", f"precision.fp8_backend={backend}",
+            "training.eval_interval=0", "checkpoint.interval=3", "checkpoint.resume=auto"]
     for steps, says in ((3, "step 3/"), (5, "resuming")):
-        done = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "tiny_dense_fp8",
-                               *layered(overrides, [f"training.steps={steps}"])],
-                              capture_output=True, text=True, cwd=REPO, env=torchrun_env(), timeout=300)
+        done = subprocess.run(args + [f"training.steps={steps}"], capture_output=True, text=True, cwd=REPO,
+                              env=torchrun_env(), timeout=300)
         output = done.stdout + done.stderr
         assert done.returncode == 0, output[-3000:]
         assert says in output, output[-3000:]

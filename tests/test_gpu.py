@@ -12,7 +12,7 @@ import torch
 from megafp8.config import load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
-from tests.conftest import REPO, layered, steps_never_wait_for_the_gpu, torchrun_env
+from tests.conftest import REPO, steps_never_wait_for_the_gpu, torchrun_env
 
 pytestmark = pytest.mark.gpu
 
@@ -92,7 +92,7 @@ def _two_gpus_match_one(config: str, tiny_overrides: list[str], model: list[str]
     """A 2-GPU NCCL run of `config` with the `layout` overrides against the same run on one GPU: per-step losses
     to 5e-3 and gradient norms to 3e-2 relative."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "launch" / "pretrain.py"), "--config", config, *layered(tiny_overrides, model, layout)]
+           str(REPO / "launch" / "pretrain.py"), "--config", config, *tiny_overrides, *model, *layout]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     assert expect_log in result.stdout + result.stderr
@@ -192,8 +192,7 @@ def test_sharded_checkpoint_from_two_gpus_resumes_on_one(tiny_overrides, tmp_pat
     model = WIDE_HEADS + ["model.num_layers=4", "precision.recipe=bf16", f"checkpoint.dir={tmp_path / 'ck'}",
                           "checkpoint.interval=3", "checkpoint.async_save=true", "training.eval_interval=0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "launch" / "pretrain.py"), "--config", "tiny_dense",
-           *layered(tiny_overrides, model, ["parallel.pp=2"])]
+           str(REPO / "launch" / "pretrain.py"), "--config", "tiny_dense", *tiny_overrides, *model, "parallel.pp=2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = (tmp_path / "runs" / "t" / "metrics.jsonl").read_text().splitlines()

@@ -11,7 +11,7 @@ import torch
 from megafp8.config import load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
-from tests.conftest import REPO, layered, torchrun_env
+from tests.conftest import REPO, torchrun_env
 
 PRETRAIN = str(REPO / "launch" / "pretrain.py")
 
@@ -49,8 +49,8 @@ def test_two_rank_run_matches_one_rank_with_accumulation(tiny_overrides, tmp_pat
 
 
 def test_plain_python_runs_one_rank(tiny_overrides):
-    cmd = [sys.executable, PRETRAIN, "--config", "tiny_dense",
-           *layered(tiny_overrides, ["training.steps=2", "training.eval_interval=0"])]
+    cmd = [sys.executable, PRETRAIN, "--config", "tiny_dense", *tiny_overrides, "training.steps=2",
+           "training.eval_interval=0"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=torchrun_env(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 2/2 |" in result.stdout + result.stderr
@@ -107,9 +107,8 @@ def test_two_rank_fp8_run_tracks_bf16(tiny_overrides, tmp_path):
     losses = {}
     for recipe in ("bf16", "fp8"):
         out = tmp_path / recipe
-        result = torchrun(2, ["--config", "tiny_dense", *layered(tiny_overrides, [
-            f"precision.recipe={recipe}", "training.steps=10", "training.eval_interval=0",
-            f"logging.output_dir={out}"])])
+        result = torchrun(2, ["--config", "tiny_dense", *tiny_overrides, f"precision.recipe={recipe}",
+                              "training.steps=10", "training.eval_interval=0", f"logging.output_dir={out}"])
         assert result.returncode == 0, result.stderr[-3000:]
         losses[recipe] = [r["loss"] for r in read_metrics(out / "t") if r["kind"] == "train"]
     assert "fp8: backend reference (auto) | 8 of 9 GEMM layers in FP8" in result.stdout + result.stderr
@@ -124,8 +123,8 @@ def test_checkpoint_from_two_sharded_ranks_resumes_on_one(tiny_overrides, tmp_pa
     """Optimizer state is saved by parameter name, gathered from the shards: a DP=2 checkpoint resumes at DP=1."""
     ckpt = tmp_path / "ckpt"
     common = ["training.eval_interval=0", f"checkpoint.dir={ckpt}", "checkpoint.keep_last=0"]
-    result = torchrun(2, ["--config", "tiny_dense", *layered(tiny_overrides, common, [
-        "checkpoint.interval=3", f"logging.output_dir={tmp_path / 'two'}"])])
+    result = torchrun(2, ["--config", "tiny_dense", *tiny_overrides, *common, "checkpoint.interval=3",
+                          f"logging.output_dir={tmp_path / 'two'}"])
     assert result.returncode == 0, result.stderr[-3000:]
     two_rank = [r["loss"] for r in read_metrics(tmp_path / "two" / "t") if r["kind"] == "train"]
     cfg = load_config("tiny_dense", tiny_overrides + common + [f"checkpoint.resume={ckpt / 'step_00000003'}",
@@ -139,8 +138,8 @@ def test_checkpoint_from_two_sharded_ranks_resumes_on_one(tiny_overrides, tmp_pa
 def test_evaluate_gives_one_loss_at_any_rank_count(tiny_overrides, tmp_path):
     """A checkpoint saved on one rank, evaluated by `--evaluate` on two ranks (DP=2: each evaluates half of the
     held-out micro-batches) and on one: the same loss, and that of the run's own evaluation at that step."""
-    common = layered(tiny_overrides, [f"logging.output_dir={tmp_path}", "checkpoint.interval=2", "training.steps=2",
-                                      "training.eval_interval=2", "training.eval_iters=4", "checkpoint.format=sharded"])
+    common = [*tiny_overrides, f"logging.output_dir={tmp_path}", "checkpoint.interval=2", "training.steps=2",
+              "training.eval_interval=2", "training.eval_iters=4", "checkpoint.format=sharded"]
     Trainer(load_config("tiny_dense", common), ParallelDims.single(), torch.device("cpu")).fit()
     logged = [r["val_loss"] for r in read_metrics(tmp_path / "t") if r["kind"] == "eval"]
     two = torchrun(2, ["--config", "tiny_dense", "--evaluate", *common])
@@ -155,9 +154,8 @@ def test_evaluate_gives_one_loss_at_any_rank_count(tiny_overrides, tmp_path):
 
 
 def test_divergence_stops_with_one_clear_error(tiny_overrides):
-    cmd = [sys.executable, PRETRAIN, "--config", "tiny_dense",
-           *layered(tiny_overrides, ["optimizer.lr=1e6", "training.eval_interval=0",
-                                     "training.max_consecutive_skips=2"])]
+    cmd = [sys.executable, PRETRAIN, "--config", "tiny_dense", *tiny_overrides, "optimizer.lr=1e6",
+           "training.eval_interval=0", "training.max_consecutive_skips=2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=torchrun_env(), cwd=REPO)
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

@@ -10,7 +10,7 @@ from megafp8.config.validate import validate_for_world
 from megafp8.train.layouts import search_layouts
 from megafp8.train.main import plan_main
 from megafp8.train.plan import GIB
-from tests.conftest import REPO, layered, torchrun_env
+from tests.conftest import REPO, torchrun_env
 
 # Two heads of 128 (so TP=2 holds whole FP8 tiles, TP=4 would split a head).
 WIDE = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.head_dim=128", "model.vocab_size=512"]
@@ -107,8 +107,7 @@ def test_layouts_command_line(capsys):
     assert plan_main(args + light + ["--gpu-gib", "0.001"]) == 0
     assert "no layout fits: raise the GPU count, set optimizer.sharded=true, or use a smaller model" in \
         capsys.readouterr().out  # 671b_fp8.yaml on 8 GPUs was told to set what it sets already
-    sharded = layered(light, ["optimizer.sharded=true", "training.recompute_layers=1"])
-    assert plan_main(args + sharded + ["--gpu-gib", "0.001"]) == 0
+    assert plan_main(args + light + ["optimizer.sharded=true", "training.recompute_layers=1", "--gpu-gib", "0.001"]) == 0
     assert ("no layout fits: raise the GPU count, raise training.recompute_layers (now 1; null recomputes every "
             "block), or use a smaller model") in capsys.readouterr().out
     assert plan_main(args + ["--gpu-gib", "-1"]) == 2

@@ -6,15 +6,14 @@ import pytest
 import torch
 
 from megafp8.train import main
-from tests.conftest import layered
 
 TORCH_MESSAGE = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
                  "1.02 GiB is free. Of the allocated memory 130.11 GiB is allocated by PyTorch. If reserved but "
                  "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
 
-def _run(overrides: list[str], *more: str) -> int:
-    return main.run(main.parse_args(["--config", "tiny_dense", *layered(overrides, list(more))]))
+def _run(overrides: list[str]) -> int:
+    return main.run(main.parse_args(["--config", "tiny_dense", *overrides]))
 
 
 def test_out_of_memory_in_a_step_is_one_line_with_what_to_change(tiny_overrides, monkeypatch, capsys):
@@ -40,13 +39,13 @@ def test_out_of_memory_while_setting_up_says_so_and_leaves_out_what_is_already_s
         raise torch.OutOfMemoryError("DefaultCPUAllocator: not enough memory: you tried to allocate 4096 bytes.")
 
     monkeypatch.setattr(main, "Trainer", build)
-    assert _run(tiny_overrides, "training.recompute=full", "training.micro_batch_size=1") == 1
+    assert _run([*tiny_overrides, "training.recompute=full", "training.micro_batch_size=1"]) == 1
     line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
     assert line.startswith("error: out of memory while setting up; planned ")
     assert "To fit: spread the model over more GPUs" in line and "recompute" not in line
     assert "micro_batch_size" not in line
-    assert _run(tiny_overrides, "training.recompute=full", "training.recompute_layers=1",
-                "training.micro_batch_size=1") == 1
+    assert _run([*tiny_overrides, "training.recompute=full", "training.recompute_layers=1",
+                 "training.micro_batch_size=1"]) == 1
     line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
     assert "To fit: raise training.recompute_layers (now 1; null recomputes every block), or spread" in line
 
@@ -58,4 +57,4 @@ def test_the_run_directory_stays_usable(tiny_overrides, monkeypatch, error):
     monkeypatch.setattr(main.Trainer, "fit", lambda trainer: (_ for _ in ()).throw(error))
     assert _run(tiny_overrides) == 1
     monkeypatch.undo()
-    assert _run(tiny_overrides, "training.steps=2", "training.eval_interval=0") == 0
+    assert _run([*tiny_overrides, "training.steps=2", "training.eval_interval=0"]) == 0

@@ -12,7 +12,6 @@ from megafp8.config import load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
 from megafp8.train.preemption import StopRequest
-from tests.conftest import layered
 from tests.distributed import spawn
 
 
@@ -188,9 +187,9 @@ def test_a_stopped_run_exits_with_the_signals_status(tiny_overrides, tmp_path, m
         _signal_after(self, 3, signal.SIGUSR1)
         return real_fit(self)
     monkeypatch.setattr(Trainer, "fit", fit_signalled)
-    args = layered(tiny_overrides, ["training.steps=12", "training.eval_interval=0", "logging.log_interval=2",
-                                    "optimizer.warmup_steps=1", f"checkpoint.dir={tmp_path / 'ckpt'}",
-                                    "checkpoint.interval=100", "training.device=cpu"])
+    args = tiny_overrides + ["training.steps=12", "training.eval_interval=0", "logging.log_interval=2",
+                             "optimizer.warmup_steps=1", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                             "checkpoint.interval=100", "training.device=cpu"]
     assert main_module.main(["--config", "tiny_dense", *args]) == 138
     assert _steps(tmp_path / "ckpt") == ["step_00000004"]
 
@@ -204,9 +203,8 @@ def test_an_interrupt_saves_nothing_and_says_where_a_relaunch_resumes(tiny_overr
         real_fit(self)  # to the end, its last checkpoint at step 2
         raise KeyboardInterrupt
     monkeypatch.setattr(Trainer, "fit", fit_interrupted)
-    args = layered(tiny_overrides, ["training.steps=2", "training.eval_interval=0", "optimizer.warmup_steps=1",
-                                    f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=2",
-                                    "training.device=cpu"])
+    args = tiny_overrides + ["training.steps=2", "training.eval_interval=0", "optimizer.warmup_steps=1",
+                             f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=2", "training.device=cpu"]
     assert main_module.main(["--config", "tiny_dense", *args]) == 130
     assert ("interrupted (SIGINT: nothing saved; SIGTERM or SIGUSR1 stop with a checkpoint): a relaunch resumes from "
             f"{tmp_path / 'ckpt' / 'step_00000002'}") in capsys.readouterr().err

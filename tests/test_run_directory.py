@@ -17,7 +17,7 @@ from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
 from megafp8.train.run_history import drop_metrics_after
-from tests.conftest import REPO, layered, torchrun_env
+from tests.conftest import REPO, one_per_key, torchrun_env
 
 SHORT = ["training.steps=4", "training.eval_interval=0", "logging.log_interval=1"]
 SAVING = SHORT + ["checkpoint.interval=2", "checkpoint.format=full"]
@@ -379,7 +379,7 @@ def test_a_schedule_change_is_told_only_where_it_moves_the_resumed_learning_rate
 
 def _evaluate(overrides, capsys, *options: str) -> tuple[int, str, str]:
     from megafp8.train.main import main
-    status = main(["--config", "tiny_dense", "--evaluate", *options, *layered(overrides)])  # later overrides win
+    status = main(["--config", "tiny_dense", "--evaluate", *options, *one_per_key(overrides)])
     out, err = capsys.readouterr()
     return status, out, err
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, TINY_OVERRIDES, layered, torchrun_env
+from tests.conftest import REPO, TINY_OVERRIDES, torchrun_env
 
 REQUIRED = os.environ.get("MEGAFP8_REQUIRE_SLURM") == "1"
 
@@ -53,8 +53,8 @@ def one_node_cluster(tmp_path):
 def test_sbatch_trains_the_tiny_config(corpus_dir, tmp_path, one_node_cluster):
     """Submitted through launch/slurm/submit.py, which sizes the job from the layout (here 1 node x 2 CPU ranks)."""
     env = {**torchrun_env(), "SLURM_CONF": str(one_node_cluster)}
-    overrides = layered(TINY_OVERRIDES, [f"data.path={corpus_dir}", f"logging.output_dir={tmp_path / 'runs'}",
-                                         "run_name=slurm", "training.steps=4", "training.eval_interval=0"])
+    overrides = TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={tmp_path / 'runs'}",
+                                  "run_name=slurm", "training.steps=4", "training.eval_interval=0"]
     job = subprocess.run(
         [sys.executable, str(REPO / "launch/slurm/submit.py"), "--config", "tiny_dense", "--cpu",
          "--procs-per-node", "2", "--sbatch=--wait", f"--sbatch=--output={tmp_path}/job.out", *overrides],

@@ -2,8 +2,7 @@
 
 Loading order: YAML file -> dotted overrides merged on top, one after another -> `model.size` expanded under the
 explicit model keys -> dataclasses built strictly (unknown keys, keys that moved and wrong types are errors)
--> cross-field validation. `load_config` lets a later override replace an earlier one of the same key (a caller's
-defaults, then the user's overrides); a command line gives each key once (`refuse_repeated_overrides`).
+-> cross-field validation.
 
 A section of several kinds (`model.attention`) is built as the dataclass its `kind` names. When a later layer
 (an override over the file or over an earlier override, the file or an override over the named size) gives it
@@ -71,26 +70,21 @@ def resolve_config_path(name: str) -> Path:
     )
 
 
-def refuse_repeated_overrides(overrides: list[str]) -> None:
-    """One ConfigError for a key that a user's list of overrides gives twice (`optimizer.lr=1e-3 ...
-    optimizer.lr=2e-3`): which value was meant is not for the loader to guess, and taking the last hid the slip.
-    `load_config` itself layers its list, later values winning, for callers that put their own defaults under the
-    user's overrides; a command line calls this on the user's list before it loads."""
-    first: dict[str, str] = {}
+def repeated_overrides(overrides: list[str]) -> list[str]:
+    """One warning line for each key that `overrides` gives more than once, in the order of first appearance,
+    naming every value and the one used (the last: a later override replaces an earlier one, which lets a wrapper
+    script put its defaults before its user's overrides). [] where each key is given once."""
+    given: dict[str, list[str]] = {}
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            continue  # not an override at all: `parse_overrides` says what one looks like
-        if key in first:
-            raise ConfigError(f"override {key} is given twice ({key}={first[key]}, then {key}={value}): give it once, "
-                              "with the value you mean")
-        first[key] = value
+        key, sep, _ = item.partition("=")
+        if sep:
+            given.setdefault(key.strip(), []).append(item)
+    return [f"override {key} is given {len(items)} times ({', '.join(items)}): {items[-1]} is used"
+            for key, items in given.items() if len(items) > 1]
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """`["model.num_layers=4", "optimizer.lr=1e-3"]` -> a nested dict; values parsed as YAML scalars. A key given
-    twice is a ConfigError (`refuse_repeated_overrides`)."""
-    refuse_repeated_overrides(overrides)
+    """`["model.num_layers=4", "optimizer.lr=1e-3"]` -> a nested dict; values parsed as YAML scalars."""
     nested: dict[str, Any] = {}
     for item in overrides:
         key, sep, text = item.partition("=")

@@ -5,13 +5,14 @@ import argparse
 import json
 import logging
 import re
+import sys
 from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 
 from megafp8.checkpoint.local import find_latest
-from megafp8.config import Config, ConfigError, dump_config, load_config, refuse_repeated_overrides
+from megafp8.config import Config, ConfigError, dump_config, load_config, repeated_overrides
 from megafp8.config.arguments import positive_number, whole_number
 from megafp8.parallel import ParallelDims
 from megafp8.precision import check_backend_name
@@ -215,8 +216,10 @@ def _where_a_relaunch_resumes(trainer: Optional[Trainer]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the config, plan, or train, as `args` asks; the exit status."""
+    if env_rank()[0] == 0:  # once per job
+        for line in repeated_overrides(args.overrides):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
     try:
-        refuse_repeated_overrides(args.overrides)
         cfg = load_config(args.config, args.overrides)
         check_backend_name(cfg.precision.fp8_backend)  # the backends register in `precision`, above the config
     except ConfigError as err:
