@@ -60,6 +60,12 @@ def corpus_dir(tmp_path_factory) -> Path:
     return out
 
 
+def one_per_key(*lists: list[str]) -> list[str]:
+    """`lists` of overrides joined, each key once with its last value (what the launcher makes of them, less its
+    warning about a key given twice): for tests that check a command's whole output."""
+    return list({item.partition("=")[0]: item for overrides in lists for item in overrides}.values())
+
+
 @pytest.fixture
 def tiny_overrides(corpus_dir, tmp_path) -> list[str]:
     return TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={tmp_path / 'runs'}", "run_name=t"]

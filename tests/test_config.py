@@ -9,7 +9,8 @@ from megafp8.config import (
     AttentionConfig, Config, ConfigError, GqaConfig, MlaConfig, ModelConfig, MoeConfig, load_config, parse_overrides,
     validate_for_world,
 )
-from megafp8.config.loader import REPO_CONFIG_DIR, available_configs, model_config_from_saved, resolve_config_path
+from megafp8.config.loader import (REPO_CONFIG_DIR, available_configs, model_config_from_saved, repeated_overrides,
+                                   resolve_config_path)
 from megafp8.config.schema import field_doc
 
 
@@ -167,6 +168,24 @@ def test_an_override_value_that_is_not_yaml_is_one_line_not_a_traceback(override
     assert load_config("tiny_dense", ["run_name=\"*exp\""]).run_name == "*exp"
 
 
+@pytest.mark.parametrize("override, problem", [
+    ("data.paths=[a,b",
+     "line 1, column 1: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence)"),
+    ("precision.bf16_layers=[*.attn.*]",
+     "line 1, column 2: expected alphabetic or numeric character, but found '.' (while scanning an alias)"),
+])
+def test_a_list_written_wrong_is_told_how_to_write_a_list_not_to_quote_it(override, problem):
+    """`data.paths=[a,b` was told to quote its value ('data.paths="[a,b"'): a one-item list of the text "[a,b"."""
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_dense", [override])
+    assert str(err.value) == (f"override '{override}': {key} is a list, and this value is not a valid YAML list "
+                              f"({problem}): write it as '{key}=[a, b]', its items between [ and ] separated by "
+                              "commas, an item holding YAML's special characters (e.g. * : # ,) in double quotes")
+    written = load_config("tiny_dense", ['precision.bf16_layers=["*.attn.*", x]'])  # as the message says
+    assert written.precision.bf16_layers == ["*.attn.*", "x"]
+
+
 def test_missing_config_name_suggests_the_closest(tmp_path):
     with pytest.raises(ConfigError, match=r"config 'tiny_dens' not found.*Did you mean 'tiny_dense.yaml'"):
         load_config("tiny_dens")
@@ -220,6 +239,44 @@ def test_parse_overrides_nests():
     assert parse_overrides(["a.b=1", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 1, "c": "x"}, "d": [1, 2]}
 
 
+def test_a_key_given_twice_on_the_command_line_is_warned_of_with_the_value_used(capsys):
+    """`optimizer.lr=1e-3 ... optimizer.lr=2e-3` took the last value without a word. It still does (a wrapper
+    script's defaults, then its user's overrides, is how commands are layered), but now says so, once per key."""
+    from megafp8.train.main import main, plan_main
+
+    twice = ["optimizer.lr=1e-3", "model.num_layers=2", "optimizer.lr=2e-3", "model.num_layers=3", "optimizer.lr=3",
+             "model.vocab_size=384"]
+    for entry, options in ((main, ["--print-config"]), (plan_main, [])):
+        assert entry(["--config", "tiny_dense", *options, *twice]) == 0
+        out, err = capsys.readouterr()
+        assert err == ("warning: override optimizer.lr is given 3 times (optimizer.lr=1e-3, optimizer.lr=2e-3, "
+                       "optimizer.lr=3): optimizer.lr=3 is used\n"
+                       "warning: override model.num_layers is given 2 times (model.num_layers=2, model.num_layers=3): "
+                       "model.num_layers=3 is used\n"), err
+    assert repeated_overrides(["a.b=1", "a.c=x"]) == []
+    assert load_config("tiny_dense", twice).optimizer.lr == 3
+    assert main(["--config", "tiny_dense", "--print-config", "optimizer.lr=2e-3", "model.num_layers=2"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_an_empty_run_name_is_refused_not_run_in_a_directory_called_run(tmp_path, capsys):
+    """`run_name=` printed '' as the run's name while the run wrote into `<logging.output_dir>/run`; only a
+    run_name left out takes the config file's name."""
+    from megafp8.train.main import main
+
+    assert main(["--config", "tiny_dense", "--print-config", "run_name="]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith(
+        "error: run_name='' is empty: give the run a name (run_name=NAME), or leave run_name out to name the run "
+        "after its config file (tiny_dense) [config: "), err
+    path = tmp_path / "named.yaml"
+    path.write_text('run_name: " "\n')
+    with pytest.raises(ConfigError, match=r"^run_name=' ' is empty: .* after its config file \(named\)"):
+        load_config(str(path))
+    assert load_config(str(path), ["run_name=mine"]).run_name == "mine"
+    assert load_config("tiny_dense").run_name == "tiny_dense"
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["model.hidden_size=1099511627776"], "this model would have about 1.5e+25 parameters, more than 1e+15"),
     (["model.vocab_size=4611686018427387904"], "this model would have about 2.4e+21 parameters"),
@@ -250,7 +307,8 @@ def test_the_dry_run_refuses_what_the_launch_refuses_in_one_line(capsys, overrid
     or never finished planning."""
     from megafp8.train.main import main
 
-    assert main(["--config", "tiny_dense", "--dry-run", "--world-size", "2", "model.vocab_size=384", *overrides]) == 2
+    vocab = [] if any(o.startswith("model.vocab_size=") for o in overrides) else ["model.vocab_size=384"]
+    assert main(["--config", "tiny_dense", "--dry-run", "--world-size", "2", *vocab, *overrides]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
 

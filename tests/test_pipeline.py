@@ -21,6 +21,7 @@ from megafp8.parallel import ParallelDims
 from megafp8.parallel.pipeline import build_layout, simulated_bubble
 from megafp8.train.main import main
 from megafp8.train.trainer import Trainer
+from tests.conftest import one_per_key
 from tests.distributed import spawn
 from tests.parity import FP32_TOL, LOW_PRECISION_TOL
 
@@ -197,7 +198,7 @@ def test_bad_pipeline_configs_give_one_clear_error(tiny_overrides, overrides, wo
 
 
 def test_launch_with_a_bad_layout_fails_with_one_clear_error(tiny_overrides, capsys):
-    assert main(["--config", "tiny_dense", *tiny_overrides, *MODEL, "parallel.pp_layout=E,t*4,L"]) == 2
+    assert main(["--config", "tiny_dense", *one_per_key(tiny_overrides, MODEL), "parallel.pp_layout=E,t*4,L"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "parallel.pp_layout is set but parallel.pp=1" in err[0], err
 

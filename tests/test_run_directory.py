@@ -17,7 +17,7 @@ from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
 from megafp8.train.run_history import drop_metrics_after
-from tests.conftest import REPO, torchrun_env
+from tests.conftest import REPO, one_per_key, torchrun_env
 
 SHORT = ["training.steps=4", "training.eval_interval=0", "logging.log_interval=1"]
 SAVING = SHORT + ["checkpoint.interval=2", "checkpoint.format=full"]
@@ -377,9 +377,9 @@ def test_a_schedule_change_is_told_only_where_it_moves_the_resumed_learning_rate
 # ------------------------------------------------------------------------------ --evaluate
 
 
-def _evaluate(overrides, capsys) -> tuple[int, str, str]:
+def _evaluate(overrides, capsys, *options: str) -> tuple[int, str, str]:
     from megafp8.train.main import main
-    status = main(["--config", "tiny_dense", "--evaluate", *overrides])
+    status = main(["--config", "tiny_dense", "--evaluate", *options, *one_per_key(overrides)])
     out, err = capsys.readouterr()
     return status, out, err
 
@@ -401,6 +401,34 @@ def test_evaluate_gives_a_checkpoints_validation_loss_and_writes_nothing(tiny_ov
         assert record["step"] == step and record["checkpoint"].endswith(f"step_0000000{step}")
         assert record["val_loss"] == pytest.approx(logged[step], rel=1e-6)
     assert snapshot(trainer.run_dir) == before
+
+
+def test_a_dry_run_of_evaluate_names_the_checkpoint_and_checks_it_without_reading_it(tiny_overrides, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """`--dry-run --evaluate` printed the training plan alone: not which checkpoint the evaluation would load, nor
+    that there was none to load. It finds the one `--evaluate` would, checks it complete from its manifest (no file
+    hashed, no tensor read), and refuses where `--evaluate` would, in its one line, with nothing printed before."""
+    import megafp8.train.resume as resume
+
+    trainer = make_trainer(tiny_overrides, SAVING)
+    trainer.fit()
+    step2 = trainer.checkpoint_dir / "step_00000002"
+    (step2 / "state.pt").unlink()  # a checkpoint that lost a file
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(resume, "first_problem", lambda *args: pytest.fail("the dry run verified a checkpoint"))
+    evaluating = tiny_overrides + SAVING + ["training.eval_iters=2"]
+    status, out, _ = _evaluate(evaluating, capsys, "--dry-run")
+    assert status == 0 and "| part | parameters |" in out, out  # the plan, then what the evaluation would do
+    assert out.endswith(f"\n\n--evaluate: would load {trainer.checkpoint_dir / 'step_00000004'} (complete; its "
+                        "checksums are verified as it loads) and evaluate it on training.eval_iters=2 held-out "
+                        "micro-batches of data.valid_split 'valid', writing nothing\n"), out
+    for extra, said in (([f"checkpoint.resume={step2}"], f"checkpoint file {step2 / 'state.pt'} is missing"),
+                        (["run_name=other"], "holds no checkpoint: name one with checkpoint.resume=PATH"),
+                        (["checkpoint.resume=none"], "checkpoint.resume=none names none")):
+        status, out, err = _evaluate(evaluating + extra, capsys, "--dry-run")
+        assert status == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1, (extra, out, err)
+        assert said in err, err
+    assert snapshot(tmp_path) == before  # nothing written, nothing read into being
 
 
 def test_evaluate_without_a_checkpoint_says_what_to_name(tiny_overrides, tmp_path, capsys):

@@ -172,3 +172,19 @@ def test_a_gpu_memory_that_is_not_a_positive_size_is_refused_by_the_parser(capsy
     with pytest.raises(SystemExit):
         main(["--gpu-memory-gib", value, "--config", "tiny_dense"])
     assert f"argument --gpu-memory-gib: {message}" in capsys.readouterr().err
+
+
+def test_a_key_given_twice_is_warned_of_at_submission(capsys):
+    """The job's launcher uses the last value and warns in the job's log; submit.py warns at once, where the user
+    is looking, and submits the same command line."""
+    sys.path.insert(0, str(REPO / "launch" / "slurm"))
+    try:
+        from submit import main
+    finally:
+        sys.path.remove(str(REPO / "launch" / "slurm"))
+    assert main(["--config", "tiny_dense", "--print-only", "--cpu", "--procs-per-node", "2", "training.steps=10",
+                 "training.steps=20"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ("warning: override training.steps is given 2 times (training.steps=10, training.steps=20): "
+                   "training.steps=20 is used\n"), err
+    assert "training.steps=10 training.steps=20" in out

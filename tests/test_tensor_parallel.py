@@ -34,6 +34,7 @@ from megafp8.parallel import (
 from megafp8.precision import Fp8Backend, PrecisionRecipe
 from megafp8.train.main import main
 from megafp8.train.trainer import Trainer
+from tests.conftest import one_per_key
 from tests.distributed import spawn
 from tests.parity import FP32_TOL, LOW_PRECISION_TOL, assert_close, grad_pairs
 
@@ -397,6 +398,6 @@ def test_layer_rejects_a_shard_off_the_tile_grid():
 
 def test_launch_with_a_bad_layout_fails_with_one_clear_error(tiny_overrides, capsys):
     # One process cannot hold tp=2: one line on stderr names the setting, before any process group exists.
-    assert main(["--config", "tiny_dense", *tiny_overrides, *TP_MODEL, "parallel.tp=2"]) == 2
+    assert main(["--config", "tiny_dense", *one_per_key(tiny_overrides, TP_MODEL), "parallel.tp=2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "1 rank(s) cannot be split into tp=2" in err[0] and "parallel.tp" in err[0], err

@@ -70,6 +70,19 @@ def resolve_config_path(name: str) -> Path:
     )
 
 
+def repeated_overrides(overrides: list[str]) -> list[str]:
+    """One warning line for each key that `overrides` gives more than once, in the order of first appearance,
+    naming every value and the one used (the last: a later override replaces an earlier one, which lets a wrapper
+    script put its defaults before its user's overrides). [] where each key is given once."""
+    given: dict[str, list[str]] = {}
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if sep:
+            given.setdefault(key.strip(), []).append(item)
+    return [f"override {key} is given {len(items)} times ({', '.join(items)}): {items[-1]} is used"
+            for key, items in given.items() if len(items) > 1]
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """`["model.num_layers=4", "optimizer.lr=1e-3"]` -> a nested dict; values parsed as YAML scalars."""
     nested: dict[str, Any] = {}
@@ -80,9 +93,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         try:
             value = yaml.safe_load(text) if text != "" else ""
         except yaml.YAMLError as err:
-            raise ConfigError(f"override '{item}': its value is not valid YAML ({yaml_problem(err)}); a string "
-                              f"with YAML's special characters goes in quotes inside the shell's: '{key}=\"{text}\"'"
-                              ) from None
+            raise ConfigError(_unreadable_value(item, key, text, err)) from None
         node = nested
         parts = key.split(".")
         for part in parts[:-1]:
@@ -91,6 +102,35 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
                 raise ConfigError(f"override '{item}' sets a key below '{part}', which is a value, not a section")
         node[parts[-1]] = value
     return nested
+
+
+def _unreadable_value(item: str, key: str, text: str, err: yaml.YAMLError) -> str:
+    """What is wrong with override `item`, whose value is not YAML, and how to write it. A list setting given a value
+    that opens a list (`data.paths=[a,b`) is a list written wrong: quotes, the advice for a string, would make it a
+    one-item list of that text."""
+    if text.lstrip().startswith("[") and _is_list_setting(key):
+        return (f"override '{item}': {key} is a list, and this value is not a valid YAML list ({yaml_problem(err)}): "
+                f"write it as '{key}=[a, b]', its items between [ and ] separated by commas, an item holding YAML's "
+                "special characters (e.g. * : # ,) in double quotes")
+    return (f"override '{item}': its value is not valid YAML ({yaml_problem(err)}); a string with YAML's special "
+            f"characters goes in quotes inside the shell's: '{key}=\"{text}\"'")
+
+
+def _setting_type(cls: Any, parts: list[str]) -> Any:
+    """The annotated type of the setting at dotted `parts` below config dataclass `cls` (in any kind of a section of
+    several kinds), or None where there is none."""
+    if _is_kinded(cls):
+        found = (_setting_type(kind, parts) for kind in cls.kinds().values())
+        return next((tp for tp in found if tp is not None), None)
+    tp = _hints(cls).get(parts[0]) if dataclasses.is_dataclass(cls) else None
+    return tp if tp is None or len(parts) == 1 else _setting_type(tp, parts[1:])
+
+
+def _is_list_setting(key: str) -> bool:
+    """Whether dotted `key` names a setting whose value is a list (or may be one: `list[str] | None`)."""
+    tp = _setting_type(Config, key.split("."))
+    options = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+    return any(typing.get_origin(option) is list for option in options)
 
 
 def _is_kinded(tp: Any) -> bool:
@@ -350,7 +390,7 @@ def read_config_file(path: Path) -> Any:
 def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
     """Load, override, build and validate a config. `None` means the built-in defaults."""
     raw: dict[str, Any] = {}
-    source = "defaults"
+    source, file_stem = "defaults", None
     if name_or_path is not None:
         path = resolve_config_path(str(name_or_path))
         source = str(path)
@@ -358,16 +398,27 @@ def load_config(name_or_path: str | os.PathLike | None, overrides: list[str] | N
         raw = loaded if loaded is not None else {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
-        raw.setdefault("run_name", path.stem)
+        file_stem = path.stem
+        raw.setdefault("run_name", file_stem)
     for item in overrides or []:  # one layer each: a later override may change a section's kind
         raw = merge(raw, parse_overrides([item]), Config)
     raw = expand_model_size(raw)
     try:
+        _refuse_empty_run_name(raw.get("run_name"), file_stem)
         cfg = build_dataclass(Config, raw)
         validate_config(cfg)
     except ConfigError as err:
         raise ConfigError(f"{err} [config: {source}{' + command-line overrides' if overrides else ''}]") from None
     return cfg
+
+
+def _refuse_empty_run_name(name: Any, file_stem: str | None) -> None:
+    """A run_name given empty (`run_name=` on the command line, `run_name: ""` in the file): the printed config said
+    '' while the run wrote into `<logging.output_dir>/run`. Only a run_name left out takes the file's name."""
+    if isinstance(name, str) and not name.strip():
+        fallback = f" to name the run after its config file ({file_stem})" if file_stem else ""
+        raise ConfigError(f"run_name={name!r} is empty: give the run a name (run_name=NAME), or leave run_name "
+                          f"out{fallback}")
 
 
 def flat_settings(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

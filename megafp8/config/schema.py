@@ -566,7 +566,8 @@ class LoggingConfig:
 class Config:
     """A whole training run."""
 
-    run_name: str = setting("", "Name of the run and its directory. Empty: the config file's name.")
+    run_name: str = setting("", "Name of the run and its directory. Left out: the config file's name (an empty name "
+                                "is refused).")
     model: ModelConfig = section(ModelConfig, "Model architecture.")
     parallel: ParallelConfig = section(ParallelConfig, "Parallel layout.")
     precision: PrecisionConfig = section(PrecisionConfig, "Numerics.")

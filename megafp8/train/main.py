@@ -5,19 +5,23 @@ import argparse
 import json
 import logging
 import re
+import sys
 from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 
 from megafp8.checkpoint.local import find_latest
-from megafp8.config import Config, ConfigError, dump_config, load_config
+from megafp8.config import Config, ConfigError, dump_config, load_config, repeated_overrides
 from megafp8.config.arguments import positive_number, whole_number
+from megafp8.parallel import ParallelDims
 from megafp8.precision import check_backend_name
 from megafp8.train.checkpointing import CheckpointWriteError
 from megafp8.train.layouts import lighter_settings, render_layouts, search_layouts
 from megafp8.train.plan import GIB, dry_run, make_plan, vocab_note, with_vocab
 from megafp8.train.preemption import exit_status
+from megafp8.train.resume import checkpoint_to_evaluate
+from megafp8.train.run_history import run_paths
 from megafp8.train.runtime import (env_rank, init_distributed, report_error, seed_everything, set_determinism,
                                    shutdown)
 from megafp8.train.trainer import Trainer
@@ -64,7 +68,9 @@ def build_parser(prog: str, description: str, plan_only: bool = False) -> argpar
     if not plan_only:
         parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
         parser.add_argument("--dry-run", action="store_true",
-                            help="print parameters, per-GPU memory and FLOPs of the run and exit (allocates nothing)")
+                            help="print parameters, per-GPU memory and FLOPs of the run and exit (allocates nothing); "
+                                 "with --evaluate, also the checkpoint the evaluation would load, checked complete "
+                                 "(its files are not read)")
         parser.add_argument("--evaluate", action="store_true",
                             help="evaluate the checkpoint checkpoint.resume names (auto: the run's newest that "
                                  "verifies) on training.eval_iters held-out micro-batches, print its record as JSON "
@@ -158,6 +164,16 @@ def layouts_main(cfg: Config, world_size: int, gpu_gib: float | None, max_tp: in
                           gpu_bytes, lighter)
 
 
+def evaluation_plan(cfg: Config) -> str:
+    """`--dry-run --evaluate`: the checkpoint the evaluation would load, found as it finds it and checked complete
+    (every file its manifest lists there, at its size) without reading it; a ConfigError where there is none."""
+    checkpoint = checkpoint_to_evaluate(cfg.checkpoint.resume, run_paths(cfg)[1], ParallelDims.single(), verify=False)
+    iters = cfg.training.eval_iters
+    batches = "the whole held-out split" if iters == -1 else f"training.eval_iters={iters} held-out micro-batches"
+    return (f"--evaluate: would load {checkpoint} (complete; its checksums are verified as it loads) and evaluate it "
+            f"on {batches} of data.valid_split '{cfg.data.valid_split}', writing nothing")
+
+
 def plan_main(argv: list[str] | None = None) -> int:
     """`tools/plan.py`: the dry run under its own name and usage."""
     return run(build_parser("plan.py", PLAN_DESCRIPTION, plan_only=True).parse_args(argv))
@@ -200,6 +216,9 @@ def _where_a_relaunch_resumes(trainer: Optional[Trainer]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the config, plan, or train, as `args` asks; the exit status."""
+    if env_rank()[0] == 0:  # once per job
+        for line in repeated_overrides(args.overrides):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
     try:
         cfg = load_config(args.config, args.overrides)
         check_backend_name(cfg.precision.fp8_backend)  # the backends register in `precision`, above the config
@@ -216,10 +235,12 @@ def run(args: argparse.Namespace) -> int:
             return _error(str(err))
         return 0
     if args.dry_run:
-        try:
-            print(dry_run(cfg, args.world_size or env_rank()[2], args.peak_tflops, args.mfu))
+        try:  # both before either prints: an error is the one line printed
+            plan = dry_run(cfg, args.world_size or env_rank()[2], args.peak_tflops, args.mfu)
+            evaluation = f"\n\n{evaluation_plan(cfg)}" if args.evaluate else ""
         except ConfigError as err:
             return _error(str(err))
+        print(plan + evaluation)
         return 0
     clean, trainer = False, None
     try:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megafp8.checkpoint.local import (
     checkpoint_bytes,
+    checkpoint_problem,
     has_checksums,
     not_a_checkpoint,
     resume_candidates,
@@ -78,6 +79,13 @@ def first_problem(path: Path, dims: ParallelDims) -> Optional[str]:
     return problem
 
 
+def _problem(path: Path, dims: ParallelDims, verify: bool) -> Optional[str]:
+    """Why checkpoint directory `path` cannot be used: every file checked against its checksum (`first_problem`), or
+    without `verify` (a dry run) only whether it is complete, every file its manifest lists there at its size (reads
+    the manifest alone: a dry run of a 1 TB checkpoint takes no hour of hashing)."""
+    return first_problem(path, dims) if verify else checkpoint_problem(path)
+
+
 def verified_resume_path(resume: str, checkpoint_dir: Path, dims: ParallelDims) -> Optional[Path]:
     """The checkpoint `checkpoint.resume` names, verified: a path, or for `auto` the newest good one under
     `checkpoint_dir`; None to start fresh. A ConfigError names the bad file."""
@@ -94,29 +102,31 @@ def verified_resume_path(resume: str, checkpoint_dir: Path, dims: ParallelDims) 
     return _verified_path(Path(resume), dims)
 
 
-def _verified_path(path: Path, dims: ParallelDims) -> Path:
-    """Checkpoint `path` (a directory, or a full checkpoint's state.pt), verified; a ConfigError names the bad
-    file."""
+def _verified_path(path: Path, dims: ParallelDims, verify: bool = True) -> Path:
+    """Checkpoint `path` (a directory, or a full checkpoint's state.pt), verified (`_problem`); a ConfigError names
+    the bad file."""
     if path.is_dir() and (holder := not_a_checkpoint(path)) is not None:
         raise ConfigError(f"checkpoint.resume: {holder}")
     if path.is_file() and path.name != STATE_FILE and not is_sharded_checkpoint(path.parent):
         # (judged as its folder, it was named in "checkpoint <folder> is incomplete")
         raise ConfigError(f"checkpoint.resume={path} is a file, not a checkpoint: give a checkpoint's directory "
                           f"(step_NNNNNNNN) or a full checkpoint's {STATE_FILE}")
-    problem = first_problem(path.parent if path.is_file() else path, dims)  # a directory, or its state.pt
+    problem = _problem(path.parent if path.is_file() else path, dims, verify)  # a directory, or its state.pt
     if problem:
         raise ConfigError(f"{problem}. Resume from another checkpoint (checkpoint.resume=PATH), or set "
                           "checkpoint.resume=auto to take the newest one that verifies")
     return path
 
 
-def checkpoint_to_evaluate(resume: str, checkpoint_dir: Path, dims: ParallelDims) -> Path:
+def checkpoint_to_evaluate(resume: str, checkpoint_dir: Path, dims: ParallelDims, verify: bool = True) -> Path:
     """The checkpoint `launch/pretrain.py --evaluate` evaluates, verified: the one `checkpoint.resume` names, or for
-    `auto` the newest good one under `checkpoint_dir`. A ConfigError where there is none."""
+    `auto` the newest good one under `checkpoint_dir`. A ConfigError where there is none. `verify=False` (the dry
+    run's `--evaluate`): checked complete, not hashed (`_problem`)."""
     if resume == "none":
         raise ConfigError("--evaluate evaluates a checkpoint, and checkpoint.resume=none names none: leave it auto "
                           "(the newest in checkpoint.dir) or name one (checkpoint.resume=PATH)")
-    path = _newest_good(checkpoint_dir, dims) if resume == "auto" else _verified_path(Path(resume), dims)
+    path = (_newest_good(checkpoint_dir, dims, verify) if resume == "auto"
+            else _verified_path(Path(resume), dims, verify))
     if path is None:
         raise ConfigError(f"--evaluate: {checkpoint_dir} holds no checkpoint: name one with checkpoint.resume=PATH, "
                           "or give the run_name (or checkpoint.dir) of the run that saved them")
@@ -137,17 +147,18 @@ def continues_from(resume: str, checkpoint_dir: Path) -> bool:
     return False
 
 
-def _newest_good(root: Path, dims: ParallelDims) -> Optional[Path]:
-    """`auto`: the newest checkpoint under `root` that verifies, logging the ones passed over; a ConfigError if
-    checkpoints exist but none verifies (a damaged run is never silently restarted from step 0)."""
+def _newest_good(root: Path, dims: ParallelDims, verify: bool = True) -> Optional[Path]:
+    """`auto`: the newest checkpoint under `root` that verifies (`_problem`), logging the ones passed over; a
+    ConfigError if checkpoints exist but none verifies (a damaged run is never silently restarted from step 0)."""
     candidates, passed_over = from_rank0(lambda: resume_candidates(root), dims)
     for path in candidates:
-        problem = first_problem(path, dims)
+        problem = _problem(path, dims, verify)
         if problem is None:
             if passed_over and dims.rank == 0:
                 for reason in passed_over:
                     log.warning("checkpoint.resume=auto: passed over a checkpoint: %s", reason)
-                log.warning("checkpoint.resume=auto: resuming from %s, the newest checkpoint that verifies", path)
+                log.warning("checkpoint.resume=auto: resuming from %s, the newest checkpoint that %s", path,
+                            "verifies" if verify else "is complete")
             return path
         passed_over.append(problem)
     if passed_over:
