@@ -436,4 +436,9 @@ def test_evaluate_without_a_checkpoint_says_what_to_name(tiny_overrides, tmp_pat
     assert status == 2 and "--evaluate: " in err and "holds no checkpoint: name one with checkpoint.resume=PATH" in err
     status, _, err = _evaluate(tiny_overrides + SHORT + ["checkpoint.resume=none"], capsys)
     assert status == 2 and "checkpoint.resume=none names none" in err
+    for options in ((), ("--dry-run",)):  # no micro-batch: the loss was NaN, with exit status 0
+        status, out, err = _evaluate(tiny_overrides + SHORT + ["training.eval_iters=0"], capsys, *options)
+        assert (status, out) == (2, "") and err == ("error: --evaluate with training.eval_iters=0 evaluates no "
+                                                    "micro-batch: give training.eval_iters=N (N held-out micro-batches) "
+                                                    "or -1 (the whole validation split)\n"), err
     assert not (tmp_path / "runs").exists()  # nothing was written

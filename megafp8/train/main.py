@@ -222,6 +222,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_backend_name(cfg.precision.fp8_backend)  # the backends register in `precision`, above the config
+        if getattr(args, "evaluate", False) and cfg.training.eval_iters == 0:  # (its loss was NaN, exit status 0)
+            raise ConfigError("--evaluate with training.eval_iters=0 evaluates no micro-batch: give "
+                              "training.eval_iters=N (N held-out micro-batches) or -1 (the whole validation split)")
     except ConfigError as err:
         return _error(str(err))
     if args.print_config:
