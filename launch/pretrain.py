@@ -10,8 +10,9 @@ from pathlib import Path
 # Run from a source checkout without installing: put the repository root on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megafp8.config.arguments import run_tool  # noqa: E402
 from megafp8.train.main import main  # noqa: E402
 from megafp8.train.runtime import exit_process  # noqa: E402
 
 if __name__ == "__main__":
-    exit_process(main())
+    exit_process(run_tool(main))  # (run_tool: `--print-config | head` ends quietly)
