@@ -297,6 +297,8 @@ def test_an_empty_run_name_is_refused_not_run_in_a_directory_called_run(tmp_path
     (["training.max_consecutive_skips=0"], "training.max_consecutive_skips must be at least 1, got 0"),
     (["run_name=../escaped"], "run_name='../escaped' must be a plain name, not a path"),  # was a run outside
     (["run_name=.."], "run_name='..' must be a plain name"),                                  # output_dir
+    (["logging.metrics_file="], "logging.metrics_file='' names no file: give a file name"),  # was IsADirectoryError
+    (["logging.metrics_file=logs/.."], "logging.metrics_file='logs/..' names no file"),       # at the first record
     (["parallel.tp=0"], "parallel.tp must be positive, got 0"),  # was ZeroDivisionError padding a data vocabulary
     (["parallel.ep=0"], "parallel.ep must be positive, got 0"),
     (["training.global_batch_size=12"], "training.global_batch_size=12 must be a multiple of micro_batch_size x "

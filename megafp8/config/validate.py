@@ -254,6 +254,7 @@ def validate_config(cfg: Config) -> None:
     _check_recompute_under_graphs(cfg)
     _check_profiling(cfg)
     _check_run_name(cfg.run_name)
+    _check_metrics_file(cfg.logging.metrics_file)
     if cfg.training.compile_mode != "default" and not cfg.training.compile:
         raise ConfigError(f"training.compile_mode={cfg.training.compile_mode} needs training.compile=true (nothing is "
                           "compiled otherwise): set it, or drop compile_mode")
@@ -338,6 +339,14 @@ def _check_run_name(name: str) -> None:
     if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise ConfigError(f"run_name={name!r} must be a plain name, not a path (it names the directory "
                           "<logging.output_dir>/<run_name>); to put runs elsewhere, set logging.output_dir")
+
+
+def _check_metrics_file(name: str) -> None:
+    """The metrics file must name a file: an empty name (or `.`) named the run directory itself, which the first
+    record then failed to open, in a traceback after the model was built."""
+    if Path(name.strip()).name in ("", ".", ".."):
+        raise ConfigError(f"logging.metrics_file={name!r} names no file: give a file name (e.g. metrics.jsonl, "
+                          "relative to the run directory, or an absolute path)")
 
 
 def data_parallel_size(world_size: int, tp: int, pp: int = 1, ep: int = 1) -> int:
