@@ -69,9 +69,10 @@ class MoeConfig:
         if self.top_k > reachable:
             raise ConfigError(f"model.moe.top_k={self.top_k} exceeds the {reachable} experts of the "
                               f"topk_group={self.topk_group} groups a token may use: raise model.moe.topk_group")
-        if not 0 <= self.first_dense_layers <= num_layers:
+        if not 0 <= self.first_dense_layers < num_layers:  # (all dense: the expert statistics had no layer)
             raise ConfigError(f"model.moe.first_dense_layers={self.first_dense_layers} must be between 0 and "
-                              f"model.num_layers={num_layers}")
+                              f"model.num_layers - 1 = {num_layers - 1}, leaving at least one MoE block; for a dense "
+                              "model set model.moe.num_experts=0")
         if self.bias_update_rate < 0 or self.aux_loss_coeff < 0:
             raise ConfigError("model.moe.bias_update_rate and model.moe.aux_loss_coeff must be >= 0")
 
