@@ -387,6 +387,8 @@ def test_another_attention_kind_drops_the_earlier_kinds_settings():
                                         "'model.attention.num_kv_heads'?"),
     (["model.moe.topk=2"], "unknown config key 'model.moe.topk'. Did you mean 'model.moe.top_k'?"),
     (["model.moe.num_experts=8", "model.moe.top_k=9"], "model.moe.top_k=9 exceeds model.moe.num_experts=8"),
+    (["model.moe.num_experts=8", "model.moe.routed_scaling_factor=0"],  # routed experts silently multiplied by 0
+     "model.moe.routed_scaling_factor=0 must be positive"),
     (["model.moe.num_experts=8", "model.moe.first_dense_layers=4"],  # no MoE block: a RuntimeError at the first step
      "model.moe.first_dense_layers=4 must be between 0 and model.num_layers - 1 = 3, leaving at least one MoE block"),
     (["model.attention.kind=mla", "model.attention.qk_rope_head_dim=63"],

@@ -73,6 +73,9 @@ class MoeConfig:
             raise ConfigError(f"model.moe.first_dense_layers={self.first_dense_layers} must be between 0 and "
                               f"model.num_layers - 1 = {num_layers - 1}, leaving at least one MoE block; for a dense "
                               "model set model.moe.num_experts=0")
+        if self.routed_scaling_factor <= 0:  # 0 trained the routed experts to contribute nothing, without a word
+            raise ConfigError(f"model.moe.routed_scaling_factor={self.routed_scaling_factor:g} must be positive (1: "
+                              "the routed experts' output as combined; DeepSeek-V3: 2.5)")
         if self.bias_update_rate < 0 or self.aux_loss_coeff < 0:
             raise ConfigError("model.moe.bias_update_rate and model.moe.aux_loss_coeff must be >= 0")
 
