@@ -116,6 +116,10 @@ def _check_fp8(cfg: Config) -> None:
         raise ConfigError("precision.bf16_first_last_blocks and precision.fp8_start_step must be >= 0")
     if p.loss_scale_initial <= 0 or p.loss_scale_min <= 0 or p.loss_scale_growth_interval <= 0:
         raise ConfigError("precision.loss_scale_initial, loss_scale_min and loss_scale_growth_interval must be positive")
+    if p.loss_scale_min > p.loss_scale_initial:  # a back-off, max(scale x backoff, min), then raised the scale
+        raise ConfigError(f"precision.loss_scale_min={p.loss_scale_min:g} exceeds precision.loss_scale_initial="
+                          f"{p.loss_scale_initial:g}: an overflow would raise the scale to the minimum instead of "
+                          "lowering it; lower loss_scale_min or raise loss_scale_initial")
     if not (0 < p.loss_scale_backoff_factor < 1 < p.loss_scale_growth_factor) or p.loss_scale_hysteresis < 1:
         raise ConfigError("precision: need 0 < loss_scale_backoff_factor < 1 < loss_scale_growth_factor and "
                           "loss_scale_hysteresis >= 1")
