@@ -296,6 +296,7 @@ def test_an_empty_run_name_is_refused_not_run_in_a_directory_called_run(tmp_path
     (["training.eval_iters=0"], "training.eval_iters=0: evaluation (training.eval_interval=50) needs at least 1"),
     (["training.eval_iters=-2"], "training.eval_iters must be >= 0, or -1 for the whole validation split, got -2"),
     (["logging.peak_tflops=-1"], "logging.peak_tflops must be positive (or null), got -1"),
+    (["logging.fp8_health_interval=-1"], "logging.fp8_health_interval must be >= 0, got -1"),  # was never sampled
     (["training.max_consecutive_skips=0"], "training.max_consecutive_skips must be at least 1, got 0"),
     (["run_name=../escaped"], "run_name='../escaped' must be a plain name, not a path"),  # was a run outside
     (["run_name=.."], "run_name='..' must be a plain name"),                                  # output_dir

@@ -67,6 +67,7 @@ def _check_positive(cfg: Config) -> None:
         "optimizer.warmup_steps": cfg.optimizer.warmup_steps,
         "checkpoint.interval": cfg.checkpoint.interval,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "logging.fp8_health_interval": cfg.logging.fp8_health_interval,  # (negative: silently never sampled)
     }.items():
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
