@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from megafp8.config import (
-    AttentionConfig, Config, ConfigError, GqaConfig, MlaConfig, ModelConfig, MoeConfig, load_config, parse_overrides,
-    validate_for_world,
+    AttentionConfig, Config, ConfigError, GqaConfig, MlaConfig, ModelConfig, MoeConfig, ignored_precision_settings,
+    load_config, parse_overrides, validate_for_world,
 )
 from megafp8.config.loader import (REPO_CONFIG_DIR, available_configs, model_config_from_saved, repeated_overrides,
                                    resolve_config_path)
@@ -257,6 +257,23 @@ def test_a_key_given_twice_on_the_command_line_is_warned_of_with_the_value_used(
     assert load_config("tiny_dense", twice).optimizer.lr == 3
     assert main(["--config", "tiny_dense", "--print-config", "optimizer.lr=2e-3", "model.num_layers=2"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_precision_settings_the_recipe_does_not_read_are_warned_of(capsys):
+    """`precision.fp8_layers=...` or `precision.fp8_start_step=...` on a BF16 config trained BF16 without a word. A
+    warning, not an error: `benchmarks/train_step.py --recipes bf16 fp8` runs both recipes with the same settings."""
+    from megafp8.train.main import main
+
+    given = ["precision.fp8_layers=[layers.*.mlp.*]", "precision.fp8_start_step=5", "precision.loss_scale_min=2"]
+    assert main(["--config", "tiny_dense", "--print-config", *given]) == 0
+    assert capsys.readouterr().err == (
+        'warning: precision.fp8_start_step=5 has no effect with precision.recipe=bf16 (only fp8 reads it)\n'
+        'warning: precision.fp8_layers=["layers.*.mlp.*"] has no effect with precision.recipe=bf16 (only fp8 reads '
+        'it)\n'
+        'warning: precision.loss_scale_min=2.0 has no effect with precision.recipe=bf16 (only fp16 reads it)\n')
+    assert ignored_precision_settings(load_config("tiny_dense_fp8", given[:2])) == []
+    assert ignored_precision_settings(load_config("tiny_dense", ["precision.recipe=auto", *given])) == []  # any
+    assert ignored_precision_settings(load_config("tiny_dense_fp8", ["precision.recipe=bf16"])) == []  # a baseline
 
 
 def test_an_empty_run_name_is_refused_not_run_in_a_directory_called_run(tmp_path, capsys):

@@ -224,7 +224,8 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    """Numerics of weights, activations and GEMMs."""
+    """Numerics of weights, activations and GEMMs. A setting only FP8 (`fp8_*`, `bf16_*`) or FP16 (`loss_scale_*`)
+    reads, given under another recipe than `auto`, is warned of at start-up: it changes nothing there."""
 
     recipe: PrecisionName = setting(
         "bf16",

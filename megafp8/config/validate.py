@@ -8,6 +8,7 @@ taking minutes to plan. (Every float is finite: the loader refuses inf and nan.)
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Optional
@@ -15,7 +16,7 @@ from typing import Optional
 from megafp8.config.architecture import approximate_parameters
 from megafp8.config.errors import ConfigError, divisors_near, nearest
 from megafp8.config.layout import V_SHAPED, ZERO_BUBBLE, layer_counts, micro_batch_problem
-from megafp8.config.schema import Config, DataConfig, ModelConfig, RopeScalingConfig
+from megafp8.config.schema import Config, DataConfig, ModelConfig, PrecisionConfig, RopeScalingConfig
 
 # The model.rope_scaling fields each scaling type reads (factor and original_max_position_embeddings: all).
 _ROPE_SCALING_FIELDS = {"none": (), "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
@@ -108,6 +109,29 @@ def _check_rope_scaling(rs: RopeScalingConfig) -> None:
     if rs.type == "llama3" and not 0 < rs.low_freq_factor < rs.high_freq_factor:
         raise ConfigError(f"model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
                           f"{rs.low_freq_factor} and {rs.high_freq_factor}")
+
+
+# Settings only one precision recipe reads (`auto` may resolve to any: it is judged at launch, on the device).
+_RECIPE_ONLY = {
+    "fp8": ("fp8_start_step", "fp8_backend", "fp8_grad_format", "fp8_power_of_two_scales", "fp8_fprop", "fp8_dgrad",
+            "fp8_wgrad", "fp8_keep_weight_transpose", "fp8_wgrad_input_blocks", "fp8_layers", "bf16_layers",
+            "bf16_first_last_blocks"),
+    "fp16": ("loss_scale_initial", "loss_scale_growth_interval", "loss_scale_growth_factor",
+             "loss_scale_backoff_factor", "loss_scale_hysteresis", "loss_scale_min"),
+}
+
+
+def ignored_precision_settings(cfg: Config) -> list[str]:
+    """A warning line for each precision setting given (other than its default) that `precision.recipe` does not
+    read: `precision.fp8_layers=[...]` on a BF16 config trained BF16 without a word. A warning, not an error: one
+    command may run several recipes with the same settings (`benchmarks/train_step.py --recipes bf16 fp8`)."""
+    recipe, default = cfg.precision.recipe, PrecisionConfig()
+    if recipe == "auto":
+        return []
+    return [f"precision.{key}={json.dumps(getattr(cfg.precision, key))} has no effect with precision.recipe={recipe} (only "
+            f"{owner} reads it)"
+            for owner, keys in _RECIPE_ONLY.items() if owner != recipe
+            for key in keys if getattr(cfg.precision, key) != getattr(default, key)]
 
 
 def _check_fp8(cfg: Config) -> None:
