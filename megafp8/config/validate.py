@@ -128,8 +128,8 @@ def ignored_precision_settings(cfg: Config) -> list[str]:
     recipe, default = cfg.precision.recipe, PrecisionConfig()
     if recipe == "auto":
         return []
-    return [f"precision.{key}={json.dumps(getattr(cfg.precision, key))} has no effect with precision.recipe={recipe} (only "
-            f"{owner} reads it)"
+    return [f"precision.{key}={json.dumps(getattr(cfg.precision, key))} has no effect with precision.recipe={recipe} "
+            f"(only {owner} reads it)"
             for owner, keys in _RECIPE_ONLY.items() if owner != recipe
             for key in keys if getattr(cfg.precision, key) != getattr(default, key)]
 
