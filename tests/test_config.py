@@ -308,7 +308,7 @@ def test_an_empty_run_name_is_refused_not_run_in_a_directory_called_run(tmp_path
     (["model.init_std=.inf"], "model.init_std: expected a finite number"),
     (["optimizer.grad_clip=.nan"], "optimizer.grad_clip: expected a finite number"),
     (["precision.recipe=fp16", "precision.loss_scale_initial=inf"], "precision.loss_scale_initial: expected a finite"),
-    (["precision.recipe=fp16", "precision.loss_scale_initial=512", "precision.loss_scale_min=1024"],  # an overflow raised
+    (["precision.recipe=fp16", "precision.loss_scale_initial=512", "precision.loss_scale_min=1024"],  # overflows raised
      "precision.loss_scale_min=1024 exceeds precision.loss_scale_initial=512: an overflow would raise the scale"),
     (["training.eval_iters=0"], "training.eval_iters=0: evaluation (training.eval_interval=50) needs at least 1"),
     (["training.eval_iters=-2"], "training.eval_iters must be >= 0, or -1 for the whole validation split, got -2"),
