@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from megafp8.config import (
-    AttentionConfig, Config, ConfigError, GqaConfig, MlaConfig, ModelConfig, MoeConfig, ignored_precision_settings,
+    AttentionConfig, Config, ConfigError, GqaConfig, MlaConfig, ModelConfig, MoeConfig, ignored_settings,
     load_config, parse_overrides, validate_for_world,
 )
 from megafp8.config.loader import (REPO_CONFIG_DIR, available_configs, model_config_from_saved, repeated_overrides,
@@ -259,7 +259,7 @@ def test_a_key_given_twice_on_the_command_line_is_warned_of_with_the_value_used(
     assert capsys.readouterr().err == ""
 
 
-def test_precision_settings_the_recipe_does_not_read_are_warned_of(capsys):
+def test_settings_the_rest_of_the_config_makes_inert_are_warned_of(capsys):
     """`precision.fp8_layers=...` or `precision.fp8_start_step=...` on a BF16 config trained BF16 without a word. A
     warning, not an error: `benchmarks/train_step.py --recipes bf16 fp8` runs both recipes with the same settings."""
     from megafp8.train.main import main
@@ -271,9 +271,16 @@ def test_precision_settings_the_recipe_does_not_read_are_warned_of(capsys):
         'warning: precision.fp8_layers=["layers.*.mlp.*"] has no effect with precision.recipe=bf16 (only fp8 reads '
         'it)\n'
         'warning: precision.loss_scale_min=2.0 has no effect with precision.recipe=bf16 (only fp16 reads it)\n')
-    assert ignored_precision_settings(load_config("tiny_dense_fp8", given[:2])) == []
-    assert ignored_precision_settings(load_config("tiny_dense", ["precision.recipe=auto", *given])) == []  # any
-    assert ignored_precision_settings(load_config("tiny_dense_fp8", ["precision.recipe=bf16"])) == []  # a baseline
+    assert ignored_settings(load_config("tiny_dense_fp8", given[:2])) == []
+    assert ignored_settings(load_config("tiny_dense", ["precision.recipe=auto", *given])) == []  # any
+    assert ignored_settings(load_config("tiny_dense_fp8", ["precision.recipe=bf16"])) == []  # a baseline
+    assert ignored_settings(load_config("tiny_dense", ["parallel.ep_dispatch_fp8=true",
+                                                       "optimizer.wsd_decay_fraction=0.5"])) == [
+        "parallel.ep_dispatch_fp8=true has no effect with precision.recipe=bf16 (tokens travel in the recipe's own "
+        "format)",
+        "optimizer.wsd_decay_fraction=0.5 has no effect with optimizer.decay_style=cosine (only wsd reads it)"]
+    assert ignored_settings(load_config("tiny_dense_fp8", ["parallel.ep_dispatch_fp8=true", "optimizer.decay_style=wsd",
+                                                           "optimizer.wsd_decay_fraction=0.5"])) == []
 
 
 def test_an_empty_run_name_is_refused_not_run_in_a_directory_called_run(tmp_path, capsys):

@@ -18,12 +18,12 @@ from megafp8.config.schema import (
     TrainingConfig,
 )
 from megafp8.config.sizes import MODEL_SIZES
-from megafp8.config.validate import ignored_precision_settings, validate_config, validate_for_world
+from megafp8.config.validate import ignored_settings, validate_config, validate_for_world
 
 __all__ = [
     "AttentionConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "GqaConfig", "LayerSpec",
     "LoggingConfig", "MODEL_SIZES", "MlaConfig", "ModelConfig", "MoeConfig", "OptimizerConfig", "ParallelConfig",
     "PrecisionConfig", "RopeScalingConfig", "TrainingConfig", "describe_blocks", "dump_config",
-    "ignored_precision_settings", "layer_spec", "load_config", "mtp_layer_spec", "os_error_text", "parse_overrides",
+    "ignored_settings", "layer_spec", "load_config", "mtp_layer_spec", "os_error_text", "parse_overrides",
     "repeated_overrides", "resolve_config_path", "validate_config", "validate_for_world",
 ]

@@ -212,7 +212,8 @@ class ParallelConfig:
         False,
         "MoE under precision.recipe=fp8: quantize tokens to FP8 (1x128 tiles) before the dispatch all-to-all "
         "(about half the bytes; the expert GEMM re-quantizes them to the same values, but the experts' weight "
-        "gradients then see FP8-rounded rows). Gradients travel in BF16.",
+        "gradients then see FP8-rounded rows). Gradients travel in BF16. Under another recipe it is warned of at "
+        "start-up.",
     )
     backend: BackendName = setting(
         "auto", "`torch.distributed` backend: `auto` picks NCCL when training on CUDA and gloo on CPU."
@@ -303,7 +304,7 @@ class OptimizerConfig:
     )
     wsd_decay_fraction: float = setting(
         0.2, "Fraction of all steps spent decaying when `decay_style: wsd` (at least two steps: the first at `lr`, the "
-        "last at `min_lr`)."
+        "last at `min_lr`); given with another decay_style, it is warned of at start-up."
     )
     weight_decay: float = setting(0.1, "Decoupled weight decay; applied to matrices only (not norms or biases).")
     beta1: float = setting(0.9, "AdamW beta1.")

@@ -16,7 +16,8 @@ from typing import Optional
 from megafp8.config.architecture import approximate_parameters
 from megafp8.config.errors import ConfigError, divisors_near, nearest
 from megafp8.config.layout import V_SHAPED, ZERO_BUBBLE, layer_counts, micro_batch_problem
-from megafp8.config.schema import Config, DataConfig, ModelConfig, PrecisionConfig, RopeScalingConfig
+from megafp8.config.schema import (Config, DataConfig, ModelConfig, OptimizerConfig, PrecisionConfig,
+                                   RopeScalingConfig)
 
 # The model.rope_scaling fields each scaling type reads (factor and original_max_position_embeddings: all).
 _ROPE_SCALING_FIELDS = {"none": (), "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
@@ -121,17 +122,26 @@ _RECIPE_ONLY = {
 }
 
 
-def ignored_precision_settings(cfg: Config) -> list[str]:
-    """A warning line for each precision setting given (other than its default) that `precision.recipe` does not
-    read: `precision.fp8_layers=[...]` on a BF16 config trained BF16 without a word. A warning, not an error: one
-    command may run several recipes with the same settings (`benchmarks/train_step.py --recipes bf16 fp8`)."""
+def ignored_settings(cfg: Config) -> list[str]:
+    """A warning line for each setting given (other than its default) that the rest of the config makes inert:
+    a precision setting `precision.recipe` does not read (`precision.fp8_layers=[...]` on a BF16 config trained BF16
+    without a word), `parallel.ep_dispatch_fp8` outside FP8, `optimizer.wsd_decay_fraction` without the wsd schedule.
+    Warnings, not errors: one command may run several recipes with the same settings (`benchmarks/train_step.py
+    --recipes bf16 fp8`)."""
     recipe, default = cfg.precision.recipe, PrecisionConfig()
-    if recipe == "auto":
-        return []
-    return [f"precision.{key}={json.dumps(getattr(cfg.precision, key))} has no effect with precision.recipe={recipe} "
-            f"(only {owner} reads it)"
-            for owner, keys in _RECIPE_ONLY.items() if owner != recipe
-            for key in keys if getattr(cfg.precision, key) != getattr(default, key)]
+    lines = []
+    if recipe != "auto":  # (`auto` may resolve to any recipe)
+        lines += [f"precision.{key}={json.dumps(getattr(cfg.precision, key))} has no effect with "
+                  f"precision.recipe={recipe} (only {owner} reads it)"
+                  for owner, keys in _RECIPE_ONLY.items() if owner != recipe
+                  for key in keys if getattr(cfg.precision, key) != getattr(default, key)]
+    if cfg.parallel.ep_dispatch_fp8 and recipe not in ("fp8", "auto"):
+        lines.append(f"parallel.ep_dispatch_fp8=true has no effect with precision.recipe={recipe} (tokens travel in "
+                     "the recipe's own format)")
+    if cfg.optimizer.decay_style != "wsd" and cfg.optimizer.wsd_decay_fraction != OptimizerConfig().wsd_decay_fraction:
+        lines.append(f"optimizer.wsd_decay_fraction={cfg.optimizer.wsd_decay_fraction:g} has no effect with "
+                     f"optimizer.decay_style={cfg.optimizer.decay_style} (only wsd reads it)")
+    return lines
 
 
 def _check_fp8(cfg: Config) -> None:

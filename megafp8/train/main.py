@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.checkpoint.local import find_latest
-from megafp8.config import (Config, ConfigError, dump_config, ignored_precision_settings, load_config,
+from megafp8.config import (Config, ConfigError, dump_config, ignored_settings, load_config,
                             repeated_overrides)
 from megafp8.config.arguments import positive_number, whole_number
 from megafp8.parallel import ParallelDims
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _error(str(err))
     if env_rank()[0] == 0:
-        for line in ignored_precision_settings(cfg):
+        for line in ignored_settings(cfg):
             print(f"warning: {line}", file=sys.stderr, flush=True)
     if args.print_config:
         print(dump_config(cfg), end="")
