@@ -78,6 +78,7 @@ def test_every_field_has_a_doc():
         (["training.global_batch_size=10"], "global_batch_size=10 is not a multiple of training.micro_batch_size=4"),
         (["optimizer.warmup_steps=500"], "optimizer.warmup_steps=500 exceeds training.steps=200"),
         (["optimizer.min_lr=1.0"], "optimizer.min_lr=1.0 must be between 0 and optimizer.lr"),
+        (["optimizer.bucket_size_mb=0"], "optimizer.bucket_size_mb must be positive, got 0"),
         (["data.seq_len=0"], "data.seq_len must be positive"),
         (["model=3"], "model: expected a mapping"),
         (["num_layers"], "is not of the form section.key=value"),

@@ -178,6 +178,9 @@ def _check_optimizer(cfg: Config) -> None:
     o = cfg.optimizer
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr must be positive, got {o.lr}")
+    if o.bucket_size_mb <= 0:  # (it made one bucket per parameter, unsaid)
+        raise ConfigError(f"optimizer.bucket_size_mb must be positive, got {o.bucket_size_mb:g} (MB of FP32 gradients "
+                          "a bucket holds; default 64)")
     if not 0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")
     if o.warmup_steps > cfg.training.steps:
