@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError, load_config, repeated_overrides  # noqa: E402
 from megafp8.train.sensitivity import analyze, format_table, model_and_batches, plot  # noqa: E402
-from megafp8.config.arguments import run_tool, whole_number  # noqa: E402
+from megafp8.config.arguments import print_warnings, run_tool, whole_number  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     for option, out in (("--json", args.json), ("--plot", args.plot)):  # before the analysis, not after it
         if out and not Path(out).parent.is_dir():
             parser.error(f"{option} {out}: the directory {Path(out).parent} does not exist: create it first")
-    for line in repeated_overrides(args.overrides):
-        print(f"warning: {line}", file=sys.stderr)
+    print_warnings(repeated_overrides(args.overrides))
     try:
         cfg = load_config(args.config, args.overrides)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from megafp8.config import ConfigError, load_config, repeated_overrides  # noqa: E402
 from megafp8.train.submit import check_memory, job_shape, sbatch_command  # noqa: E402
-from megafp8.config.arguments import positive_number, run_tool  # noqa: E402
+from megafp8.config.arguments import positive_number, print_warnings, run_tool  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-only", action="store_true", help="print the sbatch command instead of running it")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
-    for line in repeated_overrides(args.overrides):
-        print(f"warning: {line}", file=sys.stderr)
+    print_warnings(repeated_overrides(args.overrides))
     try:
         cfg = load_config(args.config, args.overrides)
         shape = job_shape(cfg, args.procs_per_node, args.nodes)

@@ -1,5 +1,5 @@
 """Command-line helpers: number types for options (argparse `type=`: a bad value is one usage error naming the
-option), and `run_tool`, the tools' entry."""
+option), `run_tool`, the tools' entry, and `print_warnings`."""
 from __future__ import annotations
 
 import argparse
@@ -68,3 +68,9 @@ def run_tool(main: Callable[[], Optional[int]]) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
+
+
+def print_warnings(lines: list[str]) -> None:
+    """Each of `lines` on stderr as `warning: <line>`: what a command took but says it will not do as written."""
+    for line in lines:
+        print(f"warning: {line}", file=sys.stderr, flush=True)

@@ -5,7 +5,6 @@ import argparse
 import json
 import logging
 import re
-import sys
 from typing import NoReturn, Optional
 
 import torch
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from megafp8.checkpoint.local import find_latest
 from megafp8.config import (Config, ConfigError, dump_config, ignored_settings, load_config,
                             repeated_overrides)
-from megafp8.config.arguments import positive_number, whole_number
+from megafp8.config.arguments import positive_number, print_warnings, whole_number
 from megafp8.parallel import ParallelDims
 from megafp8.precision import check_backend_name
 from megafp8.train.checkpointing import CheckpointWriteError
@@ -218,8 +217,7 @@ def _where_a_relaunch_resumes(trainer: Optional[Trainer]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Print the config, plan, or train, as `args` asks; the exit status."""
     if env_rank()[0] == 0:  # once per job
-        for line in repeated_overrides(args.overrides):
-            print(f"warning: {line}", file=sys.stderr, flush=True)
+        print_warnings(repeated_overrides(args.overrides))
     try:
         cfg = load_config(args.config, args.overrides)
         check_backend_name(cfg.precision.fp8_backend)  # the backends register in `precision`, above the config
@@ -229,8 +227,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _error(str(err))
     if env_rank()[0] == 0:
-        for line in ignored_settings(cfg):
-            print(f"warning: {line}", file=sys.stderr, flush=True)
+        print_warnings(ignored_settings(cfg))
     if args.print_config:
         print(dump_config(cfg), end="")
         print(vocab_note(cfg) or "", end="")
