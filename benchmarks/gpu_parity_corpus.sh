@@ -380,20 +380,21 @@ compare() {
 seed_b_repeats() {  # MoE's seed-B pair repeated (NAME_r2, NAME_r3: the same settings, so the same seed and data
   # order): what the GPU's non-deterministic kernels alone spread one configuration over, and FP8's mean against
   # BF16's (`compare_runs.py --pooled`), once two BF16 runs and one FP8 run have finished; plotted against the first
-  local name repeat bf16=() fp8=() labels=()
+  # (labels kept per recipe, like the runs: ALL_RUNS interleaves the two recipes, the plot takes BF16's runs first)
+  local name repeat bf16=() fp8=() bf16_labels=() fp8_labels=()
   for name in $ALL_RUNS; do
     [[ $name =~ ^moe_(bf16|fp8)_b(_r[0-9])?$ ]] && finished "$name" || continue
     repeat=${name##*_r}
     [ "$repeat" = "$name" ] && repeat="" || repeat=" repeat $repeat"
     case $name in
-      moe_bf16_*) bf16+=("$(run_dir "$name")"); labels+=("BF16 B$repeat") ;;
-      *) fp8+=("$(run_dir "$name")"); labels+=("FP8 B$repeat") ;;
+      moe_bf16_*) bf16+=("$(run_dir "$name")"); bf16_labels+=("BF16 B$repeat") ;;
+      *) fp8+=("$(run_dir "$name")"); fp8_labels+=("FP8 B$repeat") ;;
     esac
   done
   [ ${#bf16[@]} -ge 2 ] && [ ${#fp8[@]} -ge 1 ] || return 0
   step moe_seed_b_repeats python tools/compare_runs.py --pooled "${bf16[@]}" --against "${fp8[@]}" \
     --labels "BF16 seed B" "FP8 seed B" --window 250
-  step plot_moe_repeats python tools/plot_runs.py "${bf16[@]}" "${fp8[@]}" --labels "${labels[@]}" \
+  step plot_moe_repeats python tools/plot_runs.py "${bf16[@]}" "${fp8[@]}" --labels "${bf16_labels[@]}" "${fp8_labels[@]}" \
     --metrics loss val_loss --gaps --smooth 10 --from-step 100 --out "$OUT/parity_moe_repeats.png"
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -403,6 +404,9 @@ def test_seed_b_repeats_run_seed_b_s_settings_and_compare_pools_them_once_two_bf
     out = script(tmp_path, "compare", "moe", **env).stdout
     assert "== moe_seed_b_repeats done" in out and "== plot_moe_repeats done" in out, out
     assert (tmp_path / "out" / "parity_moe_repeats.png").stat().st_size > 0
+    plotted = (tmp_path / "out" / "summary.md").read_text().rsplit("## plot_moe_repeats\n", 1)[1]
+    for label, run in (("BF16 B", "moe_bf16_b"), ("BF16 B repeat 2", "moe_bf16_b_r2"), ("FP8 B", "moe_fp8_b")):
+        assert re.search(rf"^- {label}: \S*/{run}$", plotted, re.M), plotted  # each curve named for its own run
     section = (tmp_path / "out" / "summary.md").read_text().rsplit("## moe_seed_b_repeats\n", 1)[1]
     assert "| 2 | 3.0000, 3.0600 | 3.0300 | 1.980% | 3.0600 | 3.0600 | +0.990% |" in section, section
     assert "moe_bf16_b_r3" not in section.split("\n## ", 1)[0]

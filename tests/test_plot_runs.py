@@ -101,6 +101,27 @@ def test_every_run_gets_its_own_colour_and_line_style_past_ten_runs():
     assert run_styles(21)[20] == (run_styles(21)[0][0], "--")
 
 
+def test_past_ten_runs_one_legend_sits_beside_the_panels(tmp_path):
+    """Eighteen runs' legends, one in each panel, covered the curves of the MoE repeats' plot: past ten runs the
+    figure has one legend, outside the panels (so the image is wider than its panels), and up to ten each panel
+    keeps its own (the image no wider)."""
+    pytest.importorskip("matplotlib")
+    from megafp8.train.plots import plot_runs
+
+    runs = []
+    for i in range(12):
+        write_run(tmp_path / f"r{i}", [5.0, 4.0 + i / 100, 3.0])
+        runs.append(str(tmp_path / f"r{i}"))
+
+    def width(count):
+        out = tmp_path / f"{count}.png"
+        plot_runs(runs[:count], [f"run {i}" for i in range(count)], ["loss", "val_loss"], str(out), gaps=True)
+        return int.from_bytes(out.read_bytes()[16:20], "big")  # the PNG header's width
+
+    panels = 2 * 5.5 * 120  # two panels of 5.5 inches at 120 dpi
+    assert width(10) <= panels < width(12) - 100
+
+
 def test_a_bad_metrics_file_or_output_is_one_error_before_any_work(tmp_path):
     """A metrics file that is not UTF-8 (UnicodeDecodeError's traceback), a step that is not a whole number
     (ValueError's), an --out in a missing directory or with an ending matplotlib does not write (an error after

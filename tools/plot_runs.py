@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: plotting needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")
+    for label, run in zip(labels, args.runs):  # which curve is which run, for whoever reads the log
+        print(f"- {label}: {run}")
     return 0
 
 

@@ -93,6 +93,9 @@ def run_styles(count: int) -> list[tuple[str, str]]:
     return [(palette[i % 20], dashes[(i // 20) % 4]) for i in range(count)]
 
 
+_LEGENDS_IN_PANELS = 10  # runs up to which each panel has its own legend; past it, one beside the figure
+
+
 def relative_gaps(reference: tuple[list[int], list[float]], other: tuple[list[int], list[float]]
                   ) -> tuple[list[int], list[float]]:
     """(steps, 100 * (other - reference) / reference) at the steps both runs logged."""
@@ -163,10 +166,14 @@ def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, 
             ax.set_ylabel(title)
             ax.set_title(title)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize="small" if len(lines) > 10 else None)
+            if len(runs) <= _LEGENDS_IN_PANELS:
+                ax.legend()
     if not drawn:  # written all the same (a script's plot step stays whole), but never without a word
         warnings.append(f"--from-step {from_step} leaves no point of any run to draw: the figure is empty")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    if len(runs) > _LEGENDS_IN_PANELS:  # one legend beside the panels: one in each would cover their curves
+        fig.legend(*axes[0][0].get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5),
+                   fontsize="small")
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return warnings
