@@ -276,3 +276,20 @@ def test_the_default_table_reads_runs_without_norms_or_timings_and_refuses_one_w
             main([str(bare), str(bare), "--parity", "--tolerance", value])
         assert message in capsys.readouterr().err
 
+
+def test_the_runs_an_arm_would_take_are_more_than_the_arms_have_where_they_cannot_resolve_the_tolerance():
+    """Three runs an arm, sample deviation 0.498%: the 95% bound is t(4) = 2.776 x 0.498% x sqrt(2/3) = 1.128%, so
+    1% is not resolved; the large-sample rule 8 s^2 / tolerance^2 said ~2 runs an arm would. Student's t at n runs
+    a side (2 n - 2 degrees of freedom): n = 4 gives 2.447 x 0.498% x sqrt(1/2) = 0.862%, the first within 1%."""
+    from tools.compare_runs import pooled_verdict, runs_to_resolve
+
+    runs = [3.00, 3.03, 3.015]
+    lines = pooled_verdict(runs, runs, 0.01, ("BF16", "FP8"))
+    assert "- These runs cannot resolve 1.00% (the 95% bound is 1.128%): at this deviation that takes ~4 runs an arm" \
+        in lines, lines
+    # Past a handful of runs t is near 1.96 and the large-sample rule stands (MoE seed B's ~46 of jobs JN-JQ).
+    assert runs_to_resolve(0.00593, 0.0025) == math.ceil(8 * 0.00593 ** 2 / 0.0025 ** 2) == 46
+    for deviation, tolerance in ((0.005, 0.01), (0.004, 0.006), (0.003, 0.0025), (0.01, 0.001)):
+        n = runs_to_resolve(deviation, tolerance)
+        bound = lambda runs: t_critical(2 * runs - 2) * deviation * math.sqrt(2 / runs)
+        assert bound(n) <= tolerance < bound(n - 1) or n == math.ceil(8 * deviation ** 2 / tolerance ** 2), n

@@ -339,12 +339,24 @@ def rank_check(ref: list[float], other: list[float], labels: tuple[str, str]) ->
             f"({'below' if p < 0.05 else 'not below'} 0.05); median pairwise difference {shift:+.3%}")
 
 
+def runs_to_resolve(deviation: float, tolerance: float) -> int:
+    """The runs n an arm that two arms of sample deviation `deviation` take for the 95% bound (`t_critical` at
+    2 n - 2 degrees of freedom times the standard error, deviation x sqrt(2 / n)) to come within `tolerance`: at
+    least the large-sample rule's 8 deviation^2 / tolerance^2 (twice 1.96^2, rounded up), more where Student's t at
+    that few runs is still well above 1.96 (the rule alone told arms of three runs that could not resolve the
+    tolerance that two runs an arm would)."""
+    n = max(2, math.ceil(8 * deviation ** 2 / tolerance ** 2))
+    while t_critical(2 * n - 2) * deviation * math.sqrt(2 / n) > tolerance:
+        n += 1
+    return n
+
+
 def pooled_verdict(ref: list[float], other: list[float], tolerance: float, labels: tuple[str, str]) -> list[str]:
     """The end verdict of two arms of repeats (final losses): the other arm's mean inside the reference arm's range
     (its run-to-run spread at one seed) or not; the standard error of the difference of the means and Welch's t
     test of it (95%, two-sided: INSIDE the noise where the difference is at most the critical t times the standard
     error); and whether these runs resolve `tolerance` (the critical t times the standard error at most), else
-    about how many runs an arm would (n >= 8 s^2 / tolerance^2 for two arms of n runs, the large-sample rule)."""
+    about how many runs an arm would (`runs_to_resolve`)."""
     if len(ref) < 2:
         raise ConfigError(f"the {labels[0]} arm needs two runs or more to measure its run-to-run spread")
     ref_mean, other_mean = statistics.fmean(ref), statistics.fmean(other)
@@ -363,7 +375,7 @@ def pooled_verdict(ref: list[float], other: list[float], tolerance: float, label
     if critical * error <= tolerance:
         lines.append(f"- These runs resolve {tolerance:.2%}: the 95% bound is {critical * error:.3%}")
     else:
-        needed = math.ceil(8 * max(deviation, other_deviation) ** 2 / tolerance ** 2)
+        needed = runs_to_resolve(max(deviation, other_deviation), tolerance)
         lines.append(f"- These runs cannot resolve {tolerance:.2%} (the 95% bound is {critical * error:.3%}): at "
                      f"this deviation that takes ~{needed} runs an arm")
     ratio = abs(gap) / error if error > 0 else (0.0 if gap == 0 else math.inf)
