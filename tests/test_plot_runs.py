@@ -27,6 +27,28 @@ def test_read_series_keeps_the_last_value_of_a_step(tmp_path):
         read_series(tmp_path / "missing", "train", "loss")
 
 
+def test_a_non_finite_value_leaves_its_step_without_one_even_where_an_earlier_launch_logged_it(tmp_path):
+    """megafp8 writes a non-finite loss as null; a file holding NaN or Infinity (JSON's extensions, which Python's
+    json writes) gave nan means and a statistics traceback in compare_runs.py --pooled. Both now leave the step
+    without a value, and as the last record of a step wins, a resumed launch's null at a step replaces the value
+    the first launch logged there (which was kept)."""
+    write_run(tmp_path / "a", [5.0, 4.0, 3.0, 2.0])
+    path = tmp_path / "a" / "metrics.jsonl"
+    with path.open("a") as f:
+        f.write('{"kind": "train", "step": 2, "loss": null}\n{"kind": "train", "step": 3, "loss": NaN}\n'
+                '{"kind": "train", "step": 4, "loss": Infinity}\n{"kind": "train", "step": 5, "loss": 1.5}\n')
+    assert read_series(tmp_path / "a", "train", "loss") == ([1, 5], [5.0, 1.5])
+    from tools.compare_runs import pooled
+
+    runs = []
+    for name, final in (("b1", 3.0), ("b2", 3.01), ("f1", 3.0), ("f2", 3.02), ("f3", "NaN")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(f'{{"kind": "eval", "step": 10, "val_loss": {final}}}\n')
+        runs.append(str(tmp_path / name))
+    report = pooled(runs[:2], runs[2:], ("BF16", "FP8"), window=10, tolerance=0.0025)
+    assert "| 10 | 3.0000, 3.0100 | 3.0050 | 0.333% | 3.0000, 3.0200 | 3.0100 | +0.166% |" in report, report
+
+
 def test_a_line_cut_short_at_the_end_is_left_out_and_a_damaged_one_elsewhere_is_named(tmp_path):
     """A run killed while it appended a record leaves half a line at the end of metrics.jsonl: plots and
     comparisons read the rest (they raised a JSONDecodeError). A bad line anywhere else is an error naming it."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -51,11 +52,17 @@ def _is_step(value: object) -> bool:
 
 def read_series(run: str | Path, kind: str, metric: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `metric` in the `kind` records of a run; a step logged twice (a resumed or repeated
-    run writing to the same file) keeps its last value."""
+    run writing to the same file) keeps its last value, and where that is not finite (null, as megafp8 writes a
+    nan or inf, or JSON's NaN and Infinity) the step has none."""
     by_step: dict[int, float] = {}
     for record in read_records(run):  # a record without a step (none megafp8 writes) has no place on a curve
-        if record.get("kind") == kind and "step" in record and isinstance(record.get(metric), (int, float)):
-            by_step[record["step"]] = float(record[metric])
+        if record.get("kind") != kind or "step" not in record or metric not in record:
+            continue
+        value = record[metric]
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            by_step[record["step"]] = float(value)
+        elif value is None or isinstance(value, float):  # non-finite: a nan would make every mean over it nan
+            by_step.pop(record["step"], None)
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
 
