@@ -172,7 +172,8 @@ def _repeats(tmp_path, name, finals, steps=(1000,) * 3):
 def test_pooled_compares_the_arms_means_against_the_reference_arm_s_own_range(tmp_path):
     """`--pooled`: each arm's runs and mean per window and evaluation, the reference's range, the other's gap;
     the verdict says inside or outside the reference's repeats' range, the standard error of the difference, and
-    how many runs an arm would resolve the tolerance. A run cut at step 600 counts where it got to."""
+    how many runs an arm would resolve the tolerance. A run cut at step 600 counts where it got to, and the verdict
+    names it as left out (a diverged run must not vanish from it unnamed)."""
     bf16 = _repeats(tmp_path, "bf16", [3.00, 3.03, 3.015])
     fp8 = _repeats(tmp_path, "fp8", [3.02, 3.03, 3.5], steps=(1000, 1000, 600))
     report = pooled(bf16, fp8, ("BF16 B", "FP8 B"), window=500, tolerance=0.0025)
@@ -182,6 +183,9 @@ def test_pooled_compares_the_arms_means_against_the_reference_arm_s_own_range(tm
     assert "| 1000 | 3.0000, 3.0300, 3.0150 | 3.0150 | 0.995% | 3.0200, 3.0300 | 3.0250 | +0.332% |" in report
     assert "- BF16 B's run-to-run range at one seed (3 runs): 0.995% of their mean; sample deviation 0.498%" in report
     assert "- FP8 B's mean (2 runs) vs BF16 B's: +0.332%, standard error 0.332%: inside BF16 B's range" in report
+    assert report.endswith(f"- Left out of the verdict, no validation loss at step 1000: {fp8[2]} (its last at step "
+                           "500)"), report
+    assert "Left out" not in pooled(bf16, fp8[:2], ("BF16 B", "FP8 B"), window=500, tolerance=0.0025)
     assert "cannot resolve 0.25% (the 95% bound is 1.427%): at this deviation that takes ~32 runs an arm" \
         in report, report
     # Welch's t test at 2.9 degrees of freedom (rounded down to 2: t = 4.30), not the normal distribution's 1.96

@@ -430,7 +430,15 @@ def pooled(ref_runs: list[str], other_runs: list[str], labels: tuple[str, str], 
         raise ConfigError(f"no evaluation that two {labels[0]} runs and one {labels[1]} run all reached")
     step, ref, other = end_values
     return "\n".join(lines + ["", f"Verdict (validation loss at step {step}):", ""]
-                     + pooled_verdict(ref, other, tolerance, labels))
+                     + pooled_verdict(ref, other, tolerance, labels) + _left_out(runs, valid, step))
+
+
+def _left_out(runs: list[str], valid: list[dict[int, float]], step: int) -> list[str]:
+    """A line for each run without a validation loss at the verdict's step: a run that stopped early (an FP8 run that
+    diverged, say) must not leave the verdict unnamed."""
+    return [f"- Left out of the verdict, no validation loss at step {step}: {run} "
+            f"({f'its last at step {max(v)}' if v else 'no evaluation'})"
+            for run, v in zip(runs, valid) if step not in v]
 
 
 def main(argv: list[str] | None = None) -> int:
