@@ -82,6 +82,30 @@ def test_parity_tables_per_window_and_per_evaluation(tmp_path):
                           "| layers.0.attn.qkv | input | 31.0 | 0.10% | 0.80% | 3 |"]
 
 
+def test_a_tensor_whose_health_is_not_finite_ranks_worst_in_both_tables(tmp_path):
+    """A tensor holding a nan has no finite SNR or underflow: its record is written with nulls (the metrics file
+    stays strict JSON), and the parity report lists it first in both tables as "n/a" (a nan sorted anywhere, and a
+    null raised a TypeError)."""
+    from megafp8.train.metrics import MetricsFile
+
+    path = tmp_path / "fp8_a" / "metrics.jsonl"
+    MetricsFile(path, True).write({"kind": "fp8_health", "step": 1000, "layers": {
+        "layers.0.attn.qkv": {"grad": {"amax": math.inf, "underflow": math.nan, "at_max": 0.0, "snr_db": math.nan},
+                              "input": {"amax": 3.0, "underflow": 0.001, "at_max": 0.008, "snr_db": 31.0}},
+        "layers.1.mlp.down": {"weight": {"amax": 0.1, "underflow": 0.3, "at_max": 0.008, "snr_db": 30.0}}}})
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text and '"snr_db": null' in text, text
+    saved = json.loads(text)["layers"]
+    (tmp_path / "runs").mkdir()
+    runs = _parity_runs(tmp_path / "runs", 2.002, 1.996, health=saved)
+    lines = parity(runs, window=500, tolerance=0.0025, worst=2).splitlines()
+    by_snr = lines.index("FP8 health at step 1000, the 2 tensors with the lowest SNR:")
+    assert lines[by_snr + 4:by_snr + 6] == ["| layers.0.attn.qkv | grad | n/a | n/a | 0.00% | n/a |",
+                                            "| layers.1.mlp.down | weight | 30.0 | 30.00% | 0.80% | 0.1 |"], lines
+    assert lines[-2:] == ["| layers.0.attn.qkv | grad | n/a | n/a | 0.00% | n/a |",
+                          "| layers.1.mlp.down | weight | 30.0 | 30.00% | 0.80% | 0.1 |"], lines
+
+
 @pytest.mark.parametrize("fp8_end, bf16_b_end, verdict", [
     (2.006, 1.990, "- **FAIL**: FP8 is not within 0.25% of BF16 seed A"),  # 0.3% off, inside a 0.5% spread
     (1.997, 1.999, "- **FAIL**: FP8 is outside the BF16 seed-to-seed spread"),  # 0.15% off, spread 0.05%

@@ -154,17 +154,26 @@ def worst_fp8_layers(run: str, count: int) -> list[str]:
     last = health[-1]
     tensors = [(layer, tensor, stats) for layer, by_tensor in last["layers"].items()
                for tensor, stats in by_tensor.items()]
-    lowest_snr = sorted(tensors, key=lambda row: row[2]["snr_db"])[:count]
-    most_underflow = sorted(tensors, key=lambda row: -row[2]["underflow"])[:count]
+    # A statistic without a finite value (null: a nan or inf in the tensor) ranks as the worst: that tensor is in trouble
+    lowest_snr = sorted(tensors, key=lambda row: _finite_or(row[2].get("snr_db"), -math.inf))[:count]
+    most_underflow = sorted(tensors, key=lambda row: -_finite_or(row[2].get("underflow"), math.inf))[:count]
     return (_health_table(f"FP8 health at step {last['step']}, the {len(lowest_snr)} tensors with the lowest SNR:",
                           lowest_snr)
             + [""] + _health_table(f"The {len(most_underflow)} tensors with the most underflow:", most_underflow))
 
 
+def _finite_or(value: object, instead: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else instead
+
+
 def _health_table(title: str, rows: list[tuple[str, str, dict]]) -> list[str]:
+    def cell(stats: dict, key: str, spec: str) -> str:
+        value = stats.get(key)
+        return format(value, spec) if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
+
     lines = [title, "", "| layer | tensor | SNR (dB) | underflow | at FP8 max | max-abs |", "|---|---|---|---|---|---|"]
-    return lines + [f"| {layer} | {tensor} | {stats['snr_db']:.1f} | {stats['underflow']:.2%} | "
-                    f"{stats['at_max']:.2%} | {stats['amax']:.3g} |" for layer, tensor, stats in rows]
+    return lines + [f"| {layer} | {tensor} | {cell(stats, 'snr_db', '.1f')} | {cell(stats, 'underflow', '.2%')} | "
+                    f"{cell(stats, 'at_max', '.2%')} | {cell(stats, 'amax', '.3g')} |" for layer, tensor, stats in rows]
 
 
 def parity(runs: list[str], window: int, tolerance: float, worst: int, seeds: tuple[str, str] = ("A", "B")) -> str:

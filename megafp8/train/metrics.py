@@ -149,6 +149,18 @@ class MetricsFile:
     def write(self, record: dict[str, Any]) -> None:
         if self.path is None:
             return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(clean) + "\n")
+            f.write(json.dumps(_finite_or_null(record), allow_nan=False) + "\n")
+
+
+def _finite_or_null(value: Any) -> Any:
+    """`value` with every non-finite float, nested ones included (an FP8-health record's per-tensor statistics),
+    replaced by None: the file stays strict JSON (NaN and Infinity are Python's extensions, which other readers
+    refuse), and readers see "no value" rather than a nan that poisons every mean or sort over it."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
