@@ -2,6 +2,8 @@
 nothing written and no record dropped unsaid (JSONL records, meta.json, tokenizer paths)."""
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 
 import numpy as np
@@ -97,3 +99,19 @@ def test_a_tokenizer_output_that_is_a_directory_or_in_a_missing_one_is_refused_b
     with pytest.raises(ConfigError, match=r"the directory .*missing does not exist: create it first"):
         train_tokenizer([str(src)], tmp_path / "missing" / "tok.json", 300)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "tok"]
+
+
+@pytest.mark.parametrize("tool_name", ["preprocess_data", "train_tokenizer"])
+def test_a_negative_seed_is_a_usage_error_and_a_large_one_is_kept_exactly(tmp_path, capsys, tool_name):
+    """--seed -1 reached numpy's generator: a ValueError traceback ("expected non-negative integer") after the
+    tokenizer was loaded. A seed beyond a float's 53 bits is taken as written, not rounded to another."""
+    tool = importlib.import_module(f"tools.{tool_name}")
+    src = write_docs(tmp_path / "src", ["abc " * 50])
+    with pytest.raises(SystemExit):
+        tool.main(["--input", str(src), "--output", str(tmp_path / "out"), "--seed", "-1"])
+    assert "argument --seed: -1 must be at least 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    parser = argparse.ArgumentParser()
+    importlib.import_module("tools.preprocess_data").add_text_tree_options(parser)
+    assert parser.parse_args(["--seed", "12345678901234567891"]).seed == 12345678901234567891
+    assert parser.parse_args(["--seed", "1e3"]).seed == 1000

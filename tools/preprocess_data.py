@@ -42,7 +42,9 @@ def add_text_tree_options(parser: argparse.ArgumentParser, held_out: str = "frac
                              "empty files are skipped. Without it: directories are searched for .txt/.jsonl/.json "
                              "and each document is held out by a seeded draw")
     parser.add_argument("--valid-fraction", type=float, default=fraction_default, help=f"{held_out} (default 0.01)")
-    parser.add_argument("--seed", type=int, default=1234, help="seed of the held-out split (and text-tree order)")
+    # numpy's generators take no negative seed: -1 was a ValueError traceback from the split's draw
+    parser.add_argument("--seed", type=whole_number(0), default=1234,
+                        help="seed of the held-out split (and text-tree order); 0 or more")
     parser.add_argument("--max-file-bytes", type=byte_count, default=0,
                         help="text-tree mode: skip files larger than this (0: no limit)")
 
