@@ -115,3 +115,38 @@ def test_a_negative_seed_is_a_usage_error_and_a_large_one_is_kept_exactly(tmp_pa
     importlib.import_module("tools.preprocess_data").add_text_tree_options(parser)
     assert parser.parse_args(["--seed", "12345678901234567891"]).seed == 12345678901234567891
     assert parser.parse_args(["--seed", "1e3"]).seed == 1000
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_tokenizer_is_not_trained_on_no_documents(tmp_path, capsys, tree):
+    """Empty inputs trained a tokenizer of the 256 bytes alone and exited 0 ("trained on 0 documents")."""
+    pytest.importorskip("tokenizers")
+    from tools.train_tokenizer import main
+
+    src = write_docs(tmp_path / "src", ["", ""])
+    out = tmp_path / "tok.json"
+    assert main(["--input", str(src), "--output", str(out), "--vocab-size", "300",
+                 *(["--extensions", ".txt"] if tree else [])]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: no training documents in {src} (all inputs empty, or --valid-fraction too high): give the " \
+                  "tokenizer documents to train on\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no tokenizer, no partial file
+
+
+def test_an_unwritable_tokenizer_output_is_one_line_before_the_training(tmp_path, capsys, monkeypatch):
+    """Saving into a directory that cannot be written failed after the whole training, in the Rust library's bare
+    Exception ("Permission denied (os error 13)"): a traceback. The output is now tried first, an OSError's line."""
+    pytest.importorskip("tokenizers")
+    import tokenizers
+    from tools.train_tokenizer import main
+
+    def never_trained(*args, **kwargs):
+        raise AssertionError("trained before the output was found unwritable")
+
+    monkeypatch.setattr(tokenizers.Tokenizer, "train_from_iterator", never_trained)
+    src = write_docs(tmp_path / "src", ["abc " * 50])
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "tok.json.partial").mkdir()  # cannot be written as a file, even by root
+    assert main(["--input", str(src), "--output", str(tmp_path / "ro" / "tok.json"), "--vocab-size", "300"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "tok.json.partial" in err and err.count("\n") == 1, err

@@ -352,9 +352,16 @@ def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(sample(), trainer=trainer)
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
     partial = Path(f"{output}.partial")  # renamed once whole: a kill while saving leaves an earlier file as it was
-    tok.save(str(partial))
-    partial.replace(output)
+    with open(partial, "ab"):  # an unwritable output fails here (OSError), not after the training in the Rust save
+        pass
+    try:
+        tok.train_from_iterator(sample(), trainer=trainer)
+        if not used[0]:  # the trainer made a tokenizer of the 256 bytes alone, without a word
+            raise ConfigError(f"no training documents in {' '.join(inputs)} (all inputs empty, or --valid-fraction too "
+                              "high): give the tokenizer documents to train on")
+        tok.save(str(partial))
+        partial.replace(output)
+    finally:
+        partial.unlink(missing_ok=True)
     return used[0], used[1]
