@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 
 import numpy as np
 import pytest
@@ -150,3 +151,16 @@ def test_an_unwritable_tokenizer_output_is_one_line_before_the_training(tmp_path
     assert main(["--input", str(src), "--output", str(tmp_path / "ro" / "tok.json"), "--vocab-size", "300"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "tok.json.partial" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("output", [".", "", "sub/.."])
+def test_an_output_naming_no_directory_of_its_own_is_refused(tmp_path, monkeypatch, output):
+    """`--output . --overwrite` in an empty directory passed the checks, then died in a ValueError traceback
+    ("PosixPath('.') has an empty name") when naming OUT.partial ('sub/..', its parent, is refused alike)."""
+    src = write_docs(tmp_path / "src", ["abc " * 50])
+    (tmp_path / "here" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "here")
+    with pytest.raises(ConfigError, match=rf"--output '{re.escape(output)}' names no directory of its own: give the "
+                                          r"directory to write, e.g. --output data/mycorpus"):
+        preprocess([str(src)], output, overwrite=True)
+    assert [p.name for p in (tmp_path / "here").iterdir()] == ["sub"]

@@ -85,6 +85,9 @@ def preprocess(
     if not 0 <= valid_fraction < 1:
         raise ConfigError(f"--valid-fraction must be in [0, 1), got {valid_fraction}")
     out = Path(output)
+    if out.name in ("", ".."):  # '.', '', '/', 'x/..': no name to write OUT.partial beside and rename (a ValueError)
+        raise ConfigError(f"--output '{output}' names no directory of its own: give the directory to write, e.g. "
+                          "--output data/mycorpus")
     _check_replaceable(out, overwrite)
     tokenizer = load_tokenizer(tokenizer_spec, eos_token, bos_token)
     _note_template(tokenizer)
