@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from megafp8.config import ConfigError
-from megafp8.data import TokenStream, read_meta
+from megafp8.data import ByteTokenizer, TokenStream, read_meta
 from megafp8.data.corpus import read_documents
 from megafp8.data.preprocess import preprocess, train_tokenizer
+from megafp8.data.text_tree import scan_text_tree
 from tests.test_data import write_docs
 
 
@@ -164,3 +165,23 @@ def test_an_output_naming_no_directory_of_its_own_is_refused(tmp_path, monkeypat
                                           r"directory to write, e.g. --output data/mycorpus"):
         preprocess([str(src)], output, overwrite=True)
     assert [p.name for p in (tmp_path / "here").iterdir()] == ["sub"]
+
+
+def test_a_tokenized_directory_inside_the_input_is_left_out_not_read_as_text(tmp_path, caplog):
+    """`--input corpus --output corpus/tok` worked once; every later run over corpus (another --output, or the same
+    with --overwrite) read corpus/tok/meta.json as JSON lines and was refused: "not valid JSON ... .json files are
+    read as JSON lines", advice about a file that is no input. In the text-tree mode with .json it was a document."""
+    docs = ["first document " * 20, "second document " * 20]
+    src = write_docs(tmp_path / "corpus", docs)
+    preprocess([str(src)], src / "tok", valid_fraction=0.0)
+    with caplog.at_level("WARNING"):
+        preprocess([str(src)], src / "tok", valid_fraction=0.0, overwrite=True)
+        preprocess([str(src)], src / "again", valid_fraction=0.0)
+    assert f"{src / 'tok'} is a tokenized directory (tools/preprocess_data.py's output), not text: left out" \
+           in caplog.text
+    for out in ("tok", "again"):
+        stream = TokenStream(read_meta(src / out), "train")
+        assert ByteTokenizer().decode(stream.read(0, stream.num_tokens).tolist()) == "".join(docs)
+    (src / "notes.json").write_text('{"a": 1}\n')
+    tree = scan_text_tree([str(src)], [".json", ".txt"], 0.0, 0)
+    assert sorted(f.path.name for f in tree.train) == ["000.txt", "001.txt", "notes.json"]

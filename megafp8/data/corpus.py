@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 from megafp8.config import ConfigError
+from megafp8.data.indexed import META_FILE, is_token_directory
 
 STDLIB = "stdlib"
 log = logging.getLogger(__name__)
@@ -35,8 +36,8 @@ def input_files(inputs: list[str]) -> list[Path]:
             continue
         path = Path(item)
         if path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*")
-                                if p.suffix.lower() in (".txt", ".jsonl", ".json") and p.is_file()))
+            files.extend(_without_token_directories(sorted(
+                p for p in path.rglob("*") if p.suffix.lower() in (".txt", ".jsonl", ".json") and p.is_file())))
         elif path.is_file():
             files.append(path)
         else:
@@ -50,6 +51,19 @@ def input_files(inputs: list[str]) -> list[Path]:
         log.warning("%d input file(s) named more than once are read once (a directory and a file in it, or "
                     "overlapping names)", len(files) - len(unique))
     return list(unique.values())
+
+
+def _without_token_directories(found: list[Path]) -> list[Path]:
+    """`found` less the meta.json of every tokenized directory among them (an earlier --output written inside the
+    input directory): read as JSON lines, it failed every later run over that directory, blamed on its format."""
+    kept = []
+    for path in found:
+        if path.name == META_FILE and is_token_directory(path.parent):
+            log.warning("%s is a tokenized directory (tools/preprocess_data.py's output), not text: left out of the "
+                        "inputs", path.parent)
+        else:
+            kept.append(path)
+    return kept
 
 
 def _nothing_to_read(inputs: list[str]) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -28,7 +27,7 @@ import numpy as np
 
 from megafp8.config import ConfigError
 from megafp8.data.corpus import input_files, read_documents
-from megafp8.data.indexed import META_FILE, ShardWriter, token_dtype, write_meta
+from megafp8.data.indexed import META_FILE, ShardWriter, is_token_directory, token_dtype, write_meta
 from megafp8.data.text_tree import TextTree, read_text
 from megafp8.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -228,20 +227,11 @@ def _check_replaceable(out: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise ConfigError(f"output '{out}' already exists; pass --overwrite to replace it, or choose another --output")
-    if out.is_dir() and not out.is_symlink() and (_is_token_directory(out) or not any(out.iterdir())):
+    if out.is_dir() and not out.is_symlink() and (is_token_directory(out) or not any(out.iterdir())):
         return
     why = "a symbolic link" if out.is_symlink() else f"it has no {META_FILE}"
     raise ConfigError(f"output '{out}' is not a directory written by tools/preprocess_data.py ({why}): --overwrite "
                       "replaces only those; choose another --output (a new directory)")
-
-
-def _is_token_directory(path: Path) -> bool:
-    """Whether `path` holds a meta.json of this tool's token format."""
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and str(meta.get("format", "")).startswith("megafp8-tokens")
 
 
 def place_last_document(labelled: Iterable[tuple[str, Document]], valid_fraction: float
