@@ -3,6 +3,7 @@ nothing written and no record dropped unsaid (JSONL records, meta.json, tokenize
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib
 import json
 import re
@@ -185,3 +186,21 @@ def test_a_tokenized_directory_inside_the_input_is_left_out_not_read_as_text(tmp
     (src / "notes.json").write_text('{"a": 1}\n')
     tree = scan_text_tree([str(src)], [".json", ".txt"], 0.0, 0)
     assert sorted(f.path.name for f in tree.train) == ["000.txt", "001.txt", "notes.json"]
+
+
+def test_compressed_inputs_are_named_as_such_with_the_command_that_makes_them_text(tmp_path):
+    """crawl.jsonl.gz given by name was "not UTF-8 text ...: convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or
+    read the inputs as a text tree (--extensions)"; a directory of them advised --extensions .gz, which skips every
+    one of them (binary). Neither fits a compressed file."""
+    packed = tmp_path / "crawl.jsonl.gz"
+    packed.write_bytes(gzip.compress(b'{"text": "hello"}\n' * 100))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(packed))} is a gzip-compressed file, not text: "
+                                          rf"decompress it first \(gunzip -k {re.escape(str(packed))}\), then give "
+                                          "the text or JSONL file$"):
+        preprocess([str(packed)], tmp_path / "out")
+    (tmp_path / "dir").mkdir()
+    packed.rename(tmp_path / "dir" / packed.name)
+    with pytest.raises(ConfigError, match=r"\(it holds 1 .gz files\): gzip-compressed files are not read: decompress "
+                                          r"them first \(gunzip -k \*.gz\), then give the .txt/.jsonl files$"):
+        preprocess([str(tmp_path / "dir")], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
