@@ -204,3 +204,22 @@ def test_compressed_inputs_are_named_as_such_with_the_command_that_makes_them_te
                                           r"them first \(gunzip -k \*.gz\), then give the .txt/.jsonl files$"):
         preprocess([str(tmp_path / "dir")], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("foreign", ["tokenizer.json", "train/notes.txt"])
+def test_overwrite_keeps_files_preprocessing_did_not_write(tmp_path, foreign):
+    """--overwrite replaced a directory with a meta.json whole: a tokenizer.json kept beside its data (the very one
+    --tokenizer named: the new meta.json then named a deleted file) or notes in it were deleted unsaid."""
+    src = write_docs(tmp_path / "src", ["abc " * 50, "def " * 50])
+    out = tmp_path / "out"
+    preprocess([str(src)], out, valid_fraction=0.0)
+    (out / foreign).write_text("mine")
+    with pytest.raises(ConfigError, match=rf"^output '{re.escape(str(out))}' holds {re.escape(str(out / foreign))}, "
+                                          r"which tools/preprocess_data.py did not write: --overwrite would delete it "
+                                          r"with the old data; move it out of the directory, or choose another "
+                                          r"--output$"):
+        preprocess([str(src)], out, valid_fraction=0.5, overwrite=True)
+    assert (out / foreign).read_text() == "mine" and "valid" not in read_meta(out).splits
+    (out / foreign).unlink()
+    preprocess([str(src)], out, valid_fraction=0.5, overwrite=True)  # the tool's own files alone: replaced
+    assert "valid" in read_meta(out).splits

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-tokens", type=whole_number(1), default=100_000_000, help="tokens per shard file")
     parser.add_argument("--json-key", default="text", help="field holding the text in JSONL records")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing output directory (one this tool wrote, or an empty one)")
+                        help="replace an existing output directory (one this tool wrote, holding nothing else, or an "
+                             "empty one)")
     args = parser.parse_args(argv)
     if args.extensions is None and (args.dry_run or args.max_bytes or args.max_file_bytes):
         parser.error("--dry-run, --max-bytes and --max-file-bytes belong to the text-tree mode: add --extensions")

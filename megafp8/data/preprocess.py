@@ -17,6 +17,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -227,11 +228,34 @@ def _check_replaceable(out: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise ConfigError(f"output '{out}' already exists; pass --overwrite to replace it, or choose another --output")
-    if out.is_dir() and not out.is_symlink() and (is_token_directory(out) or not any(out.iterdir())):
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
         return
+    if out.is_dir() and not out.is_symlink() and is_token_directory(out):
+        foreign = next(_files_not_written_here(out), None)
+        if foreign is None:
+            return
+        raise ConfigError(f"output '{out}' holds {foreign}, which tools/preprocess_data.py did not write: --overwrite "
+                          "would delete it with the old data; move it out of the directory, or choose another "
+                          "--output")
     why = "a symbolic link" if out.is_symlink() else f"it has no {META_FILE}"
     raise ConfigError(f"output '{out}' is not a directory written by tools/preprocess_data.py ({why}): --overwrite "
                       "replaces only those; choose another --output (a new directory)")
+
+
+_SHARD_NAME = re.compile(r"\d+\.(bin|idx)")
+
+
+def _files_not_written_here(out: Path) -> Iterator[Path]:
+    """What an earlier output holds beyond this tool's files (meta.json, and the splits' shards): a tokenizer.json
+    kept beside its data (the one `--tokenizer` names, even), notes. --overwrite deleted them with the directory."""
+    for entry in sorted(out.iterdir()):
+        if entry.name in (META_FILE, META_FILE + ".tmp", LOCK_FILE):
+            continue
+        if entry.name not in ("train", "valid") or not entry.is_dir() or entry.is_symlink():
+            yield entry
+            continue
+        yield from (shard for shard in sorted(entry.iterdir())
+                    if not (_SHARD_NAME.fullmatch(shard.name) and shard.is_file() and not shard.is_symlink()))
 
 
 def place_last_document(labelled: Iterable[tuple[str, Document]], valid_fraction: float
