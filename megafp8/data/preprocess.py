@@ -369,6 +369,7 @@ def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
     partial = Path(f"{output}.partial")  # renamed once whole: a kill while saving leaves an earlier file as it was
     with open(partial, "ab"):  # an unwritable output fails here (OSError), not after the training in the Rust save
         pass
