@@ -42,7 +42,9 @@ def add_text_tree_options(parser: argparse.ArgumentParser, held_out: str = "frac
                              "empty files are skipped. Without it: directories are searched for .txt/.jsonl/.json "
                              "and each document is held out by a seeded draw")
     parser.add_argument("--valid-fraction", type=float, default=fraction_default, help=f"{held_out} (default 0.01)")
-    parser.add_argument("--seed", type=int, default=1234, help="seed of the held-out split (and text-tree order)")
+    # numpy's generators take no negative seed: -1 was a ValueError traceback from the split's draw
+    parser.add_argument("--seed", type=whole_number(0), default=1234,
+                        help="seed of the held-out split (and text-tree order); 0 or more")
     parser.add_argument("--max-file-bytes", type=byte_count, default=0,
                         help="text-tree mode: skip files larger than this (0: no limit)")
 
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-tokens", type=whole_number(1), default=100_000_000, help="tokens per shard file")
     parser.add_argument("--json-key", default="text", help="field holding the text in JSONL records")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing output directory (one this tool wrote, or an empty one)")
+                        help="replace an existing output directory (one this tool wrote, holding nothing else, or an "
+                             "empty one)")
     args = parser.parse_args(argv)
     if args.extensions is None and (args.dry_run or args.max_bytes or args.max_file_bytes):
         parser.error("--dry-run, --max-bytes and --max-file-bytes belong to the text-tree mode: add --extensions")

@@ -19,10 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megafp8.config import ConfigError  # noqa: E402
+from megafp8.config.arguments import reported, run_tool  # noqa: E402
 from megafp8.data.preprocess import train_tokenizer  # noqa: E402
 from megafp8.data.text_tree import scan_text_tree  # noqa: E402
-from megafp8.config.arguments import run_tool  # noqa: E402
 from tools.preprocess_data import add_text_tree_options, byte_count  # noqa: E402
 
 
@@ -41,15 +40,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="train on documents up to this many bytes (0: all); with --extensions a seeded random "
                              "sample of the training split's files, otherwise the first training documents")
     args = parser.parse_args(argv)
-    try:
-        tree = None
-        if args.extensions is not None:
-            tree = scan_text_tree(args.input, args.extensions, args.valid_fraction, args.seed, args.max_file_bytes)
-        docs, size = train_tokenizer(args.input, args.output, args.vocab_size, args.json_key, tree,
-                                     args.sample_bytes, args.overwrite, args.valid_fraction, args.seed)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return reported(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Train and write the tokenizer `args` describe; 0, or a ConfigError or OSError (`reported`)."""
+    tree = None
+    if args.extensions is not None:
+        tree = scan_text_tree(args.input, args.extensions, args.valid_fraction, args.seed, args.max_file_bytes)
+    docs, size = train_tokenizer(args.input, args.output, args.vocab_size, args.json_key, tree,
+                                 args.sample_bytes, args.overwrite, args.valid_fraction, args.seed)
     print(f"wrote {args.output} (trained on {docs:,} documents, {size:,} bytes)")
     return 0
 

@@ -15,15 +15,24 @@ def whole_number(at_least: int, hint: str = "") -> Callable[[str], int]:
     """A whole number of at least `at_least`, written as 100000000 or 1e8; `hint` follows a refusal."""
     def parse(text: str) -> int:
         try:
-            value = float(text)
+            value = int(text)  # exactly as written: a float keeps 53 bits (a seed of 20 digits came back another)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 100000000 or 1e8)") from None
-        if not math.isfinite(value) or not value.is_integer():
-            raise argparse.ArgumentTypeError(f"{text} is not a whole number")
+            value = _whole_float(text)
         if value < at_least:
             raise argparse.ArgumentTypeError(f"{text} must be at least {at_least}{hint}")
-        return int(value)
+        return value
     return parse
+
+
+def _whole_float(text: str) -> int:
+    """A whole number written as a float (1e8), or an ArgumentTypeError saying why `text` is none."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 100000000 or 1e8)") from None
+    if not math.isfinite(value) or not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number")
+    return int(value)
 
 
 def positive_number(at_most: Optional[float] = None, hint: str = "") -> Callable[[str], float]:

@@ -11,9 +11,10 @@ import re
 import sysconfig
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from megafp8.config import ConfigError
+from megafp8.data.indexed import META_FILE, is_token_directory
 
 STDLIB = "stdlib"
 log = logging.getLogger(__name__)
@@ -35,8 +36,8 @@ def input_files(inputs: list[str]) -> list[Path]:
             continue
         path = Path(item)
         if path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*")
-                                if p.suffix.lower() in (".txt", ".jsonl", ".json") and p.is_file()))
+            files.extend(_without_token_directories(sorted(
+                p for p in path.rglob("*") if p.suffix.lower() in (".txt", ".jsonl", ".json") and p.is_file())))
         elif path.is_file():
             files.append(path)
         else:
@@ -52,6 +53,19 @@ def input_files(inputs: list[str]) -> list[Path]:
     return list(unique.values())
 
 
+def _without_token_directories(found: list[Path]) -> list[Path]:
+    """`found` less the meta.json of every tokenized directory among them (an earlier --output written inside the
+    input directory): read as JSON lines, it failed every later run over that directory, blamed on its format."""
+    kept = []
+    for path in found:
+        if path.name == META_FILE and is_token_directory(path.parent):
+            log.warning("%s is a tokenized directory (tools/preprocess_data.py's output), not text: left out of the "
+                        "inputs", path.parent)
+        else:
+            kept.append(path)
+    return kept
+
+
 def _nothing_to_read(inputs: list[str]) -> str:
     """Why directories gave no documents, and the option that reads the files they do hold."""
     found = Counter(p.suffix.lower() for item in inputs for p in Path(item).rglob("*") if p.is_file() and p.suffix)
@@ -59,8 +73,39 @@ def _nothing_to_read(inputs: list[str]) -> str:
     if not found:
         return f"no input files found in {where}"
     kinds = ", ".join(f"{n} {suffix}" for suffix, n in found.most_common(4))
+    suffix = found.most_common(1)[0][0]
+    packed = next((kind for kind in _PACKED.values() if kind.suffix == suffix), None)
+    if packed is not None:  # --extensions would read them as text: each skipped, as binary or not UTF-8
+        return (f"no .txt, .jsonl or .json files in {where} (it holds {kinds} files): {packed.kind} files are not "
+                f"read: {packed.fix} them first ({packed.command.format('*' + suffix)}), then give the "
+                ".txt/.jsonl files")
     return (f"no .txt, .jsonl or .json files in {where} (it holds {kinds} files): to read other text files, add "
-            f"--extensions with their endings, e.g. --extensions {found.most_common(1)[0][0]} (each file one document)")
+            f"--extensions with their endings, e.g. --extensions {suffix} (each file one document)")
+
+
+class Packed(NamedTuple):
+    """A compressed or columnar file format, which neither mode reads, and how to make text of it."""
+
+    suffix: str
+    article: str
+    kind: str
+    fix: str
+    command: str  # an example, `{}` for the file
+
+
+# Named as inputs, such files read as text that is not UTF-8, whose advice (iconv, --extensions) fits none of them.
+_PACKED = {b"\x1f\x8b": Packed(".gz", "a", "gzip-compressed", "decompress", "gunzip -k {}"),
+           b"\x28\xb5\x2f\xfd": Packed(".zst", "a", "zstd-compressed", "decompress", "zstd -d {}"),
+           b"BZh": Packed(".bz2", "a", "bzip2-compressed", "decompress", "bunzip2 -k {}"),
+           b"\xfd7zXZ\x00": Packed(".xz", "an", "xz-compressed", "decompress", "unxz -k {}"),
+           b"PK\x03\x04": Packed(".zip", "a", "zip", "extract", "unzip {}"),
+           b"PAR1": Packed(".parquet", "a", "Parquet", "convert",
+                           "e.g. pandas.read_parquet, then to_json with orient='records', lines=True: JSON lines")}
+
+
+def _packed_kind(data: bytes) -> Packed | None:
+    """The `_PACKED` format of a file beginning with `data`, or None for another file."""
+    return next((kind for magic, kind in _PACKED.items() if data.startswith(magic)), None)
 
 
 def read_documents(path: Path, json_key: str = "text") -> Iterator[str]:
@@ -137,6 +182,10 @@ def _read_text(path: Path) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
+        packed = _packed_kind(data)
+        if packed is not None:
+            raise ConfigError(f"{path} is {packed.article} {packed.kind} file, not text: {packed.fix} it first "
+                              f"({packed.command.format(path)}), then give the text or JSONL file") from None
         if not _in_stdlib(path):
             line = data.count(b"\n", 0, err.start) + 1
             raise ConfigError(f"{path}: not UTF-8 text (line {line}, byte {err.start} is 0x{data[err.start]:02x}): "

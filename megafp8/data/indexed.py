@@ -100,6 +100,15 @@ def write_meta(root: Path, tokenizer_spec: str, vocab_size: int, eos_id: int, sp
     tmp.replace(root / META_FILE)  # meta.json appears only once every shard is written
 
 
+def is_token_directory(path: Path) -> bool:
+    """Whether `path` holds a meta.json of this token format (a directory tools/preprocess_data.py wrote)."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and str(meta.get("format", "")).startswith("megafp8-tokens")
+
+
 @dataclass
 class DatasetMeta:
     root: Path

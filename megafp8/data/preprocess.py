@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -28,7 +28,7 @@ import numpy as np
 
 from megafp8.config import ConfigError
 from megafp8.data.corpus import input_files, read_documents
-from megafp8.data.indexed import META_FILE, ShardWriter, token_dtype, write_meta
+from megafp8.data.indexed import META_FILE, ShardWriter, is_token_directory, token_dtype, write_meta
 from megafp8.data.text_tree import TextTree, read_text
 from megafp8.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -85,6 +85,9 @@ def preprocess(
     if not 0 <= valid_fraction < 1:
         raise ConfigError(f"--valid-fraction must be in [0, 1), got {valid_fraction}")
     out = Path(output)
+    if out.name in ("", ".."):  # '.', '', '/', 'x/..': no name to write OUT.partial beside and rename (a ValueError)
+        raise ConfigError(f"--output '{output}' names no directory of its own: give the directory to write, e.g. "
+                          "--output data/mycorpus")
     _check_replaceable(out, overwrite)
     tokenizer = load_tokenizer(tokenizer_spec, eos_token, bos_token)
     _note_template(tokenizer)
@@ -225,20 +228,34 @@ def _check_replaceable(out: Path, overwrite: bool) -> None:
         return
     if not overwrite:
         raise ConfigError(f"output '{out}' already exists; pass --overwrite to replace it, or choose another --output")
-    if out.is_dir() and not out.is_symlink() and (_is_token_directory(out) or not any(out.iterdir())):
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
         return
+    if out.is_dir() and not out.is_symlink() and is_token_directory(out):
+        foreign = next(_files_not_written_here(out), None)
+        if foreign is None:
+            return
+        raise ConfigError(f"output '{out}' holds {foreign}, which tools/preprocess_data.py did not write: --overwrite "
+                          "would delete it with the old data; move it out of the directory, or choose another "
+                          "--output")
     why = "a symbolic link" if out.is_symlink() else f"it has no {META_FILE}"
     raise ConfigError(f"output '{out}' is not a directory written by tools/preprocess_data.py ({why}): --overwrite "
                       "replaces only those; choose another --output (a new directory)")
 
 
-def _is_token_directory(path: Path) -> bool:
-    """Whether `path` holds a meta.json of this tool's token format."""
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and str(meta.get("format", "")).startswith("megafp8-tokens")
+_SHARD_NAME = re.compile(r"\d+\.(bin|idx)")
+
+
+def _files_not_written_here(out: Path) -> Iterator[Path]:
+    """What an earlier output holds beyond this tool's files (meta.json, and the splits' shards): a tokenizer.json
+    kept beside its data (the one `--tokenizer` names, even), notes. --overwrite deleted them with the directory."""
+    for entry in sorted(out.iterdir()):
+        if entry.name in (META_FILE, META_FILE + ".tmp", LOCK_FILE):
+            continue
+        if entry.name not in ("train", "valid") or not entry.is_dir() or entry.is_symlink():
+            yield entry
+            continue
+        yield from (shard for shard in sorted(entry.iterdir())
+                    if not (_SHARD_NAME.fullmatch(shard.name) and shard.is_file() and not shard.is_symlink()))
 
 
 def place_last_document(labelled: Iterable[tuple[str, Document]], valid_fraction: float
@@ -352,9 +369,17 @@ def train_tokenizer(inputs: list[str], output: str | Path, vocab_size: int, json
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(sample(), trainer=trainer)
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     partial = Path(f"{output}.partial")  # renamed once whole: a kill while saving leaves an earlier file as it was
-    tok.save(str(partial))
-    partial.replace(output)
+    with open(partial, "ab"):  # an unwritable output fails here (OSError), not after the training in the Rust save
+        pass
+    try:
+        tok.train_from_iterator(sample(), trainer=trainer)
+        if not used[0]:  # the trainer made a tokenizer of the 256 bytes alone, without a word
+            raise ConfigError(f"no training documents in {' '.join(inputs)} (all inputs empty, or --valid-fraction too "
+                              "high): give the tokenizer documents to train on")
+        tok.save(str(partial))
+        partial.replace(output)
+    finally:
+        partial.unlink(missing_ok=True)
     return used[0], used[1]

@@ -14,6 +14,7 @@ Files that hold a NUL byte (binary), are not UTF-8, are empty (or whitespace onl
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,9 @@ from typing import Iterator, Optional
 
 from megafp8.config import ConfigError
 from megafp8.data.corpus import STDLIB, stdlib_files
+from megafp8.data.indexed import is_token_directory
+
+log = logging.getLogger(__name__)
 
 SKIP_REASONS = ("binary", "not UTF-8", "empty", "too large", "unreadable")
 
@@ -76,12 +80,22 @@ def tree_files(inputs: list[str], extensions: tuple[str, ...]) -> Iterator[Path]
             yield path
         elif path.is_dir():
             for root, dirs, names in os.walk(path):
-                dirs.sort()
+                dirs[:] = sorted(d for d in dirs if not _token_directory(Path(root) / d))
                 for name in sorted(names):
                     if name.lower().endswith(extensions):
                         yield Path(root) / name
         else:
             raise ConfigError(f"input '{item}' does not exist (give directories, files, or '{STDLIB}')")
+
+
+def _token_directory(path: Path) -> bool:
+    """Whether `path` is a tokenized directory (an earlier --output inside an input directory), which is no text:
+    its meta.json was read as a document of an --extensions .json run."""
+    if not is_token_directory(path):
+        return False
+    log.warning("%s is a tokenized directory (tools/preprocess_data.py's output), not text: left out of the inputs",
+                path)
+    return True
 
 
 def _keys(digest: bytes, seed: int) -> tuple[float, float]:
