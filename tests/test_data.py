@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -501,6 +503,34 @@ def test_what_an_interrupted_preprocessing_left_is_cleared_not_published(tmp_pat
     with pytest.raises(ConfigError, match="bad.jsonl:2"):
         preprocess([str(bad)], tmp_path / "out2")
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out2.partial").exists()
+
+
+def test_a_kill_while_overwrite_deletes_the_old_output_leaves_the_new_one_published(tmp_path, monkeypatch):
+    """--overwrite deleted the earlier output before renaming the new one into place: a kill during that deletion
+    (seconds for a large dataset) left OUT half deleted (no meta.json) and the new output unpublished. The old one is
+    now renamed aside first and deleted last, and what a kill leaves aside is cleared by the next run."""
+    import megafp8.data.preprocess as pre
+
+    src, out = write_docs(tmp_path / "src", ["abc " * 50]), tmp_path / "out"
+    preprocess([str(src)], out, valid_fraction=0.0)
+    write_docs(tmp_path / "src2", ["xyz " * 80])
+    deleting = shutil.rmtree
+
+    def killed_while_deleting(path, *args, **kwargs):
+        if not Path(path).name.startswith("out") or Path(path).name == "out.partial":
+            return deleting(path, *args, **kwargs)
+        (Path(path) / "meta.json").unlink()  # the earlier output, part of the way through
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pre.shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(KeyboardInterrupt):
+        preprocess([str(tmp_path / "src2")], out, valid_fraction=0.0, overwrite=True)
+    monkeypatch.setattr(pre.shutil, "rmtree", deleting)
+    stream = TokenStream(read_meta(out), "train")  # the new output, whole
+    assert ByteTokenizer().decode(stream.read(0, stream.num_tokens).tolist()) == "xyz " * 80
+    assert (tmp_path / "out.replaced" / "train").is_dir()  # the old one, aside
+    preprocess([str(src)], out, valid_fraction=0.0, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src", "src2"]
 
 
 def test_a_named_checkpoint_starts_a_run_of_other_data_settings_from_its_first_sample(tiny_overrides, tmp_path,

@@ -34,6 +34,7 @@ from megafp8.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_t
 
 log = logging.getLogger(__name__)
 LOCK_FILE = ".lock"  # in OUT.partial while a run writes it
+REPLACED_SUFFIX = ".replaced"  # OUT.replaced: an earlier output, renamed aside until the new one is in place
 Document = TypeVar("Document")  # a document's text, or its tokens
 
 
@@ -211,14 +212,21 @@ def _claim(tmp: Path, out: Path) -> IO[str]:
 
 
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Rename the complete `tmp` to `out` (replacing an earlier output only with `overwrite`), lock file left out."""
+    """Rename the complete `tmp` to `out` (replacing an earlier output only with `overwrite`), lock file left out.
+    An earlier output is renamed aside first and deleted only once the new one is in place: deleted first, a kill
+    during its (long) deletion left `out` half gone and the new output unpublished."""
+    replaced = out.with_name(out.name + REPLACED_SUFFIX)
+    if replaced.exists():  # what a run killed right after renaming aside left (this run holds the lock)
+        shutil.rmtree(replaced)
     if out.exists() or out.is_symlink():
         if not overwrite:  # it appeared while this run wrote
             raise ConfigError(f"output '{out}' appeared while this run wrote it (another tools/preprocess_data.py?): "
                               "pass --overwrite to replace it, or choose another --output")
-        shutil.rmtree(out)
+        out.rename(replaced)
     tmp.rename(out)
     (out / LOCK_FILE).unlink()  # still held: a run that opened it meanwhile is refused, then finds no .partial
+    if replaced.exists():
+        shutil.rmtree(replaced)
 
 
 def _check_replaceable(out: Path, overwrite: bool) -> None:
