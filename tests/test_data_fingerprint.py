@@ -130,3 +130,25 @@ def test_a_document_count_recorded_on_one_side_only_is_not_a_difference(corpus_d
     loader = make_loader(corpus_dir)
     loader.load_state_dict(state)
     assert loader.consumed_samples == state["consumed_samples"]
+
+
+def test_samples_of_another_length_are_refused_even_where_as_many(tmp_path):
+    """A small split holds as many samples of 64 tokens as of some longer length: the position carried over onto
+    other tokens (a named resume with another data.seq_len continued mid-order instead of from the first sample)."""
+    from megafp8.data.preprocess import preprocess
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 5)
+    preprocess([str(tmp_path / "src")], tmp_path / "data", valid_fraction=0.0)
+    stream = TokenStream(read_meta(tmp_path / "data"), "train")
+    longer = next(n for n in range(65, 128) if (stream.num_tokens - 1) // n == (stream.num_tokens - 1) // 64)
+    saved = DistributedLoader(PackedDataset(stream, 64), 2, 1, 0, 1, 3)
+    saved.next_step()
+    loader = DistributedLoader(PackedDataset(stream, longer), 2, 1, 0, 1, 3)
+    assert len(loader.dataset) == saved.state_dict()["num_samples"]
+    with pytest.raises(DataPositionError, match=f"samples of data.seq_len 64, but this run's are {longer} tokens long"):
+        loader.load_state_dict(saved.state_dict())
+    assert loader.consumed_samples == 0
+    same = DistributedLoader(PackedDataset(stream, 64), 2, 1, 0, 1, 3)
+    same.load_state_dict(saved.state_dict())
+    assert same.consumed_samples == 2

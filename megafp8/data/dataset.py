@@ -196,7 +196,7 @@ class DistributedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed, "num_samples": len(self.dataset),
-                "order": self.order_kind, "fingerprint": self.dataset.fingerprint}
+                "seq_len": self.dataset.seq_len, "order": self.order_kind, "fingerprint": self.dataset.fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position. The saved kind of order is kept (a state without one, written before
@@ -214,6 +214,11 @@ class DistributedLoader:
                 f"the saved data-loader state is for {state['num_samples']} samples with seed {state['seed']}, but "
                 f"this run has {len(self.dataset)} samples with seed {self.seed}"
             )
+        # Samples of another length may be as many (a small split): position i would be other tokens. (A state
+        # without the length, written before it was saved, is checked by the number of samples alone.)
+        if state.get("seq_len", self.dataset.seq_len) != self.dataset.seq_len:
+            raise DataPositionError(f"the saved data-loader state is for samples of data.seq_len {state['seq_len']}, "
+                                    f"but this run's are {self.dataset.seq_len} tokens long")
         # Data preprocessed again (other documents, another tokenizer) may have as many samples: its fingerprint
         # tells. A state without one (written before fingerprints) is taken on trust.
         difference = self.dataset.fingerprint_difference(saved) if saved else None
