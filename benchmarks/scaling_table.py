@@ -28,6 +28,7 @@ from pathlib import Path
 class Row:
     section: str
     cells: dict[str, str]  # train_step.py's column name -> cell
+    run: tuple[int, int] = (0, 0)  # (summary, table in it): the train_step.py run that printed the row
 
     def number(self, column: str) -> float | None:
         """The cell as a number (thousands separators, % and x dropped); None for n/a, - or a missing column."""
@@ -38,9 +39,9 @@ class Row:
             return None
 
 
-def read_rows(summary: str) -> list[Row]:
-    """Every row of every train_step.py table in the summary, with the section it sits in."""
-    rows, section, header = [], "", None
+def read_rows(summary: str, index: int = 0) -> list[Row]:
+    """Every row of every train_step.py table in the summary (the `index`th joined), with the section it sits in."""
+    rows, section, header, tables = [], "", None, 0
     for line in summary.splitlines():
         if line.startswith("## "):
             section, header = line[3:].strip(), None
@@ -48,10 +49,11 @@ def read_rows(summary: str) -> list[Row]:
             header = None
         elif header is None:
             header = [cell.strip() for cell in line.strip("|").split("|")]
+            tables += 1
         elif not line.startswith("|---"):
             cells = [cell.strip() for cell in line.strip("|").split("|")]
             if "TFLOP/s per device" in header and len(cells) == len(header):
-                rows.append(Row(section, dict(zip(header, cells))))
+                rows.append(Row(section, dict(zip(header, cells)), (index, tables)))
     return rows
 
 
@@ -63,7 +65,9 @@ def scaling_table(rows: list[Row], baseline_sections: list[str]) -> str:
     """The Markdown table, rows grouped by model (in the order the models first appear), then as printed."""
     baselines = {(r.cells["model"], r.cells["recipe"]): r for r in rows
                  if r.section in baseline_sections and r.cells["ranks"] == "1"}
-    bf16 = {(r.section, r.cells["model"]): r for r in rows if r.cells["recipe"] == "bf16"}
+    # FP8 / BF16 within one run's table: a section's name is not unique where summaries are joined (a part timed
+    # again in a later call), and the last BF16 row of that name would stand beside the first call's FP8 row
+    bf16 = {(r.run, r.cells["model"]): r for r in rows if r.cells["recipe"] == "bf16"}
     models = list(dict.fromkeys(r.cells["model"] for r in rows))
     lines = ["| layout (section) | model | recipe | GPUs | tokens/s per GPU | efficiency vs 1 GPU | FP8 / BF16 | MFU | "
              "peak GiB, steady (busiest rank) | bubble: measured / theoretical |",
@@ -73,7 +77,7 @@ def scaling_table(rows: list[Row], baseline_sections: list[str]) -> str:
         base = baselines.get((model, recipe))
         tflops, base_tflops = r.number("TFLOP/s per device"), base.number("TFLOP/s per device") if base else None
         efficiency = tflops / base_tflops if tflops is not None and base_tflops else None
-        same_bf16 = bf16.get((r.section, model))
+        same_bf16 = bf16.get((r.run, model))
         fp8_ratio = (f"{r.number('tokens/s') / same_bf16.number('tokens/s'):.2f}x"
                      if recipe != "bf16" and same_bf16 is not None and same_bf16.number("tokens/s") else "")
         theoretical = r.number("bubble, theoretical")
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baselines", nargs="+", required=True, metavar="SECTION",
                         help="the sections whose one-GPU rows are the yardstick (one per model)")
     args = parser.parse_args(argv)
-    rows = [row for summary in args.summaries for row in read_rows(summary.read_text())]
+    rows = [row for i, summary in enumerate(args.summaries) for row in read_rows(summary.read_text(), i)]
     if not rows:
         print(f"no train_step.py table in {' '.join(map(str, args.summaries))}")
         return 1

@@ -241,3 +241,27 @@ def test_gpu_8_script_on_eight_gpus_also_runs_the_layout_the_planner_recommends(
     assert [c["ranks"] for c in calls] == [8, 8, 8, 8]
     assert set(recommended) <= set(calls[1]["args"]) and "16b_moe_fp8" in calls[1]["args"]
     assert {"parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=dualpipev"} <= set(calls[0]["args"])
+
+
+def joined_scaling_rows(tmp_path, *summaries: str) -> list[list[str]]:
+    """`scaling_table.py` over the summaries (each written to a file, in order): its rows, in order."""
+    paths = []
+    for i, summary in enumerate(summaries):
+        paths.append(tmp_path / f"summary_{i}.md")
+        paths[-1].write_text(summary)
+    joined = subprocess.run([sys.executable, "benchmarks/scaling_table.py", *map(str, paths), "--baselines",
+                             "one_gpu_8b", "one_gpu_1b"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert joined.returncode == 0, joined.stderr
+    return [[c.strip() for c in line.strip("|").split("|")] for line in joined.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| layout")]
+
+
+def test_scaling_table_sets_each_fp8_row_beside_the_bf16_row_of_its_own_run(tmp_path):
+    """The same part in two joined summaries (a layout timed again): each FP8 row's ratio is to the BF16 row of
+    its own run, not to the last BF16 row of that section's name."""
+    summary, _ = gpu_2gpu(tmp_path, "dp2_8b")
+    # the stand-in's DP=2 8B-layer rows: BF16 78,000 tokens/s, FP8 97,500 (1.25x); in the second run BF16 is slower
+    assert summary.count("| 78,000 |") == 1
+    again = summary.replace("| 78,000 |", "| 39,000 |")
+    ratios = [r[6] for r in joined_scaling_rows(tmp_path, summary, again) if r[0] == "dp2_8b" and r[2] == "fp8"]
+    assert ratios == ["1.25x", "2.50x"]
