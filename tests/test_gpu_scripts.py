@@ -265,3 +265,18 @@ def test_scaling_table_sets_each_fp8_row_beside_the_bf16_row_of_its_own_run(tmp_
     again = summary.replace("| 78,000 |", "| 39,000 |")
     ratios = [r[6] for r in joined_scaling_rows(tmp_path, summary, again) if r[0] == "dp2_8b" and r[2] == "fp8"]
     assert ratios == ["1.25x", "2.50x"]
+def test_scaling_table_compares_a_later_call_only_with_one_gpu_rows_of_its_own_card(tmp_path):
+    """A later call's two-GPU rows joined with the first call's one-GPU rows: where the later call got other cards
+    (an H100 pair for a call that asked for H200s), its efficiency is not taken against the other card's one-GPU
+    figure, and the rows name their card."""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "later").mkdir()
+    first, _ = gpu_2gpu(tmp_path / "first", "one_gpu")
+    later, _ = gpu_2gpu(tmp_path / "later", "dp2_8b")
+    rows = {(r[0], r[2]): r for r in joined_scaling_rows(tmp_path, first, later)}
+    assert rows[("dp2_8b", "fp8")][5] == "97.5%"  # the same card: compared
+    rows = {(r[0], r[2]): r for r in joined_scaling_rows(tmp_path, first, later.replace("Fake GPU", "Other GPU"))}
+    assert rows[("dp2_8b (Other GPU)", "fp8")][5] == "n/a (the one-GPU row ran on another card)", rows
+    assert rows[("one_gpu_8b (Fake GPU)", "fp8")][5] == "100.0%"
+
+
