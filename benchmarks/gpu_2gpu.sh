@@ -138,5 +138,7 @@ for part in $PARTS; do
 done
 # Efficiency against the one-GPU rows of this summary. A later call's parts (without one_gpu) are compared with the
 # first call's: python benchmarks/scaling_table.py first/summary.md later/summary.md --baselines one_gpu_8b one_gpu_1b
+# (only where both calls got the same card, as the summaries' heads name it: otherwise its rows say n/a; run one_gpu
+# again in the later call)
 step scaling python benchmarks/scaling_table.py "$OUT/summary.md" --baselines one_gpu_8b one_gpu_1b
 finish_summary
