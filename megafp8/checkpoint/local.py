@@ -103,13 +103,19 @@ def _discard(directory: Path) -> None:
     shutil.rmtree(_set_aside(directory), ignore_errors=True)
 
 
-def _point_latest_at(root: Path, name: str) -> None:
+def _prepared_pointer(root: Path, name: str) -> Path:
+    """A temporary file naming checkpoint `name`, written and fsynced: `_replace_pointer` makes it `latest`."""
     tmp = root / f"{LATEST_FILE}.tmp-{uuid.uuid4().hex[:12]}"
     with open(tmp, "w") as f:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST_FILE)
+    return tmp
+
+
+def _replace_pointer(root: Path, prepared: Path) -> None:
+    """Make the `_prepared_pointer` file `latest` (a rename: it needs no space on the disk), durably."""
+    os.replace(prepared, root / LATEST_FILE)
     _fsync_dir(root)
 
 
@@ -122,14 +128,18 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int, latest_back: bool 
     final = root / step_dir_name(step)
     newer = None if latest_back else _newer_latest(root, final.name)
     _fsync_dir(tmp)  # the names of its files: without this, `latest` could outlive them in a power loss
+    # The new pointer is written before the rename, so that a disk too full for it (or an inode quota) fails the save
+    # with nothing published. Written after it, it left `step_N` complete beside a `latest` naming the step before, and
+    # the error said "not saved": a relaunch passed the checkpoint over as one left by a run that went back.
+    pointer = _prepared_pointer(root, final.name) if newer is None else None
     # The same step saved again (after resuming from an earlier one): its old directory is only set aside here and
     # deleted once the new one has its name. An interruption during that deletion (long, for a large checkpoint)
     # leaves the new checkpoint in place; only the instant between the two renames leaves neither under its name.
     replaced = _set_aside(final) if final.exists() else None
     tmp.rename(final)
     _fsync_dir(root)
-    if newer is None:
-        _point_latest_at(root, final.name)
+    if pointer is not None:
+        _replace_pointer(root, pointer)
     else:
         log.warning("%s: %s stays at %s, newer than this step", final, root / LATEST_FILE, newer)
     if replaced is not None:
