@@ -302,6 +302,20 @@ def test_an_interrupted_prune_never_leaves_a_checkpoint_that_looks_complete(save
         load_checkpoint(ckpt / "step_00000001")
 
 
+def test_auto_passes_over_a_checkpoint_without_checksums_that_lacks_a_shard_file(saved, tiny_overrides, tmp_path):
+    """A sharded checkpoint without checksums.json (written before checksums, or copied without it) counted as
+    complete with its index and meta.pt alone: `auto` took one whose shard file was missing (a copy cut short) and
+    the run stopped in the load, instead of resuming the checkpoint before it."""
+    ckpt = shutil.copytree(saved["sharded"], tmp_path / "ck")
+    for step in ("step_00000001", "step_00000002"):
+        (ckpt / step / "checksums.json").unlink()
+    (ckpt / "step_00000002" / "__0_0.distcp").unlink()
+    candidates, passed_over = resume_candidates(ckpt)
+    assert [p.name for p in candidates] == ["step_00000001"]
+    assert passed_over == [f"checkpoint file {ckpt / 'step_00000002' / '__0_0.distcp'} is missing"]
+    assert _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}"]).step == 1
+
+
 def test_leftovers_of_interrupted_saves_are_removed_at_start(saved, tiny_overrides, tmp_path):
     ckpt = shutil.copytree(saved["sharded"], tmp_path / "ck")
     for name in ("step_00000003.tmp", "step_00000003.tmp-0123456789ab", "step_00000001.deleting-0123456789ab"):

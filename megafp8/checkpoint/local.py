@@ -43,7 +43,8 @@ from megafp8.checkpoint.integrity import (
     verify_files,
     write_manifest,
 )
-from megafp8.checkpoint.sharded import INDEX_FILE, META_FILE, RESUME_EARLIER, is_sharded_checkpoint, read_full
+from megafp8.checkpoint.sharded import (INDEX_FILE, META_FILE, RESUME_EARLIER, is_sharded_checkpoint, read_full,
+                                        short_file_problem)
 from megafp8.config import ConfigError
 from megafp8.config.errors import torch_load_text
 
@@ -242,7 +243,7 @@ def _partly_a_checkpoint(directory: Path) -> bool:
 def checkpoint_problem(directory: Path) -> Optional[str]:
     """Why `directory` is not a complete checkpoint, in one line (None if it is): its manifest is missing or
     damaged, or a file it lists is missing or of another size, or it is a directory that holds checkpoints. Cheap:
-    no file is read but the manifest."""
+    no file is read but the manifest (without one, a sharded checkpoint's index)."""
     if not directory.is_dir():
         return f"checkpoint '{directory}' not found"
     try:
@@ -251,7 +252,9 @@ def checkpoint_problem(directory: Path) -> Optional[str]:
         return str(err)
     if files is None:
         if _legacy_complete(directory):
-            return None
+            # No manifest to list its files (written before checksums, or copied without it): a sharded one's index
+            # still names its shard files and their sizes, so one that lacks a shard is not taken as complete.
+            return short_file_problem(directory) if is_sharded_checkpoint(directory) else None
         return (not_a_checkpoint(directory)
                 or f"checkpoint {directory} is incomplete (no {MANIFEST_FILE}: its save did not finish)")
     return quick_problem(directory, files)
