@@ -5,10 +5,12 @@ conversions themselves are in tests/test_convert.py."""
 from __future__ import annotations
 
 import json
+import pickle
 import re
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from megafp8.config import ConfigError
 
@@ -204,8 +206,8 @@ def test_the_tool_answers_a_file_for_out_a_foreign_file_and_a_file_system_error_
         damaged = tmp_path / f"damaged_{name}"                           # advised weights_only=False
         damaged.mkdir()
         (damaged / name).write_bytes(b"garbage\n")
-        if extra:
-            (damaged / extra).write_bytes(b"x")
+        if extra:  # an intact index of no tensors: the index is read first (it names the shard files to check)
+            (damaged / extra).write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
         assert one_line_error(["inspect", str(damaged)]) == (
             f"checkpoint file {damaged / name} is corrupt or not a megafp8 checkpoint (torch.load: WeightsUnpickler "
             "error: Unsupported operand 103)")

@@ -271,12 +271,49 @@ def test_the_names_of_a_checkpoints_files_are_durable_before_latest_names_it(sav
     assert latest != latest_before and directory in synced and synced.index(directory) < synced.index(latest)
 
 
+def test_a_pointer_the_disk_has_no_room_for_fails_the_save_before_it_publishes(saved, tmp_path, monkeypatch):
+    """`latest` was written after the rename: a full disk (or an inode quota) there left step 3 complete beside a
+    `latest` naming step 2, under an error saying step 3 was not saved, and a relaunch passed step 3 over as left by
+    a run that went back to an earlier step (to be replaced by its saves)."""
+    from megafp8.checkpoint import local
+
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    tmp = fresh_temporary(ckpt, 3)
+    shutil.copytree(saved["full"] / "step_00000002", tmp, dirs_exist_ok=True)
+
+    def full_disk(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(local, "open", full_disk, raising=False)  # the pointer's file, the one `open` there
+    with pytest.raises(OSError, match="No space left"):
+        publish(ckpt, tmp, 3, keep_last=0)
+    monkeypatch.undo()
+    assert not (ckpt / "step_00000003").exists() and tmp.is_dir()  # unpublished: a leftover, as the error says
+    remove_leftovers(ckpt)  # what the next start does first
+    candidates, passed_over = resume_candidates(ckpt)
+    assert [p.name for p in candidates] == ["step_00000002", "step_00000001"] and passed_over == []
+
+
 def test_an_interrupted_prune_never_leaves_a_checkpoint_that_looks_complete(saved, tmp_path):
     ckpt = shutil.copytree(saved["sharded"], tmp_path / "ck")
     (ckpt / "step_00000001" / "__0_0.distcp").unlink()  # what a prune killed midway used to leave
     assert [p.name for p in list_checkpoints(ckpt)] == ["step_00000002"]
     with pytest.raises(ConfigError, match=r"step_00000001/__0_0.distcp is missing"):
         load_checkpoint(ckpt / "step_00000001")
+
+
+def test_auto_passes_over_a_checkpoint_without_checksums_that_lacks_a_shard_file(saved, tiny_overrides, tmp_path):
+    """A sharded checkpoint without checksums.json (written before checksums, or copied without it) counted as
+    complete with its index and meta.pt alone: `auto` took one whose shard file was missing (a copy cut short) and
+    the run stopped in the load, instead of resuming the checkpoint before it."""
+    ckpt = shutil.copytree(saved["sharded"], tmp_path / "ck")
+    for step in ("step_00000001", "step_00000002"):
+        (ckpt / step / "checksums.json").unlink()
+    (ckpt / "step_00000002" / "__0_0.distcp").unlink()
+    candidates, passed_over = resume_candidates(ckpt)
+    assert [p.name for p in candidates] == ["step_00000001"]
+    assert passed_over == [f"checkpoint file {ckpt / 'step_00000002' / '__0_0.distcp'} is missing"]
+    assert _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}"]).step == 1
 
 
 def test_leftovers_of_interrupted_saves_are_removed_at_start(saved, tiny_overrides, tmp_path):

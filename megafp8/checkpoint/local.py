@@ -43,7 +43,8 @@ from megafp8.checkpoint.integrity import (
     verify_files,
     write_manifest,
 )
-from megafp8.checkpoint.sharded import INDEX_FILE, META_FILE, RESUME_EARLIER, is_sharded_checkpoint, read_full
+from megafp8.checkpoint.sharded import (INDEX_FILE, META_FILE, RESUME_EARLIER, is_sharded_checkpoint, read_full,
+                                        short_file_problem)
 from megafp8.config import ConfigError
 from megafp8.config.errors import torch_load_text
 
@@ -103,13 +104,19 @@ def _discard(directory: Path) -> None:
     shutil.rmtree(_set_aside(directory), ignore_errors=True)
 
 
-def _point_latest_at(root: Path, name: str) -> None:
+def _prepared_pointer(root: Path, name: str) -> Path:
+    """A temporary file naming checkpoint `name`, written and fsynced: `_replace_pointer` makes it `latest`."""
     tmp = root / f"{LATEST_FILE}.tmp-{uuid.uuid4().hex[:12]}"
     with open(tmp, "w") as f:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST_FILE)
+    return tmp
+
+
+def _replace_pointer(root: Path, prepared: Path) -> None:
+    """Make the `_prepared_pointer` file `latest` (a rename: it needs no space on the disk), durably."""
+    os.replace(prepared, root / LATEST_FILE)
     _fsync_dir(root)
 
 
@@ -122,14 +129,18 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int, latest_back: bool 
     final = root / step_dir_name(step)
     newer = None if latest_back else _newer_latest(root, final.name)
     _fsync_dir(tmp)  # the names of its files: without this, `latest` could outlive them in a power loss
+    # The new pointer is written before the rename, so that a disk too full for it (or an inode quota) fails the save
+    # with nothing published. Written after it, it left `step_N` complete beside a `latest` naming the step before, and
+    # the error said "not saved": a relaunch passed the checkpoint over as one left by a run that went back.
+    pointer = _prepared_pointer(root, final.name) if newer is None else None
     # The same step saved again (after resuming from an earlier one): its old directory is only set aside here and
     # deleted once the new one has its name. An interruption during that deletion (long, for a large checkpoint)
     # leaves the new checkpoint in place; only the instant between the two renames leaves neither under its name.
     replaced = _set_aside(final) if final.exists() else None
     tmp.rename(final)
     _fsync_dir(root)
-    if newer is None:
-        _point_latest_at(root, final.name)
+    if pointer is not None:
+        _replace_pointer(root, pointer)
     else:
         log.warning("%s: %s stays at %s, newer than this step", final, root / LATEST_FILE, newer)
     if replaced is not None:
@@ -232,7 +243,7 @@ def _partly_a_checkpoint(directory: Path) -> bool:
 def checkpoint_problem(directory: Path) -> Optional[str]:
     """Why `directory` is not a complete checkpoint, in one line (None if it is): its manifest is missing or
     damaged, or a file it lists is missing or of another size, or it is a directory that holds checkpoints. Cheap:
-    no file is read but the manifest."""
+    no file is read but the manifest (without one, a sharded checkpoint's index)."""
     if not directory.is_dir():
         return f"checkpoint '{directory}' not found"
     try:
@@ -241,7 +252,9 @@ def checkpoint_problem(directory: Path) -> Optional[str]:
         return str(err)
     if files is None:
         if _legacy_complete(directory):
-            return None
+            # No manifest to list its files (written before checksums, or copied without it): a sharded one's index
+            # still names its shard files and their sizes, so one that lacks a shard is not taken as complete.
+            return short_file_problem(directory) if is_sharded_checkpoint(directory) else None
         return (not_a_checkpoint(directory)
                 or f"checkpoint {directory} is incomplete (no {MANIFEST_FILE}: its save did not finish)")
     return quick_problem(directory, files)
