@@ -51,6 +51,7 @@ class EarlierRun:
     has_metrics: bool
     checkpoints: list[str]
     left_behind: Optional[tuple[Path, str]] = None
+    vanished: Optional[tuple[int, int]] = None  # (last step logged, save interval) where the checkpoint dir is gone
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,23 @@ def read_earlier_run(run_dir: Path, checkpoint_dir: Path, metrics_path: Path) ->
     if isinstance(config.get("model"), dict):  # an earlier version's layout: today's
         config = {**config, "model": upgrade_saved_model(config["model"])}
     left_behind = None if checkpoints else checkpoints_left_behind(config, run_dir, checkpoint_dir)
-    return EarlierRun(config, has_metrics, checkpoints, left_behind)
+    vanished = None if checkpoints or left_behind else _checkpoints_vanished(config, checkpoint_dir, metrics_path)
+    return EarlierRun(config, has_metrics, checkpoints, left_behind, vanished)
+
+
+def _checkpoints_vanished(config: dict[str, Any], checkpoint_dir: Path, metrics_path: Path
+                          ) -> Optional[tuple[int, int]]:
+    """(the last step the earlier launch logged, its checkpoint interval) where it logged a step it saved a checkpoint
+    at, yet its checkpoint directory no longer exists (a file system not mounted, a directory moved or deleted):
+    `auto` would start the run over from step 0 and drop its metrics. None otherwise (a save that failed leaves the
+    directory, and a run over from step 0 is then all there is to do)."""
+    saved = config.get("checkpoint")
+    interval = saved.get("interval") if isinstance(saved, dict) else None
+    if not isinstance(interval, int) or interval <= 0 or checkpoint_dir.is_dir() or not metrics_path.is_file():
+        return None
+    steps = [_step_of(line) for line in metrics_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    last = max((step for step in steps if step < 2**62), default=-1)
+    return (last, interval) if last >= interval else None
 
 
 def checkpoints_left_behind(config: dict[str, Any], run_dir: Path, checkpoint_dir: Path) -> Optional[tuple[Path, str]]:
@@ -195,6 +212,15 @@ def judge(earlier: Optional[EarlierRun], current: dict[str, Any], resume: str, o
                                f"or move its checkpoints into {checkpoint_dir} to continue the run, or name one "
                                "(checkpoint.resume=PATH); give this run another run_name, or set "
                                "checkpoint.overwrite=true to start it over")
+    if earlier.vanished is not None and resume in ("auto", "none"):
+        if overwrite:
+            return Verdict(replace=True)
+        last, interval = earlier.vanished
+        return Verdict(refusal=f"the earlier launch of this run logged up to step {last}, saving a checkpoint every "
+                               f"{interval} steps, but its checkpoint directory {checkpoint_dir} does not exist (a file "
+                               "system not mounted, or the directory moved or deleted?): bring it back to continue the "
+                               "run, name a checkpoint (checkpoint.resume=PATH), give this run another run_name, or set "
+                               "checkpoint.overwrite=true to start it over from step 0")
     return Verdict()
 
 
