@@ -594,18 +594,20 @@ l1tex__m_xbar2l1tex_read_bytes.sum.per_second,sm__cycles_elapsed.avg.per_second,
     moe_compiled) step moe_compiled python benchmarks/train_step.py training.compile=true --model moe --recipes bf16 fp8 ;;
     profile_compiled) step profile_compiled_fp8 python benchmarks/train_step.py training.compile=true --model 1b \
                --recipes fp8 --profile 3 ;;
-    moe_dp2) step moe_dp2 torchrun --nproc_per_node=2 benchmarks/train_step.py --model moe --global-batch 16 \
-               --recipes bf16 fp8 ;;
-    moe_ep2) step moe_ep2 torchrun --nproc_per_node=2 benchmarks/train_step.py parallel.ep=2 --model moe \
+    # The two-GPU parts say they are skipped on one GPU (torchrun's failure summary left out the reason, and the
+    # start of two ranks cost the call its time)
+    moe_dp2) gpus_for 2 moe_dp2 && step moe_dp2 torchrun --nproc_per_node=2 benchmarks/train_step.py --model moe \
                --global-batch 16 --recipes bf16 fp8 ;;
-    dense_2gpu) step dense_2gpu torchrun --nproc_per_node=2 benchmarks/train_step.py training.compile=true \
-               --model 1b --global-batch 16 --recipes bf16 fp8 ;;
+    moe_ep2) gpus_for 2 moe_ep2 && step moe_ep2 torchrun --nproc_per_node=2 benchmarks/train_step.py parallel.ep=2 \
+               --model moe --global-batch 16 --recipes bf16 fp8 ;;
+    dense_2gpu) gpus_for 2 dense_2gpu && step dense_2gpu torchrun --nproc_per_node=2 benchmarks/train_step.py \
+               training.compile=true --model 1b --global-batch 16 --recipes bf16 fp8 ;;
     cp_2gpu)  # context parallelism: the ~1B at 32K tokens a sequence on one GPU, then each sequence over two (CP=2),
               # compiled, BF16 and FP8: tokens/s per GPU (the efficiency), peak memory against the plan
       step cp_one_gpu python benchmarks/train_step.py training.compile=true --model 1b-32k --global-batch 4 \
            --recipes bf16 fp8
-      step cp_2gpu torchrun --nproc_per_node=2 benchmarks/train_step.py training.compile=true parallel.cp=2 \
-           --model 1b-32k --global-batch 4 --recipes bf16 fp8 ;;
+      gpus_for 2 cp_2gpu && step cp_2gpu torchrun --nproc_per_node=2 benchmarks/train_step.py training.compile=true \
+           parallel.cp=2 --model 1b-32k --global-batch 4 --recipes bf16 fp8 ;;
   esac
 ) done
 finish_summary

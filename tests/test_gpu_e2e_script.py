@@ -444,3 +444,19 @@ def test_gpu_e2e_determinism_runs_each_part_of_the_mode_alone_when_asked(tmp_pat
     headings = [line for line in summary.splitlines() if line.startswith("## determinism_")]
     assert headings == [f"## determinism_8b-layers_{mode}"
                         for mode in ("plain", "inductor", "algorithms", "algorithms_2")], summary
+
+
+def test_the_two_gpu_parts_say_they_are_skipped_on_one_gpu_and_start_no_ranks(tmp_path):
+    """moe_ep2, moe_dp2, dense_2gpu and cp_2gpu started two ranks on one GPU: rank 1 failed at once, and the summary's
+    FAILED line (torchrun's last lines) left out why. Now each says it needs two GPUs; cp_2gpu's one-GPU row runs."""
+    recording_torchrun = '#!/usr/bin/env bash\necho "$@" >> "$OUT/torchrun_calls.txt"\n'
+    result = _gpu_e2e_with_fake_gpu(tmp_path, ["moe_ep2", "moe_dp2", "dense_2gpu", "cp_2gpu"],
+                                    "echo one-gpu-row >> rows.txt", env={"GPUS": "1"},
+                                    tools={"torchrun": recording_torchrun})
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "out"
+    summary = (out / "summary.md").read_text()
+    for part in ("moe_ep2", "moe_dp2", "dense_2gpu", "cp_2gpu"):
+        assert f"## {part}: SKIPPED: needs 2 GPUs, 1 visible" in summary, summary
+    assert not (out / "torchrun_calls.txt").exists()
+    assert (out / "rows.txt").read_text() == "one-gpu-row\n"  # cp_one_gpu
