@@ -329,19 +329,24 @@ def test_a_relaunch_whose_checkpoint_dir_moved_without_its_checkpoints_is_refuse
 
 
 def test_a_relaunch_whose_checkpoint_dir_vanished_is_refused_not_started_over(tiny_overrides, tmp_path):
-    """The checkpoint directory gone (a file system not mounted, the directory moved or deleted) after the run logged
-    steps it saved checkpoints at: the relaunch started the run over from step 0 with an info line and dropped every
-    metric record after step 0. A save that failed leaves the directory: that run still starts over."""
+    """The checkpoint directory gone or empty (a file system not mounted, the directory moved or deleted) after the
+    run logged steps it saved checkpoints at: the relaunch started the run over from step 0 with an info line and
+    dropped every metric record after step 0. A run whose saves failed leaves the directory and its lock file: that
+    run still starts over."""
     first = make_trainer(tiny_overrides, SAVING)
     first.fit()
     first.checkpoint_dir.rename(tmp_path / "elsewhere")
     before = snapshot(first.run_dir)
     with pytest.raises(ConfigError, match=rf"the earlier launch of this run logged up to step 4, saving a checkpoint "
-                                          rf"every 2 steps, but its checkpoint directory {first.checkpoint_dir} does "
-                                          r"not exist \(a file system not mounted, or the directory moved or "
+                                          rf"every 2 steps, but its checkpoint directory {first.checkpoint_dir} is "
+                                          r"gone or empty \(a file system not mounted, or the directory moved or "
                                           r"deleted\?\): bring it back"):
         make_trainer(tiny_overrides, SAVING)
     assert snapshot(first.run_dir) == before and metric_steps(first.run_dir) == [1, 2, 3, 4]
+    first.checkpoint_dir.mkdir()  # an empty mount point, the file system not mounted on it
+    with pytest.raises(ConfigError, match="is gone or empty"):
+        make_trainer(tiny_overrides, SAVING)
+    first.checkpoint_dir.rmdir()
     (tmp_path / "elsewhere").rename(first.checkpoint_dir)
     assert make_trainer(tiny_overrides, SAVING).step == 4
     for checkpoint in first.checkpoint_dir.glob("step_*"):  # as a run whose saves all failed leaves it

@@ -129,12 +129,15 @@ def read_earlier_run(run_dir: Path, checkpoint_dir: Path, metrics_path: Path) ->
 def _checkpoints_vanished(config: dict[str, Any], checkpoint_dir: Path, metrics_path: Path
                           ) -> Optional[tuple[int, int]]:
     """(the last step the earlier launch logged, its checkpoint interval) where it logged a step it saved a checkpoint
-    at, yet its checkpoint directory no longer exists (a file system not mounted, a directory moved or deleted):
-    `auto` would start the run over from step 0 and drop its metrics. None otherwise (a save that failed leaves the
-    directory, and a run over from step 0 is then all there is to do)."""
+    at, yet its checkpoint directory no longer exists or holds nothing at all, not even the lock file every launch
+    leaves there (a file system not mounted over an empty mount point, a directory moved or deleted): `auto` would
+    start the run over from step 0 and drop its metrics. None otherwise (a run whose saves failed leaves the
+    directory and its lock file, and a run over from step 0 is then all there is to do)."""
     saved = config.get("checkpoint")
     interval = saved.get("interval") if isinstance(saved, dict) else None
-    if not isinstance(interval, int) or interval <= 0 or checkpoint_dir.is_dir() or not metrics_path.is_file():
+    if not isinstance(interval, int) or interval <= 0 or not metrics_path.is_file():
+        return None
+    if checkpoint_dir.is_dir() and any(checkpoint_dir.iterdir()):
         return None
     steps = [_step_of(line) for line in metrics_path.read_text(encoding="utf-8").splitlines() if line.strip()]
     last = max((step for step in steps if step < 2**62), default=-1)
@@ -217,10 +220,10 @@ def judge(earlier: Optional[EarlierRun], current: dict[str, Any], resume: str, o
             return Verdict(replace=True)
         last, interval = earlier.vanished
         return Verdict(refusal=f"the earlier launch of this run logged up to step {last}, saving a checkpoint every "
-                               f"{interval} steps, but its checkpoint directory {checkpoint_dir} does not exist (a file "
-                               "system not mounted, or the directory moved or deleted?): bring it back to continue the "
-                               "run, name a checkpoint (checkpoint.resume=PATH), give this run another run_name, or set "
-                               "checkpoint.overwrite=true to start it over from step 0")
+                               f"{interval} steps, but its checkpoint directory {checkpoint_dir} is gone or empty "
+                               "(a file system not mounted, or the directory moved or deleted?): bring it back to "
+                               "continue the run, name a checkpoint (checkpoint.resume=PATH), give this run another "
+                               "run_name, or set checkpoint.overwrite=true to start it over from step 0")
     return Verdict()
 
 
