@@ -215,6 +215,38 @@ def test_newer_checkpoints_than_latest_are_never_resumed_or_pruned(saved, tmp_pa
                            f"from it, set checkpoint.resume={ckpt / 'step_00000009'}"]
 
 
+def _publish_copy(saved, ckpt, step: int, keep_last: int):
+    """Publish a copy of step 2's checkpoint as `step` (what a save writes, without a trainer)."""
+    tmp = fresh_temporary(ckpt, step)
+    shutil.copytree(saved["full"] / "step_00000002", tmp, dirs_exist_ok=True)
+    return publish(ckpt, tmp, step, keep_last=keep_last)
+
+
+def test_a_branch_left_by_going_back_is_set_aside_once_the_run_passes_it(saved, tmp_path, caplog):
+    """A run saved steps 1 and 6, then went back to step 1 with another checkpoint.interval (4). Its saves of steps
+    4 and 8 never replaced the abandoned step 6; once `latest` passed it, step 6 read as the run's own: `keep_last=2`
+    kept it and deleted step 4, and where step 8 failed to verify `auto` resumed the abandoned branch's step 6."""
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    (ckpt / "step_00000002").rename(ckpt / "step_00000006")
+    (ckpt / "latest").write_text("step_00000006\n")  # the first branch's newest; the relaunch resumes step 1
+    _publish_copy(saved, ckpt, 4, keep_last=2)
+    assert [p.name for p in resume_candidates(ckpt)[0]] == ["step_00000004", "step_00000001"]  # 6 passed over
+    with caplog.at_level("WARNING", logger="megafp8"):
+        _publish_copy(saved, ckpt, 8, keep_last=2)
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000004", "step_00000006.abandoned",
+                                                      "step_00000008"]
+    assert "step_00000006 renamed step_00000006.abandoned: a run that went back" in caplog.text
+    (ckpt / "step_00000008" / "state.pt").write_bytes(b"damaged")
+    candidates, passed_over = resume_candidates(ckpt)
+    assert [p.name for p in candidates] == ["step_00000004"] and len(passed_over) == 1
+    assert load_checkpoint(ckpt / "step_00000006.abandoned")["step"] == 2  # still resumable by its path
+    (ckpt / "latest").write_text("step_00000004\n")  # back to step 4; that branch saved step 6 too, then left it
+    shutil.copytree(ckpt / "step_00000004", ckpt / "step_00000006")
+    _publish_copy(saved, ckpt, 7, keep_last=0)
+    assert sorted(p.name for p in ckpt.glob("step_00000006*")) == ["step_00000006.abandoned",
+                                                                   "step_00000006.abandoned-2"]
+
+
 @pytest.mark.parametrize("form", ["sharded", "full"])
 def test_a_step_converted_into_a_run_s_own_directory_leaves_latest_at_the_newer_one(saved, tmp_path, form):
     """`consolidate ckpt/step_1 --out ckpt --overwrite` pointed `latest` back at step 1: the next relaunch resumed

@@ -128,6 +128,8 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int, latest_back: bool 
     saves from there would replace the newer checkpoints."""
     final = root / step_dir_name(step)
     newer = None if latest_back else _newer_latest(root, final.name)
+    if latest_back:
+        _set_abandoned_aside(root, final.name)
     _fsync_dir(tmp)  # the names of its files: without this, `latest` could outlive them in a power loss
     # The new pointer is written before the rename, so that a disk too full for it (or an inode quota) fails the save
     # with nothing published. Written after it, it left `step_N` complete beside a `latest` naming the step before, and
@@ -147,6 +149,37 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int, latest_back: bool 
         shutil.rmtree(replaced, ignore_errors=True)
     prune(root, final, keep_last)
     return final
+
+
+ABANDONED_SUFFIX = ".abandoned"  # a checkpoint of a branch a run left by going back (`_set_abandoned_aside`)
+
+
+def _set_abandoned_aside(root: Path, name: str) -> None:
+    """Rename the checkpoints between the one `latest` names and checkpoint `name`, about to be published, out of the
+    `step_N` names: a run that went back to an earlier step left them. Until now they were newer than `latest`, so
+    passed over; once this save moves `latest` past them they would read as this run's own, be resumed by `auto`
+    where a newer checkpoint fails to verify (another run's history, silently) and be kept by `keep_last` in place of
+    this run's checkpoints (a changed checkpoint.interval saves other steps, which never replace them). Kept, not
+    deleted: they are a run's work, and `checkpoint.resume=PATH` still takes them."""
+    bound = read_pointer(root / LATEST_FILE)
+    if not (_STEP_DIR.match(bound) and (root / bound).is_dir() and bound < name):
+        return
+    for directory in _step_dirs(root):
+        if bound < directory.name < name:
+            aside = _unused(directory.with_name(directory.name + ABANDONED_SUFFIX))
+            directory.rename(aside)
+            log.warning("%s renamed %s: a run that went back to an earlier step (%s) left it, and this run's "
+                        "checkpoints now pass it; it is never resumed or pruned (to resume from it, set "
+                        "checkpoint.resume=%s; delete it once it is not needed)", directory, aside.name, bound, aside)
+    _fsync_dir(root)
+
+
+def _unused(path: Path) -> Path:
+    """`path`, or where it exists the first of `path-2`, `path-3`, ... that does not (a step abandoned twice)."""
+    candidate, n = path, 2
+    while candidate.exists():
+        candidate, n = path.with_name(f"{path.name}-{n}"), n + 1
+    return candidate
 
 
 def read_pointer(pointer: Path) -> str:
