@@ -189,14 +189,27 @@ print("| fake row |")
 '''
 
 
-def gpu_8(tmp_path, gpus: int, *parts, **extra_env):
-    """benchmarks/gpu_8.sh with `gpus` GPUs reported, the training scripts and torchrun replaced by the stand-in
-    (the planner, tools/plan.py, is the real one); returns (summary.md, the logged calls)."""
+def gpu_8(tmp_path, gpus: int, *parts, planner: str | None = None, **extra_env):
+    """benchmarks/gpu_8.sh with `gpus` GPUs reported, the training scripts and torchrun replaced by the stand-in;
+    the planner, tools/plan.py, is the real one unless `planner` is given: bash run in its place, with the planner's
+    arguments as "$@" (run once: a second call of the planner gets the first's output and exit status again, a
+    planner's torch import saved). Returns (summary.md, the logged calls)."""
+    tmp_path.mkdir(exist_ok=True)
     out = tmp_path / "out"
     fake = tmp_path / "fake_run.py"
     fake.write_text(FAKE_RUN)
     bin_dir = stand_in_tools(tmp_path, fake, gpus, ("benchmarks/train_step.py", "launch/pretrain.py"),
                              keep_script_arg=True)
+    if planner is not None:
+        shebang, rest = (bin_dir / "python").read_text().split("\n", 1)
+        answer = tmp_path / "plan"
+        (bin_dir / "python").write_text(f"""{shebang}
+if [ "$1" = tools/plan.py ]; then
+  shift
+  [ -e {answer}.rc ] || {{ ( {planner} ) > {answer}.out 2> {answer}.err; echo $? > {answer}.rc; }}
+  cat {answer}.out; cat {answer}.err >&2; exit "$(cat {answer}.rc)"
+fi
+{rest}""")
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out),
                FAKE_CALLS=str(tmp_path / "calls.jsonl"), **extra_env)
     result = subprocess.run(["bash", "benchmarks/gpu_8.sh", *parts], cwd=REPO, env=env, capture_output=True,
@@ -241,6 +254,33 @@ def test_gpu_8_script_on_eight_gpus_also_runs_the_layout_the_planner_recommends(
     assert [c["ranks"] for c in calls] == [8, 8, 8, 8]
     assert set(recommended) <= set(calls[1]["args"]) and "16b_moe_fp8" in calls[1]["args"]
     assert {"parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=dualpipev"} <= set(calls[0]["args"])
+
+
+def test_gpu_8_script_skips_the_recommended_layout_only_where_the_planner_finds_none_fits(tmp_path):
+    """The planner's answer "no layout fits" (the real planner, told the GPUs hold 1 GiB) skips the recommended
+    layout; a planner that fails (the real one on a bad config, or one that crashes mid-table) is a FAILED line with
+    its error, not that skip, and no recommended layout runs."""
+    python = sys.executable
+    summary, calls = gpu_8(tmp_path / "none_fits", 8, "eight_gpus",
+                           planner=f'exec {python} tools/plan.py "$@" --gpu-gib 1')
+    assert "no layout fits, for these reasons" in summary  # the planner's own table, under moe16b_layouts
+    assert "## moe16b_recommended: SKIPPED: the planner found no layout that fits" in summary
+    assert "FAILED" not in summary
+    assert [c["ranks"] for c in calls] == [8, 8, 8]  # the fixed layouts only
+
+    summary, calls = gpu_8(tmp_path / "bad_config", 8, "eight_gpus",
+                           planner=f'exec {python} tools/plan.py "$@" model.no_such_key=1')
+    assert "## moe16b_recommended: FAILED: the layout planner (tools/plan.py --layouts) failed (rc 2): error: " \
+        "unknown config key 'model.no_such_key'" in summary
+    assert "no layout that fits" not in summary and [c["ranks"] for c in calls] == [8, 8, 8]
+
+    crash = ("echo '| | tp | pp | ep | dp |'; "
+             f"exec {python} -c 'raise RuntimeError(\"CUDA error: no kernel image is available\")'")
+    summary, calls = gpu_8(tmp_path / "crash", 8, "eight_gpus", planner=crash)
+    line = next(line for line in summary.splitlines() if line.startswith("## moe16b_recommended"))
+    assert line.startswith("## moe16b_recommended: FAILED: the layout planner (tools/plan.py --layouts) failed "
+                           "(rc 1): ") and "RuntimeError: CUDA error: no kernel image is available" in line, line
+    assert "no layout that fits" not in summary and [c["ranks"] for c in calls] == [8, 8, 8]
 
 
 def joined_scaling_rows(tmp_path, *summaries: str) -> list[list[str]]:
