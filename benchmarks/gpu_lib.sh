@@ -93,8 +93,8 @@ step() {  # step NAME command...: run it (at most $STEP_TIMEOUT s), append its s
   local name=$1 t0=$SECONDS
   shift
   echo "## $name" >> "$OUT/summary.md"
-  timeout "${STEP_TIMEOUT:-590}" "$@" >> "$OUT/summary.md" 2> "$LOGS/$name.log"
-  STEP_RC=$?
+  STEP_RC=0  # (set this way, a caller under `set -e` goes on past a failed step, as the summary line says)
+  timeout "${STEP_TIMEOUT:-590}" "$@" >> "$OUT/summary.md" 2> "$LOGS/$name.log" || STEP_RC=$?
   [ "$STEP_RC" = 0 ] || echo "FAILED (rc $STEP_RC): $(tail -n 3 "$LOGS/$name.log")" >> "$OUT/summary.md"
   printf '(%s s)\n\n' "$((SECONDS - t0))" >> "$OUT/summary.md"
   echo "== $name done"
