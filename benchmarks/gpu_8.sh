@@ -10,8 +10,10 @@
 #               accumulated): tools/compare_runs.py's per-step loss gaps. Equal within BF16 noise means a max abs
 #               loss gap within 0.05, about twice what TP=2 + SP drifted from TP=1 in 30 steps (0.027,
 #               docs/benchmarks.md): the reductions add in another order, and BF16 rounding makes the runs drift.
-# A part whose GPUs are not visible is skipped, and the summary says which and why.
-# The layout the planner recommends for eight GPUs (`tools/plan.py --layouts`) runs after the fixed layouts.
+# A part whose GPUs are not visible is skipped, and the summary says which and why; so is loss_8gpu's comparison
+# where either run did not finish (timed out or failed).
+# The layout the planner recommends for eight GPUs (`tools/plan.py --layouts`) runs after the fixed layouts; where
+# the planner answers that no layout fits, it is skipped, and where the planner fails, the summary says FAILED.
 # Usage: OUT=dir bash benchmarks/gpu_8.sh [parts...]   (default: one_gpu two_gpus eight_gpus loss_8gpu)
 # STEP_TIMEOUT (s) bounds each step; tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz. DEEPGEMM=1 installs
 # DeepGEMM first (gpu_lib.sh's install_deepgemm, from .dg/DeepGEMM: carry it), so that FP8 runs on `deepgemm`, what
@@ -47,15 +49,28 @@ for part in $PARTS; do
       # DP2 x 8 micro-batches of one 4096-token sample: DualPipeV with pp=2 keeps 3 in flight.
       step moe16b_tp2_pp2_ep2 $EIGHT $SP parallel.pp=2 parallel.ep=2 parallel.pp_schedule=dualpipev \
         --config 16b_moe_fp8 --model config --global-batch 16 --recipes bf16 fp8
-      # The planner's recommendation for the 16B MoE on these GPUs (its table goes to the summary too).
+      # The planner's recommendation for the 16B MoE on these GPUs (its table goes to the summary too). Its answer
+      # "no layout fits" (exit status 0) skips the run; any other failure of the planner (an error, a crash, a
+      # timeout, output with neither answer) is a FAILED line with the end of its stderr.
       step moe16b_layouts python tools/plan.py --config 16b_moe_fp8 --world-size 8 --layouts
-      recommended=$(python tools/plan.py --config 16b_moe_fp8 --world-size 8 --layouts 2> /dev/null \
-        | sed -n 's/^recommended overrides: //p')
-      if [ -n "$recommended" ]; then
+      plan=$(timeout "${STEP_TIMEOUT:-590}" python tools/plan.py --config 16b_moe_fp8 --world-size 8 --layouts \
+        2> "$LOGS/moe16b_plan.log")
+      plan_rc=$?
+      recommended=$(sed -n 's/^recommended overrides: //p' <<< "$plan")
+      if [ "$plan_rc" = 0 ] && [ -n "$recommended" ]; then
         step moe16b_recommended $EIGHT $recommended --config 16b_moe_fp8 --model config --global-batch 16 \
           --recipes bf16 fp8
+      elif [ "$plan_rc" = 0 ] && grep -q '^no layout fits' <<< "$plan"; then
+        echo "## moe16b_recommended: SKIPPED: the planner found no layout that fits (moe16b_layouts says why)" \
+          | tee -a "$OUT/summary.md"
       else
-        echo "## moe16b_recommended: SKIPPED: the planner found no layout that fits" | tee -a "$OUT/summary.md"
+        case $plan_rc in
+          0) why="gave neither a recommendation nor 'no layout fits'" ;;
+          124) why="timed out after ${STEP_TIMEOUT:-590} s" ;;
+          *) why="failed (rc $plan_rc)" ;;
+        esac
+        echo "## moe16b_recommended: FAILED: the layout planner (tools/plan.py --layouts) $why: $(tail -n 3 \
+          "$LOGS/moe16b_plan.log" | tr '\n' ' ')" | tee -a "$OUT/summary.md"
       fi
       step dense_dp8 $EIGHT optimizer.sharded=true --model 1b --global-batch 64 --recipes bf16 fp8
       step dense_tp2_dp4 $EIGHT $SP --model 1b --global-batch 32 --recipes bf16 fp8 ;;
@@ -66,9 +81,18 @@ for part in $PARTS; do
         training.steps=200 optimizer.lr=3e-4 optimizer.min_lr=3e-5 optimizer.warmup_steps=20 training.eval_interval=0
         logging.log_interval=1 logging.output_dir=$RUN_DIR"
       step loss_1gpu python launch/pretrain.py --config tiny_dense $RUNS run_name=fp8_1gpu
+      unfinished_runs=$(unfinished loss_1gpu "$STEP_RC")
       step loss_tp2_dp4 torchrun --standalone --nproc_per_node=8 launch/pretrain.py --config tiny_dense $RUNS $SP \
         run_name=fp8_tp2_dp4
-      step loss_compare python tools/compare_runs.py "$RUN_DIR/fp8_1gpu" "$RUN_DIR/fp8_tp2_dp4" --skip 10 ;;
+      more=$(unfinished loss_tp2_dp4 "$STEP_RC")
+      [ -n "$unfinished_runs" ] && [ -n "$more" ] && unfinished_runs+="; "
+      unfinished_runs+=$more
+      # Only two whole runs are compared: over a run cut short, compare_runs.py would compare the steps it logged.
+      if [ -z "$unfinished_runs" ]; then
+        step loss_compare python tools/compare_runs.py "$RUN_DIR/fp8_1gpu" "$RUN_DIR/fp8_tp2_dp4" --skip 10
+      else
+        echo "## loss_compare: SKIPPED: $unfinished_runs" | tee -a "$OUT/summary.md"
+      fi ;;
     *) echo "## $part: unknown part (one_gpu two_gpus eight_gpus loss_8gpu)" | tee -a "$OUT/summary.md" ;;
   esac
 done

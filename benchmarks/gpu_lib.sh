@@ -88,14 +88,26 @@ install_deepgemm() {  # DeepGEMM (the `deepgemm` backend; a peer column of dense
 }
 
 step() {  # step NAME command...: run it (at most $STEP_TIMEOUT s), append its stdout (a table) and its time to the
-  # summary, keep its stderr
+  # summary, keep its stderr; STEP_RC is the command's exit status (124: timed out), for a later step that needs
+  # this one to have finished (unfinished)
   local name=$1 t0=$SECONDS
   shift
   echo "## $name" >> "$OUT/summary.md"
-  timeout "${STEP_TIMEOUT:-590}" "$@" >> "$OUT/summary.md" 2> "$LOGS/$name.log" \
-    || echo "FAILED (rc $?): $(tail -n 3 "$LOGS/$name.log")" >> "$OUT/summary.md"
+  STEP_RC=0  # (set this way, a caller under `set -e` goes on past a failed step, as the summary line says)
+  timeout "${STEP_TIMEOUT:-590}" "$@" >> "$OUT/summary.md" 2> "$LOGS/$name.log" || STEP_RC=$?
+  [ "$STEP_RC" = 0 ] || echo "FAILED (rc $STEP_RC): $(tail -n 3 "$LOGS/$name.log")" >> "$OUT/summary.md"
   printf '(%s s)\n\n' "$((SECONDS - t0))" >> "$OUT/summary.md"
   echo "== $name done"
+}
+
+unfinished() {  # unfinished NAME RC: nothing where step NAME's command exited 0 (RC, its STEP_RC); else
+  # "NAME did not finish (why)": timed out, or failed with its status and the last line of its stderr
+  [ "$2" = 0 ] && return 0
+  if [ "$2" = 124 ]; then
+    echo "$1 did not finish (timed out after ${STEP_TIMEOUT:-590} s)"
+  else
+    echo "$1 did not finish (failed, rc $2: $(tail -n 1 "$LOGS/$1.log" 2> /dev/null))"
+  fi
 }
 
 sampled_step() {  # sampled_step LABEL NAME command...: `step NAME command...` with the SM clock, power and clock event

@@ -179,24 +179,45 @@ def test_gpu_2gpu_script_skips_what_the_budget_cannot_hold(tmp_path):
 
 
 # ------------------------------------------------------------------------ benchmarks/gpu_8.sh (issue 23)
-# A stand-in for benchmarks/train_step.py and launch/pretrain.py: logs its arguments and rank count, prints a row.
+# A stand-in for benchmarks/train_step.py, launch/pretrain.py, tools/preprocess_data.py and tools/compare_runs.py:
+# logs its arguments and rank count, prints a row. A pretrain.py run named in FAKE_FAIL fails (exit status 1, an error
+# on stderr); one named in FAKE_HANG sleeps past any STEP_TIMEOUT a test sets.
 FAKE_RUN = r'''
-import json, os, sys
+import json, os, sys, time
 with open(os.environ["FAKE_CALLS"], "a") as calls:
     calls.write(json.dumps({"script": sys.argv[1], "ranks": int(os.environ.get("FAKE_RANKS", "1")),
                             "args": sys.argv[2:]}) + "\n")
+run_name = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("run_name=")), None)
+if run_name is not None and run_name == os.environ.get("FAKE_FAIL"):
+    sys.exit(f"error: {run_name} diverged at step 57")
+if run_name is not None and run_name == os.environ.get("FAKE_HANG"):
+    time.sleep(60)
 print("| fake row |")
 '''
 
 
-def gpu_8(tmp_path, gpus: int, *parts, **extra_env):
-    """benchmarks/gpu_8.sh with `gpus` GPUs reported, the training scripts and torchrun replaced by the stand-in
-    (the planner, tools/plan.py, is the real one); returns (summary.md, the logged calls)."""
+def gpu_8(tmp_path, gpus: int, *parts, planner: str | None = None, **extra_env):
+    """benchmarks/gpu_8.sh with `gpus` GPUs reported, the training, data and comparison scripts and torchrun replaced
+    by the stand-in; the planner, tools/plan.py, is the real one unless `planner` is given: bash run in its place,
+    with the planner's arguments as "$@" (run once: a second call of the planner gets the first's output and exit
+    status again, a planner's torch import saved). Returns (summary.md, the logged calls)."""
+    tmp_path.mkdir(exist_ok=True)
     out = tmp_path / "out"
     fake = tmp_path / "fake_run.py"
     fake.write_text(FAKE_RUN)
-    bin_dir = stand_in_tools(tmp_path, fake, gpus, ("benchmarks/train_step.py", "launch/pretrain.py"),
+    bin_dir = stand_in_tools(tmp_path, fake, gpus, ("benchmarks/train_step.py", "launch/pretrain.py",
+                                                    "tools/preprocess_data.py", "tools/compare_runs.py"),
                              keep_script_arg=True)
+    if planner is not None:
+        shebang, rest = (bin_dir / "python").read_text().split("\n", 1)
+        answer = tmp_path / "plan"
+        (bin_dir / "python").write_text(f"""{shebang}
+if [ "$1" = tools/plan.py ]; then
+  shift
+  [ -e {answer}.rc ] || {{ ( {planner} ) > {answer}.out 2> {answer}.err; echo $? > {answer}.rc; }}
+  cat {answer}.out; cat {answer}.err >&2; exit "$(cat {answer}.rc)"
+fi
+{rest}""")
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out),
                FAKE_CALLS=str(tmp_path / "calls.jsonl"), **extra_env)
     result = subprocess.run(["bash", "benchmarks/gpu_8.sh", *parts], cwd=REPO, env=env, capture_output=True,
@@ -241,6 +262,54 @@ def test_gpu_8_script_on_eight_gpus_also_runs_the_layout_the_planner_recommends(
     assert [c["ranks"] for c in calls] == [8, 8, 8, 8]
     assert set(recommended) <= set(calls[1]["args"]) and "16b_moe_fp8" in calls[1]["args"]
     assert {"parallel.pp=2", "parallel.ep=2", "parallel.pp_schedule=dualpipev"} <= set(calls[0]["args"])
+
+
+def test_gpu_8_script_skips_the_recommended_layout_only_where_the_planner_finds_none_fits(tmp_path):
+    """The planner's answer "no layout fits" (the real planner, told the GPUs hold 1 GiB) skips the recommended
+    layout; a planner that fails (the real one on a bad config, or one that crashes mid-table) is a FAILED line with
+    its error, not that skip, and no recommended layout runs."""
+    python = sys.executable
+    summary, calls = gpu_8(tmp_path / "none_fits", 8, "eight_gpus",
+                           planner=f'exec {python} tools/plan.py "$@" --gpu-gib 1')
+    assert "no layout fits, for these reasons" in summary  # the planner's own table, under moe16b_layouts
+    assert "## moe16b_recommended: SKIPPED: the planner found no layout that fits" in summary
+    assert "FAILED" not in summary
+    assert [c["ranks"] for c in calls] == [8, 8, 8]  # the fixed layouts only
+
+    summary, calls = gpu_8(tmp_path / "bad_config", 8, "eight_gpus",
+                           planner=f'exec {python} tools/plan.py "$@" model.no_such_key=1')
+    assert "## moe16b_recommended: FAILED: the layout planner (tools/plan.py --layouts) failed (rc 2): error: " \
+        "unknown config key 'model.no_such_key'" in summary
+    assert "no layout that fits" not in summary and [c["ranks"] for c in calls] == [8, 8, 8]
+
+    crash = ("echo '| | tp | pp | ep | dp |'; "
+             f"exec {python} -c 'raise RuntimeError(\"CUDA error: no kernel image is available\")'")
+    summary, calls = gpu_8(tmp_path / "crash", 8, "eight_gpus", planner=crash)
+    line = next(line for line in summary.splitlines() if line.startswith("## moe16b_recommended"))
+    assert line.startswith("## moe16b_recommended: FAILED: the layout planner (tools/plan.py --layouts) failed "
+                           "(rc 1): ") and "RuntimeError: CUDA error: no kernel image is available" in line, line
+    assert "no layout that fits" not in summary and [c["ranks"] for c in calls] == [8, 8, 8]
+
+
+def test_gpu_8_script_compares_the_loss_runs_only_where_both_finished(tmp_path):
+    """loss_8gpu: tools/compare_runs.py compares the one-GPU and TP=2 x DP=4 runs where both exit 0; where either
+    failed or timed out, the comparison is skipped, and the summary names the run and why (a comparison over the
+    steps a cut-short run logged would read as a valid one)."""
+    summary, calls = gpu_8(tmp_path / "both", 8, "loss_8gpu")
+    assert "## loss_compare\n| fake row |" in summary and "SKIPPED" not in summary and "FAILED" not in summary
+    compare = [c for c in calls if c["script"] == "tools/compare_runs.py"]
+    assert len(compare) == 1 and [Path(a).name for a in compare[0]["args"][:2]] == ["fp8_1gpu", "fp8_tp2_dp4"]
+
+    summary, calls = gpu_8(tmp_path / "failed", 8, "loss_8gpu", FAKE_FAIL="fp8_tp2_dp4")
+    assert "## loss_compare: SKIPPED: loss_tp2_dp4 did not finish (failed, rc 1: error: fp8_tp2_dp4 diverged at " \
+        "step 57)\n" in summary
+    assert "## loss_compare\n" not in summary and not any(c["script"] == "tools/compare_runs.py" for c in calls)
+
+    summary, calls = gpu_8(tmp_path / "timed_out", 8, "loss_8gpu", FAKE_HANG="fp8_1gpu", FAKE_FAIL="fp8_tp2_dp4",
+                           STEP_TIMEOUT="2")
+    assert "## loss_compare: SKIPPED: loss_1gpu did not finish (timed out after 2 s); loss_tp2_dp4 did not finish " \
+        "(failed, rc 1: error: fp8_tp2_dp4 diverged at step 57)\n" in summary
+    assert "## loss_compare\n" not in summary and not any(c["script"] == "tools/compare_runs.py" for c in calls)
 
 
 def joined_scaling_rows(tmp_path, *summaries: str) -> list[list[str]]:
