@@ -15,7 +15,8 @@
 # The layout the planner recommends for eight GPUs (`tools/plan.py --layouts`) runs after the fixed layouts; where
 # the planner answers that no layout fits, it is skipped, and where the planner fails, the summary says FAILED.
 # Usage: OUT=dir bash benchmarks/gpu_8.sh [parts...]   (default: one_gpu two_gpus eight_gpus loss_8gpu)
-# STEP_TIMEOUT (s) bounds each step; tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz. DEEPGEMM=1 installs
+# STEP_TIMEOUT (s) bounds each step; tables go to $OUT/summary.md, logs to $OUT/logs.tar.gz, loss_8gpu's two
+# runs' metrics to $OUT/loss_runs/. DEEPGEMM=1 installs
 # DeepGEMM first (gpu_lib.sh's install_deepgemm, from .dg/DeepGEMM: carry it), so that FP8 runs on `deepgemm`, what
 # `precision.fp8_backend: auto` picks where it is installed (~100-170 s on a fresh machine, 34-46 s from
 # builds carried in .dg); else on `hopper`. REQUIRE_CARD=H200 runs nothing on other cards.
@@ -85,6 +86,10 @@ for part in $PARTS; do
       step loss_tp2_dp4 torchrun --standalone --nproc_per_node=8 launch/pretrain.py --config tiny_dense $RUNS $SP \
         run_name=fp8_tp2_dp4
       more=$(unfinished loss_tp2_dp4 "$STEP_RC")
+      for run in fp8_1gpu fp8_tp2_dp4; do  # the two runs' metrics come back with the results (docs/parity_runs)
+        [ -f "$RUN_DIR/$run/metrics.jsonl" ] && mkdir -p "$OUT/loss_runs/$run" \
+          && cp "$RUN_DIR/$run/metrics.jsonl" "$OUT/loss_runs/$run/"
+      done
       [ -n "$unfinished_runs" ] && [ -n "$more" ] && unfinished_runs+="; "
       unfinished_runs+=$more
       # Only two whole runs are compared: over a run cut short, compare_runs.py would compare the steps it logged.

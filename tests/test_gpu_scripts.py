@@ -192,6 +192,11 @@ if run_name is not None and run_name == os.environ.get("FAKE_FAIL"):
     sys.exit(f"error: {run_name} diverged at step 57")
 if run_name is not None and run_name == os.environ.get("FAKE_HANG"):
     time.sleep(60)
+output_dir = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("logging.output_dir=")), None)
+if run_name is not None and output_dir is not None:  # what a finished run leaves
+    os.makedirs(os.path.join(output_dir, run_name), exist_ok=True)
+    with open(os.path.join(output_dir, run_name, "metrics.jsonl"), "w") as metrics:
+        metrics.write(json.dumps({"step": 1, "loss": 5.0, "run": run_name}) + "\n")
 print("| fake row |")
 '''
 
@@ -299,11 +304,14 @@ def test_gpu_8_script_compares_the_loss_runs_only_where_both_finished(tmp_path):
     assert "## loss_compare\n| fake row |" in summary and "SKIPPED" not in summary and "FAILED" not in summary
     compare = [c for c in calls if c["script"] == "tools/compare_runs.py"]
     assert len(compare) == 1 and [Path(a).name for a in compare[0]["args"][:2]] == ["fp8_1gpu", "fp8_tp2_dp4"]
+    for run in ("fp8_1gpu", "fp8_tp2_dp4"):  # both runs' metrics come back in $OUT, with the results
+        assert json.loads((tmp_path / "both" / "out" / "loss_runs" / run / "metrics.jsonl").read_text())["run"] == run
 
     summary, calls = gpu_8(tmp_path / "failed", 8, "loss_8gpu", FAKE_FAIL="fp8_tp2_dp4")
     assert "## loss_compare: SKIPPED: loss_tp2_dp4 did not finish (failed, rc 1: error: fp8_tp2_dp4 diverged at " \
         "step 57)\n" in summary
     assert "## loss_compare\n" not in summary and not any(c["script"] == "tools/compare_runs.py" for c in calls)
+    assert [p.parent.name for p in (tmp_path / "failed" / "out").glob("loss_runs/*/metrics.jsonl")] == ["fp8_1gpu"]
 
     summary, calls = gpu_8(tmp_path / "timed_out", 8, "loss_8gpu", FAKE_HANG="fp8_1gpu", FAKE_FAIL="fp8_tp2_dp4",
                            STEP_TIMEOUT="2")
