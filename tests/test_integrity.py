@@ -247,6 +247,28 @@ def test_a_branch_left_by_going_back_is_set_aside_once_the_run_passes_it(saved, 
                                                                    "step_00000006.abandoned-2"]
 
 
+def test_a_launch_going_back_points_latest_at_its_checkpoint(saved, tiny_overrides, tmp_path, caplog):
+    """A run saved steps 1, 2 and 4; a launch went back to step 1 and saved step 3. `latest` still named step 4 at
+    that save, so the first branch's step 2, below it, read as this run's own: `keep_last=2` kept it and deleted step
+    1. The launch now points `latest` at the checkpoint it resumes, and step 2 is set aside at the save of step 3."""
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    shutil.copytree(ckpt / "step_00000002", ckpt / "step_00000004")
+    (ckpt / "latest").write_text("step_00000004\n")
+    with caplog.at_level("WARNING", logger="megafp8"):
+        trainer = _trainer(tiny_overrides + [f"logging.output_dir={tmp_path / 'runs'}", "run_name=b",
+                                             f"checkpoint.dir={ckpt}", f"checkpoint.resume={ckpt / 'step_00000001'}",
+                                             "checkpoint.keep_last=2", "checkpoint.format=full"])
+        assert trainer.step == 1 and (ckpt / "latest").read_text() == "step_00000001\n"
+        assert "the newer checkpoint(s) step_00000002, step_00000004 are passed over" in caplog.text
+        for _ in range(2):
+            trainer.train_step()
+        trainer.save()
+    trainer.run_lock.release()
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000001", "step_00000002.abandoned",
+                                                      "step_00000003", "step_00000004"]
+    assert [p.name for p in resume_candidates(ckpt)[0]] == ["step_00000003", "step_00000001"]
+
+
 @pytest.mark.parametrize("form", ["sharded", "full"])
 def test_a_step_converted_into_a_run_s_own_directory_leaves_latest_at_the_newer_one(saved, tmp_path, form):
     """`consolidate ckpt/step_1 --out ckpt --overwrite` pointed `latest` back at step 1: the next relaunch resumed

@@ -174,6 +174,22 @@ def _set_abandoned_aside(root: Path, name: str) -> None:
     _fsync_dir(root)
 
 
+def point_latest_at(root: Path, resumed: Path) -> list[str]:
+    """Point `latest` in `root` at `resumed`, the checkpoint in `root` a launch resumes from (call on rank 0, the
+    run's directory locked), where it names another one; returns the names of the checkpoints newer than `resumed`,
+    which a run going back leaves (then passed over by `auto`, and set aside by the saves that pass them). Without
+    this, the first save after going back found `latest` still naming the abandoned branch's newest step, and a
+    checkpoint of that branch below the saved step read as the run's own from then on."""
+    if resumed.is_file():  # a full checkpoint's state.pt
+        resumed = resumed.parent
+    if resumed.parent.resolve() != root.resolve() or not _STEP_DIR.match(resumed.name):
+        return []
+    if read_pointer(root / LATEST_FILE) == resumed.name:
+        return []
+    _replace_pointer(root, _prepared_pointer(root, resumed.name))
+    return [d.name for d in _step_dirs(root) if d.name > resumed.name]
+
+
 def _unused(path: Path) -> Path:
     """`path`, or where it exists the first of `path-2`, `path-3`, ... that does not (a step abandoned twice)."""
     candidate, n = path, 2

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import yaml
 
-from megafp8.checkpoint.local import LATEST_FILE, list_checkpoints
+from megafp8.checkpoint.local import LATEST_FILE, list_checkpoints, point_latest_at
 from megafp8.config import CheckpointConfig, Config, ConfigError
 from megafp8.config.loader import build_dataclass, config_to_dict, flat_settings
 from megafp8.config.schema import upgrade_saved_model
@@ -102,6 +102,11 @@ def record_launch(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, step:
     dropped_note = f"; dropped {dropped} metric record(s) after step {step}" if dropped else ""
     if resumed_from is not None:
         log.info("resuming %s from step %d (%s)%s", run_dir, step, resumed_from, dropped_note)
+        newer = point_latest_at(checkpoint_dir, resumed_from)
+        if newer:
+            log.warning("going back to %s: %s now names it; the newer checkpoint(s) %s are passed over, and each is "
+                        "renamed step_N.abandoned (kept) once this run's saves pass its step", resumed_from.name,
+                        checkpoint_dir / LATEST_FILE, ", ".join(newer))
     elif relaunch and not replace:
         log.info("%s holds an earlier launch of this run without a checkpoint: starting it over from step 0%s",
                  run_dir, dropped_note)
