@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,8 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def metric_steps(run_dir: Path) -> list[int]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def metric_steps(run_dir: Path, name: str = "metrics.jsonl") -> list[int]:
+    lines = [json.loads(x) for x in (run_dir / name).read_text().splitlines()]
     return [r["step"] for r in lines if r["kind"] == "train"]
 
 
@@ -48,9 +49,13 @@ def test_a_relaunch_resumes_and_drops_the_metrics_after_the_checkpoint(tiny_over
     with caplog.at_level(logging.INFO, logger="megafp8"):
         again = make_trainer(tiny_overrides, SAVING)
     assert again.step == 2
-    assert f"resuming {run_dir} from step 2 " in caplog.text and "dropped 1 metric record(s) after step 2" in caplog.text
+    assert f"resuming {run_dir} from step 2 " in caplog.text and "dropped 1 metric record(s) after step 2 (kept in " \
+        "metrics.dropped.jsonl)" in caplog.text
     again.fit()
     assert metric_steps(run_dir) == [1, 2, 3, 4]  # never spliced
+    # the records taken out are kept beside it, in the order they were dropped (they were deleted: the history a run
+    # went back from, a loss spike say, was lost)
+    assert metric_steps(run_dir, "metrics.dropped.jsonl") == [4, 3]
 
 
 def test_a_relaunch_without_a_checkpoint_starts_over(tiny_overrides, caplog):
@@ -224,8 +229,12 @@ def test_overwrite_replaces_the_earlier_run(tiny_overrides, change):
     first = make_trainer(tiny_overrides, SAVING)
     first.fit()
     stale = first.checkpoint_dir / "step_00000002"
+    shutil.copytree(stale, first.checkpoint_dir / "step_00000003.abandoned")  # a branch it went back from
+    (first.run_dir / "metrics.dropped.jsonl").write_text('{"kind": "train", "step": 3}\n')
     trainer = make_trainer(tiny_overrides, SAVING + change + ["checkpoint.overwrite=true", "checkpoint.keep_last=0"])
     assert trainer.step == 0 and not stale.exists()
+    assert not (first.checkpoint_dir / "step_00000003.abandoned").exists()
+    assert not (first.run_dir / "metrics.dropped.jsonl").exists()
     trainer.fit()
     assert metric_steps(trainer.run_dir) == [1, 2, 3, 4]
     assert sorted(p.name for p in trainer.checkpoint_dir.iterdir()) == [".lock", "latest", "step_00000002",

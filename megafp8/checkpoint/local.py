@@ -152,6 +152,7 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int, latest_back: bool 
 
 
 ABANDONED_SUFFIX = ".abandoned"  # a checkpoint of a branch a run left by going back (`_set_abandoned_aside`)
+_ABANDONED = re.compile(r"^step_\d{8}\.abandoned(-\d+)?$")
 
 
 def _set_abandoned_aside(root: Path, name: str) -> None:
@@ -188,6 +189,13 @@ def point_latest_at(root: Path, resumed: Path) -> list[str]:
         return []
     _replace_pointer(root, _prepared_pointer(root, resumed.name))
     return [d.name for d in _step_dirs(root) if d.name > resumed.name]
+
+
+def abandoned_checkpoints(root: Path) -> list[Path]:
+    """The checkpoints `_set_abandoned_aside` renamed in `root` (`step_N.abandoned`, `step_N.abandoned-2`, ...)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _ABANDONED.match(p.name))
 
 
 def _unused(path: Path) -> Path:

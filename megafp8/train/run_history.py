@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import yaml
 
-from megafp8.checkpoint.local import LATEST_FILE, list_checkpoints, point_latest_at
+from megafp8.checkpoint.local import LATEST_FILE, abandoned_checkpoints, list_checkpoints, point_latest_at
 from megafp8.config import CheckpointConfig, Config, ConfigError
 from megafp8.config.loader import build_dataclass, config_to_dict, flat_settings
 from megafp8.config.schema import upgrade_saved_model
@@ -99,7 +99,8 @@ def record_launch(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, step:
         remove_earlier_run(run_dir, checkpoint_dir, metrics_path)
         log.info("checkpoint.overwrite: replaced the earlier run in %s", run_dir)
     dropped = drop_metrics_after(metrics_path, step)
-    dropped_note = f"; dropped {dropped} metric record(s) after step {step}" if dropped else ""
+    dropped_note = (f"; dropped {dropped} metric record(s) after step {step} (kept in "
+                    f"{dropped_metrics_path(metrics_path).name})" if dropped else "")
     if resumed_from is not None:
         log.info("resuming %s from step %d (%s)%s", run_dir, step, resumed_from, dropped_note)
         newer = point_latest_at(checkpoint_dir, resumed_from)
@@ -245,7 +246,8 @@ def _start_from(earlier: EarlierRun, changes: list[str], checkpoint_dir: Path, r
 
 def remove_earlier_run(run_dir: Path, checkpoint_dir: Path, metrics_path: Path) -> None:
     """Delete an earlier run's checkpoints, metrics and run files (`checkpoint.overwrite`); nothing else."""
-    for path in list_checkpoints(checkpoint_dir) + [checkpoint_dir / LATEST_FILE, metrics_path] + \
+    for path in list_checkpoints(checkpoint_dir) + abandoned_checkpoints(checkpoint_dir) + \
+            [checkpoint_dir / LATEST_FILE, metrics_path, dropped_metrics_path(metrics_path)] + \
             [run_dir / name for name in _RUN_FILES]:
         if path.is_dir():
             shutil.rmtree(path)
@@ -253,14 +255,26 @@ def remove_earlier_run(run_dir: Path, checkpoint_dir: Path, metrics_path: Path) 
             path.unlink()
 
 
+def dropped_metrics_path(metrics_path: Path) -> Path:
+    """Where `drop_metrics_after` keeps the records it takes out of `metrics_path` (metrics.dropped.jsonl)."""
+    return metrics_path.with_name(f"{metrics_path.stem}.dropped{metrics_path.suffix}")
+
+
 def drop_metrics_after(metrics_path: Path, step: int) -> int:
-    """Remove the records after `step` from the metrics file (records without a step stay); returns how many."""
+    """Move the records after `step` out of the metrics file (records without a step stay), appending them to
+    `dropped_metrics_path`: a relaunch re-logs those steps, and the metrics file stays one history, yet the records
+    can be what a run that went back to an earlier step went back from (a loss spike). Returns how many."""
     if not metrics_path.is_file():
         return 0
     lines = metrics_path.read_text(encoding="utf-8").splitlines()
     kept = [line for line in lines if line.strip() and _step_of(line) <= step]
     dropped = len(lines) - len(kept)
     if dropped:
+        taken = [line for line in lines if line.strip() and _step_of(line) > step]
+        with open(dropped_metrics_path(metrics_path), "a", encoding="utf-8") as f:  # before the rewrite: a kill
+            f.write("".join(line + "\n" for line in taken))  # between the two leaves them in both, never in neither
+            f.flush()
+            os.fsync(f.fileno())
         replace_file(metrics_path, "".join(line + "\n" for line in kept))
     return dropped
 
