@@ -77,6 +77,16 @@ def parity(corpus_dir, tmp_path_factory) -> ParityRuns:
     return ParityRuns(TINY_OVERRIDES + [f"data.path={corpus_dir}"], tmp_path_factory.mktemp("parity"))
 
 
+def side_by_side(*calls):
+    """Each call's result, in order, the calls made two at a time: for independent subprocesses that are each mostly
+    one thread (a Python start-up importing torch), on the CI machine's two cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
+
+
 def torchrun_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"

@@ -7,10 +7,20 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.conftest import REPO, torchrun_env
+
+
+def run_side_by_side(*cmds: list[str]) -> list[subprocess.CompletedProcess]:
+    """Each command's result, as `subprocess.run(cmd, cwd=REPO, env=torchrun_env(), ...)` gives it, the commands run
+    two at a time: each is one single-threaded process (OMP_NUM_THREADS=1), most of a refused one's time spent
+    importing torch, and the CI machine has two cores."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda cmd: subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True,
+                                                        text=True, timeout=300), cmds))
 
 
 def test_train_step_benchmark_prints_one_row_per_recipe(corpus_dir, tmp_path):
@@ -190,7 +200,10 @@ def test_dense_gemm_benchmark_prints_each_gemm_of_each_linear_or_why_not():
     run, and the ratio columns compare the best FP8 column with the backend's and with BF16."""
     cmd = [sys.executable, "benchmarks/dense_gemm.py", "--device", "cpu", "--backend", "reference", "--tokens", "128",
            "--shapes", "256,384", "--iters", "1"]
-    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    scripts = ("dense_gemm.py", "grouped_gemm.py")  # CUDA graphs need the GPU
+    result, bad_shapes, *no_graphs = run_side_by_side(
+        cmd, [*cmd[:-4], "--shapes", "256x384"],
+        *([sys.executable, f"benchmarks/{script}", "--device", "cpu", "--cuda-graphs"] for script in scripts))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert "| BF16 | reference backend | ws 128 | ws 256 | ws 256, registers | ws 256, interleaved FFMA | ws 256, " \
@@ -206,12 +219,8 @@ def test_dense_gemm_benchmark_prints_each_gemm_of_each_linear_or_why_not():
         ms_bf16, ms_ours = (float(cell.split("(")[1].rstrip(")")) for cell in (bf16, ours))
         assert vs_backend == "1.00x", row
         assert float(vs_bf16.removesuffix("x")) == pytest.approx(ms_bf16 / ms_ours, rel=0.05, abs=0.01), row
-    bad = subprocess.run([*cmd[:-4], "--shapes", "256x384"], cwd=REPO, env=torchrun_env(), capture_output=True,
-                         text=True, timeout=300)
-    assert bad.returncode == 2 and "--shapes takes N,K pairs" in bad.stderr
-    for script in ("dense_gemm.py", "grouped_gemm.py"):  # CUDA graphs need the GPU
-        bad = subprocess.run([sys.executable, f"benchmarks/{script}", "--device", "cpu", "--cuda-graphs"], cwd=REPO,
-                             env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert bad_shapes.returncode == 2 and "--shapes takes N,K pairs" in bad_shapes.stderr
+    for script, bad in zip(scripts, no_graphs):
         assert bad.returncode == 2 and "--cuda-graphs needs --device cuda" in bad.stderr, (script, bad.stderr)
 
 
@@ -220,7 +229,7 @@ def test_wgrad_scaling_study_compares_the_two_scalings_of_x_on_each_distribution
     distribution with each scaling's dW error against FP64; on i.i.d. Gaussian x the blocks cost (almost) nothing,
     on x with token outliers they cost more than on any other row; sizes that are not whole tiles are refused."""
     cmd = [sys.executable, "benchmarks/wgrad_scaling.py", "--tokens", "1024", "--features", "256", "--outputs", "256"]
-    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    result, bad = run_side_by_side(cmd, cmd[:2] + ["--tokens", "1000"])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {cells[0]: cells[1:] for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line
             for cells in [[c.strip() for c in line.split("|")[1:-1]]] if cells[0] != "x"}
@@ -230,8 +239,6 @@ def test_wgrad_scaling_study_compares_the_two_scalings_of_x_on_each_distribution
         assert 0.01 < float(recipe) < 0.06 and 0.01 < float(blocks) < 0.06 and float(tensorwise) > 0.01, name
     assert ratios["gaussian"] == pytest.approx(1.0, abs=0.05)
     assert max(ratios, key=ratios.get).startswith("token outliers"), ratios
-    bad = subprocess.run(cmd[:2] + ["--tokens", "1000"], cwd=REPO, env=torchrun_env(), capture_output=True,
-                         text=True, timeout=300)
     assert bad.returncode == 2 and "--tokens must be a multiple of 128" in bad.stderr
 
 
@@ -267,7 +274,7 @@ def test_grouped_gemm_benchmark_measures_only_the_columns_asked_for():
     `_grouped_mm` and the backend's default (the ratio's two) always run; `--gemms` keeps it to the rows asked for."""
     cmd = [sys.executable, "benchmarks/grouped_gemm.py", "--device", "cpu", "--backend", "reference", "--shapes",
            "2x128,128,256", "--iters", "1", "--gemms", "fp32", "fprop", "--columns", "rowwise"]
-    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    result, unknown_column = run_side_by_side(cmd, cmd[:-1] + ["ROWWISE", "nosuch"])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in result.stdout.splitlines()
             if line.startswith("| 2 x 128, 128, 256 |")]
@@ -277,9 +284,7 @@ def test_grouped_gemm_benchmark_measures_only_the_columns_asked_for():
         assert bf16_loop == "-" and set(others) == {"-"}, row
         assert rowwise.startswith("NotImplementedError: ") or rowwise == "n/a", row
         assert float(bf16_grouped) > 0 and float(ours) > 0, row
-    result = subprocess.run(cmd[:-1] + ["ROWWISE", "nosuch"], cwd=REPO, env=torchrun_env(), capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 2 and "--columns nosuch: no column's label contains it" in result.stderr
+    assert unknown_column.returncode == 2 and "--columns nosuch: no column's label contains it" in unknown_column.stderr
 
 
 def test_launch_cost_times_each_piece_in_windows_and_reports_the_median_and_the_lowest():

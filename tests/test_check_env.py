@@ -12,7 +12,7 @@ import torch
 from megafp8.precision.backends import REGISTERED
 from megafp8.precision.backends.deepgemm_backend import DeepGemmBackend
 from megafp8.precision.backends.triton_backend import TritonBackend
-from tests.conftest import REPO
+from tests.conftest import REPO, side_by_side
 
 
 def load_tool():
@@ -23,15 +23,15 @@ def load_tool():
 
 
 def test_on_this_cpu_it_says_the_reference_runs_and_why_each_gpu_backend_does_not():
-    done = subprocess.run([sys.executable, "tools/check_env.py"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    done, as_json = side_by_side(*(lambda args=args: subprocess.run([sys.executable, "tools/check_env.py", *args],
+                                                                    cwd=REPO, capture_output=True, text=True,
+                                                                    timeout=120) for args in ([], ["--json"])))
     assert done.returncode == 0, done.stderr
     assert "\n  reference  runs\n" in done.stdout
     assert "\n  hopper     no: the hopper backend needs a CUDA GPU, but this run is on cpu\n" in done.stdout
     assert "precision.fp8_backend auto -> reference\n" in done.stdout
     assert "model.attention_backend auto -> torch's own order" in done.stdout
-    facts = json.loads(subprocess.run([sys.executable, "tools/check_env.py", "--json"], cwd=REPO, text=True,
-                                      capture_output=True, timeout=120).stdout)
+    facts = json.loads(as_json.stdout)
     assert facts["torch"] == torch.__version__ and facts["devices"] == [] and facts["checked_on"] == "cpu"
     assert set(facts["fp8_backends"]) == {cls.name for cls in REGISTERED}
     assert facts["packages"]["numpy"] is not None

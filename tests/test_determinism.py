@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -31,8 +32,12 @@ def _losses(tiny_overrides, tmp_path, name: str, *extra: str) -> tuple[list[tupl
 
 
 def test_a_deterministic_run_trains_exactly_as_a_plain_one_on_the_cpu(tiny_overrides, tmp_path):
-    plain, _ = _losses(tiny_overrides, tmp_path, "plain")
-    deterministic, log = _losses(tiny_overrides, tmp_path, "deterministic", "training.deterministic=true")
+    # The two runs side by side (each one process of one thread, in its own run directory; the CI machine has two
+    # cores): nothing of one reaches the other.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = pool.map(lambda extra: _losses(tiny_overrides, tmp_path, *extra),
+                        [("plain",), ("deterministic", "training.deterministic=true")])
+        (plain, _), (deterministic, log) = runs
     assert "deterministic: torch's deterministic algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8" in log, log[-2000:]
     assert len(plain) == 5 and deterministic == plain  # four steps and the evaluation, to the bit
 

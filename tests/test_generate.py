@@ -12,7 +12,7 @@ from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
 from megafp8.train.generate import _choose, load_generator
-from tests.conftest import REPO
+from tests.conftest import REPO, side_by_side
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +58,12 @@ def test_sampling_draws_among_the_top_k_and_is_seeded():
 def test_the_command_line_continues_a_prompt_and_refuses_a_moved_tokenizer_in_one_line(checkpoint, tmp_path):
     command = [sys.executable, "tools/generate.py", str(checkpoint), "--prompt", "import ", "--tokens", "8",
                "--temperature", "0.8", "--top-k", "5", "--samples", "2"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    result, missing = side_by_side(*(lambda cmd=cmd: subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                                                                     timeout=120)
+                                     for cmd in (command, command[:3] + ["--prompt", "a", "--tokenizer",
+                                                                         str(tmp_path / "gone.json")])))
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("--- sample") == 2 and result.stdout.count("\nimport ") == 2
-    missing = subprocess.run(command[:3] + ["--prompt", "a", "--tokenizer", str(tmp_path / "gone.json")], cwd=REPO,
-                             capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
 
 

@@ -33,14 +33,42 @@ def script(tmp_path, *args, **env):
                           timeout=300)
 
 
-def run_configs(tmp_path, *names) -> dict:
-    """Each run's resolved config, as the script's `config` sub-step prints it (every key checked); the sub-steps
-    run side by side (each a Python start-up: `config` reads nothing the others write)."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = dict(zip(names, pool.map(lambda name: script(tmp_path, "config", name), names)))
-    for result in results.values():
-        assert result.returncode == 0, result.stderr
-    return {name: yaml.safe_load(result.stdout) for name, result in results.items()}
+# Each run whose resolved config a test reads (`config NAME`: a Python start-up importing torch, ~2 s of CPU on the
+# 2-core CI machine), keyed by how the tests name it: NAME, or NAME and the environment it is resolved with, in the
+# order the tests first read them. `config` reads only the corpus's meta.json (every test that reads configs makes
+# the same one, fake_corpus's 40M/900k tokens) and the environment, and writes nothing a test reads: so each is
+# resolved once for the module (the `configs` fixture), not once per test (18 sub-steps, 14 of them different).
+CONFIGS = {name: (name, {}) for name in (
+    "dense_bf16_b", "moe_fp8", "moe_bf16_b", "moe_fp8_b", "dense_fp8_a", "dense_fp8blocks_a", "dense_fp8deepgemm_a",
+    "moe_fp8bf16experts_b", "moe_fp8expertsonly_b", "moe_fp8bf16attn_b", "moe_fp8allbf16_b", "moe_bf16_b_r2",
+    "moe_fp8_b_r3")}
+CONFIGS["moe_fp8_b_r8 SEED_B_REPEATS=8"] = ("moe_fp8_b_r8", {"SEED_B_REPEATS": "8"})
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    """(the corpus's meta.json, each of CONFIGS's `config` sub-step results as a future), resolved against
+    fake_corpus's corpus one after another in the background, beside the tests: the tests between the first that
+    reads a config and the next (runs cut short, finished, side by side) mostly run one single-threaded Python
+    process at a time, and the CI machine has two cores."""
+    root = tmp_path_factory.mktemp("configs")
+    fake_corpus(root, 40_000_000, 900_000)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        futures = {key: pool.submit(script, root, "config", name, **env) for key, (name, env) in CONFIGS.items()}
+        yield (root / "work" / "corpus" / "meta.json").read_text(), futures
+        for future in futures.values():
+            future.cancel()  # (a test run that read only some: the rest are not started)
+
+
+def run_configs(tmp_path, configs, *keys) -> dict:
+    """Each run's resolved config, as the script's `config` sub-step prints it (every key checked), for the corpus
+    in tmp_path (the one the `configs` fixture resolved them against)."""
+    meta, futures = configs
+    assert (tmp_path / "work" / "corpus" / "meta.json").read_text() == meta
+    results = {key: futures[key].result() for key in keys}
+    for key in keys:
+        assert results[key].returncode == 0, results[key].stderr
+    return {key: yaml.safe_load(results[key].stdout) for key in keys}
 
 
 def fake_corpus(tmp_path, train_tokens, valid_tokens):
@@ -62,7 +90,7 @@ def test_the_script_parses_and_refuses_bad_sub_steps(tmp_path):
     assert script(tmp_path, "status").stdout.startswith("no corpus in")
 
 
-def test_plan_cuts_the_runs_to_one_pass_and_configs_hold_every_setting(tmp_path):
+def test_plan_cuts_the_runs_to_one_pass_and_configs_hold_every_setting(tmp_path, configs):
     fake_corpus(tmp_path, 40_000_000, 900_000)  # 19,531 samples of 2048: 2,441 steps of 8; 439 held-out samples
     plan = script(tmp_path, "plan")
     assert plan.returncode == 0, plan.stderr
@@ -70,8 +98,8 @@ def test_plan_cuts_the_runs_to_one_pass_and_configs_hold_every_setting(tmp_path)
     assert "- dense: 2441 steps of 16384 tokens = 39993344 tokens, one pass at most (cut from 3000: the corpus holds " \
            "one pass of 2441 steps)\n" in plan.stdout
     assert "- moe: 1000 steps of 16384 tokens = 16384000 tokens, one pass at most\n" in plan.stdout
-    configs = run_configs(tmp_path, "dense_bf16_b", "moe_fp8")
-    dense, moe = configs["dense_bf16_b"], configs["moe_fp8"]
+    resolved = run_configs(tmp_path, configs, "dense_bf16_b", "moe_fp8")
+    dense, moe = resolved["dense_bf16_b"], resolved["moe_fp8"]
     assert (dense["precision"]["recipe"], dense["training"]["seed"], dense["data"]["seed"]) == ("bf16", 2, 1234)
     assert (moe["precision"]["recipe"], moe["training"]["seed"], moe["data"]["seed"]) == ("fp8", 1, 1234)
     assert (dense["training"]["steps"], moe["training"]["steps"]) == (2441, 1000)
@@ -246,12 +274,12 @@ def _judged_once_finished(tmp_path, family: str, name: str, finished: dict, fina
     return (tmp_path / "out" / "summary.md").read_text().rsplit(f"## {section}\n", 1)[1]
 
 
-def test_compare_takes_moe_bf16_seed_b_once_it_has_finished(tmp_path):
+def test_compare_takes_moe_bf16_seed_b_once_it_has_finished(tmp_path, configs):
     """`moe_bf16_b` (MoE's BF16 seed B, optional) is a run like the others (seed B's training.seed), and `compare`
     judges MoE against its seed-to-seed spread once it has finished; before that, against BF16 seed A alone.
     `compare moe` leaves the dense comparison out."""
     fake_corpus(tmp_path, 40_000_000, 900_000)
-    cfg = run_configs(tmp_path, "moe_bf16_b")["moe_bf16_b"]
+    cfg = run_configs(tmp_path, configs, "moe_bf16_b")["moe_bf16_b"]
     assert (cfg["precision"]["recipe"], cfg["training"]["seed"], cfg["data"]["seed"]) == ("bf16", 2, 1234)
     assert cfg["model"]["moe"]["num_experts"] == 64 and cfg["checkpoint"]["interval"] == 0
     runs, env = tmp_path / "work" / "runs", {"MOE_STEPS": "2", "DENSE_STEPS": "2"}
@@ -268,14 +296,15 @@ def test_compare_takes_moe_bf16_seed_b_once_it_has_finished(tmp_path):
     assert "== parity_moe done" in moe_only and "parity_dense" not in moe_only, moe_only
     assert "BF16 seed-to-seed spread: not measured" in moe_section()
     _finished_run(runs, "moe_bf16_b", [4.0, 2.94])  # now finished
-    script(tmp_path, "compare", "moe", **env)
+    with_seed_b = script(tmp_path, "compare", "moe", **env).stdout
     assert "BF16 seed-to-seed spread |BF16 B - BF16 A|: 2.000%; |FP8 - BF16 A| = 1.000%: inside the spread" \
         in moe_section(), moe_section()
 
-    # MoE's FP8 seed B: seed B's training.seed, judged against BF16 seed B once finished
-    cfg = run_configs(tmp_path, "moe_fp8_b")["moe_fp8_b"]
+    # MoE's FP8 seed B: seed B's training.seed, judged against BF16 seed B once finished (and not before: the
+    # compare just above, with moe_bf16_b finished and no moe_fp8_b, left it out)
+    cfg = run_configs(tmp_path, configs, "moe_fp8_b")["moe_fp8_b"]
     assert (cfg["precision"]["recipe"], cfg["training"]["seed"]) == ("fp8", 2)
-    assert "parity_moe_seed_b" not in script(tmp_path, "compare", "moe", **env).stdout
+    assert "parity_moe_seed_b" not in with_seed_b
     _finished_run(runs, "moe_fp8_b", [4.0, 2.97])
     seed_b = script(tmp_path, "compare", "moe", **env).stdout
     assert "== parity_moe_seed_b done" in seed_b, seed_b
@@ -291,14 +320,14 @@ def test_compare_takes_moe_bf16_seed_b_once_it_has_finished(tmp_path):
     ("fp8blocks", "fp8_wgrad_input_blocks", True, False, 3.02, "0.667%"),
     ("fp8deepgemm", "fp8_backend", "deepgemm", "auto", 3.03, "1.000%")])
 def test_an_opt_in_run_is_fp8_seed_a_with_its_one_option_and_compare_sets_it_against_the_bf16_seeds(
-        tmp_path, opt_in, option, on, off, final, gap):
+        tmp_path, configs, opt_in, option, on, off, final, gap):
     """`dense_fp8blocks_a` (x in 128x128 blocks for the wgrads) and `dense_fp8deepgemm_a` (the deepgemm backend) are
     FP8 seed A with one precision option changed (their only difference from `dense_fp8_a`, so each its own run id);
     `compare dense` judges each against the two BF16 seeds once it has finished, and leaves it out before."""
     name = f"dense_{opt_in}_a"
     fake_corpus(tmp_path, 40_000_000, 900_000)
-    configs = run_configs(tmp_path, "dense_fp8_a", name)
-    run, plain = configs[name], configs["dense_fp8_a"]
+    resolved = run_configs(tmp_path, configs, "dense_fp8_a", name)
+    run, plain = resolved[name], resolved["dense_fp8_a"]
     assert (run["precision"]["recipe"], run["training"]["seed"]) == ("fp8", 1)
     assert (run["precision"][option], plain["precision"][option]) == (on, off)
     _differs_only_in(run, plain, option)
@@ -315,7 +344,8 @@ ABLATIONS = {  # name: (the one layer option it changes, its value, the final va
     "fp8allbf16": ("bf16_layers", ["*"], 2.9547)}
 
 
-def test_moe_s_ablations_are_fp8_seed_b_with_one_layer_glob_and_compare_sets_them_against_bf16_seed_b(tmp_path):
+def test_moe_s_ablations_are_fp8_seed_b_with_one_layer_glob_and_compare_sets_them_against_bf16_seed_b(tmp_path,
+                                                                                                         configs):
     """`moe_fp8bf16experts_b` (the routed experts in BF16), `moe_fp8expertsonly_b` (only they in FP8) and
     `moe_fp8bf16attn_b` (the attention projections in BF16) and the control `moe_fp8allbf16_b` (no GEMM in FP8) are
     FP8 seed B with one layer glob changed, which reaches the config as a one-element list (quoted for YAML, left alone
@@ -323,10 +353,10 @@ def test_moe_s_ablations_are_fp8_seed_b_with_one_layer_glob_and_compare_sets_the
     all of them in one table once FP8 seed B has finished too. (All four in one test: each `compare` is a handful of
     Python start-ups.)"""
     fake_corpus(tmp_path, 40_000_000, 900_000)
-    configs = run_configs(tmp_path, "moe_fp8_b", *(f"moe_{ablation}_b" for ablation in ABLATIONS))
-    plain = configs["moe_fp8_b"]
+    resolved = run_configs(tmp_path, configs, "moe_fp8_b", *(f"moe_{ablation}_b" for ablation in ABLATIONS))
+    plain = resolved["moe_fp8_b"]
     for ablation, (option, value, _) in ABLATIONS.items():
-        run = configs[f"moe_{ablation}_b"]
+        run = resolved[f"moe_{ablation}_b"]
         assert (run["precision"]["recipe"], run["training"]["seed"]) == ("fp8", 2)
         assert run["precision"][option] == value and plain["precision"][option] != value, ablation
         _differs_only_in(run, plain, option)
@@ -384,17 +414,18 @@ def test_cross_eval_evaluates_a_kept_checkpoint_in_both_recipes_and_refuses_a_ru
             in result.stdout, result.stdout
 
 
-def test_seed_b_repeats_run_seed_b_s_settings_and_compare_pools_them_once_two_bf16_runs_have_finished(tmp_path):
+def test_seed_b_repeats_run_seed_b_s_settings_and_compare_pools_them_once_two_bf16_runs_have_finished(tmp_path,
+                                                                                                        configs):
     """`moe_bf16_b_r2` and `moe_fp8_b_r3` (repeats; up to SEED_B_REPEATS, 7 unless set) resolve to their base run's
     config but for the run name (the same seed, data order and recipe); `compare moe` pools the seed-B repeats (`compare_runs.py --pooled`) only once two
     BF16 runs and one FP8 run have finished, counts a repeat still running nowhere, and plots them."""
     fake_corpus(tmp_path, 40_000_000, 900_000)
-    configs = run_configs(tmp_path, "moe_bf16_b", "moe_bf16_b_r2", "moe_fp8_b", "moe_fp8_b_r3")
+    resolved = run_configs(tmp_path, configs, "moe_bf16_b", "moe_bf16_b_r2", "moe_fp8_b", "moe_fp8_b_r3")
     for repeat, base in (("moe_bf16_b_r2", "moe_bf16_b"), ("moe_fp8_b_r3", "moe_fp8_b")):
-        assert configs[repeat]["run_name"] == repeat
-        assert {**configs[repeat], "run_name": base} == configs[base]
+        assert resolved[repeat]["run_name"] == repeat
+        assert {**resolved[repeat], "run_name": base} == resolved[base]
     assert "unknown run 'moe_fp8_b_r8'" in script(tmp_path, "config", "moe_fp8_b_r8").stderr  # SEED_B_REPEATS=7
-    more = script(tmp_path, "config", "moe_fp8_b_r8", SEED_B_REPEATS="8")
+    more = configs[1]["moe_fp8_b_r8 SEED_B_REPEATS=8"].result()  # (`config moe_fp8_b_r8`, SEED_B_REPEATS=8)
     assert more.returncode == 0 and "run_name: moe_fp8_b_r8" in more.stdout, more.stderr
     assert "SEED_B_REPEATS=12: give 1 to 9" in script(tmp_path, "status", SEED_B_REPEATS="12").stderr
     runs, env = tmp_path / "work" / "runs", {"MOE_STEPS": "2", "DENSE_STEPS": "2"}

@@ -11,7 +11,7 @@ import torch
 from megafp8.config import load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
-from tests.conftest import REPO, torchrun_env
+from tests.conftest import REPO, side_by_side, torchrun_env
 
 PRETRAIN = str(REPO / "launch" / "pretrain.py")
 
@@ -79,13 +79,13 @@ def test_missing_config_name_exits_2():
 
 def test_print_config_shows_resolved_values():
     cmd = [sys.executable, PRETRAIN, "--config", "tiny_dense", "--print-config", "model.num_layers=3"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=torchrun_env(), cwd=REPO)
+    result, with_data = side_by_side(*(lambda args=args: subprocess.run(cmd + args, capture_output=True, text=True,
+                                                                        timeout=60, env=torchrun_env(), cwd=REPO)
+                                       for args in ([], ["data.path=/nonexistent"])))
     assert result.returncode == 0
     assert "num_layers: 3" in result.stdout and "hidden_size: 256" in result.stdout
     # vocab_size: null is resolved at start-up; the printed config says to what (it read "null" and nothing more)
     assert "vocab_size: null" in result.stdout and "# model.vocab_size: null is " in result.stdout
-    with_data = subprocess.run(cmd + ["data.path=/nonexistent"], capture_output=True, text=True, timeout=60,
-                               env=torchrun_env(), cwd=REPO)
     assert with_data.stdout.endswith("# model.vocab_size: null is set at start-up from the tokenizer of the data at "
                                      "/nonexistent\n"), with_data.stdout[-300:]
 

@@ -37,8 +37,10 @@ def one_node_cluster(tmp_path):
     if subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 0:
         _skip("a slurmctld already runs on this machine: the test only starts its own cluster where none runs")
     state = tmp_path / "slurm"
+    # MIN_JOB_AGE=10: `sbatch --wait` asks after its job every 8 s (at 2, 10, 18, 26 s, ...), not at 2, 10, 42, 74 s,
+    # ...: at SLURM's default a job of 11-40 s, as on a loaded CI machine (45 s there), returned after 42 s
     started = subprocess.run(["bash", str(REPO / "launch/slurm/local_cluster.sh"), str(state)], capture_output=True,
-                             text=True, timeout=120)
+                             text=True, timeout=120, env={**os.environ, "MIN_JOB_AGE": "10"})
     try:
         if started.returncode != 0 or "idle" not in started.stdout:
             _skip(f"a one-node SLURM cluster could not start here: {(started.stderr or started.stdout)[-500:]}")

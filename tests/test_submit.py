@@ -10,7 +10,7 @@ import pytest
 
 from megafp8.config import ConfigError, load_config
 from megafp8.train.submit import job_shape, sbatch_command
-from tests.conftest import REPO, torchrun_env
+from tests.conftest import REPO, side_by_side, torchrun_env
 
 
 def test_the_layout_sets_the_nodes():
@@ -42,10 +42,11 @@ def test_the_tool_checks_memory_and_prints_the_command():
         return subprocess.run([sys.executable, "launch/slurm/submit.py", "--print-only", *args], cwd=REPO,
                               env=torchrun_env(), capture_output=True, text=True, timeout=120)
 
-    ok = tool("--config", "671b_fp8.yaml", "--nodes", "256")
+    ok, too_big = side_by_side(lambda: tool("--config", "671b_fp8.yaml", "--nodes", "256"),
+                               lambda: tool("--config", "671b_fp8.yaml", "parallel.pp=1", "parallel.pp_layout=null"))
     assert ok.returncode == 0, ok.stderr
     assert "256 node(s) x 8 process(es) = 2048 ranks" in ok.stdout and "sbatch --nodes=256 --gpus-per-node=8" in ok.stdout
-    too_big = tool("--config", "671b_fp8.yaml", "parallel.pp=1", "parallel.pp_layout=null")  # ~209 GiB per GPU
+    # too_big (parallel.pp=1, no layout): ~209 GiB per GPU
     assert too_big.returncode == 2 and "GiB per GPU" in too_big.stderr and "139.0 GiB" in too_big.stderr
 
 

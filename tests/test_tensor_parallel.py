@@ -364,7 +364,7 @@ def test_rank_placement_keeps_tensor_parallel_innermost():
         assert sorted(r for g in members for r in g) == list(range(16)), kind
 
 
-def _timeout_worker(rank: int, world: int) -> None:
+def _timeout_worker(rank: int, world: int, signals) -> None:
     cfg = load_config("tiny_dense", ["parallel.tp=2", "parallel.timeout_minutes=0.05"])  # 3 s
     dims = ParallelDims.from_config(cfg.parallel)
     late = 10.0  # this rank's data-parallel peer (dp_rank 1) joins the all-reduce 10 s late: too late at 3 s
@@ -373,19 +373,25 @@ def _timeout_worker(rank: int, world: int) -> None:
         with pytest.raises(RuntimeError):  # (under torch's default the all-reduce completed when the peer came)
             dist.all_reduce(torch.ones(1), group=dims.dp_group)
         assert time.monotonic() - started < late
+        (signals / f"gave_up.{rank}").touch()
     else:
-        time.sleep(late)
+        # Late: until its peer has given up (3 s when the timeout holds; the suite need not sit out all 10 s), and
+        # at most 10 s (when it does not hold, the peer is still waiting then and the all-reduce completes).
+        peer = next(r for r in dist.get_process_group_ranks(dims.dp_group) if r != rank)
+        deadline = time.monotonic() + late
+        while not (signals / f"gave_up.{peer}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         try:
             dist.all_reduce(torch.ones(1), group=dims.dp_group)
         except RuntimeError:
             pass  # its peer has given up: this one fails too, or after its own timeout
 
 
-def test_parallel_timeout_applies_to_every_process_group():
+def test_parallel_timeout_applies_to_every_process_group(tmp_path):
     """`parallel.timeout_minutes` holds on the tensor-, data-, pipeline- and expert-parallel groups, not only on the
     default group: a new group takes torch's own default (30 minutes on gloo) unless given one, so a collective that
     one rank of a DP group missed waited half an hour."""
-    spawn(4, _timeout_worker)
+    spawn(4, _timeout_worker, tmp_path)
 
 
 def test_layer_rejects_a_shard_off_the_tile_grid():

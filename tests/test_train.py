@@ -56,20 +56,25 @@ def test_step_time_counts_the_wait_for_the_device_and_not_evaluation(tiny_overri
     # slow_eval is large against a step (two evaluations in a window of two steps would add slow_eval to each
     # step's time), so the bound below leaves a loaded machine's step a second and a half.
     slow_read, slow_eval = 0.4, 3.0
-    reduce_loss, evaluate = trainer_module.replica_mean, trainer.evaluate
+    reduce_loss, evaluate, slowed = trainer_module.replica_mean, trainer.evaluate, []
 
     def waiting_for_the_device(value, dims):
         time.sleep(slow_read)
         return reduce_loss(value, dims)
 
     def slow_evaluation():
-        time.sleep(slow_eval)
+        # Slow where it counts: the evaluations after steps 2 and 3, the two inside the second window (the loop logs
+        # step 2's window before its evaluation). The one after step 1 is inside the first window, which has no upper
+        # bound below, and the one after step 4 comes after the last window: at slow_eval too they only added 6 s.
+        if trainer.step in (2, 3):
+            slowed.append(trainer.step)
+            time.sleep(slow_eval)
         return evaluate()
 
     monkeypatch.setattr(trainer_module, "replica_mean", waiting_for_the_device)
     monkeypatch.setattr(trainer, "evaluate", slow_evaluation)
     records = [r for r in trainer.fit() if r["kind"] == "train"]
-    assert [r["step"] for r in records] == [2, 4]
+    assert [r["step"] for r in records] == [2, 4] and slowed == [2, 3]
     for r in records:  # two steps per window, one slow read each window
         assert slow_read / 2 <= r["step_time_s"], r
     # No evaluation time (two evaluations fall inside the second window). The first window also holds the first
