@@ -34,10 +34,10 @@ def script(tmp_path, *args, **env):
 
 
 # Each run whose resolved config a test reads (`config NAME`: a Python start-up importing torch, ~2 s of CPU on the
-# 2-core CI machine), keyed by how the tests name it: NAME, or NAME and the environment it is resolved with, in the
-# order the tests first read them. `config` reads only the corpus's meta.json (every test that reads configs makes
-# the same one, fake_corpus's 40M/900k tokens) and the environment, and writes nothing a test reads: so each is
-# resolved once for the module (the `configs` fixture), not once per test (18 sub-steps, 14 of them different).
+# 2-core CI machine), keyed by how the tests name it: NAME, or NAME and the environment it is resolved with.
+# `config` reads only the corpus's meta.json (every test that reads configs makes the same one, fake_corpus's
+# 40M/900k tokens) and the environment, and writes nothing a test reads: so each is resolved once for the module
+# (the `configs` fixture, two at a time), not once per test (18 sub-steps, 14 of them different, one test at a time).
 CONFIGS = {name: (name, {}) for name in (
     "dense_bf16_b", "moe_fp8", "moe_bf16_b", "moe_fp8_b", "dense_fp8_a", "dense_fp8blocks_a", "dense_fp8deepgemm_a",
     "moe_fp8bf16experts_b", "moe_fp8expertsonly_b", "moe_fp8bf16attn_b", "moe_fp8allbf16_b", "moe_bf16_b_r2",
@@ -46,26 +46,21 @@ CONFIGS["moe_fp8_b_r8 SEED_B_REPEATS=8"] = ("moe_fp8_b_r8", {"SEED_B_REPEATS": "
 
 
 @pytest.fixture(scope="module")
-def configs(tmp_path_factory):
-    """(the corpus's meta.json, each of CONFIGS's `config` sub-step results as a future), resolved against
-    fake_corpus's corpus one after another in the background, beside the tests: the tests between the first that
-    reads a config and the next (runs cut short, finished, side by side) mostly run one single-threaded Python
-    process at a time, and the CI machine has two cores."""
+def configs(tmp_path_factory) -> tuple[str, dict]:
+    """(the corpus's meta.json, each of CONFIGS's `config` sub-step results), resolved against fake_corpus's corpus;
+    the sub-steps run side by side (each a Python start-up: `config` reads nothing the others write)."""
     root = tmp_path_factory.mktemp("configs")
     fake_corpus(root, 40_000_000, 900_000)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        futures = {key: pool.submit(script, root, "config", name, **env) for key, (name, env) in CONFIGS.items()}
-        yield (root / "work" / "corpus" / "meta.json").read_text(), futures
-        for future in futures.values():
-            future.cancel()  # (a test run that read only some: the rest are not started)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = pool.map(lambda key: script(root, "config", CONFIGS[key][0], **CONFIGS[key][1]), CONFIGS)
+        return (root / "work" / "corpus" / "meta.json").read_text(), dict(zip(CONFIGS, results))
 
 
 def run_configs(tmp_path, configs, *keys) -> dict:
     """Each run's resolved config, as the script's `config` sub-step prints it (every key checked), for the corpus
     in tmp_path (the one the `configs` fixture resolved them against)."""
-    meta, futures = configs
+    meta, results = configs
     assert (tmp_path / "work" / "corpus" / "meta.json").read_text() == meta
-    results = {key: futures[key].result() for key in keys}
     for key in keys:
         assert results[key].returncode == 0, results[key].stderr
     return {key: yaml.safe_load(results[key].stdout) for key in keys}
@@ -425,7 +420,7 @@ def test_seed_b_repeats_run_seed_b_s_settings_and_compare_pools_them_once_two_bf
         assert resolved[repeat]["run_name"] == repeat
         assert {**resolved[repeat], "run_name": base} == resolved[base]
     assert "unknown run 'moe_fp8_b_r8'" in script(tmp_path, "config", "moe_fp8_b_r8").stderr  # SEED_B_REPEATS=7
-    more = configs[1]["moe_fp8_b_r8 SEED_B_REPEATS=8"].result()  # (`config moe_fp8_b_r8`, SEED_B_REPEATS=8)
+    more = configs[1]["moe_fp8_b_r8 SEED_B_REPEATS=8"]  # (`config moe_fp8_b_r8` with SEED_B_REPEATS=8)
     assert more.returncode == 0 and "run_name: moe_fp8_b_r8" in more.stdout, more.stderr
     assert "SEED_B_REPEATS=12: give 1 to 9" in script(tmp_path, "status", SEED_B_REPEATS="12").stderr
     runs, env = tmp_path / "work" / "runs", {"MOE_STEPS": "2", "DENSE_STEPS": "2"}
