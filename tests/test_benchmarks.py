@@ -7,20 +7,18 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import REPO, torchrun_env
+from tests.conftest import REPO, side_by_side, torchrun_env
 
 
 def run_side_by_side(*cmds: list[str]) -> list[subprocess.CompletedProcess]:
     """Each command's result, as `subprocess.run(cmd, cwd=REPO, env=torchrun_env(), ...)` gives it, the commands run
-    two at a time: each is one single-threaded process (OMP_NUM_THREADS=1), most of a refused one's time spent
-    importing torch, and the CI machine has two cores."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(lambda cmd: subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True,
-                                                        text=True, timeout=300), cmds))
+    two at a time (`side_by_side`): each is one single-threaded process (OMP_NUM_THREADS=1), most of a refused one's
+    time spent importing torch."""
+    return side_by_side(*(lambda cmd=cmd: subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True,
+                                                         text=True, timeout=300) for cmd in cmds))
 
 
 def test_train_step_benchmark_prints_one_row_per_recipe(corpus_dir, tmp_path):
