@@ -269,6 +269,23 @@ def test_a_launch_going_back_points_latest_at_its_checkpoint(saved, tiny_overrid
     assert [p.name for p in resume_candidates(ckpt)[0]] == ["step_00000003", "step_00000001"]
 
 
+def test_auto_falling_back_past_a_checkpoint_leaves_latest_for_the_next_launch(saved, tiny_overrides, tmp_path):
+    """`auto` passed over step 2, which failed to verify (here a flipped byte; also a read gone wrong on one node of
+    the job, or a file system not yet settled), resumed step 1 and pointed `latest` at it; the launch then failed
+    before its first save (that node again), and its requeue took step 1 without trying step 2, now newer than
+    `latest` ("left by a run that went back"): its saves from there replaced the run's own newer checkpoints."""
+    ckpt = shutil.copytree(saved["sharded"], tmp_path / "ck")
+    _flip(ckpt / "step_00000002" / "__0_0.distcp", 12345)
+    failed = _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}"])
+    assert failed.step == 1
+    failed.run_lock.release()  # (the launch fails before it saves)
+    _flip(ckpt / "step_00000002" / "__0_0.distcp", 12345)  # that read's fault is gone
+    assert (ckpt / "latest").read_text() == "step_00000002\n"
+    requeued = _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}"])
+    requeued.run_lock.release()
+    assert requeued.step == 2
+
+
 @pytest.mark.parametrize("form", ["sharded", "full"])
 def test_a_step_converted_into_a_run_s_own_directory_leaves_latest_at_the_newer_one(saved, tmp_path, form):
     """`consolidate ckpt/step_1 --out ckpt --overwrite` pointed `latest` back at step 1: the next relaunch resumed
