@@ -286,6 +286,32 @@ def test_auto_falling_back_past_a_checkpoint_leaves_latest_for_the_next_launch(s
     assert requeued.step == 2
 
 
+def test_a_launch_resuming_a_set_aside_checkpoint_sets_aside_the_branch_it_leaves(saved, tiny_overrides, tmp_path,
+                                                                                    caplog):
+    """`checkpoint.resume=.../step_2.abandoned` (what a set-aside checkpoint's warning offers) into the run's own
+    directory, whose branch it left had saved step 3 (`latest`): `latest` stayed at step 3, so the save of step 4
+    passed it with nothing between the two to set aside, and step 3, of the branch this launch left, read as this
+    run's own from then on (`keep_last` kept it, `auto` resumed it where step 4 failed to verify)."""
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    (ckpt / "step_00000002").rename(ckpt / "step_00000002.abandoned")
+    shutil.copytree(ckpt / "step_00000001", ckpt / "step_00000003")  # the branch that went back to step 1 and on
+    (ckpt / "latest").write_text("step_00000003\n")
+    with caplog.at_level("WARNING", logger="megafp8"):
+        trainer = _trainer(tiny_overrides + [f"logging.output_dir={tmp_path / 'runs'}", "run_name=b",
+                                             f"checkpoint.dir={ckpt}",
+                                             f"checkpoint.resume={ckpt / 'step_00000002.abandoned'}",
+                                             "checkpoint.keep_last=0", "checkpoint.format=full"])
+        assert trainer.step == 2
+        for _ in range(2):
+            trainer.train_step()
+        trainer.save()
+    trainer.run_lock.release()
+    assert [p.name for p in resume_candidates(ckpt)[0]] == ["step_00000004", "step_00000001"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000001", "step_00000002.abandoned",
+                                                      "step_00000003.abandoned", "step_00000004"]
+    assert "step_00000003 renamed step_00000003.abandoned" in caplog.text
+
+
 @pytest.mark.parametrize("form", ["sharded", "full"])
 def test_a_step_converted_into_a_run_s_own_directory_leaves_latest_at_the_newer_one(saved, tmp_path, form):
     """`consolidate ckpt/step_1 --out ckpt --overwrite` pointed `latest` back at step 1: the next relaunch resumed
