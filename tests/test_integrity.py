@@ -269,6 +269,49 @@ def test_a_launch_going_back_points_latest_at_its_checkpoint(saved, tiny_overrid
     assert [p.name for p in resume_candidates(ckpt)[0]] == ["step_00000003", "step_00000001"]
 
 
+def test_auto_falling_back_past_a_checkpoint_leaves_latest_for_the_next_launch(saved, tiny_overrides, tmp_path):
+    """`auto` passed over step 2, which failed to verify (here a flipped byte; also a read gone wrong on one node of
+    the job, or a file system not yet settled), resumed step 1 and pointed `latest` at it; the launch then failed
+    before its first save (that node again), and its requeue took step 1 without trying step 2, now newer than
+    `latest` ("left by a run that went back"): its saves from there replaced the run's own newer checkpoints."""
+    ckpt = shutil.copytree(saved["sharded"], tmp_path / "ck")
+    _flip(ckpt / "step_00000002" / "__0_0.distcp", 12345)
+    failed = _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}"])
+    assert failed.step == 1
+    failed.run_lock.release()  # (the launch fails before it saves)
+    _flip(ckpt / "step_00000002" / "__0_0.distcp", 12345)  # that read's fault is gone
+    assert (ckpt / "latest").read_text() == "step_00000002\n"
+    requeued = _trainer(tiny_overrides + [f"checkpoint.dir={ckpt}"])
+    requeued.run_lock.release()
+    assert requeued.step == 2
+
+
+def test_a_launch_resuming_a_set_aside_checkpoint_sets_aside_the_branch_it_leaves(saved, tiny_overrides, tmp_path,
+                                                                                    caplog):
+    """`checkpoint.resume=.../step_2.abandoned` (what a set-aside checkpoint's warning offers) into the run's own
+    directory, whose branch it left had saved step 3 (`latest`): `latest` stayed at step 3, so the save of step 4
+    passed it with nothing between the two to set aside, and step 3, of the branch this launch left, read as this
+    run's own from then on (`keep_last` kept it, `auto` resumed it where step 4 failed to verify)."""
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    (ckpt / "step_00000002").rename(ckpt / "step_00000002.abandoned")
+    shutil.copytree(ckpt / "step_00000001", ckpt / "step_00000003")  # the branch that went back to step 1 and on
+    (ckpt / "latest").write_text("step_00000003\n")
+    with caplog.at_level("WARNING", logger="megafp8"):
+        trainer = _trainer(tiny_overrides + [f"logging.output_dir={tmp_path / 'runs'}", "run_name=b",
+                                             f"checkpoint.dir={ckpt}",
+                                             f"checkpoint.resume={ckpt / 'step_00000002.abandoned'}",
+                                             "checkpoint.keep_last=0", "checkpoint.format=full"])
+        assert trainer.step == 2
+        for _ in range(2):
+            trainer.train_step()
+        trainer.save()
+    trainer.run_lock.release()
+    assert [p.name for p in resume_candidates(ckpt)[0]] == ["step_00000004", "step_00000001"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock", "latest", "step_00000001", "step_00000002.abandoned",
+                                                      "step_00000003.abandoned", "step_00000004"]
+    assert "step_00000003 renamed step_00000003.abandoned" in caplog.text
+
+
 @pytest.mark.parametrize("form", ["sharded", "full"])
 def test_a_step_converted_into_a_run_s_own_directory_leaves_latest_at_the_newer_one(saved, tmp_path, form):
     """`consolidate ckpt/step_1 --out ckpt --overwrite` pointed `latest` back at step 1: the next relaunch resumed

@@ -167,12 +167,17 @@ def _set_abandoned_aside(root: Path, name: str) -> None:
         return
     for directory in _step_dirs(root):
         if bound < directory.name < name:
-            aside = _unused(directory.with_name(directory.name + ABANDONED_SUFFIX))
-            directory.rename(aside)
-            log.warning("%s renamed %s: a run that went back to an earlier step (%s) left it, and this run's "
-                        "checkpoints now pass it; it is never resumed or pruned (to resume from it, set "
-                        "checkpoint.resume=%s; delete it once it is not needed)", directory, aside.name, bound, aside)
+            _rename_abandoned(directory, f"a run that went back to an earlier step ({bound}) left it, and this run's "
+                                         "checkpoints now pass it")
     _fsync_dir(root)
+
+
+def _rename_abandoned(directory: Path, why: str) -> None:
+    """Rename checkpoint `directory` (`step_N`) `step_N.abandoned` (or `-2`, ...), saying `why`."""
+    aside = _unused(directory.with_name(directory.name + ABANDONED_SUFFIX))
+    directory.rename(aside)
+    log.warning("%s renamed %s: %s; it is never resumed or pruned (to resume from it, set checkpoint.resume=%s; "
+                "delete it once it is not needed)", directory, aside.name, why, aside)
 
 
 def point_latest_at(root: Path, resumed: Path) -> list[str]:
@@ -183,12 +188,34 @@ def point_latest_at(root: Path, resumed: Path) -> list[str]:
     checkpoint of that branch below the saved step read as the run's own from then on."""
     if resumed.is_file():  # a full checkpoint's state.pt
         resumed = resumed.parent
-    if resumed.parent.resolve() != root.resolve() or not _STEP_DIR.match(resumed.name):
+    if resumed.parent.resolve() != root.resolve():
+        return []
+    if _ABANDONED.match(resumed.name):
+        _leave_branch_for(root, resumed)
+        return []
+    if not _STEP_DIR.match(resumed.name):
         return []
     if read_pointer(root / LATEST_FILE) == resumed.name:
         return []
     _replace_pointer(root, _prepared_pointer(root, resumed.name))
     return [d.name for d in _step_dirs(root) if d.name > resumed.name]
+
+
+def _leave_branch_for(root: Path, resumed: Path) -> None:
+    """A launch resumes `resumed`, a checkpoint `_set_abandoned_aside` renamed in `root` (`step_N.abandoned`): rename
+    the `step_N` directories of its step and newer ones likewise (kept), now. They are of the branch this launch
+    leaves, and no `latest` can say so: `latest` names a `step_N` directory, and one of step N or newer passes over
+    nothing below it, so such a checkpoint below this launch's first save read as the run's own from then on (kept by
+    `keep_last` in place of the run's own, resumed by `auto` where a newer one failed to verify). A `latest` that
+    named one of them goes: until this launch saves, `auto` takes the newest complete checkpoint left (older than
+    step N)."""
+    step = resumed.name[:len(step_dir_name(0))]
+    left = [d for d in _step_dirs(root) if d.name >= step]
+    for directory in left:
+        _rename_abandoned(directory, f"this launch resumes {resumed.name}, and leaves the branch that saved it")
+    if read_pointer(root / LATEST_FILE) in {d.name for d in left}:
+        (root / LATEST_FILE).unlink()
+    _fsync_dir(root)
 
 
 def abandoned_checkpoints(root: Path) -> list[Path]:

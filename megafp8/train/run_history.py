@@ -90,10 +90,13 @@ def choose_start(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, config
 
 
 def record_launch(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, step: int, replace: bool,
-                  resumed_from: Optional[Path], config_yaml: str) -> None:
+                  resumed_from: Optional[Path], config_yaml: str, named: bool = False) -> None:
     """On rank 0 (the run validated and its directories locked): remove a replaced run, drop the metric records
     after `step`, where this launch starts, and record the config. Says in one line what became of an earlier
-    launch."""
+    launch. `named`: `resumed_from` is the checkpoint `checkpoint.resume` names; where it is in `checkpoint_dir`, the
+    run goes back to it, and `latest` is pointed at it (`point_latest_at`). Not where `auto` took it (passing over
+    newer ones that failed to verify, perhaps for a reason gone by the next launch: a read gone wrong on one node):
+    the next launch tries those again."""
     relaunch = (run_dir / CONFIG_FILE).is_file() or metrics_path.is_file()
     if replace:
         remove_earlier_run(run_dir, checkpoint_dir, metrics_path)
@@ -103,7 +106,7 @@ def record_launch(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, step:
                     f"{dropped_metrics_path(metrics_path).name})" if dropped else "")
     if resumed_from is not None:
         log.info("resuming %s from step %d (%s)%s", run_dir, step, resumed_from, dropped_note)
-        newer = point_latest_at(checkpoint_dir, resumed_from)
+        newer = point_latest_at(checkpoint_dir, resumed_from) if named else []
         if newer:
             log.warning("going back to %s: %s now names it; the newer checkpoint(s) %s are passed over, and each is "
                         "renamed step_N.abandoned (kept) once this run's saves pass its step", resumed_from.name,

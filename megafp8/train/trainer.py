@@ -286,13 +286,14 @@ class Trainer:
         resolved = config_to_dict(self.resolved_config())
         replace, resumed_from = choose_start(self.run_dir, self.checkpoint_dir, self.metrics_path, resolved,
                                              self.cfg.checkpoint, self.dims)
+        resume = self.cfg.checkpoint.resume
+        named = resumed_from is not None and resume not in ("auto", "none") and resumed_from == Path(resume)
         if resumed_from is not None:
-            resume = self.cfg.checkpoint.resume
-            self.load(resumed_from, named=resume not in ("auto", "none") and resumed_from == Path(resume))
+            self.load(resumed_from, named=named)
         open_run_directories(self.run_lock, self.run_dir, self.checkpoint_dir, self.dims)
         if self.dims.rank == 0:
             record_launch(self.run_dir, self.checkpoint_dir, self.metrics_path, self.step, replace, resumed_from,
-                          dump_config(self.resolved_config()))
+                          dump_config(self.resolved_config()), named=named)
         return build_logger(self.cfg, resolved, self.run_dir, self.metrics_path, self.dims)
 
     def _open_for_evaluation(self) -> ExperimentLogger:
