@@ -56,6 +56,10 @@ def test_a_relaunch_resumes_and_drops_the_metrics_after_the_checkpoint(tiny_over
     # the records taken out are kept beside it, in the order they were dropped (they were deleted: the history a run
     # went back from, a loss spike say, was lost)
     assert metric_steps(run_dir, "metrics.dropped.jsonl") == [4, 3]
+    # an append killed midway leaves a line without its end: the next one's first record starts a line of its own
+    (run_dir / "metrics.dropped.jsonl").write_text('{"kind": "train", "step": 4}\n{"kind": "tr')
+    drop_metrics_after(first.metrics_path, 3)
+    assert (run_dir / "metrics.dropped.jsonl").read_text().splitlines()[2].startswith('{"kind": "train", "step": 4')
 
 
 def test_a_relaunch_without_a_checkpoint_starts_over(tiny_overrides, caplog):

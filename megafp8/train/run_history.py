@@ -274,12 +274,23 @@ def drop_metrics_after(metrics_path: Path, step: int) -> int:
     dropped = len(lines) - len(kept)
     if dropped:
         taken = [line for line in lines if line.strip() and _step_of(line) > step]
-        with open(dropped_metrics_path(metrics_path), "a", encoding="utf-8") as f:  # before the rewrite: a kill
-            f.write("".join(line + "\n" for line in taken))  # between the two leaves them in both, never in neither
+        kept_aside = dropped_metrics_path(metrics_path)
+        with open(kept_aside, "a", encoding="utf-8") as f:  # before the rewrite: a kill between the two leaves
+            f.write("\n" * _cut_short(kept_aside) + "".join(line + "\n" for line in taken))  # them in both
             f.flush()
             os.fsync(f.fileno())
         replace_file(metrics_path, "".join(line + "\n" for line in kept))
     return dropped
+
+
+def _cut_short(path: Path) -> bool:
+    """Whether `path` ends in a line without its newline (an append killed midway): ended before the next append,
+    whose first record would join it."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def replace_file(path: Path, text: str) -> None:
