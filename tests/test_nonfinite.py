@@ -66,6 +66,26 @@ def test_a_nan_gradient_on_one_rank_is_skipped_on_all_ranks_and_never_saved(tiny
                                                         "optimizer.overlap_grad_reduce=false"])
 
 
+def _nan_in_replicated_grad_worker(rank, world, overrides):
+    trainer = _trainer(overrides, ParallelDims.from_config(load_config("tiny_dense", overrides).parallel))
+    assert trainer.tp.size == 2 and not trainer.tp.sp  # without SP nothing sums the norm weights' grads over TP
+    trainer.train_step()
+    before = _state(trainer)
+    if rank == 1:  # one TP rank's copy of a replicated (norm) weight's gradient, as a flipped bit would leave it
+        _poison_from(trainer, 2, "layers.0.mlp_norm.weight")
+    loss, grad_norm = trainer.train_step()
+    assert math.isnan(grad_norm.item())  # TP rank 0's norm too: skipped on both
+    assert all(torch.equal(a, b) for a, b in zip(_state(trainer), before))
+
+
+def test_a_nan_in_a_tp_replicated_gradient_on_another_tp_rank_is_skipped(tiny_overrides):
+    """The global norm counts a TP-replicated parameter on TP rank 0 only: a nan in TP rank 1's copy of its gradient
+    left the norm finite, and rank 1 applied it (nan master and weight there, which the next forward spread)."""
+    spawn(2, _nan_in_replicated_grad_worker, tiny_overrides + [
+        "parallel.tp=2", "model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.head_dim=128",
+        "model.vocab_size=512", "optimizer.overlap_grad_reduce=false", "training.eval_interval=0"])
+
+
 def test_skips_in_a_row_stop_the_run_naming_the_first_step_and_the_layer(tiny_overrides, tmp_path):
     ckpt = tmp_path / "ck"
     trainer = _trainer(tiny_overrides + ["precision.recipe=fp8", "training.max_consecutive_skips=2",

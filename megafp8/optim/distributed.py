@@ -12,7 +12,8 @@ only (each bucket stores them first, so a shard's decayed elements form one cont
 Gradient clipping uses the global L2 norm: each element is owned by exactly one rank of its
 group, so summing the shards' squares over the group counts every gradient once; over the
 tensor-parallel group, sharded parameters are summed and replicated ones (norm weights) are
-counted on TP rank 0 only; over the pipeline group, each stage's parameters are its own.
+counted on TP rank 0 only (yet checked on every TP rank: an inf or nan in any rank's
+copy makes every rank's norm nan); over the pipeline group, each stage's parameters are its own.
 
 Checkpoint state is by parameter name at the full (unsharded) shape: tensor-parallel shards are
 gathered on save and sliced on load, so a checkpoint loads at any TP and DP layout.
@@ -111,15 +112,28 @@ class DistributedAdamW:
         pieces = [[g] if self.tp.rank == 0 or not shard.replicated else
                   [g[lo:hi] for lo, hi in _complement(shard.replicated, g.numel())]
                   for shard, g in zip(self.shards, grads)]
-        squares = iter(_sums_of_squares([piece for shard_pieces in pieces for piece in shard_pieces]))
+        # Left out of the norm on other TP ranks, the replicated ranges are still checked there: their sum of squares
+        # times zero adds 0, or nan where one of them is inf or nan, so every rank's norm is non-finite (and the step
+        # skipped everywhere) where any rank's copy of a replicated gradient is. Counted on TP rank 0 only, a nan
+        # on another TP rank alone (a flipped bit) was applied there: nan master and weights on that rank.
+        checked = [[g[lo:hi] for lo, hi in shard.replicated] if self.tp.rank != 0 else []
+                   for shard, g in zip(self.shards, grads)]
+        counted = [piece for shard_pieces in pieces for piece in shard_pieces]
+        every = _sums_of_squares(counted + [piece for shard_pieces in checked for piece in shard_pieces])
+        squares, checks = iter(every[:len(counted)]), iter(every[len(counted):])
         # Partial sums per kind of bucket: each is summed over the ranks holding other pieces of that kind (one
         # stack and one sum per kind, not an add per piece).
-        kinds: dict[tuple[int, bool], tuple[Bucket, list[torch.Tensor]]] = {}
-        for shard, shard_pieces in zip(self.shards, pieces):
-            kind = kinds.setdefault((id(shard.bucket.group), shard.expert), (shard.bucket, []))
+        kinds: dict[tuple[int, bool], tuple[Bucket, list[torch.Tensor], list[torch.Tensor]]] = {}
+        for shard, shard_pieces, shard_checked in zip(self.shards, pieces, checked):
+            kind = kinds.setdefault((id(shard.bucket.group), shard.expert), (shard.bucket, [], []))
             kind[1].extend(next(squares) for _ in shard_pieces)
-        partials = {key: (bucket, torch.stack(parts).sum() if parts else torch.zeros((), device=device))
-                    for key, (bucket, parts) in kinds.items()}
+            kind[2].extend(next(checks) for _ in shard_checked)
+        partials: dict[tuple[int, bool], tuple[Bucket, torch.Tensor]] = {}
+        for key, (bucket, parts, kind_checks) in kinds.items():
+            part = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
+            if kind_checks:  # + 0.0 leaves the (non-negative) sum's bits as they are
+                part = part + torch.stack(kind_checks).sum() * 0.0
+            partials[key] = (bucket, part)
         sum_sq = torch.zeros((), dtype=torch.float32, device=device)
         for (_, expert), (bucket, part) in partials.items():
             if self.buckets.sharded and bucket.group_size > 1:
