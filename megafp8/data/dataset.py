@@ -92,6 +92,10 @@ def tokenizer_record(saved: dict[str, Any]) -> dict[str, Any]:
 class Samples(Protocol):
     """What the loader reads: a `PackedDataset`, or a mixture of them (`megafp8.data.blend.TrainingMixture`)."""
 
+    @property
+    def seq_len(self) -> int:  # a whole sample's input tokens (`data.seq_len`): the loader's state records it
+        ...
+
     def __len__(self) -> int: ...
 
     def batch(self, indices: np.ndarray, epochs: np.ndarray | None = None) -> Batch: ...
@@ -116,6 +120,11 @@ class SequenceShare:
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    @property
+    def seq_len(self) -> int:
+        """The whole samples' length (not this rank's share of it): what the loader's state records."""
+        return self.dataset.seq_len
 
     def batch(self, indices: np.ndarray, epochs: np.ndarray | None = None) -> Batch:
         tokens, targets = self.dataset.batch(indices, epochs)
