@@ -6,12 +6,15 @@ largest magnitude, BF16/FP8 to 2^-6."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megafp8.config import ConfigError, MlaConfig, ModelConfig, load_config, validate_for_world
+from megafp8.data import validation_batches
 from megafp8.model import Transformer, init_weights
 from megafp8.model.mla import MultiHeadLatentAttention
 from megafp8.model.rope import RotaryEmbedding
@@ -101,6 +104,25 @@ def test_tiny_mla_moe_mtp_model_trains(tiny_overrides):
     assert len(trainer.model.mtp) == 1 and len(trainer.expert_balance.routers) == 2  # the MTP block is an MoE block too
     losses = [r["loss"] for r in trainer.fit() if r["kind"] == "train"]
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_the_validation_loss_with_mtp_is_the_language_modelling_loss_alone(tiny_overrides):
+    """`val_loss` was the training loss, LM + mtp_loss_weight x the MTP cross-entropy (here ~30% above the LM loss
+    of the same weights): not comparable with a run without MTP, and its `val_ppl` no perplexity. It is the main
+    head's cross-entropy alone, as the model's logits give it, on the same held-out micro-batches."""
+    cfg = load_config("tiny_dense", tiny_overrides + ["model.mtp_depth=1", "precision.recipe=fp32", "training.steps=2",
+                                                      "training.eval_interval=2", "optimizer.warmup_steps=1"])
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+    record = [r for r in trainer.fit() if r["kind"] == "eval"][-1]
+    model, lm, training_loss = trainer.model.eval(), [], []
+    with torch.no_grad():
+        for tokens, targets in validation_batches(trainer.valid_set, 2, cfg.training.eval_iters, 0, 1):
+            lm.append(F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).item())
+            training_loss.append(model(tokens, targets).item())
+    lm_loss = sum(lm) / len(lm)
+    assert sum(training_loss) / len(training_loss) > 1.1 * lm_loss  # the MTP term shows
+    assert record["val_loss"] == pytest.approx(lm_loss, rel=1e-5)
+    assert record["val_ppl"] == pytest.approx(math.exp(lm_loss), rel=1e-5)
 
 
 def test_mtp_inputs_and_targets_look_further_ahead():

@@ -128,7 +128,8 @@ class ModelConfig:
         "embedding and output head. 0 disables it.",
     )
     mtp_loss_weight: float = setting(
-        0.3, "Weight of the mean MTP cross-entropy in the training loss (V3: 0.3, later 0.1)."
+        0.3, "Weight of the mean MTP cross-entropy in the training loss (V3: 0.3, later 0.1); the validation loss "
+        "is the main head's cross-entropy alone."
     )
     moe: MoeConfig = section(MoeConfig, "Mixture-of-experts MLPs; `num_experts: 0` (the default): a dense model.")
 

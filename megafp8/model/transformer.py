@@ -232,15 +232,17 @@ class Transformer(nn.Module):
             self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, recipe.high_precision(), tp,
                                                 device=device, whole_tiles=False)
 
-    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens: (B, T) int64. Returns the mean loss if `targets` (B, T) is given (cross-entropy plus the weighted
-        MTP loss; the MoE balance losses reach backward on their own), else logits (B, T, V)."""
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                with_mtp: bool = True) -> torch.Tensor:
+        """tokens: (B, T) int64. Returns the mean loss if `targets` (B, T) is given (cross-entropy plus, unless not
+        `with_mtp`, the weighted MTP loss; the MoE balance losses reach backward on their own), else logits
+        (B, T, V)."""
         batch, seq_len = tokens.shape
         hidden = self.run_layers(self.embed(tokens), self.layers.keys(), batch, seq_len)
         if targets is None:
             logits = self.lm_head(self.final_norm(hidden))  # (B*T, vocab / tp)
             return gather_from_tp_last(logits, self.tp).view(batch, seq_len, -1)
-        return self.head_loss(hidden, targets)
+        return self.head_loss(hidden, targets, with_mtp)
 
     def run_layers(self, x: torch.Tensor, layer_ids: Iterable[str], batch: int, seq_len: int) -> torch.Tensor:
         """The residual stream after the blocks `layer_ids` (keys of `self.layers`), in order."""
@@ -259,11 +261,13 @@ class Transformer(nn.Module):
         per sample; under sequence parallelism this rank holds 1/tp of them)."""
         return rows * (self.tp.size if self.tp.sp else 1) // self.max_seq_len
 
-    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Final norm, LM head and mean cross-entropy of the last block's output, plus the weighted MTP loss."""
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, with_mtp: bool = True) -> torch.Tensor:
+        """Final norm, LM head and mean cross-entropy of the last block's output, plus (`with_mtp`: the training
+        loss) the weighted MTP loss. Without it, the language-modelling loss alone: the validation loss, comparable
+        with a model's without MTP (the MTP modules, dropped at inference, do not run)."""
         logits = self.lm_head(self.final_norm(hidden))  # (B*T, vocab / tp)
         loss = vocab_parallel_cross_entropy(logits, targets, self.tp)
-        if self.mtp:
+        if self.mtp and with_mtp:
             loss = loss + self.cfg.mtp_loss_weight * self._mtp_loss(hidden, targets)
         return loss
 

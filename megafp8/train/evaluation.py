@@ -22,8 +22,9 @@ from megafp8.train.runtime import host_to_device
 @torch.no_grad()
 def evaluate(model: Transformer, pipeline: Optional[PipelineRunner], valid_set: PackedDataset,
              training: TrainingConfig, dims: ParallelDims, device: torch.device) -> float:
-    """Mean loss over the fixed held-out micro-batches (`training.eval_iters` of them, or the whole split, split
-    across ranks)."""
+    """Mean language-modelling loss over the fixed held-out micro-batches (`training.eval_iters` of them, or the
+    whole split, split across ranks): the main head's cross-entropy alone, without the weighted MTP loss that the
+    training loss adds (`model.mtp_depth`)."""
     model.eval()
     num_micro = validation_micro_batches(training.eval_iters, training.micro_batch_size, len(valid_set))
     # A context-parallel group evaluates one replica's micro-batches, each rank its tokens of them.
@@ -35,7 +36,7 @@ def evaluate(model: Transformer, pipeline: Optional[PipelineRunner], valid_set: 
     else:
         total = torch.zeros(2, device=device)  # (sum of micro-batch losses, count)
         for (tokens, targets), counts in zip(batches, counted):
-            loss = model(host_to_device(tokens, device), host_to_device(targets, device))
+            loss = model(host_to_device(tokens, device), host_to_device(targets, device), with_mtp=False)
             if counts:
                 total[0] += loss
                 total[1] += 1

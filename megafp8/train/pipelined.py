@@ -87,7 +87,7 @@ class PipelineRunner:
             out = forward_only(self.chunks, self.specs, self.layout, self.dims.pp_rank, self.dims.pp_group,
                                first_input, hidden_like)
             if out is not None:
-                loss = self.model.head_loss(out, host_to_device(targets, self.device))
+                loss = self.model.head_loss(out, host_to_device(targets, self.device), with_mtp=False)
                 if counts:
                     total[0] += loss
                     total[1] += 1

@@ -142,7 +142,8 @@ class Trainer:
         return grad_norm
 
     def evaluate(self) -> float:
-        """Mean loss over the fixed held-out micro-batches (`training.eval_iters` of them, split across ranks)."""
+        """Mean language-modelling loss (no MTP term) over the fixed held-out micro-batches (`training.eval_iters` of
+        them, split across ranks)."""
         assert self.valid_set is not None
         return evaluate(self.model, self.pipeline, self.valid_set, self.cfg.training, self.dims, self.device)
 
