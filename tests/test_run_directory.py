@@ -445,6 +445,24 @@ def test_evaluate_gives_a_checkpoints_validation_loss_and_writes_nothing(tiny_ov
     assert snapshot(trainer.run_dir) == before
 
 
+def test_evaluate_at_the_fp8_start_step_runs_as_the_runs_own_evaluation_there(tiny_overrides, capsys):
+    """With `precision.fp8_start_step: N`, the run evaluates step N before its switch to FP8 (at the start of step
+    N + 1), in BF16; `--evaluate` of step N's checkpoint converted the model to FP8 as a resume does, and gave
+    another loss than the one logged. Each checkpoint's evaluation now gives the logged loss, before and after."""
+    fp8 = ["precision.recipe=fp8", "precision.fp8_backend=reference", "precision.fp8_start_step=2",
+           "training.eval_iters=2"]
+    trainer = make_trainer(tiny_overrides, SAVING + fp8 + ["training.eval_interval=2"])
+    trainer.fit()
+    logged = {r["step"]: r["val_loss"] for r in map(json.loads, trainer.metrics_path.read_text().splitlines())
+              if r["kind"] == "eval"}
+    assert logged.keys() == {2, 4}
+    for step in (2, 4):
+        status, out, _ = _evaluate(tiny_overrides + SAVING + fp8 +
+                                   [f"checkpoint.resume={trainer.checkpoint_dir}/step_{step:08d}"], capsys)
+        assert status == 0
+        assert json.loads(out.strip().splitlines()[-1])["val_loss"] == pytest.approx(logged[step], rel=1e-6), step
+
+
 def test_a_dry_run_of_evaluate_names_the_checkpoint_and_checks_it_without_reading_it(tiny_overrides, tmp_path,
                                                                                      monkeypatch, capsys):
     """`--dry-run --evaluate` printed the training plan alone: not which checkpoint the evaluation would load, nor

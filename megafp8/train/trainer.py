@@ -279,7 +279,10 @@ class Trainer:
         the one `checkpoint.resume` names; `evaluating`: loaded to be evaluated only."""
         self.checkpointer.load(path, named, evaluating)
         self.loaded_from = path
-        self.fp8.convert(self.model, self.step)  # from precision.fp8_start_step on, the planned layers run FP8
+        # From precision.fp8_start_step on, the planned layers run FP8. The run switches at the start of that step,
+        # after its evaluation of the step before: an evaluation of step N's checkpoint runs as that one did, in the
+        # precision of step N - 1 (BF16 still at N = fp8_start_step).
+        self.fp8.convert(self.model, max(self.step - 1, 0) if evaluating else self.step)
 
     def _open_run(self) -> ExperimentLogger:
         """Judge an earlier launch in the run directory, resume from its checkpoint if any, then (the run validated)
