@@ -260,6 +260,8 @@ def test_a_launch_going_back_points_latest_at_its_checkpoint(saved, tiny_overrid
                                              "checkpoint.keep_last=2", "checkpoint.format=full"])
         assert trainer.step == 1 and (ckpt / "latest").read_text() == "step_00000001\n"
         assert "the newer checkpoint(s) step_00000002, step_00000004 are passed over" in caplog.text
+        assert f"to go on from the newest instead, relaunch with checkpoint.resume={ckpt / 'step_00000004'})" \
+            in caplog.text
         for _ in range(2):
             trainer.train_step()
         trainer.save()
