@@ -20,6 +20,7 @@ from megafp8.optim import lr_at
 from megafp8.parallel import ParallelDims, is_expert, tp_shard_of
 from megafp8.train.trainer import Trainer
 from tests.distributed import spawn
+from tests.test_tensor_parallel import TP_MODEL
 
 STEPS = 3
 LAYOUT = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]  # 4 ranks: TP 2 x DP 2 (= EP 2)
@@ -118,3 +119,40 @@ def test_replicated_state_is_identical_on_every_rank_after_training(tiny_overrid
     compared bit for bit across its holders (norms and routers over all four ranks; experts over TP; TP shards over
     DP; masters and moments slice by slice), and the selection biases checked against the global expert loads."""
     spawn(4, _replicas_worker, tiny_overrides + MODEL + LAYOUT + ["training.eval_interval=0"])
+
+
+def _tp_copies_worker(rank: int, world: int, overrides: list[str], sp: bool) -> None:
+    import logging
+
+    cfg = load_config("tiny_dense", overrides + [f"parallel.sequence_parallel={str(sp).lower()}"])
+    trainer = Trainer(cfg, ParallelDims.from_config(cfg.parallel), torch.device("cpu"))
+    trainer.train_step()
+    state = trainer.checkpointer.model
+    assert state.tp_replica_differences() == []  # every replicated weight the same on both TP ranks
+    norm = dict(trainer.model.named_parameters())["final_norm.weight"]
+    if rank == 1:  # one TP rank's copy drifts (a kernel that summed in another order there)
+        with torch.no_grad():
+            norm[3] = torch.nextafter(norm[3], torch.tensor(float("inf"), dtype=norm.dtype))
+    assert state.tp_replica_differences() == ["final_norm.weight"]
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("megafp8").addHandler(handler)
+    trainer.save()
+    if trainer.run_lock is not None:  # (rank 0 holds it)
+        trainer.run_lock.release()
+    said = [r for r in records if "tensor-parallel ranks' copies of final_norm.weight differ" in r]
+    assert len(said) == (1 if rank == 0 else 0), records
+    advice = "this is a fault: please report it" if sp else "set parallel.sequence_parallel=true"
+    assert all(advice in r for r in said), said
+
+
+def test_a_checkpoint_save_says_where_tensor_parallel_copies_of_a_replicated_weight_differ(tiny_overrides,
+                                                                                           tmp_path):
+    """Without sequence parallelism a TP-replicated weight's gradient is never reduced over TP: its copies stay equal
+    only where each TP rank computes the same bits (on GPUs, kernels chosen by timing, atomics, can differ), and a
+    checkpoint holds one copy. Each save compares the copies' checksums and warns (once, on rank 0), naming them."""
+    for sp in (False, True):
+        spawn(2, _tp_copies_worker, tiny_overrides + TP_MODEL + ["parallel.tp=2", "training.eval_interval=0",
+                                                      "checkpoint.format=full",
+                                                      f"logging.output_dir={tmp_path / str(sp)}"], sp)

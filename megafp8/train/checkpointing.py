@@ -50,7 +50,7 @@ from megafp8.config import CheckpointConfig, ConfigError, OptimizerConfig
 from megafp8.config.schema import upgrade_saved_model
 from megafp8.data.dataset import DataPositionError
 from megafp8.optim import DistributedAdamW, lr_at
-from megafp8.parallel import ExpertParallel, ParallelDims, TensorParallel, full_shape, gather_param
+from megafp8.parallel import ExpertParallel, ParallelDims, TensorParallel, full_shape, gather_param, tp_shard_of
 from megafp8.parallel.sharding import Piece, Placed, placed_param
 from megafp8.train.run_history import config_changes
 from megafp8.train.state import TrainState
@@ -193,6 +193,23 @@ class _BackgroundWrite:
             raise self.error
 
 
+_CHECKSUM_CHUNK = 1 << 24  # elements widened to int64 at a time (a replicated expert weight may be gigabytes)
+_BITS_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def replica_checksum(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums of `t`'s bit patterns, plain and weighted by position: the same bits give the same sums on any
+    rank and in any order of addition (integers), different bits other sums but by a coincidence."""
+    bits = t.detach().reshape(-1).view(_BITS_OF_SIZE[t.element_size()])
+    total = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for start in range(0, bits.numel(), _CHECKSUM_CHUNK):
+        chunk = bits[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+        position = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=t.device) % 65521 + 1
+        total[0] += chunk.sum()
+        total[1] += (chunk * position).sum()
+    return total
+
+
 class ModelState:
     """The model as a checkpoint sees it: this rank's weights and persistent buffers (the MoE selection biases,
     not the routers' load counters), and the names and full shapes of the whole model's."""
@@ -229,6 +246,24 @@ class ModelState:
             else:  # buffers (MoE selection biases) are replicated
                 state[name] = tensor.detach().to("cpu", copy=True)
         return state
+
+    @torch.no_grad()
+    def tp_replica_differences(self) -> list[str]:
+        """The weights and persistent buffers replicated over the tensor-parallel group (norms, routers, routed
+        experts, the MoE selection biases) whose copies differ between its ranks, by name (collective over the TP
+        group; [] without TP). Compared by their bits' checksums (`replica_checksum`), not moved."""
+        if not self.tp.enabled:
+            return []
+        persistent = self.model.state_dict().keys()
+        replicated = [(name, p) for name, p in self.model.named_parameters() if tp_shard_of(p) is None]
+        replicated += [(name, b) for name, b in self.model.named_buffers() if name in persistent]
+        if not replicated:
+            return []
+        low = torch.stack([replica_checksum(t) for _, t in replicated])
+        high = low.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.tp.group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.tp.group)
+        return [name for (name, _), differ in zip(replicated, (low != high).any(dim=1).tolist()) if differ]
 
     @torch.no_grad()
     def load_buffers(self, saved: dict[str, torch.Tensor]) -> None:
@@ -269,6 +304,7 @@ class Checkpointer:
         self.wait_agreed()  # one write at a time, in step order
         self._save_started = time.perf_counter()
         self._check_finite()
+        self._warn_of_tp_replica_differences()
         # Only the file work is agreed on: an exception in the collective part before it (gathering, copying to the
         # host) raises as itself, as it would anywhere in training. The agreement also serves as the barrier: no rank
         # goes on before the checkpoint is written (or, async, copied to host memory).
@@ -314,6 +350,24 @@ class Checkpointer:
             which = f"{bad[0]} and {len(bad) - 1} more tensor(s) hold" if len(bad) > 1 else f"{bad[0]} holds"
             raise FloatingPointError(f"step {self.train_state.step}: {which} inf or nan: not saving a checkpoint of "
                                      f"it (the newest checkpoint under {self.directory} stays the newest)")
+
+    def _warn_of_tp_replica_differences(self) -> None:
+        """Warn (rank 0) where tensor-parallel ranks hold different copies of a replicated weight (collective)."""
+        if not self.dims.tensor_parallel.enabled:
+            return
+        differ = self.model.tp_replica_differences()
+        every: list[Optional[list[str]]] = [None] * self.dims.world_size
+        dist.all_gather_object(every, differ)  # (other pipeline stages', other TP groups')
+        differ = sorted({name for names in every for name in names or []})
+        if differ and self.dims.rank == 0:
+            which = f"{differ[0]} and {len(differ) - 1} more" if len(differ) > 1 else differ[0]
+            why = ("with parallel.sequence_parallel their gradients are summed over TP, so this is a fault: please "
+                   "report it" if self.dims.tensor_parallel.sp else
+                   "without parallel.sequence_parallel their gradients are never reduced over TP, so the copies stay "
+                   "equal only where every TP rank's kernels give the same bits; set parallel.sequence_parallel=true "
+                   "(their gradients are then summed over TP) or training.deterministic=true")
+            log.warning("step %d: the tensor-parallel ranks' copies of %s differ (replicated weights, one copy on "
+                        "each TP rank; the checkpoint holds one of them): %s", self.train_state.step, which, why)
 
     def _meta(self) -> dict[str, Any]:
         """What a checkpoint holds besides tensors: the train state, every part's state, the config and (for the
