@@ -182,10 +182,10 @@ def _rename_abandoned(directory: Path, why: str) -> None:
 
 def point_latest_at(root: Path, resumed: Path) -> list[str]:
     """Point `latest` in `root` at `resumed`, the checkpoint in `root` a launch resumes from (call on rank 0, the
-    run's directory locked), where it names another one; returns the names of the checkpoints newer than `resumed`,
-    which a run going back leaves (then passed over by `auto`, and set aside by the saves that pass them). Without
-    this, the first save after going back found `latest` still naming the abandoned branch's newest step, and a
-    checkpoint of that branch below the saved step read as the run's own from then on."""
+    run's directory locked), where it names another one; returns the names of the complete checkpoints newer than
+    `resumed`, which a run going back leaves (then passed over by `auto`, and set aside by the saves that pass
+    them). Without this, the first save after going back found `latest` still naming the abandoned branch's newest
+    step, and a checkpoint of that branch below the saved step read as the run's own from then on."""
     if resumed.is_file():  # a full checkpoint's state.pt
         resumed = resumed.parent
     if resumed.parent.resolve() != root.resolve():
@@ -198,7 +198,7 @@ def point_latest_at(root: Path, resumed: Path) -> list[str]:
     if read_pointer(root / LATEST_FILE) == resumed.name:
         return []
     _replace_pointer(root, _prepared_pointer(root, resumed.name))
-    return [d.name for d in _step_dirs(root) if d.name > resumed.name]
+    return [d.name for d in list_checkpoints(root) if d.name > resumed.name]  # (complete ones: resumable)
 
 
 def _leave_branch_for(root: Path, resumed: Path) -> None:
