@@ -329,6 +329,66 @@ def test_a_step_converted_into_a_run_s_own_directory_leaves_latest_at_the_newer_
     assert (fresh / "latest").read_text() == "step_00000001\n"
 
 
+def test_a_conversion_into_a_run_s_own_directory_never_moves_latest_off_the_run_s_branch(saved, tmp_path, caplog):
+    """A conversion published into a run's directory pointed `latest` at the converted step wherever `latest` did not
+    name a newer complete checkpoint: a run gone back to step 1 had its abandoned step 2 (converted in place, to change
+    its form) resumed by its next relaunch; and where `latest` named a newer step left incomplete, `latest` went back
+    to the converted step 1 and `auto` passed over the run's complete step 2."""
+    from megafp8.checkpoint.convert import shard
+
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    (ckpt / "latest").write_text("step_00000001\n")  # the run went back to step 1; step 2 is the branch it left
+    with caplog.at_level("WARNING", logger="megafp8"):
+        shard(ckpt / "step_00000002", ckpt)
+    assert (ckpt / "latest").read_text() == "step_00000001\n"
+    assert [p.name for p in resume_candidates(ckpt)[0]] == ["step_00000001"]
+    assert "passes this newer step over" in caplog.text
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck2")
+    shutil.copytree(ckpt / "step_00000002", ckpt / "step_00000003")
+    (ckpt / "step_00000003" / "state.pt").unlink()  # its save was cut short (a file system's quota)
+    (ckpt / "latest").write_text("step_00000003\n")
+    shard(ckpt / "step_00000001", ckpt)  # the other form, in place
+    assert [p.name for p in resume_candidates(ckpt)[0]] == ["step_00000002", "step_00000001"]
+    fresh = tmp_path / "fresh"  # a directory of its own, or one without `latest`: it names the newest
+    shard(ckpt / "step_00000001", fresh)
+    assert (fresh / "latest").read_text() == "step_00000001\n"
+    (fresh / "latest").unlink()
+    shutil.copytree(ckpt / "step_00000002", fresh / "step_00000002")
+    (fresh / "step_00000001").rename(tmp_path / "one")
+    shard(tmp_path / "one", fresh)  # step 2 is newer: `latest` would have passed it over
+    assert not (fresh / "latest").exists() and find_latest(fresh).name == "step_00000002"
+
+
+def test_a_conversion_never_deletes_another_checkpoint_or_revives_a_set_aside_one(saved, tmp_path):
+    """`consolidate ck/step_2.abandoned --out ck --overwrite` published it as step_2 again, read as the run's own
+    (`auto` resumed it where a newer one failed to verify, `keep_last` kept it); converting another run's step N into
+    a directory holding a step N deleted that checkpoint."""
+    from megafp8.checkpoint.convert import consolidate, export_hf, shard
+
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    (ckpt / "step_00000002").rename(ckpt / "step_00000002.abandoned")
+    shutil.copytree(ckpt / "step_00000001", ckpt / "step_00000004")  # the run's own, past it
+    (ckpt / "latest").write_text("step_00000004\n")
+    for convert in (consolidate, shard):
+        with pytest.raises(ConfigError, match="set aside by a run that left its branch"):
+            convert(ckpt / "step_00000002.abandoned", ckpt)
+    assert [p.name for p in resume_candidates(ckpt)[0]] == ["step_00000004", "step_00000001"]
+    consolidate(ckpt / "step_00000002.abandoned", tmp_path / "elsewhere")  # fine in a directory of its own
+    other = shutil.copytree(saved["sharded"], tmp_path / "other")
+    before = (ckpt / "step_00000001" / "state.pt").read_bytes()
+    with pytest.raises(ConfigError, match="already holds step_00000001, another checkpoint"):
+        consolidate(other / "step_00000001", ckpt)
+    assert (ckpt / "step_00000001" / "state.pt").read_bytes() == before
+    shard(ckpt / "step_00000001", ckpt)  # the same checkpoint in the other form: replaced in place
+    assert verify_checkpoint(ckpt / "step_00000001")
+    for out in (ckpt / "step_00000001", ckpt / "step_00000001" / "hf"):  # was written into it: not in its manifest,
+        for convert in (consolidate, shard, lambda c, o: export_hf(c, o, fp8=False)):  # and pruned with it
+            with pytest.raises(ConfigError, match="is inside the checkpoint"):
+                convert(ckpt / "step_00000001", out)
+    assert sorted(p.name for p in (ckpt / "step_00000001").iterdir()) == sorted(
+        p.name for p in (saved["sharded"] / "step_00000001").iterdir())
+
+
 def test_a_step_saved_again_killed_while_replacing_keeps_a_complete_checkpoint_of_it(saved, tmp_path, monkeypatch):
     """Saving a step that exists already (after going back to an earlier one) replaces its directory. The old one
     used to be deleted first, the new one still under its temporary name: killed during that deletion (long for a

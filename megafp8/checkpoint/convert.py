@@ -4,14 +4,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import yaml
 
 from megafp8.checkpoint.hf import SHARD_BYTES, load_hf, save_hf
-from megafp8.checkpoint.local import (CONVERTING, HF_SOURCE, fresh_temporary, load_checkpoint, publish,
-                                      save_checkpoint)
+from megafp8.checkpoint.local import (ABANDONED, CONVERTING, HF_SOURCE, fresh_temporary, load_checkpoint,
+                                      publish, save_checkpoint, step_dir_name)
 from megafp8.checkpoint.sharded import INDEX_FILE, is_sharded_checkpoint, write_sharded
 from megafp8.parallel.sharding import Piece, Placed
 from megafp8.config import ConfigError, ModelConfig, describe_blocks
@@ -62,6 +62,7 @@ def export_hf(checkpoint: Path, out_dir: Path, fp8: bool, shard_bytes: int = SHA
     documents ended; a tokenizer of another vocabulary size than the run's data is refused. Token ids an imported
     model's config.json had are written back (the tokenizer's end-of-text id replaces its `eos_token_id`)."""
     state = load_checkpoint(checkpoint, advice=CONVERTING, tensors="weights")
+    check_out_outside(checkpoint, out_dir)
     positions, source = max_positions_of(state)
     cfg = model_config_of(state)
     hf_tokenizer = None if tokenizer is None else _export_tokenizer(tokenizer, eos_token, state, cfg)
@@ -173,6 +174,7 @@ def import_hf(hf_dir: Path, out_root: Path) -> tuple[Path, ModelConfig, list[str
     if (hf_dir / TOKENIZER_FILE).is_file():  # the model's ids mean this tokenizer's text: the data must use it
         notes.append(f"{hf_dir / TOKENIZER_FILE} is the model's tokenizer: tokenize the data it trains on with it "
                      f"(tools/preprocess_data.py --tokenizer {hf_dir / TOKENIZER_FILE}{_bos_option(hf_dir)})")
+    check_destination(None, out_root, 0)
     return save_checkpoint(out_root, 0, state, keep_last=0, latest_back=False), cfg, notes
 
 
@@ -192,9 +194,38 @@ def model_settings(cfg: ModelConfig) -> str:
     return yaml.safe_dump({"model": config_to_dict(cfg)}, sort_keys=False)
 
 
+def check_out_outside(checkpoint: Path, out: Path) -> Path:
+    """Refuse an `out` that is the checkpoint converted, or inside it: what is written there is none of the files its
+    manifest lists, and goes with it when a run prunes it (an export under a run's step_N). Returns the checkpoint's
+    directory, resolved."""
+    source = (checkpoint if checkpoint.is_dir() else checkpoint.parent).resolve()
+    if out.resolve() == source or source in out.resolve().parents:
+        raise ConfigError(f"--out {out} is inside the checkpoint {checkpoint} it converts: choose a directory outside "
+                          "it")
+    return source
+
+
+def check_destination(checkpoint: Optional[Path], out_root: Path, step: int) -> None:
+    """Refuse to publish a conversion of `checkpoint` (None: not a megafp8 one) as step `step` under `out_root` where
+    it would delete another checkpoint or put one a run set aside back among a run's own: an existing `step_N` there
+    that is not `checkpoint` itself (an in-place change of form replaces it; any other is deleted by the publish), or
+    a `step_N.abandoned` converted into its own directory (under its `step_N` name it reads as the run's own: resumed
+    by `auto` where a newer one fails to verify, kept by `keep_last` in place of the run's)."""
+    source = None if checkpoint is None else check_out_outside(checkpoint, out_root)
+    target = out_root / step_dir_name(step)
+    if source is not None and ABANDONED.match(source.name) and out_root.resolve() == source.parent:
+        raise ConfigError(f"{checkpoint} was set aside by a run that left its branch: converted into {out_root} it "
+                          f"would be {target}, read as that run's own; choose another --out (to train from it, set "
+                          f"checkpoint.resume={checkpoint})")
+    if (target.exists() or target.is_symlink()) and (source is None or target.resolve() != source):
+        raise ConfigError(f"--out {out_root} already holds {target.name}, another checkpoint, which this conversion "
+                          "would delete: choose another --out, or delete it first")
+
+
 def consolidate(checkpoint: Path, out_root: Path) -> Path:
     """Any checkpoint -> a one-file (`full`) checkpoint at the same step under `out_root`."""
     state = load_checkpoint(checkpoint, advice=CONVERTING)
+    check_destination(checkpoint, out_root, int(state["step"]))
     return save_checkpoint(out_root, int(state["step"]), state, keep_last=0, latest_back=False)
 
 
@@ -203,6 +234,7 @@ def shard(checkpoint: Path, out_root: Path) -> Path:
     this one process; it loads at any layout like one a run wrote."""
     state = load_checkpoint(checkpoint, advice=CONVERTING)
     step = int(state["step"])
+    check_destination(checkpoint, out_root, step)
     placed = {}
     for prefix, tensors in [("model", state["model"])] + [(f"optim/{kind}", state["optimizer"].get(kind, {}))
                                                           for kind in ("masters", "exp_avg", "exp_avg_sq")]:

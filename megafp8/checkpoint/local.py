@@ -123,11 +123,13 @@ def _replace_pointer(root: Path, prepared: Path) -> None:
 def publish(root: Path, tmp: Path, step: int, keep_last: int, latest_back: bool = True) -> Path:
     """Make the complete directory `tmp` checkpoint `step`: rename it, then point `latest` at it (atomically,
     both fsynced), then prune to the newest `keep_last` (call on one rank, after every rank has written).
-    `latest_back=False` (the conversion tools) leaves a `latest` that names a newer complete checkpoint as it is: a
-    step converted into a run's own directory would otherwise send its next relaunch back to that step, and its
-    saves from there would replace the newer checkpoints."""
+    `latest_back=False` (the conversion tools) points `latest` at the step only where the directory has no `latest`
+    naming another of its checkpoints and no complete checkpoint newer than the step: a step converted into a run's
+    own directory would otherwise send its next relaunch back to that step (its saves from there replacing the newer
+    checkpoints), or forward onto the converted step and past the checkpoints of a branch the run left, which then
+    read as its own (`_set_abandoned_aside`)."""
     final = root / step_dir_name(step)
-    newer = None if latest_back else _newer_latest(root, final.name)
+    newer = None if latest_back else _latest_kept(root, final.name)
     if latest_back:
         _set_abandoned_aside(root, final.name)
     _fsync_dir(tmp)  # the names of its files: without this, `latest` could outlive them in a power loss
@@ -144,7 +146,7 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int, latest_back: bool 
     if pointer is not None:
         _replace_pointer(root, pointer)
     else:
-        log.warning("%s: %s stays at %s, newer than this step", final, root / LATEST_FILE, newer)
+        log.warning("%s: %s", final, newer)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     prune(root, final, keep_last)
@@ -152,7 +154,7 @@ def publish(root: Path, tmp: Path, step: int, keep_last: int, latest_back: bool 
 
 
 ABANDONED_SUFFIX = ".abandoned"  # a checkpoint of a branch a run left by going back (`_set_abandoned_aside`)
-_ABANDONED = re.compile(r"^step_\d{8}\.abandoned(-\d+)?$")
+ABANDONED = re.compile(r"^step_\d{8}\.abandoned(-\d+)?$")
 
 
 def _set_abandoned_aside(root: Path, name: str) -> None:
@@ -190,7 +192,7 @@ def point_latest_at(root: Path, resumed: Path) -> list[str]:
         resumed = resumed.parent
     if resumed.parent.resolve() != root.resolve():
         return []
-    if _ABANDONED.match(resumed.name):
+    if ABANDONED.match(resumed.name):
         _leave_branch_for(root, resumed)
         return []
     if not _STEP_DIR.match(resumed.name):
@@ -222,7 +224,7 @@ def abandoned_checkpoints(root: Path) -> list[Path]:
     """The checkpoints `_set_abandoned_aside` renamed in `root` (`step_N.abandoned`, `step_N.abandoned-2`, ...)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and _ABANDONED.match(p.name))
+    return sorted(p for p in root.iterdir() if p.is_dir() and ABANDONED.match(p.name))
 
 
 def _unused(path: Path) -> Path:
@@ -239,11 +241,20 @@ def read_pointer(pointer: Path) -> str:
     return pointer.read_bytes().decode("utf-8", errors="replace").strip() if pointer.is_file() else ""
 
 
-def _newer_latest(root: Path, name: str) -> Optional[str]:
-    """The checkpoint `latest` names in `root`, where it is complete and newer than checkpoint `name`; else None."""
-    named = read_pointer(root / LATEST_FILE)
-    if _STEP_DIR.match(named) and named > name and checkpoint_problem(root / named) is None:
-        return named
+def _latest_kept(root: Path, name: str) -> Optional[str]:
+    """Why a conversion publishing checkpoint `name` in `root` leaves `latest` as it is, or None where it points it at
+    `name`. `latest` naming another `step_N` directory there (complete or not: `resume_candidates` bounds by it) is
+    the run's choice; where there is none, a complete checkpoint newer than `name` is what `auto` takes."""
+    pointer = root / LATEST_FILE
+    named = read_pointer(pointer)
+    if _STEP_DIR.match(named) and named != name and (root / named).is_dir():
+        if named > name:
+            return f"{pointer} stays at {named}, newer than this step"
+        return (f"{pointer} stays at {named}: a run resuming from {root} passes this newer step over (to resume "
+                f"from it, set checkpoint.resume={root / name})")
+    newer = [d.name for d in list_checkpoints(root) if d.name > name]
+    if newer and named != name:
+        return f"{pointer} is not pointed at it: {newer[-1]} is a newer complete checkpoint"
     return None
 
 
