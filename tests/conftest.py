@@ -71,6 +71,15 @@ def tiny_overrides(corpus_dir, tmp_path) -> list[str]:
     return TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={tmp_path / 'runs'}", "run_name=t"]
 
 
+@pytest.fixture(scope="session")
+def saved(corpus_dir, tmp_path_factory) -> dict[str, Path]:
+    """Checkpoints of the tiny model's steps 1 and 2, sharded and full: {form: checkpoint root} (copy before
+    changing)."""
+    from tests.checkpoints import saved_checkpoints
+
+    return saved_checkpoints(corpus_dir, tmp_path_factory.mktemp("saved"))
+
+
 @pytest.fixture(scope="module")
 def parity(corpus_dir, tmp_path_factory) -> ParityRuns:
     """Training runs of the tiny model at any layout, the one-rank reference runs shared by the test module."""
