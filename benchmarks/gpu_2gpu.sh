@@ -46,6 +46,7 @@
 source "$(dirname "$0")/gpu_lib.sh"
 ALL_PARTS="one_gpu dp2_8b tp2_8b pp2_8b dp2_1b recompute tp2_1b pp2_1b"
 PARTS=${*:-$ALL_PARTS}
+check_parts "${BASH_SOURCE[0]}" $PARTS
 BUDGET_S=${BUDGET_S:-570}
 STEP_TIMEOUT=${STEP_TIMEOUT:-200}
 start_summary
@@ -133,7 +134,6 @@ for part in $PARTS; do
         budgeted pp2_1b pp2_${schedule}_1b 70 $TWO $COMPILED $PP_1B parallel.pp_schedule=$schedule --model 1b \
           --global-batch 64 $PP_TIMED
       done ;;
-    *) echo "## $part: unknown part ($ALL_PARTS tp2_cuda_graphs tp2_overlap)" | tee -a "$OUT/summary.md" ;;
   esac
 done
 # Efficiency against the one-GPU rows of this summary. A later call's parts (without one_gpu) are compared with the

@@ -75,6 +75,7 @@
 # (e.g. H200): run nothing unless every GPU's name has NAME in it (gpu_lib.sh's start_summary, every script).
 source "$(dirname "$0")/gpu_lib.sh"
 PARTS=${*:-ours ref compiled profile moe}
+check_parts "${BASH_SOURCE[0]}" $PARTS
 start_summary
 install_torchao
 # The MoE step after the router has balanced: MOE_WARMUP untimed steps with the balancing bias moving MOE_BIAS_RATE a

@@ -8,8 +8,27 @@ mkdir -p "$OUT"
 # learning rate and logging.
 ONE_B_MODEL="model.size=1b model.vocab_size=32768 data.path=/tmp/pystdlib data.seq_len=2048"
 
-stdlib_corpus() {  # the GPU machine's Python standard library, byte-tokenized into /tmp/pystdlib
-  python tools/preprocess_data.py --input stdlib --output /tmp/pystdlib --overwrite > /dev/null
+stdlib_corpus() {  # the GPU machine's Python standard library, byte-tokenized into /tmp/pystdlib; where that
+  # fails, a FAILED line in the summary with the end of its error (the runs after it failed for want of data, unsaid)
+  local log="${LOGS:-$OUT}/stdlib_corpus.log" rc=0
+  python tools/preprocess_data.py --input stdlib --output /tmp/pystdlib --overwrite > /dev/null 2> "$log" || rc=$?
+  [ "$rc" = 0 ] && return 0
+  echo "## stdlib_corpus: FAILED (rc $rc): $(tail -n 3 "$log" | tr '\n' ' ')" | tee -a "$OUT/summary.md"
+  return "$rc"
+}
+
+check_parts() {  # check_parts SCRIPT PART...: exit 2 before anything runs where a PART is none of the labels of
+  # SCRIPT's `case $part in` (a misspelt part ran nothing: gpu_e2e.sh said nothing of it, and the GPU call was spent)
+  local script=$1 known part unknown=()
+  shift
+  known=$(awk '/^  case \$part in/ {inside = 1; next} /^  esac/ {inside = 0} inside' "$script" \
+    | grep -oE '^    [a-z0-9_|]+\)' | tr -d ' )' | tr '|\n' '  ')
+  for part in "$@"; do
+    [[ " $known " == *" $part "* ]] || unknown+=("$part")
+  done
+  [ ${#unknown[@]} = 0 ] && return 0
+  echo "$(basename "$script"): unknown part(s): ${unknown[*]}; its parts: $known" >&2
+  exit 2
 }
 
 start_summary() {  # tables go to $OUT/summary.md (headed by the GPUs), each step's stderr to $LOGS; a second

@@ -28,6 +28,35 @@ def test_compare_reports_largest_differences_and_median_speed(tmp_path):
     assert table[3] == "| other | 3 | 0.5000 | 25.00% | 1.1000 | 0.5000 | 200 |"
 
 
+def test_max_loss_gap_fails_a_run_beyond_it_or_cut_short_with_exit_status_1(tmp_path):
+    """--max-loss-gap: PASS within the gap over every step the reference logged; a larger gap, a run cut short or a
+    non-finite loss fails, on stdout and stderr, with exit status 1 (a script's step then records it as failed)."""
+    _write(tmp_path / "ref", [3.0, 2.0, 1.0], [1.0] * 3, [1.0] * 3)
+    _write(tmp_path / "close", [3.01, 2.04, 1.0], [1.0] * 3, [1.0] * 3)
+    _write(tmp_path / "far", [3.0, 2.06, 1.0], [1.0] * 3, [1.0] * 3)
+    _write(tmp_path / "cut", [3.0, 2.0], [1.0] * 2, [1.0] * 2)
+    _write(tmp_path / "nan", [3.0, math.nan, 1.0], [1.0] * 3, [1.0] * 3)
+
+    def run(*names):
+        return subprocess.run([sys.executable, "tools/compare_runs.py", *(str(tmp_path / n) for n in names),
+                               "--max-loss-gap", "0.05"], cwd=REPO, env=torchrun_env(), capture_output=True,
+                              text=True, timeout=120)
+    passed = run("ref", "close")
+    assert passed.returncode == 0, passed.stderr
+    assert passed.stdout.splitlines()[-1] == "- **PASS** close: max |loss gap| 0.0400 (step 2) within 0.05 over 3 steps"
+    failed = run("ref", "close", "far", "cut", "nan")
+    assert failed.returncode == 1
+    expected = ["- **FAIL** far: max |loss gap| 0.0600 at step 2, above 0.05",
+                "- **FAIL** cut: a finite loss at 2 of the reference's 3 steps (cut short, or non-finite losses)",
+                "- **FAIL** nan: a finite loss at 2 of the reference's 3 steps (cut short, or non-finite losses)"]
+    assert failed.stdout.splitlines()[-4:] == [passed.stdout.splitlines()[-1]] + expected
+    assert failed.stderr.splitlines() == expected
+    refused = subprocess.run([sys.executable, "tools/compare_runs.py", str(tmp_path / "ref"), "--gaps", "--windows",
+                              "1-3", "--max-loss-gap", "0.05"], cwd=REPO, env=torchrun_env(), capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "--max-loss-gap belongs to the default table" in refused.stderr
+
+
 def _write_run(path, loss_at, val_at, steps=1000, eval_every=500, health=None):
     """A run logging its training loss every 10 steps and validation loss every `eval_every` steps."""
     path.mkdir()

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -187,6 +189,8 @@ import json, os, sys, time
 with open(os.environ["FAKE_CALLS"], "a") as calls:
     calls.write(json.dumps({"script": sys.argv[1], "ranks": int(os.environ.get("FAKE_RANKS", "1")),
                             "args": sys.argv[2:]}) + "\n")
+if sys.argv[1] == "tools/preprocess_data.py" and os.environ.get("FAKE_CORPUS_FAIL"):
+    sys.exit("error: no space left on device: /tmp/pystdlib")
 run_name = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("run_name=")), None)
 if run_name is not None and run_name == os.environ.get("FAKE_FAIL"):
     sys.exit(f"error: {run_name} diverged at step 57")
@@ -219,6 +223,7 @@ def gpu_8(tmp_path, gpus: int, *parts, planner: str | None = None, **extra_env):
         (bin_dir / "python").write_text(f"""{shebang}
 if [ "$1" = tools/plan.py ]; then
   shift
+  echo "$@" >> {answer}.calls
   [ -e {answer}.rc ] || {{ ( {planner} ) > {answer}.out 2> {answer}.err; echo $? > {answer}.rc; }}
   cat {answer}.out; cat {answer}.err >&2; exit "$(cat {answer}.rc)"
 fi
@@ -259,9 +264,11 @@ def test_gpu_8_script_installs_deepgemm_first_only_when_asked(tmp_path):
 def test_gpu_8_script_on_eight_gpus_also_runs_the_layout_the_planner_recommends(tmp_path):
     """On eight GPUs: the 16B MoE at TP2 x PP2 x EP2 (DualPipeV, SP), the planner's layout table, the layout it
     recommends (its overrides passed as they are), and the ~1B at DP=8 and TP=2 x DP=4, all on eight ranks."""
-    summary, calls = gpu_8(tmp_path, 8, "eight_gpus")
+    python = sys.executable
+    summary, calls = gpu_8(tmp_path, 8, "eight_gpus", planner=f'exec {python} tools/plan.py "$@"')
     sections = [line[3:] for line in summary.splitlines() if line.startswith("## ")]
     assert sections == ["moe16b_tp2_pp2_ep2", "moe16b_layouts", "moe16b_recommended", "dense_dp8", "dense_tp2_dp4"]
+    assert len((tmp_path / "plan.calls").read_text().splitlines()) == 1  # the planner runs once (torch's import)
     assert "FAILED" not in summary and "recommended overrides: " in summary
     recommended = summary.split("recommended overrides: ")[1].splitlines()[0].split()
     assert [c["ranks"] for c in calls] == [8, 8, 8, 8]
@@ -304,6 +311,7 @@ def test_gpu_8_script_compares_the_loss_runs_only_where_both_finished(tmp_path):
     assert "## loss_compare\n| fake row |" in summary and "SKIPPED" not in summary and "FAILED" not in summary
     compare = [c for c in calls if c["script"] == "tools/compare_runs.py"]
     assert len(compare) == 1 and [Path(a).name for a in compare[0]["args"][:2]] == ["fp8_1gpu", "fp8_tp2_dp4"]
+    assert compare[0]["args"][-2:] == ["--max-loss-gap", "0.05"]  # the header's limit is checked, not only printed
     for run in ("fp8_1gpu", "fp8_tp2_dp4"):  # both runs' metrics come back in $OUT, with the results
         assert json.loads((tmp_path / "both" / "out" / "loss_runs" / run / "metrics.jsonl").read_text())["run"] == run
 
@@ -318,6 +326,27 @@ def test_gpu_8_script_compares_the_loss_runs_only_where_both_finished(tmp_path):
     assert "## loss_compare: SKIPPED: loss_1gpu did not finish (timed out after 2 s); loss_tp2_dp4 did not finish " \
         "(failed, rc 1: error: fp8_tp2_dp4 diverged at step 57)\n" in summary
     assert "## loss_compare\n" not in summary and not any(c["script"] == "tools/compare_runs.py" for c in calls)
+
+
+def test_gpu_8_script_names_a_corpus_that_failed_and_runs_no_loss_run_without_it(tmp_path):
+    summary, calls = gpu_8(tmp_path, 8, "loss_8gpu", FAKE_CORPUS_FAIL="1")
+    assert "## stdlib_corpus: FAILED (rc 1): error: no space left on device: /tmp/pystdlib" in summary
+    assert [c["script"] for c in calls] == ["tools/preprocess_data.py"] and "## loss_1gpu" not in summary
+
+
+@pytest.mark.parametrize("script", ["gpu_8.sh", "gpu_2gpu.sh", "gpu_e2e.sh"])
+def test_gpu_scripts_refuse_an_unknown_part_before_running_anything(tmp_path, script):
+    """A misspelt part is a usage error naming it and the script's parts (exit 2), before any part runs: gpu_e2e.sh
+    ran nothing and said nothing of it, the GPU call spent."""
+    bin_dir = stand_in_tools(tmp_path, tmp_path / "never_run.py", 8, ("benchmarks/train_step.py",),
+                             keep_script_arg=False)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"))
+    known = {"gpu_8.sh": "one_gpu", "gpu_2gpu.sh": "dp2_8b", "gpu_e2e.sh": "moe_auto"}[script]
+    result = subprocess.run(["bash", f"benchmarks/{script}", known, "moe_atuo", "one_gpus"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and not (tmp_path / "out" / "summary.md").exists()
+    message = result.stderr.strip()
+    assert message.startswith(f"{script}: unknown part(s): moe_atuo one_gpus; its parts: ") and f" {known} " in message
 
 
 def joined_scaling_rows(tmp_path, *summaries: str) -> list[list[str]]:

@@ -5,7 +5,8 @@ Example (TP=2 against TP=1 on the same seed):
     python tools/compare_runs.py runs/1b_tp1 runs/1b_tp2 runs/1b_tp2_sp --skip 10
 For each run: the largest |loss - reference loss| and grad-norm relative difference over the steps
 both logged, the final loss, and the median step time and tokens/s over steps after `--skip`
-(warm-up, allocator growth and autotuning excluded).
+(warm-up, allocator growth and autotuning excluded). `--max-loss-gap 0.05` then judges each run: PASS where its
+largest |loss gap| over every step the reference logged is within 0.05, else FAIL and exit status 1.
 
 Parity mode (FP8 against BF16, with BF16's own seed-to-seed noise as the yardstick):
     python tools/compare_runs.py --parity runs/bf16_a runs/fp8_a runs/bf16_b --window 500
@@ -76,6 +77,31 @@ def compare(runs: list[str], skip: int) -> str:
                      f"{loss[max(loss)]:.4f} | {_late_median(times, skip, '.4f')} | "
                      f"{_late_median(tokens, skip, ',.0f')} |")
     return "\n".join(lines)
+
+
+def loss_gap_verdict(runs: list[str], limit: float) -> tuple[list[str], bool]:
+    """`--max-loss-gap`: one line per run after the first, PASS where its largest |loss - reference loss| is within
+    `limit` over every step the reference logged, FAIL where it is not or the run logged fewer of those steps (a
+    run cut short would pass on the steps it reached). Returns the lines and whether all passed."""
+    ref_loss = _by_step(runs[0], "loss")
+    lines, passed = [], True
+    for run in runs[1:]:
+        loss = _by_step(run, "loss")
+        common = sorted(set(loss) & set(ref_loss))
+        gaps = {step: abs(loss[step] - ref_loss[step]) for step in common}
+        worst = max(gaps, key=lambda step: (gaps[step], -step), default=None)
+        name = Path(run).name
+        if len(common) < len(ref_loss):
+            lines.append(f"- **FAIL** {name}: a finite loss at {len(common)} of the reference's {len(ref_loss)} steps "
+                         "(cut short, or non-finite losses)")
+            passed = False
+        elif not gaps[worst] <= limit:  # a NaN gap fails too
+            lines.append(f"- **FAIL** {name}: max |loss gap| {gaps[worst]:.4f} at step {worst}, above {limit}")
+            passed = False
+        else:
+            lines.append(f"- **PASS** {name}: max |loss gap| {gaps[worst]:.4f} (step {worst}) within {limit} over "
+                         f"{len(common)} steps")
+    return lines, passed
 
 
 def _late_median(series: dict[int, float], skip: int, spec: str) -> str:
@@ -472,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--gaps: the windows of training steps (e.g. 501-750 751-1000)")
     parser.add_argument("--labels", nargs="+", default=None, help="--gaps: the runs' names in the table (default: "
                         "their directories' names); --pooled: the two arms' names (default: BF16 FP8)")
+    parser.add_argument("--max-loss-gap", type=positive_number(), default=None, metavar="GAP",
+                        help="the default table, then a PASS/FAIL line per run: its largest |loss - reference loss| "
+                        "within GAP over all the reference's steps; exit status 1 where any fails")
     parser.add_argument("--pooled", action="store_true", help="the runs given are repeats of one configuration, "
                         "compared by their mean with --against's (see above)")
     parser.add_argument("--against", nargs="+", default=None, metavar="RUN",
@@ -487,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--against belongs to --pooled")
     if args.pooled and args.labels is not None and len(args.labels) != 2:
         parser.error(f"--pooled takes two --labels (the arms' names), got {len(args.labels)}")
+    if args.max_loss_gap is not None and (args.gaps or args.parity or args.pooled):
+        parser.error("--max-loss-gap belongs to the default table, not --gaps, --parity or --pooled")
     if args.gaps and not args.windows:
         parser.error("--gaps needs --windows (e.g. --windows 501-750 751-1000)")
     if not args.pooled and args.labels is not None and len(args.labels) != len(args.runs):
@@ -501,6 +532,12 @@ def main(argv: list[str] | None = None) -> int:
             print(parity(args.runs, args.window, args.tolerance, args.worst, tuple(args.seeds)))
         else:
             print(compare(args.runs, args.skip))
+            if args.max_loss_gap is not None:
+                lines, passed = loss_gap_verdict(args.runs, args.max_loss_gap)
+                print("\n".join(["", *lines]))
+                if not passed:  # on stderr too, where a script's summary takes a failed command's reason from
+                    print("\n".join(line for line in lines if "FAIL" in line), file=sys.stderr)
+                    return 1
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
