@@ -384,12 +384,35 @@ def _with_bad_ids(corpus_dir, tmp_path, how):
         tokens.flush()
         if how == "recorded":
             shard["max_token_id"] = 300
+        elif how == "changed_since":  # meta.json as preprocessing wrote it: the shard's bytes changed after
+            pass
         else:  # data from before the largest id was recorded: it is scanned
             for split in meta["splits"].values():
                 for s in split:
                     del s["max_token_id"]
     (data / "meta.json").write_text(json.dumps(meta))
     return data, data / shard["file"]
+
+
+def test_a_token_id_outside_the_vocabulary_in_a_shard_changed_since_preprocessing_stops_its_read(corpus_dir,
+                                                                                                    tmp_path):
+    """meta.json's largest id is trusted at start-up (no scan of every shard), so a shard whose bytes changed after
+    (a flipped bit, a partial copy) passes it; the read of the sample holding the bad id stops with one error naming
+    the shard and the token. Read on, the id indexed past the embedding, or under TP fell outside every rank's rows
+    of the vocab-parallel embedding and loss, silently."""
+    from megafp8.data.dataset import PackedDataset
+
+    data, shard = _with_bad_ids(corpus_dir, tmp_path, "changed_since")
+    stream = TokenStream(read_meta(data), "train")
+    dataset = PackedDataset(stream, seq_len=64)
+    shard_index = [data / s["file"] for s in read_meta(data).splits["train"]].index(shard)
+    bad = int(stream.starts[shard_index]) + 1000  # the shards are all non-empty here
+    dataset.sample(bad // 64 - 2)  # samples without it still read
+    with pytest.raises(ConfigError, match=rf"token shard {shard} holds token id 300 at token 1000, but its tokenizer "
+                                          r"has \d+ ids and preprocessing recorded none that large: the shard changed "
+                                          "since it was written") as err:
+        dataset.sample(bad // 64)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("how", ["vocab_size_below_the_ids", "recorded", "scanned"])

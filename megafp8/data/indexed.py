@@ -289,4 +289,21 @@ class TokenStream:
             out[filled : filled + take] = self.shards[shard][offset : offset + take]
             filled += take
             shard += 1
+        if length and int(out.max()) >= self.meta.vocab_size:
+            self._refuse_bad_id(start, out)
         return out
+
+    def _refuse_bad_id(self, start: int, tokens: np.ndarray) -> None:
+        """Stop on a token id the vocabulary does not hold, read where preprocessing recorded none that large (the
+        shard's bytes changed since: a flipped bit, a partial copy). Read on, it would index past the embedding (a
+        device-side assert on a GPU) or, under TP, fall outside every rank's rows of the vocab-parallel embedding
+        and loss: a zero embedding and a wrong loss, silently."""
+        where = start + int(np.argmax(tokens >= self.meta.vocab_size))
+        shard = int(np.searchsorted(self.starts, where, side="right")) - 1
+        kept = [entry for entry, tokens in zip(self.meta.splits[self.split], self._all_shards) if len(tokens)]
+        path, position = self.meta.root / kept[shard]["file"], where - int(self.starts[shard])
+        raise ConfigError(
+            f"token shard {path} holds token id {int(tokens[where - start])} at token {position}, "
+            f"but its tokenizer has {self.meta.vocab_size} ids and preprocessing recorded none that large: the shard "
+            "changed since it was written (corrupt or partly copied); copy it again or re-run "
+            "tools/preprocess_data.py")
