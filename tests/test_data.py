@@ -398,8 +398,8 @@ def test_a_token_id_outside_the_vocabulary_in_a_shard_changed_since_preprocessin
                                                                                                     tmp_path):
     """meta.json's largest id is trusted at start-up (no scan of every shard), so a shard whose bytes changed after
     (a flipped bit, a partial copy) passes it; the read of the sample holding the bad id stops with one error naming
-    the shard and the token. Read on, the id indexed past the embedding, or under TP fell outside every rank's rows
-    of the vocab-parallel embedding and loss, silently."""
+    the shard and the token. Read on, the id (300, below the padded vocabulary of 384) trained a padding row of the
+    embedding, silently."""
     from megafp8.data.dataset import PackedDataset
 
     data, shard = _with_bad_ids(corpus_dir, tmp_path, "changed_since")

@@ -295,9 +295,10 @@ class TokenStream:
 
     def _refuse_bad_id(self, start: int, tokens: np.ndarray) -> None:
         """Stop on a token id the vocabulary does not hold, read where preprocessing recorded none that large (the
-        shard's bytes changed since: a flipped bit, a partial copy). Read on, it would index past the embedding (a
-        device-side assert on a GPU) or, under TP, fall outside every rank's rows of the vocab-parallel embedding
-        and loss: a zero embedding and a wrong loss, silently."""
+        shard's bytes changed since: a flipped bit, a partial copy). Read on, an id below the padded vocabulary
+        trains a padding row, silently; one past it indexes past the embedding (a device-side assert on a GPU) or,
+        under TP, falls outside every rank's rows of the vocab-parallel embedding and loss: a zero embedding and a
+        wrong loss, silently."""
         where = start + int(np.argmax(tokens >= self.meta.vocab_size))
         shard = int(np.searchsorted(self.starts, where, side="right")) - 1
         kept = [entry for entry, tokens in zip(self.meta.splits[self.split], self._all_shards) if len(tokens)]
