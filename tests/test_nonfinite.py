@@ -162,3 +162,36 @@ def test_skips_in_a_row_carry_over_a_resume(tiny_overrides, tmp_path, form):
         resumed_after_step_4("resumed").fit()
     with pytest.raises(FloatingPointError, match=stop.format(7, 5)):
         resumed_after_step_4("older", older=True).fit()
+
+
+class _OverflowedOptimizer:
+    """What unscale_or_skip asks of the optimizer, for a step whose gradients overflowed."""
+    def scale_grads(self, factor: float) -> None:
+        pass
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        return torch.tensor(math.inf)
+
+    def found_nonfinite(self) -> torch.Tensor:
+        return torch.tensor(1.0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_fp16_skip_is_logged_by_rank_0_alone_and_skipped_on_every_rank(rank, caplog):
+    """Ranks other than 0 log warnings too (runtime.setup_logging), so the skip's warning came once a rank: 1,024
+    lines for one skip on 1,024 GPUs. Every rank still skips and moves its loss scale."""
+    from types import SimpleNamespace
+
+    from megafp8.precision.loss_scale import DynamicLossScaler
+    from megafp8.train.nonfinite import unscale_or_skip
+
+    scaler = DynamicLossScaler(initial_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000,
+                               hysteresis=1, min_scale=1.0)
+    dims = SimpleNamespace(rank=rank, is_distributed=False)
+    with caplog.at_level("WARNING"):
+        assert unscale_or_skip(_OverflowedOptimizer(), scaler, 1024.0, 7, dims) is None
+    assert scaler.scale < 1024.0
+    warned = [r.getMessage() for r in caplog.records if "step skipped" in r.getMessage()]
+    assert warned == (["step 7: inf/nan gradients on some rank; step skipped (weights, optimizer and LR schedule "
+                       f"unchanged), loss scale 1024 -> {scaler.scale:g}"] if rank == 0 else [])
+

@@ -111,6 +111,8 @@ def unscale_or_skip(optimizer: DistributedAdamW, scaler: DynamicLossScaler, loss
     skip = nonfinite_grads or nonfinite_norm
     scaler.update(skip)
     if skip:
+        if dims.rank != 0:  # every rank knows (the all-reduce above); one line a skip, not one a rank
+            return None
         why = "inf/nan gradients" if nonfinite_grads else "a gradient norm that overflows FP32"
         log.warning("step %d: %s on some rank; step skipped (weights, optimizer and LR schedule unchanged), loss "
                     "scale %g -> %g", step, why, loss_scale, scaler.scale)
