@@ -2,6 +2,7 @@
 """Pretraining entry point: `torchrun --nproc_per_node=N launch/pretrain.py --config NAME [key=value ...]`.
 
 Also runs as plain `python launch/pretrain.py --config NAME` (one rank). All logic lives in
+`megafp8.train.command_line` (the options and the config, before torch is imported) and
 `megafp8.train.main`.
 """
 import sys
@@ -11,8 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config.arguments import run_tool  # noqa: E402
-from megafp8.train.main import main  # noqa: E402
-from megafp8.train.runtime import exit_process  # noqa: E402
+from megafp8.train.command_line import exit_process, main  # noqa: E402
 
 if __name__ == "__main__":
     exit_process(run_tool(main))  # (run_tool: `--print-config | head` ends quietly)

@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config.arguments import run_tool  # noqa: E402
-from megafp8.train.main import plan_main  # noqa: E402
+from megafp8.train.command_line import plan_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_tool(lambda: plan_main(sys.argv[1:])))

@@ -1,112 +1,32 @@
-"""Command-line entry of a training run (`launch/pretrain.py`): parse, set up, train, shut down cleanly."""
+"""A training run past its config (`launch/pretrain.py`, after `megafp8.train.command_line` loaded it): print,
+plan, evaluate or train, and shut down cleanly."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
 import re
-from typing import NoReturn, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megafp8.checkpoint.local import find_latest
-from megafp8.config import (Config, ConfigError, dump_config, ignored_settings, load_config,
-                            repeated_overrides)
-from megafp8.config.arguments import positive_number, print_warnings, whole_number
+from megafp8.config import Config, ConfigError, dump_config, ignored_settings
+from megafp8.config.arguments import print_warnings
 from megafp8.parallel import ParallelDims
 from megafp8.precision import check_backend_name
 from megafp8.train.checkpointing import CheckpointWriteError
+from megafp8.train.command_line import H200_GIB, env_rank, error_status
 from megafp8.train.layouts import lighter_settings, render_layouts, search_layouts
 from megafp8.train.plan import GIB, dry_run, make_plan, vocab_note, with_vocab
 from megafp8.train.preemption import exit_status
 from megafp8.train.resume import checkpoint_to_evaluate
 from megafp8.train.run_history import run_paths
-from megafp8.train.runtime import (env_rank, init_distributed, report_error, seed_everything, set_determinism,
-                                   shutdown)
+from megafp8.train.runtime import init_distributed, seed_everything, set_determinism, shutdown
 from megafp8.train.trainer import Trainer
 
 log = logging.getLogger("megafp8")
-H200_GIB = 139.8  # what torch reports for an H200's memory (143,771 MiB)
-
-
-TRAIN_DESCRIPTION = ("Pretrain a language model. Run as `python launch/pretrain.py --config NAME` (one rank) "
-                     "or under `torchrun --nproc_per_node=N launch/pretrain.py --config NAME`.")
-PLAN_DESCRIPTION = ("Plan a run without allocating it: parameters by part, memory per GPU, FLOPs per token and "
-                    "tokens/s at an assumed MFU. Same as `python launch/pretrain.py --config NAME --dry-run`. With "
-                    "--layouts: every TP x PP x EP x DP layout on --world-size GPUs, its memory, and the one to "
-                    "start with.")
-
-
-class CommandLineParser(argparse.ArgumentParser):
-    """argparse whose usage errors end with how to write what was probably meant (`usage_hint`)."""
-
-    def error(self, message: str) -> NoReturn:
-        super().error(message + usage_hint(message))
-
-
-def usage_hint(message: str) -> str:
-    """For an argparse error: settings given as options (`--training.steps=10`) are overrides without dashes; a
-    config given without `--config` needs it."""
-    unknown = message.partition("unrecognized arguments: ")[2].split()
-    dotted = [arg.lstrip("-") for arg in unknown if arg.startswith("--") and "." in arg.partition("=")[0]]
-    if dotted:
-        return f" (settings are overrides without dashes, after the options: {' '.join(dotted)})"
-    if unknown:
-        return (" (settings go after the options as section.key=value, e.g. training.steps=10; --print-config "
-                "lists them)")
-    if "required: --config" in message:
-        return " (e.g. --config tiny_dense.yaml: a file in configs/, or a path)"
-    return ""
-
-
-def build_parser(prog: str, description: str, plan_only: bool = False) -> argparse.ArgumentParser:
-    """The command line of `launch/pretrain.py`, or with `plan_only` that of `tools/plan.py` (always a dry run)."""
-    parser = CommandLineParser(prog=prog, description=description)
-    parser.add_argument("--config", required=True,
-                        help="a YAML path, or a name in configs/ (with or without .yaml), e.g. tiny_dense")
-    if not plan_only:
-        parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-        parser.add_argument("--dry-run", action="store_true",
-                            help="print parameters, per-GPU memory and FLOPs of the run and exit (allocates nothing); "
-                                 "with --evaluate, also the checkpoint the evaluation would load, checked complete "
-                                 "(its files are not read)")
-        parser.add_argument("--evaluate", action="store_true",
-                            help="evaluate the checkpoint checkpoint.resume names (auto: the run's newest that "
-                                 "verifies) on training.eval_iters held-out micro-batches, print its record as JSON "
-                                 "and exit; writes nothing")
-    parser.add_argument("--world-size", type=whole_number(1), default=None,
-                        help="ranks to plan the dry run for (default: torchrun's WORLD_SIZE, else 1)")
-    parser.add_argument("--peak-tflops", type=positive_number(), default=989.4,
-                        help="dry run: peak TFLOP/s per GPU (H100/H200)")
-    parser.add_argument("--mfu", type=positive_number(1, " (a fraction: 0.4 is 40%)"), default=0.4,
-                        help="dry run: model FLOPs utilization to assume (above 0, at most 1)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="dotted overrides, e.g. model.num_layers=2 optimizer.lr=1e-3")
-    if plan_only:
-        parser.add_argument("--layouts", action="store_true",
-                            help="list every parallel layout on --world-size GPUs with its planned memory, and "
-                                 "recommend the one with the least model parallelism that fits")
-        parser.add_argument("--gpu-gib", type=positive_number(), default=None,
-                            help="--layouts: memory per GPU in GiB (default: this machine's GPU, else an H200's "
-                                 f"{H200_GIB:g})")
-        parser.add_argument("--max-tp", type=int, default=8,
-                            help="--layouts: the largest tensor-parallel size to consider (GPUs of one node)")
-        parser.add_argument("--max-cp", type=int, default=None,
-                            help="--layouts: also try context parallelism up to this size (long sequences; default: "
-                                 "the config's parallel.cp)")
-        parser.set_defaults(print_config=False, dry_run=True, evaluate=False)
-    return parser
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return build_parser("pretrain.py", TRAIN_DESCRIPTION).parse_args(argv)
-
-
-def _error(message: str) -> int:
-    """Report `message` in one line, once per job (`megafp8.train.runtime.report_error`); the exit status 2."""
-    report_error(message)
-    return 2
 
 
 def out_of_memory_message(cfg: Config, err: BaseException, step: int | None, world_size: int) -> str:
@@ -174,16 +94,6 @@ def evaluation_plan(cfg: Config) -> str:
             f"on {batches} of data.valid_split '{cfg.data.valid_split}', writing nothing")
 
 
-def plan_main(argv: list[str] | None = None) -> int:
-    """`tools/plan.py`: the dry run under its own name and usage."""
-    return run(build_parser("plan.py", PLAN_DESCRIPTION, plan_only=True).parse_args(argv))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`launch/pretrain.py`."""
-    return run(parse_args(argv))
-
-
 _PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was aborted|"
                         r"ProcessGroup\w* .*(aborted|shut ?down)")
 _TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
@@ -214,18 +124,13 @@ def _where_a_relaunch_resumes(trainer: Optional[Trainer]) -> str:
     return f"a relaunch resumes from {latest}" if latest is not None else "this run has saved no checkpoint yet"
 
 
-def run(args: argparse.Namespace) -> int:
-    """Print the config, plan, or train, as `args` asks; the exit status."""
-    if env_rank()[0] == 0:  # once per job
-        print_warnings(repeated_overrides(args.overrides))
+def run_config(args: argparse.Namespace, cfg: Config) -> int:
+    """Print the config, plan, or train, as `args` asks (`megafp8.train.command_line.run` loaded `cfg`); the exit
+    status."""
     try:
-        cfg = load_config(args.config, args.overrides)
         check_backend_name(cfg.precision.fp8_backend)  # the backends register in `precision`, above the config
-        if getattr(args, "evaluate", False) and cfg.training.eval_iters == 0:  # (its loss was NaN, exit status 0)
-            raise ConfigError("--evaluate with training.eval_iters=0 evaluates no micro-batch: give "
-                              "training.eval_iters=N (N held-out micro-batches) or -1 (the whole validation split)")
     except ConfigError as err:
-        return _error(str(err))
+        return error_status(str(err))
     if env_rank()[0] == 0:
         print_warnings(ignored_settings(cfg))
     if args.print_config:
@@ -236,14 +141,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             print(layouts_main(cfg, args.world_size or env_rank()[2], args.gpu_gib, args.max_tp, args.max_cp))
         except ConfigError as err:
-            return _error(str(err))
+            return error_status(str(err))
         return 0
     if args.dry_run:
         try:  # both before either prints: an error is the one line printed
             plan = dry_run(cfg, args.world_size or env_rank()[2], args.peak_tflops, args.mfu)
             evaluation = f"\n\n{evaluation_plan(cfg)}" if args.evaluate else ""
         except ConfigError as err:
-            return _error(str(err))
+            return error_status(str(err))
         print(plan + evaluation)
         return 0
     clean, trainer = False, None
@@ -263,23 +168,23 @@ def run(args: argparse.Namespace) -> int:
         if trainer.stopped_on is not None:  # checkpointed, not finished: say so as the signal would have
             return exit_status(trainer.stopped_on)
     except ConfigError as err:
-        return _error(str(err))
+        return error_status(str(err))
     except FloatingPointError as err:  # the loss diverged: every rank sees the same reduced loss
-        _error(str(err))
+        error_status(str(err))
         return 1
     except CheckpointWriteError as err:  # raised on every rank alike, whichever rank's write failed
-        _error(str(err))
+        error_status(str(err))
         return 1
     except torch.OutOfMemoryError as err:
         log.debug("out of memory", exc_info=True)
-        _error(out_of_memory_message(cfg, err, trainer.step if trainer is not None else None, env_rank()[2]))
+        error_status(out_of_memory_message(cfg, err, trainer.step if trainer is not None else None, env_rank()[2]))
         return 1
     except RuntimeError as err:  # after CheckpointWriteError and OutOfMemoryError, which are RuntimeErrors too
         lost = lost_peer_message(err, cfg.parallel.timeout_minutes)
         if lost is None:
             raise
         log.debug("lost a peer", exc_info=True)
-        _error(lost)
+        error_status(lost)
         return 1
     except KeyboardInterrupt:
         log.warning("interrupted (SIGINT: nothing saved; SIGTERM or SIGUSR1 stop with a checkpoint): %s",

@@ -7,8 +7,6 @@ import json
 import logging
 import os
 import random
-import sys
-import time
 from collections.abc import Collection
 
 import numpy as np
@@ -19,13 +17,9 @@ from megafp8.config import Config, ConfigError, validate_for_world
 from megafp8.config.loader import config_to_dict, flat_settings
 from megafp8.model.transformer import uses_cuda_graphs
 from megafp8.parallel import ParallelDims
+from megafp8.train.command_line import env_rank
 
 log = logging.getLogger("megafp8")
-
-
-def env_rank() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) under plain python."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch reads either
@@ -209,15 +203,6 @@ def shutdown(clean: bool) -> None:
         dist.destroy_process_group()
 
 
-def exit_process(code: int) -> None:
-    """Leave without running C++ static destructors: gloo's transport threads can still be joinable then,
-    and destroying them aborts the process ("terminate called without an active exception", exit -6)
-    after a run that finished cleanly. Everything the run wrote is closed by now; flush stdio and go."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 # cuBLAS gives the same bits run to run only with a fixed workspace per handle (its docs, "Results reproducibility");
 # under deterministic algorithms torch refuses cuBLAS matmuls without one of these.
 CUBLAS_FIXED_WORKSPACES = (":4096:8", ":16:8")
@@ -269,29 +254,3 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def write_error_file(line: str) -> None:
-    """Record `line` in torchrun's error file for this rank (`TORCHELASTIC_ERROR_FILE`, set by torchrun), the form
-    torch.distributed.elastic's `record` writes: torchrun's failure summary then shows the line instead of "To
-    enable traceback see ...". Nothing outside torchrun."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass  # the summary then falls back to torchrun's own words; the line was printed already
-
-
-def report_error(message: str, linger_s: float = 2.0) -> None:
-    """Print `error: <message>` once per job and record it in torchrun's error file. Rank 0 reports at once;
-    another rank first lingers `linger_s`: where rank 0 hit the same error, torchrun ends the job meanwhile (so the
-    line appears once), and where the error is this rank's alone, it then reports it itself."""
-    if env_rank()[0] != 0:
-        time.sleep(linger_s)
-    line = f"error: {message}"
-    print(line, file=sys.stderr, flush=True)
-    write_error_file(line)

@@ -1,0 +1,162 @@
+"""The command line of `launch/pretrain.py` and `tools/plan.py`, without torch: the options, the config, and how a
+process reports an error and leaves. --help, usage errors and a config that does not load answer at once; torch's
+import (seconds, more from a cluster's shared file system) comes only past them, with `megafp8.train.main`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import NoReturn
+
+from megafp8.config import ConfigError, load_config, repeated_overrides
+from megafp8.config.arguments import positive_number, print_warnings, whole_number
+
+
+H200_GIB = 139.8  # what torch reports for an H200's memory (143,771 MiB)
+
+
+TRAIN_DESCRIPTION = ("Pretrain a language model. Run as `python launch/pretrain.py --config NAME` (one rank) "
+                     "or under `torchrun --nproc_per_node=N launch/pretrain.py --config NAME`.")
+PLAN_DESCRIPTION = ("Plan a run without allocating it: parameters by part, memory per GPU, FLOPs per token and "
+                    "tokens/s at an assumed MFU. Same as `python launch/pretrain.py --config NAME --dry-run`. With "
+                    "--layouts: every TP x PP x EP x DP layout on --world-size GPUs, its memory, and the one to "
+                    "start with.")
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors end with how to write what was probably meant (`usage_hint`)."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + usage_hint(message))
+
+
+def usage_hint(message: str) -> str:
+    """For an argparse error: settings given as options (`--training.steps=10`) are overrides without dashes; a
+    config given without `--config` needs it."""
+    unknown = message.partition("unrecognized arguments: ")[2].split()
+    dotted = [arg.lstrip("-") for arg in unknown if arg.startswith("--") and "." in arg.partition("=")[0]]
+    if dotted:
+        return f" (settings are overrides without dashes, after the options: {' '.join(dotted)})"
+    if unknown:
+        return (" (settings go after the options as section.key=value, e.g. training.steps=10; --print-config "
+                "lists them)")
+    if "required: --config" in message:
+        return " (e.g. --config tiny_dense.yaml: a file in configs/, or a path)"
+    return ""
+
+
+def build_parser(prog: str, description: str, plan_only: bool = False) -> argparse.ArgumentParser:
+    """The command line of `launch/pretrain.py`, or with `plan_only` that of `tools/plan.py` (always a dry run)."""
+    parser = CommandLineParser(prog=prog, description=description)
+    parser.add_argument("--config", required=True,
+                        help="a YAML path, or a name in configs/ (with or without .yaml), e.g. tiny_dense")
+    if not plan_only:
+        parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        parser.add_argument("--dry-run", action="store_true",
+                            help="print parameters, per-GPU memory and FLOPs of the run and exit (allocates nothing); "
+                                 "with --evaluate, also the checkpoint the evaluation would load, checked complete "
+                                 "(its files are not read)")
+        parser.add_argument("--evaluate", action="store_true",
+                            help="evaluate the checkpoint checkpoint.resume names (auto: the run's newest that "
+                                 "verifies) on training.eval_iters held-out micro-batches, print its record as JSON "
+                                 "and exit; writes nothing")
+    parser.add_argument("--world-size", type=whole_number(1), default=None,
+                        help="ranks to plan the dry run for (default: torchrun's WORLD_SIZE, else 1)")
+    parser.add_argument("--peak-tflops", type=positive_number(), default=989.4,
+                        help="dry run: peak TFLOP/s per GPU (H100/H200)")
+    parser.add_argument("--mfu", type=positive_number(1, " (a fraction: 0.4 is 40%)"), default=0.4,
+                        help="dry run: model FLOPs utilization to assume (above 0, at most 1)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="dotted overrides, e.g. model.num_layers=2 optimizer.lr=1e-3")
+    if plan_only:
+        parser.add_argument("--layouts", action="store_true",
+                            help="list every parallel layout on --world-size GPUs with its planned memory, and "
+                                 "recommend the one with the least model parallelism that fits")
+        parser.add_argument("--gpu-gib", type=positive_number(), default=None,
+                            help="--layouts: memory per GPU in GiB (default: this machine's GPU, else an H200's "
+                                 f"{H200_GIB:g})")
+        parser.add_argument("--max-tp", type=int, default=8,
+                            help="--layouts: the largest tensor-parallel size to consider (GPUs of one node)")
+        parser.add_argument("--max-cp", type=int, default=None,
+                            help="--layouts: also try context parallelism up to this size (long sequences; default: "
+                                 "the config's parallel.cp)")
+        parser.set_defaults(print_config=False, dry_run=True, evaluate=False)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser("pretrain.py", TRAIN_DESCRIPTION).parse_args(argv)
+
+
+def env_rank() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) under plain python."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def write_error_file(line: str) -> None:
+    """Record `line` in torchrun's error file for this rank (`TORCHELASTIC_ERROR_FILE`, set by torchrun), the form
+    torch.distributed.elastic's `record` writes: torchrun's failure summary then shows the line instead of "To
+    enable traceback see ...". Nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the summary then falls back to torchrun's own words; the line was printed already
+
+
+def report_error(message: str, linger_s: float = 2.0) -> None:
+    """Print `error: <message>` once per job and record it in torchrun's error file. Rank 0 reports at once;
+    another rank first lingers `linger_s`: where rank 0 hit the same error, torchrun ends the job meanwhile (so the
+    line appears once), and where the error is this rank's alone, it then reports it itself."""
+    if env_rank()[0] != 0:
+        time.sleep(linger_s)
+    line = f"error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    write_error_file(line)
+
+
+def exit_process(code: int) -> None:
+    """Leave without running C++ static destructors: gloo's transport threads can still be joinable then,
+    and destroying them aborts the process ("terminate called without an active exception", exit -6)
+    after a run that finished cleanly. Everything the run wrote is closed by now; flush stdio and go."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`launch/pretrain.py`."""
+    return run(parse_args(argv))
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """`tools/plan.py`: the dry run under its own name and usage."""
+    return run(build_parser("plan.py", PLAN_DESCRIPTION, plan_only=True).parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the config `args` name (its errors reported before torch is imported), then print, plan or train it as
+    `args` asks (`megafp8.train.main.run_config`); the exit status."""
+    if env_rank()[0] == 0:  # once per job
+        print_warnings(repeated_overrides(args.overrides))
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if getattr(args, "evaluate", False) and cfg.training.eval_iters == 0:  # (its loss was NaN, exit status 0)
+            raise ConfigError("--evaluate with training.eval_iters=0 evaluates no micro-batch: give "
+                              "training.eval_iters=N (N held-out micro-batches) or -1 (the whole validation split)")
+    except ConfigError as err:
+        return error_status(str(err))
+    from megafp8.train.main import run_config  # torch, the model and the kernels' registry: past a loaded config
+    return run_config(args, cfg)
+
+
+def error_status(message: str) -> int:
+    """Report `message` in one line, once per job (`report_error`); the exit status 2."""
+    report_error(message)
+    return 2
