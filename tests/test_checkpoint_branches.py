@@ -1,17 +1,22 @@
 """Checkpoints of branches a run left: going back to an earlier checkpoint points `latest` at it, the other branch's
 checkpoints are passed over and set aside as `step_N.abandoned` once the run's saves pass them, and conversions into a
 run's own checkpoint directory never move `latest` off the run's branch, delete another checkpoint or revive a set-aside
-one (`docs/checkpoints.md`)."""
+one, and hold the run's lock while they write (`docs/checkpoints.md`)."""
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from megafp8.checkpoint import find_latest, load_checkpoint
 from megafp8.checkpoint.local import fresh_temporary, publish, resume_candidates, verify_checkpoint
 from megafp8.config import ConfigError
+from megafp8.train.run_lock import LOCK_FILE, lock_for_conversion
 from tests.checkpoints import flip_byte, one_rank_trainer
+from tests.conftest import REPO
 
 
 def test_newer_checkpoints_than_latest_are_never_resumed_or_pruned(saved, tmp_path):
@@ -204,3 +209,37 @@ def test_a_conversion_never_deletes_another_checkpoint_or_revives_a_set_aside_on
                 convert(ckpt / "step_00000001", out)
     assert sorted(p.name for p in (ckpt / "step_00000001").iterdir()) == sorted(
         p.name for p in (saved["sharded"] / "step_00000001").iterdir())
+
+
+def test_a_conversion_into_a_live_run_s_checkpoint_directory_is_refused_and_holds_it_while_it_writes(saved, tmp_path):
+    """Conversions took no lock: `consolidate ... --out <a training run's checkpoints>` published beside the run's
+    saves and pruning, and a run launched meanwhile started in the directory being written. Now a conversion into a
+    directory holding a run's lock file takes that lock for its duration, and is refused while a run holds it."""
+    ckpt = shutil.copytree(saved["sharded"], tmp_path / "ck")
+    (ckpt / LOCK_FILE).touch()  # a run's checkpoint directory
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from megafp8.train.run_lock import RunLock; held = RunLock([Path(sys.argv[1])]); "
+                               "print('locked', flush=True); time.sleep(120)", str(ckpt)],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        command = [sys.executable, "tools/convert_checkpoint.py", "consolidate", str(ckpt / "step_00000001"),
+                   "--out", str(ckpt), "--overwrite"]
+        refused = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.strip().startswith(f"error: {ckpt} is in use by another run (pid {holder.pid} on ")
+        assert "convert into another --out" in refused.stderr and "Traceback" not in refused.stderr
+        assert sorted(p.name for p in (ckpt / "step_00000001").iterdir()) == sorted(
+            p.name for p in (saved["sharded"] / "step_00000001").iterdir())  # untouched
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = lock_for_conversion(ckpt)  # no run there now: the conversion holds the directory while it writes
+    try:
+        child = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                                "from megafp8.train.run_lock import RunLock; RunLock([Path(sys.argv[1])])", str(ckpt)],
+                               cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert child.returncode != 0 and f"is in use by another run (pid {os.getpid()} on " in child.stderr
+    finally:
+        lock.release()
+    assert lock_for_conversion(tmp_path) is None  # a directory of the conversion's own: nothing to hold

@@ -27,6 +27,7 @@ from megafp8.train.resume import from_rank0
 log = logging.getLogger("megafp8")
 LOCK_FILE = ".lock"
 _TAKEN = (errno.EACCES, errno.EAGAIN)
+RUN_ADVICE = "wait for it to end, or give this run another run_name, logging.output_dir or checkpoint.dir"
 
 
 class RunLock:
@@ -34,8 +35,9 @@ class RunLock:
     the directories that already hold a lock file, and writes nothing (a start that fails later leaves no trace);
     `note_holder` then names this process in every lock file."""
 
-    def __init__(self, directories: list[Path], create: bool = True) -> None:
+    def __init__(self, directories: list[Path], create: bool = True, advice: str = RUN_ADVICE) -> None:
         self._files: dict[Path, IO[str]] = {}
+        self._advice = advice  # what a refusal tells the user to do where another process holds a directory
         try:
             self.add(directories, create)
         except BaseException:
@@ -48,7 +50,7 @@ class RunLock:
         """Lock `directories` not locked yet (with `create=False`, only those whose lock file exists)."""
         for directory in directories:
             if directory not in self._files:
-                f = _lock(directory, create)
+                f = _lock(directory, create, self._advice)
                 if f is not None:
                     self._files[directory] = f
 
@@ -66,7 +68,7 @@ class RunLock:
         self._files = {}
 
 
-def _lock(directory: Path, create: bool) -> Optional[IO[str]]:
+def _lock(directory: Path, create: bool, advice: str) -> Optional[IO[str]]:
     path = directory / LOCK_FILE
     if not create and not path.is_file():
         return None
@@ -84,11 +86,23 @@ def _lock(directory: Path, create: bool) -> Optional[IO[str]]:
         holder = f.read().strip() or "another process"
         f.close()
         if err.errno in _TAKEN:
-            raise ConfigError(f"{directory} is in use by another run ({holder}): wait for it to end, or give this run "
-                              "another run_name, logging.output_dir or checkpoint.dir") from None
+            raise ConfigError(f"{directory} is in use by another run ({holder}): {advice}") from None
         raise ConfigError(f"cannot lock {path} ({err.strerror}): put the run on a file system with POSIX locks "
                           "(local, or NFS with its lock manager)") from None
     return f
+
+
+def lock_for_conversion(out: Path) -> Optional[RunLock]:
+    """A conversion publishing into `out`: where `out` is a run's checkpoint directory (its lock file is there),
+    its lock, held while converting. A run training there holds it, so the conversion is refused (its saves and
+    pruning would race the conversion's rename and its `latest`), and a run launched meanwhile is refused in turn.
+    None where `out` holds no lock file (a directory of the conversion's own)."""
+    if not (out / LOCK_FILE).is_file():
+        return None
+    lock = RunLock([out], create=False, advice="wait for it to end, or convert into another --out (a checkpoint "
+                   "directory of its own; the run can resume it by path, checkpoint.resume=PATH)")
+    lock.note_holder()
+    return lock
 
 
 def _directories(run_dir: Path, checkpoint_dir: Path) -> list[Path]:
