@@ -73,6 +73,39 @@ def test_other_data_of_as_many_samples_is_refused_naming_what_differs(corpus_dir
                               "the checkpoint")
 
 
+def append_shard_to(data):
+    """Documents added to the corpus and preprocessed again at its path: one more training shard (a copy of the
+    last one), more samples."""
+    meta = json.loads((data / "meta.json").read_text())
+    last = meta["splits"]["train"][-1]
+    added = {**last, "file": last["file"].replace(".bin", "_added.bin")}
+    shutil.copyfile(data / last["file"], data / added["file"])
+    meta["splits"]["train"].append(added)
+    (data / "meta.json").write_text(json.dumps(meta))
+    return len(meta["splits"]["train"])
+
+
+def test_a_corpus_grown_at_its_path_is_refused_saying_how_to_train_it(corpus_dir, tmp_path):
+    """Documents added to the corpus at the same data.path: its number of samples differs, and the relaunch was told
+    only to resume with the same data (no directory named, nor the way to train the grown corpus)."""
+    state = make_loader(corpus_dir).state_dict()
+    data = shutil.copytree(corpus_dir, tmp_path / "data")
+    shards = append_shard_to(data)
+    loader = make_loader(data)
+    assert len(loader.dataset) > state["num_samples"]
+    how = (r": resume with the data the checkpoint was trained on, or name the checkpoint in checkpoint.resume=PATH to "
+           r"train this data from its first sample$")
+    with pytest.raises(DataPositionError, match=re.escape(
+            f"split 'train' of {data} is not the data the saved data-loader state was read from (it had "
+            f"{shards - 1} shards, this data has {shards})") + how):
+        loader.load_state_dict(state)
+    before_fingerprints = {k: v for k, v in state.items() if k != "fingerprint"}  # told by the counts alone
+    with pytest.raises(DataPositionError, match=re.escape(
+            f"(it had {state['num_samples']} samples, this data has {len(loader.dataset)})") + how):
+        loader.load_state_dict(before_fingerprints)
+    assert loader.consumed_samples == 0
+
+
 def test_the_same_tokens_read_with_the_tokenizer_at_another_path_resume(corpus_dir, tmp_path):
     """The tokenizer's spec is a path: the same tokenizer.json moved gives the same tokens, and resumes."""
     state = make_loader(corpus_dir).state_dict()

@@ -161,6 +161,28 @@ def test_a_checkpoint_saved_under_other_settings_is_not_resumed_without_a_word(t
     assert "under settings other than it was saved with (training.global_batch_size: 8 there, 16 here)" in caplog.text
 
 
+def test_a_stage_of_another_batch_counts_the_tokens_its_steps_read(tiny_overrides):
+    """A run started from a checkpoint under another global batch (or data.seq_len) logged consumed_tokens as its step
+    x its own tokens a step, as if every earlier step had read as many: 5120 at step 5 for 4 x 8 x 64 + 16 x 64."""
+    from megafp8.train.state import TrainState
+
+    first = make_trainer(tiny_overrides, SAVING)
+    first.fit()
+    named = SAVING + ["run_name=stage", "training.steps=6", "training.global_batch_size=16",
+                      f"checkpoint.resume={first.checkpoint_dir / 'step_00000004'}"]
+    stage = make_trainer(tiny_overrides, named)
+    stage.fit()
+    records = [json.loads(x) for x in stage.metrics_path.read_text().splitlines()]
+    assert [(r["step"], r["consumed_tokens"]) for r in records if r["kind"] == "train"] == [(5, 3072), (6, 4096)]
+    assert make_trainer(tiny_overrides, named).state.consumed_tokens == 4096  # a relaunch continues the count
+    # A checkpoint written before the count was kept: its steps read its own global batch x data.seq_len.
+    older = TrainState(tokens_per_step=16 * 64)
+    older.load_state_dict({"step": 4, "config": {"training": {"global_batch_size": 8}, "data": {"seq_len": 64}}})
+    assert older.consumed_tokens == 4 * 8 * 64
+    older.load_state_dict({"step": 0})  # an import: no config, no steps
+    assert older.consumed_tokens == 0
+
+
 def test_a_config_yaml_write_cut_short_leaves_the_earlier_one(tiny_overrides):
     """config.yaml is how a relaunch knows its run: written in place, a write cut short (the disk full, here a
     file-size limit) left a truncated one, so the next launch saw "another run" and was told to overwrite it."""

@@ -218,7 +218,7 @@ class DistributedLoader:
                 f"{tokenizer_change}: the model's token ids would mean other text; train on data preprocessed with "
                 f"the checkpoint's tokenizer (tools/preprocess_data.py --tokenizer {spec}), or start without the "
                 "checkpoint")
-        if state["num_samples"] != len(self.dataset) or state["seed"] != self.seed:
+        if state["seed"] != self.seed:
             raise DataPositionError(
                 f"the saved data-loader state is for {state['num_samples']} samples with seed {state['seed']}, but "
                 f"this run has {len(self.dataset)} samples with seed {self.seed}"
@@ -229,8 +229,12 @@ class DistributedLoader:
             raise DataPositionError(f"the saved data-loader state is for samples of data.seq_len {state['seq_len']}, "
                                     f"but this run's are {self.dataset.seq_len} tokens long")
         # Data preprocessed again (other documents, another tokenizer) may have as many samples: its fingerprint
-        # tells. A state without one (written before fingerprints) is taken on trust.
+        # tells. Data of another number of samples (documents added to the corpus, preprocessed again at its path)
+        # is other data too, named by the shard that differs where the state has a fingerprint. A state without one
+        # (written before fingerprints) is otherwise taken on trust.
         difference = self.dataset.fingerprint_difference(saved) if saved else None
+        if state["num_samples"] != len(self.dataset):
+            difference = difference or f"it had {state['num_samples']} samples, this data has {len(self.dataset)}"
         if difference is not None:
             raise DataPositionError(
                 f"{self.dataset.where()} is not the data the saved data-loader state was read from ({difference})",

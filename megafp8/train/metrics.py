@@ -82,9 +82,10 @@ class StepClock:
 
 
 def train_record(step: int, loss: float, lr: float, grad_norm: float, skipped: int, window: WindowTime,
-                 throughput: Throughput, device: torch.device) -> dict[str, Any]:
+                 throughput: Throughput, device: torch.device, consumed_tokens: int) -> dict[str, Any]:
     """The record of a logging window ending at `step`, with mean loss `loss` over its applied steps (nan if none
-    was; `skipped` were not) and the last step's `lr` and `grad_norm`."""
+    was; `skipped` were not), the last step's `lr` and `grad_norm`, and the tokens the run's steps read up to it
+    (`consumed_tokens`, counted: steps of another global batch or data.seq_len before a new stage read others)."""
     return {
         "kind": "train",
         "step": step,
@@ -94,7 +95,7 @@ def train_record(step: int, loss: float, lr: float, grad_norm: float, skipped: i
         "step_time_s": window.step_s,
         **throughput.rates(window.step_s),
         "skipped_steps": skipped,
-        "consumed_tokens": step * throughput.tokens_per_step,
+        "consumed_tokens": consumed_tokens,
         "elapsed_s": window.elapsed_s,
         "remaining_s": window.remaining_s,
         # the allocator's high-water mark on this (rank 0's) GPU since start: a host-side counter, no sync

@@ -69,7 +69,7 @@ class Trainer:
         self.pipeline, self.health, self.expert_balance = parts.pipeline, parts.health, parts.expert_balance
         self.whole_model_meta = parts.whole_model_meta
         self.guard = NonFiniteGuard(self.optimizer, self.cfg.training.max_consecutive_skips, device, dims)
-        self.state = TrainState()
+        self.state = TrainState(tokens_per_step=self.cfg.training.global_batch_size * self.cfg.data.seq_len)
         self.checkpointer = Checkpointer(
             ModelState(self.model, self.tp, self.ep, self.whole_model_meta), self.optimizer, self.state,
             parts={"loader": self.loader, "loss_scaler": self.loss_scaler, "rng": RngState(device),
@@ -104,7 +104,7 @@ class Trainer:
         with torch.autograd.set_multithreading_enabled(self.cfg.training.backward_on_worker_thread):
             loss_sum = self._forward_backward(micro_batches, loss_scale)
         self.grad_buckets.finish()
-        self.state.step += 1
+        self.state.advance()
         if sampled:
             self.metrics.write({"kind": "fp8_health", "step": self.step, "layers": self.health.collect(self.step)})
         return loss_sum, self._update(loss_scale)
@@ -250,7 +250,7 @@ class Trainer:
         self.guard.check(self.step)
         lr = lr_at(max(0, self.optimizer.step_count - 1), self.cfg.optimizer, self.cfg.training.steps)
         record = train_record(self.step, loss, lr, window[-1][1].item(), int(skipped), window_time, self.throughput,
-                              self.device)
+                              self.device, self.state.consumed_tokens)
         if self.loss_scaler is not None:
             record["loss_scale"] = self.loss_scaler.scale
         if self.expert_balance is not None:
