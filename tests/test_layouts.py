@@ -148,3 +148,19 @@ def test_when_no_layout_fits_the_reasons_are_given_not_memory(capsys, monkeypatc
     monkeypatch.setattr(layouts, "MAX_REASONS", 4)
     assert plan_main(args) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "- and 2 more reasons, for 2 layouts"
+
+
+@pytest.mark.parametrize("own", [["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+                                 ["parallel.pp=2", "parallel.pp_layout=E,t*2|t*2,L"],
+                                 ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                  "parallel.pp_virtual_stages=2", "training.global_batch_size=16"]],
+                         ids=["dp set", "pp_layout set", "interleaved"])
+def test_every_fitting_layout_s_overrides_are_accepted_by_the_launch_on_top_of_the_config_s_own(own):
+    """A layout is checked with the config's parallel.dp, pp_layout and pp_virtual_stages replaced, but its
+    overrides did not say so: the launch, given the config with them, refused the recommended layout (parallel.dp=2
+    at four data-parallel ranks, a two-stage pp_layout at pp=1, two virtual stages of four layers at pp=4)."""
+    args = WIDE + ["model.num_layers=4"] + own
+    options = [o for o in search_layouts(load_config("tiny_dense", args), 4, 80 * GIB) if o.fits]
+    assert len(options) > 1
+    for option in options:
+        validate_for_world(load_config("tiny_dense", args + option.overrides), 4)

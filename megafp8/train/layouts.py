@@ -29,8 +29,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megafp8.config import Config, ConfigError
-from megafp8.config.layout import V_SHAPED
+from megafp8.config import Config, ConfigError, ParallelConfig
+from megafp8.config.layout import V_SHAPED, stages_per_rank
 from megafp8.config.validate import validate_for_world
 from megafp8.train.plan import GIB, make_plan
 
@@ -85,7 +85,20 @@ def _layout_config(cfg: Config, tp: int, pp: int, ep: int, cp: int = 1) -> tuple
         overrides.append(f"parallel.cp={cp}")
     if pp > 1:
         overrides.append(f"parallel.pp_schedule={schedule}")
+    overrides += _settings_reset(par, pp, schedule)
     return dataclasses.replace(cfg, parallel=parallel), overrides
+
+
+def _settings_reset(par: ParallelConfig, pp: int, schedule: str) -> list[str]:
+    """Overrides that undo the config's own settings a layout at `pp` x `schedule` is checked without: the launch,
+    given the config and the printed overrides, kept them and refused the layout (parallel.dp=2 at any other
+    data-parallel size, a pp_layout of another pp)."""
+    resets = ["parallel.dp=null"] if par.dp is not None else []
+    if pp != par.pp and par.pp_layout is not None:
+        resets.append("parallel.pp_layout=null")
+    if pp != par.pp and pp > 1 and stages_per_rank(schedule, par.pp_virtual_stages) != stages_per_rank(schedule, 1):
+        resets.append("parallel.pp_virtual_stages=1")  # only where the schedule reads it (interleaved)
+    return resets
 
 
 def search_layouts(cfg: Config, world_size: int, gpu_bytes: float, max_tp: int = 8,
