@@ -50,10 +50,10 @@ def _is_step(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def read_series(run: str | Path, kind: str, metric: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of `metric` in the `kind` records of a run; a step logged twice (a resumed or repeated
-    run writing to the same file) keeps its last value, and where that is not finite (null, as megafp8 writes a
-    nan or inf, or JSON's NaN and Infinity) the step has none."""
+def logged_values(run: str | Path, kind: str, metric: str) -> dict[int, float]:
+    """Each step's last logged `metric` in the `kind` records of a run (a step logged twice: a resumed or repeated
+    run writing to the same file), nan where that is not finite (null, as megafp8 writes a nan or inf, or JSON's NaN
+    and Infinity): what a comparison must tell from a step never logged."""
     by_step: dict[int, float] = {}
     for record in read_records(run):  # a record without a step (none megafp8 writes) has no place on a curve
         if record.get("kind") != kind or "step" not in record or metric not in record:
@@ -61,8 +61,16 @@ def read_series(run: str | Path, kind: str, metric: str) -> tuple[list[int], lis
         value = record[metric]
         if isinstance(value, (int, float)) and math.isfinite(value):
             by_step[record["step"]] = float(value)
-        elif value is None or isinstance(value, float):  # non-finite: a nan would make every mean over it nan
-            by_step.pop(record["step"], None)
+        elif value is None or isinstance(value, float):
+            by_step[record["step"]] = math.nan
+    return by_step
+
+
+def read_series(run: str | Path, kind: str, metric: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of `metric` in the `kind` records of a run; a step logged twice (a resumed or repeated
+    run writing to the same file) keeps its last value, and where that is not finite (null, as megafp8 writes a
+    nan or inf, or JSON's NaN and Infinity) the step has none (a nan would make every mean over it nan)."""
+    by_step = {step: value for step, value in logged_values(run, kind, metric).items() if math.isfinite(value)}
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
 
