@@ -113,9 +113,10 @@ _LEGENDS_IN_PANELS = 10  # runs up to which each panel has its own legend; past 
 
 def relative_gaps(reference: tuple[list[int], list[float]], other: tuple[list[int], list[float]]
                   ) -> tuple[list[int], list[float]]:
-    """(steps, 100 * (other - reference) / reference) at the steps both runs logged."""
+    """(steps, 100 * (other - reference) / reference) at the steps both runs logged, but where the reference's value
+    is 0: no scale to relate a gap to (a metric such as moe_idle_experts at 0 raised a ZeroDivisionError)."""
     ref = dict(zip(*reference))
-    pairs = [(s, v) for s, v in zip(*other) if s in ref]
+    pairs = [(s, v) for s, v in zip(*other) if ref.get(s)]
     return [s for s, _ in pairs], [100 * (v - ref[s]) / ref[s] for s, v in pairs]
 
 
@@ -134,7 +135,8 @@ def _check_out(out: str, supported: dict[str, str]) -> None:
 def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, gaps: bool = False,
               smooth: int = 1, from_step: int = 0) -> list[str]:
     """One panel per metric (`loss`, `val_loss`, `grad_norm`, ... or `kind:field`), one line per run; with `gaps`,
-    a second row: each other run's relative gap (%) to the first run, per metric, in that run's colour. `smooth` > 1
+    a second row: each other run's relative gap (%) to the first run, per metric, in that run's colour (none at a step
+    where the first run's value is 0). `smooth` > 1
     draws trailing means of train metrics over that many logged points (evaluations are drawn as logged); steps
     before `from_step` are left out. Returns warning lines: one per run whose metrics file holds spliced runs
     (`splice_warning`), one per run and metric that `from_step` leaves without points, one if the figure is empty.
