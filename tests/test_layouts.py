@@ -10,7 +10,7 @@ from megafp8.config import load_config
 from megafp8.config.validate import validate_for_world
 from megafp8.train import layouts
 from megafp8.train.layouts import search_layouts
-from megafp8.train.main import plan_main
+from megafp8.train.main import layouts_main, plan_main
 from megafp8.train.plan import GIB
 from tests.conftest import REPO, torchrun_env
 
@@ -164,3 +164,23 @@ def test_every_fitting_layout_s_overrides_are_accepted_by_the_launch_on_top_of_t
     assert len(options) > 1
     for option in options:
         validate_for_world(load_config("tiny_dense", args + option.overrides), 4)
+
+
+def test_a_vocabulary_read_from_the_data_is_padded_for_each_layout_s_tensor_parallel_size(monkeypatch):
+    """model.vocab_size null is the data's tokenizer's, padded as the launch pads it for its TP: 400 ids are 512 at
+    TP=1 and 768 at TP=3. The search padded it once, for the config's TP, and refused TP=3: "model.vocab_size=512 does
+    not split evenly over parallel.tp=3: make it a multiple of 3, or null" (it was null, and the launch runs it)."""
+    from types import SimpleNamespace
+
+    from megafp8.train import plan
+
+    monkeypatch.setattr(plan, "read_meta", lambda path: SimpleNamespace(vocab_size=400, tokenizer="tok.json"))
+    three_heads = ["model.num_heads=3", "model.attention.num_kv_heads=3", "model.attention.head_dim=128",
+                   "model.hidden_size=384", "model.ffn_hidden_size=384", "data.seq_len=192",
+                   "training.global_batch_size=6", "training.micro_batch_size=1"]
+    table = layouts_main(load_config("tiny_dense", three_heads), 3, 80, max_tp=8)  # `tools/plan.py --layouts`
+    assert "| fits | 3 | 1 | 1 | 1 |" in table and "split evenly" not in table, table
+    tp3 = _by_sizes(search_layouts(load_config("tiny_dense", three_heads), 3, 80 * GIB))[3, 1, 1]
+    launched = load_config("tiny_dense", three_heads + tp3.overrides)
+    validate_for_world(plan.with_vocab(launched), 3)
+    assert plan.with_vocab(launched).model.vocab_size == 768
