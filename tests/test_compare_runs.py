@@ -350,3 +350,38 @@ def test_the_runs_an_arm_would_take_are_more_than_the_arms_have_where_they_canno
         n = runs_to_resolve(deviation, tolerance)
         bound = lambda runs: t_critical(2 * runs - 2) * deviation * math.sqrt(2 / runs)
         assert bound(n) <= tolerance < bound(n - 1) or n == math.ceil(8 * deviation ** 2 / tolerance ** 2), n
+
+
+def test_a_run_whose_last_evaluation_is_not_finite_or_missing_is_named_beside_the_verdict(tmp_path):
+    """Non-finite losses are left out of the means, so a verdict is taken at the last evaluation every run has a
+    finite loss at. An FP8 run whose validation loss at the last evaluation was a nan (or that stopped before it)
+    moved the parity and pooled verdicts back to step 500, where it passed, without a word; and `--pooled` said of a
+    run whose one evaluation gave a nan that it had "no evaluation". Each is now named, with why."""
+    nan_at_end = _parity_runs(tmp_path, 2.002, 1.996)
+    path = tmp_path / "fp8_a" / "metrics.jsonl"
+    path.write_text(path.read_text().replace('{"kind": "eval", "step": 1000, "val_loss": 2.002}',
+                                             '{"kind": "eval", "step": 1000, "val_loss": null}'))
+    report = parity(nan_at_end, window=500, tolerance=0.0025, worst=5).splitlines()
+    assert "Verdict (validation loss at step 500):" in report
+    assert report[-1] == (f"- Not judged at step 1000, the last step a run logged its val_loss at: FP8 A "
+                          f"({nan_at_end[1]}), logged there as a nan or inf"), report
+    for directory in ("cut", "whole", "pooled"):
+        (tmp_path / directory).mkdir()
+    cut = [_write_run(tmp_path / "cut" / name, lambda s: 3.0, lambda s: 2.0, steps=steps)
+           for name, steps in (("bf16_a", 1000), ("fp8_a", 900))]
+    assert parity(cut, window=500, tolerance=0.0025, worst=5).splitlines()[-1] == (
+        f"- Not judged at step 1000, the last step a run logged its val_loss at: FP8 A ({cut[1]}), its last at "
+        "step 500")
+    assert "Not judged" not in parity(_parity_runs(tmp_path / "whole", 2.002, 1.996), 500, 0.0025, 5)
+    arms = [_write_run(tmp_path / "pooled" / name, lambda s: 3.0, lambda s, end=end: 2.0 if s < 1000 else end)
+            for name, end in (("b1", 2.0), ("b2", 2.01), ("f1", math.nan), ("f2", 2.02), ("f3", 2.0))]
+    (tmp_path / "pooled" / "f3" / "metrics.jsonl").write_text('{"kind": "eval", "step": 10, "val_loss": NaN}\n')
+    lines = pooled(arms[:2], arms[2:], ("BF16", "FP8"), window=500, tolerance=0.0025).splitlines()
+    assert lines[-2:] == [f"- Left out of the verdict, no validation loss at step 1000: {arms[2]} (logged there as a "
+                          "nan or inf)",
+                          f"- Left out of the verdict, no validation loss at step 1000: {arms[4]} (its last at step "
+                          "10, a nan or inf)"], lines
+    moved = pooled(arms[:2], [arms[2], arms[2]], ("BF16", "FP8"), window=500, tolerance=0.0025).splitlines()
+    assert "Verdict (validation loss at step 500):" in moved
+    assert moved[-1] == (f"- Not judged at step 1000, the last step a run logged its val_loss at: FP8 ({arms[2]}), "
+                         "logged there as a nan or inf"), moved

@@ -11,7 +11,7 @@ import torch
 from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
-from megafp8.train.generate import _choose, load_generator
+from megafp8.train.generate import _choose, continuation_text, load_generator
 from tests.conftest import REPO, side_by_side
 
 
@@ -140,3 +140,23 @@ def test_a_window_longer_than_the_run_trained_on_is_refused_and_a_shorter_one_is
     with pytest.raises(ConfigError, match=r"--window 65: .* windows of 64 tokens .* give --window 64 or less"):
         load_generator(checkpoint, torch.device("cpu"), window=65)
     assert load_generator(checkpoint, torch.device("cpu"), window=16).window == 16
+
+
+def test_a_continuation_keeps_the_space_a_leading_space_stripping_decoder_drops(tmp_path):
+    """Llama 2's and Mistral's tokenizer.json decoders strip the leading space of a text: the continuation decoded
+    on its own lost the space its first token begins with, and "Once upon" + " a time" was printed "Once upona
+    time". The prompt and continuation are now decoded together."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from megafp8.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\u2581Once": 3, "\u2581upon": 4, "\u2581a": 5, "\u2581time": 6}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = tokenizers.decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    llama2_like = HFTokenizer(str(tmp_path / "tokenizer.json"), bos_token="<s>")
+    prompt = llama2_like.document("Once upon")
+    assert prompt == [1, 3, 4] and llama2_like.decode([5, 6]) == "a time"  # alone: the space is gone
+    assert continuation_text(llama2_like, prompt, [5, 6]) == " a time"
+    byte = ByteTokenizer()
+    assert continuation_text(byte, byte.encode("caf"), list("é!".encode())) == "é!"

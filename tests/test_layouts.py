@@ -11,6 +11,7 @@ from megafp8.config.validate import validate_for_world
 from megafp8.train import layouts
 from megafp8.train.layouts import search_layouts
 from megafp8.train.command_line import plan_main
+from megafp8.train.main import layouts_main
 from megafp8.train.plan import GIB
 from tests.conftest import REPO, torchrun_env
 
@@ -148,3 +149,39 @@ def test_when_no_layout_fits_the_reasons_are_given_not_memory(capsys, monkeypatc
     monkeypatch.setattr(layouts, "MAX_REASONS", 4)
     assert plan_main(args) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "- and 2 more reasons, for 2 layouts"
+
+
+@pytest.mark.parametrize("own", [["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+                                 ["parallel.pp=2", "parallel.pp_layout=E,t*2|t*2,L"],
+                                 ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                  "parallel.pp_virtual_stages=2", "training.global_batch_size=16"]],
+                         ids=["dp set", "pp_layout set", "interleaved"])
+def test_every_fitting_layout_s_overrides_are_accepted_by_the_launch_on_top_of_the_config_s_own(own):
+    """A layout is checked with the config's parallel.dp, pp_layout and pp_virtual_stages replaced, but its
+    overrides did not say so: the launch, given the config with them, refused the recommended layout (parallel.dp=2
+    at four data-parallel ranks, a two-stage pp_layout at pp=1, two virtual stages of four layers at pp=4)."""
+    args = WIDE + ["model.num_layers=4"] + own
+    options = [o for o in search_layouts(load_config("tiny_dense", args), 4, 80 * GIB) if o.fits]
+    assert len(options) > 1
+    for option in options:
+        validate_for_world(load_config("tiny_dense", args + option.overrides), 4)
+
+
+def test_a_vocabulary_read_from_the_data_is_padded_for_each_layout_s_tensor_parallel_size(monkeypatch):
+    """model.vocab_size null is the data's tokenizer's, padded as the launch pads it for its TP: 400 ids are 512 at
+    TP=1 and 768 at TP=3. The search padded it once, for the config's TP, and refused TP=3: "model.vocab_size=512 does
+    not split evenly over parallel.tp=3: make it a multiple of 3, or null" (it was null, and the launch runs it)."""
+    from types import SimpleNamespace
+
+    from megafp8.train import plan
+
+    monkeypatch.setattr(plan, "read_meta", lambda path: SimpleNamespace(vocab_size=400, tokenizer="tok.json"))
+    three_heads = ["model.num_heads=3", "model.attention.num_kv_heads=3", "model.attention.head_dim=128",
+                   "model.hidden_size=384", "model.ffn_hidden_size=384", "data.seq_len=192",
+                   "training.global_batch_size=6", "training.micro_batch_size=1"]
+    table = layouts_main(load_config("tiny_dense", three_heads), 3, 80, max_tp=8)  # `tools/plan.py --layouts`
+    assert "| fits | 3 | 1 | 1 | 1 |" in table and "split evenly" not in table, table
+    tp3 = _by_sizes(search_layouts(load_config("tiny_dense", three_heads), 3, 80 * GIB))[3, 1, 1]
+    launched = load_config("tiny_dense", three_heads + tp3.overrides)
+    validate_for_world(plan.with_vocab(launched), 3)
+    assert plan.with_vocab(launched).model.vocab_size == 768

@@ -175,3 +175,19 @@ def test_a_bad_metrics_file_or_output_is_one_error_before_any_work(tmp_path):
                         "to draw"], warnings
     (tmp_path / "b.png").unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "latin.jsonl", "step.jsonl"]
+
+
+def test_a_gap_to_a_reference_value_of_zero_is_left_out_not_a_traceback(tmp_path):
+    """`--gaps` of a metric the first run logged as 0 at some step (moe_idle_experts, skipped steps) raised a
+    ZeroDivisionError's traceback: 0 is no scale to relate a gap to, so that step has none."""
+    assert relative_gaps(([1, 2, 3], [0.0, 4.0, 5.0]), ([1, 2, 3], [0.5, 5.0, 4.5])) == ([2, 3], [25.0, -10.0])
+    pytest.importorskip("matplotlib")
+    from megafp8.train.plots import plot_runs
+
+    for name, idle in (("a", [0.0, 0.25]), ("b", [0.5, 0.25])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"kind": "train", "step": i + 1, "loss": 4.0, "moe_idle_experts": v}) + "\n"
+            for i, v in enumerate(idle)))
+    assert plot_runs([str(tmp_path / "a"), str(tmp_path / "b")], ["a", "b"], ["moe_idle_experts"],
+                     str(tmp_path / "idle.png"), gaps=True) == []

@@ -12,10 +12,12 @@ Parity mode (FP8 against BF16, with BF16's own seed-to-seed noise as the yardsti
     python tools/compare_runs.py --parity runs/bf16_a runs/fp8_a runs/bf16_b --window 500
 The runs are BF16 seed A, FP8 seed A and (optional) BF16 seed B, trained on the same data in the same order. Per
 window of steps: each run's mean training loss, FP8's relative gap to BF16 A and BF16 B's (the seed-to-seed
-gap); the same at each evaluation for the validation loss; then the verdict at the last evaluation: FP8 within
-`--tolerance` (0.25%) of BF16 A, and |FP8 - BF16 A| <= |BF16 B - BF16 A| (FP8's gap to the two seeds' mean is
-printed beside them, not judged); and the FP8 run's worst tensors in its last FP8 health record, by quantization
-SNR and by underflow. `--seeds B A` names the runs for a second pair (BF16 seed B, FP8 seed B, BF16 seed A).
+gap); the same at each evaluation for the validation loss; then the verdict at the last evaluation every run has a
+finite loss at: FP8 within `--tolerance` (0.25%) of BF16 A, and |FP8 - BF16 A| <= |BF16 B - BF16 A| (FP8's gap to the
+two seeds' mean is printed beside them, not judged), with a line under it for each run without a finite loss at a
+later evaluation another run logged (cut short, or a nan or inf there); and the FP8 run's worst tensors in its last
+FP8 health record, by quantization SNR and by underflow. `--seeds B A` names the runs for a second pair (BF16 seed B,
+FP8 seed B, BF16 seed A).
 
 Gaps mode (many runs against one, e.g. ablations against BF16; a run cut short shows where it got to):
     python tools/compare_runs.py --gaps runs/bf16_b runs/fp8_b runs/fp8_attn_bf16_b --windows 501-750 751-1000 \\
@@ -30,7 +32,8 @@ not deterministic, each repeat follows its own path):
         --against runs/fp8_b runs/fp8_b_r2 --labels "BF16 B" "FP8 B" --window 250
 Per window and evaluation: each arm's runs, their mean, the reference arm's range (max - min over its mean: its
 run-to-run spread at one seed), and the other arm's mean as its gap to the reference's; a run is counted where it
-got to. Then the verdict at the last evaluation both arms reached: the other arm's mean inside the reference's
+got to. Then the verdict at the last evaluation both arms reached (a run without a finite loss there, or at a later
+evaluation another run logged, is named under it, with why): the other arm's mean inside the reference's
 range or not, the standard error of the two means' difference, and whether the runs can resolve `--tolerance` at
 all, with the runs an arm that would take. The bold verdict is Welch's t test of the difference (95%, two-sided,
 Student's t at the Welch-Satterthwaite degrees of freedom, since an arm has a handful of runs), not the range: a
@@ -50,7 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError  # noqa: E402
-from megafp8.train.plots import read_records, read_series  # noqa: E402
+from megafp8.train.plots import logged_values, read_records, read_series  # noqa: E402
 from megafp8.config.arguments import positive_number, run_tool  # noqa: E402
 
 
@@ -222,10 +225,13 @@ def parity(runs: list[str], window: int, tolerance: float, worst: int, seeds: tu
         lines += ["", "Validation loss (held-out split) at each evaluation:", ""]
         lines += _table("step", [(str(s), [v[s] for v in valid]) for s in evals], roles)
         end, values = f"validation loss at step {evals[-1]}", [v[evals[-1]] for v in valid]
+        not_judged = _not_judged(runs, roles, "eval", "val_loss", evals[-1])
     else:
-        end, values = f"training loss of the last window (steps {windows[-1][0]}; no validation loss logged)", \
-            windows[-1][1]
-    lines += ["", f"Verdict ({end}):", ""] + verdict(values, tolerance, seeds)
+        some = "none finite at a step every run logged" if any(logged_values(r, "eval", "val_loss") for r in runs) \
+            else "no validation loss logged"
+        end, values = f"training loss of the last window (steps {windows[-1][0]}; {some})", windows[-1][1]
+        not_judged = _not_judged(runs, roles, "train", "loss", max(set.intersection(*(set(s) for s in train))))
+    lines += ["", f"Verdict ({end}):", ""] + verdict(values, tolerance, seeds) + not_judged
     health = worst_fp8_layers(runs[1], worst)
     return "\n".join(lines + ([""] + health if health else []))
 
@@ -465,15 +471,40 @@ def pooled(ref_runs: list[str], other_runs: list[str], labels: tuple[str, str], 
         raise ConfigError(f"no evaluation that two {labels[0]} runs and one {labels[1]} run all reached")
     step, ref, other = end_values
     return "\n".join(lines + ["", f"Verdict (validation loss at step {step}):", ""]
-                     + pooled_verdict(ref, other, tolerance, labels) + _left_out(runs, valid, step))
+                     + pooled_verdict(ref, other, tolerance, labels) + _left_out(runs, valid, step)
+                     + _not_judged(runs, tuple(labels[i >= len(ref_runs)] for i in range(len(runs))), "eval",
+                                   "val_loss", step))
 
 
 def _left_out(runs: list[str], valid: list[dict[int, float]], step: int) -> list[str]:
     """A line for each run without a validation loss at the verdict's step: a run that stopped early (an FP8 run that
     diverged, say) must not leave the verdict unnamed."""
     return [f"- Left out of the verdict, no validation loss at step {step}: {run} "
-            f"({f'its last at step {max(v)}' if v else 'no evaluation'})"
+            f"({_why_none(logged_values(run, 'eval', 'val_loss'), step, 'evaluation')})"
             for run, v in zip(runs, valid) if step not in v]
+
+
+def _not_judged(runs: list[str], names: tuple[str, ...], kind: str, metric: str, judged: int) -> list[str]:
+    """A line for each run without a finite `metric` at the last step any run logged one, where that comes after
+    `judged` (the verdict's step): a run that stopped early, or whose loss went non-finite, moved the verdict back to
+    a step where it still looked well, unsaid."""
+    logged = [logged_values(run, kind, metric) for run in runs]
+    last = max((step for values in logged for step in values), default=judged)
+    if last <= judged:
+        return []
+    return [f"- Not judged at step {last}, the last step a run logged its {metric} at: {name} ({run}), "
+            f"{_why_none(values, last, metric)}"
+            for name, run, values in zip(names, runs, logged) if not math.isfinite(values.get(last, math.nan))]
+
+
+def _why_none(logged: dict[int, float], step: int, what: str) -> str:
+    """Why a run (its `logged_values`) has no finite value at `step`: not finite there, or not logged that far."""
+    if step in logged:
+        return "logged there as a nan or inf"
+    if not logged:
+        return f"no {what}"
+    last = max(logged)
+    return f"its last at step {last}" + ("" if math.isfinite(logged[last]) else ", a nan or inf")
 
 
 def main(argv: list[str] | None = None) -> int:

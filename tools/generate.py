@@ -52,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch  # after the arguments: --help and usage errors need no torch
 
     from megafp8.config import ConfigError
-    from megafp8.train.generate import load_generator
+    from megafp8.train.generate import continuation_text, load_generator
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError:
@@ -68,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
         ids = generator.continue_ids(prompt, args.tokens, args.temperature, args.top_k, args.seed + sample)
         if args.samples > 1:
             print(f"--- sample {sample + 1} (seed {args.seed + sample})")
-        print(args.prompt + generator.tokenizer.decode(ids))
+        print(args.prompt + continuation_text(generator.tokenizer, prompt, ids))
     return 0
 
 

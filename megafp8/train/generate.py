@@ -58,6 +58,15 @@ class Generator:
         return out
 
 
+def continuation_text(tokenizer: Tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """The text `ids` add after the `prompt` ids: the prompt and continuation decoded together, less the prompt's
+    own text. Decoded alone, a continuation loses the space its first token begins with under a tokenizer whose
+    decoder strips a text's leading space (Llama 2's and Mistral's: "Once upon" went on "a time", printed as
+    "Once upona time")."""
+    whole, head = tokenizer.decode(prompt + ids), tokenizer.decode(prompt)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)
+
+
 def _choose(logits: torch.Tensor, temperature: float, top_k: int, draw: torch.Generator) -> int:
     if temperature == 0:
         return int(logits.argmax())

@@ -29,10 +29,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megafp8.config import Config, ConfigError
-from megafp8.config.layout import V_SHAPED
+from megafp8.config import Config, ConfigError, ParallelConfig
+from megafp8.config.layout import V_SHAPED, stages_per_rank
 from megafp8.config.validate import validate_for_world
-from megafp8.train.plan import GIB, make_plan
+from megafp8.train.plan import GIB, make_plan, with_vocab
 
 
 @dataclass
@@ -85,16 +85,29 @@ def _layout_config(cfg: Config, tp: int, pp: int, ep: int, cp: int = 1) -> tuple
         overrides.append(f"parallel.cp={cp}")
     if pp > 1:
         overrides.append(f"parallel.pp_schedule={schedule}")
+    overrides += _settings_reset(par, pp, schedule)
     return dataclasses.replace(cfg, parallel=parallel), overrides
+
+
+def _settings_reset(par: ParallelConfig, pp: int, schedule: str) -> list[str]:
+    """Overrides that undo the config's own settings a layout at `pp` x `schedule` is checked without: the launch,
+    given the config and the printed overrides, kept them and refused the layout (parallel.dp=2 at any other
+    data-parallel size, a pp_layout of another pp)."""
+    resets = ["parallel.dp=null"] if par.dp is not None else []
+    if pp != par.pp and par.pp_layout is not None:
+        resets.append("parallel.pp_layout=null")
+    if pp != par.pp and pp > 1 and stages_per_rank(schedule, par.pp_virtual_stages) != stages_per_rank(schedule, 1):
+        resets.append("parallel.pp_virtual_stages=1")  # only where the schedule reads it (interleaved)
+    return resets
 
 
 def search_layouts(cfg: Config, world_size: int, gpu_bytes: float, max_tp: int = 8,
                    headroom: float = 0.1, max_cp: int = 1) -> list[LayoutOption]:
-    """Every layout of `cfg` (model.vocab_size set) on `world_size` GPUs of `gpu_bytes` each, TP at most `max_tp`
-    and CP at most `max_cp`, fitting ones first in order of preference (`LayoutOption.cost`), then the others by
-    planned memory."""
-    if cfg.model.vocab_size is None:
-        raise ConfigError("the layout search needs model.vocab_size (or the data at data.path): set it")
+    """Every layout of `cfg` on `world_size` GPUs of `gpu_bytes` each, TP at most `max_tp` and CP at most `max_cp`,
+    fitting ones first in order of preference (`LayoutOption.cost`), then the others by planned memory. A
+    model.vocab_size of null is the data's tokenizer's, padded for each layout's TP as the launch pads it (padded for
+    the config's TP alone, a TP of 3 was refused: the vocabulary 'does not split evenly', set it or null)."""
+    with_vocab(cfg)  # neither a vocabulary nor data to read it from: one error, before any layout
     moe = cfg.model.moe.num_experts > 0
     options = []
     for tp in (d for d in _divisors(world_size) if d <= max_tp):
@@ -103,6 +116,7 @@ def search_layouts(cfg: Config, world_size: int, gpu_bytes: float, max_tp: int =
             for ep, cp in ((e, c) for e in (_divisors(dp) if moe else [1])
                            for c in _divisors(dp) if c <= max_cp):
                 layout_cfg, overrides = _layout_config(cfg, tp, pp, ep, cp)
+                layout_cfg = with_vocab(layout_cfg)
                 option = LayoutOption(tp, pp, ep, dp, overrides, cp=cp)
                 try:
                     validate_for_world(layout_cfg, world_size)

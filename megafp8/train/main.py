@@ -80,7 +80,7 @@ def layouts_main(cfg: Config, world_size: int, gpu_gib: float | None, max_tp: in
     lighter = lighter_settings(cfg)
     if max_cp == 1 and cfg.data.seq_len >= LONG_SEQUENCE:  # activations per sequence: context parallelism splits them
         lighter.append("try context parallelism (--max-cp 8)")
-    return render_layouts(search_layouts(with_vocab(cfg), world_size, gpu_bytes, max_tp, max_cp=max_cp), world_size,
+    return render_layouts(search_layouts(cfg, world_size, gpu_bytes, max_tp, max_cp=max_cp), world_size,
                           gpu_bytes, lighter)
 
 

@@ -50,10 +50,10 @@ def _is_step(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def read_series(run: str | Path, kind: str, metric: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of `metric` in the `kind` records of a run; a step logged twice (a resumed or repeated
-    run writing to the same file) keeps its last value, and where that is not finite (null, as megafp8 writes a
-    nan or inf, or JSON's NaN and Infinity) the step has none."""
+def logged_values(run: str | Path, kind: str, metric: str) -> dict[int, float]:
+    """Each step's last logged `metric` in the `kind` records of a run (a step logged twice: a resumed or repeated
+    run writing to the same file), nan where that is not finite (null, as megafp8 writes a nan or inf, or JSON's NaN
+    and Infinity): what a comparison must tell from a step never logged."""
     by_step: dict[int, float] = {}
     for record in read_records(run):  # a record without a step (none megafp8 writes) has no place on a curve
         if record.get("kind") != kind or "step" not in record or metric not in record:
@@ -61,8 +61,16 @@ def read_series(run: str | Path, kind: str, metric: str) -> tuple[list[int], lis
         value = record[metric]
         if isinstance(value, (int, float)) and math.isfinite(value):
             by_step[record["step"]] = float(value)
-        elif value is None or isinstance(value, float):  # non-finite: a nan would make every mean over it nan
-            by_step.pop(record["step"], None)
+        elif value is None or isinstance(value, float):
+            by_step[record["step"]] = math.nan
+    return by_step
+
+
+def read_series(run: str | Path, kind: str, metric: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of `metric` in the `kind` records of a run; a step logged twice (a resumed or repeated
+    run writing to the same file) keeps its last value, and where that is not finite (null, as megafp8 writes a
+    nan or inf, or JSON's NaN and Infinity) the step has none (a nan would make every mean over it nan)."""
+    by_step = {step: value for step, value in logged_values(run, kind, metric).items() if math.isfinite(value)}
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
 
@@ -105,9 +113,10 @@ _LEGENDS_IN_PANELS = 10  # runs up to which each panel has its own legend; past 
 
 def relative_gaps(reference: tuple[list[int], list[float]], other: tuple[list[int], list[float]]
                   ) -> tuple[list[int], list[float]]:
-    """(steps, 100 * (other - reference) / reference) at the steps both runs logged."""
+    """(steps, 100 * (other - reference) / reference) at the steps both runs logged, but where the reference's value
+    is 0: no scale to relate a gap to (a metric such as moe_idle_experts at 0 raised a ZeroDivisionError)."""
     ref = dict(zip(*reference))
-    pairs = [(s, v) for s, v in zip(*other) if s in ref]
+    pairs = [(s, v) for s, v in zip(*other) if ref.get(s)]
     return [s for s, _ in pairs], [100 * (v - ref[s]) / ref[s] for s, v in pairs]
 
 
@@ -126,7 +135,8 @@ def _check_out(out: str, supported: dict[str, str]) -> None:
 def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, gaps: bool = False,
               smooth: int = 1, from_step: int = 0) -> list[str]:
     """One panel per metric (`loss`, `val_loss`, `grad_norm`, ... or `kind:field`), one line per run; with `gaps`,
-    a second row: each other run's relative gap (%) to the first run, per metric, in that run's colour. `smooth` > 1
+    a second row: each other run's relative gap (%) to the first run, per metric, in that run's colour (none at a step
+    where the first run's value is 0). `smooth` > 1
     draws trailing means of train metrics over that many logged points (evaluations are drawn as logged); steps
     before `from_step` are left out. Returns warning lines: one per run whose metrics file holds spliced runs
     (`splice_warning`), one per run and metric that `from_step` leaves without points, one if the figure is empty.
