@@ -62,6 +62,21 @@ def test_a_relaunch_resumes_and_drops_the_metrics_after_the_checkpoint(tiny_over
     assert (run_dir / "metrics.dropped.jsonl").read_text().splitlines()[2].startswith('{"kind": "train", "step": 4')
 
 
+def test_records_a_killed_drop_kept_aside_already_are_not_kept_aside_twice(tmp_path):
+    """A drop appends the records to metrics.dropped.jsonl, then rewrites metrics.jsonl: killed between the two, the
+    relaunch after found them in both and appended them again, so the records a run went back from read twice."""
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"kind": "train", "step": s, "loss": 5.0 - s}) for s in (1, 2, 3, 4)]
+    metrics.write_text("".join(line + "\n" for line in lines))
+    assert drop_metrics_after(metrics, 2) == 2
+    metrics.write_text("".join(line + "\n" for line in lines))  # as if killed before the rewrite
+    assert drop_metrics_after(metrics, 2) == 2
+    assert metric_steps(tmp_path) == [1, 2] and metric_steps(tmp_path, "metrics.dropped.jsonl") == [3, 4]
+    metrics.write_text("".join(line + "\n" for line in lines[:3]))  # a later launch's own records past step 2
+    drop_metrics_after(metrics, 2)
+    assert metric_steps(tmp_path, "metrics.dropped.jsonl") == [3, 4, 3]
+
+
 def test_a_relaunch_without_a_checkpoint_starts_over(tiny_overrides, caplog):
     make_trainer(tiny_overrides, SHORT).fit()
     with caplog.at_level(logging.INFO, logger="megafp8"):

@@ -276,12 +276,22 @@ def drop_metrics_after(metrics_path: Path, step: int) -> int:
     if dropped:
         taken = [line for line in lines if line.strip() and _step_of(line) > step]
         kept_aside = dropped_metrics_path(metrics_path)
-        with open(kept_aside, "a", encoding="utf-8") as f:  # before the rewrite: a kill between the two leaves
-            f.write("\n" * _cut_short(kept_aside) + "".join(line + "\n" for line in taken))  # them in both
-            f.flush()
-            os.fsync(f.fileno())
+        if not _ends_with(kept_aside, taken):  # else a kill came between the two: they were kept aside already
+            with open(kept_aside, "a", encoding="utf-8") as f:  # before the rewrite: a kill between the two
+                f.write("\n" * _cut_short(kept_aside) + "".join(line + "\n" for line in taken))  # leaves them in both
+                f.flush()
+                os.fsync(f.fileno())
         replace_file(metrics_path, "".join(line + "\n" for line in kept))
     return dropped
+
+
+def _ends_with(path: Path, lines: list[str]) -> bool:
+    """Whether the file at `path` ends with `lines`: the records an earlier drop appended before it was killed, ahead
+    of the metrics file's rewrite (the relaunch after finds them in both, and would keep them aside twice)."""
+    if not path.is_file():
+        return False
+    held = path.read_text(encoding="utf-8").splitlines()
+    return len(held) >= len(lines) and held[len(held) - len(lines):] == lines
 
 
 def _cut_short(path: Path) -> bool:
