@@ -49,6 +49,20 @@ def test_group_limited_top_k_on_hand_made_scores():
     assert sorted(chosen.tolist()) == [0, 3]
 
 
+def test_one_expert_a_token_learns_its_router_only_with_unnormalized_weights():
+    """With top_k=1 a normalized weight is s / s = 1: the router's weight gets no gradient from the loss (the reason
+    `model.moe.top_k=1` with `norm_topk_prob=true` is refused); left unnormalized, the expert's output carries s."""
+    grads = {}
+    for norm in (True, False):
+        moe = dataclasses.replace(UNGROUPED, top_k=1, norm_topk_prob=norm, num_shared_experts=0, aux_loss_coeff=0.0)
+        layer = MoE(moe, 128, PrecisionRecipe.from_name("fp32"), TensorParallel.single(), ExpertParallel.single())
+        init_weights(layer, dataclasses.replace(MOE, moe=moe), seed=0)
+        y, _ = layer(torch.randn(40, 128, generator=torch.Generator().manual_seed(0)), batch=2, seq_len=20)
+        y.square().sum().backward()
+        grads[norm] = layer.router.weight.grad.abs().max().item()
+    assert grads[True] < 1e-6 * grads[False], grads
+
+
 def test_weights_are_normalized_unbiased_scores_times_the_scaling_factor():
     router = Router(dataclasses.replace(UNGROUPED, routed_scaling_factor=2.5), 128)
     torch.nn.init.normal_(router.weight)
@@ -295,6 +309,9 @@ def test_ep2_checkpoint_resumes_at_ep1_with_every_expert_and_bias(tiny_overrides
     (["model.moe.top_k=6", "model.moe.topk_group=2"], r"top_k=6 exceeds the 4 experts of the topk_group=2 groups a "
                                                       r"token may use: raise model.moe.topk_group"),
     (["model.moe.num_experts=0", "parallel.ep=2"], r"parallel.ep=2 needs a mixture-of-experts model"),
+    (["model.moe.top_k=1"], r"top_k=1 with model.moe.norm_topk_prob=true weighs every token's expert 1, so the "
+                            r"router's weight gets no gradient from the loss and never learns: set "
+                            r"model.moe.norm_topk_prob=false"),
 ])
 def test_bad_moe_configs_give_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):

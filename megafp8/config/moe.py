@@ -65,6 +65,10 @@ class MoeConfig:
         if not 1 <= self.topk_group <= self.n_group:
             raise ConfigError(f"model.moe.topk_group={self.topk_group} must be between 1 and model.moe.n_group="
                               f"{self.n_group}")
+        if self.top_k == 1 and self.norm_topk_prob:  # s / s = 1 whatever the score: no gradient reaches the router
+            raise ConfigError("model.moe.top_k=1 with model.moe.norm_topk_prob=true weighs every token's expert 1, so "
+                              "the router's weight gets no gradient from the loss and never learns: set "
+                              "model.moe.norm_topk_prob=false (the expert's output scaled by its score) or raise top_k")
         reachable = self.topk_group * (self.num_experts // self.n_group)
         if self.top_k > reachable:
             raise ConfigError(f"model.moe.top_k={self.top_k} exceeds the {reachable} experts of the "
