@@ -74,6 +74,20 @@ def test_weights_are_normalized_unbiased_scores_times_the_scaling_factor():
     assert router.load.sum().item() == 16 * 2
 
 
+def test_chosen_scores_that_all_underflow_give_zero_weights_not_nan():
+    """Sigmoid scores of logits below ~-88 are 0 in FP32: normalized without DeepSeek-V3's 1e-20, the token's
+    weights were 0 / 0 (NaN), and every step after it was skipped as non-finite."""
+    router = Router(UNGROUPED, 128)
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[:, 0] = torch.linspace(0.5, 1.0, 8)  # each expert's logit: a multiple of the token's first value
+    x = torch.zeros(2, 128)
+    x[0, 0], x[1, 0] = 1.0, -200.0  # token 1's logits are -100 to -200
+    weights, _, scores = router(x)
+    assert (scores[1] == 0).all() and torch.isfinite(weights).all() and (weights[1] == 0).all()
+    assert weights[0].sum().item() == pytest.approx(MOE.moe.routed_scaling_factor)
+
+
 def test_bias_updates_move_a_skewed_load_toward_uniform():
     router = Router(UNGROUPED, 128)
     g = torch.Generator().manual_seed(0)

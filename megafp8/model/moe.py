@@ -65,8 +65,8 @@ class Router(nn.Module):
         scores = self.scores(x)
         chosen = self.select(scores)
         weights = scores.gather(1, chosen)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.norm_topk:  # + 1e-20 as DeepSeek-V3's reference: chosen sigmoid scores that all underflow to 0
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # (logits below ~-88) give 0, not NaN
         if self.training and self.counting:
             self.load += count_per_expert(chosen, self.num_experts).float()
         return weights * self.scaling, chosen, scores
