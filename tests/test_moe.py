@@ -88,6 +88,22 @@ def test_chosen_scores_that_all_underflow_give_zero_weights_not_nan():
     assert weights[0].sum().item() == pytest.approx(MOE.moe.routed_scaling_factor)
 
 
+def test_expert_loads_count_exactly_past_two_to_the_24():
+    """An expert's count and the counts' sum were FP32: past 2^24 (16.7M: a collapsed router at scale, or any
+    step's sum over experts and layers with a 4M-token batch) +1 was lost, and moe_dropped_tokens logged assignments
+    as dropped that were not."""
+    from megafp8.train.expert_balance import ExpertBalance
+
+    router = Router(UNGROUPED, 128)
+    router.load.fill_(2.0**24)
+    router(torch.randn(1, 128))
+    assert router.load.sum().item() == 8 * 2.0**24 + UNGROUPED.top_k
+    balance = ExpertBalance([router], UNGROUPED, ParallelDims.single())
+    balance(None)
+    tokens = (8 * 2**24) // UNGROUPED.top_k + 1  # every assignment routed: none dropped
+    assert balance.record(tokens)["moe_dropped_tokens"] == 0
+
+
 def test_bias_updates_move_a_skewed_load_toward_uniform():
     router = Router(UNGROUPED, 128)
     g = torch.Generator().manual_seed(0)

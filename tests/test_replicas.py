@@ -84,7 +84,7 @@ def _replicas_worker(rank: int, world: int, overrides: list[str]) -> None:
         before = [r.expert_bias.clone() for r in balance.routers]
         balance(applied)
         for router, bias, load in zip(balance.routers, before, balance.loads):
-            assert torch.equal(router.expert_bias, bias + rate * torch.sign(load.mean() - load))
+            assert torch.equal(router.expert_bias, bias + rate * torch.sign(load.mean() - load).to(bias.dtype))
     hooks = trainer.optimizer._post_step_hooks
     hooks[hooks.index(balance)] = balancing
     for _ in range(STEPS):

@@ -49,7 +49,10 @@ class Router(nn.Module):
         self.scaling = moe.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=torch.float32, device=device))
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts, device=device))
-        self.register_buffer("load", torch.zeros(moe.num_experts, device=device), persistent=False)
+        # FP64: counts stay exact past 2^24 (an expert's tokens a step at scale, and their sum over experts and
+        # layers, from which the log's moe_dropped_tokens is taken: FP32 rounding showed tokens dropped where none was)
+        self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.float64, device=device),
+                             persistent=False)
         self.counting = True  # off while activation recomputation re-runs the forward
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,14 +71,14 @@ class Router(nn.Module):
         if self.norm_topk:  # + 1e-20 as DeepSeek-V3's reference: chosen sigmoid scores that all underflow to 0
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # (logits below ~-88) give 0, not NaN
         if self.training and self.counting:
-            self.load += count_per_expert(chosen, self.num_experts).float()
+            self.load += count_per_expert(chosen, self.num_experts).double()
         return weights * self.scaling, chosen, scores
 
     @torch.no_grad()
     def update_bias(self, global_load: torch.Tensor, rate: float, apply: Optional[torch.Tensor] = None) -> None:
         """Auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded ones.
         `apply` (a 0-d bool device tensor): leave the bias as it is where False (a skipped step)."""
-        change = rate * torch.sign(global_load.mean() - global_load)
+        change = rate * torch.sign(global_load.mean() - global_load).to(self.expert_bias.dtype)  # (FP64 loads)
         self.expert_bias += change if apply is None else change * apply
 
 
