@@ -243,34 +243,28 @@ def test_parse_overrides_nests():
     assert parse_overrides(["a.b=1", "a.c=x", "d=[1, 2]"]) == {"a": {"b": 1, "c": "x"}, "d": [1, 2]}
 
 
-def test_usage_and_config_errors_answer_before_torch_is_imported():
+@pytest.mark.parametrize("script", ["launch/pretrain.py", "tools/plan.py"])
+def test_usage_and_config_errors_answer_before_torch_is_imported(script):
     """--help, a usage error and a config that does not load are reported without importing torch (seconds, more
-    from a cluster's shared file system, for a typo): `megafp8.train.command_line` stays free of it."""
-    script = """
-import sys
-from megafp8.train.command_line import main, plan_main
-for entry, argv in ((main, ["--help"]), (main, ["--config", "tiny_dense", "--training.steps=3"]),
-                    (plan_main, ["--config", "tiny_dense", "--world-size", "0"])):
-    try:
-        entry(argv)
-    except SystemExit as stop:
-        assert stop.code in (0, 2), stop.code
-for entry in (main, plan_main):
-    assert entry(["--config", "tiny_dense", "model.no_such_key=1"]) == 2
-    assert entry(["--config", "no_such_config"]) == 2
-print("torch" in sys.modules)
-"""
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "False"
-    assert "unknown config key 'model.no_such_key'" in result.stderr and "config 'no_such_config' not found" in (
-        result.stderr)
+    from a cluster's shared file system, for a typo): the entry scripts load the config through
+    `megafp8.train.command_line`, which stays free of it, before `megafp8.train.main`."""
+    for argv, status, said in ((["--help"], 0, "usage: "), (["--config", "tiny_dense", "--training.steps=3"], 2,
+                                                            "settings are overrides without dashes"),
+                               (["--config", "tiny_dense", "model.no_such_key=1"], 2,
+                                "unknown config key 'model.no_such_key'"),
+                               (["--config", "no_such_config"], 2, "config 'no_such_config' not found")):
+        result = subprocess.run([sys.executable, "-X", "importtime", script, *argv], cwd=REPO, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == status and said in result.stdout + result.stderr, (argv, result.stderr[-2000:])
+        imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert "megafp8.train.command_line" in imported and "torch" not in imported, argv
 
 
 def test_a_key_given_twice_on_the_command_line_is_warned_of_with_the_value_used(capsys):
     """`optimizer.lr=1e-3 ... optimizer.lr=2e-3` took the last value without a word. It still does (a wrapper
     script's defaults, then its user's overrides, is how commands are layered), but now says so, once per key."""
-    from megafp8.train.command_line import main, plan_main
+    from megafp8.train.main import main, plan_main
 
     twice = ["optimizer.lr=1e-3", "model.num_layers=2", "optimizer.lr=2e-3", "model.num_layers=3", "optimizer.lr=3",
              "model.vocab_size=384"]
@@ -290,7 +284,7 @@ def test_a_key_given_twice_on_the_command_line_is_warned_of_with_the_value_used(
 def test_settings_the_rest_of_the_config_makes_inert_are_warned_of(capsys):
     """`precision.fp8_layers=...` or `precision.fp8_start_step=...` on a BF16 config trained BF16 without a word. A
     warning, not an error: `benchmarks/train_step.py --recipes bf16 fp8` runs both recipes with the same settings."""
-    from megafp8.train.command_line import main
+    from megafp8.train.main import main
 
     given = ["precision.fp8_layers=[layers.*.mlp.*]", "precision.fp8_start_step=5", "precision.loss_scale_min=2"]
     assert main(["--config", "tiny_dense", "--print-config", *given]) == 0
@@ -314,7 +308,7 @@ def test_settings_the_rest_of_the_config_makes_inert_are_warned_of(capsys):
 def test_an_empty_run_name_is_refused_not_run_in_a_directory_called_run(tmp_path, capsys):
     """`run_name=` printed '' as the run's name while the run wrote into `<logging.output_dir>/run`; only a
     run_name left out takes the config file's name."""
-    from megafp8.train.command_line import main
+    from megafp8.train.main import main
 
     assert main(["--config", "tiny_dense", "--print-config", "run_name="]) == 2
     out, err = capsys.readouterr()
@@ -362,7 +356,7 @@ def test_an_empty_run_name_is_refused_not_run_in_a_directory_called_run(tmp_path
 def test_the_dry_run_refuses_what_the_launch_refuses_in_one_line(capsys, overrides, expected):
     """Mutations of tiny_dense.yaml that 0800a78's dry run passed (to die at launch), answered with a traceback,
     or never finished planning."""
-    from megafp8.train.command_line import main
+    from megafp8.train.main import main
 
     vocab = [] if any(o.startswith("model.vocab_size=") for o in overrides) else ["model.vocab_size=384"]
     assert main(["--config", "tiny_dense", "--dry-run", "--world-size", "2", *vocab, *overrides]) == 2
@@ -381,7 +375,7 @@ def test_the_dry_run_refuses_what_the_launch_refuses_in_one_line(capsys, overrid
 ])
 def test_a_usage_error_says_how_to_write_what_was_meant(capsys, argv, expected):
     """argparse alone said 'unrecognized arguments: --training.steps=10' and stopped there."""
-    from megafp8.train.command_line import main, plan_main
+    from megafp8.train.main import main, plan_main
 
     for entry in (main, plan_main):
         with pytest.raises(SystemExit) as exit:

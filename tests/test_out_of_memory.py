@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megafp8.train import command_line, main
+from megafp8.train import main
 
 TORCH_MESSAGE = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
                  "1.02 GiB is free. Of the allocated memory 130.11 GiB is allocated by PyTorch. If reserved but "
@@ -13,7 +13,7 @@ TORCH_MESSAGE = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a to
 
 
 def _run(overrides: list[str]) -> int:
-    return command_line.run(command_line.parse_args(["--config", "tiny_dense", *overrides]))
+    return main.run(main.parse_args(["--config", "tiny_dense", *overrides]))
 
 
 def test_out_of_memory_in_a_step_is_one_line_with_what_to_change(tiny_overrides, monkeypatch, capsys):

@@ -19,7 +19,7 @@ from megafp8.config import ConfigError, load_config, validate_for_world
 from megafp8.config.layout import layer_counts, parse_layout
 from megafp8.parallel import ParallelDims
 from megafp8.parallel.pipeline import build_layout, simulated_bubble
-from megafp8.train.command_line import main
+from megafp8.train.main import main
 from megafp8.train.trainer import Trainer
 from tests.conftest import one_per_key
 from tests.distributed import spawn

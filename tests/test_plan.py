@@ -100,7 +100,7 @@ def test_671b_run_on_one_machine_fails_fast_pointing_at_the_dry_run(tmp_path):
 
 def test_launching_671b_here_fails_fast_with_one_line(capsys):
     """On this machine the 671B config stops before reading data or allocating, pointing at the dry run."""
-    from megafp8.train.command_line import main
+    from megafp8.train.main import main
 
     assert main(["--config", "671b_fp8", "parallel.ep=1", "parallel.pp=1", "parallel.pp_layout=null"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -203,7 +203,7 @@ def test_planned_fp8_weight_copies_are_what_the_layers_keep(tiny_overrides, conf
 
 
 def test_plan_tool_has_its_own_usage(capsys):
-    from megafp8.train.command_line import plan_main
+    from megafp8.train.main import plan_main
 
     with pytest.raises(SystemExit):
         plan_main(["--help"])
@@ -219,7 +219,7 @@ def test_plan_tool_has_its_own_usage(capsys):
     ("--peak-tflops", "-100", "argument --peak-tflops: -100 must be a number above 0"),
 ])
 def test_the_dry_run_refuses_impossible_planning_figures(capsys, option, value, expected):
-    from megafp8.train.command_line import main
+    from megafp8.train.main import main
 
     with pytest.raises(SystemExit) as exit:
         main(["--config", "tiny_dense", "--dry-run", option, value, "model.vocab_size=384"])

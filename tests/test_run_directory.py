@@ -457,7 +457,7 @@ def test_a_schedule_change_is_told_only_where_it_moves_the_resumed_learning_rate
 
 
 def _evaluate(overrides, capsys, *options: str) -> tuple[int, str, str]:
-    from megafp8.train.command_line import main
+    from megafp8.train.main import main
     status = main(["--config", "tiny_dense", "--evaluate", *options, *one_per_key(overrides)])
     out, err = capsys.readouterr()
     return status, out, err

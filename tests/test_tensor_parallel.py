@@ -32,7 +32,7 @@ from megafp8.parallel import (
     vocab_parallel_cross_entropy,
 )
 from megafp8.precision import Fp8Backend, PrecisionRecipe
-from megafp8.train.command_line import main
+from megafp8.train.main import main
 from megafp8.train.trainer import Trainer
 from tests.conftest import one_per_key
 from tests.distributed import spawn

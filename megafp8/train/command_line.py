@@ -1,6 +1,7 @@
 """The command line of `launch/pretrain.py` and `tools/plan.py`, without torch: the options, the config, and how a
-process reports an error and leaves. --help, usage errors and a config that does not load answer at once; torch's
-import (seconds, more from a cluster's shared file system) comes only past them, with `megafp8.train.main`."""
+process reports an error and leaves. Those scripts parse and load the config here first, so --help, usage errors and
+a config that does not load answer at once; torch's import (seconds, more from a cluster's shared file system) comes
+only past them, with `megafp8.train.main` (whose `main` and `plan_main` do both in one call, for callers in Python)."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ import sys
 import time
 from typing import NoReturn
 
-from megafp8.config import ConfigError, load_config, repeated_overrides
+from megafp8.config import Config, ConfigError, load_config, repeated_overrides
 from megafp8.config.arguments import positive_number, print_warnings, whole_number
 
 
@@ -130,19 +131,10 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`launch/pretrain.py`."""
-    return run(parse_args(argv))
-
-
-def plan_main(argv: list[str] | None = None) -> int:
-    """`tools/plan.py`: the dry run under its own name and usage."""
-    return run(build_parser("plan.py", PLAN_DESCRIPTION, plan_only=True).parse_args(argv))
-
-
-def run(args: argparse.Namespace) -> int:
-    """Load the config `args` name (its errors reported before torch is imported), then print, plan or train it as
-    `args` asks (`megafp8.train.main.run_config`); the exit status."""
+def load_run_config(args: argparse.Namespace) -> Config | int:
+    """The config `args` name, loaded and checked as far as it can be without torch; where it cannot be, the error
+    reported in one line and the exit status 2. `megafp8.train.main.run_config` does the rest; an entry script calls
+    this first and imports that only past it, so a typo costs no torch import."""
     if env_rank()[0] == 0:  # once per job
         print_warnings(repeated_overrides(args.overrides))
     try:
@@ -152,8 +144,11 @@ def run(args: argparse.Namespace) -> int:
                               "training.eval_iters=N (N held-out micro-batches) or -1 (the whole validation split)")
     except ConfigError as err:
         return error_status(str(err))
-    from megafp8.train.main import run_config  # torch, the model and the kernels' registry: past a loaded config
-    return run_config(args, cfg)
+    return cfg
+
+
+def parse_plan_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser("plan.py", PLAN_DESCRIPTION, plan_only=True).parse_args(argv)
 
 
 def error_status(message: str) -> int:

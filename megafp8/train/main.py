@@ -17,7 +17,8 @@ from megafp8.config.arguments import print_warnings
 from megafp8.parallel import ParallelDims
 from megafp8.precision import check_backend_name
 from megafp8.train.checkpointing import CheckpointWriteError
-from megafp8.train.command_line import H200_GIB, env_rank, error_status
+from megafp8.train.command_line import (H200_GIB, env_rank, error_status, load_run_config, parse_args,
+                                        parse_plan_args)
 from megafp8.train.layouts import lighter_settings, render_layouts, search_layouts
 from megafp8.train.plan import GIB, dry_run, make_plan, vocab_note, with_vocab
 from megafp8.train.preemption import exit_status
@@ -124,9 +125,24 @@ def _where_a_relaunch_resumes(trainer: Optional[Trainer]) -> str:
     return f"a relaunch resumes from {latest}" if latest is not None else "this run has saved no checkpoint yet"
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`launch/pretrain.py` in one call (the script itself loads the config before importing this module)."""
+    return run(parse_args(argv))
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """`tools/plan.py`: the dry run under its own name and usage."""
+    return run(parse_plan_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the config `args` name, then print, plan or train it as `args` asks; the exit status."""
+    cfg = load_run_config(args)
+    return cfg if isinstance(cfg, int) else run_config(args, cfg)
+
+
 def run_config(args: argparse.Namespace, cfg: Config) -> int:
-    """Print the config, plan, or train, as `args` asks (`megafp8.train.command_line.run` loaded `cfg`); the exit
-    status."""
+    """Print the config, plan, or train, as `args` asks (`cfg`: `load_run_config`'s); the exit status."""
     try:
         check_backend_name(cfg.precision.fp8_backend)  # the backends register in `precision`, above the config
     except ConfigError as err:
