@@ -84,8 +84,10 @@ class HfTensors:
         return tensor
 
     def check_all_read(self) -> None:
-        """Refuse tensors that no part of the model took: they would be dropped silently."""
-        left = sorted(n for n in self.tensors if n not in self.read and not n.endswith("rotary_emb.inv_freq"))
+        """Refuse tensors that no part of the model took: they would be dropped silently. An empty one drops nothing:
+        transformers' DeepSeek-V2/V3 save zero-width shared experts where `n_shared_experts` is 0."""
+        left = sorted(n for n in self.tensors if n not in self.read and not n.endswith("rotary_emb.inv_freq")
+                      and self.tensors[n].numel() > 0)
         if left:
             raise ConfigError(f"tensor '{left[0]}'{f' (and {len(left) - 1} more)' if len(left) > 1 else ''} of the "
                               "checkpoint has no place in the model its config.json describes (a bias, or a layer the "
