@@ -112,6 +112,22 @@ def test_truncated_or_incomplete_files_give_clear_errors(tmp_path):
         load_hf(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.gate_proj.weight"])
+def test_tensors_whose_shapes_disagree_among_themselves_are_refused_in_one_line(tmp_path, llama_dir, name):
+    """A k_proj reading fewer inputs than q_proj and v_proj, a gate_proj than up_proj: no config.json describes that
+    file. Before, torch.cat's RuntimeError came out of the tool as a traceback."""
+    from safetensors.torch import load_file, save_file
+
+    (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
+    tensors = load_file(str(llama_dir / WEIGHTS_FILE))
+    tensors[name] = tensors[name][:, :128].contiguous()
+    save_file(tensors, str(tmp_path / WEIGHTS_FILE))
+    with pytest.raises(ConfigError) as err:
+        load_hf(tmp_path)
+    assert f"{name} {tuple(tensors[name].shape)}" in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).endswith("the checkpoint is inconsistent")
+
+
 def test_conversion_errors_name_the_short_shard_and_give_conversion_advice(tmp_path):
     from megafp8.checkpoint.convert import export_hf, import_hf, shard
     from megafp8.checkpoint.integrity import MANIFEST_FILE

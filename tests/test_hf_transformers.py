@@ -61,11 +61,15 @@ IMPORTS = {
         norm_topk_prob=True, mlp_only_layers=[0])),
     "qwen3_moe, top-3 of 4, not renormalized (Qwen3-30B-A3B's default)": ("Qwen3Moe", dict(
         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=3, moe_intermediate_size=32)),
+    "qwen3_moe, head_dim left out (hidden / heads)": ("Qwen3Moe", dict(
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
     "deepseek_v2, V2-Lite-like (yarn)": ("DeepseekV2", dict(DEEPSEEK, q_lora_rank=None, n_shared_experts=2,
                                                               num_experts_per_tok=3, rope_parameters=dict(
         YARN_V3, rope_theta=10000.0, mscale=0.707, mscale_all_dim=0.707))),
     "deepseek_v3, rope_theta 50000, yarn, no MTP weights": ("DeepseekV3", dict(
         DEEPSEEK, q_lora_rank=48, n_group=2, topk_group=1, rope_parameters=dict(YARN_V3, rope_theta=50000.0))),
+    "deepseek_v3, no shared experts (zero-width in the file)": ("DeepseekV3", dict(
+        DEEPSEEK, q_lora_rank=48, n_group=2, topk_group=1, n_shared_experts=0)),
     "deepseek_v3, dense, plain rotary rows": ("DeepseekV3", dict(DEEPSEEK, q_lora_rank=None, first_k_dense_replace=2,
                                                                    rope_interleave=False)),
 }
@@ -115,9 +119,13 @@ def test_import_of_a_transformers_model_gives_its_logits(tmp_path, record_proper
     kind, settings = IMPORTS[case]
     hf_model = _hf_model(kind, settings)
     hf_model.save_pretrained(tmp_path)
+    if "head_dim left out" in case:  # Qwen3-MoE's config has none: was read as Qwen3's 128, and refused
+        assert "head_dim" not in json.loads((tmp_path / "config.json").read_text())
     imported = load_hf(tmp_path)
     assert imported.layout == hf_model.config.model_type
     _measure(hf_model, _ours(imported.cfg, imported.state), TINY["vocab_size"], record_property, f"import {case}")
+    if "zero-width" in case:  # were refused as tensors the config does not declare
+        assert imported.cfg.moe.num_shared_experts == 0
     if "no MTP weights" in case:
         assert imported.cfg.mtp_depth == 0 and imported.notes == [
             "num_nextn_predict_layers=1 but the checkpoint has no MTP weights (layer 2 on): imported with "

@@ -325,10 +325,15 @@ def load_hf(in_dir: Path) -> Imported:
     shapes = full_shapes(cfg)
     if model.tied:
         del shapes["lm_head.weight"]
-    if model.layout.startswith("deepseek"):
-        state = from_deepseek_tensors(get, shapes, cfg, model.layout, model.rope_interleave)
-    else:
-        state = from_hf_tensors(get, shapes, cfg, model.layout)
+    try:
+        if model.layout.startswith("deepseek"):
+            state = from_deepseek_tensors(get, shapes, cfg, model.layout, model.rope_interleave)
+        else:
+            state = from_hf_tensors(get, shapes, cfg, model.layout)
+    except RuntimeError as err:  # torch.cat / torch.stack of tensors that disagree: not a config.json mismatch
+        if not get.recent:
+            raise
+        raise get.unjoinable(err) from None
     if model.tied:
         untie_head(get, state)
     if model.layout == "deepseek_v3":

@@ -45,9 +45,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 8, "sliding_window": 4096},
     "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 32},
     "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 32, "head_dim": 128},
-    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 4, "head_dim": 128,
-                  "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
-                  "decoder_sparse_step": 1},
+    # Qwen3-MoE's config has no head_dim of its own (Qwen3's 128 is not inherited): left out, hidden / heads.
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 4, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1},
     "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8, "num_experts_per_tok": 2,
                 "num_local_experts": 8},
     "deepseek_v2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "q_lora_rank": 1536, "kv_lora_rank": 512,

@@ -83,9 +83,20 @@ class HfTensors:
                               f"config.json describes {tuple(shape)}: the config does not match the weights")
         return tensor
 
+    def unjoinable(self, err: RuntimeError) -> ConfigError:
+        """The error for torch failing (`err`) to join the tensors read since the last `check_shape` into one of ours
+        (q/k/v, gate/up, a layer's experts): their shapes disagree among themselves, which no config.json explains."""
+        sources, self.recent = self.recent, []
+        listed = [f"{name} {tuple(self.tensors[name].shape)}" for name in sources[:4]]
+        more = f" and {len(sources) - 4} more" if len(sources) > 4 else ""
+        return ConfigError(f"the checkpoint's tensors {', '.join(listed)}{more} cannot be joined into one megafp8 "
+                           f"tensor ({str(err).splitlines()[0]}): the checkpoint is inconsistent")
+
     def check_all_read(self) -> None:
-        """Refuse tensors that no part of the model took: they would be dropped silently."""
-        left = sorted(n for n in self.tensors if n not in self.read and not n.endswith("rotary_emb.inv_freq"))
+        """Refuse tensors that no part of the model took: they would be dropped silently. An empty one drops nothing:
+        transformers' DeepSeek-V2/V3 save zero-width shared experts where `n_shared_experts` is 0."""
+        left = sorted(n for n in self.tensors if n not in self.read and not n.endswith("rotary_emb.inv_freq")
+                      and self.tensors[n].numel() > 0)
         if left:
             raise ConfigError(f"tensor '{left[0]}'{f' (and {len(left) - 1} more)' if len(left) > 1 else ''} of the "
                               "checkpoint has no place in the model its config.json describes (a bias, or a layer the "
