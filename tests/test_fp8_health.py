@@ -284,6 +284,22 @@ def test_a_fused_mlps_health_is_its_first_micro_batchs_under_recomputation(monke
     assert recomputed == plain
 
 
+def test_an_mlp_whose_gate_up_projection_stays_bf16_reports_its_fp8_down_projection(tiny_overrides):
+    """`precision.bf16_layers` keeping the gate/up projections in BF16: the MLP cannot run fused, its FP8 down
+    projection reports through its own hook, and the BF16 gate/up projection is not measured (the MLP's hook, meant
+    for the fused path, measured it as an FP8 layer and the sampled step 0 raised AttributeError)."""
+    cfg = load_config("tiny_dense_fp8", tiny_overrides + ["training.steps=2", "training.eval_interval=0",
+                                                          "logging.fp8_health_interval=2",
+                                                          "precision.bf16_layers=[layers.*.mlp.gate_up_proj]"])
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+    trainer.fit()
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    layers = next(r for r in records if r["kind"] == "fp8_health")["layers"]
+    assert set(layers) == {n for n, m in trainer.model.named_modules() if getattr(m, "runs_fp8", False)}
+    assert "layers.0.mlp.gate_up_proj" not in layers
+    assert set(layers["layers.0.mlp.down_proj"]) == {"input", "weight", "grad"}
+
+
 def test_a_sample_left_armed_by_a_failed_step_is_detached_by_the_next_arm():
     """A step that raises between `arm` and `collect` leaves hooks, observers and the observed flags behind; the
     next `arm` detaches them first (no hook fires twice), and an unsampled step's `arm` leaves nothing attached."""

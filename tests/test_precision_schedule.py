@@ -71,6 +71,26 @@ def test_auto_on_cpu_uses_the_configured_recipe_and_logs_it(tiny_overrides, capl
     assert "precision: fp8 (no GPU: precision.auto_cpu_recipe=fp8)" in caplog.text
 
 
+
+@pytest.mark.parametrize("cpu_recipe, given, inert", [
+    ("bf16", "precision.fp8_layers=[layers.*.mlp.*]",
+     'precision.fp8_layers=["layers.*.mlp.*"] has no effect with precision.recipe=bf16 (only fp8 reads it)'),
+    ("fp8", "precision.loss_scale_min=2",
+     "precision.loss_scale_min=2.0 has no effect with precision.recipe=fp8 (only fp16 reads it)"),
+    ("fp8", "precision.fp8_layers=[layers.*.mlp.*]", None),
+])
+def test_settings_the_recipe_auto_chose_does_not_read_are_warned_of_at_start_up(tiny_overrides, caplog, cpu_recipe,
+                                                                                given, inert):
+    """`auto` is not judged at load time (it may resolve to any recipe); once resolved, a setting its recipe does not
+    read is warned of, as under a configured recipe (before, `precision.fp8_layers` on a GPU where `auto` chose BF16
+    was dropped without a word)."""
+    cfg = load_config("tiny_dense", tiny_overrides + ["precision.recipe=auto",
+                                                      f"precision.auto_cpu_recipe={cpu_recipe}", given])
+    with caplog.at_level("WARNING", logger="megafp8"):
+        Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+    warned = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert warned == ([] if inert is None else [f"{inert}, which precision.recipe=auto chose here"])
+
 def _inject_inf_worker(rank, world, overrides):
     cfg = load_config("tiny_dense", overrides + ["precision.recipe=fp16", "precision.loss_scale_hysteresis=1",
                                                  "precision.loss_scale_initial=1024", "training.eval_interval=0"])

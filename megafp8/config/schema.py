@@ -227,7 +227,8 @@ class ParallelConfig:
 @dataclass
 class PrecisionConfig:
     """Numerics of weights, activations and GEMMs. A setting only FP8 (`fp8_*`, `bf16_*`) or FP16 (`loss_scale_*`)
-    reads, given under another recipe than `auto`, is warned of at start-up: it changes nothing there."""
+    reads, given under another recipe, is warned of at start-up: it changes nothing there (under `auto`, once the
+    device has chosen the recipe)."""
 
     recipe: PrecisionName = setting(
         "bf16",

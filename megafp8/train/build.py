@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megafp8.config import Config, ModelConfig, describe_blocks, validate_config
+from megafp8.config import Config, ModelConfig, describe_blocks, ignored_settings, validate_config
 from megafp8.config.validate import recomputes_in_compiled_graph
 from megafp8.data import DistributedLoader, PackedDataset, TokenStream, validation_micro_batches
 from megafp8.data.dataset import SequenceShare
@@ -112,7 +112,9 @@ def resolve(cfg: Config, dims: ParallelDims, device: torch.device, layout: Optio
     with the data's vocabulary, the recipe and the metadata of each directory of the data (one tokenizer). Fails fast where the run cannot fit in memory:
     one check, as early as it can run (before even the data is read where the vocabulary is configured)."""
     name, reason = resolve_recipe(cfg.precision.recipe, device, cfg.precision.auto_cpu_recipe)
-    cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, recipe=name))
+    configured, cfg = cfg, dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, recipe=name))
+    if dims.rank == 0:
+        warn_settings_auto_makes_inert(configured, cfg)
     if cfg.model.vocab_size is not None:
         check_memory(cfg, cfg.model, dims.world_size, device, layout)
     metas = read_metas(cfg.data.directories)
@@ -126,6 +128,18 @@ def resolve(cfg: Config, dims: ParallelDims, device: torch.device, layout: Optio
     if cfg.model.vocab_size is None:
         check_memory(cfg, model_cfg, dims.world_size, device, layout)
     return cfg, model_cfg, agree_on_fp8_backend(PrecisionRecipe.from_config(cfg.precision), device, dims), metas
+
+
+def warn_settings_auto_makes_inert(configured: Config, resolved: Config) -> None:
+    """Under `precision.recipe: auto`, warn of each setting the recipe it chose does not read. The launcher judges the
+    config before the device is known and passes over `auto` (it may resolve to any recipe): without this, e.g.
+    `precision.fp8_layers` on a GPU where `auto` chose BF16 would be dropped without a word."""
+    if configured.precision.recipe != "auto":
+        return
+    judged = set(ignored_settings(configured))  # warned of by the launcher already
+    for line in ignored_settings(resolved):
+        if line not in judged:
+            log.warning("%s, which precision.recipe=auto chose here", line)
 
 
 def agree_on_fp8_backend(recipe: PrecisionRecipe, device: torch.device, dims: ParallelDims) -> PrecisionRecipe:

@@ -59,7 +59,9 @@ class Fp8HealthMonitor:
         for layer, name in names.items():
             if isinstance(layer, GemmLayer) and layer.runs_fp8:
                 self._handles.append(layer.register_forward_hook(self._make_hook(name)))
-            elif isinstance(layer, SwiGLU) and layer.down_proj.runs_fp8:
+            # The MLP's hook and observer stand in for its projections' hooks where it may run fused, which needs
+            # both in FP8; with one kept BF16 (precision.bf16_layers) the FP8 one reports through its own hook.
+            elif isinstance(layer, SwiGLU) and layer.gate_up_proj.runs_fp8 and layer.down_proj.runs_fp8:
                 gate_up_name, down_name = names[layer.gate_up_proj], names[layer.down_proj]
                 self._handles.append(layer.register_forward_hook(self._make_mlp_hook(gate_up_name), with_kwargs=True))
                 layer.observer = self._mlp_observer(layer, gate_up_name, down_name)
