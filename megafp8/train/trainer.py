@@ -253,7 +253,11 @@ class Trainer:
         # window's time is device time, not just the host's time to launch it.
         loss = replica_mean(mean_loss, self.dims).item()
         window_time = clock.lap(self.step, len(window))
-        self.guard.check(self.step)
+        try:
+            self.guard.check(self.step)
+            stop = None
+        except FloatingPointError as err:  # too many skips: the window that shows them is still recorded
+            stop = err
         lr = lr_at(max(0, self.optimizer.step_count - 1), self.cfg.optimizer, self.cfg.training.steps)
         record = train_record(self.step, loss, lr, window[-1][1].item(), int(skipped), window_time, self.throughput,
                               self.device, self.state.consumed_tokens)
@@ -261,7 +265,10 @@ class Trainer:
             record["loss_scale"] = self.loss_scaler.scale
         if self.expert_balance is not None:
             record.update(self.expert_balance.record(self.throughput.tokens_per_step))
-        return self._write(record, format_step_line(record, self.cfg.training.steps))
+        self._write(record, format_step_line(record, self.cfg.training.steps))
+        if stop is not None:
+            raise stop
+        return record
 
     def _write(self, record: dict[str, Any], line: str) -> dict[str, Any]:
         """Log `line` and write `record` to the metrics backends."""
