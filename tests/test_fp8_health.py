@@ -363,3 +363,33 @@ def test_a_sampled_step_keeps_no_more_for_backward_than_a_recomputed_one(tiny_ov
     assert apply_recompute(model, "full") == 4
     recomputed = saved_bytes()
     assert sampled == recomputed < 0.8 * plain, (sampled, recomputed, plain)
+
+
+def _health_records(run_dir) -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["kind"] == "fp8_health"]
+
+
+def _train_worker(rank: int, world: int, overrides: list[str]) -> None:
+    cfg = load_config("tiny_dense_fp8", overrides)
+    Trainer(cfg, ParallelDims.from_config(cfg.parallel), torch.device("cpu")).fit()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_pipelined_runs_health_records_every_stages_layers(tiny_overrides, tmp_path, schedule):
+    """Rank 0 writes the record but holds only its own stages' layers: the other stages' reports are gathered (until
+    that was fixed, a PP=2 run's records held half the model's layers). They are what a one-rank run reports."""
+    from tests.distributed import spawn
+
+    base = tiny_overrides + ["model.num_layers=4", "training.steps=2", "training.eval_interval=0",
+                             "logging.fp8_health_interval=2", "precision.fp8_backend=reference"]
+    one = Trainer(load_config("tiny_dense_fp8", base + ["run_name=one"]), ParallelDims.single(), torch.device("cpu"))
+    one.fit()
+    expected = _health_records(one.run_dir)[0]["layers"]
+    assert {n.split(".")[1] for n in expected} == {"0", "1", "2", "3"}
+    spawn(2, _train_worker, base + ["run_name=pp2", "parallel.pp=2", f"parallel.pp_schedule={schedule}"])
+    [record] = _health_records(one.run_dir.parent / "pp2")
+    assert record["layers"].keys() == expected.keys()
+    for name, kinds in expected.items():  # the same weights and micro-batch: the same statistics
+        for kind, stats in kinds.items():
+            assert record["layers"][name][kind] == pytest.approx(stats, rel=1e-4), (name, kind)

@@ -2,6 +2,7 @@
 and a run of them stops the run with a message naming the first bad step and the layers."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -195,3 +196,17 @@ def test_an_fp16_skip_is_logged_by_rank_0_alone_and_skipped_on_every_rank(rank, 
     assert warned == (["step 7: inf/nan gradients on some rank; step skipped (weights, optimizer and LR schedule "
                        f"unchanged), loss scale 1024 -> {scaler.scale:g}"] if rank == 0 else [])
 
+
+
+def test_the_window_of_the_skips_that_stop_the_run_is_recorded(tiny_overrides):
+    """The stop is raised at a logging step; the record of that window (its skipped steps, the loss of the others) is
+    written first. It was not: the metrics ended at the window before, with no sign of the skips."""
+    trainer = _trainer(tiny_overrides + ["training.max_consecutive_skips=2", "logging.log_interval=4",
+                                         "training.eval_interval=0"])
+    _poison_from(trainer, 3, "layers.1.mlp.down_proj.weight")
+    with pytest.raises(FloatingPointError, match="training stopped at step 4"):
+        trainer.fit()
+    records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    [record] = [r for r in records if r["kind"] == "train"]
+    assert record["step"] == 4 and record["skipped_steps"] == 2 and math.isfinite(record["loss"])
+    assert record["grad_norm"] is None  # the last step's, not finite

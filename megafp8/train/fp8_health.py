@@ -14,9 +14,10 @@ the fused path quantizes them, in FP32; what the step computes is untouched and 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from megafp8.model.attention import Attention
@@ -34,6 +35,17 @@ log = logging.getLogger("megafp8")
 def is_sampled(step: int, interval: int) -> bool:
     """Whether the 0-based training `step` samples FP8 health every `interval` steps (0: never)."""
     return interval > 0 and step % interval == 0
+
+
+def every_stage(report: dict[str, Any], pp_group: Optional[dist.ProcessGroup], pp: int) -> dict[str, Any]:
+    """The FP8 health of every pipeline stage's layers: this rank's `report` (its stages' layers, named as in the
+    whole model) joined with the other stages' (collective over `pp_group`; `report` itself without pipelining).
+    Rank 0 alone writes the record, and it holds only its own stages' layers."""
+    if pp_group is None:
+        return report
+    stages: list[Any] = [None] * pp
+    dist.all_gather_object(stages, report, group=pp_group)
+    return {name: kinds for stage in stages for name, kinds in stage.items()}
 
 
 def _sums_of(layer: nn.Module) -> ChunkSums:

@@ -26,6 +26,7 @@ from megafp8.parallel import ParallelDims
 from megafp8.train.build import build_logger, build_parts, log_run_start
 from megafp8.train.checkpointing import Checkpointer, ModelState
 from megafp8.train.evaluation import evaluate, replica_mean
+from megafp8.train.fp8_health import every_stage, is_sampled
 from megafp8.train.loggers import ExperimentLogger
 from megafp8.train.metrics import (
     StepClock,
@@ -98,6 +99,9 @@ class Trainer:
         self.model.train()
         self.grad_buckets.zero()
         sampled = self.health.arm(self.step)
+        # Whether the FP8 health of this step is gathered, the same on every rank (a pipeline stage may hold no FP8
+        # layer, and then arms nothing): the stages' reports are joined below.
+        health_due = is_sampled(self.step, self.cfg.logging.fp8_health_interval) and self.fp8.runs_fp8_at(self.step)
         micro_batches = self.loader.next_step()
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self.model.balance_grad_scale = loss_scale / len(micro_batches)
@@ -105,8 +109,10 @@ class Trainer:
             loss_sum = self._forward_backward(micro_batches, loss_scale)
         self.grad_buckets.finish()
         self.state.advance()
-        if sampled:
-            self.metrics.write({"kind": "fp8_health", "step": self.step, "layers": self.health.collect(self.step)})
+        if health_due:
+            layers = every_stage(self.health.collect(self.step) if sampled else {}, self.dims.pp_group, self.dims.pp)
+            if layers:
+                self.metrics.write({"kind": "fp8_health", "step": self.step, "layers": layers})
         return loss_sum, self._update(loss_scale)
 
     def _forward_backward(self, micro_batches: list, loss_scale: float) -> torch.Tensor:
@@ -247,7 +253,11 @@ class Trainer:
         # window's time is device time, not just the host's time to launch it.
         loss = replica_mean(mean_loss, self.dims).item()
         window_time = clock.lap(self.step, len(window))
-        self.guard.check(self.step)
+        try:
+            self.guard.check(self.step)
+            stop = None
+        except FloatingPointError as err:  # too many skips: the window that shows them is still recorded
+            stop = err
         lr = lr_at(max(0, self.optimizer.step_count - 1), self.cfg.optimizer, self.cfg.training.steps)
         record = train_record(self.step, loss, lr, window[-1][1].item(), int(skipped), window_time, self.throughput,
                               self.device, self.state.consumed_tokens)
@@ -255,7 +265,10 @@ class Trainer:
             record["loss_scale"] = self.loss_scaler.scale
         if self.expert_balance is not None:
             record.update(self.expert_balance.record(self.throughput.tokens_per_step))
-        return self._write(record, format_step_line(record, self.cfg.training.steps))
+        self._write(record, format_step_line(record, self.cfg.training.steps))
+        if stop is not None:
+            raise stop
+        return record
 
     def _write(self, record: dict[str, Any], line: str) -> dict[str, Any]:
         """Log `line` and write `record` to the metrics backends."""
