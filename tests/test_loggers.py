@@ -76,3 +76,16 @@ def test_a_missing_logging_package_is_a_clear_error(tiny_overrides, monkeypatch,
 def test_unknown_backend_is_rejected():
     with pytest.raises(ConfigError, match=r"logging.backends\[1\]: 'tensorbord' is not one of .* \(did you mean 'tensorboard'\?\)"):
         load_config("tiny_dense", ["logging.backends=[jsonl, tensorbord]"])
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.4), ("NVIDIA GH200 480GB", 989.4), ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA L40S", 362.0), ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA H20", None),
+    ("Tesla V100-SXM2-32GB", None)])
+def test_mfu_takes_the_peak_of_the_card_named_not_of_a_name_inside_it(name, peak):
+    """Matched as substrings, "L4" gave the L40 the L4's peak (its MFU 1.5x too high) and "H100" gave the H100 NVL
+    the SXM card's; an unknown card (the H20, a V100) has no MFU rather than another card's."""
+    from megafp8.train.metrics import peak_of
+
+    assert peak_of(name) == peak

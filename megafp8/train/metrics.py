@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,10 +16,13 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-# Dense BF16 tensor-core peak per GPU (TFLOP/s, no sparsity), matched against the device name.
+# Dense BF16 tensor-core peak per GPU (TFLOP/s, no sparsity), matched against the device name as a whole word (the
+# first that matches: the variants of a name come before it). As a substring, "L4" matched the L40's name and "H100"
+# the H100 NVL's, and their MFU was taken against another card's peak.
 _PEAK_BF16_TFLOPS = (
-    ("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("H800", 989.4), ("GH200", 989.4),
-    ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 125.0), ("L4", 121.0),
+    ("H200", 989.4), ("GH200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H800", 989.4),
+    ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("A10G", 125.0),
+    ("L4", 121.0),
 )
 
 
@@ -28,8 +32,13 @@ def peak_tflops(device: torch.device, override: Optional[float]) -> Optional[flo
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((tf for key, tf in _PEAK_BF16_TFLOPS if key in name), None)
+    return peak_of(torch.cuda.get_device_name(device))
+
+
+def peak_of(device_name: str) -> Optional[float]:
+    """The dense BF16 peak of the GPU `device_name` names (e.g. "NVIDIA H100 80GB HBM3"), or None for one unknown."""
+    return next((tf for key, tf in _PEAK_BF16_TFLOPS
+                 if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name)), None)
 
 
 @dataclass(frozen=True)
