@@ -121,8 +121,9 @@ def test_a_tensor_whose_health_is_not_finite_ranks_worst_in_both_tables(tmp_path
     MetricsFile(path, True).write({"kind": "fp8_health", "step": 1000, "layers": {
         "layers.0.attn.qkv": {"grad": {"amax": math.inf, "underflow": math.nan, "at_max": 0.0, "snr_db": math.nan},
                               "input": {"amax": 3.0, "underflow": 0.001, "at_max": 0.008, "snr_db": 31.0}},
-        "layers.1.mlp.down": {"weight": {"amax": 0.1, "underflow": 0.3, "at_max": 0.008, "snr_db": 30.0}}}})
-    text = path.read_text()
+        "layers.1.mlp.down": {"weight": {"amax": 0.1, "underflow": 0.3, "at_max": 0.008, "snr_db": 30.0}},
+        "layers.1.moe.experts": {"grad": {"amax": 0.0, "underflow": 0.0, "at_max": 0.0, "snr_db": math.inf}}}})
+    text = path.read_text()  # (an idle expert's gradient: zeros, quantized exactly, not a tensor in trouble)
     assert "NaN" not in text and "Infinity" not in text and '"snr_db": null' in text, text
     saved = json.loads(text)["layers"]
     (tmp_path / "runs").mkdir()

@@ -36,6 +36,7 @@ def test_stats_of_a_constructed_tensor():
     assert 28 < clean["snr_db"].item() < 40  # 3 mantissa bits: ~30 dB
     zeros = fp8_stats(torch.zeros(2, 128), E4M3)
     assert zeros["underflow"].item() == 0.0 and zeros["at_max"].item() == 0.0
+    assert zeros["snr_db"].item() == math.inf  # quantized exactly (0 / 0 gave -inf: "all noise")
 
 
 @pytest.mark.parametrize("blocks", [False, True], ids=["1x128 tiles", "128x128 blocks"])

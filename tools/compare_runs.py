@@ -183,8 +183,10 @@ def worst_fp8_layers(run: str, count: int) -> list[str]:
     last = health[-1]
     tensors = [(layer, tensor, stats) for layer, by_tensor in last["layers"].items()
                for tensor, stats in by_tensor.items()]
-    # A statistic without a finite value (null: a nan or inf in the tensor) ranks as the worst: that tensor is in trouble
-    lowest_snr = sorted(tensors, key=lambda row: _finite_or(row[2].get("snr_db"), -math.inf))[:count]
+    # A statistic without a finite value (null: a nan or inf in the tensor) ranks as the worst: that tensor is in
+    # trouble; but a tensor of zeros (amax 0: an idle expert's gradient) has no SNR to rank (+inf, nothing lost, null)
+    lowest_snr = sorted(tensors, key=lambda row: math.inf if row[2].get("amax") == 0
+                        else _finite_or(row[2].get("snr_db"), -math.inf))[:count]
     most_underflow = sorted(tensors, key=lambda row: -_finite_or(row[2].get("underflow"), math.inf))[:count]
     return (_health_table(f"FP8 health at step {last['step']}, the {len(lowest_snr)} tensors with the lowest SNR:",
                           lowest_snr)

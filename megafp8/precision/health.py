@@ -7,7 +7,8 @@ For a tensor quantized as the FP8 linear quantizes it (1x128 tiles along the las
     at_max     fraction of elements quantized to the format's maximum. Online max-abs scaling maps each
                tile's largest element there, so ~1/128 is normal; much more means tiles of equal values
                or a scale that no longer fits the data
-    snr_db     10 log10(sum x^2 / sum (x - dequantized)^2), the quantization signal-to-noise ratio
+    snr_db     10 log10(sum x^2 / sum (x - dequantized)^2), the quantization signal-to-noise ratio (+inf for a
+               tensor of zeros: nothing lost)
 Values are returned as 0-d device tensors, so computing them does not wait for the device. They are computed over
 row chunks (whole 128-row blocks for weights; a tile never straddles two chunks), so the FP32 copies they need
 stay a few chunk sizes whatever the tensor's size: made whole, those of an 8B-layer model's (16384, 28672) gate/up
@@ -20,6 +21,7 @@ training steps.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -60,8 +62,15 @@ def fp8_stats_of_rows(rows: RowMaker, count: int, width: int, fmt: Fp8Format,
         "amax": total["amax"],
         "underflow": total["underflow"] / total["nonzero"].clamp(min=1),
         "at_max": total["at_max"] / max(count * width, 1),
-        "snr_db": 10 * torch.log10(total["signal"] / total["noise"].clamp(min=torch.finfo(torch.float64).tiny)),
+        "snr_db": _snr_db(total["signal"], total["noise"]),
     }
+
+
+def _snr_db(signal: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """10 log10(signal / noise); +inf for a tensor of zeros, which quantizes exactly (0 / 0 made it -inf, read as
+    the worst tensor of a run: an idle expert's weight gradient, say)."""
+    snr = 10 * torch.log10(signal / noise.clamp(min=torch.finfo(torch.float64).tiny))
+    return torch.where(signal == 0, torch.full_like(snr, math.inf), snr)
 
 
 def chunk_sums(x2d: torch.Tensor, fmt: Fp8Format, blocks: bool, power_of_two: bool) -> dict[str, torch.Tensor]:
