@@ -250,3 +250,31 @@ def test_weight_gradients_wait_in_the_queue_until_the_w_pass(recipe):
             immediate = layer.weight.grad.float() if layer.weight.grad is not None else 0.0
             grads.append(layer.weight.main_grad + immediate)
         assert grads[0].abs().max() > 0 and torch.equal(grads[0], grads[1]), type(layer).__name__
+
+
+def _bytes_per_param_worker(rank, world, overrides):
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("megafp8")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    cfg = load_config("tiny_dense", overrides)
+    Trainer(cfg, ParallelDims.from_config(cfg.parallel), torch.device("cpu")).fit()
+    if rank == 0:
+        line = next(line for line in lines if line.startswith("memory per rank: "))
+        assert "(bytes/param: 2.00 + 4.00 + 4.00 + 8.00)" in line, line
+
+
+def test_the_bytes_a_parameter_logged_at_start_up_are_the_rank_s_own_under_pipelining(tiny_overrides):
+    """The start-up line divided this rank's bytes by the whole model's parameters: under PP=2 (or TP, EP) a BF16
+    weight read as ~1 byte a parameter. It is the rank's bytes over the parameters it holds (replicated optimizer:
+    2 + 4 + 4 + 8)."""
+    spawn(2, _bytes_per_param_worker, tiny_overrides + MODEL + ["parallel.pp=2", "optimizer.sharded=false",
+                                                                "training.steps=1", "optimizer.warmup_steps=0",
+                                                                "training.eval_interval=0"])

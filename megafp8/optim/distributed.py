@@ -402,6 +402,10 @@ class DistributedAdamW:
         self._publish()
 
     # ---------------------------------------------------------------------------- accounting
+    def num_params(self) -> int:
+        """The elements of the parameters this rank holds (its TP shards, PP stages and EP experts; no padding)."""
+        return sum(p.numel() for b in self.buckets.buckets for p in b.params)
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for weights, gradients, master weights and optimizer states."""
         weights = sum(b.params_flat.numel() * b.params_flat.element_size() for b in self.buckets.buckets)

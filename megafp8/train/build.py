@@ -318,7 +318,7 @@ def log_run_start(cfg: Config, model_cfg: ModelConfig, recipe: PrecisionRecipe, 
     log.info(
         "memory per rank: %s (bytes/param: %s) | optimizer %s over %d data-parallel rank(s), moments %s",
         ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.1f} MiB" for k, v in memory.items()),
-        " + ".join(f"{v / num_params:.2f}" for v in memory.values()),
+        " + ".join(f"{v / optimizer.num_params():.2f}" for v in memory.values()),  # this rank's bytes by its params
         "sharded" if cfg.optimizer.sharded else "replicated", dims.dp_size, cfg.optimizer.moment_dtype,
     )
     log.info(
