@@ -246,6 +246,19 @@ def test_deepseek_layout_round_trip_and_names(tmp_path):
         assert torch.equal(restored[name], t.float()), name
 
 
+def test_a_dense_deepseek_v3_export_keeps_its_mtp_layer_dense(tmp_path):
+    """first_k_dense_replace was num_layers: DeepSeek's code (and vLLM's) builds every layer from it on as MoE, the
+    MTP layer at index num_layers included, which megafp8's dense model holds as a dense block. Now past it too;
+    the import reads it back as the same dense model."""
+    from megafp8.checkpoint.hf_config import hf_config
+
+    dense = dataclasses.replace(DEEPSEEK, moe=dataclasses.replace(DEEPSEEK.moe, num_experts=0))
+    config = hf_config(dense, "deepseek_v3", 64, fp8=False)
+    assert config["num_hidden_layers"] == dense.num_layers and config["num_nextn_predict_layers"] == dense.mtp_depth
+    assert config["first_k_dense_replace"] == dense.num_layers + dense.mtp_depth
+    assert hf_config(DEEPSEEK, "deepseek_v3", 64, fp8=False)["first_k_dense_replace"] == DEEPSEEK.moe.first_dense_layers
+
+
 def test_deepseek_fp8_export_dequantizes_within_the_e4m3_bound(tmp_path):
     model = _deepseek_model()
     save_hf(model.state_dict(), DEEPSEEK, 64, tmp_path / "hf", fp8=True)

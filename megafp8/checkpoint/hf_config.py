@@ -465,7 +465,9 @@ def _deepseek_config(cfg: ModelConfig, layout: HfLayout) -> dict[str, Any]:
            "routed_scaling_factor": moe.routed_scaling_factor,
            "kv_lora_rank": mla.kv_lora_rank, "q_lora_rank": mla.q_lora_rank, "qk_rope_head_dim": mla.qk_rope_head_dim,
            "qk_nope_head_dim": mla.qk_nope_head_dim, "v_head_dim": mla.v_head_dim, "num_experts_per_tok": moe.top_k,
-           "first_k_dense_replace": moe.first_dense_layers if moe.enabled else cfg.num_layers,
+           # A dense model's layers past its main ones (the MTP modules, layer num_layers on) are dense too: at
+           # num_layers, DeepSeek's code (as vLLM's) built its MTP layer as MoE, which megafp8's dense one is not
+           "first_k_dense_replace": moe.first_dense_layers if moe.enabled else cfg.num_layers + cfg.mtp_depth,
            "norm_topk_prob": moe.norm_topk_prob, "num_key_value_heads": cfg.num_heads}
     if layout == "deepseek_v2":
         return {**out, "scoring_func": "softmax", "topk_method": "greedy", "mlp_bias": False}
