@@ -23,7 +23,8 @@ Models (issue 10's shapes):
   the others start from `tiny_dense`).
 Every recipe runs the same steps on the same data (the built-in Python standard library corpus, tokenized to
 `--data` when missing), one after another in this process. Timing is the median of the loop's own per-step
-records (windows of `--log-interval` steps, each timed until the device finishes it) after `--warmup` steps; extra
+records (windows of `--log-interval` steps, each timed until the device finishes it) after `--warmup` steps (all of
+them: `--steps` must exceed `--warmup`, and a window may be shorter where fewer steps are left); extra
 `section.key=value` overrides apply to every run (a layout, `training.recompute=full`, ...). Peak memory is the
 allocator's high-water mark over the timed steps (the steady state) and over the whole run (compilation,
 autotuning and CUDA graph recording in the warm-up included), the largest over the ranks; "planned GiB" is the
@@ -149,7 +150,7 @@ def new_trainer(cfg) -> tuple[Trainer, torch.device]:
 def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     """One run; returns its summary row (rank 0's figures)."""
     cfg = run_config(model, recipe, args, data)
-    warmup = min(args.warmup, args.steps - args.log_interval)
+    warmup = args.warmup  # every one asked for, however few steps that leaves to time (main: at least one)
     health = sampled_steps(max(warmup - 1, 0), args.steps, cfg.logging.fp8_health_interval)
     if cfg.precision.recipe == "fp8" and health:  # (the last warm-up step counts: it sets the held memory)
         print(f"warning: step(s) {', '.join(str(s + 1) for s in health)} of the {recipe} run sample FP8 health "
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run directories (default: a new temporary directory, so runs never share one)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
+    if not args.profile and args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} leaves none of --steps {args.steps} to time: give more --steps")
     args.out = args.out or Path(tempfile.mkdtemp(prefix="megafp8-bench-runs-"))
     rows, profiles, clean = [], [], False
     try:

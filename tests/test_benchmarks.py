@@ -32,6 +32,21 @@ def test_train_step_benchmark_prints_one_row_per_recipe(corpus_dir, tmp_path):
     assert all(float(row.split("|")[13]) > 0 for row in rows)  # the planner's prediction beside the measurement
 
 
+def test_train_step_benchmark_leaves_every_warmup_step_out_of_the_timing(corpus_dir, tmp_path):
+    """`--warmup` steps are all left out, however few steps that leaves to time: cut to `--steps` less one
+    `--log-interval`, `--steps 3 --warmup 1` (log interval 5) had no warm-up at all, its first step (compilation on a
+    GPU) timed. A `--warmup` that leaves no step to time is one clear error, before any run."""
+    common = [sys.executable, "benchmarks/train_step.py", "training.device=cpu", "--model", "tiny", "--data",
+              str(corpus_dir), "--recipes", "bf16"]
+    timed, refused = run_side_by_side(common + ["--steps", "3", "--warmup", "1", "--out", str(tmp_path / "a")],
+                                      common + ["--steps", "4", "--warmup", "4", "--out", str(tmp_path / "b")])
+    assert timed.returncode == 0, timed.stderr[-3000:]
+    assert "3 steps from step 1" in timed.stderr  # the timed loop starts after the one warm-up step
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].endswith(
+        "error: --warmup 4 leaves none of --steps 4 to time: give more --steps")
+
+
 def test_train_step_benchmark_prints_the_pipeline_schedules_bubble(corpus_dir, tmp_path):
     """Two gloo ranks at PP=2 under DualPipeV with 8 micro-batches: the last column is the bubble the schedule's
     actions imply (what the training loop's start-up line logs). The config's own global batch (16) would give
