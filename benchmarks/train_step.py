@@ -37,12 +37,14 @@ the process holds in steady state, the allocator's reserved memory from the last
 emptied before that step), pools included; it needs `--warmup` of 2 or more, else it counts compilation too, and
 it leaves out NCCL's buffers and the CUDA context. Compare recipes by it under CUDA graphs. Graph breaks counts where torch.compile
 split a compiled block (there should be none: a split block runs slower, see `docs/performance.md`). Under pipeline
-parallelism the last column gives the schedule's theoretical bubble (the one the training loop's start-up line logs:
+parallelism the column before the last gives the schedule's theoretical bubble (the one the training loop's start-up line logs:
 simulated from the schedule's actions with forward = input-gradient = weight-gradient time);
 `benchmarks/scaling_table.py` sets it beside the measured one. For MoE models the column before it gives the
 routing's balance over the timed windows (medians): the spread of routed rows per expert (coefficient of variation, the
 layers' mean) and the busiest expert's rows over the mean (the worst layer), which set how evenly the experts'
-grouped GEMMs share out their work. Rank 0 prints the table as Markdown.
+grouped GEMMs share out their work. The last column counts the timed steps skipped for non-finite gradients (an FP16
+loss scaler backing off, a diverging run): a skipped step is not a training step (FP16's leave out the optimizer), so a
+row whose count is not 0 does not time training (a warning says so too). Rank 0 prints the table as Markdown.
 """
 from __future__ import annotations
 
@@ -190,6 +192,10 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     # This rank's prediction: its pipeline stage's (every TP, EP and DP rank of a stage is planned alike).
     planned_here = plan.pipeline[dims.pp_rank][4] if plan.pipeline else plan.total_bytes
     steady_here = max((r["peak_memory_gib"] or 0.0) for r in records)
+    skipped = sum(r["skipped_steps"] for r in records)
+    if skipped:  # (an FP16 step its loss scaler skips leaves out the optimizer: a shorter step than training's)
+        print(f"warning: {skipped} of the {recipe} run's timed steps skipped (non-finite gradients): its step time, "
+              "tokens/s and MFU are not those of training steps; the table's last column counts them", file=sys.stderr)
     per_rank = over_ranks([steady_here, warmup_peak, planned_here / 2**30, held_here], device)
     steady_peak, warmup_peak, held = (max(values[i] for values in per_rank) for i in (0, 1, 3))  # the busiest rank's
     return {"model": label(model, args), "recipe": recipe, "ranks": dims.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
@@ -198,6 +204,7 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
             "peak_gib": steady_peak, "warmup_peak_gib": max(warmup_peak, steady_peak), "loss": records[-1]["loss"],
             "graph_breaks": sum(counters["graph_break"].values()), "planned_gib": plan.total_bytes / 2**30,
             "per_rank": [(steady, planned) for steady, _, planned, _ in per_rank], "bubble": bubble, "held_gib": held,
+            "skipped": skipped,
             "expert_load": ((statistics.median(r["moe_load_cv"] for r in records),
                              statistics.median(r["moe_load_max_over_mean"] for r in records),
                              statistics.median(r["moe_idle_experts"] for r in records))
@@ -250,8 +257,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| model | recipe | ranks | step (s) | tokens/s | vs BF16 | TFLOP/s per device | MFU | peak GiB, steady | "
              "peak GiB, with warm-up | final loss | graph breaks | planned GiB | steady / planned | "
              "per rank: steady / planned GiB | held GiB, steady | tokens/s per GPU | expert load: cv, busiest / mean, idle | "
-             "bubble, theoretical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "bubble, theoretical | skipped steps, timed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tokens_per_s'] / best_bf16:.2f}x" if best_bf16 else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
@@ -263,7 +270,8 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['recipe']} | {r['ranks']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
                      f"{ratio} | {r['tflops']:.1f} | {mfu} | {r['peak_gib']:.2f} | {r['warmup_peak_gib']:.2f} | "
                      f"{r['loss']:.4f} | {r['graph_breaks']} | {r['planned_gib']:.2f} | {measured} | {ranks} | "
-                     f"{r['held_gib']:.2f} | {r['tokens_per_s'] / r['ranks']:,.0f} | {load} | {bubble} |")
+                     f"{r['held_gib']:.2f} | {r['tokens_per_s'] / r['ranks']:,.0f} | {load} | {bubble} | "
+                     f"{r['skipped']} |")
     return "\n".join(lines)
 
 
