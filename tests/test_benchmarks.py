@@ -253,6 +253,15 @@ def test_dense_gemm_benchmark_prints_each_gemm_of_each_linear_or_why_not():
         assert bad.returncode == 2 and "--cuda-graphs needs --device cuda" in bad.stderr, (script, bad.stderr)
 
 
+def test_dense_gemm_benchmark_refuses_a_shape_that_is_not_two_numbers():
+    """`--shapes 256` (N without K) printed the table's header, then a traceback (a tuple unpacked into three); now
+    it is one clear parser error, as a word was."""
+    cmd = [sys.executable, "benchmarks/dense_gemm.py", "--device", "cpu", "--backend", "reference", "--shapes"]
+    for shape in run_side_by_side(cmd + ["256"], cmd + ["256,256,256"]):
+        assert shape.returncode == 2 and "Traceback" not in shape.stderr, shape.stderr[-2000:]
+        assert "error: --shapes takes N,K pairs of integers" in shape.stderr.strip().splitlines()[-1]
+
+
 def test_wgrad_scaling_study_compares_the_two_scalings_of_x_on_each_distribution():
     """benchmarks/wgrad_scaling.py (the accuracy study behind `precision.fp8_wgrad_input_blocks`): a row per
     distribution with each scaling's dW error against FP64; on i.i.d. Gaussian x the blocks cost (almost) nothing,
