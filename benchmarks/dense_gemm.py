@@ -255,7 +255,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     tables = {model: None for model in args.model}
     if args.shapes:
         try:
-            tables = {"--shapes": [("linear", *map(int, text.split(","))) for text in args.shapes]}
+            pairs = [tuple(map(int, text.split(","))) for text in args.shapes]
+            if any(len(pair) != 2 for pair in pairs):  # (one number, or three, unpacked badly after the header)
+                raise ValueError
+            tables = {"--shapes": [("linear", *pair) for pair in pairs]}
         except ValueError:
             parser.error(f"--shapes takes N,K pairs of integers, e.g. 4096,4096 (got {' '.join(args.shapes)})")
     for model, given in tables.items():

@@ -23,7 +23,8 @@ Models (issue 10's shapes):
   the others start from `tiny_dense`).
 Every recipe runs the same steps on the same data (the built-in Python standard library corpus, tokenized to
 `--data` when missing), one after another in this process. Timing is the median of the loop's own per-step
-records (windows of `--log-interval` steps, each timed until the device finishes it) after `--warmup` steps; extra
+records (windows of `--log-interval` steps, each timed until the device finishes it) after `--warmup` steps (all of
+them: `--steps` must exceed `--warmup`, and a window may be shorter where fewer steps are left); extra
 `section.key=value` overrides apply to every run (a layout, `training.recompute=full`, ...). Peak memory is the
 allocator's high-water mark over the timed steps (the steady state) and over the whole run (compilation,
 autotuning and CUDA graph recording in the warm-up included), the largest over the ranks; "planned GiB" is the
@@ -36,12 +37,14 @@ the process holds in steady state, the allocator's reserved memory from the last
 emptied before that step), pools included; it needs `--warmup` of 2 or more, else it counts compilation too, and
 it leaves out NCCL's buffers and the CUDA context. Compare recipes by it under CUDA graphs. Graph breaks counts where torch.compile
 split a compiled block (there should be none: a split block runs slower, see `docs/performance.md`). Under pipeline
-parallelism the last column gives the schedule's theoretical bubble (the one the training loop's start-up line logs:
+parallelism the column before the last gives the schedule's theoretical bubble (the one the training loop's start-up line logs:
 simulated from the schedule's actions with forward = input-gradient = weight-gradient time);
 `benchmarks/scaling_table.py` sets it beside the measured one. For MoE models the column before it gives the
 routing's balance over the timed windows (medians): the spread of routed rows per expert (coefficient of variation, the
 layers' mean) and the busiest expert's rows over the mean (the worst layer), which set how evenly the experts'
-grouped GEMMs share out their work. Rank 0 prints the table as Markdown.
+grouped GEMMs share out their work. The last column counts the timed steps skipped for non-finite gradients (an FP16
+loss scaler backing off, a diverging run): a skipped step is not a training step (FP16's leave out the optimizer), so a
+row whose count is not 0 does not time training (a warning says so too). Rank 0 prints the table as Markdown.
 """
 from __future__ import annotations
 
@@ -149,7 +152,7 @@ def new_trainer(cfg) -> tuple[Trainer, torch.device]:
 def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     """One run; returns its summary row (rank 0's figures)."""
     cfg = run_config(model, recipe, args, data)
-    warmup = min(args.warmup, args.steps - args.log_interval)
+    warmup = args.warmup  # every one asked for, however few steps that leaves to time (main: at least one)
     health = sampled_steps(max(warmup - 1, 0), args.steps, cfg.logging.fp8_health_interval)
     if cfg.precision.recipe == "fp8" and health:  # (the last warm-up step counts: it sets the held memory)
         print(f"warning: step(s) {', '.join(str(s + 1) for s in health)} of the {recipe} run sample FP8 health "
@@ -189,6 +192,10 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     # This rank's prediction: its pipeline stage's (every TP, EP and DP rank of a stage is planned alike).
     planned_here = plan.pipeline[dims.pp_rank][4] if plan.pipeline else plan.total_bytes
     steady_here = max((r["peak_memory_gib"] or 0.0) for r in records)
+    skipped = sum(r["skipped_steps"] for r in records)
+    if skipped:  # (an FP16 step its loss scaler skips leaves out the optimizer: a shorter step than training's)
+        print(f"warning: {skipped} of the {recipe} run's timed steps skipped (non-finite gradients): its step time, "
+              "tokens/s and MFU are not those of training steps; the table's last column counts them", file=sys.stderr)
     per_rank = over_ranks([steady_here, warmup_peak, planned_here / 2**30, held_here], device)
     steady_peak, warmup_peak, held = (max(values[i] for values in per_rank) for i in (0, 1, 3))  # the busiest rank's
     return {"model": label(model, args), "recipe": recipe, "ranks": dims.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
@@ -197,6 +204,7 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
             "peak_gib": steady_peak, "warmup_peak_gib": max(warmup_peak, steady_peak), "loss": records[-1]["loss"],
             "graph_breaks": sum(counters["graph_break"].values()), "planned_gib": plan.total_bytes / 2**30,
             "per_rank": [(steady, planned) for steady, _, planned, _ in per_rank], "bubble": bubble, "held_gib": held,
+            "skipped": skipped,
             "expert_load": ((statistics.median(r["moe_load_cv"] for r in records),
                              statistics.median(r["moe_load_max_over_mean"] for r in records),
                              statistics.median(r["moe_idle_experts"] for r in records))
@@ -249,8 +257,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| model | recipe | ranks | step (s) | tokens/s | vs BF16 | TFLOP/s per device | MFU | peak GiB, steady | "
              "peak GiB, with warm-up | final loss | graph breaks | planned GiB | steady / planned | "
              "per rank: steady / planned GiB | held GiB, steady | tokens/s per GPU | expert load: cv, busiest / mean, idle | "
-             "bubble, theoretical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "bubble, theoretical | skipped steps, timed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tokens_per_s'] / best_bf16:.2f}x" if best_bf16 else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
@@ -262,7 +270,8 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['recipe']} | {r['ranks']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
                      f"{ratio} | {r['tflops']:.1f} | {mfu} | {r['peak_gib']:.2f} | {r['warmup_peak_gib']:.2f} | "
                      f"{r['loss']:.4f} | {r['graph_breaks']} | {r['planned_gib']:.2f} | {measured} | {ranks} | "
-                     f"{r['held_gib']:.2f} | {r['tokens_per_s'] / r['ranks']:,.0f} | {load} | {bubble} |")
+                     f"{r['held_gib']:.2f} | {r['tokens_per_s'] / r['ranks']:,.0f} | {load} | {bubble} | "
+                     f"{r['skipped']} |")
     return "\n".join(lines)
 
 
@@ -287,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run directories (default: a new temporary directory, so runs never share one)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
+    if not args.profile and args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} leaves none of --steps {args.steps} to time: give more --steps")
     args.out = args.out or Path(tempfile.mkdtemp(prefix="megafp8-bench-runs-"))
     rows, profiles, clean = [], [], False
     try:

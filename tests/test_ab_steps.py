@@ -102,7 +102,8 @@ def test_ab_steps_reads_train_steps_own_table():
     import ab_steps
     import train_step
     row = dict(model="1b", ranks=2, step_s=0.15, tflops=600.0, mfu=0.6, peak_gib=20.0, warmup_peak_gib=30.0,
-               loss=3.1, graph_breaks=0, planned_gib=21.0, per_rank=[(20.0, 21.0)], held_gib=40.0, bubble=None)
+               loss=3.1, graph_breaks=0, planned_gib=21.0, per_rank=[(20.0, 21.0)], held_gib=40.0, bubble=None,
+               skipped=0)
     table = train_step.table([dict(row, recipe="bf16", tokens_per_s=88479.4), dict(row, recipe="fp8",
                                                                                       tokens_per_s=107150.2)])
     assert ab_steps.parse_tokens_per_s("log line\n" + table + "\n\ntrailing text") == {"bf16": 88479.0,
@@ -116,7 +117,7 @@ def test_ab_steps_compares_the_trees_memory_from_train_steps_table():
     import ab_steps
     import train_step
     row = dict(model="1b", ranks=1, step_s=0.15, tflops=600.0, mfu=0.6, peak_gib=20.0, loss=3.1, graph_breaks=0,
-               planned_gib=21.0, per_rank=[(20.0, 21.0)], bubble=None, tokens_per_s=1.0)
+               planned_gib=21.0, per_rank=[(20.0, 21.0)], bubble=None, tokens_per_s=1.0, skipped=0)
 
     def run(held_bf16, held_fp8, warmup):
         table = train_step.table([dict(row, recipe="bf16", held_gib=held_bf16, warmup_peak_gib=warmup),
@@ -140,7 +141,8 @@ def test_ab_steps_shows_each_moe_runs_expert_load_beside_its_figure():
     import ab_steps
     import train_step
     row = dict(model="moe", ranks=1, step_s=0.15, tflops=600.0, mfu=0.6, peak_gib=20.0, warmup_peak_gib=30.0,
-               loss=3.1, graph_breaks=0, planned_gib=21.0, per_rank=[(20.0, 21.0)], held_gib=40.0, bubble=None)
+               loss=3.1, graph_breaks=0, planned_gib=21.0, per_rank=[(20.0, 21.0)], held_gib=40.0, bubble=None,
+               skipped=0)
     table = train_step.table([dict(row, recipe="bf16", tokens_per_s=95482.0, expert_load=(1.16, 7.97, 0.625)),
                               dict(row, recipe="fp8", tokens_per_s=122413.0, expert_load=None)])
     assert ab_steps.parse_cells(table, ab_steps.LOAD_COLUMN) == {"bf16": "1.16, 7.97x, 62%", "fp8": "-"}

@@ -32,10 +32,41 @@ def test_train_step_benchmark_prints_one_row_per_recipe(corpus_dir, tmp_path):
     assert all(float(row.split("|")[13]) > 0 for row in rows)  # the planner's prediction beside the measurement
 
 
+def test_train_step_benchmark_leaves_every_warmup_step_out_of_the_timing(corpus_dir, tmp_path):
+    """`--warmup` steps are all left out, however few steps that leaves to time: cut to `--steps` less one
+    `--log-interval`, `--steps 3 --warmup 1` (log interval 5) had no warm-up at all, its first step (compilation on a
+    GPU) timed. A `--warmup` that leaves no step to time is one clear error, before any run."""
+    common = [sys.executable, "benchmarks/train_step.py", "training.device=cpu", "--model", "tiny", "--data",
+              str(corpus_dir), "--recipes", "bf16"]
+    timed, refused = run_side_by_side(common + ["--steps", "3", "--warmup", "1", "--out", str(tmp_path / "a")],
+                                      common + ["--steps", "4", "--warmup", "4", "--out", str(tmp_path / "b")])
+    assert timed.returncode == 0, timed.stderr[-3000:]
+    assert "3 steps from step 1" in timed.stderr  # the timed loop starts after the one warm-up step
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].endswith(
+        "error: --warmup 4 leaves none of --steps 4 to time: give more --steps")
+
+
+def test_train_step_benchmark_counts_the_timed_steps_skipped(corpus_dir, tmp_path):
+    """A timed step skipped for non-finite gradients is no training step (an FP16 step its loss scaler skips leaves
+    out the optimizer), yet its row read as any other: FP16 from a loss scale of 1e12, every step skipped, printed a
+    tokens/s with nothing beside it. The row's last column counts them, and a warning names the run."""
+    cmd = [sys.executable, "benchmarks/train_step.py", "training.device=cpu", "precision.loss_scale_initial=1e12",
+           "--model", "tiny", "--steps", "3", "--warmup", "1", "--log-interval", "1", "--data", str(corpus_dir),
+           "--out", str(tmp_path), "--recipes", "fp16"]
+    result = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    header = next(line for line in result.stdout.splitlines() if line.startswith("| model |"))
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| tiny |"))
+    cells = dict(zip(header.split("|"), row.split("|")))
+    assert cells[" skipped steps, timed "].strip() == "2", row  # steps 2 and 3
+    assert "warning: 2 of the fp16 run's timed steps skipped" in result.stderr
+
+
 def test_train_step_benchmark_prints_the_pipeline_schedules_bubble(corpus_dir, tmp_path):
-    """Two gloo ranks at PP=2 under DualPipeV with 8 micro-batches: the last column is the bubble the schedule's
-    actions imply (what the training loop's start-up line logs). The config's own global batch (16) would give
-    DualPipeV too few micro-batches of 8: the layout is checked against `--global-batch` (job AO's ~1B DualPipeV
+    """Two gloo ranks at PP=2 under DualPipeV with 8 micro-batches: the column before the last is the bubble the
+    schedule's actions imply (what the training loop's start-up line logs). The config's own global batch (16) would
+    give DualPipeV too few micro-batches of 8: the layout is checked against `--global-batch` (job AO's ~1B DualPipeV
     run failed on this)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            "benchmarks/train_step.py", "training.device=cpu", "parallel.pp=2", "parallel.pp_schedule=dualpipev",
@@ -45,7 +76,7 @@ def test_train_step_benchmark_prints_the_pipeline_schedules_bubble(corpus_dir, t
     assert result.returncode == 0, result.stderr[-3000:]
     logged = re.search(r"pipeline: dualpipev over 2 ranks, 8 micro-batches, bubble (\d+\.\d)%", result.stderr)
     row = next(line for line in result.stdout.splitlines() if line.startswith("| tiny |"))
-    assert logged and row.split("|")[-2].strip() == f"{logged.group(1)}%", (logged, row)
+    assert logged and row.split("|")[-3].strip() == f"{logged.group(1)}%", (logged, row)
 
 
 def test_train_step_benchmark_runs_context_parallel_ranks(corpus_dir, tmp_path):
@@ -220,6 +251,15 @@ def test_dense_gemm_benchmark_prints_each_gemm_of_each_linear_or_why_not():
     assert bad_shapes.returncode == 2 and "--shapes takes N,K pairs" in bad_shapes.stderr
     for script, bad in zip(scripts, no_graphs):
         assert bad.returncode == 2 and "--cuda-graphs needs --device cuda" in bad.stderr, (script, bad.stderr)
+
+
+def test_dense_gemm_benchmark_refuses_a_shape_that_is_not_two_numbers():
+    """`--shapes 256` (N without K) printed the table's header, then a traceback (a tuple unpacked into three); now
+    it is one clear parser error, as a word was."""
+    cmd = [sys.executable, "benchmarks/dense_gemm.py", "--device", "cpu", "--backend", "reference", "--shapes"]
+    for shape in run_side_by_side(cmd + ["256"], cmd + ["256,256,256"]):
+        assert shape.returncode == 2 and "Traceback" not in shape.stderr, shape.stderr[-2000:]
+        assert "error: --shapes takes N,K pairs of integers" in shape.stderr.strip().splitlines()[-1]
 
 
 def test_wgrad_scaling_study_compares_the_two_scalings_of_x_on_each_distribution():
