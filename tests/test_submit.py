@@ -141,6 +141,27 @@ def test_a_config_file_named_relative_to_the_submit_directory_is_the_one_the_job
     assert f"--config {tmp_path / 'tiny_dense.yaml'}" in result.stdout, result.stdout
 
 
+def test_a_config_name_found_in_the_submit_directorys_configs_is_the_one_the_job_loads(tmp_path):
+    """A bare name is looked for in the working directory's configs/ first: submit.py checked that file but passed
+    the name as given, and the job, in the repository root, trained the repository's configs/ file of that name (or
+    failed on a name it lacks, after waiting for its nodes). A symlinked config reached the job resolved, and the
+    run took the target's name as its run_name."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs/tiny_dense.yaml").write_text((REPO / "configs/tiny_dense.yaml").read_text()
+                                                      .replace("steps: 200", "steps: 70"))
+    (tmp_path / "my_run.yaml").symlink_to(tmp_path / "configs/tiny_dense.yaml")
+
+    def submitted(config: str) -> str:
+        result = subprocess.run([sys.executable, str(REPO / "launch/slurm/submit.py"), "--print-only", "--cpu",
+                                 "--procs-per-node", "2", "--config", config], cwd=tmp_path, env=torchrun_env(),
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    assert f"--config {tmp_path / 'configs/tiny_dense.yaml'}\n" in submitted("tiny_dense")
+    assert f"--config {tmp_path / 'my_run.yaml'}\n" in submitted("my_run.yaml")
+
+
 def test_the_sbatch_script_submitted_outside_the_checkout_stops_before_srun(tmp_path):
     """The job runs `launch/pretrain.py` from the submit directory (SLURM runs a copy of the script, so the script
     cannot find its checkout). Submitted from elsewhere it used to start srun on every node, where each torchrun's
