@@ -22,8 +22,8 @@ def test_the_layout_sets_the_nodes():
                                                 "model.attention.head_dim=128"]), 8).world_size == 8  # fills the node
     command = sbatch_command("671b_fp8.yaml", ["optimizer.lr=1e-4"], job_shape(load_config("671b_fp8"), 8), True,
                              ["--time=1:00:00"])
-    assert command == ["sbatch", "--nodes=128", "--gpus-per-node=8", "--time=1:00:00", "launch/slurm/pretrain.sbatch",
-                       "--config", "671b_fp8.yaml", "optimizer.lr=1e-4"]
+    assert command == ["sbatch", "--nodes=128", "--gpus-per-node=8", "--export=ALL,GPUS_PER_NODE=8", "--time=1:00:00",
+                       "launch/slurm/pretrain.sbatch", "--config", "671b_fp8.yaml", "optimizer.lr=1e-4"]
 
 
 @pytest.mark.parametrize("overrides, nodes, message", [
@@ -169,6 +169,20 @@ def test_the_sbatch_script_submitted_outside_the_checkout_stops_before_srun(tmp_
     done = _sbatch_script(tmp_path, SLURM_SUBMIT_DIR=str(tmp_path))
     assert done.returncode == 2 and "ARGS=" not in done.stdout
     assert done.stderr.count("\n") == 1 and "submit from the repository root" in done.stderr, done.stderr
+
+
+def test_a_gpu_job_launches_the_processes_per_node_it_was_checked_for(tmp_path):
+    """sbatch passes the submitter's environment on, and the script takes GPUS_PER_NODE before SLURM's GPU count: a
+    GPU job's command set no GPUS_PER_NODE, so one left in the submitting shell (4 here) launched 4 processes on
+    each 8-GPU node, another world size than submit.py checked (half the GPUs idle, or, above the GPU count, ranks
+    without a GPU). The command sets it as CPU jobs' does."""
+    command = sbatch_command("tiny_dense", [], job_shape(load_config("tiny_dense", ["training.micro_batch_size=2"]), 8), True, [])
+    exports = [arg.removeprefix("--export=ALL,") for arg in command if arg.startswith("--export=ALL,")]
+    job_env = {**_stand_ins(tmp_path), "GPUS_PER_NODE": "4", "SLURM_GPUS_ON_NODE": "8",  # (the stale one, SLURM's)
+               **dict(item.split("=", 1) for export in exports for item in export.split(","))}
+    done = subprocess.run(SBATCH, env=job_env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--nproc_per_node=8 " in done.stdout, done.stdout
 
 
 def test_the_sbatch_script_has_torchrun_pass_sigusr1_on(tmp_path):

@@ -56,11 +56,12 @@ def check_memory(cfg: Config, shape: JobShape, gpu_memory_gib: float) -> Optiona
 
 def sbatch_command(config: str, overrides: list[str], shape: JobShape, gpus: bool, sbatch_args: list[str],
                    script: str = "launch/slurm/pretrain.sbatch") -> list[str]:
-    """`sbatch` of the megafp8 job script with the job's shape (CPU jobs pass the process count through
-    GPUS_PER_NODE, which the script reads)."""
+    """`sbatch` of the megafp8 job script with the job's shape. The process count goes through GPUS_PER_NODE, which
+    the script reads before SLURM's GPU count: GPU jobs set it too, since sbatch passes the submitter's environment
+    on, and a GPUS_PER_NODE left there would launch another world size than the one checked here."""
     command = ["sbatch", f"--nodes={shape.nodes}"]
     if gpus:
-        command.append(f"--gpus-per-node={shape.procs_per_node}")
+        command += [f"--gpus-per-node={shape.procs_per_node}", f"--export=ALL,GPUS_PER_NODE={shape.procs_per_node}"]
     else:
         command.append(f"--export=ALL,GPUS_PER_NODE={shape.procs_per_node},OMP_NUM_THREADS=1")
     return command + sbatch_args + [script, "--config", config, *overrides]
