@@ -26,6 +26,15 @@ def test_the_layout_sets_the_nodes():
                        "launch/slurm/pretrain.sbatch", "--config", "671b_fp8.yaml", "optimizer.lr=1e-4"]
 
 
+def test_a_context_parallel_layout_gets_the_fewest_nodes_it_needs():
+    """Context-parallel groups are made of data-parallel ranks, so dp must be a multiple of cp as of ep. The shape
+    counted tp x pp x ep alone: parallel.cp=16 got one 8-rank node and was refused ("launch a multiple of 16
+    ranks") where two nodes run it."""
+    shape = job_shape(load_config("tiny_dense", ["parallel.cp=16"]), 8)
+    assert (shape.nodes, shape.procs_per_node) == (2, 8)
+    assert job_shape(load_config("tiny_dense", ["parallel.cp=2"]), 8).world_size == 8  # cp within one node
+
+
 @pytest.mark.parametrize("overrides, nodes, message", [
     (["parallel.dp=12"], None, "the layout needs 12 ranks .* do not fill whole nodes of 8"),
     (["parallel.tp=3"], None, "not divisible by parallel.tp=3"),

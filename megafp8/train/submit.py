@@ -2,7 +2,7 @@
 
 `launch/slurm/submit.py` is the command line. The world size is, in order of precedence:
 `--nodes` x processes per node; `tp x pp x dp` when `parallel.dp` is set; else the smallest multiple
-of `tp x pp x ep` that fills whole nodes. Then the layout is validated for that world, the memory
+of `tp x pp x lcm(ep, cp)` that fills whole nodes. Then the layout is validated for that world, the memory
 plan is checked against the GPU (when the vocabulary is known), and the `sbatch` command of
 `launch/slurm/pretrain.sbatch` is built.
 """
@@ -35,8 +35,8 @@ def job_shape(cfg: Config, procs_per_node: int, nodes: Optional[int] = None) -> 
         world = nodes * procs_per_node
     elif par.dp is not None:
         world = par.tp * par.pp * par.dp
-    else:
-        world = math.lcm(par.tp * par.pp * par.ep, procs_per_node)
+    else:  # the data-parallel size a multiple of both ep and cp (their groups are made of data-parallel ranks)
+        world = math.lcm(par.tp * par.pp * math.lcm(par.ep, par.cp), procs_per_node)
     if world > procs_per_node and world % procs_per_node != 0:
         raise ConfigError(f"the layout needs {world} ranks (tp {par.tp} x pp {par.pp} x dp {par.dp}), which do not "
                           f"fill whole nodes of {procs_per_node}: change parallel.dp or pass --nodes")
