@@ -22,8 +22,17 @@ def test_the_layout_sets_the_nodes():
                                                 "model.attention.head_dim=128"]), 8).world_size == 8  # fills the node
     command = sbatch_command("671b_fp8.yaml", ["optimizer.lr=1e-4"], job_shape(load_config("671b_fp8"), 8), True,
                              ["--time=1:00:00"])
-    assert command == ["sbatch", "--nodes=128", "--gpus-per-node=8", "--time=1:00:00", "launch/slurm/pretrain.sbatch",
-                       "--config", "671b_fp8.yaml", "optimizer.lr=1e-4"]
+    assert command == ["sbatch", "--nodes=128", "--gpus-per-node=8", "--export=ALL,GPUS_PER_NODE=8", "--time=1:00:00",
+                       "launch/slurm/pretrain.sbatch", "--config", "671b_fp8.yaml", "optimizer.lr=1e-4"]
+
+
+def test_a_context_parallel_layout_gets_the_fewest_nodes_it_needs():
+    """Context-parallel groups are made of data-parallel ranks, so dp must be a multiple of cp as of ep. The shape
+    counted tp x pp x ep alone: parallel.cp=16 got one 8-rank node and was refused ("launch a multiple of 16
+    ranks") where two nodes run it."""
+    shape = job_shape(load_config("tiny_dense", ["parallel.cp=16"]), 8)
+    assert (shape.nodes, shape.procs_per_node) == (2, 8)
+    assert job_shape(load_config("tiny_dense", ["parallel.cp=2"]), 8).world_size == 8  # cp within one node
 
 
 @pytest.mark.parametrize("overrides, nodes, message", [
@@ -141,6 +150,27 @@ def test_a_config_file_named_relative_to_the_submit_directory_is_the_one_the_job
     assert f"--config {tmp_path / 'tiny_dense.yaml'}" in result.stdout, result.stdout
 
 
+def test_a_config_name_found_in_the_submit_directorys_configs_is_the_one_the_job_loads(tmp_path):
+    """A bare name is looked for in the working directory's configs/ first: submit.py checked that file but passed
+    the name as given, and the job, in the repository root, trained the repository's configs/ file of that name (or
+    failed on a name it lacks, after waiting for its nodes). A symlinked config reached the job resolved, and the
+    run took the target's name as its run_name."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs/tiny_dense.yaml").write_text((REPO / "configs/tiny_dense.yaml").read_text()
+                                                      .replace("steps: 200", "steps: 70"))
+    (tmp_path / "my_run.yaml").symlink_to(tmp_path / "configs/tiny_dense.yaml")
+
+    def submitted(config: str) -> str:
+        result = subprocess.run([sys.executable, str(REPO / "launch/slurm/submit.py"), "--print-only", "--cpu",
+                                 "--procs-per-node", "2", "--config", config], cwd=tmp_path, env=torchrun_env(),
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    assert f"--config {tmp_path / 'configs/tiny_dense.yaml'}\n" in submitted("tiny_dense")
+    assert f"--config {tmp_path / 'my_run.yaml'}\n" in submitted("my_run.yaml")
+
+
 def test_the_sbatch_script_submitted_outside_the_checkout_stops_before_srun(tmp_path):
     """The job runs `launch/pretrain.py` from the submit directory (SLURM runs a copy of the script, so the script
     cannot find its checkout). Submitted from elsewhere it used to start srun on every node, where each torchrun's
@@ -148,6 +178,20 @@ def test_the_sbatch_script_submitted_outside_the_checkout_stops_before_srun(tmp_
     done = _sbatch_script(tmp_path, SLURM_SUBMIT_DIR=str(tmp_path))
     assert done.returncode == 2 and "ARGS=" not in done.stdout
     assert done.stderr.count("\n") == 1 and "submit from the repository root" in done.stderr, done.stderr
+
+
+def test_a_gpu_job_launches_the_processes_per_node_it_was_checked_for(tmp_path):
+    """sbatch passes the submitter's environment on, and the script takes GPUS_PER_NODE before SLURM's GPU count: a
+    GPU job's command set no GPUS_PER_NODE, so one left in the submitting shell (4 here) launched 4 processes on
+    each 8-GPU node, another world size than submit.py checked (half the GPUs idle, or, above the GPU count, ranks
+    without a GPU). The command sets it as CPU jobs' does."""
+    command = sbatch_command("tiny_dense", [], job_shape(load_config("tiny_dense", ["training.micro_batch_size=2"]), 8), True, [])
+    exports = [arg.removeprefix("--export=ALL,") for arg in command if arg.startswith("--export=ALL,")]
+    job_env = {**_stand_ins(tmp_path), "GPUS_PER_NODE": "4", "SLURM_GPUS_ON_NODE": "8",  # (the stale one, SLURM's)
+               **dict(item.split("=", 1) for export in exports for item in export.split(","))}
+    done = subprocess.run(SBATCH, env=job_env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--nproc_per_node=8 " in done.stdout, done.stdout
 
 
 def test_the_sbatch_script_has_torchrun_pass_sigusr1_on(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from megafp8.config import ConfigError, load_config, repeated_overrides  # noqa: E402
+from megafp8.config import ConfigError, load_config, repeated_overrides, resolve_config_path  # noqa: E402
 from megafp8.train.submit import check_memory, job_shape, sbatch_command  # noqa: E402
 from megafp8.config.arguments import positive_number, print_warnings, run_tool  # noqa: E402
 
@@ -48,9 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"megafp8 job: {shape.nodes} node(s) x {shape.procs_per_node} process(es) = {shape.world_size} ranks"
           + (f" ({note})" if note else ""))
-    # sbatch runs in the repository root, and so does the job: a config file named relative to this directory goes
-    # to it absolute (else the job looks for it there, and may load configs/' file of that name instead).
-    config = str(Path(args.config).resolve()) if Path(args.config).is_file() else args.config
+    # sbatch runs in the repository root, and so does the job: the config file checked here goes to it absolute, be
+    # it a path relative to this directory or a name found in this directory's configs/ (else the job looks for it
+    # there, and may load the repository's configs/ file of that name instead). Not `resolve`: a symlink's own name
+    # is the run's default run_name.
+    config = str(resolve_config_path(args.config).absolute())
     command = sbatch_command(config, args.overrides, shape, not args.cpu, args.sbatch,
                              str(REPO / "launch/slurm/pretrain.sbatch"))
     print(shlex.join(command), flush=True)

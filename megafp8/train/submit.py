@@ -2,7 +2,7 @@
 
 `launch/slurm/submit.py` is the command line. The world size is, in order of precedence:
 `--nodes` x processes per node; `tp x pp x dp` when `parallel.dp` is set; else the smallest multiple
-of `tp x pp x ep` that fills whole nodes. Then the layout is validated for that world, the memory
+of `tp x pp x lcm(ep, cp)` that fills whole nodes. Then the layout is validated for that world, the memory
 plan is checked against the GPU (when the vocabulary is known), and the `sbatch` command of
 `launch/slurm/pretrain.sbatch` is built.
 """
@@ -35,8 +35,8 @@ def job_shape(cfg: Config, procs_per_node: int, nodes: Optional[int] = None) -> 
         world = nodes * procs_per_node
     elif par.dp is not None:
         world = par.tp * par.pp * par.dp
-    else:
-        world = math.lcm(par.tp * par.pp * par.ep, procs_per_node)
+    else:  # the data-parallel size a multiple of both ep and cp (their groups are made of data-parallel ranks)
+        world = math.lcm(par.tp * par.pp * math.lcm(par.ep, par.cp), procs_per_node)
     if world > procs_per_node and world % procs_per_node != 0:
         raise ConfigError(f"the layout needs {world} ranks (tp {par.tp} x pp {par.pp} x dp {par.dp}), which do not "
                           f"fill whole nodes of {procs_per_node}: change parallel.dp or pass --nodes")
@@ -56,11 +56,12 @@ def check_memory(cfg: Config, shape: JobShape, gpu_memory_gib: float) -> Optiona
 
 def sbatch_command(config: str, overrides: list[str], shape: JobShape, gpus: bool, sbatch_args: list[str],
                    script: str = "launch/slurm/pretrain.sbatch") -> list[str]:
-    """`sbatch` of the megafp8 job script with the job's shape (CPU jobs pass the process count through
-    GPUS_PER_NODE, which the script reads)."""
+    """`sbatch` of the megafp8 job script with the job's shape. The process count goes through GPUS_PER_NODE, which
+    the script reads before SLURM's GPU count: GPU jobs set it too, since sbatch passes the submitter's environment
+    on, and a GPUS_PER_NODE left there would launch another world size than the one checked here."""
     command = ["sbatch", f"--nodes={shape.nodes}"]
     if gpus:
-        command.append(f"--gpus-per-node={shape.procs_per_node}")
+        command += [f"--gpus-per-node={shape.procs_per_node}", f"--export=ALL,GPUS_PER_NODE={shape.procs_per_node}"]
     else:
         command.append(f"--export=ALL,GPUS_PER_NODE={shape.procs_per_node},OMP_NUM_THREADS=1")
     return command + sbatch_args + [script, "--config", config, *overrides]
