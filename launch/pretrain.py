@@ -12,18 +12,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config.arguments import run_tool  # noqa: E402
-from megafp8.train.command_line import exit_process, load_run_config, parse_args  # noqa: E402
+from megafp8.train.command_line import exit_process, parse_args  # noqa: E402
+from megafp8.train.entry import run_staged  # noqa: E402
 
-
-def main() -> int:
-    """The options and the config first (no torch: a typo is answered at once), then the run."""
-    args = parse_args(sys.argv[1:])
-    cfg = load_run_config(args)
-    if isinstance(cfg, int):
-        return cfg
-    from megafp8.train.main import run_config  # torch, the model and the kernels: past a config that loads
-    return run_config(args, cfg)
-
-
-if __name__ == "__main__":
-    exit_process(run_tool(main))  # (run_tool: `--print-config | head` ends quietly)
+if __name__ == "__main__":  # (run_tool: `--print-config | head` ends quietly)
+    exit_process(run_tool(lambda: run_staged(parse_args(sys.argv[1:]))))

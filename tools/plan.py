@@ -10,18 +10,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config.arguments import run_tool  # noqa: E402
-from megafp8.train.command_line import load_run_config, parse_plan_args  # noqa: E402
-
-
-def main() -> int:
-    """The options and the config first (no torch: a typo is answered at once), then the plan."""
-    args = parse_plan_args(sys.argv[1:])
-    cfg = load_run_config(args)
-    if isinstance(cfg, int):
-        return cfg
-    from megafp8.train.main import run_config  # torch and the model: past a config that loads
-    return run_config(args, cfg)
-
+from megafp8.train.command_line import parse_plan_args  # noqa: E402
+from megafp8.train.entry import run_staged  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main))
+    sys.exit(run_tool(lambda: run_staged(parse_plan_args(sys.argv[1:]))))

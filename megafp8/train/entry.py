@@ -1,0 +1,17 @@
+"""The entry scripts' run (`launch/pretrain.py`, `tools/plan.py`): the config loaded without torch
+(`megafp8.train.command_line`), then `megafp8.train.main` imported past it, so a typo costs no torch import.
+`megafp8.train.main` never imports this module (no import cycle)."""
+from __future__ import annotations
+
+import argparse
+
+from megafp8.train.command_line import load_run_config
+
+
+def run_staged(args: argparse.Namespace) -> int:
+    """Load the config `args` name, then print, plan or train it as `args` asks; the exit status."""
+    cfg = load_run_config(args)
+    if isinstance(cfg, int):
+        return cfg
+    from megafp8.train.main import run_config  # torch, the model and the kernels: past a config that loads
+    return run_config(args, cfg)
