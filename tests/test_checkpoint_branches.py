@@ -14,7 +14,7 @@ import pytest
 from megafp8.checkpoint import find_latest, load_checkpoint
 from megafp8.checkpoint.local import fresh_temporary, publish, resume_candidates, verify_checkpoint
 from megafp8.config import ConfigError
-from megafp8.train.run_lock import LOCK_FILE, lock_for_conversion
+from megafp8.checkpoint.lock import LOCK_FILE, lock_for_conversion
 from tests.checkpoints import flip_byte, one_rank_trainer
 from tests.conftest import REPO
 
@@ -218,7 +218,7 @@ def test_a_conversion_into_a_live_run_s_checkpoint_directory_is_refused_and_hold
     ckpt = shutil.copytree(saved["sharded"], tmp_path / "ck")
     (ckpt / LOCK_FILE).touch()  # a run's checkpoint directory
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from megafp8.train.run_lock import RunLock; held = RunLock([Path(sys.argv[1])]); "
+                               "from megafp8.checkpoint.lock import RunLock; held = RunLock([Path(sys.argv[1])]); "
                                "print('locked', flush=True); time.sleep(120)", str(ckpt)],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -234,12 +234,57 @@ def test_a_conversion_into_a_live_run_s_checkpoint_directory_is_refused_and_hold
     finally:
         holder.kill()
         holder.wait()
-    lock = lock_for_conversion(ckpt)  # no run there now: the conversion holds the directory while it writes
-    try:
+    with lock_for_conversion(ckpt):  # no run there now: the conversion holds the directory while it writes
         child = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
-                                "from megafp8.train.run_lock import RunLock; RunLock([Path(sys.argv[1])])", str(ckpt)],
-                               cwd=REPO, capture_output=True, text=True, timeout=120)
+                                "from megafp8.checkpoint.lock import RunLock; RunLock([Path(sys.argv[1])])",
+                                str(ckpt)], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert child.returncode != 0 and f"is in use by another run (pid {os.getpid()} on " in child.stderr
+    with lock_for_conversion(tmp_path) as lock:
+        assert lock is None  # a directory of the conversion's own: nothing to hold
+
+
+# A process that locks a lock file as a run does (`fcntl.lockf`), names itself in it and holds it; and one that only
+# tries to take it (exit status 1 while another process holds it). Neither imports torch: they start in milliseconds.
+_HOLD = ("import fcntl, os, sys, time; f = open(sys.argv[1], 'a+'); fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB); "
+         "f.write(f'pid {os.getpid()} on node7, since 10:00'); f.flush(); print('locked', flush=True); time.sleep(120)")
+_TRY = "import fcntl, sys; fcntl.lockf(open(sys.argv[1], 'a+'), fcntl.LOCK_EX | fcntl.LOCK_NB)"
+
+
+def test_conversions_called_from_python_hold_the_run_s_lock_too(saved, tmp_path, monkeypatch):
+    """Only the tool took the lock: the library's `consolidate`, `shard` and `import_hf`, called from Python into a
+    training run's checkpoint directory, published beside its saves, pruning and `latest` pointer. They take the
+    run's lock themselves now: refused in one line while a run holds it, and holding it while they write."""
+    from megafp8.checkpoint import convert
+
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    (ckpt / LOCK_FILE).touch()  # a run's checkpoint directory (its first save still to come)
+    convert.export_hf(saved["full"] / "step_00000001", tmp_path / "hf", fp8=False)
+    conversions = {"consolidate": lambda: convert.consolidate(saved["sharded"] / "step_00000001", ckpt),
+                   "shard": lambda: convert.shard(saved["full"] / "step_00000002", ckpt),
+                   "import_hf": lambda: convert.import_hf(tmp_path / "hf", ckpt)[0]}
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(ckpt / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for name, conversion in conversions.items():
+            with pytest.raises(ConfigError) as err:
+                conversion()
+            assert str(err.value).startswith(f"{ckpt} is in use by another run (pid {holder.pid} on node7, "), name
+            assert "convert into another --out" in str(err.value) and "\n" not in str(err.value), name
+        assert sorted(p.name for p in ckpt.iterdir()) == [".lock"]  # nothing written
     finally:
-        lock.release()
-    assert lock_for_conversion(tmp_path) is None  # a directory of the conversion's own: nothing to hold
+        holder.kill()
+        holder.wait()
+
+    held = []  # for each write: whether another process could take the lock meanwhile (1: it could not)
+
+    def tried(write):
+        def write_and_try(root, *args, **kwargs):
+            held.append(subprocess.run([sys.executable, "-c", _TRY, str(root / ".lock")]).returncode)
+            return write(root, *args, **kwargs)
+        return write_and_try
+    monkeypatch.setattr(convert, "save_checkpoint", tried(convert.save_checkpoint))
+    monkeypatch.setattr(convert, "publish", tried(convert.publish))
+    written = [conversion().name for conversion in conversions.values()]
+    assert written == ["step_00000001", "step_00000002", "step_00000000"] and held == [1, 1, 1]
+    assert subprocess.run([sys.executable, "-c", _TRY, str(ckpt / ".lock")]).returncode == 0  # released after each

@@ -16,10 +16,11 @@ import torch
 from megafp8.checkpoint import find_latest, list_checkpoints, load_checkpoint
 from megafp8.checkpoint.local import (fresh_temporary, publish, remove_leftovers, resume_candidates,
                                       verification_problem, verify_checkpoint)
+from megafp8.checkpoint.lock import RunLock
 from megafp8.config import ConfigError, load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
-from megafp8.train.run_lock import RunLock, _directories
+from megafp8.train.run_lock import _directories
 from tests.checkpoints import flip_byte, one_rank_trainer
 from tests.conftest import REPO, torchrun_env
 from tests.distributed import spawn
@@ -132,6 +133,7 @@ def test_any_other_failure_of_rank_0_alone_reaches_every_rank():
 
 
 def _run_directory_unwritable_on_rank_0_worker(rank, world, overrides, where):
+    from megafp8.checkpoint import lock
     from megafp8.train import run_lock
 
     def failing(*args, **kwargs):
@@ -139,9 +141,9 @@ def _run_directory_unwritable_on_rank_0_worker(rank, world, overrides, where):
 
     if rank == 0:  # the rank that alone locks and prepares the run directories
         if where == "claim":  # checking for a lock file (its stat)
-            run_lock._lock = failing
+            lock._lock = failing
         elif where == "open":  # naming the holder in the lock file it created
-            run_lock.RunLock.note_holder = failing
+            lock.RunLock.note_holder = failing
         else:  # removing what interrupted saves left
             run_lock.remove_leftovers = failing
     cfg = load_config("tiny_dense", overrides)

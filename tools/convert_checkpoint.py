@@ -37,7 +37,6 @@ from megafp8.checkpoint.local import verification_problems, verified_summary  # 
 from megafp8.config import ConfigError  # noqa: E402
 from megafp8.config.arguments import reported, run_tool  # noqa: E402
 from megafp8.config.errors import os_error_text  # noqa: E402
-from megafp8.train.run_lock import lock_for_conversion  # noqa: E402
 
 
 def check_out(out: Path, overwrite: bool) -> None:
@@ -119,21 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """The command `args` names, holding the lock of a run's checkpoint directory it writes into
-    (`lock_for_conversion`); 0, or a ConfigError or OSError (`reported`)."""
-    lock = lock_for_conversion(args.out) if args.command in PUBLISHING else None
-    try:
-        return _convert(args)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-PUBLISHING = ("from-hf", "consolidate", "shard")  # the commands that publish a checkpoint into --out
-
-
-def _convert(args: argparse.Namespace) -> int:
-    """The command `args` names, once `_run` holds what it must."""
+    """The command `args` names; 0, or a ConfigError or OSError (`reported`). The conversions that publish a
+    checkpoint into --out hold the lock of a run's checkpoint directory there themselves (`lock_for_conversion`)."""
     if getattr(args, "out", None) is not None:
         check_out(args.out, args.overwrite)
     if args.command == "inspect":

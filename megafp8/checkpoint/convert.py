@@ -1,4 +1,8 @@
-"""Checkpoint conversion and inspection behind `tools/convert_checkpoint.py`."""
+"""Checkpoint conversion and inspection behind `tools/convert_checkpoint.py`.
+
+The conversions that publish a checkpoint (`import_hf`, `consolidate`, `shard`) hold the lock of a run's checkpoint
+directory they write into (`lock_for_conversion`) for their whole length, however they are called: refused in one
+line while a run trains there, and a run launched meanwhile refused in turn."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +16,7 @@ import yaml
 from megafp8.checkpoint.hf import SHARD_BYTES, load_hf, save_hf
 from megafp8.checkpoint.local import (ABANDONED, CONVERTING, HF_SOURCE, fresh_temporary, load_checkpoint,
                                       publish, save_checkpoint, step_dir_name)
+from megafp8.checkpoint.lock import lock_for_conversion
 from megafp8.checkpoint.sharded import INDEX_FILE, is_sharded_checkpoint, write_sharded
 from megafp8.parallel.sharding import Piece, Placed
 from megafp8.config import ConfigError, ModelConfig, describe_blocks
@@ -150,8 +155,14 @@ def _export_tokenizer(path: Path, eos_token: str | None, state: dict[str, Any], 
 
 def import_hf(hf_dir: Path, out_root: Path) -> tuple[Path, ModelConfig, list[str]]:
     """A Hugging Face directory (see `megafp8.checkpoint.hf_config` for the model types) -> a megafp8 checkpoint at
-    step 0 (fresh optimizer and data position). Returns its path, the model config a run resuming from it needs
-    (`checkpoint.resume=<path>`), and the lines the user should read (e.g. MTP weights absent)."""
+    step 0 (fresh optimizer and data position) under `out_root`, holding its run's lock where it has one. Returns
+    its path, the model config a run resuming from it needs (`checkpoint.resume=<path>`), and the lines the user
+    should read (e.g. MTP weights absent)."""
+    with lock_for_conversion(out_root):
+        return _import_hf(hf_dir, out_root)
+
+
+def _import_hf(hf_dir: Path, out_root: Path) -> tuple[Path, ModelConfig, list[str]]:
     imported = load_hf(hf_dir)
     cfg, weights = imported.cfg, imported.state
     buffers = {name for name in weights if name.endswith("router.expert_bias")}  # FP32 buffers, not parameters
@@ -223,15 +234,22 @@ def check_destination(checkpoint: Optional[Path], out_root: Path, step: int) -> 
 
 
 def consolidate(checkpoint: Path, out_root: Path) -> Path:
-    """Any checkpoint -> a one-file (`full`) checkpoint at the same step under `out_root`."""
-    state = load_checkpoint(checkpoint, advice=CONVERTING)
-    check_destination(checkpoint, out_root, int(state["step"]))
-    return save_checkpoint(out_root, int(state["step"]), state, keep_last=0, latest_back=False)
+    """Any checkpoint -> a one-file (`full`) checkpoint at the same step under `out_root` (holding its run's lock
+    where it has one)."""
+    with lock_for_conversion(out_root):
+        state = load_checkpoint(checkpoint, advice=CONVERTING)
+        check_destination(checkpoint, out_root, int(state["step"]))
+        return save_checkpoint(out_root, int(state["step"]), state, keep_last=0, latest_back=False)
 
 
 def shard(checkpoint: Path, out_root: Path) -> Path:
-    """Any checkpoint -> a sharded (torch.distributed.checkpoint) one at the same step under `out_root`, written by
-    this one process; it loads at any layout like one a run wrote."""
+    """Any checkpoint -> a sharded (torch.distributed.checkpoint) one at the same step under `out_root` (holding its
+    run's lock where it has one), written by this one process; it loads at any layout like one a run wrote."""
+    with lock_for_conversion(out_root):
+        return _shard(checkpoint, out_root)
+
+
+def _shard(checkpoint: Path, out_root: Path) -> Path:
     state = load_checkpoint(checkpoint, advice=CONVERTING)
     step = int(state["step"])
     check_destination(checkpoint, out_root, step)
