@@ -69,6 +69,45 @@ def test_a_branch_left_by_going_back_is_set_aside_once_the_run_passes_it(saved, 
                                                                    "step_00000006.abandoned-2"]
 
 
+def _names(ckpt) -> list[str]:
+    return sorted(p.name for p in ckpt.iterdir())
+
+
+def test_set_aside_checkpoints_are_pruned_once_keep_last_of_the_run_s_own_are_newer(saved, tmp_path, caplog):
+    """`step_N.abandoned` checkpoints were never pruned: a run that went back again and again (after loss spikes,
+    with another checkpoint.interval, or past a checkpoint a stop on a signal saved between intervals) kept every
+    branch it left, and filled its disk. Each is now deleted, with a warning, by the save that makes `keep_last` of
+    the run's own checkpoints newer than it (as one of the run's own at its step would be), never sooner."""
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    (ckpt / "step_00000002").rename(ckpt / "step_00000002.abandoned")  # the branch the run left going back to step 1
+    shutil.copytree(ckpt / "step_00000001", ckpt / "step_00000002.abandoned-2")  # and another it left there later
+    (ckpt / "latest").write_text("step_00000001\n")
+    _publish_copy(saved, ckpt, 3, keep_last=2)  # only one of the run's own is newer: both kept
+    assert _names(ckpt) == [".lock", "latest", "step_00000001", "step_00000002.abandoned", "step_00000002.abandoned-2",
+                            "step_00000003"]
+    with caplog.at_level("WARNING", logger="megafp8"):
+        _publish_copy(saved, ckpt, 4, keep_last=2)
+    assert _names(ckpt) == [".lock", "latest", "step_00000003", "step_00000004"]
+    for aside in ("step_00000002.abandoned", "step_00000002.abandoned-2"):
+        assert (f"deleted {ckpt / aside}, set aside from a branch the run left: 2 of the run's own checkpoints are "
+                "newer (checkpoint.keep_last=2)") in caplog.text
+    (ckpt / "step_00000003").rename(ckpt / "step_00000003.abandoned")
+    _publish_copy(saved, ckpt, 9, keep_last=0)  # keep_last 0 keeps every checkpoint, set aside or not
+    assert _names(ckpt) == [".lock", "latest", "step_00000003.abandoned", "step_00000004", "step_00000009"]
+
+
+def test_a_run_going_back_again_and_again_keeps_a_bounded_number_of_set_aside_checkpoints(saved, tmp_path):
+    """Each time, the run left a checkpoint of the branch it went back from, which its next save set aside: before,
+    one more `step_N.abandoned` per going back, for the life of the run."""
+    ckpt = shutil.copytree(saved["full"], tmp_path / "ck")
+    (ckpt / "latest").write_text("step_00000002\n")
+    for step in range(2, 20, 2):  # the run at `step` saves step + 1, goes back to `step`, saves step + 2
+        shutil.copytree(ckpt / f"step_{step:08d}", ckpt / f"step_{step + 1:08d}")
+        _publish_copy(saved, ckpt, step + 2, keep_last=2)
+        # the one set aside a going back before is deleted: both of the run's own checkpoints are newer
+        assert _names(ckpt)[2:] == [f"step_{step:08d}", f"step_{step + 1:08d}.abandoned", f"step_{step + 2:08d}"]
+
+
 def test_a_launch_going_back_points_latest_at_its_checkpoint(saved, tiny_overrides, tmp_path, caplog):
     """A run saved steps 1, 2 and 4; a launch went back to step 1 and saved step 3. `latest` still named step 4 at
     that save, so the first branch's step 2, below it, read as this run's own: `keep_last=2` kept it and deleted step

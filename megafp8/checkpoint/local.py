@@ -163,7 +163,8 @@ def _set_abandoned_aside(root: Path, name: str) -> None:
     passed over; once this save moves `latest` past them they would read as this run's own, be resumed by `auto`
     where a newer checkpoint fails to verify (another run's history, silently) and be kept by `keep_last` in place of
     this run's checkpoints (a changed checkpoint.interval saves other steps, which never replace them). Kept, not
-    deleted: they are a run's work, and `checkpoint.resume=PATH` still takes them."""
+    deleted: they are a run's work, and `checkpoint.resume=PATH` still takes them, until `keep_last` of the run's own
+    checkpoints are newer (`_prune_abandoned`)."""
     bound = read_pointer(root / LATEST_FILE)
     if not (_STEP_DIR.match(bound) and (root / bound).is_dir() and bound < name):
         return
@@ -178,8 +179,9 @@ def _rename_abandoned(directory: Path, why: str) -> None:
     """Rename checkpoint `directory` (`step_N`) `step_N.abandoned` (or `-2`, ...), saying `why`."""
     aside = _unused(directory.with_name(directory.name + ABANDONED_SUFFIX))
     directory.rename(aside)
-    log.warning("%s renamed %s: %s; it is never resumed or pruned (to resume from it, set checkpoint.resume=%s; "
-                "delete it once it is not needed)", directory, aside.name, why, aside)
+    log.warning("%s renamed %s: %s; checkpoint.resume=auto never resumes it, and it is deleted once "
+                "checkpoint.keep_last of this run's checkpoints are newer (never with keep_last 0); to resume from it, "
+                "set checkpoint.resume=%s", directory, aside.name, why, aside)
 
 
 def point_latest_at(root: Path, resumed: Path) -> list[str]:
@@ -211,7 +213,7 @@ def _leave_branch_for(root: Path, resumed: Path) -> None:
     `keep_last` in place of the run's own, resumed by `auto` where a newer one failed to verify). A `latest` that
     named one of them goes: until this launch saves, `auto` takes the newest complete checkpoint left (older than
     step N)."""
-    step = resumed.name[:len(step_dir_name(0))]
+    step = _step_of(resumed)
     left = [d for d in _step_dirs(root) if d.name >= step]
     for directory in left:
         _rename_abandoned(directory, f"this launch resumes {resumed.name}, and leaves the branch that saved it")
@@ -260,12 +262,35 @@ def _latest_kept(root: Path, name: str) -> Optional[str]:
 
 def prune(root: Path, newest: Path, keep_last: int) -> None:
     """Delete complete checkpoints older than `newest` beyond the newest `keep_last` (`newest` included); never
-    `newest` itself, never a newer one. 0 keeps all."""
+    `newest` itself, never a newer one; then the set-aside checkpoints as many of them are newer than
+    (`_prune_abandoned`). 0 keeps all."""
     if keep_last <= 0:
         return
     older = [p for p in list_checkpoints(root) if p.name < newest.name]
     for old in older[: max(0, len(older) - (keep_last - 1))]:
         _discard(old)
+    _prune_abandoned(root, newest, keep_last)
+
+
+def _prune_abandoned(root: Path, newest: Path, keep_last: int) -> None:
+    """Delete each checkpoint set aside from a branch the run left (`step_N.abandoned`) that `keep_last` of the run's
+    own complete checkpoints (up to `newest`) are newer than, saying so: `keep_last` would have deleted one of the
+    run's own at its step by now. Counted by step, not in with the run's own: a set-aside one never takes the place
+    of the run's checkpoints, nor goes before the run has `keep_last` checkpoints past it (one the run was resumed
+    from stays while it may still be needed). Before, they were never pruned, and filled the disk of a run that went
+    back often."""
+    own = [p.name for p in list_checkpoints(root) if p.name <= newest.name]
+    for aside in abandoned_checkpoints(root):
+        newer = sum(name > _step_of(aside) for name in own)
+        if newer >= keep_last:
+            _discard(aside)
+            log.warning("deleted %s, set aside from a branch the run left: %d of the run's own checkpoints are newer "
+                        "(checkpoint.keep_last=%d)", aside, newer, keep_last)
+
+
+def _step_of(aside: Path) -> str:
+    """The `step_N` name a set-aside checkpoint (`step_N.abandoned`, `step_N.abandoned-2`) had."""
+    return aside.name[:len(step_dir_name(0))]
 
 
 def remove_leftovers(root: Path) -> list[str]:

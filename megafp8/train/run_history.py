@@ -109,8 +109,9 @@ def record_launch(run_dir: Path, checkpoint_dir: Path, metrics_path: Path, step:
         newer = point_latest_at(checkpoint_dir, resumed_from) if named else []
         if newer:
             log.warning("going back to %s: %s now names it, so checkpoint.resume=auto resumes it too; the newer "
-                        "checkpoint(s) %s are passed over, and each is renamed step_N.abandoned (kept) once this run's "
-                        "saves pass its step (to go on from the newest instead, relaunch with checkpoint.resume=%s)",
+                        "checkpoint(s) %s are passed over, and each is renamed step_N.abandoned once this run's saves "
+                        "pass its step (kept until checkpoint.keep_last of this run's checkpoints are newer; to go on "
+                        "from the newest instead, relaunch with checkpoint.resume=%s)",
                         resumed_from.name, checkpoint_dir / LATEST_FILE, ", ".join(newer), checkpoint_dir / newer[-1])
     elif relaunch and not replace:
         log.info("%s holds an earlier launch of this run without a checkpoint: starting it over from step 0%s",
