@@ -523,9 +523,3 @@ def test_a_deepseek_config_that_does_not_match_the_tensors_is_refused_naming_the
             "(512, 128), but config.json describes (384, 128): the config does not match the weights")):
         load_hf(_edited(tmp_path / "hf", tmp_path / "edited", dict(qk_rope_head_dim=32)))
 
-
-def test_deepseek_n_shared_experts_null_means_none(tmp_path):
-    """DeepSeek's own modeling code reads a null `n_shared_experts` as no shared experts; before, a TypeError."""
-    _exported(with_moe(DEEPSEEK, num_shared_experts=0), tmp_path / "hf")
-    imported = load_hf(_edited(tmp_path / "hf", tmp_path / "null", dict(n_shared_experts=None)))
-    assert imported.cfg.moe.num_shared_experts == 0

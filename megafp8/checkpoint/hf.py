@@ -315,7 +315,7 @@ def load_hf(in_dir: Path) -> Imported:
     if not config_path.is_file():
         raise ConfigError(f"{config_path} not found: expected a Hugging Face model directory")
     raw_config = _read_json(config_path)
-    model: HfModel = model_from_hf(raw_config)
+    model: HfModel = model_from_hf(raw_config, str(config_path))
     get = HfTensors(_read_tensors(in_dir))
     cfg, notes = model.cfg, list(model.notes)
     if model.layout == "deepseek_v3":

@@ -1,7 +1,7 @@
 """Hugging Face `config.json` <-> our `ModelConfig`, for the architectures megafp8 can compute exactly.
 
 Import reads every key of the file: what changes the model's function is converted (sizes, RoPE base and scaling,
-norm epsilon, routing), what does not is listed in `_INERT` (token ids, initialization, dropout, training-only
+norm epsilon, routing), what does not is listed in `hf_keys.INERT` (token ids, initialization, dropout, training-only
 balancing settings), and anything else, or a value megafp8 cannot represent (biases, a sliding window, another
 activation, another routing rule), is refused with one line naming the key and its value. Nothing is dropped silently.
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import typing
 from typing import Any, Callable, Literal, Optional
 
+from megafp8.checkpoint.hf_keys import ConfigKeys
 from megafp8.config import (
     AttentionConfig, Config, ConfigError, ModelConfig, MoeConfig, RopeScalingConfig, validate_config,
 )
@@ -32,91 +33,8 @@ HfLayout = Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
 _REFUSED_TYPES = {
     "qwen2_moe": "its shared expert is gated (shared_expert_gate), which megafp8's shared experts are not",
 }
-# Keys that do not change the function a model computes (or only its training, whose settings megafp8's config owns).
-_INERT = frozenset({
-    "_name_or_path", "architectures", "auto_map", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "attention_dropout",
-    "max_position_embeddings", "pretraining_tp", "output_router_logits", "router_aux_loss_coef",
-    "router_jitter_noise", "aux_loss_alpha", "seq_aux", "ep_size", "tokenizer_class",
-})
-# What transformers (5.x) assumes for a key a config leaves out, where that matters.
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
-    "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 8, "sliding_window": 4096},
-    "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 32},
-    "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 32, "head_dim": 128},
-    # Qwen3-MoE's config has no head_dim of its own (Qwen3's 128 is not inherited): left out, hidden / heads.
-    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_key_value_heads": 4, "num_experts_per_tok": 8,
-                  "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1},
-    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_key_value_heads": 8, "num_experts_per_tok": 2,
-                "num_local_experts": 8},
-    "deepseek_v2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "q_lora_rank": 1536, "kv_lora_rank": 512,
-                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
-                    "n_shared_experts": 2, "first_k_dense_replace": 0, "moe_intermediate_size": 1407,
-                    "routed_scaling_factor": 1.0, "norm_topk_prob": False, "topk_method": "greedy"},
-    "deepseek_v3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "q_lora_rank": 1536, "kv_lora_rank": 512,
-                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
-                    "n_shared_experts": 1, "first_k_dense_replace": 3, "moe_intermediate_size": 2048,
-                    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
-                    "num_experts_per_tok": 8, "rope_interleave": True},
-}
-# Keys whose value is a count or a width: JSON integers only (a string or 256.0 is a broken config.json, refused by
-# name rather than failing later in arithmetic or a tensor's shape).
-_INTEGER_KEYS = frozenset({
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "num_key_value_heads",
-    "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok", "decoder_sparse_step",
-    "first_k_dense_replace", "n_routed_experts", "n_shared_experts", "moe_intermediate_size", "q_lora_rank",
-    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
-    "num_nextn_predict_layers", "num_mtp_layers", "max_position_embeddings", "sliding_window",
-})
-_NUMBER_KEYS = frozenset({"rms_norm_eps", "rope_theta", "routed_scaling_factor"})
 QWEN3_MOE_EXPERTS = 128  # Qwen3-MoE's expert count where config.json names none (its two names are read apart)
 MLA_NORM_EPS = 1e-6  # DeepSeek's attention normalizes its compressed q and kv with this, whatever rms_norm_eps says
-_MISSING = object()
-
-
-class _Keys:
-    """The keys of one config.json. Each read marks its key used; `finish` refuses any key left unread."""
-
-    def __init__(self, hf: dict[str, Any], model_type: str) -> None:
-        self.hf, self.model_type, self.used = hf, model_type, set(_INERT)
-
-    def get(self, key: str, default: Any = _MISSING) -> Any:
-        """The key's value (null included where it means something), else transformers' default for this model type,
-        else `default`; a key without either is required, and must not be null."""
-        self.used.add(key)
-        default = _DEFAULTS[self.model_type].get(key, default)
-        value = self.hf.get(key, default)
-        if value is _MISSING or (value is None and default is _MISSING):
-            raise ConfigError(f"config.json ({self.model_type}) has no '{key}'")
-        _check_type(key, value)
-        return value
-
-    def expect(self, key: str, allowed: tuple, why: str) -> Any:
-        """The key's value, refused unless it is one of `allowed` (absent counts as transformers' default)."""
-        value = self.get(key, None)
-        if value not in allowed:
-            raise ConfigError(f"config.json: {key}={value!r} is not supported ({why})")
-        return value
-
-    def finish(self) -> None:
-        unknown = [k for k in self.hf if k not in self.used]
-        if unknown:
-            raise ConfigError(f"config.json: {unknown[0]}={self.hf[unknown[0]]!r} is a {self.model_type} setting "
-                              "megafp8's converter does not know; it stops rather than guess whether it changes "
-                              "the model")
-
-
-def _check_type(key: str, value: Any) -> None:
-    if value is None or (key not in _INTEGER_KEYS and key not in _NUMBER_KEYS):
-        return
-    if isinstance(value, bool):  # JSON true is a Python int
-        raise ConfigError(f"config.json: {key} must be a number, got {value!r}")
-    if key in _INTEGER_KEYS and not isinstance(value, int):
-        raise ConfigError(f"config.json: {key} must be an integer, got {value!r} ({type(value).__name__}): "
-                          f"write it as {int(value) if isinstance(value, float) and value.is_integer() else 'one'}")
-    if not isinstance(value, (int, float)):
-        raise ConfigError(f"config.json: {key} must be a number, got {value!r} ({type(value).__name__})")
 
 
 @dataclass
@@ -136,7 +54,7 @@ _ROPE_KEYS = {"default": set(), "yarn": {"factor", "original_max_position_embedd
               "llama3": {"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}}
 
 
-def _rope_parameters(keys: _Keys) -> dict[str, Any]:
+def _rope_parameters(keys: ConfigKeys) -> dict[str, Any]:
     """The RoPE dict transformers 5 would use: `rope_scaling` (older files) if set, else `rope_parameters`."""
     old, new = keys.get("rope_scaling", None), keys.get("rope_parameters", None)
     if old and "type" in old and "rope_type" not in old:  # the older spelling of rope_type (transformers reads both)
@@ -144,17 +62,21 @@ def _rope_parameters(keys: _Keys) -> dict[str, Any]:
     if old and new and any(new.get(k) != v for k, v in old.items()):
         raise ConfigError(f"config.json: rope_scaling={old} and rope_parameters={new} disagree; keep one")
     params = dict(old or new or {})
-    theta = keys.get("rope_theta")
-    if "rope_theta" in keys.hf and params.get("rope_theta", theta) != theta:  # transformers 4 and 5 read other ones
+    theta = keys.get("rope_theta", None)  # null: the one the RoPE parameters give, as transformers reads it
+    given = theta is not None and "rope_theta" in keys.hf
+    if given and params.get("rope_theta", theta) != theta:  # transformers 4 and 5 read other ones
         raise ConfigError(f"config.json: rope_theta={theta} and {'rope_scaling' if old else 'rope_parameters'}."
                           f"rope_theta={params['rope_theta']} disagree; keep one")
     params.setdefault("rope_theta", theta)
+    if params["rope_theta"] is None:  # transformers' model fails on it
+        raise ConfigError(f"{keys.source}: rope_theta is null, and no rope_parameters (or rope_scaling) give one: "
+                          "write the RoPE base the model was trained with")
     if keys.get("partial_rotary_factor", params.pop("partial_rotary_factor", 1.0)) != 1.0:
         raise ConfigError("config.json: partial_rotary_factor != 1 is not supported (megafp8 rotates whole heads)")
     return params
 
 
-def rope_from_hf(keys: _Keys) -> tuple[float, RopeScalingConfig]:
+def rope_from_hf(keys: ConfigKeys) -> tuple[float, RopeScalingConfig]:
     """(rope_theta, scaling) from rope_parameters / rope_scaling / rope_theta, refusing what megafp8 lacks."""
     params = _rope_parameters(keys)
     kind = params.pop("rope_type", params.pop("type", "default"))
@@ -203,7 +125,7 @@ def rope_to_hf(theta: float, scaling: RopeScalingConfig) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------- import
-def _common(keys: _Keys) -> dict[str, Any]:
+def _common(keys: ConfigKeys) -> dict[str, Any]:
     """ModelConfig fields every supported type has (sections as dicts); refuses another activation and biases."""
     keys.expect("hidden_act", ("silu", None), "megafp8's MLPs are SwiGLU")
     for key in ("attention_bias", "mlp_bias"):
@@ -215,7 +137,7 @@ def _common(keys: _Keys) -> dict[str, Any]:
                 rope_theta=theta, rope_scaling=scaling)
 
 
-def _gqa(keys: _Keys, window_off: bool = False) -> dict[str, Any]:
+def _gqa(keys: ConfigKeys, window_off: bool = False) -> dict[str, Any]:
     """Llama / Mistral / Mixtral / Qwen3 attention. `window_off`: the layout turns its sliding window off by a key
     of its own (Qwen3's `use_sliding_window`), so `sliding_window` says nothing."""
     if not window_off:
@@ -224,7 +146,7 @@ def _gqa(keys: _Keys, window_off: bool = False) -> dict[str, Any]:
                                               head_dim=keys.get("head_dim", None)))
 
 
-def _qwen_window_off(keys: _Keys) -> None:
+def _qwen_window_off(keys: ConfigKeys) -> None:
     """Qwen2's and Qwen3's sliding window, which must be off (its settings then unread by transformers too)."""
     keys.expect("use_sliding_window", (False, None), "megafp8 attends to the whole causal context")
     for inert in ("sliding_window", "max_window_layers"):  # unread by transformers with the window off
@@ -235,7 +157,7 @@ def _qwen_window_off(keys: _Keys) -> None:
                           "layers all attend to the whole causal context (full_attention)")
 
 
-def _qwen2(keys: _Keys) -> dict[str, Any]:
+def _qwen2(keys: ConfigKeys) -> dict[str, Any]:
     """Qwen2 / Qwen2.5 dense: Llama's attention with a bias on the q, k and v projections, the window off."""
     _qwen_window_off(keys)
     fields = _gqa(keys, window_off=True)
@@ -243,7 +165,7 @@ def _qwen2(keys: _Keys) -> dict[str, Any]:
     return fields
 
 
-def _qwen3(keys: _Keys) -> dict[str, Any]:
+def _qwen3(keys: ConfigKeys) -> dict[str, Any]:
     """Qwen3 dense: Llama's attention with RMSNorm over each query and key head, the window off."""
     _qwen_window_off(keys)
     fields = _gqa(keys, window_off=True)
@@ -251,7 +173,7 @@ def _qwen3(keys: _Keys) -> dict[str, Any]:
     return fields
 
 
-def _qwen3_moe(keys: _Keys) -> dict[str, Any]:
+def _qwen3_moe(keys: ConfigKeys) -> dict[str, Any]:
     """Qwen3-MoE: Qwen3's attention; softmax over every expert, top-k, renormalized where `norm_topk_prob`; no shared
     expert; the layers `mlp_only_layers` names dense (`intermediate_size` wide), which must be the first ones."""
     keys.expect("decoder_sparse_step", (1,), "megafp8's MoE layers are every layer after the leading dense ones")
@@ -273,14 +195,14 @@ def _qwen3_moe(keys: _Keys) -> dict[str, Any]:
     return fields
 
 
-def _mixtral(keys: _Keys) -> dict[str, Any]:
+def _mixtral(keys: ConfigKeys) -> dict[str, Any]:
     return dict(_gqa(keys), moe=dict(num_experts=keys.get("num_local_experts"), top_k=keys.get("num_experts_per_tok"),
                                      ffn_hidden_size=keys.get("intermediate_size"), num_shared_experts=0,
                                      first_dense_layers=0, score_func="softmax", norm_topk_prob=True,
                                      bias_update_rate=0.0))
 
 
-def _mla(keys: _Keys) -> dict[str, Any]:
+def _mla(keys: ConfigKeys) -> dict[str, Any]:
     """DeepSeek-V2/V3 attention and the MoE sizes they share."""
     keys.expect("rms_norm_eps", (MLA_NORM_EPS,), "DeepSeek's attention normalizes q and kv with eps 1e-6, megafp8 "
                 "uses model.norm_eps for every norm")
@@ -289,19 +211,20 @@ def _mla(keys: _Keys) -> dict[str, Any]:
         keys.get(derived, None)
     dense = keys.get("first_k_dense_replace")
     moe = dense < keys.get("num_hidden_layers")  # a dense model reads the MoE keys too, and ignores them
-    experts, top_k, shared, width = (keys.get(k) if moe else keys.get(k, None) for k in (
-        "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size"))
-    fields = dict(_common(keys), attention=dict(
-        kind="mla", q_lora_rank=keys.get("q_lora_rank"), kv_lora_rank=keys.get("kv_lora_rank"),
+    experts, top_k, width = (keys.get(k) if moe else keys.get(k, None) for k in (
+        "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"))
+    shared = keys.get("n_shared_experts", None)  # null: none, as DeepSeek's own modeling code reads it
+    fields = dict(_common(keys), attention=dict(  # a null q_lora_rank: no query compression (DeepSeek-V2-Lite)
+        kind="mla", q_lora_rank=keys.get("q_lora_rank", None), kv_lora_rank=keys.get("kv_lora_rank"),
         qk_nope_head_dim=keys.get("qk_nope_head_dim"), qk_rope_head_dim=keys.get("qk_rope_head_dim"),
         v_head_dim=keys.get("v_head_dim")), moe=dict(routed_scaling_factor=float(keys.get("routed_scaling_factor"))))
-    if moe:  # a null n_shared_experts: none, as DeepSeek's own modeling code reads it
+    if moe:
         fields["moe"].update(num_experts=experts, top_k=top_k, ffn_hidden_size=width, num_shared_experts=shared or 0,
                              first_dense_layers=dense)
     return fields
 
 
-def _deepseek_v2(keys: _Keys) -> dict[str, Any]:
+def _deepseek_v2(keys: ConfigKeys) -> dict[str, Any]:
     keys.expect("scoring_func", ("softmax", None), "DeepSeek-V2 routes by softmax")
     keys.expect("norm_topk_prob", (False, None), "transformers' DeepSeek-V2 ignores it, DeepSeek's own code "
                 "renormalizes: the two disagree")
@@ -316,25 +239,25 @@ def _deepseek_v2(keys: _Keys) -> dict[str, Any]:
     return fields
 
 
-def _deepseek_v3(keys: _Keys) -> dict[str, Any]:
+def _deepseek_v3(keys: ConfigKeys) -> dict[str, Any]:
     keys.expect("scoring_func", ("sigmoid", None), "DeepSeek-V3 routes by sigmoid")
     keys.expect("topk_method", ("noaux_tc", None), "DeepSeek-V3 routes group-limited with a selection bias")
     depth, alias = keys.get("num_nextn_predict_layers", None), keys.get("num_mtp_layers", None)
     fields = _mla(keys)
     moe = fields["moe"].get("num_experts", 0) > 0
-    groups = keys.get("n_group") or 1, keys.get("topk_group") or 1  # null (transformers cannot run it): no groups
+    groups = [keys.get(k) if moe else keys.get(k, None) for k in ("n_group", "topk_group")]  # a dense model's: unread
     fields["moe"].update(score_func="sigmoid", norm_topk_prob=bool(keys.get("norm_topk_prob")),
                          n_group=groups[0] if moe else 1, topk_group=groups[1] if moe else 1)
     fields["mtp_depth"] = next((d for d in (depth, alias) if d is not None), 1)  # transformers' default: 1
     return fields
 
 
-_READERS: dict[str, Callable[[_Keys], dict[str, Any]]] = {
+_READERS: dict[str, Callable[[ConfigKeys], dict[str, Any]]] = {
     "llama": _gqa, "mistral": _gqa, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral,
     "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3}
 
 
-def _check_quantization(keys: _Keys) -> None:
+def _check_quantization(keys: ConfigKeys) -> None:
     quant = keys.get("quantization_config", None)
     if quant is None:
         return
@@ -344,16 +267,16 @@ def _check_quantization(keys: _Keys) -> None:
                           "is not supported (megafp8 reads E4M3 weights with 128x128 block scales)")
 
 
-def model_from_hf(hf: dict[str, Any]) -> HfModel:
-    """Our model config (and the layout's facts) from a config.json, or one ConfigError naming the key that has no
-    exact megafp8 equivalent."""
+def model_from_hf(hf: dict[str, Any], source: str = "config.json") -> HfModel:
+    """Our model config (and the layout's facts) from a config.json (the file `source`), or one ConfigError naming the
+    key that has no exact megafp8 equivalent."""
     model_type = hf.get("model_type")
     if model_type in _REFUSED_TYPES:
         raise ConfigError(f"config.json: model_type={model_type!r} is not supported: {_REFUSED_TYPES[model_type]}")
     if model_type not in _READERS:
         raise ConfigError(f"config.json: model_type={model_type!r} is not supported (megafp8 imports "
                           f"{', '.join(typing.get_args(HfLayout))})")
-    keys = _Keys(hf, model_type)
+    keys = ConfigKeys(hf, model_type, source)
     fields = _READERS[model_type](keys)
     interleave = model_type == "deepseek_v2" or (model_type == "deepseek_v3" and keys.get("rope_interleave"))
     tied = bool(keys.get("tie_word_embeddings", False))
