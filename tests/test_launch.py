@@ -251,13 +251,14 @@ def test_tasks_of_srun_without_torchrun_are_refused_before_torch(corpus_dir):
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, 0),  # the batch script of `sbatch -n 2`, once
     ({**SRUN_TASK, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1"}, 0),  # `srun -n 1`
     ({**SRUN_TASK, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "7"}, 0),  # torchrun's
+    ({**SRUN_TASK, "SLURM_PTY_PORT": "33577"}, 0),  # a person's shell of `srun -n 2 --pty bash`: one process
     (SRUN_TASK, 2),
 ])
 def test_only_several_srun_tasks_without_a_launcher_count(monkeypatch, env, tasks):
     from megafp8.train.command_line import srun_tasks_without_torchrun
 
-    for var in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "RANK",
-                "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+    for var in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS",
+                "SLURM_PTY_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)

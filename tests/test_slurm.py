@@ -69,21 +69,25 @@ def test_sbatch_trains_the_tiny_config(corpus_dir, tmp_path, one_node_cluster):
 def test_srun_tasks_without_torchrun_stop_and_the_other_starts_run(corpus_dir, tmp_path, one_node_cluster):
     """`srun -n 2 python launch/pretrain.py` (no torchrun): each task took itself for rank 0 of 1 and trained alone.
     They now stop at once, the line printed once. The starts that do run pass the same check, under SLURM's own
-    variables: the batch script of a 2-task job running it once, `srun -n 1`, and a torchrun in each task of a 2-task
-    step (launch/slurm/pretrain.sbatch's on two nodes), whose workers inherit SLURM_STEP_NUM_TASKS=2. Dry runs: the
-    check comes before planning or training alike."""
+    variables: the batch script of a 2-task job running it once, `srun -n 1`, a torchrun in each task of a 2-task
+    step (launch/slurm/pretrain.sbatch's on two nodes), whose workers inherit SLURM_STEP_NUM_TASKS=2, and one python
+    in an interactive shell of `srun -n 2 --pty`, which inherits it too. Dry runs: the check comes before planning
+    or training alike."""
     with socket.socket() as s:  # a free port for the two torchruns' rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    pretrain = f"launch/pretrain.py --config tiny_dense --dry-run data.path={corpus_dir}"
+    args = f"launch/pretrain.py --config tiny_dense --dry-run data.path={corpus_dir}"
     torchrun = (f"{sys.executable} -m torch.distributed.run --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d "
                 f"--rdzv_endpoint=127.0.0.1:{port} --rdzv_id=$SLURM_JOB_ID")
-    (tmp_path / "job.sh").write_text(
-        f"#!/bin/bash\ncd {REPO}\n"
-        f"srun -n 2 {sys.executable} {pretrain}; echo \"srun -n 2 python: exit $?\"\n"
-        f"{sys.executable} {pretrain} > /dev/null; echo \"batch script: exit $?\"\n"
-        f"srun -n 1 {sys.executable} {pretrain} > /dev/null; echo \"srun -n 1 python: exit $?\"\n"
-        f"srun -n 2 {torchrun} {pretrain} > /dev/null; echo \"srun -n 2 torchrun: exit $?\"\n")
+    # `srun --pty` needs a terminal: `script` gives it one. Task 0's shell runs one python, as a person there would.
+    shell = f"script -qec \"srun -n 2 --pty bash -c '[ \\$SLURM_PROCID = 1 ] || {sys.executable} {args}'\" /dev/null"
+    starts = {"srun -n 2 python": (f"srun -n 2 {sys.executable} {args}", 2),  # (the error line to job.out)
+              "batch script": (f"{sys.executable} {args} > /dev/null", 0),
+              "srun -n 1 python": (f"srun -n 1 {sys.executable} {args} > /dev/null", 0),
+              "srun -n 2 torchrun": (f"srun -n 2 {torchrun} {args} > /dev/null", 0),
+              "a shell of srun -n 2 --pty": (f"{shell} > /dev/null", 0)}
+    (tmp_path / "job.sh").write_text(f"#!/bin/bash\ncd {REPO}\n" + "".join(
+        f'{command}; echo "{name}: exit $?"\n' for name, (command, _) in starts.items()))
     job = subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={tmp_path}/job.out", str(tmp_path / "job.sh")],
                          env={**torchrun_env(), "SLURM_CONF": str(one_node_cluster)}, capture_output=True, text=True,
                          timeout=600)
@@ -91,6 +95,5 @@ def test_srun_tasks_without_torchrun_stop_and_the_other_starts_run(corpus_dir, t
     assert job.returncode == 0, f"{job.stdout}{job.stderr}\n{out[-3000:]}"
     assert out.count("error: srun started this process as one of 2 tasks (SLURM_STEP_NUM_TASKS=2) without "
                      "torchrun") == 1, out[-3000:]
-    for line in ("srun -n 2 python: exit 2", "batch script: exit 0", "srun -n 1 python: exit 0",
-                 "srun -n 2 torchrun: exit 0"):
-        assert line in out, out[-3000:]
+    for name, (_, status) in starts.items():
+        assert f"{name}: exit {status}\n" in out, out[-3000:]

@@ -102,8 +102,9 @@ def srun_tasks_without_torchrun() -> int:
     (`srun -n 4 python launch/pretrain.py`): each task would run alone as rank 0 of 1. 0 for any other start. As
     SLURM 22.05 sets them: a step's tasks carry SLURM_STEP_NUM_TASKS (and SLURM_PROCID, their index); the batch
     script itself carries the job's SLURM_NTASKS but no SLURM_STEP_NUM_TASKS; torchrun's workers inherit their node's
-    task's count, beside the WORLD_SIZE that torchrun sets."""
-    if "WORLD_SIZE" in os.environ:
+    task's count, beside the WORLD_SIZE that torchrun sets; a shell of `srun --pty` (SLURM_PTY_PORT) inherits its
+    step's count too, and starts one process at a time."""
+    if "WORLD_SIZE" in os.environ or "SLURM_PTY_PORT" in os.environ:
         return 0
     tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
     return int(tasks) if tasks.isdigit() and int(tasks) > 1 else 0
