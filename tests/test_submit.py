@@ -9,7 +9,7 @@ import time
 import pytest
 
 from megafp8.config import ConfigError, load_config
-from megafp8.train.submit import job_shape, sbatch_command
+from megafp8.train.submit import check_sbatch_args, job_shape, sbatch_command
 from tests.conftest import REPO, side_by_side, torchrun_env
 
 
@@ -205,15 +205,21 @@ def test_the_sbatch_script_has_torchrun_pass_sigusr1_on(tmp_path):
     assert "SIGNALS=SIGTERM\n" in own.stdout
 
 
-@pytest.mark.parametrize("value, message", [("nan", "nan must be a number above 0"),  # was ValueError's traceback
-                                            ("inf", "inf must be a number above 0"),  # OverflowError's
-                                            ("-5", "-5 must be a number above 0")])   # "the GPU has -5.0 GiB"
-def test_a_gpu_memory_that_is_not_a_positive_size_is_refused_by_the_parser(capsys, value, message):
+def _submit_main():
+    """launch/slurm/submit.py's `main`, imported from its directory."""
     sys.path.insert(0, str(REPO / "launch" / "slurm"))
     try:
         from submit import main
     finally:
         sys.path.remove(str(REPO / "launch" / "slurm"))
+    return main
+
+
+@pytest.mark.parametrize("value, message", [("nan", "nan must be a number above 0"),  # was ValueError's traceback
+                                            ("inf", "inf must be a number above 0"),  # OverflowError's
+                                            ("-5", "-5 must be a number above 0")])   # "the GPU has -5.0 GiB"
+def test_a_gpu_memory_that_is_not_a_positive_size_is_refused_by_the_parser(capsys, value, message):
+    main = _submit_main()
     with pytest.raises(SystemExit):
         main(["--gpu-memory-gib", value, "--config", "tiny_dense"])
     assert f"argument --gpu-memory-gib: {message}" in capsys.readouterr().err
@@ -222,14 +228,42 @@ def test_a_gpu_memory_that_is_not_a_positive_size_is_refused_by_the_parser(capsy
 def test_a_key_given_twice_is_warned_of_at_submission(capsys):
     """The job's launcher uses the last value and warns in the job's log; submit.py warns at once, where the user
     is looking, and submits the same command line."""
-    sys.path.insert(0, str(REPO / "launch" / "slurm"))
-    try:
-        from submit import main
-    finally:
-        sys.path.remove(str(REPO / "launch" / "slurm"))
+    main = _submit_main()
     assert main(["--config", "tiny_dense", "--print-only", "--cpu", "--procs-per-node", "2", "training.steps=10",
                  "training.steps=20"]) == 0
     out, err = capsys.readouterr()
     assert err == ("warning: override training.steps is given 2 times (training.steps=10, training.steps=20): "
                    "training.steps=20 is used\n"), err
     assert "training.steps=10 training.steps=20" in out
+
+
+def test_an_sbatch_argument_that_sets_the_shape_again_is_refused(capsys):
+    """`--sbatch=--nodes=2` came after submit.py's own `--nodes=1` in the sbatch command, and sbatch takes the last:
+    the job ran on 2 nodes, another world size than the one the layout was checked for, without a word."""
+    main = _submit_main()
+    assert main(["--config", "tiny_dense", "--print-only", "--cpu", "--procs-per-node", "2",
+                 "--sbatch=--nodes=2"]) == 2
+    out, err = capsys.readouterr()
+    assert "sbatch" not in out
+    assert err == ("error: --sbatch=--nodes=2 would set the job's nodes, which submit.py sizes from the config's "
+                   "layout, and the job would run another world size than the one checked: pass --nodes N to "
+                   "submit.py (the layout is then checked for N x --gpus-per-node ranks), or set parallel.dp\n"), err
+
+
+@pytest.mark.parametrize("args, names", [
+    (["-N", "2"], "nodes"), (["-N2"], "nodes"), (["--nodes 2"], "nodes"),
+    (["--ntasks-per-node=2"], "tasks"), (["--ntasks-per-n=2"], "tasks"),  # sbatch takes an unambiguous prefix
+    (["-n", "16"], "tasks"), (["--ntasks=16"], "tasks"),
+    (["--gpus-per-node=4"], "GPUs"), (["-G", "8"], "GPUs"), (["--gres=gpu:h100:8"], "GPUs"),
+    (["--gres", "gpu:8"], "GPUs"),
+    (["--export=ALL,FOO=1"], "environment"),  # sbatch keeps the last --export: GPUS_PER_NODE would be lost
+])
+def test_every_form_of_a_shape_option_is_refused(args, names):
+    with pytest.raises(ConfigError, match=f"would set the job's {names}"):
+        check_sbatch_args(["--wait", *args])
+
+
+def test_sbatch_arguments_that_leave_the_shape_alone_pass():
+    check_sbatch_args(["--time=12:00:00", "--wait", "--output=job.out", "--nodelist=node1", "--exclusive",
+                       "--gres=nvme:1", "--gres", "nvme:1", "--ntasks-per-core=1", "--job-name=mine",
+                       "--signal=TERM@120", "-t", "10", "--dependency=afterany:7", "--export-file=my.env"])
