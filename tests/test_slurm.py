@@ -52,8 +52,10 @@ def one_node_cluster(tmp_path_factory):
 
 
 def test_sbatch_trains_the_tiny_config(corpus_dir, tmp_path, one_node_cluster):
-    """Submitted through launch/slurm/submit.py, which sizes the job from the layout (here 1 node x 2 CPU ranks)."""
-    env = {**torchrun_env(), "SLURM_CONF": str(one_node_cluster)}
+    """Submitted through launch/slurm/submit.py, which sizes the job from the layout (here 1 node x 2 CPU ranks). A
+    CUDA_VISIBLE_DEVICES left in the submitting shell reached the CPU job (sbatch passes the environment on), whose
+    ranks then took it for GPUs given to the job (training.device=auto refuses their CPU): --cpu hides the GPUs."""
+    env = {**torchrun_env(), "SLURM_CONF": str(one_node_cluster), "CUDA_VISIBLE_DEVICES": "0"}
     overrides = TINY_OVERRIDES + [f"data.path={corpus_dir}", f"logging.output_dir={tmp_path / 'runs'}",
                                   "run_name=slurm", "training.steps=4", "training.eval_interval=0"]
     job = subprocess.run(

@@ -80,7 +80,8 @@ def _stand_ins(tmp_path, srun: str = "") -> dict[str, str]:
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")
     (bin_dir / "torchrun").write_text("#!/bin/sh\nexit 0\n")  # on PATH, as a virtualenv would put it
     (bin_dir / "srun").write_text(srun or '#!/bin/sh\necho "PYTHONPATH=$PYTHONPATH"\necho "LD_PRELOAD=$LD_PRELOAD"\n'
-                                          'echo "SIGNALS=$TORCHELASTIC_SIGNALS_TO_HANDLE"\necho "ARGS=$*"\n')
+                                          'echo "SIGNALS=$TORCHELASTIC_SIGNALS_TO_HANDLE"\n'
+                                          'echo "EXPECTS_GPUS=$MEGAFP8_EXPECTS_GPUS"\necho "ARGS=$*"\n')
     for name in ("scontrol", "srun", "torchrun"):
         (bin_dir / name).chmod(0o755)
     return {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "7",
@@ -192,6 +193,18 @@ def test_a_gpu_job_launches_the_processes_per_node_it_was_checked_for(tmp_path):
     done = subprocess.run(SBATCH, env=job_env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "--nproc_per_node=8 " in done.stdout, done.stdout
+
+
+def test_a_job_that_asked_for_no_gpus_and_no_processes_has_its_ranks_expect_gpus(tmp_path):
+    """Submitted without --gpus-per-node and without GPUS_PER_NODE, the script starts 8 processes per node for 8
+    GPUs; where the job then has none (it lacks the GPU request), they trained on the CPU with a log line only. The
+    script tells the ranks it assumed GPUs (training.device=auto then stops where torch finds none: test_device.py);
+    a GPU job's count from SLURM or a CPU job's GPUS_PER_NODE tells them nothing, a stale value included."""
+    assumed = _sbatch_script(tmp_path)
+    assert "EXPECTS_GPUS=8\n" in assumed.stdout and "--nproc_per_node=8 " in assumed.stdout, assumed.stdout
+    for counted in ({"SLURM_GPUS_ON_NODE": "4"}, {"GPUS_PER_NODE": "2", "MEGAFP8_EXPECTS_GPUS": "8"}):
+        done = _sbatch_script(tmp_path, **counted)
+        assert done.returncode == 0 and "EXPECTS_GPUS=\n" in done.stdout, done.stdout
 
 
 def test_the_sbatch_script_has_torchrun_pass_sigusr1_on(tmp_path):

@@ -101,10 +101,12 @@ def sbatch_command(config: str, overrides: list[str], shape: JobShape, gpus: boo
                    script: str = "launch/slurm/pretrain.sbatch") -> list[str]:
     """`sbatch` of the megafp8 job script with the job's shape. The process count goes through GPUS_PER_NODE, which
     the script reads before SLURM's GPU count: GPU jobs set it too, since sbatch passes the submitter's environment
-    on, and a GPUS_PER_NODE left there would launch another world size than the one checked here."""
+    on, and a GPUS_PER_NODE left there would launch another world size than the one checked here. A CPU job hides
+    the GPUs (an empty CUDA_VISIBLE_DEVICES): one left in the submitting shell would have its ranks take GPUs that
+    are not theirs, or, where torch finds none, stop (`training.device=auto` refuses the CPU of a job given GPUs)."""
     command = ["sbatch", f"--nodes={shape.nodes}"]
     if gpus:
         command += [f"--gpus-per-node={shape.procs_per_node}", f"--export=ALL,GPUS_PER_NODE={shape.procs_per_node}"]
     else:
-        command.append(f"--export=ALL,GPUS_PER_NODE={shape.procs_per_node},OMP_NUM_THREADS=1")
+        command.append(f"--export=ALL,GPUS_PER_NODE={shape.procs_per_node},OMP_NUM_THREADS=1,CUDA_VISIBLE_DEVICES=")
     return command + sbatch_args + [script, "--config", config, *overrides]
