@@ -214,3 +214,52 @@ def test_a_collective_that_lost_a_rank_is_one_line_not_a_traceback(tmp_path):
         assert lost_peer_message(RuntimeError("shape mismatch"), 30) is None  # anything else stays a traceback
     finally:
         dist.destroy_process_group()
+
+
+# A task of `srun -n 2` as SLURM 22.05 sets it (tests/test_slurm.py checks these against a real step): the batch
+# script itself has the job's SLURM_NTASKS but no SLURM_STEP_NUM_TASKS, and torchrun's workers inherit their node's.
+SRUN_TASK = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}
+STARTS_WITHOUT_TORCH = ("import sys; from megafp8.train.command_line import parse_args; "
+                        "from megafp8.train.entry import run_staged; "
+                        "status = run_staged(parse_args(sys.argv[1:])); print(status, 'torch' in sys.modules)")
+
+
+def test_tasks_of_srun_without_torchrun_are_refused_before_torch(corpus_dir):
+    """`srun -n 2 python launch/pretrain.py` started 2 processes that each saw no RANK or WORLD_SIZE, took
+    themselves for rank 0 of 1 and trained alone (then collided on the run directory's lock, which said another run
+    held it). Each task now stops at once, before torch is imported; the step's first task alone prints the line.
+    tools/plan.py, which shares the entry, too."""
+    def started(procid: str, *command: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *command, "--config", "tiny_dense", f"data.path={corpus_dir}"],
+                              capture_output=True, text=True, timeout=120, cwd=REPO,
+                              env={**torchrun_env(), **SRUN_TASK, "SLURM_PROCID": procid})
+
+    first, second, staged, plan = side_by_side(
+        lambda: started("0", PRETRAIN, "--dry-run"), lambda: started("1", PRETRAIN, "--dry-run"),
+        lambda: started("0", "-c", STARTS_WITHOUT_TORCH, "--dry-run"), lambda: started("0", "tools/plan.py"))
+    assert first.returncode == 2 and first.stdout == "", first.stdout[-2000:]
+    assert first.stderr.count("\n") == 1 and first.stderr.startswith(
+        "error: srun started this process as one of 2 tasks (SLURM_STEP_NUM_TASKS=2) without torchrun"), first.stderr
+    assert "launch/slurm/pretrain.sbatch" in first.stderr and "launch/slurm/submit.py" in first.stderr
+    assert (second.returncode, second.stdout, second.stderr) == (2, "", "")  # task 0 says it for the step
+    assert staged.stdout == "2 False\n", staged.stdout[-2000:]
+    assert plan.returncode == 2 and plan.stdout == "" and plan.stderr == first.stderr, plan.stdout[-2000:]
+
+
+@pytest.mark.parametrize("env, tasks", [
+    ({}, 0),  # plain python
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, 0),  # the batch script of `sbatch -n 2`, once
+    ({**SRUN_TASK, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1"}, 0),  # `srun -n 1`
+    ({**SRUN_TASK, "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "7"}, 0),  # torchrun's
+    ({**SRUN_TASK, "SLURM_PTY_PORT": "33577"}, 0),  # a person's shell of `srun -n 2 --pty bash`: one process
+    (SRUN_TASK, 2),
+])
+def test_only_several_srun_tasks_without_a_launcher_count(monkeypatch, env, tasks):
+    from megafp8.train.command_line import srun_tasks_without_torchrun
+
+    for var in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS",
+                "SLURM_PTY_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert srun_tasks_without_torchrun() == tasks

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from megafp8.config import ConfigError, load_config
-from megafp8.train.submit import job_shape, sbatch_command
+from megafp8.train.submit import check_sbatch_args, job_shape, sbatch_command
 from tests.conftest import REPO, side_by_side, torchrun_env
 
 
@@ -80,7 +80,8 @@ def _stand_ins(tmp_path, srun: str = "") -> dict[str, str]:
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")
     (bin_dir / "torchrun").write_text("#!/bin/sh\nexit 0\n")  # on PATH, as a virtualenv would put it
     (bin_dir / "srun").write_text(srun or '#!/bin/sh\necho "PYTHONPATH=$PYTHONPATH"\necho "LD_PRELOAD=$LD_PRELOAD"\n'
-                                          'echo "SIGNALS=$TORCHELASTIC_SIGNALS_TO_HANDLE"\necho "ARGS=$*"\n')
+                                          'echo "SIGNALS=$TORCHELASTIC_SIGNALS_TO_HANDLE"\n'
+                                          'echo "EXPECTS_GPUS=$MEGAFP8_EXPECTS_GPUS"\necho "ARGS=$*"\n')
     for name in ("scontrol", "srun", "torchrun"):
         (bin_dir / name).chmod(0o755)
     return {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "7",
@@ -194,6 +195,18 @@ def test_a_gpu_job_launches_the_processes_per_node_it_was_checked_for(tmp_path):
     assert "--nproc_per_node=8 " in done.stdout, done.stdout
 
 
+def test_a_job_that_asked_for_no_gpus_and_no_processes_has_its_ranks_expect_gpus(tmp_path):
+    """Submitted without --gpus-per-node and without GPUS_PER_NODE, the script starts 8 processes per node for 8
+    GPUs; where the job then has none (it lacks the GPU request), they trained on the CPU with a log line only. The
+    script tells the ranks it assumed GPUs (training.device=auto then stops where torch finds none: test_device.py);
+    a GPU job's count from SLURM or a CPU job's GPUS_PER_NODE tells them nothing, a stale value included."""
+    assumed = _sbatch_script(tmp_path)
+    assert "EXPECTS_GPUS=8\n" in assumed.stdout and "--nproc_per_node=8 " in assumed.stdout, assumed.stdout
+    for counted in ({"SLURM_GPUS_ON_NODE": "4"}, {"GPUS_PER_NODE": "2", "MEGAFP8_EXPECTS_GPUS": "8"}):
+        done = _sbatch_script(tmp_path, **counted)
+        assert done.returncode == 0 and "EXPECTS_GPUS=\n" in done.stdout, done.stdout
+
+
 def test_the_sbatch_script_has_torchrun_pass_sigusr1_on(tmp_path):
     """`sbatch --signal=USR1@<s>` signals every process of the step: torchrun too, which by default does not handle
     SIGUSR1 and died of it, and srun then ended the step, its workers with it, before their checkpoint. The script
@@ -205,15 +218,21 @@ def test_the_sbatch_script_has_torchrun_pass_sigusr1_on(tmp_path):
     assert "SIGNALS=SIGTERM\n" in own.stdout
 
 
-@pytest.mark.parametrize("value, message", [("nan", "nan must be a number above 0"),  # was ValueError's traceback
-                                            ("inf", "inf must be a number above 0"),  # OverflowError's
-                                            ("-5", "-5 must be a number above 0")])   # "the GPU has -5.0 GiB"
-def test_a_gpu_memory_that_is_not_a_positive_size_is_refused_by_the_parser(capsys, value, message):
+def _submit_main():
+    """launch/slurm/submit.py's `main`, imported from its directory."""
     sys.path.insert(0, str(REPO / "launch" / "slurm"))
     try:
         from submit import main
     finally:
         sys.path.remove(str(REPO / "launch" / "slurm"))
+    return main
+
+
+@pytest.mark.parametrize("value, message", [("nan", "nan must be a number above 0"),  # was ValueError's traceback
+                                            ("inf", "inf must be a number above 0"),  # OverflowError's
+                                            ("-5", "-5 must be a number above 0")])   # "the GPU has -5.0 GiB"
+def test_a_gpu_memory_that_is_not_a_positive_size_is_refused_by_the_parser(capsys, value, message):
+    main = _submit_main()
     with pytest.raises(SystemExit):
         main(["--gpu-memory-gib", value, "--config", "tiny_dense"])
     assert f"argument --gpu-memory-gib: {message}" in capsys.readouterr().err
@@ -222,14 +241,42 @@ def test_a_gpu_memory_that_is_not_a_positive_size_is_refused_by_the_parser(capsy
 def test_a_key_given_twice_is_warned_of_at_submission(capsys):
     """The job's launcher uses the last value and warns in the job's log; submit.py warns at once, where the user
     is looking, and submits the same command line."""
-    sys.path.insert(0, str(REPO / "launch" / "slurm"))
-    try:
-        from submit import main
-    finally:
-        sys.path.remove(str(REPO / "launch" / "slurm"))
+    main = _submit_main()
     assert main(["--config", "tiny_dense", "--print-only", "--cpu", "--procs-per-node", "2", "training.steps=10",
                  "training.steps=20"]) == 0
     out, err = capsys.readouterr()
     assert err == ("warning: override training.steps is given 2 times (training.steps=10, training.steps=20): "
                    "training.steps=20 is used\n"), err
     assert "training.steps=10 training.steps=20" in out
+
+
+def test_an_sbatch_argument_that_sets_the_shape_again_is_refused(capsys):
+    """`--sbatch=--nodes=2` came after submit.py's own `--nodes=1` in the sbatch command, and sbatch takes the last:
+    the job ran on 2 nodes, another world size than the one the layout was checked for, without a word."""
+    main = _submit_main()
+    assert main(["--config", "tiny_dense", "--print-only", "--cpu", "--procs-per-node", "2",
+                 "--sbatch=--nodes=2"]) == 2
+    out, err = capsys.readouterr()
+    assert "sbatch" not in out
+    assert err == ("error: --sbatch=--nodes=2 would set the job's nodes, which submit.py sizes from the config's "
+                   "layout, and the job would run another world size than the one checked: pass --nodes N to "
+                   "submit.py (the layout is then checked for N x --gpus-per-node ranks), or set parallel.dp\n"), err
+
+
+@pytest.mark.parametrize("args, names", [
+    (["-N", "2"], "nodes"), (["-N2"], "nodes"), (["--nodes 2"], "nodes"),
+    (["--ntasks-per-node=2"], "tasks"), (["--ntasks-per-n=2"], "tasks"),  # sbatch takes an unambiguous prefix
+    (["-n", "16"], "tasks"), (["--ntasks=16"], "tasks"),
+    (["--gpus-per-node=4"], "GPUs"), (["-G", "8"], "GPUs"), (["--gres=gpu:h100:8"], "GPUs"),
+    (["--gres", "gpu:8"], "GPUs"),
+    (["--export=ALL,FOO=1"], "environment"),  # sbatch keeps the last --export: GPUS_PER_NODE would be lost
+])
+def test_every_form_of_a_shape_option_is_refused(args, names):
+    with pytest.raises(ConfigError, match=f"would set the job's {names}"):
+        check_sbatch_args(["--wait", *args])
+
+
+def test_sbatch_arguments_that_leave_the_shape_alone_pass():
+    check_sbatch_args(["--time=12:00:00", "--wait", "--output=job.out", "--nodelist=node1", "--exclusive",
+                       "--gres=nvme:1", "--gres", "nvme:1", "--ntasks-per-core=1", "--job-name=mine",
+                       "--signal=TERM@120", "-t", "10", "--dependency=afterany:7", "--export-file=my.env"])

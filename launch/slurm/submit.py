@@ -6,8 +6,9 @@
     python launch/slurm/submit.py --config tiny_dense --cpu --procs-per-node 2 --sbatch=--wait
     python launch/slurm/submit.py --config 671b_fp8.yaml --print-only           # just print the sbatch line
 
-Checks before submitting: the layout against the world size (tp x pp x dp, experts over ep), and the memory plan
-against --gpu-memory-gib when the vocabulary is known. Overrides (`section.key=value`) go to the run unchanged.
+Checks before submitting: the layout against the world size (tp x pp x dp, experts over ep), the memory plan
+against --gpu-memory-gib when the vocabulary is known, and that no --sbatch argument sets the job's shape again.
+Overrides (`section.key=value`) go to the run unchanged.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from megafp8.config import ConfigError, load_config, repeated_overrides, resolve_config_path  # noqa: E402
-from megafp8.train.submit import check_memory, job_shape, sbatch_command  # noqa: E402
+from megafp8.train.submit import check_memory, check_sbatch_args, job_shape, sbatch_command  # noqa: E402
 from megafp8.config.arguments import positive_number, print_warnings, run_tool  # noqa: E402
 
 
@@ -34,12 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="a CPU job: no --gpus-per-node, processes via GPUS_PER_NODE")
     parser.add_argument("--gpu-memory-gib", type=positive_number(), default=139.0,
                         help="memory of one GPU (H200: ~139 GiB)")
-    parser.add_argument("--sbatch", action="append", default=[], help="an extra sbatch argument (repeatable)")
+    parser.add_argument("--sbatch", action="append", default=[],
+                        help="an extra sbatch argument (repeatable); not one that sets the job's shape (--nodes, "
+                             "--ntasks-per-node, --gpus-per-node, ...), which this helper sizes from the layout")
     parser.add_argument("--print-only", action="store_true", help="print the sbatch command instead of running it")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
     print_warnings(repeated_overrides(args.overrides))
     try:
+        check_sbatch_args(args.sbatch)
         cfg = load_config(args.config, args.overrides)
         shape = job_shape(cfg, args.procs_per_node, args.nodes)
         note = None if args.cpu else check_memory(cfg, shape, args.gpu_memory_gib)

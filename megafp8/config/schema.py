@@ -462,7 +462,14 @@ class TrainingConfig:
         "`none` and `full`: each recomputed block trades its kept activations for its forward run again (Megatron-LM's "
         "`--recompute-method block --recompute-num-layers`). `--dry-run` and `tools/plan.py` count it.",
     )
-    device: DeviceName = setting("auto", "`auto`: CUDA when available (one GPU per local rank), else CPU.")
+    device: DeviceName = setting(
+        "auto",
+        "`auto`: CUDA when available (one GPU per local rank), else CPU, except in a job that was given GPUs "
+        "(`CUDA_VISIBLE_DEVICES` naming devices, SLURM's `SLURM_GPUS_ON_NODE`, `SLURM_JOB_GPUS` or "
+        "`SLURM_STEP_GPUS`, or `launch/slurm/pretrain.sbatch`'s assumed 8 per node): where torch finds no CUDA device "
+        "there (a CPU build of torch, a driver that does not load), the run stops in one line instead of training on "
+        "the CPU. `cpu` trains on the CPU in any case.",
+    )
     cuda_alloc_conf: str = setting(
         "auto",
         "Settings of torch's CUDA caching allocator, in `PYTORCH_CUDA_ALLOC_CONF`'s syntax (comma-separated "

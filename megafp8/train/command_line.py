@@ -92,8 +92,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def env_rank() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) under plain python."""
+    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) under plain python. Also (0, 0, 1) in
+    each task of `srun -n N` without torchrun, which `srun_launch_status` refuses before anything runs."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def srun_tasks_without_torchrun() -> int:
+    """N where `srun` started this process as one of N > 1 tasks of a job step and no launcher gave it a rank
+    (`srun -n 4 python launch/pretrain.py`): each task would run alone as rank 0 of 1. 0 for any other start. As
+    SLURM 22.05 sets them: a step's tasks carry SLURM_STEP_NUM_TASKS (and SLURM_PROCID, their index); the batch
+    script itself carries the job's SLURM_NTASKS but no SLURM_STEP_NUM_TASKS; torchrun's workers inherit their node's
+    task's count, beside the WORLD_SIZE that torchrun sets; a shell of `srun --pty` (SLURM_PTY_PORT) inherits its
+    step's count too, and starts one process at a time."""
+    if "WORLD_SIZE" in os.environ or "SLURM_PTY_PORT" in os.environ:
+        return 0
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    return int(tasks) if tasks.isdigit() and int(tasks) > 1 else 0
+
+
+def srun_launch_status() -> int | None:
+    """Exit status 2 for a process that `srun` started as one of several tasks without torchrun
+    (`srun_tasks_without_torchrun`), the error printed by the step's first task alone (every task has the same to
+    say, and each would report as rank 0); None for any other start."""
+    tasks = srun_tasks_without_torchrun()
+    if not tasks:
+        return None
+    if os.environ.get("SLURM_PROCID", "0") == "0":
+        report_error(f"srun started this process as one of {tasks} tasks (SLURM_STEP_NUM_TASKS={tasks}) without "
+                     "torchrun: none has a rank (RANK and WORLD_SIZE are unset), so each would run alone as rank 0 "
+                     "of 1. Start one torchrun per node inside srun, as launch/slurm/pretrain.sbatch does (srun "
+                     "--ntasks-per-node=1 torchrun --nnodes=$SLURM_JOB_NUM_NODES --nproc_per_node=N --rdzv_backend="
+                     "c10d --rdzv_endpoint=HOST:PORT launch/pretrain.py ...), or submit the run with "
+                     "launch/slurm/submit.py")
+    return 2
 
 
 def write_error_file(line: str) -> None:
@@ -132,9 +163,13 @@ def exit_process(code: int) -> None:
 
 
 def load_run_config(args: argparse.Namespace) -> Config | int:
-    """The config `args` name, loaded and checked as far as it can be without torch; where it cannot be, the error
-    reported in one line and the exit status 2. `megafp8.train.main.run_config` does the rest; an entry script calls
-    this first and imports that only past it, so a typo costs no torch import."""
+    """The config `args` name, loaded and checked as far as it can be without torch; where it cannot be, or where
+    `srun` started this process as one of several tasks without torchrun (`srun_launch_status`), the error reported
+    in one line and the exit status 2. `megafp8.train.main.run_config` does the rest; an entry script calls this
+    first and imports that only past it, so a typo costs no torch import."""
+    refused = srun_launch_status()
+    if refused is not None:
+        return refused
     if env_rank()[0] == 0:  # once per job
         print_warnings(repeated_overrides(args.overrides))
     try:

@@ -1,6 +1,7 @@
-"""The entry scripts' run (`launch/pretrain.py`, `tools/plan.py`): the config loaded without torch
-(`megafp8.train.command_line`), then `megafp8.train.main` imported past it, so a typo costs no torch import.
-`megafp8.train.main` never imports this module (no import cycle)."""
+"""The entry scripts' run (`launch/pretrain.py`, `tools/plan.py`): the launch and the config checked without torch
+(`megafp8.train.command_line.load_run_config`, which also refuses a task of `srun -n N` started without torchrun),
+then `megafp8.train.main` imported past them, so a typo costs no torch import. `megafp8.train.main` never imports
+this module (no import cycle)."""
 from __future__ import annotations
 
 import argparse

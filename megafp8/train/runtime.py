@@ -84,11 +84,52 @@ def configure_cuda_allocator(conf: str) -> str | None:
     return conf
 
 
+# What each variable reads where it gives a process no GPU: CUDA hides every device from an invalid index on ("-1");
+# SLURM sets CUDA_VISIBLE_DEVICES=NoDevFiles for a job without GPUs on a node that has some. SLURM_GPUS_ON_NODE is a
+# count (0: none), SLURM_JOB_GPUS and SLURM_STEP_GPUS lists of GPU indices ("0": the first GPU).
+NO_GPUS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("CUDA_VISIBLE_DEVICES", ("", "-1", "nodevfiles")), ("SLURM_GPUS_ON_NODE", ("", "0", "(null)")),
+    ("SLURM_JOB_GPUS", ("", "(null)")), ("SLURM_STEP_GPUS", ("", "(null)")),
+)
+# Set by launch/slurm/pretrain.sbatch where it assumes 8 GPUs per node: the job asked for none, and GPUS_PER_NODE
+# (a CPU job's process count) is unset.
+EXPECTS_GPUS = "MEGAFP8_EXPECTS_GPUS"
+
+
+def gpus_given() -> list[str]:
+    """What in the environment says this process was given GPUs (`NAME=value` each): CUDA_VISIBLE_DEVICES naming
+    devices, SLURM's GPU variables of a job or step that has some, pretrain.sbatch's assumption (`EXPECTS_GPUS`)."""
+    given = [f"{var}={os.environ[var]}" for var, none in NO_GPUS
+             if var in os.environ and os.environ[var].strip().lower() not in none]
+    if os.environ.get(EXPECTS_GPUS):
+        given.append(f"{EXPECTS_GPUS}={os.environ[EXPECTS_GPUS]}: launch/slurm/pretrain.sbatch took that many GPUs per "
+                     "node, the job having asked for none (submit with --gpus-per-node=N, or set GPUS_PER_NODE to a "
+                     "CPU job's processes per node)")
+    return given
+
+
+def no_cuda_for_given_gpus(given: list[str]) -> str:
+    """The error of `training.device=auto` where the job was given GPUs (`gpus_given`) but torch finds none."""
+    build = ("is a CPU build" if torch.version.cuda is None
+             else f"is built for CUDA {torch.version.cuda} but finds no device (a driver that does not load?)")
+    return (f"training.device=auto found no CUDA device, but this job was given GPUs ({'; '.join(given)}): torch "
+            f"{torch.__version__} {build}. Install a CUDA build of torch or fix the driver (`python "
+            "tools/check_env.py` on the node says what torch sees), or set training.device=cpu to train on the CPU "
+            "anyway")
+
+
 def pick_device(cfg: Config, local_rank: int) -> torch.device:
-    if cfg.training.device == "cpu" or (cfg.training.device == "auto" and not torch.cuda.is_available()):
+    """The device this rank trains on: `training.device`, `auto` resolved (CUDA where available, else the CPU, but
+    never the CPU of a job that was given GPUs: `gpus_given`)."""
+    if cfg.training.device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ConfigError("training.device=cuda but CUDA is not available here: set training.device=auto or cpu")
+        if cfg.training.device == "cuda":
+            raise ConfigError("training.device=cuda but CUDA is not available here: set training.device=auto or cpu")
+        given = gpus_given()
+        if given:
+            raise ConfigError(no_cuda_for_given_gpus(given))
+        return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
         raise ConfigError(
             f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible): launch at most "
