@@ -108,12 +108,12 @@ def test_fp16_overflow_skipped_by_the_scaler_does_not_end_the_run(tiny_overrides
     """0800a78 averaged the skipped step's inf loss into the logged loss and stopped: 'training diverged'."""
     trainer = _trainer(tiny_overrides + ["precision.recipe=fp16", "logging.log_interval=3", "training.eval_interval=0",
                                          "precision.loss_scale_initial=1024", "precision.loss_scale_hysteresis=1"])
-    forward = trainer.model.forward
+    loss_terms = trainer.model.loss_terms
 
-    def overflowing_forward(tokens, targets=None):
-        loss = forward(tokens, targets)
-        return loss * math.inf if trainer.step == 1 else loss  # step 2 overflows in its forward pass
-    trainer.model.forward = overflowing_forward
+    def overflowing_loss_terms(tokens, targets):
+        terms = loss_terms(tokens, targets)  # step 2 overflows in its forward pass
+        return terms._replace(total=terms.total * math.inf) if trainer.step == 1 else terms
+    trainer.model.loss_terms = overflowing_loss_terms
     records = [r for r in trainer.fit() if r["kind"] == "train"]
     assert [r["skipped_steps"] for r in records] == [1, 0]
     assert all(math.isfinite(r["loss"]) for r in records) and records[-1]["loss_scale"] == 512.0

@@ -19,7 +19,7 @@ from megafp8.model.compile_cache import keyed_to_this_code
 from megafp8.model.mla import MultiHeadLatentAttention
 from megafp8.model.mlp import SwiGLU
 from megafp8.model.moe import MoE
-from megafp8.model.mtp import MtpModule, shifted_inputs
+from megafp8.model.mtp import LossTerms, MtpModule, shifted_inputs
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.parallel import (
@@ -244,6 +244,11 @@ class Transformer(nn.Module):
             return gather_from_tp_last(logits, self.tp).view(batch, seq_len, -1)
         return self.head_loss(hidden, targets, with_mtp)
 
+    def loss_terms(self, tokens: torch.Tensor, targets: torch.Tensor) -> LossTerms:
+        """The training forward of tokens, targets (B, T): the loss backward starts from and its parts, for the log."""
+        batch, seq_len = tokens.shape
+        return self.head_terms(self.run_layers(self.embed(tokens), self.layers.keys(), batch, seq_len), targets)
+
     def run_layers(self, x: torch.Tensor, layer_ids: Iterable[str], batch: int, seq_len: int) -> torch.Tensor:
         """The residual stream after the blocks `layer_ids` (keys of `self.layers`), in order."""
         for i in layer_ids:
@@ -265,11 +270,21 @@ class Transformer(nn.Module):
         """Final norm, LM head and mean cross-entropy of the last block's output, plus (`with_mtp`: the training
         loss) the weighted MTP loss. Without it, the language-modelling loss alone: the validation loss, comparable
         with a model's without MTP (the MTP modules, dropped at inference, do not run)."""
+        if not with_mtp:
+            return self._lm_loss(hidden, targets)
+        return self.head_terms(hidden, targets).total
+
+    def head_terms(self, hidden: torch.Tensor, targets: torch.Tensor) -> LossTerms:
+        """`head_loss` with MTP (the training loss), and its parts: the LM and the (unweighted) MTP cross-entropy."""
+        lm = self._lm_loss(hidden, targets)
+        if not self.mtp:
+            return LossTerms(lm, lm, lm.new_zeros(()))
+        mtp = self._mtp_loss(hidden, targets)
+        return LossTerms(lm + self.cfg.mtp_loss_weight * mtp, lm, mtp)
+
+    def _lm_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.final_norm(hidden))  # (B*T, vocab / tp)
-        loss = vocab_parallel_cross_entropy(logits, targets, self.tp)
-        if self.mtp and with_mtp:
-            loss = loss + self.cfg.mtp_loss_weight * self._mtp_loss(hidden, targets)
-        return loss
+        return vocab_parallel_cross_entropy(logits, targets, self.tp)
 
     def _mtp_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the MTP depths (each predicting one more token ahead)."""

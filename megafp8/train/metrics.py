@@ -90,15 +90,45 @@ class StepClock:
         return WindowTime(window_s / window_steps, elapsed_s, elapsed_s / steps_done * (self.total_steps - step))
 
 
-def train_record(step: int, loss: float, lr: float, grad_norm: float, skipped: int, window: WindowTime,
-                 throughput: Throughput, device: torch.device, consumed_tokens: int) -> dict[str, Any]:
-    """The record of a logging window ending at `step`, with mean loss `loss` over its applied steps (nan if none
-    was; `skipped` were not), the last step's `lr` and `grad_norm`, and the tokens the run's steps read up to it
-    (`consumed_tokens`, counted: steps of another global batch or data.seq_len before a new stage read others)."""
+class LogWindow:
+    """The steps since the last metrics record, added up on the device as they run (no host sync until the record):
+    the loss terms of the steps whose update was applied (a skipped step's loss, inf or nan under overflow, is not
+    the model's), how many were, and the last step's grad norm."""
+
+    def __init__(self, terms: int, device: torch.device) -> None:
+        self.steps = 0
+        self._loss_sums = torch.zeros(terms, device=device)
+        self._applied = torch.zeros((), dtype=torch.int64, device=device)
+        self._grad_norm = torch.full((), math.nan, device=device)
+
+    def add(self, losses: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """A step's mean loss terms (`terms`,) and its global grad norm (not finite: the step was skipped)."""
+        applied = torch.isfinite(grad_norm)
+        self._loss_sums += torch.where(applied, losses, 0.0)
+        self._applied += applied
+        self._grad_norm = grad_norm
+        self.steps += 1
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean loss terms over the applied steps, nan where none was; steps skipped; the last grad norm), on the
+        device; the window starts again."""
+        taken = (self._loss_sums / self._applied, self.steps - self._applied, self._grad_norm)
+        self._loss_sums, self._applied = torch.zeros_like(self._loss_sums), torch.zeros_like(self._applied)
+        self.steps = 0
+        return taken
+
+
+def train_record(step: int, losses: dict[str, float], lr: float, grad_norm: float, skipped: int,
+                 window: WindowTime, throughput: Throughput, device: torch.device,
+                 consumed_tokens: int) -> dict[str, Any]:
+    """The record of a logging window ending at `step`, with `losses` (`loss`, and its parts `lm_loss`, ...: their
+    means over the window's applied steps, nan if none was; `skipped` were not), the last step's `lr` and
+    `grad_norm`, and the tokens the run's steps read up to it (`consumed_tokens`, counted: steps of another global
+    batch or data.seq_len before a new stage read others)."""
     return {
         "kind": "train",
         "step": step,
-        "loss": loss,
+        **losses,
         "lr": lr,
         "grad_norm": grad_norm,
         "step_time_s": window.step_s,
@@ -135,6 +165,8 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
         f"elapsed {_duration(record['elapsed_s'])}",
         f"left {_duration(record['remaining_s'])}",
     ]
+    if "mtp_loss" in record:  # the training loss is lm_loss + model.mtp_loss_weight x mtp_loss
+        parts[1] += f" (lm {record['lm_loss']:.4f}, mtp {record['mtp_loss']:.4f})"
     if record.get("skipped_steps"):  # non-finite gradients: the loss is that of the other steps
         parts.insert(2, f"{record['skipped_steps']} step(s) skipped")
     if "moe_load_cv" in record:  # expert balance: spread of tokens per expert, the busiest, the share without any
