@@ -1,4 +1,4 @@
-"""What a training record says: the loss and its parts under multi-token prediction."""
+"""What a training record says: the loss and its parts under multi-token prediction, the busiest rank's memory."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +7,8 @@ import torch
 from megafp8.config import load_config
 from megafp8.parallel import ParallelDims
 from megafp8.train import Trainer
+from megafp8.train import metrics
+from tests.distributed import spawn
 
 # Two steps of four micro-batches each (gradient accumulation), logged as one window.
 SHORT = ["training.steps=2", "logging.log_interval=2", "training.eval_interval=0", "optimizer.warmup_steps=1",
@@ -38,3 +40,20 @@ def test_the_loss_parts_are_means_over_the_window_and_its_micro_batches(tiny_ove
     [record] = _train_records(tiny_overrides + SHORT + ["model.mtp_depth=2", "model.mtp_loss_weight=0.5"])
     assert record["loss"] == pytest.approx(record["lm_loss"] + 0.5 * record["mtp_loss"], rel=1e-6)
     assert record["lm_loss"] < record["loss"]
+
+
+def _peak_memory_worker(rank, world, overrides):
+    # This rank's allocator high-water mark, as a GPU's would be: rank 1 the busiest (a later pipeline stage, the
+    # ranks holding the most-used experts). CPU tensors have no such counter.
+    metrics.device_peak_bytes = lambda device: (1 + 2 * rank) * 2**29  # 0.5 GiB on rank 0, 1.5 GiB on rank 1
+    cfg = load_config("tiny_dense", overrides)
+    records = Trainer(cfg, ParallelDims.from_config(cfg.parallel), torch.device("cpu")).fit()
+    if rank == 0:
+        assert [(r["peak_memory_gib"], r["peak_memory_rank"]) for r in records if r["kind"] == "train"] == [(1.5, 1)]
+
+
+def test_peak_memory_is_the_busiest_rank_s_and_names_it(tiny_overrides):
+    """`peak_memory_gib` was rank 0's own high-water mark: under pipeline or expert parallelism another rank's is
+    usually higher, and the record hid it."""
+    spawn(2, _peak_memory_worker, tiny_overrides + ["training.steps=1", "training.eval_interval=0",
+                                                   "optimizer.warmup_steps=1"])

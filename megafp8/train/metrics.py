@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
+
+from megafp8.parallel import ParallelDims
 
 # Dense BF16 tensor-core peak per GPU (TFLOP/s, no sparsity), matched against the device name as a whole word (the
 # first that matches: the variants of a name come before it). As a substring, "L4" matched the L40's name and "H100"
@@ -118,13 +121,34 @@ class LogWindow:
         return taken
 
 
+def device_peak_bytes(device: torch.device) -> Optional[int]:
+    """The allocator's high-water mark on `device` since the start (a host-side counter, no sync); None off CUDA."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def peak_memory(device: torch.device, dims: ParallelDims) -> dict[str, Any]:
+    """The busiest rank's peak memory (`peak_memory_gib`) and that rank (`peak_memory_rank`): under pipeline or
+    expert parallelism rank 0 is seldom the one. One all-gather of a number per rank (collective: call it on every
+    rank, at logging steps only); nulls off CUDA."""
+    local = device_peak_bytes(device)
+    if local is None:
+        return {"peak_memory_gib": None, "peak_memory_rank": None}
+    mine = every = torch.tensor([local], dtype=torch.int64, device=device)
+    if dims.is_distributed:
+        every = mine.new_empty(dims.world_size)
+        dist.all_gather_into_tensor(every, mine)
+    peaks = every.tolist()
+    rank = peaks.index(max(peaks))  # the first of equal ones
+    return {"peak_memory_gib": peaks[rank] / 2**30, "peak_memory_rank": rank}
+
+
 def train_record(step: int, losses: dict[str, float], lr: float, grad_norm: float, skipped: int,
-                 window: WindowTime, throughput: Throughput, device: torch.device,
+                 window: WindowTime, throughput: Throughput, memory: dict[str, Any],
                  consumed_tokens: int) -> dict[str, Any]:
     """The record of a logging window ending at `step`, with `losses` (`loss`, and its parts `lm_loss`, ...: their
     means over the window's applied steps, nan if none was; `skipped` were not), the last step's `lr` and
-    `grad_norm`, and the tokens the run's steps read up to it (`consumed_tokens`, counted: steps of another global
-    batch or data.seq_len before a new stage read others)."""
+    `grad_norm`, the tokens the run's steps read up to it (`consumed_tokens`, counted: steps of another global
+    batch or data.seq_len before a new stage read others) and the busiest rank's peak `memory` (`peak_memory`)."""
     return {
         "kind": "train",
         "step": step,
@@ -137,8 +161,7 @@ def train_record(step: int, losses: dict[str, float], lr: float, grad_norm: floa
         "consumed_tokens": consumed_tokens,
         "elapsed_s": window.elapsed_s,
         "remaining_s": window.remaining_s,
-        # the allocator's high-water mark on this (rank 0's) GPU since start: a host-side counter, no sync
-        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        **memory,
     }
 
 

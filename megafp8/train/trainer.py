@@ -35,6 +35,7 @@ from megafp8.train.metrics import (
     eval_record,
     format_eval_line,
     format_step_line,
+    peak_memory,
     peak_tflops,
     train_record,
 )
@@ -268,7 +269,7 @@ class Trainer:
         lr = lr_at(max(0, self.optimizer.step_count - 1), self.cfg.optimizer, self.cfg.training.steps)
         losses = {"loss": loss, "lm_loss": lm_loss, **({"mtp_loss": mtp_loss} if self.model_cfg.mtp_depth else {})}
         record = train_record(self.step, losses, lr, grad_norm.item(), int(skipped), window_time, self.throughput,
-                              self.device, self.state.consumed_tokens)
+                              peak_memory(self.device, self.dims), self.state.consumed_tokens)
         if self.loss_scaler is not None:
             record["loss_scale"] = self.loss_scaler.scale
         if self.expert_balance is not None:
