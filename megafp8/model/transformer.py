@@ -48,13 +48,17 @@ class Block(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(x)); the MLP is a SwiGLU or, in MoE layers, a mixture of experts."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, recipe: PrecisionRecipe, tp: TensorParallel,
-                 ep: ExpertParallel, fp8_dispatch: bool, device=None, cp: Optional[ContextParallel] = None) -> None:
+                 ep: ExpertParallel, fp8_dispatch: bool, device=None, cp: Optional[ContextParallel] = None,
+                 uncounted_tail: int = 0) -> None:
+        """`uncounted_tail`: an MoE block's router leaves the last positions of each sequence out of its expert
+        load (an MTP depth's positions without a target)."""
         super().__init__()
         dtype = recipe.param_dtype
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
         self.attn = ATTENTION_MODULES[spec.attention.kind](cfg, recipe, tp, device, cp=cp)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
-        self.mlp = (MoE(spec.mlp, cfg.hidden_size, recipe, tp, ep, fp8_dispatch, device, cp=cp) if spec.is_moe
+        self.mlp = (MoE(spec.mlp, cfg.hidden_size, recipe, tp, ep, fp8_dispatch, device, cp, uncounted_tail)
+                    if spec.is_moe
                     else SwiGLU(cfg.hidden_size, spec.mlp.ffn_hidden_size, recipe, tp, device))
         self.recompute = False  # set by `apply_recompute`
         self.prepared_linears: list[GemmLayer] = []  # set by `apply_compile`: the GEMM layers to prepare eagerly
@@ -223,10 +227,12 @@ class Transformer(nn.Module):
                                  for i in layer_ids})
         self.has_head = head
         if head:
+            # Depth k's last k positions have no target in the sample (`shifted_inputs`): their routing is left out
+            # of the expert loads that steer the balancing bias and the log (DeepSeek-V3 runs depth k on T - k tokens).
             self.mtp = nn.ModuleList(
-                MtpModule(cfg, recipe, Block(cfg, mtp_layer_spec(cfg), recipe, tp, ep, fp8_dispatch, device, cp),
-                          device)
-                for _ in range(cfg.mtp_depth))
+                MtpModule(cfg, recipe, Block(cfg, mtp_layer_spec(cfg), recipe, tp, ep, fp8_dispatch, device, cp,
+                                             uncounted_tail=k), device)
+                for k in range(1, cfg.mtp_depth + 1))
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
             # The LM head is a precision island: never FP8, whatever the recipe.
             self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, recipe.high_precision(), tp,

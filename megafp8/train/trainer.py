@@ -273,7 +273,7 @@ class Trainer:
         if self.loss_scaler is not None:
             record["loss_scale"] = self.loss_scaler.scale
         if self.expert_balance is not None:
-            record.update(self.expert_balance.record(self.throughput.tokens_per_step))
+            record.update(self.expert_balance.record(self.throughput.tokens_per_step, self.cfg.data.seq_len))
         self._write(record, format_step_line(record, self.cfg.training.steps))
         if stop is not None:
             raise stop
