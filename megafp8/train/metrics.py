@@ -96,26 +96,30 @@ class StepClock:
 class LogWindow:
     """The steps since the last metrics record, added up on the device as they run (no host sync until the record):
     the loss terms of the steps whose update was applied (a skipped step's loss, inf or nan under overflow, is not
-    the model's), how many were, and the last step's grad norm."""
+    the model's), how many were, the last step's grad norm, and the learning rate of the last applied update (kept
+    from window to window: `lr`, that of the last update before the window, is where none is applied)."""
 
-    def __init__(self, terms: int, device: torch.device) -> None:
+    def __init__(self, terms: int, device: torch.device, lr: float) -> None:
         self.steps = 0
         self._loss_sums = torch.zeros(terms, device=device)
         self._applied = torch.zeros((), dtype=torch.int64, device=device)
         self._grad_norm = torch.full((), math.nan, device=device)
+        self._lr = torch.tensor(lr, dtype=torch.float64, device=device)
 
-    def add(self, losses: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """A step's mean loss terms (`terms`,) and its global grad norm (not finite: the step was skipped)."""
+    def add(self, losses: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        """A step's mean loss terms (`terms`,), its global grad norm (not finite: the step was skipped) and the
+        learning rate its update ran at (where applied)."""
         applied = torch.isfinite(grad_norm)
         self._loss_sums += torch.where(applied, losses, 0.0)
         self._applied += applied
         self._grad_norm = grad_norm
+        self._lr = torch.where(applied, lr, self._lr)
         self.steps += 1
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(mean loss terms over the applied steps, nan where none was; steps skipped; the last grad norm), on the
-        device; the window starts again."""
-        taken = (self._loss_sums / self._applied, self.steps - self._applied, self._grad_norm)
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean loss terms over the applied steps, nan where none was; steps skipped; the last grad norm; the last
+        applied update's learning rate), on the device; the window starts again."""
+        taken = (self._loss_sums / self._applied, self.steps - self._applied, self._grad_norm, self._lr)
         self._loss_sums, self._applied = torch.zeros_like(self._loss_sums), torch.zeros_like(self._applied)
         self.steps = 0
         return taken

@@ -82,7 +82,7 @@ class Trainer:
         self.throughput = Throughput(training.global_batch_size * self.cfg.data.seq_len,
                                      training_flops_per_token(self.model_cfg, self.cfg.data.seq_len), dims.world_size,
                                      peak_tflops(device, self.cfg.logging.peak_tflops))
-        self.window = LogWindow(len(LossTerms._fields), device)  # the steps since the last metrics record
+        self.window = LogWindow(len(LossTerms._fields), device, self._last_lr())  # the steps since the last record
         self.stopped_on: str | None = None  # the signal a run stopped on (`checkpoint.save_on_signal`)
         self.loaded_from: Path | None = None  # the checkpoint this launch resumed or evaluates
         self.metrics = self._open_for_evaluation() if evaluate_only else self._open_run()
@@ -117,8 +117,8 @@ class Trainer:
             layers = every_stage(self.health.collect(self.step) if sampled else {}, self.dims.pp_group, self.dims.pp)
             if layers:
                 self.metrics.write({"kind": "fp8_health", "step": self.step, "layers": layers})
-        grad_norm = self._update(loss_scale)
-        self.window.add(losses, grad_norm)
+        grad_norm, lr = self._update(loss_scale)
+        self.window.add(losses, grad_norm, lr)
         return losses[0], grad_norm
 
     def _forward_backward(self, micro_batches: list, loss_scale: float) -> torch.Tensor:
@@ -136,9 +136,14 @@ class Trainer:
             losses += torch.stack(terms).detach() / len(micro_batches)
         return losses
 
-    def _update(self, loss_scale: float) -> torch.Tensor:
+    def _update(self, loss_scale: float) -> tuple[torch.Tensor, float]:
         """The optimizer step, skipped on the device where the global grad norm is not finite; returns the norm
-        (nan for an FP16 step its loss scaler skipped). The optimizer's post-step hooks run either way."""
+        (nan for an FP16 step its loss scaler skipped) and the learning rate the update ran at, where applied. The
+        optimizer's post-step hooks run either way.
+
+        A step skipped on the device still counts in the optimizer's step count until the next sync point
+        (`megafp8/train/nonfinite.py`): until then the schedule runs a step ahead per skip, and this lr with it."""
+        lr = lr_at(self.optimizer.step_count, self.cfg.optimizer, self.cfg.training.steps)
         if self.loss_scaler is None:
             grad_norm = self.optimizer.clip_grad_norm()
         else:
@@ -147,11 +152,11 @@ class Trainer:
                 self.guard.record(self.step, torch.zeros((), dtype=torch.bool, device=self.device),
                                   counts=self.loss_scaler.scale <= self.loss_scaler.min_scale)
                 self.optimizer.skip_step()
-                return torch.full((), float("nan"), device=self.device)
+                return torch.full((), float("nan"), device=self.device), lr
         applied = torch.isfinite(grad_norm)
-        self.optimizer.step(lr_at(self.optimizer.step_count, self.cfg.optimizer, self.cfg.training.steps), applied)
+        self.optimizer.step(lr, applied)
         self.guard.record(self.step, applied)
-        return grad_norm
+        return grad_norm, lr
 
     def evaluate(self) -> float:
         """Mean language-modelling loss (no MTP term) over the fixed held-out micro-batches (`training.eval_iters` of
@@ -213,7 +218,7 @@ class Trainer:
         training, log_interval, save_interval = (self.cfg.training, self.cfg.logging.log_interval,
                                                  self.cfg.checkpoint.interval)
         records: list[dict[str, Any]] = []
-        self.window = LogWindow(len(LossTerms._fields), self.device)
+        self.window = LogWindow(len(LossTerms._fields), self.device, self._last_lr())
         clock = StepClock(self.step, training.steps)
         while self.step < training.steps:
             profiler.before_step(self.step + 1)
@@ -256,7 +261,7 @@ class Trainer:
         With MTP, `loss` (what backward starts from) is `lm_loss` + model.mtp_loss_weight x `mtp_loss`; without, it is
         `lm_loss`, the loss a run without MTP is compared on."""
         steps = self.window.steps
-        mean_losses, skipped, grad_norm = self.window.take()
+        mean_losses, skipped, grad_norm, lr = self.window.take()
         # The losses reach the host first: that waits for every step of the window to finish on the device, so the
         # window's time is device time, not just the host's time to launch it.
         loss, lm_loss, mtp_loss = replica_mean(mean_losses, self.dims).tolist()
@@ -266,10 +271,9 @@ class Trainer:
             stop = None
         except FloatingPointError as err:  # too many skips: the window that shows them is still recorded
             stop = err
-        lr = lr_at(max(0, self.optimizer.step_count - 1), self.cfg.optimizer, self.cfg.training.steps)
         losses = {"loss": loss, "lm_loss": lm_loss, **({"mtp_loss": mtp_loss} if self.model_cfg.mtp_depth else {})}
-        record = train_record(self.step, losses, lr, grad_norm.item(), int(skipped), window_time, self.throughput,
-                              peak_memory(self.device, self.dims), self.state.consumed_tokens)
+        record = train_record(self.step, losses, lr.item(), grad_norm.item(), int(skipped), window_time,
+                              self.throughput, peak_memory(self.device, self.dims), self.state.consumed_tokens)
         if self.loss_scaler is not None:
             record["loss_scale"] = self.loss_scaler.scale
         if self.expert_balance is not None:
@@ -278,6 +282,11 @@ class Trainer:
         if stop is not None:
             raise stop
         return record
+
+    def _last_lr(self) -> float:
+        """The learning rate of the last update applied before now, by the optimizer's step count (settled at a sync
+        point: a resumed checkpoint, the end of a window)."""
+        return lr_at(max(0, self.optimizer.step_count - 1), self.cfg.optimizer, self.cfg.training.steps)
 
     def _write(self, record: dict[str, Any], line: str) -> dict[str, Any]:
         """Log `line` and write `record` to the metrics backends."""
