@@ -10,7 +10,8 @@ import pytest
 
 from megafp8.config import ConfigError
 from tests.conftest import REPO, torchrun_env
-from tools.compare_runs import compare, gaps, mann_whitney, parity, pooled, rank_check, t_critical, welch
+from tools.compare_runs import (compare, gaps, loss_gap_verdict, mann_whitney, parity, pooled, rank_check, t_critical,
+                                welch)
 
 
 def _write(path, losses, norms, times):
@@ -26,6 +27,34 @@ def test_compare_reports_largest_differences_and_median_speed(tmp_path):
     table = compare([str(tmp_path / "ref"), str(tmp_path / "other")], skip=1).splitlines()
     assert table[2] == "| ref | 3 | 0.0000 | 0.00% | 1.0000 | 1.0000 | 100 |"
     assert table[3] == "| other | 3 | 0.5000 | 25.00% | 1.1000 | 0.5000 | 200 |"
+
+
+def _write_mtp_run(path, losses, lm_losses=None):
+    """A run that trained with MTP (its run record says so): its `loss` holds the weighted MTP loss; `lm_losses`
+    logged beside it, or not (a metrics file from before `lm_loss` was)."""
+    path.mkdir()
+    records = [{"kind": "run", "config": {"model": {"mtp_depth": 1, "mtp_loss_weight": 0.3}}}]
+    for i, loss in enumerate(losses):
+        parts = {} if lm_losses is None else {"lm_loss": lm_losses[i], "mtp_loss": (loss - lm_losses[i]) / 0.3}
+        records.append({"kind": "train", "step": i + 1, "loss": loss, **parts})
+    (path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return str(path)
+
+
+def test_a_run_with_mtp_compares_with_one_without_on_its_language_modelling_loss(tmp_path):
+    """The training loss of a run with MTP holds the weighted MTP loss (here 0.9 above the LM loss): compared as it
+    was, `loss` against `loss`, the MTP run looked 0.9 worse than a run without MTP whose model is as good."""
+    _write(tmp_path / "plain", [3.0, 2.0, 1.0], [1.0] * 3, [1.0] * 3)
+    mtp = _write_mtp_run(tmp_path / "mtp", [3.9, 2.9, 1.9], lm_losses=[3.0, 2.0, 1.1])
+    table = compare([str(tmp_path / "plain"), mtp], skip=0).splitlines()
+    assert table[3].startswith("| mtp | 3 | 0.1000 | nan% | 1.1000 |"), table  # (no grad norms logged)
+    lines, passed = loss_gap_verdict([str(tmp_path / "plain"), mtp], 0.05)
+    assert not passed and lines == ["- **FAIL** mtp: max |loss gap| 0.1000 at step 3, above 0.05"]
+    old = _write_mtp_run(tmp_path / "old_mtp", [3.9, 2.9, 1.9])  # before lm_loss: only the total is known
+    with pytest.raises(ConfigError, match="old_mtp trained with MTP before lm_loss was logged"):
+        compare([str(tmp_path / "plain"), old], skip=0)
+    old_too = _write_mtp_run(tmp_path / "old_mtp_2", [3.8, 2.9, 1.9])  # alike: total against total, as they were
+    assert compare([old, old_too], skip=0).splitlines()[3].startswith("| old_mtp_2 | 3 | 0.1000 |")
 
 
 def test_max_loss_gap_fails_a_run_beyond_it_or_cut_short_with_exit_status_1(tmp_path):

@@ -72,6 +72,20 @@ def test_plan_describes_without_converting_and_convert_follows_the_start_step():
     assert fp8_layers(model) == []
 
 
+def test_bf16_first_last_blocks_keeps_the_mtp_modules_in_bf16_with_the_last_blocks():
+    """An MTP module's block follows the last block and, like it, feeds the shared output head: the blocks nearest
+    the output that `bf16_first_last_blocks` keeps out of FP8. They ran FP8 (and their combining projection) while
+    the last main block beside them ran BF16. The main blocks kept are the same with MTP as without."""
+    cfg, recipe, converter = converter_for("tiny_dense_fp8", "precision.bf16_first_last_blocks=1",
+                                           "model.mtp_depth=2")
+    plan = converter.check(Transformer(cfg.model, recipe, 64, device="meta"))
+    assert not [n for n in plan.fp8_layers if n.startswith(("mtp.", "layers.0.", "layers.3."))], plan.fp8_layers
+    assert {n.split(".")[1] for n in plan.fp8_layers if n.startswith("layers.")} == {"1", "2"}
+    assert {"mtp.0.combine_proj", "mtp.1.block.mlp.down_proj"} <= set(plan.bf16_layers)
+    _, _, unset = converter_for("tiny_dense_fp8", "model.mtp_depth=2")  # without the setting MTP runs FP8
+    assert "mtp.1.block.mlp.down_proj" in unset.check(Transformer(cfg.model, recipe, 64, device="meta")).fp8_layers
+
+
 def test_without_fp8_every_layer_is_bf16_and_nothing_switches():
     cfg, recipe, converter = converter_for("tiny_dense", "precision.fp8_start_step=2")
     model = Transformer(cfg.model, recipe, 64)

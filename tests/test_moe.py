@@ -101,7 +101,44 @@ def test_expert_loads_count_exactly_past_two_to_the_24():
     balance = ExpertBalance([router], UNGROUPED, ParallelDims.single())
     balance(None)
     tokens = (8 * 2**24) // UNGROUPED.top_k + 1  # every assignment routed: none dropped
-    assert balance.record(tokens)["moe_dropped_tokens"] == 0
+    assert balance.record(tokens, seq_len=1)["moe_dropped_tokens"] == 0
+
+
+def test_mtp_positions_without_a_target_are_left_out_of_the_expert_loads(tiny_overrides):
+    """MTP depth k's last k positions have no target in the sample (their inputs repeat its last token): they reach
+    no loss, yet their routing counted into the expert loads that move the balancing bias and fill the log's moe_*
+    figures (k / seq_len of the MTP layers' counts). The main layers still count every token, as before."""
+    from megafp8.model.moe import routers
+    from megafp8.parallel.experts import count_per_expert
+
+    cfg = load_config("tiny_moe_fp8", tiny_overrides + [
+        "precision.recipe=fp32", "model.mtp_depth=2", "training.steps=1", "training.eval_interval=0",
+        "optimizer.warmup_steps=1"])
+    trainer = Trainer(cfg, ParallelDims.single(), torch.device("cpu"))
+    named = routers(trainer.model)
+    chosen: dict[str, list[torch.Tensor]] = {}  # each router's choice per micro-batch: (B*T, top_k)
+    for name, router in named:
+        router.register_forward_hook(lambda _, args, out, name=name: chosen.setdefault(name, []).append(out[1]))
+    [record] = [r for r in trainer.fit() if r["kind"] == "train"]
+    seq_len, top_k = cfg.data.seq_len, cfg.model.moe.top_k
+    assert [name for name, _ in named] == ["layers.1.mlp.router", "mtp.0.block.mlp.router", "mtp.1.block.mlp.router"]
+    for (name, _), loads, tail in zip(named, trainer.expert_balance.loads, [0, 1, 2]):
+        kept = [c.view(-1, seq_len, top_k)[:, :seq_len - tail] for c in chosen[name]]
+        assert torch.equal(loads, sum(count_per_expert(c, 8) for c in kept).double()), name
+    assert record["moe_dropped_tokens"] == 0
+
+
+def test_the_counted_tokens_are_found_by_position_under_sequence_and_context_parallelism():
+    """A rank's tokens are a slice of the micro-batch under sequence parallelism, and under context parallelism its
+    two chunks of each sequence: rank 0 of two holds chunks 0 and 3, so the sequence's end."""
+    from megafp8.model.moe import counted_tokens
+    from megafp8.parallel import ContextParallel
+
+    cpu = torch.device("cpu")
+    # tokens 4-9 of sequences of 5 (a TP rank's slice): positions 4, 0, 1, 2, 3, 4; the last 2 of each not counted
+    assert counted_tokens(6, 4, 5, 2, ContextParallel.single(), cpu).tolist() == [False, True, True, True, False, False]
+    first, second = (counted_tokens(8, 0, 8, 2, ContextParallel(None, 2, r), cpu).tolist() for r in (0, 1))
+    assert first == [True] * 6 + [False] * 2 and second == [True] * 8
 
 
 def test_bias_updates_move_a_skewed_load_toward_uniform():

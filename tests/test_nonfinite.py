@@ -22,14 +22,15 @@ def _trainer(overrides, dims=None) -> Trainer:
     return Trainer(cfg, dims or ParallelDims.single(), torch.device("cpu"))
 
 
-def _poison_from(trainer: Trainer, step: int, param_name: str, value: float = NAN) -> None:
-    """From optimizer step `step` on, this rank's gradient of `param_name` gets `value` before the data-parallel
-    reduction (as a bad batch or a flipped bit would give it)."""
+def _poison_from(trainer: Trainer, step: int, param_name: str, value: float = NAN,
+                 steps: tuple[int, ...] = ()) -> None:
+    """From optimizer step `step` on (or at the `steps` given), this rank's gradient of `param_name` gets `value`
+    before the data-parallel reduction (as a bad batch or a flipped bit would give it)."""
     grad = dict(trainer.model.named_parameters())[param_name].main_grad
     finish = trainer.grad_buckets.finish
 
     def poisoned_finish():
-        if trainer.step + 1 >= step:
+        if trainer.step + 1 in steps if steps else trainer.step + 1 >= step:
             grad.view(-1)[7] = value
         finish()
     trainer.grad_buckets.finish = poisoned_finish
@@ -108,12 +109,12 @@ def test_fp16_overflow_skipped_by_the_scaler_does_not_end_the_run(tiny_overrides
     """0800a78 averaged the skipped step's inf loss into the logged loss and stopped: 'training diverged'."""
     trainer = _trainer(tiny_overrides + ["precision.recipe=fp16", "logging.log_interval=3", "training.eval_interval=0",
                                          "precision.loss_scale_initial=1024", "precision.loss_scale_hysteresis=1"])
-    forward = trainer.model.forward
+    loss_terms = trainer.model.loss_terms
 
-    def overflowing_forward(tokens, targets=None):
-        loss = forward(tokens, targets)
-        return loss * math.inf if trainer.step == 1 else loss  # step 2 overflows in its forward pass
-    trainer.model.forward = overflowing_forward
+    def overflowing_loss_terms(tokens, targets):
+        terms = loss_terms(tokens, targets)  # step 2 overflows in its forward pass
+        return terms._replace(total=terms.total * math.inf) if trainer.step == 1 else terms
+    trainer.model.loss_terms = overflowing_loss_terms
     records = [r for r in trainer.fit() if r["kind"] == "train"]
     assert [r["skipped_steps"] for r in records] == [1, 0]
     assert all(math.isfinite(r["loss"]) for r in records) and records[-1]["loss_scale"] == 512.0
@@ -210,3 +211,23 @@ def test_the_window_of_the_skips_that_stop_the_run_is_recorded(tiny_overrides):
     [record] = [r for r in records if r["kind"] == "train"]
     assert record["step"] == 4 and record["skipped_steps"] == 2 and math.isfinite(record["loss"])
     assert record["grad_norm"] is None  # the last step's, not finite
+
+
+def test_the_logged_lr_is_the_one_the_last_applied_update_ran_at(tiny_overrides):
+    """Until the host learns of a skip (at the window's logging step), the schedule runs one step ahead per skipped
+    step; the record then took the lr from the settled step count, one schedule step behind the one the window's
+    last update ran at wherever a step before it was skipped (step 2 here). A skip at the window's end (step 6) left
+    it right, and still does: a skipped step ran no update."""
+    trainer = _trainer(tiny_overrides + ["training.steps=6", "logging.log_interval=3", "optimizer.warmup_steps=6",
+                                         "training.eval_interval=0", "training.max_consecutive_skips=2"])
+    _poison_from(trainer, 0, "layers.1.mlp.down_proj.weight", steps=(2, 6))
+    used, step = [], trainer.optimizer.step
+
+    def recording_step(lr, apply=None):
+        used.append(lr)
+        step(lr, apply)
+    trainer.optimizer.step = recording_step
+    records = [r for r in trainer.fit() if r["kind"] == "train"]
+    assert [r["skipped_steps"] for r in records] == [1, 1]
+    assert [r["lr"] for r in records] == [used[2], used[4]]  # steps 3 and 5: the windows' last applied updates
+    assert used[2] != used[1]  # (the warmup's lr grows every step: a step behind is another lr)

@@ -119,8 +119,10 @@ def test_recomputation_inside_pipeline_stages_matches_pp1(parity):
 def test_mtp_on_the_last_stage_of_a_v_schedule_matches_pp1(parity, recompute):
     """V schedules put the first and last stage on rank 0, so the MTP module shares the embedding there. With
     `recompute_layers=2` rank 0 recomputes its two layers (stages 0 and 3) and not its MTP block, rank 1 both of its
-    layers."""
-    _check(parity, FP32 + ["model.mtp_depth=1"], ["parallel.pp=2", "parallel.pp_schedule=zbv", *recompute], 2)
+    layers. The loss's LM and MTP parts, which only the last stage sees, are logged as at PP=1."""
+    _, got = _check(parity, FP32 + ["model.mtp_depth=1"], ["parallel.pp=2", "parallel.pp_schedule=zbv", *recompute],
+                    2)
+    assert all(r["lm_loss"] < r["loss"] < r["lm_loss"] + r["mtp_loss"] for r in got.train)
 
 
 def _save_worker(rank, world, overrides):

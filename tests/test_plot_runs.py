@@ -82,6 +82,26 @@ def test_command_line_writes_a_png(tmp_path):
     assert bad.returncode == 2 and "has no 'nonsense'" in bad.stderr
 
 
+def test_lm_loss_of_a_run_from_before_it_was_logged_is_its_loss_unless_it_trained_with_mtp(tmp_path):
+    """`--metrics lm_loss` sets a run with MTP beside runs without it, older ones too: a metrics file from before
+    `lm_loss` was logged has the LM loss in `loss`, but where the run trained with MTP that held the MTP loss too."""
+    pytest.importorskip("matplotlib")
+    from megafp8.train.plots import plot_runs
+
+    write_run(tmp_path / "plain", [5.0, 4.0])
+    write_run(tmp_path / "mtp", [5.9, 4.9])
+    mtp = tmp_path / "mtp" / "metrics.jsonl"
+    mtp.write_text(mtp.read_text().replace('9}', '9, "lm_loss": 4.5}'))
+    out = tmp_path / "lm.png"
+    assert plot_runs([str(tmp_path / "plain"), str(tmp_path / "mtp")], ["plain", "mtp"], ["lm_loss"], str(out)) == []
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    old = tmp_path / "old_mtp" / "metrics.jsonl"
+    write_run(old.parent, [5.9, 4.9])
+    old.write_text(old.read_text().replace('{"kind": "run"}', '{"kind": "run", "config": {"model": {"mtp_depth": 1}}}'))
+    with pytest.raises(ConfigError, match="old_mtp has no 'lm_loss' in its 'train' records"):
+        plot_runs([str(old.parent)], ["old"], ["lm_loss"], str(out))
+
+
 def test_steps_that_go_back_are_warned_about(tmp_path):
     """0800a78 drew three launches appended to one file as one curve, silently."""
     write_run(tmp_path / "a", [5.0, 4.0, 3.0], extra=[{"kind": "train", "step": 1, "loss": 5.5}])

@@ -186,12 +186,12 @@ def _fp16_trainer(overrides, extra, inf_steps=(), dims=None) -> Trainer:
         "precision.recipe=fp16", "precision.loss_scale_initial=1024", "precision.loss_scale_growth_interval=2",
         "precision.loss_scale_hysteresis=2", "training.eval_interval=0", "checkpoint.interval=100"] + extra)
     trainer = Trainer(cfg, dims or ParallelDims.single(), torch.device("cpu"))
-    forward = trainer.model.forward
+    loss_terms = trainer.model.loss_terms
 
-    def overflowing_forward(tokens, targets=None):
-        loss = forward(tokens, targets)
-        return loss * math.inf if trainer.step + 1 in inf_steps else loss
-    trainer.model.forward = overflowing_forward
+    def overflowing_loss_terms(tokens, targets):
+        terms = loss_terms(tokens, targets)
+        return terms._replace(total=terms.total * math.inf) if trainer.step + 1 in inf_steps else terms
+    trainer.model.loss_terms = overflowing_loss_terms
     return trainer
 
 

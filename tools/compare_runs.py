@@ -8,6 +8,11 @@ both logged, the final loss, and the median step time and tokens/s over steps af
 (warm-up, allocator growth and autotuning excluded). `--max-loss-gap 0.05` then judges each run: PASS where its
 largest |loss gap| over every step the reference logged is within 0.05, else FAIL and exit status 1.
 
+The training loss compared, in every mode, is the language-modelling loss: `lm_loss`, which is `loss` without
+multi-token prediction and `loss` less the weighted MTP loss with it, so a run with MTP compares with one without
+(a metrics file from before `lm_loss` was logged gives its `loss`; one of those that trained with MTP compares only
+with others like it).
+
 Parity mode (FP8 against BF16, with BF16's own seed-to-seed noise as the yardstick):
     python tools/compare_runs.py --parity runs/bf16_a runs/fp8_a runs/bf16_b --window 500
 The runs are BF16 seed A, FP8 seed A and (optional) BF16 seed B, trained on the same data in the same order. Per
@@ -53,7 +58,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megafp8.config import ConfigError  # noqa: E402
-from megafp8.train.plots import logged_values, read_records, read_series  # noqa: E402
+from megafp8.train.plots import lm_loss_field, logged_values, read_records, read_series  # noqa: E402
 from megafp8.config.arguments import positive_number, run_tool  # noqa: E402
 
 
@@ -62,12 +67,28 @@ def _by_step(run: str, metric: str) -> dict[int, float]:
     return dict(zip(steps, values))
 
 
+def train_losses(runs: list[str]) -> list[dict[int, float]]:
+    """Each run's training loss by step, like with like: its language-modelling loss (`lm_loss_field`), or where
+    a run's is not logged apart (it trained with MTP before `lm_loss` was), every run's `loss` if all are such runs;
+    a ConfigError if only some are."""
+    fields = [lm_loss_field(run) for run in runs]
+    if None in fields:
+        alike = [run for run, field in zip(runs, fields) if field is not None]
+        if alike:
+            raise ConfigError(f"{runs[fields.index(None)]} trained with MTP before lm_loss was logged: its training "
+                              f"loss holds the weighted MTP loss, {alike[0]}'s does not; compare their val_loss "
+                              "(--gaps, --parity, --pooled), or runs alike")
+        fields = ["loss"] * len(runs)
+    return [_by_step(run, field) for run, field in zip(runs, fields)]
+
+
 def compare(runs: list[str], skip: int) -> str:
-    ref_loss, ref_norm = _by_step(runs[0], "loss"), _by_step(runs[0], "grad_norm")
+    losses = train_losses(runs)
+    ref_loss, ref_norm = losses[0], _by_step(runs[0], "grad_norm")
     lines = ["| run | steps compared | max abs loss diff | max grad-norm rel diff | final loss | step time (s) | "
              "tokens/s |", "|---|---|---|---|---|---|---|"]
-    for run in runs:
-        loss, norm = _by_step(run, "loss"), _by_step(run, "grad_norm")
+    for run, loss in zip(runs, losses):
+        norm = _by_step(run, "grad_norm")
         if not loss:
             raise ConfigError(f"run {run} has no train records with a loss (a run stopped before its first log, or "
                               "not a training run's metrics): leave it out")
@@ -86,10 +107,9 @@ def loss_gap_verdict(runs: list[str], limit: float) -> tuple[list[str], bool]:
     """`--max-loss-gap`: one line per run after the first, PASS where its largest |loss - reference loss| is within
     `limit` over every step the reference logged, FAIL where it is not or the run logged fewer of those steps (a
     run cut short would pass on the steps it reached). Returns the lines and whether all passed."""
-    ref_loss = _by_step(runs[0], "loss")
+    ref_loss, *losses = train_losses(runs)
     lines, passed = [], True
-    for run in runs[1:]:
-        loss = _by_step(run, "loss")
+    for run, loss in zip(runs[1:], losses):
         common = sorted(set(loss) & set(ref_loss))
         gaps = {step: abs(loss[step] - ref_loss[step]) for step in common}
         worst = max(gaps, key=lambda step: (gaps[step], -step), default=None)
@@ -215,7 +235,7 @@ def parity(runs: list[str], window: int, tolerance: float, worst: int, seeds: tu
         raise ConfigError(f"--parity takes 2 or 3 runs (BF16 seed A, FP8 seed A, [BF16 seed B]), got {len(runs)}")
     roles = roles_of(seeds)[: len(runs)]
     lines = [f"- {role}: {run}" for role, run in zip(roles, runs)] + [""]
-    train = [_by_step(run, "loss") for run in runs]
+    train = train_losses(runs)
     if not set.intersection(*(set(s) for s in train)):
         raise ConfigError(f"runs {runs} have no logged training step in common")
     windows = _windows(train, window)
@@ -253,7 +273,7 @@ def gaps(runs: list[str], labels: list[str], windows: list[tuple[int, int]]) -> 
     last step of the window gets "-"."""
     if len(labels) != len(runs):
         raise ConfigError(f"{len(labels)} labels for {len(runs)} runs")
-    train = [_by_step(run, "loss") for run in runs]
+    train = train_losses(runs)
     valid = [dict(zip(*read_series(run, "eval", "val_loss"))) for run in runs]
     columns = []
     for a, b in windows:
@@ -438,7 +458,7 @@ def pooled(ref_runs: list[str], other_runs: list[str], labels: tuple[str, str], 
     module's docstring), as Markdown: training loss per window, validation loss per evaluation, the verdict."""
     runs = ref_runs + other_runs
     lines = [f"- {labels[0]}: {', '.join(ref_runs)}", f"- {labels[1]}: {', '.join(other_runs)}", ""]
-    train = [_by_step(run, "loss") for run in runs]
+    train = train_losses(runs)
     last = [max(series, default=0) for series in train]
     steps = sorted(set.union(*(set(s) for s in train)))
     head = (f"{labels[0]} runs | {labels[0]} mean | {labels[0]} range | {labels[1]} runs | {labels[1]} mean | "

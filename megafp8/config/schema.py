@@ -289,7 +289,10 @@ class PrecisionConfig:
     bf16_layers: list[str] = setting(
         [], "Globs of GEMM layer names kept in BF16 even if `fp8_layers` matches them (e.g. `layers.0.*`)."
     )
-    bf16_first_last_blocks: int = setting(0, "Keep the first and the last N transformer blocks entirely in BF16.")
+    bf16_first_last_blocks: int = setting(
+        0, "Keep the first and the last N transformer blocks entirely in BF16, and (N > 0) every multi-token "
+        "prediction module: each one's block follows the last and feeds the shared output head like it."
+    )
 
 
 @dataclass

@@ -77,8 +77,11 @@ class Fp8Converter:
         self.fp8_patterns = list(cfg.fp8_layers)
         self.bf16_patterns = list(cfg.bf16_layers)
         edge = cfg.bf16_first_last_blocks
+        # The MTP modules (`mtp.*`: each a combining projection and a block) follow the last block and, like it, feed
+        # the shared output head: they are among the last blocks whatever N is, and the main blocks kept are those of
+        # the same model without MTP.
         self.kept_patterns = self.bf16_patterns + [f"layers.{i}.*" for i in range(num_layers)
-                                                   if i < edge or i >= num_layers - edge]
+                                                   if i < edge or i >= num_layers - edge] + (["mtp.*"] if edge else [])
         self.start_step = cfg.fp8_start_step  # optimizer steps in BF16 before the planned layers switch to FP8
 
     def check(self, whole_model: nn.Module) -> Fp8Plan:

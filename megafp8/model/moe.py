@@ -39,10 +39,12 @@ from megafp8.precision.grouped import (
 
 class Router(nn.Module):
     """Top-k expert choice per token. `expert_bias` steers selection only; `load` counts this rank's
-    assignments per expert since the trainer last read it."""
+    assignments per expert since the trainer last read it, except those of the last `uncounted_tail` positions of each
+    sequence (an MTP depth's: their targets lie past the sample, so they reach no loss)."""
 
-    def __init__(self, moe: MoeConfig, hidden_size: int, device=None) -> None:
+    def __init__(self, moe: MoeConfig, hidden_size: int, device=None, uncounted_tail: int = 0) -> None:
         super().__init__()
+        self.uncounted_tail = uncounted_tail
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.n_group, self.topk_group = moe.n_group, moe.topk_group
         self.score_func, self.norm_topk = moe.score_func, moe.norm_topk_prob
@@ -63,15 +65,17 @@ class Router(nn.Module):
         """(N, E) scores -> (N, k) chosen experts (bias-steered, group-limited: `routing.group_limited_topk`)."""
         return group_limited_topk(scores.detach() + self.expert_bias, self.n_group, self.topk_group, self.top_k)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, hidden) -> (weights (N, k) FP32, chosen experts (N, k), scores (N, E) FP32)."""
+    def forward(self, x: torch.Tensor, counted: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, hidden) -> (weights (N, k) FP32, chosen experts (N, k), scores (N, E) FP32); `counted` (N,) bool:
+        the tokens whose choice counts into `load` (None: all)."""
         scores = self.scores(x)
         chosen = self.select(scores)
         weights = scores.gather(1, chosen)
         if self.norm_topk:  # + 1e-20 as DeepSeek-V3's reference: chosen sigmoid scores that all underflow to 0
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # (logits below ~-88) give 0, not NaN
         if self.training and self.counting:
-            self.load += count_per_expert(chosen, self.num_experts).double()
+            self.load += count_per_expert(chosen, self.num_experts, counted).double()
         return weights * self.scaling, chosen, scores
 
     @torch.no_grad()
@@ -80,6 +84,16 @@ class Router(nn.Module):
         `apply` (a 0-d bool device tensor): leave the bias as it is where False (a skipped step)."""
         change = rate * torch.sign(global_load.mean() - global_load).to(self.expert_bias.dtype)  # (FP64 loads)
         self.expert_bias += change if apply is None else change * apply
+
+
+def counted_tokens(tokens: int, first_token: int, seq_len: int, uncounted_tail: int, cp: ContextParallel,
+                   device: torch.device) -> torch.Tensor:
+    """(tokens,) bool: which of this rank's tokens, [first_token, first_token + tokens) of the flattened micro-batch of
+    `seq_len` a sequence on this rank (a slice under sequence parallelism; its share of each sequence under context
+    parallelism), lie before the last `uncounted_tail` positions of their whole sequence."""
+    local = (torch.arange(tokens, device=device) + first_token) % seq_len
+    position = cp.positions(seq_len * cp.size, device)[local] if cp.enabled else local
+    return position < seq_len * cp.size - uncounted_tail
 
 
 def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, batch: int, seq_len: int, first_token: int,
@@ -188,13 +202,14 @@ class MoE(nn.Module):
 
     def __init__(self, moe: MoeConfig, hidden_size: int, recipe: PrecisionRecipe, tp: TensorParallel,
                  ep: ExpertParallel, fp8_dispatch: bool = False, device=None,
-                 cp: Optional[ContextParallel] = None) -> None:
+                 cp: Optional[ContextParallel] = None, uncounted_tail: int = 0) -> None:
+        """`uncounted_tail`: the last positions of each sequence left out of the router's load (`Router`)."""
         super().__init__()
         self.num_experts, self.tp, self.ep = moe.num_experts, tp, ep
         self.cp = cp or ContextParallel.single()  # the balance loss's sequences are shared over it
         self.aux_coeff = moe.aux_loss_coeff
         self.fp8_dispatch = fp8_dispatch
-        self.router = Router(moe, hidden_size, device)
+        self.router = Router(moe, hidden_size, device, uncounted_tail)
         self.experts = RoutedExperts(moe, hidden_size, recipe, ep, device)
         self.shared = None
         if moe.num_shared_experts > 0:
@@ -209,7 +224,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x (tokens, hidden) -> (output, weighted balance loss)."""
-        weights, chosen, scores = self.router(x)
+        first = self.tp.rank * x.shape[0] if self.tp.sp else 0  # this rank's first token of the micro-batch
+        counted = None
+        if self.router.uncounted_tail and self.training:
+            counted = counted_tokens(x.shape[0], first, seq_len, self.router.uncounted_tail, self.cp, x.device)
+        weights, chosen, scores = self.router(x, counted)
         plan = dispatch(x, chosen, self.num_experts, self.ep, self._dispatch_quantizer(x))
         y = None
         if plan.regroup is None:  # one EP rank: the fused FP8 experts combine their own output
@@ -221,7 +240,6 @@ class MoE(nn.Module):
             y = y + self.shared(x)
         aux = x.new_zeros((), dtype=torch.float32)
         if self.aux_coeff > 0 and self.training:
-            first = self.tp.rank * x.shape[0] if self.tp.sp else 0
             aux = self.aux_coeff * sequence_balance_loss(scores, chosen, batch, seq_len, first, self.tp, self.cp)
         return y, aux
 

@@ -13,6 +13,8 @@ summed over TP like the norms').
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn as nn
 
@@ -20,6 +22,14 @@ from megafp8.config import ModelConfig
 from megafp8.model.norm import RMSNorm
 from megafp8.parallel import IGNORE_INDEX, ColumnParallelLinear
 from megafp8.precision import PrecisionRecipe
+
+
+class LossTerms(NamedTuple):
+    """The losses of a training forward: `total` = `lm` + mtp_loss_weight x `mtp`, the one backward starts from."""
+
+    total: torch.Tensor
+    lm: torch.Tensor  # the main head's mean cross-entropy: the language-modelling loss, as validation measures it
+    mtp: torch.Tensor  # the MTP depths' mean cross-entropy, unweighted (0 without MTP)
 
 
 class MtpModule(nn.Module):

@@ -19,7 +19,7 @@ from megafp8.model.compile_cache import keyed_to_this_code
 from megafp8.model.mla import MultiHeadLatentAttention
 from megafp8.model.mlp import SwiGLU
 from megafp8.model.moe import MoE
-from megafp8.model.mtp import MtpModule, shifted_inputs
+from megafp8.model.mtp import LossTerms, MtpModule, shifted_inputs
 from megafp8.model.norm import RMSNorm
 from megafp8.model.rope import RotaryEmbedding
 from megafp8.parallel import (
@@ -48,13 +48,17 @@ class Block(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(x)); the MLP is a SwiGLU or, in MoE layers, a mixture of experts."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, recipe: PrecisionRecipe, tp: TensorParallel,
-                 ep: ExpertParallel, fp8_dispatch: bool, device=None, cp: Optional[ContextParallel] = None) -> None:
+                 ep: ExpertParallel, fp8_dispatch: bool, device=None, cp: Optional[ContextParallel] = None,
+                 uncounted_tail: int = 0) -> None:
+        """`uncounted_tail`: an MoE block's router leaves the last positions of each sequence out of its expert
+        load (an MTP depth's positions without a target)."""
         super().__init__()
         dtype = recipe.param_dtype
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
         self.attn = ATTENTION_MODULES[spec.attention.kind](cfg, recipe, tp, device, cp=cp)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
-        self.mlp = (MoE(spec.mlp, cfg.hidden_size, recipe, tp, ep, fp8_dispatch, device, cp=cp) if spec.is_moe
+        self.mlp = (MoE(spec.mlp, cfg.hidden_size, recipe, tp, ep, fp8_dispatch, device, cp, uncounted_tail)
+                    if spec.is_moe
                     else SwiGLU(cfg.hidden_size, spec.mlp.ffn_hidden_size, recipe, tp, device))
         self.recompute = False  # set by `apply_recompute`
         self.prepared_linears: list[GemmLayer] = []  # set by `apply_compile`: the GEMM layers to prepare eagerly
@@ -223,10 +227,12 @@ class Transformer(nn.Module):
                                  for i in layer_ids})
         self.has_head = head
         if head:
+            # Depth k's last k positions have no target in the sample (`shifted_inputs`): their routing is left out
+            # of the expert loads that steer the balancing bias and the log (DeepSeek-V3 runs depth k on T - k tokens).
             self.mtp = nn.ModuleList(
-                MtpModule(cfg, recipe, Block(cfg, mtp_layer_spec(cfg), recipe, tp, ep, fp8_dispatch, device, cp),
-                          device)
-                for _ in range(cfg.mtp_depth))
+                MtpModule(cfg, recipe, Block(cfg, mtp_layer_spec(cfg), recipe, tp, ep, fp8_dispatch, device, cp,
+                                             uncounted_tail=k), device)
+                for k in range(1, cfg.mtp_depth + 1))
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
             # The LM head is a precision island: never FP8, whatever the recipe.
             self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, recipe.high_precision(), tp,
@@ -243,6 +249,11 @@ class Transformer(nn.Module):
             logits = self.lm_head(self.final_norm(hidden))  # (B*T, vocab / tp)
             return gather_from_tp_last(logits, self.tp).view(batch, seq_len, -1)
         return self.head_loss(hidden, targets, with_mtp)
+
+    def loss_terms(self, tokens: torch.Tensor, targets: torch.Tensor) -> LossTerms:
+        """The training forward of tokens, targets (B, T): the loss backward starts from and its parts, for the log."""
+        batch, seq_len = tokens.shape
+        return self.head_terms(self.run_layers(self.embed(tokens), self.layers.keys(), batch, seq_len), targets)
 
     def run_layers(self, x: torch.Tensor, layer_ids: Iterable[str], batch: int, seq_len: int) -> torch.Tensor:
         """The residual stream after the blocks `layer_ids` (keys of `self.layers`), in order."""
@@ -265,11 +276,21 @@ class Transformer(nn.Module):
         """Final norm, LM head and mean cross-entropy of the last block's output, plus (`with_mtp`: the training
         loss) the weighted MTP loss. Without it, the language-modelling loss alone: the validation loss, comparable
         with a model's without MTP (the MTP modules, dropped at inference, do not run)."""
+        if not with_mtp:
+            return self._lm_loss(hidden, targets)
+        return self.head_terms(hidden, targets).total
+
+    def head_terms(self, hidden: torch.Tensor, targets: torch.Tensor) -> LossTerms:
+        """`head_loss` with MTP (the training loss), and its parts: the LM and the (unweighted) MTP cross-entropy."""
+        lm = self._lm_loss(hidden, targets)
+        if not self.mtp:
+            return LossTerms(lm, lm, lm.new_zeros(()))
+        mtp = self._mtp_loss(hidden, targets)
+        return LossTerms(lm + self.cfg.mtp_loss_weight * mtp, lm, mtp)
+
+    def _lm_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.final_norm(hidden))  # (B*T, vocab / tp)
-        loss = vocab_parallel_cross_entropy(logits, targets, self.tp)
-        if self.mtp and with_mtp:
-            loss = loss + self.cfg.mtp_loss_weight * self._mtp_loss(hidden, targets)
-        return loss
+        return vocab_parallel_cross_entropy(logits, targets, self.tp)
 
     def _mtp_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the MTP depths (each predicting one more token ahead)."""

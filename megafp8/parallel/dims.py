@@ -96,10 +96,10 @@ class ContextParallel:
         """The two chunks (of 2 x size) of each sequence this rank holds, in its local order."""
         return self.rank, 2 * self.size - 1 - self.rank
 
-    def positions(self, seq_len: int) -> torch.Tensor:
-        """This rank's token positions within a sequence of `seq_len`, in its local order (int64)."""
+    def positions(self, seq_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
+        """This rank's token positions within a sequence of `seq_len`, in its local order (int64, on `device`)."""
         chunk = chunk_length(seq_len, self.size)
-        return torch.cat([torch.arange(j * chunk, (j + 1) * chunk) for j in self.chunks()])
+        return torch.cat([torch.arange(j * chunk, (j + 1) * chunk, device=device) for j in self.chunks()])
 
     def collective_group(self) -> TensorParallel:
         """The group as the token-dimension collectives of `megafp8.parallel.collectives` take one."""

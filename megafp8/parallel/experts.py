@@ -138,12 +138,15 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def count_per_expert(expert_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """(num_experts,) int64: how many entries of `expert_idx` name each expert. `torch.bincount` would give the
-    same, but on CUDA it reads the input's max on the host first (a sync); an integer scatter-add is exact."""
+def count_per_expert(expert_idx: torch.Tensor, num_experts: int,
+                     counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(num_experts,) int64: how many entries of `expert_idx` (tokens, k) name each expert, of the tokens `counted`
+    (a (tokens,) bool mask; None: all). `torch.bincount` would give the same, but on CUDA it reads the input's max on
+    the host first (a sync); an integer scatter-add is exact (and a masked row adds 0: no sync to select rows)."""
     flat = expert_idx.reshape(-1)
-    return flat.new_zeros(num_experts, dtype=torch.int64).scatter_add_(0, flat.long(), torch.ones_like(flat,
-                                                                                                       dtype=torch.int64))
+    ones = torch.ones_like(flat, dtype=torch.int64) if counted is None else \
+        counted.unsqueeze(1).expand_as(expert_idx).reshape(-1).long()
+    return flat.new_zeros(num_experts, dtype=torch.int64).scatter_add_(0, flat.long(), ones)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Auxiliary-loss-free MoE balancing across ranks, as a hook after every optimizer step.
 
-Each router counts the tokens it sends to each expert during a step. After the optimizer step (applied or
+Each router counts the tokens it sends to each expert during a step (an MTP block's router leaves out the positions
+whose target lies past the sample). After the optimizer step (applied or
 skipped), the counts are summed over every rank that routed distinct tokens and each router's selection bias
 moves toward balance (DeepSeek-V3's bias update), only where the step was applied. Every rank then holds the
 same loads and biases. The loads of the last step also feed the metrics record (`record`).
@@ -52,15 +53,18 @@ class ExpertBalance:
                 router.update_bias(load, self.rate, applied)
         self.loads = loads
 
-    def record(self, tokens_per_step: int) -> dict[str, Any]:
+    def record(self, tokens_per_step: int, seq_len: int) -> dict[str, Any]:
         """Expert balance of the last step over every MoE layer: load spread, bias size, and assignments not
-        dispatched (must be 0). Collective over the pipeline group (each stage holds some MoE layers)."""
+        dispatched (must be 0: each router counts top_k for each token of the step's sequences of `seq_len`, but
+        their last `uncounted_tail`). Collective over the pipeline group (each stage holds some MoE layers)."""
         loads = self.loads.cpu() if self.loads is not None else torch.zeros(0, self.num_experts)
         bias = max((r.expert_bias.abs().max().item() for r in self.routers), default=0.0)
+        sequences = tokens_per_step // seq_len
+        routed = sum(self.top_k * (tokens_per_step - sequences * r.uncounted_tail) for r in self.routers)
         if self.dims.pp_group is not None:
             stages: list[Any] = [None] * self.dims.pp
-            dist.all_gather_object(stages, (loads, bias), group=self.dims.pp_group)
-            loads, bias = torch.cat([s[0] for s in stages]), max(s[1] for s in stages)
-        routed = tokens_per_step * self.top_k
+            dist.all_gather_object(stages, (loads, bias, routed), group=self.dims.pp_group)
+            loads, bias, routed = (torch.cat([s[0] for s in stages]), max(s[1] for s in stages),
+                                   sum(s[2] for s in stages))
         return {**expert_load_stats(loads), "moe_bias_abs_max": bias,
-                "moe_dropped_tokens": int(routed * loads.shape[0] - loads.sum().item())}
+                "moe_dropped_tokens": int(routed - loads.sum().item())}

@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
+
+from megafp8.parallel import ParallelDims
 
 # Dense BF16 tensor-core peak per GPU (TFLOP/s, no sparsity), matched against the device name as a whole word (the
 # first that matches: the variants of a name come before it). As a substring, "L4" matched the L40's name and "H100"
@@ -90,15 +93,70 @@ class StepClock:
         return WindowTime(window_s / window_steps, elapsed_s, elapsed_s / steps_done * (self.total_steps - step))
 
 
-def train_record(step: int, loss: float, lr: float, grad_norm: float, skipped: int, window: WindowTime,
-                 throughput: Throughput, device: torch.device, consumed_tokens: int) -> dict[str, Any]:
-    """The record of a logging window ending at `step`, with mean loss `loss` over its applied steps (nan if none
-    was; `skipped` were not), the last step's `lr` and `grad_norm`, and the tokens the run's steps read up to it
-    (`consumed_tokens`, counted: steps of another global batch or data.seq_len before a new stage read others)."""
+class LogWindow:
+    """The steps since the last metrics record, added up on the device as they run (no host sync until the record):
+    the loss terms of the steps whose update was applied (a skipped step's loss, inf or nan under overflow, is not
+    the model's), how many were, the last step's grad norm, and the learning rate of the last applied update (kept
+    from window to window: `lr`, that of the last update before the window, is where none is applied)."""
+
+    def __init__(self, terms: int, device: torch.device, lr: float) -> None:
+        self.steps = 0
+        self._loss_sums = torch.zeros(terms, device=device)
+        self._applied = torch.zeros((), dtype=torch.int64, device=device)
+        self._grad_norm = torch.full((), math.nan, device=device)
+        self._lr = torch.tensor(lr, dtype=torch.float64, device=device)
+
+    def add(self, losses: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        """A step's mean loss terms (`terms`,), its global grad norm (not finite: the step was skipped) and the
+        learning rate its update ran at (where applied)."""
+        applied = torch.isfinite(grad_norm)
+        self._loss_sums += torch.where(applied, losses, 0.0)
+        self._applied += applied
+        self._grad_norm = grad_norm
+        self._lr = torch.where(applied, lr, self._lr)
+        self.steps += 1
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean loss terms over the applied steps, nan where none was; steps skipped; the last grad norm; the last
+        applied update's learning rate), on the device; the window starts again."""
+        taken = (self._loss_sums / self._applied, self.steps - self._applied, self._grad_norm, self._lr)
+        self._loss_sums, self._applied = torch.zeros_like(self._loss_sums), torch.zeros_like(self._applied)
+        self.steps = 0
+        return taken
+
+
+def device_peak_bytes(device: torch.device) -> Optional[int]:
+    """The allocator's high-water mark on `device` since the start (a host-side counter, no sync); None off CUDA."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def peak_memory(device: torch.device, dims: ParallelDims) -> dict[str, Any]:
+    """The busiest rank's peak memory (`peak_memory_gib`) and that rank (`peak_memory_rank`): under pipeline or
+    expert parallelism rank 0 is seldom the one. One all-gather of a number per rank (collective: call it on every
+    rank, at logging steps only); nulls off CUDA."""
+    local = device_peak_bytes(device)
+    if local is None:
+        return {"peak_memory_gib": None, "peak_memory_rank": None}
+    mine = every = torch.tensor([local], dtype=torch.int64, device=device)
+    if dims.is_distributed:
+        every = mine.new_empty(dims.world_size)
+        dist.all_gather_into_tensor(every, mine)
+    peaks = every.tolist()
+    rank = peaks.index(max(peaks))  # the first of equal ones
+    return {"peak_memory_gib": peaks[rank] / 2**30, "peak_memory_rank": rank}
+
+
+def train_record(step: int, losses: dict[str, float], lr: float, grad_norm: float, skipped: int,
+                 window: WindowTime, throughput: Throughput, memory: dict[str, Any],
+                 consumed_tokens: int) -> dict[str, Any]:
+    """The record of a logging window ending at `step`, with `losses` (`loss`, and its parts `lm_loss`, ...: their
+    means over the window's applied steps, nan if none was; `skipped` were not), the last step's `lr` and
+    `grad_norm`, the tokens the run's steps read up to it (`consumed_tokens`, counted: steps of another global
+    batch or data.seq_len before a new stage read others) and the busiest rank's peak `memory` (`peak_memory`)."""
     return {
         "kind": "train",
         "step": step,
-        "loss": loss,
+        **losses,
         "lr": lr,
         "grad_norm": grad_norm,
         "step_time_s": window.step_s,
@@ -107,8 +165,7 @@ def train_record(step: int, loss: float, lr: float, grad_norm: float, skipped: i
         "consumed_tokens": consumed_tokens,
         "elapsed_s": window.elapsed_s,
         "remaining_s": window.remaining_s,
-        # the allocator's high-water mark on this (rank 0's) GPU since start: a host-side counter, no sync
-        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        **memory,
     }
 
 
@@ -135,6 +192,8 @@ def format_step_line(record: dict[str, Any], total_steps: int) -> str:
         f"elapsed {_duration(record['elapsed_s'])}",
         f"left {_duration(record['remaining_s'])}",
     ]
+    if "mtp_loss" in record:  # the training loss is lm_loss + model.mtp_loss_weight x mtp_loss
+        parts[1] += f" (lm {record['lm_loss']:.4f}, mtp {record['mtp_loss']:.4f})"
     if record.get("skipped_steps"):  # non-finite gradients: the loss is that of the other steps
         parts.insert(2, f"{record['skipped_steps']} step(s) skipped")
     if "moe_load_cv" in record:  # expert balance: spread of tokens per expert, the busiest, the share without any

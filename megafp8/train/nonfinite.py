@@ -119,10 +119,3 @@ def unscale_or_skip(optimizer: DistributedAdamW, scaler: DynamicLossScaler, loss
         return None
     return grad_norm
 
-
-def window_loss(losses: list[torch.Tensor], grad_norms: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean loss over the steps of a logging window whose update was applied (finite grad norm), and how many were
-    skipped: a skipped step's loss (inf or nan under overflow) is not the model's loss. Both stay on the device."""
-    applied = torch.isfinite(torch.stack(grad_norms))
-    loss = torch.where(applied, torch.stack(losses), 0.0).sum() / applied.sum()
-    return loss, torch.logical_not(applied).sum()

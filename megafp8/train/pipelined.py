@@ -3,8 +3,8 @@
 The trainer hands over a step's micro-batches; the schedule (`torch.distributed.pipelining`) splits the
 concatenated batch back into the same micro-batches, runs the stages, and back-propagates
 `loss x loss_scale / micro-batches` from the last stage, so gradients are those of a PP=1 step.
-Only the rank holding the last stage sees the loss; the trainer sums it over the pipeline group when
-it logs.
+Only the rank holding the last stage sees the loss (and its LM and MTP parts); the trainer sums them over the
+pipeline group when it logs.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from megafp8.config.layout import ZERO_BUBBLE
-from megafp8.model import PipelineChunk, Transformer
+from megafp8.model import LossTerms, PipelineChunk, Transformer
 from megafp8.parallel import ParallelDims
 from megafp8.parallel.pipeline import (
     PipelineLayout,
@@ -57,14 +57,14 @@ class PipelineRunner:
         self.bubble = bubble_fraction(self.schedule, layout.num_stages, layout.pp, n_micro)
 
     def _loss_fn(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.model.head_loss(hidden, targets)
-        self._losses.append(loss.detach())
-        return loss * self._loss_factor
+        terms = self.model.head_terms(hidden, targets)
+        self._losses.append(torch.stack(terms).detach())
+        return terms.total * self._loss_factor
 
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
                    ) -> torch.Tensor:
-        """Forward and backward of every micro-batch (gradients accumulate as at PP=1). Returns the mean loss on
-        the rank holding the last stage, 0 elsewhere."""
+        """Forward and backward of every micro-batch (gradients accumulate as at PP=1). Returns the mean loss terms
+        (total, LM, MTP: `megafp8.model.mtp.LossTerms`) on the rank holding the last stage, zeros elsewhere."""
         self._loss_factor = loss_scale / self.n_micro
         self._losses = []
         args = (host_to_device(torch.cat([t for t, _ in micro_batches]), self.device),) if self.holds_first else ()
@@ -72,8 +72,8 @@ class PipelineRunner:
                   if self.holds_last else {})
         self.schedule.step(*args, **kwargs)
         if not self.holds_last:
-            return torch.zeros((), device=self.device)
-        return torch.stack(self._losses).sum() / self.n_micro
+            return torch.zeros(len(LossTerms._fields), device=self.device)
+        return torch.stack(self._losses).sum(dim=0) / self.n_micro
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], counted: Sequence[bool]

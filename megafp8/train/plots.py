@@ -75,6 +75,21 @@ def read_series(run: str | Path, kind: str, metric: str) -> tuple[list[int], lis
     return steps, [by_step[s] for s in steps]
 
 
+def trained_with_mtp(run: str | Path) -> bool:
+    """Whether a run's config (its `run` record, written first) has multi-token prediction (`model.mtp_depth` > 0)."""
+    info = next((r for r in read_records(run) if r.get("kind") == "run"), {})
+    return bool(info.get("config", {}).get("model", {}).get("mtp_depth"))
+
+
+def lm_loss_field(run: str | Path) -> Optional[str]:
+    """The field of a run's train records that holds its language-modelling training loss: `lm_loss`; in a metrics
+    file from before that was logged, `loss`, unless the run trained with MTP, whose `loss` held the weighted MTP
+    loss too (None: no field holds it)."""
+    if logged_values(run, "train", "lm_loss"):
+        return "lm_loss"
+    return None if trained_with_mtp(run) else "loss"
+
+
 def splice_warning(run: str | Path) -> Optional[str]:
     """One line if the train records of a run's metrics file go back to an earlier step (several runs, or launches
     of one run, appended to one file: its curve would be spliced), else None."""
@@ -158,7 +173,9 @@ def plot_runs(runs: list[str], labels: list[str], metrics: list[str], out: str, 
         kind = kind or ("eval" if field.startswith("val_") else "train")
         series = []
         for run in runs:
-            steps, values = read_series(run, kind, field)
+            # lm_loss of a run from before it was logged: its loss, where that is the same
+            logged = (lm_loss_field(run) or field) if (kind, field) == ("train", "lm_loss") else field
+            steps, values = read_series(run, kind, logged)
             if not steps:
                 raise ConfigError(f"run {run} has no '{field}' in its '{kind}' records")
             kept = [i for i, s in enumerate(steps) if s >= from_step]

@@ -20,7 +20,7 @@ import torch
 
 from megafp8.config import Config, dump_config, validate_for_world
 from megafp8.config.loader import config_to_dict
-from megafp8.model import training_flops_per_token
+from megafp8.model import LossTerms, training_flops_per_token
 from megafp8.optim import lr_at
 from megafp8.parallel import ParallelDims
 from megafp8.train.build import build_logger, build_parts, log_run_start
@@ -29,15 +29,17 @@ from megafp8.train.evaluation import evaluate, replica_mean
 from megafp8.train.fp8_health import every_stage, is_sampled
 from megafp8.train.loggers import ExperimentLogger
 from megafp8.train.metrics import (
+    LogWindow,
     StepClock,
     Throughput,
     eval_record,
     format_eval_line,
     format_step_line,
+    peak_memory,
     peak_tflops,
     train_record,
 )
-from megafp8.train.nonfinite import NonFiniteGuard, unscale_or_skip, window_loss
+from megafp8.train.nonfinite import NonFiniteGuard, unscale_or_skip
 from megafp8.train.preemption import StopRequest, stop_agreed
 from megafp8.train.profiling import StepProfiler
 from megafp8.train.resume import checkpoint_to_evaluate
@@ -80,6 +82,7 @@ class Trainer:
         self.throughput = Throughput(training.global_batch_size * self.cfg.data.seq_len,
                                      training_flops_per_token(self.model_cfg, self.cfg.data.seq_len), dims.world_size,
                                      peak_tflops(device, self.cfg.logging.peak_tflops))
+        self.window = LogWindow(len(LossTerms._fields), device, self._last_lr())  # the steps since the last record
         self.stopped_on: str | None = None  # the signal a run stopped on (`checkpoint.save_on_signal`)
         self.loaded_from: Path | None = None  # the checkpoint this launch resumed or evaluates
         self.metrics = self._open_for_evaluation() if evaluate_only else self._open_run()
@@ -91,9 +94,10 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------- steps
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One training step. Returns (this rank's mean loss, global grad norm before clipping), on device. A step
-        whose gradients hold an inf or nan on any rank is skipped on every rank (`megafp8/train/nonfinite.py`);
-        its grad norm is then not finite. The gradients stay in their buffers until the next step."""
+        """One training step, added to the logging window. Returns (this rank's mean loss, global grad norm before
+        clipping), on device. A step whose gradients hold an inf or nan on any rank is skipped on every rank
+        (`megafp8/train/nonfinite.py`); its grad norm is then not finite. The gradients stay in their buffers until
+        the next step."""
         if self.fp8.switches_at(self.step):
             log.info("step %d: switching to FP8 | %s", self.step, self.fp8.convert(self.model, self.step).summary())
         self.model.train()
@@ -106,33 +110,40 @@ class Trainer:
         loss_scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         self.model.balance_grad_scale = loss_scale / len(micro_batches)
         with torch.autograd.set_multithreading_enabled(self.cfg.training.backward_on_worker_thread):
-            loss_sum = self._forward_backward(micro_batches, loss_scale)
+            losses = self._forward_backward(micro_batches, loss_scale)
         self.grad_buckets.finish()
         self.state.advance()
         if health_due:
             layers = every_stage(self.health.collect(self.step) if sampled else {}, self.dims.pp_group, self.dims.pp)
             if layers:
                 self.metrics.write({"kind": "fp8_health", "step": self.step, "layers": layers})
-        return loss_sum, self._update(loss_scale)
+        grad_norm, lr = self._update(loss_scale)
+        self.window.add(losses, grad_norm, lr)
+        return losses[0], grad_norm
 
     def _forward_backward(self, micro_batches: list, loss_scale: float) -> torch.Tensor:
-        """Every micro-batch's forward and backward (through the pipeline schedule if there is one); returns the sum
-        of their mean losses."""
+        """Every micro-batch's forward and backward (through the pipeline schedule if there is one); returns the mean
+        over them of their loss terms (total, LM, MTP: `LossTerms`)."""
         if self.pipeline is not None:
             self.grad_buckets.prepare_backward(last_micro_batch=False)  # reduce after the pipeline flush
             return self.pipeline.train_step(micro_batches, loss_scale)
-        loss_sum = torch.zeros((), device=self.device)
+        losses = torch.zeros(len(LossTerms._fields), device=self.device)
         for i, (tokens, targets) in enumerate(micro_batches):
             self.grad_buckets.prepare_backward(last_micro_batch=i == len(micro_batches) - 1)
-            loss = self.model(host_to_device(tokens, self.device), host_to_device(targets, self.device))
-            loss = loss / len(micro_batches)
+            terms = self.model.loss_terms(host_to_device(tokens, self.device), host_to_device(targets, self.device))
+            loss = terms.total / len(micro_batches)
             (loss * loss_scale).backward()
-            loss_sum += loss.detach()
-        return loss_sum
+            losses += torch.stack(terms).detach() / len(micro_batches)
+        return losses
 
-    def _update(self, loss_scale: float) -> torch.Tensor:
+    def _update(self, loss_scale: float) -> tuple[torch.Tensor, float]:
         """The optimizer step, skipped on the device where the global grad norm is not finite; returns the norm
-        (nan for an FP16 step its loss scaler skipped). The optimizer's post-step hooks run either way."""
+        (nan for an FP16 step its loss scaler skipped) and the learning rate the update ran at, where applied. The
+        optimizer's post-step hooks run either way.
+
+        A step skipped on the device still counts in the optimizer's step count until the next sync point
+        (`megafp8/train/nonfinite.py`): until then the schedule runs a step ahead per skip, and this lr with it."""
+        lr = lr_at(self.optimizer.step_count, self.cfg.optimizer, self.cfg.training.steps)
         if self.loss_scaler is None:
             grad_norm = self.optimizer.clip_grad_norm()
         else:
@@ -141,11 +152,11 @@ class Trainer:
                 self.guard.record(self.step, torch.zeros((), dtype=torch.bool, device=self.device),
                                   counts=self.loss_scaler.scale <= self.loss_scaler.min_scale)
                 self.optimizer.skip_step()
-                return torch.full((), float("nan"), device=self.device)
+                return torch.full((), float("nan"), device=self.device), lr
         applied = torch.isfinite(grad_norm)
-        self.optimizer.step(lr_at(self.optimizer.step_count, self.cfg.optimizer, self.cfg.training.steps), applied)
+        self.optimizer.step(lr, applied)
         self.guard.record(self.step, applied)
-        return grad_norm
+        return grad_norm, lr
 
     def evaluate(self) -> float:
         """Mean language-modelling loss (no MTP term) over the fixed held-out micro-batches (`training.eval_iters` of
@@ -207,12 +218,12 @@ class Trainer:
         training, log_interval, save_interval = (self.cfg.training, self.cfg.logging.log_interval,
                                                  self.cfg.checkpoint.interval)
         records: list[dict[str, Any]] = []
-        window: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, grad norm) of each step since the last log
+        self.window = LogWindow(len(LossTerms._fields), self.device, self._last_lr())
         clock = StepClock(self.step, training.steps)
         while self.step < training.steps:
             profiler.before_step(self.step + 1)
             try:
-                window.append(self.train_step())
+                self.train_step()
             except torch.OutOfMemoryError:
                 profiler.on_out_of_memory()
                 raise
@@ -221,8 +232,7 @@ class Trainer:
             last = self.step == training.steps
             logged = self.step % log_interval == 0 or last
             if logged:
-                records.append(self._log_window(window, clock))
-                window = []
+                records.append(self._log_window(clock))
             with clock.paused():  # evaluation and checkpoints are not training time
                 if training.eval_interval > 0 and (self.step % training.eval_interval == 0 or last):
                     record = eval_record(self.step, self.evaluate())
@@ -246,29 +256,37 @@ class Trainer:
             log.warning("step %d of %d: stopping on %s, checkpoint saved; launch again to resume", self.step,
                         self.cfg.training.steps, received or "another rank's signal")
 
-    def _log_window(self, window: list[tuple[torch.Tensor, torch.Tensor]], clock: StepClock) -> dict[str, Any]:
-        """The metrics record of the steps in `window` (`skipped_steps` of them skipped: not in the mean loss)."""
-        mean_loss, skipped = window_loss(*zip(*window))
-        # The loss reaches the host first: that waits for every step of the window to finish on the device, so the
+    def _log_window(self, clock: StepClock) -> dict[str, Any]:
+        """The metrics record of the logging window's steps (`skipped_steps` of them skipped: not in the mean losses).
+        With MTP, `loss` (what backward starts from) is `lm_loss` + model.mtp_loss_weight x `mtp_loss`; without, it is
+        `lm_loss`, the loss a run without MTP is compared on."""
+        steps = self.window.steps
+        mean_losses, skipped, grad_norm, lr = self.window.take()
+        # The losses reach the host first: that waits for every step of the window to finish on the device, so the
         # window's time is device time, not just the host's time to launch it.
-        loss = replica_mean(mean_loss, self.dims).item()
-        window_time = clock.lap(self.step, len(window))
+        loss, lm_loss, mtp_loss = replica_mean(mean_losses, self.dims).tolist()
+        window_time = clock.lap(self.step, steps)
         try:
             self.guard.check(self.step)
             stop = None
         except FloatingPointError as err:  # too many skips: the window that shows them is still recorded
             stop = err
-        lr = lr_at(max(0, self.optimizer.step_count - 1), self.cfg.optimizer, self.cfg.training.steps)
-        record = train_record(self.step, loss, lr, window[-1][1].item(), int(skipped), window_time, self.throughput,
-                              self.device, self.state.consumed_tokens)
+        losses = {"loss": loss, "lm_loss": lm_loss, **({"mtp_loss": mtp_loss} if self.model_cfg.mtp_depth else {})}
+        record = train_record(self.step, losses, lr.item(), grad_norm.item(), int(skipped), window_time,
+                              self.throughput, peak_memory(self.device, self.dims), self.state.consumed_tokens)
         if self.loss_scaler is not None:
             record["loss_scale"] = self.loss_scaler.scale
         if self.expert_balance is not None:
-            record.update(self.expert_balance.record(self.throughput.tokens_per_step))
+            record.update(self.expert_balance.record(self.throughput.tokens_per_step, self.cfg.data.seq_len))
         self._write(record, format_step_line(record, self.cfg.training.steps))
         if stop is not None:
             raise stop
         return record
+
+    def _last_lr(self) -> float:
+        """The learning rate of the last update applied before now, by the optimizer's step count (settled at a sync
+        point: a resumed checkpoint, the end of a window)."""
+        return lr_at(max(0, self.optimizer.step_count - 1), self.cfg.optimizer, self.cfg.training.steps)
 
     def _write(self, record: dict[str, Any], line: str) -> dict[str, Any]:
         """Log `line` and write `record` to the metrics backends."""
