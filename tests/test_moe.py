@@ -141,6 +141,26 @@ def test_the_counted_tokens_are_found_by_position_under_sequence_and_context_par
     assert first == [True] * 6 + [False] * 2 and second == [True] * 8
 
 
+def test_an_mtp_depth_s_balance_loss_is_that_of_the_positions_with_a_target():
+    """Depth k's sequence-wise balance loss sums over the T - k positions that have a target (DeepSeek-V3 runs depth k
+    on T - k tokens): the same loss as the truncated sequences' own, whatever the last k positions chose."""
+    from megafp8.model.moe import counted_tokens, sequence_balance_loss
+    from megafp8.parallel import ContextParallel
+
+    batch, seq_len, tail, experts, top_k = 3, 8, 2, 6, 2
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(batch * seq_len, experts, generator=g)
+    chosen = scores.topk(top_k, dim=-1).indices
+    single, cpu = ContextParallel.single(), torch.device("cpu")
+    counted = counted_tokens(batch * seq_len, 0, seq_len, tail, single, cpu)
+    masked = sequence_balance_loss(scores, chosen, batch, seq_len, 0, TensorParallel.single(), single, counted, tail)
+    keep = torch.arange(batch * seq_len) % seq_len < seq_len - tail
+    truncated = sequence_balance_loss(scores[keep], chosen[keep], batch, seq_len - tail, 0, TensorParallel.single())
+    torch.testing.assert_close(masked, truncated, rtol=1e-6, atol=0)
+    everything = sequence_balance_loss(scores, chosen, batch, seq_len, 0, TensorParallel.single())
+    assert not torch.allclose(masked, everything)  # the tail changes the loss where it is counted
+
+
 def test_bias_updates_move_a_skewed_load_toward_uniform():
     router = Router(UNGROUPED, 128)
     g = torch.Generator().manual_seed(0)

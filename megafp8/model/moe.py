@@ -97,27 +97,34 @@ def counted_tokens(tokens: int, first_token: int, seq_len: int, uncounted_tail: 
 
 
 def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, batch: int, seq_len: int, first_token: int,
-                          tp: TensorParallel, cp: Optional[ContextParallel] = None) -> torch.Tensor:
+                          tp: TensorParallel, cp: Optional[ContextParallel] = None,
+                          counted: Optional[torch.Tensor] = None, uncounted_tail: int = 0) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, sum_i f_i P_i averaged over sequences (before its weight).
 
     f_i = E / (k T) x (tokens of the sequence routed to i), P_i = mean over the sequence of the
     normalized scores. This rank holds tokens [first_token, first_token + N) of the flattened
     micro-batch of `seq_len` tokens a sequence (a slice of it under sequence parallelism, whose per-sequence sums
     are then added over TP). Under context parallelism those are the rank's share of each sequence: the sums are
-    added over the group too (every rank's loss holds the whole term), and T is the whole sequence's length."""
+    added over the group too (every rank's loss holds the whole term), and T is the whole sequence's length.
+
+    An MTP depth's router (`counted`, (N,) bool from `counted_tokens`, and its `uncounted_tail`) sums over the
+    positions that have a target alone, T less the tail: DeepSeek-V3 runs depth k on T - k tokens, so the positions
+    past them neither steer this loss nor count in T."""
     cp = cp or ContextParallel.single()
     n, num_experts = scores.shape
     k = chosen.shape[1]
     seq = (torch.arange(n, device=scores.device) + first_token) // seq_len  # (N,)
     probs = scores / scores.sum(dim=-1, keepdim=True)
+    hits = F.one_hot(chosen, num_experts).sum(dim=1).float()  # (N, E): 1 where the token chose the expert
+    if counted is not None:
+        probs, hits = probs * counted.unsqueeze(1), hits * counted.unsqueeze(1)
     prob_sum = torch.zeros(batch, num_experts, device=scores.device).index_add(0, seq, probs)
-    counts = torch.zeros(batch, num_experts, device=scores.device)
-    counts.index_add_(0, seq.repeat_interleave(k), F.one_hot(chosen.reshape(-1), num_experts).float())
+    counts = torch.zeros(batch, num_experts, device=scores.device).index_add(0, seq, hits)
     if tp.sp:
         prob_sum = reduce_from_tp(prob_sum, tp)
         counts = reduce_from_tp(counts, tp)
     prob_sum, counts = sum_over_context(prob_sum, cp), sum_over_context(counts, cp)
-    whole = seq_len * cp.size
+    whole = seq_len * cp.size - (uncounted_tail if counted is not None else 0)
     f = counts * num_experts / (k * whole)
     return (f * prob_sum / whole).sum(dim=-1).mean()
 
@@ -240,7 +247,8 @@ class MoE(nn.Module):
             y = y + self.shared(x)
         aux = x.new_zeros((), dtype=torch.float32)
         if self.aux_coeff > 0 and self.training:
-            aux = self.aux_coeff * sequence_balance_loss(scores, chosen, batch, seq_len, first, self.tp, self.cp)
+            aux = self.aux_coeff * sequence_balance_loss(scores, chosen, batch, seq_len, first, self.tp, self.cp,
+                                                         counted, self.router.uncounted_tail)
         return y, aux
 
 
