@@ -149,7 +149,7 @@ def test_overfits_a_repeated_batch(recipe):
     opt = torch.optim.AdamW(masters, lr=3e-3, weight_decay=0.0)
     tokens = torch.randint(0, 384, (4, 33))
     first = None
-    for _ in range(60):
+    for _ in range(30):  # below 0.5 from step 17 on, ~0.05 at step 30 (fp32 and bf16 alike)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         for p, m in zip(params, masters):
