@@ -263,7 +263,7 @@ def test_a_tiny_model_trains_with_x_in_blocks_as_it_does_with_tiles(tiny_overrid
     losses, said, layouts = {}, {}, {}
     for blocks in (False, True):
         torch.manual_seed(0)
-        cfg = _fp8_config(tiny_overrides, blocks, "training.steps=6", "optimizer.warmup_steps=1",
+        cfg = _fp8_config(tiny_overrides, blocks, "training.steps=4", "optimizer.warmup_steps=1",
                           f"run_name=blocks_{blocks}", model=model)
         caplog.clear()
         with caplog.at_level(logging.INFO), monkeypatch.context() as patch:
@@ -281,7 +281,7 @@ def test_a_tiny_model_trains_with_x_in_blocks_as_it_does_with_tiles(tiny_overrid
     else:
         assert not grouped
     tiles, blocks = losses[False], losses[True]
-    assert len(tiles) == len(blocks) == 6
+    assert len(tiles) == len(blocks) == 4
     assert tiles[0] == blocks[0] and tiles != blocks
     assert all(abs(a - b) < 0.02 * abs(a) for a, b in zip(tiles, blocks)), (tiles, blocks)
     assert blocks[-1] < blocks[0]
