@@ -108,8 +108,10 @@ def _replicas_worker(rank: int, world: int, overrides: list[str]) -> None:
     # every micro-batch of the step, every assignment counted once.
     global_load = torch.stack([every[0][0][("global_load", name)] for name, _ in routers(trainer.model)])
     assert torch.equal(global_load, sum(loads[-1] for _, loads in every))
-    tokens = cfg.training.global_batch_size * cfg.data.seq_len
-    assert global_load.sum(dim=1).tolist() == [tokens * cfg.model.moe.top_k] * len(global_load)
+    # MTP depth k's router counts the T - k positions of each sequence that have a target (the main layers' all T)
+    depths = [int(name.split(".")[1]) + 1 if name.startswith("mtp.") else 0 for name, _ in routers(trainer.model)]
+    sequences, seq_len = cfg.training.global_batch_size, cfg.data.seq_len
+    assert global_load.sum(dim=1).tolist() == [sequences * (seq_len - k) * cfg.model.moe.top_k for k in depths]
     biases = [value for key, value in every[0][0].items() if key[0] == "buffer" and key[1].endswith("expert_bias")]
     assert len(biases) == 3 and all(b.count_nonzero() > 0 for b in biases)  # two MoE layers and the MTP block's
 
