@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from megafp8.checkpoint.hf import SHARD_BYTES, load_hf, save_hf
-from megafp8.checkpoint.local import (ABANDONED, CONVERTING, HF_SOURCE, fresh_temporary, load_checkpoint,
-                                      publish, save_checkpoint, step_dir_name)
+from megafp8.checkpoint.loading import CONVERTING, load_checkpoint
+from megafp8.checkpoint.local import ABANDONED, HF_SOURCE, fresh_temporary, publish, save_checkpoint, step_dir_name
 from megafp8.checkpoint.lock import lock_for_conversion
 from megafp8.checkpoint.sharded import INDEX_FILE, is_sharded_checkpoint, write_sharded
 from megafp8.parallel.sharding import Piece, Placed

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from megafp8.checkpoint.convert import best_weights, model_config_of
-from megafp8.checkpoint.local import CONVERTING, load_checkpoint
+from megafp8.checkpoint.loading import CONVERTING, load_checkpoint
 from megafp8.config import ConfigError
 from megafp8.data.dataset import tokenizer_record
 from megafp8.data.tokenizer import HFTokenizer, Tokenizer, tokenizer_of_data

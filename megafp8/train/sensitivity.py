@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from megafp8.checkpoint import check_tensors_match, load_checkpoint
-from megafp8.checkpoint.local import LoadAdvice
+from megafp8.checkpoint.loading import LoadAdvice
 from megafp8.data import PackedDataset, TokenStream, read_meta, validation_batches
 from megafp8.model import resolve_vocab_size
 from megafp8.parallel import ParallelLinear
