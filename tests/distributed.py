@@ -44,8 +44,10 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
 # interpreter per rank spent ~5 s of CPU importing them, most of a small test's time on a 2-core CI machine. The
 # server runs no torch operations, so no thread pool exists when it forks. (Its environment is the one it started
 # with: a test that needs different variables in its ranks must pass them as arguments.)
-PRELOAD = ["torch", "torch.distributed", "megafp8.train.trainer", "megafp8.train.main", "tests.distributed",
-           "tests.parity"]
+# torch._dynamo and torch._inductor: the package imports them only where it compiles (megafp8.precision.eager), and
+# the ranks of the compiled tests would each import them again.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor", "megafp8.train.trainer",
+           "megafp8.train.main", "tests.distributed", "tests.parity"]
 
 
 def spawn(world_size: int, fn: Callable, *args) -> None:

@@ -32,6 +32,7 @@ from megafp8.parallel.permute import (
 )
 from megafp8.parallel.routing import group_limited_topk
 from megafp8.precision import PrecisionRecipe
+from megafp8.precision.eager import run_eagerly
 from megafp8.precision.grouped import (
     CombinedOutput, ExpertProjection, GatheredInput, expert_rows, grouped_fp8_swiglu_mlp, padded_source_index,
 )
@@ -181,7 +182,7 @@ class RoutedExperts(nn.Module):
         fused = fp8 is not None and down.recipe.fp8 == fp8 and fp8.all_gemms and not self.observed
         return fused and rows.row_to_source.shape[0] > 0
 
-    @torch.compiler.disable
+    @run_eagerly
     def _eager_fused_fp8(self, rows: RowSource, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._fused_fp8(rows, counts)
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megafp8.precision.eager import run_eagerly
+
 
 @dataclass
 class RowSource:
@@ -223,5 +225,5 @@ def weighted_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) 
 
 # Eager entry points, for callers whose surroundings cannot be traced (expert parallelism: the all-to-all's split
 # sizes are read on the host, so each step's row counts would recompile the graph).
-eager_gather_rows = torch.compiler.disable(gather_rows)
-eager_weighted_combine = torch.compiler.disable(weighted_combine)
+eager_gather_rows = run_eagerly(gather_rows)
+eager_weighted_combine = run_eagerly(weighted_combine)

@@ -24,7 +24,6 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, schedules
 
 from megafp8.config import ConfigError
 from megafp8.config.layout import V_SHAPED, layer_counts
@@ -162,6 +161,9 @@ def build_schedule(chunks: Sequence[nn.Module], specs: Sequence[StageSpec], layo
     """The `torch.distributed.pipelining` schedule running this rank's `chunks` (one per spec). Shapes are given
     up front (meta tensors), so no metadata-inference pass runs the model. The loss function's result is
     back-propagated as is (no division by the micro-batch count: `loss_fn` scales)."""
+    # Imported here: torch's pipelining imports torch._dynamo (~2.5 s of CPU), which runs without PP never need.
+    from torch.distributed.pipelining import PipelineStage, schedules
+
     stages = []
     for i, (chunk, spec) in enumerate(zip(chunks, specs)):
         stages.append(PipelineStage(

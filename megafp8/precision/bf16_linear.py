@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megafp8.precision.eager import run_eagerly
 from megafp8.precision.wgrad import WeightGradQueue, main_grad_alias, weight_grad_or_defer
 
 _REDUCED = (torch.bfloat16, torch.float16)
@@ -95,7 +96,7 @@ class MainGradSlot:
     def __init__(self) -> None:
         self.alias: Optional[torch.Tensor] = None
 
-    @torch.compiler.disable
+    @run_eagerly
     def refresh(self, weight: torch.Tensor) -> None:
         self.alias = main_grad_alias(weight)
 
@@ -141,6 +142,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, wgrad_queue: Optional[WeightGr
     return _LinearFn.apply(x, weight, None, wgrad_queue, False)
 
 
-@torch.compiler.disable
+@run_eagerly
 def _eager_linear(x: torch.Tensor, weight: torch.Tensor, wgrad_queue: WeightGradQueue) -> torch.Tensor:
     return linear(x, weight, wgrad_queue)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from megafp8.precision.backends import Fp8Backend, QuantizedWeight
+from megafp8.precision.eager import run_eagerly
 from megafp8.precision.fp8_ops import backend_arg, kernels, quantized_weight_in_graph
 from megafp8.precision.linear_comm import LinearComm, quantized_input
 from megafp8.precision.producers import rmsnorm_backward
@@ -247,7 +248,7 @@ def fuses_norm(recipe: Fp8Recipe, comm: Optional[LinearComm], rows: int) -> bool
 
 # The eager FP8 linear is a graph break under torch.compile: a deferred weight gradient is Python state (the queue)
 # that the backward of a traced graph cannot reach.
-@torch.compiler.disable
+@run_eagerly
 def _eager_fp8_linear(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, recipe: Fp8Recipe,
                       backend: Fp8Backend, comm: Optional[LinearComm], wgrad_queue: Optional[WeightGradQueue],
                       norm: Optional[InputNorm]) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from megafp8.precision.backends import Fp8Backend
+from megafp8.precision.eager import run_eagerly
 from megafp8.precision.fp8_linear import (
     InputNorm, current_weight, dgrad_weight, for_dgrad, fp8_weight_gradient, layer_input_grad, quantize_layer_input,
     traced_main_grad,
@@ -136,6 +137,6 @@ def fp8_swiglu_mlp(x: torch.Tensor, gate_up: Fp8Projection, down: Fp8Projection,
                               torch.is_grad_enabled(), observer)
 
 
-@torch.compiler.disable  # deferred weight gradients run eagerly inside compiled code
+@run_eagerly  # deferred weight gradients run eagerly inside compiled code
 def _eager_fp8_swiglu_mlp(x, gate_up, down, recipe, backend, norm, observer=None):
     return fp8_swiglu_mlp(x, gate_up, down, recipe, backend, norm, observer)

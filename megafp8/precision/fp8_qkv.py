@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from megafp8.precision.backends import Fp8Backend
+from megafp8.precision.eager import run_eagerly
 from megafp8.precision.fp8_linear import (
     InputNorm, current_weight, for_dgrad, input_and_weight_grads, quantize_layer_input, traced_main_grad,
 )
@@ -113,6 +114,6 @@ def fp8_qkv_rope(x: torch.Tensor, weight: torch.Tensor, cache: Fp8WeightCache, r
                                torch.is_grad_enabled(), rotary)
 
 
-@torch.compiler.disable  # a deferred weight gradient is Python state a traced backward cannot reach
+@run_eagerly  # a deferred weight gradient is Python state a traced backward cannot reach
 def _eager_fp8_qkv_rope(x, weight, cache, recipe, backend, rotary, cos, sin, comm, wgrad_queue, norm):
     return fp8_qkv_rope(x, weight, cache, recipe, backend, rotary, cos, sin, comm, wgrad_queue, norm)

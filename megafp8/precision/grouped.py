@@ -35,6 +35,7 @@ import torch
 
 from megafp8.precision.backends import Fp8Backend, QuantizedWeight
 from megafp8.precision.bf16_linear import MainGradSlot
+from megafp8.precision.eager import run_eagerly
 from megafp8.precision.expert_layout import ExpertRows, counts_on, expert_rows
 from megafp8.precision.fp8_linear import current_weight, route_weight_gradient, traced_main_grad
 from megafp8.precision.fp8_ops import backend_arg, kernels
@@ -310,7 +311,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts, cache: Optiona
     return eager_grouped_linear(x, weight, counts, cache, recipe, backend, wgrad_queue)
 
 
-@torch.compiler.disable  # like the eager FP8 linear: a cached weight, our own kernels; compiled code runs around it
+@run_eagerly  # like the eager FP8 linear: a cached weight, our own kernels; compiled code runs around it
 def eager_grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts, cache: Optional[Fp8WeightCache],
                          recipe: Optional[Fp8Recipe], backend: Optional[Fp8Backend],
                          wgrad_queue: Optional[WeightGradQueue] = None) -> torch.Tensor:
@@ -508,7 +509,7 @@ def _experts_weight(projection: ExpertProjection, layout: ExpertRows, recipe: Fp
                                                               fmt, pow2)
 
 
-@torch.compiler.disable  # deferred weight gradients run eagerly inside compiled code
+@run_eagerly  # deferred weight gradients run eagerly inside compiled code
 def _eager_grouped_fp8_swiglu_mlp(x: GatheredInput, layout: ExpertRows, gate_up: ExpertProjection,
                                   down: ExpertProjection, recipe: Fp8Recipe, backend: Fp8Backend,
                                   combined: Optional[CombinedOutput]) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from megafp8.precision.backends import Fp8Backend, QuantizedWeight, StaleExperts
+from megafp8.precision.eager import mark_static_address, run_eagerly
 from megafp8.precision.formats import Fp8Format
 from megafp8.precision.wgrad import main_grad_alias
 
@@ -60,7 +61,7 @@ class Fp8WeightCache:
             tensors += [self.stale.version, self.stale.current]
         for t in tensors:  # unguarded: one compiled block's code serves every block, each its own cache
             if t is not None:
-                torch._dynamo.mark_static_address(t, guard=False)
+                mark_static_address(t)
 
     def _advance(self, weight: torch.Tensor) -> bool:
         """Take note of the weight's version; True where it changed (per_expert: every expert is stale now)."""
@@ -102,7 +103,7 @@ class Fp8WeightCache:
                                          StaleExperts(self.stale.version, self.stale.current, tiles_per_expert))
         return self.entry
 
-    @torch.compiler.disable
+    @run_eagerly
     def prepare(self, weight: torch.Tensor, backend: Fp8Backend, fmt: Fp8Format, power_of_two: bool) -> None:
         """Quantize `weight` now if it changed since it was last quantized (per_expert: only note its version; the
         experts' MLP quantizes the experts it gives rows). Run eagerly (never traced) before each call of a compiled

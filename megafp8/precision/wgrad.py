@@ -11,6 +11,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megafp8.precision.eager import mark_static_address
+
 
 def accumulate_wgrad(weight: torch.Tensor, dw: torch.Tensor) -> Optional[torch.Tensor]:
     """Add dw into `weight.main_grad` (FP32, across micro-batches) if the weight has one; else return it."""
@@ -87,5 +89,5 @@ def fresh_alias(t: torch.Tensor) -> torch.Tensor:
     into the copy)."""
     alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
                                                                 t.stride())
-    torch._dynamo.mark_static_address(alias, guard=False)
+    mark_static_address(alias)
     return alias

@@ -26,6 +26,7 @@ from megafp8.model.moe import RoutedExperts
 from megafp8.model.transformer import Block
 from megafp8.parallel import ParallelLinear
 from megafp8.precision import GemmLayer, MlpObserver
+from megafp8.precision.eager import run_eagerly
 from megafp8.precision.health import ChunkSums, RowMaker, fp8_stats, fp8_stats_of_rows
 from megafp8.precision.producers import swiglu, swiglu_backward
 
@@ -117,7 +118,7 @@ class Fp8HealthMonitor:
     def _make_hook(self, name: str):
         # The hooks run eagerly even inside a compiled block: traced, each layer's hook (a closure over its name)
         # would be compiled anew, and 64 layers exhaust torch._dynamo's recompile limit on every sampled step.
-        @torch.compiler.disable
+        @run_eagerly
         def hook(layer: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
             if name in self._stats:
                 return  # later micro-batches of the sampled step
@@ -125,7 +126,7 @@ class Fp8HealthMonitor:
                 x = layer.gemm_input(inputs) if isinstance(layer, ParallelLinear) else inputs[0]
             self._record(name, layer, x)
             if output.requires_grad:
-                output.register_hook(torch.compiler.disable(lambda grad: self._record_grad(name, layer, grad)))
+                output.register_hook(run_eagerly(lambda grad: self._record_grad(name, layer, grad)))
 
         return hook
 
@@ -135,7 +136,7 @@ class Fp8HealthMonitor:
         `with_kwargs`), in the model's dtype as every layer's hook measures a fused norm's output (the fused FP8 path
         quantizes the norm's FP32 output; these are the statistics of its BF16 rounding). Its output and SwiGLU's
         tensors come from the MLP's observer."""
-        @torch.compiler.disable
+        @run_eagerly
         def hook(mlp: SwiGLU, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
             if gate_up_name in self._stats:
                 return  # the layers ran (and were observed) one by one, or a later micro-batch or recomputation
@@ -155,7 +156,7 @@ class Fp8HealthMonitor:
         path quantizes), the gate/up input this rank's. Like the hooks, the callbacks run eagerly if ever traced."""
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
 
-        @torch.compiler.disable
+        @run_eagerly
         def forward(gu: torch.Tensor) -> None:
             if down_name in self._stats:
                 return  # a later micro-batch, or the forward recomputed
@@ -163,7 +164,7 @@ class Fp8HealthMonitor:
                 self._record_rows(down_name, down, lambda start, stop: swiglu(gu[start:stop]), gu.shape[0],
                                   gu.shape[1] // 2)
 
-        @torch.compiler.disable
+        @run_eagerly
         def backward(dy: torch.Tensor, gu: torch.Tensor, da: torch.Tensor) -> None:
             with torch.no_grad():
                 self._record_grad(down_name, down, dy)
