@@ -9,7 +9,12 @@ import torch
 
 from megafp8.data.corpus import stdlib_files
 from megafp8.data.preprocess import preprocess
+from megafp8.precision.cpu_gemm import widen_reduced_precision_gemms
 from tests.parity import ParityRuns
+
+# What every CPU run of the framework does where the CPU has no BF16 GEMM instructions (`megafp8.precision.cpu_gemm`),
+# for the whole session: the references a test computes itself see the same arithmetic as the runs it checks.
+widen_reduced_precision_gemms()
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

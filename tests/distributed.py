@@ -13,12 +13,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megafp8.precision.cpu_gemm import widen_reduced_precision_gemms
+
 
 def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple) -> None:
     # One intra-op thread per rank, as torchrun gives each (OMP_NUM_THREADS=1). Left at torch's default, every rank
     # ran as many OpenMP threads as there are cores: 4 ranks x 2 spinning threads on a 2-core CI machine made a
     # 4-rank pipeline run of the tiny model ~5x slower.
     torch.set_num_threads(1)
+    widen_reduced_precision_gemms()  # as in the test process (tests/conftest.py), before the rank computes anything
     # A collective that some rank never reaches fails the test after 5 minutes, not torch's default 30.
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=5))

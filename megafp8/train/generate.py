@@ -24,6 +24,7 @@ from megafp8.data.dataset import tokenizer_record
 from megafp8.data.tokenizer import HFTokenizer, Tokenizer, tokenizer_of_data
 from megafp8.model import Transformer
 from megafp8.precision import PrecisionRecipe
+from megafp8.precision.cpu_gemm import widen_reduced_precision_gemms
 
 
 @dataclass
@@ -104,6 +105,8 @@ def load_generator(checkpoint: Path, device: torch.device, tokenizer: Optional[s
                           "embedding rows: give the tokenizer the run's data was made with")
     window = _window(checkpoint, window, state.get("config", {}).get("data", {}).get("seq_len"))
     recipe = PrecisionRecipe.from_name("bf16" if device.type == "cuda" else "fp32")
+    if device.type == "cpu":
+        widen_reduced_precision_gemms()
     model = Transformer(cfg, recipe, window, device=device)
     model.load_state_dict(best_weights(state))
     return Generator(model.eval(), tok, window, device)
