@@ -9,9 +9,10 @@ BF16 GEMM with FP32 accumulation (oneDNN's, cuBLAS's, and that loop's own), up t
 
 `widen_reduced_precision_gemms` puts that in place for the process, as torch's backend flags are set: CPU kernels
 for `aten::mm`, `aten::bmm` and `aten::addmm` that widen BF16 and FP16 operands and run torch's own FP32 kernels
-(through the `out=` forms, which keep torch's kernels), and leave every other dtype to torch. Autograd's formulas,
-compiled code's calls into aten and every layer reach them. The training runtime calls it for CPU runs; the test
-suite for its whole session, so each comparison inside a test sees one arithmetic. `MEGAFP8_CPU_GEMM=native` keeps
+(through the `out=` forms, which keep torch's kernels), and leave every other dtype to torch. Eager layers and
+autograd's formulas reach them; compiled CPU code calls the `out=` forms itself, so it keeps torch's kernels. Every
+CPU run that builds a model calls it (`megafp8.train.build.build_model`, `megafp8.train.generate`); the test suite
+for its whole session and in its spawned ranks, so each comparison inside a test sees one arithmetic. `MEGAFP8_CPU_GEMM=native` keeps
 torch's kernels (on such a CPU, ~30x slower BF16 GEMMs).
 """
 from __future__ import annotations

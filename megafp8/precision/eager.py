@@ -6,8 +6,8 @@ of the import), whether it compiled or not, and most never do (data tools, conve
 each test's subprocesses). `torch._disable_dynamo` is torch's own lazy form of the same decorator (torch applies it
 to its functions for this reason): the first call imports `torch._dynamo` and wraps the function with
 `torch._dynamo.disable`; compiled code that reaches the wrapper breaks its graph there and runs the function, and
-everything it calls, eagerly, as under `torch.compiler.disable`. The wrapper lives in torch's own module, which
-Dynamo never traces into.
+everything it calls, eagerly, as under `torch.compiler.disable` (`tests/test_eager.py` compiles the same function
+with each and compares the graphs, the breaks and what ran eagerly).
 
 `mark_static_address` is `torch._dynamo.mark_static_address(t, guard=False)` for tensors marked before anything
 was compiled (FP8 weight caches, made with the model): the mark is an attribute Dynamo reads when it traces, set
