@@ -33,31 +33,26 @@ def cpu_has_bf16_gemm() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _widened(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype in _REDUCED and a.dtype == b.dtype
+def _product(out_form, shape: tuple, operands: tuple, **scalars) -> torch.Tensor:
+    """`out_form(*operands, out=...)` (torch's own kernel): in FP32 and rounded once where every operand is BF16
+    or FP16 alike, else as given (other dtypes; mixed dtypes stay torch's error)."""
+    dtype = operands[-1].dtype
+    if dtype not in _REDUCED or any(t.dtype != dtype for t in operands):
+        return out_form(*operands, **scalars, out=operands[-1].new_empty(shape))
+    out = operands[-1].new_empty(shape, dtype=torch.float32)
+    return out_form(*(t.float() for t in operands), **scalars, out=out).to(dtype)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if not _widened(a, b):
-        return torch.ops.aten.mm.out(a, b, out=a.new_empty((a.shape[0], b.shape[1])))
-    out = a.new_empty((a.shape[0], b.shape[1]), dtype=torch.float32)
-    return torch.ops.aten.mm.out(a.float(), b.float(), out=out).to(a.dtype)
+    return _product(torch.ops.aten.mm.out, (a.shape[0], b.shape[1]), (a, b))
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    shape = (a.shape[0], a.shape[1], b.shape[2])
-    if not _widened(a, b):
-        return torch.ops.aten.bmm.out(a, b, out=a.new_empty(shape))
-    out = a.new_empty(shape, dtype=torch.float32)
-    return torch.ops.aten.bmm.out(a.float(), b.float(), out=out).to(a.dtype)
+    return _product(torch.ops.aten.bmm.out, (a.shape[0], a.shape[1], b.shape[2]), (a, b))
 
 
 def _addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
-    shape = (a.shape[0], b.shape[1])
-    if not (_widened(a, b) and c.dtype == a.dtype):
-        return torch.ops.aten.addmm.out(c, a, b, beta=beta, alpha=alpha, out=a.new_empty(shape))
-    out = a.new_empty(shape, dtype=torch.float32)
-    return torch.ops.aten.addmm.out(c.float(), a.float(), b.float(), beta=beta, alpha=alpha, out=out).to(a.dtype)
+    return _product(torch.ops.aten.addmm.out, (a.shape[0], b.shape[1]), (c, a, b), beta=beta, alpha=alpha)
 
 
 def widen_reduced_precision_gemms() -> bool:
