@@ -9,6 +9,10 @@ NPROC ?= 2
 CONFIG ?= tiny_dense.yaml
 DATA ?= data/pystdlib
 PYTEST_ARGS ?=
+# `make test` runs the suite in this many pytest-xdist workers, a whole test file to each (`--dist loadfile`: a file's
+# module fixtures are made once): one a core, at most 4; 0 runs it in pytest's own process. Most of the suite is one
+# thread at a time (compiling, Python start-ups), so a 2-core machine's second core idled in a serial run.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = len(os.sched_getaffinity(0)); print(min(4, n) if n > 1 else 0)")
 BIN := $(VENV)/bin
 
 .PHONY: setup setup-test train data test test-all clean
@@ -35,10 +39,10 @@ train: setup data
 	$(BIN)/torchrun --nproc_per_node=$(NPROC) launch/pretrain.py --config $(CONFIG) data.path=$(DATA)
 
 test: setup-test
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-all: setup-test
-	$(BIN)/python -m pytest -q -m "" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

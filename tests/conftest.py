@@ -1,6 +1,7 @@
 """Shared fixtures: a small tokenized corpus, tiny configs, and the GPU marker's skip."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -15,6 +16,10 @@ from tests.parity import ParityRuns
 # What every CPU run of the framework does where the CPU has no BF16 GEMM instructions (`megafp8.precision.cpu_gemm`),
 # for the whole session: the references a test computes itself see the same arithmetic as the runs it checks.
 widen_reduced_precision_gemms()
+# Under pytest-xdist (`make test`: one worker a core, at most 4), each worker's share of the cores for torch's
+# intra-op threads: torch's default, every core, made the workers' threads outnumber the cores.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -47,6 +52,22 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("|---|---|---|")
         for case, diff, agree in rows:
             terminalreporter.write_line(f"| {case} | {diff:.2g} | {100 * agree:.1f}% |")
+
+
+@pytest.fixture(autouse=True)
+def root_logging_left_as_found():
+    """A tool run in-process (its `main`) that calls `logging.basicConfig` leaves a handler on the root logger bound to
+    the test's captured stderr, which pytest closes after the test: a later test's tool, logging through it, wrote
+    "--- Logging error ---" into its own stderr (seen with the tests in another order under pytest-xdist). Such
+    handlers, and the level with them, go when the test ends; pytest's own handlers are its to remove."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    added = [h for h in root.handlers if h not in before and type(h) is logging.StreamHandler]
+    for handler in added:
+        root.removeHandler(handler)
+    if added:
+        root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
