@@ -24,8 +24,13 @@ MOE = ["model.num_heads=2", "model.attention.num_kv_heads=2", "model.attention.h
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     """Each test compiles from scratch: Dynamo's cache of a function (eight entries) lasts the whole process, and the
-    blocks' compiled functions are one code object for every model; earlier tests' models would fill it."""
+    blocks' compiled functions are one code object for every model; earlier tests' models would fill it. And a shape
+    seen second compiles a graph of its own, static as the first, not one with symbolic shapes: the tests that
+    measure what a block keeps per token run two batch sizes, and the symbolic graph's shape reasoning (sympy) took
+    most of their CPU time (~45 s of this file's ~160 s on a 2-core machine); a training run compiles one shape."""
     torch._dynamo.reset()
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        yield
 
 
 @pytest.mark.parametrize("config, extra", [("tiny_dense", []), ("tiny_moe_fp8", MOE)], ids=["dense", "moe"])
