@@ -14,7 +14,7 @@ from megafp8.config import (
 from megafp8.config.loader import (REPO_CONFIG_DIR, available_configs, model_config_from_saved, repeated_overrides,
                                    resolve_config_path)
 from megafp8.config.schema import field_doc
-from tests.conftest import REPO
+from tests.conftest import REPO, torchrun_env
 
 
 def test_every_shipped_config_loads():
@@ -259,6 +259,27 @@ def test_usage_and_config_errors_answer_before_torch_is_imported(script):
         imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
                     if line.startswith("import time:")}
         assert "megafp8.train.command_line" in imported and "torch" not in imported, argv
+
+
+@pytest.mark.parametrize("script, options", [("launch/pretrain.py", ["--print-config"]),
+                                             ("launch/pretrain.py", ["--dry-run", "--world-size", "2"]),
+                                             ("tools/plan.py", ["--world-size", "2", "--layouts"])])
+def test_printing_and_planning_a_config_import_neither_the_trainer_nor_checkpointing(script, options):
+    """`--print-config`, `--dry-run` and `--layouts` go to `megafp8.train.preview` past the config: torch and the
+    planner, not the trainer or torch.distributed.checkpoint (with DTensor ~1.1 s of a 2-core machine's start-up);
+    what they print is what `megafp8.train.main`'s `main` and `plan_main` (which callers in Python use) print."""
+    argv = ["--config", "tiny_dense", *options, "model.vocab_size=384"]
+    result = subprocess.run([sys.executable, "-X", "importtime", script, *argv], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "megafp8.train.preview" in imported and "torch" in imported
+    assert not imported & {"megafp8.train.main", "megafp8.train.trainer", "torch.distributed.checkpoint"}
+    through_main = subprocess.run([sys.executable, "-c", "import sys; from megafp8.train.main import main, plan_main; "
+                                 f"sys.exit({'plan_main' if script == 'tools/plan.py' else 'main'}(sys.argv[1:]))",
+                                 *argv], cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    assert through_main.returncode == 0 and through_main.stdout == result.stdout, through_main.stderr[-2000:]
 
 
 def test_a_key_given_twice_on_the_command_line_is_warned_of_with_the_value_used(capsys):

@@ -10,7 +10,8 @@ from megafp8.config import load_config
 from megafp8.config.validate import validate_for_world
 from megafp8.train import layouts
 from megafp8.train.layouts import search_layouts
-from megafp8.train.main import layouts_main, plan_main
+from megafp8.train.main import plan_main
+from megafp8.train.preview import layouts_main
 from megafp8.train.plan import GIB
 from tests.conftest import REPO, torchrun_env
 

@@ -182,6 +182,11 @@ def load_run_config(args: argparse.Namespace) -> Config | int:
     return cfg
 
 
+def wants_preview(args: argparse.Namespace) -> bool:
+    """Whether `args` ask to print, plan or list layouts (`megafp8.train.preview`), not to train or evaluate."""
+    return bool(args.print_config or getattr(args, "layouts", False) or args.dry_run)
+
+
 def parse_plan_args(argv: list[str] | None) -> argparse.Namespace:
     return build_parser("plan.py", PLAN_DESCRIPTION, plan_only=True).parse_args(argv)
 
