@@ -12,7 +12,8 @@ PYTEST_ARGS ?=
 # `make test` runs the suite in this many pytest-xdist workers, a whole test file to each (`--dist loadfile`: a file's
 # module fixtures are made once): one a core, at most 4; 0 runs it in pytest's own process. Most of the suite is one
 # thread at a time (compiling, Python start-ups), so a 2-core machine's second core idled in a serial run.
-TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = len(os.sched_getaffinity(0)); print(min(4, n) if n > 1 else 0)")
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') \
+	else os.cpu_count() or 1; print(min(4, n) if n > 1 else 0)")
 BIN := $(VENV)/bin
 
 .PHONY: setup setup-test train data test test-all clean

@@ -17,7 +17,8 @@ setup(
         "logging": ["tensorboard>=2.14", "wandb>=0.17"],
         "plot": ["matplotlib>=3.7"],
         # transformers: tests/test_hf_transformers.py checks checkpoint conversion against its models.
-        "test": ["pytest>=7.4", "pytest-xdist>=3.5", "tokenizers>=0.19", "tensorboard>=2.14", "wandb>=0.17", "matplotlib>=3.7",
-                 "safetensors>=0.4", "transformers>=5"],
+        # pytest-xdist: `make test` runs the suite in a worker per core.
+        "test": ["pytest>=7.4", "pytest-xdist>=3.5", "tokenizers>=0.19", "tensorboard>=2.14", "wandb>=0.17",
+                 "matplotlib>=3.7", "safetensors>=0.4", "transformers>=5"],
     },
 )

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_config(args: argparse.Namespace, cfg: Config) -> int:
     """Print the config, plan, or train, as `args` asks (`cfg`: `load_run_config`'s); the exit status. (An entry
-    script sends the first two to `megafp8.train.preview` itself, without importing this module.)"""
+    script sends printing and planning to `megafp8.train.preview` itself, without importing this module.)"""
     if wants_preview(args):
         return preview(args, cfg)
     status = checked(cfg)
