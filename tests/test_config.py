@@ -276,9 +276,10 @@ def test_printing_and_planning_a_config_import_neither_the_trainer_nor_checkpoin
                 if line.startswith("import time:")}
     assert "megafp8.train.preview" in imported and "torch" in imported
     assert not imported & {"megafp8.train.main", "megafp8.train.trainer", "torch.distributed.checkpoint"}
-    through_main = subprocess.run([sys.executable, "-c", "import sys; from megafp8.train.main import main, plan_main; "
-                                 f"sys.exit({'plan_main' if script == 'tools/plan.py' else 'main'}(sys.argv[1:]))",
-                                 *argv], cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    entry = "plan_main" if script == "tools/plan.py" else "main"
+    through_main = subprocess.run([sys.executable, "-c", f"import sys; from megafp8.train.main import {entry}; "
+                                   f"sys.exit({entry}(sys.argv[1:]))", *argv],
+                                  cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
     assert through_main.returncode == 0 and through_main.stdout == result.stdout, through_main.stderr[-2000:]
 
 

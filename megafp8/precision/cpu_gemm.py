@@ -12,8 +12,8 @@ for `aten::mm`, `aten::bmm` and `aten::addmm` that widen BF16 and FP16 operands 
 (through the `out=` forms, which keep torch's kernels), and leave every other dtype to torch. Eager layers and
 autograd's formulas reach them; compiled CPU code calls the `out=` forms itself, so it keeps torch's kernels. Every
 CPU run that builds a model calls it (`megafp8.train.build.build_model`, `megafp8.train.generate`); the test suite
-for its whole session and in its spawned ranks, so each comparison inside a test sees one arithmetic. `MEGAFP8_CPU_GEMM=native` keeps
-torch's kernels (on such a CPU, ~30x slower BF16 GEMMs).
+for its whole session and in its spawned ranks, so each comparison inside a test sees one arithmetic.
+`MEGAFP8_CPU_GEMM=native` keeps torch's kernels (on such a CPU, ~30x slower BF16 GEMMs).
 """
 from __future__ import annotations
 
