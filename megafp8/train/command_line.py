@@ -165,8 +165,9 @@ def exit_process(code: int) -> None:
 def load_run_config(args: argparse.Namespace) -> Config | int:
     """The config `args` name, loaded and checked as far as it can be without torch; where it cannot be, or where
     `srun` started this process as one of several tasks without torchrun (`srun_launch_status`), the error reported
-    in one line and the exit status 2. `megafp8.train.entry.run_staged` calls this first and imports
-    torch only past it (`megafp8.train.preview` or `megafp8.train.main`), so a typo costs no torch import."""
+    in one line and the exit status 2. `megafp8.train.entry.run_staged` (the entry scripts) calls this first and
+    imports torch only past it (`megafp8.train.preview` or `megafp8.train.main`), so a typo costs no torch import;
+    `megafp8.train.main.run` (callers in Python) calls it too."""
     refused = srun_launch_status()
     if refused is not None:
         return refused

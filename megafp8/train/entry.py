@@ -1,9 +1,8 @@
 """The entry scripts' run (`launch/pretrain.py`, `tools/plan.py`): the launch and the config checked without torch
 (`megafp8.train.command_line.load_run_config`, which also refuses a task of `srun -n N` started without torchrun),
 then `megafp8.train.preview` (print, plan, layouts: no trainer, no checkpointing) or `megafp8.train.main` imported
-past them, so a typo costs no torch import and `--print-config` none of the trainer's. `megafp8.train.main`'s
-`main` and `plan_main` (for callers in Python) run through here too; this module imports it only inside
-`run_staged`, so neither import waits on the other."""
+past them, so a typo costs no torch import and `--print-config` none of the trainer's. Neither imports this module
+(no import cycle)."""
 from __future__ import annotations
 
 import argparse

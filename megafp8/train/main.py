@@ -14,11 +14,11 @@ import torch.distributed as dist
 from megafp8.checkpoint.local import find_latest
 from megafp8.config import Config, ConfigError
 from megafp8.train.checkpointing import CheckpointWriteError
-from megafp8.train.command_line import env_rank, error_status, parse_args, parse_plan_args
-from megafp8.train.entry import run_staged
+from megafp8.train.command_line import (env_rank, error_status, load_run_config, parse_args, parse_plan_args,
+                                        wants_preview)
 from megafp8.train.plan import GIB, make_plan, with_vocab
 from megafp8.train.preemption import exit_status
-from megafp8.train.preview import checked
+from megafp8.train.preview import checked, preview
 from megafp8.train.runtime import init_distributed, seed_everything, set_determinism, shutdown
 from megafp8.train.trainer import Trainer
 
@@ -91,17 +91,25 @@ def _where_a_relaunch_resumes(trainer: Optional[Trainer]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`launch/pretrain.py` in one call (the script itself loads the config before importing this module)."""
-    return run_staged(parse_args(argv))
+    return run(parse_args(argv))
 
 
 def plan_main(argv: list[str] | None = None) -> int:
     """`tools/plan.py`: the dry run under its own name and usage."""
-    return run_staged(parse_plan_args(argv))
+    return run(parse_plan_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the config `args` name, then print, plan or train it as `args` asks; the exit status."""
+    cfg = load_run_config(args)
+    return cfg if isinstance(cfg, int) else run_config(args, cfg)
 
 
 def run_config(args: argparse.Namespace, cfg: Config) -> int:
-    """Train, or evaluate a checkpoint, as `args` asks (`cfg`: `load_run_config`'s); the exit status. Printing and
-    planning go to `megafp8.train.preview` before this module is imported (`megafp8.train.entry.run_staged`)."""
+    """Print the config, plan, or train, as `args` asks (`cfg`: `load_run_config`'s); the exit status. (An entry
+    script sends printing and planning to `megafp8.train.preview` itself, without importing this module.)"""
+    if wants_preview(args):
+        return preview(args, cfg)
     status = checked(cfg)
     if status is not None:
         return status
