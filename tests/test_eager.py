@@ -26,6 +26,33 @@ def test_the_trainer_and_its_model_import_without_the_compiler():
     assert loaded == "[]"
 
 
+# A training step of an FP8 MoE model (routing, permutation, grouped experts, FP8 quantizers, cross-entropy: the
+# package's custom ops and its functions run eagerly), evaluated once under meta tensors' shapes.
+EAGER_STEP = """
+import sys, torch
+from megafp8.config import load_config
+from megafp8.precision import PrecisionRecipe
+from megafp8.train.build import build_model
+cfg = load_config("tiny_moe_fp8", ["model.vocab_size=384", "model.num_layers=2", "data.seq_len=32"])
+model = build_model(cfg, cfg.model, PrecisionRecipe.from_config(cfg.precision), torch.device("cpu"))
+tokens = torch.randint(0, 384, (2, 32))
+model.loss_terms(tokens, tokens.roll(-1, 1)).total.backward()
+grads = sum(p.grad is not None or getattr(p, "main_grad", None) is not None for p in model.parameters())
+from megafp8.parallel.cross_entropy import _row_stats_op
+meta = _row_stats_op(torch.empty(4, 8, device="meta"), torch.zeros(4, dtype=torch.long, device="meta"))
+print(grads, [tuple(t.shape) for t in meta], sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+"""
+
+
+def test_an_eager_training_step_runs_without_loading_the_compiler():
+    """Eager ranks and tools never compile: torch's lazy wrappers (a custom op's dispatch, `_disable_dynamo`) imported
+    `torch._dynamo` at the first loss (~1-2.5 s a process). `run_eagerly` and `EagerCustomOp` call the functions
+    themselves until it is loaded; a meta tensor still goes through the op (its fake function)."""
+    out = run_python(EAGER_STEP).splitlines()[-1]
+    assert out.endswith("[(4,), (4,), (4,)] []"), out
+    assert int(out.split(" ")[0]) > 0
+
+
 def _eager_seen(trace: list):
     def inner(x: torch.Tensor) -> torch.Tensor:  # called from the function run eagerly: eager too (recursive)
         trace.append(("inner", torch.compiler.is_compiling()))

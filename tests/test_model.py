@@ -84,6 +84,17 @@ def test_rope_matches_complex_rotation():
     assert torch.allclose(rotated, torch.cat([z.real, z.imag], dim=-1), atol=1e-5)
 
 
+def test_a_meta_model_s_rope_tables_are_shapes_without_importing_the_compiler():
+    """The planner and the checkpoint code build models on the meta device for names and shapes; computing RoPE's
+    tables there ran torch's Python reference of `arange`, which imported `torch._dynamo` (~1.5-3.5 s a process)."""
+    code = ("import sys, torch; from megafp8.model.rope import RotaryEmbedding; "
+            "rope = RotaryEmbedding(head_dim=8, max_seq_len=16, theta=1e4, device=torch.device('meta')); "
+            "assert rope.cos.shape == rope.sin.shape == (16, 8) and rope.cos.is_meta and rope.cos.dtype == torch.float32; "
+            "assert 'torch._dynamo' not in sys.modules, 'the meta tables imported torch._dynamo'")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 YARN = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4"]  # from 4096 tokens: dims 0-9 kept, 23-31 scaled
 
 

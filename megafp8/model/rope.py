@@ -119,6 +119,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.device(device or "cpu").type == "meta":  # shapes only: meta's arange would import torch's compiler
+            shape = (self.max_seq_len, self.head_dim)
+            return torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
         inv_freq = inverse_frequencies(self.head_dim, self.theta, self.scaling, device)
         angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float32, device=device), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # (T, head_dim)

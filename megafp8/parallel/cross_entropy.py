@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megafp8.parallel.dims import TensorParallel
+from megafp8.precision.eager import eager_custom_op
 from megafp8.precision.triton_support import triton_runs_on
 
 IGNORE_INDEX = -100  # a target that contributes no loss (e.g. beyond the end of a sample for MTP)
@@ -70,7 +71,7 @@ def logits_grad_reference(logits: torch.Tensor, lse: torch.Tensor, target: torch
     return grad
 
 
-@torch.library.custom_op("megafp8::ce_row_stats", mutates_args=())
+@eager_custom_op("megafp8::ce_row_stats", mutates_args=())
 def _row_stats_op(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_triton(logits):
         from megafp8.parallel import cross_entropy_kernels
@@ -85,7 +86,7 @@ def _(logits, target):
     return tuple(logits.new_empty(n, dtype=torch.float32) for _ in range(3))
 
 
-@torch.library.custom_op("megafp8::ce_logits_grad", mutates_args=())
+@eager_custom_op("megafp8::ce_logits_grad", mutates_args=())
 def _logits_grad_op(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor,
                     dloss: torch.Tensor) -> torch.Tensor:
     if _use_triton(logits):

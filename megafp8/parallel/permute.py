@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megafp8.precision.eager import run_eagerly
+from megafp8.precision.eager import eager_custom_op, run_eagerly
 
 
 @dataclass
@@ -54,7 +54,7 @@ def gather_sum_reference(d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return acc.to(d.dtype)
 
 
-@torch.library.custom_op("megafp8::gather_sum", mutates_args=())
+@eager_custom_op("megafp8::gather_sum", mutates_args=())
 def _gather_sum_op(d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if _use_triton(d):
         from megafp8.parallel import permute_kernels
@@ -103,7 +103,7 @@ def _triton_combine(y: torch.Tensor, weights: torch.Tensor) -> bool:
     return _use_triton(y) and weights.dtype == torch.float32
 
 
-@torch.library.custom_op("megafp8::weighted_combine", mutates_args=())
+@eager_custom_op("megafp8::weighted_combine", mutates_args=())
 def _combine_op(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     if _triton_combine(y, weights):
         from megafp8.parallel import permute_kernels
@@ -122,7 +122,7 @@ def combine_rows(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> t
     return _combine_op(y, pos, weights)
 
 
-@torch.library.custom_op("megafp8::weighted_combine_backward", mutates_args=())
+@eager_custom_op("megafp8::weighted_combine_backward", mutates_args=())
 def _combine_backward_op(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     if _triton_combine(y, weights):
@@ -144,7 +144,7 @@ def combine_weights_grad_reference(dout: torch.Tensor, y: torch.Tensor, pos: tor
     return (g.unsqueeze(1) * y[pos].to(g.dtype)).sum(dim=-1)
 
 
-@torch.library.custom_op("megafp8::weighted_combine_weights_grad", mutates_args=())
+@eager_custom_op("megafp8::weighted_combine_weights_grad", mutates_args=())
 def combine_weights_grad(dout: torch.Tensor, y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """`combine_weights_grad_reference`, through a Triton kernel on CUDA (one op in a compiled graph)."""
     if _use_triton(y):
@@ -165,7 +165,7 @@ def _(dout, y, pos):
 GATHER_ROWS_BY_BLOCKS = True
 
 
-@torch.library.custom_op("megafp8::gather_rows", mutates_args=())
+@eager_custom_op("megafp8::gather_rows", mutates_args=())
 def _gather_rows_op(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if _use_triton(source):
         from megafp8.parallel import permute_kernels

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from megafp8.precision.eager import eager_custom_op
 from megafp8.precision.triton_support import triton_runs_on
 
 MAX_KERNEL_EXPERTS = 1024  # the kernel holds a token's scores in registers
@@ -44,7 +45,7 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-@torch.library.custom_op("megafp8::group_limited_topk", mutates_args=())
+@eager_custom_op("megafp8::group_limited_topk", mutates_args=())
 def _group_limited_topk_op(choice: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> torch.Tensor:
     if kernel_fits(choice, n_group):
         from megafp8.parallel import routing_kernels

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megafp8.precision.eager import run_eagerly
+from megafp8.precision.eager import eager_custom_op, run_eagerly
 from megafp8.precision.wgrad import WeightGradQueue, main_grad_alias, weight_grad_or_defer
 
 _REDUCED = (torch.bfloat16, torch.float16)
@@ -75,7 +75,7 @@ def accumulate_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
         torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
 
 
-@torch.library.custom_op("megafp8::wgrad_accumulate_", mutates_args=("out",))
+@eager_custom_op("megafp8::wgrad_accumulate_", mutates_args=("out",))
 def wgrad_accumulate_(out: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
     """out (N, K) FP32 += dy (M, N)^T @ x (M, K): a weight gradient added into `main_grad` inside a compiled graph
     (an op Inductor keeps whole: its decomposition of `addmm` with `out_dtype` would add in a separate pass)."""

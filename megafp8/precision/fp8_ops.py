@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch
 
 from megafp8.precision.backends import Fp8Backend, QuantizedWeight, StaleExperts, backend_by_name
+from megafp8.precision.eager import eager_custom_op
 from megafp8.precision.expert_layout import ExpertRows
 from megafp8.precision.formats import FORMATS, TILE, Fp8Format
 
@@ -36,7 +37,7 @@ def _fake_rows_cols(m: int, k: int, fmt: str, like: torch.Tensor, cols_in_blocks
             _fake_scales(k // TILE if cols_in_blocks else k, m_pad // TILE, like))
 
 
-@torch.library.custom_op("megafp8::quantize_rows", mutates_args=())
+@eager_custom_op("megafp8::quantize_rows", mutates_args=())
 def quantize_rows(x: torch.Tensor, fmt: str, pow2: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _backend(backend).quantize_rows(x, FORMATS[fmt], pow2)
 
@@ -47,7 +48,7 @@ def _(x, fmt, pow2, backend):
     return x.new_empty(m, k, dtype=FORMATS[fmt].dtype), _fake_scales(m, k // TILE, x)
 
 
-@torch.library.custom_op("megafp8::quantize_rows_cols", mutates_args=())
+@eager_custom_op("megafp8::quantize_rows_cols", mutates_args=())
 def quantize_rows_cols(x: torch.Tensor, fmt: str, pow2: bool, backend: str, cols_in_blocks: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backend(backend).quantize_rows_cols(x, FORMATS[fmt], pow2, cols_in_blocks)
@@ -58,7 +59,7 @@ def _(x, fmt, pow2, backend, cols_in_blocks=False):
     return _fake_rows_cols(*x.shape, fmt, x, cols_in_blocks)
 
 
-@torch.library.custom_op("megafp8::rmsnorm_quantize", mutates_args=())
+@eager_custom_op("megafp8::rmsnorm_quantize", mutates_args=())
 def rmsnorm_quantize(h: torch.Tensor, weight: torch.Tensor, eps: float, fmt: str, pow2: bool, backend: str,
                      cols_in_blocks: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,7 +71,7 @@ def _(h, weight, eps, fmt, pow2, backend, cols_in_blocks=False):
     return (*_fake_rows_cols(*h.shape, fmt, h, cols_in_blocks), h.new_empty(h.shape[0], dtype=torch.float32))
 
 
-@torch.library.custom_op("megafp8::swiglu_quantize", mutates_args=())
+@eager_custom_op("megafp8::swiglu_quantize", mutates_args=())
 def swiglu_quantize(gu: torch.Tensor, fmt: str, pow2: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _backend(backend).swiglu_quantize(gu, FORMATS[fmt], pow2)
 
@@ -81,7 +82,7 @@ def _(gu, fmt, pow2, backend):
 
 
 # With each tile's max |a| for the backward's a^T in 128x128 blocks (`Fp8Recipe.wgrad_input_blocks`).
-@torch.library.custom_op("megafp8::swiglu_quantize_amax", mutates_args=())
+@eager_custom_op("megafp8::swiglu_quantize_amax", mutates_args=())
 def swiglu_quantize_amax(gu: torch.Tensor, fmt: str, pow2: bool, backend: str
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backend(backend).swiglu_quantize(gu, FORMATS[fmt], pow2, row_amax=True)
@@ -93,7 +94,7 @@ def _(gu, fmt, pow2, backend):
     return (*_fake_rows_cols(m, f, fmt, gu)[:2], _fake_scales(m, f // TILE, gu))
 
 
-@torch.library.custom_op("megafp8::swiglu_backward_quantize", mutates_args=())
+@eager_custom_op("megafp8::swiglu_backward_quantize", mutates_args=())
 def swiglu_backward_quantize(gu: torch.Tensor, da: torch.Tensor, fmt: str, grad_fmt: str, pow2: bool, backend: str,
                              a_amax: Optional[torch.Tensor] = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -107,7 +108,7 @@ def _(gu, da, fmt, grad_fmt, pow2, backend, a_amax=None):
             *_fake_rows_cols(*da.shape, fmt, gu, cols_in_blocks=a_amax is not None)[2:])
 
 
-@torch.library.custom_op("megafp8::rope_backward_quantize", mutates_args=())
+@eager_custom_op("megafp8::rope_backward_quantize", mutates_args=())
 def rope_backward_quantize(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            seq_len: int, head_dim: int, fmt: str, pow2: bool, backend: str
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,7 +120,7 @@ def _(dq, dk, dv, cos, sin, seq_len, head_dim, fmt, pow2, backend):
     return _fake_rows_cols(dq.shape[0], dq.shape[1] + dk.shape[1] + dv.shape[1], fmt, dq)
 
 
-@torch.library.custom_op("megafp8::quantize_weight", mutates_args=())
+@eager_custom_op("megafp8::quantize_weight", mutates_args=())
 def quantize_weight(weight: torch.Tensor, fmt: str, pow2: bool, backend: str
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b = _backend(backend)
@@ -133,7 +134,7 @@ def _(weight, fmt, pow2, backend):
     return _backend(backend).empty_weight(weight.shape, FORMATS[fmt], weight.device).tensors()
 
 
-@torch.library.custom_op("megafp8::quantize_stale_experts", mutates_args=())
+@eager_custom_op("megafp8::quantize_stale_experts", mutates_args=())
 def quantize_stale_experts(weight: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, version: torch.Tensor,
                            current: torch.Tensor, used: torch.Tensor, fmt: str, pow2: bool, backend: str
                            ) -> torch.Tensor:
@@ -159,7 +160,7 @@ def _(weight, w_fp8, w_scale, version, current, used, fmt, pow2, backend) -> tor
     return torch.empty_like(w_scale)
 
 
-@torch.library.custom_op("megafp8::transpose_weight", mutates_args=())
+@eager_custom_op("megafp8::transpose_weight", mutates_args=())
 def transpose_weight(w_fp8: torch.Tensor, w_scale: torch.Tensor, backend: str,
                      experts_used: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     return _backend(backend).transpose_weight(w_fp8, w_scale, experts_used)
@@ -176,7 +177,7 @@ def _(w_fp8, w_scale, backend, experts_used=None):
 def _gemm_op(variant: str):
     """The backend's GEMM `variant` (`gemm_1x128_128x128` or `gemm_1x128_1x128`) as the op megafp8::`variant`."""
 
-    @torch.library.custom_op(f"megafp8::{variant}", mutates_args=())
+    @eager_custom_op(f"megafp8::{variant}", mutates_args=())
     def op(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
            backend: str) -> torch.Tensor:
         return getattr(_backend(backend), variant)(a, a_scale, b, b_scale, out_dtype)
@@ -193,7 +194,7 @@ gemm_1x128_1x128 = _gemm_op("gemm_1x128_1x128")
 
 # The one op that writes into a tensor it was given: a weight gradient added into (a private alias of) the weight's
 # FP32 `main_grad` (`Fp8WeightCache.main_grad_alias`). Declaring the mutation keeps the op in the graph and in order.
-@torch.library.custom_op("megafp8::gemm_1x128_1x128_accumulate_", mutates_args=("out",))
+@eager_custom_op("megafp8::gemm_1x128_1x128_accumulate_", mutates_args=("out",))
 def gemm_1x128_1x128_accumulate_(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
                                  b_scale: torch.Tensor, backend: str) -> None:
     _backend(backend).gemm_1x128_1x128_accumulate_(out, a, a_scale, b, b_scale)
@@ -204,7 +205,7 @@ def _(out, a, a_scale, b, b_scale, backend):
     return None
 
 
-@torch.library.custom_op("megafp8::gather_quantize_rows_cols", mutates_args=())
+@eager_custom_op("megafp8::gather_quantize_rows_cols", mutates_args=())
 def gather_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, fmt: str, pow2: bool, backend: str,
                               cols_in_blocks: bool = False
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -216,7 +217,7 @@ def _(source, index, fmt, pow2, backend, cols_in_blocks=False):
     return _fake_rows_cols(index.shape[0], source.shape[1], fmt, source, cols_in_blocks)
 
 
-@torch.library.custom_op("megafp8::gather_scale_quantize_rows_cols", mutates_args=())
+@eager_custom_op("megafp8::gather_scale_quantize_rows_cols", mutates_args=())
 def gather_scale_quantize_rows_cols(source: torch.Tensor, index: torch.Tensor, factor: torch.Tensor, fmt: str,
                                     pow2: bool, backend: str
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -234,7 +235,7 @@ def _expert_tiles(rows: int, tile_expert: Optional[torch.Tensor], tile_start: to
     return ExpertRows.of_tiles(rows, tile_expert, tile_start, tile_count)
 
 
-@torch.library.custom_op("megafp8::grouped_gemm_1x128_128x128", mutates_args=())
+@eager_custom_op("megafp8::grouped_gemm_1x128_128x128", mutates_args=())
 def grouped_gemm_1x128_128x128(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                                tile_expert: torch.Tensor, tile_start: torch.Tensor, tile_count: torch.Tensor,
                                out_dtype: torch.dtype, backend: str) -> torch.Tensor:
@@ -248,7 +249,7 @@ def _(a, a_scale, b, b_scale, tile_expert, tile_start, tile_count, out_dtype, ba
     return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
 
-@torch.library.custom_op("megafp8::grouped_gemm_1x128_1x128", mutates_args=())
+@eager_custom_op("megafp8::grouped_gemm_1x128_1x128", mutates_args=())
 def grouped_gemm_1x128_1x128(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                              tile_start: torch.Tensor, tile_count: torch.Tensor, out_dtype: torch.dtype,
                              backend: str) -> torch.Tensor:
@@ -262,7 +263,7 @@ def _(a, a_scale, b, b_scale, tile_start, tile_count, out_dtype, backend):
 
 
 # The experts' weight gradients added into (an alias of) their FP32 `main_grad`, as `gemm_1x128_1x128_accumulate_`.
-@torch.library.custom_op("megafp8::grouped_gemm_1x128_1x128_accumulate_", mutates_args=("out",))
+@eager_custom_op("megafp8::grouped_gemm_1x128_1x128_accumulate_", mutates_args=("out",))
 def grouped_gemm_1x128_1x128_accumulate_(out: torch.Tensor, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
                                          b_scale: torch.Tensor, tile_start: torch.Tensor, tile_count: torch.Tensor,
                                          backend: str) -> None:

@@ -35,7 +35,7 @@ import torch
 
 from megafp8.precision.backends import Fp8Backend, QuantizedWeight
 from megafp8.precision.bf16_linear import MainGradSlot
-from megafp8.precision.eager import run_eagerly
+from megafp8.precision.eager import eager_custom_op, run_eagerly
 from megafp8.precision.expert_layout import ExpertRows, counts_on, expert_rows
 from megafp8.precision.fp8_linear import current_weight, route_weight_gradient, traced_main_grad
 from megafp8.precision.fp8_ops import backend_arg, kernels
@@ -240,7 +240,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, weight_grad_or_defer(weight, fp8_wgrad, ctx.queue, fp8_wgrad), None, None, None, None, None
 
 
-@torch.library.custom_op("megafp8::add_experts_with_rows_into_", mutates_args=("out",))
+@eager_custom_op("megafp8::add_experts_with_rows_into_", mutates_args=("out",))
 def add_experts_with_rows_into_(out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> None:
     """out += x: the BF16 experts' stacked weight gradient added into (an alias of) the weight's FP32 `main_grad`
     (declared as a mutation, so a compiled graph keeps it, in order). x is exactly zero for an expert without rows
