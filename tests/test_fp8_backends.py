@@ -389,7 +389,7 @@ def test_every_custom_op_agrees_with_its_fake_implementation():
         *_grouped_op_cases(),
     ]
     for op, args in cases:
-        torch.library.opcheck(op, args, test_utils=("test_faketensor",))
+        torch.library.opcheck(op.op, args, test_utils=("test_faketensor",))
 
 
 def _grouped_op_cases() -> list[tuple]:
