@@ -63,7 +63,7 @@ class EagerCustomOp:
 
     def __call__(self, *args, **kwargs):
         if compiler_may_run() or torch._C._len_torch_dispatch_stack() or any(
-                isinstance(a, torch.Tensor) and a.is_meta for a in args):
+                isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values())):
             return self.op(*args, **kwargs)
         with torch.no_grad():
             return self.fn(*args, **kwargs)
