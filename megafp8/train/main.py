@@ -100,16 +100,16 @@ def plan_main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the config `args` name, then print, plan or train it as `args` asks; the exit status."""
+    """Load the config `args` name, then print, plan or train it as `args` asks; the exit status. (The entry scripts
+    route the same way in `megafp8.train.entry.run_staged`, importing this module only to train.)"""
     cfg = load_run_config(args)
-    return cfg if isinstance(cfg, int) else run_config(args, cfg)
+    if isinstance(cfg, int):
+        return cfg
+    return preview(args, cfg) if wants_preview(args) else run_config(args, cfg)
 
 
 def run_config(args: argparse.Namespace, cfg: Config) -> int:
-    """Print the config, plan, or train, as `args` asks (`cfg`: `load_run_config`'s); the exit status. (An entry
-    script sends printing and planning to `megafp8.train.preview` itself, without importing this module.)"""
-    if wants_preview(args):
-        return preview(args, cfg)
+    """Train, or evaluate a checkpoint, as `args` asks (`cfg`: `load_run_config`'s); the exit status."""
     status = checked(cfg)
     if status is not None:
         return status
