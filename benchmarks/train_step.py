@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from megafp8.config import load_config  # noqa: E402
 from megafp8.data.corpus import stdlib_files  # noqa: E402
 from megafp8.data.preprocess import preprocess  # noqa: E402
+from megafp8.train.command_line import srun_launch_status  # noqa: E402
 from megafp8.train.runtime import env_rank, init_distributed, seed_everything, shutdown  # noqa: E402
 from megafp8.train.plan import make_plan, with_vocab  # noqa: E402
 from megafp8.train.fp8_health import is_sampled  # noqa: E402
@@ -296,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run directories (default: a new temporary directory, so runs never share one)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
+    refused = srun_launch_status()  # `srun -n N python benchmarks/train_step.py`: N lone rank-0 runs, as pretrain.py
+    if refused is not None:
+        return refused
     if not args.profile and args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} leaves none of --steps {args.steps} to time: give more --steps")
     args.out = args.out or Path(tempfile.mkdtemp(prefix="megafp8-bench-runs-"))

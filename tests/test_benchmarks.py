@@ -407,6 +407,23 @@ def test_health_cost_times_sampled_steps_against_plain_ones(corpus_dir, tmp_path
     assert re.search(r"\(4 steps\) \| [\d.]+ \(2 steps\)", row), result.stdout
 
 
+def test_train_step_refuses_srun_tasks_without_torchrun_as_pretrain_does(monkeypatch, capsys):
+    """`srun -n 2 python benchmarks/train_step.py` would start two lone rank-0 runs; like launch/pretrain.py, the
+    benchmark stops first (status 2, one line from the step's first task) and starts no process group."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import train_step
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PTY_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+                       "SLURM_PROCID": "0"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(train_step, "init_distributed", lambda cfg: pytest.fail("a process group was started"))
+    assert train_step.main(["training.device=cpu", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: srun started this process as one of 2 tasks") and err.count("\n") == 1, err
+
+
 def test_train_step_names_the_health_samples_its_memory_columns_would_count():
     """A health-sampled step (every `logging.fp8_health_interval`-th, eager) in the timed window, or as the last
     warm-up step (after which the held memory is measured), sets FP8's memory columns: `sampled_steps` finds them.
