@@ -25,6 +25,7 @@ def test_compare_reports_largest_differences_and_median_speed(tmp_path):
     _write(tmp_path / "ref", [3.0, 2.0, 1.0], [1.0, 2.0, 4.0], [9.0, 1.0, 1.0])
     _write(tmp_path / "other", [3.0, 2.5, 1.1], [1.0, 2.0, 5.0], [9.0, 0.5, 0.5])
     table = compare([str(tmp_path / "ref"), str(tmp_path / "other")], skip=1).splitlines()
+    assert table[0].startswith("| run | steps compared | max abs LM loss diff | max grad-norm rel diff | final LM loss |")
     assert table[2] == "| ref | 3 | 0.0000 | 0.00% | 1.0000 | 1.0000 | 100 |"
     assert table[3] == "| other | 3 | 0.5000 | 25.00% | 1.1000 | 0.5000 | 200 |"
 
@@ -48,13 +49,16 @@ def test_a_run_with_mtp_compares_with_one_without_on_its_language_modelling_loss
     mtp = _write_mtp_run(tmp_path / "mtp", [3.9, 2.9, 1.9], lm_losses=[3.0, 2.0, 1.1])
     table = compare([str(tmp_path / "plain"), mtp], skip=0).splitlines()
     assert table[3].startswith("| mtp | 3 | 0.1000 | nan% | 1.1000 |"), table  # (no grad norms logged)
+    assert "| max abs LM loss diff |" in table[0] and "| final LM loss |" in table[0], table[0]
     lines, passed = loss_gap_verdict([str(tmp_path / "plain"), mtp], 0.05)
     assert not passed and lines == ["- **FAIL** mtp: max |loss gap| 0.1000 at step 3, above 0.05"]
     old = _write_mtp_run(tmp_path / "old_mtp", [3.9, 2.9, 1.9])  # before lm_loss: only the total is known
     with pytest.raises(ConfigError, match="old_mtp trained with MTP before lm_loss was logged"):
         compare([str(tmp_path / "plain"), old], skip=0)
     old_too = _write_mtp_run(tmp_path / "old_mtp_2", [3.8, 2.9, 1.9])  # alike: total against total, as they were
-    assert compare([old, old_too], skip=0).splitlines()[3].startswith("| old_mtp_2 | 3 | 0.1000 |")
+    totals = compare([old, old_too], skip=0).splitlines()
+    assert totals[3].startswith("| old_mtp_2 | 3 | 0.1000 |")
+    assert "| max abs loss (LM + weighted MTP) diff |" in totals[0], totals[0]
 
 
 def test_max_loss_gap_fails_a_run_beyond_it_or_cut_short_with_exit_status_1(tmp_path):

@@ -82,10 +82,17 @@ def train_losses(runs: list[str]) -> list[dict[int, float]]:
     return [_by_step(run, field) for run, field in zip(runs, fields)]
 
 
+def train_loss_name(runs: list[str]) -> str:
+    """What `train_losses` compares, for a table's header: the language-modelling loss (`lm_loss`, or `loss` of a
+    run without MTP), or, between runs that all trained with MTP before `lm_loss` was logged, their total loss."""
+    return "LM loss" if any(lm_loss_field(run) for run in runs) else "loss (LM + weighted MTP)"
+
+
 def compare(runs: list[str], skip: int) -> str:
     losses = train_losses(runs)
     ref_loss, ref_norm = losses[0], _by_step(runs[0], "grad_norm")
-    lines = ["| run | steps compared | max abs loss diff | max grad-norm rel diff | final loss | step time (s) | "
+    name = train_loss_name(runs)
+    lines = [f"| run | steps compared | max abs {name} diff | max grad-norm rel diff | final {name} | step time (s) | "
              "tokens/s |", "|---|---|---|---|---|---|---|"]
     for run, loss in zip(runs, losses):
         norm = _by_step(run, "grad_norm")
