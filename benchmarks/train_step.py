@@ -186,9 +186,7 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
     bubble = trainer.pipeline.bubble if trainer.pipeline is not None else None
     del trainer
     release_memory(device)
-    # Each record covers the `log_interval` steps before it, timed up to the device finishing them.
-    step_s = statistics.median(r["step_time_s"] for r in records)
-    tokens = cfg.training.global_batch_size * cfg.data.seq_len
+    timing = timing_columns(records, cfg.training.global_batch_size * cfg.data.seq_len)
     plan = make_plan(with_vocab(cfg), dims.world_size)  # the vocabulary: the data's where not configured
     # This rank's prediction: its pipeline stage's (every TP, EP and DP rank of a stage is planned alike).
     planned_here = plan.pipeline[dims.pp_rank][4] if plan.pipeline else plan.total_bytes
@@ -199,9 +197,7 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
               "tokens/s and MFU are not those of training steps; the table's last column counts them", file=sys.stderr)
     per_rank = over_ranks([steady_here, warmup_peak, planned_here / 2**30, held_here], device)
     steady_peak, warmup_peak, held = (max(values[i] for values in per_rank) for i in (0, 1, 3))  # the busiest rank's
-    return {"model": label(model, args), "recipe": recipe, "ranks": dims.world_size, "step_s": step_s, "tokens_per_s": tokens / step_s,
-            "tflops": statistics.median(r["tflops_per_device"] for r in records),
-            "mfu": statistics.median(r["mfu"] for r in records) if records[0]["mfu"] is not None else None,
+    return {"model": label(model, args), "recipe": recipe, "ranks": dims.world_size, **timing,
             "peak_gib": steady_peak, "warmup_peak_gib": max(warmup_peak, steady_peak), "loss": records[-1]["loss"],
             "graph_breaks": sum(counters["graph_break"].values()), "planned_gib": plan.total_bytes / 2**30,
             "per_rank": [(steady, planned) for steady, _, planned, _ in per_rank], "bubble": bubble, "held_gib": held,
@@ -210,6 +206,20 @@ def run(model: str, recipe: str, args: argparse.Namespace, data: Path) -> dict:
                              statistics.median(r["moe_load_max_over_mean"] for r in records),
                              statistics.median(r["moe_idle_experts"] for r in records))
                             if "moe_load_cv" in records[0] else None)}
+
+
+def timing_columns(records: list[dict], tokens_per_step: int) -> dict:
+    """The table's step time, tokens/s, TFLOP/s and MFU, all from one step time: the median of the records' (each
+    covers the `log_interval` steps before it, timed up to the device finishing them). TFLOP/s and MFU are each
+    record's work (its figure times its step time, the same every step) over that median, not medians of their own:
+    with an even count of windows a median of rates is not the rate of the median time, and the columns disagreed."""
+    step_s = statistics.median(r["step_time_s"] for r in records)
+
+    def rate(key: str) -> float:
+        return statistics.median(r[key] * r["step_time_s"] for r in records) / step_s
+
+    return {"step_s": step_s, "tokens_per_s": tokens_per_step / step_s, "tflops": rate("tflops_per_device"),
+            "mfu": rate("mfu") if records[0]["mfu"] is not None else None}
 
 
 def over_ranks(values: list[float], device: torch.device) -> list[list[float]]:

@@ -424,6 +424,19 @@ def test_train_step_refuses_srun_tasks_without_torchrun_as_pretrain_does(monkeyp
     assert err.startswith("error: srun started this process as one of 2 tasks") and err.count("\n") == 1, err
 
 
+def test_train_step_s_rates_all_come_from_the_one_median_step_time():
+    """Four windows (an even count): tokens/s, TFLOP/s and MFU are each the work of a step over the median step time
+    (0.25 s here), so they stand in one ratio; the median of the records' own rates put TFLOP/s 4% above it."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import train_step
+
+    records = [{"step_time_s": t, "tflops_per_device": 100.0 / t, "mfu": 0.1 / t} for t in (0.1, 0.2, 0.3, 0.4)]
+    columns = train_step.timing_columns(records, tokens_per_step=1000)
+    assert columns["step_s"] == pytest.approx(0.25) and columns["tokens_per_s"] == pytest.approx(4000)
+    assert columns["tflops"] == pytest.approx(400) and columns["mfu"] == pytest.approx(0.4)
+    assert train_step.timing_columns([{**r, "mfu": None} for r in records], 1000)["mfu"] is None
+
+
 def test_train_step_names_the_health_samples_its_memory_columns_would_count():
     """A health-sampled step (every `logging.fp8_health_interval`-th, eager) in the timed window, or as the last
     warm-up step (after which the held memory is measured), sets FP8's memory columns: `sampled_steps` finds them.
