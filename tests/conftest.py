@@ -18,15 +18,9 @@ from tests.parity import ParityRuns
 widen_reduced_precision_gemms()
 # Under pytest-xdist (`make test`: one worker a core, at most 4), each worker's share of the cores for torch's
 # intra-op threads: torch's default, every core, made the workers' threads outnumber the cores.
-# The same share for Inductor's compile workers (read when torch._inductor is first imported; the processes the
-# tests start inherit it): by default each process that compiles starts a pool of one worker a core, each importing
-# torch anew, and the pools of both CI workers and of the ranks they spawn ran beside each other on 2 cores. Compiled
-# in the process instead, a cold-cache compiled MoE test took 16% less CPU (113 s against 135 s).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    _share = max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    torch.set_num_threads(_share)
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(_share))
+    torch.set_num_threads(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
