@@ -67,31 +67,32 @@ def _by_step(run: str, metric: str) -> dict[int, float]:
     return dict(zip(steps, values))
 
 
-def train_losses(runs: list[str]) -> list[dict[int, float]]:
-    """Each run's training loss by step, like with like: its language-modelling loss (`lm_loss_field`), or where
-    a run's is not logged apart (it trained with MTP before `lm_loss` was), every run's `loss` if all are such runs;
-    a ConfigError if only some are."""
+def loss_fields(runs: list[str]) -> tuple[list[str], str]:
+    """Each run's field of its training loss, like with like, and what they hold, for a table's header: the
+    language-modelling loss (`lm_loss_field`: `lm_loss`, or `loss` of a run without MTP), or, between runs that all
+    trained with MTP before `lm_loss` was logged, every run's `loss`, their total loss; a ConfigError if only some
+    are such runs."""
     fields = [lm_loss_field(run) for run in runs]
-    if None in fields:
-        alike = [run for run, field in zip(runs, fields) if field is not None]
-        if alike:
-            raise ConfigError(f"{runs[fields.index(None)]} trained with MTP before lm_loss was logged: its training "
-                              f"loss holds the weighted MTP loss, {alike[0]}'s does not; compare their val_loss "
-                              "(--gaps, --parity, --pooled), or runs alike")
-        fields = ["loss"] * len(runs)
+    if None not in fields:
+        return fields, "LM loss"
+    alike = [run for run, field in zip(runs, fields) if field is not None]
+    if alike:
+        raise ConfigError(f"{runs[fields.index(None)]} trained with MTP before lm_loss was logged: its training "
+                          f"loss holds the weighted MTP loss, {alike[0]}'s does not; compare their val_loss "
+                          "(--gaps, --parity, --pooled), or runs alike")
+    return ["loss"] * len(runs), "loss (LM + weighted MTP)"
+
+
+def train_losses(runs: list[str], fields: list[str] | None = None) -> list[dict[int, float]]:
+    """Each run's training loss by step, from `fields` (`loss_fields`' by default)."""
+    fields = fields or loss_fields(runs)[0]
     return [_by_step(run, field) for run, field in zip(runs, fields)]
 
 
-def train_loss_name(runs: list[str]) -> str:
-    """What `train_losses` compares, for a table's header: the language-modelling loss (`lm_loss`, or `loss` of a
-    run without MTP), or, between runs that all trained with MTP before `lm_loss` was logged, their total loss."""
-    return "LM loss" if any(lm_loss_field(run) for run in runs) else "loss (LM + weighted MTP)"
-
-
 def compare(runs: list[str], skip: int) -> str:
-    losses = train_losses(runs)
+    fields, name = loss_fields(runs)
+    losses = train_losses(runs, fields)
     ref_loss, ref_norm = losses[0], _by_step(runs[0], "grad_norm")
-    name = train_loss_name(runs)
     lines = [f"| run | steps compared | max abs {name} diff | max grad-norm rel diff | final {name} | step time (s) | "
              "tokens/s |", "|---|---|---|---|---|---|---|"]
     for run, loss in zip(runs, losses):
